@@ -1,0 +1,92 @@
+"""WeightGroup: tensors that move together, evicted by re-pointing to their original host storage.
+
+Weights are read-only at inference, so an eviction never copies device memory back: the
+parameter's `.data` is pointed again at the host tensor it had before the strategy was
+applied. `restore()` therefore leaves every parameter and buffer on its original storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One tensor of a module: a parameter (moved through `.data`) or a buffer (replaced)."""
+
+    module: nn.Module
+    name: str
+    is_parameter: bool
+    host: torch.Tensor  # the original tensor; restored on eviction and removal
+
+    def point_to(self, tensor: torch.Tensor) -> None:
+        if self.is_parameter:
+            self.module._parameters[self.name].data = tensor
+        else:
+            self.module._buffers[self.name] = tensor
+
+    def current(self) -> torch.Tensor:
+        return self.module._parameters[self.name] if self.is_parameter else self.module._buffers[self.name]
+
+
+def own_slots(module: nn.Module) -> list[_Slot]:
+    """The parameters and buffers a module holds directly (not its children's)."""
+    slots = [_Slot(module, n, True, p.data) for n, p in module._parameters.items() if p is not None]
+    slots += [_Slot(module, n, False, b) for n, b in module._buffers.items() if b is not None]
+    return slots
+
+
+def all_slots(modules: Iterable[nn.Module]) -> list[_Slot]:
+    return [slot for module in modules for sub in module.modules() for slot in own_slots(sub)]
+
+
+class WeightGroup:
+    """A named set of tensors onloaded and evicted as one unit through a device backend."""
+
+    def __init__(self, name: str, slots: list[_Slot], backend: Any, non_blocking: bool = True) -> None:
+        self.name = name
+        self._slots = slots
+        self._backend = backend
+        self._non_blocking = non_blocking
+        self._token: Any = None
+        self.resident = False
+        self.nbytes = sum(s.host.numel() * s.host.element_size() for s in slots)
+        for slot in slots:
+            slot.point_to(backend.evicted(slot.host))
+
+    def __repr__(self) -> str:
+        state = "resident" if self.resident else "evicted"
+        return f"WeightGroup({self.name!r}, {len(self._slots)} tensors, {self.nbytes} bytes, {state})"
+
+    def onload(self) -> None:
+        """Start the host-to-device copy (asynchronous where the backend allows); idempotent."""
+        if self.resident:
+            return
+        for slot in self._slots:
+            slot.point_to(self._backend.copy_in(slot.host, self._non_blocking))
+        self._token = self._backend.record()
+        self.resident = True
+
+    def wait(self) -> None:
+        """Make compute wait until this group's copy has landed."""
+        if self._token is not None:
+            self._backend.wait(self._token, [s.current() for s in self._slots])
+            self._token = None
+
+    def evict(self) -> None:
+        """Point every tensor back at its host copy: no device-to-host copy."""
+        for slot in self._slots:
+            slot.point_to(self._backend.evicted(slot.host))
+        self._token = None
+        self.resident = False
+
+    def restore(self) -> None:
+        """Leave every tensor exactly on the storage it had before the group existed."""
+        for slot in self._slots:
+            slot.point_to(slot.host)
+        self._token = None
+        self.resident = False

@@ -1,0 +1,142 @@
+"""MemoryStrategy: one frozen, validated description of where weights live during a run.
+
+Every check raises `StrategyError` with a message that names the input and the fix, so the
+node, the CLI and the engine all report bad input the same way. Checks that need the model
+(does it have that many blocks?) live in `check_against_model`, called before any hook is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class StrategyError(ValueError):
+    """A strategy input is invalid; the message says which input and what to set instead."""
+
+
+class OffloadTier(str, Enum):
+    NONE = "none"  # every component of the stage resident for the whole call
+    MODEL = "model"  # whole components onloaded when used, evicted when another is used
+    BLOCK_SWAP = "block_swap"  # the last N transformer blocks stream in per step
+    SEQUENTIAL = "sequential"  # every leaf layer streams in when it runs
+
+
+class TextEncoderPlacement(str, Enum):
+    DEVICE = "device"  # on the compute device for the whole call (tier permitting)
+    OFFLOAD_AFTER_ENCODING = "offload_after_encoding"  # onloaded to encode, evicted at once
+    CPU = "cpu"  # encodes on the CPU; only the embeddings move
+
+
+# Core VAEDecodeTiled ranges (comfy nodes.py), so shared values mean the same thing.
+TILE_SIZE_RANGE = (64, 4096)
+TEMPORAL_SIZE_RANGE = (8, 4096)
+
+
+@dataclass(frozen=True)
+class VaeTiling:
+    """Spatial and temporal decode tiles, named and measured like core `VAEDecodeTiled`.
+
+    `tile_size`/`overlap` are output pixels; `temporal_size`/`temporal_overlap` are output frames.
+    """
+
+    tile_size: int = 256
+    overlap: int = 64
+    temporal_size: int = 64
+    temporal_overlap: int = 8
+
+    def __post_init__(self) -> None:
+        _check_range("tile_size", self.tile_size, *TILE_SIZE_RANGE)
+        _check_range("temporal_size", self.temporal_size, *TEMPORAL_SIZE_RANGE)
+        _check_multiple("tile_size", self.tile_size, 32)
+        _check_multiple("overlap", self.overlap, 8)
+        _check_multiple("temporal_size", self.temporal_size, 4)
+        _check_multiple("temporal_overlap", self.temporal_overlap, 4)
+        if not 0 <= self.overlap <= self.tile_size // 4:
+            raise StrategyError(
+                f"overlap={self.overlap} must be between 0 and tile_size/4 = {self.tile_size // 4}; "
+                "lower overlap or raise tile_size."
+            )
+        if not 0 <= self.temporal_overlap <= self.temporal_size // 2:
+            raise StrategyError(
+                f"temporal_overlap={self.temporal_overlap} must be between 0 and temporal_size/2 = "
+                f"{self.temporal_size // 2}; lower temporal_overlap or raise temporal_size."
+            )
+
+
+@dataclass(frozen=True)
+class MemoryStrategy:
+    """Where weights live during one Sampler or Decode call; removed again when the call ends."""
+
+    offload: OffloadTier = OffloadTier.MODEL
+    blocks_to_swap: int = 0
+    prefetch_blocks: int = 1
+    non_blocking: bool = True
+    text_encoder: TextEncoderPlacement = TextEncoderPlacement.OFFLOAD_AFTER_ENCODING
+    vae_slicing: bool = False
+    vae_tiling: VaeTiling | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offload", _parse_enum(OffloadTier, self.offload, "offload"))
+        object.__setattr__(
+            self, "text_encoder", _parse_enum(TextEncoderPlacement, self.text_encoder, "text_encoder")
+        )
+        if self.blocks_to_swap < 0:
+            raise StrategyError(f"blocks_to_swap={self.blocks_to_swap} must be 0 or more.")
+        if self.offload is OffloadTier.BLOCK_SWAP and self.blocks_to_swap == 0:
+            raise StrategyError(
+                "offload='block_swap' needs blocks_to_swap >= 1; set blocks_to_swap, "
+                "or choose offload='none' to keep every block resident."
+            )
+        if self.offload is not OffloadTier.BLOCK_SWAP and self.blocks_to_swap:
+            raise StrategyError(
+                f"blocks_to_swap={self.blocks_to_swap} only applies to offload='block_swap' "
+                f"(offload is '{self.offload.value}'); set blocks_to_swap to 0 or offload to 'block_swap'."
+            )
+        if self.prefetch_blocks < 0:
+            raise StrategyError(f"prefetch_blocks={self.prefetch_blocks} must be 0 or more.")
+
+    @property
+    def streams_blocks(self) -> bool:
+        return self.offload in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
+
+    def check_against_model(self, block_count: int, model_name: str) -> None:
+        """Checks that need the loaded model; call before applying anything."""
+        if self.blocks_to_swap > block_count:
+            raise StrategyError(
+                f"blocks_to_swap={self.blocks_to_swap} but {model_name} has {block_count} "
+                f"transformer blocks; use 1..{block_count} (or offload='sequential' to stream every layer)."
+            )
+
+    def describe(self) -> str:
+        parts = [f"offload={self.offload.value}"]
+        if self.offload is OffloadTier.BLOCK_SWAP:
+            parts.append(f"blocks_to_swap={self.blocks_to_swap}")
+        if self.streams_blocks:
+            parts.append(f"prefetch={self.prefetch_blocks}")
+        parts.append(f"text_encoder={self.text_encoder.value}")
+        if self.vae_slicing:
+            parts.append("vae_slicing")
+        if self.vae_tiling:
+            t = self.vae_tiling
+            parts.append(f"vae_tiling={t.tile_size}/{t.overlap}px,{t.temporal_size}/{t.temporal_overlap}f")
+        return " ".join(parts)
+
+
+def _parse_enum(enum_type: type[Enum], value: object, name: str) -> Enum:
+    try:
+        return enum_type(value)
+    except ValueError:
+        accepted = ", ".join(repr(m.value) for m in enum_type)
+        raise StrategyError(f"{name}={value!r} is not one of {accepted}.") from None
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise StrategyError(f"{name}={value} must be between {low} and {high}.")
+
+
+def _check_multiple(name: str, value: int, step: int) -> None:
+    if value % step:
+        lower, upper = value - value % step, value - value % step + step
+        raise StrategyError(f"{name}={value} must be a multiple of {step}; use {lower} or {upper}.")

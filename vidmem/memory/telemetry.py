@@ -1,0 +1,77 @@
+"""Measured memory, for receipts: CUDA allocator figures where CUDA exists, process RSS always.
+
+`StageMeter` times one stage and records its peak: on CUDA from the allocator's peak counter,
+on the CPU by sampling RSS on a background thread (the kernel's ru_maxrss is per process
+lifetime, so it cannot give a stage's own peak).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    rss_bytes: int
+    allocated_bytes: int | None = None  # CUDA only
+    reserved_bytes: int | None = None
+    device_free_bytes: int | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def snapshot(device: torch.device | None = None) -> MemorySnapshot:
+    rss = psutil.Process().memory_info().rss
+    if device is None or device.type != "cuda":
+        return MemorySnapshot(rss)
+    free, _total = torch.cuda.mem_get_info(device)
+    return MemorySnapshot(rss, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), free)
+
+
+@dataclass
+class StageReceipt:
+    stage: str
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    peak_allocated_bytes: int | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class StageMeter:
+    """Context manager: wall time and peak memory of one stage."""
+
+    def __init__(self, stage: str, device: torch.device, interval_s: float = 0.02) -> None:
+        self.receipt = StageReceipt(stage)
+        self._device = device
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_rss, daemon=True)
+
+    def __enter__(self) -> StageReceipt:
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._start = time.perf_counter()
+        self._thread.start()
+        return self.receipt
+
+    def __exit__(self, *exc: object) -> None:
+        self.receipt.seconds = time.perf_counter() - self._start
+        self._stop.set()
+        self._thread.join()
+        if self._device.type == "cuda":
+            self.receipt.peak_allocated_bytes = torch.cuda.max_memory_allocated(self._device)
+
+    def _sample_rss(self) -> None:
+        process = psutil.Process()
+        while True:
+            self.receipt.peak_rss_bytes = max(self.receipt.peak_rss_bytes, process.memory_info().rss)
+            if self._stop.wait(self._interval):
+                return

@@ -1,0 +1,243 @@
+"""VAE decode that fits any budget: whole, sliced, or tiled in space and time; and a fallback ladder.
+
+How it works: the output [B, 3, F, H, W] float32 is allocated once on `out_device` (the host by
+default) and each decoded piece is blended straight into it, so the compute device only ever
+holds the VAE, the latent and one piece's activations. Pieces overlap; their blend weights sum to
+1 everywhere (see vae_tiles.py), so an exact per-pixel decoder gives the untiled result exactly,
+and a real VAE differs only near tile borders, where the weights fade one tile into the next.
+
+Trade-off: smaller tiles lower the peak and cost extra compute for the overlaps and for one
+context latent frame per temporal chunk; `auto_tiling` picks the cheapest tiling that fits a
+budget, and `decode_with_fallback` walks down a ladder on out-of-memory errors, logging each rung.
+
+    images = decode_video(lambda z: vae.decode(z).sample, latents, VaeGeometry(8, 4, 16), VaeTiling())
+
+The caller must switch the VAE's own tiling off (`vae.disable_tiling()`): CogVideoX's diffusers
+tiling can return a wrong size, and a decode that returns a wrong size is refused here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from .strategy import VaeTiling
+from .vae_tiles import RGB, Span, TilePlan, VaeGeometry, auto_tiling, plan_tiles
+
+__all__ = ["DecodeReport", "Rung", "VaeGeometry", "auto_tiling", "decode_video", "decode_with_fallback",
+           "fallback_rungs", "plan_tiles"]
+
+logger = logging.getLogger(__name__)
+
+Decode = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DecodeReport:
+    """What a decode did, for the node's receipt. Filled in by decode_video / decode_with_fallback."""
+
+    mode: str = ""  # "whole" or "tiled"
+    sliced: bool = False
+    tiles: int = 0  # spatial tiles per frame
+    chunks: int = 0  # temporal chunks
+    decode_calls: int = 0
+    seconds: float = 0.0
+    tiling: VaeTiling | None = None
+    device: str = ""  # where the latent was decoded
+    fallbacks: list[str] = field(default_factory=list)  # one line per out-of-memory rung, in order
+
+    def describe(self) -> str:
+        text = f"{self.mode} decode on {self.device}"
+        if self.tiling is not None:
+            t = self.tiling
+            text += (f": {self.tiles} tiles x {self.chunks} chunks "
+                     f"(tile {t.tile_size}/{t.overlap} px, {t.temporal_size}/{t.temporal_overlap} frames)")
+        text += f"{', sliced' if self.sliced else ''}, {self.decode_calls} calls, {self.seconds:.1f} s"
+        return text + "".join(f"\n  fallback: {line}" for line in self.fallbacks)
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["tiling"] = asdict(self.tiling) if self.tiling else None
+        return data
+
+
+def decode_video(
+    decode: Decode,
+    latents: torch.Tensor,
+    geometry: VaeGeometry,
+    tiling: VaeTiling | None,
+    slicing: bool = False,
+    *,
+    out_device: torch.device | str = "cpu",
+    report: DecodeReport | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> torch.Tensor:
+    """Decode un-normalised latents [B, C, T, h, w] to pixels [B, 3, F, H, W] float32 on `out_device`.
+
+    Args:
+        decode: runs the VAE on a latent piece [b, C, t, h', w'] and returns [b, 3, frames, h'*s, w'*s]
+            in [-1, 1], e.g. `lambda z: vae.decode(z).sample`. It may return more leading frames than
+            the causal rule gives (CogVideoX on an even frame count); only the trailing ones are kept.
+        geometry: the VAE's factors; F = 1 + temporal_factor * (T - 1), H = h * spatial_factor.
+        tiling: None decodes the whole latent in one call; otherwise spatial tiles and temporal chunks
+            (sizes in output pixels and frames) blended across their overlaps.
+        slicing: decode one batch item at a time.
+        on_step: called as on_step(done, total) after each piece (progress bars, interrupts).
+    """
+    geometry.check_latents(latents)
+    plan = plan_tiles(latents.shape, geometry, tiling)
+    batch = latents.shape[0]
+    out = torch.zeros((batch, RGB, *plan.out_shape), dtype=torch.float32, device=out_device)
+    groups = [(i, i + 1) for i in range(batch)] if slicing else [(0, batch)]
+    blended = plan.chunks * plan.tiles > 1
+    weights = _weights_on(plan, out.device) if blended else {}
+    steps = list(itertools.product(groups, plan.frames, plan.rows, plan.cols))
+    started = time.perf_counter()
+    with torch.no_grad():
+        for done, ((b0, b1), frames, rows, cols) in enumerate(steps, 1):
+            piece = latents[b0:b1, :, frames.start - frames.context : frames.stop,
+                            rows.start : rows.stop, cols.start : cols.stop]
+            pixels = _checked(decode(piece), piece, frames, rows, cols)
+            target = out[b0:b1, :, frames.out_start : frames.out_stop,
+                         rows.out_start : rows.out_stop, cols.out_start : cols.out_stop]
+            if blended:
+                weight = weights[id(frames)][:, None, None] * weights[id(rows)][:, None] * weights[id(cols)]
+                target.addcmul_(pixels.to(out.device), weight)
+            else:
+                target.copy_(pixels)
+            del pixels
+            if on_step is not None:
+                on_step(done, len(steps))
+    if report is not None:
+        report.mode = "tiled" if blended else "whole"
+        report.sliced, report.tiles, report.chunks = slicing, plan.tiles, plan.chunks
+        report.decode_calls, report.tiling = len(steps), tiling if blended else None
+        report.seconds += time.perf_counter() - started
+        report.device = str(latents.device)
+    return out
+
+
+def _weights_on(plan: TilePlan, device: torch.device) -> dict[int, torch.Tensor]:
+    return {id(span): span.weight.to(device) for span in (*plan.frames, *plan.rows, *plan.cols)}
+
+
+def _checked(pixels: object, piece: torch.Tensor, frames: Span, rows: Span, cols: Span) -> torch.Tensor:
+    """The decoded piece trimmed to the frames it owns; ValueError if its size is not the VAE's."""
+    want_frames = frames.out_stop - frames.out_start
+    want = (piece.shape[0], RGB, want_frames, rows.out_stop - rows.out_start, cols.out_stop - cols.out_start)
+    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 5:
+        got = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+        raise ValueError(f"decode must return pixels [b, 3, frames, H, W]; got {got} for latent {tuple(piece.shape)}.")
+    if pixels.shape[:2] != want[:2] or pixels.shape[3:] != want[3:] or pixels.shape[2] < want_frames:
+        raise ValueError(
+            f"decode returned {tuple(pixels.shape)} for latent {tuple(piece.shape)}; expected {want} "
+            "(frames may be more). Check VaeGeometry, and switch the VAE's own tiling off "
+            "(vae.disable_tiling()): diffusers' CogVideoX tiling returns wrong sizes at some tile sizes."
+        )
+    return pixels[:, :, pixels.shape[2] - want_frames :]
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One attempt of the fallback ladder."""
+
+    tiling: VaeTiling | None
+    slicing: bool
+    on_cpu: bool
+    label: str
+
+
+def fallback_rungs(
+    latent_shape: tuple[int, ...] | torch.Size,
+    geometry: VaeGeometry,
+    tiling: VaeTiling | None,
+    slicing: bool = False,
+    *,
+    cpu_available: bool = True,
+) -> list[Rung]:
+    """The ladder: as asked; sliced; smaller tiles down to 64 px; shorter chunks down to 8 frames; CPU.
+
+    A rung whose plan is the same as an earlier rung's is left out: it would fail the same way.
+    """
+    frames, height, width = plan_tiles(latent_shape, geometry, None).out_shape
+    whole_video = min(4096, max(8, -(-frames // 4) * 4))
+    base = tiling or VaeTiling(tile_size=min(4096, -(-max(height, width) // 32) * 32), overlap=64,
+                               temporal_size=whole_video, temporal_overlap=8)
+    rungs = [Rung(tiling, slicing, False, "as requested"), Rung(tiling, True, False, "one batch item at a time")]
+    tile = base.tile_size
+    while tile > 64:
+        tile = max(64, tile // 2 // 32 * 32)
+        smaller = replace(base, tile_size=tile, overlap=min(base.overlap, tile // 4 // 8 * 8))
+        rungs.append(Rung(smaller, True, False, f"tile_size {tile}"))
+    spatial = rungs[-1].tiling or base
+    temporal = min(base.temporal_size, whole_video)
+    while temporal > 8:
+        temporal = max(8, temporal // 2 // 4 * 4)
+        shorter = replace(spatial, temporal_size=temporal,
+                          temporal_overlap=min(spatial.temporal_overlap, temporal // 2 // 4 * 4))
+        rungs.append(Rung(shorter, True, False, f"temporal_size {temporal}"))
+    if cpu_available:
+        rungs.append(Rung(tiling or VaeTiling(), True, True, "decode on the CPU"))
+    return _distinct(rungs, latent_shape, geometry)
+
+
+def _distinct(rungs: list[Rung], latent_shape, geometry: VaeGeometry) -> list[Rung]:
+    seen, kept = set(), []
+    for rung in rungs:
+        plan = plan_tiles(latent_shape, geometry, rung.tiling)
+        key = (rung.on_cpu, rung.slicing and latent_shape[0] > 1,
+               *(tuple((s.start, s.stop) for s in axis) for axis in (plan.frames, plan.rows, plan.cols)))
+        if key not in seen:
+            seen.add(key)
+            kept.append(rung)
+    return kept
+
+
+def decode_with_fallback(
+    decode: Decode,
+    latents: torch.Tensor,
+    geometry: VaeGeometry,
+    tiling: VaeTiling | None,
+    slicing: bool = False,
+    *,
+    free_memory: Callable[[], object],
+    to_cpu: Callable[[], Decode] | None = None,
+    out_device: torch.device | str = "cpu",
+    report: DecodeReport | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> torch.Tensor:
+    """decode_video that answers torch.OutOfMemoryError by walking down `fallback_rungs`.
+
+    After each failure `free_memory()` runs (outside the except block, so the failed attempt's
+    tensors are already released), the rung is logged as a warning and appended to
+    `report.fallbacks`. The last rung calls `to_cpu()`, which must move the VAE to the CPU and
+    return a decode running there; without `to_cpu` the ladder stops before it. If every rung
+    fails, torch.OutOfMemoryError is raised listing them; the latents are left untouched.
+    """
+    report = report if report is not None else DecodeReport()
+    geometry.check_latents(latents)
+    rungs = fallback_rungs(latents.shape, geometry, tiling, slicing, cpu_available=to_cpu is not None)
+    failures = []
+    for index, rung in enumerate(rungs):
+        if rung.on_cpu:
+            decode, latents = to_cpu(), latents.to("cpu")
+        try:
+            return decode_video(decode, latents, geometry, rung.tiling, rung.slicing,
+                                out_device=out_device, report=report, on_step=on_step)
+        except torch.OutOfMemoryError as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        failures.append(f"{rung.label}: {reason}")
+        free_memory()
+        if index + 1 < len(rungs):
+            line = f"{rung.label} ran out of memory ({reason}); retrying with {rungs[index + 1].label}"
+            logger.warning("vidmem VAE decode: %s", line)
+            report.fallbacks.append(line)
+    raise torch.OutOfMemoryError(
+        "VAE decode ran out of memory at every rung of the fallback ladder: " + "; ".join(failures)
+        + ". The latents are intact: save them and decode with a smaller tile_size, or with more free memory."
+    )

@@ -1,0 +1,231 @@
+"""Where to cut a video latent for decoding, and how to blend the pieces back: pure arithmetic.
+
+A plan cuts each axis into overlapping spans of latent indices. Each span knows the output range
+it produces and a blend weight over that range; on every axis the weights of all spans sum to 1 at
+every output position, so the product over (frames, rows, cols) sums to 1 over the whole video.
+
+Time is causal in both CogVideoX and Wan: latent frame 0 decodes to one output frame, each later
+latent frame to `temporal_factor` frames. A chunk decoded on its own treats its first latent frame
+as "frame 0", so every chunk but the first is decoded with one extra latent frame in front
+(`context`) whose output is thrown away. Chunks hold an even number of new latent frames, so every
+decode call sees an odd count: CogVideoX's VAE applies the first-frame rule only to odd counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .strategy import VaeTiling
+
+RGB = 3
+_AUTO_SAFETY = 0.75  # auto_tiling plans for this share of the free bytes it is given
+
+
+@dataclass(frozen=True)
+class VaeGeometry:
+    """How a VAE maps latent positions to output pixels and frames."""
+
+    spatial_factor: int  # 8 for CogVideoX and Wan 2.1; 16 for Wan 2.2 TI2V-5B
+    temporal_factor: int  # 4 for both families
+    latent_channels: int | None = None  # checked against the latent when given (16 or 48)
+
+    def __post_init__(self) -> None:
+        for name in ("spatial_factor", "temporal_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"VaeGeometry.{name}={value!r} must be a positive int.")
+
+    def frames(self, latent_frames: int) -> int:
+        """Output frames of `latent_frames` decoded together (causal first-frame rule)."""
+        return 1 + self.temporal_factor * (latent_frames - 1)
+
+    def check_latents(self, latents: object) -> None:
+        """Raise ValueError naming `latents` unless it is a [B, C, T, h, w] tensor this VAE decodes."""
+        if not isinstance(latents, torch.Tensor):
+            raise ValueError(f"latents must be a torch.Tensor [B, C, T, h, w], got {type(latents).__name__}.")
+        if latents.ndim != 5:
+            raise ValueError(
+                f"latents must be 5-D [B, C, T, h, w] (a video latent), got shape {tuple(latents.shape)}; "
+                "an image latent [B, C, h, w] needs a frame axis: latents.unsqueeze(2)."
+            )
+        if self.latent_channels is not None and latents.shape[1] != self.latent_channels:
+            raise ValueError(
+                f"latents has {latents.shape[1]} channels but this VAE takes {self.latent_channels}: "
+                "the latent comes from another model family (CogVideoX and Wan 2.1: 16, Wan 2.2 5B: 48)."
+            )
+        if min(latents.shape) < 1:
+            raise ValueError(f"latents has an empty axis: shape {tuple(latents.shape)}.")
+
+
+@dataclass(frozen=True, eq=False)
+class Span:
+    """One piece of one axis: decode latents [start - context, stop), keep outputs [out_start, out_stop)."""
+
+    start: int
+    stop: int
+    out_start: int
+    out_stop: int
+    weight: torch.Tensor  # float32 [out_stop - out_start]; sums to 1 across spans at every position
+    context: int = 0  # leading latent frames decoded only as causal context, their output discarded
+
+
+@dataclass(frozen=True, eq=False)
+class TilePlan:
+    frames: tuple[Span, ...]
+    rows: tuple[Span, ...]
+    cols: tuple[Span, ...]
+
+    @property
+    def out_shape(self) -> tuple[int, int, int]:
+        return self.frames[-1].out_stop, self.rows[-1].out_stop, self.cols[-1].out_stop
+
+    @property
+    def tiles(self) -> int:
+        return len(self.rows) * len(self.cols)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.frames)
+
+
+def plan_tiles(latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry, tiling: VaeTiling | None) -> TilePlan:
+    """The spans to decode for a [B, C, T, h, w] latent; `tiling=None` is one span per axis."""
+    frame_bounds, row_bounds, col_bounds = _bounds(latent_shape, geometry, tiling)
+    s, tf = geometry.spatial_factor, geometry.temporal_factor
+    frame_out = [(0 if a == 0 else tf * (a - 1) + 1, tf * (b - 1) + 1) for a, b in frame_bounds]
+    frames = tuple(
+        Span(a, b, o0, o1, w, context=0 if a == 0 else 1)
+        for (a, b), (o0, o1), w in zip(frame_bounds, frame_out, _blend_weights(frame_out))
+    )
+    return TilePlan(frames, _spatial_spans(row_bounds, s), _spatial_spans(col_bounds, s))
+
+
+def auto_tiling(
+    free_bytes: int, latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry, bytes_per_pixel_estimate: float
+) -> VaeTiling | None:
+    """The cheapest tiling whose predicted peak fits `free_bytes`; None when the whole decode fits.
+
+    Conservative rule: a decode call peaks at `bytes_per_pixel_estimate` times the output pixels it
+    produces (height x width x frames, counting discarded context frames), and only 75% of
+    `free_bytes` is planned for. Among the tilings that fit, the one decoding the fewest redundant
+    pixels (overlaps, context frames) wins; if none fits, the smallest tiling is returned and the
+    fallback ladder has the last word.
+    """
+    budget = free_bytes * _AUTO_SAFETY
+    frames, height, width = _out_size(latent_shape, geometry)
+    if bytes_per_pixel_estimate * frames * height * width <= budget:
+        return None
+    best: tuple[float, int, VaeTiling] | None = None
+    smallest = _tiling(64, 8)
+    for tile in range(64, min(_round_up(max(height, width), 32), 4096) + 1, 32):
+        for temporal in _halvings(min(_round_up(frames, 4), 4096), 8, 4):
+            tiling = _tiling(tile, temporal)
+            peak, work = _plan_cost(latent_shape, geometry, tiling)
+            if bytes_per_pixel_estimate * peak <= budget and (best is None or (work, -peak) < best[:2]):
+                best = (work, -peak, tiling)
+    return best[2] if best else smallest
+
+
+def _tiling(tile_size: int, temporal_size: int) -> VaeTiling:
+    """A tiling with overlaps that hide seams: 1/4 of the tile up to 64 px, 8 frames or half a chunk."""
+    return VaeTiling(
+        tile_size=tile_size,
+        overlap=min(64, tile_size // 4 // 8 * 8),
+        temporal_size=temporal_size,
+        temporal_overlap=min(8, temporal_size // 2 // 4 * 4),
+    )
+
+
+def _plan_cost(latent_shape, geometry: VaeGeometry, tiling: VaeTiling) -> tuple[int, float]:
+    """(largest decode call in output pixels x frames, decoded pixels / output pixels)."""
+    frame_bounds, row_bounds, col_bounds = _bounds(latent_shape, geometry, tiling)
+    s = geometry.spatial_factor
+    call_frames = [geometry.frames(b - a + (a > 0)) for a, b in frame_bounds]
+    rows = [(b - a) * s for a, b in row_bounds]
+    cols = [(b - a) * s for a, b in col_bounds]
+    frames, height, width = _out_size(latent_shape, geometry)
+    work = sum(call_frames) * sum(rows) * sum(cols) / (frames * height * width)
+    return max(call_frames) * max(rows) * max(cols), work
+
+
+def _bounds(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None):
+    """Latent (start, stop) pairs along frames, rows and cols."""
+    latent_frames, height, width = (int(n) for n in latent_shape[-3:])
+    if tiling is None:
+        return [(0, latent_frames)], [(0, height)], [(0, width)]
+    s, tf = geometry.spatial_factor, geometry.temporal_factor
+    tile = max(1, tiling.tile_size // s)
+    overlap = min(math.ceil(tiling.overlap / s), tile - 1)
+    new_frames = max(2, tiling.temporal_size // tf // 2 * 2)  # even: every decode call is odd-length
+    frame_overlap = min(math.ceil(tiling.temporal_overlap / tf), new_frames - 1)
+    ends = _spread_ends(latent_frames - 1, new_frames, frame_overlap, offset=1)
+    frames = [(0, ends[0])] + [(e - new_frames, e) for e in ends[1:]]
+    return frames, _spatial_bounds(height, tile, overlap), _spatial_bounds(width, tile, overlap)
+
+
+def _spatial_bounds(length: int, tile: int, overlap: int) -> list[tuple[int, int]]:
+    """Fewest tiles of at most `tile` covering `length` with >= `overlap` shared, spread evenly."""
+    if length <= tile:
+        return [(0, length)]
+    count = 1 + math.ceil((length - tile) / (tile - overlap))
+    size = math.ceil((length + (count - 1) * overlap) / count)
+    return [(e - size, e) for e in _spread_ends(length, size, overlap, count=count)]
+
+
+def _spread_ends(length: int, size: int, overlap: int, *, offset: int = 0, count: int | None = None) -> list[int]:
+    """Ends of spans of `size` covering [0, length) (shifted by `offset`), spaced <= size - overlap."""
+    if length <= size:
+        return [offset + length]
+    count = count or 1 + math.ceil((length - size) / (size - overlap))
+    step = (length - size) / (count - 1)
+    return [offset + size + round(k * step) for k in range(count)]
+
+
+def _spatial_spans(bounds: list[tuple[int, int]], factor: int) -> tuple[Span, ...]:
+    out = [(a * factor, b * factor) for a, b in bounds]
+    return tuple(Span(a, b, o0, o1, w) for (a, b), (o0, o1), w in zip(bounds, out, _blend_weights(out)))
+
+
+def _blend_weights(out_bounds: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Raised-cosine ramps across each overlap, normalised so all spans sum to 1 at every position."""
+    raw = []
+    for k, (start, stop) in enumerate(out_bounds):
+        weight = torch.ones(stop - start, dtype=torch.float64)
+        if k > 0:  # fade in across the overlap with the previous span
+            n = min(out_bounds[k - 1][1], stop) - start
+            weight[:n] *= _ramp(n)
+        if k + 1 < len(out_bounds):  # fade out across the overlap with the next span
+            n = stop - max(out_bounds[k + 1][0], start)
+            weight[stop - start - n:] *= _ramp(n).flip(0)
+        raw.append(weight)
+    total = torch.zeros(out_bounds[-1][1], dtype=torch.float64)
+    for (start, stop), weight in zip(out_bounds, raw):
+        total[start:stop] += weight
+    return [(w / total[a:b]).float() for (a, b), w in zip(out_bounds, raw)]
+
+
+def _ramp(n: int) -> torch.Tensor:
+    """sin^2 rising from ~0 to ~1 over n samples; ramp + flipped ramp == 1."""
+    return torch.sin(torch.pi / 2 * (torch.arange(n, dtype=torch.float64) + 0.5) / n) ** 2
+
+
+def _out_size(latent_shape, geometry: VaeGeometry) -> tuple[int, int, int]:
+    latent_frames, height, width = (int(n) for n in latent_shape[-3:])
+    s = geometry.spatial_factor
+    return geometry.frames(latent_frames), height * s, width * s
+
+
+def _halvings(start: int, low: int, multiple: int) -> list[int]:
+    """start, start/2, ... down to low, each rounded down to `multiple`, no repeats."""
+    sizes, size = [], max(start, low)
+    while size >= low:
+        sizes.append(size)
+        size = size // 2 // multiple * multiple
+    return sizes
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

@@ -1,0 +1,1 @@
+"""Model families over diffusers: loading, sampling and decoding under a MemoryStrategy."""

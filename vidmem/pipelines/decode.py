@@ -1,0 +1,84 @@
+"""Decode a LATENT to ComfyUI IMAGE frames [F, H, W, C] in 0..1, honouring slicing and tiling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy, backend_for, resolve_compute_device
+from ..memory.blockswap import Observer
+from ..memory.telemetry import StageMeter
+from ..memory.vae import DecodeReport, VaeGeometry, decode_video
+from .family import ModelError
+from .loader import LoadedPipeline
+
+# Decoding with no strategy connected: the whole VAE on the device, as diffusers does.
+DEFAULT_DECODE_STRATEGY = MemoryStrategy(offload=OffloadTier.NONE)
+
+
+@dataclass
+class DecodeResult:
+    frames: torch.Tensor
+    receipt: dict = field(default_factory=dict)
+
+
+def latent_channels(pipe) -> int:
+    config = pipe.vae.config
+    return config.get("latent_channels") or config.get("z_dim")
+
+
+def validate_latent(loaded: LoadedPipeline, latent: dict) -> torch.Tensor:
+    """The LATENT must be this pipeline's: 5-D [B, C, T, h, w], its VAE's channels, its family."""
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if not isinstance(samples, torch.Tensor) or samples.ndim != 5:
+        shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+        raise ModelError(
+            f"latent samples {shape} are not a video latent [batch, channels, frames, height, width]; "
+            "connect the LATENT from a VidMem Video Sampler."
+        )
+    origin = latent.get("vidmem", {}).get("family")
+    if origin is not None and origin != loaded.spec.name:
+        raise ModelError(f"latent came from a {origin} model but the pipeline is {loaded.spec.name}; decode it with the {origin} pipeline.")
+    expected = latent_channels(loaded.pipe)
+    if samples.shape[1] != expected:
+        raise ModelError(
+            f"latent has {samples.shape[1]} channels but {loaded.describe()} decodes {expected}; "
+            "decode with the pipeline that sampled it."
+        )
+    return samples
+
+
+def geometry(pipe) -> VaeGeometry:
+    return VaeGeometry(pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal)
+
+
+@torch.no_grad()
+def decode(
+    loaded: LoadedPipeline,
+    latent: dict,
+    strategy: MemoryStrategy | None = None,
+    device: torch.device | None = None,
+    observer: Observer | None = None,
+) -> DecodeResult:
+    samples = validate_latent(loaded, latent)
+    strategy = strategy or DEFAULT_DECODE_STRATEGY
+    device = device or resolve_compute_device()
+    pipe, vae = loaded.pipe, loaded.pipe.vae
+    report = DecodeReport()
+    with apply_strategy(StageComponents({"vae": vae}), strategy, backend_for(device), observer) as handle:
+        handle.activate("vae")
+        with StageMeter("decode", device) as meter:
+            z = loaded.spec.to_vae_latent(pipe, samples.to(device, vae.dtype))
+            video = decode_video(
+                lambda chunk: vae.decode(chunk).sample,
+                z,
+                geometry(pipe),
+                strategy.vae_tiling,
+                strategy.vae_slicing,
+                report=report,
+            )
+    frames = pipe.video_processor.postprocess_video(video, output_type="pt")  # [B, F, C, H, W] in 0..1
+    frames = frames.flatten(0, 1).permute(0, 2, 3, 1).float().contiguous()
+    receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [meter.as_dict()], "decode": report.as_dict()}
+    return DecodeResult(frames, receipt)

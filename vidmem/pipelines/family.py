@@ -1,0 +1,57 @@
+"""What the engine needs to know about a model family, declared as data.
+
+A `FamilySpec` says which diffusers pipeline classes belong to the family, where the
+transformer blocks are, which components encode the conditioning, the frame-count rule, and how
+to turn the pipeline's raw latents into the `LATENT` we hand to ComfyUI and back into what its
+VAE decodes. The sampler and decoder never branch on the family; they read these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+class ModelError(ValueError):
+    """The model or a request for it is invalid; the message names the input and the fix."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    pipeline_classes: tuple[str, ...]  # model_index.json `_class_name` values we run
+    image_conditioned: tuple[str, ...]  # the subset that needs an input image (I2V)
+    denoisers: tuple[str, ...]  # components that run per step, in the order they may run
+    blocks_attr: str  # the ModuleList of transformer blocks on each denoiser
+    encoders: tuple[str, ...]  # components that only encode conditioning (placed like the text encoder)
+    frame_step: int  # frames must be frame_step * k + 1
+    to_comfy_latent: Callable[[object, torch.Tensor, int], torch.Tensor]  # (pipe, raw, frames) -> [B,C,T,h,w]
+    to_vae_latent: Callable[[object, torch.Tensor], torch.Tensor]  # (pipe, [B,C,T,h,w]) -> VAE input
+    max_sequence_length: int  # prompt tokens, as the pipeline's __call__ uses by default
+
+    def frames_error(self, frames: int) -> str | None:
+        if frames >= 1 and (frames - 1) % self.frame_step == 0:
+            return None
+        below = max(1, (frames - 1) // self.frame_step * self.frame_step + 1)
+        return (
+            f"frames={frames} is not valid for {self.name}: use {self.frame_step}k+1 frames "
+            f"(e.g. {below} or {below + self.frame_step})."
+        )
+
+
+def spatial_multiple(pipe) -> int:
+    """Width and height must be multiples of VAE factor x transformer patch size."""
+    denoiser = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+    patch = denoiser.config.patch_size
+    patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
+    return pipe.vae_scale_factor_spatial * patch
+
+
+def denoiser_blocks(pipe, spec: FamilySpec) -> dict[str, torch.nn.ModuleList]:
+    return {
+        name: getattr(getattr(pipe, name), spec.blocks_attr)
+        for name in spec.denoisers
+        if getattr(pipe, name, None) is not None
+    }

@@ -1,0 +1,102 @@
+"""Load a CogVideoX or Wan pipeline from a diffusers-format folder, safetensors only, offline.
+
+Components are loaded to the CPU and stay there: a MemoryStrategy onloads them for one call.
+The family comes from `model_index.json`, never from the folder's name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .cogvideox import COGVIDEOX
+from .family import FamilySpec, ModelError
+from .wan import WAN
+
+FAMILIES = (COGVIDEOX, WAN)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LoadedPipeline:
+    """What flows between nodes as VIDMEM_PIPELINE: the pipeline, its family and where it came from."""
+
+    pipe: object
+    spec: FamilySpec
+    class_name: str
+    source: str
+    dtype_name: str
+
+    @property
+    def needs_image(self) -> bool:
+        return self.class_name in self.spec.image_conditioned
+
+    def describe(self) -> str:
+        return f"{self.class_name} ({self.dtype_name}) from {self.source}"
+
+
+def family_for(class_name: str) -> FamilySpec:
+    for spec in FAMILIES:
+        if class_name in spec.pipeline_classes:
+            return spec
+    supported = ", ".join(c for spec in FAMILIES for c in spec.pipeline_classes)
+    raise ModelError(f"model_index.json names '{class_name}', which vidmem does not run; supported: {supported}.")
+
+
+def read_model_index(folder: Path) -> dict:
+    index = folder / "model_index.json"
+    if not folder.is_dir():
+        raise ModelError(f"model folder '{folder}' does not exist; give a diffusers-format folder.")
+    if not index.is_file():
+        raise ModelError(
+            f"model folder '{folder}' has no model_index.json; point it at the diffusers-format folder "
+            "that contains model_index.json (e.g. models/diffusers/Wan2.1-T2V-1.3B-Diffusers)."
+        )
+    return json.loads(index.read_text())
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ModelError(f"dtype='{name}' is not supported; use one of {', '.join(DTYPES)}.")
+    return DTYPES[name]
+
+
+def load_pipeline(folder: str | Path, dtype: str = "bf16") -> LoadedPipeline:
+    """Load offline with safetensors weights only; every component ends on the CPU."""
+    folder = Path(folder).expanduser()
+    class_name = read_model_index(folder)["_class_name"]
+    spec = family_for(class_name)
+    cls = pinned_pipeline_class(class_name)
+    try:
+        pipe = cls.from_pretrained(
+            folder, torch_dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True
+        )
+    except (OSError, EnvironmentError) as error:
+        raise ModelError(
+            f"could not load '{folder}' with safetensors weights only ({error}); convert .bin/.pt "
+            "weights to .safetensors, or re-download the diffusers-format model."
+        ) from error
+    pipe.set_progress_bar_config(disable=True)  # progress is reported through the host instead
+    return LoadedPipeline(pipe, spec, class_name, str(folder), dtype)
+
+
+@lru_cache(maxsize=None)
+def pinned_pipeline_class(class_name: str) -> type:
+    """The diffusers pipeline class, with an execution device we set instead of infer.
+
+    diffusers infers where to create latents from where weights sit; while weights stream in,
+    none sit on the compute device, so the strategy states it (`vidmem_execution_device`).
+    """
+    import diffusers
+
+    base = getattr(diffusers, class_name)
+
+    def _execution_device(self) -> torch.device:
+        pinned = getattr(self, "vidmem_execution_device", None)
+        return pinned if pinned is not None else base._execution_device.fget(self)
+
+    return type(f"VidMem{class_name}", (base,), {"_execution_device": property(_execution_device)})

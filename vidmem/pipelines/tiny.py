@@ -1,0 +1,250 @@
+"""Tiny random CogVideoX and Wan pipelines, built in code with no files and no hub.
+
+Why: tests and examples need real diffusers pipelines (real classes, real ``model_index.json``,
+real safetensors folders) that build in a second and run in well under a second on a CPU, with no
+download. The model configs are diffusers' own fast-test configs (``tests/pipelines/cogvideo`` and
+``tests/pipelines/wan``). Departures, each to look more like the real checkpoints: a tokenizer built
+from an in-code vocabulary (not ``hf-internal-testing/tiny-random-t5``) with an encoder sized to it,
+UMT5 for Wan, CLIPVisionModel for Wan 2.1 I2V, the real CogVideoX schedulers, CogVideoX's default
+226 text tokens, and CogVideoX sample sizes matched to the default run shape.
+
+Each variant is *declared* once in ``TINY_SPECS``; the builders never branch on names.
+
+Example::
+
+    pipe = build_tiny_pipeline("wan2.1-t2v")
+    latents = pipe(**tiny_call_kwargs("wan2.1-t2v")).frames
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import diffusers
+import torch
+import transformers
+from PIL import Image
+
+# --- configs (facts copied from diffusers' fast tests) -------------------------------------------
+
+# tiny-random-t5's sizes, with fewer layers: d_model must equal the transformers' text dim (32).
+_TEXT_ENCODER = dict(d_model=32, d_kv=8, d_ff=37, num_heads=4, num_layers=2, relative_attention_num_buckets=8)
+
+_COG_VAE = dict(
+    in_channels=3, out_channels=3, block_out_channels=(8, 8, 8, 8), latent_channels=4,
+    down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
+    layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
+)
+# sample_* are latent sizes of the default run (32 px / 8, 9 frames); I2V's learned positional
+# embeddings only accept exactly this size. 226 is CogVideoX's default max_sequence_length.
+_COG_DIT = dict(
+    time_embed_dim=2, text_embed_dim=32, num_layers=1, sample_width=4, sample_height=4,
+    sample_frames=9, patch_size=2, temporal_compression_ratio=4, max_text_seq_length=226,
+)
+# The real CogVideoX-2b scheduler settings (5b-I2V: snr_shift_scale=1.0, DPM), so both scheduler
+# branches of the CogVideoX denoising loop are exercised.
+_COG_SCHEDULER = dict(
+    clip_sample=False, prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing",
+)
+
+_WAN_VAE_21 = dict(
+    base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+)
+_WAN_VAE_22 = dict(
+    _WAN_VAE_21, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+    latents_mean=[0.0] * 48, latents_std=[1.0] * 48, scale_factor_spatial=16, scale_factor_temporal=4,
+)
+_WAN_DIT = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+    text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+)
+_WAN_SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+_CLIP_VISION = dict(
+    hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+    intermediate_size=16, patch_size=1,
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """One tiny variant: which diffusers classes to build, their configs, and a run shape it accepts."""
+
+    pipeline: str
+    transformer: str
+    transformer_config: Mapping[str, Any]
+    vae: str
+    vae_config: Mapping[str, Any]
+    scheduler: str
+    scheduler_config: Mapping[str, Any]
+    text_encoder: str
+    width: int = 32
+    height: int = 32
+    frames: int = 9
+    needs_image: bool = False
+    two_experts: bool = False
+    image_encoder: bool = False
+    pipeline_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        """Freeze the config mappings too, so no caller can change a variant for everyone."""
+        for name in ("transformer_config", "vae_config", "scheduler_config", "pipeline_config"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+
+_COG = dict(transformer="CogVideoXTransformer3DModel", vae="AutoencoderKLCogVideoX", vae_config=_COG_VAE,
+            text_encoder="T5EncoderModel")
+_WAN = dict(transformer="WanTransformer3DModel", vae="AutoencoderKLWan", vae_config=_WAN_VAE_21,
+            scheduler="UniPCMultistepScheduler", scheduler_config=_WAN_SCHEDULER, text_encoder="UMT5EncoderModel")
+
+TINY_SPECS: dict[str, TinySpec] = {
+    "cogvideox-t2v": TinySpec(
+        **_COG, pipeline="CogVideoXPipeline", scheduler="CogVideoXDDIMScheduler", scheduler_config=_COG_SCHEDULER,
+        transformer_config=dict(_COG_DIT, num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4),
+    ),
+    "cogvideox-i2v": TinySpec(
+        **_COG, pipeline="CogVideoXImageToVideoPipeline", scheduler="CogVideoXDPMScheduler",
+        scheduler_config=dict(_COG_SCHEDULER, snr_shift_scale=1.0), needs_image=True,
+        transformer_config=dict(_COG_DIT, num_attention_heads=2, attention_head_dim=16, in_channels=8,
+                                out_channels=4, use_rotary_positional_embeddings=True,
+                                use_learned_positional_embeddings=True),
+    ),
+    "wan2.1-t2v": TinySpec(**_WAN, pipeline="WanPipeline", transformer_config=_WAN_DIT),
+    "wan2.1-i2v": TinySpec(
+        **_WAN, pipeline="WanImageToVideoPipeline", needs_image=True, image_encoder=True,
+        transformer_config=dict(_WAN_DIT, in_channels=36, image_dim=4),
+    ),
+    "wan2.2-a14b": TinySpec(
+        **_WAN, pipeline="WanPipeline", transformer_config=_WAN_DIT, two_experts=True,
+        pipeline_config=dict(boundary_ratio=0.875),
+    ),
+    # TI2V-5B is saved as a WanPipeline (as on the hub); WanImageToVideoPipeline.from_pretrained of
+    # the same folder gives its image-to-video mode. 64 px: its VAE compresses 16x, patch 2.
+    "wan2.2-ti2v": TinySpec(
+        **dict(_WAN, vae_config=_WAN_VAE_22), pipeline="WanPipeline", width=64, height=64,
+        transformer_config=dict(_WAN_DIT, in_channels=48, out_channels=48),
+        pipeline_config=dict(expand_timesteps=True),
+    ),
+}
+TINY_VARIANTS: tuple[str, ...] = tuple(TINY_SPECS)
+
+
+def tiny_spec(variant: str) -> TinySpec:
+    """The declaration of `variant`, or a ValueError listing the known names."""
+    if variant not in TINY_SPECS:
+        raise ValueError(f"Unknown tiny variant {variant!r}; expected one of {', '.join(TINY_VARIANTS)}.")
+    return TINY_SPECS[variant]
+
+
+# --- components ----------------------------------------------------------------------------------
+
+def build_tiny_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """A T5 Unigram tokenizer from an in-code vocabulary (no spiece.model, no hub).
+
+    Ids follow T5 (pad 0, eos 1, unk 2) and 100 ``<extra_id_N>`` tokens are appended, so it
+    saves as tokenizer.json and reloads with AutoTokenizer. Whole words score higher than single
+    characters, so "▁cat" is one token; anything outside the vocabulary becomes ``<unk>``.
+    """
+    chars = string.ascii_letters + string.digits + string.punctuation
+    words = "a the cat dog in on of and with is dance monkey video".split()
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    vocab += [("▁" + w, -1.0) for w in words] + [("▁" + c, -3.0) for c in chars] + [(c, -4.0) for c in chars]
+    return transformers.T5Tokenizer(vocab=vocab, extra_ids=100, model_max_length=512)
+
+
+def _seeded(seed: int, cls_name: str, module, *args, **kwargs):
+    """Build ``module.cls_name(*args, **kwargs)`` right after seeding, so each component's random
+    weights depend only on (seed, config), not on what was built before it."""
+    torch.manual_seed(seed)
+    return getattr(module, cls_name)(*args, **kwargs)
+
+
+def _text_encoder(spec: TinySpec, vocab_size: int, seed: int) -> torch.nn.Module:
+    config_cls = getattr(transformers, spec.text_encoder.replace("EncoderModel", "Config"))
+    return _seeded(seed, spec.text_encoder, transformers, config_cls(vocab_size=vocab_size, **_TEXT_ENCODER))
+
+
+def _image_components(spec: TinySpec, seed: int) -> dict[str, Any]:
+    """Wan 2.1 I2V's CLIP vision encoder (hidden_states[-2] feeds the transformer's image_dim).
+
+    CLIPVisionModel, as in the real Wan 2.1 I2V repos (the pipeline warns on the test's
+    ...WithProjection). The PIL image processor when transformers has it: the default class
+    needs torchvision and otherwise falls back to it with a warning.
+    """
+    if not spec.image_encoder:
+        return {}
+    processor_cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    return {
+        "image_encoder": _seeded(seed, "CLIPVisionModel", transformers, transformers.CLIPVisionConfig(**_CLIP_VISION)),
+        "image_processor": processor_cls(crop_size=32, size=32),
+    }
+
+
+def _components(spec: TinySpec, seed: int) -> dict[str, Any]:
+    tokenizer = build_tiny_tokenizer()
+    components = {
+        "tokenizer": tokenizer,
+        "text_encoder": _text_encoder(spec, len(tokenizer), seed),
+        "vae": _seeded(seed, spec.vae, diffusers, **spec.vae_config),
+        "scheduler": getattr(diffusers, spec.scheduler)(**spec.scheduler_config),
+        "transformer": _seeded(seed, spec.transformer, diffusers, **spec.transformer_config),
+        **_image_components(spec, seed),
+    }
+    if spec.two_experts:
+        # seed + 1: two identical experts would hide a wrong expert switch.
+        components["transformer_2"] = _seeded(seed + 1, spec.transformer, diffusers, **spec.transformer_config)
+    return components
+
+
+# --- public verbs --------------------------------------------------------------------------------
+
+def build_tiny_pipeline(variant: str, seed: int = 0) -> diffusers.DiffusionPipeline:
+    """Build the tiny random pipeline `variant` (see ``TINY_VARIANTS``) on the CPU, in fp32.
+
+    Deterministic: the same (variant, seed) gives bit-identical weights in any process. Every
+    module is put in ``.eval()`` because models built from a config start in training mode
+    (T5 dropout on), whereas ``from_pretrained`` returns them in eval mode.
+    """
+    spec = tiny_spec(variant)
+    components = _components(spec, seed)
+    for component in components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    pipe = getattr(diffusers, spec.pipeline)(**components, **spec.pipeline_config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def save_tiny_pipeline(variant: str, folder: str | Path, seed: int = 0) -> Path:
+    """Build `variant` and save it as a diffusers folder (model_index.json + safetensors).
+
+    The folder reloads offline with ``DiffusionPipeline.from_pretrained(folder)`` and its weights
+    are bit-identical to ``build_tiny_pipeline(variant, seed)``. Outputs may still differ in the
+    last bits (Wan: ~3e-6): loaded weights are views into the safetensors mapping, not 64-byte
+    aligned, and MKL's matrix-vector kernels round differently on unaligned data. Two loads of
+    one folder agree bit for bit; so do a built and a loaded pipeline after ``p.data = p.data.clone()``.
+    """
+    folder = Path(folder)
+    build_tiny_pipeline(variant, seed).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def tiny_call_kwargs(variant: str, seed: int = 0, steps: int = 2, output_type: str = "latent") -> dict[str, Any]:
+    """Keyword arguments for one fast, deterministic call of the tiny `variant` at its default shape.
+
+    Image-conditioned variants get a flat grey PIL image of the run size. Note the latent layouts
+    differ: CogVideoX returns (batch, frames, channels, h, w), Wan (batch, channels, frames, h, w).
+    """
+    spec = tiny_spec(variant)
+    kwargs = dict(
+        prompt="a cat", height=spec.height, width=spec.width, num_frames=spec.frames,
+        num_inference_steps=steps, guidance_scale=5.0, output_type=output_type,
+        generator=torch.Generator("cpu").manual_seed(seed),
+    )
+    if spec.needs_image:
+        kwargs["image"] = Image.new("RGB", (spec.width, spec.height), (128, 128, 128))
+    return kwargs

@@ -1,0 +1,39 @@
+"""Wan 2.1 (T2V 1.3B/14B, I2V) and Wan 2.2 (TI2V-5B, A14B with two experts) declared for the engine.
+
+The pipeline returns latents as [B, C, T, h, w], normalised per channel with the VAE's
+`latents_mean`/`latents_std`; the VAE decodes `latent * std + mean`. A14B's second expert
+(`transformer_2`) takes over below the boundary timestep inside the pipeline's own loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .family import FamilySpec
+
+
+def _to_comfy_latent(pipe, raw: torch.Tensor, frames: int) -> torch.Tensor:
+    return raw
+
+
+def _to_vae_latent(pipe, latent: torch.Tensor) -> torch.Tensor:
+    config = pipe.vae.config
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(shape).to(latent.device, latent.dtype)
+    # Same op order as WanPipeline (divide by the reciprocal) so decoded frames match it bit for bit.
+    inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latent.device, latent.dtype)
+    return latent / inv_std + mean
+
+
+WAN = FamilySpec(
+    name="wan",
+    pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
+    image_conditioned=("WanImageToVideoPipeline",),
+    denoisers=("transformer", "transformer_2"),
+    blocks_attr="blocks",
+    encoders=("text_encoder", "image_encoder"),
+    frame_step=4,
+    to_comfy_latent=_to_comfy_latent,
+    to_vae_latent=_to_vae_latent,
+    max_sequence_length=512,  # the pipeline's own __call__ default
+)
