@@ -1,0 +1,7 @@
+"""ComfyUI entry point for the vidmem node pack. Imports nothing heavy; touches no device."""
+
+from .vidmem.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+WEB_DIRECTORY = "./web"
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

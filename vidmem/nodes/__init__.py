@@ -1,0 +1,23 @@
+"""Thin V1 node classes over the engine; importable without ComfyUI."""
+
+from .decode import VidMemVAEDecode
+from .free import VidMemFreeVRAM
+from .loader import VidMemLoadPipeline
+from .sampler import VidMemVideoSampler
+from .strategy import VidMemMemoryStrategy
+
+NODE_CLASS_MAPPINGS = {
+    "VidMemLoadPipeline": VidMemLoadPipeline,
+    "VidMemMemoryStrategy": VidMemMemoryStrategy,
+    "VidMemVideoSampler": VidMemVideoSampler,
+    "VidMemVAEDecode": VidMemVAEDecode,
+    "VidMemFreeVRAM": VidMemFreeVRAM,
+}
+
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "VidMemLoadPipeline": "Load Video Pipeline (VidMem)",
+    "VidMemMemoryStrategy": "Memory Strategy (VidMem)",
+    "VidMemVideoSampler": "Video Sampler (VidMem)",
+    "VidMemVAEDecode": "Video VAE Decode (VidMem)",
+    "VidMemFreeVRAM": "Free VRAM (VidMem)",
+}

@@ -1,0 +1,54 @@
+"""Free VRAM (VidMem): collect garbage and return cached GPU memory where the graph puts it."""
+
+from __future__ import annotations
+
+import json
+
+from ..memory import free_memory, resolve_compute_device
+from . import host
+from .receipts import human_bytes
+
+ANY = "*"  # ComfyUI 0.8.0 accepts "*" as matching every type
+
+
+class VidMemFreeVRAM:
+    DESCRIPTION = (
+        "Runs gc.collect(), torch.cuda.empty_cache() and torch.cuda.ipc_collect() when the value "
+        "passing through arrives, then passes it on unchanged. Shows memory before and after."
+    )
+    CATEGORY = "vidmem"
+    FUNCTION = "free"
+    OUTPUT_NODE = True
+    RETURN_TYPES = (ANY,)
+    RETURN_NAMES = ("passthrough",)
+    OUTPUT_TOOLTIPS = ("The input, unchanged; connect it onward so later nodes run after the cleanup.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "anything": (ANY, {"tooltip": "Any value; the cleanup runs when it arrives and it is passed on."}),
+                "unload_comfy_models": ("BOOLEAN", {"default": False, "tooltip":
+                    "Also ask ComfyUI to unload its own loaded models (off: only vidmem's caches are freed)."}),
+            }
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, **inputs):
+        return float("nan")  # never equal to itself: the cleanup runs on every queue
+
+    def free(self, anything, unload_comfy_models=False):
+        unloaded = host.unload_host_models() if unload_comfy_models else False
+        receipt = free_memory(resolve_compute_device())
+        report = receipt.as_dict() | {"comfy_models_unloaded": unloaded}
+        return {"ui": {"text": [format_free(report)], "vidmem_receipt": [report]}, "result": (anything,)}
+
+
+def format_free(report: dict) -> str:
+    lines = ["Free VRAM"]
+    for key in report["before"]:
+        before, after = report["before"][key], report["after"][key]
+        lines.append(f"{key}: {human_bytes(before)} -> {human_bytes(after)}")
+    lines.append(f"gc collected {report['collected_objects']} objects; ComfyUI models unloaded: {report['comfy_models_unloaded']}")
+    lines.append(json.dumps(report, sort_keys=True))
+    return "\n".join(lines)

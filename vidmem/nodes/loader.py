@@ -1,0 +1,41 @@
+"""Load Video Pipeline (VidMem): a CogVideoX or Wan diffusers folder, kept on the CPU until used."""
+
+from __future__ import annotations
+
+from ..pipelines.loader import DTYPES, load_pipeline
+from . import host
+
+PIPELINE_TYPE = "VIDMEM_PIPELINE"
+NO_MODELS = "(no diffusers models found)"
+
+
+class VidMemLoadPipeline:
+    DESCRIPTION = (
+        "Loads a CogVideoX or Wan pipeline (diffusers format, safetensors only). Weights stay in "
+        "system RAM; a Memory Strategy decides what goes to the GPU during each run."
+    )
+    CATEGORY = "vidmem"
+    FUNCTION = "load"
+    RETURN_TYPES = (PIPELINE_TYPE,)
+    RETURN_NAMES = ("pipeline",)
+    OUTPUT_TOOLTIPS = ("The loaded pipeline; connect it to Video Sampler and Video VAE Decode.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        names = host.diffusers_model_names() or [NO_MODELS]
+        return {
+            "required": {
+                "model": (names, {"tooltip": "A folder under models/diffusers holding model_index.json. "
+                                  "Saved by name, so a shared workflow finds it on another machine."}),
+                "dtype": (list(DTYPES), {"default": "bf16", "tooltip": "Weight precision. bf16 for Wan and "
+                          "CogVideoX-5b/1.5, fp16 for CogVideoX-2b; fp32 doubles memory."}),
+            },
+            "optional": {
+                "path": ("STRING", {"default": "", "tooltip": "Full path to a diffusers folder; when set it "
+                         "overrides 'model'. Leave empty for workflows you share."}),
+            },
+        }
+
+    def load(self, model: str, dtype: str, path: str = ""):
+        folder = host.resolve_model_folder(model, path)
+        return (load_pipeline(folder, dtype),)

@@ -1,0 +1,29 @@
+"""Receipts as text for the node UI: one figure per line, bytes in GiB/MiB."""
+
+from __future__ import annotations
+
+import json
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_receipt(title: str, receipt: dict) -> str:
+    lines = [title]
+    for key in ("strategy", "device"):
+        if key in receipt:
+            lines.append(f"{key}: {receipt[key]}")
+    for stage in receipt.get("stages", []):
+        peak = f"peak RSS {human_bytes(stage.get('peak_rss_bytes'))}"
+        if "peak_allocated_bytes" in stage:
+            peak = f"peak VRAM {human_bytes(stage['peak_allocated_bytes'])}, " + peak
+        lines.append(f"{stage['stage']}: {stage['seconds']:.2f} s, {peak}")
+    if "decode" in receipt:
+        lines.append("decode: " + json.dumps(receipt["decode"], sort_keys=True))
+    return "\n".join(lines)

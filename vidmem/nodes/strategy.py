@@ -1,0 +1,92 @@
+"""Memory Strategy (VidMem): one validated MemoryStrategy from the widgets."""
+
+from __future__ import annotations
+
+from ..memory import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement, VaeTiling
+from ..memory.strategy import TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE
+
+STRATEGY_TYPE = "VIDMEM_STRATEGY"
+_DEFAULT = MemoryStrategy()
+_TILES = VaeTiling()
+
+
+def build_strategy(
+    offload: str,
+    blocks_to_swap: int,
+    prefetch_blocks: int,
+    text_encoder: str,
+    vae_slicing: bool,
+    vae_tiling: bool,
+    tile_size: int,
+    overlap: int,
+    temporal_size: int,
+    temporal_overlap: int,
+) -> MemoryStrategy:
+    tiling = VaeTiling(tile_size, overlap, temporal_size, temporal_overlap) if vae_tiling else None
+    return MemoryStrategy(
+        offload=offload,
+        blocks_to_swap=blocks_to_swap,
+        prefetch_blocks=prefetch_blocks,
+        text_encoder=text_encoder,
+        vae_slicing=vae_slicing,
+        vae_tiling=tiling,
+    )
+
+
+class VidMemMemoryStrategy:
+    DESCRIPTION = (
+        "Chooses where weights live while a video is sampled and decoded. Every choice gives the "
+        "same frames; they differ in GPU memory and speed."
+    )
+    CATEGORY = "vidmem"
+    FUNCTION = "build"
+    RETURN_TYPES = (STRATEGY_TYPE,)
+    RETURN_NAMES = ("strategy",)
+    OUTPUT_TOOLTIPS = ("Connect to Video Sampler and Video VAE Decode.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "offload": ([t.value for t in OffloadTier], {"default": _DEFAULT.offload.value, "tooltip":
+                    "none: everything on the GPU (fastest, most VRAM). model: one component at a time "
+                    "(text encoder, then transformer). block_swap: as model, but the last blocks_to_swap "
+                    "transformer blocks stream in each step. sequential: every layer streams (least VRAM, slowest)."}),
+                "blocks_to_swap": ("INT", {"default": 0, "min": 0, "max": 100, "tooltip":
+                    "block_swap only: how many transformer blocks stay in RAM and stream in per step. "
+                    "Wan 14B has 40 blocks, Wan 1.3B 30, CogVideoX-2b 30, CogVideoX-5b 42. 0 with other tiers."}),
+                "prefetch_blocks": ("INT", {"default": _DEFAULT.prefetch_blocks, "min": 0, "max": 8, "tooltip":
+                    "Streamed blocks copied ahead while the current one computes. 1 hides most of the "
+                    "transfer; each extra block costs one block of VRAM. 0 copies on demand."}),
+                "text_encoder": ([p.value for p in TextEncoderPlacement], {"default": _DEFAULT.text_encoder.value,
+                    "tooltip": "device: on the GPU with the tier's rules. offload_after_encoding: on the GPU "
+                    "only to encode the prompt. cpu: encode in RAM (slow for T5-XXL, no VRAM)."}),
+                "vae_slicing": ("BOOLEAN", {"default": False, "tooltip":
+                    "Decode one video of the batch at a time. Saves memory only for batches over 1."}),
+                "vae_tiling": ("BOOLEAN", {"default": False, "tooltip":
+                    "Decode in overlapping tiles and frame chunks: bounded VRAM for any size, a little slower."}),
+                "tile_size": ("INT", {"default": _TILES.tile_size, "min": TILE_SIZE_RANGE[0], "max": TILE_SIZE_RANGE[1],
+                    "step": 32, "tooltip": "Tile edge in output pixels (as core VAE Decode (Tiled)). Smaller uses less VRAM."}),
+                "overlap": ("INT", {"default": _TILES.overlap, "min": 0, "max": 4096, "step": 8, "tooltip":
+                    "Pixels shared by neighbouring tiles and blended; at most tile_size/4."}),
+                "temporal_size": ("INT", {"default": _TILES.temporal_size, "min": TEMPORAL_SIZE_RANGE[0],
+                    "max": TEMPORAL_SIZE_RANGE[1], "step": 4, "tooltip": "Output frames decoded per chunk."}),
+                "temporal_overlap": ("INT", {"default": _TILES.temporal_overlap, "min": 0, "max": 4096, "step": 4,
+                    "tooltip": "Frames shared by neighbouring chunks and blended; at most temporal_size/2."}),
+            }
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Reject bad combinations when the prompt is queued, before anything runs."""
+        if any(value is None for value in inputs.values()):
+            return True  # a linked input has no value yet; build() validates at run time
+        try:
+            build_strategy(**inputs)
+        except (StrategyError, TypeError) as error:
+            return str(error)
+        return True
+
+    def build(self, **inputs):
+        strategy = build_strategy(**inputs)
+        return {"ui": {"text": [strategy.describe()]}, "result": (strategy,)}
