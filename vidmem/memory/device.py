@@ -7,7 +7,7 @@ stream for host-to-device copies and events so compute waits only for the block 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -17,6 +17,20 @@ def resolve_compute_device(requested: str | torch.device | None = None) -> torch
     if requested is not None:
         return torch.device(requested)
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Backend(Protocol):
+    """What the schedule needs from a device. Tests supply their own to observe placement."""
+
+    device: torch.device
+
+    def copy_in(self, host: torch.Tensor, non_blocking: bool) -> torch.Tensor: ...
+
+    def evicted(self, host: torch.Tensor) -> torch.Tensor: ...
+
+    def record(self) -> Any: ...
+
+    def wait(self, token: Any, tensors: list[torch.Tensor]) -> None: ...
 
 
 class CpuBackend:
@@ -81,7 +95,7 @@ class CudaBackend:
             tensor.record_stream(compute)
 
 
-def backend_for(device: torch.device, use_stream: bool = True) -> CpuBackend | CudaBackend:
+def backend_for(device: torch.device, use_stream: bool = True) -> Backend:
     if device.type == "cuda":
         return CudaBackend(device, use_stream=use_stream)
     if device.type == "cpu":

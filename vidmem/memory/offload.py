@@ -6,7 +6,8 @@ Tiers, as weight groups and hooks:
   evicts the others first, so one component at a time is on the device.
 - `block_swap`: as `model`, but the last N blocks of each block-bearing component are
   streamed groups: onloaded before their forward (with prefetch), evicted after.
-- `sequential`: nothing resident; every module that owns tensors is a streamed group.
+- `sequential`: every leaf module is a streamed group; only tensors held directly by parent
+  modules (small modulation and position tables) stay resident while the component runs.
 
 `OffloadHandle.remove()` takes every hook off and points every tensor back at its original
 storage. Use it as a context manager so that happens even when a step raises.
@@ -20,7 +21,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from .blockswap import Observer, StreamSchedule, hook_group
-from .residency import WeightGroup, all_slots, own_slots
+from .residency import WeightGroup, own_slots, partition_slots
 from .strategy import MemoryStrategy, OffloadTier
 
 
@@ -45,8 +46,9 @@ class _ComponentState:
 class OffloadHandle:
     """The applied strategy for one stage; `remove()` restores every module exactly."""
 
-    def __init__(self, backend: Any, observer: Observer | None) -> None:
+    def __init__(self, backend: Any, observer: Observer | None, exclusive: bool) -> None:
         self.backend = backend
+        self._exclusive = exclusive  # one component on the device at a time (every tier but none)
         self._observe = observer or (lambda kind, group: None)
         self._components: dict[str, _ComponentState] = {}
         self._handles: list = []
@@ -63,11 +65,12 @@ class OffloadHandle:
         return [g for state in self._components.values() for g in state.groups()]
 
     def activate(self, name: str) -> None:
-        """Make `name` the component in use: evict the others, onload its resident part."""
+        """Make `name` the component in use: onload its resident part (evicting the others first
+        unless the tier keeps everything resident)."""
         if self._active == name or name not in self._components:
             return
         for other, state in self._components.items():
-            if other != name:
+            if other != name and self._exclusive:
                 self._evict_component(state)
         resident = self._components[name].resident
         if resident is not None and not resident.resident:
@@ -115,7 +118,7 @@ def apply_strategy(
     """
     for name, blocks in stage.blocks.items():
         strategy.check_against_model(len(blocks), name)
-    handle = OffloadHandle(backend, observer)
+    handle = OffloadHandle(backend, observer, exclusive=strategy.offload is not OffloadTier.NONE)
     try:
         for name, module in stage.modules.items():
             handle._components[name] = _build_component(
@@ -141,55 +144,37 @@ def _build_component(
     observer: Observer | None,
 ) -> _ComponentState:
     tier, nb = strategy.offload, strategy.non_blocking
-    streamed = _streamed_modules(module, blocks, strategy)
-    streamed_ids = {id(m) for m in streamed}
-    if tier is OffloadTier.SEQUENTIAL:
-        resident_modules: list[nn.Module] = []
-    else:
-        resident_modules = _modules_outside(module, streamed_ids)
-    resident = WeightGroup(f"{name}", _own_slots_of(resident_modules), backend, nb) if resident_modules else None
+    units = _streamed_units(module, blocks, strategy)
+    resident_slots, unit_slots = partition_slots(module, [members for _, members in units])
+    resident = WeightGroup(name, resident_slots, backend, nb) if resident_slots else None
+    streamed = [(head, slots) for (head, _), slots in zip(units, unit_slots) if slots]
     schedule = None
     if streamed:
         names = {id(m): qualified for qualified, m in module.named_modules()}
-        groups = [_streamed_group(f"{name}.{names[id(m)]}".rstrip("."), m, tier, backend, nb) for m in streamed]
+        groups = [WeightGroup(f"{name}.{names[id(head)] or '(root)'}", slots, backend, nb) for head, slots in streamed]
         schedule = StreamSchedule(groups, strategy.prefetch_blocks, tier is OffloadTier.BLOCK_SWAP, observer)
-        for m, group in zip(streamed, groups):
-            handle._handles += hook_group(m, group, schedule)
+        for (head, _), group in zip(streamed, groups):
+            handle._handles += hook_group(head, group, schedule)
         handle._handles.append(module.register_forward_hook(lambda m, args, out: schedule.end_of_pass()))
-    state = _ComponentState(resident, schedule)
     if tier is not OffloadTier.NONE:
-        handle._handles.append(module.register_forward_pre_hook(lambda m, args: handle.activate(name)))
-    return state
+        # Components are also used through methods that are not `forward` (a VAE's `encode` and
+        # `decode`), but every computation passes through the root or one of its direct children.
+        for entry in (module, *module.children()):
+            handle._handles.append(entry.register_forward_pre_hook(lambda m, args: handle.activate(name)))
+    return _ComponentState(resident, schedule)
 
 
-def _streamed_modules(module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy) -> list[nn.Module]:
+def _streamed_units(
+    module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy
+) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """(module whose forward brings the unit in, modules whose own tensors the unit holds).
+
+    Sequential streams leaf modules only: tensors held directly by a parent (Wan's modulation
+    tables, CogVideoX's positional table) are needed for the parent's whole forward, so they
+    stay resident while the component runs; that keeps at most prefetch + 1 units on the device.
+    """
     if strategy.offload is OffloadTier.SEQUENTIAL:
-        return [m for m in module.modules() if own_slots(m)]
+        return [(m, [m]) for m in module.modules() if own_slots(m) and next(m.children(), None) is None]
     if strategy.offload is OffloadTier.BLOCK_SWAP and blocks is not None:
-        return list(blocks)[len(blocks) - strategy.blocks_to_swap :]
+        return [(b, list(b.modules())) for b in list(blocks)[len(blocks) - strategy.blocks_to_swap :]]
     return []
-
-
-def _modules_outside(root: nn.Module, excluded: set[int]) -> list[nn.Module]:
-    """Every module under `root` that is not inside an excluded subtree."""
-    kept: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:
-        if id(m) in excluded:
-            return
-        kept.append(m)
-        for child in m.children():
-            visit(child)
-
-    visit(root)
-    return kept
-
-
-def _own_slots_of(modules: list[nn.Module]) -> list:
-    return [slot for m in modules for slot in own_slots(m)]
-
-
-def _streamed_group(label: str, m: nn.Module, tier: OffloadTier, backend: Any, nb: bool) -> WeightGroup:
-    # A swapped block moves with all its children; a sequential group is one module's own tensors.
-    slots = all_slots([m]) if tier is OffloadTier.BLOCK_SWAP else own_slots(m)
-    return WeightGroup(label, slots, backend, nb)

@@ -8,7 +8,7 @@ applied. `restore()` therefore leaves every parameter and buffer on its original
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,8 +40,28 @@ def own_slots(module: nn.Module) -> list[_Slot]:
     return slots
 
 
-def all_slots(modules: Iterable[nn.Module]) -> list[_Slot]:
-    return [slot for module in modules for sub in module.modules() for slot in own_slots(sub)]
+def partition_slots(root: nn.Module, units: list[list[nn.Module]]) -> tuple[list[_Slot], list[list[_Slot]]]:
+    """Split `root`'s tensors into streamed units and the rest (resident).
+
+    Every slot is captured before any group re-points a tensor, so each records its true
+    original. A tensor owned by modules in more than one unit, or also outside the units (tied
+    weights such as T5's shared embedding), is resident: it must be present whenever any of its
+    owners runs.
+    """
+    unit_of = {id(m): i for i, members in enumerate(units) for m in members}
+    slots = [(unit_of.get(id(m)), slot) for m in root.modules() for slot in own_slots(m)]
+    owners: dict[int, set] = {}
+    for unit, slot in slots:
+        owners.setdefault(id(slot.current()), set()).add(unit)
+    resident: list[_Slot] = []
+    per_unit: list[list[_Slot]] = [[] for _ in units]
+    for unit, slot in slots:
+        units_owning = owners[id(slot.current())]
+        if unit is None or len(units_owning) > 1:
+            resident.append(slot)
+        else:
+            per_unit[unit].append(slot)
+    return resident, per_unit
 
 
 class WeightGroup:

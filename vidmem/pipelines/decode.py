@@ -8,6 +8,7 @@ import torch
 
 from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy, backend_for, resolve_compute_device
 from ..memory.blockswap import Observer
+from ..memory.device import Backend
 from ..memory.telemetry import StageMeter
 from ..memory.vae import DecodeReport, VaeGeometry, decode_video
 from .family import ModelError
@@ -58,15 +59,17 @@ def decode(
     loaded: LoadedPipeline,
     latent: dict,
     strategy: MemoryStrategy | None = None,
-    device: torch.device | None = None,
+    backend: Backend | None = None,
     observer: Observer | None = None,
 ) -> DecodeResult:
+    """Decode on `backend`'s device (default: the run-time compute device's)."""
     samples = validate_latent(loaded, latent)
     strategy = strategy or DEFAULT_DECODE_STRATEGY
-    device = device or resolve_compute_device()
+    backend = backend or backend_for(resolve_compute_device())
+    device = backend.device
     pipe, vae = loaded.pipe, loaded.pipe.vae
     report = DecodeReport()
-    with apply_strategy(StageComponents({"vae": vae}), strategy, backend_for(device), observer) as handle:
+    with apply_strategy(StageComponents({"vae": vae}), strategy, backend, observer) as handle:
         handle.activate("vae")
         with StageMeter("decode", device) as meter:
             z = loaded.spec.to_vae_latent(pipe, samples.to(device, vae.dtype))

@@ -21,6 +21,7 @@ from ..memory import (
     resolve_compute_device,
 )
 from ..memory.blockswap import Observer
+from ..memory.device import Backend
 from ..memory.telemetry import StageMeter
 from .family import ModelError, denoiser_blocks, spatial_multiple
 from .loader import LoadedPipeline
@@ -88,25 +89,25 @@ def sample(
     strategy: MemoryStrategy,
     request: SampleRequest,
     hooks: RunHooks = RunHooks(),
-    device: torch.device | None = None,
+    backend: Backend | None = None,
     observer: Observer | None = None,
 ) -> SampleResult:
+    """Sample one video latent; `backend` defaults to the run-time compute device's."""
     validate_request(loaded, request)
-    device = device or resolve_compute_device()
+    backend = backend or backend_for(resolve_compute_device())
+    device = backend.device
     pipe, spec = loaded.pipe, loaded.spec
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": []}
     hooks.check_interrupt()
-    with apply_strategy(sample_stage(loaded, strategy), strategy, backend_for(device), observer) as handle:
+    with apply_strategy(sample_stage(loaded, strategy), strategy, backend, observer) as handle:
         pipe.vidmem_execution_device = device
         try:
             with StageMeter("text_encode", device) as meter:
                 embeds = _encode(pipe, spec, request, strategy, device)
                 if strategy.text_encoder is TextEncoderPlacement.OFFLOAD_AFTER_ENCODING:
-                    for name in spec.encoders:
-                        handle.evict(name)
+                    # Only the prompt encoder is done now; an image encoder runs inside the loop's setup.
+                    handle.evict("text_encoder")
             receipt["stages"].append(meter.as_dict())
-            if loaded.needs_image:
-                handle.activate("vae")
             with StageMeter("denoise", device) as meter:
                 raw = pipe(**_call_kwargs(loaded, request, embeds, hooks)).frames
             receipt["stages"].append(meter.as_dict())

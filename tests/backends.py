@@ -1,0 +1,52 @@
+"""Test device backends: make placement observable on a CPU-only machine.
+
+`StrictBackend` gives onloaded weights a fresh storage (a clone, standing in for the device copy)
+and gives evicted weights a poisoned copy (NaN, or the largest integer for index buffers), so any
+computation that touches a weight the schedule did not onload ruins the latents and fails the
+comparison. (torch refuses to point a CPU parameter at a `meta` tensor, or we would use that.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StrictBackend:
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.copies = 0
+
+    def copy_in(self, host: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        self.copies += 1
+        return host.clone()
+
+    def evicted(self, host: torch.Tensor) -> torch.Tensor:
+        if host.is_floating_point():
+            return torch.full_like(host, float("nan"))
+        if host.dtype == torch.bool:
+            return ~host
+        return torch.full_like(host, torch.iinfo(host.dtype).max)
+
+    def record(self):
+        return None
+
+    def wait(self, token, tensors) -> None:
+        return None
+
+
+class Recorder:
+    """An observer for apply_strategy: the event log and the peak of resident streamed groups."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.resident: set[str] = set()
+        self.peak_streamed = 0
+
+    def __call__(self, kind: str, group) -> None:
+        self.events.append((kind, group.name))
+        if kind in ("onload", "prefetch"):
+            self.resident.add(group.name)
+        else:
+            self.resident.discard(group.name)
+        streamed = [n for n in self.resident if "." in n]  # streamed groups are named component.path
+        self.peak_streamed = max(self.peak_streamed, len(streamed))
