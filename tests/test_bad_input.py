@@ -1,0 +1,114 @@
+"""Bad input: a clear error naming the input and the fix, and nothing left applied or moved."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_tiers import hooks_of, request_for, storage_map
+from vidmem.memory import MemoryStrategy, StrategyError, VaeTiling
+from vidmem.memory.device import CpuBackend
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.loader import load_pipeline
+from vidmem.pipelines.sample import sample
+from vidmem.pipelines.tiny import build_tiny_pipeline
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ModelError, match="does not exist"):
+        load_pipeline(tmp_path / "nope")
+
+
+def test_folder_without_model_index(tmp_path):
+    with pytest.raises(ModelError, match="no model_index.json"):
+        load_pipeline(tmp_path)
+
+
+def test_other_family_is_named_with_the_supported_ones(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(ModelError, match="StableDiffusionPipeline.*supported: CogVideoXPipeline"):
+        load_pipeline(tmp_path)
+
+
+def test_unsupported_dtype(tiny_folder):
+    with pytest.raises(ModelError, match="dtype='int8' is not supported; use one of bf16, fp16, fp32"):
+        load_pipeline(tiny_folder("wan2.1-t2v"), "int8")
+
+
+def test_pickle_weights_are_refused(tmp_path):
+    build_tiny_pipeline("wan2.1-t2v").save_pretrained(tmp_path, safe_serialization=False)
+    with pytest.raises(ModelError, match="safetensors"):
+        load_pipeline(tmp_path, "fp32")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(offload="block_swap"), "needs blocks_to_swap >= 1"),
+        (dict(offload="model", blocks_to_swap=4), "only applies to offload='block_swap'"),
+        (dict(offload="swap"), "offload='swap' is not one of 'none', 'model', 'block_swap', 'sequential'"),
+        (dict(text_encoder="gpu"), "text_encoder='gpu' is not one of"),
+        (dict(prefetch_blocks=-1), "prefetch_blocks=-1 must be 0 or more"),
+    ],
+)
+def test_strategy_combinations(kwargs, message):
+    with pytest.raises(StrategyError, match=message):
+        MemoryStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tile_size=100), "tile_size=100 must be a multiple of 32; use 96 or 128"),
+        (dict(tile_size=128, overlap=64), "overlap=64 must be between 0 and tile_size/4 = 32"),
+        (dict(overlap=12), "overlap=12 must be a multiple of 8"),
+        (dict(temporal_size=16, temporal_overlap=12), "temporal_overlap=12 must be between 0 and temporal_size/2 = 8"),
+        (dict(temporal_size=6), "temporal_size=6 must be between 8 and 4096"),
+    ],
+)
+def test_tiling_values(kwargs, message):
+    with pytest.raises(StrategyError, match=message):
+        VaeTiling(**kwargs)
+
+
+def test_more_blocks_than_the_model_has_leaves_nothing_applied(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    with pytest.raises(StrategyError, match="blocks_to_swap=99 but transformer has 2 transformer blocks; use 1..2"):
+        sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=99), request_for("wan2.1-t2v"),
+               backend=CpuBackend())
+    assert storage_map(loaded.pipe) == before
+    assert hooks_of(loaded.pipe) == hooks_before
+
+
+@pytest.mark.parametrize(
+    "variant, change, message",
+    [
+        ("wan2.1-t2v", dict(width=40), "width=40 must be a multiple of 16 for wan; use 32 or 48"),
+        ("wan2.1-t2v", dict(height=8), "height=8 must be a multiple of 16"),
+        ("wan2.1-t2v", dict(frames=10), r"frames=10 is not valid for wan: use 4k\+1 frames \(e.g. 9 or 13\)"),
+        ("cogvideox-t2v", dict(frames=13), r"frames=13 is not valid for cogvideox: use 8k\+1 frames \(e.g. 9 or 17\)"),
+        ("wan2.2-ti2v", dict(width=48), "width=48 must be a multiple of 32"),
+        ("wan2.1-t2v", dict(steps=0), "steps=0 must be at least 1"),
+        ("wan2.1-i2v", dict(image=None), "image-to-video: connect an IMAGE"),
+    ],
+)
+def test_request_errors_name_the_input(variant, change, message, tiny_loaded):
+    import dataclasses
+
+    loaded = tiny_loaded(variant)
+    before = storage_map(loaded.pipe)
+    with pytest.raises(ModelError, match=message):
+        sample(loaded, MemoryStrategy(), dataclasses.replace(request_for(variant), **change), backend=CpuBackend())
+    assert storage_map(loaded.pipe) == before
+
+
+def test_text_to_video_refuses_an_image(tiny_loaded):
+    import dataclasses
+
+    import torch
+
+    request = dataclasses.replace(request_for("wan2.1-t2v"), image=torch.zeros(1, 32, 32, 3))
+    with pytest.raises(ModelError, match="text-to-video: disconnect the image input"):
+        sample(tiny_loaded("wan2.1-t2v"), MemoryStrategy(), request, backend=CpuBackend())

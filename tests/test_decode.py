@@ -1,0 +1,71 @@
+"""Decode: frames equal plain diffusers'; wrong latents are refused before anything moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends import StrictBackend
+from test_tiers import hooks_of, request_for, storage_map
+from vidmem.memory import MemoryStrategy, VaeTiling
+from vidmem.memory.device import CpuBackend
+from vidmem.pipelines.decode import decode
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.sample import SampleRequest, sample
+from vidmem.pipelines.tiny import TINY_VARIANTS, tiny_call_kwargs
+
+STEPS = 2
+
+
+@pytest.mark.parametrize("variant", TINY_VARIANTS)
+def test_sample_then_decode_equals_the_diffusers_pipeline(variant, tiny_loaded):
+    loaded = tiny_loaded(variant)
+    expected = loaded.pipe(**tiny_call_kwargs(variant, steps=STEPS, output_type="pt")).frames[0]  # [F, C, H, W]
+    latent = sample(loaded, MemoryStrategy(offload="model"), request_for(variant), backend=CpuBackend()).latent
+    frames = decode(loaded, latent, backend=CpuBackend()).frames
+    assert frames.shape == expected.permute(0, 2, 3, 1).shape
+    assert frames.dtype == torch.float32 and 0 <= frames.min() and frames.max() <= 1
+    assert torch.equal(frames, expected.permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("offload", ["none", "model", "sequential"])
+def test_decode_tiers_place_the_vae_and_restore_it(offload, tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    latent = sample(loaded, MemoryStrategy(), request_for("wan2.1-t2v"), backend=CpuBackend()).latent
+    reference = decode(loaded, latent, backend=CpuBackend()).frames
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    frames = decode(loaded, latent, MemoryStrategy(offload=offload), backend=StrictBackend()).frames
+    assert torch.allclose(frames, reference, atol=1e-5)  # clones are aligned differently: last-bit noise only
+    assert storage_map(loaded.pipe) == before
+    assert hooks_of(loaded.pipe) == hooks_before
+
+
+def test_tiled_decode_keeps_the_shape_and_reports_its_tiles(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = SampleRequest("a cat", "", width=128, height=96, frames=17, steps=1, cfg=5.0)
+    latent = sample(loaded, MemoryStrategy(), request, backend=CpuBackend()).latent
+    plain = decode(loaded, latent, backend=CpuBackend())
+    tiled = decode(loaded, latent, MemoryStrategy(vae_tiling=VaeTiling(64, 16, 8, 4)), backend=CpuBackend())
+    assert tiled.frames.shape == plain.frames.shape
+    assert tiled.receipt["decode"]["mode"] == "tiled"
+    assert tiled.receipt["decode"]["tiles"] > 1 and tiled.receipt["decode"]["chunks"] > 1
+    assert torch.isfinite(tiled.frames).all()
+
+
+def test_latent_from_another_family_is_refused(tiny_loaded):
+    wan = tiny_loaded("wan2.1-t2v")
+    latent = sample(wan, MemoryStrategy(), request_for("wan2.1-t2v"), backend=CpuBackend()).latent
+    with pytest.raises(ModelError, match="wan model but the pipeline is cogvideox"):
+        decode(tiny_loaded("cogvideox-t2v"), latent)
+
+
+def test_latent_with_wrong_channels_is_refused(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    with pytest.raises(ModelError, match="latent has 4 channels .* decodes 16"):
+        decode(loaded, {"samples": torch.zeros(1, 4, 3, 4, 4)})
+
+
+@pytest.mark.parametrize("latent", [{"samples": torch.zeros(1, 16, 4, 4)}, {"noise": 1}, "not a latent"])
+def test_non_video_latent_is_refused(latent, tiny_loaded):
+    with pytest.raises(ModelError, match="not a video latent"):
+        decode(tiny_loaded("wan2.1-t2v"), latent)
