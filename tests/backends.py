@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import torch
 
+from vidmem.memory.device import CpuBackend
 
-class StrictBackend:
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
+
+class StrictBackend(CpuBackend):
+    def __init__(self, pin=None) -> None:
+        super().__init__()
         self.copies = 0
+        self.pin = pin
 
-    def copy_in(self, host: torch.Tensor, non_blocking: bool) -> torch.Tensor:
-        self.copies += 1
-        return host.clone()
+    def copy_group(self, hosts: list[torch.Tensor], non_blocking: bool):
+        self.copies += len(hosts)
+        return [host.clone() for host in hosts], None
 
     def evicted(self, host: torch.Tensor) -> torch.Tensor:
         if host.is_floating_point():
@@ -26,12 +29,6 @@ class StrictBackend:
         if host.dtype == torch.bool:
             return ~host
         return torch.full_like(host, torch.iinfo(host.dtype).max)
-
-    def record(self):
-        return None
-
-    def wait(self, token, tensors) -> None:
-        return None
 
 
 class Recorder:

@@ -8,11 +8,12 @@ transfer hides behind compute. At most `prefetch + 1` streamed groups are ever r
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from torch import nn
 
 from .residency import WeightGroup
+from .swapstats import SwapLedger
 
 Observer = Callable[[str, WeightGroup], None]
 
@@ -31,8 +32,12 @@ class StreamSchedule:
         prefetch: int,
         order_known: bool,
         observer: Observer | None = None,
+        ledger: SwapLedger | None = None,
+        backend: Any = None,
     ) -> None:
         self.groups = groups
+        self._ledger = ledger
+        self._stamp = backend.stamp if ledger is not None else (lambda: None)
         self._prefetch = prefetch
         self._order: list[WeightGroup] = list(groups) if order_known else []
         self._position = {id(g): i for i, g in enumerate(self._order)}
@@ -42,17 +47,26 @@ class StreamSchedule:
     def before_forward(self, group: WeightGroup) -> None:
         self._learn(group)
         if not group.resident:
-            group.onload()
-            self._observe("onload", group)
+            self._onload(group, "onload")
+        start = self._stamp()
         group.wait()
+        if self._ledger is not None:
+            self._ledger.waited(group, start, self._stamp())
         for upcoming in self._upcoming(group):
             if not upcoming.resident:
-                upcoming.onload()
-                self._observe("prefetch", upcoming)
+                self._onload(upcoming, "prefetch")
 
     def after_forward(self, group: WeightGroup) -> None:
+        if self._ledger is not None:
+            self._ledger.computed(group, self._stamp())
         group.evict()
         self._observe("evict", group)
+
+    def _onload(self, group: WeightGroup, kind: str) -> None:
+        token = group.onload()
+        if self._ledger is not None:
+            self._ledger.copied(group, token)
+        self._observe(kind, group)
 
     def evict_all(self) -> None:
         for group in self.groups:

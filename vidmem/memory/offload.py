@@ -21,7 +21,9 @@ from typing import Any, Mapping
 from torch import nn
 
 from .blockswap import Observer, StreamSchedule, hook_group
+from .hostpool import HostPool, pinned_cap_bytes
 from .residency import WeightGroup, own_slots, partition_slots
+from .swapstats import SwapLedger
 from .strategy import MemoryStrategy, OffloadTier
 
 
@@ -48,6 +50,7 @@ class OffloadHandle:
 
     def __init__(self, backend: Any, observer: Observer | None, exclusive: bool) -> None:
         self.backend = backend
+        self.ledger = SwapLedger(backend)
         self._exclusive = exclusive  # one component on the device at a time (every tier but none)
         self._observe = observer or (lambda kind, group: None)
         self._components: dict[str, _ComponentState] = {}
@@ -86,6 +89,10 @@ class OffloadHandle:
             if self._active == name:
                 self._active = None
 
+    def swap_summary(self) -> dict:
+        """Bytes moved and time spent copying, waiting and computing, per streamed group."""
+        return self.ledger.summary()
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -108,8 +115,12 @@ def apply_strategy(
     strategy: MemoryStrategy,
     backend: Any,
     observer: Observer | None = None,
+    host_pool: HostPool | None = None,
 ) -> OffloadHandle:
     """Apply `strategy` to `stage` on `backend`'s device; nothing is left applied if this raises.
+
+    Streamed tensors get pinned host homes from `host_pool` (kept by the caller across runs,
+    capped by `strategy.max_pinned_ram_gb`); `handle.swap_summary()` reports what streaming cost.
 
     Example:
         with apply_strategy(stage, strategy, backend_for(device)) as handle:
@@ -119,10 +130,11 @@ def apply_strategy(
     for name, blocks in stage.blocks.items():
         strategy.check_against_model(len(blocks), name)
     handle = OffloadHandle(backend, observer, exclusive=strategy.offload is not OffloadTier.NONE)
+    pinning = _Pinning(host_pool or HostPool(), backend.pin, pinned_cap_bytes(strategy.max_pinned_ram_gb))
     try:
         for name, module in stage.modules.items():
             handle._components[name] = _build_component(
-                handle, name, module, stage.blocks.get(name), strategy, backend, observer
+                handle, name, module, stage.blocks.get(name), strategy, backend, pinning
             )
         if strategy.offload is OffloadTier.NONE:
             for state in handle._components.values():
@@ -141,18 +153,20 @@ def _build_component(
     blocks: nn.ModuleList | None,
     strategy: MemoryStrategy,
     backend: Any,
-    observer: Observer | None,
+    pinning: "_Pinning",
 ) -> _ComponentState:
     tier, nb = strategy.offload, strategy.non_blocking
     units = _streamed_units(module, blocks, strategy)
     resident_slots, unit_slots = partition_slots(module, [members for _, members in units])
     resident = WeightGroup(name, resident_slots, backend, nb) if resident_slots else None
-    streamed = [(head, slots) for (head, _), slots in zip(units, unit_slots) if slots]
+    streamed = [(head, [pinning.adopt(s) for s in slots]) for (head, _), slots in zip(units, unit_slots) if slots]
     schedule = None
     if streamed:
         names = {id(m): qualified for qualified, m in module.named_modules()}
         groups = [WeightGroup(f"{name}.{names[id(head)] or '(root)'}", slots, backend, nb) for head, slots in streamed]
-        schedule = StreamSchedule(groups, strategy.prefetch_blocks, tier is OffloadTier.BLOCK_SWAP, observer)
+        schedule = StreamSchedule(
+            groups, strategy.prefetch_blocks, tier is OffloadTier.BLOCK_SWAP, handle._observe, handle.ledger, backend
+        )
         for (head, _), group in zip(streamed, groups):
             handle._handles += hook_group(head, group, schedule)
         handle._handles.append(module.register_forward_hook(lambda m, args, out: schedule.end_of_pass()))
@@ -162,6 +176,16 @@ def _build_component(
         for entry in (module, *module.children()):
             handle._handles.append(entry.register_forward_pre_hook(lambda m, args: handle.activate(name)))
     return _ComponentState(resident, schedule)
+
+
+@dataclass(frozen=True)
+class _Pinning:
+    pool: HostPool
+    pin: Any
+    cap_bytes: int
+
+    def adopt(self, slot):
+        return self.pool.adopt(slot, self.pin, self.cap_bytes)
 
 
 def _streamed_units(

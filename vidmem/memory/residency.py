@@ -70,39 +70,53 @@ class WeightGroup:
     def __init__(self, name: str, slots: list[_Slot], backend: Any, non_blocking: bool = True) -> None:
         self.name = name
         self._slots = slots
+        # A tied tensor (one Parameter registered in two modules) is copied once and shared.
+        self._tied: dict[int, list[_Slot]] = {}
+        for slot in slots:
+            self._tied.setdefault(id(slot.current()), []).append(slot)
         self._backend = backend
         self._non_blocking = non_blocking
         self._token: Any = None
         self.resident = False
-        self.nbytes = sum(s.host.numel() * s.host.element_size() for s in slots)
-        for slot in slots:
-            slot.point_to(backend.evicted(slot.host))
+        self.nbytes = sum(t[0].host.numel() * t[0].host.element_size() for t in self._tied.values())
+        self._point_all(backend.evicted)
 
     def __repr__(self) -> str:
         state = "resident" if self.resident else "evicted"
         return f"WeightGroup({self.name!r}, {len(self._slots)} tensors, {self.nbytes} bytes, {state})"
 
-    def onload(self) -> None:
-        """Start the host-to-device copy (asynchronous where the backend allows); idempotent."""
+    def onload(self) -> Any:
+        """Start the host-to-device copy (asynchronous where the backend allows); idempotent.
+
+        Returns the backend's copy token (for telemetry), or None if already resident.
+        """
         if self.resident:
-            return
-        for slot in self._slots:
-            slot.point_to(self._backend.copy_in(slot.host, self._non_blocking))
-        self._token = self._backend.record()
+            return None
+        owners = list(self._tied.values())
+        tensors, self._token = self._backend.copy_group([o[0].host for o in owners], self._non_blocking)
+        for slots, tensor in zip(owners, tensors):
+            for slot in slots:
+                slot.point_to(tensor)
         self.resident = True
+        return self._token
 
     def wait(self) -> None:
         """Make compute wait until this group's copy has landed."""
         if self._token is not None:
-            self._backend.wait(self._token, [s.current() for s in self._slots])
+            self._backend.wait(self._token, [o[0].current().data for o in self._tied.values()])
             self._token = None
 
     def evict(self) -> None:
         """Point every tensor back at its host copy: no device-to-host copy."""
-        for slot in self._slots:
-            slot.point_to(self._backend.evicted(slot.host))
+        self._point_all(self._backend.evicted)
         self._token = None
         self.resident = False
+
+    def _point_all(self, form) -> None:
+        for slots in self._tied.values():
+            shared = form(slots[0].host)
+            for slot in slots:
+                slot.point_to(shared)
 
     def restore(self) -> None:
         """Leave every tensor exactly on the storage it had before the group existed."""

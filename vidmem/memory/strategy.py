@@ -72,6 +72,7 @@ class MemoryStrategy:
     blocks_to_swap: int = 0
     prefetch_blocks: int = 1
     non_blocking: bool = True
+    max_pinned_ram_gb: float | None = None  # None: half the free RAM, keeping 8 GiB unpinned
     text_encoder: TextEncoderPlacement = TextEncoderPlacement.OFFLOAD_AFTER_ENCODING
     vae_slicing: bool = False
     vae_tiling: VaeTiling | None = None
@@ -95,6 +96,11 @@ class MemoryStrategy:
             )
         if self.prefetch_blocks < 0:
             raise StrategyError(f"prefetch_blocks={self.prefetch_blocks} must be 0 or more.")
+        if self.max_pinned_ram_gb is not None and self.max_pinned_ram_gb < 0:
+            raise StrategyError(
+                f"max_pinned_ram_gb={self.max_pinned_ram_gb} must be 0 (no pinning) or more; "
+                "leave it unset for the automatic ceiling."
+            )
 
     @property
     def streams_blocks(self) -> bool:

@@ -24,6 +24,12 @@ def format_receipt(title: str, receipt: dict) -> str:
         if "peak_allocated_bytes" in stage:
             peak = f"peak VRAM {human_bytes(stage['peak_allocated_bytes'])}, " + peak
         lines.append(f"{stage['stage']}: {stage['seconds']:.2f} s, {peak}")
+    if "swap" in receipt:
+        swap = receipt["swap"]
+        lines.append(
+            f"swap cost: {swap['swap_cost']:.1%} of step time ({human_bytes(swap['bytes_moved'])} moved, "
+            f"copies {swap['copy_s']:.2f} s, waited {swap['wait_s']:.2f} s, {swap['groups']} streamed groups)"
+        )
     if "decode" in receipt:
         lines.append("decode: " + json.dumps(receipt["decode"], sort_keys=True))
     return "\n".join(lines)

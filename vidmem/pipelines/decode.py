@@ -69,7 +69,7 @@ def decode(
     device = backend.device
     pipe, vae = loaded.pipe, loaded.pipe.vae
     report = DecodeReport()
-    with apply_strategy(StageComponents({"vae": vae}), strategy, backend, observer) as handle:
+    with apply_strategy(StageComponents({"vae": vae}), strategy, backend, observer, loaded.host_pool) as handle:
         handle.activate("vae")
         with StageMeter("decode", device) as meter:
             z = loaded.spec.to_vae_latent(pipe, samples.to(device, vae.dtype))

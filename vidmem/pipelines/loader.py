@@ -7,12 +7,13 @@ The family comes from `model_index.json`, never from the folder's name.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from ..memory.hostpool import HostPool
 from .cogvideox import COGVIDEOX
 from .family import FamilySpec, ModelError
 from .wan import WAN
@@ -30,6 +31,7 @@ class LoadedPipeline:
     class_name: str
     source: str
     dtype_name: str
+    host_pool: HostPool = field(default_factory=HostPool, compare=False, repr=False)  # pinned homes, reused run over run
 
     @property
     def needs_image(self) -> bool:

@@ -99,7 +99,7 @@ def sample(
     pipe, spec = loaded.pipe, loaded.spec
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": []}
     hooks.check_interrupt()
-    with apply_strategy(sample_stage(loaded, strategy), strategy, backend, observer) as handle:
+    with apply_strategy(sample_stage(loaded, strategy), strategy, backend, observer, loaded.host_pool) as handle:
         pipe.vidmem_execution_device = device
         try:
             with StageMeter("text_encode", device) as meter:
@@ -111,11 +111,20 @@ def sample(
             with StageMeter("denoise", device) as meter:
                 raw = pipe(**_call_kwargs(loaded, request, embeds, hooks)).frames
             receipt["stages"].append(meter.as_dict())
+            if strategy.streams_blocks:
+                receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)
         finally:
             del pipe.vidmem_execution_device
     samples = spec.to_comfy_latent(pipe, raw, request.frames).to("cpu")
     latent = {"samples": samples, "vidmem": {"family": spec.name, "class_name": loaded.class_name, "frames": request.frames}}
     return SampleResult(latent, receipt)
+
+
+def swap_receipt(summary: dict, denoise_seconds: float, pool) -> dict:
+    """Totals of what streaming cost; `swap_cost` is the share of denoise time spent waiting for copies."""
+    totals = summary["totals"]
+    cost = totals["wait_s"] / denoise_seconds if denoise_seconds > 0 else 0.0
+    return {**totals, "swap_cost": cost, "groups": len(summary["blocks"]), "host_pool": pool.stats()}
 
 
 @torch.no_grad()  # as the pipeline's own __call__: no autograd graph, same kernels
