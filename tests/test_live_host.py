@@ -1,0 +1,251 @@
+"""vidmem inside a real, running ComfyUI: skipped unless VIDMEM_COMFYUI_URL is set.
+
+It checks that all five nodes appear in /object_info with their inputs, that the core nodes our
+templates use match what the server declares, that each UI template's node types and widget
+values load against /object_info, that each API workflow (shrunk to the tiny models' size and
+steps, with a fresh seed so the cache cannot answer) queued with POST /prompt finishes with its
+files saved (MP4 and WEBP under output/vidmem/), that a bad Memory Strategy comes back as HTTP 400
+naming the input, that too many swapped blocks fail in the sampler as an execution_error, and that
+the four offload tiers save identical pixels. Standard library only for HTTP (PIL decodes the WEBPs).
+
+How to run it (ComfyUI 0.8.0, CPU, loopback only):
+
+    # 1. the pack and tiny models under the workflows' model folder names
+    ln -sfn "$PWD" /path/to/ComfyUI/custom_nodes/vidmem
+    python tests/workflow_runner.py place-models /path/to/ComfyUI/models/diffusers
+    # 2. the server
+    cd /path/to/ComfyUI && python main.py --cpu --listen 127.0.0.1 --port 8188
+    # 3. the test, from the repo root
+    VIDMEM_COMFYUI_URL=http://127.0.0.1:8188 python -m pytest -q -rA tests/test_live_host.py
+
+VIDMEM_COMFYUI_TIMEOUT (seconds, default 300) bounds each queued workflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+
+import pytest
+
+try:
+    from . import workflow_runner as wr
+except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
+    import workflow_runner as wr
+
+URL = os.environ.get("VIDMEM_COMFYUI_URL", "").rstrip("/")
+TIMEOUT = float(os.environ.get("VIDMEM_COMFYUI_TIMEOUT", "300"))
+pytestmark = pytest.mark.skipif(not URL, reason="set VIDMEM_COMFYUI_URL (e.g. http://127.0.0.1:8188) to test a running ComfyUI")
+
+CLIENT_ID = f"vidmem-tests-{uuid.uuid4().hex[:8]}"
+SAVE_NODES = ("SaveVideo", "SaveAnimatedWEBP")
+
+
+def request(path: str, body: dict | None = None) -> tuple[int, object]:
+    """(HTTP status, decoded JSON or raw bytes); an HTTP error status is returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(URL + path, data=data, headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, raw = error.code, error.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+def get_json(path: str):
+    status, payload = request(path)
+    assert status == 200, f"GET {path}: HTTP {status}: {payload!r:.500}"
+    return payload
+
+
+@pytest.fixture(scope="module")
+def object_info():
+    return get_json("/object_info")
+
+
+def server_spec(info: dict) -> wr.NodeSpec:
+    """A NodeSpec from one /object_info entry, inputs in the server's input_order, combos as lists."""
+    sections = {}
+    for section in ("required", "optional"):
+        entries = info["input"].get(section, {})
+        order = info.get("input_order", {}).get(section, list(entries))
+        sections[section] = {name: _as_v1(*entries[name]) for name in order}
+    return wr.NodeSpec(sections, tuple(info["output"]), tuple(info.get("output_name", info["output"])), info["display_name"])
+
+
+def _as_v1(input_type, config=None):
+    config = config or {}
+    if input_type == "COMBO":  # V3 nodes list combo options in the config
+        return (list(config.get("options", [])), config)
+    return (input_type, config)
+
+
+def test_all_five_nodes_are_listed_with_their_inputs(object_info):
+    for node_id, cls in wr.our_nodes().items():
+        assert node_id in object_info, f"{node_id} missing from /object_info: did the pack fail to import? see the server log"
+        listed, ours = object_info[node_id], cls.INPUT_TYPES()
+        for section in ("required", "optional"):
+            assert list(listed["input"].get(section, {})) == list(ours.get(section, {})), (node_id, section)
+        assert tuple(listed["output"]) == tuple(cls.RETURN_TYPES), node_id
+        assert listed["category"].startswith("vidmem"), node_id
+
+
+def test_the_workflow_models_are_listed(object_info):
+    listed = object_info["VidMemLoadPipeline"]["input"]["required"]["model"][0]
+    missing = [name for name in wr.referenced_model_names() if name not in listed]
+    assert not missing, f"not in the server's models/diffusers: {missing}; run `python tests/workflow_runner.py place-models <ComfyUI>/models/diffusers`"
+
+
+def test_core_node_table_matches_the_server(object_info):
+    for node_id, ours in wr.CORE_NODES.items():
+        listed = server_spec(object_info[node_id])
+        assert [(n, t, o) for n, t, _c, o in listed.ordered_inputs()] == [(n, t, o) for n, t, _c, o in ours.ordered_inputs()], node_id
+        assert listed.outputs == ours.outputs, node_id
+
+
+@pytest.mark.parametrize("path", wr.ui_files(), ids=lambda p: p.stem)
+def test_ui_template_loads_against_object_info(path, object_info):
+    problems = []
+    for node in wr.load_json(path)["nodes"]:
+        if node["type"] in wr.VIRTUAL_NODES:
+            continue
+        if node["type"] not in object_info:
+            problems.append(f"{node['type']}: not a node type on this server")
+            continue
+        spec = server_spec(object_info[node["type"]])
+        names, values = wr.widget_names(spec), node["widgets_values"]
+        if len(names) != len(values):
+            problems.append(f"{node['type']}: {len(values)} widget values, the server has widgets {names}")
+            continue
+        configs = {name: (t, config) for name, t, config, _o in spec.ordered_inputs()}
+        problems += [f"{node['type']}.{name}: {wr.value_problem(*configs[name], value)}"
+                     for name, value in zip(names, values)
+                     if name != "control_after_generate" and wr.value_problem(*configs[name], value)]
+    assert not problems, "\n".join(problems)
+
+
+def test_templates_are_served():
+    listed = get_json("/api/workflow_templates")
+    names = {name for templates in listed.values() for name in templates}
+    assert {p.stem for p in wr.ui_files()} <= names, listed
+
+
+def queue(api: dict) -> str:
+    status, payload = request("/prompt", {"prompt": api, "client_id": CLIENT_ID})
+    assert status == 200, f"POST /prompt: HTTP {status}: {json.dumps(payload, indent=1)[:3000]}"
+    return payload["prompt_id"]
+
+
+def wait_for(prompt_id: str) -> dict:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        entry = get_json(f"/history/{prompt_id}").get(prompt_id)
+        if entry and (entry["status"].get("completed") or entry["status"].get("status_str") == "error"):
+            return entry
+        time.sleep(0.5)
+    pytest.fail(f"prompt {prompt_id} did not finish in {TIMEOUT:.0f} s; queue: {get_json('/queue')}")
+
+
+def execution_errors(entry: dict) -> list:
+    return [data for kind, data in entry["status"].get("messages", []) if kind == "execution_error"]
+
+
+def fetch_output(file: dict) -> bytes:
+    query = urllib.parse.urlencode({k: file.get(k, "") for k in ("filename", "subfolder", "type")})
+    status, payload = request(f"/view?{query}")
+    assert status == 200, f"/view?{query}: HTTP {status}"
+    return payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+
+
+def looks_like(filename: str, data: bytes) -> bool:
+    """The container's magic bytes: MP4 has 'ftyp' at offset 4, WEBP is RIFF....WEBP."""
+    if filename.endswith(".mp4"):
+        return data[4:8] == b"ftyp"
+    if filename.endswith(".webp"):
+        return data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+    return len(data) > 0
+
+
+@pytest.mark.parametrize("path", wr.api_files(), ids=lambda p: p.stem)
+def test_api_workflow_runs_in_the_host(path, object_info):
+    seed = time.time_ns() % 2**32  # a fresh seed: the execution cache cannot answer for the sampler
+    api = wr.shrink_for_tiny(wr.load_json(path), seed=seed)
+    prompt_id = queue(api)
+    entry = wait_for(prompt_id)
+    assert entry["status"]["status_str"] == "success", json.dumps(execution_errors(entry), indent=1)[:4000]
+
+    outputs = entry["outputs"]
+    saved = []
+    for nid, node in api.items():
+        if node["class_type"] in SAVE_NODES:
+            files = outputs.get(nid, {}).get("images", [])
+            assert files, f"{node['class_type']} (node {nid}) saved nothing: {outputs.get(nid)}"
+            for file in files:
+                data = fetch_output(file)
+                assert looks_like(file["filename"], data), f"{file['filename']} is not a valid file ({data[:16]!r})"
+                saved.append((file["subfolder"], file["filename"], len(data)))
+        if node["class_type"] == "VidMemFreeVRAM":
+            assert "Free VRAM" in outputs[nid]["text"][0]
+    assert saved
+    print(f"\n{path.name}: prompt {prompt_id} seed {seed}: {entry['status']['status_str']}; saved {saved}")
+
+
+def test_bad_memory_strategy_is_rejected_naming_the_input():
+    api = wr.shrink_for_tiny(wr.load_json(wr.API_DIR / "wan21_t2v_blockswap.json"), seed=1)
+    strategy_id = next(nid for nid, node in api.items() if node["class_type"] == "VidMemMemoryStrategy")
+    api[strategy_id]["inputs"].update(offload="block_swap", blocks_to_swap=0)
+    status, payload = request("/prompt", {"prompt": api, "client_id": CLIENT_ID})
+    assert status == 400, f"expected HTTP 400, got {status}: {payload!r:.500}"
+    errors = payload["node_errors"][strategy_id]["errors"]
+    assert any(error["extra_info"].get("input_name") == "blocks_to_swap" for error in errors), errors
+    assert all("blocks_to_swap" in error["details"] for error in errors), errors
+    print(f"\nbad strategy: HTTP {status}: {errors[0]['details']}")
+
+
+def test_too_many_swapped_blocks_fail_in_the_sampler_naming_the_input():
+    """blocks_to_swap is only checked against the loaded model at run time: an execution_error."""
+    api = wr.shrink_for_tiny(wr.load_json(wr.API_DIR / "wan21_t2v_blockswap.json"), seed=time.time_ns() % 2**32)
+    strategy_id = next(nid for nid, node in api.items() if node["class_type"] == "VidMemMemoryStrategy")
+    api[strategy_id]["inputs"]["blocks_to_swap"] = 99
+    entry = wait_for(queue(api))
+    errors = execution_errors(entry)
+    assert entry["status"]["status_str"] == "error" and errors, entry["status"]
+    assert errors[0]["node_type"] == "VidMemVideoSampler" and "blocks_to_swap=99" in errors[0]["exception_message"], errors[0]
+    print(f"\ntoo many blocks: {errors[0]['node_type']}: {errors[0]['exception_message']}")
+
+
+def test_every_offload_tier_saves_the_same_video():
+    """Same seed, four tiers, run by the host: the lossless WEBPs it saves hold identical pixels."""
+    base = wr.shrink_for_tiny(wr.load_json(wr.API_DIR / "wan21_t2v_blockswap.json"), seed=time.time_ns() % 2**32)
+    ids = {node["class_type"]: nid for nid, node in base.items()}
+    tiers = {"none": 0, "model": 0, "block_swap": base[ids["VidMemMemoryStrategy"]]["inputs"]["blocks_to_swap"], "sequential": 0}
+    videos = {}
+    for offload, blocks in tiers.items():
+        api = json.loads(json.dumps(base))
+        api[ids["VidMemMemoryStrategy"]]["inputs"].update(offload=offload, blocks_to_swap=blocks)
+        api[ids["SaveAnimatedWEBP"]]["inputs"].update(lossless=True, filename_prefix=f"vidmem/tests/tier_{offload}")
+        api[ids["SaveVideo"]]["inputs"]["filename_prefix"] = f"vidmem/tests/tier_{offload}"
+        entry = wait_for(queue(api))
+        assert entry["status"]["status_str"] == "success", json.dumps(execution_errors(entry))[:2000]
+        videos[offload] = webp_pixels(fetch_output(entry["outputs"][ids["SaveAnimatedWEBP"]]["images"][0]))
+    assert len(set(videos.values())) == 1, {tier: hash(data) for tier, data in videos.items()}
+    print(f"\ntiers {list(videos)}: identical pixels in the lossless WEBPs ({len(videos['none'])} bytes of RGB)")
+
+
+def webp_pixels(data: bytes) -> bytes:
+    """Every frame's RGB bytes (the file itself also embeds the prompt, which differs per tier)."""
+    import io
+
+    from PIL import Image, ImageSequence
+
+    with Image.open(io.BytesIO(data)) as image:
+        return b"".join(frame.convert("RGB").tobytes() for frame in ImageSequence.Iterator(image))

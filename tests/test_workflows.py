@@ -1,0 +1,195 @@
+"""The workflow templates: they are what generate.py writes, every node and widget lines up with the
+nodes' INPUT_TYPES, UI and API files describe the same graph, and every API workflow runs end to end
+in-process with tiny models saved under the workflows' model folder names (no ComfyUI needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+try:
+    from . import workflow_runner as wr
+except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
+    import workflow_runner as wr
+
+from vidmem.nodes import NODE_CLASS_MAPPINGS
+from vidmem.pipelines.tiny import tiny_spec
+
+UI_FILES = wr.ui_files()
+API_FILES = wr.api_files()
+KNOWN_TYPES = set(NODE_CLASS_MAPPINGS) | set(wr.CORE_NODES) | set(wr.VIRTUAL_NODES)
+
+
+def by_name(paths):
+    return pytest.mark.parametrize("path", paths, ids=[p.stem for p in paths])
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory):
+    """A models/diffusers folder with a tiny model under every folder name the workflows use."""
+    root = tmp_path_factory.mktemp("models") / "diffusers"
+    wr.place_tiny_models(root)
+    return root
+
+
+@pytest.fixture
+def models_root(tiny_models_dir, monkeypatch):
+    from vidmem.nodes import host
+
+    monkeypatch.setattr(host, "_diffusers_roots", lambda: [str(tiny_models_dir)])
+    return tiny_models_dir
+
+
+def test_every_template_has_both_formats():
+    assert {"cogvideox_t2v.json", "wan21_t2v_blockswap.json"} <= {p.name for p in UI_FILES}
+    assert [p.name for p in UI_FILES] == [p.name for p in API_FILES]
+
+
+def test_files_are_what_generate_writes(monkeypatch):
+    location = wr.WORKFLOWS_DIR / "generate.py"
+    spec = importlib.util.spec_from_file_location("vidmem_workflow_generator", location)
+    generator = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, generator)  # dataclasses look their module up there
+    spec.loader.exec_module(generator)
+    stale = [str(path.relative_to(wr.REPO)) for path, text in generator.render().items()
+             if not path.is_file() or path.read_text() != text]
+    assert not stale, f"out of date (run `python workflows/generate.py`): {stale}"
+
+
+@by_name(UI_FILES)
+def test_every_node_type_exists(path):
+    ui = wr.load_json(path)
+    unknown = {node["type"] for node in ui["nodes"]} - KNOWN_TYPES
+    assert not unknown, f"{path.name}: node types neither vidmem's nor listed core nodes: {unknown}"
+    assert set(NODE_CLASS_MAPPINGS) <= {node["type"] for node in ui["nodes"]}, "every vidmem node appears"
+
+
+@by_name(UI_FILES)
+def test_ui_widget_values_line_up_with_input_types(path, models_root):
+    problems = []
+    for node in wr.load_json(path)["nodes"]:
+        spec = wr.node_spec(node["type"])
+        names, values = wr.widget_names(spec), node.get("widgets_values", [])
+        if len(names) != len(values):
+            problems.append(f"node {node['id']} {node['type']}: {len(values)} widget values for {names}")
+            continue
+        configs = {name: (t, config) for name, t, config, _optional in spec.ordered_inputs()}
+        for name, value in zip(names, values):
+            if name == "control_after_generate":
+                problem = None if value in wr.SEED_CONTROLS else f"{value!r} not in {wr.SEED_CONTROLS}"
+            else:
+                problem = wr.value_problem(*configs[name], value)
+            if problem:
+                problems.append(f"node {node['id']} {node['type']}.{name}: {problem}")
+    assert not problems, "\n".join(problems)
+
+
+@by_name(UI_FILES)
+def test_ui_slots_and_links_agree(path):
+    ui = wr.load_json(path)
+    nodes = {node["id"]: node for node in ui["nodes"]}
+    assert ui["version"] == 0.4 and ui["last_node_id"] >= max(nodes)
+    assert ui["last_link_id"] >= max(link[0] for link in ui["links"]) and len({l[0] for l in ui["links"]}) == len(ui["links"])
+    for node in ui["nodes"]:
+        spec = wr.node_spec(node["type"])
+        assert [(s["name"], s["type"]) for s in node["inputs"]] == [(n, t) for n, t, _o in wr.socket_inputs(spec)]
+        assert [(o["name"], o["type"]) for o in node["outputs"]] == list(zip(spec.output_names, spec.outputs))
+        for slot, optional in zip(node["inputs"], [o for _n, _t, o in wr.socket_inputs(spec)]):
+            assert optional or slot["link"] is not None, f"{node['type']}.{slot['name']} is required but unconnected"
+        if node["type"] != "Note":
+            assert node["properties"]["Node name for S&R"] == node["type"]
+    linked_in = {s["link"] for n in ui["nodes"] for s in n["inputs"] if s["link"] is not None}
+    linked_out = {i for n in ui["nodes"] for o in n["outputs"] for i in o["links"]}
+    assert linked_in == linked_out == {link[0] for link in ui["links"]}
+    for link_id, src, src_slot, dst, dst_slot, link_type in ui["links"]:
+        output, target = nodes[src]["outputs"][src_slot], nodes[dst]["inputs"][dst_slot]
+        assert link_id in output["links"] and target["link"] == link_id
+        assert wr.types_match(output["type"], link_type) and wr.types_match(link_type, target["type"])
+
+
+@by_name(UI_FILES)
+def test_ui_explains_its_memory_choice_in_a_note(path):
+    ui = wr.load_json(path)
+    notes = [n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "Note"]
+    strategy = next(n for n in ui["nodes"] if n["type"] == "VidMemMemoryStrategy")
+    offload = strategy["widgets_values"][0]
+    assert notes and any(offload in text and "models/diffusers" in text for text in notes)
+
+
+@by_name(UI_FILES)
+def test_ui_and_api_describe_the_same_graph(path):
+    api = wr.load_json(wr.API_DIR / path.name)
+    assert wr.ui_to_api(wr.load_json(path)) == api
+
+
+@by_name(API_FILES)
+def test_api_inputs_are_valid(path, models_root):
+    api = wr.load_json(path)
+    problems = []
+    for nid, node in api.items():
+        spec = wr.node_spec(node["class_type"])
+        for name, input_type, config, optional in spec.ordered_inputs():
+            value = node["inputs"].get(name)
+            if value is None:
+                problems += [] if optional else [f"{nid}.{name}: missing"]
+            elif wr.is_link(value):
+                sent = wr.node_spec(api[value[0]]["class_type"]).outputs[value[1]]
+                problems += [] if wr.types_match(sent, input_type) else [f"{nid}.{name}: {sent} into {input_type}"]
+            elif wr.is_widget(input_type) and wr.value_problem(input_type, config, value):
+                problems.append(f"{nid}.{name}: {wr.value_problem(input_type, config, value)}")
+        extra = set(node["inputs"]) - {name for name, *_ in spec.ordered_inputs()}
+        problems += [f"{nid}: unknown inputs {extra}"] if extra else []
+    assert not problems, "\n".join(problems)
+
+
+@by_name(API_FILES)
+def test_api_models_are_referenced_by_folder_name(path):
+    api = wr.load_json(path)
+    loaders = [node for node in api.values() if node["class_type"] == "VidMemLoadPipeline"]
+    assert loaders and all(node["inputs"]["path"] == "" for node in loaders), "no machine-specific paths"
+    for node in loaders:
+        assert "/" not in node["inputs"]["model"] and wr.tiny_variant_for(node["inputs"]["model"])
+
+
+@by_name(API_FILES)
+def test_api_workflow_runs_end_to_end_with_tiny_models(path, models_root):
+    original = wr.load_json(path)
+    api = wr.shrink_for_tiny(original)
+    run = wr.run_api(api)
+
+    variant = wr.tiny_variant_for(next(iter(wr.loader_models(api).values())))
+    spec = tiny_spec(variant)
+    ids = {node["class_type"]: nid for nid, node in api.items()}
+    latent = run.outputs[ids["VidMemVideoSampler"]][0]
+    assert isinstance(latent, dict) and latent["samples"].ndim == 5
+    frames = run.outputs[ids["VidMemVAEDecode"]][0]
+    assert frames.shape == (spec.frames, spec.height, spec.width, 3) and frames.dtype == torch.float32
+    assert run.outputs[ids["VidMemFreeVRAM"]][0] is frames, "Free VRAM passes its input through unchanged"
+    strategy_text = run.ui[ids["VidMemMemoryStrategy"]]["text"][0]
+    assert f"offload={original[ids['VidMemMemoryStrategy']]['inputs']['offload']}" in strategy_text
+
+    assert run.core_inputs, "the graph ends in core save nodes"
+    for nid, inputs in run.core_inputs.items():
+        assert not wr.core_input_problems(api[nid]["class_type"], inputs), (nid, api[nid]["class_type"])
+        if "images" in inputs:
+            assert inputs["images"].shape[0] == spec.frames
+
+
+def test_shrink_keeps_a_partial_block_swap():
+    api = wr.shrink_for_tiny(wr.load_json(wr.API_DIR / "wan21_t2v_blockswap.json"), seed=7)
+    strategy = next(n for n in api.values() if n["class_type"] == "VidMemMemoryStrategy")["inputs"]
+    sampler = next(n for n in api.values() if n["class_type"] == "VidMemVideoSampler")["inputs"]
+    layers = tiny_spec("wan2.1-t2v").transformer_config["num_layers"]
+    assert strategy["offload"] == "block_swap" and 1 <= strategy["blocks_to_swap"] < layers
+    assert sampler["seed"] == 7 and sampler["steps"] == wr.TINY_STEPS
+
+
+def test_core_input_check_catches_bad_frames():
+    bad = torch.zeros(2, 8, 8, 4)
+    assert wr.core_input_problems("CreateVideo", {"images": bad, "fps": 8.0})
+    assert wr.core_input_problems("SaveVideo", {"video": wr.CoreValue("IMAGE", "x"), "filename_prefix": "a",
+                                                "format": "auto", "codec": "auto"})
+    assert not wr.core_input_problems("CreateVideo", {"images": torch.rand(2, 8, 8, 3), "fps": 8.0})

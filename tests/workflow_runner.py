@@ -1,0 +1,360 @@
+"""Read, check and run vidmem's workflow files without ComfyUI; place tiny models for a real ComfyUI.
+
+What it gives the tests (and `workflows/generate.py`):
+- `node_spec(class_type)`: the inputs and outputs of one of our nodes (from NODE_CLASS_MAPPINGS) or of
+  the few core nodes our templates use (`CORE_NODES`, as ComfyUI 0.8.0 declares them; the live-host
+  test checks that table against a running server's `/object_info`).
+- `widget_names`, `value_problem`: how UI `widgets_values` line up with `INPUT_TYPES`, the way the
+  frontend lays them out (required then optional; an INT `seed` is followed by `control_after_generate`).
+- `ui_to_api(ui)`: the frontend's `graphToPrompt()` reduced to what our templates use.
+- `run_api(api)`: a minimal executor. It runs our node classes in topological order (calling
+  `FUNCTION`, unwrapping `{"ui", "result"}`) and records, for each core node, what reached it.
+- `shrink_for_tiny(api)`: the same graph at the tiny models' sizes (width/height/frames/steps, and
+  `blocks_to_swap` capped to what a tiny transformer has).
+
+Placing tiny models under the templates' folder names, e.g. for a real ComfyUI:
+
+    python tests/workflow_runner.py place-models /path/to/ComfyUI/models/diffusers
+
+writes one tiny random diffusers folder per model name the API workflows reference (a Wan-family
+tiny for Wan names, a CogVideoX tiny for CogVideoX names). An existing folder is never overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOWS_DIR = REPO / "workflows"
+API_DIR = WORKFLOWS_DIR / "api"
+
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+ANY = "*"
+SEED_CONTROLS = ("fixed", "increment", "decrement", "randomize")
+TINY_STEPS = 2
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A node type as the graph sees it: INPUT_TYPES-shaped inputs, output types and names."""
+
+    inputs: Mapping[str, Mapping[str, tuple]]
+    outputs: tuple[str, ...]
+    output_names: tuple[str, ...]
+    display: str
+
+    def ordered_inputs(self) -> list[tuple[str, Any, dict, bool]]:
+        """(name, type, config, optional) in the frontend's order: required, then optional."""
+        rows = []
+        for section in ("required", "optional"):
+            for name, entry in self.inputs.get(section, {}).items():
+                config = entry[1] if len(entry) > 1 else {}
+                rows.append((name, entry[0], dict(config), section == "optional"))
+        return rows
+
+
+def _core(display: str, required: dict, optional: dict | None = None, outputs: tuple[str, ...] = ()) -> NodeSpec:
+    return NodeSpec({"required": required, "optional": optional or {}}, outputs, outputs, display)
+
+
+# Core nodes the templates use, as ComfyUI 0.8.0 declares them (comfy_extras/nodes_video.py,
+# nodes_images.py). "Note" is frontend-only: it lives in UI files and never reaches POST /prompt.
+CORE_NODES: dict[str, NodeSpec] = {
+    "CreateVideo": _core(
+        "Create Video",
+        {"images": ("IMAGE", {}), "fps": ("FLOAT", {"default": 30.0, "min": 1.0, "max": 120.0})},
+        {"audio": ("AUDIO", {})},
+        outputs=("VIDEO",),
+    ),
+    "SaveVideo": _core("Save Video", {
+        "video": ("VIDEO", {}),
+        "filename_prefix": ("STRING", {"default": "video/ComfyUI"}),
+        "format": (["auto", "mp4"], {"default": "auto"}),
+        "codec": (["auto", "h264"], {"default": "auto"}),
+    }),
+    "SaveAnimatedWEBP": _core("Save Animated WEBP", {
+        "images": ("IMAGE", {}),
+        "filename_prefix": ("STRING", {"default": "ComfyUI"}),
+        "fps": ("FLOAT", {"default": 6.0, "min": 0.01, "max": 1000.0}),
+        "lossless": ("BOOLEAN", {"default": True}),
+        "quality": ("INT", {"default": 80, "min": 0, "max": 100}),
+        "method": (["default", "fastest", "slowest"], {}),
+    }),
+}
+VIRTUAL_NODES: dict[str, NodeSpec] = {"Note": _core("Note", {"text": ("STRING", {"multiline": True})})}
+
+
+def our_nodes() -> dict[str, type]:
+    from vidmem.nodes import NODE_CLASS_MAPPINGS
+
+    return NODE_CLASS_MAPPINGS
+
+
+def node_spec(class_type: str) -> NodeSpec:
+    """Our node's live INPUT_TYPES (so the model list reflects the current models folder) or a core spec."""
+    ours = our_nodes()
+    if class_type in ours:
+        from vidmem.nodes import NODE_DISPLAY_NAME_MAPPINGS
+
+        cls = ours[class_type]
+        names = getattr(cls, "RETURN_NAMES", None) or cls.RETURN_TYPES
+        return NodeSpec(cls.INPUT_TYPES(), tuple(cls.RETURN_TYPES), tuple(names), NODE_DISPLAY_NAME_MAPPINGS[class_type])
+    if class_type in CORE_NODES:
+        return CORE_NODES[class_type]
+    if class_type in VIRTUAL_NODES:
+        return VIRTUAL_NODES[class_type]
+    raise KeyError(f"node type {class_type!r} is neither a vidmem node nor one of the core nodes {sorted(CORE_NODES)}")
+
+
+def is_widget(input_type: Any) -> bool:
+    return isinstance(input_type, list) or input_type in WIDGET_TYPES
+
+
+def widget_names(spec: NodeSpec) -> list[str]:
+    """Names for each entry of a UI node's widgets_values, in order."""
+    names = []
+    for name, input_type, config, _optional in spec.ordered_inputs():
+        if is_widget(input_type):
+            names.append(name)
+            if input_type == "INT" and (name in ("seed", "noise_seed") or config.get("control_after_generate")):
+                names.append("control_after_generate")
+    return names
+
+
+def socket_inputs(spec: NodeSpec) -> list[tuple[str, str, bool]]:
+    """(name, type, optional) of the inputs drawn as slots, in slot order."""
+    return [(name, t, optional) for name, t, _config, optional in spec.ordered_inputs() if not is_widget(t)]
+
+
+def value_problem(input_type: Any, config: Mapping, value: Any) -> str | None:
+    """Why `value` would fail ComfyUI's validation of a widget input, or None if it is fine."""
+    if isinstance(input_type, list):
+        return None if value in input_type else f"{value!r} is not one of {input_type}"
+    expected = {"INT": int, "FLOAT": (int, float), "STRING": str, "BOOLEAN": bool}[input_type]
+    if not isinstance(value, expected) or (input_type in ("INT", "FLOAT") and isinstance(value, bool)):
+        return f"{value!r} is not a {input_type}"
+    if input_type in ("INT", "FLOAT"):
+        low, high = config.get("min"), config.get("max")
+        if (low is not None and value < low) or (high is not None and value > high):
+            return f"{value} is outside {low}..{high}"
+    return None
+
+
+def types_match(sent: str, accepted: str) -> bool:
+    return ANY in (sent, accepted) or sent == accepted
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def ui_files() -> list[Path]:
+    return sorted(WORKFLOWS_DIR.glob("*.json"))
+
+
+def api_files() -> list[Path]:
+    return sorted(API_DIR.glob("*.json"))
+
+
+def is_link(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
+
+
+def ui_to_api(ui: dict) -> dict:
+    """API format of a UI workflow: frontend-only nodes dropped, widgets named, links as [id, slot]."""
+    links = {link[0]: link for link in ui["links"]}
+    api = {}
+    for node in ui["nodes"]:
+        if node["type"] in VIRTUAL_NODES or node.get("mode", 0) in (2, 4):  # 2 muted, 4 bypassed
+            continue
+        spec = node_spec(node["type"])
+        inputs = dict(zip(widget_names(spec), node.get("widgets_values", [])))
+        inputs.pop("control_after_generate", None)
+        for slot in node.get("inputs", []):
+            if slot.get("link") is not None:
+                link = links[slot["link"]]
+                inputs[slot["name"]] = [str(link[1]), link[2]]
+        api[str(node["id"])] = {"class_type": node["type"], "inputs": inputs, "_meta": {"title": node.get("title") or spec.display}}
+    return api
+
+
+def topological_order(api: dict) -> list[str]:
+    """Node ids so that every node comes after the nodes it reads from (ties by id)."""
+    pending = {nid: {v[0] for v in node["inputs"].values() if is_link(v)} for nid, node in api.items()}
+    order: list[str] = []
+    while pending:
+        ready = sorted((nid for nid, deps in pending.items() if deps <= set(order)), key=_id_key)
+        if not ready:
+            raise ValueError(f"the graph has a cycle or a link to a missing node among {sorted(pending)}")
+        order.extend(ready)
+        for nid in ready:
+            del pending[nid]
+    return order
+
+
+def _id_key(node_id: str) -> tuple:
+    return (0, int(node_id), "") if node_id.isdigit() else (1, 0, node_id)
+
+
+# --- tiny models ---------------------------------------------------------------------------------
+
+# First match wins: every listed substring must occur in the lower-cased folder name.
+TINY_FOR_NAME: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("wan", "ti2v"), "wan2.2-ti2v"),
+    (("wan", "a14b"), "wan2.2-a14b"),
+    (("wan", "i2v"), "wan2.1-i2v"),
+    (("wan",), "wan2.1-t2v"),
+    (("cogvideo", "i2v"), "cogvideox-i2v"),
+    (("cogvideo",), "cogvideox-t2v"),
+)
+
+
+def tiny_variant_for(model_name: str) -> str:
+    name = model_name.lower()
+    for parts, variant in TINY_FOR_NAME:
+        if all(part in name for part in parts):
+            return variant
+    raise ValueError(f"no tiny stand-in for model {model_name!r}; expected a Wan or CogVideoX folder name")
+
+
+def loader_models(api: dict) -> dict[str, str]:
+    """node id -> model folder name, for every Load Video Pipeline node."""
+    return {nid: node["inputs"]["model"] for nid, node in api.items() if node["class_type"] == "VidMemLoadPipeline"}
+
+
+def referenced_model_names(paths: list[Path] | None = None) -> list[str]:
+    names = set()
+    for path in paths or api_files():
+        names.update(loader_models(load_json(path)).values())
+    return sorted(names)
+
+
+def place_tiny_models(models_dir: Path, names: list[str] | None = None) -> list[Path]:
+    """A tiny diffusers folder at models_dir/<name> for each name; existing folders are kept."""
+    from vidmem.pipelines.tiny import save_tiny_pipeline
+
+    placed = []
+    for name in names or referenced_model_names():
+        folder = Path(models_dir) / name
+        if not (folder / "model_index.json").is_file():
+            save_tiny_pipeline(tiny_variant_for(name), folder)
+        placed.append(folder)
+    return placed
+
+
+def shrink_for_tiny(api: dict, seed: int | None = None) -> dict:
+    """A copy of `api` that the tiny models accept: their size and frames, TINY_STEPS steps, and
+    blocks_to_swap capped below the tiny transformer's block count (so a swap stays partial)."""
+    from vidmem.pipelines.tiny import tiny_spec
+
+    api = copy.deepcopy(api)
+    specs = [tiny_spec(tiny_variant_for(name)) for name in loader_models(api).values()]
+    if not specs:
+        return api
+    spec = specs[0]
+    block_cap = max(1, min(s.transformer_config["num_layers"] for s in specs) - 1)
+    for node in api.values():
+        inputs = node["inputs"]
+        if node["class_type"] == "VidMemVideoSampler":
+            inputs.update(width=spec.width, height=spec.height, frames=spec.frames, steps=min(inputs["steps"], TINY_STEPS))
+            if seed is not None:
+                inputs["seed"] = seed
+        if node["class_type"] == "VidMemMemoryStrategy" and inputs["blocks_to_swap"] > 0:
+            inputs["blocks_to_swap"] = min(inputs["blocks_to_swap"], block_cap)
+    return api
+
+
+# --- a minimal executor --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CoreValue:
+    """Stands in for the output of a core node the executor does not run."""
+
+    type: str
+    made_by: str
+
+
+@dataclass
+class Run:
+    outputs: dict[str, tuple]  # node id -> its result tuple
+    ui: dict[str, dict]  # node id -> the "ui" part our nodes returned
+    core_inputs: dict[str, dict]  # core node id -> the inputs that reached it
+
+
+def run_api(api: dict) -> Run:
+    """Run `api`: our nodes for real (validated first, as POST /prompt does), core nodes recorded."""
+    ours = our_nodes()
+    run = Run({}, {}, {})
+    for nid in topological_order(api):
+        node = api[nid]
+        inputs = {k: (run.outputs[v[0]][v[1]] if is_link(v) else v) for k, v in node["inputs"].items()}
+        if node["class_type"] in ours:
+            run.outputs[nid] = _run_ours(ours[node["class_type"]], inputs, run.ui, nid)
+        else:
+            spec = node_spec(node["class_type"])
+            run.core_inputs[nid] = inputs
+            run.outputs[nid] = tuple(CoreValue(t, node["class_type"]) for t in spec.outputs)
+    return run
+
+
+def _run_ours(cls: type, inputs: dict, ui: dict, nid: str) -> tuple:
+    if hasattr(cls, "VALIDATE_INPUTS"):
+        verdict = cls.VALIDATE_INPUTS(**inputs)
+        if verdict is not True:
+            raise ValueError(f"node {nid} ({cls.__name__}) failed validation: {verdict}")
+    result = getattr(cls(), cls.FUNCTION)(**inputs)
+    if isinstance(result, dict):
+        ui[nid] = result.get("ui", {})
+        result = result["result"]
+    if len(result) != len(cls.RETURN_TYPES):
+        raise ValueError(f"node {nid} ({cls.__name__}) returned {len(result)} values for {cls.RETURN_TYPES}")
+    return tuple(result)
+
+
+def core_input_problems(class_type: str, inputs: dict) -> list[str]:
+    """What a real core node would choke on: missing inputs, wrong types, IMAGE not [F, H, W, 3] 0..1."""
+    problems = []
+    for name, input_type, config, optional in node_spec(class_type).ordered_inputs():
+        if name not in inputs:
+            if not optional:
+                problems.append(f"{name}: missing")
+            continue
+        value = inputs[name]
+        problem = value_problem(input_type, config, value) if is_widget(input_type) else _socket_problem(input_type, value)
+        if problem:
+            problems.append(f"{name}: {problem}")
+    return problems
+
+
+def _socket_problem(input_type: str, value: Any) -> str | None:
+    if isinstance(value, CoreValue):
+        return None if types_match(value.type, input_type) else f"got {value.type} from {value.made_by}"
+    if input_type == "IMAGE":
+        import torch
+
+        if not isinstance(value, torch.Tensor) or value.ndim != 4 or value.shape[-1] != 3:
+            return f"IMAGE must be a [frames, H, W, 3] tensor, got {getattr(value, 'shape', type(value).__name__)}"
+        if not value.is_floating_point() or value.min() < 0 or value.max() > 1:
+            return f"IMAGE must be float in 0..1, got {value.dtype} {value.min().item()}..{value.max().item()}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python tests/workflow_runner.py", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    place = commands.add_parser("place-models", help="write tiny models under the API workflows' model names")
+    place.add_argument("models_dir", type=Path, help="e.g. ComfyUI/models/diffusers")
+    args = parser.parse_args(argv)
+    for folder in place_tiny_models(args.models_dir):
+        print(f"{folder}  ({tiny_variant_for(folder.name)})")
+
+
+if __name__ == "__main__":
+    main()

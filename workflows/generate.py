@@ -1,0 +1,261 @@
+"""Write vidmem's workflow templates, UI format (workflows/*.json) and API format (workflows/api/*.json).
+
+Both files of a template come from one Python description below, so they cannot drift apart;
+`tests/test_workflows.py` checks that the files on disk are what this script writes, and converts
+each UI file to API format on its own to compare. Widget order comes from the nodes' INPUT_TYPES.
+
+    python workflows/generate.py          # rewrite the files
+    python workflows/generate.py --check  # exit 1 if a file differs from what would be written
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from workflow_runner import API_DIR, WORKFLOWS_DIR, node_spec, socket_inputs, widget_names  # noqa: E402
+
+
+@dataclass
+class Node:
+    id: int
+    type: str
+    pos: tuple[int, int]
+    size: tuple[int, int]
+    widgets: dict = field(default_factory=dict)  # input name -> value (control_after_generate too)
+    links: dict = field(default_factory=dict)  # input name -> (source node id, output slot)
+    group: str | None = None
+    colors: tuple[str, str] | None = None  # (color, bgcolor)
+
+
+@dataclass(frozen=True)
+class Template:
+    """What differs between templates: the model, the memory strategy, the shot, and why."""
+
+    name: str
+    note: str
+    model: str
+    dtype: str
+    strategy: dict
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    frames: int
+    steps: int
+    cfg: float
+    fps: float
+    seed: int = 42
+
+
+NEGATIVE = "blurry, low quality, distorted, flickering, static frame, watermark, text, subtitles"
+TILES = dict(vae_tiling=True, tile_size=256, overlap=64, temporal_size=64, temporal_overlap=8)
+
+TEMPLATES = (
+    Template(
+        name="cogvideox_t2v",
+        note=(
+            "CogVideoX-2b text to video: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
+            "Model: the diffusers folder of THUDM/CogVideoX-2b in ComfyUI/models/diffusers/CogVideoX-2b "
+            "(the dropdown lists folders by name, so this workflow finds it on any machine). "
+            "fp16 is the precision CogVideoX-2b was trained in.\n\n"
+            "Memory strategy, offload = model: the text encoder, the transformer and the VAE each go to the "
+            "GPU only while they run, so the peak is the largest component plus its activations, not their "
+            "sum. The largest is the T5-XXL text encoder (about 9.5 GB in fp16); with text_encoder = "
+            "offload_after_encoding it leaves the GPU as soon as the prompt is encoded. On a card under "
+            "12 GB set text_encoder = cpu (encoding then takes a while in system RAM and no VRAM).\n\n"
+            "VAE tiling: decoding 720x480x49 in one piece needs about 16 GB in fp16; 256 px tiles with "
+            "64 px overlap keep the decode to a few GB.\n\n"
+            "Every strategy gives the same frames; they differ only in memory and speed."
+        ),
+        model="CogVideoX-2b",
+        dtype="fp16",
+        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, text_encoder="offload_after_encoding",
+                      vae_slicing=False, **TILES),
+        prompt="A golden retriever runs through a sunlit meadow of tall grass, slow motion, shallow depth of field.",
+        negative_prompt=NEGATIVE,
+        width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0,
+    ),
+    Template(
+        name="wan21_t2v_blockswap",
+        note=(
+            "Wan 2.1 T2V 1.3B text to video: 832x480, 81 frames (about 5 s at 16 fps), for small cards.\n\n"
+            "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
+            "ComfyUI/models/diffusers/Wan2.1-T2V-1.3B-Diffusers.\n\n"
+            "Memory strategy, offload = block_swap with blocks_to_swap = 20: of the transformer's 30 "
+            "blocks, the first 10 stay on the GPU and the last 20 live in system RAM and stream in each "
+            "step, the next one copied while the current one computes (prefetch_blocks = 1). The "
+            "transformer then holds about a third of its 2.8 GB (bf16) on the GPU. The UMT5-XXL text "
+            "encoder (about 11 GB in bf16) encodes on the CPU (text_encoder = cpu), so it never takes "
+            "VRAM, and the VAE decodes in 256 px tiles.\n\n"
+            "With 12 GB or more, offload = model and blocks_to_swap = 0 is faster. Fewer swapped blocks "
+            "run faster and use more VRAM. Every strategy gives the same frames."
+        ),
+        model="Wan2.1-T2V-1.3B-Diffusers",
+        dtype="bf16",
+        strategy=dict(offload="block_swap", blocks_to_swap=20, prefetch_blocks=1, text_encoder="cpu",
+                      vae_slicing=False, **TILES),
+        prompt="A red fox trots through fresh snow in a pine forest, morning light, tracking shot.",
+        negative_prompt=NEGATIVE,
+        width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0,
+    ),
+)
+
+GROUPS = ("1. Model and memory strategy", "2. Sample, decode, free", "3. Save")
+NOTE_COLORS = ("#432", "#653")
+
+
+def graph(t: Template) -> list[Node]:
+    """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> Free VRAM -> save."""
+    return [
+        Node(1, "VidMemLoadPipeline", (0, 330), (360, 130), dict(model=t.model, dtype=t.dtype, path=""), group=GROUPS[0]),
+        Node(2, "VidMemMemoryStrategy", (0, 500), (360, 330), dict(t.strategy), group=GROUPS[0]),
+        Node(3, "VidMemVideoSampler", (420, 330), (400, 500), dict(
+            prompt=t.prompt, negative_prompt=t.negative_prompt, width=t.width, height=t.height, frames=t.frames,
+            steps=t.steps, cfg=t.cfg, seed=t.seed, control_after_generate="fixed",
+        ), links=dict(pipeline=(1, 0), strategy=(2, 0)), group=GROUPS[1]),
+        Node(4, "VidMemVAEDecode", (880, 330), (300, 90), links=dict(pipeline=(1, 0), latent=(3, 0), strategy=(2, 0)),
+             group=GROUPS[1]),
+        Node(5, "VidMemFreeVRAM", (880, 470), (300, 130), dict(unload_comfy_models=False), links=dict(anything=(4, 0)),
+             group=GROUPS[1]),
+        Node(6, "CreateVideo", (1240, 330), (270, 80), dict(fps=t.fps), links=dict(images=(5, 0)), group=GROUPS[2]),
+        Node(7, "SaveVideo", (1240, 460), (480, 440), dict(filename_prefix=f"vidmem/{t.name}", format="auto", codec="auto"),
+             links=dict(video=(6, 0)), group=GROUPS[2]),
+        Node(8, "SaveAnimatedWEBP", (1780, 330), (480, 570), dict(
+            filename_prefix=f"vidmem/{t.name}_preview", fps=t.fps, lossless=False, quality=85, method="default",
+        ), links=dict(images=(5, 0)), group=GROUPS[2]),
+        Node(9, "Note", (0, 0), (820, 280), dict(text=t.note), colors=NOTE_COLORS),
+    ]
+
+
+# --- API format ----------------------------------------------------------------------------------
+
+def to_api(nodes: list[Node]) -> dict:
+    api = {}
+    for node in nodes:
+        if node.type == "Note":
+            continue
+        values = {**node.widgets, **{name: [str(src), slot] for name, (src, slot) in node.links.items()}}
+        order = [name for name, *_ in node_spec(node.type).ordered_inputs()]  # INPUT_TYPES order
+        inputs = {name: values[name] for name in order if name in values}
+        api[str(node.id)] = {"class_type": node.type, "inputs": inputs, "_meta": {"title": node_spec(node.type).display}}
+    return api
+
+
+# --- UI format (LiteGraph 0.4, as the ComfyUI frontend saves it) ---------------------------------
+
+def to_ui(t: Template, nodes: list[Node]) -> dict:
+    by_id = {n.id: n for n in nodes}
+    links, incoming, outgoing = [], {}, {}
+    for target in nodes:
+        slots = [name for name, _t, _o in socket_inputs(node_spec(target.type))]
+        for name, (src, slot) in target.links.items():
+            link_id = len(links) + 1
+            links.append([link_id, src, slot, target.id, slots.index(name), _link_type(by_id[src], slot, target, name)])
+            incoming[(target.id, name)] = link_id
+            outgoing.setdefault((src, slot), []).append(link_id)
+    order = _execution_order(nodes)
+    return {
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"vidmem/workflows/{t.name}")),
+        "revision": 0,
+        "last_node_id": max(by_id),
+        "last_link_id": len(links),
+        "nodes": [_ui_node(n, order[n.id], incoming, outgoing) for n in nodes],
+        "links": links,
+        "groups": _groups(nodes),
+        "config": {},
+        "extra": {"ds": {"scale": 0.8, "offset": [40, 40]}},
+        "version": 0.4,
+    }
+
+
+def _ui_node(node: Node, order: int, incoming: dict, outgoing: dict) -> dict:
+    spec = node_spec(node.type)
+    inputs = []
+    for name, input_type, optional in socket_inputs(spec):
+        slot = {"name": name, "type": input_type, "link": incoming.get((node.id, name))}
+        if optional:
+            slot["shape"] = 7  # the frontend's hollow dot for optional inputs
+        inputs.append(slot)
+    outputs = [
+        {"name": name, "type": out_type, "links": outgoing.get((node.id, slot), []), "slot_index": slot}
+        for slot, (out_type, name) in enumerate(zip(spec.outputs, spec.output_names))
+    ]
+    ui = {
+        "id": node.id, "type": node.type, "pos": list(node.pos), "size": list(node.size), "flags": {},
+        "order": order, "mode": 0, "inputs": inputs, "outputs": outputs,
+        "properties": {} if node.type == "Note" else {"Node name for S&R": node.type},
+        "widgets_values": [node.widgets[name] for name in widget_names(spec)],
+    }
+    if node.colors:
+        ui["color"], ui["bgcolor"] = node.colors
+    return ui
+
+
+def _link_type(source: Node, slot: int, target: Node, name: str) -> str:
+    """The concrete type on the wire: the output's, or the input's when the output is any-type."""
+    out_type = node_spec(source.type).outputs[slot]
+    if out_type != "*":
+        return out_type
+    return dict((n, t) for n, t, _o in socket_inputs(node_spec(target.type)))[name]
+
+
+def _execution_order(nodes: list[Node]) -> dict[int, int]:
+    done: list[int] = []
+    while len(done) < len(nodes):
+        ready = [n.id for n in nodes if n.id not in done and all(src in done for src, _s in n.links.values())]
+        done.extend(sorted(ready))
+    return {nid: i for i, nid in enumerate(done)}
+
+
+def _groups(nodes: list[Node]) -> list[dict]:
+    groups = []
+    for index, title in enumerate(GROUPS, start=1):
+        members = [n for n in nodes if n.group == title]
+        left, top = min(n.pos[0] for n in members), min(n.pos[1] for n in members)
+        right = max(n.pos[0] + n.size[0] for n in members)
+        bottom = max(n.pos[1] + n.size[1] for n in members)
+        groups.append({"id": index, "title": title, "bounding": [left - 10, top - 50, right - left + 20, bottom - top + 60],
+                       "color": "#3f789e", "font_size": 24, "flags": {}})
+    return groups
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+def render() -> dict[Path, str]:
+    """path -> file text, for every template in both formats."""
+    files = {}
+    for t in TEMPLATES:
+        nodes = graph(t)
+        files[WORKFLOWS_DIR / f"{t.name}.json"] = _dump(to_ui(t, nodes))
+        files[API_DIR / f"{t.name}.json"] = _dump(to_api(nodes))
+    return files
+
+
+def _dump(data: dict) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write vidmem's workflow templates (UI and API format).")
+    parser.add_argument("--check", action="store_true", help="only report files that differ; exit 1 if any")
+    args = parser.parse_args(argv)
+    stale = [path for path, text in render().items() if not path.is_file() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"out of date: {path.relative_to(WORKFLOWS_DIR.parent)}")
+        return 1 if stale else 0
+    for path, text in render().items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path.relative_to(WORKFLOWS_DIR.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
