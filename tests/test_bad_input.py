@@ -75,7 +75,7 @@ def test_tiling_values(kwargs, message):
 def test_more_blocks_than_the_model_has_leaves_nothing_applied(tiny_loaded):
     loaded = tiny_loaded("wan2.1-t2v")
     before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
-    with pytest.raises(StrategyError, match="blocks_to_swap=99 but transformer has 2 transformer blocks; use 1..2"):
+    with pytest.raises(StrategyError, match="blocks_to_swap=99 but this model's transformer has 2 blocks; use 1..2"):
         sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=99), request_for("wan2.1-t2v"),
                backend=CpuBackend())
     assert storage_map(loaded.pipe) == before

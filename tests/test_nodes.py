@@ -64,7 +64,8 @@ def test_pack_loads_by_file_location_under_any_folder_name(tmp_path):
 
 
 def strategy_inputs(**change):
-    defaults = dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, text_encoder="offload_after_encoding",
+    defaults = dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
+                    text_encoder="offload_after_encoding",
                     vae_slicing=False, vae_tiling=False, tile_size=256, overlap=64, temporal_size=64,
                     temporal_overlap=8)
     return defaults | change

@@ -63,7 +63,8 @@ def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int):
     (pipeline,) = N["VidMemLoadPipeline"]().load(model="", dtype="fp32", path=str(folder))
     blocks = args.blocks_to_swap if args.offload == "block_swap" else 0
     strategy = N["VidMemMemoryStrategy"]().build(
-        offload=args.offload, blocks_to_swap=blocks, prefetch_blocks=1, text_encoder="offload_after_encoding",
+        offload=args.offload, blocks_to_swap=blocks, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
+        text_encoder="offload_after_encoding",
         vae_slicing=False, vae_tiling=True, tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4,
     )["result"][0]
     sampled = N["VidMemVideoSampler"]().sample(

@@ -106,12 +106,12 @@ class MemoryStrategy:
     def streams_blocks(self) -> bool:
         return self.offload in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
 
-    def check_against_model(self, block_count: int, model_name: str) -> None:
+    def check_against_model(self, block_count: int, component: str) -> None:
         """Checks that need the loaded model; call before applying anything."""
         if self.blocks_to_swap > block_count:
             raise StrategyError(
-                f"blocks_to_swap={self.blocks_to_swap} but {model_name} has {block_count} "
-                f"transformer blocks; use 1..{block_count} (or offload='sequential' to stream every layer)."
+                f"blocks_to_swap={self.blocks_to_swap} but this model's {component} has {block_count} "
+                f"blocks; use 1..{block_count} (or offload='sequential' to stream every layer)."
             )
 
     def describe(self) -> str:

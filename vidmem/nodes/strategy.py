@@ -10,10 +10,15 @@ _DEFAULT = MemoryStrategy()
 _TILES = VaeTiling()
 
 
+AUTO_PINNED = -1.0  # widget value meaning "automatic ceiling"
+
+
 def build_strategy(
     offload: str,
     blocks_to_swap: int,
     prefetch_blocks: int,
+    max_pinned_ram_gb: float,
+    non_blocking: bool,
     text_encoder: str,
     vae_slicing: bool,
     vae_tiling: bool,
@@ -27,6 +32,8 @@ def build_strategy(
         offload=offload,
         blocks_to_swap=blocks_to_swap,
         prefetch_blocks=prefetch_blocks,
+        max_pinned_ram_gb=None if max_pinned_ram_gb == AUTO_PINNED else max_pinned_ram_gb,
+        non_blocking=non_blocking,
         text_encoder=text_encoder,
         vae_slicing=vae_slicing,
         vae_tiling=tiling,
@@ -58,6 +65,14 @@ class VidMemMemoryStrategy:
                 "prefetch_blocks": ("INT", {"default": _DEFAULT.prefetch_blocks, "min": 0, "max": 8, "tooltip":
                     "Streamed blocks copied ahead while the current one computes. 1 hides most of the "
                     "transfer; each extra block costs one block of VRAM. 0 copies on demand."}),
+                "max_pinned_ram_gb": ("FLOAT", {"default": AUTO_PINNED, "min": AUTO_PINNED, "max": 1024.0, "step": 0.5,
+                    "tooltip": "Ceiling on page-locked RAM for streamed blocks (GPU only). Pinned blocks copy "
+                    "asynchronously while the GPU computes; past the ceiling they stay pageable and copy "
+                    "synchronously. Pinned RAM cannot be swapped out. -1: automatic (half the free RAM, "
+                    "keeping 8 GB unpinned); 0: no pinning."}),
+                "non_blocking": ("BOOLEAN", {"default": _DEFAULT.non_blocking, "tooltip":
+                    "Copy streamed blocks asynchronously so copies overlap compute. Turn off only to "
+                    "debug a driver problem: every copy then stalls the GPU."}),
                 "text_encoder": ([p.value for p in TextEncoderPlacement], {"default": _DEFAULT.text_encoder.value,
                     "tooltip": "device: on the GPU with the tier's rules. offload_after_encoding: on the GPU "
                     "only to encode the prompt. cpu: encode in RAM (slow for T5-XXL, no VRAM)."}),
