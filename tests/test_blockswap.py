@@ -97,3 +97,30 @@ def test_cpu_backend_moves_nothing():
     assert device_copy is host and token is None and backend.evicted(host) is host
     assert HostPool().adopt  # pinning is opt-in through backend.pin, which the CPU backend lacks
     assert backend.pin is None
+
+
+def test_weight_bytes_follow_the_tier_and_the_host_is_asked_first(tiny_loaded):
+    from vidmem.memory.offload import device_weight_bytes
+    from vidmem.pipelines.sample import RunHooks, sample_stage
+
+    loaded = tiny_loaded("wan2.2-a14b")
+    sizes = {}
+    for label, strategy in {  # text encoder on the CPU: the tiny T5 outweighs the tiny transformer
+        "none": MemoryStrategy(offload="none", text_encoder="cpu"),
+        "model": MemoryStrategy(offload="model", text_encoder="cpu"),
+        "swap1": MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=0, text_encoder="cpu"),
+        "swap2": MemoryStrategy(offload="block_swap", blocks_to_swap=2, prefetch_blocks=0, text_encoder="cpu"),
+        "sequential": MemoryStrategy(offload="sequential", prefetch_blocks=0, text_encoder="cpu"),
+    }.items():
+        sizes[label] = device_weight_bytes(sample_stage(loaded, strategy), strategy)
+    # one streamed block is on the device while it runs, so swapping 1 of 2 blocks saves no peak
+    assert sizes["none"] > sizes["model"] == sizes["swap1"] > sizes["swap2"] > sizes["sequential"] > 0
+    tensor_bytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
+    transformer, block = tensor_bytes(loaded.pipe.transformer), tensor_bytes(loaded.pipe.transformer.blocks[0])
+    assert sizes["none"] == 2 * sizes["model"] == 2 * transformer  # both experts at once vs one at a time
+    assert sizes["swap2"] == transformer - block  # two of two blocks streamed, one on the device at a time
+
+    asked = []
+    result = sample(loaded, MemoryStrategy(offload="model", text_encoder="cpu"), request_for("wan2.2-a14b"),
+                    hooks=RunHooks(make_room=lambda nbytes, device: asked.append((nbytes, device))), backend=CpuBackend())
+    assert asked == [(sizes["model"], torch.device("cpu"))] == [(result.receipt["device_weight_bytes"], torch.device("cpu"))]

@@ -178,6 +178,28 @@ def _build_component(
     return _ComponentState(resident, schedule)
 
 
+def device_weight_bytes(stage: StageComponents, strategy: MemoryStrategy) -> int:
+    """Weight bytes the tier puts on the device at its peak (activations come on top).
+
+    Computed from the same partition apply_strategy uses, without moving anything, so a host
+    can be asked to make room before the first onload.
+    """
+    per_component = []
+    for name, module in stage.modules.items():
+        units = _streamed_units(module, stage.blocks.get(name), strategy)
+        resident, unit_slots = partition_slots(module, [members for _, members in units])
+        streamed = sorted((_slot_bytes(slots) for slots in unit_slots), reverse=True)
+        per_component.append(_slot_bytes(resident) + sum(streamed[: strategy.prefetch_blocks + 1]))
+    if strategy.offload is OffloadTier.NONE:
+        return sum(per_component)
+    return max(per_component, default=0)
+
+
+def _slot_bytes(slots) -> int:
+    unique = {id(s.current()): s.host for s in slots}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
 @dataclass(frozen=True)
 class _Pinning:
     pool: HostPool

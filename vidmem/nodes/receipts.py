@@ -19,6 +19,8 @@ def format_receipt(title: str, receipt: dict) -> str:
     for key in ("strategy", "device"):
         if key in receipt:
             lines.append(f"{key}: {receipt[key]}")
+    if "device_weight_bytes" in receipt:
+        lines.append(f"weights on device at peak: {human_bytes(receipt['device_weight_bytes'])}")
     for stage in receipt.get("stages", []):
         peak = f"peak RSS {human_bytes(stage.get('peak_rss_bytes'))}"
         if "peak_allocated_bytes" in stage:

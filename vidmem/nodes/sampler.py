@@ -52,7 +52,7 @@ class VidMemVideoSampler:
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image)
         progress = host.Progress(steps, "sampling")
         try:
-            result = sample(pipeline, strategy, request, RunHooks(progress.step, host.check_interrupt))
+            result = sample(pipeline, strategy, request, RunHooks(progress.step, host.check_interrupt, host.make_room))
         finally:
             progress.close()
         text = format_receipt(f"Video Sampler: {pipeline.describe()}", result.receipt)

@@ -21,6 +21,7 @@ from ..memory import (
     resolve_compute_device,
 )
 from ..memory.blockswap import Observer
+from ..memory.offload import device_weight_bytes
 from ..memory.device import Backend
 from ..memory.telemetry import StageMeter
 from .family import ModelError, denoiser_blocks, spatial_multiple
@@ -46,6 +47,7 @@ class RunHooks:
 
     on_step: Callable[[int, int], None] = lambda step, total: None
     check_interrupt: Callable[[], None] = lambda: None
+    make_room: Callable[[int, torch.device], None] = lambda nbytes, device: None  # before the first onload
 
 
 @dataclass
@@ -99,7 +101,11 @@ def sample(
     pipe, spec = loaded.pipe, loaded.spec
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": []}
     hooks.check_interrupt()
-    with apply_strategy(sample_stage(loaded, strategy), strategy, backend, observer, loaded.host_pool) as handle:
+    stage = sample_stage(loaded, strategy)
+    weight_bytes = device_weight_bytes(stage, strategy)
+    receipt["device_weight_bytes"] = weight_bytes
+    hooks.make_room(weight_bytes, device)
+    with apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
         pipe.vidmem_execution_device = device
         try:
             with StageMeter("text_encode", device) as meter:
