@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger("vidmem")
@@ -82,6 +83,23 @@ def resolve_model_folder(name: str, path: str) -> Path:
     )
 
 
+SINGLE_FILE_FOLDER_KEY = "diffusion_models"
+
+
+def single_file_transformer_names() -> list[str]:
+    """Safetensors files under ComfyUI's models/diffusion_models (empty without ComfyUI)."""
+    if folder_paths is None:
+        return []
+    names = folder_paths.get_filename_list(SINGLE_FILE_FOLDER_KEY)
+    return [n for n in names if n.endswith((".safetensors", ".sft"))]
+
+
+def resolve_single_file(name: str) -> Path:
+    if folder_paths is None:
+        raise FileNotFoundError(f"transformer_file '{name}' needs ComfyUI's models/diffusion_models folder.")
+    return Path(folder_paths.get_full_path_or_raise(SINGLE_FILE_FOLDER_KEY, name))
+
+
 def _diffusers_roots() -> list[str]:
     if folder_paths is None:
         return []
@@ -100,4 +118,55 @@ def unload_host_models() -> bool:
         return False
     model_management.unload_all_models()
     model_management.soft_empty_cache()
+    return True
+
+
+MEMORY_ROUTE = "/vidmem/memory"
+
+
+def memory_figures() -> dict:
+    """RAM total/available, this process's RSS, and per CUDA device allocated/reserved/free/total bytes.
+
+    Only memory figures, nothing else (no names, paths or versions). CUDA devices are listed only
+    when this process has initialised CUDA, so a `--cpu` server never creates a CUDA context for it;
+    free/total come from the driver (`mem_get_info`) for devices this process already uses.
+    """
+    import psutil
+    import torch
+
+    ram = psutil.virtual_memory()
+    devices = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            reserved = torch.cuda.memory_reserved(index)
+            in_use = reserved > 0 or index == torch.cuda.current_device()
+            free, total = torch.cuda.mem_get_info(index) if in_use else (None, torch.cuda.get_device_properties(index).total_memory)
+            devices.append({"index": index, "allocated_bytes": torch.cuda.memory_allocated(index),
+                            "reserved_bytes": reserved, "free_bytes": free, "total_bytes": total})
+    return {
+        "ram": {"total_bytes": ram.total, "available_bytes": ram.available},
+        "process_rss_bytes": psutil.Process().memory_info().rss,
+        "cuda": devices,
+    }
+
+
+def register_routes() -> bool:
+    """Add the read-only GET /vidmem/memory to ComfyUI's server (also served as /api/vidmem/memory).
+
+    Only when ComfyUI's PromptServer is already running in this process (it is imported before
+    custom nodes load); without it, or if the route exists already, nothing is done. Returns
+    whether the route was added.
+    """
+    server = sys.modules.get("server")  # never import it: outside ComfyUI "server" may be anything
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    routes = getattr(instance, "routes", None)
+    if routes is None or any(getattr(route, "path", None) == MEMORY_ROUTE for route in routes):
+        return False
+    from aiohttp import web
+
+    async def vidmem_memory(request):
+        return web.json_response(memory_figures(), headers={"Cache-Control": "no-store"})
+
+    routes.get(MEMORY_ROUTE)(vidmem_memory)
+    log.info("vidmem: serving GET %s (memory figures, read-only)", MEMORY_ROUTE)
     return True

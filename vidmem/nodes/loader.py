@@ -7,6 +7,7 @@ from . import host
 
 PIPELINE_TYPE = "VIDMEM_PIPELINE"
 NO_MODELS = "(no diffusers models found)"
+FOLDER_TRANSFORMER = "(from the folder)"
 
 
 class VidMemLoadPipeline:
@@ -33,9 +34,14 @@ class VidMemLoadPipeline:
             "optional": {
                 "path": ("STRING", {"default": "", "tooltip": "Full path to a diffusers folder; when set it "
                          "overrides 'model'. Leave empty for workflows you share."}),
+                "transformer_file": ([FOLDER_TRANSFORMER] + host.single_file_transformer_names(), {"tooltip":
+                    "Wan only: a single-file transformer (.safetensors) from models/diffusion_models, e.g. a "
+                    "ComfyUI-repackaged Wan 2.1 checkpoint; the folder still provides its config, text "
+                    "encoder and VAE. Not for Wan 2.2 A14B (two experts) or CogVideoX."}),
             },
         }
 
-    def load(self, model: str, dtype: str, path: str = ""):
+    def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER):
         folder = host.resolve_model_folder(model, path)
-        return (load_pipeline(folder, dtype),)
+        single = None if transformer_file == FOLDER_TRANSFORMER else host.resolve_single_file(transformer_file)
+        return (load_pipeline(folder, dtype, single),)

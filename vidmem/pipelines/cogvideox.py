@@ -38,4 +38,5 @@ COGVIDEOX = FamilySpec(
     to_comfy_latent=_to_comfy_latent,
     to_vae_latent=_to_vae_latent,
     max_sequence_length=226,  # the pipeline's own __call__ default
+    single_file_transformer=None,  # diffusers has no single-file loader for CogVideoX
 )

@@ -30,6 +30,7 @@ class FamilySpec:
     to_comfy_latent: Callable[[object, torch.Tensor, int], torch.Tensor]  # (pipe, raw, frames) -> [B,C,T,h,w]
     to_vae_latent: Callable[[object, torch.Tensor], torch.Tensor]  # (pipe, [B,C,T,h,w]) -> VAE input
     max_sequence_length: int  # prompt tokens, as the pipeline's __call__ uses by default
+    single_file_transformer: str | None  # diffusers class with from_single_file, if the family has one
 
     def frames_error(self, frames: int) -> str | None:
         if frames >= 1 and (frames - 1) % self.frame_step == 0:

@@ -67,15 +67,23 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_pipeline(folder: str | Path, dtype: str = "bf16") -> LoadedPipeline:
-    """Load offline with safetensors weights only; every component ends on the CPU."""
+def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str | Path | None = None) -> LoadedPipeline:
+    """Load offline with safetensors weights only; every component ends on the CPU.
+
+    `transformer_file` replaces the folder's transformer with a single-file checkpoint (Wan's
+    original or ComfyUI-repackaged layout), configured by the folder's transformer/config.json.
+    """
     folder = Path(folder).expanduser()
-    class_name = read_model_index(folder)["_class_name"]
+    index = read_model_index(folder)
+    class_name = index["_class_name"]
     spec = family_for(class_name)
     cls = pinned_pipeline_class(class_name)
+    overrides = {}
+    if transformer_file:
+        overrides["transformer"] = _single_file_transformer(spec, index, folder, Path(transformer_file), dtype)
     try:
         pipe = cls.from_pretrained(
-            folder, torch_dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True
+            folder, torch_dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True, **overrides
         )
     except (OSError, EnvironmentError) as error:
         raise ModelError(
@@ -83,7 +91,31 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16") -> LoadedPipeline:
             "weights to .safetensors, or re-download the diffusers-format model."
         ) from error
     pipe.set_progress_bar_config(disable=True)  # progress is reported through the host instead
-    return LoadedPipeline(pipe, spec, class_name, str(folder), dtype)
+    source = f"{folder} + {Path(transformer_file).name}" if transformer_file else str(folder)
+    return LoadedPipeline(pipe, spec, class_name, source, dtype)
+
+
+SINGLE_FILE_SUFFIXES = (".safetensors", ".sft")
+
+
+def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, path: Path, dtype: str):
+    if spec.single_file_transformer is None:
+        raise ModelError(
+            f"transformer_file is not supported for {spec.name} (diffusers has no single-file loader for it); "
+            "leave transformer_file empty and use the diffusers folder's transformer."
+        )
+    if index.get("transformer_2", [None])[0] is not None:
+        raise ModelError(
+            "transformer_file cannot replace the two experts of a Wan 2.2 A14B folder; leave it empty."
+        )
+    if path.suffix not in SINGLE_FILE_SUFFIXES or not path.is_file():
+        raise ModelError(f"transformer_file '{path}' must be an existing .safetensors file (pickled weights are not loaded).")
+    import diffusers
+
+    model_class = getattr(diffusers, spec.single_file_transformer)
+    return model_class.from_single_file(
+        str(path), config=str(folder), subfolder="transformer", torch_dtype=torch_dtype(dtype), local_files_only=True
+    )
 
 
 @lru_cache(maxsize=None)

@@ -36,4 +36,5 @@ WAN = FamilySpec(
     to_comfy_latent=_to_comfy_latent,
     to_vae_latent=_to_vae_latent,
     max_sequence_length=512,  # the pipeline's own __call__ default
+    single_file_transformer="WanTransformer3DModel",  # original / ComfyUI-repackaged checkpoints
 )
