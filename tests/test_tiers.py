@@ -155,3 +155,28 @@ def test_execution_device_comes_from_the_strategy_not_the_weights(tiny_loaded):
     finally:
         del pipe.vidmem_execution_device
     assert pipe._execution_device == torch.device("cpu")
+
+
+def test_ti2v_folder_runs_image_to_video_when_given_an_image(tiny_loaded):
+    """Wan 2.2 TI2V-5B: one WanPipeline folder; with an image vidmem runs diffusers' I2V class over it."""
+    import dataclasses
+
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    loaded = tiny_loaded("wan2.2-ti2v")
+    spec = tiny_spec("wan2.2-ti2v")
+    image = torch.rand(1, spec.height, spec.width, 3)
+    request = dataclasses.replace(request_for("wan2.2-ti2v"), image=image)
+    reference_pipe = WanImageToVideoPipeline(**loaded.pipe.components, expand_timesteps=True)
+    reference_pipe.set_progress_bar_config(disable=True)
+    pixels = (image[0].clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    kwargs = dict(tiny_call_kwargs("wan2.2-ti2v", steps=STEPS), image=Image.fromarray(pixels))
+    with torch.no_grad():
+        reference = reference_pipe(**kwargs).frames
+    for strategy in (MemoryStrategy(offload="none"), MemoryStrategy(offload="block_swap", blocks_to_swap=1)):
+        result = sample(loaded, strategy, request, backend=CpuBackend())
+        assert torch.equal(result.latent["samples"], reference)
+        assert result.latent["vidmem"]["class_name"] == "WanImageToVideoPipeline"
+    assert loaded.image_mode() is loaded.image_mode()  # built once, sharing the components
+    assert loaded.image_mode().pipe.transformer is loaded.pipe.transformer

@@ -44,7 +44,8 @@ class VidMemVideoSampler:
                     "Noise seed; noise is made on the CPU, so a seed gives the same video on any GPU."}),
             },
             "optional": {
-                "image": ("IMAGE", {"tooltip": "First frame for image-to-video models; leave empty for text-to-video."}),
+                "image": ("IMAGE", {"tooltip": "First frame, for image-to-video models and Wan 2.2 TI2V-5B (which runs "
+                          "text-to-video without it); leave empty for text-to-video models."}),
             },
         }
 

@@ -31,6 +31,7 @@ class FamilySpec:
     to_vae_latent: Callable[[object, torch.Tensor], torch.Tensor]  # (pipe, [B,C,T,h,w]) -> VAE input
     max_sequence_length: int  # prompt tokens, as the pipeline's __call__ uses by default
     single_file_transformer: str | None  # diffusers class with from_single_file, if the family has one
+    image_variant: Callable[[object], str | None] = lambda pipe: None  # I2V class for a T2V folder, if any
 
     def frames_error(self, frames: int) -> str | None:
         if frames >= 1 and (frames - 1) % self.frame_step == 0:

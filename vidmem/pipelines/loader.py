@@ -32,10 +32,27 @@ class LoadedPipeline:
     source: str
     dtype_name: str
     host_pool: HostPool = field(default_factory=HostPool, compare=False, repr=False)  # pinned homes, reused run over run
+    _image_mode: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def needs_image(self) -> bool:
         return self.class_name in self.spec.image_conditioned
+
+    @property
+    def accepts_image(self) -> bool:
+        return self.needs_image or self.spec.image_variant(self.pipe) is not None
+
+    def image_mode(self) -> "LoadedPipeline":
+        """This pipeline as image-to-video: itself, or the family's I2V class over the same components."""
+        if self.needs_image:
+            return self
+        if not self._image_mode:
+            class_name = self.spec.image_variant(self.pipe)
+            config = {k: self.pipe.config[k] for k in ("boundary_ratio", "expand_timesteps") if k in self.pipe.config}
+            pipe = pinned_pipeline_class(class_name)(**self.pipe.components, **config)
+            pipe.set_progress_bar_config(disable=True)
+            self._image_mode["pipeline"] = LoadedPipeline(pipe, self.spec, class_name, self.source, self.dtype_name, self.host_pool)
+        return self._image_mode["pipeline"]
 
     def describe(self) -> str:
         return f"{self.class_name} ({self.dtype_name}) from {self.source}"

@@ -71,7 +71,7 @@ def validate_request(loaded: LoadedPipeline, request: SampleRequest) -> None:
         raise ModelError(f"steps={request.steps} must be at least 1.")
     if loaded.needs_image and request.image is None:
         raise ModelError(f"{loaded.class_name} is image-to-video: connect an IMAGE to the sampler's image input.")
-    if not loaded.needs_image and request.image is not None:
+    if not loaded.accepts_image and request.image is not None:
         raise ModelError(f"{loaded.class_name} is text-to-video: disconnect the image input or load an I2V model.")
 
 
@@ -96,6 +96,8 @@ def sample(
 ) -> SampleResult:
     """Sample one video latent; `backend` defaults to the run-time compute device's."""
     validate_request(loaded, request)
+    if request.image is not None:
+        loaded = loaded.image_mode()
     backend = backend or backend_for(resolve_compute_device())
     device = backend.device
     pipe, spec = loaded.pipe, loaded.spec

@@ -106,6 +106,12 @@ TINY_SPECS: dict[str, TinySpec] = {
         **_COG, pipeline="CogVideoXPipeline", scheduler="CogVideoXDDIMScheduler", scheduler_config=_COG_SCHEDULER,
         transformer_config=dict(_COG_DIT, num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4),
     ),
+    # CogVideoX 1.5: temporal patches of 2, so 9 frames (3 latent frames) get one padding frame.
+    "cogvideox1.5-t2v": TinySpec(
+        **_COG, pipeline="CogVideoXPipeline", scheduler="CogVideoXDPMScheduler", scheduler_config=_COG_SCHEDULER,
+        transformer_config=dict(_COG_DIT, num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+                                use_rotary_positional_embeddings=True, patch_bias=False, patch_size_t=2),
+    ),
     "cogvideox-i2v": TinySpec(
         **_COG, pipeline="CogVideoXImageToVideoPipeline", scheduler="CogVideoXDPMScheduler",
         scheduler_config=dict(_COG_SCHEDULER, snr_shift_scale=1.0), needs_image=True,

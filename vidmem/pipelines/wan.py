@@ -25,6 +25,11 @@ def _to_vae_latent(pipe, latent: torch.Tensor) -> torch.Tensor:
     return latent / inv_std + mean
 
 
+def _image_variant(pipe) -> str | None:
+    """Wan 2.2 TI2V-5B is one folder for both modes: with an image it runs as image-to-video."""
+    return "WanImageToVideoPipeline" if pipe.config.get("expand_timesteps") else None
+
+
 WAN = FamilySpec(
     name="wan",
     pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
@@ -37,4 +42,5 @@ WAN = FamilySpec(
     to_vae_latent=_to_vae_latent,
     max_sequence_length=512,  # the pipeline's own __call__ default
     single_file_transformer="WanTransformer3DModel",  # original / ComfyUI-repackaged checkpoints
+    image_variant=_image_variant,
 )
