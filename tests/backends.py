@@ -14,12 +14,19 @@ from vidmem.memory.device import CpuBackend
 
 
 class StrictBackend(CpuBackend):
-    def __init__(self, pin=None) -> None:
+    """Also counts copies, and with `pinning` hands out (unpinned) arenas to exercise HostPool."""
+
+    def __init__(self, pinning: bool = False) -> None:
         super().__init__()
         self.copies = 0
-        self.pin = pin
+        self.can_pin = pinning
+        self.arenas = 0
 
-    def copy_group(self, hosts: list[torch.Tensor], non_blocking: bool):
+    def pin_arena(self, nbytes: int) -> torch.Tensor:
+        self.arenas += 1
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy_group(self, hosts, non_blocking, side_stream, timed):
         self.copies += len(hosts)
         return [host.clone() for host in hosts], None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from backends import Recorder, StrictBackend
@@ -19,58 +21,78 @@ def slot_count(module) -> int:
     return len({id(slot.current()) for m in module.modules() for slot in own_slots(m)})
 
 
-class CountingPin:
-    """Stands in for cudaHostAlloc + copy: a fresh host tensor per call, counted."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, host: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return host.clone()
+def private_copy(tiny_folder, variant: str, arena_bytes: int = 64 << 10):
+    """A pipeline of our own (pinning re-homes weights) with small arenas."""
+    return dataclasses.replace(load_pipeline(tiny_folder(variant), "fp32"), host_pool=HostPool(arena_bytes))
 
 
-def swapped_parameters(loaded, n: int) -> list[torch.nn.Parameter]:
-    blocks = loaded.pipe.transformer.blocks
-    return [p for block in list(blocks)[len(blocks) - n :] for p in block.parameters()]
+def swapped_tensors(loaded, n: int, expert: str = "transformer") -> list[torch.Tensor]:
+    blocks = getattr(loaded.pipe, expert).blocks
+    return [p for block in list(blocks)[len(blocks) - n :] for p in [*block.parameters(), *block.buffers()]]
 
 
 def test_streamed_weights_get_one_pinned_home_reused_run_over_run(tiny_folder):
-    loaded = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32")  # private copy: pinning re-homes weights
-    pin = CountingPin()
+    loaded = private_copy(tiny_folder, "wan2.1-t2v")
     strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=1, max_pinned_ram_gb=1.0)
-    swapped = swapped_parameters(loaded, 1)
-    values = [p.detach().clone() for p in swapped]
-    first = sample(loaded, strategy, request_for("wan2.1-t2v"), backend=StrictBackend(pin))
-    assert pin.calls == len(swapped) == loaded.host_pool.allocations
+    swapped = swapped_tensors(loaded, 1)
+    values = [t.detach().clone() for t in swapped]
+    backend = StrictBackend(pinning=True)
+    first = sample(loaded, strategy, request_for("wan2.1-t2v"), backend=backend)
+    pool = loaded.host_pool
+    assert pool.allocations == len(swapped) and backend.arenas == len(pool._arenas) >= 1
+    assert all(pool._holds(t) for t in swapped)  # re-homed into the arenas...
+    assert all(torch.equal(t, v) for t, v in zip(swapped, values))  # ...with the same values
     homes = storage_map(loaded.pipe)
-    assert all(torch.equal(p, v) for p, v in zip(swapped, values))  # same values, new (pinned) home
     for _ in range(2):
-        again = sample(loaded, strategy, request_for("wan2.1-t2v"), backend=StrictBackend(pin))
+        again = sample(loaded, strategy, request_for("wan2.1-t2v"), backend=backend)
         assert torch.equal(again.latent["samples"], first.latent["samples"])
-    assert pin.calls == len(swapped)  # no host copy allocated after warm-up
+    assert pool.allocations == len(swapped) and backend.arenas == len(pool._arenas)  # nothing new after warm-up
     assert storage_map(loaded.pipe) == homes
     assert first.receipt["swap"]["host_pool"]["allocations"] == len(swapped)
+    assert pool.pinned_bytes == len(pool._arenas) * pool.arena_bytes  # the ceiling counts what is locked
 
 
 def test_past_the_ceiling_tensors_stay_pageable(tiny_folder):
-    loaded = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32")
-    pin = CountingPin()
+    loaded = private_copy(tiny_folder, "wan2.1-t2v")
     before = storage_map(loaded.pipe)
+    backend = StrictBackend(pinning=True)
     sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1, max_pinned_ram_gb=0.0),
-           request_for("wan2.1-t2v"), backend=StrictBackend(pin))
-    assert pin.calls == 0 and loaded.host_pool.allocations == 0 and loaded.host_pool.over_cap_tensors > 0
+           request_for("wan2.1-t2v"), backend=backend)
+    assert backend.arenas == 0 and loaded.host_pool.allocations == 0 and loaded.host_pool.fallbacks > 0
+    assert storage_map(loaded.pipe) == before
+
+
+def test_a_refused_pin_falls_back_to_pageable(tiny_folder):
+    class Refusing(StrictBackend):
+        def pin_arena(self, nbytes):
+            raise RuntimeError("cudaHostAlloc failed")
+
+    loaded = private_copy(tiny_folder, "wan2.1-t2v")
+    before = storage_map(loaded.pipe)
+    sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1, max_pinned_ram_gb=1.0),
+           request_for("wan2.1-t2v"), backend=Refusing(pinning=True))
+    assert loaded.host_pool.allocations == 0 and loaded.host_pool.fallbacks > 0
     assert storage_map(loaded.pipe) == before
 
 
 def test_pool_is_shared_by_both_experts_of_a14b(tiny_folder):
-    loaded = load_pipeline(tiny_folder("wan2.2-a14b"), "fp32")
-    pin = CountingPin()
+    loaded = private_copy(tiny_folder, "wan2.2-a14b")
     sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=2, max_pinned_ram_gb=1.0),
-           request_for("wan2.2-a14b", steps=4), backend=StrictBackend(pin))
-    experts = [loaded.pipe.transformer, loaded.pipe.transformer_2]
-    expected = sum(len(list(e.blocks.parameters())) for e in experts)
-    assert loaded.host_pool.allocations == pin.calls == expected
+           request_for("wan2.2-a14b", steps=4), backend=StrictBackend(pinning=True))
+    expected = len(swapped_tensors(loaded, 2)) + len(swapped_tensors(loaded, 2, "transformer_2"))
+    assert loaded.host_pool.allocations == expected
+
+
+def test_a_tied_tensor_is_pinned_once(tiny_folder):
+    """T5 ties its shared embedding into the encoder: under sequential both owners share one home."""
+    loaded = private_copy(tiny_folder, "wan2.1-t2v", arena_bytes=1 << 20)
+    encoder = loaded.pipe.text_encoder
+    sample(loaded, MemoryStrategy(offload="sequential", text_encoder="device", max_pinned_ram_gb=1.0),
+           request_for("wan2.1-t2v"), backend=StrictBackend(pinning=True))
+    unique = {id(s.current()) for m in encoder.modules() if next(m.children(), None) is None for s in own_slots(m)}
+    shared = encoder.shared.weight
+    assert shared is encoder.encoder.embed_tokens.weight
+    assert loaded.host_pool.allocations <= slot_count(loaded.pipe.transformer) + len(unique)
 
 
 def test_eviction_copies_nothing_and_the_receipt_counts_every_copy(tiny_loaded):
@@ -93,10 +115,9 @@ def test_eviction_copies_nothing_and_the_receipt_counts_every_copy(tiny_loaded):
 def test_cpu_backend_moves_nothing():
     backend = CpuBackend()
     host = torch.ones(3)
-    (device_copy,), token = backend.copy_group([host], non_blocking=True)
+    (device_copy,), token = backend.copy_group([host], non_blocking=True, side_stream=True, timed=True)
     assert device_copy is host and token is None and backend.evicted(host) is host
-    assert HostPool().adopt  # pinning is opt-in through backend.pin, which the CPU backend lacks
-    assert backend.pin is None
+    assert not backend.can_pin and HostPool().adopt([], backend, cap_bytes=1 << 30) == []
 
 
 def test_weight_bytes_follow_the_tier_and_the_host_is_asked_first(tiny_loaded):

@@ -1,13 +1,17 @@
 """The streaming schedule: groups onloaded just before their forward, evicted right after.
 
 Used by the `block_swap` tier (the swapped transformer blocks, in block order) and by the
-`sequential` tier (every module that owns tensors, in the order they first ran). While a group
-computes, the next `prefetch` groups are already being copied in, so with a side stream the
-transfer hides behind compute. At most `prefetch + 1` streamed groups are ever resident.
+`sequential` tier (every leaf module, in the order they first ran). When a group's forward has
+been queued, the next `prefetch` groups start copying, so with a side stream the transfer hides
+behind compute (and a pageable copy, which blocks the CPU, runs while the GPU works through the
+queued kernels). At most `prefetch + 1` streamed groups are on the device at once, plus one just
+evicted whose memory the GPU may still be reading: before each new copy the CPU waits until
+older evicted groups have finished computing, so it never queues copies far ahead of the GPU.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable
 
 from torch import nn
@@ -16,14 +20,15 @@ from .residency import WeightGroup
 from .swapstats import SwapLedger
 
 Observer = Callable[[str, WeightGroup], None]
+EVICTED_IN_FLIGHT = 1  # evicted groups the GPU may still be computing with; bounds device memory
 
 
 class StreamSchedule:
     """Onload/evict bookkeeping for one component's streamed groups.
 
     With `order_known` the groups are given in execution order (blocks run in index order);
-    otherwise the order is learned during the component's first forward (`end_of_pass`), and
-    prefetch starts once it is known.
+    otherwise the order is learned on the first pass (it is complete when the component's
+    forward ends, or when a group runs a second time), and prefetch starts once it is known.
     """
 
     def __init__(
@@ -31,46 +36,54 @@ class StreamSchedule:
         groups: list[WeightGroup],
         prefetch: int,
         order_known: bool,
-        observer: Observer | None = None,
+        backend: Any,
+        observer: Observer,
         ledger: SwapLedger | None = None,
-        backend: Any = None,
     ) -> None:
         self.groups = groups
-        self._ledger = ledger
-        self._stamp = backend.stamp if ledger is not None else (lambda: None)
         self._prefetch = prefetch
+        self._backend = backend
+        self._observe = observer
+        self._ledger = ledger
         self._order: list[WeightGroup] = list(groups) if order_known else []
         self._position = {id(g): i for i, g in enumerate(self._order)}
         self._order_closed = order_known
-        self._observe = observer or (lambda kind, group: None)
+        self._in_flight: deque = deque()  # compute-done markers of evicted groups, oldest first
 
     def before_forward(self, group: WeightGroup) -> None:
         self._learn(group)
-        if not group.resident:
+        self._drop_mispredicted(group)
+        if not group.on_device:
             self._onload(group, "onload")
-        start = self._stamp()
+        if self._ledger is None:
+            group.wait()
+            return
+        start = self._backend.stamp()
         group.wait()
-        if self._ledger is not None:
-            self._ledger.waited(group, start, self._stamp())
-        for upcoming in self._upcoming(group):
-            if not upcoming.resident:
-                self._onload(upcoming, "prefetch")
+        self._ledger.waited(group, start, self._backend.stamp())
 
     def after_forward(self, group: WeightGroup) -> None:
         if self._ledger is not None:
-            self._ledger.computed(group, self._stamp())
+            self._ledger.computed(group, self._backend.stamp())
+        for upcoming in self._upcoming(group):
+            if not upcoming.on_device:
+                self._onload(upcoming, "prefetch")
         group.evict()
+        self._in_flight.append(self._backend.compute_done())
         self._observe("evict", group)
 
-    def _onload(self, group: WeightGroup, kind: str) -> None:
-        token = group.onload()
-        if self._ledger is not None:
-            self._ledger.copied(group, token)
-        self._observe(kind, group)
+    def _drop_mispredicted(self, group: WeightGroup) -> None:
+        """Evict prefetched groups that the path did not reach (a module skipped this pass, e.g.
+        the Wan VAE's first-chunk branch), so at most prefetch + 1 stay on the device."""
+        expected = {id(group), *(id(g) for g in self._upcoming(group))}
+        for other in self.groups:
+            if other.on_device and id(other) not in expected:
+                other.evict()
+                self._observe("evict", other)
 
     def evict_all(self) -> None:
         for group in self.groups:
-            if group.resident:
+            if group.on_device:
                 group.evict()
                 self._observe("evict", group)
 
@@ -78,10 +91,20 @@ class StreamSchedule:
         """The component's forward has finished: the learned execution order is complete."""
         self._order_closed = True
 
+    def _onload(self, group: WeightGroup, kind: str) -> None:
+        while len(self._in_flight) > EVICTED_IN_FLIGHT:
+            self._backend.host_wait(self._in_flight.popleft())
+        token = group.onload(timed=self._ledger is not None)
+        if self._ledger is not None:
+            self._ledger.copied(group, token)
+        self._observe(kind, group)
+
     def _learn(self, group: WeightGroup) -> None:
-        if id(group) not in self._position:  # also a module that first runs in a later pass
-            self._position[id(group)] = len(self._order)
-            self._order.append(group)
+        if id(group) in self._position:
+            self._order_closed = True  # a group runs again: one full pass has been seen
+            return
+        self._position[id(group)] = len(self._order)  # also a module that first runs later
+        self._order.append(group)
 
     def _upcoming(self, group: WeightGroup) -> list[WeightGroup]:
         if not self._prefetch or not self._order_closed:

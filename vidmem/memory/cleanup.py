@@ -20,11 +20,19 @@ class FreeReceipt:
         return {"before": self.before.as_dict(), "after": self.after.as_dict(), "collected_objects": self.collected_objects}
 
 
-def free_memory(device: torch.device | None = None) -> FreeReceipt:
-    """gc.collect(), then on CUDA empty_cache() and ipc_collect(); only what exists is called."""
+def free_memory(device: torch.device) -> FreeReceipt:
+    """gc.collect(), then for a CUDA device empty_cache() and ipc_collect().
+
+    CUDA is only touched when the compute device is CUDA, so a `--cpu` host never gets a CUDA
+    context. Pinned host blocks cached by torch (from pipelines already dropped) are released
+    too, where this torch exposes that.
+    """
     before = snapshot(device)
     collected = gc.collect()
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.ipc_collect()
+        release_pinned = getattr(torch._C, "_host_emptyCache", None)  # probed: private, may vanish
+        if release_pinned is not None:
+            release_pinned()
     return FreeReceipt(before, snapshot(device), collected)

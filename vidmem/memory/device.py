@@ -1,47 +1,60 @@
-"""The small device interface the residency engine speaks: copy in, record, wait, evicted form.
+"""The small device interface the residency engine speaks: copy in, wait, throttle, time.
 
 One schedule drives every backend, so the logic that decides *when* a block moves is the same
 code on a user's GPU and on this CPU-only CI. `CudaBackend` adds what only a GPU has: a side
-stream for host-to-device copies and events so compute waits only for the block it needs.
+stream for streamed copies, events so compute waits only for the block it needs, pinned host
+arenas, and a host-side throttle that stops the CPU from queueing copies far ahead of the GPU.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-
-from .hostpool import cuda_pin
 
 
 def resolve_compute_device(requested: str | torch.device | None = None) -> torch.device:
     """`cuda` when present, else `cpu`; called at run time, never at import."""
     if requested is not None:
-        return torch.device(requested)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device(requested)
+    else:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:  # compare equal to tensor.device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class Backend(Protocol):
     """What the schedule needs from a device. Tests supply their own to observe placement."""
 
     device: torch.device
-    pin: Callable[[torch.Tensor], torch.Tensor] | None  # makes a pinned host copy; None: no pinning
+    can_pin: bool
 
-    def copy_group(self, hosts: list[torch.Tensor], non_blocking: bool) -> tuple[list[torch.Tensor], Any]:
-        """Start copying `hosts` to the device; returns the device tensors and a completion token."""
+    def pin_arena(self, nbytes: int) -> torch.Tensor:
+        """A page-locked uint8 host buffer of `nbytes` (only called when `can_pin`)."""
+
+    def copy_group(self, hosts: list[torch.Tensor], non_blocking: bool, side_stream: bool, timed: bool) -> tuple[list[torch.Tensor], Any]:
+        """Start copying `hosts` to the device; returns the device tensors and a copy token."""
 
     def evicted(self, host: torch.Tensor) -> torch.Tensor:
         """What a tensor points at while evicted: its persistent host copy."""
 
     def wait(self, token: Any, tensors: list[torch.Tensor]) -> None:
-        """Make compute wait for the copy behind `token` (and own `tensors` from now on)."""
+        """Make compute wait for the copy behind `token`; compute owns `tensors` from now on."""
+
+    def compute_done(self) -> Any:
+        """A marker that completes when the compute queued so far has finished."""
+
+    def host_wait(self, marker: Any) -> None:
+        """Block the CPU until `marker` has completed."""
 
     def stamp(self) -> Any:
         """A point on the compute timeline, for telemetry."""
 
     def elapsed(self, start: Any, end: Any) -> float:
-        """Seconds between two stamps (or the two ends of a copy token); may synchronise."""
+        """Seconds between two stamps, or a copy's duration as elapsed(None, token); may synchronise."""
 
 
 class CpuBackend:
@@ -50,18 +63,27 @@ class CpuBackend:
     The schedule still runs every hook, so ordering and residency bookkeeping are exercised.
     """
 
-    pin = None
+    can_pin = False
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
 
-    def copy_group(self, hosts: list[torch.Tensor], non_blocking: bool) -> tuple[list[torch.Tensor], Any]:
+    def pin_arena(self, nbytes: int) -> torch.Tensor:
+        raise RuntimeError("the CPU backend does not pin memory")
+
+    def copy_group(self, hosts, non_blocking, side_stream, timed):
         return hosts, None
 
     def evicted(self, host: torch.Tensor) -> torch.Tensor:
         return host
 
     def wait(self, token: Any, tensors: list[torch.Tensor]) -> None:
+        return None
+
+    def compute_done(self) -> Any:
+        return None
+
+    def host_wait(self, marker: Any) -> None:
         return None
 
     def stamp(self) -> float:
@@ -71,60 +93,80 @@ class CpuBackend:
         return 0.0 if start is None or end is None else end - start
 
 
+@dataclass(frozen=True)
+class CopyToken:
+    done: Any  # event on the stream that copied
+    started: Any  # timing event, or None when untimed
+    on_side_stream: bool
+
+
 class CudaBackend:
-    """Host-to-device copies on a side stream; compute waits on per-group events.
+    """Streamed copies on one side stream; compute waits on per-group events.
 
     Device tensors produced on the side stream are marked with `record_stream` when compute
     starts using them, so the caching allocator cannot hand their memory to the next prefetch
     while a kernel on the compute stream still reads it. The side stream never waits for
     compute: host copies are read-only, so a prefetch may start at once and overlap fully.
+    Whole components (activated, not streamed) copy on the compute stream, so their memory
+    stays in the compute stream's pool for activations once they are evicted.
     """
 
-    pin = staticmethod(cuda_pin)
+    can_pin = True
 
-    def __init__(self, device: torch.device, use_stream: bool = True) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._stream = torch.cuda.Stream(device=device) if use_stream else None
+        self._side = torch.cuda.Stream(device=device)
 
-    def copy_group(self, hosts: list[torch.Tensor], non_blocking: bool) -> tuple[list[torch.Tensor], Any]:
-        stream = self._stream or torch.cuda.current_stream(self.device)
-        start, end = _timing_event(), _timing_event()
+    def pin_arena(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy_group(self, hosts, non_blocking, side_stream, timed):
+        stream = self._side if side_stream else torch.cuda.current_stream(self.device)
+        started = torch.cuda.Event(enable_timing=True) if timed else None
+        done = torch.cuda.Event(enable_timing=timed)
         with torch.cuda.stream(stream):
-            start.record(stream)
+            if started is not None:
+                started.record(stream)
             tensors = [host.to(self.device, non_blocking=non_blocking) for host in hosts]
-            end.record(stream)
-        return tensors, (start, end)
+            done.record(stream)
+        return tensors, CopyToken(done, started, side_stream)
 
     def evicted(self, host: torch.Tensor) -> torch.Tensor:
         return host
 
     def wait(self, token: Any, tensors: list[torch.Tensor]) -> None:
-        if token is None or self._stream is None:
-            return
+        if token is None or not token.on_side_stream:
+            return  # copied on the compute stream: already ordered before the compute
         compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(token[1])
+        compute.wait_event(token.done)
         for tensor in tensors:
             tensor.record_stream(compute)
 
+    def compute_done(self) -> Any:
+        marker = torch.cuda.Event()
+        marker.record(torch.cuda.current_stream(self.device))
+        return marker
+
+    def host_wait(self, marker: Any) -> None:
+        marker.synchronize()
+
     def stamp(self) -> Any:
-        event = _timing_event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 
     def elapsed(self, start: Any, end: Any) -> float:
+        if isinstance(end, CopyToken):  # a copy's own duration
+            start, end = end.started, end.done
         if start is None or end is None:
             return 0.0
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
 
 
-def _timing_event() -> Any:
-    return torch.cuda.Event(enable_timing=True)
-
-
-def backend_for(device: torch.device, use_stream: bool = True) -> Backend:
+def backend_for(device: torch.device) -> Backend:
     if device.type == "cuda":
-        return CudaBackend(device, use_stream=use_stream)
+        return CudaBackend(device)
     if device.type == "cpu":
         return CpuBackend()
     raise ValueError(f"device={device} is not supported; use 'cuda' or 'cpu'.")

@@ -18,13 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
 from torch import nn
 
 from .blockswap import Observer, StreamSchedule, hook_group
 from .hostpool import HostPool, pinned_cap_bytes
-from .residency import WeightGroup, own_slots, partition_slots
-from .swapstats import SwapLedger
+from .residency import Slot, WeightGroup, own_slots, partition_slots, tie
 from .strategy import MemoryStrategy, OffloadTier
+from .swapstats import SwapLedger
 
 
 @dataclass(frozen=True)
@@ -36,25 +37,23 @@ class StageComponents:
 
 
 @dataclass
-class _ComponentState:
-    resident: WeightGroup | None
+class _Component:
+    core: WeightGroup | None  # everything not streamed, moved as one group
     schedule: StreamSchedule | None
-
-    def groups(self) -> list[WeightGroup]:
-        streamed = self.schedule.groups if self.schedule else []
-        return ([self.resident] if self.resident else []) + streamed
 
 
 class OffloadHandle:
     """The applied strategy for one stage; `remove()` restores every module exactly."""
 
-    def __init__(self, backend: Any, observer: Observer | None, exclusive: bool) -> None:
+    def __init__(self, strategy: MemoryStrategy, backend: Any, observer: Observer | None, telemetry: bool) -> None:
+        self.strategy = strategy
         self.backend = backend
-        self.ledger = SwapLedger(backend)
-        self._exclusive = exclusive  # one component on the device at a time (every tier but none)
+        self.ledger = SwapLedger(backend) if telemetry else None
+        self._exclusive = strategy.offload is not OffloadTier.NONE  # one component at a time
         self._observe = observer or (lambda kind, group: None)
-        self._components: dict[str, _ComponentState] = {}
-        self._handles: list = []
+        self._components: dict[str, _Component] = {}
+        self._groups: list[WeightGroup] = []  # every group made, registered as soon as it exists
+        self._hooks: list = []
         self._active: str | None = None
 
     def __enter__(self) -> "OffloadHandle":
@@ -63,51 +62,101 @@ class OffloadHandle:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def __repr__(self) -> str:
+        return f"OffloadHandle({self.strategy.describe()}, {len(self._groups)} groups, {len(self._hooks)} hooks)"
+
     @property
     def groups(self) -> list[WeightGroup]:
-        return [g for state in self._components.values() for g in state.groups()]
+        return list(self._groups)
 
     def activate(self, name: str) -> None:
-        """Make `name` the component in use: onload its resident part (evicting the others first
-        unless the tier keeps everything resident)."""
+        """Make `name` the component in use: onload its core (evicting the others first
+        unless the tier keeps everything on the device)."""
         if self._active == name or name not in self._components:
             return
-        for other, state in self._components.items():
-            if other != name and self._exclusive:
-                self._evict_component(state)
-        resident = self._components[name].resident
-        if resident is not None and not resident.resident:
-            resident.onload()
-            resident.wait()
-            self._observe("onload", resident)
+        if self._exclusive:
+            for other, component in self._components.items():
+                if other != name:
+                    self._evict(component)
+        core = self._components[name].core
+        if core is not None and not core.on_device:
+            core.onload()
+            core.wait()
+            self._observe("onload", core)
         self._active = name
 
     def evict(self, name: str) -> None:
         """Evict one component now (e.g. the text encoder once prompts are encoded)."""
         if name in self._components:
-            self._evict_component(self._components[name])
+            self._evict(self._components[name])
             if self._active == name:
                 self._active = None
 
     def swap_summary(self) -> dict:
         """Bytes moved and time spent copying, waiting and computing, per streamed group."""
-        return self.ledger.summary()
+        return self.ledger.summary() if self.ledger else {"blocks": {}, "totals": {}}
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for group in self.groups:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for group in self._groups:
             group.restore()
+        self._groups.clear()
         self._components.clear()
         self._active = None
 
-    def _evict_component(self, state: _ComponentState) -> None:
-        if state.resident is not None and state.resident.resident:
-            state.resident.evict()
-            self._observe("evict", state.resident)
-        if state.schedule is not None:
-            state.schedule.evict_all()
+    def _evict(self, component: _Component) -> None:
+        if component.core is not None and component.core.on_device:
+            component.core.evict()
+            self._observe("evict", component.core)
+        if component.schedule is not None:
+            component.schedule.evict_all()
+
+    def _group(self, name: str, tensors: list[list[Slot]], streamed: bool) -> WeightGroup:
+        group = WeightGroup(name, tensors, self.backend, streamed, self.strategy.non_blocking)
+        self._groups.append(group)
+        return group
+
+    def _add_component(self, name: str, module: nn.Module, blocks: nn.ModuleList | None, pool: HostPool) -> None:
+        strategy = self.strategy
+        units = _streamed_units(module, blocks, strategy)
+        core_slots, unit_slots = partition_slots(module, [members for _, members in units])
+        core = self._group(name, tie(core_slots), streamed=False) if core_slots else None
+        schedule = None
+        streamed = [(head, slots) for (head, _), slots in zip(units, unit_slots) if slots]
+        if streamed:
+            cap = pinned_cap_bytes(strategy.max_pinned_ram_gb)
+            names = {id(m): qualified for qualified, m in module.named_modules()}
+            groups = [
+                self._group(f"{name}.{names[id(head)] or '(root)'}", pool.adopt(tie(slots), self.backend, cap), streamed=True)
+                for head, slots in streamed
+            ]
+            order_known = strategy.offload is OffloadTier.BLOCK_SWAP
+            schedule = StreamSchedule(groups, strategy.prefetch_blocks, order_known, self.backend, self._observe, self.ledger)
+            for (head, _), group in zip(streamed, groups):
+                self._hooks += hook_group(head, group, schedule)
+            self._hooks.append(module.register_forward_hook(lambda m, args, out: schedule.end_of_pass()))
+        self._components[name] = _Component(core, schedule)
+        if self._exclusive:
+            self._hook_activation(name, module)
+
+    def _hook_activation(self, name: str, module: nn.Module) -> None:
+        """Using a component onloads it and brings its inputs to the device.
+
+        Components are also used through methods that are not `forward` (a VAE's `encode` and
+        `decode`), but every computation passes through the root or one of its direct children.
+        diffusers sends inputs to where a component's first weight sits *before* calling it,
+        which is the host until this hook has run, hence the move.
+        """
+        device = self.backend.device
+
+        def enter(m, args, kwargs):
+            self.activate(name)
+            return _to_device(args, device), _to_device(kwargs, device)
+
+        for entry in (module, *module.children()):
+            self._hooks.append(entry.register_forward_pre_hook(enter, with_kwargs=True))
 
 
 def apply_strategy(
@@ -116,11 +165,13 @@ def apply_strategy(
     backend: Any,
     observer: Observer | None = None,
     host_pool: HostPool | None = None,
+    telemetry: bool = False,
 ) -> OffloadHandle:
     """Apply `strategy` to `stage` on `backend`'s device; nothing is left applied if this raises.
 
     Streamed tensors get pinned host homes from `host_pool` (kept by the caller across runs,
-    capped by `strategy.max_pinned_ram_gb`); `handle.swap_summary()` reports what streaming cost.
+    capped by `strategy.max_pinned_ram_gb`). With `telemetry`, `handle.swap_summary()` reports
+    what streaming cost (CUDA timing events per streamed forward; leave it off where unread).
 
     Example:
         with apply_strategy(stage, strategy, backend_for(device)) as handle:
@@ -129,85 +180,40 @@ def apply_strategy(
     """
     for name, blocks in stage.blocks.items():
         strategy.check_against_model(len(blocks), name)
-    handle = OffloadHandle(backend, observer, exclusive=strategy.offload is not OffloadTier.NONE)
-    pinning = _Pinning(host_pool or HostPool(), backend.pin, pinned_cap_bytes(strategy.max_pinned_ram_gb))
+    handle = OffloadHandle(strategy, backend, observer, telemetry)
+    pool = host_pool or HostPool()
     try:
         for name, module in stage.modules.items():
-            handle._components[name] = _build_component(
-                handle, name, module, stage.blocks.get(name), strategy, backend, pinning
-            )
-        if strategy.offload is OffloadTier.NONE:
-            for state in handle._components.values():
-                state.resident.onload()
-                state.resident.wait()
+            handle._add_component(name, module, stage.blocks.get(name), pool)
+        if not handle._exclusive:
+            for group in handle.groups:
+                group.onload()
+                group.wait()
     except BaseException:
         handle.remove()
         raise
     return handle
 
 
-def _build_component(
-    handle: OffloadHandle,
-    name: str,
-    module: nn.Module,
-    blocks: nn.ModuleList | None,
-    strategy: MemoryStrategy,
-    backend: Any,
-    pinning: "_Pinning",
-) -> _ComponentState:
-    tier, nb = strategy.offload, strategy.non_blocking
-    units = _streamed_units(module, blocks, strategy)
-    resident_slots, unit_slots = partition_slots(module, [members for _, members in units])
-    resident = WeightGroup(name, resident_slots, backend, nb) if resident_slots else None
-    streamed = [(head, [pinning.adopt(s) for s in slots]) for (head, _), slots in zip(units, unit_slots) if slots]
-    schedule = None
-    if streamed:
-        names = {id(m): qualified for qualified, m in module.named_modules()}
-        groups = [WeightGroup(f"{name}.{names[id(head)] or '(root)'}", slots, backend, nb) for head, slots in streamed]
-        schedule = StreamSchedule(
-            groups, strategy.prefetch_blocks, tier is OffloadTier.BLOCK_SWAP, handle._observe, handle.ledger, backend
-        )
-        for (head, _), group in zip(streamed, groups):
-            handle._handles += hook_group(head, group, schedule)
-        handle._handles.append(module.register_forward_hook(lambda m, args, out: schedule.end_of_pass()))
-    if tier is not OffloadTier.NONE:
-        # Components are also used through methods that are not `forward` (a VAE's `encode` and
-        # `decode`), but every computation passes through the root or one of its direct children.
-        for entry in (module, *module.children()):
-            handle._handles.append(entry.register_forward_pre_hook(lambda m, args: handle.activate(name)))
-    return _ComponentState(resident, schedule)
-
-
 def device_weight_bytes(stage: StageComponents, strategy: MemoryStrategy) -> int:
     """Weight bytes the tier puts on the device at its peak (activations come on top).
 
     Computed from the same partition apply_strategy uses, without moving anything, so a host
-    can be asked to make room before the first onload.
+    can be asked to make room before the first onload. Streamed groups count prefetch + 1.
     """
     per_component = []
     for name, module in stage.modules.items():
         units = _streamed_units(module, stage.blocks.get(name), strategy)
-        resident, unit_slots = partition_slots(module, [members for _, members in units])
-        streamed = sorted((_slot_bytes(slots) for slots in unit_slots), reverse=True)
-        per_component.append(_slot_bytes(resident) + sum(streamed[: strategy.prefetch_blocks + 1]))
+        core, unit_slots = partition_slots(module, [members for _, members in units])
+        streamed = sorted((_tensor_bytes(slots) for slots in unit_slots), reverse=True)
+        per_component.append(_tensor_bytes(core) + sum(streamed[: strategy.prefetch_blocks + 1]))
     if strategy.offload is OffloadTier.NONE:
         return sum(per_component)
     return max(per_component, default=0)
 
 
-def _slot_bytes(slots) -> int:
-    unique = {id(s.current()): s.host for s in slots}
-    return sum(t.numel() * t.element_size() for t in unique.values())
-
-
-@dataclass(frozen=True)
-class _Pinning:
-    pool: HostPool
-    pin: Any
-    cap_bytes: int
-
-    def adopt(self, slot):
-        return self.pool.adopt(slot, self.pin, self.cap_bytes)
+def _tensor_bytes(slots: list[Slot]) -> int:
+    return sum(owners[0].host.numel() * owners[0].host.element_size() for owners in tie(slots))
 
 
 def _streamed_units(
@@ -224,3 +230,20 @@ def _streamed_units(
     if strategy.offload is OffloadTier.BLOCK_SWAP and blocks is not None:
         return [(b, list(b.modules())) for b in list(blocks)[len(blocks) - strategy.blocks_to_swap :]]
     return []
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Tensors inside `value` (nested tuples, lists, dicts) on `device`; everything else as is.
+
+    A container whose tensors are all in place is returned itself, not copied: callers may pass
+    lists they mutate as a side channel (the Wan VAE's causal cache, `feat_cache`).
+    """
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, (tuple, list)):
+        moved = [_to_device(v, device) for v in value]
+        return value if all(m is v for m, v in zip(moved, value)) else type(value)(moved)
+    if isinstance(value, dict):
+        moved = {k: _to_device(v, device) for k, v in value.items()}
+        return value if all(moved[k] is v for k, v in value.items()) else moved
+    return value

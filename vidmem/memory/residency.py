@@ -15,7 +15,7 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class _Slot:
+class Slot:
     """One tensor of a module: a parameter (moved through `.data`) or a buffer (replaced)."""
 
     module: nn.Module
@@ -33,14 +33,14 @@ class _Slot:
         return self.module._parameters[self.name] if self.is_parameter else self.module._buffers[self.name]
 
 
-def own_slots(module: nn.Module) -> list[_Slot]:
+def own_slots(module: nn.Module) -> list[Slot]:
     """The parameters and buffers a module holds directly (not its children's)."""
-    slots = [_Slot(module, n, True, p.data) for n, p in module._parameters.items() if p is not None]
-    slots += [_Slot(module, n, False, b) for n, b in module._buffers.items() if b is not None]
+    slots = [Slot(module, n, True, p.data) for n, p in module._parameters.items() if p is not None]
+    slots += [Slot(module, n, False, b) for n, b in module._buffers.items() if b is not None]
     return slots
 
 
-def partition_slots(root: nn.Module, units: list[list[nn.Module]]) -> tuple[list[_Slot], list[list[_Slot]]]:
+def partition_slots(root: nn.Module, units: list[list[nn.Module]]) -> tuple[list[Slot], list[list[Slot]]]:
     """Split `root`'s tensors into streamed units and the rest (resident).
 
     Every slot is captured before any group re-points a tensor, so each records its true
@@ -53,8 +53,8 @@ def partition_slots(root: nn.Module, units: list[list[nn.Module]]) -> tuple[list
     owners: dict[int, set] = {}
     for unit, slot in slots:
         owners.setdefault(id(slot.current()), set()).add(unit)
-    resident: list[_Slot] = []
-    per_unit: list[list[_Slot]] = [[] for _ in units]
+    resident: list[Slot] = []
+    per_unit: list[list[Slot]] = [[] for _ in units]
     for unit, slot in slots:
         units_owning = owners[id(slot.current())]
         if unit is None or len(units_owning) > 1:
@@ -64,63 +64,71 @@ def partition_slots(root: nn.Module, units: list[list[nn.Module]]) -> tuple[list
     return resident, per_unit
 
 
-class WeightGroup:
-    """A named set of tensors onloaded and evicted as one unit through a device backend."""
+def tie(slots: list[Slot]) -> list[list[Slot]]:
+    """Slots grouped by tensor: a tied tensor (one Parameter in two modules) moves once."""
+    tied: dict[int, list[Slot]] = {}
+    for slot in slots:
+        tied.setdefault(id(slot.current()), []).append(slot)
+    return list(tied.values())
 
-    def __init__(self, name: str, slots: list[_Slot], backend: Any, non_blocking: bool = True) -> None:
+
+class WeightGroup:
+    """A named set of tensors onloaded and evicted as one unit through a device backend.
+
+    `streamed` groups copy on the backend's side stream (overlapping compute); whole
+    components copy on the compute stream.
+    """
+
+    def __init__(self, name: str, tensors: list[list[Slot]], backend: Any, streamed: bool, non_blocking: bool = True) -> None:
         self.name = name
-        self._slots = slots
-        # A tied tensor (one Parameter registered in two modules) is copied once and shared.
-        self._tied: dict[int, list[_Slot]] = {}
-        for slot in slots:
-            self._tied.setdefault(id(slot.current()), []).append(slot)
+        self._tensors = tensors
         self._backend = backend
+        self._streamed = streamed
         self._non_blocking = non_blocking
         self._token: Any = None
-        self.resident = False
-        self.nbytes = sum(t[0].host.numel() * t[0].host.element_size() for t in self._tied.values())
+        self.on_device = False
+        self.nbytes = sum(owners[0].host.numel() * owners[0].host.element_size() for owners in tensors)
         self._point_all(backend.evicted)
 
     def __repr__(self) -> str:
-        state = "resident" if self.resident else "evicted"
-        return f"WeightGroup({self.name!r}, {len(self._slots)} tensors, {self.nbytes} bytes, {state})"
+        state = "on device" if self.on_device else "evicted"
+        return f"WeightGroup({self.name!r}, {len(self._tensors)} tensors, {self.nbytes} bytes, {state})"
 
-    def onload(self) -> Any:
+    def onload(self, timed: bool = False) -> Any:
         """Start the host-to-device copy (asynchronous where the backend allows); idempotent.
 
-        Returns the backend's copy token (for telemetry), or None if already resident.
+        Returns the backend's copy token (for telemetry), or None if already on the device.
         """
-        if self.resident:
+        if self.on_device:
             return None
-        owners = list(self._tied.values())
-        tensors, self._token = self._backend.copy_group([o[0].host for o in owners], self._non_blocking)
-        for slots, tensor in zip(owners, tensors):
-            for slot in slots:
-                slot.point_to(tensor)
-        self.resident = True
+        hosts = [owners[0].host for owners in self._tensors]
+        copies, self._token = self._backend.copy_group(hosts, self._non_blocking, self._streamed, timed)
+        for owners, copy in zip(self._tensors, copies):
+            for slot in owners:
+                slot.point_to(copy)
+        self.on_device = True
         return self._token
 
     def wait(self) -> None:
         """Make compute wait until this group's copy has landed."""
         if self._token is not None:
-            self._backend.wait(self._token, [o[0].current().data for o in self._tied.values()])
+            self._backend.wait(self._token, [owners[0].current().data for owners in self._tensors])
             self._token = None
 
     def evict(self) -> None:
         """Point every tensor back at its host copy: no device-to-host copy."""
         self._point_all(self._backend.evicted)
         self._token = None
-        self.resident = False
-
-    def _point_all(self, form) -> None:
-        for slots in self._tied.values():
-            shared = form(slots[0].host)
-            for slot in slots:
-                slot.point_to(shared)
+        self.on_device = False
 
     def restore(self) -> None:
         """Leave every tensor exactly on the storage it had before the group existed."""
-        for slot in self._slots:
-            slot.point_to(slot.host)
+        self._point_all(lambda host: host)
         self._token = None
-        self.resident = False
+        self.on_device = False
+
+    def _point_all(self, form) -> None:
+        for owners in self._tensors:
+            shared = form(owners[0].host)
+            for slot in owners:
+                slot.point_to(shared)

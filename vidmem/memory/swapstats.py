@@ -48,7 +48,7 @@ class SwapLedger:
             blocks[name] = {
                 "bytes_moved": block.nbytes * len(block.copies),
                 "copies": len(block.copies),
-                "copy_s": sum(elapsed(*t) for t in block.copies if t is not None),
+                "copy_s": sum(elapsed(None, token) for token in block.copies if token is not None),
                 "wait_s": sum(elapsed(a, b) for a, b in block.waits),
                 "compute_s": sum(elapsed(a, b) for a, b in block.computes),
             }

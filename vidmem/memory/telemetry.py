@@ -57,12 +57,15 @@ class StageMeter:
 
     def __enter__(self) -> StageReceipt:
         if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # time the GPU's work, not only the queueing
             torch.cuda.reset_peak_memory_stats(self._device)
         self._start = time.perf_counter()
         self._thread.start()
         return self.receipt
 
     def __exit__(self, *exc: object) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
         self.receipt.seconds = time.perf_counter() - self._start
         self._stop.set()
         self._thread.join()

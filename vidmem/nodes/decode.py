@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from ..pipelines.decode import decode
+from ..pipelines.hooks import RunHooks
+from . import host
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt
 from .strategy import STRATEGY_TYPE
@@ -33,6 +35,11 @@ class VidMemVAEDecode:
         }
 
     def decode(self, pipeline, latent, strategy=None):
-        result = decode(pipeline, latent, strategy)
+        progress = host.Progress(1, "decoding")
+        try:
+            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room)
+            result = decode(pipeline, latent, strategy, hooks=hooks, device=host.compute_device())
+        finally:
+            progress.close()
         text = format_receipt(f"Video VAE Decode: {pipeline.describe()}", result.receipt)
         return {"ui": {"text": [text], "vidmem_receipt": [result.receipt]}, "result": (result.frames,)}

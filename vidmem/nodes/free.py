@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..memory import free_memory, resolve_compute_device
+from ..memory import free_memory
 from . import host
 from .receipts import human_bytes
 
@@ -39,7 +39,7 @@ class VidMemFreeVRAM:
 
     def free(self, anything, unload_comfy_models=False):
         unloaded = host.unload_host_models() if unload_comfy_models else False
-        receipt = free_memory(resolve_compute_device())
+        receipt = free_memory(host.compute_device())
         report = receipt.as_dict() | {"comfy_models_unloaded": unloaded}
         return {"ui": {"text": [format_free(report)], "vidmem_receipt": [report]}, "result": (anything,)}
 

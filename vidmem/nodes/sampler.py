@@ -53,7 +53,8 @@ class VidMemVideoSampler:
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image)
         progress = host.Progress(steps, "sampling")
         try:
-            result = sample(pipeline, strategy, request, RunHooks(progress.step, host.check_interrupt, host.make_room))
+            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room)
+            result = sample(pipeline, strategy, request, hooks, device=host.compute_device())
         finally:
             progress.close()
         text = format_receipt(f"Video Sampler: {pipeline.describe()}", result.receipt)

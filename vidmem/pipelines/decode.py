@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy, backend_for, resolve_compute_device
+from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy, resolve_compute_device
 from ..memory.blockswap import Observer
 from ..memory.device import Backend
 from ..memory.telemetry import StageMeter
 from ..memory.vae import DecodeReport, VaeGeometry, decode_video
+from ..memory.offload import device_weight_bytes
 from .family import ModelError
+from .hooks import RunHooks
 from .loader import LoadedPipeline
 
 # Decoding with no strategy connected: the whole VAE on the device, as diffusers does.
@@ -61,15 +63,25 @@ def decode(
     strategy: MemoryStrategy | None = None,
     backend: Backend | None = None,
     observer: Observer | None = None,
+    device: torch.device | None = None,
+    hooks: RunHooks = RunHooks(),
 ) -> DecodeResult:
-    """Decode on `backend`'s device (default: the run-time compute device's)."""
+    """Decode on `device` (default: CUDA when present), or on a given `backend`."""
     samples = validate_latent(loaded, latent)
     strategy = strategy or DEFAULT_DECODE_STRATEGY
-    backend = backend or backend_for(resolve_compute_device())
+    backend = backend or loaded.backend(device or resolve_compute_device())
     device = backend.device
     pipe, vae = loaded.pipe, loaded.pipe.vae
     report = DecodeReport()
-    with apply_strategy(StageComponents({"vae": vae}), strategy, backend, observer, loaded.host_pool) as handle:
+    stage = StageComponents({"vae": vae})
+    hooks.check_interrupt()
+    hooks.make_room(device_weight_bytes(stage, strategy), backend.device)
+
+    def on_step(done: int, total: int) -> None:
+        hooks.on_step(done, total)
+        hooks.check_interrupt()
+
+    with apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
         handle.activate("vae")
         with StageMeter("decode", device) as meter:
             z = loaded.spec.to_vae_latent(pipe, samples.to(device, vae.dtype))
@@ -80,6 +92,7 @@ def decode(
                 strategy.vae_tiling,
                 strategy.vae_slicing,
                 report=report,
+                on_step=on_step,
             )
     frames = pipe.video_processor.postprocess_video(video, output_type="pt")  # [B, F, C, H, W] in 0..1
     frames = frames.flatten(0, 1).permute(0, 2, 3, 1).float().contiguous()

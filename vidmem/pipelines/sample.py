@@ -8,8 +8,6 @@ it runs. Noise comes from a CPU generator, so a seed gives the same video on any
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 
 from ..memory import (
@@ -17,7 +15,6 @@ from ..memory import (
     StageComponents,
     TextEncoderPlacement,
     apply_strategy,
-    backend_for,
     resolve_compute_device,
 )
 from ..memory.blockswap import Observer
@@ -25,6 +22,7 @@ from ..memory.offload import device_weight_bytes
 from ..memory.device import Backend
 from ..memory.telemetry import StageMeter
 from .family import ModelError, denoiser_blocks, spatial_multiple
+from .hooks import RunHooks
 from .loader import LoadedPipeline
 
 
@@ -39,15 +37,6 @@ class SampleRequest:
     cfg: float = 6.0
     seed: int = 0
     image: torch.Tensor | None = None  # ComfyUI IMAGE [1, H, W, C] in 0..1, for image-to-video
-
-
-@dataclass(frozen=True)
-class RunHooks:
-    """How a run talks to its host: per-step progress and an interrupt check that raises."""
-
-    on_step: Callable[[int, int], None] = lambda step, total: None
-    check_interrupt: Callable[[], None] = lambda: None
-    make_room: Callable[[int, torch.device], None] = lambda nbytes, device: None  # before the first onload
 
 
 @dataclass
@@ -93,12 +82,13 @@ def sample(
     hooks: RunHooks = RunHooks(),
     backend: Backend | None = None,
     observer: Observer | None = None,
+    device: torch.device | None = None,
 ) -> SampleResult:
-    """Sample one video latent; `backend` defaults to the run-time compute device's."""
+    """Sample one video latent on `device` (default: CUDA when present), or on a given `backend`."""
     validate_request(loaded, request)
     if request.image is not None:
         loaded = loaded.image_mode()
-    backend = backend or backend_for(resolve_compute_device())
+    backend = backend or loaded.backend(device or resolve_compute_device())
     device = backend.device
     pipe, spec = loaded.pipe, loaded.spec
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": []}
@@ -107,7 +97,8 @@ def sample(
     weight_bytes = device_weight_bytes(stage, strategy)
     receipt["device_weight_bytes"] = weight_bytes
     hooks.make_room(weight_bytes, device)
-    with apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
+    telemetry = strategy.streams_blocks
+    with apply_strategy(stage, strategy, backend, observer, loaded.host_pool, telemetry) as handle:
         pipe.vidmem_execution_device = device
         try:
             with StageMeter("text_encode", device) as meter:
@@ -119,7 +110,7 @@ def sample(
             with StageMeter("denoise", device) as meter:
                 raw = pipe(**_call_kwargs(loaded, request, embeds, hooks)).frames
             receipt["stages"].append(meter.as_dict())
-            if strategy.streams_blocks:
+            if telemetry:
                 receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)
         finally:
             del pipe.vidmem_execution_device
