@@ -7,6 +7,9 @@ steps, with a fresh seed so the cache cannot answer) queued with POST /prompt fi
 files saved (MP4 and WEBP under output/vidmem/), that a bad Memory Strategy comes back as HTTP 400
 naming the input, that too many swapped blocks fail in the sampler as an execution_error, and that
 the four offload tiers save identical pixels. Standard library only for HTTP (PIL decodes the WEBPs).
+It also queues every API workflow with the headless client, `vidmem queue --set ... --out DIR`,
+with the tiny models' sizes given as --set overrides, and checks the downloaded files, and
+that GET /vidmem/memory answers memory figures only.
 
 How to run it (ComfyUI 0.8.0, CPU, loopback only):
 
@@ -249,3 +252,40 @@ def webp_pixels(data: bytes) -> bytes:
 
     with Image.open(io.BytesIO(data)) as image:
         return b"".join(frame.convert("RGB").tobytes() for frame in ImageSequence.Iterator(image))
+
+
+def tiny_overrides(path) -> list[str]:
+    """`--set NODE.INPUT=VALUE` for every input shrink_for_tiny changes (sizes, steps, blocks, seed)."""
+    original = wr.load_json(path)
+    shrunk = wr.shrink_for_tiny(original, seed=time.time_ns() % 2**32)
+    return [f"{nid}.{name}={json.dumps(value)}" for nid, node in shrunk.items()
+            for name, value in node["inputs"].items() if original[nid]["inputs"][name] != value]
+
+
+@pytest.mark.parametrize("path", wr.api_files(), ids=lambda p: p.stem)
+def test_queue_client_runs_every_api_workflow(path, tmp_path, capsys):
+    from vidmem.queue_cli import main as queue_main
+
+    overrides = tiny_overrides(path)
+    argv = ["queue", str(path), "--server", URL, "--out", str(tmp_path), "--timeout", str(TIMEOUT)]
+    for setting in overrides:
+        argv += ["--set", setting]
+    code = queue_main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    saved = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert {p.suffix for p in saved} == {".mp4", ".webp"}, saved
+    assert all(looks_like(p.name, p.read_bytes()) for p in saved)
+    assert "Video Sampler:" in captured.out and "Free VRAM" in captured.out, "the receipts are printed"
+    with capsys.disabled():
+        print(f"\nvidmem queue {path.name} {' '.join('--set ' + s for s in overrides)}: exit {code}; "
+              f"saved {[str(p.relative_to(tmp_path)) for p in saved]}")
+
+
+def test_memory_route_answers_memory_figures_only():
+    figures = get_json("/vidmem/memory")
+    assert set(figures) == {"ram", "process_rss_bytes", "cuda"}
+    assert set(figures["ram"]) == {"total_bytes", "available_bytes"}
+    for device in figures["cuda"]:
+        assert set(device) == {"index", "allocated_bytes", "reserved_bytes", "free_bytes", "total_bytes"}
+    assert get_json("/api/vidmem/memory").keys() == figures.keys()

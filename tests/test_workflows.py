@@ -5,6 +5,7 @@ in-process with tiny models saved under the workflows' model folder names (no Co
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -193,3 +194,38 @@ def test_core_input_check_catches_bad_frames():
     assert wr.core_input_problems("SaveVideo", {"video": wr.CoreValue("IMAGE", "x"), "filename_prefix": "a",
                                                 "format": "auto", "codec": "auto"})
     assert not wr.core_input_problems("CreateVideo", {"images": torch.rand(2, 8, 8, 3), "fps": 8.0})
+
+
+TIER_TEMPLATES = {
+    "wan21_t2v_1_3b_8gb": "wan2.1-t2v", "wan21_t2v_1_3b_12gb": "wan2.1-t2v", "wan21_t2v_14b_24gb": "wan2.1-t2v",
+    "cogvideox_2b_t2v_8gb": "cogvideox-t2v", "wan22_ti2v_5b_12gb": "wan2.2-ti2v",
+}
+
+
+def test_one_template_per_vram_tier_runs_on_its_tiny_stand_in():
+    """A 14B or TI2V folder name maps to the matching tiny variant, so every template runs above."""
+    names = {p.stem for p in API_FILES}
+    assert set(TIER_TEMPLATES) <= names
+    for name, variant in TIER_TEMPLATES.items():
+        models = set(wr.loader_models(wr.load_json(wr.API_DIR / f"{name}.json")).values())
+        assert [wr.tiny_variant_for(m) for m in models] == [variant], name
+
+
+def test_ti2v_template_keeps_the_models_shape_rules():
+    api = wr.load_json(wr.API_DIR / "wan22_ti2v_5b_12gb.json")
+    sampler = next(n["inputs"] for n in api.values() if n["class_type"] == "VidMemVideoSampler")
+    assert (sampler["width"], sampler["height"], sampler["frames"]) == (1280, 704, 121)
+    assert sampler["width"] % 32 == 0 and sampler["height"] % 32 == 0 and (sampler["frames"] - 1) % 4 == 0
+    assert wr.loader_models(api) == {"1": "Wan2.2-TI2V-5B-Diffusers"}
+
+
+def test_tier_templates_differ_mainly_in_their_memory_strategy():
+    strategies = {}
+    for name in TIER_TEMPLATES:
+        api = wr.load_json(wr.API_DIR / f"{name}.json")
+        strategies[name] = next(n["inputs"] for n in api.values() if n["class_type"] == "VidMemMemoryStrategy")
+    assert strategies["wan21_t2v_1_3b_8gb"]["text_encoder"] == "cpu"
+    assert strategies["wan21_t2v_1_3b_12gb"]["text_encoder"] == "offload_after_encoding"
+    assert strategies["wan21_t2v_14b_24gb"]["offload"] == "block_swap" and strategies["wan21_t2v_14b_24gb"]["blocks_to_swap"] < 40
+    same_model = [strategies["wan21_t2v_1_3b_8gb"], strategies["wan21_t2v_1_3b_12gb"]]
+    assert len({json.dumps(s, sort_keys=True) for s in same_model}) == 2, "one model, two tiers, two strategies"

@@ -44,7 +44,7 @@ class Progress:
         if self._bar is not None:
             self._bar.update_absolute(done, total)
         else:
-            self._tqdm.n = done
+            self._tqdm.total, self._tqdm.n = total, done
             self._tqdm.refresh()
 
     def close(self) -> None:
@@ -162,11 +162,21 @@ def register_routes() -> bool:
     routes = getattr(instance, "routes", None)
     if routes is None or any(getattr(route, "path", None) == MEMORY_ROUTE for route in routes):
         return False
-    from aiohttp import web
 
     async def vidmem_memory(request):
+        from aiohttp import web  # ComfyUI's web server; imported only when a request arrives
+
         return web.json_response(memory_figures(), headers={"Cache-Control": "no-store"})
 
     routes.get(MEMORY_ROUTE)(vidmem_memory)
     log.info("vidmem: serving GET %s (memory figures, read-only)", MEMORY_ROUTE)
     return True
+
+
+def compute_device():
+    """ComfyUI's chosen device (honours --cpu and its GPU choice); CUDA-or-CPU without ComfyUI."""
+    if model_management is not None:
+        return model_management.get_torch_device()
+    from ..memory import resolve_compute_device
+
+    return resolve_compute_device()

@@ -1,0 +1,325 @@
+"""`vidmem queue` against a small stub of ComfyUI's HTTP + websocket API, served on 127.0.0.1 in
+the test: success with progress and downloads, a 400's node errors in plain words, an
+execution_error, --set overrides by id / title / class, the polling fallback without a websocket,
+and that nothing but the given URL is contacted (proxies ignored, redirects refused)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from vidmem import queue_cli
+from vidmem.queue_cli import WS_GUID, add_queue_parser, parse_frame, run_queue
+
+WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "api" / "wan21_t2v_blockswap.json"
+PROMPT_ID = "prompt-1"
+FILES = {"vidmem_00001.mp4": b"\x00\x00\x00\x18ftypisom", "vidmem_preview_00001.webp": b"RIFF\x00\x00\x00\x00WEBP"}
+
+
+def frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
+    """A server frame (unmasked), any length."""
+    head = bytes([(0x80 if fin else 0) | opcode])
+    if len(payload) < 126:
+        head += bytes([len(payload)])
+    elif len(payload) < 1 << 16:
+        head += bytes([126]) + len(payload).to_bytes(2, "big")
+    else:
+        head += bytes([127]) + len(payload).to_bytes(8, "big")
+    return head + payload
+
+
+def text(kind: str, **data) -> bytes:
+    return frame(0x1, json.dumps({"type": kind, "data": data}).encode())
+
+
+class Stub(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, scenario: str, websocket: bool = True):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.scenario, self.websocket = scenario, websocket
+        self.posted: list[dict] = []
+        self.paths: list[str] = []
+        self.queued = threading.Event()
+        self.ws_done = threading.Event()
+        self.pongs: list[bytes] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Stub
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def reply(self, status: int, body, content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        self.server.paths.append(self.path)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/prompt":
+            return self.reply(404, {})
+        self.server.posted.append(body)
+        if self.server.scenario == "reject":
+            return self.reply(400, {
+                "error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation", "details": ""},
+                "node_errors": {"2": {"class_type": "VidMemMemoryStrategy", "dependent_outputs": ["7"], "errors": [{
+                    "type": "custom_validation_failed", "message": "Failed to validate prompt for output 7",
+                    "details": "offload='block_swap' needs blocks_to_swap >= 1; set blocks_to_swap",
+                    "extra_info": {"input_name": "blocks_to_swap"},
+                }]}, "3": {"class_type": "VidMemVideoSampler", "dependent_outputs": ["7"], "errors": [{
+                    "type": "custom_validation_failed", "message": "Custom validation failed for node",
+                    "details": f"{name} - width=30 must be a multiple of 16", "extra_info": {"input_name": name},
+                } for name in ("width", "height", "frames", "steps", "cfg")]}},
+            })
+        if self.server.scenario == "redirect":
+            self.send_response(307)
+            self.send_header("Location", "http://127.0.0.1:9/prompt")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        self.server.queued.set()
+        return self.reply(200, {"prompt_id": PROMPT_ID, "number": 0, "node_errors": {}})
+
+    def do_GET(self):
+        self.server.paths.append(self.path)
+        if self.path.startswith("/ws"):
+            return self.websocket() if self.server.websocket else self.reply(404, {})
+        if self.path == f"/history/{PROMPT_ID}":
+            ready = self.server.queued.is_set() and (self.server.ws_done.is_set() or not self.server.websocket)
+            return self.reply(200, {PROMPT_ID: self.history()} if ready else {})
+        if self.path.startswith("/view?"):
+            from urllib.parse import parse_qs, urlsplit
+
+            query = parse_qs(urlsplit(self.path).query)
+            name = Path(query["filename"][0]).name
+            return self.reply(200, FILES.get(name, b"data"), "application/octet-stream")
+        return self.reply(404, {})
+
+    def history(self) -> dict:
+        if self.server.scenario == "exec_error":
+            return {"outputs": {}, "status": {"status_str": "error", "completed": False, "messages": [
+                ["execution_start", {"prompt_id": PROMPT_ID}],
+                ["execution_error", {"prompt_id": PROMPT_ID, "node_id": "3", "node_type": "VidMemVideoSampler",
+                                     "exception_type": "vidmem.memory.strategy.StrategyError",
+                                     "exception_message": "blocks_to_swap=99 but this model's transformer has 30 blocks"}],
+            ]}}
+        subfolder = "../../etc" if self.server.scenario == "traversal" else "vidmem"
+        return {"status": {"status_str": "success", "completed": True, "messages": []}, "outputs": {
+            "3": {"text": ["Video Sampler: WanPipeline\nswap cost: 1.0% of step time"]},
+            "7": {"images": [{"filename": "vidmem_00001.mp4", "subfolder": subfolder, "type": "output"}], "animated": [True]},
+            "8": {"images": [{"filename": "vidmem_preview_00001.webp", "subfolder": "vidmem", "type": "output"}],
+                  "animated": [True]},
+            "9": {"images": [{"filename": "preview.png", "subfolder": "", "type": "temp"}]},
+        }}
+
+    def websocket(self):
+        key = self.headers["Sec-WebSocket-Key"]
+        accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
+        self.send_response(101)
+        self.send_header("Upgrade", "websocket")
+        self.send_header("Connection", "Upgrade")
+        self.send_header("Sec-WebSocket-Accept", accept)
+        self.end_headers()
+        self.close_connection = True
+        self.wfile.write(text("status", status={"exec_info": {"queue_remaining": 0}}, sid="x"))
+        if not self.server.queued.wait(10):
+            return
+        p = PROMPT_ID
+        self.wfile.write(text("execution_start", prompt_id=p))
+        self.wfile.write(text("executing", node="3", display_node="3", prompt_id=p))
+        self.wfile.write(frame(0x2, b"\x00\x00\x00\x01binary preview"))  # skipped
+        self.wfile.write(frame(0x9, b"hi"))  # ping: the client must pong
+        self.wfile.write(text("progress", value=1, max=2, prompt_id=p, node="3"))
+        message = json.dumps({"type": "progress", "data": {"value": 2, "max": 2, "prompt_id": p, "node": "3"}}).encode()
+        self.wfile.write(frame(0x1, message[:10], fin=False) + frame(0x0, message[10:]))  # fragmented
+        self.wfile.write(text("progress", value=1, max=1, prompt_id="someone-else", node="4"))  # ignored
+        self.wfile.write(frame(0x1, json.dumps({"type": "executed", "data": {"node": "3", "prompt_id": p,
+                                                                              "output": {"text": ["x" * 70000]}}}).encode()))
+        kind = "execution_error" if self.server.scenario == "exec_error" else "execution_success"
+        self.server.ws_done.set()
+        self.wfile.write(text(kind, prompt_id=p))
+        self.wfile.flush()
+        self.connection.settimeout(5)
+        try:  # read the client's frames (pong, close) until it hangs up
+            data = b""
+            while chunk := self.connection.recv(4096):
+                data += chunk
+                while (parsed := parse_frame(data)) is not None:
+                    _fin, opcode, payload, used = parsed
+                    data = data[used:]
+                    if opcode == 0xA:
+                        self.server.pongs.append(payload)
+                    if opcode == 0x8:
+                        return
+        except OSError:
+            return
+
+
+@pytest.fixture
+def stub(request):
+    scenario, websocket = getattr(request, "param", ("success", True))
+    server = Stub(scenario, websocket)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def queue(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="vidmem")
+    add_queue_parser(parser.add_subparsers(dest="command", required=True))
+    return run_queue(parser.parse_args(["queue", *argv]))
+
+
+def test_success_shows_progress_prints_receipts_and_downloads_outputs(stub, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(out), "--timeout", "20") == 0
+    captured = capsys.readouterr()
+    assert "node 3 (VidMemVideoSampler, 'Video Sampler (VidMem)') [####################] 2/2" in captured.err
+    assert "someone-else" not in captured.err and "node 4" not in captured.err
+    assert "swap cost: 1.0% of step time" in captured.out  # the sampler's receipt text
+    assert (out / "vidmem" / "vidmem_00001.mp4").read_bytes() == FILES["vidmem_00001.mp4"]
+    assert (out / "vidmem" / "vidmem_preview_00001.webp").read_bytes() == FILES["vidmem_preview_00001.webp"]
+    assert not list(out.rglob("preview.png")), "temp previews are not downloaded"
+    assert stub.pongs == [b"hi"]
+    posted = stub.posted[0]
+    assert posted["client_id"].startswith("vidmem-queue-") and posted["prompt"] == json.loads(WORKFLOW.read_text())
+    assert any(p.startswith(f"/ws?clientId={posted['client_id']}") for p in stub.paths)
+
+
+def test_set_overrides_by_id_title_and_class(stub, tmp_path):
+    code = queue(str(WORKFLOW), "--server", stub.url, "--timeout", "20",
+                 "--set", "3.seed=7", "--set", "VidMemVideoSampler.steps=4",
+                 "--set", "Memory Strategy (VidMem).blocks_to_swap=1", "--set", "3.prompt=a cat, at dusk",
+                 "--set", "VidMemMemoryStrategy.vae_tiling=false", "--set", 'SaveVideo.filename_prefix="7"')
+    assert code == 0
+    prompt = stub.posted[0]["prompt"]
+    assert prompt["3"]["inputs"]["seed"] == 7 and prompt["3"]["inputs"]["steps"] == 4
+    assert prompt["3"]["inputs"]["prompt"] == "a cat, at dusk"
+    assert prompt["2"]["inputs"]["blocks_to_swap"] == 1 and prompt["2"]["inputs"]["vae_tiling"] is False
+    assert prompt["7"]["inputs"]["filename_prefix"] == "7"  # quoted JSON stays a string
+    assert json.loads(WORKFLOW.read_text())["3"]["inputs"]["seed"] == 42, "the file is not modified"
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("VidMemNope.steps=4", "no node has id, title or class 'VidMemNope'"),
+    ("3.stepz=4", "node 3 (VidMemVideoSampler) has no input 'stepz'; its inputs: pipeline, strategy, prompt"),
+    ("3.steps", "must look like NODE.INPUT=VALUE"),
+    ("steps=4", "must look like NODE.INPUT=VALUE"),
+])
+def test_bad_overrides_fail_before_anything_is_sent(stub, capsys, setting, message):
+    assert queue(str(WORKFLOW), "--server", stub.url, "--set", setting) == 2
+    assert message in capsys.readouterr().err
+    assert stub.paths == []
+
+
+def test_ambiguous_class_asks_for_an_id(stub, tmp_path, capsys):
+    workflow = json.loads(WORKFLOW.read_text())
+    workflow["10"] = dict(workflow["3"])
+    path = tmp_path / "two_samplers.json"
+    path.write_text(json.dumps(workflow))
+    assert queue(str(path), "--server", stub.url, "--set", "VidMemVideoSampler.steps=4") == 2
+    assert "2 nodes match 'VidMemVideoSampler' (3, 10); use a node id" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stub", [("reject", True)], indirect=True)
+def test_400_node_errors_in_plain_words(stub, capsys):
+    assert queue(str(WORKFLOW), "--server", stub.url, "--timeout", "20") == 1
+    err = capsys.readouterr().err
+    assert "the server rejected the workflow" in err and "Prompt outputs failed validation" in err
+    assert ("node 2 (VidMemMemoryStrategy, 'Memory Strategy (VidMem)') input 'blocks_to_swap': Failed to validate "
+            "prompt for output 7: offload='block_swap' needs blocks_to_swap >= 1") in err
+    assert ("node 3 (VidMemVideoSampler, 'Video Sampler (VidMem)') inputs 'width', 'height', 'frames' and 2 more: "
+            "Custom validation failed for node: width=30 must be a multiple of 16\n") in err
+    assert err.count("must be a multiple of 16") == 1, "one line for a problem ComfyUI repeats per input"
+
+
+@pytest.mark.parametrize("stub", [("exec_error", True), ("exec_error", False)], indirect=True, ids=["websocket", "polling"])
+def test_execution_error_names_node_and_exception(stub, tmp_path, capsys):
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(tmp_path), "--timeout", "20") == 1
+    err = capsys.readouterr().err
+    assert ("node 3 (VidMemVideoSampler, 'Video Sampler (VidMem)') failed: StrategyError: "
+            "blocks_to_swap=99 but this model's transformer has 30 blocks") in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("stub", [("success", False)], indirect=True)
+def test_without_a_websocket_it_polls_history(stub, tmp_path, capsys):
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(tmp_path), "--timeout", "20") == 0
+    assert "polling /history" in capsys.readouterr().err
+    assert (tmp_path / "vidmem" / "vidmem_00001.mp4").is_file()
+
+
+@pytest.mark.parametrize("stub", [("traversal", True)], indirect=True)
+def test_server_paths_cannot_escape_the_out_folder(stub, tmp_path):
+    out = tmp_path / "out"
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(out), "--timeout", "20") == 0
+    assert (out / "etc" / "vidmem_00001.mp4").is_file()
+    assert {p.name for p in tmp_path.iterdir()} == {"out"}
+
+
+def test_proxies_from_the_environment_are_not_used(stub, tmp_path, monkeypatch):
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # the discard port: a proxied request would fail
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert queue(str(WORKFLOW), "--server", stub.url, "--timeout", "20") == 0
+
+
+@pytest.mark.parametrize("stub", [("redirect", True)], indirect=True)
+def test_redirects_are_refused(stub, capsys):
+    assert queue(str(WORKFLOW), "--server", stub.url, "--timeout", "5") == 1
+    assert "HTTP 307" in capsys.readouterr().err
+
+
+def test_unreachable_server_is_one_clear_line(tmp_path, capsys):
+    assert queue(str(WORKFLOW), "--server", "http://127.0.0.1:9", "--timeout", "5") == 1
+    err = capsys.readouterr().err
+    assert "cannot reach http://127.0.0.1:9/prompt" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"nodes": [], "links": []}', "is a UI-format workflow"),
+    ("not json", "is not JSON"),
+    ('{"1": {"inputs": {}}}', "is not an API-format workflow"),
+])
+def test_bad_workflow_files(tmp_path, capsys, content, message):
+    path = tmp_path / "w.json"
+    path.write_text(content)
+    assert queue(str(path), "--server", "http://127.0.0.1:9") == 2
+    assert message in capsys.readouterr().err
+
+
+def test_server_must_be_http(capsys):
+    assert queue(str(WORKFLOW), "--server", "ftp://example") == 2
+    assert "must be an http(s) URL" in capsys.readouterr().err
+
+
+def test_frame_parser_waits_for_whole_frames():
+    whole = frame(0x1, b"x" * 300)
+    assert parse_frame(whole[:3]) is None and parse_frame(whole[:-1]) is None
+    assert parse_frame(whole + b"rest") == (True, 0x1, b"x" * 300, len(whole))
+    masked = bytes([0x81, 0x80 | 2]) + b"\x01\x02\x03\x04" + bytes([ord("h") ^ 1, ord("i") ^ 2])
+    assert parse_frame(masked) == (True, 0x1, b"hi", len(masked))
+
+
+def test_standalone_module_entry_uses_the_same_parser(stub):
+    assert queue_cli.main(["queue", str(WORKFLOW), "--server", stub.url, "--timeout", "20"]) == 0
