@@ -10,7 +10,7 @@ extension registered, the memory meter shows figures from GET /vidmem/memory, th
 are served, then runs one template from the browser at the tiny models' size and waits for the
 receipts on the Memory Strategy, Sampler, Decode and Free VRAM nodes (screenshot
 `<template>_receipts.png`), and that "Free VRAM now" posts ComfyUI's /free. Screenshots go to
-web/screenshots/ (or VIDMEM_SCREENSHOTS), re-encoded with a 128-colour palette to stay small.
+docs/screenshots/ (or VIDMEM_SCREENSHOTS), re-encoded with a 128-colour palette to stay small.
 
 How to run it (ComfyUI 0.8.0 on the CPU, loopback only; nothing here is a repo dependency):
 
@@ -39,7 +39,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 URL = os.environ.get("VIDMEM_COMFYUI_URL", "").rstrip("/")
 BROWSER = os.environ.get("VIDMEM_BROWSER", "")
-SCREENSHOTS = Path(os.environ.get("VIDMEM_SCREENSHOTS", REPO / "web" / "screenshots"))
+SCREENSHOTS = Path(os.environ.get("VIDMEM_SCREENSHOTS", REPO / "docs" / "screenshots"))
 RUN_TEMPLATE = "wan21_t2v_blockswap"  # run from the browser to see the receipts on the nodes
 
 pytestmark = pytest.mark.skipif(not (URL and BROWSER), reason="set VIDMEM_COMFYUI_URL and VIDMEM_BROWSER (path to chromium)")

@@ -4,7 +4,7 @@
 //
 //   NODE_PATH=/path/to/node_modules node tests/browser/check_templates.mjs \
 //     --url http://127.0.0.1:8188 --browser /usr/bin/chromium --workflows workflows \
-//     --screenshots web/screenshots [--run wan21_t2v_blockswap]
+//     --screenshots docs/screenshots [--run wan21_t2v_blockswap]
 //
 // Prints one JSON report on stdout; exit status 0 when every check passed.
 import fs from "node:fs";
