@@ -1,5 +1,8 @@
-"""`vidmem` console script. `vidmem demo --out DIR` runs the node code path end to end on a
-small model it builds itself (no downloads, no ComfyUI) and writes a video and its receipt."""
+"""`vidmem` console script.
+
+`vidmem demo --out DIR` runs the node code path end to end on a small model it builds itself
+(no downloads, no ComfyUI) and writes a video and its receipt; `vidmem queue` runs an
+API-format workflow on a ComfyUI server."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+from .queue_cli import add_queue_parser, run_queue  # standard library only: cheap to import
 
 DEMO_VARIANT = "wan2.1-t2v"
 
@@ -26,9 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--frames", type=int, default=17)
     demo.add_argument("--steps", type=int, default=4)
     demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(run=run_demo)
+    add_queue_parser(commands).set_defaults(run=run_queue)
     args = parser.parse_args(argv)
     try:
-        return run_demo(args)
+        return args.run(args)
     except ValueError as error:  # bad input: one clear line, no traceback
         print(f"vidmem: {error}", file=sys.stderr)
         return 2
