@@ -99,27 +99,32 @@ def decode_video(
     steps = list(itertools.product(groups, plan.frames, plan.rows, plan.cols))
     started = time.perf_counter()
     with torch.no_grad():
-        for done, ((b0, b1), frames, rows, cols) in enumerate(steps, 1):
-            piece = latents[b0:b1, :, frames.start - frames.context : frames.stop,
-                            rows.start : rows.stop, cols.start : cols.stop]
-            pixels = _checked(decode(piece), piece, frames, rows, cols)
-            target = out[b0:b1, :, frames.out_start : frames.out_stop,
-                         rows.out_start : rows.out_stop, cols.out_start : cols.out_stop]
-            if blended:
-                weight = weights[id(frames)][:, None, None] * weights[id(rows)][:, None] * weights[id(cols)]
-                target.addcmul_(pixels.to(out.device), weight)
-            else:
-                target.copy_(pixels)
-            del pixels
+        for done, step in enumerate(steps, 1):
+            _decode_piece(decode, latents, out, step, weights)
             if on_step is not None:
                 on_step(done, len(steps))
     if report is not None:
         report.mode = "tiled" if blended else "whole"
         report.sliced, report.tiles, report.chunks = slicing, plan.tiles, plan.chunks
         report.decode_calls, report.tiling = len(steps), tiling if blended else None
-        report.seconds += time.perf_counter() - started
+        report.seconds = time.perf_counter() - started
         report.device = str(latents.device)
     return out
+
+
+def _decode_piece(decode: Decode, latents: torch.Tensor, out: torch.Tensor, step, weights: dict) -> None:
+    """Decode one (batch group, chunk, row, col) piece and blend it into `out` (copy when untiled)."""
+    (b0, b1), frames, rows, cols = step
+    piece = latents[b0:b1, :, frames.start - frames.context : frames.stop, rows.start : rows.stop,
+                    cols.start : cols.stop]
+    pixels = _checked(decode(piece), piece, frames, rows, cols)
+    target = out[b0:b1, :, frames.out_start : frames.out_stop, rows.out_start : rows.out_stop,
+                 cols.out_start : cols.out_stop]
+    if weights:
+        weight = weights[id(frames)][:, None, None] * weights[id(rows)][:, None] * weights[id(cols)]
+        target.addcmul_(pixels.to(out.device), weight)
+    else:
+        target.copy_(pixels)
 
 
 def _weights_on(plan: TilePlan, device: torch.device) -> dict[int, torch.Tensor]:
@@ -166,8 +171,9 @@ def fallback_rungs(
     """
     frames, height, width = plan_tiles(latent_shape, geometry, None).out_shape
     whole_video = min(4096, max(8, -(-frames // 4) * 4))
-    base = tiling or VaeTiling(tile_size=min(4096, -(-max(height, width) // 32) * 32), overlap=64,
-                               temporal_size=whole_video, temporal_overlap=8)
+    whole_frame = min(4096, max(64, -(-max(height, width) // 32) * 32))
+    base = tiling or VaeTiling(tile_size=whole_frame, overlap=min(64, whole_frame // 4 // 8 * 8),
+                               temporal_size=whole_video, temporal_overlap=min(8, whole_video // 2 // 4 * 4))
     rungs = [Rung(tiling, slicing, False, "as requested"), Rung(tiling, True, False, "one batch item at a time")]
     tile = base.tile_size
     while tile > 64:
@@ -222,13 +228,15 @@ def decode_with_fallback(
     report = report if report is not None else DecodeReport()
     geometry.check_latents(latents)
     rungs = fallback_rungs(latents.shape, geometry, tiling, slicing, cpu_available=to_cpu is not None)
-    failures = []
+    failures, started = [], time.perf_counter()
     for index, rung in enumerate(rungs):
         if rung.on_cpu:
             decode, latents = to_cpu(), latents.to("cpu")
         try:
-            return decode_video(decode, latents, geometry, rung.tiling, rung.slicing,
-                                out_device=out_device, report=report, on_step=on_step)
+            out = decode_video(decode, latents, geometry, rung.tiling, rung.slicing,
+                               out_device=out_device, report=report, on_step=on_step)
+            report.seconds = time.perf_counter() - started  # failed rungs included
+            return out
         except torch.OutOfMemoryError as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
         failures.append(f"{rung.label}: {reason}")

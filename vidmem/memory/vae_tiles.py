@@ -161,27 +161,29 @@ def _bounds(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None):
     overlap = min(math.ceil(tiling.overlap / s), tile - 1)
     new_frames = max(2, tiling.temporal_size // tf // 2 * 2)  # even: every decode call is odd-length
     frame_overlap = min(math.ceil(tiling.temporal_overlap / tf), new_frames - 1)
-    ends = _spread_ends(latent_frames - 1, new_frames, frame_overlap, offset=1)
-    frames = [(0, ends[0])] + [(e - new_frames, e) for e in ends[1:]]
+    size, ends = _even_split(latent_frames - 1, new_frames, frame_overlap, even=True)
+    frames = [(0, 1 + ends[0])] + [(1 + e - size, 1 + e) for e in ends[1:]]
     return frames, _spatial_bounds(height, tile, overlap), _spatial_bounds(width, tile, overlap)
 
 
 def _spatial_bounds(length: int, tile: int, overlap: int) -> list[tuple[int, int]]:
-    """Fewest tiles of at most `tile` covering `length` with >= `overlap` shared, spread evenly."""
-    if length <= tile:
-        return [(0, length)]
-    count = 1 + math.ceil((length - tile) / (tile - overlap))
+    size, ends = _even_split(length, tile, overlap)
+    return [(e - size, e) for e in ends]
+
+
+def _even_split(length: int, cap: int, overlap: int, even: bool = False) -> tuple[int, list[int]]:
+    """(size, ends): the fewest spans of equal size <= cap covering [0, length), sharing >= overlap.
+
+    Spans are spread evenly, so no sliver tile is left at the end; `even` rounds the size up to
+    an even number (cap must then be even).
+    """
+    if length <= cap:
+        return length, [length]
+    count = 1 + math.ceil((length - cap) / (cap - overlap))
     size = math.ceil((length + (count - 1) * overlap) / count)
-    return [(e - size, e) for e in _spread_ends(length, size, overlap, count=count)]
-
-
-def _spread_ends(length: int, size: int, overlap: int, *, offset: int = 0, count: int | None = None) -> list[int]:
-    """Ends of spans of `size` covering [0, length) (shifted by `offset`), spaced <= size - overlap."""
-    if length <= size:
-        return [offset + length]
-    count = count or 1 + math.ceil((length - size) / (size - overlap))
+    size += size % 2 if even else 0
     step = (length - size) / (count - 1)
-    return [offset + size + round(k * step) for k in range(count)]
+    return size, [size + round(k * step) for k in range(count)]
 
 
 def _spatial_spans(bounds: list[tuple[int, int]], factor: int) -> tuple[Span, ...]:

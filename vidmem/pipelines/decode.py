@@ -10,7 +10,8 @@ from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strateg
 from ..memory.blockswap import Observer
 from ..memory.device import Backend
 from ..memory.telemetry import StageMeter
-from ..memory.vae import DecodeReport, VaeGeometry, decode_video
+from ..memory.cleanup import free_memory
+from ..memory.vae import DecodeReport, VaeGeometry, decode_with_fallback
 from ..memory.offload import device_weight_bytes
 from .family import ModelError
 from .hooks import RunHooks
@@ -53,7 +54,7 @@ def validate_latent(loaded: LoadedPipeline, latent: dict) -> torch.Tensor:
 
 
 def geometry(pipe) -> VaeGeometry:
-    return VaeGeometry(pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal)
+    return VaeGeometry(pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, latent_channels(pipe))
 
 
 @torch.no_grad()
@@ -83,14 +84,23 @@ def decode(
 
     with apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
         handle.activate("vae")
+
+        def decode_on_cpu():
+            """Last rung of the ladder: take the strategy off (weights back on their host
+            storage) and decode there."""
+            handle.remove()
+            return lambda chunk: vae.decode(chunk.to("cpu", vae.dtype)).sample
+
         with StageMeter("decode", device) as meter:
             z = loaded.spec.to_vae_latent(pipe, samples.to(device, vae.dtype))
-            video = decode_video(
+            video = decode_with_fallback(
                 lambda chunk: vae.decode(chunk).sample,
                 z,
                 geometry(pipe),
                 strategy.vae_tiling,
                 strategy.vae_slicing,
+                free_memory=lambda: free_memory(device),
+                to_cpu=decode_on_cpu if device.type != "cpu" else None,
                 report=report,
                 on_step=on_step,
             )

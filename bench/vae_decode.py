@@ -1,0 +1,246 @@
+"""VAE decode benchmark: untiled vs diffusers' enable_tiling() vs vidmem's tiled decode, on the CPU.
+
+Real-size CogVideoX-2b and Wan 2.1 VAEs (the diffusers constructor defaults are the published
+vae/config.json of THUDM/CogVideoX-2b and Wan-AI/Wan2.1-T2V-1.3B-Diffusers) with random weights,
+fp32, decoding a smooth synthetic latent (seams show best on smooth content). Every decode runs in
+its own process: peak RSS is sampled every 2 ms and reported above the RSS measured after the VAE
+and the latent are loaded (the activation peak).
+
+    python bench/vae_decode.py --json bench/results/vae_decode.json
+
+Default size: one latent frame at 400x600 (latent 50x75), scaled down from 13/21 latent frames at
+480x720 to fit ~10 minutes: ~450 CPU-seconds of decoding, about 6-7 minutes on an idle 2-core
+machine, 11+ minutes when other jobs load it. Both VAEs stream time
+internally (CogVideoX 2-3 latent frames per batch, Wan one), so the frame area sets the activation
+peak and more frames mostly add time; --latent-frames 3 (9 frames) takes several times longer.
+`seconds` is wall time, `cpu_seconds` the process's CPU time (steadier on a shared machine).
+`--extra-tiling 384/32` adds a fourth decode with that tile_size/overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from vidmem.memory.strategy import VaeTiling  # noqa: E402
+from vidmem.memory.vae import DecodeReport, VaeGeometry, decode_video, plan_tiles  # noqa: E402
+
+FAMILIES = ("cogvideox", "wan")
+MODES = ("untiled", "diffusers_tiled", "vidmem_tiled")
+OURS = VaeTiling()  # vidmem's defaults: 256/64 px, 64/8 frames
+GEOMETRY = VaeGeometry(spatial_factor=8, temporal_factor=4, latent_channels=16)
+
+
+def build_vae(family: str):
+    from diffusers import AutoencoderKLCogVideoX, AutoencoderKLWan
+
+    torch.manual_seed(0)  # same random weights in every process
+    vae = AutoencoderKLCogVideoX() if family == "cogvideox" else AutoencoderKLWan()
+    return vae.eval().requires_grad_(False)
+
+
+def smooth_latent(shape: tuple[int, ...]) -> torch.Tensor:
+    """Low-frequency noise: random at 1/8 resolution, trilinearly upsampled, unit-ish scale."""
+    generator = torch.Generator().manual_seed(1)
+    b, c, t, h, w = shape
+    coarse = torch.randn(b, c, t, max(2, h // 8), max(2, w // 8), generator=generator)
+    return torch.nn.functional.interpolate(coarse, size=(t, h, w), mode="trilinear", align_corners=True) * 2
+
+
+class PeakRss:
+    """Samples this process's RSS on a thread; `peak` is the highest value seen."""
+
+    def __init__(self, interval: float = 0.002):
+        import psutil
+
+        self._process, self._interval, self._stop = psutil.Process(), interval, threading.Event()
+        self.peak = self._process.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            time.sleep(self._interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+
+def tiling_for(mode: str) -> VaeTiling:
+    """'vidmem_tiled' is the defaults; 'vidmem_tiled_384_32' is tile_size 384, overlap 32."""
+    if mode == "vidmem_tiled":
+        return OURS
+    tile, overlap = mode.rsplit("_", 2)[1:]
+    return VaeTiling(tile_size=int(tile), overlap=int(overlap))
+
+
+def worker(family: str, mode: str, shape: tuple[int, ...], out_path: str) -> dict:
+    """One decode in this process; writes the pixels to out_path and returns its measurements."""
+    import gc
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    vae, latents = build_vae(family), smooth_latent(shape)
+    report = DecodeReport()
+    if mode == "diffusers_tiled":
+        vae.enable_tiling()
+    decode = lambda z: vae.decode(z).sample  # noqa: E731
+    with torch.no_grad():  # first-call library set-up is not the decode's cost
+        decode(smooth_latent((1, 16, 1, 4, 4)))
+    gc.collect()
+    with torch.no_grad(), PeakRss() as meter:
+        baseline, start, cpu_start = meter.peak, time.perf_counter(), time.process_time()
+        if mode.startswith("vidmem_tiled"):
+            pixels = decode_video(decode, latents, GEOMETRY, tiling_for(mode), report=report)
+        else:
+            pixels = decode(latents)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    torch.save(pixels.float(), out_path)
+    result = {"peak_rss_bytes": int(meter.peak - baseline), "seconds": round(seconds, 2),
+              "cpu_seconds": round(cpu_seconds, 2), "output_shape": list(pixels.shape)}
+    if mode == "untiled":
+        result["mean_abs_output"] = round(pixels.abs().mean().item(), 5)  # the scale of the diffs below
+    if mode.startswith("vidmem_tiled"):
+        result.update(tiling=asdict(tiling_for(mode)), tiles=report.tiles, chunks=report.chunks)
+    return result
+
+
+def run_isolated(family: str, mode: str, shape: tuple[int, ...], out_path: str) -> dict:
+    command = [sys.executable, __file__, "--worker", family, mode, "--shape", *map(str, shape), "--out", out_path]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{family}/{mode} worker failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def seam_ratio(error: torch.Tensor, shape: tuple[int, ...], tiling: VaeTiling) -> float | None:
+    """Mean error in the bands where tiles blend / mean error elsewhere (1.0: no seam excess)."""
+    plan = plan_tiles(shape, GEOMETRY, tiling)
+    bands = []
+    for axis in (plan.rows, plan.cols):
+        band = torch.zeros(axis[-1].out_stop, dtype=torch.bool)
+        for span in axis:
+            band[span.out_start : span.out_stop] |= span.weight < 1 - 1e-6
+        bands.append(band)
+    mask = bands[0][:, None] | bands[1][None, :]
+    if mask.all() or not mask.any():
+        return None
+    per_pixel = error.mean(dim=(0, 1, 2))
+    return round((per_pixel[mask].mean() / per_pixel[~mask].mean()).item(), 3)
+
+
+def compare(result: dict, pixels: torch.Tensor, reference: torch.Tensor, shape) -> None:
+    if pixels.shape != reference.shape:
+        result["shape_mismatch"] = f"{list(pixels.shape)} vs untiled {list(reference.shape)}"
+        return
+    error = (pixels - reference).abs()
+    result["max_abs_diff"] = round(error.max().item(), 5)
+    result["mean_abs_diff"] = round(error.mean().item(), 6)
+    if "tiling" in result:
+        result["seam_ratio"] = seam_ratio(error, shape, VaeTiling(**result["tiling"]))
+
+
+def save_png(path: Path, family: str, ours: torch.Tensor, reference: torch.Tensor) -> None:
+    """Middle frame: vidmem tiled | untiled | |difference| scaled to its maximum."""
+    from PIL import Image, ImageDraw
+
+    frame = ours.shape[2] // 2
+    a, b = ours[0, :, frame], reference[0, :, frame]
+    diff = (a - b).abs().mean(0, keepdim=True).expand(3, -1, -1)
+    scale = diff.max().clamp(min=1e-8)
+    panels = [(a + 1) / 2, (b + 1) / 2, diff / scale]
+    strip = torch.cat([p.clamp(0, 1) for p in panels], dim=2)
+    image = Image.fromarray((strip.permute(1, 2, 0) * 255).round().byte().numpy())
+    canvas = Image.new("RGB", (image.width, image.height + 18), "white")
+    canvas.paste(image, (0, 18))
+    width = a.shape[-1]
+    labels = ("vidmem tiled", "untiled", f"|difference| x{1 / scale.item():.2g}")
+    draw = ImageDraw.Draw(canvas)
+    for i, label in enumerate(labels):
+        draw.text((i * width + 4, 3), f"{family}: {label}", fill="black")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(path)
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'family':<10} {'mode':<20} {'peak RSS':>10} {'% untiled':>9} {'seconds':>8} {'x untiled':>9} "
+          f"{'cpu x':>6} {'max diff':>9} {'mean diff':>9} {'seam':>6}")
+    for family, entry in results.items():
+        base = entry["untiled"]
+        for mode in [key for key in entry if isinstance(entry[key], dict)]:
+            r = entry[mode]
+            print(f"{family:<10} {mode:<20} {r['peak_rss_bytes'] / 2**30:>8.2f}Gi "
+                  f"{100 * r['peak_rss_bytes'] / base['peak_rss_bytes']:>8.0f}% {r['seconds']:>8.1f} "
+                  f"{r['seconds'] / base['seconds']:>9.2f} {r['cpu_seconds'] / base['cpu_seconds']:>6.2f} "
+                  f"{r.get('max_abs_diff', '-')!s:>9} "
+                  f"{r.get('mean_abs_diff', '-')!s:>9} {r.get('seam_ratio', '-')!s:>6}"
+                  + (f"  ({r['shape_mismatch']})" if "shape_mismatch" in r else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--png-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument("--latent-frames", type=int, default=1)
+    parser.add_argument("--height", type=int, default=400, help="output pixels, a multiple of 8")
+    parser.add_argument("--width", type=int, default=600, help="output pixels, a multiple of 8")
+    parser.add_argument("--extra-tiling", metavar="TILE/OVERLAP", help="also decode with this vidmem tiling")
+    parser.add_argument("--worker", nargs=2, metavar=("FAMILY", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--shape", nargs=5, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(*args.worker, tuple(args.shape), args.out)))
+        return
+    shape = (1, 16, args.latent_frames, args.height // 8, args.width // 8)
+    modes = list(MODES)
+    if args.extra_tiling:
+        tile, overlap = (int(n) for n in args.extra_tiling.split("/"))
+        VaeTiling(tile_size=tile, overlap=overlap)  # validate before spending minutes
+        modes.append(f"vidmem_tiled_{tile}_{overlap}")
+    print(f"VAE decode, latent {list(shape)} -> {GEOMETRY.frames(shape[2])} frames {args.height}x{args.width}, "
+          f"fp32 CPU, random weights, {len(args.families) * len(modes)} decodes each in its own process "
+          f"(default size: ~6-7 min on 2 idle cores, 11+ min under load; scaled down from 13/21 latent "
+          f"frames at 480x720 to fit ~10 min). vidmem tiling: {OURS}.", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for family in args.families:
+            entry, outputs = {"latent_shape": list(shape)}, {}
+            for mode in modes:
+                outputs[mode] = os.path.join(scratch, f"{family}-{mode}.pt")
+                entry[mode] = run_isolated(family, mode, shape, outputs[mode])
+                print(f"  {family} {mode}: {entry[mode]['seconds']} s, "
+                      f"+{entry[mode]['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
+            reference = torch.load(outputs["untiled"])
+            for mode in modes[1:]:
+                compare(entry[mode], torch.load(outputs[mode]), reference, shape)
+            save_png(args.png_dir / f"vae_decode_{family}.png", family, torch.load(outputs["vidmem_tiled"]), reference)
+            results[family] = entry
+    print_table(results)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"\nwrote {args.json} and {args.png_dir}/vae_decode_<family>.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""Tiled/sliced VAE decode, its schedules, auto tiling and the fallback ladder (CPU, tiny models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vidmem.memory.strategy import VaeTiling
+from vidmem.memory.vae import (
+    DecodeReport,
+    VaeGeometry,
+    auto_tiling,
+    decode_video,
+    decode_with_fallback,
+    fallback_rungs,
+    plan_tiles,
+)
+
+COG = VaeGeometry(spatial_factor=8, temporal_factor=4, latent_channels=16)
+WAN22 = VaeGeometry(spatial_factor=16, temporal_factor=4, latent_channels=48)
+
+SCHEDULES = [
+    ((1, 16, 13, 60, 90), COG, VaeTiling()),
+    ((1, 16, 21, 20, 36), COG, VaeTiling(tile_size=128, overlap=32, temporal_size=16, temporal_overlap=4)),
+    ((2, 16, 9, 17, 23), COG, VaeTiling(tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4)),
+    ((1, 48, 11, 14, 20), WAN22, VaeTiling(tile_size=128, overlap=24, temporal_size=20, temporal_overlap=8)),
+    ((1, 16, 2, 7, 9), COG, VaeTiling(tile_size=64, overlap=0, temporal_size=8, temporal_overlap=0)),
+    ((1, 16, 1, 8, 8), COG, VaeTiling(tile_size=64, overlap=16)),
+]
+
+
+def nearest_decode(geometry: VaeGeometry):
+    """A per-pixel 'VAE': nearest upsampling with the causal rule (frame 0 -> 1, later -> tf frames)."""
+
+    def decode(z: torch.Tensor) -> torch.Tensor:
+        s, tf = geometry.spatial_factor, geometry.temporal_factor
+        x = z[:, :3] * 0.5 + z[:, 3:6] * 0.25
+        x = x.repeat_interleave(s, -1).repeat_interleave(s, -2)
+        return torch.cat([x[:, :, :1], x[:, :, 1:].repeat_interleave(tf, 2)], dim=2)
+
+    return decode
+
+
+@pytest.mark.parametrize("shape, geometry, tiling", SCHEDULES)
+def test_schedule_weights_sum_to_one_everywhere(shape, geometry, tiling):
+    plan = plan_tiles(shape, geometry, tiling)
+    frames, height, width = plan.out_shape
+    assert (frames, height, width) == (geometry.frames(shape[2]), shape[3] * geometry.spatial_factor,
+                                       shape[4] * geometry.spatial_factor)
+    total = torch.zeros(plan.out_shape, dtype=torch.float64)
+    for f in plan.frames:
+        for r in plan.rows:
+            for c in plan.cols:
+                w = f.weight.double()[:, None, None] * r.weight.double()[:, None] * c.weight.double()
+                total[f.out_start : f.out_stop, r.out_start : r.out_stop, c.out_start : c.out_stop] += w
+    assert torch.allclose(total, torch.ones_like(total), atol=1e-6)
+
+
+@pytest.mark.parametrize("shape, geometry, tiling", SCHEDULES)
+def test_schedule_respects_tile_limits_and_causal_rule(shape, geometry, tiling):
+    plan = plan_tiles(shape, geometry, tiling)
+    s, tf = geometry.spatial_factor, geometry.temporal_factor
+    for axis, length in ((plan.rows, shape[3]), (plan.cols, shape[4])):
+        assert axis[0].start == 0 and axis[-1].stop == length
+        for span in axis:
+            assert (span.stop - span.start) * s <= max(tiling.tile_size, s)
+            assert span.out_stop - span.out_start == (span.stop - span.start) * s
+        for prev, nxt in zip(axis, axis[1:]):  # neighbours share at least the requested overlap
+            assert prev.stop - nxt.start >= min(-(-tiling.overlap // s), nxt.stop - nxt.start - 1)
+    first, *rest = plan.frames
+    assert first.start == 0 and first.context == 0 and plan.frames[-1].stop == shape[2]
+    for chunk in rest:  # one latent frame of context; an odd-length call keeps CogVideoX causal
+        assert chunk.context == 1 and (chunk.stop - chunk.start + 1) % 2 == 1
+        assert chunk.out_start == tf * (chunk.start - 1) + 1 and chunk.out_stop == tf * (chunk.stop - 1) + 1
+    if rest:
+        assert (first.stop - first.start) % 2 == 1
+
+
+def test_tiles_larger_than_the_input_are_not_split():
+    plan = plan_tiles((1, 16, 13, 30, 45), COG, VaeTiling(tile_size=512, overlap=64, temporal_size=64))
+    assert plan.tiles == 1 and plan.chunks == 1
+
+
+@pytest.mark.parametrize("shape, geometry, tiling", SCHEDULES)
+@pytest.mark.parametrize("slicing", [False, True])
+def test_per_pixel_decoder_tiled_equals_untiled(shape, geometry, tiling, slicing):
+    torch.manual_seed(0)
+    latents = torch.randn(shape)
+    decode = nearest_decode(geometry)
+    report = DecodeReport()
+    tiled = decode_video(decode, latents, geometry, tiling, slicing, report=report)
+    whole = decode_video(decode, latents, geometry, None)
+    assert tiled.shape == whole.shape == (shape[0], 3, *plan_tiles(shape, geometry, None).out_shape)
+    assert tiled.dtype == torch.float32
+    assert torch.allclose(tiled, whole, atol=1e-6, rtol=0)
+    assert report.decode_calls == report.tiles * report.chunks * (shape[0] if slicing else 1)
+
+
+def test_whole_decode_keeps_dtype_out_device_and_reports():
+    latents = torch.randn(2, 16, 3, 4, 5, dtype=torch.bfloat16)
+    report = DecodeReport()
+    out = decode_video(nearest_decode(COG), latents, COG, None, slicing=True, report=report, out_device="cpu")
+    assert out.dtype == torch.float32 and out.shape == (2, 3, 9, 32, 40)
+    assert (report.mode, report.sliced, report.decode_calls, report.tiles, report.chunks) == ("whole", True, 2, 1, 1)
+    assert "whole decode on cpu" in report.describe()
+
+
+def test_tiled_decode_blends_half_precision_pixels():
+    latents = torch.randn(1, 16, 5, 12, 12, dtype=torch.bfloat16)
+    tiling = VaeTiling(tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4)
+    tiled = decode_video(nearest_decode(COG), latents, COG, tiling)
+    assert tiled.dtype == torch.float32
+    assert torch.allclose(tiled, decode_video(nearest_decode(COG), latents, COG, None), atol=1e-6)
+
+
+def test_extra_leading_frames_from_the_vae_are_dropped():
+    def even_rule_decode(z):  # CogVideoX on an even frame count: tf frames for every latent frame
+        x = nearest_decode(COG)(z)
+        return torch.cat([x[:, :, :1].expand(-1, -1, 3, -1, -1), x], dim=2) if z.shape[2] % 2 == 0 else x
+
+    latents = torch.randn(1, 16, 4, 8, 8)
+    out = decode_video(even_rule_decode, latents, COG, None)
+    assert out.shape == (1, 3, 13, 64, 64)
+    assert torch.equal(out, decode_video(nearest_decode(COG), latents, COG, None))
+
+
+def test_progress_callback_counts_every_piece():
+    steps = []
+    tiling = VaeTiling(tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4)
+    latents = torch.randn(1, 16, 5, 12, 12)
+    decode_video(nearest_decode(COG), latents, COG, tiling, on_step=lambda done, total: steps.append((done, total)))
+    assert steps == [(i, len(steps)) for i in range(1, len(steps) + 1)] and len(steps) > 1
+
+
+# --- bad inputs -------------------------------------------------------------------------------
+
+
+def test_latent_not_5d_names_the_input():
+    with pytest.raises(ValueError, match="latents must be 5-D"):
+        decode_video(nearest_decode(COG), torch.randn(1, 16, 8, 8), COG, None)
+
+
+def test_latent_of_another_family_names_the_channels():
+    with pytest.raises(ValueError, match="48 channels but this VAE takes 16"):
+        decode_video(nearest_decode(COG), torch.randn(1, 48, 3, 8, 8), COG, VaeTiling())
+
+
+def test_bad_geometry_is_refused():
+    with pytest.raises(ValueError, match="spatial_factor"):
+        VaeGeometry(spatial_factor=0, temporal_factor=4)
+
+
+def test_decode_returning_a_wrong_size_is_refused():
+    def short_decode(z):  # like diffusers' CogVideoX tiling at tile 96: a few pixels off
+        return nearest_decode(COG)(z)[..., :-5]
+
+    with pytest.raises(ValueError, match="disable_tiling"):
+        decode_video(short_decode, torch.randn(1, 16, 3, 16, 16), COG, None)
+
+
+# --- real tiny diffusers VAEs (diffusers' own test configs) ---------------------------------------
+
+
+def tiny_cogvideox():
+    from diffusers import AutoencoderKLCogVideoX
+
+    torch.manual_seed(0)
+    return AutoencoderKLCogVideoX(
+        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
+        layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
+    ).eval()
+
+
+def tiny_wan():
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
+
+
+def smooth_latent(channels: int, frames: int = 5, height: int = 16, width: int = 20) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.nn.functional.avg_pool3d(torch.randn(1, channels, frames, height, width), 3, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "family, build, channels, diffusers_tiling",
+    [
+        ("cogvideox", tiny_cogvideox, 4, dict(tile_sample_min_height=64, tile_sample_min_width=64,
+                                              tile_overlap_factor_height=0.25, tile_overlap_factor_width=0.25)),
+        ("wan", tiny_wan, 16, dict(tile_sample_min_height=64, tile_sample_min_width=64,
+                                   tile_sample_stride_height=48, tile_sample_stride_width=48)),
+    ],
+)
+def test_tiny_vae_tiled_close_to_untiled_and_no_worse_than_diffusers(family, build, channels, diffusers_tiling):
+    """Tolerance: random tiny VAEs mix globally (GroupNorm / mid-block attention), so tiles can never
+    match exactly. Ours must give the exact shape, a mean error under 0.05 (outputs are in [-1, 1]),
+    and be no worse than diffusers' own tiling at the same 64 px tiles (+10%)."""
+    vae = build()
+    geometry = VaeGeometry(8, 4, channels)
+    latents = smooth_latent(channels)
+    decode = lambda z: vae.decode(z).sample  # noqa: E731
+    whole = decode_video(decode, latents, geometry, None)
+    with torch.no_grad():
+        assert torch.equal(whole, vae.decode(latents).sample)  # whole mode is the plain decode
+        vae.enable_tiling(**diffusers_tiling)
+        theirs = vae.decode(latents).sample
+        vae.disable_tiling()
+    ours = decode_video(decode, latents, geometry, VaeTiling(tile_size=64, overlap=16))
+    assert ours.shape == whole.shape == (1, 3, 17, 128, 160)
+    ours_err, their_err = (ours - whole).abs().mean().item(), (theirs - whole).abs().mean().item()
+    assert ours_err < 0.05 and ours_err <= 1.1 * their_err, (ours_err, their_err)
+
+
+@pytest.mark.parametrize("family, build, channels", [("cogvideox", tiny_cogvideox, 4), ("wan", tiny_wan, 16)])
+def test_tiny_vae_temporal_chunks_have_exact_shape(family, build, channels):
+    vae = build()
+    geometry = VaeGeometry(8, 4, channels)
+    latents = smooth_latent(channels, frames=7, height=8, width=8)
+    decode = lambda z: vae.decode(z).sample  # noqa: E731
+    report = DecodeReport()
+    tiling = VaeTiling(tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4)
+    chunked = decode_video(decode, latents, geometry, tiling, report=report)
+    whole = decode_video(decode, latents, geometry, None)
+    assert report.chunks > 1 and chunked.shape == whole.shape == (1, 3, 25, 64, 64)
+    # the first chunk is decoded exactly as the whole video's first frames (causal VAE)
+    assert torch.allclose(chunked[:, :, :5], whole[:, :, :5], atol=1e-5)
+    assert (chunked - whole).abs().mean() < 0.1
+
+
+def test_cogvideox_diffusers_tiling_size_bug_is_caught():
+    vae = tiny_cogvideox()
+    vae.enable_tiling(tile_sample_min_height=96, tile_sample_min_width=96)
+    with pytest.raises(ValueError, match="disable_tiling"):
+        decode_video(lambda z: vae.decode(z).sample, smooth_latent(4, 3, 16, 16), VaeGeometry(8, 4, 4), None)
+
+
+# --- automatic tile size ------------------------------------------------------------------------
+
+
+def test_auto_tiling_none_when_the_whole_decode_fits():
+    assert auto_tiling(10**12, (1, 16, 13, 60, 90), COG, 1000.0) is None
+
+
+def test_auto_tiling_fits_the_budget_and_shrinks_with_it():
+    shape, bpp, budgets = (1, 16, 13, 60, 90), 1000.0, (2 * 2**30, 2**30, 2**28)
+    peaks = []
+    for budget in budgets:
+        plan = plan_tiles(shape, COG, auto_tiling(budget, shape, COG, bpp))
+        frames = max(COG.frames(f.stop - f.start + f.context) for f in plan.frames)
+        peaks.append(frames * max(r.out_stop - r.out_start for r in plan.rows)
+                     * max(c.out_stop - c.out_start for c in plan.cols))
+        assert bpp * peaks[-1] <= 0.75 * budget
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_auto_tiling_too_small_a_budget_gives_the_smallest_tiles():
+    assert auto_tiling(1, (1, 16, 13, 60, 90), COG, 1000.0) == VaeTiling(64, 16, 8, 4)
+
+
+# --- fallback ladder --------------------------------------------------------------------------------
+
+
+class OomAbove:
+    """nearest_decode that raises torch.OutOfMemoryError when a call is larger than `limit` latent cells."""
+
+    def __init__(self, limit: int | None):
+        self.limit, self.calls = limit, 0
+
+    def __call__(self, z):
+        self.calls += 1
+        if self.limit is None or z[0].numel() // z.shape[1] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return nearest_decode(COG)(z)
+
+
+def test_ladder_rungs_go_smaller_then_shorter_then_cpu():
+    rungs = fallback_rungs((2, 16, 13, 60, 90), COG, None)
+    labels = [r.label for r in rungs]
+    assert labels[:2] == ["as requested", "one batch item at a time"] and labels[-1] == "decode on the CPU"
+    tiles = [r.tiling.tile_size for r in rungs[2:-1]]
+    temporal = [r.tiling.temporal_size for r in rungs[2:-1]]
+    assert tiles == sorted(tiles, reverse=True) and tiles[-1] == 64
+    assert temporal == sorted(temporal, reverse=True)
+    shortest = plan_tiles((2, 16, 13, 60, 90), COG, rungs[-2].tiling)  # 2 new latent frames per chunk
+    assert [f.stop - f.start for f in shortest.frames[1:]] == [2] * (shortest.chunks - 1)
+    assert rungs[-1].on_cpu and not any(r.on_cpu for r in rungs[:-1])
+    without_cpu = fallback_rungs((1, 16, 3, 8, 8), COG, None, cpu_available=False)
+    assert "decode on the CPU" not in [r.label for r in without_cpu]
+
+
+def largest_call(shape, tiling) -> int:
+    """Latent cells (frames x rows x cols) of the largest decode call of a plan."""
+    plan = plan_tiles(shape, COG, tiling)
+    return (max(f.stop - f.start + f.context for f in plan.frames) * max(r.stop - r.start for r in plan.rows)
+            * max(c.stop - c.start for c in plan.cols))
+
+
+@pytest.mark.parametrize("limit", [10**9, 3 * 20 * 20, 3 * 8 * 8])
+def test_ladder_stops_at_the_first_rung_that_fits(limit):
+    shape = (1, 16, 3, 60, 90)
+    latents = torch.randn(shape)
+    rungs = fallback_rungs(shape, COG, None)
+    first_fit = next(i for i, rung in enumerate(rungs) if largest_call(shape, rung.tiling) <= limit)
+    freed, report = [], DecodeReport()
+    out = decode_with_fallback(OomAbove(limit), latents, COG, None, free_memory=lambda: freed.append(1), report=report)
+    assert torch.allclose(out, decode_video(nearest_decode(COG), latents, COG, None), atol=1e-6)
+    assert len(report.fallbacks) == len(freed) == first_fit
+    assert all("ran out of memory (CUDA out of memory" in line for line in report.fallbacks)
+    assert report.mode == ("whole" if first_fit == 0 else "tiled")
+
+
+def test_ladder_shortens_chunks_after_the_smallest_tile():
+    latents = torch.randn(1, 16, 13, 8, 8)  # 64x64 px: already one smallest tile
+    report = DecodeReport()
+    out = decode_with_fallback(OomAbove(5 * 64), latents, COG, None, free_memory=lambda: None, report=report)
+    assert report.chunks > 1 and out.shape == (1, 3, 49, 64, 64)
+    assert any("temporal_size" in line for line in report.fallbacks)
+
+
+def test_ladder_ends_on_the_cpu():
+    latents, moved = torch.randn(1, 16, 3, 8, 8), []
+
+    def to_cpu():
+        moved.append(True)
+        return nearest_decode(COG)
+
+    report = DecodeReport()
+    out = decode_with_fallback(OomAbove(None), latents, COG, None, free_memory=lambda: None, to_cpu=to_cpu,
+                               report=report)
+    assert moved == [True] and out.shape == (1, 3, 9, 64, 64)
+    assert report.fallbacks[-1].endswith("retrying with decode on the CPU")
+
+
+def test_ladder_exhausted_raises_oom_listing_every_rung():
+    decode = OomAbove(None)
+    with pytest.raises(torch.OutOfMemoryError, match="every rung.*as requested.*latents are intact"):
+        decode_with_fallback(decode, torch.randn(1, 16, 3, 16, 16), COG, None, free_memory=lambda: None)
+    assert decode.calls == len(fallback_rungs((1, 16, 3, 16, 16), COG, None, cpu_available=False))
+
+
+def test_ladder_does_not_swallow_other_errors():
+    def broken(z):
+        raise RuntimeError("cuDNN error")
+
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        decode_with_fallback(broken, torch.randn(1, 16, 3, 8, 8), COG, None, free_memory=lambda: None)
