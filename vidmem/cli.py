@@ -2,7 +2,8 @@
 
 `vidmem demo --out DIR` runs the node code path end to end on a small model it builds itself
 (no downloads, no ComfyUI) and writes a video and its receipt; `vidmem queue` runs an
-API-format workflow on a ComfyUI server."""
+API-format workflow on a ComfyUI server; `vidmem plan` predicts, before any run, the peak
+VRAM and RAM of every strategy for a model and shape, and recommends the fastest that fits."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .plan_cli import add_plan_parser, run_plan
 from .queue_cli import add_queue_parser, run_queue  # standard library only: cheap to import
 
 DEMO_VARIANT = "wan2.1-t2v"
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=run_demo)
     add_queue_parser(commands).set_defaults(run=run_queue)
+    add_plan_parser(commands).set_defaults(run=run_plan)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -120,7 +120,7 @@ class OffloadHandle:
 
     def _add_component(self, name: str, module: nn.Module, blocks: nn.ModuleList | None, pool: HostPool) -> None:
         strategy = self.strategy
-        units = _streamed_units(module, blocks, strategy)
+        units = streamed_units(module, blocks, strategy)
         core_slots, unit_slots = partition_slots(module, [members for _, members in units])
         core = self._group(name, tie(core_slots), streamed=False) if core_slots else None
         schedule = None
@@ -203,7 +203,7 @@ def device_weight_bytes(stage: StageComponents, strategy: MemoryStrategy) -> int
     """
     per_component = []
     for name, module in stage.modules.items():
-        units = _streamed_units(module, stage.blocks.get(name), strategy)
+        units = streamed_units(module, stage.blocks.get(name), strategy)
         core, unit_slots = partition_slots(module, [members for _, members in units])
         streamed = sorted((_tensor_bytes(slots) for slots in unit_slots), reverse=True)
         per_component.append(_tensor_bytes(core) + sum(streamed[: strategy.prefetch_blocks + 1]))
@@ -216,7 +216,7 @@ def _tensor_bytes(slots: list[Slot]) -> int:
     return sum(owners[0].host.numel() * owners[0].host.element_size() for owners in tie(slots))
 
 
-def _streamed_units(
+def streamed_units(
     module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy
 ) -> list[tuple[nn.Module, list[nn.Module]]]:
     """(module whose forward brings the unit in, modules whose own tensors the unit holds).

@@ -1,0 +1,144 @@
+"""Planner benchmark: how long a full plan takes, what memoisation buys, and the published check.
+
+Three parts, written as JSON:
+- `timing`: a full plan (all four tiers, each with its fewest swapped blocks, text encoder
+  placement and VAE tiling) for Wan 2.1 T2V 14B at 1280x720, 81 frames, 12 GiB VRAM, 64 GiB RAM,
+  in a fresh model (nothing memoised), after the libraries are imported; then the same call
+  again on the warm model. Library import time is reported separately.
+- `memoisation`: one denoise step of the 14B traced with 2 blocks (what the planner does) vs all
+  40 (same peak, to show blocks are interchangeable), and one untiled VAE decode trace with and
+  without the op cache (same trace).
+- `published`: CogVideoX-2b 720x480x49 predictions next to the diffusers docs figures.
+
+    python bench/planner.py --json bench/results/planner.json
+
+About 30-60 s on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+GiB = 1 << 30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "planner.json")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    import diffusers  # noqa: F401  (the planner builds diffusers/transformers classes on meta)
+    import torch
+    import transformers  # noqa: F401
+
+    torch.set_num_threads(1)
+    imports = time.perf_counter() - started
+    results = {"imports_seconds": round(imports, 2), "timing": timing(), "memoisation": memoisation(),
+               "published": published()}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    report(results)
+    print(f"\nwritten to {args.json}")
+
+
+def timing() -> dict:
+    from vidmem.memory.planner import VideoShape, candidate_plans, recommended
+    from vidmem.pipelines.configs import _from_json, MODELS_DIR
+
+    data = json.loads((MODELS_DIR / "wan2.1-t2v-14b.json").read_text())
+    model = _from_json(data, None)  # a fresh model: nothing memoised
+    shape = VideoShape(1280, 720, 81)
+    started, cpu = time.perf_counter(), time.process_time()
+    plans = candidate_plans(model, shape, 12 * GiB, 64 * GiB)
+    cold, cold_cpu = time.perf_counter() - started, time.process_time() - cpu
+    started = time.perf_counter()
+    candidate_plans(model, shape, 12 * GiB, 64 * GiB)
+    warm = time.perf_counter() - started
+    best = recommended(plans)
+    return {
+        "model": "wan2.1-t2v-14b", "size": "1280x720", "frames": 81, "vram_gib": 12, "ram_gib": 64,
+        "full_plan_seconds": round(cold, 2), "full_plan_cpu_seconds": round(cold_cpu, 2),
+        "warm_plan_seconds": round(warm, 2), "under_5_s": cold < 5,
+        "rows": [p.as_dict() for p in plans], "recommended": best,
+    }
+
+
+def memoisation() -> dict:
+    from vidmem.memory.accounting import OpCache, trace
+    from vidmem.memory.planner import VideoShape
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.configs.meta import build_meta
+    from vidmem.pipelines.configs.workloads import decode, wan_step
+    import torch
+
+    model = load_model("wan2.1-t2v-14b")
+    shape, latent = VideoShape(1280, 720, 81), model.latent_shape(VideoShape(1280, 720, 81))
+    rows = {}
+    for label, blocks in (("2_blocks", 2), ("40_blocks", None)):
+        module = build_meta(model.components["transformer"], model.dtype, blocks)
+        started = time.perf_counter()
+        step = trace(wan_step(module, latent, shape, model.dtype, 0, None, False))
+        rows[f"denoise_{label}"] = {"seconds": round(time.perf_counter() - started, 2), "peak_gib": round(step.peak_bytes / GiB, 3)}
+    vae = model.traced_module("vae")
+    piece = torch.empty(latent, dtype=model.dtype, device="meta")
+    for label, cache in (("decode_without_op_cache", None), ("decode_with_op_cache", OpCache())):
+        started = time.perf_counter()
+        result = trace(decode(vae, piece, False), cache=cache)
+        rows[label] = {"seconds": round(time.perf_counter() - started, 2), "peak_gib": round(result.peak_bytes / GiB, 3)}
+    return rows
+
+
+def published() -> list[dict]:
+    from vidmem.memory import MemoryStrategy, VaeTiling
+    from vidmem.memory.planner import PlanOptions, Runtime, VideoShape, plan_run
+    from vidmem.pipelines.configs import load_model
+
+    model, shape = load_model("cogvideox-2b"), VideoShape(720, 480, 49)
+    cases = [
+        ("everything resident (pipe.to)", MemoryStrategy(offload="none", text_encoder="device"), "33 GB"),
+        ("enable_model_cpu_offload", MemoryStrategy(offload="model"), "19 GB"),
+        ("model offload + vae.enable_tiling", MemoryStrategy(offload="model", vae_tiling=VaeTiling()), "11 GB"),
+        ("enable_sequential_cpu_offload + tiling", MemoryStrategy(offload="sequential", prefetch_blocks=0,
+                                                                  vae_tiling=VaeTiling()), "under 4 GB"),
+    ]
+    rows = []
+    for label, strategy, figure in cases:
+        plan = plan_run(model, shape, strategy, PlanOptions(runtime=Runtime.DIFFUSERS))
+        peak = max(plan.stages, key=lambda s: s.reserved_bytes)
+        rows.append({"case": label, "published": figure,
+                     "max_memory_allocated_gib": round(max(s.allocated_bytes for s in plan.stages) / GiB, 2),
+                     "max_memory_reserved_gib": round(peak.reserved_bytes / GiB, 2),
+                     "peak_stage": peak.name, "peak_at": peak.peak_phase.label,
+                     "device_incl_context_gib": round(plan.peak_vram_bytes / GiB, 2)})
+    return rows
+
+
+def report(results: dict) -> None:
+    t = results["timing"]
+    print(f"imports: {results['imports_seconds']} s")
+    print(f"full plan, {t['model']} {t['size']}x{t['frames']}: {t['full_plan_seconds']} s cold "
+          f"({t['full_plan_cpu_seconds']} s CPU), {t['warm_plan_seconds']} s warm (under 5 s: {t['under_5_s']})")
+    for row in t["rows"]:
+        print(f"  {row['tier']:<11} swap {row['blocks_to_swap']:>2}  tiling {str(row['vae_tiling']):<5} "
+              f"VRAM {row['peak_vram_bytes'] / GiB:5.1f} GiB  RAM {row['peak_ram_bytes'] / GiB:5.1f} GiB  "
+              f"x{row['est_slowdown']:.2f}  fits {row['fits']}")
+    print("memoisation:")
+    for label, row in results["memoisation"].items():
+        print(f"  {label:<24} {row['seconds']:6.2f} s   peak {row['peak_gib']:.3f} GiB")
+    print("CogVideoX-2b 720x480x49 vs the diffusers docs (GiB):")
+    for row in results["published"]:
+        print(f"  {row['case']:<40} published {row['published']:<11} allocated {row['max_memory_allocated_gib']:6.2f}"
+              f"  reserved {row['max_memory_reserved_gib']:6.2f}  ({row['peak_stage']}: {row['peak_at']})")
+
+
+if __name__ == "__main__":
+    main()

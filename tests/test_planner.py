@@ -1,0 +1,338 @@
+"""The memory planner: its accounting against measurement, its schedule against the engine's,
+its predictions against published figures, and its answers when nothing fits."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import pytest
+import torch
+
+from vidmem.memory import MemoryStrategy, VaeTiling
+from vidmem.memory.accounting import Attention, OpCache, trace
+from vidmem.memory.device import CpuBackend
+from vidmem.memory.planner import (Allocator, Call, GiB, PlanError, PlanOptions, Runtime, VideoShape, candidate_plans,
+                                   choose_strategy, plan_run)
+from vidmem.memory.planner_allocator import CachingAllocatorModel, replay
+from vidmem.memory.planner_schedule import resident_tensors
+from vidmem.pipelines.configs import load_model, model_names
+from vidmem.pipelines.configs.meta import ComponentConfig, build_meta
+from vidmem.pipelines.configs.streams import expand_blocks
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.sample import SampleRequest, sample
+from vidmem.pipelines.tiny import tiny_spec
+from vidmem.plan_cli import main as plan_main
+
+MiB = 1 << 20
+TINY_DIT = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16, out_channels=16,
+                text_dim=64, freq_dim=256, ffn_dim=256, num_layers=2, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+TINY_VAE = dict(base_dim=16, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False, True], attn_scales=[])
+
+
+@pytest.fixture(scope="module")
+def cogvideox_2b():
+    return load_model("cogvideox-2b")  # traces are memoised on the model: share it across tests
+
+
+# --- accounting ------------------------------------------------------------------------------
+
+
+def _malloc_in_use():
+    """glibc's bytes in use (arena + mmapped chunks): the CPU allocator's own count."""
+    libc = ctypes.CDLL("libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallInfo2
+
+    def used() -> int:
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+    return used
+
+
+class _MallocPeak(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak of glibc's in-use bytes between ops while a real CPU forward runs."""
+
+    def __init__(self, used) -> None:
+        super().__init__()
+        self.used, self.base, self.peak = used, used(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.used() - self.base)
+        return out
+
+
+def _cpu_peak(fn, used) -> int:
+    fn()  # warm up: first-call allocations of kernels and caches
+    with torch.no_grad(), _MallocPeak(used) as meter:
+        out = fn()
+    del out
+    return meter.peak
+
+
+@pytest.mark.parametrize("workload", ["transformer", "vae_decode"])
+def test_meta_ledger_matches_the_cpu_allocator(workload):
+    """The same module and inputs on meta (ledger) and on the CPU (glibc's counters) agree."""
+    used = _malloc_in_use()
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    if workload == "transformer":
+        real, inputs = WanTransformer3DModel(**TINY_DIT).eval(), ((1, 16, 5, 48, 48), (1, 64, 64))
+        with torch.device("meta"):
+            meta = WanTransformer3DModel(**TINY_DIT).eval()
+
+        def run(module, device):
+            x, text = (torch.zeros(s, device=device) for s in inputs)
+            step = torch.zeros(1, dtype=torch.long, device=device)
+            return module(hidden_states=x, timestep=step, encoder_hidden_states=text, return_dict=False)[0]
+    else:
+        real = AutoencoderKLWan(**TINY_VAE).eval()
+        with torch.device("meta"):
+            meta = AutoencoderKLWan(**TINY_VAE).eval()
+
+        def run(module, device):
+            return module.decode(torch.zeros(1, 4, 3, 32, 32, device=device)).sample
+    predicted = trace(lambda: run(meta, "meta")).peak_bytes
+    measured = _cpu_peak(lambda: run(real, "cpu"), used)
+    assert predicted > 2 * MiB
+    assert abs(measured - predicted) / predicted < 0.03, (predicted, measured)
+
+
+def test_fused_attention_holds_output_and_logsumexp_only():
+    q = torch.empty(1, 8, 4096, 64, device="meta", dtype=torch.float16)
+    run = lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q)  # noqa: E731
+    fused, math = trace(run, Attention.FUSED), trace(run, Attention.MATH)
+    output, logsumexp = q.numel() * 2, 8 * 4096 * 4
+    assert fused.peak_bytes == output + logsumexp
+    assert math.peak_bytes >= 8 * 4096 * 4096 * 2  # the score matrix
+
+
+def test_views_and_in_place_ops_allocate_nothing_and_frees_are_recorded():
+    x = torch.empty(1024, 1024, device="meta")
+
+    def run():
+        y = x.t()
+        y.add_(1)
+        z = x * 2  # 4 MiB, freed at once
+        del z
+        return x + 1
+
+    result = trace(run)
+    assert result.peak_bytes == 4 * MiB and result.live_bytes == 4 * MiB
+    assert result.events == (4 * MiB, -1, 4 * MiB)
+
+
+def test_op_cache_gives_the_same_trace():
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan(**TINY_VAE).eval()
+    z = torch.empty(1, 4, 9, 32, 32, device="meta")
+    cache = OpCache()
+    first, second = (trace(lambda: vae.decode(z).sample, cache=cache) for _ in range(2))
+    assert trace(lambda: vae.decode(z).sample) == first == second and cache.hits > 0
+
+
+# --- allocator model --------------------------------------------------------------------------
+
+
+def test_allocator_model_follows_the_caching_allocator_rules():
+    model = CachingAllocatorModel()
+    model.malloc(0, 100)  # small: 512 bytes out of a 2 MiB segment
+    model.malloc(1, 5 * MiB)  # 1-10 MiB: out of a 20 MiB segment, 15 MiB left free in it
+    model.malloc(2, 16 * MiB + 1)  # large: its own segment, rounded up to 2 MiB
+    assert (model.allocated, model.reserved) == (512 + 5 * MiB + 16 * MiB + 512, (2 + 20 + 18) * MiB)
+    model.free(2)
+    model.malloc(3, 10 * MiB)  # best fit: the 15 MiB rest of the 20 MiB segment, not the free 18 MiB
+    assert model.reserved == 40 * MiB
+    model.free(3)
+    model.malloc(4, 24 * MiB)  # 15 + 18 MiB are free, but in two segments: a new one (fragmentation)
+    assert model.reserved == 64 * MiB and model.peak_allocated == 512 + 5 * MiB + 24 * MiB
+
+
+def test_allocator_model_releases_cached_segments_before_running_out():
+    events = (12 * MiB, -1, 14 * MiB)  # the 12 MiB segment cannot hold 14 MiB
+    assert replay([], events).reserved == 26 * MiB
+    assert not replay([], events, capacity=16 * MiB).out_of_memory  # released, then retried
+    assert replay([], events, capacity=12 * MiB).out_of_memory
+
+
+# --- blocks and schedule ----------------------------------------------------------------------
+
+
+def test_two_traced_blocks_stand_for_all_blocks():
+    """Weights come from the full-size meta model; activations of 2 blocks equal those of 6."""
+    config = ComponentConfig("transformer", "diffusers", "WanTransformer3DModel", dict(TINY_DIT, num_layers=6))
+    full, two = build_meta(config, torch.float32), build_meta(config, torch.float32, max_blocks=2)
+    assert len(full.blocks) == 6 and len(two.blocks) == 2
+
+    def run(module):
+        x, text = torch.empty(1, 16, 9, 64, 64, device="meta"), torch.empty(1, 64, 64, device="meta")
+        return lambda: module(hidden_states=x, timestep=torch.zeros(1, dtype=torch.long, device="meta"),
+                              encoder_hidden_states=text, return_dict=False)[0]
+    six, two_blocks = trace(run(full)), trace(run(two))
+    assert six.peak_bytes == two_blocks.peak_bytes
+    assert replay([], six.events).reserved == replay([], two_blocks.events).reserved
+    events = []
+    hooks = [m.register_forward_pre_hook(lambda m, a, n=n: events.append((True, n))) for n, m in full.named_modules()
+             if next(m.children(), None) is None and any(True for _ in m.parameters(recurse=False))]
+    run(full)()
+    traced = []
+    hooks += [m.register_forward_pre_hook(lambda m, a, n=n: traced.append((True, n))) for n, m in two.named_modules()
+              if next(m.children(), None) is None and any(True for _ in m.parameters(recurse=False))]
+    run(two)()
+    for handle in hooks:
+        handle.remove()
+    assert expand_blocks(traced, "blocks", 2, 6) == events
+
+
+class _ResidentBytes:
+    """Observer: the most bytes of one component's groups on the device at once, in a real run."""
+
+    def __init__(self, component: str) -> None:
+        self.component, self.bytes, self.peak, self.on = component, 0, 0, set()
+
+    def __call__(self, kind: str, group) -> None:
+        if group.name.split(".")[0] != self.component:
+            return
+        if kind in ("onload", "prefetch") and group.name not in self.on:
+            self.on.add(group.name)
+            self.bytes += group.nbytes
+        elif kind == "evict" and group.name in self.on:
+            self.on.discard(group.name)
+            self.bytes -= group.nbytes
+        self.peak = max(self.peak, self.bytes)
+
+
+@pytest.mark.parametrize("strategy", [
+    MemoryStrategy(offload="model"),
+    MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1),
+    MemoryStrategy(offload="block_swap", blocks_to_swap=2, prefetch_blocks=0),
+    MemoryStrategy(offload="sequential", prefetch_blocks=0),
+    MemoryStrategy(offload="sequential", prefetch_blocks=1),
+    MemoryStrategy(offload="sequential", prefetch_blocks=3),
+], ids=lambda s: s.describe())
+def test_planned_residency_is_what_the_engine_holds(strategy, tiny_loaded, tiny_folder):
+    variant = "wan2.1-t2v"
+    spec = tiny_spec(variant)
+    meter = _ResidentBytes("transformer")
+    request = SampleRequest("a cat", "", spec.width, spec.height, spec.frames, 2, 5.0, 0)
+    sample(tiny_loaded(variant), strategy, request, backend=CpuBackend(), observer=meter)
+    model = load_model(str(tiny_folder(variant)), "fp32")
+    model.trace(Call("denoise", "transformer", VideoShape(spec.width, spec.height, spec.frames)), Attention.FUSED)
+    planned = resident_tensors(model.module("transformer"), model.blocks("transformer"), strategy,
+                               model.stream_order("transformer"))
+    assert sum(planned) == meter.peak
+
+
+# --- published figures -----------------------------------------------------------------------
+
+# diffusers CogVideoX docs, "Memory optimization" (added in huggingface/diffusers#9150, sequential
+# note in #9296): CogVideoX-2b, 720x480, 49 frames, 50 steps, guidance 6, fp16 (the model's
+# dtype; the PR's script loads torch.float16), figures from torch.cuda peak statistics in GiB
+# (the script divides by 1024**3), so the CUDA context is not in them.
+PUBLISHED = {
+    "none": (MemoryStrategy(offload="none", text_encoder="device"), 33),  # pipe.to("cuda")
+    "model": (MemoryStrategy(offload="model"), 19),  # enable_model_cpu_offload
+    "model+tiling": (MemoryStrategy(offload="model", vae_tiling=VaeTiling()), 11),  # + vae.enable_tiling()
+}
+
+
+@pytest.mark.parametrize("case", PUBLISHED)
+def test_cogvideox_2b_against_the_published_figures(case, cogvideox_2b):
+    strategy, published_gib = PUBLISHED[case]
+    plan = plan_run(cogvideox_2b, VideoShape(720, 480, 49), strategy, PlanOptions(runtime=Runtime.DIFFUSERS))
+    reserved = max(stage.reserved_bytes for stage in plan.stages) / GiB  # torch.cuda.max_memory_reserved
+    assert abs(reserved - published_gib) / published_gib < 0.15, (case, reserved)
+
+
+def test_cogvideox_2b_sequential_offload_stays_under_4_gib(cogvideox_2b):
+    """"under 4 GB" with enable_sequential_cpu_offload (accelerate: no prefetch) and VAE tiling."""
+    strategy = MemoryStrategy(offload="sequential", prefetch_blocks=0, vae_tiling=VaeTiling())
+    plan = plan_run(cogvideox_2b, VideoShape(720, 480, 49), strategy, PlanOptions(runtime=Runtime.DIFFUSERS))
+    assert max(stage.allocated_bytes for stage in plan.stages) < 4 * GiB  # torch.cuda.max_memory_allocated
+
+
+# --- choosing ---------------------------------------------------------------------------------
+
+
+def test_choose_takes_the_fastest_tier_that_fits(cogvideox_2b):
+    shape = VideoShape(720, 480, 49)
+    roomy = choose_strategy(cogvideox_2b, shape, 80 * GiB, 64 * GiB)
+    assert roomy.strategy.offload.value == "none" and roomy.strategy.vae_tiling is None
+    tight = choose_strategy(cogvideox_2b, shape, 12 * GiB, 64 * GiB)
+    assert tight.strategy.offload.value == "model" and tight.strategy.vae_tiling is not None
+    assert tight.fits and tight.peak_vram_bytes <= 12 * GiB
+
+
+def test_block_swap_uses_the_fewest_blocks_that_fit(cogvideox_2b):
+    shape, base = VideoShape(720, 480, 49), MemoryStrategy(text_encoder="cpu")
+    plans = candidate_plans(cogvideox_2b, shape, 5 * GiB, 64 * GiB, base)
+    swap = next(p for p in plans if p.strategy.offload.value == "block_swap")
+    assert swap.fits and swap.strategy.blocks_to_swap > 1
+    fewer = plan_run(cogvideox_2b, shape, MemoryStrategy(offload="block_swap", blocks_to_swap=swap.strategy.blocks_to_swap - 1,
+                                                         text_encoder="cpu"))
+    assert not fewer.stage("denoise").fits(5 * GiB)
+
+
+def test_nothing_fits_says_what_would(cogvideox_2b):
+    with pytest.raises(PlanError, match="give at least .* of RAM"):
+        choose_strategy(cogvideox_2b, VideoShape(720, 480, 49), 24 * GiB, 8 * GiB)
+    with pytest.raises(PlanError, match="nothing fits") as error:
+        choose_strategy(cogvideox_2b, VideoShape(720, 480, 49), int(1.5 * GiB), 64 * GiB)
+    assert "What fits" in str(error.value) or "RAM" in str(error.value)
+
+
+def test_bad_requests_get_a_fix():
+    with pytest.raises(ModelError, match="wan2.1-t2v-14b"):
+        load_model("wan-14b")
+    model = load_model("wan2.1-t2v-1.3b")
+    with pytest.raises(ValueError, match="4k\\+1"):
+        plan_run(model, VideoShape(832, 480, 80), MemoryStrategy())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        plan_run(model, VideoShape(830, 480, 81), MemoryStrategy())
+    with pytest.raises(ValueError, match="720x480"):
+        load_model("cogvideox-5b-i2v").check_shape(VideoShape(1280, 720, 49))
+
+
+def test_every_shipped_model_builds_and_counts_its_weights():
+    sizes = {name: sum(load_model(name).weights(c).nbytes for c in load_model(name).layout.denoisers) for name in model_names()}
+    assert 26 * GiB < sizes["wan2.1-t2v-14b"] < 28 * GiB  # 14.3 B parameters in bf16
+    assert sizes["wan2.2-t2v-a14b"] == 2 * sizes["wan2.1-t2v-14b"]
+    assert 3 * GiB < sizes["cogvideox-2b"] < 3.4 * GiB  # 1.7 B in fp16
+
+
+def test_async_allocator_counts_live_bytes_only(cogvideox_2b):
+    shape, strategy = VideoShape(720, 480, 49), MemoryStrategy(offload="model")
+    native = plan_run(cogvideox_2b, shape, strategy).stage("decode")
+    pooled = plan_run(cogvideox_2b, shape, strategy, PlanOptions(allocator=Allocator.ASYNC)).stage("decode")
+    assert pooled.device_bytes < native.device_bytes
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def test_plan_command_json(capsys, cogvideox_2b):
+    code = plan_main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--ram", "64", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["recommended"] == 1
+    row = out["strategies"][out["recommended"]]
+    assert set(row) >= {"tier", "blocks_to_swap", "vae_tiling", "peak_vram_bytes", "peak_ram_bytes", "stages",
+                        "est_slowdown", "fits"}
+    assert set(row["stages"]) == {"text_encode", "denoise", "decode"} and row["tier"] == "model"
+
+
+def test_plan_command_table_and_errors(capsys):
+    assert plan_main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--ram", "8"]) == 1
+    assert "give at least" in capsys.readouterr().out
+    assert plan_main(["plan", "--model", "nope", "--vram", "12"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err

@@ -1,0 +1,198 @@
+"""Count the bytes a forward pass would hold, without running it: tensors on the meta device.
+
+How it works: the model is built on `meta` (shapes, no storage) and called under a
+`TensorLedger`, a TorchDispatchMode that sees every aten op. Each op that returns a fresh tensor
+(its schema says the output aliases no input) adds the output storage's bytes, rounded up to the
+512-byte blocks of PyTorch's CUDA caching allocator; a `weakref.finalize` on the storage takes
+them off when Python drops the last reference, exactly when the caching allocator would reuse
+the block. The ledger keeps the running peak and, for the allocator model in
+`planner_allocator.py`, the ordered stream of allocations and frees.
+
+Caveats, and what is done about them:
+- On meta, `scaled_dot_product_attention` takes the unfused math path and materialises the
+  [L, S] score matrix; GPUs run fused kernels (flash / memory-efficient) that hold only the
+  output and a float32 logsumexp. `Attention.FUSED` (the default) accounts exactly that;
+  `Attention.MATH` keeps the math path, for GPUs or dtypes without a fused kernel.
+- Kernel workspaces that never become tensors (cuDNN convolution workspace) are invisible here.
+- Meta kernels run in Python and are slow (a Wan VAE decode is seconds); outputs of ops that
+  create fresh tensors are a pure function of their inputs' metadata, so `OpCache` memoises them
+  and repeated blocks and frames cost a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+# c10/cuda/CUDACachingAllocator.cpp `kMinBlockSize`: every block is a multiple of 512 bytes.
+ALLOCATION_ROUNDING = 512
+
+
+class Attention(str, Enum):
+    FUSED = "fused"  # output + float32 logsumexp, as flash / memory-efficient kernels hold
+    MATH = "math"  # the unfused path: the full score matrix is materialised
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one call held: peak live bytes, its allocation stream, and its matmul/conv FLOPs.
+
+    `events`: n > 0 allocates n bytes (allocations are numbered in order), -(k + 1) frees the
+    k-th allocation. Tensors still alive when the call returns are never freed in the stream.
+    """
+
+    peak_bytes: int
+    events: tuple[int, ...]
+    flops: float
+    live_bytes: int  # still held when the call returned (its outputs)
+
+
+def rounded(nbytes: int) -> int:
+    return -(-nbytes // ALLOCATION_ROUNDING) * ALLOCATION_ROUNDING
+
+
+class OpCache:
+    """Output metadata of fresh-tensor ops, keyed by the op and its inputs' metadata."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[tuple, tuple] = {}
+        self.hits = 0
+
+    def lookup(self, key: tuple | None) -> tuple | None:
+        found = self._outputs.get(key) if key is not None else None
+        self.hits += found is not None
+        return found
+
+    def store(self, key: tuple | None, out: Any) -> None:
+        if key is None:
+            return
+        tensors = out if isinstance(out, (tuple, list)) else (out,)
+        if all(isinstance(t, torch.Tensor) for t in tensors):
+            meta = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+            self._outputs[key] = (isinstance(out, (tuple, list)), meta)
+
+
+class TensorLedger(TorchDispatchMode):
+    """Live and peak bytes of the tensors created while active, one count per storage."""
+
+    def __init__(self, cache: OpCache | None = None) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.flops = 0.0
+        self.events: list[int] = []
+        self._cache = cache
+        self._recording = True
+        self._count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fresh = not func._schema.is_mutable and all(r.alias_info is None for r in func._schema.returns)
+        key = _op_key(func, args, kwargs) if fresh and self._cache is not None else None
+        cached = self._cache.lookup(key) if key is not None else None
+        if cached is not None:
+            out = _rebuild(*cached)
+        else:
+            out = func(*args, **kwargs)
+            if key is not None:
+                self._cache.store(key, out)
+        if fresh:
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    self._allocate(tensor.untyped_storage())
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            self.flops += counter(*args, **kwargs, out_val=out)
+        return out
+
+    def add_flops(self, flops: float) -> None:
+        self.flops += flops
+
+    def stop(self) -> None:
+        """Stop recording: storages that die later (module caches) no longer touch the stream."""
+        self._recording = False
+
+    def _allocate(self, storage: torch.UntypedStorage) -> None:
+        nbytes = rounded(storage.nbytes())
+        if not nbytes:
+            return
+        index = self._count
+        self._count += 1
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self.events.append(nbytes)
+        weakref.finalize(storage, self._free, nbytes, index)
+
+    def _free(self, nbytes: int, index: int) -> None:
+        if self._recording:
+            self.live -= nbytes
+            self.events.append(-(index + 1))
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Replace `scaled_dot_product_attention` by what a fused GPU kernel allocates."""
+
+    def __init__(self, ledger: TensorLedger) -> None:
+        super().__init__()
+        self._ledger = ledger
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
+        out_shape = (*q.shape[:-1], v.shape[-1])
+        logsumexp = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        del logsumexp
+        batch_heads = q.shape[:-2].numel()
+        self._ledger.add_flops(2.0 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1]))
+        return out
+
+
+def trace(fn: Callable[[], Any], attention: Attention = Attention.FUSED, cache: OpCache | None = None) -> Trace:
+    """Run `fn` (which builds its inputs on meta and calls meta modules) and account what it held."""
+    ledger = TensorLedger(cache)
+    fused = _FusedAttention(ledger) if Attention(attention) is Attention.FUSED else None
+    with torch.no_grad():
+        if fused is not None:
+            with ledger, fused:
+                result = fn()
+        else:
+            with ledger:
+                result = fn()
+    live = ledger.live
+    ledger.stop()  # what the call returns stays allocated: it is not freed in the stream
+    del result
+    return Trace(ledger.peak, tuple(ledger.events), ledger.flops, live)
+
+
+def _op_key(func, args, kwargs) -> tuple | None:
+    try:
+        key = (func, _meta_of(args), _meta_of(tuple(sorted(kwargs.items()))))
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def _meta_of(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.device.type)
+    if isinstance(value, (tuple, list)):
+        return tuple(_meta_of(v) for v in value)
+    return value
+
+
+def _rebuild(is_sequence: bool, meta: tuple) -> Any:
+    tensors = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in meta]
+    return tuple(tensors) if is_sequence else tensors[0]

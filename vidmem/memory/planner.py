@@ -1,0 +1,276 @@
+"""Predict what a video run needs on the device and in RAM, per stage, and pick what fits.
+
+How it works: the real architecture is built on the `meta` device (shapes, no memory) and one
+call of each stage runs under a tensor ledger (`accounting.py`): the text encoder on the prompt,
+one denoise step (both classifier-free-guidance branches, as the pipeline runs them), and the VAE
+decode of every distinct piece the tiling cuts the latent into. Transformer blocks are identical,
+so calls are traced with two blocks (the activation peak of two is the peak of all; FLOPs scale);
+weights come from the full-size meta model. Weight residency is the engine's own partition and
+schedule (`planner_schedule.py`), and each phase's weights plus its allocation stream are
+replayed through a model of PyTorch's caching allocator (`planner_allocator.py`), because the
+allocator reserves more than the tensors hold.
+
+Priorities when choosing (`choose_strategy`): one candidate per tier (none, model offload, block
+swap with the fewest blocks that fit, sequential); within a tier the text encoder moves to the CPU
+only if it does not fit on the device, and the VAE is tiled only if the whole decode does not fit,
+with the least redundant tiling that does. The fitting candidate with the least estimated time
+wins, the earlier tier on a tie.
+
+What a stage figure includes: CUDA context, cuBLAS workspace, resident weights, activations,
+and allocator segments (`Allocator.NATIVE`, reserved bytes) or live bytes only
+(`Allocator.ASYNC`, ComfyUI's default cudaMallocAsync backend). Not included: cuDNN convolution
+workspaces (they never become tensors; cuDNN picks smaller ones when memory is short).
+
+    model = load_model("wan2.1-t2v-14b")            # vidmem.pipelines.configs
+    plan = choose_strategy(model, VideoShape(1280, 720, 81), 12 * GiB, 32 * GiB, MemoryStrategy())
+    print(plan.describe())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .planner_costs import CUDA_CONTEXT_BYTES, GiB
+from .planner_stages import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
+                             VideoShape, compute_seconds, decode_stage, denoise_stage, host_base, text_encode_stage)
+from .strategy import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement
+from .vae_tiles import auto_tiling
+
+__all__ = ["Allocator", "Call", "GiB", "ModelLayout", "Phase", "Plan", "PlanError", "PlanOptions", "PlannerModel",
+           "Runtime", "StagePlan", "VideoShape", "candidate_plans", "choose_strategy", "nothing_fits_message", "plan_run",
+           "recommended"]
+
+TIER_ORDER = (OffloadTier.NONE, OffloadTier.MODEL, OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
+
+
+class PlanError(ValueError):
+    """Nothing fits, or the request cannot be planned; the message says what would fit instead."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    shape: VideoShape
+    strategy: MemoryStrategy
+    stages: tuple[StagePlan, ...]
+    baseline_seconds: float  # the same run with everything resident: no streaming, no tiling
+    vram_budget_bytes: int | None = None
+    ram_budget_bytes: int | None = None
+
+    def stage(self, name: str) -> StagePlan:
+        return next(s for s in self.stages if s.name == name)
+
+    @property
+    def peak_vram_bytes(self) -> int:
+        return max(s.device_bytes for s in self.stages)
+
+    @property
+    def peak_ram_bytes(self) -> int:
+        return max(s.host_bytes for s in self.stages)
+
+    @property
+    def est_slowdown(self) -> float:
+        seconds = sum(s.seconds for s in self.stages)
+        return round(max(seconds / self.baseline_seconds, 1.0), 2) if self.baseline_seconds else 1.0
+
+    def over_budget(self) -> list[str]:
+        """One line per stage and budget it exceeds; empty when it fits (or no budget is set)."""
+        lines = []
+        for s in self.stages:
+            if not s.fits(self.vram_budget_bytes):
+                lines.append(f"{s.name} needs {_gib(s.device_bytes)} VRAM (budget {_gib(self.vram_budget_bytes)})")
+            if self.ram_budget_bytes is not None and s.host_bytes > self.ram_budget_bytes:
+                lines.append(f"{s.name} needs {_gib(s.host_bytes)} RAM (budget {_gib(self.ram_budget_bytes)})")
+        return lines
+
+    @property
+    def fits(self) -> bool | None:
+        if self.vram_budget_bytes is None and self.ram_budget_bytes is None:
+            return None
+        return not self.over_budget()
+
+    def describe(self) -> str:
+        head = f"{self.model} {self.shape.width}x{self.shape.height}x{self.shape.frames}: {self.strategy.describe()}"
+        rows = [f"  {s.name:<12} VRAM {_gib(s.device_bytes):>9}  RAM {_gib(s.host_bytes):>9}"
+                f"  peak: {s.peak_phase.label if s.phases else 'on the CPU'}" for s in self.stages]
+        tail = f"  estimated slowdown x{self.est_slowdown:.2f}"
+        if self.fits is not None:
+            tail += "; fits" if self.fits else "; does not fit: " + "; ".join(self.over_budget())
+        return "\n".join([head, *rows, tail])
+
+    def as_dict(self) -> dict:
+        s = self.strategy
+        return {
+            "tier": s.offload.value, "blocks_to_swap": s.blocks_to_swap, "vae_tiling": s.vae_tiling is not None,
+            "text_encoder": s.text_encoder.value, "peak_vram_bytes": self.peak_vram_bytes,
+            "peak_ram_bytes": self.peak_ram_bytes, "stages": {st.name: st.device_bytes for st in self.stages},
+            "est_slowdown": self.est_slowdown, "fits": self.fits,
+        }
+
+
+def plan_run(
+    model: PlannerModel,
+    shape: VideoShape,
+    strategy: MemoryStrategy,
+    options: PlanOptions = PlanOptions(),
+    vram_budget_bytes: int | None = None,
+    ram_budget_bytes: int | None = None,
+) -> Plan:
+    """Predicted device and host peaks per stage for one run of `model` at `shape` under `strategy`."""
+    _check(model, shape, strategy)
+    stages = tuple(build(model, shape, strategy, options).within(vram_budget_bytes)
+                   for build in (text_encode_stage, denoise_stage, decode_stage))
+    baseline = compute_seconds(model, shape, strategy, options)
+    return Plan(model.name, shape, strategy, stages, baseline, vram_budget_bytes, ram_budget_bytes)
+
+
+def candidate_plans(
+    model: PlannerModel,
+    shape: VideoShape,
+    vram_budget_bytes: int,
+    ram_budget_bytes: int,
+    base: MemoryStrategy = MemoryStrategy(),
+    options: PlanOptions = PlanOptions(),
+) -> list[Plan]:
+    """One plan per tier, in speed order, each with the fewest swapped blocks, the text encoder
+    placement and the least redundant VAE tiling that fit (or, if nothing does, the leanest)."""
+    _check(model, shape, base)
+    budgets = (vram_budget_bytes, ram_budget_bytes)
+    plans = []
+    for tier in TIER_ORDER:
+        swap = 1 if tier is OffloadTier.BLOCK_SWAP else 0
+        strategy = replace(base, offload=tier, blocks_to_swap=swap, vae_tiling=None)
+        if tier is OffloadTier.BLOCK_SWAP:
+            strategy = _fewest_blocks(model, shape, strategy, options, vram_budget_bytes)
+        strategy = _text_encoder_that_fits(model, shape, strategy, options, budgets)
+        strategy = _tiling_that_fits(model, shape, strategy, options, vram_budget_bytes)
+        plans.append(plan_run(model, shape, strategy, options, *budgets))
+    return plans
+
+
+def choose_strategy(
+    model: PlannerModel,
+    shape: VideoShape,
+    vram_budget_bytes: int,
+    ram_budget_bytes: int,
+    base: MemoryStrategy = MemoryStrategy(),
+    options: PlanOptions = PlanOptions(),
+) -> Plan:
+    """The fastest plan that fits both budgets; PlanError saying what would fit if none does.
+
+    `base` supplies what the planner does not choose: prefetch, slicing, non_blocking, and the
+    text encoder placement it starts from.
+    """
+    plans = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes, base, options)
+    best = recommended(plans)
+    if best is None:
+        raise PlanError(nothing_fits_message(model, shape, plans, base, options))
+    return plans[best]
+
+
+def recommended(plans: list[Plan]) -> int | None:
+    """Index of the plan to run: the fitting one with the least estimated time, earlier tier on a tie.
+
+    Tier order is speed order for the denoiser; the estimate also weighs what a tier changed to
+    fit (a text encoder on the CPU, a tiled decode), so `none` with a CPU text encoder does not
+    beat `model` with the encoder on the GPU.
+    """
+    fitting = [(round(p.est_slowdown, 2), i) for i, p in enumerate(plans) if p.fits]
+    return min(fitting)[1] if fitting else None
+
+
+def _check(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy) -> None:
+    try:
+        model.check_shape(shape)
+        for name in model.layout.denoisers:
+            strategy.check_against_model(model.weights(name).block_count, f"{model.name} {name}")
+    except StrategyError:
+        raise
+    except ValueError as error:
+        raise PlanError(str(error)) from error
+
+
+def _fewest_blocks(model, shape, strategy, options, vram: int) -> MemoryStrategy:
+    """Binary search: swapped blocks lower the denoise peak monotonically."""
+    blocks = min(model.weights(name).block_count for name in model.layout.denoisers)
+    if blocks == 0:
+        raise PlanError(f"{model.name} has no transformer blocks to swap.")
+    low, high = 1, blocks
+    while low < high:
+        middle = (low + high) // 2
+        stage = denoise_stage(model, shape, replace(strategy, blocks_to_swap=middle), options)
+        low, high = (low, middle) if stage.fits(vram) else (middle + 1, high)
+    return replace(strategy, blocks_to_swap=low)
+
+
+def _text_encoder_that_fits(model, shape, strategy, options, budgets) -> MemoryStrategy:
+    vram, ram = budgets
+    if text_encode_stage(model, shape, strategy, options).fits(vram):
+        return strategy
+    on_cpu = replace(strategy, text_encoder=TextEncoderPlacement.CPU)
+    return on_cpu if text_encode_stage(model, shape, on_cpu, options).host_bytes <= ram else strategy
+
+
+def _tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int = 4) -> MemoryStrategy:
+    """Untiled if the whole decode fits; else the cheapest tiling whose traced peak fits."""
+    untiled = decode_stage(model, shape, strategy, options)
+    if untiled.fits(vram):
+        return strategy
+    phase = untiled.peak_phase
+    fixed = CUDA_CONTEXT_BYTES + sum(phase.resident)  # context, workspace, VAE weights, the latent
+    activation = max(phase.peak.allocated - sum(phase.resident), 1)
+    latent = model.latent_shape(shape)
+    pixels = model.geometry.frames(latent[2]) * latent[3] * latent[4] * model.geometry.spatial_factor ** 2
+    free = vram - fixed
+    tiled = strategy
+    for _ in range(attempts):
+        tiling = auto_tiling(max(free, 1), latent, model.geometry, activation / pixels)
+        tiled = replace(strategy, vae_tiling=tiling)
+        if tiling is None or decode_stage(model, shape, tiled, options).fits(vram):
+            break
+        free = int(free * 0.6)
+    return tiled
+
+
+def nothing_fits_message(model, shape: VideoShape, plans: list[Plan], base, options) -> str:
+    """Why the leanest plan still fails, how much RAM would do, and a smaller shape that fits."""
+    leanest = plans[-1]
+    lines = [f"nothing fits {model.name} at {shape.width}x{shape.height}x{shape.frames} "
+             f"in {_gib(leanest.vram_budget_bytes)} VRAM / {_gib(leanest.ram_budget_bytes)} RAM; "
+             f"even {leanest.strategy.describe()}: " + "; ".join(leanest.over_budget()) + "."]
+    weights = host_base(model)
+    if leanest.peak_ram_bytes > leanest.ram_budget_bytes:
+        lines.append(f"The pipeline keeps {_gib(weights)} in RAM (weights + runtime); "
+                     f"give at least {_gib(leanest.peak_ram_bytes)} of RAM.")
+    if weights > leanest.ram_budget_bytes or all(not s.fits(leanest.vram_budget_bytes) for s in leanest.stages[:1]):
+        return " ".join(lines)  # no smaller video lowers the weights held in RAM or the text encoder
+    for smaller in _smaller_shapes(model, shape):
+        try:
+            found = candidate_plans(model, smaller, leanest.vram_budget_bytes, leanest.ram_budget_bytes, base, options)
+        except (PlanError, ValueError):
+            continue
+        fitting = next((p for p in found if p.fits), None)
+        if fitting is not None:
+            lines.append(f"What fits: {smaller.width}x{smaller.height}x{smaller.frames} with {fitting.strategy.describe()}.")
+            break
+    return " ".join(lines)
+
+
+def _smaller_shapes(model, shape: VideoShape):
+    """Fewer frames first (cheaper to lose), then lower resolutions, as the model accepts them."""
+    step = 4
+    frames = max(1, (shape.frames - 1) // 2 // step * step + 1)
+    candidates = [replace(shape, frames=frames)]
+    for scale in (0.75, 0.5):
+        width, height = (max(64, int(v * scale) // 32 * 32) for v in (shape.width, shape.height))
+        candidates.append(replace(shape, width=width, height=height))
+    for candidate in candidates:
+        try:
+            model.check_shape(candidate)
+        except ValueError:
+            continue
+        yield candidate
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / GiB:.1f} GiB"

@@ -1,0 +1,113 @@
+"""Real model configurations as data, and the loader that turns one into a plannable model.
+
+`models/<name>.json` describes one pipeline: its diffusers class, the dtype it is run in, its
+default size, and every component's class and config; `components/<name>.json` holds the text
+encoders and VAEs models share, referenced as {"ref": name, "config": {overrides}}. Every file
+says where its figures come from. A diffusers folder works too: its model_index.json and the
+components' config.json files are read; no weights are touched.
+
+    model = load_model("wan2.1-t2v-14b")
+    model = load_model("~/models/Wan2.1-T2V-14B-Diffusers", dtype="bf16")
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..family import ModelError
+from ..loader import DTYPES, family_for, read_model_index
+from .meta import ComponentConfig, MetaModel
+
+CONFIG_DIR = Path(__file__).parent
+MODELS_DIR = CONFIG_DIR / "models"
+COMPONENTS_DIR = CONFIG_DIR / "components"
+_LIBRARIES = ("diffusers", "transformers")
+
+
+def model_names() -> list[str]:
+    return sorted(path.stem for path in MODELS_DIR.glob("*.json"))
+
+
+def load_model(name_or_path: str, dtype: str | None = None) -> MetaModel:
+    """A shipped model by name, or a diffusers-format folder (configs only).
+
+    Models are shared per (name or folder, dtype) so their memoised traces are reused.
+    """
+    path = Path(name_or_path).expanduser()
+    if (MODELS_DIR / f"{name_or_path}.json").is_file():
+        return _shipped(name_or_path, dtype)
+    if path.is_dir() or "/" in name_or_path or name_or_path.startswith("."):
+        index = path / "model_index.json"
+        stamp = index.stat().st_mtime_ns if index.is_file() else 0
+        return _folder(str(path.resolve()), dtype, stamp)
+    raise ModelError(
+        f"unknown model '{name_or_path}'; use one of {', '.join(model_names())}, "
+        "or the path of a diffusers-format folder (with model_index.json)."
+    )
+
+
+def defaults(name: str) -> dict:
+    """The size a shipped model is made for: {"width", "height", "frames"} (empty for folders)."""
+    file = MODELS_DIR / f"{name}.json"
+    return json.loads(file.read_text()).get("defaults", {}) if file.is_file() else {}
+
+
+@lru_cache(maxsize=16)
+def _shipped(name: str, dtype: str | None) -> MetaModel:
+    return _from_json(json.loads((MODELS_DIR / f"{name}.json").read_text()), dtype)
+
+
+def _from_json(data: dict, dtype: str | None) -> MetaModel:
+    components = {name: _component(name, entry) for name, entry in data["components"].items()}
+    return MetaModel(
+        name=data["name"], pipeline_class=data["pipeline"], spec=family_for(data["pipeline"]), components=components,
+        dtype_name=_dtype(dtype or data["dtype"]), pipeline_config=data.get("pipeline_config", {}), source=data.get("source", ""),
+    )
+
+
+def _component(name: str, entry: dict) -> ComponentConfig:
+    if "ref" in entry:
+        shared = json.loads((COMPONENTS_DIR / f"{entry['ref']}.json").read_text())
+        entry = dict(shared, config={**shared["config"], **entry.get("config", {})})
+    return ComponentConfig(name, entry["library"], entry["class"], entry["config"], entry.get("source", ""))
+
+
+@lru_cache(maxsize=8)
+def _folder(folder: str, dtype: str | None, stamp: int) -> MetaModel:
+    return _from_folder(Path(folder), dtype)  # `stamp`: a changed model_index.json is read again
+
+
+def _from_folder(folder: Path, dtype: str | None) -> MetaModel:
+    index = read_model_index(folder)
+    class_name = index["_class_name"]
+    components = {}
+    for name, value in index.items():
+        if not (isinstance(value, list) and len(value) == 2 and value[0] in _LIBRARIES and value[1]):
+            continue  # absent components
+        if not _is_module(*value):
+            continue  # tokenizers, schedulers, processors: no weights
+        config_file = folder / name / "config.json"
+        if not config_file.is_file():
+            raise ModelError(f"'{folder / name}' has no config.json; the planner reads each component's config.json.")
+        components[name] = ComponentConfig(name, value[0], value[1], json.loads(config_file.read_text()), str(config_file))
+    pipeline_config = {k: v for k, v in index.items() if k in ("boundary_ratio", "expand_timesteps")}
+    return MetaModel(
+        name=folder.name, pipeline_class=class_name, spec=family_for(class_name), components=components,
+        dtype_name=_dtype(dtype or "bf16"), pipeline_config=pipeline_config, source=str(folder),
+    )
+
+
+def _is_module(library: str, class_name: str) -> bool:
+    cls = getattr(importlib.import_module(library), class_name, None)
+    return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+
+
+def _dtype(name: str) -> str:
+    if name not in DTYPES:
+        raise ModelError(f"dtype='{name}' is not supported; use one of {', '.join(DTYPES)}.")
+    return name

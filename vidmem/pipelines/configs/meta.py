@@ -1,0 +1,258 @@
+"""A model the planner can measure: its real classes built on `meta`, two blocks per denoiser.
+
+`MetaModel` implements `vidmem.memory.planner.PlannerModel` for a CogVideoX or Wan pipeline
+described by component configs (a shipped JSON file or a diffusers folder's config.json files).
+Components are built lazily, once, with the dtypes `from_pretrained(torch_dtype=...)` gives
+(`_keep_in_fp32_modules` stay float32). Block-bearing components are built with at most two
+blocks: blocks are identical, so their weights are extrapolated to the real count and the
+activation peak of two blocks is the peak of all of them. Traces are memoised per call.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import torch
+
+from ...memory.accounting import Attention, OpCache, Trace, trace
+from ...memory.planner import Call, ModelLayout, VideoShape
+from ...memory.planner_schedule import ComponentWeights, tensor_sizes
+from ...memory.residency import own_slots
+from ...memory.vae_tiles import VaeGeometry
+from ..family import FamilySpec, ModelError
+from . import workloads
+from .streams import expand_blocks
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Class -> (config key holding the block count, dotted path of the block list). Blocks are what
+# the engine swaps (denoisers) and what the planner extrapolates (every listed class).
+BLOCKS = {
+    "CogVideoXTransformer3DModel": ("num_layers", "transformer_blocks"),
+    "WanTransformer3DModel": ("num_layers", "blocks"),
+    "T5EncoderModel": ("num_layers", "encoder.block"),
+    "UMT5EncoderModel": ("num_layers", "encoder.block"),
+    "CLIPVisionModel": ("num_hidden_layers", "encoder.layers|vision_model.encoder.layers"),  # transformers 5 | 4
+    "CLIPVisionModelWithProjection": ("num_hidden_layers", "vision_model.encoder.layers"),
+}
+TRACED_BLOCKS = 2
+
+
+@dataclass(frozen=True)
+class ComponentConfig:
+    name: str
+    library: str  # "diffusers" | "transformers"
+    class_name: str
+    config: dict
+    source: str = ""
+
+
+@dataclass
+class MetaModel:
+    name: str
+    pipeline_class: str
+    spec: FamilySpec
+    components: dict[str, ComponentConfig]
+    dtype_name: str
+    pipeline_config: dict = field(default_factory=dict)
+    source: str = ""
+    _built: dict = field(default_factory=dict, repr=False)
+    _weights: dict = field(default_factory=dict, repr=False)
+    _traces: dict = field(default_factory=dict, repr=False)
+    _streams: dict = field(default_factory=dict, repr=False)
+    _cache: OpCache = field(default_factory=OpCache, repr=False)
+
+    # --- PlannerModel -----------------------------------------------------------------------
+
+    @cached_property
+    def layout(self) -> ModelLayout:
+        present = lambda names: tuple(n for n in names if n in self.components)  # noqa: E731
+        image = self.pipeline_class in self.spec.image_conditioned
+        conditioning = (*present(("image_encoder",)), "vae") if image else ()
+        return ModelLayout(("text_encoder",), present(self.spec.denoisers), "vae", present(self.spec.encoders), conditioning)
+
+    @cached_property
+    def geometry(self) -> VaeGeometry:
+        config = self.components["vae"].config
+        if self.spec.name == "cogvideox":
+            spatial = 2 ** (len(config.get("block_out_channels", (128, 256, 256, 512))) - 1)
+            return VaeGeometry(spatial, int(config.get("temporal_compression_ratio", 4)), config.get("latent_channels", 16))
+        return VaeGeometry(config.get("scale_factor_spatial", 8), config.get("scale_factor_temporal", 4), config.get("z_dim", 16))
+
+    def check_shape(self, shape: VideoShape) -> None:
+        problem = self.spec.frames_error(shape.frames)
+        if problem:
+            raise ModelError(problem)
+        multiple = self.geometry.spatial_factor * self._patch
+        for label, value in (("width", shape.width), ("height", shape.height)):
+            if value < multiple or value % multiple:
+                fix = max(multiple, value // multiple * multiple)
+                raise ModelError(f"{label}={value} must be a multiple of {multiple} for {self.name}; use {fix} or {fix + multiple}.")
+        config = self.components[self.layout.denoisers[0]].config
+        if config.get("use_learned_positional_embeddings"):
+            size = (config.get("sample_width", 90) * self.geometry.spatial_factor, config.get("sample_height", 60) * self.geometry.spatial_factor)
+            if (shape.width, shape.height) != size:
+                raise ModelError(f"{self.name} has learned positional embeddings and only generates {size[0]}x{size[1]}; use --size {size[0]}x{size[1]}.")
+        if shape.batch < 1:
+            raise ModelError(f"batch={shape.batch} must be at least 1.")
+
+    def latent_shape(self, shape: VideoShape) -> tuple[int, int, int, int, int]:
+        s, g = self.geometry.spatial_factor, self.geometry
+        return (shape.batch, g.latent_channels, (shape.frames - 1) // g.temporal_factor + 1, shape.height // s, shape.width // s)
+
+    def forward_passes(self, shape: VideoShape) -> int:
+        return 2 if shape.cfg and self.spec.name == "wan" else 1
+
+    def weights(self, component: str) -> ComponentWeights:
+        if component not in self._weights:
+            module, blocks = self.module(component), self.blocks(component)
+            slots = [slot for m in module.modules() for slot in own_slots(m)]
+            sizes = tuple(tensor_sizes(slots))
+            self._weights[component] = ComponentWeights(component, sum(sizes), len(blocks) if blocks else 0, sizes)
+        return self._weights[component]
+
+    def module(self, component: str) -> torch.nn.Module:
+        """The full-size component on meta (weights and residency come from it)."""
+        if component not in self._built:
+            self._built[component] = build_meta(self.components[component], self.dtype)
+        return self._built[component]
+
+    def blocks(self, component: str) -> torch.nn.ModuleList | None:
+        """The blocks the engine swaps: a denoiser's `spec.blocks_attr`, else None."""
+        if component not in self.layout.denoisers:
+            return None
+        return getattr(self.module(component), self.spec.blocks_attr)
+
+    def stream_order(self, component: str):
+        return self._streams.get(component)
+
+    def trace(self, call: Call, attention: Attention) -> Trace:
+        key = (call, Attention(attention))
+        if key not in self._traces:
+            record = call.component not in self._streams and call.kind in ("text_encode", "denoise", "decode")
+            with _StreamRecorder(self, call.component) if record else nullcontext():
+                try:
+                    measured = trace(self._workload(call), attention, self._cache)
+                except (ValueError, RuntimeError) as error:
+                    raise ModelError(f"{self.name} cannot run {call.kind} at {call.shape.width}x{call.shape.height}"
+                                     f"x{call.shape.frames}: {error}") from error
+                self._traces[key] = replace(measured, flops=measured.flops * self._block_scale(call.component))
+        return self._traces[key]
+
+    def _block_scale(self, component: str) -> float:
+        """FLOPs are almost all in the blocks: scale a two-block trace to the real count."""
+        blocks = self._block_list(component)
+        return self.real_block_count(component) / len(blocks) if blocks else 1.0
+
+    # --- building ---------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def _patch(self) -> int:
+        patch = self.components[self.layout.denoisers[0]].config.get("patch_size", 2)
+        return patch[-1] if isinstance(patch, (list, tuple)) else patch
+
+    def traced_module(self, component: str) -> torch.nn.Module:
+        """The component with at most two blocks: what the traces run (blocks are identical)."""
+        key = f"{component}@traced"
+        if key not in self._built:
+            if self._blocks_of(component) is None:
+                self._built[key] = self.module(component)
+            else:
+                self._built[key] = build_meta(self.components[component], self.dtype, TRACED_BLOCKS)
+        return self._built[key]
+
+    def real_block_count(self, component: str) -> int:
+        path = self._blocks_of(component)
+        return len(_get(self.module(component), path)) if path else 0
+
+    def _blocks_of(self, component: str) -> str | None:
+        """Dotted path of the block list (the first that exists, for paths that moved between versions)."""
+        entry = BLOCKS.get(self.components[component].class_name)
+        if entry is None:
+            return None
+        module = self.module(component)
+        return next((path for path in entry[1].split("|") if _get(module, path) is not None), None)
+
+    def _block_list(self, component: str):
+        path = self._blocks_of(component)
+        return _get(self.traced_module(component), path) if path else None
+
+    def _workload(self, call: Call):
+        return workloads.workload_for(self, call)
+
+
+def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int | None = None) -> torch.nn.Module:
+    """The component's class on `meta` (blocks capped at `max_blocks`), dtypes as from_pretrained gives them."""
+    library = importlib.import_module(component.library)
+    cls = getattr(library, component.class_name)
+    config = dict(component.config)
+    entry = BLOCKS.get(component.class_name)
+    if max_blocks and entry and entry[0] in config:
+        config[entry[0]] = min(int(config[entry[0]]), max_blocks)
+    with torch.device("meta"):
+        if component.library == "diffusers":
+            module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+        else:
+            module = cls(cls.config_class(**config))
+    _cast(module, dtype, _fp32_modules(cls, component.library, dtype))
+    return module.eval()
+
+
+def _fp32_modules(cls, library: str, dtype: torch.dtype) -> set[str]:
+    """diffusers keeps `_keep_in_fp32_modules` in float32 for any dtype; transformers only for
+    float16 (and `_keep_in_fp32_modules_strict` for float16 and bfloat16)."""
+    if dtype == torch.float32:
+        return set()
+    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    if library == "transformers":
+        strict = set(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+        keep = (keep if dtype == torch.float16 else set()) | strict
+    return keep
+
+
+def _cast(module: torch.nn.Module, dtype: torch.dtype, fp32: set[str]) -> None:
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point():
+            target = torch.float32 if fp32 & set(name.split(".")) else dtype
+            tensor.data = tensor.data.to(target)
+
+
+def _get(module: torch.nn.Module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+class _StreamRecorder:
+    """Records the order modules that own tensors run in (the sequential tier's schedule input)."""
+
+    def __init__(self, model: MetaModel, component: str) -> None:
+        self.model, self.component = model, component
+        self.events: list[tuple[bool, str]] = []
+        self.handles: list = []
+
+    def __enter__(self):
+        module = self.model.traced_module(self.component)
+        for name, sub in module.named_modules():
+            if any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False)):
+                self.handles.append(sub.register_forward_pre_hook(lambda m, a, n=name: self.events.append((True, n))))
+                self.handles.append(sub.register_forward_hook(lambda m, a, o, n=name: self.events.append((False, n))))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        if exc[0] is None and self.events:
+            path = self.model._blocks_of(self.component)
+            traced = len(self.model._block_list(self.component)) if path else 0
+            count = self.model.real_block_count(self.component)
+            order = expand_blocks(self.events, path, traced, count) if path and count > traced else self.events
+            self.model._streams[self.component] = tuple(order)
+        return False

@@ -1,0 +1,142 @@
+"""`vidmem plan`: what fits, before anything is downloaded or run.
+
+    vidmem plan --model wan2.1-t2v-14b --size 1280x720 --frames 81 --vram 12 --ram 32
+    vidmem plan --model ~/models/CogVideoX-2b --size 720x480 --frames 49 --vram 8 --json
+
+Prints one row per strategy tier (each with the fewest swapped blocks, the text encoder placement
+and the VAE tiling that fit) with predicted peak VRAM per stage, peak RAM and estimated slowdown,
+and marks the recommendation: the fastest row that fits. Exit status: 0 when something fits,
+1 when nothing does (the message says what would), 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+GIB = 1 << 30
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    plan = subparsers.add_parser("plan", help="predict VRAM/RAM per stage and pick the strategy that fits",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("--model", help="a built-in model (see --list-models) or a diffusers folder")
+    plan.add_argument("--list-models", action="store_true", help="print the built-in models and exit")
+    plan.add_argument("--size", help="WIDTHxHEIGHT (default: the model's own)")
+    plan.add_argument("--frames", type=int, help="frames to generate (default: the model's own)")
+    plan.add_argument("--vram", type=float, help="GPU memory budget in GiB (default: this machine's GPU)")
+    plan.add_argument("--ram", type=float, help="RAM budget in GiB (default: this machine's total RAM)")
+    plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights dtype (default: the model's own)")
+    plan.add_argument("--steps", type=int, default=50, help="denoising steps (time estimate only)")
+    plan.add_argument("--batch", type=int, default=1, help="videos per prompt")
+    plan.add_argument("--no-cfg", action="store_true", help="guidance scale 1: no negative-prompt pass")
+    plan.add_argument("--text-encoder", default="offload_after_encoding",
+                      choices=("device", "offload_after_encoding", "cpu"), help="starting text encoder placement")
+    plan.add_argument("--prefetch", type=int, default=1, help="streamed blocks copied ahead")
+    plan.add_argument("--allocator", default="native", choices=("native", "cudaMallocAsync"),
+                      help="CUDA allocator backend: native = PyTorch's caching allocator (plain scripts); "
+                           "cudaMallocAsync = ComfyUI's default on CUDA builds (modelled as live bytes)")
+    plan.add_argument("--attention", default="fused", choices=("fused", "math"),
+                      help="fused = flash/memory-efficient kernels; math = score matrix materialised")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return plan
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from .pipelines.configs import defaults, load_model, model_names
+
+    if args.list_models:
+        print("\n".join(model_names()))
+        return 0
+    if not args.model:
+        raise ValueError("--model is required: a built-in model (vidmem plan --list-models) or a diffusers folder.")
+    from .memory.accounting import Attention
+    from .memory.planner import Allocator, PlanOptions, VideoShape, candidate_plans, nothing_fits_message, recommended
+    from .memory.strategy import MemoryStrategy
+
+    model = load_model(args.model, args.dtype)
+    own = defaults(args.model)
+    width, height = _parse_size(args.size) if args.size else (own.get("width"), own.get("height"))
+    frames = args.frames or own.get("frames")
+    if width is None or frames is None:
+        raise ValueError("--size and --frames are required for a model folder (e.g. --size 832x480 --frames 81).")
+    shape = VideoShape(width, height, frames, batch=args.batch, cfg=not args.no_cfg)
+    vram, ram = _budgets(args)
+    options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps)
+    base = MemoryStrategy(text_encoder=args.text_encoder, prefetch_blocks=args.prefetch)
+    plans = candidate_plans(model, shape, vram, ram, base, options)
+    best = recommended(plans)
+    message = None if best is not None else nothing_fits_message(model, shape, plans, base, options)
+    if args.json:
+        print(json.dumps({"model": model.name, "size": [width, height], "frames": frames, "dtype": model.dtype_name,
+                          "allocator": options.allocator.value, "strategies": [p.as_dict() for p in plans],
+                          "recommended": best, **({"message": message} if message else {})}, indent=2))
+    else:
+        print(_table(model, shape, vram, ram, plans, best, options))
+        if message:
+            print(f"\n{message}")
+    return 0 if best is not None else 1
+
+
+def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, options) -> str:
+    head = (f"{model.name} ({model.dtype_name}) {shape.width}x{shape.height}, {shape.frames} frames; "
+            f"budget {vram / GIB:.1f} GiB VRAM, {ram / GIB:.1f} GiB RAM; {options.allocator.value} allocator")
+    columns = ("strategy", "text enc.", "VAE tiles", "encode", "denoise", "decode", "peak VRAM", "peak RAM", "slowdown", "fits")
+    rows = [columns]
+    for plan in plans:
+        s = plan.strategy
+        tier = s.offload.value + (f" {s.blocks_to_swap}" if s.blocks_to_swap else "")
+        tiles = f"{s.vae_tiling.tile_size}px/{s.vae_tiling.temporal_size}f" if s.vae_tiling else "-"
+        stages = [f"{plan.stage(n).device_bytes / GIB:.1f}" for n in ("text_encode", "denoise", "decode")]
+        rows.append((tier, s.text_encoder.value.replace("offload_after_encoding", "offload"), tiles, *stages,
+                     f"{plan.peak_vram_bytes / GIB:.1f} GiB", f"{plan.peak_ram_bytes / GIB:.1f} GiB",
+                     f"x{plan.est_slowdown:.2f}", "yes" if plan.fits else "no"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(columns))]
+    lines = [head, ""]
+    for index, row in enumerate(rows):
+        mark = "  <- recommended" if recommended is not None and index - 1 == recommended else ""
+        lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() + mark)
+    lines.append("\nVRAM per stage in GiB, including the CUDA context; block swap rows show the fewest blocks that fit.")
+    return "\n".join(lines)
+
+
+def _budgets(args: argparse.Namespace) -> tuple[int, int]:
+    vram = args.vram
+    if vram is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("no GPU here: give the budget to plan for, e.g. --vram 12 (GiB).")
+        vram = torch.cuda.mem_get_info()[1] / GIB
+    ram = args.ram
+    if ram is None:
+        import psutil
+
+        ram = psutil.virtual_memory().total / GIB
+    if vram <= 0 or ram <= 0:
+        raise ValueError(f"--vram {vram} and --ram {ram} must be positive GiB values.")
+    return int(vram * GIB), int(ram * GIB)
+
+
+def _parse_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--size {text!r} must look like WIDTHxHEIGHT, e.g. 1280x720.") from None
+    return width, height
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vidmem")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return run_plan(args)
+    except ValueError as error:
+        print(f"vidmem: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
