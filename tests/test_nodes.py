@@ -12,6 +12,7 @@ import torch
 
 from vidmem.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, host
 from vidmem.nodes.free import VidMemFreeVRAM
+from vidmem.memory import StrategyError
 from vidmem.nodes.strategy import VidMemMemoryStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,34 @@ def strategy_inputs(**change):
 
 
 def test_strategy_widget_names_match_the_builder():
-    assert set(all_inputs(VidMemMemoryStrategy)) == set(strategy_inputs())
+    assert set(VidMemMemoryStrategy.INPUT_TYPES()["required"]) == set(strategy_inputs())
+
+
+def test_strategy_node_predicts_peaks_for_a_connected_pipeline(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    out = VidMemMemoryStrategy().build(pipeline=loaded, width=32, height=32, frames=9, vram_budget_gb=1.0,
+                                       ram_budget_gb=64.0, **strategy_inputs(offload="block_swap", blocks_to_swap=1))
+    (strategy,) = out["result"]
+    assert strategy.offload.value == "block_swap" and strategy.blocks_to_swap == 1
+    assert out["ui"]["text"][0].startswith("predicted: ") and "denoise" in out["ui"]["text"][0]
+    plan = out["ui"]["vidmem_plan"][0]
+    assert plan["fits"] is True and plan["peak_vram_bytes"] == max(plan["stages"].values()) > 0
+
+
+def test_auto_chooses_a_strategy_that_fits_or_says_what_would(tiny_loaded):
+    from vidmem.memory.planner import PlanError
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    auto = strategy_inputs(offload="auto")
+    roomy = VidMemMemoryStrategy().build(pipeline=loaded, width=32, height=32, frames=9, vram_budget_gb=8.0,
+                                         ram_budget_gb=64.0, **auto)
+    assert roomy["result"][0].offload.value == "none" and roomy["ui"]["text"][0].startswith("auto chose: ")
+    with pytest.raises(PlanError, match="nothing fits"):
+        VidMemMemoryStrategy().build(pipeline=loaded, width=32, height=32, frames=9, vram_budget_gb=1e-4,
+                                     ram_budget_gb=64.0, **auto)
+    with pytest.raises(StrategyError, match="needs the pipeline input connected"):
+        VidMemMemoryStrategy().build(**auto)
+    assert "blocks_to_swap must be 0" in VidMemMemoryStrategy.VALIDATE_INPUTS(**strategy_inputs(offload="auto", blocks_to_swap=3))
 
 
 @pytest.mark.parametrize(

@@ -266,8 +266,11 @@ def shrink_for_tiny(api: dict, seed: int | None = None) -> dict:
             inputs.update(width=spec.width, height=spec.height, frames=spec.frames, steps=min(inputs["steps"], TINY_STEPS))
             if seed is not None:
                 inputs["seed"] = seed
-        if node["class_type"] == "VidMemMemoryStrategy" and inputs["blocks_to_swap"] > 0:
-            inputs["blocks_to_swap"] = min(inputs["blocks_to_swap"], block_cap)
+        if node["class_type"] == "VidMemMemoryStrategy":
+            inputs.update({k: v for k, v in dict(width=spec.width, height=spec.height, frames=spec.frames).items()
+                           if k in inputs})  # the size the strategy plans for
+            if inputs["blocks_to_swap"] > 0:
+                inputs["blocks_to_swap"] = min(inputs["blocks_to_swap"], block_cap)
     return api
 
 

@@ -242,7 +242,10 @@ def graph(t: Template) -> list[Node]:
     """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> Free VRAM -> save."""
     return [
         Node(1, "VidMemLoadPipeline", (0, 330), (360, 130), dict(model=t.model, dtype=t.dtype, path="", transformer_file="(from the folder)"), group=GROUPS[0]),
-        Node(2, "VidMemMemoryStrategy", (0, 500), (360, 330), dict(t.strategy), group=GROUPS[0]),
+        # The pipeline link makes the strategy node show its predicted peaks per stage after a run.
+        Node(2, "VidMemMemoryStrategy", (0, 500), (360, 470), dict(
+            t.strategy, width=t.width, height=t.height, frames=t.frames, vram_budget_gb=0.0, ram_budget_gb=0.0,
+        ), links=dict(pipeline=(1, 0)), group=GROUPS[0]),
         Node(3, "VidMemVideoSampler", (420, 330), (400, 500), dict(
             prompt=t.prompt, negative_prompt=t.negative_prompt, width=t.width, height=t.height, frames=t.frames,
             steps=t.steps, cfg=t.cfg, seed=t.seed, control_after_generate="fixed",

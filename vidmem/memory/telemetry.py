@@ -78,3 +78,12 @@ class StageMeter:
             self.receipt.peak_rss_bytes = max(self.receipt.peak_rss_bytes, process.memory_info().rss)
             if self._stop.wait(self._interval):
                 return
+
+
+def default_budgets(device: torch.device) -> tuple[int, int]:
+    """(VRAM, RAM) budgets when the user gives none: the GPU's total memory and the machine's
+    RAM. On a CPU-only machine compute runs in RAM, so RAM is the "VRAM" budget too."""
+    ram = psutil.virtual_memory().total
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, ram
+    return ram, ram

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from ..memory import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement, VaeTiling
+from ..memory.planner_stages import VideoShape
 from ..memory.strategy import TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE
+from ..memory.telemetry import default_budgets
+from ..pipelines.planning import choose_for, plan_strategy
+from . import host
 
 STRATEGY_TYPE = "VIDMEM_STRATEGY"
+AUTO = "auto"  # node-level tier: the planner picks the fastest strategy that fits
 _DEFAULT = MemoryStrategy()
 _TILES = VaeTiling()
 
@@ -55,10 +60,12 @@ class VidMemMemoryStrategy:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "offload": ([t.value for t in OffloadTier], {"default": _DEFAULT.offload.value, "tooltip":
+                "offload": ([t.value for t in OffloadTier] + [AUTO], {"default": _DEFAULT.offload.value, "tooltip":
                     "none: everything on the GPU (fastest, most VRAM). model: one component at a time "
                     "(text encoder, then transformer). block_swap: as model, but the last blocks_to_swap "
-                    "transformer blocks stream in each step. sequential: every layer streams (least VRAM, slowest)."}),
+                    "transformer blocks stream in each step. sequential: every layer streams (least VRAM, slowest). "
+                    "auto: connect the pipeline; the planner picks the fastest tier, block count, text encoder "
+                    "placement and VAE tiling that fit the budgets, and shows the predicted peaks."}),
                 "blocks_to_swap": ("INT", {"default": 0, "min": 0, "max": 100, "tooltip":
                     "block_swap only: how many transformer blocks stay in RAM and stream in per step. "
                     "Wan 14B has 40 blocks, Wan 1.3B 30, CogVideoX-2b 30, CogVideoX-5b 42. 0 with other tiers."}),
@@ -88,20 +95,62 @@ class VidMemMemoryStrategy:
                     "max": TEMPORAL_SIZE_RANGE[1], "step": 4, "tooltip": "Output frames decoded per chunk."}),
                 "temporal_overlap": ("INT", {"default": _TILES.temporal_overlap, "min": 0, "max": 4096, "step": 4,
                     "tooltip": "Frames shared by neighbouring chunks and blended; at most temporal_size/2."}),
-            }
+            },
+            "optional": {
+                "pipeline": ("VIDMEM_PIPELINE", {"tooltip": "Connect to predict this strategy's peak VRAM and RAM per "
+                             "stage before running (needed for offload=auto). Nothing is loaded onto the GPU."}),
+                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip":
+                    "The size you will sample, for the prediction; match the Video Sampler."}),
+                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip":
+                    "The size you will sample, for the prediction; match the Video Sampler."}),
+                "frames": ("INT", {"default": 81, "min": 1, "max": 1025, "step": 4, "tooltip":
+                    "The frames you will sample, for the prediction; match the Video Sampler."}),
+                "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5, "tooltip":
+                    "VRAM the plan may use; 0: the GPU's total memory. Lower it to leave room for other apps."}),
+                "ram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 4096.0, "step": 1.0, "tooltip":
+                    "System RAM the plan may use, including the loaded weights; 0: this machine's RAM."}),
+            },
         }
 
     @classmethod
     def VALIDATE_INPUTS(cls, **inputs):
         """Reject bad combinations when the prompt is queued, before anything runs."""
-        if any(value is None for value in inputs.values()):
+        widgets = {k: v for k, v in inputs.items() if k in _WIDGETS}
+        if any(value is None for value in widgets.values()):
             return True  # a linked input has no value yet; build() validates at run time
         try:
-            build_strategy(**inputs)
+            build_strategy(**_resolve_auto_widgets(widgets))
         except (StrategyError, TypeError) as error:
             return str(error)
         return True
 
-    def build(self, **inputs):
-        strategy = build_strategy(**inputs)
-        return {"ui": {"text": [strategy.describe()]}, "result": (strategy,)}
+    def build(self, pipeline=None, width=832, height=480, frames=81, vram_budget_gb=0.0, ram_budget_gb=0.0, **widgets):
+        auto = widgets["offload"] == AUTO
+        strategy = build_strategy(**_resolve_auto_widgets(widgets))
+        if pipeline is None:
+            if auto:
+                raise StrategyError("offload='auto' needs the pipeline input connected, so the planner knows the model.")
+            return {"ui": {"text": [strategy.describe()]}, "result": (strategy,)}
+        shape = VideoShape(width, height, frames)
+        vram, ram = _budgets(vram_budget_gb, ram_budget_gb)
+        plan = choose_for(pipeline, shape, strategy, vram, ram) if auto else plan_strategy(pipeline, shape, strategy, vram, ram)
+        text = ("auto chose: " if auto else "predicted: ") + plan.describe()
+        return {"ui": {"text": [text], "vidmem_plan": [plan.as_dict()]}, "result": (plan.strategy,)}
+
+
+_WIDGETS = set(build_strategy.__code__.co_varnames[: build_strategy.__code__.co_argcount])
+
+
+def _resolve_auto_widgets(widgets: dict) -> dict:
+    """For offload=auto the planner chooses the tier and blocks: build the widgets' other choices."""
+    if widgets.get("offload") != AUTO:
+        return widgets
+    if widgets.get("blocks_to_swap"):
+        raise StrategyError("blocks_to_swap must be 0 with offload='auto'; the planner chooses it.")
+    return {**widgets, "offload": OffloadTier.MODEL.value}
+
+
+def _budgets(vram_gb: float, ram_gb: float) -> tuple[int, int]:
+    vram, ram = default_budgets(host.compute_device())
+    gib = 1 << 30
+    return (int(vram_gb * gib) if vram_gb else vram), (int(ram_gb * gib) if ram_gb else ram)

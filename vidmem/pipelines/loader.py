@@ -32,6 +32,7 @@ class LoadedPipeline:
     class_name: str
     source: str
     dtype_name: str
+    folder: str = ""  # the diffusers folder (source may add a single-file transformer)
     host_pool: HostPool = field(default_factory=HostPool, compare=False, repr=False)  # pinned homes, reused run over run
     _image_mode: dict = field(default_factory=dict, compare=False, repr=False)
     _backends: dict = field(default_factory=dict, compare=False, repr=False)
@@ -61,7 +62,8 @@ class LoadedPipeline:
             pipe = pinned_pipeline_class(class_name)(**self.pipe.components, **config)
             pipe.set_progress_bar_config(disable=True)
             self._image_mode["pipeline"] = LoadedPipeline(
-                pipe, self.spec, class_name, self.source, self.dtype_name, self.host_pool, _backends=self._backends
+                pipe, self.spec, class_name, self.source, self.dtype_name, self.folder, self.host_pool,
+                _backends=self._backends,
             )
         return self._image_mode["pipeline"]
 
@@ -120,7 +122,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
         ) from error
     pipe.set_progress_bar_config(disable=True)  # progress is reported through the host instead
     source = f"{folder} + {Path(transformer_file).name}" if transformer_file else str(folder)
-    return LoadedPipeline(pipe, spec, class_name, source, dtype)
+    return LoadedPipeline(pipe, spec, class_name, source, dtype, str(folder))
 
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".sft")
