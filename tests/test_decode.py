@@ -69,3 +69,21 @@ def test_latent_with_wrong_channels_is_refused(tiny_loaded):
 def test_non_video_latent_is_refused(latent, tiny_loaded):
     with pytest.raises(ModelError, match="not a video latent"):
         decode(tiny_loaded("wan2.1-t2v"), latent)
+
+
+def test_decode_node_saves_latents_first_in_core_format(tiny_loaded, tmp_path, monkeypatch):
+    from vidmem.nodes import host
+    from vidmem.nodes.decode import VidMemVAEDecode
+    from vidmem.pipelines.latents import read_latent
+
+    monkeypatch.setattr(host, "latents_folder", lambda: tmp_path / "latents")
+    loaded = tiny_loaded("wan2.1-t2v")
+    latent = sample(loaded, MemoryStrategy(), request_for("wan2.1-t2v"), backend=CpuBackend()).latent
+    first = VidMemVAEDecode().decode(loaded, latent, None, save_latents=True)
+    second = VidMemVAEDecode().decode(loaded, latent, None, save_latents=True)
+    paths = sorted((tmp_path / "latents").iterdir())
+    assert [p.name for p in paths] == ["vidmem_00001_.latent", "vidmem_00002_.latent"]
+    assert torch.equal(read_latent(paths[0])["samples"], latent["samples"])
+    assert "latents saved to" in first["ui"]["text"][0]
+    reloaded = VidMemVAEDecode().decode(loaded, read_latent(paths[1]), None)  # as core Load Latent gives it
+    assert torch.equal(reloaded["result"][0], second["result"][0])

@@ -180,3 +180,9 @@ def compute_device():
     from ..memory import resolve_compute_device
 
     return resolve_compute_device()
+
+
+def latents_folder() -> Path:
+    """ComfyUI's output/latents (where core Save Latent writes); ./output/latents without ComfyUI."""
+    root = Path(folder_paths.get_output_directory()) if folder_paths is not None else Path.cwd() / "output"
+    return root / "latents"

@@ -32,6 +32,8 @@ def format_receipt(title: str, receipt: dict) -> str:
             f"swap cost: {swap['swap_cost']:.1%} of step time ({human_bytes(swap['bytes_moved'])} moved, "
             f"copies {swap['copy_s']:.2f} s, waited {swap['wait_s']:.2f} s, {swap['groups']} streamed groups)"
         )
+    if "saved_latents" in receipt:
+        lines.append(f"latents saved to {receipt['saved_latents']}")
     if "decode" in receipt:
         lines.append("decode: " + json.dumps(receipt["decode"], sort_keys=True))
     return "\n".join(lines)
