@@ -152,3 +152,10 @@ def test_nodes_run_in_graph_order_and_return_core_types(tiny_folder):
     (frames,) = decoded["result"]
     assert frames.shape == (9, 32, 32, 3) and frames.dtype == torch.float32
     assert "Video Sampler" in sampled["ui"]["text"][0] and "decode" in decoded["ui"]["text"][0]
+
+
+def test_a_prediction_that_cannot_be_made_does_not_stop_the_run(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")  # the tiny model cannot run at 832x480 (rope table of 32)
+    out = VidMemMemoryStrategy().build(pipeline=loaded, width=832, height=480, frames=81, **strategy_inputs())
+    assert out["result"][0].offload.value == "model"
+    assert "prediction unavailable" in out["ui"]["text"][0]

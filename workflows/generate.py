@@ -54,7 +54,7 @@ class Template:
 
 
 NEGATIVE = "blurry, low quality, distorted, flickering, static frame, watermark, text, subtitles"
-TILES = dict(vae_tiling=True, tile_size=256, overlap=64, temporal_size=64, temporal_overlap=8)
+TILES = dict(vae_tiling=True, tile_size=256, overlap=32, temporal_size=64, temporal_overlap=8)
 
 TEMPLATES = (
     Template(
@@ -70,7 +70,7 @@ TEMPLATES = (
             "offload_after_encoding it leaves the GPU as soon as the prompt is encoded. On a card under "
             "12 GB set text_encoder = cpu (encoding then takes a while in system RAM and no VRAM).\n\n"
             "VAE tiling: decoding 720x480x49 in one piece needs about 16 GB in fp16; 256 px tiles with "
-            "64 px overlap keep the decode to a few GB.\n\n"
+            "32 px overlap keep the decode to a few GB.\n\n"
             "Every strategy gives the same frames; they differ only in memory and speed."
         ),
         model="CogVideoX-2b",

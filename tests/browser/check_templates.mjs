@@ -97,6 +97,7 @@ async function runInBrowser(page, seed) {
     for (const [name, value] of Object.entries(tiny)) set(sampler, name, value);
     set(sampler, "seed", seed);
     const strategy = byType("VidMemMemoryStrategy");
+    for (const name of ["width", "height", "frames"]) set(strategy, name, tiny[name]); // the size it plans for
     if (strategy.widgets.find((w) => w.name === "offload").value === "block_swap") set(strategy, "blocks_to_swap", 1);
     await app.queuePrompt(0, 1);
     const receipt = (node) => node.widgets?.find((w) => w.name === "vidmem_receipt")?.element?.textContent ?? null;

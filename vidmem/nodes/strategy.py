@@ -133,8 +133,16 @@ class VidMemMemoryStrategy:
             return {"ui": {"text": [strategy.describe()]}, "result": (strategy,)}
         shape = VideoShape(width, height, frames)
         vram, ram = _budgets(vram_budget_gb, ram_budget_gb)
-        plan = choose_for(pipeline, shape, strategy, vram, ram) if auto else plan_strategy(pipeline, shape, strategy, vram, ram)
-        text = ("auto chose: " if auto else "predicted: ") + plan.describe()
+        if auto:
+            plan = choose_for(pipeline, shape, strategy, vram, ram)  # no plan, no strategy: errors stop the run
+            text = "auto chose: " + plan.describe()
+        else:
+            try:
+                plan = plan_strategy(pipeline, shape, strategy, vram, ram)
+            except ValueError as error:  # the prediction is advice: the run goes on, the sampler checks again
+                text = f"{strategy.describe()}\nprediction unavailable: {error}"
+                return {"ui": {"text": [text]}, "result": (strategy,)}
+            text = "predicted: " + plan.describe()
         return {"ui": {"text": [text], "vidmem_plan": [plan.as_dict()]}, "result": (plan.strategy,)}
 
 
