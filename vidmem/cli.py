@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .plan_cli import add_plan_parser, run_plan
+from .plan_cli import add_plan_parser, parse_size, run_plan
 from .queue_cli import add_queue_parser, run_queue  # standard library only: cheap to import
 
 DEMO_VARIANT = "wan2.1-t2v"
@@ -51,7 +51,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.list_variants:
         print("\n".join(TINY_VARIANTS))
         return 0
-    width, height = _parse_size(args.size)
+    width, height = parse_size(args.size)
     spec = tiny_spec(args.variant)
     if spec.needs_image:
         raise ValueError(f"--variant {args.variant} is image-to-video; the demo runs text-to-video variants.")
@@ -103,14 +103,6 @@ def write_mp4(frames, path: Path, fps: int = 8) -> Path:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     return path
-
-
-def _parse_size(text: str) -> tuple[int, int]:
-    try:
-        width, height = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--size {text!r} must look like WIDTHxHEIGHT, e.g. 64x64.") from None
-    return width, height
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     model = load_model(args.model, args.dtype)
     own = defaults(args.model)
-    width, height = _parse_size(args.size) if args.size else (own.get("width"), own.get("height"))
+    width, height = parse_size(args.size) if args.size else (own.get("width"), own.get("height"))
     frames = args.frames or own.get("frames")
     if width is None or frames is None:
         raise ValueError("--size and --frames are required for a model folder (e.g. --size 832x480 --frames 81).")
@@ -119,7 +119,8 @@ def _budgets(args: argparse.Namespace) -> tuple[int, int]:
     return int(vram * GIB), int(ram * GIB)
 
 
-def _parse_size(text: str) -> tuple[int, int]:
+def parse_size(text: str) -> tuple[int, int]:
+    """--size WIDTHxHEIGHT, for every vidmem subcommand that takes one."""
     try:
         width, height = (int(v) for v in text.lower().split("x"))
     except ValueError:
