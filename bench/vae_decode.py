@@ -40,7 +40,7 @@ from vidmem.memory.vae import DecodeReport, VaeGeometry, decode_video, plan_tile
 
 FAMILIES = ("cogvideox", "wan")
 MODES = ("untiled", "diffusers_tiled", "vidmem_tiled")
-OURS = VaeTiling()  # vidmem's defaults: 256/64 px, 64/8 frames
+OURS = VaeTiling()  # vidmem's defaults: 256/32 px, 64/8 frames
 GEOMETRY = VaeGeometry(spatial_factor=8, temporal_factor=4, latent_channels=16)
 
 
