@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from vidmem import queue_cli
-from vidmem.queue_cli import WS_GUID, add_queue_parser, parse_frame, run_queue
+from vidmem.queue_cli import add_queue_parser, run_queue
+from vidmem.websocket import WS_GUID, parse_frame
 
 WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "api" / "wan21_t2v_blockswap.json"
 PROMPT_ID = "prompt-1"

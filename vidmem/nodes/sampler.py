@@ -27,7 +27,7 @@ class VidMemVideoSampler:
         return {
             "required": {
                 "pipeline": (PIPELINE_TYPE, {"tooltip": "From Load Video Pipeline."}),
-                "strategy": ("VIDMEM_STRATEGY", {"tooltip": "From Memory Strategy: where weights live during sampling."}),
+                "strategy": (STRATEGY_TYPE, {"tooltip": "From Memory Strategy: where weights live during sampling."}),
                 "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What the video shows."}),
                 "negative_prompt": ("STRING", {"multiline": True, "default": "", "tooltip":
                     "What to avoid; used only when cfg > 1."}),
