@@ -145,3 +145,17 @@ def test_weight_bytes_follow_the_tier_and_the_host_is_asked_first(tiny_loaded):
     result = sample(loaded, MemoryStrategy(offload="model", text_encoder="cpu"), request_for("wan2.2-a14b"),
                     hooks=RunHooks(make_room=lambda nbytes, device: asked.append((nbytes, device))), backend=CpuBackend())
     assert asked == [(sizes["model"], torch.device("cpu"))] == [(result.receipt["device_weight_bytes"], torch.device("cpu"))]
+
+
+def test_a14b_hands_the_swap_pool_to_the_low_noise_expert_before_it_runs(tiny_loaded):
+    loaded = tiny_loaded("wan2.2-a14b")
+    recorder = Recorder()
+    sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=2, prefetch_blocks=1),
+           request_for("wan2.2-a14b", steps=4), backend=StrictBackend(), observer=recorder)
+    events = recorder.events
+    first_low = next(i for i, (kind, name) in enumerate(events) if name.startswith("transformer_2."))
+    assert events[first_low] == ("prefetch", "transformer_2.blocks.0")  # copied ahead, not on demand
+    assert first_low < events.index(("onload", "transformer_2"))  # before the expert even activates
+    high_after = [e for e in events[first_low:] if e[1].startswith("transformer.") and e[0] != "evict"]
+    assert high_after == []  # nothing of the high-noise expert is copied after the hand-off
+    assert {("evict", "transformer.blocks.0"), ("evict", "transformer.blocks.1")} & set(events[:first_low])

@@ -81,6 +81,13 @@ class StreamSchedule:
                 other.evict()
                 self._observe("evict", other)
 
+    def prefetch_start(self) -> None:
+        """Start copying the groups that open the next pass (ahead of a hand-off to this component)."""
+        if self._order_closed:
+            for group in self._order[: self._prefetch]:
+                if not group.on_device:
+                    self._onload(group, "prefetch")
+
     def evict_all(self) -> None:
         for group in self.groups:
             if group.on_device:

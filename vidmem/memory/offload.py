@@ -92,6 +92,19 @@ class OffloadHandle:
             if self._active == name:
                 self._active = None
 
+    def hand_off(self, finished: str, next_: str) -> None:
+        """`finished` will not run again this call and `next_` runs next (Wan 2.2 A14B's experts).
+
+        Evicts what `finished` had prefetched for a pass that will not come, and starts copying
+        the blocks that open `next_`'s first pass, so its first streamed block does not stall.
+        Its core still moves when it activates: holding both cores at once would need the VRAM
+        of two transformers.
+        """
+        if finished in self._components and self._components[finished].schedule is not None:
+            self._components[finished].schedule.evict_all()
+        if next_ in self._components and self._components[next_].schedule is not None:
+            self._components[next_].schedule.prefetch_start()
+
     def swap_summary(self) -> dict:
         """Bytes moved and time spent copying, waiting and computing, per streamed group."""
         return self.ledger.summary() if self.ledger else {"blocks": {}, "totals": {}}

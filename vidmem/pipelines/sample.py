@@ -8,6 +8,7 @@ it runs. Noise comes from a CPU generator, so a seed gives the same video on any
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 import torch
 
 from ..memory import (
@@ -108,7 +109,7 @@ def sample(
                     handle.evict("text_encoder")
             receipt["stages"].append(meter.as_dict())
             with StageMeter("denoise", device) as meter:
-                raw = pipe(**_call_kwargs(loaded, request, embeds, hooks)).frames
+                raw = pipe(**_call_kwargs(loaded, request, embeds, hooks, expert_hand_off(pipe, handle))).frames
             receipt["stages"].append(meter.as_dict())
             if telemetry:
                 receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)
@@ -141,8 +142,25 @@ def _encode(pipe, spec, request: SampleRequest, strategy: MemoryStrategy, device
     return {"prompt_embeds": move(positive), "negative_prompt_embeds": move(negative)}
 
 
-def _call_kwargs(loaded: LoadedPipeline, request: SampleRequest, embeds: dict, hooks: RunHooks) -> dict:
+def expert_hand_off(pipe, handle) -> Callable[[int], None]:
+    """Wan 2.2 A14B: after the last high-noise step, hand the swap pool to the low-noise expert."""
+    boundary_ratio = pipe.config.get("boundary_ratio")
+    if boundary_ratio is None or getattr(pipe, "transformer_2", None) is None:
+        return lambda step: None
+    boundary = boundary_ratio * pipe.scheduler.config.num_train_timesteps
+
+    def after_step(step: int) -> None:
+        timesteps = pipe.scheduler.timesteps
+        if step + 1 < len(timesteps) and timesteps[step] >= boundary > timesteps[step + 1]:
+            handle.hand_off("transformer", "transformer_2")
+
+    return after_step
+
+
+def _call_kwargs(loaded: LoadedPipeline, request: SampleRequest, embeds: dict, hooks: RunHooks,
+                 after_step: Callable[[int], None]) -> dict:
     def on_step_end(pipe, step: int, timestep, tensors: dict) -> dict:
+        after_step(step)
         hooks.on_step(step + 1, request.steps)
         hooks.check_interrupt()  # raising here stops the loop; the strategy is removed in `finally`
         return {}
