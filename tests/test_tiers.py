@@ -181,3 +181,11 @@ def test_ti2v_folder_runs_image_to_video_when_given_an_image(tiny_loaded):
         assert result.latent["vidmem"]["class_name"] == "WanImageToVideoPipeline"
     assert loaded.image_mode() is loaded.image_mode()  # built once, sharing the components
     assert loaded.image_mode().pipe.transformer is loaded.pipe.transformer
+
+
+def test_text_encoder_on_cpu_leaves_the_image_encoder_to_the_tier(tiny_loaded):
+    from vidmem.pipelines.sample import sample_stage
+
+    loaded = tiny_loaded("wan2.1-i2v")
+    stage = sample_stage(loaded, MemoryStrategy(offload="model", text_encoder="cpu"))
+    assert "text_encoder" not in stage.modules and "image_encoder" in stage.modules and "vae" in stage.modules

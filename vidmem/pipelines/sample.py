@@ -67,9 +67,9 @@ def validate_request(loaded: LoadedPipeline, request: SampleRequest) -> None:
 
 def sample_stage(loaded: LoadedPipeline, strategy: MemoryStrategy) -> StageComponents:
     pipe, spec = loaded.pipe, loaded.spec
-    names = list(spec.denoisers)
-    if strategy.text_encoder is not TextEncoderPlacement.CPU:
-        names = list(spec.encoders) + names
+    # The text_encoder input places the prompt encoder only; an image encoder follows the tier.
+    on_cpu = {"text_encoder"} if strategy.text_encoder is TextEncoderPlacement.CPU else set()
+    names = [name for name in spec.encoders if name not in on_cpu] + list(spec.denoisers)
     if loaded.needs_image:
         names.append("vae")  # image-to-video encodes the image with the VAE before the loop
     modules = {n: getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None}
