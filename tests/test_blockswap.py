@@ -134,12 +134,17 @@ def test_weight_bytes_follow_the_tier_and_the_host_is_asked_first(tiny_loaded):
         "sequential": MemoryStrategy(offload="sequential", prefetch_blocks=0, text_encoder="cpu"),
     }.items():
         sizes[label] = device_weight_bytes(sample_stage(loaded, strategy), strategy)
-    # one streamed block is on the device while it runs, so swapping 1 of 2 blocks saves no peak
-    assert sizes["none"] > sizes["model"] == sizes["swap1"] > sizes["swap2"] > sizes["sequential"] > 0
+    # The running block plus one evicted block the GPU may still be reading: with 2 blocks per
+    # expert and no prefetch, streaming saves no peak on these tiny experts.
+    assert sizes["none"] > sizes["model"] == sizes["swap1"] == sizes["swap2"] > sizes["sequential"] > 0
     tensor_bytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
     transformer, block = tensor_bytes(loaded.pipe.transformer), tensor_bytes(loaded.pipe.transformer.blocks[0])
     assert sizes["none"] == 2 * sizes["model"] == 2 * transformer  # both experts at once vs one at a time
-    assert sizes["swap2"] == transformer - block  # two of two blocks streamed, one on the device at a time
+    from vidmem.memory.blockswap import EVICTED_IN_FLIGHT
+
+    one = MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=0, text_encoder="cpu")
+    assert 0 + 1 + EVICTED_IN_FLIGHT == 2  # so for one swapped block: core + that block = everything
+    assert device_weight_bytes(sample_stage(loaded, one), one) == transformer - block + block
 
     asked = []
     result = sample(loaded, MemoryStrategy(offload="model", text_encoder="cpu"), request_for("wan2.2-a14b"),

@@ -49,6 +49,7 @@ class StreamSchedule:
         self._position = {id(g): i for i, g in enumerate(self._order)}
         self._order_closed = order_known
         self._in_flight: deque = deque()  # compute-done markers of evicted groups, oldest first
+        self._previous: WeightGroup | None = None  # the group that ran last, to place new ones
 
     def before_forward(self, group: WeightGroup) -> None:
         self._learn(group)
@@ -88,6 +89,11 @@ class StreamSchedule:
                 if not group.on_device:
                     self._onload(group, "prefetch")
 
+    def drain(self) -> None:
+        """Wait until every evicted group's compute has finished (before another component copies)."""
+        while self._in_flight:
+            self._backend.host_wait(self._in_flight.popleft())
+
     def evict_all(self) -> None:
         for group in self.groups:
             if group.on_device:
@@ -107,11 +113,15 @@ class StreamSchedule:
         self._observe(kind, group)
 
     def _learn(self, group: WeightGroup) -> None:
+        previous, self._previous = self._previous, group
         if id(group) in self._position:
             self._order_closed = True  # a group runs again: one full pass has been seen
             return
-        self._position[id(group)] = len(self._order)  # also a module that first runs later
-        self._order.append(group)
+        # A module that first runs in a later pass (a branch skipped on the first chunk) goes
+        # where it ran: right after the group that ran before it.
+        at = self._position[id(previous)] + 1 if previous is not None and id(previous) in self._position else len(self._order)
+        self._order.insert(at, group)
+        self._position = {id(g): i for i, g in enumerate(self._order)}
 
     def _upcoming(self, group: WeightGroup) -> list[WeightGroup]:
         if not self._prefetch or not self._order_closed:

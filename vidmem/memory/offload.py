@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .blockswap import Observer, StreamSchedule, hook_group
+from .blockswap import EVICTED_IN_FLIGHT, Observer, StreamSchedule, hook_group
 from .hostpool import HostPool, pinned_cap_bytes
 from .residency import Slot, WeightGroup, own_slots, partition_slots, tie
 from .strategy import MemoryStrategy, OffloadTier
@@ -102,6 +102,7 @@ class OffloadHandle:
         """
         if finished in self._components and self._components[finished].schedule is not None:
             self._components[finished].schedule.evict_all()
+            self._components[finished].schedule.drain()  # its blocks' memory is free before new copies
         if next_ in self._components and self._components[next_].schedule is not None:
             self._components[next_].schedule.prefetch_start()
 
@@ -212,14 +213,17 @@ def device_weight_bytes(stage: StageComponents, strategy: MemoryStrategy) -> int
     """Weight bytes the tier puts on the device at its peak (activations come on top).
 
     Computed from the same partition apply_strategy uses, without moving anything, so a host
-    can be asked to make room before the first onload. Streamed groups count prefetch + 1.
+    can be asked to make room before the first onload. Streamed groups count prefetch + 1, plus
+    the evicted ones whose memory the GPU may still be reading (EVICTED_IN_FLIGHT).
     """
     per_component = []
     for name, module in stage.modules.items():
         units = streamed_units(module, stage.blocks.get(name), strategy)
         core, unit_slots = partition_slots(module, [members for _, members in units])
         streamed = sorted((_tensor_bytes(slots) for slots in unit_slots), reverse=True)
-        per_component.append(_tensor_bytes(core) + sum(streamed[: strategy.prefetch_blocks + 1]))
+        # the running group, its prefetches, and evicted groups the GPU may still be reading
+        at_once = strategy.prefetch_blocks + 1 + EVICTED_IN_FLIGHT
+        per_component.append(_tensor_bytes(core) + sum(streamed[:at_once]))
     if strategy.offload is OffloadTier.NONE:
         return sum(per_component)
     return max(per_component, default=0)
@@ -255,8 +259,10 @@ def _to_device(value: Any, device: torch.device) -> Any:
         return value if value.device == device else value.to(device)
     if isinstance(value, (tuple, list)):
         moved = [_to_device(v, device) for v in value]
-        return value if all(m is v for m, v in zip(moved, value)) else type(value)(moved)
+        if all(m is v for m, v in zip(moved, value)):
+            return value
+        return type(value)._make(moved) if hasattr(value, "_fields") else type(value)(moved)  # namedtuples
     if isinstance(value, dict):
         moved = {k: _to_device(v, device) for k, v in value.items()}
-        return value if all(moved[k] is v for k, v in value.items()) else moved
+        return value if all(moved[k] is v for k, v in value.items()) else type(value)(moved)
     return value

@@ -13,6 +13,7 @@ import torch
 
 from ..memory import (
     MemoryStrategy,
+    OffloadTier,
     StageComponents,
     TextEncoderPlacement,
     apply_strategy,
@@ -98,7 +99,8 @@ def sample(
     weight_bytes = device_weight_bytes(stage, strategy)
     receipt["device_weight_bytes"] = weight_bytes
     hooks.make_room(weight_bytes, device)
-    telemetry = strategy.streams_blocks
+    # Per-block CUDA events are cheap for tens of blocks, not for every leaf of `sequential`.
+    telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
     with apply_strategy(stage, strategy, backend, observer, loaded.host_pool, telemetry) as handle:
         pipe.vidmem_execution_device = device
         try:
