@@ -23,7 +23,7 @@ from torch import nn
 
 from .blockswap import EVICTED_IN_FLIGHT, Observer, StreamSchedule, hook_group
 from .hostpool import HostPool, pinned_cap_bytes
-from .residency import Slot, WeightGroup, own_slots, partition_slots, tie
+from .residency import Slot, WeightGroup, own_slots, partition_slots, tie, tied_bytes
 from .strategy import MemoryStrategy, OffloadTier
 from .swapstats import SwapLedger
 
@@ -220,17 +220,13 @@ def device_weight_bytes(stage: StageComponents, strategy: MemoryStrategy) -> int
     for name, module in stage.modules.items():
         units = streamed_units(module, stage.blocks.get(name), strategy)
         core, unit_slots = partition_slots(module, [members for _, members in units])
-        streamed = sorted((_tensor_bytes(slots) for slots in unit_slots), reverse=True)
+        streamed = sorted((tied_bytes(tie(slots)) for slots in unit_slots), reverse=True)
         # the running group, its prefetches, and evicted groups the GPU may still be reading
         at_once = strategy.prefetch_blocks + 1 + EVICTED_IN_FLIGHT
-        per_component.append(_tensor_bytes(core) + sum(streamed[:at_once]))
+        per_component.append(tied_bytes(tie(core)) + sum(streamed[:at_once]))
     if strategy.offload is OffloadTier.NONE:
         return sum(per_component)
     return max(per_component, default=0)
-
-
-def _tensor_bytes(slots: list[Slot]) -> int:
-    return sum(owners[0].host.numel() * owners[0].host.element_size() for owners in tie(slots))
 
 
 def streamed_units(

@@ -72,6 +72,11 @@ def tie(slots: list[Slot]) -> list[list[Slot]]:
     return list(tied.values())
 
 
+def tied_bytes(tensors: list[list[Slot]]) -> int:
+    """Bytes of tied tensors, each counted once."""
+    return sum(owners[0].host.numel() * owners[0].host.element_size() for owners in tensors)
+
+
 class WeightGroup:
     """A named set of tensors onloaded and evicted as one unit through a device backend.
 
@@ -87,7 +92,7 @@ class WeightGroup:
         self._non_blocking = non_blocking
         self._token: Any = None
         self.on_device = False
-        self.nbytes = sum(owners[0].host.numel() * owners[0].host.element_size() for owners in tensors)
+        self.nbytes = tied_bytes(tensors)
         self._point_all(backend.evicted)
 
     def __repr__(self) -> str:
