@@ -35,6 +35,7 @@ __all__ = ["DecodeReport", "Rung", "VaeGeometry", "auto_tiling", "decode_video",
 logger = logging.getLogger(__name__)
 
 Decode = Callable[[torch.Tensor], torch.Tensor]
+Prepare = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -49,6 +50,7 @@ class DecodeReport:
     seconds: float = 0.0
     tiling: VaeTiling | None = None
     device: str = ""  # where the latent was decoded
+    shared_context: bool = False  # frame-wide layers ran once on the whole latent (see `prepare`)
     fallbacks: list[str] = field(default_factory=list)  # one line per out-of-memory rung, in order
 
     def describe(self) -> str:
@@ -57,6 +59,8 @@ class DecodeReport:
             t = self.tiling
             text += (f": {self.tiles} tiles x {self.chunks} chunks "
                      f"(tile {t.tile_size}/{t.overlap} px, {t.temporal_size}/{t.temporal_overlap} frames)")
+        if self.shared_context:
+            text += ", frame-wide layers on the whole latent"
         text += f"{', sliced' if self.sliced else ''}, {self.decode_calls} calls, {self.seconds:.1f} s"
         return text + "".join(f"\n  fallback: {line}" for line in self.fallbacks)
 
@@ -73,6 +77,7 @@ def decode_video(
     tiling: VaeTiling | None,
     slicing: bool = False,
     *,
+    prepare: Prepare | None = None,
     out_device: torch.device | str = "cpu",
     report: DecodeReport | None = None,
     on_step: Callable[[int, int], None] | None = None,
@@ -87,6 +92,10 @@ def decode_video(
         tiling: None decodes the whole latent in one call; otherwise spatial tiles and temporal chunks
             (sizes in output pixels and frames) blended across their overlaps.
         slicing: decode one batch item at a time.
+        prepare: the decoder's frame-wide layers (Wan's mid-block attention), run once per batch group
+            on the whole latent; `decode` then gets pieces of its output instead of the latent's.
+            The output must keep the latent's [b, C', T, h, w] grid. It is parked on `out_device`
+            between pieces, so the compute device holds only the piece being decoded.
         on_step: called as on_step(done, total) after each piece (progress bars, interrupts).
     """
     geometry.check_latents(latents)
@@ -96,29 +105,46 @@ def decode_video(
     groups = [(i, i + 1) for i in range(batch)] if slicing else [(0, batch)]
     blended = plan.chunks * plan.tiles > 1
     weights = _weights_on(plan, out.device) if blended else {}
-    steps = list(itertools.product(groups, plan.frames, plan.rows, plan.cols))
+    pieces = list(itertools.product(plan.frames, plan.rows, plan.cols))
+    total, done = len(groups) * len(pieces), 0
     started = time.perf_counter()
     with torch.no_grad():
-        for done, step in enumerate(steps, 1):
-            _decode_piece(decode, latents, out, step, weights)
-            if on_step is not None:
-                on_step(done, len(steps))
+        for b0, b1 in groups:
+            source = _prepared(prepare, latents[b0:b1], out.device if len(pieces) > 1 else latents.device)
+            for piece in pieces:
+                _decode_piece(decode, source, out[b0:b1], piece, weights, latents.device)
+                done += 1
+                if on_step is not None:
+                    on_step(done, total)
     if report is not None:
         report.mode = "tiled" if blended else "whole"
         report.sliced, report.tiles, report.chunks = slicing, plan.tiles, plan.chunks
-        report.decode_calls, report.tiling = len(steps), tiling if blended else None
+        report.decode_calls, report.tiling = total, tiling if blended else None
+        report.shared_context = prepare is not None
         report.seconds = time.perf_counter() - started
         report.device = str(latents.device)
     return out
 
 
-def _decode_piece(decode: Decode, latents: torch.Tensor, out: torch.Tensor, step, weights: dict) -> None:
-    """Decode one (batch group, chunk, row, col) piece and blend it into `out` (copy when untiled)."""
-    (b0, b1), frames, rows, cols = step
-    piece = latents[b0:b1, :, frames.start - frames.context : frames.stop, rows.start : rows.stop,
-                    cols.start : cols.stop]
-    pixels = _checked(decode(piece), piece, frames, rows, cols)
-    target = out[b0:b1, :, frames.out_start : frames.out_stop, rows.out_start : rows.out_stop,
+def _prepared(prepare: Prepare | None, latents: torch.Tensor, park: torch.device) -> torch.Tensor:
+    """What the pieces are cut from: the latent itself, or the frame-wide layers' output parked on `park`."""
+    if prepare is None:
+        return latents
+    features = prepare(latents)
+    if not isinstance(features, torch.Tensor) or features.shape[:1] + features.shape[2:] != latents.shape[:1] + latents.shape[2:]:
+        got = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
+        raise ValueError(f"prepare must keep the latent's [b, C, T, h, w] grid: got {got} for {tuple(latents.shape)}.")
+    return features.to(park)
+
+
+def _decode_piece(decode: Decode, source: torch.Tensor, out: torch.Tensor, piece, weights: dict,
+                  device: torch.device) -> None:
+    """Decode one (chunk, row, col) piece of `source` on `device`; blend it into `out` (copy when untiled)."""
+    frames, rows, cols = piece
+    cut = source[:, :, frames.start - frames.context : frames.stop, rows.start : rows.stop, cols.start : cols.stop]
+    cut = cut.to(device)
+    pixels = _checked(decode(cut), cut, frames, rows, cols)
+    target = out[:, :, frames.out_start : frames.out_stop, rows.out_start : rows.out_stop,
                  cols.out_start : cols.out_stop]
     if weights:
         weight = weights[id(frames)][:, None, None] * weights[id(rows)][:, None] * weights[id(cols)]
@@ -213,6 +239,7 @@ def decode_with_fallback(
     *,
     free_memory: Callable[[], object],
     to_cpu: Callable[[], Decode] | None = None,
+    prepare: Prepare | None = None,
     out_device: torch.device | str = "cpu",
     report: DecodeReport | None = None,
     on_step: Callable[[int, int], None] | None = None,
@@ -222,8 +249,9 @@ def decode_with_fallback(
     After each failure `free_memory()` runs (outside the except block, so the failed attempt's
     tensors are already released), the rung is logged as a warning and appended to
     `report.fallbacks`. The last rung calls `to_cpu()`, which must move the VAE to the CPU and
-    return a decode running there; without `to_cpu` the ladder stops before it. If every rung
-    fails, torch.OutOfMemoryError is raised listing them; the latents are left untouched.
+    return a decode running there (`prepare`, if given, must then run there too); without `to_cpu`
+    the ladder stops before it. If every rung fails, torch.OutOfMemoryError is raised listing
+    them; the latents are left untouched.
     """
     report = report if report is not None else DecodeReport()
     geometry.check_latents(latents)
@@ -233,7 +261,7 @@ def decode_with_fallback(
         if rung.on_cpu:
             decode, latents = to_cpu(), latents.to("cpu")
         try:
-            out = decode_video(decode, latents, geometry, rung.tiling, rung.slicing,
+            out = decode_video(decode, latents, geometry, rung.tiling, rung.slicing, prepare=prepare,
                                out_device=out_device, report=report, on_step=on_step)
             report.seconds = time.perf_counter() - started  # failed rungs included
             return out

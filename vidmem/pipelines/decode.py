@@ -82,6 +82,8 @@ def decode(
         hooks.on_step(done, total)
         hooks.check_interrupt()
 
+    stages = loaded.spec.vae_stages(vae)
+    decode_piece = stages.pixels if stages else (lambda chunk: vae.decode(chunk).sample)
     with apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
         handle.activate("vae")
 
@@ -89,18 +91,19 @@ def decode(
             """Last rung of the ladder: take the strategy off (weights back on their host
             storage) and decode there."""
             handle.remove()
-            return lambda chunk: vae.decode(chunk.to("cpu", vae.dtype)).sample
+            return lambda chunk: decode_piece(chunk.to("cpu", vae.dtype))
 
         with StageMeter("decode", device) as meter:
             z = loaded.spec.to_vae_latent(pipe, samples.to(device, vae.dtype))
             video = decode_with_fallback(
-                lambda chunk: vae.decode(chunk).sample,
+                decode_piece,
                 z,
                 geometry(pipe),
                 strategy.vae_tiling,
                 strategy.vae_slicing,
                 free_memory=lambda: free_memory(device),
                 to_cpu=decode_on_cpu if device.type != "cpu" else None,
+                prepare=stages.context if stages else None,
                 report=report,
                 on_step=on_step,
             )

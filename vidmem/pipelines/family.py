@@ -32,6 +32,9 @@ class FamilySpec:
     max_sequence_length: int  # prompt tokens, as the pipeline's __call__ uses by default
     single_file_transformer: str | None  # diffusers class with from_single_file, if the family has one
     image_variant: Callable[[object], str | None] = lambda pipe: None  # I2V class for a T2V folder, if any
+    # (vae) -> an object with `context(z)` (frame-wide layers, once on the whole latent) and
+    # `pixels(features)` (the rest, per tile), or None to tile the whole decoder
+    vae_stages: Callable[[object], object | None] = lambda vae: None
 
     def frames_error(self, frames: int) -> str | None:
         if frames >= 1 and (frames - 1) % self.frame_step == 0:

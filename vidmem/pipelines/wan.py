@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .family import FamilySpec
+from .wan_vae import wan_stages
 
 
 def _to_comfy_latent(pipe, raw: torch.Tensor, frames: int) -> torch.Tensor:
@@ -43,4 +44,5 @@ WAN = FamilySpec(
     max_sequence_length=512,  # the pipeline's own __call__ default
     single_file_transformer="WanTransformer3DModel",  # original / ComfyUI-repackaged checkpoints
     image_variant=_image_variant,
+    vae_stages=wan_stages,
 )

@@ -1,0 +1,124 @@
+"""Wan's two-stage decode: frame-wide layers once on the whole latent, the rest per tile (CPU, tiny VAEs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vidmem.memory.strategy import VaeTiling
+from vidmem.memory.vae import DecodeReport, VaeGeometry, decode_video, decode_with_fallback
+from vidmem.pipelines.tiny import build_tiny_pipeline
+from vidmem.pipelines.wan_vae import wan_stages
+
+from test_vae_tiling import COG, OomAbove, nearest_decode, smooth_latent, tiny_cogvideox, tiny_wan
+
+
+def tiny_ti2v_vae():
+    """Wan 2.2 TI2V-5B's layout: residual up-blocks, 48 channels, patch size 2 (16 px per latent)."""
+    return build_tiny_pipeline("wan2.2-ti2v").vae.eval()
+
+
+VAES = [
+    pytest.param(tiny_wan, VaeGeometry(8, 4, 16), id="wan2.1"),
+    pytest.param(tiny_ti2v_vae, VaeGeometry(16, 4, 48), id="wan2.2-ti2v"),
+]
+
+
+@pytest.mark.parametrize("build, geometry", VAES)
+def test_two_stages_equal_the_diffusers_decode_bit_for_bit(build, geometry):
+    vae = build()
+    stages = wan_stages(vae)
+    latents = smooth_latent(geometry.latent_channels, frames=5, height=6, width=8)
+    with torch.no_grad():
+        expected = vae.decode(latents).sample
+        got = stages.pixels(stages.context(latents))
+    assert got.shape == (1, 3, 17, 6 * geometry.spatial_factor, 8 * geometry.spatial_factor)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("build, geometry", VAES)
+def test_whole_mode_with_stages_is_the_plain_decode(build, geometry):
+    vae = build()
+    stages = wan_stages(vae)
+    latents = smooth_latent(geometry.latent_channels, frames=3, height=6, width=8)
+    report = DecodeReport()
+    out = decode_video(stages.pixels, latents, geometry, None, prepare=stages.context, report=report)
+    with torch.no_grad():
+        assert torch.equal(out, vae.decode(latents).sample)
+    assert report.shared_context and report.mode == "whole"
+
+
+def test_tiles_sharing_the_attention_are_closer_to_untiled_than_whole_decoder_tiles():
+    """The mid-block attention mixes the whole frame: tiles that each run it on their own drift
+    apart; with the frame-wide stage shared, what is left is convolution reach at tile borders.
+    Random tiny weights barely use the attention, so its output projection is scaled up 10x."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    with torch.no_grad():
+        vae.decoder.mid_block.attentions[0].proj.weight.mul_(10)
+    stages, geometry = wan_stages(vae), VaeGeometry(8, 4, 16)
+    latents = smooth_latent(16, frames=3, height=16, width=24)
+    tiling = VaeTiling(tile_size=64, overlap=16)
+    whole = decode_video(stages.pixels, latents, geometry, None, prepare=stages.context)
+    shared = decode_video(stages.pixels, latents, geometry, tiling, prepare=stages.context)
+    alone = decode_video(lambda z: vae.decode(z).sample, latents, geometry, tiling)
+    shared_err, alone_err = (shared - whole).abs().mean().item(), (alone - whole).abs().mean().item()
+    assert shared.shape == whole.shape == (1, 3, 9, 128, 192)
+    assert shared_err < alone_err / 3, (shared_err, alone_err)
+
+
+def test_a_frame_wide_prepare_makes_per_pixel_tiles_exact():
+    """Stand-in: a per-frame mean (frame-wide) then a per-pixel decoder. Sharing the frame-wide
+    stage makes tiles exact; tiling the composition does not."""
+
+    def frame_wide(z):
+        return z - z.mean(dim=(-2, -1), keepdim=True)
+
+    latents, tiling = smooth_latent(16, frames=3, height=16, width=24) * 3, VaeTiling(tile_size=64, overlap=16)
+    whole = decode_video(nearest_decode(COG), frame_wide(latents), COG, None)
+    shared = decode_video(nearest_decode(COG), latents, COG, tiling, prepare=frame_wide)
+    composed = decode_video(lambda z: nearest_decode(COG)(frame_wide(z)), latents, COG, tiling)
+    assert torch.allclose(shared, whole, atol=1e-6)
+    assert (composed - whole).abs().max() > 1e-3
+
+
+def test_layouts_not_known_get_no_stages():
+    assert wan_stages(tiny_cogvideox()) is None
+    assert wan_stages(torch.nn.Linear(2, 2)) is None
+
+
+def test_prepare_runs_once_per_batch_group_and_pieces_come_from_its_output():
+    calls = []
+
+    def prepare(z):
+        calls.append(tuple(z.shape))
+        return z * 2
+
+    latents = torch.randn(2, 16, 3, 16, 16)
+    tiling = VaeTiling(tile_size=64, overlap=16)
+    out = decode_video(nearest_decode(COG), latents, COG, tiling, slicing=True, prepare=prepare)
+    assert calls == [(1, 16, 3, 16, 16)] * 2
+    assert torch.allclose(out, decode_video(nearest_decode(COG), latents * 2, COG, None), atol=1e-6)
+
+
+def test_prepare_that_changes_the_grid_is_refused():
+    with pytest.raises(ValueError, match="prepare must keep the latent's"):
+        decode_video(nearest_decode(COG), torch.randn(1, 16, 3, 8, 8), COG, VaeTiling(tile_size=64, overlap=16),
+                     prepare=lambda z: z[:, :, :, ::2])
+
+
+def test_ladder_keeps_the_shared_stage_on_every_rung_including_the_cpu():
+    calls, latents = [], torch.randn(1, 16, 3, 8, 8)
+
+    def prepare(z):
+        calls.append(z.device.type)
+        return z
+
+    report = DecodeReport()
+    out = decode_with_fallback(OomAbove(None), latents, COG, None, free_memory=lambda: None,
+                               to_cpu=lambda: nearest_decode(COG), prepare=prepare, report=report)
+    assert out.shape == (1, 3, 9, 64, 64) and report.shared_context
+    assert len(calls) == len(report.fallbacks) + 1 and calls[-1] == "cpu"
