@@ -52,6 +52,44 @@ def test_tiled_decode_keeps_the_shape_and_reports_its_tiles(tiny_loaded):
     assert torch.isfinite(tiled.frames).all()
 
 
+def test_tiled_wan_decode_shares_the_frame_wide_stage(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    latent = sample(loaded, MemoryStrategy(), request_for("wan2.1-t2v"), backend=CpuBackend()).latent
+    tiled = decode(loaded, latent, MemoryStrategy(vae_tiling=VaeTiling(64, 16)), backend=CpuBackend())
+    assert tiled.receipt["decode"]["shared_context"]
+    cog = tiny_loaded("cogvideox-t2v")
+    latent = sample(cog, MemoryStrategy(), request_for("cogvideox-t2v"), backend=CpuBackend()).latent
+    assert not decode(cog, latent, backend=CpuBackend()).receipt["decode"]["shared_context"]
+
+
+def test_rungs_the_planner_predicts_to_overrun_are_skipped_before_anything_runs(tiny_loaded):
+    """A 64 KiB device cannot hold the untiled decode's activations: the ladder starts lower,
+    says why in the receipt, and the frames are those of the rung that ran."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = SampleRequest("a cat", "", width=128, height=96, frames=17, steps=1, cfg=5.0)
+    latent = sample(loaded, MemoryStrategy(), request, backend=CpuBackend()).latent
+    roomy = decode(loaded, latent, backend=CpuBackend(), free_bytes=2**40)
+    tight = decode(loaded, latent, backend=CpuBackend(), free_bytes=64 * 1024)
+    assert roomy.receipt["decode"]["fallbacks"] == [] and roomy.receipt["decode"]["mode"] == "whole"
+    skipped = tight.receipt["decode"]["fallbacks"]
+    assert skipped and all("skipped: predicted to run out of memory" in line for line in skipped)
+    assert "GiB free" in skipped[0] and tight.receipt["decode"]["mode"] == "tiled"
+    assert tight.frames.shape == roomy.frames.shape
+
+
+def test_a_failed_prediction_never_stops_the_decode(tiny_loaded, monkeypatch):
+    import vidmem.pipelines.planning as planning
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planner cannot model this")
+
+    monkeypatch.setattr(planning, "decode_activation_bytes", broken)
+    loaded = tiny_loaded("wan2.1-t2v")
+    latent = sample(loaded, MemoryStrategy(), request_for("wan2.1-t2v"), backend=CpuBackend()).latent
+    result = decode(loaded, latent, backend=CpuBackend(), free_bytes=1)
+    assert result.receipt["decode"]["fallbacks"] == [] and result.receipt["decode"]["mode"] == "whole"
+
+
 def test_latent_from_another_family_is_refused(tiny_loaded):
     wan = tiny_loaded("wan2.1-t2v")
     latent = sample(wan, MemoryStrategy(), request_for("wan2.1-t2v"), backend=CpuBackend()).latent

@@ -313,6 +313,33 @@ def test_ladder_stops_at_the_first_rung_that_fits(limit):
     assert report.mode == ("whole" if first_fit == 0 else "tiled")
 
 
+def test_ladder_skips_rungs_predicted_to_overrun_without_running_them():
+    shape, limit = (1, 16, 3, 60, 90), 3 * 20 * 20
+    latents = torch.randn(shape)
+    rungs = fallback_rungs(shape, COG, None)
+    first_fit = next(i for i, rung in enumerate(rungs) if largest_call(shape, rung.tiling) <= limit)
+    decode, report = OomAbove(limit), DecodeReport()
+
+    def predict(rung):
+        need = largest_call(shape, rung.tiling)
+        return f"needs {need} cells" if need > limit else None
+
+    out = decode_with_fallback(decode, latents, COG, None, free_memory=lambda: None, predict=predict, report=report)
+    assert torch.allclose(out, decode_video(nearest_decode(COG), latents, COG, None), atol=1e-6)
+    assert len(report.fallbacks) == first_fit and all("skipped: predicted" in line for line in report.fallbacks)
+    assert decode.calls == report.decode_calls  # every call ran at the rung that fits: none was wasted
+
+
+def test_ladder_still_tries_the_last_device_rung_when_all_are_predicted_to_overrun():
+    latents, report = torch.randn(1, 16, 3, 16, 16), DecodeReport()
+    device_rungs = [r for r in fallback_rungs(latents.shape, COG, None, cpu_available=False)]
+    out = decode_with_fallback(nearest_decode(COG), latents, COG, None, free_memory=lambda: None,
+                               to_cpu=lambda: pytest.fail("a rung predicted to overrun is no reason to leave the device"),
+                               predict=lambda rung: "pessimistic", report=report)
+    assert out.shape == (1, 3, 9, 128, 128)
+    assert len(report.fallbacks) == len(device_rungs) - 1 and report.tiling == device_rungs[-1].tiling
+
+
 def test_ladder_shortens_chunks_after_the_smallest_tile():
     latents = torch.randn(1, 16, 13, 8, 8)  # 64x64 px: already one smallest tile
     report = DecodeReport()

@@ -37,8 +37,8 @@ from .strategy import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPla
 from .vae_tiles import auto_tiling
 
 __all__ = ["Allocator", "Call", "GiB", "ModelLayout", "Phase", "Plan", "PlanError", "PlanOptions", "PlannerModel",
-           "Runtime", "StagePlan", "VideoShape", "candidate_plans", "choose_strategy", "nothing_fits_message", "plan_run",
-           "recommended"]
+           "Runtime", "StagePlan", "VideoShape", "candidate_plans", "choose_strategy", "decode_activation_bytes",
+           "nothing_fits_message", "plan_run", "recommended"]
 
 TIER_ORDER = (OffloadTier.NONE, OffloadTier.MODEL, OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
 
@@ -177,6 +177,14 @@ def recommended(plans: list[Plan]) -> int | None:
     """
     fitting = [(round(p.est_slowdown, 2), i) for i, p in enumerate(plans) if p.fits]
     return min(fitting)[1] if fitting else None
+
+
+def decode_activation_bytes(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy,
+                            options: PlanOptions = PlanOptions()) -> int:
+    """Device bytes the decode needs beyond what is already there (weights, latent, workspace):
+    the allocator footprint of its largest piece's activations and output."""
+    phase = decode_stage(model, shape, strategy, options).peak_phase
+    return phase.device_bytes - CUDA_CONTEXT_BYTES - sum(phase.resident)
 
 
 def _check(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy) -> None:

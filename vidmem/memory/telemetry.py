@@ -34,6 +34,15 @@ def snapshot(device: torch.device | None = None) -> MemorySnapshot:
     return MemorySnapshot(rss, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), free)
 
 
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on `device` can use: the driver's free memory plus what the caching
+    allocator holds unused. None off CUDA (host RAM is not budgeted here)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 @dataclass
 class StageReceipt:
     stage: str

@@ -218,6 +218,23 @@ def fallback_rungs(
     return _distinct(rungs, latent_shape, geometry)
 
 
+def _skip_predicted_overruns(rungs: list[Rung], predict, report: DecodeReport) -> list[Rung]:
+    """The rungs from the first device rung predicted to fit (or the last device rung) onwards."""
+    device_rungs = [rung for rung in rungs if not rung.on_cpu]
+    if predict is None or not device_rungs:
+        return rungs
+    for rung in device_rungs[:-1]:
+        overrun = predict(rung)
+        if overrun is None:
+            break
+        line = f"{rung.label} skipped: predicted to run out of memory ({overrun})"
+        logger.warning("vidmem VAE decode: %s", line)
+        report.fallbacks.append(line)
+    else:
+        rung = device_rungs[-1]
+    return rungs[rungs.index(rung):]
+
+
 def _distinct(rungs: list[Rung], latent_shape, geometry: VaeGeometry) -> list[Rung]:
     seen, kept = set(), []
     for rung in rungs:
@@ -240,11 +257,17 @@ def decode_with_fallback(
     free_memory: Callable[[], object],
     to_cpu: Callable[[], Decode] | None = None,
     prepare: Prepare | None = None,
+    predict: Callable[[Rung], str | None] | None = None,
     out_device: torch.device | str = "cpu",
     report: DecodeReport | None = None,
     on_step: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor:
     """decode_video that answers torch.OutOfMemoryError by walking down `fallback_rungs`.
+
+    `predict(rung)`, when given, returns why a device rung would run out of memory (a planner
+    prediction against the free device memory) or None. Rungs predicted to overrun are skipped
+    before anything runs, each logged like a failure; the last device rung is always tried, since
+    a prediction can be pessimistic and the CPU is far slower.
 
     After each failure `free_memory()` runs (outside the except block, so the failed attempt's
     tensors are already released), the rung is logged as a warning and appended to
@@ -256,6 +279,7 @@ def decode_with_fallback(
     report = report if report is not None else DecodeReport()
     geometry.check_latents(latents)
     rungs = fallback_rungs(latents.shape, geometry, tiling, slicing, cpu_available=to_cpu is not None)
+    rungs = _skip_predicted_overruns(rungs, predict, report)
     failures, started = [], time.perf_counter()
     for index, rung in enumerate(rungs):
         if rung.on_cpu:

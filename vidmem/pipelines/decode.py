@@ -9,13 +9,14 @@ import torch
 from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy, resolve_compute_device
 from ..memory.blockswap import Observer
 from ..memory.device import Backend
-from ..memory.telemetry import StageMeter
+from ..memory.telemetry import StageMeter, free_device_bytes
 from ..memory.cleanup import free_memory
 from ..memory.vae import DecodeReport, VaeGeometry, decode_with_fallback
 from ..memory.offload import device_weight_bytes
 from .family import ModelError
 from .hooks import RunHooks
 from .loader import LoadedPipeline
+from .planning import decode_overrun
 
 # Decoding with no strategy connected: the whole VAE on the device, as diffusers does.
 DEFAULT_DECODE_STRATEGY = MemoryStrategy(offload=OffloadTier.NONE)
@@ -66,8 +67,14 @@ def decode(
     observer: Observer | None = None,
     device: torch.device | None = None,
     hooks: RunHooks = RunHooks(),
+    free_bytes: int | None = None,
 ) -> DecodeResult:
-    """Decode on `device` (default: CUDA when present), or on a given `backend`."""
+    """Decode on `device` (default: CUDA when present), or on a given `backend`.
+
+    Before anything runs, ladder rungs the planner predicts to overrun the free device memory are
+    skipped (and listed in the receipt). `free_bytes` is measured once the VAE and the latent are
+    on a CUDA device; elsewhere there is no prediction unless it is given.
+    """
     samples = validate_latent(loaded, latent)
     strategy = strategy or DEFAULT_DECODE_STRATEGY
     backend = backend or loaded.backend(device or resolve_compute_device())
@@ -95,6 +102,7 @@ def decode(
 
         with StageMeter("decode", device) as meter:
             z = loaded.spec.to_vae_latent(pipe, samples.to(device, vae.dtype))
+            free = free_bytes if free_bytes is not None else free_device_bytes(device)
             video = decode_with_fallback(
                 decode_piece,
                 z,
@@ -104,6 +112,7 @@ def decode(
                 free_memory=lambda: free_memory(device),
                 to_cpu=decode_on_cpu if device.type != "cpu" else None,
                 prepare=stages.context if stages else None,
+                predict=decode_overrun(loaded, tuple(z.shape), strategy, free) if free is not None else None,
                 report=report,
                 on_step=on_step,
             )

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..memory import MemoryStrategy
-from ..memory.planner import Plan, choose_strategy, plan_run
+from ..memory.planner import Plan, choose_strategy, decode_activation_bytes, plan_run
 from ..memory.planner_stages import VideoShape
+from ..memory.vae import Rung
 from .configs import load_model
 from .loader import LoadedPipeline
+
+logger = logging.getLogger(__name__)
 
 
 def planner_model(loaded: LoadedPipeline):
@@ -32,3 +37,28 @@ def choose_for(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy,
     """
     return choose_strategy(planner_model(loaded), shape, vram_budget_bytes, ram_budget_bytes,
                            base=replace(base, offload="model", blocks_to_swap=0))
+
+
+def decode_overrun(loaded: LoadedPipeline, latent_shape: tuple[int, ...], strategy: MemoryStrategy,
+                   free_bytes: int) -> Callable[[Rung], str | None]:
+    """For the decode's fallback ladder: why a rung would not fit `free_bytes`, or None.
+
+    The prediction is the planner's trace of the rung's largest piece. It only ever skips rungs;
+    if the planner cannot model this pipeline, every rung is tried as usual.
+    """
+    model = planner_model(loaded)
+    batch, _, latent_frames, height, width = (int(n) for n in latent_shape)
+    s = model.geometry.spatial_factor
+    shape = VideoShape(width * s, height * s, model.geometry.frames(latent_frames), batch=batch)
+
+    def predict(rung: Rung) -> str | None:
+        trial = replace(strategy, vae_tiling=rung.tiling, vae_slicing=rung.slicing)
+        try:
+            need = decode_activation_bytes(model, shape, trial)
+        except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the decode
+            logger.info("vidmem: no decode memory prediction for %s: %s", loaded.describe(), error)
+            return None
+        if need <= free_bytes:
+            return None
+        return f"needs {need / 2**30:.2f} GiB for its largest piece, {free_bytes / 2**30:.2f} GiB free"
+    return predict
