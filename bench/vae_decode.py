@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from vidmem.memory.strategy import VaeTiling  # noqa: E402
-from vidmem.memory.vae import DecodeReport, VaeGeometry, decode_video, plan_tiles  # noqa: E402
+from vidmem.memory.vae import DecodeReport, Streaming, VaeGeometry, decode_video, plan_tiles  # noqa: E402
 from vidmem.pipelines.cogvideox import COGVIDEOX  # noqa: E402
 from vidmem.pipelines.wan import WAN  # noqa: E402
 
@@ -125,7 +125,7 @@ def worker(family: str, mode: str, shape: tuple[int, ...], out_path: str) -> dic
     with torch.no_grad(), PeakRss() as meter:
         baseline, start, cpu_start = meter.peak, time.perf_counter(), time.process_time()
         if mode.startswith("vidmem_tiled"):
-            pixels = decode_video(stages.pixels if stages else decode, latents, GEOMETRY, tiling_for(mode),
+            pixels = decode_video(Streaming(stages.stream) if stages else decode, latents, GEOMETRY, tiling_for(mode),
                                   prepare=stages.context if stages else None, report=report)
         else:
             pixels = decode(latents)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vidmem.memory.strategy import VaeTiling
-from vidmem.memory.vae import DecodeReport, VaeGeometry, decode_video, decode_with_fallback
+from vidmem.memory.vae import DecodeReport, Streaming, VaeGeometry, decode_video, decode_with_fallback, plan_tiles
 from vidmem.pipelines.tiny import build_tiny_pipeline
 from vidmem.pipelines.wan_vae import wan_stages
 
@@ -46,6 +46,40 @@ def test_whole_mode_with_stages_is_the_plain_decode(build, geometry):
     with torch.no_grad():
         assert torch.equal(out, vae.decode(latents).sample)
     assert report.shared_context and report.mode == "whole"
+
+
+@pytest.mark.parametrize("build, geometry", VAES)
+def test_streamed_temporal_chunks_are_exact(build, geometry):
+    """Each tile's feature caches carry over from chunk to chunk: time is cut with no error at all."""
+    vae = build()
+    stages = wan_stages(vae)
+    latents = smooth_latent(geometry.latent_channels, frames=7, height=4, width=6)
+    tiling = VaeTiling(tile_size=4096, overlap=0, temporal_size=8, temporal_overlap=0)
+    report = DecodeReport()
+    out = decode_video(Streaming(stages.stream), latents, geometry, tiling, prepare=stages.context, report=report)
+    with torch.no_grad():
+        assert torch.equal(out, vae.decode(latents).sample)
+    assert report.chunks == 4 and report.tiles == 1
+
+
+def test_streamed_tiles_match_per_piece_tiles_when_time_is_not_cut():
+    vae = tiny_wan()
+    stages, geometry = wan_stages(vae), VaeGeometry(8, 4, 16)
+    latents = smooth_latent(16, frames=3, height=12, width=16)
+    tiling = VaeTiling(tile_size=64, overlap=16)
+    streamed = decode_video(Streaming(stages.stream), latents, geometry, tiling, prepare=stages.context)
+    pieces = decode_video(stages.pixels, latents, geometry, tiling, prepare=stages.context)
+    assert torch.equal(streamed, pieces)
+
+
+def test_continuous_plans_cut_time_back_to_back_without_context():
+    geometry, tiling = VaeGeometry(8, 4, 16), VaeTiling(temporal_size=16, temporal_overlap=8)
+    plan = plan_tiles((1, 16, 21, 8, 8), geometry, tiling, continuous=True)
+    assert [(f.start, f.stop, f.context) for f in plan.frames] == [(0, 4, 0), (4, 8, 0), (8, 12, 0), (12, 16, 0),
+                                                                   (16, 20, 0), (20, 21, 0)]
+    assert [(f.out_start, f.out_stop) for f in plan.frames][:2] == [(0, 13), (13, 29)]
+    assert plan.frames[-1].out_stop == 81 and all(torch.equal(f.weight, torch.ones_like(f.weight)) for f in plan.frames)
+    assert max(f.out_stop - f.out_start for f in plan.frames) <= tiling.temporal_size
 
 
 def test_tiles_sharing_the_attention_are_closer_to_untiled_than_whole_decoder_tiles():
@@ -108,6 +142,19 @@ def test_prepare_that_changes_the_grid_is_refused():
     with pytest.raises(ValueError, match="prepare must keep the latent's"):
         decode_video(nearest_decode(COG), torch.randn(1, 16, 3, 8, 8), COG, VaeTiling(tile_size=64, overlap=16),
                      prepare=lambda z: z[:, :, :, ::2])
+
+
+def test_ladder_runs_a_streaming_decoder_on_every_rung():
+    starts, latents = [], torch.randn(1, 16, 5, 16, 16)
+
+    def start():
+        starts.append(1)
+        return OomAbove(4 * 8 * 8)  # only pieces of <= 4 latent frames of 8x8 fit
+
+    report = DecodeReport()
+    out = decode_with_fallback(Streaming(start), latents, COG, None, free_memory=lambda: None, report=report)
+    assert out.shape == (1, 3, 17, 128, 128) and report.fallbacks
+    assert torch.allclose(out, decode_video(nearest_decode(COG), latents, COG, None), atol=1e-6)
 
 
 def test_ladder_keeps_the_shared_stage_on_every_rung_including_the_cpu():

@@ -29,13 +29,25 @@ import torch
 from .strategy import VaeTiling
 from .vae_tiles import RGB, Span, TilePlan, VaeGeometry, auto_tiling, plan_tiles
 
-__all__ = ["DecodeReport", "Rung", "VaeGeometry", "auto_tiling", "decode_video", "decode_with_fallback",
+__all__ = ["DecodeReport", "Rung", "Streaming", "VaeGeometry", "auto_tiling", "decode_video", "decode_with_fallback",
            "fallback_rungs", "plan_tiles"]
 
 logger = logging.getLogger(__name__)
 
 Decode = Callable[[torch.Tensor], torch.Tensor]
 Prepare = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """A decoder that carries its causal state from one frame chunk of a tile to the next.
+
+    `start()` returns a fresh decode for one tile, which is then called with that tile's chunks
+    in order (Wan's feature caches). Chunks need no context frames and no temporal blending, so
+    they are exact; `temporal_size` then only bounds the frames one call returns.
+    """
+
+    start: Callable[[], Decode]
 
 
 @dataclass
@@ -71,7 +83,7 @@ class DecodeReport:
 
 
 def decode_video(
-    decode: Decode,
+    decode: Decode | Streaming,
     latents: torch.Tensor,
     geometry: VaeGeometry,
     tiling: VaeTiling | None,
@@ -88,6 +100,7 @@ def decode_video(
         decode: runs the VAE on a latent piece [b, C, t, h', w'] and returns [b, 3, frames, h'*s, w'*s]
             in [-1, 1], e.g. `lambda z: vae.decode(z).sample`. It may return more leading frames than
             the causal rule gives (CogVideoX on an even frame count); only the trailing ones are kept.
+            A `Streaming` decoder gets each tile's chunks in order, back to back.
         geometry: the VAE's factors; F = 1 + temporal_factor * (T - 1), H = h * spatial_factor.
         tiling: None decodes the whole latent in one call; otherwise spatial tiles and temporal chunks
             (sizes in output pixels and frames) blended across their overlaps.
@@ -99,20 +112,26 @@ def decode_video(
         on_step: called as on_step(done, total) after each piece (progress bars, interrupts).
     """
     geometry.check_latents(latents)
-    plan = plan_tiles(latents.shape, geometry, tiling)
+    streaming = isinstance(decode, Streaming)
+    plan = plan_tiles(latents.shape, geometry, tiling, continuous=streaming)
     batch = latents.shape[0]
     out = torch.zeros((batch, RGB, *plan.out_shape), dtype=torch.float32, device=out_device)
     groups = [(i, i + 1) for i in range(batch)] if slicing else [(0, batch)]
     blended = plan.chunks * plan.tiles > 1
     weights = _weights_on(plan, out.device) if blended else {}
-    pieces = list(itertools.product(plan.frames, plan.rows, plan.cols))
+    if streaming:  # tile after tile, each tile's chunks in time order
+        pieces = [(frames, rows, cols) for rows, cols in itertools.product(plan.rows, plan.cols) for frames in plan.frames]
+    else:
+        pieces = list(itertools.product(plan.frames, plan.rows, plan.cols))
     total, done = len(groups) * len(pieces), 0
     started = time.perf_counter()
     with torch.no_grad():
         for b0, b1 in groups:
             source = _prepared(prepare, latents[b0:b1], out.device if len(pieces) > 1 else latents.device)
             for piece in pieces:
-                _decode_piece(decode, source, out[b0:b1], piece, weights, latents.device)
+                if streaming and piece[0] is plan.frames[0]:
+                    tile_decode = decode.start()
+                _decode_piece(tile_decode if streaming else decode, source, out[b0:b1], piece, weights, latents.device)
                 done += 1
                 if on_step is not None:
                     on_step(done, total)
@@ -248,14 +267,14 @@ def _distinct(rungs: list[Rung], latent_shape, geometry: VaeGeometry) -> list[Ru
 
 
 def decode_with_fallback(
-    decode: Decode,
+    decode: Decode | Streaming,
     latents: torch.Tensor,
     geometry: VaeGeometry,
     tiling: VaeTiling | None,
     slicing: bool = False,
     *,
     free_memory: Callable[[], object],
-    to_cpu: Callable[[], Decode] | None = None,
+    to_cpu: Callable[[], Decode | Streaming] | None = None,
     prepare: Prepare | None = None,
     predict: Callable[[Rung], str | None] | None = None,
     out_device: torch.device | str = "cpu",

@@ -91,13 +91,18 @@ class TilePlan:
         return len(self.frames)
 
 
-def plan_tiles(latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry, tiling: VaeTiling | None) -> TilePlan:
-    """The spans to decode for a [B, C, T, h, w] latent; `tiling=None` is one span per axis."""
-    frame_bounds, row_bounds, col_bounds = _bounds(latent_shape, geometry, tiling)
+def plan_tiles(latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry, tiling: VaeTiling | None,
+               continuous: bool = False) -> TilePlan:
+    """The spans to decode for a [B, C, T, h, w] latent; `tiling=None` is one span per axis.
+
+    `continuous` is for decoders that carry their causal state from one chunk of a tile to the
+    next (see `Streaming`): chunks then follow each other without overlap or context frames.
+    """
+    frame_bounds, row_bounds, col_bounds = _bounds(latent_shape, geometry, tiling, continuous)
     s, tf = geometry.spatial_factor, geometry.temporal_factor
     frame_out = [(0 if a == 0 else tf * (a - 1) + 1, tf * (b - 1) + 1) for a, b in frame_bounds]
     frames = tuple(
-        Span(a, b, o0, o1, w, context=0 if a == 0 else 1)
+        Span(a, b, o0, o1, w, context=0 if a == 0 or continuous else 1)
         for (a, b), (o0, o1), w in zip(frame_bounds, frame_out, _blend_weights(frame_out))
     )
     return TilePlan(frames, _spatial_spans(row_bounds, s), _spatial_spans(col_bounds, s))
@@ -151,7 +156,7 @@ def _plan_cost(latent_shape, geometry: VaeGeometry, tiling: VaeTiling) -> tuple[
     return max(call_frames) * max(rows) * max(cols), work
 
 
-def _bounds(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None):
+def _bounds(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None, continuous: bool = False):
     """Latent (start, stop) pairs along frames, rows and cols."""
     latent_frames, height, width = (int(n) for n in latent_shape[-3:])
     if tiling is None:
@@ -159,6 +164,10 @@ def _bounds(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None):
     s, tf = geometry.spatial_factor, geometry.temporal_factor
     tile = max(1, tiling.tile_size // s)
     overlap = min(math.ceil(tiling.overlap / s), tile - 1)
+    if continuous:  # back to back, each chunk at most temporal_size output frames
+        step = max(1, tiling.temporal_size // tf)
+        frames = [(a, min(a + step, latent_frames)) for a in range(0, latent_frames, step)]
+        return frames, _spatial_bounds(height, tile, overlap), _spatial_bounds(width, tile, overlap)
     new_frames = max(2, tiling.temporal_size // tf // 2 * 2)  # even: every decode call is odd-length
     frame_overlap = min(math.ceil(tiling.temporal_overlap / tf), new_frames - 1)
     size, ends = _even_split(latent_frames - 1, new_frames, frame_overlap, even=True)

@@ -11,7 +11,7 @@ from ..memory.blockswap import Observer
 from ..memory.device import Backend
 from ..memory.telemetry import StageMeter, free_device_bytes
 from ..memory.cleanup import free_memory
-from ..memory.vae import DecodeReport, VaeGeometry, decode_with_fallback
+from ..memory.vae import DecodeReport, Streaming, VaeGeometry, decode_with_fallback
 from ..memory.offload import device_weight_bytes
 from .family import ModelError
 from .hooks import RunHooks
@@ -90,15 +90,15 @@ def decode(
         hooks.check_interrupt()
 
     stages = loaded.spec.vae_stages(vae)
-    decode_piece = stages.pixels if stages else (lambda chunk: vae.decode(chunk).sample)
+    decode_piece = Streaming(stages.stream) if stages else (lambda chunk: vae.decode(chunk).sample)
     with apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
         handle.activate("vae")
 
         def decode_on_cpu():
             """Last rung of the ladder: take the strategy off (weights back on their host
-            storage) and decode there."""
+            storage); the ladder moves the latent there too."""
             handle.remove()
-            return lambda chunk: decode_piece(chunk.to("cpu", vae.dtype))
+            return decode_piece
 
         with StageMeter("decode", device) as meter:
             z = loaded.spec.to_vae_latent(pipe, samples.to(device, vae.dtype))

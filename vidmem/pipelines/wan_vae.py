@@ -17,12 +17,14 @@ border, where the blend fades one tile into the next. Untiled, the two stages eq
 `vae.decode(z).sample` bit for bit (tests/test_wan_vae.py).
 
 Each stage keeps its own causal feature caches, one per convolution, and streams frames exactly
-as `AutoencoderKLWan._decode` does. Decoder layouts this module does not recognise get None from
+as `AutoencoderKLWan._decode` does. `stream()` keeps a tile's caches from one frame chunk to the
+next, so temporal chunks of a Wan decode are exact too (no context frames, no blending). Decoder layouts this module does not recognise get None from
 `wan_stages`, so they are decoded with the whole decoder per tile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,15 +51,26 @@ class WanDecoderStages:
 
     def pixels(self, features: torch.Tensor) -> torch.Tensor:
         """Mid-block features of a tile -> pixels [B, 3, F, H, W] in [-1, 1], as `decode().sample`."""
-        decoder, caches = self.vae.decoder, _Caches()
-        frames = []
-        for i in range(features.shape[2]):
-            index, x = [0], features[:, :, i : i + 1]
-            for block in decoder.up_blocks:
-                x = block(x, feat_cache=caches.slots, feat_idx=index, first_chunk=i == 0)
-            x = decoder.nonlinearity(decoder.norm_out(x))
-            frames.append(caches.conv(decoder.conv_out, x, index))
-        out = torch.cat(frames, dim=2)
+        return self.stream()(features)
+
+    def stream(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`pixels` for consecutive frame chunks of one tile: the caches carry over between calls."""
+        decoder, caches, seen = self.vae.decoder, _Caches(), [0]
+
+        def pixels(features: torch.Tensor) -> torch.Tensor:
+            frames = []
+            for i in range(features.shape[2]):
+                index, x = [0], features[:, :, i : i + 1]
+                for block in decoder.up_blocks:
+                    x = block(x, feat_cache=caches.slots, feat_idx=index, first_chunk=seen[0] == 0)
+                x = decoder.nonlinearity(decoder.norm_out(x))
+                frames.append(caches.conv(decoder.conv_out, x, index))
+                seen[0] += 1
+            return self._finish(torch.cat(frames, dim=2))
+
+        return pixels
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
         if self.vae.config.patch_size is not None:
             from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
