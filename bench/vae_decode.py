@@ -4,7 +4,8 @@ Real-size CogVideoX-2b and Wan 2.1 VAEs (the diffusers constructor defaults are 
 vae/config.json of THUDM/CogVideoX-2b and Wan-AI/Wan2.1-T2V-1.3B-Diffusers) with random weights,
 fp32, decoding a smooth synthetic latent (seams show best on smooth content). "vidmem_tiled" is
 the pack's own decode path: the family's declared VAE stages (Wan: the mid-block attention once on
-the whole latent, the rest per tile) and `decode_video` at the default VaeTiling. Every decode
+the whole latent, the rest per tile; both: caches streamed across a tile's frame chunks) and
+`decode_video` at the default VaeTiling. Every decode
 runs in its own process: peak RSS is sampled every 2 ms and reported above the RSS measured after
 the VAE and the latent are loaded (the activation peak).
 
@@ -125,8 +126,8 @@ def worker(family: str, mode: str, shape: tuple[int, ...], out_path: str) -> dic
     with torch.no_grad(), PeakRss() as meter:
         baseline, start, cpu_start = meter.peak, time.perf_counter(), time.process_time()
         if mode.startswith("vidmem_tiled"):
-            pixels = decode_video(Streaming(stages.stream) if stages else decode, latents, GEOMETRY, tiling_for(mode),
-                                  prepare=stages.context if stages else None, report=report)
+            pixels = decode_video(Streaming(stages.stream, stages.frame_batch), latents, GEOMETRY, tiling_for(mode),
+                                  prepare=stages.context, report=report)
         else:
             pixels = decode(latents)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start

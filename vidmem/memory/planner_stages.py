@@ -78,6 +78,7 @@ class PlannerModel(Protocol):
     dtype_name: str
     layout: ModelLayout
     geometry: VaeGeometry
+    vae_stream_batch: int | None  # the decode's chunks stream the VAE's caches (no context frames)
 
     def check_shape(self, shape: VideoShape) -> None: ...  # raise ValueError naming the fix
     def weights(self, component: str) -> ComponentWeights: ...
@@ -249,7 +250,7 @@ def host_base(model: PlannerModel) -> int:
 def piece_counts(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy) -> Counter:
     """Distinct latent pieces a vidmem decode calls the VAE on, and how often each."""
     latent = model.latent_shape(shape)
-    tiles = plan_tiles(latent, model.geometry, strategy.vae_tiling)
+    tiles = plan_tiles(latent, model.geometry, strategy.vae_tiling, stream_batch=model.vae_stream_batch)
     batch = 1 if strategy.vae_slicing else latent[0]
     counts: Counter = Counter()
     for frames in tiles.frames:

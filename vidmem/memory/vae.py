@@ -43,11 +43,14 @@ class Streaming:
     """A decoder that carries its causal state from one frame chunk of a tile to the next.
 
     `start()` returns a fresh decode for one tile, which is then called with that tile's chunks
-    in order (Wan's feature caches). Chunks need no context frames and no temporal blending, so
-    they are exact; `temporal_size` then only bounds the frames one call returns.
+    in order (Wan's feature caches, CogVideoX's conv caches). Chunks need no context frames and
+    no temporal blending, so they are exact; `temporal_size` then only bounds the frames one call
+    returns. Every chunk but the first holds a multiple of `frame_batch` latent frames, the batch
+    the VAE itself steps through time with.
     """
 
     start: Callable[[], Decode]
+    frame_batch: int = 1
 
 
 @dataclass
@@ -63,6 +66,7 @@ class DecodeReport:
     tiling: VaeTiling | None = None
     device: str = ""  # where the latent was decoded
     shared_context: bool = False  # frame-wide layers ran once on the whole latent (see `prepare`)
+    streamed: bool = False  # the VAE's caches carried over between a tile's chunks (see `Streaming`)
     fallbacks: list[str] = field(default_factory=list)  # one line per out-of-memory rung, in order
 
     def describe(self) -> str:
@@ -73,6 +77,8 @@ class DecodeReport:
                      f"(tile {t.tile_size}/{t.overlap} px, {t.temporal_size}/{t.temporal_overlap} frames)")
         if self.shared_context:
             text += ", frame-wide layers on the whole latent"
+        if self.streamed and self.chunks > 1:
+            text += ", chunks streamed exactly"
         text += f"{', sliced' if self.sliced else ''}, {self.decode_calls} calls, {self.seconds:.1f} s"
         return text + "".join(f"\n  fallback: {line}" for line in self.fallbacks)
 
@@ -113,7 +119,7 @@ def decode_video(
     """
     geometry.check_latents(latents)
     streaming = isinstance(decode, Streaming)
-    plan = plan_tiles(latents.shape, geometry, tiling, continuous=streaming)
+    plan = plan_tiles(latents.shape, geometry, tiling, stream_batch=decode.frame_batch if streaming else None)
     batch = latents.shape[0]
     out = torch.zeros((batch, RGB, *plan.out_shape), dtype=torch.float32, device=out_device)
     groups = [(i, i + 1) for i in range(batch)] if slicing else [(0, batch)]
@@ -139,7 +145,7 @@ def decode_video(
         report.mode = "tiled" if blended else "whole"
         report.sliced, report.tiles, report.chunks = slicing, plan.tiles, plan.chunks
         report.decode_calls, report.tiling = total, tiling if blended else None
-        report.shared_context = prepare is not None
+        report.shared_context, report.streamed = prepare is not None, streaming
         report.seconds = time.perf_counter() - started
         report.device = str(latents.device)
     return out

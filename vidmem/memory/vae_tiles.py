@@ -92,13 +92,16 @@ class TilePlan:
 
 
 def plan_tiles(latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry, tiling: VaeTiling | None,
-               continuous: bool = False) -> TilePlan:
+               stream_batch: int | None = None) -> TilePlan:
     """The spans to decode for a [B, C, T, h, w] latent; `tiling=None` is one span per axis.
 
-    `continuous` is for decoders that carry their causal state from one chunk of a tile to the
-    next (see `Streaming`): chunks then follow each other without overlap or context frames.
+    `stream_batch` is for decoders that carry their causal state from one chunk of a tile to the
+    next (see `Streaming`): chunks then follow each other without overlap or context frames, and
+    every chunk but the first holds a multiple of `stream_batch` latent frames (the first takes
+    the remainder), so they split into the frame batches the VAE uses on the whole video.
     """
-    frame_bounds, row_bounds, col_bounds = _bounds(latent_shape, geometry, tiling, continuous)
+    continuous = stream_batch is not None
+    frame_bounds, row_bounds, col_bounds = _bounds(latent_shape, geometry, tiling, stream_batch)
     s, tf = geometry.spatial_factor, geometry.temporal_factor
     frame_out = [(0 if a == 0 else tf * (a - 1) + 1, tf * (b - 1) + 1) for a, b in frame_bounds]
     frames = tuple(
@@ -156,7 +159,7 @@ def _plan_cost(latent_shape, geometry: VaeGeometry, tiling: VaeTiling) -> tuple[
     return max(call_frames) * max(rows) * max(cols), work
 
 
-def _bounds(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None, continuous: bool = False):
+def _bounds(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None, stream_batch: int | None = None):
     """Latent (start, stop) pairs along frames, rows and cols."""
     latent_frames, height, width = (int(n) for n in latent_shape[-3:])
     if tiling is None:
@@ -164,15 +167,24 @@ def _bounds(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None, conti
     s, tf = geometry.spatial_factor, geometry.temporal_factor
     tile = max(1, tiling.tile_size // s)
     overlap = min(math.ceil(tiling.overlap / s), tile - 1)
-    if continuous:  # back to back, each chunk at most temporal_size output frames
-        step = max(1, tiling.temporal_size // tf)
-        frames = [(a, min(a + step, latent_frames)) for a in range(0, latent_frames, step)]
+    if stream_batch is not None:
+        frames = _stream_bounds(latent_frames, tiling.temporal_size // tf, stream_batch)
         return frames, _spatial_bounds(height, tile, overlap), _spatial_bounds(width, tile, overlap)
     new_frames = max(2, tiling.temporal_size // tf // 2 * 2)  # even: every decode call is odd-length
     frame_overlap = min(math.ceil(tiling.temporal_overlap / tf), new_frames - 1)
     size, ends = _even_split(latent_frames - 1, new_frames, frame_overlap, even=True)
     frames = [(0, 1 + ends[0])] + [(1 + e - size, 1 + e) for e in ends[1:]]
     return frames, _spatial_bounds(height, tile, overlap), _spatial_bounds(width, tile, overlap)
+
+
+def _stream_bounds(length: int, cap: int, batch: int) -> list[tuple[int, int]]:
+    """Back-to-back chunks of `step` frames (a multiple of `batch`, <= cap if possible), aligned to
+    the end. The first chunk takes what is left over, and at least the VAE's own first batch
+    (`batch` frames plus the remainder of `length`), so it may run a few frames over `cap`."""
+    step = max(batch, cap // batch * batch)
+    first_batch = min(length, batch + length % batch)
+    first = length - (length - first_batch) // step * step
+    return [(0, first)] + [(a, a + step) for a in range(first, length, step)]
 
 
 def _spatial_bounds(length: int, tile: int, overlap: int) -> list[tuple[int, int]]:

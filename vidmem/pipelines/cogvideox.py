@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .cogvideox_vae import cogvideox_stream
 from .family import FamilySpec
 
 
@@ -39,4 +40,5 @@ COGVIDEOX = FamilySpec(
     to_vae_latent=_to_vae_latent,
     max_sequence_length=226,  # the pipeline's own __call__ default
     single_file_transformer=None,  # diffusers has no single-file loader for CogVideoX
+    vae_stages=cogvideox_stream,
 )

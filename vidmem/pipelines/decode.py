@@ -90,7 +90,7 @@ def decode(
         hooks.check_interrupt()
 
     stages = loaded.spec.vae_stages(vae)
-    decode_piece = Streaming(stages.stream) if stages else (lambda chunk: vae.decode(chunk).sample)
+    decode_piece = Streaming(stages.stream, stages.frame_batch) if stages else (lambda chunk: vae.decode(chunk).sample)
     with apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
         handle.activate("vae")
 

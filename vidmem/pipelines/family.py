@@ -32,8 +32,9 @@ class FamilySpec:
     max_sequence_length: int  # prompt tokens, as the pipeline's __call__ uses by default
     single_file_transformer: str | None  # diffusers class with from_single_file, if the family has one
     image_variant: Callable[[object], str | None] = lambda pipe: None  # I2V class for a T2V folder, if any
-    # (vae) -> an object with `context(z)` (frame-wide layers, once on the whole latent) and
-    # `pixels(features)` (the rest, per tile), or None to tile the whole decoder
+    # (vae) -> the VAE's decode in stages: `context` (frame-wide layers run once on the whole
+    # latent, or None), `stream()` (a decode that carries its causal caches across a tile's frame
+    # chunks) and `frame_batch`; or None to decode every piece with `vae.decode`
     vae_stages: Callable[[object], object | None] = lambda vae: None
 
     def frames_error(self, frames: int) -> str | None:

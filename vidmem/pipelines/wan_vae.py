@@ -37,6 +37,7 @@ _DECODER_PARTS = ("conv_in", "mid_block", "up_blocks", "norm_out", "nonlinearity
 @dataclass(frozen=True)
 class WanDecoderStages:
     vae: torch.nn.Module
+    frame_batch = 1  # the decoder steps through time one latent frame at a time
 
     def context(self, z: torch.Tensor) -> torch.Tensor:
         """[B, z_dim, T, h, w] latent (un-normalised) -> mid-block features [B, C, T, h, w]."""

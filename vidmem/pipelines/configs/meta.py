@@ -82,6 +82,12 @@ class MetaModel:
             return VaeGeometry(spatial, int(config.get("temporal_compression_ratio", 4)), config.get("latent_channels", 16))
         return VaeGeometry(config.get("scale_factor_spatial", 8), config.get("scale_factor_temporal", 4), config.get("z_dim", 16))
 
+    @cached_property
+    def vae_stream_batch(self) -> int | None:
+        """The latent frames per batch if the VAE's decode streams across chunks (see FamilySpec.vae_stages)."""
+        stages = self.spec.vae_stages(self.module("vae"))
+        return stages.frame_batch if stages else None
+
     def check_shape(self, shape: VideoShape) -> None:
         problem = self.spec.frames_error(shape.frames)
         if problem:

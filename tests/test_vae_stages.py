@@ -1,4 +1,5 @@
-"""Wan's two-stage decode: frame-wide layers once on the whole latent, the rest per tile (CPU, tiny VAEs)."""
+"""VAE decode stages: Wan's frame-wide layers once on the whole latent, and both families' caches
+streamed across a tile's frame chunks (CPU, tiny VAEs)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from vidmem.memory.strategy import VaeTiling
 from vidmem.memory.vae import DecodeReport, Streaming, VaeGeometry, decode_video, decode_with_fallback, plan_tiles
 from vidmem.pipelines.tiny import build_tiny_pipeline
+from vidmem.pipelines.cogvideox_vae import cogvideox_stream, frame_batches
 from vidmem.pipelines.wan_vae import wan_stages
 
 from test_vae_tiling import COG, OomAbove, nearest_decode, smooth_latent, tiny_cogvideox, tiny_wan
@@ -59,7 +61,43 @@ def test_streamed_temporal_chunks_are_exact(build, geometry):
     out = decode_video(Streaming(stages.stream), latents, geometry, tiling, prepare=stages.context, report=report)
     with torch.no_grad():
         assert torch.equal(out, vae.decode(latents).sample)
-    assert report.chunks == 4 and report.tiles == 1
+    assert report.chunks == 4 and report.tiles == 1 and report.streamed
+
+
+def tiny_cogvideox15():
+    """CogVideoX 1.5's VAE layout: the tiny pipeline's, saved and used like the real one."""
+    return build_tiny_pipeline("cogvideox1.5-t2v").vae.eval()
+
+
+@pytest.mark.parametrize("build", [tiny_cogvideox, tiny_cogvideox15], ids=["cogvideox", "cogvideox1.5"])
+@pytest.mark.parametrize("latent_frames", [7, 8])
+def test_cogvideox_streamed_chunks_are_exact(build, latent_frames):
+    vae = build()
+    stream, channels = cogvideox_stream(vae), vae.config.latent_channels
+    latents = smooth_latent(channels, frames=latent_frames, height=4, width=6)
+    geometry = VaeGeometry(8, 4, channels)
+    tiling = VaeTiling(tile_size=4096, overlap=0, temporal_size=8, temporal_overlap=0)
+    report = DecodeReport()
+    out = decode_video(Streaming(stream.stream, stream.frame_batch), latents, geometry, tiling, report=report)
+    with torch.no_grad():
+        whole = vae.decode(latents).sample
+    assert torch.equal(out, whole[:, :, whole.shape[2] - out.shape[2]:]) and report.chunks > 1
+
+
+def test_cogvideox_chunks_decoded_alone_are_not_exact():
+    """The test above can fail: without the carried caches the same chunks differ."""
+    vae = tiny_cogvideox()
+    latents = smooth_latent(4, frames=7, height=4, width=6)
+    tiling = VaeTiling(tile_size=4096, overlap=0, temporal_size=8, temporal_overlap=4)
+    out = decode_video(lambda z: vae.decode(z).sample, latents, VaeGeometry(8, 4, 4), tiling)
+    with torch.no_grad():
+        assert not torch.equal(out, vae.decode(latents).sample)
+
+
+def test_frame_batches_group_like_diffusers():
+    assert list(frame_batches(13, 2)) == [(0, 3), (3, 5), (5, 7), (7, 9), (9, 11), (11, 13)]
+    assert list(frame_batches(8, 2)) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert list(frame_batches(1, 2)) == [(0, 3)]  # diffusers slices past the end: frame 0 only
 
 
 def test_streamed_tiles_match_per_piece_tiles_when_time_is_not_cut():
@@ -74,12 +112,15 @@ def test_streamed_tiles_match_per_piece_tiles_when_time_is_not_cut():
 
 def test_continuous_plans_cut_time_back_to_back_without_context():
     geometry, tiling = VaeGeometry(8, 4, 16), VaeTiling(temporal_size=16, temporal_overlap=8)
-    plan = plan_tiles((1, 16, 21, 8, 8), geometry, tiling, continuous=True)
-    assert [(f.start, f.stop, f.context) for f in plan.frames] == [(0, 4, 0), (4, 8, 0), (8, 12, 0), (12, 16, 0),
-                                                                   (16, 20, 0), (20, 21, 0)]
-    assert [(f.out_start, f.out_stop) for f in plan.frames][:2] == [(0, 13), (13, 29)]
+    plan = plan_tiles((1, 16, 21, 8, 8), geometry, tiling, stream_batch=1)
+    assert [(f.start, f.stop, f.context) for f in plan.frames] == [(0, 1, 0), (1, 5, 0), (5, 9, 0), (9, 13, 0),
+                                                                   (13, 17, 0), (17, 21, 0)]
+    assert [(f.out_start, f.out_stop) for f in plan.frames][:2] == [(0, 1), (1, 17)]
     assert plan.frames[-1].out_stop == 81 and all(torch.equal(f.weight, torch.ones_like(f.weight)) for f in plan.frames)
     assert max(f.out_stop - f.out_start for f in plan.frames) <= tiling.temporal_size
+    batched = plan_tiles((1, 16, 13, 8, 8), geometry, VaeTiling(temporal_size=20, temporal_overlap=8), stream_batch=2)
+    # CogVideoX steps by 2 latent frames, 3 in its first batch: chunks keep those batches whole
+    assert [(f.start, f.stop) for f in batched.frames] == [(0, 5), (5, 9), (9, 13)]
 
 
 def test_tiles_sharing_the_attention_are_closer_to_untiled_than_whole_decoder_tiles():
@@ -120,8 +161,8 @@ def test_a_frame_wide_prepare_makes_per_pixel_tiles_exact():
 
 
 def test_layouts_not_known_get_no_stages():
-    assert wan_stages(tiny_cogvideox()) is None
-    assert wan_stages(torch.nn.Linear(2, 2)) is None
+    assert wan_stages(tiny_cogvideox()) is None and cogvideox_stream(tiny_wan()) is None
+    assert wan_stages(torch.nn.Linear(2, 2)) is None and cogvideox_stream(torch.nn.Linear(2, 2)) is None
 
 
 def test_prepare_runs_once_per_batch_group_and_pieces_come_from_its_output():
