@@ -77,13 +77,14 @@ def test_rungs_the_planner_predicts_to_overrun_are_skipped_before_anything_runs(
     assert tight.frames.shape == roomy.frames.shape
 
 
-def test_a_failed_prediction_never_stops_the_decode(tiny_loaded, monkeypatch):
+@pytest.mark.parametrize("broken_part", ["decode_activation_bytes", "planner_model"])
+def test_a_failed_prediction_never_stops_the_decode(broken_part, tiny_loaded, monkeypatch):
     import vidmem.pipelines.planning as planning
 
     def broken(*args, **kwargs):
         raise RuntimeError("planner cannot model this")
 
-    monkeypatch.setattr(planning, "decode_activation_bytes", broken)
+    monkeypatch.setattr(planning, broken_part, broken)
     loaded = tiny_loaded("wan2.1-t2v")
     latent = sample(loaded, MemoryStrategy(), request_for("wan2.1-t2v"), backend=CpuBackend()).latent
     result = decode(loaded, latent, backend=CpuBackend(), free_bytes=1)

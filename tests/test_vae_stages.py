@@ -149,7 +149,7 @@ def test_a_frame_wide_prepare_makes_per_pixel_tiles_exact():
     """Stand-in: a per-frame mean (frame-wide) then a per-pixel decoder. Sharing the frame-wide
     stage makes tiles exact; tiling the composition does not."""
 
-    def frame_wide(z):
+    def frame_wide(z, park=None):
         return z - z.mean(dim=(-2, -1), keepdim=True)
 
     latents, tiling = smooth_latent(16, frames=3, height=16, width=24) * 3, VaeTiling(tile_size=64, overlap=16)
@@ -168,45 +168,103 @@ def test_layouts_not_known_get_no_stages():
 def test_prepare_runs_once_per_batch_group_and_pieces_come_from_its_output():
     calls = []
 
-    def prepare(z):
-        calls.append(tuple(z.shape))
+    def prepare(z, park):
+        calls.append((tuple(z.shape), park))
         return z * 2
 
     latents = torch.randn(2, 16, 3, 16, 16)
     tiling = VaeTiling(tile_size=64, overlap=16)
     out = decode_video(nearest_decode(COG), latents, COG, tiling, slicing=True, prepare=prepare)
-    assert calls == [(1, 16, 3, 16, 16)] * 2
+    assert calls == [((1, 16, 3, 16, 16), torch.device("cpu"))] * 2
     assert torch.allclose(out, decode_video(nearest_decode(COG), latents * 2, COG, None), atol=1e-6)
 
 
 def test_prepare_that_changes_the_grid_is_refused():
     with pytest.raises(ValueError, match="prepare must keep the latent's"):
         decode_video(nearest_decode(COG), torch.randn(1, 16, 3, 8, 8), COG, VaeTiling(tile_size=64, overlap=16),
-                     prepare=lambda z: z[:, :, :, ::2])
+                     prepare=lambda z, park: z[:, :, :, ::2])
 
 
-def test_ladder_runs_a_streaming_decoder_on_every_rung():
-    starts, latents = [], torch.randn(1, 16, 5, 16, 16)
+class StreamingNearest:
+    """A stateful stand-in for a streaming VAE: per-pixel like `nearest_decode`, but only the tile's
+    very first latent frame gives 1 output frame; every later one, in any chunk, gives 4. A plan
+    with context frames or a restarted state would give the wrong frames and fail the check."""
 
-    def start():
-        starts.append(1)
-        return OomAbove(4 * 8 * 8)  # only pieces of <= 4 latent frames of 8x8 fit
+    def __init__(self, limit: int | None = None):
+        self.limit, self.starts = limit, 0
 
-    report = DecodeReport()
-    out = decode_with_fallback(Streaming(start), latents, COG, None, free_memory=lambda: None, report=report)
-    assert out.shape == (1, 3, 17, 128, 128) and report.fallbacks
+    def start(self):
+        self.starts += 1
+        seen = [0]
+
+        def decode(z):
+            if self.limit is not None and z[0, 0].numel() > self.limit:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            x = (z[:, :3] * 0.5 + z[:, 3:6] * 0.25).repeat_interleave(8, -1).repeat_interleave(8, -2)
+            first = x[:, :, :1] if seen[0] == 0 else x[:, :, :1].repeat_interleave(4, 2)
+            seen[0] += z.shape[2]
+            return torch.cat([first, x[:, :, 1:].repeat_interleave(4, 2)], dim=2)
+
+        return decode
+
+
+def test_ladder_runs_a_streaming_decoder_down_to_shorter_chunks():
+    latents, fake, report = torch.randn(1, 16, 9, 8, 8), StreamingNearest(limit=4 * 8 * 8), DecodeReport()
+    out = decode_with_fallback(Streaming(fake.start), latents, COG, None, free_memory=lambda: None, report=report)
     assert torch.allclose(out, decode_video(nearest_decode(COG), latents, COG, None), atol=1e-6)
+    assert report.streamed and report.chunks > 1 and any("temporal_size" in line for line in report.fallbacks)
+    assert fake.starts == len(report.fallbacks) + 1  # one fresh state per attempt (a single tile)
+
+
+def test_streamed_tiles_and_chunks_restart_the_state_per_tile():
+    latents, fake = torch.randn(2, 16, 9, 16, 24), StreamingNearest()
+    tiling = VaeTiling(tile_size=64, overlap=16, temporal_size=8, temporal_overlap=0)
+    report = DecodeReport()
+    out = decode_video(Streaming(fake.start), latents, COG, tiling, slicing=True, report=report)
+    assert torch.allclose(out, decode_video(nearest_decode(COG), latents, COG, None), atol=1e-6)
+    assert report.tiles > 1 and report.chunks > 1 and fake.starts == 2 * report.tiles
+
+
+@pytest.mark.parametrize("family", ["wan", "cogvideox"])
+def test_real_tiles_cut_in_time_equal_the_same_tiles_uncut(family):
+    """The default path: several tiles, several streamed chunks per tile. Cutting time changes nothing."""
+    vae = tiny_wan() if family == "wan" else tiny_cogvideox()
+    stages = wan_stages(vae) if family == "wan" else cogvideox_stream(vae)
+    channels = 16 if family == "wan" else 4
+    geometry, latents = VaeGeometry(8, 4, channels), smooth_latent(channels, frames=9, height=12, width=16)
+    cut, uncut = (VaeTiling(tile_size=64, overlap=16, temporal_size=t, temporal_overlap=0) for t in (8, 4096))
+    decode = Streaming(stages.stream, stages.frame_batch)
+    report = DecodeReport()
+    chunked = decode_video(decode, latents, geometry, cut, prepare=stages.context, report=report)
+    whole_time = decode_video(decode, latents, geometry, uncut, prepare=stages.context)
+    assert report.tiles > 1 and report.chunks > 1
+    assert torch.equal(chunked, whole_time)
 
 
 def test_ladder_keeps_the_shared_stage_on_every_rung_including_the_cpu():
-    calls, latents = [], torch.randn(1, 16, 3, 8, 8)
+    calls, on_cpu, latents = [], [], torch.randn(1, 16, 3, 8, 8)
 
-    def prepare(z):
-        calls.append(z.device.type)
+    def prepare(z, park):
+        calls.append(bool(on_cpu))
         return z
+
+    def to_cpu():
+        on_cpu.append(True)
+        return nearest_decode(COG)
 
     report = DecodeReport()
     out = decode_with_fallback(OomAbove(None), latents, COG, None, free_memory=lambda: None,
-                               to_cpu=lambda: nearest_decode(COG), prepare=prepare, report=report)
+                               to_cpu=to_cpu, prepare=prepare, report=report)
     assert out.shape == (1, 3, 9, 64, 64) and report.shared_context
-    assert len(calls) == len(report.fallbacks) + 1 and calls[-1] == "cpu"
+    assert calls == [False] * len(report.fallbacks) + [True]  # once per device rung, then once on the CPU
+
+
+def test_a_predictor_that_raises_is_ignored():
+    latents, report = torch.randn(1, 16, 3, 16, 16), DecodeReport()
+
+    def broken(rung):
+        raise RuntimeError("planner cannot model this")
+
+    out = decode_with_fallback(nearest_decode(COG), latents, COG, None, free_memory=lambda: None,
+                               predict=broken, report=report)
+    assert out.shape == (1, 3, 9, 128, 128) and report.fallbacks == [] and report.mode == "whole"

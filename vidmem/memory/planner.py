@@ -179,12 +179,14 @@ def recommended(plans: list[Plan]) -> int | None:
     return min(fitting)[1] if fitting else None
 
 
-def decode_activation_bytes(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy,
+def decode_activation_bytes(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, free_bytes: int,
                             options: PlanOptions = PlanOptions()) -> int:
     """Device bytes the decode needs beyond what is already there (weights, latent, workspace):
-    the allocator footprint of its largest piece's activations and output."""
+    the allocator footprint of its largest piece, on a device with `free_bytes` left for it (near
+    the limit the allocator releases its cache and retries, as `Phase.within` models)."""
     phase = decode_stage(model, shape, strategy, options).peak_phase
-    return phase.device_bytes - CUDA_CONTEXT_BYTES - sum(phase.resident)
+    there = CUDA_CONTEXT_BYTES + sum(phase.resident)
+    return phase.within(there + free_bytes).device_bytes - there
 
 
 def _check(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy) -> None:

@@ -6,9 +6,10 @@ holds the VAE, the latent and one piece's activations. Pieces overlap; their ble
 1 everywhere (see vae_tiles.py), so an exact per-pixel decoder gives the untiled result exactly,
 and a real VAE differs only near tile borders, where the weights fade one tile into the next.
 
-Trade-off: smaller tiles lower the peak and cost extra compute for the overlaps and for one
-context latent frame per temporal chunk; `auto_tiling` picks the cheapest tiling that fits a
-budget, and `decode_with_fallback` walks down a ladder on out-of-memory errors, logging each rung.
+Trade-off: smaller tiles lower the peak and cost extra compute for the overlaps (and, for a
+plain decode callable, one context latent frame per temporal chunk; a `Streaming` decoder carries
+its caches instead and needs none); `auto_tiling` picks the cheapest tiling that fits a budget,
+and `decode_with_fallback` walks down a ladder on out-of-memory errors, logging each rung.
 
     images = decode_video(lambda z: vae.decode(z).sample, latents, VaeGeometry(8, 4, 16), VaeTiling())
 
@@ -35,7 +36,7 @@ __all__ = ["DecodeReport", "Rung", "Streaming", "VaeGeometry", "auto_tiling", "d
 logger = logging.getLogger(__name__)
 
 Decode = Callable[[torch.Tensor], torch.Tensor]
-Prepare = Callable[[torch.Tensor], torch.Tensor]
+Prepare = Callable[[torch.Tensor, torch.device], torch.Tensor]  # (latent, park) -> features on `park`
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class Streaming:
     in order (Wan's feature caches, CogVideoX's conv caches). Chunks need no context frames and
     no temporal blending, so they are exact; `temporal_size` then only bounds the frames one call
     returns. Every chunk but the first holds a multiple of `frame_batch` latent frames, the batch
-    the VAE itself steps through time with.
+    the VAE itself steps through time with; the first also holds the VAE's whole first batch, so
+    it can run up to one batch over `temporal_size`.
     """
 
     start: Callable[[], Decode]
@@ -112,9 +114,10 @@ def decode_video(
             (sizes in output pixels and frames) blended across their overlaps.
         slicing: decode one batch item at a time.
         prepare: the decoder's frame-wide layers (Wan's mid-block attention), run once per batch group
-            on the whole latent; `decode` then gets pieces of its output instead of the latent's.
-            The output must keep the latent's [b, C', T, h, w] grid. It is parked on `out_device`
-            between pieces, so the compute device holds only the piece being decoded.
+            on the whole latent as `prepare(latent, park)`; `decode` then gets pieces of its output
+            instead of the latent's. The output must keep the latent's [b, C', T, h, w] grid and be
+            on `park` (`out_device` when tiled, so that the compute device holds only the piece
+            being decoded; `prepare` should move each frame there as it is made).
         on_step: called as on_step(done, total) after each piece (progress bars, interrupts).
     """
     geometry.check_latents(latents)
@@ -155,7 +158,7 @@ def _prepared(prepare: Prepare | None, latents: torch.Tensor, park: torch.device
     """What the pieces are cut from: the latent itself, or the frame-wide layers' output parked on `park`."""
     if prepare is None:
         return latents
-    features = prepare(latents)
+    features = prepare(latents, park)
     if not isinstance(features, torch.Tensor) or features.shape[:1] + features.shape[2:] != latents.shape[:1] + latents.shape[2:]:
         got = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
         raise ValueError(f"prepare must keep the latent's [b, C, T, h, w] grid: got {got} for {tuple(latents.shape)}.")
@@ -215,10 +218,12 @@ def fallback_rungs(
     slicing: bool = False,
     *,
     cpu_available: bool = True,
+    stream_batch: int | None = None,
 ) -> list[Rung]:
     """The ladder: as asked; sliced; smaller tiles down to 64 px; shorter chunks down to 8 frames; CPU.
 
     A rung whose plan is the same as an earlier rung's is left out: it would fail the same way.
+    `stream_batch` is the `Streaming` decoder's frame batch, whose chunks are planned differently.
     """
     frames, height, width = plan_tiles(latent_shape, geometry, None).out_shape
     whole_video = min(4096, max(8, -(-frames // 4) * 4))
@@ -240,7 +245,7 @@ def fallback_rungs(
         rungs.append(Rung(shorter, True, False, f"temporal_size {temporal}"))
     if cpu_available:
         rungs.append(Rung(tiling or VaeTiling(), True, True, "decode on the CPU"))
-    return _distinct(rungs, latent_shape, geometry)
+    return _distinct(rungs, latent_shape, geometry, stream_batch)
 
 
 def _skip_predicted_overruns(rungs: list[Rung], predict, report: DecodeReport) -> list[Rung]:
@@ -249,7 +254,11 @@ def _skip_predicted_overruns(rungs: list[Rung], predict, report: DecodeReport) -
     if predict is None or not device_rungs:
         return rungs
     for rung in device_rungs[:-1]:
-        overrun = predict(rung)
+        try:
+            overrun = predict(rung)
+        except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the decode
+            logger.info("vidmem VAE decode: no memory prediction for %s (%s); trying it", rung.label, error)
+            overrun = None
         if overrun is None:
             break
         line = f"{rung.label} skipped: predicted to run out of memory ({overrun})"
@@ -260,10 +269,10 @@ def _skip_predicted_overruns(rungs: list[Rung], predict, report: DecodeReport) -
     return rungs[rungs.index(rung):]
 
 
-def _distinct(rungs: list[Rung], latent_shape, geometry: VaeGeometry) -> list[Rung]:
+def _distinct(rungs: list[Rung], latent_shape, geometry: VaeGeometry, stream_batch: int | None) -> list[Rung]:
     seen, kept = set(), []
     for rung in rungs:
-        plan = plan_tiles(latent_shape, geometry, rung.tiling)
+        plan = plan_tiles(latent_shape, geometry, rung.tiling, stream_batch)
         key = (rung.on_cpu, rung.slicing and latent_shape[0] > 1,
                *(tuple((s.start, s.stop) for s in axis) for axis in (plan.frames, plan.rows, plan.cols)))
         if key not in seen:
@@ -303,7 +312,8 @@ def decode_with_fallback(
     """
     report = report if report is not None else DecodeReport()
     geometry.check_latents(latents)
-    rungs = fallback_rungs(latents.shape, geometry, tiling, slicing, cpu_available=to_cpu is not None)
+    rungs = fallback_rungs(latents.shape, geometry, tiling, slicing, cpu_available=to_cpu is not None,
+                           stream_batch=decode.frame_batch if isinstance(decode, Streaming) else None)
     rungs = _skip_predicted_overruns(rungs, predict, report)
     failures, started = [], time.perf_counter()
     for index, rung in enumerate(rungs):

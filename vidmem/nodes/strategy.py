@@ -92,11 +92,11 @@ class VidMemMemoryStrategy:
                 "overlap": ("INT", {"default": _TILES.overlap, "min": 0, "max": 4096, "step": 8, "tooltip":
                     "Pixels shared by neighbouring tiles and blended; at most tile_size/4."}),
                 "temporal_size": ("INT", {"default": _TILES.temporal_size, "min": TEMPORAL_SIZE_RANGE[0],
-                    "max": TEMPORAL_SIZE_RANGE[1], "step": 4, "tooltip": "Output frames decoded per chunk. Wan carries its VAE cache from chunk to chunk, so "
-                    "its chunks are exact and only bound the frames held at once."}),
+                    "max": TEMPORAL_SIZE_RANGE[1], "step": 4, "tooltip": "Output frames decoded per chunk. The VAE's causal caches carry over from chunk to "
+                    "chunk (CogVideoX, Wan), so chunks are exact and only bound the frames held at once."}),
                 "temporal_overlap": ("INT", {"default": _TILES.temporal_overlap, "min": 0, "max": 4096, "step": 4,
-                    "tooltip": "Frames shared by neighbouring chunks and blended; at most temporal_size/2. "
-                    "Unused for Wan, whose chunks follow each other exactly."}),
+                    "tooltip": "Frames shared by neighbouring chunks and blended; at most temporal_size/2. Used only "
+                    "for a VAE whose caches vidmem cannot carry over; CogVideoX and Wan chunks follow each other exactly."}),
             },
             "optional": {
                 "pipeline": ("VIDMEM_PIPELINE", {"tooltip": "Connect to predict this strategy's peak VRAM and RAM per "

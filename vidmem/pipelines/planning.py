@@ -43,18 +43,19 @@ def decode_overrun(loaded: LoadedPipeline, latent_shape: tuple[int, ...], strate
                    free_bytes: int) -> Callable[[Rung], str | None]:
     """For the decode's fallback ladder: why a rung would not fit `free_bytes`, or None.
 
-    The prediction is the planner's trace of the rung's largest piece. It only ever skips rungs;
-    if the planner cannot model this pipeline, every rung is tried as usual.
+    The prediction is the planner's trace of the rung's largest piece, built from the pipeline's
+    folder on first use. It only ever skips rungs: if the planner cannot model this pipeline (a
+    moved folder, a missing config), every rung is tried as usual.
     """
-    model = planner_model(loaded)
     batch, _, latent_frames, height, width = (int(n) for n in latent_shape)
-    s = model.geometry.spatial_factor
-    shape = VideoShape(width * s, height * s, model.geometry.frames(latent_frames), batch=batch)
 
     def predict(rung: Rung) -> str | None:
-        trial = replace(strategy, vae_tiling=rung.tiling, vae_slicing=rung.slicing)
         try:
-            need = decode_activation_bytes(model, shape, trial)
+            model = planner_model(loaded)
+            s = model.geometry.spatial_factor
+            shape = VideoShape(width * s, height * s, model.geometry.frames(latent_frames), batch=batch)
+            trial = replace(strategy, vae_tiling=rung.tiling, vae_slicing=rung.slicing)
+            need = decode_activation_bytes(model, shape, trial, free_bytes)
         except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the decode
             logger.info("vidmem: no decode memory prediction for %s: %s", loaded.describe(), error)
             return None

@@ -7,14 +7,14 @@ decoded by the whole decoder gets its own attention, so its colours drift from i
 
 So the decode runs in two stages:
 - `context` runs `post_quant_conv`, `conv_in` and the mid-block once over the whole latent. This
-  stage works at latent resolution (1/64 of the output pixels) and is about an eighth of the
-  compute.
+  stage works at latent resolution (1/64 of the output pixels, 1/256 for Wan 2.2 TI2V) and is
+  about an eighth of the compute. Each frame's features move to the host as they are made.
 - `pixels` runs the up-blocks and the output head on one tile of the context stage's output,
   which keeps the latent's [B, C, T, h, w] grid.
 
 The tiled result then differs from the untiled one only within a convolution's reach of a tile
 border, where the blend fades one tile into the next. Untiled, the two stages equal
-`vae.decode(z).sample` bit for bit (tests/test_wan_vae.py).
+`vae.decode(z).sample` bit for bit (tests/test_vae_stages.py).
 
 Each stage keeps its own causal feature caches, one per convolution, and streams frames exactly
 as `AutoencoderKLWan._decode` does. `stream()` keeps a tile's caches from one frame chunk to the
@@ -39,15 +39,16 @@ class WanDecoderStages:
     vae: torch.nn.Module
     frame_batch = 1  # the decoder steps through time one latent frame at a time
 
-    def context(self, z: torch.Tensor) -> torch.Tensor:
-        """[B, z_dim, T, h, w] latent (un-normalised) -> mid-block features [B, C, T, h, w]."""
+    def context(self, z: torch.Tensor, park: torch.device | str | None = None) -> torch.Tensor:
+        """[B, z_dim, T, h, w] latent (un-normalised) -> mid-block features [B, C, T, h, w] on `park`
+        (default: z's device); each frame moves there as soon as it is made."""
         decoder, caches = self.vae.decoder, _Caches()
         x = self.vae.post_quant_conv(z)
         frames = []
         for i in range(x.shape[2]):
             index = [0]
             frame = caches.conv(decoder.conv_in, x[:, :, i : i + 1], index)
-            frames.append(decoder.mid_block(frame, feat_cache=caches.slots, feat_idx=index))
+            frames.append(decoder.mid_block(frame, feat_cache=caches.slots, feat_idx=index).to(park or z.device))
         return torch.cat(frames, dim=2)
 
     def pixels(self, features: torch.Tensor) -> torch.Tensor:
