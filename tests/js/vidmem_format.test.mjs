@@ -95,6 +95,8 @@ test("the decode shows its tiles and time", () => {
   assert.deepEqual(lines, ["device: cpu", "decode: 518 ms, peak RSS 421.35 MiB", "VAE: tiled, 6 tiles x 2 chunks, 12 calls"]);
   const fell = summarize("VidMemVAEDecode", { vidmem_receipt: [{ ...DECODE, decode: { ...DECODE.decode, fallbacks: ["whole", "tiled"] } }] });
   assert.match(fell.lines.at(-1), /fell back: whole -> tiled$/);
+  const wan = summarize("VidMemVAEDecode", { vidmem_receipt: [{ ...DECODE, decode: { ...DECODE.decode, shared_context: true, streamed: true } }] });
+  assert.equal(wan.lines.at(-1), "VAE: tiled, 6 tiles x 2 chunks, attention shared by the tiles, exact chunks, 12 calls");
 });
 
 test("Free VRAM shows before and after", () => {

@@ -75,8 +75,8 @@ class DecodeReport:
         text = f"{self.mode} decode on {self.device}"
         if self.tiling is not None:
             t = self.tiling
-            text += (f": {self.tiles} tiles x {self.chunks} chunks "
-                     f"(tile {t.tile_size}/{t.overlap} px, {t.temporal_size}/{t.temporal_overlap} frames)")
+            frames = f"{t.temporal_size}" if self.streamed else f"{t.temporal_size}/{t.temporal_overlap}"
+            text += f": {self.tiles} tiles x {self.chunks} chunks (tile {t.tile_size}/{t.overlap} px, {frames} frames)"
         if self.shared_context:
             text += ", frame-wide layers on the whole latent"
         if self.streamed and self.chunks > 1:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 
 def human_bytes(n: int | None) -> str:
@@ -34,6 +33,6 @@ def format_receipt(title: str, receipt: dict) -> str:
         )
     if "saved_latents" in receipt:
         lines.append(f"latents saved to {receipt['saved_latents']}")
-    if "decode" in receipt:
-        lines.append("decode: " + json.dumps(receipt["decode"], sort_keys=True))
+    if "decode_summary" in receipt:
+        lines.append("VAE: " + receipt["decode_summary"])
     return "\n".join(lines)

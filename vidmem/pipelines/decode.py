@@ -118,5 +118,6 @@ def decode(
             )
     frames = pipe.video_processor.postprocess_video(video, output_type="pt")  # [B, F, C, H, W] in 0..1
     frames = frames.flatten(0, 1).permute(0, 2, 3, 1).float().contiguous()
-    receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [meter.as_dict()], "decode": report.as_dict()}
+    receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [meter.as_dict()],
+               "decode": report.as_dict(), "decode_summary": report.describe()}
     return DecodeResult(frames, receipt)

@@ -92,8 +92,11 @@ export function swapLine(swap) {
 }
 
 export function decodeLine(decode) {
+  const shared = decode.shared_context ? ", attention shared by the tiles" : "";
+  const streamed = decode.streamed && decode.chunks > 1 ? ", exact chunks" : "";
   const fallbacks = decode.fallbacks?.length ? `, fell back: ${decode.fallbacks.join(" -> ")}` : "";
-  return `VAE: ${decode.mode}, ${decode.tiles} tiles x ${decode.chunks} chunks, ${decode.decode_calls} calls${fallbacks}`;
+  return `VAE: ${decode.mode}, ${decode.tiles} tiles x ${decode.chunks} chunks${shared}${streamed}, ` +
+    `${decode.decode_calls} calls${fallbacks}`;
 }
 
 /** Free VRAM's before -> after figures (vidmem/nodes/free.py). */
@@ -117,7 +120,7 @@ export function extraLines(receipt, known) {
   return lines;
 }
 
-const RUN_KEYS = new Set(["strategy", "device", "stages", "swap", "decode"]);
+const RUN_KEYS = new Set(["strategy", "device", "stages", "swap", "decode", "decode_summary"]);
 const TITLES = {
   VidMemMemoryStrategy: "plan",
   VidMemVideoSampler: "sampler receipt",
