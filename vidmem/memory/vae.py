@@ -81,7 +81,8 @@ class DecodeReport:
             text += ", frame-wide layers on the whole latent"
         if self.streamed and self.chunks > 1:
             text += ", chunks streamed exactly"
-        text += f"{', sliced' if self.sliced else ''}, {self.decode_calls} calls, {self.seconds:.1f} s"
+        calls = f"{self.decode_calls} call{'' if self.decode_calls == 1 else 's'}"
+        text += f"{', sliced' if self.sliced else ''}, {calls}, {self.seconds:.1f} s"
         return text + "".join(f"\n  fallback: {line}" for line in self.fallbacks)
 
     def as_dict(self) -> dict:
