@@ -94,9 +94,12 @@ test("the decode shows its tiles and time", () => {
   assert.equal(title, "decode receipt");
   assert.deepEqual(lines, ["device: cpu", "decode: 518 ms, peak RSS 421.35 MiB", "VAE: tiled, 6 tiles x 2 chunks, 12 calls"]);
   const fell = summarize("VidMemVAEDecode", { vidmem_receipt: [{ ...DECODE, decode: { ...DECODE.decode, fallbacks: ["whole", "tiled"] } }] });
-  assert.match(fell.lines.at(-1), /fell back: whole -> tiled$/);
+  assert.match(fell.lines.at(-1), /fell back: whole; tiled$/);
   const wan = summarize("VidMemVAEDecode", { vidmem_receipt: [{ ...DECODE, decode: { ...DECODE.decode, shared_context: true, streamed: true } }] });
   assert.equal(wan.lines.at(-1), "VAE: tiled, 6 tiles x 2 chunks, attention shared by the tiles, exact chunks, 12 calls");
+  const whole = { ...DECODE.decode, mode: "whole", tiles: 1, chunks: 1, decode_calls: 1, shared_context: true, streamed: true };
+  assert.equal(summarize("VidMemVAEDecode", { vidmem_receipt: [{ ...DECODE, decode: whole }] }).lines.at(-1),
+    "VAE: whole, 1 tiles x 1 chunks, 1 call");
 });
 
 test("Free VRAM shows before and after", () => {

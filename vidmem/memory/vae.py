@@ -77,8 +77,8 @@ class DecodeReport:
             t = self.tiling
             frames = f"{t.temporal_size}" if self.streamed else f"{t.temporal_size}/{t.temporal_overlap}"
             text += f": {self.tiles} tiles x {self.chunks} chunks (tile {t.tile_size}/{t.overlap} px, {frames} frames)"
-        if self.shared_context:
-            text += ", frame-wide layers on the whole latent"
+        if self.shared_context and self.tiles > 1:
+            text += ", frame-wide layers shared by the tiles"
         if self.streamed and self.chunks > 1:
             text += ", chunks streamed exactly"
         calls = f"{self.decode_calls} call{'' if self.decode_calls == 1 else 's'}"

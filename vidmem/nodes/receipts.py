@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "n/a"

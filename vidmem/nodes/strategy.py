@@ -86,7 +86,7 @@ class VidMemMemoryStrategy:
                 "vae_slicing": ("BOOLEAN", {"default": False, "tooltip":
                     "Decode one video of the batch at a time. Saves memory only for batches over 1."}),
                 "vae_tiling": ("BOOLEAN", {"default": False, "tooltip":
-                    "Decode in overlapping tiles and frame chunks: bounded VRAM for any size, a little slower."}),
+                    "Decode in overlapping, blended tiles and in frame chunks: bounded VRAM for any size, a little slower."}),
                 "tile_size": ("INT", {"default": _TILES.tile_size, "min": TILE_SIZE_RANGE[0], "max": TILE_SIZE_RANGE[1],
                     "step": 32, "tooltip": "Tile edge in output pixels (as core VAE Decode (Tiled)). Smaller uses less VRAM."}),
                 "overlap": ("INT", {"default": _TILES.overlap, "min": 0, "max": 4096, "step": 8, "tooltip":

@@ -8,7 +8,7 @@ decoded by the whole decoder gets its own attention, so its colours drift from i
 So the decode runs in two stages:
 - `context` runs `post_quant_conv`, `conv_in` and the mid-block once over the whole latent. This
   stage works at latent resolution (1/64 of the output pixels, 1/256 for Wan 2.2 TI2V) and is
-  about an eighth of the compute. Each frame's features move to the host as they are made.
+  a few percent of the compute. Each frame's features move to the host as they are made.
 - `pixels` runs the up-blocks and the output head on one tile of the context stage's output,
   which keeps the latent's [B, C, T, h, w] grid.
 

@@ -92,11 +92,12 @@ export function swapLine(swap) {
 }
 
 export function decodeLine(decode) {
-  const shared = decode.shared_context ? ", attention shared by the tiles" : "";
+  const tiled = decode.tiles > 1;
+  const shared = decode.shared_context && tiled ? ", attention shared by the tiles" : "";
   const streamed = decode.streamed && decode.chunks > 1 ? ", exact chunks" : "";
-  const fallbacks = decode.fallbacks?.length ? `, fell back: ${decode.fallbacks.join(" -> ")}` : "";
-  return `VAE: ${decode.mode}, ${decode.tiles} tiles x ${decode.chunks} chunks${shared}${streamed}, ` +
-    `${decode.decode_calls} calls${fallbacks}`;
+  const calls = `${decode.decode_calls} call${decode.decode_calls === 1 ? "" : "s"}`;
+  const fallbacks = decode.fallbacks?.length ? `; fell back: ${decode.fallbacks.join("; ")}` : "";
+  return `VAE: ${decode.mode}, ${decode.tiles} tiles x ${decode.chunks} chunks${shared}${streamed}, ${calls}${fallbacks}`;
 }
 
 /** Free VRAM's before -> after figures (vidmem/nodes/free.py). */
