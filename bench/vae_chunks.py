@@ -28,20 +28,20 @@ import torch  # noqa: E402
 
 from vae_decode import GEOMETRY, SPECS, build_vae, smooth_latent  # noqa: E402
 from vidmem.memory.strategy import VaeTiling  # noqa: E402
-from vidmem.memory.vae import DecodeReport, Streaming, decode_video  # noqa: E402
+from vidmem.memory.vae import DecodeReport, decode_video  # noqa: E402
+from vidmem.pipelines.decode import vae_decoder  # noqa: E402
 
 TILING = VaeTiling(tile_size=64, overlap=16)  # temporal_size 64, temporal_overlap 8: the defaults
 
 
 def per_frame_errors(family: str, latent_frames: int, size: int) -> dict:
     vae = build_vae(family)
-    stages = SPECS[family].vae_stages(vae)
+    ours, prepare = vae_decoder(SPECS[family], vae)
     latents = smooth_latent((1, 16, latent_frames, size // 8, size // 8))
     with torch.no_grad():
         reference = vae.decode(latents).sample.clamp(-1, 1)
     streamed_report, alone_report = DecodeReport(), DecodeReport()
-    streamed = decode_video(Streaming(stages.stream, stages.frame_batch), latents, GEOMETRY, TILING,
-                            prepare=stages.context, report=streamed_report)
+    streamed = decode_video(ours, latents, GEOMETRY, TILING, prepare=prepare, report=streamed_report)
     alone = decode_video(lambda z: vae.decode(z).sample, latents, GEOMETRY, TILING, report=alone_report)
 
     def errors(pixels: torch.Tensor) -> list[float]:

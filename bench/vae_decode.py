@@ -47,8 +47,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from vidmem.memory.strategy import VaeTiling  # noqa: E402
-from vidmem.memory.vae import DecodeReport, Streaming, VaeGeometry, decode_video, plan_tiles  # noqa: E402
+from vidmem.memory.vae import DecodeReport, VaeGeometry, decode_video, plan_tiles  # noqa: E402
 from vidmem.pipelines.cogvideox import COGVIDEOX  # noqa: E402
+from vidmem.pipelines.decode import vae_decoder  # noqa: E402
 from vidmem.pipelines.wan import WAN  # noqa: E402
 
 FAMILIES = ("cogvideox", "wan")
@@ -122,12 +123,11 @@ def worker(family: str, mode: str, shape: tuple[int, ...], out_path: str) -> dic
     with torch.no_grad():  # first-call library set-up is not the decode's cost
         decode(smooth_latent((1, 16, 1, 4, 4)))
     gc.collect()
-    stages = SPECS[family].vae_stages(vae)
+    ours, prepare = vae_decoder(SPECS[family], vae)
     with torch.no_grad(), PeakRss() as meter:
         baseline, start, cpu_start = meter.peak, time.perf_counter(), time.process_time()
         if mode.startswith("vidmem_tiled"):
-            pixels = decode_video(Streaming(stages.stream, stages.frame_batch), latents, GEOMETRY, tiling_for(mode),
-                                  prepare=stages.context, report=report)
+            pixels = decode_video(ours, latents, GEOMETRY, tiling_for(mode), prepare=prepare, report=report)
         else:
             pixels = decode(latents)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start

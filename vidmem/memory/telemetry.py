@@ -39,8 +39,8 @@ def free_device_bytes(device: torch.device) -> int | None:
     allocator holds unused. None off CUDA (host RAM is not budgeted here)."""
     if device.type != "cuda":
         return None
-    free, _total = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    now = snapshot(device)
+    return now.device_free_bytes + now.reserved_bytes - now.allocated_bytes
 
 
 @dataclass

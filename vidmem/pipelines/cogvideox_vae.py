@@ -29,10 +29,6 @@ class CogVideoXDecoderStream:
     def frame_batch(self) -> int:
         return self.vae.num_latent_frames_batch_size
 
-    def pixels(self, z: torch.Tensor) -> torch.Tensor:
-        """The whole of `z` -> pixels, as `vae.decode(z).sample`."""
-        return self.stream()(z)
-
     def stream(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """A decode for consecutive frame chunks of one tile: the caches carry over between calls."""
         vae, caches = self.vae, [None]

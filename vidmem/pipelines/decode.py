@@ -11,9 +11,9 @@ from ..memory.blockswap import Observer
 from ..memory.device import Backend
 from ..memory.telemetry import StageMeter, free_device_bytes
 from ..memory.cleanup import free_memory
-from ..memory.vae import DecodeReport, Streaming, VaeGeometry, decode_with_fallback
+from ..memory.vae import Decode, DecodeReport, Prepare, Streaming, VaeGeometry, decode_with_fallback
 from ..memory.offload import device_weight_bytes
-from .family import ModelError
+from .family import FamilySpec, ModelError
 from .hooks import RunHooks
 from .loader import LoadedPipeline
 from .planning import decode_overrun
@@ -58,6 +58,15 @@ def geometry(pipe) -> VaeGeometry:
     return VaeGeometry(pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, latent_channels(pipe))
 
 
+def vae_decoder(spec: FamilySpec, vae) -> tuple[Decode | Streaming, Prepare | None]:
+    """How vidmem runs this VAE on a piece: the family's declared stages (a streamed decode, and
+    the frame-wide layers to run once) or, for a layout they do not know, `vae.decode` per piece."""
+    stages = spec.vae_stages(vae)
+    if stages is None:
+        return (lambda chunk: vae.decode(chunk).sample), None
+    return Streaming(stages.stream, stages.frame_batch), stages.context
+
+
 @torch.no_grad()
 def decode(
     loaded: LoadedPipeline,
@@ -89,8 +98,7 @@ def decode(
         hooks.on_step(done, total)
         hooks.check_interrupt()
 
-    stages = loaded.spec.vae_stages(vae)
-    decode_piece = Streaming(stages.stream, stages.frame_batch) if stages else (lambda chunk: vae.decode(chunk).sample)
+    decode_piece, prepare = vae_decoder(loaded.spec, vae)
     with apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
         handle.activate("vae")
 
@@ -111,7 +119,7 @@ def decode(
                 strategy.vae_slicing,
                 free_memory=lambda: free_memory(device),
                 to_cpu=decode_on_cpu if device.type != "cpu" else None,
-                prepare=stages.context if stages else None,
+                prepare=prepare,
                 predict=decode_overrun(loaded, tuple(z.shape), strategy, free) if free is not None else None,
                 report=report,
                 on_step=on_step,
