@@ -45,7 +45,7 @@ from vidmem.memory.swap_model import BlockCost, GpuSpec, simulate  # noqa: E402
 
 # --- modelled: the published transformers on the meta device -------------------------------------
 
-# The published transformer configs, as shipped in vidmem/pipelines/configs/models/<name>.json
+# The published transformer configs, as shipped in pipelines/configs/models/<name>.json
 # (taken there from diffusers' conversion scripts).
 CONFIG_DIR = ROOT / "vidmem" / "pipelines" / "configs" / "models"
 MODELS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "cogvideox-2b", "cogvideox-5b")

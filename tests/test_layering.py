@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "vidmem"
+PACKAGE = Path(__file__).resolve().parents[1]
 HOST_MODULES = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "server", "execution", "nodes"}
 
 

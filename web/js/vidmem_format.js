@@ -14,7 +14,7 @@ export const FREE_BODY = Object.freeze({ unload_models: true, free_memory: true 
 
 const UNITS = [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
 
-/** Bytes as receipts show them (same rule as vidmem/nodes/receipts.py human_bytes). */
+/** Bytes as receipts show them (same rule as nodes/receipts.py human_bytes). */
 export function formatBytes(n) {
   if (n === null || n === undefined || !Number.isFinite(n)) return "n/a";
   for (const [unit, size] of UNITS) {
@@ -69,7 +69,7 @@ export function strategyLines(text) {
   return lines;
 }
 
-/** Stage lines and totals of a sampler or decode receipt (vidmem/pipelines/sample.py, decode.py). */
+/** Stage lines and totals of a sampler or decode receipt (pipelines/sample.py, decode.py). */
 export function runLines(receipt) {
   const lines = [];
   const stages = Array.isArray(receipt.stages) ? receipt.stages : [];
@@ -100,7 +100,7 @@ export function decodeLine(decode) {
   return `VAE: ${decode.mode}, ${decode.tiles} tiles x ${decode.chunks} chunks${shared}${streamed}, ${calls}${fallbacks}`;
 }
 
-/** Free VRAM's before -> after figures (vidmem/nodes/free.py). */
+/** Free VRAM's before -> after figures (nodes/free.py). */
 export function freeLines(report) {
   const lines = [];
   for (const key of Object.keys(report.before ?? {})) {
