@@ -1,5 +1,38 @@
-"""Weight storage: formats below the compute precision, upcast per layer when a layer runs."""
+"""Weight storage: formats below the compute precision, upcast per layer when a layer runs, and
+weights left memory-mapped in their files (the disk tier)."""
 
+from .accounting import FormatCount, StorageReport
+from .apply import assign_weights
+from .errors import StorageError
+from .files import SafetensorsFile, open_safetensors, sniff
 from .formats import FORMATS, StorageFormat, storage_format
+from .gguf_files import GgufFile, open_gguf, supported_gguf_types
+from .mapping import is_file_backed, mapped_bytes
+from .modules import StoredEmbedding, StoredLinear
+from .quantize import quantize
+from .stored import StoredTensor, fold_scaled_fp8
+from .weightfile import open_weights
 
-__all__ = ["FORMATS", "StorageFormat", "storage_format"]
+__all__ = [
+    "FORMATS",
+    "FormatCount",
+    "GgufFile",
+    "SafetensorsFile",
+    "StorageError",
+    "StorageFormat",
+    "StorageReport",
+    "StoredEmbedding",
+    "StoredLinear",
+    "StoredTensor",
+    "assign_weights",
+    "fold_scaled_fp8",
+    "is_file_backed",
+    "mapped_bytes",
+    "open_gguf",
+    "open_safetensors",
+    "open_weights",
+    "quantize",
+    "sniff",
+    "storage_format",
+    "supported_gguf_types",
+]

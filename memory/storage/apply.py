@@ -1,0 +1,227 @@
+"""assign_weights: give a model built on the meta device its weights, stored as the files hold them.
+
+Rules, per tensor of the model (parameters and buffers, by qualified name; tied names share):
+- A plain tensor already in its target dtype is used in place: a file-backed tensor stays in the
+  file's mapping (page cache), nothing is copied.
+- The weight of an `nn.Linear` / `nn.Embedding` that is stored differently from its target dtype
+  (fp8, scaled fp8, GGUF, or a plain wider/narrower float such as a bf16 file run in fp32) stays
+  stored: the layer is swapped for StoredLinear / StoredEmbedding, which upcasts per call.
+- Any other tensor in another dtype (biases, norms, convolutions, modulation tables) is cast once
+  at load, and a quantized one is dequantized once; both are listed in the report, because they
+  are new anonymous memory.
+- The target dtype is `compute_dtype`, or float32 inside modules named in `keep_fp32` (diffusers'
+  `_keep_in_fp32_modules`: a pattern matches a whole dotted component of the name). Integer and
+  bool tensors keep their dtype.
+- A name the model has that `tensors` lacks, or a key `tensors` has that the model lacks, raises
+  StorageError listing them: nothing is dropped silently. A persistent buffer missing from the
+  files is kept as the model computed it (reported), if the model computed it.
+
+Buffers that are not in the files (Wan's rotary tables, position ids) must be computed when the
+model is built: build under `accelerate.init_empty_weights()` (parameters on meta, buffers real,
+as diffusers' own loader does), not under `torch.device("meta")`. A tensor still on meta after
+assignment raises StorageError naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .accounting import Ledger, StorageReport
+from .errors import StorageError
+from .modules import StoredEmbedding, StoredLinear
+from .stored import FP8_DTYPES, StoredTensor, stored_format_of
+
+LISTED = 10  # names shown in an error message
+
+
+@dataclass
+class _Entry:
+    """One tensor of the model and every qualified name it is known by (tied names share one)."""
+
+    names: list[str]
+    is_parameter: bool
+    persistent: bool
+    current: torch.Tensor
+
+
+def assign_weights(
+    module: nn.Module,
+    tensors: Mapping[str, torch.Tensor | StoredTensor],
+    compute_dtype: torch.dtype,
+    keep_fp32: Iterable[str] = (),
+    source: str = "the weights",
+) -> StorageReport:
+    """Fill `module` (built with meta parameters) from `tensors`; returns what was held, how.
+
+    `source` names the file(s) in error messages. `module` is changed in place (parameters and
+    buffers replaced, quantized Linear/Embedding children swapped); on error it is left as is.
+    """
+    entries = _entries(module)
+    _check_keys(entries, tensors, source)
+    keep = tuple(keep_fp32)
+    ledger = Ledger()
+    swaps: list[tuple[_Entry, StoredTensor, torch.dtype]] = []
+    assigned: list[tuple[_Entry, torch.Tensor]] = []
+    for entry in entries:
+        present = [n for n in entry.names if n in tensors]
+        if not present:
+            ledger.kept_computed(entry.names[0], entry.current)
+            continue
+        value = _as_stored(tensors[present[0]])
+        _check_shape(present[0], value, entry.current)
+        target = _target_dtype(entry.names, value, compute_dtype, keep)
+        if isinstance(value, StoredTensor) and _stays_stored(value, target) and _storable(module, entry):
+            swaps.append((entry, value, target))
+        else:
+            assigned.append((entry, _materialise(entry.names[0], value, target, ledger)))
+    for entry, tensor in assigned:
+        _point(module, entry, tensor)
+    for entry, stored, target in swaps:
+        _swap(module, entry, stored, target)
+        ledger.stored(entry.names[0], stored)
+    _check_no_meta(module, source)
+    return ledger.report()
+
+
+def _entries(module: nn.Module) -> list[_Entry]:
+    by_id: dict[int, _Entry] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), _Entry([], True, True, param)).names.append(name)
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        owner_name, _, leaf = name.rpartition(".")
+        persistent = leaf not in module.get_submodule(owner_name)._non_persistent_buffers_set
+        entry = by_id.setdefault(id(buffer), _Entry([], False, persistent, buffer))
+        entry.names.append(name)
+        entry.persistent = entry.persistent and persistent
+    return list(by_id.values())
+
+
+def _check_keys(entries: list[_Entry], tensors: Mapping, source: str) -> None:
+    known = {name for entry in entries for name in entry.names}
+    unexpected = [key for key in tensors if key not in known]
+    missing = [
+        entry.names[0] for entry in entries
+        if not any(n in tensors for n in entry.names) and (entry.is_parameter or entry.current.is_meta)
+    ]
+    if not (missing or unexpected):
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensors the model needs are missing ({_listed(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensors are not part of the model ({_listed(unexpected)})")
+    raise StorageError(
+        f"{source} do not match the model: {'; '.join(parts)}. The file is for another model or "
+        "variant, or uses a key layout vidmem does not know; pick the matching file."
+    )
+
+
+def _check_shape(name: str, value, current: torch.Tensor) -> None:
+    if tuple(value.shape) != tuple(current.shape):
+        raise StorageError(
+            f"'{name}' has shape {list(value.shape)} in the file but {list(current.shape)} in the model; "
+            "the file is for another model size or variant; pick the matching file."
+        )
+
+
+def _listed(names: list[str]) -> str:
+    more = f", and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more
+
+
+def _as_stored(value: torch.Tensor | StoredTensor) -> torch.Tensor | StoredTensor:
+    """fp8 tensors are stored weights even when a caller passes them plain."""
+    if isinstance(value, torch.Tensor) and value.dtype in FP8_DTYPES:
+        return StoredTensor(value, stored_format_of(value.dtype), value.shape)
+    return value
+
+
+def _target_dtype(names: list[str], value, compute_dtype: torch.dtype, keep: tuple[str, ...]) -> torch.dtype | None:
+    """The dtype the model holds this tensor in; None keeps an integer or bool tensor as it is."""
+    if isinstance(value, torch.Tensor) and not value.is_floating_point():
+        return None
+    if any(pattern in name.split(".") for name in names for pattern in keep):
+        return torch.float32
+    return compute_dtype
+
+
+def _stays_stored(value: StoredTensor, target: torch.dtype) -> bool:
+    return value.format.quantized or value.scale is not None or value.format.torch_dtype != target
+
+
+def _storable(root: nn.Module, entry: _Entry) -> bool:
+    """A Linear or Embedding weight (every owner of a tied one) can stay stored."""
+    if not entry.is_parameter:
+        return False
+    owners = [_owner(root, name) for name in entry.names]
+    kinds = {type(m) for m, leaf in owners if leaf == "weight"}
+    if len(kinds) != 1 or any(leaf != "weight" for _, leaf in owners):
+        return False
+    kind = kinds.pop()
+    return issubclass(kind, (nn.Linear, nn.Embedding))
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    prefix, _, leaf = name.rpartition(".")
+    return root.get_submodule(prefix), leaf
+
+
+def _materialise(name: str, value, target: torch.dtype | None, ledger: Ledger) -> torch.Tensor:
+    """The plain tensor the model will hold: in place when possible, else a counted copy."""
+    if isinstance(value, StoredTensor):
+        if not _stays_stored(value, target):
+            value = value.data  # a plain format already in the target dtype
+        else:
+            tensor = value.dequantize(target)
+            ledger.copied(name, tensor, "dequantized")
+            return tensor
+    if target is None or value.dtype == target:
+        ledger.held(name, value)
+        return value
+    tensor = value.to(target)
+    ledger.copied(name, tensor, "cast")
+    return tensor
+
+
+def _point(root: nn.Module, entry: _Entry, tensor: torch.Tensor) -> None:
+    shared = nn.Parameter(tensor, requires_grad=False) if entry.is_parameter else tensor
+    for name in entry.names:
+        owner, leaf = _owner(root, name)
+        if entry.is_parameter:
+            owner._parameters[leaf] = shared
+        else:
+            owner._buffers[leaf] = shared
+
+
+def _swap(root: nn.Module, entry: _Entry, stored: StoredTensor, target: torch.dtype) -> None:
+    """Replace every owner of a stored weight by its Stored* twin, at every path it appears."""
+    paths: dict[int, list[tuple[nn.Module, str]]] = {}
+    for path, child in root.named_modules(remove_duplicate=False):
+        if path:
+            parent, _, leaf = path.rpartition(".")
+            paths.setdefault(id(child), []).append((root.get_submodule(parent), leaf))
+    owners = {id(m): m for m, _ in (_owner(root, name) for name in entry.names)}
+    for key, owner in owners.items():
+        twin = _twin(owner, stored, target)
+        for parent, leaf in paths.get(key, []):
+            setattr(parent, leaf, twin)
+
+
+def _twin(owner: nn.Module, stored: StoredTensor, target: torch.dtype) -> nn.Module:
+    if isinstance(owner, nn.Linear):
+        return StoredLinear(stored, owner.bias, target)
+    return StoredEmbedding(stored, target, owner.padding_idx, owner.max_norm)
+
+
+def _check_no_meta(module: nn.Module, source: str) -> None:
+    left = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if left:
+        raise StorageError(
+            f"after loading {source}, {_listed(left)} are still on the meta device: they are not in the "
+            "files and were not computed when the model was built. Build the model under "
+            "accelerate.init_empty_weights() (buffers stay real) instead of torch.device('meta')."
+        )

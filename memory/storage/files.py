@@ -1,0 +1,145 @@
+"""Weight files by content: safetensors and GGUF, memory-mapped, never unpickled.
+
+`sniff` decides a file's kind from its first bytes and header, never from its name: a pickle
+renamed `.safetensors` is refused before anything parses it. `open_safetensors` maps the file and
+gives every tensor as a zero-copy view of the mapping (the disk tier: page cache, no anonymous
+copy); `open_gguf` (gguf_files.py) does the same for GGUF files.
+
+Example:
+    weights = open_weights("wan2.1_t2v_1.3B_fp8_e4m3fn_scaled.safetensors")
+    tensors = fold_scaled_fp8(weights.tensors)   # "<layer>.weight" -> StoredTensor with its scale
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+
+from .errors import StorageError
+from .mapping import map_file
+
+GGUF_MAGIC = b"GGUF"
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip of pickles
+PICKLE_PROTOCOL = 0x80  # the first byte of a pickle of protocol 2 or later (legacy torch.save)
+MAX_HEADER_BYTES = 100 * (1 << 20)  # the safetensors library's own limit
+
+# The safetensors dtype names torch can hold (safetensors/torch.py's table).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
+}
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """An opened safetensors file: tensors are read-only-in-spirit views of its mapping."""
+
+    path: Path
+    tensors: Mapping[str, torch.Tensor]
+    metadata: Mapping[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def sniff(path: str | os.PathLike) -> str:
+    """"safetensors" or "gguf", decided by the file's content; StorageError for anything else."""
+    path = Path(path)
+    size = _size(path)
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    if head[:4] == GGUF_MAGIC:
+        return "gguf"
+    _refuse_pickles(path, head)
+    _safetensors_header(path, size)  # raises unless the header is consistent with the file
+    return "safetensors"
+
+
+def open_safetensors(path: str | os.PathLike) -> SafetensorsFile:
+    """Map `path` and view each tensor in place (zero-copy); StorageError if it is not a valid file."""
+    path = Path(path)
+    size = _size(path)
+    with open(path, "rb") as handle:
+        _refuse_pickles(path, handle.read(8))
+    header, data_start = _safetensors_header(path, size)
+    metadata = header.pop("__metadata__", None) or {}
+    mapping, _whole = map_file(path)
+    tensors = {name: _view(mapping, entry, data_start) for name, entry in header.items()}
+    return SafetensorsFile(path, MappingProxyType(tensors), MappingProxyType(dict(metadata)))
+
+
+def _view(mapping, entry: dict, data_start: int) -> torch.Tensor:
+    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+    begin, end = entry["data_offsets"]
+    shape = entry["shape"]
+    if end == begin:  # torch.frombuffer refuses empty buffers
+        return torch.empty(shape, dtype=dtype)
+    count = (end - begin) // dtype.itemsize
+    return torch.frombuffer(mapping, dtype=dtype, count=count, offset=data_start + begin).reshape(shape)
+
+
+def _size(path: Path) -> int:
+    if not path.is_file():
+        raise StorageError(f"{path}: no such file; check the path (and the model folder it was listed from).")
+    return path.stat().st_size
+
+
+def _refuse_pickles(path: Path, head: bytes) -> None:
+    if head[:4] == ZIP_MAGIC or head[:1] == bytes([PICKLE_PROTOCOL]):
+        raise StorageError(
+            f"{path} is a PyTorch pickle (torch.save output); vidmem never unpickles files because "
+            "a pickle can run arbitrary code. Convert it to .safetensors (safetensors.torch.save_file) "
+            "or use a .safetensors / .gguf release of the model."
+        )
+
+
+def _safetensors_header(path: Path, size: int) -> tuple[dict, int]:
+    """The parsed header and the offset where tensor data starts, checked against the file size."""
+    bad = f"{path} is not a safetensors or GGUF file"
+    if size < 8:
+        raise StorageError(f"{bad}: it is only {size} bytes long (an empty or interrupted download?); download it again.")
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise StorageError(f"{bad} (or it is truncated): its first 8 bytes announce a {length}-byte header in a {size}-byte file; download it again or convert it to .safetensors.")
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise StorageError(f"{bad}: its header is not JSON ({error}); download it again or convert it to .safetensors.") from None
+    if not isinstance(header, dict):
+        raise StorageError(f"{bad}: its header is not a JSON object; download it again or convert it to .safetensors.")
+    data_start = 8 + length
+    for name, entry in header.items():
+        if name != "__metadata__":
+            _check_entry(path, name, entry, size - data_start)
+    return header, data_start
+
+
+def _check_entry(path: Path, name: str, entry: object, data_bytes: int) -> None:
+    if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= entry.keys()):
+        raise StorageError(f"{path}: header entry '{name}' lacks dtype/shape/data_offsets; the file is damaged or not safetensors; download it again.")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in SAFETENSORS_DTYPES:
+        raise StorageError(f"{path}: tensor '{name}' has dtype {dtype!r}, which vidmem cannot read; supported: {', '.join(SAFETENSORS_DTYPES)}. Re-save the file in one of them.")
+    valid_shape = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+    valid_offsets = isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    if not (valid_shape and valid_offsets) or not 0 <= offsets[0] <= offsets[1]:
+        raise StorageError(f"{path}: tensor '{name}' has a malformed shape {shape!r} or data_offsets {offsets!r}; the file is damaged; download it again.")
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if offsets[1] - offsets[0] != numel * SAFETENSORS_DTYPES[dtype].itemsize:
+        raise StorageError(f"{path}: tensor '{name}' ({dtype} {shape}) does not match its {offsets[1] - offsets[0]} data bytes; the file is damaged; download it again.")
+    if offsets[1] > data_bytes:
+        raise StorageError(f"{path} is truncated: tensor '{name}' ends at data byte {offsets[1]} but the file holds only {data_bytes} bytes of data (an interrupted download?); download it again.")

@@ -1,0 +1,73 @@
+"""Memory-mapped weight files, and which tensors live in one (the "disk tier").
+
+A mapped tensor's bytes are the page cache's: the kernel reads them from the file on first touch
+and may drop them again under memory pressure, so a model larger than RAM still runs. Nothing is
+copied into anonymous memory until something writes to a tensor or casts it.
+
+Mappings are copy-on-write (MAP_PRIVATE): a stray in-place write on a weight makes a private
+copy of the pages it touches instead of crashing the process (a read-only mapping would SIGSEGV)
+or changing the file on disk.
+
+`is_file_backed` answers from a registry of the address ranges of live mappings. Address ranges
+are a property of the process, so this registry is the one piece of process-wide state in the
+engine; entries leave it when their mapping is unmapped (weakref finalizers). Its answer is a hint
+for how to copy a tensor to the device (stage it, or pin it): a wrong answer costs RAM or speed,
+never correctness.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+
+_lock = threading.Lock()
+_ranges: dict[int, tuple[int, int]] = {}  # key -> (first address, end address) of a live mapping
+_next_key = 0
+
+
+def map_file(path: Path) -> tuple[mmap.mmap, torch.Tensor]:
+    """A copy-on-write mapping of the whole file and a uint8 tensor over it (zero-copy).
+
+    The returned tensor and every view made from it (or with `torch.frombuffer` on the mapping)
+    keep the mapping alive; the mapping is unmapped when the last of them is gone.
+    """
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    register_range(whole.data_ptr(), whole.numel(), mapping)
+    return mapping, whole
+
+
+def register_range(start: int, nbytes: int, owner: object) -> None:
+    """Record that [start, start + nbytes) is file-backed for as long as `owner` lives."""
+    global _next_key
+    with _lock:
+        key = _next_key
+        _next_key += 1
+        _ranges[key] = (start, start + nbytes)
+    weakref.finalize(owner, _forget, key)
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        _ranges.pop(key, None)
+
+
+def is_file_backed(tensor: torch.Tensor) -> bool:
+    """True when every byte of `tensor` lies inside a live file mapping (on the host)."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    storage = tensor.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    with _lock:
+        return any(first <= start and end <= last for first, last in _ranges.values())
+
+
+def mapped_bytes() -> int:
+    """Bytes of all live file mappings (address space, not RAM: pages load on first touch)."""
+    with _lock:
+        return sum(last - first for first, last in _ranges.values())

@@ -1,0 +1,156 @@
+"""StoredTensor: a weight kept in its storage format, dequantized to the compute dtype on demand.
+
+Dequantization is deterministic and device-independent: fp8 widens exactly; scaled fp8 and GGUF
+are computed in float32 (one IEEE multiply per value for scaled fp8, diffusers' torch port of
+ggml's block formulas for GGUF) and rounded once to the compute dtype. The same stored tensor
+therefore always gives the same bits, on the CPU and on a GPU. The cost is a float32 temporary
+of one layer's weight while it is being upcast (4 bytes per weight, freed as soon as the layer's
+matmul is queued).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from .errors import StorageError
+from .formats import FORMATS, StorageFormat
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True, eq=False)
+class StoredTensor:
+    """A weight as stored: `data` in `format`, meaning a tensor of `shape` once dequantized.
+
+    Layouts: plain and fp8 formats hold `data` with the logical shape in the stored dtype;
+    GGUF formats hold raw blocks as uint8 `[*shape[:-1], row_bytes]` (ggml blocks run along the
+    last dimension, so rows are independent). `scale` is the per-tensor float32 scale of scaled
+    fp8 (broadcastable to `shape`), else None.
+    """
+
+    data: torch.Tensor
+    format: StorageFormat
+    shape: torch.Size
+    scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", torch.Size(self.shape))
+        problem = self._layout_problem()
+        if problem:
+            raise StorageError(f"StoredTensor({self.format.name}, shape {list(self.shape)}): {problem}")
+
+    def __repr__(self) -> str:
+        scale = ", scaled" if self.scale is not None else ""
+        return f"StoredTensor({self.format.name}, shape={list(self.shape)}{scale}, {self.data.device})"
+
+    @property
+    def nbytes(self) -> int:
+        scale = self.scale.numel() * self.scale.element_size() if self.scale is not None else 0
+        return self.data.numel() * self.data.element_size() + scale
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def dequantize(self, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+        """The weight as a `dtype` tensor of `shape` on `device` (default: where `data` is)."""
+        data = self.data if device is None else self.data.to(device)
+        if self.format.gguf_type is not None:
+            return _dequantize_gguf(data, self.format, self.shape).to(dtype)
+        if self.scale is None:
+            return data.to(dtype)
+        scale = self.scale.to(device=data.device, dtype=torch.float32)
+        return (data.to(torch.float32) * scale).to(dtype)
+
+    def select_rows(self, index: torch.Tensor) -> "StoredTensor":
+        """The rows `index` of dimension 0 (an embedding lookup), still stored: dequantize only those."""
+        if len(self.shape) != 2 or self.data.shape[0] != self.shape[0] or (self.scale is not None and self.scale.numel() != 1):
+            raise StorageError(f"{self!r}: row selection needs a 2-D tensor stored row by row, with at most a per-tensor scale.")
+        rows = self.data.index_select(0, index.reshape(-1).to(self.data.device))
+        return StoredTensor(rows, self.format, (rows.shape[0], self.shape[1]), self.scale)
+
+    def _layout_problem(self) -> str | None:
+        fmt, data = self.format, self.data
+        if fmt.scaled != (self.scale is not None):
+            return "a scaled format needs a scale, and only a scaled format takes one"
+        if self.scale is not None:
+            try:
+                torch.broadcast_shapes(self.scale.shape, self.shape)
+            except RuntimeError:
+                return f"its scale of shape {list(self.scale.shape)} does not broadcast to the weight"
+        if fmt.gguf_type is None:
+            expected = FP8_DTYPES if fmt.scaled else (fmt.torch_dtype,)  # Comfy also scales e5m2
+            if data.dtype not in expected or data.shape != self.shape:
+                return f"data is {data.dtype} {list(data.shape)}, expected {fmt.torch_dtype} {list(self.shape)}"
+            return None
+        if data.dtype != torch.uint8:
+            return f"GGUF data must be raw uint8 blocks, got {data.dtype}"
+        if not self.shape or self.shape[-1] % fmt.block_size:
+            return f"the last dimension must be a multiple of the {fmt.block_size}-weight block"
+        if data.numel() != fmt.stored_bytes(self.numel):
+            return f"{data.numel()} data bytes, expected {fmt.stored_bytes(self.numel)}"
+        return None
+
+
+def _dequantize_gguf(data: torch.Tensor, fmt: StorageFormat, shape: torch.Size) -> torch.Tensor:
+    """diffusers' torch port of ggml's dequantization, in float32, on `data`'s device."""
+    import gguf  # imported here: the planner CLI never needs diffusers or gguf
+    from diffusers.quantizers.gguf.utils import dequantize_functions
+
+    qtype = gguf.GGMLQuantizationType[fmt.gguf_type]
+    blocks = data.reshape(-1, fmt.block_bytes)
+    values = dequantize_functions[qtype](blocks, fmt.block_size, fmt.block_bytes, dtype=torch.float32)
+    return values.reshape(shape)
+
+
+def stored_format_of(dtype: torch.dtype, scaled: bool = False) -> StorageFormat:
+    """The storage format of a plain or fp8 tensor of `dtype` (scaled: Comfy-Org's fp8 scaled)."""
+    if scaled:
+        if dtype not in FP8_DTYPES:
+            raise StorageError(f"a scaled fp8 weight must be float8_e4m3fn or float8_e5m2, got {dtype}.")
+        return FORMATS["fp8_scaled"]
+    for fmt in FORMATS.values():
+        if fmt.torch_dtype == dtype and not fmt.scaled:
+            return fmt
+    raise StorageError(f"dtype {dtype} is not a weight storage format; supported: {', '.join(FORMATS)}.")
+
+
+SCALE_SUFFIXES = ("scale_weight", "weight_scale")  # Comfy's scaled_fp8 files; its newer quant layout
+MARKER_KEYS = ("scaled_fp8",)  # a marker tensor (its dtype names the fp8 type), not a weight
+DROPPED_SUFFIXES = ("scale_input", "input_scale")  # activation scales for fp8 matmul; upcasting ignores them
+
+
+def fold_scaled_fp8(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | StoredTensor]:
+    """Tensors with Comfy-Org's fp8 scales folded in: `<layer>.weight` + `<layer>.scale_weight`
+    become one StoredTensor("fp8_scaled"); fp8 weights without a scale become fp8 StoredTensors.
+
+    The `scaled_fp8` marker and activation scales (`scale_input`, only used by fp8 matmul
+    kernels) are dropped; every other tensor is returned as is (same objects, no copy).
+    """
+    out: dict[str, torch.Tensor | StoredTensor] = {}
+    scales = {}
+    for name, tensor in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in SCALE_SUFFIXES:
+            scales[f"{prefix}.weight" if prefix else "weight"] = (name, tensor)
+    for name, tensor in tensors.items():
+        leaf = name.rpartition(".")[2]
+        if name in MARKER_KEYS or leaf in DROPPED_SUFFIXES or leaf in SCALE_SUFFIXES:
+            continue
+        if name in scales:
+            scale = scales[name][1].to(torch.float32)
+            if tensor.dtype in FP8_DTYPES:
+                out[name] = StoredTensor(tensor, FORMATS["fp8_scaled"], tensor.shape, scale)
+            else:  # a scale on a wider weight: apply it once (Comfy does the same at load)
+                out[name] = (tensor.to(torch.float32) * scale).to(tensor.dtype)
+        elif tensor.dtype in FP8_DTYPES:
+            out[name] = StoredTensor(tensor, stored_format_of(tensor.dtype), tensor.shape)
+        else:
+            out[name] = tensor
+    orphans = [scales[w][0] for w in scales if w not in tensors]
+    if orphans:
+        raise StorageError(f"scale tensors without a weight: {', '.join(orphans[:10])}; the file is damaged or in a layout vidmem does not know.")
+    return out

@@ -1,0 +1,232 @@
+"""Weight files by content: safetensors and GGUF are mapped in place; pickles and damaged files
+are refused, with messages that name the file and the fix, before anything is unpickled."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vidmem.memory.storage import (
+    FORMATS,
+    StorageError,
+    StoredTensor,
+    is_file_backed,
+    open_gguf,
+    open_safetensors,
+    open_weights,
+    quantize,
+    sniff,
+)
+
+ALL_SAFETENSORS_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                          torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    """Any attempt to unpickle fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("something tried to unpickle a file")
+
+    class Refusing(pickle.Unpickler):
+        def __init__(self, *args, **kwargs):
+            refuse()
+
+    monkeypatch.setattr(pickle, "Unpickler", Refusing)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def write_gguf(path, tensors: dict, metadata: dict | None = None) -> None:
+    """tensors: name -> numpy float array, or (raw uint8 blocks, GGMLQuantizationType)."""
+    writer = gguf.GGUFWriter(path, "wan")
+    for key, value in (metadata or {}).items():
+        writer.add_array(key, value) if isinstance(value, list) else writer.add_string(key, value)
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            writer.add_tensor(name, value[0], raw_dtype=value[1])
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".sft", ".gguf", ".ckpt"])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_pickles_are_refused_before_any_unpickling(tmp_path, suffix, legacy, no_unpickling):
+    path = tmp_path / f"model{suffix}"
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=not legacy)
+    for opener in (sniff, open_safetensors, open_gguf, open_weights):
+        with pytest.raises(StorageError, match="pickle.*never unpickles.*safetensors") as caught:
+            opener(path)
+        assert str(path) in str(caught.value)
+
+
+def test_every_safetensors_dtype_is_a_zero_copy_view_of_the_mapping(tmp_path):
+    tensors = {f"t{i}": (torch.rand(3, 5) * 100).to(dtype) for i, dtype in enumerate(ALL_SAFETENSORS_DTYPES)}
+    tensors["empty"] = torch.zeros(0, 4)
+    path = tmp_path / "all.weights"  # no extension to go by
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert sniff(path) == "safetensors"
+    opened = open_safetensors(path)
+    assert dict(opened.metadata) == {"format": "pt"}
+    whole = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    for name, tensor in tensors.items():
+        got = opened.tensors[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape
+        assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)) if got.numel() else True
+        if got.numel():
+            assert is_file_backed(got), name
+    assert not is_file_backed(torch.ones(10))
+    assert whole.numel() == path.stat().st_size
+
+
+def test_writing_a_mapped_tensor_never_reaches_the_file(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.zeros(16)}, path)
+    before = path.read_bytes()
+    opened = open_safetensors(path)
+    opened.tensors["w"].add_(1)  # copy-on-write: private pages, no crash, file unchanged
+    assert path.read_bytes() == before
+    assert torch.equal(open_safetensors(path).tensors["w"], torch.zeros(16))
+
+
+def header_file(tmp_path, header: dict, data: bytes) -> str:
+    raw = json.dumps(header).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "header, data, message",
+    [
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "truncated"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, b"\0" * 16, "does not match its 12 data bytes"),
+        ({"w": {"dtype": "Q9", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 16, "dtype 'Q9'"),
+        ({"w": {"shape": [4]}}, b"", "lacks dtype/shape/data_offsets"),
+        ({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, b"\0" * 16, "malformed"),
+    ],
+)
+def test_bad_safetensors_headers_name_the_file_and_the_fix(tmp_path, header, data, message):
+    path = header_file(tmp_path, header, data)
+    with pytest.raises(StorageError, match=message) as caught:
+        open_weights(path)
+    assert str(path) in str(caught.value) and "download it again" in str(caught.value) or "Re-save" in str(caught.value)
+
+
+@pytest.mark.parametrize("content", [b"", b"abc", b"\xff" * 64, struct.pack("<Q", 10**12) + b"{}", struct.pack("<Q", 2) + b"[]"])
+def test_anything_else_is_refused(tmp_path, content):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(StorageError, match=str(path)):
+        sniff(path)
+
+
+def test_a_truncated_safetensors_file_is_refused(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(100), "b": torch.ones(100)}, path)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(StorageError, match="truncated"):
+        open_safetensors(path)
+
+
+GGUF_TYPES = [f for f in FORMATS.values() if f.gguf_type]
+
+
+def random_blocks(fmt, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid random blocks of any GGUF type: random bytes with sane fp16 scale fields."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // fmt.block_size, fmt.block_bytes), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.1, size=(blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if fmt.gguf_type == "Q6_K":  # d is the block's last two bytes
+        blocks[:, -2:] = scales[:, :2]
+    else:  # d (and dmin / m) lead the block
+        width = 4 if fmt.gguf_type in ("Q4_K", "Q5_K", "Q4_1", "Q5_1") else 2
+        blocks[:, :width] = scales[:, :width]
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("fmt", GGUF_TYPES, ids=lambda f: f.name)
+def test_gguf_tensors_dequantize_like_the_gguf_reference(tmp_path, fmt):
+    qtype = gguf.GGMLQuantizationType[fmt.gguf_type]
+    blocks = random_blocks(fmt, 6, 512)
+    write_gguf(tmp_path / "m.gguf", {"q": (blocks, qtype), "f": np.arange(12, dtype=np.float32).reshape(3, 4)})
+    opened = open_weights(tmp_path / "m.gguf")
+    stored = opened.tensors["q"]
+    assert isinstance(stored, StoredTensor) and stored.format is fmt and stored.shape == (6, 512)
+    assert is_file_backed(stored.data)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+    assert torch.equal(stored.dequantize(torch.float32), reference)
+    assert torch.equal(stored.dequantize(torch.bfloat16), reference.to(torch.bfloat16))
+    assert torch.equal(opened.tensors["f"], torch.arange(12.0).reshape(3, 4))
+    rows = torch.tensor([4, 0, 4])
+    assert torch.equal(stored.select_rows(rows).dequantize(torch.float32), reference[rows])
+
+
+def test_gguf_shapes_and_plain_types(tmp_path):
+    x = np.random.default_rng(1).standard_normal((2, 3, 64)).astype(np.float32)
+    write_gguf(
+        tmp_path / "m.gguf",
+        {"f16": x.astype(np.float16), "bf16": (gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16),
+         "flat": x.reshape(6, 64)},
+        {"comfy.gguf.orig_shape.flat": [2, 3, 64]},
+    )
+    opened = open_gguf(tmp_path / "m.gguf")
+    assert opened.tensors["f16"].shape == (2, 3, 64) and opened.tensors["f16"].dtype == torch.float16
+    assert opened.tensors["bf16"].dtype == torch.bfloat16
+    assert torch.equal(opened.tensors["bf16"], torch.from_numpy(x).to(torch.bfloat16))
+    assert opened.tensors["flat"].shape == (2, 3, 64)
+    assert opened.metadata["general.architecture"] == "wan"
+
+
+def test_unsupported_gguf_types_are_named_with_the_supported_ones(tmp_path):
+    qtype = gguf.GGMLQuantizationType.Q2_K
+    blocks = np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    write_gguf(tmp_path / "m.gguf", {"w": (blocks, qtype)})
+    with pytest.raises(StorageError, match=r"GGUF type Q2_K.*supported: F32, F16, BF16, Q8_0.*Q4_K"):
+        open_gguf(tmp_path / "m.gguf")
+
+
+def test_a_truncated_gguf_is_refused(tmp_path):
+    write_gguf(tmp_path / "m.gguf", {"w": np.ones((64, 64), dtype=np.float32)})
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "m.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(StorageError, match="damaged or truncated GGUF.*download it again"):
+        open_weights(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3fn", "fp8_e5m2", "fp8_scaled", "gguf_q8_0", "gguf_q4_0", "bf16"])
+def test_quantize_round_trips_within_the_format_error(name):
+    x = torch.randn(8, 64) * 3
+    stored = quantize(x, name)
+    assert stored.format is FORMATS[name] and stored.shape == x.shape
+    error = (stored.dequantize(torch.float32) - x).abs().max() / x.abs().max()
+    assert 0 < error < 0.15
+    assert torch.equal(stored.dequantize(torch.float32), stored.dequantize(torch.float32))
+
+
+def test_scaled_fp8_uses_the_whole_fp8_range():
+    x = torch.randn(4, 32) * 1e-3  # far below fp8's normal range without a scale
+    stored = quantize(x, "fp8_scaled")
+    assert stored.scale.shape == () and stored.scale.dtype == torch.float32
+    assert stored.data.to(torch.float32).abs().max() == 448
+    assert (stored.dequantize(torch.float32) - x).abs().max() < 1e-4
+    plain = quantize(x, "fp8_e4m3fn")
+    assert (plain.dequantize(torch.float32) - x).abs().max() > (stored.dequantize(torch.float32) - x).abs().max()
+
+
+def test_k_quants_cannot_be_made_here_and_say_so():
+    with pytest.raises(StorageError, match="gguf_q4_k.*pre-quantized|already quantized"):
+        quantize(torch.randn(2, 256), "gguf_q4_k")
