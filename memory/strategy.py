@@ -7,8 +7,10 @@ node, the CLI and the engine all report bad input the same way. Checks that need
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
+from numbers import Integral, Real
 
 
 class StrategyError(ValueError):
@@ -46,6 +48,8 @@ class VaeTiling:
     temporal_overlap: int = 8
 
     def __post_init__(self) -> None:
+        for name in ("tile_size", "overlap", "temporal_size", "temporal_overlap"):
+            _check_int(name, getattr(self, name))
         _check_range("tile_size", self.tile_size, *TILE_SIZE_RANGE)
         _check_range("temporal_size", self.temporal_size, *TEMPORAL_SIZE_RANGE)
         _check_multiple("tile_size", self.tile_size, 32)
@@ -82,6 +86,14 @@ class MemoryStrategy:
         object.__setattr__(
             self, "text_encoder", _parse_enum(TextEncoderPlacement, self.text_encoder, "text_encoder")
         )
+        _check_int("blocks_to_swap", self.blocks_to_swap)
+        _check_int("prefetch_blocks", self.prefetch_blocks)
+        for name in ("non_blocking", "vae_slicing"):
+            _check_bool(name, getattr(self, name))
+        if self.max_pinned_ram_gb is not None:
+            _check_finite("max_pinned_ram_gb", self.max_pinned_ram_gb, "leave it unset for the automatic ceiling")
+        if self.vae_tiling is not None and not isinstance(self.vae_tiling, VaeTiling):
+            raise StrategyError(f"vae_tiling={self.vae_tiling!r} must be a VaeTiling or None (no tiling).")
         if self.blocks_to_swap < 0:
             raise StrategyError(f"blocks_to_swap={self.blocks_to_swap} must be 0 or more.")
         if self.offload is OffloadTier.BLOCK_SWAP and self.blocks_to_swap == 0:
@@ -135,6 +147,26 @@ def _parse_enum(enum_type: type[Enum], value: object, name: str) -> Enum:
     except ValueError:
         accepted = ", ".join(repr(m.value) for m in enum_type)
         raise StrategyError(f"{name}={value!r} is not one of {accepted}.") from None
+
+
+def _check_int(name: str, value: object) -> None:
+    """Whole numbers only: 2.5 blocks, True blocks or '4' blocks are typing mistakes, not values."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise StrategyError(f"{name}={value!r} must be a whole number (got {type(value).__name__}).")
+
+
+def _check_bool(name: str, value: object) -> None:
+    """True/False (or 1/0); a string such as "false" would otherwise count as true."""
+    if not (isinstance(value, Integral) and value in (0, 1)):
+        raise StrategyError(f"{name}={value!r} must be true or false (got {type(value).__name__}).")
+
+
+def _check_finite(name: str, value: object, fix: str) -> None:
+    """NaN and infinity pass every `<` check silently and then fail deep in the engine: refuse them here."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise StrategyError(f"{name}={value!r} must be a number (got {type(value).__name__}); {fix}.")
+    if not math.isfinite(value):
+        raise StrategyError(f"{name}={value} is not a finite number; give a number such as 4, or {fix}.")
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:

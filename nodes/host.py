@@ -186,3 +186,34 @@ def latents_folder() -> Path:
     """ComfyUI's output/latents (where core Save Latent writes); ./output/latents without ComfyUI."""
     root = Path(folder_paths.get_output_directory()) if folder_paths is not None else Path.cwd() / "output"
     return root / "latents"
+
+
+PROMPT_CACHE_ENV = "VIDMEM_CACHE_DIR"  # outside ComfyUI: where vidmem caches (prompt embeddings, ...)
+
+
+def prompt_cache_folder(explicit: str | os.PathLike | None = None) -> Path:
+    """Where prompt embeddings are cached (vidmem.pipelines.prompt_cache.PromptCache's folder).
+
+    `explicit` wins. Inside ComfyUI: a system-user folder under its user directory
+    (`user/__vidmem/prompt_embeddings`): it survives restarts, unlike the temp folder ComfyUI
+    empties at every start, and ComfyUI serves no `__` folder over HTTP. Without ComfyUI:
+    $VIDMEM_CACHE_DIR, else the OS cache folder (~/.cache/vidmem, ~/Library/Caches/vidmem,
+    %LOCALAPPDATA%\\vidmem).
+    """
+    if explicit:
+        return Path(explicit).expanduser()
+    if folder_paths is not None:
+        system_folder = getattr(folder_paths, "get_system_user_directory", None)
+        root = Path(system_folder("vidmem")) if system_folder else Path(folder_paths.get_user_directory()) / "__vidmem"
+        return root / "prompt_embeddings"
+    if os.environ.get(PROMPT_CACHE_ENV):
+        return Path(os.environ[PROMPT_CACHE_ENV]).expanduser() / "prompt_embeddings"
+    return _os_cache_root() / "vidmem" / "prompt_embeddings"
+
+
+def _os_cache_root() -> Path:
+    if sys.platform == "win32":
+        return Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

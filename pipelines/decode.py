@@ -14,7 +14,7 @@ from ..memory.cleanup import free_memory
 from ..memory.vae import Decode, DecodeReport, Prepare, Streaming, VaeGeometry, decode_with_fallback
 from ..memory.offload import device_weight_bytes
 from .family import FamilySpec, ModelError
-from .hooks import RunHooks
+from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .loader import LoadedPipeline
 from .planning import decode_overrun
 
@@ -34,15 +34,28 @@ def latent_channels(pipe) -> int:
 
 
 def validate_latent(loaded: LoadedPipeline, latent: dict) -> torch.Tensor:
-    """The LATENT must be this pipeline's: 5-D [B, C, T, h, w], its VAE's channels, its family."""
-    samples = latent.get("samples") if isinstance(latent, dict) else None
-    if not isinstance(samples, torch.Tensor) or samples.ndim != 5:
-        shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+    """The LATENT must be this pipeline's: 5-D [B, C, T, h, w], finite, its VAE's channels, its family."""
+    if not isinstance(latent, dict):
         raise ModelError(
-            f"latent samples {shape} are not a video latent [batch, channels, frames, height, width]; "
-            "connect the LATENT from a VidMem Video Sampler."
+            f"the latent input is a {type(latent).__name__}, not a LATENT; connect the LATENT output of a "
+            "VidMem Video Sampler or of core Load Latent."
         )
-    origin = latent.get("vidmem", {}).get("family")
+    samples = latent.get("samples")
+    if not isinstance(samples, torch.Tensor):
+        found = "no 'samples'" if samples is None else f"'samples' of type {type(samples).__name__}"
+        raise ModelError(
+            f"the LATENT has {found} (keys: {', '.join(map(str, latent)) or 'none'}), so it is not a video latent; "
+            "connect the LATENT from a VidMem Video Sampler or core Load Latent."
+        )
+    if samples.ndim != 5 or samples.numel() == 0:
+        raise ModelError(
+            f"latent samples {tuple(samples.shape)} are not a video latent [batch, channels, frames, height, width]; "
+            "connect the LATENT from a VidMem Video Sampler (an image model's 4-D latent cannot be decoded here)."
+        )
+    if not samples.is_floating_point():
+        raise ModelError(f"latent samples have dtype {samples.dtype}; a video latent holds floating-point values.")
+    metadata = latent.get("vidmem")
+    origin = metadata.get("family") if isinstance(metadata, dict) else None
     if origin is not None and origin != loaded.spec.name:
         raise ModelError(f"latent came from a {origin} model but the pipeline is {loaded.spec.name}; decode it with the {origin} pipeline.")
     expected = latent_channels(loaded.pipe)
@@ -50,6 +63,12 @@ def validate_latent(loaded: LoadedPipeline, latent: dict) -> torch.Tensor:
         raise ModelError(
             f"latent has {samples.shape[1]} channels but {loaded.describe()} decodes {expected}; "
             "decode with the pipeline that sampled it."
+        )
+    if not torch.isfinite(samples).all():
+        bad = int((~torch.isfinite(samples)).sum())
+        raise ModelError(
+            f"latent contains {bad} NaN or infinite values; decoding would give NaN frames. "
+            "Sample it again (check cfg and the sampler's inputs) or load a saved latent that is intact."
         )
     return samples
 
@@ -99,7 +118,9 @@ def decode(
         hooks.check_interrupt()
 
     decode_piece, prepare = vae_decoder(loaded.spec, vae)
-    with apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
+    # Cancel is checked between pieces (on_step) and, inside a piece, before each VAE block.
+    with interrupt_checks(outer_blocks(vae), hooks.check_interrupt), \
+            apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
         handle.activate("vae")
 
         def decode_on_cpu():

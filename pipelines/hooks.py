@@ -1,17 +1,62 @@
-"""RunHooks: how a sampling or decoding run talks to its host (ComfyUI, the CLI, a test)."""
+"""RunHooks: how a sampling or decoding run talks to its host (ComfyUI, the CLI, a test).
+
+Cancel takes effect within one block: `interrupt_checks` puts the host's interrupt check in
+front of every transformer block (and text-encoder block) for the length of one call, so a
+Cancel pressed mid-step stops the run before the next block starts, not a whole step later.
+"""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
+from torch import nn
+
+from .prompt_cache import PromptCache
 
 
 @dataclass(frozen=True)
 class RunHooks:
-    """Per-step progress, an interrupt check that raises, and a request to free device memory."""
+    """Per-step progress, an interrupt check that raises, a request to free device memory, and
+    where prompt embeddings are cached (None: encode every time)."""
 
     on_step: Callable[[int, int], None] = lambda step, total: None
     check_interrupt: Callable[[], None] = lambda: None
     make_room: Callable[[int, torch.device], None] = lambda nbytes, device: None  # before the first onload
+    prompt_cache: PromptCache | None = None
+
+
+def outer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The items of a module's outermost ModuleLists (T5's `encoder.block`, CLIP's `encoder.layers`).
+
+    Inner lists (a T5 block's `layer`) are not descended into: one check per block is enough.
+    """
+    found: list[nn.Module] = []
+    pending = list(module.children())
+    while pending:
+        child = pending.pop(0)
+        if isinstance(child, nn.ModuleList):
+            found.extend(child)
+        else:
+            pending.extend(child.children())
+    return found
+
+
+@contextmanager
+def interrupt_checks(blocks: Iterable[nn.Module], check_interrupt: Callable[[], None]) -> Iterator[None]:
+    """Call `check_interrupt()` before each block's forward, for the length of the `with`.
+
+    The check is prepended, so it runs before any streaming hook would onload the block it
+    stops; raising from it unwinds the caller's `with apply_strategy(...)`, which restores every
+    weight. The hooks are removed in `finally`, on success, error or cancel alike.
+    """
+    handles = []
+    try:
+        for block in blocks:
+            handles.append(block.register_forward_pre_hook(lambda module, args: check_interrupt(), prepend=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -7,8 +7,11 @@ it runs. Noise comes from a CPU generator, so a seed gives the same video on any
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import Callable
+
 import torch
 
 from ..memory import (
@@ -24,7 +27,8 @@ from ..memory.offload import device_weight_bytes
 from ..memory.device import Backend
 from ..memory.telemetry import StageMeter
 from .family import ModelError, denoiser_blocks, spatial_multiple
-from .hooks import RunHooks
+from .hooks import RunHooks, interrupt_checks, outer_blocks
+from .prompts import call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .loader import LoadedPipeline
 
 
@@ -50,31 +54,85 @@ class SampleResult:
 def validate_request(loaded: LoadedPipeline, request: SampleRequest) -> None:
     """Every check that needs no weights moved, so bad input leaves nothing applied."""
     spec, pipe = loaded.spec, loaded.pipe
+    _check_whole("frames", request.frames)
     problem = spec.frames_error(request.frames)
     if problem:
         raise ModelError(problem)
     multiple = spatial_multiple(pipe)
     for name, value in (("width", request.width), ("height", request.height)):
+        _check_whole(name, value)
         if value < multiple or value % multiple:
             fix = max(multiple, value // multiple * multiple)
             raise ModelError(f"{name}={value} must be a multiple of {multiple} for {spec.name}; use {fix} or {fix + multiple}.")
+    _check_whole("steps", request.steps)
     if request.steps < 1:
         raise ModelError(f"steps={request.steps} must be at least 1.")
+    _check_whole("seed", request.seed)
+    if not 0 <= request.seed <= MAX_SEED:
+        raise ModelError(f"seed={request.seed} must be between 0 and {MAX_SEED}.")
+    check_cfg(request.cfg)
+    for name in ("prompt", "negative_prompt"):
+        if not isinstance(getattr(request, name), str):
+            raise ModelError(f"{name} must be text, not {type(getattr(request, name)).__name__}.")
     if loaded.needs_image and request.image is None:
         raise ModelError(f"{loaded.class_name} is image-to-video: connect an IMAGE to the sampler's image input.")
     if not loaded.accepts_image and request.image is not None:
         raise ModelError(f"{loaded.class_name} is text-to-video: disconnect the image input or load an I2V model.")
+    if request.image is not None:
+        check_image(request.image)
 
 
-def sample_stage(loaded: LoadedPipeline, strategy: MemoryStrategy) -> StageComponents:
+MAX_SEED = 0xFFFFFFFFFFFFFFFF  # torch.Generator.manual_seed takes 64 bits
+
+
+def _check_whole(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ModelError(f"{name}={value!r} must be a whole number.")
+
+
+def check_cfg(cfg: object) -> None:
+    """NaN would run unguided (every `cfg > 1` test is false) and inf gives NaN frames: refuse both."""
+    if isinstance(cfg, bool) or not isinstance(cfg, Real):
+        raise ModelError(f"cfg={cfg!r} must be a number, e.g. 5.0 (1.0 turns guidance off).")
+    if not math.isfinite(cfg):
+        raise ModelError(f"cfg={cfg} is not a finite number; use e.g. 5.0 (1.0 turns guidance off).")
+    if cfg < 0:
+        raise ModelError(f"cfg={cfg} must be 0 or more; use e.g. 5.0 (1.0 turns guidance off).")
+
+
+def check_image(image: object) -> None:
+    """A ComfyUI IMAGE: a float tensor [batch, height, width, 3 or 4], finite, with pixels in it."""
+    if not isinstance(image, torch.Tensor):
+        raise ModelError(f"image is a {type(image).__name__}, not an IMAGE; connect a Load Image node's IMAGE.")
+    if image.ndim != 4 or image.shape[-1] not in (3, 4) or image.numel() == 0:
+        raise ModelError(f"image has shape {tuple(image.shape)}; expected a ComfyUI IMAGE [batch, height, width, 3].")
+    if not image.is_floating_point():
+        raise ModelError(f"image has dtype {image.dtype}; expected float pixels in 0..1 as ComfyUI's IMAGE.")
+    if not torch.isfinite(image[:1]).all():  # only the first frame is used
+        raise ModelError("image contains NaN or infinite pixels; it would give NaN frames. Check the node that made it.")
+
+
+def sample_stage(loaded: LoadedPipeline, strategy: MemoryStrategy, encode_text: bool = True) -> StageComponents:
+    """The components the strategy is applied to; without `encode_text` (every prompt embedding
+    came from the cache) the prompt encoder is left out, so it is neither run nor onloaded."""
     pipe, spec = loaded.pipe, loaded.spec
     # The text_encoder input places the prompt encoder only; an image encoder follows the tier.
-    on_cpu = {"text_encoder"} if strategy.text_encoder is TextEncoderPlacement.CPU else set()
+    on_cpu = {"text_encoder"} if strategy.text_encoder is TextEncoderPlacement.CPU or not encode_text else set()
     names = [name for name in spec.encoders if name not in on_cpu] + list(spec.denoisers)
     if loaded.needs_image:
         names.append("vae")  # image-to-video encodes the image with the VAE before the loop
     modules = {n: getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None}
     return StageComponents(modules, denoiser_blocks(pipe, spec))
+
+
+def interruptible_blocks(loaded: LoadedPipeline) -> list[torch.nn.Module]:
+    """Where Cancel is checked: before every denoiser block and every encoder block."""
+    pipe, spec = loaded.pipe, loaded.spec
+    blocks = [block for blocks in denoiser_blocks(pipe, spec).values() for block in blocks]
+    for name in spec.encoders:
+        if getattr(pipe, name, None) is not None:
+            blocks += outer_blocks(getattr(pipe, name))
+    return blocks
 
 
 def sample(
@@ -86,7 +144,12 @@ def sample(
     observer: Observer | None = None,
     device: torch.device | None = None,
 ) -> SampleResult:
-    """Sample one video latent on `device` (default: CUDA when present), or on a given `backend`."""
+    """Sample one video latent on `device` (default: CUDA when present), or on a given `backend`.
+
+    Cancel (`hooks.check_interrupt` raising) is checked before every transformer block and
+    text-encoder block, so it stops the run within one block; everything is restored as after
+    any other error. Prompt embeddings come from `hooks.prompt_cache` when it has them.
+    """
     validate_request(loaded, request)
     if request.image is not None:
         loaded = loaded.image_mode()
@@ -95,21 +158,28 @@ def sample(
     pipe, spec = loaded.pipe, loaded.spec
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": []}
     hooks.check_interrupt()
-    stage = sample_stage(loaded, strategy)
+    texts = prompt_texts(pipe, spec.max_sequence_length, request.prompt, request.negative_prompt, request.cfg > 1.0)
+    prompts = look_up(pipe, texts, hooks.prompt_cache)
+    hits = len(prompts.embeds)
+    stage = sample_stage(loaded, strategy, encode_text=not prompts.complete)
     weight_bytes = device_weight_bytes(stage, strategy)
     receipt["device_weight_bytes"] = weight_bytes
     hooks.make_room(weight_bytes, device)
     # Per-block CUDA events are cheap for tens of blocks, not for every leaf of `sequential`.
     telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
-    with apply_strategy(stage, strategy, backend, observer, loaded.host_pool, telemetry) as handle:
+    with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
+            apply_strategy(stage, strategy, backend, observer, loaded.host_pool, telemetry) as handle:
         pipe.vidmem_execution_device = device
         try:
             with StageMeter("text_encode", device) as meter:
-                embeds = _encode(pipe, spec, request, strategy, device)
+                on_cpu = strategy.text_encoder is TextEncoderPlacement.CPU
+                encode_missing(pipe, prompts, torch.device("cpu") if on_cpu else device)
                 if strategy.text_encoder is TextEncoderPlacement.OFFLOAD_AFTER_ENCODING:
                     # Only the prompt encoder is done now; an image encoder runs inside the loop's setup.
                     handle.evict("text_encoder")
             receipt["stages"].append(meter.as_dict())
+            receipt["text_encode"] = prompt_receipt(prompts, hits)
+            embeds = call_embeds(prompts, device)
             with StageMeter("denoise", device) as meter:
                 raw = pipe(**_call_kwargs(loaded, request, embeds, hooks, expert_hand_off(pipe, handle))).frames
             receipt["stages"].append(meter.as_dict())
@@ -127,21 +197,6 @@ def swap_receipt(summary: dict, denoise_seconds: float, pool) -> dict:
     totals = summary["totals"]
     cost = totals["wait_s"] / denoise_seconds if denoise_seconds > 0 else 0.0
     return {**totals, "swap_cost": cost, "groups": len(summary["blocks"]), "host_pool": pool.stats()}
-
-
-@torch.no_grad()  # as the pipeline's own __call__: no autograd graph, same kernels
-def _encode(pipe, spec, request: SampleRequest, strategy: MemoryStrategy, device: torch.device) -> dict:
-    encode_device = torch.device("cpu") if strategy.text_encoder is TextEncoderPlacement.CPU else device
-    positive, negative = pipe.encode_prompt(
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        do_classifier_free_guidance=request.cfg > 1.0,
-        num_videos_per_prompt=1,
-        max_sequence_length=spec.max_sequence_length,
-        device=encode_device,
-    )
-    move = lambda t: None if t is None else t.to(device)  # noqa: E731 - embeddings follow compute
-    return {"prompt_embeds": move(positive), "negative_prompt_embeds": move(negative)}
 
 
 def expert_hand_off(pipe, handle) -> Callable[[int], None]:

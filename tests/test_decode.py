@@ -104,10 +104,29 @@ def test_latent_with_wrong_channels_is_refused(tiny_loaded):
         decode(loaded, {"samples": torch.zeros(1, 4, 3, 4, 4)})
 
 
-@pytest.mark.parametrize("latent", [{"samples": torch.zeros(1, 16, 4, 4)}, {"noise": 1}, "not a latent"])
-def test_non_video_latent_is_refused(latent, tiny_loaded):
-    with pytest.raises(ModelError, match="not a video latent"):
+@pytest.mark.parametrize("latent, message", [
+    ({"samples": torch.zeros(1, 16, 4, 4)}, r"samples \(1, 16, 4, 4\) are not a video latent"),
+    ({"noise": 1}, "the LATENT has no 'samples' \\(keys: noise\\), so it is not a video latent"),
+    ({"samples": [1, 2]}, "'samples' of type list"),
+    ("not a latent", "the latent input is a str, not a LATENT"),
+    (None, "the latent input is a NoneType, not a LATENT"),
+    ({"samples": torch.zeros(1, 16, 0, 4, 4)}, "are not a video latent"),
+    ({"samples": torch.zeros(1, 16, 2, 4, 4, dtype=torch.int64)}, "dtype torch.int64"),
+])
+def test_non_video_latent_is_refused(latent, message, tiny_loaded):
+    with pytest.raises(ModelError, match=message):
         decode(tiny_loaded("wan2.1-t2v"), latent)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_latent_is_refused_before_anything_moves(bad, tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    samples = torch.zeros(1, 16, 2, 4, 4)
+    samples[0, 3, 1, 2, 2] = bad
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    with pytest.raises(ModelError, match="latent contains 1 NaN or infinite values"):
+        decode(loaded, {"samples": samples}, MemoryStrategy(offload="model"), backend=StrictBackend())
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
 
 
 def test_decode_node_saves_latents_first_in_core_format(tiny_loaded, tmp_path, monkeypatch):
