@@ -1,0 +1,183 @@
+"""apply_loras: low-rank updates that run beside their layers for one call, then leave no trace.
+
+Why beside the layer: a LoRA adds `scale * up @ down` to a weight. Fusing it would copy or rewrite
+every targeted weight, which is impossible to undo cheaply for fp8 or GGUF storage and doubles
+the bytes moved for streamed tiers. Instead each targeted layer gets a forward hook adding
+`scale * up(down(x))` to its output, computed in the dtype of the layer's input (its compute
+dtype), whatever the layer stores its own weight in. Any module with `in_features`,
+`out_features` and a `forward(x)` qualifies (nn.Linear, the storage engine's StoredLinear).
+
+Where the LoRA tensors live: as non-persistent buffers on the target module itself, for the
+call. Offloading groups are built from each module's own parameters and buffers, so the LoRA
+tensors stream with their layer under every tier (a swapped block, a sequential leaf).
+
+Ordering rule: apply LoRAs first, then the MemoryStrategy, and remove in reverse (nested `with`):
+
+    with apply_loras(patches), apply_strategy(stage, strategy, backend) as handle:
+        ...
+
+That way the strategy's residency groups include the LoRA buffers, and its post-forward
+eviction hook (registered later) runs after the LoRA hook has read them.
+
+LoRAs are a property of the call, not of the module: two pipelines sharing modules each apply
+their own set for their own call. Strength 0 registers nothing, so it gives the base exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BUFFER_PREFIX = "_vidmem_lora"
+
+
+class LoraError(ValueError):
+    """A LoRA file or a LoRA request vidmem cannot use; the message names the input and the fix."""
+
+
+@dataclass(frozen=True)
+class LoraPatch:
+    """One low-rank (and/or full-delta) update to one linear-like module.
+
+    output += scale * (up(down(x)) + diff(x)) + scale * diff_b. `down` is [rank, in], `up` is
+    [out, rank], `diff` a full weight delta [out, in], `diff_b` a bias delta [out].
+    """
+
+    module: nn.Module
+    scale: float
+    down: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    diff: torch.Tensor | None = None
+    diff_b: torch.Tensor | None = None
+    name: str = "layer"  # for messages: the module's path
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.scale):
+            raise LoraError(f"LoRA on {self.name}: scale {self.scale} is not finite; use a finite strength.")
+        if (self.down is None) != (self.up is None):
+            raise LoraError(f"LoRA on {self.name}: a down matrix needs its up matrix and vice versa; the file is incomplete.")
+        if self.down is None and self.diff is None and self.diff_b is None:
+            raise LoraError(f"LoRA on {self.name}: no down/up, diff or diff_b tensor; nothing to apply.")
+        check_fits(self.module, self.name, self.down, self.up, self.diff, self.diff_b)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        named = {"down": self.down, "up": self.up, "diff": self.diff, "diff_b": self.diff_b}
+        return {kind: t for kind, t in named.items() if t is not None}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def check_fits(module: nn.Module, name: str, down, up, diff, diff_b) -> None:
+    """LoraError unless the tensors fit `module` (a linear-like layer), naming both shapes."""
+    if not (hasattr(module, "in_features") and hasattr(module, "out_features")):
+        raise LoraError(f"LoRA on {name}: {type(module).__name__} is not a linear layer; vidmem applies LoRAs to linear layers only.")
+    out_f, in_f = module.out_features, module.in_features
+    model = f"the model's layer is [out, in] = [{out_f}, {in_f}]"
+    hint = "this LoRA was made for another model family or size; pick a LoRA for this model"
+    if down is not None:
+        ok = down.dim() == 2 and up.dim() == 2 and down.shape[1] == in_f and up.shape[0] == out_f and up.shape[1] == down.shape[0]
+        if not ok:
+            raise LoraError(f"LoRA on {name}: down {list(down.shape)} / up {list(up.shape)} do not fit: {model}; {hint}.")
+    if diff is not None and tuple(diff.shape) != (out_f, in_f):
+        raise LoraError(f"LoRA on {name}: weight delta {list(diff.shape)} does not fit: {model}; {hint}.")
+    if diff_b is not None and tuple(diff_b.shape) != (out_f,):
+        raise LoraError(f"LoRA on {name}: bias delta {list(diff_b.shape)} does not fit: {model}; {hint}.")
+
+
+class LoraHandle:
+    """The LoRAs applied for one call; `remove()` takes every hook and buffer off again."""
+
+    def __init__(self) -> None:
+        self._hooks: list = []
+        self._buffers: list[tuple[nn.Module, str]] = []
+        self.applied: list[LoraPatch] = []
+
+    def __enter__(self) -> "LoraHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"LoraHandle({len(self.applied)} patches, {self.nbytes} bytes)"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of LoRA tensors attached (they travel with their layers under offloading)."""
+        return sum(p.nbytes for p in self.applied)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for module, name in self._buffers:
+            module._buffers.pop(name, None)
+        self._buffers.clear()
+        self.applied.clear()
+
+    def _attach(self, patch: LoraPatch, index: int) -> None:
+        module = patch.module
+        names = {}
+        for kind, tensor in patch.tensors.items():
+            name = f"{BUFFER_PREFIX}{index}_{kind}"
+            if name in module._buffers:
+                raise LoraError(f"LoRA on {patch.name}: the layer already carries LoRA buffer '{name}'; remove the other LoraHandle first.")
+            module.register_buffer(name, tensor, persistent=False)
+            self._buffers.append((module, name))
+            names[kind] = name
+        self._hooks.append(module.register_forward_hook(_beside_hook(names, patch.scale)))
+        self.applied.append(patch)
+
+
+def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...]) -> LoraHandle:
+    """Attach `patches` to their modules for one call; nothing is left applied if this raises.
+
+    Patches with scale 0 are skipped entirely (no buffer, no hook), so strength 0 is the base
+    model bit for bit. Several patches may target one module (chained LoRAs); each adds its own
+    term, in order.
+
+    Example:
+        with apply_loras([LoraPatch(block.attn1.to_q, 1.0, down, up, name="blocks.0.attn1.to_q")]):
+            out = transformer(**inputs)
+    """
+    handle = LoraHandle()
+    try:
+        for index, patch in enumerate(patches):
+            if patch.scale != 0.0:
+                handle._attach(patch, index)
+    except BaseException:
+        handle.remove()
+        raise
+    return handle
+
+
+def _beside_hook(names: dict[str, str], scale: float):
+    """A forward hook adding the patch's term to the layer's output.
+
+    The tensors are looked up on the module at call time, never captured: an offloading tier
+    re-points buffers to their device copies while the layer runs.
+    """
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        buffers = module._buffers
+        delta = None
+        if "down" in names:
+            hidden = F.linear(x, buffers[names["down"]].to(x.dtype))
+            delta = F.linear(hidden, buffers[names["up"]].to(x.dtype))
+        if "diff" in names:
+            full = F.linear(x, buffers[names["diff"]].to(x.dtype))
+            delta = full if delta is None else delta + full
+        if "diff_b" in names:
+            bias = buffers[names["diff_b"]].to(x.dtype)
+            delta = bias.expand(output.shape) if delta is None else delta + bias
+        return output + (delta * scale).to(output.dtype)
+
+    return hook

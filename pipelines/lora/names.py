@@ -1,0 +1,108 @@
+"""Which module of the diffusers model a LoRA's module name means.
+
+Trainers name modules four ways: diffusers paths (`blocks.0.attn1.to_q`, PEFT and
+CogVideoX-Factory), the original Wan paths (`blocks.0.self_attn.q`: lightx2v, musubi, ComfyUI),
+and either of those flattened with underscores by kohya-style tools (`blocks_0_self_attn_q`,
+after a `lora_unet_` prefix). Each file uses one naming, so one naming is chosen per file (the
+one that resolves most of its names): `blocks.0.norm3` is a different layer in diffusers and
+in the original Wan layout, and a per-key guess could pick the wrong one.
+
+The original -> diffusers renaming is diffusers' own single-file converter, run on the names,
+so this module restates no table.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+from typing import Callable, Iterable
+
+from torch import nn
+
+# Heads trainers put before the module path, most specific first.
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "lora_unet_", "lora_transformer_", "unet.")
+MAX_FLAT_TOKENS = 10  # a flattened name splits into at most 2**(n-1) dotted guesses
+
+
+def wan_original_to_diffusers(names: Iterable[str]) -> dict[str, str]:
+    """Original Wan module names -> diffusers names, by diffusers' converter on `<name>.weight` keys."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    checkpoint = {f"{name}.weight": name for name in names}
+    converted = convert_wan_transformer_to_diffusers(dict(checkpoint))
+    return {original: new.removesuffix(".weight") for new, original in converted.items()}
+
+
+# transformer class name -> how its original checkpoints name modules (None: diffusers names only)
+ORIGINAL_NAMING: dict[str, Callable[[Iterable[str]], dict[str, str]]] = {
+    "WanTransformer3DModel": wan_original_to_diffusers,
+}
+
+
+def candidates(source: str) -> list[str]:
+    """The name itself and the name with each known prefix removed."""
+    found = [source]
+    for prefix in PREFIXES:
+        if source.startswith(prefix):
+            found.append(source[len(prefix):])
+    return found
+
+
+def dotted_guesses(flat: str) -> list[str]:
+    """Every way to turn some underscores of `flat` back into dots."""
+    tokens = flat.split("_")
+    if len(tokens) > MAX_FLAT_TOKENS or "." in flat:
+        return []
+    guesses = []
+    for joints in product("._", repeat=len(tokens) - 1):
+        guesses.append(tokens[0] + "".join(j + t for j, t in zip(joints, tokens[1:])))
+    return guesses
+
+
+class ModelNames:
+    """Every module and parameter-holder name of one model, and the namings that reach them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = dict(model.named_modules())
+        # parameters held directly by a parent (Wan's `scale_shift_table`) are named targets too,
+        # so a LoRA touching them is reported as unsupported, not as unknown
+        self.parameters = {name for name, _ in model.named_parameters()}
+        self.targets = set(self.modules) | self.parameters
+        self._flat = {name.replace(".", "_"): name for name in self.targets if name}
+        self._original = ORIGINAL_NAMING.get(type(model).__name__)
+
+    def resolve(self, sources: Iterable[str]) -> tuple[dict[str, str], str]:
+        """(source name -> model name for those resolved, the naming used), best naming for the file."""
+        sources = list(sources)
+        results = [(label, self._by(naming, sources)) for label, naming in self._namings()]
+        label, best = max(results, key=lambda item: len(item[1]))  # max keeps the first of equals
+        return best, label
+
+    def _namings(self):
+        yield "diffusers", lambda names: {n: n for n in names if n in self.targets}
+        yield "diffusers (flattened)", lambda names: {n: self._flat[n] for n in names if n in self._flat}
+        if self._original is not None:
+            yield "original", lambda names: self._known(self._original(names))
+            yield "original (flattened)", self._flattened_original
+
+    def _by(self, naming, sources: list[str]) -> dict[str, str]:
+        """Per source, the first of its candidates (prefix removed or not) that the naming resolves."""
+        options = {source: candidates(source) for source in sources}
+        resolved = naming({c for cs in options.values() for c in cs})
+        found = {}
+        for source, cs in options.items():
+            hit = next((resolved[c] for c in cs if c in resolved), None)
+            if hit is not None:
+                found[source] = hit
+        return found
+
+    def _known(self, mapping: dict[str, str]) -> dict[str, str]:
+        return {source: name for source, name in mapping.items() if name in self.targets}
+
+    def _flattened_original(self, names: Iterable[str]) -> dict[str, str]:
+        """Flattened original names: try every dotted guess; keep names with exactly one target."""
+        guesses = {g: flat for flat in names for g in dotted_guesses(flat)}
+        converted = self._known(self._original(guesses))
+        hits: dict[str, set[str]] = {}
+        for guess, target in converted.items():
+            hits.setdefault(guesses[guess], set()).add(target)
+        return {flat: targets.pop() for flat, targets in hits.items() if len(targets) == 1}

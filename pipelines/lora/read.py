@@ -1,0 +1,110 @@
+"""Read a LoRA file into raw layers: source module name -> {down, up, alpha, diff, diff_b}.
+
+Safetensors only, decided by content (the storage engine's sniff refuses pickles before anything
+parses them). Tensors are zero-copy views of the file's mapping, so a LoRA costs page cache, not
+an anonymous copy. The key's tail says what a tensor is; its head (the module name, in whatever
+naming the trainer used) is resolved against the model later (names.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from ...memory.lora import LoraError
+from ...memory.storage.errors import StorageError
+from ...memory.storage.files import open_safetensors, sniff
+
+# Key tails, longest first: (tail, kind). PEFT state dicts saved raw keep the adapter name
+# ("default"); diffusers' lora_B.bias is a bias delta like kohya/lightx2v's diff_b.
+KEY_TAILS = (
+    (".lora_A.default.weight", "down"), (".lora_B.default.weight", "up"),
+    (".lora_A.weight", "down"), (".lora_B.weight", "up"), (".lora_B.bias", "diff_b"),
+    (".lora_down.weight", "down"), (".lora_up.weight", "up"),
+    (".alpha", "alpha"), (".diff_b", "diff_b"), (".diff", "diff"),
+)
+PEFT_METADATA_KEY = "lora_adapter_metadata"  # diffusers' save_lora_weights writes lora_alpha and r here
+
+
+@dataclass(frozen=True)
+class RawLayer:
+    """The tensors a LoRA file holds for one module, under the file's own module name."""
+
+    source: str
+    tensors: Mapping[str, torch.Tensor]  # kind -> tensor (kind from KEY_TAILS)
+    keys: tuple[str, ...]  # the file's keys, for messages
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    path: Path
+    layers: Mapping[str, RawLayer]  # source module name -> tensors
+    unknown_keys: tuple[str, ...]  # keys whose tail is not a LoRA tensor vidmem knows (DoRA, LoHa, LoKr...)
+    peft_alphas: Mapping[str, float]  # "" -> global lora_alpha; module-name patterns -> alpha
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in layer.tensors.values())
+
+
+def read_lora_file(path: str | os.PathLike) -> LoraFile:
+    """Open `path` (safetensors, checked by content) and group its tensors by module."""
+    path = Path(path)
+    try:
+        kind = sniff(path)
+        if kind != "safetensors":
+            raise LoraError(f"LoRA file {path} is a {kind.upper()} file; LoRAs are read from .safetensors files only. Use the .safetensors release of this LoRA.")
+        opened = open_safetensors(path)
+    except StorageError as error:
+        raise LoraError(f"LoRA file {path} cannot be used: {error}") from None
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    keys: dict[str, list[str]] = {}
+    unknown = []
+    for key, tensor in opened.tensors.items():
+        split = split_key(key)
+        if split is None:
+            unknown.append(key)
+            continue
+        source, kind = split
+        if kind in grouped.setdefault(source, {}):
+            raise LoraError(f"LoRA file {path} holds two '{kind}' tensors for '{source}' (e.g. both lora_A and lora_down); the file is malformed.")
+        grouped[source][kind] = tensor
+        keys.setdefault(source, []).append(key)
+    layers = {s: RawLayer(s, grouped[s], tuple(keys[s])) for s in grouped}
+    return LoraFile(path, layers, tuple(unknown), peft_alphas(opened.metadata, path))
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """("module name as in the file", kind), or None when the tail is not a known LoRA tensor."""
+    for tail, kind in KEY_TAILS:
+        if key.endswith(tail):
+            return key[: -len(tail)], kind
+    return None
+
+
+def peft_alphas(metadata: Mapping[str, str], path: Path) -> dict[str, float]:
+    """lora_alpha from diffusers/PEFT adapter metadata: "" for the global value, plus alpha_pattern.
+
+    Keys may carry a component prefix ("transformer.lora_alpha"). Without metadata the diffusers
+    convention holds: alpha = rank, i.e. scale 1.
+    """
+    raw = metadata.get(PEFT_METADATA_KEY)
+    if not raw:
+        return {}
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError:
+        raise LoraError(f"LoRA file {path}: its '{PEFT_METADATA_KEY}' metadata is not JSON; re-save the LoRA.") from None
+    alphas: dict[str, float] = {}
+    for key, value in config.items():
+        field = key.rsplit(".", 1)[-1]
+        if field == "lora_alpha" and value is not None:
+            alphas[""] = float(value)
+        elif field == "alpha_pattern" and isinstance(value, dict):
+            alphas.update({pattern: float(v) for pattern, v in value.items()})
+    return alphas

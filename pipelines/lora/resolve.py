@@ -1,0 +1,121 @@
+"""A LoRA file's raw layers -> canonical layers on one model: module path, down, up, alpha, deltas.
+
+Canonical form (`ResolvedLayer`): the diffusers module path (`blocks.3.attn1.to_q`), down
+[rank, in], up [out, rank], alpha (None: scale 1, the diffusers/PEFT convention), and optional
+full weight / bias deltas (`diff`, `diff_b`, as lightx2v's distill LoRAs carry). Every key of the
+file ends up either applied or in `skipped` with its reason; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from ...memory.lora import LoraError, LoraPatch, check_fits
+from .names import ModelNames
+from .read import LoraFile, RawLayer
+
+APPLIED_KINDS = ("down", "up", "diff", "diff_b")
+FORMATS_READ = (
+    "diffusers/PEFT (`transformer.blocks.0.attn1.to_q.lora_A.weight`), ComfyUI/kohya (`lora_unet_blocks_0_self_attn_q"
+    ".lora_down.weight` + `.alpha`, `diffusion_model.blocks.0.self_attn.q.lora_down.weight`), original Wan / "
+    "lightx2v / musubi names (`blocks.0.self_attn.q`, `.diff`, `.diff_b`)"
+)
+
+
+@dataclass(frozen=True)
+class ResolvedLayer:
+    module: str  # path inside the denoiser, diffusers naming
+    tensors: Mapping[str, torch.Tensor]  # down [r, in], up [out, r], diff [out, in], diff_b [out]
+    alpha: float | None
+
+    @property
+    def rank(self) -> int | None:
+        down = self.tensors.get("down")
+        return None if down is None else down.shape[0]
+
+    def lowrank_scale(self, strength: float) -> float:
+        """strength x alpha / rank (kohya and PEFT), or strength when the file gives no alpha."""
+        return strength if self.alpha is None else strength * self.alpha / self.rank
+
+    def patches(self, module: nn.Module, strength: float, name: str) -> list[LoraPatch]:
+        """Engine patches: the low-rank term scaled by alpha/rank, the deltas by strength alone."""
+        t = self.tensors
+        found = []
+        if "down" in t:
+            found.append(LoraPatch(module, self.lowrank_scale(strength), down=t["down"], up=t["up"], name=name))
+        if "diff" in t or "diff_b" in t:
+            found.append(LoraPatch(module, strength, diff=t.get("diff"), diff_b=t.get("diff_b"), name=name))
+        return found
+
+
+def resolve_layers(lora: LoraFile, model: nn.Module) -> tuple[tuple[ResolvedLayer, ...], str, tuple[str, ...]]:
+    """(applied layers, the naming the file uses, skipped keys with reasons) for `model`."""
+    names = ModelNames(model)
+    targets, naming = names.resolve(lora.layers)
+    skipped = [f"{key}: not a LoRA tensor vidmem reads (DoRA, LoHa and LoKr are not supported)" for key in lora.unknown_keys]
+    layers, owner = [], {}
+    for source, raw in lora.layers.items():
+        target = targets.get(source)
+        if target is None:
+            skipped += [f"{key}: no layer '{source}' in this {type(model).__name__} ({naming} naming)" for key in raw.keys]
+            continue
+        if target in owner:
+            raise LoraError(f"LoRA file {lora.path}: '{owner[target]}' and '{source}' both target {target}; the file mixes two LoRAs. Split it or re-save it.")
+        owner[target] = source
+        module = names.modules.get(target)
+        if not _is_linear(module):
+            skipped += [f"{key}: {target} is not a linear layer{_delta_note(raw)}; vidmem applies LoRAs to linear layers only" for key in raw.keys]
+            continue
+        layers.append(_canonical(lora, raw, target, module))
+    if not layers:
+        raise LoraError(
+            f"LoRA file {lora.path}: none of its {sum(len(r.keys) for r in lora.layers.values()) + len(lora.unknown_keys)} keys "
+            f"apply to this {type(model).__name__} (e.g. {'; '.join(skipped[:3]) or ', '.join(_examples(lora))}). It is a LoRA for another "
+            f"model family, or in a format vidmem does not read; formats read: {FORMATS_READ}."
+        )
+    return tuple(layers), naming, tuple(skipped)
+
+
+def _canonical(lora: LoraFile, raw: RawLayer, target: str, module: nn.Module) -> ResolvedLayer:
+    t = {kind: raw.tensors[kind] for kind in APPLIED_KINDS if kind in raw.tensors}
+    if ("down" in t) != ("up" in t):
+        missing = "up (lora_B/lora_up)" if "down" in t else "down (lora_A/lora_down)"
+        raise LoraError(f"LoRA file {lora.path}: layer '{raw.source}' has no {missing} matrix; the file is incomplete. Download it again.")
+    if not t:
+        raise LoraError(f"LoRA file {lora.path}: layer '{raw.source}' has an alpha but no matrices; the file is incomplete.")
+    try:
+        check_fits(module, target, t.get("down"), t.get("up"), t.get("diff"), t.get("diff_b"))
+    except LoraError as error:
+        raise LoraError(f"LoRA file {lora.path}: {error}") from None
+    return ResolvedLayer(target, t, _alpha(lora, raw, target))
+
+
+def _alpha(lora: LoraFile, raw: RawLayer, target: str) -> float | None:
+    if "alpha" in raw.tensors:
+        return float(raw.tensors["alpha"].float().reshape(-1)[0])
+    for pattern, alpha in lora.peft_alphas.items():  # PEFT alpha_pattern: a module-name suffix
+        if pattern and (target == pattern or target.endswith("." + pattern)):
+            return alpha
+    return lora.peft_alphas.get("")
+
+
+def _is_linear(module: nn.Module | None) -> bool:
+    return module is not None and hasattr(module, "in_features") and hasattr(module, "out_features")
+
+
+def _delta_note(raw: RawLayer) -> str:
+    """For deltas on norms/modulation (lightx2v ships many, mostly zeros): say whether they are zero."""
+    deltas = [raw.tensors[k] for k in ("diff", "diff_b") if k in raw.tensors]
+    if not deltas:
+        return ""
+    largest = max(float(d.float().abs().max()) if d.numel() else 0.0 for d in deltas)
+    return " (its delta is all zeros)" if largest == 0 else f" (its delta reaches {largest:.3g}, so the result will differ from tools that apply it)"
+
+
+def _examples(lora: LoraFile) -> list[str]:
+    keys = [k for raw in lora.layers.values() for k in raw.keys] + list(lora.unknown_keys)
+    return keys[:3] + ([f"... {len(keys) - 3} more"] if len(keys) > 3 else [])

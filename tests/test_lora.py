@@ -1,0 +1,218 @@
+"""LoRA formats: a tiny LoRA written in each format gives diffusers' own load_lora_weights + fuse_lora
+output on the same tiny model (within a stated tolerance), and formats that encode the same LoRA
+give the same output bit for bit.
+
+Tolerance: beside the layer computes W x + s B (A x); fusing computes (W + s B A) x. Both are exact
+in real arithmetic, so they differ only by fp32 rounding of the two orders of summation: measured
+below ~1e-6 of the output's magnitude on these models, asserted at 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import safetensors.torch
+import torch
+
+from vidmem.memory.lora import apply_loras
+from vidmem.pipelines.lora import load_lora, lora_patches
+from vidmem.pipelines.tiny import build_tiny_pipeline
+
+pytest.importorskip("peft", reason="diffusers' load_lora_weights (the reference) needs peft")
+
+RANK = 4
+RELATIVE_TOLERANCE = 1e-5
+
+# diffusers module name -> original Wan name (test data, written independently of the converter
+# the loader uses, so a wrong mapping there fails here)
+WAN_ORIGINAL = [
+    ("attn1.to_out.0", "self_attn.o"), ("attn2.to_out.0", "cross_attn.o"),
+    ("attn1.to_", "self_attn."), ("attn2.to_", "cross_attn."),
+    ("attn2.add_k_proj", "cross_attn.k_img"), ("attn2.add_v_proj", "cross_attn.v_img"),
+    ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"), ("proj_out", "head.head"),
+]
+WAN_LAYERS = [f"blocks.{i}.{m}" for i in range(2) for m in (
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v",
+    "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")]
+COG_LAYERS = [f"transformer_blocks.0.{m}" for m in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")]
+
+
+def wan_original(name: str) -> str:
+    for old, new in WAN_ORIGINAL:
+        name = name.replace(old, new)
+    return name
+
+
+def random_lora(model, layers, rank=RANK, seed=1, alpha=None):
+    """layer -> (down [r, in], up [out, r]); up is random too (trainers start it at zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    found = {}
+    for name in layers:
+        m = model.get_submodule(name)
+        found[name] = (torch.randn(rank, m.in_features, generator=gen) * 0.2, torch.randn(m.out_features, rank, generator=gen) * 0.2)
+    return found
+
+
+def write(path, tensors, metadata=None):
+    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    return path
+
+
+# Each writer: (lora, alpha) -> state dict in one trainer's format. alpha None: no alpha stored.
+def peft_keys(lora, alpha):
+    return {f"transformer.{n}.lora_{ab}.weight": t for n, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))}
+
+
+def kohya_keys(prefix, flatten, down="lora_down", up="lora_up", naming=wan_original):
+    def writer(lora, alpha):
+        out = {}
+        for n, (a, b) in lora.items():
+            name = naming(n)
+            name = prefix + (name.replace(".", "_") if flatten else name)
+            out[f"{name}.{down}.weight"], out[f"{name}.{up}.weight"] = a, b
+            if alpha is not None:
+                out[f"{name}.alpha"] = torch.tensor(float(alpha))
+        return out
+    return writer
+
+
+WAN_FORMATS = {
+    "diffusers-peft": peft_keys,
+    "comfyui-diffusion_model-lora_down-alpha": kohya_keys("diffusion_model.", False),
+    "comfyui-diffusion_model-lora_A": kohya_keys("diffusion_model.", False, "lora_A", "lora_B"),
+    "musubi-lora_unet": kohya_keys("lora_unet_", True),
+}
+# formats diffusers does not read, checked bit for bit against an equivalent one it does read
+WAN_EQUIVALENTS = {
+    "original-no-prefix": (kohya_keys("", False), "comfyui-diffusion_model-lora_down-alpha"),
+    "model.diffusion_model-prefix": (kohya_keys("model.diffusion_model.", False), "comfyui-diffusion_model-lora_down-alpha"),
+    "kohya-flattened-diffusers-names": (kohya_keys("lora_transformer_", True, naming=lambda n: n), "comfyui-diffusion_model-lora_down-alpha"),
+}
+ALPHA_OF = {"diffusers-peft": None, "comfyui-diffusion_model-lora_A": None}
+
+
+def wan_inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(1, 16, 3, 4, 4, generator=gen), timestep=torch.tensor([700]),
+                encoder_hidden_states=torch.randn(1, 8, 32, generator=gen), return_dict=False)
+
+
+def cog_inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(1, 3, 4, 4, 4, generator=gen), timestep=torch.tensor([700]),
+                encoder_hidden_states=torch.randn(1, 226, 32, generator=gen), return_dict=False)
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return build_tiny_pipeline("wan2.1-t2v")
+
+
+@pytest.fixture(scope="module")
+def cog():
+    return build_tiny_pipeline("cogvideox-t2v")
+
+
+def run(pipe, inputs, loras=()):
+    with torch.no_grad(), apply_loras(lora_patches(pipe, list(loras))):
+        return pipe.transformer(**inputs)[0]
+
+
+def diffusers_fused(variant, path, strength):
+    reference = build_tiny_pipeline(variant)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference.load_lora_weights(str(path))
+        reference.fuse_lora(lora_scale=strength)
+    return reference
+
+
+def assert_close(ours, theirs, label):
+    scale = theirs.abs().max()
+    error = (ours - theirs).abs().max()
+    assert error <= RELATIVE_TOLERANCE * scale, f"{label}: max error {error:.3g} vs output scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("fmt", list(WAN_FORMATS))
+@pytest.mark.parametrize("strength", [1.0, -0.7])
+def test_wan_format_matches_diffusers_fused(fmt, strength, wan, tmp_path):
+    alpha = ALPHA_OF.get(fmt, 2.0)  # alpha/rank = 0.5 where the format stores an alpha
+    lora = random_lora(wan.transformer, WAN_LAYERS)
+    path = write(tmp_path / f"{fmt}.safetensors", WAN_FORMATS[fmt](lora, alpha))
+    spec = load_lora(path, wan, strength)
+    assert len(spec.layers["transformer"]) == len(WAN_LAYERS) and not spec.skipped
+    base = run(wan, wan_inputs())
+    ours = run(wan, wan_inputs(), [spec])
+    theirs = diffusers_fused("wan2.1-t2v", path, strength).transformer(**wan_inputs())[0]
+    assert (ours - base).abs().max() > 100 * RELATIVE_TOLERANCE * base.abs().max(), "the LoRA changed nothing"
+    assert_close(ours, theirs.detach(), fmt)
+
+
+@pytest.mark.parametrize("fmt", list(WAN_EQUIVALENTS))
+def test_wan_formats_diffusers_cannot_read_equal_their_twin_bit_for_bit(fmt, wan, tmp_path):
+    writer, twin = WAN_EQUIVALENTS[fmt]
+    lora = random_lora(wan.transformer, WAN_LAYERS)
+    ours = load_lora(write(tmp_path / "a.safetensors", writer(lora, 2.0)), wan, 0.8)
+    reference = load_lora(write(tmp_path / "b.safetensors", WAN_FORMATS[twin](lora, 2.0)), wan, 0.8)
+    assert torch.equal(run(wan, wan_inputs(), [ours]), run(wan, wan_inputs(), [reference]))
+
+
+def test_peft_metadata_alpha_is_honoured(wan, tmp_path):
+    lora = random_lora(wan.transformer, WAN_LAYERS)
+    config = {"r": RANK, "lora_alpha": 2 * RANK, "target_modules": WAN_LAYERS}  # what diffusers' save_lora_weights writes
+    meta = {"lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()})}
+    path = write(tmp_path / "meta.safetensors", peft_keys(lora, None), meta)
+    spec = load_lora(path, wan, 1.0)
+    assert {layer.alpha for layer in spec.layers["transformer"]} == {2.0 * RANK}
+    theirs = diffusers_fused("wan2.1-t2v", path, 1.0).transformer(**wan_inputs())[0]
+    assert_close(run(wan, wan_inputs(), [spec]), theirs.detach(), "peft metadata alpha")
+
+
+def test_lightx2v_style_deltas_match_diffusers(wan, tmp_path):
+    """lightx2v distill LoRAs: lora_down/up + alpha, bias deltas (diff_b), a full head delta, zero norm deltas."""
+    lora = random_lora(wan.transformer, WAN_LAYERS)
+    keys = kohya_keys("diffusion_model.", False)(lora, 2.0)
+    gen = torch.Generator().manual_seed(5)
+    for name in WAN_LAYERS:
+        keys[f"diffusion_model.{wan_original(name)}.diff_b"] = torch.randn(wan.transformer.get_submodule(name).out_features, generator=gen) * 0.1
+    head = wan.transformer.proj_out
+    keys["diffusion_model.head.head.diff"] = torch.randn(head.out_features, head.in_features, generator=gen) * 0.05
+    keys["diffusion_model.head.head.diff_b"] = torch.randn(head.out_features, generator=gen) * 0.05
+    keys["diffusion_model.blocks.0.norm3.diff"] = torch.zeros(24)
+    path = write(tmp_path / "lightx2v.safetensors", keys)
+    with pytest.warns(UserWarning, match=r"norm3.diff: blocks.0.norm2 is not a linear layer \(its delta is all zeros\)"):
+        spec = load_lora(path, wan, 1.0)
+    theirs = diffusers_fused("wan2.1-t2v", path, 1.0).transformer(**wan_inputs())[0]
+    assert_close(run(wan, wan_inputs(), [spec]), theirs.detach(), "lightx2v")
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.5])
+def test_cogvideox_factory_lora_matches_diffusers_fused(strength, cog, tmp_path):
+    lora = random_lora(cog.transformer, COG_LAYERS)
+    path = write(tmp_path / "cogvideox_factory.safetensors", peft_keys(lora, None))
+    spec = load_lora(path, cog, strength)
+    assert spec.naming == "diffusers"
+    theirs = diffusers_fused("cogvideox-t2v", path, strength).transformer(**cog_inputs())[0]
+    ours = run(cog, cog_inputs(), [spec])
+    assert not torch.equal(ours, run(cog, cog_inputs()))
+    assert_close(ours, theirs.detach(), "cogvideox-factory")
+
+
+def test_cogvideox_kohya_flattened_equals_factory_bit_for_bit(cog, tmp_path):
+    lora = random_lora(cog.transformer, COG_LAYERS)
+    factory = load_lora(write(tmp_path / "a.safetensors", peft_keys(lora, None)), cog, 1.0)
+    kohya = load_lora(write(tmp_path / "b.safetensors", kohya_keys("lora_unet_", True, naming=lambda n: n)(lora, None)), cog, 1.0)
+    assert kohya.naming == "diffusers (flattened)"
+    assert torch.equal(run(cog, cog_inputs(), [factory]), run(cog, cog_inputs(), [kohya]))
+
+
+def test_chained_loras_add_up(wan, tmp_path):
+    """Two LoRAs on the same layers equal one LoRA holding both terms (rank concatenated)."""
+    first, second = random_lora(wan.transformer, WAN_LAYERS, seed=1), random_lora(wan.transformer, WAN_LAYERS, seed=2)
+    both = {n: (torch.cat([first[n][0], second[n][0]]), torch.cat([first[n][1], second[n][1]], dim=1)) for n in WAN_LAYERS}
+    a = load_lora(write(tmp_path / "a.safetensors", peft_keys(first, None)), wan, 1.0)
+    b = load_lora(write(tmp_path / "b.safetensors", peft_keys(second, None)), wan, 1.0)
+    joined = load_lora(write(tmp_path / "ab.safetensors", peft_keys(both, None)), wan, 1.0)
+    assert_close(run(wan, wan_inputs(), [a, b]), run(wan, wan_inputs(), [joined]), "chained")
