@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from ..memory.planner_stages import VideoShape
 from ..pipelines.decode import decode
 from ..pipelines.hooks import RunHooks
-from ..pipelines.latents import next_latent_path, write_latent
+from ..pipelines.latents import check_latent, next_latent_path, write_latent
+from ..pipelines.planning import choose_for, planner_model
 from . import host
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt
-from .strategy import STRATEGY_TYPE
+from .strategy import STRATEGY_TYPE, as_choice
+
+LATENT_STEM = "vidmem"
 
 
 class VidMemVAEDecode:
@@ -32,21 +38,44 @@ class VidMemVAEDecode:
             "optional": {
                 "strategy": (STRATEGY_TYPE, {"tooltip": "VAE offload, slicing and tiling; without one the "
                              "whole VAE goes to the GPU and decodes untiled."}),
-                "save_latents": ("BOOLEAN", {"default": False, "tooltip": "Write the latents to "
-                                 "output/latents (core .latent format) before decoding, so a crash loses "
-                                 "nothing: core Load Latent reads them back."}),
+                "save_latents": ("BOOLEAN", {"default": False, "tooltip": "Write the latent to ComfyUI's "
+                                 "input folder (core .latent format, vidmem_00001_.latent, ...) before decoding, "
+                                 "so a crash loses nothing: core Load Latent lists it there."}),
             },
         }
 
     def decode(self, pipeline, latent, strategy=None, save_latents=False):
-        saved = write_latent(latent, next_latent_path(host.latents_folder(), "vidmem")) if save_latents else None
+        samples = check_latent(latent)  # before anything is written or moved
+        run = _strategy_for_decode(pipeline, as_choice(strategy), samples.shape)
+        saved = write_latent(latent, next_latent_path(host.latents_folder(), LATENT_STEM)) if save_latents else None
         progress = host.Progress(1, "decoding")
         try:
             hooks = RunHooks(progress.step, host.check_interrupt, host.make_room)
-            result = decode(pipeline, latent, strategy, hooks=hooks, device=host.compute_device())
+            result = decode(pipeline, latent, run, hooks=hooks, device=host.compute_device())
         finally:
             progress.close()
         if saved is not None:
-            result.receipt["saved_latents"] = str(saved)
+            result.receipt["saved_latents"] = saved.name
         text = format_receipt(f"Video VAE Decode: {pipeline.describe()}", result.receipt)
         return {"ui": {"text": [text], "vidmem_receipt": [result.receipt]}, "result": (result.frames,)}
+
+
+def _strategy_for_decode(pipeline, choice, latent_shape):
+    """The user's strategy, or for offload=auto the planner's choice at the latent's video size.
+
+    The Sampler chose at its own shape; the decode sees only the latent, so it asks the planner
+    again at the size the latent decodes to (the same size, hence the same choice). If the
+    planner cannot model this pipeline, the base strategy decodes untiled and the decode's own
+    fallback ladder tiles it when memory runs short.
+    """
+    if choice is None or not choice.auto:
+        return None if choice is None else choice.strategy
+    batch, _channels, latent_frames, height, width = (int(n) for n in latent_shape)
+    try:
+        model = planner_model(pipeline)
+        s = model.geometry.spatial_factor
+        shape = VideoShape(width * s, height * s, model.geometry.frames(latent_frames), batch=batch)
+        vram, ram = choice.budgets(host.compute_device())
+        return choose_for(pipeline, shape, choice.strategy, vram, ram).strategy
+    except ValueError:
+        return replace(choice.strategy, vae_tiling=None)

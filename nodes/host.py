@@ -170,7 +170,44 @@ def register_routes() -> bool:
 
     routes.get(MEMORY_ROUTE)(vidmem_memory)
     log.info("vidmem: serving GET %s (memory figures, read-only)", MEMORY_ROUTE)
+    _register_plan_route(routes)
     return True
+
+
+def _register_plan_route(routes) -> None:
+    """GET /vidmem/plan: the Memory Strategy's plan for a model of the pack's list (nodes/plan_route.py)."""
+    from ..pipelines.configs import load_model
+    from ..pipelines.loader import DTYPES
+    from .plan_route import PLAN_ROUTE, PlanRequestError, PlanService, parse_request, plan_answer
+
+    budgets = []  # the host's default budgets, read once at the first plan (never at import)
+
+    def answer(plan_request):
+        if not budgets:
+            from ..memory.telemetry import default_budgets
+
+            budgets.append(default_budgets(compute_device()))
+        return plan_answer(plan_request, plannable, budgets[0])
+
+    def plannable(name: str, dtype: str):
+        return load_model(str(resolve_model_folder(name, "")), dtype)  # config files only, on meta
+
+    service = PlanService(answer)
+
+    async def vidmem_plan(request):
+        from aiohttp import web
+
+        headers = {"Cache-Control": "no-store"}
+        try:
+            plan_request = parse_request(request.query, diffusers_model_names(), list(DTYPES))
+        except PlanRequestError as error:
+            return web.json_response({"status": "error", "input": error.name, "error": str(error)}, status=400,
+                                     headers=headers)
+        plan = await service.plan(plan_request, request.query.get("client", ""))
+        return web.json_response(plan, headers=headers)
+
+    routes.get(PLAN_ROUTE)(vidmem_plan)
+    log.info("vidmem: serving GET %s (plans from model configs, read-only)", PLAN_ROUTE)
 
 
 def compute_device():
@@ -183,9 +220,8 @@ def compute_device():
 
 
 def latents_folder() -> Path:
-    """ComfyUI's output/latents (where core Save Latent writes); ./output/latents without ComfyUI."""
-    root = Path(folder_paths.get_output_directory()) if folder_paths is not None else Path.cwd() / "output"
-    return root / "latents"
+    """ComfyUI's input folder: core Load Latent lists only the .latent files directly in it; ./input without ComfyUI."""
+    return Path(folder_paths.get_input_directory()) if folder_paths is not None else Path.cwd() / "input"
 
 
 PROMPT_CACHE_ENV = "VIDMEM_CACHE_DIR"  # outside ComfyUI: where vidmem caches (prompt embeddings, ...)
@@ -217,3 +253,20 @@ def _os_cache_root() -> Path:
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches"
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+LORAS_FOLDER_KEY = "loras"
+
+
+def lora_names() -> list[str]:
+    """Safetensors files under ComfyUI's models/loras (empty without ComfyUI)."""
+    if folder_paths is None:
+        return []
+    return [n for n in folder_paths.get_filename_list(LORAS_FOLDER_KEY) if n.endswith((".safetensors", ".sft"))]
+
+
+def resolve_lora(name: str) -> Path:
+    """The full path of `name` under models/loras; FileNotFoundError without ComfyUI or if absent."""
+    if folder_paths is None:
+        raise FileNotFoundError(f"lora_name '{name}' needs ComfyUI's models/loras folder.")
+    return Path(folder_paths.get_full_path_or_raise(LORAS_FOLDER_KEY, name))

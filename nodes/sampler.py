@@ -2,19 +2,42 @@
 
 from __future__ import annotations
 
+import math
+from functools import reduce
+
+from ..memory.planner_stages import VideoShape
+from ..pipelines.loader import FAMILIES
+from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.sample import RunHooks, SampleRequest, sample
 from . import host
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt
-from .strategy import STRATEGY_TYPE
+from .strategy import STRATEGY_TYPE, as_choice
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
+# Every family's frame rule is step*k+1; their common step is what holds before the model is known.
+COMMON_FRAME_STEP = reduce(math.gcd, (spec.frame_step for spec in FAMILIES))
+
+
+def frames_problem(frames) -> str | None:
+    """Frames no model vidmem runs can take (the family's own rule is checked when the model is known)."""
+    if frames is None:  # a linked input has no value when the prompt is queued
+        return None
+    if not isinstance(frames, int) or isinstance(frames, bool) or frames < 1:
+        return f"frames={frames!r} must be a whole number of frames, at least 1."
+    if (frames - 1) % COMMON_FRAME_STEP == 0:
+        return None
+    below = max(1, (frames - 1) // COMMON_FRAME_STEP * COMMON_FRAME_STEP + 1)
+    rules = ", ".join(f"{spec.name} {spec.frame_step}k+1" for spec in FAMILIES)
+    return (f"frames={frames} is not valid for any model vidmem runs ({rules}); "
+            f"use {below} or {below + COMMON_FRAME_STEP}.")
 
 
 class VidMemVideoSampler:
     DESCRIPTION = (
         "Samples a video latent with the pipeline's own diffusers loop. The strategy is applied "
-        "for this run only and removed afterwards, even on error or cancel."
+        "for this run only and removed afterwards, even on error or cancel. Its size is the one the "
+        "Memory Strategy plans for."
     )
     CATEGORY = "vidmem"
     FUNCTION = "sample"
@@ -32,7 +55,8 @@ class VidMemVideoSampler:
                 "negative_prompt": ("STRING", {"multiline": True, "default": "", "tooltip":
                     "What to avoid; used only when cfg > 1."}),
                 "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip":
-                    "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B). Wan 480p: 832x480, CogVideoX: 720x480."}),
+                    "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B). Wan 480p: 832x480, CogVideoX: 720x480. "
+                    "The Memory Strategy plans for this size."}),
                 "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip":
                     "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B)."}),
                 "frames": ("INT", {"default": 49, "min": 1, "max": 1025, "step": 4, "tooltip":
@@ -49,13 +73,47 @@ class VidMemVideoSampler:
             },
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, frames):
+        """Only frames is named (ComfyUI attaches a failure to every input named and keeps its own
+        range checks for the rest): Wan frames=50 is refused when queued, on frames alone."""
+        return frames_problem(frames) or True
+
     def sample(self, pipeline, strategy, prompt, negative_prompt, width, height, frames, steps, cfg, seed, image=None):
+        choice = as_choice(strategy)
+        device = host.compute_device()
+        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames), device)
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image)
         progress = host.Progress(steps, "sampling")
         try:
             hooks = RunHooks(progress.step, host.check_interrupt, host.make_room)
-            result = sample(pipeline, strategy, request, hooks, device=host.compute_device())
+            result = sample(pipeline, run, request, hooks, device=device)
         finally:
             progress.close()
-        text = format_receipt(f"Video Sampler: {pipeline.describe()}", result.receipt)
-        return {"ui": {"text": [text], "vidmem_receipt": [result.receipt]}, "result": (result.latent,)}
+        receipt = dict(result.receipt, plan=plan_line)
+        text = format_receipt(f"Video Sampler: {pipeline.describe()}", receipt)
+        return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (result.latent,)}
+
+
+def _strategy_for_run(pipeline, choice, shape: VideoShape, device):
+    """The strategy to run at the Sampler's own shape and one line saying what the planner predicts.
+
+    offload=auto chooses here (no fit, no run: PlanError says what would fit). An explicit
+    strategy is planned as advice only: a prediction that cannot be made never stops the run.
+    """
+    vram, ram = choice.budgets(device)
+    label = f"{shape.width}x{shape.height}x{shape.frames}"
+    if choice.auto:
+        plan = choose_for(pipeline, shape, choice.strategy, vram, ram)
+        return plan.strategy, f"auto chose at {label}: {_peaks(plan)}"
+    try:
+        plan = plan_strategy(pipeline, shape, choice.strategy, vram, ram)
+    except ValueError as error:
+        return choice.strategy, f"no prediction at {label}: {error}"
+    return choice.strategy, f"planned at {label}: {_peaks(plan)}"
+
+
+def _peaks(plan) -> str:
+    fits = "" if plan.fits is None else ("; fits" if plan.fits else "; over budget: " + "; ".join(plan.over_budget()))
+    return (f"{plan.strategy.describe()}; peak VRAM {plan.peak_vram_bytes / 2**30:.2f} GiB, "
+            f"RAM {plan.peak_ram_bytes / 2**30:.2f} GiB, x{plan.est_slowdown:.2f}{fits}")

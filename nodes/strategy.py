@@ -1,21 +1,53 @@
-"""Memory Strategy (VidMem): one validated MemoryStrategy from the widgets."""
+"""Memory Strategy (VidMem): one validated strategy from the widgets, planned at the Sampler's shape.
+
+The node has no size of its own: the shape is the Sampler's. Before a run the web extension
+asks GET /vidmem/plan (nodes/plan_route.py) with the Sampler's size and draws the plan on this
+node; at run time the Sampler plans again with its own shape (and, for offload=auto, chooses
+there). Older workflows that still carry width/height/frames on this node load and queue:
+ComfyUI drops API inputs the node no longer declares, and the web extension maps old UI
+widget values to their new positions.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..memory import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement, VaeTiling
-from ..memory.planner_stages import VideoShape
 from ..memory.strategy import TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE
 from ..memory.telemetry import default_budgets
-from ..pipelines.planning import choose_for, plan_strategy
-from . import host
 
 STRATEGY_TYPE = "VIDMEM_STRATEGY"
 AUTO = "auto"  # node-level tier: the planner picks the fastest strategy that fits
+AUTO_PINNED = -1.0  # widget value meaning "automatic ceiling"
+TILE_STEP = 32  # VaeTiling: tiles align with the latent grid of every VAE vidmem runs
 _DEFAULT = MemoryStrategy()
 _TILES = VaeTiling()
+GiB = 1 << 30
 
 
-AUTO_PINNED = -1.0  # widget value meaning "automatic ceiling"
+@dataclass(frozen=True)
+class StrategyChoice:
+    """What the Strategy node hands the Sampler and Decode.
+
+    `strategy` is the user's strategy, or for offload=auto the base whose prefetch, pinning and
+    slicing the planner keeps while it chooses the rest at the Sampler's shape. Budgets of 0
+    mean the host's defaults (the GPU's total memory, this machine's RAM), read at run time.
+    """
+
+    strategy: MemoryStrategy
+    auto: bool = False
+    vram_budget_gb: float = 0.0
+    ram_budget_gb: float = 0.0
+
+    def budgets(self, device) -> tuple[int, int]:
+        vram, ram = default_budgets(device)
+        return (int(self.vram_budget_gb * GiB) if self.vram_budget_gb else vram,
+                int(self.ram_budget_gb * GiB) if self.ram_budget_gb else ram)
+
+    def describe(self) -> str:
+        if self.auto:
+            return "offload=auto: the Sampler's planner chooses the tier, blocks, text encoder and VAE tiling"
+        return self.strategy.describe()
 
 
 def build_strategy(
@@ -32,6 +64,11 @@ def build_strategy(
     temporal_size: int,
     temporal_overlap: int,
 ) -> MemoryStrategy:
+    """The MemoryStrategy the widgets describe (offload=auto builds the base the planner starts from)."""
+    if offload == AUTO:
+        if blocks_to_swap:
+            raise StrategyError("blocks_to_swap must be 0 with offload='auto'; the planner chooses it.")
+        offload = OffloadTier.MODEL.value
     tiling = VaeTiling(tile_size, overlap, temporal_size, temporal_overlap) if vae_tiling else None
     return MemoryStrategy(
         offload=offload,
@@ -45,10 +82,28 @@ def build_strategy(
     )
 
 
+WIDGETS = tuple(build_strategy.__code__.co_varnames[: build_strategy.__code__.co_argcount])
+BUDGETS = ("vram_budget_gb", "ram_budget_gb")
+LEGACY_SHAPE_INPUTS = ("width", "height", "frames")  # on this node before the Sampler's shape was used
+
+
+def tile_size_problem(tile_size) -> str | None:
+    """The one rule on tile_size that ComfyUI's min/max cannot express (and its range, since
+    naming it in VALIDATE_INPUTS turns ComfyUI's own check off for it)."""
+    low, high = TILE_SIZE_RANGE
+    if not isinstance(tile_size, int) or isinstance(tile_size, bool) or not low <= tile_size <= high:
+        return f"tile_size={tile_size!r} must be a whole number of pixels from {low} to {high}."
+    if tile_size % TILE_STEP:
+        below = max(low, tile_size // TILE_STEP * TILE_STEP)
+        return f"tile_size={tile_size} must be a multiple of {TILE_STEP}; use {below} or {below + TILE_STEP}."
+    return None
+
+
 class VidMemMemoryStrategy:
     DESCRIPTION = (
         "Chooses where weights live while a video is sampled and decoded. Every choice gives the "
-        "same frames; they differ in GPU memory and speed."
+        "same frames; they differ in GPU memory and speed. Before you queue, the node shows the "
+        "predicted peak VRAM and RAM per stage for every tier at the connected Sampler's size."
     )
     CATEGORY = "vidmem"
     FUNCTION = "build"
@@ -64,8 +119,8 @@ class VidMemMemoryStrategy:
                     "none: everything on the GPU (fastest, most VRAM). model: one component at a time "
                     "(text encoder, then transformer). block_swap: as model, but the last blocks_to_swap "
                     "transformer blocks stream in each step. sequential: every layer streams (least VRAM, slowest). "
-                    "auto: connect the pipeline; the planner picks the fastest tier, block count, text encoder "
-                    "placement and VAE tiling that fit the budgets, and shows the predicted peaks."}),
+                    "auto: the Sampler's planner picks the fastest tier, block count, text encoder placement "
+                    "and VAE tiling that fit the budgets at its size."}),
                 "blocks_to_swap": ("INT", {"default": 0, "min": 0, "max": 100, "tooltip":
                     "block_swap only: how many transformer blocks stay in RAM and stream in per step. "
                     "Wan 14B has 40 blocks, Wan 1.3B 30, CogVideoX-2b 30, CogVideoX-5b 42. 0 with other tiers."}),
@@ -88,25 +143,21 @@ class VidMemMemoryStrategy:
                 "vae_tiling": ("BOOLEAN", {"default": False, "tooltip":
                     "Decode in overlapping, blended tiles and in frame chunks: bounded VRAM for any size, a little slower."}),
                 "tile_size": ("INT", {"default": _TILES.tile_size, "min": TILE_SIZE_RANGE[0], "max": TILE_SIZE_RANGE[1],
-                    "step": 32, "tooltip": "Tile edge in output pixels (as core VAE Decode (Tiled)). Smaller uses less VRAM."}),
+                    "step": TILE_STEP, "tooltip": "Tile edge in output pixels (as core VAE Decode (Tiled)), a multiple "
+                    "of 32. Smaller uses less VRAM."}),
                 "overlap": ("INT", {"default": _TILES.overlap, "min": 0, "max": 4096, "step": 8, "tooltip":
-                    "Pixels shared by neighbouring tiles and blended; at most tile_size/4."}),
+                    "Pixels shared by neighbouring tiles and blended; a multiple of 8, at most tile_size/4."}),
                 "temporal_size": ("INT", {"default": _TILES.temporal_size, "min": TEMPORAL_SIZE_RANGE[0],
-                    "max": TEMPORAL_SIZE_RANGE[1], "step": 4, "tooltip": "Output frames decoded per chunk. The VAE's causal caches carry over from chunk to "
-                    "chunk (CogVideoX, Wan), so chunks are exact and only bound the frames held at once."}),
+                    "max": TEMPORAL_SIZE_RANGE[1], "step": 4, "tooltip": "Output frames decoded per chunk, a multiple "
+                    "of 4. The VAE's causal caches carry over from chunk to chunk (CogVideoX, Wan), so chunks are "
+                    "exact and only bound the frames held at once."}),
                 "temporal_overlap": ("INT", {"default": _TILES.temporal_overlap, "min": 0, "max": 4096, "step": 4,
                     "tooltip": "Frames shared by neighbouring chunks and blended; at most temporal_size/2. Used only "
                     "for a VAE whose caches vidmem cannot carry over; CogVideoX and Wan chunks follow each other exactly."}),
             },
             "optional": {
-                "pipeline": ("VIDMEM_PIPELINE", {"tooltip": "Connect to predict this strategy's peak VRAM and RAM per "
-                             "stage before running (needed for offload=auto). Nothing is loaded onto the GPU."}),
-                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip":
-                    "The size you will sample, for the prediction; match the Video Sampler."}),
-                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip":
-                    "The size you will sample, for the prediction; match the Video Sampler."}),
-                "frames": ("INT", {"default": 81, "min": 1, "max": 1025, "step": 4, "tooltip":
-                    "The frames you will sample, for the prediction; match the Video Sampler."}),
+                "pipeline": ("VIDMEM_PIPELINE", {"tooltip": "Not needed: the plan reads the model from the "
+                             "Sampler's pipeline. Kept so workflows that connect it still load."}),
                 "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5, "tooltip":
                     "VRAM the plan may use; 0: the GPU's total memory. Lower it to leave room for other apps."}),
                 "ram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 4096.0, "step": 1.0, "tooltip":
@@ -115,52 +166,24 @@ class VidMemMemoryStrategy:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, **inputs):
-        """Reject bad combinations when the prompt is queued, before anything runs."""
-        widgets = {k: v for k, v in inputs.items() if k in _WIDGETS}
-        if any(value is None for value in widgets.values()):
-            return True  # a linked input has no value yet; build() validates at run time
-        try:
-            build_strategy(**_resolve_auto_widgets(widgets))
-        except (StrategyError, TypeError) as error:
-            return str(error)
-        return True
+    def VALIDATE_INPUTS(cls, tile_size):
+        """Only tile_size is named: ComfyUI attaches a failure here to every input named, and keeps
+        its own min/max/combo checks for the inputs not named. Rules between inputs (overlap
+        against tile_size, blocks_to_swap against offload) are shown on the node by the live plan
+        before queueing and raised by build() before any weight moves."""
+        return tile_size_problem(tile_size) or True
 
-    def build(self, pipeline=None, width=832, height=480, frames=81, vram_budget_gb=0.0, ram_budget_gb=0.0, **widgets):
-        auto = widgets["offload"] == AUTO
-        strategy = build_strategy(**_resolve_auto_widgets(widgets))
-        if pipeline is None:
-            if auto:
-                raise StrategyError("offload='auto' needs the pipeline input connected, so the planner knows the model.")
-            return {"ui": {"text": [strategy.describe()]}, "result": (strategy,)}
-        shape = VideoShape(width, height, frames)
-        vram, ram = _budgets(vram_budget_gb, ram_budget_gb)
-        if auto:
-            plan = choose_for(pipeline, shape, strategy, vram, ram)  # no plan, no strategy: errors stop the run
-            text = "auto chose: " + plan.describe()
-        else:
-            try:
-                plan = plan_strategy(pipeline, shape, strategy, vram, ram)
-            except ValueError as error:  # the prediction is advice: the run goes on, the sampler checks again
-                text = f"{strategy.describe()}\nprediction unavailable: {error}"
-                return {"ui": {"text": [text]}, "result": (strategy,)}
-            text = "predicted: " + plan.describe()
-        return {"ui": {"text": [text], "vidmem_plan": [plan.as_dict()]}, "result": (plan.strategy,)}
+    def build(self, pipeline=None, vram_budget_gb=0.0, ram_budget_gb=0.0, **widgets):
+        for name in LEGACY_SHAPE_INPUTS:  # direct callers of older versions; ComfyUI drops them itself
+            widgets.pop(name, None)
+        choice = StrategyChoice(build_strategy(**widgets), widgets["offload"] == AUTO, vram_budget_gb, ram_budget_gb)
+        return {"ui": {"text": [choice.describe()]}, "result": (choice,)}
 
 
-_WIDGETS = set(build_strategy.__code__.co_varnames[: build_strategy.__code__.co_argcount])
-
-
-def _resolve_auto_widgets(widgets: dict) -> dict:
-    """For offload=auto the planner chooses the tier and blocks: build the widgets' other choices."""
-    if widgets.get("offload") != AUTO:
-        return widgets
-    if widgets.get("blocks_to_swap"):
-        raise StrategyError("blocks_to_swap must be 0 with offload='auto'; the planner chooses it.")
-    return {**widgets, "offload": OffloadTier.MODEL.value}
-
-
-def _budgets(vram_gb: float, ram_gb: float) -> tuple[int, int]:
-    vram, ram = default_budgets(host.compute_device())
-    gib = 1 << 30
-    return (int(vram_gb * gib) if vram_gb else vram), (int(ram_gb * gib) if ram_gb else ram)
+def as_choice(strategy) -> StrategyChoice | None:
+    """A Sampler or Decode strategy input (a StrategyChoice, or a bare MemoryStrategy from code) as a choice."""
+    if strategy is None or isinstance(strategy, StrategyChoice):
+        return strategy
+    if isinstance(strategy, MemoryStrategy):
+        return StrategyChoice(strategy)
+    raise StrategyError(f"strategy={strategy!r} is not a Memory Strategy; connect a Memory Strategy (VidMem) node.")

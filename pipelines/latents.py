@@ -7,20 +7,44 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from .family import ModelError
+
 LATENT_SUFFIX = ".latent"
 
 
+def check_latent(latent, input_name: str = "latent") -> torch.Tensor:
+    """The video latent tensor of a core LATENT dict; ModelError naming the input otherwise.
+
+    Called before anything is written, so a bad input leaves no file or folder behind.
+    """
+    if not isinstance(latent, dict):
+        raise ModelError(f"{input_name} must be a LATENT (a dict with 'samples'), got {type(latent).__name__}; "
+                         "connect Video Sampler's latent or core Load Latent.")
+    samples = latent.get("samples")
+    if not isinstance(samples, torch.Tensor):
+        raise ModelError(f"{input_name} has no 'samples' tensor (keys: {sorted(latent)}); "
+                         "connect Video Sampler's latent or core Load Latent.")
+    if samples.dim() != 5:
+        raise ModelError(f"{input_name}['samples'] has shape {tuple(samples.shape)}; a video latent is "
+                         "[batch, channels, frames, height, width]. Image latents need core VAE Decode.")
+    return samples
+
+
 def next_latent_path(folder: Path, stem: str) -> Path:
-    """`<folder>/<stem>_00001_.latent`, numbered past the files already there (as core SaveLatent)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    taken = [p.name for p in folder.glob(f"{stem}_*_{LATENT_SUFFIX}")]
+    """`<folder>/<stem>_00001_.latent`, numbered past the files already there (as core SaveLatent).
+
+    Creates nothing: the caller writes the file (and its folder) only once the latent is checked.
+    """
+    taken = [p.name for p in folder.glob(f"{stem}_*_{LATENT_SUFFIX}")] if folder.is_dir() else []
     numbers = [int(name[len(stem) + 1 : len(stem) + 6]) for name in taken if name[len(stem) + 1 : len(stem) + 6].isdigit()]
     return folder / f"{stem}_{max(numbers, default=0) + 1:05}_{LATENT_SUFFIX}"
 
 
 def write_latent(latent: dict, path: Path) -> Path:
     """Write `latent["samples"]`; the version marker tells Load Latent not to rescale it."""
-    tensors = {"latent_tensor": latent["samples"].contiguous().cpu(), "latent_format_version_0": torch.tensor([])}
+    samples = check_latent(latent)
+    tensors = {"latent_tensor": samples.contiguous().cpu(), "latent_format_version_0": torch.tensor([])}
+    path.parent.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file(tensors, str(path))
     return path
 

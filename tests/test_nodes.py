@@ -13,7 +13,7 @@ import torch
 from vidmem.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, host
 from vidmem.nodes.free import VidMemFreeVRAM
 from vidmem.memory import StrategyError
-from vidmem.nodes.strategy import VidMemMemoryStrategy
+from vidmem.nodes.strategy import StrategyChoice, VidMemMemoryStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK_TYPES = {"VIDMEM_PIPELINE", "VIDMEM_STRATEGY", "LATENT", "IMAGE", "*"}
@@ -76,31 +76,67 @@ def test_strategy_widget_names_match_the_builder():
     assert set(VidMemMemoryStrategy.INPUT_TYPES()["required"]) == set(strategy_inputs())
 
 
-def test_strategy_node_predicts_peaks_for_a_connected_pipeline(tiny_loaded):
-    loaded = tiny_loaded("wan2.1-t2v")
-    out = VidMemMemoryStrategy().build(pipeline=loaded, width=32, height=32, frames=9, vram_budget_gb=1.0,
-                                       ram_budget_gb=64.0, **strategy_inputs(offload="block_swap", blocks_to_swap=1))
-    (strategy,) = out["result"]
-    assert strategy.offload.value == "block_swap" and strategy.blocks_to_swap == 1
-    assert out["ui"]["text"][0].startswith("predicted: ") and "denoise" in out["ui"]["text"][0]
-    plan = out["ui"]["vidmem_plan"][0]
-    assert plan["fits"] is True and plan["peak_vram_bytes"] == max(plan["stages"].values()) > 0
+def test_strategy_node_has_no_shape_of_its_own_and_drops_an_old_workflows_shape():
+    spec = VidMemMemoryStrategy.INPUT_TYPES()
+    assert not {"width", "height", "frames"} & {*spec["required"], *spec["optional"]}
+    out = VidMemMemoryStrategy().build(width=832, height=480, frames=81, vram_budget_gb=6.0,
+                                       **strategy_inputs(offload="block_swap", blocks_to_swap=4))
+    (choice,) = out["result"]
+    assert isinstance(choice, StrategyChoice) and not choice.auto and choice.vram_budget_gb == 6.0
+    assert choice.strategy.blocks_to_swap == 4 and "blocks_to_swap=4" in out["ui"]["text"][0]
 
 
-def test_auto_chooses_a_strategy_that_fits_or_says_what_would(tiny_loaded):
+def test_auto_is_chosen_by_the_sampler_at_its_own_shape(tiny_loaded):
     from vidmem.memory.planner import PlanError
+    from vidmem.nodes.sampler import _strategy_for_run
+    from vidmem.memory.planner_stages import VideoShape
 
     loaded = tiny_loaded("wan2.1-t2v")
-    auto = strategy_inputs(offload="auto")
-    roomy = VidMemMemoryStrategy().build(pipeline=loaded, width=32, height=32, frames=9, vram_budget_gb=8.0,
-                                         ram_budget_gb=64.0, **auto)
-    assert roomy["result"][0].offload.value == "none" and roomy["ui"]["text"][0].startswith("auto chose: ")
+    (auto,) = VidMemMemoryStrategy().build(vram_budget_gb=8.0, ram_budget_gb=64.0, **strategy_inputs(offload="auto"))["result"]
+    assert auto.auto and "Sampler's planner chooses" in auto.describe()
+    run, line = _strategy_for_run(loaded, auto, VideoShape(32, 32, 9), torch.device("cpu"))
+    assert run.offload.value == "none" and line.startswith("auto chose at 32x32x9: offload=none")
+    starved = StrategyChoice(auto.strategy, auto=True, vram_budget_gb=1e-4, ram_budget_gb=64.0)
     with pytest.raises(PlanError, match="nothing fits"):
-        VidMemMemoryStrategy().build(pipeline=loaded, width=32, height=32, frames=9, vram_budget_gb=1e-4,
-                                     ram_budget_gb=64.0, **auto)
-    with pytest.raises(StrategyError, match="needs the pipeline input connected"):
-        VidMemMemoryStrategy().build(**auto)
-    assert "blocks_to_swap must be 0" in VidMemMemoryStrategy.VALIDATE_INPUTS(**strategy_inputs(offload="auto", blocks_to_swap=3))
+        _strategy_for_run(loaded, starved, VideoShape(32, 32, 9), torch.device("cpu"))
+    with pytest.raises(StrategyError, match="blocks_to_swap must be 0"):
+        VidMemMemoryStrategy().build(**strategy_inputs(offload="auto", blocks_to_swap=3))
+
+
+def test_an_explicit_strategy_is_planned_at_the_samplers_shape_as_advice(tiny_loaded):
+    from vidmem.nodes.sampler import _strategy_for_run
+    from vidmem.memory.planner_stages import VideoShape
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    (choice,) = VidMemMemoryStrategy().build(vram_budget_gb=1.0, **strategy_inputs(offload="block_swap", blocks_to_swap=1))["result"]
+    run, line = _strategy_for_run(loaded, choice, VideoShape(32, 32, 9), torch.device("cpu"))
+    assert run is choice.strategy and line.startswith("planned at 32x32x9: offload=block_swap") and "fits" in line
+    run, line = _strategy_for_run(loaded, choice, VideoShape(832, 480, 81), torch.device("cpu"))
+    assert run is choice.strategy and line.startswith("no prediction at 832x480x81")  # tiny rope table: advice only
+
+
+@pytest.mark.parametrize("tile_size, ok", [(256, True), (100, False), (32, False), (8192, False), (None, False)])
+def test_strategy_queue_check_names_tile_size_only(tile_size, ok):
+    import inspect
+
+    assert list(inspect.signature(VidMemMemoryStrategy.VALIDATE_INPUTS).parameters) == ["tile_size"]
+    result = VidMemMemoryStrategy.VALIDATE_INPUTS(tile_size=tile_size)
+    assert (result is True) == ok
+    if not ok:
+        assert result.startswith(f"tile_size={tile_size!r}")
+
+
+@pytest.mark.parametrize("frames, ok", [(49, True), (81, True), (9, True), (50, False), (0, False), (None, True)])
+def test_sampler_queue_check_names_frames_only(frames, ok):
+    import inspect
+
+    from vidmem.nodes.sampler import VidMemVideoSampler
+
+    assert list(inspect.signature(VidMemVideoSampler.VALIDATE_INPUTS).parameters) == ["frames"]
+    result = VidMemVideoSampler.VALIDATE_INPUTS(frames=frames)
+    assert (result is True) == ok, result
+    if frames == 50:
+        assert "use 49 or 53" in result and "wan 4k+1" in result
 
 
 @pytest.mark.parametrize(
@@ -111,14 +147,9 @@ def test_auto_chooses_a_strategy_that_fits_or_says_what_would(tiny_loaded):
         (dict(offload="none", blocks_to_swap=3), "blocks_to_swap=3 only applies"),
     ],
 )
-def test_strategy_validation_errors_reach_the_queue(change, message):
-    result = VidMemMemoryStrategy.VALIDATE_INPUTS(**strategy_inputs(**change))
-    assert isinstance(result, str) and message in result
-
-
-def test_strategy_validation_accepts_good_and_linked_inputs():
-    assert VidMemMemoryStrategy.VALIDATE_INPUTS(**strategy_inputs()) is True
-    assert VidMemMemoryStrategy.VALIDATE_INPUTS(**strategy_inputs(offload=None)) is True
+def test_cross_input_problems_stop_the_strategy_node_naming_the_input(change, message):
+    with pytest.raises(StrategyError, match=message):
+        VidMemMemoryStrategy().build(**strategy_inputs(**change))
 
 
 def test_free_vram_passes_its_input_through_and_always_reruns():
@@ -144,6 +175,7 @@ def test_nodes_run_in_graph_order_and_return_core_types(tiny_folder):
     (pipeline,) = N["VidMemLoadPipeline"]().load(model="ignored", dtype="fp32", path=str(tiny_folder("wan2.1-t2v")))
     built = N["VidMemMemoryStrategy"]().build(**strategy_inputs(offload="block_swap", blocks_to_swap=1))
     (strategy,) = built["result"]
+    assert strategy.strategy.blocks_to_swap == 1
     sampled = N["VidMemVideoSampler"]().sample(pipeline, strategy, "a cat", "", 32, 32, 9, 2, 5.0, 0)
     assert len(sampled["result"]) == len(N["VidMemVideoSampler"].RETURN_TYPES)
     (latent,) = sampled["result"]
@@ -154,8 +186,22 @@ def test_nodes_run_in_graph_order_and_return_core_types(tiny_folder):
     assert "Video Sampler" in sampled["ui"]["text"][0] and "decode" in decoded["ui"]["text"][0]
 
 
-def test_a_prediction_that_cannot_be_made_does_not_stop_the_run(tiny_loaded):
-    loaded = tiny_loaded("wan2.1-t2v")  # the tiny model cannot run at 832x480 (rope table of 32)
-    out = VidMemMemoryStrategy().build(pipeline=loaded, width=832, height=480, frames=81, **strategy_inputs())
-    assert out["result"][0].offload.value == "model"
-    assert "prediction unavailable" in out["ui"]["text"][0]
+@pytest.mark.parametrize("latent, message", [("not a latent", "latent must be a LATENT"),
+                                             ({"noise": 1}, "latent has no 'samples'"),
+                                             ({"samples": torch.zeros(1, 16, 4, 4)}, "is not|shape")])
+def test_save_latents_writes_nothing_for_a_bad_latent(latent, message, tiny_loaded, tmp_path, monkeypatch):
+    from vidmem.nodes.decode import VidMemVAEDecode
+    from vidmem.pipelines.family import ModelError
+
+    folder = tmp_path / "input"
+    monkeypatch.setattr(host, "latents_folder", lambda: folder)
+    with pytest.raises(ModelError, match=message):
+        VidMemVAEDecode().decode(tiny_loaded("wan2.1-t2v"), latent, None, save_latents=True)
+    assert not folder.exists()
+
+
+def test_saved_latents_go_where_core_load_latent_lists_them():
+    """Core Load Latent lists the .latent files directly in input/ (not output/latents)."""
+    assert host.latents_folder() == Path.cwd() / "input"
+    source = (ROOT / "nodes" / "host.py").read_text()
+    assert "get_input_directory()" in source.split("def latents_folder", 1)[1].split("\ndef ", 1)[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 import types
 
 import pytest
@@ -35,9 +36,9 @@ def comfy_server(monkeypatch):
 
 def test_registers_once_inside_comfyui(comfy_server):
     assert host.register_routes() is True
-    assert [(r.method, r.path) for r in comfy_server] == [("GET", "/vidmem/memory")]
+    assert [(r.method, r.path) for r in comfy_server] == [("GET", "/vidmem/memory"), ("GET", "/vidmem/plan")]
     assert host.register_routes() is False, "a second call must not add a duplicate route"
-    assert len(comfy_server) == 1
+    assert len(comfy_server) == 2
 
 
 def test_does_nothing_without_comfyui(monkeypatch):
@@ -83,7 +84,147 @@ def test_cuda_figures_per_device(monkeypatch):
 def test_handler_answers_json(comfy_server):
     web = pytest.importorskip("aiohttp.web")
     host.register_routes()
-    response = asyncio.run(comfy_server[0].handler(None))
+    response = asyncio.run(comfy_server[0].handler(None))  # the memory route
     assert isinstance(response, web.Response) and response.content_type == "application/json"
     assert response.headers["Cache-Control"] == "no-store"
     assert set(json.loads(response.body)) == {"ram", "process_rss_bytes", "cuda"}
+
+
+# --- GET /vidmem/plan ------------------------------------------------------------------------------
+
+from vidmem.nodes.plan_route import PlanRequestError, PlanService, parse_request, plan_answer  # noqa: E402
+
+TINY = "Wan-tiny"  # the name the tiny folder is listed under in these tests
+GIB = 1 << 30
+
+
+def query(**change):
+    base = dict(model=TINY, dtype="fp32", offload="block_swap", blocks_to_swap="1", prefetch_blocks="1",
+                max_pinned_ram_gb="-1", non_blocking="true", text_encoder="cpu", vae_slicing="false",
+                vae_tiling="true", tile_size="64", overlap="16", temporal_size="8", temporal_overlap="4",
+                vram_budget_gb="1", ram_budget_gb="64", width="32", height="32", frames="9", cfg="5")
+    return {k: v for k, v in (base | change).items() if v is not None}
+
+
+@pytest.fixture
+def planner(tiny_folder):
+    from vidmem.pipelines.configs import load_model
+
+    folder = tiny_folder("wan2.1-t2v")
+    loads = []
+
+    def plannable(name, dtype):
+        loads.append(name)
+        return load_model(str(folder), dtype)
+
+    return lambda request: plan_answer(request, plannable, (8 * GIB, 64 * GIB)), loads
+
+
+@pytest.mark.parametrize("change, name", [
+    (dict(model="/etc/passwd"), "model"), (dict(model=None), "model"), (dict(dtype="int4"), "dtype"),
+    (dict(offload="fast"), "offload"), (dict(blocks_to_swap="2.5"), "blocks_to_swap"),
+    (dict(prefetch_blocks="99"), "prefetch_blocks"), (dict(non_blocking="maybe"), "non_blocking"),
+    (dict(vram_budget_gb="-5"), "vram_budget_gb"), (dict(width="-16"), "width"), (dict(frames="0"), "frames"),
+    (dict(cfg="nan"), "cfg"), (dict(ram_budget_gb="inf"), "ram_budget_gb"),
+])
+def test_plan_request_names_the_bad_parameter(change, name):
+    with pytest.raises(PlanRequestError) as caught:
+        parse_request(query(**change), [TINY], ["fp32", "bf16"])
+    assert caught.value.name == name and name in str(caught.value)
+
+
+def test_plan_rows_per_tier_with_the_users_row_chosen(planner):
+    answer, loads = planner
+    plan = answer(parse_request(query(), [TINY], ["fp32"]))
+    assert plan["status"] == "ok" and not plan["auto"]
+    labels = [row["label"] for row in plan["rows"]]
+    assert labels[:4] == ["none", "model", "block_swap", "sequential"] and labels[-1] == "your settings"
+    assert plan["chosen"] == len(labels) - 1 and "blocks_to_swap=1" in plan["rows"][-1]["strategy"]
+    assert plan["budgets"] == {"vram_bytes": GIB, "ram_bytes": 64 * GIB}
+    for row in plan["rows"]:
+        assert [s["name"] for s in row["stages"]] == ["text_encode", "denoise", "decode"]
+        assert row["peak_vram_bytes"] == max(s["vram_bytes"] for s in row["stages"]) > 0
+    json.dumps(plan)
+    assert loads == [TINY]
+
+
+def test_auto_marks_the_planners_choice(planner):
+    answer, _ = planner
+    auto = answer(parse_request(query(offload="auto", blocks_to_swap="0"), [TINY], ["fp32"]))
+    assert auto["auto"] and "your settings" not in [r["label"] for r in auto["rows"]]
+    assert auto["chosen"] is not None and auto["rows"][auto["chosen"]]["fits"]
+
+
+def test_more_swapped_blocks_lower_the_denoise_peak_of_a_real_size_model():
+    """Wan 2.1 1.3B's shipped config on meta at 832x480x81: the tiny model's blocks vanish in the CUDA context."""
+    from vidmem.pipelines.configs import load_model
+
+    def denoise_mib(blocks: int) -> int:
+        q = query(model="wan", dtype="bf16", blocks_to_swap=str(blocks), width="832", height="480", frames="81",
+                  tile_size="256", overlap="32", temporal_size="64", temporal_overlap="8", vram_budget_gb="8")
+        plan = plan_answer(parse_request(q, ["wan"], ["bf16"]), lambda n, d: load_model("wan2.1-t2v-1.3b", d),
+                           (8 * GIB, 64 * GIB))
+        return next(s["vram_bytes"] for s in plan["rows"][-1]["stages"] if s["name"] == "denoise")
+
+    assert denoise_mib(10) < denoise_mib(5)
+
+
+@pytest.mark.parametrize("change, name", [
+    (dict(tile_size="100"), "tile_size"), (dict(overlap="64"), "overlap"),
+    (dict(offload="none", blocks_to_swap="3"), "blocks_to_swap"), (dict(blocks_to_swap="99"), "blocks_to_swap"),
+    (dict(frames="10"), "frames"),
+])
+def test_plan_reports_a_bad_combination_on_its_input(planner, change, name):
+    answer, _ = planner
+    plan = answer(parse_request(query(**change), [TINY], ["fp32"]))
+    assert plan["status"] == "error" and plan["input"] == name, plan
+
+
+def test_service_caches_and_drops_superseded_requests():
+    calls = []
+    started = threading.Event()
+    release = threading.Event()
+
+    def slow(request):
+        calls.append(request.shape.frames)
+        started.set()
+        release.wait(5)
+        return {"status": "ok", "frames": request.shape.frames}
+
+    service = PlanService(slow)
+    first, second, third = (parse_request(query(frames=str(f)), [TINY], ["fp32"]) for f in (9, 13, 17))
+
+    async def scenario():
+        running = asyncio.create_task(service.plan(first, "node-2"))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        waiting = asyncio.create_task(service.plan(second, "node-2"))
+        await asyncio.sleep(0.05)
+        newest = asyncio.create_task(service.plan(third, "node-2"))  # replaces `second` before it ran
+        await asyncio.sleep(0.05)
+        release.set()
+        results = await asyncio.gather(running, waiting, newest)
+        again = await service.plan(third, "node-2")
+        return results, again
+
+    (a, b, c), again = asyncio.run(scenario())
+    assert a["frames"] == 9 and b == {"status": "superseded"} and c["frames"] == 17
+    assert calls == [9, 17] and service.computed == 2
+    assert again["cached"] is True and again["frames"] == 17 and calls == [9, 17]
+
+
+def test_plan_route_answers_without_blocking_the_loop(comfy_server, monkeypatch, tiny_folder):
+    pytest.importorskip("aiohttp.web")
+    monkeypatch.setattr(host, "diffusers_model_names", lambda: [TINY])
+    monkeypatch.setattr(host, "resolve_model_folder", lambda name, path: tiny_folder("wan2.1-t2v"))
+    host.register_routes()
+    handler = next(r.handler for r in comfy_server if r.path == "/vidmem/plan")
+
+    async def ask(q):
+        response = await handler(types.SimpleNamespace(query=q))
+        return response.status, json.loads(response.body)
+
+    status, plan = asyncio.run(ask(query()))
+    assert status == 200 and plan["status"] == "ok" and plan["cached"] is False
+    status, bad = asyncio.run(ask(query(model="../../secret")))
+    assert status == 400 and bad["input"] == "model"
+    assert not torch.cuda.is_initialized()

@@ -1,0 +1,202 @@
+"""GET /vidmem/plan: the Memory Strategy's plan before anything is queued. No ComfyUI imports.
+
+The web extension sends the model name (one of the pack's own model lists, never a path), the
+Strategy node's widget values and the Sampler's shape. The answer is every tier's predicted
+peak VRAM and RAM per stage against the budgets, with the row the run would use. Planning
+builds the architecture on the meta device from config files: no weight is read and no GPU is
+touched. It runs on one worker thread, one request at a time, off the server's event loop;
+answers are cached by request, and a request that a newer one from the same node replaced
+while it waited is answered "superseded" without planning. `nodes/host.py` only registers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from ..memory import OffloadTier, StrategyError
+from ..memory.planner import candidate_plans, plan_run, recommended
+from ..memory.planner_stages import VideoShape
+from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, tile_size_problem
+
+PLAN_ROUTE = "/vidmem/plan"
+SHAPE = {"width": (16, 4096), "height": (16, 4096), "frames": (1, 1025)}  # the Sampler's ranges
+
+
+class PlanRequestError(ValueError):
+    """A query parameter is missing or wrong; `name` is the parameter (a widget or shape input)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    dtype: str
+    shape: VideoShape
+    widgets: tuple[tuple[str, object], ...]  # the Strategy's widgets, in INPUT_TYPES order
+    vram_budget_gb: float
+    ram_budget_gb: float
+
+    @property
+    def auto(self) -> bool:
+        return dict(self.widgets)["offload"] == AUTO
+
+
+def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list[str]) -> PlanRequest:
+    """A PlanRequest from the query string; PlanRequestError naming the first bad parameter."""
+    model = _required(query, "model")
+    if model not in model_names:
+        raise PlanRequestError("model", f"model={model!r} is not in the pack's model list; choose one the "
+                                        "Load Video Pipeline node offers.")
+    dtype = query.get("dtype", "bf16")
+    if dtype not in dtypes:
+        raise PlanRequestError("dtype", f"dtype={dtype!r} must be one of {', '.join(dtypes)}.")
+    spec = {**VidMemMemoryStrategy.INPUT_TYPES()["required"], **VidMemMemoryStrategy.INPUT_TYPES()["optional"]}
+    values = {name: _widget(query, name, spec[name]) for name in (*WIDGETS, *BUDGETS)}
+    width, height, frames = (_number(query, name, "INT", *SHAPE[name]) for name in SHAPE)
+    cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
+    shape = VideoShape(width, height, frames, cfg=cfg > 1.0)
+    return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS))
+
+
+def _required(query: Mapping[str, str], name: str) -> str:
+    value = query.get(name)
+    if value is None or value == "":
+        raise PlanRequestError(name, f"{name} is missing.")
+    return value
+
+
+def _widget(query: Mapping[str, str], name: str, entry: tuple):
+    kind, options = entry
+    if isinstance(kind, list):
+        value = query.get(name, options.get("default"))
+        if value not in kind:
+            raise PlanRequestError(name, f"{name}={value!r} must be one of {', '.join(kind)}.")
+        return value
+    if name not in query:
+        return options.get("default")
+    if kind == "BOOLEAN":
+        text = query[name].lower()
+        if text not in ("true", "false"):
+            raise PlanRequestError(name, f"{name}={query[name]!r} must be true or false.")
+        return text == "true"
+    return _number(query, name, kind, options.get("min"), options.get("max"))
+
+
+def _number(query: Mapping[str, str], name: str, kind: str, low, high):
+    text = _required(query, name)
+    try:
+        value = int(text) if kind == "INT" else float(text)
+    except ValueError:
+        raise PlanRequestError(name, f"{name}={text!r} must be {'a whole number' if kind == 'INT' else 'a number'}.") from None
+    if kind == "FLOAT" and not math.isfinite(value):
+        raise PlanRequestError(name, f"{name}={text} must be a finite number.")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise PlanRequestError(name, f"{name}={value} must be from {low} to {high}.")
+    return value
+
+
+def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], budgets: tuple[int, int]) -> dict:
+    """The plan as JSON-ready data: one row per tier (and the user's own settings), the chosen row marked.
+
+    `load_model(name, dtype)` gives the plannable meta model; `budgets` are the host's default
+    (VRAM, RAM) bytes, used where the widgets say 0. Bad widgets or a shape the model cannot take
+    come back as {"status": "error", "input": name, "error": message}.
+    """
+    widgets = dict(request.widgets)
+    try:
+        problem = tile_size_problem(widgets["tile_size"]) if widgets["vae_tiling"] else None
+        if problem:
+            raise StrategyError(problem)
+        strategy = build_strategy(**widgets)
+        model = load_model(request.model, request.dtype)
+        vram = int(request.vram_budget_gb * GiB) or budgets[0]
+        ram = int(request.ram_budget_gb * GiB) or budgets[1]
+        base = replace(strategy, offload=OffloadTier.MODEL, blocks_to_swap=0)
+        plans = candidate_plans(model, request.shape, vram, ram, base=base)
+        labels = [_label(plan) for plan in plans]
+        chosen = recommended(plans)
+        if not request.auto:
+            plans.append(plan_run(model, request.shape, strategy, vram_budget_bytes=vram, ram_budget_bytes=ram))
+            labels.append("your settings")
+            chosen = len(plans) - 1
+    except ValueError as error:  # StrategyError, PlanError, ModelError: all name their input
+        return {"status": "error", "input": _input_named(str(error)), "error": str(error)}
+    s = request.shape
+    return {
+        "status": "ok", "model": request.model, "auto": request.auto,
+        "shape": {"width": s.width, "height": s.height, "frames": s.frames},
+        "budgets": {"vram_bytes": vram, "ram_bytes": ram},
+        "rows": [_row(label, plan) for label, plan in zip(labels, plans)],
+        "chosen": chosen,
+    }
+
+
+def _label(plan) -> str:
+    return plan.strategy.offload.value + (" (weights on disk)" if getattr(plan, "on_disk", False) else "")
+
+
+def _row(label: str, plan) -> dict:
+    return {
+        "label": label, "strategy": plan.strategy.describe(), "fits": plan.fits,
+        "est_slowdown": plan.est_slowdown, "peak_vram_bytes": plan.peak_vram_bytes, "peak_ram_bytes": plan.peak_ram_bytes,
+        "stages": [{"name": s.name, "vram_bytes": s.device_bytes, "ram_bytes": s.host_bytes} for s in plan.stages],
+        "over_budget": plan.over_budget(),
+    }
+
+
+def _input_named(message: str) -> str | None:
+    """The input a planner or strategy message is about: its messages start 'name=value'."""
+    head = message.split("=", 1)[0].strip()
+    known = (*WIDGETS, *BUDGETS, *SHAPE)
+    return head if head in known else next((name for name in known if f"{name}=" in message), None)
+
+
+class PlanService:
+    """Cache, one worker thread, and newest-wins per client (the node that asked)."""
+
+    def __init__(self, answer: Callable[[PlanRequest], dict], cache_size: int = 64) -> None:
+        self._answer = answer
+        self._cache: OrderedDict[PlanRequest, dict] = OrderedDict()
+        self._cache_size = cache_size
+        self._latest: dict[str, PlanRequest] = {}
+        self._lock: asyncio.Lock | None = None  # made on the server's loop at the first request
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vidmem-plan")
+        self.computed = 0  # plans made (not served from the cache), for tests and logs
+
+    async def plan(self, request: PlanRequest, client: str = "") -> dict:
+        cached = self._cached(request)
+        if cached is not None:
+            return cached
+        self._latest[client] = request
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:  # one plan at a time; later requests wait here
+            if self._latest.get(client) != request:
+                return {"status": "superseded"}
+            cached = self._cached(request)
+            if cached is None:
+                answer = await asyncio.get_running_loop().run_in_executor(self._worker, self._answer, request)
+                self.computed += 1
+                cached = self._store(request, answer)
+            return cached
+
+    def _cached(self, request: PlanRequest) -> dict | None:
+        answer = self._cache.get(request)
+        if answer is not None:
+            self._cache.move_to_end(request)
+            return dict(answer, cached=True)
+        return None
+
+    def _store(self, request: PlanRequest, answer: dict) -> dict:
+        self._cache[request] = answer
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return dict(answer, cached=False)
