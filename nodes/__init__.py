@@ -3,6 +3,7 @@
 from .decode import VidMemVAEDecode
 from .free import VidMemFreeVRAM
 from .loader import VidMemLoadPipeline
+from .lora import VidMemLoadLoRA
 from .sampler import VidMemVideoSampler
 from .strategy import VidMemMemoryStrategy
 
@@ -12,6 +13,7 @@ NODE_CLASS_MAPPINGS = {
     "VidMemVideoSampler": VidMemVideoSampler,
     "VidMemVAEDecode": VidMemVAEDecode,
     "VidMemFreeVRAM": VidMemFreeVRAM,
+    "VidMemLoadLoRA": VidMemLoadLoRA,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -20,4 +22,5 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "VidMemVideoSampler": "Video Sampler (VidMem)",
     "VidMemVAEDecode": "Video VAE Decode (VidMem)",
     "VidMemFreeVRAM": "Free VRAM (VidMem)",
+    "VidMemLoadLoRA": "Load LoRA (VidMem)",
 }

@@ -1,0 +1,48 @@
+"""Load LoRA (VidMem): a LoRA from models/loras on a pipeline, as a new pipeline value (chainable).
+
+The input pipeline is never changed: the LoRA rides on the returned value and is attached to the
+denoiser only for the length of each sampling call, beside the layers, under any memory tier.
+"""
+
+from __future__ import annotations
+
+from ..pipelines.lora import EXPERTS, load_lora, with_lora
+from ..pipelines.lora.spec import STRENGTH_RANGE
+from . import host
+from .loader import PIPELINE_TYPE
+
+NO_LORAS = "(no LoRAs found in models/loras)"
+
+
+class VidMemLoadLoRA:
+    DESCRIPTION = (
+        "Adds a LoRA (style, motion, or a distill LoRA such as lightx2v) to a pipeline. Chain several. "
+        "Reads diffusers/PEFT, ComfyUI/kohya, original Wan (lightx2v, musubi) and CogVideoX-Factory "
+        "files, .safetensors only. The base weights are never copied or changed."
+    )
+    CATEGORY = "vidmem"
+    FUNCTION = "load"
+    RETURN_TYPES = (PIPELINE_TYPE,)
+    RETURN_NAMES = ("pipeline",)
+    OUTPUT_TOOLTIPS = ("The same pipeline with this LoRA added after any earlier ones; the input pipeline is unchanged.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        low, high = STRENGTH_RANGE
+        return {
+            "required": {
+                "pipeline": (PIPELINE_TYPE, {"tooltip": "From Load Video Pipeline or another Load LoRA."}),
+                "lora_name": (host.lora_names() or [NO_LORAS], {"tooltip": "A .safetensors LoRA under "
+                              "models/loras made for this model family and size (a Wan 1.3B LoRA does not fit 14B)."}),
+                "strength": ("FLOAT", {"default": 1.0, "min": low, "max": high, "step": 0.05, "tooltip":
+                             "Multiplies the LoRA's effect; 0 gives the base model exactly, negative values invert it."}),
+                "expert": (list(EXPERTS), {"default": "both", "tooltip": "Wan 2.2 A14B only: apply to the "
+                           "high-noise expert, the low-noise expert, or both (distill LoRAs ship one file per "
+                           "expert). Single-transformer models need 'both'."}),
+            },
+        }
+
+    def load(self, pipeline, lora_name: str, strength: float, expert: str = "both"):
+        path = host.resolve_lora(lora_name)
+        spec = load_lora(path, pipeline.pipe, strength, expert, name=lora_name)
+        return (with_lora(pipeline, spec),)
