@@ -5,7 +5,7 @@ fp8_scaled follows Comfy-Org's files: one float32 scale per tensor, scale = absm
 largest float8_e4m3fn value), weight = round(w / scale) to fp8; dequantized as fp8 * scale.
 Plain fp8 saturates at the format's largest value instead of overflowing to NaN.
 GGUF formats use the `gguf` package's reference quantizers (numpy, on the CPU); it has none for
-the k-quants (Q4_K, Q5_K, Q6_K), which must come from a pre-quantized .gguf file.
+the k-quants (Q4_K, Q5_K, Q6_K), which use kquants.py's plain-rounding quantizer.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import torch
 
 from .errors import StorageError
 from .formats import StorageFormat, storage_format
+from .kquants import quantize_k
 from .stored import StoredTensor
+
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # gguf-py has no quantizer for these: kquants.py
 
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -40,13 +43,10 @@ def _quantize_gguf(tensor: torch.Tensor, fmt: StorageFormat) -> StoredTensor:
 
     if tensor.ndim == 0 or tensor.shape[-1] % fmt.block_size:
         raise StorageError(f"{fmt.name} needs a last dimension that is a multiple of {fmt.block_size}; got shape {list(tensor.shape)}. Keep this tensor in bf16/fp16.")
-    qtype = gguf.GGMLQuantizationType[fmt.gguf_type]
-    values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
-    try:
-        blocks = gguf.quants.quantize(values, qtype)
-    except NotImplementedError:
-        raise StorageError(
-            f"vidmem cannot quantize to {fmt.name} itself (the gguf package has no {fmt.gguf_type} quantizer); "
-            "use a .gguf file already quantized to it, or choose gguf_q8_0, gguf_q5_1, gguf_q5_0, gguf_q4_1 or gguf_q4_0."
-        ) from None
-    return StoredTensor(torch.from_numpy(blocks), fmt, tensor.shape)
+    values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    row_bytes = tensor.shape[-1] // fmt.block_size * fmt.block_bytes
+    if fmt.gguf_type in K_QUANTS:
+        blocks = quantize_k(values, fmt.gguf_type)
+    else:
+        blocks = torch.from_numpy(gguf.quants.quantize(values.numpy(), gguf.GGMLQuantizationType[fmt.gguf_type]))
+    return StoredTensor(blocks.reshape(*tensor.shape[:-1], row_bytes), fmt, tensor.shape)

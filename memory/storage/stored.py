@@ -123,7 +123,7 @@ MARKER_KEYS = ("scaled_fp8",)  # a marker tensor (its dtype names the fp8 type),
 DROPPED_SUFFIXES = ("scale_input", "input_scale")  # activation scales for fp8 matmul; upcasting ignores them
 
 
-def fold_scaled_fp8(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | StoredTensor]:
+def fold_scaled_fp8(tensors: Mapping[str, torch.Tensor | StoredTensor]) -> dict[str, torch.Tensor | StoredTensor]:
     """Tensors with Comfy-Org's fp8 scales folded in: `<layer>.weight` + `<layer>.scale_weight`
     become one StoredTensor("fp8_scaled"); fp8 weights without a scale become fp8 StoredTensors.
 
@@ -139,6 +139,9 @@ def fold_scaled_fp8(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     for name, tensor in tensors.items():
         leaf = name.rpartition(".")[2]
         if name in MARKER_KEYS or leaf in DROPPED_SUFFIXES or leaf in SCALE_SUFFIXES:
+            continue
+        if isinstance(tensor, StoredTensor):  # GGUF tensors: already stored
+            out[name] = tensor
             continue
         if name in scales:
             scale = scales[name][1].to(torch.float32)
