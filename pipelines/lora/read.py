@@ -17,8 +17,7 @@ from typing import Mapping
 import torch
 
 from ...memory.lora import LoraError
-from ...memory.storage.errors import StorageError
-from ...memory.storage.files import open_safetensors, sniff
+from ...memory.storage import StorageError, open_safetensors, sniff
 
 # Key tails, longest first: (tail, kind). PEFT state dicts saved raw keep the adapter name
 # ("default"); diffusers' lora_B.bias is a bias delta like kohya/lightx2v's diff_b.
