@@ -1,0 +1,121 @@
+"""Bad LoRA input fails with a LoraError naming the file and the fix; partial matches warn with
+every skipped key; the Load LoRA node chains without mutating its input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from test_lora import COG_LAYERS, WAN_LAYERS, kohya_keys, peft_keys, random_lora, write
+from vidmem.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, host
+from vidmem.nodes.lora import VidMemLoadLoRA
+from vidmem.pipelines.loader import LoadedPipeline
+from vidmem.pipelines.lora import LoraError, describe_loras, load_lora, lora_patches
+from vidmem.pipelines.tiny import build_tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return build_tiny_pipeline("wan2.1-t2v")
+
+
+@pytest.fixture(scope="module")
+def cog():
+    return build_tiny_pipeline("cogvideox-t2v")
+
+
+def test_a_lora_for_another_size_names_the_layer_and_both_shapes(wan, tmp_path):
+    wide = {n: (torch.zeros(4, 48), torch.zeros(48, 4)) for n in WAN_LAYERS[:1]}
+    path = write(tmp_path / "wan14b_style.safetensors", peft_keys(wide, None))
+    with pytest.raises(LoraError, match=r"wan14b_style.safetensors: LoRA on blocks.0.attn1.to_q: down \[4, 48\] / up \[48, 4\] do not fit: the model's layer is \[out, in\] = \[24, 24\]; this LoRA was made for another model family or size"):
+        load_lora(path, wan)
+
+
+def test_a_lora_for_another_family_matches_nothing(wan, cog, tmp_path):
+    path = write(tmp_path / "cog_lora.safetensors", peft_keys(random_lora(cog.transformer, COG_LAYERS), None))
+    with pytest.raises(LoraError, match=r"cog_lora.safetensors: none of its 12 keys apply to this WanTransformer3DModel.*another model family"):
+        load_lora(path, wan)
+
+
+def test_pickles_and_gguf_are_refused_naming_the_file(wan, tmp_path):
+    pickled = tmp_path / "style.safetensors"
+    torch.save({"a": torch.zeros(1)}, pickled)  # a pickle renamed .safetensors: refused by content
+    with pytest.raises(LoraError, match=r"style.safetensors cannot be used: .* is a PyTorch pickle.*Convert it to .safetensors"):
+        load_lora(pickled, wan)
+    gguf = tmp_path / "style.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(LoraError, match=r"style.gguf is a GGUF file; LoRAs are read from .safetensors files only"):
+        load_lora(gguf, wan)
+    with pytest.raises(LoraError, match="missing.safetensors cannot be used: .*no such file"):
+        load_lora(tmp_path / "missing.safetensors", wan)
+
+
+def test_expert_choice_on_a_single_expert_model_is_refused(wan, tmp_path):
+    path = write(tmp_path / "lora.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS), None))
+    with pytest.raises(LoraError, match=r"lora.safetensors: expert='high_noise' needs a two-expert model .* Set expert to 'both'"):
+        load_lora(path, wan, 1.0, "high_noise")
+    with pytest.raises(LoraError, match="strength 9 is outside"):
+        load_lora(path, wan, 9)
+    with pytest.raises(LoraError, match="expert='middle' is not valid"):
+        load_lora(path, wan, 1.0, "middle")
+
+
+def test_partial_matches_warn_with_every_skipped_key(wan, tmp_path):
+    """An I2V LoRA (image attention) on a T2V model, plus a DoRA magnitude the pack cannot apply."""
+    keys = kohya_keys("diffusion_model.", False)(random_lora(wan.transformer, WAN_LAYERS), 4.0)
+    keys["diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight"] = torch.zeros(4, 24)
+    keys["diffusion_model.blocks.0.cross_attn.k_img.lora_up.weight"] = torch.zeros(24, 4)
+    keys["diffusion_model.blocks.0.self_attn.q.lora_magnitude_vector"] = torch.ones(24)
+    path = write(tmp_path / "i2v.safetensors", keys)
+    with pytest.warns(UserWarning, match="i2v.safetensors: 3 key") as record:
+        spec = load_lora(path, wan)
+    message = str(record[0].message)
+    assert "cross_attn.k_img.lora_down.weight: no layer 'diffusion_model.blocks.0.cross_attn.k_img'" in message
+    assert "cross_attn.k_img.lora_up.weight" in message
+    assert "lora_magnitude_vector: not a LoRA tensor vidmem reads (DoRA" in message
+    assert spec.skipped and len(spec.layers["transformer"]) == len(WAN_LAYERS)
+
+
+def test_incomplete_layer_is_refused(wan, tmp_path):
+    keys = peft_keys(random_lora(wan.transformer, WAN_LAYERS), None)
+    del keys["transformer.blocks.1.ffn.net.2.lora_B.weight"]
+    with pytest.raises(LoraError, match=r"layer 'transformer.blocks.1.ffn.net.2' has no up \(lora_B/lora_up\) matrix"):
+        load_lora(write(tmp_path / "cut.safetensors", keys), wan)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineWithLoras(LoadedPipeline):
+    """LoadedPipeline plus the field the Load LoRA node needs (until the loader declares it)."""
+
+    loras: tuple = ()
+
+
+def test_node_chains_without_mutating_its_input(wan, tmp_path, monkeypatch):
+    from vidmem.pipelines.wan import WAN
+
+    first = write(tmp_path / "first.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS, seed=1), None))
+    second = write(tmp_path / "second.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS, seed=2), None))
+    monkeypatch.setattr(host, "resolve_lora", lambda name: tmp_path / name)
+    loaded = PipelineWithLoras(wan, WAN, "WanPipeline", "tiny", "fp32")
+    node = VidMemLoadLoRA()
+    (one,) = node.load(loaded, "first.safetensors", 1.0, "both")
+    (two,) = node.load(one, "second.safetensors", -0.5, "both")
+    assert loaded.loras == () and [s.name for s in one.loras] == ["first.safetensors"]
+    assert [(s.name, s.strength) for s in two.loras] == [("first.safetensors", 1.0), ("second.safetensors", -0.5)]
+    assert two.pipe is loaded.pipe  # the components are shared, never copied
+    assert len(lora_patches(two.pipe, two.loras)) == 2 * len(WAN_LAYERS)
+    assert "first.safetensors x1" in describe_loras(two.loras) and "second.safetensors x-0.5" in describe_loras(two.loras)
+    with pytest.raises(LoraError, match="needs a two-expert model"):
+        node.load(loaded, "first.safetensors", 1.0, "low_noise")
+
+
+def test_node_is_registered_with_tooltips():
+    assert NODE_CLASS_MAPPINGS["VidMemLoadLoRA"] is VidMemLoadLoRA
+    assert NODE_DISPLAY_NAME_MAPPINGS["VidMemLoadLoRA"] == "Load LoRA (VidMem)"
+    inputs = VidMemLoadLoRA.INPUT_TYPES()["required"]
+    assert list(inputs) == ["pipeline", "lora_name", "strength", "expert"]
+    assert inputs["strength"][1]["min"] == -4.0 and inputs["strength"][1]["max"] == 4.0
+    assert inputs["expert"][0] == ["both", "high_noise", "low_noise"]
+    assert all(options[1].get("tooltip") for options in inputs.values())
