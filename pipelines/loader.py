@@ -7,9 +7,11 @@ The family comes from `model_index.json`, never from the folder's name.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 
@@ -32,7 +34,14 @@ class LoadedPipeline:
     class_name: str
     source: str
     dtype_name: str
-    folder: str = ""  # the diffusers folder (source may add a single-file transformer)
+    # What the planner reads (configs.load_model): the diffusers folder, or for single files the
+    # shipped config name they were recognised as (also in `config_name`).
+    folder: str = ""
+    config_name: str = ""  # the shipped model config single files were matched to ("" for folders)
+    storage: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # component -> StorageFormat name
+    on_disk: bool = False  # weights used in place from their files' mappings (the disk tier)
+    vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name
+    storage_reports: Mapping[str, object] = field(default_factory=dict, compare=False, repr=False)  # component -> StorageReport
     host_pool: HostPool = field(default_factory=HostPool, compare=False, repr=False)  # pinned homes, reused run over run
     _image_mode: dict = field(default_factory=dict, compare=False, repr=False)
     _backends: dict = field(default_factory=dict, compare=False, repr=False)
@@ -61,14 +70,17 @@ class LoadedPipeline:
             config = {k: self.pipe.config[k] for k in ("boundary_ratio", "expand_timesteps") if k in self.pipe.config}
             pipe = pinned_pipeline_class(class_name)(**self.pipe.components, **config)
             pipe.set_progress_bar_config(disable=True)
-            self._image_mode["pipeline"] = LoadedPipeline(
-                pipe, self.spec, class_name, self.source, self.dtype_name, self.folder, self.host_pool,
-                _backends=self._backends,
-            )
+            self._image_mode["pipeline"] = replace(self, pipe=pipe, class_name=class_name, _image_mode={})
         return self._image_mode["pipeline"]
 
     def describe(self) -> str:
-        return f"{self.class_name} ({self.dtype_name}) from {self.source}"
+        dtypes = self.dtype_name + (f", VAE {self.vae_dtype_name}" if self.vae_dtype_name not in ("", self.dtype_name) else "")
+        text = f"{self.class_name} ({dtypes}) from {self.source}"
+        if self.storage:
+            held = ", ".join(f"{name} {fmt}" for name, fmt in self.storage.items())
+            where = "mapped from the files (disk tier)" if self.on_disk else "copied into RAM"
+            text += f"; weights stored as {held}, {where}"
+        return text
 
 
 def family_for(class_name: str) -> FamilySpec:

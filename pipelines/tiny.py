@@ -254,3 +254,117 @@ def tiny_call_kwargs(variant: str, seed: int = 0, steps: int = 2, output_type: s
     if spec.needs_image:
         kwargs["image"] = Image.new("RGB", (spec.width, spec.height), (128, 128, 128))
     return kwargs
+
+
+# --- ComfyUI-style single files ------------------------------------------------------------------
+# The same tiny models as Comfy-Org's repackaged files: original Wan key names, an umt5 file with
+# its SentencePiece model embedded, fp8 / fp8-scaled / GGUF storage. See pipelines/comfy_files.
+
+_WAN_COMPONENT_CLASSES = {"image_encoder": ("transformers", "CLIPVisionModel")}
+
+
+def tiny_spiece_model() -> bytes:
+    """The tiny tokenizer's vocabulary as a SentencePiece Unigram model (what Comfy-Org embeds).
+
+    transformers reads it back into a tokenizer that gives the same ids as `build_tiny_tokenizer`
+    (the vocabulary lists a few pieces twice, as the in-code one does; transformers keeps the last).
+    """
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    vocab = json.loads(build_tiny_tokenizer().backend_tokenizer.to_str())["model"]["vocab"]
+    piece_types = {"<pad>": spm.ModelProto.SentencePiece.CONTROL, "</s>": spm.ModelProto.SentencePiece.CONTROL,
+                   "<unk>": spm.ModelProto.SentencePiece.UNKNOWN}
+    model = spm.ModelProto()
+    model.trainer_spec.model_type = spm.TrainerSpec.UNIGRAM
+    model.trainer_spec.pad_id, model.trainer_spec.eos_id, model.trainer_spec.unk_id, model.trainer_spec.bos_id = 0, 1, 2, -1
+    model.normalizer_spec.name = "identity"
+    model.normalizer_spec.add_dummy_prefix = True
+    for piece, score in vocab:
+        entry = model.pieces.add()
+        entry.piece, entry.score = piece, score
+        entry.type = piece_types.get(piece, spm.ModelProto.SentencePiece.NORMAL)
+    return model.SerializeToString()
+
+
+def tiny_catalogue() -> tuple:
+    """The tiny Wan variants as model entries (named "tiny-<variant>"), for `load_model_files`."""
+    from .comfy_files.catalogue import ModelEntry
+    from .configs.meta import ComponentConfig
+
+    entries = []
+    for variant, spec in TINY_SPECS.items():
+        if spec.pipeline not in ("WanPipeline", "WanImageToVideoPipeline"):
+            continue
+        configs = {"transformer": ("diffusers", spec.transformer, dict(spec.transformer_config)),
+                   "vae": ("diffusers", spec.vae, dict(spec.vae_config)),
+                   "text_encoder": ("transformers", spec.text_encoder,
+                                    dict(_TEXT_ENCODER, vocab_size=len(build_tiny_tokenizer())))}
+        if spec.two_experts:
+            configs["transformer_2"] = configs["transformer"]
+        if spec.image_encoder:
+            configs["image_encoder"] = (*_WAN_COMPONENT_CLASSES["image_encoder"], dict(_CLIP_VISION))
+        entries.append(ModelEntry(
+            name=f"tiny-{variant}", pipeline_class=spec.pipeline,
+            components={k: ComponentConfig(k, lib, cls, cfg) for k, (lib, cls, cfg) in configs.items()},
+            scheduler_class=spec.scheduler, scheduler_config=dict(spec.scheduler_config),
+            pipeline_config=dict(spec.pipeline_config),
+            image_processor={"crop_size": 32, "size": 32} if spec.image_encoder else {},
+        ))
+    return tuple(entries)
+
+
+@dataclass(frozen=True)
+class TinyComfyFiles:
+    files: Any  # comfy_files.ModelFiles
+    reference: Path  # a diffusers folder holding the files' weights, dequantized to fp32
+
+
+def save_tiny_comfy_files(variant: str, folder: str | Path, storage: str = "bf16", layout: str = "original",
+                          seed: int = 0, with_tokenizer: bool = True) -> TinyComfyFiles:
+    """Write tiny `variant` as ComfyUI model folders under `folder`, plus its diffusers twin.
+
+    Transformer(s) and text encoder are stored in `storage` (a StorageFormat name; a GGUF text
+    encoder is not a Comfy-Org format, so GGUF runs keep it in bf16); VAE and CLIP vision stay
+    plain (`storage` when it is plain, else fp32). `layout`: "original", "prefixed" or
+    "diffusers" transformer names. The reference folder holds exactly the values the files
+    dequantize to, so a pipeline loaded from either computes the same.
+    """
+    from .comfy_files.keys import KeyLayout
+    from .comfy_files.load import ModelFiles
+    from .comfy_files.write import (dequantized, store_tensors, write_plain, write_text_encoder, write_transformer,
+                                    write_vae)
+    from ..memory.storage import storage_format
+
+    folder = Path(folder)
+    pipe = build_tiny_pipeline(variant, seed)
+    plain = storage if storage_format(storage).gguf_type is None and not storage_format(storage).quantized else "fp32"
+    text_storage = "bf16" if storage_format(storage).gguf_type else storage
+    suffix = ".gguf" if storage_format(storage).gguf_type else ".safetensors"
+    stored = {
+        "transformer": store_tensors(pipe.transformer, storage),
+        "text_encoder": store_tensors(pipe.text_encoder, text_storage),
+        "vae": store_tensors(pipe.vae, plain),
+    }
+    paths = {
+        "model": write_transformer(stored["transformer"], folder / "diffusion_models" / f"tiny_{variant}_{storage}{suffix}", KeyLayout(layout)),
+        "text_encoder": write_text_encoder(stored["text_encoder"], folder / "text_encoders" / f"tiny_umt5_{text_storage}.safetensors",
+                                           tiny_spiece_model() if with_tokenizer else None),
+        "vae": write_vae(stored["vae"], folder / "vae" / f"tiny_{variant}_vae.safetensors"),
+    }
+    if spec_has(variant, "two_experts"):
+        stored["transformer_2"] = store_tensors(pipe.transformer_2, storage)
+        paths["model_2"] = write_transformer(stored["transformer_2"], folder / "diffusion_models" / f"tiny_{variant}_low_noise_{storage}{suffix}", KeyLayout(layout))
+    if spec_has(variant, "image_encoder"):
+        stored["image_encoder"] = store_tensors(pipe.image_encoder, plain)
+        paths["clip_vision"] = write_plain(stored["image_encoder"], folder / "clip_vision" / f"tiny_clip_vision_{plain}.safetensors")
+    for name, tensors in stored.items():
+        getattr(pipe, name).load_state_dict(dequantized(tensors))
+    reference = folder / "diffusers" / f"{variant}-{storage}"
+    pipe.save_pretrained(reference, safe_serialization=True)
+    return TinyComfyFiles(ModelFiles(**paths), reference)
+
+
+def spec_has(variant: str, flag: str) -> bool:
+    return bool(getattr(tiny_spec(variant), flag))

@@ -1,0 +1,110 @@
+"""Build a component from its config with no weights, then give it a file's tensors in place.
+
+Parameters are created on the meta device (`accelerate.init_empty_weights`, as diffusers' own
+loader does) while buffers the files do not carry (Wan's rotary tables, CLIP's position ids) are
+computed for real. `assign_weights` then points every parameter at the file's tensors: a tensor
+already in its target dtype is used where it lies (the file's mapping), a quantized or narrower
+Linear / Embedding weight stays stored and is upcast per call, so no whole-model copy is made.
+The fp32 islands follow each library's `from_pretrained`: diffusers keeps `_keep_in_fp32_modules`
+in float32 at every dtype, transformers only under fp16 (and `_keep_in_fp32_modules_strict`
+under fp16 and bf16), so a file-loaded model holds the dtypes a folder-loaded one does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ...memory.storage import StorageError, StorageReport, StoredTensor, assign_weights, quantize, storage_format
+from ..configs.meta import ComponentConfig
+from ..family import ModelError
+
+
+def build_empty(component: ComponentConfig) -> torch.nn.Module:
+    """The component's class built from its config, parameters on meta, buffers computed."""
+    from accelerate import init_empty_weights
+
+    cls = getattr(importlib.import_module(component.library), component.class_name)
+    with init_empty_weights():
+        if component.library == "diffusers":
+            return cls.from_config(dict(component.config))
+        model = cls(cls.config_class(**component.config))
+    model.tie_weights()  # transformers ties embeddings after building; not on meta by itself
+    return model
+
+
+def keep_fp32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    if module.__class__.__module__.startswith("diffusers"):
+        return tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    names = list(getattr(module, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else []
+    if dtype in (torch.float16, torch.bfloat16):
+        names += list(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+    return tuple(names)
+
+
+def fill(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype, source: str) -> StorageReport:
+    """Assign `tensors` to `module` (see module doc); ModelError naming `source` on a mismatch."""
+    try:
+        report = assign_weights(module, tensors, dtype, keep_fp32(module, dtype), source=f"'{source}'")
+    except StorageError as error:
+        raise ModelError(str(error)) from None
+    module.eval()  # built from a config: training mode (T5 dropout) until told otherwise
+    module.requires_grad_(False)
+    return report
+
+
+def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: str) -> dict[str, Any]:
+    """Linear / Embedding weights stored wider than `target` quantized to it; narrower ones kept.
+
+    Never raises precision: a weight already stored at or below the target's bytes per weight
+    stays as the file holds it.
+    """
+    fmt = storage_format(target)
+    lowered = dict(tensors)
+    for name, tensor in tensors.items():
+        if _is_matrix_weight(module, name) and _bytes_per_weight(tensor) > fmt.bytes_per_weight:
+            wide = tensor.dequantize(torch.float32) if isinstance(tensor, StoredTensor) else tensor
+            lowered[name] = quantize(wide, fmt)
+    return lowered
+
+
+def _is_matrix_weight(module: torch.nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    try:
+        layer = module.get_submodule(owner)
+    except AttributeError:
+        return False
+    return leaf == "weight" and isinstance(layer, (torch.nn.Linear, torch.nn.Embedding))
+
+
+def _bytes_per_weight(tensor) -> float:
+    if isinstance(tensor, StoredTensor):
+        return tensor.format.bytes_per_weight
+    return tensor.element_size()
+
+
+def in_ram(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Every tensor copied out of its file mapping into process memory (weights_on_disk=False)."""
+    def copy(t):
+        if isinstance(t, StoredTensor):
+            return StoredTensor(t.data.clone(), t.format, t.shape, None if t.scale is None else t.scale.clone())
+        return t.clone()
+
+    return {name: copy(t) for name, t in tensors.items()}
+
+
+def tokenizer_from_spiece(model: bytes):
+    """transformers' T5 tokenizer (as Wan's pipelines use) read from SentencePiece model bytes.
+
+    transformers reads spiece models only from a folder, so the bytes go to a temporary one
+    (needs the `sentencepiece` and `protobuf` packages, both vidmem dependencies).
+    """
+    import transformers
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "spiece.model").write_bytes(model)
+        return transformers.T5Tokenizer.from_pretrained(folder, local_files_only=True)

@@ -1,0 +1,117 @@
+"""Open one weight file for the loader: by content, scales folded, names made diffusers' own.
+
+The order matters: `open_weights` sniffs the file's first bytes before anything parses it, so a
+pickle under a .safetensors name is refused unread; a truncated file fails on its header. Then
+the file's kind is read from its tensor names, and the names are brought to the layout diffusers
+and transformers load (the VAE's original names need the model's own key set: `vae_tensors`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ...memory.storage import StorageError, fold_scaled_fp8, open_weights
+from ...memory.storage.files import SafetensorsFile
+from ..family import ModelError
+from . import detect
+from .keys import KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
+
+TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """A file's tensors under the names its model class loads (the VAE: still original, see layout)."""
+
+    path: Path
+    kind: str  # detect.TRANSFORMER / VAE / TEXT_ENCODER / CLIP_VISION
+    layout: KeyLayout
+    storage: str  # StorageFormat name of most of its weight matrices
+    tensors: Mapping[str, Any]
+    fields: Mapping[str, Any]  # config fields its shapes fix (detect.*_fields)
+    tokenizer_model: bytes | None = field(default=None, repr=False)  # embedded spiece.model bytes
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
+    """Open `path` (the loader input `role`), check it holds an `expected` kind of model."""
+    path = Path(path)
+    try:
+        opened = open_weights(path)
+        tensors = fold_scaled_fp8(opened.tensors) if isinstance(opened, SafetensorsFile) else dict(opened.tensors)
+    except StorageError as error:
+        raise ModelError(f"{role}: {error}") from None
+    kind, layout, tensors, extra = _classify(path, role, tensors)
+    if kind != expected:
+        raise ModelError(
+            f"{role}: '{path.name}' holds {detect.KIND_NAMES[kind]}, but this input takes {detect.KIND_NAMES[expected]}; "
+            f"pick the matching file from the {expected.replace('_', ' ')} list."
+        )
+    return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors, _fields(kind, layout, tensors), extra)
+
+
+def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dict, bytes | None]:
+    names = tuple(tensors)
+    layout = transformer_layout(names)
+    if layout is not None:
+        return detect.TRANSFORMER, layout, transformer_to_diffusers(tensors, layout), None
+    prefix = detect.find_prefix(names, detect.TEXT_MARKER)
+    if prefix is not None:
+        spiece = tensors.get(TOKENIZER_KEY)
+        stripped = _strip(tensors, prefix, keep=lambda name: name != TOKENIZER_KEY)
+        data = None if spiece is None else bytes(spiece.cpu().numpy().tobytes())
+        return detect.TEXT_ENCODER, KeyLayout.DIFFUSERS, stripped, data
+    prefix = detect.find_prefix(names, detect.CLIP_MARKER)
+    if prefix is not None and prefix + "embeddings.patch_embedding.weight" in tensors:  # the projection head is not used by Wan's CLIPVisionModel (hidden states only)
+        return detect.CLIP_VISION, KeyLayout.DIFFUSERS, _strip(tensors, prefix, keep=lambda n: n.startswith(detect.CLIP_PARTS)), None
+    for marker, vae_layout in zip(detect.VAE_MARKERS, (KeyLayout.ORIGINAL, KeyLayout.DIFFUSERS)):
+        prefix = detect.find_prefix(names, marker)
+        if prefix is not None:
+            return detect.VAE, vae_layout, _strip(tensors, prefix), None
+    sample = ", ".join(names[:5])
+    raise ModelError(
+        f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan "
+        "transformers (original, model.diffusion_model. or diffusers names), Wan VAEs, T5/UMT5 text encoders "
+        "(transformers names) and CLIP vision encoders; use Comfy-Org's repackaged files."
+    )
+
+
+def _strip(tensors: dict, prefix: str, keep=lambda name: True) -> dict:
+    return {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix) and keep(name[len(prefix):])}
+
+
+def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        if kind == detect.VAE:
+            return detect.vae_fields(tensors, original=layout is KeyLayout.ORIGINAL)
+        reader = {detect.TRANSFORMER: detect.transformer_fields, detect.TEXT_ENCODER: detect.text_encoder_fields,
+                  detect.CLIP_VISION: detect.clip_vision_fields}[kind]
+        return reader(tensors)
+    except KeyError as error:
+        raise ModelError(f"{detect.KIND_NAMES[kind]} file lacks the tensor {error}; the file is incomplete or of another variant.") from None
+
+
+def model_tensors(file: WeightFile, model_names) -> dict[str, Any]:
+    """The file's tensors under the names of the built model with `model_names`.
+
+    The VAE's original names depend on the model's stage sizes; CLIP's names carry a
+    `vision_model.` prefix in transformers 4 and none in 5.
+    """
+    if file.kind == detect.VAE:
+        return vae_tensors(file, model_names)
+    if file.kind == detect.CLIP_VISION and any(n.startswith("vision_model.") for n in model_names):
+        return {"vision_model." + name: t for name, t in file.tensors.items()}
+    return dict(file.tensors)
+
+
+def vae_tensors(file: WeightFile, model_names) -> dict[str, Any]:
+    """The VAE file's tensors under the diffusers names of a model with `model_names`."""
+    if file.layout is KeyLayout.DIFFUSERS:
+        return dict(file.tensors)
+    to_diffusers = {original: name for name, original in vae_original_names(model_names).items()}
+    return {to_diffusers.get(name, name): tensor for name, tensor in file.tensors.items()}

@@ -1,0 +1,132 @@
+"""load_model_files: a Wan pipeline from ComfyUI's model files, with no diffusers folder.
+
+Every file is opened and checked before any model is built (content sniffing refuses pickles
+and truncated files; tensor shapes say which model each file is and whether they belong
+together), so a bad input costs nothing. Then each component is built without weights and given
+the file's tensors in place: with `weights_on_disk` the weights stay in the files' mappings (the
+page cache: the disk tier), otherwise they are copied into RAM once.
+
+    files = ModelFiles(model="…/wan2.1_t2v_1.3B_fp16.safetensors",
+                       text_encoder="…/umt5_xxl_fp8_e4m3fn_scaled.safetensors", vae="…/wan_2.1_vae.safetensors")
+    loaded = load_model_files(files, LoadOptions(dtype="bf16", vae_dtype="fp32"))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Sequence
+
+import torch
+
+from ...memory.storage import FORMATS
+from ..family import ModelError
+from ..loader import DTYPES, LoadedPipeline, pinned_pipeline_class
+from ..wan import WAN
+from . import build, detect, match
+from .catalogue import ModelEntry, shipped_catalogue
+from .files import WeightFile, model_tensors, read_weight_file
+
+DEFAULT_WEIGHTS = "default"
+LOWERED = ("transformer", "transformer_2", "text_encoder")  # components whose matrices weight_dtype lowers
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The files of one Wan pipeline. model_2: Wan 2.2 A14B's low-noise expert; clip_vision: Wan 2.1 I2V."""
+
+    model: Path
+    text_encoder: Path
+    vae: Path
+    model_2: Path | None = None
+    clip_vision: Path | None = None
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    dtype: str = "bf16"  # compute dtype of the transformer(s) and encoders
+    vae_dtype: str = ""  # "" follows `dtype`; fp32 gives the VAE full precision
+    weight_dtype: str = DEFAULT_WEIGHTS  # "default": as stored in the files; else a format to lower to
+    weights_on_disk: bool = True  # True: weights stay mapped from the files; False: copied into RAM
+
+    def __post_init__(self):
+        for name in ("dtype", "vae_dtype"):
+            value = getattr(self, name)
+            if value not in DTYPES and not (name == "vae_dtype" and value == ""):
+                raise ModelError(f"{name}='{value}' is not supported; use one of {', '.join(DTYPES)}.")
+        if self.weight_dtype != DEFAULT_WEIGHTS and self.weight_dtype not in FORMATS:
+            raise ModelError(f"weight_dtype='{self.weight_dtype}' is not a storage format; use default or one of {', '.join(FORMATS)}.")
+
+    @property
+    def vae(self) -> str:
+        return self.vae_dtype or self.dtype
+
+
+def load_model_files(files: ModelFiles, options: LoadOptions = LoadOptions(),
+                     catalogue: Sequence[ModelEntry] | None = None) -> LoadedPipeline:
+    """Load a Wan pipeline from single files; ModelError naming the input and its fix when they do not fit."""
+    opened = _open_all(files)
+    entry = _match(opened, catalogue if catalogue is not None else shipped_catalogue())
+    components, storage, reports = {}, {}, {}
+    for role, file in opened.items():
+        name = _COMPONENT[role]
+        components[name], reports[name], storage[name] = _load_component(entry, name, file, options)
+    pipe = _assemble(entry, components, opened["text_encoder"].tokenizer_model)
+    return LoadedPipeline(
+        pipe, WAN, entry.pipeline_class, source=" + ".join(f.name for f in opened.values()),
+        dtype_name=options.dtype, folder=entry.name, config_name=entry.name,
+        storage=MappingProxyType(storage), on_disk=options.weights_on_disk, vae_dtype_name=options.vae,
+        storage_reports=MappingProxyType(reports),
+    )
+
+
+_COMPONENT = {"model": "transformer", "model_2": "transformer_2", "text_encoder": "text_encoder", "vae": "vae",
+              "clip_vision": "image_encoder"}
+_KIND = {"model": detect.TRANSFORMER, "model_2": detect.TRANSFORMER, "text_encoder": detect.TEXT_ENCODER,
+         "vae": detect.VAE, "clip_vision": detect.CLIP_VISION}
+
+
+def _open_all(files: ModelFiles) -> dict[str, WeightFile]:
+    paths = {role: getattr(files, role) for role in _COMPONENT}
+    return {role: read_weight_file(path, role, _KIND[role]) for role, path in paths.items() if path is not None}
+
+
+def _match(opened: dict[str, WeightFile], catalogue: Sequence[ModelEntry]) -> ModelEntry:
+    match.check_experts(opened["model"], opened.get("model_2"))
+    entry = match.choose_model(opened["model"], 1 + ("model_2" in opened), catalogue)
+    match.check_vae(entry, opened["vae"])
+    match.check_text_encoder(entry, opened["text_encoder"])
+    match.check_clip_vision(entry, opened.get("clip_vision"))
+    return entry
+
+
+def _load_component(entry: ModelEntry, name: str, file: WeightFile, options: LoadOptions):
+    module = build.build_empty(entry.components[name])
+    tensors = model_tensors(file, module.state_dict().keys())
+    if options.weight_dtype != DEFAULT_WEIGHTS and name in LOWERED:
+        tensors = build.lower_storage(module, tensors, options.weight_dtype)
+    if not options.weights_on_disk:
+        tensors = build.in_ram(tensors)
+    dtype = DTYPES[options.vae if name == "vae" else options.dtype]
+    report = build.fill(module, tensors, dtype, file.name)
+    # The matrices' format for the lowered components (what the planner budgets); the VAE's and
+    # the image encoder's convolutions and layers are cast to their dtype at load.
+    held = detect.storage_name(tensors) if name in LOWERED else report.formats[0].format
+    return module, report, held
+
+
+def _assemble(entry: ModelEntry, components: dict, spiece: bytes):
+    import diffusers
+
+    parts = dict(components)
+    parts["tokenizer"] = build.tokenizer_from_spiece(spiece)
+    parts["scheduler"] = getattr(diffusers, entry.scheduler_class)(**entry.scheduler_config)
+    if "image_encoder" in parts:
+        import transformers
+
+        processor_cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+        parts["image_processor"] = processor_cls(**entry.image_processor)
+    pipe = pinned_pipeline_class(entry.pipeline_class)(**parts, **entry.pipeline_config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

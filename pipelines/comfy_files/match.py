@@ -1,0 +1,89 @@
+"""Which model a set of files is, and whether the files belong together; errors name the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..family import ModelError
+from . import detect
+from .catalogue import ModelEntry
+from .files import WeightFile
+
+
+def check_experts(model: WeightFile, model_2: WeightFile | None) -> None:
+    """Wan 2.2 A14B's two experts are one architecture; anything else is the wrong pairing."""
+    if model_2 is None or model_2.fields == model.fields:
+        return
+    diff = detect.differences(model_2.fields, model.fields)
+    raise ModelError(
+        f"model_2: '{model_2.name}' is not the other expert of '{model.name}' (it has {'; '.join(diff)}). "
+        "Wan 2.2 A14B's experts share one architecture: pick the low-noise file of the same model "
+        "(e.g. wan2.2_t2v_low_noise_14B_* with wan2.2_t2v_high_noise_14B_*), or set model_2 to (none)."
+    )
+
+
+def choose_model(model: WeightFile, experts: int, catalogue: Sequence[ModelEntry]) -> ModelEntry:
+    """The first catalogue entry whose transformer config the file's shapes fit, with `experts` files."""
+    fits = [e for e in catalogue if detect.transformer_config_fields(e.config("transformer")) == model.fields]
+    chosen = [e for e in fits if e.experts == experts]
+    if chosen:
+        return chosen[0]
+    if fits:
+        other = fits[0]
+        if other.experts == 2:
+            raise ModelError(
+                f"model: '{model.name}' is one expert of {other.name}, which needs both: set model_2 to its "
+                "low-noise expert file (model takes the high-noise one)."
+            )
+        raise ModelError(f"model_2: {other.name} has a single transformer; set model_2 to (none).")
+    found = model.fields
+    known = ", ".join(e.name for e in catalogue)
+    raise ModelError(
+        f"model: '{model.name}' is a Wan transformer vidmem has no config for (width {found['inner_dim']}, "
+        f"{found['num_layers']} blocks, {found['in_channels']} input channels, image embedding: "
+        f"{'yes' if found['image_dim'] else 'no'}); vidmem knows {known}. Use one of those models' files."
+    )
+
+
+def check_vae(entry: ModelEntry, vae: WeightFile) -> None:
+    wanted = detect.vae_config_fields(entry.config("vae"))
+    if vae.fields == wanted:
+        return
+    if vae.fields["z_dim"] != wanted["z_dim"]:
+        name = {16: "Wan 2.1 VAE (wan_2.1_vae.safetensors)", 48: "Wan 2.2 VAE (wan2.2_vae.safetensors)"}
+        need = name.get(wanted["z_dim"], f"a VAE with {wanted['z_dim']} latent channels")
+        raise ModelError(
+            f"vae: '{vae.name}' has {vae.fields['z_dim']} latent channels but {entry.name} works in "
+            f"{wanted['z_dim']}: use the {need}. (Wan 2.2 TI2V-5B uses the Wan 2.2 VAE; every other Wan model the 2.1 VAE.)"
+        )
+    raise ModelError(f"vae: '{vae.name}' does not fit {entry.name}: {'; '.join(detect.differences(vae.fields, wanted))}.")
+
+
+def check_text_encoder(entry: ModelEntry, text_encoder: WeightFile) -> None:
+    component = entry.components["text_encoder"]
+    wanted = detect.text_encoder_config_fields(component.class_name, component.config)
+    problems = detect.differences(text_encoder.fields, wanted)
+    if problems:
+        raise ModelError(
+            f"text_encoder: '{text_encoder.name}' does not fit {entry.name} ({'; '.join(problems)}); Wan runs with "
+            "umt5-xxl: use umt5_xxl_fp8_e4m3fn_scaled.safetensors or umt5_xxl_fp16.safetensors from models/text_encoders."
+        )
+    if text_encoder.tokenizer_model is None:
+        raise ModelError(
+            f"text_encoder: '{text_encoder.name}' has no embedded tokenizer (no 'spiece_model' tensor), and vidmem "
+            "builds Wan's umt5 tokenizer from it. Use Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled.safetensors or "
+            "umt5_xxl_fp16.safetensors (from Comfy-Org/Wan_2.1_ComfyUI_repackaged), which carry it."
+        )
+
+
+def check_clip_vision(entry: ModelEntry, clip_vision: WeightFile | None) -> None:
+    needed = "image_encoder" in entry.components
+    if clip_vision is None and needed:
+        raise ModelError(f"clip_vision: {entry.name} encodes its input image with CLIP ViT-H: set clip_vision to clip_vision_h.safetensors.")
+    if clip_vision is not None and not needed:
+        raise ModelError(f"clip_vision: {entry.name} has no image encoder; set clip_vision to (none).")
+    if clip_vision is not None:
+        wanted = detect.clip_vision_config_fields(entry.config("image_encoder"))
+        problems = detect.differences(clip_vision.fields, wanted)
+        if problems:
+            raise ModelError(f"clip_vision: '{clip_vision.name}' is not the encoder {entry.name} uses ({'; '.join(problems)}); use clip_vision_h.safetensors.")

@@ -1,0 +1,129 @@
+"""Write model components as ComfyUI-style single files (tests, benches, the live host).
+
+A component's tensors (diffusers / transformers names, any module or state dict) are stored the
+way Comfy-Org's files are: `store_tensors` puts every Linear weight in the chosen storage format
+(fp8, fp8 scaled with a per-tensor `scale_weight`, GGUF blocks) and leaves the rest as it is;
+plain formats (bf16, fp16, fp32) convert every floating tensor. The writers then rename to the
+original Wan layout where Comfy-Org's files use it (transformer, VAE) and write safetensors or,
+for GGUF formats, a city96-style .gguf (tensors over four dimensions flattened, their shape kept
+under `comfy.gguf.orig_shape.<name>`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from ...memory.storage import StoredTensor, quantize, storage_format
+from .files import TOKENIZER_KEY
+from .keys import COMFY_PREFIX, KeyLayout, original_transformer_names, vae_original_names
+
+SCALED_FP8_MARKER = "scaled_fp8"
+GGUF_ORIG_SHAPE = "comfy.gguf.orig_shape."
+
+
+def store_tensors(module: torch.nn.Module, storage: str) -> dict[str, Any]:
+    """`module`'s state under `storage`: Linear weights quantized; plain formats convert all floats.
+
+    A GGUF format keeps a matrix whose rows do not split into whole blocks as it is (float32),
+    as city96's converter does.
+    """
+    fmt = storage_format(storage)
+    linear = {f"{name}.weight" for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    state = {name: t.detach() for name, t in module.state_dict().items()}
+    out = {}
+    for name, tensor in state.items():
+        if not tensor.is_floating_point():
+            out[name] = tensor
+        elif not fmt.quantized and fmt.gguf_type is None:
+            out[name] = tensor.to(fmt.torch_dtype).contiguous()
+        elif name in linear and (fmt.gguf_type is None or tensor.shape[-1] % fmt.block_size == 0):
+            out[name] = quantize(tensor, fmt)
+        else:
+            out[name] = tensor.contiguous()
+    return out
+
+
+def dequantized(tensors: Mapping[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The values a model holding `tensors` computes with, as plain `dtype` tensors."""
+    return {n: t.dequantize(dtype) if isinstance(t, StoredTensor) else (t.to(dtype) if t.is_floating_point() else t)
+            for n, t in tensors.items()}
+
+
+def write_transformer(tensors: Mapping[str, Any], path: str | Path, layout: KeyLayout = KeyLayout.ORIGINAL) -> Path:
+    """A Wan transformer file in the original (Comfy-Org), prefixed (ComfyUI) or diffusers layout."""
+    if layout is KeyLayout.DIFFUSERS:
+        names = {n: n for n in tensors}
+    else:
+        names = original_transformer_names(tensors, COMFY_PREFIX if layout is KeyLayout.PREFIXED else "")
+    return _write({names[n]: t for n, t in tensors.items()}, path)
+
+
+def write_vae(tensors: Mapping[str, Any], path: str | Path) -> Path:
+    """A Wan VAE file in its original layout (wan_2.1_vae.safetensors / wan2.2_vae.safetensors)."""
+    names = vae_original_names(tensors)
+    return _write({names[n]: t for n, t in tensors.items()}, path)
+
+
+def write_text_encoder(tensors: Mapping[str, Any], path: str | Path, spiece_model: bytes | None) -> Path:
+    """A T5/UMT5 encoder file (transformers names) with the SentencePiece model embedded, as Comfy-Org's."""
+    tensors = dict(tensors)
+    tensors.pop("encoder.embed_tokens.weight", None)  # tied to shared.weight, saved once as safetensors does
+    if spiece_model is not None:
+        tensors[TOKENIZER_KEY] = torch.frombuffer(bytearray(spiece_model), dtype=torch.uint8)
+    return _write(tensors, path)
+
+
+def write_plain(tensors: Mapping[str, Any], path: str | Path) -> Path:
+    """Any component under its own names (CLIP vision: transformers' names, as clip_vision_h)."""
+    return _write(dict(tensors), path)
+
+
+def _write(tensors: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gguf_types = {t.format.gguf_type for t in tensors.values() if isinstance(t, StoredTensor) and t.format.gguf_type}
+    if gguf_types:
+        _write_gguf(tensors, path)
+    else:
+        safetensors.torch.save_file(_flat_safetensors(tensors), str(path))
+    return path
+
+
+def _flat_safetensors(tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
+    flat, scaled = {}, False
+    for name, tensor in tensors.items():
+        if isinstance(tensor, StoredTensor):
+            flat[name] = tensor.data.contiguous()
+            if tensor.scale is not None:
+                flat[name.removesuffix("weight") + "scale_weight"] = tensor.scale.reshape(()).to(torch.float32)
+                scaled = True
+        else:
+            flat[name] = tensor.contiguous()
+    if scaled:  # Comfy's marker of an fp8-scaled file: an empty tensor of the fp8 type
+        flat[SCALED_FP8_MARKER] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return flat
+
+
+def _write_gguf(tensors: dict[str, Any], path: Path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    for name, tensor in tensors.items():
+        if isinstance(tensor, StoredTensor):
+            qtype = gguf.GGMLQuantizationType[tensor.format.gguf_type]
+            writer.add_tensor(name, tensor.data.numpy(), raw_dtype=qtype)
+            continue
+        array = tensor.to(torch.float32).numpy()
+        if array.ndim > 4:  # GGUF holds at most four dimensions
+            writer.add_array(GGUF_ORIG_SHAPE + name, list(array.shape))
+            array = array.reshape(array.shape[0], -1)
+        writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
