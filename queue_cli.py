@@ -9,11 +9,12 @@ prompt finished, prints the nodes' text outputs (vidmem's memory receipts), and 
 saved files through `/view`. Exit status: 0 success, 1 the server rejected or failed the prompt
 (or it timed out), 2 bad command-line input.
 
-Progress comes from a minimal RFC 6455 websocket client (text frames, no extensions), because
-that is where ComfyUI sends per-step progress; `/history` stays the authority on completion and is
-also polled while waiting, so a lost or refused websocket only costs the progress bar.
-Standard library only. It talks to the given server URL and nothing else: proxies from the
-environment are ignored and redirects are not followed.
+Progress comes from ComfyUI's websocket (through `websocket-client`), because that is where
+ComfyUI sends per-step progress; `/history` stays the authority on completion and is also polled
+while waiting, so a lost or refused websocket only costs the progress bar. Every answer is
+checked before it is used (queue_client.py): output names that would leave --out, answers that
+are not JSON, missing keys are refused with a message. It talks to the given server URL and
+nothing else: proxies from the environment are ignored and redirects are not followed.
 """
 
 from __future__ import annotations
@@ -22,24 +23,24 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from .websocket import WebSocket
+from .queue_client import (
+    ProgressSocket,
+    QueueError,
+    Server,
+    UsageError,
+    download,
+    json_object,
+    mapping,
+    output_files,
+    quote,
+)
 
 POLL_S = 1.0  # /history poll interval while waiting
-
-
-class QueueError(Exception):
-    """The server rejected or failed the prompt; the message says what and where."""
-
-
-class UsageError(Exception):
-    """Bad local input (file, --set); nothing was sent."""
 
 
 # --- the workflow and its overrides ---------------------------------------------------------------
@@ -112,48 +113,7 @@ def apply_overrides(workflow: dict, overrides: list[Override]) -> dict:
     return workflow
 
 
-# --- HTTP to the one server -----------------------------------------------------------------------
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused", headers, fp)
-
-
-@dataclass
-class Server:
-    """The server at `url`; environment proxies are bypassed and redirects refused."""
-
-    url: str
-    timeout: float = 30.0
-    _opener: urllib.request.OpenerDirector = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UsageError(f"--server {self.url!r} must be an http(s) URL such as http://127.0.0.1:8188.")
-        self.url = self.url.rstrip("/")
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
-
-    def request(self, path: str, body: dict | None = None) -> tuple[int, bytes]:
-        """(status, body); an HTTP error status is returned, a connection failure raises QueueError."""
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        req = urllib.request.Request(self.url + path, data=data, headers=headers)
-        try:
-            with self._opener.open(req, timeout=self.timeout) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read() if error.fp else b""
-        except (urllib.error.URLError, OSError) as error:
-            reason = getattr(error, "reason", error)
-            raise QueueError(f"cannot reach {self.url}{path}: {reason}") from None
-
-    def get_json(self, path: str):
-        status, raw = self.request(path)
-        if status != 200:
-            raise QueueError(f"GET {path}: HTTP {status}: {raw[:300].decode(errors='replace')}")
-        return json.loads(raw)
-
+# --- what the server says, in plain words ----------------------------------------------------------
 
 def describe_node(workflow: dict, node_id: str) -> str:
     node = workflow.get(str(node_id), {})
@@ -166,21 +126,26 @@ def node_error_lines(payload: dict, workflow: dict) -> list[str]:
     """A 400 answer of POST /prompt as one line per problem: node id + class + input(s) + message.
 
     ComfyUI reports a failed VALIDATE_INPUTS once per input with the same text; those become one
-    line naming the inputs."""
+    line naming the inputs. Parts of the answer that are not shaped as ComfyUI's are skipped."""
     lines = []
     error = payload.get("error")
     if isinstance(error, dict):
         lines.append(f"{error.get('message', 'rejected')}: {error.get('details', '')}".rstrip(": "))
     elif error:
         lines.append(str(error))
-    for node_id, entry in (payload.get("node_errors") or {}).items():
+    node_errors = payload.get("node_errors")
+    for node_id, entry in (node_errors.items() if isinstance(node_errors, dict) else ()):
         grouped: dict[tuple[str, str], list[str]] = {}
-        for problem in entry.get("errors", []):
-            name = (problem.get("extra_info") or {}).get("input_name")
-            details = problem.get("details") or ""
+        problems = entry.get("errors") if isinstance(entry, dict) else None
+        for problem in problems if isinstance(problems, list) else []:
+            if not isinstance(problem, dict):
+                continue
+            extra = problem.get("extra_info")
+            name = extra.get("input_name") if isinstance(extra, dict) else None
+            details = str(problem.get("details") or "")
             if name and details.startswith(f"{name} - "):
                 details = details[len(name) + 3:]
-            grouped.setdefault((problem.get("message", "error"), details), []).append(name)
+            grouped.setdefault((str(problem.get("message", "error")), details), []).append(name)
         for (message, details), names in grouped.items():
             lines.append(f"{describe_node(workflow, node_id)}{_inputs_phrase(names)}: {message}{': ' + details if details else ''}")
     return lines
@@ -198,14 +163,19 @@ def _inputs_phrase(names: list[str | None]) -> str:
 
 def execution_error_lines(entry: dict, workflow: dict) -> list[str]:
     lines = []
-    for kind, data in entry.get("status", {}).get("messages", []):
+    status = mapping(entry.get("status", {}), "history 'status'")
+    messages = status.get("messages", [])
+    for item in messages if isinstance(messages, list) else []:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)):
+            continue
+        kind, data = item
         if kind == "execution_error":
             kind_name = str(data.get("exception_type", "error")).rsplit(".", 1)[-1]  # the class, not its module path
             lines.append(f"{describe_node(workflow, data.get('node_id'))} failed: "
-                         f"{kind_name}: {data.get('exception_message', '').strip()}")
+                         f"{kind_name}: {str(data.get('exception_message', '')).strip()}")
         elif kind == "execution_interrupted":
             lines.append(f"interrupted at {describe_node(workflow, data.get('node_id'))}")
-    return lines or [f"prompt ended with status {entry.get('status', {}).get('status_str')!r}"]
+    return lines or [f"prompt ended with status {status.get('status_str')!r}"]
 
 
 class ProgressView:
@@ -227,17 +197,21 @@ class ProgressView:
         self.stream.flush()
 
     def message(self, message: dict, prompt_id: str) -> None:
+        """Show one websocket message; one not shaped like ComfyUI's is skipped (progress only)."""
         kind, data = message.get("type"), message.get("data") or {}
-        if data.get("prompt_id") not in (None, prompt_id):
+        if not isinstance(data, dict) or data.get("prompt_id") not in (None, prompt_id):
             return
         if kind == "executing" and data.get("node") is not None:
             self.show(f"running {describe_node(self.workflow, data['node'])}")
         elif kind == "progress":
-            done, total = int(data.get("value", 0)), max(1, int(data.get("max", 1)))
+            try:
+                done, total = int(data.get("value", 0)), max(1, int(data.get("max", 1)))
+            except (TypeError, ValueError):
+                return
             bar = "#" * (20 * done // total)
             node = describe_node(self.workflow, data.get("node")) if data.get("node") else "progress"
             self.show(f"{node} [{bar:<20}] {done}/{total}")
-        elif kind == "execution_cached" and data.get("nodes"):
+        elif kind == "execution_cached" and isinstance(data.get("nodes"), list) and data["nodes"]:
             self.show(f"cached: nodes {', '.join(map(str, data['nodes']))}")
 
     def done(self) -> None:
@@ -250,23 +224,31 @@ class ProgressView:
 
 def submit(server: Server, workflow: dict, client_id: str) -> str:
     status, raw = server.request("/prompt", {"prompt": workflow, "client_id": client_id})
-    try:
-        payload = json.loads(raw)
-    except ValueError:
-        payload = {"error": raw[:300].decode(errors="replace")}
     if status == 400:
+        try:
+            payload = json_object(raw, "POST /prompt")
+        except QueueError:
+            payload = {"error": quote(raw)}
         raise QueueError("the server rejected the workflow:\n  " + "\n  ".join(node_error_lines(payload, workflow)))
-    if status != 200 or "prompt_id" not in payload:
-        raise QueueError(f"POST /prompt: HTTP {status}: {raw[:300].decode(errors='replace')}")
+    if status != 200:
+        raise QueueError(f"POST /prompt: HTTP {status}: {quote(raw)}")
+    payload = json_object(raw, "POST /prompt")
+    prompt_id = payload.get("prompt_id")
+    if not isinstance(prompt_id, str) or not prompt_id:
+        raise QueueError(f"POST /prompt: the answer has no prompt_id ({quote(raw)!r}); is --server a ComfyUI server?")
     for line in node_error_lines({"node_errors": payload.get("node_errors")}, workflow):
         print(f"warning: {line} (that branch will not run)", file=sys.stderr)
-    return payload["prompt_id"]
+    return prompt_id
 
 
 def finished(server: Server, prompt_id: str) -> dict | None:
+    """The prompt's history entry once it is done, None while it is not."""
     entry = server.get_json(f"/history/{urllib.parse.quote(prompt_id)}").get(prompt_id)
-    status = (entry or {}).get("status", {})
-    if entry and (status.get("completed") or status.get("status_str") in ("success", "error")):
+    if entry is None:
+        return None
+    entry = mapping(entry, f"history entry of prompt {prompt_id}")
+    status = mapping(entry.get("status", {}), "history 'status'")
+    if status.get("completed") or status.get("status_str") in ("success", "error"):
         return entry
     return None
 
@@ -274,7 +256,7 @@ def finished(server: Server, prompt_id: str) -> dict | None:
 TERMINAL = ("execution_success", "execution_error", "execution_interrupted")
 
 
-def wait(server: Server, socket_: WebSocket | None, prompt_id: str, view: ProgressView, timeout: float) -> dict:
+def wait(server: Server, socket_: ProgressSocket | None, prompt_id: str, view: ProgressView, timeout: float) -> dict:
     """The history entry once the prompt is done. The websocket (if any) drives the view and says
     when to look early; /history is polled every POLL_S seconds regardless and decides."""
     deadline = time.monotonic() + timeout
@@ -284,7 +266,8 @@ def wait(server: Server, socket_: WebSocket | None, prompt_id: str, view: Progre
         if socket_ is not None:
             try:
                 message = socket_.receive(timeout=min(POLL_S, max(0.01, deadline - time.monotonic())))
-            except (OSError, ConnectionError, ValueError):
+            except ConnectionError as error:
+                print(f"note: {error}; polling /history without per-step progress", file=sys.stderr)
                 socket_ = None  # progress is lost, completion is not
         else:
             time.sleep(POLL_S)
@@ -306,41 +289,9 @@ def ends(message: dict | None, prompt_id: str) -> bool:
     return kind in TERMINAL or (kind == "executing" and data.get("node") is None)
 
 
-def output_files(entry: dict) -> list[tuple[str, dict]]:
-    """(node id, file dict) for every saved output file in a history entry."""
-    files = []
-    for node_id, output in entry.get("outputs", {}).items():
-        for values in output.values():
-            for item in values if isinstance(values, list) else []:
-                if isinstance(item, dict) and item.get("filename") and item.get("type", "output") == "output":
-                    files.append((node_id, item))
-    return files
-
-
-def safe_target(out: Path, file: dict) -> Path:
-    """out/subfolder/filename with every '..', absolute part and separator trick removed."""
-    parts = [p for p in str(file.get("subfolder", "")).replace("\\", "/").split("/") if p not in ("", ".", "..")]
-    name = Path(str(file["filename"]).replace("\\", "/")).name or "output"
-    return out.joinpath(*parts, name)
-
-
-def download(server: Server, files: list[tuple[str, dict]], out: Path) -> list[Path]:
-    saved = []
-    for _node_id, file in files:
-        query = urllib.parse.urlencode({k: file.get(k, "") for k in ("filename", "subfolder", "type")})
-        status, data = server.request(f"/view?{query}")
-        if status != 200:
-            raise QueueError(f"GET /view?{query}: HTTP {status}")
-        target = safe_target(out, file)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        saved.append(target)
-    return saved
-
-
-def open_socket(server: Server, client_id: str) -> WebSocket | None:
+def open_socket(server: Server, client_id: str) -> ProgressSocket | None:
     try:
-        return WebSocket(server.url, client_id)
+        return ProgressSocket(server.url, client_id)
     except (OSError, ConnectionError) as error:
         print(f"note: no websocket ({error}); polling /history without per-step progress", file=sys.stderr)
         return None
@@ -377,13 +328,14 @@ def run_queue(args: argparse.Namespace) -> int:
 
 def report(entry: dict, workflow: dict, server: Server, out: Path | None) -> None:
     """Print each node's text output (vidmem's receipts) and the saved files, downloading them to `out`."""
+    files = output_files(entry)  # every name checked before anything is printed or written
     for node_id, output in entry.get("outputs", {}).items():
-        for text in output.get("text", []):
+        texts = output.get("text", [])
+        for text in texts if isinstance(texts, list) else []:
             print(f"--- {describe_node(workflow, node_id)}\n{text}")
-    files = output_files(entry)
     if out is None:
-        for node_id, file in files:
-            print(f"output of node {node_id}: {file.get('subfolder', '')}/{file['filename']} (use --out DIR to download)")
+        for file in files:
+            print(f"output of node {file.node_id}: {'/'.join(file.parts + (file.filename,))} (use --out DIR to download)")
         return
     for path in download(server, files, Path(out)):
         print(f"saved {path}")

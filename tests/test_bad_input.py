@@ -112,3 +112,85 @@ def test_text_to_video_refuses_an_image(tiny_loaded):
     request = dataclasses.replace(request_for("wan2.1-t2v"), image=torch.zeros(1, 32, 32, 3))
     with pytest.raises(ModelError, match="text-to-video: disconnect the image input"):
         sample(tiny_loaded("wan2.1-t2v"), MemoryStrategy(), request, backend=CpuBackend())
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(cfg=NAN), "cfg=nan is not a finite number"),  # would run unguided: NaN > 1 is False
+        (dict(cfg=INF), "cfg=inf is not a finite number"),  # would give NaN frames
+        (dict(cfg=-INF), "cfg=-inf is not a finite number"),
+        (dict(cfg=-2.0), "cfg=-2.0 must be 0 or more"),
+        (dict(cfg="5"), "cfg='5' must be a number"),
+        (dict(steps=2.5), "steps=2.5 must be a whole number"),
+        (dict(steps=True), "steps=True must be a whole number"),
+        (dict(width=64.0), "width=64.0 must be a whole number"),
+        (dict(frames=NAN), "frames=nan must be a whole number"),
+        (dict(seed=-1), "seed=-1 must be between 0 and 18446744073709551615"),
+        (dict(seed=2**64), "seed=18446744073709551616 must be between 0"),
+        (dict(prompt=None), "prompt must be text, not NoneType"),
+        (dict(negative_prompt=["a"]), "negative_prompt must be text, not list"),
+    ],
+)
+def test_numbers_that_can_only_be_mistakes_are_refused(change, message, tiny_loaded):
+    import dataclasses
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    with pytest.raises(ModelError, match=message):
+        sample(loaded, MemoryStrategy(), dataclasses.replace(request_for("wan2.1-t2v"), **change), backend=CpuBackend())
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+
+
+def _image(fill=0.5, shape=(1, 32, 32, 3), dtype=None):
+    import torch
+
+    image = torch.full(shape, fill) if dtype is None else torch.zeros(shape, dtype=dtype)
+    return image
+
+
+@pytest.mark.parametrize(
+    "image, message",
+    [
+        (_image(float("nan")), "image contains NaN or infinite pixels"),
+        (_image(float("inf")), "image contains NaN or infinite pixels"),
+        (_image(shape=(32, 32, 3)), r"image has shape \(32, 32, 3\)"),
+        (_image(shape=(1, 32, 32, 5)), "expected a ComfyUI IMAGE"),
+        (_image(shape=(0, 32, 32, 3)), "expected a ComfyUI IMAGE"),
+        (_image(dtype=__import__("torch").uint8), "image has dtype torch.uint8"),
+        ("a picture", "image is a str, not an IMAGE"),
+    ],
+)
+def test_bad_images_are_refused_naming_the_input(image, message, tiny_loaded):
+    import dataclasses
+
+    loaded = tiny_loaded("wan2.1-i2v")
+    before = storage_map(loaded.pipe)
+    with pytest.raises(ModelError, match=message):
+        sample(loaded, MemoryStrategy(), dataclasses.replace(request_for("wan2.1-i2v"), image=image), backend=CpuBackend())
+    assert storage_map(loaded.pipe) == before
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_pinned_ram_gb=NAN), "max_pinned_ram_gb=nan is not a finite number"),
+        (dict(max_pinned_ram_gb=INF), "max_pinned_ram_gb=inf is not a finite number"),
+        (dict(max_pinned_ram_gb="4"), "max_pinned_ram_gb='4' must be a number"),
+        (dict(prefetch_blocks=1.5), "prefetch_blocks=1.5 must be a whole number"),
+        (dict(offload="block_swap", blocks_to_swap=2.0), "blocks_to_swap=2.0 must be a whole number"),
+        (dict(non_blocking="false"), "non_blocking='false' must be true or false"),
+        (dict(vae_tiling="yes"), "vae_tiling='yes' must be a VaeTiling or None"),
+    ],
+)
+def test_strategy_numbers_are_checked_before_the_engine_sees_them(kwargs, message):
+    with pytest.raises(StrategyError, match=message):
+        MemoryStrategy(**kwargs)
+
+
+def test_tiling_numbers_must_be_whole():
+    with pytest.raises(StrategyError, match="tile_size=256.0 must be a whole number"):
+        VaeTiling(tile_size=256.0)

@@ -1,7 +1,8 @@
 """`vidmem queue` against a small stub of ComfyUI's HTTP + websocket API, served on 127.0.0.1 in
 the test: success with progress and downloads, a 400's node errors in plain words, an
 execution_error, --set overrides by id / title / class, the polling fallback without a websocket,
-and that nothing but the given URL is contacted (proxies ignored, redirects refused)."""
+that nothing but the given URL is contacted (proxies ignored, redirects refused), and that every
+answer is checked: names that would leave --out, answers that are not JSON, missing keys."""
 
 from __future__ import annotations
 
@@ -17,7 +18,30 @@ import pytest
 
 from vidmem import queue_cli
 from vidmem.queue_cli import add_queue_parser, run_queue
-from vidmem.websocket import WS_GUID, parse_frame
+
+WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455, section 1.3: the stub server's handshake
+
+
+def parse_frame(buffer: bytes) -> tuple[bool, int, bytes, int] | None:
+    """The stub server reads the client's (masked) frames: (fin, opcode, payload, bytes used) or None."""
+    if len(buffer) < 2:
+        return None
+    fin, opcode = bool(buffer[0] & 0x80), buffer[0] & 0x0F
+    masked, length, at = buffer[1] & 0x80, buffer[1] & 0x7F, 2
+    if length in (126, 127):
+        size = 2 if length == 126 else 8
+        if len(buffer) < at + size:
+            return None
+        length = int.from_bytes(buffer[at:at + size], "big")
+        at += size
+    mask = buffer[at:at + 4] if masked else b""
+    at += len(mask)
+    if len(mask) < (4 if masked else 0) or len(buffer) < at + length:
+        return None
+    data = buffer[at:at + length]
+    if masked:
+        data = bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+    return fin, opcode, data, at + length
 
 WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "api" / "wan21_t2v_blockswap.json"
 PROMPT_ID = "prompt-1"
@@ -43,9 +67,12 @@ def text(kind: str, **data) -> bytes:
 class Stub(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, scenario: str, websocket: bool = True):
+    def __init__(self, scenario: str = "success", websocket: bool = True, answers: dict | None = None, files: list | None = None):
         super().__init__(("127.0.0.1", 0), Handler)
         self.scenario, self.websocket = scenario, websocket
+        self.answers = answers or {}  # path -> (status, body bytes): the server answering something odd
+        self.files = files  # node 7's output file dicts, when a test gives its own
+        self.viewed: list[str] = []
         self.posted: list[dict] = []
         self.paths: list[str] = []
         self.queued = threading.Event()
@@ -71,9 +98,19 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def odd_answer(self) -> bool:
+        for prefix, (status, body) in self.server.answers.items():
+            if self.path.startswith(prefix) and (prefix != "/history" or self.server.queued.is_set()):
+                self.reply(status, body)
+                return True
+        return False
+
     def do_POST(self):
         self.server.paths.append(self.path)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/prompt" and "/prompt" in self.server.answers:
+            self.server.queued.set()
+            return self.odd_answer()
         if self.path != "/prompt":
             return self.reply(404, {})
         self.server.posted.append(body)
@@ -100,6 +137,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.server.paths.append(self.path)
+        if self.odd_answer():
+            return None
         if self.path.startswith("/ws"):
             return self.websocket() if self.server.websocket else self.reply(404, {})
         if self.path == f"/history/{PROMPT_ID}":
@@ -109,6 +148,7 @@ class Handler(BaseHTTPRequestHandler):
             from urllib.parse import parse_qs, urlsplit
 
             query = parse_qs(urlsplit(self.path).query)
+            self.server.viewed.append(self.path)
             name = Path(query["filename"][0]).name
             return self.reply(200, FILES.get(name, b"data"), "application/octet-stream")
         return self.reply(404, {})
@@ -121,10 +161,10 @@ class Handler(BaseHTTPRequestHandler):
                                      "exception_type": "vidmem.memory.strategy.StrategyError",
                                      "exception_message": "blocks_to_swap=99 but this model's transformer has 30 blocks"}],
             ]}}
-        subfolder = "../../etc" if self.server.scenario == "traversal" else "vidmem"
+        files = self.server.files or [{"filename": "vidmem_00001.mp4", "subfolder": "vidmem", "type": "output"}]
         return {"status": {"status_str": "success", "completed": True, "messages": []}, "outputs": {
             "3": {"text": ["Video Sampler: WanPipeline\nswap cost: 1.0% of step time"]},
-            "7": {"images": [{"filename": "vidmem_00001.mp4", "subfolder": subfolder, "type": "output"}], "animated": [True]},
+            "7": {"images": files, "animated": [True]},
             "8": {"images": [{"filename": "vidmem_preview_00001.webp", "subfolder": "vidmem", "type": "output"}],
                   "animated": [True]},
             "9": {"images": [{"filename": "preview.png", "subfolder": "", "type": "temp"}]},
@@ -142,6 +182,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(text("status", status={"exec_info": {"queue_remaining": 0}}, sid="x"))
         if not self.server.queued.wait(10):
             return
+        if self.server.scenario == "garbled":
+            self.wfile.write(frame(0x1, b"<<not json>>"))
         p = PROMPT_ID
         self.wfile.write(text("execution_start", prompt_id=p))
         self.wfile.write(text("executing", node="3", display_node="3", prompt_id=p))
@@ -175,8 +217,8 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub(request):
-    scenario, websocket = getattr(request, "param", ("success", True))
-    server = Stub(scenario, websocket)
+    param = getattr(request, "param", ("success", True))
+    server = Stub(*param) if isinstance(param, tuple) else Stub(**param)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -269,14 +311,6 @@ def test_without_a_websocket_it_polls_history(stub, tmp_path, capsys):
     assert (tmp_path / "vidmem" / "vidmem_00001.mp4").is_file()
 
 
-@pytest.mark.parametrize("stub", [("traversal", True)], indirect=True)
-def test_server_paths_cannot_escape_the_out_folder(stub, tmp_path):
-    out = tmp_path / "out"
-    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(out), "--timeout", "20") == 0
-    assert (out / "etc" / "vidmem_00001.mp4").is_file()
-    assert {p.name for p in tmp_path.iterdir()} == {"out"}
-
-
 def test_proxies_from_the_environment_are_not_used(stub, tmp_path, monkeypatch):
     for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")  # the discard port: a proxied request would fail
@@ -314,13 +348,118 @@ def test_server_must_be_http(capsys):
     assert "must be an http(s) URL" in capsys.readouterr().err
 
 
-def test_frame_parser_waits_for_whole_frames():
-    whole = frame(0x1, b"x" * 300)
-    assert parse_frame(whole[:3]) is None and parse_frame(whole[:-1]) is None
-    assert parse_frame(whole + b"rest") == (True, 0x1, b"x" * 300, len(whole))
-    masked = bytes([0x81, 0x80 | 2]) + b"\x01\x02\x03\x04" + bytes([ord("h") ^ 1, ord("i") ^ 2])
-    assert parse_frame(masked) == (True, 0x1, b"hi", len(masked))
-
-
 def test_standalone_module_entry_uses_the_same_parser(stub):
     assert queue_cli.main(["queue", str(WORKFLOW), "--server", stub.url, "--timeout", "20"]) == 0
+
+
+def output(filename, subfolder="vidmem"):
+    return {"files": [{"filename": filename, "subfolder": subfolder, "type": "output"}]}
+
+
+@pytest.mark.parametrize("stub, message", [
+    (output("vidmem_00001.mp4", "../../etc"), "subfolder '../../etc' would leave --out"),
+    (output("vidmem_00001.mp4", "vidmem/../../.."), "would leave --out"),
+    (output("vidmem_00001.mp4", "..\\..\\Windows"), "would leave --out"),
+    (output(".."), "'..' is not a file name"),
+    (output("."), "'.' is not a file name"),
+    (output(""), "'' is not a file name"),
+    (output("/etc/passwd", ""), "it is an absolute path"),
+    (output("C:\\evil.exe", ""), "it is an absolute path"),
+    (output("sub/vidmem_00001.mp4"), "must not contain a path separator"),
+    (output("..\\vidmem_00001.mp4"), "must not contain a path separator"),
+    (output("vidmem_00001.mp4", "/tmp"), "subfolder '/tmp' is an absolute path"),
+    (output("vidmem_00001.mp4", "C:\\Users"), "is an absolute path"),
+    (output("a\x00b.mp4"), "NUL character"),
+    (output(123), "filename and subfolder must be text"),
+    (output("vidmem_00001.mp4", ["x"]), "filename and subfolder must be text"),
+], indirect=["stub"], ids=["dotdot-subfolder", "dotdot-inside", "backslash-dotdot", "dotdot-name", "dot-name",
+                           "empty-name", "absolute-name", "drive-name", "slash-in-name", "backslash-in-name",
+                           "absolute-subfolder", "drive-subfolder", "nul", "number-name", "list-subfolder"])
+def test_output_names_that_would_leave_out_are_refused(stub, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(out), "--timeout", "20") == 1
+    err = capsys.readouterr().err
+    assert message in err and "Nothing was downloaded" in err and "Traceback" not in err
+    assert not out.exists() and {p.name for p in tmp_path.iterdir()} == set(), "nothing written anywhere"
+    assert stub.viewed == [], "refused before any download"
+
+
+def test_a_subfolder_linked_out_of_out_is_refused(stub, tmp_path, capsys):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "vidmem").symlink_to(elsewhere, target_is_directory=True)
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(out), "--timeout", "20") == 1
+    assert "outside --out" in capsys.readouterr().err
+    assert not list(elsewhere.iterdir()) and stub.viewed == []
+
+
+@pytest.mark.parametrize("stub, message", [
+    ({"scenario": "success", "answers": {"/prompt": (200, b"<html>proxy login</html>")}},
+     "POST /prompt: the server's answer is not JSON ('<html>proxy login</html>')"),
+    ({"scenario": "success", "answers": {"/prompt": (200, b'["prompt-1"]')}}, "expected a JSON object from the server, got a list"),
+    ({"scenario": "success", "answers": {"/prompt": (200, b'{"number": 0}')}}, "POST /prompt: the answer has no prompt_id"),
+    ({"scenario": "success", "answers": {"/prompt": (200, b'{"prompt_id": 7}')}}, "the answer has no prompt_id"),
+    ({"scenario": "success", "answers": {"/prompt": (400, b"bad request")}}, "the server rejected the workflow:\n  bad request"),
+    ({"scenario": "success", "answers": {"/prompt": (400, b'{"node_errors": {"3": {"errors": ["x", {"extra_info": 5}]}}}')}},
+     "node 3 (VidMemVideoSampler, 'Video Sampler (VidMem)'): error"),
+    ({"scenario": "success", "answers": {"/history": (200, b"nope")}}, "GET /history/prompt-1: the server's answer is not JSON"),
+    ({"scenario": "success", "answers": {"/history": (200, b"[]")}}, "got a list"),
+    ({"scenario": "success", "answers": {"/history": (200, b'{"prompt-1": "done"}')}},
+     "history entry of prompt prompt-1 is a str, not a JSON object"),
+    ({"scenario": "success", "answers": {"/history": (200, b'{"prompt-1": {"status": [1]}}')}},
+     "history 'status' is a list"),
+    ({"scenario": "success", "answers": {"/history": (200, json.dumps({"prompt-1": {"status": {"status_str": "success"},
+                                                                                   "outputs": []}}).encode())}},
+     "history 'outputs' is a list"),
+    ({"scenario": "success", "answers": {"/history": (200, json.dumps({"prompt-1": {"status": {"status_str": "success"},
+                                                                                   "outputs": {"7": "x"}}}).encode())}},
+     "output of node 7 is a str"),
+    ({"scenario": "success", "answers": {"/history": (200, json.dumps({"prompt-1": {"status": {"status_str": "error",
+                                                                                              "messages": [["x"], 5]}}}).encode())}},
+     "prompt ended with status 'error'"),
+    ({"scenario": "success", "answers": {"/history": (500, b"boom")}}, "GET /history/prompt-1: HTTP 500: boom"),
+    ({"scenario": "success", "answers": {"/view": (404, b"gone")}}, "HTTP 404: gone"),
+], indirect=["stub"], ids=["prompt-html", "prompt-list", "no-prompt-id", "prompt-id-number", "400-text", "400-odd-shape",
+                           "history-text", "history-list", "entry-str", "status-list", "outputs-list", "output-str",
+                           "messages-odd", "history-500", "view-404"])
+def test_answers_that_are_not_comfyuis_are_refused_clearly(stub, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(out), "--timeout", "20") == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not list(out.rglob("*.mp4")) and not list(tmp_path.rglob("*.part"))
+
+
+@pytest.mark.parametrize("stub", [{"websocket": False, "answers": {"/ws": (200, b"not a websocket")}}], indirect=True)
+def test_a_refused_websocket_falls_back_to_polling(stub, tmp_path, capsys):
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(tmp_path), "--timeout", "20") == 0
+    assert "no websocket" in capsys.readouterr().err
+    assert (tmp_path / "vidmem" / "vidmem_00001.mp4").is_file()
+
+
+@pytest.mark.parametrize("stub", [("garbled", True)], indirect=True)
+def test_a_websocket_message_that_is_not_json_costs_only_progress(stub, tmp_path, capsys):
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(tmp_path), "--timeout", "20") == 0
+    assert "the websocket sent a message that is not JSON" in capsys.readouterr().err
+    assert (tmp_path / "vidmem" / "vidmem_00001.mp4").read_bytes() == FILES["vidmem_00001.mp4"]
+
+
+def test_a_download_that_fails_midway_leaves_no_half_file(stub, tmp_path, monkeypatch, capsys):
+    from vidmem import queue_client
+
+    def broken_replace(source, target):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(queue_client.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        queue(str(WORKFLOW), "--server", stub.url, "--out", str(tmp_path), "--timeout", "20")
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [], "neither the target nor its temp file is left"
+
+
+def test_files_of_a_good_answer_land_under_their_subfolder(tmp_path):
+    from vidmem.queue_client import output_file
+
+    assert output_file("7", {"filename": "a.mp4", "subfolder": "video\\day1"}).target(tmp_path) == tmp_path / "video" / "day1" / "a.mp4"
+    assert output_file("7", {"filename": "a.mp4", "subfolder": "./x/"}).target(tmp_path) == tmp_path / "x" / "a.mp4"
+    assert output_file("7", {"filename": "a..b.mp4"}).target(tmp_path) == tmp_path / "a..b.mp4"
