@@ -36,6 +36,7 @@ from .modules import StoredEmbedding, StoredLinear
 from .stored import FP8_DTYPES, StoredTensor, stored_format_of
 
 LISTED = 10  # names shown in an error message
+PLAIN_STORED = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -71,10 +72,12 @@ def assign_weights(
         if not present:
             ledger.kept_computed(entry.names[0], entry.current)
             continue
-        value = _as_stored(tensors[present[0]])
+        value = tensors[present[0]]
         _check_shape(present[0], value, entry.current)
         target = _target_dtype(entry.names, value, compute_dtype, keep)
-        if isinstance(value, StoredTensor) and _stays_stored(value, target) and _storable(module, entry):
+        storable = _storable(module, entry)
+        value = _as_stored(value, target, storable)
+        if isinstance(value, StoredTensor) and _stays_stored(value, target) and storable:
             swaps.append((entry, value, target))
         else:
             assigned.append((entry, _materialise(entry.names[0], value, target, ledger)))
@@ -88,6 +91,29 @@ def assign_weights(
 
 
 def _entries(module: nn.Module) -> list[_Entry]:
+    entries = _entries_by_identity(module)
+    return _merge_declared_ties(entries, getattr(module, "_tied_weights_keys", None))
+
+
+def _merge_declared_ties(entries: list[_Entry], tied) -> list[_Entry]:
+    """transformers declares ties ({target: source}) that it only makes in from_pretrained; a
+    model built empty holds two tensors. One file key then serves both, and both names end up
+    holding one tensor, as from_pretrained would leave them."""
+    if not isinstance(tied, Mapping):
+        return entries
+    by_name = {name: entry for entry in entries for name in entry.names}
+    for target, source in tied.items():
+        kept, merged = by_name.get(source), by_name.get(target)
+        if kept is None or merged is None or kept is merged:
+            continue
+        kept.names += merged.names
+        for name in merged.names:
+            by_name[name] = kept
+        entries = [e for e in entries if e is not merged]
+    return entries
+
+
+def _entries_by_identity(module: nn.Module) -> list[_Entry]:
     by_id: dict[int, _Entry] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), _Entry([], True, True, param)).names.append(name)
@@ -103,10 +129,15 @@ def _entries(module: nn.Module) -> list[_Entry]:
 def _check_keys(entries: list[_Entry], tensors: Mapping, source: str) -> None:
     known = {name for entry in entries for name in entry.names}
     unexpected = [key for key in tensors if key not in known]
-    missing = [
-        entry.names[0] for entry in entries
-        if not any(n in tensors for n in entry.names) and (entry.is_parameter or entry.current.is_meta)
-    ]
+    absent = [entry for entry in entries if not any(n in tensors for n in entry.names)]
+    uncomputed = [e.names[0] for e in absent if not e.persistent and e.current.is_meta]
+    if uncomputed:
+        raise StorageError(
+            f"{_listed(uncomputed)} are buffers no file holds (the model computes them when built), but they "
+            "are on the meta device: build the model under accelerate.init_empty_weights() (buffers stay "
+            "real) instead of torch.device('meta')."
+        )
+    missing = [e.names[0] for e in absent if e.is_parameter or e.current.is_meta]
     if not (missing or unexpected):
         return
     parts = []
@@ -133,9 +164,12 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:LISTED]) + more
 
 
-def _as_stored(value: torch.Tensor | StoredTensor) -> torch.Tensor | StoredTensor:
-    """fp8 tensors are stored weights even when a caller passes them plain."""
-    if isinstance(value, torch.Tensor) and value.dtype in FP8_DTYPES:
+def _as_stored(value: torch.Tensor | StoredTensor, target: torch.dtype | None, storable: bool) -> torch.Tensor | StoredTensor:
+    """fp8 tensors are stored weights even when passed plain; so is a Linear/Embedding weight in
+    another float dtype (a bf16 file computed in fp32): upcast per call, never copied whole."""
+    if isinstance(value, StoredTensor) or target is None:
+        return value
+    if value.dtype in FP8_DTYPES or (storable and value.dtype != target and value.dtype in PLAIN_STORED):
         return StoredTensor(value, stored_format_of(value.dtype), value.shape)
     return value
 

@@ -57,7 +57,7 @@ def sniff(path: str | os.PathLike) -> str:
     path = Path(path)
     size = _size(path)
     with open(path, "rb") as handle:
-        head = handle.read(8)
+        head = handle.read(9)
     if head[:4] == GGUF_MAGIC:
         return "gguf"
     _refuse_pickles(path, head)
@@ -70,7 +70,7 @@ def open_safetensors(path: str | os.PathLike) -> SafetensorsFile:
     path = Path(path)
     size = _size(path)
     with open(path, "rb") as handle:
-        _refuse_pickles(path, handle.read(8))
+        _refuse_pickles(path, handle.read(9))
     header, data_start = _safetensors_header(path, size)
     metadata = header.pop("__metadata__", None) or {}
     mapping, _whole = map_file(path)
@@ -95,7 +95,10 @@ def _size(path: Path) -> int:
 
 
 def _refuse_pickles(path: Path, head: bytes) -> None:
-    if head[:4] == ZIP_MAGIC or head[:1] == bytes([PICKLE_PROTOCOL]):
+    """`head` is the file's first 9 bytes. A safetensors header length can start with 0x80 too
+    (one file in 256), but its JSON header then opens at byte 8; a pickle's opcodes never do."""
+    legacy_pickle = head[:1] == bytes([PICKLE_PROTOCOL]) and head[8:9] != b"{"
+    if head[:4] == ZIP_MAGIC or legacy_pickle:
         raise StorageError(
             f"{path} is a PyTorch pickle (torch.save output); vidmem never unpickles files because "
             "a pickle can run arbitrary code. Convert it to .safetensors (safetensors.torch.save_file) "

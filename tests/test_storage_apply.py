@@ -1,0 +1,183 @@
+"""assign_weights on small modules: in-place use of mapped tensors, swaps, casts, ties, and every
+error path (missing and unexpected keys, shapes, buffers nobody computed)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from accelerate import init_empty_weights
+from safetensors.torch import save_file
+from torch import nn
+
+from vidmem.memory.storage import (
+    StorageError,
+    StoredEmbedding,
+    StoredLinear,
+    assign_weights,
+    fold_scaled_fp8,
+    is_file_backed,
+    open_safetensors,
+    quantize,
+)
+
+
+class Tiny(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, width)
+        self.proj = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.conv = nn.Conv1d(width, width, 1)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)  # computed, never in files
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.proj(self.embed(ids)))
+        return self.conv(x.transpose(1, 2)).transpose(1, 2) + self.table.sum()
+
+
+def empty(width: int = 64) -> Tiny:
+    with init_empty_weights():
+        return Tiny(width)
+
+
+def weights(width: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v.detach().clone() for k, v in Tiny(width).state_dict().items()}
+
+
+def rss_anon_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def test_same_dtype_tensors_are_used_in_place_from_the_mapping(tmp_path):
+    save_file(weights(), tmp_path / "w.safetensors")
+    opened = open_safetensors(tmp_path / "w.safetensors")
+    model = empty()
+    report = assign_weights(model, opened.tensors, torch.float32)
+    assert model.proj.weight.data_ptr() == opened.tensors["proj.weight"].data_ptr()  # the very same bytes
+    assert all(is_file_backed(p) for p in model.parameters())
+    assert report.copied_bytes == 0 and report.mapped_bytes == opened.nbytes and report.stored_layers == 0
+    assert report.kept_computed == ("table",)  # not in files (non-persistent): kept as computed at build
+    assert torch.equal(model.table, torch.arange(4.0))
+
+
+def test_quantized_linear_and_embedding_are_swapped_other_modules_dequantized_once():
+    tensors = {k: quantize(v, "fp8_scaled") if v.ndim >= 2 else v for k, v in weights().items()}
+    model = empty()
+    report = assign_weights(model, tensors, torch.float32)
+    assert isinstance(model.proj, StoredLinear) and isinstance(model.embed, StoredEmbedding)
+    assert isinstance(model.conv, nn.Conv1d) and report.dequantized == ("conv.weight",)
+    assert model.proj.in_features == 64 and model.proj.out_features == 64
+    assert model.proj.weight.dtype == torch.float32  # the property: dequantized on read
+    assert torch.equal(model.proj.weight, tensors["proj.weight"].dequantize(torch.float32))
+    with pytest.raises(AttributeError, match="cannot be assigned"):
+        model.proj.weight = torch.zeros(64, 64)
+    assert {c.format for c in report.formats} == {"fp8_scaled", "fp32"}
+    assert report.stored_layers == 2 and "2 layers upcast per call" in report.describe()
+
+
+def test_embedding_dequantizes_only_the_rows_it_looks_up(monkeypatch):
+    tensors = {k: quantize(v, "gguf_q8_0") if k == "embed.weight" else v for k, v in weights().items()}
+    model = empty()
+    assign_weights(model, tensors, torch.float32)
+    ids = torch.tensor([[3, 3, 7], [0, 9, 1]])
+    expected = nn.functional.embedding(ids, tensors["embed.weight"].dequantize(torch.float32))
+    seen = []
+    original = type(tensors["embed.weight"]).dequantize
+    monkeypatch.setattr(type(tensors["embed.weight"]), "dequantize", lambda self, *a, **k: seen.append(self.shape) or original(self, *a, **k))
+    assert torch.equal(model.embed(ids), expected)
+    assert seen == [torch.Size([6, 64])]  # six looked-up rows, not the table of ten
+
+
+def test_plain_linear_weights_in_another_dtype_stay_stored_small_tensors_are_cast():
+    tensors = {k: v.to(torch.bfloat16) for k, v in weights().items()}
+    model = empty()
+    report = assign_weights(model, tensors, torch.float32)
+    assert isinstance(model.proj, StoredLinear) and model.proj.format.name == "bf16"
+    assert set(report.cast) == {"proj.bias", "norm.weight", "norm.bias", "conv.weight", "conv.bias"}
+    assert model.norm.weight.dtype == torch.float32
+
+
+def test_keep_fp32_patterns_match_whole_name_components():
+    tensors = {k: v.to(torch.bfloat16) for k, v in weights().items()}
+    model = empty()
+    assign_weights(model, tensors, torch.bfloat16, keep_fp32={"norm"})
+    assert model.norm.weight.dtype == torch.float32 and model.conv.weight.dtype == torch.bfloat16
+    assert model.proj.weight.dtype == torch.bfloat16
+
+
+def test_missing_and_unexpected_keys_are_listed_and_nothing_changes():
+    tensors = weights()
+    del tensors["proj.bias"], tensors["norm.weight"]
+    tensors.update({f"extra.{i}": torch.zeros(1) for i in range(12)})
+    model = empty()
+    with pytest.raises(StorageError) as caught:
+        assign_weights(model, tensors, torch.float32, source="model.safetensors")
+    message = str(caught.value)
+    assert "model.safetensors" in message and "2 tensors the model needs are missing (proj.bias, norm.weight)" in message
+    assert "12 tensors are not part of the model" in message and "extra.9" in message and "and 2 more" in message
+    assert model.proj.weight.is_meta  # left as it was
+
+
+def test_a_shape_mismatch_names_the_key_and_both_shapes():
+    model = empty()
+    with pytest.raises(StorageError, match=r"'proj.weight' has shape \[32, 32\] in the file but \[64, 64\]"):
+        assign_weights(model, {**weights(), "proj.weight": torch.zeros(32, 32)}, torch.float32)
+    assert model.proj.weight.is_meta
+
+
+def test_buffers_built_on_meta_must_be_computed():
+    with torch.device("meta"):
+        model = Tiny()
+    with pytest.raises(StorageError, match="table.*missing|init_empty_weights"):
+        assign_weights(model, weights(), torch.float32)
+
+
+def test_tied_weights_share_one_stored_tensor():
+    class Tied(nn.Module):
+        _tied_weights_keys = {"head.weight": "embed.weight"}  # transformers' declaration
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, 32)
+            self.head = nn.Embedding(8, 32)
+
+    with init_empty_weights():
+        model = Tied()
+    table = quantize(torch.randn(8, 32), "fp8_e4m3fn")
+    assign_weights(model, {"embed.weight": table}, torch.float32)  # the file holds the table once
+    assert model.embed.weight_stored is model.head.weight_stored
+
+
+def test_scaled_fp8_marker_and_input_scales_are_folded_away():
+    stored = quantize(torch.randn(4, 8), "fp8_scaled")
+    folded = fold_scaled_fp8({"l.weight": stored.data, "l.scale_weight": stored.scale, "l.scale_input": torch.ones(()),
+                              "scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn), "l.bias": torch.ones(4)})
+    assert set(folded) == {"l.weight", "l.bias"} and folded["l.weight"].scale is stored.scale
+    with pytest.raises(StorageError, match="scale tensors without a weight: m.scale_weight"):
+        fold_scaled_fp8({"m.scale_weight": torch.ones(())})
+
+
+def test_opening_and_assigning_a_large_file_copies_nothing_to_anonymous_memory(tmp_path):
+    """Zero copy: 192 MiB of weights opened, assigned and run; anonymous RSS grows by ~one layer."""
+    layers = 3
+    path = tmp_path / "big.safetensors"
+    save_file({f"{i}.weight": torch.full((8192, 4096), 0.5, dtype=torch.float16) for i in range(layers)}, path)
+    gc.collect()
+    size = path.stat().st_size
+    before = rss_anon_bytes()
+    opened = open_safetensors(path)
+    with init_empty_weights():
+        model = nn.Sequential(*(nn.Linear(4096, 8192, bias=False) for _ in range(layers)))
+    report = assign_weights(model, opened.tensors, torch.float16)
+    assert report.mapped_bytes == size - (path.stat().st_size - opened.nbytes) and report.copied_bytes == 0
+    checksum = sum(float(model[i].weight.float().sum()) for i in range(layers))  # touches every page
+    assert checksum == layers * 8192 * 4096 * 0.5
+    grown = rss_anon_bytes() - before
+    assert grown < 0.25 * size, f"anonymous memory grew by {grown >> 20} MiB for a {size >> 20} MiB file"
