@@ -2,11 +2,15 @@
 
     vidmem plan --model wan2.1-t2v-14b --size 1280x720 --frames 81 --vram 12 --ram 32
     vidmem plan --model ~/models/CogVideoX-2b --size 720x480 --frames 49 --vram 8 --json
+    vidmem plan --model wan2.2-t2v-a14b --weights fp8_scaled --size 832x480 --frames 81 --vram 8 --ram 32
 
 Prints one row per strategy tier (each with the fewest swapped blocks, the text encoder placement
 and the VAE tiling that fit) with predicted peak VRAM per stage, peak RAM and estimated slowdown,
-and marks the recommendation: the fastest row that fits. Exit status: 0 when something fits,
-1 when nothing does (the message says what would), 2 for bad input.
+and marks the recommendation: the fastest row that fits. When the weights overrun the RAM budget,
+the same tiers follow with the weights on disk (memory-mapped: page cache, which the kernel
+reclaims, instead of anonymous RAM; slower when the page cache cannot keep them). `--weights`
+never changes on its own: when nothing fits, the message says which storage or tier would.
+Exit status: 0 when something fits, 1 when nothing does (the message says what would), 2 for bad input.
 """
 
 from __future__ import annotations
@@ -18,6 +22,22 @@ import sys
 GIB = 1 << 30
 
 
+class _StorageNames:
+    """`--weights` choices, read from vidmem.memory.storage when argparse first needs them: importing
+    the engine loads torch, which `vidmem --help` and `vidmem queue` must not pay for."""
+
+    def _names(self) -> tuple[str, ...]:
+        from .memory.storage import FORMATS
+
+        return tuple(FORMATS)
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan = subparsers.add_parser("plan", help="predict VRAM/RAM per stage and pick the strategy that fits",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,7 +47,13 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--frames", type=int, help="frames to generate (default: the model's own)")
     plan.add_argument("--vram", type=float, help="GPU memory budget in GiB (default: this machine's GPU)")
     plan.add_argument("--ram", type=float, help="RAM budget in GiB (default: this machine's total RAM)")
-    plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights dtype (default: the model's own)")
+    plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="compute dtype (default: the model's own)")
+    plan.add_argument("--weights", choices=_StorageNames(), help="storage of the transformer(s) and text encoder, "
+                      "upcast per layer to the compute dtype (default: the compute dtype); the VAE keeps its dtype")
+    plan.add_argument("--disk", action="store_true", help="weights stay memory-mapped in their files (disk tier): "
+                      "page cache instead of RAM, read from the disk again when RAM cannot keep them")
+    plan.add_argument("--disk-gbps", type=float, help="sequential read rate of the disk in GB/s, for the time "
+                      "estimate (default: a mid-range NVMe SSD, printed under the table; a SATA SSD reads ~0.5)")
     plan.add_argument("--steps", type=int, default=50, help="denoising steps (time estimate only)")
     plan.add_argument("--batch", type=int, default=1, help="videos per prompt")
     plan.add_argument("--no-cfg", action="store_true", help="guidance scale 1: no negative-prompt pass")
@@ -52,7 +78,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if not args.model:
         raise ValueError("--model is required: a built-in model (vidmem plan --list-models) or a diffusers folder.")
     from .memory.accounting import Attention
-    from .memory.planner import Allocator, PlanOptions, VideoShape, candidate_plans, nothing_fits_message, recommended
+    from .memory.planner import Allocator, PlanOptions, VideoShape, candidate_plans, recommended
+    from .memory.planner_advice import nothing_fits_message
+    from .memory.planner_costs import NVME_BYTES_PER_S
     from .memory.strategy import MemoryStrategy
 
     model = load_model(args.model, args.dtype)
@@ -63,13 +91,19 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--size and --frames are required for a model folder (e.g. --size 832x480 --frames 81).")
     shape = VideoShape(width, height, frames, batch=args.batch, cfg=not args.no_cfg)
     vram, ram = _budgets(args)
-    options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps)
+    disk_gbps = NVME_BYTES_PER_S / 1e9 if args.disk_gbps is None else args.disk_gbps
+    if disk_gbps <= 0:
+        raise ValueError(f"--disk-gbps {args.disk_gbps} must be a positive read rate in GB/s, e.g. 3 for an NVMe SSD.")
+    storage = model.layout.stored_as(args.weights) if args.weights else {}
+    options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps,
+                          storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9)
     base = MemoryStrategy(text_encoder=args.text_encoder, prefetch_blocks=args.prefetch)
     plans = candidate_plans(model, shape, vram, ram, base, options)
     best = recommended(plans)
     message = None if best is not None else nothing_fits_message(model, shape, plans, base, options)
     if args.json:
         print(json.dumps({"model": model.name, "size": [width, height], "frames": frames, "dtype": model.dtype_name,
+                          "weights": args.weights or model.dtype_name, "disk_gbps": disk_gbps,
                           "allocator": options.allocator.value, "strategies": [p.as_dict() for p in plans],
                           "recommended": best, **({"message": message} if message else {})}, indent=2))
     else:
@@ -80,17 +114,21 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, options) -> str:
-    head = (f"{model.name} ({model.dtype_name}) {shape.width}x{shape.height}, {shape.frames} frames; "
+    stored = dict(options.storage)
+    weights = f"weights {next(iter(stored.values()))}" if stored else "weights at the compute dtype"
+    head = (f"{model.name} ({model.dtype_name}, {weights}) {shape.width}x{shape.height}, {shape.frames} frames; "
             f"budget {vram / GIB:.1f} GiB VRAM, {ram / GIB:.1f} GiB RAM; {options.allocator.value} allocator")
-    columns = ("strategy", "text enc.", "VAE tiles", "encode", "denoise", "decode", "peak VRAM", "peak RAM", "slowdown", "fits")
+    columns = ("strategy", "text enc.", "VAE tiles", "encode", "denoise", "decode", "peak VRAM", "peak RAM",
+               "page cache", "slowdown", "fits")
     rows = [columns]
     for plan in plans:
         s = plan.strategy
-        tier = s.offload.value + (f" {s.blocks_to_swap}" if s.blocks_to_swap else "")
+        tier = s.offload.value + (f" {s.blocks_to_swap}" if s.blocks_to_swap else "") + (" +disk" if plan.on_disk else "")
         tiles = f"{s.vae_tiling.tile_size}px/{s.vae_tiling.temporal_size}f" if s.vae_tiling else "-"
         stages = [f"{plan.stage(n).device_bytes / GIB:.1f}" for n in ("text_encode", "denoise", "decode")]
         rows.append((tier, s.text_encoder.value.replace("offload_after_encoding", "offload"), tiles, *stages,
                      f"{plan.peak_vram_bytes / GIB:.1f} GiB", f"{plan.peak_ram_bytes / GIB:.1f} GiB",
+                     f"{plan.peak_page_cache_bytes / GIB:.1f} GiB" if plan.on_disk else "-",
                      f"x{plan.est_slowdown:.2f}", "yes" if plan.fits else "no"))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(columns))]
     lines = [head, ""]
@@ -98,6 +136,10 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
         mark = "  <- recommended" if recommended is not None and index - 1 == recommended else ""
         lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() + mark)
     lines.append("\nVRAM per stage in GiB, including the CUDA context; block swap rows show the fewest blocks that fit.")
+    if any(plan.on_disk for plan in plans):
+        lines.append(f"+disk: weights memory-mapped from their files. Peak RAM is anonymous memory, what must fit; the "
+                     f"page cache holds the files and is reclaimable, so what the budget cannot keep is read again "
+                     f"from the disk at {options.disk_bytes_per_s / 1e9:g} GB/s (--disk-gbps), in the slowdown.")
     return "\n".join(lines)
 
 

@@ -10,11 +10,21 @@ schedule (`planner_schedule.py`), and each phase's weights plus its allocation s
 replayed through a model of PyTorch's caching allocator (`planner_allocator.py`), because the
 allocator reserves more than the tensors hold.
 
+Weights are counted as stored (`PlanOptions.storage`, `planner_storage.py`): fp8 or GGUF matrices
+at their stored bytes on the host, on the device and in every host-to-device copy, plus one
+dequantized layer on the device while it computes. RAM is split in two: anonymous memory (the
+runtime, weights copied at load, pinned buffers, CPU activations), which must fit the RAM budget,
+and page cache (weights memory-mapped from their files, `PlanOptions.on_disk`), which the kernel
+reclaims: a plan on disk fits when its anonymous bytes fit, and runs slower by what the page
+cache cannot keep and the disk must read again (`planner_costs.DiskRead`).
+
 Priorities when choosing (`choose_strategy`): one candidate per tier (none, model offload, block
 swap with the fewest blocks that fit, sequential); within a tier the text encoder moves to the CPU
 only if it does not fit on the device, and the VAE is tiled only if the whole decode does not fit,
-with the least redundant tiling that does. The fitting candidate with the least estimated time
-wins, the earlier tier on a tie.
+with the least redundant tiling that does. When the weights overrun the RAM budget, the same
+tiers follow with the weights on disk. The fitting candidate with the least estimated time wins,
+the earlier candidate on a tie. Storage precision is never lowered by the planner; when nothing
+fits, `planner_advice.py` says which storage or disk tier would (planned, not guessed).
 
 What a stage figure includes: CUDA context, cuBLAS workspace, resident weights, activations,
 and allocator segments (`Allocator.NATIVE`, reserved bytes) or live bytes only
@@ -30,15 +40,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .planner_costs import CUDA_CONTEXT_BYTES, GiB
-from .planner_stages import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
-                             VideoShape, compute_seconds, decode_stage, denoise_stage, host_base, text_encode_stage)
+from .planner_costs import CUDA_CONTEXT_BYTES, GiB, DiskRead
+from .planner_stages import compute_seconds, decode_stage, denoise_stage, text_encode_stage
+from .planner_types import Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan, VideoShape
 from .strategy import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement
 from .vae_tiles import auto_tiling
 
 __all__ = ["Allocator", "Call", "GiB", "ModelLayout", "Phase", "Plan", "PlanError", "PlanOptions", "PlannerModel",
            "Runtime", "StagePlan", "VideoShape", "candidate_plans", "choose_strategy", "decode_activation_bytes",
-           "nothing_fits_message", "plan_run", "recommended"]
+           "plan_run", "recommended"]
 
 TIER_ORDER = (OffloadTier.NONE, OffloadTier.MODEL, OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
 
@@ -56,9 +66,14 @@ class Plan:
     baseline_seconds: float  # the same run with everything resident: no streaming, no tiling
     vram_budget_bytes: int | None = None
     ram_budget_bytes: int | None = None
+    options: PlanOptions = PlanOptions()  # storage, disk tier and disk rate the plan assumed
 
     def stage(self, name: str) -> StagePlan:
         return next(s for s in self.stages if s.name == name)
+
+    @property
+    def on_disk(self) -> bool:
+        return self.options.on_disk
 
     @property
     def peak_vram_bytes(self) -> int:
@@ -66,11 +81,29 @@ class Plan:
 
     @property
     def peak_ram_bytes(self) -> int:
+        """Peak anonymous RAM: what must fit the RAM budget (page cache is reclaimable)."""
         return max(s.host_bytes for s in self.stages)
 
     @property
+    def peak_page_cache_bytes(self) -> int:
+        """Weights memory-mapped from files (disk tier): kept in RAM only as far as the budget allows."""
+        return max(s.page_cache_bytes for s in self.stages)
+
+    def disk_read(self, stage: StagePlan) -> DiskRead | None:
+        """The page cache a stage leaves for memory-mapped weights: the RAM budget less its anonymous bytes."""
+        cache = None if self.ram_budget_bytes is None else max(0, self.ram_budget_bytes - stage.host_bytes)
+        return self.options.disk(cache, cold=cache is not None and stage.page_cache_bytes > cache)
+
+    @property
+    def disk_reread_bytes_per_pass(self) -> int:
+        """Streamed weight bytes the page cache cannot keep, read from the disk every denoiser pass."""
+        stage = self.stage("denoise")
+        disk = self.disk_read(stage)
+        return 0 if disk is None else max((disk.reread_bytes(w.traffic)[0] for w in stage.work), default=0)
+
+    @property
     def est_slowdown(self) -> float:
-        seconds = sum(s.seconds for s in self.stages)
+        seconds = sum(s.seconds(self.disk_read(s)) for s in self.stages)
         return round(max(seconds / self.baseline_seconds, 1.0), 2) if self.baseline_seconds else 1.0
 
     def over_budget(self) -> list[str]:
@@ -89,11 +122,25 @@ class Plan:
             return None
         return not self.over_budget()
 
+    def describe_storage(self) -> str:
+        """"weights fp8_scaled (transformer, text_encoder), on disk" or "weights as loaded"."""
+        by_format: dict[str, list[str]] = {}
+        for component, name in self.options.storage:
+            by_format.setdefault(name, []).append(component)
+        text = "; ".join(f"{name} ({', '.join(parts)})" for name, parts in by_format.items())
+        text = f"weights {text}" if text else "weights at the compute dtype"
+        return text + (", memory-mapped from disk" if self.on_disk else "")
+
     def describe(self) -> str:
-        head = f"{self.model} {self.shape.width}x{self.shape.height}x{self.shape.frames}: {self.strategy.describe()}"
+        head = (f"{self.model} {self.shape.width}x{self.shape.height}x{self.shape.frames}: {self.strategy.describe()}; "
+                f"{self.describe_storage()}")
         rows = [f"  {s.name:<12} VRAM {_gib(s.device_bytes):>9}  RAM {_gib(s.host_bytes):>9}"
-                f"  peak: {s.peak_phase.label if s.phases else 'on the CPU'}" for s in self.stages]
+                + (f" + {_gib(s.page_cache_bytes)} page cache" if s.page_cache_bytes else "")
+                + f"  peak: {s.peak_phase.label if s.phases else 'on the CPU'}" for s in self.stages]
         tail = f"  estimated slowdown x{self.est_slowdown:.2f}"
+        if self.on_disk:
+            tail += (f" (disk at {self.options.disk_bytes_per_s / 1e9:g} GB/s; page cache is reclaimable, so only "
+                     f"anonymous RAM must fit; {_gib(self.disk_reread_bytes_per_pass)} re-read per pass)")
         if self.fits is not None:
             tail += "; fits" if self.fits else "; does not fit: " + "; ".join(self.over_budget())
         return "\n".join([head, *rows, tail])
@@ -104,6 +151,11 @@ class Plan:
             "tier": s.offload.value, "blocks_to_swap": s.blocks_to_swap, "vae_tiling": s.vae_tiling is not None,
             "text_encoder": s.text_encoder.value, "peak_vram_bytes": self.peak_vram_bytes,
             "peak_ram_bytes": self.peak_ram_bytes, "stages": {st.name: st.device_bytes for st in self.stages},
+            "host": {st.name: {"anon_bytes": st.host_bytes, "page_cache_bytes": st.page_cache_bytes} for st in self.stages},
+            "peak_anon_bytes": self.peak_ram_bytes, "peak_page_cache_bytes": self.peak_page_cache_bytes,
+            "storage": dict(self.options.storage), "disk": self.on_disk,
+            "disk_bytes_per_s": self.options.disk_bytes_per_s if self.on_disk else None,
+            "disk_reread_bytes_per_pass": self.disk_reread_bytes_per_pass,
             "est_slowdown": self.est_slowdown, "fits": self.fits,
         }
 
@@ -121,7 +173,7 @@ def plan_run(
     stages = tuple(build(model, shape, strategy, options).within(vram_budget_bytes)
                    for build in (text_encode_stage, denoise_stage, decode_stage))
     baseline = compute_seconds(model, shape, strategy, options)
-    return Plan(model.name, shape, strategy, stages, baseline, vram_budget_bytes, ram_budget_bytes)
+    return Plan(model.name, shape, strategy, stages, baseline, vram_budget_bytes, ram_budget_bytes, options)
 
 
 def candidate_plans(
@@ -131,21 +183,35 @@ def candidate_plans(
     ram_budget_bytes: int,
     base: MemoryStrategy = MemoryStrategy(),
     options: PlanOptions = PlanOptions(),
+    consider_disk: bool = True,
 ) -> list[Plan]:
     """One plan per tier, in speed order, each with the fewest swapped blocks, the text encoder
-    placement and the least redundant VAE tiling that fit (or, if nothing does, the leanest)."""
+    placement and the least redundant VAE tiling that fit (or, if nothing does, the leanest).
+
+    With `consider_disk`, when a plan with the weights in RAM overruns the RAM budget, the same
+    tiers follow with the weights memory-mapped from disk (`options.on_disk`). The storage format
+    is never changed here: lowering precision is the user's choice.
+    """
     _check(model, shape, base)
-    budgets = (vram_budget_bytes, ram_budget_bytes)
-    plans = []
-    for tier in TIER_ORDER:
-        swap = 1 if tier is OffloadTier.BLOCK_SWAP else 0
-        strategy = replace(base, offload=tier, blocks_to_swap=swap, vae_tiling=None)
-        if tier is OffloadTier.BLOCK_SWAP:
-            strategy = _fewest_blocks(model, shape, strategy, options, vram_budget_bytes)
-        strategy = _text_encoder_that_fits(model, shape, strategy, options, budgets)
-        strategy = _tiling_that_fits(model, shape, strategy, options, vram_budget_bytes)
-        plans.append(plan_run(model, shape, strategy, options, *budgets))
+    plans = [_tier_plan(model, shape, tier, base, options, (vram_budget_bytes, ram_budget_bytes)) for tier in TIER_ORDER]
+    if consider_disk and not options.on_disk and any(_over_ram(p) for p in plans):
+        on_disk = replace(options, on_disk=True)
+        plans += [_tier_plan(model, shape, tier, base, on_disk, (vram_budget_bytes, ram_budget_bytes)) for tier in TIER_ORDER]
     return plans
+
+
+def _tier_plan(model, shape, tier: OffloadTier, base: MemoryStrategy, options: PlanOptions, budgets) -> Plan:
+    vram, _ = budgets
+    strategy = replace(base, offload=tier, blocks_to_swap=1 if tier is OffloadTier.BLOCK_SWAP else 0, vae_tiling=None)
+    if tier is OffloadTier.BLOCK_SWAP:
+        strategy = _fewest_blocks(model, shape, strategy, options, vram)
+    strategy = _text_encoder_that_fits(model, shape, strategy, options, budgets)
+    strategy = _tiling_that_fits(model, shape, strategy, options, vram)
+    return plan_run(model, shape, strategy, options, *budgets)
+
+
+def _over_ram(plan: Plan) -> bool:
+    return plan.ram_budget_bytes is not None and plan.peak_ram_bytes > plan.ram_budget_bytes
 
 
 def choose_strategy(
@@ -155,16 +221,20 @@ def choose_strategy(
     ram_budget_bytes: int,
     base: MemoryStrategy = MemoryStrategy(),
     options: PlanOptions = PlanOptions(),
+    consider_disk: bool = True,
 ) -> Plan:
     """The fastest plan that fits both budgets; PlanError saying what would fit if none does.
 
     `base` supplies what the planner does not choose: prefetch, slicing, non_blocking, and the
-    text encoder placement it starts from.
+    text encoder placement it starts from. The plan may put the weights on disk (`plan.on_disk`)
+    when `consider_disk`; it never lowers their precision.
     """
-    plans = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes, base, options)
+    plans = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes, base, options, consider_disk)
     best = recommended(plans)
     if best is None:
-        raise PlanError(nothing_fits_message(model, shape, plans, base, options))
+        from .planner_advice import nothing_fits_message  # the advice plans alternatives with this module
+
+        raise PlanError(nothing_fits_message(model, shape, plans, base, options, consider_disk))
     return plans[best]
 
 
@@ -240,46 +310,6 @@ def _tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int 
             break
         free = int(free * 0.6)
     return tiled
-
-
-def nothing_fits_message(model, shape: VideoShape, plans: list[Plan], base, options) -> str:
-    """Why the leanest plan still fails, how much RAM would do, and a smaller shape that fits."""
-    leanest = plans[-1]
-    lines = [f"nothing fits {model.name} at {shape.width}x{shape.height}x{shape.frames} "
-             f"in {_gib(leanest.vram_budget_bytes)} VRAM / {_gib(leanest.ram_budget_bytes)} RAM; "
-             f"even {leanest.strategy.describe()}: " + "; ".join(leanest.over_budget()) + "."]
-    weights = host_base(model)
-    if leanest.peak_ram_bytes > leanest.ram_budget_bytes:
-        lines.append(f"The pipeline keeps {_gib(weights)} in RAM (weights + runtime); "
-                     f"give at least {_gib(leanest.peak_ram_bytes)} of RAM.")
-    if weights > leanest.ram_budget_bytes or all(not s.fits(leanest.vram_budget_bytes) for s in leanest.stages[:1]):
-        return " ".join(lines)  # no smaller video lowers the weights held in RAM or the text encoder
-    for smaller in _smaller_shapes(model, shape):
-        try:
-            found = candidate_plans(model, smaller, leanest.vram_budget_bytes, leanest.ram_budget_bytes, base, options)
-        except (PlanError, ValueError):
-            continue
-        fitting = next((p for p in found if p.fits), None)
-        if fitting is not None:
-            lines.append(f"What fits: {smaller.width}x{smaller.height}x{smaller.frames} with {fitting.strategy.describe()}.")
-            break
-    return " ".join(lines)
-
-
-def _smaller_shapes(model, shape: VideoShape):
-    """Fewer frames first (cheaper to lose), then lower resolutions, as the model accepts them."""
-    step = 4
-    frames = max(1, (shape.frames - 1) // 2 // step * step + 1)
-    candidates = [replace(shape, frames=frames)]
-    for scale in (0.75, 0.5):
-        width, height = (max(64, int(v * scale) // 32 * 32) for v in (shape.width, shape.height))
-        candidates.append(replace(shape, width=width, height=height))
-    for candidate in candidates:
-        try:
-            model.check_shape(candidate)
-        except ValueError:
-            continue
-        yield candidate
 
 
 def _gib(nbytes: int | None) -> str:

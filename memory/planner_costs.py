@@ -5,6 +5,11 @@ simple: a stage's compute time is its matmul/convolution FLOPs (counted on the m
 sustained device throughput, and weights that stream in per step cost PCIe time, hidden behind
 compute when the schedule prefetches (side stream) and added to it when it does not. Only the
 ratio between strategies is reported, so the throughput constants cancel to first order.
+
+Weights on disk (the disk tier: memory-mapped files) pass through the page cache. The page cache
+is reclaimable, so it never decides whether a plan fits; it decides how fast it runs: what the
+RAM budget leaves after the anonymous bytes caches the files, and streamed bytes beyond that are
+read from the disk again every pass, at `NVME_BYTES_PER_S` unless told otherwise.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ HOST_FLOPS_PER_S = 0.3e12
 # streamed weights under max_pinned_ram_gb); past the pinned ceiling copies are pageable, ~half.
 PCIE_BYTES_PER_S = 22e9
 
+# Sequential read rate of the disk that memory-mapped weights (the disk tier) come from: 3 GB/s is a
+# mid-range NVMe SSD on PCIe 3.0 x4 (Samsung 970 EVO Plus data sheet: 3,500 MB/s sequential read;
+# PCIe 4.0 drives are rated 5-7 GB/s, SATA SSDs ~0.55 GB/s, hard disks ~0.2 GB/s). Change it with
+# `vidmem plan --disk-gbps` or `PlanOptions(disk_bytes_per_s=...)`.
+NVME_BYTES_PER_S = 3e9
+
 # Per streamed group and pass: one event record/wait and a few kernel launches (~10 us each).
 STREAM_GROUP_OVERHEAD_S = 30e-6
 
@@ -57,14 +68,68 @@ class Traffic:
     overlapped: bool = True  # a prefetch schedule copies on a side stream while compute runs
 
 
-def stage_seconds(compute_flops: float, passes: int, traffic: Traffic) -> float:
-    """Estimated wall time of `passes` forward passes totalling `compute_flops`."""
+@dataclass(frozen=True)
+class DiskRead:
+    """Weights memory-mapped from files: how fast the disk reads, how much the page cache keeps."""
+
+    bytes_per_s: float = NVME_BYTES_PER_S
+    cache_bytes: int | None = None  # page cache left for the files (RAM budget less anonymous bytes); None: all
+    cold: bool = False  # the files a run reads exceed `cache_bytes`: each run reads its weights from the disk
+
+    def reread_bytes(self, traffic: Traffic) -> tuple[int, int]:
+        """(bytes read from the disk every pass, bytes read once per stage), run over run.
+
+        Streamed bytes are read every pass, so they are the hottest pages and the cache keeps them
+        first; what does not fit is read again each pass. This is the bound for a cache that keeps
+        a stable subset (Linux's active list / multi-gen LRU protect pages used twice); a strict LRU
+        over a cyclic scan larger than itself would re-read all of it. When a run's files fit the
+        cache (not `cold`), nothing is read from the disk after the first run, as with weights in RAM.
+        """
+        if self.cache_bytes is None:
+            return 0, 0
+        per_pass = max(0, traffic.per_pass_bytes - self.cache_bytes)
+        if self.cold:  # other stages evicted this one's weights: the first pass reads them all
+            return per_pass, traffic.once_bytes + traffic.per_pass_bytes - per_pass
+        left = max(0, self.cache_bytes - traffic.per_pass_bytes)
+        return per_pass, max(0, traffic.once_bytes - left)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One component's compute within a stage and the weights it moves."""
+
+    flops: float
+    passes: int = 1
+    traffic: Traffic = Traffic()
+    on_host: bool = False  # computed on the CPU (text_encoder=cpu): weights are used where they are
+    host_weight_bytes: int = 0  # on the CPU: the weights one call reads (from the page cache on disk)
+
+    def seconds(self, disk: DiskRead | None = None) -> float:
+        if self.on_host:  # page faults on memory-mapped weights are synchronous: reads add to compute
+            seconds = self.flops / HOST_FLOPS_PER_S
+            if disk is not None:
+                seconds += disk.reread_bytes(Traffic(once_bytes=self.host_weight_bytes))[1] / disk.bytes_per_s
+            return seconds
+        return stage_seconds(self.flops, self.passes, self.traffic, disk)
+
+
+def stage_seconds(compute_flops: float, passes: int, traffic: Traffic, disk: DiskRead | None = None) -> float:
+    """Estimated wall time of `passes` forward passes totalling `compute_flops`.
+
+    With `disk`, streamed weights the page cache cannot keep are read from the disk every pass;
+    reading, copying and computing overlap when the schedule prefetches (staging buffers).
+    """
     compute = compute_flops / DEVICE_FLOPS_PER_S
     per_pass_compute = compute / max(passes, 1)
     per_pass_copy = traffic.per_pass_bytes / PCIE_BYTES_PER_S
+    reread_pass, reread_once = disk.reread_bytes(traffic) if disk is not None else (0, 0)
+    per_pass_read = reread_pass / disk.bytes_per_s if disk is not None else 0.0
     if traffic.overlapped:
-        per_pass = max(per_pass_compute, per_pass_copy)
+        per_pass = max(per_pass_compute, per_pass_copy, per_pass_read)
     else:
-        per_pass = per_pass_compute + per_pass_copy
+        per_pass = per_pass_compute + per_pass_copy + per_pass_read
     per_pass += traffic.per_pass_groups * STREAM_GROUP_OVERHEAD_S
-    return passes * per_pass + traffic.once_bytes / PCIE_BYTES_PER_S
+    once = traffic.once_bytes / PCIE_BYTES_PER_S
+    if reread_once:
+        once = max(once, reread_once / disk.bytes_per_s)  # staged: the disk and the copy overlap
+    return passes * per_pass + once

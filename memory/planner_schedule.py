@@ -19,6 +19,7 @@ from torch import nn
 
 from .blockswap import StreamSchedule
 from .offload import streamed_units  # the engine's unit rule; see the planner notes for making it public
+from .planner_storage import StoredSizes
 from .residency import own_slots, partition_slots
 from .strategy import MemoryStrategy, OffloadTier
 
@@ -27,44 +28,51 @@ Order = tuple[tuple[bool, str], ...]  # one forward: (True, name) = module start
 
 @dataclass(frozen=True)
 class ComponentWeights:
-    """A component's weight totals: bytes of its distinct tensors and its transformer blocks."""
+    """A component's weight totals as stored: bytes of its distinct tensors and its transformer blocks."""
 
     name: str
     nbytes: int
     block_count: int = 0  # blocks the engine can swap (denoisers only)
     tensors: tuple[int, ...] = field(default=(), repr=False)  # every distinct tensor's bytes
+    stored: StoredSizes = StoredSizes()  # the storage format, its per-tensor bytes and transient
+
+    @property
+    def transient_bytes(self) -> int:
+        """The dequantized copy of the layer computing now (0 when nothing is stored quantized)."""
+        return self.stored.transient_bytes
 
 
-def tensor_sizes(slots) -> list[int]:
-    """Bytes of each distinct tensor among `slots` (a tied tensor is copied once)."""
+def tensor_sizes(slots, stored: StoredSizes = StoredSizes()) -> list[int]:
+    """Bytes of each distinct tensor among `slots` as stored (a tied tensor is copied once)."""
     unique = {id(slot.current()): slot.host for slot in slots}
-    return [t.numel() * t.element_size() for t in unique.values()]
+    return [stored.nbytes(key, t) for key, t in unique.items()]
 
 
-def streamed_unit_bytes(module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy) -> list[int]:
+def streamed_unit_bytes(module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy,
+                        stored: StoredSizes = StoredSizes()) -> list[int]:
     """Bytes of each unit the tier streams per forward pass (empty for none / model)."""
     units = streamed_units(module, blocks, strategy)
     if not units:
         return []
     _, per_unit = partition_slots(module, [members for _, members in units])
-    return [sum(tensor_sizes(slots)) for slots in per_unit]
+    return [sum(tensor_sizes(slots, stored)) for slots in per_unit]
 
 
 def resident_tensors(module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy,
-                     order: Order | None = None) -> list[int]:
-    """Tensor sizes on the device while `module` runs its heaviest part under `strategy`."""
+                     order: Order | None = None, stored: StoredSizes = StoredSizes()) -> list[int]:
+    """Tensor sizes (as stored) on the device while `module` runs its heaviest part under `strategy`."""
     units = streamed_units(module, blocks, strategy)
     if not units:  # none / model, or block swap on a component without blocks: all of it
-        return tensor_sizes(slot for m in module.modules() for slot in own_slots(m))
+        return tensor_sizes((slot for m in module.modules() for slot in own_slots(m)), stored)
     resident, per_unit = partition_slots(module, [members for _, members in units])
-    sizes = [tensor_sizes(slots) for slots in per_unit]
+    sizes = [tensor_sizes(slots, stored) for slots in per_unit]
     if strategy.offload is OffloadTier.BLOCK_SWAP:
         in_flight = min(strategy.prefetch_blocks + 1, len(sizes))
         window = max((sum(map(sum, sizes[i : i + in_flight])), i) for i in range(len(sizes) - in_flight + 1))[1]
-        return tensor_sizes(resident) + [t for unit in sizes[window : window + in_flight] for t in unit]
+        return tensor_sizes(resident, stored) + [t for unit in sizes[window : window + in_flight] for t in unit]
     heads = {id(head): i for i, (head, _) in enumerate(units)}
     names = {name: heads[id(m)] for name, m in module.named_modules() if id(m) in heads}
-    return tensor_sizes(resident) + _replay(sizes, names, order or (), strategy.prefetch_blocks)
+    return tensor_sizes(resident, stored) + _replay(sizes, names, order or (), strategy.prefetch_blocks)
 
 
 def _replay(sizes: list[list[int]], names: dict[str, int], order: Order, prefetch: int) -> list[int]:

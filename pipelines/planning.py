@@ -1,4 +1,10 @@
-"""Plans for a loaded pipeline: its folder's configs on the meta device, under the host's budgets."""
+"""Plans for a loaded pipeline: its configs on the meta device, its real storage, the host's budgets.
+
+The architecture comes from the pipeline's diffusers folder or, for ComfyUI's single files, the
+shipped config the loader recognised them as. How the weights are held comes from the loader too
+(`plan_options`): each component's storage format and whether the weights stay memory-mapped in
+their files (the disk tier), so predictions and `auto` count the bytes the run really holds.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..memory import MemoryStrategy
-from ..memory.planner import Plan, choose_strategy, decode_activation_bytes, plan_run
+from ..memory.planner import Plan, PlanOptions, choose_strategy, decode_activation_bytes, plan_run
 from ..memory.planner_stages import VideoShape
 from ..memory.vae import Rung
 from .configs import load_model
@@ -17,26 +23,37 @@ logger = logging.getLogger(__name__)
 
 
 def planner_model(loaded: LoadedPipeline):
-    """The pipeline's architecture built on meta from its folder's config files (cached)."""
-    return load_model(loaded.folder, loaded.dtype_name)
+    """The pipeline's architecture built on meta from its folder's config files, or the shipped
+    config its single files were recognised as (cached)."""
+    return load_model(loaded.folder or getattr(loaded, "config_name", ""), loaded.dtype_name)
+
+
+def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions()) -> PlanOptions:
+    """`options` with the pipeline's real storage: each component's format and the disk tier."""
+    storage = dict(getattr(loaded, "storage", None) or {})
+    return replace(options, storage=storage, on_disk=bool(getattr(loaded, "on_disk", False)))
 
 
 def plan_strategy(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStrategy,
-                  vram_budget_bytes: int | None, ram_budget_bytes: int | None) -> Plan:
-    """Predicted peaks per stage for running `strategy` at `shape`."""
-    return plan_run(planner_model(loaded), shape, strategy, vram_budget_bytes=vram_budget_bytes,
-                    ram_budget_bytes=ram_budget_bytes)
+                  vram_budget_bytes: int | None, ram_budget_bytes: int | None,
+                  options: PlanOptions = PlanOptions()) -> Plan:
+    """Predicted peaks per stage for running `strategy` at `shape`, with the weights as loaded."""
+    return plan_run(planner_model(loaded), shape, strategy, plan_options(loaded, options),
+                    vram_budget_bytes=vram_budget_bytes, ram_budget_bytes=ram_budget_bytes)
 
 
 def choose_for(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy,
-               vram_budget_bytes: int, ram_budget_bytes: int) -> Plan:
+               vram_budget_bytes: int, ram_budget_bytes: int, options: PlanOptions = PlanOptions()) -> Plan:
     """The fastest strategy that fits both budgets (PlanError says what would fit if none does).
 
     `base` keeps the user's prefetch, pinning and slicing; the tier, blocks, text encoder
-    placement and VAE tiling are the planner's choice.
+    placement and VAE tiling are the planner's choice. Storage and the disk tier are the loaded
+    pipeline's and are not chosen here (they were fixed at load); when nothing fits, the error
+    says which storage or disk tier would, to load with instead.
     """
     return choose_strategy(planner_model(loaded), shape, vram_budget_bytes, ram_budget_bytes,
-                           base=replace(base, offload="model", blocks_to_swap=0))
+                           base=replace(base, offload="model", blocks_to_swap=0),
+                           options=plan_options(loaded, options), consider_disk=False)
 
 
 def decode_overrun(loaded: LoadedPipeline, latent_shape: tuple[int, ...], strategy: MemoryStrategy,
@@ -55,7 +72,7 @@ def decode_overrun(loaded: LoadedPipeline, latent_shape: tuple[int, ...], strate
             s = model.geometry.spatial_factor
             shape = VideoShape(width * s, height * s, model.geometry.frames(latent_frames), batch=batch)
             trial = replace(strategy, vae_tiling=rung.tiling, vae_slicing=rung.slicing)
-            need = decode_activation_bytes(model, shape, trial, free_bytes)
+            need = decode_activation_bytes(model, shape, trial, free_bytes, plan_options(loaded))
         except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the decode
             logger.info("vidmem: no decode memory prediction for %s: %s", loaded.describe(), error)
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 
 import pytest
 import torch
@@ -285,11 +286,16 @@ def test_block_swap_uses_the_fewest_blocks_that_fit(cogvideox_2b):
 
 
 def test_nothing_fits_says_what_would(cogvideox_2b):
+    shape = VideoShape(720, 480, 49)
     with pytest.raises(PlanError, match="give at least .* of RAM"):
-        choose_strategy(cogvideox_2b, VideoShape(720, 480, 49), 24 * GiB, 8 * GiB)
+        choose_strategy(cogvideox_2b, shape, 24 * GiB, 8 * GiB, consider_disk=False)  # weights kept in RAM
+    vram = int(1.5 * GiB)  # the device is what runs out: a smaller video is suggested, and it fits
     with pytest.raises(PlanError, match="nothing fits") as error:
-        choose_strategy(cogvideox_2b, VideoShape(720, 480, 49), int(1.5 * GiB), 64 * GiB)
-    assert "What fits" in str(error.value) or "RAM" in str(error.value)
+        choose_strategy(cogvideox_2b, shape, vram, 64 * GiB)
+    found = re.search(r"What fits: (\d+)x(\d+)x(\d+) with", str(error.value))
+    assert found, str(error.value)
+    smaller = VideoShape(*map(int, found.groups()))
+    assert choose_strategy(cogvideox_2b, smaller, vram, 64 * GiB).fits
 
 
 def test_bad_requests_get_a_fix():
@@ -332,7 +338,13 @@ def test_plan_command_json(capsys, cogvideox_2b):
 
 
 def test_plan_command_table_and_errors(capsys):
-    assert plan_main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--ram", "8"]) == 1
-    assert "give at least" in capsys.readouterr().out
+    assert plan_main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--ram", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "+disk" in out and "give at least" in out  # disk rows were tried: RAM runs out anyway
     assert plan_main(["plan", "--model", "nope", "--vram", "12"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad_choice:  # argparse names the accepted formats
+        plan_main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--weights", "fp7"])
+    assert bad_choice.value.code == 2 and "'fp8_scaled'" in capsys.readouterr().err
+    assert plan_main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--disk-gbps", "0"]) == 2
+    assert "--disk-gbps 0.0 must be a positive" in capsys.readouterr().err

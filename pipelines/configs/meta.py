@@ -20,7 +20,9 @@ import torch
 from ...memory.accounting import Attention, OpCache, Trace, trace
 from ...memory.planner import Call, ModelLayout, VideoShape
 from ...memory.planner_schedule import ComponentWeights, tensor_sizes
+from ...memory.planner_storage import stored_sizes
 from ...memory.residency import own_slots
+from ...memory.storage import storage_format
 from ...memory.vae_tiles import VaeGeometry
 from ..family import FamilySpec, ModelError
 from . import workloads
@@ -112,13 +114,17 @@ class MetaModel:
     def forward_passes(self, shape: VideoShape) -> int:
         return 2 if shape.cfg and self.spec.name == "wan" else 1
 
-    def weights(self, component: str) -> ComponentWeights:
-        if component not in self._weights:
+    def weights(self, component: str, storage: str | None = None) -> ComponentWeights:
+        """The component's tensors as stored: `storage` names a StorageFormat (None: the compute dtype)."""
+        key = (component, storage)
+        if key not in self._weights:
             module, blocks = self.module(component), self.blocks(component)
+            fmt = storage_format(storage) if storage else None
+            stored = stored_sizes(module, fmt, embeddings=component in self.layout.text_encoders)
             slots = [slot for m in module.modules() for slot in own_slots(m)]
-            sizes = tuple(tensor_sizes(slots))
-            self._weights[component] = ComponentWeights(component, sum(sizes), len(blocks) if blocks else 0, sizes)
-        return self._weights[component]
+            sizes = tuple(tensor_sizes(slots, stored))
+            self._weights[key] = ComponentWeights(component, sum(sizes), len(blocks) if blocks else 0, sizes, stored)
+        return self._weights[key]
 
     def module(self, component: str) -> torch.nn.Module:
         """The full-size component on meta (weights and residency come from it)."""

@@ -1,0 +1,128 @@
+"""When nothing fits: say what would, computed by planning the alternatives, never guessed.
+
+Two suggestions at most, each the first that fits: a smaller storage format for the transformer(s)
+and the text encoder with the weights where they are, and the weights memory-mapped from disk
+(as stored, if the search did not try that already, else with smaller storage). When neither
+exists and the device is what runs out, a shorter or smaller video. Each suggestion is a plan
+that fits the same budgets, never a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .planner import Plan, PlanError, candidate_plans, recommended
+from .planner_costs import GiB
+from .planner_stages import host_base
+from .planner_types import PlannerModel, PlanOptions, VideoShape
+from .storage import FORMATS, storage_format
+from .strategy import MemoryStrategy
+
+# Smaller storage to suggest, best quality first: Comfy-Org ships fp8 scaled; the GGUF k-quants are
+# what city96's files offer below it (gguf_q8_0 is larger than fp8 and would not fit where it does not).
+SMALLER_STORAGE = ("fp8_scaled", "gguf_q6_k", "gguf_q5_k", "gguf_q4_k")
+
+
+def nothing_fits_message(model: PlannerModel, shape: VideoShape, plans: list[Plan], base: MemoryStrategy,
+                         options: PlanOptions, consider_disk: bool = True) -> str:
+    """Why the leanest plan still fails, and which storage, tier or shape would fit."""
+    leanest = plans[-1]
+    vram, ram = leanest.vram_budget_bytes, leanest.ram_budget_bytes
+    lines = [f"nothing fits {model.name} at {shape.width}x{shape.height}x{shape.frames} in {_gib(vram)} VRAM / "
+             f"{_gib(ram)} RAM; even {leanest.strategy.describe()} ({leanest.describe_storage()}): "
+             + "; ".join(leanest.over_budget()) + "."]
+    least_ram = min(plans, key=lambda p: p.peak_ram_bytes)
+    if least_ram.peak_ram_bytes > ram:
+        held = host_base(model, least_ram.options)[0]
+        what = "runtime; the weights are page cache" if least_ram.on_disk else "weights + runtime"
+        lines.append(f"The pipeline keeps {_gib(held)} of anonymous RAM ({what}); give at least "
+                     f"{_gib(least_ram.peak_ram_bytes)} of RAM.")
+    found = _first_fitting(model, shape, base, options, (vram, ram), _in_ram(model, options))
+    found += _first_fitting(model, shape, base, options, (vram, ram), _on_disk(model, options, consider_disk))
+    lines.extend(found)
+    if not found and host_base(model, options)[0] <= ram and all(s.fits(vram) for s in leanest.stages[:1]):
+        lines.extend(_smaller_shape(model, shape, base, options, consider_disk, (vram, ram)))
+    return " ".join(lines)
+
+
+def _smaller_storage(model: PlannerModel, options: PlanOptions) -> list[PlanOptions]:
+    """`options` with each smaller storage format for the transformer(s) and text encoder, best first."""
+    current = min((storage_format(options.storage_of(n) or model.dtype_name).bytes_per_weight
+                   for n in model.layout.denoisers), default=2.0)
+    return [replace(options, storage=model.layout.stored_as(name))
+            for name in SMALLER_STORAGE if FORMATS[name].bytes_per_weight < current]
+
+
+def _in_ram(model: PlannerModel, options: PlanOptions) -> list[PlanOptions]:
+    """Smaller storage, the disk tier as it is."""
+    return _smaller_storage(model, options)
+
+
+def _on_disk(model: PlannerModel, options: PlanOptions, consider_disk: bool) -> list[PlanOptions]:
+    """The disk tier (if the search did not try it already), then smaller storage on disk."""
+    if options.on_disk:
+        return []
+    on_disk = replace(options, on_disk=True)
+    return ([] if consider_disk else [on_disk]) + _smaller_storage(model, on_disk)
+
+
+def _first_fitting(model, shape, base, options, budgets, trials: list[PlanOptions]) -> list[str]:
+    """One sentence for the first of `trials` with a plan that fits, or nothing."""
+    vram, ram = budgets
+    for trial in trials:
+        plans = candidate_plans(model, shape, vram, ram, base, trial, consider_disk=False)
+        best = recommended(plans)
+        if best is not None:
+            return [f"{_flags(trial, options)} it fits in {_gib(vram)} VRAM / {_gib(ram)} RAM: {_summary(plans[best])}."]
+    return []
+
+
+def _smaller_shape(model, shape, base, options, consider_disk, budgets) -> list[str]:
+    for smaller in _smaller_shapes(model, shape):
+        try:
+            plans = candidate_plans(model, smaller, *budgets, base, options, consider_disk)
+        except (PlanError, ValueError):
+            continue
+        best = recommended(plans)
+        if best is not None:
+            return [f"What fits: {smaller.width}x{smaller.height}x{smaller.frames} with {_summary(plans[best])}."]
+    return []
+
+
+def _flags(trial: PlanOptions, current: PlanOptions) -> str:
+    """The change in words and as `vidmem plan` flags."""
+    parts, flags = [], []
+    if trial.storage != current.storage:
+        name = trial.storage[0][1]
+        parts.append(f"weights stored as {name}")
+        flags.append(f"--weights {name}")
+    if trial.on_disk and not current.on_disk:
+        parts.append("the weights memory-mapped from disk")
+        flags.append("--disk")
+    return f"With {' and '.join(parts)} ({' '.join(flags)})"
+
+
+def _summary(plan: Plan) -> str:
+    where = ", weights on disk" if plan.on_disk else ""
+    return (f"{plan.strategy.describe()}{where}, peak {_gib(plan.peak_vram_bytes)} VRAM / {_gib(plan.peak_ram_bytes)} "
+            f"RAM, estimated slowdown x{plan.est_slowdown:.2f}")
+
+
+def _smaller_shapes(model, shape: VideoShape):
+    """Fewer frames first (cheaper to lose), then lower resolutions, as the model accepts them."""
+    step = 4
+    frames = max(1, (shape.frames - 1) // 2 // step * step + 1)
+    candidates = [replace(shape, frames=frames)]
+    for scale in (0.75, 0.5):
+        width, height = (max(64, int(v * scale) // 32 * 32) for v in (shape.width, shape.height))
+        candidates.append(replace(shape, width=width, height=height))
+    for candidate in candidates:
+        try:
+            model.check_shape(candidate)
+        except ValueError:
+            continue
+        yield candidate
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / GiB:.1f} GiB"

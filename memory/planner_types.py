@@ -1,0 +1,189 @@
+"""The planner's vocabulary: shapes, calls, the model protocol, options, phases and stage plans."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Protocol
+
+from torch import nn
+
+from .accounting import Attention, Trace
+from .planner_allocator import AllocatorPeak, replay
+from .planner_costs import CUDA_CONTEXT_BYTES, NVME_BYTES_PER_S, DiskRead, Work
+from .planner_schedule import ComponentWeights, Order
+from .storage import storage_format
+from .vae_tiles import VaeGeometry
+
+
+class Allocator(str, Enum):
+    NATIVE = "native"  # PyTorch's caching allocator (torch default): what it reserves
+    ASYNC = "cudaMallocAsync"  # ComfyUI's default backend: live bytes (the driver pool is not modelled)
+
+
+class Runtime(str, Enum):
+    VIDMEM = "vidmem"  # vidmem's engine: its own VAE tiling, frames blended into host memory
+    DIFFUSERS = "diffusers"  # a plain diffusers pipeline: the VAE's own tiling, frames stay on device
+
+
+@dataclass(frozen=True)
+class VideoShape:
+    width: int
+    height: int
+    frames: int
+    batch: int = 1  # videos per prompt
+    cfg: bool = True  # classifier-free guidance (guidance scale > 1)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One traced call: `kind` in text_encode | condition | denoise | decode | postprocess."""
+
+    kind: str
+    component: str
+    shape: VideoShape
+    piece: tuple[int, ...] | None = None  # decode: latent piece [b, C, t, h, w]
+    vae_tiling: bool = False  # decode with the VAE's own (diffusers) tiling
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Which components a model has and the role each plays in a run."""
+
+    text_encoders: tuple[str, ...]
+    denoisers: tuple[str, ...]
+    vae: str = "vae"
+    placed_encoders: tuple[str, ...] = ()  # follow MemoryStrategy.text_encoder (FamilySpec.encoders)
+    conditioning: tuple[str, ...] = ()  # run before the loop for image-to-video (image encoder, VAE)
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        names = (*self.text_encoders, *self.placed_encoders, *self.conditioning, *self.denoisers, self.vae)
+        return tuple(dict.fromkeys(names))
+
+    def stored_as(self, storage: str) -> dict[str, str]:
+        """`storage` for the transformer(s) and the text encoder(s), as `--weights` applies it; the
+        VAE and image encoder stay at their dtype (their files are small and ship at 16 bits)."""
+        return {name: storage for name in (*self.text_encoders, *self.denoisers)}
+
+
+class PlannerModel(Protocol):
+    """What the planner needs from a model; `vidmem.pipelines.configs.load_model` builds one."""
+
+    name: str
+    dtype_name: str
+    layout: ModelLayout
+    geometry: VaeGeometry
+    vae_stream_batch: int | None  # the decode's chunks stream the VAE's caches (no context frames)
+
+    def check_shape(self, shape: VideoShape) -> None: ...  # raise ValueError naming the fix
+    def weights(self, component: str, storage: str | None = None) -> ComponentWeights: ...  # as stored
+    def module(self, component: str) -> nn.Module: ...  # full size, on meta
+    def blocks(self, component: str) -> nn.ModuleList | None: ...  # the swappable blocks (denoisers)
+    def stream_order(self, component: str) -> Order | None: ...  # one forward's module order, once traced
+    def trace(self, call: Call, attention: Attention) -> Trace: ...  # memoised by the model
+    def latent_shape(self, shape: VideoShape) -> tuple[int, int, int, int, int]: ...  # as the VAE decodes
+    def forward_passes(self, shape: VideoShape) -> int: ...  # denoiser forwards per step
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How the run is set up beyond the strategy: kernels, allocator, and how weights are stored.
+
+    `storage` maps components to a StorageFormat name (a Mapping is accepted and kept as sorted
+    pairs); components not named are counted at the compute dtype. `on_disk`: the weights stay
+    memory-mapped in their files (the disk tier): page cache instead of anonymous RAM, read again
+    from the disk at `disk_bytes_per_s` when the page cache cannot keep them.
+    """
+
+    attention: Attention = Attention.FUSED
+    allocator: Allocator = Allocator.NATIVE
+    runtime: Runtime = Runtime.VIDMEM
+    steps: int = 50
+    storage: tuple[tuple[str, str], ...] = ()
+    on_disk: bool = False
+    disk_bytes_per_s: float = NVME_BYTES_PER_S
+
+    def __post_init__(self) -> None:
+        pairs = self.storage.items() if isinstance(self.storage, Mapping) else self.storage
+        pairs = tuple(sorted((str(component), str(name)) for component, name in pairs))
+        for _, name in pairs:
+            storage_format(name)  # ValueError naming the formats vidmem reads
+        object.__setattr__(self, "storage", pairs)
+        if not self.disk_bytes_per_s > 0:
+            raise ValueError(f"disk_bytes_per_s={self.disk_bytes_per_s} must be positive, e.g. 3e9 for an NVMe SSD.")
+
+    def storage_of(self, component: str) -> str | None:
+        return dict(self.storage).get(component)
+
+    def disk(self, cache_bytes: int | None, cold: bool = False) -> DiskRead | None:
+        """How weights are read when on disk, with `cache_bytes` of page cache for them."""
+        return DiskRead(self.disk_bytes_per_s, cache_bytes, cold) if self.on_disk else None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One component computing inside a stage, with what is resident meanwhile."""
+
+    label: str
+    weights_bytes: int
+    peak: AllocatorPeak
+    device_bytes: int  # CUDA context + allocator footprint
+    resident: tuple[int, ...] = field(repr=False, default=())
+    events: tuple[int, ...] = field(repr=False, default=())
+
+    def fits(self, budget: int) -> bool:
+        return self.within(budget).device_bytes <= budget
+
+    def within(self, budget: int) -> "Phase":
+        """This phase on a device of `budget` bytes: near the limit the allocator releases its cached
+        segments and retries, so a run can fit although its unlimited reservation would not."""
+        if self.device_bytes <= budget or CUDA_CONTEXT_BYTES + self.peak.allocated > budget:
+            return self
+        capped = replay(self.resident, self.events, budget - CUDA_CONTEXT_BYTES)
+        if capped.out_of_memory:
+            return self
+        return replace(self, peak=capped, device_bytes=CUDA_CONTEXT_BYTES + capped.reserved)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: its device phases, its RAM, and the work that sets its time.
+
+    `host_bytes` is anonymous memory (the process's own: runtime, weights copied at load, pinned
+    buffers, activations on the CPU): what must fit the RAM budget. `page_cache_bytes` are weights
+    memory-mapped from their files (the disk tier): the kernel reclaims them under pressure, so
+    they never decide a fit; what the budget cannot keep of them is read again (see `seconds`).
+    """
+
+    name: str
+    phases: tuple[Phase, ...]
+    host_bytes: int
+    page_cache_bytes: int = 0
+    work: tuple[Work, ...] = ()
+
+    def seconds(self, disk: DiskRead | None = None) -> float:
+        return sum(w.seconds(disk) for w in self.work)
+
+    @property
+    def peak_phase(self) -> Phase | None:
+        return max(self.phases, key=lambda p: p.device_bytes, default=None)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.peak_phase.device_bytes if self.phases else 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        return max((p.peak.allocated for p in self.phases), default=0)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return max((p.peak.reserved for p in self.phases), default=0)
+
+    def fits(self, vram: int | None) -> bool:
+        return vram is None or all(p.fits(vram) for p in self.phases)
+
+    def within(self, vram: int | None) -> "StagePlan":
+        return self if vram is None else replace(self, phases=tuple(p.within(vram) for p in self.phases))

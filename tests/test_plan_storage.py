@@ -1,0 +1,156 @@
+"""The planner counts weights as stored (fp8, GGUF) and as held (anonymous RAM or page cache on disk).
+
+Expected figures are counted independently of the planner: from each module's state dict, the
+way a safetensors file stores it (numel x bytes per tensor, whole GGUF blocks, one float32 scale
+per scaled fp8 tensor), never from the planner's own functions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import replace
+
+import pytest
+from torch import nn
+
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.planner import GiB, PlanError, PlanOptions, VideoShape, choose_strategy, plan_run
+from vidmem.memory.storage import FORMATS
+from vidmem.pipelines.configs import load_model
+from vidmem.plan_cli import main as plan_main
+
+SHAPE = VideoShape(832, 480, 81)
+SWAP = MemoryStrategy(offload="block_swap", blocks_to_swap=20, prefetch_blocks=1)
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return load_model("wan2.1-t2v-1.3b")
+
+
+def _file_bytes(module: nn.Module, storage: str | None, embeddings: bool) -> tuple[int, int]:
+    """(bytes the module's state dict takes in a file with `storage`, its largest stored weight's numel)."""
+    owners = dict(module.named_modules())
+    seen, total, largest = set(), 0, 0
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # tied weights (T5's shared embedding) are one tensor in a file
+            continue
+        seen.add(id(tensor))
+        owner = owners[key.rpartition(".")[0]]
+        matrix = key.endswith(".weight") and (type(owner) is nn.Linear or (embeddings and type(owner) is nn.Embedding))
+        if storage and matrix:
+            fmt = FORMATS[storage]
+            total += math.ceil(tensor.numel() / fmt.block_size) * fmt.block_bytes + (4 if fmt.scaled else 0)
+            largest = max(largest, tensor.numel())
+        else:
+            total += tensor.numel() * tensor.element_size()
+    return total, largest
+
+
+@pytest.mark.parametrize("storage", ["fp8_scaled", "fp8_e4m3fn", "gguf_q8_0", "gguf_q4_k"])
+@pytest.mark.parametrize("component", ["transformer", "text_encoder"])
+def test_storage_shrinks_weight_bytes_as_a_file_would(wan, storage, component):
+    embeddings = component == "text_encoder"
+    module = wan.module(component)
+    plain, _ = _file_bytes(module, None, embeddings)
+    stored, _ = _file_bytes(module, storage, embeddings)
+    # buffers outside the state dict (non-persistent) are counted by the planner in both
+    assert wan.weights(component).nbytes - wan.weights(component, storage).nbytes == plain - stored
+    ratio = wan.weights(component, storage).nbytes / wan.weights(component).nbytes
+    assert ratio < FORMATS[storage].bytes_per_weight / 2 + 0.06  # almost every byte is in the matrices
+
+
+def test_host_and_device_hold_the_stored_bytes(wan):
+    storage = "fp8_scaled"
+    options = PlanOptions(storage=wan.layout.stored_as(storage))
+    plain = plan_run(wan, SHAPE, MemoryStrategy(offload="model"))
+    stored = plan_run(wan, SHAPE, MemoryStrategy(offload="model"), options)
+    saved = {c: _file_bytes(wan.module(c), None, c == "text_encoder")[0] - _file_bytes(wan.module(c), storage, c == "text_encoder")[0]
+             for c in ("transformer", "text_encoder")}
+    for name in ("text_encode", "denoise", "decode"):
+        assert plain.stage(name).host_bytes - stored.stage(name).host_bytes == sum(saved.values())
+    _, largest = _file_bytes(wan.module("transformer"), storage, False)
+    phase = stored.stage("denoise").phases[0]
+    transient = largest * (2 + 4)  # bf16 result + the float32 temporary of scaled fp8
+    assert phase.weights_bytes == plain.stage("denoise").phases[0].weights_bytes - saved["transformer"] + transient
+    assert stored.peak_vram_bytes < plain.peak_vram_bytes
+
+
+def test_streamed_bytes_per_pass_are_the_stored_bytes(wan):
+    storage = "gguf_q4_k"
+    stored = plan_run(wan, SHAPE, SWAP, PlanOptions(storage={"transformer": storage}))
+    blocks = wan.module("transformer").blocks
+    expected = sum(_file_bytes(block, storage, False)[0] for block in list(blocks)[-SWAP.blocks_to_swap:])
+    assert stored.stage("denoise").work[-1].traffic.per_pass_bytes == expected
+
+
+def test_disk_moves_weight_bytes_from_anonymous_ram_to_page_cache(wan):
+    storage = wan.layout.stored_as("fp8_scaled")
+    in_ram = plan_run(wan, SHAPE, SWAP, PlanOptions(storage=storage))
+    on_disk = plan_run(wan, SHAPE, SWAP, PlanOptions(storage=storage, on_disk=True))
+    weights = sum(_file_bytes(wan.module(c), storage.get(c), c == "text_encoder")[0] for c in wan.layout.all)
+    nonpersistent = sum(wan.weights(c).nbytes - _file_bytes(wan.module(c), None, c == "text_encoder")[0]
+                        for c in wan.layout.all)  # computed buffers (rotary tables): in RAM too
+    block = _file_bytes(wan.module("transformer").blocks[-1], "fp8_scaled", False)[0]
+    staging = (SWAP.prefetch_blocks + 2) * block  # pinned buffers the streamed blocks are read through
+    denoise_ram, denoise_disk = in_ram.stage("denoise"), on_disk.stage("denoise")
+    assert denoise_ram.page_cache_bytes == 0
+    assert denoise_disk.page_cache_bytes == weights + nonpersistent
+    assert denoise_ram.host_bytes - denoise_disk.host_bytes == weights + nonpersistent - staging
+    assert on_disk.peak_vram_bytes == in_ram.peak_vram_bytes  # the device holds the same either way
+
+
+def test_disk_reads_slow_a_plan_only_when_the_page_cache_is_short(wan):
+    storage = wan.layout.stored_as("fp8_scaled")
+    options = PlanOptions(storage=storage, on_disk=True)
+    in_ram = plan_run(wan, SHAPE, SWAP, PlanOptions(storage=storage), 8 * GiB, 64 * GiB)
+    roomy = plan_run(wan, SHAPE, SWAP, options, 8 * GiB, 64 * GiB)  # every file stays in the page cache
+    assert roomy.disk_reread_bytes_per_pass == 0 and roomy.est_slowdown == in_ram.est_slowdown
+    # the page cache cannot keep a run's files: each stage reads its weights from the disk once
+    short = plan_run(wan, SHAPE, SWAP, options, 8 * GiB, roomy.peak_ram_bytes + GiB // 4)
+    assert short.fits and short.peak_page_cache_bytes > short.ram_budget_bytes  # page cache never decides a fit
+    assert short.est_slowdown > roomy.est_slowdown
+    slow_disk = plan_run(wan, SHAPE, SWAP, replace(options, disk_bytes_per_s=0.2e9), 8 * GiB, short.ram_budget_bytes)
+    assert slow_disk.est_slowdown > short.est_slowdown
+    # not even the streamed blocks fit beside the denoiser's anonymous bytes: read again every pass
+    streamed = short.stage("denoise").work[-1].traffic.per_pass_bytes
+    starved = plan_run(wan, SHAPE, SWAP, options, 8 * GiB, short.stage("denoise").host_bytes + streamed // 2)
+    assert starved.disk_reread_bytes_per_pass == streamed - streamed // 2
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "wan2.2-t2v-a14b", "--weights", "fp8_scaled", "--size", "832x480", "--frames", "81", "--vram", "8", "--ram", "32"],
+    ["--model", "wan2.1-t2v-1.3b", "--weights", "fp8_scaled", "--size", "832x480", "--frames", "81", "--vram", "6", "--ram", "12"],
+], ids=["wan2.2-a14b-8g-32g", "wan2.1-1.3b-6g-12g"])
+def test_issue_evidence_commands_fit(args, capsys):
+    code = plan_main(["plan", *args, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["recommended"] is not None
+    chosen = out["strategies"][out["recommended"]]
+    assert chosen["fits"] and chosen["peak_vram_bytes"] <= float(args[-3]) * GiB
+    assert chosen["peak_anon_bytes"] <= float(args[-1]) * GiB
+    assert set(chosen["storage"].values()) == {"fp8_scaled"} and "text_encoder" in chosen["storage"]
+    assert all(set(host) == {"anon_bytes", "page_cache_bytes"} for host in chosen["host"].values())
+
+
+def test_nothing_fits_names_storage_and_disk_that_do_fit(wan):
+    vram, ram = 8 * GiB, 12 * GiB  # bf16 weights alone overrun 12 GiB of RAM
+    with pytest.raises(PlanError) as error:
+        choose_strategy(wan, SHAPE, vram, ram, consider_disk=False)
+    message = str(error.value)
+    suggested = re.findall(r"\((--weights \S+)?(?: ?(--disk))?\) it fits", message)
+    assert len(suggested) == 2, message
+    for weights, disk in suggested:
+        storage = wan.layout.stored_as(weights.split()[1]) if weights else {}
+        plan = choose_strategy(wan, SHAPE, vram, ram, options=PlanOptions(storage=storage, on_disk=bool(disk)),
+                               consider_disk=False)
+        assert plan.fits
+
+
+def test_auto_may_choose_disk_but_never_lowers_precision(wan):
+    plan = choose_strategy(wan, SHAPE, 8 * GiB, 12 * GiB)
+    assert plan.on_disk and plan.options.storage == () and plan.fits
+    with pytest.raises(ValueError, match="fp8_scaled"):
+        PlanOptions(storage={"transformer": "fp7"})
