@@ -2,6 +2,7 @@
 
 from .decode import VidMemVAEDecode
 from .free import VidMemFreeVRAM
+from .load_files import VidMemLoadModelFiles
 from .loader import VidMemLoadPipeline
 from .lora import VidMemLoadLoRA
 from .sampler import VidMemVideoSampler
@@ -9,6 +10,7 @@ from .strategy import VidMemMemoryStrategy
 
 NODE_CLASS_MAPPINGS = {
     "VidMemLoadPipeline": VidMemLoadPipeline,
+    "VidMemLoadModelFiles": VidMemLoadModelFiles,
     "VidMemMemoryStrategy": VidMemMemoryStrategy,
     "VidMemVideoSampler": VidMemVideoSampler,
     "VidMemVAEDecode": VidMemVAEDecode,
@@ -18,6 +20,7 @@ NODE_CLASS_MAPPINGS = {
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "VidMemLoadPipeline": "Load Video Pipeline (VidMem)",
+    "VidMemLoadModelFiles": "Load Video Model Files (VidMem)",
     "VidMemMemoryStrategy": "Memory Strategy (VidMem)",
     "VidMemVideoSampler": "Video Sampler (VidMem)",
     "VidMemVAEDecode": "Video VAE Decode (VidMem)",

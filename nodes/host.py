@@ -270,3 +270,60 @@ def resolve_lora(name: str) -> Path:
     if folder_paths is None:
         raise FileNotFoundError(f"lora_name '{name}' needs ComfyUI's models/loras folder.")
     return Path(folder_paths.get_full_path_or_raise(LORAS_FOLDER_KEY, name))
+
+
+# --- ComfyUI's own model files (Load Video Model Files) --------------------------------------------
+
+# Loader input -> ComfyUI folder keys, as core loaders list them ("unet" and "clip" are the legacy names).
+MODEL_FILE_FOLDERS = {
+    "model": ("diffusion_models", "unet"),
+    "text_encoder": ("text_encoders", "clip"),
+    "vae": ("vae",),
+    "clip_vision": ("clip_vision",),
+}
+MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".gguf")  # what vidmem reads; pickles are never offered
+
+
+def model_file_names(role: str) -> list[str]:
+    """Weight files ComfyUI lists for the loader input `role` (empty without ComfyUI).
+
+    GGUF files are added by walking the same folders: core ComfyUI lists .gguf only when
+    ComfyUI-GGUF is installed.
+    """
+    if folder_paths is None:
+        return []
+    names: set[str] = set()
+    for key in MODEL_FILE_FOLDERS[role]:
+        names.update(n for n in _listed(key) if n.endswith(MODEL_FILE_SUFFIXES))
+        for root in _folder_paths(key):
+            for folder, _dirs, files in os.walk(root, followlinks=True):
+                names.update(os.path.relpath(os.path.join(folder, f), root).replace(os.sep, "/")
+                             for f in files if f.endswith(".gguf"))
+    return sorted(names)
+
+
+def resolve_model_file(role: str, name: str) -> Path:
+    """The full path of `name` in the folders of loader input `role`; FileNotFoundError naming them."""
+    keys = MODEL_FILE_FOLDERS[role]
+    if folder_paths is not None:
+        for key in keys:
+            for root in _folder_paths(key):
+                candidate = Path(root) / name
+                if candidate.is_file():
+                    return candidate
+    where = ", ".join(f"models/{key}" for key in keys)
+    raise FileNotFoundError(f"{role} '{name}' was not found in {where}; put the file there (or pick one from the list).")
+
+
+def _listed(key: str) -> list[str]:
+    try:
+        return folder_paths.get_filename_list(key)
+    except KeyError:  # a folder key this ComfyUI version does not know
+        return []
+
+
+def _folder_paths(key: str) -> list[str]:
+    try:
+        return [p for p in folder_paths.get_folder_paths(key) if os.path.isdir(p)]
+    except KeyError:
+        return []

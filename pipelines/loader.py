@@ -78,8 +78,8 @@ class LoadedPipeline:
         text = f"{self.class_name} ({dtypes}) from {self.source}"
         if self.storage:
             held = ", ".join(f"{name} {fmt}" for name, fmt in self.storage.items())
-            where = "mapped from the files (disk tier)" if self.on_disk else "copied into RAM"
-            text += f"; weights stored as {held}, {where}"
+            where = "mapped from the files (disk tier)" if self.on_disk else "copied into RAM" if self.config_name else ""
+            text += f"; weights stored as {held}" + (f", {where}" if where else "")
         return text
 
 
@@ -113,16 +113,18 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     """Load offline with safetensors weights only; every component ends on the CPU.
 
     `transformer_file` replaces the folder's transformer with a single-file checkpoint (Wan's
-    original or ComfyUI-repackaged layout), configured by the folder's transformer/config.json.
+    original, ComfyUI's or diffusers' layout; plain, fp8, fp8 scaled or GGUF), configured by the
+    folder's transformer/config.json and used in place from the file (mapped).
     """
     folder = Path(folder).expanduser()
     index = read_model_index(folder)
     class_name = index["_class_name"]
     spec = family_for(class_name)
     cls = pinned_pipeline_class(class_name)
-    overrides = {}
+    overrides, storage, reports = {}, {}, {}
     if transformer_file:
-        overrides["transformer"] = _single_file_transformer(spec, index, folder, Path(transformer_file), dtype)
+        overrides["transformer"], storage["transformer"], reports["transformer"] = _single_file_transformer(
+            spec, index, folder, Path(transformer_file), dtype)
     try:
         pipe = cls.from_pretrained(
             folder, torch_dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True, **overrides
@@ -134,30 +136,36 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
         ) from error
     pipe.set_progress_bar_config(disable=True)  # progress is reported through the host instead
     source = f"{folder} + {Path(transformer_file).name}" if transformer_file else str(folder)
-    return LoadedPipeline(pipe, spec, class_name, source, dtype, str(folder))
-
-
-SINGLE_FILE_SUFFIXES = (".safetensors", ".sft")
+    return LoadedPipeline(pipe, spec, class_name, source, dtype, str(folder), storage=MappingProxyType(storage),
+                          storage_reports=MappingProxyType(reports))
 
 
 def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, path: Path, dtype: str):
+    """The folder's transformer config filled from a single file (any layout or storage format
+    pipelines.comfy_files reads: fp8 scaled files are dequantized per layer, not misread)."""
     if spec.single_file_transformer is None:
         raise ModelError(
-            f"transformer_file is not supported for {spec.name} (diffusers has no single-file loader for it); "
+            f"transformer_file is not supported for {spec.name} (vidmem reads single-file transformers of Wan only); "
             "leave transformer_file empty and use the diffusers folder's transformer."
         )
     if index.get("transformer_2", [None])[0] is not None:
         raise ModelError(
             "transformer_file cannot replace the two experts of a Wan 2.2 A14B folder; leave it empty."
         )
-    if path.suffix not in SINGLE_FILE_SUFFIXES or not path.is_file():
-        raise ModelError(f"transformer_file '{path}' must be an existing .safetensors file (pickled weights are not loaded).")
-    import diffusers
+    from .comfy_files import detect
+    from .comfy_files.build import build_empty, fill
+    from .comfy_files.files import read_weight_file
+    from .configs.meta import ComponentConfig
 
-    model_class = getattr(diffusers, spec.single_file_transformer)
-    return model_class.from_single_file(
-        str(path), config=str(folder), subfolder="transformer", torch_dtype=torch_dtype(dtype), local_files_only=True
-    )
+    file = read_weight_file(path, "transformer_file", detect.TRANSFORMER)
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    problems = detect.differences(file.fields, detect.transformer_config_fields(config))
+    if problems:
+        raise ModelError(f"transformer_file '{path.name}' is not the transformer of '{folder.name}' ({'; '.join(problems)}); "
+                         "pick the file of the same model, or leave transformer_file empty.")
+    module = build_empty(ComponentConfig("transformer", "diffusers", spec.single_file_transformer, config))
+    report = fill(module, file.tensors, torch_dtype(dtype), path.name)
+    return module, file.storage, report
 
 
 @lru_cache(maxsize=None)

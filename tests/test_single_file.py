@@ -1,62 +1,65 @@
-"""Wan's single-file transformer (original checkpoint layout) loads offline into the pipeline."""
+"""Wan's single-file transformer (any layout and storage) replaces a folder's and samples the same."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
-import safetensors.torch
 import torch
 
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.device import CpuBackend
+from vidmem.pipelines.comfy_files.keys import KeyLayout
+from vidmem.pipelines.comfy_files.write import dequantized, store_tensors, write_transformer
 from vidmem.pipelines.family import ModelError
 from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.sample import sample
 from test_tiers import request_for
 
-# diffusers key -> original Wan key, the inverse of diffusers' convert_wan_transformer_to_diffusers
-# for a text-to-video model. Applied in order; norm2/norm3 swap through a placeholder.
-TO_ORIGINAL = [
-    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
-    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
-    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-    ("condition_embedder.time_proj", "time_projection.1"),
-    ("attn2", "cross_attn"), ("attn1", "self_attn"),
-    (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
-    ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
-    ("norm2", "norm__swap"), ("norm3", "norm2"), ("norm__swap", "norm3"),
-    ("proj_out", "head.head"), (".scale_shift_table", ".modulation"),
-]
+STRATEGY = MemoryStrategy(offload="block_swap", blocks_to_swap=1)
 
 
-def original_wan_checkpoint(transformer, path):
-    renamed = {}
-    for key, tensor in transformer.state_dict().items():
-        for old, new in TO_ORIGINAL:
-            key = key.replace(old, new)
-        renamed["head.modulation" if key == "scale_shift_table" else key] = tensor.contiguous()
-    safetensors.torch.save_file(renamed, str(path))
-    return path
+def run(loaded):
+    return sample(loaded, STRATEGY, request_for("wan2.1-t2v"), backend=CpuBackend()).latent["samples"]
 
 
 def test_single_file_transformer_replaces_the_folders_and_samples_the_same(tiny_folder, tiny_loaded, tmp_path):
     reference = tiny_loaded("wan2.1-t2v")
-    checkpoint = original_wan_checkpoint(reference.pipe.transformer, tmp_path / "wan2.1_t2v_tiny.safetensors")
+    stored = store_tensors(reference.pipe.transformer, "fp32")
+    checkpoint = write_transformer(stored, tmp_path / "wan2.1_t2v_tiny.safetensors", KeyLayout.ORIGINAL)
     loaded = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", checkpoint)
     ours, theirs = loaded.pipe.transformer.state_dict(), reference.pipe.transformer.state_dict()
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert loaded.source.endswith("+ wan2.1_t2v_tiny.safetensors")
-    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=1)
-    a = sample(loaded, strategy, request_for("wan2.1-t2v"), backend=CpuBackend()).latent["samples"]
-    b = sample(reference, strategy, request_for("wan2.1-t2v"), backend=CpuBackend()).latent["samples"]
-    assert torch.allclose(a, b, atol=1e-5)  # same weights; storage alignment may move the last bits
+    assert loaded.source.endswith("+ wan2.1_t2v_tiny.safetensors") and loaded.storage["transformer"] == "fp32"
+    assert torch.allclose(run(loaded), run(reference), atol=1e-5)  # same weights; storage alignment may move the last bits
+
+
+def test_fp8_scaled_transformer_file_is_dequantized_not_misread(tiny_folder, tmp_path):
+    """diffusers' from_single_file ignores scale_weight (FACTS); vidmem multiplies it in, per layer."""
+    folder = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32")
+    stored = store_tensors(folder.pipe.transformer, "fp8_scaled")
+    checkpoint = write_transformer(stored, tmp_path / "wan_fp8_scaled.safetensors", KeyLayout.PREFIXED)
+    loaded = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", checkpoint)
+    assert loaded.storage["transformer"] == "fp8_scaled" and "fp8_scaled" in loaded.describe()
+    twin = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32")
+    twin.pipe.transformer.load_state_dict(dequantized(stored))
+    assert torch.equal(run(loaded), run(twin))
+
+
+class _Marker:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):  # unpickling this would create the file: proof that nothing unpickled it
+        return (open, (str(self.path), "w"))
 
 
 def test_single_file_is_refused_where_it_cannot_apply(tiny_folder, tmp_path):
-    pickled = tmp_path / "model.ckpt"
-    pickled.write_bytes(b"")
-    with pytest.raises(ModelError, match="must be an existing .safetensors file"):
+    pickled = tmp_path / "model.safetensors"
+    pickled.write_bytes(pickle.dumps(_Marker(tmp_path / "unpickled")))
+    with pytest.raises(ModelError, match="pickle"):
         load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", pickled)
+    assert not (tmp_path / "unpickled").exists()
     with pytest.raises(ModelError, match="not supported for cogvideox"):
         load_pipeline(tiny_folder("cogvideox-t2v"), "fp32", tmp_path / "x.safetensors")
     with pytest.raises(ModelError, match="two experts"):
