@@ -114,22 +114,31 @@ class CudaBackend:
     can_pin = True
 
     def __init__(self, device: torch.device) -> None:
+        from .hostpool import StagingRing  # hostpool imports residency; keep device.py import-light
+
         self.device = device
         self._side = torch.cuda.Stream(device=device)
+        self.staging = StagingRing(self.pin_arena, lambda token: token.done.query(), lambda token: token.done.synchronize())
 
     def pin_arena(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def copy_group(self, hosts, non_blocking, side_stream, timed):
+        """Streamed groups' file-backed tensors go through a pinned staging slot (the disk tier);
+        whole components copy straight from wherever they live (a pageable copy, no staging)."""
         stream = self._side if side_stream else torch.cuda.current_stream(self.device)
         started = torch.cuda.Event(enable_timing=True) if timed else None
         done = torch.cuda.Event(enable_timing=timed)
+        sources, slot = self.staging.sources(hosts) if side_stream and non_blocking else (hosts, None)
         with torch.cuda.stream(stream):
             if started is not None:
                 started.record(stream)
-            tensors = [host.to(self.device, non_blocking=non_blocking) for host in hosts]
+            tensors = [source.to(self.device, non_blocking=non_blocking) for source in sources]
             done.record(stream)
-        return tensors, CopyToken(done, started, side_stream)
+        token = CopyToken(done, started, side_stream)
+        if slot is not None:
+            self.staging.release_after(slot, token)
+        return tensors, token
 
     def evicted(self, host: torch.Tensor) -> torch.Tensor:
         return host

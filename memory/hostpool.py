@@ -10,14 +10,24 @@ Arenas are ARENA_BYTES each, a power of two, because torch's pinned allocator ro
 request up to one: pinning each 670 MiB Wan 14B block separately would lock 1 GiB apiece. The
 ceiling counts arena bytes, i.e. what is really locked. The pool belongs to one loaded pipeline
 (both experts of Wan 2.2 A14B share it) and lives as long as that pipeline.
+
+File-backed tensors (memory-mapped weight files, the disk tier) get no pinned home: that would
+copy the whole model into locked RAM, the very thing the disk tier avoids. Their bytes stay in
+the page cache, and each streamed copy goes file -> a reusable pinned staging slot -> device
+(`StagingRing`, used by the CUDA backend), so anonymous RAM for streaming stays bounded by a few
+slots of the largest group.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import psutil
 import torch
 
 from .residency import Slot
+from .storage.mapping import is_file_backed
 
 GiB = 1 << 30
 ARENA_BYTES = 1 * GiB
@@ -44,6 +54,7 @@ class HostPool:
         self._used = 0  # bytes used in the newest arena
         self.allocations = 0  # tensors ever copied into the pool; flat after the first run
         self.fallbacks = 0  # tensors left pageable (over the ceiling, or pinning refused)
+        self.file_backed = 0  # tensors left in their file mapping, staged at copy time instead
 
     def __repr__(self) -> str:
         return f"HostPool({self.pinned_bytes / GiB:.2f} GiB pinned in {len(self._arenas)} arenas)"
@@ -59,12 +70,15 @@ class HostPool:
         return [self._adopt_one(owners, backend, cap_bytes) for owners in tensors]
 
     def stats(self) -> dict:
-        return {"pinned_bytes": self.pinned_bytes, "arenas": len(self._arenas),
-                "allocations": self.allocations, "fallbacks": self.fallbacks}
+        return {"pinned_bytes": self.pinned_bytes, "arenas": len(self._arenas), "allocations": self.allocations,
+                "fallbacks": self.fallbacks, "file_backed": self.file_backed}
 
     def _adopt_one(self, owners: list[Slot], backend, cap_bytes: int) -> list[Slot]:
         host = owners[0].host
         if self._holds(host):
+            return owners
+        if is_file_backed(host):
+            self.file_backed += 1
             return owners
         home = self._allocate(host, backend, cap_bytes)
         if home is None:
@@ -97,3 +111,107 @@ class HostPool:
     def _holds(self, tensor: torch.Tensor) -> bool:
         pointer = tensor.data_ptr()
         return any(a.data_ptr() <= pointer < a.data_ptr() + a.numel() for a in self._arenas)
+
+
+MAX_STAGING_SLOTS = 8  # a safety net: the schedule's own bound (prefetch + 2) is normally lower
+
+
+@dataclass(eq=False)  # compared by identity
+class _StagingSlot:
+    buffer: torch.Tensor  # pinned uint8
+    token: Any = None  # the device copy that reads this slot, until it is known to have finished
+
+
+class StagingRing:
+    """Pinned staging slots for streamed copies of file-backed tensors: file -> slot -> device.
+
+    The CPU copies a group's file-backed tensors into one slot (reading the page cache, or the
+    disk on a miss) and the device copy then reads the slot asynchronously. A slot is reused only
+    once the copy that reads it has finished (`finished(token)`, else `wait(token)` blocks the
+    host), so a new slot is made only while every existing one is in flight: the schedule keeps
+    at most prefetch + 1 copies in flight, hence at most prefetch + 2 slots, each rounded up to a
+    power of two (as torch's pinned allocator rounds anyway) of the largest group staged.
+    Slots live as long as the backend, so later runs pin nothing new.
+    """
+
+    def __init__(self, pin: Callable[[int], torch.Tensor], finished: Callable[[Any], bool],
+                 wait: Callable[[Any], None], max_slots: int = MAX_STAGING_SLOTS) -> None:
+        self._pin, self._finished, self._wait = pin, finished, wait
+        self._max_slots = max_slots
+        self._slots: list[_StagingSlot] = []
+        self._in_order: list[_StagingSlot] = []  # busy slots, oldest copy first
+        self.staged_bytes = 0  # bytes copied through the slots, ever
+
+    def __repr__(self) -> str:
+        return f"StagingRing({len(self._slots)} slots, {self.pinned_bytes / GiB:.2f} GiB pinned)"
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(slot.buffer.numel() for slot in self._slots)
+
+    @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    def sources(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], _StagingSlot | None]:
+        """What to copy to the device for each host: file-backed ones through one staging slot.
+
+        Returns the sources and the slot used (None if nothing was staged); pass the copy's token
+        to `release_after` once the device copy is queued.
+        """
+        staged = [i for i, host in enumerate(hosts) if is_file_backed(host)]
+        if not staged:
+            return hosts, None
+        offsets, total = _packed_offsets([hosts[i] for i in staged])
+        slot = self._acquire(total)
+        sources = list(hosts)
+        for i, offset in zip(staged, offsets):
+            host = hosts[i]
+            view = slot.buffer[offset : offset + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
+            view.copy_(host)
+            sources[i] = view
+        self.staged_bytes += total
+        return sources, slot
+
+    def release_after(self, slot: _StagingSlot, token: Any) -> None:
+        """`slot` may be reused once the copy behind `token` has finished."""
+        slot.token = token
+        self._in_order.append(slot)
+
+    def _acquire(self, nbytes: int) -> _StagingSlot:
+        while True:
+            for slot in self._slots:
+                if self._is_free(slot) and slot.buffer.numel() >= nbytes:
+                    return slot
+            if len(self._slots) < self._max_slots:
+                slot = _StagingSlot(self._pin(_power_of_two(nbytes)))
+                self._slots.append(slot)
+                return slot
+            oldest = self._in_order[0] if self._in_order else self._slots[0]
+            if oldest.token is not None:
+                self._wait(oldest.token)
+            self._mark_free(oldest)
+            if oldest.buffer.numel() < nbytes:  # too small for this group: make room for a bigger one
+                self._slots.remove(oldest)
+
+    def _is_free(self, slot: _StagingSlot) -> bool:
+        if slot.token is not None and self._finished(slot.token):
+            self._mark_free(slot)
+        return slot.token is None
+
+    def _mark_free(self, slot: _StagingSlot) -> None:
+        slot.token = None
+        if slot in self._in_order:
+            self._in_order.remove(slot)
+
+
+def _packed_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(end)
+        end = -(-(end + tensor.numel() * tensor.element_size()) // ALIGN) * ALIGN
+    return offsets, end
+
+
+def _power_of_two(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 1).bit_length()
