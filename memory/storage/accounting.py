@@ -43,11 +43,8 @@ class StorageReport:
 
     def describe(self) -> str:
         """One sentence for receipts."""
-        held = ", ".join(f"{c.format} {c.bytes / GiB:.2f} GiB" for c in self.formats)
-        text = (
-            f"weights {held}; {self.mapped_bytes / GiB:.2f} GiB read in place from files, "
-            f"{self.copied_bytes / GiB:.2f} GiB copied to RAM at load"
-        )
+        held = ", ".join(f"{c.format} {_size(c.bytes)}" for c in self.formats)
+        text = f"weights {held}; {_size(self.mapped_bytes)} read in place from files, {_size(self.copied_bytes)} copied to RAM at load"
         if self.stored_layers:
             text += f"; {self.stored_layers} layers upcast per call"
         if self.dequantized:
@@ -93,6 +90,10 @@ class Ledger:
         tally = self._formats.setdefault(fmt, [0, 0])
         tally[0] += 1
         tally[1] += nbytes
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -32,6 +32,11 @@ class StorageFormat:
         """Stored below 16 bits: upcast per layer at compute time."""
         return self.bytes_per_weight < 2
 
+    def holds(self, shape: tuple[int, ...]) -> bool:
+        """Whether a tensor of `shape` can be stored in this format (GGUF blocks run along the
+        last dimension, so it must be a whole number of blocks; converters keep others wide)."""
+        return self.block_size == 1 or (len(shape) > 0 and shape[-1] % self.block_size == 0)
+
     def stored_bytes(self, numel: int) -> int:
         blocks = -(-numel // self.block_size)
         return blocks * self.block_bytes

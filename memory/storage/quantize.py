@@ -41,7 +41,7 @@ def quantize(tensor: torch.Tensor, fmt: str | StorageFormat) -> StoredTensor:
 def _quantize_gguf(tensor: torch.Tensor, fmt: StorageFormat) -> StoredTensor:
     import gguf  # imported here: the planner CLI never needs it
 
-    if tensor.ndim == 0 or tensor.shape[-1] % fmt.block_size:
+    if not fmt.holds(tuple(tensor.shape)):
         raise StorageError(f"{fmt.name} needs a last dimension that is a multiple of {fmt.block_size}; got shape {list(tensor.shape)}. Keep this tensor in bf16/fp16.")
     values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
     row_bytes = tensor.shape[-1] // fmt.block_size * fmt.block_bytes
