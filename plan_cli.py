@@ -48,6 +48,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--vram", type=float, help="GPU memory budget in GiB (default: this machine's GPU)")
     plan.add_argument("--ram", type=float, help="RAM budget in GiB (default: this machine's total RAM)")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="compute dtype (default: the model's own)")
+    plan.add_argument("--vae-dtype", choices=("bf16", "fp16", "fp32"),
+                      help="the VAE's compute dtype when it differs (fp32 for quality, as diffusers' Wan docs do)")
     plan.add_argument("--weights", choices=_StorageNames(), help="storage of the transformer(s) and text encoder, "
                       "upcast per layer to the compute dtype (default: the compute dtype); the VAE keeps its dtype")
     plan.add_argument("--disk", action="store_true", help="weights stay memory-mapped in their files (disk tier): "
@@ -83,7 +85,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from .memory.planner_costs import NVME_BYTES_PER_S
     from .memory.strategy import MemoryStrategy
 
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, args.vae_dtype)
     own = defaults(args.model)
     width, height = parse_size(args.size) if args.size else (own.get("width"), own.get("height"))
     frames = args.frames or own.get("frames")
@@ -103,6 +105,7 @@ def run_plan(args: argparse.Namespace) -> int:
     message = None if best is not None else nothing_fits_message(model, shape, plans, base, options)
     if args.json:
         print(json.dumps({"model": model.name, "size": [width, height], "frames": frames, "dtype": model.dtype_name,
+                          "vae_dtype": model.vae_dtype_name or model.dtype_name,
                           "weights": args.weights or model.dtype_name, "disk_gbps": disk_gbps,
                           "allocator": options.allocator.value, "strategies": [p.as_dict() for p in plans],
                           "recommended": best, **({"message": message} if message else {})}, indent=2))
@@ -116,7 +119,8 @@ def run_plan(args: argparse.Namespace) -> int:
 def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, options) -> str:
     stored = dict(options.storage)
     weights = f"weights {next(iter(stored.values()))}" if stored else "weights at the compute dtype"
-    head = (f"{model.name} ({model.dtype_name}, {weights}) {shape.width}x{shape.height}, {shape.frames} frames; "
+    vae = f", VAE {model.vae_dtype_name}" if model.vae_dtype_name else ""
+    head = (f"{model.name} ({model.dtype_name}{vae}, {weights}) {shape.width}x{shape.height}, {shape.frames} frames; "
             f"budget {vram / GIB:.1f} GiB VRAM, {ram / GIB:.1f} GiB RAM; {options.allocator.value} allocator")
     columns = ("strategy", "text enc.", "VAE tiles", "encode", "denoise", "decode", "peak VRAM", "peak RAM",
                "page cache", "slowdown", "fits")

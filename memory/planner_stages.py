@@ -70,7 +70,7 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
 
 def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> StagePlan:
     vae, latent = model.layout.vae, model.latent_shape(shape)
-    itemsize = 2 if model.dtype_name in ("bf16", "fp16") else 4
+    itemsize = model.dtype_bytes(vae)
     z = _numel(latent) * itemsize  # the latent on the device in the VAE's dtype, whole, during the decode
     if options.runtime is Runtime.DIFFUSERS:
         counts = Counter({latent: 1})

@@ -79,6 +79,7 @@ class PlannerModel(Protocol):
 
     def check_shape(self, shape: VideoShape) -> None: ...  # raise ValueError naming the fix
     def weights(self, component: str, storage: str | None = None) -> ComponentWeights: ...  # as stored
+    def dtype_bytes(self, component: str) -> int: ...  # bytes per element of the dtype it computes in
     def module(self, component: str) -> nn.Module: ...  # full size, on meta
     def blocks(self, component: str) -> nn.ModuleList | None: ...  # the swappable blocks (denoisers)
     def stream_order(self, component: str) -> Order | None: ...  # one forward's module order, once traced

@@ -15,6 +15,7 @@ from dataclasses import replace
 from ..memory import MemoryStrategy
 from ..memory.planner import Plan, PlanOptions, choose_strategy, decode_activation_bytes, plan_run
 from ..memory.planner_stages import VideoShape
+from ..memory.storage import FORMATS
 from ..memory.vae import Rung
 from .configs import load_model
 from .loader import LoadedPipeline
@@ -25,13 +26,19 @@ logger = logging.getLogger(__name__)
 def planner_model(loaded: LoadedPipeline):
     """The pipeline's architecture built on meta from its folder's config files, or the shipped
     config its single files were recognised as (cached)."""
-    return load_model(loaded.folder or getattr(loaded, "config_name", ""), loaded.dtype_name)
+    return load_model(loaded.folder or loaded.config_name, loaded.dtype_name, loaded.vae_dtype_name or None)
 
 
 def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions()) -> PlanOptions:
-    """`options` with the pipeline's real storage: each component's format and the disk tier."""
-    storage = dict(getattr(loaded, "storage", None) or {})
-    return replace(options, storage=storage, on_disk=bool(getattr(loaded, "on_disk", False)))
+    """`options` with the pipeline's real storage: each component's format and the disk tier.
+
+    A component whose recorded format is not a StorageFormat (integer tensors are recorded by
+    dtype) is counted at its compute dtype: a prediction must not stop a run over a label.
+    """
+    storage = {name: fmt for name, fmt in loaded.storage.items() if fmt in FORMATS}
+    for name in loaded.storage.keys() - storage.keys():
+        logger.info("vidmem: %s stored as %r: planned at its compute dtype", name, loaded.storage[name])
+    return replace(options, storage=storage, on_disk=loaded.on_disk)
 
 
 def plan_strategy(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStrategy,

@@ -154,3 +154,25 @@ def test_auto_may_choose_disk_but_never_lowers_precision(wan):
     assert plan.on_disk and plan.options.storage == () and plan.fits
     with pytest.raises(ValueError, match="fp8_scaled"):
         PlanOptions(storage={"transformer": "fp7"})
+
+
+def test_a_loaded_pipelines_storage_reaches_the_planner(wan):
+    from vidmem.pipelines.loader import LoadedPipeline, family_for
+    from vidmem.pipelines.planning import choose_for, plan_options, plan_strategy
+
+    stored = {"transformer": "fp8_scaled", "text_encoder": "fp8_scaled", "vae": "int64"}  # int: recorded by dtype
+    loaded = LoadedPipeline(None, family_for("WanPipeline"), "WanPipeline", "single files", "bf16",
+                            folder="wan2.1-t2v-1.3b", config_name="wan2.1-t2v-1.3b", storage=stored, on_disk=True,
+                            vae_dtype_name="fp32")
+    assert dict(plan_options(loaded).storage) == {"transformer": "fp8_scaled", "text_encoder": "fp8_scaled"}
+    strategy = MemoryStrategy(offload="model")
+    plan = plan_strategy(loaded, SHAPE, strategy, 8 * GiB, 12 * GiB)
+    assert plan.on_disk and plan.stage("denoise").page_cache_bytes > 0
+    as_folder = plan_run(wan, SHAPE, strategy, PlanOptions(storage=plan_options(loaded).storage, on_disk=True))
+    vae_bf16 = _file_bytes(wan.module("vae"), None, False)[0]
+    decode_weights = plan.stage("decode").peak_phase.weights_bytes - as_folder.stage("decode").peak_phase.weights_bytes
+    latent = math.prod(wan.latent_shape(SHAPE))
+    assert decode_weights == vae_bf16 + latent * 2  # the VAE and its latent in fp32: twice their bf16 bytes
+    in_ram = replace(loaded, on_disk=False, storage={})
+    with pytest.raises(PlanError, match=r"\(--disk\) it fits"):  # auto never moves a loaded pipeline to disk
+        choose_for(in_ram, SHAPE, strategy, 8 * GiB, 12 * GiB)

@@ -33,18 +33,21 @@ def model_names() -> list[str]:
     return sorted(path.stem for path in MODELS_DIR.glob("*.json"))
 
 
-def load_model(name_or_path: str, dtype: str | None = None) -> MetaModel:
+def load_model(name_or_path: str, dtype: str | None = None, vae_dtype: str | None = None) -> MetaModel:
     """A shipped model by name, or a diffusers-format folder (configs only).
 
-    Models are shared per (name or folder, dtype) so their memoised traces are reused.
+    `dtype` is the compute dtype (default: the model's own); `vae_dtype` the VAE's when it runs
+    in another (e.g. fp32 for quality). Models are shared per (name or folder, dtypes) so their
+    memoised traces are reused.
     """
     path = Path(name_or_path).expanduser()
+    vae = _dtype(vae_dtype) if vae_dtype else ""
     if (MODELS_DIR / f"{name_or_path}.json").is_file():
-        return _shipped(name_or_path, dtype)
+        return _shipped(name_or_path, dtype, vae)
     if path.is_dir() or "/" in name_or_path or name_or_path.startswith("."):
         index = path / "model_index.json"
         stamp = index.stat().st_mtime_ns if index.is_file() else 0
-        return _folder(str(path.resolve()), dtype, stamp)
+        return _folder(str(path.resolve()), dtype, stamp, vae)
     raise ModelError(
         f"unknown model '{name_or_path}'; use one of {', '.join(model_names())}, "
         "or the path of a diffusers-format folder (with model_index.json)."
@@ -58,15 +61,17 @@ def defaults(name: str) -> dict:
 
 
 @lru_cache(maxsize=16)
-def _shipped(name: str, dtype: str | None) -> MetaModel:
-    return _from_json(json.loads((MODELS_DIR / f"{name}.json").read_text()), dtype)
+def _shipped(name: str, dtype: str | None, vae_dtype: str = "") -> MetaModel:
+    return _from_json(json.loads((MODELS_DIR / f"{name}.json").read_text()), dtype, vae_dtype)
 
 
-def _from_json(data: dict, dtype: str | None) -> MetaModel:
+def _from_json(data: dict, dtype: str | None, vae_dtype: str = "") -> MetaModel:
     components = {name: _component(name, entry) for name, entry in data["components"].items()}
+    dtype_name = _dtype(dtype or data["dtype"])
     return MetaModel(
         name=data["name"], pipeline_class=data["pipeline"], spec=family_for(data["pipeline"]), components=components,
-        dtype_name=_dtype(dtype or data["dtype"]), pipeline_config=data.get("pipeline_config", {}), source=data.get("source", ""),
+        dtype_name=dtype_name, pipeline_config=data.get("pipeline_config", {}), source=data.get("source", ""),
+        vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype,
     )
 
 
@@ -78,11 +83,11 @@ def _component(name: str, entry: dict) -> ComponentConfig:
 
 
 @lru_cache(maxsize=8)
-def _folder(folder: str, dtype: str | None, stamp: int) -> MetaModel:
-    return _from_folder(Path(folder), dtype)  # `stamp`: a changed model_index.json is read again
+def _folder(folder: str, dtype: str | None, stamp: int, vae_dtype: str = "") -> MetaModel:
+    return _from_folder(Path(folder), dtype, vae_dtype)  # `stamp`: a changed model_index.json is read again
 
 
-def _from_folder(folder: Path, dtype: str | None) -> MetaModel:
+def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "") -> MetaModel:
     index = read_model_index(folder)
     class_name = index["_class_name"]
     components = {}
@@ -96,9 +101,11 @@ def _from_folder(folder: Path, dtype: str | None) -> MetaModel:
             raise ModelError(f"'{folder / name}' has no config.json; the planner reads each component's config.json.")
         components[name] = ComponentConfig(name, value[0], value[1], json.loads(config_file.read_text()), str(config_file))
     pipeline_config = {k: v for k, v in index.items() if k in ("boundary_ratio", "expand_timesteps")}
+    dtype_name = _dtype(dtype or "bf16")
     return MetaModel(
         name=folder.name, pipeline_class=class_name, spec=family_for(class_name), components=components,
-        dtype_name=_dtype(dtype or "bf16"), pipeline_config=pipeline_config, source=str(folder),
+        dtype_name=dtype_name, pipeline_config=pipeline_config, source=str(folder),
+        vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype,
     )
 
 

@@ -61,6 +61,7 @@ class MetaModel:
     dtype_name: str
     pipeline_config: dict = field(default_factory=dict)
     source: str = ""
+    vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name (Wan's docs run it in fp32)
     _built: dict = field(default_factory=dict, repr=False)
     _weights: dict = field(default_factory=dict, repr=False)
     _traces: dict = field(default_factory=dict, repr=False)
@@ -129,7 +130,7 @@ class MetaModel:
     def module(self, component: str) -> torch.nn.Module:
         """The full-size component on meta (weights and residency come from it)."""
         if component not in self._built:
-            self._built[component] = build_meta(self.components[component], self.dtype)
+            self._built[component] = build_meta(self.components[component], self.dtype_of(component))
         return self._built[component]
 
     def blocks(self, component: str) -> torch.nn.ModuleList | None:
@@ -165,6 +166,15 @@ class MetaModel:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.dtype_name]
 
+    def dtype_of(self, component: str) -> torch.dtype:
+        """The dtype `component` computes in: the model's, or the VAE's own when it differs."""
+        if component == "vae" and self.vae_dtype_name:
+            return DTYPES[self.vae_dtype_name]
+        return self.dtype
+
+    def dtype_bytes(self, component: str) -> int:
+        return self.dtype_of(component).itemsize
+
     @property
     def _patch(self) -> int:
         patch = self.components[self.layout.denoisers[0]].config.get("patch_size", 2)
@@ -177,7 +187,7 @@ class MetaModel:
             if self._blocks_of(component) is None:
                 self._built[key] = self.module(component)
             else:
-                self._built[key] = build_meta(self.components[component], self.dtype, TRACED_BLOCKS)
+                self._built[key] = build_meta(self.components[component], self.dtype_of(component), TRACED_BLOCKS)
         return self._built[key]
 
     def real_block_count(self, component: str) -> int:

@@ -154,11 +154,11 @@ def workload_for(model, call) -> Run:
         return clip_image(model.traced_module("image_encoder"), dtype, size)
     if call.kind == "condition":
         whole_video = wan and not model.pipeline_config.get("expand_timesteps", False)
-        return vae_encode_condition(model.traced_module("vae"), shape, shape.frames if whole_video else 1, dtype)
+        return vae_encode_condition(model.traced_module("vae"), shape, shape.frames if whole_video else 1, model.dtype_of("vae"))
     if call.kind == "denoise":
         return _denoise(model, call.component, shape)
     if call.kind == "decode":
-        piece = torch.empty(call.piece, dtype=dtype, device="meta")  # a view of the whole latent: not counted
+        piece = torch.empty(call.piece, dtype=model.dtype_of(call.component), device="meta")  # a view of the whole latent: not counted
         return decode(model.traced_module(call.component), piece, call.vae_tiling)
     if call.kind == "postprocess":
         latent = model.latent_shape(shape)
