@@ -48,13 +48,13 @@ def _shipped(name: str) -> ModelEntry:
     scheduler = data.get("scheduler") or runtime_data.SCHEDULERS.get(name, runtime_data.SCHEDULERS["default"])
     return ModelEntry(
         name=data["name"], pipeline_class=data["pipeline"],
-        components=MappingProxyType({key: _component(key, value) for key, value in data["components"].items()}),
+        components=MappingProxyType({key: read_component(key, value) for key, value in data["components"].items()}),
         scheduler_class=scheduler["class"], scheduler_config=MappingProxyType(dict(scheduler["config"])),
         pipeline_config=MappingProxyType(dict(data.get("pipeline_config", {}))),
     )
 
 
-def _component(name: str, entry: dict) -> ComponentConfig:
+def read_component(name: str, entry: dict) -> ComponentConfig:
     if "ref" in entry:
         shared = json.loads((COMPONENTS_DIR / f"{entry['ref']}.json").read_text())
         extras = {k: v for k, v in runtime_data.COMPONENT_EXTRAS.get(entry["ref"], {}).items() if k not in shared["config"]}

@@ -1,0 +1,152 @@
+"""Bad ComfyUI model files are refused before any model is built, with the file and the fix named."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from vidmem.nodes import host
+from vidmem.nodes.load_files import NONE, SAME, VidMemLoadModelFiles
+from vidmem.pipelines.comfy_files import LoadOptions, load_model_files
+from vidmem.pipelines.comfy_files import load as comfy_load
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.tiny import save_tiny_comfy_files, tiny_catalogue
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache = {}
+
+    def get(variant, **kwargs):
+        key = (variant, tuple(kwargs.items()))
+        if key not in cache:
+            cache[key] = save_tiny_comfy_files(variant, tmp_path_factory.mktemp(variant), "bf16", **kwargs).files
+        return cache[key]
+
+    return get
+
+
+def load(files):
+    return load_model_files(files, LoadOptions(dtype="fp32"), tiny_catalogue())
+
+
+class _Marker:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):  # unpickling this creates the file: proof that nothing unpickled it
+        return (open, (str(self.path), "w"))
+
+
+@pytest.mark.parametrize("name", ["wan.safetensors", "wan.sft", "wan.gguf"])
+def test_a_pickle_is_refused_unread_whatever_its_name(tiny, tmp_path, name):
+    pickled = tmp_path / name
+    pickled.write_bytes(pickle.dumps(_Marker(tmp_path / "unpickled")))
+    with pytest.raises(ModelError, match="model: .*pickle"):
+        load(replace(tiny("wan2.1-t2v"), model=pickled))
+    zipped = tmp_path / f"zip_{name}"
+    torch.save({"weight": torch.zeros(2)}, zipped)  # torch.save's zip format
+    with pytest.raises(ModelError, match="vae: .*pickle"):
+        load(replace(tiny("wan2.1-t2v"), vae=zipped))
+    assert not (tmp_path / "unpickled").exists()
+
+
+def test_a_truncated_file_says_so(tiny, tmp_path):
+    whole = tiny("wan2.1-t2v").model.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ModelError, match="model: .*truncated.*download it again"):
+        load(replace(tiny("wan2.1-t2v"), model=cut))
+
+
+def test_an_unknown_key_layout_is_named(tiny, tmp_path):
+    odd = tmp_path / "odd.safetensors"
+    safetensors.torch.save_file({"net.layer0.weight": torch.zeros(2, 2)}, str(odd))
+    with pytest.raises(ModelError, match="model: 'odd.safetensors' has a key layout vidmem does not know.*net.layer0.weight"):
+        load(replace(tiny("wan2.1-t2v"), model=odd))
+
+
+def test_an_unsupported_gguf_quant_type_is_named(tiny, tmp_path):
+    import gguf
+
+    path = tmp_path / "wan_q2k.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    writer.add_tensor("blocks.0.ffn.0.weight", np.zeros((4, 84), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        write()
+    with pytest.raises(ModelError, match="model: .*Q2_K.*supported"):
+        load(replace(tiny("wan2.1-t2v"), model=path))
+
+
+def test_a_file_in_the_wrong_slot_is_named(tiny):
+    files = tiny("wan2.1-t2v")
+    with pytest.raises(ModelError, match="text_encoder: .* holds a Wan VAE, but this input takes a T5 / UMT5 text encoder"):
+        load(replace(files, text_encoder=files.vae))
+
+
+def test_experts_must_share_one_architecture(tiny):
+    with pytest.raises(ModelError, match="model_2: .* is not the other expert .*in_channels 48"):
+        load(replace(tiny("wan2.2-a14b"), model_2=tiny("wan2.2-ti2v").model))
+    # (one expert alone: test_comfy_detect, on the real I2V A14B shapes; the tiny A14B has Wan 2.1's)
+
+
+def test_a_vae_of_the_other_latent_size_is_refused(tiny):
+    with pytest.raises(ModelError, match="vae: .* has 48 latent channels but tiny-wan2.1-t2v works in 16"):
+        load(replace(tiny("wan2.1-t2v"), vae=tiny("wan2.2-ti2v").vae))
+
+
+def test_a_text_encoder_without_its_tokenizer_says_what_is_missing(tiny):
+    bare = tiny("wan2.1-t2v", with_tokenizer=False)
+    with pytest.raises(ModelError, match="no embedded tokenizer \\(no 'spiece_model' tensor\\).*umt5_xxl_fp8_e4m3fn_scaled"):
+        load(bare)
+
+
+def test_clip_vision_only_where_the_model_uses_it(tiny):
+    with pytest.raises(ModelError, match="clip_vision: .*set clip_vision to clip_vision_h.safetensors"):
+        load(replace(tiny("wan2.1-i2v"), clip_vision=None))
+    with pytest.raises(ModelError, match="clip_vision: .*has no image encoder; set clip_vision to \\(none\\)"):
+        load(replace(tiny("wan2.1-t2v"), clip_vision=tiny("wan2.1-i2v").clip_vision))
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(dtype="fp8"), "dtype='fp8'"), (dict(vae_dtype="int8"), "vae_dtype='int8'"),
+    (dict(weight_dtype="q3"), "weight_dtype='q3' is not a storage format"),
+])
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(ModelError, match=message):
+        LoadOptions(**options)
+
+
+def test_the_node_lists_comfyuis_folders_and_loads_from_them(tiny, tmp_path, monkeypatch):
+    """A stand-in for ComfyUI's folder_paths over a models/ tree (legacy 'unet' and 'clip' included)."""
+    files = tiny("wan2.1-t2v")
+    root = files.model.parent.parent
+    folders = {"diffusion_models": [root / "diffusion_models"], "unet": [root / "diffusion_models"],
+               "text_encoders": [root / "text_encoders"], "clip": [root / "text_encoders"], "vae": [root / "vae"],
+               "clip_vision": [root / "clip_vision"]}
+    gguf_copy = root / "diffusion_models" / "sub" / "copy.gguf"
+    gguf_copy.parent.mkdir(exist_ok=True)
+    shutil.copy(files.model, gguf_copy)  # listed by name only; never loaded here
+    fake = SimpleNamespace(
+        get_folder_paths=lambda key: [str(p) for p in folders[key]],
+        get_filename_list=lambda key: sorted(p.name for d in folders[key] if d.is_dir() for p in d.iterdir() if p.is_file()),
+    )
+    monkeypatch.setattr(host, "folder_paths", fake)
+    inputs = VidMemLoadModelFiles.INPUT_TYPES()
+    assert inputs["required"]["model"][0] == sorted([files.model.name, "sub/copy.gguf"])
+    assert inputs["optional"]["model_2"][0][0] == NONE
+    node_inputs = (files.model.name, files.text_encoder.name, files.vae.name, "fp32", SAME, "default", True)
+    with pytest.raises(ModelError, match="no config for \\(width 24, 2 blocks.*vidmem knows wan2.1-i2v-14b-480p"):
+        VidMemLoadModelFiles().load(*node_inputs)  # the node matches against the shipped configs only
+    monkeypatch.setattr(comfy_load, "shipped_catalogue", tiny_catalogue)
+    (loaded,) = VidMemLoadModelFiles().load(*node_inputs)
+    assert loaded.class_name == "WanPipeline" and loaded.on_disk and loaded.storage["transformer"] == "bf16"
+    with pytest.raises(FileNotFoundError, match="models/vae"):
+        host.resolve_model_file("vae", "missing.safetensors")
