@@ -227,11 +227,11 @@ def test_quantized_blocks_read_back_with_the_gguf_reference(fmt):
 
 
 def test_scaled_fp8_uses_the_whole_fp8_range():
-    x = torch.randn(4, 32) * 1e-3  # far below fp8's normal range without a scale
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(3)) * 1e-3  # below fp8's normal range
     stored = quantize(x, "fp8_scaled")
     assert stored.scale.shape == () and stored.scale.dtype == torch.float32
     assert stored.data.to(torch.float32).abs().max() == 448
-    assert (stored.dequantize(torch.float32) - x).abs().max() < 1e-4
+    assert (stored.dequantize(torch.float32) - x).abs().max() <= x.abs().max() / 16  # 3 mantissa bits
     plain = quantize(x, "fp8_e4m3fn")
     assert (plain.dequantize(torch.float32) - x).abs().max() > (stored.dequantize(torch.float32) - x).abs().max()
 
