@@ -139,3 +139,53 @@ def test_layout_and_storage_are_read_from_the_tensors(written, layout, tmp_path)
     assert (vae.layout, vae.fields["z_dim"]) == (KeyLayout.ORIGINAL, 16)
     text = read_weight_file(out.files.text_encoder, "text_encoder", "text_encoder")
     assert text.fields["class"] == "UMT5EncoderModel" and text.tokenizer_model and text.storage == "fp8_scaled"
+
+
+def comfy_quant_copy(path, target, layer_format="float8_e4m3fn"):
+    """`path` (fp8 scaled) rewritten in ComfyUI's newer layout: `weight_scale` + a `comfy_quant` record."""
+    import json
+
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(str(path))
+    out = {}
+    for name, tensor in tensors.items():
+        if name == "scaled_fp8":
+            continue
+        if name.endswith(".scale_weight"):
+            layer = name.removesuffix(".scale_weight")
+            out[f"{layer}.weight_scale"] = tensor
+            record = json.dumps({"format": layer_format}).encode()
+            out[f"{layer}.comfy_quant"] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+        else:
+            out[name] = tensor
+    safetensors.torch.save_file(out, str(target))
+    return target
+
+
+def test_comfyuis_newer_fp8_layout_reads_like_fp8_scaled_and_other_formats_are_named(written, tmp_path):
+    from dataclasses import replace
+
+    from vidmem.pipelines.family import ModelError
+
+    out = written("wan2.1-t2v", "fp8_scaled")
+    newer = replace(out.files, model=comfy_quant_copy(out.files.model, tmp_path / "wan_fp8mixed.safetensors"))
+    options = LoadOptions(dtype="fp32", weights_on_disk=False)
+    loaded = load_model_files(newer, options, tiny_catalogue())
+    assert loaded.storage["transformer"] == "fp8_scaled"
+    assert torch.equal(latents(loaded, "wan2.1-t2v"), latents(load_model_files(out.files, options, tiny_catalogue()), "wan2.1-t2v"))
+    nvfp4 = replace(out.files, model=comfy_quant_copy(out.files.model, tmp_path / "wan_nvfp4.safetensors", "nvfp4"))
+    with pytest.raises(ModelError, match="model: 'wan_nvfp4.safetensors' stores layer .* as 'nvfp4'"):
+        load_model_files(nvfp4, options, tiny_catalogue())
+
+
+def test_reading_and_renaming_copy_nothing(written):
+    """Original -> diffusers names (diffusers' converter) moves the file's own views; a bf16 load at
+    bf16 uses them in place, copying only what from_pretrained keeps in fp32."""
+    out = written("wan2.1-t2v", "bf16")
+    file = read_weight_file(out.files.model, "model", "transformer")
+    assert all(is_file_backed(t) for t in file.tensors.values())
+    loaded = load_model_files(out.files, LoadOptions(dtype="bf16", weights_on_disk=True), tiny_catalogue())
+    report = loaded.storage_reports["transformer"]
+    fp32_islands = sum(t.numel() * 4 for n, t in loaded.pipe.transformer.state_dict().items() if t.dtype == torch.float32)
+    assert report.copied_bytes <= fp32_islands and report.mapped_bytes > report.copied_bytes

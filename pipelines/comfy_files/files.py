@@ -8,6 +8,7 @@ and transformers load (the VAE's original names need the model's own key set: `v
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,6 +20,7 @@ from . import detect
 from .keys import KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
 
 TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
+QUANT_SUFFIX = ".comfy_quant"  # ComfyUI's newer per-layer quantization record (JSON bytes), next to `weight_scale`
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,10 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
     path = Path(path)
     try:
         opened = open_weights(path)
-        tensors = fold_scaled_fp8(opened.tensors) if isinstance(opened, SafetensorsFile) else dict(opened.tensors)
+        if isinstance(opened, SafetensorsFile):
+            tensors = fold_scaled_fp8(_without_quant_records(path, role, opened.tensors))
+        else:
+            tensors = dict(opened.tensors)
     except StorageError as error:
         raise ModelError(f"{role}: {error}") from None
     kind, layout, tensors, extra = _classify(path, role, tensors)
@@ -53,6 +58,23 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
             f"pick the matching file from the {expected.replace('_', ' ')} list."
         )
     return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors, _fields(kind, layout, tensors), extra)
+
+
+def _without_quant_records(path: Path, role: str, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """ComfyUI's `<layer>.comfy_quant` records dropped once checked: float8 layers (weight x
+    `weight_scale`, folded like fp8 scaled) are read; any other format is refused by name."""
+    kept = {}
+    for name, tensor in tensors.items():
+        if not name.endswith(QUANT_SUFFIX):
+            kept[name] = tensor
+            continue
+        layout = json.loads(bytes(tensor.numpy().tobytes())).get("format", "?")
+        if not str(layout).startswith("float8"):
+            raise ModelError(
+                f"{role}: '{path.name}' stores layer '{name.removesuffix(QUANT_SUFFIX)}' as {layout!r}, which vidmem "
+                "does not read; use the model's bf16, fp16, fp8, fp8-scaled or GGUF file."
+            )
+    return kept
 
 
 def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dict, bytes | None]:
