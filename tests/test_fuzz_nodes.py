@@ -1,0 +1,232 @@
+"""Fuzz the nodes as ComfyUI runs them (its prompt validation, then the node's function) with bad
+inputs: each is refused by ComfyUI's own validation (tests/fuzz_support.py mirrors it) or by the
+node with an error of the pack's own type whose message names the input; and nothing is left
+behind: no file, no hook, no weight off its original storage.
+
+Cases that fail today because the fix belongs to a file another helper owns are marked
+`xfail(strict=True)` naming the owner, so they turn into passes (and the mark must go) when fixed.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fuzz_support import PACK_ERRORS, Case, Fixtures, comfy_refusal, sampler_inputs, strategy_widgets, tree
+from test_tiers import hooks_of, storage_map
+from vidmem.nodes import NODE_CLASS_MAPPINGS
+
+NAN, INF = float("nan"), float("inf")
+H4 = "H4 owns nodes/strategy.py, nodes/sampler.py, nodes/decode.py"
+
+
+def S(**changes):  # Strategy node inputs
+    return lambda fx: strategy_widgets(**changes)
+
+
+def K(variant="wan2.1-t2v", **changes):  # Sampler inputs
+    return lambda fx: sampler_inputs(fx, variant, **changes)
+
+
+def latent_with(samples=None, variant="wan2.1-t2v", **extra):
+    def build(fx):
+        latent = dict(fx.latent(variant)) if samples is None else {"samples": samples(fx)}
+        latent.update(extra)
+        return latent
+
+    return build
+
+
+def D(latent, variant="wan2.1-t2v", **changes):  # Decode inputs
+    return lambda fx: {"pipeline": fx.pipeline(variant), "latent": latent(fx), **changes}
+
+
+def nan_latent(fx):
+    samples = fx.latent()["samples"].clone()
+    samples.view(-1)[3] = NAN
+    return samples
+
+
+def inf_latent(fx):
+    samples = fx.latent()["samples"].clone()
+    samples.view(-1)[-1] = -INF
+    return samples
+
+
+def image(fill=0.5, shape=(1, 32, 32, 3)):
+    return lambda fx: torch.full(shape, fill)
+
+
+CASES = [
+    # --- Memory Strategy: ComfyUI's own checks (VALIDATE_INPUTS names tile_size only) -----------------
+    Case("strategy-offload-unknown", "VidMemMemoryStrategy", S(offload="swap"), "Value not in list: offload"),
+    Case("strategy-offload-case", "VidMemMemoryStrategy", S(offload="Block_Swap"), "Value not in list: offload"),
+    Case("strategy-text-encoder-gpu", "VidMemMemoryStrategy", S(text_encoder="gpu"), "Value not in list: text_encoder"),
+    Case("strategy-blocks-negative", "VidMemMemoryStrategy", S(blocks_to_swap=-1), "smaller than min of 0: blocks_to_swap"),
+    Case("strategy-blocks-too-many", "VidMemMemoryStrategy", S(blocks_to_swap=101), "bigger than max of 100: blocks_to_swap"),
+    Case("strategy-blocks-text", "VidMemMemoryStrategy", S(blocks_to_swap="many"), "convert an input value to a INT value: blocks_to_swap"),
+    Case("strategy-blocks-nan", "VidMemMemoryStrategy", S(blocks_to_swap=NAN), "convert an input value to a INT value"),
+    Case("strategy-prefetch-negative", "VidMemMemoryStrategy", S(prefetch_blocks=-1), "smaller than min of 0: prefetch_blocks"),
+    Case("strategy-prefetch-too-many", "VidMemMemoryStrategy", S(prefetch_blocks=9), "bigger than max of 8: prefetch_blocks"),
+    Case("strategy-pinned-inf", "VidMemMemoryStrategy", S(max_pinned_ram_gb=INF), "bigger than max of 1024.0: max_pinned_ram_gb"),
+    Case("strategy-pinned-minus-inf", "VidMemMemoryStrategy", S(max_pinned_ram_gb=-INF), "smaller than min of -1.0"),
+    Case("strategy-pinned-text", "VidMemMemoryStrategy", S(max_pinned_ram_gb="lots"), "convert an input value to a FLOAT"),
+    Case("strategy-overlap-negative", "VidMemMemoryStrategy", S(vae_tiling=True, overlap=-8), "smaller than min of 0: overlap"),
+    Case("strategy-temporal-size-small", "VidMemMemoryStrategy", S(vae_tiling=True, temporal_size=4), "smaller than min of 8"),
+    Case("strategy-vram-budget-negative", "VidMemMemoryStrategy", S(vram_budget_gb=-1.0), "smaller than min of 0.0: vram_budget_gb"),
+    Case("strategy-ram-budget-inf", "VidMemMemoryStrategy", S(ram_budget_gb=INF), "bigger than max of 4096.0: ram_budget_gb"),
+    Case("strategy-missing-offload", "VidMemMemoryStrategy",
+         lambda fx: {k: v for k, v in strategy_widgets().items() if k != "offload"}, "Required input is missing: offload"),
+    # --- Memory Strategy: VALIDATE_INPUTS and build() ---------------------------------------------------
+    Case("strategy-tile-not-multiple", "VidMemMemoryStrategy", S(vae_tiling=True, tile_size=100), "tile_size=100 must be a multiple of 32"),
+    Case("strategy-tile-too-small", "VidMemMemoryStrategy", S(tile_size=32), "tile_size=32 must be a whole number of pixels from 64"),
+    Case("strategy-tile-too-big", "VidMemMemoryStrategy", S(tile_size=8192), "tile_size=8192 must be"),
+    Case("strategy-pinned-nan", "VidMemMemoryStrategy", S(max_pinned_ram_gb=NAN), "max_pinned_ram_gb=nan is not a finite number"),
+    Case("strategy-pinned-negative", "VidMemMemoryStrategy", S(max_pinned_ram_gb=-0.5), "max_pinned_ram_gb=-0.5 must be 0"),
+    Case("strategy-swap-without-blocks", "VidMemMemoryStrategy", S(offload="block_swap"), "needs blocks_to_swap >= 1"),
+    Case("strategy-blocks-without-swap", "VidMemMemoryStrategy", S(blocks_to_swap=4), "only applies to offload='block_swap'"),
+    Case("strategy-blocks-fraction", "VidMemMemoryStrategy", S(blocks_to_swap=2.5), "blocks_to_swap=2 only applies"),
+    Case("strategy-auto-with-blocks", "VidMemMemoryStrategy", S(offload="auto", blocks_to_swap=3), "blocks_to_swap must be 0 with offload='auto'"),
+    Case("strategy-overlap-not-multiple", "VidMemMemoryStrategy", S(vae_tiling=True, overlap=12), "overlap=12 must be a multiple of 8"),
+    Case("strategy-overlap-too-wide", "VidMemMemoryStrategy", S(vae_tiling=True, overlap=128), "overlap=128 must be between 0 and tile_size/4"),
+    Case("strategy-temporal-not-multiple", "VidMemMemoryStrategy", S(vae_tiling=True, temporal_size=10), "temporal_size=10 must be a multiple of 4"),
+    Case("strategy-temporal-overlap-wide", "VidMemMemoryStrategy", S(vae_tiling=True, temporal_overlap=40), "temporal_overlap=40 must be between"),
+    Case("strategy-temporal-overlap-odd", "VidMemMemoryStrategy", S(vae_tiling=True, temporal_overlap=6), "temporal_overlap=6 must be a multiple of 4"),
+    Case("strategy-vram-budget-nan", "VidMemMemoryStrategy", S(vram_budget_gb=NAN), "vram_budget_gb",
+         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: build() accepts vram_budget_gb=NaN (it passes ComfyUI's "
+                                  "min/max); the Sampler then fails with a raw ValueError in StrategyChoice.budgets"),)),
+    Case("strategy-ram-budget-nan", "VidMemMemoryStrategy", S(ram_budget_gb=NAN), "ram_budget_gb",
+         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: build() accepts ram_budget_gb=NaN"),)),
+    # --- Video Sampler: ComfyUI's own checks (VALIDATE_INPUTS names frames only) ------------------------
+    Case("sampler-width-below-min", "VidMemVideoSampler", K(width=8), "smaller than min of 16: width"),
+    Case("sampler-width-above-max", "VidMemVideoSampler", K(width=5000), "bigger than max of 4096: width"),
+    Case("sampler-height-text", "VidMemVideoSampler", K(height="tall"), "convert an input value to a INT value: height"),
+    Case("sampler-steps-zero", "VidMemVideoSampler", K(steps=0), "smaller than min of 1: steps"),
+    Case("sampler-steps-huge", "VidMemVideoSampler", K(steps=1001), "bigger than max of 1000: steps"),
+    Case("sampler-steps-nan", "VidMemVideoSampler", K(steps=NAN), "convert an input value to a INT value: steps"),
+    Case("sampler-cfg-inf", "VidMemVideoSampler", K(cfg=INF), "bigger than max of 30.0: cfg"),
+    Case("sampler-cfg-negative", "VidMemVideoSampler", K(cfg=-1.0), "smaller than min of 0.0: cfg"),
+    Case("sampler-cfg-text", "VidMemVideoSampler", K(cfg="high"), "convert an input value to a FLOAT value: cfg"),
+    Case("sampler-seed-negative", "VidMemVideoSampler", K(seed=-1), "smaller than min of 0: seed"),
+    Case("sampler-seed-65-bits", "VidMemVideoSampler", K(seed=2**64), "bigger than max of 18446744073709551615: seed"),
+    Case("sampler-missing-pipeline", "VidMemVideoSampler",
+         lambda fx: {k: v for k, v in sampler_inputs(fx).items() if k != "pipeline"}, "Required input is missing: pipeline"),
+    Case("sampler-frames-not-4k1", "VidMemVideoSampler", K(frames=50), "frames=50 is not valid for any model vidmem runs"),
+    Case("sampler-frames-zero", "VidMemVideoSampler", K(frames=0), "frames=0 must be a whole number of frames, at least 1"),
+    Case("sampler-frames-over-max", "VidMemVideoSampler", K(frames=2001), "frames=2001", validation_only=True,
+         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: naming frames in VALIDATE_INPUTS turns ComfyUI's max=1025 "
+                                  "check off, and frames_problem does not check the maximum"),)),
+    # --- Video Sampler: the engine (pipelines/sample.py validate_request) ----------------------------------
+    Case("sampler-cfg-nan", "VidMemVideoSampler", K(cfg=NAN), "cfg=nan is not a finite number"),
+    Case("sampler-width-not-multiple", "VidMemVideoSampler", K(width=40), "width=40 must be a multiple of 16 for wan"),
+    Case("sampler-height-not-multiple", "VidMemVideoSampler", K(height=24), "height=24 must be a multiple of 16"),
+    Case("sampler-ti2v-width-32", "VidMemVideoSampler", K("wan2.2-ti2v", width=48), "width=48 must be a multiple of 32"),
+    Case("sampler-cogvideox-frames-8k1", "VidMemVideoSampler", K("cogvideox-t2v", frames=13), "frames=13 is not valid for cogvideox"),
+    Case("sampler-t2v-given-image", "VidMemVideoSampler", lambda fx: sampler_inputs(fx, image=image()(fx)),
+         "text-to-video: disconnect the image input"),
+    Case("sampler-i2v-without-image", "VidMemVideoSampler", K("wan2.1-i2v"), "image-to-video: connect an IMAGE"),
+    Case("sampler-image-nan", "VidMemVideoSampler", lambda fx: sampler_inputs(fx, "wan2.1-i2v", image=image(NAN)(fx)),
+         "image contains NaN or infinite pixels"),
+    Case("sampler-image-inf", "VidMemVideoSampler", lambda fx: sampler_inputs(fx, "wan2.1-i2v", image=image(INF)(fx)),
+         "image contains NaN or infinite pixels"),
+    Case("sampler-image-3d", "VidMemVideoSampler",
+         lambda fx: sampler_inputs(fx, "wan2.1-i2v", image=image(shape=(32, 32, 3))(fx)), r"image has shape \(32, 32, 3\)"),
+    Case("sampler-image-channels", "VidMemVideoSampler",
+         lambda fx: sampler_inputs(fx, "wan2.1-i2v", image=image(shape=(1, 32, 32, 2))(fx)), "expected a ComfyUI IMAGE"),
+    Case("sampler-image-empty-batch", "VidMemVideoSampler",
+         lambda fx: sampler_inputs(fx, "wan2.1-i2v", image=image(shape=(0, 32, 32, 3))(fx)), "expected a ComfyUI IMAGE"),
+    Case("sampler-swap-more-blocks-than-model", "VidMemVideoSampler",
+         lambda fx: sampler_inputs(fx, strategy=fx.strategy(offload="block_swap", blocks_to_swap=99)),
+         "blocks_to_swap=99 but this model's transformer has 2 blocks"),
+    Case("sampler-strategy-not-a-strategy", "VidMemVideoSampler", K(strategy="fast"), "strategy='fast' is not a Memory Strategy"),
+    Case("sampler-budget-nan-from-strategy", "VidMemVideoSampler",
+         lambda fx: sampler_inputs(fx, strategy=fx.strategy(vram_budget_gb=NAN)), "vram_budget_gb",
+         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: a NaN budget reaches StrategyChoice.budgets: "
+                                  "raw 'cannot convert float NaN to integer'"),)),
+    # --- Video VAE Decode ----------------------------------------------------------------------------------
+    Case("decode-latent-no-samples", "VidMemVAEDecode", D(lambda fx: {"noise": 1}), "samples"),
+    Case("decode-latent-not-a-dict", "VidMemVAEDecode", D(lambda fx: "a latent"), "str"),
+    Case("decode-latent-none", "VidMemVAEDecode", D(lambda fx: None), "NoneType"),
+    Case("decode-samples-list", "VidMemVAEDecode", D(lambda fx: {"samples": [[1.0]]}), "samples"),
+    Case("decode-image-latent-4d", "VidMemVAEDecode", D(lambda fx: {"samples": torch.zeros(1, 16, 4, 4)}), r"\(1, 16, 4, 4\)"),
+    Case("decode-wrong-channels", "VidMemVAEDecode", D(lambda fx: {"samples": torch.zeros(1, 4, 2, 4, 4)}), "latent has 4 channels"),
+    Case("decode-other-family", "VidMemVAEDecode", D(latent_with(variant="wan2.1-t2v"), "cogvideox-t2v"),
+         "latent came from a wan model but the pipeline is cogvideox"),
+    Case("decode-latent-nan", "VidMemVAEDecode", D(latent_with(nan_latent)), "latent contains 1 NaN or infinite values"),
+    Case("decode-latent-inf", "VidMemVAEDecode", D(latent_with(inf_latent)), "latent contains 1 NaN or infinite values"),
+    Case("decode-latent-empty", "VidMemVAEDecode", D(lambda fx: {"samples": torch.zeros(1, 16, 0, 4, 4)}), "not a video latent"),
+    Case("decode-latent-integers", "VidMemVAEDecode", D(lambda fx: {"samples": torch.zeros(1, 16, 2, 4, 4, dtype=torch.int32)}),
+         "dtype torch.int32"),
+    Case("decode-strategy-not-a-strategy", "VidMemVAEDecode", D(latent_with(), strategy=42), "strategy=42 is not a Memory Strategy"),
+    Case("decode-no-samples-saving", "VidMemVAEDecode", D(lambda fx: {"noise": 1}, save_latents=True), "samples"),
+    Case("decode-4d-saving", "VidMemVAEDecode", D(lambda fx: {"samples": torch.zeros(1, 16, 4, 4)}, save_latents=True),
+         r"\(1, 16, 4, 4\)"),
+    Case("decode-nan-saving", "VidMemVAEDecode", D(latent_with(nan_latent), save_latents=True), "NaN",
+         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: nodes/decode.py writes the .latent before "
+                                  "pipelines.decode.validate_latent refuses NaN/inf; call validate_latent(pipeline, latent) first"),)),
+    Case("decode-wrong-channels-saving", "VidMemVAEDecode",
+         D(lambda fx: {"samples": torch.zeros(1, 4, 2, 4, 4)}, save_latents=True), "latent has 4 channels",
+         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: nodes/decode.py checks only the latent's shape "
+                                  "(check_latent) before writing; channels and family are checked after the file exists"),)),
+    Case("decode-missing-latent", "VidMemVAEDecode", lambda fx: {"pipeline": fx.pipeline()}, "Required input is missing: latent"),
+    # --- Free VRAM -----------------------------------------------------------------------------------------
+    Case("free-missing-anything", "VidMemFreeVRAM", lambda fx: {"unload_comfy_models": False}, "Required input is missing: anything"),
+]
+
+
+@pytest.fixture
+def fx(tiny_loaded, tmp_path, monkeypatch):
+    from vidmem.nodes import host
+
+    monkeypatch.setattr(host, "latents_folder", lambda: tmp_path / "input")
+    return Fixtures(tiny_loaded, tmp_path, monkeypatch)
+
+
+def run_case(case: Case, fx: Fixtures) -> None:
+    """ComfyUI's validation, then the node; the refusal must match; nothing may be left behind."""
+    node_cls = NODE_CLASS_MAPPINGS[case.node]
+    inputs = case.inputs(fx)
+    before_files = tree(fx.root)
+    before = [(storage_map(p.pipe), hooks_of(p.pipe)) for p in fx.used]
+    reasons, converted = comfy_refusal(node_cls, inputs)
+    if reasons:
+        assert re.search(case.message, "\n".join(reasons)), reasons
+    else:
+        assert not case.validation_only, f"ComfyUI's validation accepts {case.id}, and running it would be expensive"
+        with pytest.raises(PACK_ERRORS) as error:
+            getattr(node_cls(), node_cls.FUNCTION)(**converted)
+        assert re.search(case.message, str(error.value)), str(error.value)
+    assert tree(fx.root) == before_files, "a file or folder was left behind"
+    assert [(storage_map(p.pipe), hooks_of(p.pipe)) for p in fx.used] == before, "a hook or moved weight was left"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
+def test_bad_node_input_is_refused_and_leaves_nothing(case, fx):
+    run_case(case, fx)
+
+
+def test_every_node_is_fuzzed_with_many_cases():
+    from test_fuzz_files import CASES as FILE_CASES, MODEL_FILE_CASES
+
+    every = CASES + FILE_CASES + MODEL_FILE_CASES
+    assert {c.node for c in every} == set(NODE_CLASS_MAPPINGS)
+    assert len({c.id for c in every}) == len(every) >= 80
+
+
+def test_good_inputs_pass_the_same_validation(fx):
+    """The mirror of ComfyUI's validation refuses nothing a good prompt holds (else every case is moot)."""
+    assert comfy_refusal(NODE_CLASS_MAPPINGS["VidMemMemoryStrategy"], strategy_widgets()) == ([], strategy_widgets())
+    reasons, converted = comfy_refusal(NODE_CLASS_MAPPINGS["VidMemVideoSampler"], sampler_inputs(fx))
+    assert reasons == []
+    result = NODE_CLASS_MAPPINGS["VidMemVideoSampler"]().sample(**converted)
+    frames = NODE_CLASS_MAPPINGS["VidMemVAEDecode"]().decode(fx.pipeline(), result["result"][0], save_latents=True)
+    assert torch.isfinite(frames["result"][0]).all() and len(list((fx.root / "input").iterdir())) == 1
+
+
+def test_a_prompt_longer_than_the_encoder_reads_is_reported_not_refused(fx):
+    inputs = sampler_inputs(fx, prompt="a lighthouse at dusk, " * 300)
+    result = NODE_CLASS_MAPPINGS["VidMemVideoSampler"]().sample(**inputs)
+    cut = result["ui"]["vidmem_receipt"][0]["text_encode"]["prompt"]["cut"]
+    assert cut > 0
