@@ -84,7 +84,7 @@ def test_tier_templates_use_the_tables_choice(path):
     cell = tier_table()[ROW_FOR_MODEL[model]][tier_of(path.stem)]
     offload = strategy["offload"] + (f" {strategy['blocks_to_swap']}" if strategy["offload"] == "block_swap" else "")
     assert cell.startswith(f"`{offload}`, TE `{strategy['text_encoder']}`"), (path.stem, cell)
-    ui_note = next(n["widgets_values"][0] for n in wr.load_json(wr.WORKFLOWS_DIR / path.name)["nodes"] if n["type"] == "Note")
+    ui_note = next(n["widgets_values"][0] for n in wr.load_json(wr.ui_twin(path))["nodes"] if n["type"] == "Note")
     assert f"{tier_of(path.stem)} GB card" in ui_note
 
 
@@ -112,7 +112,7 @@ def test_extension_is_namespaced_and_uses_official_hooks_only():
     patched = re.findall(r"\.prototype\.(\w+)\s*=", code)
     assert patched == ["onExecuted"], "only the documented onExecuted chaining touches a prototype"
     assert "onExecuted?.apply(this, arguments)" in code, "the previous onExecuted is chained, not replaced"
-    assert re.findall(r'"(/[a-z/]+)"', js(FORMAT)) == ["/vidmem/memory"]
+    assert re.findall(r'"(/[a-z/]+)"', js(FORMAT)) == ["/vidmem/memory", "/vidmem/plan"]
     ids = re.findall(r'const \w+_(?:SETTING|COMMAND) = "([^"]+)"', code)
     assert ids == ["VidMem.Meter.IntervalSeconds", "vidmem.freeVram"], "setting and command ids are namespaced"
     assert re.findall(r'fetchApi\("(/\w+)"', code) == ["/free"]

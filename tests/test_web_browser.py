@@ -5,12 +5,19 @@ VIDMEM_BROWSER are set.
 Chromium through playwright-core, closes the first-visit Templates overlay, and for every UI
 template in workflows/: loads it with `app.loadGraphData(json)`, checks that no node type is
 missing and every node loaded, checks that the frontend's own `app.graphToPrompt()` gives exactly
-the API file in workflows/api/, and takes a screenshot. It also checks that the `vidmem.ui`
-extension registered, the memory meter shows figures from GET /vidmem/memory, the five help pages
-are served, then runs one template from the browser at the tiny models' size and waits for the
-receipts on the Memory Strategy, Sampler, Decode and Free VRAM nodes (screenshot
-`<template>_receipts.png`), and that "Free VRAM now" posts ComfyUI's /free. Screenshots go to
-docs/screenshots/ (or VIDMEM_SCREENSHOTS), re-encoded with a 128-colour palette to stay small.
+its API twin in workflows/api/, and takes a screenshot. On one template it then gives the Sampler
+the tiny models' size and changes the Strategy's blocks_to_swap twice: the plan drawn on the node
+(chart and text, from GET /vidmem/plan) must change each time with nothing queued (screenshot
+`strategy_live_plan.png`). It loads an older Strategy layout (width/height/frames before the
+budgets) and checks the budgets land on the right inputs. It runs templates from the browser at
+the tiny size, waits for the receipts on the Sampler, Decode and Free VRAM nodes, and checks that
+afterwards no node overlaps another and every node stays inside its group (screenshot
+`<template>_receipts.png`); and that "Free VRAM now" posts ComfyUI's /free. It also checks that
+the `vidmem.ui` extension registered, the memory meter shows figures from GET /vidmem/memory and
+sits clear of the canvas info in the bottom-left corner, and the five help pages are served.
+Screenshots go to docs/screenshots/ (or VIDMEM_SCREENSHOTS), re-encoded with a 128-colour palette
+to stay small. VIDMEM_RUN_ALL=1 runs and layout-checks every template, not only one;
+VIDMEM_THUMBNAILS=1 rewrites each template's Templates-browser card, workflows/<title>.jpg.
 
 How to run it (ComfyUI 0.8.0 on the CPU, loopback only; nothing here is a repo dependency):
 
@@ -41,6 +48,9 @@ URL = os.environ.get("VIDMEM_COMFYUI_URL", "").rstrip("/")
 BROWSER = os.environ.get("VIDMEM_BROWSER", "")
 SCREENSHOTS = Path(os.environ.get("VIDMEM_SCREENSHOTS", REPO / "docs" / "screenshots"))
 RUN_TEMPLATE = "wan21_t2v_blockswap"  # run from the browser to see the receipts on the nodes
+RUN_ALL = os.environ.get("VIDMEM_RUN_ALL") == "1"
+THUMBNAILS = os.environ.get("VIDMEM_THUMBNAILS") == "1"
+THUMBNAIL_SIZE = (800, 450)
 
 pytestmark = pytest.mark.skipif(not (URL and BROWSER), reason="set VIDMEM_COMFYUI_URL and VIDMEM_BROWSER (path to chromium)")
 
@@ -63,15 +73,30 @@ def report():
     env["NODE_PATH"] = os.environ.get("VIDMEM_NODE_PATH", env.get("NODE_PATH", ""))
     command = [node, str(REPO / "tests" / "browser" / "check_templates.mjs"), "--url", URL, "--browser", BROWSER,
                "--workflows", str(REPO / "workflows"), "--screenshots", str(SCREENSHOTS), "--run", RUN_TEMPLATE]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    command += ["--run-all"] if RUN_ALL else []
+    command += ["--thumbnails", str(REPO / "workflows")] if THUMBNAILS else []
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     if "Cannot find module 'playwright-core'" in result.stderr:
         pytest.fail("playwright-core not found: `npm install playwright-core` in a scratch folder and set VIDMEM_NODE_PATH "
                     "to its node_modules")
     assert result.stdout.strip(), f"no report (exit {result.returncode}): {result.stderr[-3000:]}"
     data = json.loads(result.stdout)
     data["exit"] = result.returncode
-    print(json.dumps({k: v for k, v in data.items() if k != "templates"}, indent=1))
+    print(json.dumps({k: v for k, v in data.items() if k not in ("templates", "livePlan")}, indent=1))
+    if THUMBNAILS:
+        for template in data["templates"]:
+            shrink_jpeg(Path(template["thumbnail"]))
     return data
+
+
+def shrink_jpeg(path: Path) -> int:
+    """A Templates-browser card: the screenshot scaled to THUMBNAIL_SIZE, JPEG quality 75."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        small = image.convert("RGB").resize(THUMBNAIL_SIZE, Image.Resampling.LANCZOS)
+    small.save(path, "JPEG", quality=75, optimize=True)
+    return path.stat().st_size
 
 
 def test_no_problems_reported(report):
@@ -85,8 +110,8 @@ def test_extension_meter_and_help_pages(report):
 
 
 def test_every_template_loads_with_no_missing_nodes_and_matches_its_api_file(report):
-    names = {p.stem for p in (REPO / "workflows").glob("*.json")}
-    assert {t["name"] for t in report["templates"]} == names
+    titles = {p.stem for p in (REPO / "workflows").glob("*.json")}
+    assert {t["title"] for t in report["templates"]} == titles
     for t in report["templates"]:
         assert t["missing"] == [] and t["loaded"] == t["expected"], t["name"]
         assert t["apiDifferences"] == [] and t["extraApiNodes"] == [], t["name"]
@@ -94,6 +119,7 @@ def test_every_template_loads_with_no_missing_nodes_and_matches_its_api_file(rep
 
 def test_screenshots_are_small_pngs(report):
     shots = [Path(t["screenshot"]) for t in report["templates"]] + [Path(report["run"]["screenshot"])]
+    shots.append(Path(report["livePlan"]["screenshot"]))
     sizes = {shot.name: shrink_png(shot) for shot in shots}
     print(json.dumps(sizes, indent=1))
     assert all(shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for shot in shots)
@@ -102,7 +128,31 @@ def test_screenshots_are_small_pngs(report):
 
 def test_receipts_appear_on_the_nodes_after_a_run(report):
     run = report["run"]
-    assert "tier: block_swap" in run["strategy"]
+    assert "your settings: offload=block_swap" in run["strategy"]
     assert "denoise:" in run["sampler"] and "swap cost:" in run["sampler"] and "peak RSS" in run["sampler"]
     assert "VAE:" in run["decode"] and "freed" in run["free"]
+
+
+def test_the_strategy_plan_changes_with_blocks_to_swap_before_anything_is_queued(report):
+    steps = report["livePlan"]["steps"]
+    assert [s["status"] for s in steps[1:]] == ["ok", "ok"], [s["text"][:200] for s in steps]
+    assert "blocks_to_swap=20" in steps[0]["text"], "the template's 20 blocks, more than the tiny model has"
+    assert "blocks_to_swap=1" in steps[1]["text"] and "blocks_to_swap=2" in steps[2]["text"]
+    assert len({s["text"] for s in steps}) == 3 and steps[1]["chart"] != steps[0]["chart"]
+    assert "> your settings" in steps[2]["table"] and "budget" in steps[2]["table"]
+    assert report["livePlan"]["queued"] == 0
+
+
+def test_an_older_strategy_layout_keeps_its_budgets(report):
+    assert report["legacy"] == {"vram_budget_gb": 6.5, "ram_budget_gb": 48, "width": None, "loaded": 9}
+
+
+def test_no_node_overlaps_another_after_a_run_and_groups_hold_their_nodes(report):
+    assert report["runs"] and all(run.get("layoutProblems") == [] for run in report["runs"]), \
+        {run["name"]: run.get("layoutProblems") for run in report["runs"]}
+
+
+def test_the_meter_sits_clear_of_the_canvas_info_corner(report):
+    box = report["meterBox"]
+    assert box["left"] > 300 and box["bottom"] <= 900
     assert report["freeRequests"] == [json.dumps({"unload_models": True, "free_memory": True}, separators=(",", ":"))]

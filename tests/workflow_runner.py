@@ -163,6 +163,20 @@ def api_files() -> list[Path]:
     return sorted(API_DIR.glob("*.json"))
 
 
+def api_twin(ui_path: Path) -> Path:
+    """The API file of a UI template: the UI file is named by its title, and names its twin in extra.vidmem.api."""
+    return API_DIR / f"{load_json(ui_path)['extra']['vidmem']['api']}.json"
+
+
+def ui_twin(api_path: Path) -> Path:
+    return next(path for path in ui_files() if api_twin(path).name == Path(api_path).name)
+
+
+def thumbnail(ui_path: Path) -> Path:
+    """What the Templates browser requests for a template's card: <file name>.jpg beside it."""
+    return Path(ui_path).with_suffix(".jpg")
+
+
 def is_link(value: Any) -> bool:
     return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
 
@@ -268,7 +282,7 @@ def shrink_for_tiny(api: dict, seed: int | None = None) -> dict:
                 inputs["seed"] = seed
         if node["class_type"] == "VidMemMemoryStrategy":
             inputs.update({k: v for k, v in dict(width=spec.width, height=spec.height, frames=spec.frames).items()
-                           if k in inputs})  # the size the strategy plans for
+                           if k in inputs})  # an older workflow's own copy of the shape (now ignored)
             if inputs["blocks_to_swap"] > 0:
                 inputs["blocks_to_swap"] = min(inputs["blocks_to_swap"], block_cap)
     return api
@@ -308,8 +322,12 @@ def run_api(api: dict) -> Run:
 
 
 def _run_ours(cls: type, inputs: dict, ui: dict, nid: str) -> tuple:
-    if hasattr(cls, "VALIDATE_INPUTS"):
-        verdict = cls.VALIDATE_INPUTS(**inputs)
+    if hasattr(cls, "VALIDATE_INPUTS"):  # as ComfyUI: only the inputs it names (all of them for **kwargs)
+        import inspect
+
+        spec = inspect.getfullargspec(cls.VALIDATE_INPUTS)
+        named = {k: v for k, v in inputs.items() if spec.varkw or k in spec.args}
+        verdict = cls.VALIDATE_INPUTS(**named)
         if verdict is not True:
             raise ValueError(f"node {nid} ({cls.__name__}) failed validation: {verdict}")
     result = getattr(cls(), cls.FUNCTION)(**inputs)

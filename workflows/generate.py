@@ -4,6 +4,14 @@ Both files of a template come from one Python description below, so they cannot 
 `tests/test_workflows.py` checks that the files on disk are what this script writes, and converts
 each UI file to API format on its own to compare. Widget order comes from the nodes' INPUT_TYPES.
 
+ComfyUI 0.8.0's Templates browser (frontend 1.35) shows a custom node pack's template by its file
+name, as both title and description, with `workflows/<file name>.jpg` as its card. So the UI file is
+named by the template's readable `title`, and its thumbnail beside it is a screenshot taken by
+tests/browser/check_templates.mjs (`--thumbnails workflows`); the API twin keeps a short `name`
+for the command line (workflows/api/<name>.json), and the UI file records it in extra.vidmem.api.
+Node sizes leave room for what the nodes show: the Strategy's plan from the start, the compact
+receipts after a run (web/js/vidmem.js), so nothing overlaps after a run.
+
     python workflows/generate.py          # rewrite the files
     python workflows/generate.py --check  # exit 1 if a file differs from what would be written
 """
@@ -34,13 +42,31 @@ class Node:
 
 
 @dataclass(frozen=True)
+class Loader:
+    """The node that loads the model: its type, widget values and height (a template may use another loader)."""
+
+    type: str
+    widgets: dict
+    height: int = 130
+
+    @property
+    def model(self) -> str:
+        return self.widgets["model"]
+
+
+def diffusers_folder(model: str, dtype: str) -> Loader:
+    """Load Video Pipeline on a diffusers folder under models/diffusers, found by name."""
+    return Loader("VidMemLoadPipeline", dict(model=model, dtype=dtype, path="", transformer_file="(from the folder)"))
+
+
+@dataclass(frozen=True)
 class Template:
     """What differs between templates: the model, the memory strategy, the shot, and why."""
 
-    name: str
+    name: str  # workflows/api/<name>.json, for the command line
+    title: str  # workflows/<title>.json: what the Templates browser shows
     note: str
-    model: str
-    dtype: str
+    loader: Loader
     strategy: dict
     prompt: str
     negative_prompt: str
@@ -59,6 +85,7 @@ TILES = dict(vae_tiling=True, tile_size=256, overlap=32, temporal_size=64, tempo
 TEMPLATES = (
     Template(
         name="cogvideox_t2v",
+        title="CogVideoX-2b text to video, 12 GB card",
         note=(
             "CogVideoX-2b text to video on a 12 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
             "Model: the diffusers folder of THUDM/CogVideoX-2b in ComfyUI/models/diffusers/CogVideoX-2b "
@@ -73,8 +100,7 @@ TEMPLATES = (
             "32 px overlap keep the decode to a few GB.\n\n"
             "Every strategy gives the same frames; they differ only in memory and speed."
         ),
-        model="CogVideoX-2b",
-        dtype="fp16",
+        loader=diffusers_folder("CogVideoX-2b", "fp16"),
         strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
                       text_encoder="offload_after_encoding",
                       vae_slicing=False, **TILES),
@@ -84,6 +110,7 @@ TEMPLATES = (
     ),
     Template(
         name="wan21_t2v_blockswap",
+        title="Wan 2.1 1.3B text to video, block swap for small cards",
         note=(
             "Wan 2.1 T2V 1.3B text to video: 832x480, 81 frames (about 5 s at 16 fps), for small cards.\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -97,8 +124,7 @@ TEMPLATES = (
             "With 12 GB or more, offload = model and blocks_to_swap = 0 is faster. Fewer swapped blocks "
             "run faster and use more VRAM. Every strategy gives the same frames."
         ),
-        model="Wan2.1-T2V-1.3B-Diffusers",
-        dtype="bf16",
+        loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
         strategy=dict(offload="block_swap", blocks_to_swap=20, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
                       text_encoder="cpu",
                       vae_slicing=False, **TILES),
@@ -112,6 +138,7 @@ TEMPLATES = (
     # table in web/docs/VidMemMemoryStrategy.md gives the same choices for every model and card.
     Template(
         name="wan21_t2v_1_3b_8gb",
+        title="Wan 2.1 1.3B text to video, 8 GB card",
         note=(
             "Wan 2.1 T2V 1.3B on an 8 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -123,12 +150,11 @@ TEMPLATES = (
             "(no VRAM, but it takes a while and needs about 11 GiB of free RAM). The VAE decodes in 256 px "
             "tiles.\n\n"
             "These are weight sizes; activations (a few GiB at this size) and the CUDA context come on top. "
-            "`vidmem plan` estimates the whole peak for your shape. If it still runs out of memory, the "
-            "wan21_t2v_blockswap template streams 20 of the 30 blocks from RAM. Every strategy gives the "
-            "same frames."
+            "The Memory Strategy node shows the predicted peaks for the Sampler's size before you queue. If "
+            "it still runs out of memory, the \"Wan 2.1 1.3B text to video, block swap for small cards\" "
+            "template streams 20 of the 30 blocks from RAM. Every strategy gives the same frames."
         ),
-        model="Wan2.1-T2V-1.3B-Diffusers",
-        dtype="bf16",
+        loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
         strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
                       text_encoder="cpu", vae_slicing=False, **TILES),
         prompt="A paper boat drifts down a rain-filled gutter past glowing shop windows at night, close-up.",
@@ -137,6 +163,7 @@ TEMPLATES = (
     ),
     Template(
         name="wan21_t2v_1_3b_12gb",
+        title="Wan 2.1 1.3B text to video, 12 GB card",
         note=(
             "Wan 2.1 T2V 1.3B on a 12 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -146,11 +173,10 @@ TEMPLATES = (
             "and leaves; then the transformer (2.6 GiB) samples, then the VAE decodes in 512 px tiles. "
             "10.6 GiB on a 12 GB card is tight: if the card also drives your display or ComfyUI holds "
             "other models, set text_encoder = cpu (the 8 GB template).\n\n"
-            "These are weight sizes; activations and the CUDA context come on top. `vidmem plan` "
-            "estimates the whole peak for your shape. Every strategy gives the same frames."
+            "These are weight sizes; activations and the CUDA context come on top. The Memory Strategy node "
+            "shows the predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
         ),
-        model="Wan2.1-T2V-1.3B-Diffusers",
-        dtype="bf16",
+        loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
         strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
                       text_encoder="offload_after_encoding", vae_slicing=False,
                       **dict(TILES, tile_size=512, overlap=128)),
@@ -160,6 +186,7 @@ TEMPLATES = (
     ),
     Template(
         name="wan21_t2v_14b_24gb",
+        title="Wan 2.1 14B text to video, 24 GB card",
         note=(
             "Wan 2.1 T2V 14B on a 24 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-14B-Diffusers in "
@@ -174,11 +201,10 @@ TEMPLATES = (
             "System RAM: every weight lives there between runs, about 38 GiB (transformer, text encoder, "
             "VAE), plus pinned copies of the streamed blocks; 64 GB of RAM is comfortable. At 1280x720 "
             "the activations grow about 2.3x: swap more blocks (each one frees 0.65 GiB). If you run out of "
-            "memory, raise blocks_to_swap by 4 at a time. `vidmem plan` estimates the whole peak for your "
-            "shape. Every strategy gives the same frames."
+            "memory, raise blocks_to_swap by 4 at a time. The Memory Strategy node shows the predicted peaks for the Sampler's size "
+            "before you queue. Every strategy gives the same frames."
         ),
-        model="Wan2.1-T2V-14B-Diffusers",
-        dtype="bf16",
+        loader=diffusers_folder("Wan2.1-T2V-14B-Diffusers", "bf16"),
         strategy=dict(offload="block_swap", blocks_to_swap=15, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
                       non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
         prompt="A lighthouse on a rocky cliff at dusk, waves crashing below, its beam sweeping through sea mist, aerial shot.",
@@ -187,6 +213,7 @@ TEMPLATES = (
     ),
     Template(
         name="cogvideox_2b_t2v_8gb",
+        title="CogVideoX-2b text to video, 8 GB card",
         note=(
             "CogVideoX-2b on an 8 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
             "Model: the diffusers folder of THUDM/CogVideoX-2b in ComfyUI/models/diffusers/CogVideoX-2b; "
@@ -194,13 +221,12 @@ TEMPLATES = (
             "Memory strategy, offload = model: the transformer (1.69 billion parameters, 3.2 GiB in fp16) is "
             "on the GPU only while it samples, the VAE only while it decodes (256 px tiles). The T5-XXL text "
             "encoder (4.8 billion parameters, 8.9 GiB) does not fit an 8 GB card, so text_encoder = cpu: "
-            "the prompt is encoded in system RAM (slow, no VRAM). With 12 GB or more, the cogvideox_t2v "
+            "the prompt is encoded in system RAM (slow, no VRAM). With 12 GB or more, the \"CogVideoX-2b text to video, 12 GB card\" "
             "template encodes on the GPU instead.\n\n"
-            "These are weight sizes; activations and the CUDA context come on top. `vidmem plan` "
-            "estimates the whole peak for your shape. Every strategy gives the same frames."
+            "These are weight sizes; activations and the CUDA context come on top. The Memory Strategy node "
+            "shows the predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
         ),
-        model="CogVideoX-2b",
-        dtype="fp16",
+        loader=diffusers_folder("CogVideoX-2b", "fp16"),
         strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
                       text_encoder="cpu", vae_slicing=False, **TILES),
         prompt="A steaming cup of coffee on a wooden table by a window, rain on the glass, soft morning light.",
@@ -209,6 +235,7 @@ TEMPLATES = (
     ),
     Template(
         name="wan22_ti2v_5b_12gb",
+        title="Wan 2.2 TI2V-5B text to video, 12 GB card",
         note=(
             "Wan 2.2 TI2V-5B on a 12 GB card, text to video: 1280x704, 121 frames (about 5 s at 24 fps). "
             "Width and height must be multiples of 32 for this model and frames 4k+1.\n\n"
@@ -221,11 +248,10 @@ TEMPLATES = (
             "(text_encoder = offload_after_encoding; tight on 12 GB: set it to cpu if the card also drives a "
             "display). Its VAE compresses 16x and decodes 1280x704x121 in 256 px tiles.\n\n"
             "On a 16 GB card offload = model (blocks_to_swap = 0) fits and is faster. These are weight "
-            "sizes; activations and the CUDA context come on top. `vidmem plan` estimates the whole peak "
-            "for your shape. Every strategy gives the same frames."
+            "sizes; activations and the CUDA context come on top. The Memory Strategy node shows the "
+            "predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
         ),
-        model="Wan2.2-TI2V-5B-Diffusers",
-        dtype="bf16",
+        loader=diffusers_folder("Wan2.2-TI2V-5B-Diffusers", "bf16"),
         strategy=dict(offload="block_swap", blocks_to_swap=12, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
                       non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
         prompt="A street musician plays violin under a bridge at golden hour, pigeons taking off around him, cinematic.",
@@ -238,30 +264,42 @@ GROUPS = ("1. Model and memory strategy", "2. Sample, decode, free", "3. Save")
 NOTE_COLORS = ("#432", "#653")
 
 
+# Layout, in canvas pixels. Heights leave room for what the nodes add in the browser: the
+# Strategy's plan (web/js/vidmem.js PLAN_HEIGHT) from the start, a three-line receipt after a run.
+COLUMNS = (0, 460, 940, 1340, 1880)
+TOP = 340  # below the note; a group's title sits above its nodes' title bars (GROUP_HEAD)
+GROUP_HEAD = 80  # node title bar (30) + group title (24) + room
+GAP = 30
+
+
 def graph(t: Template) -> list[Node]:
-    """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> Free VRAM -> save."""
+    """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> Free VRAM -> save.
+
+    The strategy takes the Sampler's shape (the browser reads it from the graph), so it has no
+    size of its own and no pipeline link: the plan finds the model through the Sampler.
+    """
+    a, b, c, d, e = COLUMNS
+    loader_h, strategy_h, decode_h = t.loader.height, 700, 190
     return [
-        Node(1, "VidMemLoadPipeline", (0, 330), (360, 130), dict(model=t.model, dtype=t.dtype, path="", transformer_file="(from the folder)"), group=GROUPS[0]),
-        # The pipeline link makes the strategy node show its predicted peaks per stage after a run.
-        Node(2, "VidMemMemoryStrategy", (0, 500), (360, 470), dict(
-            t.strategy, width=t.width, height=t.height, frames=t.frames, vram_budget_gb=0.0, ram_budget_gb=0.0,
-        ), links=dict(pipeline=(1, 0)), group=GROUPS[0]),
-        Node(3, "VidMemVideoSampler", (420, 330), (400, 500), dict(
+        Node(1, t.loader.type, (a, TOP), (400, loader_h), t.loader.widgets, group=GROUPS[0]),
+        Node(2, "VidMemMemoryStrategy", (a, TOP + loader_h + GAP), (400, strategy_h),
+             dict(t.strategy, vram_budget_gb=0.0, ram_budget_gb=0.0), group=GROUPS[0]),
+        Node(3, "VidMemVideoSampler", (b, TOP), (420, 590), dict(
             prompt=t.prompt, negative_prompt=t.negative_prompt, width=t.width, height=t.height, frames=t.frames,
             steps=t.steps, cfg=t.cfg, seed=t.seed, control_after_generate="fixed",
         ), links=dict(pipeline=(1, 0), strategy=(2, 0)), group=GROUPS[1]),
-        Node(4, "VidMemVAEDecode", (880, 330), (300, 110), dict(save_latents=False),
-             links=dict(pipeline=(1, 0), latent=(3, 0), strategy=(2, 0)),
-             group=GROUPS[1]),
-        Node(5, "VidMemFreeVRAM", (880, 470), (300, 130), dict(unload_comfy_models=False), links=dict(anything=(4, 0)),
-             group=GROUPS[1]),
-        Node(6, "CreateVideo", (1240, 330), (270, 80), dict(fps=t.fps), links=dict(images=(5, 0)), group=GROUPS[2]),
-        Node(7, "SaveVideo", (1240, 460), (480, 440), dict(filename_prefix=f"vidmem/{t.name}", format="auto", codec="auto"),
-             links=dict(video=(6, 0)), group=GROUPS[2]),
-        Node(8, "SaveAnimatedWEBP", (1780, 330), (480, 570), dict(
+        Node(4, "VidMemVAEDecode", (c, TOP), (340, decode_h), dict(save_latents=False),
+             links=dict(pipeline=(1, 0), latent=(3, 0), strategy=(2, 0)), group=GROUPS[1]),
+        Node(5, "VidMemFreeVRAM", (c, TOP + decode_h + GAP), (340, 160), dict(unload_comfy_models=False),
+             links=dict(anything=(4, 0)), group=GROUPS[1]),
+        # Save Video grows to fit its preview (a square one for the tiny models): room for that.
+        Node(6, "CreateVideo", (d, TOP), (480, 80), dict(fps=t.fps), links=dict(images=(5, 0)), group=GROUPS[2]),
+        Node(7, "SaveVideo", (d, TOP + 80 + 2 * GAP), (480, 620), dict(filename_prefix=f"vidmem/{t.name}", format="auto",
+             codec="auto"), links=dict(video=(6, 0)), group=GROUPS[2]),
+        Node(8, "SaveAnimatedWEBP", (e, TOP), (480, 760), dict(
             filename_prefix=f"vidmem/{t.name}_preview", fps=t.fps, lossless=False, quality=85, method="default",
         ), links=dict(images=(5, 0)), group=GROUPS[2]),
-        Node(9, "Note", (0, 0), (820, 280), dict(text=t.note), colors=NOTE_COLORS),
+        Node(9, "Note", (a, 0), (c + 340, 250), dict(text=t.note), colors=NOTE_COLORS),
     ]
 
 
@@ -301,7 +339,8 @@ def to_ui(t: Template, nodes: list[Node]) -> dict:
         "links": links,
         "groups": _groups(nodes),
         "config": {},
-        "extra": {"ds": {"scale": 0.8, "offset": [40, 40]}},
+        # The saved view starts right of the sidebar; extra.vidmem.api names the API twin.
+        "extra": {"ds": {"scale": 0.7, "offset": [120, 60]}, "vidmem": {"api": t.name}},
         "version": 0.4,
     }
 
@@ -352,7 +391,8 @@ def _groups(nodes: list[Node]) -> list[dict]:
         left, top = min(n.pos[0] for n in members), min(n.pos[1] for n in members)
         right = max(n.pos[0] + n.size[0] for n in members)
         bottom = max(n.pos[1] + n.size[1] for n in members)
-        groups.append({"id": index, "title": title, "bounding": [left - 10, top - 50, right - left + 20, bottom - top + 60],
+        groups.append({"id": index, "title": title, "bounding": [left - 10, top - GROUP_HEAD, right - left + 20,
+                                                                 bottom - top + GROUP_HEAD + 10],
                        "color": "#3f789e", "font_size": 24, "flags": {}})
     return groups
 
@@ -364,7 +404,7 @@ def render() -> dict[Path, str]:
     files = {}
     for t in TEMPLATES:
         nodes = graph(t)
-        files[WORKFLOWS_DIR / f"{t.name}.json"] = _dump(to_ui(t, nodes))
+        files[WORKFLOWS_DIR / f"{t.title}.json"] = _dump(to_ui(t, nodes))
         files[API_DIR / f"{t.name}.json"] = _dump(to_api(nodes))
     return files
 
@@ -377,15 +417,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write vidmem's workflow templates (UI and API format).")
     parser.add_argument("--check", action="store_true", help="only report files that differ; exit 1 if any")
     args = parser.parse_args(argv)
-    stale = [path for path, text in render().items() if not path.is_file() or path.read_text() != text]
+    files = render()
+    stale = [path for path, text in files.items() if not path.is_file() or path.read_text() != text]
+    strays = [path for path in (*WORKFLOWS_DIR.glob("*.json"), *API_DIR.glob("*.json")) if path not in files]
     if args.check:
         for path in stale:
             print(f"out of date: {path.relative_to(WORKFLOWS_DIR.parent)}")
-        return 1 if stale else 0
-    for path, text in render().items():
+        for path in strays:
+            print(f"not a template any more: {path.relative_to(WORKFLOWS_DIR.parent)}")
+        return 1 if stale or strays else 0
+    for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path.relative_to(WORKFLOWS_DIR.parent)}")
+    for path in strays:
+        path.unlink()
+        print(f"removed {path.relative_to(WORKFLOWS_DIR.parent)}")
     return 0
 
 

@@ -1,10 +1,15 @@
 // Load every vidmem UI template in the real ComfyUI frontend (headless Chromium driven by
-// playwright-core), check it, screenshot it, and run one template from the browser to see the
-// extension put its receipts on the nodes. Run by tests/test_web_browser.py; usage:
+// playwright-core), check it, screenshot it, watch the Memory Strategy's live plan change as
+// blocks_to_swap changes (before anything is queued), load an older Strategy layout, and run
+// templates from the browser to see the receipts on the nodes and check that no node overlaps
+// another afterwards. Run by tests/test_web_browser.py; usage:
 //
 //   NODE_PATH=/path/to/node_modules node tests/browser/check_templates.mjs \
 //     --url http://127.0.0.1:8188 --browser /usr/bin/chromium --workflows workflows \
-//     --screenshots docs/screenshots [--run wan21_t2v_blockswap]
+//     --screenshots docs/screenshots [--run wan21_t2v_blockswap] [--run-all] [--thumbnails workflows]
+//
+// Templates are named by their UI file's title; --run and the screenshots use the API twin's
+// short name (extra.vidmem.api). --thumbnails writes each template's card, <title>.jpg.
 //
 // Prints one JSON report on stdout; exit status 0 when every check passed.
 import fs from "node:fs";
@@ -19,18 +24,23 @@ const { chromium } = require("playwright-core"); // resolved through NODE_PATH (
 const { values: args } = parseArgs({
   options: {
     url: { type: "string" }, browser: { type: "string" }, workflows: { type: "string" },
-    screenshots: { type: "string" }, run: { type: "string" },
+    screenshots: { type: "string" }, run: { type: "string" }, "run-all": { type: "boolean" },
+    thumbnails: { type: "string" },
   },
 });
 const TINY = { width: 32, height: 32, frames: 9, steps: 2 }; // the tiny stand-in models' size
+const TINY_TI2V = { ...TINY, width: 64, height: 64 }; // Wan 2.2 TI2V-5B's tiny stand-in: multiples of 64
+const tinyFor = (template) => (/TI2V/i.test(JSON.stringify(template.api)) ? TINY_TI2V : TINY);
 const VIEWPORT = { width: 1600, height: 900 };
 // Readable screenshots: full detail at the fitted zoom, no minimap over the graph.
 const SETTINGS = { "LiteGraph.Canvas.MinFontSizeForLOD": 0, "Comfy.Minimap.Visible": false };
 
 function templates() {
-  return fs.readdirSync(args.workflows).filter((f) => f.endsWith(".json")).sort()
-    .map((f) => ({ name: f.slice(0, -5), ui: JSON.parse(fs.readFileSync(path.join(args.workflows, f), "utf8")),
-                   api: JSON.parse(fs.readFileSync(path.join(args.workflows, "api", f), "utf8")) }));
+  return fs.readdirSync(args.workflows).filter((f) => f.endsWith(".json")).sort().map((f) => {
+    const ui = JSON.parse(fs.readFileSync(path.join(args.workflows, f), "utf8"));
+    const name = ui.extra.vidmem.api;
+    return { name, title: f.slice(0, -5), ui, api: JSON.parse(fs.readFileSync(path.join(args.workflows, "api", `${name}.json`), "utf8")) };
+  });
 }
 
 async function openComfy(page) {
@@ -88,7 +98,7 @@ async function fitAndShoot(page, file) {
 }
 
 // Queue the loaded graph from the browser at the tiny size and wait for the receipts on the nodes.
-async function runInBrowser(page, seed) {
+async function runInBrowser(page, seed, tiny = TINY) {
   return page.evaluate(async ({ tiny, seed }) => {
     const app = window.app;
     const byType = (type) => app.graph.nodes.find((n) => n.type === type);
@@ -96,25 +106,150 @@ async function runInBrowser(page, seed) {
     const sampler = byType("VidMemVideoSampler");
     for (const [name, value] of Object.entries(tiny)) set(sampler, name, value);
     set(sampler, "seed", seed);
-    const strategy = byType("VidMemMemoryStrategy");
-    for (const name of ["width", "height", "frames"]) set(strategy, name, tiny[name]); // the size it plans for
+    const strategy = byType("VidMemMemoryStrategy"); // it plans at the Sampler's shape: nothing to set there
     if (strategy.widgets.find((w) => w.name === "offload").value === "block_swap") set(strategy, "blocks_to_swap", 1);
     await app.queuePrompt(0, 1);
-    const receipt = (node) => node.widgets?.find((w) => w.name === "vidmem_receipt")?.element?.textContent ?? null;
+    const receipt = (node) => node.widgets?.find((w) => w.name === "vidmem_receipt")?.element?.title || null;
+    const plan = (node) => node.widgets?.find((w) => w.name === "vidmem_plan")?.element?.textContent ?? null;
     const deadline = Date.now() + 240000;
     while (Date.now() < deadline) {
       const texts = ["VidMemMemoryStrategy", "VidMemVideoSampler", "VidMemVAEDecode", "VidMemFreeVRAM"]
-        .map((t) => receipt(byType(t)));
+        .map((t) => (t === "VidMemMemoryStrategy" ? plan(byType(t)) : receipt(byType(t))));
       const queue = await (await fetch("/api/queue")).json();
       const idle = !queue.queue_running.length && !queue.queue_pending.length;
-      if (texts.every(Boolean) && idle) {
+      if (texts.slice(1).every(Boolean) && idle) {
         const saved = app.graph.serialize().nodes.find((n) => n.type === "VidMemVideoSampler").widgets_values;
         return { strategy: texts[0], sampler: texts[1], decode: texts[2], free: texts[3], samplerWidgetsSaved: saved.length };
       }
       await new Promise((resolve) => setTimeout(resolve, 500));
     }
     return { timeout: true };
-  }, { tiny: TINY, seed });
+  }, { tiny, seed });
+}
+
+
+// In the page: the Strategy node's plan widget as text, its chart's markup and status ("none" until it answered).
+async function planOnNode(page) {
+  return page.evaluate(() => {
+    const node = window.app.graph.nodes.find((n) => n.type === "VidMemMemoryStrategy");
+    const element = node?.widgets?.find((w) => w.name === "vidmem_plan")?.element;
+    return { status: element?.dataset.status ?? "missing", text: element?.textContent ?? "",
+             chart: element?.querySelector("svg")?.outerHTML ?? "", table: element?.querySelector("pre")?.textContent ?? "" };
+  });
+}
+
+async function waitForPlan(page, differentFrom = null, timeout = 30000) {
+  const deadline = Date.now() + timeout;
+  let plan = await planOnNode(page);
+  while (Date.now() < deadline && (plan.status === "none" || (differentFrom !== null && plan.text === differentFrom))) {
+    await page.waitForTimeout(250);
+    plan = await planOnNode(page);
+  }
+  return plan;
+}
+
+async function setWidgets(page, type, values) {
+  await page.evaluate(({ type, values }) => {
+    const node = window.app.graph.nodes.find((n) => n.type === type);
+    for (const [name, value] of Object.entries(values)) {
+      const widget = node.widgets.find((w) => w.name === name);
+      widget.value = value;
+      widget.callback?.(value);
+    }
+    window.app.graph.setDirtyCanvas(true, true);
+  }, { type, values });
+}
+
+async function promptCount(page) {
+  return page.evaluate(async () => {
+    const history = await (await fetch("/api/history")).json();
+    const queue = await (await fetch("/api/queue")).json();
+    return Object.keys(history).length + queue.queue_running.length + queue.queue_pending.length;
+  });
+}
+
+// Load the template, give the Sampler the tiny model's size, and change blocks_to_swap twice:
+// the plan on the Strategy node must change each time, and nothing may be queued meanwhile.
+async function livePlanCheck(page, template, file) {
+  await loadAndInspect(page, template);
+  const prompts = await promptCount(page);
+  const atTemplateSize = await waitForPlan(page);
+  await setWidgets(page, "VidMemVideoSampler", tinyFor(template)); // the plan follows the Sampler's shape
+  // Budgets near the tiny model's needs, so the bars and the budget line say something.
+  await setWidgets(page, "VidMemMemoryStrategy", { vram_budget_gb: 1, ram_budget_gb: 2 });
+  const steps = [await waitForPlan(page, atTemplateSize.text)];
+  for (const blocks of [1, 2]) {
+    await setWidgets(page, "VidMemMemoryStrategy", { blocks_to_swap: blocks });
+    steps.push(await waitForPlan(page, steps.at(-1).text));
+  }
+  await showNode(page, "VidMemMemoryStrategy");
+  await page.screenshot({ path: file, type: "png" });
+  return { steps: steps.map(({ status, text, table, chart }) => ({ status, text, table, chartBytes: chart.length, chart })),
+           queued: (await promptCount(page)) - prompts, screenshot: file };
+}
+
+// Zoom the canvas onto one node (and its neighbours) for a readable screenshot.
+async function showNode(page, type) {
+  await dismissDialogs(page);
+  await page.evaluate((type) => {
+    const app = window.app;
+    const node = app.graph.nodes.find((n) => n.type === type);
+    const canvas = app.canvas;
+    const scale = Math.min(canvas.canvas.height / (node.size[1] + 220), 1.6);
+    canvas.ds.scale = scale;
+    canvas.ds.offset[0] = -node.pos[0] + 90 / scale;
+    canvas.ds.offset[1] = -node.pos[1] + 140 / scale; // clear of the workflow tabs and the title bar
+    canvas.setDirty(true, true);
+  }, type);
+  await page.waitForTimeout(800);
+}
+
+// An older Strategy node: width/height/frames between the widgets and the budgets, and a pipeline link.
+function legacyOf(ui) {
+  const old = structuredClone(ui);
+  const strategy = old.nodes.find((n) => n.type === "VidMemMemoryStrategy");
+  const sampler = old.nodes.find((n) => n.type === "VidMemVideoSampler");
+  const shape = ["width", "height", "frames"].map((name) => sampler.widgets_values[2 + ["width", "height", "frames"].indexOf(name)]);
+  strategy.widgets_values = [...strategy.widgets_values.slice(0, 12), ...shape, 6.5, 48];
+  return old;
+}
+
+async function legacyCheck(page, template) {
+  return page.evaluate(async (ui) => {
+    await window.app.loadGraphData(ui);
+    const { output } = await window.app.graphToPrompt();
+    const strategy = Object.values(output).find((n) => n.class_type === "VidMemMemoryStrategy").inputs;
+    return { vram_budget_gb: strategy.vram_budget_gb, ram_budget_gb: strategy.ram_budget_gb, width: strategy.width ?? null,
+             loaded: window.app.graph.nodes.length };
+  }, legacyOf(template.ui));
+}
+
+// After a run: every node's box (title bar included) against every other's, and each group
+// against the nodes it holds. Returns the problems found.
+async function layoutProblems(page) {
+  return page.evaluate(() => {
+    const app = window.app;
+    const title = window.LiteGraph.NODE_TITLE_HEIGHT ?? 30;
+    const boxes = app.graph.nodes.map((n) => ({ id: n.id, type: n.type, x: n.pos[0], y: n.pos[1] - title, w: n.size[0], h: n.size[1] + title }));
+    const problems = [];
+    for (const [i, a] of boxes.entries()) {
+      for (const b of boxes.slice(i + 1)) {
+        const dx = Math.min(a.x + a.w, b.x + b.w) - Math.max(a.x, b.x);
+        const dy = Math.min(a.y + a.h, b.y + b.h) - Math.max(a.y, b.y);
+        if (dx > 0 && dy > 0) problems.push(`${a.type} overlaps ${b.type} by ${Math.round(dx)}x${Math.round(dy)} px`);
+      }
+    }
+    for (const group of app.graph.groups ?? app.graph._groups ?? []) {
+      const [gx, gy, gw, gh] = group._bounding ?? group.bounding;
+      for (const box of boxes) {
+        const inside = box.x >= gx && box.x < gx + gw && box.y >= gy && box.y < gy + gh;
+        if (inside && (box.x + box.w > gx + gw || box.y + box.h > gy + gh)) problems.push(`${box.type} runs past its group "${group.title}"`);
+        const head = gy + (group.font_size ?? 24) + 8; // the group's title band
+        if (inside && box.y < head) problems.push(`${box.type} covers the title of group "${group.title}"`);
+      }
+    }
+    return { problems, boxes };
+  });
 }
 
 async function main() {
@@ -147,8 +282,14 @@ async function main() {
     for (const template of templates()) {
       const result = await loadAndInspect(page, template);
       result.name = template.name;
+      result.title = template.title;
+      result.plan = (await waitForPlan(page)).text.slice(0, 300);
       result.screenshot = path.join(args.screenshots, `${template.name}.png`);
       result.bytes = await fitAndShoot(page, result.screenshot);
+      if (args.thumbnails) {
+        result.thumbnail = path.join(args.thumbnails, `${template.title}.jpg`);
+        await page.screenshot({ path: result.thumbnail, type: "jpeg", quality: 80 });
+      }
       report.templates.push(result);
       if (result.missing.length) report.problems.push(`${template.name}: missing node types ${result.missing}`);
       if (result.loaded !== result.expected) report.problems.push(`${template.name}: ${result.loaded} of ${result.expected} nodes loaded`);
@@ -156,19 +297,46 @@ async function main() {
         report.problems.push(`${template.name}: the frontend's graphToPrompt differs from workflows/api/${template.name}.json`);
       }
     }
-    if (args.run) {
-      const template = templates().find((t) => t.name === args.run);
+    const runTemplate = templates().find((t) => t.name === args.run);
+    if (runTemplate) {
+      report.livePlan = await livePlanCheck(page, runTemplate, path.join(args.screenshots, "strategy_live_plan.png"));
+      const texts = report.livePlan.steps.map((step) => step.text);
+      if (new Set(texts).size !== texts.length) report.problems.push("the plan text did not change with blocks_to_swap");
+      if (report.livePlan.steps[1].chart === report.livePlan.steps[0].chart) report.problems.push("the plan chart did not change with blocks_to_swap");
+      if (report.livePlan.steps.slice(1).some((step) => step.status !== "ok")) report.problems.push("no plan for blocks_to_swap 1 or 2 at the tiny size");
+      if (report.livePlan.queued !== 0) report.problems.push("something was queued while the plan changed");
+      report.legacy = await legacyCheck(page, runTemplate);
+      if (report.legacy.vram_budget_gb !== 6.5 || report.legacy.ram_budget_gb !== 48 || report.legacy.width !== null) {
+        report.problems.push(`an older Strategy layout loads with the wrong budgets: ${JSON.stringify(report.legacy)}`);
+      }
+    }
+    report.runs = [];
+    for (const template of templates().filter((t) => t.name === args.run || args["run-all"])) {
       await loadAndInspect(page, template);
-      report.run = await runInBrowser(page, Date.now() % 2 ** 31);
-      report.run.screenshot = path.join(args.screenshots, `${args.run}_receipts.png`);
-      if (report.run.timeout) report.problems.push(`${args.run}: no receipts on the nodes within 240 s`);
-      else {
-        report.run.bytes = await fitAndShoot(page, report.run.screenshot);
-        if (!/denoise/.test(report.run.sampler) || !/swap cost/.test(report.run.sampler)) report.problems.push("sampler receipt lacks denoise/swap cost");
-        if (report.run.samplerWidgetsSaved !== template.ui.nodes.find((n) => n.type === "VidMemVideoSampler").widgets_values.length) {
+      const run = await runInBrowser(page, Date.now() % 2 ** 31, tinyFor(template));
+      run.name = template.name;
+      report.runs.push(run);
+      if (run.timeout) {
+        report.problems.push(`${template.name}: no receipts on the nodes within 240 s`);
+        continue;
+      }
+      await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.Canvas.FitView"));
+      await page.waitForTimeout(3000); // the video preview sizes its node once its metadata loads
+      const layout = await layoutProblems(page);
+      run.layoutProblems = layout.problems;
+      report.problems.push(...layout.problems.map((p) => `${template.name} after a run: ${p}`));
+      if (template.name === args.run) {
+        report.run = run;
+        run.screenshot = path.join(args.screenshots, `${args.run}_receipts.png`);
+        run.bytes = await fitAndShoot(page, run.screenshot);
+        if (!/denoise/.test(run.sampler) || !/swap cost/.test(run.sampler)) report.problems.push("sampler receipt lacks denoise/swap cost");
+        if (run.samplerWidgetsSaved !== template.ui.nodes.find((n) => n.type === "VidMemVideoSampler").widgets_values.length) {
           report.problems.push("the receipt widget leaked into the saved workflow's widgets_values");
         }
+        report.meterBox = await page.evaluate(() => document.querySelector("#vidmem-meter")?.getBoundingClientRect().toJSON());
       }
+    }
+    if (args.run) {
       await page.evaluate(() => window.app.extensionManager.command.execute("vidmem.freeVram"));
       await page.waitForTimeout(1000);
       report.freeRequests = frees;

@@ -3,7 +3,8 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  FREE_BODY, MEMORY_ROUTE, NODE_TYPES, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
+  FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
+  planBars, planLines, planQuery, planVerdict, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
   parseStrategyText, receiptFrom, strategyLines, summarize, textFrom,
 } from "../../web/js/vidmem_format.js";
 
@@ -141,4 +142,90 @@ test("constants the extension relies on", () => {
   assert.equal(MEMORY_ROUTE, "/vidmem/memory");
   assert.deepEqual([...NODE_TYPES].sort(), ["VidMemFreeVRAM", "VidMemLoadPipeline", "VidMemMemoryStrategy",
                                             "VidMemVAEDecode", "VidMemVideoSampler"]);
+});
+
+// A plan as GET /vidmem/plan answers it (nodes/plan_route.py), trimmed to two rows.
+const GIB = 2 ** 30;
+const stages = (te, dn, dc, ram) => [
+  { name: "text_encode", vram_bytes: te * GIB, ram_bytes: ram * GIB },
+  { name: "denoise", vram_bytes: dn * GIB, ram_bytes: ram * GIB },
+  { name: "decode", vram_bytes: dc * GIB, ram_bytes: ram * GIB },
+];
+const PLAN = {
+  status: "ok", model: "Wan2.1-T2V-1.3B-Diffusers", auto: false, shape: { width: 832, height: 480, frames: 81 },
+  budgets: { vram_bytes: 8 * GIB, ram_bytes: 32 * GIB }, chosen: 1,
+  rows: [
+    { label: "none", strategy: "offload=none", fits: false, est_slowdown: 1, peak_vram_bytes: 12 * GIB, peak_ram_bytes: 20 * GIB,
+      stages: stages(12, 9, 7, 20), over_budget: ["text_encode needs 12.0 GiB VRAM (budget 8.0 GiB)"] },
+    { label: "your settings", strategy: "offload=block_swap blocks_to_swap=5", fits: true, est_slowdown: 1.09,
+      peak_vram_bytes: 6 * GIB, peak_ram_bytes: 20 * GIB, stages: stages(0, 5.5, 6, 20), over_budget: [] },
+  ],
+};
+
+test("the plan route and the Strategy's widgets as the node declares them", () => {
+  assert.equal(PLAN_ROUTE, "/vidmem/plan");
+  assert.equal(STRATEGY_WIDGETS.length, 12);
+  assert.deepEqual([...STRATEGY_BUDGETS], ["vram_budget_gb", "ram_budget_gb"]);
+});
+
+test("an older Strategy node's widget values are read by name; current ones are left alone", () => {
+  const current = ["model", 0, 1, -1, true, "cpu", false, true, 256, 32, 64, 8, 6, 0];
+  assert.equal(legacyStrategyValues(current), null);
+  const old = [...current.slice(0, 12), 832, 480, 81, 6, 0];
+  const named = legacyStrategyValues(old);
+  assert.equal(named.vram_budget_gb, 6);
+  assert.equal(named.ram_budget_gb, 0);
+  assert.equal(named.frames, 81);
+  assert.equal(named.tile_size, 256);
+});
+
+test("the plan query carries the model, every widget and the sampler's shape, or nothing", () => {
+  const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((n) => [n, n === "non_blocking" ? true : 1]));
+  const query = new URLSearchParams(planQuery({ model: "Wan", dtype: "bf16", widgets, shape: { width: 832, height: 480, frames: 81, cfg: 5 }, client: 7 }));
+  assert.equal(query.get("model"), "Wan");
+  assert.equal(query.get("non_blocking"), "true");
+  assert.equal(query.get("frames"), "81");
+  assert.equal(query.get("client"), "7");
+  for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS]) assert.ok(query.has(name), name);
+  assert.equal(planQuery({ model: "", widgets, shape: { width: 1, height: 1, frames: 1 } }), null);
+  assert.equal(planQuery({ model: "Wan", widgets, shape: { width: 832, height: undefined, frames: 81 } }), null);
+});
+
+test("the plan table marks the chosen row and shows the budgets", () => {
+  const lines = planLines(PLAN);
+  assert.equal(lines[0], "Wan2.1-T2V-1.3B-Diffusers 832x480x81");
+  assert.match(lines[2], /^  none .* 12\.0  20\.0 .* x1\.00 over$/);
+  assert.match(lines[3], /^> your settings .*  6\.0  20\.0 .* x1\.09$/);
+  assert.match(lines.at(-1), /budget +8\.0  32\.0/);
+  assert.deepEqual(planLines({ status: "error" }), []);
+});
+
+test("the verdict names the chosen row, or the problem and its input", () => {
+  assert.match(planVerdict(PLAN), /^your settings: offload=block_swap blocks_to_swap=5; peak VRAM 6\.0 GiB, x1\.09, fits$/);
+  assert.match(planVerdict({ ...PLAN, auto: true, chosen: 0 }), /^auto chose: offload=none.*over budget: text_encode needs/);
+  assert.equal(planVerdict({ status: "error", error: "tile_size=100 must be a multiple of 32" }), "plan: tile_size=100 must be a multiple of 32");
+  assert.match(planVerdict(null), /connect the Sampler/);
+});
+
+test("bars are shares of the budgets: past 1 is over the line", () => {
+  const [none, mine] = planBars(PLAN);
+  assert.equal(none.chosen, false);
+  assert.equal(mine.chosen, true);
+  assert.equal(none.stages[0].vram, 1.5);
+  assert.equal(mine.stages[1].vram, 5.5 / 8);
+  assert.equal(mine.stages[2].ram, 20 / 32);
+  assert.deepEqual(none.stages.map((s) => s.name), ["text_encode", "denoise", "decode"]);
+});
+
+test("receipts are at most three short lines; the rest is in the tooltip", () => {
+  const sampler = compactLines("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, plan: "auto chose at 32x32x9: offload=none; peak" }] });
+  assert.equal(sampler.length, 3);
+  assert.equal(sampler[0], "text encode 1.29 s + denoise 12.50 s");
+  assert.equal(sampler[1], "peak VRAM 8.85 GiB, RSS 414.45 MiB");
+  assert.equal(sampler[2], "auto chose at 32x32x9: offload=none; swap cost 3.7% of denoise");
+  const decode = compactLines("VidMemVAEDecode", { vidmem_receipt: [DECODE] });
+  assert.deepEqual(decode, ["decode 518 ms", "peak RSS 421.35 MiB (no GPU)", "VAE tiled, 6 tiles x 2 chunks"]);
+  const free = compactLines("VidMemFreeVRAM", { vidmem_receipt: [FREE] });
+  assert.deepEqual(free, ["RSS 421.34 MiB -> 421.34 MiB, VRAM 1.00 GiB -> 0 B", "models unloaded: no"]);
+  assert.ok(compactLines("VidMemVideoSampler", { text: ["a\nb\nc\nd"] }).length <= 3);
 });

@@ -1,40 +1,189 @@
-// vidmem's web extension: receipts on the nodes after they run, a VRAM/RAM meter, "Free VRAM now".
+// vidmem's web extension: the live plan on the Memory Strategy node, compact receipts on the nodes
+// after they run, a VRAM/RAM meter, "Free VRAM now".
 // Official hooks only: registerExtension (beforeRegisterNodeDef chains onExecuted the documented
-// way, setup), commands/menuCommands, settings, api.addEventListener. Served by ComfyUI at
-// /extensions/vidmem/js/vidmem.js, so ComfyUI's scripts are three levels up.
+// way, nodeCreated, beforeConfigureGraph, setup), commands/menuCommands, settings,
+// api.addEventListener. Served by ComfyUI at /extensions/vidmem/js/vidmem.js, so ComfyUI's
+// scripts are three levels up.
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
-import { FREE_BODY, MEMORY_ROUTE, NODE_TYPES, meterText, summarize } from "./vidmem_format.js";
+import {
+  FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STAGES, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines,
+  legacyStrategyValues, meterText, planBars, planLines, planQuery, planVerdict, slowdownText, summarize,
+} from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
+const PLAN_WIDGET = "vidmem_plan";
 const INTERVAL_SETTING = "VidMem.Meter.IntervalSeconds";
 const FREE_COMMAND = "vidmem.freeVram";
 const LINE_HEIGHT = 15;
+const RECEIPT_LINES = 3; // compact: the full receipt is in the tooltip
+const PLAN_HEIGHT = 300; // fixed, so a template's layout holds whatever the plan says
+const WIDGET_MARGIN = 4; // the frontend insets a DOM widget by this on each side
+const PLAN_POLL_MS = 600; // how often the graph is read for a changed plan request (no request if unchanged)
+const STRATEGY = "VidMemMemoryStrategy";
+const SAMPLER = "VidMemVideoSampler";
 
-function showSummary(node, nodeType, message) {
-  const { title, lines } = summarize(nodeType, message);
+function domWidget(node, name, element, height) {
+  const widget = node.addDOMWidget(name, name, element, {
+    serialize: false, // never part of the prompt
+    getValue: () => "",
+    setValue: () => {},
+    getMinHeight: () => height(),
+    getMaxHeight: () => height(),
+    margin: WIDGET_MARGIN,
+  });
+  widget.serialize = false; // nor of the workflow's widgets_values
+  return widget;
+}
+
+function showReceipt(node, nodeType, message) {
+  const lines = compactLines(nodeType, message, RECEIPT_LINES);
   if (!lines.length) return;
   let widget = node.widgets?.find((w) => w.name === RECEIPT_WIDGET);
   if (!widget) {
     const element = document.createElement("div");
     element.className = "vidmem-receipt";
     Object.assign(element.style, {
-      whiteSpace: "pre-wrap", font: "11px/15px monospace", padding: "4px 6px", overflow: "auto",
+      font: "11px/15px monospace", padding: "4px 6px", overflow: "hidden", cursor: "help",
       color: "var(--input-text, #ddd)", background: "var(--comfy-input-bg, #222)", borderRadius: "4px",
     });
-    widget = node.addDOMWidget(RECEIPT_WIDGET, "vidmem-receipt", element, {
-      serialize: false, // never part of the prompt
-      getValue: () => "",
-      setValue: () => {},
-      getMinHeight: () => (element.dataset.lines || 1) * LINE_HEIGHT + 10,
-    });
-    widget.serialize = false; // nor of the workflow's widgets_values
+    widget = domWidget(node, RECEIPT_WIDGET, element, () => RECEIPT_LINES * LINE_HEIGHT + 8 + 2 * WIDGET_MARGIN);
   }
-  widget.element.dataset.lines = String(lines.length + 1);
-  widget.element.textContent = [title, ...lines].join("\n");
+  widget.element.replaceChildren(...lines.map((text) => {
+    const line = document.createElement("div");
+    Object.assign(line.style, { whiteSpace: "pre", overflow: "hidden", textOverflow: "ellipsis" });
+    line.textContent = text;
+    return line;
+  }));
+  const { title, lines: details } = summarize(nodeType, message);
+  widget.element.title = [title, ...details].join("\n"); // the whole receipt, on hover
   const wanted = node.computeSize();
   node.setSize([Math.max(node.size[0], wanted[0]), Math.max(node.size[1], wanted[1])]);
   app.graph?.setDirtyCanvas(true, true);
+}
+
+// --- the live plan ------------------------------------------------------------------------------
+
+const SVG = "http://www.w3.org/2000/svg";
+const planState = new WeakMap(); // strategy node -> {query, plan, controller}
+
+function svg(tag, attrs, text) {
+  const element = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attrs)) element.setAttribute(key, String(value));
+  if (text !== undefined) element.textContent = text;
+  return element;
+}
+
+// Per row: each stage's VRAM (thick) and RAM (thin) bar as a share of its budget; the dashed
+// line is the budget (a bar past it is red). The chosen row is marked; slowdown at the right.
+function drawChart(plan) {
+  const bars = planBars(plan);
+  const rowH = 17, top = 14, labelW = 100, panelW = 78, gap = 4, scale = 0.7 * panelW;
+  const width = labelW + STAGES.length * (panelW + gap) + 54;
+  const chart = svg("svg", { viewBox: `0 0 ${width} ${top + bars.length * rowH + 2}`, width: "100%", class: "vidmem-plan-chart" });
+  chart.style.font = "9px monospace";
+  STAGES.forEach(([, label], s) => chart.append(svg("text", { x: labelW + s * (panelW + gap), y: 9, fill: "#aaa" }, label)));
+  chart.append(svg("text", { x: width - 50, y: 9, fill: "#aaa" }, "time"));
+  bars.forEach((row, r) => {
+    const y = top + r * rowH;
+    if (row.chosen) chart.append(svg("rect", { x: 0, y: y - 1, width, height: rowH - 1, fill: "rgba(120,180,255,0.18)", rx: 2 }));
+    chart.append(svg("text", { x: 2, y: y + 11, fill: row.fits === false ? "#e06c75" : "#ddd", "font-weight": row.chosen ? "bold" : "normal" },
+      `${row.chosen ? "> " : ""}${row.label}`.slice(0, 20)));
+    row.stages.forEach((stage, s) => {
+      const x = labelW + s * (panelW + gap);
+      chart.append(svg("rect", { x, y: y + 1, width: panelW, height: rowH - 4, fill: "rgba(255,255,255,0.04)" }));
+      const vram = Math.min(stage.vram, 1.4) * scale, ram = Math.min(stage.ram, 1.4) * scale;
+      chart.append(svg("rect", { x, y: y + 2, width: Math.max(vram, 1), height: 7, fill: stage.vram > 1 ? "#e06c75" : "#5aa0e0" }));
+      chart.append(svg("rect", { x, y: y + 10, width: Math.max(ram, 1), height: 3, fill: stage.ram > 1 ? "#e06c75" : "#d7a64a" }));
+      chart.append(svg("line", { x1: x + scale, x2: x + scale, y1: y, y2: y + rowH - 2, stroke: "#eee", "stroke-dasharray": "2,2" }));
+    });
+    chart.append(svg("text", { x: width - 50, y: y + 11, fill: "#ddd" }, slowdownText(row.slowdown)));
+  });
+  return chart;
+}
+
+function renderPlan(node, plan, note) {
+  const widget = node.widgets?.find((w) => w.name === PLAN_WIDGET);
+  if (!widget) return;
+  const verdict = document.createElement("div");
+  Object.assign(verdict.style, { whiteSpace: "normal", color: plan?.status === "error" ? "#e06c75" : "#ddd", marginBottom: "2px" });
+  verdict.textContent = note ?? planVerdict(plan);
+  verdict.className = "vidmem-plan-verdict";
+  const legend = document.createElement("div");
+  legend.textContent = "bars: VRAM (thick) / RAM (thin) per stage; dashed line = budget";
+  Object.assign(legend.style, { color: "#999", fontSize: "9px" });
+  const table = document.createElement("pre");
+  table.className = "vidmem-plan-table";
+  Object.assign(table.style, { margin: "2px 0 0", font: "9px/12px monospace", color: "#ccc" });
+  table.textContent = planLines(plan).join("\n");
+  const children = [verdict];
+  if (plan?.status === "ok") children.push(drawChart(plan), legend, table);
+  widget.element.replaceChildren(...children);
+  widget.element.dataset.status = plan?.status ?? "none";
+  widget.element.title = [planVerdict(plan), ...planLines(plan)].join("\n");
+  app.graph?.setDirtyCanvas(true, false);
+}
+
+function addPlanWidget(node) {
+  const element = document.createElement("div");
+  element.className = "vidmem-plan";
+  Object.assign(element.style, {
+    font: "10px/13px monospace", padding: "3px 5px", overflow: "auto", boxSizing: "border-box",
+    color: "var(--input-text, #ddd)", background: "var(--comfy-input-bg, #222)", borderRadius: "4px",
+  });
+  domWidget(node, PLAN_WIDGET, element, () => PLAN_HEIGHT);
+  renderPlan(node, null);
+}
+
+const widgetValue = (node, name) => node?.widgets?.find((w) => w.name === name)?.value;
+
+function linkedNode(node, inputName) {
+  const slot = node?.inputs?.findIndex((input) => input.name === inputName) ?? -1;
+  return slot >= 0 ? node.getInputNode?.(slot) ?? null : null;
+}
+
+// The Sampler this strategy feeds, its shape, and the loader of its pipeline.
+function planRequestFor(node) {
+  const sampler = (node.getOutputNodes?.(0) ?? []).find((n) => n.comfyClass === SAMPLER || n.type === SAMPLER);
+  if (!sampler) return null;
+  const loader = linkedNode(node, "pipeline") ?? linkedNode(sampler, "pipeline");
+  if (!loader) return null;
+  const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((name) => [name, widgetValue(node, name)]));
+  const shape = Object.fromEntries(["width", "height", "frames", "cfg"].map((name) => [name, widgetValue(sampler, name)]));
+  return planQuery({ model: widgetValue(loader, "model"), dtype: widgetValue(loader, "dtype"), widgets, shape, client: node.id });
+}
+
+async function refreshPlan(node) {
+  const query = planRequestFor(node);
+  const state = planState.get(node) ?? {};
+  if (query === state.query) return;
+  state.controller?.abort(); // the server drops it too if it has not started
+  state.query = query;
+  planState.set(node, state);
+  if (!query) return renderPlan(node, null);
+  const controller = (state.controller = new AbortController());
+  try {
+    const response = await api.fetchApi(`${PLAN_ROUTE}?${query}`, { cache: "no-store", signal: controller.signal });
+    const plan = await response.json();
+    if (plan.status === "superseded" || state.query !== query) return;
+    renderPlan(node, plan);
+  } catch (error) {
+    if (error.name !== "AbortError" && state.query === query) renderPlan(node, null, `plan unavailable: ${error.message}`);
+  }
+}
+
+function refreshPlans() {
+  for (const node of app.graph?.nodes ?? []) {
+    if (node.comfyClass === STRATEGY || node.type === STRATEGY) refreshPlan(node);
+  }
+}
+
+// Older Strategy nodes saved width/height/frames before the budgets: give the budgets their values.
+function migrateStrategyNodes(graphData) {
+  for (const node of graphData?.nodes ?? []) {
+    const legacy = node.type === STRATEGY ? legacyStrategyValues(node.widgets_values) : null;
+    if (legacy) node.widgets_values = [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((name) => legacy[name]);
+  }
 }
 
 class Meter {
@@ -42,7 +191,7 @@ class Meter {
     this.element = document.createElement("div");
     this.element.id = "vidmem-meter";
     Object.assign(this.element.style, {
-      position: "fixed", left: "64px", bottom: "8px", zIndex: 1000, display: "flex", gap: "8px",
+      position: "fixed", left: "50%", transform: "translateX(-50%)", bottom: "10px", zIndex: 1000, display: "flex", gap: "8px",
       alignItems: "center", font: "11px monospace", padding: "3px 8px", borderRadius: "6px",
       color: "var(--fg-color, #ddd)", background: "var(--comfy-menu-bg, #353535)", opacity: 0.9,
       border: "1px solid var(--border-color, #4e4e4e)",
@@ -118,12 +267,20 @@ app.registerExtension({
   menuCommands: [{ path: ["Extensions", "VidMem"], commands: [FREE_COMMAND] }],
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!NODE_TYPES.includes(nodeData.name)) return;
+    if (!NODE_TYPES.includes(nodeData.name) || nodeData.name === STRATEGY) return; // the strategy shows its plan
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
-      showSummary(this, nodeData.name, message);
+      showReceipt(this, nodeData.name, message);
     };
+  },
+
+  nodeCreated(node) {
+    if (node.comfyClass === STRATEGY) addPlanWidget(node);
+  },
+
+  beforeConfigureGraph(graphData) {
+    migrateStrategyNodes(graphData);
   },
 
   async setup() {
@@ -133,5 +290,6 @@ app.registerExtension({
     for (const event of ["execution_success", "execution_error", "execution_interrupted"]) {
       api.addEventListener(event, () => meter.refresh());
     }
+    setInterval(refreshPlans, PLAN_POLL_MS); // reads the graph; asks the server only when the request changed
   },
 });

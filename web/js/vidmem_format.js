@@ -9,6 +9,7 @@ export const NODE_TYPES = Object.freeze([
   "VidMemFreeVRAM",
 ]);
 export const MEMORY_ROUTE = "/vidmem/memory";
+export const PLAN_ROUTE = "/vidmem/plan";
 // ComfyUI's own POST /free body: unload its models and free cached memory between prompts.
 export const FREE_BODY = Object.freeze({ unload_models: true, free_memory: true });
 
@@ -170,4 +171,109 @@ export function meterText(memory) {
   if (memory?.process_rss_bytes !== undefined) details.push(`ComfyUI process RSS: ${formatBytes(memory.process_rss_bytes)}`);
   const level = worst >= 0.9 ? "full" : worst >= 0.75 ? "high" : "ok";
   return { text: parts.join(" | "), detail: details.join("\n"), level };
+}
+
+// --- the live plan on the Memory Strategy node (GET /vidmem/plan, nodes/plan_route.py) ------------
+
+// The Strategy's widgets in INPUT_TYPES order, then its budgets (nodes/strategy.py).
+export const STRATEGY_WIDGETS = Object.freeze([
+  "offload", "blocks_to_swap", "prefetch_blocks", "max_pinned_ram_gb", "non_blocking", "text_encoder",
+  "vae_slicing", "vae_tiling", "tile_size", "overlap", "temporal_size", "temporal_overlap",
+]);
+export const STRATEGY_BUDGETS = Object.freeze(["vram_budget_gb", "ram_budget_gb"]);
+// Older Strategy nodes had their own width/height/frames between the widgets and the budgets.
+const LEGACY_STRATEGY_ORDER = [...STRATEGY_WIDGETS, "width", "height", "frames", ...STRATEGY_BUDGETS];
+export const STAGES = Object.freeze([["text_encode", "text encode"], ["denoise", "denoise"], ["decode", "decode"]]);
+
+/** Widget values of an older Strategy node by name, or null when `values` is already the current layout. */
+export function legacyStrategyValues(values) {
+  if (!Array.isArray(values) || values.length !== LEGACY_STRATEGY_ORDER.length) return null;
+  return Object.fromEntries(LEGACY_STRATEGY_ORDER.map((name, i) => [name, values[i]]));
+}
+
+/** The GET /vidmem/plan query string, or null when the graph does not say enough yet. */
+export function planQuery({ model, dtype, widgets, shape, client }) {
+  if (!model || !shape || [shape.width, shape.height, shape.frames].some((v) => !Number.isFinite(Number(v)))) return null;
+  const params = new URLSearchParams({ model: String(model), dtype: String(dtype ?? "bf16") });
+  for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS]) {
+    if (widgets?.[name] !== undefined && widgets[name] !== null) params.set(name, String(widgets[name]));
+  }
+  for (const name of ["width", "height", "frames", "cfg"]) {
+    if (shape[name] !== undefined && shape[name] !== null) params.set(name, String(shape[name]));
+  }
+  if (client !== undefined) params.set("client", String(client));
+  return params.toString();
+}
+
+/** Estimated slowdown as "x1.09", "x62.3", "x403" (the tiny stand-in models stream far more than they compute). */
+export function slowdownText(x) {
+  const value = Number(x);
+  if (!Number.isFinite(value)) return "x?";
+  return `x${value.toFixed(value < 10 ? 2 : value < 100 ? 1 : 0)}`;
+}
+
+const gib = (n) => (Number.isFinite(n) ? `${(n / 2 ** 30).toFixed(1)}` : "-");
+
+/** The plan as a text table: one line per row, the chosen one marked, then the budgets. */
+export function planLines(plan) {
+  if (!plan || plan.status !== "ok") return [];
+  const head = `${plan.model} ${plan.shape.width}x${plan.shape.height}x${plan.shape.frames}`;
+  const lines = [head, "  row                 VRAM  RAM GiB  time"];
+  plan.rows.forEach((row, i) => {
+    const mark = i === plan.chosen ? ">" : " ";
+    const fit = row.fits === false ? " over" : "";
+    lines.push(`${mark} ${row.label.padEnd(18).slice(0, 18)} ${gib(row.peak_vram_bytes).padStart(5)} ` +
+      `${gib(row.peak_ram_bytes).padStart(5)}     ${slowdownText(row.est_slowdown)}${fit}`);
+  });
+  lines.push(`  budget             ${gib(plan.budgets.vram_bytes).padStart(5)} ${gib(plan.budgets.ram_bytes).padStart(5)}`);
+  return lines;
+}
+
+/** One line saying what the plan means for the chosen row, e.g. "auto chose: model ... fits". */
+export function planVerdict(plan) {
+  if (!plan) return "plan: connect the Sampler (and its Load Video Pipeline)";
+  if (plan.status === "error") return `plan: ${plan.error}`;
+  if (plan.status !== "ok") return "";
+  const row = plan.rows[plan.chosen];
+  if (!row) return "nothing fits the budgets; the leanest rows are over the line";
+  const fit = row.fits === false ? `over budget: ${row.over_budget.join("; ")}` : "fits";
+  return `${plan.auto ? "auto chose" : "your settings"}: ${row.strategy}; peak VRAM ${gib(row.peak_vram_bytes)} GiB, ` +
+    `${slowdownText(row.est_slowdown)}, ${fit}`;
+}
+
+/** Bars to draw: per row and stage, VRAM and RAM as fractions of their budgets (1 = on the line). */
+export function planBars(plan) {
+  if (!plan || plan.status !== "ok") return [];
+  const { vram_bytes: vram, ram_bytes: ram } = plan.budgets;
+  return plan.rows.map((row, i) => ({
+    label: row.label, chosen: i === plan.chosen, fits: row.fits, slowdown: row.est_slowdown,
+    stages: STAGES.map(([name]) => {
+      const stage = row.stages.find((s) => s.name === name) ?? { vram_bytes: 0, ram_bytes: 0 };
+      return { name, vram: vram ? stage.vram_bytes / vram : 0, ram: ram ? stage.ram_bytes / ram : 0 };
+    }),
+  }));
+}
+
+/** A receipt in at most `max` short lines (the full text goes in the tooltip). */
+export function compactLines(nodeType, message, max = 3) {
+  const receipt = receiptFrom(message);
+  if (nodeType === "VidMemFreeVRAM" && receipt) {
+    const rss = receipt.before?.rss_bytes !== undefined ? `RSS ${formatBytes(receipt.before.rss_bytes)} -> ${formatBytes(receipt.after?.rss_bytes)}` : "";
+    const gpu = receipt.before?.allocated_bytes !== undefined
+      ? `VRAM ${formatBytes(receipt.before.allocated_bytes)} -> ${formatBytes(receipt.after?.allocated_bytes)}` : "";
+    return [[rss, gpu].filter(Boolean).join(", ") || "freed", `models unloaded: ${receipt.comfy_models_unloaded ? "yes" : "no"}`];
+  }
+  if (receipt?.stages) {
+    const stages = receipt.stages.map((st) => `${st.stage.replace("_", " ")} ${formatSeconds(st.seconds)}`).join(" + ");
+    const vram = Math.max(...receipt.stages.map((st) => st.peak_allocated_bytes ?? -1));
+    const rss = Math.max(...receipt.stages.map((st) => st.peak_rss_bytes ?? -1));
+    const peak = vram >= 0 ? `peak VRAM ${formatBytes(vram)}, RSS ${formatBytes(rss)}` : `peak RSS ${formatBytes(rss)} (no GPU)`;
+    const extra = [];
+    if (String(receipt.plan ?? "").startsWith("auto chose")) extra.push(receipt.plan.split(";")[0]);
+    if (receipt.swap) extra.push(`swap cost ${formatPercent(receipt.swap.swap_cost)} of denoise`);
+    if (receipt.decode) extra.push(`VAE ${receipt.decode.mode}, ${receipt.decode.tiles} tiles x ${receipt.decode.chunks} chunks`);
+    if (receipt.saved_latents) extra.push(`saved ${receipt.saved_latents}`);
+    return [stages, peak, extra.join("; ")].filter(Boolean).slice(0, max);
+  }
+  return textFrom(message).split("\n").filter(Boolean).slice(0, max);
 }
