@@ -10,7 +10,6 @@ change these.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 
 from .planner_allocator import replay
 from .planner_costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, DEVICE_FLOPS_PER_S, HOST_RUNTIME_BYTES, Traffic, Work
@@ -28,7 +27,7 @@ def text_encode_stage(model: PlannerModel, shape: VideoShape, strategy: MemorySt
     phases, work = [], []
     stage = sample_stage_components(model, strategy)
     on_device = [] if strategy.text_encoder is TextEncoderPlacement.CPU else list(model.layout.text_encoders)
-    host, page_cache = host_base(model, options, strategy, on_device)
+    host, page_cache = host_base(model, options, strategy)
     for name in model.layout.text_encoders:
         call = Call("text_encode", name, shape)
         trace = model.trace(call, options.attention)
@@ -47,7 +46,7 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
     stage = sample_stage_components(model, strategy)
     if strategy.text_encoder is TextEncoderPlacement.OFFLOAD_AFTER_ENCODING:  # evicted once prompts are encoded
         stage = [n for n in stage if n not in layout.text_encoders]
-    host, page_cache = host_base(model, options, strategy, stage)
+    host, page_cache = host_base(model, options, strategy)
     host += 2 * _numel(model.latent_shape(shape)) * 4  # CPU noise, the returned latent
     for name in layout.conditioning:
         call = Call("condition", name, shape)
@@ -90,7 +89,7 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
         pixels = 3 * model.geometry.frames(call.piece[2]) * _numel(call.piece[3:]) * model.geometry.spatial_factor ** 2
         largest_piece = max(largest_piece, call.piece[0] * pixels * itemsize)  # copied to the host per piece
     host_frames = model.trace(Call("postprocess", vae, shape), options.attention).peak_bytes
-    host, page_cache = host_base(model, options, strategy, [vae])
+    host, page_cache = host_base(model, options, strategy)
     work = Work(flops, sum(counts.values()), _traffic(model, vae, strategy, options))
     return StagePlan("decode", tuple(phases), host + host_frames + largest_piece, page_cache, (work,))
 
@@ -129,33 +128,36 @@ def sample_stage_components(model: PlannerModel, strategy: MemoryStrategy) -> li
     return list(dict.fromkeys([*layout.placed_encoders, *layout.text_encoders, *layout.conditioning, *layout.denoisers]))
 
 
-def host_base(model: PlannerModel, options: PlanOptions = PlanOptions(), strategy: MemoryStrategy | None = None,
-              active: Sequence[str] = ()) -> tuple[int, int]:
+def host_base(model: PlannerModel, options: PlanOptions = PlanOptions(),
+              strategy: MemoryStrategy | None = None) -> tuple[int, int]:
     """(anonymous, page cache) bytes the loaded pipeline keeps in RAM for its lifetime.
 
     Without the disk tier the loader copies every weight, as stored, into anonymous RAM once
     (streamed groups later move into pinned homes under the ceiling: moved, not doubled). On disk
     the weights stay in their files: page cache. Anonymous RAM then holds the runtime and the
-    pinned staging buffers the `active` components are read through on their way to the device.
+    pinned staging slots streamed groups are read through on their way to the device.
     """
     weights = sum(component_weights(model, n, options).nbytes for n in model.layout.all)
     if not options.on_disk:
         return HOST_RUNTIME_BYTES + weights, 0
-    return HOST_RUNTIME_BYTES + staging_bytes(model, strategy or MemoryStrategy(), options, active), weights
+    return HOST_RUNTIME_BYTES + staging_bytes(model, strategy or MemoryStrategy(), options), weights
 
 
-def staging_bytes(model: PlannerModel, strategy: MemoryStrategy, options: PlanOptions, active: Sequence[str]) -> int:
-    """Pinned staging for weights read from files: (prefetch + 2) x the largest unit copied at once.
+def staging_bytes(model: PlannerModel, strategy: MemoryStrategy, options: PlanOptions) -> int:
+    """Pinned staging slots for streamed groups read from files (memory.hostpool.StagingRing).
 
-    A streaming tier copies its streamed groups (blocks, or layers); the others copy a component
-    tensor by tensor, so the unit is its largest tensor.
+    At most prefetch + 2 slots, each the largest streamed group rounded up to a power of two (as
+    torch's pinned allocator rounds); they live as long as the pipeline's backend, so the largest
+    group of any component the run streams sets them. Whole components (tiers none and model)
+    and the resident cores of block swap copy straight from the mapping: no staging.
     """
+    on_device = {*sample_stage_components(model, strategy), model.layout.vae}
     largest = 0
-    for name in active:
+    for name in on_device:
         weights = component_weights(model, name, options)
         units = streamed_unit_bytes(model.module(name), model.blocks(name), strategy, weights.stored)
-        largest = max(largest, max(units, default=0) or max(weights.tensors, default=0))
-    return (strategy.prefetch_blocks + 2) * largest
+        largest = max(largest, *units, 0)
+    return (strategy.prefetch_blocks + 2) * (1 << (largest - 1).bit_length()) if largest else 0
 
 
 def piece_counts(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy) -> Counter:

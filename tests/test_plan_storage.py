@@ -94,11 +94,15 @@ def test_disk_moves_weight_bytes_from_anonymous_ram_to_page_cache(wan):
     nonpersistent = sum(wan.weights(c).nbytes - _file_bytes(wan.module(c), None, c == "text_encoder")[0]
                         for c in wan.layout.all)  # computed buffers (rotary tables): in RAM too
     block = _file_bytes(wan.module("transformer").blocks[-1], "fp8_scaled", False)[0]
-    staging = (SWAP.prefetch_blocks + 2) * block  # pinned buffers the streamed blocks are read through
+    # pinned slots the streamed blocks are read through, each rounded up to a power of two
+    staging = (SWAP.prefetch_blocks + 2) * 2 ** math.ceil(math.log2(block))
     denoise_ram, denoise_disk = in_ram.stage("denoise"), on_disk.stage("denoise")
     assert denoise_ram.page_cache_bytes == 0
     assert denoise_disk.page_cache_bytes == weights + nonpersistent
-    assert denoise_ram.host_bytes - denoise_disk.host_bytes == weights + nonpersistent - staging
+    for name in ("text_encode", "denoise", "decode"):  # the slots live as long as the pipeline
+        assert in_ram.stage(name).host_bytes - on_disk.stage(name).host_bytes == weights + nonpersistent - staging
+    whole = plan_run(wan, SHAPE, MemoryStrategy(offload="model"), PlanOptions(storage=storage, on_disk=True))
+    assert whole.stage("denoise").host_bytes == denoise_disk.host_bytes - staging  # copied straight from the files
     assert on_disk.peak_vram_bytes == in_ram.peak_vram_bytes  # the device holds the same either way
 
 
