@@ -9,6 +9,7 @@ import struct
 
 import gguf
 import numpy as np
+import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -100,6 +101,29 @@ def test_writing_a_mapped_tensor_never_reaches_the_file(tmp_path):
     opened.tensors["w"].add_(1)  # copy-on-write: private pages, no crash, file unchanged
     assert path.read_bytes() == before
     assert torch.equal(open_safetensors(path).tensors["w"], torch.zeros(16))
+
+
+def test_a_file_larger_than_ram_and_swap_maps(tmp_path):
+    """The disk tier's reason to exist: a plain copy-on-write mapping of such a file fails (ENOMEM)."""
+    numel = (psutil.virtual_memory().total + psutil.swap_memory().total) // 2 + (1 << 30)
+    raw = json.dumps({"w": {"dtype": "BF16", "shape": [numel], "data_offsets": [0, 2 * numel]}}).encode()
+    path = tmp_path / "huge.safetensors"
+    with open(path, "wb") as handle:  # sparse: takes no disk space
+        handle.write(struct.pack("<Q", len(raw)) + raw)
+        handle.truncate(8 + len(raw) + 2 * numel)
+    weight = open_safetensors(path).tensors["w"]
+    assert weight.shape == (numel,) and is_file_backed(weight)
+    assert torch.equal(weight[-3:], torch.zeros(3, dtype=torch.bfloat16))
+
+
+def test_read_only_mappings_where_copy_on_write_is_unavailable(tmp_path, monkeypatch, recwarn):
+    from vidmem.memory.storage import mapping
+
+    monkeypatch.setattr(mapping, "NORESERVE", 0)  # other systems, or strict overcommit
+    save_file({"w": torch.arange(6.0)}, tmp_path / "w.safetensors")
+    weight = open_safetensors(tmp_path / "w.safetensors").tensors["w"]
+    assert torch.equal(weight * 2, torch.arange(6.0) * 2) and is_file_backed(weight)
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
 
 
 def header_file(tmp_path, header: dict, data: bytes) -> str:

@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 
 from .errors import StorageError
-from .mapping import map_file
+from .mapping import map_file, tensor_at
 
 GGUF_MAGIC = b"GGUF"
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip of pickles
@@ -84,8 +84,7 @@ def _view(mapping, entry: dict, data_start: int) -> torch.Tensor:
     shape = entry["shape"]
     if end == begin:  # torch.frombuffer refuses empty buffers
         return torch.empty(shape, dtype=dtype)
-    count = (end - begin) // dtype.itemsize
-    return torch.frombuffer(mapping, dtype=dtype, count=count, offset=data_start + begin).reshape(shape)
+    return tensor_at(mapping, dtype, data_start + begin, (end - begin) // dtype.itemsize).reshape(shape)
 
 
 def _size(path: Path) -> int:

@@ -4,9 +4,13 @@ A mapped tensor's bytes are the page cache's: the kernel reads them from the fil
 and may drop them again under memory pressure, so a model larger than RAM still runs. Nothing is
 copied into anonymous memory until something writes to a tensor or casts it.
 
-Mappings are copy-on-write (MAP_PRIVATE): a stray in-place write on a weight makes a private
-copy of the pages it touches instead of crashing the process (a read-only mapping would SIGSEGV)
-or changing the file on disk.
+On Linux mappings are copy-on-write without a commit charge (MAP_PRIVATE | MAP_NORESERVE): a
+stray in-place write on a weight makes a private copy of the pages it touches instead of
+crashing the process or changing the file. (A plain copy-on-write mapping, Python's
+ACCESS_COPY, is charged against the commit limit in full, so a file larger than RAM fails to map
+with ENOMEM: exactly the files the disk tier exists for.) Elsewhere, and under strict
+overcommit (vm.overcommit_memory=2), mappings are read-only: vidmem never writes weights in
+place, but code that did would crash there.
 
 `is_file_backed` answers from a registry of the address ranges of live mappings. Address ranges
 are a property of the process, so this registry is the one piece of process-wide state in the
@@ -18,28 +22,48 @@ never correctness.
 from __future__ import annotations
 
 import mmap
+import sys
 import threading
+import warnings
 import weakref
 from pathlib import Path
 
 import torch
 
+# MAP_NORESERVE (Linux; Python names it only from 3.12): copy-on-write without a commit charge.
+NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000) if sys.platform.startswith("linux") else 0
 _lock = threading.Lock()
 _ranges: dict[int, tuple[int, int]] = {}  # key -> (first address, end address) of a live mapping
 _next_key = 0
 
 
 def map_file(path: Path) -> tuple[mmap.mmap, torch.Tensor]:
-    """A copy-on-write mapping of the whole file and a uint8 tensor over it (zero-copy).
+    """A mapping of the whole file (see the module doc) and a uint8 tensor over it (zero-copy).
 
     The returned tensor and every view made from it (or with `torch.frombuffer` on the mapping)
     keep the mapping alive; the mapping is unmapped when the last of them is gone.
     """
     with open(path, "rb") as handle:
-        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        mapping = _map(handle.fileno())
+    whole = tensor_at(mapping, torch.uint8, 0, len(mapping))
     register_range(whole.data_ptr(), whole.numel(), mapping)
     return mapping, whole
+
+
+def _map(fileno: int) -> mmap.mmap:
+    if NORESERVE:
+        try:
+            return mmap.mmap(fileno, 0, flags=mmap.MAP_PRIVATE | NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:  # strict overcommit charges even this: fall back to read-only
+            pass
+    return mmap.mmap(fileno, 0, access=mmap.ACCESS_READ)
+
+
+def tensor_at(mapping: mmap.mmap, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    """`count` elements of `dtype` at byte `offset` of `mapping`, zero-copy (keeps it alive)."""
+    with warnings.catch_warnings():  # read-only mappings: torch warns that writes are undefined
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset)
 
 
 def register_range(start: int, nbytes: int, owner: object) -> None:
