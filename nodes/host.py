@@ -327,3 +327,15 @@ def _folder_paths(key: str) -> list[str]:
         return [p for p in folder_paths.get_folder_paths(key) if os.path.isdir(p)]
     except KeyError:
         return []
+
+
+MODEL_CONFIGS_FOLDER = "vidmem_configs"
+
+
+def model_config_dirs() -> list[Path]:
+    """ComfyUI's models/vidmem_configs when it exists: extra model configs (shipped schema) the
+    single-file loader matches files against, e.g. the tiny test models (empty without ComfyUI)."""
+    if folder_paths is None:
+        return []
+    folder = Path(folder_paths.models_dir) / MODEL_CONFIGS_FOLDER
+    return [folder] if folder.is_dir() else []

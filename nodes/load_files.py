@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..memory.storage import FORMATS
-from ..pipelines.comfy_files import DEFAULT_WEIGHTS, LoadOptions, ModelFiles, load_model_files
+from ..pipelines.comfy_files import DEFAULT_WEIGHTS, LoadOptions, ModelFiles, load_model_files, shipped_catalogue
 from ..pipelines.loader import DTYPES
 from . import host
 from .loader import PIPELINE_TYPE
@@ -68,4 +68,4 @@ class VidMemLoadModelFiles:
             clip_vision=optional("clip_vision", clip_vision),
         )
         options = LoadOptions(dtype, "" if vae_dtype == SAME else vae_dtype, weight_dtype, weights_on_disk)
-        return (load_model_files(files, options),)
+        return (load_model_files(files, options, shipped_catalogue(host.model_config_dirs())),)

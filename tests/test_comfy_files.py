@@ -20,7 +20,8 @@ from vidmem.memory.storage import is_file_backed
 from vidmem.pipelines.comfy_files import KeyLayout, LoadOptions, load_model_files, read_weight_file
 from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.sample import sample
-from vidmem.pipelines.tiny import build_tiny_tokenizer, save_tiny_comfy_files, tiny_catalogue
+from vidmem.pipelines.tiny import build_tiny_tokenizer
+from vidmem.pipelines.tiny_files import save_tiny_comfy_files, tiny_catalogue
 from test_tiers import request_for
 
 UNALIGNED_TOLERANCE = 1e-5  # FACTS: weights read in place from a mapping at other offsets move the last bits (~3e-6)

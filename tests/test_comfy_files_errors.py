@@ -15,9 +15,8 @@ import torch
 from vidmem.nodes import host
 from vidmem.nodes.load_files import NONE, SAME, VidMemLoadModelFiles
 from vidmem.pipelines.comfy_files import LoadOptions, load_model_files
-from vidmem.pipelines.comfy_files import load as comfy_load
 from vidmem.pipelines.family import ModelError
-from vidmem.pipelines.tiny import save_tiny_comfy_files, tiny_catalogue
+from vidmem.pipelines.tiny_files import save_tiny_comfy_files, tiny_catalogue
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +134,7 @@ def test_the_node_lists_comfyuis_folders_and_loads_from_them(tiny, tmp_path, mon
     gguf_copy.parent.mkdir(exist_ok=True)
     shutil.copy(files.model, gguf_copy)  # listed by name only; never loaded here
     fake = SimpleNamespace(
+        models_dir=str(root),
         get_folder_paths=lambda key: [str(p) for p in folders[key]],
         get_filename_list=lambda key: sorted(p.name for d in folders[key] if d.is_dir() for p in d.iterdir() if p.is_file()),
     )
@@ -143,9 +143,11 @@ def test_the_node_lists_comfyuis_folders_and_loads_from_them(tiny, tmp_path, mon
     assert inputs["required"]["model"][0] == sorted([files.model.name, "sub/copy.gguf"])
     assert inputs["optional"]["model_2"][0][0] == NONE
     node_inputs = (files.model.name, files.text_encoder.name, files.vae.name, "fp32", SAME, "default", True)
+    configs = root / "vidmem_configs"
+    hidden = configs.rename(root / "configs_elsewhere")
     with pytest.raises(ModelError, match="no config for \\(width 24, 2 blocks.*vidmem knows wan2.1-i2v-14b-480p"):
-        VidMemLoadModelFiles().load(*node_inputs)  # the node matches against the shipped configs only
-    monkeypatch.setattr(comfy_load, "shipped_catalogue", tiny_catalogue)
+        VidMemLoadModelFiles().load(*node_inputs)  # without models/vidmem_configs: the shipped configs only
+    hidden.rename(configs)
     (loaded,) = VidMemLoadModelFiles().load(*node_inputs)
     assert loaded.class_name == "WanPipeline" and loaded.on_disk and loaded.storage["transformer"] == "bf16"
     with pytest.raises(FileNotFoundError, match="models/vae"):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Iterable, Mapping
 
 from ..configs import COMPONENTS_DIR, MODELS_DIR, model_names
 from ..configs.meta import ComponentConfig
@@ -37,20 +38,29 @@ class ModelEntry:
         return self.components[component].config
 
 
-def shipped_catalogue() -> tuple[ModelEntry, ...]:
-    """Every shipped model config a Wan single file can be, in name order."""
-    entries = (_shipped(name) for name in model_names())
+def shipped_catalogue(extra_dirs: Iterable[str | Path] = ()) -> tuple[ModelEntry, ...]:
+    """Every shipped model config a Wan single file can be (name order), then those in `extra_dirs`.
+
+    Extra configs are model files in the shipped schema (components inline or by "ref" to a
+    shipped component), e.g. the tiny models tests and the live host write (`pipelines.tiny`).
+    """
+    files = [MODELS_DIR / f"{name}.json" for name in model_names()]
+    for folder in extra_dirs:
+        files += sorted(Path(folder).glob("*.json"))
+    entries = (entry_from_json(json.loads(file.read_text())) for file in files)
     return tuple(entry for entry in entries if entry.pipeline_class in SINGLE_FILE_PIPELINES)
 
 
-def _shipped(name: str) -> ModelEntry:
-    data = json.loads((MODELS_DIR / f"{name}.json").read_text())
+def entry_from_json(data: dict) -> ModelEntry:
+    """A model config in the shipped schema as an entry; the scheduler falls back to runtime_data."""
+    name = data["name"]
     scheduler = data.get("scheduler") or runtime_data.SCHEDULERS.get(name, runtime_data.SCHEDULERS["default"])
     return ModelEntry(
-        name=data["name"], pipeline_class=data["pipeline"],
+        name=name, pipeline_class=data["pipeline"],
         components=MappingProxyType({key: read_component(key, value) for key, value in data["components"].items()}),
         scheduler_class=scheduler["class"], scheduler_config=MappingProxyType(dict(scheduler["config"])),
         pipeline_config=MappingProxyType(dict(data.get("pipeline_config", {}))),
+        image_processor=MappingProxyType(dict(data.get("image_processor", {}))),
     )
 
 
