@@ -263,3 +263,15 @@ def test_scaled_fp8_uses_the_whole_fp8_range():
 def test_gguf_quantize_needs_whole_blocks():
     with pytest.raises(StorageError, match="multiple of 256.*bf16/fp16"):
         quantize(torch.randn(2, 100), "gguf_q4_k")
+
+
+@pytest.mark.parametrize("name", ["fp8_scaled", "gguf_q8_0", "gguf_q4_k", "gguf_q6_k", "gguf_q5_1"])
+def test_large_layers_upcast_in_row_chunks_with_the_same_bits(monkeypatch, name):
+    from vidmem.memory.storage import stored
+
+    x = torch.randn(6, 5, 512, generator=torch.Generator().manual_seed(4))
+    weight = quantize(x, name)
+    whole = weight.dequantize(torch.bfloat16)
+    monkeypatch.setattr(stored, "DEQUANT_CHUNK", 1500)  # three rows of 2560 weights: one row per chunk
+    assert weight._rows_per_chunk() == 1
+    assert torch.equal(weight.dequantize(torch.bfloat16), whole)

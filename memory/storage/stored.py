@@ -3,9 +3,9 @@
 Dequantization is deterministic and device-independent: fp8 widens exactly; scaled fp8 and GGUF
 are computed in float32 (one IEEE multiply per value for scaled fp8, diffusers' torch port of
 ggml's block formulas for GGUF) and rounded once to the compute dtype. The same stored tensor
-therefore always gives the same bits, on the CPU and on a GPU. The cost is a float32 temporary
-of one layer's weight while it is being upcast (4 bytes per weight, freed as soon as the layer's
-matmul is queued).
+therefore always gives the same bits, on the CPU and on a GPU. The cost, on the compute device
+while a layer runs, is its upcast weight in the compute dtype plus float32 temporaries of at
+most DEQUANT_CHUNK weights (large matrices are upcast in row chunks, bit-identically).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from .errors import StorageError
 from .formats import FORMATS, StorageFormat
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Weights upcast in one pass (16 Mi: 64 MiB of float32 temporaries); larger layers go in row chunks
+# so a 14B model's 70 M-weight matrices do not need several 280 MB temporaries on the device.
+DEQUANT_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,12 +61,27 @@ class StoredTensor:
     def dequantize(self, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """The weight as a `dtype` tensor of `shape` on `device` (default: where `data` is)."""
         data = self.data if device is None else self.data.to(device)
-        if self.format.gguf_type is not None:
-            return _dequantize_gguf(data, self.format, self.shape).to(dtype)
-        if self.scale is None:
-            return data.to(dtype)
-        scale = self.scale.to(device=data.device, dtype=torch.float32)
-        return (data.to(torch.float32) * scale).to(dtype)
+        if self.format.gguf_type is None and self.scale is None:
+            return data.to(dtype)  # exact widening, no temporary
+        scale = None if self.scale is None else self.scale.to(device=data.device, dtype=torch.float32)
+        step = self._rows_per_chunk()
+        if step is None:
+            return _upcast(data, scale, self.format, self.shape, dtype)
+        out = torch.empty(self.shape, dtype=dtype, device=data.device)
+        for start in range(0, self.shape[0], step):
+            rows = slice(start, start + step)
+            out[rows] = _upcast(data[rows], scale, self.format, out[rows].shape, dtype)
+        return out
+
+    def _rows_per_chunk(self) -> int | None:
+        """Rows to upcast at once so the float32 temporaries stay under DEQUANT_CHUNK weights;
+        None when one pass is small enough or rows cannot be taken apart. Chunking changes no
+        bit: every value is computed from its own block or element."""
+        if self.numel <= DEQUANT_CHUNK or len(self.shape) < 2 or self.data.shape[0] != self.shape[0]:
+            return None
+        if self.scale is not None and self.scale.numel() != 1:
+            return None
+        return max(1, DEQUANT_CHUNK // (self.numel // self.shape[0]))
 
     def select_rows(self, index: torch.Tensor) -> "StoredTensor":
         """The rows `index` of dimension 0 (an embedding lookup), still stored: dequantize only those."""
@@ -93,6 +111,12 @@ class StoredTensor:
         if data.numel() != fmt.stored_bytes(self.numel):
             return f"{data.numel()} data bytes, expected {fmt.stored_bytes(self.numel)}"
         return None
+
+
+def _upcast(data: torch.Tensor, scale: torch.Tensor | None, fmt: StorageFormat, shape, dtype: torch.dtype) -> torch.Tensor:
+    if fmt.gguf_type is not None:
+        return _dequantize_gguf(data, fmt, shape).to(dtype)
+    return (data.to(torch.float32) * scale).to(dtype)
 
 
 def _dequantize_gguf(data: torch.Tensor, fmt: StorageFormat, shape: torch.Size) -> torch.Tensor:
