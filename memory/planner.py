@@ -169,7 +169,7 @@ def plan_run(
     ram_budget_bytes: int | None = None,
 ) -> Plan:
     """Predicted device and host peaks per stage for one run of `model` at `shape` under `strategy`."""
-    _check(model, shape, strategy)
+    _check(model, shape, strategy, options)
     stages = tuple(build(model, shape, strategy, options).within(vram_budget_bytes)
                    for build in (text_encode_stage, denoise_stage, decode_stage))
     baseline = compute_seconds(model, shape, strategy, options)
@@ -192,7 +192,7 @@ def candidate_plans(
     tiers follow with the weights memory-mapped from disk (`options.on_disk`). The storage format
     is never changed here: lowering precision is the user's choice.
     """
-    _check(model, shape, base)
+    _check(model, shape, base, options)
     plans = [_tier_plan(model, shape, tier, base, options, (vram_budget_bytes, ram_budget_bytes)) for tier in TIER_ORDER]
     if consider_disk and not options.on_disk and any(_over_ram(p) for p in plans):
         on_disk = replace(options, on_disk=True)
@@ -259,7 +259,11 @@ def decode_activation_bytes(model: PlannerModel, shape: VideoShape, strategy: Me
     return phase.within(there + free_bytes).device_bytes - there
 
 
-def _check(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy) -> None:
+def _check(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> None:
+    unknown = [name for name, _ in options.storage if name not in model.layout.all]
+    if unknown:
+        raise PlanError(f"storage names {', '.join(map(repr, unknown))}, which {model.name} does not have; "
+                        f"name its components: {', '.join(model.layout.all)}.")
     try:
         model.check_shape(shape)
         for name in model.layout.denoisers:

@@ -33,11 +33,13 @@ def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions()) -
     """`options` with the pipeline's real storage: each component's format and the disk tier.
 
     A component whose recorded format is not a StorageFormat (integer tensors are recorded by
-    dtype) is counted at its compute dtype: a prediction must not stop a run over a label.
+    dtype), or that the planner's model does not run (an image encoder loaded beside a
+    text-to-video model), is left out: a prediction must not stop a run over a label.
     """
-    storage = {name: fmt for name, fmt in loaded.storage.items() if fmt in FORMATS}
+    planned = planner_model(loaded).layout.all
+    storage = {name: fmt for name, fmt in loaded.storage.items() if fmt in FORMATS and name in planned}
     for name in loaded.storage.keys() - storage.keys():
-        logger.info("vidmem: %s stored as %r: planned at its compute dtype", name, loaded.storage[name])
+        logger.info("vidmem: %s stored as %r: not planned as stored", name, loaded.storage[name])
     return replace(options, storage=storage, on_disk=loaded.on_disk)
 
 

@@ -158,13 +158,16 @@ def test_auto_may_choose_disk_but_never_lowers_precision(wan):
     assert plan.on_disk and plan.options.storage == () and plan.fits
     with pytest.raises(ValueError, match="fp8_scaled"):
         PlanOptions(storage={"transformer": "fp7"})
+    with pytest.raises(PlanError, match="'transformr', which wan2.1-t2v-1.3b does not have; .*transformer"):
+        plan_run(wan, SHAPE, SWAP, PlanOptions(storage={"transformr": "fp8_scaled"}))
 
 
 def test_a_loaded_pipelines_storage_reaches_the_planner(wan):
     from vidmem.pipelines.loader import LoadedPipeline, family_for
     from vidmem.pipelines.planning import choose_for, plan_options, plan_strategy
 
-    stored = {"transformer": "fp8_scaled", "text_encoder": "fp8_scaled", "vae": "int64"}  # int: recorded by dtype
+    stored = {"transformer": "fp8_scaled", "text_encoder": "fp8_scaled", "vae": "int64",  # int: recorded by dtype
+              "image_encoder": "bf16"}  # loaded beside a text-to-video model, which never runs it
     loaded = LoadedPipeline(None, family_for("WanPipeline"), "WanPipeline", "single files", "bf16",
                             folder="wan2.1-t2v-1.3b", config_name="wan2.1-t2v-1.3b", storage=stored, on_disk=True,
                             vae_dtype_name="fp32")
