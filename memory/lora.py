@@ -174,10 +174,14 @@ def _beside_hook(names: dict[str, str], scale: float):
             delta = F.linear(hidden, buffers[names["up"]].to(x.dtype))
         if "diff" in names:
             full = F.linear(x, buffers[names["diff"]].to(x.dtype))
-            delta = full if delta is None else delta + full
+            delta = full if delta is None else delta.add_(full)
         if "diff_b" in names:
             bias = buffers[names["diff_b"]].to(x.dtype)
-            delta = bias.expand(output.shape) if delta is None else delta + bias
-        return output + (delta * scale).to(output.dtype)
+            delta = bias * torch.ones_like(output) if delta is None else delta.add_(bias)
+        delta = delta.mul_(scale).to(output.dtype)
+        if torch.is_grad_enabled() and output.requires_grad:
+            return output + delta
+        # in place at inference: one output-sized temporary per layer instead of three
+        return output.add_(delta)
 
     return hook

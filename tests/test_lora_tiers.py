@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from backends import StrictBackend
-from test_lora import WAN_LAYERS, peft_keys, random_lora, wan_inputs, write
+from test_lora import WAN_LAYERS, needs_peft, peft_keys, random_lora, wan_inputs, write
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.device import CpuBackend
 from vidmem.memory.lora import BUFFER_PREFIX, LoraPatch, apply_loras
@@ -159,6 +159,7 @@ def test_stored_weights_take_loras_beside_the_layer(fmt, wan, spec):
     assert torch.allclose(reference, plain_out, rtol=0, atol=1e-5 * plain_out.abs().max())
 
 
+@needs_peft
 def test_a_whole_denoising_run_matches_diffusers_fused(wan, spec):
     """Frames (latents) of a 2-step run: ours beside the layers vs diffusers' fused LoRA."""
     with torch.no_grad(), apply_loras(lora_patches(wan, [spec])):

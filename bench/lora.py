@@ -1,0 +1,221 @@
+"""LoRA benchmark: what a rank-64 LoRA beside the layers costs, per memory tier, on the CPU.
+
+Setup: a Wan 2.1 14B transformer at its real width (5120, 40 heads, FFN 13824, text 4096) cut to
+`--blocks` blocks, fp32 (bf16 is 4-5x slower on this CPU), random weights, one forward on a small
+latent (64 image tokens, 32 text tokens). The LoRA targets every linear layer of every block
+(self/cross attention q, k, v, o and both FFN layers) at rank 64, written as a lightx2v-style file
+(`diffusion_model.blocks.N.self_attn.q.lora_down.weight` + `.alpha`) in fp32, the compute dtype.
+
+Per tier (none, model, block_swap, sequential; the CPU backend, so tiers add hooks, not copies):
+- `time_ratio`: median wall time of a forward with the LoRA / without, samples interleaved (the
+  order alternates each round) after a warm-up, so machine load hits both alike;
+  `paired_time_ratio`: the median of the per-round ratios (less moved by load on a shared machine).
+- `extra_rss_bytes`: peak RSS growth of a call with a freshly loaded LoRA minus that of a call
+  without (peak reset through /proc/self/clear_refs), vs `lora_file_bytes`: the LoRA's pages are
+  mapped from the file and touched once, so the goal is <= 1.1x the file.
+- `bitwise_equal`: the tier's LoRA output equals tier none's bit for bit.
+
+One torch thread by default: with two threads on a machine shared with other jobs, every small
+parallel op can wait a scheduler slice for the descheduled thread, which inflates the many small
+LoRA ops (measured x1.3-2.0 under a load average of 6) far more than the few large matmuls.
+
+    python bench/lora.py --json bench/results/lora.json
+
+About 3 minutes on 2 shared cores (building the model takes ~15 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import safetensors.torch  # noqa: E402
+import torch  # noqa: E402
+
+from vidmem.memory import MemoryStrategy  # noqa: E402
+from vidmem.memory.device import CpuBackend  # noqa: E402
+from vidmem.memory.lora import apply_loras  # noqa: E402
+from vidmem.memory.offload import StageComponents, apply_strategy  # noqa: E402
+from vidmem.memory.storage import mapped_bytes  # noqa: E402
+from vidmem.pipelines.lora import load_lora, lora_patches  # noqa: E402
+
+CONFIG = ROOT / "pipelines" / "configs" / "models" / "wan2.1-t2v-14b.json"
+RANK = 64
+# original Wan names of every linear layer in a block, with their diffusers twins
+BLOCK_LINEARS = {
+    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v", "self_attn.o": "attn1.to_out.0",
+    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v", "cross_attn.o": "attn2.to_out.0",
+    "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
+}
+TIERS = {
+    "none": MemoryStrategy(offload="none"),
+    "model": MemoryStrategy(offload="model"),
+    "block_swap": MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1),
+    "sequential": MemoryStrategy(offload="sequential", prefetch_blocks=1),
+}
+
+
+class Holder:
+    """What lora_patches needs of a pipeline: its denoiser as `transformer`."""
+
+    def __init__(self, transformer):
+        self.transformer = transformer
+
+
+def build_model(blocks: int):
+    import diffusers
+
+    config = json.loads(CONFIG.read_text())["components"]["transformer"]["config"]
+    torch.manual_seed(0)
+    return diffusers.WanTransformer3DModel(**dict(config, num_layers=blocks)).eval()
+
+
+def write_lora(model, blocks: int, path: Path) -> Path:
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    for i in range(blocks):
+        for original, ours in BLOCK_LINEARS.items():
+            layer = model.get_submodule(f"blocks.{i}.{ours}")
+            key = f"diffusion_model.blocks.{i}.{original}"
+            tensors[f"{key}.lora_down.weight"] = torch.randn(RANK, layer.in_features, generator=gen) * 0.01
+            tensors[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, RANK, generator=gen) * 0.01
+            tensors[f"{key}.alpha"] = torch.tensor(float(RANK))
+    safetensors.torch.save_file(tensors, str(path))
+    return path
+
+
+def inputs():
+    gen = torch.Generator().manual_seed(2)
+    return dict(hidden_states=torch.randn(1, 16, 1, 16, 16, generator=gen), timestep=torch.tensor([500]),
+                encoder_hidden_states=torch.randn(1, 32, 4096, generator=gen), return_dict=False)
+
+
+def forward(model, strategy, patches):
+    """One call as the sampler makes it: LoRAs first, then the strategy, both removed after."""
+    stage = StageComponents({"transformer": model}, {"transformer": model.blocks})
+    with torch.no_grad(), apply_loras(patches), apply_strategy(stage, strategy, CpuBackend()):
+        return model(**inputs())[0]
+
+
+def timed(model, strategy, patches) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    forward(model, strategy, patches)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def time_ratios(model, strategy, patches, samples: int) -> dict[str, float]:
+    """Wall time with / without as a ratio of medians; the median of per-round ratios (rounds are
+    adjacent in time, so less moved by other users of the machine); and the CPU-time ratio."""
+    forward(model, strategy, patches)  # warm-up
+    base, lora = [], []
+    for round_ in range(samples):
+        order = ((base, []), (lora, patches)) if round_ % 2 == 0 else ((lora, patches), (base, []))
+        for into, used in order:
+            into.append(timed(model, strategy, used))
+    median = lambda runs, i: statistics.median(run[i] for run in runs)  # noqa: E731
+    return {
+        "time_ratio": round(median(lora, 0) / median(base, 0), 4),
+        "paired_time_ratio": round(statistics.median(w[0] / wo[0] for w, wo in zip(lora, base)), 4),
+        "cpu_time_ratio": round(median(lora, 1) / median(base, 1), 4),
+        "base_seconds": round(median(base, 0), 3),
+    }
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_growth(call) -> int:
+    """Peak RSS during `call` above the RSS when it started (Linux: clear_refs 5 resets the peak)."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    start = _status("VmRSS")
+    call()
+    return _status("VmHWM") - start
+
+
+def extra_rss(model, strategy, path: Path) -> int:
+    """Peak growth of a call with a freshly mapped LoRA minus that of a call without one."""
+    holder = Holder(model)
+    forward(model, strategy, [])  # warm-up: the allocator's first-call growth is not the LoRA's
+    base = peak_growth(lambda: forward(model, strategy, []))
+    assert mapped_bytes() == 0, "a LoRA mapping from an earlier measurement is still alive"
+    spec = load_lora(path, holder, 1.0)
+    with_lora = peak_growth(lambda: forward(model, strategy, lora_patches(holder, [spec])))
+    del spec
+    gc.collect()
+    return with_lora - base
+
+
+def exact_rss_allocator() -> None:
+    """Re-run this script with glibc returning every large block to the system when freed.
+
+    Otherwise freed memory stays in malloc's heap, and whether a call grows RSS depends on what
+    earlier calls left there, so a peak difference of two calls is off by tens of MiB either way.
+    """
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform == "linux":
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def main() -> None:
+    exact_rss_allocator()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=5, help="timed forwards per variant and tier")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; 1 keeps a shared machine's "
+                        "scheduling stalls out of the many small LoRA ops")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build_model(args.blocks)
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_lora(model, args.blocks, Path(folder) / "rank64.safetensors")
+        file_bytes = path.stat().st_size
+        results, reference = {}, None
+        for name, strategy in TIERS.items():
+            extra = extra_rss(model, strategy, path)
+            holder = Holder(model)
+            spec = load_lora(path, holder, 1.0)
+            patches = lora_patches(holder, [spec])
+            output = forward(model, strategy, patches)
+            reference = output if reference is None else reference
+            times = time_ratios(model, strategy, patches, args.samples)
+            results[name] = {
+                **times,
+                "extra_rss_bytes": extra,
+                "lora_file_bytes": file_bytes,
+                "bitwise_equal": bool(torch.equal(output, reference)),
+            }
+            del spec, patches
+            gc.collect()
+            print(f"{name:11s} time x{times['time_ratio']:.3f} (paired x{times['paired_time_ratio']:.3f}, CPU "
+                  f"x{times['cpu_time_ratio']:.3f}, base {times['base_seconds']:.2f} s)  extra RSS {extra / 2**20:7.1f} MiB "
+                  f"({extra / file_bytes:.2f}x the {file_bytes / 2**20:.1f} MiB file)  bitwise {results[name]['bitwise_equal']}", flush=True)
+    report = {
+        "setup": {"model": f"Wan 2.1 14B widths, {args.blocks} blocks, fp32, CPU, random weights", "rank": RANK,
+                  "tokens": {"image": 64, "text": 32}, "samples": args.samples, "threads": torch.get_num_threads()},
+        "tiers": results,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
