@@ -143,3 +143,12 @@ def sampler_inputs(fx: Fixtures, variant: str = "wan2.1-t2v", **changes) -> dict
     inputs = dict(pipeline=fx.pipeline(variant), strategy=fx.strategy(), prompt="a cat", negative_prompt="",
                   width=spec.width, height=spec.height, frames=spec.frames, steps=1, cfg=5.0, seed=0)
     return {**inputs, **changes}
+
+
+def tiny_comfy_module():
+    """Where the tiny Comfy-layout file writers live (pipelines.tiny_files, earlier pipelines.tiny)."""
+    try:
+        from vidmem.pipelines import tiny_files as module
+    except ImportError:
+        from vidmem.pipelines import tiny as module
+    return module

@@ -18,7 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from fuzz_support import PACK_ERRORS, Case, Fixtures, comfy_refusal, tree
+from fuzz_support import PACK_ERRORS, Case, Fixtures, comfy_refusal, tiny_comfy_module, tree
 from vidmem.nodes import NODE_CLASS_MAPPINGS
 from vidmem.nodes.loader import FOLDER_TRANSFORMER, NO_MODELS
 
@@ -259,9 +259,7 @@ def comfy_file(role: str):
 
 
 def no_tokenizer_text_encoder(path, fx):
-    from vidmem.pipelines.tiny import save_tiny_comfy_files
-
-    shutil.copy(save_tiny_comfy_files("wan2.1-t2v", fx.root / "no-tok", with_tokenizer=False).files.text_encoder, path)
+    shutil.copy(tiny_comfy_module().save_tiny_comfy_files("wan2.1-t2v", fx.root / "no-tok", with_tokenizer=False).files.text_encoder, path)
     shutil.rmtree(fx.root / "no-tok")
 
 
@@ -300,10 +298,8 @@ class FileFixtures(Fixtures):
         self.monkeypatch.setattr(host, "resolve_single_file", lambda name: files[name])
 
     def comfy_files(self, variant: str):
-        from vidmem.pipelines.tiny import save_tiny_comfy_files
-
         if variant not in COMFY_FILES:  # built once per session, outside the watched folder
-            COMFY_FILES[variant] = save_tiny_comfy_files(variant, self.session_root / f"comfy-{variant}")
+            COMFY_FILES[variant] = tiny_comfy_module().save_tiny_comfy_files(variant, self.session_root / f"comfy-{variant}")
         return COMFY_FILES[variant]
 
     def list_model_files(self, listed: dict) -> None:
@@ -311,13 +307,17 @@ class FileFixtures(Fixtures):
 
         import vidmem.nodes.load_files as node_module
         from vidmem.pipelines.comfy_files import load_model_files
-        from vidmem.pipelines.tiny import tiny_catalogue
+
+        tiny_catalogue = tiny_comfy_module().tiny_catalogue
 
         self.monkeypatch.setattr(host, "model_file_names", lambda role: list(listed.get(role, {})))
         self.monkeypatch.setattr(host, "resolve_model_file", lambda role, name: listed[role][name])
         # The shipped catalogue knows real model sizes only: recognise the tiny files as their tests do.
-        self.monkeypatch.setattr(node_module, "load_model_files",
-                                 lambda files, options: load_model_files(files, options, tiny_catalogue()))
+        if hasattr(node_module, "shipped_catalogue"):
+            self.monkeypatch.setattr(node_module, "shipped_catalogue", lambda *args, **kwargs: tiny_catalogue())
+        else:
+            self.monkeypatch.setattr(node_module, "load_model_files",
+                                     lambda files, options, *rest: load_model_files(files, options, tiny_catalogue()))
 
     def list_loras(self, files: dict) -> None:
         from vidmem.nodes import host

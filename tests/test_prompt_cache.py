@@ -186,3 +186,22 @@ def test_host_folder_explicit_env_and_default(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(host.sys, "platform", "linux")
     assert host.prompt_cache_folder() == tmp_path / "xdg" / "vidmem" / "prompt_embeddings"
+
+
+@pytest.mark.parametrize("storage", ["fp8_scaled", "gguf_q8_0"])
+def test_the_cache_works_for_stored_weights_on_disk(storage, tmp_path):
+    """Encoder weights kept as fp8 / GGUF buffers, memory-mapped from their files: the identity
+    reads them where they rest, and a hit still skips the encoder."""
+    from fuzz_support import tiny_comfy_module
+    from vidmem.pipelines.comfy_files import LoadOptions, load_model_files
+
+    tiny = tiny_comfy_module()
+    files = tiny.save_tiny_comfy_files("wan2.1-t2v", tmp_path / "models", storage).files
+    loaded = load_model_files(files, LoadOptions(dtype="fp32", weights_on_disk=True), tiny.tiny_catalogue())
+    request = request_for("wan2.1-t2v")
+    first = sample(loaded, MemoryStrategy(), request, cached(tmp_path / "cache"), backend=CpuBackend())
+    with EncoderCalls(loaded.pipe.text_encoder) as calls:
+        again = sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1), request,
+                       cached(tmp_path / "cache"), backend=CpuBackend())
+    assert calls.count == 0 and again.receipt["text_encode"]["cache"] == "used"
+    assert torch.equal(first.latent["samples"], again.latent["samples"])
