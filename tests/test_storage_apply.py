@@ -181,3 +181,16 @@ def test_opening_and_assigning_a_large_file_copies_nothing_to_anonymous_memory(t
     assert checksum == layers * 8192 * 4096 * 0.5
     grown = rss_anon_bytes() - before
     assert grown < 0.25 * size, f"anonymous memory grew by {grown >> 20} MiB for a {size >> 20} MiB file"
+
+
+def test_a_model_wide_cast_changes_the_compute_dtype_never_the_storage():
+    tensors = {k: quantize(v, "fp8_scaled") if v.ndim >= 2 else v for k, v in weights().items()}
+    model = empty()
+    assign_weights(model, tensors, torch.float32)
+    ids = torch.tensor([[1, 2]])
+    model.to(torch.bfloat16)
+    assert model.proj.weight_stored.dtype == torch.float8_e4m3fn and model.proj.weight_scale.dtype == torch.float32
+    assert model.proj.compute_dtype == torch.bfloat16 and model.proj.bias.dtype == torch.bfloat16
+    fresh = empty()
+    assign_weights(fresh, tensors, torch.bfloat16)
+    assert torch.equal(model(ids), fresh(ids))

@@ -12,6 +12,7 @@ upcast happens on the compute device.
 stored data's device). Model code reads it for its dtype or device (transformers' T5 casts
 activations to `wo.weight.dtype`); each read costs one upcast of that layer, so it is correct
 but not free. Assigning `weight` (e.g. a LoRA merge) is refused rather than silently lost.
+A model-wide `.to(dtype)` changes the compute dtype, never the stored format.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ class _StoredWeight(nn.Module):
     @weight.setter
     def weight(self, value) -> None:
         raise AttributeError(f"{type(self).__name__}.weight is computed from its stored {self.format.name} data; it cannot be assigned.")
+
+    def _apply(self, fn, recurse: bool = True):
+        """`.to(device)` moves the stored data; `.to(dtype)` / `.half()` change only the compute
+        dtype (and the bias): a storage format is the file's, never recast by a model-wide cast."""
+        before = {name: self._buffers[name] for name in ("weight_stored", "weight_scale")}
+        result = super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        return result
 
     def extra_repr(self) -> str:
         return f"{list(self.weight_shape)}, stored={self.format.name}, compute={self.compute_dtype}"
