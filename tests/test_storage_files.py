@@ -150,7 +150,8 @@ def test_bad_safetensors_headers_name_the_file_and_the_fix(tmp_path, header, dat
     assert str(path) in str(caught.value) and "download it again" in str(caught.value) or "Re-save" in str(caught.value)
 
 
-@pytest.mark.parametrize("content", [b"", b"abc", b"\xff" * 64, struct.pack("<Q", 10**12) + b"{}", struct.pack("<Q", 2) + b"[]"])
+@pytest.mark.parametrize("content", [b"", b"abc", b"\xff" * 64, struct.pack("<Q", 10**12) + b"{}", struct.pack("<Q", 2) + b"[]",
+                                     b"GGUF", b"GGUF" + struct.pack("<I", 99) + b"\0" * 16])
 def test_anything_else_is_refused(tmp_path, content):
     path = tmp_path / "x.safetensors"
     path.write_bytes(content)

@@ -26,6 +26,7 @@ from .errors import StorageError
 from .mapping import map_file, tensor_at
 
 GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip of pickles
 PICKLE_PROTOCOL = 0x80  # the first byte of a pickle of protocol 2 or later (legacy torch.save)
 MAX_HEADER_BYTES = 100 * (1 << 20)  # the safetensors library's own limit
@@ -59,10 +60,18 @@ def sniff(path: str | os.PathLike) -> str:
     with open(path, "rb") as handle:
         head = handle.read(9)
     if head[:4] == GGUF_MAGIC:
+        _check_gguf_version(path, head)
         return "gguf"
     _refuse_pickles(path, head)
     _safetensors_header(path, size)  # raises unless the header is consistent with the file
     return "safetensors"
+
+
+def _check_gguf_version(path: Path, head: bytes) -> None:
+    """The header's version only; open_gguf parses the rest (tensor infos, truncation)."""
+    version = struct.unpack("<I", head[4:8])[0] if len(head) >= 8 else None
+    if version not in GGUF_VERSIONS:
+        raise StorageError(f"{path} starts like a GGUF file but has version {version}; vidmem reads GGUF versions 2 and 3. Download the file again or re-convert it.")
 
 
 def open_safetensors(path: str | os.PathLike) -> SafetensorsFile:
