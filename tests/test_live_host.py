@@ -6,7 +6,11 @@ values load against /object_info, that each API workflow (shrunk to the tiny mod
 steps, with a fresh seed so the cache cannot answer) queued with POST /prompt finishes with its
 files saved (MP4 and WEBP under output/vidmem/), that a bad Memory Strategy comes back as HTTP 400
 naming the input, that too many swapped blocks fail in the sampler as an execution_error, and that
-the four offload tiers save identical pixels. Standard library only for HTTP (PIL decodes the WEBPs).
+the four offload tiers save identical pixels. Queue-time checks: a bad tile_size is one error on
+tile_size, out-of-range numbers get ComfyUI's own messages, Wan frames=50 is refused on frames;
+an older API workflow with the Strategy's own width/height/frames still runs; saved latents are
+listed and loaded by core Load Latent; GET /vidmem/plan answers for listed models only; every
+template's Templates-browser card is served. Standard library only for HTTP (PIL decodes the WEBPs).
 It also queues every API workflow with the headless client, `vidmem queue --set ... --out DIR`,
 with the tiny models' sizes given as --set overrides, and checks the downloaded files, and
 that GET /vidmem/memory answers memory figures only.
@@ -202,30 +206,127 @@ def test_api_workflow_runs_in_the_host(path, object_info):
     print(f"\n{path.name}: prompt {prompt_id} seed {seed}: {entry['status']['status_str']}; saved {saved}")
 
 
-def test_bad_memory_strategy_is_rejected_naming_the_input():
-    api = wr.shrink_for_tiny(wr.load_json(wr.API_DIR / "wan21_t2v_blockswap.json"), seed=1)
-    strategy_id = next(nid for nid, node in api.items() if node["class_type"] == "VidMemMemoryStrategy")
-    api[strategy_id]["inputs"].update(offload="block_swap", blocks_to_swap=0)
+def blockswap_api(seed: int | None = None) -> tuple[dict, dict]:
+    """The block-swap template at the tiny size, and node ids by class type."""
+    api = wr.shrink_for_tiny(wr.load_json(wr.API_DIR / "wan21_t2v_blockswap.json"), seed=seed or time.time_ns() % 2**32)
+    return api, {node["class_type"]: nid for nid, node in api.items()}
+
+
+def node_errors(api: dict) -> dict:
     status, payload = request("/prompt", {"prompt": api, "client_id": CLIENT_ID})
     assert status == 400, f"expected HTTP 400, got {status}: {payload!r:.500}"
-    errors = payload["node_errors"][strategy_id]["errors"]
-    assert any(error["extra_info"].get("input_name") == "blocks_to_swap" for error in errors), errors
-    assert all("blocks_to_swap" in error["details"] for error in errors), errors
-    print(f"\nbad strategy: HTTP {status}: {errors[0]['details']}")
+    return payload["node_errors"]
 
 
-def test_too_many_swapped_blocks_fail_in_the_sampler_naming_the_input():
-    """blocks_to_swap is only checked against the loaded model at run time: an execution_error,
-    from the strategy node's plan when the pipeline is connected to it (as in the templates)."""
-    api = wr.shrink_for_tiny(wr.load_json(wr.API_DIR / "wan21_t2v_blockswap.json"), seed=time.time_ns() % 2**32)
-    strategy_id = next(nid for nid, node in api.items() if node["class_type"] == "VidMemMemoryStrategy")
-    api[strategy_id]["inputs"]["blocks_to_swap"] = 99
+def test_a_bad_tile_size_is_one_error_on_tile_size():
+    api, ids = blockswap_api(seed=1)
+    api[ids["VidMemMemoryStrategy"]]["inputs"]["tile_size"] = 100
+    errors = node_errors(api)
+    assert list(errors) == [ids["VidMemMemoryStrategy"]], errors
+    (error,) = errors[ids["VidMemMemoryStrategy"]]["errors"]
+    assert error["extra_info"]["input_name"] == "tile_size" and "multiple of 32" in error["details"], error
+    print(f"\ntile_size=100: one error: {error['details']}")
+
+
+@pytest.mark.parametrize("node, name, value, kind", [
+    ("VidMemMemoryStrategy", "prefetch_blocks", 1000, "value_bigger_than_max"),
+    ("VidMemMemoryStrategy", "vram_budget_gb", -5, "value_smaller_than_min"),
+    ("VidMemMemoryStrategy", "blocks_to_swap", 999, "value_bigger_than_max"),
+    ("VidMemMemoryStrategy", "offload", "fast", "value_not_in_list"),
+    ("VidMemVideoSampler", "width", -16, "value_smaller_than_min"),
+    ("VidMemVideoSampler", "cfg", float("inf"), "value_bigger_than_max"),
+])
+def test_out_of_range_numbers_get_comfyuis_own_messages(node, name, value, kind):
+    api, ids = blockswap_api(seed=1)
+    api[ids[node]]["inputs"][name] = value
+    errors = node_errors(api)[ids[node]]["errors"]
+    assert [(e["type"], e["extra_info"]["input_name"]) for e in errors] == [(kind, name)], errors
+
+
+def test_wan_frames_50_is_refused_at_queue_time_on_frames():
+    api, ids = blockswap_api(seed=1)
+    api[ids["VidMemVideoSampler"]]["inputs"]["frames"] = 50
+    errors = node_errors(api)
+    (error,) = errors[ids["VidMemVideoSampler"]]["errors"]
+    assert error["extra_info"]["input_name"] == "frames" and "use 49 or 53" in error["details"], error
+    print(f"\nframes=50: {error['details']}")
+
+
+def run_and_fail(api: dict) -> dict:
     entry = wait_for(queue(api))
     errors = execution_errors(entry)
     assert entry["status"]["status_str"] == "error" and errors, entry["status"]
-    assert errors[0]["node_type"] in ("VidMemMemoryStrategy", "VidMemVideoSampler"), errors[0]
-    assert "blocks_to_swap=99" in errors[0]["exception_message"], errors[0]
-    print(f"\ntoo many blocks: {errors[0]['node_type']}: {errors[0]['exception_message']}")
+    return errors[0]
+
+
+def test_cfg_nan_stops_the_sampler_instead_of_running_unguided():
+    api, ids = blockswap_api()
+    api[ids["VidMemVideoSampler"]]["inputs"]["cfg"] = float("nan")  # JSON NaN: ComfyUI's min/max let it through
+    error = run_and_fail(api)
+    assert error["node_type"] == "VidMemVideoSampler" and "cfg=nan" in error["exception_message"], error
+
+
+def test_block_swap_with_no_blocks_stops_the_strategy_node_naming_the_input():
+    """A rule between two inputs: shown on the node by the live plan before queueing, raised when the node runs."""
+    api, ids = blockswap_api()
+    api[ids["VidMemMemoryStrategy"]]["inputs"].update(offload="block_swap", blocks_to_swap=0)
+    error = run_and_fail(api)
+    assert error["node_type"] == "VidMemMemoryStrategy" and "blocks_to_swap" in error["exception_message"], error
+
+
+def test_too_many_swapped_blocks_fail_in_the_sampler_naming_the_input():
+    """blocks_to_swap is only checked against the loaded model at run time (the live plan shows it before)."""
+    api, ids = blockswap_api()
+    api[ids["VidMemMemoryStrategy"]]["inputs"]["blocks_to_swap"] = 99
+    error = run_and_fail(api)
+    assert error["node_type"] == "VidMemVideoSampler" and "blocks_to_swap=99" in error["exception_message"], error
+    print(f"\ntoo many blocks: {error['node_type']}: {error['exception_message']}")
+
+
+def test_an_older_api_workflow_with_the_strategys_own_shape_still_runs():
+    api, ids = blockswap_api()
+    api[ids["VidMemMemoryStrategy"]]["inputs"].update(width=832, height=480, frames=81)  # as saved before
+    entry = wait_for(queue(api))
+    assert entry["status"]["status_str"] == "success", json.dumps(execution_errors(entry))[:2000]
+
+
+def test_saved_latents_are_listed_and_loaded_by_core_load_latent():
+    api, ids = blockswap_api()
+    api[ids["VidMemVAEDecode"]]["inputs"]["save_latents"] = True
+    entry = wait_for(queue(api))
+    assert entry["status"]["status_str"] == "success", json.dumps(execution_errors(entry))[:2000]
+    saved = next(iter(entry["outputs"][ids["VidMemVAEDecode"]]["vidmem_receipt"]))["saved_latents"]
+    listed = get_json("/object_info/LoadLatent")["LoadLatent"]["input"]["required"]["latent"][0]
+    assert saved in listed, (saved, listed[-5:])
+    # core Load Latent -> our decode -> core Save Animated WEBP
+    reload = {
+        "1": api[ids["VidMemLoadPipeline"]],
+        "2": {"class_type": "LoadLatent", "inputs": {"latent": saved}},
+        "3": {"class_type": "VidMemVAEDecode", "inputs": {"pipeline": ["1", 0], "latent": ["2", 0]}},
+        "4": {"class_type": "SaveAnimatedWEBP", "inputs": {"images": ["3", 0], "filename_prefix": "vidmem/tests/reloaded",
+              "fps": 8.0, "lossless": True, "quality": 90, "method": "default"}},
+    }
+    entry = wait_for(queue(reload))
+    assert entry["status"]["status_str"] == "success", json.dumps(execution_errors(entry))[:2000]
+    assert entry["outputs"]["4"]["images"], entry["outputs"]
+    print(f"\nsaved {saved}: listed by Load Latent and decoded again")
+
+
+def test_plan_route_answers_for_a_listed_model_only():
+    model = wr.loader_models(wr.load_json(wr.API_DIR / "wan21_t2v_blockswap.json"))["1"]
+    query = urllib.parse.urlencode(dict(model=model, dtype="bf16", offload="block_swap", blocks_to_swap=1, vae_tiling="true",
+                                        width=32, height=32, frames=9, client="live-test"))
+    plan = get_json(f"/api/vidmem/plan?{query}")
+    assert plan["status"] == "ok" and plan["rows"][plan["chosen"]]["label"] == "your settings", plan
+    assert get_json(f"/vidmem/plan?{query}")["cached"] is True
+    status, bad = request("/vidmem/plan?" + urllib.parse.urlencode(dict(model="/etc", width=32, height=32, frames=9)))
+    assert status == 400 and bad["input"] == "model"
+
+
+def test_every_template_has_its_card_served():
+    for path in wr.ui_files():
+        status, payload = request("/api/workflow_templates/vidmem/" + urllib.parse.quote(wr.thumbnail(path).name))
+        assert status == 200 and isinstance(payload, bytes) and payload[:3] == b"\xff\xd8\xff", (path.stem, status)
 
 
 def test_every_offload_tier_saves_the_same_video():

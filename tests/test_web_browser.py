@@ -50,7 +50,7 @@ SCREENSHOTS = Path(os.environ.get("VIDMEM_SCREENSHOTS", REPO / "docs" / "screens
 RUN_TEMPLATE = "wan21_t2v_blockswap"  # run from the browser to see the receipts on the nodes
 RUN_ALL = os.environ.get("VIDMEM_RUN_ALL") == "1"
 THUMBNAILS = os.environ.get("VIDMEM_THUMBNAILS") == "1"
-THUMBNAIL_SIZE = (800, 450)
+THUMBNAIL_WIDTH = 800
 
 pytestmark = pytest.mark.skipif(not (URL and BROWSER), reason="set VIDMEM_COMFYUI_URL and VIDMEM_BROWSER (path to chromium)")
 
@@ -90,11 +90,12 @@ def report():
 
 
 def shrink_jpeg(path: Path) -> int:
-    """A Templates-browser card: the screenshot scaled to THUMBNAIL_SIZE, JPEG quality 75."""
+    """A Templates-browser card: the graph's screenshot scaled to THUMBNAIL_WIDTH, JPEG quality 75."""
     from PIL import Image
 
     with Image.open(path) as image:
-        small = image.convert("RGB").resize(THUMBNAIL_SIZE, Image.Resampling.LANCZOS)
+        size = (THUMBNAIL_WIDTH, round(image.height * THUMBNAIL_WIDTH / image.width))
+        small = image.convert("RGB").resize(size, Image.Resampling.LANCZOS)
     small.save(path, "JPEG", quality=75, optimize=True)
     return path.stat().st_size
 

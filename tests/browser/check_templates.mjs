@@ -128,6 +128,20 @@ async function runInBrowser(page, seed, tiny = TINY) {
 }
 
 
+// The graph's on-screen box (nodes and groups, after FitView): a template's card shows the graph, not the app around it.
+async function graphClip(page) {
+  return page.evaluate(({ width, height }) => {
+    const { ds } = window.app.canvas;
+    const title = window.LiteGraph.NODE_TITLE_HEIGHT ?? 30;
+    const boxes = [...window.app.graph.nodes.map((n) => [n.pos[0], n.pos[1] - title, n.size[0], n.size[1] + title]),
+                   ...(window.app.graph.groups ?? []).map((g) => g._bounding ?? g.bounding)];
+    const left = Math.min(...boxes.map((b) => b[0])), top = Math.min(...boxes.map((b) => b[1]));
+    const right = Math.max(...boxes.map((b) => b[0] + b[2])), bottom = Math.max(...boxes.map((b) => b[1] + b[3]));
+    const x = Math.max(0, (left + ds.offset[0]) * ds.scale - 12), y = Math.max(0, (top + ds.offset[1]) * ds.scale - 12);
+    return { x, y, width: Math.min(width - x, (right - left) * ds.scale + 24), height: Math.min(height - y, (bottom - top) * ds.scale + 24) };
+  }, VIEWPORT);
+}
+
 // In the page: the Strategy node's plan widget as text, its chart's markup and status ("none" until it answered).
 async function planOnNode(page) {
   return page.evaluate(() => {
@@ -288,7 +302,7 @@ async function main() {
       result.bytes = await fitAndShoot(page, result.screenshot);
       if (args.thumbnails) {
         result.thumbnail = path.join(args.thumbnails, `${template.title}.jpg`);
-        await page.screenshot({ path: result.thumbnail, type: "jpeg", quality: 80 });
+        await page.screenshot({ path: result.thumbnail, type: "jpeg", quality: 85, clip: await graphClip(page) });
       }
       report.templates.push(result);
       if (result.missing.length) report.problems.push(`${template.name}: missing node types ${result.missing}`);
