@@ -180,9 +180,12 @@ class StagingRing:
 
     def _acquire(self, nbytes: int) -> _StagingSlot:
         while True:
-            for slot in self._slots:
-                if self._is_free(slot) and slot.buffer.numel() >= nbytes:
-                    return slot
+            free = [slot for slot in self._slots if self._is_free(slot)]
+            fitting = [slot for slot in free if slot.buffer.numel() >= nbytes]
+            if fitting:
+                return min(fitting, key=lambda slot: slot.buffer.numel())
+            if free:  # free but too small: give its place to a bigger one (count stays bounded)
+                self._slots.remove(free[0])
             if len(self._slots) < self._max_slots:
                 slot = _StagingSlot(self._pin(_power_of_two(nbytes)))
                 self._slots.append(slot)

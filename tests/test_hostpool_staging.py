@@ -156,3 +156,13 @@ def test_tensors_in_ram_are_never_staged(tmp_path):
     assert sources[0] is in_ram and sources[1] is not mapped and slot is not None
     assert not is_file_backed(sources[1]) and torch.equal(sources[1], mapped)
     assert backend.staging.sources([in_ram]) == ([in_ram], None)
+
+
+def test_groups_of_growing_sizes_replace_free_slots_instead_of_adding(tmp_path):
+    backend = LazyCopyBackend()
+    tensors = file_tensors(tmp_path, [10, 100, 1000, 10_000])
+    for tensor in tensors:  # one at a time, each copy finished before the next: one slot suffices
+        copies, token = backend.copy_group([tensor], True, True, False)
+        backend.wait(token, copies)
+        assert torch.equal(copies[0], tensor)
+    assert backend.staging.slots == 1 and backend.staging.pinned_bytes == 65536
