@@ -175,3 +175,20 @@ def test_file_weights_are_used_in_place(tmp_path, state):
     keep = WanTransformer3DModel._keep_in_fp32_modules
     assert report.cast and all(set(name.split(".")) & set(keep) for name in report.cast)  # only the fp32-kept ones
     assert report.kept_computed == ("rope.freqs_cos", "rope.freqs_sin")  # not in files: computed at build
+
+
+def test_twenty_runs_of_a_stored_model_do_not_grow_anonymous_memory(tmp_path, state):
+    from test_storage_apply import rss_anon_bytes
+
+    path = tmp_path / "wan.gguf_q4_k"
+    write_model_file(path, state, "gguf_q4_k")
+    model, _ = load(path, torch.float32)
+    stage = StageComponents({"transformer": model}, {"transformer": model.blocks})
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=len(model.blocks), prefetch_blocks=1)
+    measured = []
+    for _ in range(20):
+        with torch.no_grad(), apply_strategy(stage, strategy, CpuBackend()) as handle:
+            handle.activate("transformer")
+            model(**inputs(torch.float32))
+        measured.append(rss_anon_bytes())
+    assert measured[-1] - measured[2] < 0.01 * measured[2], [m >> 20 for m in measured]
