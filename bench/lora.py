@@ -31,6 +31,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -162,51 +163,56 @@ def extra_rss(model, strategy, path: Path) -> int:
     return with_lora - base
 
 
-def exact_rss_allocator() -> None:
-    """Re-run this script with glibc returning every large block to the system when freed.
-
-    Otherwise freed memory stays in malloc's heap, and whether a call grows RSS depends on what
-    earlier calls left there, so a peak difference of two calls is off by tens of MiB either way.
-    """
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform == "linux":
+def rss_in_child(args) -> dict[str, int]:
+    """Extra RSS per tier, measured in a child process whose glibc returns every large block to
+    the system when freed (MALLOC_MMAP_THRESHOLD_). With the default allocator freed memory stays
+    in malloc's heap, and whether a call grows RSS depends on what earlier calls left there: a
+    difference of two peaks is then off by tens of MiB either way. Timing runs in this process,
+    with the default allocator, since mapping every block would slow the calls themselves."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "rss.json"
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        command = [sys.executable, __file__, "--rss-only", str(out), "--blocks", str(args.blocks), "--threads", str(args.threads)]
+        subprocess.run(command, env=env, check=True)
+        return json.loads(out.read_text())
+
+
+def measure_rss(args) -> None:
+    model = build_model(args.blocks)
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_lora(model, args.blocks, Path(folder) / "rank64.safetensors")
+        args.rss_only.write_text(json.dumps({name: extra_rss(model, strategy, path) for name, strategy in TIERS.items()}))
 
 
 def main() -> None:
-    exact_rss_allocator()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--samples", type=int, default=5, help="timed forwards per variant and tier")
     parser.add_argument("--threads", type=int, default=1, help="torch threads; 1 keeps a shared machine's "
                         "scheduling stalls out of the many small LoRA ops")
+    parser.add_argument("--rss-only", type=Path, help=argparse.SUPPRESS)  # the child of rss_in_child
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.rss_only:
+        return measure_rss(args)
+    extra = rss_in_child(args)
     model = build_model(args.blocks)
     with tempfile.TemporaryDirectory() as folder:
         path = write_lora(model, args.blocks, Path(folder) / "rank64.safetensors")
         file_bytes = path.stat().st_size
         results, reference = {}, None
         for name, strategy in TIERS.items():
-            extra = extra_rss(model, strategy, path)
             holder = Holder(model)
-            spec = load_lora(path, holder, 1.0)
-            patches = lora_patches(holder, [spec])
+            patches = lora_patches(holder, [load_lora(path, holder, 1.0)])
             output = forward(model, strategy, patches)
             reference = output if reference is None else reference
             times = time_ratios(model, strategy, patches, args.samples)
-            results[name] = {
-                **times,
-                "extra_rss_bytes": extra,
-                "lora_file_bytes": file_bytes,
-                "bitwise_equal": bool(torch.equal(output, reference)),
-            }
-            del spec, patches
-            gc.collect()
+            results[name] = {**times, "extra_rss_bytes": extra[name], "lora_file_bytes": file_bytes,
+                             "bitwise_equal": bool(torch.equal(output, reference))}
             print(f"{name:11s} time x{times['time_ratio']:.3f} (paired x{times['paired_time_ratio']:.3f}, CPU "
-                  f"x{times['cpu_time_ratio']:.3f}, base {times['base_seconds']:.2f} s)  extra RSS {extra / 2**20:7.1f} MiB "
-                  f"({extra / file_bytes:.2f}x the {file_bytes / 2**20:.1f} MiB file)  bitwise {results[name]['bitwise_equal']}", flush=True)
+                  f"x{times['cpu_time_ratio']:.3f}, base {times['base_seconds']:.2f} s)  extra RSS {extra[name] / 2**20:7.1f} MiB "
+                  f"({extra[name] / file_bytes:.2f}x the {file_bytes / 2**20:.1f} MiB file)  bitwise {results[name]['bitwise_equal']}", flush=True)
     report = {
         "setup": {"model": f"Wan 2.1 14B widths, {args.blocks} blocks, fp32, CPU, random weights", "rank": RANK,
                   "tokens": {"image": 64, "text": 32}, "samples": args.samples, "threads": torch.get_num_threads()},

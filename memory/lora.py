@@ -21,6 +21,13 @@ eviction hook (registered later) runs after the LoRA hook has read them.
 
 LoRAs are a property of the call, not of the module: two pipelines sharing modules each apply
 their own set for their own call. Strength 0 registers nothing, so it gives the base exactly.
+
+The fused alternative (`apply_loras(patches, fuse=True)`, plain floating-point weights only):
+each targeted weight is re-pointed to a new tensor `W + scale * up @ down` (computed in float32,
+rounded once to the weight's dtype) and pointed back at the untouched original on removal, so
+the undo is exact. It saves the per-step cost of the side computation at the price of one extra
+copy of every targeted weight in host RAM for the call; quantized storage (fp8, GGUF) is refused
+because fusing would need a dequantized copy anyway.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ class LoraHandle:
     def __init__(self) -> None:
         self._hooks: list = []
         self._buffers: list[tuple[nn.Module, str]] = []
+        self._originals: list[tuple[nn.Parameter, torch.Tensor]] = []  # fused parameters' own tensors
         self.applied: list[LoraPatch] = []
 
     def __enter__(self) -> "LoraHandle":
@@ -110,7 +118,9 @@ class LoraHandle:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of LoRA tensors attached (they travel with their layers under offloading)."""
+        """Extra bytes for the call: LoRA tensors beside the layers, or the fused weight copies."""
+        if self._originals:  # fused: the copies made, not the (already folded) LoRA tensors
+            return sum(p.data.numel() * p.data.element_size() for p, _ in self._originals)
         return sum(p.nbytes for p in self.applied)
 
     def remove(self) -> None:
@@ -120,6 +130,9 @@ class LoraHandle:
         for module, name in self._buffers:
             module._buffers.pop(name, None)
         self._buffers.clear()
+        for parameter, original in reversed(self._originals):
+            parameter.data = original
+        self._originals.clear()
         self.applied.clear()
 
     def _attach(self, patch: LoraPatch, index: int) -> None:
@@ -136,8 +149,10 @@ class LoraHandle:
         self.applied.append(patch)
 
 
-def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...]) -> LoraHandle:
+def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = False) -> LoraHandle:
     """Attach `patches` to their modules for one call; nothing is left applied if this raises.
+
+    `fuse=True` fuses them into plain floating-point weights instead (see the module docstring).
 
     Patches with scale 0 are skipped entirely (no buffer, no hook), so strength 0 is the base
     model bit for bit. Several patches may target one module (chained LoRAs); each adds its own
@@ -151,37 +166,68 @@ def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...]) -> LoraHandle:
     try:
         for index, patch in enumerate(patches):
             if patch.scale != 0.0:
-                handle._attach(patch, index)
+                _fuse(handle, patch) if fuse else handle._attach(patch, index)
     except BaseException:
         handle.remove()
         raise
     return handle
 
 
+FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fuse(handle: LoraHandle, patch: LoraPatch) -> None:
+    """Re-point the layer's weight (and bias, for diff_b) to fused copies; keep the originals."""
+    module = patch.module
+    weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+    if weight is None or weight.dtype not in FUSABLE_DTYPES:
+        raise LoraError(f"LoRA on {patch.name}: fuse=True needs a plain floating-point weight, but {type(module).__name__} "
+                        "stores it quantized; apply this LoRA beside the layer (fuse=False).")
+    if patch.diff_b is not None and bias is None:
+        raise LoraError(f"LoRA on {patch.name}: a bias delta cannot be fused into a layer without a bias; use fuse=False.")
+    delta = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    if patch.down is not None:
+        delta += (patch.up.to(delta) @ patch.down.to(delta)) * patch.scale
+    if patch.diff is not None:
+        delta += patch.diff.to(delta) * patch.scale
+    _replace(handle, weight, delta)
+    if patch.diff_b is not None:
+        _replace(handle, bias, patch.diff_b.to(bias.device, torch.float32) * patch.scale)
+    handle.applied.append(patch)
+
+
+def _replace(handle: LoraHandle, parameter: nn.Parameter, delta: torch.Tensor) -> None:
+    """parameter.data <- a new tensor (data + delta), the first original kept for the exact undo."""
+    if not any(p is parameter for p, _ in handle._originals):
+        handle._originals.append((parameter, parameter.data))
+    parameter.data = (parameter.data.to(torch.float32) + delta).to(parameter.dtype)
+
+
 def _beside_hook(names: dict[str, str], scale: float):
     """A forward hook adding the patch's term to the layer's output.
 
     The tensors are looked up on the module at call time, never captured: an offloading tier
-    re-points buffers to their device copies while the layer runs.
+    re-points buffers to their device copies while the layer runs. At inference each term is one
+    `addmm_` into the output (matmul, scale and add in one BLAS call, no output-sized temporary);
+    with autograd recording, the same ops run out of place.
     """
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        x = args[0]
         buffers = module._buffers
-        delta = None
+        in_place = output.is_contiguous() and not (torch.is_grad_enabled() and output.requires_grad)
+        rows = output.view(-1, output.shape[-1]) if in_place else output.reshape(-1, output.shape[-1])
+        x = args[0].reshape(-1, args[0].shape[-1]).to(rows.dtype)
+        terms = []
         if "down" in names:
-            hidden = F.linear(x, buffers[names["down"]].to(x.dtype))
-            delta = F.linear(hidden, buffers[names["up"]].to(x.dtype))
+            terms.append((F.linear(x, buffers[names["down"]].to(rows.dtype)), buffers[names["up"]]))
         if "diff" in names:
-            full = F.linear(x, buffers[names["diff"]].to(x.dtype))
-            delta = full if delta is None else delta.add_(full)
+            terms.append((x, buffers[names["diff"]]))
+        for left, weight in terms:
+            weight = weight.to(rows.dtype).t()
+            rows = rows.addmm_(left, weight, alpha=scale) if in_place else torch.addmm(rows, left, weight, alpha=scale)
         if "diff_b" in names:
-            bias = buffers[names["diff_b"]].to(x.dtype)
-            delta = bias * torch.ones_like(output) if delta is None else delta.add_(bias)
-        delta = delta.mul_(scale).to(output.dtype)
-        if torch.is_grad_enabled() and output.requires_grad:
-            return output + delta
-        # in place at inference: one output-sized temporary per layer instead of three
-        return output.add_(delta)
+            bias = buffers[names["diff_b"]].to(rows.dtype)
+            rows = rows.add_(bias, alpha=scale) if in_place else rows.add(bias, alpha=scale)
+        return output if in_place else rows.view(output.shape)
 
     return hook

@@ -45,7 +45,7 @@ def test_pickles_and_gguf_are_refused_naming_the_file(wan, tmp_path):
     with pytest.raises(LoraError, match=r"style.safetensors cannot be used: .* is a PyTorch pickle.*Convert it to .safetensors"):
         load_lora(pickled, wan)
     gguf = tmp_path / "style.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(60))
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(56))  # a GGUF v3 header
     with pytest.raises(LoraError, match=r"style.gguf is a GGUF file; LoRAs are read from .safetensors files only"):
         load_lora(gguf, wan)
     with pytest.raises(LoraError, match="missing.safetensors cannot be used: .*no such file"):

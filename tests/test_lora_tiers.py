@@ -184,3 +184,41 @@ def test_two_expert_model_applies_to_the_chosen_expert(tmp_path):
         owners = {id(getattr(pipe, c)) for c in components}
         targets = {p.name.split(".")[0] for p in lora_patches(pipe, [spec])}
         assert targets == components and len(owners) == len(components)
+
+
+def test_fused_alternative_is_exactly_undone_and_tier_independent(wan, spec):
+    model, patches = wan.transformer, lora_patches(wan, [spec])
+    before = snapshot(model)
+    beside = run_tier(model, patches, TIERS["none"], CpuBackend(), wan_inputs())
+    stage = StageComponents({"transformer": model}, {"transformer": model.blocks})
+    outputs = {}
+    for label, strategy in TIERS.items():
+        with torch.no_grad(), apply_loras(patches, fuse=True) as handle, apply_strategy(stage, strategy, StrictBackend()):
+            outputs[label] = model(**wan_inputs())[0]
+            assert not any(n.startswith(BUFFER_PREFIX) for n, _ in model.named_buffers())
+            assert handle.nbytes == sum(model.get_submodule(l.module).weight.numel() * 4 for l in spec.layers["transformer"])
+        assert_restored(model, before)
+    assert all(torch.equal(out, outputs["none"]) for out in outputs.values())
+    assert torch.allclose(outputs["none"], beside, rtol=0, atol=1e-5 * beside.abs().max())
+
+
+@needs_peft
+def test_fused_alternative_equals_diffusers_fuse_lora_bit_for_bit(wan, spec):
+    reference = build_tiny_pipeline("wan2.1-t2v")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference.load_lora_weights(spec.path)
+        reference.fuse_lora(lora_scale=spec.strength)
+    with torch.no_grad(), apply_loras(lora_patches(wan, [spec]), fuse=True):
+        ours = wan.transformer(**wan_inputs())[0]
+        theirs = reference.transformer(**wan_inputs())[0]
+    assert torch.equal(ours, theirs)
+
+
+def test_fused_alternative_refuses_quantized_storage(wan, spec):
+    layer = wan.transformer.get_submodule("blocks.0.ffn.net.2")
+    stored = StoredLinear(quantize(layer.weight.data, "fp8_e4m3fn"), layer.bias.data.clone(), torch.float32)
+    patch = LoraPatch(stored, 1.0, torch.ones(2, 32), torch.ones(24, 2), name="blocks.0.ffn.net.2")
+    with pytest.raises(ValueError, match="fuse=True needs a plain floating-point weight.*fuse=False"):
+        apply_loras([patch], fuse=True)
+    assert not stored._buffers.keys() & {f"{BUFFER_PREFIX}0_down"}
