@@ -69,7 +69,9 @@ class StoredLinear(_StoredWeight):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self._hold(weight, compute_dtype)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        if bias is not None and not isinstance(bias, nn.Parameter):
+            bias = nn.Parameter(bias, requires_grad=False)
+        self.bias = bias  # the same Parameter object the model had: ties and hooks keep seeing it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.stored.dequantize(self.compute_dtype, x.device)
