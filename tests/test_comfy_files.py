@@ -190,3 +190,24 @@ def test_reading_and_renaming_copy_nothing(written):
     report = loaded.storage_reports["transformer"]
     fp32_islands = sum(t.numel() * 4 for n, t in loaded.pipe.transformer.state_dict().items() if t.dtype == torch.float32)
     assert report.copied_bytes <= fp32_islands and report.mapped_bytes > report.copied_bytes
+
+
+@pytest.mark.parametrize("storage,layout", [("fp8_scaled", KeyLayout.ORIGINAL), ("bf16", KeyLayout.PREFIXED), ("fp8_e4m3fn", KeyLayout.DIFFUSERS)])
+def test_streamed_random_files_are_valid_comfy_files(tmp_path, storage, layout):
+    """The bench writer (tensor by tensor, header from shapes) gives files safetensors and the loader read."""
+    import safetensors
+
+    from vidmem.pipelines.comfy_files import ModelFiles
+    from vidmem.pipelines.comfy_files.random_files import write_random_file
+    from vidmem.pipelines.tiny_files import tiny_spiece_model
+
+    entry = {e.name: e for e in tiny_catalogue()}["tiny-wan2.2-a14b"]
+    parts = {name: write_random_file(entry.components[component], tmp_path / f"{name}.safetensors", storage, layout,
+                                     seed=i, spiece_model=tiny_spiece_model() if name == "text_encoder" else None)
+             for i, (name, component) in enumerate((("model", "transformer"), ("model_2", "transformer_2"),
+                                                    ("text_encoder", "text_encoder"), ("vae", "vae")))}
+    with safetensors.safe_open(str(parts["model"]), "pt") as file:
+        assert len(file.keys()) > 50
+    loaded = load_model_files(ModelFiles(**parts), LoadOptions(dtype="fp32"), tiny_catalogue())
+    assert loaded.config_name == "tiny-wan2.2-a14b" and loaded.storage["transformer_2"] == storage
+    assert latents(loaded, "wan2.2-a14b").isfinite().all()
