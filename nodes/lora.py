@@ -45,4 +45,13 @@ class VidMemLoadLoRA:
     def load(self, pipeline, lora_name: str, strength: float, expert: str = "both"):
         path = host.resolve_lora(lora_name)
         spec = load_lora(path, pipeline.pipe, strength, expert, name=lora_name)
-        return (with_lora(pipeline, spec),)
+        return {"ui": {"text": [summary(spec)]}, "result": (with_lora(pipeline, spec),)}
+
+
+def summary(spec) -> str:
+    """What the node shows after a run: what was applied, and what was not (also warned in the log)."""
+    layers = sum(len(found) for found in spec.layers.values())
+    text = f"{spec.describe()}: {layers} layers ({spec.naming} key names)"
+    if spec.skipped:
+        text += f"; {len(spec.skipped)} key(s) not applied, e.g. {spec.skipped[0]}"
+    return text

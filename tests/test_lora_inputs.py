@@ -100,8 +100,10 @@ def test_node_chains_without_mutating_its_input(wan, tmp_path, monkeypatch):
     monkeypatch.setattr(host, "resolve_lora", lambda name: tmp_path / name)
     loaded = PipelineWithLoras(wan, WAN, "WanPipeline", "tiny", "fp32")
     node = VidMemLoadLoRA()
-    (one,) = node.load(loaded, "first.safetensors", 1.0, "both")
-    (two,) = node.load(one, "second.safetensors", -0.5, "both")
+    first_run = node.load(loaded, "first.safetensors", 1.0, "both")
+    (one,) = first_run["result"]
+    assert first_run["ui"]["text"] == [f"first.safetensors x1 ({one.loras[0].nbytes / 2**20:.1f} MiB): {len(WAN_LAYERS)} layers (diffusers key names)"]
+    (two,) = node.load(one, "second.safetensors", -0.5, "both")["result"]
     assert loaded.loras == () and [s.name for s in one.loras] == ["first.safetensors"]
     assert [(s.name, s.strength) for s in two.loras] == [("first.safetensors", 1.0), ("second.safetensors", -0.5)]
     assert two.pipe is loaded.pipe  # the components are shared, never copied
