@@ -18,6 +18,7 @@ from vidmem.memory import MemoryStrategy
 from vidmem.memory.device import CpuBackend
 from vidmem.memory.storage import is_file_backed
 from vidmem.pipelines.comfy_files import KeyLayout, LoadOptions, load_model_files, read_weight_file
+from vidmem.pipelines.decode import decode
 from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.sample import sample
 from vidmem.pipelines.tiny import build_tiny_tokenizer
@@ -110,7 +111,9 @@ def test_bf16_compute_with_an_fp32_vae_holds_the_dtypes_from_pretrained_gives(wr
         assert compute_dtypes(getattr(loaded.pipe, name)) == compute_dtypes(getattr(folder.pipe, name)), name
     assert all(p.dtype == torch.float32 for p in loaded.pipe.vae.parameters())
     assert "VAE fp32" in loaded.describe()
-    assert latents(loaded, "wan2.1-t2v").isfinite().all()
+    latent = sample(loaded, STRATEGY, request_for("wan2.1-t2v"), backend=CpuBackend()).latent
+    frames = decode(loaded, latent, backend=CpuBackend()).frames  # a bf16 pipeline's latent into the fp32 VAE
+    assert frames.shape[0] == 9 and frames.isfinite().all()
 
 
 def compute_dtypes(module) -> dict:
