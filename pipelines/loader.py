@@ -42,6 +42,7 @@ class LoadedPipeline:
     on_disk: bool = False  # weights used in place from their files' mappings (the disk tier)
     vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name
     storage_reports: Mapping[str, object] = field(default_factory=dict, compare=False, repr=False)  # component -> StorageReport
+    loras: tuple = ()  # pipelines.lora LoraSpecs applied for each run (image_mode() keeps them: it copies every field)
     host_pool: HostPool = field(default_factory=HostPool, compare=False, repr=False)  # pinned homes, reused run over run
     _image_mode: dict = field(default_factory=dict, compare=False, repr=False)
     _backends: dict = field(default_factory=dict, compare=False, repr=False)
