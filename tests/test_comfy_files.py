@@ -214,3 +214,13 @@ def test_streamed_random_files_are_valid_comfy_files(tmp_path, storage, layout):
     loaded = load_model_files(ModelFiles(**parts), LoadOptions(dtype="fp32"), tiny_catalogue())
     assert loaded.config_name == "tiny-wan2.2-a14b" and loaded.storage["transformer_2"] == storage
     assert latents(loaded, "wan2.2-a14b").isfinite().all()
+
+
+def test_weight_dtype_gguf_keeps_rows_it_cannot_block(written):
+    """Tiny Wan's width is 24: most rows are not whole 32-weight blocks and stay as stored."""
+    out = written("wan2.1-t2v", "bf16")
+    loaded = load_model_files(out.files, LoadOptions(dtype="fp32", weight_dtype="gguf_q8_0"), tiny_catalogue())
+    ffn = loaded.pipe.transformer.blocks[0].ffn
+    assert ffn.net[2].format.name == "gguf_q8_0"  # 32 inputs: whole blocks
+    assert ffn.net[0].proj.format.name == "bf16"  # 24 inputs: kept as the file holds it
+    assert latents(loaded, "wan2.1-t2v").isfinite().all()

@@ -61,12 +61,14 @@ def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: s
     """Linear / Embedding weights stored wider than `target` quantized to it; narrower ones kept.
 
     Never raises precision: a weight already stored at or below the target's bytes per weight
-    stays as the file holds it.
+    stays as the file holds it, and so does one the format cannot hold (a GGUF format needs rows
+    of whole blocks), as GGUF converters do. The quantized copies are new memory, not file-backed.
     """
     fmt = storage_format(target)
     lowered = dict(tensors)
     for name, tensor in tensors.items():
-        if _is_matrix_weight(module, name) and _bytes_per_weight(tensor) > fmt.bytes_per_weight:
+        lower = _bytes_per_weight(tensor) > fmt.bytes_per_weight and fmt.holds(tuple(tensor.shape))
+        if lower and _is_matrix_weight(module, name):
             wide = tensor.dequantize(torch.float32) if isinstance(tensor, StoredTensor) else tensor
             lowered[name] = quantize(wide, fmt)
     return lowered

@@ -18,7 +18,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Sequence
 
-import torch
 
 from ...memory.storage import FORMATS
 from ..family import ModelError

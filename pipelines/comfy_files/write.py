@@ -41,7 +41,7 @@ def store_tensors(module: torch.nn.Module, storage: str) -> dict[str, Any]:
             out[name] = tensor
         elif not fmt.quantized and fmt.gguf_type is None:
             out[name] = tensor.to(fmt.torch_dtype).contiguous()
-        elif name in linear and (fmt.gguf_type is None or tensor.shape[-1] % fmt.block_size == 0):
+        elif name in linear and fmt.holds(tuple(tensor.shape)):
             out[name] = quantize(tensor, fmt)
         else:
             out[name] = tensor.contiguous()
