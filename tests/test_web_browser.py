@@ -120,7 +120,7 @@ def test_every_template_loads_with_no_missing_nodes_and_matches_its_api_file(rep
 
 def test_screenshots_are_small_pngs(report):
     shots = [Path(t["screenshot"]) for t in report["templates"]] + [Path(report["run"]["screenshot"])]
-    shots.append(Path(report["livePlan"]["screenshot"]))
+    shots += [Path(report["livePlan"]["screenshot"]), Path(report["templatesBrowser"]["screenshot"])]
     sizes = {shot.name: shrink_png(shot) for shot in shots}
     print(json.dumps(sizes, indent=1))
     assert all(shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for shot in shots)
@@ -151,6 +151,14 @@ def test_an_older_strategy_layout_keeps_its_budgets(report):
 def test_no_node_overlaps_another_after_a_run_and_groups_hold_their_nodes(report):
     assert report["runs"] and all(run.get("layoutProblems") == [] for run in report["runs"]), \
         {run["name"]: run.get("layoutProblems") for run in report["runs"]}
+
+
+def test_the_templates_browser_shows_each_template_by_its_title_with_its_card(report):
+    browser = report["templatesBrowser"]
+    titles = {p.stem for p in (REPO / "workflows").glob("*.json")}
+    assert {name[:-4] for status, name in browser["cards"] if status == 200} == titles
+    assert all(status == 200 for status, _name in browser["cards"]), browser["cards"]
+    assert all(title.replace("-", " ") in browser["text"] for title in titles), browser["text"][:2000]
 
 
 def test_the_meter_sits_clear_of_the_canvas_info_corner(report):

@@ -85,7 +85,7 @@ TILES = dict(vae_tiling=True, tile_size=256, overlap=32, temporal_size=64, tempo
 TEMPLATES = (
     Template(
         name="cogvideox_t2v",
-        title="CogVideoX-2b text to video, 12 GB card",
+        title="CogVideoX-2b, 12 GB card",
         note=(
             "CogVideoX-2b text to video on a 12 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
             "Model: the diffusers folder of THUDM/CogVideoX-2b in ComfyUI/models/diffusers/CogVideoX-2b "
@@ -110,7 +110,7 @@ TEMPLATES = (
     ),
     Template(
         name="wan21_t2v_blockswap",
-        title="Wan 2.1 1.3B text to video, block swap for small cards",
+        title="Wan 2.1 1.3B, small card, block swap",
         note=(
             "Wan 2.1 T2V 1.3B text to video: 832x480, 81 frames (about 5 s at 16 fps), for small cards.\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -138,7 +138,7 @@ TEMPLATES = (
     # table in web/docs/VidMemMemoryStrategy.md gives the same choices for every model and card.
     Template(
         name="wan21_t2v_1_3b_8gb",
-        title="Wan 2.1 1.3B text to video, 8 GB card",
+        title="Wan 2.1 1.3B, 8 GB card",
         note=(
             "Wan 2.1 T2V 1.3B on an 8 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -151,7 +151,7 @@ TEMPLATES = (
             "tiles.\n\n"
             "These are weight sizes; activations (a few GiB at this size) and the CUDA context come on top. "
             "The Memory Strategy node shows the predicted peaks for the Sampler's size before you queue. If "
-            "it still runs out of memory, the \"Wan 2.1 1.3B text to video, block swap for small cards\" "
+            "it still runs out of memory, the \"Wan 2.1 1.3B, small card, block swap\" "
             "template streams 20 of the 30 blocks from RAM. Every strategy gives the same frames."
         ),
         loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
@@ -163,7 +163,7 @@ TEMPLATES = (
     ),
     Template(
         name="wan21_t2v_1_3b_12gb",
-        title="Wan 2.1 1.3B text to video, 12 GB card",
+        title="Wan 2.1 1.3B, 12 GB card",
         note=(
             "Wan 2.1 T2V 1.3B on a 12 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -186,7 +186,7 @@ TEMPLATES = (
     ),
     Template(
         name="wan21_t2v_14b_24gb",
-        title="Wan 2.1 14B text to video, 24 GB card",
+        title="Wan 2.1 14B, 24 GB card",
         note=(
             "Wan 2.1 T2V 14B on a 24 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-14B-Diffusers in "
@@ -213,7 +213,7 @@ TEMPLATES = (
     ),
     Template(
         name="cogvideox_2b_t2v_8gb",
-        title="CogVideoX-2b text to video, 8 GB card",
+        title="CogVideoX-2b, 8 GB card",
         note=(
             "CogVideoX-2b on an 8 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
             "Model: the diffusers folder of THUDM/CogVideoX-2b in ComfyUI/models/diffusers/CogVideoX-2b; "
@@ -221,7 +221,7 @@ TEMPLATES = (
             "Memory strategy, offload = model: the transformer (1.69 billion parameters, 3.2 GiB in fp16) is "
             "on the GPU only while it samples, the VAE only while it decodes (256 px tiles). The T5-XXL text "
             "encoder (4.8 billion parameters, 8.9 GiB) does not fit an 8 GB card, so text_encoder = cpu: "
-            "the prompt is encoded in system RAM (slow, no VRAM). With 12 GB or more, the \"CogVideoX-2b text to video, 12 GB card\" "
+            "the prompt is encoded in system RAM (slow, no VRAM). With 12 GB or more, the \"CogVideoX-2b, 12 GB card\" "
             "template encodes on the GPU instead.\n\n"
             "These are weight sizes; activations and the CUDA context come on top. The Memory Strategy node "
             "shows the predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
@@ -235,7 +235,7 @@ TEMPLATES = (
     ),
     Template(
         name="wan22_ti2v_5b_12gb",
-        title="Wan 2.2 TI2V-5B text to video, 12 GB card",
+        title="Wan 2.2 TI2V-5B, 12 GB card",
         note=(
             "Wan 2.2 TI2V-5B on a 12 GB card, text to video: 1280x704, 121 frames (about 5 s at 24 fps). "
             "Width and height must be multiples of 32 for this model and frames 4k+1.\n\n"

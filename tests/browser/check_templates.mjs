@@ -128,6 +128,24 @@ async function runInBrowser(page, seed, tiny = TINY) {
 }
 
 
+// The Templates browser as a newcomer opens it (sidebar, Templates, the pack's category): which cards
+// asked for their thumbnail, with what answer, and what each card says.
+async function templatesBrowser(page, file) {
+  const cards = [];
+  const listen = (r) => { if (/\/workflow_templates\/vidmem\/[^/]+\.jpg$/.test(r.url())) cards.push([r.status(), decodeURIComponent(r.url().split("/").pop())]); };
+  page.on("response", listen);
+  await dismissDialogs(page);
+  await page.getByText("Templates", { exact: true }).first().click();
+  await page.waitForTimeout(2000);
+  await page.locator('[role="dialog"]').getByText("vidmem", { exact: true }).first().click();
+  await page.waitForTimeout(2500);
+  await page.screenshot({ path: file, type: "png" });
+  const texts = await page.locator('[role="dialog"]').innerText();
+  page.off("response", listen);
+  await dismissDialogs(page);
+  return { cards, text: texts, screenshot: file };
+}
+
 // The graph's on-screen box (nodes and groups, after FitView): a template's card shows the graph, not the app around it.
 async function graphClip(page) {
   return page.evaluate(({ width, height }) => {
@@ -174,12 +192,10 @@ async function setWidgets(page, type, values) {
   }, { type, values });
 }
 
+const queued = []; // POST /prompt requests the page made
 async function promptCount(page) {
-  return page.evaluate(async () => {
-    const history = await (await fetch("/api/history")).json();
-    const queue = await (await fetch("/api/queue")).json();
-    return Object.keys(history).length + queue.queue_running.length + queue.queue_pending.length;
-  });
+  const queue = await page.evaluate(async () => (await (await fetch("/api/queue")).json()));
+  return queued.length + queue.queue_running.length + queue.queue_pending.length;
 }
 
 // Load the template, give the Sampler the tiny model's size, and change blocks_to_swap twice:
@@ -280,6 +296,7 @@ async function main() {
   page.on("pageerror", (e) => consoleErrors.push(String(e)));
   const frees = [];
   page.on("request", (r) => { if (r.method() === "POST" && new URL(r.url()).pathname.endsWith("/free")) frees.push(r.postData()); });
+  page.on("request", (r) => { if (r.method() === "POST" && new URL(r.url()).pathname.endsWith("/prompt")) queued.push(r.url()); });
   try {
     report.overlaysLeft = await openComfy(page);
     report.extensions = await page.evaluate(() => window.app.extensions.map((e) => e.name).filter((n) => n.startsWith("vidmem.")));
@@ -310,6 +327,11 @@ async function main() {
       if (result.apiDifferences.length || result.extraApiNodes.length) {
         report.problems.push(`${template.name}: the frontend's graphToPrompt differs from workflows/api/${template.name}.json`);
       }
+    }
+    report.templatesBrowser = await templatesBrowser(page, path.join(args.screenshots, "templates_browser.png"));
+    const served = report.templatesBrowser.cards.filter(([status]) => status === 200).map(([, name]) => name.slice(0, -4));
+    for (const template of templates()) {
+      if (!served.includes(template.title)) report.problems.push(`Templates browser: no card image for "${template.title}"`);
     }
     const runTemplate = templates().find((t) => t.name === args.run);
     if (runTemplate) {
