@@ -276,3 +276,30 @@ def test_large_layers_upcast_in_row_chunks_with_the_same_bits(monkeypatch, name)
     monkeypatch.setattr(stored, "DEQUANT_CHUNK", 1500)  # three rows of 2560 weights: one row per chunk
     assert weight._rows_per_chunk() == 1
     assert torch.equal(weight.dequantize(torch.bfloat16), whole)
+
+
+@pytest.mark.parametrize("fmt", GGUF_TYPES, ids=lambda f: f.name)
+def test_ggml_dequantizers_equal_diffusers_and_build_no_constants_from_host_data(fmt):
+    """Same bits as diffusers' port; and no torch.tensor([...]) constants (aten.lift_fresh), which
+    on a GPU are synchronous host-to-device copies that stall the CPU on every layer."""
+    from diffusers.quantizers.gguf.utils import dequantize_functions
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vidmem.memory.storage.ggml import DEQUANTIZE
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    blocks = torch.from_numpy(random_blocks(fmt, 4, 512, seed=7)).reshape(-1, fmt.block_bytes)
+    qtype = gguf.GGMLQuantizationType[fmt.gguf_type]
+    theirs = dequantize_functions[qtype](blocks, fmt.block_size, fmt.block_bytes, dtype=torch.float32)
+    with Ops() as ops:
+        ours = DEQUANTIZE[fmt.gguf_type](blocks)
+    assert torch.equal(ours, theirs)
+    assert not any("lift_fresh" in op for op in ops.seen), ops.seen

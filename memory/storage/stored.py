@@ -1,9 +1,10 @@
 """StoredTensor: a weight kept in its storage format, dequantized to the compute dtype on demand.
 
 Dequantization is deterministic and device-independent: fp8 widens exactly; scaled fp8 and GGUF
-are computed in float32 (one IEEE multiply per value for scaled fp8, diffusers' torch port of
-ggml's block formulas for GGUF) and rounded once to the compute dtype. The same stored tensor
-therefore always gives the same bits, on the CPU and on a GPU. The cost, on the compute device
+are computed in float32 (one IEEE multiply per value for scaled fp8; for GGUF ggml's block
+formulas as diffusers and the gguf package compute them, ggml.py) and rounded once to the
+compute dtype. The same stored tensor therefore always gives the same bits, on the CPU and on
+a GPU. The cost, on the compute device
 while a layer runs, is its upcast weight in the compute dtype plus float32 temporaries of at
 most DEQUANT_CHUNK weights (large matrices are upcast in row chunks, bit-identically).
 """
@@ -17,6 +18,7 @@ import torch
 
 from .errors import StorageError
 from .formats import FORMATS, StorageFormat
+from .ggml import DEQUANTIZE
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Weights upcast in one pass (16 Mi: 64 MiB of float32 temporaries); larger layers go in row chunks
@@ -120,14 +122,8 @@ def _upcast(data: torch.Tensor, scale: torch.Tensor | None, fmt: StorageFormat, 
 
 
 def _dequantize_gguf(data: torch.Tensor, fmt: StorageFormat, shape: torch.Size) -> torch.Tensor:
-    """diffusers' torch port of ggml's dequantization, in float32, on `data`'s device."""
-    import gguf  # imported here: the planner CLI never needs diffusers or gguf
-    from diffusers.quantizers.gguf.utils import dequantize_functions
-
-    qtype = gguf.GGMLQuantizationType[fmt.gguf_type]
-    blocks = data.reshape(-1, fmt.block_bytes)
-    values = dequantize_functions[qtype](blocks, fmt.block_size, fmt.block_bytes, dtype=torch.float32)
-    return values.reshape(shape)
+    """ggml's block formulas (ggml.py), in float32, on `data`'s device."""
+    return DEQUANTIZE[fmt.gguf_type](data.reshape(-1, fmt.block_bytes)).reshape(shape)
 
 
 def stored_format_of(dtype: torch.dtype, scaled: bool = False) -> StorageFormat:
