@@ -30,8 +30,10 @@ def format_receipt(title: str, receipt: dict) -> str:
             f"swap cost: {swap['swap_cost']:.1%} of step time ({human_bytes(swap['bytes_moved'])} moved, "
             f"copies {swap['copy_s']:.2f} s, waited {swap['wait_s']:.2f} s, {swap['groups']} streamed groups)"
         )
+    if "plan" in receipt:
+        lines.append(receipt["plan"])
     if "saved_latents" in receipt:
-        lines.append(f"latents saved to {receipt['saved_latents']}")
+        lines.append(f"latents saved to input/{receipt['saved_latents']} (core Load Latent lists it)")
     if "decode_summary" in receipt:
         lines.append("VAE: " + receipt["decode_summary"])
     return "\n".join(lines)

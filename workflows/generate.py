@@ -43,15 +43,16 @@ class Node:
 
 @dataclass(frozen=True)
 class Loader:
-    """The node that loads the model: its type, widget values and height (a template may use another loader)."""
+    """The node that loads the model: its type, widget values and height.
+
+    A template on another loader (e.g. one for ComfyUI's single-file models) gives its own:
+    `Loader("VidMemLoadModelFiles", dict(<its widgets by name>), height=170)`; the rest of the
+    chain links to its output 0 as it does to Load Video Pipeline's.
+    """
 
     type: str
     widgets: dict
     height: int = 130
-
-    @property
-    def model(self) -> str:
-        return self.widgets["model"]
 
 
 def diffusers_folder(model: str, dtype: str) -> Loader:

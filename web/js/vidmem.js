@@ -66,6 +66,9 @@ function showReceipt(node, nodeType, message) {
 
 const SVG = "http://www.w3.org/2000/svg";
 const planState = new WeakMap(); // strategy node -> {query, plan, controller}
+// The server drops a waiting request when a newer one from the same client arrives: one client per
+// node of this page (node ids repeat across tabs and workflows).
+const PAGE_ID = Math.random().toString(36).slice(2, 10);
 
 function svg(tag, attrs, text) {
   const element = document.createElementNS(SVG, tag);
@@ -150,7 +153,7 @@ function planRequestFor(node) {
   if (!loader) return null;
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((name) => [name, widgetValue(node, name)]));
   const shape = Object.fromEntries(["width", "height", "frames", "cfg"].map((name) => [name, widgetValue(sampler, name)]));
-  return planQuery({ model: widgetValue(loader, "model"), dtype: widgetValue(loader, "dtype"), widgets, shape, client: node.id });
+  return planQuery({ model: widgetValue(loader, "model"), dtype: widgetValue(loader, "dtype"), widgets, shape, client: `${PAGE_ID}:${node.id}` });
 }
 
 async function refreshPlan(node) {
