@@ -205,3 +205,15 @@ def test_saved_latents_go_where_core_load_latent_lists_them():
     assert host.latents_folder() == Path.cwd() / "input"
     source = (ROOT / "nodes" / "host.py").read_text()
     assert "get_input_directory()" in source.split("def latents_folder", 1)[1].split("\ndef ", 1)[0]
+
+
+def test_decode_resolves_auto_at_the_latents_video_size(tiny_loaded):
+    from vidmem.nodes.decode import _strategy_for_decode
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    (auto,) = VidMemMemoryStrategy().build(vram_budget_gb=8.0, ram_budget_gb=64.0, **strategy_inputs(offload="auto"))["result"]
+    chosen = _strategy_for_decode(loaded, auto, (1, 16, 3, 4, 4))  # the tiny model's 32x32x9 latent
+    assert chosen.offload.value == "none" and chosen.vae_tiling is None  # everything fits 8 GiB
+    (explicit,) = VidMemMemoryStrategy().build(**strategy_inputs(offload="model"))["result"]
+    assert _strategy_for_decode(loaded, explicit, (1, 16, 3, 4, 4)) is explicit.strategy
+    assert _strategy_for_decode(loaded, None, (1, 16, 3, 4, 4)) is None
