@@ -10,7 +10,8 @@ from .gguf_files import GgufFile, open_gguf, supported_gguf_types
 from .mapping import is_file_backed, mapped_bytes
 from .modules import StoredEmbedding, StoredLinear
 from .quantize import quantize
-from .stored import StoredTensor, fold_scaled_fp8
+from .scaled import fold_scaled_fp8
+from .stored import StoredTensor
 from .weightfile import open_weights
 
 __all__ = [

@@ -1,0 +1,87 @@
+"""fold_scaled_fp8: Comfy-Org's fp8 files read as StoredTensors.
+
+Two layouts exist. The "scaled_fp8" one (Wan, umt5 files of 2025): `<layer>.weight` in fp8, a
+float32 `<layer>.scale_weight`, a `scaled_fp8` marker tensor, sometimes `<layer>.scale_input`.
+The newer quantization layout (ComfyUI's QUANTIZATION.md): `<layer>.weight_scale`,
+`<layer>.input_scale`, the per-layer format in `<layer>.comfy_quant` (JSON bytes) or in the
+`_quantization_metadata` header entry. Only fp8 with a per-tensor scale is read; the other
+formats of that layout (int8 blockwise, NVFP4 with `weight_scale_2`, AWQ `pre_quant_scale`)
+are refused by name rather than loaded wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping
+
+import torch
+
+from .errors import StorageError
+from .formats import FORMATS
+from .stored import FP8_DTYPES, StoredTensor, stored_format_of
+
+SCALE_SUFFIXES = ("scale_weight", "weight_scale")
+MARKER_KEYS = ("scaled_fp8",)  # a marker tensor (its dtype names the fp8 type), not a weight
+DROPPED_SUFFIXES = ("scale_input", "input_scale")  # activation scales for fp8 matmul; upcasting ignores them
+CONFIG_SUFFIX = "comfy_quant"  # per-layer JSON: {"format": ...}
+READ_FORMATS = ("float8_e4m3fn", "float8_e5m2")
+UNSUPPORTED_SUFFIXES = {"weight_scale_2": "NVFP4 (double-scaled fp4)", "pre_quant_scale": "AWQ-style smoothing"}
+FIX = "use an fp8 / fp8-scaled, bf16/fp16 or GGUF file of the model instead"
+
+
+def fold_scaled_fp8(tensors: Mapping[str, torch.Tensor | StoredTensor]) -> dict[str, torch.Tensor | StoredTensor]:
+    """`<layer>.weight` + its scale -> one StoredTensor("fp8_scaled"); unscaled fp8 weights ->
+    fp8 StoredTensors; markers, activation scales and per-layer configs dropped; every other
+    tensor returned as is (same objects, no copy). StorageError for formats vidmem cannot read."""
+    _refuse_unreadable(tensors)
+    scales = {_weight_of(name): (name, t) for name, t in tensors.items() if _leaf(name) in SCALE_SUFFIXES}
+    orphans = [name for weight, (name, _) in scales.items() if weight not in tensors]
+    if orphans:
+        raise StorageError(f"scale tensors without a weight: {', '.join(orphans[:10])}; the file is damaged or in a layout vidmem does not know.")
+    out: dict[str, torch.Tensor | StoredTensor] = {}
+    for name, tensor in tensors.items():
+        leaf = _leaf(name)
+        if name in MARKER_KEYS or leaf in DROPPED_SUFFIXES or leaf in SCALE_SUFFIXES or leaf == CONFIG_SUFFIX:
+            continue
+        out[name] = _folded(name, tensor, scales.get(name))
+    return out
+
+
+def _folded(name: str, tensor, scale_entry) -> torch.Tensor | StoredTensor:
+    if isinstance(tensor, StoredTensor):  # GGUF tensors: already stored
+        return tensor
+    if scale_entry is None:
+        return StoredTensor(tensor, stored_format_of(tensor.dtype), tensor.shape) if tensor.dtype in FP8_DTYPES else tensor
+    scale = scale_entry[1].to(torch.float32)
+    if tensor.dtype in FP8_DTYPES:
+        return StoredTensor(tensor, FORMATS["fp8_scaled"], tensor.shape, scale)
+    if tensor.is_floating_point() and scale.numel() == 1:  # a scale on a wider weight: apply it once, as Comfy does
+        return (tensor.to(torch.float32) * scale).to(tensor.dtype)
+    raise StorageError(f"'{name}' is {tensor.dtype} with a scale of shape {list(scale.shape)} (an integer or block-scaled quantization vidmem does not read); {FIX}.")
+
+
+def _refuse_unreadable(tensors: Mapping) -> None:
+    for name, tensor in tensors.items():
+        leaf = _leaf(name)
+        if leaf in UNSUPPORTED_SUFFIXES:
+            raise StorageError(f"'{name}' belongs to {UNSUPPORTED_SUFFIXES[leaf]} quantization, which vidmem does not read; {FIX}.")
+        if leaf == CONFIG_SUFFIX:
+            fmt = _config_format(name, tensor)
+            if fmt not in READ_FORMATS:
+                raise StorageError(f"'{name}' says the layer is quantized as {fmt!r}; vidmem reads {', '.join(READ_FORMATS)} with a per-tensor scale; {FIX}.")
+
+
+def _config_format(name: str, tensor: torch.Tensor) -> str | None:
+    try:
+        return json.loads(bytes(tensor.reshape(-1).to(torch.uint8).tolist()).decode("utf-8")).get("format")
+    except (ValueError, AttributeError):
+        raise StorageError(f"'{name}' should hold a JSON quantization config but does not; the file is damaged; download it again.") from None
+
+
+def _leaf(name: str) -> str:
+    return name.rpartition(".")[2]
+
+
+def _weight_of(scale_name: str) -> str:
+    prefix = scale_name.rpartition(".")[0]
+    return f"{prefix}.weight" if prefix else "weight"
