@@ -83,8 +83,9 @@ def assign_weights(
             assigned.append((entry, _materialise(entry.names[0], value, target, ledger)))
     for entry, tensor in assigned:
         _point(module, entry, tensor)
+    places = _places(module) if swaps else {}
     for entry, stored, target in swaps:
-        _swap(module, entry, stored, target)
+        _swap(module, places, entry, stored, target)
         ledger.stored(entry.names[0], stored)
     _check_no_meta(module, source)
     return ledger.report()
@@ -231,17 +232,22 @@ def _point(root: nn.Module, entry: _Entry, tensor: torch.Tensor) -> None:
             owner._buffers[leaf] = shared
 
 
-def _swap(root: nn.Module, entry: _Entry, stored: StoredTensor, target: torch.dtype) -> None:
-    """Replace every owner of a stored weight by its Stored* twin, at every path it appears."""
-    paths: dict[int, list[tuple[nn.Module, str]]] = {}
-    for path, child in root.named_modules(remove_duplicate=False):
-        if path:
-            parent, _, leaf = path.rpartition(".")
-            paths.setdefault(id(child), []).append((root.get_submodule(parent), leaf))
+def _places(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Where each module sits: (parent, attribute) for every path it appears at."""
+    found: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in root.modules():
+        for leaf, child in parent._modules.items():
+            if child is not None:
+                found.setdefault(id(child), []).append((parent, leaf))
+    return found
+
+
+def _swap(root: nn.Module, places: dict, entry: _Entry, stored: StoredTensor, target: torch.dtype) -> None:
+    """Replace every owner of a stored weight by its Stored* twin, at every place it sits."""
     owners = {id(m): m for m, _ in (_owner(root, name) for name in entry.names)}
     for key, owner in owners.items():
         twin = _twin(owner, stored, target)
-        for parent, leaf in paths.get(key, []):
+        for parent, leaf in places.get(key, []):
             setattr(parent, leaf, twin)
 
 
