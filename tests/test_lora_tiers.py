@@ -222,3 +222,29 @@ def test_fused_alternative_refuses_quantized_storage(wan, spec):
     with pytest.raises(ValueError, match="fuse=True needs a plain floating-point weight.*fuse=False"):
         apply_loras([patch], fuse=True)
     assert not stored._buffers.keys() & {f"{BUFFER_PREFIX}0_down"}
+
+
+def test_disk_tier_weights_mapped_from_their_file_take_loras(wan, spec, tmp_path):
+    """Weights left memory-mapped in their safetensors file (the disk tier): the LoRA runs beside
+    them under every tier, bit-identical, and the mapped weights are never written or copied."""
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from vidmem.memory.storage import assign_weights, is_file_backed, open_safetensors
+
+    path = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in wan.transformer.state_dict().items()}, str(path))
+    with init_empty_weights():
+        mapped = WanTransformer3DModel(**wan.transformer.config).eval()
+    assign_weights(mapped, dict(open_safetensors(path).tensors), torch.float32, source=str(path))
+    assert is_file_backed(mapped.blocks[0].attn1.to_q.weight)
+    holder = type("Pipe", (), {"transformer": mapped})()
+    before = snapshot(mapped)
+    reference = run_tier(mapped, lora_patches(holder, [spec]), TIERS["none"], CpuBackend(), wan_inputs())
+    for label, strategy in TIERS.items():
+        assert torch.equal(run_tier(mapped, lora_patches(holder, [spec]), strategy, StrictBackend(), wan_inputs()), reference), label
+    assert_restored(mapped, before)
+    assert is_file_backed(mapped.blocks[0].attn1.to_q.weight)
+    plain = run_tier(wan.transformer, lora_patches(wan, [spec]), TIERS["none"], CpuBackend(), wan_inputs())
+    assert torch.allclose(reference, plain, rtol=0, atol=1e-5 * plain.abs().max())  # unaligned mapped weights round differently
