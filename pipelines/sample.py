@@ -126,10 +126,12 @@ def sample_stage(loaded: LoadedPipeline, strategy: MemoryStrategy, encode_text: 
 
 
 def interruptible_blocks(loaded: LoadedPipeline) -> list[torch.nn.Module]:
-    """Where Cancel is checked: before every denoiser block and every encoder block."""
+    """Where Cancel is checked: before every denoiser block and every encoder block (and, for
+    image-to-video, every VAE block: Wan I2V encodes a whole video of conditioning frames)."""
     pipe, spec = loaded.pipe, loaded.spec
     blocks = [block for blocks in denoiser_blocks(pipe, spec).values() for block in blocks]
-    for name in spec.encoders:
+    encoders = list(spec.encoders) + (["vae"] if loaded.needs_image else [])
+    for name in encoders:
         if getattr(pipe, name, None) is not None:
             blocks += outer_blocks(getattr(pipe, name))
     return blocks

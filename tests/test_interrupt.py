@@ -166,3 +166,26 @@ def test_cancel_inside_one_decode_piece_stops_before_the_next_vae_block(tiled_la
         counter.close()
     assert_restored(loaded, before, hooks_before)
     assert torch.equal(decode(loaded, latent, backend=CpuBackend()).frames, reference.frames)
+
+
+def test_cancel_while_image_to_video_encodes_its_conditioning(tiny_loaded):
+    """Wan I2V runs the CLIP image encoder and VAE-encodes a video of conditioning frames before
+    the first step: Cancel there stops before the next encoder block too."""
+    from test_tiers import request_for as request_with_image
+
+    loaded = tiny_loaded("wan2.1-i2v")
+    request = request_with_image("wan2.1-i2v")
+    strategy = MemoryStrategy(offload="model")
+    reference = sample(loaded, strategy, request, backend=CpuBackend()).latent["samples"]
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    for module, stop_after in ((loaded.pipe.image_encoder, 1), (loaded.pipe.vae, 2)):
+        counter, denoiser = ForwardCounter(outer_blocks(module)), ForwardCounter(all_blocks(loaded))
+        try:
+            with pytest.raises(Cancelled):
+                sample(loaded, strategy, request, cancel_when(lambda: counter.count >= stop_after), backend=StrictBackend())
+            assert counter.count == stop_after and denoiser.count == 0
+        finally:
+            counter.close()
+            denoiser.close()
+        assert_restored(loaded, before, hooks_before)
+    assert torch.equal(sample(loaded, strategy, request, backend=CpuBackend()).latent["samples"], reference)
