@@ -1,0 +1,89 @@
+"""How training's backward pass lives with a MemoryStrategy that moves weights by re-pointing them.
+
+Two facts of torch's autograd decide it:
+
+1. An op that saves a parameter for its backward (a linear layer saves its weight to compute the
+   input's gradient) saves the Parameter object itself, not its current storage. The strategy's
+   eviction re-points `param.data` at the host copy (or, with the test backend, at poison), so a
+   backward reading a streamed weight after its block was evicted would read the wrong storage.
+   `frozen_saved_by_storage` therefore saves every tensor that needs no gradient (frozen weights,
+   inputs) as `detach()`: an alias of the storage the forward actually used. That is also what the
+   memory costs: the device copy stays alive until its backward has run.
+2. Per-block gradient checkpointing (non-reentrant `torch.utils.checkpoint`) saves nothing inside a
+   block during the forward and re-runs the block's forward during the backward, through the
+   module's `__call__`, so the strategy's hooks stream the block in again, blocks in reverse order;
+   but checkpoint's re-run keeps tensors that need no gradient by reference, so a layer the
+   `sequential` tier evicts right after its re-run would lose its weight before its backward.
+   The re-run therefore runs under `frozen_saved_by_storage` as well, layered over checkpoint's
+   own hooks (it aliases, then hands the alias on to them).
+
+Without checkpointing a streamed tier therefore keeps every streamed block's weights alive until
+the backward: it computes correctly but saves no memory. The loop refuses that combination.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from typing import Iterator
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from .errors import TrainingError
+
+
+def _identity(tensor):
+    return tensor
+
+
+@contextmanager
+def frozen_saved_by_storage() -> Iterator[None]:
+    """Save tensors without gradients by their current storage (see the module docstring).
+
+    Only the innermost saved-tensor hooks apply, so these wrap whatever hooks are active when
+    entered (checkpoint's re-run hooks): alias first, then pass the alias on.
+    """
+    # torch has no public getter for the active hooks; this one has existed since torch 2.0.
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (_identity, _identity)
+
+    def pack(tensor: torch.Tensor):
+        return outer_pack(tensor if tensor.requires_grad else tensor.detach())
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):
+        yield
+
+
+def _rerun_contexts():
+    return nullcontext(), frozen_saved_by_storage()
+
+
+def _checkpointed(module: nn.Module, *args, **kwargs):
+    # determinism_check="default" compares each re-run's tensor shapes/dtypes/devices with the forward's.
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False,
+                                             context_fn=_rerun_contexts, **kwargs)
+
+
+@contextmanager
+def gradient_checkpointing(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Per-block checkpointing through the model's own switch (diffusers' `gradient_checkpointing`
+    attribute on the modules that loop over blocks), restored exactly afterwards."""
+    switches = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+    if enabled and not switches:
+        raise TrainingError(f"{type(model).__name__} has no gradient checkpointing switch; set gradient_checkpointing "
+                            "to false.")
+    saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in switches]
+    try:
+        for module in switches:
+            module.gradient_checkpointing = enabled
+            module._gradient_checkpointing_func = partial(_checkpointed)
+        yield
+    finally:
+        for module, flag, func in saved:
+            module.gradient_checkpointing = flag
+            if func is None:
+                module.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                module._gradient_checkpointing_func = func

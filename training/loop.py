@@ -1,0 +1,206 @@
+"""train_lora: LoRA training of one denoiser under a MemoryStrategy, resumable, on the pack's engine.
+
+One step: the step's batch and noise (pure functions of seed and step), the family's loss, its
+backward, gradient clipping, the optimizer step. The denoiser runs under the strategy exactly as
+in sampling: `none`/`model` keep it on the device for the run; `block_swap`/`sequential` stream
+blocks (or layers) in for the forward and, with per-block gradient checkpointing, again in
+reverse order for the backward (training/autograd.py explains why that needs checkpointing).
+The base weights are frozen for the run and their `requires_grad` restored afterwards; the
+trainable LoRA weights (float32) stay on the device beside the layers (training/adapters.py).
+
+Interrupts (the host's Cancel, checked before every block) and errors during the loop save a
+resumable checkpoint of the last completed step first; periodic checkpoints every
+`checkpoint_every` steps; the final LoRA goes to `lora_path` atomically, with a last checkpoint
+so a later run with more steps continues from it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from ..memory import MemoryStrategy, StageComponents, apply_strategy
+from ..memory.offload import device_weight_bytes
+from ..memory.telemetry import StageMeter
+from ..pipelines.hooks import interrupt_checks
+from .adapters import AttachedLora, build_layers, find_targets, trainable_bytes
+from .autograd import frozen_saved_by_storage, gradient_checkpointing
+from .batches import BatchOrder, step_generator
+from .errors import TrainingError
+from .objective import denoiser_for, objective_for
+from .optim import OptimizerSettings, check_available, load_state_tensors, make_optimizer, state_bytes, state_to_tensors
+from .prepare import PreparedData
+from .save import check_writable, load_lora_into, lora_metadata, lora_tensors, read_checkpoint, write_checkpoint, write_safetensors_atomic
+from .settings import TrainSettings
+
+Progress = Callable[[int, int, float], None]  # (steps done, total, last loss)
+
+
+@dataclass(frozen=True)
+class TrainOutputs:
+    lora_path: Path  # models/loras/<name>.safetensors
+    checkpoint_folder: Path  # a folder replaced as a whole at every checkpoint
+
+
+@dataclass
+class TrainResult:
+    lora_path: Path
+    losses: list[float]
+    receipt: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    """The mutable state of one run (weights live in `layers`, moments in `optimizer`)."""
+
+    layers: torch.nn.ModuleDict
+    optimizer: object
+    step: int
+    losses: list[float]
+    saved_step: int
+
+
+def check_request(loaded, data: PreparedData, strategy: MemoryStrategy, settings: TrainSettings) -> str:
+    """Every check that needs no weights moved; returns the component trained."""
+    component = denoiser_for(loaded, settings.expert)
+    objective_for(loaded, component)  # refuses image-to-video pipelines
+    if not isinstance(data, PreparedData):
+        raise TrainingError("data is not prepared training data; connect Prepare Training Data (VidMem).")
+    if data.family != loaded.spec.name:
+        raise TrainingError(f"the data was prepared for {data.family} ({data.class_name}), but the pipeline is "
+                            f"{loaded.spec.name}; prepare the data with this pipeline.")
+    config = getattr(loaded.pipe, component).config
+    text_dim = config.get("text_dim") or config.get("text_embed_dim")
+    if data.latent_channels != config.in_channels or data.embed_dim != text_dim:
+        raise TrainingError(f"the data's latents ({data.latent_channels} channels) or prompt embeddings (width "
+                            f"{data.embed_dim}) do not fit this {component} ({config.in_channels}, {text_dim}); "
+                            "prepare the data with this pipeline.")
+    if strategy.streams_blocks and not settings.gradient_checkpointing:
+        raise TrainingError(f"offload='{strategy.offload.value}' during training needs gradient_checkpointing on: "
+                            "without it the backward keeps every streamed block's weights on the device, so streaming "
+                            "saves nothing. Turn gradient_checkpointing on, or choose offload 'model' or 'none'.")
+    check_available(settings.optimizer)
+    return component
+
+
+def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: TrainSettings, outputs: TrainOutputs,
+               backend, progress: Progress = lambda done, total, loss: None,
+               check_interrupt: Callable[[], None] = lambda: None, resume: bool = False) -> TrainResult:
+    component = check_request(loaded, data, strategy, settings)
+    check_writable(outputs.lora_path)
+    model = getattr(loaded.pipe, component)
+    targets = find_targets(model, component, settings.target_modules, loaded.spec.blocks_attr)
+    device = backend.device
+    run = _start(model, targets, settings, device)
+    state = {"settings": settings.as_record(), "data": data.fingerprint, "component": component,
+             "targets": list(targets.paths), "rng": "per-step generators seeded from (seed, step)"}
+    if resume:
+        _resume(run, outputs.checkpoint_folder, state)
+    objective = objective_for(loaded, component)
+    order = BatchOrder(data, settings.batch_size, settings.seed)
+    blocks = getattr(model, loaded.spec.blocks_attr)
+    stage = StageComponents({component: model}, {component: blocks})
+    meta = lora_metadata(settings.rank, settings.alpha, targets.paths, {"component": component, "family": loaded.spec.name})
+    save = lambda: _checkpoint(run, outputs.checkpoint_folder, meta, state)  # noqa: E731
+    receipt = {"strategy": strategy.describe(), "device": str(device), "component": component,
+               "layers": len(targets.paths), "trainable_bytes": trainable_bytes(run.layers),
+               "device_weight_bytes": device_weight_bytes(stage, strategy), "start_step": run.step}
+    times = []
+    with StageMeter("train", device) as meter:
+        with _training_context(model, run, settings, blocks, check_interrupt), \
+                apply_strategy(stage, strategy, backend, host_pool=loaded.host_pool) as handle:
+            handle.activate(component)
+            try:
+                while run.step < settings.steps:
+                    started = time.perf_counter()
+                    loss = _step(model, objective, order.batch(run.step), run, settings, device)
+                    times.append(time.perf_counter() - started)
+                    progress(run.step, settings.steps, loss)
+                    if settings.checkpoint_every and run.step % settings.checkpoint_every == 0 and run.step < settings.steps:
+                        save()
+            except BaseException:
+                run.optimizer.zero_grad()
+                if run.step > run.saved_step:
+                    save()  # interrupted or failed: keep the last completed step, resumable
+                raise
+    receipt.update(steps=run.step, optimizer_state_bytes=state_bytes(run.optimizer), losses=run.losses[-5:],
+                   seconds_per_step=(sum(times) / len(times)) if times else 0.0, stages=[meter.as_dict()])
+    if run.step > run.saved_step:
+        save()
+    write_safetensors_atomic(lora_tensors(run.layers), meta, outputs.lora_path)
+    receipt.update(lora=str(outputs.lora_path), checkpoint=str(outputs.checkpoint_folder))
+    return TrainResult(outputs.lora_path, run.losses, receipt)
+
+
+def _start(model, targets, settings: TrainSettings, device) -> _Run:
+    layers = build_layers(model, targets, settings.rank, settings.alpha, settings.seed).to(device)
+    optimizer = make_optimizer(list(layers.parameters()),
+                               OptimizerSettings(settings.optimizer, settings.learning_rate, settings.weight_decay))
+    return _Run(layers, optimizer, 0, [], 0)
+
+
+def _resume(run: _Run, folder: Path, state: dict) -> None:
+    found = read_checkpoint(folder)
+    if found is None:
+        return
+    lora_file, tensors, meta, saved = found
+    differing = [k for k in ("settings", "data", "component", "targets") if saved.get(k) != state[k]]
+    if differing:
+        raise TrainingError(f"checkpoint {folder} was made with other {', '.join(differing)}; set resume to false to "
+                            "start over (its checkpoint is replaced), or use the same data and settings.")
+    load_lora_into(run.layers, lora_file)
+    load_state_tensors(run.optimizer, tensors, meta)
+    run.step = run.saved_step = int(saved["step"])
+    run.losses = list(saved["losses"])
+
+
+def _checkpoint(run: _Run, folder: Path, meta: dict, state: dict) -> None:
+    optimizer_tensors, optimizer_meta = state_to_tensors(run.optimizer)
+    write_checkpoint(folder, lora_tensors(run.layers), meta, optimizer_tensors, optimizer_meta,
+                     dict(state, step=run.step, losses=run.losses))
+    run.saved_step = run.step
+
+
+def _step(model, objective, batch, run: _Run, settings: TrainSettings, device) -> float:
+    generator = step_generator(settings.seed, run.step)
+    with frozen_saved_by_storage():
+        loss = objective.loss(model, batch, generator, device)
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise TrainingError(f"the loss is {value} at step {run.step + 1}; lower learning_rate (or check the data).")
+    loss.backward()
+    parameters = list(run.layers.parameters())
+    if settings.max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(parameters, settings.max_grad_norm)
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+    run.step += 1
+    run.losses.append(value)
+    return value
+
+
+@contextmanager
+def _training_context(model, run: _Run, settings: TrainSettings, blocks, check_interrupt) -> Iterator[None]:
+    """Base frozen, LoRA attached, checkpointing set, Cancel checked per block; all undone on exit.
+
+    Nested before apply_strategy, as memory.lora's ordering rule asks: the LoRA hooks run before
+    the strategy's eviction hooks.
+    """
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for parameter, _ in flags:
+            parameter.requires_grad_(False)
+        with ExitStack() as stack:
+            stack.enter_context(AttachedLora(model, run.layers))
+            stack.enter_context(gradient_checkpointing(model, settings.gradient_checkpointing))
+            stack.enter_context(interrupt_checks(list(blocks), check_interrupt))
+            yield
+    finally:
+        for parameter, flag in flags:
+            parameter.requires_grad_(flag)

@@ -1,0 +1,131 @@
+"""Writing what training makes: the LoRA file and resumable checkpoints, atomically, safetensors only.
+
+The LoRA is written in diffusers/PEFT naming (`transformer.<module path>.lora_A.weight` = down,
+`lora_B.weight` = up) with `lora_alpha` and `r` in the `lora_adapter_metadata` entry diffusers'
+`save_lora_weights` writes, so the pack's LoRA loader, diffusers and ComfyUI all read it with
+scale alpha / rank, the scale it was trained with. Every write goes to a temporary name in the
+target folder and is renamed into place, so an interrupted or failed save never leaves a
+half-written file under the name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+from .adapters import path_of
+from .errors import TrainingError
+
+PEFT_METADATA_KEY = "lora_adapter_metadata"
+TRAINED_BY_KEY = "vidmem_training"  # marks files this trainer may overwrite
+LORA_SUFFIX = ".safetensors"
+
+
+def lora_file_name(name: str) -> str:
+    """`name` as a file name under models/loras: no folders, no '..', `.safetensors` appended."""
+    cleaned = name.strip()
+    if cleaned.endswith(LORA_SUFFIX):
+        cleaned = cleaned[: -len(LORA_SUFFIX)]
+    if not cleaned or any(c in cleaned for c in "/\\:") or cleaned.startswith(".") or cleaned != os.path.basename(cleaned):
+        raise TrainingError(f"lora_name={name!r} must be a plain file name such as 'my_style' (no folders, "
+                            "not starting with a dot); the LoRA is written to models/loras/<lora_name>.safetensors.")
+    return cleaned + LORA_SUFFIX
+
+
+def check_writable(path: Path) -> None:
+    """Refuse, before training, to replace a LoRA this trainer did not write (a downloaded one)."""
+    if not path.exists():
+        return
+    try:
+        with safetensors.safe_open(str(path), "pt") as opened:
+            metadata = opened.metadata() or {}
+    except Exception:  # noqa: BLE001 - anything unreadable is certainly not ours
+        metadata = {}
+    if TRAINED_BY_KEY not in metadata:
+        raise TrainingError(f"{path} already exists and was not written by vidmem's trainer; choose another "
+                            "lora_name (or move that file) so it is not overwritten.")
+
+
+def lora_tensors(layers: nn.ModuleDict, component_prefix: str = "transformer") -> dict[str, torch.Tensor]:
+    tensors = {}
+    for key, layer in layers.items():
+        stem = f"{component_prefix}.{path_of(key)}"
+        tensors[f"{stem}.lora_A.weight"] = layer.down.detach().to("cpu", torch.float32).contiguous()
+        tensors[f"{stem}.lora_B.weight"] = layer.up.detach().to("cpu", torch.float32).contiguous()
+    return tensors
+
+
+def lora_metadata(rank: int, alpha: float, targets: tuple[str, ...], info: dict) -> dict[str, str]:
+    adapter = {"r": rank, "lora_alpha": alpha, "target_modules": sorted(set(targets))}
+    return {PEFT_METADATA_KEY: json.dumps(adapter), TRAINED_BY_KEY: json.dumps(info, sort_keys=True), "format": "pt"}
+
+
+def write_safetensors_atomic(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        safetensors.torch.save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_lora_into(layers: nn.ModuleDict, path: Path, component_prefix: str = "transformer") -> None:
+    """Copy a saved LoRA's tensors into `layers` (same targets and rank, or TrainingError)."""
+    saved = safetensors.torch.load_file(str(path))
+    expected = lora_tensors(layers, component_prefix)
+    if set(saved) != set(expected) or any(saved[k].shape != expected[k].shape for k in expected):
+        raise TrainingError(f"checkpoint {path} holds other layers or ranks than this run trains; set resume to "
+                            "false to start over, or use the settings it was made with.")
+    with torch.no_grad():
+        for key, layer in layers.items():
+            stem = f"{component_prefix}.{path_of(key)}"
+            layer.down.copy_(saved[f"{stem}.lora_A.weight"])
+            layer.up.copy_(saved[f"{stem}.lora_B.weight"])
+
+
+# --- checkpoints: a folder of safetensors + JSON, replaced as a whole ---------------------------------
+
+CHECKPOINT_FILES = ("lora.safetensors", "optimizer.safetensors", "state.json")
+
+
+def write_checkpoint(folder: Path, lora: dict[str, torch.Tensor], lora_meta: dict[str, str],
+                     optimizer_tensors: dict[str, torch.Tensor], optimizer_meta: str, state: dict) -> Path:
+    """Write into a sibling temporary folder, then swap it in: a crash leaves the old checkpoint."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        safetensors.torch.save_file(lora, str(staging / "lora.safetensors"), metadata=lora_meta)
+        safetensors.torch.save_file(optimizer_tensors, str(staging / "optimizer.safetensors"), metadata={"optimizer": optimizer_meta})
+        (staging / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+        old = folder.with_name(f".{folder.name}.old")
+        if folder.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(folder, old)
+        os.replace(staging, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def read_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor], str, dict] | None:
+    """(lora file, optimizer tensors, optimizer JSON, state) or None when there is no complete checkpoint."""
+    if not all((folder / name).is_file() for name in CHECKPOINT_FILES):
+        return None
+    with safetensors.safe_open(str(folder / "optimizer.safetensors"), "pt") as opened:
+        meta = (opened.metadata() or {}).get("optimizer", "")
+        tensors = {key: opened.get_tensor(key) for key in opened.keys()}
+    return folder / "lora.safetensors", tensors, meta, json.loads((folder / "state.json").read_text())
