@@ -152,3 +152,15 @@ def test_the_node_lists_comfyuis_folders_and_loads_from_them(tiny, tmp_path, mon
     assert loaded.class_name == "WanPipeline" and loaded.on_disk and loaded.storage["transformer"] == "bf16"
     with pytest.raises(FileNotFoundError, match="models/vae"):
         host.resolve_model_file("vae", "missing.safetensors")
+
+
+def test_a_text_encoder_saved_under_a_prefix_is_read(tiny, tmp_path):
+    """ComfyUI saves text encoders inside its own files as `<name>.transformer.*` with a prefixed marker."""
+    files = tiny("wan2.1-t2v")
+    tensors = safetensors.torch.load_file(str(files.text_encoder))
+    prefixed = {("" if name == "spiece_model" else "umt5xxl.transformer.") + name: t for name, t in tensors.items()}
+    prefixed["umt5xxl.transformer.scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    path = tmp_path / "umt5_prefixed.safetensors"
+    safetensors.torch.save_file(prefixed, str(path))
+    loaded = load(replace(files, text_encoder=path))
+    assert loaded.pipe.tokenizer("a cat").input_ids == load(files).pipe.tokenizer("a cat").input_ids

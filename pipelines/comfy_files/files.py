@@ -62,9 +62,12 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
 
 def _without_quant_records(path: Path, role: str, tensors: Mapping[str, Any]) -> dict[str, Any]:
     """ComfyUI's `<layer>.comfy_quant` records dropped once checked: float8 layers (weight x
-    `weight_scale`, folded like fp8 scaled) are read; any other format is refused by name."""
+    `weight_scale`, folded like fp8 scaled) are read; any other format is refused by name. A
+    prefixed `<prefix>.scaled_fp8` marker (text encoders saved inside ComfyUI) goes too."""
     kept = {}
     for name, tensor in tensors.items():
+        if name.endswith(".scaled_fp8"):
+            continue
         if not name.endswith(QUANT_SUFFIX):
             kept[name] = tensor
             continue
