@@ -89,57 +89,80 @@ class TinyComfyFiles:
     reference: Path | None  # a diffusers folder holding the files' weights, dequantized to fp32
 
 
+_ROLES = {"model": ("transformer", "diffusion_models"), "model_2": ("transformer_2", "diffusion_models"),
+          "text_encoder": ("text_encoder", "text_encoders"), "vae": ("vae", "vae"), "clip_vision": ("image_encoder", "clip_vision")}
+
+
 def save_tiny_comfy_files(variant: str, folder: str | Path, storage: str = "bf16", layout: str = "original",
-                          seed: int = 0, with_tokenizer: bool = True, reference: bool = True) -> TinyComfyFiles:
+                          seed: int = 0, with_tokenizer: bool = True, reference: bool = True,
+                          file_names: Mapping[str, str] | None = None) -> TinyComfyFiles:
     """Write tiny `variant` as ComfyUI model folders under `folder`, plus its diffusers twin.
 
     Transformer(s) and text encoder are stored in `storage` (a StorageFormat name; a GGUF text
     encoder is not a Comfy-Org format, so GGUF runs keep it in bf16); VAE and CLIP vision stay
     plain (`storage` when it is plain, else fp32). `layout`: "original", "prefixed" or
-    "diffusers" transformer names. The reference folder holds exactly the values the files
+    "diffusers" transformer names. `file_names` renames files by loader input ("model",
+    "model_2", "text_encoder", "vae", "clip_vision"), e.g. to give a template's real file names
+    to tiny files on a test host. The reference folder holds exactly the values the files
     dequantize to, so a pipeline loaded from either computes the same (`reference=False`: skipped).
     The tiny model's config goes to `folder/vidmem_configs/tiny-<variant>.json`: pointed at a
     ComfyUI models folder, this makes the files loadable by the Load Video Model Files node.
     """
-    from .comfy_files.keys import KeyLayout
     from .comfy_files.load import ModelFiles
-    from .comfy_files.write import (dequantized, store_tensors, write_plain, write_text_encoder, write_transformer,
-                                    write_vae)
-    from ..memory.storage import storage_format
+    from .comfy_files.write import dequantized, store_tensors
 
     folder = Path(folder)
     pipe = build_tiny_pipeline(variant, seed)
-    plain = storage if storage_format(storage).gguf_type is None and not storage_format(storage).quantized else "fp32"
-    text_storage = "bf16" if storage_format(storage).gguf_type else storage
-    suffix = ".gguf" if storage_format(storage).gguf_type else ".safetensors"
-    stored = {
-        "transformer": store_tensors(pipe.transformer, storage),
-        "text_encoder": store_tensors(pipe.text_encoder, text_storage),
-        "vae": store_tensors(pipe.vae, plain),
-    }
-    paths = {
-        "model": write_transformer(stored["transformer"], folder / "diffusion_models" / f"tiny_{variant}_{storage}{suffix}", KeyLayout(layout)),
-        "text_encoder": write_text_encoder(stored["text_encoder"], folder / "text_encoders" / f"tiny_umt5_{text_storage}.safetensors",
-                                           tiny_spiece_model() if with_tokenizer else None),
-        "vae": write_vae(stored["vae"], folder / "vae" / f"tiny_{variant}_vae.safetensors"),
-    }
-    if spec_has(variant, "two_experts"):
-        stored["transformer_2"] = store_tensors(pipe.transformer_2, storage)
-        paths["model_2"] = write_transformer(stored["transformer_2"], folder / "diffusion_models" / f"tiny_{variant}_low_noise_{storage}{suffix}", KeyLayout(layout))
-    if spec_has(variant, "image_encoder"):
-        stored["image_encoder"] = store_tensors(pipe.image_encoder, plain)
-        paths["clip_vision"] = write_plain(stored["image_encoder"], folder / "clip_vision" / f"tiny_clip_vision_{plain}.safetensors")
+    storages = _component_storage(variant, storage)
+    stored = {component: store_tensors(getattr(pipe, component), fmt) for component, fmt in storages.items()}
+    names = {**_default_names(variant, storage, storages), **(file_names or {})}
+    paths = {role: _write(role, stored[_ROLES[role][0]], folder / _ROLES[role][1] / names[role], layout, with_tokenizer)
+             for role in names if _ROLES[role][0] in stored}
     config = folder / CONFIGS_FOLDER / f"tiny-{variant}.json"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(json.dumps(tiny_model_config(variant), indent=2))
     if not reference:
         return TinyComfyFiles(ModelFiles(**paths), None)
-    for name, tensors in stored.items():
-        getattr(pipe, name).load_state_dict(dequantized(tensors))
+    for component, tensors in stored.items():
+        getattr(pipe, component).load_state_dict(dequantized(tensors))
     twin = folder / "diffusers" / f"{variant}-{storage}"
     pipe.save_pretrained(twin, safe_serialization=True)
     return TinyComfyFiles(ModelFiles(**paths), twin)
 
 
-def spec_has(variant: str, flag: str) -> bool:
-    return bool(getattr(tiny_spec(variant), flag))
+def _component_storage(variant: str, storage: str) -> dict[str, str]:
+    from ..memory.storage import storage_format
+
+    fmt = storage_format(storage)
+    plain = storage if fmt.gguf_type is None and not fmt.quantized else "fp32"
+    spec = tiny_spec(variant)
+    storages = {"transformer": storage, "text_encoder": "bf16" if fmt.gguf_type else storage, "vae": plain}
+    if spec.two_experts:
+        storages["transformer_2"] = storage
+    if spec.image_encoder:
+        storages["image_encoder"] = plain
+    return storages
+
+
+def _default_names(variant: str, storage: str, storages: dict[str, str]) -> dict[str, str]:
+    from ..memory.storage import storage_format
+
+    suffix = ".gguf" if storage_format(storage).gguf_type else ".safetensors"
+    return {
+        "model": f"tiny_{variant}_{storage}{suffix}",
+        "model_2": f"tiny_{variant}_low_noise_{storage}{suffix}",
+        "text_encoder": f"tiny_umt5_{storages['text_encoder']}.safetensors",
+        "vae": f"tiny_{variant}_vae.safetensors",
+        "clip_vision": f"tiny_clip_vision_{storages.get('image_encoder', 'fp32')}.safetensors",
+    }
+
+
+def _write(role: str, tensors: dict, path: Path, layout: str, with_tokenizer: bool) -> Path:
+    from .comfy_files.keys import KeyLayout
+    from .comfy_files.write import write_plain, write_text_encoder, write_transformer, write_vae
+
+    if role in ("model", "model_2"):
+        return write_transformer(tensors, path, KeyLayout(layout))
+    if role == "text_encoder":
+        return write_text_encoder(tensors, path, tiny_spiece_model() if with_tokenizer else None)
+    return write_vae(tensors, path) if role == "vae" else write_plain(tensors, path)

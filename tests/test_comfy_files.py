@@ -224,3 +224,12 @@ def test_weight_dtype_gguf_keeps_rows_it_cannot_block(written):
     assert ffn.net[2].format.name == "gguf_q8_0"  # 32 inputs: whole blocks
     assert ffn.net[0].proj.format.name == "bf16"  # 24 inputs: kept as the file holds it
     assert latents(loaded, "wan2.1-t2v").isfinite().all()
+
+
+def test_tiny_files_can_carry_a_templates_real_file_names(tmp_path):
+    real = {"model": "wan2.1_t2v_14B_fp8_e4m3fn_scaled.safetensors", "text_encoder": "umt5_xxl_fp8_e4m3fn_scaled.safetensors"}
+    out = save_tiny_comfy_files("wan2.1-t2v", tmp_path, "fp8_scaled", reference=False, file_names=real)
+    assert out.reference is None and out.files.model == tmp_path / "diffusion_models" / real["model"]
+    assert out.files.text_encoder.name == real["text_encoder"] and out.files.vae.name == "tiny_wan2.1-t2v_vae.safetensors"
+    assert (tmp_path / "vidmem_configs" / "tiny-wan2.1-t2v.json").is_file()
+    assert load_model_files(out.files, LoadOptions(dtype="fp32"), tiny_catalogue()).storage["transformer"] == "fp8_scaled"
