@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..memory import MemoryStrategy, StageComponents, apply_strategy
+from ..memory.blockswap import Observer
 from ..memory.offload import device_weight_bytes
 from ..memory.telemetry import StageMeter
 from ..pipelines.hooks import interrupt_checks
@@ -91,7 +92,14 @@ def check_request(loaded, data: PreparedData, strategy: MemoryStrategy, settings
 
 def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: TrainSettings, outputs: TrainOutputs,
                backend, progress: Progress = lambda done, total, loss: None,
-               check_interrupt: Callable[[], None] = lambda: None, resume: bool = False) -> TrainResult:
+               check_interrupt: Callable[[], None] = lambda: None, resume: bool = False,
+               observer: Observer | None = None) -> TrainResult:
+    """Train a LoRA on `data` and write it to `outputs.lora_path`; see the module docstring.
+
+    `progress(done, total, loss)` after every step; `check_interrupt()` raising stops the run
+    within one block, after a checkpoint of the last completed step; `resume` continues from
+    `outputs.checkpoint_folder` when it holds a checkpoint of the same data and settings.
+    """
     component = check_request(loaded, data, strategy, settings)
     check_writable(outputs.lora_path)
     model = getattr(loaded.pipe, component)
@@ -114,7 +122,7 @@ def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: T
     times = []
     with StageMeter("train", device) as meter:
         with _training_context(model, run, settings, blocks, check_interrupt), \
-                apply_strategy(stage, strategy, backend, host_pool=loaded.host_pool) as handle:
+                apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
             handle.activate(component)
             try:
                 while run.step < settings.steps:
