@@ -3,8 +3,6 @@ every skipped key; the Load LoRA node chains without mutating its input."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -85,20 +83,13 @@ def test_incomplete_layer_is_refused(wan, tmp_path):
         load_lora(write(tmp_path / "cut.safetensors", keys), wan)
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelineWithLoras(LoadedPipeline):
-    """LoadedPipeline plus the field the Load LoRA node needs (until the loader declares it)."""
-
-    loras: tuple = ()
-
-
 def test_node_chains_without_mutating_its_input(wan, tmp_path, monkeypatch):
     from vidmem.pipelines.wan import WAN
 
     first = write(tmp_path / "first.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS, seed=1), None))
     second = write(tmp_path / "second.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS, seed=2), None))
     monkeypatch.setattr(host, "resolve_lora", lambda name: tmp_path / name)
-    loaded = PipelineWithLoras(wan, WAN, "WanPipeline", "tiny", "fp32")
+    loaded = LoadedPipeline(wan, WAN, "WanPipeline", "tiny", "fp32")
     node = VidMemLoadLoRA()
     first_run = node.load(loaded, "first.safetensors", 1.0, "both")
     (one,) = first_run["result"]
