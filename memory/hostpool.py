@@ -153,6 +153,10 @@ class StagingRing:
     def slots(self) -> int:
         return len(self._slots)
 
+    def stats(self) -> dict:
+        """For receipts: what staging holds pinned, and how much it has carried."""
+        return {"slots": self.slots, "pinned_bytes": self.pinned_bytes, "staged_bytes": self.staged_bytes}
+
     def sources(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], _StagingSlot | None]:
         """What to copy to the device for each host: file-backed ones through one staging slot.
 
