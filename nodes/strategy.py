@@ -170,7 +170,7 @@ class VidMemMemoryStrategy:
         """Only tile_size is named: ComfyUI attaches a failure here to every input named, and keeps
         its own min/max/combo checks for the inputs not named. Rules between inputs (overlap
         against tile_size, blocks_to_swap against offload) are shown on the node by the live plan
-        before queueing and raised by build() before any weight moves."""
+        before queueing and raised by build() when the node runs, before anything is sampled."""
         return tile_size_problem(tile_size) or True
 
     def build(self, pipeline=None, vram_budget_gb=0.0, ram_budget_gb=0.0, **widgets):
