@@ -36,7 +36,7 @@ def test_node_contract(node_id):
     assert len(cls.RETURN_TYPES) == len(cls.RETURN_NAMES) == len(cls.OUTPUT_TOOLTIPS)
     for name, entry in all_inputs(cls).items():
         kind, options = entry
-        assert isinstance(kind, list) or kind in LINK_TYPES | WIDGET_TYPES, (node_id, name)
+        assert isinstance(kind, list) or kind in LINK_TYPES | WIDGET_TYPES or kind.startswith("VIDMEM_"), (node_id, name)
         assert options.get("tooltip"), f"{node_id}.{name} has no tooltip"
         if isinstance(kind, list):
             assert kind and options.get("default", kind[0]) in kind
