@@ -7,6 +7,7 @@ from .loader import VidMemLoadPipeline
 from .lora import VidMemLoadLoRA
 from .sampler import VidMemVideoSampler
 from .strategy import VidMemMemoryStrategy
+from .train import VidMemPrepareTrainingData, VidMemTrainLoRA
 
 NODE_CLASS_MAPPINGS = {
     "VidMemLoadPipeline": VidMemLoadPipeline,
@@ -16,6 +17,8 @@ NODE_CLASS_MAPPINGS = {
     "VidMemVAEDecode": VidMemVAEDecode,
     "VidMemFreeVRAM": VidMemFreeVRAM,
     "VidMemLoadLoRA": VidMemLoadLoRA,
+    "VidMemPrepareTrainingData": VidMemPrepareTrainingData,
+    "VidMemTrainLoRA": VidMemTrainLoRA,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -26,4 +29,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "VidMemVAEDecode": "Video VAE Decode (VidMem)",
     "VidMemFreeVRAM": "Free VRAM (VidMem)",
     "VidMemLoadLoRA": "Load LoRA (VidMem)",
+    "VidMemPrepareTrainingData": "Prepare Training Data (VidMem)",
+    "VidMemTrainLoRA": "Train LoRA (VidMem)",
 }

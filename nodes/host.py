@@ -339,3 +339,23 @@ def model_config_dirs() -> list[Path]:
         return []
     folder = Path(folder_paths.models_dir) / MODEL_CONFIGS_FOLDER
     return [folder] if folder.is_dir() else []
+
+
+# --- LoRA training (Prepare Training Data, Train LoRA) ----------------------------------------------
+
+TRAINING_FOLDER = "vidmem_training"
+
+
+def loras_folder() -> Path:
+    """Where a trained LoRA is written: ComfyUI's first models/loras folder (./models/loras without ComfyUI)."""
+    if folder_paths is not None:
+        folders = _folder_paths(LORAS_FOLDER_KEY) or list(folder_paths.get_folder_paths(LORAS_FOLDER_KEY))
+        if folders:
+            return Path(folders[0])
+    return Path.cwd() / "models" / "loras"
+
+
+def training_folder() -> Path:
+    """Prepared-data cache and training checkpoints: ComfyUI's output/vidmem_training (./output/... without ComfyUI)."""
+    root = Path(folder_paths.get_output_directory()) if folder_paths is not None else Path.cwd() / "output"
+    return root / TRAINING_FOLDER

@@ -1,0 +1,191 @@
+"""Prepare Training Data (VidMem) and Train LoRA (VidMem): LoRA training on the pack's memory engine.
+
+Thin nodes over vidmem.training: the data is encoded once and cached; the LoRA trains under the
+Memory Strategy and is written to models/loras, then returned already applied to the pipeline so
+a Video Sampler right after it samples with it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..pipelines.lora import load_lora, with_lora
+from ..training import (
+    DEFAULT_TARGETS, BucketSettings, OptimizerName, TrainOutputs, TrainSettings, parse_frames, parse_resolutions,
+    prepare_training_data, train_lora,
+)
+from ..training.objective import EXPERT_COMPONENTS
+from ..training.save import lora_file_name
+from . import host
+from .loader import PIPELINE_TYPE
+from .receipts import format_receipt, human_bytes
+from .strategy import STRATEGY_TYPE, as_choice
+
+TRAINING_DATA_TYPE = "VIDMEM_TRAINING_DATA"
+MAX_SEED = 0xFFFFFFFFFFFFFFFF
+LOSS_LOG_EVERY = 10
+log = logging.getLogger("vidmem")
+
+
+def _run_strategy(strategy):
+    """The strategy to run; offload=auto trains on its base (model offload) until the planner plans training."""
+    choice = as_choice(strategy)
+    note = " (offload=auto: the planner does not plan training yet, so model offload is used)" if choice.auto else ""
+    return choice.strategy, note
+
+
+class VidMemPrepareTrainingData:
+    DESCRIPTION = (
+        "Encodes a folder of captioned videos and images (clip.mp4 + clip.txt) into latents and prompt "
+        "embeddings for Train LoRA, cached on disk: a re-run with the same files reuses the cache. The text "
+        "encoder and VAE run under the Memory Strategy and are unloaded afterwards."
+    )
+    CATEGORY = "vidmem/training"
+    FUNCTION = "prepare"
+    RETURN_TYPES = (TRAINING_DATA_TYPE,)
+    RETURN_NAMES = ("data",)
+    OUTPUT_TOOLTIPS = ("Prepared samples (cached latents + prompt embeddings) for Train LoRA (VidMem).",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "pipeline": (PIPELINE_TYPE, {"tooltip": "The text-to-video pipeline the LoRA is trained for (its "
+                             "text encoder and VAE encode the data; train with the same pipeline)."}),
+                "strategy": (STRATEGY_TYPE, {"tooltip": "Where the text encoder and VAE live while encoding; VAE "
+                             "tiling here tiles the encode (tile_size, overlap)."}),
+                "folder": ("STRING", {"default": "", "tooltip": "Full path of a folder of videos (.mp4 .mov .webm "
+                           ".mkv .avi .gif) and images (.png .jpg .webp), each with a caption .txt of the same name."}),
+                "resolutions": ("STRING", {"default": "832x480, 480x832", "tooltip": "Resolution buckets as "
+                                "WIDTHxHEIGHT, comma separated; each clip goes to the one nearest its aspect ratio, "
+                                "scaled to cover and centre-cropped. Multiples of 16 (32 for Wan 2.2 TI2V-5B)."}),
+                "frame_buckets": ("STRING", {"default": "33", "tooltip": "Frame counts, comma separated; each video "
+                                  "uses its first N frames for the largest N it has. Wan: 4k+1, CogVideoX: 8k+1. "
+                                  "Images always use 1 frame."}),
+            },
+        }
+
+    def prepare(self, pipeline, strategy, folder, resolutions, frame_buckets):
+        run, note = _run_strategy(strategy)
+        buckets = BucketSettings(parse_resolutions(resolutions), parse_frames(frame_buckets))
+        device = host.compute_device()
+        progress = host.Progress(1, "encoding clips")
+        try:
+            data = prepare_training_data(pipeline, folder, buckets, run, host.training_folder() / "data_cache",
+                                         pipeline.backend(device), progress.step, host.check_interrupt)
+        finally:
+            progress.close()
+        receipt = dict(data.receipt, strategy=run.describe() + note)
+        text = "\n".join([format_receipt(f"Prepare Training Data: {len(data.samples)} samples for {pipeline.describe()}",
+                                          receipt), *prepare_lines(receipt)])
+        return {"ui": {"text": [text]}, "result": (data,)}
+
+
+class VidMemTrainLoRA:
+    DESCRIPTION = (
+        "Trains a LoRA on prepared data under the Memory Strategy (block swap and sequential offload work "
+        "with gradient checkpointing), writes it to models/loras and returns the pipeline with it applied. "
+        "Cancel saves a checkpoint; queue again with resume on to continue."
+    )
+    CATEGORY = "vidmem/training"
+    FUNCTION = "train"
+    RETURN_TYPES = (PIPELINE_TYPE, "STRING")
+    RETURN_NAMES = ("pipeline", "lora_name")
+    OUTPUT_TOOLTIPS = ("The input pipeline with the trained LoRA at strength 1 (the input is unchanged).",
+                       "The LoRA's file name under models/loras, for Load LoRA in later runs.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "pipeline": (PIPELINE_TYPE, {"tooltip": "The pipeline the data was prepared with."}),
+                "data": (TRAINING_DATA_TYPE, {"tooltip": "From Prepare Training Data (VidMem)."}),
+                "strategy": (STRATEGY_TYPE, {"tooltip": "Where the transformer lives while training. block_swap and "
+                             "sequential need gradient_checkpointing on."}),
+                "lora_name": ("STRING", {"default": "my_lora", "tooltip": "File name under models/loras "
+                              "(.safetensors added). A LoRA not made by this trainer is never overwritten."}),
+                "rank": ("INT", {"default": 16, "min": 1, "max": 512, "tooltip": "LoRA rank: trainable size and "
+                         "capacity. 16-64 is usual; at most the smallest targeted layer's width."}),
+                "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 1024.0, "step": 0.5, "tooltip":
+                          "The LoRA's scale is alpha / rank; alpha = rank gives 1. Saved in the file, so loaders "
+                          "apply the same scale."}),
+                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 1e-1, "step": 1e-5, "round": False,
+                                  "tooltip": "AdamW learning rate; 1e-4 is the usual start for video LoRAs."}),
+                "steps": ("INT", {"default": 500, "min": 1, "max": 1000000, "tooltip": "Optimizer steps in total "
+                          "(a resumed run counts the steps already done)."}),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "Samples per step, all from "
+                               "one bucket; memory for activations grows with it."}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "tooltip": "Seeds the LoRA's start, "
+                         "the sample order and every step's noise: a seed gives the same LoRA on any device."}),
+                "target_modules": ("STRING", {"default": ",".join(DEFAULT_TARGETS), "tooltip": "Linear layers "
+                                   "inside the transformer blocks that get a LoRA, by name or dotted suffix, comma "
+                                   "separated (attention: to_q,to_k,to_v,to_out.0; Wan feed-forward: ffn.net.0.proj,ffn.net.2)."}),
+                "gradient_checkpointing": ("BOOLEAN", {"default": True, "tooltip": "Re-run each block's forward "
+                                           "during the backward instead of keeping its activations: far less memory, "
+                                           "~20-35% more time, the same LoRA."}),
+                "optimizer": ([o.value for o in OptimizerName], {"default": OptimizerName.ADAMW.value, "tooltip":
+                              "adamw: fp32 states (8 bytes per LoRA weight). adamw_8bit: ~2 bytes (needs "
+                              "bitsandbytes). adamw_cpu_offload: states in RAM, not VRAM (slower steps)."}),
+                "checkpoint_every": ("INT", {"default": 100, "min": 0, "max": 1000000, "tooltip": "Save a "
+                                     "resumable checkpoint every N steps (0: only on Cancel and at the end)."}),
+                "resume": ("BOOLEAN", {"default": True, "tooltip": "Continue from this lora_name's checkpoint when "
+                           "it was made with the same data and settings (steps may be raised)."}),
+                "expert": (list(EXPERT_COMPONENTS), {"default": "both", "tooltip": "Wan 2.2 A14B trains one "
+                           "expert per run: high_noise or low_noise (load the LoRA on that expert). Others: both."}),
+            },
+        }
+
+    def train(self, pipeline, data, strategy, lora_name, rank, alpha, learning_rate, steps, batch_size, seed,
+              target_modules, gradient_checkpointing, optimizer, checkpoint_every, resume, expert="both"):
+        file_name = lora_file_name(lora_name)
+        settings = TrainSettings(rank, alpha, learning_rate, steps, batch_size, seed, target_modules,
+                                 gradient_checkpointing, optimizer, checkpoint_every, expert)
+        outputs = TrainOutputs(host.loras_folder() / file_name, host.training_folder() / "checkpoints" / file_name.removesuffix(".safetensors"))
+        run, note = _run_strategy(strategy)
+        device = host.compute_device()
+        bar = host.Progress(steps, "training")
+
+        def progress(done, total, loss):
+            bar.step(done, total)
+            if done % LOSS_LOG_EVERY == 0 or done == total:
+                log.info("vidmem: training %s step %d/%d loss %.4f", file_name, done, total, loss)
+
+        try:
+            result = train_lora(pipeline, data, run, settings, outputs, pipeline.backend(device), progress,
+                                host.check_interrupt, resume)
+        finally:
+            bar.close()
+        spec = load_lora(result.lora_path, pipeline.pipe, 1.0, "both" if expert == "both" else expert, name=file_name)
+        receipt = dict(result.receipt, strategy=run.describe() + note)
+        text = "\n".join([format_receipt(f"Train LoRA: {file_name} after {result.receipt['steps']} steps", receipt),
+                          *train_lines(receipt, settings)])
+        return {"ui": {"text": [text]}, "result": (with_lora(pipeline, spec), file_name)}
+
+
+def prepare_lines(receipt: dict) -> list[str]:
+    buckets = ", ".join(f"{label}: {count}" for label, count in receipt["buckets"].items())
+    lines = [f"{receipt['clips']} clips: {receipt['reused']} reused from the cache, {receipt['encoded']} encoded; "
+             f"buckets {buckets}", f"cache: {receipt['cache_folder']}"]
+    if receipt["encoded"]:
+        before, after = receipt["free"]["before"], receipt["free"]["after"]
+        freed = ""
+        if "allocated_bytes" in before:
+            freed = f"; device memory {human_bytes(before['allocated_bytes'])} -> {human_bytes(after['allocated_bytes'])}"
+        lines.append(f"text encoder and VAE unloaded: {human_bytes(receipt['encoder_device_bytes'])} of weights "
+                     f"were on the device while encoding{freed}")
+    else:
+        lines.append("text encoder and VAE not loaded: every sample came from the cache")
+    return lines
+
+
+def train_lines(receipt: dict, settings: TrainSettings) -> list[str]:
+    losses = receipt.get("losses") or []
+    resumed = f" (resumed at step {receipt['start_step']})" if receipt.get("start_step") else ""
+    return [
+        f"{receipt['component']}: LoRA rank {settings.rank} on {receipt['layers']} layers, "
+        f"{human_bytes(receipt['trainable_bytes'])} trainable; {settings.optimizer.value} states "
+        f"{human_bytes(receipt['optimizer_state_bytes'])}",
+        f"steps {receipt['steps']}{resumed}, {receipt['seconds_per_step']:.2f} s/step; last losses "
+        + ", ".join(f"{loss:.4f}" for loss in losses),
+        f"LoRA written to {receipt['lora']}; checkpoint in {receipt['checkpoint']}",
+    ]
