@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .cogvideox_vae import cogvideox_stream
-from .family import FamilySpec
+from .family import FamilySpec, SamplerDefaults
 
 
 def _padding_frames(pipe, frames: int) -> int:
@@ -41,4 +41,8 @@ COGVIDEOX = FamilySpec(
     max_sequence_length=226,  # the pipeline's own __call__ default
     single_file_transformer=None,  # diffusers has no single-file loader for CogVideoX
     vae_stages=cogvideox_stream,
+    # CogVideoX ships CogVideoXDDIMScheduler (2b) or CogVideoXDPMScheduler (5b, 1.5); both are
+    # v-prediction, not flow matching, so `shift` does not apply. UniPC and DPM-Solver++ read the
+    # same betas but not CogVideoX's snr_shift_scale: pipelines/schedulers.py refuses them when it is not 1.
+    sampler=SamplerDefaults(flow_matching=False, schedulers=("unipc", "dpmpp_2m"), cfg=6.0, steps=50),
 )

@@ -19,6 +19,23 @@ class ModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class SamplerDefaults:
+    """How a family samples, as data: which schedulers besides the model's own make sense, whether
+    `shift` applies (flow matching), and the settings its authors recommend (tooltips, templates)."""
+
+    flow_matching: bool = False  # the model predicts a flow: `shift` (the scheduler's flow_shift) applies
+    schedulers: tuple[str, ...] = ()  # offered besides "default" (pipelines/schedulers.py names)
+    # (minimum pixels per frame, shift) pairs, largest first: the authors' shift for that size
+    recommended_shift: tuple[tuple[int, float], ...] = ()
+    cfg: float = 6.0
+    steps: int = 50
+
+    def shift_for(self, width: int, height: int) -> float | None:
+        """The recommended shift at this size (Wan: 5.0 from 720p up, 3.0 below), or None."""
+        return next((shift for pixels, shift in self.recommended_shift if width * height >= pixels), None)
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     pipeline_classes: tuple[str, ...]  # model_index.json `_class_name` values we run
@@ -36,6 +53,7 @@ class FamilySpec:
     # latent, or None), `stream()` (a decode that carries its causal caches across a tile's frame
     # chunks) and `frame_batch`; or None to decode every piece with `vae.decode`
     vae_stages: Callable[[object], object | None] = lambda vae: None
+    sampler: SamplerDefaults = SamplerDefaults()
 
     def frames_error(self, frames: int) -> str | None:
         if frames >= 1 and (frames - 1) % self.frame_step == 0:

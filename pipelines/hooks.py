@@ -19,12 +19,16 @@ from .prompt_cache import PromptCache
 
 @dataclass(frozen=True)
 class RunHooks:
-    """Per-step progress, an interrupt check that raises, a request to free device memory, and
-    where prompt embeddings are cached (None: encode every time)."""
+    """Per-step progress, an interrupt check that raises, a request to free device memory, the
+    device budget after an out-of-memory error, and where prompt embeddings are cached (None:
+    encode every time)."""
 
     on_step: Callable[[int, int], None] = lambda step, total: None
     check_interrupt: Callable[[], None] = lambda: None
     make_room: Callable[[int, torch.device], None] = lambda nbytes, device: None  # before the first onload
+    # Device bytes this run may use now (the planner's VRAM budget), asked after an out-of-memory
+    # error to pick the next rung; None: unknown (the fixed ladder is used).
+    device_budget: Callable[[torch.device], int | None] = lambda device: None
     prompt_cache: PromptCache | None = None
 
 

@@ -3,13 +3,18 @@
 The denoise loop is diffusers' (`output_type="latent"`, prompt embeddings passed in), so the
 latents match the plain pipeline exactly; what vidmem adds is where every weight lives while
 it runs. Noise comes from a CPU generator, so a seed gives the same video on any device.
+
+Per call, in this order (each undone in reverse, on success, error or Cancel alike): the
+pipeline's LoRAs are applied beside their layers, then the strategy (so LoRA tensors stream with
+their layers and count in the device bytes), on a per-call pipeline object carrying the call's
+scheduler (pipelines/sample_call.py). An out-of-memory error while denoising climbs the ladder
+of pipelines/sample_ladder.py and resumes from the last finished step.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 from dataclasses import dataclass, field
-from numbers import Integral, Real
 from typing import Callable
 
 import torch
@@ -20,16 +25,25 @@ from ..memory import (
     StageComponents,
     TextEncoderPlacement,
     apply_strategy,
+    free_memory,
     resolve_compute_device,
 )
 from ..memory.blockswap import Observer
 from ..memory.offload import device_weight_bytes
 from ..memory.device import Backend
+from ..memory.lora import apply_loras
 from ..memory.telemetry import StageMeter
-from .family import ModelError, denoiser_blocks, spatial_multiple
+from .family import ModelError, denoiser_blocks
 from .hooks import RunHooks, interrupt_checks, outer_blocks
-from .prompts import call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .loader import LoadedPipeline
+from .lora import describe_loras, lora_patches
+from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
+from .sample_call import ResumePoint, StepRecord, call_pipeline
+from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
+from .sample_ladder import Rung, SamplingOutOfMemory, is_out_of_memory, next_rung, out_of_memory_message, planner_fits
+from .schedulers import SamplerChoice, build_scheduler
+
+log = logging.getLogger("vidmem")
 
 
 @dataclass(frozen=True)
@@ -43,73 +57,16 @@ class SampleRequest:
     cfg: float = 6.0
     seed: int = 0
     image: torch.Tensor | None = None  # ComfyUI IMAGE [1, H, W, C] in 0..1, for image-to-video
+    scheduler: str = "default"  # pipelines/schedulers.py SCHEDULERS; "default": what the model ships
+    shift: float | None = None  # flow-matching models (Wan) only; None: the model's own
+    cfg_2: float | None = None  # Wan 2.2 A14B's low-noise expert; None: same as cfg
+    boundary_ratio: float | None = None  # Wan 2.2 A14B; None: the model's own (0 < ratio < 1)
 
 
 @dataclass
 class SampleResult:
     latent: dict
     receipt: dict = field(default_factory=dict)
-
-
-def validate_request(loaded: LoadedPipeline, request: SampleRequest) -> None:
-    """Every check that needs no weights moved, so bad input leaves nothing applied."""
-    spec, pipe = loaded.spec, loaded.pipe
-    _check_whole("frames", request.frames)
-    problem = spec.frames_error(request.frames)
-    if problem:
-        raise ModelError(problem)
-    multiple = spatial_multiple(pipe)
-    for name, value in (("width", request.width), ("height", request.height)):
-        _check_whole(name, value)
-        if value < multiple or value % multiple:
-            fix = max(multiple, value // multiple * multiple)
-            raise ModelError(f"{name}={value} must be a multiple of {multiple} for {spec.name}; use {fix} or {fix + multiple}.")
-    _check_whole("steps", request.steps)
-    if request.steps < 1:
-        raise ModelError(f"steps={request.steps} must be at least 1.")
-    _check_whole("seed", request.seed)
-    if not 0 <= request.seed <= MAX_SEED:
-        raise ModelError(f"seed={request.seed} must be between 0 and {MAX_SEED}.")
-    check_cfg(request.cfg)
-    for name in ("prompt", "negative_prompt"):
-        if not isinstance(getattr(request, name), str):
-            raise ModelError(f"{name} must be text, not {type(getattr(request, name)).__name__}.")
-    if loaded.needs_image and request.image is None:
-        raise ModelError(f"{loaded.class_name} is image-to-video: connect an IMAGE to the sampler's image input.")
-    if not loaded.accepts_image and request.image is not None:
-        raise ModelError(f"{loaded.class_name} is text-to-video: disconnect the image input or load an I2V model.")
-    if request.image is not None:
-        check_image(request.image)
-
-
-MAX_SEED = 0xFFFFFFFFFFFFFFFF  # torch.Generator.manual_seed takes 64 bits
-
-
-def _check_whole(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise ModelError(f"{name}={value!r} must be a whole number.")
-
-
-def check_cfg(cfg: object) -> None:
-    """NaN would run unguided (every `cfg > 1` test is false) and inf gives NaN frames: refuse both."""
-    if isinstance(cfg, bool) or not isinstance(cfg, Real):
-        raise ModelError(f"cfg={cfg!r} must be a number, e.g. 5.0 (1.0 turns guidance off).")
-    if not math.isfinite(cfg):
-        raise ModelError(f"cfg={cfg} is not a finite number; use e.g. 5.0 (1.0 turns guidance off).")
-    if cfg < 0:
-        raise ModelError(f"cfg={cfg} must be 0 or more; use e.g. 5.0 (1.0 turns guidance off).")
-
-
-def check_image(image: object) -> None:
-    """A ComfyUI IMAGE: a float tensor [batch, height, width, 3 or 4], finite, with pixels in it."""
-    if not isinstance(image, torch.Tensor):
-        raise ModelError(f"image is a {type(image).__name__}, not an IMAGE; connect a Load Image node's IMAGE.")
-    if image.ndim != 4 or image.shape[-1] not in (3, 4) or image.numel() == 0:
-        raise ModelError(f"image has shape {tuple(image.shape)}; expected a ComfyUI IMAGE [batch, height, width, 3].")
-    if not image.is_floating_point():
-        raise ModelError(f"image has dtype {image.dtype}; expected float pixels in 0..1 as ComfyUI's IMAGE.")
-    if not torch.isfinite(image[:1]).all():  # only the first frame is used
-        raise ModelError("image contains NaN or infinite pixels; it would give NaN frames. Check the node that made it.")
 
 
 def sample_stage(loaded: LoadedPipeline, strategy: MemoryStrategy, encode_text: bool = True) -> StageComponents:
@@ -150,48 +107,121 @@ def sample(
 
     Cancel (`hooks.check_interrupt` raising) is checked before every transformer block and
     text-encoder block, so it stops the run within one block; everything is restored as after
-    any other error. Prompt embeddings come from `hooks.prompt_cache` when it has them.
+    any other error. Prompt embeddings come from `hooks.prompt_cache` when it has them. An
+    out-of-memory error while denoising frees memory, escalates the strategy and resumes from
+    the last finished step (`receipt["oom_ladder"]`); under sequential it raises SamplingOutOfMemory.
     """
-    validate_request(loaded, request)
+    choice = validate_request(loaded, request)
     if request.image is not None:
         loaded = loaded.image_mode()
     backend = backend or loaded.backend(device or resolve_compute_device())
     device = backend.device
     pipe, spec = loaded.pipe, loaded.spec
-    receipt = {"strategy": strategy.describe(), "device": str(device), "stages": []}
+    receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [], "sampler": choice.describe(),
+               "lora": describe_loras(loaded.loras)}
     hooks.check_interrupt()
-    texts = prompt_texts(pipe, spec.max_sequence_length, request.prompt, request.negative_prompt, request.cfg > 1.0)
+    texts = prompt_texts(pipe, spec.max_sequence_length, request.prompt, request.negative_prompt, choice.guided)
     prompts = look_up(pipe, texts, hooks.prompt_cache)
-    hits = len(prompts.embeds)
-    stage = sample_stage(loaded, strategy, encode_text=not prompts.complete)
-    weight_bytes = device_weight_bytes(stage, strategy)
-    receipt["device_weight_bytes"] = weight_bytes
-    hooks.make_room(weight_bytes, device)
-    # Per-block CUDA events are cheap for tens of blocks, not for every leaf of `sequential`.
-    telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
-    with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
-            apply_strategy(stage, strategy, backend, observer, loaded.host_pool, telemetry) as handle:
-        pipe.vidmem_execution_device = device
-        try:
-            with StageMeter("text_encode", device) as meter:
-                on_cpu = strategy.text_encoder is TextEncoderPlacement.CPU
-                encode_missing(pipe, prompts, torch.device("cpu") if on_cpu else device)
-                if strategy.text_encoder is TextEncoderPlacement.OFFLOAD_AFTER_ENCODING:
-                    # Only the prompt encoder is done now; an image encoder runs inside the loop's setup.
-                    handle.evict("text_encoder")
-            receipt["stages"].append(meter.as_dict())
-            receipt["text_encode"] = prompt_receipt(prompts, hits)
-            embeds = call_embeds(prompts, device)
-            with StageMeter("denoise", device) as meter:
-                raw = pipe(**_call_kwargs(loaded, request, embeds, hooks, expert_hand_off(pipe, handle))).frames
-            receipt["stages"].append(meter.as_dict())
-            if telemetry:
-                receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)
-        finally:
-            del pipe.vidmem_execution_device
-    samples = spec.to_comfy_latent(pipe, raw, request.frames).to("cpu")
+    run = _Run(loaded, request, choice, hooks, backend, observer, prompts, len(prompts.embeds), receipt)
+    requested, rungs, resume = strategy, [], None
+    while True:
+        record = run.attempt(strategy, resume)
+        if record.raw is not None:
+            break
+        resume, failed_at = record.last, (record.last.steps_done if record.last else 0) + 1
+        del record  # the failed attempt's tensors go before the cleanup
+        freed = free_memory(device)
+        budget = hooks.device_budget(device)
+        fits = planner_fits(loaded, request.width, request.height, request.frames, request.steps, choice.guided, budget)
+        rung, how = next_rung(strategy, block_count(loaded), fits)
+        rungs.append(Rung(strategy.describe(), failed_at, failed_at - 1, rung.describe(), how, freed.as_dict()))
+        log.warning("vidmem: out of memory at step %d/%d under %s; resuming from step %d under %s (%s)",
+                    failed_at, request.steps, strategy.describe(), failed_at - 1, rung.describe(), how)
+        strategy = rung
+    receipt["strategy"] = strategy.describe()
+    if rungs:
+        receipt["requested_strategy"] = requested.describe()
+        receipt["oom_ladder"] = [r.as_dict() for r in rungs]
+    samples = spec.to_comfy_latent(pipe, record.raw, request.frames).to("cpu")
     latent = {"samples": samples, "vidmem": {"family": spec.name, "class_name": loaded.class_name, "frames": request.frames}}
     return SampleResult(latent, receipt)
+
+
+def block_count(loaded: LoadedPipeline) -> int:
+    return min(len(blocks) for blocks in denoiser_blocks(loaded.pipe, loaded.spec).values())
+
+
+@dataclass
+class _Run:
+    """What one sample() call carries across its attempts (one per rung of the OOM ladder)."""
+
+    loaded: LoadedPipeline
+    request: SampleRequest
+    choice: SamplerChoice
+    hooks: RunHooks
+    backend: Backend
+    observer: Observer | None
+    prompts: PromptEmbeddings
+    hits: int
+    receipt: dict
+
+    def attempt(self, strategy: MemoryStrategy, resume: ResumePoint | None) -> StepRecord:
+        """One attempt: `record.raw` holds the raw latents, or is None after an out-of-memory
+        error while denoising under a strategy with a rung above it (any other error is raised)."""
+        pipe = self.loaded.pipe
+        call = call_pipeline(pipe, build_scheduler(pipe.scheduler, self.choice), self.choice.boundary_ratio, resume)
+        generator = torch.Generator("cpu")
+        if resume is None:
+            generator.manual_seed(self.request.seed)
+        else:
+            generator.set_state(resume.generator_state)
+        record = StepRecord(call, generator, resume)
+        try:
+            record.raw = self._run(call, strategy, record)
+        except BaseException as error:
+            if not (record.denoising and is_out_of_memory(error)):
+                raise
+            if next_rung(strategy, block_count(self.loaded), None) is None:
+                step = (record.last.steps_done if record.last else 0) + 1
+                raise SamplingOutOfMemory(out_of_memory_message(strategy, step, self.request.steps, [], error)) from error
+            record.call = None
+        return record
+
+    def _run(self, call, strategy: MemoryStrategy, record: StepRecord) -> torch.Tensor:
+        loaded, hooks, prompts, receipt = self.loaded, self.hooks, self.prompts, self.receipt
+        device = self.backend.device
+        stage = sample_stage(loaded, strategy, encode_text=not prompts.complete)
+        # Per-block CUDA events are cheap for tens of blocks, not for every leaf of `sequential`.
+        telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
+        with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
+                apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle:
+            weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
+            receipt["device_weight_bytes"], receipt["lora_bytes"] = weight_bytes, lora_handle.nbytes
+            hooks.make_room(weight_bytes, device)
+            with apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry) as handle:
+                call.vidmem_execution_device = device
+                if "text_encode" not in receipt:  # the first attempt (a cache hit encodes nothing)
+                    self._encode(call, strategy, handle)
+                embeds = call_embeds(prompts, device)
+                record.denoising = True
+                with StageMeter("denoise", device) as meter:
+                    raw = call(**_call_kwargs(loaded, self.request, self.choice, embeds, hooks, record,
+                                              expert_hand_off(call, handle))).frames
+                receipt["stages"].append(meter.as_dict())
+                if telemetry:
+                    receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)
+        return raw
+
+    def _encode(self, call, strategy: MemoryStrategy, handle) -> None:
+        device = self.backend.device
+        with StageMeter("text_encode", device) as meter:
+            on_cpu = strategy.text_encoder is TextEncoderPlacement.CPU
+            encode_missing(call, self.prompts, torch.device("cpu") if on_cpu else device)
+            if strategy.text_encoder is TextEncoderPlacement.OFFLOAD_AFTER_ENCODING:
+                # Only the prompt encoder is done now; an image encoder runs inside the loop's setup.
+                handle.evict("text_encoder")
+        self.receipt["stages"].append(meter.as_dict())
+        self.receipt["text_encode"] = prompt_receipt(self.prompts, self.hits)
 
 
 def swap_receipt(summary: dict, denoise_seconds: float, pool) -> dict:
@@ -216,9 +246,10 @@ def expert_hand_off(pipe, handle) -> Callable[[int], None]:
     return after_step
 
 
-def _call_kwargs(loaded: LoadedPipeline, request: SampleRequest, embeds: dict, hooks: RunHooks,
-                 after_step: Callable[[int], None]) -> dict:
+def _call_kwargs(loaded: LoadedPipeline, request: SampleRequest, choice: SamplerChoice, embeds: dict, hooks: RunHooks,
+                 record: StepRecord, after_step: Callable[[int], None]) -> dict:
     def on_step_end(pipe, step: int, timestep, tensors: dict) -> dict:
+        record.step_done(step, tensors["latents"])  # the point an out-of-memory error resumes from
         after_step(step)
         hooks.on_step(step + 1, request.steps)
         hooks.check_interrupt()  # raising here stops the loop; the strategy is removed in `finally`
@@ -230,11 +261,13 @@ def _call_kwargs(loaded: LoadedPipeline, request: SampleRequest, embeds: dict, h
         width=request.width,
         num_frames=request.frames,
         num_inference_steps=request.steps,
-        guidance_scale=request.cfg,
-        generator=torch.Generator("cpu").manual_seed(request.seed),
+        guidance_scale=choice.cfg,
+        generator=record.generator,
         output_type="latent",
         callback_on_step_end=on_step_end,
     )
+    if choice.cfg_2 is not None:
+        kwargs["guidance_scale_2"] = choice.cfg_2
     if loaded.needs_image:
         kwargs["image"] = comfy_image_to_pil(request.image)
     return kwargs

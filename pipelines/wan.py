@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .family import FamilySpec
+from .family import FamilySpec, SamplerDefaults
 from .wan_vae import wan_stages
 
 
@@ -45,4 +45,8 @@ WAN = FamilySpec(
     single_file_transformer="WanTransformer3DModel",  # original / ComfyUI-repackaged checkpoints
     image_variant=_image_variant,
     vae_stages=wan_stages,
+    # Wan's flow-matching UniPC is what the folders ship; diffusers' Wan docs: flow_shift 5.0 for
+    # 720p, 3.0 for 480p (the folders ship one value; `shift` overrides it per run).
+    sampler=SamplerDefaults(flow_matching=True, schedulers=("unipc", "dpmpp_2m", "flow_match_euler"),
+                            recommended_shift=((1280 * 720, 5.0), (0, 3.0)), cfg=5.0, steps=50),
 )

@@ -1,0 +1,151 @@
+"""The pipeline object one call runs: the loaded pipeline's components, this call's scheduler.
+
+Why a per-call object: the loaded pipeline is shared and cached by ComfyUI, so a call must not
+change its scheduler, its boundary or any flag. `call_pipeline` builds a new pipeline of the same
+class over the same components (nothing is copied or moved; building it takes about a
+millisecond), and the call's own settings live on it and die with it, whatever happens.
+
+The per-call class adds three things to diffusers' loop, each through a hook diffusers already
+reads (so the loop itself is diffusers', unchanged):
+- guidance per expert: `do_classifier_free_guidance` asks the scale of the expert about to run,
+  so a scale of 1 skips the negative pass for that expert (diffusers asks `guidance_scale` only);
+- resuming after an out-of-memory error: `interrupt` is true for the steps already done, so the
+  loop skips them with diffusers' own `continue`, and its indices (`timesteps[i - 1]`, the
+  callback's step) stay those of the whole run; `prepare_latents` hands back the latents of the
+  last finished step and the conditioning the first attempt prepared (no image encoded twice,
+  no random draws repeated); the scheduler comes back with its state after that step.
+- a record of each finished step (`StepRecord`), taken in the step-end callback.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+OVERRIDES = ("set_timesteps", "step")  # instance attributes set here, never part of a saved state
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Everything the denoising loop carries from one step to the next, after `steps_done` steps."""
+
+    steps_done: int
+    latents: torch.Tensor
+    scheduler_class: type
+    scheduler_state: dict  # a deep copy of the scheduler's attributes (its step index, history)
+    generator_state: torch.Tensor  # the CPU generator after that step (CogVideoX's DPM draws noise per step)
+    carry: torch.Tensor | None  # CogVideoXDPMScheduler's previous x0 prediction, a loop variable in diffusers
+    prepared: object  # what prepare_latents returned: latents, or (latents, conditioning...)
+
+
+class _CallOverrides:
+    _vidmem_skip_steps = 0
+    _vidmem_resume: ResumePoint | None = None
+    _vidmem_prepared = None
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        """Guidance for the expert about to run (Wan 2.2 A14B: `guidance_scale_2` below the boundary).
+
+        Before the loop (prompt encoding) it is true if any expert guides, so the negative
+        embeddings are passed through; single-expert pipelines behave as diffusers' own.
+        """
+        first, second = self._guidance_scale, getattr(self, "_guidance_scale_2", None)
+        boundary = self.config.get("boundary_ratio")
+        if boundary is None or second is None:
+            return first > 1.0
+        timestep = getattr(self, "_current_timestep", None)
+        if timestep is None:
+            return max(first, second) > 1.0
+        high_noise = timestep >= boundary * self.scheduler.config.num_train_timesteps
+        return (first if high_noise else second) > 1.0
+
+    @property
+    def interrupt(self) -> bool:
+        """diffusers reads this once at the top of every step and `continue`s when true."""
+        if self._vidmem_skip_steps > 0:
+            self._vidmem_skip_steps -= 1
+            return True
+        return self._interrupt
+
+    def prepare_latents(self, *args, **kwargs):
+        resume = self._vidmem_resume
+        if resume is None:
+            self._vidmem_prepared = super().prepare_latents(*args, **kwargs)
+            return self._vidmem_prepared
+        if isinstance(resume.prepared, tuple):
+            return (resume.latents, *resume.prepared[1:])
+        return resume.latents
+
+
+@lru_cache(maxsize=None)
+def call_class(base: type) -> type:
+    return type(f"{base.__name__}Call", (_CallOverrides, base), {"__module__": base.__module__})
+
+
+def call_pipeline(pipe, scheduler, boundary_ratio: float | None, resume: ResumePoint | None = None):
+    """A pipeline of `pipe`'s class over `pipe`'s components, with `scheduler` (a new object: see
+    pipelines/schedulers.py) or, when resuming, the scheduler as it was after `resume.steps_done`."""
+    config = {k: pipe.config[k] for k in ("boundary_ratio", "expand_timesteps") if k in pipe.config}
+    if boundary_ratio is not None:
+        config["boundary_ratio"] = boundary_ratio
+    if resume is not None:
+        scheduler = _restored_scheduler(resume)
+    call = call_class(type(pipe))(**dict(pipe.components, scheduler=scheduler), **config)
+    call.set_progress_bar_config(disable=True)
+    call._vidmem_resume = resume
+    call._vidmem_skip_steps = resume.steps_done if resume is not None else 0
+    return call
+
+
+def _restored_scheduler(resume: ResumePoint):
+    """The scheduler after `resume.steps_done` steps; the pipeline's `set_timesteps` would reset it."""
+    scheduler = object.__new__(resume.scheduler_class)
+    scheduler.__dict__.update(copy.deepcopy(resume.scheduler_state))
+    scheduler.set_timesteps = lambda *args, **kwargs: None
+    return scheduler
+
+
+class StepRecord:
+    """The resume point after the last finished step of one attempt (None before the first)."""
+
+    def __init__(self, call, generator: torch.Generator, previous: ResumePoint | None = None) -> None:
+        self.call = call
+        self.generator = generator
+        self.last = previous
+        self.denoising = False  # set when the pipeline call starts: errors from then on are in denoising
+        self.raw: torch.Tensor | None = None  # the pipeline's latents when the attempt finished
+        self._carry = previous.carry if previous is not None else None
+        self._track_carry(call.scheduler)
+
+    def step_done(self, step: int, latents: torch.Tensor) -> None:
+        """From the step-end callback: `step` (0-based, of the whole run) has finished."""
+        scheduler = self.call.scheduler
+        state = copy.deepcopy({k: v for k, v in scheduler.__dict__.items() if k not in OVERRIDES})
+        self.last = ResumePoint(step + 1, latents, type(scheduler), state, self.generator.get_state(), self._carry,
+                                self.call._vidmem_prepared if self.last is None else self.last.prepared)
+
+    def _track_carry(self, scheduler) -> None:
+        """CogVideoXDPMScheduler takes the previous step's x0 prediction as an argument that
+        diffusers keeps in a loop variable; record it, and hand it back to a resumed loop's first step."""
+        step = scheduler.step
+        parameters = inspect.signature(step).parameters
+        if "old_pred_original_sample" not in parameters:
+            return
+        position = list(parameters).index("old_pred_original_sample")
+
+        @functools.wraps(step)
+        def tracked(*args, **kwargs):
+            args = list(args)
+            if len(args) > position and args[position] is None and self._carry is not None:
+                args[position] = self._carry
+            output = step(*args, **kwargs)
+            self._carry = output[1]
+            return output
+
+        scheduler.step = tracked

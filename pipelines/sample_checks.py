@@ -1,0 +1,66 @@
+"""Every check of a sampling request that needs no weights moved, so bad input leaves nothing applied."""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+import torch
+
+from .family import ModelError, spatial_multiple
+from .schedulers import SamplerChoice, check_scale, resolve_sampler
+
+MAX_SEED = 0xFFFFFFFFFFFFFFFF  # torch.Generator.manual_seed takes 64 bits
+
+
+def validate_request(loaded, request) -> SamplerChoice:
+    """ModelError naming the input and the fix; else the resolved sampler controls."""
+    spec, pipe = loaded.spec, loaded.pipe
+    _check_whole("frames", request.frames)
+    problem = spec.frames_error(request.frames)
+    if problem:
+        raise ModelError(problem)
+    multiple = spatial_multiple(pipe)
+    for name, value in (("width", request.width), ("height", request.height)):
+        _check_whole(name, value)
+        if value < multiple or value % multiple:
+            fix = max(multiple, value // multiple * multiple)
+            raise ModelError(f"{name}={value} must be a multiple of {multiple} for {spec.name}; use {fix} or {fix + multiple}.")
+    _check_whole("steps", request.steps)
+    if request.steps < 1:
+        raise ModelError(f"steps={request.steps} must be at least 1.")
+    _check_whole("seed", request.seed)
+    if not 0 <= request.seed <= MAX_SEED:
+        raise ModelError(f"seed={request.seed} must be between 0 and {MAX_SEED}.")
+    check_cfg(request.cfg)
+    for name in ("prompt", "negative_prompt"):
+        if not isinstance(getattr(request, name), str):
+            raise ModelError(f"{name} must be text, not {type(getattr(request, name)).__name__}.")
+    if loaded.needs_image and request.image is None:
+        raise ModelError(f"{loaded.class_name} is image-to-video: connect an IMAGE to the sampler's image input.")
+    if not loaded.accepts_image and request.image is not None:
+        raise ModelError(f"{loaded.class_name} is text-to-video: disconnect the image input or load an I2V model.")
+    if request.image is not None:
+        check_image(request.image)
+    return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio)
+
+
+def _check_whole(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ModelError(f"{name}={value!r} must be a whole number.")
+
+
+def check_cfg(cfg: object) -> None:
+    """NaN would run unguided (every `cfg > 1` test is false) and inf gives NaN frames: refuse both."""
+    check_scale("cfg", cfg)
+
+
+def check_image(image: object) -> None:
+    """A ComfyUI IMAGE: a float tensor [batch, height, width, 3 or 4], finite, with pixels in it."""
+    if not isinstance(image, torch.Tensor):
+        raise ModelError(f"image is a {type(image).__name__}, not an IMAGE; connect a Load Image node's IMAGE.")
+    if image.ndim != 4 or image.shape[-1] not in (3, 4) or image.numel() == 0:
+        raise ModelError(f"image has shape {tuple(image.shape)}; expected a ComfyUI IMAGE [batch, height, width, 3].")
+    if not image.is_floating_point():
+        raise ModelError(f"image has dtype {image.dtype}; expected float pixels in 0..1 as ComfyUI's IMAGE.")
+    if not torch.isfinite(image[:1]).all():  # only the first frame is used
+        raise ModelError("image contains NaN or infinite pixels; it would give NaN frames. Check the node that made it.")
