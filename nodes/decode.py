@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..memory.planner_stages import VideoShape
-from ..pipelines.decode import decode
+from ..pipelines.decode import decode, validate_latent
 from ..pipelines.hooks import RunHooks
-from ..pipelines.latents import check_latent, next_latent_path, write_latent
+from ..pipelines.latents import next_latent_path, write_latent
 from ..pipelines.planning import choose_for, planner_model
 from . import host
 from .loader import PIPELINE_TYPE
@@ -45,7 +45,7 @@ class VidMemVAEDecode:
         }
 
     def decode(self, pipeline, latent, strategy=None, save_latents=False):
-        samples = check_latent(latent)  # before anything is written or moved
+        samples = validate_latent(pipeline, latent)  # family, channels, finite: before anything is written or moved
         run = _strategy_for_decode(pipeline, as_choice(strategy), samples.shape)
         saved = write_latent(latent, next_latent_path(host.latents_folder(), LATENT_STEM)) if save_latents else None
         progress = host.Progress(1, "decoding")

@@ -19,6 +19,8 @@ def format_receipt(title: str, receipt: dict) -> str:
             lines.append(f"{key}: {receipt[key]}")
     if "device_weight_bytes" in receipt:
         lines.append(f"weights on device at peak: {human_bytes(receipt['device_weight_bytes'])}")
+    if "text_encode" in receipt:
+        lines.append(prompt_line(receipt["text_encode"]))
     for stage in receipt.get("stages", []):
         peak = f"peak RSS {human_bytes(stage.get('peak_rss_bytes'))}"
         if "peak_allocated_bytes" in stage:
@@ -37,3 +39,15 @@ def format_receipt(title: str, receipt: dict) -> str:
     if "decode_summary" in receipt:
         lines.append("VAE: " + receipt["decode_summary"])
     return "\n".join(lines)
+
+
+def prompt_line(text_encode: dict) -> str:
+    """One line: tokens per text (and how many the encoder cut), and what the embeddings cache did."""
+    parts = []
+    for role, label in (("prompt", "prompt"), ("negative_prompt", "negative")):
+        counts = text_encode.get(role)
+        if isinstance(counts, dict):
+            cut = f", {counts['cut']} cut (the encoder reads {counts['max_sequence_length']})" if counts.get("cut") else ""
+            parts.append(f"{label}: {counts['tokens']} tokens{cut}")
+    parts.append(f"embeddings cache: {text_encode.get('cache', 'off')}")
+    return "; ".join(parts)

@@ -8,6 +8,7 @@ from functools import reduce
 from ..memory.planner_stages import VideoShape
 from ..pipelines.loader import FAMILIES
 from ..pipelines.planning import choose_for, plan_strategy
+from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
 from . import host
 from .loader import PIPELINE_TYPE
@@ -15,6 +16,7 @@ from .receipts import format_receipt
 from .strategy import STRATEGY_TYPE, as_choice
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
+MAX_FRAMES = 1025
 # Every family's frame rule is step*k+1; their common step is what holds before the model is known.
 COMMON_FRAME_STEP = reduce(math.gcd, (spec.frame_step for spec in FAMILIES))
 
@@ -23,8 +25,9 @@ def frames_problem(frames) -> str | None:
     """Frames no model vidmem runs can take (the family's own rule is checked when the model is known)."""
     if frames is None:  # a linked input has no value when the prompt is queued
         return None
-    if not isinstance(frames, int) or isinstance(frames, bool) or frames < 1:
-        return f"frames={frames!r} must be a whole number of frames, at least 1."
+    if not isinstance(frames, int) or isinstance(frames, bool) or not 1 <= frames <= MAX_FRAMES:
+        # VALIDATE_INPUTS names frames, so ComfyUI skips its own min/max for it: the range is ours.
+        return f"frames={frames!r} must be a whole number of frames from 1 to {MAX_FRAMES}."
     if (frames - 1) % COMMON_FRAME_STEP == 0:
         return None
     below = max(1, (frames - 1) // COMMON_FRAME_STEP * COMMON_FRAME_STEP + 1)
@@ -59,7 +62,7 @@ class VidMemVideoSampler:
                     "The Memory Strategy plans for this size."}),
                 "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip":
                     "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B)."}),
-                "frames": ("INT", {"default": 49, "min": 1, "max": 1025, "step": 4, "tooltip":
+                "frames": ("INT", {"default": 49, "min": 1, "max": MAX_FRAMES, "step": 4, "tooltip":
                     "Wan: 4k+1 (e.g. 81); CogVideoX: 8k+1 (49, or 81 for 1.5)."}),
                 "steps": ("INT", {"default": 30, "min": 1, "max": 1000, "tooltip": "Denoising steps."}),
                 "cfg": ("FLOAT", {"default": 6.0, "min": 0.0, "max": 30.0, "step": 0.1, "tooltip":
@@ -86,7 +89,8 @@ class VidMemVideoSampler:
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image)
         progress = host.Progress(steps, "sampling")
         try:
-            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room)
+            cache = PromptCache(host.prompt_cache_folder())
+            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room, prompt_cache=cache)
             result = sample(pipeline, run, request, hooks, device=device)
         finally:
             progress.close()

@@ -10,6 +10,8 @@ widget values to their new positions.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from ..memory import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement, VaeTiling
@@ -38,6 +40,13 @@ class StrategyChoice:
     auto: bool = False
     vram_budget_gb: float = 0.0
     ram_budget_gb: float = 0.0
+
+    def __post_init__(self) -> None:
+        # ComfyUI's min/max checks let NaN through (every comparison with NaN is false).
+        for name in BUDGETS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise StrategyError(f"{name}={value!r} must be a finite number of GiB, 0 or more (0: this machine's own).")
 
     def budgets(self, device) -> tuple[int, int]:
         vram, ram = default_budgets(device)

@@ -15,6 +15,7 @@ from ..memory.vae import Decode, DecodeReport, Prepare, Streaming, VaeGeometry, 
 from ..memory.offload import device_weight_bytes
 from .family import FamilySpec, ModelError
 from .hooks import RunHooks, interrupt_checks, outer_blocks
+from .latents import check_latent
 from .loader import LoadedPipeline
 from .planning import decode_overrun
 
@@ -35,22 +36,11 @@ def latent_channels(pipe) -> int:
 
 def validate_latent(loaded: LoadedPipeline, latent: dict) -> torch.Tensor:
     """The LATENT must be this pipeline's: 5-D [B, C, T, h, w], finite, its VAE's channels, its family."""
-    if not isinstance(latent, dict):
+    samples = check_latent(latent)  # a dict with a 5-D `samples` tensor
+    if samples.numel() == 0:
         raise ModelError(
-            f"the latent input is a {type(latent).__name__}, not a LATENT; connect the LATENT output of a "
-            "VidMem Video Sampler or of core Load Latent."
-        )
-    samples = latent.get("samples")
-    if not isinstance(samples, torch.Tensor):
-        found = "no 'samples'" if samples is None else f"'samples' of type {type(samples).__name__}"
-        raise ModelError(
-            f"the LATENT has {found} (keys: {', '.join(map(str, latent)) or 'none'}), so it is not a video latent; "
+            f"latent samples {tuple(samples.shape)} are empty, so they are not a video latent; "
             "connect the LATENT from a VidMem Video Sampler or core Load Latent."
-        )
-    if samples.ndim != 5 or samples.numel() == 0:
-        raise ModelError(
-            f"latent samples {tuple(samples.shape)} are not a video latent [batch, channels, frames, height, width]; "
-            "connect the LATENT from a VidMem Video Sampler (an image model's 4-D latent cannot be decoded here)."
         )
     if not samples.is_floating_point():
         raise ModelError(f"latent samples have dtype {samples.dtype}; a video latent holds floating-point values.")

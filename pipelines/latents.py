@@ -22,7 +22,8 @@ def check_latent(latent, input_name: str = "latent") -> torch.Tensor:
                          "connect Video Sampler's latent or core Load Latent.")
     samples = latent.get("samples")
     if not isinstance(samples, torch.Tensor):
-        raise ModelError(f"{input_name} has no 'samples' tensor (keys: {sorted(latent)}); "
+        found = "no 'samples'" if samples is None else f"'samples' of type {type(samples).__name__}, not a tensor"
+        raise ModelError(f"{input_name} has {found} (keys: {sorted(map(str, latent))}); "
                          "connect Video Sampler's latent or core Load Latent.")
     if samples.dim() != 5:
         raise ModelError(f"{input_name}['samples'] has shape {tuple(samples.shape)}; a video latent is "

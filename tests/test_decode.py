@@ -105,12 +105,12 @@ def test_latent_with_wrong_channels_is_refused(tiny_loaded):
 
 
 @pytest.mark.parametrize("latent, message", [
-    ({"samples": torch.zeros(1, 16, 4, 4)}, r"samples \(1, 16, 4, 4\) are not a video latent"),
-    ({"noise": 1}, "the LATENT has no 'samples' \\(keys: noise\\), so it is not a video latent"),
-    ({"samples": [1, 2]}, "'samples' of type list"),
-    ("not a latent", "the latent input is a str, not a LATENT"),
-    (None, "the latent input is a NoneType, not a LATENT"),
-    ({"samples": torch.zeros(1, 16, 0, 4, 4)}, "are not a video latent"),
+    ({"samples": torch.zeros(1, 16, 4, 4)}, r"latent\['samples'\] has shape \(1, 16, 4, 4\); a video latent is"),
+    ({"noise": 1}, r"latent has no 'samples' \(keys: \['noise'\]\)"),
+    ({"samples": [1, 2]}, "'samples' of type list, not a tensor"),
+    ("not a latent", r"latent must be a LATENT \(a dict with 'samples'\), got str"),
+    (None, "latent must be a LATENT .* got NoneType"),
+    ({"samples": torch.zeros(1, 16, 0, 4, 4)}, "are empty, so they are not a video latent"),
     ({"samples": torch.zeros(1, 16, 2, 4, 4, dtype=torch.int64)}, "dtype torch.int64"),
 ])
 def test_non_video_latent_is_refused(latent, message, tiny_loaded):

@@ -19,7 +19,6 @@ from test_tiers import hooks_of, storage_map
 from vidmem.nodes import NODE_CLASS_MAPPINGS
 
 NAN, INF = float("nan"), float("inf")
-H4 = "H4 owns nodes/strategy.py, nodes/sampler.py, nodes/decode.py"
 
 
 def S(**changes):  # Strategy node inputs
@@ -94,11 +93,8 @@ CASES = [
     Case("strategy-temporal-not-multiple", "VidMemMemoryStrategy", S(vae_tiling=True, temporal_size=10), "temporal_size=10 must be a multiple of 4"),
     Case("strategy-temporal-overlap-wide", "VidMemMemoryStrategy", S(vae_tiling=True, temporal_overlap=40), "temporal_overlap=40 must be between"),
     Case("strategy-temporal-overlap-odd", "VidMemMemoryStrategy", S(vae_tiling=True, temporal_overlap=6), "temporal_overlap=6 must be a multiple of 4"),
-    Case("strategy-vram-budget-nan", "VidMemMemoryStrategy", S(vram_budget_gb=NAN), "vram_budget_gb",
-         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: build() accepts vram_budget_gb=NaN (it passes ComfyUI's "
-                                  "min/max); the Sampler then fails with a raw ValueError in StrategyChoice.budgets"),)),
-    Case("strategy-ram-budget-nan", "VidMemMemoryStrategy", S(ram_budget_gb=NAN), "ram_budget_gb",
-         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: build() accepts ram_budget_gb=NaN"),)),
+    Case("strategy-vram-budget-nan", "VidMemMemoryStrategy", S(vram_budget_gb=NAN), "vram_budget_gb"),
+    Case("strategy-ram-budget-nan", "VidMemMemoryStrategy", S(ram_budget_gb=NAN), "ram_budget_gb"),
     # --- Video Sampler: ComfyUI's own checks (VALIDATE_INPUTS names frames only) ------------------------
     Case("sampler-width-below-min", "VidMemVideoSampler", K(width=8), "smaller than min of 16: width"),
     Case("sampler-width-above-max", "VidMemVideoSampler", K(width=5000), "bigger than max of 4096: width"),
@@ -114,10 +110,8 @@ CASES = [
     Case("sampler-missing-pipeline", "VidMemVideoSampler",
          lambda fx: {k: v for k, v in sampler_inputs(fx).items() if k != "pipeline"}, "Required input is missing: pipeline"),
     Case("sampler-frames-not-4k1", "VidMemVideoSampler", K(frames=50), "frames=50 is not valid for any model vidmem runs"),
-    Case("sampler-frames-zero", "VidMemVideoSampler", K(frames=0), "frames=0 must be a whole number of frames, at least 1"),
-    Case("sampler-frames-over-max", "VidMemVideoSampler", K(frames=2001), "frames=2001", validation_only=True,
-         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: naming frames in VALIDATE_INPUTS turns ComfyUI's max=1025 "
-                                  "check off, and frames_problem does not check the maximum"),)),
+    Case("sampler-frames-zero", "VidMemVideoSampler", K(frames=0), "frames=0 must be a whole number of frames from 1 to 1025"),
+    Case("sampler-frames-over-max", "VidMemVideoSampler", K(frames=2001), "frames=2001", validation_only=True),
     # --- Video Sampler: the engine (pipelines/sample.py validate_request) ----------------------------------
     Case("sampler-cfg-nan", "VidMemVideoSampler", K(cfg=NAN), "cfg=nan is not a finite number"),
     Case("sampler-width-not-multiple", "VidMemVideoSampler", K(width=40), "width=40 must be a multiple of 16 for wan"),
@@ -141,10 +135,6 @@ CASES = [
          lambda fx: sampler_inputs(fx, strategy=fx.strategy(offload="block_swap", blocks_to_swap=99)),
          "blocks_to_swap=99 but this model's transformer has 2 blocks"),
     Case("sampler-strategy-not-a-strategy", "VidMemVideoSampler", K(strategy="fast"), "strategy='fast' is not a Memory Strategy"),
-    Case("sampler-budget-nan-from-strategy", "VidMemVideoSampler",
-         lambda fx: sampler_inputs(fx, strategy=fx.strategy(vram_budget_gb=NAN)), "vram_budget_gb",
-         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: a NaN budget reaches StrategyChoice.budgets: "
-                                  "raw 'cannot convert float NaN to integer'"),)),
     # --- Video VAE Decode ----------------------------------------------------------------------------------
     Case("decode-latent-no-samples", "VidMemVAEDecode", D(lambda fx: {"noise": 1}), "samples"),
     Case("decode-latent-not-a-dict", "VidMemVAEDecode", D(lambda fx: "a latent"), "str"),
@@ -163,13 +153,9 @@ CASES = [
     Case("decode-no-samples-saving", "VidMemVAEDecode", D(lambda fx: {"noise": 1}, save_latents=True), "samples"),
     Case("decode-4d-saving", "VidMemVAEDecode", D(lambda fx: {"samples": torch.zeros(1, 16, 4, 4)}, save_latents=True),
          r"\(1, 16, 4, 4\)"),
-    Case("decode-nan-saving", "VidMemVAEDecode", D(latent_with(nan_latent), save_latents=True), "NaN",
-         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: nodes/decode.py writes the .latent before "
-                                  "pipelines.decode.validate_latent refuses NaN/inf; call validate_latent(pipeline, latent) first"),)),
+    Case("decode-nan-saving", "VidMemVAEDecode", D(latent_with(nan_latent), save_latents=True), "NaN"),
     Case("decode-wrong-channels-saving", "VidMemVAEDecode",
-         D(lambda fx: {"samples": torch.zeros(1, 4, 2, 4, 4)}, save_latents=True), "latent has 4 channels",
-         marks=(pytest.mark.xfail(strict=True, reason=f"{H4}: nodes/decode.py checks only the latent's shape "
-                                  "(check_latent) before writing; channels and family are checked after the file exists"),)),
+         D(lambda fx: {"samples": torch.zeros(1, 4, 2, 4, 4)}, save_latents=True), "latent has 4 channels"),
     Case("decode-missing-latent", "VidMemVAEDecode", lambda fx: {"pipeline": fx.pipeline()}, "Required input is missing: latent"),
     # --- Free VRAM -----------------------------------------------------------------------------------------
     Case("free-missing-anything", "VidMemFreeVRAM", lambda fx: {"unload_comfy_models": False}, "Required input is missing: anything"),
