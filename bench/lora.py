@@ -15,6 +15,8 @@ Per tier (none, model, block_swap, sequential; the CPU backend, so tiers add hoo
   without (peak reset through /proc/self/clear_refs), vs `lora_file_bytes`: the LoRA's pages are
   mapped from the file and touched once, so the goal is <= 1.1x the file.
 - `bitwise_equal`: the tier's LoRA output equals tier none's bit for bit.
+And once, in `setup`: `flop_ratio`, the FLOPs of a forward with the LoRA over those without: the
+share of extra work no machine load can move.
 
 One torch thread by default: with two threads on a machine shared with other jobs, every small
 parallel op can wait a scheduler slice for the descheduled thread, which inflates the many small
@@ -136,6 +138,25 @@ def time_ratios(model, strategy, patches, samples: int) -> dict[str, float]:
     }
 
 
+def flop_ratio(model, patches) -> float:
+    """(base FLOPs + LoRA FLOPs) / base FLOPs of one forward: the load-independent share of extra work.
+
+    Base FLOPs from torch's FlopCounterMode; the LoRA's counted from the rows each targeted layer
+    sees (its `addmm_` is not in the counter's table): 2 x rows x rank x (in + out) per layer.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    rows: dict[int, int] = {}
+    hooks = [p.module.register_forward_hook(lambda m, args, out: rows.__setitem__(id(m), args[0].numel() // args[0].shape[-1]))
+             for p in patches]
+    with FlopCounterMode(display=False) as counter:
+        forward(model, TIERS["none"], [])
+    for hook in hooks:
+        hook.remove()
+    extra = sum(2 * rows[id(p.module)] * p.down.shape[0] * (p.down.shape[1] + p.up.shape[0]) for p in patches)
+    return (counter.get_total_flops() + extra) / counter.get_total_flops()
+
+
 def _status(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -204,6 +225,9 @@ def main() -> None:
         path = write_lora(model, args.blocks, Path(folder) / "rank64.safetensors")
         file_bytes = path.stat().st_size
         results, reference = {}, None
+        holder = Holder(model)
+        flops = flop_ratio(model, lora_patches(holder, [load_lora(path, holder, 1.0)]))
+        print(f"FLOPs with the LoRA / without: x{flops:.4f}", flush=True)
         for name, strategy in TIERS.items():
             holder = Holder(model)
             patches = lora_patches(holder, [load_lora(path, holder, 1.0)])
@@ -218,7 +242,8 @@ def main() -> None:
                   f"({extra[name] / file_bytes:.2f}x the {file_bytes / 2**20:.1f} MiB file)  bitwise {results[name]['bitwise_equal']}", flush=True)
     report = {
         "setup": {"model": f"Wan 2.1 14B widths, {args.blocks} blocks, fp32, CPU, random weights", "rank": RANK,
-                  "tokens": {"image": 64, "text": 32}, "samples": args.samples, "threads": torch.get_num_threads()},
+                  "tokens": {"image": 64, "text": 32}, "samples": args.samples, "threads": torch.get_num_threads(),
+                  "flop_ratio": round(flops, 4)},
         "tiers": results,
     }
     if args.json:
