@@ -248,3 +248,24 @@ def test_disk_tier_weights_mapped_from_their_file_take_loras(wan, spec, tmp_path
     assert is_file_backed(mapped.blocks[0].attn1.to_q.weight)
     plain = run_tier(wan.transformer, lora_patches(wan, [spec]), TIERS["none"], CpuBackend(), wan_inputs())
     assert torch.allclose(reference, plain, rtol=0, atol=1e-5 * plain.abs().max())  # unaligned mapped weights round differently
+
+
+def test_file_backed_lora_tensors_stay_out_of_pinned_memory(wan, spec):
+    """A pinning backend gives streamed tensors pinned homes for good; the LoRA's tensors are views of
+    its file, so the host pool leaves them there instead of copying them again every call."""
+    from vidmem.memory.hostpool import HostPool
+
+    model = copy.deepcopy(wan.transformer)
+    holder = type("Pipe", (), {"transformer": model})()
+    stage = StageComponents({"transformer": model}, {"transformer": model.blocks})
+    stats = []
+    for loras in ((), (spec,), (spec,)):
+        pool = HostPool()
+        with torch.no_grad(), apply_loras(lora_patches(holder, list(loras))), apply_strategy(
+            stage, TIERS["sequential:p1"], StrictBackend(pinning=True), host_pool=pool
+        ):
+            model(**wan_inputs())
+        stats.append(pool.stats())
+    lora_tensors = 2 * len(spec.layers["transformer"])
+    assert stats[1]["allocations"] == stats[2]["allocations"] == stats[0]["allocations"]
+    assert stats[1]["file_backed"] == stats[0]["file_backed"] + lora_tensors
