@@ -1,0 +1,204 @@
+"""The out-of-memory ladder: an OOM injected at block k of step s frees, escalates and resumes from
+the last finished step; the latents equal an uninterrupted run under the final strategy bit for
+bit (StrictBackend poisons evicted weights), and nothing is left applied on any path."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from backends import StrictBackend
+from test_tiers import hooks_of, request_for, storage_map
+from vidmem.memory import MemoryStrategy
+from vidmem.pipelines.sample import RunHooks, sample
+from vidmem.pipelines.sample_ladder import SamplingOutOfMemory, fixed_ladder, is_out_of_memory, planned_rung
+
+STEPS = 4
+
+
+class InjectOOM:
+    """Raises an out-of-memory error before the n-th forward (1-based, counted across attempts) of
+    `module`, for each n in `at_calls`: what a CUDA allocation failing in that block looks like."""
+
+    def __init__(self, module: torch.nn.Module, at_calls, error=lambda: torch.OutOfMemoryError("CUDA out of memory (injected)")):
+        self.calls, self.at, self.error, self.raised = 0, set(at_calls), error, 0
+        self.handle = module.register_forward_pre_hook(self._before)
+
+    def _before(self, module, args):
+        self.calls += 1
+        if self.calls in self.at:
+            self.raised += 1
+            raise self.error()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def passes_per_step(loaded) -> int:
+    """Forwards of a denoiser per step: Wan runs cond and uncond separately, CogVideoX batches them."""
+    return 2 if loaded.spec.name == "wan" else 1
+
+
+def run(loaded, strategy, request, hooks=RunHooks()):
+    return sample(loaded, strategy, request, hooks=hooks, backend=StrictBackend())
+
+
+@pytest.mark.parametrize("variant,scheduler", [("wan2.1-t2v", "default"), ("wan2.1-t2v", "dpmpp_2m"),
+                                               ("wan2.1-t2v", "flow_match_euler"), ("cogvideox-t2v", "default"),
+                                               ("cogvideox1.5-t2v", "default"), ("cogvideox-i2v", "unipc"),
+                                               ("wan2.1-i2v", "default")])
+def test_resumed_run_equals_an_uninterrupted_run_under_the_final_strategy(variant, scheduler, tiny_loaded):
+    loaded = tiny_loaded(variant)
+    request = dataclasses.replace(request_for(variant, steps=STEPS), scheduler=scheduler)
+    final = MemoryStrategy(offload="block_swap", blocks_to_swap=fixed_ladder(MemoryStrategy(), block_count(loaded))[0].blocks_to_swap)
+    reference = run(loaded, final, request).latent["samples"]  # first: transformers adds hooks of its own on first use
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    block = getattr(loaded.pipe.transformer, loaded.spec.blocks_attr)[-1]
+    at_step = 3  # steps 1 and 2 finish, step 3 fails
+    with InjectOOM(block, [passes_per_step(loaded) * (at_step - 1) + 1]) as oom:
+        result = run(loaded, MemoryStrategy(offload="model"), request)
+    assert oom.raised == 1
+    (rung,) = result.receipt["oom_ladder"]
+    assert rung["at_step"] == at_step and rung["resumed_from_step"] == at_step - 1
+    assert rung["chosen_by"] == "fixed ladder" and rung["failed"].startswith("offload=model")
+    assert result.receipt["strategy"] == final.describe() == rung["next"]
+    assert torch.equal(result.latent["samples"], reference)
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+
+
+def block_count(loaded) -> int:
+    blocks = [getattr(getattr(loaded.pipe, n), loaded.spec.blocks_attr) for n in loaded.spec.denoisers if getattr(loaded.pipe, n, None) is not None]
+    return min(len(b) for b in blocks)
+
+
+def test_resume_does_not_restart_the_loop(tiny_loaded):
+    """The finished steps are not run again: total forwards = uninterrupted forwards + the failed one."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    block = loaded.pipe.transformer.blocks[0]
+    with InjectOOM(block, [5]) as oom:  # step 3's cond pass
+        run(loaded, MemoryStrategy(offload="model"), request_for("wan2.1-t2v", steps=STEPS))
+    assert oom.calls == STEPS * 2 + 1
+
+
+def test_climbs_several_rungs_to_sequential(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = request_for("wan2.1-t2v", steps=STEPS)
+    block = loaded.pipe.transformer.blocks[0]
+    with InjectOOM(block, [2, 5, 9]) as oom:  # steps 1, 2 and 3 (counting the passes run again)
+        result = run(loaded, MemoryStrategy(offload="model", prefetch_blocks=2), request)
+    assert oom.raised == 3
+    ladder = result.receipt["oom_ladder"]
+    assert [r["next"].split()[0:2] for r in ladder] == [["offload=block_swap", "blocks_to_swap=1"],
+                                                        ["offload=block_swap", "blocks_to_swap=2"],
+                                                        ["offload=sequential", "prefetch=2"]]
+    assert [r["resumed_from_step"] for r in ladder] == [0, 1, 2]
+    reference = run(loaded, MemoryStrategy(offload="sequential", prefetch_blocks=2), request).latent["samples"]
+    assert torch.equal(result.latent["samples"], reference)
+    assert result.receipt["requested_strategy"].startswith("offload=model")
+
+
+def test_two_expert_model_resumes_across_the_expert_switch(tiny_loaded):
+    """Wan 2.2 A14B: the first low-noise step fails; the resumed run starts on transformer_2."""
+    loaded = tiny_loaded("wan2.2-a14b")
+    request = dataclasses.replace(request_for("wan2.2-a14b", steps=STEPS), cfg_2=3.0)
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    with InjectOOM(loaded.pipe.transformer_2.blocks[1], [1]) as low, InjectOOM(loaded.pipe.transformer.blocks[0], [2]) as high:
+        result = run(loaded, MemoryStrategy(offload="model"), request)
+    assert low.raised == high.raised == 1
+    ladder = result.receipt["oom_ladder"]
+    high_steps = ladder[1]["resumed_from_step"]
+    assert ladder[0]["resumed_from_step"] == 0 and 0 < high_steps < STEPS
+    reference = run(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=2), request).latent["samples"]
+    assert torch.equal(result.latent["samples"], reference)
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+
+
+def test_out_of_memory_under_sequential_names_what_to_change(tiny_loaded):
+    loaded = tiny_loaded("cogvideox-t2v")
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    with InjectOOM(loaded.pipe.transformer.transformer_blocks[0], [2]):
+        with pytest.raises(SamplingOutOfMemory, match=r"step 2/4 even with offload=sequential.*Lower width, height or frames") as caught:
+            run(loaded, MemoryStrategy(offload="sequential"), request_for("cogvideox-t2v", steps=STEPS))
+    assert is_out_of_memory(caught.value.__cause__)
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+
+
+def test_a_runtime_error_saying_out_of_memory_climbs_and_other_errors_do_not(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = request_for("wan2.1-t2v", steps=2)
+    block = loaded.pipe.transformer.blocks[0]
+    with InjectOOM(block, [1], error=lambda: RuntimeError("HIP out of memory. Tried to allocate 2 GiB")):
+        assert len(run(loaded, MemoryStrategy(offload="model"), request).receipt["oom_ladder"]) == 1
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    with InjectOOM(block, [1], error=lambda: RuntimeError("shape mismatch")), pytest.raises(RuntimeError, match="shape mismatch"):
+        run(loaded, MemoryStrategy(offload="model"), request)
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+
+
+def test_lora_and_ladder_together_leave_nothing_applied(tiny_loaded, tmp_path):
+    from test_lora import peft_keys, random_lora, write
+    from test_lora_sampling import lora_buffers
+    from vidmem.pipelines.lora import load_lora, with_lora
+
+    base = tiny_loaded("wan2.1-t2v")
+    layers = [f"blocks.{i}.attn1.to_q" for i in range(2)]
+    spec = load_lora(write(tmp_path / "l.safetensors", peft_keys(random_lora(base.pipe.transformer, layers), None)), base.pipe, 1.0)
+    loaded = with_lora(base, spec)
+    request = request_for("wan2.1-t2v", steps=3)
+    with InjectOOM(base.pipe.transformer.blocks[1], [3]):
+        result = run(loaded, MemoryStrategy(offload="model"), request)
+    assert torch.equal(result.latent["samples"], run(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1), request).latent["samples"])
+    assert lora_buffers(base.pipe) == []
+
+
+def test_fixed_ladder_rungs():
+    model, n = MemoryStrategy(offload="model", prefetch_blocks=2), 40
+    names = lambda rungs: [(r.offload.value, r.blocks_to_swap, r.prefetch_blocks) for r in rungs]  # noqa: E731
+    assert names(fixed_ladder(model, n)) == [("block_swap", 20, 2), ("block_swap", 40, 2), ("sequential", 0, 2)]
+    assert names(fixed_ladder(MemoryStrategy(offload="block_swap", blocks_to_swap=10), n)) == [
+        ("block_swap", 25, 1), ("block_swap", 40, 1), ("sequential", 0, 1)]
+    assert names(fixed_ladder(MemoryStrategy(offload="block_swap", blocks_to_swap=39), n)) == [("block_swap", 40, 1), ("sequential", 0, 1)]
+    assert names(fixed_ladder(MemoryStrategy(offload="block_swap", blocks_to_swap=40), n)) == [("sequential", 0, 1)]
+    assert fixed_ladder(MemoryStrategy(offload="sequential"), n) == []
+    assert math.ceil(40 / 2) == 20
+
+
+def test_planner_rung_is_the_fewest_blocks_predicted_to_fit():
+    model = MemoryStrategy(offload="model")
+    asked = []
+
+    def fits(strategy):
+        asked.append(strategy.blocks_to_swap)
+        return strategy.blocks_to_swap >= 13
+
+    chosen = planned_rung(model, 40, fits)
+    assert (chosen.offload.value, chosen.blocks_to_swap) == ("block_swap", 13)
+    assert len(asked) <= 7  # a binary search, not 40 plans
+    assert planned_rung(model, 40, lambda s: False).offload.value == "sequential"
+    assert planned_rung(model, 40, lambda s: None) is None
+    assert planned_rung(MemoryStrategy(offload="block_swap", blocks_to_swap=40), 40, fits).offload.value == "sequential"
+
+
+def test_the_host_budget_lets_the_planner_choose(tiny_loaded, monkeypatch):
+    """With a device budget from the host, the rung comes from the planner's prediction."""
+    import vidmem.pipelines.sample as sample_module
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    seen = []
+
+    def fake_planner_fits(loaded_, width, height, frames, steps, guided, budget):
+        seen.append(budget)
+        return lambda strategy: strategy.offload.value == "block_swap" and strategy.blocks_to_swap >= 2
+
+    monkeypatch.setattr(sample_module, "planner_fits", fake_planner_fits)
+    with InjectOOM(loaded.pipe.transformer.blocks[0], [1]):
+        result = run(loaded, MemoryStrategy(offload="model"), request_for("wan2.1-t2v", steps=2),
+                     RunHooks(device_budget=lambda device: 123))
+    (rung,) = result.receipt["oom_ladder"]
+    assert seen == [123] and rung["chosen_by"] == "planner" and "blocks_to_swap=2" in rung["next"]
