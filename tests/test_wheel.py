@@ -4,6 +4,7 @@ and the `vidmem` command runs without the source tree (configs ship as package d
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,8 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def installed(tmp_path_factory):
     """The wheel built from this tree and unpacked with pip into a folder of its own."""
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy: setuptools writes build/ and *.egg-info into the tree it builds.
+    source = shutil.copytree(ROOT, out / "source", ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".venv", "results", "screenshots"))
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(out / "dist"), str(ROOT)], check=True, capture_output=True)
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(out / "dist"), str(source)], check=True, capture_output=True)
     (wheel,) = (out / "dist").glob("vidmem-*.whl")
     target = out / "site"
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True, capture_output=True)
