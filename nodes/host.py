@@ -359,3 +359,12 @@ def training_folder() -> Path:
     """Prepared-data cache and training checkpoints: ComfyUI's output/vidmem_training (./output/... without ComfyUI)."""
     root = Path(folder_paths.get_output_directory()) if folder_paths is not None else Path.cwd() / "output"
     return root / TRAINING_FOLDER
+
+
+def progress_text(text: str, node_id: str | None) -> None:
+    """Show `text` on the running node (ComfyUI's progress text, e.g. a training loss); no-op without a server."""
+    server = sys.modules.get("server")  # never import it: outside ComfyUI "server" may be anything
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    send = getattr(instance, "send_progress_text", None)
+    if send is not None and node_id is not None:
+        send(text, node_id)

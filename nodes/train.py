@@ -133,10 +133,11 @@ class VidMemTrainLoRA:
                 "expert": (list(EXPERT_COMPONENTS), {"default": "both", "tooltip": "Wan 2.2 A14B trains one "
                            "expert per run: high_noise or low_noise (load the LoRA on that expert). Others: both."}),
             },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def train(self, pipeline, data, strategy, lora_name, rank, alpha, learning_rate, steps, batch_size, seed,
-              target_modules, gradient_checkpointing, optimizer, checkpoint_every, resume, expert="both"):
+              target_modules, gradient_checkpointing, optimizer, checkpoint_every, resume, expert="both", unique_id=None):
         file_name = lora_file_name(lora_name)
         settings = TrainSettings(rank, alpha, learning_rate, steps, batch_size, seed, target_modules,
                                  gradient_checkpointing, optimizer, checkpoint_every, expert)
@@ -147,6 +148,7 @@ class VidMemTrainLoRA:
 
         def progress(done, total, loss):
             bar.step(done, total)
+            host.progress_text(f"step {done}/{total}, loss {loss:.4f}", unique_id)
             if done % LOSS_LOG_EVERY == 0 or done == total:
                 log.info("vidmem: training %s step %d/%d loss %.4f", file_name, done, total, loss)
 

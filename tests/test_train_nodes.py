@@ -23,7 +23,9 @@ def folders(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_prepare_then_train_then_the_pipeline_carries_the_lora(tiny_loaded, folders):
+def test_prepare_then_train_then_the_pipeline_carries_the_lora(tiny_loaded, folders, monkeypatch):
+    shown = []
+    monkeypatch.setattr(host, "progress_text", lambda text, node: shown.append((text, node)))
     loaded = tiny_loaded("wan2.1-t2v")
     data_dir = make_dataset(folders / "clips", clips=2)
     strategy = StrategyChoice(MemoryStrategy(offload="block_swap", blocks_to_swap=1))
@@ -32,7 +34,8 @@ def test_prepare_then_train_then_the_pipeline_carries_the_lora(tiny_loaded, fold
     assert "2 encoded" in prepared["ui"]["text"][0] and "unloaded" in prepared["ui"]["text"][0]
     again = VidMemPrepareTrainingData().prepare(loaded, strategy, str(data_dir), "32x32", "9")
     assert "2 reused from the cache" in again["ui"]["text"][0] and "not loaded" in again["ui"]["text"][0]
-    out = VidMemTrainLoRA().train(loaded, data, strategy, **TRAIN)
+    out = VidMemTrainLoRA().train(loaded, data, strategy, **TRAIN, unique_id="7")
+    assert [node for _, node in shown] == ["7", "7"] and shown[-1][0].startswith("step 2/2, loss ")
     pipeline, name = out["result"]
     assert name == "corgi.safetensors" and (folders / "models" / "loras" / name).is_file()
     assert pipeline.loras[-1].name == name and loaded.loras == ()  # the input pipeline is unchanged

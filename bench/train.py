@@ -1,0 +1,199 @@
+"""Training benchmark: what gradient checkpointing and each optimizer cost, on the CPU.
+
+Setup: a Wan 2.1 1.3B transformer at its real width (1536, 12 heads of 128, FFN 8960, text 4096)
+cut to `--blocks` blocks, fp32, random weights, frozen; a rank-32 LoRA on the q, k, v and output
+projections of both attentions of every block (vidmem.training's adapters, float32); one training
+step's forward and backward of Wan's flow-matching loss on a latent of 16 x 4 x 32 x 32 (1024
+video tokens: 13 frames at 256 x 256) with 512 text tokens (umt5's length).
+
+- `checkpointing.grads_equal`: every LoRA gradient of one step with per-block checkpointing equals
+  the one without, bit for bit (same initial LoRA, same batch and noise).
+- `checkpointing.time_ratio`: median step time with / without, samples interleaved after the
+  first (warm-up) step of each; `min_time_ratio`: fastest with / fastest without;
+  `cpu_time_ratio`: the same with this process's CPU time (other jobs' load moves it least).
+- `checkpointing.peak_activation_ratio`: peak RSS growth of a step with / without, measured in a
+  child process whose glibc returns every large block when freed (MALLOC_MMAP_THRESHOLD_), with
+  the peak reset through /proc/self/clear_refs; the growth is the step's activations, LoRA
+  gradients and temporaries (the weights are resident before it starts).
+- `optimizers.<name>.state_bytes`: bytes of every state tensor after one optimizer step on this
+  LoRA (adamw_8bit needs bitsandbytes; skipped with a note when it is missing).
+
+    python bench/train.py --json bench/results/train.json
+
+About 3-4 minutes on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import diffusers  # noqa: E402
+import torch  # noqa: E402
+
+from vidmem.training.adapters import AttachedLora, build_layers, find_targets  # noqa: E402
+from vidmem.training.autograd import frozen_saved_by_storage, gradient_checkpointing  # noqa: E402
+from vidmem.training.batches import step_generator  # noqa: E402
+from vidmem.training.objective import Batch, FlowMatching  # noqa: E402
+from vidmem.training.optim import OptimizerName, OptimizerSettings, make_optimizer, state_bytes  # noqa: E402
+
+WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                eps=1e-6, rope_max_seq_len=1024)
+LATENT = (1, 16, 4, 32, 32)
+TEXT_TOKENS = 512
+RANK = 32
+TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
+
+
+def build(blocks: int):
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(num_layers=blocks, **WAN_1_3B).eval().requires_grad_(False)
+    layers = build_layers(model, find_targets(model, "transformer", TARGETS, "blocks"), RANK, float(RANK), seed=0)
+    with torch.no_grad():  # a trained-looking LoRA: up is zero at the start, which would hide nothing but is untypical
+        for layer in layers.values():
+            layer.up.normal_(0.0, 0.01, generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(2)
+    batch = Batch(torch.randn(LATENT, generator=generator), torch.randn(1, TEXT_TOKENS, 4096, generator=generator))
+    return model, layers, batch
+
+
+def step(model, layers, batch, checkpointing: bool) -> None:
+    """Forward + backward of one training step (the optimizer step is measured apart)."""
+    for parameter in layers.parameters():
+        parameter.grad = None
+    with AttachedLora(model, layers), gradient_checkpointing(model, checkpointing):
+        with frozen_saved_by_storage():
+            loss = FlowMatching(3.0).loss(model, batch, step_generator(0, 0), torch.device("cpu"))
+        loss.backward()
+
+
+def grads(layers) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in layers.parameters()]
+
+
+def timed(call) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def timed_both(call) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds): CPU time is far less moved by other jobs' load."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    call()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def checkpointing_times(model, layers, batch, samples: int) -> dict:
+    step(model, layers, batch, False)  # warm-up of both, and the gradients to compare
+    plain = grads(layers)
+    step(model, layers, batch, True)
+    checked = grads(layers)
+    times, cpu = {False: [], True: []}, {False: [], True: []}
+    for round_ in range(samples):
+        for flag in ((False, True) if round_ % 2 == 0 else (True, False)):
+            wall, used = timed_both(lambda: step(model, layers, batch, flag))
+            times[flag].append(wall)
+            cpu[flag].append(used)
+    return {
+        "grads_equal": all(torch.equal(a, b) for a, b in zip(plain, checked)),
+        "time_ratio": statistics.median(times[True]) / statistics.median(times[False]),
+        "min_time_ratio": min(times[True]) / min(times[False]),
+        "cpu_time_ratio": statistics.median(cpu[True]) / statistics.median(cpu[False]),
+        "step_seconds": {"plain": statistics.median(times[False]), "checkpointing": statistics.median(times[True])},
+    }
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_growth(call) -> int:
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    start = _status("VmRSS")
+    call()
+    return _status("VmHWM") - start
+
+
+def measure_rss(args) -> None:
+    model, layers, batch = build(args.blocks)
+    result = {name: peak_growth(lambda: step(model, layers, batch, flag)) for name, flag in (("plain", False), ("checkpointing", True))}
+    args.rss_only.write_text(json.dumps(result))
+
+
+def rss_in_child(args) -> dict[str, int]:
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "rss.json"
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        command = [sys.executable, __file__, "--rss-only", str(out), "--blocks", str(args.blocks), "--threads", str(args.threads)]
+        subprocess.run(command, env=env, check=True)
+        return json.loads(out.read_text())
+
+
+def optimizer_states(layers) -> dict:
+    found = {}
+    for name in OptimizerName:
+        params = [torch.nn.Parameter(p.detach().clone()) for p in layers.parameters()]
+        try:
+            optimizer = make_optimizer(params, OptimizerSettings(name, 1e-4, 1e-4))
+        except ValueError as error:  # TrainingError: the library is missing
+            found[name.value] = {"state_bytes": None, "note": str(error)}
+            continue
+        generator = torch.Generator().manual_seed(3)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        seconds = timed(optimizer.step)
+        found[name.value] = {"state_bytes": state_bytes(optimizer), "step_seconds": seconds}
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=2, help="timed steps per variant after the warm-up")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rss-only", type=Path, help=argparse.SUPPRESS)  # the child of rss_in_child
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.rss_only:
+        return measure_rss(args)
+    rss = rss_in_child(args)
+    model, layers, batch = build(args.blocks)
+    checkpointing = checkpointing_times(model, layers, batch, args.samples)
+    checkpointing.update(peak_activation_ratio=rss["checkpointing"] / rss["plain"], peak_rss_growth_bytes=rss)
+    optimizers = optimizer_states(layers)
+    lora_weights = sum(p.numel() for p in layers.parameters())
+    result = {
+        "setup": {"blocks": args.blocks, "width": 1536, "ffn": 8960, "video_tokens": LATENT[2] * LATENT[3] * LATENT[4] // 4,
+                  "text_tokens": TEXT_TOKENS, "rank": RANK, "lora_layers": len(layers), "lora_weights": lora_weights,
+                  "threads": args.threads, "dtype": "float32"},
+        "checkpointing": checkpointing,
+        "optimizers": optimizers,
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
