@@ -6,7 +6,7 @@ from ..memory.storage import FORMATS
 from ..pipelines.comfy_files import DEFAULT_WEIGHTS, LoadOptions, ModelFiles, load_model_files, shipped_catalogue
 from ..pipelines.loader import DTYPES
 from . import host
-from .loader import PIPELINE_TYPE
+from .loader import PIPELINE_TYPE, found
 
 NONE = "(none)"
 SAME = "same as dtype"
@@ -59,11 +59,11 @@ class VidMemLoadModelFiles:
 
     def load(self, model: str, text_encoder: str, vae: str, dtype: str, vae_dtype: str, weight_dtype: str,
              weights_on_disk: bool, model_2: str = NONE, clip_vision: str = NONE):
-        optional = lambda role, name: None if name == NONE else host.resolve_model_file(role, name)  # noqa: E731
+        optional = lambda role, name: None if name == NONE else found(host.resolve_model_file, role, name)  # noqa: E731
         files = ModelFiles(
-            model=host.resolve_model_file("model", model),
-            text_encoder=host.resolve_model_file("text_encoder", text_encoder),
-            vae=host.resolve_model_file("vae", vae),
+            model=found(host.resolve_model_file, "model", model),
+            text_encoder=found(host.resolve_model_file, "text_encoder", text_encoder),
+            vae=found(host.resolve_model_file, "vae", vae),
             model_2=optional("model", model_2),
             clip_vision=optional("clip_vision", clip_vision),
         )

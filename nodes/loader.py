@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..pipelines.family import ModelError
 from ..pipelines.loader import DTYPES, load_pipeline
 from . import host
 
@@ -42,6 +43,20 @@ class VidMemLoadPipeline:
         }
 
     def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER):
-        folder = host.resolve_model_folder(model, path)
-        single = None if transformer_file == FOLDER_TRANSFORMER else host.resolve_single_file(transformer_file)
+        if model == NO_MODELS and not path.strip():
+            raise ModelError(
+                "model: no diffusers-format model was found under ComfyUI's models/diffusers; put one there (a folder "
+                "holding model_index.json, e.g. models/diffusers/Wan2.1-T2V-1.3B-Diffusers) and refresh, or give its "
+                "full path in the 'path' input."
+            )
+        folder = found(host.resolve_model_folder, model, path)
+        single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
         return (load_pipeline(folder, dtype, single),)
+
+
+def found(resolve, *names):
+    """`resolve(*names)` with the host's FileNotFoundError (a listed file gone since) as the pack's error."""
+    try:
+        return resolve(*names)
+    except FileNotFoundError as error:
+        raise ModelError(str(error)) from None

@@ -1,12 +1,14 @@
 """Load a CogVideoX or Wan pipeline from a diffusers-format folder, safetensors only, offline.
 
 Components are loaded to the CPU and stay there: a MemoryStrategy onloads them for one call.
-The family comes from `model_index.json`, never from the folder's name.
+The family comes from `model_index.json`, never from the folder's name. The folder is checked
+before diffusers reads it (`folder_check`): weight files by content, configs as JSON, and the
+weights each config implies against the files and the machine's RAM, so bad input is named with
+its fix and an absurd size never reaches the allocator.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +21,7 @@ from ..memory.device import backend_for
 from ..memory.hostpool import HostPool
 from .cogvideox import COGVIDEOX
 from .family import FamilySpec, ModelError
+from .json_files import read_json_object
 from .wan import WAN
 
 FAMILIES = (COGVIDEOX, WAN)
@@ -93,15 +96,27 @@ def family_for(class_name: str) -> FamilySpec:
 
 
 def read_model_index(folder: Path) -> dict:
-    index = folder / "model_index.json"
+    """The folder's model_index.json, checked: a JSON object naming its pipeline class."""
+    if folder.is_file():
+        raise ModelError(
+            f"model folder '{folder}' is a file, not a folder; give the diffusers-format folder that contains "
+            f"model_index.json (e.g. '{folder.parent}' if this file is in it)."
+        )
     if not folder.is_dir():
         raise ModelError(f"model folder '{folder}' does not exist; give a diffusers-format folder.")
+    index = folder / "model_index.json"
     if not index.is_file():
         raise ModelError(
             f"model folder '{folder}' has no model_index.json; point it at the diffusers-format folder "
             "that contains model_index.json (e.g. models/diffusers/Wan2.1-T2V-1.3B-Diffusers)."
         )
-    return json.loads(index.read_text())
+    data = read_json_object(index, "model folder")
+    if not isinstance(data.get("_class_name"), str):
+        raise ModelError(
+            f"'{index}' has no _class_name (the diffusers pipeline class, e.g. \"WanPipeline\"); the file is damaged "
+            "or not a diffusers pipeline's: re-download the model."
+        )
+    return data
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -117,23 +132,29 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     original, ComfyUI's or diffusers' layout; plain, fp8, fp8 scaled or GGUF), configured by the
     folder's transformer/config.json and used in place from the file (mapped).
     """
+    from .folder_check import check_model_folder  # imports configs, which import this module
+
     folder = Path(folder).expanduser()
     index = read_model_index(folder)
     class_name = index["_class_name"]
     spec = family_for(class_name)
     cls = pinned_pipeline_class(class_name)
+    replaced = ("transformer",) if transformer_file else ()
+    configs = check_model_folder(folder, index, torch_dtype(dtype), replaced)  # before anything is allocated
     overrides, storage, reports = {}, {}, {}
     if transformer_file:
         overrides["transformer"], storage["transformer"], reports["transformer"] = _single_file_transformer(
-            spec, index, folder, Path(transformer_file), dtype)
+            spec, index, folder, configs.get("transformer"), Path(transformer_file), dtype)
     try:
         pipe = cls.from_pretrained(
             folder, torch_dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True, **overrides
         )
-    except (OSError, EnvironmentError) as error:
+    except ModelError:
+        raise
+    except (OSError, ValueError, RuntimeError) as error:  # files checked above: what is left is their contents
         raise ModelError(
-            f"could not load '{folder}' with safetensors weights only ({error}); convert .bin/.pt "
-            "weights to .safetensors, or re-download the diffusers-format model."
+            f"could not load the model in '{folder}' ({error}); its files do not fit together: re-download the "
+            "diffusers-format model."
         ) from error
     pipe.set_progress_bar_config(disable=True)  # progress is reported through the host instead
     source = f"{folder} + {Path(transformer_file).name}" if transformer_file else str(folder)
@@ -141,7 +162,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
                           storage_reports=MappingProxyType(reports))
 
 
-def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, path: Path, dtype: str):
+def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config: dict | None, path: Path, dtype: str):
     """The folder's transformer config filled from a single file (any layout or storage format
     pipelines.comfy_files reads: fp8 scaled files are dequantized per layer, not misread)."""
     if spec.single_file_transformer is None:
@@ -153,18 +174,26 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, path: 
         raise ModelError(
             "transformer_file cannot replace the two experts of a Wan 2.2 A14B folder; leave it empty."
         )
+    if config is None:
+        raise ModelError(f"transformer_file needs the folder's transformer config, but '{folder / 'model_index.json'}' "
+                         "lists no transformer; use a Wan diffusers folder.")
     from .comfy_files import detect
     from .comfy_files.build import build_empty, fill
     from .comfy_files.files import read_weight_file
     from .configs.meta import ComponentConfig
+    from .weight_check import check_against_files, implied_weights, stored_elements
 
     file = read_weight_file(path, "transformer_file", detect.TRANSFORMER)
-    config = json.loads((folder / "transformer" / "config.json").read_text())
     problems = detect.differences(file.fields, detect.transformer_config_fields(config))
     if problems:
         raise ModelError(f"transformer_file '{path.name}' is not the transformer of '{folder.name}' ({'; '.join(problems)}); "
                          "pick the file of the same model, or leave transformer_file empty.")
-    module = build_empty(ComponentConfig("transformer", "diffusers", spec.single_file_transformer, config))
+    component = ComponentConfig("transformer", "diffusers", spec.single_file_transformer, config,
+                                str(folder / "transformer" / "config.json"))
+    # Used in place from the file's mapping (the disk tier): the config against the file's real tensors.
+    check_against_files(implied_weights(component, torch_dtype(dtype)), stored_elements(t.shape for t in file.tensors.values()),
+                        f"transformer_file '{path.name}'")
+    module = build_empty(component)
     report = fill(module, file.tensors, torch_dtype(dtype), path.name)
     return module, file.storage, report
 

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
+from dataclasses import replace
 
 import pytest
+import safetensors.torch
+import torch
 
 from test_tiers import hooks_of, request_for, storage_map
 from vidmem.memory import MemoryStrategy, StrategyError, VaeTiling
 from vidmem.memory.device import CpuBackend
 from vidmem.pipelines.family import ModelError
-from vidmem.pipelines.loader import load_pipeline
+from vidmem.pipelines.configs.meta import ComponentConfig
+from vidmem.pipelines.loader import load_pipeline, read_model_index
+from vidmem.pipelines.weight_check import check_against_ram, implied_weights, ram_need
 from vidmem.pipelines.sample import sample
 from vidmem.pipelines.tiny import build_tiny_pipeline
 
@@ -40,6 +47,73 @@ def test_pickle_weights_are_refused(tmp_path):
     build_tiny_pipeline("wan2.1-t2v").save_pretrained(tmp_path, safe_serialization=False)
     with pytest.raises(ModelError, match="safetensors"):
         load_pipeline(tmp_path, "fp32")
+
+
+def _copy(tiny_folder, tmp_path, variant="wan2.1-t2v"):
+    folder = tmp_path / variant
+    shutil.copytree(tiny_folder(variant), folder)
+    return folder
+
+
+def _refuse_unpickling(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pickle was about to be unpickled")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+
+
+def test_a_pickle_named_safetensors_in_a_folder_is_refused_by_content_unread(tiny_folder, tmp_path, monkeypatch):
+    """diffusers picks weights by name: the folder's files are sniffed before it sees them."""
+    folder = _copy(tiny_folder, tmp_path)
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    torch.save({"weight": torch.zeros(2, 2)}, weights)
+    _refuse_unpickling(monkeypatch)
+    with pytest.raises(ModelError, match="'transformer': .*diffusion_pytorch_model.safetensors is a PyTorch pickle"):
+        load_pipeline(folder, "fp32")
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "weights.pth", "model.ckpt", "extra.pkl"])
+def test_a_file_named_like_a_pickle_is_refused_even_beside_safetensors(tiny_folder, tmp_path, name):
+    folder = _copy(tiny_folder, tmp_path)
+    (folder / "vae" / name).write_bytes(b"not read")
+    with pytest.raises(ModelError, match=f"'vae': .*{name}' is named like a PyTorch pickle.*Convert it to .safetensors"):
+        load_pipeline(folder, "fp32")
+
+
+def test_a_safetensors_file_named_sft_in_a_folder_is_named_with_the_fix(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path)
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    weights.rename(weights.with_suffix(".sft"))
+    with pytest.raises(ModelError, match="'vae': .* has no .safetensors weights \\(it holds .*\\.sft\\).*named \\*.safetensors"):
+        load_pipeline(folder, "fp32")
+
+
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "wan2.1-i2v", "wan2.2-ti2v", "cogvideox-t2v"])
+def test_the_weights_a_config_implies_are_the_weights_its_files_hold(tiny_folder, variant):
+    """The count the absurd-size check rests on: equal to the saved files' elements, component by component."""
+    folder = tiny_folder(variant)
+    index = read_model_index(folder)
+    for name in ("transformer", "text_encoder", "vae", "image_encoder"):
+        if index.get(name, [None])[0] is None:
+            continue
+        config = json.loads((folder / name / "config.json").read_text())
+        implied = implied_weights(ComponentConfig(name, index[name][0], index[name][1], config), torch.float32)
+        stored = 0
+        for path in (folder / name).glob("*.safetensors"):
+            stored += sum(t.numel() for t in safetensors.torch.load_file(str(path)).values())
+        assert implied.numel == stored, name
+
+
+def test_a_config_implying_more_than_ram_and_swap_is_refused_from_the_config_alone(tiny_folder):
+    config = json.loads((tiny_folder("wan2.1-t2v") / "transformer" / "config.json").read_text())
+    implied = implied_weights(ComponentConfig("transformer", "diffusers", "WanTransformer3DModel",
+                                              {**config, "ffn_dim": 2**40}, "transformer/config.json"), torch.bfloat16)
+    assert implied.nbytes > 2 * 2**40 * config["num_layers"]  # two ffn matrices per block, counted on meta
+    with pytest.raises(ModelError, match=r"needs .* TB of RAM .* this machine has .* of RAM .*blocks\.0\.ffn"):
+        check_against_ram([ram_need(implied)], "model folder 'x'", "Fix the config.")
+    check_against_ram([ram_need(replace(implied, numel=1, nbytes=1, buffer_bytes=0))], "model folder 'x'", "")
 
 
 @pytest.mark.parametrize(

@@ -164,3 +164,29 @@ def test_a_text_encoder_saved_under_a_prefix_is_read(tiny, tmp_path):
     safetensors.torch.save_file(prefixed, str(path))
     loaded = load(replace(files, text_encoder=path))
     assert loaded.pipe.tokenizer("a cat").input_ids == load(files).pipe.tokenizer("a cat").input_ids
+
+
+def test_files_copied_into_ram_are_refused_when_ram_and_swap_cannot_hold_them(tiny, monkeypatch):
+    """The machine's RAM is read at load time; weights_on_disk leaves the files mapped, so it still loads."""
+    import psutil
+
+    files = tiny("wan2.1-t2v")
+    too_small = sum(p.stat().st_size for p in (files.model, files.text_encoder, files.vae)) // 2
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=too_small, available=too_small))
+    monkeypatch.setattr(psutil, "swap_memory", lambda: SimpleNamespace(total=0))
+    with pytest.raises(ModelError, match="weights_on_disk off.* of RAM .*model '.*'.*Turn weights_on_disk on"):
+        load_model_files(files, LoadOptions(dtype="fp32", weights_on_disk=False), tiny_catalogue())
+    assert load_model_files(files, LoadOptions(dtype="fp32", weights_on_disk=True), tiny_catalogue()).on_disk
+
+
+def test_a_catalogue_config_that_does_not_describe_the_file_is_refused_before_building(tiny):
+    """A model config (e.g. one in models/vidmem_configs) whose shape fields match but whose other
+    sizes imply far more weights than the file holds is refused from the config, not allocated."""
+    files = tiny("wan2.1-t2v")
+    entries = []
+    for entry in tiny_catalogue():
+        vae = entry.components["vae"]
+        huge = replace(vae, config={**vae.config, "dim_mult": [1, 2, 4, 4096]})
+        entries.append(replace(entry, components={**entry.components, "vae": huge}))
+    with pytest.raises(ModelError, match="vae: .* describes .* weights .* but vae '.*' hold only"):
+        load_model_files(files, LoadOptions(dtype="fp32"), entries)

@@ -18,11 +18,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Sequence
 
-
 from ...memory.storage import FORMATS
 from ..family import ModelError
 from ..loader import DTYPES, LoadedPipeline, pinned_pipeline_class
 from ..wan import WAN
+from ..weight_check import check_against_files, check_against_ram, implied_weights, stored_elements
 from . import build, detect, match
 from .catalogue import ModelEntry, shipped_catalogue
 from .files import WeightFile, model_tensors, read_weight_file
@@ -67,6 +67,7 @@ def load_model_files(files: ModelFiles, options: LoadOptions = LoadOptions(),
     """Load a Wan pipeline from single files; ModelError naming the input and its fix when they do not fit."""
     opened = _open_all(files)
     entry = _match(opened, catalogue if catalogue is not None else shipped_catalogue())
+    _check_sizes(entry, opened, options)
     components, storage, reports = {}, {}, {}
     for role, file in opened.items():
         name = _COMPONENT[role]
@@ -98,6 +99,21 @@ def _match(opened: dict[str, WeightFile], catalogue: Sequence[ModelEntry]) -> Mo
     match.check_text_encoder(entry, opened["text_encoder"])
     match.check_clip_vision(entry, opened.get("clip_vision"))
     return entry
+
+
+def _check_sizes(entry: ModelEntry, opened: dict[str, WeightFile], options: LoadOptions) -> None:
+    """Before any allocation: each matched config's weights (built on meta) against the file's
+    real tensors, and when they are copied into RAM, the files' sizes against RAM and swap."""
+    in_ram = []
+    for role, file in opened.items():
+        name = _COMPONENT[role]
+        dtype = DTYPES[options.vae if name == "vae" else options.dtype]
+        implied = implied_weights(entry.components[name], dtype)
+        check_against_files(implied, stored_elements(t.shape for t in file.tensors.values()), f"{role} '{file.name}'")
+        in_ram.append((f"{role} '{file.name}'", file.path.stat().st_size))
+    if not options.weights_on_disk:
+        check_against_ram(in_ram, "copying these files into RAM (weights_on_disk off)",
+                          "Turn weights_on_disk on: the weights then stay mapped from the files and are read as needed.")
 
 
 def _load_component(entry: ModelEntry, name: str, file: WeightFile, options: LoadOptions):

@@ -1,0 +1,127 @@
+"""Check a diffusers-format folder before diffusers reads it, so a bad file is named with its fix.
+
+diffusers' `from_pretrained(use_safetensors=True)` picks weight files by NAME (`*.safetensors`)
+and reports a damaged one, a missing folder or a broken config.json as a raw error about the
+whole folder. Here every component model_index.json lists is looked at first:
+- its folder exists, and a model's config.json is a JSON object;
+- every weight file is decided by CONTENT (`memory.storage.sniff`): a pickle under any name, an
+  empty or truncated file, a GGUF file named .safetensors are refused naming the file; files
+  named like pickles (.bin, .pt, .pth, .ckpt, .pkl) are refused unread: vidmem never unpickles;
+- the config is built on meta and its weights counted against the files and the machine's RAM
+  (`weight_check`), so an absurd size never reaches the allocator.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..memory.storage import StorageError, sniff
+from .configs.meta import ComponentConfig
+from .family import ModelError
+from .json_files import read_json_object
+from .weight_check import check_against_files, check_against_ram, implied_weights, ram_need, stored_elements
+
+LIBRARIES = ("diffusers", "transformers")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SAFETENSORS_SUFFIXES = (".safetensors", ".sft")  # .sft: sniffed too, but diffusers reads only .safetensors
+
+
+@dataclass(frozen=True)
+class FolderComponent:
+    """One component model_index.json lists: its folder, and its config.json when it is a model."""
+
+    name: str
+    library: str
+    class_name: str
+    path: Path
+    config: dict | None = None  # None: tokenizers, schedulers, processors (no weights)
+
+    def component_config(self) -> ComponentConfig:
+        return ComponentConfig(self.name, self.library, self.class_name, self.config, str(self.path / "config.json"))
+
+
+def check_model_folder(folder: Path, index: dict, dtype: torch.dtype, replaced: Collection[str] = ()) -> dict[str, dict]:
+    """Every component of `folder` checked (see the module doc); its models' configs by name.
+
+    `replaced` components are read from elsewhere (a single transformer file): only their
+    config.json is checked here.
+    """
+    components = [_component(folder, name, entry) for name, entry in index.items() if _is_component(entry)]
+    needs = []
+    for component in components:
+        if component.config is None:
+            continue
+        implied = implied_weights(component.component_config(), dtype)
+        if component.name in replaced:
+            continue
+        stored = _check_weight_files(component)
+        check_against_files(implied, stored, f"the .safetensors files in '{component.path}'")
+        needs.append(ram_need(implied))
+    check_against_ram(needs, f"model folder '{folder}'",
+                      "Its config.json files may be wrong (re-download them); or load a smaller model, a lower dtype, "
+                      "or the model's single files with Load Video Model Files (weights_on_disk keeps them on disk).")
+    return {c.name: c.config for c in components if c.config is not None}
+
+
+def _is_component(entry) -> bool:
+    """model_index.json lists components as [library, class]; [null, null] is an absent one."""
+    return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None and entry[1] is not None
+
+
+def _component(folder: Path, name: str, entry: list) -> FolderComponent:
+    library, class_name = entry
+    index = folder / "model_index.json"
+    if library not in LIBRARIES or not isinstance(class_name, str):
+        return FolderComponent(name, str(library), str(class_name), folder / name)  # diffusers resolves other libraries itself
+    path = folder / name
+    if not path.is_dir():
+        raise ModelError(f"{index} lists the component '{name}' ({class_name}) but the folder '{path}' is missing; "
+                         f"re-download the model's '{name}' folder (or the whole diffusers-format model).")
+    cls = getattr(importlib.import_module(library), class_name, None)
+    if cls is None:
+        raise ModelError(f"{index} names '{name}' as {library}.{class_name}, which the installed {library} does not "
+                         f"have; update {library}, or re-download the model.")
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        return FolderComponent(name, library, class_name, path)
+    return FolderComponent(name, library, class_name, path, read_json_object(path / "config.json", f"'{name}'"))
+
+
+def _check_weight_files(component: FolderComponent) -> int:
+    """Every weight file of the component's folder by content; the elements its .safetensors files hold."""
+    files = sorted(p for p in component.path.iterdir() if p.is_file())
+    for path in files:
+        if path.name.lower().endswith(PICKLE_SUFFIXES):
+            raise ModelError(
+                f"'{component.name}': '{path}' is named like a PyTorch pickle, and vidmem never unpickles (a pickle can run "
+                "code). Convert it to .safetensors (safetensors.torch.save_file) or remove it from the folder, or "
+                "download the model's safetensors release."
+            )
+    weights = [p for p in files if p.name.lower().endswith(SAFETENSORS_SUFFIXES)]
+    for path in weights:
+        try:
+            kind = sniff(path)
+        except StorageError as error:
+            raise ModelError(f"'{component.name}': {error}") from None
+        if kind != "safetensors":
+            raise ModelError(f"'{component.name}': '{path}' is a {kind.upper()} file, but a diffusers folder holds "
+                             "safetensors; give a GGUF transformer as transformer_file, or load GGUF files with "
+                             "Load Video Model Files.")
+    named = [p for p in weights if p.suffix == ".safetensors"]
+    if not named:
+        found = ", ".join(p.name for p in files) or "nothing"
+        raise ModelError(f"'{component.name}': '{component.path}' has no .safetensors weights (it holds {found}); "
+                         "diffusers reads weights named *.safetensors: re-download the model's safetensors files.")
+    return sum(stored_elements(_shapes(p)) for p in named)
+
+
+def _shapes(path: Path):
+    """The shapes of a safetensors file's tensors, read from its header only (safetensors' own reader)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return [handle.get_slice(name).get_shape() for name in handle.keys()]

@@ -1,0 +1,107 @@
+"""Refuse a config that cannot be loaded from the config alone, before anything is allocated.
+
+A config.json with a typo in a size (ffn_dim 2**40) would otherwise reach the allocator as a
+100 TB request, or fail deep inside diffusers with a raw error. Each component is built on the
+`meta` device (no memory: `configs.meta.build_meta`, as the planner does), its parameters counted,
+and the count compared with what can hold them:
+- weights loaded into RAM: their bytes at the load dtype against the machine's RAM and swap
+  (`psutil`), the sum of all components, since every one of them stays in RAM;
+- weights read from files (every file-backed load, and the disk tier that maps them in place):
+  the parameter count against the elements the files really hold, so a config that does not
+  describe its files is refused naming both.
+
+    implied = implied_weights(ComponentConfig("transformer", "diffusers", "WanTransformer3DModel", config), torch.bfloat16)
+    check_against_files(implied, stored_elements, "transformer/*.safetensors")
+    check_against_ram([ram_need(implied), ...], "model folder '…'", "Re-download its config.json files.")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Sequence
+
+import torch
+
+from .configs.meta import ComponentConfig, build_meta
+from .family import ModelError
+
+# A config may describe a few more parameters than its files hold (ties a class makes after
+# loading, weights a class initialises itself); an absurd config describes thousands of times more.
+FILE_SLACK = 2.0
+
+
+@dataclass(frozen=True)
+class ImpliedWeights:
+    """What a component's config implies: its parameters, their bytes at the load dtype, its largest."""
+
+    component: str
+    source: str  # the config it was read from (a file path or a model config's name)
+    numel: int
+    nbytes: int
+    largest: str  # "name [d0, d1]": the tensor a wrong size usually shows in
+    buffer_bytes: int = 0  # tables the class computes (rotary frequencies ...): in RAM, never in files
+
+    def describe(self) -> str:
+        return f"{self.component} ({self.source}): {self.numel:,} weights, {_size(self.nbytes)}, largest {self.largest}"
+
+
+def implied_weights(config: ComponentConfig, dtype: torch.dtype) -> ImpliedWeights:
+    """The component built on meta (nothing allocated) and its parameters counted; ModelError
+    naming the config when the class refuses it."""
+    source = config.source or f"the {config.name} config"
+    try:
+        module = build_meta(config, dtype)
+        tie = getattr(module, "tie_weights", None)
+        if callable(tie):
+            tie()  # transformers ties embeddings after building: count a shared matrix once
+    except (TypeError, ValueError, RuntimeError, AttributeError, KeyError, AssertionError) as error:
+        raise ModelError(f"{config.name}: {source} does not describe a {config.class_name} ({error}); "
+                         "re-download the model's config.json.") from None
+    params = dict(module.named_parameters())  # named_parameters counts a tied matrix once
+    numel = sum(p.numel() for p in params.values())
+    nbytes = sum(p.numel() * p.element_size() for p in params.values())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    name, largest = max(params.items(), key=lambda item: item[1].numel(), default=("(none)", torch.empty(0)))
+    return ImpliedWeights(config.name, source, numel, nbytes, f"{name} {list(largest.shape)}", buffers)
+
+
+def check_against_files(implied: ImpliedWeights, stored_numel: int, files: str) -> None:
+    """ModelError when the config describes far more weights than `files` hold (FILE_SLACK)."""
+    if implied.numel > FILE_SLACK * stored_numel:
+        raise ModelError(
+            f"{implied.component}: {implied.source} describes {implied.numel:,} weights ({implied.nbytes:,} bytes, "
+            f"{_size(implied.nbytes)}; largest {implied.largest}) but {files} hold only {stored_numel:,}; the config does not belong to these weights. "
+            "Re-download the config (or the whole model) so both come from the same release."
+        )
+
+
+def check_against_ram(needs: Sequence[tuple[str, int]], what: str, fix: str) -> None:
+    """ModelError when the bytes `needs` lists ((what holds them, bytes), all held at once in
+    RAM) exceed the machine's RAM and swap: such a load can never finish."""
+    import psutil
+
+    total = sum(nbytes for _label, nbytes in needs)
+    ram, swap = psutil.virtual_memory().total, psutil.swap_memory().total
+    if total > ram + swap:
+        parts = "; ".join(label for label, _nbytes in sorted(needs, key=lambda need: -need[1]))
+        raise ModelError(
+            f"{what} needs {_size(total)} of RAM for its weights but this machine has {_size(ram)} of RAM and "
+            f"{_size(swap)} of swap ({parts}). {fix}"
+        )
+
+
+def ram_need(implied: ImpliedWeights) -> tuple[str, int]:
+    return implied.describe(), implied.nbytes + implied.buffer_bytes
+
+
+def stored_elements(shapes) -> int:
+    """The elements of tensors given by their shapes (a file's header, a StoredTensor's logical shape)."""
+    return sum(prod(shape) for shape in shapes)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:,} bytes"
