@@ -41,23 +41,56 @@ def folder_paths_stand_in(models: Path, user: Path) -> SimpleNamespace:
                            get_output_directory=lambda: str(user / "output"))
 
 
+def work_around_prompt_cache_index() -> list[str]:
+    """pipelines/prompt_cache.py `_sampled_bytes` picks its sample indices with a float32 linspace,
+    which rounds the last index of a tensor over 2**24 elements up past its end (umt5-xxl's
+    256384 x 4096 embedding: IndexError in every Sampler run). Probed on a 2**24 + 4 element view
+    (no memory); only when it fails, the same function with float64 indices replaces it for this
+    process, and the run's JSON says so. Nothing is patched once the module is fixed."""
+    import torch
+    from vidmem.pipelines import prompt_cache
+
+    probe = torch.zeros(1, dtype=torch.uint8).expand(2**24 + 4)
+    try:
+        prompt_cache._sampled_bytes("probe", probe)
+        return []
+    except IndexError:
+        pass
+    original = prompt_cache._sampled_bytes
+
+    def sampled_bytes(name: str, tensor: torch.Tensor) -> bytes:
+        flat = tensor.detach().reshape(-1)
+        if tensor.device.type == "meta" or flat.numel() <= 2**24:
+            return original(name, tensor)
+        count = min(prompt_cache.SAMPLES_PER_TENSOR, flat.numel())
+        index = torch.linspace(0, flat.numel() - 1, count, dtype=torch.float64).round().long()
+        values = flat[index.to(flat.device)].to("cpu")
+        if values.is_floating_point() and values.element_size() == 1:
+            values = values.view(torch.uint8)
+        return values.contiguous().view(torch.uint8).numpy().tobytes()
+
+    prompt_cache._sampled_bytes = sampled_bytes
+    return ["pipelines/prompt_cache.py _sampled_bytes: float32 linspace index past the end of tensors over 2**24 "
+            "elements (IndexError on umt5-xxl's embedding); float64 indices used for those tensors in this run"]
+
+
 def widget_defaults(node) -> dict:
     return {name: spec[1]["default"] for name, spec in node.INPUT_TYPES()["required"].items()
             if len(spec) > 1 and "default" in spec[1]}
 
 
-def run(settings: dict, watch: MemoryWatch) -> dict:
+def run(settings: dict, watch: MemoryWatch, user: Path) -> dict:
     from vidmem.nodes import host
     from vidmem.nodes.decode import VidMemVAEDecode
     from vidmem.nodes.load_files import VidMemLoadModelFiles
     from vidmem.nodes.sampler import VidMemVideoSampler
     from vidmem.nodes.strategy import VidMemMemoryStrategy
 
-    user = Path(tempfile.mkdtemp(prefix="beyond_ram_user_"))  # a fresh prompt cache: the encoder runs
     loader = "VidMemLoadModelFiles (inside ComfyUI)"
     if not host.in_comfyui():
         host.folder_paths = folder_paths_stand_in(Path(settings["models"]), user)
         loader = "VidMemLoadModelFiles over a folder_paths stand-in (models/ tree, no ComfyUI)"
+    workarounds = work_around_prompt_cache_index()
     files = settings["files"]
     listed = {role: host.model_file_names(role) for role in files}
     missing = [f"{role} {name}" for role, name in files.items() if name not in listed[role]]
@@ -81,6 +114,7 @@ def run(settings: dict, watch: MemoryWatch) -> dict:
     (frames,) = decoded["result"]
     return {
         "loader": loader,
+        "workarounds": workarounds,
         "pipeline": pipeline.describe(),
         "storage": dict(pipeline.storage),
         "storage_reports": {name: report.describe() for name, report in pipeline.storage_reports.items()},
@@ -101,7 +135,8 @@ def main() -> None:
         import torch  # noqa: F401 - counted in the import phase, as every run pays it
 
         import vidmem.nodes  # noqa: F401
-        result = run(settings, watch)
+        with tempfile.TemporaryDirectory(prefix="beyond_ram_user_") as user:  # a fresh prompt cache: the encoder runs
+            result = run(settings, watch, Path(user))
     result["seconds_total"] = round(time.perf_counter() - started, 3)
     result["memory"] = watch.summary()
     result["torch_threads"] = torch.get_num_threads()
