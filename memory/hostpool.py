@@ -28,28 +28,41 @@ import torch
 
 from .residency import Slot
 from .storage.mapping import is_file_backed
+from .units import GiB
 
-GiB = 1 << 30
 ARENA_BYTES = 1 * GiB
 ALIGN = 512  # bytes; keeps every view aligned for any dtype and for fast DMA
 # Page-locked memory cannot be swapped out; leave the OS and ComfyUI this much RAM unpinned.
 PINNED_HEADROOM_BYTES = 8 * GiB
 
 
-def default_pinned_cap() -> int:
-    """Half of the RAM that is free now, keeping PINNED_HEADROOM_BYTES unpinned."""
-    available = psutil.virtual_memory().available
+def default_pinned_cap(promised_elsewhere_bytes: int = 0) -> int:
+    """Half of the RAM that is free now and not promised to another pinned pool, keeping
+    PINNED_HEADROOM_BYTES unpinned."""
+    available = max(0, psutil.virtual_memory().available - max(0, promised_elsewhere_bytes))
     return max(0, min(available // 2, available - PINNED_HEADROOM_BYTES))
 
 
-def pinned_cap_bytes(max_pinned_ram_gb: float | None) -> int:
-    """The user's ceiling in bytes, or the automatic one when unset."""
-    return default_pinned_cap() if max_pinned_ram_gb is None else int(max_pinned_ram_gb * GiB)
+def pinned_cap_bytes(max_pinned_ram_gb: float | None, promised_elsewhere_bytes: int = 0) -> int:
+    """The user's ceiling in bytes, or the automatic one when unset.
+
+    `promised_elsewhere_bytes`: RAM another pinned pool in this process may still pin (inside
+    ComfyUI, its own pool: `MAX_PINNED_MEMORY - TOTAL_PINNED_MEMORY` of comfy.model_management,
+    supplied by nodes/host.py through `HostPool.promised_elsewhere_bytes`). What it has pinned
+    already is not free RAM, so only the rest of its promise is subtracted; without it both
+    pools would size themselves from the same free RAM. A user's explicit ceiling is kept as given.
+    """
+    if max_pinned_ram_gb is not None:
+        return int(max_pinned_ram_gb * GiB)
+    return default_pinned_cap(promised_elsewhere_bytes)
 
 
 class HostPool:
-    def __init__(self, arena_bytes: int = ARENA_BYTES) -> None:
+    def __init__(self, arena_bytes: int = ARENA_BYTES, promised_elsewhere_bytes: int = 0) -> None:
         self.arena_bytes = arena_bytes
+        # RAM the host's own pinned pool may still pin (see pinned_cap_bytes); the host sets it
+        # before each run, since the host's pool grows and shrinks between runs.
+        self.promised_elsewhere_bytes = promised_elsewhere_bytes
         self._arenas: list[torch.Tensor] = []
         self._used = 0  # bytes used in the newest arena
         self.allocations = 0  # tensors ever copied into the pool; flat after the first run

@@ -28,7 +28,8 @@ fits, `planner_advice.py` says which storage or disk tier would (planned, not gu
 
 What a stage figure includes: CUDA context, cuBLAS workspace, resident weights, activations,
 and allocator segments (`Allocator.NATIVE`, reserved bytes) or live bytes only
-(`Allocator.ASYNC`, ComfyUI's default cudaMallocAsync backend). Not included: cuDNN convolution
+(`Allocator.ASYNC`, ComfyUI's default cudaMallocAsync backend); by default (`Allocator.AUTO`) the
+backend this process runs, probed with `torch.cuda.get_allocator_backend()`. Not included: cuDNN convolution
 workspaces (they never become tensors; cuDNN picks smaller ones when memory is short).
 
     model = load_model("wan2.1-t2v-14b")            # vidmem.pipelines.configs

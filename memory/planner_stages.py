@@ -3,8 +3,8 @@
 Each stage is a list of phases, one per component that computes in it; a phase is the resident
 weights (per the tier) plus that component's traced allocations, replayed through the allocator
 model. The stage's device figure is its worst phase; its host figure adds what the run keeps in RAM.
-The rules mirror vidmem.pipelines.sample / decode and vidmem.memory.offload; where they change,
-change these.
+Which components a stage holds comes from the model (`PlannerModel.stage_components`, the
+declaration the engine reads too); how they are resident mirrors vidmem.memory.offload.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def phase(model: PlannerModel, call: Call, resident: list[int], options: PlanOpt
     trace = model.trace(call, options.attention)
     tensors = (CUBLAS_WORKSPACE_BYTES, *resident)
     peak = replay(tensors, trace.events)
-    footprint = peak.reserved if options.allocator is Allocator.NATIVE else peak.allocated
+    footprint = peak.reserved if options.allocator.resolved() is Allocator.NATIVE else peak.allocated
     return Phase(label, sum(resident), peak, CUDA_CONTEXT_BYTES + footprint, tensors, trace.events)
 
 
@@ -121,11 +121,9 @@ def component_weights(model: PlannerModel, name: str, options: PlanOptions) -> C
 
 
 def sample_stage_components(model: PlannerModel, strategy: MemoryStrategy) -> list[str]:
-    """The components `sample()` applies the strategy to (vidmem.pipelines.sample.sample_stage)."""
-    layout = model.layout
-    if strategy.text_encoder is TextEncoderPlacement.CPU:  # encoders (text and image) stay on the CPU
-        return [n for n in dict.fromkeys([*layout.conditioning, *layout.denoisers]) if n not in layout.placed_encoders]
-    return list(dict.fromkeys([*layout.placed_encoders, *layout.text_encoders, *layout.conditioning, *layout.denoisers]))
+    """The components `sample()` applies the strategy to: the model says (PlannerModel.stage_components,
+    the same declaration vidmem.pipelines.sample reads), so the two cannot drift apart."""
+    return list(model.stage_components(strategy.text_encoder))
 
 
 def host_base(model: PlannerModel, options: PlanOptions = PlanOptions(),

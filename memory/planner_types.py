@@ -14,12 +14,22 @@ from .planner_allocator import AllocatorPeak, replay
 from .planner_costs import CUDA_CONTEXT_BYTES, NVME_BYTES_PER_S, DiskRead, Work
 from .planner_schedule import ComponentWeights, Order
 from .storage import storage_format
+from .strategy import TextEncoderPlacement
 from .vae_tiles import VaeGeometry
 
 
 class Allocator(str, Enum):
     NATIVE = "native"  # PyTorch's caching allocator (torch default): what it reserves
     ASYNC = "cudaMallocAsync"  # ComfyUI's default backend: live bytes (the driver pool is not modelled)
+    AUTO = "auto"  # the backend this process runs (probed when a phase is planned; native without CUDA)
+
+    def resolved(self) -> "Allocator":
+        """NATIVE or ASYNC: AUTO asks torch which backend this process runs (PYTORCH_CUDA_ALLOC_CONF)."""
+        if self is not Allocator.AUTO:
+            return self
+        from .telemetry import allocator_backend  # probed at plan time, never at import
+
+        return Allocator(allocator_backend())
 
 
 class Runtime(str, Enum):
@@ -54,7 +64,7 @@ class ModelLayout:
     text_encoders: tuple[str, ...]
     denoisers: tuple[str, ...]
     vae: str = "vae"
-    placed_encoders: tuple[str, ...] = ()  # follow MemoryStrategy.text_encoder (FamilySpec.encoders)
+    placed_encoders: tuple[str, ...] = ()  # encode conditioning only (FamilySpec.encoders); see stage_components
     conditioning: tuple[str, ...] = ()  # run before the loop for image-to-video (image encoder, VAE)
 
     @property
@@ -86,6 +96,9 @@ class PlannerModel(Protocol):
     def trace(self, call: Call, attention: Attention) -> Trace: ...  # memoised by the model
     def latent_shape(self, shape: VideoShape) -> tuple[int, int, int, int, int]: ...  # as the VAE decodes
     def forward_passes(self, shape: VideoShape) -> int: ...  # denoiser forwards per step
+    # The components the sampling stage places on the device, as the engine applies the strategy
+    # to them (vidmem.pipelines.stages: one declaration for both); encode_text=False: cached prompts.
+    def stage_components(self, text_encoder: TextEncoderPlacement, encode_text: bool = True) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -99,7 +112,7 @@ class PlanOptions:
     """
 
     attention: Attention = Attention.FUSED
-    allocator: Allocator = Allocator.NATIVE
+    allocator: Allocator = Allocator.AUTO  # follows the process's allocator backend unless told
     runtime: Runtime = Runtime.VIDMEM
     steps: int = 50
     storage: tuple[tuple[str, str], ...] = ()

@@ -43,6 +43,15 @@ def free_device_bytes(device: torch.device) -> int | None:
     return now.device_free_bytes + now.reserved_bytes - now.allocated_bytes
 
 
+def allocator_backend() -> str:
+    """The CUDA caching allocator backend this process runs: "native" (PyTorch's default) or
+    "cudaMallocAsync" (`PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`, which ComfyUI sets on
+    recent NVIDIA drivers). "native" without CUDA: there is nothing else to model."""
+    if not torch.cuda.is_available():
+        return "native"
+    return torch.cuda.get_allocator_backend()
+
+
 @dataclass
 class StageReceipt:
     stage: str

@@ -314,7 +314,8 @@ def test_every_shipped_model_builds_and_counts_its_weights():
     sizes = {name: sum(load_model(name).weights(c).nbytes for c in load_model(name).layout.denoisers) for name in model_names()}
     assert 26 * GiB < sizes["wan2.1-t2v-14b"] < 28 * GiB  # 14.3 B parameters in bf16
     assert sizes["wan2.2-t2v-a14b"] == 2 * sizes["wan2.1-t2v-14b"]
-    assert 3 * GiB < sizes["cogvideox-2b"] < 3.4 * GiB  # 1.7 B in fp16
+    # 1.7 B in fp16, plus the float64 sinusoidal pos_embedding diffusers leaves uncast (0.25 GiB)
+    assert 3.3 * GiB < sizes["cogvideox-2b"] < 3.5 * GiB
 
 
 def test_async_allocator_counts_live_bytes_only(cogvideox_2b):

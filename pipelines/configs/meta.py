@@ -23,22 +23,30 @@ from ...memory.planner_schedule import ComponentWeights, tensor_sizes
 from ...memory.planner_storage import stored_sizes
 from ...memory.residency import own_slots
 from ...memory.storage import storage_format
+from ...memory.strategy import TextEncoderPlacement
+from ...memory.units import DTYPES
 from ...memory.vae_tiles import VaeGeometry
 from ..family import FamilySpec, ModelError
+from ..stages import stage_components
 from . import workloads
 from .streams import expand_blocks
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-# Class -> (config key holding the block count, dotted path of the block list). Blocks are what
-# the engine swaps (denoisers) and what the planner extrapolates (every listed class).
-BLOCKS = {
-    "CogVideoXTransformer3DModel": ("num_layers", "transformer_blocks"),
-    "WanTransformer3DModel": ("num_layers", "blocks"),
-    "T5EncoderModel": ("num_layers", "encoder.block"),
-    "UMT5EncoderModel": ("num_layers", "encoder.block"),
-    "CLIPVisionModel": ("num_hidden_layers", "encoder.layers|vision_model.encoder.layers"),  # transformers 5 | 4
-    "CLIPVisionModelWithProjection": ("num_hidden_layers", "vision_model.encoder.layers"),
+# Class -> the config key holding its block count (what build_meta caps at TRACED_BLOCKS).
+BLOCK_COUNT = {
+    "CogVideoXTransformer3DModel": "num_layers",
+    "WanTransformer3DModel": "num_layers",
+    "T5EncoderModel": "num_layers",
+    "UMT5EncoderModel": "num_layers",
+    "CLIPVisionModel": "num_hidden_layers",
+    "CLIPVisionModelWithProjection": "num_hidden_layers",
+}
+# Encoder class -> dotted path of its block list (what the planner extrapolates). A denoiser's
+# blocks are its family's own declaration, FamilySpec.blocks_attr: the list the engine swaps.
+ENCODER_BLOCKS = {
+    "T5EncoderModel": "encoder.block",
+    "UMT5EncoderModel": "encoder.block",
+    "CLIPVisionModel": "encoder.layers|vision_model.encoder.layers",  # transformers 5 | 4
+    "CLIPVisionModelWithProjection": "vision_model.encoder.layers",
 }
 TRACED_BLOCKS = 2
 
@@ -90,6 +98,11 @@ class MetaModel:
         """The latent frames per batch if the VAE's decode streams across chunks (see FamilySpec.vae_stages)."""
         stages = self.spec.vae_stages(self.module("vae"))
         return stages.frame_batch if stages else None
+
+    def stage_components(self, text_encoder: TextEncoderPlacement, encode_text: bool = True) -> tuple[str, ...]:
+        """What `pipelines.sample` applies the strategy to, for this pipeline class (pipelines/stages.py)."""
+        image = self.pipeline_class in self.spec.image_conditioned
+        return stage_components(self.spec, self.components, text_encoder, image, encode_text)
 
     def check_shape(self, shape: VideoShape) -> None:
         problem = self.spec.frames_error(shape.frames)
@@ -196,11 +209,14 @@ class MetaModel:
 
     def _blocks_of(self, component: str) -> str | None:
         """Dotted path of the block list (the first that exists, for paths that moved between versions)."""
-        entry = BLOCKS.get(self.components[component].class_name)
-        if entry is None:
+        if component in self.spec.denoisers:
+            paths = self.spec.blocks_attr
+        else:
+            paths = ENCODER_BLOCKS.get(self.components[component].class_name)
+        if paths is None:
             return None
         module = self.module(component)
-        return next((path for path in entry[1].split("|") if _get(module, path) is not None), None)
+        return next((path for path in paths.split("|") if _get(module, path) is not None), None)
 
     def _block_list(self, component: str):
         path = self._blocks_of(component)
@@ -215,15 +231,15 @@ def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int |
     library = importlib.import_module(component.library)
     cls = getattr(library, component.class_name)
     config = dict(component.config)
-    entry = BLOCKS.get(component.class_name)
-    if max_blocks and entry and entry[0] in config:
-        config[entry[0]] = min(int(config[entry[0]]), max_blocks)
+    count = BLOCK_COUNT.get(component.class_name)
+    if max_blocks and count in config:
+        config[count] = min(int(config[count]), max_blocks)
     with torch.device("meta"):
         if component.library == "diffusers":
             module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
         else:
             module = cls(cls.config_class(**config))
-    _cast(module, dtype, _fp32_modules(cls, component.library, dtype))
+    _cast(module, dtype, _fp32_modules(cls, component.library, dtype), keep_unsaved=component.library == "diffusers")
     return module.eval()
 
 
@@ -239,9 +255,13 @@ def _fp32_modules(cls, library: str, dtype: torch.dtype) -> set[str]:
     return keep
 
 
-def _cast(module: torch.nn.Module, dtype: torch.dtype, fp32: set[str]) -> None:
+def _cast(module: torch.nn.Module, dtype: torch.dtype, fp32: set[str], keep_unsaved: bool = False) -> None:
+    """With `keep_unsaved`, buffers not in the state dict keep the dtype they were made in, as diffusers'
+    from_pretrained leaves them (CogVideoX's float64 sinusoidal `pos_embedding`)."""
+    unsaved = {f"{prefix}{'.' if prefix else ''}{name}" for prefix, sub in module.named_modules()
+               for name in sub._non_persistent_buffers_set} if keep_unsaved else set()
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.is_floating_point():
+        if tensor.is_floating_point() and name not in unsaved:
             target = torch.float32 if fp32 & set(name.split(".")) else dtype
             tensor.data = tensor.data.to(target)
 

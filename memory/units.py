@@ -1,0 +1,11 @@
+"""Units and names every layer shares, declared once: bytes per GiB, the compute dtypes by name."""
+
+from __future__ import annotations
+
+import torch
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# The dtypes a pipeline computes in, by the names the nodes, the CLI and the configs use.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
