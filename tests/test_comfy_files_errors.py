@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from dataclasses import replace
@@ -190,3 +191,33 @@ def test_a_catalogue_config_that_does_not_describe_the_file_is_refused_before_bu
         entries.append(replace(entry, components={**entry.components, "vae": huge}))
     with pytest.raises(ModelError, match="vae: .* describes .* weights .* but vae '.*' hold only"):
         load_model_files(files, LoadOptions(dtype="fp32"), entries)
+
+
+def test_shipped_wan_configs_carry_their_scheduler_and_vae_statistics():
+    """What single-file loads sample and decode with comes from the shipped JSON, not from code."""
+    import diffusers
+
+    from vidmem.pipelines.comfy_files import shipped_catalogue
+
+    entries = {entry.name: entry for entry in shipped_catalogue()}
+    assert {"wan2.1-t2v-14b", "wan2.2-ti2v-5b", "wan2.2-i2v-a14b"} <= entries.keys()
+    for entry in entries.values():
+        scheduler = getattr(diffusers, entry.scheduler_class)(**entry.scheduler_config)
+        assert scheduler.config.prediction_type == "flow_prediction" and scheduler.config.use_flow_sigmas
+        assert scheduler.config.flow_shift == (5.0 if entry.name == "wan2.2-ti2v-5b" else 3.0), entry.name
+    vae = entries["wan2.2-ti2v-5b"].config("vae")
+    assert len(vae["latents_mean"]) == len(vae["latents_std"]) == vae["z_dim"] == 48
+
+
+def test_an_extra_model_config_without_a_scheduler_is_named(tmp_path):
+    from vidmem.pipelines.comfy_files import shipped_catalogue
+    from vidmem.pipelines.tiny_files import tiny_model_config
+
+    config = tiny_model_config("wan2.1-t2v")
+    del config["scheduler"]
+    (tmp_path / "mine.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="mine.json has no \"scheduler\" entry"):
+        shipped_catalogue([tmp_path])
+    (tmp_path / "mine.json").write_text("{broken")
+    with pytest.raises(ModelError, match="mine.json' is not valid JSON"):
+        shipped_catalogue([tmp_path])

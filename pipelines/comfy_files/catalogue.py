@@ -7,7 +7,6 @@ in code. Tests pass their own catalogue (tiny models) in the same shape.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from pathlib import Path
@@ -15,7 +14,8 @@ from typing import Any, Iterable, Mapping
 
 from ..configs import COMPONENTS_DIR, MODELS_DIR, model_names
 from ..configs.meta import ComponentConfig
-from . import runtime_data
+from ..family import ModelError
+from ..json_files import read_json_object
 
 SINGLE_FILE_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
 
@@ -47,16 +47,18 @@ def shipped_catalogue(extra_dirs: Iterable[str | Path] = ()) -> tuple[ModelEntry
     files = [MODELS_DIR / f"{name}.json" for name in model_names()]
     for folder in extra_dirs:
         files += sorted(Path(folder).glob("*.json"))
-    entries = (entry_from_json(json.loads(file.read_text())) for file in files)
-    return tuple(entry for entry in entries if entry.pipeline_class in SINGLE_FILE_PIPELINES)
+    configs = ((read_json_object(file, "model config"), str(file)) for file in files)
+    return tuple(entry_from_json(data, source) for data, source in configs if data.get("pipeline") in SINGLE_FILE_PIPELINES)
 
 
-def entry_from_json(data: dict) -> ModelEntry:
-    """A model config in the shipped schema as an entry; the scheduler falls back to runtime_data."""
-    name = data["name"]
-    scheduler = data.get("scheduler") or runtime_data.SCHEDULERS.get(name, runtime_data.SCHEDULERS["default"])
+def entry_from_json(data: dict, source: str = "a model config") -> ModelEntry:
+    """A model config in the shipped schema as an entry (its "scheduler" is what sampling starts from)."""
+    scheduler = data.get("scheduler")
+    if not (isinstance(scheduler, dict) and {"class", "config"} <= scheduler.keys()):
+        raise ModelError(f"{source} has no \"scheduler\" entry ({{\"class\": ..., \"config\": {{...}}}}), which a model "
+                         "loaded from single files needs; add it as the shipped configs in pipelines/configs/models do.")
     return ModelEntry(
-        name=name, pipeline_class=data["pipeline"],
+        name=data["name"], pipeline_class=data["pipeline"],
         components=MappingProxyType({key: read_component(key, value) for key, value in data["components"].items()}),
         scheduler_class=scheduler["class"], scheduler_config=MappingProxyType(dict(scheduler["config"])),
         pipeline_config=MappingProxyType(dict(data.get("pipeline_config", {}))),
@@ -66,7 +68,6 @@ def entry_from_json(data: dict) -> ModelEntry:
 
 def read_component(name: str, entry: dict) -> ComponentConfig:
     if "ref" in entry:
-        shared = json.loads((COMPONENTS_DIR / f"{entry['ref']}.json").read_text())
-        extras = {k: v for k, v in runtime_data.COMPONENT_EXTRAS.get(entry["ref"], {}).items() if k not in shared["config"]}
-        entry = dict(shared, config={**shared["config"], **extras, **entry.get("config", {})})
+        shared = read_json_object(COMPONENTS_DIR / f"{entry['ref']}.json", f"component '{name}'")
+        entry = dict(shared, config={**shared["config"], **entry.get("config", {})})
     return ComponentConfig(name, entry["library"], entry["class"], entry["config"], entry.get("source", ""))
