@@ -83,21 +83,15 @@ def resolve_model_folder(name: str, path: str) -> Path:
     )
 
 
-SINGLE_FILE_FOLDER_KEY = "diffusion_models"
-
-
 def single_file_transformer_names() -> list[str]:
-    """Safetensors files under ComfyUI's models/diffusion_models (empty without ComfyUI)."""
-    if folder_paths is None:
-        return []
-    names = folder_paths.get_filename_list(SINGLE_FILE_FOLDER_KEY)
-    return [n for n in names if n.endswith((".safetensors", ".sft"))]
+    """Transformer files a diffusers folder's transformer can be replaced with: the weight files of
+    models/diffusion_models (and the legacy models/unet), GGUF included (empty without ComfyUI)."""
+    return model_file_names("model")
 
 
 def resolve_single_file(name: str) -> Path:
-    if folder_paths is None:
-        raise FileNotFoundError(f"transformer_file '{name}' needs ComfyUI's models/diffusion_models folder.")
-    return Path(folder_paths.get_full_path_or_raise(SINGLE_FILE_FOLDER_KEY, name))
+    """The full path of transformer_file `name`; FileNotFoundError naming the folders when absent."""
+    return resolve_model_file("model", name, "transformer_file")
 
 
 def _diffusers_roots() -> list[str]:
@@ -302,8 +296,9 @@ def model_file_names(role: str) -> list[str]:
     return sorted(names)
 
 
-def resolve_model_file(role: str, name: str) -> Path:
-    """The full path of `name` in the folders of loader input `role`; FileNotFoundError naming them."""
+def resolve_model_file(role: str, name: str, label: str = "") -> Path:
+    """The full path of `name` in the folders of loader input `role` (named `label` in the error,
+    default `role`); FileNotFoundError naming them."""
     keys = MODEL_FILE_FOLDERS[role]
     if folder_paths is not None:
         for key in keys:
@@ -312,7 +307,7 @@ def resolve_model_file(role: str, name: str) -> Path:
                 if candidate.is_file():
                     return candidate
     where = ", ".join(f"models/{key}" for key in keys)
-    raise FileNotFoundError(f"{role} '{name}' was not found in {where}; put the file there (or pick one from the list).")
+    raise FileNotFoundError(f"{label or role} '{name}' was not found in {where}; put the file there (or pick one from the list).")
 
 
 def _listed(key: str) -> list[str]:

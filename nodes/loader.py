@@ -36,8 +36,9 @@ class VidMemLoadPipeline:
                 "path": ("STRING", {"default": "", "tooltip": "Full path to a diffusers folder; when set it "
                          "overrides 'model'. Leave empty for workflows you share."}),
                 "transformer_file": ([FOLDER_TRANSFORMER] + host.single_file_transformer_names(), {"tooltip":
-                    "Wan only: a single-file transformer (.safetensors) from models/diffusion_models, e.g. a "
-                    "ComfyUI-repackaged Wan 2.1 checkpoint; the folder still provides its config, text "
+                    "Wan only: a single-file transformer from models/diffusion_models (bf16/fp16, fp8, "
+                    "fp8-scaled or GGUF; Wan's, ComfyUI's or diffusers' names), e.g. a ComfyUI-repackaged Wan 2.1 "
+                    "checkpoint, used in place from the file; the folder still provides its config, text "
                     "encoder and VAE. Not for Wan 2.2 A14B (two experts) or CogVideoX."}),
             },
         }

@@ -64,3 +64,37 @@ def test_single_file_is_refused_where_it_cannot_apply(tiny_folder, tmp_path):
         load_pipeline(tiny_folder("cogvideox-t2v"), "fp32", tmp_path / "x.safetensors")
     with pytest.raises(ModelError, match="two experts"):
         load_pipeline(tiny_folder("wan2.2-a14b"), "fp32", tmp_path / "x.safetensors")
+
+
+def test_gguf_and_diffusers_layout_transformer_files_are_used_in_place(tiny_folder, tmp_path):
+    """A city96-style GGUF file and a diffusers-named one both replace the folder's transformer;
+    the GGUF weights stay quantized (widened per layer), the diffusers-named one computes the same."""
+    folder = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32")
+    stored = store_tensors(folder.pipe.transformer, "gguf_q8_0")
+    gguf_file = write_transformer(stored, tmp_path / "wan_q8_0.gguf", KeyLayout.ORIGINAL)
+    loaded = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", gguf_file)
+    assert loaded.storage["transformer"] == "gguf_q8_0"
+    twin = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32")
+    twin.pipe.transformer.load_state_dict(dequantized(stored))
+    assert torch.equal(run(loaded), run(twin))
+    plain = write_transformer(store_tensors(folder.pipe.transformer, "fp32"), tmp_path / "wan.sft", KeyLayout.DIFFUSERS)
+    assert torch.equal(run(load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", plain)), run(folder))
+
+
+def test_transformer_file_lists_gguf_and_names_its_input_when_gone(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from vidmem.nodes import host
+    from vidmem.nodes.loader import VidMemLoadPipeline
+
+    models = tmp_path / "diffusion_models"
+    models.mkdir()
+    for name in ("a.safetensors", "b.gguf", "c.sft", "d.ckpt"):
+        (models / name).write_bytes(b"x")
+    fake = SimpleNamespace(get_filename_list=lambda key: sorted(p.name for p in models.iterdir()) if key == "diffusion_models" else [],
+                           get_folder_paths=lambda key: [str(models)] if key == "diffusion_models" else [])
+    monkeypatch.setattr(host, "folder_paths", fake)
+    assert host.single_file_transformer_names() == ["a.safetensors", "b.gguf", "c.sft"]  # never a pickle
+    assert host.resolve_single_file("b.gguf") == models / "b.gguf"
+    with pytest.raises(ModelError, match="transformer_file 'gone.gguf' was not found in models/diffusion_models"):
+        VidMemLoadPipeline().load("ignored", "fp32", str(tmp_path), "gone.gguf")
