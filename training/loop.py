@@ -119,24 +119,11 @@ def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: T
     receipt = {"strategy": strategy.describe(), "device": str(device), "component": component,
                "layers": len(targets.paths), "trainable_bytes": trainable_bytes(run.layers),
                "device_weight_bytes": device_weight_bytes(stage, strategy), "start_step": run.step}
-    times = []
     with StageMeter("train", device) as meter:
         with _training_context(model, run, settings, blocks, check_interrupt), \
                 apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
             handle.activate(component)
-            try:
-                while run.step < settings.steps:
-                    started = time.perf_counter()
-                    loss = _step(model, objective, order.batch(run.step), run, settings, device)
-                    times.append(time.perf_counter() - started)
-                    progress(run.step, settings.steps, loss)
-                    if settings.checkpoint_every and run.step % settings.checkpoint_every == 0 and run.step < settings.steps:
-                        save()
-            except BaseException:
-                run.optimizer.zero_grad()
-                if run.step > run.saved_step:
-                    save()  # interrupted or failed: keep the last completed step, resumable
-                raise
+            times = _train_steps(model, objective, order, run, settings, device, progress, save)
     receipt.update(steps=run.step, optimizer_state_bytes=state_bytes(run.optimizer), losses=run.losses[-5:],
                    seconds_per_step=(sum(times) / len(times)) if times else 0.0, stages=[meter.as_dict()])
     if run.step > run.saved_step:
@@ -144,6 +131,26 @@ def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: T
     write_safetensors_atomic(lora_tensors(run.layers), meta, outputs.lora_path)
     receipt.update(lora=str(outputs.lora_path), checkpoint=str(outputs.checkpoint_folder))
     return TrainResult(outputs.lora_path, run.losses, receipt)
+
+
+def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: TrainSettings, device, progress: Progress,
+                 save: Callable[[], None]) -> list[float]:
+    """Steps until `settings.steps`; on any exception (Cancel included) the last completed step is saved first."""
+    times = []
+    try:
+        while run.step < settings.steps:
+            started = time.perf_counter()
+            loss = _step(model, objective, order.batch(run.step), run, settings, device)
+            times.append(time.perf_counter() - started)
+            progress(run.step, settings.steps, loss)
+            if settings.checkpoint_every and run.step % settings.checkpoint_every == 0 and run.step < settings.steps:
+                save()
+    except BaseException:
+        run.optimizer.zero_grad()
+        if run.step > run.saved_step:
+            save()  # interrupted or failed: keep the last completed step, resumable
+        raise
+    return times
 
 
 def _start(model, targets, settings: TrainSettings, device) -> _Run:
