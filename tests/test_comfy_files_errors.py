@@ -221,3 +221,14 @@ def test_an_extra_model_config_without_a_scheduler_is_named(tmp_path):
     (tmp_path / "mine.json").write_text("{broken")
     with pytest.raises(ModelError, match="mine.json' is not valid JSON"):
         shipped_catalogue([tmp_path])
+
+
+@pytest.mark.parametrize("spiece", [b"", bytes(range(256)) * 4])
+def test_a_damaged_embedded_tokenizer_is_named_before_anything_is_built(tiny, tmp_path, spiece):
+    files = tiny("wan2.1-t2v")
+    tensors = safetensors.torch.load_file(str(files.text_encoder))
+    tensors["spiece_model"] = torch.frombuffer(bytearray(spiece or b"\0"), dtype=torch.uint8)[: len(spiece)].clone()
+    bad = tmp_path / "umt5.safetensors"
+    safetensors.torch.save_file(tensors, str(bad))
+    with pytest.raises(ModelError, match="text_encoder: 'umt5.safetensors' embeds a tokenizer .* not a SentencePiece model"):
+        load(replace(files, text_encoder=bad))

@@ -74,6 +74,22 @@ def check_text_encoder(entry: ModelEntry, text_encoder: WeightFile) -> None:
             "builds Wan's umt5 tokenizer from it. Use Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled.safetensors or "
             "umt5_xxl_fp16.safetensors (from Comfy-Org/Wan_2.1_ComfyUI_repackaged), which carry it."
         )
+    if _tokenizer_pieces(text_encoder.tokenizer_model) == 0:
+        raise ModelError(
+            f"text_encoder: '{text_encoder.name}' embeds a tokenizer ('spiece_model') that is not a SentencePiece model "
+            "(damaged or empty); download the file again: Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled.safetensors or "
+            "umt5_xxl_fp16.safetensors."
+        )
+
+
+def _tokenizer_pieces(model: bytes) -> int:
+    """The vocabulary size of a SentencePiece model; 0 when the bytes are not one (sentencepiece's own parser)."""
+    import sentencepiece
+
+    try:
+        return sentencepiece.SentencePieceProcessor(model_proto=model).GetPieceSize()
+    except RuntimeError:  # "model_proto->ParseFromArray" failed
+        return 0
 
 
 def check_clip_vision(entry: ModelEntry, clip_vision: WeightFile | None) -> None:
