@@ -149,7 +149,9 @@ def _sampled_bytes(name: str, tensor: torch.Tensor) -> bytes:
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return b""
-    index = torch.linspace(0, flat.numel() - 1, min(SAMPLES_PER_TENSOR, flat.numel())).round().long()
+    count = min(SAMPLES_PER_TENSOR, flat.numel())
+    # Integer steps: a float32 linspace cannot name every index past 2**24 and may run off the end.
+    index = torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)
     values = flat[index.to(flat.device)].to("cpu")
     if values.is_floating_point() and values.element_size() == 1:
         values = values.view(torch.uint8)  # fp8 values hash by their bits

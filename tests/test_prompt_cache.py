@@ -205,3 +205,12 @@ def test_the_cache_works_for_stored_weights_on_disk(storage, tmp_path):
                        cached(tmp_path / "cache"), backend=CpuBackend())
     assert calls.count == 0 and again.receipt["text_encode"]["cache"] == "used"
     assert torch.equal(first.latent["samples"], again.latent["samples"])
+
+
+def test_encoder_identity_samples_stay_in_range_past_float32_precision():
+    """A table of 2**24 + 3 values: a float32 linspace would round the last index past the end."""
+    from vidmem.pipelines.prompt_cache import _sampled_bytes
+
+    table = torch.arange(2**24 + 3, dtype=torch.int32)
+    sampled = torch.frombuffer(bytearray(_sampled_bytes("shared.weight", table)), dtype=torch.int32)
+    assert sampled[0] == 0 and sampled[-1] == 2**24 + 2 and bool((sampled[1:] > sampled[:-1]).all())
