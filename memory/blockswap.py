@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from .residency import WeightGroup
@@ -132,7 +133,18 @@ class StreamSchedule:
 
 
 def hook_group(module: nn.Module, group: WeightGroup, schedule: StreamSchedule) -> list:
-    """Forward hooks that stream `group` around `module`'s forward; returns removable handles."""
-    pre = module.register_forward_pre_hook(lambda m, args: schedule.before_forward(group))
-    post = module.register_forward_hook(lambda m, args, out: schedule.after_forward(group))
-    return [pre, post]
+    """Forward hooks that stream `group` around `module`'s forward; returns removable handles.
+
+    The hooks re-point parameters and touch streams: never traced by torch.compile (a compiled
+    model runs them eagerly between its graphs).
+    """
+
+    @torch.compiler.disable
+    def before(m, args):
+        schedule.before_forward(group)
+
+    @torch.compiler.disable
+    def after(m, args, out):
+        schedule.after_forward(group)
+
+    return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]

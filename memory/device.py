@@ -8,11 +8,14 @@ arenas, and a host-side throttle that stops the CPU from queueing copies far ahe
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+log = logging.getLogger("vidmem")
 
 
 def resolve_compute_device(requested: str | torch.device | None = None) -> torch.device:
@@ -173,9 +176,36 @@ class CudaBackend:
         return start.elapsed_time(end) / 1000.0
 
 
+class ComputeQueueBackend(CpuBackend):
+    """Apple MPS and Intel XPU: every copy on the compute queue, no side stream, no pinning.
+
+    The schedule, residency and every tier work as on CUDA, so a model that does not fit still
+    runs; what is lost is overlap: a streamed block's copy runs in line with compute instead of
+    behind it, so block swap and sequential cost their full copy time. (On Apple silicon host and
+    device share memory, so the copy is cheap and pinning would buy nothing.) Copies are queued
+    in order on the one queue, so compute never needs to wait on an event.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def copy_group(self, hosts, non_blocking, side_stream, timed):
+        return [host.to(self.device) for host in hosts], None
+
+
+SUPPORTED_DEVICES = ("cuda", "cpu", "mps", "xpu")
+
+
 def backend_for(device: torch.device) -> Backend:
     if device.type == "cuda":
         return CudaBackend(device)
     if device.type == "cpu":
         return CpuBackend()
-    raise ValueError(f"device={device} is not supported; use 'cuda' or 'cpu'.")
+    if device.type in ("mps", "xpu"):
+        log.warning("vidmem: %s has no side stream here: streamed weights (block_swap, sequential) copy on the "
+                    "compute queue, so their copies do not overlap compute; tiers none and model are unaffected.",
+                    device.type)
+        return ComputeQueueBackend(device)
+    raise ValueError(f"device={device} is not supported by vidmem's memory engine; use one of "
+                     f"{', '.join(SUPPORTED_DEVICES)} (cuda streams copies behind compute; mps and xpu copy in line).")

@@ -150,7 +150,7 @@ class OffloadHandle:
             schedule = StreamSchedule(groups, strategy.prefetch_blocks, order_known, self.backend, self._observe, self.ledger)
             for (head, _), group in zip(streamed, groups):
                 self._hooks += hook_group(head, group, schedule)
-            self._hooks.append(module.register_forward_hook(lambda m, args, out: schedule.end_of_pass()))
+            self._hooks.append(module.register_forward_hook(torch.compiler.disable(lambda m, args, out: schedule.end_of_pass())))
         self._components[name] = _Component(core, schedule)
         if self._exclusive:
             self._hook_activation(name, module)
@@ -165,6 +165,7 @@ class OffloadHandle:
         """
         device = self.backend.device
 
+        @torch.compiler.disable  # moves weights and inputs: runs eagerly under torch.compile
         def enter(m, args, kwargs):
             self.activate(name)
             return _to_device(args, device), _to_device(kwargs, device)

@@ -24,10 +24,17 @@ class Slot:
     host: torch.Tensor  # the original tensor; restored on eviction and removal
 
     def point_to(self, tensor: torch.Tensor) -> None:
-        if self.is_parameter:
-            self.module._parameters[self.name].data = tensor
-        else:
+        if not self.is_parameter:
             self.module._buffers[self.name] = tensor
+            return
+        param = self.module._parameters[self.name]
+        if type(tensor) is torch.Tensor and type(param.data) is torch.Tensor:
+            param.data = tensor  # the common case: a plain tensor, re-pointed in place
+        else:
+            # A tensor subclass (GGUF, torchao) cannot take `.data =` of another type; swap the
+            # whole object's contents, as nn.Module._apply does, keeping the Parameter object
+            # the module (and any optimizer or hook) holds.
+            torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
 
     def current(self) -> torch.Tensor:
         return self.module._parameters[self.name] if self.is_parameter else self.module._buffers[self.name]
