@@ -88,8 +88,35 @@ def test_tier_templates_use_the_tables_choice(path):
     assert f"{tier_of(path.stem)} GB card" in ui_note
 
 
-def test_help_pages_point_to_the_planner_without_promising_specifics():
-    assert "`vidmem plan`" in (DOCS / "VidMemMemoryStrategy.md").read_text()
+def test_strategy_help_names_only_inputs_choices_commands_and_templates_that_exist():
+    """Every `name` the Memory Strategy page promises is real: an input of the node or of the Sampler
+    and Load Pipeline it plans with, a choice of an input, a `vidmem` command (it points to
+    `vidmem plan`), an API workflow, or the torch device the plan is built on."""
+    from vidmem.cli import main
+
+    strategy, sampler = NODE_CLASS_MAPPINGS["VidMemMemoryStrategy"], NODE_CLASS_MAPPINGS["VidMemVideoSampler"]
+    inputs = {**_inputs(strategy), **_inputs(sampler), **_inputs(NODE_CLASS_MAPPINGS["VidMemLoadPipeline"])}
+    choices = {c for spec in _inputs(strategy).values() if isinstance(spec[0], (list, tuple)) for c in spec[0]}
+    templates = {path.stem for path in (REPO / "workflows" / "api").glob("*.json")}
+    page = (DOCS / "VidMemMemoryStrategy.md").read_text()
+    names = set(re.findall(r"`([^`]+)`", page))
+    assert "vidmem plan" in names
+    unknown = []
+    for name in sorted(names):
+        word = name.split(" ")[0] if re.fullmatch(r"\w+ \d+", name) else name  # `block_swap 39`: a choice and a count
+        if name.startswith("vidmem "):
+            with pytest.raises(SystemExit) as exit_code:
+                main([name.split(" ")[1], "--help"])
+            if exit_code.value.code != 0:
+                unknown.append(name)
+        elif not (word in inputs or word in choices or word in templates or word == "meta"
+                  or (word.endswith("/") and (REPO / word).is_dir())):
+            unknown.append(name)
+    assert not unknown, f"VidMemMemoryStrategy.md names {unknown}, which the nodes, the CLI and workflows/ do not have"
+
+
+def _inputs(node) -> dict:
+    return {name: spec for section in node.INPUT_TYPES().values() for name, spec in section.items()}
 
 
 def js(path: Path) -> str:
