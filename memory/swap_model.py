@@ -1,34 +1,36 @@
 """A timeline model of block swap on a GPU: how much copy time the engine's schedule hides.
 
-Everything this module returns is *modelled*, not measured: CI has no GPU. It replays the order in
-which `StreamSchedule` (with `CudaBackend`) issues copies and compute, on two queues, with copy
-times from bytes / PCIe bandwidth and compute times given per block.
+Everything this module returns is *modelled*, not measured: CI has no GPU. The schedule is not
+restated here: the engine's own `StreamSchedule` (memory/blockswap.py) decides when each swapped
+block is copied, waited for and evicted, driving stand-in groups and a backend that keeps three
+clocks instead of moving memory (copy times from bytes / bandwidth, compute times given per block):
 
-How a forward runs, here as in the engine:
-- The compute stream runs the non-block layers (head of the previous forward and embeddings of
-  this one: `other_compute_s`), then blocks 0..M-1 in index order. The last N blocks are swapped.
-- At a swapped block's pre-forward hook the engine issues that block's copy if it is not on the
-  device yet, makes compute wait for it, then issues copies for the next `prefetch` swapped blocks.
-  Past the last swapped block it wraps around to the first swapped blocks of the *next* forward,
-  whose copies then hide behind the head, the embeddings and the resident blocks. With one swapped
-  block there is nothing else to prefetch, so its copy is exposed in every forward.
-- Copies run one at a time in issue order. With `overlap` they run on a side stream, which waits
-  for the compute stream to reach the hook first: a copy issued at block i starts no earlier than
-  block i's compute. Without `overlap` they run on the compute stream, in line with compute.
-- After its forward a swapped block is evicted by re-pointing its parameters: no copy, no time.
-- Classifier-free guidance is two forwards per step (Wan) or one forward at batch 2 (CogVideoX):
-  pass `forwards` and per-block compute accordingly.
+- the compute stream runs the non-block layers (`other_compute_s`), the resident blocks, then the
+  swapped blocks, each as soon as the host has queued it and (for a swapped block) its copy has
+  landed: the wait is on that block's copy only;
+- the copy queue runs copies one at a time in issue order. A non-blocking copy (pinned memory,
+  `overlap=True`) starts as soon as the host issues it and the queue is free: the side stream does
+  not wait for compute. A blocking copy (`overlap=False`: pageable memory or `non_blocking` off)
+  holds the host until it lands, so the host queues the next compute late;
+- the host issues everything at once, except where the schedule makes it wait: before a new copy
+  while more than `EVICTED_IN_FLIGHT` evicted blocks may still be computing (their memory).
+
+Whatever the schedule does (prefetch after a block's forward has been queued, wrap-around into
+the next forward, nothing to prefetch with one swapped block), the model does, because it runs it.
+Classifier-free guidance is two forwards per step (Wan) or one forward at batch 2 (CogVideoX):
+pass `forwards` and per-block compute accordingly.
 
 Not modelled: copies and kernels competing for device memory bandwidth, per-copy launch latency,
-and the host falling behind the GPU (the model assumes pinned host copies and non-blocking
-copies, so the host enqueues ahead). Pageable memory, used past the pinned ceiling, copies at
-roughly half the bandwidth: model it by passing that bandwidth.
+and the host's own time to issue calls. Pageable memory, used past the pinned ceiling, copies at
+roughly half the bandwidth and blocks the host: model it with that bandwidth and `overlap=False`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+from .blockswap import StreamSchedule
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,9 @@ class Timeline:
     total_s: float
     resident_s: float
     copy_s: float  # time the copy queue was busy
-    stall_s: float  # time compute waited for copies (or ran them, without overlap)
+    stall_s: float  # time the compute stream stood idle: waiting for copies, or for a blocked host
     copies: int
-    peak_swapped_on_device: int  # swapped blocks on the device (or in flight) at once
+    peak_swapped_on_device: int  # swapped blocks on the device at once (evicted ones still computing not counted)
 
     @property
     def overhead(self) -> float:
@@ -101,7 +103,7 @@ def simulate(
         swapped: N, how many of the last blocks stream (0 = all resident).
         prefetch: how many swapped blocks ahead are copied while one computes.
         bandwidth: host-to-device bytes per second.
-        overlap: copies on a side stream (True) or on the compute stream (False).
+        overlap: non-blocking copies from pinned memory (True) or blocking ones that hold the host (False).
         forwards: transformer forwards in the call (steps x forwards per step).
         other_compute_s: compute per forward outside the blocks (embeddings, head).
 
@@ -109,59 +111,92 @@ def simulate(
         simulate(uniform_blocks(40, 0.7e9, 0.55), swapped=20, prefetch=1, bandwidth=25e9, forwards=100).overhead
     """
     _check(blocks, swapped, prefetch, bandwidth, forwards, other_compute_s)
-    run = _Run(blocks[len(blocks) - swapped :], prefetch, bandwidth, overlap)
-    resident = blocks[: len(blocks) - swapped]
+    clocks = _Clocks(bandwidth, blocking=not overlap)
+    groups = [_Block(f"blocks.{len(blocks) - swapped + i}", block, clocks) for i, block in enumerate(blocks[len(blocks) - swapped :])]
+    peak = [0]
+
+    def observe(kind: str, group) -> None:
+        peak[0] = max(peak[0], sum(g.on_device for g in groups))
+
+    schedule = StreamSchedule(groups, prefetch, True, clocks, observe)
     for _ in range(forwards):
-        run.compute(other_compute_s)
-        for block in resident:
-            run.compute(block.compute_s)
-        for index in range(swapped):
-            run.swapped_block(index)
+        clocks.run(other_compute_s)
+        for block in blocks[: len(blocks) - swapped]:
+            clocks.run(block.compute_s)
+        for group in groups:
+            schedule.before_forward(group)
+            clocks.run(group.cost.compute_s)
+            schedule.after_forward(group)
     per_forward = other_compute_s + sum(b.compute_s for b in blocks)
-    return Timeline(run.clock, per_forward * forwards, run.copy_busy, run.stall, run.copies, run.peak)
+    total = clocks.compute_end
+    return Timeline(total, per_forward * forwards, clocks.copy_busy, total - per_forward * forwards, clocks.copies, peak[0])
 
 
-class _Run:
-    """Two clocks (compute stream, copy queue) and which swapped blocks are on the device."""
+class _Clocks:
+    """The backend StreamSchedule drives here: host, compute stream and copy queue as clocks."""
 
-    def __init__(self, swapped: Sequence[BlockCost], prefetch: int, bandwidth: float, overlap: bool) -> None:
-        self.swapped, self.bandwidth, self.overlap = swapped, bandwidth, overlap
-        self.lookahead = min(prefetch, len(swapped) - 1)  # StreamSchedule never prefetches itself
-        self.clock = 0.0  # where the compute stream has got to
+    def __init__(self, bandwidth: float, blocking: bool) -> None:
+        self.bandwidth, self.blocking = bandwidth, blocking
+        self.host = 0.0  # when the host issues its next call
+        self.compute_end = 0.0  # when the compute stream has finished what is queued
         self.copy_free = 0.0  # when the copy queue is next idle
-        self.landed: dict[int, float] = {}  # swapped index -> when its copy lands
-        self.copy_busy = self.stall = 0.0
-        self.copies = self.peak = 0
+        self.ready = 0.0  # the copy the next compute waits for lands then
+        self.copy_busy = 0.0
+        self.copies = 0
 
-    def compute(self, seconds: float) -> None:
-        self.clock += seconds
-
-    def swapped_block(self, index: int) -> None:
-        """One swapped block's pre-forward hook, forward and eviction."""
-        if index not in self.landed:
-            self._issue(index)
-        start = max(self.clock, self.landed[index])
-        self.stall += start - self.clock
-        self.clock = start
-        for step in range(1, self.lookahead + 1):
-            upcoming = (index + step) % len(self.swapped)
-            if upcoming not in self.landed:
-                self._issue(upcoming)
-        self.peak = max(self.peak, len(self.landed))
-        self.compute(self.swapped[index].compute_s)
-        del self.landed[index]
-
-    def _issue(self, index: int) -> None:
-        seconds = self.swapped[index].copy_bytes / self.bandwidth
+    def copy(self, nbytes: float) -> float:
+        """Issue one copy; returns when it lands (the copy token)."""
+        start = max(self.copy_free, self.host)
+        self.copy_free = start + nbytes / self.bandwidth
+        self.copy_busy += nbytes / self.bandwidth
         self.copies += 1
-        self.copy_busy += seconds
-        if self.overlap:  # side stream: after the copies before it, and after compute reached the hook
-            self.copy_free = max(self.copy_free, self.clock) + seconds
-            self.landed[index] = self.copy_free
-        else:  # compute stream: the copy runs now, in line with compute
-            self.clock += seconds
-            self.stall += seconds
-            self.landed[index] = self.clock
+        if self.blocking:
+            self.host = self.copy_free  # a blocking copy returns to the host when it has landed
+        return self.copy_free
+
+    def run(self, seconds: float) -> None:
+        """Queue `seconds` of compute: it starts when queued, the stream is free and its copy landed."""
+        self.compute_end = max(self.compute_end, self.host, self.ready) + seconds
+
+    # --- the Backend verbs StreamSchedule calls -------------------------------------------
+
+    def wait(self, landed: float) -> None:
+        self.ready = max(self.ready, landed)
+
+    def compute_done(self) -> float:
+        return self.compute_end
+
+    def host_wait(self, marker: float) -> None:
+        self.host = max(self.host, marker)
+
+    def stamp(self) -> None:
+        return None
+
+
+class _Block:
+    """Stands in for a streamed WeightGroup: the same verbs, a copy on the clocks for tensors."""
+
+    def __init__(self, name: str, cost: BlockCost, clocks: _Clocks) -> None:
+        self.name, self.cost, self.clocks = name, cost, clocks
+        self.nbytes = cost.copy_bytes
+        self.on_device = False
+        self._landed: float | None = None
+
+    def onload(self, timed: bool = False) -> float | None:
+        if self.on_device:
+            return None
+        self._landed = self.clocks.copy(self.cost.copy_bytes)
+        self.on_device = True
+        return self._landed
+
+    def wait(self) -> None:
+        if self._landed is not None:
+            self.clocks.wait(self._landed)
+            self._landed = None
+
+    def evict(self) -> None:
+        self.on_device = False
+        self._landed = None
 
 
 def _check(blocks, swapped, prefetch, bandwidth, forwards, other_compute_s) -> None:
