@@ -97,6 +97,7 @@ def _match(opened: dict[str, WeightFile], catalogue: Sequence[ModelEntry]) -> Mo
     entry = match.choose_model(opened["model"], 1 + ("model_2" in opened), catalogue)
     match.check_vae(entry, opened["vae"])
     match.check_text_encoder(entry, opened["text_encoder"])
+    match.check_tokenizer(opened["text_encoder"])
     match.check_clip_vision(entry, opened.get("clip_vision"))
     return entry
 

@@ -74,7 +74,12 @@ def check_text_encoder(entry: ModelEntry, text_encoder: WeightFile) -> None:
             "builds Wan's umt5 tokenizer from it. Use Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled.safetensors or "
             "umt5_xxl_fp16.safetensors (from Comfy-Org/Wan_2.1_ComfyUI_repackaged), which carry it."
         )
-    if _tokenizer_pieces(text_encoder.tokenizer_model) == 0:
+
+
+def check_tokenizer(text_encoder: WeightFile) -> None:
+    """The embedded tokenizer parses as a SentencePiece model with pieces (checked apart from the
+    shapes: transformers' own error for a damaged one blames a missing tiktoken)."""
+    if text_encoder.tokenizer_model is not None and _tokenizer_pieces(text_encoder.tokenizer_model) == 0:
         raise ModelError(
             f"text_encoder: '{text_encoder.name}' embeds a tokenizer ('spiece_model') that is not a SentencePiece model "
             "(damaged or empty); download the file again: Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled.safetensors or "
@@ -83,13 +88,17 @@ def check_text_encoder(entry: ModelEntry, text_encoder: WeightFile) -> None:
 
 
 def _tokenizer_pieces(model: bytes) -> int:
-    """The vocabulary size of a SentencePiece model; 0 when the bytes are not one (sentencepiece's own parser)."""
-    import sentencepiece
+    """The pieces of a SentencePiece model as transformers reads it (the protobuf, not the
+    processor, which refuses repeated pieces transformers accepts); 0 when the bytes are not one."""
+    from google.protobuf.message import DecodeError
+    from sentencepiece import sentencepiece_model_pb2
 
+    proto = sentencepiece_model_pb2.ModelProto()
     try:
-        return sentencepiece.SentencePieceProcessor(model_proto=model).GetPieceSize()
-    except RuntimeError:  # "model_proto->ParseFromArray" failed
+        proto.ParseFromString(model)
+    except DecodeError:
         return 0
+    return len(proto.pieces)
 
 
 def check_clip_vision(entry: ModelEntry, clip_vision: WeightFile | None) -> None:
