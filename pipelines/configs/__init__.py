@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ...memory.units import DTYPES
 from ..family import ModelError
-from ..loader import DTYPES, family_for, read_model_index
+from ..loader import family_for, read_model_index
 from .meta import ComponentConfig, MetaModel
 
 CONFIG_DIR = Path(__file__).parent
