@@ -17,7 +17,7 @@ and the count compared with what can hold them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Sequence
 
@@ -29,6 +29,7 @@ from .family import ModelError
 # A config may describe a few more parameters than its files hold (ties a class makes after
 # loading, weights a class initialises itself); an absurd config describes thousands of times more.
 FILE_SLACK = 2.0
+BLOCK_COUNT_KEYS = ("num_layers", "num_hidden_layers")  # Wan, CogVideoX, T5 / UMT5; CLIP vision
 
 
 @dataclass(frozen=True)
@@ -48,22 +49,45 @@ class ImpliedWeights:
 
 def implied_weights(config: ComponentConfig, dtype: torch.dtype) -> ImpliedWeights:
     """The component built on meta (nothing allocated) and its parameters counted; ModelError
-    naming the config when the class refuses it."""
+    naming the config when the class refuses it.
+
+    Classes with identical blocks are built with one and with two blocks and the difference
+    extrapolated to the config's count (as the planner does): an absurd block count is refused
+    in milliseconds instead of building millions of blocks, even on meta.
+    """
     source = config.source or f"the {config.name} config"
     try:
-        module = build_meta(config, dtype)
-        tie = getattr(module, "tie_weights", None)
-        if callable(tie):
-            tie()  # transformers ties embeddings after building: count a shared matrix once
-    except (TypeError, ValueError, RuntimeError, AttributeError, KeyError, AssertionError) as error:
+        one, two = _count(build_meta(config, dtype, 1)), _count(build_meta(config, dtype, 2))
+        blocks = _block_count(config.config)
+        if blocks is None or two.numel == one.numel:  # no blocks capped: the whole component is small to build
+            counted = _count(build_meta(config, dtype))
+        else:
+            extra = blocks - 1
+            counted = replace(two, numel=one.numel + extra * (two.numel - one.numel),
+                              nbytes=one.nbytes + extra * (two.nbytes - one.nbytes),
+                              buffer_bytes=one.buffer_bytes + extra * (two.buffer_bytes - one.buffer_bytes))
+    except (TypeError, ValueError, RuntimeError, AttributeError, KeyError, IndexError, AssertionError, ArithmeticError) as error:
         raise ModelError(f"{config.name}: {source} does not describe a {config.class_name} ({error}); "
                          "re-download the model's config.json.") from None
+    return replace(counted, component=config.name, source=source)
+
+
+def _block_count(config: dict) -> int | None:
+    """The config's block count (the keys configs.meta.build_meta caps), or None."""
+    value = next((config[key] for key in BLOCK_COUNT_KEYS if key in config), None)
+    return value if isinstance(value, int) and value >= 1 else None
+
+
+def _count(module: torch.nn.Module) -> ImpliedWeights:
+    tie = getattr(module, "tie_weights", None)
+    if callable(tie):
+        tie()  # transformers ties embeddings after building: count a shared matrix once
     params = dict(module.named_parameters())  # named_parameters counts a tied matrix once
-    numel = sum(p.numel() for p in params.values())
-    nbytes = sum(p.numel() * p.element_size() for p in params.values())
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
     name, largest = max(params.items(), key=lambda item: item[1].numel(), default=("(none)", torch.empty(0)))
-    return ImpliedWeights(config.name, source, numel, nbytes, f"{name} {list(largest.shape)}", buffers)
+    return ImpliedWeights(
+        "", "", numel=sum(p.numel() for p in params.values()), nbytes=sum(p.numel() * p.element_size() for p in params.values()),
+        largest=f"{name} {list(largest.shape)}", buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+    )
 
 
 def check_against_files(implied: ImpliedWeights, stored_numel: int, files: str) -> None:

@@ -106,6 +106,29 @@ def test_the_weights_a_config_implies_are_the_weights_its_files_hold(tiny_folder
         assert implied.numel == stored, name
 
 
+def test_block_extrapolation_counts_what_a_full_build_holds():
+    """implied_weights builds one and two blocks and extrapolates; a full build on meta agrees."""
+    from vidmem.pipelines.comfy_files import shipped_catalogue
+    from vidmem.pipelines.configs.meta import build_meta
+
+    entry = {e.name: e for e in shipped_catalogue()}["wan2.1-t2v-1.3b"]
+    for name in ("transformer", "text_encoder"):
+        full = build_meta(entry.components[name], torch.bfloat16)
+        if hasattr(full, "tie_weights"):
+            full.tie_weights()  # the text encoder's shared embedding, counted once
+        implied = implied_weights(entry.components[name], torch.bfloat16)
+        assert implied.numel == sum(p.numel() for p in full.parameters()), name
+        assert implied.nbytes == sum(p.numel() * p.element_size() for p in full.parameters()), name
+
+
+def test_an_absurd_block_count_is_refused_without_building_the_blocks(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_layers": 10**7}))
+    with pytest.raises(ModelError, match="transformer: .*config.json describes .* weights .* hold only"):
+        load_pipeline(folder, "fp32")
+
+
 def test_a_config_implying_more_than_ram_and_swap_is_refused_from_the_config_alone(tiny_folder):
     config = json.loads((tiny_folder("wan2.1-t2v") / "transformer" / "config.json").read_text())
     implied = implied_weights(ComponentConfig("transformer", "diffusers", "WanTransformer3DModel",
