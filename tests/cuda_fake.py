@@ -18,8 +18,8 @@ fake stream is current), and logs every call in order in `fake.log` as tuples:
 
 Tensors stay on the CPU (the backend's device is `cpu`, so `.to(device)` is a real copy), while
 every CUDA call the backend makes goes through the fake. Events never complete on their own (a
-pessimistic GPU): `query()` is False until the host synchronizes on the event or on a later one
-recorded on the same stream. `oom_at`: raise torch.OutOfMemoryError on that copy (1-based, counting
+pessimistic GPU): `query()` is False until the host synchronizes on the event, on a later one
+recorded on the same stream, or on one recorded after that stream waited for it. `oom_at`: raise torch.OutOfMemoryError on that copy (1-based, counting
 copies on `oom_stream` only when given), once.
 """
 
@@ -37,6 +37,7 @@ class FakeStream:
 
     def wait_event(self, event: "FakeEvent") -> None:
         self.fake.log.append(("wait_event", self.name, event.id))
+        self.fake.waits.append((self.name, next(self.fake.positions), event))
 
     def synchronize(self) -> None:
         self.fake.log.append(("stream_sync", self.name))
@@ -66,7 +67,7 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         self.fake.log.append(("event_sync", self.id))
-        self.fake.done_up_to[self.stream] = max(self.fake.done_up_to.get(self.stream, -1), self.position)
+        self.fake.finish(self.stream, self.position)
         self.synchronized = self.finished = True
 
     def elapsed_time(self, end: "FakeEvent") -> float:
@@ -87,10 +88,20 @@ class FakeCuda:
         self.side_streams: list[FakeStream] = []
         self.current = self.compute
         self.done_up_to: dict[str, int] = {}
+        self.waits: list[tuple[str, int, FakeEvent]] = []  # (stream, position, event it waited for)
         self.copies = 0
         self.in_context = 0  # inside torch.cuda.stream(...): where the backend copies
         self.oom_at = oom_at
         self.device_bytes = {"allocated": 3 << 20, "reserved": 8 << 20, "free": 100 << 20, "total": 1 << 30}
+
+    def finish(self, stream: str, position: int) -> None:
+        """Everything on `stream` up to `position` is done, and so is every event it waited for."""
+        if position <= self.done_up_to.get(stream, -1):
+            return
+        self.done_up_to[stream] = position
+        for waiting, at, event in self.waits:
+            if waiting == stream and at < position and event.stream is not None:
+                self.finish(event.stream, event.position)
 
     def completed(self, event: FakeEvent) -> bool:
         return event.position <= self.done_up_to.get(event.stream, -1)

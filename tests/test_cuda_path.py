@@ -183,3 +183,35 @@ def test_an_out_of_memory_error_in_a_copy_climbs_the_ladder(tiny_folder, monkeyp
     assert not Audit(fake.log).run(2).problems
     assert torch.equal(result.latent["samples"], reference)
     assert not points_at_a_device_copy(loaded.pipe, fake)
+
+
+@pytest.mark.parametrize("name", ["gguf_q8_0", "fp8_scaled"])
+def test_the_disk_tier_streams_through_the_staging_ring_under_cuda(name, tmp_path, monkeypatch):
+    """Weights memory-mapped from their file copy file -> pinned slot -> device on the side stream;
+    a slot is reused only once its copy is done (as the fake's events report it), so the ring stays
+    at prefetch + 2 slots."""
+    from test_storage import inputs, load, tiers as storage_tiers, wan_state, write_model_file
+    from vidmem.memory import StageComponents, apply_strategy
+    from vidmem.memory.hostpool import HostPool
+
+    write_model_file(tmp_path / f"wan.{name}", wan_state(), name)
+    reference, _ = load(tmp_path / f"wan.{name}", torch.float32, dequantize_first=True)
+    with torch.no_grad():
+        expected = reference(**inputs(torch.float32))[0]
+    blocks = len(load(tmp_path / f"wan.{name}", torch.float32)[0].blocks)
+    for label, strategy in storage_tiers(blocks).items():
+        if not strategy.streams_blocks:
+            continue
+        model, _ = load(tmp_path / f"wan.{name}", torch.float32)
+        stage = StageComponents({"transformer": model}, {"transformer": model.blocks})
+        with monkeypatch.context() as patch:
+            fake = FakeCuda().install(patch)
+            backend = CudaBackend(torch.device("cpu"))
+            with torch.no_grad(), apply_strategy(stage, strategy, backend, fake.observe, HostPool(1 << 20)) as handle:
+                handle.activate("transformer")
+                got = model(**inputs(torch.float32))[0]
+        assert torch.equal(got, expected), f"{name} {label}"
+        assert backend.staging.staged_bytes > 0 and 0 < backend.staging.slots <= strategy.prefetch_blocks + 2, label
+        assert len([e for e in fake.log if e[0] == "pin"]) >= backend.staging.slots, label
+        audit = Audit(fake.log).run(strategy.prefetch_blocks)
+        assert not audit.problems, f"{name} {label}: " + "; ".join(audit.problems[:5])
