@@ -11,6 +11,10 @@ tile_size, out-of-range numbers get ComfyUI's own messages, Wan frames=50 is ref
 an older API workflow with the Strategy's own width/height/frames still runs; saved latents are
 listed and loaded by core Load Latent; GET /vidmem/plan answers for listed models only; every
 template's Templates-browser card is served. Standard library only for HTTP (PIL decodes the WEBPs).
+The single-file templates need Comfy-Org's file names on the server: when the server does not list
+them and its models folder is on this machine (VIDMEM_COMFYUI_MODELS, else ComfyUI's
+GET /internal/folder_paths), the test writes tiny files under those names first (never over an
+existing file); otherwise their tests skip, naming the missing files.
 It also queues every API workflow with the headless client, `vidmem queue --set ... --out DIR`,
 with the tiny models' sizes given as --set overrides, and checks the downloaded files, and
 that GET /vidmem/memory answers memory figures only.
@@ -20,6 +24,7 @@ How to run it (ComfyUI 0.8.0, CPU, loopback only):
     # 1. the pack and tiny models under the workflows' model folder names
     ln -sfn "$PWD" /path/to/ComfyUI/custom_nodes/vidmem
     python tests/workflow_runner.py place-models /path/to/ComfyUI/models/diffusers
+    python tests/workflow_runner.py place-files /path/to/ComfyUI/models   # or let the test do it
     # 2. the server
     cd /path/to/ComfyUI && python main.py --cpu --listen 127.0.0.1 --port 8188
     # 3. the test, from the repo root
@@ -37,12 +42,15 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 
 try:
+    from . import model_files
     from . import workflow_runner as wr
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
+    import model_files
     import workflow_runner as wr
 
 URL = os.environ.get("VIDMEM_COMFYUI_URL", "").rstrip("/")
@@ -76,7 +84,48 @@ def get_json(path: str):
 
 @pytest.fixture(scope="module")
 def object_info():
-    return get_json("/object_info")
+    """The server's /object_info, after placing tiny files under the single-file templates' names
+    when the server lists them not and its models folder is on this machine (never overwriting)."""
+    info = get_json("/object_info")
+    root = server_models_root() if unlisted_files(info) else None
+    if root is not None:
+        model_files.place_tiny_model_files(root)
+        info = get_json("/object_info")  # ComfyUI lists new files at once (INPUT_TYPES per request)
+    return info
+
+
+def server_models_root() -> Path | None:
+    """The server's models folder when this machine can write it: VIDMEM_COMFYUI_MODELS, else the parent
+    of the folder the server reports for diffusion_models (GET /internal/folder_paths) if it exists here."""
+    if os.environ.get("VIDMEM_COMFYUI_MODELS"):
+        return Path(os.environ["VIDMEM_COMFYUI_MODELS"])
+    status, folders = request("/internal/folder_paths")
+    if status != 200 or not isinstance(folders, dict):
+        return None
+    roots = [Path(folder).parent for folder in folders.get("diffusion_models", []) if Path(folder).is_dir()]
+    return roots[0] if roots else None
+
+
+def unlisted_files(info: dict, paths: list[Path] | None = None) -> list[str]:
+    """models/<folder>/<file> of every file the API workflows' file loaders name that the server does not list."""
+    node = info.get(wr.FILES_LOADER, {}).get("input", {})
+    inputs = {**node.get("required", {}), **node.get("optional", {})}
+    missing = set()
+    for files in model_files.referenced_model_files(paths):
+        for role, name in files.names:
+            listed = inputs.get("model" if role == "model_2" else role, [[]])[0]
+            if name not in listed:
+                missing.add(f"models/{model_files.FOLDERS[role]}/{name}")
+    return sorted(missing)
+
+
+def require_files(api_path: Path, info: dict) -> None:
+    """Skip a single-file template's test when the server lists its files not, saying how to place them."""
+    missing = unlisted_files(info, [api_path])
+    if missing:
+        pytest.skip(f"{api_path.stem}: the server does not list {missing}; place tiny files under those names with "
+                    "`python tests/workflow_runner.py place-files <ComfyUI>/models`, or set "
+                    "VIDMEM_COMFYUI_MODELS=<ComfyUI>/models and this test places them")
 
 
 def server_spec(info: dict) -> wr.NodeSpec:
@@ -112,6 +161,14 @@ def test_the_workflow_models_are_listed(object_info):
     assert not missing, f"not in the server's models/diffusers: {missing}; run `python tests/workflow_runner.py place-models <ComfyUI>/models/diffusers`"
 
 
+def test_the_single_file_templates_files_are_listed(object_info):
+    assert model_files.referenced_model_files(), "some template loads ComfyUI's own files"
+    missing = unlisted_files(object_info)
+    if missing:
+        pytest.skip(f"not listed by the server: {missing}; run `python tests/workflow_runner.py place-files "
+                    "<ComfyUI>/models` or set VIDMEM_COMFYUI_MODELS=<ComfyUI>/models")
+
+
 def test_core_node_table_matches_the_server(object_info):
     for node_id, ours in wr.CORE_NODES.items():
         listed = server_spec(object_info[node_id])
@@ -121,6 +178,7 @@ def test_core_node_table_matches_the_server(object_info):
 
 @pytest.mark.parametrize("path", wr.ui_files(), ids=lambda p: p.stem)
 def test_ui_template_loads_against_object_info(path, object_info):
+    require_files(wr.api_twin(path), object_info)
     problems = []
     for node in wr.load_json(path)["nodes"]:
         if node["type"] in wr.VIRTUAL_NODES:
@@ -184,6 +242,7 @@ def looks_like(filename: str, data: bytes) -> bool:
 
 @pytest.mark.parametrize("path", wr.api_files(), ids=lambda p: p.stem)
 def test_api_workflow_runs_in_the_host(path, object_info):
+    require_files(path, object_info)
     seed = time.time_ns() % 2**32  # a fresh seed: the execution cache cannot answer for the sampler
     api = wr.shrink_for_tiny(wr.load_json(path), seed=seed)
     prompt_id = queue(api)
@@ -371,9 +430,10 @@ def tiny_overrides(path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", wr.api_files(), ids=lambda p: p.stem)
-def test_queue_client_runs_every_api_workflow(path, tmp_path, capsys):
+def test_queue_client_runs_every_api_workflow(path, tmp_path, capsys, object_info):
     from vidmem.queue_cli import main as queue_main
 
+    require_files(path, object_info)
     overrides = tiny_overrides(path)
     argv = ["queue", str(path), "--server", URL, "--out", str(tmp_path), "--timeout", str(TIMEOUT)]
     for setting in overrides:

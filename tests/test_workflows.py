@@ -13,8 +13,10 @@ import pytest
 import torch
 
 try:
+    from . import model_files
     from . import workflow_runner as wr
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
+    import model_files
     import workflow_runner as wr
 
 from vidmem.nodes import NODE_CLASS_MAPPINGS
@@ -37,11 +39,32 @@ def tiny_models_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def tiny_files_root(tmp_path_factory):
+    """A ComfyUI models folder with tiny files under every file name the single-file templates use."""
+    root = tmp_path_factory.mktemp("comfy_models")
+    model_files.place_tiny_model_files(root)
+    return root
+
+
 @pytest.fixture
-def models_root(tiny_models_dir, monkeypatch):
+def models_root(tiny_models_dir, tiny_files_root, monkeypatch):
+    """The host's model lookups pointed at the tiny folders and files (as ComfyUI's folder_paths would list them)."""
     from vidmem.nodes import host
 
+    def folder(role):
+        return tiny_files_root / host.MODEL_FILE_FOLDERS[role][0]
+
+    def resolve(role, name):
+        path = folder(role) / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{role} '{name}' is not among the tiny files in {folder(role)}")
+        return path
+
     monkeypatch.setattr(host, "_diffusers_roots", lambda: [str(tiny_models_dir)])
+    monkeypatch.setattr(host, "model_file_names", lambda role: sorted(p.name for p in folder(role).glob("*.safetensors")))
+    monkeypatch.setattr(host, "resolve_model_file", resolve)
+    monkeypatch.setattr(host, "model_config_dirs", lambda: [tiny_files_root / model_files.CONFIGS])
     return tiny_models_dir
 
 
@@ -49,8 +72,9 @@ def test_every_template_has_both_formats_a_readable_title_and_a_thumbnail():
     assert {"cogvideox_t2v.json", "wan21_t2v_blockswap.json"} <= {p.name for p in API_FILES}
     assert sorted(wr.api_twin(p).name for p in UI_FILES) == [p.name for p in API_FILES]
     for path in UI_FILES:  # the Templates browser shows the file name as title and description
-        assert len(path.stem) <= 36, "the card shows about 33 characters of the title on one line"
-        assert " " in path.stem and "_" not in path.stem and re.search(r"(\d+ GB card|small card, block swap)$", path.stem), path.stem
+        assert len(path.stem) <= 36, "the card's bold title shows about 36 characters on one line"
+        assert " " in path.stem and "_" not in path.stem, path.stem
+        assert re.search(r"(\d+ GB card|small card, block swap|\d+ GB, \d+ GB RAM)$", path.stem), path.stem
         assert re.fullmatch(r"[A-Za-z0-9 .,()-]+", path.stem), "characters a URL path keeps as they are"
         image = wr.thumbnail(path)
         assert image.is_file(), f"{image.name} missing: run tests/test_web_browser.py with VIDMEM_THUMBNAILS=1"
@@ -144,7 +168,9 @@ def test_ui_explains_its_memory_choice_in_a_note(path):
     notes = [n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "Note"]
     strategy = next(n for n in ui["nodes"] if n["type"] == "VidMemMemoryStrategy")
     offload = strategy["widgets_values"][0]
-    assert notes and any(offload in text and "models/diffusers" in text for text in notes)
+    files = ui["extra"]["vidmem"].get("files", [])
+    where = [f"models/{f['folder']}/{f['name']}" for f in files] + [f["repo"] for f in files] or ["models/diffusers"]
+    assert notes and any(offload in text and all(w in text for w in where) for text in notes), (offload, where)
 
 
 @by_name(UI_FILES)
@@ -174,12 +200,67 @@ def test_api_inputs_are_valid(path, models_root):
 
 
 @by_name(API_FILES)
-def test_api_models_are_referenced_by_folder_name(path):
+def test_api_models_are_referenced_by_name(path):
     api = wr.load_json(path)
-    loaders = [node for node in api.values() if node["class_type"] == "VidMemLoadPipeline"]
-    assert loaders and all(node["inputs"]["path"] == "" for node in loaders), "no machine-specific paths"
-    for node in loaders:
-        assert "/" not in node["inputs"]["model"] and wr.tiny_variant_for(node["inputs"]["model"])
+    loaders = [node for node in api.values() if node["class_type"] in (wr.FOLDER_LOADER, wr.FILES_LOADER)]
+    assert len(loaders) == 1
+    inputs = loaders[0]["inputs"]
+    if loaders[0]["class_type"] == wr.FOLDER_LOADER:
+        assert inputs["path"] == "", "no machine-specific paths"
+    names = [inputs[role] for role in model_files.FOLDERS if inputs.get(role, model_files.UNUSED) != model_files.UNUSED]
+    assert names and all("/" not in name and "\\" not in name for name in names), names
+    assert wr.tiny_variant_for(inputs["model"])
+
+
+SINGLE_FILE_UI = [p for p in UI_FILES if "files" in wr.load_json(p)["extra"]["vidmem"]]
+ROLE_FOLDERS = {"model": "diffusion_models", "model_2": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
+
+
+def test_a_single_file_template_per_wan_family():
+    loaders = {wr.load_json(wr.api_twin(p))["1"]["inputs"]["model"] for p in SINGLE_FILE_UI}
+    assert {wr.tiny_variant_for(name) for name in loaders} >= {"wan2.1-t2v", "wan2.2-a14b"}
+    assert any("fp8" in name and "14B" in name for name in loaders)
+
+
+@by_name(SINGLE_FILE_UI)
+def test_single_file_template_names_comfy_orgs_files_in_their_folders(path):
+    ui = wr.load_json(path)
+    files = {f["name"]: f for f in ui["extra"]["vidmem"]["files"]}
+    loader = wr.load_json(wr.api_twin(path))["1"]
+    assert loader["class_type"] == wr.FILES_LOADER
+    named = {role: loader["inputs"][role] for role in ROLE_FOLDERS if loader["inputs"][role] != model_files.UNUSED}
+    assert sorted(named.values()) == sorted(files), "the loader names exactly the files the note lists"
+    for role, name in named.items():
+        file = files[name]
+        assert file["folder"] == ROLE_FOLDERS[role], (role, file)
+        assert file["repo"] in ("Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged")
+        assert file["url"] == f"https://huggingface.co/{file['repo']}/resolve/main/split_files/{file['folder']}/{name}"
+    assert loader["inputs"]["weights_on_disk"] is True and loader["inputs"]["weight_dtype"] == "default"
+    assert ("model_2" in named) == (wr.tiny_variant_for(named["model"]) == "wan2.2-a14b"), "A14B takes both experts"
+
+
+@by_name(SINGLE_FILE_UI)
+def test_single_file_template_strategy_fits_its_machine_per_the_planner(path):
+    """The planner, at the template's full size, on the machine it names, with the files' storage."""
+    from vidmem.memory.planner import PlanOptions, VideoShape, plan_run
+    from vidmem.nodes.strategy import WIDGETS, build_strategy
+    from vidmem.pipelines.configs import load_model
+
+    machine = wr.load_json(path)["extra"]["vidmem"]["machine"]
+    api = wr.load_json(wr.api_twin(path))
+    by_type = {node["class_type"]: node["inputs"] for node in api.values()}
+    loader, sampler = by_type[wr.FILES_LOADER], by_type["VidMemVideoSampler"]
+    stated = {"transformer": loader["model"], "transformer_2": loader["model_2"], "text_encoder": loader["text_encoder"]}
+    assert machine["weights"] == {c: model_files.storage_named(n) for c, n in stated.items() if n != model_files.UNUSED}
+    model = load_model(machine["plan_model"], loader["dtype"])
+    strategy = build_strategy(**{name: by_type["VidMemMemoryStrategy"][name] for name in WIDGETS})
+    shape = VideoShape(sampler["width"], sampler["height"], sampler["frames"], cfg=sampler["cfg"] > 1.0)
+    options = PlanOptions(storage=machine["weights"], on_disk=loader["weights_on_disk"])
+    plan = plan_run(model, shape, strategy, options, vram_budget_bytes=int(machine["vram_gb"] * 2**30),
+                    ram_budget_bytes=int(machine["ram_gb"] * 2**30))
+    peaks = f"peak VRAM {plan.peak_vram_bytes / 2**30:.2f} GiB, RAM {plan.peak_ram_bytes / 2**30:.2f} GiB"
+    assert plan.fits, f"{path.stem}: {strategy.describe()} does not fit {machine}: {peaks}"
+    print(f"\n{path.stem}: {strategy.describe()}: {peaks}, slowdown x{plan.est_slowdown:.2f}")
 
 
 @by_name(API_FILES)
@@ -191,6 +272,11 @@ def test_api_workflow_runs_end_to_end_with_tiny_models(path, models_root):
     variant = wr.tiny_variant_for(next(iter(wr.loader_models(api).values())))
     spec = tiny_spec(variant)
     ids = {node["class_type"]: nid for nid, node in api.items()}
+    if wr.FILES_LOADER in ids:  # the loader's own settings took effect on the files
+        loaded, inputs = run.outputs[ids[wr.FILES_LOADER]][0], api[ids[wr.FILES_LOADER]]["inputs"]
+        assert loaded.on_disk is inputs["weights_on_disk"]
+        assert loaded.storage["transformer"] == model_files.storage_named(inputs["model"]), loaded.storage
+        assert loaded.storage["text_encoder"] == model_files.storage_named(inputs["text_encoder"]), loaded.storage
     latent = run.outputs[ids["VidMemVideoSampler"]][0]
     assert isinstance(latent, dict) and latent["samples"].ndim == 5
     frames = run.outputs[ids["VidMemVAEDecode"]][0]

@@ -12,12 +12,15 @@ What it gives the tests (and `workflows/generate.py`):
 - `shrink_for_tiny(api)`: the same graph at the tiny models' sizes (width/height/frames/steps, and
   `blocks_to_swap` capped to what a tiny transformer has).
 
-Placing tiny models under the templates' folder names, e.g. for a real ComfyUI:
+Placing tiny models under the templates' folder and file names, e.g. for a real ComfyUI:
 
     python tests/workflow_runner.py place-models /path/to/ComfyUI/models/diffusers
+    python tests/workflow_runner.py place-files /path/to/ComfyUI/models
 
-writes one tiny random diffusers folder per model name the API workflows reference (a Wan-family
-tiny for Wan names, a CogVideoX tiny for CogVideoX names). An existing folder is never overwritten.
+The first writes one tiny random diffusers folder per model name the API workflows reference (a
+Wan-family tiny for Wan names, a CogVideoX tiny for CogVideoX names); the second tiny single files
+under the names the Load Video Model Files nodes use (tests/model_files.py). An existing folder or
+file is never overwritten.
 """
 
 from __future__ import annotations
@@ -219,10 +222,12 @@ def _id_key(node_id: str) -> tuple:
 
 # --- tiny models ---------------------------------------------------------------------------------
 
-# First match wins: every listed substring must occur in the lower-cased folder name.
+# First match wins: every listed substring must occur in the lower-cased folder or file name.
+# Wan 2.2 A14B's single files are its two experts (wan2.2_t2v_high_noise_14B_..., _low_noise_).
 TINY_FOR_NAME: tuple[tuple[tuple[str, ...], str], ...] = (
     (("wan", "ti2v"), "wan2.2-ti2v"),
     (("wan", "a14b"), "wan2.2-a14b"),
+    (("wan2.2", "t2v", "_noise_"), "wan2.2-a14b"),
     (("wan", "i2v"), "wan2.1-i2v"),
     (("wan",), "wan2.1-t2v"),
     (("cogvideo", "i2v"), "cogvideox-i2v"),
@@ -235,18 +240,23 @@ def tiny_variant_for(model_name: str) -> str:
     for parts, variant in TINY_FOR_NAME:
         if all(part in name for part in parts):
             return variant
-    raise ValueError(f"no tiny stand-in for model {model_name!r}; expected a Wan or CogVideoX folder name")
+    raise ValueError(f"no tiny stand-in for model {model_name!r}; expected a Wan or CogVideoX folder or file name")
+
+
+FOLDER_LOADER, FILES_LOADER = "VidMemLoadPipeline", "VidMemLoadModelFiles"
 
 
 def loader_models(api: dict) -> dict[str, str]:
-    """node id -> model folder name, for every Load Video Pipeline node."""
-    return {nid: node["inputs"]["model"] for nid, node in api.items() if node["class_type"] == "VidMemLoadPipeline"}
+    """node id -> model name (a diffusers folder, or a file in models/diffusion_models), for every loader."""
+    return {nid: node["inputs"]["model"] for nid, node in api.items() if node["class_type"] in (FOLDER_LOADER, FILES_LOADER)}
 
 
 def referenced_model_names(paths: list[Path] | None = None) -> list[str]:
+    """The diffusers folder names the workflows load (Load Video Pipeline)."""
     names = set()
     for path in paths or api_files():
-        names.update(loader_models(load_json(path)).values())
+        api = load_json(path)
+        names.update(node["inputs"]["model"] for node in api.values() if node["class_type"] == FOLDER_LOADER)
     return sorted(names)
 
 
@@ -372,7 +382,17 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     place = commands.add_parser("place-models", help="write tiny models under the API workflows' model names")
     place.add_argument("models_dir", type=Path, help="e.g. ComfyUI/models/diffusers")
+    files = commands.add_parser("place-files", help="write tiny single files under the names the API workflows' "
+                                "Load Video Model Files nodes use (tests/model_files.py)")
+    files.add_argument("models_root", type=Path, help="ComfyUI/models (files go to its diffusion_models, "
+                       "text_encoders, vae and vidmem_configs folders)")
     args = parser.parse_args(argv)
+    if args.command == "place-files":
+        from model_files import place_tiny_model_files
+
+        for path in place_tiny_model_files(args.models_root):
+            print(path)
+        return
     for folder in place_tiny_models(args.models_dir):
         print(f"{folder}  ({tiny_variant_for(folder.name)})")
 

@@ -1,6 +1,8 @@
 """Write vidmem's workflow templates, UI format (workflows/*.json) and API format (workflows/api/*.json).
 
-Both files of a template come from one Python description below, so they cannot drift apart;
+Both files of a template come from one Python description (workflows/templates_folders.py for the
+diffusers-folder templates, workflows/templates_files.py for those on ComfyUI's own single files;
+their parts in workflows/template_types.py), so they cannot drift apart;
 `tests/test_workflows.py` checks that the files on disk are what this script writes, and converts
 each UI file to API format on its own to compare. Widget order comes from the nodes' INPUT_TYPES.
 
@@ -22,10 +24,14 @@ import argparse
 import json
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]  # the template lists beside this file; tests/workflow_runner.py
+from template_types import Template  # noqa: E402
+from templates_files import FILE_TEMPLATES  # noqa: E402
+from templates_folders import FOLDER_TEMPLATES  # noqa: E402
 from workflow_runner import API_DIR, WORKFLOWS_DIR, node_spec, socket_inputs, widget_names  # noqa: E402
 
 
@@ -41,225 +47,7 @@ class Node:
     colors: tuple[str, str] | None = None  # (color, bgcolor)
 
 
-@dataclass(frozen=True)
-class Loader:
-    """The node that loads the model: its type, widget values and height.
-
-    A template on another loader (e.g. one for ComfyUI's single-file models) gives its own:
-    `Loader("VidMemLoadModelFiles", dict(<its widgets by name>), height=170)`; the rest of the
-    chain links to its output 0 as it does to Load Video Pipeline's.
-    """
-
-    type: str
-    widgets: dict
-    height: int = 130
-
-
-def diffusers_folder(model: str, dtype: str) -> Loader:
-    """Load Video Pipeline on a diffusers folder under models/diffusers, found by name."""
-    return Loader("VidMemLoadPipeline", dict(model=model, dtype=dtype, path="", transformer_file="(from the folder)"))
-
-
-@dataclass(frozen=True)
-class Template:
-    """What differs between templates: the model, the memory strategy, the shot, and why."""
-
-    name: str  # workflows/api/<name>.json, for the command line
-    title: str  # workflows/<title>.json: what the Templates browser shows
-    note: str
-    loader: Loader
-    strategy: dict
-    prompt: str
-    negative_prompt: str
-    width: int
-    height: int
-    frames: int
-    steps: int
-    cfg: float
-    fps: float
-    seed: int = 42
-
-
-NEGATIVE = "blurry, low quality, distorted, flickering, static frame, watermark, text, subtitles"
-TILES = dict(vae_tiling=True, tile_size=256, overlap=32, temporal_size=64, temporal_overlap=8)
-
-TEMPLATES = (
-    Template(
-        name="cogvideox_t2v",
-        title="CogVideoX-2b, 12 GB card",
-        note=(
-            "CogVideoX-2b text to video on a 12 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
-            "Model: the diffusers folder of THUDM/CogVideoX-2b in ComfyUI/models/diffusers/CogVideoX-2b "
-            "(the dropdown lists folders by name, so this workflow finds it on any machine). "
-            "fp16 is the precision CogVideoX-2b was trained in.\n\n"
-            "Memory strategy, offload = model: the text encoder, the transformer and the VAE each go to the "
-            "GPU only while they run, so the peak is the largest component plus its activations, not their "
-            "sum. The largest is the T5-XXL text encoder (about 9.5 GB in fp16); with text_encoder = "
-            "offload_after_encoding it leaves the GPU as soon as the prompt is encoded. On a card under "
-            "12 GB set text_encoder = cpu (encoding then takes a while in system RAM and no VRAM).\n\n"
-            "VAE tiling: decoding 720x480x49 in one piece needs about 16 GB in fp16; 256 px tiles with "
-            "32 px overlap keep the decode to a few GB.\n\n"
-            "Every strategy gives the same frames; they differ only in memory and speed."
-        ),
-        loader=diffusers_folder("CogVideoX-2b", "fp16"),
-        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="offload_after_encoding",
-                      vae_slicing=False, **TILES),
-        prompt="A golden retriever runs through a sunlit meadow of tall grass, slow motion, shallow depth of field.",
-        negative_prompt=NEGATIVE,
-        width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0,
-    ),
-    Template(
-        name="wan21_t2v_blockswap",
-        title="Wan 2.1 1.3B, small card, block swap",
-        note=(
-            "Wan 2.1 T2V 1.3B text to video: 832x480, 81 frames (about 5 s at 16 fps), for small cards.\n\n"
-            "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
-            "ComfyUI/models/diffusers/Wan2.1-T2V-1.3B-Diffusers.\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 20: of the transformer's 30 "
-            "blocks, the first 10 stay on the GPU and the last 20 live in system RAM and stream in each "
-            "step, the next one copied while the current one computes (prefetch_blocks = 1). The "
-            "transformer then holds about a third of its 2.8 GB (bf16) on the GPU. The UMT5-XXL text "
-            "encoder (about 11 GB in bf16) encodes on the CPU (text_encoder = cpu), so it never takes "
-            "VRAM, and the VAE decodes in 256 px tiles.\n\n"
-            "With 12 GB or more, offload = model and blocks_to_swap = 0 is faster. Fewer swapped blocks "
-            "run faster and use more VRAM. Every strategy gives the same frames."
-        ),
-        loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
-        strategy=dict(offload="block_swap", blocks_to_swap=20, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="cpu",
-                      vae_slicing=False, **TILES),
-        prompt="A red fox trots through fresh snow in a pine forest, morning light, tracking shot.",
-        negative_prompt=NEGATIVE,
-        width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0,
-    ),
-    # --- one template per VRAM tier. Figures: bf16 weight bytes = parameters x 2 (parameter counts of
-    # the real configs, built on the meta device); activations and the CUDA context come on top, so
-    # each tier keeps a reserve (3 GiB for the small models, 6 GiB for the large ones) and the
-    # table in web/docs/VidMemMemoryStrategy.md gives the same choices for every model and card.
-    Template(
-        name="wan21_t2v_1_3b_8gb",
-        title="Wan 2.1 1.3B, 8 GB card",
-        note=(
-            "Wan 2.1 T2V 1.3B on an 8 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
-            "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
-            "ComfyUI/models/diffusers/Wan2.1-T2V-1.3B-Diffusers.\n\n"
-            "Memory strategy, offload = model: the transformer (1.42 billion parameters, 2.6 GiB of bf16 "
-            "weights) is on the GPU only while it samples and the VAE only while it decodes, so the "
-            "weights on the card never exceed 2.6 GiB. The UMT5-XXL text encoder (5.7 billion parameters, "
-            "10.6 GiB) cannot fit an 8 GB card, so text_encoder = cpu: the prompt is encoded in system RAM "
-            "(no VRAM, but it takes a while and needs about 11 GiB of free RAM). The VAE decodes in 256 px "
-            "tiles.\n\n"
-            "These are weight sizes; activations (a few GiB at this size) and the CUDA context come on top. "
-            "The Memory Strategy node shows the predicted peaks for the Sampler's size before you queue. If "
-            "it still runs out of memory, the \"Wan 2.1 1.3B, small card, block swap\" "
-            "template streams 20 of the 30 blocks from RAM. Every strategy gives the same frames."
-        ),
-        loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
-        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="cpu", vae_slicing=False, **TILES),
-        prompt="A paper boat drifts down a rain-filled gutter past glowing shop windows at night, close-up.",
-        negative_prompt=NEGATIVE,
-        width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0,
-    ),
-    Template(
-        name="wan21_t2v_1_3b_12gb",
-        title="Wan 2.1 1.3B, 12 GB card",
-        note=(
-            "Wan 2.1 T2V 1.3B on a 12 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
-            "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
-            "ComfyUI/models/diffusers/Wan2.1-T2V-1.3B-Diffusers.\n\n"
-            "Memory strategy, offload = model with text_encoder = offload_after_encoding: the UMT5-XXL text "
-            "encoder (10.6 GiB of bf16 weights) goes to the GPU alone, encodes the prompt in about a second "
-            "and leaves; then the transformer (2.6 GiB) samples, then the VAE decodes in 512 px tiles. "
-            "10.6 GiB on a 12 GB card is tight: if the card also drives your display or ComfyUI holds "
-            "other models, set text_encoder = cpu (the 8 GB template).\n\n"
-            "These are weight sizes; activations and the CUDA context come on top. The Memory Strategy node "
-            "shows the predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
-        ),
-        loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
-        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="offload_after_encoding", vae_slicing=False,
-                      **dict(TILES, tile_size=512, overlap=128)),
-        prompt="A hummingbird hovers at a red flower in a sunlit garden, slow motion, macro shot.",
-        negative_prompt=NEGATIVE,
-        width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0,
-    ),
-    Template(
-        name="wan21_t2v_14b_24gb",
-        title="Wan 2.1 14B, 24 GB card",
-        note=(
-            "Wan 2.1 T2V 14B on a 24 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
-            "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-14B-Diffusers in "
-            "ComfyUI/models/diffusers/Wan2.1-T2V-14B-Diffusers.\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 15: the transformer has 14.3 billion "
-            "parameters (26.6 GiB in bf16), more than the card holds. Its 40 blocks are 0.65 GiB each; 25 "
-            "stay on the GPU (16.8 GiB with the embeddings and head) and the last 15 live in system RAM and "
-            "stream in every step, the next one copied while the current one computes (prefetch_blocks = 1). "
-            "That leaves about 6 GiB for activations and the CUDA context. The UMT5-XXL text encoder "
-            "(10.6 GiB) goes to the GPU alone to encode the prompt and leaves at once "
-            "(text_encoder = offload_after_encoding); the VAE decodes in 256 px tiles.\n\n"
-            "System RAM: every weight lives there between runs, about 38 GiB (transformer, text encoder, "
-            "VAE), plus pinned copies of the streamed blocks; 64 GB of RAM is comfortable. At 1280x720 "
-            "the activations grow about 2.3x: swap more blocks (each one frees 0.65 GiB). If you run out of "
-            "memory, raise blocks_to_swap by 4 at a time. The Memory Strategy node shows the predicted peaks for the Sampler's size "
-            "before you queue. Every strategy gives the same frames."
-        ),
-        loader=diffusers_folder("Wan2.1-T2V-14B-Diffusers", "bf16"),
-        strategy=dict(offload="block_swap", blocks_to_swap=15, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
-                      non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
-        prompt="A lighthouse on a rocky cliff at dusk, waves crashing below, its beam sweeping through sea mist, aerial shot.",
-        negative_prompt=NEGATIVE,
-        width=832, height=480, frames=81, steps=40, cfg=5.0, fps=16.0,
-    ),
-    Template(
-        name="cogvideox_2b_t2v_8gb",
-        title="CogVideoX-2b, 8 GB card",
-        note=(
-            "CogVideoX-2b on an 8 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
-            "Model: the diffusers folder of THUDM/CogVideoX-2b in ComfyUI/models/diffusers/CogVideoX-2b; "
-            "fp16, the precision CogVideoX-2b was trained in.\n\n"
-            "Memory strategy, offload = model: the transformer (1.69 billion parameters, 3.2 GiB in fp16) is "
-            "on the GPU only while it samples, the VAE only while it decodes (256 px tiles). The T5-XXL text "
-            "encoder (4.8 billion parameters, 8.9 GiB) does not fit an 8 GB card, so text_encoder = cpu: "
-            "the prompt is encoded in system RAM (slow, no VRAM). With 12 GB or more, the \"CogVideoX-2b, 12 GB card\" "
-            "template encodes on the GPU instead.\n\n"
-            "These are weight sizes; activations and the CUDA context come on top. The Memory Strategy node "
-            "shows the predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
-        ),
-        loader=diffusers_folder("CogVideoX-2b", "fp16"),
-        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="cpu", vae_slicing=False, **TILES),
-        prompt="A steaming cup of coffee on a wooden table by a window, rain on the glass, soft morning light.",
-        negative_prompt=NEGATIVE,
-        width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0,
-    ),
-    Template(
-        name="wan22_ti2v_5b_12gb",
-        title="Wan 2.2 TI2V-5B, 12 GB card",
-        note=(
-            "Wan 2.2 TI2V-5B on a 12 GB card, text to video: 1280x704, 121 frames (about 5 s at 24 fps). "
-            "Width and height must be multiples of 32 for this model and frames 4k+1.\n\n"
-            "Model: the diffusers folder of Wan-AI/Wan2.2-TI2V-5B-Diffusers in "
-            "ComfyUI/models/diffusers/Wan2.2-TI2V-5B-Diffusers.\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 12: the transformer has 5.0 billion "
-            "parameters (9.3 GiB in bf16) in 30 blocks of 0.31 GiB; 18 stay on the GPU (6.0 GiB with the "
-            "embeddings, head and one prefetched block) and 12 stream in from system RAM every step. The "
-            "UMT5-XXL text encoder (10.6 GiB) goes to the GPU alone to encode the prompt, then leaves "
-            "(text_encoder = offload_after_encoding; tight on 12 GB: set it to cpu if the card also drives a "
-            "display). Its VAE compresses 16x and decodes 1280x704x121 in 256 px tiles.\n\n"
-            "On a 16 GB card offload = model (blocks_to_swap = 0) fits and is faster. These are weight "
-            "sizes; activations and the CUDA context come on top. The Memory Strategy node shows the "
-            "predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
-        ),
-        loader=diffusers_folder("Wan2.2-TI2V-5B-Diffusers", "bf16"),
-        strategy=dict(offload="block_swap", blocks_to_swap=12, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
-                      non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
-        prompt="A street musician plays violin under a bridge at golden hour, pigeons taking off around him, cinematic.",
-        negative_prompt=NEGATIVE,
-        width=1280, height=704, frames=121, steps=50, cfg=5.0, fps=24.0,
-    ),
-)
+TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES
 
 GROUPS = ("1. Model and memory strategy", "2. Sample, decode, free", "3. Save")
 NOTE_COLORS = ("#432", "#653")
@@ -268,9 +56,11 @@ NOTE_COLORS = ("#432", "#653")
 # Layout, in canvas pixels. Heights leave room for what the nodes add in the browser: the
 # Strategy's plan (web/js/vidmem.js PLAN_HEIGHT) from the start, a three-line receipt after a run.
 COLUMNS = (0, 460, 940, 1340, 1880)
-TOP = 340  # below the note; a group's title sits above its nodes' title bars (GROUP_HEAD)
+NOTE_GAP = 90  # between the note and the groups' top: a group's title sits above its nodes' title bars
 GROUP_HEAD = 80  # node title bar (30) + group title (24) + room
-GAP = 30
+GAP = 50  # between stacked nodes: the lower one's title bar (30) and the source badge drawn above it (~20)
+SAMPLER_HEIGHT, SAMPLER_WIDGETS = 590, 9  # its height with this many widgets (two multiline prompts)
+WIDGET_ROW = 28  # what one more number or combo widget adds (24 and spacing)
 
 
 def graph(t: Template) -> list[Node]:
@@ -281,27 +71,55 @@ def graph(t: Template) -> list[Node]:
     """
     a, b, c, d, e = COLUMNS
     loader_h, strategy_h, decode_h = t.loader.height, 700, 190
-    return [
-        Node(1, t.loader.type, (a, TOP), (400, loader_h), t.loader.widgets, group=GROUPS[0]),
-        Node(2, "VidMemMemoryStrategy", (a, TOP + loader_h + GAP), (400, strategy_h),
+    top = t.note_height + NOTE_GAP
+    nodes = [
+        Node(1, t.loader.type, (a, top), (400, loader_h), t.loader.widgets, group=GROUPS[0]),
+        Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (400, strategy_h),
              dict(t.strategy, vram_budget_gb=0.0, ram_budget_gb=0.0), group=GROUPS[0]),
-        Node(3, "VidMemVideoSampler", (b, TOP), (420, 590), dict(
+        Node(3, "VidMemVideoSampler", (b, top), (420, _sampler_height()), dict(
             prompt=t.prompt, negative_prompt=t.negative_prompt, width=t.width, height=t.height, frames=t.frames,
             steps=t.steps, cfg=t.cfg, seed=t.seed, control_after_generate="fixed",
         ), links=dict(pipeline=(1, 0), strategy=(2, 0)), group=GROUPS[1]),
-        Node(4, "VidMemVAEDecode", (c, TOP), (340, decode_h), dict(save_latents=False),
+        Node(4, "VidMemVAEDecode", (c, top), (340, decode_h), dict(save_latents=False),
              links=dict(pipeline=(1, 0), latent=(3, 0), strategy=(2, 0)), group=GROUPS[1]),
-        Node(5, "VidMemFreeVRAM", (c, TOP + decode_h + GAP), (340, 160), dict(unload_comfy_models=False),
+        Node(5, "VidMemFreeVRAM", (c, top + decode_h + GAP), (340, 160), dict(unload_comfy_models=False),
              links=dict(anything=(4, 0)), group=GROUPS[1]),
         # Save Video grows to fit its preview (a square one for the tiny models): room for that.
-        Node(6, "CreateVideo", (d, TOP), (480, 80), dict(fps=t.fps), links=dict(images=(5, 0)), group=GROUPS[2]),
-        Node(7, "SaveVideo", (d, TOP + 80 + 2 * GAP), (480, 620), dict(filename_prefix=f"vidmem/{t.name}", format="auto",
+        Node(6, "CreateVideo", (d, top), (480, 80), dict(fps=t.fps), links=dict(images=(5, 0)), group=GROUPS[2]),
+        Node(7, "SaveVideo", (d, top + 80 + 2 * GAP), (480, 620), dict(filename_prefix=f"vidmem/{t.name}", format="auto",
              codec="auto"), links=dict(video=(6, 0)), group=GROUPS[2]),
-        Node(8, "SaveAnimatedWEBP", (e, TOP), (480, 760), dict(
+        Node(8, "SaveAnimatedWEBP", (e, top), (480, 760), dict(
             filename_prefix=f"vidmem/{t.name}_preview", fps=t.fps, lossless=False, quality=85, method="default",
         ), links=dict(images=(5, 0)), group=GROUPS[2]),
-        Node(9, "Note", (a, 0), (c + 340, 250), dict(text=t.note), colors=NOTE_COLORS),
+        Node(9, "Note", (a, 0), (c + 340, t.note_height), dict(text=t.note), colors=NOTE_COLORS),
     ]
+    return [_with_defaults(node) for node in nodes]
+
+
+def _sampler_height() -> int:
+    """Room for every widget the Sampler has today (inputs added later get their row)."""
+    extra = len(widget_names(node_spec("VidMemVideoSampler"))) - SAMPLER_WIDGETS
+    return SAMPLER_HEIGHT + WIDGET_ROW * max(0, extra)
+
+
+def _with_defaults(node: Node) -> Node:
+    """The node with a value for every widget: what the template sets, else the input's default
+    (so an input added to a node later gets its default in both files, as a fresh node would)."""
+    spec = node_spec(node.type)
+    configs = {name: (kind, config) for name, kind, config, _optional in spec.ordered_inputs()}
+    widgets = dict(node.widgets)
+    for name in widget_names(spec):
+        if name not in widgets:
+            widgets[name] = "fixed" if name == "control_after_generate" else _default(*configs[name])
+    return replace(node, widgets=widgets)
+
+
+def _default(kind, config: dict):
+    if "default" in config:
+        return config["default"]
+    if isinstance(kind, list) and kind:
+        return kind[0]
+    raise ValueError(f"a widget of type {kind} has no default: give it a value in the template")
 
 
 # --- API format ----------------------------------------------------------------------------------
@@ -341,9 +159,19 @@ def to_ui(t: Template, nodes: list[Node]) -> dict:
         "groups": _groups(nodes),
         "config": {},
         # The saved view starts right of the sidebar; extra.vidmem.api names the API twin.
-        "extra": {"ds": {"scale": 0.7, "offset": [120, 60]}, "vidmem": {"api": t.name}},
+        "extra": {"ds": {"scale": 0.7, "offset": [120, 60]}, "vidmem": _vidmem_extra(t)},
         "version": 0.4,
     }
+
+
+def _vidmem_extra(t: Template) -> dict:
+    """extra.vidmem: the API twin's name; for single-file templates, the machine and the files."""
+    extra = {"api": t.name}
+    if t.machine:
+        extra["machine"] = t.machine.as_json()
+    if t.files:
+        extra["files"] = [{"name": f.name, "folder": f.folder, "repo": f.repo, "url": f.url} for f in t.files]
+    return extra
 
 
 def _ui_node(node: Node, order: int, incoming: dict, outgoing: dict) -> dict:

@@ -140,10 +140,28 @@ async function templatesBrowser(page, file) {
   await page.locator('[role="dialog"]').getByText("vidmem", { exact: true }).first().click();
   await page.waitForTimeout(2500);
   await page.screenshot({ path: file, type: "png" });
+  await scrollThroughDialog(page); // cards below the fold load their image only when scrolled into view
   const texts = await page.locator('[role="dialog"]').innerText();
   page.off("response", listen);
   await dismissDialogs(page);
   return { cards, text: texts, screenshot: file };
+}
+
+// Scroll every scrollable panel of the open dialog to its end, half a view at a time, then back.
+async function scrollThroughDialog(page) {
+  await page.evaluate(async () => {
+    const dialog = document.querySelector('[role="dialog"]');
+    const scrollable = [...(dialog?.querySelectorAll("*") ?? [])]
+      .filter((e) => e.scrollHeight > e.clientHeight + 10 && /(auto|scroll)/.test(getComputedStyle(e).overflowY));
+    for (const panel of scrollable) {
+      for (let y = 0; y < panel.scrollHeight; y += panel.clientHeight / 2) {
+        panel.scrollTop = y;
+        await new Promise((resolve) => setTimeout(resolve, 300));
+      }
+      panel.scrollTop = 0;
+    }
+  });
+  await page.waitForTimeout(1500);
 }
 
 // The graph's on-screen box (nodes and groups, after FitView): a template's card shows the graph, not the app around it.

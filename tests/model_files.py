@@ -1,0 +1,120 @@
+"""ComfyUI's own model files that the single-file templates name, and tiny stand-ins under those names.
+
+A template on Load Video Model Files names Comfy-Org's files (wan2.1_t2v_14B_fp8_scaled.safetensors,
+umt5_xxl_fp8_e4m3fn_scaled.safetensors, ...). For the tests and a test host, `place_tiny_model_files`
+writes the tiny random Wan model of `vidmem.pipelines.tiny_files` under exactly those names, in the
+storage the name says (fp8 scaled, fp16, bf16), into a ComfyUI-style models folder:
+
+    python tests/workflow_runner.py place-files /path/to/ComfyUI/models
+
+An existing file is never overwritten (a running server may have it memory-mapped): files are
+written to a scratch folder beside the target and moved into place only where the name is free.
+The tiny model's config goes to models/vidmem_configs/, where the loader node matches files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    from . import workflow_runner as wr
+except ImportError:  # tests/ is not a package: run from tests/ or with tests/ on sys.path
+    import workflow_runner as wr
+
+FOLDERS = {"model": "diffusion_models", "model_2": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
+CONFIGS = "vidmem_configs"
+UNUSED = "(none)"
+
+
+@dataclass(frozen=True)
+class TemplateFiles:
+    """The files one Load Video Model Files node names: loader input -> file name."""
+
+    names: tuple[tuple[str, str], ...]
+
+    @property
+    def by_role(self) -> dict[str, str]:
+        return dict(self.names)
+
+    @property
+    def variant(self) -> str:
+        """The tiny model that stands in for these files (A14B when a second expert is named)."""
+        roles = self.by_role
+        variant = wr.tiny_variant_for(roles["model"])
+        return "wan2.2-a14b" if "model_2" in roles else variant
+
+    def paths(self, models_root: Path) -> dict[str, Path]:
+        return {role: Path(models_root) / FOLDERS[role] / name for role, name in self.names}
+
+
+def referenced_model_files(paths: list[Path] | None = None) -> list[TemplateFiles]:
+    """Every distinct set of files the API workflows' Load Video Model Files nodes name."""
+    found = []
+    for path in paths or wr.api_files():
+        for node in wr.load_json(path).values():
+            if node["class_type"] == wr.FILES_LOADER:
+                names = tuple((role, node["inputs"][role]) for role in FOLDERS if node["inputs"].get(role, UNUSED) != UNUSED)
+                found.append(TemplateFiles(names))
+    return list(dict.fromkeys(found))
+
+
+def storage_named(file_name: str) -> str:
+    """The storage a Comfy-Org file name states: fp8 ..._scaled, fp8_e4m3fn, fp16 or bf16 (the default)."""
+    name = file_name.lower()
+    if "fp8" in name:
+        return "fp8_scaled" if "scaled" in name else "fp8_e4m3fn"
+    return "fp16" if "fp16" in name else "bf16"
+
+
+def place_tiny_model_files(models_root: Path, paths: list[Path] | None = None) -> list[Path]:
+    """Tiny files under every name the API workflows' file loaders use; existing files are kept.
+
+    Returns the path of every named file (placed now or already there).
+    """
+    from vidmem.pipelines.tiny_files import save_tiny_comfy_files
+
+    models_root = Path(models_root)
+    placed = []
+    for files in referenced_model_files(paths):
+        targets = files.paths(models_root)
+        for storage, roles in _roles_by_storage(files).items():
+            missing = [role for role in roles if not targets[role].is_file()]
+            if not missing:
+                continue
+            with tempfile.TemporaryDirectory(dir=_scratch_parent(models_root)) as scratch:
+                written = save_tiny_comfy_files(files.variant, scratch, storage, reference=False,
+                                                file_names={role: files.by_role[role] for role in FOLDERS if role in files.by_role})
+                for role in missing:
+                    _move_if_free(Path(getattr(written.files, role)), targets[role])
+                config = Path(scratch) / CONFIGS / f"tiny-{files.variant}.json"
+                (models_root / CONFIGS).mkdir(parents=True, exist_ok=True)
+                os.replace(config, models_root / CONFIGS / config.name)  # a JSON read per load: replacing is safe
+        placed += list(targets.values())
+    return placed
+
+
+def _roles_by_storage(files: TemplateFiles) -> dict[str, list[str]]:
+    """Roles grouped by the storage their names state; the VAE goes with the model (plain weights)."""
+    roles = files.by_role
+    groups: dict[str, list[str]] = {}
+    for role in roles:
+        storage = storage_named(roles["model"] if role == "vae" else roles[role])
+        groups.setdefault(storage, []).append(role)
+    return groups
+
+
+def _scratch_parent(models_root: Path) -> Path:
+    """A scratch folder on the models folder's file system, so the final move is a rename."""
+    models_root.mkdir(parents=True, exist_ok=True)
+    return models_root
+
+
+def _move_if_free(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        return
+    shutil.move(str(source), str(target))

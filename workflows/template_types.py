@@ -1,0 +1,102 @@
+"""What a workflow template is made of (used by workflows/generate.py and the template lists).
+
+A template names its loader, the memory strategy, the shot and a note that explains the choice.
+Templates on ComfyUI's own single files also name the machine they are sized for and where each
+file comes from, so the note, the README and the tests read one source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NEGATIVE = "blurry, low quality, distorted, flickering, static frame, watermark, text, subtitles"
+TILES = dict(vae_tiling=True, tile_size=256, overlap=32, temporal_size=64, temporal_overlap=8)
+
+WAN21_REPO = "Comfy-Org/Wan_2.1_ComfyUI_repackaged"
+WAN22_REPO = "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
+NO_FILE = "(none)"  # Load Video Model Files' value for an unused optional file
+
+
+@dataclass(frozen=True)
+class Loader:
+    """The node that loads the model: its type, widget values and height.
+
+    A template on another loader gives its own type and widgets by name; the rest of the chain
+    links to its output 0 as it does to Load Video Pipeline's.
+    """
+
+    type: str
+    widgets: dict
+    height: int = 130
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """One of Comfy-Org's repackaged files: its name, repository and folder.
+
+    The folder is both the repository's `split_files/<folder>/` and ComfyUI's `models/<folder>/`.
+    """
+
+    name: str
+    repo: str
+    folder: str  # diffusion_models, text_encoders, vae
+
+    @property
+    def source(self) -> str:
+        return f"{self.repo}, split_files/{self.folder}/{self.name}"
+
+    @property
+    def url(self) -> str:
+        return f"https://huggingface.co/{self.repo}/resolve/main/split_files/{self.folder}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The card and RAM a template is sized for, as `vidmem plan` takes them."""
+
+    vram_gb: float
+    ram_gb: float
+    plan_model: str  # a built-in model of `vidmem plan --list-models`
+    weights: dict  # component -> storage format of the files (what `--weights` sets for all)
+
+    def as_json(self) -> dict:
+        return {"vram_gb": self.vram_gb, "ram_gb": self.ram_gb, "plan_model": self.plan_model, "weights": dict(self.weights)}
+
+
+@dataclass(frozen=True)
+class Template:
+    """What differs between templates: the model, the memory strategy, the shot, and why."""
+
+    name: str  # workflows/api/<name>.json, for the command line
+    title: str  # workflows/<title>.json: what the Templates browser shows
+    note: str
+    loader: Loader
+    strategy: dict
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    frames: int
+    steps: int
+    cfg: float
+    fps: float
+    seed: int = 42
+    machine: Machine | None = None  # templates on single files: the card and RAM the strategy was planned for
+    files: tuple[ModelFile, ...] = ()  # and where each file comes from
+    note_height: int = 250
+
+
+def diffusers_folder(model: str, dtype: str) -> Loader:
+    """Load Video Pipeline on a diffusers folder under models/diffusers, found by name."""
+    return Loader("VidMemLoadPipeline", dict(model=model, dtype=dtype, path="", transformer_file="(from the folder)"))
+
+
+def model_files(model: ModelFile, text_encoder: ModelFile, vae: ModelFile, model_2: ModelFile | None = None,
+                dtype: str = "bf16", weights_on_disk: bool = True) -> Loader:
+    """Load Video Model Files on ComfyUI's own files, by name: weights stored as in the files
+    (weight_dtype default never lowers them), computed in `dtype`, the VAE in the same dtype."""
+    return Loader("VidMemLoadModelFiles", dict(
+        model=model.name, text_encoder=text_encoder.name, vae=vae.name, dtype=dtype, vae_dtype="same as dtype",
+        weight_dtype="default", weights_on_disk=weights_on_disk, model_2=model_2.name if model_2 else NO_FILE,
+        clip_vision=NO_FILE,
+    ), height=250)
