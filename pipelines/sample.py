@@ -123,7 +123,7 @@ def sample(
     texts = prompt_texts(pipe, spec.max_sequence_length, request.prompt, request.negative_prompt, choice.guided)
     prompts = look_up(pipe, texts, hooks.prompt_cache)
     run = _Run(loaded, request, choice, hooks, backend, observer, prompts, len(prompts.embeds), receipt)
-    requested, rungs, resume = strategy, [], None
+    requested, rungs, resume = strategy, run.rungs, None
     while True:
         record = run.attempt(strategy, resume)
         if record.raw is not None:
@@ -164,6 +164,7 @@ class _Run:
     prompts: PromptEmbeddings
     hits: int
     receipt: dict
+    rungs: list[Rung] = field(default_factory=list)  # the OOM ladder climbed so far
 
     def attempt(self, strategy: MemoryStrategy, resume: ResumePoint | None) -> StepRecord:
         """One attempt: `record.raw` holds the raw latents, or is None after an out-of-memory
@@ -183,7 +184,7 @@ class _Run:
                 raise
             if next_rung(strategy, block_count(self.loaded), None) is None:
                 step = (record.last.steps_done if record.last else 0) + 1
-                raise SamplingOutOfMemory(out_of_memory_message(strategy, step, self.request.steps, [], error)) from error
+                raise SamplingOutOfMemory(out_of_memory_message(strategy, step, self.request.steps, self.rungs, error)) from error
             record.call = None
         return record
 

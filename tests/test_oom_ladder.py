@@ -129,6 +129,13 @@ def test_out_of_memory_under_sequential_names_what_to_change(tiny_loaded):
     assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
 
 
+def test_out_of_memory_at_the_end_of_the_ladder_lists_the_rungs_tried(tiny_loaded):
+    loaded = tiny_loaded("cogvideox-t2v")
+    with InjectOOM(loaded.pipe.transformer.transformer_blocks[0], [1, 2, 3]):
+        with pytest.raises(SamplingOutOfMemory, match=r"tried: offload=model .* -> offload=block_swap blocks_to_swap=1 .* -> offload=sequential"):
+            run(loaded, MemoryStrategy(offload="model"), request_for("cogvideox-t2v", steps=STEPS))
+
+
 def test_a_runtime_error_saying_out_of_memory_climbs_and_other_errors_do_not(tiny_loaded):
     loaded = tiny_loaded("wan2.1-t2v")
     request = request_for("wan2.1-t2v", steps=2)
