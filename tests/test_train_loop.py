@@ -139,3 +139,17 @@ def test_periodic_checkpoints_and_resume_refuses_other_settings(tiny_loaded, pre
     with pytest.raises(TrainingError, match="settings"):
         train_lora(loaded, data, MemoryStrategy(offload="none"), TrainSettings(rank=8, alpha=4.0, steps=4),
                    TrainOutputs(result.lora_path, tmp_path / "checkpoints" / "p"), CpuBackend(), resume=True)
+
+
+def test_without_torchs_hook_getter_sequential_is_refused_and_block_swap_still_trains(tiny_loaded, prepared, tmp_path, monkeypatch):
+    """torch < 2.8 has no getter for the active saved-tensor hooks (training/autograd.py)."""
+    from vidmem.training import autograd
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    _, reference = train(loaded, prepared("wan2.1-t2v"), tmp_path, name="ref", gradient_checkpointing=False)
+    monkeypatch.setattr(autograd, "_TOP_HOOKS", None)
+    with pytest.raises(TrainingError, match="needs torch 2.8"):
+        train(loaded, prepared("wan2.1-t2v"), tmp_path, MemoryStrategy(offload="sequential"), name="seq")
+    _, swapped = train(loaded, prepared("wan2.1-t2v"), tmp_path, MemoryStrategy(offload="block_swap", blocks_to_swap=2),
+                       StrictBackend(), name="swap")
+    assert_same_weights(reference, swapped)

@@ -38,6 +38,25 @@ def _identity(tensor):
     return tensor
 
 
+# torch has no public getter for the active saved-tensor hooks; this private one exists from torch
+# 2.8 (taking `ignore_is_tracing` in recent versions). Without it the hooks cannot be layered over
+# checkpoint's re-run, so the `sequential` tier is refused for training (check_layering).
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def can_layer_hooks() -> bool:
+    return _TOP_HOOKS is not None
+
+
+def _active_hooks():
+    if _TOP_HOOKS is None:
+        return None
+    try:
+        return _TOP_HOOKS(False)
+    except TypeError:  # older signature without the argument
+        return _TOP_HOOKS()
+
+
 @contextmanager
 def frozen_saved_by_storage() -> Iterator[None]:
     """Save tensors without gradients by their current storage (see the module docstring).
@@ -45,8 +64,7 @@ def frozen_saved_by_storage() -> Iterator[None]:
     Only the innermost saved-tensor hooks apply, so these wrap whatever hooks are active when
     entered (checkpoint's re-run hooks): alias first, then pass the alias on.
     """
-    # torch has no public getter for the active hooks; this one has existed since torch 2.0.
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer = _active_hooks()
     outer_pack, outer_unpack = outer if outer is not None else (_identity, _identity)
 
     def pack(tensor: torch.Tensor):
@@ -57,7 +75,16 @@ def frozen_saved_by_storage() -> Iterator[None]:
 
 
 def _rerun_contexts():
-    return nullcontext(), frozen_saved_by_storage()
+    return nullcontext(), (frozen_saved_by_storage() if can_layer_hooks() else nullcontext())
+
+
+def check_layering(streams_leaves: bool) -> None:
+    """The `sequential` tier evicts layers between a block's re-run and its backward: that needs the
+    re-run's saved weights aliased, which needs the hook getter."""
+    if streams_leaves and not can_layer_hooks():
+        raise TrainingError(f"offload='sequential' during training needs torch 2.8 or newer (this is {torch.__version__}); "
+                            "choose offload 'block_swap' (blocks_to_swap = all blocks streams the whole transformer) "
+                            "or update torch.")
 
 
 def _checkpointed(module: nn.Module, *args, **kwargs):

@@ -25,13 +25,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..memory import MemoryStrategy, StageComponents, apply_strategy
+from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy
 from ..memory.blockswap import Observer
 from ..memory.offload import device_weight_bytes
 from ..memory.telemetry import StageMeter
 from ..pipelines.hooks import interrupt_checks
 from .adapters import AttachedLora, build_layers, find_targets, trainable_bytes
-from .autograd import frozen_saved_by_storage, gradient_checkpointing
+from .autograd import check_layering, frozen_saved_by_storage, gradient_checkpointing
 from .batches import BatchOrder, step_generator
 from .errors import TrainingError
 from .objective import denoiser_for, objective_for
@@ -86,6 +86,7 @@ def check_request(loaded, data: PreparedData, strategy: MemoryStrategy, settings
         raise TrainingError(f"offload='{strategy.offload.value}' during training needs gradient_checkpointing on: "
                             "without it the backward keeps every streamed block's weights on the device, so streaming "
                             "saves nothing. Turn gradient_checkpointing on, or choose offload 'model' or 'none'.")
+    check_layering(strategy.offload is OffloadTier.SEQUENTIAL)
     check_available(settings.optimizer)
     return component
 
