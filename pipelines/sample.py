@@ -128,16 +128,9 @@ def sample(
         record = run.attempt(strategy, resume)
         if record.raw is not None:
             break
-        resume, failed_at = record.last, (record.last.steps_done if record.last else 0) + 1
+        resume = record.last
         del record  # the failed attempt's tensors go before the cleanup
-        freed = free_memory(device)
-        budget = hooks.device_budget(device)
-        fits = planner_fits(loaded, request.width, request.height, request.frames, request.steps, choice.guided, budget)
-        rung, how = next_rung(strategy, block_count(loaded), fits)
-        rungs.append(Rung(strategy.describe(), failed_at, failed_at - 1, rung.describe(), how, freed.as_dict()))
-        log.warning("vidmem: out of memory at step %d/%d under %s; resuming from step %d under %s (%s)",
-                    failed_at, request.steps, strategy.describe(), failed_at - 1, rung.describe(), how)
-        strategy = rung
+        strategy = run.escalate(strategy, resume.steps_done if resume else 0)
     receipt["strategy"] = strategy.describe()
     if rungs:
         receipt["requested_strategy"] = requested.describe()
@@ -187,6 +180,18 @@ class _Run:
                 raise SamplingOutOfMemory(out_of_memory_message(strategy, step, self.request.steps, self.rungs, error)) from error
             record.call = None
         return record
+
+    def escalate(self, strategy: MemoryStrategy, steps_done: int) -> MemoryStrategy:
+        """After an out-of-memory error under `strategy`: free, pick the next rung, log it."""
+        request, device = self.request, self.backend.device
+        freed = free_memory(device)
+        fits = planner_fits(self.loaded, request.width, request.height, request.frames, request.steps,
+                            self.choice.guided, self.hooks.device_budget(device))
+        rung, how = next_rung(strategy, block_count(self.loaded), fits)
+        self.rungs.append(Rung(strategy.describe(), steps_done + 1, steps_done, rung.describe(), how, freed.as_dict()))
+        log.warning("vidmem: out of memory at step %d/%d under %s; resuming after step %d under %s (%s)",
+                    steps_done + 1, request.steps, strategy.describe(), steps_done, rung.describe(), how)
+        return rung
 
     def _run(self, call, strategy: MemoryStrategy, record: StepRecord) -> torch.Tensor:
         loaded, hooks, prompts, receipt = self.loaded, self.hooks, self.prompts, self.receipt
