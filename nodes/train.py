@@ -98,7 +98,8 @@ class VidMemTrainLoRA:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "pipeline": (PIPELINE_TYPE, {"tooltip": "The pipeline the data was prepared with."}),
+                "pipeline": (PIPELINE_TYPE, {"tooltip": "The pipeline the data was prepared with. LoRAs on it "
+                             "apply during training; the new LoRA learns on top of them."}),
                 "data": (TRAINING_DATA_TYPE, {"tooltip": "From Prepare Training Data (VidMem)."}),
                 "strategy": (STRATEGY_TYPE, {"tooltip": "Where the transformer lives while training. block_swap and "
                              "sequential need gradient_checkpointing on."}),
@@ -183,7 +184,8 @@ def prepare_lines(receipt: dict) -> list[str]:
 def train_lines(receipt: dict, settings: TrainSettings) -> list[str]:
     losses = receipt.get("losses") or []
     resumed = f" (resumed at step {receipt['start_step']})" if receipt.get("start_step") else ""
-    return [
+    over = [f"trained over the pipeline's {receipt['trained_over']}"] if "trained_over" in receipt else []
+    return over + [
         f"{receipt['component']}: LoRA rank {settings.rank} on {receipt['layers']} layers, "
         f"{human_bytes(receipt['trainable_bytes'])} trainable; {settings.optimizer.value} states "
         f"{human_bytes(receipt['optimizer_state_bytes'])}",

@@ -102,3 +102,17 @@ def test_retraining_replaces_its_own_lora(tiny_loaded, trained, tmp_path):
                TrainOutputs(target, tmp_path / "ck"), CpuBackend())
     assert target.read_bytes() != first.lora_path.read_bytes()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+
+def test_training_applies_the_pipelines_own_loras_and_leaves_them_as_found(tiny_loaded, trained, tmp_path):
+    """A pipeline that already carries a LoRA (e.g. a distill LoRA) trains the new one on top of it."""
+    from vidmem.pipelines.lora import with_lora
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    data, first = trained("wan2.1-t2v")
+    carrying = with_lora(loaded, load_lora(first.lora_path, loaded.pipe, 1.0, name="first"))
+    settings = TrainSettings(rank=4, alpha=4.0, learning_rate=1e-2, steps=2, seed=4)
+    plain = train_lora(loaded, data, MemoryStrategy(offload="none"), settings, TrainOutputs(tmp_path / "a.safetensors", tmp_path / "a"), CpuBackend())
+    over = train_lora(carrying, data, MemoryStrategy(offload="sequential"), settings, TrainOutputs(tmp_path / "b.safetensors", tmp_path / "b"), CpuBackend())
+    assert over.losses[0] != plain.losses[0] and "first" in over.receipt["trained_over"]
+    assert not any(name.startswith("_vidmem_lora") for m in loaded.pipe.transformer.modules() for name in m._buffers)

@@ -28,7 +28,9 @@ import torch
 from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy
 from ..memory.blockswap import Observer
 from ..memory.offload import device_weight_bytes
+from ..memory.lora import apply_loras
 from ..memory.telemetry import StageMeter
+from ..pipelines.lora import describe_loras, lora_patches
 from ..pipelines.hooks import interrupt_checks
 from .adapters import AttachedLora, build_layers, find_targets, trainable_bytes
 from .autograd import check_layering, frozen_saved_by_storage, gradient_checkpointing
@@ -120,8 +122,13 @@ def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: T
     receipt = {"strategy": strategy.describe(), "device": str(device), "component": component,
                "layers": len(targets.paths), "trainable_bytes": trainable_bytes(run.layers),
                "device_weight_bytes": device_weight_bytes(stage, strategy), "start_step": run.step}
+    if loaded.loras:
+        receipt["trained_over"] = describe_loras(loaded.loras)
     with StageMeter("train", device) as meter:
-        with _training_context(model, run, settings, blocks, check_interrupt), \
+        # LoRAs already on the pipeline (a distill LoRA, another expert's) apply as at sampling:
+        # the new LoRA learns what is missing on top of them; all before the strategy (memory.lora's rule).
+        with apply_loras(lora_patches(loaded.pipe, loaded.loras)), \
+                _training_context(model, run, settings, blocks, check_interrupt), \
                 apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
             handle.activate(component)
             times = _train_steps(model, objective, order, run, settings, device, progress, save)
