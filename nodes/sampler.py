@@ -6,10 +6,12 @@ import math
 from functools import reduce
 
 from ..memory.planner_stages import VideoShape
+from ..memory.telemetry import free_device_bytes
 from ..pipelines.loader import FAMILIES
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
+from ..pipelines.schedulers import SCHEDULERS
 from . import host
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt
@@ -56,7 +58,7 @@ class VidMemVideoSampler:
                 "strategy": (STRATEGY_TYPE, {"tooltip": "From Memory Strategy: where weights live during sampling."}),
                 "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What the video shows."}),
                 "negative_prompt": ("STRING", {"multiline": True, "default": "", "tooltip":
-                    "What to avoid; used only when cfg > 1."}),
+                    "What to avoid; encoded and used only when cfg (or A14B's cfg_2) is above 1."}),
                 "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip":
                     "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B). Wan 480p: 832x480, CogVideoX: 720x480. "
                     "The Memory Strategy plans for this size."}),
@@ -66,13 +68,27 @@ class VidMemVideoSampler:
                     "Wan: 4k+1 (e.g. 81); CogVideoX: 8k+1 (49, or 81 for 1.5)."}),
                 "steps": ("INT", {"default": 30, "min": 1, "max": 1000, "tooltip": "Denoising steps."}),
                 "cfg": ("FLOAT", {"default": 6.0, "min": 0.0, "max": 30.0, "step": 0.1, "tooltip":
-                    "Classifier-free guidance; above 1 runs the negative prompt too (twice the compute)."}),
+                    "Classifier-free guidance; above 1 runs the negative prompt too (twice the compute). 1 runs no "
+                    "negative pass (distill LoRAs such as lightx2v: cfg 1). Wan 5.0, CogVideoX 6.0 by default."}),
                 "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "tooltip":
                     "Noise seed; noise is made on the CPU, so a seed gives the same video on any GPU."}),
             },
             "optional": {
                 "image": ("IMAGE", {"tooltip": "First frame, for image-to-video models and Wan 2.2 TI2V-5B (which runs "
                           "text-to-video without it); leave empty for text-to-video models."}),
+                "scheduler": (list(SCHEDULERS), {"default": "default", "tooltip":
+                    "default: what the model ships (Wan: flow UniPC; CogVideoX: its DDIM or DPM). unipc: UniPC; "
+                    "dpmpp_2m: DPM-Solver++ 2M; flow_match_euler: flow-match Euler (Wan only). CogVideoX 2b and 1.5 "
+                    "(trained with snr_shift_scale 3) take only default. Set for this run only."}),
+                "shift": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.1, "tooltip":
+                    "Flow shift, Wan only (0 for CogVideoX). 0: the model's own. Wan's advice: 3.0 at 480p, 5.0 at "
+                    "720p; a larger shift spends more steps at high noise (composition), a smaller one on detail."}),
+                "cfg_2": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 30.0, "step": 0.1, "tooltip":
+                    "Wan 2.2 A14B only: cfg of the low-noise expert (cfg is the high-noise one's). -1: same as cfg. "
+                    "1 runs no negative pass for that expert (e.g. a Lightning LoRA on the low-noise expert)."}),
+                "boundary_ratio": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.999, "step": 0.005, "tooltip":
+                    "Wan 2.2 A14B only: the share of the noise schedule the high-noise expert runs (steps with "
+                    "timestep >= ratio x 1000). 0: the model's own (T2V 0.875, I2V 0.9)."}),
             },
         }
 
@@ -82,15 +98,20 @@ class VidMemVideoSampler:
         range checks for the rest): Wan frames=50 is refused when queued, on frames alone."""
         return frames_problem(frames) or True
 
-    def sample(self, pipeline, strategy, prompt, negative_prompt, width, height, frames, steps, cfg, seed, image=None):
+    def sample(self, pipeline, strategy, prompt, negative_prompt, width, height, frames, steps, cfg, seed, image=None,
+               scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0):
         choice = as_choice(strategy)
         device = host.compute_device()
         run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames), device)
-        request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image)
+        # The widgets' "model's own" values (0, -1) are the engine's None.
+        request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image, scheduler,
+                                shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None)
         progress = host.Progress(steps, "sampling")
         try:
             cache = PromptCache(host.prompt_cache_folder())
-            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room, prompt_cache=cache)
+            # After an out-of-memory error the ladder asks what is free; None off CUDA (fixed ladder).
+            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room, device_budget=free_device_bytes,
+                             prompt_cache=cache)
             result = sample(pipeline, run, request, hooks, device=device)
         finally:
             progress.close()

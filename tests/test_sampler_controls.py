@@ -246,3 +246,22 @@ def test_family_defaults_are_data():
     from vidmem.pipelines.cogvideox import COGVIDEOX
 
     assert not COGVIDEOX.sampler.flow_matching and COGVIDEOX.sampler.shift_for(1280, 720) is None
+
+
+def test_the_sampler_node_passes_its_controls_to_the_engine(tiny_folder):
+    """The node's widget values for "the model's own" (shift 0, cfg_2 -1, boundary 0) are the engine's None."""
+    from test_nodes import strategy_inputs
+    from vidmem.nodes import NODE_CLASS_MAPPINGS as N
+
+    (pipeline,) = N["VidMemLoadPipeline"]().load(model="ignored", dtype="fp32", path=str(tiny_folder("wan2.1-t2v")))
+    (strategy,) = N["VidMemMemoryStrategy"]().build(**strategy_inputs())["result"]
+    node = N["VidMemVideoSampler"]()
+    plain = node.sample(pipeline, strategy, "a cat", "", 32, 32, 9, 2, 5.0, 0)
+    default = node.sample(pipeline, strategy, "a cat", "", 32, 32, 9, 2, 5.0, 0, None, "default", 0.0, -1.0, 0.0)
+    assert torch.equal(plain["result"][0]["samples"], default["result"][0]["samples"])
+    euler = node.sample(pipeline, strategy, "a cat", "", 32, 32, 9, 2, 1.0, 0, None, "flow_match_euler", 7.0, -1.0, 0.0)
+    receipt = euler["ui"]["vidmem_receipt"][0]
+    assert "scheduler=flow_match_euler" in receipt["sampler"] and "shift=7 " in receipt["sampler"] + " "
+    assert "no negative pass" in receipt["sampler"]
+    with pytest.raises(ModelError, match="cfg_2 applies to two-expert models"):
+        node.sample(pipeline, strategy, "a cat", "", 32, 32, 9, 2, 5.0, 0, None, "default", 0.0, 2.0, 0.0)
