@@ -13,6 +13,7 @@ model folders only from `folder_paths`), as the pack's node tests do.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -129,7 +130,7 @@ def run(settings: dict, watch: MemoryWatch, user: Path) -> dict:
 
 def main() -> None:
     settings = json.loads(Path(sys.argv[1]).read_text())
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()
     with MemoryWatch(settings.get("interval_s", 0.02)) as watch:
         watch.phase("import")
         import torch  # noqa: F401 - counted in the import phase, as every run pays it
@@ -140,6 +141,7 @@ def main() -> None:
     result["seconds_total"] = round(time.perf_counter() - started, 3)
     result["memory"] = watch.summary()
     result["torch_threads"] = torch.get_num_threads()
+    result["load_average_1min"] = {"start": load_before[0], "end": os.getloadavg()[0]}  # other work on this machine
     Path(sys.argv[2]).write_text(json.dumps(result, indent=2, default=str))
 
 

@@ -41,7 +41,9 @@ class MemoryWatch:
         self._peaks: dict[str, dict[str, int]] = {}
         self._started = time.perf_counter()
         self._phase_started = self._started
+        self._phase_cpu = time.process_time()
         self._seconds: dict[str, float] = {}
+        self._cpu_seconds: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memwatch", daemon=True)
@@ -57,12 +59,13 @@ class MemoryWatch:
         self.phase("end")
 
     def phase(self, name: str) -> None:
-        """Close the current phase (one last sample and its wall time) and open `name`."""
+        """Close the current phase (one last sample, its wall and CPU time) and open `name`."""
         self.sample()
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         with self._lock:
             self._seconds[self._phase] = self._seconds.get(self._phase, 0.0) + now - self._phase_started
-            self._phase, self._phase_started = name, now
+            self._cpu_seconds[self._phase] = self._cpu_seconds.get(self._phase, 0.0) + cpu - self._phase_cpu
+            self._phase, self._phase_started, self._phase_cpu = name, now, cpu
         self.sample()
 
     def sample(self) -> None:
@@ -80,9 +83,11 @@ class MemoryWatch:
             self.sample()
 
     def summary(self) -> dict:
-        """Overall peaks, VmHWM, and per phase: wall seconds and peak anon / RSS / mapped-file bytes."""
+        """Overall peaks, VmHWM, and per phase: wall and CPU seconds (all threads; steadier than wall
+        time on a shared machine) and peak anon / RSS / mapped-file bytes."""
         with self._lock:
-            phases = {name: {"seconds": round(self._seconds.get(name, 0.0), 3), "peak_anon_bytes": p["anon"],
+            phases = {name: {"seconds": round(self._seconds.get(name, 0.0), 3),
+                             "cpu_seconds": round(self._cpu_seconds.get(name, 0.0), 3), "peak_anon_bytes": p["anon"],
                              "peak_rss_sampled_bytes": p["rss"], "peak_rss_file_bytes": p["file"]}
                       for name, p in self._peaks.items() if name != "end"}
             return {

@@ -10,8 +10,8 @@ machine's RAM), Video Sampler (1 step at 64x64x5, cfg 1: one pass), Video VAE De
 
 Measured, in the run's own process: peak anonymous memory (RssAnon, what the run takes from RAM;
 sampled every 20 ms by a thread), peak RSS (VmHWM, which also counts the mapped file pages the
-kernel can reclaim), wall seconds of load + sample + decode. Goal: both runs finish, the bf16
-files exceed RAM, peak anonymous memory <= 8 GiB.
+kernel can reclaim), wall and CPU seconds of load + sample + decode (CPU time is steadier on a
+shared machine). Goal: both runs finish, the bf16 files exceed RAM, peak anonymous memory <= 8 GiB.
 
 Compute dtype bf16: this CPU has AMX/AVX-512 bf16, where a bf16 matmul runs ~4x faster than fp32
 (measured 261 vs 48 GFLOPS at 512x5120x13824), and the bf16 file is then used in place with no
@@ -162,6 +162,7 @@ def run_variant(entry, variant, root: Path, args) -> dict:
         "peak_rss_bytes": memory["vm_hwm_bytes"],
         "peak_anon_bytes": memory["peak_anon_bytes"],
         "seconds": round(sum(memory["phases"].get(p, {}).get("seconds", 0.0) for p in MEASURED_PHASES), 1),
+        "cpu_seconds": round(sum(memory["phases"].get(p, {}).get("cpu_seconds", 0.0) for p in MEASURED_PHASES), 1),
         "write_seconds": written,
         "settings": {k: v for k, v in settings.items() if k != "models"},
         "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX", "(glibc default)"),
@@ -173,14 +174,15 @@ def print_table(result: dict) -> None:
     ram = result["machine_ram_bytes"]
     gib = 2**30
     print(f"\n{result['model']} on this machine: RAM {ram / gib:.1f} GiB; goal: peak anon <= {GOAL_ANON_BYTES / gib:.0f} GiB")
-    print(f"{'run':<10} {'files GiB':>9} {'> RAM':>5} {'peak anon':<11} {'VmHWM':>7} {'seconds':>8}  "
+    print(f"{'run':<10} {'files GiB':>9} {'> RAM':>5} {'peak anon':<11} {'VmHWM':>7} {'seconds':>8} {'cpu s':>7}  "
           f"{'load':>6} {'sample':>7} {'decode':>6}  strategy")
     for key, run in result["runs"].items():
         phases = run["details"]["memory"]["phases"]
         secs = [phases.get(p, {}).get("seconds", 0.0) for p in ("load", "sample", "decode")]
         ok = "ok" if run["peak_anon_bytes"] <= GOAL_ANON_BYTES else "OVER"
-        print(f"{key:<10} {run['files_bytes'] / gib:>9.1f} {'yes' if run['files_bytes'] > ram else 'no':>5} "
-              f"{run['peak_anon_bytes'] / gib:>6.2f} {ok:<4} {run['peak_rss_bytes'] / gib:>7.2f} {run['seconds']:>8.1f}  "
+        over_ram = "yes" if run["files_bytes"] > ram else "no"
+        print(f"{key:<10} {run['files_bytes'] / gib:>9.1f} {over_ram:>5} {run['peak_anon_bytes'] / gib:>6.2f} {ok:<4} "
+              f"{run['peak_rss_bytes'] / gib:>7.2f} {run['seconds']:>8.1f} {run.get('cpu_seconds', 0.0):>7.1f}  "
               f"{secs[0]:>6.1f} {secs[1]:>7.1f} {secs[2]:>6.1f}  {run['details']['sampler_receipt'].get('strategy', '?')}")
     print("peak anon = RssAnon (anonymous memory, sampled every 20 ms); VmHWM = peak RSS, mapped file pages included.")
 
