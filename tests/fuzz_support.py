@@ -25,8 +25,9 @@ from vidmem.memory.lora import LoraError
 from vidmem.memory.planner import PlanError
 from vidmem.memory.storage.errors import StorageError
 from vidmem.pipelines.family import ModelError
+from vidmem.training.errors import TrainingError
 
-PACK_ERRORS = (ModelError, StrategyError, StorageError, LoraError, PlanError)
+PACK_ERRORS = (ModelError, StrategyError, StorageError, LoraError, PlanError, TrainingError)
 LITERAL_TYPES = {"INT": int, "FLOAT": float, "STRING": str, "BOOLEAN": bool}
 
 

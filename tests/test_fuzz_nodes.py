@@ -58,6 +58,52 @@ def image(fill=0.5, shape=(1, 32, 32, 3)):
     return lambda fx: torch.full(shape, fill)
 
 
+def clips(*files: tuple[str, bytes | None]):
+    """A training folder under the fixtures' root holding `files` (name, bytes; None: a small image)."""
+    def build(fx):
+        folder = fx.root / "clips"
+        folder.mkdir(exist_ok=True)
+        for name, data in files:
+            if data is None:
+                from PIL import Image
+
+                Image.new("RGB", (48, 48), (90, 120, 200)).save(folder / name)
+            else:
+                (folder / name).write_bytes(data)
+        return folder
+
+    return build
+
+
+def P(files=(("a.png", None), ("a.txt", b"a blue square")), variant="wan2.1-t2v", **changes):  # Prepare inputs
+    def build(fx):
+        from vidmem.pipelines.tiny import tiny_spec
+
+        spec = tiny_spec(variant)
+        inputs = dict(pipeline=fx.pipeline(variant), strategy=fx.strategy(), folder=str(clips(*files)(fx)),
+                      resolutions=f"{spec.width}x{spec.height}", frame_buckets="1")
+        return {**inputs, **changes}
+
+    return build
+
+
+def prepared(fx, variant="wan2.1-t2v"):
+    """Training data prepared by the node from one tiny image (before the case's snapshot)."""
+    inputs = P(variant=variant)(fx)
+    return NODE_CLASS_MAPPINGS["VidMemPrepareTrainingData"]().prepare(**inputs)["result"][0]
+
+
+def T(variant="wan2.1-t2v", **changes):  # Train LoRA inputs
+    def build(fx):
+        inputs = dict(pipeline=fx.pipeline(variant), data=prepared(fx, variant), strategy=fx.strategy(),
+                      lora_name="fuzz_lora", rank=4, alpha=4.0, learning_rate=1e-4, steps=1, batch_size=1, seed=0,
+                      target_modules="to_q,to_k,to_v,to_out.0", gradient_checkpointing=True, optimizer="adamw",
+                      checkpoint_every=0, resume=False, expert="both")
+        return {**inputs, **changes}
+
+    return build
+
+
 CASES = [
     # --- Memory Strategy: ComfyUI's own checks (VALIDATE_INPUTS names tile_size only) -----------------
     Case("strategy-offload-unknown", "VidMemMemoryStrategy", S(offload="swap"), "Value not in list: offload"),
@@ -157,6 +203,30 @@ CASES = [
     Case("decode-wrong-channels-saving", "VidMemVAEDecode",
          D(lambda fx: {"samples": torch.zeros(1, 4, 2, 4, 4)}, save_latents=True), "latent has 4 channels"),
     Case("decode-missing-latent", "VidMemVAEDecode", lambda fx: {"pipeline": fx.pipeline()}, "Required input is missing: latent"),
+    # --- Prepare Training Data ----------------------------------------------------------------------------
+    Case("prepare-empty-folder", "VidMemPrepareTrainingData", P(files=()), "folder .* has no videos"),
+    Case("prepare-folder-missing", "VidMemPrepareTrainingData", P(folder="/nonexistent/clips"), "folder '/nonexistent/clips' is not a folder"),
+    Case("prepare-caption-missing", "VidMemPrepareTrainingData", P(files=(("a.png", None),)), "have no caption: a.png"),
+    Case("prepare-video-undecodable", "VidMemPrepareTrainingData",
+         P(files=(("v.mp4", b"not a video at all"), ("v.txt", b"noise"))), "v.mp4"),
+    Case("prepare-frames-not-4k1", "VidMemPrepareTrainingData", P(frame_buckets="10"), "frame_buckets: frames=10 is not valid for wan"),
+    Case("prepare-frames-text", "VidMemPrepareTrainingData", P(frame_buckets="many"), "frame_buckets"),
+    Case("prepare-resolution-not-multiple", "VidMemPrepareTrainingData", P(resolutions="40x32"), "width 40 must be a multiple of 16"),
+    Case("prepare-resolution-text", "VidMemPrepareTrainingData", P(resolutions="big"), "resolutions"),
+    Case("prepare-missing-folder-input", "VidMemPrepareTrainingData",
+         lambda fx: {k: v for k, v in P()(fx).items() if k != "folder"}, "Required input is missing: folder"),
+    # --- Train LoRA -------------------------------------------------------------------------------------
+    Case("train-lora-name-escapes", "VidMemTrainLoRA", T(lora_name="../outside"), "lora_name"),
+    Case("train-lora-name-empty", "VidMemTrainLoRA", T(lora_name=""), "lora_name"),
+    Case("train-rank-zero", "VidMemTrainLoRA", T(rank=0), "smaller than min of 1: rank"),
+    Case("train-rank-larger-than-layer", "VidMemTrainLoRA", T(rank=512), "rank=512 is larger than layer"),
+    Case("train-steps-zero", "VidMemTrainLoRA", T(steps=0), "smaller than min of 1: steps"),
+    Case("train-learning-rate-nan", "VidMemTrainLoRA", T(learning_rate=NAN), "learning_rate=nan must be a finite number"),
+    Case("train-alpha-inf", "VidMemTrainLoRA", T(alpha=INF), "bigger than max of 1024.0: alpha"),
+    Case("train-optimizer-unknown", "VidMemTrainLoRA", T(optimizer="sgd"), "Value not in list: optimizer"),
+    Case("train-targets-match-nothing", "VidMemTrainLoRA", T(target_modules="no_such_layer"), "target_modules"),
+    Case("train-expert-on-one-transformer", "VidMemTrainLoRA", T(expert="low_noise"), "expert"),
+    Case("train-data-not-prepared", "VidMemTrainLoRA", lambda fx: {**T()(fx), "data": "clips/"}, "data is not prepared training data"),
     # --- Free VRAM -----------------------------------------------------------------------------------------
     Case("free-missing-anything", "VidMemFreeVRAM", lambda fx: {"unload_comfy_models": False}, "Required input is missing: anything"),
 ]
@@ -167,6 +237,8 @@ def fx(tiny_loaded, tmp_path, monkeypatch):
     from vidmem.nodes import host
 
     monkeypatch.setattr(host, "latents_folder", lambda: tmp_path / "input")
+    monkeypatch.setattr(host, "loras_folder", lambda: tmp_path / "models" / "loras")
+    monkeypatch.setattr(host, "training_folder", lambda: tmp_path / "output" / "vidmem_training")
     return Fixtures(tiny_loaded, tmp_path, monkeypatch)
 
 
