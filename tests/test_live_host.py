@@ -261,8 +261,17 @@ def test_api_workflow_runs_in_the_host(path, object_info):
                 saved.append((file["subfolder"], file["filename"], len(data)))
         if node["class_type"] == "VidMemFreeVRAM":
             assert "Free VRAM" in outputs[nid]["text"][0]
+        if node["class_type"] == "VidMemVideoSampler" and "1" in api and api["1"]["class_type"] == wr.FILES_LOADER:
+            check_files_receipt(api["1"]["inputs"], outputs[nid]["text"][0])
     assert saved
     print(f"\n{path.name}: prompt {prompt_id} seed {seed}: {entry['status']['status_str']}; saved {saved}")
+
+
+def check_files_receipt(loader: dict, text: str) -> None:
+    """The Sampler's text names the files it ran from, their storage and the disk tier."""
+    assert loader["model"] in text and loader["text_encoder"] in text, text[:600]
+    assert f"transformer {model_files.storage_named(loader['model'])}" in text, text[:600]
+    assert ("mapped from the files" in text) is loader["weights_on_disk"], text[:600]
 
 
 def blockswap_api(seed: int | None = None) -> tuple[dict, dict]:

@@ -12,7 +12,8 @@ the tiny models' size and changes the Strategy's blocks_to_swap twice: the plan 
 budgets) and checks the budgets land on the right inputs. It runs templates from the browser at
 the tiny size, waits for the receipts on the Sampler, Decode and Free VRAM nodes, and checks that
 afterwards no node overlaps another and every node stays inside its group (screenshot
-`<template>_receipts.png`); and that "Free VRAM now" posts ComfyUI's /free. It also checks that
+`<template>_receipts.png`; RUN_TEMPLATES: the block-swap one and the fp8 single-file one); and
+that "Free VRAM now" posts ComfyUI's /free. It also checks that
 the `vidmem.ui` extension registered, the memory meter shows figures from GET /vidmem/memory and
 sits clear of the canvas info in the bottom-left corner, and the five help pages are served.
 Screenshots go to docs/screenshots/ (or VIDMEM_SCREENSHOTS), re-encoded with a 128-colour palette
@@ -47,7 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 URL = os.environ.get("VIDMEM_COMFYUI_URL", "").rstrip("/")
 BROWSER = os.environ.get("VIDMEM_BROWSER", "")
 SCREENSHOTS = Path(os.environ.get("VIDMEM_SCREENSHOTS", REPO / "docs" / "screenshots"))
-RUN_TEMPLATE = "wan21_t2v_blockswap"  # run from the browser to see the receipts on the nodes
+# Run from the browser to see the receipts on the nodes: the block-swap template (the live plan and
+# the older layout are checked on it too) and the fp8 single-file one (Load Video Model Files).
+RUN_TEMPLATES = ("wan21_t2v_blockswap", "wan21_t2v_14b_fp8_files")
 RUN_ALL = os.environ.get("VIDMEM_RUN_ALL") == "1"
 THUMBNAILS = os.environ.get("VIDMEM_THUMBNAILS") == "1"
 THUMBNAIL_WIDTH = 800
@@ -72,7 +75,7 @@ def report():
     env = dict(os.environ)
     env["NODE_PATH"] = os.environ.get("VIDMEM_NODE_PATH", env.get("NODE_PATH", ""))
     command = [node, str(REPO / "tests" / "browser" / "check_templates.mjs"), "--url", URL, "--browser", BROWSER,
-               "--workflows", str(REPO / "workflows"), "--screenshots", str(SCREENSHOTS), "--run", RUN_TEMPLATE]
+               "--workflows", str(REPO / "workflows"), "--screenshots", str(SCREENSHOTS), "--run", ",".join(RUN_TEMPLATES)]
     command += ["--run-all"] if RUN_ALL else []
     command += ["--thumbnails", str(REPO / "workflows")] if THUMBNAILS else []
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
@@ -119,7 +122,7 @@ def test_every_template_loads_with_no_missing_nodes_and_matches_its_api_file(rep
 
 
 def test_screenshots_are_small_pngs(report):
-    shots = [Path(t["screenshot"]) for t in report["templates"]] + [Path(report["run"]["screenshot"])]
+    shots = [Path(t["screenshot"]) for t in report["templates"]] + [Path(r["screenshot"]) for r in report["runs"] if "screenshot" in r]
     shots += [Path(report["livePlan"]["screenshot"]), Path(report["templatesBrowser"]["screenshot"])]
     sizes = {shot.name: shrink_png(shot) for shot in shots}
     print(json.dumps(sizes, indent=1))
@@ -132,6 +135,16 @@ def test_receipts_appear_on_the_nodes_after_a_run(report):
     assert "your settings: offload=block_swap" in run["strategy"]
     assert "denoise:" in run["sampler"] and "swap cost:" in run["sampler"] and "peak RSS" in run["sampler"]
     assert "VAE:" in run["decode"] and "freed" in run["free"]
+
+
+def test_the_fp8_file_template_runs_from_the_browser(report):
+    """Load Video Model Files on the tiny files under Comfy-Org's names, block swap, receipts on the nodes.
+    (The browser's receipt tooltip does not show the weights' storage yet; the node's text does, which
+    tests/test_live_host.py reads through `vidmem queue`.)"""
+    run = next(r for r in report["runs"] if r["name"] == RUN_TEMPLATES[1])
+    assert not run.get("timeout") and run["layoutProblems"] == [], run
+    assert "denoise:" in run["sampler"] and "swap cost:" in run["sampler"] and "VAE:" in run["decode"], run
+    assert Path(run["screenshot"]).is_file()
 
 
 def test_the_strategy_plan_changes_with_blocks_to_swap_before_anything_is_queued(report):

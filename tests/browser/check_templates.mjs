@@ -6,10 +6,13 @@
 //
 //   NODE_PATH=/path/to/node_modules node tests/browser/check_templates.mjs \
 //     --url http://127.0.0.1:8188 --browser /usr/bin/chromium --workflows workflows \
-//     --screenshots docs/screenshots [--run wan21_t2v_blockswap] [--run-all] [--thumbnails workflows]
+//     --screenshots docs/screenshots [--run wan21_t2v_blockswap,wan21_t2v_14b_fp8_files] [--run-all] \
+//     [--thumbnails workflows]
 //
 // Templates are named by their UI file's title; --run and the screenshots use the API twin's
-// short name (extra.vidmem.api). --thumbnails writes each template's card, <title>.jpg.
+// short name (extra.vidmem.api). --run lists templates to run from the browser (each gets
+// <name>_receipts.png); the first also gets the live-plan and older-layout checks. --run-all runs
+// and layout-checks every template. --thumbnails writes each template's card, <title>.jpg.
 //
 // Prints one JSON report on stdout; exit status 0 when every check passed.
 import fs from "node:fs";
@@ -28,6 +31,7 @@ const { values: args } = parseArgs({
     thumbnails: { type: "string" },
   },
 });
+const RUNS = (args.run ?? "").split(",").filter(Boolean); // templates run from the browser, by API name
 const TINY = { width: 32, height: 32, frames: 9, steps: 2 }; // the tiny stand-in models' size
 const TINY_TI2V = { ...TINY, width: 64, height: 64 }; // Wan 2.2 TI2V-5B's tiny stand-in: multiples of 64
 const tinyFor = (template) => (/TI2V/i.test(JSON.stringify(template.api)) ? TINY_TI2V : TINY);
@@ -351,7 +355,7 @@ async function main() {
     for (const template of templates()) {
       if (!served.includes(template.title)) report.problems.push(`Templates browser: no card image for "${template.title}"`);
     }
-    const runTemplate = templates().find((t) => t.name === args.run);
+    const runTemplate = templates().find((t) => t.name === RUNS[0]);
     if (runTemplate) {
       report.livePlan = await livePlanCheck(page, runTemplate, path.join(args.screenshots, "strategy_live_plan.png"));
       const texts = report.livePlan.steps.map((step) => step.text);
@@ -365,7 +369,7 @@ async function main() {
       }
     }
     report.runs = [];
-    for (const template of templates().filter((t) => t.name === args.run || args["run-all"])) {
+    for (const template of templates().filter((t) => RUNS.includes(t.name) || args["run-all"])) {
       await loadAndInspect(page, template);
       const run = await runInBrowser(page, Date.now() % 2 ** 31, tinyFor(template));
       run.name = template.name;
@@ -379,10 +383,12 @@ async function main() {
       const layout = await layoutProblems(page);
       run.layoutProblems = layout.problems;
       report.problems.push(...layout.problems.map((p) => `${template.name} after a run: ${p}`));
-      if (template.name === args.run) {
-        report.run = run;
-        run.screenshot = path.join(args.screenshots, `${args.run}_receipts.png`);
+      if (RUNS.includes(template.name)) {
+        run.screenshot = path.join(args.screenshots, `${template.name}_receipts.png`);
         run.bytes = await fitAndShoot(page, run.screenshot);
+      }
+      if (template.name === RUNS[0]) {
+        report.run = run;
         if (!/denoise/.test(run.sampler) || !/swap cost/.test(run.sampler)) report.problems.push("sampler receipt lacks denoise/swap cost");
         if (run.samplerWidgetsSaved !== template.ui.nodes.find((n) => n.type === "VidMemVideoSampler").widgets_values.length) {
           report.problems.push("the receipt widget leaked into the saved workflow's widgets_values");
