@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+import torch
+
 from ...memory.lora import LoraError, LoraPatch
 from .read import read_lora_file
 from .resolve import ResolvedLayer, resolve_layers
@@ -80,10 +82,21 @@ def load_lora(path: str | os.PathLike, pipe, strength: float = 1.0, expert: str 
     layers, naming, skipped = {}, "", ()
     for component in components:
         layers[component], naming, skipped = resolve_layers(lora, getattr(pipe, component))
+    _check_finite(lora.path, layers)
     if skipped:
         shown = list(skipped[:SHOWN_SKIPPED]) + ([f"... and {len(skipped) - SHOWN_SKIPPED} more"] if len(skipped) > SHOWN_SKIPPED else [])
         warnings.warn(f"LoRA {lora.path.name}: {len(skipped)} key(s) not applied:\n  " + "\n  ".join(shown), stacklevel=2)
     return LoraSpec(name or lora.path.name, str(lora.path), float(strength), expert, layers, naming, skipped)
+
+
+def _check_finite(path: Path, layers: dict) -> None:
+    """NaN or inf in a LoRA would turn every frame NaN without a word; refuse the file instead."""
+    for component, resolved in layers.items():
+        for layer in resolved:
+            for role, tensor in layer.tensors.items():
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise LoraError(f"LoRA {path.name}: {component}.{layer.module} {role} holds NaN or infinite values; "
+                                    "the file is damaged or was saved from a diverged training run. Use another file.")
 
 
 def lora_patches(pipe, loras: tuple[LoraSpec, ...] | list[LoraSpec]) -> list[LoraPatch]:
