@@ -19,6 +19,8 @@ import argparse
 import json
 import sys
 
+from .plan_train_cli import add_train_arguments, run_train_plan
+
 GIB = 1 << 30
 
 
@@ -68,6 +70,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--attention", default="fused", choices=("fused", "math"),
                       help="fused = flash/memory-efficient kernels; math = score matrix materialised")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_train_arguments(plan)
     return plan
 
 
@@ -93,6 +96,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--size and --frames are required for a model folder (e.g. --size 832x480 --frames 81).")
     shape = VideoShape(width, height, frames, batch=args.batch, cfg=not args.no_cfg)
     vram, ram = _budgets(args)
+    if args.train:  # a training step: no guidance pass, no text encoder or VAE on the device
+        return run_train_plan(args, model, VideoShape(width, height, frames, batch=args.batch, cfg=False), vram, ram)
     disk_gbps = NVME_BYTES_PER_S / 1e9 if args.disk_gbps is None else args.disk_gbps
     if disk_gbps <= 0:
         raise ValueError(f"--disk-gbps {args.disk_gbps} must be a positive read rate in GB/s, e.g. 3 for an NVMe SSD.")

@@ -1,0 +1,212 @@
+"""Plans for LoRA training: a training step's peak VRAM and RAM per offload tier, before any weight moves.
+
+A step holds, on the device: the denoiser's weights as the tier keeps them resident, the LoRA
+weights, their gradients and (unless CPU-offloaded) the optimizer states for the whole run, and
+the activations autograd saves for the backward. The text encoder and the VAE are absent (latents
+and prompt embeddings are precomputed); Wan 2.2 A14B trains one expert per run.
+
+Activations are traced, not guessed: one forward + backward of the denoiser cut to one block and
+to two blocks, on the meta device, under the accounting `TensorLedger` (on meta, tensors autograd
+saves stay alive until the backward frees them, as on a GPU). The two-block peak less the one-block
+peak is what each further block adds, and the real block count extrapolates. With checkpointing
+each block is wrapped in `torch.utils.checkpoint` (non-reentrant), so a block keeps only its input
+and the backward re-runs one block at a time; streamed tiers require it (training/loop.py says so).
+
+Pure: no pipelines/ imports. The caller hands in the traced module, its block list and the call
+that runs one denoise step on it (vidmem.pipelines.configs builds them); this module changes them
+only inside `_training_view` and restores them on the way out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from .accounting import Attention, TensorLedger
+
+FP32 = 4
+BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit states (one float32 absmax per block per state)
+BNB_MIN_8BIT = 4096  # smaller tensors keep 32-bit states
+BNB_QMAP_BYTES = 2 * 256 * FP32  # two 256-entry float32 code maps per tensor
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_cpu_offload")
+
+
+@dataclass(frozen=True)
+class TrainingBytes:
+    trainable: int  # LoRA weights, float32, on the compute device for the run
+    gradients: int  # float32, on the device from backward to the optimizer step
+    optimizer_states: int  # where `optimizer_on_host` says
+    optimizer_on_host: bool  # adamw_cpu_offload: states + a float32 master copy in host RAM
+    host_master_copy: int  # adamw_cpu_offload's host copy of the weights (and of the gradients)
+
+    @property
+    def device(self) -> int:
+        return self.trainable + self.gradients + (0 if self.optimizer_on_host else self.optimizer_states)
+
+    @property
+    def host(self) -> int:
+        return (self.optimizer_states + 2 * self.host_master_copy) if self.optimizer_on_host else 0
+
+
+def lora_shapes(linear_shapes: list[tuple[int, int]], rank: int) -> list[tuple[int, int]]:
+    """(down, up) weight counts per targeted linear layer of shape (out, in)."""
+    return [(rank * in_f, out_f * rank) for out_f, in_f in linear_shapes]
+
+
+def training_bytes(linear_shapes: list[tuple[int, int]], rank: int, optimizer: str) -> TrainingBytes:
+    """Bytes for LoRA training of layers of `linear_shapes` [(out, in), ...] at `rank`."""
+    optimizer = getattr(optimizer, "value", optimizer)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
+    tensors = [n for pair in lora_shapes(linear_shapes, rank) for n in pair]
+    weights = sum(tensors) * FP32
+    if optimizer == "adamw_8bit":
+        states = sum(_bnb_state_bytes(n) for n in tensors)
+    else:
+        states = sum(2 * n * FP32 + FP32 for n in tensors)  # exp_avg, exp_avg_sq, step
+    on_host = optimizer == "adamw_cpu_offload"
+    return TrainingBytes(weights, weights, states, on_host, weights if on_host else 0)
+
+
+def _bnb_state_bytes(count: int) -> int:
+    if count < BNB_MIN_8BIT:
+        return 2 * count * FP32
+    blocks = -(-count // BNB_BLOCK)
+    return 2 * count + 2 * blocks * FP32 + BNB_QMAP_BYTES
+
+
+def matches_target(path: str, targets: tuple[str, ...]) -> bool:
+    """PEFT's `target_modules` rule: the name, or a dotted suffix of it."""
+    return any(path == t or path.endswith("." + t) for t in targets)
+
+
+def block_target_shapes(blocks: nn.ModuleList, targets: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(out, in) of every targeted nn.Linear inside the blocks (meta modules: shapes only)."""
+    return [(m.out_features, m.in_features) for block in blocks for name, m in block.named_modules()
+            if isinstance(m, nn.Linear) and matches_target(name, targets)]
+
+
+@dataclass(frozen=True)
+class ActivationPeaks:
+    """Traced training-step peaks (bytes) of the denoiser cut to one and to two blocks."""
+
+    one_block: int
+    two_blocks: int
+
+    def at(self, blocks: int) -> int:
+        """Linear in the block count: every further block adds what the second one added."""
+        return self.one_block + max(0, blocks - 1) * max(0, self.two_blocks - self.one_block)
+
+
+def trace_activations(module: nn.Module, blocks: nn.ModuleList, run: Callable[[], torch.Tensor], rank: int,
+                      targets: tuple[str, ...], checkpointing: bool,
+                      attention: Attention = Attention.FUSED) -> ActivationPeaks:
+    """Peak bytes of one forward + backward (loss on `run()`'s output) with 1 and 2 blocks kept."""
+    peaks = []
+    for keep in (1, 2):
+        with _training_view(module, blocks, keep, rank, targets, checkpointing, attention):
+            peaks.append(_trace_step(run, attention))
+    return ActivationPeaks(*peaks)
+
+
+def _trace_step(run: Callable[[], torch.Tensor], attention: Attention) -> int:
+    ledger = TensorLedger()
+    with ExitStack() as stack, torch.enable_grad():
+        stack.enter_context(ledger)
+        if Attention(attention) is Attention.FUSED:
+            stack.enter_context(_FusedTrainingAttention())
+        loss = run().float().square().mean()
+        loss.backward()
+        del loss
+    ledger.stop()
+    return ledger.peak
+
+
+@contextmanager
+def _training_view(module: nn.Module, blocks: nn.ModuleList, keep: int, rank: int, targets: tuple[str, ...],
+                   checkpointing: bool, attention: Attention = Attention.FUSED) -> Iterator[None]:
+    """The module with `keep` blocks, frozen base weights, LoRA on the targets and (optionally)
+    checkpointed blocks; everything is put back on exit (the module is the planner's cached one)."""
+    original = dict(blocks._modules)
+    grads = {name: p.requires_grad for name, p in module.named_parameters()}
+    kept = [original[key] for key in list(original)[:keep]]
+    hooks = [_attach_lora(m, rank) for block in kept for name, m in block.named_modules()
+             if isinstance(m, nn.Linear) and matches_target(name, targets)]
+    module.requires_grad_(False)
+    blocks._modules.clear()
+    for index, block in enumerate(kept):
+        blocks._modules[str(index)] = _Checkpointed(block, attention) if checkpointing else block
+    try:
+        yield
+    finally:
+        blocks._modules.clear()
+        blocks._modules.update(original)
+        for handle in hooks:
+            handle.remove()
+        for name, p in module.named_parameters():
+            p.requires_grad_(grads[name])
+
+
+def _attach_lora(linear: nn.Linear, rank: int):
+    """out + up(down(x)): float32 LoRA weights that require grad, so autograd saves what a real
+    LoRA run saves. They are made outside the ledger: their bytes are `training_bytes`' to count."""
+    down = torch.zeros(rank, linear.in_features, device="meta", requires_grad=True)
+    up = torch.zeros(linear.out_features, rank, device="meta", requires_grad=True)
+
+    def hook(mod, inputs, out):
+        x = inputs[0]
+        return out + F.linear(F.linear(x.float(), down), up).to(out.dtype)
+    return linear.register_forward_hook(hook)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module, attention: Attention) -> None:
+        super().__init__()
+        self.block = block
+        self.fused = Attention(attention) is Attention.FUSED
+
+    def forward(self, *args, **kwargs):
+        # The backward re-runs the block on the autograd engine's side, where the caller's
+        # TorchFunctionMode is not active: hand the fused-attention mode to the recompute too.
+        return checkpoint(self.block, *args, use_reentrant=False, context_fn=_attention_contexts if self.fused else _no_contexts, **kwargs)
+
+
+def _attention_contexts():
+    return _FusedTrainingAttention(), _FusedTrainingAttention()
+
+
+def _no_contexts():
+    return nullcontext(), nullcontext()
+
+
+class _FlashAttention(torch.autograd.Function):
+    """What a fused (flash / memory-efficient) kernel holds: the output and a float32 logsumexp
+    saved for the backward, which makes q, k, v-sized gradients; never the score matrix."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        logsumexp = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, logsumexp)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _FusedTrainingAttention(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
+        return _FlashAttention.apply(q, k, v)

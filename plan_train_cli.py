@@ -1,0 +1,88 @@
+"""`vidmem plan --train`: what a LoRA training step needs, per offload tier, before anything runs.
+
+    vidmem plan --train --model cogvideox-2b --size 720x480 --frames 49 --rank 64 --batch 1 --vram 24 --ram 64
+    vidmem plan --train --model wan2.1-t2v-1.3b --rank 32 --optimizer adamw_8bit --vram 12 --ram 32 --json
+
+The text encoder and VAE are absent (latents and prompt embeddings are precomputed); for Wan 2.2
+A14B the plan is for one expert (each run trains one). Exit status as `vidmem plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+GIB = 1 << 30
+
+
+def add_train_arguments(plan: argparse.ArgumentParser) -> None:
+    group = plan.add_argument_group("training (--train)")
+    group.add_argument("--train", action="store_true", help="plan a LoRA training step instead of sampling "
+                       "(--batch is then the training batch size)")
+    group.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    group.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw_8bit", "adamw_cpu_offload"),
+                       help="adamw_8bit: bitsandbytes 8-bit states; adamw_cpu_offload: states in host RAM")
+    group.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations (faster, "
+                       "much more VRAM; block_swap and sequential then refuse)")
+    group.add_argument("--targets", help="comma-separated layer names LoRA trains (default: the trainer's)")
+
+
+def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) -> int:
+    from .memory.accounting import Attention
+    from .memory.planner_train import trace_activations
+    from .memory.planner_train_plan import TrainRequest, recommended, training_plans
+    from .memory.planner_types import Call
+    from .pipelines.configs import workloads
+    from .training.settings import DEFAULT_TARGETS, parse_targets
+
+    targets = parse_targets(args.targets) if args.targets else tuple(DEFAULT_TARGETS)
+    denoiser = model.layout.denoisers[0]  # Wan 2.2 A14B: one expert per run; both are the same size
+    request = TrainRequest(rank=args.rank, optimizer=args.optimizer, checkpointing=not args.no_checkpointing,
+                           targets=targets, storage=args.weights, prefetch_blocks=args.prefetch,
+                           attention=Attention(args.attention))
+    module = model.traced_module(denoiser)
+    blocks = getattr(module, model.spec.blocks_attr)
+    run = workloads.workload_for(model, Call("denoise", denoiser, shape))
+
+    def activations(checkpointing: bool):
+        return trace_activations(module, blocks, run, request.rank, targets, checkpointing, request.attention)
+
+    plans = training_plans(model, denoiser, shape, vram, ram, request, activations)
+    best = recommended(plans)
+    if args.json:
+        print(json.dumps({"model": model.name, "component": denoiser, "size": [shape.width, shape.height],
+                          "frames": shape.frames, "batch": shape.batch, "dtype": model.dtype_name,
+                          "request": {**request.__dict__, "attention": request.attention.value,
+                                      "targets": list(targets)},
+                          "strategies": [p.as_dict() for p in plans], "recommended": best}, indent=2))
+    else:
+        print(_table(model, denoiser, shape, vram, ram, request, plans, best))
+    return 0 if best is not None else 1
+
+
+def _table(model, denoiser, shape, vram, ram, request, plans, best) -> str:
+    head = (f"{model.name} {denoiser} LoRA rank {request.rank}, {request.optimizer}, "
+            f"{'checkpointing' if request.checkpointing else 'no checkpointing'}; {shape.width}x{shape.height}, "
+            f"{shape.frames} frames, batch {shape.batch}; budget {vram / GIB:.1f} GiB VRAM, {ram / GIB:.1f} GiB RAM")
+    columns = ("strategy", "weights", "LoRA+grads+states", "activations", "peak VRAM", "peak RAM", "fits")
+    rows = [columns]
+    for plan in plans:
+        tier = plan.tier + (f" {plan.blocks_to_swap}" if plan.blocks_to_swap else "")
+        fits = "yes" if plan.fits else (f"no ({plan.refused})" if plan.refused else "no")
+        rows.append((tier, _gib(plan.weights_bytes), _gib(plan.lora.device), _gib(plan.activation_bytes),
+                     _gib(plan.peak_vram_bytes), _gib(plan.peak_ram_bytes), fits))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(columns))]
+    lines = [head, ""]
+    for index, row in enumerate(rows):
+        mark = "  <- recommended" if best is not None and index - 1 == best else ""
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() + mark)
+    lines.append("\nDevice bytes live (as max_memory_allocated reports), including the CUDA context; the text "
+                 "encoder and VAE are absent (latents and embeddings precomputed).")
+    if best is None:
+        lines.append("Nothing fits: lower --rank/--batch/--size, use checkpointing, --optimizer adamw_8bit, "
+                     "or stored weights such as --weights fp8_e4m3fn.")
+    return "\n".join(lines)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
