@@ -17,7 +17,7 @@ Compute dtype bf16: this CPU has AMX/AVX-512 bf16, where a bf16 matmul runs ~4x 
 (measured 261 vs 48 GFLOPS at 512x5120x13824), and the bf16 file is then used in place with no
 upcast; the fp8 file is dequantized per layer to bf16. The VAE runs in fp32 (as diffusers' Wan
 docs do, for quality). Each file is written, fsynced and dropped from the page cache, so every
-run starts with its weights on disk. Disk: ~37 GB at once (the shared text encoder and VAE, plus
+run starts with its weights on disk. Disk: 35.6 GB at once (the shared text encoder and VAE, plus
 one transformer at a time; each is deleted after its run), 50 GB with --keep.
 
     python bench/beyond_ram.py --json bench/results/beyond_ram.json
