@@ -36,7 +36,7 @@ def text_encode_stage(model: PlannerModel, shape: VideoShape, strategy: MemorySt
             host += trace.peak_bytes + weights.transient_bytes
             work.append(Work(trace.flops, on_host=True, host_weight_bytes=weights.nbytes))
             continue
-        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options), options, name))
+        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, name))
         work.append(Work(trace.flops, 1, _traffic(model, name, strategy, options)))
     return StagePlan("text_encode", tuple(phases), host, page_cache, tuple(work))
 
@@ -56,13 +56,13 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
             host += trace.peak_bytes + weights.transient_bytes
             work.append(Work(trace.flops, on_host=True, host_weight_bytes=weights.nbytes))
             continue
-        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options), options, f"{name} (image)"))
+        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, f"{name} (image)"))
         work.append(Work(trace.flops, 1, _traffic(model, name, strategy, options)))
     steps_per_denoiser = _split_steps(options.steps, len(layout.denoisers))
     for name, steps in zip(layout.denoisers, steps_per_denoiser):
         call = Call("denoise", name, shape)
         flops = model.trace(call, options.attention).flops * steps  # traced first: it records the module order
-        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options), options, name))
+        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, name))
         work.append(Work(flops, steps * model.forward_passes(shape), _traffic(model, name, strategy, options)))
     return StagePlan("denoise", tuple(phases), host, page_cache, tuple(work))
 
@@ -78,7 +78,7 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
         counts = piece_counts(model, shape, strategy)
         calls = [Call("decode", vae, shape, piece) for piece in counts]
     model.trace(calls[0], options.attention)  # traced first: it records the module order
-    resident = tier_residency(model, vae, strategy, [vae], options)
+    resident = tier_residency(model, vae, strategy, [vae], options, "decode")
     if options.runtime is Runtime.DIFFUSERS and strategy.offload is OffloadTier.NONE:
         resident = tier_residency(model, vae, strategy, list(model.layout.all), options)  # pipe.to("cuda"): all stay
     phases, flops, largest_piece = [], 0.0, 0
@@ -104,7 +104,7 @@ def phase(model: PlannerModel, call: Call, resident: list[int], options: PlanOpt
 
 
 def tier_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, stage_names: list[str],
-                   options: PlanOptions = PlanOptions()) -> list[int]:
+                   options: PlanOptions = PlanOptions(), kind: str | None = None) -> list[int]:
     """Weight tensors (as stored) resident while `active` computes; under `none` every stage
     component is. A stored-quantized component adds its one dequantized layer (the transient)."""
     weights = component_weights(model, active, options)
@@ -112,7 +112,7 @@ def tier_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, s
     if strategy.offload is OffloadTier.NONE:
         names = dict.fromkeys([*stage_names, active])
         return [t for name in names for t in component_weights(model, name, options).tensors] + transient
-    order = model.stream_order(active)
+    order = model.stream_order(active, kind)  # the order this kind of call runs the modules in
     return resident_tensors(model.module(active), model.blocks(active), strategy, order, weights.stored) + transient
 
 

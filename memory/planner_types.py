@@ -92,7 +92,8 @@ class PlannerModel(Protocol):
     def dtype_bytes(self, component: str) -> int: ...  # bytes per element of the dtype it computes in
     def module(self, component: str) -> nn.Module: ...  # full size, on meta
     def blocks(self, component: str) -> nn.ModuleList | None: ...  # the swappable blocks (denoisers)
-    def stream_order(self, component: str) -> Order | None: ...  # one forward's module order, once traced
+    # one `kind` call's module order, once traced (None: the first recorded)
+    def stream_order(self, component: str, kind: str | None = None) -> Order | None: ...
     def trace(self, call: Call, attention: Attention) -> Trace: ...  # memoised by the model
     def latent_shape(self, shape: VideoShape) -> tuple[int, int, int, int, int]: ...  # as the VAE decodes
     def forward_passes(self, shape: VideoShape) -> int: ...  # denoiser forwards per step

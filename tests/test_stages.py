@@ -32,8 +32,8 @@ TIERS = {  # blocks_to_swap: "all" swaps every block of the tiny model
     "block_swap:all:1": dict(offload="block_swap", blocks_to_swap="all", prefetch_blocks=1),
     "sequential:1": dict(offload="sequential", prefetch_blocks=1),
 }
-# Image conditioning runs no traced forward the planner records an order from, so under
-# `sequential` it counts the prefetch + 1 largest units: an upper bound, not the engine's figure.
+# Image conditioning is one call: the engine learns its order during it and never prefetches,
+# while the planner replays two passes (prefetch in steady state). There it is an upper bound.
 UPPER_BOUND_ONLY = {("sequential:1", "image_encoder"), ("sequential:1", "vae")}
 
 

@@ -152,14 +152,18 @@ class MetaModel:
             return None
         return getattr(self.module(component), self.spec.blocks_attr)
 
-    def stream_order(self, component: str):
-        return self._streams.get(component)
+    def stream_order(self, component: str, kind: str | None = None):
+        """The module order one `kind` call of `component` ran in (a VAE encodes and decodes in
+        different orders); without `kind`, the first recorded."""
+        if kind is not None:
+            return self._streams.get((component, kind))
+        return next((order for (name, _), order in self._streams.items() if name == component), None)
 
     def trace(self, call: Call, attention: Attention) -> Trace:
         key = (call, Attention(attention))
         if key not in self._traces:
-            record = call.component not in self._streams and call.kind in ("text_encode", "denoise", "decode")
-            with _StreamRecorder(self, call.component) if record else nullcontext():
+            record = (call.component, call.kind) not in self._streams and call.kind in ("text_encode", "condition", "denoise", "decode")
+            with _StreamRecorder(self, call.component, call.kind) if record else nullcontext():
                 try:
                     measured = trace(self._workload(call), attention, self._cache)
                 except (ValueError, RuntimeError) as error:
@@ -275,8 +279,8 @@ def _get(module: torch.nn.Module, path: str):
 class _StreamRecorder:
     """Records the order modules that own tensors run in (the sequential tier's schedule input)."""
 
-    def __init__(self, model: MetaModel, component: str) -> None:
-        self.model, self.component = model, component
+    def __init__(self, model: MetaModel, component: str, kind: str) -> None:
+        self.model, self.component, self.kind = model, component, kind
         self.events: list[tuple[bool, str]] = []
         self.handles: list = []
 
@@ -296,5 +300,5 @@ class _StreamRecorder:
             traced = len(self.model._block_list(self.component)) if path else 0
             count = self.model.real_block_count(self.component)
             order = expand_blocks(self.events, path, traced, count) if path and count > traced else self.events
-            self.model._streams[self.component] = tuple(order)
+            self.model._streams[(self.component, self.kind)] = tuple(order)
         return False
