@@ -41,7 +41,8 @@ def validate_request(loaded, request) -> SamplerChoice:
         raise ModelError(f"{loaded.class_name} is text-to-video: disconnect the image input or load an I2V model.")
     if request.image is not None:
         check_image(request.image)
-    return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio)
+    return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio,
+                           (request.width, request.height))
 
 
 def _check_whole(name: str, value: object) -> None:

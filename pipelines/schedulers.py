@@ -37,6 +37,7 @@ class SamplerChoice:
     cfg: float
     cfg_2: float | None  # None: single-expert model
     boundary_ratio: float | None  # None: single-expert model
+    recommended_shift: float | None = None  # the family's advice at this size (FamilySpec.sampler)
 
     @property
     def guided(self) -> bool:
@@ -47,6 +48,8 @@ class SamplerChoice:
         parts = [f"scheduler={self.scheduler} ({self.scheduler_class})"]
         if self.shift is not None:
             parts.append(f"shift={self.shift:g}" + (" (model default)" if self.shift_is_default else ""))
+            if self.recommended_shift is not None and self.recommended_shift != self.shift:
+                parts.append(f"(recommended at this size: shift={self.recommended_shift:g})")
         parts.append(f"cfg={self.cfg:g}")
         if self.cfg_2 is not None:
             parts.append(f"cfg_2={self.cfg_2:g} (low-noise expert)")
@@ -64,7 +67,8 @@ def two_experts(pipe) -> bool:
     return getattr(pipe, "transformer_2", None) is not None and pipe.config.get("boundary_ratio") is not None
 
 
-def resolve_sampler(pipe, spec, scheduler: str, shift, cfg: float, cfg_2, boundary_ratio) -> SamplerChoice:
+def resolve_sampler(pipe, spec, scheduler: str, shift, cfg: float, cfg_2, boundary_ratio,
+                    size: tuple[int, int] = (0, 0)) -> SamplerChoice:
     """Check every control against the model (ModelError naming the input and the fix) and resolve
     the defaults; nothing is built or moved."""
     defaults = spec.sampler
@@ -100,7 +104,8 @@ def resolve_sampler(pipe, spec, scheduler: str, shift, cfg: float, cfg_2, bounda
     return SamplerChoice(
         scheduler, scheduler_class(shipped, scheduler), model_shift if shift is None else float(shift), shift is None,
         float(cfg), (float(cfg if cfg_2 is None else cfg_2)) if experts else None,
-        (pipe.config["boundary_ratio"] if boundary_ratio is None else float(boundary_ratio)) if experts else None)
+        (pipe.config["boundary_ratio"] if boundary_ratio is None else float(boundary_ratio)) if experts else None,
+        defaults.shift_for(*size) if defaults.flow_matching else None)
 
 
 def scheduler_class(shipped, name: str) -> str:

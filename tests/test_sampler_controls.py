@@ -248,6 +248,16 @@ def test_family_defaults_are_data():
     assert not COGVIDEOX.sampler.flow_matching and COGVIDEOX.sampler.shift_for(1280, 720) is None
 
 
+def test_the_receipt_names_the_recommended_shift_when_it_differs(tiny_loaded):
+    from vidmem.pipelines.schedulers import resolve_sampler
+
+    pipe = tiny_loaded("wan2.1-t2v").pipe
+    at_720p = resolve_sampler(pipe, WAN, "default", None, 5.0, None, None, (1280, 720))
+    assert at_720p.shift == 3.0 and "(recommended at this size: shift=5)" in at_720p.describe()
+    at_480p = resolve_sampler(pipe, WAN, "default", None, 5.0, None, None, (832, 480))
+    assert "recommended" not in at_480p.describe()
+
+
 def test_the_sampler_node_passes_its_controls_to_the_engine(tiny_folder):
     """The node's widget values for "the model's own" (shift 0, cfg_2 -1, boundary 0) are the engine's None."""
     from test_nodes import strategy_inputs
