@@ -2,7 +2,10 @@
 
 The web extension sends the model name (one of the pack's own model lists, never a path), the
 Strategy node's widget values and the Sampler's shape. The answer is every tier's predicted
-peak VRAM and RAM per stage against the budgets, with the row the run would use. Planning
+peak VRAM and RAM per stage against the budgets, with the row the run would use. For a Load
+Video Model Files node (loader=VidMemLoadModelFiles) the files, from the host's own lists, are
+recognised from their headers (nodes/plan_files.py) and planned with their real storage and the
+disk tier, as the run will hold them. Planning
 builds the architecture on the meta device from config files: no weight is read and no GPU is
 touched. It runs on one worker thread, one request at a time, off the server's event loop;
 answers are cached by request, and a request that a newer one from the same node replaced
@@ -19,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..memory import OffloadTier, StrategyError
-from ..memory.planner import candidate_plans, plan_run, recommended
+from ..memory.planner import PlanOptions, candidate_plans, plan_run, recommended
 from ..memory.planner_stages import VideoShape
+from .plan_files import FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request, recognise
 from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, tile_size_problem
 
 PLAN_ROUTE = "/vidmem/plan"
@@ -43,6 +47,7 @@ class PlanRequest:
     widgets: tuple[tuple[str, object], ...]  # the Strategy's widgets, in INPUT_TYPES order
     vram_budget_gb: float
     ram_budget_gb: float
+    files: FilesRequest | None = None  # a Load Video Model Files node's widgets; None for a folder
 
     @property
     def auto(self) -> bool:
@@ -52,7 +57,13 @@ class PlanRequest:
 def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list[str]) -> PlanRequest:
     """A PlanRequest from the query string; PlanRequestError naming the first bad parameter."""
     model = _required(query, "model")
-    if model not in model_names:
+    files = None
+    if query.get("loader") == FILES_LOADER:
+        try:
+            files = files_request(query, dtypes)
+        except FilesProblem as error:
+            raise PlanRequestError(error.name, str(error)) from None
+    elif model not in model_names:
         raise PlanRequestError("model", f"model={model!r} is not in the pack's model list; choose one the "
                                         "Load Video Pipeline node offers.")
     dtype = query.get("dtype", "bf16")
@@ -63,7 +74,8 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     width, height, frames = (_number(query, name, "INT", *SHAPE[name]) for name in SHAPE)
     cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
     shape = VideoShape(width, height, frames, cfg=cfg > 1.0)
-    return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS))
+    return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
+                       files=files)
 
 
 def _required(query: Mapping[str, str], name: str) -> str:
@@ -116,27 +128,39 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         if problem:
             raise StrategyError(problem)
         strategy = build_strategy(**widgets)
-        model = load_model(request.model, request.dtype)
+        model, options = _model_and_options(request, load_model)
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
         base = replace(strategy, offload=OffloadTier.MODEL, blocks_to_swap=0)
-        plans = candidate_plans(model, request.shape, vram, ram, base=base)
+        plans = candidate_plans(model, request.shape, vram, ram, base=base, options=options)
         labels = [_label(plan) for plan in plans]
         chosen = recommended(plans)
         if not request.auto:
-            plans.append(plan_run(model, request.shape, strategy, vram_budget_bytes=vram, ram_budget_bytes=ram))
+            plans.append(plan_run(model, request.shape, strategy, options, vram_budget_bytes=vram, ram_budget_bytes=ram))
             labels.append("your settings")
             chosen = len(plans) - 1
-    except ValueError as error:  # StrategyError, PlanError, ModelError: all name their input
+    except FilesProblem as error:
+        return {"status": "error", "input": error.name, "error": str(error)}
+    except (ValueError, OSError) as error:  # StrategyError, PlanError, ModelError: all name their input
         return {"status": "error", "input": _input_named(str(error)), "error": str(error)}
     s = request.shape
     return {
         "status": "ok", "model": request.model, "auto": request.auto,
+        "config": getattr(model, "name", request.model), "storage": dict(options.storage), "on_disk": options.on_disk,
         "shape": {"width": s.width, "height": s.height, "frames": s.frames},
         "budgets": {"vram_bytes": vram, "ram_bytes": ram},
         "rows": [_row(label, plan) for label, plan in zip(labels, plans)],
         "chosen": chosen,
     }
+
+
+def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], object]) -> tuple[object, PlanOptions]:
+    """The plannable model and how its weights are held: a folder's at the compute dtype; single
+    files recognised from their headers, with their own storage and the disk tier."""
+    if request.files is None:
+        return load_model(request.model, request.dtype), PlanOptions()
+    recognised = recognise(request.files, request.dtype)
+    return recognised.planner_model, recognised.options
 
 
 def _label(plan) -> str:
@@ -155,6 +179,9 @@ def _row(label: str, plan) -> dict:
 def _input_named(message: str) -> str | None:
     """The input a planner or strategy message is about: its messages start 'name=value'."""
     head = message.split("=", 1)[0].strip()
+    role = message.split(":", 1)[0].strip()
+    if role in FILE_ROLES:  # the single-file loader's messages start 'role: ...'
+        return role
     known = (*WIDGETS, *BUDGETS, *SHAPE)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)
 

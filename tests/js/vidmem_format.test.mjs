@@ -229,3 +229,32 @@ test("receipts are at most three short lines; the rest is in the tooltip", () =>
   assert.deepEqual(free, ["RSS 421.34 MiB -> 421.34 MiB, VRAM 1.00 GiB -> 0 B", "models unloaded: no"]);
   assert.ok(compactLines("VidMemVideoSampler", { text: ["a\nb\nc\nd"] }).length <= 3);
 });
+
+test("the plan finds the loader through any chain of Load LoRA / Train LoRA nodes", async () => {
+  const { pipelineLoader, loaderFields } = await import("../../web/js/vidmem_format.js");
+  const node = (type, up = null, widgets = {}) => ({ comfyClass: type, up, widgets });
+  const files = node("VidMemLoadModelFiles", null, { model: "wan.safetensors", model_2: "(none)", text_encoder: "t5.safetensors",
+    vae: "vae.safetensors", clip_vision: "(none)", dtype: "bf16", vae_dtype: "fp32", weight_dtype: "default", weights_on_disk: true });
+  const upstream = (n) => n.up;
+  const chain = node("VidMemLoadLoRA", node("VidMemTrainLoRA", node("VidMemLoadLoRA", files)));
+  assert.equal(pipelineLoader(chain, upstream), files);
+  assert.equal(pipelineLoader(files, upstream), files);
+  assert.equal(pipelineLoader(node("VidMemLoadLoRA", node("SomethingElse", files)), upstream), null);
+  assert.equal(pipelineLoader(node("VidMemLoadLoRA"), upstream), null);
+  const loop = node("VidMemLoadLoRA");
+  loop.up = node("VidMemLoadLoRA", loop);
+  assert.equal(pipelineLoader(loop, upstream), null);
+  const fields = loaderFields(files, (name) => files.widgets[name]);
+  assert.deepEqual(fields, { loader: "VidMemLoadModelFiles", model: "wan.safetensors", dtype: "bf16",
+    ...Object.fromEntries(Object.entries(files.widgets).map(([k, v]) => [`loader_${k}`, v])) });
+  const query = new URLSearchParams(planQuery({ model: fields.model, dtype: fields.dtype, loader: fields,
+    widgets: { text_encoder: "cpu" }, shape: { width: 32, height: 32, frames: 9 } }));
+  assert.equal(query.get("loader"), "VidMemLoadModelFiles");
+  assert.equal(query.get("loader_vae"), "vae.safetensors");
+  assert.equal(query.get("loader_text_encoder"), "t5.safetensors");
+  assert.equal(query.get("text_encoder"), "cpu"); // the Strategy's own widget keeps its name
+  assert.equal(query.get("loader_weights_on_disk"), "true");
+  const folder = node("VidMemLoadPipeline", null, { model: "Wan2.1", dtype: "fp16", transformer_file: "(folder)" });
+  assert.deepEqual(loaderFields(folder, (name) => folder.widgets[name]),
+    { loader: "VidMemLoadPipeline", model: "Wan2.1", dtype: "fp16", transformer_file: "(folder)" });
+});

@@ -8,7 +8,7 @@ import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STAGES, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines,
-  legacyStrategyValues, meterText, planBars, planLines, planQuery, planVerdict, slowdownText, summarize,
+  legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planVerdict, slowdownText, summarize,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -149,11 +149,13 @@ function linkedNode(node, inputName) {
 function planRequestFor(node) {
   const sampler = (node.getOutputNodes?.(0) ?? []).find((n) => n.comfyClass === SAMPLER || n.type === SAMPLER);
   if (!sampler) return null;
-  const loader = linkedNode(node, "pipeline") ?? linkedNode(sampler, "pipeline");
+  const upstream = (n) => linkedNode(n, "pipeline");
+  const loader = pipelineLoader(upstream(node) ?? upstream(sampler), upstream);
   if (!loader) return null;
+  const fields = loaderFields(loader, (name) => widgetValue(loader, name));
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((name) => [name, widgetValue(node, name)]));
   const shape = Object.fromEntries(["width", "height", "frames", "cfg"].map((name) => [name, widgetValue(sampler, name)]));
-  return planQuery({ model: widgetValue(loader, "model"), dtype: widgetValue(loader, "dtype"), widgets, shape, client: `${PAGE_ID}:${node.id}` });
+  return planQuery({ model: fields.model, dtype: fields.dtype, loader: fields, widgets, shape, client: `${PAGE_ID}:${node.id}` });
 }
 
 async function refreshPlan(node) {

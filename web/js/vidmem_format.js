@@ -192,9 +192,49 @@ export function legacyStrategyValues(values) {
 }
 
 /** The GET /vidmem/plan query string, or null when the graph does not say enough yet. */
-export function planQuery({ model, dtype, widgets, shape, client }) {
+// Nodes that pass a pipeline through unchanged in shape and storage (LoRAs are added on top).
+export const PIPELINE_PASS_THROUGH = ["VidMemLoadLoRA", "VidMemTrainLoRA"];
+export const PIPELINE_LOADERS = ["VidMemLoadPipeline", "VidMemLoadModelFiles"];
+// The Load Video Model Files widgets the plan needs: its files, precisions and the disk tier.
+export const FILES_LOADER_WIDGETS = ["model", "model_2", "text_encoder", "vae", "clip_vision", "dtype", "vae_dtype",
+  "weight_dtype", "weights_on_disk"];
+
+export const LOADER_PREFIX = "loader_";
+
+const typeOf = (node) => node?.comfyClass ?? node?.type;
+
+/** The loader a pipeline comes from: follow `upstream(node)` (the node on its `pipeline` input)
+ * through any number of Load LoRA / Train LoRA nodes; null when unconnected, a loop, or another node. */
+export function pipelineLoader(start, upstream) {
+  const seen = new Set();
+  for (let node = start; node && !seen.has(node); node = upstream(node)) {
+    seen.add(node);
+    if (PIPELINE_LOADERS.includes(typeOf(node))) return node;
+    if (!PIPELINE_PASS_THROUGH.includes(typeOf(node))) return null;
+  }
+  return null;
+}
+
+/** The plan query's loader fields from a loader node and `value(name)` of its widgets. */
+export function loaderFields(loader, value) {
+  const kind = typeOf(loader);
+  if (kind === "VidMemLoadModelFiles") {
+    // Prefixed: the Strategy has widgets of the same names (text_encoder).
+    const files = Object.fromEntries(FILES_LOADER_WIDGETS.map((name) => [`${LOADER_PREFIX}${name}`, value(name)]));
+    return { loader: kind, model: value("model"), dtype: value("dtype"), ...files };
+  }
+  const fields = { loader: kind, model: value("model"), dtype: value("dtype") };
+  const single = value("transformer_file");
+  if (single !== undefined && single !== null) fields.transformer_file = single;
+  return fields;
+}
+
+export function planQuery({ model, dtype, widgets, shape, client, loader }) {
   if (!model || !shape || [shape.width, shape.height, shape.frames].some((v) => !Number.isFinite(Number(v)))) return null;
   const params = new URLSearchParams({ model: String(model), dtype: String(dtype ?? "bf16") });
+  for (const [name, value] of Object.entries(loader ?? {})) {
+    if (value !== undefined && value !== null && !params.has(name)) params.set(name, String(value));
+  }
   for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS]) {
     if (widgets?.[name] !== undefined && widgets[name] !== null) params.set(name, String(widgets[name]));
   }

@@ -1,0 +1,128 @@
+"""The plan route's view of a Load Video Model Files node: which model its files are, stored how.
+
+The browser sends the loader's file widgets; only names the host's own model-file lists offer
+are accepted (never a path). The files are opened the way the loader opens them (memory-mapped:
+their headers, plus the few small records the loader reads to classify them: fp8 scale scalars,
+ComfyUI's per-layer quant records, the embedded tokenizer) and matched to a model config without
+building anything. Storage per component follows the loader: the files' own format, or the
+weight_dtype choice where it lowers the matrices; the VAE and image encoder at their dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from ..memory.planner import PlanOptions
+from ..memory.storage import FORMATS, storage_format
+from ..pipelines.comfy_files import DEFAULT_WEIGHTS, shipped_catalogue
+from ..pipelines.comfy_files import match
+from ..pipelines.comfy_files.files import read_weight_file
+from ..pipelines.comfy_files.load import LOWERED, _COMPONENT, _KIND
+from ..pipelines.configs import load_model, model_names
+from . import host
+
+FILES_LOADER = "VidMemLoadModelFiles"
+FILE_ROLES = ("model", "text_encoder", "vae", "model_2", "clip_vision")  # the first three are required
+NONE = "(none)"
+PREFIX = "loader_"  # the query names the loader's widgets loader_<widget>: the Strategy has a text_encoder too
+
+
+class FilesProblem(ValueError):
+    """A file widget the plan cannot use; `name` is the widget."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+@dataclass(frozen=True)
+class FilesRequest:
+    """The loader's widgets, with each file's (name, size, mtime): a changed file is a new request."""
+
+    files: tuple[tuple[str, str, int, int], ...]  # (role, name, size, mtime_ns)
+    vae_dtype: str  # "" follows dtype
+    weight_dtype: str
+    weights_on_disk: bool
+
+
+@dataclass(frozen=True)
+class RecognisedFiles:
+    config_name: str
+    options: PlanOptions
+    planner_model: object
+
+
+def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
+    """A FilesRequest from the query; FilesProblem naming the widget when a name is not listed."""
+    files = []
+    for role in FILE_ROLES:
+        name = query.get(PREFIX + role, NONE if role in ("model_2", "clip_vision") else "")
+        if name == NONE and role in ("model_2", "clip_vision"):
+            continue
+        if name not in host.model_file_names(role):
+            raise FilesProblem(role, f"{role}={name!r} is not in the host's {role} file list; pick a file the "
+                                     "Load Video Model Files node offers.")
+        path = host.resolve_model_file(role, name)
+        stat = path.stat()
+        files.append((role, name, stat.st_size, stat.st_mtime_ns))
+    vae_dtype = query.get(PREFIX + "vae_dtype", "same as dtype")
+    if vae_dtype != "same as dtype" and vae_dtype not in vae_dtypes:
+        raise FilesProblem("vae_dtype", f"vae_dtype={vae_dtype!r} must be 'same as dtype' or one of {', '.join(vae_dtypes)}.")
+    weight_dtype = query.get(PREFIX + "weight_dtype", DEFAULT_WEIGHTS)
+    if weight_dtype != DEFAULT_WEIGHTS and weight_dtype not in FORMATS:
+        raise FilesProblem("weight_dtype", f"weight_dtype={weight_dtype!r} must be default or one of {', '.join(FORMATS)}.")
+    on_disk = query.get(PREFIX + "weights_on_disk", "true").lower()
+    if on_disk not in ("true", "false"):
+        raise FilesProblem("weights_on_disk", f"weights_on_disk={on_disk!r} must be true or false.")
+    return FilesRequest(tuple(files), "" if vae_dtype == "same as dtype" else vae_dtype, weight_dtype, on_disk == "true")
+
+
+@lru_cache(maxsize=16)
+def recognise(request: FilesRequest, dtype: str) -> RecognisedFiles:
+    """The config the files are and their storage (ModelError naming the input when they do not fit)."""
+    opened = {role: read_weight_file(host.resolve_model_file(role, name), role, _KIND[role])
+              for role, name, _size, _mtime in request.files}
+    configs = host.model_config_dirs()
+    catalogue = shipped_catalogue(configs)
+    match.check_experts(opened["model"], opened.get("model_2"))
+    entry = match.choose_model(opened["model"], 1 + ("model_2" in opened), catalogue)
+    match.check_vae(entry, opened["vae"])
+    match.check_text_encoder(entry, opened["text_encoder"])
+    match.check_clip_vision(entry, opened.get("clip_vision"))
+    vae = request.vae_dtype or dtype
+    model = _planner_model(entry.name, dtype, vae, configs)
+    storage, restored = {}, False
+    for role, file in opened.items():
+        component = _COMPONENT[role]
+        held = _lowered(file.storage, request.weight_dtype) if component in LOWERED else (vae if component == "vae" else dtype)
+        restored |= component in LOWERED and held != file.storage
+        if held in FORMATS and component in model.layout.all:
+            storage[component] = held
+    # Matrices weight_dtype re-stored at load live in RAM: the disk tier holds only while they stay mapped.
+    on_disk = request.weights_on_disk and not restored
+    return RecognisedFiles(entry.name, PlanOptions(storage=storage, on_disk=on_disk), model)
+
+
+def _lowered(stored: str, weight_dtype: str) -> str:
+    """What the loader holds: weight_dtype lowers the matrices, never raises them."""
+    if weight_dtype == DEFAULT_WEIGHTS or stored not in FORMATS:
+        return stored
+    narrower = storage_format(weight_dtype).bytes_per_weight < storage_format(stored).bytes_per_weight
+    return weight_dtype if narrower else stored
+
+
+def _planner_model(name: str, dtype: str, vae: str, config_dirs) -> object:
+    """A shipped config by name, else the host's own config file of that name (models/vidmem_configs)."""
+    if name in model_names():
+        return load_model(name, dtype, vae)
+    from ..pipelines import configs  # a config outside the shipped set: read in the shipped schema
+
+    for folder in config_dirs:
+        for file in sorted(Path(folder).glob("*.json")):
+            data = json.loads(file.read_text())
+            if data.get("name") == name:
+                return configs._from_json(data, dtype, configs._dtype(vae))
+    raise FilesProblem("model", f"model config '{name}' was matched but is not readable for planning.")

@@ -1,0 +1,94 @@
+"""GET /vidmem/plan for a Load Video Model Files node: names from the host's lists, model and storage from the files."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vidmem.nodes import host, plan_files
+from vidmem.nodes.plan_route import PlanRequestError, parse_request, plan_answer
+from vidmem.pipelines.loader import DTYPES
+from vidmem.pipelines.tiny_files import save_tiny_comfy_files
+
+BUDGETS = (8 * 2**30, 32 * 2**30)
+FOLDERS = {"diffusion_models": "diffusion_models", "unet": "diffusion_models", "text_encoders": "text_encoders",
+           "clip": "text_encoders", "vae": "vae", "clip_vision": "clip_vision"}
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    """Tiny fp8-scaled Wan 2.1 files in a models/ tree that a stand-in folder_paths lists."""
+    files = save_tiny_comfy_files("wan2.1-t2v", tmp_path, "fp8_scaled", reference=False)
+    folders = {key: tmp_path / sub for key, sub in FOLDERS.items()}
+    fake = SimpleNamespace(
+        models_dir=str(tmp_path),
+        get_folder_paths=lambda key: [str(folders[key])],
+        get_filename_list=lambda key: sorted(p.name for p in folders[key].glob("*") if p.is_file()),
+    )
+    monkeypatch.setattr(host, "folder_paths", fake)
+    plan_files.recognise.cache_clear()
+    return files.files
+
+
+def query(files, **changes):
+    loader = {"model": files.model.name, "text_encoder": files.text_encoder.name, "vae": files.vae.name,
+              "model_2": "(none)", "clip_vision": "(none)", "dtype": "bf16", "vae_dtype": "fp32",
+              "weight_dtype": "default", "weights_on_disk": "true", **changes}
+    return {"loader": "VidMemLoadModelFiles", "model": loader["model"], "dtype": loader["dtype"],
+            "text_encoder": "offload_after_encoding", "width": "32", "height": "32", "frames": "9",
+            **{f"loader_{name}": value for name, value in loader.items()}}
+
+
+def answer(q):
+    def no_folder(name, dtype):
+        raise AssertionError("a files request must not be planned as a diffusers folder")
+    return plan_answer(parse_request(q, [], list(DTYPES)), no_folder, BUDGETS)
+
+
+def test_files_are_recognised_with_their_storage_and_the_disk_tier(models):
+    plan = answer(query(models))
+    assert plan["status"] == "ok", plan
+    assert plan["config"] == "tiny-wan2.1-t2v"
+    assert plan["storage"]["transformer"] == "fp8_scaled"
+    assert plan["storage"]["vae"] == "fp32"
+    assert plan["on_disk"] is True
+    assert plan["rows"] and all(row["stages"] for row in plan["rows"])
+
+
+def test_weight_dtype_lowers_but_never_raises_and_ram_copy_changes_the_plan(models):
+    lowered = answer(query(models, weight_dtype="gguf_q4_k"))
+    assert lowered["storage"]["transformer"] == "gguf_q4_k"
+    assert lowered["on_disk"] is False  # re-stored matrices are held in RAM, not mapped from the files
+    kept = answer(query(models, weight_dtype="bf16"))
+    assert kept["storage"]["transformer"] == "fp8_scaled"
+    assert kept["on_disk"] is True
+    in_ram = answer(query(models, weights_on_disk="false"))
+    assert in_ram["on_disk"] is False
+    on_disk = answer(query(models))
+    assert [r["peak_ram_bytes"] for r in in_ram["rows"]] != [r["peak_ram_bytes"] for r in on_disk["rows"]]
+
+
+def test_a_name_not_in_the_hosts_list_is_refused_before_any_file_is_opened(models):
+    with pytest.raises(PlanRequestError, match="vae='../escape.safetensors' is not in the host's vae file list") as error:
+        parse_request(query(models, vae="../escape.safetensors"), [], list(DTYPES))
+    assert error.value.name == "vae"
+    with pytest.raises(PlanRequestError, match="weight_dtype='q3'"):
+        parse_request(query(models, weight_dtype="q3"), [], list(DTYPES))
+
+
+def test_a_file_of_the_wrong_kind_is_an_error_status_naming_the_input(models):
+    models.vae.with_name("copy_of_text_encoder.safetensors").write_bytes(models.text_encoder.read_bytes())
+    plan = answer(query(models, vae="copy_of_text_encoder.safetensors"))
+    assert plan["status"] == "error"
+    assert plan["input"] == "vae"
+    assert "T5 / UMT5 text encoder" in plan["error"]
+
+
+def test_the_request_changes_when_a_file_changes(models):
+    first = parse_request(query(models), [], list(DTYPES))
+    assert parse_request(query(models), [], list(DTYPES)) == first
+    models.vae.write_bytes(models.vae.read_bytes() + b"")  # same bytes, new mtime
+    import os
+    os.utime(models.vae, ns=(1, 1))
+    assert parse_request(query(models), [], list(DTYPES)) != first
