@@ -103,6 +103,15 @@ def test_weight_dtype_lowers_matrices_and_never_raises_them(written):
     assert kept.storage["transformer"] == "fp8_e4m3fn"  # bf16 is wider than the file: kept as stored
 
 
+def test_lowered_weights_live_in_ram_so_the_pipeline_is_not_on_disk(written):
+    """weight_dtype makes new tensors: the planner must count them as RAM, not as page cache."""
+    out = written("wan2.1-t2v", "bf16")
+    lowered = load_model_files(out.files, LoadOptions(dtype="fp32", weight_dtype="fp8_scaled", weights_on_disk=True),
+                               tiny_catalogue())
+    assert not lowered.on_disk and not is_file_backed(lowered.pipe.transformer.blocks[0].attn1.to_q.weight_stored)
+    assert "disk tier" not in lowered.describe()
+
+
 def test_bf16_compute_with_an_fp32_vae_holds_the_dtypes_from_pretrained_gives(written):
     out = written("wan2.1-t2v", "bf16")
     loaded = load_model_files(out.files, LoadOptions(dtype="bf16", vae_dtype="fp32", weights_on_disk=False), tiny_catalogue())

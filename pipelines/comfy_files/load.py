@@ -18,7 +18,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Sequence
 
-from ...memory.storage import FORMATS
+import torch
+
+from ...memory.storage import FORMATS, is_file_backed
 from ..family import ModelError
 from ..loader import DTYPES, LoadedPipeline, pinned_pipeline_class
 from ..wan import WAN
@@ -61,6 +63,12 @@ class LoadOptions:
     def vae(self) -> str:
         return self.vae_dtype or self.dtype
 
+    def lowers(self, file: WeightFile) -> bool:
+        """Whether weight_dtype re-stores this file's matrices narrower (in RAM, not mapped)."""
+        if self.weight_dtype == DEFAULT_WEIGHTS:
+            return False
+        return FORMATS[self.weight_dtype].bytes_per_weight < FORMATS[detect.storage_name(file.tensors)].bytes_per_weight
+
 
 def load_model_files(files: ModelFiles, options: LoadOptions = LoadOptions(),
                      catalogue: Sequence[ModelEntry] | None = None) -> LoadedPipeline:
@@ -76,7 +84,7 @@ def load_model_files(files: ModelFiles, options: LoadOptions = LoadOptions(),
     return LoadedPipeline(
         pipe, WAN, entry.pipeline_class, source=" + ".join(f.name for f in opened.values()),
         dtype_name=options.dtype, folder=entry.name, config_name=entry.name,
-        storage=MappingProxyType(storage), on_disk=options.weights_on_disk, vae_dtype_name=options.vae,
+        storage=MappingProxyType(storage), on_disk=_maps_files(options, components), vae_dtype_name=options.vae,
         storage_reports=MappingProxyType(reports),
     )
 
@@ -102,6 +110,22 @@ def _match(opened: dict[str, WeightFile], catalogue: Sequence[ModelEntry]) -> Mo
     return entry
 
 
+def _maps_files(options: LoadOptions, components: dict) -> bool:
+    """The disk tier holds only while the big matrices stay mapped from their files: weights
+    that weight_dtype re-stored at load live in RAM, whatever weights_on_disk says."""
+    return options.weights_on_disk and all(_matrices_mapped(components[name]) for name in LOWERED if name in components)
+
+
+def _matrices_mapped(module: torch.nn.Module) -> bool:
+    for layer in module.modules():
+        stored = getattr(layer, "weight_stored", None)
+        matrix = stored if stored is not None else getattr(layer, "weight", None)
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)) or stored is not None:
+            if not is_file_backed(matrix):
+                return False
+    return True
+
+
 def _check_sizes(entry: ModelEntry, opened: dict[str, WeightFile], options: LoadOptions) -> None:
     """Before any allocation: each matched config's weights (built on meta) against the file's
     real tensors, and when they are copied into RAM, the files' sizes against RAM and swap."""
@@ -110,11 +134,16 @@ def _check_sizes(entry: ModelEntry, opened: dict[str, WeightFile], options: Load
         name = _COMPONENT[role]
         dtype = DTYPES[options.vae if name == "vae" else options.dtype]
         implied = implied_weights(entry.components[name], dtype)
-        check_against_files(implied, stored_elements(t.shape for t in file.tensors.values()), f"{role} '{file.name}'")
-        in_ram.append((f"{role} '{file.name}'", file.path.stat().st_size))
-    if not options.weights_on_disk:
-        check_against_ram(in_ram, "copying these files into RAM (weights_on_disk off)",
-                          "Turn weights_on_disk on: the weights then stay mapped from the files and are read as needed.")
+        elements = stored_elements(t.shape for t in file.tensors.values())
+        check_against_files(implied, elements, f"{role} '{file.name}'")
+        if name in LOWERED and options.lowers(file):  # re-stored in RAM at the lower format
+            in_ram.append((f"{role} '{file.name}' as {options.weight_dtype}", FORMATS[options.weight_dtype].stored_bytes(elements)))
+        elif not options.weights_on_disk:
+            in_ram.append((f"{role} '{file.name}'", file.path.stat().st_size))
+    if in_ram:
+        check_against_ram(in_ram, "holding these weights in RAM (weights_on_disk off, or weight_dtype lowering them)",
+                          "Turn weights_on_disk on and leave weight_dtype at default: the weights then stay "
+                          "mapped from the files and are read as needed.")
 
 
 def _load_component(entry: ModelEntry, name: str, file: WeightFile, options: LoadOptions):
