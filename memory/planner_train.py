@@ -160,9 +160,8 @@ def _attach_lora(linear: nn.Linear, rank: int):
     down = torch.zeros(rank, linear.in_features, device="meta", requires_grad=True)
     up = torch.zeros(linear.out_features, rank, device="meta", requires_grad=True)
 
-    def hook(mod, inputs, out):
-        x = inputs[0]
-        return out + F.linear(F.linear(x.float(), down), up).to(out.dtype)
+    def hook(mod, inputs, out):  # as training/adapters.py: float32 LoRA on an upcast input, scaled
+        return out + (F.linear(F.linear(inputs[0].float(), down), up) * 1.0).to(out.dtype)
     return linear.register_forward_hook(hook)
 
 
