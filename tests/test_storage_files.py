@@ -147,7 +147,7 @@ def test_bad_safetensors_headers_name_the_file_and_the_fix(tmp_path, header, dat
     path = header_file(tmp_path, header, data)
     with pytest.raises(StorageError, match=message) as caught:
         open_weights(path)
-    assert str(path) in str(caught.value) and "download it again" in str(caught.value) or "Re-save" in str(caught.value)
+    assert str(path) in str(caught.value) and ("download it again" in str(caught.value) or "Re-save" in str(caught.value))
 
 
 @pytest.mark.parametrize("content", [b"", b"abc", b"\xff" * 64, struct.pack("<Q", 10**12) + b"{}", struct.pack("<Q", 2) + b"[]",
@@ -303,3 +303,16 @@ def test_ggml_dequantizers_equal_diffusers_and_build_no_constants_from_host_data
         ours = DEQUANTIZE[fmt.gguf_type](blocks)
     assert torch.equal(ours, theirs)
     assert not any("lift_fresh" in op for op in ops.seen), ops.seen
+
+
+def test_a_quantized_tensor_reshaped_before_quantizing_keeps_its_original_shape(tmp_path):
+    """city96's converters flatten e.g. a 5-D conv weight to rows of blocks and record the original
+    shape: the blocks tile the whole tensor, not its (original) last dimension of 2."""
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    x = np.random.default_rng(2).standard_normal((64, 16, 1, 2, 2)).astype(np.float32)
+    blocks = gguf.quants.quantize(x.reshape(64, 64), qtype)
+    write_gguf(tmp_path / "m.gguf", {"conv": (blocks, qtype)}, {"comfy.gguf.orig_shape.conv": [64, 16, 1, 2, 2]})
+    stored = open_gguf(tmp_path / "m.gguf").tensors["conv"]
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32)).reshape(64, 16, 1, 2, 2)
+    assert stored.shape == (64, 16, 1, 2, 2)
+    assert torch.equal(stored.dequantize(torch.float32), reference)

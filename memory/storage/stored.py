@@ -108,7 +108,10 @@ class StoredTensor:
             return None
         if data.dtype != torch.uint8:
             return f"GGUF data must be raw uint8 blocks, got {data.dtype}"
-        if not self.shape or self.shape[-1] % fmt.block_size:
+        # Row layout [*shape[:-1], row_bytes] needs whole blocks per row; a flat layout (a tensor
+        # reshaped before quantizing, with its original shape in the file's metadata) per tensor.
+        blocked = self.numel if data.dim() == 1 and len(self.shape) != 1 else (self.shape[-1] if self.shape else 0)
+        if not blocked or blocked % fmt.block_size:
             return f"the last dimension must be a multiple of the {fmt.block_size}-weight block"
         if data.numel() != fmt.stored_bytes(self.numel):
             return f"{data.numel()} data bytes, expected {fmt.stored_bytes(self.numel)}"
