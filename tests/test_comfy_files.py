@@ -154,7 +154,7 @@ def test_layout_and_storage_are_read_from_the_tensors(written, layout, tmp_path)
     assert text.fields["class"] == "UMT5EncoderModel" and text.tokenizer_model and text.storage == "fp8_scaled"
 
 
-def comfy_quant_copy(path, target, layer_format="float8_e4m3fn"):
+def comfy_quant_copy(path, target, layer_format="float8_e4m3fn", raw: bytes | None = None):
     """`path` (fp8 scaled) rewritten in ComfyUI's newer layout: `weight_scale` + a `comfy_quant` record."""
     import json
 
@@ -168,7 +168,7 @@ def comfy_quant_copy(path, target, layer_format="float8_e4m3fn"):
         if name.endswith(".scale_weight"):
             layer = name.removesuffix(".scale_weight")
             out[f"{layer}.weight_scale"] = tensor
-            record = json.dumps({"format": layer_format}).encode()
+            record = raw if raw is not None else json.dumps({"format": layer_format}).encode()
             out[f"{layer}.comfy_quant"] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
         else:
             out[name] = tensor
@@ -188,8 +188,20 @@ def test_comfyuis_newer_fp8_layout_reads_like_fp8_scaled_and_other_formats_are_n
     assert loaded.storage["transformer"] == "fp8_scaled"
     assert torch.equal(latents(loaded, "wan2.1-t2v"), latents(load_model_files(out.files, options, tiny_catalogue()), "wan2.1-t2v"))
     nvfp4 = replace(out.files, model=comfy_quant_copy(out.files.model, tmp_path / "wan_nvfp4.safetensors", "nvfp4"))
-    with pytest.raises(ModelError, match="model: 'wan_nvfp4.safetensors' stores layer .* as 'nvfp4'"):
+    with pytest.raises(ModelError, match="model: 'wan_nvfp4.safetensors': .* quantized as 'nvfp4'"):
         load_model_files(nvfp4, options, tiny_catalogue())
+
+
+@pytest.mark.parametrize("record", [b"{bad", b"[1]", b"\xff\xfe"])
+def test_a_damaged_comfy_quant_record_is_named_not_raised_raw(written, tmp_path, record):
+    from dataclasses import replace
+
+    from vidmem.pipelines.family import ModelError
+
+    out = written("wan2.1-t2v", "fp8_scaled")
+    damaged = replace(out.files, model=comfy_quant_copy(out.files.model, tmp_path / "damaged.safetensors", raw=record))
+    with pytest.raises(ModelError, match="model: 'damaged.safetensors': .* the file is damaged"):
+        load_model_files(damaged, LoadOptions(dtype="fp32"), tiny_catalogue())
 
 
 def test_reading_and_renaming_copy_nothing(written):

@@ -33,7 +33,7 @@ def fold_scaled_fp8(tensors: Mapping[str, torch.Tensor | StoredTensor]) -> dict[
     """`<layer>.weight` + its scale -> one StoredTensor("fp8_scaled"); unscaled fp8 weights ->
     fp8 StoredTensors; markers, activation scales and per-layer configs dropped; every other
     tensor returned as is (same objects, no copy). StorageError for formats vidmem cannot read."""
-    _refuse_unreadable(tensors)
+    refuse_unreadable(tensors)
     scales = {_weight_of(name): (name, t) for name, t in tensors.items() if _leaf(name) in SCALE_SUFFIXES}
     orphans = [name for weight, (name, _) in scales.items() if weight not in tensors]
     if orphans:
@@ -60,7 +60,8 @@ def _folded(name: str, tensor, scale_entry) -> torch.Tensor | StoredTensor:
     raise StorageError(f"'{name}' is {tensor.dtype} with a scale of shape {list(scale.shape)} (an integer or block-scaled quantization vidmem does not read); {FIX}.")
 
 
-def _refuse_unreadable(tensors: Mapping) -> None:
+def refuse_unreadable(tensors: Mapping) -> None:
+    """StorageError naming the first layer quantized in a way vidmem cannot read (or a damaged config)."""
     for name, tensor in tensors.items():
         leaf = _leaf(name)
         if leaf in UNSUPPORTED_SUFFIXES:

@@ -8,13 +8,13 @@ and transformers load (the VAE's original names need the model's own key set: `v
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from ...memory.storage import StorageError, fold_scaled_fp8, open_weights
 from ...memory.storage.files import SafetensorsFile
+from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
 from . import detect
 from .keys import KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
@@ -61,23 +61,14 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
 
 
 def _without_quant_records(path: Path, role: str, tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """ComfyUI's `<layer>.comfy_quant` records dropped once checked: float8 layers (weight x
-    `weight_scale`, folded like fp8 scaled) are read; any other format is refused by name. A
-    prefixed `<prefix>.scaled_fp8` marker (text encoders saved inside ComfyUI) goes too."""
-    kept = {}
-    for name, tensor in tensors.items():
-        if name.endswith(".scaled_fp8"):
-            continue
-        if not name.endswith(QUANT_SUFFIX):
-            kept[name] = tensor
-            continue
-        layout = json.loads(bytes(tensor.numpy().tobytes())).get("format", "?")
-        if not str(layout).startswith("float8"):
-            raise ModelError(
-                f"{role}: '{path.name}' stores layer '{name.removesuffix(QUANT_SUFFIX)}' as {layout!r}, which vidmem "
-                "does not read; use the model's bf16, fp16, fp8, fp8-scaled or GGUF file."
-            )
-    return kept
+    """ComfyUI's `<layer>.comfy_quant` records dropped once checked (the storage engine reads
+    float8 layers, weight x `weight_scale`, like fp8 scaled, and names any other format or a
+    damaged record). A prefixed `<prefix>.scaled_fp8` marker (text encoders saved inside ComfyUI) goes too."""
+    try:
+        refuse_unreadable(tensors)
+    except StorageError as error:
+        raise ModelError(f"{role}: '{path.name}': {error}") from None
+    return {name: t for name, t in tensors.items() if not name.endswith((".scaled_fp8", QUANT_SUFFIX))}
 
 
 def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dict, bytes | None]:
