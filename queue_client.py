@@ -11,11 +11,9 @@ place, so an interrupted download never leaves half a file under the expected na
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import ssl
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -23,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import websocket  # websocket-client
+
+from .atomic import write_bytes_atomically
 
 SHOWN = 300  # bytes of a bad answer quoted in a message
 
@@ -238,18 +238,5 @@ def download(server: Server, files: list[OutputFile], out: Path) -> list[Path]:
         status, data = server.request(f"/view?{file.query()}")
         if status != 200:
             raise QueueError(f"GET /view?{file.query()}: HTTP {status}: {quote(data)}")
-        saved.append(write_atomically(file.target(out), data))
+        saved.append(write_bytes_atomically(file.target(out), data))
     return saved
-
-
-def write_atomically(target: Path, data: bytes) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        os.replace(temp, target)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return target

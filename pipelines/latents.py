@@ -7,6 +7,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from ..atomic import atomic_path
 from .family import ModelError
 
 LATENT_SUFFIX = ".latent"
@@ -45,8 +46,8 @@ def write_latent(latent: dict, path: Path) -> Path:
     """Write `latent["samples"]`; the version marker tells Load Latent not to rescale it."""
     samples = check_latent(latent)
     tensors = {"latent_tensor": samples.contiguous().cpu(), "latent_format_version_0": torch.tensor([])}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file(tensors, str(path))
+    with atomic_path(path) as temporary:  # Load Latent lists the folder: never a half-written file
+        safetensors.torch.save_file(tensors, str(temporary))
     return path
 
 

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from torch import nn
+
+from ..atomic import PARTIAL_SUFFIX, atomic_path
 
 log = logging.getLogger("vidmem")
 
@@ -87,17 +88,11 @@ class PromptCache:
         """Write one entry atomically, then trim the folder to `max_bytes`. False if it could not be written."""
         tensors = {TENSOR: embeds.detach().to("cpu").contiguous()}
         metadata = {"key": key, **{k: str(v) for k, v in (description or {}).items()}}
-        temp = None
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            handle, temp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".part")
-            os.close(handle)
-            safetensors.torch.save_file(tensors, temp, metadata=metadata)
-            os.replace(temp, self.path(key))
+            with atomic_path(self.path(key)) as temporary:
+                safetensors.torch.save_file(tensors, str(temporary), metadata=metadata)
         except OSError as error:
             log.warning("vidmem: prompt cache folder %s cannot be written (%s); embeddings not cached", self.folder, error)
-            if temp is not None:
-                _unlink(Path(temp))
             return False
         self.prune()
         return True
@@ -112,7 +107,7 @@ class PromptCache:
         """Delete least recently used entries until the folder holds at most `max_bytes`, and
         temp files a crashed write left behind."""
         now = time.time()
-        for temp in self.folder.glob(".tmp-*.part"):
+        for temp in self.folder.glob(f".*{PARTIAL_SUFFIX}"):
             if now - _mtime(temp) > STALE_TEMP_S:
                 _unlink(temp)
         sized = [(_mtime(p), _size(p), p) for p in self.entries()]
@@ -147,14 +142,14 @@ def _sampled_bytes(name: str, tensor: torch.Tensor) -> bytes:
     if tensor.device.type == "meta":
         raise EncoderIdentityError(f"text encoder weight '{name}' is not loaded (meta device)")
     flat = tensor.detach().reshape(-1)
+    if flat.is_floating_point() and flat.element_size() == 1:
+        flat = flat.view(torch.uint8)  # fp8 hashes by its bits (and cannot be indexed on the CPU)
     if flat.numel() == 0:
         return b""
     count = min(SAMPLES_PER_TENSOR, flat.numel())
     # Integer steps: a float32 linspace cannot name every index past 2**24 and may run off the end.
     index = torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)
     values = flat[index.to(flat.device)].to("cpu")
-    if values.is_floating_point() and values.element_size() == 1:
-        values = values.view(torch.uint8)  # fp8 values hash by their bits
     return values.contiguous().view(torch.uint8).numpy().tobytes()
 
 

@@ -65,7 +65,7 @@ def test_a_repeated_prompt_never_runs_or_onloads_the_encoder(variant, offload, t
     for result in (first, again):
         assert torch.equal(result.latent["samples"], plain.latent["samples"])
     assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
-    assert not list(tmp_path.glob(".tmp-*")), "a temp file was left behind"
+    assert not list(tmp_path.glob(".*.part")), "a temp file was left behind"
 
 
 def test_only_the_missing_text_is_encoded(tiny_loaded, tmp_path):
@@ -145,10 +145,10 @@ def test_the_folder_is_bounded_least_recently_used_first(tmp_path):
     assert cache.load("old") is not None  # a hit makes "old" the most recently used
     cache.store("new", tensor)
     assert sorted(p.stem for p in cache.entries()) == ["new", "old"]
-    stale = tmp_path / ".tmp-crashed.part"
+    stale = tmp_path / ".crashed.safetensors.x1.part"
     stale.write_bytes(b"x")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
-    fresh = tmp_path / ".tmp-writing.part"
+    fresh = tmp_path / ".writing.safetensors.x2.part"
     fresh.write_bytes(b"x")
     cache.prune()
     assert not stale.exists() and fresh.exists(), "only temp files a crash left behind are removed"
@@ -214,3 +214,12 @@ def test_encoder_identity_samples_stay_in_range_past_float32_precision():
     table = torch.arange(2**24 + 3, dtype=torch.int32)
     sampled = torch.frombuffer(bytearray(_sampled_bytes("shared.weight", table)), dtype=torch.int32)
     assert sampled[0] == 0 and sampled[-1] == 2**24 + 2 and bool((sampled[1:] > sampled[:-1]).all())
+
+
+def test_encoder_identity_reads_fp8_weights_by_their_bits():
+    """Indexing a float8 tensor is not implemented on the CPU: the identity must not need it."""
+    from vidmem.pipelines.prompt_cache import _sampled_bytes
+
+    weights = torch.linspace(-2, 2, 100).to(torch.float8_e4m3fn)
+    sampled = _sampled_bytes("encoder.block.0.weight", weights)
+    assert len(sampled) == 16 and sampled != _sampled_bytes("other", weights.to(torch.float32).mul(2).to(torch.float8_e4m3fn))

@@ -446,12 +446,12 @@ def test_a_websocket_message_that_is_not_json_costs_only_progress(stub, tmp_path
 
 
 def test_a_download_that_fails_midway_leaves_no_half_file(stub, tmp_path, monkeypatch, capsys):
-    from vidmem import queue_client
+    from vidmem import atomic
 
     def broken_replace(source, target):
         raise OSError("disk full")
 
-    monkeypatch.setattr(queue_client.os, "replace", broken_replace)
+    monkeypatch.setattr(atomic.os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         queue(str(WORKFLOW), "--server", stub.url, "--out", str(tmp_path), "--timeout", "20")
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == [], "neither the target nor its temp file is left"

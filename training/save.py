@@ -21,6 +21,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from ..atomic import atomic_path
 from .adapters import path_of
 from .errors import TrainingError
 
@@ -69,15 +70,8 @@ def lora_metadata(rank: int, alpha: float, targets: tuple[str, ...], info: dict)
 
 
 def write_safetensors_atomic(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    try:
-        safetensors.torch.save_file(tensors, temporary, metadata=metadata)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as temporary:
+        safetensors.torch.save_file(tensors, str(temporary), metadata=metadata)
     return path
 
 

@@ -1,0 +1,38 @@
+"""Files written whole or not at all: a temporary file beside the target, renamed onto it.
+
+A crash, a full disk or an interrupt mid-write leaves the target as it was (or absent) and no
+partial file a later run could mistake for a good one. Standard library only, so the light
+command-line client can use it too.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PARTIAL_SUFFIX = ".part"  # what a temporary file ends with (so folders can sweep stale ones)
+
+
+@contextmanager
+def atomic_path(target: Path) -> Iterator[Path]:
+    """A fresh temporary path in `target`'s folder: write it inside the block; on a clean exit it
+    replaces `target` in one rename, on any exception it is deleted."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=PARTIAL_SUFFIX)
+    os.close(handle)
+    try:
+        yield Path(temporary)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def write_bytes_atomically(target: Path, data: bytes) -> Path:
+    with atomic_path(target) as temporary:
+        temporary.write_bytes(data)
+    return Path(target)
