@@ -57,7 +57,7 @@ VAE = ModelFile("vae", "wan_2.1_vae.safetensors", "bf16")
 SHARED = (TEXT_ENCODER, VAE)  # the same in both variants: written once, kept until both ran
 VARIANTS = {
     "bf16_disk": Variant("bf16_disk", ModelFile("model", "wan2.1_t2v_14B_bf16.safetensors", "bf16")),
-    "fp8": Variant("fp8", ModelFile("model", "wan2.1_t2v_14B_fp8_e4m3fn_scaled.safetensors", "fp8_scaled")),
+    "fp8": Variant("fp8", ModelFile("model", "wan2.1_t2v_14B_fp8_scaled.safetensors", "fp8_scaled")),
 }
 
 

@@ -33,7 +33,7 @@ class VidMemLoadModelFiles:
         return {
             "required": {
                 "model": (_files("model"), {"tooltip": "A Wan transformer from models/diffusion_models (or unet), "
-                          "e.g. wan2.1_t2v_14B_fp8_e4m3fn_scaled.safetensors. For Wan 2.2 A14B: the high-noise expert."}),
+                          "e.g. wan2.1_t2v_14B_fp8_scaled.safetensors. For Wan 2.2 A14B: the high-noise expert."}),
                 "text_encoder": (_files("text_encoder"), {"tooltip": "umt5-xxl from models/text_encoders (or clip), e.g. "
                                  "umt5_xxl_fp8_e4m3fn_scaled.safetensors. It must embed its tokenizer (Comfy-Org's files do)."}),
                 "vae": (_files("vae"), {"tooltip": "wan_2.1_vae.safetensors for every Wan model except Wan 2.2 TI2V-5B, "

@@ -248,7 +248,7 @@ def test_weight_dtype_gguf_keeps_rows_it_cannot_block(written):
 
 
 def test_tiny_files_can_carry_a_templates_real_file_names(tmp_path):
-    real = {"model": "wan2.1_t2v_14B_fp8_e4m3fn_scaled.safetensors", "text_encoder": "umt5_xxl_fp8_e4m3fn_scaled.safetensors"}
+    real = {"model": "wan2.1_t2v_14B_fp8_scaled.safetensors", "text_encoder": "umt5_xxl_fp8_e4m3fn_scaled.safetensors"}
     out = save_tiny_comfy_files("wan2.1-t2v", tmp_path, "fp8_scaled", reference=False, file_names=real)
     assert out.reference is None and out.files.model == tmp_path / "diffusion_models" / real["model"]
     assert out.files.text_encoder.name == real["text_encoder"] and out.files.vae.name == "tiny_wan2.1-t2v_vae.safetensors"
