@@ -14,9 +14,14 @@ def human_bytes(n: int | None) -> str:
 
 def format_receipt(title: str, receipt: dict) -> str:
     lines = [title]
-    for key in ("strategy", "device"):
+    for key in ("strategy", "device", "sampler"):
         if key in receipt:
             lines.append(f"{key}: {receipt[key]}")
+    if receipt.get("lora") and receipt["lora"] != "no LoRA":
+        lines.append(receipt["lora"])
+    for rung in receipt.get("oom_ladder", []):
+        lines.append(f"out of memory at step {rung['at_step']} under {rung['failed']}: resumed after step "
+                     f"{rung['resumed_from_step']} with {rung['next']} (chosen by the {rung['chosen_by']})")
     if "device_weight_bytes" in receipt:
         lines.append(f"weights on device at peak: {human_bytes(receipt['device_weight_bytes'])}")
     if "text_encode" in receipt:

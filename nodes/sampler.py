@@ -102,7 +102,8 @@ class VidMemVideoSampler:
                scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0):
         choice = as_choice(strategy)
         device = host.compute_device()
-        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames), device)
+        guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
+        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames, cfg=guided), device)
         # The widgets' "model's own" values (0, -1) are the engine's None.
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image, scheduler,
                                 shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None)

@@ -1,0 +1,21 @@
+"""The node text of a sampler receipt names the sampler, the LoRAs and every out-of-memory rung."""
+
+from __future__ import annotations
+
+from vidmem.nodes.receipts import format_receipt
+
+
+def test_sampler_lora_and_ladder_lines():
+    receipt = {
+        "strategy": "offload=sequential", "device": "cuda:0", "sampler": "unipc, shift 3.0",
+        "lora": "LoRA: style.safetensors x0.8 (+1.0 MiB beside the layers)",
+        "oom_ladder": [{"failed": "offload=block_swap blocks_to_swap=10", "at_step": 4, "resumed_from_step": 3,
+                        "next": "offload=sequential", "chosen_by": "planner", "cleanup": {}}],
+        "text_encode": {"prompt": {"tokens": 600, "kept": 512, "cut": 88, "max_sequence_length": 512}, "cache": "used"},
+    }
+    text = format_receipt("Video Sampler", receipt)
+    assert "sampler: unipc, shift 3.0" in text and "style.safetensors x0.8" in text
+    assert ("out of memory at step 4 under offload=block_swap blocks_to_swap=10: resumed after step 3 "
+            "with offload=sequential (chosen by the planner)") in text
+    assert "prompt: 600 tokens, 88 cut (the encoder reads 512); embeddings cache: used" in text
+    assert "LoRA" not in format_receipt("Video Sampler", {"lora": "no LoRA"})
