@@ -181,6 +181,14 @@ CASES = [
          lambda fx: sampler_inputs(fx, strategy=fx.strategy(offload="block_swap", blocks_to_swap=99)),
          "blocks_to_swap=99 but this model's transformer has 2 blocks"),
     Case("sampler-strategy-not-a-strategy", "VidMemVideoSampler", K(strategy="fast"), "strategy='fast' is not a Memory Strategy"),
+    # --- Video Sampler: the sampler controls --------------------------------------------------------------
+    Case("sampler-flow-euler-on-cogvideox", "VidMemVideoSampler", K("cogvideox-t2v", scheduler="flow_match_euler"), "scheduler"),
+    Case("sampler-scheduler-unknown", "VidMemVideoSampler", K(scheduler="euler_a"), "Value not in list: scheduler"),
+    Case("sampler-shift-on-cogvideox", "VidMemVideoSampler", K("cogvideox-t2v", shift=3.0), "shift"),
+    Case("sampler-shift-nan", "VidMemVideoSampler", K(shift=NAN), "shift"),
+    Case("sampler-cfg2-on-one-expert", "VidMemVideoSampler", K(cfg_2=3.0), "cfg_2"),
+    Case("sampler-boundary-nan", "VidMemVideoSampler", K("wan2.2-a14b", boundary_ratio=NAN), "boundary_ratio"),
+    Case("sampler-boundary-on-one-expert", "VidMemVideoSampler", K(boundary_ratio=0.5), "boundary_ratio"),
     # --- Video VAE Decode ----------------------------------------------------------------------------------
     Case("decode-latent-no-samples", "VidMemVAEDecode", D(lambda fx: {"noise": 1}), "samples"),
     Case("decode-latent-not-a-dict", "VidMemVAEDecode", D(lambda fx: "a latent"), "str"),
