@@ -27,6 +27,7 @@ from . import host
 FILES_LOADER = "VidMemLoadModelFiles"
 FILE_ROLES = ("model", "text_encoder", "vae", "model_2", "clip_vision")  # the first three are required
 NONE = "(none)"
+LISTED_AS = {"model_2": "model"}  # the low-noise expert is picked from the model list
 PREFIX = "loader_"  # the query names the loader's widgets loader_<widget>: the Strategy has a text_encoder too
 
 
@@ -62,10 +63,10 @@ def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
         name = query.get(PREFIX + role, NONE if role in ("model_2", "clip_vision") else "")
         if name == NONE and role in ("model_2", "clip_vision"):
             continue
-        if name not in host.model_file_names(role):
+        if name not in host.model_file_names(LISTED_AS.get(role, role)):
             raise FilesProblem(role, f"{role}={name!r} is not in the host's {role} file list; pick a file the "
                                      "Load Video Model Files node offers.")
-        path = host.resolve_model_file(role, name)
+        path = host.resolve_model_file(LISTED_AS.get(role, role), name, role)
         stat = path.stat()
         files.append((role, name, stat.st_size, stat.st_mtime_ns))
     vae_dtype = query.get(PREFIX + "vae_dtype", "same as dtype")
@@ -83,7 +84,7 @@ def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
 @lru_cache(maxsize=16)
 def recognise(request: FilesRequest, dtype: str) -> RecognisedFiles:
     """The config the files are and their storage (ModelError naming the input when they do not fit)."""
-    opened = {role: read_weight_file(host.resolve_model_file(role, name), role, _KIND[role])
+    opened = {role: read_weight_file(host.resolve_model_file(LISTED_AS.get(role, role), name, role), role, _KIND[role])
               for role, name, _size, _mtime in request.files}
     configs = host.model_config_dirs()
     catalogue = shipped_catalogue(configs)

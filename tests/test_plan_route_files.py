@@ -92,3 +92,17 @@ def test_the_request_changes_when_a_file_changes(models):
     import os
     os.utime(models.vae, ns=(1, 1))
     assert parse_request(query(models), [], list(DTYPES)) != first
+
+
+def test_wan22_a14b_takes_its_low_noise_expert_from_the_model_list(tmp_path, monkeypatch):
+    files = save_tiny_comfy_files("wan2.2-a14b", tmp_path, "fp8_scaled", reference=False).files
+    folders = {key: tmp_path / sub for key, sub in FOLDERS.items()}
+    monkeypatch.setattr(host, "folder_paths", SimpleNamespace(
+        models_dir=str(tmp_path), get_folder_paths=lambda key: [str(folders[key])],
+        get_filename_list=lambda key: sorted(p.name for p in folders[key].glob("*") if p.is_file())))
+    plan = answer(query(files, model_2=files.model_2.name))
+    assert plan["status"] == "ok", plan
+    assert plan["config"] == "tiny-wan2.2-a14b"
+    assert {"transformer", "transformer_2"} <= plan["storage"].keys()
+    alone = answer(query(files))  # without its second expert
+    assert alone["status"] == "error" and "set model_2 to its low-noise expert" in alone["error"]
