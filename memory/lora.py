@@ -145,7 +145,7 @@ class LoraHandle:
             module.register_buffer(name, tensor, persistent=False)
             self._buffers.append((module, name))
             names[kind] = name
-        self._hooks.append(module.register_forward_hook(_beside_hook(names, patch.scale)))
+        self._hooks.append(module.register_forward_hook(_beside_hook(names, patch.scale), with_kwargs=True))
         self.applied.append(patch)
 
 
@@ -212,11 +212,13 @@ def _beside_hook(names: dict[str, str], scale: float):
     with autograd recording, the same ops run out of place.
     """
 
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    @torch.compiler.disable  # reads buffers an offloading tier re-points: runs eagerly under torch.compile
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         buffers = module._buffers
+        layer_input = args[0] if args else next(iter(kwargs.values()))  # `layer(input=x)` works too
         in_place = output.is_contiguous() and not (torch.is_grad_enabled() and output.requires_grad)
         rows = output.view(-1, output.shape[-1]) if in_place else output.reshape(-1, output.shape[-1])
-        x = args[0].reshape(-1, args[0].shape[-1]).to(rows.dtype)
+        x = layer_input.reshape(-1, layer_input.shape[-1]).to(rows.dtype)
         terms = []
         if "down" in names:
             terms.append((F.linear(x, buffers[names["down"]].to(rows.dtype)), buffers[names["up"]]))

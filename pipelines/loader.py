@@ -19,13 +19,13 @@ import torch
 
 from ..memory.device import backend_for
 from ..memory.hostpool import HostPool
+from ..memory.units import DTYPES  # re-exported: nodes and comfy_files name dtypes through the loader
 from .cogvideox import COGVIDEOX
 from .family import FamilySpec, ModelError
 from .json_files import read_json_object
 from .wan import WAN
 
 FAMILIES = (COGVIDEOX, WAN)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)

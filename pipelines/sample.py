@@ -36,6 +36,7 @@ from ..memory.telemetry import StageMeter
 from .family import ModelError, denoiser_blocks
 from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .loader import LoadedPipeline
+from .stages import stage_modules
 from .lora import describe_loras, lora_patches
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline
@@ -73,12 +74,7 @@ def sample_stage(loaded: LoadedPipeline, strategy: MemoryStrategy, encode_text: 
     """The components the strategy is applied to; without `encode_text` (every prompt embedding
     came from the cache) the prompt encoder is left out, so it is neither run nor onloaded."""
     pipe, spec = loaded.pipe, loaded.spec
-    # The text_encoder input places the prompt encoder only; an image encoder follows the tier.
-    on_cpu = {"text_encoder"} if strategy.text_encoder is TextEncoderPlacement.CPU or not encode_text else set()
-    names = [name for name in spec.encoders if name not in on_cpu] + list(spec.denoisers)
-    if loaded.needs_image:
-        names.append("vae")  # image-to-video encodes the image with the VAE before the loop
-    modules = {n: getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None}
+    modules = stage_modules(pipe, spec, strategy.text_encoder, loaded.needs_image, encode_text)  # the planner reads the same
     return StageComponents(modules, denoiser_blocks(pipe, spec))
 
 

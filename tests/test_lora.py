@@ -287,3 +287,13 @@ def test_engine_terms_on_a_plain_linear():
             graded = layer(x.clone().requires_grad_())
         assert torch.allclose(inference, expected.detach(), atol=1e-6), label
         assert torch.equal(inference, graded.detach()) and graded.requires_grad, label
+
+
+def test_a_layer_called_with_its_input_by_keyword_gets_its_lora_term():
+    from vidmem.memory.lora import LoraPatch, apply_loras
+
+    layer = torch.nn.Linear(8, 4)
+    down, up = torch.randn(2, 8), torch.randn(4, 2)
+    x = torch.randn(3, 8)
+    with apply_loras([LoraPatch(layer, 0.5, down=down, up=up)]):
+        assert torch.allclose(layer(input=x), layer(x)) and not torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
