@@ -336,13 +336,28 @@ async function main() {
       const result = await loadAndInspect(page, template);
       result.name = template.name;
       result.title = template.title;
-      result.plan = (await waitForPlan(page)).text.slice(0, 300);
+      const plan = await waitForPlan(page);
+      result.plan = plan.text.slice(0, 300);
+      result.planStatus = plan.status;
+      // At the template's size only the model's own limit may stop the plan (the host's tiny stand-ins
+      // cannot trace Wan at 832x480); never the loader's inputs.
+      const ownLimit = plan.status === "error" && /cannot run \w+ at \d+x\d+x\d+/.test(plan.text);
+      if (!(plan.status === "ok" && plan.chart) && !ownLimit) report.problems.push(`${template.name}: no plan at the template's size (status ${plan.status}): ${result.plan}`);
       result.screenshot = path.join(args.screenshots, `${template.name}.png`);
       result.bytes = await fitAndShoot(page, result.screenshot);
       if (args.thumbnails) {
         result.thumbnail = path.join(args.thumbnails, `${template.title}.jpg`);
         await page.screenshot({ path: result.thumbnail, type: "jpeg", quality: 85, clip: await graphClip(page) });
       }
+      // A size and block count the stand-ins (2 blocks) can run: there the plan must draw.
+      await setWidgets(page, "VidMemVideoSampler", tinyFor(template));
+      await page.evaluate(() => {
+        const swap = window.app.graph.nodes.find((n) => n.type === "VidMemMemoryStrategy")?.widgets.find((w) => w.name === "blocks_to_swap");
+        if (swap && swap.value > 1) { swap.value = 1; swap.callback?.(1); }
+      });
+      const tinyPlan = await waitForPlan(page, plan.text);
+      result.tinyPlanStatus = tinyPlan.status;
+      if (tinyPlan.status !== "ok" || !tinyPlan.chart) report.problems.push(`${template.name}: the Strategy node shows no plan chart at the tiny size (status ${tinyPlan.status}): ${tinyPlan.text.slice(0, 300)}`);
       report.templates.push(result);
       if (result.missing.length) report.problems.push(`${template.name}: missing node types ${result.missing}`);
       if (result.loaded !== result.expected) report.problems.push(`${template.name}: ${result.loaded} of ${result.expected} nodes loaded`);
