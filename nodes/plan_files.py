@@ -18,7 +18,7 @@ from pathlib import Path
 from ..memory.planner import PlanOptions
 from ..memory.storage import FORMATS, storage_format
 from ..pipelines.comfy_files import DEFAULT_WEIGHTS, shipped_catalogue
-from ..pipelines.comfy_files import match
+from ..pipelines.comfy_files import detect, match
 from ..pipelines.comfy_files.files import read_weight_file
 from ..pipelines.comfy_files.load import LOWERED, _COMPONENT, _KIND
 from ..pipelines.configs import load_model, model_names
@@ -127,3 +127,26 @@ def _planner_model(name: str, dtype: str, vae: str, config_dirs) -> object:
             if data.get("name") == name:
                 return configs._from_json(data, dtype, configs._dtype(vae))
     raise FilesProblem("model", f"model config '{name}' was matched but is not readable for planning.")
+
+
+FOLDER_TRANSFORMER = "(from the folder)"  # nodes/loader.py: the folder's own transformer
+
+
+def transformer_file_request(query) -> tuple[str, int, int] | None:
+    """Load Video Pipeline's transformer_file as (name, size, mtime_ns); None for the folder's own."""
+    name = query.get("transformer_file", FOLDER_TRANSFORMER)
+    if name == FOLDER_TRANSFORMER:
+        return None
+    if name not in host.single_file_transformer_names():
+        raise FilesProblem("transformer_file", f"transformer_file={name!r} is not in the host's list; pick one the "
+                                               "Load Video Pipeline node offers, or (from the folder).")
+    stat = host.resolve_single_file(name).stat()
+    return name, stat.st_size, stat.st_mtime_ns
+
+
+@lru_cache(maxsize=16)
+def transformer_file_options(file: tuple[str, int, int]) -> PlanOptions:
+    """A folder's transformer replaced by a single file: planned in the file's storage, copied to RAM
+    (the folder loader does not keep weights on disk)."""
+    opened = read_weight_file(host.resolve_single_file(file[0]), "transformer_file", detect.TRANSFORMER)
+    return PlanOptions(storage={"transformer": opened.storage} if opened.storage in FORMATS else {})

@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from ..memory import OffloadTier, StrategyError
 from ..memory.planner import PlanOptions, candidate_plans, plan_run, recommended
 from ..memory.planner_stages import VideoShape
-from .plan_files import FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request, recognise
+from .plan_files import (FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request, recognise,
+                         transformer_file_options, transformer_file_request)
 from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, tile_size_problem
 
 PLAN_ROUTE = "/vidmem/plan"
@@ -48,6 +49,7 @@ class PlanRequest:
     vram_budget_gb: float
     ram_budget_gb: float
     files: FilesRequest | None = None  # a Load Video Model Files node's widgets; None for a folder
+    transformer_file: tuple[str, int, int] | None = None  # Load Video Pipeline's single-file transformer
 
     @property
     def auto(self) -> bool:
@@ -57,13 +59,15 @@ class PlanRequest:
 def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list[str]) -> PlanRequest:
     """A PlanRequest from the query string; PlanRequestError naming the first bad parameter."""
     model = _required(query, "model")
-    files = None
-    if query.get("loader") == FILES_LOADER:
-        try:
+    files = transformer_file = None
+    try:
+        if query.get("loader") == FILES_LOADER:
             files = files_request(query, dtypes)
-        except FilesProblem as error:
-            raise PlanRequestError(error.name, str(error)) from None
-    elif model not in model_names:
+        else:
+            transformer_file = transformer_file_request(query)
+    except FilesProblem as error:
+        raise PlanRequestError(error.name, str(error)) from None
+    if files is None and model not in model_names:
         raise PlanRequestError("model", f"model={model!r} is not in the pack's model list; choose one the "
                                         "Load Video Pipeline node offers.")
     dtype = query.get("dtype", "bf16")
@@ -75,7 +79,7 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
     shape = VideoShape(width, height, frames, cfg=cfg > 1.0)
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
-                       files=files)
+                       files=files, transformer_file=transformer_file)
 
 
 def _required(query: Mapping[str, str], name: str) -> str:
@@ -158,7 +162,8 @@ def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], ob
     """The plannable model and how its weights are held: a folder's at the compute dtype; single
     files recognised from their headers, with their own storage and the disk tier."""
     if request.files is None:
-        return load_model(request.model, request.dtype), PlanOptions()
+        options = transformer_file_options(request.transformer_file) if request.transformer_file else PlanOptions()
+        return load_model(request.model, request.dtype), options
     recognised = recognise(request.files, request.dtype)
     return recognised.planner_model, recognised.options
 
@@ -180,7 +185,7 @@ def _input_named(message: str) -> str | None:
     """The input a planner or strategy message is about: its messages start 'name=value'."""
     head = message.split("=", 1)[0].strip()
     role = message.split(":", 1)[0].strip()
-    if role in FILE_ROLES:  # the single-file loader's messages start 'role: ...'
+    if role in (*FILE_ROLES, "transformer_file"):  # the file loaders' messages start 'role: ...'
         return role
     known = (*WIDGETS, *BUDGETS, *SHAPE)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)

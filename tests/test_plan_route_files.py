@@ -106,3 +106,23 @@ def test_wan22_a14b_takes_its_low_noise_expert_from_the_model_list(tmp_path, mon
     assert {"transformer", "transformer_2"} <= plan["storage"].keys()
     alone = answer(query(files))  # without its second expert
     assert alone["status"] == "error" and "set model_2 to its low-noise expert" in alone["error"]
+
+
+def test_a_folders_transformer_file_is_planned_in_its_storage(models):
+    """Load Video Pipeline with transformer_file: the folder's architecture, the file's storage."""
+    def folder_model(name, dtype):
+        from vidmem.pipelines.configs import load_model
+        return load_model("wan2.1-t2v-1.3b", dtype)
+
+    shape = {"model": "Wan2.1-T2V-1.3B-Diffusers", "dtype": "bf16", "width": "832", "height": "480", "frames": "81"}
+    with_file = parse_request({**shape, "transformer_file": models.model.name}, ["Wan2.1-T2V-1.3B-Diffusers"], list(DTYPES))
+    assert with_file.transformer_file[0] == models.model.name
+    plan = plan_answer(with_file, folder_model, BUDGETS)
+    assert plan["status"] == "ok", plan
+    assert plan["storage"] == {"transformer": "fp8_scaled"} and plan["on_disk"] is False
+    own = plan_answer(parse_request({**shape, "transformer_file": "(from the folder)"}, ["Wan2.1-T2V-1.3B-Diffusers"],
+                                    list(DTYPES)), folder_model, BUDGETS)
+    assert own["storage"] == {}
+    assert own["rows"][0]["peak_ram_bytes"] != plan["rows"][0]["peak_ram_bytes"]
+    with pytest.raises(PlanRequestError, match="transformer_file='nope.safetensors' is not in the host's list"):
+        parse_request({**shape, "transformer_file": "nope.safetensors"}, ["Wan2.1-T2V-1.3B-Diffusers"], list(DTYPES))
