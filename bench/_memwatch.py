@@ -13,6 +13,7 @@ high-water mark of VmRSS (anonymous + file + shmem), so it also catches a spike 
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,15 @@ def read_status(path: Path = STATUS) -> dict[str, int]:
         if key in FIELDS:
             values[key] = int(rest.split()[0]) * 1024
     return values
+
+
+def peak_growth(call) -> int:
+    """Peak RSS during `call` above the RSS when it started (Linux: clear_refs 5 resets the peak)."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    start = read_status()["VmRSS"]
+    call()
+    return read_status()["VmHWM"] - start
 
 
 class MemoryWatch:

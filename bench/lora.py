@@ -53,6 +53,7 @@ from vidmem.memory.lora import apply_loras  # noqa: E402
 from vidmem.memory.offload import StageComponents, apply_strategy  # noqa: E402
 from vidmem.memory.storage import mapped_bytes  # noqa: E402
 from vidmem.pipelines.lora import load_lora, lora_patches  # noqa: E402
+from _memwatch import peak_growth  # noqa: E402  (bench/ is on the path when run as a script)
 
 CONFIG = ROOT / "pipelines" / "configs" / "models" / "wan2.1-t2v-14b.json"
 RANK = 64
@@ -155,22 +156,6 @@ def flop_ratio(model, patches) -> float:
         hook.remove()
     extra = sum(2 * rows[id(p.module)] * p.down.shape[0] * (p.down.shape[1] + p.up.shape[0]) for p in patches)
     return (counter.get_total_flops() + extra) / counter.get_total_flops()
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def peak_growth(call) -> int:
-    """Peak RSS during `call` above the RSS when it started (Linux: clear_refs 5 resets the peak)."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    start = _status("VmRSS")
-    call()
-    return _status("VmHWM") - start
 
 
 def extra_rss(model, strategy, path: Path) -> int:

@@ -26,7 +26,6 @@ About 3-4 minutes on 2 shared cores.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -48,6 +47,7 @@ from vidmem.training.autograd import frozen_saved_by_storage, gradient_checkpoin
 from vidmem.training.batches import step_generator  # noqa: E402
 from vidmem.training.objective import Batch, FlowMatching  # noqa: E402
 from vidmem.training.optim import OptimizerName, OptimizerSettings, make_optimizer, state_bytes  # noqa: E402
+from _memwatch import peak_growth  # noqa: E402  (bench/ is on the path when run as a script)
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
@@ -115,21 +115,6 @@ def checkpointing_times(model, layers, batch, samples: int) -> dict:
         "cpu_time_ratio": statistics.median(cpu[True]) / statistics.median(cpu[False]),
         "step_seconds": {"plain": statistics.median(times[False]), "checkpointing": statistics.median(times[True])},
     }
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def peak_growth(call) -> int:
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    start = _status("VmRSS")
-    call()
-    return _status("VmHWM") - start
 
 
 def measure_rss(args) -> None:
