@@ -297,3 +297,21 @@ def test_a_layer_called_with_its_input_by_keyword_gets_its_lora_term():
     x = torch.randn(3, 8)
     with apply_loras([LoraPatch(layer, 0.5, down=down, up=up)]):
         assert torch.allclose(layer(input=x), layer(x)) and not torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_a_peft_lora_b_bias_is_scaled_like_its_low_rank_term(wan, tmp_path):
+    """PEFT computes `lora_B(lora_A(x)) * alpha / r`: lora_B's bias is inside the scaled term."""
+    layer_name = WAN_LAYERS[0]
+    layer = wan.transformer.get_submodule(layer_name)
+    down, up = random_lora(wan.transformer, [layer_name])[layer_name]
+    bias = torch.randn(layer.out_features)
+    config = {"r": RANK, "lora_alpha": 4 * RANK, "target_modules": [layer_name]}
+    meta = {"lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()})}
+    tensors = {f"transformer.{layer_name}.lora_A.weight": down, f"transformer.{layer_name}.lora_B.weight": up,
+               f"transformer.{layer_name}.lora_B.bias": bias}
+    spec = load_lora(write(tmp_path / "bias.safetensors", tensors, meta), wan, 0.5)
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad(), apply_loras(lora_patches(wan, [spec])):
+        ours = layer(x)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias) + 0.5 * 4 * (x @ down.t() @ up.t() + bias)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)

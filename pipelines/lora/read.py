@@ -20,10 +20,11 @@ from ...memory.lora import LoraError
 from ...memory.storage import StorageError, open_safetensors, sniff
 
 # Key tails, longest first: (tail, kind). PEFT state dicts saved raw keep the adapter name
-# ("default"); diffusers' lora_B.bias is a bias delta like kohya/lightx2v's diff_b.
+# ("default"); PEFT's lora_B.bias belongs to the low-rank term (scaled by alpha/rank, as PEFT's
+# `lora_B(lora_A(x)) * scaling`), unlike kohya/lightx2v's diff_b (scaled by strength alone).
 KEY_TAILS = (
     (".lora_A.default.weight", "down"), (".lora_B.default.weight", "up"),
-    (".lora_A.weight", "down"), (".lora_B.weight", "up"), (".lora_B.bias", "diff_b"),
+    (".lora_A.weight", "down"), (".lora_B.weight", "up"), (".lora_B.bias", "up_bias"),
     (".lora_down.weight", "down"), (".lora_up.weight", "up"),
     (".alpha", "alpha"), (".diff_b", "diff_b"), (".diff", "diff"),
 )

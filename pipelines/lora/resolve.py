@@ -18,7 +18,7 @@ from ...memory.lora import LoraError, LoraPatch, check_fits
 from .names import ModelNames
 from .read import LoraFile, RawLayer
 
-APPLIED_KINDS = ("down", "up", "diff", "diff_b")
+APPLIED_KINDS = ("down", "up", "up_bias", "diff", "diff_b")
 FORMATS_READ = (
     "diffusers/PEFT (`transformer.blocks.0.attn1.to_q.lora_A.weight`), ComfyUI/kohya (`lora_unet_blocks_0_self_attn_q"
     ".lora_down.weight` + `.alpha`, `diffusion_model.blocks.0.self_attn.q.lora_down.weight`), original Wan / "
@@ -29,7 +29,7 @@ FORMATS_READ = (
 @dataclass(frozen=True)
 class ResolvedLayer:
     module: str  # path inside the denoiser, diffusers naming
-    tensors: Mapping[str, torch.Tensor]  # down [r, in], up [out, r], diff [out, in], diff_b [out]
+    tensors: Mapping[str, torch.Tensor]  # down [r, in], up [out, r], up_bias [out], diff [out, in], diff_b [out]
     alpha: float | None
 
     @property
@@ -46,7 +46,8 @@ class ResolvedLayer:
         t = self.tensors
         found = []
         if "down" in t:
-            found.append(LoraPatch(module, self.lowrank_scale(strength), down=t["down"], up=t["up"], name=name))
+            found.append(LoraPatch(module, self.lowrank_scale(strength), down=t["down"], up=t["up"],
+                                   diff_b=t.get("up_bias"), name=name))
         if "diff" in t or "diff_b" in t:
             found.append(LoraPatch(module, strength, diff=t.get("diff"), diff_b=t.get("diff_b"), name=name))
         return found
@@ -89,6 +90,8 @@ def _canonical(lora: LoraFile, raw: RawLayer, target: str, module: nn.Module) ->
         raise LoraError(f"LoRA file {lora.path}: layer '{raw.source}' has an alpha but no matrices; the file is incomplete.")
     try:
         check_fits(module, target, t.get("down"), t.get("up"), t.get("diff"), t.get("diff_b"))
+        if "up_bias" in t:
+            check_fits(module, target, None, None, None, t["up_bias"])
     except LoraError as error:
         raise LoraError(f"LoRA file {lora.path}: {error}") from None
     return ResolvedLayer(target, t, _alpha(lora, raw, target))
