@@ -116,10 +116,23 @@ def write_checkpoint(folder: Path, lora: dict[str, torch.Tensor], lora_meta: dic
 
 
 def read_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor], str, dict] | None:
-    """(lora file, optimizer tensors, optimizer JSON, state) or None when there is no complete checkpoint."""
-    if not all((folder / name).is_file() for name in CHECKPOINT_FILES):
-        return None
-    with safetensors.safe_open(str(folder / "optimizer.safetensors"), "pt") as opened:
-        meta = (opened.metadata() or {}).get("optimizer", "")
-        tensors = {key: opened.get_tensor(key) for key in opened.keys()}
-    return folder / "lora.safetensors", tensors, meta, json.loads((folder / "state.json").read_text())
+    """(lora file, optimizer tensors, optimizer JSON, state) or None when there is no complete checkpoint.
+
+    A crash between write_checkpoint's two renames leaves only the previous checkpoint, under its
+    `.old` name: it is used rather than silently starting over. A damaged checkpoint is named.
+    """
+    complete = lambda path: all((path / name).is_file() for name in CHECKPOINT_FILES)  # noqa: E731
+    if not complete(folder):
+        old = folder.with_name(f".{folder.name}.old")
+        if not complete(old):
+            return None
+        os.replace(old, folder)
+    try:
+        with safetensors.safe_open(str(folder / "optimizer.safetensors"), "pt") as opened:
+            meta = (opened.metadata() or {}).get("optimizer", "")
+            tensors = {key: opened.get_tensor(key) for key in opened.keys()}
+        state = json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError, safetensors.SafetensorError) as error:
+        raise TrainingError(f"the training checkpoint in {folder} is damaged ({error}); delete that folder to start "
+                            "over, or set resume to false.") from None
+    return folder / "lora.safetensors", tensors, meta, state
