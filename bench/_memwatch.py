@@ -14,6 +14,11 @@ high-water mark of VmRSS (anonymous + file + shmem), so it also catches a spike 
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,6 +44,19 @@ def peak_growth(call) -> int:
     start = read_status()["VmRSS"]
     call()
     return read_status()["VmHWM"] - start
+
+
+def rss_in_child(script: str, args) -> dict[str, int]:
+    """Run `script --rss-only OUT --blocks N --threads T` in a child whose glibc returns every large
+    block to the system when freed (MALLOC_MMAP_THRESHOLD_), and read the JSON it writes. With the
+    default allocator freed memory stays in malloc's heap, so a difference of two peaks depends on
+    what earlier calls left there and is off by tens of MiB either way."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "rss.json"
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        command = [sys.executable, script, "--rss-only", str(out), "--blocks", str(args.blocks), "--threads", str(args.threads)]
+        subprocess.run(command, env=env, check=True)
+        return json.loads(out.read_text())
 
 
 class MemoryWatch:

@@ -34,7 +34,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ from vidmem.memory.lora import apply_loras  # noqa: E402
 from vidmem.memory.offload import StageComponents, apply_strategy  # noqa: E402
 from vidmem.memory.storage import mapped_bytes  # noqa: E402
 from vidmem.pipelines.lora import load_lora, lora_patches  # noqa: E402
-from _memwatch import peak_growth  # noqa: E402  (bench/ is on the path when run as a script)
+from _memwatch import peak_growth, rss_in_child  # noqa: E402  (bench/ is on the path when run as a script)
 
 CONFIG = ROOT / "pipelines" / "configs" / "models" / "wan2.1-t2v-14b.json"
 RANK = 64
@@ -171,20 +170,6 @@ def extra_rss(model, strategy, path: Path) -> int:
     return with_lora - base
 
 
-def rss_in_child(args) -> dict[str, int]:
-    """Extra RSS per tier, measured in a child process whose glibc returns every large block to
-    the system when freed (MALLOC_MMAP_THRESHOLD_). With the default allocator freed memory stays
-    in malloc's heap, and whether a call grows RSS depends on what earlier calls left there: a
-    difference of two peaks is then off by tens of MiB either way. Timing runs in this process,
-    with the default allocator, since mapping every block would slow the calls themselves."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "rss.json"
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-        command = [sys.executable, __file__, "--rss-only", str(out), "--blocks", str(args.blocks), "--threads", str(args.threads)]
-        subprocess.run(command, env=env, check=True)
-        return json.loads(out.read_text())
-
-
 def measure_rss(args) -> None:
     model = build_model(args.blocks)
     with tempfile.TemporaryDirectory() as folder:
@@ -204,7 +189,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.rss_only:
         return measure_rss(args)
-    extra = rss_in_child(args)
+    extra = rss_in_child(__file__, args)
     model = build_model(args.blocks)
     with tempfile.TemporaryDirectory() as folder:
         path = write_lora(model, args.blocks, Path(folder) / "rank64.safetensors")

@@ -29,9 +29,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +45,7 @@ from vidmem.training.autograd import frozen_saved_by_storage, gradient_checkpoin
 from vidmem.training.batches import step_generator  # noqa: E402
 from vidmem.training.objective import Batch, FlowMatching  # noqa: E402
 from vidmem.training.optim import OptimizerName, OptimizerSettings, make_optimizer, state_bytes  # noqa: E402
-from _memwatch import peak_growth  # noqa: E402  (bench/ is on the path when run as a script)
+from _memwatch import peak_growth, rss_in_child  # noqa: E402  (bench/ is on the path when run as a script)
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
@@ -123,15 +121,6 @@ def measure_rss(args) -> None:
     args.rss_only.write_text(json.dumps(result))
 
 
-def rss_in_child(args) -> dict[str, int]:
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "rss.json"
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-        command = [sys.executable, __file__, "--rss-only", str(out), "--blocks", str(args.blocks), "--threads", str(args.threads)]
-        subprocess.run(command, env=env, check=True)
-        return json.loads(out.read_text())
-
-
 def optimizer_states(layers) -> dict:
     found = {}
     for name in OptimizerName:
@@ -160,7 +149,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.rss_only:
         return measure_rss(args)
-    rss = rss_in_child(args)
+    rss = rss_in_child(__file__, args)
     model, layers, batch = build(args.blocks)
     checkpointing = checkpointing_times(model, layers, batch, args.samples)
     checkpointing.update(peak_activation_ratio=rss["checkpointing"] / rss["plain"], peak_rss_growth_bytes=rss)
