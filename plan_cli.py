@@ -83,9 +83,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if not args.model:
         raise ValueError("--model is required: a built-in model (vidmem plan --list-models) or a diffusers folder.")
     from .memory.accounting import Attention
-    from .memory.planner import Allocator, PlanOptions, VideoShape, candidate_plans, recommended
-    from .memory.planner_advice import nothing_fits_message
-    from .memory.planner_costs import NVME_BYTES_PER_S
+    from .memory.plan.planner import Allocator, PlanOptions, VideoShape, candidate_plans, recommended
+    from .memory.plan.advice import nothing_fits_message
+    from .memory.plan.costs import NVME_BYTES_PER_S
     from .memory.strategy import MemoryStrategy
 
     model = load_model(args.model, args.dtype, args.vae_dtype)

@@ -29,9 +29,9 @@ def add_train_arguments(plan: argparse.ArgumentParser) -> None:
 
 def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) -> int:
     from .memory.accounting import Attention
-    from .memory.planner_train import trace_activations
-    from .memory.planner_train_plan import TrainRequest, recommended, training_plans
-    from .memory.planner_types import Call
+    from .memory.plan.train import trace_activations
+    from .memory.plan.train_plan import TrainRequest, recommended, training_plans
+    from .memory.plan.types import Call
     from .pipelines.configs import workloads
     from .training.settings import DEFAULT_TARGETS, parse_targets
 

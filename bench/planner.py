@@ -51,7 +51,7 @@ def main() -> None:
 
 
 def timing() -> dict:
-    from vidmem.memory.planner import VideoShape, candidate_plans, recommended
+    from vidmem.memory.plan.planner import VideoShape, candidate_plans, recommended
     from vidmem.pipelines.configs import _from_json, MODELS_DIR
 
     data = json.loads((MODELS_DIR / "wan2.1-t2v-14b.json").read_text())
@@ -74,7 +74,7 @@ def timing() -> dict:
 
 def memoisation() -> dict:
     from vidmem.memory.accounting import OpCache, trace
-    from vidmem.memory.planner import VideoShape
+    from vidmem.memory.plan.planner import VideoShape
     from vidmem.pipelines.configs import load_model
     from vidmem.pipelines.configs.meta import build_meta
     from vidmem.pipelines.configs.workloads import decode, wan_step
@@ -99,7 +99,7 @@ def memoisation() -> dict:
 
 def published() -> list[dict]:
     from vidmem.memory import MemoryStrategy, VaeTiling
-    from vidmem.memory.planner import PlanOptions, Runtime, VideoShape, plan_run
+    from vidmem.memory.plan.planner import PlanOptions, Runtime, VideoShape, plan_run
     from vidmem.pipelines.configs import load_model
 
     model, shape = load_model("cogvideox-2b"), VideoShape(720, 480, 49)

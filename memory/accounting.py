@@ -6,7 +6,7 @@ How it works: the model is built on `meta` (shapes, no storage) and called under
 512-byte blocks of PyTorch's CUDA caching allocator; a `weakref.finalize` on the storage takes
 them off when Python drops the last reference, exactly when the caching allocator would reuse
 the block. The ledger keeps the running peak and, for the allocator model in
-`planner_allocator.py`, the ordered stream of allocations and frees.
+`plan/allocator.py`, the ordered stream of allocations and frees.
 
 Caveats, and what is done about them:
 - On meta, `scaled_dot_product_attention` takes the unfused math path and materialises the

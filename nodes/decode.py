@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..memory.planner_stages import VideoShape
+from ..memory.plan.stages import VideoShape
 from ..pipelines.decode import decode, validate_latent
 from ..pipelines.hooks import RunHooks
 from ..pipelines.latents import next_latent_path, write_latent

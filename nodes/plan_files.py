@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..memory.planner import PlanOptions
+from ..memory.plan.planner import PlanOptions
 from ..memory.storage import FORMATS, storage_format
 from ..pipelines.comfy_files import DEFAULT_WEIGHTS, shipped_catalogue
 from ..pipelines.comfy_files import detect, match

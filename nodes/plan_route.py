@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..memory import OffloadTier, StrategyError
-from ..memory.planner import PlanOptions, candidate_plans, plan_run, recommended
-from ..memory.planner_stages import VideoShape
+from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recommended
+from ..memory.plan.stages import VideoShape
 from .plan_files import (FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request, recognise,
                          transformer_file_options, transformer_file_request)
 from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, tile_size_problem

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from functools import reduce
 
-from ..memory.planner_stages import VideoShape
+from ..memory.plan.stages import VideoShape
 from ..memory.telemetry import free_device_bytes
 from ..pipelines.loader import FAMILIES
 from ..pipelines.planning import choose_for, plan_strategy

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..memory import MemoryStrategy
-from ..memory.planner import Plan, PlanOptions, choose_strategy, decode_activation_bytes, plan_run
-from ..memory.planner_stages import VideoShape
+from ..memory.plan.planner import Plan, PlanOptions, choose_strategy, decode_activation_bytes, plan_run
+from ..memory.plan.stages import VideoShape
 from ..memory.storage import FORMATS
 from ..memory.vae import Rung
 from .configs import load_model

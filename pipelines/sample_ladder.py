@@ -119,8 +119,8 @@ def planner_fits(loaded, width: int, height: int, frames: int, steps: int, guide
     (the host's figure after the cleanup); None without a budget."""
     if budget is None:
         return None
-    from ..memory.planner_stages import denoise_stage
-    from ..memory.planner_types import PlanOptions, VideoShape
+    from ..memory.plan.stages import denoise_stage
+    from ..memory.plan.types import PlanOptions, VideoShape
     from .planning import plan_options, planner_model
 
     def fits(strategy: MemoryStrategy) -> bool:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from vidmem.memory import StrategyError
 from vidmem.memory.lora import LoraError
-from vidmem.memory.planner import PlanError
+from vidmem.memory.plan.planner import PlanError
 from vidmem.memory.storage.errors import StorageError
 from vidmem.pipelines.family import ModelError
 from vidmem.training.errors import TrainingError

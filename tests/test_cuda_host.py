@@ -16,7 +16,7 @@ from vidmem.memory import hostpool
 from vidmem.memory.blockswap import StreamSchedule, hook_group
 from vidmem.memory.cleanup import free_memory
 from vidmem.memory.device import ComputeQueueBackend, CpuBackend, backend_for
-from vidmem.memory.planner_types import Allocator, PlanOptions
+from vidmem.memory.plan.types import Allocator, PlanOptions
 from vidmem.memory.residency import WeightGroup, own_slots, tie
 from vidmem.memory.telemetry import StageMeter, allocator_backend, default_budgets, free_device_bytes, snapshot
 from vidmem.memory.units import GiB

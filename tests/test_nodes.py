@@ -87,9 +87,9 @@ def test_strategy_node_has_no_shape_of_its_own_and_drops_an_old_workflows_shape(
 
 
 def test_auto_is_chosen_by_the_sampler_at_its_own_shape(tiny_loaded):
-    from vidmem.memory.planner import PlanError
+    from vidmem.memory.plan.planner import PlanError
     from vidmem.nodes.sampler import _strategy_for_run
-    from vidmem.memory.planner_stages import VideoShape
+    from vidmem.memory.plan.stages import VideoShape
 
     loaded = tiny_loaded("wan2.1-t2v")
     (auto,) = VidMemMemoryStrategy().build(vram_budget_gb=8.0, ram_budget_gb=64.0, **strategy_inputs(offload="auto"))["result"]
@@ -105,7 +105,7 @@ def test_auto_is_chosen_by_the_sampler_at_its_own_shape(tiny_loaded):
 
 def test_an_explicit_strategy_is_planned_at_the_samplers_shape_as_advice(tiny_loaded):
     from vidmem.nodes.sampler import _strategy_for_run
-    from vidmem.memory.planner_stages import VideoShape
+    from vidmem.memory.plan.stages import VideoShape
 
     loaded = tiny_loaded("wan2.1-t2v")
     (choice,) = VidMemMemoryStrategy().build(vram_budget_gb=1.0, **strategy_inputs(offload="block_swap", blocks_to_swap=1))["result"]

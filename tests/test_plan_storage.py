@@ -16,7 +16,7 @@ import pytest
 from torch import nn
 
 from vidmem.memory import MemoryStrategy
-from vidmem.memory.planner import GiB, PlanError, PlanOptions, VideoShape, choose_strategy, plan_run
+from vidmem.memory.plan.planner import GiB, PlanError, PlanOptions, VideoShape, choose_strategy, plan_run
 from vidmem.memory.storage import FORMATS
 from vidmem.pipelines.configs import load_model
 from vidmem.plan_cli import main as plan_main

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vidmem.memory.planner_train import (ActivationPeaks, block_target_shapes, trace_activations, training_bytes)
+from vidmem.memory.plan.train import (ActivationPeaks, block_target_shapes, trace_activations, training_bytes)
 from vidmem.plan_cli import main
 from vidmem.training.optim import OptimizerName, OptimizerSettings, make_optimizer, state_bytes
 

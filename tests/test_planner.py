@@ -13,10 +13,10 @@ import torch
 from vidmem.memory import MemoryStrategy, VaeTiling
 from vidmem.memory.accounting import Attention, OpCache, trace
 from vidmem.memory.device import CpuBackend
-from vidmem.memory.planner import (Allocator, Call, GiB, PlanError, PlanOptions, Runtime, VideoShape, candidate_plans,
+from vidmem.memory.plan.planner import (Allocator, Call, GiB, PlanError, PlanOptions, Runtime, VideoShape, candidate_plans,
                                    choose_strategy, plan_run)
-from vidmem.memory.planner_allocator import CachingAllocatorModel, replay
-from vidmem.memory.planner_schedule import resident_tensors
+from vidmem.memory.plan.allocator import CachingAllocatorModel, replay
+from vidmem.memory.plan.schedule import resident_tensors
 from vidmem.pipelines.configs import load_model, model_names
 from vidmem.pipelines.configs.meta import ComponentConfig, build_meta
 from vidmem.pipelines.configs.streams import expand_blocks

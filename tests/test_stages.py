@@ -14,8 +14,8 @@ import torch
 
 from backends import StrictBackend
 from vidmem.memory import MemoryStrategy
-from vidmem.memory.planner import PlanOptions, VideoShape
-from vidmem.memory.planner_stages import denoise_stage, text_encode_stage
+from vidmem.memory.plan.planner import PlanOptions, VideoShape
+from vidmem.memory.plan.stages import denoise_stage, text_encode_stage
 from vidmem.memory.strategy import TextEncoderPlacement
 from vidmem.pipelines.configs import load_model
 from vidmem.pipelines.family import denoiser_blocks

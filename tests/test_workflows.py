@@ -242,7 +242,7 @@ def test_single_file_template_names_comfy_orgs_files_in_their_folders(path):
 @by_name(SINGLE_FILE_UI)
 def test_single_file_template_strategy_fits_its_machine_per_the_planner(path):
     """The planner, at the template's full size, on the machine it names, with the files' storage."""
-    from vidmem.memory.planner import PlanOptions, VideoShape, plan_run
+    from vidmem.memory.plan.planner import PlanOptions, VideoShape, plan_run
     from vidmem.nodes.strategy import WIDGETS, build_strategy
     from vidmem.pipelines.configs import load_model
 

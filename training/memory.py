@@ -13,9 +13,9 @@ from torch import nn
 from .optim import OptimizerName
 
 # The byte formulas live with the planner (memory/ must not import training/); re-exported here.
-from ..memory.planner_train import (BNB_BLOCK, BNB_MIN_8BIT, BNB_QMAP_BYTES, FP32, TrainingBytes,  # noqa: F401
+from ..memory.plan.train import (BNB_BLOCK, BNB_MIN_8BIT, BNB_QMAP_BYTES, FP32, TrainingBytes,  # noqa: F401
                                     lora_shapes)
-from ..memory.planner_train import training_bytes as _training_bytes
+from ..memory.plan.train import training_bytes as _training_bytes
 
 
 def training_bytes(linear_shapes: list[tuple[int, int]], rank: int, optimizer: OptimizerName | str) -> TrainingBytes:

@@ -1,6 +1,6 @@
 """A model the planner can measure: its real classes built on `meta`, two blocks per denoiser.
 
-`MetaModel` implements `vidmem.memory.planner.PlannerModel` for a CogVideoX or Wan pipeline
+`MetaModel` implements `vidmem.memory.plan.planner.PlannerModel` for a CogVideoX or Wan pipeline
 described by component configs (a shipped JSON file or a diffusers folder's config.json files).
 Components are built lazily, once, with the dtypes `from_pretrained(torch_dtype=...)` gives
 (`_keep_in_fp32_modules` stay float32). Block-bearing components are built with at most two
@@ -18,9 +18,9 @@ from functools import cached_property
 import torch
 
 from ...memory.accounting import Attention, OpCache, Trace, trace
-from ...memory.planner import Call, ModelLayout, VideoShape
-from ...memory.planner_schedule import ComponentWeights, tensor_sizes
-from ...memory.planner_storage import stored_sizes
+from ...memory.plan.planner import Call, ModelLayout, VideoShape
+from ...memory.plan.schedule import ComponentWeights, tensor_sizes
+from ...memory.plan.storage import stored_sizes
 from ...memory.residency import own_slots
 from ...memory.storage import storage_format
 from ...memory.strategy import TextEncoderPlacement

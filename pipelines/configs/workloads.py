@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ...memory.planner import VideoShape
+from ...memory.plan.planner import VideoShape
 
 Run = Callable[[], object]
 GUIDANCE = 6.0

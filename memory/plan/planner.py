@@ -6,17 +6,17 @@ one denoise step (both classifier-free-guidance branches, as the pipeline runs t
 decode of every distinct piece the tiling cuts the latent into. Transformer blocks are identical,
 so calls are traced with two blocks (the activation peak of two is the peak of all; FLOPs scale);
 weights come from the full-size meta model. Weight residency is the engine's own partition and
-schedule (`planner_schedule.py`), and each phase's weights plus its allocation stream are
-replayed through a model of PyTorch's caching allocator (`planner_allocator.py`), because the
+schedule (`schedule.py`), and each phase's weights plus its allocation stream are
+replayed through a model of PyTorch's caching allocator (`allocator.py`), because the
 allocator reserves more than the tensors hold.
 
-Weights are counted as stored (`PlanOptions.storage`, `planner_storage.py`): fp8 or GGUF matrices
+Weights are counted as stored (`PlanOptions.storage`, `storage.py`): fp8 or GGUF matrices
 at their stored bytes on the host, on the device and in every host-to-device copy, plus one
 dequantized layer on the device while it computes. RAM is split in two: anonymous memory (the
 runtime, weights copied at load, pinned buffers, CPU activations), which must fit the RAM budget,
 and page cache (weights memory-mapped from their files, `PlanOptions.on_disk`), which the kernel
 reclaims: a plan on disk fits when its anonymous bytes fit, and runs slower by what the page
-cache cannot keep and the disk must read again (`planner_costs.DiskRead`).
+cache cannot keep and the disk must read again (`costs.DiskRead`).
 
 Priorities when choosing (`choose_strategy`): one candidate per tier (none, model offload, block
 swap with the fewest blocks that fit, sequential); within a tier the text encoder moves to the CPU
@@ -24,7 +24,7 @@ only if it does not fit on the device, and the VAE is tiled only if the whole de
 with the least redundant tiling that does. When the weights overrun the RAM budget, the same
 tiers follow with the weights on disk. The fitting candidate with the least estimated time wins,
 the earlier candidate on a tie. Storage precision is never lowered by the planner; when nothing
-fits, `planner_advice.py` says which storage or disk tier would (planned, not guessed).
+fits, `advice.py` says which storage or disk tier would (planned, not guessed).
 
 What a stage figure includes: CUDA context, cuBLAS workspace, resident weights, activations,
 and allocator segments (`Allocator.NATIVE`, reserved bytes) or live bytes only
@@ -41,11 +41,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .planner_costs import CUDA_CONTEXT_BYTES, GiB, DiskRead
-from .planner_stages import compute_seconds, decode_stage, denoise_stage, text_encode_stage
-from .planner_types import Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan, VideoShape
-from .strategy import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement
-from .vae_tiles import auto_tiling
+from .costs import CUDA_CONTEXT_BYTES, GiB, DiskRead
+from .stages import compute_seconds, decode_stage, denoise_stage, text_encode_stage
+from .types import Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan, VideoShape
+from ..strategy import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement
+from ..vae_tiles import auto_tiling
 
 __all__ = ["Allocator", "Call", "GiB", "ModelLayout", "Phase", "Plan", "PlanError", "PlanOptions", "PlannerModel",
            "Runtime", "StagePlan", "VideoShape", "candidate_plans", "choose_strategy", "decode_activation_bytes",
@@ -233,7 +233,7 @@ def choose_strategy(
     plans = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes, base, options, consider_disk)
     best = recommended(plans)
     if best is None:
-        from .planner_advice import nothing_fits_message  # the advice plans alternatives with this module
+        from .advice import nothing_fits_message  # the advice plans alternatives with this module
 
         raise PlanError(nothing_fits_message(model, shape, plans, base, options, consider_disk))
     return plans[best]

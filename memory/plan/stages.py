@@ -1,4 +1,4 @@
-"""One function per stage (the vocabulary they share lives in `planner_types.py`).
+"""One function per stage (the vocabulary they share lives in `types.py`).
 
 Each stage is a list of phases, one per component that computes in it; a phase is the resident
 weights (per the tier) plus that component's traced allocations, replayed through the allocator
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .planner_allocator import replay
-from .planner_costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, DEVICE_FLOPS_PER_S, HOST_RUNTIME_BYTES, Traffic, Work
-from .planner_schedule import ComponentWeights, resident_tensors, streamed_unit_bytes
-from .planner_types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
+from .allocator import replay
+from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, DEVICE_FLOPS_PER_S, HOST_RUNTIME_BYTES, Traffic, Work
+from .schedule import ComponentWeights, resident_tensors, streamed_unit_bytes
+from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
                             VideoShape)
-from .strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
-from .vae_tiles import plan_tiles
+from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
+from ..vae_tiles import plan_tiles
 
 __all__ = ["Allocator", "Call", "ModelLayout", "Phase", "PlannerModel", "PlanOptions", "Runtime", "StagePlan",
            "VideoShape", "compute_seconds", "decode_stage", "denoise_stage", "host_base", "text_encode_stage"]

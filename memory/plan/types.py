@@ -9,13 +9,13 @@ from typing import Protocol
 
 from torch import nn
 
-from .accounting import Attention, Trace
-from .planner_allocator import AllocatorPeak, replay
-from .planner_costs import CUDA_CONTEXT_BYTES, NVME_BYTES_PER_S, DiskRead, Work
-from .planner_schedule import ComponentWeights, Order
-from .storage import storage_format
-from .strategy import TextEncoderPlacement
-from .vae_tiles import VaeGeometry
+from ..accounting import Attention, Trace
+from .allocator import AllocatorPeak, replay
+from .costs import CUDA_CONTEXT_BYTES, NVME_BYTES_PER_S, DiskRead, Work
+from .schedule import ComponentWeights, Order
+from ..storage import storage_format
+from ..strategy import TextEncoderPlacement
+from ..vae_tiles import VaeGeometry
 
 
 class Allocator(str, Enum):
@@ -27,7 +27,7 @@ class Allocator(str, Enum):
         """NATIVE or ASYNC: AUTO asks torch which backend this process runs (PYTORCH_CUDA_ALLOC_CONF)."""
         if self is not Allocator.AUTO:
             return self
-        from .telemetry import allocator_backend  # probed at plan time, never at import
+        from ..telemetry import allocator_backend  # probed at plan time, never at import
 
         return Allocator(allocator_backend())
 

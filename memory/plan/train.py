@@ -29,7 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from .accounting import Attention, TensorLedger
+from ..accounting import Attention, TensorLedger
 
 FP32 = 4
 BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit states (one float32 absmax per block per state)

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .planner import Plan, PlanError, candidate_plans, recommended
-from .planner_costs import GiB
-from .planner_stages import host_base
-from .planner_types import PlannerModel, PlanOptions, VideoShape
-from .storage import FORMATS, storage_format
-from .strategy import MemoryStrategy
+from .costs import GiB
+from .stages import host_base
+from .types import PlannerModel, PlanOptions, VideoShape
+from ..storage import FORMATS, storage_format
+from ..strategy import MemoryStrategy
 
 # Smaller storage to suggest, best quality first: Comfy-Org ships fp8 scaled; the GGUF k-quants are
 # what city96's files offer below it (gguf_q8_0 is larger than fp8 and would not fit where it does not).

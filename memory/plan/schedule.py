@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .blockswap import StreamSchedule
-from .offload import streamed_units  # the engine's unit rule; see the planner notes for making it public
-from .planner_storage import StoredSizes
-from .residency import own_slots, partition_slots
-from .strategy import MemoryStrategy, OffloadTier
+from ..blockswap import StreamSchedule
+from ..offload import streamed_units  # the engine's unit rule; see the planner notes for making it public
+from .storage import StoredSizes
+from ..residency import own_slots, partition_slots
+from ..strategy import MemoryStrategy, OffloadTier
 
 Order = tuple[tuple[bool, str], ...]  # one forward: (True, name) = module starts, (False, name) = ends
 

@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .storage.formats import StorageFormat
+from ..storage.formats import StorageFormat
 
 # Comfy-Org's "fp8 scaled" files carry one float32 `scale_weight` per quantized tensor.
 FP8_SCALE_BYTES = 4

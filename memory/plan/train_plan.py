@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from .accounting import Attention
-from .planner_costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES
-from .planner_schedule import resident_tensors
-from .planner_train import ActivationPeaks, TrainingBytes, block_target_shapes, training_bytes
-from .planner_types import Call, PlannerModel, VideoShape
-from .strategy import MemoryStrategy, OffloadTier
+from ..accounting import Attention
+from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES
+from .schedule import resident_tensors
+from .train import ActivationPeaks, TrainingBytes, block_target_shapes, training_bytes
+from .types import Call, PlannerModel, VideoShape
+from ..strategy import MemoryStrategy, OffloadTier
 
 TIERS = (OffloadTier.NONE, OffloadTier.MODEL, OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .units import GiB, MiB
+from ..units import GiB, MiB
 
 # CUDA context of a PyTorch process, outside every torch.cuda statistic. NVIDIA's forum and
 # PyTorch's (ptrblck, "High gpu memory overhead") report ~300-800 MB depending on GPU, driver and
