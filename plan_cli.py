@@ -21,6 +21,8 @@ import sys
 
 from .plan_train_cli import add_train_arguments, run_train_plan
 
+# Not vidmem.memory.units.GiB: importing vidmem.memory loads torch, and `vidmem --help` and
+# `vidmem queue` import this module without needing it.
 GIB = 1 << 30
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
+# Not vidmem.memory.units.GiB: importing vidmem.memory loads torch, and `vidmem --help` and
+# `vidmem queue` import this module without needing it.
 GIB = 1 << 30
 
 

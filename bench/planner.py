@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-GiB = 1 << 30
+from vidmem.memory.units import GiB  # noqa: E402
 
 
 def main() -> None:

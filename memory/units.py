@@ -6,6 +6,7 @@ import torch
 
 GiB = 1 << 30
 MiB = 1 << 20
+KiB = 1 << 10
 
 # The dtypes a pipeline computes in, by the names the nodes, the CLI and the configs use.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from ..memory.units import GiB, KiB, MiB
+
 
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "n/a"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..memory import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement, VaeTiling
 from ..memory.strategy import TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE
 from ..memory.telemetry import default_budgets
+from ..memory.units import GiB
 
 STRATEGY_TYPE = "VIDMEM_STRATEGY"
 AUTO = "auto"  # node-level tier: the planner picks the fastest strategy that fits
@@ -24,7 +25,6 @@ AUTO_PINNED = -1.0  # widget value meaning "automatic ceiling"
 TILE_STEP = 32  # VaeTiling: tiles align with the latent grid of every VAE vidmem runs
 _DEFAULT = MemoryStrategy()
 _TILES = VaeTiling()
-GiB = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from vidmem.memory.units import GiB
 from vidmem.nodes import host
 
 
@@ -61,7 +62,7 @@ def test_figures_are_memory_only_and_cpu_lists_no_device():
 
 def test_cuda_figures_per_device(monkeypatch):
     """Two devices: the one in use reports driver free/total, the idle one only its total (no context)."""
-    gib = 1 << 30
+    gib = GiB
     cuda = torch.cuda
     monkeypatch.setattr(cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda, "is_initialized", lambda: True)
@@ -95,7 +96,6 @@ def test_handler_answers_json(comfy_server):
 from vidmem.nodes.plan_route import PlanRequestError, PlanService, parse_request, plan_answer  # noqa: E402
 
 TINY = "Wan-tiny"  # the name the tiny folder is listed under in these tests
-GIB = 1 << 30
 
 
 def query(**change):
@@ -117,7 +117,7 @@ def planner(tiny_folder):
         loads.append(name)
         return load_model(str(folder), dtype)
 
-    return lambda request: plan_answer(request, plannable, (8 * GIB, 64 * GIB)), loads
+    return lambda request: plan_answer(request, plannable, (8 * GiB, 64 * GiB)), loads
 
 
 @pytest.mark.parametrize("change, name", [
@@ -140,7 +140,7 @@ def test_plan_rows_per_tier_with_the_users_row_chosen(planner):
     labels = [row["label"] for row in plan["rows"]]
     assert labels[:4] == ["none", "model", "block_swap", "sequential"] and labels[-1] == "your settings"
     assert plan["chosen"] == len(labels) - 1 and "blocks_to_swap=1" in plan["rows"][-1]["strategy"]
-    assert plan["budgets"] == {"vram_bytes": GIB, "ram_bytes": 64 * GIB}
+    assert plan["budgets"] == {"vram_bytes": GiB, "ram_bytes": 64 * GiB}
     for row in plan["rows"]:
         assert [s["name"] for s in row["stages"]] == ["text_encode", "denoise", "decode"]
         assert row["peak_vram_bytes"] == max(s["vram_bytes"] for s in row["stages"]) > 0
@@ -163,7 +163,7 @@ def test_more_swapped_blocks_lower_the_denoise_peak_of_a_real_size_model():
         q = query(model="wan", dtype="bf16", blocks_to_swap=str(blocks), width="832", height="480", frames="81",
                   tile_size="256", overlap="32", temporal_size="64", temporal_overlap="8", vram_budget_gb="8")
         plan = plan_answer(parse_request(q, ["wan"], ["bf16"]), lambda n, d: load_model("wan2.1-t2v-1.3b", d),
-                           (8 * GIB, 64 * GIB))
+                           (8 * GiB, 64 * GiB))
         return next(s["vram_bytes"] for s in plan["rows"][-1]["stages"] if s["name"] == "denoise")
 
     assert denoise_mib(10) < denoise_mib(5)

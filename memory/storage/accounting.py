@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..units import GiB, MiB
 from .mapping import is_file_backed
 from .stored import StoredTensor
 
-GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Ledger:
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / MiB:.1f} MiB"
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

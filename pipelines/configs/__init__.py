@@ -13,7 +13,6 @@ components' config.json files are read; no weights are touched.
 from __future__ import annotations
 
 import importlib
-import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 from ...memory.units import DTYPES
 from ..family import ModelError
+from ..json_files import read_json_object
 from ..loader import family_for, read_model_index
 from .meta import ComponentConfig, MetaModel
 
@@ -58,12 +58,12 @@ def load_model(name_or_path: str, dtype: str | None = None, vae_dtype: str | Non
 def defaults(name: str) -> dict:
     """The size a shipped model is made for: {"width", "height", "frames"} (empty for folders)."""
     file = MODELS_DIR / f"{name}.json"
-    return json.loads(file.read_text()).get("defaults", {}) if file.is_file() else {}
+    return read_json_object(file, f"the shipped config of {name}").get("defaults", {}) if file.is_file() else {}
 
 
 @lru_cache(maxsize=16)
 def _shipped(name: str, dtype: str | None, vae_dtype: str = "") -> MetaModel:
-    return _from_json(json.loads((MODELS_DIR / f"{name}.json").read_text()), dtype, vae_dtype)
+    return _from_json(read_json_object(MODELS_DIR / f"{name}.json", f"the shipped config of {name}"), dtype, vae_dtype)
 
 
 def _from_json(data: dict, dtype: str | None, vae_dtype: str = "") -> MetaModel:
@@ -78,7 +78,7 @@ def _from_json(data: dict, dtype: str | None, vae_dtype: str = "") -> MetaModel:
 
 def _component(name: str, entry: dict) -> ComponentConfig:
     if "ref" in entry:
-        shared = json.loads((COMPONENTS_DIR / f"{entry['ref']}.json").read_text())
+        shared = read_json_object(COMPONENTS_DIR / f"{entry['ref']}.json", f"the shipped component {entry['ref']}")
         entry = dict(shared, config={**shared["config"], **entry.get("config", {})})
     return ComponentConfig(name, entry["library"], entry["class"], entry["config"], entry.get("source", ""))
 
@@ -98,9 +98,8 @@ def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "") -> MetaMo
         if not _is_module(*value):
             continue  # tokenizers, schedulers, processors: no weights
         config_file = folder / name / "config.json"
-        if not config_file.is_file():
-            raise ModelError(f"'{folder / name}' has no config.json; the planner reads each component's config.json.")
-        components[name] = ComponentConfig(name, value[0], value[1], json.loads(config_file.read_text()), str(config_file))
+        config = read_json_object(config_file, f"{name}'s config (the planner reads each component's config.json)")
+        components[name] = ComponentConfig(name, value[0], value[1], config, str(config_file))
     pipeline_config = {k: v for k, v in index.items() if k in ("boundary_ratio", "expand_timesteps")}
     dtype_name = _dtype(dtype or "bf16")
     return MetaModel(
