@@ -8,7 +8,7 @@ node, the CLI and the engine all report bad input the same way. Checks that need
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from numbers import Integral, Real
 
@@ -28,6 +28,61 @@ class TextEncoderPlacement(str, Enum):
     DEVICE = "device"  # on the compute device for the whole call (tier permitting)
     OFFLOAD_AFTER_ENCODING = "offload_after_encoding"  # onloaded to encode, evicted at once
     CPU = "cpu"  # encodes on the CPU; only the embeddings move
+
+
+class ContextParallel(str, Enum):
+    OFF = "off"  # one process; with two or more GPUs listed, whole components are placed on different GPUs
+    ULYSSES = "ulysses"  # attention heads exchanged by all-to-all; any attention kernel
+    RING = "ring"  # key/value blocks passed round a ring; needs a kernel returning the log-sum-exp (GPU)
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Which GPUs a run uses and how the work is split between them.
+
+    `gpus` None means automatic: the host's one device when `context_parallel` is off, every
+    visible GPU when it is on. `degree` 0 means one rank per GPU used; on a machine without
+    GPUs a degree of N runs N CPU processes (gloo), which is how CI checks the parallel runtime.
+    """
+
+    gpus: tuple[int, ...] | None = None
+    context_parallel: ContextParallel = ContextParallel.OFF
+    degree: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "context_parallel", _parse_enum(ContextParallel, self.context_parallel, "context_parallel"))
+        _check_int("degree", self.degree)
+        if self.degree < 0 or self.degree == 1:
+            raise StrategyError(f"degree={self.degree} must be 0 (one rank per GPU) or 2 or more.")
+        if self.gpus is not None:
+            if not isinstance(self.gpus, tuple):
+                raise StrategyError(f"gpus={self.gpus!r} must be a tuple of GPU indices or None (automatic).")
+            for index in self.gpus:
+                _check_int("gpus", index)
+            if any(index < 0 for index in self.gpus) or len(set(self.gpus)) != len(self.gpus) or not self.gpus:
+                raise StrategyError(f"gpus={self.gpus!r} must list distinct GPU indices (0, 1, ...), at least one.")
+        if self.context_parallel is ContextParallel.OFF and self.degree:
+            raise StrategyError(f"degree={self.degree} only applies with context_parallel on; set it to 0, "
+                                "or choose context_parallel='ulysses'.")
+        if self.degree and self.gpus is not None and self.degree != len(self.gpus):
+            raise StrategyError(f"degree={self.degree} but gpus lists {len(self.gpus)} GPUs; context parallelism runs "
+                                "one rank per GPU: set degree to 0 or to the number of GPUs listed.")
+
+    @property
+    def context_parallel_on(self) -> bool:
+        return self.context_parallel is not ContextParallel.OFF
+
+    @property
+    def balanced(self) -> bool:
+        """Whole components on different GPUs: two or more GPUs listed and no context parallelism."""
+        return not self.context_parallel_on and self.gpus is not None and len(self.gpus) >= 2
+
+    def describe(self) -> str:
+        gpus = "auto" if self.gpus is None else ",".join(map(str, self.gpus))
+        if self.context_parallel_on:
+            return f"{self.context_parallel.value} degree={self.degree or 'all'} gpus={gpus}"
+        return f"balanced gpus={gpus}" if self.balanced else ""
 
 
 # Core VAEDecodeTiled ranges (comfy nodes.py), so shared values mean the same thing.
@@ -80,8 +135,11 @@ class MemoryStrategy:
     text_encoder: TextEncoderPlacement = TextEncoderPlacement.OFFLOAD_AFTER_ENCODING
     vae_slicing: bool = False
     vae_tiling: VaeTiling | None = None
+    parallel: Parallelism = field(default_factory=lambda: Parallelism())  # per GPU, every rank applies the fields above to its own copy
 
     def __post_init__(self) -> None:
+        if not isinstance(self.parallel, Parallelism):
+            raise StrategyError(f"parallel={self.parallel!r} must be a Parallelism (gpus, context_parallel, degree).")
         object.__setattr__(self, "offload", _parse_enum(OffloadTier, self.offload, "offload"))
         object.__setattr__(
             self, "text_encoder", _parse_enum(TextEncoderPlacement, self.text_encoder, "text_encoder")
@@ -138,6 +196,8 @@ class MemoryStrategy:
         if self.vae_tiling:
             t = self.vae_tiling
             parts.append(f"vae_tiling={t.tile_size}/{t.overlap}px,{t.temporal_size}/{t.temporal_overlap}f")
+        if self.parallel.describe():
+            parts.append(self.parallel.describe())
         return " ".join(parts)
 
 
