@@ -1,0 +1,7 @@
+"""Spawned ranks running one job in lockstep (pure torch; no diffusers, no ComfyUI)."""
+
+from .pool import PoolConfig, RankError, WorkerPool, free_port
+from .rank import RankContext, RankSetup, RunCancelled, run_in_process_group
+
+__all__ = ["PoolConfig", "RankContext", "RankError", "RankSetup", "RunCancelled", "WorkerPool", "free_port",
+           "run_in_process_group"]

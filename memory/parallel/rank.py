@@ -1,0 +1,118 @@
+"""What runs inside one rank: joining the process group, and the loop that runs jobs in lockstep.
+
+A job is any picklable object with `run(context) -> result` (a frozen dataclass by convention).
+It describes what to run, never the weights: each rank opens the files itself. Every rank runs
+the same job at the same time; the collectives inside it (diffusers' all-to-all) keep them in
+step. `RankContext.state` survives from job to job, so a pipeline loaded by the first run is
+reused by the next.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class RunCancelled(RuntimeError):
+    """Raised inside a rank when the coordinator asked the run to stop."""
+
+
+class Job(Protocol):
+    def run(self, context: "RankContext") -> Any: ...
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """Everything a spawned rank needs to join the group (picklable; no tensors)."""
+
+    world_size: int
+    backend: str  # "nccl" on CUDA, "gloo" on CPU
+    device_type: str  # "cuda" or "cpu"
+    gpus: tuple[int, ...]  # CUDA index per rank; () on CPU
+    master_port: int
+    master_addr: str = "127.0.0.1"
+    threads: int | None = None  # CPU threads per rank (None: torch's default)
+    timeout_s: float = 1800.0  # a collective waiting longer than this fails the run
+
+
+@dataclass
+class RankContext:
+    """A rank's view of the run: who it is, its device, its state, and its channels to the coordinator."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    state: dict = field(default_factory=dict)
+    _report: Callable[[tuple], None] = lambda message: None
+    _stop_requested: Callable[[], bool] = lambda: False
+
+    def progress(self, step: int, total: int) -> None:
+        """Forward progress to the coordinator (rank 0 only: every rank is at the same step)."""
+        if self.rank == 0:
+            self._report(("progress", step, total))
+
+    def check_stop(self) -> None:
+        """Raise RunCancelled when the coordinator asked to stop (checked per step and per block)."""
+        if self._stop_requested():
+            raise RunCancelled(f"rank {self.rank}: cancelled by the coordinator")
+
+
+def join_group(rank: int, setup: RankSetup) -> torch.device:
+    """Initialise this process's rank in the group and return its device."""
+    if setup.device_type == "cuda":
+        # One visible GPU per rank: cuda:0 in this process is the chosen GPU, so libraries that
+        # compute `rank % device_count()` (diffusers' enable_parallelism) land on the right one.
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(setup.gpus[rank])
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: never bind a public interface
+    os.environ.update(MASTER_ADDR=setup.master_addr, MASTER_PORT=str(setup.master_port))
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    device = torch.device("cuda", 0) if setup.device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(setup.backend, rank=rank, world_size=setup.world_size,
+                            timeout=timedelta(seconds=setup.timeout_s), device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def rank_main(rank: int, setup: RankSetup, jobs, events, stop) -> None:
+    """Entry point of a spawned rank: join, then run jobs until a None arrives.
+
+    Any exception (in joining or in a job) is reported with its traceback and ends the process:
+    the coordinator then stops every other rank, which may be waiting in a collective.
+    """
+    try:
+        device = join_group(rank, setup)
+        context = RankContext(rank, setup.world_size, device, _report=events.put, _stop_requested=stop.is_set)
+        events.put(("ready", rank))
+        while (job := jobs.get()) is not None:
+            result = job.run(context)
+            events.put(("result", rank, result if rank == 0 else None))
+    except BaseException as error:  # noqa: BLE001 - every failure must reach the coordinator
+        kind = "cancelled" if isinstance(error, RunCancelled) else "error"
+        events.put((kind, rank, "".join(traceback.format_exception(error)).strip()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_in_process_group(job: Job, state: dict | None = None) -> Any:
+    """Run `job` in an already initialised process group (e.g. under torchrun, env:// rendezvous).
+
+    Every process launched by torchrun calls this with the same job; the result is rank 0's.
+    Progress and cancel are not forwarded: torchrun's processes have no coordinator.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("run_in_process_group needs torch.distributed initialised (launch with torchrun and call "
+                           "torch.distributed.init_process_group() first).")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    context = RankContext(dist.get_rank(), dist.get_world_size(), device, state if state is not None else {})
+    return job.run(context)

@@ -1,0 +1,60 @@
+"""Small jobs for the worker-pool tests (a module of their own: spawned ranks import them by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class SumRanks:
+    """All-reduce of (rank + 1): proves the ranks share one group; counts runs in the rank's state."""
+
+    def run(self, context):
+        value = torch.tensor([float(context.rank + 1)])
+        dist.all_reduce(value)
+        context.state["runs"] = context.state.get("runs", 0) + 1
+        context.progress(1, 1)
+        return {"sum": value.item(), "runs": context.state["runs"], "pid": os.getpid()}
+
+
+@dataclass(frozen=True)
+class RaiseOn:
+    rank: int
+    message: str
+
+    def run(self, context):
+        if context.rank == self.rank:
+            raise ValueError(self.message)
+        dist.barrier()  # the other ranks wait here, as in a collective of a real forward
+        return None
+
+
+@dataclass(frozen=True)
+class DieOn:
+    rank: int
+
+    def run(self, context):
+        if context.rank == self.rank:
+            os._exit(3)
+        dist.barrier()
+        return None
+
+
+@dataclass(frozen=True)
+class Steps:
+    """`steps` steps of `seconds` each, reporting progress and checking Cancel between them."""
+
+    steps: int
+    seconds: float
+
+    def run(self, context):
+        for step in range(self.steps):
+            time.sleep(self.seconds)
+            context.check_stop()
+            context.progress(step + 1, self.steps)
+        return self.steps
