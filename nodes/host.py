@@ -101,9 +101,17 @@ def _diffusers_roots() -> list[str]:
 
 
 def make_room(bytes_needed: int, device) -> None:
-    """Ask ComfyUI to unload its own models until `bytes_needed` fit on `device`."""
+    """Ask ComfyUI to unload its own models until `bytes_needed` fit on `device`.
+
+    `bytes_needed` is the stage's weights plus its predicted activations (pipelines/room.py).
+    ComfyUI's `free_memory(memory_required, device)` unloads until its free figure (driver free +
+    torch's cached-but-unused) exceeds `memory_required`; its own loader adds the VRAM it keeps
+    for other applications (`extra_reserved_memory()`, 400-700 MB or `--reserve-vram`) on top,
+    and so does this.
+    """
     if model_management is not None and device.type == "cuda":
-        model_management.free_memory(bytes_needed, device)
+        reserve = getattr(model_management, "extra_reserved_memory", lambda: 0)()
+        model_management.free_memory(bytes_needed + reserve, device)
 
 
 def unload_host_models() -> bool:

@@ -18,6 +18,7 @@ from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .latents import check_latent
 from .loader import LoadedPipeline
 from .planning import decode_overrun
+from .room import decode_room
 
 # Decoding with no strategy connected: the whole VAE on the device, as diffusers does.
 DEFAULT_DECODE_STRATEGY = MemoryStrategy(offload=OffloadTier.NONE)
@@ -101,7 +102,8 @@ def decode(
     report = DecodeReport()
     stage = StageComponents({"vae": vae})
     hooks.check_interrupt()
-    hooks.make_room(device_weight_bytes(stage, strategy), backend.device)
+    room = decode_room(loaded, tuple(samples.shape), strategy, device_weight_bytes(stage, strategy), device)
+    hooks.make_room(room.total_bytes, device)  # weights + the planner's activations for the first rung
 
     def on_step(done: int, total: int) -> None:
         hooks.on_step(done, total)
@@ -138,5 +140,5 @@ def decode(
     frames = pipe.video_processor.postprocess_video(video, output_type="pt")  # [B, F, C, H, W] in 0..1
     frames = frames.flatten(0, 1).permute(0, 2, 3, 1).float().contiguous()
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [meter.as_dict()],
-               "decode": report.as_dict(), "decode_summary": report.describe()}
+               "decode": report.as_dict(), "decode_summary": report.describe(), "room": room.as_dict()}
     return DecodeResult(frames, receipt)

@@ -30,6 +30,7 @@ from ..memory import (
 )
 from ..memory.blockswap import Observer
 from ..memory.offload import device_weight_bytes
+from ..memory.plan.types import VideoShape
 from ..memory.device import Backend
 from ..memory.lora import apply_loras
 from ..memory.telemetry import StageMeter
@@ -38,6 +39,7 @@ from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .loader import LoadedPipeline
 from .stages import stage_modules
 from .lora import describe_loras, lora_patches
+from .room import sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
@@ -199,7 +201,11 @@ class _Run:
                 apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle:
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
             receipt["device_weight_bytes"], receipt["lora_bytes"] = weight_bytes, lora_handle.nbytes
-            hooks.make_room(weight_bytes, device)
+            request = self.request
+            room = sample_room(loaded, strategy, VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided),
+                               request.steps, not prompts.complete, weight_bytes, device)
+            receipt["room"] = room.as_dict()
+            hooks.make_room(room.total_bytes, device)  # weights + the planner's activations
             with apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry) as handle:
                 call.vidmem_execution_device = device
                 if "text_encode" not in receipt:  # the first attempt (a cache hit encodes nothing)
