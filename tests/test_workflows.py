@@ -13,10 +13,11 @@ import pytest
 import torch
 
 try:
-    from . import model_files
+    from . import model_files, tiny_loras
     from . import workflow_runner as wr
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
     import model_files
+    import tiny_loras
     import workflow_runner as wr
 
 from vidmem.nodes import NODE_CLASS_MAPPINGS
@@ -47,10 +48,39 @@ def tiny_files_root(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def tiny_loras_dir(tmp_path_factory):
+    """A models/loras folder with a tiny LoRA under every name the LoRA templates load."""
+    folder = tmp_path_factory.mktemp("loras")
+    tiny_loras.place_tiny_loras(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_clips(tmp_path_factory):
+    """Tiny captioned clips for the train templates' Prepare Training Data."""
+    return tiny_loras.place_tiny_clips(tmp_path_factory.mktemp("clips"))
+
+
 @pytest.fixture
-def models_root(tiny_models_dir, tiny_files_root, monkeypatch):
-    """The host's model lookups pointed at the tiny folders and files (as ComfyUI's folder_paths would list them)."""
+def models_root(tiny_models_dir, tiny_files_root, tiny_loras_dir, tmp_path, monkeypatch):
+    """The host's model lookups pointed at the tiny folders and files (as ComfyUI's folder_paths would list
+    them); trained LoRAs and training caches go to a fresh folder, the tiny LoRAs are listed beside them."""
     from vidmem.nodes import host
+
+    trained = tmp_path / "loras"
+    trained.mkdir()
+
+    def resolve_lora(name):
+        path = next((folder / name for folder in (tiny_loras_dir, trained) if (folder / name).is_file()), None)
+        if path is None:
+            raise FileNotFoundError(f"lora '{name}' is not among the tiny LoRAs")
+        return path
+
+    monkeypatch.setattr(host, "lora_names", lambda: sorted(p.name for d in (tiny_loras_dir, trained) for p in d.glob("*.safetensors")))
+    monkeypatch.setattr(host, "resolve_lora", resolve_lora)
+    monkeypatch.setattr(host, "loras_folder", lambda: trained)
+    monkeypatch.setattr(host, "training_folder", lambda: tmp_path / "vidmem_training")
 
     def folder(role):
         return tiny_files_root / host.MODEL_FILE_FOLDERS[role][0]
@@ -170,6 +200,8 @@ def test_ui_explains_its_memory_choice_in_a_note(path):
     offload = strategy["widgets_values"][0]
     files = ui["extra"]["vidmem"].get("files", [])
     where = [f"models/{f['folder']}/{f['name']}" for f in files] + [f["repo"] for f in files] or ["models/diffusers"]
+    loras = ui["extra"]["vidmem"].get("loras", [])
+    where += [f"models/loras/{f['name']}" for f in loras] + [f["repo"] for f in loras if f["repo"]]
     assert notes and any(offload in text and all(w in text for w in where) for text in notes), (offload, where)
 
 
@@ -264,9 +296,9 @@ def test_single_file_template_strategy_fits_its_machine_per_the_planner(path):
 
 
 @by_name(API_FILES)
-def test_api_workflow_runs_end_to_end_with_tiny_models(path, models_root):
+def test_api_workflow_runs_end_to_end_with_tiny_models(path, models_root, tiny_clips):
     original = wr.load_json(path)
-    api = wr.shrink_for_tiny(original)
+    api = wr.shrink_for_tiny(original, clips=tiny_clips)
     run = wr.run_api(api)
 
     variant = wr.tiny_variant_for(next(iter(wr.loader_models(api).values())))
@@ -284,6 +316,16 @@ def test_api_workflow_runs_end_to_end_with_tiny_models(path, models_root):
     assert run.outputs[ids["VidMemFreeVRAM"]][0] is frames, "Free VRAM passes its input through unchanged"
     strategy_text = run.ui[ids["VidMemMemoryStrategy"]]["text"][0]
     assert f"offload={original[ids['VidMemMemoryStrategy']]['inputs']['offload']}" in strategy_text
+    applied = [node["inputs"]["lora_name"] for node in api.values() if node["class_type"] == tiny_loras.LORA_NODE]
+    if wr.TRAIN_NODE in ids:  # the trained LoRA was written and the Sampler sampled with it
+        pipeline, name = run.outputs[ids[wr.TRAIN_NODE]]
+        assert name == api[ids[wr.TRAIN_NODE]]["inputs"]["lora_name"] + ".safetensors"
+        from vidmem.nodes import host
+
+        assert (host.loras_folder() / name).is_file() and pipeline.loras[-1].name == name
+        applied.append(name)
+    sampler_text = run.ui[ids["VidMemVideoSampler"]]["text"][0]
+    assert all(name in sampler_text for name in applied), (applied, sampler_text[:800])
 
     assert run.core_inputs, "the graph ends in core save nodes"
     for nid, inputs in run.core_inputs.items():
@@ -342,3 +384,73 @@ def test_tier_templates_differ_mainly_in_their_memory_strategy():
     assert strategies["wan21_t2v_14b_24gb"]["offload"] == "block_swap" and strategies["wan21_t2v_14b_24gb"]["blocks_to_swap"] < 40
     same_model = [strategies["wan21_t2v_1_3b_8gb"], strategies["wan21_t2v_1_3b_12gb"]]
     assert len({json.dumps(s, sort_keys=True) for s in same_model}) == 2, "one model, two tiers, two strategies"
+
+
+LORA_UI = [p for p in UI_FILES if "loras" in wr.load_json(p)["extra"]["vidmem"]]
+TRAIN_UI = [p for p in UI_FILES if "trains" in wr.load_json(p)["extra"]["vidmem"]]
+LORA_REPOS = ("Kijai/WanVideo_comfy", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged")
+
+
+def nodes_of(api: dict, class_type: str) -> list[dict]:
+    return [node["inputs"] for node in api.values() if node["class_type"] == class_type]
+
+
+def test_a_lora_template_per_family_with_a_distill_lora_where_one_exists():
+    variants = {}
+    for path in LORA_UI:
+        api = wr.load_json(wr.api_twin(path))
+        variants[tiny_loras.loader_variant(api, "3")] = path
+    assert set(variants) >= {"wan2.1-t2v", "wan2.2-a14b", "cogvideox-t2v"}, variants
+    for variant in ("wan2.1-t2v", "wan2.2-a14b"):  # lightx2v's distill LoRAs: 4 steps, no guidance, flow shift 5
+        api = wr.load_json(wr.api_twin(variants[variant]))
+        (sampler,) = nodes_of(api, "VidMemVideoSampler")
+        assert (sampler["steps"], sampler["cfg"], sampler["scheduler"], sampler["shift"]) == (4, 1.0, "flow_match_euler", 5.0)
+        assert sampler.get("cfg_2", -1.0) in (-1.0, 1.0), "no negative pass on either expert"
+        assert api["1"]["class_type"] == wr.FILES_LOADER and "fp8" in api["1"]["inputs"]["model"]
+    experts = [lora["expert"] for lora in nodes_of(wr.load_json(wr.api_twin(variants["wan2.2-a14b"])), tiny_loras.LORA_NODE)]
+    assert experts == ["high_noise", "low_noise"], "one Lightning LoRA per expert"
+    cog_note = next(n["widgets_values"][0] for n in wr.load_json(variants["cogvideox-t2v"])["nodes"] if n["type"] == "Note")
+    assert "No step-distill LoRA exists for CogVideoX" in cog_note, "the CogVideoX template says why it has a style LoRA"
+
+
+@by_name(LORA_UI)
+def test_lora_template_names_its_files_and_chains_them_into_the_sampler(path):
+    ui, api = wr.load_json(path), wr.load_json(wr.api_twin(path))
+    listed = ui["extra"]["vidmem"]["loras"]
+    loras = nodes_of(api, tiny_loras.LORA_NODE)
+    assert [lora["lora_name"] for lora in loras] == [f["name"] for f in listed]
+    assert [lora["expert"] for lora in loras] == [f["expert"] for f in listed]
+    for file in listed:
+        assert "/" not in file["name"] and file["name"].endswith(".safetensors")
+        if file["repo"]:  # a download: a known repository, the file's URL
+            assert file["repo"] in LORA_REPOS and file["url"].startswith(f"https://huggingface.co/{file['repo']}/resolve/main/")
+            assert file["url"].endswith("/" + file["name"])
+    chain = {nid: node for nid, node in api.items() if node["class_type"] == tiny_loras.LORA_NODE}
+    (sampler,) = nodes_of(api, "VidMemVideoSampler")
+    last = sampler["pipeline"][0]
+    seen = []
+    while last in chain:  # Sampler <- last LoRA <- ... <- loader
+        seen.append(last)
+        last = chain[last]["inputs"]["pipeline"][0]
+    assert api[last]["class_type"] in (wr.FOLDER_LOADER, wr.FILES_LOADER) and len(seen) == len(chain)
+
+
+def test_a_train_template_per_family():
+    variants = {tiny_loras.loader_variant(wr.load_json(wr.api_twin(p)), "3") for p in TRAIN_UI}
+    assert variants >= {"wan2.1-t2v", "cogvideox-t2v"}, variants
+
+
+@by_name(TRAIN_UI)
+def test_train_template_trains_then_samples_with_the_lora(path):
+    ui, api = wr.load_json(path), wr.load_json(wr.api_twin(path))
+    ids = {node["class_type"]: nid for nid, node in api.items()}
+    prepare, train, sampler = (api[ids[t]]["inputs"] for t in (wr.PREPARE_NODE, wr.TRAIN_NODE, "VidMemVideoSampler"))
+    assert train["data"] == [ids[wr.PREPARE_NODE], 0] and sampler["pipeline"] == [ids[wr.TRAIN_NODE], 0]
+    assert prepare["pipeline"] == train["pipeline"] == ["1", 0], "data and LoRA for the loaded model"
+    assert train["gradient_checkpointing"] is True and train["lora_name"] == ui["extra"]["vidmem"]["trains"]
+    variant = tiny_loras.loader_variant(api, ids["VidMemVideoSampler"])
+    step = 8 if variant.startswith("cogvideox") else 4
+    assert all((int(f) - 1) % step == 0 for f in prepare["frame_buckets"].split(",")), prepare["frame_buckets"]
+    note = next(n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "Note")
+    assert prepare["folder"] in note or "FULL path" in note, "the note says what to put in folder"
+    assert f"models/loras/{train['lora_name']}.safetensors" in note and "Load LoRA" in note

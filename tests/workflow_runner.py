@@ -16,11 +16,14 @@ Placing tiny models under the templates' folder and file names, e.g. for a real 
 
     python tests/workflow_runner.py place-models /path/to/ComfyUI/models/diffusers
     python tests/workflow_runner.py place-files /path/to/ComfyUI/models
+    python tests/workflow_runner.py place-loras /path/to/ComfyUI/models/loras
+    python tests/workflow_runner.py place-clips /path/to/clips
 
 The first writes one tiny random diffusers folder per model name the API workflows reference (a
 Wan-family tiny for Wan names, a CogVideoX tiny for CogVideoX names); the second tiny single files
-under the names the Load Video Model Files nodes use (tests/model_files.py). An existing folder or
-file is never overwritten.
+under the names the Load Video Model Files nodes use (tests/model_files.py); the third tiny LoRAs
+under the names the Load LoRA nodes use, the fourth tiny captioned clips for the train templates
+(tests/tiny_loras.py). An existing folder or file is never overwritten.
 """
 
 from __future__ import annotations
@@ -273,12 +276,19 @@ def place_tiny_models(models_dir: Path, names: list[str] | None = None) -> list[
     return placed
 
 
-def shrink_for_tiny(api: dict, seed: int | None = None) -> dict:
+PREPARE_NODE, TRAIN_NODE = "VidMemPrepareTrainingData", "VidMemTrainLoRA"
+TINY_RANK = 4
+
+
+def shrink_for_tiny(api: dict, seed: int | None = None, clips: Path | None = None) -> dict:
     """A copy of `api` that the tiny models accept: their size and frames, TINY_STEPS steps, and
-    blocks_to_swap capped below the tiny transformer's block count (so a swap stays partial)."""
+    blocks_to_swap capped below the tiny transformer's block count (so a swap stays partial).
+    Training nodes get the tiny size as their only bucket, TINY_STEPS steps at rank TINY_RANK, no
+    periodic checkpoints, and `clips` (tests/tiny_loras.place_tiny_clips) as their folder when given."""
     from vidmem.pipelines.tiny import tiny_spec
 
     api = copy.deepcopy(api)
+    _shrink_training(api, clips)
     specs = [tiny_spec(tiny_variant_for(name)) for name in loader_models(api).values()]
     if not specs:
         return api
@@ -296,6 +306,28 @@ def shrink_for_tiny(api: dict, seed: int | None = None) -> dict:
             if inputs["blocks_to_swap"] > 0:
                 inputs["blocks_to_swap"] = min(inputs["blocks_to_swap"], block_cap)
     return api
+
+
+def _shrink_training(api: dict, clips: Path | None) -> None:
+    from vidmem.pipelines.tiny import tiny_spec
+
+    for node in api.values():
+        inputs = node["inputs"]
+        if node["class_type"] == PREPARE_NODE:
+            spec = tiny_spec(_chain_variant(api, inputs))
+            inputs.update(resolutions=f"{spec.width}x{spec.height}", frame_buckets=str(spec.frames))
+            if clips is not None:
+                inputs["folder"] = str(clips)
+        if node["class_type"] == TRAIN_NODE:
+            inputs.update(steps=min(inputs["steps"], TINY_STEPS), rank=min(inputs["rank"], TINY_RANK), checkpoint_every=0)
+
+
+def _chain_variant(api: dict, inputs: dict) -> str:
+    """The tiny variant of the loader a node's pipeline input comes from (through LoRA or training nodes)."""
+    node = api[inputs["pipeline"][0]]
+    while node["class_type"] not in (FOLDER_LOADER, FILES_LOADER):
+        node = api[node["inputs"]["pipeline"][0]]
+    return tiny_variant_for(node["inputs"]["model"])
 
 
 # --- a minimal executor --------------------------------------------------------------------------
@@ -386,7 +418,18 @@ def main(argv: list[str] | None = None) -> None:
                                 "Load Video Model Files nodes use (tests/model_files.py)")
     files.add_argument("models_root", type=Path, help="ComfyUI/models (files go to its diffusion_models, "
                        "text_encoders, vae and vidmem_configs folders)")
+    loras = commands.add_parser("place-loras", help="write tiny LoRAs under the names the API workflows' Load LoRA "
+                                "nodes use (tests/tiny_loras.py)")
+    loras.add_argument("loras_dir", type=Path, help="e.g. ComfyUI/models/loras")
+    clips = commands.add_parser("place-clips", help="write a few tiny captioned clips for the train templates")
+    clips.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
+    if args.command in ("place-loras", "place-clips"):
+        from tiny_loras import place_tiny_clips, place_tiny_loras
+
+        for path in place_tiny_loras(args.loras_dir) if args.command == "place-loras" else [place_tiny_clips(args.folder)]:
+            print(path)
+        return
     if args.command == "place-files":
         from model_files import place_tiny_model_files
 

@@ -32,6 +32,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]  # the template lists bes
 from template_types import Template  # noqa: E402
 from templates_files import FILE_TEMPLATES  # noqa: E402
 from templates_folders import FOLDER_TEMPLATES  # noqa: E402
+from templates_lora import LORA_TEMPLATES  # noqa: E402
+from templates_train import TRAIN_TEMPLATES  # noqa: E402
 from workflow_runner import API_DIR, WORKFLOWS_DIR, node_spec, socket_inputs, widget_names  # noqa: E402
 
 
@@ -47,53 +49,84 @@ class Node:
     colors: tuple[str, str] | None = None  # (color, bgcolor)
 
 
-TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES
+TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
 
-GROUPS = ("1. Model and memory strategy", "2. Sample, decode, free", "3. Save")
+MODEL_GROUP, SAMPLE_GROUP, SAVE_GROUP = "Model and memory strategy", "Sample, decode, free", "Save"
+LORA_GROUP, TRAIN_GROUP = "LoRA", "Train a LoRA (then the Sampler uses it)"
 NOTE_COLORS = ("#432", "#653")
 
 
 # Layout, in canvas pixels. Heights leave room for what the nodes add in the browser: the
 # Strategy's plan (web/js/vidmem.js PLAN_HEIGHT) from the start, a three-line receipt after a run.
 COLUMNS = (0, 460, 940, 1340, 1880)
+MIDDLE = 460  # a LoRA or training column, between the loader and the Sampler, moves the rest right by this
 NOTE_GAP = 90  # between the note and the groups' top: a group's title sits above its nodes' title bars
 GROUP_HEAD = 80  # node title bar (30) + group title (24) + room
 GAP = 50  # between stacked nodes: the lower one's title bar (30) and the source badge drawn above it (~20)
 SAMPLER_HEIGHT, SAMPLER_WIDGETS = 590, 9  # its height with this many widgets (two multiline prompts)
 WIDGET_ROW = 28  # what one more number or combo widget adds (24 and spacing)
+LORA_HEIGHT = 140  # Load LoRA: three widgets, room for its one-line receipt
+PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receipt
+TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receipt
+FIRST_EXTRA_ID = 10  # ids 1-9 are the chain every template shares (the API twins keep them)
 
 
 def graph(t: Template) -> list[Node]:
-    """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> Free VRAM -> save.
+    """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> Free VRAM -> save,
+    with the template's LoRA or training nodes between the loader and the Sampler.
 
     The strategy takes the Sampler's shape (the browser reads it from the graph), so it has no
     size of its own and no pipeline link: the plan finds the model through the Sampler.
     """
     a, b, c, d, e = COLUMNS
-    loader_h, strategy_h, decode_h = t.loader.height, 700, 190
     top = t.note_height + NOTE_GAP
+    middle, pipeline = _middle(t, top)
+    if middle:
+        b, c, d, e = (x + MIDDLE for x in (b, c, d, e))
+    loader_h, strategy_h, decode_h = t.loader.height, 700, 190
     nodes = [
-        Node(1, t.loader.type, (a, top), (400, loader_h), t.loader.widgets, group=GROUPS[0]),
+        Node(1, t.loader.type, (a, top), (400, loader_h), t.loader.widgets, group=MODEL_GROUP),
         Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (400, strategy_h),
-             dict(t.strategy, vram_budget_gb=0.0, ram_budget_gb=0.0), group=GROUPS[0]),
+             dict(t.strategy, vram_budget_gb=0.0, ram_budget_gb=0.0), group=MODEL_GROUP),
         Node(3, "VidMemVideoSampler", (b, top), (420, _sampler_height()), dict(
             prompt=t.prompt, negative_prompt=t.negative_prompt, width=t.width, height=t.height, frames=t.frames,
-            steps=t.steps, cfg=t.cfg, seed=t.seed, control_after_generate="fixed",
-        ), links=dict(pipeline=(1, 0), strategy=(2, 0)), group=GROUPS[1]),
+            steps=t.steps, cfg=t.cfg, seed=t.seed, control_after_generate="fixed", **t.sampler,
+        ), links=dict(pipeline=pipeline, strategy=(2, 0)), group=SAMPLE_GROUP),
         Node(4, "VidMemVAEDecode", (c, top), (340, decode_h), dict(save_latents=False),
-             links=dict(pipeline=(1, 0), latent=(3, 0), strategy=(2, 0)), group=GROUPS[1]),
+             links=dict(pipeline=pipeline, latent=(3, 0), strategy=(2, 0)), group=SAMPLE_GROUP),
         Node(5, "VidMemFreeVRAM", (c, top + decode_h + GAP), (340, 160), dict(unload_comfy_models=False),
-             links=dict(anything=(4, 0)), group=GROUPS[1]),
+             links=dict(anything=(4, 0)), group=SAMPLE_GROUP),
         # Save Video grows to fit its preview (a square one for the tiny models): room for that.
-        Node(6, "CreateVideo", (d, top), (480, 80), dict(fps=t.fps), links=dict(images=(5, 0)), group=GROUPS[2]),
+        Node(6, "CreateVideo", (d, top), (480, 80), dict(fps=t.fps), links=dict(images=(5, 0)), group=SAVE_GROUP),
         Node(7, "SaveVideo", (d, top + 80 + 2 * GAP), (480, 620), dict(filename_prefix=f"vidmem/{t.name}", format="auto",
-             codec="auto"), links=dict(video=(6, 0)), group=GROUPS[2]),
+             codec="auto"), links=dict(video=(6, 0)), group=SAVE_GROUP),
         Node(8, "SaveAnimatedWEBP", (e, top), (480, 760), dict(
             filename_prefix=f"vidmem/{t.name}_preview", fps=t.fps, lossless=False, quality=85, method="default",
-        ), links=dict(images=(5, 0)), group=GROUPS[2]),
+        ), links=dict(images=(5, 0)), group=SAVE_GROUP),
         Node(9, "Note", (a, 0), (c + 340, t.note_height), dict(text=t.note), colors=NOTE_COLORS),
+        *middle,
     ]
     return [_with_defaults(node) for node in nodes]
+
+
+def _middle(t: Template, top: int) -> tuple[list[Node], tuple[int, int]]:
+    """The nodes between the loader and the Sampler, and the (node, slot) the Sampler's pipeline comes from."""
+    x, nid, y = COLUMNS[1], FIRST_EXTRA_ID, top
+    if t.training:
+        data = t.training
+        prepare = Node(nid, "VidMemPrepareTrainingData", (x, y), (400, PREPARE_HEIGHT), dict(
+            folder=data.folder, resolutions=data.resolutions, frame_buckets=data.frame_buckets,
+        ), links=dict(pipeline=(1, 0), strategy=(2, 0)), group=TRAIN_GROUP)
+        train = Node(nid + 1, "VidMemTrainLoRA", (x, y + PREPARE_HEIGHT + GAP), (400, TRAIN_HEIGHT), dict(data.train),
+                     links=dict(pipeline=(1, 0), data=(nid, 0), strategy=(2, 0)), group=TRAIN_GROUP)
+        return [prepare, train], (train.id, 0)
+    nodes, source = [], (1, 0)
+    for step in t.loras:
+        nodes.append(Node(nid, "VidMemLoadLoRA", (x, y), (400, LORA_HEIGHT), dict(
+            lora_name=step.file.name, strength=step.strength, expert=step.expert,
+        ), links=dict(pipeline=source), group=LORA_GROUP))
+        source, nid, y = (nid, 0), nid + 1, y + LORA_HEIGHT + GAP
+    return nodes, source
 
 
 def _sampler_height() -> int:
@@ -171,6 +204,11 @@ def _vidmem_extra(t: Template) -> dict:
         extra["machine"] = t.machine.as_json()
     if t.files:
         extra["files"] = [{"name": f.name, "folder": f.folder, "repo": f.repo, "url": f.url} for f in t.files]
+    if t.loras:  # where each LoRA comes from ("repo" empty: one the user trains, e.g. with a train template)
+        extra["loras"] = [{"name": s.file.name, "folder": "loras", "repo": s.file.repo, "url": s.file.url,
+                           "expert": s.expert} for s in t.loras]
+    if t.training:
+        extra["trains"] = t.training.train["lora_name"]
     return extra
 
 
@@ -214,13 +252,15 @@ def _execution_order(nodes: list[Node]) -> dict[int, int]:
 
 
 def _groups(nodes: list[Node]) -> list[dict]:
+    """One group per stage, numbered left to right in the order the graph runs."""
+    titles = [t for t in (MODEL_GROUP, TRAIN_GROUP, LORA_GROUP, SAMPLE_GROUP, SAVE_GROUP) if any(n.group == t for n in nodes)]
     groups = []
-    for index, title in enumerate(GROUPS, start=1):
+    for index, title in enumerate(titles, start=1):
         members = [n for n in nodes if n.group == title]
         left, top = min(n.pos[0] for n in members), min(n.pos[1] for n in members)
         right = max(n.pos[0] + n.size[0] for n in members)
         bottom = max(n.pos[1] + n.size[1] for n in members)
-        groups.append({"id": index, "title": title, "bounding": [left - 10, top - GROUP_HEAD, right - left + 20,
+        groups.append({"id": index, "title": f"{index}. {title}", "bounding": [left - 10, top - GROUP_HEAD, right - left + 20,
                                                                  bottom - top + GROUP_HEAD + 10],
                        "color": "#3f789e", "font_size": 24, "flags": {}})
     return groups

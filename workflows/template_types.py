@@ -7,7 +7,7 @@ file comes from, so the note, the README and the tests read one source.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NEGATIVE = "blurry, low quality, distorted, flickering, static frame, watermark, text, subtitles"
 TILES = dict(vae_tiling=True, tile_size=256, overlap=32, temporal_size=64, temporal_overlap=8)
@@ -64,6 +64,42 @@ class Machine:
 
 
 @dataclass(frozen=True)
+class LoraFile:
+    """A LoRA file for ComfyUI/models/loras: its name there, where it comes from, its size."""
+
+    name: str
+    repo: str  # a Hugging Face repository, or "" for a LoRA the user trains (no download)
+    repo_path: str = ""  # the file's path inside the repository
+    size: str = ""  # as the note states it
+
+    @property
+    def url(self) -> str:
+        return f"https://huggingface.co/{self.repo}/resolve/main/{self.repo_path}" if self.repo else ""
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    """One Load LoRA (VidMem) node: the file, its strength and, on Wan 2.2 A14B, the expert it goes on."""
+
+    file: LoraFile
+    strength: float = 1.0
+    expert: str = "both"
+
+
+@dataclass(frozen=True)
+class Training:
+    """Prepare Training Data + Train LoRA: the clips folder, the buckets and Train LoRA's widgets.
+
+    The Sampler after them samples with the LoRA just trained (Train LoRA's pipeline output).
+    """
+
+    folder: str  # a placeholder the user replaces with the full path of their clips
+    resolutions: str
+    frame_buckets: str
+    train: dict  # Train LoRA's widgets by name (the rest take their defaults)
+
+
+@dataclass(frozen=True)
 class Template:
     """What differs between templates: the model, the memory strategy, the shot, and why."""
 
@@ -84,6 +120,9 @@ class Template:
     machine: Machine | None = None  # templates on single files: the card and RAM the strategy was planned for
     files: tuple[ModelFile, ...] = ()  # and where each file comes from
     note_height: int = 250
+    loras: tuple[LoraStep, ...] = ()  # Load LoRA nodes chained between the loader and the Sampler
+    training: Training | None = None  # Prepare Training Data + Train LoRA between the loader and the Sampler
+    sampler: dict = field(default_factory=dict)  # the Sampler's optional controls (scheduler, shift, cfg_2, ...)
 
 
 def diffusers_folder(model: str, dtype: str) -> Loader:
