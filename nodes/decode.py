@@ -50,7 +50,8 @@ class VidMemVAEDecode:
         saved = write_latent(latent, next_latent_path(host.latents_folder(), LATENT_STEM)) if save_latents else None
         progress = host.Progress(1, "decoding")
         try:
-            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room)
+            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room,
+                             pinned_elsewhere=host.pinned_promised_bytes)
             result = decode(pipeline, latent, run, hooks=hooks, device=host.compute_device())
         finally:
             progress.close()

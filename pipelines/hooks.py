@@ -20,8 +20,8 @@ from .prompt_cache import PromptCache
 @dataclass(frozen=True)
 class RunHooks:
     """Per-step progress, an interrupt check that raises, a request to free device memory, the
-    device budget after an out-of-memory error, and where prompt embeddings are cached (None:
-    encode every time)."""
+    device budget after an out-of-memory error, where prompt embeddings are cached (None:
+    encode every time), and the pinned RAM the host may still lock."""
 
     on_step: Callable[[int, int], None] = lambda step, total: None
     check_interrupt: Callable[[], None] = lambda: None
@@ -30,6 +30,9 @@ class RunHooks:
     # error to pick the next rung; None: unknown (the fixed ladder is used).
     device_budget: Callable[[torch.device], int | None] = lambda device: None
     prompt_cache: PromptCache | None = None
+    # RAM another pinned pool in this process may still lock (inside ComfyUI, its own), read before
+    # each run: the automatic pinned ceiling leaves it free (memory.hostpool.pinned_cap_bytes).
+    pinned_elsewhere: Callable[[], int] = lambda: 0
 
 
 def outer_blocks(module: nn.Module) -> list[nn.Module]:

@@ -206,6 +206,7 @@ class _Run:
                                request.steps, not prompts.complete, weight_bytes, device)
             receipt["room"] = room.as_dict()
             hooks.make_room(room.total_bytes, device)  # weights + the planner's activations
+            loaded.host_pool.promised_elsewhere_bytes = hooks.pinned_elsewhere()  # the host's pool changes between runs
             with apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry) as handle:
                 call.vidmem_execution_device = device
                 if "text_encode" not in receipt:  # the first attempt (a cache hit encodes nothing)
