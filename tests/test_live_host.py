@@ -11,10 +11,11 @@ tile_size, out-of-range numbers get ComfyUI's own messages, Wan frames=50 is ref
 an older API workflow with the Strategy's own width/height/frames still runs; saved latents are
 listed and loaded by core Load Latent; GET /vidmem/plan answers for listed models only; every
 template's Templates-browser card is served. Standard library only for HTTP (PIL decodes the WEBPs).
-The single-file templates need Comfy-Org's file names on the server: when the server does not list
-them and its models folder is on this machine (VIDMEM_COMFYUI_MODELS, else ComfyUI's
-GET /internal/folder_paths), the test writes tiny files under those names first (never over an
-existing file); otherwise their tests skip, naming the missing files.
+The single-file templates need Comfy-Org's file names on the server, the LoRA templates their LoRA
+names in models/loras: when the server does not list them and its models folder is on this machine
+(VIDMEM_COMFYUI_MODELS, else ComfyUI's GET /internal/folder_paths), the test writes tiny files under
+those names first (never over an existing file); otherwise their tests skip, naming the missing
+files. The train templates get a few tiny captioned clips in a temporary folder as their data.
 It also queues every API workflow with the headless client, `vidmem queue --set ... --out DIR`,
 with the tiny models' sizes given as --set overrides, and checks the downloaded files, and
 that GET /vidmem/memory answers memory figures only.
@@ -47,10 +48,11 @@ from pathlib import Path
 import pytest
 
 try:
-    from . import model_files
+    from . import model_files, tiny_loras
     from . import workflow_runner as wr
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
     import model_files
+    import tiny_loras
     import workflow_runner as wr
 
 URL = os.environ.get("VIDMEM_COMFYUI_URL", "").rstrip("/")
@@ -87,11 +89,30 @@ def object_info():
     """The server's /object_info, after placing tiny files under the single-file templates' names
     when the server lists them not and its models folder is on this machine (never overwriting)."""
     info = get_json("/object_info")
-    root = server_models_root() if unlisted_files(info) else None
+    root = server_models_root() if unlisted_files(info) or unlisted_loras(info) else None
     if root is not None:
         model_files.place_tiny_model_files(root)
+        tiny_loras.place_tiny_loras(server_loras_folder() or root / "loras")
         info = get_json("/object_info")  # ComfyUI lists new files at once (INPUT_TYPES per request)
     return info
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    """Tiny captioned clips for the train templates (the server runs on this machine and reads them)."""
+    return tiny_loras.place_tiny_clips(tmp_path_factory.mktemp("vidmem_clips"))
+
+
+def server_loras_folder() -> Path | None:
+    status, folders = request("/internal/folder_paths")
+    found = [Path(f) for f in (folders.get("loras", []) if status == 200 and isinstance(folders, dict) else []) if Path(f).is_dir()]
+    return found[0] if found else None
+
+
+def unlisted_loras(info: dict, paths: list[Path] | None = None) -> list[str]:
+    """models/loras/<file> of every LoRA the API workflows' Load LoRA nodes name that the server does not list."""
+    listed = info.get(tiny_loras.LORA_NODE, {}).get("input", {}).get("required", {}).get("lora_name", [[]])[0]
+    return sorted(f"models/loras/{name}" for name in tiny_loras.referenced_loras(paths) if name not in listed)
 
 
 def server_models_root() -> Path | None:
@@ -120,11 +141,12 @@ def unlisted_files(info: dict, paths: list[Path] | None = None) -> list[str]:
 
 
 def require_files(api_path: Path, info: dict) -> None:
-    """Skip a single-file template's test when the server lists its files not, saying how to place them."""
-    missing = unlisted_files(info, [api_path])
+    """Skip a single-file or LoRA template's test when the server lists its files not, saying how to place them."""
+    missing = unlisted_files(info, [api_path]) + unlisted_loras(info, [api_path])
     if missing:
         pytest.skip(f"{api_path.stem}: the server does not list {missing}; place tiny files under those names with "
-                    "`python tests/workflow_runner.py place-files <ComfyUI>/models`, or set "
+                    "`python tests/workflow_runner.py place-files <ComfyUI>/models` (LoRAs: place-loras "
+                    "<ComfyUI>/models/loras), or set "
                     "VIDMEM_COMFYUI_MODELS=<ComfyUI>/models and this test places them")
 
 
@@ -241,10 +263,10 @@ def looks_like(filename: str, data: bytes) -> bool:
 
 
 @pytest.mark.parametrize("path", wr.api_files(), ids=lambda p: p.stem)
-def test_api_workflow_runs_in_the_host(path, object_info):
+def test_api_workflow_runs_in_the_host(path, object_info, clips):
     require_files(path, object_info)
     seed = time.time_ns() % 2**32  # a fresh seed: the execution cache cannot answer for the sampler
-    api = wr.shrink_for_tiny(wr.load_json(path), seed=seed)
+    api = wr.shrink_for_tiny(wr.load_json(path), seed=seed, clips=clips)
     prompt_id = queue(api)
     entry = wait_for(prompt_id)
     assert entry["status"]["status_str"] == "success", json.dumps(execution_errors(entry), indent=1)[:4000]
@@ -263,6 +285,8 @@ def test_api_workflow_runs_in_the_host(path, object_info):
             assert "Free VRAM" in outputs[nid]["text"][0]
         if node["class_type"] == "VidMemVideoSampler" and "1" in api and api["1"]["class_type"] == wr.FILES_LOADER:
             check_files_receipt(api["1"]["inputs"], outputs[nid]["text"][0])
+        if node["class_type"] == "VidMemVideoSampler":  # it sampled with every LoRA loaded or trained before it
+            check_lora_receipt(api, outputs[nid]["text"][0])
     assert saved
     print(f"\n{path.name}: prompt {prompt_id} seed {seed}: {entry['status']['status_str']}; saved {saved}")
 
@@ -272,6 +296,12 @@ def check_files_receipt(loader: dict, text: str) -> None:
     assert loader["model"] in text and loader["text_encoder"] in text, text[:600]
     assert f"transformer {model_files.storage_named(loader['model'])}" in text, text[:600]
     assert ("mapped from the files" in text) is loader["weights_on_disk"], text[:600]
+
+
+def check_lora_receipt(api: dict, text: str) -> None:
+    names = [n["inputs"]["lora_name"] for n in api.values() if n["class_type"] == tiny_loras.LORA_NODE]
+    names += [n["inputs"]["lora_name"] + ".safetensors" for n in api.values() if n["class_type"] == wr.TRAIN_NODE]
+    assert all(name in text for name in names), (names, text[:800])
 
 
 def blockswap_api(seed: int | None = None) -> tuple[dict, dict]:
@@ -430,20 +460,20 @@ def webp_pixels(data: bytes) -> bytes:
         return b"".join(frame.convert("RGB").tobytes() for frame in ImageSequence.Iterator(image))
 
 
-def tiny_overrides(path) -> list[str]:
-    """`--set NODE.INPUT=VALUE` for every input shrink_for_tiny changes (sizes, steps, blocks, seed)."""
+def tiny_overrides(path, clips: Path | None = None) -> list[str]:
+    """`--set NODE.INPUT=VALUE` for every input shrink_for_tiny changes (sizes, steps, blocks, seed, clips)."""
     original = wr.load_json(path)
-    shrunk = wr.shrink_for_tiny(original, seed=time.time_ns() % 2**32)
+    shrunk = wr.shrink_for_tiny(original, seed=time.time_ns() % 2**32, clips=clips)
     return [f"{nid}.{name}={json.dumps(value)}" for nid, node in shrunk.items()
             for name, value in node["inputs"].items() if original[nid]["inputs"][name] != value]
 
 
 @pytest.mark.parametrize("path", wr.api_files(), ids=lambda p: p.stem)
-def test_queue_client_runs_every_api_workflow(path, tmp_path, capsys, object_info):
+def test_queue_client_runs_every_api_workflow(path, tmp_path, capsys, object_info, clips):
     from vidmem.queue_cli import main as queue_main
 
     require_files(path, object_info)
-    overrides = tiny_overrides(path)
+    overrides = tiny_overrides(path, clips)
     argv = ["queue", str(path), "--server", URL, "--out", str(tmp_path), "--timeout", str(TIMEOUT)]
     for setting in overrides:
         argv += ["--set", setting]
