@@ -7,6 +7,16 @@ behind compute (and a pageable copy, which blocks the CPU, runs while the GPU wo
 queued kernels). At most `prefetch + 1` streamed groups are on the device at once, plus one just
 evicted whose memory the GPU may still be reading: before each new copy the CPU waits until
 older evicted groups have finished computing, so it never queues copies far ahead of the GPU.
+
+Training adds a second pass per step: with per-block gradient checkpointing the backward re-runs
+each block's forward, blocks in reverse order, through the same hooks. `begin_pass(backward=True)`
+switches the schedule to that order (block swap: the blocks reversed; sequential: learned on the
+first backward, as the forward's order is on the first forward), so the block the backward needs
+next (the previous one in forward order) is copied ahead like the forward's next block. A
+re-run is cut short once it has rebuilt what the backward needs (torch's checkpoint early stop),
+so its forward hook may never fire: in the backward the prefetch is started when a group's
+re-run begins, and the group re-run before it is evicted then. Training passes do not wrap round
+(after the last block of the forward comes the backward, not the first block).
 """
 
 from __future__ import annotations
@@ -22,6 +32,46 @@ from .swapstats import SwapLedger
 
 Observer = Callable[[str, WeightGroup], None]
 EVICTED_IN_FLIGHT = 1  # evicted groups the GPU may still be computing with; bounds device memory
+
+
+class PassOrder:
+    """The order streamed groups run in during one kind of pass (forward, or training's backward).
+
+    Known from the start (block swap's blocks), or learned on the first pass: a group seen for
+    the first time goes right after the group that ran before it (a module that first runs in a
+    later pass, e.g. a branch skipped on the first chunk, lands where it ran). Complete when the
+    pass ends or a group runs a second time.
+    """
+
+    def __init__(self, groups: list[WeightGroup], known: bool) -> None:
+        self.groups: list[WeightGroup] = list(groups) if known else []
+        self._position = {id(g): i for i, g in enumerate(self.groups)}
+        self.closed = known
+        self._previous: WeightGroup | None = None
+
+    def learn(self, group: WeightGroup) -> None:
+        previous, self._previous = self._previous, group
+        if id(group) in self._position:
+            self.closed = True  # a group runs again: one full pass has been seen
+            return
+        at = self._position[id(previous)] + 1 if previous is not None and id(previous) in self._position else len(self.groups)
+        self.groups.insert(at, group)
+        self._position = {id(g): i for i, g in enumerate(self.groups)}
+
+    def close(self) -> None:
+        self.closed = True
+
+    def after(self, group: WeightGroup, count: int, cyclic: bool) -> list[WeightGroup]:
+        """The `count` groups that run after `group` (wrapping round to the first when `cyclic`)."""
+        if not count or not self.closed or id(group) not in self._position:
+            return []
+        start, total = self._position[id(group)], len(self.groups)
+        if cyclic:
+            return [self.groups[(start + k) % total] for k in range(1, min(count, total - 1) + 1)]
+        return self.groups[start + 1 : start + 1 + count]
+
+    def opening(self, count: int) -> list[WeightGroup]:
+        return self.groups[:count] if self.closed else []
 
 
 class StreamSchedule:
@@ -46,17 +96,26 @@ class StreamSchedule:
         self._backend = backend
         self._observe = observer
         self._ledger = ledger
-        self._order: list[WeightGroup] = list(groups) if order_known else []
-        self._position = {id(g): i for i, g in enumerate(self._order)}
-        self._order_closed = order_known
+        self._orders = {False: PassOrder(groups, order_known), True: PassOrder(groups[::-1], order_known)}
+        self._backward = False
+        self._cyclic = True  # sampling calls the forward again and again; training alternates passes
         self._in_flight: deque = deque()  # compute-done markers of evicted groups, oldest first
-        self._previous: WeightGroup | None = None  # the group that ran last, to place new ones
+        self._running: WeightGroup | None = None  # the group whose forward ran last
+
+    @property
+    def _order(self) -> PassOrder:
+        return self._orders[self._backward]
 
     def before_forward(self, group: WeightGroup) -> None:
-        self._learn(group)
+        self._order.learn(group)
+        if self._backward and self._running is not None and self._running is not group and self._running.on_device:
+            self._retire(self._running)  # its re-run is done (its after-hook may never fire)
+        self._running = group
         self._drop_mispredicted(group)
         if not group.on_device:
             self._onload(group, "onload")
+        if self._backward:
+            self._prefetch_after(group)
         if self._ledger is None:
             group.wait()
             return
@@ -67,12 +126,37 @@ class StreamSchedule:
     def after_forward(self, group: WeightGroup) -> None:
         if self._ledger is not None:
             self._ledger.computed(group, self._backend.stamp())
-        for upcoming in self._upcoming(group):
-            if not upcoming.on_device:
-                self._onload(upcoming, "prefetch")
+        self._prefetch_after(group)
+        self._retire(group)
+
+    def begin_pass(self, backward: bool) -> None:
+        """Training: the next pass is the backward (blocks re-run in reverse) or the forward.
+
+        Closes the order of the pass that ended, evicts groups the new pass does not open with,
+        and starts copying those it does, so its first streamed group does not stall. From the
+        first call on, passes do not wrap round.
+        """
+        self._order.close()
+        self._backward, self._cyclic, self._running = backward, False, None
+        opening = self._order.opening(max(self._prefetch, 1))
+        keep = {id(g) for g in opening}
+        for other in self.groups:
+            if other.on_device and id(other) not in keep:
+                self._retire(other)
+        for group in opening[: self._prefetch]:
+            if not group.on_device:
+                self._onload(group, "prefetch")
+
+    def _retire(self, group: WeightGroup) -> None:
+        """Evict a group whose compute has been queued; the GPU may still be reading it."""
         group.evict()
         self._in_flight.append(self._backend.compute_done())
         self._observe("evict", group)
+
+    def _prefetch_after(self, group: WeightGroup) -> None:
+        for upcoming in self._upcoming(group):
+            if not upcoming.on_device:
+                self._onload(upcoming, "prefetch")
 
     def _drop_mispredicted(self, group: WeightGroup) -> None:
         """Evict prefetched groups that the path did not reach (a module skipped this pass, e.g.
@@ -85,10 +169,9 @@ class StreamSchedule:
 
     def prefetch_start(self) -> None:
         """Start copying the groups that open the next pass (ahead of a hand-off to this component)."""
-        if self._order_closed:
-            for group in self._order[: self._prefetch]:
-                if not group.on_device:
-                    self._onload(group, "prefetch")
+        for group in self._order.opening(self._prefetch):
+            if not group.on_device:
+                self._onload(group, "prefetch")
 
     def drain(self) -> None:
         """Wait until every evicted group's compute has finished (before another component copies)."""
@@ -103,7 +186,7 @@ class StreamSchedule:
 
     def end_of_pass(self) -> None:
         """The component's forward has finished: the learned execution order is complete."""
-        self._order_closed = True
+        self._order.close()
 
     def _onload(self, group: WeightGroup, kind: str) -> None:
         while len(self._in_flight) > EVICTED_IN_FLIGHT:
@@ -113,23 +196,8 @@ class StreamSchedule:
             self._ledger.copied(group, token)
         self._observe(kind, group)
 
-    def _learn(self, group: WeightGroup) -> None:
-        previous, self._previous = self._previous, group
-        if id(group) in self._position:
-            self._order_closed = True  # a group runs again: one full pass has been seen
-            return
-        # A module that first runs in a later pass (a branch skipped on the first chunk) goes
-        # where it ran: right after the group that ran before it.
-        at = self._position[id(previous)] + 1 if previous is not None and id(previous) in self._position else len(self._order)
-        self._order.insert(at, group)
-        self._position = {id(g): i for i, g in enumerate(self._order)}
-
     def _upcoming(self, group: WeightGroup) -> list[WeightGroup]:
-        if not self._prefetch or not self._order_closed:
-            return []
-        start = self._position[id(group)]
-        count = min(self._prefetch, len(self._order) - 1)
-        return [self._order[(start + k) % len(self._order)] for k in range(1, count + 1)]
+        return self._order.after(group, self._prefetch, self._cyclic)
 
 
 def hook_group(module: nn.Module, group: WeightGroup, schedule: StreamSchedule) -> list:

@@ -106,6 +106,13 @@ class OffloadHandle:
         if next_ in self._components and self._components[next_].schedule is not None:
             self._components[next_].schedule.prefetch_start()
 
+    def begin_pass(self, name: str, backward: bool) -> None:
+        """Training: `name`'s next pass is the backward (with checkpointing its blocks re-run in
+        reverse order, and the schedule prefetches in that order) or the next step's forward.
+        Call it before `loss.backward()` and again after; sampling never calls it."""
+        if name in self._components and self._components[name].schedule is not None:
+            self._components[name].schedule.begin_pass(backward)
+
     def swap_summary(self) -> dict:
         """Bytes moved and time spent copying, waiting and computing, per streamed group."""
         return self.ledger.summary() if self.ledger else {"blocks": {}, "totals": {}}

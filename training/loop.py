@@ -4,7 +4,8 @@ One step: the step's batch and noise (pure functions of seed and step), the fami
 backward, gradient clipping, the optimizer step. The denoiser runs under the strategy exactly as
 in sampling: `none`/`model` keep it on the device for the run; `block_swap`/`sequential` stream
 blocks (or layers) in for the forward and, with per-block gradient checkpointing, again in
-reverse order for the backward (training/autograd.py explains why that needs checkpointing).
+reverse order for the backward, prefetched in that order (memory/blockswap.py; training/autograd.py
+explains why that needs checkpointing).
 The base weights are frozen for the run and their `requires_grad` restored afterwards; the
 trainable LoRA weights (float32) stay on the device beside the layers (training/adapters.py).
 
@@ -131,7 +132,8 @@ def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: T
                 _training_context(model, run, settings, blocks, check_interrupt), \
                 apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
             handle.activate(component)
-            times = _train_steps(model, objective, order, run, settings, device, progress, save)
+            passes = lambda backward: handle.begin_pass(component, backward)  # noqa: E731
+            times = _train_steps(model, objective, order, run, settings, device, progress, save, passes)
     receipt.update(steps=run.step, optimizer_state_bytes=state_bytes(run.optimizer), losses=run.losses[-5:],
                    seconds_per_step=(sum(times) / len(times)) if times else 0.0, stages=[meter.as_dict()])
     if run.step > run.saved_step:
@@ -142,13 +144,13 @@ def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: T
 
 
 def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: TrainSettings, device, progress: Progress,
-                 save: Callable[[], None]) -> list[float]:
+                 save: Callable[[], None], passes: Callable[[bool], None]) -> list[float]:
     """Steps until `settings.steps`; on any exception (Cancel included) the last completed step is saved first."""
     times = []
     try:
         while run.step < settings.steps:
             started = time.perf_counter()
-            loss = _step(model, objective, order.batch(run.step), run, settings, device)
+            loss = _step(model, objective, order.batch(run.step), run, settings, device, passes)
             times.append(time.perf_counter() - started)
             progress(run.step, settings.steps, loss)
             if settings.checkpoint_every and run.step % settings.checkpoint_every == 0 and run.step < settings.steps:
@@ -190,14 +192,19 @@ def _checkpoint(run: _Run, folder: Path, meta: dict, state: dict) -> None:
     run.saved_step = run.step
 
 
-def _step(model, objective, batch, run: _Run, settings: TrainSettings, device) -> float:
+def _step(model, objective, batch, run: _Run, settings: TrainSettings, device, passes: Callable[[bool], None]) -> float:
+    """One optimizer step. `passes(backward)` tells the strategy which pass comes next, so streamed
+    blocks are prefetched in the backward's reverse order, then in the next forward's order."""
     generator = step_generator(settings.seed, run.step)
+    passes(False)
     with frozen_saved_by_storage():
         loss = objective.loss(model, batch, generator, device)
     value = float(loss.detach())
     if not math.isfinite(value):
         raise TrainingError(f"the loss is {value} at step {run.step + 1}; lower learning_rate (or check the data).")
+    passes(True)
     loss.backward()
+    passes(False)  # the next forward's first blocks copy during the optimizer step
     parameters = list(run.layers.parameters())
     if settings.max_grad_norm:
         torch.nn.utils.clip_grad_norm_(parameters, settings.max_grad_norm)
