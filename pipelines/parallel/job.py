@@ -1,0 +1,66 @@
+"""ParallelSampleJob: one Sampler run as every rank executes it.
+
+Each rank holds its own copy of the pipeline (opened from the files by `PipelineSource`, kept
+in the rank's state from run to run), with diffusers' context parallelism enabled on its
+denoisers, and runs vidmem's ordinary `sample()`: the same strategy tiers, the same loop, the
+same noise (made on the CPU from the seed, so every rank starts from identical latents). The
+CP hooks split the tokens after patch embedding and gather them before the output projection,
+so every rank ends with the whole latent; rank 0's is returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch.distributed as dist
+
+from ...memory.parallel import RankContext
+from ...memory.strategy import MemoryStrategy, Parallelism
+from ..hooks import RunHooks
+from ..sample import SampleRequest, SampleResult, sample
+from .context import enable_context_parallel
+from .source import PipelineSource
+
+
+@dataclass(frozen=True)
+class ParallelSampleJob:
+    source: PipelineSource
+    strategy: MemoryStrategy  # with its `parallel` field: the ranks apply the rest to their own copy
+    request: SampleRequest
+
+    def run(self, context: RankContext) -> SampleResult | None:
+        loaded = self._pipeline(context)
+        per_rank = replace(self.strategy, parallel=Parallelism())  # within a rank, an ordinary one-device run
+        # No prompt cache in ranks: a hit on one rank and a miss on another would run different
+        # modules, and every rank must run the same ones in the same order.
+        hooks = RunHooks(on_step=context.progress, check_interrupt=context.check_stop)
+        result = sample(loaded, per_rank, self.request, hooks, device=context.device)
+        peaks = [None] * context.world_size
+        dist.all_gather_object(peaks, rank_peak(result.receipt))
+        if context.rank != 0:
+            return None
+        parallel = self.strategy.parallel
+        result.receipt.update(strategy=self.strategy.describe(), parallel={
+            "ranks": context.world_size, "mode": parallel.context_parallel.value, "degree": context.world_size,
+            "backend": dist.get_backend(), "per_rank_peak_bytes": peaks})
+        return result
+
+    def _pipeline(self, context: RankContext):
+        """The rank's pipeline for this source, opened and split on the first run, then reused."""
+        if context.state.get("source") != self.source:
+            context.state.clear()  # a different pipeline: let the old copy go first
+            loaded = self.source.load()
+            enable_context_parallel(loaded.pipe, loaded.spec.denoisers, self.strategy.parallel.context_parallel,
+                                    context.world_size, context.device)
+            context.state.update(source=self.source, loaded=loaded)
+        return context.state["loaded"]
+
+
+def rank_peak(receipt: dict) -> dict:
+    """This rank's peak over the run's stages: device bytes on CUDA, resident set on the CPU."""
+    stages = receipt.get("stages", [])
+    peak = {"peak_rss_bytes": max((s.get("peak_rss_bytes", 0) for s in stages), default=0)}
+    device = [s["peak_allocated_bytes"] for s in stages if "peak_allocated_bytes" in s]
+    if device:
+        peak["peak_allocated_bytes"] = max(device)
+    return peak

@@ -1,0 +1,97 @@
+"""The coordinator's side of a context-parallel Sampler run.
+
+Everything that can be refused is refused here, before a rank starts: the family (CogVideoX),
+ring on the CPU, heads or tokens that do not divide by the degree, a pipeline the ranks could
+not reopen. The pool of ranks hangs off the pipeline it serves (`pipe.vidmem_worker_pool`), so
+it is reused run over run and goes away with the pipeline: its finalizer stops the ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...memory.parallel import PoolConfig, WorkerPool
+from ...memory.strategy import MemoryStrategy, Parallelism
+from ..family import ModelError
+from ..hooks import RunHooks
+from ..sample import SampleRequest, SampleResult
+from ..sample_checks import validate_request
+from .checks import check_context_parallel
+from .job import ParallelSampleJob
+from .source import PipelineSource
+
+POOL_ATTRIBUTE = "vidmem_worker_pool"
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where the ranks run: CUDA GPU indices, or `cpu_processes` gloo processes on a machine without GPUs."""
+
+    gpus: tuple[int, ...] = ()
+    cpu_processes: int = 0
+
+    @property
+    def degree(self) -> int:
+        return len(self.gpus) or self.cpu_processes
+
+    def pool_config(self) -> PoolConfig:
+        if self.gpus:
+            return PoolConfig.for_gpus(self.gpus)
+        # The machine's threads shared between the ranks, so N ranks do not oversubscribe the cores.
+        return PoolConfig.for_cpu(self.cpu_processes, threads=max(1, torch.get_num_threads() // self.cpu_processes))
+
+
+def resolve_ranks(parallel: Parallelism, visible_gpus: int) -> Ranks:
+    """The ranks `parallel` asks for on a machine with `visible_gpus` CUDA GPUs; ModelError when impossible."""
+    if visible_gpus == 0:
+        if parallel.gpus is not None:
+            raise ModelError(f"gpus={','.join(map(str, parallel.gpus))} but no CUDA GPU is visible; set gpus to auto.")
+        if parallel.degree < 2:
+            raise ModelError(f"context_parallel={parallel.context_parallel.value} needs two or more GPUs and this machine "
+                             "has none; set context_parallel to off (or, to test on the CPU, degree to the number of "
+                             "CPU processes, which is slow).")
+        return Ranks(cpu_processes=parallel.degree)
+    gpus = parallel.gpus if parallel.gpus is not None else tuple(range(visible_gpus))
+    missing = [g for g in gpus if g >= visible_gpus]
+    if missing:
+        raise ModelError(f"gpus lists {','.join(map(str, missing))} but only GPUs 0..{visible_gpus - 1} are visible.")
+    if parallel.degree and parallel.degree != len(gpus):
+        raise ModelError(f"degree={parallel.degree} but {len(gpus)} GPUs are used; context parallelism runs one rank "
+                         "per GPU: set degree to 0, or list that many GPUs in gpus.")
+    if len(gpus) < 2:
+        raise ModelError(f"context_parallel={parallel.context_parallel.value} needs two or more GPUs; only GPU "
+                         f"{gpus[0]} is used. List more in gpus, or set context_parallel to off.")
+    return Ranks(gpus=tuple(gpus))
+
+
+def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ranks: Ranks,
+                    hooks: RunHooks = RunHooks()) -> SampleResult:
+    """Sample across `ranks` with the strategy's context parallelism; rank 0's latent and receipt."""
+    validate_request(loaded, request)
+    run_loaded = loaded.image_mode() if request.image is not None else loaded
+    device_type = "cuda" if ranks.gpus else "cpu"
+    check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,
+                           ranks.degree, device_type)
+    job = ParallelSampleJob(PipelineSource.of(loaded), strategy, request)
+    return pool_for(loaded, ranks).run(job, hooks.on_step, hooks.check_interrupt)
+
+
+def pool_for(loaded, ranks: Ranks) -> WorkerPool:
+    """The pipeline's pool for these ranks, started on first use (a different set of ranks replaces it)."""
+    held = getattr(loaded.pipe, POOL_ATTRIBUTE, None)
+    if held is not None and held[0] == ranks:
+        return held[1]
+    close_pool(loaded)
+    pool = WorkerPool(ranks.pool_config())
+    setattr(loaded.pipe, POOL_ATTRIBUTE, (ranks, pool))
+    return pool
+
+
+def close_pool(loaded) -> None:
+    """Stop the pipeline's ranks (on unload, or when the Free node asks); the next run starts new ones."""
+    held = getattr(loaded.pipe, POOL_ATTRIBUTE, None)
+    if held is not None:
+        held[1].close()
+        setattr(loaded.pipe, POOL_ATTRIBUTE, None)

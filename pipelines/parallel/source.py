@@ -1,0 +1,47 @@
+"""PipelineSource: how a rank opens its own copy of the coordinator's pipeline.
+
+Ranks never receive weights through a pipe: each one reads the same safetensors files (a
+memory mapping, so ranks on one machine share the page cache) and reapplies the same LoRA
+files. The source is a small frozen dataclass, cheap to send with every job, and its equality
+tells a rank whether the pipeline it already holds is the one asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..family import ModelError
+from ..loader import LoadedPipeline, load_pipeline
+from ..lora import load_lora
+
+
+@dataclass(frozen=True)
+class LoraSource:
+    name: str
+    path: str
+    strength: float
+    expert: str
+
+
+@dataclass(frozen=True)
+class PipelineSource:
+    folder: str
+    dtype: str
+    loras: tuple[LoraSource, ...] = ()
+
+    @classmethod
+    def of(cls, loaded: LoadedPipeline) -> "PipelineSource":
+        """The source of a pipeline loaded from a diffusers folder; ModelError for anything else."""
+        if loaded.config_name or loaded.storage or loaded.source != loaded.folder:
+            raise ModelError(
+                f"context parallelism needs a pipeline loaded from a diffusers folder by Load Video Pipeline "
+                f"(with the folder's own transformer); this one comes from {loaded.source}. Load the diffusers "
+                "folder, or set context_parallel to off."
+            )
+        loras = tuple(LoraSource(spec.name, str(spec.path), spec.strength, spec.expert) for spec in loaded.loras)
+        return cls(loaded.folder, loaded.dtype_name, loras)
+
+    def load(self) -> LoadedPipeline:
+        loaded = load_pipeline(self.folder, self.dtype)
+        specs = tuple(load_lora(lora.path, loaded.pipe, lora.strength, lora.expert, name=lora.name) for lora in self.loras)
+        return replace(loaded, loras=specs) if specs else loaded
