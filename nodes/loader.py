@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..pipelines.family import ModelError
 from ..pipelines.loader import DTYPES, load_pipeline
+from ..pipelines.weight_storage import DEFAULT_WEIGHTS, WEIGHT_DTYPES
 from . import host
 
 PIPELINE_TYPE = "VIDMEM_PIPELINE"
@@ -40,10 +41,18 @@ class VidMemLoadPipeline:
                     "fp8-scaled or GGUF; Wan's, ComfyUI's or diffusers' names), e.g. a ComfyUI-repackaged Wan 2.1 "
                     "checkpoint, used in place from the file; the folder still provides its config, text "
                     "encoder and VAE. Not for Wan 2.2 A14B (two experts) or CogVideoX."}),
+                # Last on purpose: saved workflows' widget values are positional.
+                "weight_dtype": (list(WEIGHT_DTYPES), {"default": DEFAULT_WEIGHTS, "tooltip": "How the transformer "
+                                 "and text encoder weights are stored in memory. default: loaded as diffusers does, at "
+                                 "dtype. A lower format (fp8_scaled, gguf_q8_0 ...) quantizes their matrices at load and "
+                                 "upcasts them one layer at a time (about half the RAM of bf16 for fp8); never raises "
+                                 "precision. The folder's own format (e.g. bf16 for a bf16 folder at dtype bf16) keeps "
+                                 "the weights mapped from the files (disk tier). The VAE is never lowered."}),
             },
         }
 
-    def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER):
+    def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER,
+             weight_dtype: str = DEFAULT_WEIGHTS):
         if model == NO_MODELS and not path.strip():
             raise ModelError(
                 "model: no diffusers-format model was found under ComfyUI's models/diffusers; put one there (a folder "
@@ -52,7 +61,7 @@ class VidMemLoadPipeline:
             )
         folder = found(host.resolve_model_folder, model, path)
         single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
-        return (load_pipeline(folder, dtype, single),)
+        return (load_pipeline(folder, dtype, single, weight_dtype),)
 
 
 def found(resolve, *names):

@@ -24,6 +24,7 @@ from .cogvideox import COGVIDEOX
 from .family import FamilySpec, ModelError
 from .json_files import read_json_object
 from .wan import WAN
+from .weight_storage import DEFAULT_WEIGHTS, check_weight_dtype, hold
 
 FAMILIES = (COGVIDEOX, WAN)
 
@@ -125,26 +126,36 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str | Path | None = None) -> LoadedPipeline:
+def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str | Path | None = None,
+                  weight_dtype: str = DEFAULT_WEIGHTS) -> LoadedPipeline:
     """Load offline with safetensors weights only; every component ends on the CPU.
 
     `transformer_file` replaces the folder's transformer with a single-file checkpoint (Wan's
     original, ComfyUI's or diffusers' layout; plain, fp8, fp8 scaled or GGUF), configured by the
     folder's transformer/config.json and used in place from the file (mapped).
+    `weight_dtype` (a StorageFormat name) holds the transformer(s) and the text encoder in that
+    format, lowered at load where it is narrower than the files (`folder_storage`); "default"
+    loads them as diffusers does, at `dtype`.
     """
     from .folder_check import check_model_folder  # imports configs, which import this module
+    from .folder_storage import load_stored, lowered_components, on_disk
 
+    check_weight_dtype(weight_dtype)
     folder = Path(folder).expanduser()
     index = read_model_index(folder)
     class_name = index["_class_name"]
     spec = family_for(class_name)
     cls = pinned_pipeline_class(class_name)
     replaced = ("transformer",) if transformer_file else ()
-    configs = check_model_folder(folder, index, torch_dtype(dtype), replaced)  # before anything is allocated
+    stored_names = lowered_components(index, replaced) if weight_dtype != DEFAULT_WEIGHTS else ()
+    configs = check_model_folder(folder, index, torch_dtype(dtype), replaced + stored_names)  # before anything is allocated
     overrides, storage, reports = {}, {}, {}
     if transformer_file:
         overrides["transformer"], storage["transformer"], reports["transformer"] = _single_file_transformer(
-            spec, index, folder, configs.get("transformer"), Path(transformer_file), dtype)
+            spec, index, folder, configs.get("transformer"), Path(transformer_file), dtype, weight_dtype)
+    stored = load_stored(folder, index, configs, stored_names, torch_dtype(dtype), weight_dtype) if stored_names else {}
+    for name, component in stored.items():
+        overrides[name], storage[name], reports[name] = component.module, component.storage, component.report
     try:
         pipe = cls.from_pretrained(
             folder, torch_dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True, **overrides
@@ -158,13 +169,17 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
         ) from error
     pipe.set_progress_bar_config(disable=True)  # progress is reported through the host instead
     source = f"{folder} + {Path(transformer_file).name}" if transformer_file else str(folder)
+    if weight_dtype != DEFAULT_WEIGHTS:
+        source += f" (weight_dtype {weight_dtype})"
     return LoadedPipeline(pipe, spec, class_name, source, dtype, str(folder), storage=MappingProxyType(storage),
-                          storage_reports=MappingProxyType(reports))
+                          on_disk=on_disk(stored) and not transformer_file, storage_reports=MappingProxyType(reports))
 
 
-def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config: dict | None, path: Path, dtype: str):
+def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config: dict | None, path: Path, dtype: str,
+                             weight_dtype: str = DEFAULT_WEIGHTS):
     """The folder's transformer config filled from a single file (any layout or storage format
-    pipelines.comfy_files reads: fp8 scaled files are dequantized per layer, not misread)."""
+    pipelines.comfy_files reads: fp8 scaled files are dequantized per layer, not misread),
+    lowered to `weight_dtype` where it is narrower than the file."""
     if spec.single_file_transformer is None:
         raise ModelError(
             f"transformer_file is not supported for {spec.name} (vidmem reads single-file transformers of Wan only); "
@@ -178,7 +193,7 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config
         raise ModelError(f"transformer_file needs the folder's transformer config, but '{folder / 'model_index.json'}' "
                          "lists no transformer; use a Wan diffusers folder.")
     from .comfy_files import detect
-    from .comfy_files.build import build_empty, fill
+    from .comfy_files.build import build_empty
     from .comfy_files.files import read_weight_file
     from .configs.meta import ComponentConfig
     from .weight_check import check_against_files, implied_weights, stored_elements
@@ -194,8 +209,8 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config
     check_against_files(implied_weights(component, torch_dtype(dtype)), stored_elements(t.shape for t in file.tensors.values()),
                         f"transformer_file '{path.name}'")
     module = build_empty(component)
-    report = fill(module, file.tensors, torch_dtype(dtype), path.name)
-    return module, file.storage, report
+    report, held = hold(module, file.tensors, torch_dtype(dtype), weight_dtype, copy_to_ram=False, source=path.name)
+    return module, held, report
 
 
 @lru_cache(maxsize=None)

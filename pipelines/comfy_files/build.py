@@ -5,6 +5,8 @@ loader does) while buffers the files do not carry (Wan's rotary tables, CLIP's p
 computed for real. `assign_weights` then points every parameter at the file's tensors: a tensor
 already in its target dtype is used where it lies (the file's mapping), a quantized or narrower
 Linear / Embedding weight stays stored and is upcast per call, so no whole-model copy is made.
+Lowering to a narrower storage format (`weight_dtype`) is `pipelines.weight_storage`'s, shared
+with the diffusers-folder loader.
 The fp32 islands follow each library's `from_pretrained`: diffusers keeps `_keep_in_fp32_modules`
 in float32 at every dtype, transformers only under fp16 (and `_keep_in_fp32_modules_strict`
 under fp16 and bf16), so a file-loaded model holds the dtypes a folder-loaded one does.
@@ -19,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ...memory.storage import StorageError, StorageReport, StoredTensor, assign_weights, quantize, storage_format
+from ...memory.storage import StorageError, StorageReport, assign_weights
 from ..configs.meta import ComponentConfig
 from ..family import ModelError
 
@@ -55,48 +57,6 @@ def fill(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype
     module.eval()  # built from a config: training mode (T5 dropout) until told otherwise
     module.requires_grad_(False)
     return report
-
-
-def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: str) -> dict[str, Any]:
-    """Linear / Embedding weights stored wider than `target` quantized to it; narrower ones kept.
-
-    Never raises precision: a weight already stored at or below the target's bytes per weight
-    stays as the file holds it, and so does one the format cannot hold (a GGUF format needs rows
-    of whole blocks), as GGUF converters do. The quantized copies are new memory, not file-backed.
-    """
-    fmt = storage_format(target)
-    lowered = dict(tensors)
-    for name, tensor in tensors.items():
-        lower = _bytes_per_weight(tensor) > fmt.bytes_per_weight and fmt.holds(tuple(tensor.shape))
-        if lower and _is_matrix_weight(module, name):
-            wide = tensor.dequantize(torch.float32) if isinstance(tensor, StoredTensor) else tensor
-            lowered[name] = quantize(wide, fmt)
-    return lowered
-
-
-def _is_matrix_weight(module: torch.nn.Module, name: str) -> bool:
-    owner, _, leaf = name.rpartition(".")
-    try:
-        layer = module.get_submodule(owner)
-    except AttributeError:
-        return False
-    return leaf == "weight" and isinstance(layer, (torch.nn.Linear, torch.nn.Embedding))
-
-
-def _bytes_per_weight(tensor) -> float:
-    if isinstance(tensor, StoredTensor):
-        return tensor.format.bytes_per_weight
-    return tensor.element_size()
-
-
-def in_ram(tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """Every tensor copied out of its file mapping into process memory (weights_on_disk=False)."""
-    def copy(t):
-        if isinstance(t, StoredTensor):
-            return StoredTensor(t.data.clone(), t.format, t.shape, None if t.scale is None else t.scale.clone())
-        return t.clone()
-
-    return {name: copy(t) for name, t in tensors.items()}
 
 
 def tokenizer_from_spiece(model: bytes):

@@ -18,19 +18,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Sequence
 
-import torch
 
-from ...memory.storage import FORMATS, is_file_backed
 from ..family import ModelError
 from ..loader import DTYPES, LoadedPipeline, pinned_pipeline_class
 from ..wan import WAN
 from ..weight_check import check_against_files, check_against_ram, implied_weights, stored_elements
+from ..weight_storage import DEFAULT_WEIGHTS, LOWERED, check_weight_dtype, held_format, hold, lowered_ram_bytes, matrices_mapped
 from . import build, detect, match
 from .catalogue import ModelEntry, shipped_catalogue
 from .files import WeightFile, model_tensors, read_weight_file
-
-DEFAULT_WEIGHTS = "default"
-LOWERED = ("transformer", "transformer_2", "text_encoder")  # components whose matrices weight_dtype lowers
 
 
 @dataclass(frozen=True)
@@ -56,8 +52,7 @@ class LoadOptions:
             value = getattr(self, name)
             if value not in DTYPES and not (name == "vae_dtype" and value == ""):
                 raise ModelError(f"{name}='{value}' is not supported; use one of {', '.join(DTYPES)}.")
-        if self.weight_dtype != DEFAULT_WEIGHTS and self.weight_dtype not in FORMATS:
-            raise ModelError(f"weight_dtype='{self.weight_dtype}' is not a storage format; use default or one of {', '.join(FORMATS)}.")
+        check_weight_dtype(self.weight_dtype)
 
     @property
     def vae(self) -> str:
@@ -65,9 +60,7 @@ class LoadOptions:
 
     def lowers(self, file: WeightFile) -> bool:
         """Whether weight_dtype re-stores this file's matrices narrower (in RAM, not mapped)."""
-        if self.weight_dtype == DEFAULT_WEIGHTS:
-            return False
-        return FORMATS[self.weight_dtype].bytes_per_weight < FORMATS[detect.storage_name(file.tensors)].bytes_per_weight
+        return held_format(file.storage, self.weight_dtype) != file.storage
 
 
 def load_model_files(files: ModelFiles, options: LoadOptions = LoadOptions(),
@@ -113,17 +106,7 @@ def _match(opened: dict[str, WeightFile], catalogue: Sequence[ModelEntry]) -> Mo
 def _maps_files(options: LoadOptions, components: dict) -> bool:
     """The disk tier holds only while the big matrices stay mapped from their files: weights
     that weight_dtype re-stored at load live in RAM, whatever weights_on_disk says."""
-    return options.weights_on_disk and all(_matrices_mapped(components[name]) for name in LOWERED if name in components)
-
-
-def _matrices_mapped(module: torch.nn.Module) -> bool:
-    for layer in module.modules():
-        stored = getattr(layer, "weight_stored", None)
-        matrix = stored if stored is not None else getattr(layer, "weight", None)
-        if isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)) or stored is not None:
-            if not is_file_backed(matrix):
-                return False
-    return True
+    return options.weights_on_disk and all(matrices_mapped(components[name]) for name in LOWERED if name in components)
 
 
 def _check_sizes(entry: ModelEntry, opened: dict[str, WeightFile], options: LoadOptions) -> None:
@@ -137,7 +120,7 @@ def _check_sizes(entry: ModelEntry, opened: dict[str, WeightFile], options: Load
         elements = stored_elements(t.shape for t in file.tensors.values())
         check_against_files(implied, elements, f"{role} '{file.name}'")
         if name in LOWERED and options.lowers(file):  # re-stored in RAM at the lower format
-            in_ram.append((f"{role} '{file.name}' as {options.weight_dtype}", FORMATS[options.weight_dtype].stored_bytes(elements)))
+            in_ram.append((f"{role} '{file.name}' as {options.weight_dtype}", lowered_ram_bytes(options.weight_dtype, elements)))
         elif not options.weights_on_disk:
             in_ram.append((f"{role} '{file.name}'", file.path.stat().st_size))
     if in_ram:
@@ -149,15 +132,12 @@ def _check_sizes(entry: ModelEntry, opened: dict[str, WeightFile], options: Load
 def _load_component(entry: ModelEntry, name: str, file: WeightFile, options: LoadOptions):
     module = build.build_empty(entry.components[name])
     tensors = model_tensors(file, module.state_dict().keys())
-    if options.weight_dtype != DEFAULT_WEIGHTS and name in LOWERED:
-        tensors = build.lower_storage(module, tensors, options.weight_dtype)
-    if not options.weights_on_disk:
-        tensors = build.in_ram(tensors)
+    weight_dtype = options.weight_dtype if name in LOWERED else DEFAULT_WEIGHTS
     dtype = DTYPES[options.vae if name == "vae" else options.dtype]
-    report = build.fill(module, tensors, dtype, file.name)
+    report, matrices = hold(module, tensors, dtype, weight_dtype, not options.weights_on_disk, file.name)
     # The matrices' format for the lowered components (what the planner budgets); the VAE's and
     # the image encoder's convolutions and layers are cast to their dtype at load.
-    held = detect.storage_name(tensors) if name in LOWERED else report.formats[0].format
+    held = matrices if name in LOWERED else report.formats[0].format
     return module, report, held
 
 

@@ -1,0 +1,107 @@
+"""A diffusers folder's transformer(s) and text encoder held in a chosen storage format.
+
+Load Video Pipeline's `weight_dtype`: instead of diffusers' `from_pretrained` (every weight
+copied into RAM at the compute dtype), each lowered component is built empty from its
+config.json and given its .safetensors files' tensors as the single-file loader gives them
+(`weight_storage.hold`): the matrices the format lowers are quantized at load (RAM), every other
+tensor stays where the file's mapping holds it when it is already in its compute dtype. So a
+folder holding its weights in the chosen format itself (bf16 weights at weight_dtype bf16 and
+dtype bf16) is used in place: the disk tier. The VAE and the image encoder load as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..memory.storage import StorageError, StorageReport, fold_scaled_fp8, open_safetensors
+from .configs.meta import ComponentConfig
+from .family import ModelError
+from .json_files import read_json_object
+from .weight_check import check_against_files, check_against_ram, implied_weights, ram_need, stored_elements
+from .weight_storage import DEFAULT_WEIGHTS, LOWERED, hold, lowered_ram_bytes, matrices_mapped
+
+WEIGHT_FILES = ("diffusion_pytorch_model", "model")  # diffusers' and transformers' weight file names
+
+
+@dataclass(frozen=True)
+class StoredComponent:
+    module: torch.nn.Module
+    storage: str  # the StorageFormat name its matrices are held in
+    report: StorageReport
+
+
+def lowered_components(index: dict, replaced: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The components of a folder weight_dtype applies to (those model_index.json lists)."""
+    return tuple(n for n in LOWERED if n not in replaced and isinstance(index.get(n), list) and index[n][0] is not None)
+
+
+def load_stored(folder: Path, index: dict, configs: dict[str, dict], names: tuple[str, ...], dtype: torch.dtype,
+                weight_dtype: str) -> dict[str, StoredComponent]:
+    """Each component in `names` built from its config and its files, held as `weight_dtype` says.
+
+    Checked before any allocation: every file by content (a pickle or a truncated file is named),
+    each config against the weights its files hold, and what the load keeps in RAM (the lowered
+    weights, the other components at `dtype`) against the machine's RAM and swap.
+    """
+    tensors = {name: _folder_tensors(folder / name, name) for name in names}
+    components = {name: _component_config(folder, index, name, configs) for name in names}
+    needs = []
+    for name in names:
+        implied = implied_weights(components[name], dtype)
+        elements = stored_elements(t.shape for t in tensors[name].values())
+        check_against_files(implied, elements, f"the .safetensors files in '{folder / name}'")
+        if weight_dtype != DEFAULT_WEIGHTS:
+            needs.append((f"{name} as {weight_dtype}", lowered_ram_bytes(weight_dtype, elements)))
+    for name in configs.keys() - set(names):
+        needs.append(ram_need(implied_weights(_component_config(folder, index, name, configs), dtype)))
+    check_against_ram(needs, f"model folder '{folder}' with weight_dtype {weight_dtype}",
+                      "Pick a smaller weight_dtype (fp8_scaled, gguf_q4_k) or a smaller model.")
+    return {name: _stored(components[name], tensors[name], dtype, weight_dtype, folder / name) for name in names}
+
+
+def on_disk(components: dict[str, StoredComponent]) -> bool:
+    """The disk tier: every lowered component's matrices still lie in their files' mappings."""
+    return bool(components) and all(matrices_mapped(c.module) for c in components.values())
+
+
+def _stored(config: ComponentConfig, tensors: dict, dtype: torch.dtype, weight_dtype: str, path: Path) -> StoredComponent:
+    from .comfy_files.build import build_empty
+
+    module = build_empty(config)
+    report, held = hold(module, tensors, dtype, weight_dtype, copy_to_ram=False, source=str(path))
+    return StoredComponent(module, held, report)
+
+
+def _component_config(folder: Path, index: dict, name: str, configs: dict[str, dict]) -> ComponentConfig:
+    library, class_name = index[name]
+    return ComponentConfig(name, library, class_name, configs[name], str(folder / name / "config.json"))
+
+
+def _folder_tensors(path: Path, name: str) -> dict:
+    """The component's weights as its class loads them (the index's shards, or the single file),
+    memory-mapped; fp8 scales folded as in Comfy-Org's files."""
+    tensors = {}
+    for file in _weight_files(path, name):
+        try:
+            tensors.update(open_safetensors(file).tensors)
+        except StorageError as error:
+            raise ModelError(f"'{name}': {error}") from None
+    return fold_scaled_fp8(tensors)
+
+
+def _weight_files(path: Path, name: str) -> list[Path]:
+    for stem in WEIGHT_FILES:
+        index = path / f"{stem}.safetensors.index.json"
+        if index.is_file():
+            weight_map = read_json_object(index, f"'{name}'s shard index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelError(f"'{index}' has no weight_map; the file is damaged: re-download the model's '{name}' folder.")
+            return [path / shard for shard in sorted(set(weight_map.values()))]
+        single = path / f"{stem}.safetensors"
+        if single.is_file():
+            return [single]
+    raise ModelError(f"'{name}': '{path}' has no {' or '.join(f'{s}.safetensors' for s in WEIGHT_FILES)} (nor a shard "
+                     "index); weight_dtype reads the weights diffusers would: re-download the model's safetensors files.")

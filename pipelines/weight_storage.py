@@ -1,0 +1,109 @@
+"""How a loader holds weights: as the files store them, or lowered to a narrower storage format.
+
+One place for both loaders, Load Video Model Files (ComfyUI's single files) and Load Video
+Pipeline (diffusers folders): `weight_dtype` lowers the transformer(s) and the text encoder
+(`LOWERED`; never the VAE or the image encoder, small and sensitive), and within them the tensors
+the format itself declares (`StorageFormat.lowers`, which the planner reads too: linear weights,
+token embeddings only for formats that store them narrow). It never raises precision: a tensor
+stored at or below the target's bytes per weight stays as the file holds it.
+
+Lowered weights are new memory (quantized at load, anonymous RAM). Every other tensor is given
+to the model where the file's mapping holds it (the disk tier: page cache, read as needed), or
+copied into RAM first when the loader is told to (`copy_to_ram`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..memory.storage import FORMATS, StorageReport, StoredTensor, is_file_backed, quantize, storage_format
+from .family import ModelError
+
+DEFAULT_WEIGHTS = "default"  # as the files store them
+WEIGHT_DTYPES = (DEFAULT_WEIGHTS, *FORMATS)  # the loaders' weight_dtype choices
+LOWERED = ("transformer", "transformer_2", "text_encoder")  # components whose weights weight_dtype lowers
+
+
+def check_weight_dtype(value: str) -> None:
+    if value not in WEIGHT_DTYPES:
+        raise ModelError(f"weight_dtype='{value}' is not a storage format; use {DEFAULT_WEIGHTS} or one of {', '.join(FORMATS)}.")
+
+
+def held_format(stored: str, weight_dtype: str) -> str:
+    """The format a component stored as `stored` is held in: `weight_dtype` when it is narrower."""
+    if weight_dtype == DEFAULT_WEIGHTS or stored not in FORMATS:
+        return stored
+    return weight_dtype if storage_format(weight_dtype).bytes_per_weight < storage_format(stored).bytes_per_weight else stored
+
+
+def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: str) -> dict[str, Any]:
+    """The tensors the format `target` lowers (`StorageFormat.lowers` on `module`'s layers) quantized
+    to it when stored wider; every other tensor as given (same objects)."""
+    fmt = storage_format(target)
+    lowered = dict(tensors)
+    for name, tensor in tensors.items():
+        if _bytes_per_weight(tensor) > fmt.bytes_per_weight and _lowered_by(module, name, fmt):
+            wide = tensor.dequantize(torch.float32) if isinstance(tensor, StoredTensor) else tensor
+            lowered[name] = quantize(wide, fmt)
+    return lowered
+
+
+def _lowered_by(module: torch.nn.Module, name: str, fmt) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    try:
+        layer = module.get_submodule(owner)
+    except AttributeError:
+        return False
+    return leaf == "weight" and fmt.lowers(layer)
+
+
+def _bytes_per_weight(tensor) -> float:
+    if isinstance(tensor, StoredTensor):
+        return tensor.format.bytes_per_weight
+    return tensor.element_size()
+
+
+def in_ram(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Every tensor copied out of its file mapping into process memory."""
+    def copy(t):
+        if isinstance(t, StoredTensor):
+            return StoredTensor(t.data.clone(), t.format, t.shape, None if t.scale is None else t.scale.clone())
+        return t.clone()
+
+    return {name: copy(t) for name, t in tensors.items()}
+
+
+def hold(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype, weight_dtype: str,
+         copy_to_ram: bool, source: str) -> tuple[StorageReport, str]:
+    """`module` (built empty) given `tensors`: lowered to `weight_dtype` (DEFAULT_WEIGHTS: as they
+    are), copied into RAM or left in their mappings, computing in `dtype`. Returns the report and
+    the format its matrices are held in (what receipts show and the planner budgets: the truth,
+    so a GGUF choice no row of the model can take leaves the files' format)."""
+    from .comfy_files.build import fill  # imports the loader, which imports this module lazily
+    from .comfy_files.detect import storage_name
+
+    if weight_dtype != DEFAULT_WEIGHTS:
+        tensors = lower_storage(module, tensors, weight_dtype)
+    if copy_to_ram:
+        tensors = in_ram(tensors)
+    return fill(module, tensors, dtype, source), storage_name(tensors)
+
+
+def matrices_mapped(module: torch.nn.Module) -> bool:
+    """Whether every linear / embedding weight of `module` still lies in a file mapping (the disk
+    tier holds only then: weights re-stored at load live in RAM)."""
+    for layer in module.modules():
+        stored = getattr(layer, "weight_stored", None)
+        matrix = stored if stored is not None else getattr(layer, "weight", None)
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)) or stored is not None:
+            if not is_file_backed(matrix):
+                return False
+    return True
+
+
+def lowered_ram_bytes(weight_dtype: str, elements: int) -> int:
+    """RAM a component of `elements` weights takes once lowered to `weight_dtype` (all of it counted
+    at the format: an upper bound, as only what the format holds is lowered)."""
+    return FORMATS[weight_dtype].stored_bytes(elements)

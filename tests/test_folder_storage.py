@@ -1,0 +1,124 @@
+"""Load Video Pipeline's weight_dtype: a diffusers folder (CogVideoX too) held below 16 bits.
+
+The stored pipeline samples exactly the latents of the same folder loaded as diffusers does with
+each stored weight replaced by its dequantized values, under every tier; a folder already in the
+chosen format is used in place from its files (the disk tier); the planner counts what it holds.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from backends import StrictBackend
+from test_tiers import request_for, strategies
+from vidmem.memory.device import CpuBackend
+from vidmem.memory.storage import StoredEmbedding, StoredLinear, is_file_backed
+from vidmem.nodes.loader import VidMemLoadPipeline
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.loader import load_pipeline
+from vidmem.pipelines.planning import plan_options, plan_strategy
+from vidmem.pipelines.sample import sample
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.plan.stages import VideoShape
+from vidmem.pipelines.weight_storage import LOWERED
+
+CASES = [("wan2.1-t2v", "fp8_scaled"), ("wan2.1-t2v", "gguf_q8_0"), ("cogvideox-t2v", "fp8_e4m3fn"),
+         ("cogvideox-t2v", "gguf_q8_0")]
+
+
+def dequantized_twin(folder, stored):
+    """The folder loaded as diffusers does, each stored weight replaced by its dequantized values."""
+    twin = load_pipeline(folder, "fp32")
+    for name in LOWERED:
+        ours, theirs = getattr(stored.pipe, name, None), getattr(twin.pipe, name, None)
+        if ours is None:
+            continue
+        layers = dict(theirs.named_modules())
+        for path, layer in ours.named_modules():
+            if isinstance(layer, (StoredLinear, StoredEmbedding)):
+                layers[path].weight.data = layer.stored.dequantize(torch.float32)
+    return twin
+
+
+def latents(loaded, strategy, variant, backend=None):
+    return sample(loaded, strategy, request_for(variant), backend=backend or CpuBackend()).latent["samples"]
+
+
+@pytest.mark.parametrize("variant,weight_dtype", CASES, ids=["-".join(c) for c in CASES])
+def test_a_stored_folder_samples_like_its_dequantized_twin_under_every_tier(tiny_folder, variant, weight_dtype):
+    folder = tiny_folder(variant)
+    stored = load_pipeline(folder, "fp32", weight_dtype=weight_dtype)
+    assert stored.storage == {"transformer": weight_dtype, "text_encoder": weight_dtype} and not stored.on_disk
+    assert any(isinstance(m, StoredLinear) for m in stored.pipe.text_encoder.modules())
+    assert stored.pipe.vae.dtype == torch.float32 and not any(
+        isinstance(m, StoredLinear) for m in stored.pipe.vae.modules())  # the VAE is untouched
+    twin = dequantized_twin(folder, stored)
+    expected = latents(twin, MemoryStrategy(offload="none"), variant)
+    original = latents(load_pipeline(folder, "fp32"), MemoryStrategy(offload="none"), variant)
+    assert torch.isfinite(expected).all() and not torch.equal(expected, original)  # storage changed the weights
+    for label, strategy in strategies(stored).items():
+        for backend in (CpuBackend(), StrictBackend(pinning=True)):
+            got = latents(stored, strategy, variant, backend)
+            assert torch.equal(got, expected), f"{variant} {weight_dtype} {label} {type(backend).__name__}"
+
+
+def test_fp8_keeps_the_token_embedding_wide_and_gguf_lowers_it(tiny_folder):
+    """One declaration (StorageFormat.lowers): Comfy-Org's fp8 files keep the table 16-bit, GGUF's quantize it."""
+    fp8 = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", weight_dtype="fp8_scaled").pipe.text_encoder
+    gguf = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", weight_dtype="gguf_q8_0").pipe.text_encoder
+    assert isinstance(fp8.shared, torch.nn.Embedding) and fp8.shared.weight.dtype == torch.float32
+    assert isinstance(gguf.shared, StoredEmbedding) and gguf.shared.format.name == "gguf_q8_0"
+
+
+def test_a_folder_already_in_the_chosen_format_is_used_in_place(tiny_folder):
+    folder = tiny_folder("wan2.1-t2v")
+    mapped = load_pipeline(folder, "fp32", weight_dtype="fp32")
+    assert mapped.on_disk and "disk tier" in mapped.describe()
+    assert is_file_backed(mapped.pipe.transformer.blocks[0].attn1.to_q.weight)
+    assert not is_file_backed(mapped.pipe.vae.decoder.conv_in.weight)  # the VAE loads as before
+    reference = load_pipeline(folder, "fp32")
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=1)
+    difference = (latents(mapped, strategy, "wan2.1-t2v") - latents(reference, strategy, "wan2.1-t2v")).abs().max()
+    assert difference <= 1e-5  # the same weights; only the mapping's alignment may move the last bits (FACTS)
+
+
+def test_two_experts_are_both_stored(tiny_folder):
+    loaded = load_pipeline(tiny_folder("wan2.2-a14b"), "fp32", weight_dtype="fp8_scaled")
+    assert loaded.storage["transformer_2"] == "fp8_scaled"
+    assert isinstance(loaded.pipe.transformer_2.blocks[0].attn1.to_q, StoredLinear)
+
+
+def test_the_planner_and_auto_use_the_folders_chosen_storage(tiny_folder):
+    stored = load_pipeline(tiny_folder("cogvideox-t2v"), "fp32", weight_dtype="fp8_scaled")
+    default = load_pipeline(tiny_folder("cogvideox-t2v"), "fp32")
+    assert dict(plan_options(stored).storage) == {"text_encoder": "fp8_scaled", "transformer": "fp8_scaled"}
+    shape, strategy = VideoShape(32, 32, 9), MemoryStrategy(offload="model")
+    lean, wide = plan_strategy(stored, shape, strategy, None, None), plan_strategy(default, shape, strategy, None, None)
+    assert lean.peak_ram_bytes < wide.peak_ram_bytes and "fp8_scaled" in lean.describe_storage()
+
+
+def test_the_node_takes_weight_dtype_as_its_last_input(tiny_folder, monkeypatch):
+    spec = VidMemLoadPipeline.INPUT_TYPES()
+    assert list(spec["optional"])[-1] == "weight_dtype"  # appended: saved workflows' widget values keep their places
+    choices, options = spec["optional"]["weight_dtype"]
+    assert options["default"] == "default" and {"fp8_scaled", "gguf_q8_0", "fp8_e4m3fn"} <= set(choices)
+    (loaded,) = VidMemLoadPipeline().load("x", "fp32", path=str(tiny_folder("cogvideox-t2v")), weight_dtype="fp8_scaled")
+    assert loaded.storage["transformer"] == "fp8_scaled"
+    (plain,) = VidMemLoadPipeline().load("x", "fp32", path=str(tiny_folder("cogvideox-t2v")))
+    assert not plain.storage  # old workflows: loaded as before
+
+
+def test_bad_weight_dtype_and_a_pickled_shard_are_named(tiny_folder, tmp_path):
+    with pytest.raises(ModelError, match="weight_dtype='fp4'"):
+        load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", weight_dtype="fp4")
+    import shutil
+
+    copy = tmp_path / "wan"
+    shutil.copytree(tiny_folder("wan2.1-t2v"), copy)
+    weights = copy / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(ModelError, match="transformer"):
+        load_pipeline(copy, "fp32", weight_dtype="fp8_scaled")
