@@ -348,14 +348,18 @@ class Run:
 
 
 def run_api(api: dict) -> Run:
-    """Run `api`: our nodes for real (validated first, as POST /prompt does), core nodes recorded."""
+    """Run `api`: our nodes for real (validated first, as POST /prompt does), core nodes recorded.
+    Each node runs inside torch.inference_mode(), as ComfyUI 0.8.0's executor runs it (execution.py)."""
+    import torch
+
     ours = our_nodes()
     run = Run({}, {}, {})
     for nid in topological_order(api):
         node = api[nid]
         inputs = {k: (run.outputs[v[0]][v[1]] if is_link(v) else v) for k, v in node["inputs"].items()}
         if node["class_type"] in ours:
-            run.outputs[nid] = _run_ours(ours[node["class_type"]], inputs, run.ui, nid)
+            with torch.inference_mode():
+                run.outputs[nid] = _run_ours(ours[node["class_type"]], inputs, run.ui, nid)
         else:
             spec = node_spec(node["class_type"])
             run.core_inputs[nid] = inputs
