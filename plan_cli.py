@@ -3,12 +3,14 @@
     vidmem plan --model wan2.1-t2v-14b --size 1280x720 --frames 81 --vram 12 --ram 32
     vidmem plan --model ~/models/CogVideoX-2b --size 720x480 --frames 49 --vram 8 --json
     vidmem plan --model wan2.2-t2v-a14b --weights fp8_scaled --size 832x480 --frames 81 --vram 8 --ram 32
+    vidmem plan --model wan2.1-t2v-14b --size 1280x720 --frames 81 --vram 24 --ram 256 --gpus 4
 
 Prints one row per strategy tier (each with the fewest swapped blocks, the text encoder placement
 and the VAE tiling that fit) with predicted peak VRAM per stage, peak RAM and estimated slowdown,
 and marks the recommendation: the fastest row that fits. When the weights overrun the RAM budget,
 the same tiers follow with the weights on disk (memory-mapped: page cache, which the kernel
-reclaims, instead of anonymous RAM; slower when the page cache cannot keep them). `--weights`
+reclaims, instead of anonymous RAM; slower when the page cache cannot keep them). With `--gpus N`
+(plan_parallel_cli.py) the rows are per GPU, with the time and speedup against one GPU. `--weights`
 never changes on its own: when nothing fits, the message says which storage or tier would.
 Exit status: 0 when something fits, 1 when nothing does (the message says what would), 2 for bad input.
 """
@@ -19,6 +21,7 @@ import argparse
 import json
 import sys
 
+from .plan_parallel_cli import add_parallel_arguments, run_parallel_plan, wants_parallel
 from .plan_train_cli import add_train_arguments, run_train_plan
 
 # Not vidmem.memory.units.GiB: importing vidmem.memory loads torch, and `vidmem --help` and
@@ -73,6 +76,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       help="fused = flash/memory-efficient kernels; math = score matrix materialised")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_train_arguments(plan)
+    add_parallel_arguments(plan)
     return plan
 
 
@@ -98,6 +102,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--size and --frames are required for a model folder (e.g. --size 832x480 --frames 81).")
     shape = VideoShape(width, height, frames, batch=args.batch, cfg=not args.no_cfg)
     vram, ram = _budgets(args)
+    parallel = wants_parallel(args)
     if args.train:  # a training step: no guidance pass, no text encoder or VAE on the device
         return run_train_plan(args, model, VideoShape(width, height, frames, batch=args.batch, cfg=False), vram, ram)
     disk_gbps = NVME_BYTES_PER_S / 1e9 if args.disk_gbps is None else args.disk_gbps
@@ -107,6 +112,8 @@ def run_plan(args: argparse.Namespace) -> int:
     options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps,
                           storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9)
     base = MemoryStrategy(text_encoder=args.text_encoder, prefetch_blocks=args.prefetch)
+    if parallel:
+        return run_parallel_plan(args, model, shape, vram, ram, base, options)
     plans = candidate_plans(model, shape, vram, ram, base, options)
     best = recommended(plans)
     message = None if best is not None else nothing_fits_message(model, shape, plans, base, options)

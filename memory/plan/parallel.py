@@ -26,7 +26,7 @@ from enum import Enum
 
 from .parallel_checks import (RING, ULYSSES, CommBytes, ParallelError, check_context_parallel, comm_bytes,
                               context_parallel_refusal, sequence_tokens)
-from .parallel_layout import balanced_placement, balanced_stages, with_resident
+from .parallel_layout import balanced_placement, balanced_stages, balanced_tiling, with_resident
 from .parallel_trace import RankCall, context_parallel_trace
 from .planner import Plan, PlannerModel, PlanOptions, StagePlan, VideoShape, candidate_plans, plan_run, recommended
 from .stages import phase
@@ -263,8 +263,11 @@ def plan_seconds(plan: Plan) -> float:
 def _balanced(model, shape, strategy, layout, options, budgets, reference: Plan) -> ParallelPlan:
     vram, ram = budgets
     resident = replace(strategy, offload=OffloadTier.NONE, blocks_to_swap=0, text_encoder=TextEncoderPlacement.DEVICE)
-    whole = plan_run(model, shape, resident, options, None, ram)  # the same work, nothing offloaded
     placement = balanced_placement(model.layout, layout.gpus)
+    if vram is not None:
+        holder = next(names for names in placement if model.layout.vae in names)
+        resident = balanced_tiling(model, shape, resident, holder, options, vram)
+    whole = plan_run(model, shape, resident, options, None, ram)  # the same work, nothing offloaded
     gpus = tuple(GpuPlan(i, names, tuple(st.within(vram) for st in balanced_stages(model, shape, resident, names, options)))
                  for i, names in enumerate(placement))
     return ParallelPlan(model.name, shape, layout, resident, gpus, plan_seconds(whole),

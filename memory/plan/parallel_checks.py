@@ -84,16 +84,18 @@ def check_context_parallel(model: PlannerModel, shape: VideoShape, gpus: int, mo
                             f"{gpus} GPUs do not divide {heads}. Use {counts} GPUs, or ring attention (--cp ring).")
     tokens = sequence_tokens(model, shape, denoiser)
     if tokens % gpus:
-        raise ParallelError(uneven_message(model, shape, gpus, tokens))
+        raise ParallelError(uneven_message(model, shape, gpus, tokens, heads if mode == ULYSSES else None))
 
 
-def uneven_message(model: PlannerModel, shape: VideoShape, gpus: int, tokens: int) -> str:
+def uneven_message(model: PlannerModel, shape: VideoShape, gpus: int, tokens: int, heads: int | None = None) -> str:
+    """The sequence does not divide by `gpus`: the nearest frames and sizes that do, and a GPU count
+    that does (one that also divides `heads`, for Ulysses)."""
     frames = _working(model, shape, gpus, "frames", 4)
     widths = _working(model, shape, gpus, "width", _size_step(model))
     heights = _working(model, shape, gpus, "height", _size_step(model))
     sizes = [f"--frames {' or '.join(map(str, frames))}"] if frames else []
     sizes += [f"--size {w}x{shape.height}" for w in widths] + [f"--size {shape.width}x{h}" for h in heights]
-    counts = [n for n in range(2, gpus) if tokens % n == 0]
+    counts = [n for n in range(2, gpus) if tokens % n == 0 and (heads is None or heads % n == 0)]
     more = f", or {counts[-1]} GPUs" if counts else ""
     return (f"{model.name} at {shape.width}x{shape.height}x{shape.frames} has {tokens} tokens per video, which do not "
             f"split evenly across {gpus} GPUs (diffusers' context parallelism gives every rank an equal share). "

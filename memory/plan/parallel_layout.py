@@ -17,6 +17,7 @@ from .stages import component_weights, phase, piece_counts
 from .types import Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, StagePlan, VideoShape
 from .costs import CUDA_CONTEXT_BYTES
 from ..strategy import MemoryStrategy
+from ..vae_tiles import auto_tiling
 
 
 def balanced_placement(layout: ModelLayout, gpus: int) -> tuple[tuple[str, ...], ...]:
@@ -61,3 +62,26 @@ def _phase_with(p: Phase, extra: tuple[int, ...], options: PlanOptions) -> Phase
     peak = replay(tensors, p.events)
     footprint = peak.reserved if options.allocator.resolved() is Allocator.NATIVE else peak.allocated
     return replace(p, peak=peak, device_bytes=CUDA_CONTEXT_BYTES + footprint, resident=tensors)
+
+
+def balanced_tiling(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, names: tuple[str, ...],
+                    options: PlanOptions, vram: int, attempts: int = 4) -> MemoryStrategy:
+    """Untiled if the decode fits beside the other weights on its GPU, else the cheapest tiling that does.
+
+    The rule of the single-GPU planner (`planner._tiling_that_fits`), on this GPU's decode stage."""
+    untiled = balanced_stages(model, shape, strategy, names, options)[2]
+    if not untiled.phases or untiled.fits(vram):
+        return strategy
+    phase = untiled.peak_phase
+    fixed = CUDA_CONTEXT_BYTES + sum(phase.resident)
+    latent = model.latent_shape(shape)
+    pixels = model.geometry.frames(latent[2]) * latent[3] * latent[4] * model.geometry.spatial_factor ** 2
+    per_pixel = max(phase.peak.allocated - sum(phase.resident), 1) / pixels
+    free, tiled = vram - fixed, strategy
+    for _ in range(attempts):
+        tiling = auto_tiling(max(free, 1), latent, model.geometry, per_pixel)
+        tiled = replace(strategy, vae_tiling=tiling)
+        if tiling is None or balanced_stages(model, shape, tiled, names, options)[2].fits(vram):
+            break
+        free = int(free * 0.6)
+    return tiled

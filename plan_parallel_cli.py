@@ -1,0 +1,158 @@
+"""`vidmem plan --gpus N`: each GPU's peak and the time on N GPUs, against one GPU.
+
+    vidmem plan --model wan2.1-t2v-14b --size 1280x720 --frames 81 --vram 24 --ram 256 --gpus 4
+    vidmem plan --model wan2.1-t2v-14b --vram 80 --ram 512 --gpus 8 --interconnect nvlink --json
+    vidmem plan --model cogvideox-5b --vram 16 --ram 64 --gpus 2 --cp balanced
+
+One row per tier as on one GPU, the figures per GPU (every rank of a context-parallel run holds all
+the weights and runs the text encoder and the decode; only the transformer's sequence is split),
+then the recommended row GPU by GPU. Like this module's parent, nothing here imports torch at
+module import: `vidmem --help` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+GIB = 1 << 30
+
+
+class _Interconnects:
+    """`--interconnect` choices, read from the planner when argparse first needs them (it imports torch)."""
+
+    def _names(self) -> tuple[str, ...]:
+        from .memory.plan.parallel import INTERCONNECTS
+
+        return tuple(INTERCONNECTS)
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+
+def add_parallel_arguments(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("--gpus", type=int, help="plan for N GPUs (per-GPU peaks, time and speedup against one GPU)")
+    plan.add_argument("--cp", choices=("ulysses", "ring", "balanced"), default="ulysses",
+                      help="with --gpus: ulysses or ring context parallelism (the transformer's sequence split "
+                           "across the GPUs), or balanced (whole components on different GPUs, nothing split)")
+    plan.add_argument("--interconnect", default="pcie4", choices=_Interconnects(),
+                      help="link between the GPUs for the all-to-all time: pcie4 (25 GB/s per GPU), pcie5 (50), "
+                           "nvlink (300)")
+    plan.add_argument("--interconnect-gbps", type=float, help="the link's bandwidth per GPU in GB/s, if you know it "
+                      "(GeForce cards without peer-to-peer reach about half of pcie4)")
+
+
+def wants_parallel(args: argparse.Namespace) -> bool:
+    """--gpus 2 or more; --gpus 1 is the single-GPU plan, unchanged."""
+    if args.gpus is None:
+        return False
+    if args.gpus < 1:
+        raise ValueError(f"--gpus {args.gpus} must be at least 1.")
+    if args.gpus == 1 and args.cp == "balanced":
+        raise ValueError("--cp balanced needs --gpus 2 or more (whole components on different GPUs).")
+    if args.gpus > 1 and args.train:
+        raise ValueError("--gpus plans inference; --train plans one GPU's training step (drop --gpus).")
+    return args.gpus > 1
+
+
+def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) -> int:
+    from .memory.plan.parallel import INTERCONNECTS, MultiGpu, parallel_candidates, parallel_recommended
+
+    link = INTERCONNECTS[args.interconnect]
+    if args.interconnect_gbps is not None:
+        if not args.interconnect_gbps > 0:
+            raise ValueError(f"--interconnect-gbps {args.interconnect_gbps} must be positive, e.g. 25 for PCIe 4.0 x16.")
+        link = type(link)(f"{link.name} at {args.interconnect_gbps:g} GB/s", args.interconnect_gbps * 1e9, link.latency_s)
+    layout = MultiGpu(args.gpus, args.cp, link)
+    plans, single = parallel_candidates(model, shape, vram, ram, layout, base, options)
+    best = parallel_recommended(plans)
+    message = None if best is not None else _nothing_fits(plans, layout, vram, ram)
+    if args.json:
+        print(json.dumps({"model": model.name, "size": [shape.width, shape.height], "frames": shape.frames,
+                          "dtype": model.dtype_name, "weights": args.weights or model.dtype_name, "gpus": layout.gpus,
+                          "cp": layout.mode.value, "interconnect": {"name": link.name, "gbps": link.bytes_per_s / 1e9},
+                          "vram_per_gpu_bytes": vram, "ram_bytes": ram,
+                          "single_gpu": None if single is None else single.as_dict(),
+                          "strategies": [p.as_dict() for p in plans], "recommended": best,
+                          **({"message": message} if message else {})}, indent=2))
+    else:
+        print(_table(model, shape, layout, vram, ram, plans, best, single))
+        if message:
+            print(f"\n{message}")
+    return 0 if best is not None else 1
+
+
+def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> str:
+    link = layout.interconnect
+    head = (f"{model.name} ({model.dtype_name}) {shape.width}x{shape.height}, {shape.frames} frames on {layout.gpus} GPUs, "
+            f"{layout.mode.value}" + ("" if layout.mode.value == "balanced" else f" over {link.name} "
+                                      f"({link.bytes_per_s / 1e9:g} GB/s per GPU)")
+            + f"; budget {vram / GIB:.1f} GiB VRAM per GPU, {ram / GIB:.1f} GiB RAM")
+    one = ("one GPU: nothing fits" if single is None else
+           f"one GPU: {_tier(single.strategy)}, {_gib(single.peak_vram_bytes)} VRAM, x{single.est_slowdown:.2f} slowdown "
+           f"(the speedup's reference)")
+    columns = ("strategy per GPU", "text enc.", "VAE tiles", "encode", "denoise", "decode", "peak VRAM/GPU",
+               "RAM (all)", "time", "speedup", "fits")
+    rows = [columns]
+    for plan in plans:
+        s = plan.strategy
+        stages = [f"{max(g.stage(n).device_bytes for g in plan.gpus) / GIB:.1f}" for n in ("text_encode", "denoise", "decode")]
+        rows.append((_tier(s), s.text_encoder.value.replace("offload_after_encoding", "offload"),
+                     f"{s.vae_tiling.tile_size}px/{s.vae_tiling.temporal_size}f" if s.vae_tiling else "-", *stages,
+                     _gib(plan.per_gpu_peak_bytes), _gib(plan.host_bytes), f"{plan.seconds:.0f} s",
+                     f"x{plan.speedup:.2f}" if plan.speedup else "-", "yes" if plan.fits else "no"))
+    lines = [head, one, "", *_aligned(rows, best)]
+    chosen = plans[best if best is not None else 0]
+    lines += ["", f"Per GPU ({'recommended' if best is not None else 'leanest'} row):"]
+    gpu_rows = [("GPU", "holds", "weights", "activations", "NCCL", "encode", "denoise", "decode", "peak")]
+    for g in chosen.gpus:
+        gpu_rows.append((str(g.index), ", ".join(g.components) or "(idle)", _gib(g.weights_bytes),
+                         _gib(g.denoise_activation_bytes), _gib(g.comm_bytes),
+                         *(f"{g.stage(n).device_bytes / GIB:.1f}" for n in ("text_encode", "denoise", "decode")),
+                         _gib(g.peak_bytes)))
+    lines += _aligned(gpu_rows, None)
+    lines += ["", *_notes(chosen, layout)]
+    return "\n".join(lines)
+
+
+def _notes(plan, layout) -> list[str]:
+    link = layout.interconnect
+    if layout.mode.value == "balanced":
+        return ["Balanced: nothing offloaded and nothing split; the time is one GPU's with every weight resident.",
+                "VRAM per stage in GiB, including the CUDA context."]
+    return [f"All-to-all: {plan.comm.total / 1e9:.2f} GB sent per GPU per transformer pass "
+            f"({'q, k, v and the output' if layout.mode.value == 'ulysses' else 'keys and values gathered'} in every "
+            f"block), {plan.comm_seconds:.0f} s of the run at {link.bytes_per_s / 1e9:g} GB/s (--interconnect, "
+            f"--interconnect-gbps); diffusers waits for each collective, so it adds to compute.",
+            "Every rank holds all the weights (its own offload tier) and runs the text encoder and the decode; "
+            "activations include the collective's buffers; NCCL's buffers are an estimate.",
+            "RAM (all): one process per GPU, each with its own copy of the weights (--disk shares them as page cache)."]
+
+
+def _nothing_fits(plans, layout, vram: int, ram: int) -> str:
+    leanest = min(plans, key=lambda p: p.per_gpu_peak_bytes)
+    return (f"Nothing fits {layout.gpus} GPUs of {vram / GIB:.1f} GiB with {ram / GIB:.1f} GiB RAM: the leanest row needs "
+            f"{_gib(leanest.per_gpu_peak_bytes)} per GPU and {_gib(leanest.host_bytes)} RAM. "
+            + ("Balanced placement offloads nothing: try context parallelism (--cp ulysses), which can swap blocks "
+               "on every GPU, or lower the storage (--weights)." if layout.mode.value == "balanced" else
+               "Weights are replicated on every GPU: lower their storage (--weights) or plan with --disk."))
+
+
+def _aligned(rows, mark_index) -> list[str]:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for index, row in enumerate(rows):
+        mark = "  <- recommended" if mark_index is not None and index - 1 == mark_index else ""
+        lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() + mark)
+    return lines
+
+
+def _tier(strategy) -> str:
+    return strategy.offload.value + (f" {strategy.blocks_to_swap}" if strategy.blocks_to_swap else "")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.1f} GiB"
