@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from .model_lists import ListingCache
+
 log = logging.getLogger("vidmem")
 
 try:  # ComfyUI present: the pack runs inside the host
@@ -21,6 +23,11 @@ except ImportError:  # CI, the CLI, plain Python: no host
     model_management = comfy_utils = folder_paths = None
 
 MODELS_FOLDER_KEY = "diffusers"
+# Outside ComfyUI (`vidmem queue` tools, benches, scripts): a folder laid out like ComfyUI's models/.
+MODELS_DIR_ENV = "VIDMEM_MODELS_DIR"
+# The process's model-folder listings (folder_paths keeps its own the same way): one per root,
+# walked again only when a directory in it changes (nodes/model_lists.py).
+_LISTINGS = ListingCache()
 
 
 def in_comfyui() -> bool:
@@ -59,12 +66,10 @@ def check_interrupt() -> None:
 
 
 def diffusers_model_names() -> list[str]:
-    """Folders under ComfyUI's models/diffusers that hold a model_index.json, by relative name."""
-    names: set[str] = set()
-    for root in _diffusers_roots():
-        for folder, _dirs, files in os.walk(root, followlinks=True):
-            if "model_index.json" in files:
-                names.add(os.path.relpath(folder, root))
+    """Folders under models/diffusers that hold a model_index.json, by relative name (cached,
+    symlink-loop safe: nodes/model_lists.py)."""
+    names = {os.path.dirname(name) or "." for root in _diffusers_roots() for name in _LISTINGS.files(root)
+             if os.path.basename(name) == "model_index.json"}
     return sorted(names)
 
 
@@ -76,7 +81,7 @@ def resolve_model_folder(name: str, path: str) -> Path:
         candidate = Path(root) / name
         if (candidate / "model_index.json").is_file():
             return candidate
-    where = ", ".join(_diffusers_roots()) or "ComfyUI's models/diffusers (ComfyUI not running)"
+    where = ", ".join(_diffusers_roots()) or _no_folder(MODELS_FOLDER_KEY)
     raise FileNotFoundError(
         f"model '{name}' was not found under {where}; put the diffusers-format folder there "
         "or give its full path in the 'path' input."
@@ -95,9 +100,25 @@ def resolve_single_file(name: str) -> Path:
 
 
 def _diffusers_roots() -> list[str]:
-    if folder_paths is None:
-        return []
-    return [p for p in folder_paths.get_folder_paths(MODELS_FOLDER_KEY) if os.path.isdir(p)]
+    return _folder_paths(MODELS_FOLDER_KEY)
+
+
+def models_root() -> Path | None:
+    """Without ComfyUI: $VIDMEM_MODELS_DIR, a folder laid out like ComfyUI's models/ (diffusers/,
+    diffusion_models/, text_encoders/, vae/, clip_vision/, loras/, vidmem_configs/); None when unset.
+    Inside ComfyUI its folder_paths decides (extra_model_paths.yaml included) and this is not read."""
+    value = os.environ.get(MODELS_DIR_ENV, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+def _no_folder(key: str) -> str:
+    """Where a model would have been looked for, for an error message."""
+    if folder_paths is not None:
+        return f"ComfyUI's models/{key} (no such folder)"
+    root = models_root()
+    if root is None:
+        return f"models/{key}: ComfyUI is not running and {MODELS_DIR_ENV} is not set (set it to a folder laid out like ComfyUI's models/)"
+    return f"{root / key} (from {MODELS_DIR_ENV}; no such folder)"
 
 
 def make_room(bytes_needed: int, device) -> None:
@@ -287,18 +308,17 @@ def _os_cache_root() -> Path:
 LORAS_FOLDER_KEY = "loras"
 
 
+LORA_SUFFIXES = (".safetensors", ".sft")
+
+
 def lora_names() -> list[str]:
-    """Safetensors files under ComfyUI's models/loras (empty without ComfyUI)."""
-    if folder_paths is None:
-        return []
-    return [n for n in folder_paths.get_filename_list(LORAS_FOLDER_KEY) if n.endswith((".safetensors", ".sft"))]
+    """Safetensors files under models/loras (empty without ComfyUI or $VIDMEM_MODELS_DIR)."""
+    return _files_under((LORAS_FOLDER_KEY,), LORA_SUFFIXES)
 
 
 def resolve_lora(name: str) -> Path:
-    """The full path of `name` under models/loras; FileNotFoundError without ComfyUI or if absent."""
-    if folder_paths is None:
-        raise FileNotFoundError(f"lora_name '{name}' needs ComfyUI's models/loras folder.")
-    return Path(folder_paths.get_full_path_or_raise(LORAS_FOLDER_KEY, name))
+    """The full path of `name` under models/loras; FileNotFoundError naming the folders if absent."""
+    return _resolve_in((LORAS_FOLDER_KEY,), name, "lora_name")
 
 
 # --- ComfyUI's own model files (Load Video Model Files) --------------------------------------------
@@ -314,48 +334,44 @@ MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".gguf")  # what vidmem reads; pi
 
 
 def model_file_names(role: str) -> list[str]:
-    """Weight files ComfyUI lists for the loader input `role` (empty without ComfyUI).
+    """Weight files under the folders of loader input `role`, .gguf included (core ComfyUI lists
+    .gguf only when ComfyUI-GGUF is installed); empty without ComfyUI or $VIDMEM_MODELS_DIR.
 
-    GGUF files are added by walking the same folders: core ComfyUI lists .gguf only when
-    ComfyUI-GGUF is installed.
+    The pack walks the folders itself (cached, symlink-loop safe: nodes/model_lists.py) rather
+    than calling folder_paths.get_filename_list, whose walk never ends on a symlink loop.
     """
-    if folder_paths is None:
-        return []
-    names: set[str] = set()
-    for key in MODEL_FILE_FOLDERS[role]:
-        names.update(n for n in _listed(key) if n.endswith(MODEL_FILE_SUFFIXES))
-        for root in _folder_paths(key):
-            for folder, _dirs, files in os.walk(root, followlinks=True):
-                names.update(os.path.relpath(os.path.join(folder, f), root).replace(os.sep, "/")
-                             for f in files if f.endswith(".gguf"))
-    return sorted(names)
+    return _files_under(MODEL_FILE_FOLDERS[role], MODEL_FILE_SUFFIXES)
 
 
 def resolve_model_file(role: str, name: str, label: str = "") -> Path:
     """The full path of `name` in the folders of loader input `role` (named `label` in the error,
     default `role`); FileNotFoundError naming them."""
-    keys = MODEL_FILE_FOLDERS[role]
-    if folder_paths is not None:
-        for key in keys:
-            for root in _folder_paths(key):
-                candidate = Path(root) / name
-                if candidate.is_file():
-                    return candidate
-    where = ", ".join(f"models/{key}" for key in keys)
-    raise FileNotFoundError(f"{label or role} '{name}' was not found in {where}; put the file there (or pick one from the list).")
+    return _resolve_in(MODEL_FILE_FOLDERS[role], name, label or role)
 
 
-def _listed(key: str) -> list[str]:
-    try:
-        return folder_paths.get_filename_list(key)
-    except KeyError:  # a folder key this ComfyUI version does not know
-        return []
+def _files_under(keys: tuple[str, ...], suffixes: tuple[str, ...]) -> list[str]:
+    return sorted({name for key in keys for root in _folder_paths(key) for name in _LISTINGS.files(root)
+                   if name.lower().endswith(suffixes)})
+
+
+def _resolve_in(keys: tuple[str, ...], name: str, label: str) -> Path:
+    for key in keys:
+        for root in _folder_paths(key):
+            candidate = Path(root) / name
+            if candidate.is_file():
+                return candidate
+    where = ", ".join(_no_folder(key) if not _folder_paths(key) else f"models/{key}" for key in keys)
+    raise FileNotFoundError(f"{label} '{name}' was not found in {where}; put the file there (or pick one from the list).")
 
 
 def _folder_paths(key: str) -> list[str]:
+    """The existing folders of ComfyUI's folder key `key`, or without ComfyUI $VIDMEM_MODELS_DIR/<key>."""
+    if folder_paths is None:
+        root = models_root()
+        return [str(root / key)] if root is not None and (root / key).is_dir() else []
     try:
         return [p for p in folder_paths.get_folder_paths(key) if os.path.isdir(p)]
-    except KeyError:
+    except KeyError:  # a folder key this ComfyUI version does not know
         return []
 
 
@@ -363,12 +379,11 @@ MODEL_CONFIGS_FOLDER = "vidmem_configs"
 
 
 def model_config_dirs() -> list[Path]:
-    """ComfyUI's models/vidmem_configs when it exists: extra model configs (shipped schema) the
-    single-file loader matches files against, e.g. the tiny test models (empty without ComfyUI)."""
-    if folder_paths is None:
-        return []
-    folder = Path(folder_paths.models_dir) / MODEL_CONFIGS_FOLDER
-    return [folder] if folder.is_dir() else []
+    """models/vidmem_configs when it exists: extra model configs (shipped schema) the single-file
+    loader matches files against, e.g. the tiny test models (empty without ComfyUI or $VIDMEM_MODELS_DIR)."""
+    root = Path(folder_paths.models_dir) if folder_paths is not None else models_root()
+    folder = root / MODEL_CONFIGS_FOLDER if root is not None else None
+    return [folder] if folder is not None and folder.is_dir() else []
 
 
 # --- LoRA training (Prepare Training Data, Train LoRA) ----------------------------------------------
@@ -377,12 +392,14 @@ TRAINING_FOLDER = "vidmem_training"
 
 
 def loras_folder() -> Path:
-    """Where a trained LoRA is written: ComfyUI's first models/loras folder (./models/loras without ComfyUI)."""
+    """Where a trained LoRA is written: ComfyUI's first models/loras folder; without ComfyUI
+    $VIDMEM_MODELS_DIR/loras, else ./models/loras."""
     if folder_paths is not None:
         folders = _folder_paths(LORAS_FOLDER_KEY) or list(folder_paths.get_folder_paths(LORAS_FOLDER_KEY))
         if folders:
             return Path(folders[0])
-    return Path.cwd() / "models" / "loras"
+    root = models_root()
+    return (root if root is not None else Path.cwd() / "models") / LORAS_FOLDER_KEY
 
 
 def training_folder() -> Path:
