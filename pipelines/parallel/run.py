@@ -67,15 +67,22 @@ def resolve_ranks(parallel: Parallelism, visible_gpus: int) -> Ranks:
 
 
 def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ranks: Ranks,
-                    hooks: RunHooks = RunHooks()) -> SampleResult:
-    """Sample across `ranks` with the strategy's context parallelism; rank 0's latent and receipt."""
+                    hooks: RunHooks = RunHooks(), pool: WorkerPool | None = None) -> SampleResult:
+    """Sample across `ranks` with the strategy's context parallelism; rank 0's latent and receipt.
+
+    `pool`: run on these ranks instead of the pipeline's own (tests share one pool between
+    pipelines: a rank holds one pipeline at a time and reopens when the source changes).
+    """
     validate_request(loaded, request)
     run_loaded = loaded.image_mode() if request.image is not None else loaded
     device_type = "cuda" if ranks.gpus else "cpu"
     check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,
                            ranks.degree, device_type)
     job = ParallelSampleJob(PipelineSource.of(loaded), strategy, request)
-    return pool_for(loaded, ranks).run(job, hooks.on_step, hooks.check_interrupt)
+    pool = pool if pool is not None else pool_for(loaded, ranks)
+    if pool.config.world_size != ranks.degree:
+        raise ModelError(f"the pool has {pool.config.world_size} ranks but the run asks for {ranks.degree}.")
+    return pool.run(job, hooks.on_step, hooks.check_interrupt)
 
 
 def pool_for(loaded, ranks: Ranks) -> WorkerPool:

@@ -1,0 +1,71 @@
+"""WorkerPool: spawned gloo ranks on loopback run jobs in lockstep; a rank that raises or dies
+stops the run with its own error, leaves no process behind, and the next run works."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from parallel_jobs import DieOn, RaiseOn, Steps, SumRanks
+from vidmem.memory.parallel import PoolConfig, RankError, WorkerPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(PoolConfig.for_cpu(2, threads=1, join_timeout_s=5.0)) as pool:
+        yield pool
+
+
+def gone(pids) -> bool:
+    """No process of `pids` is left, not even as a zombie (joined processes are reaped)."""
+    return not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_ranks_share_a_group_and_keep_state_between_runs(pool):
+    steps = []
+    first = pool.run(SumRanks(), on_progress=lambda step, total: steps.append((step, total)))
+    second = pool.run(SumRanks())
+    assert first["sum"] == second["sum"] == 1 + 2
+    assert second["runs"] == first["runs"] + 1  # the same processes, with their state
+    assert first["pid"] == second["pid"] in pool.pids
+    assert steps == [(1, 1)]  # progress forwarded from rank 0 only
+
+
+@pytest.mark.parametrize("job, rank, text", [(RaiseOn(1, "rank one broke"), 1, "ValueError: rank one broke"),
+                                            (DieOn(0), 0, "exit code 3")])
+def test_a_failing_rank_stops_the_run_with_its_error_and_the_next_run_works(pool, job, rank, text):
+    pool.run(SumRanks())
+    pids = pool.pids
+    with pytest.raises(RankError, match=f"rank {rank} failed: .*{text}") as error:
+        pool.run(job)
+    assert error.value.rank == rank
+    assert gone(pids), "every rank of the failed run is stopped"
+    assert not pool.alive
+    assert pool.run(SumRanks())["sum"] == 3  # a new pool, started by the run
+    assert not set(pids) & set(pool.pids)
+
+
+def test_cancel_stops_every_rank_and_re_raises_the_hosts_exception(pool):
+    pool.run(SumRanks())
+    pids, seen = pool.pids, []
+
+    def check_interrupt():
+        if seen:
+            raise KeyboardInterrupt("cancel pressed")
+
+    with pytest.raises(KeyboardInterrupt, match="cancel pressed"):
+        pool.run(Steps(200, 0.05), on_progress=lambda step, total: seen.append(step), check_interrupt=check_interrupt)
+    assert gone(pids)
+    assert pool.run(SumRanks())["sum"] == 3
+
+
+def test_close_leaves_no_process_and_is_idempotent():
+    pool = WorkerPool(PoolConfig.for_cpu(2, threads=1))
+    pool.run(SumRanks())
+    pids = pool.pids
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert set(pids) <= children
+    pool.close()
+    pool.close()
+    assert gone(pids)
+    assert repr(pool) == "WorkerPool(2 ranks, gloo, closed)"
