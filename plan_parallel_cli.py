@@ -107,7 +107,7 @@ def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> st
     lines = [head, one, "", *_aligned(rows, best)]
     chosen = plans[best if best is not None else 0]
     lines += ["", f"Per GPU ({'recommended' if best is not None else 'leanest'} row):"]
-    gpu_rows = [("GPU", "holds", "weights", "activations", "NCCL", "encode", "denoise", "decode", "peak")]
+    gpu_rows = [("GPU", "holds", "denoise weights", "activations", "NCCL", "encode", "denoise", "decode", "peak")]
     for g in chosen.gpus:
         gpu_rows.append((str(g.index), ", ".join(g.components) or "(idle)", _gib(g.weights_bytes),
                          _gib(g.denoise_activation_bytes), _gib(g.comm_bytes),

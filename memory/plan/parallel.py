@@ -112,7 +112,8 @@ class GpuPlan:
 
     @property
     def weights_bytes(self) -> int:
-        return max((p.weights_bytes for s in self.stages for p in s.phases), default=0)
+        """Weights on the GPU while the denoiser computes (the heaviest denoiser phase; 0 if none here)."""
+        return max((p.weights_bytes for p in self.stage("denoise").phases), default=0)
 
     @property
     def denoise_activation_bytes(self) -> int:
@@ -159,7 +160,7 @@ class ParallelPlan:
         layout, s = self.layout, self.shape
         head = (f"{self.model} {s.width}x{s.height}x{s.frames} on {layout.gpus} GPUs, {layout.mode.value}: "
                 f"{self.strategy.describe()} per GPU")
-        rows = [f"  GPU {g.index}: peak {_gib(g.peak_bytes)} (weights {_gib(g.weights_bytes)}, denoise activations "
+        rows = [f"  GPU {g.index}: peak {_gib(g.peak_bytes)} (denoise: weights {_gib(g.weights_bytes)}, activations "
                 f"{_gib(g.denoise_activation_bytes)}, NCCL {_gib(g.comm_bytes)}) {', '.join(g.components)}"
                 for g in self.gpus]
         speed = f"x{self.speedup:.2f} vs one GPU" if self.speedup else "one GPU: nothing fits"
@@ -178,7 +179,7 @@ class ParallelPlan:
             "comm_seconds": round(self.comm_seconds, 2), "ram_bytes": self.host_bytes,
             "page_cache_bytes": self.page_cache_bytes, "fits": self.fits,
             "ranks": [{"gpu": g.index, "components": list(g.components), "peak_bytes": g.peak_bytes,
-                       "weights_bytes": g.weights_bytes, "denoise_activation_bytes": g.denoise_activation_bytes,
+                       "denoise_weights_bytes": g.weights_bytes, "denoise_activation_bytes": g.denoise_activation_bytes,
                        "nccl_bytes": g.comm_bytes, "stages": {st.name: st.device_bytes for st in g.stages}}
                       for g in self.gpus],
         }
@@ -191,12 +192,13 @@ def plan_parallel(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
 
     `reference` is the one-GPU plan the speedup is measured against (default: `strategy` on one GPU).
     One GPU under context parallelism is the single-GPU plan, unchanged."""
+    if layout.mode is not Parallelism.BALANCED:  # refused before anything is traced
+        check_context_parallel(model, shape, layout.gpus, layout.mode.value)
     single = plan_run(model, shape, strategy, options)
     reference = single if reference is None else reference
     budgets = (vram_budget_bytes, ram_budget_bytes)
     if layout.mode is Parallelism.BALANCED:
         return _balanced(model, shape, strategy, layout, options, budgets, reference)
-    check_context_parallel(model, shape, layout.gpus, layout.mode.value)
     return _context_parallel(model, shape, strategy, layout, options, budgets, single, reference)
 
 
@@ -281,13 +283,14 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
                         options: PlanOptions = PlanOptions()) -> tuple[list[ParallelPlan], Plan | None]:
     """One plan per tier on `layout` (each rank's fewest swapped blocks), and the one-GPU plan the
     speedup is measured against (the recommended single-GPU plan; None when nothing fits one GPU)."""
+    if layout.mode is not Parallelism.BALANCED:
+        check_context_parallel(model, shape, layout.gpus, layout.mode.value)
     singles = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes, base, options)
     best = recommended(singles)
     reference = singles[best] if best is not None else singles[0]
     budgets = (vram_budget_bytes, ram_budget_bytes)
     if layout.mode is Parallelism.BALANCED:
         return [plan_parallel(model, shape, base, layout, options, *budgets, reference)], singles[best] if best is not None else None
-    check_context_parallel(model, shape, layout.gpus, layout.mode.value)
     rank_vram = vram_budget_bytes - NCCL_BYTES(layout.gpus)
     per_rank = candidate_plans(model, shape, rank_vram, ram_budget_bytes // layout.gpus, base, options)
     plans = []
