@@ -31,10 +31,8 @@ def add_train_arguments(plan: argparse.ArgumentParser) -> None:
 
 def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) -> int:
     from .memory.accounting import Attention
-    from .memory.plan.train import trace_activations
-    from .memory.plan.train_plan import TrainRequest, recommended, training_plans
-    from .memory.plan.types import Call
-    from .pipelines.configs import workloads
+    from .memory.plan.train_plan import TrainRequest
+    from .training.plan import plan_training_step
     from .training.settings import DEFAULT_TARGETS, parse_targets
 
     targets = parse_targets(args.targets) if args.targets else tuple(DEFAULT_TARGETS)
@@ -42,15 +40,7 @@ def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) 
     request = TrainRequest(rank=args.rank, optimizer=args.optimizer, checkpointing=not args.no_checkpointing,
                            targets=targets, storage=args.weights, prefetch_blocks=args.prefetch,
                            attention=Attention(args.attention))
-    module = model.traced_module(denoiser)
-    blocks = getattr(module, model.spec.blocks_attr)
-    run = workloads.workload_for(model, Call("denoise", denoiser, shape))
-
-    def activations(checkpointing: bool):
-        return trace_activations(module, blocks, run, request.rank, targets, checkpointing, request.attention)
-
-    plans = training_plans(model, denoiser, shape, vram, ram, request, activations)
-    best = recommended(plans)
+    plans, best = plan_training_step(model, denoiser, shape, vram, ram, request)  # as Train LoRA's offload=auto
     if args.json:
         print(json.dumps({"model": model.name, "component": denoiser, "size": [shape.width, shape.height],
                           "frames": shape.frames, "batch": shape.batch, "dtype": model.dtype_name,

@@ -15,6 +15,7 @@ from ..training import (
     prepare_training_data, train_lora,
 )
 from ..training.objective import EXPERT_COMPONENTS
+from ..training.plan import choose_training_strategy
 from ..training.save import lora_file_name
 from . import host
 from .loader import PIPELINE_TYPE
@@ -28,10 +29,20 @@ log = logging.getLogger("vidmem")
 
 
 def _run_strategy(strategy):
-    """The strategy to run; offload=auto trains on its base (model offload) until the planner plans training."""
+    """The strategy to encode with; offload=auto encodes on its base (model offload: one encoder at a time)."""
     choice = as_choice(strategy)
-    note = " (offload=auto: the planner does not plan training yet, so model offload is used)" if choice.auto else ""
+    note = " (offload=auto: encoding runs one component at a time, model offload)" if choice.auto else ""
     return choice.strategy, note
+
+
+def _train_strategy(strategy, pipeline, data, settings: TrainSettings, device):
+    """The strategy to train with and, for offload=auto, the training planner's choice behind it."""
+    choice = as_choice(strategy)
+    if not choice.auto:
+        return choice.strategy, None
+    vram, ram = choice.budgets(device)
+    chosen = choose_training_strategy(pipeline, data, settings, choice.strategy, vram, ram)
+    return chosen.strategy, chosen
 
 
 class VidMemPrepareTrainingData:
@@ -102,7 +113,8 @@ class VidMemTrainLoRA:
                              "apply during training; the new LoRA learns on top of them."}),
                 "data": (TRAINING_DATA_TYPE, {"tooltip": "From Prepare Training Data (VidMem)."}),
                 "strategy": (STRATEGY_TYPE, {"tooltip": "Where the transformer lives while training. block_swap and "
-                             "sequential need gradient_checkpointing on."}),
+                             "sequential need gradient_checkpointing on. offload=auto: the training planner picks the "
+                             "fastest tier whose predicted step fits the node's VRAM and RAM budgets."}),
                 "lora_name": ("STRING", {"default": "my_lora", "tooltip": "File name under models/loras "
                               "(.safetensors added). A LoRA not made by this trainer is never overwritten."}),
                 "rank": ("INT", {"default": 16, "min": 1, "max": 512, "tooltip": "LoRA rank: trainable size and "
@@ -143,8 +155,8 @@ class VidMemTrainLoRA:
         settings = TrainSettings(rank, alpha, learning_rate, steps, batch_size, seed, target_modules,
                                  gradient_checkpointing, optimizer, checkpoint_every, expert)
         outputs = TrainOutputs(host.loras_folder() / file_name, host.training_folder() / "checkpoints" / file_name.removesuffix(".safetensors"))
-        run, note = _run_strategy(strategy)
         device = host.compute_device()
+        run, chosen = _train_strategy(strategy, pipeline, data, settings, device)
         bar = host.Progress(steps, "training")
 
         def progress(done, total, loss):
@@ -159,7 +171,10 @@ class VidMemTrainLoRA:
         finally:
             bar.close()
         spec = load_lora(result.lora_path, pipeline.pipe, 1.0, "both" if expert == "both" else expert, name=file_name)
-        receipt = dict(result.receipt, strategy=run.describe() + note)
+        receipt = dict(result.receipt, strategy=run.describe())
+        if chosen is not None:  # the record, and the receipt's plan line (format_receipt shows it)
+            receipt["training_plan"] = chosen.receipt(result.receipt["stages"][0])
+            receipt["plan"] = plan_line(chosen, receipt["training_plan"])
         text = "\n".join([format_receipt(f"Train LoRA: {file_name} after {result.receipt['steps']} steps", receipt),
                           *train_lines(receipt, settings)])
         return {"ui": {"text": [text]}, "result": (with_lora(pipeline, spec), file_name)}
@@ -179,6 +194,16 @@ def prepare_lines(receipt: dict) -> list[str]:
     else:
         lines.append("text encoder and VAE not loaded: every sample came from the cache")
     return lines
+
+
+def plan_line(chosen, plan: dict) -> str:
+    """The planner's choice and predicted peaks, with the measured peaks beside them."""
+    measured = []
+    if "measured_peak_vram_bytes" in plan:
+        measured.append(f"VRAM {human_bytes(plan['measured_peak_vram_bytes'])}")
+    if "measured_peak_rss_bytes" in plan:
+        measured.append(f"RAM (process RSS) {human_bytes(plan['measured_peak_rss_bytes'])}")
+    return chosen.describe() + ("; measured peak " + ", ".join(measured) if measured else "")
 
 
 def train_lines(receipt: dict, settings: TrainSettings) -> list[str]:

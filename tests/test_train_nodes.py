@@ -45,12 +45,73 @@ def test_prepare_then_train_then_the_pipeline_carries_the_lora(tiny_loaded, fold
     assert "resumed at step 2" in resumed["ui"]["text"][0]
 
 
-def test_auto_strategy_trains_with_model_offload_and_says_so(tiny_loaded, folders):
-    loaded = tiny_loaded("cogvideox-t2v")
+def auto_data(loaded, folders):
     auto = StrategyChoice(MemoryStrategy(offload="model"), auto=True)
-    data = VidMemPrepareTrainingData().prepare(loaded, auto, str(make_dataset(folders / "clips", clips=1)), "32x32", "9")["result"][0]
-    out = VidMemTrainLoRA().train(loaded, data, auto, **dict(TRAIN, steps=1))
-    assert "offload=auto" in out["ui"]["text"][0] and "offload=model" in out["ui"]["text"][0]
+    return VidMemPrepareTrainingData().prepare(loaded, auto, str(make_dataset(folders / "clips", clips=1)), "32x32", "9")["result"][0]
+
+
+def tiny_plans(loaded, data, vram_bytes: int, ram_bytes: int = 1 << 40):
+    """The training planner's plans for TRAIN on this pipeline and data, as auto plans them."""
+    from vidmem.pipelines.planning import planner_model
+    from vidmem.training.plan import plan_training_step, planned_shape, training_request
+    from vidmem.training.settings import TrainSettings
+
+    settings = TrainSettings(**{k: v for k, v in TRAIN.items() if k not in ("lora_name", "resume")})
+    request = training_request(settings, MemoryStrategy(offload="model"), None)
+    return plan_training_step(planner_model(loaded), "transformer", planned_shape(data, settings), vram_bytes,
+                              ram_bytes, request)
+
+
+@pytest.fixture(scope="module")
+def deep_wan(tmp_path_factory):
+    """A tiny Wan pipeline saved with 6 transformer blocks: with the tiny model's 2 the planner's
+    block swap holds as much as model offload (prefetch + 1 + one in flight), so no budget tells them apart."""
+    import copy
+
+    from vidmem.pipelines.loader import load_pipeline
+    from vidmem.pipelines.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("wan2.1-t2v")
+    blocks = pipe.transformer.blocks
+    for block in list(blocks) * 2:
+        blocks.append(copy.deepcopy(block))
+    pipe.transformer.register_to_config(num_layers=len(blocks))
+    folder = tmp_path_factory.mktemp("deep-wan") / "wan"
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return load_pipeline(folder, "fp32")
+
+
+def test_auto_trains_with_the_training_planners_choice_and_shows_predicted_and_measured(deep_wan, folders):
+    """A VRAM budget that the no-offload plan exceeds but a block-swap plan fits: auto must train
+    with block swap (it used to train with model offload whatever the budget)."""
+    data = auto_data(deep_wan, folders)
+    roomy_plans, _ = tiny_plans(deep_wan, data, 1 << 40)
+    below_model = {p.tier: p for p in roomy_plans}["model"].peak_vram_bytes - 1
+    plans, best = tiny_plans(deep_wan, data, below_model)
+    by_tier = {p.tier: p for p in plans}
+    assert plans[best].tier == "block_swap" and by_tier["block_swap"].blocks_to_swap > 1
+    budget = (by_tier["block_swap"].peak_vram_bytes + 0.5) / (1 << 30)
+    auto = StrategyChoice(MemoryStrategy(offload="model"), auto=True, vram_budget_gb=budget, ram_budget_gb=1024.0)
+    out = VidMemTrainLoRA().train(deep_wan, data, auto, **dict(TRAIN, steps=1))
+    text = out["ui"]["text"][0]
+    expected = MemoryStrategy(offload="block_swap", blocks_to_swap=by_tier["block_swap"].blocks_to_swap).describe().split(",")[0]
+    assert f"auto chose {expected}" in text, text
+    assert "predicted peak VRAM" in text and "measured peak" in text and "RAM (process RSS)" in text
+    # with room for everything, auto trains with no offload (the fastest)
+    roomy = StrategyChoice(MemoryStrategy(offload="model"), auto=True, vram_budget_gb=1024.0, ram_budget_gb=1024.0)
+    out = VidMemTrainLoRA().train(deep_wan, data, roomy, **dict(TRAIN, lora_name="roomy", steps=1))
+    assert "auto chose offload=none" in out["ui"]["text"][0], out["ui"]["text"][0]
+
+
+def test_auto_with_nothing_fitting_is_refused_before_anything_is_written(tiny_loaded, folders):
+    loaded = tiny_loaded("wan2.1-t2v")
+    data = auto_data(loaded, folders)
+    tiny = StrategyChoice(MemoryStrategy(offload="model"), auto=True, vram_budget_gb=0.01, ram_budget_gb=1024.0)
+    with pytest.raises(TrainingError, match="no strategy fits a training step at 32x32x9"):
+        VidMemTrainLoRA().train(loaded, data, tiny, **TRAIN)
+    with pytest.raises(TrainingError, match="rank=100 is larger"):  # bad input is named as without auto
+        VidMemTrainLoRA().train(loaded, data, tiny, **dict(TRAIN, rank=100))
+    assert not (folders / "models" / "loras").exists() or not any((folders / "models" / "loras").iterdir())
 
 
 @pytest.mark.parametrize("changes, match", [

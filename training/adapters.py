@@ -74,16 +74,22 @@ def find_targets(model: nn.Module, component: str, suffixes: tuple[str, ...], bl
 
 def build_layers(model: nn.Module, targets: LoraTargets, rank: int, alpha: float, seed: int) -> nn.ModuleDict:
     """One LoraLayer per target (keys are module paths with '.' as '/'), seeded, on the CPU."""
+    check_rank(model, targets, rank)
     generator = torch.Generator("cpu").manual_seed(seed)
     layers = nn.ModuleDict()
+    for path in targets.paths:
+        module = model.get_submodule(path)
+        layers[key_of(path)] = LoraLayer(module.in_features, module.out_features, rank, alpha, generator)
+    return layers
+
+
+def check_rank(model: nn.Module, targets: LoraTargets, rank: int) -> None:
     for path in targets.paths:
         module = model.get_submodule(path)
         largest = min(module.in_features, module.out_features)
         if rank > largest:
             raise TrainingError(f"rank={rank} is larger than layer {path} allows ([out, in] = "
                                 f"[{module.out_features}, {module.in_features}]); use rank <= {largest}.")
-        layers[key_of(path)] = LoraLayer(module.in_features, module.out_features, rank, alpha, generator)
-    return layers
 
 
 def key_of(path: str) -> str:

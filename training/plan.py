@@ -1,0 +1,120 @@
+"""offload=auto for training: the training planner chooses the strategy, as `vidmem plan --train` does.
+
+The planner (memory/plan/train_plan.py) predicts one training step's peak VRAM and RAM per tier
+from the denoiser's config on the meta device, its stored format, the LoRA settings and the
+largest bucket of the prepared data at the run's batch size; the first tier that fits both
+budgets, fastest first, is the one trained with. The receipt names the plan and its predicted
+peaks, and after the run the measured peaks beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..memory import MemoryStrategy
+from ..memory.plan.train import trace_activations
+from ..memory.plan.train_plan import TrainPlan, TrainRequest, recommended, training_plans
+from ..memory.plan.types import Call, VideoShape
+from ..memory.storage import FORMATS
+from .adapters import check_rank, find_targets
+from .errors import TrainingError
+from .settings import TrainSettings
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class TrainingChoice:
+    """What auto chose: the strategy to train with, the plan behind it and the shape it was planned at."""
+
+    strategy: MemoryStrategy
+    plan: TrainPlan
+    shape: VideoShape
+    budgets: tuple[int, int]  # (VRAM, RAM) bytes planned against
+
+    def describe(self) -> str:
+        shape = self.shape
+        return (f"auto chose {self.strategy.describe()} for the training step at {shape.width}x{shape.height}x"
+                f"{shape.frames}, batch {shape.batch}: predicted peak VRAM {self.plan.peak_vram_bytes / GIB:.2f} GiB, "
+                f"RAM {self.plan.peak_ram_bytes / GIB:.2f} GiB (budgets {self.budgets[0] / GIB:.2f} / "
+                f"{self.budgets[1] / GIB:.2f} GiB)")
+
+    def receipt(self, measured: dict) -> dict:
+        """The plan's predictions, and beside them the run's measured peaks (`StageMeter.as_dict()`)."""
+        record = {"tier": self.plan.tier, "blocks_to_swap": self.plan.blocks_to_swap,
+                  "shape": [self.shape.width, self.shape.height, self.shape.frames, self.shape.batch],
+                  "predicted_peak_vram_bytes": self.plan.peak_vram_bytes,
+                  "predicted_peak_ram_bytes": self.plan.peak_ram_bytes,
+                  "vram_budget_bytes": self.budgets[0], "ram_budget_bytes": self.budgets[1]}
+        if measured.get("peak_allocated_bytes") is not None:
+            record["measured_peak_vram_bytes"] = measured["peak_allocated_bytes"]
+        if measured.get("peak_rss_bytes"):
+            record["measured_peak_rss_bytes"] = measured["peak_rss_bytes"]
+        return record
+
+
+def planned_shape(data, settings: TrainSettings) -> VideoShape:
+    """The largest bucket of the data (by latent volume) at the run's batch size, no guidance pass."""
+    buckets = {sample.bucket for sample in data.samples}
+    if not buckets:
+        raise TrainingError("the prepared data holds no samples; prepare a folder with captioned clips.")
+    largest = max(buckets, key=lambda b: (b.width * b.height * b.frames, b.label()))
+    return VideoShape(largest.width, largest.height, largest.frames, batch=settings.batch_size, cfg=False)
+
+
+def training_request(settings: TrainSettings, base: MemoryStrategy, storage: str | None) -> TrainRequest:
+    return TrainRequest(rank=settings.rank, optimizer=settings.optimizer.value, checkpointing=settings.gradient_checkpointing,
+                        targets=tuple(settings.target_modules), storage=storage, prefetch_blocks=base.prefetch_blocks)
+
+
+def plan_training_step(model, denoiser: str, shape: VideoShape, vram: int, ram: int,
+                       request: TrainRequest) -> tuple[list[TrainPlan], int | None]:
+    """Every tier's plan for one training step of `model`'s `denoiser` (a MetaModel from
+    vidmem.pipelines.configs) and the index of the recommended one (None: nothing fits)."""
+    from ..pipelines.configs import workloads
+
+    module = model.traced_module(denoiser)
+    blocks = getattr(module, model.spec.blocks_attr)
+    run = workloads.workload_for(model, Call("denoise", denoiser, shape))
+
+    def activations(checkpointing: bool):
+        return trace_activations(module, blocks, run, request.rank, request.targets, checkpointing, request.attention)
+
+    plans = training_plans(model, denoiser, shape, vram, ram, request, activations)
+    return plans, recommended(plans)
+
+
+def choose_training_strategy(loaded, data, settings: TrainSettings, base: MemoryStrategy,
+                             vram: int, ram: int) -> TrainingChoice:
+    """The fastest tier whose predicted training step fits both budgets; TrainingError if none does."""
+    from ..pipelines.planning import planner_model
+
+    from .loop import check_request
+
+    # The run's own checks first, so bad input is named as without auto, not as a planning failure.
+    component = check_request(loaded, data, base, settings)
+    model = getattr(loaded.pipe, component)
+    check_rank(model, find_targets(model, component, settings.target_modules, loaded.spec.blocks_attr), settings.rank)
+    shape = planned_shape(data, settings)
+    stored = loaded.storage.get(component) if hasattr(loaded, "storage") else None
+    request = training_request(settings, base, stored if stored in FORMATS else None)
+    try:
+        plans, best = plan_training_step(planner_model(loaded), component, shape, vram, ram, request)
+    except ValueError as error:
+        raise TrainingError(f"offload=auto could not plan this training step: {error}; choose an offload tier "
+                            "on the Memory Strategy node.") from None
+    if best is None:
+        raise TrainingError(_nothing_fits(plans, shape, vram, ram))
+    plan = plans[best]
+    strategy = replace(base, offload=plan.tier, blocks_to_swap=plan.blocks_to_swap)
+    return TrainingChoice(strategy, plan, shape, (vram, ram))
+
+
+def _nothing_fits(plans: list[TrainPlan], shape: VideoShape, vram: int, ram: int) -> str:
+    runnable = [p for p in plans if not p.refused] or plans
+    least = min(runnable, key=lambda p: p.peak_vram_bytes)
+    return (f"offload=auto: no strategy fits a training step at {shape.width}x{shape.height}x{shape.frames}, batch "
+            f"{shape.batch} in {vram / GIB:.2f} GiB VRAM and {ram / GIB:.2f} GiB RAM; the least is {least.tier}"
+            f"{f' {least.blocks_to_swap}' if least.blocks_to_swap else ''} at {least.peak_vram_bytes / GIB:.2f} GiB VRAM, "
+            f"{least.peak_ram_bytes / GIB:.2f} GiB RAM. Lower the rank, batch size or bucket size, turn "
+            "gradient_checkpointing on, use optimizer adamw_8bit, or raise the budgets.")
