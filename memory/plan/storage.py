@@ -1,17 +1,18 @@
 """Weight bytes as stored: which tensors a storage format shrinks, and what that costs at run time.
 
-Only the large matrices are ever stored below the compute precision, as Comfy-Org's fp8 files and
-GGUF files do and as the engine's per-layer upcasting modules hold them: every `nn.Linear` weight,
-and the text encoder's token embedding (`nn.Embedding`). Biases, norms, convolutions, other
-embeddings and modulation tables stay in the compute dtype. A stored tensor costs
-`StorageFormat.stored_bytes(numel)` (whole GGUF blocks), plus one float32 scale for "fp8 scaled".
+Which tensors a format stores is the format's own declaration (`StorageFormat.lowers`, the one the
+loaders' `weight_dtype` lowering reads too): every `nn.Linear` weight, and token embeddings
+(`nn.Embedding`) only for formats whose files hold them narrow (GGUF; Comfy-Org's fp8 files keep
+umt5's `shared.weight` in bf16). Biases, norms, convolutions and modulation tables stay in the
+compute dtype. A stored tensor costs `StorageFormat.stored_bytes(numel)` (whole GGUF blocks), plus
+one float32 scale for "fp8 scaled".
 
-While a stored layer computes, the engine holds one dequantized copy of its weight in the compute
-dtype; scaled fp8 and GGUF dequantize through a float32 temporary of the same shape first (H1's
-storage notes: exact, device-independent rounding). Both are freed before the next layer runs, so
-a component's transient cost is its largest stored linear weight at those precisions
-(`StoredSizes.transient_bytes`). A stored embedding dequantizes only the rows it looks up
-(`StoredTensor.select_rows`), a few tokens' worth, so it adds no transient of note.
+While a stored layer computes, the engine upcasts its weight to the compute dtype, through float32
+temporaries for scaled fp8 and GGUF, in row chunks for large matrices; `upcast_workspace_bytes`
+(memory.storage, measured against the engine's allocations) says how many bytes that takes. They
+are freed before the next layer runs, so a component's transient is its largest stored linear
+weight's workspace (`StoredSizes.transient_bytes`). A stored embedding dequantizes only the rows it
+looks up (`StoredTensor.select_rows`), a few tokens' worth, so it adds no transient of note.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch
 from torch import nn
 
 from ..storage.formats import StorageFormat
+from ..storage.stored import upcast_workspace_bytes
 
 # Comfy-Org's "fp8 scaled" files carry one float32 `scale_weight` per quantized tensor.
 FP8_SCALE_BYTES = 4
-FLOAT32_BYTES = 4  # the dequantization temporary of scaled fp8 and GGUF
 
 
 @dataclass(frozen=True)
@@ -36,21 +37,21 @@ class StoredSizes:
 
     storage: str | None = None  # the format's name; None: every tensor in its compute dtype
     by_tensor: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}), repr=False, compare=False)
-    transient_bytes: int = 0  # the largest stored weight, dequantized to its compute dtype
+    transient_bytes: int = 0  # the largest stored weight's upcast workspace (upcast_workspace_bytes)
+    stored_weights: int = 0  # weights upcast per forward pass (linear layers held below their compute dtype)
 
     def nbytes(self, key: int, tensor: torch.Tensor) -> int:
         """Bytes of `tensor` (`key`: id of its Parameter or buffer object) as the component holds it."""
         return self.by_tensor.get(key, tensor.numel() * tensor.element_size())
 
 
-def quantizable(module: nn.Module, embeddings: bool) -> list[nn.Parameter]:
-    """The weights a storage format applies to, each once (tied weights are one tensor)."""
-    found: dict[int, nn.Parameter] = {}
+def quantizable(module: nn.Module, fmt: StorageFormat) -> list[tuple[nn.Module, nn.Parameter]]:
+    """The layers whose weight `fmt` stores (`StorageFormat.lowers`), each weight once (tied weights are one tensor)."""
+    found: dict[int, tuple[nn.Module, nn.Parameter]] = {}
     for sub in module.modules():
-        if isinstance(sub, nn.Linear) or (embeddings and isinstance(sub, nn.Embedding)):
-            weight = sub._parameters.get("weight")
-            if weight is not None:
-                found[id(weight)] = weight
+        if fmt.lowers(sub):
+            weight = sub._parameters["weight"]
+            found.setdefault(id(weight), (sub, weight))
     return list(found.values())
 
 
@@ -58,21 +59,18 @@ def stored_tensor_bytes(numel: int, fmt: StorageFormat) -> int:
     return fmt.stored_bytes(numel) + (FP8_SCALE_BYTES if fmt.scaled else 0)
 
 
-def stored_sizes(module: nn.Module, fmt: StorageFormat | None, embeddings: bool) -> StoredSizes:
-    """`module`'s quantizable weights under `fmt` (`embeddings`: the module is a text encoder).
-
-    A format equal to a tensor's own dtype changes nothing for it (bf16 storage of a bf16 model).
-    """
+def stored_sizes(module: nn.Module, fmt: StorageFormat | None) -> StoredSizes:
+    """`module`'s weights under `fmt`. A format equal to a tensor's own dtype changes nothing for
+    it (bf16 storage of a bf16 model)."""
     if fmt is None:
         return StoredSizes()
-    sizes, transient = {}, 0
-    embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-    for weight in quantizable(module, embeddings):
+    sizes, transient, upcast = {}, 0, 0
+    for layer, weight in quantizable(module, fmt):
         if fmt.torch_dtype == weight.dtype and not fmt.scaled:
             continue
         sizes[id(weight)] = stored_tensor_bytes(weight.numel(), fmt)
-        if id(weight) in embedding_weights:  # dequantized row by row: no whole-weight transient
+        if isinstance(layer, nn.Embedding):  # dequantized row by row: no whole-weight transient
             continue
-        through_float32 = fmt.scaled or fmt.gguf_type is not None
-        transient = max(transient, weight.numel() * (weight.element_size() + (FLOAT32_BYTES if through_float32 else 0)))
-    return StoredSizes(fmt.name, MappingProxyType(sizes), transient)
+        transient = max(transient, upcast_workspace_bytes(fmt, weight.shape, weight.dtype))
+        upcast += weight.numel()
+    return StoredSizes(fmt.name, MappingProxyType(sizes), transient, upcast)

@@ -11,7 +11,7 @@ from .mapping import is_file_backed, mapped_bytes
 from .modules import StoredEmbedding, StoredLinear
 from .quantize import quantize
 from .scaled import fold_scaled_fp8
-from .stored import StoredTensor
+from .stored import StoredTensor, upcast_workspace_bytes
 from .weightfile import open_weights
 
 __all__ = [
@@ -36,4 +36,5 @@ __all__ = [
     "sniff",
     "storage_format",
     "supported_gguf_types",
+    "upcast_workspace_bytes",
 ]

@@ -24,6 +24,15 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Weights upcast in one pass (16 Mi: 64 MiB of float32 temporaries); larger layers go in row chunks
 # so a 14B model's 70 M-weight matrices do not need several 280 MB temporaries on the device.
 DEQUANT_CHUNK = 1 << 24
+# Peak bytes per weight of the temporaries one upcast pass allocates (its result included), for the
+# formats computed through float32: scaled fp8 holds the widened copy and the scaled product (two
+# float32); GGUF the block formulas' integer and float32 intermediates (ggml.py). Measured with
+# torch.profiler(profile_memory=True) on torch 2.13's CPU allocator, the same for bf16/fp16/fp32
+# results; tests/test_storage_workspace.py measures them again against `upcast_workspace_bytes`.
+UPCAST_TEMPORARY_BYTES_PER_WEIGHT = {
+    "fp8_scaled": 8.0, "gguf_q8_0": 8.125, "gguf_q4_0": 9.125, "gguf_q4_1": 9.125, "gguf_q5_0": 9.125,
+    "gguf_q5_1": 9.125, "gguf_q4_k": 9.25, "gguf_q5_k": 9.25, "gguf_q6_k": 11.25,
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,6 +125,25 @@ class StoredTensor:
         if data.numel() != fmt.stored_bytes(self.numel):
             return f"{data.numel()} data bytes, expected {fmt.stored_bytes(self.numel)}"
         return None
+
+
+def upcast_workspace_bytes(fmt: StorageFormat, shape, dtype: torch.dtype) -> int:
+    """Peak bytes `StoredTensor.dequantize` allocates for a weight of `shape` stored in `fmt` and
+    upcast to `dtype` (the result included; the stored data already on the device): the one figure
+    the planner reads for a stored layer's transient. Plain and unscaled fp8 formats only widen
+    (the result; nothing when already `dtype`); scaled fp8 and GGUF go through float32 temporaries,
+    in row chunks of at most DEQUANT_CHUNK weights for large matrices (the result is then whole
+    while one chunk's temporaries live)."""
+    shape = torch.Size(shape)
+    numel, itemsize = shape.numel(), torch.empty(0, dtype=dtype).element_size()
+    if fmt.gguf_type is None and not fmt.scaled:
+        return 0 if fmt.torch_dtype == dtype else numel * itemsize
+    per_weight = UPCAST_TEMPORARY_BYTES_PER_WEIGHT[fmt.name]
+    if numel <= DEQUANT_CHUNK or len(shape) < 2:
+        return int(max(per_weight, itemsize) * numel)
+    row = numel // shape[0]
+    chunk = min(shape[0], max(1, DEQUANT_CHUNK // row)) * row
+    return numel * itemsize + int(per_weight * chunk)
 
 
 def _upcast(data: torch.Tensor, scale: torch.Tensor | None, fmt: StorageFormat, shape, dtype: torch.dtype) -> torch.Tensor:

@@ -134,7 +134,7 @@ class MetaModel:
         if key not in self._weights:
             module, blocks = self.module(component), self.blocks(component)
             fmt = storage_format(storage) if storage else None
-            stored = stored_sizes(module, fmt, embeddings=component in self.layout.text_encoders)
+            stored = stored_sizes(module, fmt)
             slots = [slot for m in module.modules() for slot in own_slots(m)]
             sizes = tuple(tensor_sizes(slots, stored))
             self._weights[key] = ComponentWeights(component, sum(sizes), len(blocks) if blocks else 0, sizes, stored)
