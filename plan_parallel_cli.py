@@ -59,7 +59,8 @@ def wants_parallel(args: argparse.Namespace) -> bool:
 
 
 def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) -> int:
-    from .memory.plan.parallel import INTERCONNECTS, MultiGpu, parallel_candidates, parallel_recommended
+    from .memory.plan.parallel import (INTERCONNECTS, MultiGpu, context_parallel_refusal, parallel_candidates,
+                                       parallel_recommended)
 
     link = INTERCONNECTS[args.interconnect]
     if args.interconnect_gbps is not None:
@@ -67,6 +68,9 @@ def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) ->
             raise ValueError(f"--interconnect-gbps {args.interconnect_gbps} must be positive, e.g. 25 for PCIe 4.0 x16.")
         link = type(link)(f"{link.name} at {args.interconnect_gbps:g} GB/s", args.interconnect_gbps * 1e9, link.latency_s)
     layout = MultiGpu(args.gpus, args.cp, link)
+    refusal = None if args.cp == "balanced" else context_parallel_refusal(model, args.cp)
+    if refusal:  # the runtime's words, and the planner's way to what they suggest
+        raise ValueError(f"{refusal} To plan that: vidmem plan --gpus {args.gpus} --cp balanced.")
     plans, single = parallel_candidates(model, shape, vram, ram, layout, base, options)
     best = parallel_recommended(plans)
     message = None if best is not None else _nothing_fits(plans, layout, vram, ram)

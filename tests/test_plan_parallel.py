@@ -99,11 +99,30 @@ def test_ring_holds_every_rank_keys_and_values():
 def test_cogvideox_is_refused_context_parallelism_but_balanced_works(tiny_folder):
     model = load_model(str(tiny_folder("cogvideox-t2v")), "fp32")
     shape = VideoShape(32, 32, 9)
-    with pytest.raises(ParallelError, match="no context-parallel plan for CogVideoXTransformer3DModel.*balanced"):
+    with pytest.raises(ParallelError, match="CogVideoXPipeline has no context-parallel plan.*different GPUs"):
         plan_parallel(model, shape, MemoryStrategy(), MultiGpu(2))
     balanced = plan_parallel(model, shape, MemoryStrategy(), MultiGpu(2, "balanced"))
     assert [g.components for g in balanced.gpus] == [("text_encoder", "vae"), ("transformer",)]
     assert balanced.strategy.offload is OffloadTier.NONE
+
+
+@pytest.mark.parametrize("variant, shape, degree, mode", [
+    ("cogvideox-t2v", VideoShape(32, 32, 9), 2, "ulysses"),  # no context-parallel plan
+    ("wan2.1-t2v", VideoShape(32, 32, 9), 4, "ulysses"),  # 2 heads do not divide by 4
+    ("wan2.1-t2v", VideoShape(48, 32, 9), 4, "ring"),  # 3 x 2 x 3 = 18 tokens do not divide by 4
+])
+def test_refusals_are_the_runtime_s_own_words(tiny_folder, tiny_loaded, variant, shape, degree, mode):
+    from vidmem.memory.strategy import ContextParallel, Parallelism
+    from vidmem.pipelines.family import ModelError
+    from vidmem.pipelines.parallel import check_context_parallel
+
+    model = load_model(str(tiny_folder(variant)), "fp32")
+    with pytest.raises(ParallelError) as planned:
+        plan_parallel(model, shape, MemoryStrategy(), MultiGpu(degree, mode))
+    parallel = Parallelism(context_parallel=ContextParallel(mode), degree=degree)
+    with pytest.raises(ModelError) as refused:
+        check_context_parallel(tiny_loaded(variant), shape.width, shape.height, shape.frames, parallel, degree, "cuda")
+    assert str(planned.value) == str(refused.value)
 
 
 def test_balanced_placement_spreads_the_experts(tiny_folder):
@@ -121,19 +140,20 @@ def test_balanced_placement_spreads_the_experts(tiny_folder):
 
 def test_uneven_sequence_names_sizes_that_split(wan):
     shape = VideoShape(480, 480, 81)  # 21 x 30 x 30 = 18900 tokens: not a multiple of 8
-    with pytest.raises(ParallelError, match="18900 tokens.*8 GPUs") as refused:
+    with pytest.raises(ParallelError, match="18900 video tokens.*8 ranks") as refused:
         plan_parallel(wan, shape, MemoryStrategy(), MultiGpu(4 * 2, "ring"))
-    message = str(refused.value)
-    frames = [int(f) for f in re.search(r"--frames ([\d or]+)", message).group(1).split(" or ")]
-    sizes = [tuple(map(int, s)) for s in re.findall(r"--size (\d+)x(\d+)", message)]
-    assert frames and sizes
-    for candidate in [VideoShape(480, 480, f) for f in frames] + [VideoShape(w, h, 81) for w, h in sizes]:
+    found = dict(re.findall(r"(width|height|frames) ([\d, ]+\d)", str(refused.value)))
+    assert set(found) == {"width", "height", "frames"}
+    candidates = [VideoShape(int(w), 480, 81) for w in found["width"].split(", ")]
+    candidates += [VideoShape(480, int(h), 81) for h in found["height"].split(", ")]
+    candidates += [VideoShape(480, 480, int(f)) for f in found["frames"].split(", ")]
+    for candidate in candidates:
         wan.check_shape(candidate)
         assert sequence_tokens(wan, candidate) % 8 == 0
 
 
 def test_ulysses_needs_the_heads_to_divide(wan):
-    with pytest.raises(ParallelError, match="12 attention heads: 8 GPUs.*2, 3, 4, 6, 12 GPUs.*ring"):
+    with pytest.raises(ParallelError, match="12 attention heads.*8 ranks; use a degree of 2, 3, 4, 6, 12, or ring"):
         plan_parallel(wan, VideoShape(512, 512, 81), MemoryStrategy(), MultiGpu(8))
 
 
@@ -165,7 +185,8 @@ def test_plan_command_gpus_json(capsys, wan):
 
 def test_plan_command_gpus_refusals(capsys):
     assert plan_main(["plan", "--model", "cogvideox-2b", "--vram", "24", "--ram", "64", "--gpus", "2"]) == 2
-    assert "no context-parallel plan" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no context-parallel plan" in err and err.rstrip().endswith("vidmem plan --gpus 2 --cp balanced.")
     assert plan_main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "24", "--ram", "64", "--gpus", "0"]) == 2
     assert "--gpus 0" in capsys.readouterr().err
     assert plan_main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "24", "--ram", "64", "--gpus", "2",

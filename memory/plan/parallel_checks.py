@@ -22,7 +22,7 @@ from .planner import PlanError, PlannerModel, VideoShape
 
 __all__ = ["RING", "ULYSSES", "CommBytes", "ParallelError", "check_context_parallel", "comm_bytes",
            "context_parallel_refusal", "sequence_tokens", "uneven_message"]
-NEAREST = 2  # sizes suggested on each side of a refused one
+NEARBY = 3  # sizes suggested for each input, as the runtime does
 
 
 class ParallelError(PlanError):
@@ -55,15 +55,16 @@ def sequence_tokens(model: PlannerModel, shape: VideoShape, denoiser: str | None
     return (frames // patch[0]) * (height // patch[1]) * (width // patch[2])
 
 
-def context_parallel_refusal(model: PlannerModel) -> str | None:
-    """Why `model` cannot run context-parallel in diffusers (None when it can)."""
+def context_parallel_refusal(model: PlannerModel, mode: str = ULYSSES) -> str | None:
+    """Why `model` cannot run context-parallel in diffusers (None when it can), in the runtime's words
+    (vidmem.pipelines.parallel.checks, which the tests hold this to)."""
     for name in model.layout.denoisers:
-        cls = type(model.module(name))
-        if not getattr(cls, "_cp_plan", None):
-            return (f"{model.name} cannot run with context parallelism: diffusers has no context-parallel plan for "
-                    f"{cls.__name__} (splitting its joint text-and-video attention naively gives wrong frames "
-                    f"without an error). Use balanced placement across the GPUs (whole components on different "
-                    f"GPUs; vidmem plan --cp balanced) or one GPU.")
+        if not getattr(type(model.module(name)), "_cp_plan", None):
+            pipeline = getattr(model, "pipeline_class", type(model.module(name)).__name__)
+            return (f"context_parallel={mode}: {pipeline} has no context-parallel plan in diffusers (splitting "
+                    "its joint text+video attention naively gives wrong frames without any error). Set "
+                    "context_parallel to off; with two or more GPUs listed, whole components are then placed on "
+                    "different GPUs instead.")
     return None
 
 
@@ -73,33 +74,31 @@ def check_context_parallel(model: PlannerModel, shape: VideoShape, gpus: int, mo
         raise ParallelError(f"gpus={gpus} must be at least 1.")
     if gpus == 1:
         return
-    refusal = context_parallel_refusal(model)
+    refusal = context_parallel_refusal(model, mode)
     if refusal:
         raise ParallelError(refusal)
     denoiser = model.layout.denoisers[0]
     heads = transformer_config(model, denoiser).num_attention_heads
     if mode == ULYSSES and heads % gpus:
-        counts = ", ".join(str(n) for n in range(2, heads + 1) if heads % n == 0 and n <= 16)
-        raise ParallelError(f"Ulysses gives every GPU an equal share of {model.name}'s {heads} attention heads: "
-                            f"{gpus} GPUs do not divide {heads}. Use {counts} GPUs, or ring attention (--cp ring).")
+        working = [d for d in range(2, heads + 1) if heads % d == 0 and d <= 16]
+        raise ParallelError(
+            f"context_parallel=ulysses with degree {gpus}: this transformer has {heads} attention heads, which "
+            f"do not divide between {gpus} ranks; use a degree of {', '.join(map(str, working))}, or ring.")
     tokens = sequence_tokens(model, shape, denoiser)
     if tokens % gpus:
-        raise ParallelError(uneven_message(model, shape, gpus, tokens, heads if mode == ULYSSES else None))
+        raise ParallelError(f"context_parallel={mode}, degree {gpus}: {uneven_message(model, shape, gpus, tokens)}")
 
 
-def uneven_message(model: PlannerModel, shape: VideoShape, gpus: int, tokens: int, heads: int | None = None) -> str:
-    """The sequence does not divide by `gpus`: the nearest frames and sizes that do, and a GPU count
-    that does (one that also divides `heads`, for Ulysses)."""
-    frames = _working(model, shape, gpus, "frames", 4)
-    widths = _working(model, shape, gpus, "width", _size_step(model))
-    heights = _working(model, shape, gpus, "height", _size_step(model))
-    sizes = [f"--frames {' or '.join(map(str, frames))}"] if frames else []
-    sizes += [f"--size {w}x{shape.height}" for w in widths] + [f"--size {shape.width}x{h}" for h in heights]
-    counts = [n for n in range(2, gpus) if tokens % n == 0 and (heads is None or heads % n == 0)]
-    more = f", or {counts[-1]} GPUs" if counts else ""
-    return (f"{model.name} at {shape.width}x{shape.height}x{shape.frames} has {tokens} tokens per video, which do not "
-            f"split evenly across {gpus} GPUs (diffusers' context parallelism gives every rank an equal share). "
-            f"Sizes that do: {'; '.join(sizes) or 'none nearby'}{more}.")
+def uneven_message(model: PlannerModel, shape: VideoShape, gpus: int, tokens: int) -> str:
+    """The runtime's words (pipelines.parallel.checks.sequence_problem): nearby widths, heights and
+    frame counts, one input changed, whose tokens divide by `gpus`."""
+    step = _size_step(model)
+    nearby = {"width": _near(model, shape, "width", step, gpus), "height": _near(model, shape, "height", step, gpus),
+              "frames": _near(model, shape, "frames", model.geometry.temporal_factor, gpus)}
+    options = "; ".join(f"{name} {', '.join(map(str, values))}" for name, values in nearby.items() if values)
+    return (f"{shape.width}x{shape.height}x{shape.frames} makes {tokens} video tokens, which does not divide between "
+            f"{gpus} ranks (context parallelism splits the tokens evenly). Sizes that work, changing one input: "
+            f"{options}.")
 
 
 def _size_step(model: PlannerModel) -> int:
@@ -108,23 +107,12 @@ def _size_step(model: PlannerModel) -> int:
     return model.geometry.spatial_factor * patch
 
 
-def _working(model: PlannerModel, shape: VideoShape, gpus: int, field: str, step: int) -> list[int]:
-    """The nearest values of `field` (below and above) the model accepts and whose tokens split evenly."""
-    found = []
-    for direction in (-1, 1):
-        for k in range(1, 64):
-            value = getattr(shape, field) + direction * k * step
-            if value <= 0:
-                break
-            candidate = replace(shape, **{field: value})
-            try:
-                model.check_shape(candidate)
-            except ValueError:
-                continue
-            if sequence_tokens(model, candidate) % gpus == 0:
-                found.append(value)
-                break
-    return sorted(found)[: NEAREST * 2]
+def _near(model: PlannerModel, shape: VideoShape, field: str, step: int, gpus: int) -> list[int]:
+    """The NEARBY closest values of `field` (alternating below and above) whose tokens divide by `gpus`."""
+    value, low = getattr(shape, field), 1 if field == "frames" else step
+    found = [v for k in range(1, 64) for v in (value - k * step, value + k * step)
+             if v >= low and sequence_tokens(model, replace(shape, **{field: v})) % gpus == 0]
+    return sorted(found[:NEARBY])
 
 
 def comm_bytes(model: PlannerModel, shape: VideoShape, denoiser: str, gpus: int, mode: str) -> CommBytes:
