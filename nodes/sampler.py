@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import reduce
+
+import torch
 
 from ..memory.plan.stages import VideoShape
 from ..memory.telemetry import free_device_bytes
 from ..pipelines.loader import FAMILIES
+from ..pipelines.parallel import resolve_ranks, sample_parallel
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
 from ..pipelines.schedulers import SCHEDULERS
 from . import host
 from .loader import PIPELINE_TYPE
-from .receipts import format_receipt
+from .receipts import format_receipt, human_bytes
 from .strategy import STRATEGY_TYPE, as_choice
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
@@ -113,12 +117,35 @@ class VidMemVideoSampler:
             # After an out-of-memory error the ladder asks what is free; None off CUDA (fixed ladder).
             hooks = RunHooks(progress.step, host.check_interrupt, host.make_room, device_budget=free_device_bytes,
                              prompt_cache=cache)
-            result = sample(pipeline, run, request, hooks, device=device)
+            result = _sample(pipeline, replace(run, parallel=choice.strategy.parallel), request, hooks, device)
         finally:
             progress.close()
         receipt = dict(result.receipt, plan=plan_line)
+        if "parallel" in receipt:
+            receipt["device"] = parallel_line(receipt["parallel"])
         text = format_receipt(f"Video Sampler: {pipeline.describe()}", receipt)
         return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (result.latent,)}
+
+
+def _sample(pipeline, strategy, request, hooks, device):
+    """One process, or with context parallelism the pool of ranks (this process keeps progress,
+    Cancel and the receipt; the ranks apply the offload tier to their own copies)."""
+    parallel = strategy.parallel
+    if not parallel.context_parallel_on:
+        return sample(pipeline, strategy, request, hooks, device=device)
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    return sample_parallel(pipeline, strategy, request, resolve_ranks(parallel, visible), hooks)
+
+
+def parallel_line(parallel: dict) -> str:
+    """"2 ranks (gloo), ulysses degree 2; per-rank peak: ..." for the receipt's device line."""
+    def peak(p: dict) -> str:
+        if "peak_allocated_bytes" in p:
+            return f"VRAM {human_bytes(p['peak_allocated_bytes'])}"
+        return f"RSS {human_bytes(p['peak_rss_bytes'])}"
+
+    peaks = ", ".join(f"rank {i} {peak(p)}" for i, p in enumerate(parallel["per_rank_peak_bytes"]))
+    return f"{parallel['ranks']} ranks ({parallel['backend']}), {parallel['mode']} degree {parallel['degree']}; peak: {peaks}"
 
 
 def _strategy_for_run(pipeline, choice, shape: VideoShape, device):

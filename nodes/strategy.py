@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..memory import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement, VaeTiling
-from ..memory.strategy import TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE
+from ..memory.strategy import TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE, ContextParallel, Parallelism
 from ..memory.telemetry import default_budgets
 from ..memory.units import GiB
 
@@ -55,7 +55,9 @@ class StrategyChoice:
 
     def describe(self) -> str:
         if self.auto:
-            return "offload=auto: the Sampler's planner chooses the tier, blocks, text encoder and VAE tiling"
+            parallel = self.strategy.parallel.describe()
+            return ("offload=auto: the Sampler's planner chooses the tier, blocks, text encoder and VAE tiling"
+                    + (f"; {parallel}" if parallel else ""))
         return self.strategy.describe()
 
 
@@ -94,6 +96,29 @@ def build_strategy(
 WIDGETS = tuple(build_strategy.__code__.co_varnames[: build_strategy.__code__.co_argcount])
 BUDGETS = ("vram_budget_gb", "ram_budget_gb")
 LEGACY_SHAPE_INPUTS = ("width", "height", "frames")  # on this node before the Sampler's shape was used
+# Added after the budgets, so the positional widgets_values of older workflows keep their meaning.
+# Two widgets, not three: the web extension recognises workflows saved before the shape moved to
+# the Sampler by their 17 values (web/js/vidmem_format.js), and 14 + 3 would be mistaken for them.
+PARALLEL_WIDGETS = ("gpus", "context_parallel")
+CPU_RANKS = "cpu:"
+
+
+def parse_parallel(gpus: str, context_parallel: str) -> Parallelism:
+    """The `gpus` text ("auto", "0,1", "cpu:2") and the context_parallel choice as a Parallelism."""
+    text = str(gpus).strip().lower().replace(" ", "")
+    mode = context_parallel  # Parallelism names a value that is not one of the choices
+    if text in ("", AUTO):
+        return Parallelism(None, mode)
+    if text.startswith(CPU_RANKS):
+        count = text[len(CPU_RANKS):]
+        if not count.isdigit() or int(count) < 2 or mode == ContextParallel.OFF:
+            raise StrategyError(f"gpus={gpus!r}: 'cpu:N' runs N CPU processes (N 2 or more, for testing without GPUs) "
+                                "and needs context_parallel ulysses; e.g. cpu:2.")
+        return Parallelism(None, mode, int(count))
+    parts = text.split(",")
+    if not all(part.isdigit() for part in parts):
+        raise StrategyError(f"gpus={gpus!r} must be auto, GPU indices separated by commas (e.g. 0,1), or cpu:N.")
+    return Parallelism(tuple(int(part) for part in parts), mode)
 
 
 def tile_size_problem(tile_size) -> str | None:
@@ -171,6 +196,16 @@ class VidMemMemoryStrategy:
                     "VRAM the plan may use; 0: the GPU's total memory. Lower it to leave room for other apps."}),
                 "ram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 4096.0, "step": 1.0, "tooltip":
                     "System RAM the plan may use, including the loaded weights; 0: this machine's RAM."}),
+                "gpus": ("STRING", {"default": AUTO, "tooltip":
+                    "Which GPUs to use, as CUDA numbers them. auto: ComfyUI's GPU (context_parallel off) or every "
+                    "visible GPU (context_parallel on). 0,1: these GPUs; with context_parallel off, whole components "
+                    "go to different GPUs (text encoder and VAE on the first, transformers on the others) so nothing "
+                    "offloads; with it on, one rank per GPU. cpu:2: two CPU processes (testing without GPUs)."}),
+                "context_parallel": ([m.value for m in ContextParallel], {"default": ContextParallel.OFF.value,
+                    "tooltip": "Split each video's tokens between the GPUs (Wan only, diffusers' context "
+                    "parallelism); every GPU holds the whole model and applies the offload tier above to its own "
+                    "copy. ulysses: exchanges attention heads (the heads and tokens must divide by the GPU count). "
+                    "ring: passes keys and values round the GPUs (needs flash/cuDNN attention). off: one process."}),
             },
         }
 
@@ -182,10 +217,12 @@ class VidMemMemoryStrategy:
         before queueing and raised by build() when the node runs, before anything is sampled."""
         return tile_size_problem(tile_size) or True
 
-    def build(self, pipeline=None, vram_budget_gb=0.0, ram_budget_gb=0.0, **widgets):
+    def build(self, pipeline=None, vram_budget_gb=0.0, ram_budget_gb=0.0, gpus=AUTO,
+              context_parallel=ContextParallel.OFF.value, **widgets):
         for name in LEGACY_SHAPE_INPUTS:  # direct callers of older versions; ComfyUI drops them itself
             widgets.pop(name, None)
-        choice = StrategyChoice(build_strategy(**widgets), widgets["offload"] == AUTO, vram_budget_gb, ram_budget_gb)
+        strategy = replace(build_strategy(**widgets), parallel=parse_parallel(gpus, context_parallel))
+        choice = StrategyChoice(strategy, widgets["offload"] == AUTO, vram_budget_gb, ram_budget_gb)
         return {"ui": {"text": [choice.describe()]}, "result": (choice,)}
 
 

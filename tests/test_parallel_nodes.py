@@ -1,0 +1,63 @@
+"""The node inputs are enough: Memory Strategy (gpus, context_parallel) -> Video Sampler runs the ranks."""
+
+from __future__ import annotations
+
+import pytest
+import psutil
+
+from fuzz_support import strategy_widgets
+from vidmem.memory import StrategyError
+from vidmem.memory.strategy import Parallelism
+from vidmem.nodes import NODE_CLASS_MAPPINGS as N
+from vidmem.nodes.strategy import PARALLEL_WIDGETS, VidMemMemoryStrategy, parse_parallel
+from vidmem.pipelines.parallel import close_pool
+from vidmem.pipelines.parallel.run import POOL_ATTRIBUTE
+
+
+def build(**changes):
+    (choice,) = N["VidMemMemoryStrategy"]().build(**strategy_widgets(offload="none"), **changes)["result"]
+    return choice
+
+
+def test_parallel_widgets_come_last_so_older_workflows_keep_their_values():
+    spec = VidMemMemoryStrategy.INPUT_TYPES()
+    assert list(spec["optional"])[-len(PARALLEL_WIDGETS):] == list(PARALLEL_WIDGETS)
+    assert build().strategy.parallel == Parallelism()  # defaults: one process, as before
+
+
+@pytest.mark.parametrize("gpus, mode, expected", [
+    ("auto", "off", Parallelism()),
+    (" 0, 1 ", "off", Parallelism((0, 1))),
+    ("0,2", "ulysses", Parallelism((0, 2), "ulysses")),
+    ("CPU:2", "ulysses", Parallelism(None, "ulysses", 2)),
+])
+def test_gpus_text(gpus, mode, expected):
+    assert parse_parallel(gpus, mode) == expected
+
+
+@pytest.mark.parametrize("gpus, mode, message", [("0;1", "off", "GPU indices separated by commas"),
+                                                 ("cpu:2", "off", "needs context_parallel ulysses"),
+                                                 ("cpu:1", "ulysses", "N 2 or more")])
+def test_bad_gpus_text_is_named(gpus, mode, message):
+    with pytest.raises(StrategyError, match=f"gpus={gpus!r}.*{message}"):
+        build(gpus=gpus, context_parallel=mode)
+
+
+def test_sampler_node_runs_the_ranks_with_progress_and_a_receipt(tiny_folder, monkeypatch):
+    from vidmem.nodes import host
+
+    steps = []
+    monkeypatch.setattr(host.Progress, "step", lambda self, step, total=None: steps.append(step))
+    (pipeline,) = N["VidMemLoadPipeline"]().load(model="ignored", dtype="fp32", path=str(tiny_folder("wan2.1-t2v")))
+    sampler = N["VidMemVideoSampler"]()
+    try:
+        single = sampler.sample(pipeline, build(), "a cat", "", 32, 32, 9, 2, 5.0, 7)
+        split = sampler.sample(pipeline, build(gpus="cpu:2", context_parallel="ulysses"), "a cat", "", 32, 32, 9, 2, 5.0, 7)
+        pids = getattr(pipeline.pipe, POOL_ATTRIBUTE)[1].pids
+        assert split["result"][0]["samples"].equal(single["result"][0]["samples"])
+        text = split["ui"]["text"][0]
+        assert "2 ranks (gloo), ulysses degree 2; peak: rank 0 RSS" in text and "rank 1 RSS" in text
+        assert steps[-2:] == [1, 2]
+    finally:
+        close_pool(pipeline)
+    assert not any(psutil.pid_exists(pid) for pid in pids)
