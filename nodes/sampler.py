@@ -11,7 +11,8 @@ import torch
 from ..memory.plan.stages import VideoShape
 from ..memory.telemetry import free_device_bytes
 from ..pipelines.loader import FAMILIES
-from ..pipelines.parallel import resolve_ranks, sample_parallel
+from ..pipelines.family import ModelError
+from ..pipelines.parallel import DeviceRoom, balanced_placement, component_bytes, resolve_ranks, sample_balanced, sample_parallel
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
@@ -123,6 +124,8 @@ class VidMemVideoSampler:
         receipt = dict(result.receipt, plan=plan_line)
         if "parallel" in receipt:
             receipt["device"] = parallel_line(receipt["parallel"])
+        if "placement" in receipt:
+            receipt["device"] = receipt["placement"]
         text = format_receipt(f"Video Sampler: {pipeline.describe()}", receipt)
         return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (result.latent,)}
 
@@ -131,10 +134,23 @@ def _sample(pipeline, strategy, request, hooks, device):
     """One process, or with context parallelism the pool of ranks (this process keeps progress,
     Cancel and the receipt; the ranks apply the offload tier to their own copies)."""
     parallel = strategy.parallel
+    if parallel.balanced:
+        return sample_balanced(pipeline, strategy, request, _placement(pipeline, parallel.gpus, device), hooks)
     if not parallel.context_parallel_on:
         return sample(pipeline, strategy, request, hooks, device=device)
     visible = torch.cuda.device_count() if device.type == "cuda" else 0
     return sample_parallel(pipeline, strategy, request, resolve_ranks(parallel, visible), hooks)
+
+
+def _placement(pipeline, gpus: tuple[int, ...], device):
+    """Balanced placement over the listed GPUs, from their free memory now."""
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    missing = [g for g in gpus if g >= visible]
+    if missing:
+        raise ModelError(f"gpus={','.join(map(str, gpus))}: GPU {','.join(map(str, missing))} is not visible (this "
+                         f"machine shows {visible}); set gpus to auto, or list GPUs 0..{visible - 1}.")
+    rooms = [DeviceRoom(f"cuda:{g}", torch.cuda.mem_get_info(g)[0]) for g in gpus]
+    return balanced_placement(component_bytes(pipeline.pipe), rooms)
 
 
 def parallel_line(parallel: dict) -> str:

@@ -61,3 +61,10 @@ def test_sampler_node_runs_the_ranks_with_progress_and_a_receipt(tiny_folder, mo
     finally:
         close_pool(pipeline)
     assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_balanced_gpus_without_gpus_are_refused_by_name(tiny_loaded):
+    from vidmem.pipelines.family import ModelError
+
+    with pytest.raises(ModelError, match="gpus=0,1: GPU 0,1 is not visible"):
+        N["VidMemVideoSampler"]().sample(tiny_loaded("wan2.1-t2v"), build(gpus="0,1"), "a cat", "", 32, 32, 9, 1, 1.0, 0)

@@ -1,0 +1,114 @@
+"""Balanced placement (the seed's `device_map="balanced"`): whole components on different GPUs.
+
+With two or more GPUs and no context parallelism, the transformers go to one GPU and the
+prompt encoder to another, so neither has to leave room for the other and nothing offloads.
+The choice is a pure function of component sizes and device capacities (tested on the CPU with
+made-up devices); `placed_encoder` moves the prompt encoder for one call and makes it take its
+inputs from wherever they are.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ...memory.units import GiB
+from ..family import ModelError
+
+DENOISERS = ("transformer", "transformer_2")
+PROMPT_ENCODER = "text_encoder"
+
+
+@dataclass(frozen=True)
+class DeviceRoom:
+    device: str  # "cuda:1", or any name in tests
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which device runs the denoisers (the run's compute device) and which the prompt encoder."""
+
+    denoisers: str
+    prompt_encoder: str
+
+    def describe(self) -> str:
+        return f"balanced: transformers on {self.denoisers}, text encoder on {self.prompt_encoder}"
+
+
+def balanced_placement(component_bytes: Mapping[str, int], rooms: Sequence[DeviceRoom]) -> Placement:
+    """The denoisers (together: Wan 2.2 A14B's two experts stay on one GPU) on the device with the
+    most room; the prompt encoder on the roomiest other device it fits on. ModelError when the
+    denoisers fit nowhere or the encoder fits on no other device (then placement cannot help)."""
+    if len(rooms) < 2:
+        raise ModelError(f"balanced placement needs two or more GPUs; {len(rooms)} given. List them in gpus (e.g. 0,1).")
+    denoiser_bytes = sum(component_bytes.get(name, 0) for name in DENOISERS)
+    encoder_bytes = component_bytes.get(PROMPT_ENCODER, 0)
+    by_room = sorted(rooms, key=lambda room: room.free_bytes, reverse=True)
+    home = by_room[0]
+    if denoiser_bytes > home.free_bytes:
+        raise ModelError(
+            f"balanced placement: the transformers need {denoiser_bytes / GiB:.1f} GiB and the roomiest GPU "
+            f"({home.device}) has {home.free_bytes / GiB:.1f} GiB free; use context_parallel=ulysses, or an offload "
+            "tier (block_swap) on one GPU."
+        )
+    for room in by_room[1:]:
+        if encoder_bytes <= room.free_bytes:
+            return Placement(home.device, room.device)
+    raise ModelError(
+        f"balanced placement: the text encoder needs {encoder_bytes / GiB:.1f} GiB and no GPU other than "
+        f"{home.device} has that much free; use gpus=auto with an offload tier, or text_encoder=cpu."
+    )
+
+
+def component_bytes(pipe) -> dict[str, int]:
+    """Bytes of the weights of each placed component of `pipe` (absent components left out)."""
+    sizes = {}
+    for name in (*DENOISERS, PROMPT_ENCODER):
+        module = getattr(pipe, name, None)
+        if isinstance(module, nn.Module):
+            sizes[name] = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    return sizes
+
+
+@contextmanager
+def placed_encoder(pipe, device: torch.device) -> Iterator[None]:
+    """The prompt encoder on `device` for the length of the `with`, taking inputs from any device.
+
+    The pipeline hands it token ids on the compute device; a forward pre-hook moves them to the
+    encoder's own device. Restored (device and hook) on success, error or Cancel alike.
+    """
+    encoder = getattr(pipe, PROMPT_ENCODER)
+    home = next(encoder.parameters()).device
+    hook = encoder.register_forward_pre_hook(lambda module, args, kwargs: _to(device, args, kwargs), with_kwargs=True)
+    try:
+        encoder.to(device)
+        yield
+    finally:
+        hook.remove()
+        encoder.to(home)
+
+
+def _to(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    move = lambda value: value.to(device) if isinstance(value, torch.Tensor) else value  # noqa: E731
+    return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+
+def sample_balanced(loaded, strategy, request, placement: Placement, hooks=None):
+    """Sample with the denoisers on `placement.denoisers` (under the strategy's tier, so a model
+    too big for one GPU may still swap blocks there) and the prompt encoder on its own GPU."""
+    from ...memory.strategy import Parallelism, TextEncoderPlacement
+    from ..hooks import RunHooks
+    from ..sample import sample
+
+    # The encoder is placed here, so the tier must leave it alone: the engine's "cpu" placement
+    # is exactly "not part of the stage; embeddings are moved to the compute device".
+    per_call = replace(strategy, parallel=Parallelism(), text_encoder=TextEncoderPlacement.CPU)
+    with placed_encoder(loaded.pipe, torch.device(placement.prompt_encoder)):
+        result = sample(loaded, per_call, request, hooks or RunHooks(), device=torch.device(placement.denoisers))
+    result.receipt.update(strategy=strategy.describe(), placement=placement.describe())
+    return result

@@ -1,0 +1,59 @@
+"""Balanced placement: the choice on made-up devices, and the run on CPU devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.units import GiB
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.parallel import DeviceRoom, Placement, balanced_placement, component_bytes, sample_balanced
+from vidmem.pipelines.sample import SampleRequest, sample
+
+WAN14B = {"transformer": 28 * GiB, "text_encoder": 11 * GiB}
+A14B = {"transformer": 28 * GiB, "transformer_2": 28 * GiB, "text_encoder": 11 * GiB}
+
+
+@pytest.mark.parametrize("sizes, rooms, expected", [
+    (WAN14B, [DeviceRoom("cuda:0", 24 * GiB), DeviceRoom("cuda:1", 40 * GiB)], Placement("cuda:1", "cuda:0")),
+    (WAN14B, [DeviceRoom("a", 80 * GiB), DeviceRoom("b", 12 * GiB), DeviceRoom("c", 16 * GiB)], Placement("a", "c")),
+    (A14B, [DeviceRoom("a", 24 * GiB), DeviceRoom("b", 80 * GiB)], Placement("b", "a")),
+])
+def test_transformers_go_to_the_roomiest_gpu_and_the_encoder_elsewhere(sizes, rooms, expected):
+    assert balanced_placement(sizes, rooms) == expected
+
+
+@pytest.mark.parametrize("sizes, rooms, message", [
+    (WAN14B, [DeviceRoom("a", 80 * GiB)], "needs two or more GPUs"),
+    (A14B, [DeviceRoom("a", 48 * GiB), DeviceRoom("b", 48 * GiB)], "transformers need 56.0 GiB.*ulysses"),
+    (WAN14B, [DeviceRoom("a", 40 * GiB), DeviceRoom("b", 8 * GiB)], "text encoder needs 11.0 GiB"),
+])
+def test_what_cannot_be_placed_is_named(sizes, rooms, message):
+    with pytest.raises(ModelError, match=message):
+        balanced_placement(sizes, rooms)
+
+
+def test_component_bytes_count_weights(tiny_loaded):
+    sizes = component_bytes(tiny_loaded("wan2.2-a14b").pipe)
+    assert set(sizes) == {"transformer", "transformer_2", "text_encoder"}
+    assert sizes["transformer"] == sizes["transformer_2"] > 0
+
+
+def test_a_balanced_run_gives_the_frames_of_a_plain_run_and_restores_the_encoder(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    encoder = loaded.pipe.text_encoder
+    request = SampleRequest("a cat", "a dog", 32, 32, 9, steps=2, cfg=5.0, seed=1)
+    strategy = MemoryStrategy(offload="none")
+    plain = sample(loaded, strategy, request, device=torch.device("cpu")).latent["samples"]
+    calls = []
+    hook = encoder.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1), with_kwargs=True)
+    try:
+        result = sample_balanced(loaded, strategy, request, Placement("cpu", "cpu"))
+    finally:
+        hook.remove()
+    assert result.latent["samples"].equal(plain)
+    assert calls, "the placed encoder ran"
+    assert result.receipt["placement"] == "balanced: transformers on cpu, text encoder on cpu"
+    assert "text_encoder=offload_after_encoding" in result.receipt["strategy"]  # the user's, not the call's
+    assert len(encoder._forward_pre_hooks) == 0
