@@ -16,12 +16,13 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..memory.plan.planner import PlanOptions
-from ..memory.storage import FORMATS, storage_format
-from ..pipelines.comfy_files import DEFAULT_WEIGHTS, shipped_catalogue
+from ..memory.storage import FORMATS
+from ..pipelines.comfy_files import shipped_catalogue
 from ..pipelines.comfy_files import detect, match
 from ..pipelines.comfy_files.files import read_weight_file
-from ..pipelines.comfy_files.load import LOWERED, _COMPONENT, _KIND
+from ..pipelines.comfy_files.load import _COMPONENT, _KIND
 from ..pipelines.configs import load_model, model_names
+from ..pipelines.weight_storage import DEFAULT_WEIGHTS, LOWERED, WEIGHT_DTYPES, held_format
 from . import host
 
 FILES_LOADER = "VidMemLoadModelFiles"
@@ -98,21 +99,13 @@ def recognise(request: FilesRequest, dtype: str) -> RecognisedFiles:
     storage, restored = {}, False
     for role, file in opened.items():
         component = _COMPONENT[role]
-        held = _lowered(file.storage, request.weight_dtype) if component in LOWERED else (vae if component == "vae" else dtype)
+        held = held_format(file.storage, request.weight_dtype) if component in LOWERED else (vae if component == "vae" else dtype)
         restored |= component in LOWERED and held != file.storage
         if held in FORMATS and component in model.layout.all:
             storage[component] = held
     # Matrices weight_dtype re-stored at load live in RAM: the disk tier holds only while they stay mapped.
     on_disk = request.weights_on_disk and not restored
     return RecognisedFiles(entry.name, PlanOptions(storage=storage, on_disk=on_disk), model)
-
-
-def _lowered(stored: str, weight_dtype: str) -> str:
-    """What the loader holds: weight_dtype lowers the matrices, never raises them."""
-    if weight_dtype == DEFAULT_WEIGHTS or stored not in FORMATS:
-        return stored
-    narrower = storage_format(weight_dtype).bytes_per_weight < storage_format(stored).bytes_per_weight
-    return weight_dtype if narrower else stored
 
 
 def _planner_model(name: str, dtype: str, vae: str, config_dirs) -> object:
@@ -144,9 +137,49 @@ def transformer_file_request(query) -> tuple[str, int, int] | None:
     return name, stat.st_size, stat.st_mtime_ns
 
 
+def weight_dtype_request(query) -> str:
+    """Load Video Pipeline's weight_dtype (its last widget); FilesProblem when it is not a choice."""
+    value = query.get("weight_dtype", DEFAULT_WEIGHTS)
+    if value not in WEIGHT_DTYPES:
+        raise FilesProblem("weight_dtype", f"weight_dtype={value!r} must be {DEFAULT_WEIGHTS} or one of {', '.join(FORMATS)}.")
+    return value
+
+
+def folder_options(model: str, weight_dtype: str, transformer_file: tuple[str, int, int] | None) -> PlanOptions:
+    """How Load Video Pipeline holds a folder's weights, as the loader will (`folder_storage`):
+    at the compute dtype by default; with weight_dtype, each lowered component in the format its
+    files' matrices are held in, memory-mapped (the disk tier) when nothing was re-stored."""
+    storage = dict(transformer_file_options(transformer_file, weight_dtype).storage) if transformer_file else {}
+    if weight_dtype == DEFAULT_WEIGHTS:
+        return PlanOptions(storage=storage)
+    folder = host.resolve_model_folder(model, "")
+    index = folder / "model_index.json"
+    held = _folder_storage(str(folder), index.stat().st_mtime_ns if index.is_file() else 0, weight_dtype,
+                           ("transformer",) if transformer_file else ())
+    storage.update({name: fmt for name, (_, fmt) in held.items()})
+    on_disk = not transformer_file and all(stored == fmt for stored, fmt in held.values())
+    return PlanOptions(storage=storage, on_disk=on_disk)
+
+
 @lru_cache(maxsize=16)
-def transformer_file_options(file: tuple[str, int, int]) -> PlanOptions:
-    """A folder's transformer replaced by a single file: planned in the file's storage, copied to RAM
-    (the folder loader does not keep weights on disk)."""
+def _folder_storage(folder: str, stamp: int, weight_dtype: str, replaced: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """component -> (its files' matrix format, the format the loader holds it in); `stamp`: a
+    changed model_index.json is read again. Only headers are read (the files are mapped)."""
+    from ..pipelines.folder_storage import folder_tensors, lowered_components
+    from ..pipelines.loader import read_model_index
+
+    index = read_model_index(Path(folder))
+    held = {}
+    for name in lowered_components(index, replaced):
+        stored = detect.storage_name(folder_tensors(Path(folder) / name, name))
+        held[name] = (stored, held_format(stored, weight_dtype))
+    return held
+
+
+@lru_cache(maxsize=16)
+def transformer_file_options(file: tuple[str, int, int], weight_dtype: str = DEFAULT_WEIGHTS) -> PlanOptions:
+    """A folder's transformer replaced by a single file: planned in the file's storage (lowered by
+    weight_dtype where narrower), copied to RAM (the folder loader does not keep weights on disk)."""
     opened = read_weight_file(host.resolve_single_file(file[0]), "transformer_file", detect.TRANSFORMER)
-    return PlanOptions(storage={"transformer": opened.storage} if opened.storage in FORMATS else {})
+    held = held_format(opened.storage, weight_dtype)
+    return PlanOptions(storage={"transformer": held} if held in FORMATS else {})

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from ..memory import OffloadTier, StrategyError
 from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recommended
 from ..memory.plan.stages import VideoShape
-from .plan_files import (FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request, recognise,
-                         transformer_file_options, transformer_file_request)
+from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
+                         folder_options, recognise, transformer_file_request, weight_dtype_request)
 from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, tile_size_problem
 
 PLAN_ROUTE = "/vidmem/plan"
@@ -50,6 +50,7 @@ class PlanRequest:
     ram_budget_gb: float
     files: FilesRequest | None = None  # a Load Video Model Files node's widgets; None for a folder
     transformer_file: tuple[str, int, int] | None = None  # Load Video Pipeline's single-file transformer
+    weight_dtype: str = DEFAULT_WEIGHTS  # Load Video Pipeline's storage choice for the folder
 
     @property
     def auto(self) -> bool:
@@ -60,11 +61,13 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     """A PlanRequest from the query string; PlanRequestError naming the first bad parameter."""
     model = _required(query, "model")
     files = transformer_file = None
+    weight_dtype = DEFAULT_WEIGHTS
     try:
         if query.get("loader") == FILES_LOADER:
             files = files_request(query, dtypes)
         else:
             transformer_file = transformer_file_request(query)
+            weight_dtype = weight_dtype_request(query)
     except FilesProblem as error:
         raise PlanRequestError(error.name, str(error)) from None
     if files is None and model not in model_names:
@@ -79,7 +82,7 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
     shape = VideoShape(width, height, frames, cfg=cfg > 1.0)
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
-                       files=files, transformer_file=transformer_file)
+                       files=files, transformer_file=transformer_file, weight_dtype=weight_dtype)
 
 
 def _required(query: Mapping[str, str], name: str) -> str:
@@ -162,8 +165,8 @@ def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], ob
     """The plannable model and how its weights are held: a folder's at the compute dtype; single
     files recognised from their headers, with their own storage and the disk tier."""
     if request.files is None:
-        options = transformer_file_options(request.transformer_file) if request.transformer_file else PlanOptions()
-        return load_model(request.model, request.dtype), options
+        model = load_model(request.model, request.dtype)
+        return model, folder_options(request.model, request.weight_dtype, request.transformer_file)
     recognised = recognise(request.files, request.dtype)
     return recognised.planner_model, recognised.options
 
@@ -185,7 +188,7 @@ def _input_named(message: str) -> str | None:
     """The input a planner or strategy message is about: its messages start 'name=value'."""
     head = message.split("=", 1)[0].strip()
     role = message.split(":", 1)[0].strip()
-    if role in (*FILE_ROLES, "transformer_file"):  # the file loaders' messages start 'role: ...'
+    if role in (*FILE_ROLES, "transformer_file", "weight_dtype"):  # the file loaders' messages start 'role: ...'
         return role
     known = (*WIDGETS, *BUDGETS, *SHAPE)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)

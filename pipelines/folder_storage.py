@@ -46,7 +46,7 @@ def load_stored(folder: Path, index: dict, configs: dict[str, dict], names: tupl
     each config against the weights its files hold, and what the load keeps in RAM (the lowered
     weights, the other components at `dtype`) against the machine's RAM and swap.
     """
-    tensors = {name: _folder_tensors(folder / name, name) for name in names}
+    tensors = {name: folder_tensors(folder / name, name) for name in names}
     components = {name: _component_config(folder, index, name, configs) for name in names}
     needs = []
     for name in names:
@@ -80,7 +80,7 @@ def _component_config(folder: Path, index: dict, name: str, configs: dict[str, d
     return ComponentConfig(name, library, class_name, configs[name], str(folder / name / "config.json"))
 
 
-def _folder_tensors(path: Path, name: str) -> dict:
+def folder_tensors(path: Path, name: str) -> dict:
     """The component's weights as its class loads them (the index's shards, or the single file),
     memory-mapped; fp8 scales folded as in Comfy-Org's files."""
     tensors = {}

@@ -257,4 +257,9 @@ test("the plan finds the loader through any chain of Load LoRA / Train LoRA node
   const folder = node("VidMemLoadPipeline", null, { model: "Wan2.1", dtype: "fp16", transformer_file: "(folder)" });
   assert.deepEqual(loaderFields(folder, (name) => folder.widgets[name]),
     { loader: "VidMemLoadPipeline", model: "Wan2.1", dtype: "fp16", transformer_file: "(folder)" });
+  const stored = node("VidMemLoadPipeline", null, { model: "Cog", dtype: "bf16", transformer_file: "(folder)",
+    weight_dtype: "fp8_scaled" });
+  const storedQuery = new URLSearchParams(planQuery({ model: "Cog", dtype: "bf16",
+    loader: loaderFields(stored, (name) => stored.widgets[name]), widgets: {}, shape: { width: 32, height: 32, frames: 9 } }));
+  assert.equal(storedQuery.get("weight_dtype"), "fp8_scaled"); // the folder's storage choice reaches the route
 });

@@ -224,8 +224,11 @@ export function loaderFields(loader, value) {
     return { loader: kind, model: value("model"), dtype: value("dtype"), ...files };
   }
   const fields = { loader: kind, model: value("model"), dtype: value("dtype") };
-  const single = value("transformer_file");
-  if (single !== undefined && single !== null) fields.transformer_file = single;
+  // Load Video Pipeline's own file and storage choices (weight_dtype: its last widget).
+  for (const name of ["transformer_file", "weight_dtype"]) {
+    const chosen = value(name);
+    if (chosen !== undefined && chosen !== null) fields[name] = chosen;
+  }
   return fields;
 }
 
