@@ -38,6 +38,16 @@ def test_ranks_split_activations_and_keep_every_weight(wan):
     assert 1 < plans[2].speedup < 2 and 2 < plans[4].speedup < 4
 
 
+def test_image_to_video_splits_the_transformer_not_the_image_encoders():
+    model = load_model("wan2.1-i2v-14b-480p")
+    one, two = (plan_parallel(model, SMALL, MemoryStrategy(), MultiGpu(n)).gpus[0] for n in (1, 2))
+    assert two.denoise_activation_bytes < one.denoise_activation_bytes
+    assert two.weights_bytes == one.weights_bytes
+    conditioning = lambda gpu: [p.peak.allocated - sum(p.resident)  # noqa: E731
+                                for p in gpu.stage("denoise").phases if "(image)" in p.label]
+    assert conditioning(one) and conditioning(two) == conditioning(one)  # replicated, not split
+
+
 def test_one_gpu_is_the_single_gpu_plan(wan):
     strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=10)
     single = plan_run(wan, SMALL, strategy, vram_budget_bytes=6 << 30, ram_budget_bytes=32 << 30)

@@ -64,7 +64,7 @@ def _context_parallel(model, shape, strategy, layout, options, budgets, single: 
     n, nccl = layout.gpus, NCCL_BYTES(layout.gpus)
     if n == 1:
         rank = plan_run(model, shape, strategy, options, vram, ram)
-        gpus = (GpuPlan(0, model.layout.all, rank.stages),)
+        gpus = (GpuPlan(0, model.layout.all, rank.stages, denoisers=model.layout.denoisers),)
         return ParallelPlan(model.name, shape, layout, strategy, gpus, plan_seconds(rank), _seconds(reference),
                             host_bytes=rank.peak_ram_bytes, page_cache_bytes=rank.peak_page_cache_bytes,
                             vram_budget_bytes=vram, ram_budget_bytes=ram)
@@ -75,7 +75,8 @@ def _context_parallel(model, shape, strategy, layout, options, budgets, single: 
     # context and NCCL buffers stay; its weights went back to the host when its run ended.
     on_gpu0 = with_resident(decode, (CUDA_CONTEXT_BYTES, nccl), options).within(vram)
     elsewhere = StagePlan("decode", (), 0)
-    gpus = tuple(GpuPlan(i, model.layout.all, (*ranked, on_gpu0 if i == 0 else elsewhere), nccl) for i in range(n))
+    gpus = tuple(GpuPlan(i, model.layout.all, (*ranked, on_gpu0 if i == 0 else elsewhere), nccl, model.layout.denoisers)
+                 for i in range(n))
     rank = Plan(model.name, shape, strategy, (*ranked, on_gpu0), single.baseline_seconds, vram, _share(ram, n), options)
     comm, comm_s = _comm(model, shape, rank, layout)
     # RAM: each rank's process holds its own copy of the pipeline, and so does the coordinator
@@ -142,8 +143,8 @@ def _balanced(model, shape, strategy, layout, options, budgets, reference: Plan)
         holder = next(names for names in placement if model.layout.vae in names)
         resident = balanced_tiling(model, shape, resident, holder, options, vram)
     whole = plan_run(model, shape, resident, options, None, ram)  # the same work, nothing offloaded
-    gpus = tuple(GpuPlan(i, names, tuple(st.within(vram) for st in balanced_stages(model, shape, resident, names, options)))
-                 for i, names in enumerate(placement))
+    gpus = tuple(GpuPlan(i, names, tuple(st.within(vram) for st in balanced_stages(model, shape, resident, names, options)),
+                         denoisers=model.layout.denoisers) for i, names in enumerate(placement))
     return ParallelPlan(model.name, shape, layout, resident, gpus, plan_seconds(whole), _seconds(reference),
                         host_bytes=whole.peak_ram_bytes, page_cache_bytes=whole.peak_page_cache_bytes,
                         vram_budget_bytes=vram, ram_budget_bytes=ram)

@@ -76,6 +76,7 @@ class GpuPlan:
     components: tuple[str, ...]
     stages: tuple[StagePlan, ...]
     comm_bytes: int = 0  # NCCL's buffers, counted in every stage's device figure
+    denoisers: tuple[str, ...] = ()  # the transformer phases' labels (conditioning encoders also compute in denoise)
 
     @property
     def peak_bytes(self) -> int:
@@ -86,14 +87,16 @@ class GpuPlan:
 
     @property
     def weights_bytes(self) -> int:
-        """Weights on the GPU while the denoiser computes (the heaviest denoiser phase; 0 if none here)."""
-        return max((p.weights_bytes for p in self.stage("denoise").phases), default=0)
+        """Weights on the GPU while a transformer computes (the heaviest; 0 if none computes here)."""
+        return max((p.weights_bytes for p in self._transformer_phases()), default=0)
 
     @property
     def denoise_activation_bytes(self) -> int:
-        """Traced bytes of the denoise call at its peak (activations and collective buffers)."""
-        phases = self.stage("denoise").phases
-        return max((p.peak.allocated - sum(p.resident) for p in phases), default=0)
+        """Traced bytes of a transformer call at its peak (activations and collective buffers)."""
+        return max((p.peak.allocated - sum(p.resident) for p in self._transformer_phases()), default=0)
+
+    def _transformer_phases(self):
+        return [p for p in self.stage("denoise").phases if p.label in self.denoisers]
 
     def fits(self, vram: int | None) -> bool:
         return all(s.fits(vram) for s in self.stages)
