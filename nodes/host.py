@@ -11,7 +11,16 @@ import os
 import sys
 from pathlib import Path
 
-from .model_lists import ListingCache
+from .model_folders import (  # noqa: F401 (public here: the loader nodes read them through host)
+    DIFFUSERS_KEY as MODELS_FOLDER_KEY,
+    LORAS_KEY as LORAS_FOLDER_KEY,
+    MODEL_FILE_FOLDERS,
+    LORA_SUFFIXES,
+    MODEL_FILE_SUFFIXES,
+    MODELS_DIR_ENV,
+    ModelFolders,
+    models_root,
+)
 
 log = logging.getLogger("vidmem")
 
@@ -22,12 +31,11 @@ try:  # ComfyUI present: the pack runs inside the host
 except ImportError:  # CI, the CLI, plain Python: no host
     model_management = comfy_utils = folder_paths = None
 
-MODELS_FOLDER_KEY = "diffusers"
-# Outside ComfyUI (`vidmem queue` tools, benches, scripts): a folder laid out like ComfyUI's models/.
-MODELS_DIR_ENV = "VIDMEM_MODELS_DIR"
-# The process's model-folder listings (folder_paths keeps its own the same way): one per root,
-# walked again only when a directory in it changes (nodes/model_lists.py).
-_LISTINGS = ListingCache()
+
+def model_folders() -> ModelFolders:
+    """The model folders: ComfyUI's folder_paths inside ComfyUI; without it $VIDMEM_MODELS_DIR (a
+    folder laid out like ComfyUI's models/), read at each call; listings cached (nodes/model_lists.py)."""
+    return ModelFolders(folder_paths, None if folder_paths is not None else models_root())
 
 
 def in_comfyui() -> bool:
@@ -66,26 +74,19 @@ def check_interrupt() -> None:
 
 
 def diffusers_model_names() -> list[str]:
-    """Folders under models/diffusers that hold a model_index.json, by relative name (cached,
-    symlink-loop safe: nodes/model_lists.py)."""
-    names = {os.path.dirname(name) or "." for root in _diffusers_roots() for name in _LISTINGS.files(root)
-             if os.path.basename(name) == "model_index.json"}
-    return sorted(names)
+    """Folders under models/diffusers that hold a model_index.json, by relative name (cached, symlink-loop safe)."""
+    return model_folders().diffusers_names(_diffusers_roots())
 
 
 def resolve_model_folder(name: str, path: str) -> Path:
     """An explicit `path` wins; otherwise `name` is looked up under models/diffusers."""
     if path.strip():
         return Path(path.strip()).expanduser()
-    for root in _diffusers_roots():
-        candidate = Path(root) / name
-        if (candidate / "model_index.json").is_file():
-            return candidate
-    where = ", ".join(_diffusers_roots()) or _no_folder(MODELS_FOLDER_KEY)
-    raise FileNotFoundError(
-        f"model '{name}' was not found under {where}; put the diffusers-format folder there "
-        "or give its full path in the 'path' input."
-    )
+    return model_folders().resolve_diffusers(name, _diffusers_roots())
+
+
+def _diffusers_roots() -> list[str]:
+    return model_folders().folders(MODELS_FOLDER_KEY)
 
 
 def single_file_transformer_names() -> list[str]:
@@ -97,28 +98,6 @@ def single_file_transformer_names() -> list[str]:
 def resolve_single_file(name: str) -> Path:
     """The full path of transformer_file `name`; FileNotFoundError naming the folders when absent."""
     return resolve_model_file("model", name, "transformer_file")
-
-
-def _diffusers_roots() -> list[str]:
-    return _folder_paths(MODELS_FOLDER_KEY)
-
-
-def models_root() -> Path | None:
-    """Without ComfyUI: $VIDMEM_MODELS_DIR, a folder laid out like ComfyUI's models/ (diffusers/,
-    diffusion_models/, text_encoders/, vae/, clip_vision/, loras/, vidmem_configs/); None when unset.
-    Inside ComfyUI its folder_paths decides (extra_model_paths.yaml included) and this is not read."""
-    value = os.environ.get(MODELS_DIR_ENV, "").strip()
-    return Path(value).expanduser() if value else None
-
-
-def _no_folder(key: str) -> str:
-    """Where a model would have been looked for, for an error message."""
-    if folder_paths is not None:
-        return f"ComfyUI's models/{key} (no such folder)"
-    root = models_root()
-    if root is None:
-        return f"models/{key}: ComfyUI is not running and {MODELS_DIR_ENV} is not set (set it to a folder laid out like ComfyUI's models/)"
-    return f"{root / key} (from {MODELS_DIR_ENV}; no such folder)"
 
 
 def make_room(bytes_needed: int, device) -> None:
@@ -305,85 +284,34 @@ def _os_cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
-LORAS_FOLDER_KEY = "loras"
-
-
-LORA_SUFFIXES = (".safetensors", ".sft")
-
-
 def lora_names() -> list[str]:
     """Safetensors files under models/loras (empty without ComfyUI or $VIDMEM_MODELS_DIR)."""
-    return _files_under((LORAS_FOLDER_KEY,), LORA_SUFFIXES)
+    return model_folders().files((LORAS_FOLDER_KEY,), LORA_SUFFIXES)
 
 
 def resolve_lora(name: str) -> Path:
     """The full path of `name` under models/loras; FileNotFoundError naming the folders if absent."""
-    return _resolve_in((LORAS_FOLDER_KEY,), name, "lora_name")
+    return model_folders().resolve((LORAS_FOLDER_KEY,), name, "lora_name")
 
 
 # --- ComfyUI's own model files (Load Video Model Files) --------------------------------------------
 
-# Loader input -> ComfyUI folder keys, as core loaders list them ("unet" and "clip" are the legacy names).
-MODEL_FILE_FOLDERS = {
-    "model": ("diffusion_models", "unet"),
-    "text_encoder": ("text_encoders", "clip"),
-    "vae": ("vae",),
-    "clip_vision": ("clip_vision",),
-}
-MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".gguf")  # what vidmem reads; pickles are never offered
-
-
 def model_file_names(role: str) -> list[str]:
     """Weight files under the folders of loader input `role`, .gguf included (core ComfyUI lists
-    .gguf only when ComfyUI-GGUF is installed); empty without ComfyUI or $VIDMEM_MODELS_DIR.
-
-    The pack walks the folders itself (cached, symlink-loop safe: nodes/model_lists.py) rather
-    than calling folder_paths.get_filename_list, whose walk never ends on a symlink loop.
-    """
-    return _files_under(MODEL_FILE_FOLDERS[role], MODEL_FILE_SUFFIXES)
+    .gguf only when ComfyUI-GGUF is installed); empty without ComfyUI or $VIDMEM_MODELS_DIR."""
+    return model_folders().files(MODEL_FILE_FOLDERS[role], MODEL_FILE_SUFFIXES)
 
 
 def resolve_model_file(role: str, name: str, label: str = "") -> Path:
     """The full path of `name` in the folders of loader input `role` (named `label` in the error,
     default `role`); FileNotFoundError naming them."""
-    return _resolve_in(MODEL_FILE_FOLDERS[role], name, label or role)
-
-
-def _files_under(keys: tuple[str, ...], suffixes: tuple[str, ...]) -> list[str]:
-    return sorted({name for key in keys for root in _folder_paths(key) for name in _LISTINGS.files(root)
-                   if name.lower().endswith(suffixes)})
-
-
-def _resolve_in(keys: tuple[str, ...], name: str, label: str) -> Path:
-    for key in keys:
-        for root in _folder_paths(key):
-            candidate = Path(root) / name
-            if candidate.is_file():
-                return candidate
-    where = ", ".join(_no_folder(key) if not _folder_paths(key) else f"models/{key}" for key in keys)
-    raise FileNotFoundError(f"{label} '{name}' was not found in {where}; put the file there (or pick one from the list).")
-
-
-def _folder_paths(key: str) -> list[str]:
-    """The existing folders of ComfyUI's folder key `key`, or without ComfyUI $VIDMEM_MODELS_DIR/<key>."""
-    if folder_paths is None:
-        root = models_root()
-        return [str(root / key)] if root is not None and (root / key).is_dir() else []
-    try:
-        return [p for p in folder_paths.get_folder_paths(key) if os.path.isdir(p)]
-    except KeyError:  # a folder key this ComfyUI version does not know
-        return []
-
-
-MODEL_CONFIGS_FOLDER = "vidmem_configs"
+    return model_folders().resolve(MODEL_FILE_FOLDERS[role], name, label or role)
 
 
 def model_config_dirs() -> list[Path]:
     """models/vidmem_configs when it exists: extra model configs (shipped schema) the single-file
     loader matches files against, e.g. the tiny test models (empty without ComfyUI or $VIDMEM_MODELS_DIR)."""
-    root = Path(folder_paths.models_dir) if folder_paths is not None else models_root()
-    folder = root / MODEL_CONFIGS_FOLDER if root is not None else None
-    return [folder] if folder is not None and folder.is_dir() else []
+    return model_folders().config_dirs()
 
 
 # --- LoRA training (Prepare Training Data, Train LoRA) ----------------------------------------------
@@ -395,7 +323,7 @@ def loras_folder() -> Path:
     """Where a trained LoRA is written: ComfyUI's first models/loras folder; without ComfyUI
     $VIDMEM_MODELS_DIR/loras, else ./models/loras."""
     if folder_paths is not None:
-        folders = _folder_paths(LORAS_FOLDER_KEY) or list(folder_paths.get_folder_paths(LORAS_FOLDER_KEY))
+        folders = model_folders().folders(LORAS_FOLDER_KEY) or list(folder_paths.get_folder_paths(LORAS_FOLDER_KEY))
         if folders:
             return Path(folders[0])
     root = models_root()

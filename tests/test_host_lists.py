@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vidmem.nodes import host, model_lists
+from vidmem.nodes import host, model_folders, model_lists
 
 LIST_TIMEOUT_S = 20  # a listing of a handful of folders takes milliseconds; a loop never ends
 
@@ -29,7 +29,7 @@ def comfy_models(tmp_path, monkeypatch):
         (models / key).mkdir(parents=True)
     monkeypatch.setattr(host, "folder_paths", SimpleNamespace(models_dir=str(models),
                                                               get_folder_paths=lambda key: [str(models / key)]))
-    monkeypatch.setattr(host, "_LISTINGS", model_lists.ListingCache())
+    monkeypatch.setattr(model_folders, "LISTINGS", model_lists.ListingCache())
     return models
 
 
@@ -123,7 +123,7 @@ def test_pickles_and_git_folders_are_not_offered(comfy_models):
 @pytest.fixture
 def no_comfy(monkeypatch):
     monkeypatch.setattr(host, "folder_paths", None)
-    monkeypatch.setattr(host, "_LISTINGS", model_lists.ListingCache())
+    monkeypatch.setattr(model_folders, "LISTINGS", model_lists.ListingCache())
     monkeypatch.delenv(host.MODELS_DIR_ENV, raising=False)
 
 

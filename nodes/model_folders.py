@@ -1,0 +1,111 @@
+"""Where model files are, for the loader nodes: ComfyUI's model folders, or a models root outside it.
+
+Inside ComfyUI its `folder_paths` names the folders of each key (models/<key> plus any
+extra_model_paths.yaml entries); nodes/host.py passes the module in, since only host.py imports
+ComfyUI. Without ComfyUI (`vidmem queue` tools, benches, scripts), $VIDMEM_MODELS_DIR is a folder
+laid out like ComfyUI's models/: diffusers/, diffusion_models/ (or unet/), text_encoders/ (or
+clip/), vae/, clip_vision/, loras/, vidmem_configs/. The files in them are listed by the pack's
+own cached, symlink-loop-safe walk (nodes/model_lists.py), not folder_paths.get_filename_list,
+whose walk never ends on a symlink loop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .model_lists import ListingCache
+
+MODELS_DIR_ENV = "VIDMEM_MODELS_DIR"
+DIFFUSERS_KEY = "diffusers"
+LORAS_KEY = "loras"
+MODEL_CONFIGS_FOLDER = "vidmem_configs"
+
+# Loader input -> ComfyUI folder keys, as core loaders list them ("unet" and "clip" are the legacy names).
+MODEL_FILE_FOLDERS = {
+    "model": ("diffusion_models", "unet"),
+    "text_encoder": ("text_encoders", "clip"),
+    "vae": ("vae",),
+    "clip_vision": ("clip_vision",),
+}
+MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".gguf")  # what vidmem reads; pickles are never offered
+LORA_SUFFIXES = (".safetensors", ".sft")
+
+# The process's listings, one per root (folder_paths keeps its own the same way): walked again only
+# when a directory in the root changes, so INPUT_TYPES stays cheap however often it is called.
+LISTINGS = ListingCache()
+
+
+def models_root() -> Path | None:
+    """$VIDMEM_MODELS_DIR, or None when unset."""
+    value = os.environ.get(MODELS_DIR_ENV, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+@dataclass(frozen=True)
+class ModelFolders:
+    """The model folders of one host: ComfyUI's `folder_paths` module, else a models root (or none)."""
+
+    folder_paths: Any = None
+    root: Path | None = None
+    listings: ListingCache = field(default_factory=lambda: LISTINGS, compare=False)  # the process's, read when made
+
+    def folders(self, key: str) -> list[str]:
+        """The existing folders of folder key `key`."""
+        if self.folder_paths is None:
+            return [str(self.root / key)] if self.root is not None and (self.root / key).is_dir() else []
+        try:
+            return [p for p in self.folder_paths.get_folder_paths(key) if os.path.isdir(p)]
+        except KeyError:  # a folder key this ComfyUI version does not know
+            return []
+
+    def files(self, keys: tuple[str, ...], suffixes: tuple[str, ...]) -> list[str]:
+        """Files under the folders of `keys` ending in one of `suffixes` (any case), relative names."""
+        return sorted({name for key in keys for folder in self.folders(key) for name in self.listings.files(folder)
+                       if name.lower().endswith(suffixes)})
+
+    def diffusers_names(self, roots: list[str] | None = None) -> list[str]:
+        """Folders under models/diffusers (or `roots`) that hold a model_index.json, by relative name."""
+        roots = self.folders(DIFFUSERS_KEY) if roots is None else roots
+        return sorted({os.path.dirname(name) or "." for folder in roots
+                       for name in self.listings.files(folder) if os.path.basename(name) == "model_index.json"})
+
+    def resolve_diffusers(self, name: str, roots: list[str] | None = None) -> Path:
+        """The diffusers folder `name` under models/diffusers (or `roots`); FileNotFoundError naming them."""
+        roots = self.folders(DIFFUSERS_KEY) if roots is None else roots
+        for folder in roots:
+            candidate = Path(folder) / name
+            if (candidate / "model_index.json").is_file():
+                return candidate
+        where = ", ".join(roots) or self.missing(DIFFUSERS_KEY)
+        raise FileNotFoundError(
+            f"model '{name}' was not found under {where}; put the diffusers-format folder there "
+            "or give its full path in the 'path' input."
+        )
+
+    def resolve(self, keys: tuple[str, ...], name: str, label: str) -> Path:
+        """The full path of file `name` in the folders of `keys`; FileNotFoundError naming them."""
+        for key in keys:
+            for folder in self.folders(key):
+                candidate = Path(folder) / name
+                if candidate.is_file():
+                    return candidate
+        where = ", ".join(f"models/{key}" if self.folders(key) else self.missing(key) for key in keys)
+        raise FileNotFoundError(f"{label} '{name}' was not found in {where}; put the file there (or pick one from the list).")
+
+    def config_dirs(self) -> list[Path]:
+        """models/vidmem_configs when it exists."""
+        root = Path(self.folder_paths.models_dir) if self.folder_paths is not None else self.root
+        folder = root / MODEL_CONFIGS_FOLDER if root is not None else None
+        return [folder] if folder is not None and folder.is_dir() else []
+
+    def missing(self, key: str) -> str:
+        """Where folder key `key` was looked for, for an error message."""
+        if self.folder_paths is not None:
+            return f"ComfyUI's models/{key} (no such folder)"
+        if self.root is None:
+            return (f"models/{key}: ComfyUI is not running and {MODELS_DIR_ENV} is not set "
+                    "(set it to a folder laid out like ComfyUI's models/)")
+        return f"{self.root / key} (from {MODELS_DIR_ENV}; no such folder)"
