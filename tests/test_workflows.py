@@ -271,9 +271,19 @@ def test_single_file_template_names_comfy_orgs_files_in_their_folders(path):
     assert ("model_2" in named) == (wr.tiny_variant_for(named["model"]) == "wan2.2-a14b"), "A14B takes both experts"
 
 
-@by_name(SINGLE_FILE_UI)
-def test_single_file_template_strategy_fits_its_machine_per_the_planner(path):
-    """The planner, at the template's full size, on the machine it names, with the files' storage."""
+MACHINE_UI = [p for p in UI_FILES if "machine" in wr.load_json(p)["extra"]["vidmem"]]
+
+
+def test_a_cogvideox_template_stores_its_weights_in_fp8():
+    loaders = [wr.load_json(wr.api_twin(p))["1"]["inputs"] for p in MACHINE_UI]
+    assert any(wr.tiny_variant_for(l["model"]).startswith("cogvideox") and l.get("weight_dtype", "").startswith("fp8")
+               for l in loaders), loaders
+
+
+@by_name(MACHINE_UI)
+def test_template_strategy_fits_its_machine_per_the_planner(path):
+    """The planner, at the template's full size, on the machine it names, with the weights' storage
+    (as the files' names state it, or as the folder loader's weight_dtype lowers it)."""
     from vidmem.memory.plan.planner import PlanOptions, VideoShape, plan_run
     from vidmem.nodes.strategy import WIDGETS, build_strategy
     from vidmem.pipelines.configs import load_model
@@ -281,13 +291,20 @@ def test_single_file_template_strategy_fits_its_machine_per_the_planner(path):
     machine = wr.load_json(path)["extra"]["vidmem"]["machine"]
     api = wr.load_json(wr.api_twin(path))
     by_type = {node["class_type"]: node["inputs"] for node in api.values()}
-    loader, sampler = by_type[wr.FILES_LOADER], by_type["VidMemVideoSampler"]
-    stated = {"transformer": loader["model"], "transformer_2": loader["model_2"], "text_encoder": loader["text_encoder"]}
-    assert machine["weights"] == {c: model_files.storage_named(n) for c, n in stated.items() if n != model_files.UNUSED}
+    sampler = by_type["VidMemVideoSampler"]
+    if wr.FILES_LOADER in by_type:
+        loader = by_type[wr.FILES_LOADER]
+        stated = {"transformer": loader["model"], "transformer_2": loader["model_2"], "text_encoder": loader["text_encoder"]}
+        assert machine["weights"] == {c: model_files.storage_named(n) for c, n in stated.items() if n != model_files.UNUSED}
+        on_disk = loader["weights_on_disk"]
+    else:  # a diffusers folder lowered at load: the lowered weights live in RAM
+        loader = by_type[wr.FOLDER_LOADER]
+        assert set(machine["weights"].values()) == {loader["weight_dtype"]}, (machine["weights"], loader["weight_dtype"])
+        on_disk = False
     model = load_model(machine["plan_model"], loader["dtype"])
     strategy = build_strategy(**{name: by_type["VidMemMemoryStrategy"][name] for name in WIDGETS})
     shape = VideoShape(sampler["width"], sampler["height"], sampler["frames"], cfg=sampler["cfg"] > 1.0)
-    options = PlanOptions(storage=machine["weights"], on_disk=loader["weights_on_disk"])
+    options = PlanOptions(storage=machine["weights"], on_disk=on_disk)
     plan = plan_run(model, shape, strategy, options, vram_budget_bytes=int(machine["vram_gb"] * 2**30),
                     ram_budget_bytes=int(machine["ram_gb"] * 2**30))
     peaks = f"peak VRAM {plan.peak_vram_bytes / 2**30:.2f} GiB, RAM {plan.peak_ram_bytes / 2**30:.2f} GiB"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import uuid
 from dataclasses import dataclass, field, replace
@@ -52,22 +53,24 @@ class Node:
 TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
 
 MODEL_GROUP, SAMPLE_GROUP, SAVE_GROUP = "Model and memory strategy", "Sample, decode, free", "Save"
-LORA_GROUP, TRAIN_GROUP = "LoRA", "Train a LoRA (then the Sampler uses it)"
+LORA_GROUP, TRAIN_GROUP = "LoRA", "Train a LoRA"
 NOTE_COLORS = ("#432", "#653")
 
 
 # Layout, in canvas pixels. Heights leave room for what the nodes add in the browser: the
 # Strategy's plan (web/js/vidmem.js PLAN_HEIGHT) from the start, a three-line receipt after a run.
 COLUMNS = (0, 460, 940, 1340, 1880)
-MIDDLE = 460  # a LoRA or training column, between the loader and the Sampler, moves the rest right by this
+MIDDLE = 580  # a LoRA or training column, between the loader and the Sampler, moves the rest right by this
 NOTE_GAP = 90  # between the note and the groups' top: a group's title sits above its nodes' title bars
 GROUP_HEAD = 80  # node title bar (30) + group title (24) + room
 GAP = 50  # between stacked nodes: the lower one's title bar (30) and the source badge drawn above it (~20)
 SAMPLER_HEIGHT, SAMPLER_WIDGETS = 590, 9  # its height with this many widgets (two multiline prompts)
 WIDGET_ROW = 28  # what one more number or combo widget adds (24 and spacing)
+MIDDLE_WIDTH = 520  # Load LoRA shows file names of 60 characters (Comfy-Org's Lightning LoRAs) unclipped
 LORA_HEIGHT = 140  # Load LoRA: three widgets, room for its one-line receipt
 PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receipt
 TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receipt
+NOTE_CHAR_WIDTH, NOTE_LINE_HEIGHT, NOTE_PADDING = 7.25, 10.7, 70  # a Note's text, for notes sized to fit it
 FIRST_EXTRA_ID = 10  # ids 1-9 are the chain every template shares (the API twins keep them)
 
 
@@ -79,10 +82,11 @@ def graph(t: Template) -> list[Node]:
     size of its own and no pipeline link: the plan finds the model through the Sampler.
     """
     a, b, c, d, e = COLUMNS
-    top = t.note_height + NOTE_GAP
-    middle, pipeline = _middle(t, top)
-    if middle:
+    if t.loras or t.training:
         b, c, d, e = (x + MIDDLE for x in (b, c, d, e))
+    note_height = t.note_height or _note_height(t.note, c + 340)
+    top = note_height + NOTE_GAP
+    middle, pipeline = _middle(t, top)
     loader_h, strategy_h, decode_h = t.loader.height, 700, 190
     nodes = [
         Node(1, t.loader.type, (a, top), (400, loader_h), t.loader.widgets, group=MODEL_GROUP),
@@ -103,10 +107,18 @@ def graph(t: Template) -> list[Node]:
         Node(8, "SaveAnimatedWEBP", (e, top), (480, 760), dict(
             filename_prefix=f"vidmem/{t.name}_preview", fps=t.fps, lossless=False, quality=85, method="default",
         ), links=dict(images=(5, 0)), group=SAVE_GROUP),
-        Node(9, "Note", (a, 0), (c + 340, t.note_height), dict(text=t.note), colors=NOTE_COLORS),
+        Node(9, "Note", (a, 0), (c + 340, note_height), dict(text=t.note), colors=NOTE_COLORS),
         *middle,
     ]
     return [_with_defaults(node) for node in nodes]
+
+
+def _note_height(text: str, width: int) -> int:
+    """Room for the note's text as the frontend draws it (measured on ComfyUI 0.8.0's Note: about
+    7.25 canvas px per character, 10.7 px per line) plus its title bar and padding."""
+    per_line = int(width / NOTE_CHAR_WIDTH)
+    lines = sum(max(1, math.ceil(len(line) / per_line)) for line in text.split("\n"))
+    return NOTE_PADDING + math.ceil(lines * NOTE_LINE_HEIGHT)
 
 
 def _middle(t: Template, top: int) -> tuple[list[Node], tuple[int, int]]:
@@ -114,15 +126,15 @@ def _middle(t: Template, top: int) -> tuple[list[Node], tuple[int, int]]:
     x, nid, y = COLUMNS[1], FIRST_EXTRA_ID, top
     if t.training:
         data = t.training
-        prepare = Node(nid, "VidMemPrepareTrainingData", (x, y), (400, PREPARE_HEIGHT), dict(
+        prepare = Node(nid, "VidMemPrepareTrainingData", (x, y), (MIDDLE_WIDTH, PREPARE_HEIGHT), dict(
             folder=data.folder, resolutions=data.resolutions, frame_buckets=data.frame_buckets,
         ), links=dict(pipeline=(1, 0), strategy=(2, 0)), group=TRAIN_GROUP)
-        train = Node(nid + 1, "VidMemTrainLoRA", (x, y + PREPARE_HEIGHT + GAP), (400, TRAIN_HEIGHT), dict(data.train),
+        train = Node(nid + 1, "VidMemTrainLoRA", (x, y + PREPARE_HEIGHT + GAP), (MIDDLE_WIDTH, TRAIN_HEIGHT), dict(data.train),
                      links=dict(pipeline=(1, 0), data=(nid, 0), strategy=(2, 0)), group=TRAIN_GROUP)
         return [prepare, train], (train.id, 0)
     nodes, source = [], (1, 0)
     for step in t.loras:
-        nodes.append(Node(nid, "VidMemLoadLoRA", (x, y), (400, LORA_HEIGHT), dict(
+        nodes.append(Node(nid, "VidMemLoadLoRA", (x, y), (MIDDLE_WIDTH, LORA_HEIGHT), dict(
             lora_name=step.file.name, strength=step.strength, expert=step.expert,
         ), links=dict(pipeline=source), group=LORA_GROUP))
         source, nid, y = (nid, 0), nid + 1, y + LORA_HEIGHT + GAP

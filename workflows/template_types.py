@@ -119,15 +119,17 @@ class Template:
     seed: int = 42
     machine: Machine | None = None  # templates on single files: the card and RAM the strategy was planned for
     files: tuple[ModelFile, ...] = ()  # and where each file comes from
-    note_height: int = 250
+    note_height: int | None = 250  # None: sized to the note's text
     loras: tuple[LoraStep, ...] = ()  # Load LoRA nodes chained between the loader and the Sampler
     training: Training | None = None  # Prepare Training Data + Train LoRA between the loader and the Sampler
     sampler: dict = field(default_factory=dict)  # the Sampler's optional controls (scheduler, shift, cfg_2, ...)
 
 
-def diffusers_folder(model: str, dtype: str) -> Loader:
-    """Load Video Pipeline on a diffusers folder under models/diffusers, found by name."""
-    return Loader("VidMemLoadPipeline", dict(model=model, dtype=dtype, path="", transformer_file="(from the folder)"))
+def diffusers_folder(model: str, dtype: str, weight_dtype: str = "default") -> Loader:
+    """Load Video Pipeline on a diffusers folder under models/diffusers, found by name; weight_dtype
+    lowers the transformer's and text encoder's storage at load (default: as diffusers loads them)."""
+    return Loader("VidMemLoadPipeline", dict(model=model, dtype=dtype, path="", transformer_file="(from the folder)",
+                                             weight_dtype=weight_dtype))
 
 
 def model_files(model: ModelFile, text_encoder: ModelFile, vae: ModelFile, model_2: ModelFile | None = None,

@@ -52,11 +52,11 @@ FILE_TEMPLATES = (
             "Storage: the weights stay fp8 as in the files (weight_dtype = default) and are upcast to bf16 one "
             "layer at a time. weights_on_disk = on: the files are memory-mapped, so their 21 GB sit in the page "
             "cache, which the system can reclaim, not in the process's own RAM (about 4 GiB predicted).\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 40: every one of the 40 transformer "
-            "blocks (0.33 GiB each in fp8) streams to the GPU each step, the next one copied while the current "
-            "one computes; at this size a block computes longer than it copies, so the planner predicts no "
-            "slowdown. Predicted peak VRAM 7.6 GiB, in the denoise; 38 blocks is the fewest that fit (7.9 GiB, "
-            "no room left). The text encoder goes to the GPU alone (6.5 GiB) and leaves once the prompt is "
+            "Memory strategy, offload = block_swap with blocks_to_swap = 38: 38 of the 40 transformer blocks "
+            "(0.33 GiB each in fp8) stream to the GPU each step, the next one copied while the current one "
+            "computes; at this size a block computes longer than it copies, so the planner predicts no "
+            "slowdown. Predicted peak VRAM 7.8 GiB, in the denoise; 38 is the fewest that fit (36: 9.3 GiB), "
+            "and swapping all 40 is predicted no lower (8.0 GiB: one more staging buffer). The text encoder goes to the GPU alone (6.5 GiB) and leaves once the prompt is "
             "encoded (text_encoder = offload_after_encoding); a repeated prompt comes from the prompt cache. "
             "The VAE decodes in 256 px tiles (1.5 GiB).\n\n"
             "Check your machine: vidmem plan --model wan2.1-t2v-14b --weights fp8_scaled --disk --size 832x480 "
@@ -64,7 +64,7 @@ FILE_TEMPLATES = (
             "fewer frames. Every strategy gives the same frames."
         ),
         loader=model_files(*WAN21_14B_FILES),
-        strategy=dict(STREAMING, blocks_to_swap=40),
+        strategy=dict(STREAMING, blocks_to_swap=38),
         prompt="A lighthouse on a rocky cliff at dusk, waves crashing below, its beam sweeping through sea mist, aerial shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=40, cfg=5.0, fps=16.0,
@@ -86,8 +86,8 @@ FILE_TEMPLATES = (
             "predicted).\n\n"
             "Memory strategy, offload = block_swap with blocks_to_swap = 34 (per expert, of 40): 6 blocks stay "
             "on the GPU, 34 stream in each step, the next one copied while the current one computes. "
-            "Predicted peak VRAM 10.4 GiB on a 12 GiB budget, predicted slowdown x1.01; 26 blocks is the "
-            "fewest that fit (11.9 GiB, no room left). The text encoder goes to the GPU alone (6.5 GiB) and "
+            "Predicted peak VRAM 10.0 GiB on a 12 GiB budget, predicted slowdown x1.01; 26 blocks is the "
+            "fewest that fit (11.8 GiB, no room left). The text encoder goes to the GPU alone (6.5 GiB) and "
             "leaves (text_encoder = offload_after_encoding); the VAE decodes in 256 px tiles.\n\n"
             "Check your machine: vidmem plan --model wan2.2-t2v-a14b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --vram 12 --ram 32. Every strategy gives the same frames."
@@ -114,8 +114,8 @@ FILE_TEMPLATES = (
             "machine room to spare.\n\n"
             "Memory strategy, offload = model: the text encoder goes to the GPU alone (6.5 GiB) and leaves once "
             "the prompt is encoded (text_encoder = offload_after_encoding); then the transformer (2.6 GiB) "
-            "samples, then the VAE decodes in 256 px tiles. Predicted peak VRAM 6.5 GiB (denoise 5.7 GiB), no "
-            "predicted slowdown. If the card also drives a display, set text_encoder = cpu (peak 5.7 GiB, "
+            "samples, then the VAE decodes in 256 px tiles. Predicted peak VRAM 7.5 GiB while the text encoder "
+            "encodes (denoise 5.7 GiB), no predicted slowdown. If the card also drives a display, set text_encoder = cpu (peak 5.7 GiB, "
             "the prompt encodes slower, once per prompt thanks to the prompt cache).\n\n"
             "Check your machine: vidmem plan --model wan2.1-t2v-1.3b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --vram 8 --ram 16 (fp8 for both: a little under these files' needs). Every strategy "

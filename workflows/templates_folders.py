@@ -8,7 +8,7 @@ same choices for every model and card.
 
 from __future__ import annotations
 
-from template_types import NEGATIVE, TILES, Template, diffusers_folder
+from template_types import NEGATIVE, TILES, Machine, Template, diffusers_folder
 
 FOLDER_TEMPLATES = (
     Template(
@@ -182,5 +182,35 @@ FOLDER_TEMPLATES = (
         prompt="A street musician plays violin under a bridge at golden hour, pigeons taking off around him, cinematic.",
         negative_prompt=NEGATIVE,
         width=1280, height=704, frames=121, steps=50, cfg=5.0, fps=24.0,
+    ),
+    Template(
+        name="cogvideox_5b_fp8_8gb",
+        title="CogVideoX-5b fp8, 8 GB, 16 GB RAM",
+        note=(
+            "CogVideoX-5b text to video on an 8 GB card with 16 GB of RAM, its weights stored in fp8: 720x480, "
+            "49 frames (about 6 s at 8 fps).\n\n"
+            "Model: the diffusers folder of THUDM/CogVideoX-5b in ComfyUI/models/diffusers/CogVideoX-5b, computed "
+            "in bf16 (the precision CogVideoX-5b was trained in).\n\n"
+            "Storage: weight_dtype = fp8_scaled lowers the transformer's and the T5 text encoder's matrices to fp8 "
+            "with a scale per tensor as they load (the VAE stays bf16) and upcasts them to bf16 one layer at a "
+            "time: half the RAM and half of every copy to the GPU, at a small error against bf16 (the frames are "
+            "those of a bf16 model holding the dequantized weights). Lowering happens at every load; the files "
+            "on disk are not changed.\n\n"
+            "Memory strategy, offload = block_swap with blocks_to_swap = 16: of the transformer's 42 blocks "
+            "(0.12 GiB each in fp8), 26 stay on the GPU and 16 stream in each step. The planner predicts 13 as "
+            "the fewest that fit (7.9 GiB, no room left); 16 keeps some. The T5 text encoder (4.5 GiB in fp8) "
+            "goes to the GPU alone and leaves once the prompt is encoded (text_encoder = offload_after_encoding); "
+            "in bf16 it would not fit 8 GB next to nothing else. The VAE decodes in 256 px tiles.\n\n"
+            "Check your machine: vidmem plan --model cogvideox-5b --weights fp8_scaled --size 720x480 --frames 49 "
+            "--vram 8 --ram 16. Every strategy gives the same frames."
+        ),
+        loader=diffusers_folder("CogVideoX-5b", "bf16", weight_dtype="fp8_scaled"),
+        strategy=dict(offload="block_swap", blocks_to_swap=16, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
+                      non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
+        prompt="A golden retriever runs through a sunlit meadow of tall grass, slow motion, shallow depth of field.",
+        negative_prompt=NEGATIVE,
+        width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0,
+        machine=Machine(8, 16, "cogvideox-5b", {"transformer": "fp8_scaled", "text_encoder": "fp8_scaled"}),
+        note_height=270,
     ),
 )

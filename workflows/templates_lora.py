@@ -59,21 +59,22 @@ LORA_TEMPLATES = (
             "Load LoRA: strength 1.0, the strength it was distilled at; lower weakens the distillation and "
             "needs more steps. The LoRA runs beside each layer (the fp8 weights are never rewritten), "
             "streamed with its block; the Sampler's receipt names it and its extra bytes.\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 40: every block (0.33 GiB in fp8) "
-            "streams to the GPU each step. Predicted peak VRAM 7.8 GiB with 38 blocks, the fewest that fit; "
-            "40 leaves room for the LoRA. The text encoder goes to the GPU alone (6.5 GiB) and leaves once "
+            "Memory strategy, offload = block_swap with blocks_to_swap = 38: 38 of the 40 blocks (0.33 GiB each "
+            "in fp8) stream to the GPU each step. Predicted peak VRAM 7.8 GiB, the same as without the LoRA "
+            "(it is small: its extra bytes are on the Sampler's receipt); 38 is the fewest that fit and all 40 "
+            "is predicted no lower (8.0 GiB). The text encoder goes to the GPU alone (6.5 GiB) and leaves once "
             "the prompt is encoded; the VAE decodes in 256 px tiles. weights_on_disk = on: the files stay "
             "in the page cache, the process's own RAM about 4 GiB.\n\n"
             "Check your machine: vidmem plan --model wan2.1-t2v-14b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --steps 4 --no-cfg --vram 8 --ram 32."
         ),
         loader=model_files(*WAN21_14B_FILES),
-        strategy=dict(STREAMING, blocks_to_swap=40),
+        strategy=dict(STREAMING, blocks_to_swap=38),
         prompt="A lighthouse on a rocky cliff at dusk, waves crashing below, its beam sweeping through sea mist, aerial shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=4, cfg=1.0, fps=16.0,
         machine=Machine(8, 32, "wan2.1-t2v-14b", {"transformer": "fp8_scaled", "text_encoder": "fp8_scaled"}),
-        files=WAN21_14B_FILES, note_height=420,
+        files=WAN21_14B_FILES, note_height=None,
         loras=(LoraStep(LIGHTX2V_WAN21),), sampler=DISTILL_SAMPLER,
     ),
     Template(
@@ -89,22 +90,22 @@ LORA_TEMPLATES = (
             "the low_noise one on expert = low_noise. boundary_ratio = 0 keeps the model's own 0.875: the high-noise "
             "expert runs the first 2 steps, the low-noise one the last 2, as lightx2v splits them. cfg_2 = -1: "
             "the low-noise expert also runs at cfg 1.\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 40 per expert: only one expert is on "
-            "the GPU at a time, every block streaming in; predicted peak VRAM 7.8 GiB with 38 blocks (the "
-            "fewest that fit), 40 leaves room for the LoRAs. weights_on_disk = on: 35 GB of files on a 32 GB "
+            "Memory strategy, offload = block_swap with blocks_to_swap = 38 per expert: only one expert is on "
+            "the GPU at a time, 38 of its 40 blocks streaming in; predicted peak VRAM 7.8 GiB, the fewest blocks "
+            "that fit (all 40: 8.0 GiB). weights_on_disk = on: 35 GB of files on a 32 GB "
             "machine live in the page cache; the expert not in use is read again from disk at its turn (the "
             "process's own RAM: about 4 GiB).\n\n"
             "Check your machine: vidmem plan --model wan2.2-t2v-a14b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --steps 4 --no-cfg --vram 8 --ram 32."
         ),
         loader=model_files(WAN22_HIGH_FP8, UMT5_FP8_22, WAN21_VAE_22, model_2=WAN22_LOW_FP8),
-        strategy=dict(STREAMING, blocks_to_swap=40),
+        strategy=dict(STREAMING, blocks_to_swap=38),
         prompt="A paper lantern floats over a night market, steam rising from food stalls, warm light, slow dolly shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=4, cfg=1.0, fps=16.0,
         machine=Machine(8, 32, "wan2.2-t2v-a14b", {"transformer": "fp8_scaled", "transformer_2": "fp8_scaled",
                                                    "text_encoder": "fp8_scaled"}),
-        files=WAN22_A14B_FILES, note_height=470,
+        files=WAN22_A14B_FILES, note_height=None,
         loras=(LoraStep(LIGHTX2V_WAN22_HIGH, expert="high_noise"), LoraStep(LIGHTX2V_WAN22_LOW, expert="low_noise")),
         sampler=dict(DISTILL_SAMPLER, cfg_2=-1.0, boundary_ratio=0.0),
     ),
@@ -133,7 +134,7 @@ LORA_TEMPLATES = (
                       text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
         prompt="A steaming cup of coffee on a wooden table by a window, rain on the glass, soft morning light.",
         negative_prompt=NEGATIVE,
-        width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0, note_height=330,
+        width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0, note_height=None,
         loras=(LoraStep(COGVIDEOX_STYLE),),
     ),
 )

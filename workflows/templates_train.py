@@ -62,7 +62,7 @@ TRAIN_TEMPLATES = (
         strategy=MODEL_OFFLOAD,
         prompt="A paper boat drifts down a rain-filled gutter past glowing shop windows at night, close-up.",
         negative_prompt=NEGATIVE,
-        width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0, note_height=560,
+        width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0, note_height=None,
         training=Training(CLIPS_FOLDER, "832x480, 480x832", "33", dict(TRAIN, lora_name="wan21_1_3b_my_lora")),
     ),
     Template(
@@ -86,7 +86,7 @@ TRAIN_TEMPLATES = (
         strategy=MODEL_OFFLOAD,
         prompt="A steaming cup of coffee on a wooden table by a window, rain on the glass, soft morning light.",
         negative_prompt=NEGATIVE,
-        width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0, note_height=560,
+        width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0, note_height=None,
         training=Training(CLIPS_FOLDER, "720x480", "49", dict(TRAIN, lora_name="cogvideox_2b_my_lora")),
     ),
     Template(
@@ -110,7 +110,7 @@ TRAIN_TEMPLATES = (
         strategy=MODEL_OFFLOAD,
         prompt="A street musician plays violin under a bridge at golden hour, pigeons taking off around him, cinematic.",
         negative_prompt=NEGATIVE,
-        width=1280, height=704, frames=121, steps=50, cfg=5.0, fps=24.0, note_height=580,
+        width=1280, height=704, frames=121, steps=50, cfg=5.0, fps=24.0, note_height=None,
         training=Training(CLIPS_FOLDER, "832x480, 480x832", "33", dict(TRAIN, lora_name="wan22_5b_my_lora")),
     ),
 )
