@@ -1,0 +1,100 @@
+"""Read-only HTTP routes the pack adds to ComfyUI's server: memory figures for the web meter and
+the Memory Strategy's live plan. Registered once by nodes/host.register_routes when ComfyUI's
+PromptServer is running; nothing here imports ComfyUI (the server is found in sys.modules).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("vidmem")
+
+MEMORY_ROUTE = "/vidmem/memory"
+
+
+def memory_figures() -> dict:
+    """RAM total/available, this process's RSS, and per CUDA device allocated/reserved/free/total bytes.
+
+    Only memory figures, nothing else (no names, paths or versions). CUDA devices are listed only
+    when this process has initialised CUDA, so a `--cpu` server never creates a CUDA context for it;
+    free/total come from the driver (`mem_get_info`) for devices this process already uses.
+    """
+    import psutil
+    import torch
+
+    ram = psutil.virtual_memory()
+    devices = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            reserved = torch.cuda.memory_reserved(index)
+            in_use = reserved > 0 or index == torch.cuda.current_device()
+            free, total = torch.cuda.mem_get_info(index) if in_use else (None, torch.cuda.get_device_properties(index).total_memory)
+            devices.append({"index": index, "allocated_bytes": torch.cuda.memory_allocated(index),
+                            "reserved_bytes": reserved, "free_bytes": free, "total_bytes": total})
+    return {
+        "ram": {"total_bytes": ram.total, "available_bytes": ram.available},
+        "process_rss_bytes": psutil.Process().memory_info().rss,
+        "cuda": devices,
+    }
+
+
+def register_routes() -> bool:
+    """Add the read-only GET /vidmem/memory to ComfyUI's server (also served as /api/vidmem/memory).
+
+    Only when ComfyUI's PromptServer is already running in this process (it is imported before
+    custom nodes load); without it, or if the route exists already, nothing is done. Returns
+    whether the route was added.
+    """
+    server = sys.modules.get("server")  # never import it: outside ComfyUI "server" may be anything
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    routes = getattr(instance, "routes", None)
+    if routes is None or any(getattr(route, "path", None) == MEMORY_ROUTE for route in routes):
+        return False
+
+    async def vidmem_memory(request):
+        from aiohttp import web  # ComfyUI's web server; imported only when a request arrives
+
+        return web.json_response(memory_figures(), headers={"Cache-Control": "no-store"})
+
+    routes.get(MEMORY_ROUTE)(vidmem_memory)
+    log.info("vidmem: serving GET %s (memory figures, read-only)", MEMORY_ROUTE)
+    _register_plan_route(routes)
+    return True
+
+
+def _register_plan_route(routes) -> None:
+    """GET /vidmem/plan: the Memory Strategy's plan for a model of the pack's list (nodes/plan_route.py)."""
+    from ..pipelines.configs import load_model
+    from ..pipelines.loader import DTYPES
+    from . import host  # model lists and the device come from the host at request time
+    from .plan_route import PLAN_ROUTE, PlanRequestError, PlanService, parse_request, plan_answer
+
+    budgets = []  # the host's default budgets, read once at the first plan (never at import)
+
+    def answer(plan_request):
+        if not budgets:
+            from ..memory.telemetry import default_budgets
+
+            budgets.append(default_budgets(host.compute_device()))
+        return plan_answer(plan_request, plannable, budgets[0])
+
+    def plannable(name: str, dtype: str):
+        return load_model(str(host.resolve_model_folder(name, "")), dtype)  # config files only, on meta
+
+    service = PlanService(answer)
+
+    async def vidmem_plan(request):
+        from aiohttp import web
+
+        headers = {"Cache-Control": "no-store"}
+        try:
+            plan_request = parse_request(request.query, host.diffusers_model_names(), list(DTYPES))
+        except PlanRequestError as error:
+            return web.json_response({"status": "error", "input": error.name, "error": str(error)}, status=400,
+                                     headers=headers)
+        plan = await service.plan(plan_request, request.query.get("client", ""))
+        return web.json_response(plan, headers=headers)
+
+    routes.get(PLAN_ROUTE)(vidmem_plan)
+    log.info("vidmem: serving GET %s (plans from model configs, read-only)", PLAN_ROUTE)
