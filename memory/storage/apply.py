@@ -78,6 +78,7 @@ def assign_weights(
         storable = _storable(module, entry)
         value = _as_stored(value, target, storable)
         if isinstance(value, StoredTensor) and _stays_stored(value, target) and storable:
+            _check_lookup(module, entry, value, source)
             swaps.append((entry, value, target))
         else:
             assigned.append((entry, _materialise(entry.names[0], value, target, ledger)))
@@ -255,6 +256,15 @@ def _twin(owner: nn.Module, stored: StoredTensor, target: torch.dtype) -> nn.Mod
     if isinstance(owner, nn.Linear):
         return StoredLinear(stored, owner.bias, target)
     return StoredEmbedding(stored, target, owner.padding_idx, owner.max_norm)
+
+
+def _check_lookup(root: nn.Module, entry: _Entry, stored: StoredTensor, source: str) -> None:
+    """A stored embedding table must allow row lookups (StoredEmbedding): refuse it at load."""
+    owner, _ = _owner(root, entry.names[0])
+    problem = stored.row_selection_problem() if isinstance(owner, nn.Embedding) else None
+    if problem:
+        raise StorageError(f"{source}: '{entry.names[0]}' is stored as {stored.format.name} in a way vidmem cannot look "
+                           f"rows up in: {problem}. Use a file that keeps this table as a 2-D tensor (or bf16/fp16).")
 
 
 def _check_no_meta(module: nn.Module, source: str) -> None:

@@ -54,7 +54,10 @@ def _folded(name: str, tensor, scale_entry) -> torch.Tensor | StoredTensor:
         return StoredTensor(tensor, stored_format_of(tensor.dtype), tensor.shape) if tensor.dtype in FP8_DTYPES else tensor
     scale = scale_entry[1].to(torch.float32)
     if tensor.dtype in FP8_DTYPES:
-        return StoredTensor(tensor, FORMATS["fp8_scaled"], tensor.shape, scale)
+        try:
+            return StoredTensor(tensor, FORMATS["fp8_scaled"], tensor.shape, scale)
+        except StorageError as error:  # e.g. a scale that is neither per tensor, per row nor per column
+            raise StorageError(f"'{name}' and its scale '{scale_entry[0]}' do not fit together ({error}); {FIX}.") from None
     if tensor.is_floating_point() and scale.numel() == 1:  # a scale on a wider weight: apply it once, as Comfy does
         return (tensor.to(torch.float32) * scale).to(tensor.dtype)
     raise StorageError(f"'{name}' is {tensor.dtype} with a scale of shape {list(scale.shape)} (an integer or block-scaled quantization vidmem does not read); {FIX}.")

@@ -81,7 +81,7 @@ class StoredTensor:
         out = torch.empty(self.shape, dtype=dtype, device=data.device)
         for start in range(0, self.shape[0], step):
             rows = slice(start, start + step)
-            out[rows] = _upcast(data[rows], scale, self.format, out[rows].shape, dtype)
+            out[rows] = _upcast(data[rows], _scale_rows(scale, rows), self.format, out[rows].shape, dtype)
         return out
 
     def _rows_per_chunk(self) -> int | None:
@@ -90,16 +90,26 @@ class StoredTensor:
         bit: every value is computed from its own block or element."""
         if self.numel <= DEQUANT_CHUNK or len(self.shape) < 2 or self.data.shape[0] != self.shape[0]:
             return None
-        if self.scale is not None and self.scale.numel() != 1:
-            return None
         return max(1, DEQUANT_CHUNK // (self.numel // self.shape[0]))
 
+    def row_selection_problem(self) -> str | None:
+        """Why `select_rows` (an embedding lookup) cannot take rows of this tensor; None when it can.
+        Checked when a model is loaded, so a table that cannot be looked up fails there, not at its
+        first prompt."""
+        if len(self.shape) != 2 or self.data.shape[0] != self.shape[0]:
+            return (f"an embedding table must be 2-D and stored row by row, but this one is {list(self.shape)} "
+                    f"held as {list(self.data.shape)} (a tensor flattened before quantizing)")
+        return None
+
     def select_rows(self, index: torch.Tensor) -> "StoredTensor":
-        """The rows `index` of dimension 0 (an embedding lookup), still stored: dequantize only those."""
-        if len(self.shape) != 2 or self.data.shape[0] != self.shape[0] or (self.scale is not None and self.scale.numel() != 1):
-            raise StorageError(f"{self!r}: row selection needs a 2-D tensor stored row by row, with at most a per-tensor scale.")
-        rows = self.data.index_select(0, index.reshape(-1).to(self.data.device))
-        return StoredTensor(rows, self.format, (rows.shape[0], self.shape[1]), self.scale)
+        """The rows `index` of dimension 0 (an embedding lookup), still stored: dequantize only those.
+        A per-row scale (one value per row) is selected with its rows; any other scale broadcasts."""
+        problem = self.row_selection_problem()
+        if problem:
+            raise StorageError(f"{self!r}: {problem}.")
+        index = index.reshape(-1).to(self.data.device)
+        rows = self.data.index_select(0, index)
+        return StoredTensor(rows, self.format, (rows.shape[0], self.shape[1]), _scale_rows(self.scale, index))
 
     def _layout_problem(self) -> str | None:
         fmt, data = self.format, self.data
@@ -144,6 +154,14 @@ def upcast_workspace_bytes(fmt: StorageFormat, shape, dtype: torch.dtype) -> int
     row = numel // shape[0]
     chunk = min(shape[0], max(1, DEQUANT_CHUNK // row)) * row
     return numel * itemsize + int(per_weight * chunk)
+
+
+def _scale_rows(scale: torch.Tensor | None, rows: slice | torch.Tensor) -> torch.Tensor | None:
+    """The part of `scale` that applies to `rows` of a 2-D weight: a per-row scale ([rows, 1] or
+    [rows, columns]) is taken with them; a per-tensor or per-column scale applies to every row."""
+    if scale is None or scale.dim() < 2 or scale.shape[0] == 1:
+        return scale
+    return scale[rows] if isinstance(rows, slice) else scale.index_select(0, rows.to(scale.device))
 
 
 def _upcast(data: torch.Tensor, scale: torch.Tensor | None, fmt: StorageFormat, shape, dtype: torch.dtype) -> torch.Tensor:

@@ -50,7 +50,8 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
         else:
             tensors = dict(opened.tensors)
     except StorageError as error:
-        raise ModelError(f"{role}: {error}") from None
+        named = str(error) if path.name in str(error) else f"'{path.name}': {error}"
+        raise ModelError(f"{role}: {named}") from None
     kind, layout, tensors, extra = _classify(path, role, tensors)
     if kind != expected:
         raise ModelError(
