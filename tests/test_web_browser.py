@@ -49,8 +49,9 @@ URL = os.environ.get("VIDMEM_COMFYUI_URL", "").rstrip("/")
 BROWSER = os.environ.get("VIDMEM_BROWSER", "")
 SCREENSHOTS = Path(os.environ.get("VIDMEM_SCREENSHOTS", REPO / "docs" / "screenshots"))
 # Run from the browser to see the receipts on the nodes: the block-swap template (the live plan and
-# the older layout are checked on it too) and the fp8 single-file one (Load Video Model Files).
-RUN_TEMPLATES = ("wan21_t2v_blockswap", "wan21_t2v_14b_fp8_files")
+# the older layout are checked on it too), the fp8 single-file one (Load Video Model Files) and the
+# A14B 4-step one (two Load LoRA nodes, one per expert, in the column between loader and Sampler).
+RUN_TEMPLATES = ("wan21_t2v_blockswap", "wan21_t2v_14b_fp8_files", "wan22_t2v_a14b_lightx2v_4step")
 RUN_ALL = os.environ.get("VIDMEM_RUN_ALL") == "1"
 THUMBNAILS = os.environ.get("VIDMEM_THUMBNAILS") == "1"
 THUMBNAIL_WIDTH = 800
@@ -144,6 +145,14 @@ def test_the_fp8_file_template_runs_from_the_browser(report):
     run = next(r for r in report["runs"] if r["name"] == RUN_TEMPLATES[1])
     assert not run.get("timeout") and run["layoutProblems"] == [], run
     assert "denoise:" in run["sampler"] and "swap cost:" in run["sampler"] and "VAE:" in run["decode"], run
+    assert Path(run["screenshot"]).is_file()
+
+
+def test_the_lora_template_runs_from_the_browser_with_its_receipts_clear_of_each_other(report):
+    """Two Load LoRA nodes (tiny LoRAs under the Lightning file names), 4-step sampler controls."""
+    run = next(r for r in report["runs"] if r["name"] == RUN_TEMPLATES[2])
+    assert not run.get("timeout") and run["layoutProblems"] == [], run
+    assert "denoise:" in run["sampler"] and "VAE:" in run["decode"], run
     assert Path(run["screenshot"]).is_file()
 
 
