@@ -69,3 +69,27 @@ def test_close_leaves_no_process_and_is_idempotent():
     pool.close()
     assert gone(pids)
     assert repr(pool) == "WorkerPool(2 ranks, gloo, closed)"
+
+
+def test_ranks_start_when_the_pack_is_loaded_as_comfyui_loads_it(tmp_path):
+    """ComfyUI imports the pack under a name made from its folder's path, which a fresh process
+    cannot import; the ranks import it under the same name from the folder (bootstrap.py)."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = tmp_path / "ComfyUI-vidmem rank test"
+    folder.symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    name = str(folder).replace(".", "_x_")
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    sys.modules[name] = module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        parallel = importlib.import_module(name + ".memory.parallel")
+        assert parallel.PoolConfig.__module__.startswith(name)
+        with parallel.WorkerPool(parallel.PoolConfig.for_cpu(2, threads=1)) as pool:
+            assert pool.run(SumRanks())["sum"] == 3
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]

@@ -12,16 +12,27 @@ atexit hook closes any pool still open, so no process outlives its coordinator.
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
+import runpy
 import socket
+import sys
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
-from .rank import Job, RankSetup, rank_main
+from .rank import Job, RankSetup
+
+# The pack's package name in this process ("vidmem", or under ComfyUI a name made from its folder)
+# and its folder: a rank imports the pack under the same name (bootstrap.py).
+PACKAGE = __name__.rsplit(".memory.parallel.pool", 1)[0]
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
 
 log = logging.getLogger("vidmem")
 POLL_S = 0.05
@@ -130,15 +141,19 @@ class WorkerPool:
         context = mp.get_context("spawn")
         self._events, self._stop = context.Queue(), context.Event()
         self._jobs = [context.Queue() for _ in range(config.world_size)]
+        setup = pickle.dumps(config.setup)
         self._processes = [
-            context.Process(target=rank_main, args=(rank, config.setup, self._jobs[rank], self._events, self._stop),
-                            name=f"vidmem-rank{rank}", daemon=True)
+            context.Process(target=runpy.run_path, args=(BOOTSTRAP,), kwargs=dict(run_name="__vidmem_rank__", init_globals=dict(
+                PACKAGE=PACKAGE, ROOT=PACKAGE_ROOT, RANK=rank, SETUP=setup, JOBS=self._jobs[rank], EVENTS=self._events,
+                STOP=self._stop, GPU=str(config.setup.gpus[rank]) if config.setup.gpus else None)),
+                name=f"vidmem-rank{rank}", daemon=True)
             for rank in range(config.world_size)
         ]
         self._finalizer = weakref.finalize(self, _shut_down, list(self._processes), list(self._jobs),
                                            self.config.join_timeout_s)
-        for process in self._processes:
-            process.start()
+        with _host_main_hidden():
+            for process in self._processes:
+                process.start()
         ready: set[int] = set()
         deadline = time.monotonic() + config.start_timeout_s
         while len(ready) < config.world_size:
@@ -217,6 +232,25 @@ class WorkerPool:
         deadline = time.monotonic() + self.config.cancel_grace_s
         while time.monotonic() < deadline and any(p.is_alive() for p in self._processes):
             time.sleep(POLL_S)
+
+
+@contextmanager
+def _host_main_hidden() -> Iterator[None]:
+    """Start processes without re-running the host's main script in them.
+
+    A spawned child imports the parent's `__main__` (ComfyUI's main.py: argument parsing,
+    prestartup scripts of every custom node) unless `__main__` names no file. Jobs live in
+    importable modules, so the ranks never need it. Restored as soon as the ranks have started.
+    """
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _shut_down(processes: list, jobs: list, join_timeout_s: float) -> None:
