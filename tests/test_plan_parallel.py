@@ -97,6 +97,44 @@ def test_ulysses_holds_six_local_tensors_at_its_peak():
     assert held.flops == pytest.approx(2 * batch * (heads // degree) * (local * degree) ** 2 * 2 * dim)
 
 
+@pytest.mark.parametrize("degree", [2, 4])
+def test_rank_trace_is_diffusers_own_context_parallel_forward(wan, monkeypatch, degree):
+    """diffusers' real Ulysses path (enable_parallelism, its hooks and TemplatedUlyssesAttention) runs on
+    meta under a fake process group: one denoise step holds the same peak, the same allocator footprint
+    and the same FLOPs as the planner's per-rank trace."""
+    import torch.distributed as dist
+    from unittest import mock
+
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vidmem.memory.plan.allocator import replay
+    from vidmem.memory.plan.parallel_trace import context_parallel_trace
+    from vidmem.memory.plan.types import Call
+    from vidmem.pipelines.configs import workloads
+    from vidmem.pipelines.configs.meta import build_meta
+
+    call = Call("denoise", "transformer", SMALL)
+    with context_parallel_trace(wan.traced_module("transformer"), degree, "ulysses"):
+        ours = trace(workloads.workload_for(wan, call), Attention.FUSED)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
+    try:
+        theirs_module = build_meta(wan.components["transformer"], wan.dtype, 2)
+        mesh = init_device_mesh("cpu", (1, degree), mesh_dim_names=("ring", "ulysses"))
+        with mock.patch.object(torch.accelerator, "device_count", return_value=1):  # as the runtime does on CPU
+            theirs_module.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, mesh=mesh))
+        monkeypatch.setattr(wan, "traced_module", lambda name: theirs_module)
+        theirs = trace(workloads.workload_for(wan, call), Attention.FUSED)
+    finally:
+        dist.destroy_process_group()
+    assert ours.peak_bytes == theirs.peak_bytes and ours.flops == theirs.flops
+    weights = (1 << 30,)
+    assert replay(weights, ours.events).reserved == replay(weights, theirs.events).reserved
+    whole = wan.trace(call, Attention.FUSED)
+    assert ours.peak_bytes < whole.peak_bytes
+
+
 def test_ring_holds_every_rank_keys_and_values():
     batch, local, heads, dim, degree = 1, 256, 8, 64, 4
     q, k, v = (_meta(batch, local, heads, dim) for _ in range(3))

@@ -18,6 +18,11 @@ the whole text on every rank) the collective is replayed with the tensors diffus
 The collectives are stood in for by `torch.empty` of the size NCCL would write, so the ledger counts
 every buffer at the moment it is live, and attention FLOPs are those a rank really computes. The
 traced module's processors and hooks are put back in `finally`: the model's other traces are untouched.
+
+Checked (tests/test_plan_parallel.py): diffusers' own Ulysses path, run on meta under a fake process
+group, holds the same step peak, allocator footprint and FLOPs. Ring is not held to it: the fake
+group's functional collectives count an extra wrapper tensor per collective (an alias on NCCL), and
+the two differ by a few percent at the step peak.
 """
 
 from __future__ import annotations
@@ -149,21 +154,33 @@ def ulysses_attention(query, key, value, degree: int, sdpa_kwargs: dict) -> torc
 
 
 def ring_attention(query, key, value, degree: int, sdpa_kwargs: dict) -> torch.Tensor:
-    """TemplatedRingAttention.forward (rotate_method="allgather", convert_to_fp32=True)."""
+    """TemplatedRingAttention.forward (rotate_method="allgather", convert_to_fp32=True) over the
+    cuDNN backend the runtime sets for ring (the native one returns no log-sum-exp)."""
     kv_local = torch.cat([key.flatten(), value.flatten()]).contiguous()
     gathered = torch.empty(degree * kv_local.numel(), dtype=kv_local.dtype, device=kv_local.device).chunk(degree)
     del kv_local
-    q = query.transpose(1, 2)
     previous_out = previous_lse = None
     for index in range(degree):
         if index:
             key = gathered[index][: key.numel()].reshape_as(key)
             value = gathered[index][key.numel():].reshape_as(value)
-        out = F.scaled_dot_product_attention(q, key.transpose(1, 2), value.transpose(1, 2), **sdpa_kwargs)
-        out = out.transpose(1, 2).to(torch.float32)
-        lse = torch.empty((*query.shape[:-1], 1), dtype=torch.float32, device=query.device)  # the kernel's log-sum-exp
+        out, lse = _cudnn_attention(query, key, value, sdpa_kwargs)
+        out = out.to(torch.float32)
+        lse = lse.unsqueeze(-1)
         if previous_out is not None:
             out = previous_out - torch.sigmoid(lse - previous_lse) * (previous_out - out)
             lse = previous_lse - F.logsigmoid(previous_lse - lse)
         previous_out, previous_lse = out, lse
     return out.to(query.dtype)
+
+
+def _cudnn_attention(query, key, value, sdpa_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' `_cudnn_attention_forward_op`: contiguous [B, H, S, D] copies for the kernel, its output
+    and float32 log-sum-exp, both made contiguous again in the [B, S, H, ...] layout."""
+    query_t, key_t, value_t = (x.transpose(1, 2).contiguous() for x in (query, key, value))
+    out = F.scaled_dot_product_attention(query_t, key_t, value_t, **sdpa_kwargs)
+    lse = torch.empty((*query_t.shape[:-1], 1), dtype=torch.float32, device=query.device)  # the kernel's
+    out = out.transpose(1, 2).contiguous()
+    lse = lse.squeeze(-1).transpose(1, 2).contiguous()
+    del query_t, key_t, value_t
+    return out, lse
