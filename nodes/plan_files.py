@@ -10,7 +10,6 @@ weight_dtype choice where it lowers the matrices; the VAE and image encoder at t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -21,7 +20,7 @@ from ..pipelines.comfy_files import shipped_catalogue
 from ..pipelines.comfy_files import detect, match
 from ..pipelines.comfy_files.files import read_weight_file
 from ..pipelines.comfy_files.load import _COMPONENT, _KIND
-from ..pipelines.configs import load_model, model_names
+from ..pipelines.configs import load_model
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, LOWERED, WEIGHT_DTYPES, held_format
 from . import host
 
@@ -95,7 +94,7 @@ def recognise(request: FilesRequest, dtype: str) -> RecognisedFiles:
     match.check_text_encoder(entry, opened["text_encoder"])
     match.check_clip_vision(entry, opened.get("clip_vision"))
     vae = request.vae_dtype or dtype
-    model = _planner_model(entry.name, dtype, vae, configs)
+    model = load_model(entry.planner_source, dtype, vae)
     storage, restored = {}, False
     for role, file in opened.items():
         component = _COMPONENT[role]
@@ -106,20 +105,6 @@ def recognise(request: FilesRequest, dtype: str) -> RecognisedFiles:
     # Matrices weight_dtype re-stored at load live in RAM: the disk tier holds only while they stay mapped.
     on_disk = request.weights_on_disk and not restored
     return RecognisedFiles(entry.name, PlanOptions(storage=storage, on_disk=on_disk), model)
-
-
-def _planner_model(name: str, dtype: str, vae: str, config_dirs) -> object:
-    """A shipped config by name, else the host's own config file of that name (models/vidmem_configs)."""
-    if name in model_names():
-        return load_model(name, dtype, vae)
-    from ..pipelines import configs  # a config outside the shipped set: read in the shipped schema
-
-    for folder in config_dirs:
-        for file in sorted(Path(folder).glob("*.json")):
-            data = json.loads(file.read_text())
-            if data.get("name") == name:
-                return configs._from_json(data, dtype, configs._dtype(vae))
-    raise FilesProblem("model", f"model config '{name}' was matched but is not readable for planning.")
 
 
 FOLDER_TRANSFORMER = "(from the folder)"  # nodes/loader.py: the folder's own transformer

@@ -29,6 +29,14 @@ class ModelEntry:
     scheduler_config: Mapping[str, Any]
     pipeline_config: Mapping[str, Any] = field(default_factory=dict)
     image_processor: Mapping[str, Any] = field(default_factory=dict)  # CLIPImageProcessor kwargs (I2V 2.1)
+    config_file: str = ""  # the model config file it was read from
+
+    @property
+    def planner_source(self) -> str:
+        """What `configs.load_model` plans this model from: a shipped config's name, else its file
+        (a config in ComfyUI's models/vidmem_configs is no shipped name)."""
+        shipped = MODELS_DIR / f"{self.name}.json"
+        return self.name if self.config_file and Path(self.config_file) == shipped else (self.config_file or self.name)
 
     @property
     def experts(self) -> int:
@@ -63,6 +71,7 @@ def entry_from_json(data: dict, source: str = "a model config") -> ModelEntry:
         scheduler_class=scheduler["class"], scheduler_config=MappingProxyType(dict(scheduler["config"])),
         pipeline_config=MappingProxyType(dict(data.get("pipeline_config", {}))),
         image_processor=MappingProxyType(dict(data.get("image_processor", {}))),
+        config_file=source if source.endswith(".json") else "",
     )
 
 

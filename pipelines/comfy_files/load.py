@@ -76,7 +76,7 @@ def load_model_files(files: ModelFiles, options: LoadOptions = LoadOptions(),
     pipe = _assemble(entry, components, opened["text_encoder"].tokenizer_model)
     return LoadedPipeline(
         pipe, WAN, entry.pipeline_class, source=" + ".join(f.name for f in opened.values()),
-        dtype_name=options.dtype, folder=entry.name, config_name=entry.name,
+        dtype_name=options.dtype, folder=entry.planner_source, config_name=entry.name,
         storage=MappingProxyType(storage), on_disk=_maps_files(options, components), vae_dtype_name=options.vae,
         storage_reports=MappingProxyType(reports),
     )

@@ -8,6 +8,7 @@ components' config.json files are read; no weights are touched.
 
     model = load_model("wan2.1-t2v-14b")
     model = load_model("~/models/Wan2.1-T2V-14B-Diffusers", dtype="bf16")
+    model = load_model("ComfyUI/models/vidmem_configs/tiny-wan2.1-t2v.json")  # a config file in the shipped schema
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def model_names() -> list[str]:
 
 
 def load_model(name_or_path: str, dtype: str | None = None, vae_dtype: str | None = None) -> MetaModel:
-    """A shipped model by name, or a diffusers-format folder (configs only).
+    """A shipped model by name, a model config file in the shipped schema, or a diffusers-format
+    folder (configs only).
 
     `dtype` is the compute dtype (default: the model's own); `vae_dtype` the VAE's when it runs
     in another (e.g. fp32 for quality). Models are shared per (name or folder, dtypes) so their
@@ -45,6 +47,8 @@ def load_model(name_or_path: str, dtype: str | None = None, vae_dtype: str | Non
     vae = _dtype(vae_dtype) if vae_dtype else ""
     if (MODELS_DIR / f"{name_or_path}.json").is_file():
         return _shipped(name_or_path, dtype, vae)
+    if path.suffix == ".json" and path.is_file():  # a model config in the shipped schema kept elsewhere
+        return _config_file(str(path.resolve()), dtype, path.stat().st_mtime_ns, vae)
     if path.is_dir() or "/" in name_or_path or name_or_path.startswith("."):
         index = path / "model_index.json"
         stamp = index.stat().st_mtime_ns if index.is_file() else 0
@@ -64,6 +68,13 @@ def defaults(name: str) -> dict:
 @lru_cache(maxsize=16)
 def _shipped(name: str, dtype: str | None, vae_dtype: str = "") -> MetaModel:
     return _from_json(read_json_object(MODELS_DIR / f"{name}.json", f"the shipped config of {name}"), dtype, vae_dtype)
+
+
+@lru_cache(maxsize=8)
+def _config_file(file: str, dtype: str | None, stamp: int, vae_dtype: str = "") -> MetaModel:
+    """A model config outside the shipped set (ComfyUI's models/vidmem_configs: the tiny models the
+    single-file loader matches); `stamp`: a changed file is read again."""
+    return _from_json(read_json_object(Path(file), "model config"), dtype, vae_dtype)
 
 
 def _from_json(data: dict, dtype: str | None, vae_dtype: str = "") -> MetaModel:
