@@ -18,29 +18,16 @@ import json
 GIB = 1 << 30
 
 
-class _Interconnects:
-    """`--interconnect` choices, read from the planner when argparse first needs them (it imports torch)."""
-
-    def _names(self) -> tuple[str, ...]:
-        from .memory.plan.parallel import INTERCONNECTS
-
-        return tuple(INTERCONNECTS)
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
-
-
 def add_parallel_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--gpus", type=int, help="plan for N GPUs (per-GPU peaks, time and speedup against one GPU)")
     plan.add_argument("--cp", choices=("ulysses", "ring", "balanced"), default="ulysses",
                       help="with --gpus: ulysses or ring context parallelism (the transformer's sequence split "
                            "across the GPUs), or balanced (whole components on different GPUs, nothing split)")
-    plan.add_argument("--interconnect", default="pcie4", choices=_Interconnects(),
-                      help="link between the GPUs for the all-to-all time: pcie4 (25 GB/s per GPU), pcie5 (50), "
-                           "nvlink (300)")
+    # No `choices=`: argparse formats choices when the argument is added, and the names live in the
+    # planner, which imports torch; they are checked in run_parallel_plan instead.
+    plan.add_argument("--interconnect", default="pcie4",
+                      help="link between the GPUs for the all-to-all time: pcie4 (25 GB/s per GPU, the default), "
+                           "pcie5 (50), nvlink (300)")
     plan.add_argument("--interconnect-gbps", type=float, help="the link's bandwidth per GPU in GB/s, if you know it "
                       "(GeForce cards without peer-to-peer reach about half of pcie4)")
 
@@ -62,11 +49,15 @@ def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) ->
     from .memory.plan.parallel import (INTERCONNECTS, MultiGpu, context_parallel_refusal, parallel_candidates,
                                        parallel_recommended)
 
+    if args.interconnect not in INTERCONNECTS:
+        raise ValueError(f"--interconnect {args.interconnect!r} is not one vidmem knows; use {', '.join(INTERCONNECTS)}, "
+                         "or give the bandwidth with --interconnect-gbps.")
     link = INTERCONNECTS[args.interconnect]
     if args.interconnect_gbps is not None:
         if not args.interconnect_gbps > 0:
             raise ValueError(f"--interconnect-gbps {args.interconnect_gbps} must be positive, e.g. 25 for PCIe 4.0 x16.")
-        link = type(link)(f"{link.name} at {args.interconnect_gbps:g} GB/s", args.interconnect_gbps * 1e9, link.latency_s)
+        link = type(link)(f"a {args.interconnect_gbps:g} GB/s link (--interconnect-gbps)", args.interconnect_gbps * 1e9,
+                          link.latency_s)
     layout = MultiGpu(args.gpus, args.cp, link)
     refusal = None if args.cp == "balanced" else context_parallel_refusal(model, args.cp)
     if refusal:  # the runtime's words, and the planner's way to what they suggest

@@ -240,3 +240,6 @@ def test_plan_command_gpus_refusals(capsys):
     assert plan_main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "24", "--ram", "64", "--gpus", "2",
                       "--interconnect-gbps", "0"]) == 2
     assert "--interconnect-gbps" in capsys.readouterr().err
+    assert plan_main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "24", "--ram", "64", "--gpus", "2",
+                      "--interconnect", "infiniband"]) == 2
+    assert "pcie4, pcie5, nvlink" in capsys.readouterr().err
