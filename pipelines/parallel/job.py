@@ -18,6 +18,7 @@ from ...memory.parallel import RankContext
 from ...memory.strategy import MemoryStrategy, Parallelism
 from ..hooks import RunHooks
 from ..sample import SampleRequest, SampleResult, sample
+from .checks import check_context_parallel
 from .context import enable_context_parallel
 from .source import PipelineSource
 
@@ -30,6 +31,10 @@ class ParallelSampleJob:
 
     def run(self, context: RankContext) -> SampleResult | None:
         loaded = self._pipeline(context)
+        # Checked by the coordinator already; again here for torchrun, which has none.
+        request, image_mode = self.request, loaded.image_mode() if self.request.image is not None else loaded
+        check_context_parallel(image_mode, request.width, request.height, request.frames, self.strategy.parallel,
+                               context.world_size, context.device.type)
         per_rank = replace(self.strategy, parallel=Parallelism())  # within a rank, an ordinary one-device run
         # No prompt cache in ranks: a hit on one rank and a miss on another would run different
         # modules, and every rank must run the same ones in the same order.

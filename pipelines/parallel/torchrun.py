@@ -1,0 +1,70 @@
+"""Context-parallel sampling under torchrun: the same job, one process per GPU, on one or many machines.
+
+    torchrun --nproc-per-node 8 -m vidmem.pipelines.parallel.torchrun MODEL_FOLDER out.safetensors \\
+        --prompt "a cat" --width 1280 --height 720 --frames 81 --steps 50 --offload none
+
+Several machines: the same command on each, with `--nnodes N --node-rank I --rdzv-backend c10d
+--rdzv-endpoint HOST:PORT` (torchrun's own rendezvous, env://); no scheduler of vidmem's own.
+Every process opens the folder itself; rank 0 writes the latent (safetensors, key "latent").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from ...memory.parallel import run_in_process_group
+from ...memory.strategy import MemoryStrategy, Parallelism
+from ..sample import SampleRequest
+from .job import ParallelSampleJob
+from .source import PipelineSource
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder")
+    parser.add_argument("out")
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--negative-prompt", default="")
+    parser.add_argument("--width", type=int, default=832)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--cfg", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--offload", default="none", help="the tier each rank applies to its own copy")
+    parser.add_argument("--blocks-to-swap", type=int, default=0)
+    parser.add_argument("--mode", default="ulysses", choices=("ulysses", "ring"))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")  # env:// from torchrun
+    try:
+        world = dist.get_world_size()
+        strategy = MemoryStrategy(offload=args.offload, blocks_to_swap=args.blocks_to_swap,
+                                  parallel=Parallelism(None, args.mode, world))
+        request = SampleRequest(args.prompt, args.negative_prompt, args.width, args.height, args.frames, args.steps,
+                                args.cfg, args.seed)
+        source = PipelineSource(os.path.abspath(args.folder), args.dtype)
+        # Every rank checks the run (same inputs, same verdict) right after opening the folder.
+        result = run_in_process_group(ParallelSampleJob(source, strategy, request))
+        if dist.get_rank() == 0:
+            from safetensors.torch import save_file
+
+            save_file({"latent": result.latent["samples"].contiguous()}, args.out)
+            print(result.receipt.get("parallel"))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
