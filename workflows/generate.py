@@ -64,8 +64,10 @@ MIDDLE = 580  # a LoRA or training column, between the loader and the Sampler, m
 NOTE_GAP = 90  # between the note and the groups' top: a group's title sits above its nodes' title bars
 GROUP_HEAD = 80  # node title bar (30) + group title (24) + room
 GAP = 50  # between stacked nodes: the lower one's title bar (30) and the source badge drawn above it (~20)
-SAMPLER_HEIGHT, SAMPLER_WIDGETS = 590, 9  # its height with this many widgets (two multiline prompts)
+SAMPLER_HEIGHT, STRATEGY_HEIGHT = 590, 700  # with the widgets of BASE_WIDGETS (the Strategy: room for its plan)
 WIDGET_ROW = 28  # what one more number or combo widget adds (24 and spacing)
+# Widget counts the heights were set for; an input added to a node later gets its row (see _grown).
+BASE_WIDGETS = {"VidMemVideoSampler": 9, "VidMemMemoryStrategy": 14, "VidMemLoadPipeline": 4, "VidMemLoadModelFiles": 9}
 MIDDLE_WIDTH = 520  # Load LoRA shows file names of 60 characters (Comfy-Org's Lightning LoRAs) unclipped
 LORA_HEIGHT = 140  # Load LoRA: three widgets, room for its one-line receipt
 PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receipt
@@ -87,12 +89,12 @@ def graph(t: Template) -> list[Node]:
     note_height = t.note_height or _note_height(t.note, c + 340)
     top = note_height + NOTE_GAP
     middle, pipeline = _middle(t, top)
-    loader_h, strategy_h, decode_h = t.loader.height, 700, 190
+    loader_h, strategy_h, decode_h = _grown(t.loader.type, t.loader.height), _grown("VidMemMemoryStrategy", STRATEGY_HEIGHT), 190
     nodes = [
         Node(1, t.loader.type, (a, top), (400, loader_h), t.loader.widgets, group=MODEL_GROUP),
         Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (400, strategy_h),
              dict(t.strategy, vram_budget_gb=0.0, ram_budget_gb=0.0), group=MODEL_GROUP),
-        Node(3, "VidMemVideoSampler", (b, top), (420, _sampler_height()), dict(
+        Node(3, "VidMemVideoSampler", (b, top), (420, _grown("VidMemVideoSampler", SAMPLER_HEIGHT)), dict(
             prompt=t.prompt, negative_prompt=t.negative_prompt, width=t.width, height=t.height, frames=t.frames,
             steps=t.steps, cfg=t.cfg, seed=t.seed, control_after_generate="fixed", **t.sampler,
         ), links=dict(pipeline=pipeline, strategy=(2, 0)), group=SAMPLE_GROUP),
@@ -141,10 +143,10 @@ def _middle(t: Template, top: int) -> tuple[list[Node], tuple[int, int]]:
     return nodes, source
 
 
-def _sampler_height() -> int:
-    """Room for every widget the Sampler has today (inputs added later get their row)."""
-    extra = len(widget_names(node_spec("VidMemVideoSampler"))) - SAMPLER_WIDGETS
-    return SAMPLER_HEIGHT + WIDGET_ROW * max(0, extra)
+def _grown(node_type: str, height: int) -> int:
+    """`height` plus a row for every widget the node has today beyond BASE_WIDGETS (inputs added later)."""
+    extra = len(widget_names(node_spec(node_type))) - BASE_WIDGETS[node_type]
+    return height + WIDGET_ROW * max(0, extra)
 
 
 def _with_defaults(node: Node) -> Node:
