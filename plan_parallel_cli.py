@@ -5,7 +5,8 @@
     vidmem plan --model cogvideox-5b --vram 16 --ram 64 --gpus 2 --cp balanced
 
 One row per tier as on one GPU, the figures per GPU (every rank of a context-parallel run holds all
-the weights and runs the text encoder and the decode; only the transformer's sequence is split),
+the weights and encodes the prompt; only the transformer's sequence is split; the decode runs once,
+on GPU 0),
 then the recommended row GPU by GPU. Like this module's parent, nothing here imports torch at
 module import: `vidmem --help` stays light.
 """
@@ -122,9 +123,10 @@ def _notes(plan, layout) -> list[str]:
             f"({'q, k, v and the output' if layout.mode.value == 'ulysses' else 'keys and values gathered'} in every "
             f"block), {plan.comm_seconds:.0f} s of the run at {link.bytes_per_s / 1e9:g} GB/s (--interconnect, "
             f"--interconnect-gbps); diffusers waits for each collective, so it adds to compute.",
-            "Every rank holds all the weights (its own offload tier) and runs the text encoder and the decode; "
-            "activations include the collective's buffers; NCCL's buffers are an estimate.",
-            "RAM (all): one process per GPU, each with its own copy of the weights (--disk shares them as page cache)."]
+            "Every rank holds all the weights (its own offload tier) and encodes the prompt; the decode runs once, in "
+            "ComfyUI's process on GPU 0. Activations include the collective's buffers; NCCL's buffers are an estimate.",
+            "RAM (all): one process per GPU and the coordinating one, each with its own copy of the weights (--disk "
+            "shares them as page cache)."]
 
 
 def _nothing_fits(plans, layout, vram: int, ram: int) -> str:
