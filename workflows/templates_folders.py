@@ -184,7 +184,7 @@ FOLDER_TEMPLATES = (
         width=1280, height=704, frames=121, steps=50, cfg=5.0, fps=24.0,
     ),
     Template(
-        name="cogvideox_5b_fp8_8gb",
+        name="cogvideox_5b_fp8",
         title="CogVideoX-5b fp8, 8 GB, 16 GB RAM",
         note=(
             "CogVideoX-5b text to video on an 8 GB card with 16 GB of RAM, its weights stored in fp8: 720x480, "
