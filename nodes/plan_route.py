@@ -122,11 +122,13 @@ def _number(query: Mapping[str, str], name: str, kind: str, low, high):
     return value
 
 
-def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], budgets: tuple[int, int]) -> dict:
+def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], budgets: tuple[int, int],
+                device: str | None = None) -> dict:
     """The plan as JSON-ready data: one row per tier (and the user's own settings), the chosen row marked.
 
     `load_model(name, dtype)` gives the plannable meta model; `budgets` are the host's default
-    (VRAM, RAM) bytes, used where the widgets say 0. Bad widgets or a shape the model cannot take
+    (VRAM, RAM) bytes, used where the widgets say 0; `device` the torch device type the host
+    computes on (None: cuda when present, else cpu). Bad widgets or a shape the model cannot take
     come back as {"status": "error", "input": name, "error": message}.
     """
     widgets = dict(request.widgets)
@@ -136,6 +138,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
             raise StrategyError(problem)
         strategy = build_strategy(**widgets)
         model, options = _model_and_options(request, load_model)
+        options = replace(options, device=device or _probed_device())
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
         base = replace(strategy, offload=OffloadTier.MODEL, blocks_to_swap=0)
@@ -159,6 +162,12 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         "rows": [_row(label, plan) for label, plan in zip(labels, plans)],
         "chosen": chosen,
     }
+
+
+def _probed_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], object]) -> tuple[object, PlanOptions]:

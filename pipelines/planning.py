@@ -12,6 +12,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+import torch
+
 from ..memory import MemoryStrategy
 from ..memory.plan.planner import Plan, PlanOptions, choose_strategy, decode_activation_bytes, plan_run
 from ..memory.plan.stages import VideoShape
@@ -29,8 +31,10 @@ def planner_model(loaded: LoadedPipeline):
     return load_model(loaded.folder or loaded.config_name, loaded.dtype_name, loaded.vae_dtype_name or None)
 
 
-def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions()) -> PlanOptions:
-    """`options` with the pipeline's real storage: each component's format and the disk tier.
+def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions(), device=None) -> PlanOptions:
+    """`options` with the pipeline's real storage: each component's format and the disk tier, and
+    the device the run computes on (`device`; None: the one vidmem would pick, resolved now). On a
+    CPU device memory-mapped weights are used in place and upcasts run at the CPU's rate.
 
     A component whose recorded format is not a StorageFormat (integer tensors are recorded by
     dtype), or that the planner's model does not run (an image encoder loaded beside a
@@ -40,19 +44,21 @@ def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions()) -
     storage = {name: fmt for name, fmt in loaded.storage.items() if fmt in FORMATS and name in planned}
     for name in loaded.storage.keys() - storage.keys():
         logger.info("vidmem: %s stored as %r: not planned as stored", name, loaded.storage[name])
-    return replace(options, storage=storage, on_disk=loaded.on_disk)
+    # Only the type matters here: resolve_compute_device's choice (cuda when present), without its index.
+    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    return replace(options, storage=storage, on_disk=loaded.on_disk, device=device_type)
 
 
 def plan_strategy(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStrategy,
                   vram_budget_bytes: int | None, ram_budget_bytes: int | None,
-                  options: PlanOptions = PlanOptions()) -> Plan:
-    """Predicted peaks per stage for running `strategy` at `shape`, with the weights as loaded."""
-    return plan_run(planner_model(loaded), shape, strategy, plan_options(loaded, options),
+                  options: PlanOptions = PlanOptions(), device=None) -> Plan:
+    """Predicted peaks per stage for running `strategy` at `shape` on `device`, with the weights as loaded."""
+    return plan_run(planner_model(loaded), shape, strategy, plan_options(loaded, options, device),
                     vram_budget_bytes=vram_budget_bytes, ram_budget_bytes=ram_budget_bytes)
 
 
 def choose_for(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy,
-               vram_budget_bytes: int, ram_budget_bytes: int, options: PlanOptions = PlanOptions()) -> Plan:
+               vram_budget_bytes: int, ram_budget_bytes: int, options: PlanOptions = PlanOptions(), device=None) -> Plan:
     """The fastest strategy that fits both budgets (PlanError says what would fit if none does).
 
     `base` keeps the user's prefetch, pinning and slicing; the tier, blocks, text encoder
@@ -62,7 +68,7 @@ def choose_for(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy,
     """
     return choose_strategy(planner_model(loaded), shape, vram_budget_bytes, ram_budget_bytes,
                            base=replace(base, offload="model", blocks_to_swap=0),
-                           options=plan_options(loaded, options), consider_disk=False)
+                           options=plan_options(loaded, options, device), consider_disk=False)
 
 
 def decode_overrun(loaded: LoadedPipeline, latent_shape: tuple[int, ...], strategy: MemoryStrategy,

@@ -185,7 +185,7 @@ def test_a_loaded_pipelines_storage_reaches_the_planner(wan):
                             vae_dtype_name="fp32")
     assert dict(plan_options(loaded).storage) == {"transformer": "fp8_scaled", "text_encoder": "fp8_scaled"}
     strategy = MemoryStrategy(offload="model")
-    plan = plan_strategy(loaded, SHAPE, strategy, 8 * GiB, 12 * GiB)
+    plan = plan_strategy(loaded, SHAPE, strategy, 8 * GiB, 12 * GiB, device="cuda")  # as on a GPU host
     assert plan.on_disk and plan.stage("denoise").page_cache_bytes > 0
     as_folder = plan_run(wan, SHAPE, strategy, PlanOptions(storage=plan_options(loaded).storage, on_disk=True))
     vae_bf16 = _file_bytes(wan.module("vae"), None, False)[0]
@@ -194,4 +194,4 @@ def test_a_loaded_pipelines_storage_reaches_the_planner(wan):
     assert decode_weights == vae_bf16 + latent * 2  # the VAE and its latent in fp32: twice their bf16 bytes
     in_ram = replace(loaded, on_disk=False, storage={})
     with pytest.raises(PlanError, match=r"\(--disk\) it fits"):  # auto never moves a loaded pipeline to disk
-        choose_for(in_ram, SHAPE, strategy, 8 * GiB, 12 * GiB)
+        choose_for(in_ram, SHAPE, strategy, 8 * GiB, 12 * GiB, device="cuda")

@@ -56,6 +56,32 @@ NVME_BYTES_PER_S = 3e9
 # Per streamed group and pass: one event record/wait and a few kernel launches (~10 us each).
 STREAM_GROUP_OVERHEAD_S = 30e-6
 
+# Upcasting stored weights (fp8, GGUF) to the compute dtype, once per layer call (every pass, under
+# every tier). On a GPU these elementwise kernels are memory-bound: scaled fp8 reads 1 B, writes and
+# reads two float32 temporaries and writes 2 B per weight (~23 B of traffic; the temporaries are
+# memory.storage.stored.UPCAST_TEMPORARY_BYTES_PER_WEIGHT), at ~800 GB/s sustained (RTX 4090:
+# 1008 GB/s peak): ~35e9 weights/s. GGUF's formulas move about as much.
+DEVICE_DEQUANT_WEIGHTS_PER_S = 35e9
+
+# On a CPU, torch's fp8 and GGUF upcasts are not vectorised like its matmuls: measured here on one
+# core (torch 2.13, a 4096x4096 weight to bf16, best of 3): fp8_e4m3fn 0.06, fp8_scaled 0.04,
+# gguf_q8_0 0.07, gguf_q4_k 0.04 G weights/s; x8 for the 8 cores HOST_FLOPS_PER_S assumes. This is
+# why fp8 ran slower than bf16 in bench/beyond_ram.py on this machine.
+HOST_DEQUANT_WEIGHTS_PER_S = 0.4e9
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """How fast the compute device computes, receives weights and upcasts stored ones."""
+
+    flops_per_s: float = DEVICE_FLOPS_PER_S
+    copy_bytes_per_s: float | None = PCIE_BYTES_PER_S  # None: weights are used where they lie (a CPU device)
+    dequant_weights_per_s: float = DEVICE_DEQUANT_WEIGHTS_PER_S
+
+
+GPU_RATES = DeviceRates()
+CPU_RATES = DeviceRates(HOST_FLOPS_PER_S, None, HOST_DEQUANT_WEIGHTS_PER_S)
+
 
 @dataclass(frozen=True)
 class Traffic:
@@ -102,25 +128,30 @@ class Work:
     traffic: Traffic = Traffic()
     on_host: bool = False  # computed on the CPU (text_encoder=cpu): weights are used where they are
     host_weight_bytes: int = 0  # on the CPU: the weights one call reads (from the page cache on disk)
+    dequant_weights: int = 0  # stored weights upcast per pass (storage below the compute dtype)
+    rates: DeviceRates = GPU_RATES  # the compute device's (on_host work runs at CPU_RATES)
 
     def seconds(self, disk: DiskRead | None = None) -> float:
         if self.on_host:  # page faults on memory-mapped weights are synchronous: reads add to compute
-            seconds = self.flops / HOST_FLOPS_PER_S
+            seconds = self.flops / HOST_FLOPS_PER_S + self.passes * self.dequant_weights / HOST_DEQUANT_WEIGHTS_PER_S
             if disk is not None:
                 seconds += disk.reread_bytes(Traffic(once_bytes=self.host_weight_bytes))[1] / disk.bytes_per_s
             return seconds
-        return stage_seconds(self.flops, self.passes, self.traffic, disk)
+        return stage_seconds(self.flops, self.passes, self.traffic, disk, self.rates, self.dequant_weights)
 
 
-def stage_seconds(compute_flops: float, passes: int, traffic: Traffic, disk: DiskRead | None = None) -> float:
+def stage_seconds(compute_flops: float, passes: int, traffic: Traffic, disk: DiskRead | None = None,
+                  rates: DeviceRates = GPU_RATES, dequant_weights: int = 0) -> float:
     """Estimated wall time of `passes` forward passes totalling `compute_flops`.
 
     With `disk`, streamed weights the page cache cannot keep are read from the disk every pass;
-    reading, copying and computing overlap when the schedule prefetches (staging buffers).
+    reading, copying and computing overlap when the schedule prefetches (staging buffers). Stored
+    weights are upcast on the compute stream each pass: added to compute, never hidden.
     """
-    compute = compute_flops / DEVICE_FLOPS_PER_S
-    per_pass_compute = compute / max(passes, 1)
-    per_pass_copy = traffic.per_pass_bytes / PCIE_BYTES_PER_S
+    compute = compute_flops / rates.flops_per_s
+    per_pass_compute = compute / max(passes, 1) + dequant_weights / rates.dequant_weights_per_s
+    copy_rate = rates.copy_bytes_per_s
+    per_pass_copy = traffic.per_pass_bytes / copy_rate if copy_rate else 0.0
     reread_pass, reread_once = disk.reread_bytes(traffic) if disk is not None else (0, 0)
     per_pass_read = reread_pass / disk.bytes_per_s if disk is not None else 0.0
     if traffic.overlapped:
@@ -128,7 +159,7 @@ def stage_seconds(compute_flops: float, passes: int, traffic: Traffic, disk: Dis
     else:
         per_pass = per_pass_compute + per_pass_copy + per_pass_read
     per_pass += traffic.per_pass_groups * STREAM_GROUP_OVERHEAD_S
-    once = traffic.once_bytes / PCIE_BYTES_PER_S
+    once = traffic.once_bytes / copy_rate if copy_rate else 0.0
     if reread_once:
         once = max(once, reread_once / disk.bytes_per_s)  # staged: the disk and the copy overlap
     return passes * per_pass + once

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .allocator import replay
-from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, DEVICE_FLOPS_PER_S, HOST_RUNTIME_BYTES, Traffic, Work
+from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, Traffic, Work
 from .schedule import ComponentWeights, resident_tensors, streamed_unit_bytes
 from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
                             VideoShape)
@@ -34,10 +34,10 @@ def text_encode_stage(model: PlannerModel, shape: VideoShape, strategy: MemorySt
         if name not in on_device:  # encodes in RAM (from the page cache on disk); only the embeddings move
             weights = component_weights(model, name, options)
             host += trace.peak_bytes + weights.transient_bytes
-            work.append(Work(trace.flops, on_host=True, host_weight_bytes=weights.nbytes))
+            work.append(_host_work(trace.flops, weights))
             continue
         phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, name))
-        work.append(Work(trace.flops, 1, _traffic(model, name, strategy, options)))
+        work.append(device_work(model, name, strategy, options, trace.flops, 1))
     return StagePlan("text_encode", tuple(phases), host, page_cache, tuple(work))
 
 
@@ -54,16 +54,16 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
         if name not in stage:  # an image encoder placed on the CPU encodes there
             weights = component_weights(model, name, options)
             host += trace.peak_bytes + weights.transient_bytes
-            work.append(Work(trace.flops, on_host=True, host_weight_bytes=weights.nbytes))
+            work.append(_host_work(trace.flops, weights))
             continue
         phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, f"{name} (image)"))
-        work.append(Work(trace.flops, 1, _traffic(model, name, strategy, options)))
+        work.append(device_work(model, name, strategy, options, trace.flops, 1))
     steps_per_denoiser = _split_steps(options.steps, len(layout.denoisers))
     for name, steps in zip(layout.denoisers, steps_per_denoiser):
         call = Call("denoise", name, shape)
         flops = model.trace(call, options.attention).flops * steps  # traced first: it records the module order
         phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, name))
-        work.append(Work(flops, steps * model.forward_passes(shape), _traffic(model, name, strategy, options)))
+        work.append(device_work(model, name, strategy, options, flops, steps * model.forward_passes(shape)))
     return StagePlan("denoise", tuple(phases), host, page_cache, tuple(work))
 
 
@@ -90,7 +90,7 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
         largest_piece = max(largest_piece, call.piece[0] * pixels * itemsize)  # copied to the host per piece
     host_frames = model.trace(Call("postprocess", vae, shape), options.attention).peak_bytes
     host, page_cache = host_base(model, options, strategy)
-    work = Work(flops, sum(counts.values()), _traffic(model, vae, strategy, options))
+    work = device_work(model, vae, strategy, options, flops, sum(counts.values()))
     return StagePlan("decode", tuple(phases), host + host_frames + largest_piece, page_cache, (work,))
 
 
@@ -106,9 +106,12 @@ def phase(model: PlannerModel, call: Call, resident: list[int], options: PlanOpt
 def tier_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, stage_names: list[str],
                    options: PlanOptions = PlanOptions(), kind: str | None = None) -> list[int]:
     """Weight tensors (as stored) resident while `active` computes; under `none` every stage
-    component is. A stored-quantized component adds its one dequantized layer (the transient)."""
+    component is. A stored-quantized component adds its one dequantized layer (the transient). On a
+    CPU device memory-mapped weights are computed where they lie: page cache, not device bytes."""
     weights = component_weights(model, active, options)
     transient = [weights.transient_bytes] if weights.transient_bytes else []
+    if options.weights_in_place:
+        return transient
     if strategy.offload is OffloadTier.NONE:
         names = dict.fromkeys([*stage_names, active])
         return [t for name in names for t in component_weights(model, name, options).tensors] + transient
@@ -149,6 +152,8 @@ def staging_bytes(model: PlannerModel, strategy: MemoryStrategy, options: PlanOp
     group of any component the run streams sets them. Whole components (tiers none and model)
     and the resident cores of block swap copy straight from the mapping: no staging.
     """
+    if options.on_cpu:  # nothing is copied to a device: no staging
+        return 0
     on_device = {*sample_stage_components(model, strategy), model.layout.vae}
     largest = 0
     for name in on_device:
@@ -180,7 +185,7 @@ def compute_seconds(model: PlannerModel, shape: VideoShape, strategy: MemoryStra
     for name, steps in zip(layout.denoisers, _split_steps(options.steps, len(layout.denoisers))):
         flops += model.trace(Call("denoise", name, shape), attention).flops * steps
     flops += decode_flops_untiled(model, shape, strategy, options)
-    return flops / DEVICE_FLOPS_PER_S
+    return flops / options.rates.flops_per_s
 
 
 def decode_flops_untiled(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> float:
@@ -196,9 +201,26 @@ def decode_flops_untiled(model: PlannerModel, shape: VideoShape, strategy: Memor
     return flops * geometry.frames(latent[2]) * latent[3] * latent[4] * latent[0] / decoded
 
 
-def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: PlanOptions) -> Traffic:
-    """Host-to-device bytes as stored: what streams per pass, and what is onloaded once."""
+def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, options: PlanOptions, flops: float,
+                passes: int) -> Work:
+    """`name`'s compute on the device: its FLOPs, the weights it moves, the stored weights it upcasts each pass."""
     weights = component_weights(model, name, options)
+    return Work(flops, passes, _traffic(model, name, strategy, options), dequant_weights=weights.stored.stored_weights,
+                rates=options.rates)
+
+
+def _host_work(flops: float, weights: ComponentWeights) -> Work:
+    """A component computing in RAM (text_encoder=cpu): it reads its weights where they are."""
+    return Work(flops, on_host=True, host_weight_bytes=weights.nbytes, dequant_weights=weights.stored.stored_weights)
+
+
+def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: PlanOptions) -> Traffic:
+    """Host-to-device bytes as stored: what streams per pass, and what is onloaded once. On a CPU
+    device nothing is copied; memory-mapped weights are read in place every pass (page faults:
+    synchronous), from the disk when the page cache cannot keep them."""
+    weights = component_weights(model, name, options)
+    if options.on_cpu:
+        return Traffic(weights.nbytes if options.on_disk else 0, 0, 0, overlapped=False)
     if strategy.offload is OffloadTier.NONE:  # onloaded with the stage, as in the baseline; from files on disk
         return Traffic(once_bytes=weights.nbytes) if options.on_disk else Traffic()
     units = streamed_unit_bytes(model.module(name), model.blocks(name), strategy, weights.stored)

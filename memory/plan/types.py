@@ -11,7 +11,7 @@ from torch import nn
 
 from ..accounting import Attention, Trace
 from .allocator import AllocatorPeak, replay
-from .costs import CUDA_CONTEXT_BYTES, NVME_BYTES_PER_S, DiskRead, Work
+from .costs import CPU_RATES, CUDA_CONTEXT_BYTES, GPU_RATES, NVME_BYTES_PER_S, DeviceRates, DiskRead, Work
 from .schedule import ComponentWeights, Order
 from ..storage import storage_format
 from ..strategy import TextEncoderPlacement
@@ -109,7 +109,10 @@ class PlanOptions:
     `storage` maps components to a StorageFormat name (a Mapping is accepted and kept as sorted
     pairs); components not named are counted at the compute dtype. `on_disk`: the weights stay
     memory-mapped in their files (the disk tier): page cache instead of anonymous RAM, read again
-    from the disk at `disk_bytes_per_s` when the page cache cannot keep them.
+    from the disk at `disk_bytes_per_s` when the page cache cannot keep them. `device` is the torch
+    device type the run computes on: on "cpu" nothing is copied to a device, so memory-mapped
+    weights are used in place (page cache, not device bytes) and compute, copies and upcasts
+    run at the CPU's rates.
     """
 
     attention: Attention = Attention.FUSED
@@ -119,6 +122,7 @@ class PlanOptions:
     storage: tuple[tuple[str, str], ...] = ()
     on_disk: bool = False
     disk_bytes_per_s: float = NVME_BYTES_PER_S
+    device: str = "cuda"
 
     def __post_init__(self) -> None:
         pairs = self.storage.items() if isinstance(self.storage, Mapping) else self.storage
@@ -128,6 +132,19 @@ class PlanOptions:
         object.__setattr__(self, "storage", pairs)
         if not self.disk_bytes_per_s > 0:
             raise ValueError(f"disk_bytes_per_s={self.disk_bytes_per_s} must be positive, e.g. 3e9 for an NVMe SSD.")
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def rates(self) -> DeviceRates:
+        return CPU_RATES if self.on_cpu else GPU_RATES
+
+    @property
+    def weights_in_place(self) -> bool:
+        """Weights computed where they lie: memory-mapped files on a CPU device are no device bytes."""
+        return self.on_cpu and self.on_disk
 
     def storage_of(self, component: str) -> str | None:
         return dict(self.storage).get(component)
