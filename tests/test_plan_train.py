@@ -140,3 +140,13 @@ def test_cli_train_bad_input(capsys):
     assert "--rank 0" in capsys.readouterr().err
     assert main(["plan", "--model", "cogvideox-2b", "--vram", "24", "--ram", "64", "--train", "--targets", "nope"]) == 2
     assert "match no linear layer" in capsys.readouterr().err
+
+
+def test_checkpointed_trace_counts_the_self_attention_output_each_block_keeps():
+    """The trainer's selective checkpointing keeps each checkpointed block's self-attention output
+    and float32 logsumexp: batch x heads x tokens x (head dim + 1) x 4 bytes for the fp32 toy."""
+    tokens, dim, heads = 256, 64, 2
+    checkpointed, plain = toy_peaks(True, tokens=tokens), toy_peaks(False, tokens=tokens)
+    assert checkpointed.kept_per_block == heads * tokens * (dim // heads) * 4 + heads * tokens * 4
+    assert plain.kept_per_block == 0
+    assert checkpointed.at(10) == ActivationPeaks(checkpointed.one_block, checkpointed.two_blocks).at(10) + 10 * checkpointed.kept_per_block

@@ -89,7 +89,7 @@ def test_auto_trains_with_the_training_planners_choice_and_shows_predicted_and_m
     below_model = {p.tier: p for p in roomy_plans}["model"].peak_vram_bytes - 1
     plans, best = tiny_plans(deep_wan, data, below_model)
     by_tier = {p.tier: p for p in plans}
-    assert plans[best].tier == "block_swap" and by_tier["block_swap"].blocks_to_swap > 1
+    assert plans[best].tier == "block_swap"
     budget = (by_tier["block_swap"].peak_vram_bytes + 0.5) / (1 << 30)
     auto = StrategyChoice(MemoryStrategy(offload="model"), auto=True, vram_budget_gb=budget, ram_budget_gb=1024.0)
     out = VidMemTrainLoRA().train(deep_wan, data, auto, **dict(TRAIN, steps=1))

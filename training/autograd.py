@@ -78,6 +78,52 @@ def _rerun_contexts():
     return nullcontext(), (frozen_saved_by_storage() if can_layer_hooks() else nullcontext())
 
 
+_ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name))
+
+
+def _save_self_attention(ctx, op, *args, **kwargs):
+    """Keep the output of attention over the video tokens themselves (keys as long as queries):
+    the one op whose cost grows with the square of the token count, for one token-sized output."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in _ATTENTION_OPS and args[0].shape[-2] == args[1].shape[-2]:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    forward, rerun = create_selective_checkpoint_contexts(_save_self_attention)
+    return forward, _Both(rerun, frozen_saved_by_storage() if can_layer_hooks() else nullcontext())
+
+
+class _Both:
+    """Two context managers entered in order (checkpoint's context_fn hands back one per side)."""
+
+    def __init__(self, first, second) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self):
+        self.first.__enter__()
+        try:
+            self.second.__enter__()
+        except BaseException:
+            self.first.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
+        return False
+
+
 def check_layering(streams_leaves: bool) -> None:
     """The `sequential` tier evicts layers between a block's re-run and its backward: that needs the
     re-run's saved weights aliased, which needs the hook getter."""
@@ -87,16 +133,34 @@ def check_layering(streams_leaves: bool) -> None:
                             "or update torch.")
 
 
-def _checkpointed(module: nn.Module, *args, **kwargs):
+def _checkpointed(module: nn.Module, *args, kept: nn.Module | None = None, selective: bool = False, **kwargs):
+    if module is kept:
+        return module(*args, **kwargs)
     # determinism_check="default" compares each re-run's tensor shapes/dtypes/devices with the forward's.
     return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False,
-                                             context_fn=_rerun_contexts, **kwargs)
+                                             context_fn=_selective_contexts if selective else _rerun_contexts, **kwargs)
 
 
 @contextmanager
-def gradient_checkpointing(model: nn.Module, enabled: bool) -> Iterator[None]:
+def gradient_checkpointing(model: nn.Module, enabled: bool, keep_last: nn.Module | None = None,
+                           selective: bool = False) -> Iterator[None]:
     """Per-block checkpointing through the model's own switch (diffusers' `gradient_checkpointing`
-    attribute on the modules that loop over blocks), restored exactly afterwards."""
+    attribute on the modules that loop over blocks), restored exactly afterwards.
+
+    `keep_last`: the last block, run without checkpointing. Its backward comes right after the
+    forward, so its activations are what a re-run would rebuild at that moment: keeping them costs
+    no more at the peak (the forward's end holds the other blocks' inputs and this block's
+    activations; the backward's re-run of a block holds the same) and saves re-running one block
+    in N (as torch's checkpoint_sequential leaves its last segment). Only for tiers that keep
+    the blocks resident: a streamed block's weights would stay on the device until its backward.
+
+    `selective`: each checkpointed block also keeps its self-attention output (and logsumexp),
+    the one op whose cost grows with the square of the token count, for one tensor the size of
+    the block's input; its re-run then skips the attention kernel (torch's selective activation
+    checkpointing). Cross-attention over the text is re-run (its keys are the short side). Not
+    with streamed tiers: their hooks copy weights inside the re-run, at other moments than in
+    the forward, and selective checkpointing replays the forward's op sequence exactly.
+    """
     switches = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
     if enabled and not switches:
         raise TrainingError(f"{type(model).__name__} has no gradient checkpointing switch; set gradient_checkpointing "
@@ -105,7 +169,7 @@ def gradient_checkpointing(model: nn.Module, enabled: bool) -> Iterator[None]:
     try:
         for module in switches:
             module.gradient_checkpointing = enabled
-            module._gradient_checkpointing_func = partial(_checkpointed)
+            module._gradient_checkpointing_func = partial(_checkpointed, kept=keep_last, selective=selective)
         yield
     finally:
         for module, flag, func in saved:

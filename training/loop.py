@@ -129,7 +129,7 @@ def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: T
         # LoRAs already on the pipeline (a distill LoRA, another expert's) apply as at sampling:
         # the new LoRA learns what is missing on top of them; all before the strategy (memory.lora's rule).
         with apply_loras(lora_patches(loaded.pipe, loaded.loras)), \
-                _training_context(model, run, settings, blocks, check_interrupt), \
+                _training_context(model, run, settings, blocks, check_interrupt, strategy.streams_blocks), \
                 apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
             handle.activate(component)
             passes = lambda backward: handle.begin_pass(component, backward)  # noqa: E731
@@ -216,7 +216,8 @@ def _step(model, objective, batch, run: _Run, settings: TrainSettings, device, p
 
 
 @contextmanager
-def _training_context(model, run: _Run, settings: TrainSettings, blocks, check_interrupt) -> Iterator[None]:
+def _training_context(model, run: _Run, settings: TrainSettings, blocks, check_interrupt,
+                      streams_blocks: bool) -> Iterator[None]:
     """Base frozen, LoRA attached, checkpointing set, Cancel checked per block; all undone on exit.
 
     Nested before apply_strategy, as memory.lora's ordering rule asks: the LoRA hooks run before
@@ -228,7 +229,12 @@ def _training_context(model, run: _Run, settings: TrainSettings, blocks, check_i
             parameter.requires_grad_(False)
         with ExitStack() as stack:
             stack.enter_context(AttachedLora(model, run.layers))
-            stack.enter_context(gradient_checkpointing(model, settings.gradient_checkpointing))
+            # Resident blocks: the last block's activations are kept and each re-run skips its
+            # self-attention (autograd.gradient_checkpointing). Streamed blocks re-run in full: their
+            # weights move inside the re-run, which selective checkpointing's op replay cannot follow.
+            keep_last = None if streams_blocks else list(blocks)[-1]
+            stack.enter_context(gradient_checkpointing(model, settings.gradient_checkpointing, keep_last,
+                                                       selective=not streams_blocks))
             stack.enter_context(interrupt_checks(list(blocks), check_interrupt))
             yield
     finally:

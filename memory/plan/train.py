@@ -95,38 +95,80 @@ def block_target_shapes(blocks: nn.ModuleList, targets: tuple[str, ...]) -> list
 
 @dataclass(frozen=True)
 class ActivationPeaks:
-    """Traced training-step peaks (bytes) of the denoiser cut to one and to two blocks."""
+    """Traced training-step peaks (bytes) of the denoiser cut to one and to two blocks.
+
+    `kept_per_block`: what the trainer's selective checkpointing keeps of each checkpointed block
+    beyond its input (its self-attention output and logsumexp, training/autograd.py), held from
+    the block's forward to its backward; the traced blocks re-run everything, so it is added here.
+    """
 
     one_block: int
     two_blocks: int
+    kept_per_block: int = 0
 
     def at(self, blocks: int) -> int:
         """Linear in the block count: every further block adds what the second one added."""
-        return self.one_block + max(0, blocks - 1) * max(0, self.two_blocks - self.one_block)
+        return self.one_block + max(0, blocks - 1) * max(0, self.two_blocks - self.one_block) + blocks * self.kept_per_block
 
 
 def trace_activations(module: nn.Module, blocks: nn.ModuleList, run: Callable[[], torch.Tensor], rank: int,
                       targets: tuple[str, ...], checkpointing: bool,
                       attention: Attention = Attention.FUSED) -> ActivationPeaks:
     """Peak bytes of one forward + backward (loss on `run()`'s output) with 1 and 2 blocks kept."""
-    peaks = []
+    peaks, kept = [], 0
     for keep in (1, 2):
         with _training_view(module, blocks, keep, rank, targets, checkpointing, attention):
-            peaks.append(_trace_step(run, attention))
-    return ActivationPeaks(*peaks)
+            counter = _SelfAttentionOutputs()
+            peaks.append(_trace_step(run, attention, counter))
+            if keep == 1 and checkpointing:
+                kept = counter.forward_bytes
+    return ActivationPeaks(*peaks, kept_per_block=kept)
 
 
-def _trace_step(run: Callable[[], torch.Tensor], attention: Attention) -> int:
+def _trace_step(run: Callable[[], torch.Tensor], attention: Attention, counter: "_SelfAttentionOutputs | None" = None) -> int:
     ledger = TensorLedger()
-    with ExitStack() as stack, torch.enable_grad():
-        stack.enter_context(ledger)
-        if Attention(attention) is Attention.FUSED:
-            stack.enter_context(_FusedTrainingAttention())
-        loss = run().float().square().mean()
-        loss.backward()
-        del loss
+    _COUNTERS.append(counter or _SelfAttentionOutputs())
+    try:
+        with ExitStack() as stack, torch.enable_grad():
+            stack.enter_context(ledger)
+            # The fused stand-in notes attention calls itself (inside checkpointed blocks it is the
+            # innermost mode); for plain attention a mode that only notes them does.
+            stack.enter_context(_FusedTrainingAttention() if Attention(attention) is Attention.FUSED else _NoteAttention())
+            loss = run().float().square().mean()
+            loss.backward()
+            del loss
+    finally:
+        _COUNTERS.pop()
     ledger.stop()
     return ledger.peak
+
+
+class _SelfAttentionOutputs:
+    """Bytes of the outputs (and float32 logsumexp) of attention calls whose keys are as long as
+    their queries, in the forward: what selective checkpointing keeps per checkpointed block."""
+
+    def __init__(self) -> None:
+        self.forward_bytes = 0
+
+    def note(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() == -1 and q.shape[-2] == k.shape[-2]:
+            rows = q.numel() // q.shape[-1]
+            self.forward_bytes += rows * v.shape[-1] * q.element_size() + rows * FP32
+
+
+_COUNTERS: list[_SelfAttentionOutputs] = []  # the trace running now (traces run one at a time)
+
+
+def _attention_inputs(args, kwargs):
+    return (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
+
+
+class _NoteAttention(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and _COUNTERS:
+            _COUNTERS[-1].note(*_attention_inputs(args, kwargs))
+        return func(*args, **kwargs)
 
 
 @contextmanager
@@ -207,5 +249,7 @@ class _FusedTrainingAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
+        q, k, v = _attention_inputs(args, kwargs)
+        if _COUNTERS:
+            _COUNTERS[-1].note(q, k, v)
         return _FlashAttention.apply(q, k, v)

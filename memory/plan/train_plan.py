@@ -16,7 +16,7 @@ refuses them without it). The recommendation is the first that fits, fastest fir
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..accounting import Attention
 from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES
@@ -109,14 +109,16 @@ def _plan(model: PlannerModel, denoiser: str, strategy: MemoryStrategy, vram: in
           request: TrainRequest, lora: TrainingBytes, peaks: ActivationPeaks) -> TrainPlan:
     weights = model.weights(denoiser, request.storage)
     blocks = model.blocks(denoiser)
+    streams = strategy.offload in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
     resident = sum(resident_tensors(model.module(denoiser), blocks, strategy, model.stream_order(denoiser), weights.stored))
     upcast = weights.transient_bytes
     if upcast and request.checkpointing:  # the backward re-runs a whole block, its layers upcast
         upcast = sum(p.numel() for p in blocks[0].parameters()) * model.dtype_bytes(denoiser)
+    if streams:  # streamed blocks re-run in full: nothing kept beyond each block's input
+        peaks = replace(peaks, kept_per_block=0)
     activation = peaks.at(len(blocks))
     vram_peak = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + resident + upcast + lora.device + activation
     ram_peak = HOST_RUNTIME_BYTES + weights.nbytes + lora.host
-    streams = strategy.offload in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
     refused = "needs checkpointing" if streams and not request.checkpointing else ""
     fits = not refused and vram_peak <= vram and ram_peak <= ram
     return TrainPlan(strategy.offload.value, strategy.blocks_to_swap, resident + upcast, lora, activation,
