@@ -108,8 +108,9 @@ def _rank_stage(model, shape, stage: StagePlan, layout: MultiGpu, options: PlanO
         call = RankCall("denoise", p.label, shape, degree=layout.gpus, mode=layout.mode.value)
         with context_parallel_trace(model.traced_module(p.label), layout.gpus, layout.mode.value):
             ranked = phase(model, call, list(p.resident[1:]), options, p.label)  # resident[0]: cuBLAS workspace
+            rank_flops = model.trace(call, options.attention).flops  # memoised by the line above
         whole = model.trace(Call("denoise", p.label, shape), options.attention).flops
-        scale[p.label] = model.trace(call, options.attention).flops / whole if whole else 1.0
+        scale[p.label] = rank_flops / whole if whole else 1.0
         phases.append(ranked)
     work = list(stage.work)
     for index, name in zip(range(len(work) - len(denoisers), len(work)), denoisers):
@@ -159,10 +160,11 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
         check_context_parallel(model, shape, layout.gpus, layout.mode.value)
     singles = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes, base, options)
     best = recommended(singles)
-    reference = singles[best] if best is not None else singles[0]
+    one_gpu = singles[best] if best is not None else None
+    reference = one_gpu or singles[0]  # when nothing fits one GPU, the speedups are None (_seconds)
     budgets = (vram_budget_bytes, ram_budget_bytes)
     if layout.mode is Parallelism.BALANCED:
-        return [plan_parallel(model, shape, base, layout, options, *budgets, reference)], singles[best] if best is not None else None
+        return [plan_parallel(model, shape, base, layout, options, *budgets, reference)], one_gpu
     rank_vram = vram_budget_bytes - NCCL_BYTES(layout.gpus)
     per_rank = candidate_plans(model, shape, rank_vram, _share(ram_budget_bytes, layout.gpus), base, options)
     plans = []
@@ -170,9 +172,8 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
         strategy = single.strategy
         if strategy.offload is OffloadTier.BLOCK_SWAP:
             strategy = _fewest_rank_blocks(model, shape, strategy, layout, single.options, vram_budget_bytes)
-        plan = plan_parallel(model, shape, strategy, layout, single.options, *budgets, reference)
-        plans.append(plan if best is not None else replace(plan, single_seconds=None))
-    return plans, singles[best] if best is not None else None
+        plans.append(plan_parallel(model, shape, strategy, layout, single.options, *budgets, reference))
+    return plans, one_gpu
 
 
 def _fewest_rank_blocks(model, shape, strategy: MemoryStrategy, layout: MultiGpu, options, vram: int) -> MemoryStrategy:
