@@ -49,7 +49,7 @@ def lora_text(loras: tuple[LoraFile, ...]) -> str:
 LORA_TEMPLATES = (
     Template(
         name="wan21_t2v_14b_lightx2v_4step",
-        title="Wan 2.1 14B 4-step, 8 GB, 32 GB RAM",
+        title="Wan 2.1 14B 4-step, 8 GB card",
         note=(
             "Wan 2.1 T2V 14B in 4 steps with lightx2v's step-distill LoRA, on an 8 GB card with 32 GB of RAM: "
             "832x480, 81 frames (about 5 s at 16 fps).\n\n"
@@ -79,7 +79,7 @@ LORA_TEMPLATES = (
     ),
     Template(
         name="wan22_t2v_a14b_lightx2v_4step",
-        title="Wan 2.2 A14B 4-step, 8 GB, 32 GB RAM",
+        title="Wan 2.2 A14B 4-step, 8 GB card",
         note=(
             "Wan 2.2 T2V A14B in 4 steps with lightx2v's Lightning LoRAs, one per expert, on an 8 GB card "
             "with 32 GB of RAM: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
