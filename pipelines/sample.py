@@ -202,8 +202,8 @@ class _Run:
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
             receipt["device_weight_bytes"], receipt["lora_bytes"] = weight_bytes, lora_handle.nbytes
             request = self.request
-            room = sample_room(loaded, strategy, VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided),
-                               request.steps, not prompts.complete, weight_bytes, device)
+            shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided)
+            room = sample_room(loaded, strategy, shape, request.steps, not prompts.complete, weight_bytes, device)
             receipt["room"] = room.as_dict()
             hooks.make_room(room.total_bytes, device)  # weights + the planner's activations
             loaded.host_pool.promised_elsewhere_bytes = hooks.pinned_elsewhere()  # the host's pool changes between runs
