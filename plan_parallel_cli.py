@@ -96,7 +96,8 @@ def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> st
     for plan in plans:
         s = plan.strategy
         stages = [f"{max(g.stage(n).device_bytes for g in plan.gpus) / GIB:.1f}" for n in ("text_encode", "denoise", "decode")]
-        rows.append((_tier(s), s.text_encoder.value.replace("offload_after_encoding", "offload"),
+        encoder = "GPU 1" if layout.mode.value == "balanced" else s.text_encoder.value.replace("offload_after_encoding", "offload")
+        rows.append((_tier(s), encoder,
                      f"{s.vae_tiling.tile_size}px/{s.vae_tiling.temporal_size}f" if s.vae_tiling else "-", *stages,
                      _gib(plan.per_gpu_peak_bytes), _gib(plan.host_bytes), f"{plan.seconds:.0f} s",
                      f"x{plan.speedup:.2f}" if plan.speedup else "-", "yes" if plan.fits else "no"))
@@ -117,8 +118,9 @@ def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> st
 def _notes(plan, layout) -> list[str]:
     link = layout.interconnect
     if layout.mode.value == "balanced":
-        return ["Balanced: nothing offloaded and nothing split; the time is one GPU's with every weight resident.",
-                "VRAM per stage in GiB, including the CUDA context."]
+        return ["Balanced: the transformers on GPU 0 under the row's tier, the prompt encoder whole on GPU 1, the decode "
+                "on GPU 0 afterwards (ComfyUI's device); nothing is split, so the time is one GPU's. VRAM per stage in "
+                "GiB, including the CUDA context."]
     return [f"All-to-all: {plan.comm.total / 1e9:.2f} GB sent per GPU per transformer pass "
             f"({'q, k, v and the output' if layout.mode.value == 'ulysses' else 'keys and values gathered'} in every "
             f"block), {plan.comm_seconds:.0f} s of the run at {link.bytes_per_s / 1e9:g} GB/s (--interconnect, "
@@ -133,8 +135,8 @@ def _nothing_fits(plans, layout, vram: int, ram: int) -> str:
     leanest = min(plans, key=lambda p: p.per_gpu_peak_bytes)
     return (f"Nothing fits {layout.gpus} GPUs of {vram / GIB:.1f} GiB with {ram / GIB:.1f} GiB RAM: the leanest row needs "
             f"{_gib(leanest.per_gpu_peak_bytes)} per GPU and {_gib(leanest.host_bytes)} RAM. "
-            + ("Balanced placement offloads nothing: try context parallelism (--cp ulysses), which can swap blocks "
-               "on every GPU, or lower the storage (--weights)." if layout.mode.value == "balanced" else
+            + ("Balanced placement only moves the prompt encoder off the transformers' GPU: lower the storage "
+               "(--weights), or plan with --disk." if layout.mode.value == "balanced" else
                "Weights are replicated on every GPU: lower their storage (--weights) or plan with --disk."))
 
 

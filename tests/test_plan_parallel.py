@@ -149,9 +149,12 @@ def test_cogvideox_is_refused_context_parallelism_but_balanced_works(tiny_folder
     shape = VideoShape(32, 32, 9)
     with pytest.raises(ParallelError, match="CogVideoXPipeline has no context-parallel plan.*different GPUs"):
         plan_parallel(model, shape, MemoryStrategy(), MultiGpu(2))
-    balanced = plan_parallel(model, shape, MemoryStrategy(), MultiGpu(2, "balanced"))
-    assert [g.components for g in balanced.gpus] == [("text_encoder", "vae"), ("transformer",)]
-    assert balanced.strategy.offload is OffloadTier.NONE
+    balanced = plan_parallel(model, shape, MemoryStrategy(offload="none"), MultiGpu(2, "balanced"))
+    home, encoder = balanced.gpus
+    assert (home.components, encoder.components) == (("transformer", "vae"), ("text_encoder",))
+    assert not home.stage("text_encode").phases and not encoder.stage("denoise").phases
+    assert [p.weights_bytes for p in encoder.stage("text_encode").phases] == [model.weights("text_encoder").nbytes]
+    assert home.weights_bytes == model.weights("transformer").nbytes  # tier none, and no text encoder beside it
 
 
 @pytest.mark.parametrize("variant, shape, degree, mode", [
@@ -173,17 +176,17 @@ def test_refusals_are_the_runtime_s_own_words(tiny_folder, tiny_loaded, variant,
     assert str(planned.value) == str(refused.value)
 
 
-def test_balanced_placement_spreads_the_experts(tiny_folder):
+def test_balanced_placement_keeps_the_experts_together(tiny_folder):
+    """As the runtime places them: both experts on the roomiest GPU, the prompt encoder on another."""
     model = load_model(str(tiny_folder("wan2.2-a14b")), "fp32")
     shape = VideoShape(32, 32, 9)
     single = plan_run(model, shape, MemoryStrategy(offload="none", text_encoder="device"))
-    three = plan_parallel(model, shape, MemoryStrategy(), MultiGpu(3, "balanced"))
-    assert [g.components for g in three.gpus] == [("text_encoder", "vae"), ("transformer",), ("transformer_2",)]
-    assert three.gpus[1].weights_bytes == model.weights("transformer").nbytes
+    three = plan_parallel(model, shape, MemoryStrategy(offload="none"), MultiGpu(3, "balanced"))
+    assert [g.components for g in three.gpus] == [("transformer", "transformer_2", "vae"), ("text_encoder",), ()]
+    assert three.gpus[0].weights_bytes == model.weights("transformer").nbytes + model.weights("transformer_2").nbytes
+    assert three.gpus[2].peak_bytes == 0
     allocated = lambda stages: max(stage.allocated_bytes for stage in stages)  # noqa: E731 - tiny: below segment size
     assert max(allocated(g.stages) for g in three.gpus) < allocated(single.stages)
-    two = plan_parallel(model, shape, MemoryStrategy(), MultiGpu(2, "balanced"))
-    assert two.gpus[1].components == ("transformer", "transformer_2")
 
 
 def test_uneven_sequence_names_sizes_that_split(wan):

@@ -13,9 +13,9 @@ every rank repeats: embeddings, the text keys and values); the all-to-all bytes
 (`parallel_checks.comm_bytes`) cross the interconnect with compute stopped, as diffusers waits on
 every collective at once. One GPU is the single-GPU plan, unchanged.
 
-Balanced placement (`device_map="balanced"`): no parallelism, whole components on different GPUs
-(`parallel_layout.balanced_placement`): each GPU's peak is its own components' weights plus the
-largest call among them; nothing is offloaded, and the time is one GPU's with everything resident.
+Balanced placement (`device_map="balanced"`, `parallel_layout`): no parallelism; the transformers run
+on one GPU under the strategy's tier without the prompt encoder, which runs whole on another GPU;
+the time is one GPU's, less the prompt encoder's coming and going.
 
     plan = plan_parallel(load_model("wan2.1-t2v-14b"), VideoShape(1280, 720, 81), MemoryStrategy(), MultiGpu(4))
     print(plan.describe())
@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from .parallel_checks import (CommBytes, ParallelError, check_context_parallel, comm_bytes, context_parallel_refusal,
                               sequence_tokens)
-from .parallel_layout import balanced_placement, balanced_stages, balanced_tiling, with_resident
+from .parallel_layout import balanced_placement, encoder_stage, with_resident
 from .parallel_trace import RankCall, context_parallel_trace
 from .parallel_types import INTERCONNECTS, NCCL_BYTES, GpuPlan, Interconnect, MultiGpu, Parallelism, ParallelPlan
 from .costs import CUDA_CONTEXT_BYTES
@@ -137,17 +137,21 @@ def plan_seconds(plan: Plan) -> float:
 
 
 def _balanced(model, shape, strategy, layout, options, budgets, reference: Plan) -> ParallelPlan:
+    """The transformers' GPU runs the strategy's tier without the prompt encoder (as the runtime calls
+    the sampler: text_encoder=cpu, the encoder being elsewhere), then the decode; the encoder's GPU
+    encodes the prompt."""
     vram, ram = budgets
-    resident = replace(strategy, offload=OffloadTier.NONE, blocks_to_swap=0, text_encoder=TextEncoderPlacement.DEVICE)
-    placement = balanced_placement(model.layout, layout.gpus)
-    if vram is not None:
-        holder = next(names for names in placement if model.layout.vae in names)
-        resident = balanced_tiling(model, shape, resident, holder, options, vram)
-    whole = plan_run(model, shape, resident, options, None, ram)  # the same work, nothing offloaded
-    gpus = tuple(GpuPlan(i, names, tuple(st.within(vram) for st in balanced_stages(model, shape, resident, names, options)),
-                         denoisers=model.layout.denoisers) for i, names in enumerate(placement))
-    return ParallelPlan(model.name, shape, layout, resident, gpus, plan_seconds(whole), _seconds(reference),
-                        host_bytes=whole.peak_ram_bytes, page_cache_bytes=whole.peak_page_cache_bytes,
+    home_strategy = replace(strategy, text_encoder=TextEncoderPlacement.CPU)
+    home = plan_run(model, shape, home_strategy, options, vram, ram)
+    encoders = encoder_stage(model, shape, options).within(vram)
+    idle = tuple(StagePlan(name, (), 0) for name in ("text_encode", "denoise", "decode"))
+    stages = [(idle[0], home.stage("denoise"), home.stage("decode")), (encoders, *idle[1:])]
+    gpus = tuple(GpuPlan(i, names, stages[i] if i < 2 else idle, denoisers=model.layout.denoisers)
+                 for i, names in enumerate(balanced_placement(model.layout, layout.gpus)))
+    seconds = plan_seconds(home) - home.stage("text_encode").seconds(home.disk_read(home.stage("text_encode")))
+    host = max(home.stage(name).host_bytes for name in ("denoise", "decode"))  # nothing encodes on the CPU
+    return ParallelPlan(model.name, shape, layout, strategy, gpus, seconds + encoders.seconds(), _seconds(reference),
+                        host_bytes=host, page_cache_bytes=home.peak_page_cache_bytes,
                         vram_budget_bytes=vram, ram_budget_bytes=ram)
 
 
@@ -163,8 +167,11 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
     one_gpu = singles[best] if best is not None else None
     reference = one_gpu or singles[0]  # when nothing fits one GPU, the speedups are None (_seconds)
     budgets = (vram_budget_bytes, ram_budget_bytes)
-    if layout.mode is Parallelism.BALANCED:
-        return [plan_parallel(model, shape, base, layout, options, *budgets, reference)], one_gpu
+    if layout.mode is Parallelism.BALANCED:  # one row per tier on the transformers' GPU, the encoder elsewhere
+        on_home = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes,
+                                  replace(base, text_encoder=TextEncoderPlacement.CPU), options)
+        return [plan_parallel(model, shape, replace(p.strategy, text_encoder=base.text_encoder), layout, p.options,
+                              *budgets, reference) for p in on_home], one_gpu
     rank_vram = vram_budget_bytes - NCCL_BYTES(layout.gpus)
     per_rank = candidate_plans(model, shape, rank_vram, _share(ram_budget_bytes, layout.gpus), base, options)
     plans = []
