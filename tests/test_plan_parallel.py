@@ -246,3 +246,13 @@ def test_plan_command_gpus_refusals(capsys):
     assert plan_main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "24", "--ram", "64", "--gpus", "2",
                       "--interconnect", "infiniband"]) == 2
     assert "pcie4, pcie5, nvlink" in capsys.readouterr().err
+
+
+def test_layout_from_the_memory_strategy():
+    from vidmem.memory.strategy import Parallelism
+
+    assert MultiGpu.of(Parallelism(context_parallel="ulysses"), 4) == MultiGpu(4, "ulysses")
+    assert MultiGpu.of(Parallelism(gpus=(0, 2), context_parallel="ring"), 4) == MultiGpu(2, "ring")
+    assert MultiGpu.of(Parallelism(gpus=(0, 1)), 8) == MultiGpu(2, "balanced")
+    with pytest.raises(ParallelError, match="at least 2 GPUs"):
+        MultiGpu.of(Parallelism(), 1)

@@ -29,14 +29,14 @@ from .parallel_checks import (CommBytes, ParallelError, check_context_parallel, 
                               sequence_tokens)
 from .parallel_layout import balanced_placement, encoder_stage, with_resident
 from .parallel_trace import RankCall, context_parallel_trace
-from .parallel_types import INTERCONNECTS, NCCL_BYTES, GpuPlan, Interconnect, MultiGpu, Parallelism, ParallelPlan
+from .parallel_types import INTERCONNECTS, NCCL_BYTES, GpuPlan, Interconnect, MultiGpu, GpuSharing, ParallelPlan
 from .costs import CUDA_CONTEXT_BYTES
 from .planner import Plan, PlannerModel, PlanOptions, StagePlan, VideoShape, candidate_plans, plan_run, recommended
 from .stages import phase
 from .types import Call
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
 
-__all__ = ["INTERCONNECTS", "NCCL_BYTES", "CommBytes", "GpuPlan", "Interconnect", "MultiGpu", "Parallelism",
+__all__ = ["INTERCONNECTS", "NCCL_BYTES", "CommBytes", "GpuPlan", "Interconnect", "MultiGpu", "GpuSharing",
            "ParallelError", "ParallelPlan", "balanced_placement", "check_context_parallel", "comm_bytes",
            "context_parallel_refusal", "parallel_candidates", "parallel_recommended", "plan_parallel", "plan_seconds",
            "sequence_tokens"]
@@ -49,12 +49,12 @@ def plan_parallel(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
 
     `reference` is the one-GPU plan the speedup is measured against (default: `strategy` on one GPU).
     One GPU under context parallelism is the single-GPU plan, unchanged."""
-    if layout.mode is not Parallelism.BALANCED:  # refused before anything is traced
+    if layout.mode is not GpuSharing.BALANCED:  # refused before anything is traced
         check_context_parallel(model, shape, layout.gpus, layout.mode.value)
     single = plan_run(model, shape, strategy, options)
     reference = single if reference is None else reference
     budgets = (vram_budget_bytes, ram_budget_bytes)
-    if layout.mode is Parallelism.BALANCED:
+    if layout.mode is GpuSharing.BALANCED:
         return _balanced(model, shape, strategy, layout, options, budgets, reference)
     return _context_parallel(model, shape, strategy, layout, options, budgets, single, reference)
 
@@ -160,14 +160,14 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
                         options: PlanOptions = PlanOptions()) -> tuple[list[ParallelPlan], Plan | None]:
     """One plan per tier on `layout` (each rank's fewest swapped blocks), and the one-GPU plan the
     speedup is measured against (the recommended single-GPU plan; None when nothing fits one GPU)."""
-    if layout.mode is not Parallelism.BALANCED:
+    if layout.mode is not GpuSharing.BALANCED:
         check_context_parallel(model, shape, layout.gpus, layout.mode.value)
     singles = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes, base, options)
     best = recommended(singles)
     one_gpu = singles[best] if best is not None else None
     reference = one_gpu or singles[0]  # when nothing fits one GPU, the speedups are None (_seconds)
     budgets = (vram_budget_bytes, ram_budget_bytes)
-    if layout.mode is Parallelism.BALANCED:  # one row per tier on the transformers' GPU, the encoder elsewhere
+    if layout.mode is GpuSharing.BALANCED:  # one row per tier on the transformers' GPU, the encoder elsewhere
         on_home = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes,
                                   replace(base, text_encoder=TextEncoderPlacement.CPU), options)
         return [plan_parallel(model, shape, replace(p.strategy, text_encoder=base.text_encoder), layout, p.options,

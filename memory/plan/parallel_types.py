@@ -14,7 +14,7 @@ from ..strategy import MemoryStrategy
 from ..units import GiB, MiB
 
 
-class Parallelism(str, Enum):
+class GpuSharing(str, Enum):
     ULYSSES = ULYSSES  # context parallel: heads exchanged by all-to-all, whole sequence per head
     RING = RING  # context parallel: keys and values gathered, attention in N chunks
     BALANCED = "balanced"  # no parallelism: whole components on different GPUs
@@ -55,17 +55,25 @@ class MultiGpu:
     """How many GPUs, and how they share the run."""
 
     gpus: int
-    mode: Parallelism = Parallelism.ULYSSES
+    mode: GpuSharing = GpuSharing.ULYSSES
     interconnect: Interconnect = INTERCONNECTS["pcie4"]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", Parallelism(self.mode))
+        object.__setattr__(self, "mode", GpuSharing(self.mode))
         if self.gpus < 1:
             raise ParallelError(f"gpus={self.gpus} must be at least 1.")
-        if self.mode is Parallelism.BALANCED and self.gpus < 2:
+        if self.mode is GpuSharing.BALANCED and self.gpus < 2:
             raise ParallelError("balanced placement needs at least 2 GPUs; with one GPU, plan without --gpus.")
         if not self.interconnect.bytes_per_s > 0:
             raise ParallelError(f"interconnect bandwidth {self.interconnect.bytes_per_s} must be positive (bytes/s).")
+
+    @classmethod
+    def of(cls, parallel, visible_gpus: int, interconnect: Interconnect = INTERCONNECTS["pcie4"]) -> "MultiGpu":
+        """What a MemoryStrategy's `parallel` (vidmem.memory.strategy.Parallelism) asks for on a machine with
+        `visible_gpus`: its listed GPUs, else its degree, else all of them; context parallel or balanced."""
+        count = len(parallel.gpus) if parallel.gpus else (parallel.degree or visible_gpus)
+        mode = parallel.context_parallel.value if parallel.context_parallel_on else GpuSharing.BALANCED
+        return cls(count, mode, interconnect)
 
 
 @dataclass(frozen=True)
