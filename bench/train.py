@@ -15,6 +15,8 @@ video tokens: 13 frames at 256 x 256) with 512 text tokens (umt5's length).
 - `checkpointing.time_ratio`: median step time with / without, samples interleaved after the
   first (warm-up) step of each; `min_time_ratio`: fastest with / fastest without;
   `cpu_time_ratio`: the same with this process's CPU time (other jobs' load moves it least).
+- `checkpointing.flop_ratio`: FLOPs of a step with / without (FlopCounterMode): the extra work
+  itself, which machine load cannot move.
 - `checkpointing.peak_activation_ratio`: peak RSS growth of a step with / without, measured in a
   child process whose glibc returns every large block when freed (MALLOC_MMAP_THRESHOLD_), with
   the peak reset through /proc/self/clear_refs; the growth is the step's activations, LoRA
@@ -120,6 +122,20 @@ def checkpointing_times(model, layers, batch, samples: int) -> dict:
     }
 
 
+def flop_ratio(model, layers, batch) -> float:
+    """FLOPs of a checkpointed step over a plain one (torch's FlopCounterMode, backward re-runs
+    included; outputs selective checkpointing keeps are not recomputed, so not counted): the
+    share of extra work no machine load can move. The LoRA's small matmuls are counted too."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    totals = []
+    for flag in (False, True):
+        with FlopCounterMode(display=False) as counter:
+            step(model, layers, batch, flag)
+        totals.append(counter.get_total_flops())
+    return totals[1] / totals[0]
+
+
 def measure_rss(args) -> None:
     model, layers, batch = build(args.blocks)
     result = {name: peak_growth(lambda: step(model, layers, batch, flag)) for name, flag in (("plain", False), ("checkpointing", True))}
@@ -157,7 +173,8 @@ def main() -> None:
     rss = rss_in_child(__file__, args)
     model, layers, batch = build(args.blocks)
     checkpointing = checkpointing_times(model, layers, batch, args.samples)
-    checkpointing.update(peak_activation_ratio=rss["checkpointing"] / rss["plain"], peak_rss_growth_bytes=rss)
+    checkpointing.update(peak_activation_ratio=rss["checkpointing"] / rss["plain"], peak_rss_growth_bytes=rss,
+                         flop_ratio=flop_ratio(model, layers, batch))
     optimizers = optimizer_states(layers)
     lora_weights = sum(p.numel() for p in layers.parameters())
     result = {
