@@ -111,7 +111,7 @@ LORA_TEMPLATES = (
     ),
     Template(
         name="cogvideox_2b_style_lora",
-        title="CogVideoX-2b style LoRA, 12 GB card",
+        title="CogVideoX-2b LoRA, 12 GB card",
         note=(
             "CogVideoX-2b with a style LoRA on a 12 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
             "No step-distill LoRA exists for CogVideoX (lightx2v's and the Lightning LoRAs are Wan-only; we "

@@ -79,8 +79,8 @@ TRAIN_TEMPLATES = (
             "(3.7 GiB): predicted peak 7.8 GiB (vidmem plan --model cogvideox-2b --train --rank 16 --size "
             "720x480 --frames 49 --vram 12), so an 8 GB card trains it too with text_encoder = cpu. The T5 text "
             "encoder (8.9 GiB) goes to the GPU alone to encode the captions and the prompt, then leaves. "
-            "Sampling: 720x480, 49 frames, 50 steps, cfg 6. Later runs: the \"CogVideoX-2b style LoRA, 12 GB "
-            "card\" template loads a LoRA by name."
+            "Sampling: 720x480, 49 frames, 50 steps, cfg 6. Later runs: the \"CogVideoX-2b LoRA, 12 GB card\" "
+            "template loads a LoRA by name."
         ),
         loader=diffusers_folder("CogVideoX-2b", "fp16"),
         strategy=MODEL_OFFLOAD,
