@@ -40,6 +40,7 @@ def request_for(variant: str, steps: int = 2) -> SampleRequest:
 @pytest.mark.parametrize("variant", list(TOLERANCE))
 def test_ulysses_2_gives_the_frames_of_one_process_under_each_tier(tiny_loaded, pool, variant):
     loaded, request = tiny_loaded(variant), request_for(variant)
+    pids = None
     for tier, fields in TIERS.items():
         single = sample(loaded, MemoryStrategy(**fields), request, device=torch.device("cpu")).latent["samples"]
         steps = []
@@ -53,6 +54,8 @@ def test_ulysses_2_gives_the_frames_of_one_process_under_each_tier(tiny_loaded, 
         assert receipt["ranks"] == receipt["degree"] == 2 and receipt["backend"] == "gloo"
         assert all(peak["peak_rss_bytes"] > 0 for peak in receipt["per_rank_peak_bytes"])
         assert "ulysses degree=2" in result.receipt["strategy"]
+        assert pids in (None, pool.pids), "the second run reuses the ranks (and the pipeline they hold)"
+        pids = pool.pids
 
 
 def test_a_different_seed_changes_the_split_run(tiny_loaded, pool):

@@ -116,13 +116,13 @@ class WorkerPool:
         `check_interrupt` is the host's (it raises to cancel): it is polled while ranks work;
         when it raises, the ranks are told to stop, the pool is closed and the exception re-raised.
         """
-        if not self.alive:
-            self.close()
-            self._start()
-        self._stop.clear()
-        for jobs in self._jobs:
-            jobs.put(job)
         try:
+            if not self.alive:
+                self.close()
+                self._start()
+            self._stop.clear()
+            for jobs in self._jobs:
+                jobs.put(job)
             return self._wait_for_result(on_progress, check_interrupt)
         except BaseException:
             # The other ranks may wait in a collective forever: no polite join, stop them now.

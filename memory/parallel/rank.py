@@ -68,6 +68,7 @@ def join_group(rank: int, setup: RankSetup) -> torch.device:
     if setup.device_type == "cuda":
         # One visible GPU per rank: cuda:0 in this process is the chosen GPU, so libraries that
         # compute `rank % device_count()` (diffusers' enable_parallelism) land on the right one.
+        # bootstrap.py sets it before anything can initialise CUDA; this keeps direct callers right.
         os.environ["CUDA_VISIBLE_DEVICES"] = str(setup.gpus[rank])
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: never bind a public interface
