@@ -106,7 +106,7 @@ def test_the_node_takes_weight_dtype_as_its_last_input(tiny_folder, monkeypatch)
     choices, options = spec["optional"]["weight_dtype"]
     assert options["default"] == "default" and {"fp8_scaled", "gguf_q8_0", "fp8_e4m3fn"} <= set(choices)
     (loaded,) = VidMemLoadPipeline().load("x", "fp32", path=str(tiny_folder("cogvideox-t2v")), weight_dtype="fp8_scaled")
-    assert loaded.storage["transformer"] == "fp8_scaled"
+    assert loaded.storage["transformer"] == "fp8_scaled" and "text_encoder fp8_scaled" in loaded.describe()  # receipts
     (plain,) = VidMemLoadPipeline().load("x", "fp32", path=str(tiny_folder("cogvideox-t2v")))
     assert not plain.storage  # old workflows: loaded as before
 
