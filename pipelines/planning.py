@@ -33,8 +33,8 @@ def planner_model(loaded: LoadedPipeline):
 
 def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions(), device=None) -> PlanOptions:
     """`options` with the pipeline's real storage: each component's format and the disk tier, and
-    the device the run computes on (`device`; None: the one vidmem would pick, resolved now). On a
-    CPU device memory-mapped weights are used in place and upcasts run at the CPU's rate.
+    the device type the run computes on (`device`; None keeps `options.device`). On a CPU device
+    memory-mapped weights are used in place and upcasts run at the CPU's rate.
 
     A component whose recorded format is not a StorageFormat (integer tensors are recorded by
     dtype), or that the planner's model does not run (an image encoder loaded beside a
@@ -44,16 +44,23 @@ def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions(), d
     storage = {name: fmt for name, fmt in loaded.storage.items() if fmt in FORMATS and name in planned}
     for name in loaded.storage.keys() - storage.keys():
         logger.info("vidmem: %s stored as %r: not planned as stored", name, loaded.storage[name])
-    # Only the type matters here: resolve_compute_device's choice (cuda when present), without its index.
-    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = torch.device(device).type if device is not None else options.device
     return replace(options, storage=storage, on_disk=loaded.on_disk, device=device_type)
+
+
+def run_device(device=None) -> str:
+    """The device type a prediction is for: `device`'s, or the one the engine would pick now
+    (memory.device.resolve_compute_device: cuda when present, else cpu; only the type, no index)."""
+    if device is not None:
+        return torch.device(device).type
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def plan_strategy(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStrategy,
                   vram_budget_bytes: int | None, ram_budget_bytes: int | None,
                   options: PlanOptions = PlanOptions(), device=None) -> Plan:
     """Predicted peaks per stage for running `strategy` at `shape` on `device`, with the weights as loaded."""
-    return plan_run(planner_model(loaded), shape, strategy, plan_options(loaded, options, device),
+    return plan_run(planner_model(loaded), shape, strategy, plan_options(loaded, options, run_device(device)),
                     vram_budget_bytes=vram_budget_bytes, ram_budget_bytes=ram_budget_bytes)
 
 
@@ -68,7 +75,7 @@ def choose_for(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy,
     """
     return choose_strategy(planner_model(loaded), shape, vram_budget_bytes, ram_budget_bytes,
                            base=replace(base, offload="model", blocks_to_swap=0),
-                           options=plan_options(loaded, options, device), consider_disk=False)
+                           options=plan_options(loaded, options, run_device(device)), consider_disk=False)
 
 
 def decode_overrun(loaded: LoadedPipeline, latent_shape: tuple[int, ...], strategy: MemoryStrategy,

@@ -15,6 +15,7 @@ from torch import nn
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.plan.costs import DEVICE_DEQUANT_WEIGHTS_PER_S, HOST_DEQUANT_WEIGHTS_PER_S, PCIE_BYTES_PER_S
 from vidmem.memory.plan.planner import PlanOptions, VideoShape, plan_run
+from vidmem.memory.plan.types import Allocator
 from vidmem.memory.storage import FORMATS, upcast_workspace_bytes
 from vidmem.pipelines.configs import load_model
 
@@ -43,6 +44,7 @@ def test_mapped_weights_on_a_cpu_are_not_device_bytes_but_the_upcast_is(wan):
     assert cpu_phase.weights_bytes == workspace  # only the layer being upcast
     assert gpu_phase.weights_bytes == wan.weights("transformer", "fp8_scaled").nbytes + workspace
     assert on_cpu.peak_vram_bytes < on_gpu.peak_vram_bytes
+    assert cpu_phase.device_bytes == cpu_phase.peak.allocated  # no CUDA context, no cuBLAS workspace, no cache
     in_ram = plan_run(wan, SHAPE, MODEL_TIER, fp8(wan, device="cpu"))  # copied into RAM: the RAM it computes from
     assert in_ram.stage("denoise").phases[0].weights_bytes == gpu_phase.weights_bytes
 
@@ -79,13 +81,14 @@ def test_a_cpu_device_stages_nothing_and_copies_nothing(wan):
 
 def test_a_loaded_pipeline_is_planned_for_the_device_it_runs_on(monkeypatch):
     from vidmem.pipelines.loader import LoadedPipeline, family_for
-    from vidmem.pipelines.planning import plan_options
+    from vidmem.pipelines.planning import plan_options, plan_strategy
 
     loaded = LoadedPipeline(None, family_for("WanPipeline"), "WanPipeline", "files", "bf16", folder="wan2.1-t2v-1.3b",
                             storage={"transformer": "fp8_scaled"}, on_disk=True)
     assert plan_options(loaded, device="cpu").weights_in_place
-    assert not plan_options(loaded, device="cuda").weights_in_place
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert plan_options(loaded).device == "cpu"  # resolved at run time, as the engine resolves it
+    assert not plan_options(loaded, device=torch.device("cuda", 0)).weights_in_place
+    shape, native = VideoShape(320, 192, 9), PlanOptions(allocator=Allocator.NATIVE)  # no allocator probe on a faked CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no device given: resolved at run time
+    assert plan_strategy(loaded, shape, MODEL_TIER, None, None, native).options.device == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert plan_options(loaded).device == "cuda"
+    assert plan_strategy(loaded, shape, MODEL_TIER, None, None, native).options.device == "cuda"

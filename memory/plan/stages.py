@@ -95,8 +95,12 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
 
 
 def phase(model: PlannerModel, call: Call, resident: list[int], options: PlanOptions, label: str) -> Phase:
-    """Replay resident weights, then the call's allocations, through the allocator model."""
+    """Replay resident weights, then the call's allocations, through the allocator model. A CPU
+    device has no CUDA context or cuBLAS workspace, and its allocator keeps no cache: live bytes."""
     trace = model.trace(call, options.attention)
+    if options.on_cpu:
+        peak = replay(tuple(resident), trace.events)
+        return Phase(label, sum(resident), peak, peak.allocated, tuple(resident), trace.events)
     tensors = (CUBLAS_WORKSPACE_BYTES, *resident)
     peak = replay(tensors, trace.events)
     footprint = peak.reserved if options.allocator.resolved() is Allocator.NATIVE else peak.allocated
