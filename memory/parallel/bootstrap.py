@@ -8,8 +8,9 @@ an empty package module under the coordinator's name for the pack's folder, so e
 (and every pickled job) resolves by the same name as in the coordinator, and the root
 `__init__` never runs here.
 
-Globals given by the pool: PACKAGE, ROOT, RANK, GPU (str or None), SETUP (pickled RankSetup),
-JOBS, EVENTS, STOP.
+Run as `runpy.run_path(this file, init_globals=..., run_name=RUN_NAME)`; the pool gives the
+globals PACKAGE, ROOT, RANK, GPU (str or None), SETUP (pickled RankSetup), JOBS, EVENTS, STOP.
+Imported as a module (the wheel test imports every module) it does nothing.
 """
 
 import importlib
@@ -18,13 +19,21 @@ import pickle
 import sys
 import types
 
-if GPU is not None:  # noqa: F821 - given by the pool
-    os.environ["CUDA_VISIBLE_DEVICES"] = GPU  # noqa: F821
-if PACKAGE not in sys.modules:  # noqa: F821
-    package = types.ModuleType(PACKAGE)  # noqa: F821
-    package.__path__ = [ROOT]  # noqa: F821
-    package.__file__ = os.path.join(ROOT, "__init__.py")  # noqa: F821
-    package.__package__ = PACKAGE  # noqa: F821
-    sys.modules[PACKAGE] = package  # noqa: F821
-rank = importlib.import_module(PACKAGE + ".memory.parallel.rank")  # noqa: F821
-rank.rank_main(RANK, pickle.loads(SETUP), JOBS, EVENTS, STOP)  # noqa: F821
+RUN_NAME = "__vidmem_rank__"
+
+
+def serve(package_name: str, root: str, rank: int, gpu: str | None, setup: bytes, jobs, events, stop) -> None:
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    if package_name not in sys.modules:
+        package = types.ModuleType(package_name)
+        package.__path__ = [root]
+        package.__file__ = os.path.join(root, "__init__.py")
+        package.__package__ = package_name
+        sys.modules[package_name] = package
+    module = importlib.import_module(package_name + ".memory.parallel.rank")
+    module.rank_main(rank, pickle.loads(setup), jobs, events, stop)
+
+
+if __name__ == RUN_NAME:
+    serve(PACKAGE, ROOT, RANK, GPU, SETUP, JOBS, EVENTS, STOP)  # noqa: F821 - given by the pool

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
+from .bootstrap import RUN_NAME
 from .rank import Job, RankSetup
 
 # The pack's package name in this process ("vidmem", or under ComfyUI a name made from its folder)
@@ -143,7 +144,7 @@ class WorkerPool:
         self._jobs = [context.Queue() for _ in range(config.world_size)]
         setup = pickle.dumps(config.setup)
         self._processes = [
-            context.Process(target=runpy.run_path, args=(BOOTSTRAP,), kwargs=dict(run_name="__vidmem_rank__", init_globals=dict(
+            context.Process(target=runpy.run_path, args=(BOOTSTRAP,), kwargs=dict(run_name=RUN_NAME, init_globals=dict(
                 PACKAGE=PACKAGE, ROOT=PACKAGE_ROOT, RANK=rank, SETUP=setup, JOBS=self._jobs[rank], EVENTS=self._events,
                 STOP=self._stop, GPU=str(config.setup.gpus[rank]) if config.setup.gpus else None)),
                 name=f"vidmem-rank{rank}", daemon=True)
