@@ -63,6 +63,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       "page cache instead of RAM, read from the disk again when RAM cannot keep them")
     plan.add_argument("--disk-gbps", type=float, help="sequential read rate of the disk in GB/s, for the time "
                       "estimate (default: a mid-range NVMe SSD, printed under the table; a SATA SSD reads ~0.5)")
+    plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                      help="what computes: a GPU (default), or the CPU, where memory-mapped weights are used in place "
+                           "and upcasts run at the CPU's rate")
     plan.add_argument("--steps", type=int, default=50, help="denoising steps (time estimate only)")
     plan.add_argument("--batch", type=int, default=1, help="videos per prompt")
     plan.add_argument("--no-cfg", action="store_true", help="guidance scale 1: no negative-prompt pass")
@@ -110,7 +113,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--disk-gbps {args.disk_gbps} must be a positive read rate in GB/s, e.g. 3 for an NVMe SSD.")
     storage = model.layout.stored_as(args.weights) if args.weights else {}
     options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps,
-                          storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9)
+                          storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9,
+                          device=args.device)
     base = MemoryStrategy(text_encoder=args.text_encoder, prefetch_blocks=args.prefetch)
     if parallel:
         return run_parallel_plan(args, model, shape, vram, ram, base, options)
@@ -153,7 +157,11 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
     for index, row in enumerate(rows):
         mark = "  <- recommended" if recommended is not None and index - 1 == recommended else ""
         lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() + mark)
-    lines.append("\nVRAM per stage in GiB, including the CUDA context; block swap rows show the fewest blocks that fit.")
+    if options.device == "cpu":
+        lines.append("\nThe CPU computes: the VRAM columns are the RAM the compute holds (no CUDA context; memory-mapped "
+                     "weights are read in place); block swap rows show the fewest blocks that fit.")
+    else:
+        lines.append("\nVRAM per stage in GiB, including the CUDA context; block swap rows show the fewest blocks that fit.")
     if any(plan.on_disk for plan in plans):
         lines.append(f"+disk: weights memory-mapped from their files. Peak RAM is anonymous memory, what must fit; the "
                      f"page cache holds the files and is reclaimable, so what the budget cannot keep is read again "

@@ -76,7 +76,8 @@ def _strategy_for_decode(pipeline, choice, latent_shape):
         model = planner_model(pipeline)
         s = model.geometry.spatial_factor
         shape = VideoShape(width * s, height * s, model.geometry.frames(latent_frames), batch=batch)
-        vram, ram = choice.budgets(host.compute_device())
-        return choose_for(pipeline, shape, choice.strategy, vram, ram).strategy
+        device = host.compute_device()
+        vram, ram = choice.budgets(device)
+        return choose_for(pipeline, shape, choice.strategy, vram, ram, device=device).strategy
     except ValueError:
         return replace(choice.strategy, vae_tiling=None)

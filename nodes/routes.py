@@ -77,7 +77,7 @@ def _register_plan_route(routes) -> None:
             from ..memory.telemetry import default_budgets
 
             budgets.append(default_budgets(host.compute_device()))
-        return plan_answer(plan_request, plannable, budgets[0])
+        return plan_answer(plan_request, plannable, budgets[0], device=host.compute_device().type)
 
     def plannable(name: str, dtype: str):
         return load_model(str(host.resolve_model_folder(name, "")), dtype)  # config files only, on meta

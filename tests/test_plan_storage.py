@@ -195,3 +195,16 @@ def test_a_loaded_pipelines_storage_reaches_the_planner(wan):
     in_ram = replace(loaded, on_disk=False, storage={})
     with pytest.raises(PlanError, match=r"\(--disk\) it fits"):  # auto never moves a loaded pipeline to disk
         choose_for(in_ram, SHAPE, strategy, 8 * GiB, 12 * GiB, device="cuda")
+
+
+def test_plan_for_a_cpu_device_counts_mapped_weights_in_place(capsys):
+    """`--device cpu`: weights memory-mapped from disk are computed where they lie, so the disk
+    plan's device figure drops by the weights a GPU would have to hold (and no CUDA context)."""
+    args = ["plan", "--model", "wan2.1-t2v-1.3b", "--weights", "fp8_scaled", "--disk", "--size", "832x480",
+            "--frames", "81", "--vram", "6", "--ram", "12", "--json"]
+    peaks = {}
+    for device in ("cuda", "cpu"):
+        assert plan_main([*args, "--device", device]) == 0
+        out = json.loads(capsys.readouterr().out)
+        peaks[device] = {(s["tier"], s["disk"]): s["peak_vram_bytes"] for s in out["strategies"]}
+    assert peaks["cpu"][("none", True)] < peaks["cuda"][("none", True)]
