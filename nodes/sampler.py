@@ -117,7 +117,7 @@ class VidMemVideoSampler:
             cache = PromptCache(host.prompt_cache_folder())
             # After an out-of-memory error the ladder asks what is free; None off CUDA (fixed ladder).
             hooks = RunHooks(progress.step, host.check_interrupt, host.make_room, device_budget=free_device_bytes,
-                             prompt_cache=cache)
+                             prompt_cache=cache, pinned_elsewhere=host.pinned_promised_bytes)
             result = _sample(pipeline, replace(run, parallel=choice.strategy.parallel), request, hooks, device)
         finally:
             progress.close()
@@ -173,10 +173,10 @@ def _strategy_for_run(pipeline, choice, shape: VideoShape, device):
     vram, ram = choice.budgets(device)
     label = f"{shape.width}x{shape.height}x{shape.frames}"
     if choice.auto:
-        plan = choose_for(pipeline, shape, choice.strategy, vram, ram)
+        plan = choose_for(pipeline, shape, choice.strategy, vram, ram, device=device)
         return plan.strategy, f"auto chose at {label}: {_peaks(plan)}"
     try:
-        plan = plan_strategy(pipeline, shape, choice.strategy, vram, ram)
+        plan = plan_strategy(pipeline, shape, choice.strategy, vram, ram, device=device)
     except ValueError as error:
         return choice.strategy, f"no prediction at {label}: {error}"
     return choice.strategy, f"planned at {label}: {_peaks(plan)}"

@@ -33,6 +33,10 @@ class RunHooks:
     # RAM another pinned pool in this process may still lock (inside ComfyUI, its own), read before
     # each run: the automatic pinned ceiling leaves it free (memory.hostpool.pinned_cap_bytes).
     pinned_elsewhere: Callable[[], int] = lambda: 0
+    # False: an out-of-memory error while denoising is raised at once instead of climbing the
+    # ladder. A rank of a context-parallel run must not change strategy on its own: its peers
+    # would wait for it in the next collective until the process group's timeout.
+    climb_on_oom: bool = True
 
 
 def outer_blocks(module: nn.Module) -> list[nn.Module]:

@@ -43,7 +43,8 @@ from .room import sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
-from .sample_ladder import Rung, SamplingOutOfMemory, is_out_of_memory, next_rung, out_of_memory_message, planner_fits
+from .sample_ladder import (Rung, SamplingOutOfMemory, is_out_of_memory, next_rung, no_climb_message,
+                            out_of_memory_message, planner_fits)
 from .schedulers import SamplerChoice, build_scheduler
 
 log = logging.getLogger("vidmem")
@@ -173,8 +174,10 @@ class _Run:
         except BaseException as error:
             if not (record.denoising and is_out_of_memory(error)):
                 raise
+            step = (record.last.steps_done if record.last else 0) + 1
+            if not self.hooks.climb_on_oom:
+                raise SamplingOutOfMemory(no_climb_message(strategy, step, self.request.steps, error)) from error
             if next_rung(strategy, block_count(self.loaded), None) is None:
-                step = (record.last.steps_done if record.last else 0) + 1
                 raise SamplingOutOfMemory(out_of_memory_message(strategy, step, self.request.steps, self.rungs, error)) from error
             record.call = None
         return record

@@ -113,6 +113,16 @@ def out_of_memory_message(strategy: MemoryStrategy, step: int, steps: int, rungs
     )
 
 
+def no_climb_message(strategy: MemoryStrategy, step: int, steps: int, error: BaseException) -> str:
+    """Out of memory where the ladder may not climb (a rank of a context-parallel run)."""
+    return (
+        f"out of device memory during denoising at step {step}/{steps} under {strategy.describe()}; the ranks of a "
+        f"context-parallel run keep the strategy they started with, so none climbs the ladder alone. Choose a leaner "
+        f"offload tier on the Memory Strategy (each GPU applies it: block_swap, then sequential), or lower width, "
+        f"height or frames. ({error})"
+    )
+
+
 def planner_fits(loaded, width: int, height: int, frames: int, steps: int, guided: bool,
                  budget: int | None) -> Callable[[MemoryStrategy], bool] | None:
     """Whether the planner predicts the denoise stage under a strategy to fit `budget` device bytes

@@ -217,3 +217,18 @@ def test_decode_resolves_auto_at_the_latents_video_size(tiny_loaded):
     (explicit,) = VidMemMemoryStrategy().build(**strategy_inputs(offload="model"))["result"]
     assert _strategy_for_decode(loaded, explicit, (1, 16, 3, 4, 4)) is explicit.strategy
     assert _strategy_for_decode(loaded, None, (1, 16, 3, 4, 4)) is None
+
+
+def test_free_vram_stops_a_pipelines_parallel_ranks(tiny_loaded):
+    from vidmem.pipelines.parallel.run import POOL_ATTRIBUTE
+
+    class Pool:
+        closed = 0
+
+        def close(self):
+            Pool.closed += 1
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    setattr(loaded.pipe, POOL_ATTRIBUTE, ((0, 1), Pool()))
+    out = VidMemFreeVRAM().free(loaded)
+    assert out["result"] == (loaded,) and Pool.closed == 1 and getattr(loaded.pipe, POOL_ATTRIBUTE) is None

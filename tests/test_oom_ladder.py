@@ -209,3 +209,15 @@ def test_the_host_budget_lets_the_planner_choose(tiny_loaded, monkeypatch):
                      RunHooks(device_budget=lambda device: 123))
     (rung,) = result.receipt["oom_ladder"]
     assert seen == [123] and rung["chosen_by"] == "planner" and "blocks_to_swap=2" in rung["next"]
+
+
+def test_a_run_that_may_not_climb_raises_at_once_and_restores_everything(tiny_loaded):
+    """climb_on_oom=False (a context-parallel rank): the first out-of-memory error is raised, naming
+    the strategy to change, with no rung tried and every weight back where it was."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    with InjectOOM(loaded.pipe.transformer.blocks[0], [3]) as oom:
+        with pytest.raises(SamplingOutOfMemory, match=r"step 2/4 under offload=model.*keep the strategy") as caught:
+            run(loaded, MemoryStrategy(offload="model"), request_for("wan2.1-t2v", steps=STEPS), RunHooks(climb_on_oom=False))
+    assert oom.raised == 1 and oom.calls == 3 and is_out_of_memory(caught.value.__cause__)
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before

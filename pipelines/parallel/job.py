@@ -38,7 +38,7 @@ class ParallelSampleJob:
         per_rank = replace(self.strategy, parallel=Parallelism())  # within a rank, an ordinary one-device run
         # No prompt cache in ranks: a hit on one rank and a miss on another would run different
         # modules, and every rank must run the same ones in the same order.
-        hooks = RunHooks(on_step=context.progress, check_interrupt=context.check_stop)
+        hooks = RunHooks(on_step=context.progress, check_interrupt=context.check_stop, climb_on_oom=False)
         result = sample(loaded, per_rank, self.request, hooks, device=context.device)
         peaks = [None] * context.world_size
         dist.all_gather_object(peaks, rank_peak(result.receipt))
