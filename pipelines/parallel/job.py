@@ -51,13 +51,18 @@ class ParallelSampleJob:
         return result
 
     def _pipeline(self, context: RankContext):
-        """The rank's pipeline for this source, opened and split on the first run, then reused."""
-        if context.state.get("source") != self.source:
-            context.state.clear()  # a different pipeline: let the old copy go first
+        """The rank's pipeline for this source and mode, opened and split on the first run, then reused.
+
+        Keyed on the context-parallel mode too: diffusers' parallelism (and its attention backend)
+        is set once per copy, so a switch from ulysses to ring needs a fresh copy.
+        """
+        key = (self.source, self.strategy.parallel.context_parallel)
+        if context.state.get("pipeline_key") != key:
+            context.state.clear()  # a different pipeline or mode: let the old copy go first
             loaded = self.source.load()
             enable_context_parallel(loaded.pipe, loaded.spec.denoisers, self.strategy.parallel.context_parallel,
                                     context.world_size, context.device)
-            context.state.update(source=self.source, loaded=loaded)
+            context.state.update(pipeline_key=key, loaded=loaded)
         return context.state["loaded"]
 
 

@@ -8,6 +8,7 @@ tells a rank whether the pipeline it already holds is the one asked for.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from ..family import ModelError
@@ -21,6 +22,16 @@ class LoraSource:
     path: str
     strength: float
     expert: str
+    # The file's identity when the coordinator loaded it: a LoRA re-trained under the same name
+    # (the train-then-sample templates rewrite models/loras/<name>.safetensors) must reload in the
+    # ranks, which compare sources by equality.
+    size: int = 0
+    mtime_ns: int = 0
+
+    @classmethod
+    def of(cls, name: str, path: str, strength: float, expert: str) -> "LoraSource":
+        stat = os.stat(path)
+        return cls(name, str(path), strength, expert, stat.st_size, stat.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -38,7 +49,7 @@ class PipelineSource:
                 f"(with the folder's own transformer); this one comes from {loaded.source}. Load the diffusers "
                 "folder, or set context_parallel to off."
             )
-        loras = tuple(LoraSource(spec.name, str(spec.path), spec.strength, spec.expert) for spec in loaded.loras)
+        loras = tuple(LoraSource.of(spec.name, str(spec.path), spec.strength, spec.expert) for spec in loaded.loras)
         return cls(loaded.folder, loaded.dtype_name, loras)
 
     def load(self) -> LoadedPipeline:
