@@ -36,33 +36,35 @@ ALIGN = 512  # bytes; keeps every view aligned for any dtype and for fast DMA
 PINNED_HEADROOM_BYTES = 8 * GiB
 
 
-def default_pinned_cap(promised_elsewhere_bytes: int = 0) -> int:
-    """Half of the RAM that is free now and not promised to another pinned pool, keeping
-    PINNED_HEADROOM_BYTES unpinned."""
-    available = max(0, psutil.virtual_memory().available - max(0, promised_elsewhere_bytes))
+def default_pinned_cap() -> int:
+    """Half of the RAM that is free now, keeping PINNED_HEADROOM_BYTES unpinned."""
+    available = psutil.virtual_memory().available
     return max(0, min(available // 2, available - PINNED_HEADROOM_BYTES))
 
 
-def pinned_cap_bytes(max_pinned_ram_gb: float | None, promised_elsewhere_bytes: int = 0) -> int:
+def pinned_cap_bytes(max_pinned_ram_gb: float | None, host_room_bytes: int | None = None) -> int:
     """The user's ceiling in bytes, or the automatic one when unset.
 
-    `promised_elsewhere_bytes`: RAM another pinned pool in this process may still pin (inside
-    ComfyUI, its own pool: `MAX_PINNED_MEMORY - TOTAL_PINNED_MEMORY` of comfy.model_management,
-    supplied by nodes/host.py through `HostPool.promised_elsewhere_bytes`). What it has pinned
-    already is not free RAM, so only the rest of its promise is subtracted; without it both
-    pools would size themselves from the same free RAM. A user's explicit ceiling is kept as given.
+    `host_room_bytes`: what the host's own pinned-memory budget still allows (inside ComfyUI:
+    `MAX_PINNED_MEMORY - TOTAL_PINNED_MEMORY` of comfy.model_management, handed over by
+    nodes/host.py through `HostPool.host_room_bytes`); None when the host has no such budget.
+    The budget is a ceiling both pools share, not a reservation: ComfyUI pins its models' weights
+    in place (pages already resident, already missing from the free RAM), so what it has not yet
+    pinned takes no RAM from vidmem; what it caps is the locked memory of the whole process. So
+    the automatic ceiling stays within what the budget leaves. A user's explicit ceiling is kept.
     """
     if max_pinned_ram_gb is not None:
         return int(max_pinned_ram_gb * GiB)
-    return default_pinned_cap(promised_elsewhere_bytes)
+    cap = default_pinned_cap()
+    return cap if host_room_bytes is None else max(0, min(cap, host_room_bytes))
 
 
 class HostPool:
-    def __init__(self, arena_bytes: int = ARENA_BYTES, promised_elsewhere_bytes: int = 0) -> None:
+    def __init__(self, arena_bytes: int = ARENA_BYTES, host_room_bytes: int | None = None) -> None:
         self.arena_bytes = arena_bytes
-        # RAM the host's own pinned pool may still pin (see pinned_cap_bytes); the host sets it
-        # before each run, since the host's pool grows and shrinks between runs.
-        self.promised_elsewhere_bytes = promised_elsewhere_bytes
+        # What the host's pinned budget still allows (see pinned_cap_bytes); the host sets it
+        # before each run, since its own pinned memory grows and shrinks between runs.
+        self.host_room_bytes = host_room_bytes
         self._arenas: list[torch.Tensor] = []
         self._used = 0  # bytes used in the newest arena
         self.allocations = 0  # tensors ever copied into the pool; flat after the first run

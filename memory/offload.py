@@ -147,7 +147,7 @@ class OffloadHandle:
         schedule = None
         streamed = [(head, slots) for (head, _), slots in zip(units, unit_slots) if slots]
         if streamed:
-            cap = pinned_cap_bytes(strategy.max_pinned_ram_gb, pool.promised_elsewhere_bytes)
+            cap = pinned_cap_bytes(strategy.max_pinned_ram_gb, pool.host_room_bytes)
             names = {id(m): qualified for qualified, m in module.named_modules()}
             groups = [
                 self._group(f"{name}.{names[id(head)] or '(root)'}", pool.adopt(tie(slots), self.backend, cap), streamed=True)

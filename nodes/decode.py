@@ -51,7 +51,7 @@ class VidMemVAEDecode:
         progress = host.Progress(1, "decoding")
         try:
             hooks = RunHooks(progress.step, host.check_interrupt, host.make_room,
-                             pinned_elsewhere=host.pinned_promised_bytes)
+                             pinned_room=host.pinned_room_bytes)
             result = decode(pipeline, latent, run, hooks=hooks, device=host.compute_device())
         finally:
             progress.close()

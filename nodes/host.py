@@ -115,31 +115,22 @@ def make_room(bytes_needed: int, device) -> None:
         model_management.free_memory(bytes_needed + reserve, device)
 
 
-def pinned_promised_bytes() -> int:
-    """RAM ComfyUI's own pinned pool may still lock: `MAX_PINNED_MEMORY - TOTAL_PINNED_MEMORY` of
-    comfy.model_management (0 without ComfyUI, or when its pinning is off: `--disable-pinned-memory`,
-    or a GPU it does not pin for, where MAX_PINNED_MEMORY <= 0).
+def pinned_room_bytes() -> int | None:
+    """What ComfyUI's pinned-memory budget still allows: `MAX_PINNED_MEMORY - TOTAL_PINNED_MEMORY`
+    of comfy.model_management. None without ComfyUI, or without a budget (`--disable-pinned-memory`,
+    or a GPU ComfyUI does not pin for: MAX_PINNED_MEMORY <= 0).
 
-    vidmem's automatic pinned ceiling (memory.hostpool.pinned_cap_bytes) leaves this much of the
-    free RAM to ComfyUI, so the two pools never size themselves from the same free RAM. ComfyUI's
-    budget is a share of *total* RAM (95% on Linux, 45% on Windows), usually more than is free: then
-    vidmem's automatic ceiling is 0 and streamed copies come from pageable memory (synchronous),
-    which the log says; a Memory Strategy's max_pinned_ram_gb sets vidmem's own ceiling instead.
+    vidmem's automatic pinned ceiling stays within it (memory.hostpool.pinned_cap_bytes): one
+    ceiling on locked memory for both pools. ComfyUI's budget is a share of total RAM (95% on Linux,
+    45% on Windows, where the driver limits locked memory to about half), so inside a default
+    ComfyUI vidmem's own "half of the free RAM, keeping 8 GB" is usually the smaller of the two.
     """
     if model_management is None:
-        return 0
-    ceiling = getattr(model_management, "MAX_PINNED_MEMORY", -1)  # ComfyUI 0.8.0's names; absent: no pool
+        return None
+    ceiling = getattr(model_management, "MAX_PINNED_MEMORY", -1)  # ComfyUI 0.8.0's names; absent: no budget
     if ceiling <= 0:
-        return 0
-    promised = max(0, int(ceiling - getattr(model_management, "TOTAL_PINNED_MEMORY", 0)))
-    import psutil
-
-    available = psutil.virtual_memory().available
-    if promised >= available:
-        log.info("vidmem: ComfyUI may still pin %.1f GiB (its pinned-memory budget), more than the %.1f GiB of RAM "
-                 "free: vidmem pins nothing of its own unless the Memory Strategy's max_pinned_ram_gb is set "
-                 "(or ComfyUI runs with --disable-pinned-memory)", promised / 2**30, available / 2**30)
-    return promised
+        return None
+    return max(0, int(ceiling - getattr(model_management, "TOTAL_PINNED_MEMORY", 0)))
 
 
 def unload_host_models() -> bool:

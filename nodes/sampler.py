@@ -117,7 +117,7 @@ class VidMemVideoSampler:
             cache = PromptCache(host.prompt_cache_folder())
             # After an out-of-memory error the ladder asks what is free; None off CUDA (fixed ladder).
             hooks = RunHooks(progress.step, host.check_interrupt, host.make_room, device_budget=free_device_bytes,
-                             prompt_cache=cache, pinned_elsewhere=host.pinned_promised_bytes)
+                             prompt_cache=cache, pinned_room=host.pinned_room_bytes)
             result = _sample(pipeline, replace(run, parallel=choice.strategy.parallel), request, hooks, device)
         finally:
             progress.close()

@@ -104,7 +104,7 @@ def decode(
     hooks.check_interrupt()
     room = decode_room(loaded, tuple(samples.shape), strategy, device_weight_bytes(stage, strategy), device)
     hooks.make_room(room.total_bytes, device)  # weights + the planner's activations for the first rung
-    loaded.host_pool.promised_elsewhere_bytes = hooks.pinned_elsewhere()  # the host's pool changes between runs
+    loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
 
     def on_step(done: int, total: int) -> None:
         hooks.on_step(done, total)

@@ -30,9 +30,10 @@ class RunHooks:
     # error to pick the next rung; None: unknown (the fixed ladder is used).
     device_budget: Callable[[torch.device], int | None] = lambda device: None
     prompt_cache: PromptCache | None = None
-    # RAM another pinned pool in this process may still lock (inside ComfyUI, its own), read before
-    # each run: the automatic pinned ceiling leaves it free (memory.hostpool.pinned_cap_bytes).
-    pinned_elsewhere: Callable[[], int] = lambda: 0
+    # What the host's pinned-memory budget still allows (inside ComfyUI: its MAX_PINNED_MEMORY less
+    # what it has pinned), read before each run; the automatic pinned ceiling stays within it
+    # (memory.hostpool.pinned_cap_bytes). None: the host has no such budget.
+    pinned_room: Callable[[], int | None] = lambda: None
     # False: an out-of-memory error while denoising is raised at once instead of climbing the
     # ladder. A rank of a context-parallel run must not change strategy on its own: its peers
     # would wait for it in the next collective until the process group's timeout.

@@ -209,7 +209,7 @@ class _Run:
             room = sample_room(loaded, strategy, shape, request.steps, not prompts.complete, weight_bytes, device)
             receipt["room"] = room.as_dict()
             hooks.make_room(room.total_bytes, device)  # weights + the planner's activations
-            loaded.host_pool.promised_elsewhere_bytes = hooks.pinned_elsewhere()  # the host's pool changes between runs
+            loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
             with apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry) as handle:
                 call.vidmem_execution_device = device
                 if "text_encode" not in receipt:  # the first attempt (a cache hit encodes nothing)

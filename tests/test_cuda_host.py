@@ -74,15 +74,17 @@ def test_without_cuda_the_planner_models_the_native_allocator(monkeypatch):
     assert Allocator.AUTO.resolved() is Allocator.NATIVE
 
 
-def test_the_pinned_ceiling_leaves_the_hosts_promised_pinned_ram(monkeypatch):
+def test_the_pinned_ceiling_stays_within_the_hosts_budget(monkeypatch):
     class Memory:
         available = 64 * GiB
 
     monkeypatch.setattr(hostpool.psutil, "virtual_memory", lambda: Memory)
     assert hostpool.pinned_cap_bytes(None) == 32 * GiB
-    assert hostpool.pinned_cap_bytes(None, promised_elsewhere_bytes=40 * GiB) == 12 * GiB  # 24 free, 8 kept back
-    assert hostpool.pinned_cap_bytes(None, promised_elsewhere_bytes=80 * GiB) == 0
-    assert hostpool.pinned_cap_bytes(2.0, promised_elsewhere_bytes=80 * GiB) == 2 * GiB  # the user's own ceiling
+    assert hostpool.pinned_cap_bytes(None, host_room_bytes=None) == 32 * GiB  # no host budget
+    assert hostpool.pinned_cap_bytes(None, host_room_bytes=40 * GiB) == 32 * GiB  # the budget is not a reservation
+    assert hostpool.pinned_cap_bytes(None, host_room_bytes=12 * GiB) == 12 * GiB  # what the budget still allows
+    assert hostpool.pinned_cap_bytes(None, host_room_bytes=0) == 0
+    assert hostpool.pinned_cap_bytes(2.0, host_room_bytes=0) == 2 * GiB  # the user's own ceiling
 
 
 @pytest.mark.parametrize("kind", ["mps", "xpu"])
