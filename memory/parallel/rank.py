@@ -9,7 +9,14 @@ reused by the next.
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
+import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -83,12 +90,47 @@ def join_group(rank: int, setup: RankSetup) -> torch.device:
     return device
 
 
+def die_with_coordinator() -> None:
+    """End this rank when its coordinator dies, however it dies (kill -9, the OOM killer, a crash).
+
+    Without this a rank outlives a killed ComfyUI, reparented to init, holding its copy of the
+    pipeline (and its GPU) until killed by hand. Two guards: on Linux the kernel sends SIGKILL
+    when the parent goes (prctl PR_SET_PDEATHSIG: works even while the rank is stuck in C code,
+    e.g. a collective); everywhere, a daemon thread waits on the parent's sentinel (or polls the
+    parent pid) and exits the process. PDEATHSIG fires when the *thread* that started the rank
+    ends: a pool started from a short-lived thread loses its ranks then, and the next run
+    starts new ones (the pool checks its ranks are alive first).
+    """
+    parent_pid = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=_exit_when_parent_goes, args=(parent, parent_pid), name="vidmem-watch-coordinator",
+                     daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the guards were in place
+        os._exit(1)
+
+
+def _exit_when_parent_goes(parent, parent_pid: int) -> None:
+    if parent is not None:
+        multiprocessing.connection.wait([parent.sentinel])
+    else:  # not started by multiprocessing: the parent pid changes when the parent dies
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+    os._exit(1)
+
+
 def rank_main(rank: int, setup: RankSetup, jobs, events, stop) -> None:
     """Entry point of a spawned rank: join, then run jobs until a None arrives.
 
     Any exception (in joining or in a job) is reported with its traceback and ends the process:
     the coordinator then stops every other rank, which may be waiting in a collective.
     """
+    die_with_coordinator()
     try:
         device = join_group(rank, setup)
         context = RankContext(rank, setup.world_size, device, _report=events.put, _stop_requested=stop.is_set)
