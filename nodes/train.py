@@ -134,8 +134,9 @@ class VidMemTrainLoRA:
                                    "inside the transformer blocks that get a LoRA, by name or dotted suffix, comma "
                                    "separated (attention: to_q,to_k,to_v,to_out.0; Wan feed-forward: ffn.net.0.proj,ffn.net.2)."}),
                 "gradient_checkpointing": ("BOOLEAN", {"default": True, "tooltip": "Re-run each block's forward "
-                                           "during the backward instead of keeping its activations: ~1/3 of the "
-                                           "activation peak at 4 blocks (less with more), ~1.4x the step time, the same LoRA."}),
+                                           "during the backward instead of keeping its activations: ~0.37 of the "
+                                           "activation peak at 4 blocks (less with more), ~1.35-1.5x the step's work "
+                                           "(the base is frozen, so a re-run is a large share of a step), the same LoRA."}),
                 "optimizer": ([o.value for o in OptimizerName], {"default": OptimizerName.ADAMW.value, "tooltip":
                               "adamw: fp32 states (8 bytes per LoRA weight). adamw_8bit: ~2 bytes (needs "
                               "bitsandbytes). adamw_cpu_offload: states in RAM, not VRAM (slower steps)."}),

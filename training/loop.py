@@ -37,6 +37,7 @@ from .adapters import AttachedLora, build_layers, find_targets, trainable_bytes
 from .autograd import check_layering, frozen_saved_by_storage, gradient_checkpointing
 from .batches import BatchOrder, step_generator
 from .errors import TrainingError
+from .inference import normal_tensors, training_mode
 from .objective import denoiser_for, objective_for
 from .optim import OptimizerSettings, check_available, load_state_tensors, make_optimizer, state_bytes, state_to_tensors
 from .prepare import PreparedData
@@ -104,6 +105,11 @@ def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: T
     within one block, after a checkpoint of the last completed step; `resume` continues from
     `outputs.checkpoint_folder` when it holds a checkpoint of the same data and settings.
     """
+    with training_mode():  # ComfyUI runs nodes under inference_mode (training/inference.py)
+        return _train_lora(loaded, data, strategy, settings, outputs, backend, progress, check_interrupt, resume, observer)
+
+
+def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, check_interrupt, resume, observer) -> TrainResult:
     component = check_request(loaded, data, strategy, settings)
     check_writable(outputs.lora_path)
     model = getattr(loaded.pipe, component)
@@ -223,20 +229,28 @@ def _training_context(model, run: _Run, settings: TrainSettings, blocks, check_i
     Nested before apply_strategy, as memory.lora's ordering rule asks: the LoRA hooks run before
     the strategy's eviction hooks.
     """
+    with normal_tensors(model):  # weights and LoRAs loaded under the host's inference mode
+        with _frozen(model):
+            with ExitStack() as stack:
+                stack.enter_context(AttachedLora(model, run.layers))
+                # Resident blocks: the last block's activations are kept and each re-run skips its
+                # self-attention (autograd.gradient_checkpointing). Streamed blocks re-run in full: their
+                # weights move inside the re-run, which selective checkpointing's op replay cannot follow.
+                keep_last = None if streams_blocks else list(blocks)[-1]
+                stack.enter_context(gradient_checkpointing(model, settings.gradient_checkpointing, keep_last,
+                                                           selective=not streams_blocks))
+                stack.enter_context(interrupt_checks(list(blocks), check_interrupt))
+                yield
+
+
+@contextmanager
+def _frozen(model) -> Iterator[None]:
+    """Base weights need no gradient for the run; each parameter's flag is restored afterwards."""
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
         for parameter, _ in flags:
             parameter.requires_grad_(False)
-        with ExitStack() as stack:
-            stack.enter_context(AttachedLora(model, run.layers))
-            # Resident blocks: the last block's activations are kept and each re-run skips its
-            # self-attention (autograd.gradient_checkpointing). Streamed blocks re-run in full: their
-            # weights move inside the re-run, which selective checkpointing's op replay cannot follow.
-            keep_last = None if streams_blocks else list(blocks)[-1]
-            stack.enter_context(gradient_checkpointing(model, settings.gradient_checkpointing, keep_last,
-                                                       selective=not streams_blocks))
-            stack.enter_context(interrupt_checks(list(blocks), check_interrupt))
-            yield
+        yield
     finally:
         for parameter, flag in flags:
             parameter.requires_grad_(flag)
