@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
+from ...memory.cleanup import free_memory
 from ...memory.parallel import RankContext
 from ...memory.strategy import MemoryStrategy, Parallelism
 from ..hooks import RunHooks
@@ -39,7 +40,12 @@ class ParallelSampleJob:
         # No prompt cache in ranks: a hit on one rank and a miss on another would run different
         # modules, and every rank must run the same ones in the same order.
         hooks = RunHooks(on_step=context.progress, check_interrupt=context.check_stop, climb_on_oom=False)
-        result = sample(loaded, per_rank, self.request, hooks, device=context.device)
+        try:
+            result = sample(loaded, per_rank, self.request, hooks, device=context.device)
+        finally:
+            # An idle rank holds no allocator cache: rank 0 shares its GPU with the coordinator's
+            # decode, which the per-GPU plan gives everything but the rank's context and NCCL buffers.
+            free_memory(context.device)
         peaks = [None] * context.world_size
         dist.all_gather_object(peaks, rank_peak(result.receipt))
         if context.rank != 0:

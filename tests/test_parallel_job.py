@@ -1,0 +1,52 @@
+"""What a rank does around `sample()`: its cached device memory is returned at the end of every
+job (the per-GPU plan gives rank 0's GPU to the coordinator's decode afterwards)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.parallel import RankContext
+from vidmem.memory.strategy import Parallelism
+from vidmem.pipelines.parallel import job as job_module
+from vidmem.pipelines.parallel.job import ParallelSampleJob
+from vidmem.pipelines.sample import SampleRequest
+
+
+@pytest.fixture
+def rank_job(monkeypatch):
+    """A job whose pipeline, sampling and collectives are stand-ins; returns the calls made."""
+    calls = []
+    monkeypatch.setattr(ParallelSampleJob, "_pipeline", lambda self, context: SimpleNamespace())
+    monkeypatch.setattr(job_module, "check_context_parallel", lambda *args: None)
+    monkeypatch.setattr(job_module, "dist", SimpleNamespace(all_gather_object=lambda out, value: None,
+                                                            get_backend=lambda: "gloo"))
+    monkeypatch.setattr(job_module, "free_memory", lambda device: calls.append(("free", device)))
+
+    def fake_sample(loaded, strategy, request, hooks, device):
+        calls.append(("sample", device))
+        if request.seed == 13:
+            raise RuntimeError("broken step")
+        return SimpleNamespace(receipt={"stages": []})
+
+    monkeypatch.setattr(job_module, "sample", fake_sample)
+    strategy = MemoryStrategy(parallel=Parallelism(context_parallel="ulysses", degree=2))
+    return calls, lambda seed: ParallelSampleJob(None, strategy, SampleRequest("a cat", "", 32, 32, 5, 1, 5.0, seed=seed))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_rank_frees_its_cached_memory_after_the_job(rank_job, rank):
+    calls, job = rank_job
+    device = torch.device("cpu")
+    job(1).run(RankContext(rank, 2, device))
+    assert calls == [("sample", device), ("free", device)]
+
+
+def test_a_failed_job_frees_too(rank_job):
+    calls, job = rank_job
+    with pytest.raises(RuntimeError, match="broken step"):
+        job(13).run(RankContext(0, 2, torch.device("cpu")))
+    assert calls[-1] == ("free", torch.device("cpu"))
