@@ -18,6 +18,7 @@ from ..memory.plan.types import Call, VideoShape
 from ..memory.storage import FORMATS
 from .adapters import check_rank, find_targets
 from .errors import TrainingError
+from .inference import training_mode
 from .settings import TrainSettings
 
 GIB = float(1 << 30)
@@ -99,7 +100,8 @@ def choose_training_strategy(loaded, data, settings: TrainSettings, base: Memory
     stored = loaded.storage.get(component) if hasattr(loaded, "storage") else None
     request = training_request(settings, base, stored if stored in FORMATS else None)
     try:
-        plans, best = plan_training_step(planner_model(loaded), component, shape, vram, ram, request)
+        with training_mode():  # the trace runs a backward: not under the host's inference mode
+            plans, best = plan_training_step(planner_model(loaded), component, shape, vram, ram, request)
     except ValueError as error:
         raise TrainingError(f"offload=auto could not plan this training step: {error}; choose an offload tier "
                             "on the Memory Strategy node.") from None
