@@ -93,3 +93,25 @@ def test_ranks_start_when_the_pack_is_loaded_as_comfyui_loads_it(tmp_path):
     finally:
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
             del sys.modules[key]
+
+
+@pytest.mark.parametrize("visible, gpus, expected", [
+    (None, (0, 1), ("0", "1")),
+    ("5,7", (0, 1), ("5", "7")),
+    ("1,0,2,3", (0, 2), ("1", "2")),  # ComfyUI's --default-device 1 reorders the list
+    ("GPU-aaaa, MIG-bbbb", (1,), ("MIG-bbbb",)),
+])
+def test_ranks_get_the_gpus_this_process_sees(monkeypatch, visible, gpus, expected):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert PoolConfig.for_gpus(gpus).setup.gpus == expected
+
+
+def test_a_gpu_outside_the_visible_list_is_named(monkeypatch):
+    from vidmem.memory.strategy import StrategyError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    with pytest.raises(StrategyError, match="gpus lists 2 but CUDA_VISIBLE_DEVICES=5,7"):
+        PoolConfig.for_gpus((0, 2))

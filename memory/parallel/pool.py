@@ -12,6 +12,7 @@ atexit hook closes any pool still open, so no process outlives its coordinator.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import queue
 import runpy
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
+from ..strategy import StrategyError
 from .bootstrap import RUN_NAME
 from .rank import Job, RankSetup
 
@@ -63,7 +65,8 @@ class PoolConfig:
 
     @classmethod
     def for_gpus(cls, gpus: tuple[int, ...], **options) -> "PoolConfig":
-        return cls(RankSetup(len(gpus), "nccl", "cuda", tuple(gpus), free_port()), **options)
+        """Ranks on `gpus`, CUDA indices as this process sees them (through its CUDA_VISIBLE_DEVICES)."""
+        return cls(RankSetup(len(gpus), "nccl", "cuda", physical_gpus(gpus), free_port()), **options)
 
     @classmethod
     def for_cpu(cls, world_size: int, threads: int | None = None, **options) -> "PoolConfig":
@@ -72,6 +75,25 @@ class PoolConfig:
     @property
     def world_size(self) -> int:
         return self.setup.world_size
+
+
+def physical_gpus(gpus: tuple[int, ...], visible: str | None = None) -> tuple[str, ...]:
+    """What each rank puts in its CUDA_VISIBLE_DEVICES for this process's CUDA indices `gpus`.
+
+    A rank sees only its GPU; set to the bare index, it would be the *physical* GPU of that
+    number. When this process is itself restricted (ComfyUI started with CUDA_VISIBLE_DEVICES=2,3,
+    or `--default-device 1`, which reorders the list), its cuda:i is the i-th entry of that list,
+    an index, a UUID or a MIG id, which is what the rank must be given.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if visible is None or not visible.strip():
+        return tuple(str(g) for g in gpus)
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    missing = [g for g in gpus if not 0 <= g < len(entries)]
+    if missing:
+        raise StrategyError(f"gpus lists {','.join(map(str, missing))} but CUDA_VISIBLE_DEVICES={visible} makes only "
+                         f"{len(entries)} GPU(s) visible (0..{len(entries) - 1}); list GPUs by their number in this process.")
+    return tuple(entries[g] for g in gpus)
 
 
 def free_port() -> int:

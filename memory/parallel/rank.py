@@ -41,7 +41,7 @@ class RankSetup:
     world_size: int
     backend: str  # "nccl" on CUDA, "gloo" on CPU
     device_type: str  # "cuda" or "cpu"
-    gpus: tuple[int, ...]  # CUDA index per rank; () on CPU
+    gpus: tuple[str, ...]  # per rank, the CUDA_VISIBLE_DEVICES entry of its GPU (index, UUID or MIG id); () on CPU
     master_port: int
     master_addr: str = "127.0.0.1"
     threads: int | None = None  # CPU threads per rank (None: torch's default)
