@@ -47,8 +47,8 @@ def wants_parallel(args: argparse.Namespace) -> bool:
 
 
 def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) -> int:
-    from .memory.plan.parallel import (INTERCONNECTS, MultiGpu, context_parallel_refusal, parallel_candidates,
-                                       parallel_recommended)
+    from .memory.plan.parallel import (INTERCONNECTS, RANK_STORAGE, MultiGpu, context_parallel_refusal,
+                                       parallel_candidates, parallel_recommended)
 
     if args.interconnect not in INTERCONNECTS:
         raise ValueError(f"--interconnect {args.interconnect!r} is not one vidmem knows; use {', '.join(INTERCONNECTS)}, "
@@ -71,6 +71,7 @@ def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) ->
                           "dtype": model.dtype_name, "weights": args.weights or model.dtype_name, "gpus": layout.gpus,
                           "cp": layout.mode.value, "interconnect": {"name": link.name, "gbps": link.bytes_per_s / 1e9},
                           "vram_per_gpu_bytes": vram, "ram_bytes": ram,
+                          **({} if layout.mode.value == "balanced" else {"rank_weights": RANK_STORAGE}),
                           "single_gpu": None if single is None else single.as_dict(),
                           "strategies": [p.as_dict() for p in plans], "recommended": best,
                           **({"message": message} if message else {})}, indent=2))
@@ -127,8 +128,9 @@ def _notes(plan, layout) -> list[str]:
             f"--interconnect-gbps); diffusers waits for each collective, so it adds to compute.",
             "Every rank holds all the weights (its own offload tier) and encodes the prompt; the decode runs once, in "
             "ComfyUI's process on GPU 0. Activations include the collective's buffers; NCCL's buffers are an estimate.",
-            "RAM (all): one process per GPU and the coordinating one, each with its own copy of the weights (--disk "
-            "shares them as page cache)."]
+            "RAM (all): one process per GPU and the coordinating one, each with its own copy of the weights in RAM: "
+            "ranks reopen the diffusers folder at its own dtype (no --disk or --weights rows until the ranks can open "
+            "other storage)."]
 
 
 def _nothing_fits(plans, layout, vram: int, ram: int) -> str:
@@ -137,7 +139,8 @@ def _nothing_fits(plans, layout, vram: int, ram: int) -> str:
             f"{_gib(leanest.per_gpu_peak_bytes)} per GPU and {_gib(leanest.host_bytes)} RAM. "
             + ("Balanced placement only moves the prompt encoder off the transformers' GPU: lower the storage "
                "(--weights), or plan with --disk." if layout.mode.value == "balanced" else
-               "Weights are replicated on every GPU: lower their storage (--weights) or plan with --disk."))
+               "Weights are replicated on every GPU, and every rank holds them in RAM (the folder at its own dtype: "
+               "context parallelism cannot use --weights or --disk yet): more RAM or VRAM per GPU, or --cp balanced."))
 
 
 def _aligned(rows, mark_index) -> list[str]:

@@ -205,7 +205,10 @@ class VidMemMemoryStrategy:
                     "tooltip": "Split each video's tokens between the GPUs (Wan only, diffusers' context "
                     "parallelism); every GPU holds the whole model and applies the offload tier above to its own "
                     "copy. ulysses: exchanges attention heads (the heads and tokens must divide by the GPU count). "
-                    "ring: passes keys and values round the GPUs (needs flash/cuDNN attention). off: one process."}),
+                    "ring: passes keys and values round the GPUs (needs flash/cuDNN attention). off: one process. "
+                    "For now only a diffusers folder from Load Video Pipeline at its own dtype (no weight_dtype, "
+                    "no single or fp8/GGUF files): each GPU's process reopens the folder with its weights in RAM, "
+                    "so RAM holds one copy per GPU plus ComfyUI's."}),
             },
         }
 

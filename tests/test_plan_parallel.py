@@ -256,3 +256,26 @@ def test_layout_from_the_memory_strategy():
     assert MultiGpu.of(Parallelism(gpus=(0, 1)), 8) == MultiGpu(2, "balanced")
     with pytest.raises(ParallelError, match="at least 2 GPUs"):
         MultiGpu.of(Parallelism(), 1)
+
+
+def test_context_parallel_plans_only_what_the_ranks_run(capsys, wan):
+    """Ranks reopen the diffusers folder at its own dtype (pipelines.parallel.source): no disk rows,
+    no --weights/--disk plans, and the RAM holds one copy per rank plus the coordinator's."""
+    from vidmem.memory.plan.parallel import RANK_STORAGE, parallel_candidates
+    from vidmem.memory.plan.planner import PlanOptions
+
+    ram = 24 << 30  # one copy of the pipeline fits, three do not: the one-GPU planner would add disk rows
+    plans, _ = parallel_candidates(wan, SMALL, 8 << 30, ram, MultiGpu(2))
+    assert len(plans) == len(OffloadTier) and not any(p.page_cache_bytes for p in plans)
+    assert not any(p.fits for p in plans)
+    for options in (PlanOptions(on_disk=True), PlanOptions(storage=wan.layout.stored_as("fp8_scaled"))):
+        with pytest.raises(ParallelError, match="diffusers folder at its own dtype only"):
+            parallel_candidates(wan, SMALL, 8 << 30, ram, MultiGpu(2), options=options)
+    args = ["plan", "--model", "wan2.1-t2v-1.3b", "--size", "480x320", "--frames", "33", "--vram", "8", "--ram", "24",
+            "--gpus", "2"]
+    assert plan_main(args + ["--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"] is None and out["rank_weights"] == RANK_STORAGE
+    assert plan_main(args + ["--disk"]) == 2
+    assert "drop --disk/--weights" in capsys.readouterr().err
+    assert plan_main(args + ["--cp", "balanced", "--disk"]) in (0, 1)  # balanced runs the pipeline as loaded

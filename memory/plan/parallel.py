@@ -37,7 +37,8 @@ from .types import Call
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
 
 __all__ = ["INTERCONNECTS", "NCCL_BYTES", "CommBytes", "GpuPlan", "Interconnect", "MultiGpu", "GpuSharing",
-           "ParallelError", "ParallelPlan", "balanced_placement", "check_context_parallel", "comm_bytes",
+           "ParallelError", "ParallelPlan", "RANK_STORAGE", "balanced_placement", "check_context_parallel",
+           "check_rank_storage", "comm_bytes",
            "context_parallel_refusal", "parallel_candidates", "parallel_recommended", "plan_parallel", "plan_seconds",
            "sequence_tokens"]
 
@@ -51,6 +52,7 @@ def plan_parallel(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
     One GPU under context parallelism is the single-GPU plan, unchanged."""
     if layout.mode is not GpuSharing.BALANCED:  # refused before anything is traced
         check_context_parallel(model, shape, layout.gpus, layout.mode.value)
+        check_rank_storage(options, layout)
     single = plan_run(model, shape, strategy, options)
     reference = single if reference is None else reference
     budgets = (vram_budget_bytes, ram_budget_bytes)
@@ -162,6 +164,7 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
     speedup is measured against (the recommended single-GPU plan; None when nothing fits one GPU)."""
     if layout.mode is not GpuSharing.BALANCED:
         check_context_parallel(model, shape, layout.gpus, layout.mode.value)
+        check_rank_storage(options, layout)
     singles = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes, base, options)
     best = recommended(singles)
     one_gpu = singles[best] if best is not None else None
@@ -173,7 +176,9 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
         return [plan_parallel(model, shape, replace(p.strategy, text_encoder=base.text_encoder), layout, p.options,
                               *budgets, reference) for p in on_home], one_gpu
     rank_vram = vram_budget_bytes - NCCL_BYTES(layout.gpus)
-    per_rank = candidate_plans(model, shape, rank_vram, _share(ram_budget_bytes, layout.gpus), base, options)
+    # No disk rows: ranks reopen the folder with their weights in RAM (check_rank_storage).
+    per_rank = candidate_plans(model, shape, rank_vram, _share(ram_budget_bytes, layout.gpus), base, options,
+                               consider_disk=False)
     plans = []
     for single in per_rank:
         strategy = single.strategy
@@ -181,6 +186,17 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
             strategy = _fewest_rank_blocks(model, shape, strategy, layout, single.options, vram_budget_bytes)
         plans.append(plan_parallel(model, shape, strategy, layout, single.options, *budgets, reference))
     return plans, one_gpu
+
+
+RANK_STORAGE = ("context parallelism runs a diffusers folder at its own dtype only, for now: each rank reopens the "
+                "folder with its weights in RAM (no weight_dtype, no single files, no memory-mapped disk tier)")
+
+
+def check_rank_storage(options: PlanOptions, layout: MultiGpu) -> None:
+    """Plan only what the ranks run: pipelines.parallel.source reopens a folder at its own dtype."""
+    if layout.gpus > 1 and (options.on_disk or options.storage):
+        raise ParallelError(f"{RANK_STORAGE}; drop --disk/--weights (or weight_dtype) to plan it, or plan "
+                            "--cp balanced, which runs the pipeline as loaded.")
 
 
 def _fewest_rank_blocks(model, shape, strategy: MemoryStrategy, layout: MultiGpu, options, vram: int) -> MemoryStrategy:
