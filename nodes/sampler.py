@@ -13,6 +13,7 @@ from ..memory.telemetry import free_device_bytes
 from ..pipelines.loader import FAMILIES
 from ..pipelines.family import ModelError
 from ..pipelines.parallel import DeviceRoom, balanced_placement, component_bytes, resolve_ranks, sample_balanced, sample_parallel
+from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, plan_explicit
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
@@ -138,8 +139,7 @@ def _sample(pipeline, strategy, request, hooks, device):
         return sample_balanced(pipeline, strategy, request, _placement(pipeline, parallel.gpus, device), hooks)
     if not parallel.context_parallel_on:
         return sample(pipeline, strategy, request, hooks, device=device)
-    visible = torch.cuda.device_count() if device.type == "cuda" else 0
-    return sample_parallel(pipeline, strategy, request, resolve_ranks(parallel, visible), hooks)
+    return sample_parallel(pipeline, strategy, request, resolve_ranks(parallel, _visible_gpus(device)), hooks)
 
 
 def _placement(pipeline, gpus: tuple[int, ...], device):
@@ -172,6 +172,8 @@ def _strategy_for_run(pipeline, choice, shape: VideoShape, device):
     """
     vram, ram = choice.budgets(device)
     label = f"{shape.width}x{shape.height}x{shape.frames}"
+    if choice.strategy.parallel.context_parallel_on:
+        return _parallel_strategy_for_run(pipeline, choice, shape, device, (vram, ram), label)
     if choice.auto:
         plan = choose_for(pipeline, shape, choice.strategy, vram, ram, device=device)
         return plan.strategy, f"auto chose at {label}: {_peaks(plan)}"
@@ -180,6 +182,23 @@ def _strategy_for_run(pipeline, choice, shape: VideoShape, device):
     except ValueError as error:
         return choice.strategy, f"no prediction at {label}: {error}"
     return choice.strategy, f"planned at {label}: {_peaks(plan)}"
+
+
+def _parallel_strategy_for_run(pipeline, choice, shape: VideoShape, device, budgets, label: str):
+    """As above, with the per-GPU planner: every rank and this process hold a copy of the pipeline."""
+    ranks = resolve_ranks(choice.strategy.parallel, _visible_gpus(device))
+    if choice.auto:
+        plan = choose_parallel(pipeline, shape, choice.strategy, ranks, *budgets)
+        return plan.strategy, f"auto chose at {label}: {parallel_plan_line(plan)}"
+    try:
+        plan = plan_explicit(pipeline, shape, choice.strategy, ranks, *budgets)
+    except ValueError as error:
+        return choice.strategy, f"no prediction at {label}: {error}"
+    return choice.strategy, f"planned at {label}: {parallel_plan_line(plan)}"
+
+
+def _visible_gpus(device) -> int:
+    return torch.cuda.device_count() if device.type == "cuda" else 0
 
 
 def _peaks(plan) -> str:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import psutil
+import pytest
+import torch
 
 from fuzz_support import strategy_widgets
 from vidmem.memory import StrategyError
@@ -68,3 +69,30 @@ def test_balanced_gpus_without_gpus_are_refused_by_name(tiny_loaded):
 
     with pytest.raises(ModelError, match="gpus=0,1: GPU 0,1 is not visible"):
         N["VidMemVideoSampler"]().sample(tiny_loaded("wan2.1-t2v"), build(gpus="0,1"), "a cat", "", 32, 32, 9, 1, 1.0, 0)
+
+
+def test_auto_with_context_parallel_plans_every_rank_s_copy(tiny_loaded):
+    """offload=auto plans N ranks plus this process, each holding the pipeline: a RAM budget that one
+    copy fits and three do not is refused by name before any rank starts (the one-GPU plan said it fits)."""
+    from vidmem.memory.plan.planner import PlanError
+    from vidmem.memory.plan.stages import VideoShape
+    from vidmem.memory.units import GiB
+    from vidmem.pipelines.planning import plan_strategy
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    one_copy = plan_strategy(loaded, VideoShape(32, 32, 9), build().strategy, None, None, device="cpu").peak_ram_bytes
+    ram_gb = 2 * one_copy / GiB  # between one copy and three
+    (choice,) = N["VidMemMemoryStrategy"]().build(**strategy_widgets(offload="auto", ram_budget_gb=ram_gb),
+                                                  gpus="cpu:2", context_parallel="ulysses")["result"]
+    (alone,) = N["VidMemMemoryStrategy"]().build(**strategy_widgets(offload="auto", ram_budget_gb=ram_gb))["result"]
+    from vidmem.nodes.sampler import _strategy_for_run
+
+    assert "fits" in _strategy_for_run(loaded, alone, VideoShape(32, 32, 9), torch.device("cpu"))[1]
+    pool = getattr(loaded.pipe, POOL_ATTRIBUTE, None)
+    with pytest.raises(PlanError, match=r"RAM .* for 2 ranks and this process.*ram_budget_gb"):
+        N["VidMemVideoSampler"]().sample(loaded, choice, "a cat", "", 32, 32, 9, 1, 1.0, 0)
+    assert getattr(loaded.pipe, POOL_ATTRIBUTE, None) is pool, "refused before any rank started"
+    (roomy,) = N["VidMemMemoryStrategy"]().build(**strategy_widgets(offload="auto", ram_budget_gb=8 * ram_gb),
+                                                 gpus="cpu:2", context_parallel="ulysses")["result"]
+    strategy, line = _strategy_for_run(loaded, roomy, VideoShape(32, 32, 9), torch.device("cpu"))
+    assert "per rank, 2-way ulysses" in line and "for all processes; fits" in line
