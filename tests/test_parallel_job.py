@@ -50,3 +50,23 @@ def test_a_failed_job_frees_too(rank_job):
     with pytest.raises(RuntimeError, match="broken step"):
         job(13).run(RankContext(0, 2, torch.device("cpu")))
     assert calls[-1] == ("free", torch.device("cpu"))
+
+
+def test_ranks_share_the_automatic_pinned_ceiling(tiny_loaded, monkeypatch):
+    """Each rank gets cap / ranks of one ceiling computed by the coordinator (within the host's
+    pinned room), not the whole automatic ceiling each; a ceiling the user set is kept."""
+    from vidmem.memory.units import GiB
+    from vidmem.pipelines.hooks import RunHooks
+    from vidmem.pipelines.parallel import Ranks, run
+
+    sent, rooms = [], []
+    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), run=lambda job, *args: sent.append(job))
+    monkeypatch.setattr(run, "pinned_cap_bytes", lambda gb, room: rooms.append(room) or 10 * GiB)
+    hooks = RunHooks(pinned_room=lambda: 6 * GiB)
+    request = SampleRequest("a cat", "", 32, 32, 9, 1, 1.0, seed=0)
+    for pinned in (None, 3.0):
+        strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=1, max_pinned_ram_gb=pinned,
+                                  parallel=Parallelism(context_parallel="ulysses", degree=2))
+        run.sample_parallel(tiny_loaded("wan2.1-t2v"), strategy, request, Ranks(cpu_processes=2), hooks, pool)
+    assert [job.strategy.max_pinned_ram_gb for job in sent] == [5.0, 3.0]
+    assert rooms == [6 * GiB], "the host's pinned room bounds the shared ceiling"

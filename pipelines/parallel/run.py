@@ -8,12 +8,14 @@ it is reused run over run and goes away with the pipeline: its finalizer stops t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from ...memory.hostpool import pinned_cap_bytes
 from ...memory.parallel import PoolConfig, WorkerPool
 from ...memory.strategy import MemoryStrategy, Parallelism
+from ...memory.units import GiB
 from ..family import ModelError
 from ..hooks import RunHooks
 from ..sample import SampleRequest, SampleResult
@@ -78,11 +80,24 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     device_type = "cuda" if ranks.gpus else "cpu"
     check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,
                            ranks.degree, device_type)
-    job = ParallelSampleJob(PipelineSource.of(loaded), strategy, request)
+    job = ParallelSampleJob(PipelineSource.of(loaded), rank_pinned_share(strategy, ranks.degree, hooks.pinned_room()),
+                            request)
     pool = pool if pool is not None else pool_for(loaded, ranks)
     if pool.config.world_size != ranks.degree:
         raise ModelError(f"the pool has {pool.config.world_size} ranks but the run asks for {ranks.degree}.")
     return pool.run(job, hooks.on_step, hooks.check_interrupt)
+
+
+def rank_pinned_share(strategy: MemoryStrategy, ranks: int, host_room_bytes: int | None) -> MemoryStrategy:
+    """Each rank's share of the automatic pinned ceiling, computed once here.
+
+    Left to itself every rank would size its pinned pool from the same free RAM at the same
+    moment (N x half of it, breaking PINNED_HEADROOM_BYTES); the ranks on this machine share one
+    ceiling instead, within the host's pinned budget. A ceiling the user set is kept, per rank.
+    """
+    if strategy.max_pinned_ram_gb is not None:
+        return strategy
+    return replace(strategy, max_pinned_ram_gb=pinned_cap_bytes(None, host_room_bytes) / ranks / GiB)
 
 
 def pool_for(loaded, ranks: Ranks) -> WorkerPool:
