@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ...atomic import atomic_path
 from ...memory.parallel import run_in_process_group
 from ...memory.strategy import MemoryStrategy, Parallelism
 from ..sample import SampleRequest
@@ -42,6 +44,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def write_latent(samples: torch.Tensor, out) -> Path:
+    """The latent as safetensors (key "latent"), written whole or not at all: an interrupt or a full
+    disk never leaves a half-written file a later step could load."""
+    from safetensors.torch import save_file
+
+    with atomic_path(Path(out)) as temporary:
+        save_file({"latent": samples.contiguous().cpu()}, str(temporary))
+    return Path(out)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -58,9 +70,7 @@ def main(argv=None) -> None:
         # Every rank checks the run (same inputs, same verdict) right after opening the folder.
         result = run_in_process_group(ParallelSampleJob(source, strategy, request))
         if dist.get_rank() == 0:
-            from safetensors.torch import save_file
-
-            save_file({"latent": result.latent["samples"].contiguous()}, args.out)
+            write_latent(result.latent["samples"], args.out)
             print(result.receipt.get("parallel"))
     finally:
         dist.destroy_process_group()
