@@ -18,6 +18,7 @@ from ..memory import MemoryStrategy
 from ..memory.plan.planner import Plan, PlanOptions, choose_strategy, decode_activation_bytes, plan_run
 from ..memory.plan.stages import VideoShape
 from ..memory.storage import FORMATS
+from ..memory.units import GiB
 from ..memory.vae import Rung
 from .configs import load_model
 from .loader import LoadedPipeline
@@ -100,5 +101,5 @@ def decode_overrun(loaded: LoadedPipeline, latent_shape: tuple[int, ...], strate
             return None
         if need <= free_bytes:
             return None
-        return f"needs {need / 2**30:.2f} GiB for its largest piece, {free_bytes / 2**30:.2f} GiB free"
+        return f"needs {need / GiB:.2f} GiB for its largest piece, {free_bytes / GiB:.2f} GiB free"
     return predict
