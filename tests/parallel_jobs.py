@@ -58,3 +58,26 @@ class Steps:
             context.check_stop()
             context.progress(step + 1, self.steps)
         return self.steps
+
+
+@dataclass(frozen=True)
+class CountTokens:
+    """Runs a ParallelSampleJob and records the token count entering the denoisers' blocks[1] in every
+    rank (diffusers splits inside blocks[0]'s forward wrapper, so blocks[1] sees a rank's share)."""
+
+    job: object  # a vidmem.pipelines.parallel.ParallelSampleJob
+
+    def run(self, context):
+        loaded = self.job._pipeline(context)
+        seen = set()
+        handles = [getattr(loaded.pipe, name).blocks[1].register_forward_pre_hook(
+            lambda module, args: seen.add(int(args[0].shape[1]))) for name in loaded.spec.denoisers
+            if getattr(loaded.pipe, name, None) is not None]
+        try:
+            self.job.run(context)
+        finally:
+            for handle in handles:
+                handle.remove()
+        every = [None] * context.world_size
+        dist.all_gather_object(every, sorted(seen))
+        return every

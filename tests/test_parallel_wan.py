@@ -66,3 +66,23 @@ def test_a_different_seed_changes_the_split_run(tiny_loaded, pool):
     other = SampleRequest(**{**request_for("wan2.1-t2v").__dict__, "seed": 4})
     second = sample_parallel(loaded, strategy, other, RANKS, pool=pool).latent["samples"]
     assert (first - second).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_each_rank_runs_its_share_of_the_tokens(tiny_loaded, pool, tier):
+    """The parity above would also hold if the ranks silently computed the whole sequence: here every
+    rank's blocks see tokens / degree, where one process sees them all."""
+    from parallel_jobs import CountTokens
+    from vidmem.pipelines.parallel import ParallelSampleJob, PipelineSource
+
+    loaded, request = tiny_loaded("wan2.1-t2v"), request_for("wan2.1-t2v", steps=1)
+    whole = set()
+    handle = loaded.pipe.transformer.blocks[1].register_forward_pre_hook(lambda m, args: whole.add(args[0].shape[1]))
+    try:
+        sample(loaded, MemoryStrategy(**TIERS[tier]), request, device=torch.device("cpu"))
+    finally:
+        handle.remove()
+    strategy = MemoryStrategy(**TIERS[tier], parallel=Parallelism(context_parallel="ulysses", degree=2))
+    per_rank = pool.run(CountTokens(ParallelSampleJob(PipelineSource.of(loaded), strategy, request)))
+    (tokens,) = whole
+    assert tokens % 2 == 0 and per_rank == [[tokens // 2], [tokens // 2]]
