@@ -118,7 +118,14 @@ def parse_parallel(gpus: str, context_parallel: str) -> Parallelism:
     parts = text.split(",")
     if not all(part.isdigit() for part in parts):
         raise StrategyError(f"gpus={gpus!r} must be auto, GPU indices separated by commas (e.g. 0,1), or cpu:N.")
-    return Parallelism(tuple(int(part) for part in parts), mode)
+    listed = tuple(int(part) for part in parts)
+    if len(set(listed)) != len(listed):
+        raise StrategyError(f"gpus={gpus!r} lists a GPU twice; list each GPU once (e.g. 0,1).")
+    if len(listed) == 1 and mode == ContextParallel.OFF:
+        # One process runs on ComfyUI's own device; a single listed GPU would be silently ignored.
+        raise StrategyError(f"gpus={gpus!r} lists one GPU: vidmem runs on ComfyUI's GPU (choose it with ComfyUI's "
+                            "--cuda-device). Set gpus to auto, or list two or more GPUs to place components on them.")
+    return Parallelism(listed, mode)
 
 
 def tile_size_problem(tile_size) -> str | None:

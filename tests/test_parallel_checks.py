@@ -74,7 +74,10 @@ def test_heads_must_divide_by_the_degree(tiny_loaded):
     (Parallelism(gpus=(1, 3), context_parallel="ulysses"), 4, Ranks(gpus=(1, 3))),
     (Parallelism(context_parallel="ulysses", degree=2), 0, Ranks(cpu_processes=2)),
 ])
-def test_ranks_resolve_from_the_visible_gpus(parallel, gpus, expected):
+def test_ranks_resolve_from_the_visible_gpus(parallel, gpus, expected, monkeypatch):
+    from vidmem.pipelines.parallel import run
+
+    monkeypatch.setattr(run.dist, "is_nccl_available", lambda: True)  # this CPU build has none
     assert resolve_ranks(parallel, gpus) == expected
 
 
@@ -108,3 +111,13 @@ def test_strategy_describes_its_parallelism():
     assert not Parallelism(gpus=(0, 1), context_parallel="ulysses").balanced
     assert "ulysses degree=2 gpus=auto" in ULYSSES_2.describe()
     assert MemoryStrategy().describe() == "offload=model text_encoder=offload_after_encoding"
+
+
+def test_gpus_without_nccl_are_refused_before_any_rank_starts(monkeypatch):
+    """PyTorch's Windows builds have no NCCL: refused by name, not as each rank's init failure."""
+    from vidmem.pipelines.parallel import run
+
+    monkeypatch.setattr(run.dist, "is_nccl_available", lambda: False)
+    with pytest.raises(ModelError, match="needs NCCL, which this PyTorch build does not have"):
+        resolve_ranks(Parallelism(context_parallel="ulysses"), 2)
+    assert resolve_ranks(Parallelism(context_parallel="ulysses", degree=2), 0) == Ranks(cpu_processes=2)  # gloo

@@ -77,8 +77,10 @@ def join_group(rank: int, setup: RankSetup) -> torch.device:
         # compute `rank % device_count()` (diffusers' enable_parallelism) land on the right one.
         # bootstrap.py sets it before anything can initialise CUDA; this keeps direct callers right.
         os.environ["CUDA_VISIBLE_DEVICES"] = str(setup.gpus[rank])
-    else:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: never bind a public interface
+    elif sys.platform.startswith("linux"):
+        # Loopback only: never bind a public interface. Linux's loopback is "lo" (macOS: "lo0",
+        # Windows: no such name); elsewhere gloo resolves MASTER_ADDR, 127.0.0.1, itself.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.update(MASTER_ADDR=setup.master_addr, MASTER_PORT=str(setup.master_port))
     if setup.threads:
         torch.set_num_threads(setup.threads)

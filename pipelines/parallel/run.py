@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from ...memory.hostpool import pinned_cap_bytes
 from ...memory.parallel import PoolConfig, WorkerPool
@@ -65,6 +66,10 @@ def resolve_ranks(parallel: Parallelism, visible_gpus: int) -> Ranks:
     if len(gpus) < 2:
         raise ModelError(f"context_parallel={parallel.context_parallel.value} needs two or more GPUs; only GPU "
                          f"{gpus[0]} is used. List more in gpus, or set context_parallel to off.")
+    if not (dist.is_available() and dist.is_nccl_available()):
+        # Checked before any rank starts: otherwise each rank fails in init_process_group.
+        raise ModelError("context parallelism on GPUs needs NCCL, which this PyTorch build does not have (PyTorch's "
+                         "Windows builds ship without it); run on Linux (or WSL2), or set context_parallel to off.")
     return Ranks(gpus=tuple(gpus))
 
 
