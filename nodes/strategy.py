@@ -128,6 +128,18 @@ def parse_parallel(gpus: str, context_parallel: str) -> Parallelism:
     return Parallelism(listed, mode)
 
 
+def one_process_only(choice, node: str):
+    """`choice` for a node that runs in ComfyUI's process on its device (Train LoRA, Prepare Training
+    Data); StrategyError when the strategy asks for GPUs or context parallelism, which only the
+    Video Sampler runs: silently training on one device would not be what was asked."""
+    parallel = choice.strategy.parallel
+    if parallel != Parallelism():
+        raise StrategyError(f"{node} runs on ComfyUI's device only; the Memory Strategy asks for {parallel.describe()} "
+                            "(gpus, context_parallel), which only the Video Sampler runs. Give this node a Memory "
+                            "Strategy with gpus=auto and context_parallel=off.")
+    return choice
+
+
 def tile_size_problem(tile_size) -> str | None:
     """The one rule on tile_size that ComfyUI's min/max cannot express (and its range, since
     naming it in VALIDATE_INPUTS turns ComfyUI's own check off for it)."""

@@ -20,7 +20,7 @@ from ..training.save import lora_file_name
 from . import host
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt, human_bytes
-from .strategy import STRATEGY_TYPE, as_choice
+from .strategy import STRATEGY_TYPE, as_choice, one_process_only
 
 TRAINING_DATA_TYPE = "VIDMEM_TRAINING_DATA"
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
@@ -30,14 +30,14 @@ log = logging.getLogger("vidmem")
 
 def _run_strategy(strategy):
     """The strategy to encode with; offload=auto encodes on its base (model offload: one encoder at a time)."""
-    choice = as_choice(strategy)
+    choice = one_process_only(as_choice(strategy), "Prepare Training Data")
     note = " (offload=auto: encoding runs one component at a time, model offload)" if choice.auto else ""
     return choice.strategy, note
 
 
 def _train_strategy(strategy, pipeline, data, settings: TrainSettings, device):
     """The strategy to train with and, for offload=auto, the training planner's choice behind it."""
-    choice = as_choice(strategy)
+    choice = one_process_only(as_choice(strategy), "Train LoRA")
     if not choice.auto:
         return choice.strategy, None
     vram, ram = choice.budgets(device)
