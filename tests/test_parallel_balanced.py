@@ -57,3 +57,18 @@ def test_a_balanced_run_gives_the_frames_of_a_plain_run_and_restores_the_encoder
     assert result.receipt["placement"] == "balanced: transformers on cpu, text encoder on cpu"
     assert "text_encoder=offload_after_encoding" in result.receipt["strategy"]  # the user's, not the call's
     assert len(encoder._forward_pre_hooks) == 0
+
+
+def test_the_encoder_goes_back_to_its_own_weights_not_a_copy():
+    """Restored by pointing every tensor back at what it held (memory-mapped weights stay mapped):
+    placed on `meta`, a `.to(home)` could not even come back; the pointers must be the same ones."""
+    from types import SimpleNamespace
+
+    from vidmem.pipelines.parallel.balanced import placed_encoder
+
+    encoder = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    before = [t.data_ptr() for t in (*encoder.parameters(), *encoder.buffers())]
+    with placed_encoder(SimpleNamespace(text_encoder=encoder), torch.device("meta")):
+        assert all(t.is_meta for t in (*encoder.parameters(), *encoder.buffers()))
+    assert [t.data_ptr() for t in (*encoder.parameters(), *encoder.buffers())] == before
+    assert not any(t.is_meta for t in encoder.parameters())

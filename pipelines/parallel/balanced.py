@@ -80,17 +80,37 @@ def placed_encoder(pipe, device: torch.device) -> Iterator[None]:
     """The prompt encoder on `device` for the length of the `with`, taking inputs from any device.
 
     The pipeline hands it token ids on the compute device; a forward pre-hook moves them to the
-    encoder's own device. Restored (device and hook) on success, error or Cancel alike.
+    encoder's own device. Restored (weights and hook) on success, error or Cancel alike, by
+    pointing every parameter and buffer back at the tensor it held before: no device-to-host
+    copy, and memory-mapped or fp8/GGUF-stored weights stay what they were (`Module.to(home)`
+    would turn them into fresh anonymous RAM, the whole encoder's size, after every run).
     """
     encoder = getattr(pipe, PROMPT_ENCODER)
-    home = next(encoder.parameters()).device
+    homes: list[tuple[dict, str, torch.Tensor]] = []
     hook = encoder.register_forward_pre_hook(lambda module, args, kwargs: _to(device, args, kwargs), with_kwargs=True)
     try:
-        encoder.to(device)
+        _place(encoder, device, homes)  # fills `homes` as it goes: a failure halfway is undone too
         yield
     finally:
         hook.remove()
-        encoder.to(home)
+        for table, name, home in homes:
+            table[name] = home
+
+
+def _place(encoder: nn.Module, device: torch.device, homes: list[tuple[dict, str, torch.Tensor]]) -> None:
+    """Put a copy of every parameter and buffer on `device` in the module's tables; the originals go
+    into `homes` to be put back as they were (tied weights stay tied: one copy per original tensor)."""
+    copies = {}
+    for module in encoder.modules():
+        for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, home in list(table.items()):
+                if home is None:
+                    continue
+                if id(home) not in copies:
+                    moved = home.detach().to(device)
+                    copies[id(home)] = nn.Parameter(moved, home.requires_grad) if is_parameter else moved
+                homes.append((table, name, home))
+                table[name] = copies[id(home)]
 
 
 def _to(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
