@@ -70,3 +70,24 @@ def test_ranks_share_the_automatic_pinned_ceiling(tiny_loaded, monkeypatch):
         run.sample_parallel(tiny_loaded("wan2.1-t2v"), strategy, request, Ranks(cpu_processes=2), hooks, pool)
     assert [job.strategy.max_pinned_ram_gb for job in sent] == [5.0, 3.0]
     assert rooms == [6 * GiB], "the host's pinned room bounds the shared ceiling"
+
+
+def test_the_coordinator_makes_room_on_every_rank_s_gpu_before_the_run(tiny_loaded, monkeypatch):
+    """Inside ComfyUI its own models may fill the ranks' GPUs: the host is asked for each GPU's
+    planned peak (per rank) before the ranks load."""
+    from vidmem.pipelines.hooks import RunHooks
+    from vidmem.pipelines.parallel import Ranks, run
+    from vidmem.pipelines.parallel.planning import plan_explicit
+    from vidmem.memory.plan.stages import VideoShape
+
+    monkeypatch.setattr(run.dist, "is_nccl_available", lambda: True)
+    asked, order = [], []
+    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), run=lambda job, *args: order.append("run"))
+    hooks = RunHooks(make_room=lambda nbytes, device: asked.append((device, nbytes)) or order.append("room"))
+    strategy = MemoryStrategy(offload="none", parallel=Parallelism(gpus=(1, 3), context_parallel="ulysses"))
+    request = SampleRequest("a cat", "", 32, 32, 9, 1, 5.0, seed=0)
+    ranks = Ranks(gpus=(1, 3))
+    run.sample_parallel(tiny_loaded("wan2.1-t2v"), strategy, request, ranks, hooks, pool)
+    plan = plan_explicit(tiny_loaded("wan2.1-t2v"), VideoShape(32, 32, 9, cfg=True), strategy, ranks, None, None)
+    assert asked == [(torch.device("cuda", 1), plan.gpus[0].peak_bytes), (torch.device("cuda", 3), plan.gpus[1].peak_bytes)]
+    assert all(nbytes > 0 for _, nbytes in asked) and order == ["room", "room", "run"]

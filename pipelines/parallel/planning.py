@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from ...memory.plan.parallel import MultiGpu, ParallelPlan, parallel_candidates, parallel_recommended, plan_parallel
 from ...memory.plan.planner import PlanError
 from ...memory.plan.stages import VideoShape
@@ -17,6 +19,7 @@ from ...memory.strategy import MemoryStrategy, Parallelism
 from ...memory.units import GiB
 from ..loader import LoadedPipeline
 from ..planning import plan_options, planner_model
+from .balanced import component_bytes
 from .run import Ranks
 
 
@@ -47,6 +50,20 @@ def plan_explicit(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStr
     return plan_parallel(planner_model(loaded), shape, replace(strategy, parallel=Parallelism()),
                          layout_of(strategy, ranks), plan_options(loaded, device=rank_device(ranks)),
                          vram_budget_bytes, ram_budget_bytes)
+
+
+def rank_rooms(loaded: LoadedPipeline, strategy: MemoryStrategy, request,
+               ranks: Ranks) -> list[tuple[torch.device, int]]:
+    """What each rank's GPU must have free before the ranks load (for the host's make_room, which
+    inside ComfyUI unloads its own models): the per-GPU plan's peak, or when the planner cannot
+    model this pipeline, the whole pipeline's weights (every rank opens all of them)."""
+    guided = request.cfg > 1 or (request.cfg_2 or 0) > 1
+    shape = VideoShape(request.width, request.height, request.frames, cfg=guided)
+    try:
+        peaks = [g.peak_bytes for g in plan_explicit(loaded, shape, strategy, ranks, None, None).gpus]
+    except ValueError:
+        peaks = [sum(component_bytes(loaded.pipe).values())] * ranks.degree
+    return [(torch.device("cuda", gpu), peak) for gpu, peak in zip(ranks.gpus, peaks)]
 
 
 def nothing_fits(plans: list[ParallelPlan], layout: MultiGpu, vram: int, ram: int) -> str:

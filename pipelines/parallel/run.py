@@ -90,6 +90,11 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     pool = pool if pool is not None else pool_for(loaded, ranks)
     if pool.config.world_size != ranks.degree:
         raise ModelError(f"the pool has {pool.config.world_size} ranks but the run asks for {ranks.degree}.")
+    if ranks.gpus:  # inside ComfyUI its own models may hold the ranks' GPUs (GPU 0 above all)
+        from .planning import rank_rooms
+
+        for device, nbytes in rank_rooms(loaded, strategy, request, ranks):
+            hooks.make_room(nbytes, device)
     return pool.run(job, hooks.on_step, hooks.check_interrupt)
 
 
