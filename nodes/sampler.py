@@ -136,21 +136,22 @@ def _sample(pipeline, strategy, request, hooks, device):
     Cancel and the receipt; the ranks apply the offload tier to their own copies)."""
     parallel = strategy.parallel
     if parallel.balanced:
-        return sample_balanced(pipeline, strategy, request, _placement(pipeline, parallel.gpus, device), hooks)
+        return sample_balanced(pipeline, strategy, request, _placement(pipeline, strategy, device), hooks)
     if not parallel.context_parallel_on:
         return sample(pipeline, strategy, request, hooks, device=device)
     return sample_parallel(pipeline, strategy, request, resolve_ranks(parallel, _visible_gpus(device)), hooks)
 
 
-def _placement(pipeline, gpus: tuple[int, ...], device):
-    """Balanced placement over the listed GPUs, from their free memory now."""
+def _placement(pipeline, strategy, device):
+    """Balanced placement over the listed GPUs (checked against their free memory now)."""
+    gpus = strategy.parallel.gpus
     visible = torch.cuda.device_count() if device.type == "cuda" else 0
     missing = [g for g in gpus if g >= visible]
     if missing:
         raise ModelError(f"gpus={','.join(map(str, gpus))}: GPU {','.join(map(str, missing))} is not visible (this "
                          f"machine shows {visible}); set gpus to auto, or list GPUs 0..{visible - 1}.")
     rooms = [DeviceRoom(f"cuda:{g}", torch.cuda.mem_get_info(g)[0]) for g in gpus]
-    return balanced_placement(component_bytes(pipeline.pipe), rooms)
+    return balanced_placement(component_bytes(pipeline.pipe), rooms, strategy.offload.value)
 
 
 def parallel_line(parallel: dict) -> str:

@@ -218,8 +218,9 @@ class VidMemMemoryStrategy:
                 "gpus": ("STRING", {"default": AUTO, "tooltip":
                     "Which GPUs to use, as CUDA numbers them. auto: ComfyUI's GPU (context_parallel off) or every "
                     "visible GPU (context_parallel on). 0,1: these GPUs; with context_parallel off, whole components "
-                    "go to different GPUs (text encoder and VAE on the first, transformers on the others) so nothing "
-                    "offloads; with it on, one rank per GPU. cpu:2: two CPU processes (testing without GPUs)."}),
+                    "go to different GPUs (the transformers and VAE on the first listed, the text encoder on the "
+                    "second) under the offload tier; with it on, one rank per GPU. cpu:2: two CPU processes "
+                    "(testing without GPUs)."}),
                 "context_parallel": ([m.value for m in ContextParallel], {"default": ContextParallel.OFF.value,
                     "tooltip": "Split each video's tokens between the GPUs (Wan only, diffusers' context "
                     "parallelism); every GPU holds the whole model and applies the offload tier above to its own "

@@ -15,23 +15,28 @@ WAN14B = {"transformer": 28 * GiB, "text_encoder": 11 * GiB}
 A14B = {"transformer": 28 * GiB, "transformer_2": 28 * GiB, "text_encoder": 11 * GiB}
 
 
-@pytest.mark.parametrize("sizes, rooms, expected", [
-    (WAN14B, [DeviceRoom("cuda:0", 24 * GiB), DeviceRoom("cuda:1", 40 * GiB)], Placement("cuda:1", "cuda:0")),
-    (WAN14B, [DeviceRoom("a", 80 * GiB), DeviceRoom("b", 12 * GiB), DeviceRoom("c", 16 * GiB)], Placement("a", "c")),
-    (A14B, [DeviceRoom("a", 24 * GiB), DeviceRoom("b", 80 * GiB)], Placement("b", "a")),
+@pytest.mark.parametrize("sizes, rooms, offload, expected", [
+    (WAN14B, [DeviceRoom("cuda:1", 40 * GiB), DeviceRoom("cuda:0", 24 * GiB)], "none", Placement("cuda:1", "cuda:0")),
+    (WAN14B, [DeviceRoom("a", 80 * GiB), DeviceRoom("b", 12 * GiB), DeviceRoom("c", 16 * GiB)], "none",
+     Placement("a", "b")),
+    (A14B, [DeviceRoom("a", 30 * GiB), DeviceRoom("b", 80 * GiB)], "model", Placement("a", "b")),  # one expert at a time
+    (A14B, [DeviceRoom("a", 8 * GiB), DeviceRoom("b", 12 * GiB)], "block_swap", Placement("a", "b")),  # streamed
 ])
-def test_transformers_go_to_the_roomiest_gpu_and_the_encoder_elsewhere(sizes, rooms, expected):
-    assert balanced_placement(sizes, rooms) == expected
+def test_transformers_go_to_the_first_listed_gpu_and_the_encoder_to_the_second(sizes, rooms, offload, expected):
+    """As the planner plans it (memory.plan.parallel_layout: GPU 0 and GPU 1), whatever is free now."""
+    assert balanced_placement(sizes, rooms, offload) == expected
 
 
-@pytest.mark.parametrize("sizes, rooms, message", [
-    (WAN14B, [DeviceRoom("a", 80 * GiB)], "needs two or more GPUs"),
-    (A14B, [DeviceRoom("a", 48 * GiB), DeviceRoom("b", 48 * GiB)], "transformers need 56.0 GiB.*ulysses"),
-    (WAN14B, [DeviceRoom("a", 40 * GiB), DeviceRoom("b", 8 * GiB)], "text encoder needs 11.0 GiB"),
+@pytest.mark.parametrize("sizes, rooms, offload, message", [
+    (WAN14B, [DeviceRoom("a", 80 * GiB)], "none", "needs two or more GPUs"),
+    (A14B, [DeviceRoom("a", 48 * GiB), DeviceRoom("b", 80 * GiB)], "none",
+     "offload=none the transformers need 56.0 GiB on the first listed GPU .*block_swap"),
+    (A14B, [DeviceRoom("a", 24 * GiB), DeviceRoom("b", 80 * GiB)], "model", "offload=model the transformers need 28.0"),
+    (WAN14B, [DeviceRoom("a", 40 * GiB), DeviceRoom("b", 8 * GiB)], "none", "text encoder needs 11.0 GiB on the second"),
 ])
-def test_what_cannot_be_placed_is_named(sizes, rooms, message):
+def test_what_cannot_be_placed_is_named(sizes, rooms, offload, message):
     with pytest.raises(ModelError, match=message):
-        balanced_placement(sizes, rooms)
+        balanced_placement(sizes, rooms, offload)
 
 
 def test_component_bytes_count_weights(tiny_loaded):

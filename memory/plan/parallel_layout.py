@@ -1,11 +1,11 @@
 """Which GPU holds what under balanced placement, and the prompt encoder's stage on its own GPU.
 
 Balanced placement (the seed's `device_map="balanced"`, vidmem.pipelines.parallel.balanced): no
-parallelism; the transformers (Wan 2.2 A14B's two experts together) run on the roomiest GPU under
-the strategy's offload tier, with the image encoder and the image VAE of image-to-video, as one GPU
-would; the prompt encoder runs whole on another GPU, so the two never leave room for each other.
-The decode runs afterwards on ComfyUI's device, GPU 0. With GPUs of equal size the roomiest is the
-first listed: the transformers' GPU is GPU 0 and the prompt encoder's GPU 1; more GPUs stay idle.
+parallelism; the transformers (Wan 2.2 A14B's two experts together) run on the first listed GPU
+(GPU 0 here) under the strategy's offload tier, with the image encoder and the image VAE of
+image-to-video, as one GPU would; the prompt encoder runs whole on the second (GPU 1), so the two
+never leave room for each other; more GPUs stay idle. The decode runs afterwards on ComfyUI's
+device, GPU 0. The runtime places them the same way.
 """
 
 from __future__ import annotations

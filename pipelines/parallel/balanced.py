@@ -1,7 +1,7 @@
 """Balanced placement (the seed's `device_map="balanced"`): whole components on different GPUs.
 
-With two or more GPUs and no context parallelism, the transformers go to one GPU and the
-prompt encoder to another, so neither has to leave room for the other and nothing offloads.
+With two or more GPUs and no context parallelism, the transformers go to the first listed GPU
+and the prompt encoder to the second, so neither has to leave room for the other.
 The choice is a pure function of component sizes and device capacities (tested on the CPU with
 made-up devices); `placed_encoder` moves the prompt encoder for one call and makes it take its
 inputs from wherever they are.
@@ -40,29 +40,33 @@ class Placement:
         return f"balanced: transformers on {self.denoisers}, text encoder on {self.prompt_encoder}"
 
 
-def balanced_placement(component_bytes: Mapping[str, int], rooms: Sequence[DeviceRoom]) -> Placement:
-    """The denoisers (together: Wan 2.2 A14B's two experts stay on one GPU) on the device with the
-    most room; the prompt encoder on the roomiest other device it fits on. ModelError when the
-    denoisers fit nowhere or the encoder fits on no other device (then placement cannot help)."""
+def balanced_placement(component_bytes: Mapping[str, int], rooms: Sequence[DeviceRoom],
+                       offload: str = "none") -> Placement:
+    """The denoisers (together: Wan 2.2 A14B's two experts stay on one GPU) on the first listed device,
+    the prompt encoder on the second, as the planner plans it (memory.plan.parallel_layout) and the
+    Memory Strategy's help says. ModelError, naming what to change, when a device lacks the room the
+    tier needs: under `none` every denoiser whole, under `model` the largest one; `block_swap` and
+    `sequential` stream blocks and need no such room (the sampler makes room and swaps as planned).
+    The prompt encoder always runs whole on its device."""
     if len(rooms) < 2:
         raise ModelError(f"balanced placement needs two or more GPUs; {len(rooms)} given. List them in gpus (e.g. 0,1).")
-    denoiser_bytes = sum(component_bytes.get(name, 0) for name in DENOISERS)
-    encoder_bytes = component_bytes.get(PROMPT_ENCODER, 0)
-    by_room = sorted(rooms, key=lambda room: room.free_bytes, reverse=True)
-    home = by_room[0]
-    if denoiser_bytes > home.free_bytes:
+    home, other = rooms[0], rooms[1]
+    denoisers = [component_bytes.get(name, 0) for name in DENOISERS]
+    whole = {"none": sum(denoisers), "model": max(denoisers)}.get(offload, 0)
+    if whole > home.free_bytes:
         raise ModelError(
-            f"balanced placement: the transformers need {denoiser_bytes / GiB:.1f} GiB and the roomiest GPU "
-            f"({home.device}) has {home.free_bytes / GiB:.1f} GiB free; use context_parallel=ulysses, or an offload "
-            "tier (block_swap) on one GPU."
+            f"balanced placement: under offload={offload} the transformers need {whole / GiB:.1f} GiB on the first "
+            f"listed GPU ({home.device}), which has {home.free_bytes / GiB:.1f} GiB free; use offload=block_swap, "
+            "context_parallel=ulysses, or list the roomiest GPU first in gpus."
         )
-    for room in by_room[1:]:
-        if encoder_bytes <= room.free_bytes:
-            return Placement(home.device, room.device)
-    raise ModelError(
-        f"balanced placement: the text encoder needs {encoder_bytes / GiB:.1f} GiB and no GPU other than "
-        f"{home.device} has that much free; use gpus=auto with an offload tier, or text_encoder=cpu."
-    )
+    encoder_bytes = component_bytes.get(PROMPT_ENCODER, 0)
+    if encoder_bytes > other.free_bytes:
+        raise ModelError(
+            f"balanced placement: the text encoder needs {encoder_bytes / GiB:.1f} GiB on the second listed GPU "
+            f"({other.device}), which has {other.free_bytes / GiB:.1f} GiB free; list a roomier GPU second in gpus, "
+            "or use gpus=auto with text_encoder=cpu."
+        )
+    return Placement(home.device, other.device)
 
 
 def component_bytes(pipe) -> dict[str, int]:
