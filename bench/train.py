@@ -122,6 +122,23 @@ def checkpointing_times(model, layers, batch, samples: int) -> dict:
     }
 
 
+def cpu_attention_flops() -> dict:
+    """FlopCounterMode has no formula for the CPU flash-attention kernels (it counts them as 0,
+    which would hide the attention a re-run repeats): torch's own SDPA formulas, mapped to them."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+
+
 def flop_ratio(model, layers, batch) -> float:
     """FLOPs of a checkpointed step over a plain one (torch's FlopCounterMode, backward re-runs
     included; outputs selective checkpointing keeps are not recomputed, so not counted): the
@@ -130,7 +147,7 @@ def flop_ratio(model, layers, batch) -> float:
 
     totals = []
     for flag in (False, True):
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=cpu_attention_flops()) as counter:
             step(model, layers, batch, flag)
         totals.append(counter.get_total_flops())
     return totals[1] / totals[0]
