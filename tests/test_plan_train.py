@@ -9,9 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vidmem.memory.plan.stages import VideoShape
 from vidmem.memory.plan.train import (ActivationPeaks, block_target_shapes, trace_activations, training_bytes)
+from vidmem.memory.plan.train_plan import TrainRequest
+from vidmem.pipelines.configs import load_model
+from vidmem.pipelines.tiny import save_tiny_pipeline
 from vidmem.plan_cli import main
+from vidmem.training.inference import training_mode
 from vidmem.training.optim import OptimizerName, OptimizerSettings, make_optimizer, state_bytes
+from vidmem.training.plan import plan_training_step
 
 TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
@@ -150,3 +156,16 @@ def test_checkpointed_trace_counts_the_self_attention_output_each_block_keeps():
     assert checkpointed.kept_per_block == heads * tokens * (dim // heads) * 4 + heads * tokens * 4
     assert plain.kept_per_block == 0
     assert checkpointed.at(10) == ActivationPeaks(checkpointed.one_block, checkpointed.two_blocks).at(10) + 10 * checkpointed.kept_per_block
+
+
+def test_a_model_first_built_under_inference_mode_plans_training(tmp_path):
+    """ComfyUI runs nodes under inference mode: a Sampler's plan builds (and caches) the meta
+    model first; Train LoRA's offload=auto then traces a backward through the same model."""
+    folder = save_tiny_pipeline("wan2.1-t2v", tmp_path / "wan")  # its own folder: no model cached before
+    with torch.inference_mode():
+        model = load_model(str(folder), "fp32")
+        model.traced_module("transformer")
+        with training_mode():
+            plans, best = plan_training_step(model, "transformer", VideoShape(32, 32, 9, cfg=False),
+                                             24 << 30, 24 << 30, TrainRequest(rank=4))
+    assert plans and best is not None

@@ -193,7 +193,8 @@ def _training_view(module: nn.Module, blocks: nn.ModuleList, keep: int, rank: in
         for handle in hooks:
             handle.remove()
         for name, p in module.named_parameters():
-            p.requires_grad_(grads[name])
+            if p.requires_grad != grads[name]:  # an inference tensor refuses the call even when unchanged
+                p.requires_grad_(grads[name])
 
 
 def _attach_lora(linear: nn.Linear, rank: int):

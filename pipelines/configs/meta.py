@@ -238,7 +238,9 @@ def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int |
     count = BLOCK_COUNT.get(component.class_name)
     if max_blocks and count in config:
         config[count] = min(int(config[count]), max_blocks)
-    with torch.device("meta"):
+    # Never inference tensors, whoever builds first (a Sampler node runs under ComfyUI's inference
+    # mode): the cached module is also traced for training, whose backward cannot use them.
+    with torch.device("meta"), torch.inference_mode(False):
         if component.library == "diffusers":
             module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
         else:
