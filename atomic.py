@@ -16,6 +16,15 @@ from pathlib import Path
 PARTIAL_SUFFIX = ".part"  # what a temporary file ends with (so folders can sweep stale ones)
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; set back at once. Read once, at import, not
+    os.umask(mask)      # per write: another thread creating a file meanwhile would get mode 0666.
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 @contextmanager
 def atomic_path(target: Path) -> Iterator[Path]:
     """A fresh temporary path in `target`'s folder: write it inside the block; on a clean exit it
@@ -26,6 +35,9 @@ def atomic_path(target: Path) -> Iterator[Path]:
     os.close(handle)
     try:
         yield Path(temporary)
+        # mkstemp makes the file private (0600); the finished file gets the mode any new file gets
+        # here (0666 less the umask), so a LoRA or latent is readable as the user's other files are.
+        os.chmod(temporary, 0o666 & ~_UMASK)
         os.replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

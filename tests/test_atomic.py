@@ -1,0 +1,27 @@
+"""Files written whole or not at all, with the mode any new file gets (not mkstemp's private 0600)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from vidmem.atomic import atomic_path, write_bytes_atomically
+
+
+def test_a_finished_file_gets_the_usual_mode(tmp_path):
+    target = write_bytes_atomically(tmp_path / "lora.safetensors", b"data")
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"data")  # created as any file is: 0666 less the umask
+    assert stat.S_IMODE(os.stat(target).st_mode) == stat.S_IMODE(os.stat(plain).st_mode)
+
+
+def test_an_error_leaves_the_target_as_it_was_and_no_partial_file(tmp_path):
+    target = tmp_path / "latent.safetensors"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as temporary:
+            temporary.write_bytes(b"half")
+            raise RuntimeError("disk full")
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["latent.safetensors"]
