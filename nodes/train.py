@@ -89,7 +89,7 @@ class VidMemPrepareTrainingData:
         receipt = dict(data.receipt, strategy=run.describe() + note)
         text = "\n".join([format_receipt(f"Prepare Training Data: {len(data.samples)} samples for {pipeline.describe()}",
                                           receipt), *prepare_lines(receipt)])
-        return {"ui": {"text": [text]}, "result": (data,)}
+        return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (data,)}
 
 
 class VidMemTrainLoRA:
@@ -178,7 +178,7 @@ class VidMemTrainLoRA:
             receipt["plan"] = plan_line(chosen, receipt["training_plan"])
         text = "\n".join([format_receipt(f"Train LoRA: {file_name} after {result.receipt['steps']} steps", receipt),
                           *train_lines(receipt, settings)])
-        return {"ui": {"text": [text]}, "result": (with_lora(pipeline, spec), file_name)}
+        return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (with_lora(pipeline, spec), file_name)}
 
 
 def prepare_lines(receipt: dict) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -44,6 +46,10 @@ def test_prepare_then_train_then_the_pipeline_carries_the_lora(tiny_loaded, fold
     assert "LoRA rank 4 on 8 layers" in text and "steps 2" in text and "block_swap" in text
     resumed = VidMemTrainLoRA().train(loaded, data, strategy, **dict(TRAIN, steps=3))
     assert "resumed at step 2" in resumed["ui"]["text"][0]
+    for ui in (prepared["ui"], out["ui"]):  # the web extension draws these; ComfyUI sends `ui` as JSON
+        receipt = ui["vidmem_receipt"][0]
+        assert json.loads(json.dumps(receipt)) == receipt
+    assert out["ui"]["vidmem_receipt"][0]["lora"].endswith(name) and prepared["ui"]["vidmem_receipt"][0]["clips"] == 2
 
 
 def auto_data(loaded, folders):
@@ -129,3 +135,4 @@ def test_bad_training_inputs_write_nothing(tiny_loaded, folders, changes, match)
     with pytest.raises(TrainingError, match=match):
         VidMemTrainLoRA().train(loaded, data, strategy, **dict(TRAIN, **changes))
     assert not (folders / "models").exists() and not (folders / "output" / "vidmem_training" / "checkpoints").exists()
+

@@ -140,7 +140,8 @@ test("constants the extension relies on", () => {
   assert.deepEqual(FREE_BODY, { unload_models: true, free_memory: true });
   assert.ok(Object.isFrozen(FREE_BODY));
   assert.equal(MEMORY_ROUTE, "/vidmem/memory");
-  assert.deepEqual([...NODE_TYPES].sort(), ["VidMemFreeVRAM", "VidMemLoadPipeline", "VidMemMemoryStrategy",
+  assert.deepEqual([...NODE_TYPES].sort(), ["VidMemFreeVRAM", "VidMemLoadLoRA", "VidMemLoadPipeline",
+                                            "VidMemMemoryStrategy", "VidMemPrepareTrainingData", "VidMemTrainLoRA",
                                             "VidMemVAEDecode", "VidMemVideoSampler"]);
 });
 
@@ -228,6 +229,21 @@ test("receipts are at most three short lines; the rest is in the tooltip", () =>
   const free = compactLines("VidMemFreeVRAM", { vidmem_receipt: [FREE] });
   assert.deepEqual(free, ["RSS 421.34 MiB -> 421.34 MiB, VRAM 1.00 GiB -> 0 B", "models unloaded: no"]);
   assert.ok(compactLines("VidMemVideoSampler", { text: ["a\nb\nc\nd"] }).length <= 3);
+});
+
+test("training nodes say where the LoRA went and what the data holds", () => {
+  const trained = { lora: "C:\\ComfyUI\\models\\loras\\my_lora.safetensors", steps: 500, losses: [0.41, 0.3876],
+                    plan: "auto chose offload=block_swap blocks_to_swap=4 at 832x480x33: predicted", strategy: "offload=model",
+                    stages: [{ stage: "train", seconds: 9 }] };
+  assert.deepEqual(compactLines("VidMemTrainLoRA", { vidmem_receipt: [trained] }),
+                   ["LoRA written: my_lora.safetensors", "500 steps, loss 0.3876", "auto chose offload=block_swap blocks_to_swap=4 at 832x480x33"]);
+  const chosen = compactLines("VidMemTrainLoRA", { vidmem_receipt: [{ ...trained, plan: undefined, lora: "/m/loras/a.safetensors" }] });
+  assert.deepEqual(chosen, ["LoRA written: a.safetensors", "500 steps, loss 0.3876", "offload=model"]);
+  const data = { clips: 3, encoded: 1, reused: 2, buckets: { "832x480x33": 2, "480x832x33": 1 } };
+  assert.deepEqual(compactLines("VidMemPrepareTrainingData", { vidmem_receipt: [data] }),
+                   ["3 clips (1 encoded, 2 reused)", "832x480x33: 2, 480x832x33: 1"]);
+  assert.deepEqual(compactLines("VidMemLoadLoRA", { text: ["lightx2v x1.0 on transformer: 400 layers"] }),
+                   ["lightx2v x1.0 on transformer: 400 layers"]);
 });
 
 test("the plan finds the loader through any chain of Load LoRA / Train LoRA nodes", async () => {

@@ -7,6 +7,9 @@ export const NODE_TYPES = Object.freeze([
   "VidMemVideoSampler",
   "VidMemVAEDecode",
   "VidMemFreeVRAM",
+  "VidMemLoadLoRA",
+  "VidMemPrepareTrainingData",
+  "VidMemTrainLoRA",
 ]);
 export const MEMORY_ROUTE = "/vidmem/memory";
 export const PLAN_ROUTE = "/vidmem/plan";
@@ -37,6 +40,11 @@ export function formatPercent(fraction) {
 export function receiptFrom(message) {
   const receipt = message?.vidmem_receipt?.[0];
   return receipt && typeof receipt === "object" ? receipt : null;
+}
+
+/** The last part of a path, "/" or "\\" separated. */
+export function baseName(path) {
+  return String(path).split(/[\\/]/).pop();
 }
 
 /** The node's text output (`ui.text`) joined, or "". */
@@ -128,6 +136,9 @@ const TITLES = {
   VidMemVideoSampler: "sampler receipt",
   VidMemVAEDecode: "decode receipt",
   VidMemFreeVRAM: "freed",
+  VidMemLoadLoRA: "LoRA",
+  VidMemPrepareTrainingData: "training data",
+  VidMemTrainLoRA: "training receipt",
 };
 
 /** What to show on a node after it ran: {title, lines}; lines is empty when there is nothing. */
@@ -305,6 +316,16 @@ export function compactLines(nodeType, message, max = 3) {
     const gpu = receipt.before?.allocated_bytes !== undefined
       ? `VRAM ${formatBytes(receipt.before.allocated_bytes)} -> ${formatBytes(receipt.after?.allocated_bytes)}` : "";
     return [[rss, gpu].filter(Boolean).join(", ") || "freed", `models unloaded: ${receipt.comfy_models_unloaded ? "yes" : "no"}`];
+  }
+  if (nodeType === "VidMemTrainLoRA" && receipt?.lora) {
+    const losses = receipt.losses ?? [];
+    const loss = losses.length ? `, loss ${Number(losses[losses.length - 1]).toFixed(4)}` : "";
+    const plan = String(receipt.plan ?? "").startsWith("auto chose") ? receipt.plan.split(":")[0] : receipt.strategy;
+    return [`LoRA written: ${baseName(receipt.lora)}`, `${receipt.steps} steps${loss}`, plan].filter(Boolean).slice(0, max);
+  }
+  if (nodeType === "VidMemPrepareTrainingData" && receipt?.buckets) {
+    const buckets = Object.entries(receipt.buckets).map(([label, count]) => `${label}: ${count}`).join(", ");
+    return [`${receipt.clips} clips (${receipt.encoded} encoded, ${receipt.reused} reused)`, buckets].slice(0, max);
   }
   if (receipt?.stages) {
     const stages = receipt.stages.map((st) => `${st.stage.replace("_", " ")} ${formatSeconds(st.seconds)}`).join(" + ");
