@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 from ..memory import free_memory
-from ..pipelines.loader import LoadedPipeline
-from ..pipelines.parallel.run import close_pool
+from ..pipelines.parallel.run import close_all_pools
 from . import host
 from .receipts import human_bytes
 
@@ -30,8 +29,8 @@ class VidMemFreeVRAM:
         return {
             "required": {
                 "anything": (ANY, {"tooltip": "Any value; the cleanup runs when it arrives and it is passed on. "
-                                   "A pipeline's context-parallel ranks (one process per GPU) are stopped too; "
-                                   "its next parallel run starts them again."}),
+                                   "Every pipeline's context-parallel ranks (one process per GPU) are stopped too; "
+                                   "the next parallel run starts them again."}),
                 "unload_comfy_models": ("BOOLEAN", {"default": False, "tooltip":
                     "Also ask ComfyUI to unload its own loaded models (off: only vidmem's caches are freed)."}),
             }
@@ -43,10 +42,9 @@ class VidMemFreeVRAM:
 
     def free(self, anything, unload_comfy_models=False):
         unloaded = host.unload_host_models() if unload_comfy_models else False
-        if isinstance(anything, LoadedPipeline):
-            close_pool(anything)  # the ranks hold their own copies on their GPUs
+        stopped = close_all_pools()  # context-parallel ranks hold their own copies on their GPUs
         receipt = free_memory(host.compute_device())
-        report = receipt.as_dict() | {"comfy_models_unloaded": unloaded}
+        report = receipt.as_dict() | {"comfy_models_unloaded": unloaded, "parallel_pools_stopped": stopped}
         return {"ui": {"text": [format_free(report)], "vidmem_receipt": [report]}, "result": (anything,)}
 
 

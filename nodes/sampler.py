@@ -10,6 +10,7 @@ import torch
 
 from ..memory.plan.stages import VideoShape
 from ..memory.telemetry import free_device_bytes
+from ..memory.units import GiB
 from ..pipelines.loader import FAMILIES
 from ..pipelines.family import ModelError
 from ..pipelines.parallel import DeviceRoom, balanced_placement, component_bytes, resolve_ranks, sample_balanced, sample_parallel
@@ -204,5 +205,5 @@ def _visible_gpus(device) -> int:
 
 def _peaks(plan) -> str:
     fits = "" if plan.fits is None else ("; fits" if plan.fits else "; over budget: " + "; ".join(plan.over_budget()))
-    return (f"{plan.strategy.describe()}; peak VRAM {plan.peak_vram_bytes / 2**30:.2f} GiB, "
-            f"RAM {plan.peak_ram_bytes / 2**30:.2f} GiB, x{plan.est_slowdown:.2f}{fits}")
+    return (f"{plan.strategy.describe()}; peak VRAM {plan.peak_vram_bytes / GiB:.2f} GiB, "
+            f"RAM {plan.peak_ram_bytes / GiB:.2f} GiB, x{plan.est_slowdown:.2f}{fits}")

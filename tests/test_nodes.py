@@ -219,16 +219,25 @@ def test_decode_resolves_auto_at_the_latents_video_size(tiny_loaded):
     assert _strategy_for_decode(loaded, None, (1, 16, 3, 4, 4)) is None
 
 
-def test_free_vram_stops_a_pipelines_parallel_ranks(tiny_loaded):
-    from vidmem.pipelines.parallel.run import POOL_ATTRIBUTE
+def test_free_vram_stops_every_pipelines_parallel_ranks(tiny_loaded, monkeypatch):
+    """Templates feed Free VRAM the decoded frames, not the pipeline: it stops every pool it knows."""
+    from vidmem.pipelines.parallel import run as parallel_run
 
     class Pool:
         closed = 0
 
+        def __init__(self, config):
+            pass
+
         def close(self):
             Pool.closed += 1
 
+    monkeypatch.setattr(parallel_run, "WorkerPool", Pool)
+    monkeypatch.setattr(parallel_run.Ranks, "pool_config", lambda self: None)
     loaded = tiny_loaded("wan2.1-t2v")
-    setattr(loaded.pipe, POOL_ATTRIBUTE, ((0, 1), Pool()))
-    out = VidMemFreeVRAM().free(loaded)
-    assert out["result"] == (loaded,) and Pool.closed == 1 and getattr(loaded.pipe, POOL_ATTRIBUTE) is None
+    parallel_run.pool_for(loaded, parallel_run.Ranks(gpus=()))
+    frames = torch.zeros(1, 8, 8, 3)
+    out = VidMemFreeVRAM().free(frames)
+    assert out["result"] == (frames,) and Pool.closed == 1
+    assert getattr(loaded.pipe, parallel_run.POOL_ATTRIBUTE) is None and out["ui"]["vidmem_receipt"][0]["parallel_pools_stopped"] == 1
+    assert VidMemFreeVRAM().free(frames)["ui"]["vidmem_receipt"][0]["parallel_pools_stopped"] == 0

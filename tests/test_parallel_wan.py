@@ -48,6 +48,7 @@ def test_ulysses_2_gives_the_frames_of_one_process_under_each_tier(tiny_loaded, 
         result = sample_parallel(loaded, strategy, request, RANKS, RunHooks(on_step=lambda s, t: steps.append(s)), pool)
         split = result.latent["samples"]
         assert split.shape == single.shape
+        assert not split.is_shared(), "ComfyUI's cache gets an ordinary tensor, not rank 0's shared-memory one"
         assert (split - single).abs().max().item() <= TOLERANCE[variant], f"{variant} under {tier}"
         assert steps == [1, 2]
         receipt = result.receipt["parallel"]

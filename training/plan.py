@@ -16,12 +16,12 @@ from ..memory.plan.train import trace_activations
 from ..memory.plan.train_plan import TrainPlan, TrainRequest, recommended, training_plans
 from ..memory.plan.types import Call, VideoShape
 from ..memory.storage import FORMATS
+from ..memory.units import GiB
 from .adapters import check_rank, find_targets
 from .errors import TrainingError
 from .inference import training_mode
 from .settings import TrainSettings
 
-GIB = float(1 << 30)
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,9 @@ class TrainingChoice:
     def describe(self) -> str:
         shape = self.shape
         return (f"auto chose {self.strategy.describe()} for the training step at {shape.width}x{shape.height}x"
-                f"{shape.frames}, batch {shape.batch}: predicted peak VRAM {self.plan.peak_vram_bytes / GIB:.2f} GiB, "
-                f"RAM {self.plan.peak_ram_bytes / GIB:.2f} GiB (budgets {self.budgets[0] / GIB:.2f} / "
-                f"{self.budgets[1] / GIB:.2f} GiB)")
+                f"{shape.frames}, batch {shape.batch}: predicted peak VRAM {self.plan.peak_vram_bytes / GiB:.2f} GiB, "
+                f"RAM {self.plan.peak_ram_bytes / GiB:.2f} GiB (budgets {self.budgets[0] / GiB:.2f} / "
+                f"{self.budgets[1] / GiB:.2f} GiB)")
 
     def receipt(self, measured: dict) -> dict:
         """The plan's predictions, and beside them the run's measured peaks (`StageMeter.as_dict()`)."""
@@ -116,7 +116,7 @@ def _nothing_fits(plans: list[TrainPlan], shape: VideoShape, vram: int, ram: int
     runnable = [p for p in plans if not p.refused] or plans
     least = min(runnable, key=lambda p: p.peak_vram_bytes)
     return (f"offload=auto: no strategy fits a training step at {shape.width}x{shape.height}x{shape.frames}, batch "
-            f"{shape.batch} in {vram / GIB:.2f} GiB VRAM and {ram / GIB:.2f} GiB RAM; the least is {least.tier}"
-            f"{f' {least.blocks_to_swap}' if least.blocks_to_swap else ''} at {least.peak_vram_bytes / GIB:.2f} GiB VRAM, "
-            f"{least.peak_ram_bytes / GIB:.2f} GiB RAM. Lower the rank, batch size or bucket size, turn "
+            f"{shape.batch} in {vram / GiB:.2f} GiB VRAM and {ram / GiB:.2f} GiB RAM; the least is {least.tier}"
+            f"{f' {least.blocks_to_swap}' if least.blocks_to_swap else ''} at {least.peak_vram_bytes / GiB:.2f} GiB VRAM, "
+            f"{least.peak_ram_bytes / GiB:.2f} GiB RAM. Lower the rank, batch size or bucket size, turn "
             "gradient_checkpointing on, use optimizer adamw_8bit, or raise the budgets.")

@@ -8,6 +8,7 @@ it is reused run over run and goes away with the pipeline: its finalizer stops t
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +27,10 @@ from .job import ParallelSampleJob
 from .source import PipelineSource
 
 POOL_ATTRIBUTE = "vidmem_worker_pool"
+# The diffusers pipelines holding a pool, so Free VRAM can stop every one of them without being
+# wired to the pipeline (templates feed it the decoded frames). Weak: a dropped pipeline's pool
+# is closed by its own finalizer.
+_POOLED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,11 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
 
         for device, nbytes in rank_rooms(loaded, strategy, request, ranks):
             hooks.make_room(nbytes, device)
-    return pool.run(job, hooks.on_step, hooks.check_interrupt)
+    result = pool.run(job, hooks.on_step, hooks.check_interrupt)
+    # Rank 0's tensor arrives in shared memory (a file descriptor per tensor) and ComfyUI's output
+    # cache would keep that segment: the run returns an ordinary copy.
+    result.latent = {**result.latent, "samples": result.latent["samples"].clone()}
+    return result
 
 
 def rank_pinned_share(strategy: MemoryStrategy, ranks: int, host_room_bytes: int | None) -> MemoryStrategy:
@@ -118,6 +127,7 @@ def pool_for(loaded, ranks: Ranks) -> WorkerPool:
     close_pool(loaded)
     pool = WorkerPool(ranks.pool_config())
     setattr(loaded.pipe, POOL_ATTRIBUTE, (ranks, pool))
+    _POOLED.add(loaded.pipe)
     return pool
 
 
@@ -127,3 +137,17 @@ def close_pool(loaded) -> None:
     if held is not None:
         held[1].close()
         setattr(loaded.pipe, POOL_ATTRIBUTE, None)
+    _POOLED.discard(loaded.pipe)
+
+
+def close_all_pools() -> int:
+    """Stop the ranks of every pipeline in this process (Free VRAM); returns how many pools were stopped."""
+    stopped = 0
+    for pipe in list(_POOLED):
+        held = getattr(pipe, POOL_ATTRIBUTE, None)
+        if held is not None:
+            held[1].close()
+            setattr(pipe, POOL_ATTRIBUTE, None)
+            stopped += 1
+    _POOLED.clear()
+    return stopped
