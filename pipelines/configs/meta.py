@@ -245,7 +245,8 @@ def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int |
             module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
         else:
             module = cls(cls.config_class(**config))
-    _cast(module, dtype, _fp32_modules(cls, component.library, dtype), keep_unsaved=component.library == "diffusers")
+        # Cast inside too: setting a normal parameter's data to an inference tensor is refused.
+        _cast(module, dtype, _fp32_modules(cls, component.library, dtype), keep_unsaved=component.library == "diffusers")
     return module.eval()
 
 
