@@ -13,7 +13,7 @@ from vidmem.memory.parallel import RankContext
 from vidmem.memory.strategy import Parallelism
 from vidmem.pipelines.parallel import job as job_module
 from vidmem.pipelines.parallel.job import ParallelSampleJob
-from vidmem.pipelines.sample import SampleRequest
+from vidmem.pipelines.sample import SampleRequest, SampleResult
 
 
 @pytest.fixture
@@ -52,6 +52,11 @@ def test_a_failed_job_frees_too(rank_job):
     assert calls[-1] == ("free", torch.device("cpu"))
 
 
+def rank_zero_result() -> SampleResult:
+    """What a pool's run returns: rank 0's result."""
+    return SampleResult({"samples": torch.zeros(1, 16, 2, 4, 4)})
+
+
 def test_ranks_share_the_automatic_pinned_ceiling(tiny_loaded, monkeypatch):
     """Each rank gets cap / ranks of one ceiling computed by the coordinator (within the host's
     pinned room), not the whole automatic ceiling each; a ceiling the user set is kept."""
@@ -60,7 +65,7 @@ def test_ranks_share_the_automatic_pinned_ceiling(tiny_loaded, monkeypatch):
     from vidmem.pipelines.parallel import Ranks, run
 
     sent, rooms = [], []
-    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), run=lambda job, *args: sent.append(job))
+    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), run=lambda job, *args: sent.append(job) or rank_zero_result())
     monkeypatch.setattr(run, "pinned_cap_bytes", lambda gb, room: rooms.append(room) or 10 * GiB)
     hooks = RunHooks(pinned_room=lambda: 6 * GiB)
     request = SampleRequest("a cat", "", 32, 32, 9, 1, 1.0, seed=0)
@@ -82,7 +87,7 @@ def test_the_coordinator_makes_room_on_every_rank_s_gpu_before_the_run(tiny_load
 
     monkeypatch.setattr(run.dist, "is_nccl_available", lambda: True)
     asked, order = [], []
-    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), run=lambda job, *args: order.append("run"))
+    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), run=lambda job, *args: order.append("run") or rank_zero_result())
     hooks = RunHooks(make_room=lambda nbytes, device: asked.append((device, nbytes)) or order.append("room"))
     strategy = MemoryStrategy(offload="none", parallel=Parallelism(gpus=(1, 3), context_parallel="ulysses"))
     request = SampleRequest("a cat", "", 32, 32, 9, 1, 5.0, seed=0)
