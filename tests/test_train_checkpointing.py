@@ -9,7 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from test_train_support import make_dataset, prepare_tiny
+from test_train_support import prepared_per_variant
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.device import CpuBackend
 from vidmem.training import TrainOutputs, TrainSettings, train_lora
@@ -19,16 +19,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def prepared(tiny_loaded, tmp_path_factory):
-    root = tmp_path_factory.mktemp("train-ckpt")
-    data_dir = make_dataset(root / "data", clips=2)
-    cache: dict = {}
-
-    def get(variant: str):
-        if variant not in cache:
-            cache[variant] = prepare_tiny(tiny_loaded(variant), data_dir, root / "cache")
-        return cache[variant]
-
-    return get
+    return prepared_per_variant(tiny_loaded, tmp_path_factory.mktemp("train-ckpt"), clips=2)
 
 
 def blocks_of(loaded):

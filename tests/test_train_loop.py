@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backends import Recorder, StrictBackend
-from test_train_support import make_dataset, prepare_tiny
+from test_train_support import prepared_per_variant
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.device import CpuBackend
 from vidmem.training import TrainingError, TrainOutputs, TrainSettings, train_lora
@@ -20,16 +20,7 @@ TIERS = [MemoryStrategy(offload="none"), MemoryStrategy(offload="model"),
 
 @pytest.fixture(scope="module")
 def prepared(tiny_loaded, tmp_path_factory):
-    root = tmp_path_factory.mktemp("train-loop")
-    data_dir = make_dataset(root / "data", clips=3)
-    cache: dict = {}
-
-    def get(variant: str):
-        if variant not in cache:
-            cache[variant] = prepare_tiny(tiny_loaded(variant), data_dir, root / "cache")
-        return cache[variant]
-
-    return get
+    return prepared_per_variant(tiny_loaded, tmp_path_factory.mktemp("train-loop"), clips=3)
 
 
 def train(loaded, data, tmp_path, strategy=MemoryStrategy(offload="none"), backend=None, name="run", **settings):

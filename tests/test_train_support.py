@@ -53,6 +53,19 @@ def prepare_tiny(loaded, folder: Path, cache: Path, size=(32, 32), frames=(9,)):
     return prepare_training_data(loaded, folder, buckets, MemoryStrategy(offload="model"), cache, CpuBackend())
 
 
+def prepared_per_variant(tiny_loaded, root: Path, clips: int):
+    """variant -> its tiny pipeline's prepared data from one dataset of `clips` clips, prepared once."""
+    data_dir = make_dataset(root / "data", clips=clips)
+    cache: dict = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            cache[variant] = prepare_tiny(tiny_loaded(variant), data_dir, root / "cache")
+        return cache[variant]
+
+    return get
+
+
 def test_written_clip_decodes_to_its_frames(tmp_path):
     from vidmem.training.data import Clip, read_frames
 
