@@ -12,6 +12,14 @@ from dataclasses import dataclass, field
 NEGATIVE = "blurry, low quality, distorted, flickering, static frame, watermark, text, subtitles"
 TILES = dict(vae_tiling=True, tile_size=256, overlap=32, temporal_size=64, temporal_overlap=8)
 
+
+def strategy(offload: str, text_encoder: str, blocks_to_swap: int = 0, **changes) -> dict:
+    """The Memory Strategy widgets of a template: what the templates share (prefetch 1, the automatic
+    pinned ceiling, non-blocking copies, 256 px VAE tiles), with the tier, text-encoder placement and
+    any `changes` (e.g. a larger tile_size) given."""
+    return dict(dict(offload=offload, blocks_to_swap=blocks_to_swap, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
+                     non_blocking=True, text_encoder=text_encoder, vae_slicing=False, **TILES), **changes)
+
 WAN21_REPO = "Comfy-Org/Wan_2.1_ComfyUI_repackaged"
 WAN22_REPO = "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 NO_FILE = "(none)"  # Load Video Model Files' value for an unused optional file

@@ -11,7 +11,7 @@ stay on diffusers folders.
 from __future__ import annotations
 
 from template_types import (
-    NEGATIVE, TILES, WAN21_REPO, WAN22_REPO, Machine, ModelFile, Template, model_files,
+    NEGATIVE, WAN21_REPO, WAN22_REPO, Machine, ModelFile, Template, model_files, strategy,
 )
 
 UMT5_FP8 = ModelFile("umt5_xxl_fp8_e4m3fn_scaled.safetensors", WAN21_REPO, "text_encoders")
@@ -24,8 +24,6 @@ WAN22_LOW_FP8 = ModelFile("wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors", WAN
 UMT5_FP8_22 = ModelFile(UMT5_FP8.name, WAN22_REPO, "text_encoders")
 WAN21_VAE_22 = ModelFile(WAN21_VAE.name, WAN22_REPO, "vae")
 
-STREAMING = dict(offload="block_swap", prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                 text_encoder="offload_after_encoding", vae_slicing=False, **TILES)
 
 
 def files_text(files: tuple[ModelFile, ...], sizes: tuple[str, ...]) -> str:
@@ -64,7 +62,7 @@ FILE_TEMPLATES = (
             "fewer frames. Every strategy gives the same frames."
         ),
         loader=model_files(*WAN21_14B_FILES),
-        strategy=dict(STREAMING, blocks_to_swap=38),
+        strategy=strategy("block_swap", "offload_after_encoding", 38),
         prompt="A lighthouse on a rocky cliff at dusk, waves crashing below, its beam sweeping through sea mist, aerial shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=40, cfg=5.0, fps=16.0,
@@ -93,7 +91,7 @@ FILE_TEMPLATES = (
             "--frames 81 --vram 12 --ram 32. Every strategy gives the same frames."
         ),
         loader=model_files(WAN22_HIGH_FP8, UMT5_FP8_22, WAN21_VAE_22, model_2=WAN22_LOW_FP8),
-        strategy=dict(STREAMING, blocks_to_swap=34),
+        strategy=strategy("block_swap", "offload_after_encoding", 34),
         prompt="A paper lantern floats over a night market, steam rising from food stalls, warm light, slow dolly shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=40, cfg=4.0, fps=16.0,
@@ -122,7 +120,7 @@ FILE_TEMPLATES = (
             "gives the same frames."
         ),
         loader=model_files(*WAN21_1_3B_FILES),
-        strategy=dict(STREAMING, offload="model", blocks_to_swap=0),
+        strategy=strategy("model", "offload_after_encoding"),
         prompt="A paper boat drifts down a rain-filled gutter past glowing shop windows at night, close-up.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0,

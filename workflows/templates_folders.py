@@ -8,7 +8,7 @@ same choices for every model and card.
 
 from __future__ import annotations
 
-from template_types import NEGATIVE, TILES, Machine, Template, diffusers_folder
+from template_types import NEGATIVE, Machine, Template, diffusers_folder, strategy
 
 FOLDER_TEMPLATES = (
     Template(
@@ -29,9 +29,7 @@ FOLDER_TEMPLATES = (
             "Every strategy gives the same frames; they differ only in memory and speed."
         ),
         loader=diffusers_folder("CogVideoX-2b", "fp16"),
-        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="offload_after_encoding",
-                      vae_slicing=False, **TILES),
+        strategy=strategy("model", "offload_after_encoding"),
         prompt="A golden retriever runs through a sunlit meadow of tall grass, slow motion, shallow depth of field.",
         negative_prompt=NEGATIVE,
         width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0,
@@ -53,9 +51,7 @@ FOLDER_TEMPLATES = (
             "run faster and use more VRAM. Every strategy gives the same frames."
         ),
         loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
-        strategy=dict(offload="block_swap", blocks_to_swap=20, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="cpu",
-                      vae_slicing=False, **TILES),
+        strategy=strategy("block_swap", "cpu", 20),
         prompt="A red fox trots through fresh snow in a pine forest, morning light, tracking shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0,
@@ -80,8 +76,7 @@ FOLDER_TEMPLATES = (
             "template streams 20 of the 30 blocks from RAM. Every strategy gives the same frames."
         ),
         loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
-        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="cpu", vae_slicing=False, **TILES),
+        strategy=strategy("model", "cpu"),
         prompt="A paper boat drifts down a rain-filled gutter past glowing shop windows at night, close-up.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0,
@@ -102,9 +97,7 @@ FOLDER_TEMPLATES = (
             "shows the predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
         ),
         loader=diffusers_folder("Wan2.1-T2V-1.3B-Diffusers", "bf16"),
-        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="offload_after_encoding", vae_slicing=False,
-                      **dict(TILES, tile_size=512, overlap=128)),
+        strategy=strategy("model", "offload_after_encoding", tile_size=512, overlap=128),
         prompt="A hummingbird hovers at a red flower in a sunlit garden, slow motion, macro shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=30, cfg=5.0, fps=16.0,
@@ -130,8 +123,7 @@ FOLDER_TEMPLATES = (
             "before you queue. Every strategy gives the same frames."
         ),
         loader=diffusers_folder("Wan2.1-T2V-14B-Diffusers", "bf16"),
-        strategy=dict(offload="block_swap", blocks_to_swap=15, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
-                      non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
+        strategy=strategy("block_swap", "offload_after_encoding", 15),
         prompt="A lighthouse on a rocky cliff at dusk, waves crashing below, its beam sweeping through sea mist, aerial shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=40, cfg=5.0, fps=16.0,
@@ -152,8 +144,7 @@ FOLDER_TEMPLATES = (
             "shows the predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
         ),
         loader=diffusers_folder("CogVideoX-2b", "fp16"),
-        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="cpu", vae_slicing=False, **TILES),
+        strategy=strategy("model", "cpu"),
         prompt="A steaming cup of coffee on a wooden table by a window, rain on the glass, soft morning light.",
         negative_prompt=NEGATIVE,
         width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0,
@@ -177,8 +168,7 @@ FOLDER_TEMPLATES = (
             "predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
         ),
         loader=diffusers_folder("Wan2.2-TI2V-5B-Diffusers", "bf16"),
-        strategy=dict(offload="block_swap", blocks_to_swap=12, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
-                      non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
+        strategy=strategy("block_swap", "offload_after_encoding", 12),
         prompt="A street musician plays violin under a bridge at golden hour, pigeons taking off around him, cinematic.",
         negative_prompt=NEGATIVE,
         width=1280, height=704, frames=121, steps=50, cfg=5.0, fps=24.0,
@@ -205,8 +195,7 @@ FOLDER_TEMPLATES = (
             "--vram 8 --ram 16. Every strategy gives the same frames."
         ),
         loader=diffusers_folder("CogVideoX-5b", "bf16", weight_dtype="fp8_scaled"),
-        strategy=dict(offload="block_swap", blocks_to_swap=16, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
-                      non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
+        strategy=strategy("block_swap", "offload_after_encoding", 16),
         prompt="A golden retriever runs through a sunlit meadow of tall grass, slow motion, shallow depth of field.",
         negative_prompt=NEGATIVE,
         width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0,

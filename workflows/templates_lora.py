@@ -11,9 +11,9 @@ with the "Train CogVideoX-2b LoRA" template or by CogVideoX-Factory.
 
 from __future__ import annotations
 
-from template_types import NEGATIVE, TILES, LoraFile, LoraStep, Machine, Template, diffusers_folder, model_files
+from template_types import NEGATIVE, LoraFile, LoraStep, Machine, Template, diffusers_folder, model_files, strategy
 from templates_files import (
-    STREAMING, UMT5_FP8_22, WAN21_14B_FILES, WAN21_VAE_22, WAN22_A14B_FILES, WAN22_HIGH_FP8, WAN22_LOW_FP8, files_text,
+    UMT5_FP8_22, WAN21_14B_FILES, WAN21_VAE_22, WAN22_A14B_FILES, WAN22_HIGH_FP8, WAN22_LOW_FP8, files_text,
 )
 
 KIJAI_REPO = "Kijai/WanVideo_comfy"
@@ -69,7 +69,7 @@ LORA_TEMPLATES = (
             "--frames 81 --steps 4 --no-cfg --vram 8 --ram 32."
         ),
         loader=model_files(*WAN21_14B_FILES),
-        strategy=dict(STREAMING, blocks_to_swap=38),
+        strategy=strategy("block_swap", "offload_after_encoding", 38),
         prompt="A lighthouse on a rocky cliff at dusk, waves crashing below, its beam sweeping through sea mist, aerial shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=4, cfg=1.0, fps=16.0,
@@ -99,7 +99,7 @@ LORA_TEMPLATES = (
             "--frames 81 --steps 4 --no-cfg --vram 8 --ram 32."
         ),
         loader=model_files(WAN22_HIGH_FP8, UMT5_FP8_22, WAN21_VAE_22, model_2=WAN22_LOW_FP8),
-        strategy=dict(STREAMING, blocks_to_swap=38),
+        strategy=strategy("block_swap", "offload_after_encoding", 38),
         prompt="A paper lantern floats over a night market, steam rising from food stalls, warm light, slow dolly shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=4, cfg=1.0, fps=16.0,
@@ -130,8 +130,7 @@ LORA_TEMPLATES = (
             "text_encoder = cpu."
         ),
         loader=diffusers_folder("CogVideoX-2b", "fp16"),
-        strategy=dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                      text_encoder="offload_after_encoding", vae_slicing=False, **TILES),
+        strategy=strategy("model", "offload_after_encoding"),
         prompt="A steaming cup of coffee on a wooden table by a window, rain on the glass, soft morning light.",
         negative_prompt=NEGATIVE,
         width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0, note_height=None,

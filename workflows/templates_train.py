@@ -8,14 +8,13 @@ output carries it at strength 1). The figures in the notes are the planner's
 
 from __future__ import annotations
 
-from template_types import NEGATIVE, TILES, Template, Training, diffusers_folder
+from template_types import NEGATIVE, Template, Training, diffusers_folder, strategy
 
 CLIPS_FOLDER = "/path/to/your/clips"  # a placeholder: Prepare Training Data needs the full path of the user's folder
 TRAIN = dict(rank=16, alpha=16.0, learning_rate=1e-4, steps=500, batch_size=1, seed=0,
              target_modules="to_q,to_k,to_v,to_out.0", gradient_checkpointing=True, optimizer="adamw",
              checkpoint_every=100, resume=True, expert="both")
-MODEL_OFFLOAD = dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-                     text_encoder="offload_after_encoding", vae_slicing=False, **TILES)
+MODEL_OFFLOAD = strategy("model", "offload_after_encoding")
 
 
 def howto(lora_name: str, buckets: str, frames_rule: str) -> str:
