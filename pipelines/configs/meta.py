@@ -230,8 +230,13 @@ class MetaModel:
         return workloads.workload_for(self, call)
 
 
-def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int | None = None) -> torch.nn.Module:
-    """The component's class on `meta` (blocks capped at `max_blocks`), dtypes as from_pretrained gives them."""
+def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int | None = None,
+               device: torch.device | str = "meta") -> torch.nn.Module:
+    """The component's class on `meta` (blocks capped at `max_blocks`), dtypes as from_pretrained gives them.
+
+    Another `device` builds it there with the class's own random initialisation: the GPU bench and
+    suite make real-size models that way (no files, no hub), at the dtypes a loaded model has.
+    """
     library = importlib.import_module(component.library)
     cls = getattr(library, component.class_name)
     config = dict(component.config)
@@ -240,7 +245,7 @@ def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int |
         config[count] = min(int(config[count]), max_blocks)
     # Never inference tensors, whoever builds first (a Sampler node runs under ComfyUI's inference
     # mode): the cached module is also traced for training, whose backward cannot use them.
-    with torch.device("meta"), torch.inference_mode(False):
+    with torch.device(device), torch.inference_mode(False):
         if component.library == "diffusers":
             module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
         else:

@@ -19,8 +19,12 @@ Run = Callable[[], object]
 GUIDANCE = 6.0
 
 
-def _empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str = "meta") -> torch.Tensor:
+    """A tensor the pipeline would create: shape only on meta; on a real device, random values
+    (never uninitialised memory, which can hold NaNs and take slower kernel paths)."""
+    if torch.device(device).type == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
 
 
 def text_encode(encoder, tokens: int, shape: VideoShape, pad_copy: bool) -> Run:
@@ -56,20 +60,21 @@ def vae_encode_condition(vae, shape: VideoShape, frames: int, dtype: torch.dtype
     return run
 
 
-def cogvideox_step(transformer, latent: tuple[int, ...], shape: VideoShape, dtype: torch.dtype, image: bool) -> Run:
+def cogvideox_step(transformer, latent: tuple[int, ...], shape: VideoShape, dtype: torch.dtype, image: bool,
+                   device: torch.device | str = "meta") -> Run:
     """One CogVideoXPipeline step: cfg as one batch of 2, fp32 noise prediction, scheduler update."""
     config = transformer.config
     batch, frames, channels, height, width = latent
-    rope = _cogvideox_rope(config, frames, height, width) if config.use_rotary_positional_embeddings else None
+    rope = _cogvideox_rope(config, frames, height, width, device) if config.use_rotary_positional_embeddings else None
 
     def run():
-        latents = _empty(*latent, dtype=dtype)
-        embeds = _empty(batch * (2 if shape.cfg else 1), config.max_text_seq_length, config.text_embed_dim, dtype=dtype)
+        latents = _empty(*latent, dtype=dtype, device=device)
+        embeds = _empty(batch * (2 if shape.cfg else 1), config.max_text_seq_length, config.text_embed_dim, dtype=dtype, device=device)
         model_input = torch.cat([latents] * 2) if shape.cfg else latents
         if image:
-            image_latents = _empty(*latent, dtype=dtype)
+            image_latents = _empty(*latent, dtype=dtype, device=device)
             model_input = torch.cat([model_input, torch.cat([image_latents] * 2) if shape.cfg else image_latents], dim=2)
-        timestep = torch.zeros((model_input.shape[0],), dtype=torch.long, device="meta")
+        timestep = torch.zeros((model_input.shape[0],), dtype=torch.long, device=device)
         ofs = None if config.ofs_embed_dim is None else latents.new_full((1,), 2.0)
         noise = transformer(hidden_states=model_input, encoder_hidden_states=embeds, timestep=timestep, ofs=ofs,
                             image_rotary_emb=rope, return_dict=False)[0].float()
@@ -80,34 +85,34 @@ def cogvideox_step(transformer, latent: tuple[int, ...], shape: VideoShape, dtyp
     return run
 
 
-def _cogvideox_rope(config, frames: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cogvideox_rope(config, frames: int, height: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     p, p_t = config.patch_size, config.patch_size_t or 1
     tokens = (frames // p_t) * (height // p) * (width // p)
-    return (_empty(tokens, config.attention_head_dim, dtype=torch.float32),
-            _empty(tokens, config.attention_head_dim, dtype=torch.float32))
+    return (_empty(tokens, config.attention_head_dim, dtype=torch.float32, device=device),
+            _empty(tokens, config.attention_head_dim, dtype=torch.float32, device=device))
 
 
 def wan_step(transformer, latent: tuple[int, ...], shape: VideoShape, dtype: torch.dtype, condition_channels: int,
-             image_tokens: int | None, expand_timesteps: bool) -> Run:
+             image_tokens: int | None, expand_timesteps: bool, device: torch.device | str = "meta") -> Run:
     """One WanPipeline step: fp32 latents, cond and uncond as two passes of the same transformer."""
     config = transformer.config
     batch, channels, frames, height, width = latent
 
     def run():
-        latents = _empty(*latent, dtype=torch.float32)
-        text = _empty(batch, 512, config.text_dim, dtype=dtype)
-        negative = _empty(batch, 512, config.text_dim, dtype=dtype) if shape.cfg else None
-        image = _empty(batch, image_tokens, config.image_dim, dtype=dtype) if image_tokens else None
+        latents = _empty(*latent, dtype=torch.float32, device=device)
+        text = _empty(batch, 512, config.text_dim, dtype=dtype, device=device)
+        negative = _empty(batch, 512, config.text_dim, dtype=dtype, device=device) if shape.cfg else None
+        image = _empty(batch, image_tokens, config.image_dim, dtype=dtype, device=device) if image_tokens else None
         if condition_channels:
-            condition = _empty(batch, condition_channels, frames, height, width, dtype=dtype)
+            condition = _empty(batch, condition_channels, frames, height, width, dtype=dtype, device=device)
             model_input = torch.cat([latents, condition], dim=1).to(dtype)
         else:
             model_input = latents.to(dtype)
         if expand_timesteps:
             tokens = frames * (height // config.patch_size[1]) * (width // config.patch_size[2])
-            timestep = _empty(tokens, dtype=torch.float32).unsqueeze(0).expand(batch, -1)
+            timestep = _empty(tokens, dtype=torch.float32, device=device).unsqueeze(0).expand(batch, -1)
         else:
-            timestep = torch.zeros((batch,), dtype=torch.long, device="meta")
+            timestep = torch.zeros((batch,), dtype=torch.long, device=device)
         noise = transformer(hidden_states=model_input, timestep=timestep, encoder_hidden_states=text,
                             encoder_hidden_states_image=image, return_dict=False)[0]
         if negative is not None:
@@ -167,14 +172,25 @@ def workload_for(model, call) -> Run:
 
 
 def _denoise(model, component: str, shape: VideoShape) -> Run:
-    transformer, config = model.traced_module(component), model.components[component].config
+    return denoise_step(model, component, shape, model.traced_module(component))
+
+
+def denoise_step(model, component: str, shape: VideoShape, transformer, device: torch.device | str = "meta") -> Run:
+    """One denoise step of `model` (a `MetaModel`) through `transformer`, as the pipeline runs it.
+
+    On meta it is what the planner traces; given a real transformer and device (random inputs on
+    that device) it is the same step for real, which is how the GPU suite and bench hold the
+    planner's predicted peaks against measured ones, on the very same call.
+    """
+    config = model.components[component].config
     batch, channels, frames, height, width = model.latent_shape(shape)
     image = model.pipeline_class in model.spec.image_conditioned
     if model.spec.name == "cogvideox":
         patch_t = config.get("patch_size_t") or 1
         frames += (-frames) % patch_t  # CogVideoX 1.5 pads the latent to whole temporal patches
-        return cogvideox_step(transformer, (batch, frames, channels, height, width), shape, model.dtype, image)
+        return cogvideox_step(transformer, (batch, frames, channels, height, width), shape, model.dtype, image, device)
     condition = config.get("in_channels", channels) - channels
     image_tokens = 257 if config.get("image_dim") else None  # CLIP ViT-H/14 at 224 px: 16 x 16 patches + class token
     expand = bool(model.pipeline_config.get("expand_timesteps", False))
-    return wan_step(transformer, (batch, channels, frames, height, width), shape, model.dtype, condition, image_tokens, expand)
+    return wan_step(transformer, (batch, channels, frames, height, width), shape, model.dtype, condition, image_tokens, expand,
+                    device)

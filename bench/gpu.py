@@ -1,0 +1,533 @@
+"""GPU bench: vidmem's tiers beside resident and diffusers' group offloading, in one process.
+
+One random-weight transformer at its real dimensions (Wan 2.1 14B by default: 40 blocks, built on
+the GPU in bf16 with the class's own initialisation; no files, no hub), one denoise step as the
+pipeline runs it (`pipelines.configs.workloads.denoise_step`, the very call the planner traces), at
+the latent of 832x480x81 with guidance 1 (one transformer forward per step; with guidance both
+branches run the same forward twice, so the ratios hold). Every row, in the same process:
+
+- `resident`: the whole transformer on the GPU (vidmem tier none: no hooks at all);
+- `block_swap_<N>` at several counts, and `sequential` (every leaf streamed);
+- `group_offload_block` / `group_offload_leaf`: diffusers' own `enable_group_offload`, block level
+  with one block per group and leaf level, both with `use_stream=True`;
+- `fp8_*`: the same tiers with the linear weights stored as fp8 (e4m3fn, upcast per layer);
+- `disk_fp8_block_swap_<N>`: the fp8 weights memory-mapped from a safetensors file (the disk tier;
+  the file was just written, so it reads from the page cache: the staging ring's cost, not a disk's);
+- `cap8_block_swap_<N>`: "a user's card, simulated": the caching allocator capped at 8 GiB by a
+  per-process memory fraction, the whole transformer streamed.
+
+Each row: median step seconds over `--steps` after `--warmup` steps, its ratio to resident, peak
+allocated and reserved VRAM and allocator retries (`torch.cuda.memory_stats`), pinned host bytes,
+the copy/compute overlap of one profiled step (share of host-to-device copy time that ran while a
+kernel ran; pageable copies and host synchronisations counted), and the planner's predicted peak
+and step time for the same call.
+
+    python bench/gpu.py --json bench/results/gpu-h100-2026-11-26.json
+    python bench/gpu.py --device cpu        # the same rows on tiny dimensions: checks the bench end to end
+
+`bench/gpu_check.sh` runs this and `tests/gpu` on a GPU machine within one short lease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from vidmem.memory import MemoryStrategy  # noqa: E402
+from vidmem.memory.device import backend_for  # noqa: E402
+from vidmem.memory.hostpool import HostPool  # noqa: E402
+from vidmem.memory.offload import StageComponents, apply_strategy  # noqa: E402
+from vidmem.memory.plan.planner import Allocator, PlanOptions, VideoShape, plan_run  # noqa: E402
+from vidmem.memory.units import GiB  # noqa: E402
+
+DEFAULT_MODEL = "wan2.1-t2v-14b"
+DEFAULT_SHAPE = VideoShape(832, 480, 81, cfg=False)
+# The CPU dry run: the same classes and rows at negligible width (4 blocks, 2 heads of 16).
+TINY_CHANGES = dict(num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=64)
+TINY_SHAPE = VideoShape(64, 64, 5, cfg=False)
+FP8 = "fp8_e4m3fn"
+USER_CARD_GIB = 8.0
+
+
+# --- what runs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One way of placing the transformer for the same denoise step."""
+
+    name: str
+    strategy: MemoryStrategy | None = None  # vidmem's tier; None for diffusers' group offloading
+    group_offload: str | None = None  # diffusers offload_type: "block_level" | "leaf_level"
+    weights: str = "bf16"  # "bf16", or FP8 (linear weights stored as fp8, upcast per layer)
+    disk: bool = False  # weights memory-mapped from a safetensors file
+    vram_cap_gib: float | None = None  # per-process memory fraction, as on a smaller card
+
+
+def default_rows(blocks: int, pinned_gib: float | None) -> list[Row]:
+    """The rows the issue asks for, in the order they run (models built once, freed when done)."""
+    pin = dict(max_pinned_ram_gb=pinned_gib)
+    swap = lambda n, **kw: MemoryStrategy(offload="block_swap", blocks_to_swap=n, **pin, **kw)  # noqa: E731
+    counts = sorted({max(1, blocks // 4), blocks // 2, blocks})
+    rows = [Row("resident", MemoryStrategy(offload="none", **pin))]
+    rows += [Row(f"block_swap_{n}", swap(n)) for n in counts]
+    rows += [Row("sequential", MemoryStrategy(offload="sequential", **pin))]
+    rows += [Row(f"cap8_block_swap_{blocks}", swap(blocks), vram_cap_gib=USER_CARD_GIB)]
+    rows += [Row("fp8_resident", MemoryStrategy(offload="none", **pin), weights=FP8),
+             Row(f"fp8_block_swap_{blocks}", swap(blocks), weights=FP8),
+             Row("fp8_sequential", MemoryStrategy(offload="sequential", **pin), weights=FP8),
+             Row(f"disk_fp8_block_swap_{blocks}", swap(blocks), weights=FP8, disk=True)]
+    rows += [Row("group_offload_block", group_offload="block_level"), Row("group_offload_leaf", group_offload="leaf_level")]
+    return rows
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = DEFAULT_MODEL
+    shape: VideoShape = DEFAULT_SHAPE
+    changes: tuple[tuple[str, object], ...] = ()  # transformer config overrides (the CPU dry run's tiny widths)
+    warmup: int = 1
+    steps: int = 2
+    device: str = "cuda"
+    pinned_gib: float | None = 64.0  # an explicit ceiling: the automatic one follows free RAM, which varies
+    seed: int = 0
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+def meta_model(name: str, changes: dict):
+    """The shipped model's planner description, its transformer config changed by `changes`."""
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.configs.meta import MetaModel
+
+    model = load_model(name)
+    if not changes:
+        return model
+    component = model.components["transformer"]
+    changed = dataclasses.replace(component, config={**component.config, **changes})
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(MetaModel) if not f.name.startswith("_")}
+    return MetaModel(**{**fields, "components": {**model.components, "transformer": changed}})
+
+
+def build_transformer(model, device: torch.device, seed: int) -> torch.nn.Module:
+    """The model's transformer with random weights, built on `device` at the dtypes a load gives."""
+    from vidmem.pipelines.configs.meta import build_meta
+
+    torch.manual_seed(seed)
+    module = build_meta(model.components["transformer"], model.dtype, device=device)
+    return module.requires_grad_(False)
+
+
+def stored_fp8(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state as a plain fp8 file holds it (Comfy-Org's `*_fp8_e4m3fn` layout): every
+    weight the format lowers (`StorageFormat.lowers`) quantized on the module's device, each tensor
+    then on the CPU."""
+    from vidmem.memory.storage import quantize, storage_format
+
+    fmt, lowered = storage_format(FP8), {}
+    for layer_name, layer in module.named_modules():
+        if fmt.lowers(layer):
+            lowered[f"{layer_name}.weight"] = layer
+    state = {}
+    for name, tensor in module.state_dict().items():
+        state[name] = (quantize(tensor, fmt).data if name in lowered else tensor).to("cpu", copy=True).contiguous()
+    return state
+
+
+def held_transformer(model, tensors, source: str) -> torch.nn.Module:
+    """A transformer filled from `tensors` as the loaders fill one (stored fp8 stays fp8)."""
+    from vidmem.pipelines.comfy_files.build import build_empty
+    from vidmem.pipelines.weight_storage import DEFAULT_WEIGHTS, hold
+
+    module = build_empty(model.components["transformer"])
+    hold(module, tensors, model.dtype, DEFAULT_WEIGHTS, copy_to_ram=False, source=source)
+    return module
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+
+
+# --- placing a transformer --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def placed(row: Row, module: torch.nn.Module, device: torch.device, pool: HostPool) -> Iterator[object]:
+    """`module` placed as `row` says for the duration; restored (hooks off, weights home) after."""
+    if row.group_offload:
+        with group_offloaded(module, device, row.group_offload):
+            yield None
+        return
+    stage = StageComponents({"transformer": module}, {"transformer": module.blocks})
+    with apply_strategy(stage, row.strategy, backend_for(device), host_pool=pool) as handle:
+        yield handle
+
+
+@contextlib.contextmanager
+def group_offloaded(module: torch.nn.Module, device: torch.device, offload_type: str) -> Iterator[None]:
+    """diffusers' `enable_group_offload` as its docs recommend for speed (streams; one block per
+    group at block level); removed after, the weights back on the CPU."""
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING
+
+    streams = device.type == "cuda"  # use_stream needs an accelerator
+    extra = dict(num_blocks_per_group=1) if offload_type == "block_level" else {}
+    module.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type=offload_type,
+                                use_stream=streams, non_blocking=streams, **extra)
+    try:
+        yield
+    finally:
+        registry = HookRegistry.check_if_exists_or_initialize(module)
+        for name in (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING):
+            registry.remove_hook(name, recurse=True)
+        module.to("cpu")
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+def seeded_step(model, module: torch.nn.Module, shape: VideoShape, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """One denoise step on inputs drawn from `seed` (the same inputs whatever the placement)."""
+    from vidmem.pipelines.configs.workloads import denoise_step
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return denoise_step(model, "transformer", shape, module, device)()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(step: Callable[[], object], count: int, device: torch.device) -> list[float]:
+    """Wall seconds of each of `count` steps, the device drained before and after each."""
+    seconds = []
+    for _ in range(count):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _intervals_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(start: float, end: float, union: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union if b > start and a < end)
+
+
+SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
+
+
+def trace_overlap(events: list[dict]) -> dict:
+    """Copy/compute overlap from a chrome trace's events (torch.profiler's export format).
+
+    `overlap`: the share of host-to-device copy time during which some kernel was running (any
+    stream): 1.0 means every copy hid behind compute. `gpu_busy`: the share of the step's GPU
+    span in which a kernel ran. Pageable copies (a `non_blocking` copy from pageable memory is
+    synchronous) and host synchronisation calls are counted.
+    """
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in complete if e.get("cat") == "kernel"]
+    copies = [e for e in complete if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    device_side = kernels + [(e["ts"], e["ts"] + e["dur"]) for e in copies]
+    union = _intervals_union(kernels)
+    copy_us = sum(e["dur"] for e in copies)
+    hidden_us = sum(_covered(e["ts"], e["ts"] + e["dur"], union) for e in copies)
+    span = (max(b for _, b in device_side) - min(a for a, _ in device_side)) if device_side else 0.0
+    syncs = {name: sum(1 for e in complete if e.get("name") == name) for name in SYNC_CALLS}
+    return {
+        "copies": len(copies),
+        "copy_seconds": copy_us / 1e6,
+        "hidden_copy_seconds": hidden_us / 1e6,
+        "overlap": hidden_us / copy_us if copy_us else None,
+        "pageable_copies": sum(1 for e in copies if "Pageable" in e.get("name", "")),
+        "gpu_busy": sum(b - a for a, b in union) / span if span else None,
+        "host_syncs": syncs,
+    }
+
+
+def profiled_step(step: Callable[[], object], device: torch.device) -> dict | None:
+    """One step under torch.profiler, summarised by `trace_overlap` (None on a CPU run)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        synchronize(device)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    return trace_overlap(events)
+
+
+def memory_figures(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"peak_allocated_bytes": stats.get("allocated_bytes.all.peak", 0),
+            "peak_reserved_bytes": stats.get("reserved_bytes.all.peak", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
+
+
+def host_pinned(device: torch.device) -> dict | None:
+    """torch's pinned host allocator (vidmem's arenas and diffusers' pinned copies both come from it)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if device.type != "cuda" or stats is None:
+        return None
+    return {k: v for k, v in stats().items() if "bytes" in k and (k.endswith(".current") or k.endswith(".peak"))}
+
+
+@contextlib.contextmanager
+def vram_cap(device: torch.device, cap_gib: float | None) -> Iterator[None]:
+    if cap_gib is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def predicted(model, shape: VideoShape, row: Row) -> dict | None:
+    """The planner's figures for the same denoise step under the row's tier (None for diffusers'
+    group offloading, which it does not model): peak allocated and reserved bytes of the
+    transformer's phase (no CUDA context: torch's counters do not see it), and seconds per step
+    with the ratio to the same step resident (the copy model's promise)."""
+    if row.strategy is None:
+        return None
+    storage = {"transformer": row.weights} if row.weights != "bf16" else {}
+    options = PlanOptions(allocator=Allocator.NATIVE, steps=1, storage=storage, on_disk=row.disk)
+    denoise = plan_run(model, shape, row.strategy, options).stage("denoise")
+    resident = plan_run(model, shape, MemoryStrategy(offload="none"), options).stage("denoise")
+    phase = denoise.peak_phase
+    return {"peak_allocated_bytes": phase.peak.allocated, "peak_reserved_bytes": phase.peak.reserved,
+            "step_seconds": denoise.seconds(), "ratio_vs_resident": denoise.seconds() / resident.seconds()}
+
+
+def measure_row(row: Row, module: torch.nn.Module, model, config: BenchConfig, pool: HostPool) -> dict:
+    from vidmem.pipelines.configs.workloads import denoise_step
+
+    device = torch.device(config.device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
+    step = denoise_step(model, "transformer", config.shape, module, device)
+    started = time.perf_counter()
+    # no_grad, as diffusers' pipelines run (placing weights under inference mode would make
+    # inference tensors of the host copies)
+    with torch.no_grad(), vram_cap(device, row.vram_cap_gib), placed(row, module, device, pool):
+        timed_steps(step, config.warmup, device)
+        seconds = timed_steps(step, config.steps, device)
+        memory = memory_figures(device)  # before the profiled step: the profiler allocates too
+        profile = profiled_step(step, device)
+    result = {"step_seconds": statistics.median(seconds), "steps_seconds": seconds,
+              "row_seconds": time.perf_counter() - started, **memory,
+              "pinned_host_bytes": pool.pinned_bytes if row.strategy else None, "host_allocator": host_pinned(device),
+              "pool": pool.stats() if row.strategy else None, "profile": profile, "weights": row.weights, "disk": row.disk,
+              "vram_cap_gib": row.vram_cap_gib,
+              "strategy": row.strategy.describe() if row.strategy else f"diffusers group offload {row.group_offload}"}
+    result["predicted"] = predicted(model, config.shape, row)
+    return result
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def gpu_info(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, total_memory_bytes=props.total_memory, multiprocessors=props.multi_processor_count)
+    else:
+        info.update(name="cpu (dry run)")
+    return info
+
+
+def run(config: BenchConfig, rows: list[Row], log: Callable[[str], None] = print,
+        save: Callable[[dict], None] = lambda result: None, deadline: float | None = None) -> dict:
+    """Every row on one transformer (and its fp8 and on-disk twins), in order; returns the JSON.
+
+    `save` gets the JSON so far after every row (a lease that ends mid-run keeps what ran); rows
+    that would start after `deadline` (time.time()) are listed as skipped instead."""
+    device = torch.device(config.device)
+    model = meta_model(config.model, dict(config.changes))
+    blocks = model.components["transformer"].config["num_layers"]
+    pools: dict[tuple[str, bool], HostPool] = {}  # one per twin, as each loaded pipeline has its own
+    results: dict[str, dict] = {}
+    build_start = time.perf_counter()
+    bf16 = build_transformer(model, device, config.seed)
+    fp8_state = stored_fp8(bf16) if any(r.weights == FP8 for r in rows) else None
+    bf16.to("cpu")
+    synchronize(device)
+    log(f"built {config.model} ({blocks} blocks) in {time.perf_counter() - build_start:.1f} s")
+    twins: dict[tuple[str, bool], torch.nn.Module] = {("bf16", False): bf16}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("VIDMEM_BENCH_TMP")) as folder:
+        for row in rows:
+            if deadline is not None and time.time() > deadline:
+                results[row.name] = {"skipped": "the lease's time budget ran out before this row"}
+                continue
+            key = (row.weights, row.disk)
+            if key not in twins:
+                twins[key] = twin(model, fp8_state, row.disk, Path(folder), log)
+                if row.disk:
+                    fp8_state = None  # the file holds it now
+            try:
+                results[row.name] = measure_row(row, twins[key], model, config, pools.setdefault(key, HostPool()))
+            except torch.OutOfMemoryError as error:  # a finding, not the end of the bench
+                results[row.name] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+            log(summary_line(row.name, results[row.name], results.get("resident")))
+            save(document(config, device, results))
+            if row.group_offload is None and not any(r.weights == row.weights and r.disk == row.disk
+                                                     for r in rows[rows.index(row) + 1:]):
+                twins.pop(key, None)  # the last row on this twin: free its host memory and pinned pool
+                pools.pop(key, None)
+                gc.collect()
+    return document(config, device, results)
+
+
+def document(config: BenchConfig, device: torch.device, results: dict) -> dict:
+    add_ratios(results)
+    return {"gpu": gpu_info(device), "model": config.model, "shape": dataclasses.asdict(config.shape),
+            "transformer_changes": dict(config.changes), "warmup_steps": config.warmup, "timed_steps": config.steps,
+            "step": "one denoise step as WanPipeline runs it at guidance 1 (one transformer forward), "
+                    "random inputs, inference mode",
+            "rows": results}
+
+
+def twin(model, fp8_state: dict, disk: bool, folder: Path, log: Callable[[str], None]) -> torch.nn.Module:
+    """The fp8 transformer, in RAM or memory-mapped from a file written now."""
+    from vidmem.memory.storage import open_safetensors
+
+    start = time.perf_counter()
+    if not disk:
+        module = held_transformer(model, fp8_state, "the bench's fp8 weights")
+    else:
+        path = folder / "transformer_fp8_e4m3fn.safetensors"
+        write_safetensors(fp8_state, path)
+        module = held_transformer(model, open_safetensors(path).tensors, str(path))
+    log(f"fp8 transformer {'mapped from a file' if disk else 'in RAM'} in {time.perf_counter() - start:.1f} s")
+    return module
+
+
+def add_ratios(results: dict) -> None:
+    resident = results.get("resident", {}).get("step_seconds")
+    for row in results.values():
+        if resident and row.get("step_seconds"):
+            row["ratio_vs_resident"] = row["step_seconds"] / resident
+        guess = row.get("predicted") or {}
+        if guess.get("peak_reserved_bytes") and row.get("peak_reserved_bytes"):
+            row["predicted_reserved_over_measured"] = guess["peak_reserved_bytes"] / row["peak_reserved_bytes"]
+            row["predicted_allocated_over_measured"] = guess["peak_allocated_bytes"] / row["peak_allocated_bytes"]
+
+
+def summary_line(name: str, row: dict, resident: dict | None) -> str:
+    if "error" in row or "skipped" in row:
+        return f"{name:32s} {row.get('error') or row['skipped']}"
+    ratio = row["step_seconds"] / resident["step_seconds"] if resident and "step_seconds" in resident else 1.0
+    gib = lambda key: f"{row[key] / GiB:6.2f}" if key in row else "     -"  # noqa: E731
+    profile = row.get("profile") or {}
+    overlap = profile.get("overlap")
+    planned = (row.get("predicted") or {}).get("peak_reserved_bytes")
+    pinned = row.get("pinned_host_bytes")
+    return (f"{name:32s} {row['step_seconds']:8.3f} s  x{ratio:5.3f}  alloc {gib('peak_allocated_bytes')}  "
+            f"reserved {gib('peak_reserved_bytes')}  planned {planned / GiB if planned else float('nan'):6.2f}  "
+            f"overlap {overlap if overlap is not None else float('nan'):5.3f}  "
+            f"pinned {pinned / GiB if pinned is not None else float('nan'):5.1f} GiB")
+
+
+def sanitize_step(device: torch.device) -> None:
+    """One block_swap step with prefetch 2 on a tiny Wan, for compute-sanitizer (memcheck,
+    racecheck): kernels run a hundredfold slower under it, so the model is kept small."""
+    model = meta_model(DEFAULT_MODEL, TINY_CHANGES)
+    module = build_transformer(model, device, seed=0).to("cpu")
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=TINY_CHANGES["num_layers"], prefetch_blocks=2)
+    for _ in range(2):  # the second step runs with the prefetch order known
+        with placed(Row("sanitize", strategy), module, device, HostPool()):
+            out = seeded_step(model, module, TINY_SHAPE, device)
+    synchronize(device)
+    print(f"sanitize step done: output {tuple(out.shape)}, finite {bool(torch.isfinite(out).all())}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (the bench) or cpu (a dry run on tiny widths)")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--size", default=None, help="WxHxF (default 832x480x81 on a GPU, 64x64x5 on the CPU)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rows", default="", help="comma-separated row names (default: every row)")
+    parser.add_argument("--pinned-gib", type=float, default=64.0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--budget-seconds", type=float, default=None,
+                        help="start no row after this many seconds (the JSON lists the rest as skipped)")
+    parser.add_argument("--sanitize-step", action="store_true", help="one tiny block_swap step (for compute-sanitizer)")
+    args = parser.parse_args()
+    if args.sanitize_step:
+        return sanitize_step(torch.device(args.device))
+    cpu = args.device == "cpu"
+    shape = TINY_SHAPE if cpu else DEFAULT_SHAPE
+    if args.size:
+        w, h, f = (int(v) for v in args.size.lower().split("x"))
+        shape = VideoShape(w, h, f, cfg=False)
+    config = BenchConfig(args.model, shape, tuple(TINY_CHANGES.items()) if cpu else (), args.warmup, args.steps,
+                         args.device, args.pinned_gib)
+    blocks = meta_model(config.model, dict(config.changes)).components["transformer"].config["num_layers"]
+    rows = default_rows(blocks, args.pinned_gib)
+    if args.rows:
+        wanted = set(args.rows.split(","))
+        rows = [r for r in rows if r.name in wanted]
+    print(f"{config.model} at {shape.width}x{shape.height}x{shape.frames} on {gpu_info(torch.device(args.device))['name']}: "
+          f"{len(rows)} rows, {config.warmup} warm-up + {config.steps} timed steps each", flush=True)
+    save = (lambda result: write_json(args.json, result)) if args.json else (lambda result: None)
+    deadline = time.time() + args.budget_seconds if args.budget_seconds else None
+    save(run(config, rows, lambda line: print(line, flush=True), save, deadline))
+    if args.json:
+        print(f"wrote {args.json}")
+
+
+def write_json(path: Path, result: dict) -> None:
+    from vidmem.atomic import write_bytes_atomically
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomically(path, json.dumps(result, indent=1).encode())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One short GPU lease: the GPU suite (tests/gpu), the GPU bench (bench/gpu.py) and
+# compute-sanitizer over one tiny block_swap step, everything written to one folder.
+#
+# On the GPU machine (PyTorch and Triton there, no internet, no diffusers), from the repository root:
+#     OUT=/some/folder bash bench/gpu_check.sh
+# The pack's other dependencies travel as wheels in .whl/ beside the tree; prepare them here first:
+#     bash bench/gpu_check.sh --prepare-wheels
+# Sized for 8 minutes of wall time on an H100: the suite gets SUITE_SECONDS, the bench what is left
+# of BUDGET_SECONDS (its JSON is rewritten after every row and lists rows it had no time for).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# The wheels for a Python 3.12 x86-64 GPU machine: what vidmem imports that such an image lacks.
+WHEELS="diffusers==0.42.1 gguf==0.19.0 ftfy==6.3.1 wcwidth==0.9.4 websocket-client==1.9.2 importlib_metadata==10.2.0 lazy-importer==0.1.0"
+if [ "${1:-}" = "--prepare-wheels" ]; then
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
+    exit
+fi
+
+started=$(date +%s)
+BUDGET_SECONDS=${BUDGET_SECONDS:-480}
+SUITE_SECONDS=${SUITE_SECONDS:-170}
+OUT=${OUT:-$PWD/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/vidmem-site .whl/*.whl || exit
+    export PYTHONPATH=/tmp/vidmem-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The repository root is the `vidmem` package: make it importable under that name.
+mkdir -p /tmp/vidmem-pkg && ln -sfn "$PWD" /tmp/vidmem-pkg/vidmem
+export PYTHONPATH=/tmp/vidmem-pkg:$PYTHONPATH
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/nvidia-smi.txt"
+
+echo "== tests/gpu (at most ${SUITE_SECONDS}s)"
+timeout "$SUITE_SECONDS" python3 -m pytest -q -rA -s tests/gpu -p no:cacheprovider > "$OUT/gpu-suite.log" 2>&1
+echo "suite exit $?" | tee -a "$OUT/gpu-suite.log"
+tail -n 25 "$OUT/gpu-suite.log"
+
+left=$(( BUDGET_SECONDS - ($(date +%s) - started) - 60 ))
+echo "== bench/gpu.py (${left}s left for rows)"
+timeout $(( left + 50 )) python3 bench/gpu.py --json "$OUT/gpu.json" --budget-seconds "$left" > "$OUT/bench.log" 2>&1
+echo "bench exit $?" | tee -a "$OUT/bench.log"
+cat "$OUT/bench.log" | grep -v "^Failed to load CPU"
+
+left=$(( BUDGET_SECONDS - ($(date +%s) - started) ))
+if [ "$left" -gt 40 ] && command -v compute-sanitizer >/dev/null; then
+    echo "== compute-sanitizer memcheck over one tiny block_swap step"
+    timeout $(( left - 10 )) compute-sanitizer --tool memcheck python3 bench/gpu.py --sanitize-step > "$OUT/sanitizer.log" 2>&1
+    echo "memcheck exit $?" | tee -a "$OUT/sanitizer.log"
+    tail -n 5 "$OUT/sanitizer.log"
+fi
+echo "done in $(( $(date +%s) - started ))s"
