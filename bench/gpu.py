@@ -7,7 +7,7 @@ the latent of 832x480x81 with guidance 1 (one transformer forward per step; with
 branches run the same forward twice, so the ratios hold). Every row, in the same process:
 
 - `resident`: the whole transformer on the GPU (vidmem tier none: no hooks at all);
-- `block_swap_<N>` at several counts, and `sequential` (every leaf streamed);
+- `block_swap_<N>` at several counts (prefetch 1), all blocks with prefetch 0 and 2, and `sequential`;
 - `group_offload_block` / `group_offload_leaf`: diffusers' own `enable_group_offload`, block level
   with one block per group and leaf level, both with `use_stream=True`;
 - `fp8_*`: the same tiers with the linear weights stored as fp8 (e4m3fn, upcast per layer);
@@ -87,6 +87,7 @@ def default_rows(blocks: int, pinned_gib: float | None) -> list[Row]:
     counts = sorted({max(1, blocks // 4), blocks // 2, blocks})
     rows = [Row("resident", MemoryStrategy(offload="none", **pin))]
     rows += [Row(f"block_swap_{n}", swap(n)) for n in counts]
+    rows += [Row(f"block_swap_{blocks}_prefetch_{k}", swap(blocks, prefetch_blocks=k)) for k in (0, 2)]
     rows += [Row("sequential", MemoryStrategy(offload="sequential", **pin))]
     rows += [Row(f"cap8_block_swap_{blocks}", swap(blocks), vram_cap_gib=USER_CARD_GIB)]
     rows += [Row("fp8_resident", MemoryStrategy(offload="none", **pin), weights=FP8),

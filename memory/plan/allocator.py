@@ -136,17 +136,25 @@ class CachingAllocatorModel:
         pool.pop(bisect.bisect_left(pool, block.key()))
 
 
-def replay(resident: Iterable[int], events: tuple[int, ...], capacity: int | None = None) -> AllocatorPeak:
-    """Allocate `resident` tensors (weights) first, then replay a trace's event stream.
+def replay(resident: Iterable[int], events: tuple[int, ...], capacity: int | None = None,
+           held: Iterable[int] = ()) -> AllocatorPeak:
+    """Allocate `held` and `resident` tensors (weights) first, then replay a trace's event stream.
 
+    `held`: blocks freed but not yet reusable, so in segments and never in `allocated`: a streamed
+    group evicted while the GPU may still read it (its memory is marked with `record_stream`, and
+    the caching allocator hands it out again only once the compute stream has passed that point).
     Memoised: tiers that leave the same tensors resident replay the same stream once.
     """
-    return _replay(tuple(resident), tuple(events), capacity)
+    return _replay(tuple(resident), tuple(events), capacity, tuple(held))
 
 
 @lru_cache(maxsize=256)
-def _replay(resident: tuple[int, ...], events: tuple[int, ...], capacity: int | None) -> AllocatorPeak:
+def _replay(resident: tuple[int, ...], events: tuple[int, ...], capacity: int | None,
+            held: tuple[int, ...] = ()) -> AllocatorPeak:
     model = CachingAllocatorModel(capacity)
+    for index, nbytes in enumerate(held):
+        model.malloc(-1 - len(resident) - index, nbytes)
+    model.allocated = model.peak_allocated = 0  # in segments, not in torch's allocated counter
     handle = 0
     for nbytes in resident:
         model.malloc(-1 - handle, nbytes)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..blockswap import StreamSchedule
+from ..blockswap import EVICTED_IN_FLIGHT, StreamSchedule
 from ..offload import streamed_units  # the engine's unit rule; see the planner notes for making it public
 from .storage import StoredSizes
 from ..residency import own_slots, partition_slots
@@ -73,6 +73,38 @@ def resident_tensors(module: nn.Module, blocks: nn.ModuleList | None, strategy: 
     heads = {id(head): i for i, (head, _) in enumerate(units)}
     names = {name: heads[id(m)] for name, m in module.named_modules() if id(m) in heads}
     return tensor_sizes(resident, stored) + _replay(sizes, names, order or (), strategy.prefetch_blocks)
+
+
+def computing_residency(module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy,
+                        order: Order | None = None, stored: StoredSizes = StoredSizes()) -> tuple[list[int], list[int]]:
+    """(tensors live while a streamed block computes, tensors evicted but still read by the GPU).
+
+    Block swap: a block's prefetches are queued when its forward has been queued, so while block i
+    computes the live blocks are those queued before it, i .. i+prefetch-1 (i alone without a
+    prefetch), and the block before it is evicted but kept by the allocator until the compute
+    stream has passed it (`record_stream`; the engine's EVICTED_IN_FLIGHT): in reserved memory,
+    not in allocated. Measured on an H200 (docs/gpu.md): counting prefetch + 1 blocks live put Wan
+    14B's allocated peak one block high. Sequential likewise, leaf by leaf, over the leaves of the
+    blocks. Other tiers, and components without blocks: `resident_tensors`, nothing held.
+    """
+    units = streamed_units(module, blocks, strategy)
+    streams_blocks = strategy.offload is OffloadTier.BLOCK_SWAP or (strategy.offload is OffloadTier.SEQUENTIAL and blocks)
+    if not streams_blocks or not units:
+        return resident_tensors(module, blocks, strategy, order, stored), []
+    resident, per_unit = partition_slots(module, [members for _, members in units])
+    sizes = [tensor_sizes(slots, stored) for slots in per_unit]
+    if strategy.offload is OffloadTier.SEQUENTIAL:
+        # The activation peak falls inside a block: the leaves streamed then are that block's. Leaves
+        # outside the blocks (embedders, the head) run while activations are small.
+        inside = {id(m) for block in blocks for m in block.modules()}
+        sizes = [unit for (head, _), unit in zip(units, sizes) if id(head) in inside] or sizes
+    live = min(max(strategy.prefetch_blocks, 1), len(sizes))
+    held = min(EVICTED_IN_FLIGHT, len(sizes) - live)
+    span = live + held
+    start = max((sum(map(sum, sizes[i : i + span])), i) for i in range(len(sizes) - span + 1))[1]
+    window = sizes[start : start + span]
+    return (tensor_sizes(resident, stored) + [t for unit in window[held:] for t in unit],
+            [t for unit in window[:held] for t in unit])
 
 
 def _replay(sizes: list[list[int]], names: dict[str, int], order: Order, prefetch: int) -> list[int]:

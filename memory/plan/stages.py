@@ -13,7 +13,7 @@ from collections import Counter
 
 from .allocator import replay
 from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, Traffic, Work
-from .schedule import ComponentWeights, resident_tensors, streamed_unit_bytes
+from .schedule import ComponentWeights, computing_residency, resident_tensors, streamed_unit_bytes
 from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
                             VideoShape)
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
@@ -62,7 +62,8 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
     for name, steps in zip(layout.denoisers, steps_per_denoiser):
         call = Call("denoise", name, shape)
         flops = model.trace(call, options.attention).flops * steps  # traced first: it records the module order
-        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, name))
+        resident, held = denoiser_residency(model, name, strategy, stage, options)
+        phases.append(phase(model, call, resident, options, name, held))
         work.append(device_work(model, name, strategy, options, flops, steps * model.forward_passes(shape)))
     return StagePlan("denoise", tuple(phases), host, page_cache, tuple(work))
 
@@ -94,17 +95,19 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
     return StagePlan("decode", tuple(phases), host + host_frames + largest_piece, page_cache, (work,))
 
 
-def phase(model: PlannerModel, call: Call, resident: list[int], options: PlanOptions, label: str) -> Phase:
+def phase(model: PlannerModel, call: Call, resident: list[int], options: PlanOptions, label: str,
+          held: list[int] = ()) -> Phase:
     """Replay resident weights, then the call's allocations, through the allocator model. A CPU
-    device has no CUDA context or cuBLAS workspace, and its allocator keeps no cache: live bytes."""
+    device has no CUDA context or cuBLAS workspace, and its allocator keeps no cache: live bytes.
+    `held`: streamed weights evicted but still read by the GPU (reserved, not allocated)."""
     trace = model.trace(call, options.attention)
     if options.on_cpu:
         peak = replay(tuple(resident), trace.events)
         return Phase(label, sum(resident), peak, peak.allocated, tuple(resident), trace.events)
-    tensors = (CUBLAS_WORKSPACE_BYTES, *resident)
-    peak = replay(tensors, trace.events)
-    footprint = peak.reserved if options.allocator.resolved() is Allocator.NATIVE else peak.allocated
-    return Phase(label, sum(resident), peak, CUDA_CONTEXT_BYTES + footprint, tensors, trace.events)
+    tensors, held = (CUBLAS_WORKSPACE_BYTES, *resident), tuple(held)
+    peak = replay(tensors, trace.events, held=held)
+    footprint = peak.reserved if options.allocator.resolved() is Allocator.NATIVE else peak.allocated + sum(held)
+    return Phase(label, sum(resident) + sum(held), peak, CUDA_CONTEXT_BYTES + footprint, tensors, trace.events, held)
 
 
 def tier_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, stage_names: list[str],
@@ -121,6 +124,19 @@ def tier_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, s
         return [t for name in names for t in component_weights(model, name, options).tensors] + transient
     order = model.stream_order(active, kind)  # the order this kind of call runs the modules in
     return resident_tensors(model.module(active), model.blocks(active), strategy, order, weights.stored) + transient
+
+
+def denoiser_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, stage_names: list[str],
+                       options: PlanOptions) -> tuple[list[int], list[int]]:
+    """`tier_residency` for a denoiser while its blocks compute: under block swap and sequential, the
+    groups live then and the evicted one the GPU may still read (`schedule.computing_residency`)."""
+    if strategy.offload not in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL) or options.weights_in_place:
+        return tier_residency(model, active, strategy, stage_names, options, "denoise"), []
+    weights = component_weights(model, active, options)
+    transient = [weights.transient_bytes] if weights.transient_bytes else []
+    live, held = computing_residency(model.module(active), model.blocks(active), strategy,
+                                     model.stream_order(active, "denoise"), weights.stored)
+    return live + transient, held
 
 
 def component_weights(model: PlannerModel, name: str, options: PlanOptions) -> ComponentWeights:

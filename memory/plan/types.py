@@ -164,6 +164,7 @@ class Phase:
     device_bytes: int  # CUDA context + allocator footprint
     resident: tuple[int, ...] = field(repr=False, default=())
     events: tuple[int, ...] = field(repr=False, default=())
+    held: tuple[int, ...] = field(repr=False, default=())  # evicted, still read by the GPU: reserved only
 
     def fits(self, budget: int) -> bool:
         return self.within(budget).device_bytes <= budget
@@ -173,7 +174,7 @@ class Phase:
         segments and retries, so a run can fit although its unlimited reservation would not."""
         if self.device_bytes <= budget or CUDA_CONTEXT_BYTES + self.peak.allocated > budget:
             return self
-        capped = replay(self.resident, self.events, budget - CUDA_CONTEXT_BYTES)
+        capped = replay(self.resident, self.events, budget - CUDA_CONTEXT_BYTES, self.held)
         if capped.out_of_memory:
             return self
         return replace(self, peak=capped, device_bytes=CUDA_CONTEXT_BYTES + capped.reserved)
