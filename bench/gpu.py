@@ -337,10 +337,28 @@ def predicted(model, shape: VideoShape, row: Row) -> dict | None:
     options = PlanOptions(allocator=Allocator.NATIVE, steps=PLANNED_STEPS, storage=storage, on_disk=row.disk)
     denoise = plan_run(model, shape, row.strategy, options).stage("denoise")
     resident = plan_run(model, shape, MemoryStrategy(offload="none"), options).stage("denoise")
-    phase = denoise.peak_phase
+    phase, work = denoise.peak_phase, denoise.work[-1]  # the transformer's: the denoiser is the last work item
     return {"peak_allocated_bytes": phase.peak.allocated, "peak_reserved_bytes": phase.peak.reserved,
             "step_seconds": denoise.seconds() / PLANNED_STEPS, "ratio_vs_resident": denoise.seconds() / resident.seconds(),
-            "rates": "the planner's default GPU rates (memory.plan.costs.GPU_RATES), not this GPU's"}
+            "rates": "the planner's default GPU rates (memory.plan.costs.GPU_RATES), not this GPU's",
+            "per_step": {"flops": work.flops / work.passes, "copy_bytes": work.traffic.per_pass_bytes,
+                         "groups": work.traffic.per_pass_groups, "exposed_share": work.traffic.exposed_share,
+                         "dequant_weights": work.dequant_weights}}
+
+
+def ratio_at_measured_rates(row: dict, resident: dict, copy_bytes_per_s: float) -> float | None:
+    """The planner's time model for `row` with this GPU's rates: compute at the resident row's
+    measured FLOP rate, copies at the measured host-to-device rate (so the model's structure is
+    what is compared, not the default rates of a consumer card)."""
+    from vidmem.memory.plan.costs import DeviceRates, Traffic, stage_seconds
+
+    mine, base = (row.get("predicted") or {}).get("per_step"), (resident.get("predicted") or {}).get("per_step")
+    if not mine or not base or not resident.get("step_seconds"):
+        return None
+    rates = DeviceRates(base["flops"] / resident["step_seconds"], copy_bytes_per_s)
+    traffic = Traffic(mine["copy_bytes"], mine["groups"], exposed_share=mine["exposed_share"])
+    seconds = lambda step, t: stage_seconds(step["flops"], 1, t, rates=rates, dequant_weights=step["dequant_weights"])  # noqa: E731
+    return seconds(mine, traffic) / seconds(base, Traffic())
 
 
 def measure_row(row: Row, module: torch.nn.Module, model, config: BenchConfig, pool: HostPool) -> dict:
@@ -452,13 +470,23 @@ def twin(model, fp8_state: dict, disk: bool, folder: Path, log: Callable[[str], 
 
 def add_ratios(results: dict) -> None:
     resident = results.get("resident", {}).get("step_seconds")
+    copy_rate = measured_copy_rate(results)
     for row in results.values():
         if resident and row.get("step_seconds"):
             row["ratio_vs_resident"] = row["step_seconds"] / resident
+            if copy_rate:
+                row["model_ratio_at_measured_rates"] = ratio_at_measured_rates(row, results["resident"], copy_rate)
         guess = row.get("predicted") or {}
         if guess.get("peak_reserved_bytes") and row.get("peak_reserved_bytes"):
             row["predicted_reserved_over_measured"] = guess["peak_reserved_bytes"] / row["peak_reserved_bytes"]
             row["predicted_allocated_over_measured"] = guess["peak_allocated_bytes"] / row["peak_allocated_bytes"]
+
+
+def measured_copy_rate(results: dict) -> float | None:
+    """Host-to-device bytes per second of vidmem's streamed copies (median over the rows that streamed)."""
+    rates = [row["predicted"]["per_step"]["copy_bytes"] / row["profile"]["copy_seconds"] for row in results.values()
+             if (row.get("profile") or {}).get("copy_seconds") and (row.get("predicted") or {}).get("per_step", {}).get("copy_bytes")]
+    return statistics.median(rates) if rates else None
 
 
 def summary_line(name: str, row: dict, resident: dict | None) -> str:

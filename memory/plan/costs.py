@@ -3,8 +3,9 @@
 Every figure is a named constant with where it comes from. The time model is deliberately
 simple: a stage's compute time is its matmul/convolution FLOPs (counted on the meta run) at a
 sustained device throughput, and weights that stream in per step cost PCIe time, hidden behind
-compute when the schedule prefetches (side stream) and added to it when it does not. Only the
-ratio between strategies is reported, so the throughput constants cancel to first order.
+compute on the side stream except for the share measured to stay exposed (more without a
+prefetch, more for leaves than for blocks), plus a fixed cost per streamed group. Only the ratio
+between strategies is reported, so the throughput constants cancel to first order.
 
 Weights on disk (the disk tier: memory-mapped files) pass through the page cache. The page cache
 is reclaimable, so it never decides whether a plan fits; it decides how fast it runs: what the
@@ -54,7 +55,25 @@ PCIE_BYTES_PER_S = 22e9
 NVME_BYTES_PER_S = 3e9
 
 # Per streamed group and pass: one event record/wait and a few kernel launches (~10 us each).
+# Measured on an H200 (docs/gpu.md): Wan 14B sequential, 1,056 leaf copies per step, +32 ms.
 STREAM_GROUP_OVERHEAD_S = 30e-6
+
+# Share of streamed copy time that stays exposed although the schedule copies on a side stream,
+# measured with torch.profiler on an H200 (docs/gpu.md; 1 - "copies hidden"), rounded up:
+# - blocks with a prefetch: 0.6-0.8% on Wan 14B, 3.8% on Wan 1.3B (short blocks) -> 4%;
+# - blocks without one: the host still runs a block ahead of the GPU, so block i's copy queues
+#   while block i-1 computes and mostly hides: 3.0% on Wan 14B, 7.1% on Wan 1.3B -> 8%;
+# - leaves (sequential): 4.5% (Wan 14B bf16), 7.4% (fp8), 10.9% (Wan 1.3B) -> 11%.
+EXPOSED_COPY_SHARE_BLOCKS = 0.04
+EXPOSED_COPY_SHARE_NO_PREFETCH = 0.08
+EXPOSED_COPY_SHARE_LEAVES = 0.11
+
+
+def exposed_copy_share(leaves: bool, prefetch: int) -> float:
+    """The measured share of copy time a streamed tier leaves exposed (see the constants)."""
+    if leaves:
+        return EXPOSED_COPY_SHARE_LEAVES
+    return EXPOSED_COPY_SHARE_BLOCKS if prefetch else EXPOSED_COPY_SHARE_NO_PREFETCH
 
 # Upcasting stored weights (fp8, GGUF) to the compute dtype, once per layer call (every pass, under
 # every tier). On a GPU these elementwise kernels are memory-bound: scaled fp8 reads 1 B, writes and
@@ -90,7 +109,8 @@ class Traffic:
     per_pass_bytes: int = 0  # streamed every forward pass of the denoiser
     per_pass_groups: int = 0  # streamed groups per pass (sequential: every module; block swap: N)
     once_bytes: int = 0  # onloaded once for the stage
-    overlapped: bool = True  # a prefetch schedule copies on a side stream while compute runs
+    overlapped: bool = True  # copies on a side stream while compute runs (False: page faults, in line)
+    exposed_share: float = 0.0  # of the copy time, what shows even when overlapped (exposed_copy_share)
 
 
 @dataclass(frozen=True)
@@ -155,7 +175,7 @@ def stage_seconds(compute_flops: float, passes: int, traffic: Traffic, disk: Dis
     reread_pass, reread_once = disk.reread_bytes(traffic) if disk is not None else (0, 0)
     per_pass_read = reread_pass / disk.bytes_per_s if disk is not None else 0.0
     if traffic.overlapped:
-        per_pass = max(per_pass_compute, per_pass_copy, per_pass_read)
+        per_pass = max(per_pass_compute, per_pass_copy, per_pass_read) + traffic.exposed_share * per_pass_copy
     else:
         per_pass = per_pass_compute + per_pass_copy + per_pass_read
     per_pass += traffic.per_pass_groups * STREAM_GROUP_OVERHEAD_S

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .allocator import replay
-from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, Traffic, Work
+from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, Traffic, Work, exposed_copy_share
 from .schedule import ComponentWeights, computing_residency, resident_tensors, streamed_unit_bytes
 from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
                             VideoShape)
@@ -128,9 +128,9 @@ def tier_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, s
 
 def denoiser_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, stage_names: list[str],
                        options: PlanOptions) -> tuple[list[int], list[int]]:
-    """`tier_residency` for a denoiser while its blocks compute: under block swap and sequential, the
-    groups live then and the evicted one the GPU may still read (`schedule.computing_residency`)."""
-    if strategy.offload not in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL) or options.weights_in_place:
+    """`tier_residency` for a denoiser while its blocks compute: under block swap, the blocks live
+    then and the evicted one the GPU may still read (`schedule.computing_residency`)."""
+    if strategy.offload is not OffloadTier.BLOCK_SWAP or options.weights_in_place:
         return tier_residency(model, active, strategy, stage_names, options, "denoise"), []
     weights = component_weights(model, active, options)
     transient = [weights.transient_bytes] if weights.transient_bytes else []
@@ -244,7 +244,10 @@ def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: 
     if strategy.offload is OffloadTier.NONE:  # onloaded with the stage, as in the baseline; from files on disk
         return Traffic(once_bytes=weights.nbytes) if options.on_disk else Traffic()
     units = streamed_unit_bytes(model.module(name), model.blocks(name), strategy, weights.stored)
-    return Traffic(sum(units), len(units), weights.nbytes - sum(units), strategy.prefetch_blocks > 0)
+    # Overlapped even without a prefetch: the host runs a block ahead, so block i's copy queues on
+    # the side stream while block i-1 computes (measured: 97% of the copy time hidden on an H200).
+    exposed = exposed_copy_share(strategy.offload is OffloadTier.SEQUENTIAL, strategy.prefetch_blocks)
+    return Traffic(sum(units), len(units), weights.nbytes - sum(units), exposed_share=exposed)
 
 
 def _split_steps(steps: int, denoisers: int) -> list[int]:
