@@ -343,7 +343,7 @@ def predicted(model, shape: VideoShape, row: Row) -> dict | None:
             "rates": "the planner's default GPU rates (memory.plan.costs.GPU_RATES), not this GPU's",
             "per_step": {"flops": work.flops / work.passes, "copy_bytes": work.traffic.per_pass_bytes,
                          "groups": work.traffic.per_pass_groups, "exposed_share": work.traffic.exposed_share,
-                         "dequant_weights": work.dequant_weights}}
+                         "dequant_weights": work.upcast_weights}}
 
 
 def ratio_at_measured_rates(row: dict, resident: dict, copy_bytes_per_s: float) -> float | None:

@@ -10,6 +10,23 @@ import torch
 from .telemetry import MemorySnapshot, snapshot
 
 
+# What libraries below torch say when an allocation of theirs fails: cuBLAS creating a handle or its
+# workspace, cuDNN and cuFFT their workspaces. torch raises these as plain RuntimeErrors, not
+# OutOfMemoryError, and their text need not say "out of memory".
+ALLOCATION_FAILURES = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
+                       "cufft_alloc_failed", "hipblas_status_alloc_failed")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's OutOfMemoryError (CUDA, and the generic one of other accelerators), or a RuntimeError
+    whose text names a failed allocation (ALLOCATION_FAILURES): the one rule every ladder uses."""
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t)
+    if isinstance(error, oom_types):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(pattern in text for pattern in ALLOCATION_FAILURES)
+
+
 @dataclass(frozen=True)
 class FreeReceipt:
     before: MemorySnapshot

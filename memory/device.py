@@ -152,7 +152,7 @@ class CudaBackend:
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(token.done)
         for tensor in tensors:
-            tensor.record_stream(compute)
+            record_stream(tensor, compute)
 
     def compute_done(self) -> Any:
         marker = torch.cuda.Event()
@@ -174,6 +174,20 @@ class CudaBackend:
             return 0.0
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
+
+
+def record_stream(tensor: torch.Tensor, stream: Any) -> None:
+    """`tensor.record_stream(stream)`, reaching the inner tensors of a wrapper subclass (torchao's
+    quantized tensors, anything with `__tensor_flatten__`): the caching allocator tracks the inner
+    tensors' memory, and recording only the wrapper would leave it free for the next copy while a
+    kernel still reads it (diffusers' group offloading records them the same way)."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        tensor.record_stream(stream)
+        return
+    names, _ = flatten()
+    for name in names:
+        record_stream(getattr(tensor, name), stream)
 
 
 class ComputeQueueBackend(CpuBackend):

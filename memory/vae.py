@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .strategy import VaeTiling
+from .cleanup import is_out_of_memory
 from .vae_tiles import RGB, Span, TilePlan, VaeGeometry, auto_tiling, plan_tiles
 
 __all__ = ["DecodeReport", "Rung", "Streaming", "VaeGeometry", "auto_tiling", "decode_video", "decode_with_fallback",
@@ -325,7 +326,9 @@ def decode_with_fallback(
                                out_device=out_device, report=report, on_step=on_step)
             report.seconds = time.perf_counter() - started  # failed rungs included
             return out
-        except torch.OutOfMemoryError as error:
+        except RuntimeError as error:  # torch.OutOfMemoryError is one; so are cuBLAS/cuDNN allocation failures
+            if not is_out_of_memory(error):
+                raise
             reason = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
         failures.append(f"{rung.label}: {reason}")
         free_memory()

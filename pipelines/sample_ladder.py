@@ -20,22 +20,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import torch
-
 from ..memory import MemoryStrategy, OffloadTier
+from ..memory.cleanup import is_out_of_memory  # noqa: F401  (the ladder's rule, re-exported for its callers)
 
 log = logging.getLogger("vidmem")
 
 
 class SamplingOutOfMemory(RuntimeError):
     """Out of device memory even under the last rung (sequential); the message says what to change."""
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """torch's OutOfMemoryError (CUDA, and the generic one of other accelerators), or a RuntimeError
-    with "out of memory" in its text, as some kernels (cuDNN, cuBLAS workspaces, HIP) raise it."""
-    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t)
-    return isinstance(error, oom_types) or (isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,34 @@ def test_the_disk_tier_streams_through_the_staging_ring_under_cuda(name, tmp_pat
         assert len([e for e in fake.log if e[0] == "pin"]) >= backend.staging.slots, label
         audit = Audit(fake.log).run(strategy.prefetch_blocks)
         assert not audit.problems, f"{name} {label}: " + "; ".join(audit.problems[:5])
+
+
+class _Pair(torch.Tensor):
+    """A wrapper tensor subclass holding two inner tensors, as torchao's quantized tensors do."""
+
+    @staticmethod
+    def __new__(cls, a, b):
+        return torch.Tensor._make_wrapper_subclass(cls, a.shape, dtype=a.dtype, device=a.device)
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def __tensor_flatten__(self):
+        return ["a", "b"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} is not needed here")
+
+
+def test_record_stream_reaches_the_inner_tensors_of_a_wrapper_subclass(monkeypatch):
+    """The allocator tracks the inner tensors' memory: recording only the wrapper would free it for
+    the next copy while a kernel still reads it."""
+    from vidmem.memory.device import record_stream
+
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: recorded.append(t))
+    plain, a, b = torch.zeros(2), torch.zeros(2), torch.ones(2)
+    record_stream(plain, "compute")
+    record_stream(_Pair(a, b), "compute")
+    assert [id(t) for t in recorded] == [id(plain), id(a), id(b)]

@@ -221,3 +221,40 @@ def test_a_run_that_may_not_climb_raises_at_once_and_restores_everything(tiny_lo
             run(loaded, MemoryStrategy(offload="model"), request_for("wan2.1-t2v", steps=STEPS), RunHooks(climb_on_oom=False))
     assert oom.raised == 1 and oom.calls == 3 and is_out_of_memory(caught.value.__cause__)
     assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+
+
+@pytest.mark.parametrize("message", [
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+    "CUDA out of memory. Tried to allocate 2.00 GiB",
+])
+def test_allocation_failures_below_torch_count_as_out_of_memory(message):
+    """cuBLAS and cuDNN report a failed workspace allocation as a RuntimeError that need not say
+    "out of memory"; both ladders (sampling and decode) climb on it, and on nothing else."""
+    assert is_out_of_memory(RuntimeError(message))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_out_of_memory(ValueError("out of memory"))  # only runtime errors come from allocations
+
+
+def test_the_decode_ladder_climbs_on_a_cublas_allocation_failure_and_on_nothing_else():
+    from test_vae_stages import COG, nearest_decode
+    from vidmem.memory.vae import DecodeReport, decode_with_fallback
+
+    decode, calls = nearest_decode(COG), []
+
+    def failing_once(message):
+        def run(z):
+            calls.append(message)
+            if len(calls) == 1:
+                raise RuntimeError(message)
+            return decode(z)
+        return run
+
+    latents, report = torch.randn(1, 16, 3, 16, 16), DecodeReport()
+    out = decode_with_fallback(failing_once("CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), latents,
+                               COG, None, free_memory=lambda: None, report=report)
+    assert out.shape == (1, 3, 9, 128, 128) and len(report.fallbacks) == 1
+    calls.clear()
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        decode_with_fallback(failing_once("mat1 and mat2 shapes cannot be multiplied"), latents, COG, None,
+                             free_memory=lambda: None)

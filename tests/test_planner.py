@@ -275,6 +275,17 @@ def test_streamed_copies_overlap_compute_with_the_measured_exposed_share():
     assert copy_bound == pytest.approx(3.0 * (1 + with_prefetch))  # a slow link: the copy sets the pace
 
 
+def test_a_plain_fp8_upcast_costs_a_fraction_of_a_scaled_one_on_a_gpu(cogvideox_2b):
+    """Plain fp8 only widens (1 byte read, 2 written); scaled fp8 computes through float32
+    temporaries. On the H200 plain fp8 ran no slower than bf16 (docs/gpu.md)."""
+    shape, strategy = VideoShape(720, 480, 49), MemoryStrategy(offload="none")
+    seconds = {name: plan_run(cogvideox_2b, shape, strategy, PlanOptions(storage={"transformer": name} if name else {}))
+               .stage("denoise").seconds() for name in ("", "fp8_e4m3fn", "fp8_scaled")}  # "": as the model computes
+    assert seconds[""] < seconds["fp8_e4m3fn"] < seconds["fp8_scaled"]
+    widening, scaled = seconds["fp8_e4m3fn"] - seconds[""], seconds["fp8_scaled"] - seconds[""]
+    assert widening == pytest.approx(scaled * 3 / 23, rel=0.01)
+
+
 # --- published figures -----------------------------------------------------------------------
 
 # diffusers CogVideoX docs, "Memory optimization" (added in huggingface/diffusers#9150, sequential

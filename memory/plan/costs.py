@@ -81,6 +81,10 @@ def exposed_copy_share(leaves: bool, prefetch: int) -> float:
 # memory.storage.stored.UPCAST_TEMPORARY_BYTES_PER_WEIGHT), at ~800 GB/s sustained (RTX 4090:
 # 1008 GB/s peak): ~35e9 weights/s. GGUF's formulas move about as much.
 DEVICE_DEQUANT_WEIGHTS_PER_S = 35e9
+# A plain fp8 weight only widens to the compute dtype: 1 byte read and 2 written, not ~23. Measured on
+# an H200 (docs/gpu.md): Wan 14B in plain fp8 ran 0.5% faster than bf16, where charging it like a
+# scaled upcast predicted +12%.
+WIDEN_TRAFFIC_SHARE = 3 / 23
 
 # On a CPU, torch's fp8 and GGUF upcasts are not vectorised like its matmuls: measured here on one
 # core (torch 2.13, a 4096x4096 weight to bf16, best of 3): fp8_e4m3fn 0.06, fp8_scaled 0.04,
@@ -96,10 +100,11 @@ class DeviceRates:
     flops_per_s: float = DEVICE_FLOPS_PER_S
     copy_bytes_per_s: float | None = PCIE_BYTES_PER_S  # None: weights are used where they lie (a CPU device)
     dequant_weights_per_s: float = DEVICE_DEQUANT_WEIGHTS_PER_S
+    widen_share: float = WIDEN_TRAFFIC_SHARE  # what a widening upcast costs against a full one (memory-bound: its traffic)
 
 
 GPU_RATES = DeviceRates()
-CPU_RATES = DeviceRates(HOST_FLOPS_PER_S, None, HOST_DEQUANT_WEIGHTS_PER_S)
+CPU_RATES = DeviceRates(HOST_FLOPS_PER_S, None, HOST_DEQUANT_WEIGHTS_PER_S, widen_share=1.0)  # measured alike here
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,7 @@ class Work:
     on_host: bool = False  # computed on the CPU (text_encoder=cpu): weights are used where they are
     host_weight_bytes: int = 0  # on the CPU: the weights one call reads (from the page cache on disk)
     dequant_weights: int = 0  # stored weights upcast per pass (storage below the compute dtype)
+    dequant_widens: bool = False  # those upcasts only widen (plain fp8): a fraction of the traffic on a GPU
     rates: DeviceRates = GPU_RATES  # the compute device's (on_host work runs at CPU_RATES)
 
     def seconds(self, disk: DiskRead | None = None) -> float:
@@ -157,7 +163,12 @@ class Work:
             if disk is not None:
                 seconds += disk.reread_bytes(Traffic(once_bytes=self.host_weight_bytes))[1] / disk.bytes_per_s
             return seconds
-        return stage_seconds(self.flops, self.passes, self.traffic, disk, self.rates, self.dequant_weights)
+        return stage_seconds(self.flops, self.passes, self.traffic, disk, self.rates, self.upcast_weights)
+
+    @property
+    def upcast_weights(self) -> float:
+        """Stored weights upcast per pass, counted as full upcasts (a widening one costs less on a GPU)."""
+        return self.dequant_weights * (self.rates.widen_share if self.dequant_widens else 1.0)
 
 
 def stage_seconds(compute_flops: float, passes: int, traffic: Traffic, disk: DiskRead | None = None,

@@ -226,6 +226,7 @@ def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, option
     """`name`'s compute on the device: its FLOPs, the weights it moves, the stored weights it upcasts each pass."""
     weights = component_weights(model, name, options)
     return Work(flops, passes, _traffic(model, name, strategy, options), dequant_weights=weights.stored.stored_weights,
+                dequant_widens=weights.stored.widens,
                 rates=options.rates)
 
 

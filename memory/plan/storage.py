@@ -24,7 +24,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..storage.formats import StorageFormat
+from ..storage.formats import StorageFormat, storage_format
 from ..storage.stored import upcast_workspace_bytes
 
 # Comfy-Org's "fp8 scaled" files carry one float32 `scale_weight` per quantized tensor.
@@ -39,6 +39,15 @@ class StoredSizes:
     by_tensor: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}), repr=False, compare=False)
     transient_bytes: int = 0  # the largest stored weight's upcast workspace (upcast_workspace_bytes)
     stored_weights: int = 0  # weights upcast per forward pass (linear layers held below their compute dtype)
+
+    @property
+    def widens(self) -> bool:
+        """Whether an upcast only widens the stored values (plain fp8: one read, one write) rather
+        than computing them through float32 temporaries (scaled fp8, GGUF)."""
+        if self.storage is None:
+            return False
+        fmt = storage_format(self.storage)
+        return fmt.gguf_type is None and not fmt.scaled
 
     def nbytes(self, key: int, tensor: torch.Tensor) -> int:
         """Bytes of `tensor` (`key`: id of its Parameter or buffer object) as the component holds it."""
