@@ -8,6 +8,7 @@ comparison. (torch refuses to point a CPU parameter at a `meta` tensor, or we wo
 
 from __future__ import annotations
 
+import numpy
 import torch
 
 from vidmem.memory.device import CpuBackend
@@ -23,11 +24,13 @@ def copy_at_same_alignment(tensor: torch.Tensor) -> torch.Tensor:
     matrix-vector product by its operands' alignment (docs/bit-identity.md), so the stand-in keeps
     the original's place in a 64-byte line, as vidmem's own host copies do (memory/hostpool.py).
     """
-    if not tensor.is_contiguous():
-        return tensor.clone()
-    offset, nbytes = tensor.data_ptr() % COPY_ALIGN, tensor.numel() * tensor.element_size()
-    buffer = torch.empty(offset + nbytes, dtype=torch.uint8)
-    return buffer[offset:].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    if type(tensor) is not torch.Tensor or not tensor.is_contiguous():
+        return tensor.clone()  # subclasses (GGUF, torchao) copy as themselves
+    nbytes = tensor.numel() * tensor.element_size()
+    line = numpy.empty(nbytes + COPY_ALIGN, dtype=numpy.uint8)
+    start = (tensor.data_ptr() - line.ctypes.data) % COPY_ALIGN
+    # from_numpy: a storage of exactly nbytes starting there, so byte counts of copies stay exact
+    return torch.from_numpy(line[start : start + nbytes]).view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 class StrictBackend(CpuBackend):
