@@ -16,6 +16,12 @@ copy the whole model into locked RAM, the very thing the disk tier avoids. Their
 the page cache, and each streamed copy goes file -> a reusable pinned staging slot -> device
 (`StagingRing`, used by the CUDA backend), so anonymous RAM for streaming stays bounded by a few
 slots of the largest group.
+
+A home or staging copy sits at the same address modulo LINE as the tensor it copies. Code that
+computes on the host copy (a CPU run after a streamed one, the tests' stand-in devices) then
+rounds as it did on the original: MKL's default mode picks its matrix-vector kernel by where the
+operands lie, so the same bytes at another alignment can give other last bits
+(docs/bit-identity.md).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from .storage.mapping import is_file_backed
 from .units import GiB
 
 ARENA_BYTES = 1 * GiB
-ALIGN = 512  # bytes; keeps every view aligned for any dtype and for fast DMA
+ALIGN = 512  # bytes; each copy starts in a block of its own (arenas and slots start at least LINE-aligned)
+LINE = 64  # bytes, a cache line; a copy keeps its original's address modulo LINE (MKL's kernels here look at mod 16)
 # Page-locked memory cannot be swapped out; leave the OS and ComfyUI this much RAM unpinned.
 PINNED_HEADROOM_BYTES = 8 * GiB
 
@@ -108,9 +115,9 @@ class HostPool:
 
     def _allocate(self, host: torch.Tensor, backend, cap_bytes: int) -> torch.Tensor | None:
         size = host.numel() * host.element_size()
-        if size > self.arena_bytes:
+        if _skew(host) + size > self.arena_bytes:
             return None
-        if not self._arenas or self._used + size > self.arena_bytes:
+        if not self._arenas or self._used + _skew(host) + size > self.arena_bytes:
             if self.pinned_bytes + self.arena_bytes > cap_bytes:
                 return None
             try:
@@ -119,7 +126,7 @@ class HostPool:
                 return None
             self._arenas.append(arena)
             self._used = 0
-        start = self._used
+        start = self._used + _skew(host)
         self._used = -(-(start + size) // ALIGN) * ALIGN
         return self._arenas[-1][start : start + size].view(host.dtype).view(host.shape)
 
@@ -230,9 +237,14 @@ class StagingRing:
 def _packed_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     offsets, end = [], 0
     for tensor in tensors:
-        offsets.append(end)
-        end = -(-(end + tensor.numel() * tensor.element_size()) // ALIGN) * ALIGN
+        offsets.append(end + _skew(tensor))
+        end = -(-(offsets[-1] + tensor.numel() * tensor.element_size()) // ALIGN) * ALIGN
     return offsets, end
+
+
+def _skew(tensor: torch.Tensor) -> int:
+    """Where `tensor` starts within a LINE-byte line: its copy starts at the same place in its own."""
+    return tensor.data_ptr() % LINE
 
 
 def _power_of_two(nbytes: int) -> int:

@@ -74,7 +74,9 @@ class PromptCache:
             with safetensors.safe_open(str(path), framework="pt") as entry:
                 if (entry.metadata() or {}).get("key") != key:
                     raise ValueError("the entry was written for another key")
-                tensor = entry.get_tensor(TENSOR)
+                # Out of the file's mapping into fresh memory, where encoded embeddings lie too: the
+                # same values at another alignment may round differently (docs/bit-identity.md).
+                tensor = entry.get_tensor(TENSOR).clone()
             if not tensor.is_floating_point() or tensor.ndim != 3 or not torch.isfinite(tensor).all():
                 raise ValueError(f"the entry holds {tensor.dtype} {tuple(tensor.shape)}, not finite embeddings")
         except Exception as error:  # noqa: BLE001 - any unreadable entry is a miss, never a crash

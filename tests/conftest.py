@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Before torch multiplies anything: MKL reads MKL_CBWR once, at its first call. In its default mode
+# a product's last bits can depend on where its operands lie; vidmem keeps its own copies where
+# their originals lie, but weights used in place from a file lie at that file's offsets, so tests
+# comparing those with weights loaded elsewhere (marked `reproducible_blas`) hold only in a
+# reproducible mode. A caller's choice is kept: tests/test_blas_modes.py runs the claims that must
+# hold in any mode with MKL_CBWR empty (MKL's default) and COMPATIBLE. See docs/bit-identity.md.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)  # results compared bit for bit must not depend on thread scheduling
 
 from vidmem.pipelines.loader import load_pipeline  # noqa: E402
 from vidmem.pipelines.tiny import save_tiny_pipeline  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "reproducible_blas: bit identity that holds only in a reproducible BLAS mode (MKL_CBWR set above), "
+        "e.g. weights used in place at a file's offsets against the same weights at other addresses")
 
 
 @pytest.fixture(scope="session")

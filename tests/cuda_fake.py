@@ -30,6 +30,8 @@ import itertools
 
 import torch
 
+from backends import copy_at_same_alignment
+
 
 class FakeStream:
     def __init__(self, fake: "FakeCuda", name: str) -> None:
@@ -172,7 +174,7 @@ class FakeCuda:
                     fake.log.append(("oom", fake.current.name))
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (fake)")
                 if out is tensor:  # same device: make the copy real, as a device copy would be
-                    out = tensor.clone()
+                    out = copy_at_same_alignment(tensor)
                 fake.log.append(("copy", fake.current.name, _ptr(out)))
             return out
 

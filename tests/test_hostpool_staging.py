@@ -166,3 +166,43 @@ def test_groups_of_growing_sizes_replace_free_slots_instead_of_adding(tmp_path):
         backend.wait(token, copies)
         assert torch.equal(copies[0], tensor)
     assert backend.staging.stats() == {"slots": 1, "pinned_bytes": 65536, "staged_bytes": 512 + 512 + 4096 + 40448}
+
+
+def at_skews(skews: list[int], numel: int = 96) -> list[torch.Tensor]:
+    """Weights whose first byte lies `skew` bytes past a 64-byte line, as views into files do."""
+    line = torch.empty(64 * len(skews) + numel * 4 * len(skews), dtype=torch.uint8)
+    base = (-line.data_ptr()) % 64
+    views = []
+    for i, skew in enumerate(skews):
+        start = base + i * (64 + numel * 4) + skew
+        views.append(line[start : start + numel * 4].view(torch.float32).copy_(torch.randn(numel)))
+    return views
+
+
+def test_a_pinned_home_keeps_its_originals_place_in_a_cache_line():
+    """A home replaces its original for good, so it sits at the same address modulo 64: a CPU
+    computing on it afterwards rounds as on the original (MKL's default mode picks its
+    matrix-vector kernel by alignment; docs/bit-identity.md)."""
+    from backends import StrictBackend
+    from vidmem.memory.residency import Slot
+
+    skews = list(range(0, 64, 4))
+    originals = at_skews(skews)
+    holder = torch.nn.Module()
+    for i, tensor in enumerate(originals):
+        holder.register_buffer(f"w{i}", tensor)
+    slots = [[Slot(holder, f"w{i}", False, t)] for i, t in enumerate(originals)]
+    adopted = HostPool(1 << 20).adopt(slots, StrictBackend(pinning=True), cap_bytes=1 << 30)
+    homes = [owners[0].host for owners in adopted]
+    assert all(home.data_ptr() != t.data_ptr() for home, t in zip(homes, originals))  # really copied
+    assert [home.data_ptr() % 64 for home in homes] == skews
+    assert all(torch.equal(home, t) for home, t in zip(homes, originals))
+
+
+def test_a_staging_slot_keeps_each_tensors_place_in_a_cache_line(tmp_path):
+    tensors = file_tensors(tmp_path, [7, 100, 33, 1000])  # the header and odd sizes put them at mixed offsets
+    assert len({t.data_ptr() % 64 for t in tensors}) > 1
+    sources, slot = LazyCopyBackend().staging.sources(tensors)
+    assert slot is not None
+    assert [s.data_ptr() % 64 for s in sources] == [t.data_ptr() % 64 for t in tensors]
+    assert all(torch.equal(s, t) for s, t in zip(sources, tensors))
