@@ -14,8 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .plan_cli import add_plan_parser, parse_size, run_plan
-from .queue_cli import add_queue_parser, run_queue  # standard library only: cheap to import
+from .plan import add_plan_parser, parse_size, run_plan
+from .queue import add_queue_parser, run_queue  # standard library only: cheap to import
 
 DEMO_VARIANT = "wan2.1-t2v"
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never downloads
-    from .pipelines.tiny import TINY_VARIANTS, save_tiny_pipeline, tiny_spec
+    from ..pipelines.tiny import TINY_VARIANTS, save_tiny_pipeline, tiny_spec
 
     if args.list_variants:
         print("\n".join(TINY_VARIANTS))
@@ -68,7 +68,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int):
     """The same node classes ComfyUI runs, called in graph order."""
-    from .nodes import NODE_CLASS_MAPPINGS as N
+    from ..nodes import NODE_CLASS_MAPPINGS as N
 
     (pipeline,) = N["VidMemLoadPipeline"]().load(model="", dtype="fp32", path=str(folder))
     blocks = args.blocks_to_swap if args.offload == "block_swap" else 0
