@@ -555,7 +555,7 @@ def main() -> None:
 
 
 def write_json(path: Path, result: dict) -> None:
-    from vidmem.atomic import write_bytes_atomically
+    from vidmem.pipelines.atomic import write_bytes_atomically
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomically(path, json.dumps(result, indent=1).encode())

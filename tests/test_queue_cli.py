@@ -446,7 +446,7 @@ def test_a_websocket_message_that_is_not_json_costs_only_progress(stub, tmp_path
 
 
 def test_a_download_that_fails_midway_leaves_no_half_file(stub, tmp_path, monkeypatch, capsys):
-    from vidmem import atomic
+    from vidmem.pipelines import atomic
 
     def broken_replace(source, target):
         raise OSError("disk full")
