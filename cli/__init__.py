@@ -8,32 +8,17 @@ VRAM and RAM of every strategy for a model and shape, and recommends the fastest
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
-from .plan import add_plan_parser, parse_size, run_plan
+from .demo import add_demo_parser, run_demo
+from .plan import add_plan_parser, run_plan
 from .queue import add_queue_parser, run_queue  # standard library only: cheap to import
-
-DEMO_VARIANT = "wan2.1-t2v"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vidmem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="sample and decode a small built-in model, write video + receipt")
-    demo.add_argument("--out", type=Path, default=Path("vidmem-demo"), help="folder for demo.mp4 and receipt.json")
-    demo.add_argument("--variant", default=DEMO_VARIANT, help="built-in tiny model (see --list-variants)")
-    demo.add_argument("--list-variants", action="store_true", help="print the built-in variants and exit")
-    demo.add_argument("--offload", default="block_swap", help="none | model | block_swap | sequential")
-    demo.add_argument("--blocks-to-swap", type=int, default=1, help="for --offload block_swap")
-    demo.add_argument("--size", default="64x64", help="WIDTHxHEIGHT")
-    demo.add_argument("--frames", type=int, default=17)
-    demo.add_argument("--steps", type=int, default=4)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(run=run_demo)
+    add_demo_parser(commands).set_defaults(run=run_demo)
     add_queue_parser(commands).set_defaults(run=run_queue)
     add_plan_parser(commands).set_defaults(run=run_plan)
     args = parser.parse_args(argv)
@@ -42,67 +27,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # bad input: one clear line, no traceback
         print(f"vidmem: {error}", file=sys.stderr)
         return 2
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never downloads
-    from ..pipelines.tiny import TINY_VARIANTS, save_tiny_pipeline, tiny_spec
-
-    if args.list_variants:
-        print("\n".join(TINY_VARIANTS))
-        return 0
-    width, height = parse_size(args.size)
-    spec = tiny_spec(args.variant)
-    if spec.needs_image:
-        raise ValueError(f"--variant {args.variant} is image-to-video; the demo runs text-to-video variants.")
-    args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vidmem-demo-") as scratch:
-        folder = save_tiny_pipeline(args.variant, Path(scratch) / args.variant)
-        frames, receipt = _run_nodes(folder, args, width, height)
-    video = write_mp4(frames, args.out / "demo.mp4")
-    receipt["video"] = {"path": str(video), "frames": int(frames.shape[0]), "size": [width, height]}
-    (args.out / "receipt.json").write_text(json.dumps(receipt, indent=2))
-    print(json.dumps(receipt, indent=2))
-    return 0
-
-
-def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int):
-    """The same node classes ComfyUI runs, called in graph order."""
-    from ..nodes import NODE_CLASS_MAPPINGS as N
-
-    (pipeline,) = N["VidMemLoadPipeline"]().load(model="", dtype="fp32", path=str(folder))
-    blocks = args.blocks_to_swap if args.offload == "block_swap" else 0
-    strategy = N["VidMemMemoryStrategy"]().build(
-        offload=args.offload, blocks_to_swap=blocks, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
-        text_encoder="offload_after_encoding",
-        vae_slicing=False, vae_tiling=True, tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4,
-    )["result"][0]
-    sampled = N["VidMemVideoSampler"]().sample(
-        pipeline, strategy, "a lighthouse at dusk", "", width, height, args.frames, args.steps, 5.0, args.seed
-    )
-    decoded = N["VidMemVAEDecode"]().decode(pipeline, sampled["result"][0], strategy)
-    receipt = {
-        "model": pipeline.describe(),
-        "sampler": sampled["ui"]["vidmem_receipt"][0],
-        "decode": decoded["ui"]["vidmem_receipt"][0],
-        "free": N["VidMemFreeVRAM"]().free(decoded["result"][0])["ui"]["vidmem_receipt"][0],
-    }
-    return decoded["result"][0], receipt
-
-
-def write_mp4(frames, path: Path, fps: int = 8) -> Path:
-    """IMAGE frames [F, H, W, 3] in 0..1 -> an H.264 mp4 (even sizes, yuv420p, as core SaveVideo)."""
-    import av
-
-    pixels = (frames.clamp(0, 1) * 255).round().byte().cpu().numpy()
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("h264", rate=fps)
-        stream.width, stream.height = pixels.shape[2], pixels.shape[1]
-        stream.pix_fmt = "yuv420p"
-        for frame in pixels:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return path
 
 
 if __name__ == "__main__":
