@@ -27,7 +27,3 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # bad input: one clear line, no traceback
         print(f"vidmem: {error}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

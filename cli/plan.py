@@ -197,6 +197,7 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`vidmem plan` alone, for callers in Python: `main(["plan", "--list-models"])`."""
     parser = argparse.ArgumentParser(prog="vidmem")
     add_plan_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
@@ -205,7 +206,3 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"vidmem: {error}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
