@@ -52,7 +52,7 @@ from vidmem.memory.lora import apply_loras  # noqa: E402
 from vidmem.memory.offload import StageComponents, apply_strategy  # noqa: E402
 from vidmem.memory.storage import mapped_bytes  # noqa: E402
 from vidmem.pipelines.lora import load_lora, lora_patches  # noqa: E402
-from _memwatch import peak_growth, rss_in_child  # noqa: E402  (bench/ is on the path when run as a script)
+from bench.support.memwatch import peak_growth, rss_in_child  # noqa: E402
 
 CONFIG = ROOT / "pipelines" / "configs" / "models" / "wan2.1-t2v-14b.json"
 RANK = 64
