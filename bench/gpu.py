@@ -45,6 +45,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.support
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
 
 import torch  # noqa: E402
 

@@ -42,6 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
 
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402

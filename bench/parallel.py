@@ -28,6 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
 
 CASES = (("wan2.1-t2v-14b", (1280, 720, 81)), ("wan2.2-t2v-a14b", (832, 480, 81)))
 GPU_COUNTS = (1, 2, 4, 8)
