@@ -1,6 +1,6 @@
 """Block swap benchmark: CPU wall time per tier, our sampler vs diffusers, and the modelled GPU cost.
 
-Three parts, written as issue 3's evidence JSON:
+Three parts, written as one evidence JSON:
 - `cpu` (measured): one process, a mid-size Wan (the 1.3B widths, 6 blocks, fp32, random weights,
   the tiny text encoder and VAE from vidmem.pipelines.tiny), one `sample()` call per tier, rounds
   interleaved with the order rotated each round, median of `--runs` after an untimed warm-up round,
