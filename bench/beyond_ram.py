@@ -1,9 +1,9 @@
 """Beyond RAM: Wan 2.1 T2V 14B from ComfyUI's own files, larger than RAM, on this CPU.
 
-Builds real-size random-weight files in Comfy-Org's layout and names (bench/_beyond_ram_files.py):
+Builds real-size random-weight files in Comfy-Org's layout and names (bench/support/beyond_ram_files.py):
 the 14B transformer in bf16 (28.6 GB, more than this machine's RAM) and in fp8 scaled (14.3 GB),
 umt5-xxl in fp8 scaled with an embedded SentencePiece tokenizer, the Wan 2.1 VAE. Each variant
-then runs in a fresh process (bench/_beyond_ram_run.py), as ComfyUI would: Load Video Model Files
+then runs in a fresh process (bench/support/beyond_ram_run.py), as ComfyUI would: Load Video Model Files
 from a models/ tree (weights_on_disk: the weights stay memory-mapped from the files), Memory
 Strategy offload=auto (the planner picks the tier and the text encoder placement for this
 machine's RAM), Video Sampler (1 step at 64x64x5, cfg 1: one pass), Video VAE Decode.
@@ -38,12 +38,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.support.checkout import use_this_checkout  # noqa: E402
 
-import _beyond_ram_files as files  # noqa: E402
+use_this_checkout()  # `import vidmem` is this clone, installed or not
+
+from bench.support import beyond_ram_files as files  # noqa: E402
 
 GOAL_ANON_BYTES = 8 * 2**30
-RUN_SCRIPT = Path(__file__).with_name("_beyond_ram_run.py")
+RUN_SCRIPT = Path(__file__).parent / "support" / "beyond_ram_run.py"
 MEASURED_PHASES = ("load", "strategy", "sample", "decode")
 
 

@@ -1,6 +1,6 @@
 """Block swap benchmark: CPU wall time per tier, our sampler vs diffusers, and the modelled GPU cost.
 
-Three parts, written as issue 3's evidence JSON:
+Three parts, written as one evidence JSON:
 - `cpu` (measured): one process, a mid-size Wan (the 1.3B widths, 6 blocks, fp32, random weights,
   the tiny text encoder and VAE from vidmem.pipelines.tiny), one `sample()` call per tier, rounds
   interleaved with the order rotated each round, median of `--runs` after an untimed warm-up round,
@@ -20,7 +20,7 @@ About 4 minutes on 2 shared cores; `--skip-cpu` runs only the modelled part (~20
 
     python bench/blockswap.py --skip-cpu --json bench/results/blockswap_modelled.json
 
-The parts live beside this script: _blockswap_modelled.py, _blockswap_cpu.py, _blockswap_report.py.
+The parts live in bench/support/: blockswap_modelled.py, blockswap_cpu.py, blockswap_report.py.
 """
 
 from __future__ import annotations
@@ -33,14 +33,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _blockswap_* parts
+sys.path.insert(0, str(ROOT))  # bench.support: the parts
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
 
 import torch  # noqa: E402
 
-from _blockswap_cpu import MID_CHANGES, NARROW_CHANGES, evidence, time_cpu  # noqa: E402
-from _blockswap_modelled import FAMILIES, MODELS, STEPS, bandwidth_sweep, measure, model_overheads, transformer_config  # noqa: E402
-from _blockswap_report import plot, print_cpu, print_goals, print_modelled  # noqa: E402
+from bench.support.blockswap_cpu import MID_CHANGES, NARROW_CHANGES, evidence, time_cpu  # noqa: E402
+from bench.support.blockswap_modelled import FAMILIES, MODELS, STEPS, bandwidth_sweep, measure, model_overheads, transformer_config  # noqa: E402
+from bench.support.blockswap_report import plot, print_cpu, print_goals, print_modelled  # noqa: E402
 from vidmem.memory.swap_model import GpuSpec  # noqa: E402
 
 

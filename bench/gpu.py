@@ -45,6 +45,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.support
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
 
 import torch  # noqa: E402
 
@@ -555,7 +559,7 @@ def main() -> None:
 
 
 def write_json(path: Path, result: dict) -> None:
-    from vidmem.atomic import write_bytes_atomically
+    from vidmem.pipelines.atomic import write_bytes_atomically
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomically(path, json.dumps(result, indent=1).encode())

@@ -42,6 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
 
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
@@ -52,7 +55,7 @@ from vidmem.memory.lora import apply_loras  # noqa: E402
 from vidmem.memory.offload import StageComponents, apply_strategy  # noqa: E402
 from vidmem.memory.storage import mapped_bytes  # noqa: E402
 from vidmem.pipelines.lora import load_lora, lora_patches  # noqa: E402
-from _memwatch import peak_growth, rss_in_child  # noqa: E402  (bench/ is on the path when run as a script)
+from bench.support.memwatch import peak_growth, rss_in_child  # noqa: E402
 
 CONFIG = ROOT / "pipelines" / "configs" / "models" / "wan2.1-t2v-14b.json"
 RANK = 64

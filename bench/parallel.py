@@ -2,7 +2,7 @@
 
 Two parts, written as JSON:
 - `cpu.ulysses2`: Wan with Ulysses degree 2 over two spawned CPU ranks (gloo) against one process,
-  under tiers none and block_swap (`bench/_parallel_cpu.ulysses2_parity`): the largest absolute
+  under tiers none and block_swap (`bench/support/parallel_cpu.ulysses2_parity`): the largest absolute
   difference of the frames and the wall time. Skipped with `--modelled-only`.
 - `modelled`: `vidmem.memory.plan.parallel.plan_parallel` for Wan 2.1 T2V 14B at 1280x720x81 and
   Wan 2.2 T2V A14B at 832x480x81 on 1, 2, 4 and 8 GPUs, Ulysses, bf16, the default strategy (model
@@ -28,6 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
 
 CASES = (("wan2.1-t2v-14b", (1280, 720, 81)), ("wan2.2-t2v-a14b", (832, 480, 81)))
 GPU_COUNTS = (1, 2, 4, 8)
@@ -47,7 +50,7 @@ def main() -> None:
 
 def cpu() -> dict:
     """Ulysses degree 2 on two CPU ranks against one process (the runtime's own parity check)."""
-    from bench._parallel_cpu import ulysses2_parity  # the runtime's bench helper; spawns gloo ranks
+    from bench.support.parallel_cpu import ulysses2_parity  # the runtime's bench helper; spawns gloo ranks
 
     parity = ulysses2_parity(variants=("wan_t2v",), tiers=("none", "block_swap"))
     return {"ulysses2": {"max_abs_diff": parity["max_abs_diff"], "seconds": parity["seconds"], "runs": parity["runs"]}}

@@ -42,6 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
 
 import diffusers  # noqa: E402
 import torch  # noqa: E402
@@ -51,7 +54,7 @@ from vidmem.training.autograd import frozen_saved_by_storage, gradient_checkpoin
 from vidmem.training.batches import step_generator  # noqa: E402
 from vidmem.training.objective import Batch, FlowMatching  # noqa: E402
 from vidmem.training.optim import OptimizerName, OptimizerSettings, make_optimizer, state_bytes  # noqa: E402
-from _memwatch import peak_growth, rss_in_child  # noqa: E402  (bench/ is on the path when run as a script)
+from bench.support.memwatch import peak_growth, rss_in_child  # noqa: E402
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",

@@ -7,7 +7,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from ..atomic import atomic_path
+from .atomic import atomic_path
 from .family import ModelError
 
 LATENT_SUFFIX = ".latent"

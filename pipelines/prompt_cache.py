@@ -35,7 +35,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..atomic import PARTIAL_SUFFIX, atomic_path
+from .atomic import PARTIAL_SUFFIX, atomic_path
 
 log = logging.getLogger("vidmem")
 

@@ -49,7 +49,7 @@ class FakeStream:
 
 
 class FakeEvent:
-    """torch.cuda.Event; `finished` and `synchronized` are also what H1's staging test reads."""
+    """torch.cuda.Event; `finished` and `synchronized` are also what the host pool's staging tests read."""
 
     def __init__(self, fake: "FakeCuda", enable_timing: bool = False) -> None:
         self.fake, self.enable_timing = fake, enable_timing

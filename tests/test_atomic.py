@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from vidmem.atomic import atomic_path, write_bytes_atomically
+from vidmem.pipelines.atomic import atomic_path, write_bytes_atomically
 
 
 def test_a_finished_file_gets_the_usual_mode(tmp_path):

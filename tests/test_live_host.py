@@ -470,7 +470,7 @@ def tiny_overrides(path, clips: Path | None = None) -> list[str]:
 
 @pytest.mark.parametrize("path", wr.api_files(), ids=lambda p: p.stem)
 def test_queue_client_runs_every_api_workflow(path, tmp_path, capsys, object_info, clips):
-    from vidmem.queue_cli import main as queue_main
+    from vidmem.cli.queue import main as queue_main
 
     require_files(path, object_info)
     overrides = tiny_overrides(path, clips)

@@ -1,4 +1,4 @@
-"""bench/_memwatch.py and the LoRA bench's RSS figure: the measurements the bench tables rest on.
+"""bench/support/memwatch.py and the LoRA bench's RSS figure: the measurements the bench tables rest on.
 
 The LoRA bench once read 0.0 MiB for a 58.5 MiB LoRA: Load LoRA had started reading every value
 (its NaN check) before the measured call, so the file's pages were resident before the peak was
@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # bench.support; the LoRA bench as `lora`
 
-import _memwatch  # noqa: E402
+from bench.support import memwatch  # noqa: E402
 
 MIB = 1 << 20
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc peak reset only")
@@ -35,7 +35,7 @@ def touch_mapped(path: Path) -> int:
 def test_peak_growth_counts_pages_touched_inside_the_call(tmp_path):
     path = tmp_path / "file.bin"
     path.write_bytes(os.urandom(16 * MIB))
-    growth = _memwatch.peak_growth(lambda: touch_mapped(path))
+    growth = memwatch.peak_growth(lambda: touch_mapped(path))
     assert 0.9 * 16 * MIB <= growth <= 1.5 * 16 * MIB
 
 
@@ -44,7 +44,7 @@ def test_peak_growth_is_the_peak_not_what_is_left(tmp_path):
         block = torch.ones(32 * MIB // 4)  # 32 MiB, freed before the call returns
         return float(block[-1])
 
-    assert _memwatch.peak_growth(allocate_and_free) >= 0.9 * 32 * MIB
+    assert memwatch.peak_growth(allocate_and_free) >= 0.9 * 32 * MIB
 
 
 def test_peak_growth_misses_what_was_resident_before_the_call(tmp_path):
@@ -54,7 +54,7 @@ def test_peak_growth_misses_what_was_resident_before_the_call(tmp_path):
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
         touch = lambda: sum(view[i] for i in range(0, len(view), mmap.PAGESIZE))  # noqa: E731
         touch()
-        assert _memwatch.peak_growth(touch) < 2 * MIB
+        assert memwatch.peak_growth(touch) < 2 * MIB
 
 
 def test_rss_in_child_runs_the_script_with_the_exact_rss_allocator(tmp_path):
@@ -66,7 +66,7 @@ def test_rss_in_child_runs_the_script_with_the_exact_rss_allocator(tmp_path):
         "keys = ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')\n"
         "json.dump({'argv': args, 'env': {k: os.environ.get(k) for k in keys}}, open(out, 'w'))\n"
     )
-    found = _memwatch.rss_in_child(str(script), SimpleNamespace(blocks=3, threads=2))
+    found = memwatch.rss_in_child(str(script), SimpleNamespace(blocks=3, threads=2))
     assert found["env"] == {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     assert found["argv"][found["argv"].index("--blocks") + 1] == "3"
     assert found["argv"][found["argv"].index("--threads") + 1] == "2"

@@ -3,7 +3,7 @@
 One pool serves every test of the module: a rank holds one pipeline at a time and reopens it
 from the folder when another is asked for, as it would when the user loads another model.
 Tolerance: T2V and A14B are bit-identical. I2V differs by at most 9.5e-7 (about two float32
-ulps at the latents' magnitude), measured by bench/_parallel_cpu.py; the single-process run is
+ulps at the latents' magnitude), measured by bench/support/parallel_cpu.py; the single-process run is
 itself deterministic (two runs agree bit for bit), so the difference comes from the split run.
 """
 

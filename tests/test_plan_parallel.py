@@ -15,7 +15,7 @@ from vidmem.memory.plan.parallel_trace import ring_attention, ulysses_attention
 from vidmem.memory.plan.planner import VideoShape, plan_run
 from vidmem.memory.strategy import MemoryStrategy, OffloadTier
 from vidmem.pipelines.configs import load_model
-from vidmem.plan_cli import main as plan_main
+from vidmem.cli.plan import main as plan_main
 
 SMALL = VideoShape(480, 320, 33)  # Wan: 9 latent frames x 20 x 30 patches = 5400 tokens
 

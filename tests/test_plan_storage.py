@@ -19,7 +19,7 @@ from vidmem.memory import MemoryStrategy
 from vidmem.memory.plan.planner import GiB, PlanError, PlanOptions, VideoShape, choose_strategy, plan_run
 from vidmem.memory.storage import FORMATS
 from vidmem.pipelines.configs import load_model
-from vidmem.plan_cli import main as plan_main
+from vidmem.cli.plan import main as plan_main
 
 SHAPE = VideoShape(832, 480, 81)
 SWAP = MemoryStrategy(offload="block_swap", blocks_to_swap=20, prefetch_blocks=1)

@@ -14,7 +14,7 @@ from vidmem.memory.plan.train import (ActivationPeaks, block_target_shapes, trac
 from vidmem.memory.plan.train_plan import TrainRequest
 from vidmem.pipelines.configs import load_model
 from vidmem.pipelines.tiny import save_tiny_pipeline
-from vidmem.plan_cli import main
+from vidmem.cli.plan import main
 from vidmem.training.inference import training_mode
 from vidmem.training.optim import OptimizerName, OptimizerSettings, make_optimizer, state_bytes
 from vidmem.training.plan import plan_training_step

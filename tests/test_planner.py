@@ -23,7 +23,7 @@ from vidmem.pipelines.configs.streams import expand_blocks
 from vidmem.pipelines.family import ModelError
 from vidmem.pipelines.sample import SampleRequest, sample
 from vidmem.pipelines.tiny import tiny_spec
-from vidmem.plan_cli import main as plan_main
+from vidmem.cli.plan import main as plan_main
 
 MiB = 1 << 20
 TINY_DIT = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16, out_channels=16,

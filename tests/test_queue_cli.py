@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from vidmem import queue_cli
-from vidmem.queue_cli import add_queue_parser, run_queue
+from vidmem.cli import queue as queue_cli
+from vidmem.cli.queue import add_queue_parser, run_queue
 
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455, section 1.3: the stub server's handshake
 
@@ -446,7 +446,7 @@ def test_a_websocket_message_that_is_not_json_costs_only_progress(stub, tmp_path
 
 
 def test_a_download_that_fails_midway_leaves_no_half_file(stub, tmp_path, monkeypatch, capsys):
-    from vidmem import atomic
+    from vidmem.pipelines import atomic
 
     def broken_replace(source, target):
         raise OSError("disk full")
@@ -458,7 +458,7 @@ def test_a_download_that_fails_midway_leaves_no_half_file(stub, tmp_path, monkey
 
 
 def test_files_of_a_good_answer_land_under_their_subfolder(tmp_path):
-    from vidmem.queue_client import output_file
+    from vidmem.cli.queue_client import output_file
 
     assert output_file("7", {"filename": "a.mp4", "subfolder": "video\\day1"}).target(tmp_path) == tmp_path / "video" / "day1" / "a.mp4"
     assert output_file("7", {"filename": "a.mp4", "subfolder": "./x/"}).target(tmp_path) == tmp_path / "x" / "a.mp4"

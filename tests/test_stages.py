@@ -155,7 +155,7 @@ def test_the_planner_counts_the_components_the_sampler_places(variant, tiny_load
 
 
 def test_an_image_encoder_follows_the_tier_when_the_prompt_encoder_is_on_the_cpu(tiny_loaded):
-    """The drift the review found: Wan 2.1 I2V's CLIP encoder runs on the device with text_encoder=cpu."""
+    """A past drift: Wan 2.1 I2V's CLIP encoder runs on the device with text_encoder=cpu."""
     loaded = tiny_loaded("wan2.1-i2v")
     present = [n for n, c in loaded.pipe.components.items() if isinstance(c, torch.nn.Module)]
     names = stage_components(loaded.spec, present, TextEncoderPlacement.CPU, image=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -445,4 +446,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    from bench.support.checkout import use_this_checkout
+
+    use_this_checkout()  # `import vidmem` is this clone, installed or not
     main()

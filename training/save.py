@@ -21,7 +21,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..atomic import atomic_path
+from ..pipelines.atomic import atomic_path
 from .adapters import path_of
 from .errors import TrainingError
 

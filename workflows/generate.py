@@ -320,4 +320,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))
+    from bench.support.checkout import use_this_checkout
+
+    use_this_checkout()  # `import vidmem` is this clone, installed or not
     sys.exit(main())

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ...atomic import atomic_path
+from ..atomic import atomic_path
 from ...memory.parallel import run_in_process_group
 from ...memory.strategy import MemoryStrategy, Parallelism
 from ..sample import SampleRequest

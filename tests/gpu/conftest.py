@@ -13,6 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/gpu.py: builders, trace_overlap
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench.support: the block-swap bench's builders
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CPU suite's helpers
 
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is false here); run bash bench/gpu_check.sh on a GPU machine"

@@ -102,8 +102,8 @@ def test_a_real_out_of_memory_meets_the_ladder(cuda):
     """The allocator capped between tier none's weights and its peak, so the weights load and the
     first step's activations do not fit: the run completes on a leaner rung, the receipt names it,
     and the latent is the final rung's own, bit for bit."""
-    from _blockswap_cpu import build_pipeline
-    from _blockswap_modelled import transformer_config
+    from bench.support.blockswap_cpu import build_pipeline
+    from bench.support.blockswap_modelled import transformer_config
     from vidmem.pipelines.sample import SampleRequest, sample
 
     loaded = build_pipeline(dict(transformer_config("wan2.1-t2v-1.3b")[1], text_dim=32))  # the tiny text encoder's width

@@ -30,10 +30,10 @@ def add_train_arguments(plan: argparse.ArgumentParser) -> None:
 
 
 def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) -> int:
-    from .memory.accounting import Attention
-    from .memory.plan.train_plan import TrainRequest
-    from .training.plan import plan_training_step
-    from .training.settings import DEFAULT_TARGETS, parse_targets
+    from ..memory.accounting import Attention
+    from ..memory.plan.train_plan import TrainRequest
+    from ..training.plan import plan_training_step
+    from ..training.settings import DEFAULT_TARGETS, parse_targets
 
     targets = parse_targets(args.targets) if args.targets else tuple(DEFAULT_TARGETS)
     denoiser = model.layout.denoisers[0]  # Wan 2.2 A14B: one expert per run; both are the same size

@@ -47,8 +47,8 @@ def wants_parallel(args: argparse.Namespace) -> bool:
 
 
 def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) -> int:
-    from .memory.plan.parallel import (INTERCONNECTS, RANK_STORAGE, MultiGpu, context_parallel_refusal,
-                                       parallel_candidates, parallel_recommended)
+    from ..memory.plan.parallel import (INTERCONNECTS, RANK_STORAGE, MultiGpu, context_parallel_refusal,
+                                        parallel_candidates, parallel_recommended)
 
     if args.interconnect not in INTERCONNECTS:
         raise ValueError(f"--interconnect {args.interconnect!r} is not one vidmem knows; use {', '.join(INTERCONNECTS)}, "

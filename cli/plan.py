@@ -10,7 +10,7 @@ and the VAE tiling that fit) with predicted peak VRAM per stage, peak RAM and es
 and marks the recommendation: the fastest row that fits. When the weights overrun the RAM budget,
 the same tiers follow with the weights on disk (memory-mapped: page cache, which the kernel
 reclaims, instead of anonymous RAM; slower when the page cache cannot keep them). With `--gpus N`
-(plan_parallel_cli.py) the rows are per GPU, with the time and speedup against one GPU. `--weights`
+(plan_parallel.py) the rows are per GPU, with the time and speedup against one GPU. `--weights`
 never changes on its own: when nothing fits, the message says which storage or tier would.
 Exit status: 0 when something fits, 1 when nothing does (the message says what would), 2 for bad input.
 """
@@ -21,8 +21,8 @@ import argparse
 import json
 import sys
 
-from .plan_parallel_cli import add_parallel_arguments, run_parallel_plan, wants_parallel
-from .plan_train_cli import add_train_arguments, run_train_plan
+from .plan_parallel import add_parallel_arguments, run_parallel_plan, wants_parallel
+from .plan_train import add_train_arguments, run_train_plan
 
 # Not vidmem.memory.units.GiB: importing vidmem.memory loads torch, and `vidmem --help` and
 # `vidmem queue` import this module without needing it.
@@ -34,7 +34,7 @@ class _StorageNames:
     the engine loads torch, which `vidmem --help` and `vidmem queue` must not pay for."""
 
     def _names(self) -> tuple[str, ...]:
-        from .memory.storage import FORMATS
+        from ..memory.storage import FORMATS
 
         return tuple(FORMATS)
 
@@ -84,18 +84,18 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from .pipelines.configs import defaults, load_model, model_names
+    from ..pipelines.configs import defaults, load_model, model_names
 
     if args.list_models:
         print("\n".join(model_names()))
         return 0
     if not args.model:
         raise ValueError("--model is required: a built-in model (vidmem plan --list-models) or a diffusers folder.")
-    from .memory.accounting import Attention
-    from .memory.plan.planner import Allocator, PlanOptions, VideoShape, candidate_plans, recommended
-    from .memory.plan.advice import nothing_fits_message
-    from .memory.plan.costs import NVME_BYTES_PER_S
-    from .memory.strategy import MemoryStrategy
+    from ..memory.accounting import Attention
+    from ..memory.plan.planner import Allocator, PlanOptions, VideoShape, candidate_plans, recommended
+    from ..memory.plan.advice import nothing_fits_message
+    from ..memory.plan.costs import NVME_BYTES_PER_S
+    from ..memory.strategy import MemoryStrategy
 
     model = load_model(args.model, args.dtype, args.vae_dtype)
     own = defaults(args.model)
@@ -197,6 +197,7 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`vidmem plan` alone, for callers in Python: `main(["plan", "--list-models"])`."""
     parser = argparse.ArgumentParser(prog="vidmem")
     add_plan_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
@@ -205,7 +206,3 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"vidmem: {error}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,8 +9,8 @@ import torch
 
 from vidmem.memory.swap_model import GpuSpec
 
-from _blockswap_cpu import CONTROL, CPU_RUN, CpuTimes
-from _blockswap_modelled import BANDWIDTHS, STEPS, Measured, modelled_tiers
+from .blockswap_cpu import CONTROL, CPU_RUN, CpuTimes
+from .blockswap_modelled import BANDWIDTHS, STEPS, Measured, modelled_tiers
 
 
 def print_cpu(mid: CpuTimes, narrow: CpuTimes) -> None:

@@ -4,7 +4,7 @@ Used by bench/parallel.py and by the tests' figures. Each variant is a tiny rand
 saved as a real diffusers folder; the ranks open it from disk like any other model, run the
 ordinary sampler under each tier and return rank 0's latent, compared with the same run in
 this process. Both sides load the folder the same way (loaded weights round differently from
-freshly built ones, see FACTS.md), with one thread per process.
+freshly built ones), with one thread per process.
 """
 
 from __future__ import annotations

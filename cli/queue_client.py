@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 
 import websocket  # websocket-client
 
-from .atomic import write_bytes_atomically
+from ..pipelines.atomic import write_bytes_atomically
 
 SHOWN = 300  # bytes of a bad answer quoted in a message
 

@@ -1,29 +1,21 @@
-"""`vidmem` console script.
-
-`vidmem demo --out DIR` runs the node code path end to end on a small model it builds itself
-(no downloads, no ComfyUI) and writes a video and its receipt; `vidmem queue` runs an
-API-format workflow on a ComfyUI server; `vidmem plan` predicts, before any run, the peak
-VRAM and RAM of every strategy for a model and shape, and recommends the fastest that fits."""
+"""`vidmem demo`: the node code path end to end on a small model it builds itself (no downloads,
+no ComfyUI), written as a video and its receipt."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-from .plan_cli import add_plan_parser, parse_size, run_plan
-from .queue_cli import add_queue_parser, run_queue  # standard library only: cheap to import
+from .plan import parse_size
 
 DEMO_VARIANT = "wan2.1-t2v"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vidmem", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="sample and decode a small built-in model, write video + receipt")
+def add_demo_parser(subparsers) -> argparse.ArgumentParser:
+    demo = subparsers.add_parser("demo", help="sample and decode a small built-in model, write video + receipt")
     demo.add_argument("--out", type=Path, default=Path("vidmem-demo"), help="folder for demo.mp4 and receipt.json")
     demo.add_argument("--variant", default=DEMO_VARIANT, help="built-in tiny model (see --list-variants)")
     demo.add_argument("--list-variants", action="store_true", help="print the built-in variants and exit")
@@ -33,20 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--frames", type=int, default=17)
     demo.add_argument("--steps", type=int, default=4)
     demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(run=run_demo)
-    add_queue_parser(commands).set_defaults(run=run_queue)
-    add_plan_parser(commands).set_defaults(run=run_plan)
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except ValueError as error:  # bad input: one clear line, no traceback
-        print(f"vidmem: {error}", file=sys.stderr)
-        return 2
+    return demo
 
 
 def run_demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never downloads
-    from .pipelines.tiny import TINY_VARIANTS, save_tiny_pipeline, tiny_spec
+    from ..pipelines.tiny import TINY_VARIANTS, save_tiny_pipeline, tiny_spec
 
     if args.list_variants:
         print("\n".join(TINY_VARIANTS))
@@ -68,7 +52,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int):
     """The same node classes ComfyUI runs, called in graph order."""
-    from .nodes import NODE_CLASS_MAPPINGS as N
+    from ..nodes import NODE_CLASS_MAPPINGS as N
 
     (pipeline,) = N["VidMemLoadPipeline"]().load(model="", dtype="fp32", path=str(folder))
     blocks = args.blocks_to_swap if args.offload == "block_swap" else 0
@@ -103,7 +87,3 @@ def write_mp4(frames, path: Path, fps: int = 8) -> Path:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     return path
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

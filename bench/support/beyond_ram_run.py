@@ -1,6 +1,6 @@
 """One beyond_ram run in its own process: load with the loader node, sample, decode, measure.
 
-    python bench/_beyond_ram_run.py RUN.json OUT.json
+    python bench/support/beyond_ram_run.py RUN.json OUT.json
 
 RUN.json: {"models": root of a ComfyUI-style models/ tree, "files": {role: file name},
 "weights_on_disk", "dtype", "vae_dtype", "offload", "prompt", "width", "height", "frames", "steps", "cfg", "seed"}.
@@ -20,9 +20,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.support.checkout import use_this_checkout  # noqa: E402
 
-from _memwatch import MemoryWatch  # noqa: E402
+use_this_checkout()  # `import vidmem` is this clone, installed or not
+
+from bench.support.memwatch import MemoryWatch  # noqa: E402
 
 FOLDER_KEYS = {"diffusion_models": "diffusion_models", "unet": "diffusion_models", "text_encoders": "text_encoders",
                "clip": "text_encoders", "vae": "vae", "clip_vision": "clip_vision"}

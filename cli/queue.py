@@ -357,11 +357,7 @@ def add_queue_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m vidmem.queue_cli queue ...`) with the same parser as `vidmem queue`."""
+    """`vidmem queue` alone, for callers in Python: `main(["queue", WORKFLOW, "--server", URL])`."""
     parser = argparse.ArgumentParser(prog="vidmem")
     add_queue_parser(parser.add_subparsers(dest="command", required=True))
     return run_queue(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,7 +14,7 @@ import torch
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.device import CpuBackend
 
-from _blockswap_modelled import transformer_config
+from .blockswap_modelled import transformer_config
 
 MID_CHANGES = dict(num_layers=6, text_dim=32)  # Wan 1.3B widths, 6 blocks; 32: the tiny text encoder's width
 # The same modules at negligible width: what a tier adds to a call is then its hooks' bookkeeping alone,
