@@ -18,13 +18,14 @@ and page cache (weights memory-mapped from their files, `PlanOptions.on_disk`), 
 reclaims: a plan on disk fits when its anonymous bytes fit, and runs slower by what the page
 cache cannot keep and the disk must read again (`costs.DiskRead`).
 
-Priorities when choosing (`choose_strategy`): one candidate per tier (none, model offload, block
-swap with the fewest blocks that fit, sequential); within a tier the text encoder moves to the CPU
-only if it does not fit on the device, and the VAE is tiled only if the whole decode does not fit,
-with the least redundant tiling that does. When the weights overrun the RAM budget, the same
-tiers follow with the weights on disk. The fitting candidate with the least estimated time wins,
-the earlier candidate on a tie. Storage precision is never lowered by the planner; when nothing
-fits, `advice.py` says which storage or disk tier would (planned, not guessed).
+Priorities when choosing (`choose_strategy`; the candidates are `candidates.py`'s): one candidate
+per tier (none, model offload, block swap with the fewest blocks that fit, sequential); within a
+tier the text encoder moves to the CPU only if it does not fit on the device, and the VAE is tiled
+only if the whole decode does not fit, with the least redundant tiling that does. When the weights
+overrun the RAM budget, the same tiers follow with the weights on disk. The fitting candidate with
+the least estimated time wins, the earlier candidate on a tie. Storage precision is never lowered by
+the planner; when nothing fits, `advice.py` says which storage or disk tier would (planned, not
+guessed).
 
 What a stage figure includes: CUDA context, cuBLAS workspace, resident weights, activations,
 and allocator segments (`Allocator.NATIVE`, reserved bytes) or live bytes only
@@ -39,6 +40,7 @@ workspaces (they never become tensors; cuDNN picks smaller ones when memory is s
 
 from __future__ import annotations
 
+from .advice import nothing_fits_message
 from .candidates import Plan, PlanError, candidate_plans, plan_run, recommended
 from .costs import CUDA_CONTEXT_BYTES, GiB
 from .stages import decode_stage
@@ -68,8 +70,6 @@ def choose_strategy(
     plans = candidate_plans(model, shape, vram_budget_bytes, ram_budget_bytes, base, options, consider_disk)
     best = recommended(plans)
     if best is None:
-        from .advice import nothing_fits_message  # the advice plans alternatives with this module
-
         raise PlanError(nothing_fits_message(model, shape, plans, base, options, consider_disk))
     return plans[best]
 
