@@ -21,6 +21,7 @@ from ..sample import SampleRequest, SampleResult
 from ..sample_checks import validate_request
 from .checks import check_context_parallel
 from .job import ParallelSampleJob
+from .planning import rank_rooms
 from .ranks import Ranks
 from .source import PipelineSource
 
@@ -49,8 +50,6 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     if pool.config.world_size != ranks.degree:
         raise ModelError(f"the pool has {pool.config.world_size} ranks but the run asks for {ranks.degree}.")
     if ranks.gpus:  # inside ComfyUI its own models may hold the ranks' GPUs (GPU 0 above all)
-        from .planning import rank_rooms
-
         for device, nbytes in rank_rooms(loaded, strategy, request, ranks):
             hooks.make_room(nbytes, device)
     result = pool.run(job, hooks.on_step, hooks.check_interrupt)
