@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 if __package__ and __name__ != "vidmem":  # loaded by ComfyUI (or as ComfyUI does, in tests)
     from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
-    from .nodes.host import register_routes
+    from .nodes.routes import register_routes
 
     WEB_DIRECTORY = "./web"
     register_routes()  # read-only GET /vidmem/memory for the web meter; does nothing outside ComfyUI

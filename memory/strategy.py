@@ -33,7 +33,7 @@ class TextEncoderPlacement(str, Enum):
 class ContextParallel(str, Enum):
     OFF = "off"  # one process; with two or more GPUs listed, whole components are placed on different GPUs
     ULYSSES = "ulysses"  # attention heads exchanged by all-to-all; any attention kernel
-    RING = "ring"  # key/value blocks passed round a ring; needs a kernel returning the log-sum-exp (GPU)
+    RING = "ring"  # key/value blocks passed round a ring; GPU only (what splits with which mode: context_parallel.py)
 
 
 @dataclass(frozen=True)

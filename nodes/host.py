@@ -21,7 +21,6 @@ from .model_folders import (  # noqa: F401 (public here: the loader nodes read t
     ModelFolders,
     models_root,
 )
-from .routes import MEMORY_ROUTE, memory_figures, register_routes  # noqa: F401 (the pack's __init__ calls host.register_routes)
 
 log = logging.getLogger("vidmem")
 
@@ -239,10 +238,17 @@ def training_folder() -> Path:
     return root / TRAINING_FOLDER
 
 
+def prompt_server():
+    """ComfyUI's running PromptServer (routes, progress text), or None outside a running ComfyUI.
+
+    Found in sys.modules, never imported: ComfyUI imports it before custom nodes load, and outside
+    ComfyUI a module named "server" may be anything."""
+    server = sys.modules.get("server")
+    return getattr(getattr(server, "PromptServer", None), "instance", None)
+
+
 def progress_text(text: str, node_id: str | None) -> None:
     """Show `text` on the running node (ComfyUI's progress text, e.g. a training loss); no-op without a server."""
-    server = sys.modules.get("server")  # never import it: outside ComfyUI "server" may be anything
-    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
-    send = getattr(instance, "send_progress_text", None)
+    send = getattr(prompt_server(), "send_progress_text", None)
     if send is not None and node_id is not None:
         send(text, node_id)

@@ -1,12 +1,17 @@
 """Read-only HTTP routes the pack adds to ComfyUI's server: memory figures for the web meter and
-the Memory Strategy's live plan. Registered once by nodes/host.register_routes when ComfyUI's
-PromptServer is running; nothing here imports ComfyUI (the server is found in sys.modules).
+the Memory Strategy's live plan. The pack's __init__ registers them once, when ComfyUI's
+PromptServer is running (host.prompt_server); nothing here imports ComfyUI.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
+
+from ..memory.telemetry import default_budgets
+from ..pipelines.configs import load_model
+from ..pipelines.loader import DTYPES
+from . import host  # model lists and the device come from the host at request time
+from .plan_route import PLAN_ROUTE, PlanRequestError, PlanService, parse_request, plan_answer
 
 log = logging.getLogger("vidmem")
 
@@ -46,9 +51,7 @@ def register_routes() -> bool:
     custom nodes load); without it, or if the route exists already, nothing is done. Returns
     whether the route was added.
     """
-    server = sys.modules.get("server")  # never import it: outside ComfyUI "server" may be anything
-    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
-    routes = getattr(instance, "routes", None)
+    routes = getattr(host.prompt_server(), "routes", None)
     if routes is None or any(getattr(route, "path", None) == MEMORY_ROUTE for route in routes):
         return False
 
@@ -65,17 +68,10 @@ def register_routes() -> bool:
 
 def _register_plan_route(routes) -> None:
     """GET /vidmem/plan: the Memory Strategy's plan for a model of the pack's list (nodes/plan_route.py)."""
-    from ..pipelines.configs import load_model
-    from ..pipelines.loader import DTYPES
-    from . import host  # model lists and the device come from the host at request time
-    from .plan_route import PLAN_ROUTE, PlanRequestError, PlanService, parse_request, plan_answer
-
     budgets = []  # the host's default budgets, read once at the first plan (never at import)
 
     def answer(plan_request):
         if not budgets:
-            from ..memory.telemetry import default_budgets
-
             budgets.append(default_budgets(host.compute_device()))
         return plan_answer(plan_request, plannable, budgets[0], device=host.compute_device().type)
 

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..memory import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement, VaeTiling
+from ..memory.context_parallel import cpu_modes, device_refusal
 from ..memory.strategy import TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE, ContextParallel, Parallelism
 from ..memory.telemetry import default_budgets
 from ..memory.units import GiB
@@ -113,7 +114,10 @@ def parse_parallel(gpus: str, context_parallel: str) -> Parallelism:
         count = text[len(CPU_RANKS):]
         if not count.isdigit() or int(count) < 2 or mode == ContextParallel.OFF:
             raise StrategyError(f"gpus={gpus!r}: 'cpu:N' runs N CPU processes (N 2 or more, for testing without GPUs) "
-                                "and needs context_parallel ulysses; e.g. cpu:2.")
+                                f"and needs context_parallel {' or '.join(cpu_modes())}; e.g. cpu:2.")
+        refusal = device_refusal(mode, "cpu")
+        if refusal:
+            raise StrategyError(f"gpus={gpus!r}: {refusal}")
         return Parallelism(None, mode, int(count))
     parts = text.split(",")
     if not all(part.isdigit() for part in parts):

@@ -75,9 +75,9 @@ def test_heads_must_divide_by_the_degree(tiny_loaded):
     (Parallelism(context_parallel="ulysses", degree=2), 0, Ranks(cpu_processes=2)),
 ])
 def test_ranks_resolve_from_the_visible_gpus(parallel, gpus, expected, monkeypatch):
-    from vidmem.pipelines.parallel import run
+    from vidmem.pipelines.parallel import ranks
 
-    monkeypatch.setattr(run.dist, "is_nccl_available", lambda: True)  # this CPU build has none
+    monkeypatch.setattr(ranks.dist, "is_nccl_available", lambda: True)  # this CPU build has none
     assert resolve_ranks(parallel, gpus) == expected
 
 
@@ -115,9 +115,9 @@ def test_strategy_describes_its_parallelism():
 
 def test_gpus_without_nccl_are_refused_before_any_rank_starts(monkeypatch):
     """PyTorch's Windows builds have no NCCL: refused by name, not as each rank's init failure."""
-    from vidmem.pipelines.parallel import run
+    from vidmem.pipelines.parallel import ranks
 
-    monkeypatch.setattr(run.dist, "is_nccl_available", lambda: False)
+    monkeypatch.setattr(ranks.dist, "is_nccl_available", lambda: False)
     with pytest.raises(ModelError, match="needs NCCL, which this PyTorch build does not have"):
         resolve_ranks(Parallelism(context_parallel="ulysses"), 2)
     assert resolve_ranks(Parallelism(context_parallel="ulysses", degree=2), 0) == Ranks(cpu_processes=2)  # gloo

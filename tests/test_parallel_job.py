@@ -81,11 +81,11 @@ def test_the_coordinator_makes_room_on_every_rank_s_gpu_before_the_run(tiny_load
     """Inside ComfyUI its own models may fill the ranks' GPUs: the host is asked for each GPU's
     planned peak (per rank) before the ranks load."""
     from vidmem.pipelines.hooks import RunHooks
-    from vidmem.pipelines.parallel import Ranks, run
+    from vidmem.pipelines.parallel import Ranks, ranks as ranks_module, run
     from vidmem.pipelines.parallel.planning import plan_explicit
     from vidmem.memory.plan.stages import VideoShape
 
-    monkeypatch.setattr(run.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(ranks_module.dist, "is_nccl_available", lambda: True)
     asked, order = [], []
     pool = SimpleNamespace(config=SimpleNamespace(world_size=2), run=lambda job, *args: order.append("run") or rank_zero_result())
     hooks = RunHooks(make_room=lambda nbytes, device: asked.append((device, nbytes)) or order.append("room"))

@@ -39,6 +39,7 @@ def test_gpus_text(gpus, mode, expected):
 @pytest.mark.parametrize("gpus, mode, message", [("0;1", "off", "GPU indices separated by commas"),
                                                  ("cpu:2", "off", "needs context_parallel ulysses"),
                                                  ("cpu:1", "ulysses", "N 2 or more"),
+                                                 ("cpu:2", "ring", "ring needs an attention kernel that returns the log-sum-exp"),
                                                  ("1", "off", "lists one GPU: vidmem runs on ComfyUI's GPU"),
                                                  ("0,1,0", "ulysses", "lists a GPU twice")])
 def test_bad_gpus_text_is_named(gpus, mode, message):

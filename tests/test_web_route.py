@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vidmem.memory.units import GiB
-from vidmem.nodes import host
+from vidmem.nodes import host, routes
 
 
 class Routes(list):
@@ -36,21 +36,21 @@ def comfy_server(monkeypatch):
 
 
 def test_registers_once_inside_comfyui(comfy_server):
-    assert host.register_routes() is True
+    assert routes.register_routes() is True
     assert [(r.method, r.path) for r in comfy_server] == [("GET", "/vidmem/memory"), ("GET", "/vidmem/plan")]
-    assert host.register_routes() is False, "a second call must not add a duplicate route"
+    assert routes.register_routes() is False, "a second call must not add a duplicate route"
     assert len(comfy_server) == 2
 
 
 def test_does_nothing_without_comfyui(monkeypatch):
     monkeypatch.delitem(sys.modules, "server", raising=False)
-    assert host.register_routes() is False
+    assert routes.register_routes() is False
     monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace())  # some unrelated "server" module
-    assert host.register_routes() is False
+    assert routes.register_routes() is False
 
 
 def test_figures_are_memory_only_and_cpu_lists_no_device():
-    figures = host.memory_figures()
+    figures = routes.memory_figures()
     assert set(figures) == {"ram", "process_rss_bytes", "cuda"}
     assert set(figures["ram"]) == {"total_bytes", "available_bytes"}
     assert 0 < figures["ram"]["available_bytes"] <= figures["ram"]["total_bytes"]
@@ -73,7 +73,7 @@ def test_cuda_figures_per_device(monkeypatch):
     asked = []
     monkeypatch.setattr(cuda, "mem_get_info", lambda i: asked.append(i) or (5 * gib, 8 * gib))
     monkeypatch.setattr(cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=24 * gib, name="secret"))
-    figures = host.memory_figures()
+    figures = routes.memory_figures()
     assert figures["cuda"] == [
         {"index": 0, "allocated_bytes": 2 * gib, "reserved_bytes": 3 * gib, "free_bytes": 5 * gib, "total_bytes": 8 * gib},
         {"index": 1, "allocated_bytes": 0, "reserved_bytes": 0, "free_bytes": None, "total_bytes": 24 * gib},
@@ -84,7 +84,7 @@ def test_cuda_figures_per_device(monkeypatch):
 
 def test_handler_answers_json(comfy_server):
     web = pytest.importorskip("aiohttp.web")
-    host.register_routes()
+    routes.register_routes()
     response = asyncio.run(comfy_server[0].handler(None))  # the memory route
     assert isinstance(response, web.Response) and response.content_type == "application/json"
     assert response.headers["Cache-Control"] == "no-store"
@@ -216,7 +216,7 @@ def test_plan_route_answers_without_blocking_the_loop(comfy_server, monkeypatch,
     pytest.importorskip("aiohttp.web")
     monkeypatch.setattr(host, "diffusers_model_names", lambda: [TINY])
     monkeypatch.setattr(host, "resolve_model_folder", lambda name, path: tiny_folder("wan2.1-t2v"))
-    host.register_routes()
+    routes.register_routes()
     handler = next(r.handler for r in comfy_server if r.path == "/vidmem/plan")
 
     async def ask(q):

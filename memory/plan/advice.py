@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .planner import Plan, PlanError, candidate_plans, recommended
+from .candidates import Plan, PlanError, candidate_plans, recommended
 from .costs import GiB
 from .stages import host_base
 from .types import PlannerModel, PlanOptions, VideoShape

@@ -34,6 +34,7 @@ from .costs import CUDA_CONTEXT_BYTES
 from .planner import Plan, PlannerModel, PlanOptions, StagePlan, VideoShape, candidate_plans, plan_run, recommended
 from .stages import phase
 from .types import Call
+from ..context_parallel import RANK_STORAGE
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
 
 __all__ = ["INTERCONNECTS", "NCCL_BYTES", "CommBytes", "GpuPlan", "Interconnect", "MultiGpu", "GpuSharing",
@@ -186,10 +187,6 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
             strategy = _fewest_rank_blocks(model, shape, strategy, layout, single.options, vram_budget_bytes)
         plans.append(plan_parallel(model, shape, strategy, layout, single.options, *budgets, reference))
     return plans, one_gpu
-
-
-RANK_STORAGE = ("context parallelism runs a diffusers folder at its own dtype only, for now: each rank reopens the "
-                "folder with its weights in RAM (no weight_dtype, no single files, no memory-mapped disk tier)")
 
 
 def check_rank_storage(options: PlanOptions, layout: MultiGpu) -> None:

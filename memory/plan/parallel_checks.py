@@ -1,9 +1,8 @@
 """What context parallelism can split, and what it sends: refusals that name what works, and bytes.
 
-diffusers splits a transformer's sequence only where the class declares a context-parallel plan
-(`_cp_plan`; Wan has one, CogVideoX none), in equal shares (`EquipartitionSharder`: the token count
-must divide by the degree), and Ulysses also hands each rank an equal share of the attention heads.
-Each check raises `ParallelError` naming the sizes or GPU counts that do work, before anything runs.
+What can be split, with which mode, is memory.context_parallel's (the runtime asks the same rules);
+here they are asked of the meta model, and each refusal raises `ParallelError` in those words,
+before anything is traced.
 
 Bytes per rank and forward pass (the denoiser's dtype, B videos, S tokens, H heads of D, L blocks):
 - Ulysses: q, k, v and the attention output each go through one all-to-all per block; a rank's
@@ -19,10 +18,10 @@ from dataclasses import dataclass, replace
 
 from .parallel_trace import RING, ULYSSES
 from .planner import PlanError, PlannerModel, VideoShape
+from .. import context_parallel as rules
 
 __all__ = ["RING", "ULYSSES", "CommBytes", "ParallelError", "check_context_parallel", "comm_bytes",
-           "context_parallel_refusal", "sequence_tokens", "uneven_message"]
-NEARBY = 3  # sizes suggested for each input, as the runtime does
+           "context_parallel_refusal", "sequence_tokens"]
 
 
 class ParallelError(PlanError):
@@ -56,15 +55,13 @@ def sequence_tokens(model: PlannerModel, shape: VideoShape, denoiser: str | None
 
 
 def context_parallel_refusal(model: PlannerModel, mode: str = ULYSSES) -> str | None:
-    """Why `model` cannot run context-parallel in diffusers (None when it can), in the runtime's words
-    (vidmem.pipelines.parallel.checks, which the tests hold this to)."""
+    """Why `model` cannot run context-parallel in diffusers (None when it can)."""
     for name in model.layout.denoisers:
-        if not getattr(type(model.module(name)), "_cp_plan", None):
-            pipeline = getattr(model, "pipeline_class", type(model.module(name)).__name__)
-            return (f"context_parallel={mode}: {pipeline} has no context-parallel plan in diffusers (splitting "
-                    "its joint text+video attention naively gives wrong frames without any error). Set "
-                    "context_parallel to off; with two or more GPUs listed, whole components are then placed on "
-                    "different GPUs instead.")
+        module = model.module(name)
+        refusal = rules.plan_refusal(mode, getattr(model, "pipeline_class", type(module).__name__),
+                                     bool(getattr(type(module), "_cp_plan", None)))
+        if refusal:
+            return refusal
     return None
 
 
@@ -74,45 +71,23 @@ def check_context_parallel(model: PlannerModel, shape: VideoShape, gpus: int, mo
         raise ParallelError(f"gpus={gpus} must be at least 1.")
     if gpus == 1:
         return
-    refusal = context_parallel_refusal(model, mode)
+    denoiser = model.layout.denoisers[0]
+    refusal = (context_parallel_refusal(model, mode)
+               or rules.heads_refusal(mode, transformer_config(model, denoiser).num_attention_heads, gpus)
+               or rules.tokens_refusal(mode, gpus, (shape.width, shape.height, shape.frames), _tokens_at(model, shape),
+                                       _size_step(model), model.geometry.temporal_factor))
     if refusal:
         raise ParallelError(refusal)
-    denoiser = model.layout.denoisers[0]
-    heads = transformer_config(model, denoiser).num_attention_heads
-    if mode == ULYSSES and heads % gpus:
-        working = [d for d in range(2, heads + 1) if heads % d == 0 and d <= 16]
-        raise ParallelError(
-            f"context_parallel=ulysses with degree {gpus}: this transformer has {heads} attention heads, which "
-            f"do not divide between {gpus} ranks; use a degree of {', '.join(map(str, working))}, or ring.")
-    tokens = sequence_tokens(model, shape, denoiser)
-    if tokens % gpus:
-        raise ParallelError(f"context_parallel={mode}, degree {gpus}: {uneven_message(model, shape, gpus, tokens)}")
 
 
-def uneven_message(model: PlannerModel, shape: VideoShape, gpus: int, tokens: int) -> str:
-    """The runtime's words (pipelines.parallel.checks.sequence_problem): nearby widths, heights and
-    frame counts, one input changed, whose tokens divide by `gpus`."""
-    step = _size_step(model)
-    nearby = {"width": _near(model, shape, "width", step, gpus), "height": _near(model, shape, "height", step, gpus),
-              "frames": _near(model, shape, "frames", model.geometry.temporal_factor, gpus)}
-    options = "; ".join(f"{name} {', '.join(map(str, values))}" for name, values in nearby.items() if values)
-    return (f"{shape.width}x{shape.height}x{shape.frames} makes {tokens} video tokens, which does not divide between "
-            f"{gpus} ranks (context parallelism splits the tokens evenly). Sizes that work, changing one input: "
-            f"{options}.")
+def _tokens_at(model: PlannerModel, shape: VideoShape) -> rules.TokensAt:
+    return lambda width, height, frames: sequence_tokens(model, replace(shape, width=width, height=height, frames=frames))
 
 
 def _size_step(model: PlannerModel) -> int:
     config = transformer_config(model, model.layout.denoisers[0])
     patch = config.patch_size[-1] if isinstance(config.patch_size, (list, tuple)) else config.patch_size
     return model.geometry.spatial_factor * patch
-
-
-def _near(model: PlannerModel, shape: VideoShape, field: str, step: int, gpus: int) -> list[int]:
-    """The NEARBY closest values of `field` (alternating below and above) whose tokens divide by `gpus`."""
-    value, low = getattr(shape, field), 1 if field == "frames" else step
-    found = [v for k in range(1, 64) for v in (value - k * step, value + k * step)
-             if v >= low and sequence_tokens(model, replace(shape, **{field: v})) % gpus == 0]
-    return sorted(found[:NEARBY])
 
 
 def comm_bytes(model: PlannerModel, shape: VideoShape, denoiser: str, gpus: int, mode: str) -> CommBytes:

@@ -36,8 +36,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .types import Call
+from ..strategy import ContextParallel
 
-ULYSSES, RING = "ulysses", "ring"
+ULYSSES, RING = ContextParallel.ULYSSES.value, ContextParallel.RING.value
 
 
 @dataclass(frozen=True)

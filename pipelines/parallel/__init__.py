@@ -3,7 +3,8 @@
 from .balanced import DeviceRoom, Placement, balanced_placement, component_bytes, sample_balanced
 from .checks import TokenGrid, check_context_parallel, sequence_problem
 from .job import ParallelSampleJob
-from .run import Ranks, close_pool, resolve_ranks, sample_parallel
+from .ranks import Ranks, resolve_ranks
+from .run import close_pool, sample_parallel
 from .source import PipelineSource
 
 __all__ = ["DeviceRoom", "ParallelSampleJob", "Placement", "balanced_placement", "component_bytes", "sample_balanced",

@@ -20,7 +20,7 @@ from ...memory.units import GiB
 from ..loader import LoadedPipeline
 from ..planning import plan_options, planner_model
 from .balanced import component_bytes
-from .run import Ranks
+from .ranks import Ranks
 
 
 def layout_of(strategy: MemoryStrategy, ranks: Ranks) -> MultiGpu:

@@ -9,14 +9,11 @@ it is reused run over run and goes away with the pipeline: its finalizer stops t
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, replace
-
-import torch
-import torch.distributed as dist
+from dataclasses import replace
 
 from ...memory.hostpool import pinned_cap_bytes
-from ...memory.parallel import PoolConfig, WorkerPool
-from ...memory.strategy import MemoryStrategy, Parallelism
+from ...memory.parallel import WorkerPool
+from ...memory.strategy import MemoryStrategy
 from ...memory.units import GiB
 from ..family import ModelError
 from ..hooks import RunHooks
@@ -24,6 +21,8 @@ from ..sample import SampleRequest, SampleResult
 from ..sample_checks import validate_request
 from .checks import check_context_parallel
 from .job import ParallelSampleJob
+from .planning import rank_rooms
+from .ranks import Ranks
 from .source import PipelineSource
 
 POOL_ATTRIBUTE = "vidmem_worker_pool"
@@ -31,51 +30,6 @@ POOL_ATTRIBUTE = "vidmem_worker_pool"
 # wired to the pipeline (templates feed it the decoded frames). Weak: a dropped pipeline's pool
 # is closed by its own finalizer.
 _POOLED: "weakref.WeakSet" = weakref.WeakSet()
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """Where the ranks run: CUDA GPU indices, or `cpu_processes` gloo processes on a machine without GPUs."""
-
-    gpus: tuple[int, ...] = ()
-    cpu_processes: int = 0
-
-    @property
-    def degree(self) -> int:
-        return len(self.gpus) or self.cpu_processes
-
-    def pool_config(self) -> PoolConfig:
-        if self.gpus:
-            return PoolConfig.for_gpus(self.gpus)
-        # The machine's threads shared between the ranks, so N ranks do not oversubscribe the cores.
-        return PoolConfig.for_cpu(self.cpu_processes, threads=max(1, torch.get_num_threads() // self.cpu_processes))
-
-
-def resolve_ranks(parallel: Parallelism, visible_gpus: int) -> Ranks:
-    """The ranks `parallel` asks for on a machine with `visible_gpus` CUDA GPUs; ModelError when impossible."""
-    if visible_gpus == 0:
-        if parallel.gpus is not None:
-            raise ModelError(f"gpus={','.join(map(str, parallel.gpus))} but no CUDA GPU is visible; set gpus to auto.")
-        if parallel.degree < 2:
-            raise ModelError(f"context_parallel={parallel.context_parallel.value} needs two or more GPUs and this machine "
-                             "has none; set context_parallel to off (or, to test on the CPU, degree to the number of "
-                             "CPU processes, which is slow).")
-        return Ranks(cpu_processes=parallel.degree)
-    gpus = parallel.gpus if parallel.gpus is not None else tuple(range(visible_gpus))
-    missing = [g for g in gpus if g >= visible_gpus]
-    if missing:
-        raise ModelError(f"gpus lists {','.join(map(str, missing))} but only GPUs 0..{visible_gpus - 1} are visible.")
-    if parallel.degree and parallel.degree != len(gpus):
-        raise ModelError(f"degree={parallel.degree} but {len(gpus)} GPUs are used; context parallelism runs one rank "
-                         "per GPU: set degree to 0, or list that many GPUs in gpus.")
-    if len(gpus) < 2:
-        raise ModelError(f"context_parallel={parallel.context_parallel.value} needs two or more GPUs; only GPU "
-                         f"{gpus[0]} is used. List more in gpus, or set context_parallel to off.")
-    if not (dist.is_available() and dist.is_nccl_available()):
-        # Checked before any rank starts: otherwise each rank fails in init_process_group.
-        raise ModelError("context parallelism on GPUs needs NCCL, which this PyTorch build does not have (PyTorch's "
-                         "Windows builds ship without it); run on Linux (or WSL2), or set context_parallel to off.")
-    return Ranks(gpus=tuple(gpus))
 
 
 def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ranks: Ranks,
@@ -96,8 +50,6 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     if pool.config.world_size != ranks.degree:
         raise ModelError(f"the pool has {pool.config.world_size} ranks but the run asks for {ranks.degree}.")
     if ranks.gpus:  # inside ComfyUI its own models may hold the ranks' GPUs (GPU 0 above all)
-        from .planning import rank_rooms
-
         for device, nbytes in rank_rooms(loaded, strategy, request, ranks):
             hooks.make_room(nbytes, device)
     result = pool.run(job, hooks.on_step, hooks.check_interrupt)

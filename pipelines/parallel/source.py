@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from ...memory.context_parallel import RANK_STORAGE
 from ..family import ModelError
 from ..loader import LoadedPipeline, load_pipeline
 from ..lora import load_lora
@@ -44,11 +45,8 @@ class PipelineSource:
     def of(cls, loaded: LoadedPipeline) -> "PipelineSource":
         """The source of a pipeline loaded from a diffusers folder; ModelError for anything else."""
         if loaded.config_name or loaded.storage or loaded.source != loaded.folder:
-            raise ModelError(
-                f"context parallelism needs a pipeline loaded from a diffusers folder by Load Video Pipeline "
-                f"(with the folder's own transformer); this one comes from {loaded.source}. Load the diffusers "
-                "folder, or set context_parallel to off."
-            )
+            raise ModelError(f"{RANK_STORAGE}; this pipeline comes from {loaded.source}. Load the diffusers folder with "
+                             "Load Video Pipeline (the folder's own transformer), or set context_parallel to off.")
         loras = tuple(LoraSource.of(spec.name, str(spec.path), spec.strength, spec.expert) for spec in loaded.loras)
         return cls(loaded.folder, loaded.dtype_name, loras)
 
