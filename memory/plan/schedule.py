@@ -1,8 +1,9 @@
 """Which weight tensors a tier keeps on the device while a component computes.
 
-The split into resident tensors and streamed units is the engine's own (`offload.py` and
-`residency.partition_slots`, run on the full-size meta module), so tied weights and tensors held
-by parent modules stay resident exactly as they do in a run. What is in flight on top:
+The split into resident tensors and streamed units is the engine's own (`offload.streamed_units`
+and `residency.partition_slots`' rule, read once from the full-size meta module into a
+`SlotTable`), so tied weights and tensors held by parent modules stay resident exactly as they
+do in a run. What is in flight on top:
 - `block_swap`: blocks stream in index order with `prefetch` ahead (cyclically into the next
   pass), so at most min(prefetch + 1, N) blocks are on the device with the resident part;
 - `sequential`: the engine's `StreamSchedule` is replayed over the order one forward really runs
@@ -18,12 +19,103 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..blockswap import EVICTED_IN_FLIGHT, StreamSchedule
-from ..offload import streamed_units  # the engine's unit rule; see the planner notes for making it public
+from ..offload import streamed_units  # the engine's unit rule, recorded in each SlotTable
 from .storage import StoredSizes
-from ..residency import own_slots, partition_slots
+from ..residency import own_slots
 from ..strategy import MemoryStrategy, OffloadTier
 
 Order = tuple[tuple[bool, str], ...]  # one forward: (True, name) = module starts, (False, name) = ends
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    """A component's tensors as `residency.partition_slots` sees them, as plain numbers: enough to
+    split them into resident tensors and streamed units for any tier without the module (so a
+    plan can come from the planner's disk cache, and each split costs a walk over integers).
+
+    `modules` are the names of the modules holding tensors directly, in `module.modules()` order;
+    `slots[i]` the tensors module i holds (indexes into `sizes`, one per distinct tensor, as
+    stored, in first-use order); `leaf[i]` whether the sequential tier streams it as a unit;
+    `block[i]` the swappable block it belongs to (the last one if several), -1 outside them. Both
+    are read from the engine's own rule, `offload.streamed_units`; block swap with N blocks
+    streams the last N (tests/test_plan_cache.py checks the split against `partition_slots`).
+    """
+
+    sizes: tuple[int, ...] = ()
+    modules: tuple[str, ...] = ()
+    slots: tuple[tuple[int, ...], ...] = ()
+    leaf: tuple[bool, ...] = ()
+    block: tuple[int, ...] = ()
+    block_count: int = 0
+    _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # residency per tier
+
+    def as_json(self) -> dict:
+        return {"sizes": self.sizes, "modules": self.modules, "slots": self.slots, "leaf": self.leaf,
+                "block": self.block, "block_count": self.block_count}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SlotTable":
+        return cls(tuple(data["sizes"]), tuple(data["modules"]), tuple(tuple(s) for s in data["slots"]),
+                   tuple(bool(x) for x in data["leaf"]), tuple(data["block"]), int(data["block_count"]))
+
+    def units(self, strategy: MemoryStrategy) -> tuple[list[int], list[list[int]], dict[str, int]]:
+        """(resident tensor indexes, each streamed unit's, unit index by its head module's name),
+        as `offload.streamed_units` and `residency.partition_slots` split the module."""
+        key = ("units", strategy.offload, strategy.blocks_to_swap)
+        if key not in self._memo:
+            self._memo[key] = self._units(strategy)
+        return self._memo[key]
+
+    def _units(self, strategy: MemoryStrategy) -> tuple[list[int], list[list[int]], dict[str, int]]:
+        if strategy.offload is OffloadTier.SEQUENTIAL:
+            heads = [i for i, leaf in enumerate(self.leaf) if leaf]
+            unit_of = {m: u for u, m in enumerate(heads)}
+        elif strategy.offload is OffloadTier.BLOCK_SWAP and self.block_count:
+            first = self.block_count - strategy.blocks_to_swap
+            unit_of = {m: b - first for m, b in enumerate(self.block) if b >= first}
+            heads = []
+        else:
+            return [], [], {}
+        count = len(heads) if heads else strategy.blocks_to_swap
+        owners: dict[int, set] = {}
+        for m, tensors in enumerate(self.slots):
+            for t in tensors:
+                owners.setdefault(t, set()).add(unit_of.get(m))
+        resident: list[int] = []
+        per_unit: list[list[int]] = [[] for _ in range(count)]
+        for m, tensors in enumerate(self.slots):
+            unit = unit_of.get(m)
+            for t in tensors:
+                (resident if unit is None or len(owners[t]) > 1 else per_unit[unit]).append(t)
+        return resident, per_unit, {self.modules[m]: u for u, m in enumerate(heads)}
+
+    def nbytes(self, tensors: list[int]) -> list[int]:
+        """Bytes of each distinct tensor among `tensors` (a tied tensor is copied once)."""
+        return [self.sizes[t] for t in dict.fromkeys(tensors)]
+
+
+def slot_table(module: nn.Module, blocks: nn.ModuleList | None, stored: StoredSizes = StoredSizes()) -> SlotTable:
+    """`module`'s SlotTable, its tensors counted as stored."""
+    count = len(blocks) if blocks is not None else 0
+    every_block = streamed_units(module, blocks, MemoryStrategy(offload="block_swap", blocks_to_swap=count)) if count else []
+    block_of = {id(m): i for i, (_, members) in enumerate(every_block) for m in members}
+    leaves = {id(head) for head, _ in streamed_units(module, blocks, MemoryStrategy(offload="sequential"))}
+    index: dict[int, int] = {}
+    sizes, names, slots, leaf, block = [], [], [], [], []
+    for name, sub in module.named_modules():
+        own = own_slots(sub)
+        if not own:
+            continue
+        for slot in own:
+            key = id(slot.current())
+            if key not in index:
+                index[key] = len(sizes)
+                sizes.append(stored.nbytes(key, slot.host))
+        names.append(name)
+        slots.append(tuple(index[id(slot.current())] for slot in own))
+        leaf.append(id(sub) in leaves)
+        block.append(block_of.get(id(sub), -1))
+    return SlotTable(tuple(sizes), tuple(names), tuple(slots), tuple(leaf), tuple(block), count)
 
 
 @dataclass(frozen=True)
@@ -35,6 +127,7 @@ class ComponentWeights:
     block_count: int = 0  # blocks the engine can swap (denoisers only)
     tensors: tuple[int, ...] = field(default=(), repr=False)  # every distinct tensor's bytes
     stored: StoredSizes = StoredSizes()  # the storage format, its per-tensor bytes and transient
+    table: SlotTable = field(default=SlotTable(), repr=False)  # how the tiers split its tensors
 
     @property
     def transient_bytes(self) -> int:
@@ -51,32 +144,48 @@ def tensor_sizes(slots, stored: StoredSizes = StoredSizes()) -> list[int]:
 def streamed_unit_bytes(module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy,
                         stored: StoredSizes = StoredSizes()) -> list[int]:
     """Bytes of each unit the tier streams per forward pass (empty for none / model)."""
-    units = streamed_units(module, blocks, strategy)
-    if not units:
-        return []
-    _, per_unit = partition_slots(module, [members for _, members in units])
-    return [sum(tensor_sizes(slots, stored)) for slots in per_unit]
+    return table_streamed_unit_bytes(slot_table(module, blocks, stored), strategy)
 
 
 def resident_tensors(module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy,
                      order: Order | None = None, stored: StoredSizes = StoredSizes()) -> list[int]:
     """Tensor sizes (as stored) on the device while `module` runs its heaviest part under `strategy`."""
-    units = streamed_units(module, blocks, strategy)
-    if not units:  # none / model, or block swap on a component without blocks: all of it
-        return tensor_sizes((slot for m in module.modules() for slot in own_slots(m)), stored)
-    resident, per_unit = partition_slots(module, [members for _, members in units])
-    sizes = [tensor_sizes(slots, stored) for slots in per_unit]
-    if strategy.offload is OffloadTier.BLOCK_SWAP:
-        in_flight = min(strategy.prefetch_blocks + 1, len(sizes))
-        window = max((sum(map(sum, sizes[i : i + in_flight])), i) for i in range(len(sizes) - in_flight + 1))[1]
-        return tensor_sizes(resident, stored) + [t for unit in sizes[window : window + in_flight] for t in unit]
-    heads = {id(head): i for i, (head, _) in enumerate(units)}
-    names = {name: heads[id(m)] for name, m in module.named_modules() if id(m) in heads}
-    return tensor_sizes(resident, stored) + _replay(sizes, names, order or (), strategy.prefetch_blocks)
+    return table_resident_tensors(slot_table(module, blocks, stored), strategy, order)
 
 
 def computing_residency(module: nn.Module, blocks: nn.ModuleList | None, strategy: MemoryStrategy,
                         order: Order | None = None, stored: StoredSizes = StoredSizes()) -> tuple[list[int], list[int]]:
+    """`table_computing_residency` of the module's SlotTable."""
+    return table_computing_residency(slot_table(module, blocks, stored), strategy, order)
+
+
+def table_streamed_unit_bytes(table: SlotTable, strategy: MemoryStrategy) -> list[int]:
+    _, per_unit, _ = table.units(strategy)
+    return [sum(table.nbytes(unit)) for unit in per_unit]
+
+
+def table_resident_tensors(table: SlotTable, strategy: MemoryStrategy, order: Order | None = None) -> list[int]:
+    """`resident_tensors` from a SlotTable (memoised on it: the candidate search asks again and again)."""
+    key = (strategy.offload, strategy.blocks_to_swap, strategy.prefetch_blocks, order)
+    if key not in table._memo:
+        table._memo[key] = _resident_tensors(table, strategy, order)
+    return list(table._memo[key])
+
+
+def _resident_tensors(table: SlotTable, strategy: MemoryStrategy, order: Order | None) -> list[int]:
+    resident, per_unit, names = table.units(strategy)
+    if not per_unit:  # none / model, or block swap on a component without blocks: all of it
+        return list(table.sizes)
+    sizes = [table.nbytes(unit) for unit in per_unit]
+    if strategy.offload is OffloadTier.BLOCK_SWAP:
+        in_flight = min(strategy.prefetch_blocks + 1, len(sizes))
+        window = max((sum(map(sum, sizes[i : i + in_flight])), i) for i in range(len(sizes) - in_flight + 1))[1]
+        return table.nbytes(resident) + [t for unit in sizes[window : window + in_flight] for t in unit]
+    return table.nbytes(resident) + _replay(sizes, names, order or (), strategy.prefetch_blocks)
+
+
+def table_computing_residency(table: SlotTable, strategy: MemoryStrategy,
+                              order: Order | None = None) -> tuple[list[int], list[int]]:
     """(tensors live while a streamed block computes, tensors evicted but still read by the GPU).
 
     Block swap: a block's prefetches are queued when its forward has been queued, so while block i
@@ -89,11 +198,10 @@ def computing_residency(module: nn.Module, blocks: nn.ModuleList | None, strateg
     embedder's leaf can be larger than any block's while activations are small: not modelled yet;
     the whole-pass peak it takes instead errs high, 1.10x allocated on the H200.)
     """
-    units = streamed_units(module, blocks, strategy)
-    if strategy.offload is not OffloadTier.BLOCK_SWAP or not units:
-        return resident_tensors(module, blocks, strategy, order, stored), []
-    resident, per_unit = partition_slots(module, [members for _, members in units])
-    sizes = [tensor_sizes(slots, stored) for slots in per_unit]
+    resident, per_unit, _ = table.units(strategy)
+    if strategy.offload is not OffloadTier.BLOCK_SWAP or not per_unit:
+        return table_resident_tensors(table, strategy, order), []
+    sizes = [table.nbytes(unit) for unit in per_unit]
     live = min(max(strategy.prefetch_blocks, 1), len(sizes))
     # Without a prefetch the reserved peak is one block lower again (measured on the H200: 7.05 GiB
     # at prefetch 0, 7.71 at 1, 8.37 at 2): the held block is counted only with a prefetch.
@@ -101,7 +209,7 @@ def computing_residency(module: nn.Module, blocks: nn.ModuleList | None, strateg
     span = live + held
     start = max((sum(map(sum, sizes[i : i + span])), i) for i in range(len(sizes) - span + 1))[1]
     window = sizes[start : start + span]
-    return (tensor_sizes(resident, stored) + [t for unit in window[held:] for t in unit],
+    return (table.nbytes(resident) + [t for unit in window[held:] for t in unit],
             [t for unit in window[:held] for t in unit])
 
 
@@ -128,13 +236,18 @@ def _replay(sizes: list[list[int]], names: dict[str, int], order: Order, prefetc
 
 @dataclass
 class _Ledger:
-    resident: set = field(default_factory=set)
+    # In onload order, as the allocator sees them: a set's order would follow object addresses, so
+    # the same plan could replay its weights in another order in another process.
+    resident: dict = field(default_factory=dict)
     bytes: int = 0
     peak: int = -1
     peak_groups: tuple = ()
 
     def change(self, group: "_SimGroup", onload: bool) -> None:
-        (self.resident.add if onload else self.resident.discard)(group)
+        if onload:
+            self.resident[group] = None
+        else:
+            self.resident.pop(group, None)
         self.bytes += group.nbytes if onload else -group.nbytes
         if self.bytes > self.peak:
             self.peak, self.peak_groups = self.bytes, tuple(self.resident)

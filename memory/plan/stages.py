@@ -13,7 +13,8 @@ from collections import Counter
 
 from .allocator import replay
 from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, Traffic, Work, exposed_copy_share
-from .schedule import ComponentWeights, computing_residency, resident_tensors, streamed_unit_bytes
+from .schedule import (ComponentWeights, table_computing_residency, table_resident_tensors,
+                       table_streamed_unit_bytes)
 from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
                             VideoShape)
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
@@ -123,7 +124,7 @@ def tier_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, s
         names = dict.fromkeys([*stage_names, active])
         return [t for name in names for t in component_weights(model, name, options).tensors] + transient
     order = model.stream_order(active, kind)  # the order this kind of call runs the modules in
-    return resident_tensors(model.module(active), model.blocks(active), strategy, order, weights.stored) + transient
+    return table_resident_tensors(weights.table, strategy, order) + transient
 
 
 def denoiser_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, stage_names: list[str],
@@ -134,8 +135,7 @@ def denoiser_residency(model: PlannerModel, active: str, strategy: MemoryStrateg
         return tier_residency(model, active, strategy, stage_names, options, "denoise"), []
     weights = component_weights(model, active, options)
     transient = [weights.transient_bytes] if weights.transient_bytes else []
-    live, held = computing_residency(model.module(active), model.blocks(active), strategy,
-                                     model.stream_order(active, "denoise"), weights.stored)
+    live, held = table_computing_residency(weights.table, strategy, model.stream_order(active, "denoise"))
     return live + transient, held
 
 
@@ -178,7 +178,7 @@ def staging_bytes(model: PlannerModel, strategy: MemoryStrategy, options: PlanOp
     largest = 0
     for name in on_device:
         weights = component_weights(model, name, options)
-        units = streamed_unit_bytes(model.module(name), model.blocks(name), strategy, weights.stored)
+        units = table_streamed_unit_bytes(weights.table, strategy)
         largest = max(largest, *units, 0)
     return (strategy.prefetch_blocks + 2) * (1 << (largest - 1).bit_length()) if largest else 0
 
@@ -244,7 +244,7 @@ def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: 
         return Traffic(weights.nbytes if options.on_disk else 0, 0, 0, overlapped=False)
     if strategy.offload is OffloadTier.NONE:  # onloaded with the stage, as in the baseline; from files on disk
         return Traffic(once_bytes=weights.nbytes) if options.on_disk else Traffic()
-    units = streamed_unit_bytes(model.module(name), model.blocks(name), strategy, weights.stored)
+    units = table_streamed_unit_bytes(weights.table, strategy)
     # Overlapped even without a prefetch: the host runs a block ahead, so block i's copy queues on
     # the side stream while block i-1 computes (measured: 97% of the copy time hidden on an H200).
     exposed = exposed_copy_share(strategy.offload is OffloadTier.SEQUENTIAL, strategy.prefetch_blocks)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ..accounting import Attention
 from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES
-from .schedule import resident_tensors
+from .schedule import table_resident_tensors
 from .train import ActivationPeaks, TrainingBytes, block_target_shapes, training_bytes
 from .types import Call, PlannerModel, VideoShape
 from ..strategy import MemoryStrategy, OffloadTier
@@ -110,7 +110,7 @@ def _plan(model: PlannerModel, denoiser: str, strategy: MemoryStrategy, vram: in
     weights = model.weights(denoiser, request.storage)
     blocks = model.blocks(denoiser)
     streams = strategy.offload in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
-    resident = sum(resident_tensors(model.module(denoiser), blocks, strategy, model.stream_order(denoiser), weights.stored))
+    resident = sum(table_resident_tensors(weights.table, strategy, model.stream_order(denoiser)))
     upcast = weights.transient_bytes
     if upcast and request.checkpointing:  # the backward re-runs a whole block, its layers upcast
         upcast = sum(p.numel() for p in blocks[0].parameters()) * model.dtype_bytes(denoiser)

@@ -19,9 +19,8 @@ import torch
 
 from ...memory.accounting import Attention, OpCache, Trace, trace
 from ...memory.plan.planner import Call, ModelLayout, VideoShape
-from ...memory.plan.schedule import ComponentWeights, tensor_sizes
+from ...memory.plan.schedule import ComponentWeights, slot_table
 from ...memory.plan.storage import stored_sizes
-from ...memory.residency import own_slots
 from ...memory.storage import storage_format
 from ...memory.strategy import TextEncoderPlacement
 from ...memory.units import DTYPES
@@ -135,9 +134,8 @@ class MetaModel:
             module, blocks = self.module(component), self.blocks(component)
             fmt = storage_format(storage) if storage else None
             stored = stored_sizes(module, fmt)
-            slots = [slot for m in module.modules() for slot in own_slots(m)]
-            sizes = tuple(tensor_sizes(slots, stored))
-            self._weights[key] = ComponentWeights(component, sum(sizes), len(blocks) if blocks else 0, sizes, stored)
+            table = slot_table(module, blocks, stored)
+            self._weights[key] = ComponentWeights(component, sum(table.sizes), table.block_count, table.sizes, stored, table)
         return self._weights[key]
 
     def module(self, component: str) -> torch.nn.Module:
