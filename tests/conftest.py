@@ -11,6 +11,9 @@ import os
 # reproducible mode. A caller's choice is kept: tests/test_blas_modes.py runs the claims that must
 # hold in any mode with MKL_CBWR empty (MKL's default) and COMPATIBLE. See docs/bit-identity.md.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# The planner's disk cache stays off, so tests measure what they say and never write to the user's
+# cache folder; tests/test_plan_cache.py turns it on in a temporary folder.
+os.environ.setdefault("VIDMEM_PLAN_CACHE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

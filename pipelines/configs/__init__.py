@@ -77,13 +77,13 @@ def _config_file(file: str, dtype: str | None, stamp: int, vae_dtype: str = "") 
     return _from_json(read_json_object(Path(file), "model config"), dtype, vae_dtype)
 
 
-def _from_json(data: dict, dtype: str | None, vae_dtype: str = "") -> MetaModel:
+def _from_json(data: dict, dtype: str | None, vae_dtype: str = "", disk_cache: bool = True) -> MetaModel:
     components = {name: _component(name, entry) for name, entry in data["components"].items()}
     dtype_name = _dtype(dtype or data["dtype"])
     return MetaModel(
         name=data["name"], pipeline_class=data["pipeline"], spec=family_for(data["pipeline"]), components=components,
         dtype_name=dtype_name, pipeline_config=data.get("pipeline_config", {}), source=data.get("source", ""),
-        vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype,
+        vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype, disk_cache=disk_cache,
     )
 
 

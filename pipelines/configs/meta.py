@@ -5,12 +5,15 @@ described by component configs (a shipped JSON file or a diffusers folder's conf
 Components are built lazily, once, with the dtypes `from_pretrained(torch_dtype=...)` gives
 (`_keep_in_fp32_modules` stay float32). Block-bearing components are built with at most two
 blocks: blocks are identical, so their weights are extrapolated to the real count and the
-activation peak of two blocks is the peak of all of them. Traces are memoised per call.
+activation peak of two blocks is the peak of all of them. Traces are memoised per call, and
+kept on disk across processes with the components' split into tensors (`plan_cache.py`): a plan
+the cache holds builds no module and imports no diffusers or transformers class.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -19,8 +22,8 @@ import torch
 
 from ...memory.accounting import Attention, OpCache, Trace, trace
 from ...memory.plan.planner import Call, ModelLayout, VideoShape
-from ...memory.plan.schedule import ComponentWeights, slot_table
-from ...memory.plan.storage import stored_sizes
+from ...memory.plan.schedule import ComponentWeights, SlotTable, slot_table
+from ...memory.plan.storage import StoredSizes, stored_sizes
 from ...memory.storage import storage_format
 from ...memory.strategy import TextEncoderPlacement
 from ...memory.units import DTYPES
@@ -28,6 +31,7 @@ from ...memory.vae_tiles import VaeGeometry
 from ..family import FamilySpec, ModelError
 from ..stages import stage_components
 from . import workloads
+from .plan_cache import PlanCache, digest, log
 from .streams import expand_blocks
 
 # Class -> the config key holding its block count (what build_meta caps at TRACED_BLOCKS).
@@ -69,6 +73,7 @@ class MetaModel:
     pipeline_config: dict = field(default_factory=dict)
     source: str = ""
     vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name (Wan's docs run it in fp32)
+    disk_cache: bool = True  # keep measurements in the user's plan cache (plan_cache.py; VIDMEM_PLAN_CACHE=0: off)
     _built: dict = field(default_factory=dict, repr=False)
     _weights: dict = field(default_factory=dict, repr=False)
     _traces: dict = field(default_factory=dict, repr=False)
@@ -95,8 +100,13 @@ class MetaModel:
     @cached_property
     def vae_stream_batch(self) -> int | None:
         """The latent frames per batch if the VAE's decode streams across chunks (see FamilySpec.vae_stages)."""
+        cached = self._cached("weights", "vae_stream_batch", lambda entry: entry["frame_batch"])
+        if cached is not None:
+            return cached[0]
         stages = self.spec.vae_stages(self.module("vae"))
-        return stages.frame_batch if stages else None
+        batch = stages.frame_batch if stages else None
+        self._keep("weights", "vae_stream_batch", {"frame_batch": batch})
+        return batch
 
     def stage_components(self, text_encoder: TextEncoderPlacement, encode_text: bool = True) -> tuple[str, ...]:
         """What `pipelines.sample` applies the strategy to, for this pipeline class (pipelines/stages.py)."""
@@ -131,11 +141,16 @@ class MetaModel:
         """The component's tensors as stored: `storage` names a StorageFormat (None: the compute dtype)."""
         key = (component, storage)
         if key not in self._weights:
+            cached = self._cached("weights", f"{component}|{storage or ''}", lambda e: _weights_from_json(component, e))
+            if cached is not None:
+                self._weights[key] = cached[0]
+                return cached[0]
             module, blocks = self.module(component), self.blocks(component)
             fmt = storage_format(storage) if storage else None
             stored = stored_sizes(module, fmt)
             table = slot_table(module, blocks, stored)
             self._weights[key] = ComponentWeights(component, sum(table.sizes), table.block_count, table.sizes, stored, table)
+            self._keep("weights", f"{component}|{storage or ''}", _weights_json(self._weights[key]))
         return self._weights[key]
 
     def module(self, component: str) -> torch.nn.Module:
@@ -161,6 +176,13 @@ class MetaModel:
         key = (call, Attention(attention))
         if key not in self._traces:
             record = (call.component, call.kind) not in self._streams and call.kind in ("text_encode", "condition", "denoise", "decode")
+            file, entry = _trace_file(call, attention), _call_key(call)
+            cached = self._cached(file, entry, _trace_from_json)
+            if cached is not None and not (record and cached[0][1] is None):  # kept without the order it ran in
+                self._traces[key], order = cached[0]
+                if record:
+                    self._streams[(call.component, call.kind)] = order
+                return self._traces[key]
             with _StreamRecorder(self, call.component, call.kind) if record else nullcontext():
                 try:
                     measured = trace(self._workload(call), attention, self._cache)
@@ -168,12 +190,42 @@ class MetaModel:
                     raise ModelError(f"{self.name} cannot run {call.kind} at {call.shape.width}x{call.shape.height}"
                                      f"x{call.shape.frames}: {error}") from error
                 self._traces[key] = replace(measured, flops=measured.flops * self._block_scale(call.component))
+            order = self._streams.get((call.component, call.kind)) if record else None
+            self._keep(file, entry, _trace_json(self._traces[key], order))
         return self._traces[key]
 
     def _block_scale(self, component: str) -> float:
         """FLOPs are almost all in the blocks: scale a two-block trace to the real count."""
         blocks = self._block_list(component)
         return self.real_block_count(component) / len(blocks) if blocks else 1.0
+
+    # --- the disk cache (plan_cache.py) ------------------------------------------------------
+
+    def identity(self) -> dict:
+        """Everything this model's measurements depend on besides the code: its resolved configuration."""
+        return {"name": self.name, "pipeline": self.pipeline_class, "pipeline_config": self.pipeline_config,
+                "dtype": self.dtype_name, "vae_dtype": self.vae_dtype_name,
+                "components": {n: [c.library, c.class_name, c.config] for n, c in sorted(self.components.items())}}
+
+    @cached_property
+    def _disk(self) -> PlanCache | None:
+        return PlanCache.open(self.identity()) if self.disk_cache else None
+
+    def _cached(self, file: str, key: str, decode) -> tuple | None:
+        """(value,) from the disk cache, or None on a miss; an entry that does not decode is logged and missed."""
+        entry = self._disk.get(file, key) if self._disk is not None else None
+        if entry is None:
+            return None
+        try:
+            return (decode(entry),)
+        except (KeyError, TypeError, ValueError, IndexError) as error:
+            log.warning("vidmem: ignoring a damaged plan cache entry %s in %s/%s.json (%r); it is measured again",
+                        key, self._disk.folder, file, error)
+            return None
+
+    def _keep(self, file: str, key: str, value) -> None:
+        if self._disk is not None:
+            self._disk.put(file, key, value)
 
     # --- building ---------------------------------------------------------------------------
 
@@ -226,6 +278,45 @@ class MetaModel:
 
     def _workload(self, call: Call):
         return workloads.workload_for(self, call)
+
+
+def _weights_json(weights: ComponentWeights) -> dict:
+    stored = weights.stored
+    return {"table": weights.table.as_json(), "storage": stored.storage, "transient_bytes": stored.transient_bytes,
+            "stored_weights": stored.stored_weights}
+
+
+def _weights_from_json(component: str, entry: dict) -> ComponentWeights:
+    table = SlotTable.from_json(entry["table"])
+    # Per-tensor stored bytes are already in the table's sizes; by_tensor keys module objects, never cached.
+    stored = StoredSizes(entry["storage"], transient_bytes=int(entry["transient_bytes"]),
+                         stored_weights=int(entry["stored_weights"]))
+    return ComponentWeights(component, sum(table.sizes), table.block_count, table.sizes, stored, table)
+
+
+def _trace_file(call: Call, attention: Attention) -> str:
+    """One file per shape and attention kernel: what the planner measures for one request."""
+    shape = call.shape
+    return f"traces-{digest([shape.width, shape.height, shape.frames, shape.batch, shape.cfg, Attention(attention).value])[:16]}"
+
+
+def _call_key(call: Call) -> str:
+    return json.dumps([call.kind, call.component, call.piece, call.vae_tiling])
+
+
+def _trace_json(measured: Trace, order) -> dict:
+    return {"peak_bytes": measured.peak_bytes, "events": measured.events, "flops": measured.flops,
+            "live_bytes": measured.live_bytes, "order": None if order is None else [[s, n] for s, n in order]}
+
+
+def _trace_from_json(entry: dict) -> tuple[Trace, tuple | None]:
+    """The trace, and the module order it ran in (None when another call's order was recorded first)."""
+    measured = Trace(int(entry["peak_bytes"]), tuple(int(e) for e in entry["events"]), entry["flops"],
+                     int(entry["live_bytes"]))
+    if not isinstance(measured.flops, (int, float)):
+        raise TypeError(f"flops {measured.flops!r}")
+    order = None if entry["order"] is None else tuple((bool(s), str(n)) for s, n in entry["order"])
+    return measured, order
 
 
 def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int | None = None,
