@@ -360,9 +360,10 @@ def ratio_at_measured_rates(row: dict, resident: dict, copy_bytes_per_s: float) 
     if not mine or not base or not resident.get("step_seconds"):
         return None
     rates = DeviceRates(base["flops"] / resident["step_seconds"], copy_bytes_per_s)
-    traffic = Traffic(mine["copy_bytes"], mine["groups"], exposed_share=mine["exposed_share"])
-    seconds = lambda step, t: stage_seconds(step["flops"], 1, t, rates=rates, dequant_weights=step["dequant_weights"])  # noqa: E731
-    return seconds(mine, traffic) / seconds(base, Traffic())
+    def seconds(step: dict, traffic: Traffic) -> float:
+        return stage_seconds(step["flops"], 1, traffic, rates=rates, dequant_weights=step["dequant_weights"])
+
+    return seconds(mine, Traffic(mine["copy_bytes"], mine["groups"], exposed_share=mine["exposed_share"])) / seconds(base, Traffic())
 
 
 def measure_row(row: Row, module: torch.nn.Module, model, config: BenchConfig, pool: HostPool) -> dict:

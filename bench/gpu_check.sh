@@ -44,7 +44,7 @@ left=$(( BUDGET_SECONDS - ($(date +%s) - started) - 60 ))
 echo "== bench/gpu.py (${left}s left for rows)"
 timeout $(( left + 50 )) python3 bench/gpu.py --json "$OUT/gpu.json" --budget-seconds "$left" > "$OUT/bench.log" 2>&1
 echo "bench exit $?" | tee -a "$OUT/bench.log"
-cat "$OUT/bench.log" | grep -v "^Failed to load CPU"
+grep -v "^Failed to load CPU" "$OUT/bench.log"
 
 left=$(( BUDGET_SECONDS - ($(date +%s) - started) ))
 if [ "$left" -gt 40 ] && command -v compute-sanitizer >/dev/null; then

@@ -29,6 +29,7 @@ from ..memory import (
     resolve_compute_device,
 )
 from ..memory.blockswap import Observer
+from ..memory.cleanup import is_out_of_memory
 from ..memory.offload import device_weight_bytes
 from ..memory.plan.types import VideoShape
 from ..memory.device import Backend
@@ -43,7 +44,7 @@ from .room import sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
-from .sample_ladder import (Rung, SamplingOutOfMemory, is_out_of_memory, next_rung, no_climb_message,
+from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message,
                             out_of_memory_message, planner_fits)
 from .schedulers import SamplerChoice, build_scheduler
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..memory import MemoryStrategy, OffloadTier
-from ..memory.cleanup import is_out_of_memory  # noqa: F401  (the ladder's rule, re-exported for its callers)
 
 log = logging.getLogger("vidmem")
 

@@ -14,7 +14,8 @@ from backends import StrictBackend
 from test_tiers import hooks_of, request_for, storage_map
 from vidmem.memory import MemoryStrategy
 from vidmem.pipelines.sample import RunHooks, sample
-from vidmem.pipelines.sample_ladder import SamplingOutOfMemory, fixed_ladder, is_out_of_memory, planned_rung
+from vidmem.memory.cleanup import is_out_of_memory
+from vidmem.pipelines.sample_ladder import SamplingOutOfMemory, fixed_ladder, planned_rung
 
 STEPS = 4
 

@@ -105,6 +105,7 @@ def test_a_real_out_of_memory_meets_the_ladder(cuda):
     from bench.support.blockswap_cpu import build_pipeline
     from bench.support.blockswap_modelled import transformer_config
     from vidmem.pipelines.sample import SampleRequest, sample
+    from vidmem.pipelines.sample_ladder import fixed_ladder
 
     loaded = build_pipeline(dict(transformer_config("wan2.1-t2v-1.3b")[1], text_dim=32))  # the tiny text encoder's width
     loaded.pipe.transformer.to(torch.bfloat16)  # the pipeline casts latents and embeddings to it
@@ -128,19 +129,9 @@ def test_a_real_out_of_memory_meets_the_ladder(cuda):
     final = rungs[-1]["next"]
     assert "block_swap" in final or "sequential" in final
     free_memory(cuda)
-    again = sample(loaded, _parse(final), request, device=cuda).latent["samples"]
+    rungs_known = {rung.describe(): rung for rung in fixed_ladder(none, len(loaded.pipe.transformer.blocks))}
+    again = sample(loaded, rungs_known[final], request, device=cuda).latent["samples"]
     assert torch.equal(result.latent["samples"], again)
-
-
-def _parse(described: str) -> MemoryStrategy:
-    """MemoryStrategy.describe() read back (offload, blocks_to_swap, prefetch)."""
-    fields = dict(part.split("=", 1) for part in described.split() if "=" in part)
-    kwargs = {"offload": fields["offload"]}
-    if "blocks_to_swap" in fields:
-        kwargs["blocks_to_swap"] = int(fields["blocks_to_swap"])
-    if "prefetch" in fields:
-        kwargs["prefetch_blocks"] = int(fields["prefetch"])
-    return MemoryStrategy(**kwargs)
 
 
 def test_lora_on_streamed_weights_matches_resident(cuda, tmp_path):
