@@ -536,19 +536,26 @@ def main() -> None:
                         help="start no row after this many seconds (the JSON lists the rest as skipped)")
     parser.add_argument("--sanitize-step", action="store_true", help="one tiny block_swap step (for compute-sanitizer)")
     args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps={args.steps} must be 1 or more and --warmup={args.warmup} 0 or more")
     if args.sanitize_step:
         return sanitize_step(torch.device(args.device))
     cpu = args.device == "cpu"
     shape = TINY_SHAPE if cpu else DEFAULT_SHAPE
     if args.size:
-        w, h, f = (int(v) for v in args.size.lower().split("x"))
-        shape = VideoShape(w, h, f, cfg=False)
+        parts = args.size.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            parser.error(f"--size={args.size!r} must be WIDTHxHEIGHTxFRAMES, e.g. 832x480x81")
+        shape = VideoShape(*(int(p) for p in parts), cfg=False)
     config = BenchConfig(args.model, shape, tuple(TINY_CHANGES.items()) if cpu else (), args.warmup, args.steps,
                          args.device, args.pinned_gib)
     blocks = meta_model(config.model, dict(config.changes)).components["transformer"].config["num_layers"]
     rows = default_rows(blocks, args.pinned_gib)
     if args.rows:
         wanted = set(args.rows.split(","))
+        unknown = wanted - {r.name for r in rows}
+        if unknown:
+            parser.error(f"--rows names no row {', '.join(sorted(unknown))}; this model's rows: {', '.join(r.name for r in rows)}")
         rows = [r for r in rows if r.name in wanted]
     print(f"{config.model} at {shape.width}x{shape.height}x{shape.frames} on {gpu_info(torch.device(args.device))['name']}: "
           f"{len(rows)} rows, {config.warmup} warm-up + {config.steps} timed steps each", flush=True)
