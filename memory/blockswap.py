@@ -34,6 +34,33 @@ Observer = Callable[[str, WeightGroup], None]
 EVICTED_IN_FLIGHT = 1  # evicted groups the GPU may still be computing with; bounds device memory
 
 
+class KeepBudget:
+    """Device bytes streamed groups may keep beyond the schedule's window ("residency follows free
+    memory"): a group whose forward is done stays on the device while the kept total fits, so the
+    next step finds it there instead of copying it again. Shared by every schedule of one call
+    (both experts of Wan 2.2 A14B). 0, the default, keeps nothing: the schedule as described above.
+    """
+
+    def __init__(self, limit_bytes: int = 0) -> None:
+        self.limit_bytes = max(0, int(limit_bytes))
+        self.kept_bytes = 0
+        self.kept_groups = 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.kept_bytes + nbytes > self.limit_bytes:
+            return False
+        self.kept_bytes += nbytes
+        self.kept_groups += 1
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.kept_bytes -= nbytes
+        self.kept_groups -= 1
+
+    def as_dict(self) -> dict:
+        return {"limit_bytes": self.limit_bytes, "kept_bytes": self.kept_bytes, "kept_groups": self.kept_groups}
+
+
 class PassOrder:
     """The order streamed groups run in during one kind of pass (forward, or training's backward).
 
@@ -90,8 +117,11 @@ class StreamSchedule:
         backend: Any,
         observer: Observer,
         ledger: SwapLedger | None = None,
+        budget: KeepBudget | None = None,
     ) -> None:
         self.groups = groups
+        self._budget = budget or KeepBudget()
+        self._kept: set[int] = set()  # ids of groups kept on the device by the budget
         self._prefetch = prefetch
         self._backend = backend
         self._observe = observer
@@ -148,7 +178,13 @@ class StreamSchedule:
                 self._onload(group, "prefetch")
 
     def _retire(self, group: WeightGroup) -> None:
-        """Evict a group whose compute has been queued; the GPU may still be reading it."""
+        """Evict a group whose compute has been queued (the GPU may still be reading it), unless
+        the keep budget has room for it: then it stays for the next pass (sampling only)."""
+        if id(group) in self._kept:
+            return
+        if self._cyclic and self._budget.take(group.nbytes):
+            self._kept.add(id(group))
+            return
         group.evict()
         self._in_flight.append(self._backend.compute_done())
         self._observe("evict", group)
@@ -161,7 +197,7 @@ class StreamSchedule:
     def _drop_mispredicted(self, group: WeightGroup) -> None:
         """Evict prefetched groups that the path did not reach (a module skipped this pass, e.g.
         the Wan VAE's first-chunk branch), so at most prefetch + 1 stay on the device."""
-        expected = {id(group), *(id(g) for g in self._upcoming(group))}
+        expected = {id(group), *(id(g) for g in self._upcoming(group)), *self._kept}
         for other in self.groups:
             if other.on_device and id(other) not in expected:
                 other.evict()
@@ -180,6 +216,9 @@ class StreamSchedule:
 
     def evict_all(self) -> None:
         for group in self.groups:
+            if id(group) in self._kept:
+                self._kept.discard(id(group))
+                self._budget.give(group.nbytes)
             if group.on_device:
                 group.evict()
                 self._observe("evict", group)

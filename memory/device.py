@@ -34,6 +34,7 @@ class Backend(Protocol):
 
     device: torch.device
     can_pin: bool
+    copies_to_device: bool  # False: "onloading" is the identity (the CPU); nothing worth keeping warm
 
     def pin_arena(self, nbytes: int) -> torch.Tensor:
         """A page-locked uint8 host buffer of `nbytes` (only called when `can_pin`)."""
@@ -67,6 +68,7 @@ class CpuBackend:
     """
 
     can_pin = False
+    copies_to_device = False
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -115,6 +117,7 @@ class CudaBackend:
     """
 
     can_pin = True
+    copies_to_device = True
 
     def __init__(self, device: torch.device) -> None:
         from .hostpool import StagingRing  # hostpool imports residency; keep device.py import-light
@@ -199,6 +202,8 @@ class ComputeQueueBackend(CpuBackend):
     device share memory, so the copy is cheap and pinning would buy nothing.) Copies are queued
     in order on the one queue, so compute never needs to wait on an event.
     """
+
+    copies_to_device = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()

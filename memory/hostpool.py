@@ -85,17 +85,19 @@ class HostPool:
     def pinned_bytes(self) -> int:
         return sum(a.numel() for a in self._arenas)
 
-    def adopt(self, tensors: list[list[Slot]], backend, cap_bytes: int) -> list[list[Slot]]:
-        """The same tensors with pinned homes where possible; each is re-pointed to it for good."""
+    def adopt(self, tensors: list[list[Slot]], backend, cap_bytes: int,
+              rehomed: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> list[list[Slot]]:
+        """The same tensors with pinned homes where possible; each is re-pointed to it for good.
+        `rehomed(old, new)` hears of each move (a warm store's kept copy follows its bytes)."""
         if not backend.can_pin:
             return tensors
-        return [self._adopt_one(owners, backend, cap_bytes) for owners in tensors]
+        return [self._adopt_one(owners, backend, cap_bytes, rehomed) for owners in tensors]
 
     def stats(self) -> dict:
         return {"pinned_bytes": self.pinned_bytes, "arenas": len(self._arenas), "allocations": self.allocations,
                 "fallbacks": self.fallbacks, "file_backed": self.file_backed}
 
-    def _adopt_one(self, owners: list[Slot], backend, cap_bytes: int) -> list[Slot]:
+    def _adopt_one(self, owners: list[Slot], backend, cap_bytes: int, rehomed) -> list[Slot]:
         host = owners[0].host
         if self._holds(host):
             return owners
@@ -111,6 +113,8 @@ class HostPool:
         adopted = [Slot(s.module, s.name, s.is_parameter, home) for s in owners]
         for slot in adopted:
             slot.point_to(home)
+        if rehomed is not None:
+            rehomed(host, home)
         return adopted
 
     def _allocate(self, host: torch.Tensor, backend, cap_bytes: int) -> torch.Tensor | None:

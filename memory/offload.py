@@ -10,7 +10,9 @@ Tiers, as weight groups and hooks:
   modules (small modulation and position tables) stay resident while the component runs.
 
 `OffloadHandle.remove()` takes every hook off and points every tensor back at its original
-storage. Use it as a context manager so that happens even when a step raises.
+storage. Use it as a context manager so that happens even when a step raises. With a warm store
+(memory/warm.py), a call that ends without error hands the device copies still in place to the
+store, and the next call starts from them: weights already on the device are not copied again.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .blockswap import EVICTED_IN_FLIGHT, Observer, StreamSchedule, hook_group
+from .blockswap import EVICTED_IN_FLIGHT, KeepBudget, Observer, StreamSchedule, hook_group
 from .hostpool import HostPool, pinned_cap_bytes
 from .residency import Slot, WeightGroup, own_slots, partition_slots, tie, tied_bytes
 from .strategy import MemoryStrategy, OffloadTier
 from .swapstats import SwapLedger
+from .warm import ACTIVE_CORE, IDLE_CORE, STREAMED, WarmStore
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,12 @@ class _Component:
 class OffloadHandle:
     """The applied strategy for one stage; `remove()` restores every module exactly."""
 
-    def __init__(self, strategy: MemoryStrategy, backend: Any, observer: Observer | None, telemetry: bool) -> None:
+    def __init__(self, strategy: MemoryStrategy, backend: Any, observer: Observer | None, telemetry: bool,
+                 warm: WarmStore | None = None, keep_bytes: int = 0) -> None:
         self.strategy = strategy
         self.backend = backend
+        self.warm = warm
+        self.keep = KeepBudget(keep_bytes)  # streamed bytes that may stay on the device (free memory permitting)
         self.ledger = SwapLedger(backend) if telemetry else None
         self._exclusive = strategy.offload is not OffloadTier.NONE  # one component at a time
         self._observe = observer or (lambda kind, group: None)
@@ -59,8 +65,8 @@ class OffloadHandle:
     def __enter__(self) -> "OffloadHandle":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
+    def __exit__(self, exc_type, *exc: object) -> None:
+        self.remove(keep=exc_type is None)
 
     def __repr__(self) -> str:
         return f"OffloadHandle({self.strategy.describe()}, {len(self._groups)} groups, {len(self._hooks)} hooks)"
@@ -117,15 +123,30 @@ class OffloadHandle:
         """Bytes moved and time spent copying, waiting and computing, per streamed group."""
         return self.ledger.summary() if self.ledger else {"blocks": {}, "totals": {}}
 
-    def remove(self) -> None:
+    def remove(self, keep: bool = False) -> None:
+        """Take every hook off and restore every tensor. With `keep` (a call that ended well), the
+        device copies still in place go to the warm store for the next call; otherwise, and for
+        whatever the store kept that this call did not take back, the copies are dropped."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self.warm is not None:
+            self.warm.forget()  # what this call did not take back is not needed any more
+            if keep:
+                for group in self._groups:
+                    self.warm.keep(group.kept_pairs(), self._keep_rank(group))
         for group in self._groups:
             group.restore()
         self._groups.clear()
         self._components.clear()
         self._active = None
+
+    def _keep_rank(self, group: WeightGroup) -> int:
+        """Which kept copies go first when the host asks for memory back (memory/warm.py)."""
+        if group.streamed:
+            return STREAMED
+        active = self._components.get(self._active) if self._active else None
+        return ACTIVE_CORE if active is not None and active.core is group or not self._exclusive else IDLE_CORE
 
     def _evict(self, component: _Component) -> None:
         if component.core is not None and component.core.on_device:
@@ -135,7 +156,7 @@ class OffloadHandle:
             component.schedule.evict_all()
 
     def _group(self, name: str, tensors: list[list[Slot]], streamed: bool) -> WeightGroup:
-        group = WeightGroup(name, tensors, self.backend, streamed, self.strategy.non_blocking)
+        group = WeightGroup(name, tensors, self.backend, streamed, self.strategy.non_blocking, self.warm)
         self._groups.append(group)
         return group
 
@@ -146,15 +167,17 @@ class OffloadHandle:
         core = self._group(name, tie(core_slots), streamed=False) if core_slots else None
         schedule = None
         streamed = [(head, slots) for (head, _), slots in zip(units, unit_slots) if slots]
+        rehome = self.warm.rehome if self.warm is not None else None
         if streamed:
             cap = pinned_cap_bytes(strategy.max_pinned_ram_gb, pool.host_room_bytes)
             names = {id(m): qualified for qualified, m in module.named_modules()}
             groups = [
-                self._group(f"{name}.{names[id(head)] or '(root)'}", pool.adopt(tie(slots), self.backend, cap), streamed=True)
+                self._group(f"{name}.{names[id(head)] or '(root)'}", pool.adopt(tie(slots), self.backend, cap, rehome), streamed=True)
                 for head, slots in streamed
             ]
             order_known = strategy.offload is OffloadTier.BLOCK_SWAP
-            schedule = StreamSchedule(groups, strategy.prefetch_blocks, order_known, self.backend, self._observe, self.ledger)
+            schedule = StreamSchedule(groups, strategy.prefetch_blocks, order_known, self.backend, self._observe, self.ledger,
+                                      self.keep)
             for (head, _), group in zip(streamed, groups):
                 self._hooks += hook_group(head, group, schedule)
             self._hooks.append(module.register_forward_hook(torch.compiler.disable(lambda m, args, out: schedule.end_of_pass())))
@@ -188,12 +211,19 @@ def apply_strategy(
     observer: Observer | None = None,
     host_pool: HostPool | None = None,
     telemetry: bool = False,
+    warm: WarmStore | None = None,
+    keep_bytes: int = 0,
 ) -> OffloadHandle:
     """Apply `strategy` to `stage` on `backend`'s device; nothing is left applied if this raises.
 
     Streamed tensors get pinned host homes from `host_pool` (kept by the caller across runs,
     capped by `strategy.max_pinned_ram_gb`). With `telemetry`, `handle.swap_summary()` reports
     what streaming cost (CUDA timing events per streamed forward; leave it off where unread).
+    With `warm` (the stage's store, kept by the caller across calls), groups whose copies the
+    store kept start on the device, and the others take what it has before copying the rest;
+    `warm.tally` counts bytes uploaded and reused. `keep_bytes`: device memory streamed groups may
+    keep beyond the schedule's window while sampling (free memory the run does not need); a kept
+    block is not copied again on the next step (`handle.keep` says how many were kept).
 
     Example:
         with apply_strategy(stage, strategy, backend_for(device)) as handle:
@@ -202,11 +232,13 @@ def apply_strategy(
     """
     for name, blocks in stage.blocks.items():
         strategy.check_against_model(len(blocks), name)
-    handle = OffloadHandle(strategy, backend, observer, telemetry)
+    handle = OffloadHandle(strategy, backend, observer, telemetry, warm, keep_bytes)
     pool = host_pool or HostPool()
     try:
         for name, module in stage.modules.items():
             handle._add_component(name, module, stage.blocks.get(name), pool)
+        for group in handle.groups:
+            group.adopt_kept()  # where the last call ended: no copy
         if not handle._exclusive:
             for group in handle.groups:
                 group.onload()

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .warm import WarmStore
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -81,7 +83,11 @@ def tie(slots: list[Slot]) -> list[list[Slot]]:
 
 def tied_bytes(tensors: list[list[Slot]]) -> int:
     """Bytes of tied tensors, each counted once."""
-    return sum(owners[0].host.numel() * owners[0].host.element_size() for owners in tensors)
+    return sum(_nbytes(owners[0].host) for owners in tensors)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class WeightGroup:
@@ -91,13 +97,16 @@ class WeightGroup:
     components copy on the compute stream.
     """
 
-    def __init__(self, name: str, tensors: list[list[Slot]], backend: Any, streamed: bool, non_blocking: bool = True) -> None:
+    def __init__(self, name: str, tensors: list[list[Slot]], backend: Any, streamed: bool, non_blocking: bool = True,
+                 warm: WarmStore | None = None) -> None:
         self.name = name
         self._tensors = tensors
         self._backend = backend
         self._streamed = streamed
         self._non_blocking = non_blocking
+        self._warm = warm  # device copies kept from an earlier call: taken instead of copied
         self._token: Any = None
+        self._copies: list[torch.Tensor] | None = None  # while on the device: one per tied tensor
         self.on_device = False
         self.nbytes = tied_bytes(tensors)
         self._point_all(backend.evicted)
@@ -113,13 +122,47 @@ class WeightGroup:
         """
         if self.on_device:
             return None
-        hosts = [owners[0].host for owners in self._tensors]
-        copies, self._token = self._backend.copy_group(hosts, self._non_blocking, self._streamed, timed)
+        hosts = self.hosts
+        copies = self._warm.take(hosts) if self._warm is not None else [None] * len(hosts)
+        missing = [i for i, copy in enumerate(copies) if copy is None]
+        self._token = None
+        if missing:
+            fresh, self._token = self._backend.copy_group([hosts[i] for i in missing], self._non_blocking, self._streamed, timed)
+            for i, copy in zip(missing, fresh):
+                copies[i] = copy
+        if self._warm is not None:
+            uploaded = sum(_nbytes(hosts[i]) for i in missing)
+            self._warm.count(uploaded, self.nbytes - uploaded, self._streamed)
+        self._point_copies(copies)
+        return self._token
+
+    def adopt_kept(self) -> bool:
+        """Take the warm store's copies if it keeps every tensor of this group: the group is then
+        on the device without a copy (a call starting where the last one ended)."""
+        if self.on_device or self._warm is None or not self._warm.holds_all(self.hosts):
+            return False
+        self._point_copies(self._warm.take(self.hosts))
+        self._warm.count(0, self.nbytes, self._streamed)
+        return True
+
+    def kept_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(host, device copy) of every tensor while on the device, for a warm store to keep."""
+        return list(zip(self.hosts, self._copies)) if self.on_device and self._copies is not None else []
+
+    @property
+    def hosts(self) -> list[torch.Tensor]:
+        return [owners[0].host for owners in self._tensors]
+
+    @property
+    def streamed(self) -> bool:
+        return self._streamed
+
+    def _point_copies(self, copies: list[torch.Tensor]) -> None:
         for owners, copy in zip(self._tensors, copies):
             for slot in owners:
                 slot.point_to(copy)
+        self._copies = copies
         self.on_device = True
-        return self._token
 
     def wait(self) -> None:
         """Make compute wait until this group's copy has landed."""
@@ -130,13 +173,13 @@ class WeightGroup:
     def evict(self) -> None:
         """Point every tensor back at its host copy: no device-to-host copy."""
         self._point_all(self._backend.evicted)
-        self._token = None
+        self._token = self._copies = None
         self.on_device = False
 
     def restore(self) -> None:
         """Leave every tensor exactly on the storage it had before the group existed."""
         self._point_all(lambda host: host)
-        self._token = None
+        self._token = self._copies = None
         self.on_device = False
 
     def _point_all(self, form) -> None:

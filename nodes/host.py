@@ -6,9 +6,11 @@ a host attribute, never edits `current_loaded_models`, and never touches native 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+import weakref
 from pathlib import Path
 
 from .model_folders import (  # noqa: F401 (public here: the loader nodes read them through host)
@@ -100,18 +102,98 @@ def resolve_single_file(name: str) -> Path:
     return resolve_model_file("model", name, "transformer_file")
 
 
-def make_room(bytes_needed: int, device) -> None:
+def make_room(bytes_needed: int, device, warm=None, weight_bytes: int = 0) -> None:
     """Ask ComfyUI to unload its own models until `bytes_needed` fit on `device`.
 
     `bytes_needed` is the stage's weights plus its predicted activations (pipelines/room.py).
-    ComfyUI's `free_memory(memory_required, device)` unloads until its free figure (driver free +
-    torch's cached-but-unused) exceeds `memory_required`; its own loader adds the VRAM it keeps
-    for other applications (`extra_reserved_memory()`, 400-700 MB or `--reserve-vram`) on top,
-    and so does this.
+    With a warm store (memory/warm.py: the weights a stage keeps on the device between calls),
+    the store is registered in ComfyUI's memory manager as one of its loaded models, through
+    `load_models_gpu`, the way ComfyUI's own loaders ask for room: it frees 1.1x the weights
+    the store does not hold yet plus the activations and the VRAM it reserves for other
+    applications, never evicts the store itself, and from then on counts what the store holds
+    and asks for it back when another model needs the room (`VidmemPatcher`, below).
+    Without a store it calls `free_memory(bytes_needed + extra_reserved_memory())`: ComfyUI's
+    free figure (driver free + torch's cached-but-unused) then exceeds the request.
     """
-    if model_management is not None and device.type == "cuda":
-        reserve = getattr(model_management, "extra_reserved_memory", lambda: 0)()
+    if model_management is None or device.type != "cuda":
+        return
+    reserve = getattr(model_management, "extra_reserved_memory", lambda: 0)()
+    if warm is None or not hasattr(model_management, "load_models_gpu"):
         model_management.free_memory(bytes_needed + reserve, device)
+        return
+    patcher = registered_patcher(warm, device)
+    patcher.planned_bytes = weight_bytes
+    model_management.load_models_gpu([patcher], memory_required=max(0, bytes_needed - weight_bytes))
+
+
+def registered_patcher(warm, device):
+    """The ComfyUI model entry standing for `warm` on `device`, made on first use and kept alive by
+    the store (ComfyUI holds its entries' patchers weakly: when the pipeline goes, so does the entry)."""
+    patcher = warm.host_entry
+    if patcher is None or patcher.load_device != device:
+        patcher = _patcher_class()(warm, device)
+        warm.host_entry = patcher
+    return patcher
+
+
+@functools.lru_cache(maxsize=None)
+def _patcher_class():
+    """ComfyUI's ModelPatcher, subclassed on first use (importable only inside ComfyUI)."""
+    from comfy.model_patcher import ModelPatcher
+    import torch
+
+    class VidmemWeights(torch.nn.Module):
+        """The module ComfyUI's entry points at (its logs name this class); holds no tensors."""
+
+    class VidmemPatcher(ModelPatcher):
+        """vidmem's device memory as ComfyUI's memory manager sees it: a model whose size is the
+        weights the stage wants on the device and whose loaded part is what its warm store keeps.
+
+        ComfyUI asks it for memory back through `partially_unload` (some) and `detach` (all),
+        from `free_memory`, `unload_all_models`, `POST /free` and its out-of-memory handler.
+        Nothing is copied back: the store drops device copies of weights whose host copies never
+        changed. `detach(unpatch_all=False)` comes on every re-registration and from `__del__`:
+        it must give nothing back and never raise.
+        """
+
+        def __init__(self, warm, device) -> None:
+            super().__init__(VidmemWeights(), load_device=device, offload_device=torch.device("cpu"))
+            self._warm = weakref.ref(warm)  # the store holds the patcher; the patcher must not hold it
+            self.planned_bytes = 0  # the stage's device weights under its strategy (memory.offload)
+            self.granted_bytes = 0  # ComfyUI's weight grant at the last registration
+
+        def _held(self) -> int:
+            warm = self._warm()
+            return warm.held_bytes if warm is not None else 0
+
+        def model_size(self):
+            return max(self.planned_bytes, self._held())
+
+        def loaded_size(self):
+            return self._held()
+
+        def current_loaded_device(self):
+            return self.load_device if self._held() else self.offload_device
+
+        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+            self.granted_bytes = extra_memory  # nothing is uploaded now: the stage's call does that
+            return 0
+
+        def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+            warm = self._warm()
+            freed = warm.release(int(memory_to_free)) if warm is not None else 0
+            log.info("vidmem: gave back %.2f GiB of %s at ComfyUI's request", freed / (1 << 30),
+                     warm.label if warm is not None else "a released pipeline")
+            return freed
+
+        def detach(self, unpatch_all=True):
+            warm = self._warm()
+            if unpatch_all and warm is not None and warm.held_bytes:
+                freed = warm.release_all()
+                log.info("vidmem: gave back all %.2f GiB of %s at ComfyUI's request", freed / (1 << 30), warm.label)
+            return self.model
+
+    return VidmemPatcher
 
 
 def pinned_room_bytes() -> int | None:

@@ -13,6 +13,7 @@ from ..memory.telemetry import StageMeter, free_device_bytes
 from ..memory.cleanup import free_memory
 from ..memory.vae import Decode, DecodeReport, Prepare, Streaming, VaeGeometry, decode_with_fallback
 from ..memory.offload import device_weight_bytes
+from ..memory.warm import call_on
 from .family import FamilySpec, ModelError
 from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .latents import check_latent
@@ -103,7 +104,8 @@ def decode(
     stage = StageComponents({"vae": vae})
     hooks.check_interrupt()
     room = decode_room(loaded, tuple(samples.shape), strategy, device_weight_bytes(stage, strategy), device)
-    hooks.make_room(room.total_bytes, device)  # weights + the planner's activations for the first rung
+    warm = loaded.warm_store("decode", backend)  # the VAE as the last decode left it on the device
+    hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=room.weight_bytes)  # weights + activations
     loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
 
     def on_step(done: int, total: int) -> None:
@@ -112,8 +114,8 @@ def decode(
 
     decode_piece, prepare = vae_decoder(loaded.spec, vae)
     # Cancel is checked between pieces (on_step) and, inside a piece, before each VAE block.
-    with interrupt_checks(outer_blocks(vae), hooks.check_interrupt), \
-            apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
+    with interrupt_checks(outer_blocks(vae), hooks.check_interrupt), call_on(warm, device), \
+            apply_strategy(stage, strategy, backend, observer, loaded.host_pool, warm=warm) as handle:
         handle.activate("vae")
 
         def decode_on_cpu():
@@ -142,4 +144,6 @@ def decode(
     frames = frames.flatten(0, 1).permute(0, 2, 3, 1).float().contiguous()
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [meter.as_dict()],
                "decode": report.as_dict(), "decode_summary": report.describe(), "room": room.as_dict()}
+    if warm is not None:
+        receipt["warm"] = warm.as_dict()
     return DecodeResult(frames, receipt)

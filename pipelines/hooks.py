@@ -25,7 +25,10 @@ class RunHooks:
 
     on_step: Callable[[int, int], None] = lambda step, total: None
     check_interrupt: Callable[[], None] = lambda: None
-    make_room: Callable[[int, torch.device], None] = lambda nbytes, device: None  # before the first onload
+    # Before the first onload: room for `nbytes` (weights + activations) on `device`. With a warm
+    # store, the host also registers what it keeps (`weight_bytes` of them wanted on the device),
+    # so its memory manager counts the store and can ask for memory back (nodes/host.py).
+    make_room: Callable[..., None] = lambda nbytes, device, warm=None, weight_bytes=0: None
     # Device bytes this run may use now (the planner's VRAM budget), asked after an out-of-memory
     # error to pick the next rung; None: unknown (the fixed ladder is used).
     device_budget: Callable[[torch.device], int | None] = lambda device: None

@@ -19,6 +19,7 @@ import torch
 
 from ..memory.device import backend_for
 from ..memory.hostpool import HostPool
+from ..memory.warm import WarmStore
 from ..memory.units import DTYPES  # re-exported: nodes and comfy_files name dtypes through the loader
 from .cogvideox import COGVIDEOX
 from .family import FamilySpec, ModelError
@@ -50,6 +51,7 @@ class LoadedPipeline:
     host_pool: HostPool = field(default_factory=HostPool, compare=False, repr=False)  # pinned homes, reused run over run
     _image_mode: dict = field(default_factory=dict, compare=False, repr=False)
     _backends: dict = field(default_factory=dict, compare=False, repr=False)
+    _warm: dict = field(default_factory=dict, compare=False, repr=False)  # stage -> WarmStore, run over run
 
     def backend(self, device: torch.device):
         """One backend per device for the pipeline's life, so CUDA streams and their cached
@@ -57,6 +59,23 @@ class LoadedPipeline:
         if device not in self._backends:
             self._backends[device] = backend_for(device)
         return self._backends[device]
+
+    def warm_store(self, stage: str, backend) -> WarmStore | None:
+        """Where `stage` ("sample", "decode") keeps its device copies between calls (memory/warm.py);
+        None on a backend that does not copy (the CPU: weights already live where they run)."""
+        if not backend.copies_to_device:
+            return None
+        if stage not in self._warm:
+            self._warm[stage] = WarmStore(f"vidmem {stage} weights of {self.class_name}")
+        return self._warm[stage]
+
+    def release_warm(self) -> int:
+        """Drop every stage's kept device copies (before training, or when asked); bytes dropped."""
+        return sum(store.release_all() for store in self._warm.values())
+
+    @property
+    def warm_stores(self) -> dict:
+        return dict(self._warm)
 
     @property
     def needs_image(self) -> bool:

@@ -32,6 +32,11 @@ log = logging.getLogger("vidmem")
 # the out-of-memory ladder, so the margin covers the small models and is a floor for the large.
 FALLBACK_MARGIN_BYTES = 3 * GiB
 
+# Left free when streamed blocks stay on the device beyond the schedule's window ("residency follows
+# free memory"), on top of the predicted activations and a tenth of them: room for the prediction's
+# error and for the allocator's rounding, so a kept block never causes the out-of-memory error it saves a copy for.
+KEEP_MARGIN_BYTES = 1 * GiB
+
 
 @dataclass(frozen=True)
 class RoomRequest:
@@ -116,3 +121,17 @@ def _with_fallback(predict, weight_bytes: int, what: str) -> RoomRequest:
         log.info("vidmem: no activation prediction for %s (%s); asking the host for the weights "
                  "(%.2f GiB) + a %.2f GiB margin", what, error, weight_bytes / GiB, FALLBACK_MARGIN_BYTES / GiB)
         return RoomRequest(weight_bytes, FALLBACK_MARGIN_BYTES, predicted=False)
+
+
+def keep_bytes(free_bytes: int | None, room: RoomRequest, held_bytes: int) -> int:
+    """Device bytes a sampling call's streamed blocks may keep beyond the schedule's window.
+
+    `free_bytes` is what the device has free now (after the host made room; None where unknown:
+    nothing is kept), `held_bytes` what the stage's warm store already holds (part of the room's
+    weights, already missing from the free figure). What the call itself needs (weights,
+    activations) and the margin stay free.
+    """
+    if free_bytes is None:
+        return 0
+    margin = KEEP_MARGIN_BYTES + room.activation_bytes // 10
+    return max(0, free_bytes + held_bytes - room.total_bytes - margin)

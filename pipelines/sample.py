@@ -35,12 +35,13 @@ from ..memory.plan.types import VideoShape
 from ..memory.device import Backend
 from ..memory.lora import apply_loras
 from ..memory.telemetry import StageMeter
+from ..memory.warm import call_on
 from .family import ModelError, denoiser_blocks
 from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .loader import LoadedPipeline
 from .stages import stage_modules
 from .lora import describe_loras, lora_patches
-from .room import sample_room
+from .room import keep_bytes, sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
@@ -201,6 +202,7 @@ class _Run:
         stage = sample_stage(loaded, strategy, encode_text=not prompts.complete)
         # Per-block CUDA events are cheap for tens of blocks, not for every leaf of `sequential`.
         telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
+        warm = loaded.warm_store("sample", self.backend)  # weights the last call left on the device
         with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
                 apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle:
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
@@ -209,9 +211,14 @@ class _Run:
             shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided)
             room = sample_room(loaded, strategy, shape, request.steps, not prompts.complete, weight_bytes, device)
             receipt["room"] = room.as_dict()
-            hooks.make_room(room.total_bytes, device)  # weights + the planner's activations
+            hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=weight_bytes)  # weights + activations
             loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
-            with apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry) as handle:
+            # Free memory the call does not need keeps streamed blocks on the device (not after an
+            # out-of-memory error: the ladder's rungs then stream as planned).
+            keep = keep_bytes(hooks.device_budget(device), room, warm.held_bytes if warm else 0) \
+                if strategy.streams_blocks and not self.rungs else 0
+            with call_on(warm, device), apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool,
+                                                       telemetry, warm, keep) as handle:
                 call.vidmem_execution_device = device
                 if "text_encode" not in receipt:  # the first attempt (a cache hit encodes nothing)
                     self._encode(call, strategy, handle)
@@ -223,6 +230,10 @@ class _Run:
                 receipt["stages"].append(meter.as_dict())
                 if telemetry:
                     receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)
+                if strategy.streams_blocks:
+                    receipt["residency"] = residency_receipt(handle.keep)
+            if warm is not None:
+                receipt["warm"] = warm.as_dict()
         return raw
 
     def _encode(self, call, strategy: MemoryStrategy, handle) -> None:
@@ -235,6 +246,17 @@ class _Run:
                 handle.evict("text_encoder")
         self.receipt["stages"].append(meter.as_dict())
         self.receipt["text_encode"] = prompt_receipt(self.prompts, self.hits)
+
+
+def residency_receipt(keep) -> dict:
+    """What free memory let streamed blocks keep on the device, and why."""
+    if not keep.limit_bytes:
+        why = "no free memory beyond the call's own need was known: every streamed block was evicted after use"
+    elif keep.kept_groups:
+        why = f"free memory kept {keep.kept_groups} streamed groups on the device after their first use"
+    else:
+        why = "the free memory beyond the call's own need was smaller than one streamed group"
+    return {**keep.as_dict(), "why": why}
 
 
 def swap_receipt(summary: dict, denoise_seconds: float, pool) -> dict:

@@ -36,6 +36,8 @@ def copy_at_same_alignment(tensor: torch.Tensor) -> torch.Tensor:
 class StrictBackend(CpuBackend):
     """Also counts copies, and with `pinning` hands out (unpinned) arenas to exercise HostPool."""
 
+    copies_to_device = True  # a stand-in device: its copies are what a warm store keeps
+
     def __init__(self, pinning: bool = False) -> None:
         super().__init__()
         self.copies = 0

@@ -31,6 +31,16 @@ def pytest_configure(config):
         "e.g. weights used in place at a file's offsets against the same weights at other addresses")
 
 
+@pytest.fixture(autouse=True)
+def cold_shared_pipelines():
+    """Pipelines shared between tests keep device copies between calls (warm runs, memory/warm.py);
+    drop them after each test, so every test starts cold, as the shared fixtures promise."""
+    yield
+    from vidmem.memory.warm import release_everywhere
+
+    release_everywhere()
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     """variant -> a saved diffusers folder, built once per session."""

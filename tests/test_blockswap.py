@@ -144,7 +144,7 @@ def test_weight_bytes_follow_the_tier_and_the_host_is_asked_first(tiny_loaded):
 
     asked = []
     result = sample(loaded, MemoryStrategy(offload="model", text_encoder="cpu"), request_for("wan2.2-a14b"),
-                    hooks=RunHooks(make_room=lambda nbytes, device: asked.append((nbytes, device))), backend=CpuBackend())
+                    hooks=RunHooks(make_room=lambda nbytes, device, **_: asked.append((nbytes, device))), backend=CpuBackend())
     assert asked == [(sizes["model"], torch.device("cpu"))] == [(result.receipt["device_weight_bytes"], torch.device("cpu"))]
 
 

@@ -60,7 +60,7 @@ def test_sampling_asks_for_weights_plus_the_planners_activations(tiny_loaded, pr
     loaded = tiny_loaded(variant)
     strategy, request = MemoryStrategy(offload="model"), request_for(variant)
     asked = []
-    result = sample(loaded, strategy, request, hooks=RunHooks(make_room=lambda n, d: asked.append(n)), backend=CpuBackend())
+    result = sample(loaded, strategy, request, hooks=RunHooks(make_room=lambda n, d, **_: asked.append(n)), backend=CpuBackend())
 
     model = planning.planner_model(loaded)
     options = planning.plan_options(loaded, PlanOptions(steps=request.steps))
@@ -78,7 +78,7 @@ def test_decoding_asks_for_weights_plus_the_planners_activations_and_the_latent(
     latent = sample(loaded, MemoryStrategy(), request_for("wan2.1-t2v"), backend=CpuBackend()).latent
     asked = []
     result = decode(loaded, latent, MemoryStrategy(offload="none"), backend=CpuBackend(),
-                    hooks=RunHooks(make_room=lambda n, d: asked.append(n)))
+                    hooks=RunHooks(make_room=lambda n, d, **_: asked.append(n)))
 
     model = planning.planner_model(loaded)
     batch, _, frames, height, width = latent["samples"].shape
@@ -100,7 +100,7 @@ def test_a_failed_prediction_asks_for_weights_plus_the_stated_margin_and_says_so
     asked = []
     with caplog.at_level(logging.INFO, logger="vidmem"):
         result = sample(loaded, MemoryStrategy(offload="model"), request_for("wan2.1-t2v"),
-                        hooks=RunHooks(make_room=lambda n, d: asked.append(n)), backend=CpuBackend())
+                        hooks=RunHooks(make_room=lambda n, d, **_: asked.append(n)), backend=CpuBackend())
     assert asked == [result.receipt["device_weight_bytes"] + room.FALLBACK_MARGIN_BYTES]
     assert result.receipt["room"]["predicted"] is False
     assert "no activation prediction" in caplog.text and "margin" in caplog.text and "no config" in caplog.text
@@ -110,5 +110,5 @@ def test_on_the_cpu_nothing_is_predicted_and_only_the_weights_are_asked(tiny_loa
     monkeypatch.setattr(planning, "planner_model", lambda loaded: pytest.fail("the CPU needs no prediction"))
     asked = []
     result = sample(tiny_loaded("wan2.1-t2v"), MemoryStrategy(offload="model"), request_for("wan2.1-t2v"),
-                    hooks=RunHooks(make_room=lambda n, d: asked.append(n)), backend=CpuBackend())
+                    hooks=RunHooks(make_room=lambda n, d, **_: asked.append(n)), backend=CpuBackend())
     assert asked == [result.receipt["device_weight_bytes"]]

@@ -131,6 +131,8 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
                "device_weight_bytes": device_weight_bytes(stage, strategy), "start_step": run.step}
     if loaded.loras:
         receipt["trained_over"] = describe_loras(loaded.loras)
+    # Device copies kept warm by sampling were made under inference mode and hold the room training needs.
+    receipt["warm_released_bytes"] = loaded.release_warm()
     with StageMeter("train", device) as meter:
         # LoRAs already on the pipeline (a distill LoRA, another expert's) apply as at sampling:
         # the new LoRA learns what is missing on top of them; all before the strategy (memory.lora's rule).

@@ -1,0 +1,214 @@
+"""WarmStore: device copies of weights kept between calls, so the next call re-points instead of copying.
+
+A ComfyUI user queues the same graph again and again with a new seed or prompt. Without this, every
+call uploads every resident weight again (all of tiers none and model, the core of block swap). A
+stage (the Sampler's components, the Decode's VAE) owns one store; when a call ends, the groups
+still on the device hand their copies to it instead of dropping them, and the next call's groups
+take them back: a tensor whose copy is kept is re-pointed, not copied (`uploaded` vs `reused`).
+
+Keys. A copy is keyed by where its host tensor's bytes live (address, dtype, shape, strides; for a
+wrapper subclass such as GGUF's, its inner tensors') and the entry holds the host tensor itself, so
+those bytes cannot be freed and the address handed to another tensor while the copy is kept: a key
+hit always means the same bytes. Hosts are read-only during inference; code that writes weights in
+place (training) must `release_all()` first. When the pinned host pool re-homes a tensor (a block
+becomes streamed), `rehome` moves the key with it, so a changed strategy moves only the difference.
+
+Between calls nothing is hooked: modules point at their host storage as after any call; only the
+store holds device memory. The host (nodes/host.py inside ComfyUI) asks for memory back through
+`release(nbytes)`: kept streamed blocks first, then the cores of components that were not in use
+when the call ended, then the rest. During a call (`in_use`) a request from another thread is
+refused with a message and applied when the call ends; a call never gives back what it is running.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .units import GiB, human_bytes
+
+# Release ranks: lower goes first when the host asks for memory back.
+STREAMED = 0  # a swapped block kept on the device (cheap to stream again)
+IDLE_CORE = 1  # a component's resident weights, not in use when the call ended
+ACTIVE_CORE = 2  # the component the call ended with (the transformer, the VAE)
+
+
+class WarmStoreBusy(RuntimeError):
+    """The host asked for memory back while the stage's call holds it."""
+
+
+@dataclass
+class _Kept:
+    host: torch.Tensor  # held: its bytes (and so the key's address) stay valid while the copy is kept
+    copy: torch.Tensor
+    nbytes: int
+    rank: int
+    order: int  # within a rank, later first: the last streamed block kept is the last needed
+
+
+@dataclass
+class CallTally:
+    """What one call moved: resident weights copied to the device, streamed blocks copied (block
+    swap and sequential stream every step by design), and bytes found already on the device."""
+
+    uploaded_bytes: int = 0
+    streamed_bytes: int = 0
+    reused_bytes: int = 0
+
+
+@dataclass(eq=False)  # compared by identity: held in the set of live stores
+class WarmStore:
+    """One stage's device copies between its calls; `label` names it in host logs and messages."""
+
+    label: str
+    device: torch.device | None = None
+    tally: CallTally = field(default_factory=CallTally)
+    released_bytes: int = 0  # given back at the host's request, ever
+    host_entry: object | None = None  # what the host registered for this store, kept alive with it
+    _kept: dict = field(default_factory=dict)
+    _owner: int | None = None  # thread id of the call in progress
+    _deferred: int = 0  # bytes the host asked for during a call
+
+    def __post_init__(self) -> None:
+        _LIVE.add(self)
+
+    # --- a call --------------------------------------------------------------------------------
+
+    @contextmanager
+    def in_use(self, device: torch.device) -> Iterator["WarmStore"]:
+        """For the length of one call on `device`: copies kept for another device are dropped,
+        the tally restarts, and host requests from other threads are refused until the end."""
+        if self.device is not None and self.device != device:
+            self.release_all()
+        self.device, self.tally = device, CallTally()
+        self._owner = threading.get_ident()
+        try:
+            yield self
+        finally:
+            self._owner = None
+            deferred, self._deferred = self._deferred, 0
+            if deferred:
+                self.release(deferred)
+
+    @property
+    def busy(self) -> bool:
+        return self._owner is not None
+
+    def take(self, hosts: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The kept copy of each host (removed from the store: the caller owns it now), or None."""
+        found = []
+        for host in hosts:
+            kept = self._kept.pop(storage_key(host), None)
+            found.append(kept.copy if kept is not None else None)
+        return found
+
+    def holds_all(self, hosts: list[torch.Tensor]) -> bool:
+        return all(storage_key(host) in self._kept for host in hosts)
+
+    def count(self, copied: int, reused: int, streamed: bool) -> None:
+        if streamed:
+            self.tally.streamed_bytes += copied
+        else:
+            self.tally.uploaded_bytes += copied
+        self.tally.reused_bytes += reused
+
+    def keep(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+        """Keep `(host, device copy)` pairs until the next call takes them or the host asks."""
+        for host, copy in pairs:
+            order = len(self._kept)
+            self._kept[storage_key(host)] = _Kept(host, copy, _nbytes(copy), rank, order)
+
+    def rehome(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """`old`'s bytes now live at `new` (the pinned pool adopted them): its copy follows."""
+        kept = self._kept.pop(storage_key(old), None)
+        if kept is not None:
+            kept.host = new
+            self._kept[storage_key(new)] = kept
+
+    # --- giving memory back ----------------------------------------------------------------------
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(kept.nbytes for kept in self._kept.values())
+
+    @property
+    def tensors(self) -> int:
+        return len(self._kept)
+
+    def release(self, nbytes: int) -> int:
+        """Drop kept copies, streamed blocks first, until `nbytes` are freed; returns bytes dropped.
+
+        Refused (WarmStoreBusy) while a call on another thread holds the store; the request is
+        then applied when that call ends."""
+        self._refuse_if_busy(nbytes)
+        freed = 0
+        for key, kept in sorted(self._kept.items(), key=lambda item: (item[1].rank, -item[1].order)):
+            if freed >= nbytes:
+                break
+            del self._kept[key]
+            freed += kept.nbytes
+        self.released_bytes += freed
+        return freed
+
+    def forget(self) -> None:
+        """Drop every kept copy without counting it as given back (the end of a call replaces them)."""
+        self._kept.clear()
+
+    def release_all(self) -> int:
+        return self.release(self.held_bytes + 1) if self._kept else 0
+
+    def _refuse_if_busy(self, nbytes: int) -> None:
+        if self._owner is None or self._owner == threading.get_ident():
+            return
+        self._deferred = max(self._deferred, nbytes)
+        raise WarmStoreBusy(
+            f"vidmem: {self.label} is running on {self.device} and cannot give memory back mid-call; it will release "
+            f"{min(nbytes, self.held_bytes) / GiB:.2f} GiB of kept weights when the call ends.")
+
+    def describe(self) -> str:
+        tally = self.tally
+        streamed = f", {human_bytes(tally.streamed_bytes)} streamed" if tally.streamed_bytes else ""
+        return (f"warm: {human_bytes(tally.uploaded_bytes)} uploaded, {human_bytes(tally.reused_bytes)} reused"
+                f"{streamed}, {human_bytes(self.held_bytes)} kept")
+
+    def as_dict(self) -> dict:
+        tally = self.tally
+        return {"uploaded_bytes": tally.uploaded_bytes, "streamed_bytes": tally.streamed_bytes,
+                "reused_bytes": tally.reused_bytes, "kept_bytes": self.held_bytes, "kept_tensors": self.tensors,
+                "summary": self.describe()}
+
+
+_LIVE: "weakref.WeakSet[WarmStore]" = weakref.WeakSet()  # every store of a pipeline still loaded
+
+
+def release_everywhere() -> int:
+    """Every live store gives back all it keeps (a Free VRAM request); returns bytes dropped."""
+    return sum(store.release_all() for store in list(_LIVE))
+
+
+def call_on(store: WarmStore | None, device: torch.device):
+    """`store.in_use(device)`, or nothing to do where the backend keeps no store (the CPU)."""
+    return store.in_use(device) if store is not None else nullcontext()
+
+
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """Where `tensor`'s bytes live and how they are read: equal keys, same bytes (while held)."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None:  # a wrapper subclass (GGUF, torchao) has no storage of its own
+        names, _ = flatten()
+        return (type(tensor).__name__, tuple(tensor.shape), *(storage_key(getattr(tensor, name)) for name in names))
+    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device.type)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None:
+        names, _ = flatten()
+        return sum(_nbytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+

@@ -1,0 +1,232 @@
+"""Warm runs: weights a call leaves on the device are taken back by the next call, not copied again.
+
+Runs the real tiny pipelines through CudaBackend under the recording CUDA fake (tests/cuda_fake.py):
+a "copy" in the fake's log is a host-to-device copy, so a second identical run that copies no
+resident weight shows as no compute-stream copy at all. Latents must equal the cold run's, bit for
+bit, whatever was kept.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from backends import StrictBackend
+from cuda_fake import FakeCuda
+from test_tiers import block_count, request_for
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.device import CpuBackend, CudaBackend
+from vidmem.memory.warm import STREAMED, WarmStore, WarmStoreBusy, release_everywhere
+from vidmem.pipelines.decode import decode
+from vidmem.pipelines.hooks import RunHooks
+from vidmem.pipelines.loader import load_pipeline
+from vidmem.pipelines.prompt_cache import PromptCache
+from vidmem.pipelines.sample import sample
+
+VARIANT = "wan2.1-t2v"
+
+
+@pytest.fixture
+def loaded(tiny_folder):
+    """A pipeline of this test's own: its warm stores must start empty and may be left full."""
+    return load_pipeline(tiny_folder(VARIANT), "fp32")
+
+
+@pytest.fixture
+def hooks(tmp_path):
+    """Cached prompts: the second run encodes nothing, so under tier model the text encoder does
+    not evict the transformer (a run that encodes uploads the transformer again by design)."""
+    return RunHooks(prompt_cache=PromptCache(tmp_path / "prompts"))
+
+
+def tiers(loaded) -> dict[str, MemoryStrategy]:
+    return {"none": MemoryStrategy(offload="none"), "model": MemoryStrategy(offload="model"),
+            "block_swap": MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=1)}
+
+
+def resident_copies(fake: FakeCuda) -> int:
+    return sum(1 for entry in fake.log if entry[0] == "copy" and entry[1] == "compute")
+
+
+@pytest.mark.parametrize("tier", ["none", "model", "block_swap"])
+def test_a_second_identical_run_uploads_no_resident_weight(loaded, hooks, tier, monkeypatch):
+    fake = FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    strategy, request = tiers(loaded)[tier], request_for(VARIANT)
+    first = sample(loaded, strategy, request, hooks=hooks, backend=backend)
+    assert first.receipt["warm"]["uploaded_bytes"] > 0 and resident_copies(fake) > 0
+    fake.log.clear()
+    second = sample(loaded, strategy, request, hooks=hooks, backend=backend)
+    warm = second.receipt["warm"]
+    assert warm["uploaded_bytes"] == 0 and warm["summary"].startswith("warm: 0 B uploaded")
+    assert resident_copies(fake) == 0  # nothing copied on the compute stream: every resident weight was kept
+    assert warm["reused_bytes"] > 0 and warm["kept_bytes"] == first.receipt["warm"]["kept_bytes"]
+    assert torch.equal(first.latent["samples"], second.latent["samples"])
+    if tier == "block_swap":  # blocks still stream every step, by design
+        assert warm["streamed_bytes"] > 0
+
+
+def test_a_run_that_encodes_under_tier_model_uploads_the_transformer_again(loaded, monkeypatch):
+    """Tier model keeps one component on the device: encoding the prompt evicts the kept
+    transformer, so without cached prompts warm runs save only what the tier allows."""
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    strategy, request = MemoryStrategy(offload="model"), request_for(VARIANT)
+    sample(loaded, strategy, request, backend=backend)
+    second = sample(loaded, strategy, request, backend=backend)
+    transformer = sum(p.numel() * p.element_size() for p in loaded.pipe.transformer.parameters())
+    assert second.receipt["warm"]["uploaded_bytes"] >= transformer
+
+
+def test_more_blocks_swapped_uploads_nothing_and_fewer_uploads_only_the_difference(loaded, hooks, monkeypatch):
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    blocks = loaded.pipe.transformer.blocks
+    request = request_for(VARIANT)
+    one = MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=0)
+    two = MemoryStrategy(offload="block_swap", blocks_to_swap=2, prefetch_blocks=0)
+    assert len(blocks) == 2
+    sample(loaded, one, request, hooks=hooks, backend=backend)
+    more = sample(loaded, two, request, hooks=hooks, backend=backend).receipt["warm"]
+    assert more["uploaded_bytes"] == 0  # block 0 was resident: its kept copy serves the first stream
+    fewer = sample(loaded, one, request, hooks=hooks, backend=backend).receipt["warm"]
+    block0 = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+    assert fewer["uploaded_bytes"] <= block0  # at most the block that became resident again
+
+
+def test_a_failed_run_keeps_nothing_and_the_next_run_is_cold_and_correct(loaded, hooks, monkeypatch):
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    strategy, request = MemoryStrategy(offload="none"), request_for(VARIANT)
+    reference = sample(loaded, strategy, request, hooks=hooks, backend=backend)
+    store = loaded.warm_store("sample", backend)
+    assert store.held_bytes > 0
+
+    def cancel():
+        raise InterruptedError("cancelled")
+
+    with pytest.raises(InterruptedError):
+        sample(loaded, strategy, request, hooks=RunHooks(on_step=lambda *a: cancel(), prompt_cache=hooks.prompt_cache),
+               backend=backend)
+    assert store.held_bytes == 0
+    again = sample(loaded, strategy, request, hooks=hooks, backend=backend)
+    assert again.receipt["warm"]["reused_bytes"] == 0
+    assert torch.equal(reference.latent["samples"], again.latent["samples"])
+
+
+def test_between_runs_modules_sit_on_their_host_storage_and_no_hook_is_left(loaded, hooks, monkeypatch):
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    transformer = loaded.pipe.transformer
+    before = {name: p.data_ptr() for name, p in transformer.named_parameters()}
+    sample(loaded, MemoryStrategy(offload="none"), request_for(VARIANT), hooks=hooks, backend=backend)
+    assert {name: p.data_ptr() for name, p in transformer.named_parameters()} == before
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in transformer.modules())
+    assert loaded.warm_store("sample", backend).held_bytes > 0
+
+
+def test_the_decode_keeps_its_vae_warm(loaded, hooks, monkeypatch):
+    fake = FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    latent = sample(loaded, MemoryStrategy(offload="model"), request_for(VARIANT), hooks=hooks, backend=backend).latent
+    first = decode(loaded, latent, backend=backend)
+    fake.log.clear()
+    second = decode(loaded, latent, backend=backend)
+    assert second.receipt["warm"]["uploaded_bytes"] == 0 and resident_copies(fake) == 0
+    assert torch.equal(first.frames, second.frames)
+
+
+def test_ten_runs_hold_constant_memory_and_leave_no_tensors_behind(loaded, hooks, monkeypatch):
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    strategy, request = MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1), request_for(VARIANT)
+    store = loaded.warm_store("sample", backend)
+    held, counts = [], []
+    for _ in range(10):
+        sample(loaded, strategy, request, hooks=hooks, backend=backend)
+        gc.collect()
+        held.append((store.held_bytes, store.tensors, loaded.host_pool.pinned_bytes))
+        counts.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
+    assert len(set(held[1:])) == 1
+    assert max(counts[2:]) - min(counts[2:]) <= 2  # flat: no copies piling up run over run
+
+
+def test_the_host_gets_memory_back_streamed_blocks_first():
+    store = WarmStore("test")
+    hosts = [torch.zeros(256) for _ in range(3)]
+    store.keep([(hosts[0], hosts[0].clone())], rank=2)
+    store.keep([(hosts[1], hosts[1].clone()), (hosts[2], hosts[2].clone())], rank=STREAMED)
+    assert store.release(1) == 1024 and store.holds_all([hosts[0], hosts[1]]) and not store.holds_all([hosts[2]])
+    assert store.release(2048) == 2048 and store.held_bytes == 0 and store.released_bytes == 3072
+
+
+def test_a_request_from_another_thread_mid_call_is_refused_and_applied_at_the_end():
+    import threading
+
+    store, host = WarmStore("sampling"), torch.zeros(256)
+    store.keep([(host, host.clone())], rank=2)
+    errors = []
+    with store.in_use(torch.device("cpu")):
+        thread = threading.Thread(target=lambda: errors.append(_try(lambda: store.release(10))))
+        thread.start()
+        thread.join()
+        assert store.held_bytes == 1024  # nothing given back while the call runs
+        assert store.release(1) == 1024  # the call's own thread may
+        store.keep([(host, host.clone())], rank=2)
+    assert isinstance(errors[0], WarmStoreBusy) and "mid-call" in str(errors[0])
+    assert store.held_bytes == 0  # the refused request was applied when the call ended
+
+
+def test_free_vram_releases_every_pipelines_kept_weights(loaded, hooks, monkeypatch):
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    sample(loaded, MemoryStrategy(offload="none"), request_for(VARIANT), hooks=hooks, backend=backend)
+    held = loaded.warm_store("sample", backend).held_bytes
+    assert held > 0 and release_everywhere() >= held
+    assert loaded.warm_store("sample", backend).held_bytes == 0
+
+
+def test_the_cpu_keeps_no_store_and_a_stand_in_device_does(loaded):
+    assert loaded.warm_store("sample", CpuBackend()) is None
+    assert isinstance(loaded.warm_store("sample", StrictBackend()), WarmStore)
+
+
+def _try(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - returned for the assertion
+        return error
+    return None
+
+
+def block_bytes(loaded, index: int) -> int:
+    return sum(p.numel() * p.element_size() for p in loaded.pipe.transformer.blocks[index].parameters())
+
+
+@pytest.mark.parametrize("room_for", ["all", "one", "none"])
+def test_free_memory_keeps_streamed_blocks_on_the_device(loaded, hooks, room_for, monkeypatch):
+    """Residency follows free memory: blocks stay after their forward while the budget allows, so
+    later steps copy nothing for them; the frames do not change."""
+    from vidmem.pipelines.room import KEEP_MARGIN_BYTES
+
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    blocks = block_count(loaded)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=0)
+    request = request_for(VARIANT)
+    cold = sample(load_pipeline(loaded.folder, "fp32"), strategy, request, hooks=hooks, backend=backend)  # keeps nothing
+    weights = cold.receipt["device_weight_bytes"]
+    extra = {"all": 1 << 30, "one": block_bytes(loaded, 0), "none": 0}[room_for]
+    budget = RunHooks(prompt_cache=hooks.prompt_cache, device_budget=lambda device: weights + KEEP_MARGIN_BYTES + extra)
+    kept = sample(loaded, strategy, request, hooks=budget, backend=backend)
+    residency = kept.receipt["residency"]
+    assert residency["kept_groups"] == {"all": blocks, "one": 1, "none": 0}[room_for]
+    assert residency["kept_bytes"] <= residency["limit_bytes"] and residency["why"]
+    streamed_once = sum(block_bytes(loaded, i) for i in range(blocks))
+    if room_for == "all":
+        assert kept.receipt["warm"]["streamed_bytes"] == streamed_once  # each block copied once, then kept
+    assert cold.receipt["residency"]["kept_groups"] == 0
+    assert kept.receipt["warm"]["streamed_bytes"] < cold.receipt["warm"]["streamed_bytes"] or room_for == "none"
+    assert torch.equal(cold.latent["samples"], kept.latent["samples"])
