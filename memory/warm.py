@@ -191,6 +191,11 @@ def release_everywhere() -> int:
     return sum(store.release_all() for store in list(_LIVE))
 
 
+def kept_everywhere() -> int:
+    """Device bytes every live store keeps between calls (the memory meter shows vidmem's share)."""
+    return sum(store.held_bytes for store in list(_LIVE))
+
+
 def call_on(store: WarmStore | None, device: torch.device):
     """`store.in_use(device)`, or nothing to do where the backend keeps no store (the CPU)."""
     return store.in_use(device) if store is not None else nullcontext()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from ..memory.telemetry import default_budgets
+from ..memory.warm import kept_everywhere
 from ..pipelines.configs import load_model
 from ..pipelines.loader import DTYPES
 from . import host  # model lists and the device come from the host at request time
@@ -19,7 +20,8 @@ MEMORY_ROUTE = "/vidmem/memory"
 
 
 def memory_figures() -> dict:
-    """RAM total/available, this process's RSS, and per CUDA device allocated/reserved/free/total bytes.
+    """RAM total/available, this process's RSS, per CUDA device allocated/reserved/free/total bytes, and
+    the device bytes vidmem keeps between runs (warm runs; 0 after ComfyUI's `POST /free` unloads).
 
     Only memory figures, nothing else (no names, paths or versions). CUDA devices are listed only
     when this process has initialised CUDA, so a `--cpu` server never creates a CUDA context for it;
@@ -41,6 +43,7 @@ def memory_figures() -> dict:
         "ram": {"total_bytes": ram.total, "available_bytes": ram.available},
         "process_rss_bytes": psutil.Process().memory_info().rss,
         "cuda": devices,
+        "vidmem_kept_bytes": kept_everywhere(),  # weights vidmem keeps on the device between runs
     }
 
 

@@ -51,7 +51,8 @@ def test_does_nothing_without_comfyui(monkeypatch):
 
 def test_figures_are_memory_only_and_cpu_lists_no_device():
     figures = routes.memory_figures()
-    assert set(figures) == {"ram", "process_rss_bytes", "cuda"}
+    assert set(figures) == {"ram", "process_rss_bytes", "cuda", "vidmem_kept_bytes"}
+    assert figures["vidmem_kept_bytes"] >= 0
     assert set(figures["ram"]) == {"total_bytes", "available_bytes"}
     assert 0 < figures["ram"]["available_bytes"] <= figures["ram"]["total_bytes"]
     assert figures["process_rss_bytes"] > 0
