@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .warm import release_everywhere
+
 from .telemetry import MemorySnapshot, snapshot
 
 
@@ -32,19 +34,25 @@ class FreeReceipt:
     before: MemorySnapshot
     after: MemorySnapshot
     collected_objects: int
+    warm_released_bytes: int = 0  # weights kept on the device between runs (memory/warm.py), dropped
 
     def as_dict(self) -> dict:
-        return {"before": self.before.as_dict(), "after": self.after.as_dict(), "collected_objects": self.collected_objects}
+        return {"before": self.before.as_dict(), "after": self.after.as_dict(), "collected_objects": self.collected_objects,
+                "warm_released_bytes": self.warm_released_bytes}
 
 
 def free_memory(device: torch.device) -> FreeReceipt:
-    """gc.collect(), then for a CUDA device empty_cache() and ipc_collect().
+    """Drop the weights every pipeline keeps on the device between runs, gc.collect(), then for a
+    CUDA device empty_cache() and ipc_collect().
 
-    CUDA is only touched when the compute device is CUDA, so a `--cpu` host never gets a CUDA
+    The kept weights go first: this runs after an out-of-memory error (the sampler's and the
+    decode's ladders) and on Free VRAM, and a copy kept for a later call must never cost this one
+    its room. CUDA is only touched when the compute device is CUDA, so a `--cpu` host never gets a CUDA
     context. Pinned host blocks cached by torch (from pipelines already dropped) are released
     too, where this torch exposes that.
     """
     before = snapshot(device)
+    released = release_everywhere()
     collected = gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -52,4 +60,4 @@ def free_memory(device: torch.device) -> FreeReceipt:
         release_pinned = getattr(torch._C, "_host_emptyCache", None)  # probed: private, may vanish
         if release_pinned is not None:
             release_pinned()
-    return FreeReceipt(before, snapshot(device), collected)
+    return FreeReceipt(before, snapshot(device), collected, released)

@@ -187,8 +187,15 @@ _LIVE: "weakref.WeakSet[WarmStore]" = weakref.WeakSet()  # every store of a pipe
 
 
 def release_everywhere() -> int:
-    """Every live store gives back all it keeps (a Free VRAM request); returns bytes dropped."""
-    return sum(store.release_all() for store in list(_LIVE))
+    """Every live store gives back all it keeps (Free VRAM, an out-of-memory error); returns bytes
+    dropped. A store whose call runs on another thread gives its share back when that call ends."""
+    freed = 0
+    for store in list(_LIVE):
+        try:
+            freed += store.release_all()
+        except WarmStoreBusy:
+            pass  # deferred by the store itself
+    return freed
 
 
 def kept_everywhere() -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 from ..memory import free_memory
-from ..memory.warm import release_everywhere
 from ..pipelines.parallel.run import close_all_pools
 from . import host
 from .receipts import human_bytes
@@ -44,11 +43,9 @@ class VidMemFreeVRAM:
 
     def free(self, anything, unload_comfy_models=False):
         unloaded = host.unload_host_models() if unload_comfy_models else False
-        released = release_everywhere()  # what unload_all_models left (or all, when it was not asked)
         stopped = close_all_pools()  # context-parallel ranks hold their own copies on their GPUs
         receipt = free_memory(host.compute_device())
-        report = receipt.as_dict() | {"comfy_models_unloaded": unloaded, "parallel_pools_stopped": stopped,
-                                      "warm_released_bytes": released}
+        report = receipt.as_dict() | {"comfy_models_unloaded": unloaded, "parallel_pools_stopped": stopped}
         return {"ui": {"text": [format_free(report)], "vidmem_receipt": [report]}, "result": (anything,)}
 
 

@@ -176,8 +176,14 @@ def _patcher_class():
             return self.load_device if self._held() else self.offload_device
 
         def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
-            self.granted_bytes = extra_memory  # nothing is uploaded now: the stage's call does that
-            return 0
+            """ComfyUI's weight grant at registration. Nothing is uploaded now (the stage's call
+            does that); a negative grant (its formula is room less what is loaded) asks the store
+            to shrink by that much, which it does, streamed blocks first."""
+            self.granted_bytes = extra_memory
+            warm = self._warm()
+            if extra_memory >= 0 or warm is None:
+                return 0
+            return -warm.release(int(-extra_memory))
 
         def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
             warm = self._warm()

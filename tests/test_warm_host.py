@@ -1,0 +1,161 @@
+"""vidmem as a good neighbour in ComfyUI's memory manager, against a stand-in of ComfyUI 0.8.0's
+(tests/comfy_fake.py): the weights a warm store keeps are one of ComfyUI's loaded models, counted in
+its free figure, given back when another model needs the room, on `POST /free` and after an
+out-of-memory error, and gone from its list when the pipeline goes.
+
+The tiny pipelines run on the CPU through CudaBackend under the CUDA fake, so their warm stores
+hold real copies; the host sees them on ComfyUI's device, `cuda:0`, as inside ComfyUI.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from comfy_fake import GiB, FakeComfy
+from cuda_fake import FakeCuda
+from test_tiers import request_for
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.device import CudaBackend
+from vidmem.memory.warm import WarmStoreBusy
+from vidmem.nodes import host
+from vidmem.pipelines.hooks import RunHooks
+from vidmem.pipelines.loader import load_pipeline
+from vidmem.pipelines.prompt_cache import PromptCache
+from vidmem.pipelines.sample import sample
+
+VARIANT = "wan2.1-t2v"
+ENTRY = "VidmemWeights"
+
+
+@pytest.fixture
+def comfy(monkeypatch):
+    fake = FakeComfy.install(monkeypatch)
+    monkeypatch.setattr(host, "model_management", fake.mm)
+    return fake
+
+
+@pytest.fixture
+def run(tiny_folder, tmp_path, comfy, monkeypatch):
+    """Sample on a pipeline of this test's own, asking the (fake) ComfyUI for room on cuda:0 as the
+    Sampler node does; returns (loaded, backend, run_once)."""
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32")  # before the CUDA fake: diffusers imports torch.cuda names
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    cache = PromptCache(tmp_path / "prompts")
+
+    def room(nbytes, device, warm=None, weight_bytes=0):
+        host.make_room(nbytes, comfy.device, warm=warm, weight_bytes=weight_bytes)
+
+    def once(strategy=MemoryStrategy(offload="none")):
+        return sample(loaded, strategy, request_for(VARIANT), hooks=RunHooks(make_room=room, prompt_cache=cache),
+                      backend=backend)
+
+    return loaded, backend, once
+
+
+def store_of(loaded, backend):
+    return loaded.warm_store("sample", backend)
+
+
+def test_a_run_registers_its_store_as_one_loaded_model_that_counts_what_it_keeps(comfy, run):
+    loaded, backend, once = run
+    receipt = once().receipt
+    store = store_of(loaded, backend)
+    assert comfy.entries() == [ENTRY] and comfy.calls("load_models_gpu") == [("load_models_gpu", [ENTRY])]
+    entry = comfy.mm.current_loaded_models[0]
+    assert entry.model_loaded_memory() == store.held_bytes == receipt["warm"]["kept_bytes"] > 0
+    assert entry.device == torch.device("cuda", 0)  # ComfyUI's device object: free_memory compares exactly
+    assert comfy.free_bytes() == comfy.total_bytes - store.held_bytes  # its free figure counts vidmem's share
+
+
+def test_the_second_run_re_registers_without_evicting_itself(comfy, run):
+    loaded, backend, once = run
+    once()
+    held = store_of(loaded, backend).held_bytes
+    second = once().receipt["warm"]
+    assert second["uploaded_bytes"] == 0 and second["reused_bytes"] == held
+    assert comfy.entries() == [ENTRY]  # one entry, not two
+    assert not comfy.calls("partially_unload")
+
+
+def test_another_model_that_needs_the_room_takes_it_back_partly(comfy, run):
+    loaded, backend, once = run
+    once()
+    store = store_of(loaded, backend)
+    held = store.held_bytes
+    # The rest of the card is taken by something outside the manager; an upscaler wants a little.
+    comfy.other_used = comfy.free_bytes() - comfy.mm.minimum_inference_memory() - held // 16
+    upscaler = comfy.native_model(held // 8, "Upscaler", blocks=1)
+    comfy.mm.load_models_gpu([upscaler])
+    assert comfy.calls("partially_unload") and 0 < store.held_bytes < held  # given back in part
+    assert ENTRY in comfy.entries()  # the entry stays: it still holds the rest
+
+
+def test_unload_all_models_post_free_and_the_oom_handler_empty_vidmems_share(comfy, run):
+    loaded, backend, once = run
+    for empty in (comfy.mm.unload_all_models, lambda: comfy.between_prompts(unload_models=True),
+                  lambda: comfy.between_prompts(free_memory=True), comfy.after_oom):
+        once()
+        assert store_of(loaded, backend).held_bytes > 0 and ENTRY in comfy.entries()
+        empty()
+        assert store_of(loaded, backend).held_bytes == 0 and ENTRY not in comfy.entries()
+        assert comfy.free_bytes() == comfy.total_bytes
+
+
+def test_a_run_after_comfyui_took_everything_back_is_cold_and_identical(comfy, run):
+    loaded, backend, once = run
+    first = once()
+    comfy.mm.unload_all_models()
+    again = once()
+    assert again.receipt["warm"]["reused_bytes"] == 0 and again.receipt["warm"]["uploaded_bytes"] > 0
+    assert torch.equal(first.latent["samples"], again.latent["samples"])
+
+
+def test_the_entry_leaves_with_the_pipeline_and_no_leak_is_reported(comfy, tiny_folder, caplog, monkeypatch):
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32")
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    sample(loaded, MemoryStrategy(offload="none"), request_for(VARIANT), backend=backend,
+           hooks=RunHooks(make_room=lambda n, d, warm=None, weight_bytes=0: host.make_room(n, comfy.device, warm, weight_bytes)))
+    assert comfy.entries() == [ENTRY]
+    del loaded, backend
+    gc.collect()
+    comfy.mm.cleanup_models_gc()
+    comfy.mm.cleanup_models()
+    assert comfy.entries() == [] and comfy.free_bytes() == comfy.total_bytes
+    assert "leak" not in caplog.text.lower()
+
+
+def test_a_request_from_another_thread_mid_call_is_refused_and_the_list_is_kept(comfy, run):
+    loaded, backend, once = run
+    once()
+    store = store_of(loaded, backend)
+    errors = []
+
+    def other_thread():
+        try:
+            comfy.mm.free_memory(comfy.total_bytes * 2, comfy.device)
+        except WarmStoreBusy as error:
+            errors.append(error)
+
+    with store.in_use(torch.device("cpu")):
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        assert store.held_bytes > 0 and comfy.entries() == [ENTRY]
+    assert errors and "cannot give memory back mid-call" in str(errors[0])
+    assert store.held_bytes == 0  # honoured when the call ended
+
+
+def test_without_a_store_make_room_frees_as_before(comfy):
+    comfy.native_model(2 * GiB, "Other")
+    comfy.mm.load_models_gpu([comfy.natives[0]])
+    comfy.other_used = comfy.total_bytes - 3 * GiB
+    host.make_room(2 * GiB, comfy.device)
+    asked = 2 * GiB + comfy.mm.extra_reserved_memory()
+    assert comfy.calls("free_memory")[-1] == ("free_memory", asked)
+    assert comfy.free_bytes() > asked  # the other model made room
