@@ -159,3 +159,15 @@ def test_without_a_store_make_room_frees_as_before(comfy):
     asked = 2 * GiB + comfy.mm.extra_reserved_memory()
     assert comfy.calls("free_memory")[-1] == ("free_memory", asked)
     assert comfy.free_bytes() > asked  # the other model made room
+
+
+def test_a_negative_weight_grant_shrinks_the_store_streamed_blocks_first(comfy, run):
+    """ComfyUI's grant is the room less what is loaded: negative when the store holds more than
+    fits, and the patcher then gives the difference back."""
+    loaded, backend, once = run
+    once(MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1))
+    store = store_of(loaded, backend)
+    held = store.held_bytes
+    patcher = host.registered_patcher(store, comfy.device)
+    assert patcher.partially_load(comfy.device, -1) == -store.released_bytes < 0
+    assert 0 < store.held_bytes < held  # one kept streamed block went, the core stayed

@@ -230,3 +230,14 @@ def test_free_memory_keeps_streamed_blocks_on_the_device(loaded, hooks, room_for
     assert cold.receipt["residency"]["kept_groups"] == 0
     assert kept.receipt["warm"]["streamed_bytes"] < cold.receipt["warm"]["streamed_bytes"] or room_for == "none"
     assert torch.equal(cold.latent["samples"], kept.latent["samples"])
+
+
+def test_an_out_of_memory_cleanup_drops_every_kept_copy_first(loaded, hooks, monkeypatch):
+    from vidmem.memory.cleanup import free_memory
+
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    sample(loaded, MemoryStrategy(offload="none"), request_for(VARIANT), hooks=hooks, backend=backend)
+    held = loaded.warm_store("sample", backend).held_bytes
+    assert held > 0 and free_memory(torch.device("cpu")).warm_released_bytes >= held
+    assert loaded.warm_store("sample", backend).held_bytes == 0
