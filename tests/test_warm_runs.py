@@ -241,3 +241,27 @@ def test_an_out_of_memory_cleanup_drops_every_kept_copy_first(loaded, hooks, mon
     held = loaded.warm_store("sample", backend).held_bytes
     assert held > 0 and free_memory(torch.device("cpu")).warm_released_bytes >= held
     assert loaded.warm_store("sample", backend).held_bytes == 0
+
+
+def test_a_lora_beside_its_layers_is_kept_warm_with_them(loaded, hooks, tmp_path, monkeypatch):
+    """LoRA tensors are the same host tensors every call (registered as buffers for the call), so
+    the second run with the same LoRA uploads nothing either; a run without it leaves its copies."""
+    from dataclasses import replace
+
+    from test_lora import WAN_LAYERS, peft_keys, random_lora, write
+    from vidmem.pipelines.lora import load_lora
+
+    path = write(tmp_path / "wan.safetensors", peft_keys(random_lora(loaded.pipe.transformer, WAN_LAYERS), None))
+    with_lora = replace(loaded, loras=(load_lora(path, loaded.pipe, 0.8),))
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    strategy, request = MemoryStrategy(offload="none"), request_for(VARIANT)
+    plain = sample(loaded, strategy, request, hooks=hooks, backend=backend).receipt["warm"]
+    first = sample(with_lora, strategy, request, hooks=hooks, backend=backend)
+    lora_bytes = first.receipt["lora_bytes"]
+    assert 0 < first.receipt["warm"]["uploaded_bytes"] == lora_bytes  # only the LoRA's tensors were new
+    second = sample(with_lora, strategy, request, hooks=hooks, backend=backend)
+    assert second.receipt["warm"]["uploaded_bytes"] == 0
+    assert torch.equal(first.latent["samples"], second.latent["samples"])
+    back = sample(loaded, strategy, request, hooks=hooks, backend=backend).receipt["warm"]
+    assert back["uploaded_bytes"] == 0 and back["kept_bytes"] == plain["kept_bytes"]  # the LoRA's copies dropped
