@@ -73,6 +73,7 @@ class WarmStore:
     _kept: dict = field(default_factory=dict)
     _owner: int | None = None  # thread id of the call in progress
     _deferred: int = 0  # bytes the host asked for during a call
+    _backend: weakref.ref | None = None  # the backend whose copies are kept
 
     def __post_init__(self) -> None:
         _LIVE.add(self)
@@ -80,11 +81,16 @@ class WarmStore:
     # --- a call --------------------------------------------------------------------------------
 
     @contextmanager
-    def in_use(self, device: torch.device) -> Iterator["WarmStore"]:
-        """For the length of one call on `device`: copies kept for another device are dropped,
+    def in_use(self, device: torch.device, backend: object | None = None) -> Iterator["WarmStore"]:
+        """For the length of one call on `device` through `backend`: copies kept for another device
+        or made by another backend (its own streams; a pipeline keeps one per device) are dropped,
         the tally restarts, and host requests from other threads are refused until the end."""
         if self.device is not None and self.device != device:
-            self.release_all()
+            self.forget()
+        if backend is not None:
+            if self._backend is not None and self._backend() is not backend:
+                self.forget()
+            self._backend = weakref.ref(backend)
         self.device, self.tally = device, CallTally()
         self._owner = threading.get_ident()
         try:
@@ -203,9 +209,9 @@ def kept_everywhere() -> int:
     return sum(store.held_bytes for store in list(_LIVE))
 
 
-def call_on(store: WarmStore | None, device: torch.device):
-    """`store.in_use(device)`, or nothing to do where the backend keeps no store (the CPU)."""
-    return store.in_use(device) if store is not None else nullcontext()
+def call_on(store: WarmStore | None, backend):
+    """`store.in_use(backend.device, backend)`, or nothing where the backend keeps no store (the CPU)."""
+    return store.in_use(backend.device, backend) if store is not None else nullcontext()
 
 
 def storage_key(tensor: torch.Tensor) -> tuple:

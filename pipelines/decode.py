@@ -114,7 +114,7 @@ def decode(
 
     decode_piece, prepare = vae_decoder(loaded.spec, vae)
     # Cancel is checked between pieces (on_step) and, inside a piece, before each VAE block.
-    with interrupt_checks(outer_blocks(vae), hooks.check_interrupt), call_on(warm, device), \
+    with interrupt_checks(outer_blocks(vae), hooks.check_interrupt), call_on(warm, backend), \
             apply_strategy(stage, strategy, backend, observer, loaded.host_pool, warm=warm) as handle:
         handle.activate("vae")
 

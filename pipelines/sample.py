@@ -217,7 +217,7 @@ class _Run:
             # out-of-memory error: the ladder's rungs then stream as planned).
             keep = keep_bytes(hooks.device_budget(device), room, warm.held_bytes if warm else 0) \
                 if strategy.streams_blocks and not self.rungs else 0
-            with call_on(warm, device), apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool,
+            with call_on(warm, self.backend), apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool,
                                                        telemetry, warm, keep) as handle:
                 call.vidmem_execution_device = device
                 if "text_encode" not in receipt:  # the first attempt (a cache hit encodes nothing)

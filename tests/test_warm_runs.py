@@ -265,3 +265,12 @@ def test_a_lora_beside_its_layers_is_kept_warm_with_them(loaded, hooks, tmp_path
     assert torch.equal(first.latent["samples"], second.latent["samples"])
     back = sample(loaded, strategy, request, hooks=hooks, backend=backend).receipt["warm"]
     assert back["uploaded_bytes"] == 0 and back["kept_bytes"] == plain["kept_bytes"]  # the LoRA's copies dropped
+
+
+def test_copies_made_by_another_backend_are_not_reused(loaded, hooks, monkeypatch):
+    """A pipeline keeps one backend per device (its streams); copies another backend made are dropped."""
+    FakeCuda().install(monkeypatch)
+    strategy, request = MemoryStrategy(offload="none"), request_for(VARIANT)
+    sample(loaded, strategy, request, hooks=hooks, backend=CudaBackend(torch.device("cpu")))
+    other = sample(loaded, strategy, request, hooks=hooks, backend=CudaBackend(torch.device("cpu"))).receipt["warm"]
+    assert other["reused_bytes"] == 0 and other["uploaded_bytes"] > 0
