@@ -5,6 +5,7 @@ rows' byte counts (a copying CPU backend stands in for the device), not their se
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from gpu import BenchConfig, TINY_CHANGES, TINY_SHAPE, default_rows, run, trace_overlap  # noqa: E402
+from gpu import BenchConfig, TINY_CHANGES, TINY_SHAPE, default_rows, meta_model, run, trace_overlap  # noqa: E402
 
 
 def kernel(ts, dur, name="gemm"):
@@ -101,3 +102,11 @@ def test_the_keep_budget_copies_each_streamed_block_once(dry_run):
     assert keep["warm"]["streamed_bytes"] == 0  # the last call kept them all
     assert swap["cold"]["streamed_bytes"] > every_block and swap["warm"]["streamed_bytes"] > 0  # streamed every step
 
+
+def test_the_gpu_check_runs_every_warm_row_of_its_model():
+    """bench/gpu_check.sh names the warm rows of Wan 1.3B (blocks // 2 in a name): they must be rows."""
+    script = (Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh").read_text()
+    model = re.search(r"^WARM_MODEL=(\S+)$", script, re.M).group(1)
+    names = re.search(r"^WARM_ROWS=(\S+)$", script, re.M).group(1).split(",")
+    blocks = meta_model(model, {}).components["transformer"].config["num_layers"]
+    assert names == [r.name for r in default_rows(blocks, None) if r.warm]
