@@ -14,16 +14,28 @@ branches run the same forward twice, so the ratios hold). Every row, in the same
 - `disk_fp8_block_swap_<N>`: the fp8 weights memory-mapped from a safetensors file (the disk tier;
   the file was just written, so it reads from the page cache: the staging ring's cost, not a disk's);
 - `cap8_block_swap_<N>`: "a user's card, simulated": the caching allocator capped at 8 GiB by a
-  per-process memory fraction, the whole transformer streamed.
+  per-process memory fraction, the whole transformer streamed;
+- `warm_none`, `warm_model`, `warm_block_swap_<N/2>` and `warm_block_swap_<N/2>_keep` (warm runs,
+  issue 22): the tier applied twice on one `WarmStore`, backend and pinned pool, cold then warm, as a
+  loaded pipeline's Sampler is called again (bench/support/gpu_warm.py). Per call: resident bytes
+  uploaded, bytes streamed and reused, seconds from applying the strategy to the transformer being on
+  the device for its first step, the first step and the steps after it; `_keep` lets streamed blocks
+  stay on the device while free memory allows (`keep_bytes`). The goal's verdict (`goal`): the warm
+  call of Wan 2.1 1.3B at 832x480 uploads no resident byte and is ready in under 0.1 s.
 
 Each row: median step seconds over `--steps` after `--warmup` steps, its ratio to resident, peak
 allocated and reserved VRAM and allocator retries (`torch.cuda.memory_stats`), pinned host bytes,
 the copy/compute overlap of one profiled step (share of host-to-device copy time that ran while a
 kernel ran; pageable copies and host synchronisations counted), and the planner's predicted peak
-and step time for the same call.
+and step time for the same call. A warm row's `step_seconds` is its warm call's (no profiled step);
+`calls` holds both calls' figures.
 
     python bench/gpu.py --json bench/results/gpu-h100-2026-11-26.json
     python bench/gpu.py --device cpu        # the same rows on tiny dimensions: checks the bench end to end
+    python bench/gpu.py --model wan2.1-t2v-1.3b --rows warm_none,warm_model,warm_block_swap_15,warm_block_swap_15_keep
+
+On the CPU (`--device cpu`) the warm rows' backend copies every onload (a stand-in device), so their
+byte counts are real; their seconds, like every CPU figure here, mean nothing.
 
 `bench/gpu_check.sh` runs this and `tests/gpu` on a GPU machine within one short lease.
 """
@@ -58,6 +70,10 @@ from vidmem.memory.hostpool import HostPool  # noqa: E402
 from vidmem.memory.offload import StageComponents, apply_strategy  # noqa: E402
 from vidmem.memory.plan.planner import Allocator, PlanOptions, VideoShape, plan_run  # noqa: E402
 from vidmem.memory.units import GiB  # noqa: E402
+from vidmem.memory.warm import WarmStore  # noqa: E402
+
+from bench.support.gpu_warm import (  # noqa: E402
+    goal_verdict, keep_budget, measure_call, pinned_weight_bytes, warm_backend, warm_lines)
 
 DEFAULT_MODEL = "wan2.1-t2v-14b"
 DEFAULT_SHAPE = VideoShape(832, 480, 81, cfg=False)
@@ -82,6 +98,12 @@ class Row:
     weights: str = "bf16"  # "bf16", or FP8 (linear weights stored as fp8, upcast per layer)
     disk: bool = False  # weights memory-mapped from a safetensors file
     vram_cap_gib: float | None = None  # per-process memory fraction, as on a smaller card
+    warm: bool = False  # two calls on one WarmStore, cold then warm (bench/support/gpu_warm.py)
+    keep: bool = False  # with warm: streamed blocks kept on the device while free memory allows
+
+    def __post_init__(self) -> None:
+        if self.keep and not self.warm:
+            raise ValueError(f"row {self.name}: keep=True measures the keep budget across warm calls; set warm=True too")
 
 
 def default_rows(blocks: int, pinned_gib: float | None) -> list[Row]:
@@ -99,6 +121,11 @@ def default_rows(blocks: int, pinned_gib: float | None) -> list[Row]:
              Row("fp8_sequential", MemoryStrategy(offload="sequential", **pin), weights=FP8),
              Row(f"disk_fp8_block_swap_{blocks}", swap(blocks), weights=FP8, disk=True)]
     rows += [Row("group_offload_block", group_offload="block_level"), Row("group_offload_leaf", group_offload="leaf_level")]
+    half = max(1, blocks // 2)  # half the blocks resident: the warm call reuses them, streams the rest
+    rows += [Row("warm_none", MemoryStrategy(offload="none", **pin), warm=True),
+             Row("warm_model", MemoryStrategy(offload="model", **pin), warm=True),
+             Row(f"warm_block_swap_{half}", swap(half), warm=True),
+             Row(f"warm_block_swap_{half}_keep", swap(half), warm=True, keep=True)]
     return rows
 
 
@@ -176,14 +203,14 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 @contextlib.contextmanager
-def placed(row: Row, module: torch.nn.Module, device: torch.device, pool: HostPool) -> Iterator[object]:
+def placed(row: Row, module: torch.nn.Module, device: torch.device, pool: HostPool, backend=None) -> Iterator[object]:
     """`module` placed as `row` says for the duration; restored (hooks off, weights home) after."""
     if row.group_offload:
         with group_offloaded(module, device, row.group_offload):
             yield None
         return
     stage = StageComponents({"transformer": module}, {"transformer": module.blocks})
-    with apply_strategy(stage, row.strategy, backend_for(device), host_pool=pool) as handle:
+    with apply_strategy(stage, row.strategy, backend or backend_for(device), host_pool=pool) as handle:
         yield handle
 
 
@@ -366,15 +393,27 @@ def ratio_at_measured_rates(row: dict, resident: dict, copy_bytes_per_s: float) 
     return seconds(mine, Traffic(mine["copy_bytes"], mine["groups"], exposed_share=mine["exposed_share"])) / seconds(base, Traffic())
 
 
-def measure_row(row: Row, module: torch.nn.Module, model, config: BenchConfig, pool: HostPool) -> dict:
-    from vidmem.pipelines.configs.workloads import denoise_step
-
-    device = resolve_compute_device(config.device)
+def free_cached(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def reset_counters(device: torch.device) -> None:
+    """Cached device memory freed and torch's peak and retry counters zeroed: a row starts clean."""
+    free_cached(device)
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
+
+
+def measure_row(row: Row, module: torch.nn.Module, model, config: BenchConfig, pool: HostPool) -> dict:
+    if row.warm:
+        return measure_warm_row(row, module, model, config, pool)
+    from vidmem.pipelines.configs.workloads import denoise_step
+
+    device = resolve_compute_device(config.device)
+    reset_counters(device)
     step = denoise_step(model, "transformer", config.shape, module, device)
     started = time.perf_counter()
     # no_grad, as diffusers' pipelines run (placing weights under inference mode would make
@@ -392,6 +431,43 @@ def measure_row(row: Row, module: torch.nn.Module, model, config: BenchConfig, p
               "strategy": row.strategy.describe() if row.strategy else f"diffusers group offload {row.group_offload}"}
     result["predicted"] = predicted(model, config.shape, row)
     return result
+
+
+def measure_warm_row(row: Row, module: torch.nn.Module, model, config: BenchConfig, pool: HostPool) -> dict:
+    """The row's tier called twice on one WarmStore, backend and pool, cold then warm
+    (bench/support/gpu_warm.py), after `--warmup` steps placed without a store. Its `step_seconds`
+    is the warm call's; `calls` holds both calls' bytes and seconds, `goal` issue 22's verdict."""
+    from vidmem.pipelines.configs.workloads import denoise_step
+
+    device = resolve_compute_device(config.device)
+    reset_counters(device)
+    backend = warm_backend(device)  # one for the row, as a loaded pipeline keeps one per device
+    stage = StageComponents({"transformer": module}, {"transformer": module.blocks})
+    step = denoise_step(model, "transformer", config.shape, module, device)
+    run_steps = lambda count: timed_steps(step, count, device)  # noqa: E731
+    store, calls = WarmStore(f"the bench's {row.name}"), {}
+    started = time.perf_counter()
+    try:
+        with torch.no_grad():
+            if config.warmup:  # kernels chosen, streamed blocks pinned: the cold call times the upload alone
+                with placed(row, module, device, pool, backend):
+                    run_steps(config.warmup)
+            pinned = pinned_weight_bytes(module, device)
+            for label in ("cold", "warm"):
+                free_cached(device)  # the store's copies stay; the cold call allocates as a first call does
+                keep = keep_budget(model, config.shape, row.strategy, stage, device, store.held_bytes) if row.keep else 0
+                calls[label] = measure_call(stage, row.strategy, backend, store, pool, keep, run_steps, config.steps,
+                                            lambda: synchronize(device))
+            memory = memory_figures(device)
+    finally:
+        store.release_all()  # the next row starts with none of this row's copies on the device
+    return {"step_seconds": calls["warm"]["step_seconds"], "calls": calls,
+            "goal": goal_verdict(config.model, config.shape, device, calls["warm"]),
+            "row_seconds": time.perf_counter() - started, **memory, "host_pinned_weight_bytes": pinned,
+            "pinned_host_bytes": pool.pinned_bytes, "host_allocator": host_pinned(device), "pool": pool.stats(),
+            "weights": row.weights, "disk": row.disk, "vram_cap_gib": row.vram_cap_gib,
+            "strategy": row.strategy.describe() + (", streamed blocks kept while free memory allows" if row.keep else ""),
+            "predicted": predicted(model, config.shape, row)}
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -497,6 +573,8 @@ def measured_copy_rate(results: dict) -> float | None:
 def summary_line(name: str, row: dict, resident: dict | None) -> str:
     if "error" in row or "skipped" in row:
         return f"{name:32s} {row.get('error') or row['skipped']}"
+    if "calls" in row:
+        return warm_lines(name, row)
     ratio = row["step_seconds"] / resident["step_seconds"] if resident and "step_seconds" in resident else 1.0
     gib = lambda key: f"{row[key] / GiB:6.2f}" if key in row else "     -"  # noqa: E731
     profile = row.get("profile") or {}
