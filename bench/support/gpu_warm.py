@@ -62,7 +62,7 @@ def measure_call(stage: StageComponents, strategy: MemoryStrategy, backend, stor
                  synchronize: Callable[[], None]) -> dict:
     """One call as the sampler makes it (`store.in_use`, then the strategy applied with the store):
     the onload timed to the transformer being ready, one first step, then `steps` steps."""
-    with store.in_use(backend.device):
+    with store.in_use(backend.device, backend):
         synchronize()
         start = time.perf_counter()
         with apply_strategy(stage, strategy, backend, host_pool=pool, warm=store, keep_bytes=keep_bytes) as handle:
