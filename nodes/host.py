@@ -115,11 +115,12 @@ def make_room(bytes_needed: int, device, warm=None, weight_bytes: int = 0) -> No
     Without a store it calls `free_memory(bytes_needed + extra_reserved_memory())`: ComfyUI's
     free figure (driver free + torch's cached-but-unused) then exceeds the request.
     """
-    if model_management is None or device.type != "cuda":
+    if model_management is None:
         return
-    reserve = getattr(model_management, "extra_reserved_memory", lambda: 0)()
     if warm is None or not hasattr(model_management, "load_models_gpu"):
-        model_management.free_memory(bytes_needed + reserve, device)
+        if device.type == "cuda":
+            reserve = getattr(model_management, "extra_reserved_memory", lambda: 0)()
+            model_management.free_memory(bytes_needed + reserve, device)
         return
     patcher = registered_patcher(warm, device)
     patcher.planned_bytes = weight_bytes
@@ -187,19 +188,32 @@ def _patcher_class():
 
         def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
             warm = self._warm()
-            freed = warm.release(int(memory_to_free)) if warm is not None else 0
-            log.info("vidmem: gave back %.2f GiB of %s at ComfyUI's request", freed / (1 << 30),
-                     warm.label if warm is not None else "a released pipeline")
+            freed = _give_back(warm, lambda: warm.release(int(memory_to_free))) if warm is not None else 0
+            log.info("vidmem: gave back %.2f GiB at ComfyUI's request", freed / (1 << 30))
             return freed
 
         def detach(self, unpatch_all=True):
             warm = self._warm()
             if unpatch_all and warm is not None and warm.held_bytes:
-                freed = warm.release_all()
+                freed = _give_back(warm, warm.release_all)
                 log.info("vidmem: gave back all %.2f GiB of %s at ComfyUI's request", freed / (1 << 30), warm.label)
             return self.model
 
     return VidmemPatcher
+
+
+def _give_back(warm, release) -> int:
+    """Bytes `release()` freed; 0 while the store's call runs on another thread. Never raises into
+    ComfyUI: its `free_memory` pops the models it unloaded only after its loop, so an exception from
+    one entry would strand those it had already unloaded in its list, and its next cleanup would
+    fail on them. The store applies the request itself when its call ends."""
+    from ..memory.warm import WarmStoreBusy
+
+    try:
+        return release()
+    except WarmStoreBusy as refusal:
+        log.warning("%s", refusal)
+        return 0
 
 
 def pinned_room_bytes() -> int | None:
