@@ -122,6 +122,9 @@ class StreamSchedule:
         self.groups = groups
         self._budget = budget or KeepBudget()
         self._kept: set[int] = set()  # ids of groups kept on the device by the budget
+        self._skipping: set[int] = set()  # ids of groups called but not computing (a step cache)
+        self.copies = 0  # streamed groups copied to the device this call
+        self.skipped = 0  # streamed groups whose forward a step cache skipped
         self._prefetch = prefetch
         self._backend = backend
         self._observe = observer
@@ -135,6 +138,13 @@ class StreamSchedule:
     @property
     def _order(self) -> PassOrder:
         return self._orders[self._backward]
+
+    def skip(self, group: WeightGroup) -> None:
+        """`group`'s module is called but will not compute this pass (a step cache skips it): its
+        weights are not copied, and nothing is prefetched or evicted on its account."""
+        self._order.learn(group)
+        self._skipping.add(id(group))
+        self.skipped += 1
 
     def before_forward(self, group: WeightGroup) -> None:
         self._order.learn(group)
@@ -154,6 +164,9 @@ class StreamSchedule:
         self._ledger.waited(group, start, self._backend.stamp())
 
     def after_forward(self, group: WeightGroup) -> None:
+        if id(group) in self._skipping:
+            self._skipping.discard(id(group))
+            return
         if self._ledger is not None:
             self._ledger.computed(group, self._backend.stamp())
         self._prefetch_after(group)
@@ -231,6 +244,7 @@ class StreamSchedule:
         while len(self._in_flight) > EVICTED_IN_FLIGHT:
             self._backend.host_wait(self._in_flight.popleft())
         token = group.onload(timed=self._ledger is not None)
+        self.copies += 1
         if self._ledger is not None:
             self._ledger.copied(group, token)
         self._observe(kind, group)
@@ -239,15 +253,21 @@ class StreamSchedule:
         return self._order.after(group, self._prefetch, self._cyclic)
 
 
-def hook_group(module: nn.Module, group: WeightGroup, schedule: StreamSchedule) -> list:
+def hook_group(module: nn.Module, group: WeightGroup, schedule: StreamSchedule,
+               computes: Callable[[nn.Module], bool] | None = None) -> list:
     """Forward hooks that stream `group` around `module`'s forward; returns removable handles.
 
-    The hooks re-point parameters and touch streams: never traced by torch.compile (a compiled
-    model runs them eagerly between its graphs).
+    `computes(module)`, when given, says whether the module's forward will compute this time (a
+    step cache may have replaced it for this pass): if not, nothing is copied for it. The hooks
+    re-point parameters and touch streams: never traced by torch.compile (a compiled model runs
+    them eagerly between its graphs).
     """
 
     @torch.compiler.disable
     def before(m, args):
+        if computes is not None and not computes(m):
+            schedule.skip(group)
+            return
         schedule.before_forward(group)
 
     @torch.compiler.disable

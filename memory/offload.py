@@ -18,7 +18,7 @@ store, and the next call starts from them: weights already on the device are not
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -49,8 +49,10 @@ class OffloadHandle:
     """The applied strategy for one stage; `remove()` restores every module exactly."""
 
     def __init__(self, strategy: MemoryStrategy, backend: Any, observer: Observer | None, telemetry: bool,
-                 warm: WarmStore | None = None, keep_bytes: int = 0) -> None:
+                 warm: WarmStore | None = None, keep_bytes: int = 0,
+                 compute_gate: Callable[[nn.Module], bool] | None = None) -> None:
         self.strategy = strategy
+        self.compute_gate = compute_gate  # whether a streamed module computes when called (a step cache)
         self.backend = backend
         self.warm = warm
         self.keep = KeepBudget(keep_bytes)  # streamed bytes that may stay on the device (free memory permitting)
@@ -119,6 +121,11 @@ class OffloadHandle:
         if name in self._components and self._components[name].schedule is not None:
             self._components[name].schedule.begin_pass(backward)
 
+    def stream_counts(self) -> dict:
+        """Streamed groups copied to the device, and called but skipped by a step cache, this call."""
+        schedules = [c.schedule for c in self._components.values() if c.schedule is not None]
+        return {"copies": sum(s.copies for s in schedules), "skipped": sum(s.skipped for s in schedules)}
+
     def swap_summary(self) -> dict:
         """Bytes moved and time spent copying, waiting and computing, per streamed group."""
         return self.ledger.summary() if self.ledger else {"blocks": {}, "totals": {}}
@@ -179,7 +186,7 @@ class OffloadHandle:
             schedule = StreamSchedule(groups, strategy.prefetch_blocks, order_known, self.backend, self._observe, self.ledger,
                                       self.keep)
             for (head, _), group in zip(streamed, groups):
-                self._hooks += hook_group(head, group, schedule)
+                self._hooks += hook_group(head, group, schedule, self.compute_gate)
             self._hooks.append(module.register_forward_hook(torch.compiler.disable(lambda m, args, out: schedule.end_of_pass())))
         self._components[name] = _Component(core, schedule)
         if self._exclusive:
@@ -213,6 +220,7 @@ def apply_strategy(
     telemetry: bool = False,
     warm: WarmStore | None = None,
     keep_bytes: int = 0,
+    compute_gate: Callable[[nn.Module], bool] | None = None,
 ) -> OffloadHandle:
     """Apply `strategy` to `stage` on `backend`'s device; nothing is left applied if this raises.
 
@@ -224,6 +232,8 @@ def apply_strategy(
     `warm.tally` counts bytes uploaded and reused. `keep_bytes`: device memory streamed groups may
     keep beyond the schedule's window while sampling (free memory the run does not need); a kept
     block is not copied again on the next step (`handle.keep` says how many were kept).
+    `compute_gate(module)`: whether a streamed module will compute when it is called now (False:
+    a step cache skips it this pass, so its weights are not copied; `handle.stream_counts()`).
 
     Example:
         with apply_strategy(stage, strategy, backend_for(device)) as handle:
@@ -232,7 +242,7 @@ def apply_strategy(
     """
     for name, blocks in stage.blocks.items():
         strategy.check_against_model(len(blocks), name)
-    handle = OffloadHandle(strategy, backend, observer, telemetry, warm, keep_bytes)
+    handle = OffloadHandle(strategy, backend, observer, telemetry, warm, keep_bytes, compute_gate)
     pool = host_pool or HostPool()
     try:
         for name, module in stage.modules.items():

@@ -48,6 +48,7 @@ from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  #
 from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message,
                             out_of_memory_message, planner_fits)
 from .schedulers import SamplerChoice, build_scheduler
+from .step_cache import AppliedCache, StepCache
 
 log = logging.getLogger("vidmem")
 
@@ -67,6 +68,7 @@ class SampleRequest:
     shift: float | None = None  # flow-matching models (Wan) only; None: the model's own
     cfg_2: float | None = None  # Wan 2.2 A14B's low-noise expert; None: same as cfg
     boundary_ratio: float | None = None  # Wan 2.2 A14B; None: the model's own (0 < ratio < 1)
+    cache: StepCache = StepCache()  # step caching (pipelines/step_cache.py); off by default
 
 
 @dataclass
@@ -172,7 +174,7 @@ class _Run:
             generator.set_state(resume.generator_state)
         record = StepRecord(call, generator, resume)
         try:
-            record.raw = self._run(call, strategy, record)
+            record.raw = self._run(call, strategy, record, cached=resume is None)
         except BaseException as error:
             if not (record.denoising and is_out_of_memory(error)):
                 raise
@@ -196,7 +198,9 @@ class _Run:
                     steps_done + 1, request.steps, strategy.describe(), steps_done, rung.describe(), how)
         return rung
 
-    def _run(self, call, strategy: MemoryStrategy, record: StepRecord) -> torch.Tensor:
+    def _run(self, call, strategy: MemoryStrategy, record: StepRecord, cached: bool = True) -> torch.Tensor:
+        """One attempt. `cached`: the request's step cache applies (a resumed attempt runs uncached:
+        the cache's state would start from step 0 halfway through the run)."""
         loaded, hooks, prompts, receipt = self.loaded, self.hooks, self.prompts, self.receipt
         device = self.backend.device
         stage = sample_stage(loaded, strategy, encode_text=not prompts.complete)
@@ -217,8 +221,10 @@ class _Run:
             # out-of-memory error: the ladder's rungs then stream as planned).
             keep = keep_bytes(hooks.device_budget(device), room, warm.held_bytes if warm else 0) \
                 if strategy.streams_blocks and not self.rungs else 0
-            with call_on(warm, self.backend), apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool,
-                                                       telemetry, warm, keep) as handle:
+            cache = self._step_cache(cached)
+            with call_on(warm, self.backend), cache, \
+                    apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry, warm, keep,
+                                   cache.gate) as handle:
                 call.vidmem_execution_device = device
                 if "text_encode" not in receipt:  # the first attempt (a cache hit encodes nothing)
                     self._encode(call, strategy, handle)
@@ -232,9 +238,20 @@ class _Run:
                     receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)
                 if strategy.streams_blocks:
                     receipt["residency"] = residency_receipt(handle.keep)
+                streamed = handle.stream_counts()
+            if self.request.cache.on:
+                receipt["cache"] = cache_receipt(self.request.cache, cache, streamed, cached)
             if warm is not None:
                 receipt["warm"] = warm.as_dict()
         return raw
+
+    def _step_cache(self, cached: bool) -> AppliedCache:
+        """The request's step cache on the call's denoisers (an inert one when off or not `cached`)."""
+        pipe, spec = self.loaded.pipe, self.loaded.spec
+        blocks = denoiser_blocks(pipe, spec)
+        cache = self.request.cache if cached else StepCache()
+        applied = AppliedCache(cache, {name: getattr(pipe, name) for name in blocks}, blocks)
+        return applied.apply(self.request.steps) if cache.on else applied
 
     def _encode(self, call, strategy: MemoryStrategy, handle) -> None:
         device = self.backend.device
@@ -246,6 +263,15 @@ class _Run:
                 handle.evict("text_encoder")
         self.receipt["stages"].append(meter.as_dict())
         self.receipt["text_encode"] = prompt_receipt(self.prompts, self.hits)
+
+
+def cache_receipt(cache: StepCache, applied: AppliedCache, streamed: dict, cached: bool) -> dict:
+    """What the step cache skipped: blocks computed, and streamed copies made and saved."""
+    found = {"method": cache.describe(), **applied.tally.as_dict(), "streamed_copies": streamed["copies"],
+             "streamed_copies_skipped": streamed["skipped"]}
+    if not cached:
+        found["note"] = "this attempt resumed after an out-of-memory error and ran uncached"
+    return found
 
 
 def residency_receipt(keep) -> dict:

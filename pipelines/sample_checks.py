@@ -8,6 +8,7 @@ import torch
 
 from .family import ModelError, spatial_multiple
 from .schedulers import SamplerChoice, check_scale, resolve_sampler
+from .step_cache import StepCache
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF  # torch.Generator.manual_seed takes 64 bits
 
@@ -41,6 +42,8 @@ def validate_request(loaded, request) -> SamplerChoice:
         raise ModelError(f"{loaded.class_name} is text-to-video: disconnect the image input or load an I2V model.")
     if request.image is not None:
         check_image(request.image)
+    if not isinstance(request.cache, StepCache):
+        raise ModelError(f"cache must be a step cache (the Step Cache node's output), not {type(request.cache).__name__}.")
     return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio,
                            (request.width, request.height))
 

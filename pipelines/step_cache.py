@@ -1,0 +1,218 @@
+"""Step caching: skip the transformer blocks of steps whose output can be predicted, and their copies.
+
+The caches are diffusers' own hooks (`diffusers.hooks`: First Block Cache and MagCache), enabled on
+each denoiser (`CacheMixin.enable_cache`) for one call and disabled again in `finally`. What vidmem
+adds is what no runner does: under block swap a skipped block's weights are not copied either.
+diffusers replaces a block's `forward` when it skips it, but the block is still called, so the
+engine's forward pre-hook would copy its weights for nothing; `BlockGate` tells the engine, as the
+block is called, whether it will compute (memory/offload.py `compute_gate`). The decision is made in
+the pass's first block (MagCache: from the published magnitude ratios; First Block Cache: from how
+much the first block's output changed), so the first block itself is always copied when streamed.
+
+The count of blocks computed and skipped goes into the receipt (`CacheTally`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from ..memory.strategy import StrategyError
+
+
+class CacheMethod(str, Enum):
+    OFF = "off"
+    FIRST_BLOCK = "first_block_cache"  # skip the rest of a pass when the first block's output barely changed
+    MAG = "mag_cache"  # skip whole steps while the accumulated magnitude-ratio error stays under the threshold
+
+
+# diffusers' hook names: read the per-pass decision from a block's hook registry.
+_BLOCK_HOOKS = {CacheMethod.FIRST_BLOCK: "fbc_block_hook", CacheMethod.MAG: "mag_cache_block_hook"}
+DEFAULT_THRESHOLDS = {CacheMethod.FIRST_BLOCK: 0.05, CacheMethod.MAG: 0.06}  # diffusers' and the papers' defaults
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """Which cache a Sampler call uses, and how boldly it skips.
+
+    `threshold`: 0 means the method's default (First Block Cache 0.05, MagCache 0.06); higher skips
+    more at some loss of quality. `retention`: the share of steps at the start always computed.
+    `max_skip_steps`: MagCache's K, the most consecutive steps skipped. `mag_ratios`: MagCache's
+    per-step magnitude ratios for this model and sampler (calibrated with `calibrate`).
+    """
+
+    method: CacheMethod = CacheMethod.OFF
+    threshold: float = 0.0
+    retention: float = 0.2
+    max_skip_steps: int = 3
+    mag_ratios: tuple[float, ...] | None = None
+    calibrate: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "method", CacheMethod(self.method))
+        except ValueError:
+            accepted = ", ".join(repr(m.value) for m in CacheMethod)
+            raise StrategyError(f"cache method={self.method!r} is not one of {accepted}.") from None
+        for name, low, high in (("threshold", 0.0, 1.0), ("retention", 0.0, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+                raise StrategyError(f"cache {name}={value!r} must be a number from {low} to {high}.")
+        if isinstance(self.max_skip_steps, bool) or not isinstance(self.max_skip_steps, int) or self.max_skip_steps < 1:
+            raise StrategyError(f"cache max_skip_steps={self.max_skip_steps!r} must be a whole number, 1 or more.")
+        if self.mag_ratios is not None:
+            ratios = tuple(self.mag_ratios)
+            if not ratios or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0 for r in ratios):
+                raise StrategyError("cache mag_ratios must be a non-empty list of positive numbers (MagCache's "
+                                    "per-step magnitude ratios); calibrate them with calibrate=True.")
+            object.__setattr__(self, "mag_ratios", tuple(float(r) for r in ratios))
+        if self.method is CacheMethod.MAG and self.mag_ratios is None and not self.calibrate:
+            raise StrategyError("cache method='mag_cache' needs mag_ratios for this model, or calibrate=True to measure "
+                                "them in one uncached run (its receipt gives them).")
+
+    @property
+    def on(self) -> bool:
+        return self.method is not CacheMethod.OFF
+
+    @property
+    def skips(self) -> bool:
+        """Whether blocks may be skipped (a calibration run computes every block)."""
+        return self.on and not (self.method is CacheMethod.MAG and self.calibrate)
+
+    def describe(self) -> str:
+        if not self.on:
+            return "off"
+        if self.method is CacheMethod.MAG and self.calibrate:
+            return "mag_cache calibration (nothing skipped)"
+        threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
+        text = f"{self.method.value} threshold={threshold:g} retention={self.retention:g}"
+        return text + (f" max_skip_steps={self.max_skip_steps}" if self.method is CacheMethod.MAG else "")
+
+    def diffusers_config(self, steps: int):
+        """The diffusers hook configuration for a run of `steps` steps."""
+        from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig
+
+        threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
+        if self.method is CacheMethod.FIRST_BLOCK:
+            return FirstBlockCacheConfig(threshold=threshold)
+        if self.calibrate:
+            # One step more than the run: diffusers prints and clears what it measured after the
+            # last of `num_inference_steps`; this way the ratios are still there to be read.
+            return MagCacheConfig(threshold=threshold, num_inference_steps=steps + 1, calibrate=True)
+        return MagCacheConfig(threshold=threshold, max_skip_steps=self.max_skip_steps, retention_ratio=self.retention,
+                              num_inference_steps=steps, mag_ratios=torch.tensor(self.mag_ratios, dtype=torch.float32))
+
+
+@dataclass
+class CacheTally:
+    """Blocks each denoiser computed and skipped during one call."""
+
+    computed: int = 0
+    skipped: int = 0
+    calibrated_ratios: dict = field(default_factory=dict)  # denoiser -> MagCache ratios measured (calibrate)
+
+    @property
+    def computed_share(self) -> float:
+        total = self.computed + self.skipped
+        return self.computed / total if total else 1.0
+
+    def as_dict(self) -> dict:
+        return {"blocks_computed": self.computed, "blocks_skipped": self.skipped,
+                "blocks_computed_share": round(self.computed_share, 4),
+                **({"mag_ratios": self.calibrated_ratios} if self.calibrated_ratios else {})}
+
+
+class BlockGate:
+    """Whether a denoiser block computes when it is called now: what the engine asks before copying
+    a streamed block's weights. Reads diffusers' decision for the current pass; the first block of
+    each denoiser decides (it always computes, or decides inside its own forward)."""
+
+    def __init__(self, method: CacheMethod, blocks: Mapping[str, nn.ModuleList], tally: CacheTally) -> None:
+        self._hook = _BLOCK_HOOKS[method]
+        self._tally = tally
+        self._later = {id(block) for group in blocks.values() for block in list(group)[1:]}
+
+    def __call__(self, module: nn.Module) -> bool:
+        if id(module) not in self._later:
+            return True
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook(self._hook) if registry is not None else None
+        return hook is None or hook.state_manager.get_state().should_compute
+
+    def count(self, module: nn.Module) -> None:
+        if self(module):
+            self._tally.computed += 1
+        else:
+            self._tally.skipped += 1
+
+
+class AppliedCache:
+    """Step caching enabled on a call's denoisers; `remove()` disables it again (idempotent)."""
+
+    def __init__(self, cache: StepCache, denoisers: Mapping[str, nn.Module], blocks: Mapping[str, nn.ModuleList]) -> None:
+        self.cache = cache
+        self.tally = CacheTally()
+        self.gate = BlockGate(cache.method, blocks, self.tally) if cache.skips else None
+        self._denoisers = dict(denoisers)
+        self._enabled: list[nn.Module] = []
+        self._counters: list = []
+        self._blocks = blocks
+
+    def apply(self, steps: int) -> "AppliedCache":
+        try:
+            for name, denoiser in self._denoisers.items():
+                if not hasattr(denoiser, "enable_cache"):
+                    raise StrategyError(f"step caching needs a diffusers denoiser with cache hooks; {name} "
+                                        f"({type(denoiser).__name__}) has none: set the cache method to 'off'.")
+                denoiser.enable_cache(self.cache.diffusers_config(steps))
+                self._enabled.append(denoiser)
+            gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
+            for name, group in self._blocks.items():
+                for block in group:
+                    # Prepended: counted before the engine's own hook copies (or skips) the block.
+                    self._counters.append(block.register_forward_pre_hook(lambda m, args: gate.count(m), prepend=True))
+                if self.cache.method is CacheMethod.MAG and self.cache.calibrate:
+                    # The pipeline resets the caches' state before it returns: read the ratios as they grow.
+                    self._counters.append(group[-1].register_forward_hook(
+                        lambda m, args, out, name=name: self._read_ratios(name, m)))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def remove(self) -> None:
+        for handle in self._counters:
+            handle.remove()
+        self._counters.clear()
+        for denoiser in self._enabled:
+            denoiser.disable_cache()
+        self._enabled.clear()
+
+    def _read_ratios(self, name: str, tail: nn.Module) -> None:
+        ratios = _calibrated_ratios(tail)
+        if ratios:
+            self.tally.calibrated_ratios[name] = ratios
+
+    def __enter__(self) -> "AppliedCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _calibrated_ratios(tail: nn.Module) -> list[float]:
+    """The magnitude ratios MagCache has measured so far, read from the tail block's hook: the
+    conditional pass's (the unconditional pass measures its own, close to it; diffusers uses one
+    array for both)."""
+    registry = getattr(tail, "_diffusers_hook", None)
+    hook = registry.get_hook("mag_cache_block_hook") if registry is not None else None
+    if hook is None:
+        return []
+    states = hook.state_manager._state_cache  # diffusers keeps one state per cache context
+    state = states.get("cond") or next(iter(states.values()), None)
+    return [round(float(r), 5) for r in getattr(state, "calibration_ratios", [])]
