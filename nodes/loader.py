@@ -35,7 +35,9 @@ class VidMemLoadPipeline:
             },
             "optional": {
                 "path": ("STRING", {"default": "", "tooltip": "Full path to a diffusers folder; when set it "
-                         "overrides 'model'. Leave empty for workflows you share."}),
+                         "overrides 'model'. Inside ComfyUI it must lie in ComfyUI's model folders (models/ or "
+                         "extra_model_paths.yaml) unless the server was started with VIDMEM_ALLOW_ANY_PATH=1. "
+                         "Leave empty for workflows you share."}),
                 "transformer_file": ([FOLDER_TRANSFORMER] + host.single_file_transformer_names(), {"tooltip":
                     "Wan only: a single-file transformer from models/diffusion_models (bf16/fp16, fp8, "
                     "fp8-scaled or GGUF; Wan's, ComfyUI's or diffusers' names), e.g. a ComfyUI-repackaged Wan 2.1 "
@@ -51,8 +53,17 @@ class VidMemLoadPipeline:
             },
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, path=""):
+        """path is named (a STRING: ComfyUI checks nothing of it) so a folder outside ComfyUI's
+        model folders is refused when queued, before anything reads it."""
+        return path_problem(path) or True
+
     def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER,
              weight_dtype: str = DEFAULT_WEIGHTS):
+        problem = path_problem(path)
+        if problem:
+            raise ModelError(problem)
         if model == NO_MODELS and not path.strip():
             raise ModelError(
                 "model: no diffusers-format model was found under ComfyUI's models/diffusers; put one there (a folder "
@@ -62,6 +73,13 @@ class VidMemLoadPipeline:
         folder = found(host.resolve_model_folder, model, path)
         single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
         return (load_pipeline(folder, dtype, single, weight_dtype),)
+
+
+def path_problem(path) -> str | None:
+    """Why the typed `path` may not be read (outside ComfyUI's model folders, inside ComfyUI), or None."""
+    if not isinstance(path, str) or not path.strip():
+        return None  # linked (no value when queued) or empty: 'model' is used
+    return host.model_folders().outside_models(path)
 
 
 def found(resolve, *names):
