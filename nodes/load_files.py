@@ -6,10 +6,9 @@ from ..memory.storage import FORMATS
 from ..pipelines.comfy_files import DEFAULT_WEIGHTS, LoadOptions, ModelFiles, load_model_files, shipped_catalogue
 from ..pipelines.loader import DTYPES
 from . import host
-from .loader import PIPELINE_TYPE, found
+from .loader import PIPELINE_TYPE, VAE_DTYPE_INPUT, found, vae_dtype_name
 
 NONE = "(none)"
-SAME = "same as dtype"
 
 
 def _files(role: str) -> list[str]:
@@ -40,8 +39,7 @@ class VidMemLoadModelFiles:
                         "which needs wan2.2_vae.safetensors. A mismatch is refused before loading."}),
                 "dtype": (list(DTYPES), {"default": "bf16", "tooltip": "Compute precision of the transformer and "
                           "encoders. Weights stored lower (fp8, GGUF) are upcast to it one layer at a time."}),
-                "vae_dtype": ([SAME, *DTYPES], {"default": SAME, "tooltip": "The VAE's precision. fp32 is what "
-                              "diffusers' Wan examples use for quality; it doubles the decode's activation memory."}),
+                "vae_dtype": VAE_DTYPE_INPUT,
                 "weight_dtype": ([DEFAULT_WEIGHTS, *FORMATS], {"default": DEFAULT_WEIGHTS, "tooltip": "How weights are "
                                  "stored in memory. default: as in the files. A lower format (fp8_scaled, gguf_q8_0 ...) "
                                  "quantizes the transformer and text encoder matrices at load; never raises precision."}),
@@ -67,5 +65,5 @@ class VidMemLoadModelFiles:
             model_2=optional("model", model_2),
             clip_vision=optional("clip_vision", clip_vision),
         )
-        options = LoadOptions(dtype, "" if vae_dtype == SAME else vae_dtype, weight_dtype, weights_on_disk)
+        options = LoadOptions(dtype, vae_dtype_name(vae_dtype), weight_dtype, weights_on_disk)
         return (load_model_files(files, options, shipped_catalogue(host.model_config_dirs())),)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..pipelines.family import ModelError
+from ..pipelines.folder_storage import with_vae_dtype
 from ..pipelines.loader import DTYPES, load_pipeline
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, WEIGHT_DTYPES
 from . import host
@@ -10,6 +11,16 @@ from . import host
 PIPELINE_TYPE = "VIDMEM_PIPELINE"
 NO_MODELS = "(no diffusers models found)"
 FOLDER_TRANSFORMER = "(from the folder)"
+SAME = "same as dtype"
+# Both loaders' VAE precision, one widget (Load Video Model Files, Load Video Pipeline).
+VAE_DTYPE_INPUT = ([SAME, *DTYPES], {"default": SAME, "tooltip": "The VAE's precision. fp32 is what diffusers' Wan "
+                                     "examples use for quality (ComfyUI's --fp32-vae); it doubles the decode's "
+                                     "activation memory. The plan counts it."})
+
+
+def vae_dtype_name(value: str) -> str:
+    """The widget's value as LoadOptions and configs.load_model take it: "" follows dtype."""
+    return "" if value == SAME else value
 
 
 class VidMemLoadPipeline:
@@ -50,6 +61,8 @@ class VidMemLoadPipeline:
                                  "upcasts them one layer at a time (about half the RAM of bf16 for fp8); never raises "
                                  "precision. The folder's own format (e.g. bf16 for a bf16 folder at dtype bf16) keeps "
                                  "the weights mapped from the files (disk tier). The VAE is never lowered."}),
+                # After weight_dtype, for the same reason: older workflows get the default.
+                "vae_dtype": VAE_DTYPE_INPUT,
             },
         }
 
@@ -60,7 +73,7 @@ class VidMemLoadPipeline:
         return path_problem(path) or True
 
     def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER,
-             weight_dtype: str = DEFAULT_WEIGHTS):
+             weight_dtype: str = DEFAULT_WEIGHTS, vae_dtype: str = SAME):
         problem = path_problem(path)
         if problem:
             raise ModelError(problem)
@@ -72,7 +85,7 @@ class VidMemLoadPipeline:
             )
         folder = found(host.resolve_model_folder, model, path)
         single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
-        return (load_pipeline(folder, dtype, single, weight_dtype),)
+        return (with_vae_dtype(load_pipeline(folder, dtype, single, weight_dtype), vae_dtype_name(vae_dtype)),)
 
 
 def path_problem(path) -> str | None:

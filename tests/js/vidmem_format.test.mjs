@@ -278,4 +278,8 @@ test("the plan finds the loader through any chain of Load LoRA / Train LoRA node
   const storedQuery = new URLSearchParams(planQuery({ model: "Cog", dtype: "bf16",
     loader: loaderFields(stored, (name) => stored.widgets[name]), widgets: {}, shape: { width: 32, height: 32, frames: 9 } }));
   assert.equal(storedQuery.get("weight_dtype"), "fp8_scaled"); // the folder's storage choice reaches the route
+  const fp32Vae = node("VidMemLoadPipeline", null, { model: "Wan2.1", dtype: "bf16", vae_dtype: "fp32" });
+  const vaeQuery = new URLSearchParams(planQuery({ model: "Wan2.1", dtype: "bf16",
+    loader: loaderFields(fp32Vae, (name) => fp32Vae.widgets[name]), widgets: {}, shape: { width: 32, height: 32, frames: 9 } }));
+  assert.equal(vaeQuery.get("vae_dtype"), "fp32"); // the folder's VAE precision reaches the route, as the files'
 });

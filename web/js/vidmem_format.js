@@ -235,8 +235,8 @@ export function loaderFields(loader, value) {
     return { loader: kind, model: value("model"), dtype: value("dtype"), ...files };
   }
   const fields = { loader: kind, model: value("model"), dtype: value("dtype") };
-  // Load Video Pipeline's own file and storage choices (weight_dtype: its last widget).
-  for (const name of ["transformer_file", "weight_dtype"]) {
+  // Load Video Pipeline's own file, storage and VAE precision choices.
+  for (const name of ["transformer_file", "weight_dtype", "vae_dtype"]) {
     const chosen = value(name);
     if (chosen !== undefined && chosen !== null) fields[name] = chosen;
   }
