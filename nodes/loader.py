@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from ..pipelines.configs import load_model
 from ..pipelines.family import ModelError
 from ..pipelines.folder_storage import with_vae_dtype
 from ..pipelines.loader import DTYPES, load_pipeline
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, WEIGHT_DTYPES
 from . import host
+from .preflight import HIDDEN, check_before_loading
 
 PIPELINE_TYPE = "VIDMEM_PIPELINE"
 NO_MODELS = "(no diffusers models found)"
@@ -64,6 +66,7 @@ class VidMemLoadPipeline:
                 # After weight_dtype, for the same reason: older workflows get the default.
                 "vae_dtype": VAE_DTYPE_INPUT,
             },
+            "hidden": HIDDEN,  # the prompt, to check the Samplers it feeds before loading (nodes/preflight.py)
         }
 
     @classmethod
@@ -73,7 +76,7 @@ class VidMemLoadPipeline:
         return path_problem(path) or True
 
     def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER,
-             weight_dtype: str = DEFAULT_WEIGHTS, vae_dtype: str = SAME):
+             weight_dtype: str = DEFAULT_WEIGHTS, vae_dtype: str = SAME, prompt=None, unique_id=None):
         problem = path_problem(path)
         if problem:
             raise ModelError(problem)
@@ -84,6 +87,7 @@ class VidMemLoadPipeline:
                 "full path in the 'path' input."
             )
         folder = found(host.resolve_model_folder, model, path)
+        check_before_loading(prompt, unique_id, lambda: load_model(str(folder), dtype, vae_dtype_name(vae_dtype) or None))
         single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
         return (with_vae_dtype(load_pipeline(folder, dtype, single, weight_dtype), vae_dtype_name(vae_dtype)),)
 
