@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..memory.units import DTYPES
 from ..memory.storage import StorageError, StorageReport, fold_scaled_fp8, open_safetensors
 from .configs.meta import ComponentConfig
 from .family import ModelError
@@ -68,14 +69,12 @@ def with_vae_dtype(loaded, vae_dtype: str):
     (Load Video Pipeline's vae_dtype: fp32 for quality, as Load Video Model Files offers), so an
     fp32 VAE holds the files' own values, not ones rounded to the compute dtype first; "" or the
     compute dtype keeps `loaded` as it is. The pipeline is the loader's own, fresh: nothing shared changes."""
-    from .loader import DTYPES, read_model_index  # loader imports this module lazily
-
     if not vae_dtype or vae_dtype == loaded.dtype_name:
         return loaded
     if vae_dtype not in DTYPES:
         raise ModelError(f"vae_dtype={vae_dtype!r} is not supported; use 'same as dtype' or one of {', '.join(DTYPES)}.")
     folder = Path(loaded.folder)
-    library, class_name = read_model_index(folder)["vae"]
+    library, class_name = read_json_object(folder / "model_index.json", "model folder")["vae"]  # checked at load
     vae_class = getattr(importlib.import_module(library), class_name)
     try:
         vae = vae_class.from_pretrained(folder / "vae", torch_dtype=DTYPES[vae_dtype], use_safetensors=True,
