@@ -109,9 +109,9 @@ class ModelFolders:
         if self.folder_paths is None:
             return []
         keyed = getattr(self.folder_paths, "folder_names_and_paths", {})
-        roots = [self.folder_paths.models_dir] + [folder for key, (folders, *_rest) in keyed.items()
-                                                  if key not in NOT_MODEL_FOLDERS for folder in folders]
-        return list(dict.fromkeys(roots))
+        roots = [getattr(self.folder_paths, "models_dir", None)] + [
+            folder for key, (folders, *_rest) in keyed.items() if key not in NOT_MODEL_FOLDERS for folder in folders]
+        return [root for root in dict.fromkeys(roots) if root]
 
     def outside_models(self, path: str) -> str | None:
         """Why a typed folder `path` may not be read, or None: inside ComfyUI only ComfyUI's model
