@@ -10,11 +10,13 @@ from ..pipelines.hooks import RunHooks
 from ..pipelines.latents import next_latent_path, write_latent
 from ..pipelines.planning import choose_for, planner_model
 from . import host
+from .checks import pipeline_input
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt
 from .strategy import STRATEGY_TYPE, as_choice
 
 LATENT_STEM = "vidmem"
+NODE = "Video VAE Decode"
 
 
 class VidMemVAEDecode:
@@ -45,8 +47,10 @@ class VidMemVAEDecode:
         }
 
     def decode(self, pipeline, latent, strategy=None, save_latents=False):
+        pipeline = pipeline_input(pipeline, NODE)
+        choice = as_choice(strategy, NODE, optional=True)
         samples = validate_latent(pipeline, latent)  # family, channels, finite: before anything is written or moved
-        run = _strategy_for_decode(pipeline, as_choice(strategy), samples.shape)
+        run = _strategy_for_decode(pipeline, choice, samples.shape)
         saved = write_latent(latent, next_latent_path(host.latents_folder(), LATENT_STEM)) if save_latents else None
         progress = host.Progress(1, "decoding")
         try:
@@ -57,6 +61,8 @@ class VidMemVAEDecode:
             progress.close()
         if saved is not None:
             result.receipt["saved_latents"] = saved.name
+        if choice is not None and choice.notes:
+            result.receipt["note"] = "; ".join(choice.notes)
         text = format_receipt(f"Video VAE Decode: {pipeline.describe()}", result.receipt)
         return {"ui": {"text": [text], "vidmem_receipt": [result.receipt]}, "result": (result.frames,)}
 

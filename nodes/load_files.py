@@ -6,10 +6,11 @@ from ..memory.storage import FORMATS
 from ..pipelines.comfy_files import DEFAULT_WEIGHTS, LoadOptions, ModelFiles, load_model_files, shipped_catalogue
 from ..pipelines.loader import DTYPES
 from . import host
-from .loader import PIPELINE_TYPE, found
+from .plan_files import PREFIX, files_request, recognise
+from .preflight import HIDDEN, check_before_loading
+from .loader import PIPELINE_TYPE, SAME, VAE_DTYPE_INPUT, found, vae_dtype_name  # noqa: F401 (SAME: the widget value)
 
 NONE = "(none)"
-SAME = "same as dtype"
 
 
 def _files(role: str) -> list[str]:
@@ -40,8 +41,7 @@ class VidMemLoadModelFiles:
                         "which needs wan2.2_vae.safetensors. A mismatch is refused before loading."}),
                 "dtype": (list(DTYPES), {"default": "bf16", "tooltip": "Compute precision of the transformer and "
                           "encoders. Weights stored lower (fp8, GGUF) are upcast to it one layer at a time."}),
-                "vae_dtype": ([SAME, *DTYPES], {"default": SAME, "tooltip": "The VAE's precision. fp32 is what "
-                              "diffusers' Wan examples use for quality; it doubles the decode's activation memory."}),
+                "vae_dtype": VAE_DTYPE_INPUT,
                 "weight_dtype": ([DEFAULT_WEIGHTS, *FORMATS], {"default": DEFAULT_WEIGHTS, "tooltip": "How weights are "
                                  "stored in memory. default: as in the files. A lower format (fp8_scaled, gguf_q8_0 ...) "
                                  "quantizes the transformer and text encoder matrices at load; never raises precision."}),
@@ -55,10 +55,16 @@ class VidMemLoadModelFiles:
                 "clip_vision": ([NONE, *host.model_file_names("clip_vision")], {"default": NONE, "tooltip": "Wan 2.1 "
                                 "I2V only: clip_vision_h.safetensors from models/clip_vision. (none) otherwise."}),
             },
+            "hidden": HIDDEN,  # the prompt, to check the Samplers it feeds before loading (nodes/preflight.py)
         }
 
     def load(self, model: str, text_encoder: str, vae: str, dtype: str, vae_dtype: str, weight_dtype: str,
-             weights_on_disk: bool, model_2: str = NONE, clip_vision: str = NONE):
+             weights_on_disk: bool, model_2: str = NONE, clip_vision: str = NONE, prompt=None, unique_id=None):
+        names = dict(model=model, text_encoder=text_encoder, vae=vae, model_2=model_2, clip_vision=clip_vision,
+                     vae_dtype=vae_dtype, weight_dtype=weight_dtype, weights_on_disk=str(bool(weights_on_disk)).lower())
+        # The files' config, recognised from their headers as the Strategy's plan does (no weight read).
+        check_before_loading(prompt, unique_id, lambda: recognise(
+            files_request({PREFIX + k: v for k, v in names.items()}, list(DTYPES)), dtype).planner_model)
         optional = lambda role, name: None if name == NONE else found(host.resolve_model_file, role, name)  # noqa: E731
         files = ModelFiles(
             model=found(host.resolve_model_file, "model", model),
@@ -67,5 +73,5 @@ class VidMemLoadModelFiles:
             model_2=optional("model", model_2),
             clip_vision=optional("clip_vision", clip_vision),
         )
-        options = LoadOptions(dtype, "" if vae_dtype == SAME else vae_dtype, weight_dtype, weights_on_disk)
+        options = LoadOptions(dtype, vae_dtype_name(vae_dtype), weight_dtype, weights_on_disk)
         return (load_model_files(files, options, shipped_catalogue(host.model_config_dirs())),)

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+from ..pipelines.configs import load_model
 from ..pipelines.family import ModelError
+from ..pipelines.folder_storage import with_vae_dtype
 from ..pipelines.loader import DTYPES, load_pipeline
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, WEIGHT_DTYPES
 from . import host
+from .preflight import HIDDEN, check_before_loading
 
 PIPELINE_TYPE = "VIDMEM_PIPELINE"
 NO_MODELS = "(no diffusers models found)"
 FOLDER_TRANSFORMER = "(from the folder)"
+SAME = "same as dtype"
+# Both loaders' VAE precision, one widget (Load Video Model Files, Load Video Pipeline).
+VAE_DTYPE_INPUT = ([SAME, *DTYPES], {"default": SAME, "tooltip": "The VAE's precision. fp32 is what diffusers' Wan "
+                                     "examples use for quality (ComfyUI's --fp32-vae); it doubles the decode's "
+                                     "activation memory. The plan counts it."})
+
+
+def vae_dtype_name(value: str) -> str:
+    """The widget's value as LoadOptions and configs.load_model take it: "" follows dtype."""
+    return "" if value == SAME else value
 
 
 class VidMemLoadPipeline:
@@ -35,7 +48,9 @@ class VidMemLoadPipeline:
             },
             "optional": {
                 "path": ("STRING", {"default": "", "tooltip": "Full path to a diffusers folder; when set it "
-                         "overrides 'model'. Leave empty for workflows you share."}),
+                         "overrides 'model'. Inside ComfyUI it must lie in ComfyUI's model folders (models/ or "
+                         "extra_model_paths.yaml) unless the server was started with VIDMEM_ALLOW_ANY_PATH=1. "
+                         "Leave empty for workflows you share."}),
                 "transformer_file": ([FOLDER_TRANSFORMER] + host.single_file_transformer_names(), {"tooltip":
                     "Wan only: a single-file transformer from models/diffusion_models (bf16/fp16, fp8, "
                     "fp8-scaled or GGUF; Wan's, ComfyUI's or diffusers' names), e.g. a ComfyUI-repackaged Wan 2.1 "
@@ -48,11 +63,23 @@ class VidMemLoadPipeline:
                                  "upcasts them one layer at a time (about half the RAM of bf16 for fp8); never raises "
                                  "precision. The folder's own format (e.g. bf16 for a bf16 folder at dtype bf16) keeps "
                                  "the weights mapped from the files (disk tier). The VAE is never lowered."}),
+                # After weight_dtype, for the same reason: older workflows get the default.
+                "vae_dtype": VAE_DTYPE_INPUT,
             },
+            "hidden": HIDDEN,  # the prompt, to check the Samplers it feeds before loading (nodes/preflight.py)
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, path=""):
+        """path is named (a STRING: ComfyUI checks nothing of it) so a folder outside ComfyUI's
+        model folders is refused when queued, before anything reads it."""
+        return path_problem(path) or True
+
     def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER,
-             weight_dtype: str = DEFAULT_WEIGHTS):
+             weight_dtype: str = DEFAULT_WEIGHTS, vae_dtype: str = SAME, prompt=None, unique_id=None):
+        problem = path_problem(path)
+        if problem:
+            raise ModelError(problem)
         if model == NO_MODELS and not path.strip():
             raise ModelError(
                 "model: no diffusers-format model was found under ComfyUI's models/diffusers; put one there (a folder "
@@ -60,8 +87,16 @@ class VidMemLoadPipeline:
                 "full path in the 'path' input."
             )
         folder = found(host.resolve_model_folder, model, path)
+        check_before_loading(prompt, unique_id, lambda: load_model(str(folder), dtype, vae_dtype_name(vae_dtype) or None))
         single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
-        return (load_pipeline(folder, dtype, single, weight_dtype),)
+        return (with_vae_dtype(load_pipeline(folder, dtype, single, weight_dtype), vae_dtype_name(vae_dtype)),)
+
+
+def path_problem(path) -> str | None:
+    """Why the typed `path` may not be read (outside ComfyUI's model folders, inside ComfyUI), or None."""
+    if not isinstance(path, str) or not path.strip():
+        return None  # linked (no value when queued) or empty: 'model' is used
+    return host.model_folders().outside_models(path)
 
 
 def found(resolve, *names):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..pipelines.lora import EXPERTS, load_lora, with_lora
 from ..pipelines.lora.spec import STRENGTH_RANGE
 from . import host
+from .checks import literal_problem, pipeline_input
 from .loader import PIPELINE_TYPE
 
 NO_LORAS = "(no LoRAs found in models/loras)"
@@ -42,7 +43,13 @@ class VidMemLoadLoRA:
             },
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, strength=None):
+        """strength is named so NaN is refused when queued (it passes ComfyUI's min/max); its range is checked here."""
+        return literal_problem(cls, "strength", strength) or True
+
     def load(self, pipeline, lora_name: str, strength: float, expert: str = "both"):
+        pipeline = pipeline_input(pipeline, "Load LoRA")
         path = host.resolve_lora(lora_name)
         spec = load_lora(path, pipeline.pipe, strength, expert, name=lora_name)
         return {"ui": {"text": [summary(spec)]}, "result": (with_lora(pipeline, spec),)}

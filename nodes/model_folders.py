@@ -19,6 +19,8 @@ from typing import Any
 from .model_lists import ListingCache
 
 MODELS_DIR_ENV = "VIDMEM_MODELS_DIR"
+ALLOW_ANY_PATH_ENV = "VIDMEM_ALLOW_ANY_PATH"  # the server's operator accepts any folder in Load Video Pipeline's path
+NOT_MODEL_FOLDERS = ("custom_nodes",)  # folder_paths keys that are not model folders
 DIFFUSERS_KEY = "diffusers"
 LORAS_KEY = "loras"
 MODEL_CONFIGS_FOLDER = "vidmem_configs"
@@ -101,6 +103,34 @@ class ModelFolders:
         folder = root / MODEL_CONFIGS_FOLDER if root is not None else None
         return [folder] if folder is not None and folder.is_dir() else []
 
+    def model_roots(self) -> list[str]:
+        """Every model folder ComfyUI knows: models/ and each key's folders (extra_model_paths.yaml's
+        included); empty without ComfyUI."""
+        if self.folder_paths is None:
+            return []
+        keyed = getattr(self.folder_paths, "folder_names_and_paths", {})
+        roots = [getattr(self.folder_paths, "models_dir", None)] + [
+            folder for key, (folders, *_rest) in keyed.items() if key not in NOT_MODEL_FOLDERS for folder in folders]
+        return [root for root in dict.fromkeys(roots) if root]
+
+    def outside_models(self, path: str) -> str | None:
+        """Why a typed folder `path` may not be read, or None: inside ComfyUI only ComfyUI's model
+        folders may be (the server is often reachable by others), unless its operator set
+        $VIDMEM_ALLOW_ANY_PATH=1. Without ComfyUI the user is the operator: anything goes. A
+        symlink placed inside a model folder is followed; '..' is refused outright."""
+        if self.folder_paths is None or os.environ.get(ALLOW_ANY_PATH_ENV, "").strip().lower() in ("1", "true", "yes"):
+            return None
+        given = Path(os.path.expanduser(path.strip()))
+        roots = self.model_roots()
+        if ".." not in given.parts and any(_within(os.path.abspath(given), os.path.abspath(root)) or
+                                           _within(os.path.realpath(given), os.path.realpath(root)) for root in roots):
+            return None
+        return (f"path '{path.strip()}' is outside ComfyUI's model folders (models/ and those of "
+                "extra_model_paths.yaml); path may name only a folder inside them, without '..'. Put the diffusers "
+                "folder under models/diffusers and pick it in 'model' (or give its path there). To accept any folder, "
+                f"whoever runs the server starts ComfyUI with the environment variable {ALLOW_ANY_PATH_ENV}=1 (only "
+                "where everyone who can reach the server may read its files).")
+
     def missing(self, key: str) -> str:
         """Where folder key `key` was looked for, for an error message."""
         if self.folder_paths is not None:
@@ -109,3 +139,11 @@ class ModelFolders:
             return (f"models/{key}: ComfyUI is not running and {MODELS_DIR_ENV} is not set "
                     "(set it to a folder laid out like ComfyUI's models/)")
         return f"{self.root / key} (from {MODELS_DIR_ENV}; no such folder)"
+
+
+def _within(path: str, root: str) -> bool:
+    path, root = os.path.normcase(path), os.path.normcase(root)
+    try:
+        return os.path.commonpath([path, root]) == root
+    except ValueError:  # different drives (Windows)
+        return False

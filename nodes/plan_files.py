@@ -23,6 +23,7 @@ from ..pipelines.comfy_files.load import _COMPONENT, _KIND
 from ..pipelines.configs import load_model
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, LOWERED, WEIGHT_DTYPES, held_format
 from . import host
+from .loader import SAME, vae_dtype_name
 
 FILES_LOADER = "VidMemLoadModelFiles"
 FILE_ROLES = ("model", "text_encoder", "vae", "model_2", "clip_vision")  # the first three are required
@@ -69,16 +70,23 @@ def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
         path = host.resolve_model_file(LISTED_AS.get(role, role), name, role)
         stat = path.stat()
         files.append((role, name, stat.st_size, stat.st_mtime_ns))
-    vae_dtype = query.get(PREFIX + "vae_dtype", "same as dtype")
-    if vae_dtype != "same as dtype" and vae_dtype not in vae_dtypes:
-        raise FilesProblem("vae_dtype", f"vae_dtype={vae_dtype!r} must be 'same as dtype' or one of {', '.join(vae_dtypes)}.")
+    vae_dtype = vae_dtype_request(query, PREFIX + "vae_dtype", vae_dtypes)
     weight_dtype = query.get(PREFIX + "weight_dtype", DEFAULT_WEIGHTS)
     if weight_dtype != DEFAULT_WEIGHTS and weight_dtype not in FORMATS:
         raise FilesProblem("weight_dtype", f"weight_dtype={weight_dtype!r} must be default or one of {', '.join(FORMATS)}.")
     on_disk = query.get(PREFIX + "weights_on_disk", "true").lower()
     if on_disk not in ("true", "false"):
         raise FilesProblem("weights_on_disk", f"weights_on_disk={on_disk!r} must be true or false.")
-    return FilesRequest(tuple(files), "" if vae_dtype == "same as dtype" else vae_dtype, weight_dtype, on_disk == "true")
+    return FilesRequest(tuple(files), vae_dtype, weight_dtype, on_disk == "true")
+
+
+def vae_dtype_request(query, key: str, vae_dtypes: list[str]) -> str:
+    """Either loader's vae_dtype widget (query parameter `key`) as configs.load_model takes it
+    ("" follows dtype); FilesProblem when it is not one of the widget's choices."""
+    value = query.get(key, SAME)
+    if value != SAME and value not in vae_dtypes:
+        raise FilesProblem("vae_dtype", f"vae_dtype={value!r} must be '{SAME}' or one of {', '.join(vae_dtypes)}.")
+    return vae_dtype_name(value)
 
 
 @lru_cache(maxsize=16)

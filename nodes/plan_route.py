@@ -25,8 +25,8 @@ from ..memory import OffloadTier, StrategyError
 from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recommended
 from ..memory.plan.stages import VideoShape
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
-                         folder_options, recognise, transformer_file_request, weight_dtype_request)
-from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, tile_size_problem
+                         folder_options, recognise, transformer_file_request, vae_dtype_request, weight_dtype_request)
+from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, strategy_notes, tile_size_problem
 
 PLAN_ROUTE = "/vidmem/plan"
 SHAPE = {"width": (16, 4096), "height": (16, 4096), "frames": (1, 1025)}  # the Sampler's ranges
@@ -51,6 +51,7 @@ class PlanRequest:
     files: FilesRequest | None = None  # a Load Video Model Files node's widgets; None for a folder
     transformer_file: tuple[str, int, int] | None = None  # Load Video Pipeline's single-file transformer
     weight_dtype: str = DEFAULT_WEIGHTS  # Load Video Pipeline's storage choice for the folder
+    vae_dtype: str = ""  # Load Video Pipeline's VAE precision ("" follows dtype); the files' is in `files`
 
     @property
     def auto(self) -> bool:
@@ -61,13 +62,14 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     """A PlanRequest from the query string; PlanRequestError naming the first bad parameter."""
     model = _required(query, "model")
     files = transformer_file = None
-    weight_dtype = DEFAULT_WEIGHTS
+    weight_dtype, vae_dtype = DEFAULT_WEIGHTS, ""
     try:
         if query.get("loader") == FILES_LOADER:
             files = files_request(query, dtypes)
         else:
             transformer_file = transformer_file_request(query)
             weight_dtype = weight_dtype_request(query)
+            vae_dtype = vae_dtype_request(query, "vae_dtype", dtypes)
     except FilesProblem as error:
         raise PlanRequestError(error.name, str(error)) from None
     if files is None and model not in model_names:
@@ -82,7 +84,7 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
     shape = VideoShape(width, height, frames, cfg=cfg > 1.0)
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
-                       files=files, transformer_file=transformer_file, weight_dtype=weight_dtype)
+                       files=files, transformer_file=transformer_file, weight_dtype=weight_dtype, vae_dtype=vae_dtype)
 
 
 def _required(query: Mapping[str, str], name: str) -> str:
@@ -126,7 +128,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
                 device: str | None = None) -> dict:
     """The plan as JSON-ready data: one row per tier (and the user's own settings), the chosen row marked.
 
-    `load_model(name, dtype)` gives the plannable meta model; `budgets` are the host's default
+    `load_model(name, dtype[, vae_dtype])` gives the plannable meta model; `budgets` are the host's default
     (VRAM, RAM) bytes, used where the widgets say 0; `device` the torch device type the host
     computes on (None: cuda when present, else cpu). Bad widgets or a shape the model cannot take
     come back as {"status": "error", "input": name, "error": message}.
@@ -161,6 +163,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         "budgets": {"vram_bytes": vram, "ram_bytes": ram},
         "rows": [_row(label, plan) for label, plan in zip(labels, plans)],
         "chosen": chosen,
+        "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
     }
 
 
@@ -173,8 +176,8 @@ def _probed_device() -> str:
 def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], object]) -> tuple[object, PlanOptions]:
     """The plannable model and how its weights are held: a folder's at the compute dtype; single
     files recognised from their headers, with their own storage and the disk tier."""
-    if request.files is None:
-        model = load_model(request.model, request.dtype)
+    if request.files is None:  # the VAE's own dtype only when set: load_model(name, dtype[, vae_dtype])
+        model = load_model(request.model, request.dtype, *([request.vae_dtype] if request.vae_dtype else []))
         return model, folder_options(request.model, request.weight_dtype, request.transformer_file)
     recognised = recognise(request.files, request.dtype)
     return recognised.planner_model, recognised.options

@@ -12,22 +12,36 @@ from ..memory.plan.stages import VideoShape
 from ..memory.telemetry import free_device_bytes
 from ..memory.units import GiB
 from ..pipelines.loader import FAMILIES
-from ..pipelines.family import ModelError
+from ..pipelines.family import ModelError, denoiser_blocks
 from ..pipelines.parallel import DeviceRoom, balanced_placement, component_bytes, resolve_ranks, sample_balanced, sample_parallel
 from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, plan_explicit
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
+from ..pipelines.sample_checks import validate_request
 from ..pipelines.schedulers import SCHEDULERS
 from . import host
+from .checks import literal_problem, literal_problems, pipeline_input
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt, human_bytes
 from .strategy import STRATEGY_TYPE, as_choice
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 MAX_FRAMES = 1025
+SIZE_STEP = 16  # width and height: VAE 8x x patch 2 (Wan 2.1, CogVideoX); Wan 2.2 TI2V-5B's 16x VAE needs 32
+NODE = "Video Sampler"
 # Every family's frame rule is step*k+1; their common step is what holds before the model is known.
 COMMON_FRAME_STEP = reduce(math.gcd, (spec.frame_step for spec in FAMILIES))
+
+
+def size_problem(name: str, value) -> str | None:
+    """width or height outside the widget's range, or off the SIZE_STEP grid every model shares."""
+    problem = literal_problem(VidMemVideoSampler, name, value)
+    if problem or value is None or value % SIZE_STEP == 0:
+        return problem
+    below = max(SIZE_STEP, value // SIZE_STEP * SIZE_STEP)
+    return (f"{name}={value} must be a multiple of {SIZE_STEP} for every model vidmem runs (32 for Wan 2.2 TI2V-5B); "
+            f"use {below} or {below + SIZE_STEP}.")
 
 
 def frames_problem(frames) -> str | None:
@@ -66,10 +80,10 @@ class VidMemVideoSampler:
                 "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What the video shows."}),
                 "negative_prompt": ("STRING", {"multiline": True, "default": "", "tooltip":
                     "What to avoid; encoded and used only when cfg (or A14B's cfg_2) is above 1."}),
-                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip":
+                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": SIZE_STEP, "tooltip":
                     "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B). Wan 480p: 832x480, CogVideoX: 720x480. "
                     "The Memory Strategy plans for this size."}),
-                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip":
+                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": SIZE_STEP, "tooltip":
                     "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B)."}),
                 "frames": ("INT", {"default": 49, "min": 1, "max": MAX_FRAMES, "step": 4, "tooltip":
                     "Wan: 4k+1 (e.g. 81); CogVideoX: 8k+1 (49, or 81 for 1.5)."}),
@@ -100,20 +114,27 @@ class VidMemVideoSampler:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, frames):
-        """Only frames is named (ComfyUI attaches a failure to every input named and keeps its own
-        range checks for the rest): Wan frames=50 is refused when queued, on frames alone."""
-        return frames_problem(frames) or True
+    def VALIDATE_INPUTS(cls, frames, width=None, height=None, cfg=None, shift=None, cfg_2=None, boundary_ratio=None):
+        """What the widgets alone can tell, when the prompt is queued: frames and the size against the
+        rules every model shares (Wan frames=50, width=840), and the floats finite (NaN passes
+        ComfyUI's min/max). Named inputs lose ComfyUI's own range check, so literal_problem repeats
+        it. The model's own rules (TI2V-5B's 32 px, CogVideoX's 8k+1, its blocks) need the pipeline:
+        the loader checks them from the model's config before loading (nodes/preflight.py) and
+        sample() first thing."""
+        return (frames_problem(frames) or size_problem("width", width) or size_problem("height", height)
+                or literal_problems(cls, cfg=cfg, shift=shift, cfg_2=cfg_2, boundary_ratio=boundary_ratio) or True)
 
     def sample(self, pipeline, strategy, prompt, negative_prompt, width, height, frames, steps, cfg, seed, image=None,
                scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0):
-        choice = as_choice(strategy)
-        device = host.compute_device()
-        guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
-        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames, cfg=guided), device)
+        pipeline = pipeline_input(pipeline, NODE)
+        choice = as_choice(strategy, NODE)
         # The widgets' "model's own" values (0, -1) are the engine's None.
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image, scheduler,
                                 shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None)
+        check_before_planning(pipeline, choice, request)
+        device = host.compute_device()
+        guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
+        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames, cfg=guided), device)
         progress = host.Progress(steps, "sampling")
         try:
             cache = PromptCache(host.prompt_cache_folder())
@@ -124,12 +145,24 @@ class VidMemVideoSampler:
         finally:
             progress.close()
         receipt = dict(result.receipt, plan=plan_line)
+        if choice.notes:
+            receipt["note"] = "; ".join(choice.notes)
         if "parallel" in receipt:
             receipt["device"] = parallel_line(receipt["parallel"])
         if "placement" in receipt:
             receipt["device"] = receipt["placement"]
         text = format_receipt(f"Video Sampler: {pipeline.describe()}", receipt)
         return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (result.latent,)}
+
+
+def check_before_planning(pipeline, choice, request) -> None:
+    """Everything the loaded pipeline can tell about this request before any planning, encoding or
+    moving: the request's rules for this model (validate_request: size, frames, image, controls)
+    and blocks_to_swap against the model's blocks."""
+    validate_request(pipeline, request)
+    if not choice.auto:
+        for name, blocks in denoiser_blocks(pipeline.pipe, pipeline.spec).items():
+            choice.strategy.check_against_model(len(blocks), name)
 
 
 def _sample(pipeline, strategy, request, hooks, device):

@@ -19,6 +19,7 @@ from ..memory.context_parallel import cpu_modes, device_refusal
 from ..memory.strategy import TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE, ContextParallel, Parallelism
 from ..memory.telemetry import default_budgets
 from ..memory.units import GiB
+from .checks import connected, literal_problems
 
 STRATEGY_TYPE = "VIDMEM_STRATEGY"
 AUTO = "auto"  # node-level tier: the planner picks the fastest strategy that fits
@@ -41,6 +42,7 @@ class StrategyChoice:
     auto: bool = False
     vram_budget_gb: float = 0.0
     ram_budget_gb: float = 0.0
+    notes: tuple[str, ...] = ()  # widget values the chosen tier ignores (strategy_notes), for the receipts
 
     def __post_init__(self) -> None:
         # ComfyUI's min/max checks let NaN through (every comparison with NaN is false).
@@ -57,9 +59,11 @@ class StrategyChoice:
     def describe(self) -> str:
         if self.auto:
             parallel = self.strategy.parallel.describe()
-            return ("offload=auto: the Sampler's planner chooses the tier, blocks, text encoder and VAE tiling"
+            text = ("offload=auto: the Sampler's planner chooses the tier, blocks, text encoder and VAE tiling"
                     + (f"; {parallel}" if parallel else ""))
-        return self.strategy.describe()
+        else:
+            text = self.strategy.describe()
+        return "\n".join((text, *(f"note: {note}" for note in self.notes)))
 
 
 def build_strategy(
@@ -76,10 +80,13 @@ def build_strategy(
     temporal_size: int,
     temporal_overlap: int,
 ) -> MemoryStrategy:
-    """The MemoryStrategy the widgets describe (offload=auto builds the base the planner starts from)."""
+    """The MemoryStrategy the widgets describe (offload=auto builds the base the planner starts from).
+
+    A blocks_to_swap the tier does not use is ignored (strategy_notes says so), not refused:
+    switching a template's tier must not fail the run over a value left from the other tier."""
+    if strategy_notes(offload, blocks_to_swap):
+        blocks_to_swap = 0
     if offload == AUTO:
-        if blocks_to_swap:
-            raise StrategyError("blocks_to_swap must be 0 with offload='auto'; the planner chooses it.")
         offload = OffloadTier.MODEL.value
     tiling = VaeTiling(tile_size, overlap, temporal_size, temporal_overlap) if vae_tiling else None
     return MemoryStrategy(
@@ -92,6 +99,17 @@ def build_strategy(
         vae_slicing=vae_slicing,
         vae_tiling=tiling,
     )
+
+
+def strategy_notes(offload: str, blocks_to_swap) -> tuple[str, ...]:
+    """What the widgets set that the chosen tier ignores, as notes for the receipts (empty: nothing)."""
+    if offload == OffloadTier.BLOCK_SWAP.value or isinstance(blocks_to_swap, bool) or blocks_to_swap in (0, None):
+        return ()
+    if not isinstance(blocks_to_swap, int) or blocks_to_swap < 0:
+        return ()  # not a value to ignore: MemoryStrategy refuses it by name
+    if offload == AUTO:
+        return (f"blocks_to_swap={blocks_to_swap} ignored: offload=auto chooses the blocks itself.",)
+    return (f"blocks_to_swap={blocks_to_swap} ignored: it applies only to offload=block_swap (offload is {offload}).",)
 
 
 WIDGETS = tuple(build_strategy.__code__.co_varnames[: build_strategy.__code__.co_argcount])
@@ -156,6 +174,13 @@ def tile_size_problem(tile_size) -> str | None:
     return None
 
 
+def pinned_ram_problem(value) -> str | None:
+    """max_pinned_ram_gb between the automatic -1 and 0 means nothing (after literal_problem's checks)."""
+    if value is not None and AUTO_PINNED < value < 0:
+        return f"max_pinned_ram_gb={value} must be -1 (automatic), 0 (no pinning) or more."
+    return None
+
+
 class VidMemMemoryStrategy:
     DESCRIPTION = (
         "Chooses where weights live while a video is sampled and decoded. Every choice gives the "
@@ -179,8 +204,10 @@ class VidMemMemoryStrategy:
                     "auto: the Sampler's planner picks the fastest tier, block count, text encoder placement "
                     "and VAE tiling that fit the budgets at its size."}),
                 "blocks_to_swap": ("INT", {"default": 0, "min": 0, "max": 100, "tooltip":
-                    "block_swap only: how many transformer blocks stay in RAM and stream in per step. "
-                    "Wan 14B has 40 blocks, Wan 1.3B 30, CogVideoX-2b 30, CogVideoX-5b 42. 0 with other tiers."}),
+                    "block_swap only: how many transformer blocks stay in RAM and stream in per step, at most the "
+                    "model's own count: Wan 14B has 40 blocks, Wan 1.3B 30, CogVideoX-2b 30, CogVideoX-5b 42. "
+                    "Ignored (greyed out, with a note in the receipts) under every other tier, so switching the "
+                    "tier never needs it reset."}),
                 "prefetch_blocks": ("INT", {"default": _DEFAULT.prefetch_blocks, "min": 0, "max": 8, "tooltip":
                     "Streamed blocks copied ahead while the current one computes. 1 hides most of the "
                     "transfer; each extra block costs one block of VRAM. 0 copies on demand."}),
@@ -237,26 +264,33 @@ class VidMemMemoryStrategy:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, tile_size):
-        """Only tile_size is named: ComfyUI attaches a failure here to every input named, and keeps
-        its own min/max/combo checks for the inputs not named. Rules between inputs (overlap
-        against tile_size, blocks_to_swap against offload) are shown on the node by the live plan
-        before queueing and raised by build() when the node runs, before anything is sampled."""
-        return tile_size_problem(tile_size) or True
+    def VALIDATE_INPUTS(cls, tile_size, max_pinned_ram_gb=AUTO_PINNED, vram_budget_gb=0.0, ram_budget_gb=0.0):
+        """Only what ComfyUI cannot check itself is named (it attaches a failure here to every input
+        named, and keeps its own min/max/combo checks for the others): tile_size's multiple, and
+        the float widgets, which NaN passes ComfyUI's min/max unnoticed (nodes/checks.py). Rules
+        between inputs (overlap against tile_size) are shown on the node by the live plan before
+        queueing and raised by build() when the node runs, before anything is sampled; a
+        blocks_to_swap the tier does not use is ignored with a note (strategy_notes)."""
+        return (tile_size_problem(tile_size) or literal_problems(cls, max_pinned_ram_gb=max_pinned_ram_gb,
+                vram_budget_gb=vram_budget_gb, ram_budget_gb=ram_budget_gb) or pinned_ram_problem(max_pinned_ram_gb)
+                or True)
 
     def build(self, pipeline=None, vram_budget_gb=0.0, ram_budget_gb=0.0, gpus=AUTO,
               context_parallel=ContextParallel.OFF.value, **widgets):
         for name in LEGACY_SHAPE_INPUTS:  # direct callers of older versions; ComfyUI drops them itself
             widgets.pop(name, None)
         strategy = replace(build_strategy(**widgets), parallel=parse_parallel(gpus, context_parallel))
-        choice = StrategyChoice(strategy, widgets["offload"] == AUTO, vram_budget_gb, ram_budget_gb)
+        notes = strategy_notes(widgets["offload"], widgets["blocks_to_swap"])
+        choice = StrategyChoice(strategy, widgets["offload"] == AUTO, vram_budget_gb, ram_budget_gb, notes)
         return {"ui": {"text": [choice.describe()]}, "result": (choice,)}
 
 
-def as_choice(strategy) -> StrategyChoice | None:
-    """A Sampler or Decode strategy input (a StrategyChoice, or a bare MemoryStrategy from code) as a choice."""
-    if strategy is None or isinstance(strategy, StrategyChoice):
+def as_choice(strategy, node: str = "this node", optional: bool = False) -> StrategyChoice | None:
+    """A node's strategy input (a StrategyChoice, or a bare MemoryStrategy from code) as a choice;
+    None only where the input is `optional`. Anything else is refused naming what was connected."""
+    if isinstance(strategy, StrategyChoice) or (strategy is None and optional):
         return strategy
     if isinstance(strategy, MemoryStrategy):
         return StrategyChoice(strategy)
-    raise StrategyError(f"strategy={strategy!r} is not a Memory Strategy; connect a Memory Strategy (VidMem) node.")
+    raise StrategyError(f"strategy ({node}) got {connected(strategy)}, not a Memory Strategy; connect the strategy "
+                        "output of a Memory Strategy (VidMem) node.")

@@ -18,6 +18,7 @@ from ..training.objective import EXPERT_COMPONENTS
 from ..training.plan import choose_training_strategy
 from ..training.save import lora_file_name
 from . import host
+from .checks import literal_problems, pipeline_input
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt, human_bytes
 from .strategy import STRATEGY_TYPE, as_choice, one_process_only
@@ -30,14 +31,14 @@ log = logging.getLogger("vidmem")
 
 def _run_strategy(strategy):
     """The strategy to encode with; offload=auto encodes on its base (model offload: one encoder at a time)."""
-    choice = one_process_only(as_choice(strategy), "Prepare Training Data")
+    choice = one_process_only(as_choice(strategy, "Prepare Training Data"), "Prepare Training Data")
     note = " (offload=auto: encoding runs one component at a time, model offload)" if choice.auto else ""
     return choice.strategy, note
 
 
 def _train_strategy(strategy, pipeline, data, settings: TrainSettings, device):
     """The strategy to train with and, for offload=auto, the training planner's choice behind it."""
-    choice = one_process_only(as_choice(strategy), "Train LoRA")
+    choice = one_process_only(as_choice(strategy, "Train LoRA"), "Train LoRA")
     if not choice.auto:
         return choice.strategy, None
     vram, ram = choice.budgets(device)
@@ -77,6 +78,7 @@ class VidMemPrepareTrainingData:
         }
 
     def prepare(self, pipeline, strategy, folder, resolutions, frame_buckets):
+        pipeline = pipeline_input(pipeline, "Prepare Training Data")
         run, note = _run_strategy(strategy)
         buckets = BucketSettings(parse_resolutions(resolutions), parse_frames(frame_buckets))
         device = host.compute_device()
@@ -150,8 +152,14 @@ class VidMemTrainLoRA:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, alpha=None, learning_rate=None):
+        """The float widgets are named so NaN is refused when queued (it passes ComfyUI's min/max)."""
+        return literal_problems(cls, alpha=alpha, learning_rate=learning_rate) or True
+
     def train(self, pipeline, data, strategy, lora_name, rank, alpha, learning_rate, steps, batch_size, seed,
               target_modules, gradient_checkpointing, optimizer, checkpoint_every, resume, expert="both", unique_id=None):
+        pipeline = pipeline_input(pipeline, "Train LoRA")
         file_name = lora_file_name(lora_name)
         settings = TrainSettings(rank, alpha, learning_rate, steps, batch_size, seed, target_modules,
                                  gradient_checkpointing, optimizer, checkpoint_every, expert)

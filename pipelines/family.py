@@ -54,6 +54,10 @@ class FamilySpec:
     # chunks) and `frame_batch`; or None to decode every piece with `vae.decode`
     vae_stages: Callable[[object], object | None] = lambda vae: None
     sampler: SamplerDefaults = SamplerDefaults()
+    # (denoiser config) -> how many patch positions per axis its positional embedding covers, or
+    # None for no limit (Wan's rotary table has rope_max_seq_len rows: beyond them diffusers fails
+    # with a bare reshape error, so the size is refused by name first: positions_error)
+    max_positions: Callable[[object], int | None] = lambda config: None
 
     def frames_error(self, frames: int) -> str | None:
         if frames >= 1 and (frames - 1) % self.frame_step == 0:
@@ -63,6 +67,27 @@ class FamilySpec:
             f"frames={frames} is not valid for {self.name}: use {self.frame_step}k+1 frames "
             f"(e.g. {below} or {below + self.frame_step})."
         )
+
+
+def positions_error(spec: FamilySpec, config, spatial_factor: int, temporal_factor: int, model: str,
+                    width: int, height: int, frames: int) -> str | None:
+    """Why the denoiser (its `config`) cannot place a width x height x frames video, naming the
+    input and the largest value it takes; None when it can. Config only: no weights are read."""
+    limit = spec.max_positions(config)
+    if not limit:
+        return None
+    patch = config.get("patch_size", (1, 2, 2))
+    patch_t, patch_h, patch_w = patch if isinstance(patch, (list, tuple)) else (1, patch, patch)
+    for label, value, per_position in (("width", width, spatial_factor * patch_w),
+                                       ("height", height, spatial_factor * patch_h)):
+        if value // per_position > limit:
+            return (f"{label}={value} is more than {model} can place: its positional embedding covers {limit} "
+                    f"patches of {per_position} px ({limit * per_position} px); use {label} {limit * per_position} or less.")
+    if ((frames - 1) // temporal_factor + 1) // patch_t > limit:
+        most = (limit * patch_t - 1) * temporal_factor + 1
+        return (f"frames={frames} is more than {model} can place: its positional embedding covers {limit} latent "
+                f"frames; use frames {most} or less.")
+    return None
 
 
 def spatial_multiple(pipe) -> int:

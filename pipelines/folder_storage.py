@@ -11,11 +11,13 @@ dtype bf16) is used in place: the disk tier. The VAE and the image encoder load 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from ..memory.units import DTYPES
 from ..memory.storage import StorageError, StorageReport, fold_scaled_fp8, open_safetensors
 from .configs.meta import ComponentConfig
 from .family import ModelError
@@ -60,6 +62,28 @@ def load_stored(folder: Path, index: dict, configs: dict[str, dict], names: tupl
     check_against_ram(needs, f"model folder '{folder}' with weight_dtype {weight_dtype}",
                       "Pick a smaller weight_dtype (fp8_scaled, gguf_q4_k) or a smaller model.")
     return {name: _stored(components[name], tensors[name], dtype, weight_dtype, folder / name) for name in names}
+
+
+def with_vae_dtype(loaded, vae_dtype: str):
+    """`loaded` (a folder's pipeline) with its VAE read again from the folder's files at `vae_dtype`
+    (Load Video Pipeline's vae_dtype: fp32 for quality, as Load Video Model Files offers), so an
+    fp32 VAE holds the files' own values, not ones rounded to the compute dtype first; "" or the
+    compute dtype keeps `loaded` as it is. The pipeline is the loader's own, fresh: nothing shared changes."""
+    if not vae_dtype or vae_dtype == loaded.dtype_name:
+        return loaded
+    if vae_dtype not in DTYPES:
+        raise ModelError(f"vae_dtype={vae_dtype!r} is not supported; use 'same as dtype' or one of {', '.join(DTYPES)}.")
+    folder = Path(loaded.folder)
+    library, class_name = read_json_object(folder / "model_index.json", "model folder")["vae"]  # checked at load
+    vae_class = getattr(importlib.import_module(library), class_name)
+    try:
+        vae = vae_class.from_pretrained(folder / "vae", torch_dtype=DTYPES[vae_dtype], use_safetensors=True,
+                                        local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as error:
+        raise ModelError(f"could not read the VAE of '{folder}' at vae_dtype {vae_dtype} ({error}); re-download the "
+                         "model, or set vae_dtype to 'same as dtype'.") from error
+    loaded.pipe.register_modules(vae=vae)
+    return replace(loaded, vae_dtype_name=vae_dtype)
 
 
 def on_disk(components: dict[str, StoredComponent]) -> bool:

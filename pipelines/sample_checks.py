@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from numbers import Integral
+from pathlib import Path
 
 import torch
 
-from .family import ModelError, spatial_multiple
+from .family import ModelError, positions_error, spatial_multiple
 from .schedulers import SamplerChoice, check_scale, resolve_sampler
 from .step_cache import StepCache
 
@@ -26,6 +27,12 @@ def validate_request(loaded, request) -> SamplerChoice:
         if value < multiple or value % multiple:
             fix = max(multiple, value // multiple * multiple)
             raise ModelError(f"{name}={value} must be a multiple of {multiple} for {spec.name}; use {fix} or {fix + multiple}.")
+    denoiser = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+    problem = positions_error(spec, denoiser.config, pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal,
+                              loaded.config_name or Path(loaded.folder).name or loaded.class_name,
+                              request.width, request.height, request.frames)
+    if problem:
+        raise ModelError(problem)
     _check_whole("steps", request.steps)
     if request.steps < 1:
         raise ModelError(f"steps={request.steps} must be at least 1.")

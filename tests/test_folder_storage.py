@@ -100,9 +100,10 @@ def test_the_planner_and_auto_use_the_folders_chosen_storage(tiny_folder):
     assert lean.peak_ram_bytes < wide.peak_ram_bytes and "fp8_scaled" in lean.describe_storage()
 
 
-def test_the_node_takes_weight_dtype_as_its_last_input(tiny_folder, monkeypatch):
+def test_the_node_takes_weight_dtype_after_its_older_inputs(tiny_folder, monkeypatch):
     spec = VidMemLoadPipeline.INPUT_TYPES()
-    assert list(spec["optional"])[-1] == "weight_dtype"  # appended: saved workflows' widget values keep their places
+    # appended (then vae_dtype): saved workflows' widget values keep their places
+    assert list(spec["optional"]) == ["path", "transformer_file", "weight_dtype", "vae_dtype"]
     choices, options = spec["optional"]["weight_dtype"]
     assert options["default"] == "default" and {"fp8_scaled", "gguf_q8_0", "fp8_e4m3fn"} <= set(choices)
     (loaded,) = VidMemLoadPipeline().load("x", "fp32", path=str(tiny_folder("cogvideox-t2v")), weight_dtype="fp8_scaled")
@@ -122,3 +123,58 @@ def test_bad_weight_dtype_and_a_pickled_shard_are_named(tiny_folder, tmp_path):
     weights.write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(ModelError, match="transformer"):
         load_pipeline(copy, "fp32", weight_dtype="fp8_scaled")
+
+
+def test_vae_dtype_loads_the_folders_vae_at_that_precision_and_is_planned_so(tiny_folder):
+    """Load Video Pipeline's vae_dtype is Load Video Model Files' widget: an fp32 VAE holds the
+    files' own values (not values rounded to bf16 first), and the planner counts the fp32 VAE."""
+    from vidmem.memory.device import CpuBackend
+    from vidmem.nodes.load_files import VidMemLoadModelFiles
+    from vidmem.pipelines.decode import decode
+    from vidmem.pipelines.planning import planner_model
+
+    files_spec = VidMemLoadModelFiles.INPUT_TYPES()["required"]["vae_dtype"]
+    assert VidMemLoadPipeline.INPUT_TYPES()["optional"]["vae_dtype"] is files_spec  # one widget for both loaders
+    folder = tiny_folder("wan2.1-t2v")
+    (loaded,) = VidMemLoadPipeline().load("x", "bf16", path=str(folder), vae_dtype="fp32")
+    reference = load_pipeline(folder, "fp32").pipe.vae.state_dict()
+    assert {p.dtype for p in loaded.pipe.vae.parameters()} == {torch.float32}
+    assert all(torch.equal(t, reference[k]) for k, t in loaded.pipe.vae.state_dict().items())  # the files' values
+    plain = load_pipeline(folder, "bf16").pipe.transformer
+    assert [p.dtype for p in loaded.pipe.transformer.parameters()] == [p.dtype for p in plain.parameters()]
+    assert loaded.vae_dtype_name == "fp32" and "(bf16, VAE fp32)" in loaded.describe()
+    (same,) = VidMemLoadPipeline().load("x", "bf16", path=str(folder), vae_dtype="same as dtype")
+    assert {p.dtype for p in same.pipe.vae.parameters()} == {torch.bfloat16} and same.vae_dtype_name == ""
+    assert planner_model(loaded).vae_dtype_name == "fp32" and planner_model(same).vae_dtype_name == ""
+    shape = VideoShape(32, 32, 9)
+    wide, narrow = (plan_strategy(p, shape, MemoryStrategy(), None, None) for p in (loaded, same))
+    decode_bytes = lambda plan: next(s.device_bytes for s in plan.stages if s.name == "decode")  # noqa: E731
+    assert decode_bytes(wide) > decode_bytes(narrow)
+    latent = sample(loaded, MemoryStrategy(), request_for("wan2.1-t2v"), backend=CpuBackend()).latent
+    frames = decode(loaded, latent, backend=CpuBackend()).frames  # a bf16 pipeline's latent into the fp32 VAE
+    assert frames.shape[0] == 9 and frames.isfinite().all()
+
+
+def test_the_plan_route_plans_the_folders_vae_dtype(tiny_folder, monkeypatch):
+    from vidmem.nodes import host
+    from vidmem.nodes.plan_route import PlanRequestError, parse_request, plan_answer
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.loader import DTYPES
+
+    folder = tiny_folder("wan2.1-t2v")
+    monkeypatch.setattr(host, "resolve_model_folder", lambda name, given: folder)
+    seen = []
+
+    def plannable(name, dtype, vae_dtype=""):
+        seen.append(vae_dtype)
+        return load_model(str(folder), dtype, vae_dtype or None)
+
+    query = {"model": "wan", "dtype": "bf16", "width": "32", "height": "32", "frames": "9"}
+    plans = {v: plan_answer(parse_request({**query, "vae_dtype": v}, ["wan"], list(DTYPES)), plannable, (2**33, 2**35))
+             for v in ("same as dtype", "fp32")}
+    assert seen == ["", "fp32"] and all(p["status"] == "ok" for p in plans.values())
+    decode_bytes = lambda plan: plan["rows"][0]["stages"][-1]["vram_bytes"]  # noqa: E731
+    assert decode_bytes(plans["fp32"]) > decode_bytes(plans["same as dtype"])
+    with pytest.raises(PlanRequestError, match="vae_dtype='fp64' must be 'same as dtype' or one of") as error:
+        parse_request({**query, "vae_dtype": "fp64"}, ["wan"], list(DTYPES))
+    assert error.value.name == "vae_dtype"

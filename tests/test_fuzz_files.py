@@ -202,10 +202,10 @@ CASES = [
     # --- Load LoRA -----------------------------------------------------------------------------------------
     Case("lora-not-listed", "VidMemLoadLoRA", lambda fx: {**lora(good_lora)(fx), "lora_name": "other.safetensors"},
          "Value not in list: lora_name"),
-    Case("lora-strength-too-high", "VidMemLoadLoRA", lora(good_lora, strength=5.0), "bigger than max of 4.0: strength"),
-    Case("lora-strength-too-low", "VidMemLoadLoRA", lora(good_lora, strength=-5.0), "smaller than min of -4.0: strength"),
+    Case("lora-strength-too-high", "VidMemLoadLoRA", lora(good_lora, strength=5.0), "strength=5.0 must be from -4.0 to 4.0"),
+    Case("lora-strength-too-low", "VidMemLoadLoRA", lora(good_lora, strength=-5.0), "strength=-5.0 must be from -4.0 to 4.0"),
     Case("lora-strength-text", "VidMemLoadLoRA", lora(good_lora, strength="strong"), "convert an input value to a FLOAT"),
-    Case("lora-strength-nan", "VidMemLoadLoRA", lora(good_lora, strength=NAN), "strength nan is outside"),
+    Case("lora-strength-nan", "VidMemLoadLoRA", lora(good_lora, strength=NAN), "strength=nan is not a finite number"),
     Case("lora-expert-unknown", "VidMemLoadLoRA", lora(good_lora, expert="middle"), "Value not in list: expert"),
     Case("lora-expert-on-one-transformer", "VidMemLoadLoRA", lora(good_lora, expert="high_noise"), "needs a two-expert model"),
     Case("lora-pickle", "VidMemLoadLoRA", lora(lambda p, fx: pickled(p)), "pickle"),
@@ -218,6 +218,11 @@ CASES = [
     Case("lora-down-without-up", "VidMemLoadLoRA", lora(lambda p, fx: good_lora(p, fx, up=None)), "no .* matrix"),
     Case("lora-no-tensors", "VidMemLoadLoRA", lora(lambda p, fx: safetensors.torch.save_file({}, str(p))), "none of its|no"),
     Case("lora-nan-values", "VidMemLoadLoRA", lora(lambda p, fx: good_lora(p, fx, value=NAN)), "holds NaN or infinite values"),
+    Case("lora-strength-inf", "VidMemLoadLoRA", lora(good_lora, strength=float("inf")), "strength=inf is not a finite number"),
+    Case("lora-pipeline-none", "VidMemLoadLoRA", lambda fx: {**lora(good_lora)(fx), "pipeline": None},
+         r"pipeline \(Load LoRA\) got nothing \(None\), not a vidmem pipeline"),
+    Case("lora-pipeline-latent", "VidMemLoadLoRA", lambda fx: {**lora(good_lora)(fx), "pipeline": {"samples": torch.zeros(1)}},
+         r"pipeline \(Load LoRA\) got a LATENT \(a dict with 'samples'\)"),
 ]
 
 

@@ -99,8 +99,37 @@ def test_auto_is_chosen_by_the_sampler_at_its_own_shape(tiny_loaded):
     starved = StrategyChoice(auto.strategy, auto=True, vram_budget_gb=1e-4, ram_budget_gb=64.0)
     with pytest.raises(PlanError, match="nothing fits"):
         _strategy_for_run(loaded, starved, VideoShape(32, 32, 9), torch.device("cpu"))
-    with pytest.raises(StrategyError, match="blocks_to_swap must be 0"):
-        VidMemMemoryStrategy().build(**strategy_inputs(offload="auto", blocks_to_swap=3))
+    # blocks_to_swap left from a block_swap template: ignored (the planner chooses), with a note
+    out = VidMemMemoryStrategy().build(**strategy_inputs(offload="auto", blocks_to_swap=3))
+    (kept,) = out["result"]
+    assert kept.auto and kept.strategy.blocks_to_swap == 0
+    assert kept.notes == ("blocks_to_swap=3 ignored: offload=auto chooses the blocks itself.",)
+    assert "note: blocks_to_swap=3 ignored" in out["ui"]["text"][0]
+
+
+@pytest.mark.parametrize("offload", ["none", "model", "sequential"])
+def test_a_blocks_to_swap_the_tier_does_not_use_is_ignored_with_a_note(offload):
+    """Switching a shipped block-swap template to another tier must not fail the run."""
+    out = VidMemMemoryStrategy().build(**strategy_inputs(offload=offload, blocks_to_swap=20))
+    (choice,) = out["result"]
+    assert choice.strategy.offload.value == offload and choice.strategy.blocks_to_swap == 0
+    assert choice.notes == (f"blocks_to_swap=20 ignored: it applies only to offload=block_swap (offload is {offload}).",)
+    assert out["ui"]["text"][0].endswith(f"note: {choice.notes[0]}")
+    (swap,) = VidMemMemoryStrategy().build(**strategy_inputs(offload="block_swap", blocks_to_swap=20))["result"]
+    assert swap.notes == () and swap.strategy.blocks_to_swap == 20
+
+
+def test_the_note_reaches_the_sampler_and_decode_receipts(tiny_loaded):
+    from vidmem.nodes.decode import VidMemVAEDecode
+    from vidmem.nodes.sampler import VidMemVideoSampler
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    (choice,) = VidMemMemoryStrategy().build(**strategy_inputs(offload="model", blocks_to_swap=20))["result"]
+    out = VidMemVideoSampler().sample(loaded, choice, "a cat", "", 32, 32, 9, 1, 1.0, 0)
+    note = "blocks_to_swap=20 ignored: it applies only to offload=block_swap (offload is model)."
+    assert out["ui"]["vidmem_receipt"][0]["note"] == note and f"note: {note}" in out["ui"]["text"][0]
+    decoded = VidMemVAEDecode().decode(loaded, out["result"][0], strategy=choice)
+    assert decoded["ui"]["vidmem_receipt"][0]["note"] == note
 
 
 def test_an_explicit_strategy_is_planned_at_the_samplers_shape_as_advice(tiny_loaded):
@@ -116,27 +145,87 @@ def test_an_explicit_strategy_is_planned_at_the_samplers_shape_as_advice(tiny_lo
 
 
 @pytest.mark.parametrize("tile_size, ok", [(256, True), (100, False), (32, False), (8192, False), (None, False)])
-def test_strategy_queue_check_names_tile_size_only(tile_size, ok):
+def test_strategy_queue_check_of_tile_size(tile_size, ok):
     import inspect
 
-    assert list(inspect.signature(VidMemMemoryStrategy.VALIDATE_INPUTS).parameters) == ["tile_size"]
+    named = list(inspect.signature(VidMemMemoryStrategy.VALIDATE_INPUTS).parameters)
+    assert named == ["tile_size", "max_pinned_ram_gb", "vram_budget_gb", "ram_budget_gb"]  # what ComfyUI cannot check
     result = VidMemMemoryStrategy.VALIDATE_INPUTS(tile_size=tile_size)
     assert (result is True) == ok
     if not ok:
         assert result.startswith(f"tile_size={tile_size!r}")
 
 
-@pytest.mark.parametrize("frames, ok", [(49, True), (81, True), (9, True), (50, False), (0, False), (None, True)])
-def test_sampler_queue_check_names_frames_only(frames, ok):
-    import inspect
+@pytest.mark.parametrize("name, value, message", [
+    ("max_pinned_ram_gb", float("nan"), "max_pinned_ram_gb=nan is not a finite number"),
+    ("max_pinned_ram_gb", float("inf"), "max_pinned_ram_gb=inf is not a finite number"),
+    ("max_pinned_ram_gb", -0.5, "max_pinned_ram_gb=-0.5 must be -1 (automatic), 0 (no pinning) or more"),
+    ("max_pinned_ram_gb", 2000.0, "max_pinned_ram_gb=2000.0 must be from -1.0 to 1024.0"),
+    ("vram_budget_gb", float("nan"), "vram_budget_gb=nan is not a finite number"),
+    ("ram_budget_gb", float("-inf"), "ram_budget_gb=-inf is not a finite number"),
+    ("ram_budget_gb", -1.0, "ram_budget_gb=-1.0 must be from 0.0 to 4096.0"),
+])
+def test_strategy_queue_check_refuses_non_finite_and_out_of_range_floats(name, value, message):
+    assert message in VidMemMemoryStrategy.VALIDATE_INPUTS(tile_size=256, **{name: value})
+    assert VidMemMemoryStrategy.VALIDATE_INPUTS(tile_size=256, **{name: None}) is True  # linked: no value yet
 
+
+@pytest.mark.parametrize("frames, ok", [(49, True), (81, True), (9, True), (50, False), (0, False), (None, True)])
+def test_sampler_queue_check_of_frames(frames, ok):
     from vidmem.nodes.sampler import VidMemVideoSampler
 
-    assert list(inspect.signature(VidMemVideoSampler.VALIDATE_INPUTS).parameters) == ["frames"]
     result = VidMemVideoSampler.VALIDATE_INPUTS(frames=frames)
     assert (result is True) == ok, result
     if frames == 50:
         assert "use 49 or 53" in result and "wan 4k+1" in result
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (dict(width=840), "width=840 must be a multiple of 16 for every model vidmem runs (32 for Wan 2.2 TI2V-5B); use 832 or 848"),
+    (dict(height=8), "height=8 must be from 16 to 4096"),
+    (dict(height=4100), "height=4100 must be from 16 to 4096"),
+    (dict(cfg=float("nan")), "cfg=nan is not a finite number; give a number from 0.0 to 30.0"),
+    (dict(cfg=float("inf")), "cfg=inf is not a finite number"),
+    (dict(cfg=31.0), "cfg=31.0 must be from 0.0 to 30.0"),
+    (dict(shift=float("nan")), "shift=nan is not a finite number"),
+    (dict(cfg_2=float("-inf")), "cfg_2=-inf is not a finite number"),
+    (dict(boundary_ratio=float("nan")), "boundary_ratio=nan is not a finite number"),
+    (dict(boundary_ratio=1.0), "boundary_ratio=1.0 must be from 0.0 to 0.999"),
+])
+def test_sampler_queue_check_of_size_and_floats(inputs, message):
+    from vidmem.nodes.sampler import VidMemVideoSampler
+
+    good = dict(frames=81, width=832, height=480, cfg=5.0, shift=0.0, cfg_2=-1.0, boundary_ratio=0.0)
+    assert VidMemVideoSampler.VALIDATE_INPUTS(**good) is True
+    assert message in VidMemVideoSampler.VALIDATE_INPUTS(**{**good, **inputs})
+    assert VidMemVideoSampler.VALIDATE_INPUTS(**{**good, **{name: None for name in inputs}}) is True  # linked
+
+
+@pytest.mark.parametrize("node_id, inputs, message", [
+    ("VidMemLoadLoRA", dict(strength=float("nan")), "strength=nan is not a finite number"),
+    ("VidMemLoadLoRA", dict(strength=float("inf")), "strength=inf is not a finite number"),
+    ("VidMemTrainLoRA", dict(alpha=float("inf")), "alpha=inf is not a finite number"),
+    ("VidMemTrainLoRA", dict(learning_rate=float("nan")), "learning_rate=nan is not a finite number"),
+    ("VidMemTrainLoRA", dict(learning_rate=0.5), "learning_rate=0.5 must be from 1e-07 to 0.1"),
+])
+def test_float_widgets_of_other_nodes_are_checked_when_queued(node_id, inputs, message):
+    from vidmem.nodes import NODE_CLASS_MAPPINGS
+
+    assert message in NODE_CLASS_MAPPINGS[node_id].VALIDATE_INPUTS(**inputs)
+
+
+def test_every_float_widget_is_checked_when_queued():
+    """NaN passes ComfyUI's min/max: a FLOAT widget no VALIDATE_INPUTS names would let it into the queue."""
+    import inspect
+
+    from vidmem.nodes import NODE_CLASS_MAPPINGS
+
+    for node_id, cls in NODE_CLASS_MAPPINGS.items():
+        spec = cls.INPUT_TYPES()
+        floats = {name for category in ("required", "optional") for name, entry in spec.get(category, {}).items()
+                  if entry[0] == "FLOAT"}
+        named = set(inspect.signature(cls.VALIDATE_INPUTS).parameters) if hasattr(cls, "VALIDATE_INPUTS") else set()
+        assert floats <= named, (node_id, floats - named)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +233,7 @@ def test_sampler_queue_check_names_frames_only(frames, ok):
     [
         (dict(offload="block_swap"), "blocks_to_swap"),
         (dict(vae_tiling=True, tile_size=128, overlap=64), "overlap=64"),
-        (dict(offload="none", blocks_to_swap=3), "blocks_to_swap=3 only applies"),
+        (dict(offload="block_swap", blocks_to_swap=-1), "blocks_to_swap=-1 must be 0 or more"),
     ],
 )
 def test_cross_input_problems_stop_the_strategy_node_naming_the_input(change, message):

@@ -46,3 +46,30 @@ def test_a_bad_weight_dtype_names_the_widget(folder):
     with pytest.raises(PlanRequestError, match="weight_dtype='fp4'") as error:
         parse_request({"model": NAME, "width": "32", "height": "32", "frames": "9", "weight_dtype": "fp4"}, [NAME], list(DTYPES))
     assert error.value.name == "weight_dtype"
+
+
+def test_a_wan_folder_at_a_size_beyond_its_positional_table_is_refused_in_words(tiny_folder, monkeypatch):
+    """The tiny Wan's rotary table covers 32 patches (512 px): at a template's 832x480x81 the plan
+    once gave diffusers' bare "shape '[1, 1, 52, -1]' is invalid"; it names the input and the fix."""
+    path = tiny_folder("wan2.1-t2v")
+    monkeypatch.setattr(host, "resolve_model_folder", lambda name, given: path)
+    plan = answer(path, width="832", height="480", frames="81")
+    assert plan["status"] == "error" and plan["input"] == "width", plan
+    assert "positional embedding covers 32 patches of 16 px (512 px); use width 512 or less" in plan["error"]
+    assert "shape" not in plan["error"]
+    plan = answer(path, width="512", height="480", frames="129")
+    assert plan["input"] == "frames" and "use frames 125 or less" in plan["error"], plan
+    assert answer(path, width="512", height="512", frames="125")["status"] == "ok"
+
+
+def test_a_size_the_model_cannot_run_for_another_reason_still_names_the_inputs(tiny_folder, monkeypatch):
+    from vidmem.memory.plan.planner import plan_run
+    from vidmem.memory.plan.stages import VideoShape
+    from vidmem.memory import MemoryStrategy
+    from vidmem.pipelines.family import ModelError
+
+    model = load_model(str(tiny_folder("wan2.1-t2v")), "fp32")
+    monkeypatch.setattr(type(model), "check_shape", lambda self, shape: None)  # past the named checks, into diffusers
+    model._traces.clear()
+    with pytest.raises(ModelError, match=r"^width=832, height=480, frames=9: .* cannot run .* change width, height or frames"):
+        plan_run(model, VideoShape(832, 480, 9), MemoryStrategy())

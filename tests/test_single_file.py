@@ -99,6 +99,7 @@ def test_transformer_file_lists_gguf_and_names_its_input_when_gone(tmp_path, mon
     fake = SimpleNamespace(get_filename_list=lambda key: sorted(p.name for p in models.iterdir()) if key == "diffusion_models" else [],
                            get_folder_paths=lambda key: [str(models)] if key == "diffusion_models" else [])
     monkeypatch.setattr(host, "folder_paths", fake)
+    monkeypatch.setenv("VIDMEM_ALLOW_ANY_PATH", "1")  # the folder is given by path, outside this fake's model folders
     assert host.single_file_transformer_names() == ["a.safetensors", "b.gguf", "c.sft"]  # never a pickle
     assert host.resolve_single_file("b.gguf") == models / "b.gguf"
     with pytest.raises(ModelError, match="transformer_file 'gone.gguf' was not found in models/diffusion_models"):

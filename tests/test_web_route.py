@@ -172,13 +172,20 @@ def test_more_swapped_blocks_lower_the_denoise_peak_of_a_real_size_model():
 
 @pytest.mark.parametrize("change, name", [
     (dict(tile_size="100"), "tile_size"), (dict(overlap="64"), "overlap"),
-    (dict(offload="none", blocks_to_swap="3"), "blocks_to_swap"), (dict(blocks_to_swap="99"), "blocks_to_swap"),
-    (dict(frames="10"), "frames"),
+    (dict(blocks_to_swap="99"), "blocks_to_swap"), (dict(frames="10"), "frames"),
 ])
 def test_plan_reports_a_bad_combination_on_its_input(planner, change, name):
     answer, _ = planner
     plan = answer(parse_request(query(**change), [TINY], ["fp32"]))
     assert plan["status"] == "error" and plan["input"] == name, plan
+
+
+def test_a_blocks_to_swap_the_tier_ignores_is_planned_with_a_note(planner):
+    answer, _ = planner
+    plan = answer(parse_request(query(offload="none", blocks_to_swap="3"), [TINY], ["fp32"]))
+    assert plan["status"] == "ok" and plan["rows"][-1]["strategy"].startswith("offload=none"), plan
+    assert plan["notes"] == ["blocks_to_swap=3 ignored: it applies only to offload=block_swap (offload is none)."]
+    assert answer(parse_request(query(), [TINY], ["fp32"]))["notes"] == []
 
 
 def test_service_caches_and_drops_superseded_requests():

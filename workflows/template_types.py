@@ -137,7 +137,7 @@ def diffusers_folder(model: str, dtype: str, weight_dtype: str = "default") -> L
     """Load Video Pipeline on a diffusers folder under models/diffusers, found by name; weight_dtype
     lowers the transformer's and text encoder's storage at load (default: as diffusers loads them)."""
     return Loader("VidMemLoadPipeline", dict(model=model, dtype=dtype, path="", transformer_file="(from the folder)",
-                                             weight_dtype=weight_dtype))
+                                             weight_dtype=weight_dtype, vae_dtype="same as dtype"))
 
 
 def model_files(model: ModelFile, text_encoder: ModelFile, vae: ModelFile, model_2: ModelFile | None = None,

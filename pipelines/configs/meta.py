@@ -28,7 +28,7 @@ from ...memory.storage import storage_format
 from ...memory.strategy import TextEncoderPlacement
 from ...memory.units import DTYPES
 from ...memory.vae_tiles import VaeGeometry
-from ..family import FamilySpec, ModelError
+from ..family import FamilySpec, ModelError, positions_error
 from ..stages import stage_components
 from . import workloads
 from .plan_cache import PlanCache, digest, log
@@ -126,7 +126,13 @@ class MetaModel:
         if config.get("use_learned_positional_embeddings"):
             size = (config.get("sample_width", 90) * self.geometry.spatial_factor, config.get("sample_height", 60) * self.geometry.spatial_factor)
             if (shape.width, shape.height) != size:
-                raise ModelError(f"{self.name} has learned positional embeddings and only generates {size[0]}x{size[1]}; use --size {size[0]}x{size[1]}.")
+                raise ModelError(f"width={shape.width}, height={shape.height}: {self.name} has learned positional embeddings "
+                                 f"and only generates {size[0]}x{size[1]}; use width {size[0]} and height {size[1]} "
+                                 f"(--size {size[0]}x{size[1]}).")
+        problem = positions_error(self.spec, config, self.geometry.spatial_factor, self.geometry.temporal_factor,
+                                  self.name, shape.width, shape.height, shape.frames)
+        if problem:
+            raise ModelError(problem)
         if shape.batch < 1:
             raise ModelError(f"batch={shape.batch} must be at least 1.")
 
@@ -187,8 +193,9 @@ class MetaModel:
                 try:
                     measured = trace(self._workload(call), attention, self._cache)
                 except (ValueError, RuntimeError) as error:
-                    raise ModelError(f"{self.name} cannot run {call.kind} at {call.shape.width}x{call.shape.height}"
-                                     f"x{call.shape.frames}: {error}") from error
+                    raise ModelError(f"width={call.shape.width}, height={call.shape.height}, frames={call.shape.frames}: "
+                                     f"{self.name} cannot run {call.kind} at this size ({error}); change width, height "
+                                     "or frames to a size the model is made for.") from error
                 self._traces[key] = replace(measured, flops=measured.flops * self._block_scale(call.component))
             order = self._streams.get((call.component, call.kind)) if record else None
             self._keep(file, entry, _trace_json(self._traces[key], order))

@@ -278,4 +278,21 @@ test("the plan finds the loader through any chain of Load LoRA / Train LoRA node
   const storedQuery = new URLSearchParams(planQuery({ model: "Cog", dtype: "bf16",
     loader: loaderFields(stored, (name) => stored.widgets[name]), widgets: {}, shape: { width: 32, height: 32, frames: 9 } }));
   assert.equal(storedQuery.get("weight_dtype"), "fp8_scaled"); // the folder's storage choice reaches the route
+  const fp32Vae = node("VidMemLoadPipeline", null, { model: "Wan2.1", dtype: "bf16", vae_dtype: "fp32" });
+  const vaeQuery = new URLSearchParams(planQuery({ model: "Wan2.1", dtype: "bf16",
+    loader: loaderFields(fp32Vae, (name) => fp32Vae.widgets[name]), widgets: {}, shape: { width: 32, height: 32, frames: 9 } }));
+  assert.equal(vaeQuery.get("vae_dtype"), "fp32"); // the folder's VAE precision reaches the route, as the files'
+});
+
+test("the Strategy widgets a tier ignores are the ones greyed out, and the note shows on the receipt", async () => {
+  const { ignoredStrategyWidgets } = await import("../../web/js/vidmem_format.js");
+  assert.deepEqual(ignoredStrategyWidgets("block_swap", true), []);
+  assert.deepEqual(ignoredStrategyWidgets("sequential", true), ["blocks_to_swap"]);
+  assert.deepEqual(ignoredStrategyWidgets("model", true), ["blocks_to_swap", "prefetch_blocks"]);
+  assert.deepEqual(ignoredStrategyWidgets("auto", false), ["blocks_to_swap"]); // auto may choose tiling
+  assert.deepEqual(ignoredStrategyWidgets("block_swap", false), ["tile_size", "overlap", "temporal_size", "temporal_overlap"]);
+  const note = "blocks_to_swap=20 ignored: it applies only to offload=block_swap (offload is model).";
+  const lines = compactLines("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, note }] });
+  assert.ok(lines[2].startsWith(`note: ${note}`), lines);
+  assert.ok(summarize("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, note }] }).lines.includes(`note: ${note}`));
 });

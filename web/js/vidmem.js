@@ -8,7 +8,7 @@ import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STAGES, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines,
-  legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planVerdict, slowdownText, summarize,
+  ignoredStrategyWidgets, legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planVerdict, slowdownText, summarize,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -177,9 +177,27 @@ async function refreshPlan(node) {
   }
 }
 
+// Widgets the chosen tier ignores are greyed out; their values stay (and are noted in the receipts).
+function greyIgnored(node) {
+  const ignored = ignoredStrategyWidgets(widgetValue(node, "offload"), widgetValue(node, "vae_tiling"));
+  let changed = false;
+  for (const widget of node.widgets ?? []) {
+    if (!STRATEGY_WIDGETS.includes(widget.name)) continue;
+    const disabled = ignored.includes(widget.name);
+    if (Boolean(widget.disabled) !== disabled) {
+      widget.disabled = disabled;
+      changed = true;
+    }
+  }
+  if (changed) app.graph?.setDirtyCanvas(true, false);
+}
+
 function refreshPlans() {
   for (const node of app.graph?.nodes ?? []) {
-    if (node.comfyClass === STRATEGY || node.type === STRATEGY) refreshPlan(node);
+    if (node.comfyClass === STRATEGY || node.type === STRATEGY) {
+      greyIgnored(node);
+      refreshPlan(node);
+    }
   }
 }
 

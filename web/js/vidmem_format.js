@@ -192,6 +192,15 @@ export const STRATEGY_WIDGETS = Object.freeze([
   "vae_slicing", "vae_tiling", "tile_size", "overlap", "temporal_size", "temporal_overlap",
 ]);
 export const STRATEGY_BUDGETS = Object.freeze(["vram_budget_gb", "ram_budget_gb"]);
+
+/** The Strategy widgets its offload tier ignores (greyed out on the node; nodes/strategy.py notes them). */
+export function ignoredStrategyWidgets(offload, vaeTiling) {
+  const ignored = [];
+  if (offload !== "block_swap") ignored.push("blocks_to_swap"); // auto chooses the blocks itself
+  if (offload === "none" || offload === "model") ignored.push("prefetch_blocks"); // nothing streams
+  if (!vaeTiling && offload !== "auto") ignored.push("tile_size", "overlap", "temporal_size", "temporal_overlap");
+  return ignored;
+}
 // Older Strategy nodes had their own width/height/frames between the widgets and the budgets.
 const LEGACY_STRATEGY_ORDER = [...STRATEGY_WIDGETS, "width", "height", "frames", ...STRATEGY_BUDGETS];
 export const STAGES = Object.freeze([["text_encode", "text encode"], ["denoise", "denoise"], ["decode", "decode"]]);
@@ -235,8 +244,8 @@ export function loaderFields(loader, value) {
     return { loader: kind, model: value("model"), dtype: value("dtype"), ...files };
   }
   const fields = { loader: kind, model: value("model"), dtype: value("dtype") };
-  // Load Video Pipeline's own file and storage choices (weight_dtype: its last widget).
-  for (const name of ["transformer_file", "weight_dtype"]) {
+  // Load Video Pipeline's own file, storage and VAE precision choices.
+  for (const name of ["transformer_file", "weight_dtype", "vae_dtype"]) {
     const chosen = value(name);
     if (chosen !== undefined && chosen !== null) fields[name] = chosen;
   }
@@ -337,6 +346,7 @@ export function compactLines(nodeType, message, max = 3) {
     if (receipt.swap) extra.push(`swap cost ${formatPercent(receipt.swap.swap_cost)} of denoise`);
     if (receipt.decode) extra.push(`VAE ${receipt.decode.mode}, ${receipt.decode.tiles} tiles x ${receipt.decode.chunks} chunks`);
     if (receipt.saved_latents) extra.push(`saved ${receipt.saved_latents}`);
+    if (receipt.note) extra.unshift(`note: ${receipt.note}`); // a Strategy value the tier ignored
     return [stages, peak, extra.join("; ")].filter(Boolean).slice(0, max);
   }
   return textFrom(message).split("\n").filter(Boolean).slice(0, max);
