@@ -33,6 +33,7 @@ class CacheMethod(str, Enum):
 
 # diffusers' hook names: read the per-pass decision from a block's hook registry.
 _BLOCK_HOOKS = {CacheMethod.FIRST_BLOCK: "fbc_block_hook", CacheMethod.MAG: "mag_cache_block_hook"}
+_HEAD_HOOKS = {CacheMethod.FIRST_BLOCK: "fbc_leader_block_hook", CacheMethod.MAG: "mag_cache_leader_block_hook"}
 DEFAULT_THRESHOLDS = {CacheMethod.FIRST_BLOCK: 0.05, CacheMethod.MAG: 0.06}  # diffusers' and the papers' defaults
 
 
@@ -133,22 +134,30 @@ class BlockGate:
     each denoiser decides (it always computes, or decides inside its own forward)."""
 
     def __init__(self, method: CacheMethod, blocks: Mapping[str, nn.ModuleList], tally: CacheTally) -> None:
+        self._method = method
         self._hook = _BLOCK_HOOKS[method]
         self._tally = tally
         self._later = {id(block) for group in blocks.values() for block in list(group)[1:]}
 
     def __call__(self, module: nn.Module) -> bool:
-        if id(module) not in self._later:
-            return True
-        registry = getattr(module, "_diffusers_hook", None)
-        hook = registry.get_hook(self._hook) if registry is not None else None
-        return hook is None or hook.state_manager.get_state().should_compute
+        """Before `module`'s forward: False only when the pass's decision says it will not compute."""
+        return id(module) not in self._later or self._decision(module)
 
     def count(self, module: nn.Module) -> None:
-        if self(module):
+        """After `module`'s forward, when the pass's decision is known for every block: the first
+        block always computes under First Block Cache and follows MagCache's decision."""
+        head = id(module) not in self._later
+        if (head and self._method is CacheMethod.FIRST_BLOCK) or self._decision(module):
             self._tally.computed += 1
         else:
             self._tally.skipped += 1
+
+    def _decision(self, module: nn.Module) -> bool:
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook(self._hook) if registry is not None else None
+        if hook is None:
+            hook = registry.get_hook(_HEAD_HOOKS[self._method]) if registry is not None else None
+        return hook is None or hook.state_manager.get_state().should_compute
 
 
 class AppliedCache:
@@ -169,13 +178,15 @@ class AppliedCache:
                 if not hasattr(denoiser, "enable_cache"):
                     raise StrategyError(f"step caching needs a diffusers denoiser with cache hooks; {name} "
                                         f"({type(denoiser).__name__}) has none: set the cache method to 'off'.")
+                if self.cache.method is CacheMethod.FIRST_BLOCK and len(self._blocks.get(name, ())) < 2:
+                    raise StrategyError(f"first_block_cache decides after the first block whether to run the rest; {name} "
+                                        f"has {len(self._blocks.get(name, ()))} block(s): choose mag_cache or 'off'.")
                 denoiser.enable_cache(self.cache.diffusers_config(steps))
                 self._enabled.append(denoiser)
             gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
             for name, group in self._blocks.items():
                 for block in group:
-                    # Prepended: counted before the engine's own hook copies (or skips) the block.
-                    self._counters.append(block.register_forward_pre_hook(lambda m, args: gate.count(m), prepend=True))
+                    self._counters.append(block.register_forward_hook(lambda m, args, out: gate.count(m)))
                 if self.cache.method is CacheMethod.MAG and self.cache.calibrate:
                     # The pipeline resets the caches' state before it returns: read the ratios as they grow.
                     self._counters.append(group[-1].register_forward_hook(

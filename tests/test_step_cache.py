@@ -1,0 +1,129 @@
+"""Step caching (pipelines/step_cache.py): diffusers' First Block Cache and MagCache on the tiny
+pipelines, under every tier. The strict backend poisons evicted weights, so a block that computed
+with weights the engine did not copy (because the cache was said to skip it) would ruin the latent:
+every tier's latent must equal tier none's, bit for bit, with caching on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from backends import StrictBackend
+from test_tiers import block_count, request_for
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.strategy import StrategyError
+from vidmem.pipelines.family import ModelError, denoiser_blocks
+from vidmem.pipelines.sample import sample
+from vidmem.pipelines.step_cache import CacheMethod, StepCache
+
+STEPS = 10
+FIRST_BLOCK = StepCache("first_block_cache", threshold=0.9, retention=0.0)  # bold: skips on random weights
+MAG = StepCache("mag_cache", mag_ratios=(1.0,) * STEPS, threshold=0.5, retention=0.2, max_skip_steps=3)
+
+
+def tiers(loaded) -> dict[str, MemoryStrategy]:
+    blocks = block_count(loaded)
+    return {"none": MemoryStrategy(offload="none"), "model": MemoryStrategy(offload="model"),
+            **{f"block_swap:{n}:{p}": MemoryStrategy(offload="block_swap", blocks_to_swap=n, prefetch_blocks=p)
+               for n in sorted({1, blocks}) for p in (0, 1)},
+            "sequential": MemoryStrategy(offload="sequential", prefetch_blocks=1)}
+
+
+def run(loaded, variant, strategy, cache, steps=STEPS):
+    request = replace(request_for(variant, steps=steps), cache=cache)
+    return sample(loaded, strategy, request, backend=StrictBackend())
+
+
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG], ids=["first_block_cache", "mag_cache"])
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v", "wan2.2-a14b"])
+def test_every_tier_gives_tier_nones_latent_with_caching_on(tiny_loaded, variant, cache):
+    loaded = tiny_loaded(variant)
+    if cache.method is CacheMethod.FIRST_BLOCK and block_count(loaded) < 2:
+        with pytest.raises(StrategyError, match="first_block_cache decides after the first block"):
+            run(loaded, variant, MemoryStrategy(offload="none"), cache)
+        assert not loaded.pipe.transformer.is_cache_enabled  # nothing left half-applied
+        return
+    results = {name: run(loaded, variant, strategy, cache) for name, strategy in tiers(loaded).items()}
+    reference = results["none"]
+    assert reference.receipt["cache"]["blocks_skipped"] > 0, "the test's cache must skip something"
+    for name, result in results.items():
+        assert torch.equal(result.latent["samples"], reference.latent["samples"]), name
+        assert result.receipt["cache"]["blocks_computed"] == reference.receipt["cache"]["blocks_computed"], name
+    uncached = run(loaded, variant, MemoryStrategy(offload="none"), StepCache())
+    assert not torch.equal(uncached.latent["samples"], reference.latent["samples"])  # the cache changed something
+    assert "cache" not in uncached.receipt
+
+
+def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
+    variant = "wan2.1-t2v"
+    loaded = tiny_loaded(variant)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=0)
+    cached = run(loaded, variant, strategy, MAG).receipt["cache"]
+    calibration = run(loaded, variant, strategy, StepCache("mag_cache", calibrate=True)).receipt["cache"]
+    assert calibration["blocks_skipped"] == 0 and calibration["streamed_copies_skipped"] == 0
+    blocks = block_count(loaded)
+    skipped_passes = cached["blocks_skipped"] // blocks  # MagCache skips whole passes
+    assert skipped_passes > 0 and cached["blocks_skipped"] == skipped_passes * blocks
+    # Each skipped pass saves the copies of every block after the first (which decides, so it is copied).
+    assert cached["streamed_copies_skipped"] == skipped_passes * (blocks - 1)
+    assert calibration["streamed_copies"] - cached["streamed_copies"] == cached["streamed_copies_skipped"]
+
+
+def test_calibration_skips_nothing_and_returns_the_ratios_per_step(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    cache = run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), StepCache("mag_cache", calibrate=True)).receipt["cache"]
+    ratios = cache["mag_ratios"]["transformer"]
+    assert cache["blocks_skipped"] == 0 and len(ratios) == STEPS and ratios[0] == 1.0
+    assert all(r > 0 for r in ratios)
+    again = run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), StepCache("mag_cache", calibrate=True))
+    assert again.receipt["cache"]["mag_ratios"] == cache["mag_ratios"]  # the same run measures the same
+
+
+def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    transformer = loaded.pipe.transformer
+
+    def cancel():
+        raise InterruptedError("cancelled")
+
+    from vidmem.pipelines.hooks import RunHooks
+
+    request = replace(request_for("wan2.1-t2v", steps=STEPS), cache=FIRST_BLOCK)
+    with pytest.raises(InterruptedError):
+        sample(loaded, MemoryStrategy(offload="none"), request, hooks=RunHooks(on_step=lambda *a: cancel()),
+               backend=StrictBackend())
+    assert not transformer.is_cache_enabled
+    assert not any(m._forward_pre_hooks for m in denoiser_blocks(loaded.pipe, loaded.spec)["transformer"])
+    run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), FIRST_BLOCK)  # and the next call enables it again
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"method": "teacache"}, "method"),
+    ({"method": "first_block_cache", "threshold": float("nan")}, "threshold"),
+    ({"method": "first_block_cache", "threshold": 2.0}, "threshold"),
+    ({"method": "first_block_cache", "retention": -0.1}, "retention"),
+    ({"method": "mag_cache"}, "mag_ratios"),
+    ({"method": "mag_cache", "mag_ratios": (1.0, 0.0)}, "mag_ratios"),
+    ({"method": "mag_cache", "mag_ratios": (1.0,), "max_skip_steps": 0}, "max_skip_steps"),
+])
+def test_bad_cache_settings_are_refused_by_name(kwargs, named):
+    with pytest.raises(StrategyError, match=named):
+        StepCache(**kwargs)
+
+
+def test_a_cache_that_is_not_a_step_cache_is_refused_before_anything_runs(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = replace(request_for("wan2.1-t2v"), cache={"method": "mag_cache"})
+    with pytest.raises(ModelError, match="cache must be a step cache"):
+        sample(loaded, MemoryStrategy(offload="none"), request, backend=StrictBackend())
+    assert not loaded.pipe.transformer.is_cache_enabled
+
+
+def test_describe_says_what_runs():
+    assert StepCache().describe() == "off" and not StepCache().on
+    assert StepCache("mag_cache", calibrate=True).describe() == "mag_cache calibration (nothing skipped)"
+    assert MAG.describe() == "mag_cache threshold=0.5 retention=0.2 max_skip_steps=3"
+    assert StepCache(CacheMethod.FIRST_BLOCK).describe().startswith("first_block_cache threshold=0.05")
