@@ -1,5 +1,6 @@
 """Thin V1 node classes over the engine; importable without ComfyUI."""
 
+from .cache import VidMemStepCache
 from .decode import VidMemVAEDecode
 from .free import VidMemFreeVRAM
 from .load_files import VidMemLoadModelFiles
@@ -14,6 +15,7 @@ NODE_CLASS_MAPPINGS = {
     "VidMemLoadModelFiles": VidMemLoadModelFiles,
     "VidMemMemoryStrategy": VidMemMemoryStrategy,
     "VidMemVideoSampler": VidMemVideoSampler,
+    "VidMemStepCache": VidMemStepCache,
     "VidMemVAEDecode": VidMemVAEDecode,
     "VidMemFreeVRAM": VidMemFreeVRAM,
     "VidMemLoadLoRA": VidMemLoadLoRA,
@@ -26,6 +28,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "VidMemLoadModelFiles": "Load Video Model Files (VidMem)",
     "VidMemMemoryStrategy": "Memory Strategy (VidMem)",
     "VidMemVideoSampler": "Video Sampler (VidMem)",
+    "VidMemStepCache": "Step Cache (VidMem)",
     "VidMemVAEDecode": "Video VAE Decode (VidMem)",
     "VidMemFreeVRAM": "Free VRAM (VidMem)",
     "VidMemLoadLoRA": "Load LoRA (VidMem)",

@@ -280,6 +280,12 @@ def prompt_cache_folder(explicit: str | os.PathLike | None = None) -> Path:
     return _os_cache_root() / "vidmem" / "prompt_embeddings"
 
 
+def mag_ratios_folder() -> Path:
+    """Where MagCache calibration runs save their ratios, which the Step Cache node lists: beside the
+    prompt cache (inside ComfyUI `user/__vidmem/mag_ratios`, else under $VIDMEM_CACHE_DIR or the OS cache)."""
+    return prompt_cache_folder().parent / "mag_ratios"
+
+
 def _os_cache_root() -> Path:
     if sys.platform == "win32":
         return Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")

@@ -30,6 +30,13 @@ def format_receipt(title: str, receipt: dict) -> str:
             f"swap cost: {swap['swap_cost']:.1%} of step time ({human_bytes(swap['bytes_moved'])} moved, "
             f"copies {swap['copy_s']:.2f} s, waited {swap['wait_s']:.2f} s, {swap['groups']} streamed groups)"
         )
+    if "warm" in receipt:  # weights a previous call left on the device (docs/warm-runs.md)
+        lines.append(receipt["warm"]["summary"])
+    if "residency" in receipt and receipt["residency"].get("kept_groups"):
+        lines.append(f"kept on the device while memory was free: {receipt['residency']['kept_groups']} streamed groups "
+                     f"({human_bytes(receipt['residency']['kept_bytes'])})")
+    if "cache" in receipt:
+        lines.append(cache_line(receipt["cache"]))
     if "plan" in receipt:
         lines.append(receipt["plan"])
     if "saved_latents" in receipt:
@@ -39,6 +46,19 @@ def format_receipt(title: str, receipt: dict) -> str:
     if "note" in receipt:  # Memory Strategy values this tier ignores (nodes/strategy.py strategy_notes)
         lines.append("note: " + receipt["note"])
     return "\n".join(lines)
+
+
+def cache_line(cache: dict) -> str:
+    """Step cache: blocks computed of all, and the copies it saved under block swap."""
+    total = cache["blocks_computed"] + cache["blocks_skipped"]
+    line = f"step cache {cache['method']}: {cache['blocks_computed']} of {total} blocks computed ({cache['blocks_computed_share']:.0%})"
+    if cache.get("streamed_copies_skipped"):
+        line += f", {cache['streamed_copies_skipped']} streamed copies saved"
+    if cache.get("ratios_file"):
+        line += f"; ratios saved as {cache['ratios_file']} (pick it in Step Cache's mag_ratios)"
+    if cache.get("note"):
+        line += f" ({cache['note']})"
+    return line
 
 
 def prompt_line(text_encode: dict) -> str:

@@ -20,7 +20,9 @@ from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
 from ..pipelines.sample_checks import validate_request
 from ..pipelines.schedulers import SCHEDULERS
+from ..pipelines.step_cache import write_ratio_file
 from . import host
+from .cache import CACHE_TYPE, cache_input
 from .checks import literal_problem, literal_problems, pipeline_input
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt, human_bytes
@@ -110,6 +112,8 @@ class VidMemVideoSampler:
                 "boundary_ratio": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.999, "step": 0.005, "tooltip":
                     "Wan 2.2 A14B only: the share of the noise schedule the high-noise expert runs (steps with "
                     "timestep >= ratio x 1000). 0: the model's own (T2V 0.875, I2V 0.9)."}),
+                "cache": (CACHE_TYPE, {"tooltip": "From a Step Cache (VidMem) node: skips blocks on steps whose "
+                          "output can be predicted (and, under block swap, their copies). Empty: every step runs."}),
             },
         }
 
@@ -125,12 +129,13 @@ class VidMemVideoSampler:
                 or literal_problems(cls, cfg=cfg, shift=shift, cfg_2=cfg_2, boundary_ratio=boundary_ratio) or True)
 
     def sample(self, pipeline, strategy, prompt, negative_prompt, width, height, frames, steps, cfg, seed, image=None,
-               scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0):
+               scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0, cache=None):
         pipeline = pipeline_input(pipeline, NODE)
         choice = as_choice(strategy, NODE)
+        step_cache = cache_input(cache, pipeline, NODE)
         # The widgets' "model's own" values (0, -1) are the engine's None.
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image, scheduler,
-                                shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None)
+                                shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None, step_cache)
         check_before_planning(pipeline, choice, request)
         device = host.compute_device()
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
@@ -145,6 +150,10 @@ class VidMemVideoSampler:
         finally:
             progress.close()
         receipt = dict(result.receipt, plan=plan_line)
+        ratios = receipt.get("cache", {}).get("mag_ratios")
+        if ratios:  # a calibration run: save the ratios where the Step Cache node lists them
+            path = write_ratio_file(host.mag_ratios_folder(), pipeline, steps, ratios, receipt.get("sampler", ""))
+            receipt["cache"] = dict(receipt["cache"], ratios_file=path.name)
         if choice.notes:
             receipt["note"] = "; ".join(choice.notes)
         if "parallel" in receipt:

@@ -269,6 +269,8 @@ def cache_receipt(cache: StepCache, applied: AppliedCache, streamed: dict, cache
     """What the step cache skipped: blocks computed, and streamed copies made and saved."""
     found = {"method": cache.describe(), **applied.tally.as_dict(), "streamed_copies": streamed["copies"],
              "streamed_copies_skipped": streamed["skipped"]}
+    if cache.ratio_source:
+        found["ratios"] = cache.ratio_source
     if not cached:
         found["note"] = "this attempt resumed after an out-of-memory error and ran uncached"
     return found

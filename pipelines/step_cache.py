@@ -14,8 +14,11 @@ The count of blocks computed and skipped goes into the receipt (`CacheTally`).
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
 from enum import Enum
 from typing import Mapping
 
@@ -51,8 +54,11 @@ class StepCache:
     threshold: float = 0.0
     retention: float = 0.2
     max_skip_steps: int = 3
-    mag_ratios: tuple[float, ...] | None = None
+    mag_ratios: tuple[float, ...] | None = None  # every denoiser's, unless `expert_ratios` names it
     calibrate: bool = False
+    expert_ratios: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (denoiser, its own ratios), Wan 2.2 A14B's experts
+    ratio_steps: int = 0  # the step count the ratios were measured at (0: unknown; they are stretched to the run's)
+    ratio_source: str = ""  # where the ratios come from, for the receipt
 
     def __post_init__(self) -> None:
         try:
@@ -67,12 +73,10 @@ class StepCache:
         if isinstance(self.max_skip_steps, bool) or not isinstance(self.max_skip_steps, int) or self.max_skip_steps < 1:
             raise StrategyError(f"cache max_skip_steps={self.max_skip_steps!r} must be a whole number, 1 or more.")
         if self.mag_ratios is not None:
-            ratios = tuple(self.mag_ratios)
-            if not ratios or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0 for r in ratios):
-                raise StrategyError("cache mag_ratios must be a non-empty list of positive numbers (MagCache's "
-                                    "per-step magnitude ratios); calibrate them with calibrate=True.")
-            object.__setattr__(self, "mag_ratios", tuple(float(r) for r in ratios))
-        if self.method is CacheMethod.MAG and self.mag_ratios is None and not self.calibrate:
+            object.__setattr__(self, "mag_ratios", _checked_ratios(self.mag_ratios, "mag_ratios"))
+        object.__setattr__(self, "expert_ratios", tuple((str(name), _checked_ratios(ratios, f"mag_ratios of {name}"))
+                                                        for name, ratios in self.expert_ratios))
+        if self.method is CacheMethod.MAG and self.mag_ratios is None and not self.expert_ratios and not self.calibrate:
             raise StrategyError("cache method='mag_cache' needs mag_ratios for this model, or calibrate=True to measure "
                                 "them in one uncached run (its receipt gives them).")
 
@@ -94,8 +98,16 @@ class StepCache:
         text = f"{self.method.value} threshold={threshold:g} retention={self.retention:g}"
         return text + (f" max_skip_steps={self.max_skip_steps}" if self.method is CacheMethod.MAG else "")
 
-    def diffusers_config(self, steps: int):
-        """The diffusers hook configuration for a run of `steps` steps."""
+    def ratios_for(self, denoiser: str) -> tuple[float, ...] | None:
+        return dict(self.expert_ratios).get(denoiser, self.mag_ratios)
+
+    def diffusers_config(self, steps: int, denoiser: str = "transformer"):
+        """The diffusers hook configuration for `denoiser` in a run of `steps` steps.
+
+        MagCache counts the steps of each denoiser it is applied to from 0. Ratios measured at this
+        step count are used as measured (an expert of Wan 2.2 A14B measured its own steps, so its
+        array is as long as its share); otherwise they are stretched to the run's steps, nearest
+        neighbour, as MagCache's authors do."""
         from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig
 
         threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
@@ -105,8 +117,18 @@ class StepCache:
             # One step more than the run: diffusers prints and clears what it measured after the
             # last of `num_inference_steps`; this way the ratios are still there to be read.
             return MagCacheConfig(threshold=threshold, num_inference_steps=steps + 1, calibrate=True)
+        ratios = self.ratios_for(denoiser)
+        length = len(ratios) if self.ratio_steps == steps else steps
         return MagCacheConfig(threshold=threshold, max_skip_steps=self.max_skip_steps, retention_ratio=self.retention,
-                              num_inference_steps=steps, mag_ratios=torch.tensor(self.mag_ratios, dtype=torch.float32))
+                              num_inference_steps=length, mag_ratios=torch.tensor(ratios, dtype=torch.float32))
+
+
+def _checked_ratios(ratios, name: str) -> tuple[float, ...]:
+    found = tuple(ratios)
+    if not found or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0 for r in found):
+        raise StrategyError(f"cache {name} must be a non-empty list of positive numbers (MagCache's per-step magnitude "
+                            "ratios); calibrate them with calibrate=True.")
+    return tuple(float(r) for r in found)
 
 
 @dataclass
@@ -181,7 +203,17 @@ class AppliedCache:
                 if self.cache.method is CacheMethod.FIRST_BLOCK and len(self._blocks.get(name, ())) < 2:
                     raise StrategyError(f"first_block_cache decides after the first block whether to run the rest; {name} "
                                         f"has {len(self._blocks.get(name, ()))} block(s): choose mag_cache or 'off'.")
-                denoiser.enable_cache(self.cache.diffusers_config(steps))
+                if self.cache.skips and self.cache.method is CacheMethod.MAG and self.cache.ratios_for(name) is None:
+                    if self.cache.expert_ratios:
+                        continue  # ratios for the other expert only (Wan 2.2 I2V A14B's authors never skip the first)
+                    raise StrategyError(f"cache mag_ratios has no ratios for {name}; calibrate this model (mag_ratios "
+                                        "'calibrate') or choose first_block_cache.")
+                if (self.cache.method is CacheMethod.MAG and self.cache.expert_ratios and self.cache.ratio_steps
+                        and self.cache.ratio_steps != steps):
+                    raise StrategyError(f"cache mag_ratios were measured per expert at {self.cache.ratio_steps} steps; "
+                                        f"each expert's share changes with the step count: set steps to "
+                                        f"{self.cache.ratio_steps}, or calibrate at {steps} steps.")
+                denoiser.enable_cache(self.cache.diffusers_config(steps, name))
                 self._enabled.append(denoiser)
             gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
             for name, group in self._blocks.items():
@@ -227,3 +259,110 @@ def _calibrated_ratios(tail: nn.Module) -> list[float]:
     states = hook.state_manager._state_cache  # diffusers keeps one state per cache context
     state = states.get("cond") or next(iter(states.values()), None)
     return [round(float(r), 5) for r in getattr(state, "calibration_ratios", [])]
+
+
+# --- MagCache ratio files ---------------------------------------------------------------------------
+# A calibration run's ratios are saved as a small JSON file the Step Cache node lists; published
+# ratios ship in pipelines/configs/mag_ratios.json. A file names the model it was measured on
+# (`model_key`), so one measured on another model is refused by name.
+
+RATIO_FILE_VERSION = 1
+SHIPPED_RATIOS = Path(__file__).parent / "configs" / "mag_ratios.json"
+
+
+def model_key(loaded) -> str:
+    """The model a ratio file belongs to: the pipeline class and each denoiser's blocks and width."""
+    from .family import denoiser_blocks
+
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)
+    return layout_key(loaded.class_name, {name: (len(b), getattr(loaded.pipe, name).config) for name, b in blocks.items()})
+
+
+def layout_key(pipeline_class: str, denoisers: Mapping[str, tuple[int, Mapping]]) -> str:
+    """`WanPipeline transformer:30x12x128`: the class, then each denoiser's blocks x heads x head width."""
+    parts = [pipeline_class]
+    for name, (blocks, config) in denoisers.items():
+        parts.append(f"{name}:{blocks}x{config.get('num_attention_heads')}x{config.get('attention_head_dim')}")
+    return " ".join(parts)
+
+
+def ratio_file_name(loaded, steps: int) -> str:
+    """`<pipeline class>-<blocks>blocks-<steps>steps.json`: readable in the node's list."""
+    from .family import denoiser_blocks
+
+    blocks = min(len(b) for b in denoiser_blocks(loaded.pipe, loaded.spec).values())
+    return f"{loaded.class_name}-{blocks}blocks-{steps}steps.json"
+
+
+def write_ratio_file(folder: Path, loaded, steps: int, ratios: Mapping[str, list[float]], sampler: str) -> Path:
+    """Save a calibration run's ratios (whole or not at all); returns the file written."""
+    from .atomic import atomic_path
+
+    target = Path(folder) / ratio_file_name(loaded, steps)
+    body = {"version": RATIO_FILE_VERSION, "model": model_key(loaded), "steps": steps, "sampler": sampler,
+            "source": f"vidmem calibration run of {loaded.describe()}", "ratios": {k: list(v) for k, v in ratios.items()}}
+    with atomic_path(target) as temporary:
+        temporary.write_text(json.dumps(body, indent=1), encoding="utf-8")
+    return target
+
+
+def cache_with_ratios(cache: StepCache, loaded, ratios_name: str, folder: Path | None) -> StepCache:
+    """`cache` with the MagCache ratios `ratios_name` names: "auto" (published for this model),
+    "calibrate", or a ratio file in `folder`. Refused by name when they are for another model."""
+    if cache.method is not CacheMethod.MAG:
+        return cache
+    if ratios_name == "calibrate":
+        return replace(cache, calibrate=True)
+    key = model_key(loaded)
+    if ratios_name == "auto":
+        entry = _shipped().get(key)
+        if entry is None:
+            raise StrategyError(f"mag_ratios 'auto': no published MagCache ratios for {loaded.class_name} ({key}); "
+                                "queue once with mag_ratios 'calibrate' (its ratios are saved and listed here), or "
+                                "choose first_block_cache.")
+        return _with_entry(cache, entry, "published")
+    path = Path(folder or ".") / ratios_name
+    entry = read_json_file(path, "mag_ratios")
+    if entry.get("model") != key:
+        raise StrategyError(f"mag_ratios '{ratios_name}' was measured on {entry.get('model')!r}, not this model "
+                            f"({key}); pick this model's file, 'auto', or 'calibrate'.")
+    return _with_entry(cache, entry, ratios_name)
+
+
+def ratio_files(folder: Path | None) -> list[str]:
+    """The ratio files saved in `folder` (name order)."""
+    if folder is None or not Path(folder).is_dir():
+        return []
+    return sorted(p.name for p in Path(folder).glob("*.json") if p.is_file())
+
+
+def _with_entry(cache: StepCache, entry: dict, source: str) -> StepCache:
+    ratios = entry.get("ratios")
+    steps = entry.get("steps")
+    if not isinstance(ratios, dict) or not ratios or not isinstance(steps, int):
+        raise StrategyError(f"mag_ratios '{source}' is not a ratio file vidmem wrote (no 'ratios' per denoiser or no "
+                            "'steps'); calibrate again.")
+    experts = tuple((name, tuple(values)) for name, values in ratios.items())
+    threshold = cache.threshold or entry.get("threshold", 0.0)  # 0: the threshold published with the ratios
+    return replace(cache, expert_ratios=experts, ratio_steps=steps, threshold=threshold,
+                   ratio_source=f"{source} ({entry.get('source', '')})")
+
+
+@lru_cache(maxsize=1)
+def _shipped() -> dict:
+    """model key -> published ratios (pipelines/configs/mag_ratios.json), read once."""
+    if not SHIPPED_RATIOS.is_file():
+        return {}
+    return {entry["model"]: entry for entry in json.loads(SHIPPED_RATIOS.read_text(encoding="utf-8"))["models"]}
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StrategyError(f"{what} '{Path(path).name}' is missing from {Path(path).parent}; pick a listed file.") from None
+    except (OSError, ValueError) as error:
+        raise StrategyError(f"{what} '{Path(path).name}' is not a readable JSON ratio file ({error}); calibrate again.") from None
+    if not isinstance(data, dict):
+        raise StrategyError(f"{what} '{Path(path).name}' is not a ratio file (a JSON object); calibrate again.")
+    return data

@@ -29,6 +29,17 @@ def K(variant="wan2.1-t2v", **changes):  # Sampler inputs
     return lambda fx: sampler_inputs(fx, variant, **changes)
 
 
+def C(**changes):  # Step Cache inputs
+    widgets = dict(method="mag_cache", threshold=0.0, retention=0.2, max_skip_steps=3, mag_ratios="auto")
+    return lambda fx: {**widgets, **changes}
+
+
+def step_cache(method="mag_cache", mag_ratios="auto"):
+    """The Step Cache node's output, as the Sampler's cache input receives it."""
+    node = NODE_CLASS_MAPPINGS["VidMemStepCache"]()
+    return node.build(method, 0.0, 0.2, 3, mag_ratios)["result"][0]
+
+
 def latent_with(samples=None, variant="wan2.1-t2v", **extra):
     def build(fx):
         latent = dict(fx.latent(variant)) if samples is None else {"samples": samples(fx)}
@@ -196,6 +207,22 @@ CASES = [
          r"pipeline \(Video Sampler\) got a LATENT \(a dict with 'samples', 'vidmem'\), not a vidmem pipeline"),
     Case("sampler-pipeline-strategy", "VidMemVideoSampler", lambda fx: sampler_inputs(fx, pipeline=fx.strategy()),
          r"pipeline \(Video Sampler\) got a StrategyChoice"),
+    # --- Step Cache, and the Sampler's cache input ------------------------------------------------------------
+    Case("cache-method-unknown", "VidMemStepCache", C(method="teacache"), "Value not in list: method"),
+    Case("cache-threshold-nan", "VidMemStepCache", C(threshold=NAN), "threshold=nan is not a finite number"),
+    Case("cache-threshold-too-high", "VidMemStepCache", C(threshold=2.0), "threshold=2.0 must be from 0.0 to 1.0"),
+    Case("cache-retention-negative", "VidMemStepCache", C(retention=-0.1), "retention=-0.1 must be from 0.0 to 1.0"),
+    Case("cache-max-skip-zero", "VidMemStepCache", C(max_skip_steps=0), "smaller than min of 1: max_skip_steps"),
+    Case("cache-ratios-file-absent", "VidMemStepCache", C(mag_ratios="elsewhere.json"), "Value not in list: mag_ratios"),
+    Case("sampler-cache-not-a-cache", "VidMemVideoSampler", K(cache="fast"),
+         r"cache \(Video Sampler\) got a str \('fast'\), not a step cache"),
+    Case("sampler-cache-latent", "VidMemVideoSampler", lambda fx: sampler_inputs(fx, cache=fx.latent()),
+         r"cache \(Video Sampler\) got a LATENT"),
+    Case("sampler-cache-no-published-ratios", "VidMemVideoSampler", lambda fx: sampler_inputs(fx, cache=step_cache()),
+         "mag_ratios 'auto': no published MagCache ratios for WanPipeline"),
+    Case("sampler-cache-first-block-one-block", "VidMemVideoSampler",
+         lambda fx: sampler_inputs(fx, "cogvideox-t2v", cache=step_cache("first_block_cache")),
+         "first_block_cache decides after the first block"),
     # --- Video Sampler: the sampler controls --------------------------------------------------------------
     Case("sampler-flow-euler-on-cogvideox", "VidMemVideoSampler", K("cogvideox-t2v", scheduler="flow_match_euler"), "scheduler"),
     Case("sampler-scheduler-unknown", "VidMemVideoSampler", K(scheduler="euler_a"), "Value not in list: scheduler"),

@@ -127,3 +127,44 @@ def test_describe_says_what_runs():
     assert StepCache("mag_cache", calibrate=True).describe() == "mag_cache calibration (nothing skipped)"
     assert MAG.describe() == "mag_cache threshold=0.5 retention=0.2 max_skip_steps=3"
     assert StepCache(CacheMethod.FIRST_BLOCK).describe().startswith("first_block_cache threshold=0.05")
+
+
+def test_a_calibration_file_is_written_read_back_and_refused_on_another_model(tiny_loaded, tmp_path):
+    from vidmem.pipelines.step_cache import cache_with_ratios, ratio_files, write_ratio_file
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    measured = run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), StepCache("mag_cache", calibrate=True))
+    path = write_ratio_file(tmp_path, loaded, STEPS, measured.receipt["cache"]["mag_ratios"], "default")
+    assert ratio_files(tmp_path) == [path.name] == [f"WanPipeline-2blocks-{STEPS}steps.json"]
+    node_cache = StepCache("mag_cache", threshold=0.5, mag_ratios=(1.0,))
+    cache = cache_with_ratios(node_cache, loaded, path.name, tmp_path)
+    assert dict(cache.expert_ratios)["transformer"] == tuple(measured.receipt["cache"]["mag_ratios"]["transformer"])
+    receipt = run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), cache).receipt["cache"]
+    assert path.name in receipt["ratios"]
+    with pytest.raises(StrategyError, match="was measured on"):
+        cache_with_ratios(node_cache, tiny_loaded("wan2.2-a14b"), path.name, tmp_path)
+    with pytest.raises(StrategyError, match="no published MagCache ratios"):
+        cache_with_ratios(node_cache, loaded, "auto", tmp_path)
+
+
+def test_the_published_ratios_name_the_layouts_of_the_models_vidmem_runs():
+    """Every shipped entry's key is the layout of one of the shipped model configs (so 'auto' finds it)."""
+    import json
+    from pathlib import Path
+
+    from vidmem.pipelines.step_cache import SHIPPED_RATIOS, layout_key
+
+    configs = Path(SHIPPED_RATIOS).parent / "models"
+    layouts = {}
+    for path in configs.glob("*.json"):
+        model = json.loads(path.read_text())
+        denoisers = {name: (c["config"]["num_layers"], c["config"]) for name, c in model["components"].items()
+                     if name.startswith("transformer")}
+        layouts[layout_key(model["pipeline"], denoisers)] = model["name"]
+    shipped = json.loads(Path(SHIPPED_RATIOS).read_text())["models"]
+    assert {entry["model"] for entry in shipped} <= set(layouts)
+    for entry in shipped:
+        assert entry["source"].startswith("github.com/Zehong-Ma/MagCache/") and entry["ratios"]
+        for ratios in entry["ratios"].values():
+            assert ratios[0] == 1.0 and all(0.5 < r < 1.5 for r in ratios)
+        StepCache("mag_cache", expert_ratios=tuple((k, tuple(v)) for k, v in entry["ratios"].items()))  # valid

@@ -19,6 +19,7 @@ from ..family import ModelError
 from ..hooks import RunHooks
 from ..sample import SampleRequest, SampleResult
 from ..sample_checks import validate_request
+from ..step_cache import CacheMethod
 from .checks import check_context_parallel
 from .job import ParallelSampleJob
 from .planning import rank_rooms
@@ -40,6 +41,10 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     pipelines: a rank holds one pipeline at a time and reopens when the source changes).
     """
     validate_request(loaded, request)
+    if request.cache.method is CacheMethod.FIRST_BLOCK:
+        raise ModelError("cache first_block_cache decides from the first block's output, which each rank of context "
+                         "parallelism computes for its own part of the video, so the ranks would disagree; choose "
+                         "mag_cache (decided from its ratios, the same on every rank) or context_parallel off.")
     run_loaded = loaded.image_mode() if request.image is not None else loaded
     device_type = "cuda" if ranks.gpus else "cpu"
     check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,

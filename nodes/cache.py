@@ -1,0 +1,91 @@
+"""Step Cache (VidMem): skip the denoiser's blocks on steps whose output can be predicted.
+
+The node only describes the cache; the Video Sampler applies it for one call (pipelines/step_cache.py)
+and, under block swap, does not copy the weights of the blocks it skips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..memory.strategy import StrategyError
+from ..pipelines.step_cache import CacheMethod, StepCache, cache_with_ratios, ratio_files
+from . import host
+from .checks import connected, literal_problem
+
+CACHE_TYPE = "VIDMEM_STEP_CACHE"
+AUTO, CALIBRATE = "auto", "calibrate"
+
+
+@dataclass(frozen=True)
+class CacheChoice:
+    """The node's output: the cache, and which MagCache ratios to use (resolved against the pipeline)."""
+
+    cache: StepCache
+    ratios: str = AUTO
+
+    def for_pipeline(self, pipeline) -> StepCache:
+        return cache_with_ratios(self.cache, pipeline, self.ratios, host.mag_ratios_folder())
+
+
+class VidMemStepCache:
+    DESCRIPTION = (
+        "Skips the transformer's blocks on steps whose result can be predicted: MagCache from the model's "
+        "published magnitude ratios (about 2x on Wan 2.1 at a small loss, per its paper), or First Block Cache "
+        "from how much the first block's output changed. Under block swap the skipped blocks are not copied "
+        "either. Connect it to the Video Sampler's cache input."
+    )
+    CATEGORY = "vidmem"
+    FUNCTION = "build"
+    RETURN_TYPES = (CACHE_TYPE,)
+    RETURN_NAMES = ("cache",)
+    OUTPUT_TOOLTIPS = ("The step cache for the Video Sampler's cache input; it applies to that call only.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "method": ([m.value for m in CacheMethod], {"default": CacheMethod.MAG.value, "tooltip":
+                    "mag_cache: skips whole steps while the error its ratios predict stays under the threshold; "
+                    "decided ahead, the same on every GPU. first_block_cache: runs the first block each pass and "
+                    "skips the rest when its output changed less than the threshold; needs no ratios. off: every "
+                    "block of every step."}),
+                "threshold": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip":
+                    "0: the method's default (mag_cache 0.06, first_block_cache 0.05). Higher skips more and "
+                    "loses more detail; MagCache's paper reports about 2x on Wan 2.1 at 0.06 with a small loss."}),
+                "retention": ("FLOAT", {"default": 0.2, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip":
+                    "MagCache: the share of steps at the start that always run (they set the composition)."}),
+                "max_skip_steps": ("INT", {"default": 3, "min": 1, "max": 50, "tooltip":
+                    "MagCache: the most steps skipped in a row before one runs again (K in its paper)."}),
+                "mag_ratios": ([AUTO, CALIBRATE, *ratio_files(host.mag_ratios_folder())], {"default": AUTO, "tooltip":
+                    "MagCache's per-step magnitude ratios for this model: auto uses the published ones where "
+                    "they exist; calibrate runs every block once and saves this model's ratios as a file listed "
+                    "here (named by model, blocks and steps). A file measured on another model is refused."}),
+            },
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, threshold=None, retention=None):
+        """Named so NaN is refused when queued (it passes ComfyUI's min/max); ranges checked here."""
+        return literal_problem(cls, "threshold", threshold) or literal_problem(cls, "retention", retention) or True
+
+    def build(self, method, threshold, retention, max_skip_steps, mag_ratios=AUTO):
+        needs_ratios = method == CacheMethod.MAG.value and mag_ratios != CALIBRATE
+        # The ratios are resolved against the pipeline at the Sampler; a placeholder passes the check here.
+        cache = StepCache(method, threshold, retention, max_skip_steps, (1.0,) if needs_ratios else None,
+                          calibrate=method == CacheMethod.MAG.value and mag_ratios == CALIBRATE)
+        choice = CacheChoice(cache, mag_ratios)
+        return {"ui": {"text": [f"Step Cache: {cache.describe()}" + (f", ratios {mag_ratios}" if needs_ratios else "")]},
+                "result": (choice,)}
+
+
+def cache_input(value, pipeline, node: str) -> StepCache:
+    """The Sampler's optional cache input as a StepCache for `pipeline`; refused naming what was connected."""
+    if value is None:
+        return StepCache()
+    if isinstance(value, CacheChoice):
+        return value.for_pipeline(pipeline)
+    if isinstance(value, StepCache):
+        return value
+    raise StrategyError(f"cache ({node}) got {connected(value)}, not a step cache; connect the cache output of a "
+                        "Step Cache (VidMem) node, or leave it empty.")
