@@ -68,6 +68,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                            "and upcasts run at the CPU's rate")
     plan.add_argument("--steps", type=int, default=50, help="denoising steps (time estimate only)")
     plan.add_argument("--batch", type=int, default=1, help="videos per prompt")
+    plan.add_argument("--cache", choices=("off", "mag_cache"), default="off",
+                      help="mag_cache: also say how many steps MagCache with the model's published ratios computes")
     plan.add_argument("--no-cfg", action="store_true", help="guidance scale 1: no negative-prompt pass")
     plan.add_argument("--text-encoder", default="offload_after_encoding",
                       choices=("device", "offload_after_encoding", "cpu"), help="starting text encoder placement")
@@ -129,6 +131,8 @@ def run_plan(args: argparse.Namespace) -> int:
                           "recommended": best, **({"message": message} if message else {})}, indent=2))
     else:
         print(_table(model, shape, vram, ram, plans, best, options))
+        if args.cache == "mag_cache":
+            print("\n" + _cache_line(model, args.steps))
         if message:
             print(f"\n{message}")
     return 0 if best is not None else 1
@@ -167,6 +171,13 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
                      f"page cache holds the files and is reclaimable, so what the budget cannot keep is read again "
                      f"from the disk at {options.disk_bytes_per_s / 1e9:g} GB/s (--disk-gbps), in the slowdown.")
     return "\n".join(lines)
+
+
+def _cache_line(model, steps: int) -> str:
+    from ..pipelines.step_cache import layout_key, plan_line
+
+    denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items() if name.startswith("transformer")}
+    return plan_line(layout_key(model.pipeline_class, denoisers), steps, list(denoisers))
 
 
 def _budgets(args: argparse.Namespace) -> tuple[int, int]:

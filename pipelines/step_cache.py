@@ -95,8 +95,22 @@ class StepCache:
         if self.method is CacheMethod.MAG and self.calibrate:
             return "mag_cache calibration (nothing skipped)"
         threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
-        text = f"{self.method.value} threshold={threshold:g} retention={self.retention:g}"
-        return text + (f" max_skip_steps={self.max_skip_steps}" if self.method is CacheMethod.MAG else "")
+        if self.method is CacheMethod.FIRST_BLOCK:
+            return f"{self.method.value} threshold={threshold:g}"
+        return f"{self.method.value} threshold={threshold:g} retention={self.retention:g} max_skip_steps={self.max_skip_steps}"
+
+    def check_steps(self, steps: int) -> None:
+        """Per-expert ratios (Wan 2.2 A14B) hold only at the step count they were measured at: each
+        expert's share of the steps moves with it."""
+        if self.method is CacheMethod.MAG and self.per_expert and self.ratio_steps and self.ratio_steps != steps:
+            raise StrategyError(f"cache mag_ratios were measured per expert at {self.ratio_steps} steps; each expert's "
+                                f"share changes with the step count: set steps to {self.ratio_steps}, or calibrate at "
+                                f"{steps} steps.")
+
+    @property
+    def per_expert(self) -> bool:
+        """Ratios for one of Wan 2.2 A14B's experts (counted over its own steps), not a whole run's."""
+        return any(name != "transformer" for name, _ in self.expert_ratios) or len(self.expert_ratios) > 1
 
     def ratios_for(self, denoiser: str) -> tuple[float, ...] | None:
         return dict(self.expert_ratios).get(denoiser, self.mag_ratios)
@@ -208,11 +222,7 @@ class AppliedCache:
                         continue  # ratios for the other expert only (Wan 2.2 I2V A14B's authors never skip the first)
                     raise StrategyError(f"cache mag_ratios has no ratios for {name}; calibrate this model (mag_ratios "
                                         "'calibrate') or choose first_block_cache.")
-                if (self.cache.method is CacheMethod.MAG and self.cache.expert_ratios and self.cache.ratio_steps
-                        and self.cache.ratio_steps != steps):
-                    raise StrategyError(f"cache mag_ratios were measured per expert at {self.cache.ratio_steps} steps; "
-                                        f"each expert's share changes with the step count: set steps to "
-                                        f"{self.cache.ratio_steps}, or calibrate at {steps} steps.")
+                self.cache.check_steps(steps)
                 denoiser.enable_cache(self.cache.diffusers_config(steps, name))
                 self._enabled.append(denoiser)
             gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
@@ -344,7 +354,7 @@ def _with_entry(cache: StepCache, entry: dict, source: str) -> StepCache:
                             "'steps'); calibrate again.")
     experts = tuple((name, tuple(values)) for name, values in ratios.items())
     threshold = cache.threshold or entry.get("threshold", 0.0)  # 0: the threshold published with the ratios
-    return replace(cache, expert_ratios=experts, ratio_steps=steps, threshold=threshold,
+    return replace(cache, mag_ratios=None, expert_ratios=experts, ratio_steps=steps, threshold=threshold,
                    ratio_source=f"{source} ({entry.get('source', '')})")
 
 
@@ -366,3 +376,94 @@ def read_json_file(path: Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise StrategyError(f"{what} '{Path(path).name}' is not a ratio file (a JSON object); calibrate again.")
     return data
+
+
+# --- What a cache will skip, before the run (vidmem plan) -------------------------------------------
+
+def published_cache(layout: str) -> StepCache | None:
+    """MagCache with the ratios and settings published for the model of `layout` (see `layout_key`), or None."""
+    entry = _shipped().get(layout)
+    if entry is None:
+        return None
+    cache = StepCache(CacheMethod.MAG, entry.get("threshold", 0.0), entry.get("retention", 0.2),
+                      entry.get("max_skip_steps", 3), calibrate=True)  # ratios come with the entry
+    return replace(_with_entry(cache, entry, "published"), calibrate=False)
+
+
+def mag_schedule(cache: StepCache, steps: int, denoiser: str = "transformer") -> list[bool]:
+    """Which of `steps` passes MagCache computes (True) for `denoiser` with `cache`'s ratios.
+
+    MagCache decides from its ratios and the step count alone, never from the model's values, so
+    its own hooks (diffusers') run here on a stand-in of two trivial blocks: the schedule is the one
+    a real run takes, not a re-implementation of it. Per-expert ratios measured at another step
+    count are refused as in a run.
+    """
+    from diffusers.hooks import apply_mag_cache
+
+    if cache.method is not CacheMethod.MAG or not cache.skips:
+        return [True] * steps
+    cache.check_steps(steps)
+    from diffusers.hooks import HookRegistry
+
+    stand_in = _ScheduleModel()
+    apply_mag_cache(stand_in, cache.diffusers_config(steps, denoiser))
+    HookRegistry.check_if_exists_or_initialize(stand_in).invalidate_child_registries_cache()  # as enable_cache does
+    passes = steps if cache.ratio_steps != steps else len(cache.ratios_for(denoiser) or ())
+    computed = []
+    with torch.no_grad():
+        for _ in range(passes):
+            computed.append(stand_in(torch.zeros(1, 1)))
+    return computed
+
+
+class _ScheduleBlock(nn.Module):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self.ran = True
+        return hidden_states + 1
+
+
+class _ScheduleModel(nn.Module):
+    """Two trivial blocks under diffusers' block registry, for `mag_schedule`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+
+        if _ScheduleBlock not in TransformerBlockRegistry._registry:
+            TransformerBlockRegistry.register(_ScheduleBlock, TransformerBlockMetadata(return_hidden_states_index=0))
+        self.blocks = nn.ModuleList([_ScheduleBlock(), _ScheduleBlock()])
+
+    def forward(self, hidden_states: torch.Tensor) -> bool:
+        """One pass; whether its blocks computed."""
+        from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+        tail = self.blocks[-1]
+        tail.ran = False
+        _set_cache_context(self, CacheContext("cond"))
+        try:
+            for block in self.blocks:
+                hidden_states = block(hidden_states)
+        finally:
+            _set_cache_context(self, None)
+        return tail.ran
+
+
+def plan_line(model_layout: str, steps: int, denoisers: list[str]) -> str:
+    """`vidmem plan --cache mag_cache`: what MagCache with the published ratios would skip."""
+    cache = published_cache(model_layout)
+    if cache is None:
+        return ("mag_cache: no published MagCache ratios for this model; a run with the Step Cache node's mag_ratios "
+                "'calibrate' measures and saves them (docs/step-cache.md).")
+    try:
+        computed = {name: mag_schedule(cache, steps, name) for name in denoisers if cache.ratios_for(name) is not None}
+    except StrategyError as error:
+        return f"mag_cache: {error}"
+    ran = sum(sum(s) for s in computed.values())
+    total = sum(len(s) for s in computed.values())  # passes of the denoisers the cache applies to
+    uncached = [name for name in denoisers if name not in computed]
+    share = ran / total if total else 1.0
+    parts = ", ".join(f"{name} {sum(s)} of {len(s)}" for name, s in computed.items())
+    note = f"; {', '.join(uncached)} not cached (as published)" if uncached else ""
+    return (f"mag_cache with the published ratios (threshold {cache.threshold:g}, K {cache.max_skip_steps}, retention "
+            f"{cache.retention:g}): steps computed {parts} ({share:.0%}){note}. The denoising time and, under block "
+            f"swap, the copies fall about as the steps computed; quality: docs/step-cache.md.")

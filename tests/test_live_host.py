@@ -316,23 +316,28 @@ def node_errors(api: dict) -> dict:
     return payload["node_errors"]
 
 
-def test_a_bad_tile_size_is_one_error_on_tile_size():
+def named_refusal(errors: list, name: str, words: str) -> dict:
+    """ComfyUI 0.8.0 attaches a node's own queue-time refusal to every input its VALIDATE_INPUTS reads
+    (docs/robustness.md): the refusal is on `name`, and every copy is the same message, about `name`."""
+    on_input = [e for e in errors if e["extra_info"]["input_name"] == name]
+    assert on_input and words in on_input[0]["details"], errors
+    assert all(e["details"].split(" - ", 1)[-1] == on_input[0]["details"].split(" - ", 1)[-1] for e in errors), errors
+    return on_input[0]
+
+
+def test_a_bad_tile_size_is_refused_on_tile_size_when_queued():
     api, ids = blockswap_api(seed=1)
     api[ids["VidMemMemoryStrategy"]]["inputs"]["tile_size"] = 100
     errors = node_errors(api)
     assert list(errors) == [ids["VidMemMemoryStrategy"]], errors
-    (error,) = errors[ids["VidMemMemoryStrategy"]]["errors"]
-    assert error["extra_info"]["input_name"] == "tile_size" and "multiple of 32" in error["details"], error
-    print(f"\ntile_size=100: one error: {error['details']}")
+    error = named_refusal(errors[ids["VidMemMemoryStrategy"]]["errors"], "tile_size", "tile_size=100 must be a multiple of 32")
+    print(f"\ntile_size=100: {error['details']}")
 
 
 @pytest.mark.parametrize("node, name, value, kind", [
     ("VidMemMemoryStrategy", "prefetch_blocks", 1000, "value_bigger_than_max"),
-    ("VidMemMemoryStrategy", "vram_budget_gb", -5, "value_smaller_than_min"),
     ("VidMemMemoryStrategy", "blocks_to_swap", 999, "value_bigger_than_max"),
     ("VidMemMemoryStrategy", "offload", "fast", "value_not_in_list"),
-    ("VidMemVideoSampler", "width", -16, "value_smaller_than_min"),
-    ("VidMemVideoSampler", "cfg", float("inf"), "value_bigger_than_max"),
 ])
 def test_out_of_range_numbers_get_comfyuis_own_messages(node, name, value, kind):
     api, ids = blockswap_api(seed=1)
@@ -341,12 +346,24 @@ def test_out_of_range_numbers_get_comfyuis_own_messages(node, name, value, kind)
     assert [(e["type"], e["extra_info"]["input_name"]) for e in errors] == [(kind, name)], errors
 
 
+@pytest.mark.parametrize("node, name, value, words", [
+    ("VidMemMemoryStrategy", "vram_budget_gb", -5, "vram_budget_gb=-5"),
+    ("VidMemVideoSampler", "width", -16, "width=-16 must be from 16 to 4096"),
+    ("VidMemVideoSampler", "cfg", float("inf"), "cfg=inf is not a finite number"),
+])
+def test_inputs_the_nodes_check_themselves_are_refused_by_name_when_queued(node, name, value, words):
+    """Inputs a node's VALIDATE_INPUTS reads (floats: NaN passes ComfyUI's min/max) lose ComfyUI's own
+    range check, so the node repeats it (nodes/checks.py)."""
+    api, ids = blockswap_api(seed=1)
+    api[ids[node]]["inputs"][name] = value
+    named_refusal(node_errors(api)[ids[node]]["errors"], name, words)
+
+
 def test_wan_frames_50_is_refused_at_queue_time_on_frames():
     api, ids = blockswap_api(seed=1)
     api[ids["VidMemVideoSampler"]]["inputs"]["frames"] = 50
     errors = node_errors(api)
-    (error,) = errors[ids["VidMemVideoSampler"]]["errors"]
-    assert error["extra_info"]["input_name"] == "frames" and "use 49 or 53" in error["details"], error
+    error = named_refusal(errors[ids["VidMemVideoSampler"]]["errors"], "frames", "use 49 or 53")
     print(f"\nframes=50: {error['details']}")
 
 
@@ -357,16 +374,11 @@ def run_and_fail(api: dict) -> dict:
     return errors[0]
 
 
-def test_cfg_nan_stops_the_sampler_instead_of_running_unguided():
+def test_cfg_nan_is_refused_when_queued_and_never_reaches_the_history():
+    """JSON NaN passes ComfyUI's min/max; queued, it sat in /history as JSON a browser cannot parse."""
     api, ids = blockswap_api()
-    api[ids["VidMemVideoSampler"]]["inputs"]["cfg"] = float("nan")  # JSON NaN: ComfyUI's min/max let it through
-    prompt_id = queue(api)
-    try:
-        entry = wait_for(prompt_id)
-    finally:  # a NaN in /history is not JSON a browser can parse: leave none behind for the frontend
-        request("/history", {"delete": [prompt_id]})
-    error = execution_errors(entry)[0]
-    assert error["node_type"] == "VidMemVideoSampler" and "cfg=nan" in error["exception_message"], error
+    api[ids["VidMemVideoSampler"]]["inputs"]["cfg"] = float("nan")
+    named_refusal(node_errors(api)[ids["VidMemVideoSampler"]]["errors"], "cfg", "cfg=nan is not a finite number")
 
 
 def test_block_swap_with_no_blocks_stops_the_strategy_node_naming_the_input():
@@ -377,12 +389,14 @@ def test_block_swap_with_no_blocks_stops_the_strategy_node_naming_the_input():
     assert error["node_type"] == "VidMemMemoryStrategy" and "blocks_to_swap" in error["exception_message"], error
 
 
-def test_too_many_swapped_blocks_fail_in_the_sampler_naming_the_input():
-    """blocks_to_swap is only checked against the loaded model at run time (the live plan shows it before)."""
+def test_too_many_swapped_blocks_are_refused_by_the_loader_before_it_loads():
+    """The loader checks the Sampler's Memory Strategy against the model's config before reading a
+    weight (nodes/preflight.py); the message names the Strategy node and the input."""
     api, ids = blockswap_api()
     api[ids["VidMemMemoryStrategy"]]["inputs"]["blocks_to_swap"] = 99
     error = run_and_fail(api)
-    assert error["node_type"] == "VidMemVideoSampler" and "blocks_to_swap=99" in error["exception_message"], error
+    assert error["node_type"] in ("VidMemLoadPipeline", "VidMemLoadModelFiles"), error
+    assert "before loading" in error["exception_message"] and "blocks_to_swap=99" in error["exception_message"], error
     print(f"\ntoo many blocks: {error['node_type']}: {error['exception_message']}")
 
 
@@ -491,8 +505,32 @@ def test_queue_client_runs_every_api_workflow(path, tmp_path, capsys, object_inf
 
 def test_memory_route_answers_memory_figures_only():
     figures = get_json("/vidmem/memory")
-    assert set(figures) == {"ram", "process_rss_bytes", "cuda"}
+    assert set(figures) == {"ram", "process_rss_bytes", "cuda", "vidmem_kept_bytes"}
+    assert figures["vidmem_kept_bytes"] >= 0  # weights kept between runs (none on --cpu)
     assert set(figures["ram"]) == {"total_bytes", "available_bytes"}
     for device in figures["cuda"]:
         assert set(device) == {"index", "allocated_bytes", "reserved_bytes", "free_bytes", "total_bytes"}
     assert get_json("/api/vidmem/memory").keys() == figures.keys()
+
+
+def test_a_step_cache_skips_blocks_and_their_copies_under_block_swap():
+    """Step Cache (VidMem) linked to the Sampler's cache input: the receipt counts blocks computed and
+    the streamed copies the cache saved; a calibration run saves ratios the node then lists."""
+    api, ids = blockswap_api()
+    sampler = ids["VidMemVideoSampler"]
+    api[sampler]["inputs"]["steps"] = 6
+    api["90"] = {"class_type": "VidMemStepCache", "inputs": dict(method="first_block_cache", threshold=0.9, retention=0.0,
+                                                                    max_skip_steps=3, mag_ratios="auto")}
+    api[sampler]["inputs"]["cache"] = ["90", 0]
+    entry = wait_for(queue(api))
+    assert entry["status"]["status_str"] == "success", json.dumps(execution_errors(entry))[:2000]
+    receipt = next(iter(entry["outputs"][sampler]["vidmem_receipt"]))["cache"]
+    assert receipt["blocks_skipped"] > 0 and receipt["streamed_copies_skipped"] > 0, receipt
+    api["90"]["inputs"].update(method="mag_cache", mag_ratios="calibrate")
+    entry = wait_for(queue(api))
+    assert entry["status"]["status_str"] == "success", json.dumps(execution_errors(entry))[:2000]
+    saved = next(iter(entry["outputs"][sampler]["vidmem_receipt"]))["cache"]["ratios_file"]
+    choices = get_json("/object_info/VidMemStepCache")["VidMemStepCache"]["input"]["required"]["mag_ratios"][0]
+    assert saved in choices, choices
+    print(f"\nstep cache: {receipt['blocks_computed']} of {receipt['blocks_computed'] + receipt['blocks_skipped']} "
+          f"blocks computed, {receipt['streamed_copies_skipped']} copies saved; calibration saved {saved}")
