@@ -122,8 +122,8 @@ class StepCache:
         step count are used as measured (an expert of Wan 2.2 A14B measured its own steps, so its
         array is as long as its share); otherwise they are stretched to the run's steps, nearest
         neighbour, as MagCache's authors do."""
-        from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig
-
+        hooks = diffusers_hooks()
+        FirstBlockCacheConfig, MagCacheConfig = hooks.FirstBlockCacheConfig, hooks.MagCacheConfig
         threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
         if self.method is CacheMethod.FIRST_BLOCK:
             return FirstBlockCacheConfig(threshold=threshold)
@@ -135,6 +135,21 @@ class StepCache:
         length = len(ratios) if self.ratio_steps == steps else steps
         return MagCacheConfig(threshold=threshold, max_skip_steps=self.max_skip_steps, retention_ratio=self.retention,
                               num_inference_steps=length, mag_ratios=torch.tensor(ratios, dtype=torch.float32))
+
+
+def diffusers_hooks():
+    """diffusers' hooks module, with the caches vidmem uses; a worded refusal on a diffusers without them."""
+    import diffusers.hooks as hooks
+
+    missing = [name for name in ("FirstBlockCacheConfig", "MagCacheConfig", "apply_mag_cache", "HookRegistry")
+               if not hasattr(hooks, name)]
+    if missing:
+        import diffusers
+
+        raise StrategyError(f"step caching needs diffusers' First Block Cache and MagCache hooks; diffusers "
+                            f"{diffusers.__version__} lacks {', '.join(missing)}: pip install -U diffusers "
+                            "(0.42 has them), or set the cache method to 'off'.")
+    return hooks
 
 
 def _checked_ratios(ratios, name: str) -> tuple[float, ...]:
@@ -398,16 +413,13 @@ def mag_schedule(cache: StepCache, steps: int, denoiser: str = "transformer") ->
     a real run takes, not a re-implementation of it. Per-expert ratios measured at another step
     count are refused as in a run.
     """
-    from diffusers.hooks import apply_mag_cache
-
     if cache.method is not CacheMethod.MAG or not cache.skips:
         return [True] * steps
     cache.check_steps(steps)
-    from diffusers.hooks import HookRegistry
-
+    hooks = diffusers_hooks()
     stand_in = _ScheduleModel()
-    apply_mag_cache(stand_in, cache.diffusers_config(steps, denoiser))
-    HookRegistry.check_if_exists_or_initialize(stand_in).invalidate_child_registries_cache()  # as enable_cache does
+    hooks.apply_mag_cache(stand_in, cache.diffusers_config(steps, denoiser))
+    hooks.HookRegistry.check_if_exists_or_initialize(stand_in).invalidate_child_registries_cache()  # as enable_cache does
     passes = steps if cache.ratio_steps != steps else len(cache.ratios_for(denoiser) or ())
     computed = []
     with torch.no_grad():

@@ -168,3 +168,31 @@ def test_the_published_ratios_name_the_layouts_of_the_models_vidmem_runs():
         for ratios in entry["ratios"].values():
             assert ratios[0] == 1.0 and all(0.5 < r < 1.5 for r in ratios)
         StepCache("mag_cache", expert_ratios=tuple((k, tuple(v)) for k, v in entry["ratios"].items()))  # valid
+
+
+@pytest.mark.parametrize("steps", [STEPS, 7])
+def test_the_planned_schedule_is_the_one_a_run_takes_and_ratios_stretch_to_other_step_counts(tiny_loaded, steps):
+    """mag_schedule runs diffusers' own hooks on a stand-in: the steps it says compute are those a
+    real run computes (each step's conditional and unconditional pass), at the ratios' own step
+    count and stretched to another."""
+    from vidmem.pipelines.step_cache import mag_schedule
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    ratios = (1.0, 1.0, 0.99, 0.98, 1.0, 0.97, 0.99, 1.0, 0.96, 0.95)
+    cache = StepCache("mag_cache", threshold=0.05, retention=0.2, max_skip_steps=2,
+                      expert_ratios=(("transformer", ratios),), ratio_steps=STEPS)
+    planned = mag_schedule(cache, steps)
+    assert len(planned) == steps and 0 < sum(planned) < steps
+    receipt = run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), cache, steps=steps).receipt["cache"]
+    passes_per_step = 2  # cfg: conditional and unconditional
+    assert receipt["blocks_computed"] == sum(planned) * passes_per_step * block_count(loaded)
+
+
+def test_vidmem_plan_says_what_the_published_ratios_compute(capsys):
+    from vidmem.cli import main
+
+    main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "32", "--cache", "mag_cache"])
+    out = capsys.readouterr().out
+    assert "mag_cache with the published ratios (threshold 0.12, K 4, retention 0.2): steps computed transformer 21 of 50" in out
+    main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--ram", "32", "--cache", "mag_cache"])
+    assert "no published MagCache ratios for this model" in capsys.readouterr().out
