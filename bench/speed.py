@@ -1,0 +1,144 @@
+"""Step cache benchmark (issue 23): blocks computed, weight copies made, time and PSNR per cache method and tier.
+
+A 50-step Wan 2.1 1.3B-shaped sampler (30 blocks, random weights, the tiny text encoder and VAE from
+vidmem.pipelines.tiny; narrow widths on the CPU, the 1.3B's own in bf16 on CUDA), through
+`sample()` on the device's real backend, with each cache method:
+
+- `off`: the uncached run every ratio is taken against;
+- `mag_cache`: MagCache with the published Wan 2.1 T2V 1.3B ratios (pipelines/configs/mag_ratios.json)
+  at their published threshold 0.12, K 4 and retention 0.2, passed directly (the random model's
+  layout key is not the 1.3B's, so 'auto' would not find them);
+- `first_block_cache` at diffusers' default threshold 0.05, and `first_block_cache_bold` (`--fbc-bold`);
+
+under each tier: none, block_swap of half the blocks and of all of them, sequential (prefetch 1).
+One audited call per method and tier gives the counts: blocks computed (receipt), streamed copies
+(the engine's observer; checked against the receipt) and which copies were wasted (evicted before
+any leaf of their group computed). Then every method runs again under the timed tiers (`none` on the
+CPU), rounds interleaved with the order rotated, after an untimed warm-up round.
+
+Per method, against the uncached run (`--json PATH`, key `cache`): blocks_ratio, copies_ratio (per
+streamed tier in copies_ratio_by_tier; the worst as copies_ratio), time_ratio (median wall time at
+the first timed tier), psnr_db (the cached latent against the uncached one, over the uncached
+latent's range; the random VAE would add nothing by decoding) and tiers_bitwise_equal (every tier's
+latent equals tier none's with the same cache). The goals' verdicts go in `goals`.
+
+Caveats, also in the JSON: on the CPU no weight is copied (the schedule still counts what it would
+copy), so a CPU time ratio reflects compute saved, not copies. Random weights do not represent real
+skip rates or quality for output-driven methods (First Block Cache decides from how much its first
+block's output changed); MagCache's skips depend only on its ratios and the step count, so its
+blocks_ratio is the real one for 50 steps, but its PSNR is not.
+
+    python bench/speed.py --json bench/results/speed-cpu-2026-11-26.json   # ~3 min on 2 shared cores
+    python bench/speed.py --steps 8 --blocks 4 --runs 1                     # seconds
+    python bench/speed.py --device cuda --json bench/results/speed-gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench.support: the parts
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
+
+import torch  # noqa: E402
+
+from bench.support.speed_report import evidence, goals, print_goals, print_tables  # noqa: E402
+from bench.support.speed_runs import SpeedConfig, build, count_pass, time_pass  # noqa: E402
+
+CAVEATS = [
+    "Random weights: First Block Cache decides from its first block's output, so its skip rate and every "
+    "method's PSNR here say nothing about a real model; MagCache's skips depend only on the published ratios and "
+    "the step count, so its blocks_ratio is the real one at that step count.",
+    "On the CPU nothing is copied (the schedule counts what it would copy): a CPU time_ratio reflects compute "
+    "saved, not copies saved.",
+    "Each call starts cold (warm-run device copies released), so every call of a tier copies the same way.",
+]
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the evidence JSON here")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--blocks", type=int, default=30, help="transformer blocks (Wan 2.1 1.3B has 30)")
+    parser.add_argument("--heads", type=int, default=2, help="attention heads (CPU; CUDA uses the 1.3B's 12)")
+    parser.add_argument("--head-dim", type=int, default=32, help="width of a head (CPU; CUDA uses 128)")
+    parser.add_argument("--ffn", type=int, default=256, help="feed-forward width (CPU; CUDA uses 8960)")
+    parser.add_argument("--size", default=None, help="video WxHxF (default 64x64x5 on the CPU, 480x320x17 on CUDA)")
+    parser.add_argument("--runs", type=int, default=None, help="timed rounds after a warm-up (default 5 CPU, 3 CUDA)")
+    parser.add_argument("--time-tiers", default=None, help="tiers timed, comma-separated (default none on the CPU, "
+                        "none and block_swap of all blocks on CUDA); '' times nothing")
+    parser.add_argument("--fbc-bold", type=float, default=0.1, help="First Block Cache's bolder threshold")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (fixed, for stable timings)")
+    parser.add_argument("--machine", default="", help="a note on the machine, for the JSON")
+    args = parser.parse_args(argv)
+    cuda = args.device != "cpu"
+    width, height, frames = (int(v) for v in (args.size or ("480x320x17" if cuda else "64x64x5")).split("x"))
+    timed = args.time_tiers if args.time_tiers is not None else (f"none,block_swap_{args.blocks}" if cuda else "none")
+    config = SpeedConfig(steps=args.steps, blocks=args.blocks, heads=args.heads, head_dim=args.head_dim, ffn=args.ffn,
+                         width=width, height=height, frames=frames, device=args.device,
+                         runs=args.runs if args.runs is not None else (3 if cuda else 5),
+                         time_tiers=tuple(t for t in timed.split(",") if t), fbc_bold=args.fbc_bold, real_widths=cuda)
+    return args, config
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, config = parse(argv)
+    if config.device == "cpu":
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    print(f"speed bench: {config.describe()}, load average {os.getloadavg()[0]:.1f}", flush=True)
+    loaded = build(config)
+    calls = count_pass(loaded, config)
+    times = None
+    if config.time_tiers:
+        print(f"timing {len(config.time_tiers)} tier(s): {config.runs} interleaved rounds after a warm-up", flush=True)
+        times = time_pass(loaded, config)
+    report = evidence(calls, times, config)
+    verdicts = goals(report, config)
+    print_tables(report, config)
+    print_goals(verdicts)
+    for caveat in CAVEATS:
+        print(f"caveat: {caveat}")
+    result = {"bench": "speed", "config": config.describe(), "machine": machine(args), "caveats": CAVEATS,
+              "cache": report, "goals": verdicts,
+              "wall_seconds": round(time.perf_counter() - started, 1)}
+    print(f"\ntotal {result['wall_seconds']:.0f} s, load average {os.getloadavg()[0]:.1f} at end")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return result
+
+
+def machine(args: argparse.Namespace) -> dict:
+    import diffusers
+
+    found = {"note": args.machine, "platform": platform.platform(), "cpu": _cpu_name(), "cores": os.cpu_count(),
+             "threads": args.threads, "torch": torch.__version__, "diffusers": diffusers.__version__}
+    if args.device != "cpu":
+        found["gpu"] = torch.cuda.get_device_name()
+    return found
+
+
+def _cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor()
+
+
+if __name__ == "__main__":
+    main()
