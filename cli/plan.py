@@ -131,6 +131,8 @@ def run_plan(args: argparse.Namespace) -> int:
                           "recommended": best, **({"message": message} if message else {})}, indent=2))
     else:
         print(_table(model, shape, vram, ram, plans, best, options))
+        if best is not None and options.device != "cpu":
+            print("\n" + _warm_line(plans[best]))
         if args.cache == "mag_cache":
             print("\n" + _cache_line(model, args.steps))
         if message:
@@ -171,6 +173,19 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
                      f"page cache holds the files and is reclaimable, so what the budget cannot keep is read again "
                      f"from the disk at {options.disk_bytes_per_s / 1e9:g} GB/s (--disk-gbps), in the slowdown.")
     return "\n".join(lines)
+
+
+def _warm_line(plan) -> str:
+    """The cold case and the warm case of the recommended row: what its first run uploads before it
+    can denoise, which later runs of the same graph keep on the GPU (docs/warm-runs.md)."""
+    from ..memory.plan.costs import PCIE_BYTES_PER_S
+
+    kept = max((p.weights_bytes for p in plan.stage("denoise").phases), default=0)
+    streams = " (the streamed blocks still stream every step)" if plan.strategy.streams_blocks else ""
+    return (f"Cold and warm: the recommended row's first run uploads {kept / GIB:.1f} GiB of weights before it "
+            f"denoises (about {kept / PCIE_BYTES_PER_S:.1f} s at {PCIE_BYTES_PER_S / 1e9:g} GB/s); later runs of the "
+            f"same graph find them on the GPU{streams}, unless ComfyUI took the memory back or, under tier model, a "
+            "text encoder on the GPU evicted them (docs/warm-runs.md).")
 
 
 def _cache_line(model, steps: int) -> str:

@@ -274,3 +274,12 @@ def test_copies_made_by_another_backend_are_not_reused(loaded, hooks, monkeypatc
     sample(loaded, strategy, request, hooks=hooks, backend=CudaBackend(torch.device("cpu")))
     other = sample(loaded, strategy, request, hooks=hooks, backend=CudaBackend(torch.device("cpu"))).receipt["warm"]
     assert other["reused_bytes"] == 0 and other["uploaded_bytes"] > 0
+
+
+def test_vidmem_plan_shows_the_cold_and_the_warm_case(capsys):
+    from vidmem.cli import main
+
+    main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "24", "--ram", "64"])
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("Cold and warm:"))
+    assert "first run uploads" in line and "later runs of the same graph find them on the GPU" in line
