@@ -58,13 +58,14 @@ NOTE_COLORS = ("#432", "#653")
 
 
 # Layout, in canvas pixels. Heights leave room for what the nodes add in the browser: the
-# Strategy's plan (web/js/vidmem.js PLAN_HEIGHT) from the start, a three-line receipt after a run.
-COLUMNS = (0, 460, 940, 1340, 1880)
+# Strategy's plan (web/js/vidmem.js PLAN_HEIGHT, 390) from the start, a three-line receipt after a run.
+COLUMNS = (0, 540, 1020, 1420, 1960)
 MIDDLE = 580  # a LoRA or training column, between the loader and the Sampler, moves the rest right by this
 NOTE_GAP = 90  # between the note and the groups' top: a group's title sits above its nodes' title bars
 GROUP_HEAD = 80  # node title bar (30) + group title (24) + room
 GAP = 50  # between stacked nodes: the lower one's title bar (30) and the source badge drawn above it (~20)
-SAMPLER_HEIGHT, STRATEGY_HEIGHT = 590, 700  # with the widgets of BASE_WIDGETS (the Strategy: room for its plan)
+SAMPLER_HEIGHT, STRATEGY_HEIGHT = 590, 790  # with the widgets of BASE_WIDGETS (the Strategy: room for its plan)
+FIRST_WIDTH = 480  # the loader and the Strategy: the plan's chart is drawn for this width (vidmem.js CHART_WIDTH)
 WIDGET_ROW = 28  # what one more number or combo widget adds (24 and spacing)
 # Widget counts the heights were set for; an input added to a node later gets its row (see _grown).
 BASE_WIDGETS = {"VidMemVideoSampler": 9, "VidMemMemoryStrategy": 14, "VidMemLoadPipeline": 4, "VidMemLoadModelFiles": 9}
@@ -91,8 +92,8 @@ def graph(t: Template) -> list[Node]:
     middle, pipeline = _middle(t, top)
     loader_h, strategy_h, decode_h = _grown(t.loader.type, t.loader.height), _grown("VidMemMemoryStrategy", STRATEGY_HEIGHT), 190
     nodes = [
-        Node(1, t.loader.type, (a, top), (400, loader_h), t.loader.widgets, group=MODEL_GROUP),
-        Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (400, strategy_h),
+        Node(1, t.loader.type, (a, top), (FIRST_WIDTH, loader_h), t.loader.widgets, group=MODEL_GROUP),
+        Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (FIRST_WIDTH, strategy_h),
              dict(t.strategy, vram_budget_gb=0.0, ram_budget_gb=0.0), group=MODEL_GROUP),
         Node(3, "VidMemVideoSampler", (b, top), (420, _grown("VidMemVideoSampler", SAMPLER_HEIGHT)), dict(
             prompt=t.prompt, negative_prompt=t.negative_prompt, width=t.width, height=t.height, frames=t.frames,
