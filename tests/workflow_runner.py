@@ -9,8 +9,9 @@ What it gives the tests (and `workflows/generate.py`):
 - `ui_to_api(ui)`: the frontend's `graphToPrompt()` reduced to what our templates use.
 - `run_api(api)`: a minimal executor. It runs our node classes in topological order (calling
   `FUNCTION`, unwrapping `{"ui", "result"}`) and records, for each core node, what reached it.
-- `shrink_for_tiny(api)`: the same graph at the tiny models' sizes (width/height/frames/steps, and
-  `blocks_to_swap` capped to what a tiny transformer has).
+- `shrink_for_tiny(api)`: the same graph at the tiny models' sizes (width/height/frames/steps,
+  `blocks_to_swap` capped to what a tiny transformer has, a Step Cache's published ratios swapped
+  for a calibration).
 
 Placing tiny models under the templates' folder and file names, e.g. for a real ComfyUI:
 
@@ -44,6 +45,7 @@ WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 ANY = "*"
 SEED_CONTROLS = ("fixed", "increment", "decrement", "randomize")
 TINY_STEPS = 2
+STEP_CACHE_NODE, CALIBRATE = "VidMemStepCache", "calibrate"
 
 
 @dataclass(frozen=True)
@@ -306,6 +308,10 @@ def shrink_for_tiny(api: dict, seed: int | None = None, clips: Path | None = Non
                            if k in inputs})  # an older workflow's own copy of the shape (now ignored)
             if inputs["blocks_to_swap"] > 0:
                 inputs["blocks_to_swap"] = min(inputs["blocks_to_swap"], block_cap)
+        if node["class_type"] == STEP_CACHE_NODE and inputs.get("mag_ratios") not in (None, CALIBRATE):
+            # The tiny models have no published MagCache ratios, so "auto" (or a ratio file measured on a
+            # real model) would be refused: a calibration runs MagCache's hooks on every block instead.
+            inputs["mag_ratios"] = CALIBRATE
     return api
 
 

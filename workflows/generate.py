@@ -33,6 +33,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]  # the template lists bes
 from template_types import Template  # noqa: E402
 from templates_files import FILE_TEMPLATES  # noqa: E402
 from templates_folders import FOLDER_TEMPLATES  # noqa: E402
+from templates_cache import CACHE_TEMPLATES  # noqa: E402
 from templates_lora import LORA_TEMPLATES  # noqa: E402
 from templates_train import TRAIN_TEMPLATES  # noqa: E402
 from workflow_runner import API_DIR, WORKFLOWS_DIR, node_spec, socket_inputs, widget_names  # noqa: E402
@@ -50,7 +51,7 @@ class Node:
     colors: tuple[str, str] | None = None  # (color, bgcolor)
 
 
-TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
+TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES + CACHE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
 
 MODEL_GROUP, SAMPLE_GROUP, SAVE_GROUP = "Model and memory strategy", "Sample, decode, free", "Save"
 LORA_GROUP, TRAIN_GROUP = "LoRA", "Train a LoRA"
@@ -73,13 +74,15 @@ MIDDLE_WIDTH = 520  # Load LoRA shows file names of 60 characters (Comfy-Org's L
 LORA_HEIGHT = 140  # Load LoRA: three widgets, room for its one-line receipt
 PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receipt
 TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receipt
+CACHE_HEIGHT = 200  # Step Cache: five widgets, below the Sampler
 NOTE_CHAR_WIDTH, NOTE_LINE_HEIGHT, NOTE_PADDING = 7.25, 10.7, 70  # a Note's text, for notes sized to fit it
 FIRST_EXTRA_ID = 10  # ids 1-9 are the chain every template shares (the API twins keep them)
 
 
 def graph(t: Template) -> list[Node]:
     """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> Free VRAM -> save,
-    with the template's LoRA or training nodes between the loader and the Sampler.
+    with the template's LoRA or training nodes between the loader and the Sampler, and its Step
+    Cache (if it carries one) under the Sampler, linked to the Sampler's cache input.
 
     The strategy takes the Sampler's shape (the browser reads it from the graph), so it has no
     size of its own and no pipeline link: the plan finds the model through the Sampler.
@@ -91,14 +94,21 @@ def graph(t: Template) -> list[Node]:
     top = note_height + NOTE_GAP
     middle, pipeline = _middle(t, top)
     loader_h, strategy_h, decode_h = _grown(t.loader.type, t.loader.height), _grown("VidMemMemoryStrategy", STRATEGY_HEIGHT), 190
+    sampler_h = _grown("VidMemVideoSampler", SAMPLER_HEIGHT)
+    sampler_links = dict(pipeline=pipeline, strategy=(2, 0))
+    if t.cache:  # the Step Cache under the Sampler, into its cache input
+        cache_id = FIRST_EXTRA_ID + len(middle)
+        middle.append(Node(cache_id, "VidMemStepCache", (b, top + sampler_h + GAP), (420, CACHE_HEIGHT), dict(t.cache),
+                           group=SAMPLE_GROUP))
+        sampler_links["cache"] = (cache_id, 0)
     nodes = [
         Node(1, t.loader.type, (a, top), (FIRST_WIDTH, loader_h), t.loader.widgets, group=MODEL_GROUP),
         Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (FIRST_WIDTH, strategy_h),
              dict(t.strategy, vram_budget_gb=0.0, ram_budget_gb=0.0), group=MODEL_GROUP),
-        Node(3, "VidMemVideoSampler", (b, top), (420, _grown("VidMemVideoSampler", SAMPLER_HEIGHT)), dict(
+        Node(3, "VidMemVideoSampler", (b, top), (420, sampler_h), dict(
             prompt=t.prompt, negative_prompt=t.negative_prompt, width=t.width, height=t.height, frames=t.frames,
             steps=t.steps, cfg=t.cfg, seed=t.seed, control_after_generate="fixed", **t.sampler,
-        ), links=dict(pipeline=pipeline, strategy=(2, 0)), group=SAMPLE_GROUP),
+        ), links=sampler_links, group=SAMPLE_GROUP),
         Node(4, "VidMemVAEDecode", (c, top), (340, decode_h), dict(save_latents=False),
              links=dict(pipeline=pipeline, latent=(3, 0), strategy=(2, 0)), group=SAMPLE_GROUP),
         Node(5, "VidMemFreeVRAM", (c, top + decode_h + GAP), (340, 160), dict(unload_comfy_models=False),

@@ -131,6 +131,14 @@ class Template:
     loras: tuple[LoraStep, ...] = ()  # Load LoRA nodes chained between the loader and the Sampler
     training: Training | None = None  # Prepare Training Data + Train LoRA between the loader and the Sampler
     sampler: dict = field(default_factory=dict)  # the Sampler's optional controls (scheduler, shift, cfg_2, ...)
+    cache: dict | None = None  # a Step Cache (VidMem) node's widgets, linked to the Sampler's cache input
+
+
+def mag_cache(retention: float, max_skip_steps: int) -> dict:
+    """A Step Cache on MagCache with the model's published ratios (mag_ratios auto) and the threshold
+    published with them (threshold 0); retention and K as the authors published them for the model
+    (pipelines/configs/mag_ratios.json: the node's own defaults are generic)."""
+    return dict(method="mag_cache", threshold=0.0, retention=retention, max_skip_steps=max_skip_steps, mag_ratios="auto")
 
 
 def diffusers_folder(model: str, dtype: str, weight_dtype: str = "default") -> Loader:

@@ -112,6 +112,10 @@ async function runInBrowser(page, seed, tiny = TINY) {
     set(sampler, "seed", seed);
     const strategy = byType("VidMemMemoryStrategy"); // it plans at the Sampler's shape: nothing to set there
     if (strategy.widgets.find((w) => w.name === "offload").value === "block_swap") set(strategy, "blocks_to_swap", 1);
+    // The tiny stand-ins have no published MagCache ratios ("auto" is refused there): calibrate, as
+    // tests/workflow_runner.py shrink_for_tiny does.
+    const cache = byType("VidMemStepCache");
+    if (cache) set(cache, "mag_ratios", "calibrate");
     await app.queuePrompt(0, 1);
     const receipt = (node) => node.widgets?.find((w) => w.name === "vidmem_receipt")?.element?.title || null;
     const plan = (node) => node.widgets?.find((w) => w.name === "vidmem_plan")?.element?.textContent ?? null;
