@@ -18,7 +18,9 @@ the `vidmem.ui` extension registered, the memory meter shows figures from GET /v
 sits clear of the canvas info in the bottom-left corner, and the five help pages are served.
 Screenshots go to docs/screenshots/ (or VIDMEM_SCREENSHOTS), re-encoded with a 128-colour palette
 to stay small. VIDMEM_RUN_ALL=1 runs and layout-checks every template, not only one;
-VIDMEM_THUMBNAILS=1 rewrites each template's Templates-browser card, workflows/<title>.jpg.
+VIDMEM_THUMBNAILS=1 rewrites each template's Templates-browser card image, workflows/<title>.jpg,
+drawn from the template's extra.vidmem.card by tests/browser/template_cards.mjs. Every template
+opens with its note below the workflow's name the frontend draws over the canvas.
 
 How to run it (ComfyUI 0.8.0 on the CPU, loopback only; nothing here is a repo dependency):
 
@@ -94,7 +96,7 @@ def report():
 
 
 def shrink_jpeg(path: Path) -> int:
-    """A Templates-browser card: the graph's screenshot scaled to THUMBNAIL_WIDTH, JPEG quality 75."""
+    """A Templates-browser card image scaled to THUMBNAIL_WIDTH, JPEG quality 75."""
     from PIL import Image
 
     with Image.open(path) as image:

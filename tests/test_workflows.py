@@ -112,6 +112,31 @@ def test_every_template_has_both_formats_a_readable_title_and_a_thumbnail():
         assert data[:3] == b"\xff\xd8\xff" and 5_000 < len(data) < 120_000, (image.name, len(data))
 
 
+def test_every_card_says_the_model_what_it_is_made_for_its_steps_files_and_when_to_pick_it():
+    """The Templates browser shows a pack's template with its file name as title and description: the
+    card image (drawn from extra.vidmem.card by tests/browser/template_cards.mjs) says the rest."""
+    from PIL import Image
+
+    for path in UI_FILES:
+        card = wr.load_json(path)["extra"]["vidmem"]["card"]
+        assert set(card) == {"model", "family", "variant", "vram_gb", "ram_gb", "shot", "speed", "files", "pick"}, path.stem
+        assert card["model"] in path.stem and card["family"] in ("wan21", "wan22", "cogvideox")
+        assert re.fullmatch(r"(trains \d+ steps, samples \d+|(\d+ of )?\d+ steps, [12] pass(es)? each \(cfg( 1)?\))", card["speed"]), card
+        assert 10 <= len(card["pick"]) <= 60 and card["pick"] not in path.stem, card["pick"]
+        with Image.open(wr.thumbnail(path)) as image:
+            assert image.width == image.height, f"{path.stem}: the browser's card slot is square"
+
+
+def test_every_template_opens_with_its_note_below_the_workflows_name():
+    """The frontend draws the workflow's name over the canvas's top left, 42-90 px from the top
+    (ComfyUI 0.8.0, frontend 1.35): the saved view puts the note's title bar below it."""
+    for path in UI_FILES:
+        ui = wr.load_json(path)
+        note = next(n for n in ui["nodes"] if n["type"] == "Note")
+        scale, (_, offset_y) = ui["extra"]["ds"]["scale"], ui["extra"]["ds"]["offset"]
+        assert (note["pos"][1] - 30 + offset_y) * scale >= 100, path.stem
+
+
 def test_generate_check_flags_a_template_file_that_is_not_generated(tmp_path, monkeypatch):
     generator = load_generator(monkeypatch)
     stray = wr.WORKFLOWS_DIR / "not_a_template.json"

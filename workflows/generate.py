@@ -7,10 +7,13 @@ their parts in workflows/template_types.py), so they cannot drift apart;
 each UI file to API format on its own to compare. Widget order comes from the nodes' INPUT_TYPES.
 
 ComfyUI 0.8.0's Templates browser (frontend 1.35) shows a custom node pack's template by its file
-name, as both title and description, with `workflows/<file name>.jpg` as its card. So the UI file is
-named by the template's readable `title`, and its thumbnail beside it is a screenshot taken by
-tests/browser/check_templates.mjs (`--thumbnails workflows`); the API twin keeps a short `name`
-for the command line (workflows/api/<name>.json), and the UI file records it in extra.vidmem.api.
+name, as both title and description (a pack cannot give it another description), with
+`workflows/<file name>.jpg` as its card image. So the UI file is named by the template's readable
+`title`, and the card image says the rest: what extra.vidmem.card holds (the model, the card and RAM
+it is made for, the steps it computes, the files to download, when to pick it), drawn in a browser
+by tests/browser/template_cards.mjs (`--thumbnails workflows` of check_templates.mjs runs it). The
+API twin keeps a short `name` for the command line (workflows/api/<name>.json), and the UI file
+records it in extra.vidmem.api.
 Node sizes leave room for what the nodes show: the Strategy's plan from the start, the compact
 receipts after a run (web/js/vidmem.js), so nothing overlaps after a run.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import uuid
 from dataclasses import dataclass, field, replace
@@ -76,6 +80,7 @@ PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receip
 TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receipt
 CACHE_HEIGHT = 200  # Step Cache: five widgets, below the Sampler
 NOTE_CHAR_WIDTH, NOTE_LINE_HEIGHT, NOTE_PADDING = 7.25, 10.7, 70  # a Note's text, for notes sized to fit it
+VIEW_SCALE, VIEW_OFFSET = 0.7, (120, 180)  # the view a template opens with (extra.ds)
 FIRST_EXTRA_ID = 10  # ids 1-9 are the chain every template shares (the API twins keep them)
 
 
@@ -216,8 +221,9 @@ def to_ui(t: Template, nodes: list[Node]) -> dict:
         "links": links,
         "groups": _groups(nodes),
         "config": {},
-        # The saved view starts right of the sidebar; extra.vidmem.api names the API twin.
-        "extra": {"ds": {"scale": 0.7, "offset": [120, 60]}, "vidmem": _vidmem_extra(t)},
+        # The saved view starts right of the sidebar and below the workflow's name, which the frontend
+        # draws over the canvas's top left (42-90 px from the top): the note's title bar at 105 px.
+        "extra": {"ds": {"scale": VIEW_SCALE, "offset": list(VIEW_OFFSET)}, "vidmem": _vidmem_extra(t)},
         "version": 0.4,
     }
 
@@ -234,7 +240,77 @@ def _vidmem_extra(t: Template) -> dict:
                            "expert": s.expert} for s in t.loras]
     if t.training:
         extra["trains"] = t.training.train["lora_name"]
+    extra["card"] = _card(t)
     return extra
+
+
+# --- the Templates browser's card image (tests/browser/template_cards.mjs draws extra.vidmem.card) ----
+
+FAMILIES = (("CogVideoX", "cogvideox"), ("Wan 2.2", "wan22"), ("Wan 2.1", "wan21"))
+
+
+def _card(t: Template) -> dict:
+    """What a user choosing a template wants at a glance: the model, what it is made for (VRAM, RAM),
+    how much computing it asks (steps, passes), what to download, and when to pick it."""
+    model = re.search(r"(Wan 2\.\d [\w.-]+|CogVideoX-\w+)", t.title).group(1)
+    vram = t.machine.vram_gb if t.machine else _title_vram(t.title)
+    return {
+        "model": model, "family": next(key for prefix, key in FAMILIES if model.startswith(prefix)),
+        "variant": _variant(t), "vram_gb": vram, "ram_gb": t.machine.ram_gb if t.machine else None,
+        "shot": f"{t.width}x{t.height}, {t.frames} frames", "speed": _speed(t), "files": _files(t), "pick": t.pick,
+    }
+
+
+def _title_vram(title: str) -> float | None:
+    found = re.search(r"(\d+) GB card", title)
+    return float(found.group(1)) if found else None  # "small card": under 8 GB
+
+
+def _variant(t: Template) -> str:
+    if t.training:
+        return "train a LoRA"
+    if t.cache:
+        return "fast: Step Cache"
+    if t.loras:
+        return f"{t.steps}-step distill LoRA" if t.steps <= 8 else "with a LoRA"
+    stored = t.loader.widgets.get("weight_dtype", "default")
+    if t.files:  # the model file's storage (the text encoder is fp8 in every Wan template)
+        return "fp8 files" if "fp8" in t.files[0].name else "Comfy-Org files"
+    return "diffusers folder" + (f", {stored}" if stored != "default" else "")
+
+
+def _speed(t: Template) -> str:
+    """Transformer steps and passes per step (two with classifier-free guidance, one at cfg 1); a Step
+    Cache's computed steps from its published ratios (diffusers' own MagCache hook on a stand-in)."""
+    if t.training:
+        return f"trains {t.training.train['steps']} steps, samples {t.steps}"
+    passes = "2 passes each (cfg)" if t.cfg > 1.0 else "1 pass each (cfg 1)"
+    computed = _cache_steps(t) if t.cache else None
+    steps = f"{computed} of {t.steps} steps" if computed is not None else f"{t.steps} steps"
+    return f"{steps}, {passes}"
+
+
+def _cache_steps(t: Template) -> int | None:
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.step_cache import layout_key, mag_schedule, published_cache
+
+    model = load_model(t.machine.plan_model)
+    denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items() if name.startswith("transformer")}
+    cache = published_cache(layout_key(model.pipeline_class, denoisers))
+    if cache is None or t.cache.get("mag_ratios") != "auto":
+        return None
+    cache = replace(cache, retention=t.cache["retention"], max_skip_steps=t.cache["max_skip_steps"],
+                    threshold=t.cache["threshold"] or cache.threshold)
+    return sum(sum(mag_schedule(cache, t.steps, name)) for name in denoisers if cache.ratios_for(name) is not None)
+
+
+def _files(t: Template) -> str:
+    files = sum(f.size_gb for f in t.files)
+    loras = sum(step.file.size_gb for step in t.loras)
+    if t.files:
+        return f"{files:.1f} GB of files + {loras:.1f} GB LoRA" if loras else f"{files:.1f} GB of Comfy-Org files"
+    extra = " + your clips" if t.training else " + your LoRA" if t.loras else ""
+    return f"a diffusers folder{extra}"
 
 
 def _ui_node(node: Node, order: int, incoming: dict, outgoing: dict) -> dict:

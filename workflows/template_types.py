@@ -48,6 +48,7 @@ class ModelFile:
     name: str
     repo: str
     folder: str  # diffusion_models, text_encoders, vae
+    size_gb: float  # the file's size in GB (10^9 bytes), as the README's table gives it
 
     @property
     def source(self) -> str:
@@ -79,6 +80,7 @@ class LoraFile:
     repo: str  # a Hugging Face repository, or "" for a LoRA the user trains (no download)
     repo_path: str = ""  # the file's path inside the repository
     size: str = ""  # as the note states it
+    size_gb: float = 0.0  # for the card's download figure (0: nothing to download)
 
     @property
     def url(self) -> str:
@@ -113,6 +115,7 @@ class Template:
 
     name: str  # workflows/api/<name>.json, for the command line
     title: str  # workflows/<title>.json: what the Templates browser shows
+    pick: str  # when to pick it, in a few words: the last line of its card image (extra.vidmem.card)
     note: str
     loader: Loader
     strategy: dict

@@ -33,6 +33,7 @@ CACHE_TEMPLATES = (
     Template(
         name="wan21_t2v_1_3b_files_magcache",
         title="Wan 2.1 1.3B fast, 8 GB, 16 GB RAM",
+        pick="the 1.3B with 58% of its steps skipped",
         note=(
             "Wan 2.1 T2V 1.3B, fast: the files and memory strategy of \"Wan 2.1 1.3B files, 8 GB, 16 GB RAM\" "
             "(8 GB card, 16 GB of RAM, 832x480, 81 frames) with a Step Cache (VidMem) on the Sampler.\n\n"
@@ -62,6 +63,7 @@ CACHE_TEMPLATES = (
     Template(
         name="wan22_t2v_a14b_fp8_magcache",
         title="Wan 2.2 A14B fast, 12 GB, 32 GB RAM",
+        pick="A14B with 35% of its steps skipped",
         note=(
             "Wan 2.2 T2V A14B, fast: the fp8 files and memory strategy of \"Wan 2.2 A14B fp8, 12 GB, 32 GB "
             "RAM\" (12 GB card, 32 GB of RAM, 832x480, 81 frames) with a Step Cache (VidMem) on the Sampler.\n\n"
