@@ -27,9 +27,9 @@ const { values: args } = parseArgs({
   options: { url: { type: "string" }, browser: { type: "string" }, workflows: { type: "string" },
              out: { type: "string" }, templates: { type: "string" } },
 });
-const VIEWPORT = { width: 1600, height: 1000 };
+const VIEWPORT = { width: 1600, height: 1300 }; // a grown Strategy node at 100% whole
 const ZOOMS = [0.7, 1.0];
-const MIN_TEXT_PX = 9.5; // "about 10 px on screen" at the templates' zoom
+const MIN_TEXT_PX = 10; // "about 10 px on screen" at the templates' zoom
 
 function wanted() {
   return args.templates.split(",").map((spec) => {
@@ -194,27 +194,29 @@ async function main() {
         if (shot.labelsCut.length) report.problems.push(`${name} at ${zoom}: labels run into the bars: ${shot.labelsCut}`);
       }
       // The table folded under the chart: opened, the node grows to show all of it.
-      await page.locator(".vidmem-plan-details summary").first().click();
-      await page.waitForTimeout(1500);
       await page.evaluate(() => { // the plan at the top of the view, at 100%
         const canvas = window.app.canvas;
         const node = window.app.graph.nodes.find((n) => n.type === "VidMemMemoryStrategy");
         const widget = node.widgets.find((w) => w.name === "vidmem_plan");
         canvas.ds.scale = 1;
         canvas.ds.offset[0] = -node.pos[0] + 90;
-        canvas.ds.offset[1] = -node.pos[1] - (widget.y ?? widget.last_y ?? 0) + 60;
+        canvas.ds.offset[1] = -node.pos[1] - (widget.y ?? widget.last_y ?? 0) + 110; // below the tabs and the name
         canvas.setDirty(true, true);
       });
       await page.waitForTimeout(800);
+      await page.locator(".vidmem-plan-details summary").first().click();
+      await page.waitForTimeout(1500);
       const opened = await measure(page, 1.0);
       if (opened.contentClipped || opened.widgetBelowNode) report.problems.push(`${name}: the opened table is clipped`);
       opened.name = name;
       opened.file = path.join(args.out, `plan_${name}${tag}_table_100.png`);
-      const box = opened.nodeBox, top = 50, bottom = Math.min(VIEWPORT.height, box.y + box.height + 10);
+      const box = opened.nodeBox, top = 100, bottom = Math.min(VIEWPORT.height, box.y + box.height + 10);
       await page.screenshot({ path: opened.file, type: "png", clip: { x: Math.max(0, box.x - 10), y: top,
         width: box.width + 20, height: bottom - top } });
       report.shots.push(opened);
-      await page.locator(".vidmem-plan-details summary").first().click(); // closed again for the next template
+      await page.evaluate(() => { // closed again for the next template
+        for (const details of document.querySelectorAll(".vidmem-plan-details")) details.open = false;
+      });
     }
   } finally {
     await context.close();

@@ -22,7 +22,7 @@ const RECEIPT_LINES = 3; // compact: the full receipt is in the tooltip
 // Its height is at least PLAN_HEIGHT (the templates leave that much room: nine rows, no reasons)
 // and grows with what it shows (reasons, the table when opened); the node grows with it.
 const PLAN_HEIGHT = 390;
-const PLAN_FONT = 14; // px, everything in the plan but the verdict
+const PLAN_FONT = 15; // px, everything in the plan but the verdict (10.5 px on screen at 70%)
 const CHART_WIDTH = 462; // the chart's drawing units: CSS px on a 480 px wide node (templates' width)
 const PLAN_PADDING = 10; // px above and below the plan's text, together
 const MONO_ADVANCE = 0.6; // a monospace character's width per px of font size (DejaVu Sans Mono: 0.602)
@@ -145,7 +145,7 @@ function renderPlan(node, plan, note) {
   const chosen = ok ? plan.rows[plan.chosen] : null;
   const verdict = textBlock("vidmem-plan-verdict", [note ?? planVerdict(plan)], {
     color: plan?.status === "error" || chosen?.fits === false || (ok && !chosen) ? "#ef7b85" : "#ddd",
-    font: `bold 15px/20px sans-serif`, marginBottom: "3px",
+    font: `bold 16px/21px sans-serif`, marginBottom: "3px",
   });
   const children = [verdict];
   if (ok) {
@@ -177,7 +177,7 @@ function tableToggle(node, plan) {
   Object.assign(summary.style, { cursor: "pointer", color: "#bbb", marginTop: "3px" });
   const table = document.createElement("pre");
   table.className = "vidmem-plan-table";
-  Object.assign(table.style, { margin: "2px 0 0", font: `${PLAN_FONT}px/18px monospace`, color: "#ccc", whiteSpace: "pre" });
+  Object.assign(table.style, { margin: "2px 0 0", font: `${PLAN_FONT}px/19px monospace`, color: "#ccc", whiteSpace: "pre" });
   table.textContent = planLines(plan).join("\n");
   details.append(summary, table);
   details.addEventListener("toggle", () => {
@@ -210,7 +210,7 @@ function addPlanWidget(node) {
   const element = document.createElement("div");
   element.className = "vidmem-plan";
   Object.assign(element.style, {
-    font: `${PLAN_FONT}px/19px sans-serif`, padding: `${PLAN_PADDING / 2}px 6px`, overflow: "hidden", boxSizing: "border-box",
+    font: `${PLAN_FONT}px/20px sans-serif`, padding: `${PLAN_PADDING / 2}px 6px`, overflow: "hidden", boxSizing: "border-box",
     color: "var(--input-text, #ddd)", background: "var(--comfy-input-bg, #222)", borderRadius: "4px",
   });
   const widget = domWidget(node, PLAN_WIDGET, element, () => widget.vidmemHeight ?? PLAN_HEIGHT);

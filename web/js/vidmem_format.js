@@ -300,7 +300,8 @@ export function planLines(plan) {
   const width = Math.max(6, ...plan.rows.map((row) => row.label.length));
   const time = timeShown(plan);
   const disk = plan.on_disk ? ", weights on disk" : "";
-  const lines = [`${plan.model} ${plan.shape.width}x${plan.shape.height}x${plan.shape.frames}${disk}`,
+  // The config the files were recognised as (a file name would run past the node), else the model's name.
+  const lines = [`${plan.config ?? plan.model} ${plan.shape.width}x${plan.shape.height}x${plan.shape.frames}${disk}`,
     `  ${"row".padEnd(width)}  VRAM   RAM GiB${time ? "  time" : ""}`];
   plan.rows.forEach((row, i) => {
     const mark = i === plan.chosen ? ">" : " ";
