@@ -52,8 +52,10 @@ BROWSER = os.environ.get("VIDMEM_BROWSER", "")
 SCREENSHOTS = Path(os.environ.get("VIDMEM_SCREENSHOTS", REPO / "docs" / "screenshots"))
 # Run from the browser to see the receipts on the nodes: the block-swap template (the live plan and
 # the older layout are checked on it too), the fp8 single-file one (Load Video Model Files) and the
-# A14B 4-step one (two Load LoRA nodes, one per expert, in the column between loader and Sampler).
-RUN_TEMPLATES = ("wan21_t2v_blockswap", "wan21_t2v_14b_fp8_files", "wan22_t2v_a14b_lightx2v_4step")
+# A14B 4-step one (two Load LoRA nodes, one per expert, in the column between loader and Sampler) and
+# the fast A14B one (a Step Cache under the Sampler; calibrated on the tiny models, which have no ratios).
+RUN_TEMPLATES = ("wan21_t2v_blockswap", "wan21_t2v_14b_fp8_files", "wan22_t2v_a14b_lightx2v_4step",
+                 "wan22_t2v_a14b_fp8_magcache")
 RUN_ALL = os.environ.get("VIDMEM_RUN_ALL") == "1"
 THUMBNAILS = os.environ.get("VIDMEM_THUMBNAILS") == "1"
 THUMBNAIL_WIDTH = 800
@@ -135,7 +137,7 @@ def test_screenshots_are_small_pngs(report):
 
 def test_receipts_appear_on_the_nodes_after_a_run(report):
     run = report["run"]
-    assert "your settings: offload=block_swap" in run["strategy"]
+    assert run["strategy"].startswith("your settings: fit") and "\noffload=block_swap" in run["strategy"]
     assert "denoise:" in run["sampler"] and "swap cost:" in run["sampler"] and "peak RSS" in run["sampler"]
     assert "VAE:" in run["decode"] and "freed" in run["free"]
 
@@ -156,6 +158,17 @@ def test_the_lora_template_runs_from_the_browser_with_its_receipts_clear_of_each
     assert not run.get("timeout") and run["layoutProblems"] == [], run
     assert "denoise:" in run["sampler"] and "VAE:" in run["decode"], run
     assert Path(run["screenshot"]).is_file()
+
+
+def test_the_fast_template_runs_its_step_cache_from_the_browser(report):
+    """The Step Cache under the Sampler (tiny models have no published ratios: it calibrates there)."""
+    run = next(r for r in report["runs"] if r["name"] == RUN_TEMPLATES[3])
+    assert not run.get("timeout") and run["layoutProblems"] == [], run
+    assert "step cache mag_cache" in run["sampler"] and "ratios saved as" in run["sampler"], run["sampler"]
+
+
+def test_every_template_opens_with_its_note_below_the_workflows_name(report):
+    assert all(t["noteBelowName"]["clear"] for t in report["templates"]), [t["noteBelowName"] for t in report["templates"]]
 
 
 def test_the_strategy_plan_changes_with_blocks_to_swap_before_anything_is_queued(report):

@@ -75,7 +75,7 @@ WIDGET_ROW = 28  # what one more number or combo widget adds (24 and spacing)
 # Widget counts the heights were set for; an input added to a node later gets its row (see _grown).
 BASE_WIDGETS = {"VidMemVideoSampler": 9, "VidMemMemoryStrategy": 14, "VidMemLoadPipeline": 4, "VidMemLoadModelFiles": 9}
 MIDDLE_WIDTH = 520  # Load LoRA shows file names of 60 characters (Comfy-Org's Lightning LoRAs) unclipped
-LORA_HEIGHT = 140  # Load LoRA: three widgets, room for its one-line receipt
+LORA_HEIGHT = 180  # Load LoRA: three widgets and its receipt (a run grows it to 171 px)
 PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receipt
 TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receipt
 CACHE_HEIGHT = 200  # Step Cache: five widgets, below the Sampler

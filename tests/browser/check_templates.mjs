@@ -121,7 +121,10 @@ async function runInBrowser(page, seed, tiny = TINY) {
     if (cache) set(cache, "mag_ratios", "calibrate");
     await app.queuePrompt(0, 1);
     const receipt = (node) => node.widgets?.find((w) => w.name === "vidmem_receipt")?.element?.title || null;
-    const plan = (node) => node.widgets?.find((w) => w.name === "vidmem_plan")?.element?.textContent ?? null;
+    const plan = (node) => { // the plan's tooltip: the verdict and the strategy planned, then the table
+      const element = node.widgets?.find((w) => w.name === "vidmem_plan")?.element;
+      return element?.title || element?.textContent || null;
+    };
     const deadline = Date.now() + 240000;
     while (Date.now() < deadline) {
       const texts = ["VidMemMemoryStrategy", "VidMemVideoSampler", "VidMemVAEDecode", "VidMemFreeVRAM"]
@@ -195,7 +198,9 @@ async function planOnNode(page) {
   return page.evaluate(() => {
     const node = window.app.graph.nodes.find((n) => n.type === "VidMemMemoryStrategy");
     const element = node?.widgets?.find((w) => w.name === "vidmem_plan")?.element;
-    return { status: element?.dataset.status ?? "missing", text: element?.textContent ?? "",
+    // Its tooltip: the verdict, the strategy planned, the reasons, the table (the node shows the same, the
+    // strategy aside: the widgets above say it).
+    return { status: element?.dataset.status ?? "missing", text: element?.title || element?.textContent || "",
              chart: element?.querySelector("svg")?.outerHTML ?? "", table: element?.querySelector("pre")?.textContent ?? "" };
   });
 }
@@ -350,6 +355,7 @@ async function main() {
       // At the template's size only the model's own limits may stop the plan (the host's tiny stand-ins
       // cannot trace Wan at 832x480, and have 1-2 blocks where the template swaps 16); never the loader's inputs.
       const ownLimit = plan.status === "error" && (/cannot run \w+ at \d+x\d+x\d+/.test(plan.text)
+        || /is more than \S+ can place: its positional embedding covers/.test(plan.text)
         || /blocks_to_swap=\d+ but this model's .* has \d+ blocks/.test(plan.text));
       if (!(plan.status === "ok" && plan.chart) && !ownLimit) report.problems.push(`${template.name}: no plan at the template's size (status ${plan.status}): ${result.plan}`);
       result.noteBelowName = await noteClearOfTheName(page);

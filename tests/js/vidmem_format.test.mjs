@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
-  planBars, planLines, planQuery, planReasons, planVerdict, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
+  cacheLine, planBars, planLines, planQuery, planReasons, planVerdict, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
   parseStrategyText, receiptFrom, strategyLines, summarize, textFrom,
 } from "../../web/js/vidmem_format.js";
 
@@ -320,4 +320,12 @@ test("the Strategy widgets a tier ignores are the ones greyed out, and the note 
   const lines = compactLines("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, note }] });
   assert.ok(lines[2].startsWith(`note: ${note}`), lines);
   assert.ok(summarize("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, note }] }).lines.includes(`note: ${note}`));
+});
+
+test("a Step Cache's work shows in the Sampler's receipt: blocks computed of all, copies saved", () => {
+  const cache = { method: "mag_cache", blocks_computed: 52, blocks_skipped: 28, blocks_computed_share: 0.65, streamed_copies_skipped: 476 };
+  assert.equal(cacheLine(cache), "step cache mag_cache: 52 of 80 blocks computed (65.0%), 476 streamed copies saved");
+  const receipt = { ...SAMPLER, cache };
+  assert.ok(summarize("VidMemVideoSampler", { vidmem_receipt: [receipt] }).lines.includes(cacheLine(cache)));
+  assert.match(compactLines("VidMemVideoSampler", { vidmem_receipt: [receipt] })[2], /cache 65\.0% of blocks computed/);
 });

@@ -162,7 +162,8 @@ function renderPlan(node, plan, note) {
   body.append(...children);
   widget.element.replaceChildren(body);
   widget.element.dataset.status = plan?.status ?? "none";
-  widget.element.title = [planVerdict(plan), ...planReasons(plan), ...planLines(plan), timeNote(plan)].filter(Boolean).join("\n");
+  widget.element.title = [planVerdict(plan), chosen?.strategy, ...planReasons(plan), ...planLines(plan), timeNote(plan)]
+    .filter(Boolean).join("\n");
   fitPlan(node);
   app.graph?.setDirtyCanvas(true, false);
 }

@@ -91,8 +91,20 @@ export function runLines(receipt) {
     lines.push(`total: ${formatSeconds(total)}`);
   }
   if (receipt.swap) lines.push(swapLine(receipt.swap));
+  if (receipt.cache) lines.push(cacheLine(receipt.cache));
   if (receipt.decode) lines.push(decodeLine(receipt.decode));
   return lines;
+}
+
+/** A Step Cache's work, as nodes/receipts.py cache_line says it: blocks computed of all, copies saved. */
+export function cacheLine(cache) {
+  const total = (cache.blocks_computed ?? 0) + (cache.blocks_skipped ?? 0);
+  let line = `step cache ${cache.method}: ${cache.blocks_computed} of ${total} blocks computed ` +
+    `(${formatPercent(cache.blocks_computed_share)})`;
+  if (cache.streamed_copies_skipped) line += `, ${cache.streamed_copies_skipped} streamed copies saved`;
+  if (cache.ratios_file) line += `; ratios saved as ${cache.ratios_file} (pick it in Step Cache's mag_ratios)`;
+  if (cache.note) line += ` (${cache.note})`;
+  return line;
 }
 
 export function swapLine(swap) {
@@ -382,6 +394,7 @@ export function compactLines(nodeType, message, max = 3) {
     const extra = [];
     if (String(receipt.plan ?? "").startsWith("auto chose")) extra.push(receipt.plan.split(";")[0]);
     if (receipt.swap) extra.push(`swap cost ${formatPercent(receipt.swap.swap_cost)} of denoise`);
+    if (receipt.cache) extra.push(`cache ${formatPercent(receipt.cache.blocks_computed_share)} of blocks computed`);
     if (receipt.decode) extra.push(`VAE ${receipt.decode.mode}, ${receipt.decode.tiles} tiles x ${receipt.decode.chunks} chunks`);
     if (receipt.saved_latents) extra.push(`saved ${receipt.saved_latents}`);
     if (receipt.note) extra.unshift(`note: ${receipt.note}`); // a Strategy value the tier ignored
