@@ -18,6 +18,7 @@ Placing tiny models under the templates' folder and file names, e.g. for a real 
     python tests/workflow_runner.py place-models /path/to/ComfyUI/models/diffusers
     python tests/workflow_runner.py place-files /path/to/ComfyUI/models
     python tests/workflow_runner.py place-loras /path/to/ComfyUI/models/loras
+    python tests/workflow_runner.py place-headers /path/to/plan-screenshot-ComfyUI/models
     python tests/workflow_runner.py place-clips /path/to/clips
 
 The first writes one tiny random diffusers folder per model name the API workflows reference (a
@@ -432,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     loras = commands.add_parser("place-loras", help="write tiny LoRAs under the names the API workflows' Load LoRA "
                                 "nodes use (tests/tiny_loras.py)")
     loras.add_argument("loras_dir", type=Path, help="e.g. ComfyUI/models/loras")
+    headers = commands.add_parser("place-headers", help="write Comfy-Org's files at their real size with every weight "
+                                  "a hole (sparse): real plans on the Memory Strategy node, never a run")
+    headers.add_argument("models_root", type=Path, help="ComfyUI/models of a server for plan screenshots")
     clips = commands.add_parser("place-clips", help="write a few tiny captioned clips for the train templates")
     clips.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
@@ -441,10 +445,11 @@ def main(argv: list[str] | None = None) -> None:
         for path in place_tiny_loras(args.loras_dir) if args.command == "place-loras" else [place_tiny_clips(args.folder)]:
             print(path)
         return
-    if args.command == "place-files":
-        from model_files import place_tiny_model_files
+    if args.command in ("place-files", "place-headers"):
+        from model_files import place_real_size_headers, place_tiny_model_files
 
-        for path in place_tiny_model_files(args.models_root):
+        place = place_tiny_model_files if args.command == "place-files" else place_real_size_headers
+        for path in place(args.models_root):
             print(path)
         return
     for folder in place_tiny_models(args.models_dir):
