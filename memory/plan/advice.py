@@ -4,11 +4,11 @@ Per stage (`over_budget_lines`): what the stage needs beyond each budget and the
 makes that stage fit, found by planning the stage again with it: the text encoder on the CPU, more
 swapped blocks, a lower tier, VAE tiling, the weights on disk, smaller stored weights.
 
-For the whole run (`nothing_fits_message`), two suggestions at most, each the first that fits: a smaller storage format for the transformer(s)
-and the text encoder with the weights where they are, and the weights memory-mapped from disk
-(as stored, if the search did not try that already, else with smaller storage). When neither
-exists and the device is what runs out, a shorter or smaller video. Each suggestion is a plan
-that fits the same budgets, never a guess.
+For the whole run (`nothing_fits_message`), two suggestions at most, each the first that fits: a
+smaller storage format for the transformer(s) and the text encoder with the weights where they
+are, and the weights memory-mapped from disk (as stored, if the search did not try that already,
+else with smaller storage). When neither exists and the device is what runs out, a shorter or
+smaller video. Each suggestion is a plan that fits the same budgets, never a guess.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def _vram_trials(model: PlannerModel, plan: Plan, name: str):
         if name == "text_encode":
             yield "offload model, text encoder on the CPU", replace(cpu, offload=OffloadTier.MODEL), options
     if name == "denoise" and tier is not OffloadTier.SEQUENTIAL:
-        swap = _fewest_blocks(model, plan.shape, replace(s, offload=OffloadTier.BLOCK_SWAP, blocks_to_swap=1), options, vram=plan.vram_budget_bytes)
+        swapping = replace(s, offload=OffloadTier.BLOCK_SWAP, blocks_to_swap=1)
+        swap = _fewest_blocks(model, plan.shape, swapping, options, plan.vram_budget_bytes)
         words = f"blocks_to_swap {swap.blocks_to_swap}"
         yield (words if tier is OffloadTier.BLOCK_SWAP else f"offload block_swap, {words}"), swap, options
     if name == "decode":
