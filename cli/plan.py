@@ -146,6 +146,10 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
     vae = f", VAE {model.vae_dtype_name}" if model.vae_dtype_name else ""
     head = (f"{model.name} ({model.dtype_name}{vae}, {weights}) {shape.width}x{shape.height}, {shape.frames} frames; "
             f"budget {vram / GIB:.1f} GiB VRAM, {ram / GIB:.1f} GiB RAM; {options.allocator.value} allocator")
+    from ..memory.plan.candidates import times_differ
+    from ..memory.plan.costs import TIME_RESOLUTION
+
+    timed = times_differ(plans)  # else every row would read about x1.00: one line below says so instead
     columns = ("strategy", "text enc.", "VAE tiles", "encode", "denoise", "decode", "peak VRAM", "peak RAM",
                "page cache", "slowdown", "fits")
     rows = [columns]
@@ -158,7 +162,9 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
                      f"{plan.peak_vram_bytes / GIB:.1f} GiB", f"{plan.peak_ram_bytes / GIB:.1f} GiB",
                      f"{plan.peak_page_cache_bytes / GIB:.1f} GiB" if plan.on_disk else "-",
                      f"x{plan.est_slowdown:.2f}", "yes" if plan.fits else "no"))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(columns))]
+    if not timed:
+        rows = [row[:9] + row[10:] for row in rows]
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = [head, ""]
     for index, row in enumerate(rows):
         mark = "  <- recommended" if recommended is not None and index - 1 == recommended else ""
@@ -168,10 +174,17 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
                      "weights are read in place); block swap rows show the fewest blocks that fit.")
     else:
         lines.append("\nVRAM per stage in GiB, including the CUDA context; block swap rows show the fewest blocks that fit.")
+    where = "nothing streamed" if options.device == "cpu" else "every weight on the GPU"
+    if timed:
+        lines.append(f"slowdown: estimated time against the same run with {where} and the decode in one piece.")
+    else:
+        times = [plan.est_slowdown for plan in plans]
+        lines.append(f"No slowdown column: every row takes x{min(times):.2f}-x{max(times):.2f} the time of the same run with "
+                     f"{where}, within {TIME_RESOLUTION:.0%} of each other: closer than the time model can tell apart.")
     if any(plan.on_disk for plan in plans):
         lines.append(f"+disk: weights memory-mapped from their files. Peak RAM is anonymous memory, what must fit; the "
                      f"page cache holds the files and is reclaimable, so what the budget cannot keep is read again "
-                     f"from the disk at {options.disk_bytes_per_s / 1e9:g} GB/s (--disk-gbps), in the slowdown.")
+                     f"from the disk at {options.disk_bytes_per_s / 1e9:g} GB/s (--disk-gbps), in the time estimate.")
     return "\n".join(lines)
 
 

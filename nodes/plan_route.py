@@ -22,6 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..memory import OffloadTier, StrategyError
+from ..memory.plan.advice import over_budget_lines
+from ..memory.plan.candidates import times_differ
+from ..memory.plan.costs import TIME_RESOLUTION
 from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recommended
 from ..memory.plan.stages import VideoShape
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
@@ -145,7 +148,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
         base = replace(strategy, offload=OffloadTier.MODEL, blocks_to_swap=0)
         plans = candidate_plans(model, request.shape, vram, ram, base=base, options=options)
-        labels = [_label(plan) for plan in plans]
+        labels = [_label(plan, options) for plan in plans]
         chosen = recommended(plans)
         if not request.auto:
             plans.append(plan_run(model, request.shape, strategy, options, vram_budget_bytes=vram, ram_budget_bytes=ram))
@@ -161,8 +164,9 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         "config": getattr(model, "name", request.model), "storage": dict(options.storage), "on_disk": options.on_disk,
         "shape": {"width": s.width, "height": s.height, "frames": s.frames},
         "budgets": {"vram_bytes": vram, "ram_bytes": ram},
-        "rows": [_row(label, plan) for label, plan in zip(labels, plans)],
+        "rows": [_row(label, plan, model) for label, plan in zip(labels, plans)],
         "chosen": chosen,
+        "time": _time(plans, options),
         "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
     }
 
@@ -183,17 +187,29 @@ def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], ob
     return recognised.planner_model, recognised.options
 
 
-def _label(plan) -> str:
-    return plan.strategy.offload.value + (" (weights on disk)" if getattr(plan, "on_disk", False) else "")
+def _label(plan, options: PlanOptions) -> str:
+    """"block_swap 37", and "+disk" where the planner put weights on disk that the loader holds in RAM."""
+    s = plan.strategy
+    blocks = f" {s.blocks_to_swap}" if s.offload is OffloadTier.BLOCK_SWAP else ""
+    return s.offload.value + blocks + (" +disk" if plan.on_disk and not options.on_disk else "")
 
 
-def _row(label: str, plan) -> dict:
+def _row(label: str, plan, model) -> dict:
     return {
-        "label": label, "strategy": plan.strategy.describe(), "fits": plan.fits,
+        "label": label, "strategy": plan.strategy.describe(), "fits": plan.fits, "on_disk": plan.on_disk,
         "est_slowdown": plan.est_slowdown, "peak_vram_bytes": plan.peak_vram_bytes, "peak_ram_bytes": plan.peak_ram_bytes,
         "stages": [{"name": s.name, "vram_bytes": s.device_bytes, "ram_bytes": s.host_bytes} for s in plan.stages],
-        "over_budget": plan.over_budget(),
+        "over_budget": over_budget_lines(model, plan),  # one line per stage, with the fix that makes it fit
     }
+
+
+def _time(plans, options: PlanOptions) -> dict:
+    """Whether the rows' estimated times say anything (they differ by more than the model can tell),
+    and what they are relative to: the same run with every weight where it computes, the decode whole."""
+    where = "every weight on the GPU" if not options.on_cpu else "nothing streamed"
+    times = [plan.est_slowdown for plan in plans]
+    return {"shown": times_differ(plans), "resolution": TIME_RESOLUTION, "range": [min(times), max(times)],
+            "relative_to": f"the same run with {where} and the decode in one piece"}
 
 
 def _input_named(message: str) -> str | None:

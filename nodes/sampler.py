@@ -248,4 +248,4 @@ def _visible_gpus(device) -> int:
 def _peaks(plan) -> str:
     fits = "" if plan.fits is None else ("; fits" if plan.fits else "; over budget: " + "; ".join(plan.over_budget()))
     return (f"{plan.strategy.describe()}; peak VRAM {plan.peak_vram_bytes / GiB:.2f} GiB, "
-            f"RAM {plan.peak_ram_bytes / GiB:.2f} GiB, x{plan.est_slowdown:.2f}{fits}")
+            f"RAM {plan.peak_ram_bytes / GiB:.2f} GiB, time x{plan.est_slowdown:.2f} of all resident (estimated){fits}")

@@ -118,3 +118,35 @@ def _move_if_free(source: Path, target: Path) -> None:
     if target.exists():
         return
     shutil.move(str(source), str(target))
+
+
+# The Comfy-Org files the single-file templates name, by role, with the shipped config and storage they are.
+REAL_FILES = {
+    "wan2.1_t2v_1.3B_bf16.safetensors": ("wan2.1-t2v-1.3b", "transformer", "bf16"),
+    "wan2.1_t2v_14B_fp8_scaled.safetensors": ("wan2.1-t2v-14b", "transformer", "fp8_scaled"),
+    "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": ("wan2.2-t2v-a14b", "transformer", "fp8_scaled"),
+    "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": ("wan2.2-t2v-a14b", "transformer_2", "fp8_scaled"),
+    "umt5_xxl_fp8_e4m3fn_scaled.safetensors": ("wan2.1-t2v-14b", "text_encoder", "fp8_scaled"),
+    "wan_2.1_vae.safetensors": ("wan2.1-t2v-14b", "vae", "bf16"),
+}
+ROLE_OF = {"transformer": "model", "transformer_2": "model_2", "text_encoder": "text_encoder", "vae": "vae"}
+
+
+def place_real_size_headers(models_root: Path) -> list[Path]:
+    """Comfy-Org's files for the single-file templates at their real size, with every weight a hole
+    of a sparse file (a few MB on disk): the plan on the Memory Strategy node then plans the real
+    models (it reads headers only), as in docs/screenshots/plan_*.png. Never for a run: the weights
+    are zeros. Existing files are kept."""
+    from vidmem.pipelines.comfy_files import shipped_catalogue
+    from vidmem.pipelines.comfy_files.random_files import write_random_file
+    from vidmem.pipelines.tiny_files import tiny_spiece_model
+
+    entries = {entry.name: entry for entry in shipped_catalogue()}
+    written = []
+    for name, (model, component, storage) in REAL_FILES.items():
+        path = Path(models_root) / FOLDERS[ROLE_OF[component]] / name
+        if not path.exists():
+            spiece = tiny_spiece_model() if component == "text_encoder" else None
+            write_random_file(entries[model].components[component], path, storage, spiece_model=spiece, holes=True)
+        written.append(path)
+    return written

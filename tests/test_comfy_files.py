@@ -237,6 +237,28 @@ def test_streamed_random_files_are_valid_comfy_files(tmp_path, storage, layout):
     assert latents(loaded, "wan2.2-a14b").isfinite().all()
 
 
+def test_a_file_of_holes_has_the_real_files_header_and_size(tmp_path):
+    """`holes`: the same header, scales and tokenizer as the written file, the weights zeros (sparse)."""
+    import safetensors
+
+    from vidmem.pipelines.comfy_files.random_files import write_random_file
+    from vidmem.pipelines.tiny_files import tiny_spiece_model
+
+    entry = {e.name: e for e in tiny_catalogue()}["tiny-wan2.1-t2v"]
+    for component, storage in (("transformer", "fp8_scaled"), ("text_encoder", "fp8_scaled")):
+        spiece = tiny_spiece_model() if component == "text_encoder" else None
+        full = write_random_file(entry.components[component], tmp_path / f"{component}.safetensors", storage, spiece_model=spiece)
+        holes = write_random_file(entry.components[component], tmp_path / f"{component}_holes.safetensors", storage,
+                                  spiece_model=spiece, holes=True)
+        assert holes.stat().st_size == full.stat().st_size
+        with safetensors.safe_open(str(full), "pt") as a, safetensors.safe_open(str(holes), "pt") as b:
+            assert a.keys() == b.keys()
+            for key in a.keys():
+                kept = key.endswith("scale_weight") or key == "spiece_model"
+                mine = b.get_tensor(key)
+                assert torch.equal(mine, a.get_tensor(key)) if kept else not mine.float().any(), key
+
+
 def test_weight_dtype_gguf_keeps_rows_it_cannot_block(written):
     """Tiny Wan's width is 24: most rows are not whole 32-weight blocks and stay as stored."""
     out = written("wan2.1-t2v", "bf16")

@@ -349,6 +349,41 @@ def test_nothing_fits_says_what_would(cogvideox_2b):
     assert choose_strategy(cogvideox_2b, smaller, vram, 64 * GiB).fits
 
 
+def test_each_stage_over_a_budget_gets_the_change_that_makes_it_fit():
+    """The fixes are planned: applied, the stage they are for fits its budget."""
+    from dataclasses import replace
+
+    from vidmem.memory.plan.advice import over_budget_lines
+    from vidmem.memory.plan.stages import decode_stage, denoise_stage, text_encode_stage
+
+    model, shape = load_model("wan2.1-t2v-14b"), VideoShape(832, 480, 81)
+    mine = plan_run(model, shape, MemoryStrategy(offload="block_swap", blocks_to_swap=30), PlanOptions(),
+                    vram_budget_bytes=8 * GiB, ram_budget_bytes=32 * GiB)
+    lines = over_budget_lines(model, mine)
+    assert len(lines) == 3 and all("; fix: " in line for line in lines), lines
+    blocks = int(re.search(r"blocks_to_swap (\d+)", lines[1]).group(1))
+    fixed = replace(mine.strategy, blocks_to_swap=blocks, text_encoder="cpu")
+    on_disk = PlanOptions(on_disk=True)
+    assert text_encode_stage(model, shape, fixed, PlanOptions()).fits(8 * GiB)
+    assert denoise_stage(model, shape, fixed, PlanOptions()).fits(8 * GiB)
+    assert not denoise_stage(model, shape, replace(fixed, blocks_to_swap=blocks - 1), PlanOptions()).fits(8 * GiB)
+    assert all(stage(model, shape, fixed, on_disk).host_bytes <= 32 * GiB for stage in (text_encode_stage, denoise_stage, decode_stage))
+    assert over_budget_lines(model, replace(mine, vram_budget_bytes=80 * GiB, ram_budget_bytes=80 * GiB)) == []
+    untiled = plan_run(model, shape, MemoryStrategy(offload="model", text_encoder="cpu"), vram_budget_bytes=4 * GiB)
+    decode = next(line for line in over_budget_lines(model, untiled) if line.startswith("decode"))
+    assert re.search(r"fix: VAE tiling, tile_size \d+", decode), decode
+
+
+def test_times_the_model_cannot_tell_apart_are_not_reported():
+    from vidmem.memory.plan.candidates import times_differ
+
+    big, small = load_model("wan2.1-t2v-14b"), load_model("wan2.1-t2v-1.3b")
+    shape = VideoShape(832, 480, 81)
+    assert not times_differ(candidate_plans(big, shape, 8 * GiB, 32 * GiB))  # the copies hide behind compute
+    # the 1.3B's text encoder on the CPU (to fit 8 GB beside the transformer) is a real cost
+    assert times_differ(candidate_plans(small, shape, 8 * GiB, 32 * GiB))
+
+
 def test_bad_requests_get_a_fix():
     with pytest.raises(ModelError, match="wan2.1-t2v-14b"):
         load_model("wan-14b")

@@ -18,7 +18,9 @@ the `vidmem.ui` extension registered, the memory meter shows figures from GET /v
 sits clear of the canvas info in the bottom-left corner, and the five help pages are served.
 Screenshots go to docs/screenshots/ (or VIDMEM_SCREENSHOTS), re-encoded with a 128-colour palette
 to stay small. VIDMEM_RUN_ALL=1 runs and layout-checks every template, not only one;
-VIDMEM_THUMBNAILS=1 rewrites each template's Templates-browser card, workflows/<title>.jpg.
+VIDMEM_THUMBNAILS=1 rewrites each template's Templates-browser card image, workflows/<title>.jpg,
+drawn from the template's extra.vidmem.card by tests/browser/template_cards.mjs. Every template
+opens with its note below the workflow's name the frontend draws over the canvas.
 
 How to run it (ComfyUI 0.8.0 on the CPU, loopback only; nothing here is a repo dependency):
 
@@ -50,8 +52,10 @@ BROWSER = os.environ.get("VIDMEM_BROWSER", "")
 SCREENSHOTS = Path(os.environ.get("VIDMEM_SCREENSHOTS", REPO / "docs" / "screenshots"))
 # Run from the browser to see the receipts on the nodes: the block-swap template (the live plan and
 # the older layout are checked on it too), the fp8 single-file one (Load Video Model Files) and the
-# A14B 4-step one (two Load LoRA nodes, one per expert, in the column between loader and Sampler).
-RUN_TEMPLATES = ("wan21_t2v_blockswap", "wan21_t2v_14b_fp8_files", "wan22_t2v_a14b_lightx2v_4step")
+# A14B 4-step one (two Load LoRA nodes, one per expert, in the column between loader and Sampler) and
+# the fast A14B one (a Step Cache under the Sampler; calibrated on the tiny models, which have no ratios).
+RUN_TEMPLATES = ("wan21_t2v_blockswap", "wan21_t2v_14b_fp8_files", "wan22_t2v_a14b_lightx2v_4step",
+                 "wan22_t2v_a14b_fp8_magcache")
 RUN_ALL = os.environ.get("VIDMEM_RUN_ALL") == "1"
 THUMBNAILS = os.environ.get("VIDMEM_THUMBNAILS") == "1"
 THUMBNAIL_WIDTH = 800
@@ -94,7 +98,7 @@ def report():
 
 
 def shrink_jpeg(path: Path) -> int:
-    """A Templates-browser card: the graph's screenshot scaled to THUMBNAIL_WIDTH, JPEG quality 75."""
+    """A Templates-browser card image scaled to THUMBNAIL_WIDTH, JPEG quality 75."""
     from PIL import Image
 
     with Image.open(path) as image:
@@ -133,7 +137,7 @@ def test_screenshots_are_small_pngs(report):
 
 def test_receipts_appear_on_the_nodes_after_a_run(report):
     run = report["run"]
-    assert "your settings: offload=block_swap" in run["strategy"]
+    assert run["strategy"].startswith("your settings: fit") and "\noffload=block_swap" in run["strategy"]
     assert "denoise:" in run["sampler"] and "swap cost:" in run["sampler"] and "peak RSS" in run["sampler"]
     assert "VAE:" in run["decode"] and "freed" in run["free"]
 
@@ -154,6 +158,17 @@ def test_the_lora_template_runs_from_the_browser_with_its_receipts_clear_of_each
     assert not run.get("timeout") and run["layoutProblems"] == [], run
     assert "denoise:" in run["sampler"] and "VAE:" in run["decode"], run
     assert Path(run["screenshot"]).is_file()
+
+
+def test_the_fast_template_runs_its_step_cache_from_the_browser(report):
+    """The Step Cache under the Sampler (tiny models have no published ratios: it calibrates there)."""
+    run = next(r for r in report["runs"] if r["name"] == RUN_TEMPLATES[3])
+    assert not run.get("timeout") and run["layoutProblems"] == [], run
+    assert "step cache mag_cache" in run["sampler"] and "ratios saved as" in run["sampler"], run["sampler"]
+
+
+def test_every_template_opens_with_its_note_below_the_workflows_name(report):
+    assert all(t["noteBelowName"]["clear"] for t in report["templates"]), [t["noteBelowName"] for t in report["templates"]]
 
 
 def test_the_strategy_plan_changes_with_blocks_to_swap_before_anything_is_queued(report):

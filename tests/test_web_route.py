@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import threading
 import types
@@ -139,7 +140,9 @@ def test_plan_rows_per_tier_with_the_users_row_chosen(planner):
     plan = answer(parse_request(query(), [TINY], ["fp32"]))
     assert plan["status"] == "ok" and not plan["auto"]
     labels = [row["label"] for row in plan["rows"]]
-    assert labels[:4] == ["none", "model", "block_swap", "sequential"] and labels[-1] == "your settings"
+    assert [label.split()[0] for label in labels[:4]] == ["none", "model", "block_swap", "sequential"]
+    assert re.fullmatch(r"block_swap \d+", labels[2]) and labels[-1] == "your settings"
+    assert set(plan["time"]) == {"shown", "resolution", "range", "relative_to"}
     assert plan["chosen"] == len(labels) - 1 and "blocks_to_swap=1" in plan["rows"][-1]["strategy"]
     assert plan["budgets"] == {"vram_bytes": GiB, "ram_bytes": 64 * GiB}
     for row in plan["rows"]:
@@ -168,6 +171,30 @@ def test_more_swapped_blocks_lower_the_denoise_peak_of_a_real_size_model():
         return next(s["vram_bytes"] for s in plan["rows"][-1]["stages"] if s["name"] == "denoise")
 
     assert denoise_mib(10) < denoise_mib(5)
+
+
+def test_a_real_size_plan_over_budget_says_per_stage_what_would_fit_and_drops_a_time_column_that_says_nothing():
+    """Wan 2.1 14B at 832x480x81, bf16 weights in RAM, 8 GB card, 32 GB of RAM, block swap 30: every
+    tier's time is within the model's resolution (the copies hide behind compute), so no time column;
+    each stage over a budget gets one line with the change that makes it fit."""
+    from vidmem.pipelines.configs import load_model
+
+    q = query(model="wan", dtype="bf16", blocks_to_swap="30", text_encoder="offload_after_encoding", width="832",
+              height="480", frames="81", tile_size="256", overlap="32", temporal_size="64", temporal_overlap="8",
+              vram_budget_gb="8", ram_budget_gb="32")
+    plan = plan_answer(parse_request(q, ["wan"], ["bf16"]), lambda n, d: load_model("wan2.1-t2v-14b", d), (8 * GiB, 32 * GiB),
+                       device="cuda")
+    assert plan["status"] == "ok" and plan["time"]["shown"] is False, plan["time"]
+    assert "every weight on the GPU" in plan["time"]["relative_to"]
+    mine = plan["rows"][plan["chosen"]]
+    assert mine["label"] == "your settings" and not mine["fits"]
+    assert [line.split(":")[0] for line in mine["over_budget"]] == ["text encode", "denoise", "decode"]
+    encode, denoise, decode = mine["over_budget"]
+    assert re.fullmatch(r"text encode: VRAM \d+\.\d > 8\.0 GiB, RAM \d+\.\d > 32\.0 GiB; "
+                        r"fix: text encoder on the CPU, weights on disk", encode), encode
+    assert re.fullmatch(r"denoise: VRAM .*; fix: blocks_to_swap (\d+), weights on disk", denoise), denoise
+    assert decode.endswith("fix: weights on disk")
+    assert "+disk" in " ".join(row["label"] for row in plan["rows"])  # weights in RAM: the planner tried the disk tier
 
 
 @pytest.mark.parametrize("change, name", [

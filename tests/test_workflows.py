@@ -112,6 +112,31 @@ def test_every_template_has_both_formats_a_readable_title_and_a_thumbnail():
         assert data[:3] == b"\xff\xd8\xff" and 5_000 < len(data) < 120_000, (image.name, len(data))
 
 
+def test_every_card_says_the_model_what_it_is_made_for_its_steps_files_and_when_to_pick_it():
+    """The Templates browser shows a pack's template with its file name as title and description: the
+    card image (drawn from extra.vidmem.card by tests/browser/template_cards.mjs) says the rest."""
+    from PIL import Image
+
+    for path in UI_FILES:
+        card = wr.load_json(path)["extra"]["vidmem"]["card"]
+        assert set(card) == {"model", "family", "variant", "vram_gb", "ram_gb", "shot", "speed", "files", "pick"}, path.stem
+        assert card["model"] in path.stem and card["family"] in ("wan21", "wan22", "cogvideox")
+        assert re.fullmatch(r"(trains \d+ steps, samples \d+|(\d+ of )?\d+ steps, [12] pass(es)? each \(cfg( 1)?\))", card["speed"]), card
+        assert 10 <= len(card["pick"]) <= 60 and card["pick"] not in path.stem, card["pick"]
+        with Image.open(wr.thumbnail(path)) as image:
+            assert image.width == image.height, f"{path.stem}: the browser's card slot is square"
+
+
+def test_every_template_opens_with_its_note_below_the_workflows_name():
+    """The frontend draws the workflow's name over the canvas's top left, 42-90 px from the top
+    (ComfyUI 0.8.0, frontend 1.35): the saved view puts the note's title bar below it."""
+    for path in UI_FILES:
+        ui = wr.load_json(path)
+        note = next(n for n in ui["nodes"] if n["type"] == "Note")
+        scale, (_, offset_y) = ui["extra"]["ds"]["scale"], ui["extra"]["ds"]["offset"]
+        assert (note["pos"][1] - 30 + offset_y) * scale >= 100, path.stem
+
+
 def test_generate_check_flags_a_template_file_that_is_not_generated(tmp_path, monkeypatch):
     generator = load_generator(monkeypatch)
     stray = wr.WORKFLOWS_DIR / "not_a_template.json"
@@ -313,7 +338,8 @@ def test_template_strategy_fits_its_machine_per_the_planner(path):
 
 
 @by_name(API_FILES)
-def test_api_workflow_runs_end_to_end_with_tiny_models(path, models_root, tiny_clips):
+def test_api_workflow_runs_end_to_end_with_tiny_models(path, models_root, tiny_clips, tmp_path, monkeypatch):
+    monkeypatch.setenv("VIDMEM_CACHE_DIR", str(tmp_path / "cache"))  # prompt embeddings, calibrated MagCache ratios
     original = wr.load_json(path)
     api = wr.shrink_for_tiny(original, clips=tiny_clips)
     run = wr.run_api(api)
@@ -471,3 +497,47 @@ def test_train_template_trains_then_samples_with_the_lora(path):
     note = next(n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "Note")
     assert prepare["folder"] in note or "FULL path" in note, "the note says what to put in folder"
     assert f"models/loras/{train['lora_name']}.safetensors" in note and "Load LoRA" in note
+
+
+CACHE_API = [p for p in API_FILES if any(n["class_type"] == wr.STEP_CACHE_NODE for n in wr.load_json(p).values())]
+
+
+def test_fast_variants_of_wan_1_3b_and_a14b_carry_a_step_cache():
+    assert {p.stem for p in CACHE_API} >= {"wan21_t2v_1_3b_files_magcache", "wan22_t2v_a14b_fp8_magcache"}
+
+
+@by_name(CACHE_API)
+def test_a_cached_template_runs_magcache_as_its_ratios_were_published(path):
+    """mag_ratios auto at the published step count, retention and K; for A14B a shift that gives each
+    expert the steps its ratios were measured over (the boundary timestep splits the schedule)."""
+    from diffusers import UniPCMultistepScheduler
+
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.step_cache import layout_key, mag_schedule, published_cache
+
+    api = wr.load_json(path)
+    (cache_id, cache), = [(nid, n["inputs"]) for nid, n in api.items() if n["class_type"] == wr.STEP_CACHE_NODE]
+    sampler = next(n["inputs"] for n in api.values() if n["class_type"] == "VidMemVideoSampler")
+    assert sampler["cache"] == [cache_id, 0]
+    assert cache["method"] == "mag_cache" and cache["mag_ratios"] == "auto" and cache["threshold"] == 0.0
+    model = load_model(wr.load_json(wr.ui_twin(path))["extra"]["vidmem"]["machine"]["plan_model"])
+    denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items() if name.startswith("transformer")}
+    published = published_cache(layout_key(model.pipeline_class, denoisers))
+    assert published is not None, "no published ratios for this model"
+    assert (cache["retention"], cache["max_skip_steps"]) == (published.retention, published.max_skip_steps)
+    assert sampler["steps"] == published.ratio_steps
+    for name in denoisers:
+        assert any(not computed for computed in mag_schedule(published, sampler["steps"], name)), f"{name} skips nothing"
+    if published.per_expert:
+        boundary = model.pipeline_config["boundary_ratio"]
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                            num_train_timesteps=1000, flow_shift=sampler["shift"])
+        scheduler.set_timesteps(sampler["steps"])
+        high = sum(int(t >= boundary * 1000) for t in scheduler.timesteps)
+        assert high == len(published.ratios_for("transformer")), (high, sampler["shift"])
+
+
+def test_shrink_calibrates_a_step_cache_the_tiny_models_have_no_ratios_for():
+    api = wr.shrink_for_tiny(wr.load_json(wr.API_DIR / "wan21_t2v_1_3b_files_magcache.json"))
+    cache = next(n for n in api.values() if n["class_type"] == wr.STEP_CACHE_NODE)["inputs"]
+    assert cache["method"] == "mag_cache" and cache["mag_ratios"] == "calibrate"

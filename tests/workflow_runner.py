@@ -9,14 +9,16 @@ What it gives the tests (and `workflows/generate.py`):
 - `ui_to_api(ui)`: the frontend's `graphToPrompt()` reduced to what our templates use.
 - `run_api(api)`: a minimal executor. It runs our node classes in topological order (calling
   `FUNCTION`, unwrapping `{"ui", "result"}`) and records, for each core node, what reached it.
-- `shrink_for_tiny(api)`: the same graph at the tiny models' sizes (width/height/frames/steps, and
-  `blocks_to_swap` capped to what a tiny transformer has).
+- `shrink_for_tiny(api)`: the same graph at the tiny models' sizes (width/height/frames/steps,
+  `blocks_to_swap` capped to what a tiny transformer has, a Step Cache's published ratios swapped
+  for a calibration).
 
 Placing tiny models under the templates' folder and file names, e.g. for a real ComfyUI:
 
     python tests/workflow_runner.py place-models /path/to/ComfyUI/models/diffusers
     python tests/workflow_runner.py place-files /path/to/ComfyUI/models
     python tests/workflow_runner.py place-loras /path/to/ComfyUI/models/loras
+    python tests/workflow_runner.py place-headers /path/to/plan-screenshot-ComfyUI/models
     python tests/workflow_runner.py place-clips /path/to/clips
 
 The first writes one tiny random diffusers folder per model name the API workflows reference (a
@@ -44,6 +46,7 @@ WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 ANY = "*"
 SEED_CONTROLS = ("fixed", "increment", "decrement", "randomize")
 TINY_STEPS = 2
+STEP_CACHE_NODE, CALIBRATE = "VidMemStepCache", "calibrate"
 
 
 @dataclass(frozen=True)
@@ -306,6 +309,10 @@ def shrink_for_tiny(api: dict, seed: int | None = None, clips: Path | None = Non
                            if k in inputs})  # an older workflow's own copy of the shape (now ignored)
             if inputs["blocks_to_swap"] > 0:
                 inputs["blocks_to_swap"] = min(inputs["blocks_to_swap"], block_cap)
+        if node["class_type"] == STEP_CACHE_NODE and inputs.get("mag_ratios") not in (None, CALIBRATE):
+            # The tiny models have no published MagCache ratios, so "auto" (or a ratio file measured on a
+            # real model) would be refused: a calibration runs MagCache's hooks on every block instead.
+            inputs["mag_ratios"] = CALIBRATE
     return api
 
 
@@ -426,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     loras = commands.add_parser("place-loras", help="write tiny LoRAs under the names the API workflows' Load LoRA "
                                 "nodes use (tests/tiny_loras.py)")
     loras.add_argument("loras_dir", type=Path, help="e.g. ComfyUI/models/loras")
+    headers = commands.add_parser("place-headers", help="write Comfy-Org's files at their real size with every weight "
+                                  "a hole (sparse): real plans on the Memory Strategy node, never a run")
+    headers.add_argument("models_root", type=Path, help="ComfyUI/models of a server for plan screenshots")
     clips = commands.add_parser("place-clips", help="write a few tiny captioned clips for the train templates")
     clips.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
@@ -435,10 +445,11 @@ def main(argv: list[str] | None = None) -> None:
         for path in place_tiny_loras(args.loras_dir) if args.command == "place-loras" else [place_tiny_clips(args.folder)]:
             print(path)
         return
-    if args.command == "place-files":
-        from model_files import place_tiny_model_files
+    if args.command in ("place-files", "place-headers"):
+        from model_files import place_real_size_headers, place_tiny_model_files
 
-        for path in place_tiny_model_files(args.models_root):
+        place = place_tiny_model_files if args.command == "place-files" else place_real_size_headers
+        for path in place(args.models_root):
             print(path)
         return
     for folder in place_tiny_models(args.models_dir):

@@ -7,10 +7,13 @@ their parts in workflows/template_types.py), so they cannot drift apart;
 each UI file to API format on its own to compare. Widget order comes from the nodes' INPUT_TYPES.
 
 ComfyUI 0.8.0's Templates browser (frontend 1.35) shows a custom node pack's template by its file
-name, as both title and description, with `workflows/<file name>.jpg` as its card. So the UI file is
-named by the template's readable `title`, and its thumbnail beside it is a screenshot taken by
-tests/browser/check_templates.mjs (`--thumbnails workflows`); the API twin keeps a short `name`
-for the command line (workflows/api/<name>.json), and the UI file records it in extra.vidmem.api.
+name, as both title and description (a pack cannot give it another description), with
+`workflows/<file name>.jpg` as its card image. So the UI file is named by the template's readable
+`title`, and the card image says the rest: what extra.vidmem.card holds (the model, the card and RAM
+it is made for, the steps it computes, the files to download, when to pick it), drawn in a browser
+by tests/browser/template_cards.mjs (`--thumbnails workflows` of check_templates.mjs runs it). The
+API twin keeps a short `name` for the command line (workflows/api/<name>.json), and the UI file
+records it in extra.vidmem.api.
 Node sizes leave room for what the nodes show: the Strategy's plan from the start, the compact
 receipts after a run (web/js/vidmem.js), so nothing overlaps after a run.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import uuid
 from dataclasses import dataclass, field, replace
@@ -33,6 +37,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]  # the template lists bes
 from template_types import Template  # noqa: E402
 from templates_files import FILE_TEMPLATES  # noqa: E402
 from templates_folders import FOLDER_TEMPLATES  # noqa: E402
+from templates_cache import CACHE_TEMPLATES  # noqa: E402
 from templates_lora import LORA_TEMPLATES  # noqa: E402
 from templates_train import TRAIN_TEMPLATES  # noqa: E402
 from workflow_runner import API_DIR, WORKFLOWS_DIR, node_spec, socket_inputs, widget_names  # noqa: E402
@@ -50,7 +55,7 @@ class Node:
     colors: tuple[str, str] | None = None  # (color, bgcolor)
 
 
-TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
+TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES + CACHE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
 
 MODEL_GROUP, SAMPLE_GROUP, SAVE_GROUP = "Model and memory strategy", "Sample, decode, free", "Save"
 LORA_GROUP, TRAIN_GROUP = "LoRA", "Train a LoRA"
@@ -58,27 +63,31 @@ NOTE_COLORS = ("#432", "#653")
 
 
 # Layout, in canvas pixels. Heights leave room for what the nodes add in the browser: the
-# Strategy's plan (web/js/vidmem.js PLAN_HEIGHT) from the start, a three-line receipt after a run.
-COLUMNS = (0, 460, 940, 1340, 1880)
+# Strategy's plan (web/js/vidmem.js PLAN_HEIGHT, 390) from the start, a three-line receipt after a run.
+COLUMNS = (0, 540, 1020, 1420, 1960)
 MIDDLE = 580  # a LoRA or training column, between the loader and the Sampler, moves the rest right by this
 NOTE_GAP = 90  # between the note and the groups' top: a group's title sits above its nodes' title bars
 GROUP_HEAD = 80  # node title bar (30) + group title (24) + room
 GAP = 50  # between stacked nodes: the lower one's title bar (30) and the source badge drawn above it (~20)
-SAMPLER_HEIGHT, STRATEGY_HEIGHT = 590, 700  # with the widgets of BASE_WIDGETS (the Strategy: room for its plan)
+SAMPLER_HEIGHT, STRATEGY_HEIGHT = 590, 790  # with the widgets of BASE_WIDGETS (the Strategy: room for its plan)
+FIRST_WIDTH = 480  # the loader and the Strategy: the plan's chart is drawn for this width (vidmem.js CHART_WIDTH)
 WIDGET_ROW = 28  # what one more number or combo widget adds (24 and spacing)
 # Widget counts the heights were set for; an input added to a node later gets its row (see _grown).
 BASE_WIDGETS = {"VidMemVideoSampler": 9, "VidMemMemoryStrategy": 14, "VidMemLoadPipeline": 4, "VidMemLoadModelFiles": 9}
 MIDDLE_WIDTH = 520  # Load LoRA shows file names of 60 characters (Comfy-Org's Lightning LoRAs) unclipped
-LORA_HEIGHT = 140  # Load LoRA: three widgets, room for its one-line receipt
+LORA_HEIGHT = 180  # Load LoRA: three widgets and its receipt (a run grows it to 171 px)
 PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receipt
 TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receipt
+CACHE_HEIGHT = 200  # Step Cache: five widgets, below the Sampler
 NOTE_CHAR_WIDTH, NOTE_LINE_HEIGHT, NOTE_PADDING = 7.25, 10.7, 70  # a Note's text, for notes sized to fit it
+VIEW_SCALE, VIEW_OFFSET = 0.7, (120, 180)  # the view a template opens with (extra.ds)
 FIRST_EXTRA_ID = 10  # ids 1-9 are the chain every template shares (the API twins keep them)
 
 
 def graph(t: Template) -> list[Node]:
     """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> Free VRAM -> save,
-    with the template's LoRA or training nodes between the loader and the Sampler.
+    with the template's LoRA or training nodes between the loader and the Sampler, and its Step
+    Cache (if it carries one) under the Sampler, linked to the Sampler's cache input.
 
     The strategy takes the Sampler's shape (the browser reads it from the graph), so it has no
     size of its own and no pipeline link: the plan finds the model through the Sampler.
@@ -90,14 +99,21 @@ def graph(t: Template) -> list[Node]:
     top = note_height + NOTE_GAP
     middle, pipeline = _middle(t, top)
     loader_h, strategy_h, decode_h = _grown(t.loader.type, t.loader.height), _grown("VidMemMemoryStrategy", STRATEGY_HEIGHT), 190
+    sampler_h = _grown("VidMemVideoSampler", SAMPLER_HEIGHT)
+    sampler_links = dict(pipeline=pipeline, strategy=(2, 0))
+    if t.cache:  # the Step Cache under the Sampler, into its cache input
+        cache_id = FIRST_EXTRA_ID + len(middle)
+        middle.append(Node(cache_id, "VidMemStepCache", (b, top + sampler_h + GAP), (420, CACHE_HEIGHT), dict(t.cache),
+                           group=SAMPLE_GROUP))
+        sampler_links["cache"] = (cache_id, 0)
     nodes = [
-        Node(1, t.loader.type, (a, top), (400, loader_h), t.loader.widgets, group=MODEL_GROUP),
-        Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (400, strategy_h),
+        Node(1, t.loader.type, (a, top), (FIRST_WIDTH, loader_h), t.loader.widgets, group=MODEL_GROUP),
+        Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (FIRST_WIDTH, strategy_h),
              dict(t.strategy, vram_budget_gb=0.0, ram_budget_gb=0.0), group=MODEL_GROUP),
-        Node(3, "VidMemVideoSampler", (b, top), (420, _grown("VidMemVideoSampler", SAMPLER_HEIGHT)), dict(
+        Node(3, "VidMemVideoSampler", (b, top), (420, sampler_h), dict(
             prompt=t.prompt, negative_prompt=t.negative_prompt, width=t.width, height=t.height, frames=t.frames,
             steps=t.steps, cfg=t.cfg, seed=t.seed, control_after_generate="fixed", **t.sampler,
-        ), links=dict(pipeline=pipeline, strategy=(2, 0)), group=SAMPLE_GROUP),
+        ), links=sampler_links, group=SAMPLE_GROUP),
         Node(4, "VidMemVAEDecode", (c, top), (340, decode_h), dict(save_latents=False),
              links=dict(pipeline=pipeline, latent=(3, 0), strategy=(2, 0)), group=SAMPLE_GROUP),
         Node(5, "VidMemFreeVRAM", (c, top + decode_h + GAP), (340, 160), dict(unload_comfy_models=False),
@@ -205,8 +221,9 @@ def to_ui(t: Template, nodes: list[Node]) -> dict:
         "links": links,
         "groups": _groups(nodes),
         "config": {},
-        # The saved view starts right of the sidebar; extra.vidmem.api names the API twin.
-        "extra": {"ds": {"scale": 0.7, "offset": [120, 60]}, "vidmem": _vidmem_extra(t)},
+        # The saved view starts right of the sidebar and below the workflow's name, which the frontend
+        # draws over the canvas's top left (42-90 px from the top): the note's title bar at 105 px.
+        "extra": {"ds": {"scale": VIEW_SCALE, "offset": list(VIEW_OFFSET)}, "vidmem": _vidmem_extra(t)},
         "version": 0.4,
     }
 
@@ -223,7 +240,77 @@ def _vidmem_extra(t: Template) -> dict:
                            "expert": s.expert} for s in t.loras]
     if t.training:
         extra["trains"] = t.training.train["lora_name"]
+    extra["card"] = _card(t)
     return extra
+
+
+# --- the Templates browser's card image (tests/browser/template_cards.mjs draws extra.vidmem.card) ----
+
+FAMILIES = (("CogVideoX", "cogvideox"), ("Wan 2.2", "wan22"), ("Wan 2.1", "wan21"))
+
+
+def _card(t: Template) -> dict:
+    """What a user choosing a template wants at a glance: the model, what it is made for (VRAM, RAM),
+    how much computing it asks (steps, passes), what to download, and when to pick it."""
+    model = re.search(r"(Wan 2\.\d [\w.-]+|CogVideoX-\w+)", t.title).group(1)
+    vram = t.machine.vram_gb if t.machine else _title_vram(t.title)
+    return {
+        "model": model, "family": next(key for prefix, key in FAMILIES if model.startswith(prefix)),
+        "variant": _variant(t), "vram_gb": vram, "ram_gb": t.machine.ram_gb if t.machine else None,
+        "shot": f"{t.width}x{t.height}, {t.frames} frames", "speed": _speed(t), "files": _files(t), "pick": t.pick,
+    }
+
+
+def _title_vram(title: str) -> float | None:
+    found = re.search(r"(\d+) GB card", title)
+    return float(found.group(1)) if found else None  # "small card": under 8 GB
+
+
+def _variant(t: Template) -> str:
+    if t.training:
+        return "train a LoRA"
+    if t.cache:
+        return "fast: Step Cache"
+    if t.loras:
+        return f"{t.steps}-step distill LoRA" if t.steps <= 8 else "with a LoRA"
+    stored = t.loader.widgets.get("weight_dtype", "default")
+    if t.files:  # the model file's storage (the text encoder is fp8 in every Wan template)
+        return "fp8 files" if "fp8" in t.files[0].name else "Comfy-Org files"
+    return "diffusers folder" + (f", {stored}" if stored != "default" else "")
+
+
+def _speed(t: Template) -> str:
+    """Transformer steps and passes per step (two with classifier-free guidance, one at cfg 1); a Step
+    Cache's computed steps from its published ratios (diffusers' own MagCache hook on a stand-in)."""
+    if t.training:
+        return f"trains {t.training.train['steps']} steps, samples {t.steps}"
+    passes = "2 passes each (cfg)" if t.cfg > 1.0 else "1 pass each (cfg 1)"
+    computed = _cache_steps(t) if t.cache else None
+    steps = f"{computed} of {t.steps} steps" if computed is not None else f"{t.steps} steps"
+    return f"{steps}, {passes}"
+
+
+def _cache_steps(t: Template) -> int | None:
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.step_cache import layout_key, mag_schedule, published_cache
+
+    model = load_model(t.machine.plan_model)
+    denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items() if name.startswith("transformer")}
+    cache = published_cache(layout_key(model.pipeline_class, denoisers))
+    if cache is None or t.cache.get("mag_ratios") != "auto":
+        return None
+    cache = replace(cache, retention=t.cache["retention"], max_skip_steps=t.cache["max_skip_steps"],
+                    threshold=t.cache["threshold"] or cache.threshold)
+    return sum(sum(mag_schedule(cache, t.steps, name)) for name in denoisers if cache.ratios_for(name) is not None)
+
+
+def _files(t: Template) -> str:
+    files = sum(f.size_gb for f in t.files)
+    loras = sum(step.file.size_gb for step in t.loras)
+    if t.files:
+        return f"{files:.1f} GB of files + {loras:.1f} GB LoRA" if loras else f"{files:.1f} GB of Comfy-Org files"
+    extra = " + your clips" if t.training else " + your LoRA" if t.loras else ""
+    return f"a diffusers folder{extra}"
 
 
 def _ui_node(node: Node, order: int, incoming: dict, outgoing: dict) -> dict:

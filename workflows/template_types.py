@@ -48,6 +48,7 @@ class ModelFile:
     name: str
     repo: str
     folder: str  # diffusion_models, text_encoders, vae
+    size_gb: float  # the file's size in GB (10^9 bytes), as the README's table gives it
 
     @property
     def source(self) -> str:
@@ -79,6 +80,7 @@ class LoraFile:
     repo: str  # a Hugging Face repository, or "" for a LoRA the user trains (no download)
     repo_path: str = ""  # the file's path inside the repository
     size: str = ""  # as the note states it
+    size_gb: float = 0.0  # for the card's download figure (0: nothing to download)
 
     @property
     def url(self) -> str:
@@ -113,6 +115,7 @@ class Template:
 
     name: str  # workflows/api/<name>.json, for the command line
     title: str  # workflows/<title>.json: what the Templates browser shows
+    pick: str  # when to pick it, in a few words: the last line of its card image (extra.vidmem.card)
     note: str
     loader: Loader
     strategy: dict
@@ -131,6 +134,14 @@ class Template:
     loras: tuple[LoraStep, ...] = ()  # Load LoRA nodes chained between the loader and the Sampler
     training: Training | None = None  # Prepare Training Data + Train LoRA between the loader and the Sampler
     sampler: dict = field(default_factory=dict)  # the Sampler's optional controls (scheduler, shift, cfg_2, ...)
+    cache: dict | None = None  # a Step Cache (VidMem) node's widgets, linked to the Sampler's cache input
+
+
+def mag_cache(retention: float, max_skip_steps: int) -> dict:
+    """A Step Cache on MagCache with the model's published ratios (mag_ratios auto) and the threshold
+    published with them (threshold 0); retention and K as the authors published them for the model
+    (pipelines/configs/mag_ratios.json: the node's own defaults are generic)."""
+    return dict(method="mag_cache", threshold=0.0, retention=retention, max_skip_steps=max_skip_steps, mag_ratios="auto")
 
 
 def diffusers_folder(model: str, dtype: str, weight_dtype: str = "default") -> Loader:

@@ -14,15 +14,15 @@ from template_types import (
     NEGATIVE, WAN21_REPO, WAN22_REPO, Machine, ModelFile, Template, model_files, strategy,
 )
 
-UMT5_FP8 = ModelFile("umt5_xxl_fp8_e4m3fn_scaled.safetensors", WAN21_REPO, "text_encoders")
-WAN21_VAE = ModelFile("wan_2.1_vae.safetensors", WAN21_REPO, "vae")
-WAN21_14B_FP8 = ModelFile("wan2.1_t2v_14B_fp8_scaled.safetensors", WAN21_REPO, "diffusion_models")
-WAN21_1_3B = ModelFile("wan2.1_t2v_1.3B_bf16.safetensors", WAN21_REPO, "diffusion_models")
+UMT5_FP8 = ModelFile("umt5_xxl_fp8_e4m3fn_scaled.safetensors", WAN21_REPO, "text_encoders", 6.7)
+WAN21_VAE = ModelFile("wan_2.1_vae.safetensors", WAN21_REPO, "vae", 0.25)
+WAN21_14B_FP8 = ModelFile("wan2.1_t2v_14B_fp8_scaled.safetensors", WAN21_REPO, "diffusion_models", 14.3)
+WAN21_1_3B = ModelFile("wan2.1_t2v_1.3B_bf16.safetensors", WAN21_REPO, "diffusion_models", 2.8)
 # Wan 2.2's repository carries the same text encoder and VAE files: one download place for A14B.
-WAN22_HIGH_FP8 = ModelFile("wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", WAN22_REPO, "diffusion_models")
-WAN22_LOW_FP8 = ModelFile("wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors", WAN22_REPO, "diffusion_models")
-UMT5_FP8_22 = ModelFile(UMT5_FP8.name, WAN22_REPO, "text_encoders")
-WAN21_VAE_22 = ModelFile(WAN21_VAE.name, WAN22_REPO, "vae")
+WAN22_HIGH_FP8 = ModelFile("wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", WAN22_REPO, "diffusion_models", 14.3)
+WAN22_LOW_FP8 = ModelFile("wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors", WAN22_REPO, "diffusion_models", 14.3)
+UMT5_FP8_22 = ModelFile(UMT5_FP8.name, WAN22_REPO, "text_encoders", UMT5_FP8.size_gb)
+WAN21_VAE_22 = ModelFile(WAN21_VAE.name, WAN22_REPO, "vae", WAN21_VAE.size_gb)
 
 
 
@@ -43,6 +43,7 @@ FILE_TEMPLATES = (
     Template(
         name="wan21_t2v_14b_fp8_files",
         title="Wan 2.1 14B fp8, 8 GB, 32 GB RAM",
+        pick="Wan 2.1 14B quality on an 8 GB card",
         note=(
             "Wan 2.1 T2V 14B from Comfy-Org's fp8 single files on an 8 GB card with 32 GB of RAM: 832x480, "
             "81 frames (about 5 s at 16 fps).\n\n"
@@ -72,6 +73,7 @@ FILE_TEMPLATES = (
     Template(
         name="wan22_t2v_a14b_fp8_files",
         title="Wan 2.2 A14B fp8, 12 GB, 32 GB RAM",
+        pick="Wan 2.2's two 14B experts on a 12 GB card",
         note=(
             "Wan 2.2 T2V A14B from Comfy-Org's fp8 single files on a 12 GB card with 32 GB of RAM: 832x480, "
             "81 frames (about 5 s at 16 fps). A14B is two 14B experts: the high-noise one shapes the first "
@@ -102,6 +104,7 @@ FILE_TEMPLATES = (
     Template(
         name="wan21_t2v_1_3b_files",
         title="Wan 2.1 1.3B files, 8 GB, 16 GB RAM",
+        pick="quick drafts on an 8 GB card, small downloads",
         note=(
             "Wan 2.1 T2V 1.3B from Comfy-Org's single files on an 8 GB card with 16 GB of RAM: 832x480, "
             "81 frames (about 5 s at 16 fps).\n\n"

@@ -14,6 +14,7 @@ FOLDER_TEMPLATES = (
     Template(
         name="cogvideox_t2v",
         title="CogVideoX-2b, 12 GB card",
+        pick="CogVideoX on a 12 GB card: the prompt encodes on the GPU",
         note=(
             "CogVideoX-2b text to video on a 12 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
             "Model: the diffusers folder of THUDM/CogVideoX-2b in ComfyUI/models/diffusers/CogVideoX-2b "
@@ -37,6 +38,7 @@ FOLDER_TEMPLATES = (
     Template(
         name="wan21_t2v_blockswap",
         title="Wan 2.1 1.3B, small card, block swap",
+        pick="a card under 8 GB, or 8 GB that also drives a display",
         note=(
             "Wan 2.1 T2V 1.3B text to video: 832x480, 81 frames (about 5 s at 16 fps), for small cards.\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -60,6 +62,7 @@ FOLDER_TEMPLATES = (
     Template(
         name="wan21_t2v_1_3b_8gb",
         title="Wan 2.1 1.3B, 8 GB card",
+        pick="Wan 2.1 from a diffusers folder on an 8 GB card",
         note=(
             "Wan 2.1 T2V 1.3B on an 8 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -84,6 +87,7 @@ FOLDER_TEMPLATES = (
     Template(
         name="wan21_t2v_1_3b_12gb",
         title="Wan 2.1 1.3B, 12 GB card",
+        pick="12 GB: the prompt encodes on the GPU, in seconds",
         note=(
             "Wan 2.1 T2V 1.3B on a 12 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -105,6 +109,7 @@ FOLDER_TEMPLATES = (
     Template(
         name="wan21_t2v_14b_24gb",
         title="Wan 2.1 14B, 24 GB card",
+        pick="the 14B from a diffusers folder on a 24 GB card",
         note=(
             "Wan 2.1 T2V 14B on a 24 GB card: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-14B-Diffusers in "
@@ -131,6 +136,7 @@ FOLDER_TEMPLATES = (
     Template(
         name="cogvideox_2b_t2v_8gb",
         title="CogVideoX-2b, 8 GB card",
+        pick="CogVideoX on an 8 GB card",
         note=(
             "CogVideoX-2b on an 8 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
             "Model: the diffusers folder of THUDM/CogVideoX-2b in ComfyUI/models/diffusers/CogVideoX-2b; "
@@ -152,6 +158,7 @@ FOLDER_TEMPLATES = (
     Template(
         name="wan22_ti2v_5b_12gb",
         title="Wan 2.2 TI2V-5B, 12 GB card",
+        pick="1280x704 at 24 fps from the 5B on a 12 GB card",
         note=(
             "Wan 2.2 TI2V-5B on a 12 GB card, text to video: 1280x704, 121 frames (about 5 s at 24 fps). "
             "Width and height must be multiples of 32 for this model and frames 4k+1.\n\n"
@@ -176,6 +183,7 @@ FOLDER_TEMPLATES = (
     Template(
         name="cogvideox_5b_fp8",
         title="CogVideoX-5b fp8, 8 GB, 16 GB RAM",
+        pick="CogVideoX-5b on 8 GB, weights in fp8",
         note=(
             "CogVideoX-5b text to video on an 8 GB card with 16 GB of RAM, its weights stored in fp8: 720x480, "
             "49 frames (about 6 s at 8 fps).\n\n"

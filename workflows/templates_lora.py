@@ -20,13 +20,13 @@ KIJAI_REPO = "Kijai/WanVideo_comfy"
 WAN22_REPO = "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 # Sizes: rank x (in + out) per adapted layer of the 14B model, 16-bit (not read from the hub).
 LIGHTX2V_WAN21 = LoraFile("Wan21_T2V_14B_lightx2v_cfg_step_distill_lora_rank32.safetensors", KIJAI_REPO,
-                          "Wan21_T2V_14B_lightx2v_cfg_step_distill_lora_rank32.safetensors", "about 0.3 GB")
+                          "Wan21_T2V_14B_lightx2v_cfg_step_distill_lora_rank32.safetensors", "about 0.3 GB", 0.3)
 LIGHTX2V_WAN22_HIGH = LoraFile("wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors", WAN22_REPO,
                                "split_files/loras/wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors",
-                               "about 0.6 GB")
+                               "about 0.6 GB", 0.6)
 LIGHTX2V_WAN22_LOW = LoraFile("wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors", WAN22_REPO,
                               "split_files/loras/wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors",
-                              "about 0.6 GB")
+                              "about 0.6 GB", 0.6)
 COGVIDEOX_STYLE = LoraFile("cogvideox_2b_style_lora.safetensors", "")  # the user's own: trained, not downloaded
 
 DISTILL_SAMPLER = dict(scheduler="flow_match_euler", shift=5.0)
@@ -50,6 +50,7 @@ LORA_TEMPLATES = (
     Template(
         name="wan21_t2v_14b_lightx2v_4step",
         title="Wan 2.1 14B 4-step, 8 GB card",
+        pick="the 14B in 4 steps: 20x less compute than 40",
         note=(
             "Wan 2.1 T2V 14B in 4 steps with lightx2v's step-distill LoRA, on an 8 GB card with 32 GB of RAM: "
             "832x480, 81 frames (about 5 s at 16 fps).\n\n"
@@ -80,6 +81,7 @@ LORA_TEMPLATES = (
     Template(
         name="wan22_t2v_a14b_lightx2v_4step",
         title="Wan 2.2 A14B 4-step, 8 GB card",
+        pick="Wan 2.2 A14B in 4 steps on an 8 GB card",
         note=(
             "Wan 2.2 T2V A14B in 4 steps with lightx2v's Lightning LoRAs, one per expert, on an 8 GB card "
             "with 32 GB of RAM: 832x480, 81 frames (about 5 s at 16 fps).\n\n"
@@ -112,6 +114,7 @@ LORA_TEMPLATES = (
     Template(
         name="cogvideox_2b_style_lora",
         title="CogVideoX-2b LoRA, 12 GB card",
+        pick="your own CogVideoX-2b style LoRA",
         note=(
             "CogVideoX-2b with a style LoRA on a 12 GB card: 720x480, 49 frames (about 6 s at 8 fps).\n\n"
             "No step-distill LoRA exists for CogVideoX (lightx2v's and the Lightning LoRAs are Wan-only; we "

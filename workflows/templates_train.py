@@ -43,6 +43,7 @@ TRAIN_TEMPLATES = (
     Template(
         name="wan21_1_3b_train_lora",
         title="Train Wan 2.1 1.3B LoRA, 12 GB card",
+        pick="a LoRA of your clips for Wan 2.1 1.3B",
         note=(
             "Train a LoRA for Wan 2.1 T2V 1.3B on your clips, then sample with it, on a 12 GB card.\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.1-T2V-1.3B-Diffusers in "
@@ -67,6 +68,7 @@ TRAIN_TEMPLATES = (
     Template(
         name="cogvideox_2b_train_lora",
         title="Train CogVideoX-2b LoRA, 12 GB card",
+        pick="a LoRA of your clips for CogVideoX-2b",
         note=(
             "Train a LoRA for CogVideoX-2b on your clips, then sample with it, on a 12 GB card, as "
             "CogVideoX-Factory trains it (v-prediction, attention layers) but inside ComfyUI.\n\n"
@@ -91,6 +93,7 @@ TRAIN_TEMPLATES = (
     Template(
         name="wan22_ti2v_5b_train_lora",
         title="Train Wan 2.2 5B LoRA, 16 GB card",
+        pick="a LoRA of your clips for Wan 2.2 5B",
         note=(
             "Train a LoRA for Wan 2.2 TI2V-5B on your clips, then sample with it, on a 16 GB card.\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.2-TI2V-5B-Diffusers in "

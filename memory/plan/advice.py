@@ -1,22 +1,26 @@
-"""When nothing fits: say what would, computed by planning the alternatives, never guessed.
+"""When a plan does not fit: say what would, computed by planning the alternatives, never guessed.
 
-Two suggestions at most, each the first that fits: a smaller storage format for the transformer(s)
-and the text encoder with the weights where they are, and the weights memory-mapped from disk
-(as stored, if the search did not try that already, else with smaller storage). When neither
-exists and the device is what runs out, a shorter or smaller video. Each suggestion is a plan
-that fits the same budgets, never a guess.
+Per stage (`over_budget_lines`): what the stage needs beyond each budget and the one change that
+makes that stage fit, found by planning the stage again with it: the text encoder on the CPU, more
+swapped blocks, a lower tier, VAE tiling, the weights on disk, smaller stored weights.
+
+For the whole run (`nothing_fits_message`), two suggestions at most, each the first that fits: a
+smaller storage format for the transformer(s) and the text encoder with the weights where they
+are, and the weights memory-mapped from disk (as stored, if the search did not try that already,
+else with smaller storage). When neither exists and the device is what runs out, a shorter or
+smaller video. Each suggestion is a plan that fits the same budgets, never a guess.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .candidates import Plan, PlanError, candidate_plans, recommended
+from .candidates import STAGE_WORDS, Plan, PlanError, _fewest_blocks, _tiling_that_fits, candidate_plans, recommended
 from .costs import GiB
-from .stages import host_base
-from .types import PlannerModel, PlanOptions, VideoShape
+from .stages import decode_stage, denoise_stage, host_base, text_encode_stage
+from .types import PlannerModel, PlanOptions, StagePlan, VideoShape
 from ..storage import FORMATS, storage_format
-from ..strategy import MemoryStrategy
+from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
 
 # Smaller storage to suggest, best quality first: Comfy-Org ships fp8 scaled; the GGUF k-quants are
 # what city96's files offer below it (gguf_q8_0 is larger than fp8 and would not fit where it does not).
@@ -29,8 +33,8 @@ def nothing_fits_message(model: PlannerModel, shape: VideoShape, plans: list[Pla
     leanest = plans[-1]
     vram, ram = leanest.vram_budget_bytes, leanest.ram_budget_bytes
     lines = [f"nothing fits {model.name} at {shape.width}x{shape.height}x{shape.frames} in {_gib(vram)} VRAM / "
-             f"{_gib(ram)} RAM; even {leanest.strategy.describe()} ({leanest.describe_storage()}): "
-             + "; ".join(leanest.over_budget()) + "."]
+             f"{_gib(ram)} RAM; even {leanest.strategy.describe()} ({leanest.describe_storage()}) is over:"]
+    lines += [f"  {line}" for line in leanest.over_budget()]
     least_ram = min(plans, key=lambda p: p.peak_ram_bytes)
     if least_ram.peak_ram_bytes > ram:
         held = host_base(model, least_ram.options)[0]
@@ -42,7 +46,83 @@ def nothing_fits_message(model: PlannerModel, shape: VideoShape, plans: list[Pla
     lines.extend(found)
     if not found and host_base(model, options)[0] <= ram and all(s.fits(vram) for s in leanest.stages[:1]):
         lines.extend(_smaller_shape(model, shape, base, options, consider_disk, (vram, ram)))
-    return " ".join(lines)
+    return "\n".join(lines)
+
+
+_STAGES = {"text_encode": text_encode_stage, "denoise": denoise_stage, "decode": decode_stage}
+
+
+def over_budget_lines(model: PlannerModel, plan: Plan) -> list[str]:
+    """One short line per stage over a budget, each with the change that makes that stage fit:
+
+        text encode: VRAM 11.2 > 8.0 GiB, RAM 39.0 > 32.0 GiB; fix: text encoder on the CPU, weights on disk
+        denoise: VRAM 9.1 > 8.0 GiB; fix: blocks_to_swap 39
+
+    Each fix is the first of a short list of changes (least change first) under which the stage,
+    planned again, fits that budget; the fixes of different stages and budgets apply together.
+    """
+    lines = []
+    for stage, over in plan.stages_over():
+        if not over:
+            continue
+        fixes = []
+        if not stage.fits(plan.vram_budget_bytes):
+            fixes.append(_vram_fix(model, plan, stage.name))
+        if plan.ram_budget_bytes is not None and stage.host_bytes > plan.ram_budget_bytes:
+            fixes.append(_ram_fix(model, plan, stage.name))
+        lines.append(f"{STAGE_WORDS.get(stage.name, stage.name)}: {', '.join(over)}; fix: {', '.join(fixes)}")
+    return lines
+
+
+def _stage(model: PlannerModel, plan: Plan, name: str, strategy: MemoryStrategy, options: PlanOptions) -> StagePlan:
+    return _STAGES[name](model, plan.shape, strategy, options).within(plan.vram_budget_bytes)
+
+
+def _vram_fix(model: PlannerModel, plan: Plan, name: str) -> str:
+    """The least change to the strategy (or the stored weights) under which stage `name` fits the VRAM budget."""
+    vram = plan.vram_budget_bytes
+    for words, strategy, options in _vram_trials(model, plan, name):
+        if _stage(model, plan, name, strategy, options).fits(vram):
+            return words
+    return "fewer frames or a smaller size"
+
+
+def _vram_trials(model: PlannerModel, plan: Plan, name: str):
+    s, options, tier = plan.strategy, plan.options, plan.strategy.offload
+    cpu = replace(s, text_encoder=TextEncoderPlacement.CPU)
+    if name == "text_encode" and s.text_encoder is not TextEncoderPlacement.CPU:
+        yield "text encoder on the CPU", cpu, options
+    if tier is OffloadTier.NONE:
+        yield "offload model", replace(s, offload=OffloadTier.MODEL), options
+        if name == "text_encode":
+            yield "offload model, text encoder on the CPU", replace(cpu, offload=OffloadTier.MODEL), options
+    if name == "denoise" and tier is not OffloadTier.SEQUENTIAL:
+        swapping = replace(s, offload=OffloadTier.BLOCK_SWAP, blocks_to_swap=1)
+        swap = _fewest_blocks(model, plan.shape, swapping, options, plan.vram_budget_bytes)
+        words = f"blocks_to_swap {swap.blocks_to_swap}"
+        yield (words if tier is OffloadTier.BLOCK_SWAP else f"offload block_swap, {words}"), swap, options
+    if name == "decode":
+        tiled = _tiling_that_fits(model, plan.shape, replace(s, vae_tiling=None), options, plan.vram_budget_bytes)
+        if tiled.vae_tiling is not None and tiled.vae_tiling != s.vae_tiling:
+            t = tiled.vae_tiling
+            yield f"VAE tiling, tile_size {t.tile_size}, temporal_size {t.temporal_size}", replace(s, vae_tiling=t), options
+    if tier is not OffloadTier.SEQUENTIAL:
+        yield "offload sequential", replace(s, offload=OffloadTier.SEQUENTIAL, blocks_to_swap=0), options
+    for trial in _smaller_storage(model, options):
+        yield f"weights stored as {trial.storage[0][1]}", s, trial
+
+
+def _ram_fix(model: PlannerModel, plan: Plan, name: str) -> str:
+    """The least change to how the weights are held under which stage `name` fits the RAM budget."""
+    ram, options = plan.ram_budget_bytes, plan.options
+    trials = [] if options.on_disk else [("weights on disk", replace(options, on_disk=True))]
+    trials += [(f"weights stored as {t.storage[0][1]}" + (", on disk" if t.on_disk and not options.on_disk else ""), t)
+               for t in _smaller_storage(model, options) + ([] if options.on_disk else _on_disk(model, options, True))]
+    for words, trial in trials:
+        if _stage(model, plan, name, plan.strategy, trial).host_bytes <= ram:
+            return words
+    stage = plan.stage(name)
+    return f"more RAM (at least {_gib(stage.host_bytes)})"
 
 
 def _smaller_storage(model: PlannerModel, options: PlanOptions) -> list[PlanOptions]:

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .costs import CUDA_CONTEXT_BYTES, GiB, DiskRead
+from .costs import CUDA_CONTEXT_BYTES, TIME_RESOLUTION, GiB, DiskRead
 from .stages import compute_seconds, decode_stage, denoise_stage, text_encode_stage
 from .types import PlannerModel, PlanOptions, StagePlan, VideoShape
 from ..strategy import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement
 from ..vae_tiles import auto_tiling
 
-__all__ = ["Plan", "PlanError", "candidate_plans", "plan_run", "recommended"]
+__all__ = ["Plan", "PlanError", "candidate_plans", "plan_run", "recommended", "times_differ"]
 
 TIER_ORDER = (OffloadTier.NONE, OffloadTier.MODEL, OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
+STAGE_WORDS = {"text_encode": "text encode", "denoise": "denoise", "decode": "decode"}  # as people read them
 
 
 class PlanError(ValueError):
@@ -74,14 +75,22 @@ class Plan:
         return round(max(seconds / self.baseline_seconds, 1.0), 2) if self.baseline_seconds else 1.0
 
     def over_budget(self) -> list[str]:
-        """One line per stage and budget it exceeds; empty when it fits (or no budget is set)."""
-        lines = []
+        """One short line per stage over a budget ("denoise: VRAM 9.1 > 8.0 GiB, RAM 39.0 > 32.0 GiB");
+        empty when it fits (or no budget is set). `advice.over_budget_lines` adds the fix to each."""
+        return [f"{STAGE_WORDS.get(stage.name, stage.name)}: {', '.join(over)}"
+                for stage, over in self.stages_over() if over]
+
+    def stages_over(self) -> list[tuple[StagePlan, list[str]]]:
+        """Each stage with what it needs beyond the budgets ("VRAM 9.1 > 8.0 GiB"), empty where it fits."""
+        found = []
         for s in self.stages:
+            over = []
             if not s.fits(self.vram_budget_bytes):
-                lines.append(f"{s.name} needs {_gib(s.device_bytes)} VRAM (budget {_gib(self.vram_budget_bytes)})")
+                over.append(f"VRAM {s.device_bytes / GiB:.1f} > {_gib(self.vram_budget_bytes)}")
             if self.ram_budget_bytes is not None and s.host_bytes > self.ram_budget_bytes:
-                lines.append(f"{s.name} needs {_gib(s.host_bytes)} RAM (budget {_gib(self.ram_budget_bytes)})")
-        return lines
+                over.append(f"RAM {s.host_bytes / GiB:.1f} > {_gib(self.ram_budget_bytes)}")
+            found.append((s, over))
+        return found
 
     @property
     def fits(self) -> bool | None:
@@ -190,6 +199,13 @@ def recommended(plans: list[Plan]) -> int | None:
     """
     fitting = [(round(p.est_slowdown, 2), i) for i, p in enumerate(plans) if p.fits]
     return min(fitting)[1] if fitting else None
+
+
+def times_differ(plans: list[Plan]) -> bool:
+    """Whether the plans' estimated times differ by more than the time model can tell
+    (`costs.TIME_RESOLUTION`); when they do not, a time column would only repeat one figure."""
+    times = [p.est_slowdown for p in plans]
+    return bool(times) and max(times) > min(times) * (1 + TIME_RESOLUTION)
 
 
 def _check(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> None:

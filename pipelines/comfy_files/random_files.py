@@ -35,13 +35,17 @@ _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 def write_random_file(component: ComponentConfig, path: str | Path, storage: str = "bf16",
                       layout: KeyLayout = KeyLayout.ORIGINAL, seed: int = 0, std: float = 0.02,
-                      spiece_model: bytes | None = None) -> Path:
+                      spiece_model: bytes | None = None, holes: bool = False) -> Path:
     """Write `component` (transformer / vae / text encoder / CLIP vision) with random weights.
 
     Transformers and text encoders store their Linear weights in `storage` (fp8, fp8_scaled or a
     plain dtype) and everything else in bf16 (fp32 when `storage` is fp32); VAEs and encoders of
     other kinds store all in `storage` when it is plain. Wan transformers and VAEs are written in
     their original layouts (`layout` for the transformer), as Comfy-Org ships them.
+
+    `holes`: the weights are left as holes of a sparse file (zeros, no disk space; the header,
+    fp8 scales and tokenizer are written): a real-size file in seconds, for what reads headers
+    only (the planner, the plan on the Memory Strategy node), never for a run.
     """
     fmt = storage_format(storage)
     if fmt.gguf_type is not None:
@@ -66,7 +70,7 @@ def write_random_file(component: ComponentConfig, path: str | Path, storage: str
     if spiece_model is not None:
         extras[TOKENIZER_KEY] = torch.frombuffer(bytearray(spiece_model), dtype=torch.uint8)
     plan += [(name, tuple(t.shape), t.dtype, t, None) for name, t in extras.items()]
-    return _write_streaming(Path(path), plan, torch.Generator().manual_seed(seed), std)
+    return _write_streaming(Path(path), plan, torch.Generator().manual_seed(seed), std, holes)
 
 
 def _unique_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -93,7 +97,7 @@ def _fill(name: str, shape: tuple) -> str:
     return "normal"
 
 
-def _write_streaming(path: Path, plan: list, generator: torch.Generator, std: float) -> Path:
+def _write_streaming(path: Path, plan: list, generator: torch.Generator, std: float, holes: bool = False) -> Path:
     pools: dict = {}
     header, offset = {}, 0
     for name, shape, dtype, _, _ in plan:
@@ -106,8 +110,12 @@ def _write_streaming(path: Path, plan: list, generator: torch.Generator, std: fl
     with open(path, "wb") as out:
         out.write(len(raw).to_bytes(8, "little") + raw)
         for name, shape, dtype, values, scale in plan:
+            if holes and isinstance(values, str) and values != "scale":
+                out.seek(_numel(shape) * dtype.itemsize, 1)  # a hole: reads as zeros
+                continue
             for chunk in _chunks(shape, dtype, values, scale, generator, std, pools):
                 out.write(chunk.contiguous().view(torch.uint8).numpy().tobytes())
+        out.truncate()  # a file ending in a hole still has its full size
     return path
 
 

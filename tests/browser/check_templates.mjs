@@ -12,7 +12,8 @@
 // Templates are named by their UI file's title; --run and the screenshots use the API twin's
 // short name (extra.vidmem.api). --run lists templates to run from the browser (each gets
 // <name>_receipts.png); the first also gets the live-plan and older-layout checks. --run-all runs
-// and layout-checks every template. --thumbnails writes each template's card, <title>.jpg.
+// and layout-checks every template. --thumbnails writes each template's card image, <title>.jpg
+// (template_cards.mjs: drawn from extra.vidmem.card, not a screenshot of the graph).
 //
 // Prints one JSON report on stdout; exit status 0 when every check passed.
 import fs from "node:fs";
@@ -20,6 +21,8 @@ import { createRequire } from "node:module";
 import os from "node:os";
 import path from "node:path";
 import { parseArgs } from "node:util";
+
+import { writeCards } from "./template_cards.mjs";
 
 const require = createRequire(import.meta.url);
 const { chromium } = require("playwright-core"); // resolved through NODE_PATH (not a repo dependency)
@@ -112,9 +115,16 @@ async function runInBrowser(page, seed, tiny = TINY) {
     set(sampler, "seed", seed);
     const strategy = byType("VidMemMemoryStrategy"); // it plans at the Sampler's shape: nothing to set there
     if (strategy.widgets.find((w) => w.name === "offload").value === "block_swap") set(strategy, "blocks_to_swap", 1);
+    // The tiny stand-ins have no published MagCache ratios ("auto" is refused there): calibrate, as
+    // tests/workflow_runner.py shrink_for_tiny does.
+    const cache = byType("VidMemStepCache");
+    if (cache) set(cache, "mag_ratios", "calibrate");
     await app.queuePrompt(0, 1);
     const receipt = (node) => node.widgets?.find((w) => w.name === "vidmem_receipt")?.element?.title || null;
-    const plan = (node) => node.widgets?.find((w) => w.name === "vidmem_plan")?.element?.textContent ?? null;
+    const plan = (node) => { // the plan's tooltip: the verdict and the strategy planned, then the table
+      const element = node.widgets?.find((w) => w.name === "vidmem_plan")?.element;
+      return element?.title || element?.textContent || null;
+    };
     const deadline = Date.now() + 240000;
     while (Date.now() < deadline) {
       const texts = ["VidMemMemoryStrategy", "VidMemVideoSampler", "VidMemVAEDecode", "VidMemFreeVRAM"]
@@ -168,18 +178,19 @@ async function scrollThroughDialog(page) {
   await page.waitForTimeout(1500);
 }
 
-// The graph's on-screen box (nodes and groups, after FitView): a template's card shows the graph, not the app around it.
-async function graphClip(page) {
-  return page.evaluate(({ width, height }) => {
+// As the template opens (its saved view): the note's title bar starts below the workflow's name,
+// which the frontend draws over the canvas's top left (the breadcrumb), and clear of the tabs.
+async function noteClearOfTheName(page) {
+  return page.evaluate(() => {
     const { ds } = window.app.canvas;
+    const note = window.app.graph.nodes.find((n) => n.type === "Note");
     const title = window.LiteGraph.NODE_TITLE_HEIGHT ?? 30;
-    const boxes = [...window.app.graph.nodes.map((n) => [n.pos[0], n.pos[1] - title, n.size[0], n.size[1] + title]),
-                   ...(window.app.graph.groups ?? []).map((g) => g._bounding ?? g.bounding)];
-    const left = Math.min(...boxes.map((b) => b[0])), top = Math.min(...boxes.map((b) => b[1]));
-    const right = Math.max(...boxes.map((b) => b[0] + b[2])), bottom = Math.max(...boxes.map((b) => b[1] + b[3]));
-    const x = Math.max(0, (left + ds.offset[0]) * ds.scale - 12), y = Math.max(0, (top + ds.offset[1]) * ds.scale - 12);
-    return { x, y, width: Math.min(width - x, (right - left) * ds.scale + 24), height: Math.min(height - y, (bottom - top) * ds.scale + 24) };
-  }, VIEWPORT);
+    const canvasTop = window.app.canvas.canvas.getBoundingClientRect().top;
+    const noteTop = canvasTop + (note.pos[1] - title + ds.offset[1]) * ds.scale;
+    const name = [...document.querySelectorAll(".p-breadcrumb")].map((e) => e.getBoundingClientRect()).filter((r) => r.height);
+    const nameBottom = Math.max(0, ...name.map((r) => r.bottom));
+    return { clear: noteTop >= nameBottom, noteTop, nameBottom };
+  });
 }
 
 // In the page: the Strategy node's plan widget as text, its chart's markup and status ("none" until it answered).
@@ -187,7 +198,9 @@ async function planOnNode(page) {
   return page.evaluate(() => {
     const node = window.app.graph.nodes.find((n) => n.type === "VidMemMemoryStrategy");
     const element = node?.widgets?.find((w) => w.name === "vidmem_plan")?.element;
-    return { status: element?.dataset.status ?? "missing", text: element?.textContent ?? "",
+    // Its tooltip: the verdict, the strategy planned, the reasons, the table (the node shows the same, the
+    // strategy aside: the widgets above say it).
+    return { status: element?.dataset.status ?? "missing", text: element?.title || element?.textContent || "",
              chart: element?.querySelector("svg")?.outerHTML ?? "", table: element?.querySelector("pre")?.textContent ?? "" };
   });
 }
@@ -342,14 +355,13 @@ async function main() {
       // At the template's size only the model's own limits may stop the plan (the host's tiny stand-ins
       // cannot trace Wan at 832x480, and have 1-2 blocks where the template swaps 16); never the loader's inputs.
       const ownLimit = plan.status === "error" && (/cannot run \w+ at \d+x\d+x\d+/.test(plan.text)
+        || /is more than \S+ can place: its positional embedding covers/.test(plan.text)
         || /blocks_to_swap=\d+ but this model's .* has \d+ blocks/.test(plan.text));
       if (!(plan.status === "ok" && plan.chart) && !ownLimit) report.problems.push(`${template.name}: no plan at the template's size (status ${plan.status}): ${result.plan}`);
+      result.noteBelowName = await noteClearOfTheName(page);
+      if (!result.noteBelowName.clear) report.problems.push(`${template.name}: the note starts under the workflow's name: ${JSON.stringify(result.noteBelowName)}`);
       result.screenshot = path.join(args.screenshots, `${template.name}.png`);
       result.bytes = await fitAndShoot(page, result.screenshot);
-      if (args.thumbnails) {
-        result.thumbnail = path.join(args.thumbnails, `${template.title}.jpg`);
-        await page.screenshot({ path: result.thumbnail, type: "jpeg", quality: 85, clip: await graphClip(page) });
-      }
       // A size and block count the stand-ins (2 blocks) can run: there the plan must draw.
       await setWidgets(page, "VidMemVideoSampler", tinyFor(template));
       await page.evaluate(() => {
@@ -364,6 +376,14 @@ async function main() {
       if (result.loaded !== result.expected) report.problems.push(`${template.name}: ${result.loaded} of ${result.expected} nodes loaded`);
       if (result.apiDifferences.length || result.extraApiNodes.length) {
         report.problems.push(`${template.name}: the frontend's graphToPrompt differs from workflows/api/${template.name}.json`);
+      }
+    }
+    if (args.thumbnails) {
+      const cards = await writeCards(context, args.workflows, args.thumbnails);
+      for (const card of cards) {
+        const result = report.templates.find((t) => t.title === card.title);
+        if (result) result.thumbnail = card.file;
+        if (card.overflow.length) report.problems.push(`${card.title}: card text cut: ${card.overflow}`);
       }
     }
     report.templatesBrowser = await templatesBrowser(page, path.join(args.screenshots, "templates_browser.png"));

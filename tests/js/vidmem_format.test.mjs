@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
-  planBars, planLines, planQuery, planVerdict, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
+  cacheLine, planBars, planLines, planQuery, planReasons, planVerdict, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
   parseStrategyText, receiptFrom, strategyLines, summarize, textFrom,
 } from "../../web/js/vidmem_format.js";
 
@@ -155,9 +155,10 @@ const stages = (te, dn, dc, ram) => [
 const PLAN = {
   status: "ok", model: "Wan2.1-T2V-1.3B-Diffusers", auto: false, shape: { width: 832, height: 480, frames: 81 },
   budgets: { vram_bytes: 8 * GIB, ram_bytes: 32 * GIB }, chosen: 1,
+  time: { shown: true, resolution: 0.05, relative_to: "the same run with every weight on the GPU and the decode in one piece" },
   rows: [
     { label: "none", strategy: "offload=none", fits: false, est_slowdown: 1, peak_vram_bytes: 12 * GIB, peak_ram_bytes: 20 * GIB,
-      stages: stages(12, 9, 7, 20), over_budget: ["text_encode needs 12.0 GiB VRAM (budget 8.0 GiB)"] },
+      stages: stages(12, 9, 7, 20), over_budget: ["text encode: VRAM 12.0 > 8.0 GiB; fix: text encoder on the CPU"] },
     { label: "your settings", strategy: "offload=block_swap blocks_to_swap=5", fits: true, est_slowdown: 1.09,
       peak_vram_bytes: 6 * GIB, peak_ram_bytes: 20 * GIB, stages: stages(0, 5.5, 6, 20), over_budget: [] },
   ],
@@ -192,18 +193,42 @@ test("the plan query carries the model, every widget and the sampler's shape, or
   assert.equal(planQuery({ model: "Wan", widgets, shape: { width: 832, height: undefined, frames: 81 } }), null);
 });
 
-test("the plan table marks the chosen row and shows the budgets", () => {
+test("the plan table marks the chosen row, keeps labels whole and shows the budgets", () => {
   const lines = planLines(PLAN);
   assert.equal(lines[0], "Wan2.1-T2V-1.3B-Diffusers 832x480x81");
-  assert.match(lines[2], /^  none .* 12\.0  20\.0 .* x1\.00 over$/);
-  assert.match(lines[3], /^> your settings .*  6\.0  20\.0 .* x1\.09$/);
+  assert.match(lines[1], /row +VRAM +RAM GiB +time$/);
+  assert.match(lines[2], /^  none  .* 12\.0  20\.0 .* \+0% over$/);
+  assert.match(lines[3], /^> your settings .*  6\.0  20\.0 .* \+9%$/);
   assert.match(lines.at(-1), /budget +8\.0  32\.0/);
+  const long = { ...PLAN, rows: [{ ...PLAN.rows[0], label: "block_swap 37 +disk" }, PLAN.rows[1]] };
+  assert.match(planLines(long)[2], /^  block_swap 37 \+disk  /);
   assert.deepEqual(planLines({ status: "error" }), []);
 });
 
-test("the verdict names the chosen row, or the problem and its input", () => {
-  assert.match(planVerdict(PLAN), /^your settings: offload=block_swap blocks_to_swap=5; peak VRAM 6\.0 GiB, x1\.09, fits$/);
-  assert.match(planVerdict({ ...PLAN, auto: true, chosen: 0 }), /^auto chose: offload=none.*over budget: text_encode needs/);
+test("no time column where the rows' times cannot be told apart; the note says against what", () => {
+  const same = { ...PLAN, time: { ...PLAN.time, shown: false, range: [1.0, 1.02] } };
+  assert.equal(timeShown(same), false);
+  assert.doesNotMatch(planLines(same)[1], /time/);
+  assert.doesNotMatch(planVerdict(same), /time/);
+  assert.equal(timeNote(same), "no time column: every row is within 5% of the others (+0% to +2% against the same run with " +
+    "every weight on the GPU and the decode in one piece)");
+  assert.match(timeNote(PLAN), /^time: estimated, against the same run with every weight on the GPU/);
+  assert.equal(slowdownText(1.004), "+0%");
+  assert.equal(slowdownText(1.09), "+9%");
+  assert.equal(slowdownText(2.44), "x2.4");
+  assert.equal(slowdownText(403), "x403");
+  assert.equal(slowdownText("n/a"), "?");
+});
+
+test("the verdict names the chosen row, or the problem and its input; the reasons are one line per stage", () => {
+  assert.equal(planVerdict(PLAN), "your settings: fit; peak 6.0 of 8.0 GiB VRAM, 20.0 of 32.0 GiB RAM, time +9%");
+  const auto = { ...PLAN, auto: true, chosen: 0 };
+  assert.match(planVerdict(auto), /^auto chose none: over budget; peak 12\.0 of 8\.0 GiB VRAM/);
+  assert.deepEqual(planReasons(auto), ["text encode: VRAM 12.0 > 8.0 GiB; fix: text encoder on the CPU"]);
+  assert.deepEqual(planReasons(PLAN), []);
+  const none = { ...PLAN, auto: true, chosen: null, rows: [PLAN.rows[0]] };
+  assert.match(planVerdict(none), /^nothing fits; even none is over; peak 12\.0/);
+  assert.equal(planReasons(none).length, 1);
   assert.equal(planVerdict({ status: "error", error: "tile_size=100 must be a multiple of 32" }), "plan: tile_size=100 must be a multiple of 32");
   assert.match(planVerdict(null), /connect the Sampler/);
 });
@@ -295,4 +320,12 @@ test("the Strategy widgets a tier ignores are the ones greyed out, and the note 
   const lines = compactLines("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, note }] });
   assert.ok(lines[2].startsWith(`note: ${note}`), lines);
   assert.ok(summarize("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, note }] }).lines.includes(`note: ${note}`));
+});
+
+test("a Step Cache's work shows in the Sampler's receipt: blocks computed of all, copies saved", () => {
+  const cache = { method: "mag_cache", blocks_computed: 52, blocks_skipped: 28, blocks_computed_share: 0.65, streamed_copies_skipped: 476 };
+  assert.equal(cacheLine(cache), "step cache mag_cache: 52 of 80 blocks computed (65.0%), 476 streamed copies saved");
+  const receipt = { ...SAMPLER, cache };
+  assert.ok(summarize("VidMemVideoSampler", { vidmem_receipt: [receipt] }).lines.includes(cacheLine(cache)));
+  assert.match(compactLines("VidMemVideoSampler", { vidmem_receipt: [receipt] })[2], /cache 65\.0% of blocks computed/);
 });

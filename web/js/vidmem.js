@@ -8,7 +8,8 @@ import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STAGES, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines,
-  ignoredStrategyWidgets, legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planVerdict, slowdownText, summarize,
+  ignoredStrategyWidgets, legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planReasons,
+  planVerdict, slowdownText, summarize, timeNote, timeShown,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -17,7 +18,14 @@ const INTERVAL_SETTING = "VidMem.Meter.IntervalSeconds";
 const FREE_COMMAND = "vidmem.freeVram";
 const LINE_HEIGHT = 15;
 const RECEIPT_LINES = 3; // compact: the full receipt is in the tooltip
-const PLAN_HEIGHT = 300; // fixed, so a template's layout holds whatever the plan says
+// The plan is drawn to stay readable at the templates' 70% zoom: 14-15 px text is 10 px on screen.
+// Its height is at least PLAN_HEIGHT (the templates leave that much room: nine rows, no reasons)
+// and grows with what it shows (reasons, the table when opened); the node grows with it.
+const PLAN_HEIGHT = 390;
+const PLAN_FONT = 15; // px, everything in the plan but the verdict (10.5 px on screen at 70%)
+const CHART_WIDTH = 462; // the chart's drawing units: CSS px on a 480 px wide node (templates' width)
+const PLAN_PADDING = 10; // px above and below the plan's text, together
+const MONO_ADVANCE = 0.6; // a monospace character's width per px of font size (DejaVu Sans Mono: 0.602)
 const WIDGET_MARGIN = 4; // the frontend insets a DOM widget by this on each side
 const PLAN_POLL_MS = 600; // how often the graph is read for a changed plan request (no request if unchanged)
 const STRATEGY = "VidMemMemoryStrategy";
@@ -78,63 +86,135 @@ function svg(tag, attrs, text) {
 }
 
 // Per row: each stage's VRAM (thick) and RAM (thin) bar as a share of its budget; the dashed
-// line is the budget (a bar past it is red). The chosen row is marked; slowdown at the right.
+// line is the budget (a bar past it is red). The chosen row is marked; its label is never cut:
+// the label column is as wide as the longest label. The time column only where times differ.
 function drawChart(plan) {
   const bars = planBars(plan);
-  const rowH = 17, top = 14, labelW = 100, panelW = 78, gap = 4, scale = 0.7 * panelW;
-  const width = labelW + STAGES.length * (panelW + gap) + 54;
-  const chart = svg("svg", { viewBox: `0 0 ${width} ${top + bars.length * rowH + 2}`, width: "100%", class: "vidmem-plan-chart" });
-  chart.style.font = "9px monospace";
-  STAGES.forEach(([, label], s) => chart.append(svg("text", { x: labelW + s * (panelW + gap), y: 9, fill: "#aaa" }, label)));
-  chart.append(svg("text", { x: width - 50, y: 9, fill: "#aaa" }, "time"));
+  const time = timeShown(plan);
+  const rowH = 24, top = 22, gap = 6, char = PLAN_FONT * MONO_ADVANCE;
+  const labelW = Math.ceil(Math.max(8, ...bars.map((row) => row.label.length + 2)) * char) + 12;
+  const timeW = time ? Math.ceil(5 * char) + 4 : 0;
+  const peakW = Math.ceil(5 * char); // the row's peak VRAM in GiB, right of the stages
+  const peakX = CHART_WIDTH - timeW - peakW;
+  const panelW = Math.floor((peakX - labelW - gap * STAGES.length) / STAGES.length);
+  const scale = 0.7 * panelW; // the budget line at 70% of a panel; bars stop at 1.4 budgets
+  const height = top + bars.length * rowH + 2;
+  const chart = svg("svg", { viewBox: `0 0 ${CHART_WIDTH} ${height}`, width: "100%", class: "vidmem-plan-chart" });
+  chart.style.font = `${PLAN_FONT}px monospace`;
+  chart.style.display = "block";
+  STAGES.forEach(([, label], s) => chart.append(svg("text", { x: labelW + s * (panelW + gap), y: 15, fill: "#aaa" }, label)));
+  chart.append(svg("text", { x: peakX, y: 15, fill: "#aaa" }, "VRAM"));
+  if (time) chart.append(svg("text", { x: CHART_WIDTH - timeW + 2, y: 15, fill: "#aaa" }, "time"));
   bars.forEach((row, r) => {
     const y = top + r * rowH;
-    if (row.chosen) chart.append(svg("rect", { x: 0, y: y - 1, width, height: rowH - 1, fill: "rgba(120,180,255,0.18)", rx: 2 }));
-    chart.append(svg("text", { x: 2, y: y + 11, fill: row.fits === false ? "#e06c75" : "#ddd", "font-weight": row.chosen ? "bold" : "normal" },
-      `${row.chosen ? "> " : ""}${row.label}`.slice(0, 20)));
+    if (row.chosen) chart.append(svg("rect", { x: 0, y: y - 1, width: CHART_WIDTH, height: rowH - 1, fill: "rgba(120,180,255,0.2)", rx: 3 }));
+    chart.append(svg("text", { x: 2, y: y + 16, fill: row.fits === false ? "#ef7b85" : "#ddd", "font-weight": row.chosen ? "bold" : "normal" },
+      `${row.chosen ? "> " : ""}${row.label}`));
     row.stages.forEach((stage, s) => {
       const x = labelW + s * (panelW + gap);
-      chart.append(svg("rect", { x, y: y + 1, width: panelW, height: rowH - 4, fill: "rgba(255,255,255,0.04)" }));
+      chart.append(svg("rect", { x, y: y + 2, width: panelW, height: rowH - 6, fill: "rgba(255,255,255,0.05)" }));
       const vram = Math.min(stage.vram, 1.4) * scale, ram = Math.min(stage.ram, 1.4) * scale;
-      chart.append(svg("rect", { x, y: y + 2, width: Math.max(vram, 1), height: 7, fill: stage.vram > 1 ? "#e06c75" : "#5aa0e0" }));
-      chart.append(svg("rect", { x, y: y + 10, width: Math.max(ram, 1), height: 3, fill: stage.ram > 1 ? "#e06c75" : "#d7a64a" }));
-      chart.append(svg("line", { x1: x + scale, x2: x + scale, y1: y, y2: y + rowH - 2, stroke: "#eee", "stroke-dasharray": "2,2" }));
+      chart.append(svg("rect", { x, y: y + 3, width: Math.max(vram, 1), height: 10, fill: stage.vram > 1 ? "#e06c75" : "#5aa0e0" }));
+      chart.append(svg("rect", { x, y: y + 15, width: Math.max(ram, 1), height: 4, fill: stage.ram > 1 ? "#e06c75" : "#d7a64a" }));
+      chart.append(svg("line", { x1: x + scale, x2: x + scale, y1: y, y2: y + rowH - 2, stroke: "#eee", "stroke-dasharray": "3,2" }));
     });
-    chart.append(svg("text", { x: width - 50, y: y + 11, fill: "#ddd" }, slowdownText(row.slowdown)));
+    const over = row.stages.some((stage) => stage.vram > 1);
+    chart.append(svg("text", { x: peakX + peakW - 4, y: y + 16, fill: over ? "#ef7b85" : "#ddd", "text-anchor": "end" },
+      (row.peakVram / 2 ** 30).toFixed(1)));
+    if (time) chart.append(svg("text", { x: CHART_WIDTH - timeW + 2, y: y + 16, fill: "#ddd" }, slowdownText(row.slowdown)));
   });
   return chart;
+}
+
+function textBlock(className, lines, style) {
+  const block = document.createElement("div");
+  block.className = className;
+  Object.assign(block.style, { whiteSpace: "normal", ...style });
+  block.replaceChildren(...lines.map((text) => {
+    const line = document.createElement("div");
+    line.textContent = text;
+    return line;
+  }));
+  return block;
 }
 
 function renderPlan(node, plan, note) {
   const widget = node.widgets?.find((w) => w.name === PLAN_WIDGET);
   if (!widget) return;
-  const verdict = document.createElement("div");
-  Object.assign(verdict.style, { whiteSpace: "normal", color: plan?.status === "error" ? "#e06c75" : "#ddd", marginBottom: "2px" });
-  verdict.textContent = note ?? planVerdict(plan);
-  verdict.className = "vidmem-plan-verdict";
-  const legend = document.createElement("div");
-  legend.textContent = "bars: VRAM (thick) / RAM (thin) per stage; dashed line = budget";
-  Object.assign(legend.style, { color: "#999", fontSize: "9px" });
+  const ok = plan?.status === "ok";
+  const chosen = ok ? plan.rows[plan.chosen] : null;
+  const verdict = textBlock("vidmem-plan-verdict", [note ?? planVerdict(plan)], {
+    color: plan?.status === "error" || chosen?.fits === false || (ok && !chosen) ? "#ef7b85" : "#ddd",
+    font: `bold 16px/21px sans-serif`, marginBottom: "3px",
+  });
+  const children = [verdict];
+  if (ok) {
+    const reasons = planReasons(plan);
+    if (reasons.length) children.push(textBlock("vidmem-plan-reasons", reasons, { color: "#f0a0a6", margin: "0 0 4px 8px" }));
+    if (plan.auto && chosen) children.push(textBlock("vidmem-plan-strategy", [chosen.strategy], { color: "#aaa", marginBottom: "3px" }));
+    const disk = plan.rows.some((row) => row.label.endsWith("+disk")) ? "; +disk: weights memory-mapped from disk" : "";
+    const legend = [`bars: VRAM (thick), RAM (thin) per stage; dashed line: the budget; VRAM: the row's peak in GiB${disk}`,
+      timeNote(plan)];
+    children.push(drawChart(plan), textBlock("vidmem-plan-legend", legend, { color: "#aaa", marginTop: "3px" }), tableToggle(node, plan));
+  }
+  const body = document.createElement("div");
+  body.className = "vidmem-plan-body";
+  body.append(...children);
+  widget.element.replaceChildren(body);
+  widget.element.dataset.status = plan?.status ?? "none";
+  widget.element.title = [planVerdict(plan), chosen?.strategy, ...planReasons(plan), ...planLines(plan), timeNote(plan)]
+    .filter(Boolean).join("\n");
+  fitPlan(node);
+  app.graph?.setDirtyCanvas(true, false);
+}
+
+// The text table folds behind a toggle; opened, the node grows to show it, closed, it goes back.
+function tableToggle(node, plan) {
+  const details = document.createElement("details");
+  details.className = "vidmem-plan-details";
+  details.open = Boolean(planState.get(node)?.tableOpen);
+  const summary = document.createElement("summary");
+  summary.textContent = "table: peak VRAM and RAM per row";
+  Object.assign(summary.style, { cursor: "pointer", color: "#bbb", marginTop: "3px" });
   const table = document.createElement("pre");
   table.className = "vidmem-plan-table";
-  Object.assign(table.style, { margin: "2px 0 0", font: "9px/12px monospace", color: "#ccc" });
+  Object.assign(table.style, { margin: "2px 0 0", font: `${PLAN_FONT}px/19px monospace`, color: "#ccc", whiteSpace: "pre" });
   table.textContent = planLines(plan).join("\n");
-  const children = [verdict];
-  if (plan?.status === "ok") children.push(drawChart(plan), legend, table);
-  widget.element.replaceChildren(...children);
-  widget.element.dataset.status = plan?.status ?? "none";
-  widget.element.title = [planVerdict(plan), ...planLines(plan)].join("\n");
-  app.graph?.setDirtyCanvas(true, false);
+  details.append(summary, table);
+  details.addEventListener("toggle", () => {
+    const state = planState.get(node) ?? {};
+    state.tableOpen = details.open;
+    planState.set(node, state);
+    fitPlan(node);
+  });
+  return details;
+}
+
+// The plan widget's height follows its content (at least PLAN_HEIGHT); the node grows to hold it,
+// and shrinks back to the size it had before it grew.
+function fitPlan(node) {
+  const widget = node.widgets?.find((w) => w.name === PLAN_WIDGET);
+  const body = widget?.element?.querySelector(".vidmem-plan-body");
+  if (!body?.isConnected || !body.offsetHeight) return; // not laid out yet: the next poll measures it
+  const needed = Math.max(PLAN_HEIGHT, body.offsetHeight + PLAN_PADDING + 2 * WIDGET_MARGIN);
+  const state = planState.get(node) ?? {};
+  planState.set(node, state);
+  if (needed === widget.vidmemHeight) return;
+  widget.vidmemHeight = needed;
+  state.baseHeight ??= node.size[1];
+  const wanted = node.computeSize()[1];
+  node.setSize([node.size[0], Math.max(state.baseHeight, wanted)]);
+  app.graph?.setDirtyCanvas(true, true);
 }
 
 function addPlanWidget(node) {
   const element = document.createElement("div");
   element.className = "vidmem-plan";
   Object.assign(element.style, {
-    font: "10px/13px monospace", padding: "3px 5px", overflow: "auto", boxSizing: "border-box",
+    font: `${PLAN_FONT}px/20px sans-serif`, padding: `${PLAN_PADDING / 2}px 6px`, overflow: "hidden", boxSizing: "border-box",
     color: "var(--input-text, #ddd)", background: "var(--comfy-input-bg, #222)", borderRadius: "4px",
   });
-  domWidget(node, PLAN_WIDGET, element, () => PLAN_HEIGHT);
+  const widget = domWidget(node, PLAN_WIDGET, element, () => widget.vidmemHeight ?? PLAN_HEIGHT);
   renderPlan(node, null);
 }
 
@@ -197,6 +277,7 @@ function refreshPlans() {
     if (node.comfyClass === STRATEGY || node.type === STRATEGY) {
       greyIgnored(node);
       refreshPlan(node);
+      fitPlan(node);
     }
   }
 }

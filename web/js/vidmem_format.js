@@ -91,8 +91,20 @@ export function runLines(receipt) {
     lines.push(`total: ${formatSeconds(total)}`);
   }
   if (receipt.swap) lines.push(swapLine(receipt.swap));
+  if (receipt.cache) lines.push(cacheLine(receipt.cache));
   if (receipt.decode) lines.push(decodeLine(receipt.decode));
   return lines;
+}
+
+/** A Step Cache's work, as nodes/receipts.py cache_line says it: blocks computed of all, copies saved. */
+export function cacheLine(cache) {
+  const total = (cache.blocks_computed ?? 0) + (cache.blocks_skipped ?? 0);
+  let line = `step cache ${cache.method}: ${cache.blocks_computed} of ${total} blocks computed ` +
+    `(${formatPercent(cache.blocks_computed_share)})`;
+  if (cache.streamed_copies_skipped) line += `, ${cache.streamed_copies_skipped} streamed copies saved`;
+  if (cache.ratios_file) line += `; ratios saved as ${cache.ratios_file} (pick it in Step Cache's mag_ratios)`;
+  if (cache.note) line += ` (${cache.note})`;
+  return line;
 }
 
 export function swapLine(swap) {
@@ -203,7 +215,7 @@ export function ignoredStrategyWidgets(offload, vaeTiling) {
 }
 // Older Strategy nodes had their own width/height/frames between the widgets and the budgets.
 const LEGACY_STRATEGY_ORDER = [...STRATEGY_WIDGETS, "width", "height", "frames", ...STRATEGY_BUDGETS];
-export const STAGES = Object.freeze([["text_encode", "text encode"], ["denoise", "denoise"], ["decode", "decode"]]);
+export const STAGES = Object.freeze([["text_encode", "encode"], ["denoise", "denoise"], ["decode", "decode"]]);
 
 /** Widget values of an older Strategy node by name, or null when `values` is already the current layout. */
 export function legacyStrategyValues(values) {
@@ -268,40 +280,78 @@ export function planQuery({ model, dtype, widgets, shape, client, loader }) {
   return params.toString();
 }
 
-/** Estimated slowdown as "x1.09", "x62.3", "x403" (the tiny stand-in models stream far more than they compute). */
+/** Estimated time against the same run with every weight resident: "+9%" below twice that, then
+ * "x2.4", "x62", "x403" (the tiny stand-in models stream far more than they compute). */
 export function slowdownText(x) {
   const value = Number(x);
-  if (!Number.isFinite(value)) return "x?";
-  return `x${value.toFixed(value < 10 ? 2 : value < 100 ? 1 : 0)}`;
+  if (!Number.isFinite(value)) return "?";
+  if (value < 2) return `+${Math.max(0, Math.round((value - 1) * 100))}%`;
+  return `x${value.toFixed(value < 10 ? 1 : 0)}`;
 }
 
 const gib = (n) => (Number.isFinite(n) ? `${(n / 2 ** 30).toFixed(1)}` : "-");
 
+/** Whether the rows' times differ by more than the time model can tell (the server decides: plan.time). */
+export function timeShown(plan) {
+  return plan?.status === "ok" && plan.time?.shown !== false;
+}
+
+/** What the time figures are, or why there are none: one sentence under the chart. */
+export function timeNote(plan) {
+  if (plan?.status !== "ok" || !plan.time) return "";
+  const within = `${Math.round((plan.time.resolution ?? 0.05) * 100)}%`;
+  if (timeShown(plan)) return `time: estimated, against ${plan.time.relative_to}`;
+  const [low, high] = (plan.time.range ?? [1, 1]).map((x) => slowdownText(x));
+  const span = low === high ? low : `${low} to ${high}`;
+  return `no time column: every row is within ${within} of the others (${span} against ${plan.time.relative_to})`;
+}
+
 /** The plan as a text table: one line per row, the chosen one marked, then the budgets. */
 export function planLines(plan) {
   if (!plan || plan.status !== "ok") return [];
-  const head = `${plan.model} ${plan.shape.width}x${plan.shape.height}x${plan.shape.frames}`;
-  const lines = [head, "  row                 VRAM  RAM GiB  time"];
+  const width = Math.max(6, ...plan.rows.map((row) => row.label.length));
+  const time = timeShown(plan);
+  const disk = plan.on_disk ? ", weights on disk" : "";
+  // The config the files were recognised as (a file name would run past the node), else the model's name.
+  const lines = [`${plan.config ?? plan.model} ${plan.shape.width}x${plan.shape.height}x${plan.shape.frames}${disk}`,
+    `  ${"row".padEnd(width)}  VRAM   RAM GiB${time ? "  time" : ""}`];
   plan.rows.forEach((row, i) => {
     const mark = i === plan.chosen ? ">" : " ";
     const fit = row.fits === false ? " over" : "";
-    lines.push(`${mark} ${row.label.padEnd(18).slice(0, 18)} ${gib(row.peak_vram_bytes).padStart(5)} ` +
-      `${gib(row.peak_ram_bytes).padStart(5)}     ${slowdownText(row.est_slowdown)}${fit}`);
+    lines.push(`${mark} ${row.label.padEnd(width)} ${gib(row.peak_vram_bytes).padStart(5)} ${gib(row.peak_ram_bytes).padStart(5)}` +
+      `${time ? `     ${slowdownText(row.est_slowdown).padStart(4)}` : ""}${fit}`);
   });
-  lines.push(`  budget             ${gib(plan.budgets.vram_bytes).padStart(5)} ${gib(plan.budgets.ram_bytes).padStart(5)}`);
+  lines.push(`  ${"budget".padEnd(width)} ${gib(plan.budgets.vram_bytes).padStart(5)} ${gib(plan.budgets.ram_bytes).padStart(5)}`);
   return lines;
 }
 
-/** One line saying what the plan means for the chosen row, e.g. "auto chose: model ... fits". */
+/** The row the verdict is about: the chosen one, else (nothing fits) the leanest candidate. */
+function verdictRow(plan) {
+  const row = plan.rows[plan.chosen];
+  if (row) return row;
+  const candidates = plan.rows.filter((r) => r.label !== "your settings");
+  return candidates.at(-1) ?? plan.rows.at(-1);
+}
+
+/** One line saying what the plan means, e.g. "auto chose block_swap 37: fits, peak 7.7 of 8.0 GiB VRAM, ...". */
 export function planVerdict(plan) {
   if (!plan) return "plan: connect the Sampler (and its Load Video Pipeline)";
   if (plan.status === "error") return `plan: ${plan.error}`;
   if (plan.status !== "ok") return "";
-  const row = plan.rows[plan.chosen];
-  if (!row) return "nothing fits the budgets; the leanest rows are over the line";
-  const fit = row.fits === false ? `over budget: ${row.over_budget.join("; ")}` : "fits";
-  return `${plan.auto ? "auto chose" : "your settings"}: ${row.strategy}; peak VRAM ${gib(row.peak_vram_bytes)} GiB, ` +
-    `${slowdownText(row.est_slowdown)}, ${fit}`;
+  const row = verdictRow(plan);
+  if (!row) return "no plan";
+  const { vram_bytes: vram, ram_bytes: ram } = plan.budgets;
+  const head = !plan.rows[plan.chosen] ? `nothing fits; even ${row.label} is over`
+    : plan.auto ? `auto chose ${row.label}: ${row.fits === false ? "over budget" : "fits"}`
+    : `your settings: ${row.fits === false ? "over budget" : "fit"}`;
+  const time = timeShown(plan) ? `, time ${slowdownText(row.est_slowdown)}` : "";
+  return `${head}; peak ${gib(row.peak_vram_bytes)} of ${gib(vram)} GiB VRAM, ${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${time}`;
+}
+
+/** Why the verdict's row does not fit: one short line per stage, each with the fix (nodes/plan_route.py). */
+export function planReasons(plan) {
+  if (plan?.status !== "ok") return [];
+  return verdictRow(plan)?.over_budget ?? [];
 }
 
 /** Bars to draw: per row and stage, VRAM and RAM as fractions of their budgets (1 = on the line). */
@@ -309,7 +359,7 @@ export function planBars(plan) {
   if (!plan || plan.status !== "ok") return [];
   const { vram_bytes: vram, ram_bytes: ram } = plan.budgets;
   return plan.rows.map((row, i) => ({
-    label: row.label, chosen: i === plan.chosen, fits: row.fits, slowdown: row.est_slowdown,
+    label: row.label, chosen: i === plan.chosen, fits: row.fits, slowdown: row.est_slowdown, peakVram: row.peak_vram_bytes,
     stages: STAGES.map(([name]) => {
       const stage = row.stages.find((s) => s.name === name) ?? { vram_bytes: 0, ram_bytes: 0 };
       return { name, vram: vram ? stage.vram_bytes / vram : 0, ram: ram ? stage.ram_bytes / ram : 0 };
@@ -344,6 +394,7 @@ export function compactLines(nodeType, message, max = 3) {
     const extra = [];
     if (String(receipt.plan ?? "").startsWith("auto chose")) extra.push(receipt.plan.split(";")[0]);
     if (receipt.swap) extra.push(`swap cost ${formatPercent(receipt.swap.swap_cost)} of denoise`);
+    if (receipt.cache) extra.push(`cache ${formatPercent(receipt.cache.blocks_computed_share)} of blocks computed`);
     if (receipt.decode) extra.push(`VAE ${receipt.decode.mode}, ${receipt.decode.tiles} tiles x ${receipt.decode.chunks} chunks`);
     if (receipt.saved_latents) extra.push(`saved ${receipt.saved_latents}`);
     if (receipt.note) extra.unshift(`note: ${receipt.note}`); // a Strategy value the tier ignored
