@@ -13,6 +13,7 @@ of pipelines/sample_ladder.py and resumes from the last finished step.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -221,7 +222,7 @@ class _Run:
             # out-of-memory error: the ladder's rungs then stream as planned).
             keep = keep_bytes(hooks.device_budget(device), room, warm.held_bytes if warm else 0) \
                 if strategy.streams_blocks and not self.rungs else 0
-            cache = self._step_cache(cached)
+            cache = self._step_cache(cached, call)
             with call_on(warm, self.backend), cache, \
                     apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry, warm, keep,
                                    cache.gate) as handle:
@@ -245,11 +246,13 @@ class _Run:
                 receipt["warm"] = warm.as_dict()
         return raw
 
-    def _step_cache(self, cached: bool) -> AppliedCache:
+    def _step_cache(self, cached: bool, call) -> AppliedCache:
         """The request's step cache on the call's denoisers (an inert one when off or not `cached`)."""
         pipe, spec = self.loaded.pipe, self.loaded.spec
         blocks = denoiser_blocks(pipe, spec)
         cache = self.request.cache if cached else StepCache()
+        if cache.on and cache.per_expert and len(blocks) > 1:
+            cache.check_expert_steps(expert_steps(call, self.request.steps))
         applied = AppliedCache(cache, {name: getattr(pipe, name) for name in blocks}, blocks)
         return applied.apply(self.request.steps) if cache.on else applied
 
@@ -292,6 +295,16 @@ def swap_receipt(summary: dict, denoise_seconds: float, pool) -> dict:
     totals = summary["totals"]
     cost = totals["wait_s"] / denoise_seconds if denoise_seconds > 0 else 0.0
     return {**totals, "swap_cost": cost, "groups": len(summary["blocks"]), "host_pool": pool.stats()}
+
+
+def expert_steps(call, steps: int) -> dict[str, int]:
+    """Steps each Wan 2.2 A14B expert runs in this call: the high-noise one while the timestep is at
+    or above the boundary (as the pipeline decides), the low-noise one after."""
+    scheduler = copy.deepcopy(call.scheduler)
+    scheduler.set_timesteps(steps)
+    boundary = call.config["boundary_ratio"] * scheduler.config.num_train_timesteps
+    high = int((scheduler.timesteps >= boundary).sum())
+    return {"transformer": high, "transformer_2": steps - high}
 
 
 def expert_hand_off(pipe, handle) -> Callable[[int], None]:

@@ -112,6 +112,15 @@ class StepCache:
         """Ratios for one of Wan 2.2 A14B's experts (counted over its own steps), not a whole run's."""
         return any(name != "transformer" for name, _ in self.expert_ratios) or len(self.expert_ratios) > 1
 
+    def check_expert_steps(self, steps: Mapping[str, int]) -> None:
+        """Per-expert ratios cover each expert's own steps: refused by name when this run splits the
+        steps otherwise (a changed shift or boundary_ratio moves the hand-over)."""
+        for name, ratios in self.expert_ratios:
+            if name in steps and steps[name] != len(ratios):
+                raise StrategyError(f"cache mag_ratios cover {len(ratios)} steps of {name}, but with this sampler, "
+                                    f"shift and boundary_ratio it runs {steps[name]}; use the shift and boundary the "
+                                    "ratios were measured with (the template's), or calibrate this setup.")
+
     def ratios_for(self, denoiser: str) -> tuple[float, ...] | None:
         return dict(self.expert_ratios).get(denoiser, self.mag_ratios)
 

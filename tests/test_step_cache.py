@@ -196,3 +196,28 @@ def test_vidmem_plan_says_what_the_published_ratios_compute(capsys):
     assert "mag_cache with the published ratios (threshold 0.12, K 4, retention 0.2): steps computed transformer 21 of 50" in out
     main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--ram", "32", "--cache", "mag_cache"])
     assert "no published MagCache ratios for this model" in capsys.readouterr().out
+
+
+def test_per_expert_ratios_for_another_split_of_the_steps_are_refused_by_name(tiny_loaded):
+    """Wan 2.2 A14B: each expert's ratios cover its own steps; a shift or boundary that moves the
+    hand-over would apply them to the wrong steps."""
+    from vidmem.pipelines.sample import expert_steps
+    from vidmem.pipelines.sample_call import call_pipeline
+    from vidmem.pipelines.schedulers import build_scheduler
+
+    loaded = tiny_loaded("wan2.2-a14b")
+    request = request_for("wan2.2-a14b", steps=STEPS)
+    from vidmem.pipelines.sample_checks import validate_request
+
+    choice = validate_request(loaded, request)
+    call = call_pipeline(loaded.pipe, build_scheduler(loaded.pipe.scheduler, choice), choice.boundary_ratio)
+    split = expert_steps(call, STEPS)
+    assert sum(split.values()) == STEPS
+    fits = StepCache("mag_cache", threshold=0.5, ratio_steps=STEPS, expert_ratios=tuple(
+        (name, (1.0,) * count) for name, count in split.items()))
+    assert run(loaded, "wan2.2-a14b", MemoryStrategy(offload="none"), fits).receipt["cache"]["blocks_skipped"] > 0
+    off = replace(fits, expert_ratios=(("transformer", (1.0,) * (split["transformer"] + 1)),
+                                       ("transformer_2", (1.0,) * (split["transformer_2"] - 1))))
+    with pytest.raises(StrategyError, match="cover .* steps of transformer, but with this sampler"):
+        run(loaded, "wan2.2-a14b", MemoryStrategy(offload="none"), off)
+    assert not loaded.pipe.transformer.is_cache_enabled and not loaded.pipe.transformer_2.is_cache_enabled
