@@ -21,6 +21,7 @@ Caveats, and what is done about them:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,12 +49,16 @@ class Trace:
 
     `events`: n > 0 allocates n bytes (allocations are numbered in order), -(k + 1) frees the
     k-th allocation. Tensors still alive when the call returns are never freed in the stream.
+    `marks`: where in `events` each module holding tensors of its own started and ended its
+    forward, as (number of events before it, starts, module name), when `trace` was given the
+    module: a tier that moves weights module by module replays them between the call's events.
     """
 
     peak_bytes: int
     events: tuple[int, ...]
     flops: float
     live_bytes: int  # still held when the call returned (its outputs)
+    marks: tuple[tuple[int, bool, str], ...] = ()
 
 
 def rounded(nbytes: int) -> int:
@@ -152,28 +157,52 @@ class _FusedAttention(TorchFunctionMode):
         q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
         out_shape = (*q.shape[:-1], v.shape[-1])
         logsumexp = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        out = _laid_out_as(q, out_shape)
         del logsumexp
         batch_heads = q.shape[:-2].numel()
         self._ledger.add_flops(2.0 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1]))
         return out
 
 
-def trace(fn: Callable[[], Any], attention: Attention = Attention.FUSED, cache: OpCache | None = None) -> Trace:
-    """Run `fn` (which builds its inputs on meta and calls meta modules) and account what it held."""
+def _laid_out_as(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A fused kernel's output, laid out in memory as its query is (flash, memory-efficient and cuDNN
+    attention on CUDA, and flash attention on the CPU, all write it so): a pipeline's usual transpose
+    back and flatten then makes no copy."""
+    order = sorted(range(q.dim()), key=lambda d: (-q.stride(d), d))  # dimensions, outermost first
+    out = torch.empty([shape[d] for d in order], dtype=q.dtype, device=q.device)
+    return out.permute(*[order.index(d) for d in range(q.dim())])
+
+
+def trace(fn: Callable[[], Any], attention: Attention = Attention.FUSED, cache: OpCache | None = None,
+          module: torch.nn.Module | None = None) -> Trace:
+    """Run `fn` (which builds its inputs on meta and calls meta modules) and account what it held.
+
+    With `module` (the one `fn` calls), the trace also marks where in its events each submodule
+    that holds tensors of its own started and ended (`Trace.marks`)."""
     ledger = TensorLedger(cache)
     fused = _FusedAttention(ledger) if Attention(attention) is Attention.FUSED else None
-    with torch.no_grad():
-        if fused is not None:
-            with ledger, fused:
-                result = fn()
-        else:
-            with ledger:
-                result = fn()
+    marks: list[tuple[int, bool, str]] = []
+    handles = _mark_modules(module, ledger, marks) if module is not None else []
+    try:
+        with torch.no_grad(), ledger, fused if fused is not None else contextlib.nullcontext():
+            result = fn()
+    finally:
+        for handle in handles:
+            handle.remove()
     live = ledger.live
     ledger.stop()  # what the call returns stays allocated: it is not freed in the stream
     del result
-    return Trace(ledger.peak, tuple(ledger.events), ledger.flops, live)
+    return Trace(ledger.peak, tuple(ledger.events), ledger.flops, live, tuple(marks))
+
+
+def _mark_modules(module: torch.nn.Module, ledger: TensorLedger, marks: list) -> list:
+    """Hooks noting (events so far, starts, name) around every submodule holding tensors of its own."""
+    handles = []
+    for name, sub in module.named_modules():
+        if any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False)):
+            handles.append(sub.register_forward_pre_hook(lambda m, a, n=name: marks.append((len(ledger.events), True, n))))
+            handles.append(sub.register_forward_hook(lambda m, a, o, n=name: marks.append((len(ledger.events), False, n))))
+    return handles
 
 
 def _op_key(func, args, kwargs) -> tuple | None:

@@ -110,7 +110,7 @@ def _rank_stage(model, shape, stage: StagePlan, layout: MultiGpu, options: PlanO
             continue
         call = RankCall("denoise", p.label, shape, degree=layout.gpus, mode=layout.mode.value)
         with context_parallel_trace(model.traced_module(p.label), layout.gpus, layout.mode.value):
-            ranked = phase(model, call, list(p.resident[1:]), options, p.label)  # resident[0]: cuBLAS workspace
+            ranked = phase(model, call, list(p.resident[1:]), options, p.label, streaming=p.streaming)  # resident[0]: cuBLAS
             rank_flops = model.trace(call, options.attention).flops  # memoised by the line above
         whole = model.trace(Call("denoise", p.label, shape), options.attention).flops
         scale[p.label] = rank_flops / whole if whole else 1.0

@@ -43,6 +43,6 @@ def with_resident(stage: StagePlan, extra: tuple[int, ...], options: PlanOptions
 
 def _phase_with(p: Phase, extra: tuple[int, ...], options: PlanOptions) -> Phase:
     tensors = (*p.resident, *extra)
-    peak = replay(tensors, p.events)
-    footprint = peak.reserved if options.allocator.resolved() is Allocator.NATIVE else peak.allocated
+    peak = replay(tensors, p.events, timeline=p.timeline)
+    footprint = peak.reserved if options.allocator.resolved() is Allocator.NATIVE else peak.active
     return replace(p, peak=peak, device_bytes=CUDA_CONTEXT_BYTES + footprint, resident=tensors)

@@ -9,7 +9,9 @@ do in a run. What is in flight on top:
 - `sequential`: the engine's `StreamSchedule` is replayed over the order one forward really runs
   the leaf modules in (recorded on the meta model), two passes so prefetch is in steady state,
   and the most bytes it ever holds are taken (prefetched units are allocated while the unit that
-  issued them is still resident).
+  issued them is still resident): the weights the tier puts on the device. Which of them are there
+  at the activations' peak is another matter: `stream_timeline` replays the same schedule over a
+  traced call's own allocations, so each leaf is allocated and freed where the engine moves it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..blockswap import EVICTED_IN_FLIGHT, StreamSchedule
+from .allocator import EVICT, FREE, ONLOAD, RELEASE, WeightTimeline
 from ..offload import streamed_units  # the engine's unit rule, recorded in each SlotTable
 from .storage import StoredSizes
 from ..residency import own_slots
@@ -39,6 +42,8 @@ class SlotTable:
     `block[i]` the swappable block it belongs to (the last one if several), -1 outside them. Both
     are read from the engine's own rule, `offload.streamed_units`; block swap with N blocks
     streams the last N (tests/test_plan_cache.py checks the split against `partition_slots`).
+    `workspace[i]`: the upcast workspace module i holds while it computes (its stored weight's,
+    `StoredSizes.workspace_by_tensor`; 0 for the rest).
     """
 
     sizes: tuple[int, ...] = ()
@@ -47,16 +52,18 @@ class SlotTable:
     leaf: tuple[bool, ...] = ()
     block: tuple[int, ...] = ()
     block_count: int = 0
+    workspace: tuple[int, ...] = ()
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # residency per tier
 
     def as_json(self) -> dict:
         return {"sizes": self.sizes, "modules": self.modules, "slots": self.slots, "leaf": self.leaf,
-                "block": self.block, "block_count": self.block_count}
+                "block": self.block, "block_count": self.block_count, "workspace": self.workspace}
 
     @classmethod
     def from_json(cls, data: dict) -> "SlotTable":
         return cls(tuple(data["sizes"]), tuple(data["modules"]), tuple(tuple(s) for s in data["slots"]),
-                   tuple(bool(x) for x in data["leaf"]), tuple(data["block"]), int(data["block_count"]))
+                   tuple(bool(x) for x in data["leaf"]), tuple(data["block"]), int(data["block_count"]),
+                   tuple(int(x) for x in data["workspace"]))
 
     def units(self, strategy: MemoryStrategy) -> tuple[list[int], list[list[int]], dict[str, int]]:
         """(resident tensor indexes, each streamed unit's, unit index by its head module's name),
@@ -101,7 +108,7 @@ def slot_table(module: nn.Module, blocks: nn.ModuleList | None, stored: StoredSi
     block_of = {id(m): i for i, (_, members) in enumerate(every_block) for m in members}
     leaves = {id(head) for head, _ in streamed_units(module, blocks, MemoryStrategy(offload="sequential"))}
     index: dict[int, int] = {}
-    sizes, names, slots, leaf, block = [], [], [], [], []
+    sizes, names, slots, leaf, block, workspace = [], [], [], [], [], []
     for name, sub in module.named_modules():
         own = own_slots(sub)
         if not own:
@@ -115,7 +122,8 @@ def slot_table(module: nn.Module, blocks: nn.ModuleList | None, stored: StoredSi
         slots.append(tuple(index[id(slot.current())] for slot in own))
         leaf.append(id(sub) in leaves)
         block.append(block_of.get(id(sub), -1))
-    return SlotTable(tuple(sizes), tuple(names), tuple(slots), tuple(leaf), tuple(block), count)
+        workspace.append(sum(stored.workspace_by_tensor.get(id(slot.current()), 0) for slot in own))
+    return SlotTable(tuple(sizes), tuple(names), tuple(slots), tuple(leaf), tuple(block), count, tuple(workspace))
 
 
 @dataclass(frozen=True)
@@ -194,9 +202,7 @@ def table_computing_residency(table: SlotTable, strategy: MemoryStrategy,
     stream has passed it (`record_stream`; the engine's EVICTED_IN_FLIGHT): in reserved memory,
     not in allocated. Measured on an H200 (docs/gpu.md): counting prefetch + 1 blocks live put Wan
     14B's allocated peak one block high. Other tiers: `resident_tensors`, nothing held. (Sequential
-    would need the same split leaf by leaf, and with it the weight peak outside the blocks, where an
-    embedder's leaf can be larger than any block's while activations are small: not modelled yet;
-    the whole-pass peak it takes instead errs high, 1.10x allocated on the H200.)
+    moves its leaves between the activations' own allocations: `stream_timeline`.)
     """
     resident, per_unit, _ = table.units(strategy)
     if strategy.offload is not OffloadTier.BLOCK_SWAP or not per_unit:
@@ -211,6 +217,130 @@ def table_computing_residency(table: SlotTable, strategy: MemoryStrategy,
     window = sizes[start : start + span]
     return (table.nbytes(resident) + [t for unit in window[held:] for t in unit],
             [t for unit in window[:held] for t in unit])
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """A component the sequential tier streams leaf by leaf while a call runs.
+
+    `copy_stream`: how the runtime moves a leaf. vidmem copies it on a side stream, into that
+    stream's own allocator pool, and an evicted leaf's memory stays taken until the GPU has passed
+    it (`record_stream`); accelerate (diffusers' `enable_sequential_cpu_offload`) loads it on the
+    compute stream and frees it at once. `peak`: the streamed tensors on the device when the tier
+    holds the most, with a stored layer's upcast workspace (`resident_tensors` beyond what stays).
+    """
+
+    table: SlotTable
+    strategy: MemoryStrategy
+    copy_stream: bool = True
+    peak: tuple[int, ...] = ()
+
+
+def stream_timeline(streaming: Streaming, marks: tuple[tuple[int, bool, str], ...]) -> WeightTimeline | None:
+    """Where one traced call's streamed leaves, and its stored layers' upcast workspaces, come and go
+    among the call's own allocations (`Trace.marks`).
+
+    The engine's StreamSchedule is replayed over the call's module marks three times (the first pass
+    learns the order, the third starts as every later one does and is the one kept): a leaf is allocated
+    where the schedule onloads or prefetches it and freed where it evicts it; an evicted leaf the
+    GPU was computing with is held until the host next waits for that computation (the engine's
+    EVICTED_IN_FLIGHT throttle), the most memory its copy can keep. A workspace lives from its
+    layer's start to its end. So a phase holds, at its activations' peak, the leaves the engine
+    holds then, not the most it holds anywhere in the pass (Wan 14B: one 50 MiB projection at the
+    feed-forward's residual, not the 300 MiB time projection and its neighbour; measured on an H200).
+    """
+    table, strategy = streaming.table, streaming.strategy
+    if not marks:  # a call traced without them: the tier's peak, throughout
+        return WeightTimeline((streaming.peak,), (streaming.copy_stream,), ((0, False),)) if streaming.peak else None
+    key = ("timeline", strategy.offload, strategy.prefetch_blocks, streaming.copy_stream, marks)
+    if key not in table._memo:
+        table._memo[key] = _timeline(table, strategy, streaming.copy_stream, marks)
+    return table._memo[key]
+
+
+def _timeline(table: SlotTable, strategy: MemoryStrategy, copy_stream: bool, marks) -> WeightTimeline:
+    _, per_unit, names = table.units(strategy)
+    groups = [tuple(table.nbytes(unit)) for unit in per_unit]
+    workspace = {}
+    for name, nbytes in zip(table.modules, table.workspace):
+        if nbytes:
+            workspace[name] = len(groups)
+            groups.append((nbytes,))
+    moves = _Moves(copy_stream)
+    units = [_SimGroup(i, list(unit), moves) for i, unit in enumerate(groups[: len(per_unit)])]
+    schedule = StreamSchedule(units, strategy.prefetch_blocks, False, backend=moves, observer=lambda kind, group: None)
+    for recording in (False, False, True):  # learn the order, prefetch, then the steady state is kept
+        moves.begin(recording)
+        for position, start, name in marks:
+            moves.position = position
+            unit, upcast = names.get(name), workspace.get(name)
+            if start:
+                if unit is not None:
+                    schedule.before_forward(units[unit])
+                if upcast is not None:
+                    moves.add(ONLOAD, upcast)
+            else:
+                if upcast is not None:
+                    moves.add(FREE, upcast)
+                if unit is not None:
+                    schedule.after_forward(units[unit])
+        schedule.end_of_pass()
+    copied = (copy_stream,) * len(per_unit) + (False,) * len(workspace)
+    return WeightTimeline(tuple(groups), copied, moves.start, tuple(moves.moves))
+
+
+class _Moves:
+    """Records a simulated StreamSchedule's onloads and evictions as WeightTimeline moves; it is the
+    `_SimGroup`s' ledger and the schedule's backend (whose compute-done markers name the group)."""
+
+    def __init__(self, copy_stream: bool) -> None:
+        self.copy_stream = copy_stream
+        self.recording = False
+        self.position = 0
+        self.moves: list[tuple[int, int, int]] = []
+        self.start: tuple[tuple[int, bool], ...] = ()
+        self._on: dict[int, None] = {}  # groups on the device, in onload order
+        self._held: list[int] = []  # evicted while the GPU may read them, oldest first
+        self._changes = 0
+        self._evicted: tuple[int, int, int] | None = None  # (group, its move's index, change count)
+
+    def begin(self, recording: bool) -> None:
+        if recording:
+            self.start = tuple((g, True) for g in self._held) + tuple((g, False) for g in self._on)
+        self.recording = recording
+
+    def add(self, op: int, group: int) -> None:
+        if self.recording:
+            self.moves.append((self.position, op, group))
+
+    def change(self, group: "_SimGroup", onload: bool) -> None:
+        self._changes += 1
+        if onload:
+            self._on[group.index] = None
+            self.add(ONLOAD, group.index)
+            return
+        self._on.pop(group.index, None)
+        self.add(FREE, group.index)
+        self._evicted = (group.index, len(self.moves) - 1, self._changes)
+
+    # the backend verbs StreamSchedule calls
+    def stamp(self) -> None:
+        return None
+
+    def compute_done(self) -> int | None:
+        """Called right after a group whose compute was queued is evicted: its memory is held."""
+        if not self.copy_stream or self._evicted is None or self._evicted[2] != self._changes:
+            return None
+        group, index, _ = self._evicted
+        if self.recording:
+            self.moves[index] = (self.moves[index][0], EVICT, group)
+        self._held.append(group)
+        return group
+
+    def host_wait(self, marker: int | None) -> None:
+        if marker is not None and marker in self._held:
+            self._held.remove(marker)
+            self.add(RELEASE, marker)
 
 
 def _replay(sizes: list[list[int]], names: dict[str, int], order: Order, prefetch: int) -> list[int]:
@@ -256,7 +386,8 @@ class _Ledger:
 class _SimGroup:
     """Stands in for a WeightGroup in the real StreamSchedule: the same verbs, bytes for tensors."""
 
-    def __init__(self, index: int, sizes: list[int], ledger: _Ledger) -> None:
+    def __init__(self, index: int, sizes: list[int], ledger: "_Ledger | _Moves") -> None:
+        self.index = index
         self.name = f"unit{index}"
         self.sizes = sizes
         self.nbytes = sum(sizes)

@@ -11,8 +11,10 @@ While a stored layer computes, the engine upcasts its weight to the compute dtyp
 temporaries for scaled fp8 and GGUF, in row chunks for large matrices; `upcast_workspace_bytes`
 (memory.storage, measured against the engine's allocations) says how many bytes that takes. They
 are freed before the next layer runs, so a component's transient is its largest stored linear
-weight's workspace (`StoredSizes.transient_bytes`). A stored embedding dequantizes only the rows it
-looks up (`StoredTensor.select_rows`), a few tokens' worth, so it adds no transient of note.
+weight's workspace (`StoredSizes.transient_bytes`); each layer's own (`workspace_by_tensor`) is
+kept for the sequential tier, whose phase holds it only while that layer computes. A stored
+embedding dequantizes only the rows it looks up (`StoredTensor.select_rows`), a few tokens'
+worth, so it adds no transient of note.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class StoredSizes:
     by_tensor: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}), repr=False, compare=False)
     transient_bytes: int = 0  # the largest stored weight's upcast workspace (upcast_workspace_bytes)
     stored_weights: int = 0  # weights upcast per forward pass (linear layers held below their compute dtype)
+    # the upcast workspace of each stored weight (keyed as `by_tensor`), held while its layer computes
+    workspace_by_tensor: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}), repr=False, compare=False)
 
     @property
     def widens(self) -> bool:
@@ -73,13 +77,14 @@ def stored_sizes(module: nn.Module, fmt: StorageFormat | None) -> StoredSizes:
     it (bf16 storage of a bf16 model)."""
     if fmt is None:
         return StoredSizes()
-    sizes, transient, upcast = {}, 0, 0
+    sizes, workspaces, upcast = {}, {}, 0
     for layer, weight in quantizable(module, fmt):
         if fmt.torch_dtype == weight.dtype and not fmt.scaled:
             continue
         sizes[id(weight)] = stored_tensor_bytes(weight.numel(), fmt)
         if isinstance(layer, nn.Embedding):  # dequantized row by row: no whole-weight transient
             continue
-        transient = max(transient, upcast_workspace_bytes(fmt, weight.shape, weight.dtype))
+        workspaces[id(weight)] = upcast_workspace_bytes(fmt, weight.shape, weight.dtype)
         upcast += weight.numel()
-    return StoredSizes(fmt.name, MappingProxyType(sizes), transient, upcast)
+    return StoredSizes(fmt.name, MappingProxyType(sizes), max(workspaces.values(), default=0), upcast,
+                       MappingProxyType(workspaces))

@@ -10,9 +10,9 @@ from typing import Protocol
 from torch import nn
 
 from ..accounting import Attention, Trace
-from .allocator import AllocatorPeak, replay
+from .allocator import AllocatorPeak, WeightTimeline, replay
 from .costs import CPU_RATES, CUDA_CONTEXT_BYTES, GPU_RATES, NVME_BYTES_PER_S, DeviceRates, DiskRead, Work
-from .schedule import ComponentWeights, Order
+from .schedule import ComponentWeights, Order, Streaming
 from ..storage import storage_format
 from ..strategy import TextEncoderPlacement
 from ..vae_tiles import VaeGeometry
@@ -165,6 +165,8 @@ class Phase:
     resident: tuple[int, ...] = field(repr=False, default=())
     events: tuple[int, ...] = field(repr=False, default=())
     held: tuple[int, ...] = field(repr=False, default=())  # evicted, still read by the GPU: reserved only
+    streaming: Streaming | None = field(repr=False, default=None)  # what the sequential tier streams meanwhile
+    timeline: WeightTimeline | None = field(repr=False, default=None)  # where it comes and goes among `events`
 
     def fits(self, budget: int) -> bool:
         return self.within(budget).device_bytes <= budget
@@ -174,7 +176,7 @@ class Phase:
         segments and retries, so a run can fit although its unlimited reservation would not."""
         if self.device_bytes <= budget or CUDA_CONTEXT_BYTES + self.peak.allocated > budget:
             return self
-        capped = replay(self.resident, self.events, budget - CUDA_CONTEXT_BYTES, self.held)
+        capped = replay(self.resident, self.events, budget - CUDA_CONTEXT_BYTES, self.held, self.timeline)
         if capped.out_of_memory:
             return self
         return replace(self, peak=capped, device_bytes=CUDA_CONTEXT_BYTES + capped.reserved)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import json
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -52,6 +51,8 @@ ENCODER_BLOCKS = {
     "CLIPVisionModelWithProjection": "vision_model.encoder.layers",
 }
 TRACED_BLOCKS = 2
+# Calls whose components a tier can stream module by module: their traces mark where each module ran.
+STREAMED_KINDS = ("text_encode", "condition", "denoise", "decode")
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,8 @@ class MetaModel:
     def trace(self, call: Call, attention: Attention) -> Trace:
         key = (call, Attention(attention))
         if key not in self._traces:
-            record = (call.component, call.kind) not in self._streams and call.kind in ("text_encode", "condition", "denoise", "decode")
+            streams = call.kind in STREAMED_KINDS
+            record = streams and (call.component, call.kind) not in self._streams
             file, entry = _trace_file(call, attention), _call_key(call)
             cached = self._cached(file, entry, _trace_from_json)
             if cached is not None and not (record and cached[0][1] is None):  # kept without the order it ran in
@@ -189,17 +191,28 @@ class MetaModel:
                 if record:
                     self._streams[(call.component, call.kind)] = order
                 return self._traces[key]
-            with _StreamRecorder(self, call.component, call.kind) if record else nullcontext():
-                try:
-                    measured = trace(self._workload(call), attention, self._cache)
-                except (ValueError, RuntimeError) as error:
-                    raise ModelError(f"width={call.shape.width}, height={call.shape.height}, frames={call.shape.frames}: "
-                                     f"{self.name} cannot run {call.kind} at this size ({error}); change width, height "
-                                     "or frames to a size the model is made for.") from error
-                self._traces[key] = replace(measured, flops=measured.flops * self._block_scale(call.component))
-            order = self._streams.get((call.component, call.kind)) if record else None
+            try:
+                module = self.traced_module(call.component) if streams else None
+                measured = trace(self._workload(call), attention, self._cache, module)
+            except (ValueError, RuntimeError) as error:
+                raise ModelError(f"width={call.shape.width}, height={call.shape.height}, frames={call.shape.frames}: "
+                                 f"{self.name} cannot run {call.kind} at this size ({error}); change width, height "
+                                 "or frames to a size the model is made for.") from error
+            self._traces[key] = replace(measured, flops=measured.flops * self._block_scale(call.component))
+            order = self._order(call.component, measured.marks) if record and measured.marks else None
+            if order is not None:
+                self._streams[(call.component, call.kind)] = order
             self._keep(file, entry, _trace_json(self._traces[key], order))
         return self._traces[key]
+
+    def _order(self, component: str, marks) -> tuple:
+        """The module order of a traced call (the sequential tier's schedule input), its traced
+        blocks extended to the real count: blocks are identical and run in index order."""
+        events = [(start, name) for _, start, name in marks]
+        path = self._blocks_of(component)
+        traced = len(self._block_list(component)) if path else 0
+        count = self.real_block_count(component)
+        return tuple(expand_blocks(events, path, traced, count) if path and count > traced else events)
 
     def _block_scale(self, component: str) -> float:
         """FLOPs are almost all in the blocks: scale a two-block trace to the real count."""
@@ -313,13 +326,14 @@ def _call_key(call: Call) -> str:
 
 def _trace_json(measured: Trace, order) -> dict:
     return {"peak_bytes": measured.peak_bytes, "events": measured.events, "flops": measured.flops,
-            "live_bytes": measured.live_bytes, "order": None if order is None else [[s, n] for s, n in order]}
+            "live_bytes": measured.live_bytes, "marks": [[p, s, n] for p, s, n in measured.marks],
+            "order": None if order is None else [[s, n] for s, n in order]}
 
 
 def _trace_from_json(entry: dict) -> tuple[Trace, tuple | None]:
     """The trace, and the module order it ran in (None when another call's order was recorded first)."""
     measured = Trace(int(entry["peak_bytes"]), tuple(int(e) for e in entry["events"]), entry["flops"],
-                     int(entry["live_bytes"]))
+                     int(entry["live_bytes"]), tuple((int(p), bool(s), str(n)) for p, s, n in entry["marks"]))
     if not isinstance(measured.flops, (int, float)):
         raise TypeError(f"flops {measured.flops!r}")
     order = None if entry["order"] is None else tuple((bool(s), str(n)) for s, n in entry["order"])
@@ -378,31 +392,3 @@ def _get(module: torch.nn.Module, path: str):
     for part in path.split("."):
         module = getattr(module, part, None)
     return module
-
-
-class _StreamRecorder:
-    """Records the order modules that own tensors run in (the sequential tier's schedule input)."""
-
-    def __init__(self, model: MetaModel, component: str, kind: str) -> None:
-        self.model, self.component, self.kind = model, component, kind
-        self.events: list[tuple[bool, str]] = []
-        self.handles: list = []
-
-    def __enter__(self):
-        module = self.model.traced_module(self.component)
-        for name, sub in module.named_modules():
-            if any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False)):
-                self.handles.append(sub.register_forward_pre_hook(lambda m, a, n=name: self.events.append((True, n))))
-                self.handles.append(sub.register_forward_hook(lambda m, a, o, n=name: self.events.append((False, n))))
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        if exc[0] is None and self.events:
-            path = self.model._blocks_of(self.component)
-            traced = len(self.model._block_list(self.component)) if path else 0
-            count = self.model.real_block_count(self.component)
-            order = expand_blocks(self.events, path, traced, count) if path and count > traced else self.events
-            self.model._streams[(self.component, self.kind)] = tuple(order)
-        return False
