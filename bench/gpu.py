@@ -33,6 +33,7 @@ and step time for the same call. A warm row's `step_seconds` is its warm call's 
     python bench/gpu.py --json bench/results/gpu-h100-2026-11-26.json
     python bench/gpu.py --device cpu        # the same rows on tiny dimensions: checks the bench end to end
     python bench/gpu.py --model wan2.1-t2v-1.3b --rows warm_none,warm_model,warm_block_swap_15,warm_block_swap_15_keep
+    python bench/gpu.py --replan bench/results/gpu-h200-2026-11-26.json  # the planner's figures again, on any machine
 
 On the CPU (`--device cpu`) the warm rows' backend copies every onload (a stand-in device), so their
 byte counts are real; their seconds, like every CPU figure here, mean nothing.
@@ -613,11 +614,17 @@ def main() -> None:
     parser.add_argument("--budget-seconds", type=float, default=None,
                         help="start no row after this many seconds (the JSON lists the rest as skipped)")
     parser.add_argument("--sanitize-step", action="store_true", help="one tiny block_swap step (for compute-sanitizer)")
+    parser.add_argument("--replan", type=Path, metavar="JSON",
+                        help="recompute the planner's figures in a results file with this checkout (no GPU needed)")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps={args.steps} must be 1 or more and --warmup={args.warmup} 0 or more")
     if args.sanitize_step:
         return sanitize_step(torch.device(args.device))
+    if args.replan:
+        write_json(args.replan, replan(json.loads(args.replan.read_text())))
+        print(f"rewrote the planner's figures in {args.replan}")
+        return None
     cpu = args.device == "cpu"
     shape = TINY_SHAPE if cpu else DEFAULT_SHAPE
     if args.size:
@@ -642,6 +649,26 @@ def main() -> None:
     save(run(config, rows, lambda line: print(line, flush=True), save, deadline))
     if args.json:
         print(f"wrote {args.json}")
+
+
+def replan(result: dict) -> dict:
+    """`result` (this bench's JSON, or a file gathering several runs under `runs` with the same rows
+    flat under `rows`) with every row's `predicted` figures and ratios computed again by this
+    checkout's planner, as the bench computes them after each row; measured figures stay as they are."""
+    shape = VideoShape(**result["shape"])
+    runs = result["runs"].values() if "runs" in result else [result]
+    for run_ in runs:
+        model = meta_model(run_["model"], result.get("transformer_changes", {}))
+        known = {row.name: row for row in default_rows(model.components["transformer"].config["num_layers"], None)}
+        for name, row in run_["rows"].items():
+            if "predicted" in row and name in known:
+                row["predicted"] = predicted(model, shape, known[name])
+        add_ratios(run_["rows"])
+        if "runs" in result:
+            run_["copy_bytes_per_s"] = measured_copy_rate(run_["rows"])
+            result["rows"].update({f"{run_['model']}/{name}@{run_['run']}": row for name, row in run_["rows"].items()
+                                   if f"{run_['model']}/{name}@{run_['run']}" in result["rows"]})
+    return result
 
 
 def write_json(path: Path, result: dict) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from gpu import BenchConfig, TINY_CHANGES, TINY_SHAPE, default_rows, meta_model, run, trace_overlap  # noqa: E402
+from gpu import BenchConfig, TINY_CHANGES, TINY_SHAPE, default_rows, meta_model, replan, run, trace_overlap  # noqa: E402
 
 
 def kernel(ts, dur, name="gemm"):
@@ -60,6 +60,15 @@ def test_every_row_runs_end_to_end_on_the_cpu(dry_run):
         assert (row["predicted"] is None) == name.startswith("group_offload"), name
     assert len(saved) == len(rows)  # the JSON is rewritten after every row
     json.dumps(result)
+
+
+def test_replanning_a_results_file_gives_the_figures_the_bench_wrote(dry_run):
+    """`--replan`: a results file's planner figures computed again without a GPU (as after a planner
+    fix); with the planner unchanged they are the ones the run wrote."""
+    _, result, _ = dry_run
+    again = replan(json.loads(json.dumps(result)))
+    for name, row in result["rows"].items():
+        assert again["rows"][name].get("predicted") == row.get("predicted"), name
 
 
 def test_rows_past_the_deadline_are_listed_not_run():
