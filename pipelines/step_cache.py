@@ -110,7 +110,7 @@ class StepCache:
     @property
     def per_expert(self) -> bool:
         """Ratios for one of Wan 2.2 A14B's experts (counted over its own steps), not a whole run's."""
-        return any(name != "transformer" for name, _ in self.expert_ratios) or len(self.expert_ratios) > 1
+        return any(name != "transformer" for name, _ in self.expert_ratios)
 
     def check_expert_steps(self, steps: Mapping[str, int]) -> None:
         """Per-expert ratios cover each expert's own steps: refused by name when this run splits the

@@ -20,7 +20,7 @@ import torch
 
 from fuzz_support import PACK_ERRORS, Case, Fixtures, comfy_refusal, tiny_comfy_module, tree
 from vidmem.nodes import NODE_CLASS_MAPPINGS
-from vidmem.nodes.loader import FOLDER_TRANSFORMER, NO_MODELS
+from vidmem.nodes.loader import NO_MODELS
 
 NAN = float("nan")
 LORA_OWNER = "the LoRA helper owns pipelines/lora and memory/lora.py"
