@@ -322,9 +322,10 @@ def test_template_strategy_fits_its_machine_per_the_planner(path):
         stated = {"transformer": loader["model"], "transformer_2": loader["model_2"], "text_encoder": loader["text_encoder"]}
         assert machine["weights"] == {c: model_files.storage_named(n) for c, n in stated.items() if n != model_files.UNUSED}
         on_disk = loader["weights_on_disk"]
-    else:  # a diffusers folder lowered at load: the lowered weights live in RAM
+    else:  # a diffusers folder, lowered at load or held at the compute dtype ("default"): the weights live in RAM
         loader = by_type[wr.FOLDER_LOADER]
-        assert set(machine["weights"].values()) == {loader["weight_dtype"]}, (machine["weights"], loader["weight_dtype"])
+        held = loader["dtype"] if loader["weight_dtype"] == "default" else loader["weight_dtype"]
+        assert set(machine["weights"].values()) == {held}, (machine["weights"], loader["weight_dtype"])
         on_disk = False
     model = load_model(machine["plan_model"], loader["dtype"])
     strategy = build_strategy(**{name: by_type["VidMemMemoryStrategy"][name] for name in WIDGETS})

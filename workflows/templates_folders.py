@@ -164,21 +164,25 @@ FOLDER_TEMPLATES = (
             "Width and height must be multiples of 32 for this model and frames 4k+1.\n\n"
             "Model: the diffusers folder of Wan-AI/Wan2.2-TI2V-5B-Diffusers in "
             "ComfyUI/models/diffusers/Wan2.2-TI2V-5B-Diffusers.\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 12: the transformer has 5.0 billion "
-            "parameters (9.3 GiB in bf16) in 30 blocks of 0.31 GiB; 18 stay on the GPU (6.0 GiB with the "
-            "embeddings, head and one prefetched block) and 12 stream in from system RAM every step. The "
-            "UMT5-XXL text encoder (10.6 GiB) goes to the GPU alone to encode the prompt, then leaves "
-            "(text_encoder = offload_after_encoding; tight on 12 GB: set it to cpu if the card also drives a "
-            "display). Its VAE compresses 16x and decodes 1280x704x121 in 256 px tiles.\n\n"
-            "On a 16 GB card offload = model (blocks_to_swap = 0) fits and is faster. These are weight "
-            "sizes; activations and the CUDA context come on top. The Memory Strategy node shows the "
-            "predicted peaks for the Sampler's size before you queue. Every strategy gives the same frames."
+            "Memory strategy, offload = block_swap with blocks_to_swap = 22: the transformer has 5.0 billion "
+            "parameters (9.3 GiB in bf16) in 30 blocks of 0.31 GiB; 8 stay on the GPU and 22 stream in from "
+            "system RAM every step. At this size the activations are the larger part: 1280x704x121 with CFG "
+            "needs about 7 GiB of them, so the planner predicts 11.4 GiB for denoising with 22 blocks "
+            "streamed (18 is the fewest that fit, at 11.95 GiB: no room left). The UMT5-XXL text encoder "
+            "(10.6 GiB) goes to the GPU alone to encode the prompt, then leaves (text_encoder = "
+            "offload_after_encoding, 11.3 GiB; set it to cpu if the card also drives a display). Its VAE "
+            "compresses 16x and decodes 1280x704x121 in 256 px tiles. RAM: about 27 GB at the peak, so "
+            "32 GB of system RAM.\n\n"
+            "Check your machine: vidmem plan --model wan2.2-ti2v-5b --size 1280x704 --frames 121 --vram 12 "
+            "--ram 32. The Memory Strategy node shows the predicted peaks for the Sampler's size "
+            "before you queue. Every strategy gives the same frames."
         ),
         loader=diffusers_folder("Wan2.2-TI2V-5B-Diffusers", "bf16"),
-        strategy=strategy("block_swap", "offload_after_encoding", 12),
+        strategy=strategy("block_swap", "offload_after_encoding", 22),
         prompt="A street musician plays violin under a bridge at golden hour, pigeons taking off around him, cinematic.",
         negative_prompt=NEGATIVE,
         width=1280, height=704, frames=121, steps=50, cfg=5.0, fps=24.0,
+        machine=Machine(12, 32, "wan2.2-ti2v-5b", {"transformer": "bf16", "text_encoder": "bf16"}),
     ),
     Template(
         name="cogvideox_5b_fp8",
