@@ -29,9 +29,12 @@ from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recomm
 from ..memory.plan.stages import VideoShape
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
                          folder_options, recognise, transformer_file_request, vae_dtype_request, weight_dtype_request)
+from .cache import VidMemStepCache
 from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, strategy_notes, tile_size_problem
 
 PLAN_ROUTE = "/vidmem/plan"
+STEPS = (1, 1000)  # the Sampler's range
+CACHE_PREFIX = "cache_"  # query parameters carrying the Step Cache node's widgets
 SHAPE = {"width": (16, 4096), "height": (16, 4096), "frames": (1, 1025)}  # the Sampler's ranges
 
 
@@ -55,6 +58,8 @@ class PlanRequest:
     transformer_file: tuple[str, int, int] | None = None  # Load Video Pipeline's single-file transformer
     weight_dtype: str = DEFAULT_WEIGHTS  # Load Video Pipeline's storage choice for the folder
     vae_dtype: str = ""  # Load Video Pipeline's VAE precision ("" follows dtype); the files' is in `files`
+    steps: int = 50  # the Sampler's
+    cache: tuple[tuple[str, object], ...] = ()  # the connected Step Cache node's widgets; () when none is
 
     @property
     def auto(self) -> bool:
@@ -86,8 +91,29 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     width, height, frames = (_number(query, name, "INT", *SHAPE[name]) for name in SHAPE)
     cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
     shape = VideoShape(width, height, frames, cfg=cfg > 1.0)
+    steps = _number(query, "steps", "INT", *STEPS) if "steps" in query else 50
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
-                       files=files, transformer_file=transformer_file, weight_dtype=weight_dtype, vae_dtype=vae_dtype)
+                       files=files, transformer_file=transformer_file, weight_dtype=weight_dtype, vae_dtype=vae_dtype,
+                       steps=steps, cache=_cache_widgets(query))
+
+
+def _cache_widgets(query: Mapping[str, str]) -> tuple[tuple[str, object], ...]:
+    """The Step Cache node's widgets, sent as cache_<name>; () when the Sampler has no cache connected."""
+    if "cache_method" not in query:
+        return ()
+    spec = VidMemStepCache.INPUT_TYPES()["required"]
+    sent = {name[len(CACHE_PREFIX):]: text for name, text in query.items() if name.startswith(CACHE_PREFIX)}
+    found = []
+    for name, entry in spec.items():
+        kind, options = entry
+        if name == "mag_ratios":  # the node's list is the host's files: any name is checked when planned
+            found.append((name, sent.get(name, options.get("default"))))
+            continue
+        try:
+            found.append((name, _widget(sent, name, entry)))
+        except PlanRequestError as error:
+            raise PlanRequestError(CACHE_PREFIX + name, f"the Step Cache node's {error}") from None
+    return tuple(found)
 
 
 def _required(query: Mapping[str, str], name: str) -> str:
@@ -168,7 +194,28 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         "chosen": chosen,
         "time": _time(plans, options),
         "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
+        "speed": _speed_lines(request, model),
     }
+
+
+def _speed_lines(request: PlanRequest, model) -> list[str]:
+    """What makes this run faster than the rows say: the connected step cache's skips, known before the run."""
+    if not request.cache:
+        return []
+    from ..pipelines.step_cache import StepCache, layout_key, plan_line
+    from .host import mag_ratios_folder
+
+    widgets = dict(request.cache)
+    try:
+        cache = StepCache(widgets["method"], widgets["threshold"], widgets["retention"], widgets["max_skip_steps"],
+                          calibrate=True)  # the ratios are found by plan_line; calibrate lets it build without them
+    except StrategyError as error:
+        return [f"step cache: {error}"]
+    denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items()
+                 if name.startswith("transformer")}
+    line = plan_line(layout_key(model.pipeline_class, denoisers), request.steps, list(denoisers), cache,
+                     str(widgets["mag_ratios"]), mag_ratios_folder())
+    return [f"step cache: {line}"] if line else []
 
 
 def _probed_device() -> str:

@@ -347,20 +347,12 @@ def cache_with_ratios(cache: StepCache, loaded, ratios_name: str, folder: Path |
         return cache
     if ratios_name == "calibrate":
         return replace(cache, calibrate=True)
-    key = model_key(loaded)
-    if ratios_name == "auto":
-        entry = _shipped().get(key)
-        if entry is None:
-            raise StrategyError(f"mag_ratios 'auto': no published MagCache ratios for {loaded.class_name} ({key}); "
-                                "queue once with mag_ratios 'calibrate' (its ratios are saved and listed here), or "
-                                "choose first_block_cache.")
-        return _with_entry(cache, entry, "published")
-    path = Path(folder or ".") / ratios_name
-    entry = read_json_file(path, "mag_ratios")
-    if entry.get("model") != key:
-        raise StrategyError(f"mag_ratios '{ratios_name}' was measured on {entry.get('model')!r}, not this model "
-                            f"({key}); pick this model's file, 'auto', or 'calibrate'.")
-    return _with_entry(cache, entry, ratios_name)
+    found = _mag_cache_for(model_key(loaded), cache, ratios_name, folder)
+    if found is None:
+        raise StrategyError(f"mag_ratios 'auto': no published MagCache ratios for {loaded.class_name} "
+                            f"({model_key(loaded)}); queue once with mag_ratios 'calibrate' (its ratios are saved and "
+                            "listed here), or choose first_block_cache.")
+    return found
 
 
 def ratio_files(folder: Path | None) -> list[str]:
@@ -379,7 +371,7 @@ def _with_entry(cache: StepCache, entry: dict, source: str) -> StepCache:
     experts = tuple((name, tuple(values)) for name, values in ratios.items())
     threshold = cache.threshold or entry.get("threshold", 0.0)  # 0: the threshold published with the ratios
     return replace(cache, mag_ratios=None, expert_ratios=experts, ratio_steps=steps, threshold=threshold,
-                   ratio_source=f"{source} ({entry.get('source', '')})")
+                   ratio_source=f"{source} ({entry.get('source', '')})", calibrate=False)  # used, not measured
 
 
 @lru_cache(maxsize=1)
@@ -411,7 +403,7 @@ def published_cache(layout: str) -> StepCache | None:
         return None
     cache = StepCache(CacheMethod.MAG, entry.get("threshold", 0.0), entry.get("retention", 0.2),
                       entry.get("max_skip_steps", 3), calibrate=True)  # ratios come with the entry
-    return replace(_with_entry(cache, entry, "published"), calibrate=False)
+    return _with_entry(cache, entry, "published")
 
 
 def mag_schedule(cache: StepCache, steps: int, denoiser: str = "transformer") -> list[bool]:
@@ -469,13 +461,26 @@ class _ScheduleModel(nn.Module):
         return tail.ran
 
 
-def plan_line(model_layout: str, steps: int, denoisers: list[str]) -> str:
-    """`vidmem plan --cache mag_cache`: what MagCache with the published ratios would skip."""
-    cache = published_cache(model_layout)
-    if cache is None:
-        return ("mag_cache: no published MagCache ratios for this model; a run with the Step Cache node's mag_ratios "
-                "'calibrate' measures and saves them (docs/step-cache.md).")
+def plan_line(model_layout: str, steps: int, denoisers: list[str], cache: StepCache | None = None,
+              ratios_name: str = "auto", folder: Path | None = None) -> str:
+    """What `cache` would skip at `steps`, before the run (`vidmem plan --cache`, the Strategy node's plan).
+
+    `cache` None: MagCache as published for this model. Otherwise the Step Cache node's settings with
+    the ratios it names ("auto", "calibrate" or a file in `folder`); a threshold of 0 takes the one
+    published with the ratios, as a run does."""
+    if cache is not None and cache.method is CacheMethod.FIRST_BLOCK:
+        return (f"{cache.describe()}: decided while sampling from how much the first block's output changes, so "
+                "what it skips is known only after the run (the Sampler's receipt counts it).")
+    if cache is not None and not cache.on:
+        return ""
+    if cache is not None and ratios_name == "calibrate":
+        return ("mag_cache calibrate: this run computes every step to measure the model's ratios and saves them for "
+                "the next runs; it skips nothing itself.")
     try:
+        cache = _mag_cache_for(model_layout, cache, ratios_name, folder)
+        if cache is None:
+            return ("mag_cache: no published MagCache ratios for this model; a run with the Step Cache node's mag_ratios "
+                    "'calibrate' measures and saves them (docs/step-cache.md).")
         computed = {name: mag_schedule(cache, steps, name) for name in denoisers if cache.ratios_for(name) is not None}
     except StrategyError as error:
         return f"mag_cache: {error}"
@@ -485,6 +490,22 @@ def plan_line(model_layout: str, steps: int, denoisers: list[str]) -> str:
     share = ran / total if total else 1.0
     parts = ", ".join(f"{name} {sum(s)} of {len(s)}" for name, s in computed.items())
     note = f"; {', '.join(uncached)} not cached (as published)" if uncached else ""
-    return (f"mag_cache with the published ratios (threshold {cache.threshold:g}, K {cache.max_skip_steps}, retention "
+    source = "the published ratios" if ratios_name == "auto" else f"the ratios of {ratios_name}"
+    return (f"mag_cache with {source} (threshold {cache.threshold:g}, K {cache.max_skip_steps}, retention "
             f"{cache.retention:g}): steps computed {parts} ({share:.0%}){note}. The denoising time and, under block "
             f"swap, the copies fall about as the steps computed; quality: docs/step-cache.md.")
+
+
+def _mag_cache_for(layout: str, cache: StepCache | None, ratios_name: str, folder: Path | None) -> StepCache | None:
+    """MagCache with the ratios `ratios_name` names for the model of `layout` (`cache` None: as published):
+    None when "auto" finds nothing published for it; StrategyError for a file of another model."""
+    if cache is None:
+        return published_cache(layout)
+    if ratios_name == "auto":
+        entry = _shipped().get(layout)
+        return None if entry is None else _with_entry(cache, entry, "published")
+    entry = read_json_file(Path(folder or ".") / ratios_name, "mag_ratios")
+    if entry.get("model") != layout:
+        raise StrategyError(f"mag_ratios '{ratios_name}' was measured on {entry.get('model')!r}, not this model "
+                            f"({layout}); pick this model's file, 'auto', or 'calibrate'.")
+    return _with_entry(cache, entry, ratios_name)

@@ -263,3 +263,44 @@ def test_plan_route_answers_without_blocking_the_loop(comfy_server, monkeypatch,
     status, bad = asyncio.run(ask(query(model="../../secret")))
     assert status == 400 and bad["input"] == "model"
     assert not torch.cuda.is_initialized()
+
+
+def _wan_13b_cache_plan(**cache):
+    """Wan 2.1 1.3B at 832x480x81 and 50 steps, with a Step Cache node's widgets sent as cache_<name>."""
+    from vidmem.pipelines.configs import load_model
+
+    q = query(model="wan", dtype="bf16", width="832", height="480", frames="81", steps="50", tile_size="256",
+              overlap="32", temporal_size="64", temporal_overlap="8", vram_budget_gb="8",
+              **{f"cache_{name}": value for name, value in cache.items()})
+    return plan_answer(parse_request(q, ["wan"], ["bf16"]), lambda n, d: load_model("wan2.1-t2v-1.3b", d),
+                       (8 * GiB, 64 * GiB), device="cuda")
+
+
+def test_the_plan_says_what_a_connected_step_cache_skips_before_the_run():
+    from vidmem.pipelines.step_cache import CacheMethod, StepCache, layout_key, mag_schedule, published_cache
+
+    assert _wan_13b_cache_plan()["speed"] == []  # no Step Cache node connected
+    widgets = dict(method="mag_cache", threshold="0", retention="0.2", max_skip_steps="3", mag_ratios="auto")
+    plain = _wan_13b_cache_plan(**widgets)["speed"]
+    # The same schedule the run takes: the published ratios at the node's K, retention and default threshold.
+    published = published_cache("WanPipeline transformer:30x12x128")
+    expected = sum(mag_schedule(StepCache(CacheMethod.MAG, published.threshold, 0.2, 3, expert_ratios=published.expert_ratios,
+                                          ratio_steps=published.ratio_steps), 50))
+    assert len(plain) == 1 and f"steps computed transformer {expected} of 50" in plain[0], plain
+    bolder = _wan_13b_cache_plan(**dict(widgets, threshold="0.3", max_skip_steps="6"))["speed"][0]
+    assert int(re.search(r"transformer (\d+) of 50", bolder).group(1)) < expected, bolder
+    fbc = _wan_13b_cache_plan(**dict(widgets, method="first_block_cache"))["speed"][0]
+    assert "known only after the run" in fbc
+    assert "computes every step" in _wan_13b_cache_plan(**dict(widgets, mag_ratios="calibrate"))["speed"][0]
+    missing = _wan_13b_cache_plan(**dict(widgets, mag_ratios="gone.json"))["speed"][0]
+    assert "gone.json" in missing and "missing" in missing
+    assert _wan_13b_cache_plan(**dict(widgets, method="off"))["speed"] == []
+
+
+def test_a_bad_step_cache_widget_is_named_with_its_node():
+    with pytest.raises(PlanRequestError) as caught:
+        parse_request(query(cache_method="mag_cache", cache_threshold="nan"), [TINY], ["fp32"])
+    assert caught.value.name == "cache_threshold" and "Step Cache" in str(caught.value)
+    with pytest.raises(PlanRequestError) as caught:
+        parse_request(query(steps="0"), [TINY], ["fp32"])
+    assert caught.value.name == "steps"

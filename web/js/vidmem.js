@@ -7,9 +7,9 @@
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 import {
-  FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STAGES, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines,
+  FREE_BODY, cacheFields, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STAGES, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines,
   ignoredStrategyWidgets, legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planReasons,
-  planVerdict, slowdownText, summarize, timeNote, timeShown,
+  planVerdict, slowdownText, speedLines, summarize, timeNote, timeShown,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -152,6 +152,8 @@ function renderPlan(node, plan, note) {
     const reasons = planReasons(plan);
     if (reasons.length) children.push(textBlock("vidmem-plan-reasons", reasons, { color: "#f0a0a6", margin: "0 0 4px 8px" }));
     if (plan.auto && chosen) children.push(textBlock("vidmem-plan-strategy", [chosen.strategy], { color: "#aaa", marginBottom: "3px" }));
+    const speed = speedLines(plan);
+    if (speed.length) children.push(textBlock("vidmem-plan-speed", speed, { color: "#9fd4a0", marginBottom: "3px" }));
     const disk = plan.rows.some((row) => row.label.endsWith("+disk")) ? "; +disk: weights memory-mapped from disk" : "";
     const legend = [`bars: VRAM (thick), RAM (thin) per stage; dashed line: the budget; VRAM: the row's peak in GiB${disk}`,
       timeNote(plan)];
@@ -162,7 +164,7 @@ function renderPlan(node, plan, note) {
   body.append(...children);
   widget.element.replaceChildren(body);
   widget.element.dataset.status = plan?.status ?? "none";
-  widget.element.title = [planVerdict(plan), chosen?.strategy, ...planReasons(plan), ...planLines(plan), timeNote(plan)]
+  widget.element.title = [planVerdict(plan), chosen?.strategy, ...planReasons(plan), ...speedLines(plan), ...planLines(plan), timeNote(plan)]
     .filter(Boolean).join("\n");
   fitPlan(node);
   app.graph?.setDirtyCanvas(true, false);
@@ -234,8 +236,10 @@ function planRequestFor(node) {
   if (!loader) return null;
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((name) => [name, widgetValue(node, name)]));
-  const shape = Object.fromEntries(["width", "height", "frames", "cfg"].map((name) => [name, widgetValue(sampler, name)]));
-  return planQuery({ model: fields.model, dtype: fields.dtype, loader: fields, widgets, shape, client: `${PAGE_ID}:${node.id}` });
+  const shape = Object.fromEntries(["width", "height", "frames", "cfg", "steps"].map((name) => [name, widgetValue(sampler, name)]));
+  const cache = linkedNode(sampler, "cache");
+  const extra = cacheFields(cache, (name) => widgetValue(cache, name));
+  return planQuery({ model: fields.model, dtype: fields.dtype, loader: fields, widgets, shape, extra, client: `${PAGE_ID}:${node.id}` });
 }
 
 async function refreshPlan(node) {

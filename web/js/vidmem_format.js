@@ -232,6 +232,10 @@ export const FILES_LOADER_WIDGETS = ["model", "model_2", "text_encoder", "vae", 
   "weight_dtype", "weights_on_disk"];
 
 export const LOADER_PREFIX = "loader_";
+// The Step Cache node on the Sampler's cache input: the plan says what it will skip (nodes/plan_route.py).
+export const CACHE_NODE = "VidMemStepCache";
+export const CACHE_WIDGETS = ["method", "threshold", "retention", "max_skip_steps", "mag_ratios"];
+export const CACHE_PREFIX = "cache_";
 
 const typeOf = (node) => node?.comfyClass ?? node?.type;
 
@@ -245,6 +249,13 @@ export function pipelineLoader(start, upstream) {
     if (!PIPELINE_PASS_THROUGH.includes(typeOf(node))) return null;
   }
   return null;
+}
+
+/** The plan query's fields for the node on the Sampler's cache input and `value(name)` of its
+ * widgets: prefixed (the Strategy has no widgets of these names, but the route keeps them apart); {} for no Step Cache. */
+export function cacheFields(node, value) {
+  if (typeOf(node) !== CACHE_NODE) return {};
+  return Object.fromEntries(CACHE_WIDGETS.map((name) => [`${CACHE_PREFIX}${name}`, value(name)]));
 }
 
 /** The plan query's loader fields from a loader node and `value(name)` of its widgets. */
@@ -264,7 +275,7 @@ export function loaderFields(loader, value) {
   return fields;
 }
 
-export function planQuery({ model, dtype, widgets, shape, client, loader }) {
+export function planQuery({ model, dtype, widgets, shape, client, loader, extra }) {
   if (!model || !shape || [shape.width, shape.height, shape.frames].some((v) => !Number.isFinite(Number(v)))) return null;
   const params = new URLSearchParams({ model: String(model), dtype: String(dtype ?? "bf16") });
   for (const [name, value] of Object.entries(loader ?? {})) {
@@ -273,8 +284,11 @@ export function planQuery({ model, dtype, widgets, shape, client, loader }) {
   for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS]) {
     if (widgets?.[name] !== undefined && widgets[name] !== null) params.set(name, String(widgets[name]));
   }
-  for (const name of ["width", "height", "frames", "cfg"]) {
+  for (const name of ["width", "height", "frames", "cfg", "steps"]) {
     if (shape[name] !== undefined && shape[name] !== null) params.set(name, String(shape[name]));
+  }
+  for (const [name, value] of Object.entries(extra ?? {})) {
+    if (value !== undefined && value !== null) params.set(name, String(value));
   }
   if (client !== undefined) params.set("client", String(client));
   return params.toString();
@@ -346,6 +360,11 @@ export function planVerdict(plan) {
     : `your settings: ${row.fits === false ? "over budget" : "fit"}`;
   const time = timeShown(plan) ? `, time ${slowdownText(row.est_slowdown)}` : "";
   return `${head}; peak ${gib(row.peak_vram_bytes)} of ${gib(vram)} GiB VRAM, ${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${time}`;
+}
+
+/** What makes the run faster than the rows say (a connected step cache's skips): lines under the verdict. */
+export function speedLines(plan) {
+  return plan?.status === "ok" ? plan.speed ?? [] : [];
 }
 
 /** Why the verdict's row does not fit: one short line per stage, each with the fix (nodes/plan_route.py). */
