@@ -136,7 +136,8 @@ def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
     problem = unavailable(kernel, device, dtype)
     if problem:
         raise AttentionError(f"attention={kernel.value!r} cannot run here: {problem}")
-    return _resolved(kernel, kernel, device, dtype, WHY[kernel])
+    why = CPU_FLASH if kernel is AttentionKernel.FLASH and device.type == "cpu" else WHY[kernel]
+    return _resolved(kernel, kernel, device, dtype, why)
 
 
 WHY = {
@@ -148,6 +149,8 @@ WHY = {
     AttentionKernel.FLEX: "torch flex_attention: exact; unfused (holds the whole score matrix) unless the model is compiled",
     AttentionKernel.SAGE: "SageAttention: Q and K quantized to INT8 (lossy, usually close), fused Triton/CUDA kernels",
 }
+
+CPU_FLASH = "torch's CPU flash-attention kernel: exact, the one SDPA itself picks on the CPU for unmasked attention"
 
 
 def unavailable(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype) -> str:
@@ -341,6 +344,9 @@ def _apply(applied: AppliedAttention, name: str, denoiser: nn.Module, attend: Ca
     dispatched = [m for m in modules if hasattr(m.processor, "_attention_backend")]
     direct = [m for m in modules if m not in dispatched]
     _check_direct(resolved, name, direct)
+    if any(getattr(m.processor, "_parallel_config", None) is not None for m in dispatched) and \
+            _keeps_parallel_backend(resolved, name):
+        return f"auto: kept the backend context parallelism set on {len(dispatched)} attention modules"
     backend = "native" if resolved.backend == SAGE1 else resolved.backend
     for module in dispatched:
         applied._backends.append((module.processor, module.processor._attention_backend))
@@ -368,6 +374,23 @@ def _check_direct(resolved: ResolvedAttention, name: str, direct: list[nn.Module
             raise AttentionError(f"attention={resolved.requested.value!r}: {name}'s attention processor {processor} "
                                  "neither goes through diffusers' dispatcher nor calls torch's SDPA, so no kernel can "
                                  "be set on it; choose 'auto' (it leaves attention as it is off CUDA).")
+
+
+def _keeps_parallel_backend(resolved: ResolvedAttention, name: str) -> bool:
+    """Under context parallelism (diffusers' `enable_parallelism`), whether auto keeps the backend it set.
+
+    A backend without a context-parallel version would attend within each rank's share of the tokens
+    only, giving wrong frames without an error: refused, as `set_attention_backend` does."""
+    if resolved.requested is AttentionKernel.AUTO:
+        return True
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    if resolved.backend not in _AttentionBackendRegistry._supports_context_parallel:
+        usable = sorted(k.value for k, b in _DISPATCHER.items() if b in _AttentionBackendRegistry._supports_context_parallel)
+        raise AttentionError(f"attention={resolved.requested.value!r}: {name} is split across GPUs (context_parallel) and "
+                             f"the dispatcher's '{resolved.backend}' has no context-parallel version; choose 'auto' "
+                             f"(keeps the split's own) or one of {', '.join(map(repr, usable))}.")
+    return False
 
 
 def _scope_factory(resolved: ResolvedAttention, attend: Callable | None, applied: AppliedAttention):

@@ -345,3 +345,37 @@ def test_a_kernel_composes_with_streaming_tiers(tiny_loaded, variant):
     default = run(loaded, variant, strategy=sequential)[0].latent["samples"]
     flash = run(loaded, variant, resolve_attention("flash", CPU, torch.float32), strategy=sequential)[0]
     assert torch.equal(flash.latent["samples"], default)
+
+
+def test_under_context_parallelism_auto_keeps_the_splits_backend_and_others_need_a_parallel_version(tiny_loaded):
+    """A backend without a context-parallel version would attend within each rank's tokens only."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    processors = [m.processor for m in attention_modules(loaded)]
+    before = state(loaded)
+    for processor in processors:
+        processor._parallel_config = object()  # what diffusers' enable_parallelism leaves on them
+    try:
+        with attention_for_call(denoisers(loaded), resolve_attention("auto", CPU, torch.float32)) as applied:
+            assert "kept the backend context parallelism set" in applied.as_dict()["applied"]["transformer"]
+            assert state(loaded) == before
+        with pytest.raises(AttentionError, match=r"attention='math': transformer is split across GPUs \(context_parallel\)"
+                                                 r" and the dispatcher's '_native_math' has no context-parallel version; "
+                                                 r"choose 'auto' .* 'flash'"):
+            with attention_for_call(denoisers(loaded), resolve_attention("math", CPU, torch.float32)):
+                pass
+        with attention_for_call(denoisers(loaded), resolve_attention("flash", CPU, torch.float32)):
+            assert {p._attention_backend.value for p in processors} == {"_native_flash"}
+    finally:
+        for processor in processors:
+            del processor._parallel_config
+    assert state(loaded) == before
+
+
+def test_both_experts_of_wan_2_2_a14b_get_the_kernel(tiny_loaded, monkeypatch):
+    seen = spy_dispatcher(monkeypatch)
+    loaded = tiny_loaded("wan2.2-a14b")
+    default, _ = run(loaded, "wan2.2-a14b")
+    seen.clear()
+    chosen, receipt = run(loaded, "wan2.2-a14b", resolve_attention("flash", CPU, torch.float32))
+    assert set(receipt["applied"]) == {"transformer", "transformer_2"} and set(seen) == {"_native_flash"}
+    assert torch.equal(chosen.latent["samples"], default.latent["samples"])
