@@ -98,6 +98,13 @@ class ResolvedAttention:
     why: str
     fallback: str = ""  # what auto passed over, and why
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernel", _parse_kernel(self.kernel))
+        object.__setattr__(self, "requested", _parse_kernel(self.requested))
+        if self.kernel is AttentionKernel.AUTO:
+            raise AttentionError("attention: a resolved kernel is a concrete one, never 'auto'; build it with "
+                                 "resolve_attention(choice, device, dtype).")
+
     @property
     def sdpa_backend(self) -> SDPBackend | None:
         """The SDPA backend forced around a direct SDPA call (None: torch chooses, or not an SDPA kernel)."""
@@ -106,8 +113,7 @@ class ResolvedAttention:
     @property
     def materialises_scores(self) -> bool:
         """Whether attention holds the whole score matrix (the planner counts fused kernels as output only)."""
-        return self.kernel in (AttentionKernel.MATH, AttentionKernel.FLEX) or (
-            self.kernel is AttentionKernel.SDPA and self.device == "meta")
+        return self.kernel in (AttentionKernel.MATH, AttentionKernel.FLEX)
 
     @property
     def lossy(self) -> bool:
@@ -178,7 +184,8 @@ def _sdpa_backend_problem(kernel: AttentionKernel, device: torch.device, dtype: 
         return ""
     name = {AttentionKernel.FLASH: "FlashAttention", AttentionKernel.CUDNN: "cuDNN attention"}[kernel]
     if dtype not in _HALF:
-        return f"torch's {name} runs fp16/bf16 and the model computes in {_dtype_name(dtype)}: load it in bf16, or choose 'efficient'."
+        return (f"torch's {name} runs fp16/bf16 and the model computes in {_dtype_name(dtype)}: load it in bf16, or "
+                "choose 'efficient'.")
     if major < 8:
         return f"torch's {name} needs an sm80+ GPU (Ampere or newer); this one is {sm}: choose 'efficient' or 'sdpa'."
     if kernel is AttentionKernel.FLASH and not torch.backends.cuda.is_flash_attention_available():
@@ -190,7 +197,8 @@ def _sdpa_backend_problem(kernel: AttentionKernel, device: torch.device, dtype: 
 
 def _flex_problem(device: torch.device) -> str:
     if not _has_module("torch.nn.attention.flex_attention"):
-        return f"flex_attention needs torch 2.5 or newer (this is {torch.__version__}): pip install -U torch, or choose 'sdpa'."
+        return (f"flex_attention needs torch 2.5 or newer (this is {torch.__version__}): pip install -U torch, or "
+                "choose 'sdpa'.")
     if device.type == "cuda" and not _has_module("triton"):
         return "flex_attention on CUDA needs Triton: pip install triton, or choose 'sdpa'."
     if device.type not in ("cuda", "cpu"):
@@ -203,7 +211,8 @@ def _sage_problem(device: torch.device, dtype: torch.dtype) -> str:
     if version is None:
         return f"sageattention is not installed: {SAGE_FIX}; or choose 'auto'."
     if dtype not in _HALF:
-        return f"SageAttention runs fp16/bf16 and the model computes in {_dtype_name(dtype)}: load it in bf16, or choose 'auto'."
+        return (f"SageAttention runs fp16/bf16 and the model computes in {_dtype_name(dtype)}: load it in bf16, or "
+                "choose 'auto'.")
     major, minor = _capability(device)
     if major < 8:
         return f"SageAttention needs an sm80+ GPU (Ampere or newer); this one is sm{major}{minor}: choose 'auto'."
@@ -223,7 +232,8 @@ def _auto(device: torch.device, dtype: torch.dtype) -> ResolvedAttention:
         problem = unavailable(kernel, device, dtype) or (
             "" if enabled() else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).")
         if not problem:
-            why = f"auto on CUDA sm{''.join(map(str, _capability(device)))}, {_dtype_name(dtype)}: the first exact fused kernel available: {WHY[kernel]}"
+            sm = "".join(map(str, _capability(device)))
+            why = f"auto on CUDA sm{sm}, {_dtype_name(dtype)}: the first exact fused kernel available: {WHY[kernel]}"
             return _resolved(kernel, AttentionKernel.AUTO, device, dtype, why, _fallback(passed))
         passed.append(f"{kernel.value}: {problem}")
     fallback = _fallback(passed)
@@ -242,7 +252,10 @@ def _fallback(passed: list[str]) -> str:
 
 def _resolved(kernel: AttentionKernel, requested: AttentionKernel, device: torch.device, dtype: torch.dtype, why: str,
               fallback: str = "") -> ResolvedAttention:
-    backend = _sage_backend(_installed_version("sageattention")) if kernel is AttentionKernel.SAGE else _DISPATCHER[kernel]
+    if kernel is AttentionKernel.SAGE:
+        backend = _sage_backend(_installed_version("sageattention"))
+    else:
+        backend = _DISPATCHER[kernel]
     return ResolvedAttention(kernel, requested, backend, str(device), _dtype_name(dtype), why, fallback)
 
 
@@ -343,7 +356,8 @@ def _apply(applied: AppliedAttention, name: str, denoiser: nn.Module, attend: Ca
                              "diffusers attention modules to set a kernel on; choose 'auto'.")
     dispatched = [m for m in modules if hasattr(m.processor, "_attention_backend")]
     direct = [m for m in modules if m not in dispatched]
-    _check_direct(resolved, name, direct)
+    if resolved.kernel is not AttentionKernel.SDPA:  # plain SDPA leaves direct processors as they are
+        _check_direct(resolved, name, direct)
     if any(getattr(m.processor, "_parallel_config", None) is not None for m in dispatched) and \
             _keeps_parallel_backend(resolved, name):
         return f"auto: kept the backend context parallelism set on {len(dispatched)} attention modules"
@@ -355,12 +369,17 @@ def _apply(applied: AppliedAttention, name: str, denoiser: nn.Module, attend: Ca
     scope = _scope_factory(resolved, attend, applied) if scoped else None
     for module in scoped if scope is not None else ():
         _hook(applied, module, scope)
+    return _route(resolved, backend, dispatched, direct, scope is not None)
+
+
+def _route(resolved: ResolvedAttention, backend: str, dispatched: list, direct: list, scoped: bool) -> str:
+    """How the kernel reached a denoiser's attention, for the receipt."""
     parts = []
     if dispatched:
         parts.append(f"diffusers dispatcher backend '{backend}' on {len(dispatched)} attention modules")
     if direct:
-        how = "as they are" if scope is None else (f"under sdpa_kernel({resolved.sdpa_backend.name})" if resolved.sdpa_backend
-                                                   else "their SDPA call rerouted")
+        how = ("as they are" if not scoped else f"under sdpa_kernel({resolved.sdpa_backend.name})"
+               if resolved.sdpa_backend else "their SDPA call rerouted")
         parts.append(f"{len(direct)} {type(direct[0].processor).__name__} modules {how}")
     if resolved.backend == SAGE1 and dispatched:
         parts.append("SDPA inside them rerouted to sageattention 1.x")
@@ -373,7 +392,7 @@ def _check_direct(resolved: ResolvedAttention, name: str, direct: list[nn.Module
         if processor not in SDPA_PROCESSORS:
             raise AttentionError(f"attention={resolved.requested.value!r}: {name}'s attention processor {processor} "
                                  "neither goes through diffusers' dispatcher nor calls torch's SDPA, so no kernel can "
-                                 "be set on it; choose 'auto' (it leaves attention as it is off CUDA).")
+                                 "be set on it; choose 'sdpa' (leaves its attention as it is).")
 
 
 def _keeps_parallel_backend(resolved: ResolvedAttention, name: str) -> bool:
@@ -386,9 +405,10 @@ def _keeps_parallel_backend(resolved: ResolvedAttention, name: str) -> bool:
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     if resolved.backend not in _AttentionBackendRegistry._supports_context_parallel:
-        usable = sorted(k.value for k, b in _DISPATCHER.items() if b in _AttentionBackendRegistry._supports_context_parallel)
-        raise AttentionError(f"attention={resolved.requested.value!r}: {name} is split across GPUs (context_parallel) and "
-                             f"the dispatcher's '{resolved.backend}' has no context-parallel version; choose 'auto' "
+        parallel = _AttentionBackendRegistry._supports_context_parallel
+        usable = sorted(k.value for k, b in _DISPATCHER.items() if b in parallel)
+        raise AttentionError(f"attention={resolved.requested.value!r}: {name} is split across GPUs (context_parallel) "
+                             f"and the dispatcher's '{resolved.backend}' has no context-parallel version; choose 'auto' "
                              f"(keeps the split's own) or one of {', '.join(map(repr, usable))}.")
     return False
 

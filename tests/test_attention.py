@@ -329,7 +329,7 @@ def test_a_processor_no_kernel_can_reach_is_refused_and_the_others_put_back(tiny
     stranger.processor = _Unknown()
     try:
         with pytest.raises(AttentionError, match=r"odd's attention processor _Unknown neither goes through diffusers' "
-                                                 r"dispatcher nor calls torch's SDPA.* choose 'auto'"):
+                                                 r"dispatcher nor calls torch's SDPA.* choose 'sdpa'"):
             with attention_for_call({"transformer": wan.pipe.transformer, "odd": cog.pipe.transformer},
                                     resolve_attention("math", CPU, torch.float32)):
                 pass
@@ -379,3 +379,21 @@ def test_both_experts_of_wan_2_2_a14b_get_the_kernel(tiny_loaded, monkeypatch):
     chosen, receipt = run(loaded, "wan2.2-a14b", resolve_attention("flash", CPU, torch.float32))
     assert set(receipt["applied"]) == {"transformer", "transformer_2"} and set(seen) == {"_native_flash"}
     assert torch.equal(chosen.latent["samples"], default.latent["samples"])
+
+
+def test_plain_sdpa_leaves_a_processor_it_cannot_reach_as_it_is(tiny_loaded):
+    cog = tiny_loaded("cogvideox-t2v")
+    stranger = next(m for m in cog.pipe.transformer.modules() if getattr(m, "processor", None) is not None)
+    original = stranger.processor
+    stranger.processor = _Unknown()
+    try:
+        with attention_for_call(denoisers(cog), resolve_attention("sdpa", CPU, torch.float32)) as applied:
+            assert "modules as they are" in applied.as_dict()["applied"]["transformer"]
+    finally:
+        stranger.processor = original
+
+
+def test_a_resolved_kernel_is_never_auto():
+    with pytest.raises(AttentionError, match="never 'auto'; build it with resolve_attention"):
+        ResolvedAttention("auto", "auto", "native", "cpu", "float32", "")
+    assert ResolvedAttention("math", "auto", "_native_math", "cpu", "float32", "").describe() == "math (auto)"
