@@ -51,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from ..memory.strategy import StrategyError
+from ..memory.units import DTYPES
 
 log = logging.getLogger("vidmem")
 
@@ -129,14 +130,18 @@ class ResolvedAttention:
         return {**found, "fallback": self.fallback} if self.fallback else found
 
 
-def resolve_attention(choice: AttentionKernel | str, device: torch.device | str, dtype: torch.dtype) -> ResolvedAttention:
-    """The kernel `choice` means on `device` for a model computing in `dtype`; raises AttentionError
-    (input named, fix given) when it cannot run there. Imports nothing heavy and touches no model."""
+def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
+                      dtype: torch.dtype | str) -> ResolvedAttention:
+    """The kernel `choice` means on `device` for a model computing in `dtype` (a torch dtype or a name
+    of memory.units.DTYPES, e.g. `loaded.dtype_name`: not the parameters' dtype, which is the storage's
+    under fp8 or GGUF); raises AttentionError (input named, fix given) when it cannot run there.
+    Imports nothing heavy and touches no model."""
     kernel = _parse_kernel(choice)
     device = torch.device(device)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise AttentionError(f"attention dtype={dtype!r} must be the model's floating-point compute dtype "
-                             "(e.g. torch.bfloat16).")
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise AttentionError(f"attention dtype={dtype!r} must be the model's compute dtype: one of "
+                             f"{', '.join(DTYPES)} or its torch dtype.")
     if kernel is AttentionKernel.AUTO:
         return _auto(device, dtype)
     problem = unavailable(kernel, device, dtype)

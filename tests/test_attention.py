@@ -74,8 +74,10 @@ def test_cuda_only_kernels_are_refused_on_the_cpu_with_the_alternatives(kernel):
 def test_an_unknown_kernel_or_dtype_is_refused_by_name():
     with pytest.raises(AttentionError, match=r"attention='fast' is not one of 'auto', 'sdpa', 'flash'"):
         resolve_attention("fast", CPU, torch.float32)
-    with pytest.raises(AttentionError, match="attention dtype=torch.int8 must be the model's floating-point"):
-        resolve_attention("auto", CPU, torch.int8)
+    for dtype in (torch.int8, torch.float8_e4m3fn, "fp8"):  # fp8 is a storage format, never a compute dtype
+        with pytest.raises(AttentionError, match="attention dtype=.* must be the model's compute dtype: one of bf16"):
+            resolve_attention("auto", CPU, dtype)
+    assert resolve_attention("auto", CPU, "bf16").dtype == "bfloat16"  # loaded.dtype_name
     assert issubclass(AttentionError, StrategyError)  # the nodes report it as any other bad strategy input
 
 

@@ -36,7 +36,7 @@ def attention_rows(loaded_or_builder, config: SpeedConfig, tiers: Mapping[str, M
     """{"<kernel>": {"time_ratio", "max_abs_diff", "by_tier", ...} or {"skipped": reason}} for every kernel."""
     loaded = loaded_or_builder() if callable(loaded_or_builder) else loaded_or_builder
     device = torch.device(config.device)
-    dtype = loaded.pipe.transformer.dtype
+    dtype = loaded.dtype_name  # the compute dtype (the parameters may be stored in another)
     rows, runnable = {}, {}
     for kernel in AttentionKernel:
         try:
