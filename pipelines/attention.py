@@ -22,7 +22,10 @@ backend, which needs 2.1.1 or newer (`_REQUIRED_SAGE_VERSION`, no binary wheel o
 dispatcher's registry is keyed by its closed `AttentionBackendName` enum, so a backend of our own
 could only be registered by overwriting one of diffusers' entries for the whole process; instead
 vidmem's `sage1` route keeps the processors on `native` and reroutes, inside each attention
-module's forward only, the SDPA call to `sageattention.sageattn`.
+module's forward only, the SDPA call to `sageattention.sageattn`. Under torch.compile (blocks compiled,
+backend 'eager', tiny models) every dispatcher backend and CogVideoX's rerouted call trace without a
+graph break; the sage 1.x route on Wan breaks the graph inside each attention module (the mode sees
+every tensor method there), so it runs correctly but partly eager.
 
 auto's rule. auto never picks a lossy kernel (sage quantizes Q and K to INT8) nor flex (unfused,
 materialising the score matrix, unless the model is compiled). Off CUDA it is plain SDPA, exactly

@@ -399,3 +399,23 @@ def test_a_resolved_kernel_is_never_auto():
     with pytest.raises(AttentionError, match="never 'auto'; build it with resolve_attention"):
         ResolvedAttention("auto", "auto", "native", "cpu", "float32", "")
     assert ResolvedAttention("math", "auto", "_native_math", "cpu", "float32", "").describe() == "math (auto)"
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flex"])
+def test_a_kernel_composes_with_the_step_cache(tiny_loaded, kernel):
+    """Both put diffusers hooks on the denoiser (the cache on its blocks, the kernel on attention modules)."""
+    from dataclasses import replace
+
+    from vidmem.pipelines.step_cache import StepCache
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = replace(request_for("wan2.1-t2v", steps=6), cache=StepCache("first_block_cache", threshold=0.9, retention=0.0))
+    strategy = MemoryStrategy(offload="none")
+    cached = sample(loaded, strategy, request)
+    with attention_for_call(denoisers(loaded), resolve_attention(kernel, CPU, torch.float32)):
+        both = sample(loaded, strategy, request)
+    assert both.receipt["cache"]["blocks_skipped"] > 0
+    assert both.receipt["cache"]["blocks_computed"] == cached.receipt["cache"]["blocks_computed"]
+    assert torch.allclose(both.latent["samples"], cached.latent["samples"], atol=1e-4, rtol=1e-4)
+    assert not loaded.pipe.transformer.is_cache_enabled and not any(
+        hasattr(m, "_diffusers_hook") and m._diffusers_hook.hooks for m in attention_modules(loaded))
