@@ -1,0 +1,534 @@
+"""Attention kernel choice: which kernel a Sampler call's denoisers attend with, resolved before any
+model work and applied for one call only.
+
+How it works. `resolve_attention(choice, device, dtype)` turns the user's choice into one concrete
+kernel, checking what this device, dtype and installation can run without importing anything heavy
+(`importlib.util.find_spec`, package metadata, torch's SDPA flags, the GPU's compute capability); a
+kernel that cannot run is refused there with `AttentionError` naming the input and the fix, so a run
+never stops halfway on an ImportError. `attention_for_call(denoisers, resolved)` then applies it to
+the denoisers' attention modules and restores exactly what was there before, on success or error:
+
+- Wan (and every model whose processors go through diffusers' dispatcher, `dispatch_attention_fn`):
+  the processors' `_attention_backend` is set to the dispatcher's backend (`native`, `_native_flash`,
+  `flex`, `sage`, ...). diffusers' own `set_attention_backend` is not used: it also changes the
+  dispatcher's process-wide active backend and `reset_attention_backend` does not put that back.
+- CogVideoX (`CogVideoXAttnProcessor2_0` calls `F.scaled_dot_product_attention` itself): a named
+  diffusers hook around each attention module's forward runs it under `sdpa_kernel(<backend>)` for
+  the SDPA backends, or reroutes its SDPA call through the dispatcher (flex, sage) with a
+  `TorchFunctionMode` scoped to that forward. Processors that do neither are refused by name.
+
+SageAttention 1.x (PyPI's `sageattention` 1.0.6, pure Triton) is not accepted by diffusers' `sage`
+backend, which needs 2.1.1 or newer (`_REQUIRED_SAGE_VERSION`, no binary wheel on PyPI). The
+dispatcher's registry is keyed by its closed `AttentionBackendName` enum, so a backend of our own
+could only be registered by overwriting one of diffusers' entries for the whole process; instead
+vidmem's `sage1` route keeps the processors on `native` and reroutes, inside each attention
+module's forward only, the SDPA call to `sageattention.sageattn`. Under torch.compile (blocks compiled,
+backend 'eager', tiny models) every dispatcher backend and CogVideoX's rerouted call trace without a
+graph break; the sage 1.x route on Wan breaks the graph inside each attention module (the mode sees
+every tensor method there), so it runs correctly but partly eager.
+
+auto's rule. auto never picks a lossy kernel (sage quantizes Q and K to INT8) nor flex (unfused,
+materialising the score matrix, unless the model is compiled). Off CUDA it is plain SDPA, exactly
+what runs without vidmem, so CPU frames stay bit-identical to plain diffusers. On CUDA it takes the
+first exact kernel this GPU, dtype and torch's flags (`torch.backends.cuda.enable_*_sdp`) allow:
+flash (fp16/bf16 on sm80+), then efficient; cuDNN only when chosen, since torch itself ranks it after
+flash by default. A kernel auto passes over is named in `fallback` and logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import lru_cache
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from ..memory.strategy import StrategyError
+from ..memory.units import DTYPES
+
+log = logging.getLogger("vidmem")
+
+
+class AttentionError(StrategyError):
+    """An attention kernel cannot run here; the message names the input and what to choose instead."""
+
+
+class AttentionKernel(str, Enum):
+    AUTO = "auto"  # the fastest exact kernel for the device and dtype (module docstring); says which in the receipt
+    SDPA = "sdpa"  # torch's scaled_dot_product_attention choosing its backend per call: what runs without vidmem
+    FLASH = "flash"  # SDPA's FlashAttention-2 backend: CUDA sm80+, fp16/bf16 (on the CPU, torch's CPU flash kernel)
+    EFFICIENT = "efficient"  # SDPA's memory-efficient backend: CUDA sm50+, fp32/fp16 (bf16 on sm80+)
+    CUDNN = "cudnn"  # SDPA's cuDNN backend: CUDA sm80+, fp16/bf16
+    MATH = "math"  # SDPA's reference math backend: any device and dtype, exact, slowest, materialises the scores
+    FLEX = "flex"  # torch's flex_attention (diffusers' 'flex'): unfused, materialising the scores, unless compiled
+    SAGE = "sage"  # SageAttention (pip sageattention): INT8 Q.K, lossy; CUDA sm80+, fp16/bf16; needs Triton
+
+
+# diffusers' dispatcher backend per kernel (AttentionBackendName values); sage's depends on the version.
+_DISPATCHER = {AttentionKernel.SDPA: "native", AttentionKernel.FLASH: "_native_flash",
+               AttentionKernel.EFFICIENT: "_native_efficient", AttentionKernel.CUDNN: "_native_cudnn",
+               AttentionKernel.MATH: "_native_math", AttentionKernel.FLEX: "flex"}
+_SDPA_BACKENDS = {AttentionKernel.FLASH: SDPBackend.FLASH_ATTENTION, AttentionKernel.EFFICIENT: SDPBackend.EFFICIENT_ATTENTION,
+                  AttentionKernel.CUDNN: SDPBackend.CUDNN_ATTENTION, AttentionKernel.MATH: SDPBackend.MATH}
+SAGE1 = "vidmem_sage1"  # vidmem's route for sageattention 1.x (not a dispatcher backend; module docstring)
+SAGE_DISPATCHER_VERSION = "2.1.1"  # diffusers' _REQUIRED_SAGE_VERSION (0.42.1)
+SAGE_FIX = ("pip install sageattention==1.0.6 (pure Triton, vidmem's own route), or build sageattention 2.1.1+ from "
+            "source (diffusers' 'sage' backend)")
+_HALF = (torch.float16, torch.bfloat16)
+# Processors that call torch's SDPA themselves (not through the dispatcher): their kernel is set around the call.
+SDPA_PROCESSORS = frozenset({"CogVideoXAttnProcessor2_0", "FusedCogVideoXAttnProcessor2_0", "AttnProcessor2_0"})
+HOOK_NAME = "vidmem_attention"
+
+
+@dataclass(frozen=True)
+class ResolvedAttention:
+    """One concrete kernel for a call. `backend`: the dispatcher's backend name, or `SAGE1`."""
+
+    kernel: AttentionKernel
+    requested: AttentionKernel
+    backend: str
+    device: str
+    dtype: str
+    why: str
+    fallback: str = ""  # what auto passed over, and why
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernel", _parse_kernel(self.kernel))
+        object.__setattr__(self, "requested", _parse_kernel(self.requested))
+        if self.kernel is AttentionKernel.AUTO:
+            raise AttentionError("attention: a resolved kernel is a concrete one, never 'auto'; build it with "
+                                 "resolve_attention(choice, device, dtype).")
+
+    @property
+    def sdpa_backend(self) -> SDPBackend | None:
+        """The SDPA backend forced around a direct SDPA call (None: torch chooses, or not an SDPA kernel)."""
+        return _SDPA_BACKENDS.get(self.kernel)
+
+    @property
+    def materialises_scores(self) -> bool:
+        """Whether attention holds the whole score matrix (the planner counts fused kernels as output only)."""
+        return self.kernel in (AttentionKernel.MATH, AttentionKernel.FLEX)
+
+    @property
+    def lossy(self) -> bool:
+        return self.kernel is AttentionKernel.SAGE
+
+    def describe(self) -> str:
+        """One line for the plan and logs: `flash (auto)`, `sdpa`."""
+        return self.kernel.value + (f" ({self.requested.value})" if self.requested is not self.kernel else "")
+
+    def as_dict(self) -> dict:
+        found = {"kernel": self.kernel.value, "requested": self.requested.value, "backend": self.backend,
+                 "device": self.device, "dtype": self.dtype, "why": self.why}
+        return {**found, "fallback": self.fallback} if self.fallback else found
+
+
+def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
+                      dtype: torch.dtype | str) -> ResolvedAttention:
+    """The kernel `choice` means on `device` for a model computing in `dtype` (a torch dtype or a name
+    of memory.units.DTYPES, e.g. `loaded.dtype_name`: not the parameters' dtype, which is the storage's
+    under fp8 or GGUF); raises AttentionError (input named, fix given) when it cannot run there.
+    Imports nothing heavy and touches no model."""
+    kernel = _parse_kernel(choice)
+    device = torch.device(device)
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise AttentionError(f"attention dtype={dtype!r} must be the model's compute dtype: one of "
+                             f"{', '.join(DTYPES)} or its torch dtype.")
+    if kernel is AttentionKernel.AUTO:
+        return _auto(device, dtype)
+    problem = unavailable(kernel, device, dtype)
+    if problem:
+        raise AttentionError(f"attention={kernel.value!r} cannot run here: {problem}")
+    why = CPU_FLASH if kernel is AttentionKernel.FLASH and device.type == "cpu" else WHY[kernel]
+    return _resolved(kernel, kernel, device, dtype, why)
+
+
+WHY = {
+    AttentionKernel.SDPA: "torch's scaled_dot_product_attention, torch choosing its backend per call (as without vidmem)",
+    AttentionKernel.FLASH: "SDPA's FlashAttention-2 backend: exact, fused, fp16/bf16",
+    AttentionKernel.EFFICIENT: "SDPA's memory-efficient backend: exact, fused, any float dtype",
+    AttentionKernel.CUDNN: "SDPA's cuDNN backend: exact, fused, fp16/bf16",
+    AttentionKernel.MATH: "SDPA's reference math backend: exact, slowest, holds the whole score matrix",
+    AttentionKernel.FLEX: "torch flex_attention: exact; unfused (holds the whole score matrix) unless the model is compiled",
+    AttentionKernel.SAGE: "SageAttention: Q and K quantized to INT8 (lossy, usually close), fused Triton/CUDA kernels",
+}
+
+CPU_FLASH = "torch's CPU flash-attention kernel: exact, the one SDPA itself picks on the CPU for unmasked attention"
+
+
+def unavailable(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype) -> str:
+    """Why `kernel` cannot run on `device` in `dtype`, with the fix; "" when it can."""
+    if kernel in (AttentionKernel.SDPA, AttentionKernel.MATH):
+        return ""
+    if kernel is AttentionKernel.FLEX:
+        return _flex_problem(device)
+    if device.type != "cuda":
+        if kernel is AttentionKernel.FLASH and device.type == "cpu":
+            return ""  # torch's CPU flash kernel: what SDPA itself picks on the CPU for these dtypes
+        return (f"it needs a CUDA GPU and this run is on {device.type}; choose 'auto', 'sdpa' or 'math'"
+                + (" ('flash' also runs on the CPU)" if device.type == "cpu" else "") + ".")
+    if kernel is AttentionKernel.SAGE:
+        return _sage_problem(device, dtype)
+    return _sdpa_backend_problem(kernel, device, dtype)
+
+
+def _sdpa_backend_problem(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype) -> str:
+    major, minor = _capability(device)
+    sm = f"sm{major}{minor}"
+    if kernel is AttentionKernel.EFFICIENT:
+        if major < 5 or (dtype is torch.bfloat16 and major < 8):
+            return f"torch's memory-efficient kernel needs sm50+ (sm80+ for bf16); this GPU is {sm}: choose 'sdpa'."
+        return ""
+    name = {AttentionKernel.FLASH: "FlashAttention", AttentionKernel.CUDNN: "cuDNN attention"}[kernel]
+    if dtype not in _HALF:
+        return (f"torch's {name} runs fp16/bf16 and the model computes in {_dtype_name(dtype)}: load it in bf16, or "
+                "choose 'efficient'.")
+    if major < 8:
+        return f"torch's {name} needs an sm80+ GPU (Ampere or newer); this one is {sm}: choose 'efficient' or 'sdpa'."
+    if kernel is AttentionKernel.FLASH and not torch.backends.cuda.is_flash_attention_available():
+        return "this torch build has no FlashAttention kernels: choose 'efficient', 'cudnn' or 'sdpa'."
+    if kernel is AttentionKernel.CUDNN and not torch.backends.cudnn.is_available():
+        return "this torch build has no cuDNN: choose 'flash' or 'sdpa'."
+    return ""
+
+
+def _flex_problem(device: torch.device) -> str:
+    if not _has_module("torch.nn.attention.flex_attention"):
+        return (f"flex_attention needs torch 2.5 or newer (this is {torch.__version__}): pip install -U torch, or "
+                "choose 'sdpa'.")
+    if device.type == "cuda" and not _has_module("triton"):
+        return "flex_attention on CUDA needs Triton: pip install triton, or choose 'sdpa'."
+    if device.type not in ("cuda", "cpu"):
+        return f"flex_attention runs on CUDA or the CPU, not {device.type}: choose 'sdpa'."
+    return ""
+
+
+def _sage_problem(device: torch.device, dtype: torch.dtype) -> str:
+    version = _installed_version("sageattention")
+    if version is None:
+        return f"sageattention is not installed: {SAGE_FIX}; or choose 'auto'."
+    if dtype not in _HALF:
+        return (f"SageAttention runs fp16/bf16 and the model computes in {_dtype_name(dtype)}: load it in bf16, or "
+                "choose 'auto'.")
+    major, minor = _capability(device)
+    if major < 8:
+        return f"SageAttention needs an sm80+ GPU (Ampere or newer); this one is sm{major}{minor}: choose 'auto'."
+    if _sage_backend(version) == SAGE1 and not _has_module("triton"):
+        return f"sageattention {version} is made of Triton kernels and Triton is not installed: pip install triton."
+    return ""
+
+
+def _auto(device: torch.device, dtype: torch.dtype) -> ResolvedAttention:
+    if device.type != "cuda":
+        why = (f"auto on {device.type}: torch's SDPA as it is, so frames stay identical to plain diffusers "
+               "(the CPU has no faster exact kernel than the one SDPA picks)")
+        return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
+    passed = []
+    for kernel, enabled in ((AttentionKernel.FLASH, torch.backends.cuda.flash_sdp_enabled),
+                            (AttentionKernel.EFFICIENT, torch.backends.cuda.mem_efficient_sdp_enabled)):
+        problem = unavailable(kernel, device, dtype) or (
+            "" if enabled() else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).")
+        if not problem:
+            sm = "".join(map(str, _capability(device)))
+            why = f"auto on CUDA sm{sm}, {_dtype_name(dtype)}: the first exact fused kernel available: {WHY[kernel]}"
+            return _resolved(kernel, AttentionKernel.AUTO, device, dtype, why, _fallback(passed))
+        passed.append(f"{kernel.value}: {problem}")
+    fallback = _fallback(passed)
+    log.warning("vidmem: attention auto found no fused kernel for %s on this GPU; using plain SDPA (%s)",
+                _dtype_name(dtype), fallback)
+    return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype,
+                     "auto on CUDA: no fused kernel available, torch's SDPA choosing per call", fallback)
+
+
+_FLAG = {AttentionKernel.FLASH: "flash", AttentionKernel.EFFICIENT: "mem_efficient"}
+
+
+def _fallback(passed: list[str]) -> str:
+    return "; ".join(f"passed over {p}" for p in passed)
+
+
+def _resolved(kernel: AttentionKernel, requested: AttentionKernel, device: torch.device, dtype: torch.dtype, why: str,
+              fallback: str = "") -> ResolvedAttention:
+    if kernel is AttentionKernel.SAGE:
+        backend = _sage_backend(_installed_version("sageattention"))
+    else:
+        backend = _DISPATCHER[kernel]
+    return ResolvedAttention(kernel, requested, backend, str(device), _dtype_name(dtype), why, fallback)
+
+
+def _sage_backend(version: str) -> str:
+    """diffusers' 'sage' for 2.1.1 and newer, vidmem's own route for 1.x."""
+    from packaging.version import Version  # a dependency of diffusers, so always present with it
+
+    return "sage" if Version(version) >= Version(SAGE_DISPATCHER_VERSION) else SAGE1
+
+
+def _parse_kernel(choice: AttentionKernel | str) -> AttentionKernel:
+    try:
+        return AttentionKernel(choice)
+    except ValueError:
+        accepted = ", ".join(repr(k.value) for k in AttentionKernel)
+        raise AttentionError(f"attention={choice!r} is not one of {accepted}; 'auto' picks for the device.") from None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# Probes: no import of the packages probed. Tests replace these to fake a GPU or an installation.
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+        return False
+
+
+# --- Applying a kernel to a call's denoisers ------------------------------------------------------------
+
+
+@dataclass
+class AppliedAttention:
+    """What `attention_for_call` changed, to put back; `as_dict()` is the receipt's entry."""
+
+    resolved: ResolvedAttention
+    routes: dict[str, str] = field(default_factory=dict)  # denoiser -> how the kernel reached its attention
+    _backends: list[tuple[object, object]] = field(default_factory=list)  # (processor, its own _attention_backend)
+    _hooked: list[tuple[nn.Module, bool, bool]] = field(default_factory=list)  # (module, had a registry, had a forward)
+    _counter: _CallCount | None = None
+
+    def as_dict(self) -> dict:
+        found = {**self.resolved.as_dict(), "applied": dict(self.routes)}
+        if self._counter is not None:
+            found["calls_rerouted"] = self._counter.calls
+        return found
+
+    def remove(self) -> None:
+        """Put back every processor's backend and remove every hook (idempotent)."""
+        while self._hooked:
+            module, had_registry, had_forward = self._hooked.pop()
+            registry = module._diffusers_hook
+            registry.remove_hook(HOOK_NAME, recurse=False)
+            if not had_registry and not registry.hooks:
+                del module._diffusers_hook
+                if not had_forward:
+                    del module.forward  # back to the class's forward, as before
+        while self._backends:
+            processor, backend = self._backends.pop()
+            processor._attention_backend = backend
+
+
+@contextlib.contextmanager
+def attention_for_call(denoisers: Mapping[str, nn.Module], resolved: ResolvedAttention) -> Iterator[AppliedAttention]:
+    """Apply `resolved` to the attention of `denoisers` (name -> module) for one call; on leaving, on
+    success or error, every processor and forward is as it was. Refuses, before changing anything it
+    does not put back, an attention processor the kernel cannot reach."""
+    applied = AppliedAttention(resolved)
+    try:
+        attend = _rerouted_attention(resolved)
+        _check_dispatcher(resolved)
+        for name, denoiser in denoisers.items():
+            applied.routes[name] = _apply(applied, name, denoiser, attend)
+        yield applied
+    finally:
+        applied.remove()
+
+
+def _apply(applied: AppliedAttention, name: str, denoiser: nn.Module, attend: Callable | None) -> str:
+    """Set the kernel on every attention module of `denoiser`; how, for the receipt."""
+    resolved = applied.resolved
+    modules = [m for m in denoiser.modules() if getattr(m, "processor", None) is not None]
+    if not modules:
+        raise AttentionError(f"attention={resolved.requested.value!r}: {name} ({type(denoiser).__name__}) has no "
+                             "diffusers attention modules to set a kernel on; choose 'auto'.")
+    dispatched = [m for m in modules if hasattr(m.processor, "_attention_backend")]
+    direct = [m for m in modules if m not in dispatched]
+    if resolved.kernel is not AttentionKernel.SDPA:  # plain SDPA leaves direct processors as they are
+        _check_direct(resolved, name, direct)
+    if any(getattr(m.processor, "_parallel_config", None) is not None for m in dispatched) and \
+            _keeps_parallel_backend(resolved, name):
+        return f"auto: kept the backend context parallelism set on {len(dispatched)} attention modules"
+    backend = "native" if resolved.backend == SAGE1 else resolved.backend
+    for module in dispatched:
+        applied._backends.append((module.processor, module.processor._attention_backend))
+        module.processor._attention_backend = _backend_name(backend)
+    scoped = direct + (dispatched if resolved.backend == SAGE1 else [])
+    scope = _scope_factory(resolved, attend, applied) if scoped else None
+    for module in scoped if scope is not None else ():
+        _hook(applied, module, scope)
+    return _route(resolved, backend, dispatched, direct, scope is not None)
+
+
+def _route(resolved: ResolvedAttention, backend: str, dispatched: list, direct: list, scoped: bool) -> str:
+    """How the kernel reached a denoiser's attention, for the receipt."""
+    parts = []
+    if dispatched:
+        parts.append(f"diffusers dispatcher backend '{backend}' on {len(dispatched)} attention modules")
+    if direct:
+        how = ("as they are" if not scoped else f"under sdpa_kernel({resolved.sdpa_backend.name})"
+               if resolved.sdpa_backend else "their SDPA call rerouted")
+        parts.append(f"{len(direct)} {type(direct[0].processor).__name__} modules {how}")
+    if resolved.backend == SAGE1 and dispatched:
+        parts.append("SDPA inside them rerouted to sageattention 1.x")
+    return "; ".join(parts)
+
+
+def _check_direct(resolved: ResolvedAttention, name: str, direct: list[nn.Module]) -> None:
+    for module in direct:
+        processor = type(module.processor).__name__
+        if processor not in SDPA_PROCESSORS:
+            raise AttentionError(f"attention={resolved.requested.value!r}: {name}'s attention processor {processor} "
+                                 "neither goes through diffusers' dispatcher nor calls torch's SDPA, so no kernel can "
+                                 "be set on it; choose 'sdpa' (leaves its attention as it is).")
+
+
+def _keeps_parallel_backend(resolved: ResolvedAttention, name: str) -> bool:
+    """Under context parallelism (diffusers' `enable_parallelism`), whether auto keeps the backend it set.
+
+    A backend without a context-parallel version would attend within each rank's share of the tokens
+    only, giving wrong frames without an error: refused, as `set_attention_backend` does."""
+    if resolved.requested is AttentionKernel.AUTO:
+        return True
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    if resolved.backend not in _AttentionBackendRegistry._supports_context_parallel:
+        parallel = _AttentionBackendRegistry._supports_context_parallel
+        usable = sorted(k.value for k, b in _DISPATCHER.items() if b in parallel)
+        raise AttentionError(f"attention={resolved.requested.value!r}: {name} is split across GPUs (context_parallel) "
+                             f"and the dispatcher's '{resolved.backend}' has no context-parallel version; choose 'auto' "
+                             f"(keeps the split's own) or one of {', '.join(map(repr, usable))}.")
+    return False
+
+
+def _scope_factory(resolved: ResolvedAttention, attend: Callable | None, applied: AppliedAttention):
+    """What runs around a direct-SDPA attention forward: None when nothing needs to (plain SDPA)."""
+    if resolved.sdpa_backend is not None:
+        return lambda: sdpa_kernel(resolved.sdpa_backend)
+    if attend is None:
+        return None
+    applied._counter = applied._counter or _CallCount()
+    return lambda: _RerouteSdpa(attend, applied._counter)
+
+
+def _hook(applied: AppliedAttention, module: nn.Module, scope: Callable) -> None:
+    from diffusers.hooks import HookRegistry
+
+    had_registry, had_forward = hasattr(module, "_diffusers_hook"), "forward" in module.__dict__
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(_scoped_forward_hook()(scope), HOOK_NAME)
+    applied._hooked.append((module, had_registry, had_forward))
+
+
+def _check_dispatcher(resolved: ResolvedAttention) -> None:
+    """diffusers' own requirement check for its backend, worded as a refusal (never mid-run)."""
+    if resolved.backend == SAGE1:
+        return
+    from diffusers.models.attention_dispatch import _check_attention_backend_requirements
+
+    try:
+        _check_attention_backend_requirements(_backend_name(resolved.backend))
+    except RuntimeError as error:
+        raise AttentionError(f"attention={resolved.requested.value!r}: {error} Or choose 'auto'.") from None
+
+
+def _backend_name(name: str):
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    return AttentionBackendName(name)
+
+
+def _rerouted_attention(resolved: ResolvedAttention) -> Callable | None:
+    """For kernels outside SDPA: a function with SDPA's signature (heads before sequence) that runs it."""
+    if resolved.backend == SAGE1:
+        return _sage1_attention(_import_sageattn())
+    if resolved.kernel in (AttentionKernel.FLEX, AttentionKernel.SAGE):
+        return _dispatched_attention(_backend_name(resolved.backend))
+    return None
+
+
+def _import_sageattn() -> Callable:
+    try:
+        return importlib.import_module("sageattention").sageattn
+    except (ImportError, AttributeError) as error:
+        raise AttentionError(f"attention='sage': sageattention did not import ({error}): {SAGE_FIX}.") from None
+
+
+def _sage1_attention(sageattn: Callable) -> Callable:
+    def attend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or dropout_p or enable_gqa:
+            raise AttentionError("attention='sage': this model's attention passes a mask, dropout or grouped heads, "
+                                 "which SageAttention 1.x does not take; choose 'auto'.")
+        return sageattn(query, key, value, tensor_layout="HND", is_causal=is_causal, sm_scale=scale)
+
+    return attend
+
+
+def _dispatched_attention(backend) -> Callable:
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    def attend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        # SDPA takes (batch, heads, sequence, dim); the dispatcher (batch, sequence, heads, dim).
+        out = dispatch_attention_fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
+                                    dropout_p, is_causal, scale, enable_gqa, backend=backend)
+        return out.transpose(1, 2)
+
+    return attend
+
+
+class _CallCount:
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class _RerouteSdpa(TorchFunctionMode):
+    """Inside one attention forward: torch's SDPA call goes to `attend` instead (counted)."""
+
+    def __init__(self, attend: Callable, counter: _CallCount) -> None:
+        super().__init__()
+        self._attend, self._counter = attend, counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self._counter.calls += 1
+            return self._attend(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@lru_cache(maxsize=1)
+def _scoped_forward_hook() -> type:
+    """The hook class, built on first use (diffusers' hooks are imported only when a kernel is applied)."""
+    from diffusers.hooks import ModelHook
+
+    class ScopedForward(ModelHook):
+        """Runs the module's forward inside `scope()`, which is exited on error too."""
+
+        def __init__(self, scope: Callable) -> None:
+            super().__init__()
+            self._scope = scope
+
+        def new_forward(self, module: nn.Module, *args, **kwargs):
+            with self._scope():
+                return self.fn_ref.original_forward(*args, **kwargs)
+
+    return ScopedForward

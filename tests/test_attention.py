@@ -1,0 +1,421 @@
+"""Attention kernel choice (pipelines/attention.py): resolution per device and dtype (a GPU faked by
+its compute capability), refusals that name the input and the fix, restoration after errors, and on
+the CPU the tiny Wan and CogVideoX pipelines sampled under each kernel that runs here: the exact
+ones that are SDPA's own choice give the default latents bit for bit, and each choice is seen to
+take effect (the dispatcher's backend, the SDPA backend forced, or the SDPA call rerouted)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_tiers import request_for
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.strategy import StrategyError
+from vidmem.pipelines import attention
+from vidmem.pipelines.attention import (SAGE1, AttentionError, AttentionKernel, ResolvedAttention, attention_for_call,
+                                        resolve_attention)
+from vidmem.pipelines.family import denoiser_blocks
+from vidmem.pipelines.sample import RunHooks, sample
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda", 0)
+FAMILIES = ["wan2.1-t2v", "cogvideox-t2v"]
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A CUDA GPU of a chosen compute capability, with torch's flash kernels built in."""
+
+    def make(capability=(9, 0)):
+        monkeypatch.setattr(attention, "_capability", lambda device: capability)
+        monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+        monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+
+    return make
+
+
+def installed(monkeypatch, sage: str | None = None, triton: bool = True) -> None:
+    monkeypatch.setattr(attention, "_installed_version", lambda name: sage if name == "sageattention" else None)
+    real = attention._has_module
+    monkeypatch.setattr(attention, "_has_module", lambda name: triton if name == "triton" else real(name))
+
+
+# --- resolution -----------------------------------------------------------------------------------------
+
+
+def test_auto_on_the_cpu_is_plain_sdpa_for_every_dtype():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        resolved = resolve_attention("auto", "cpu", dtype)
+        assert resolved.kernel is AttentionKernel.SDPA and resolved.backend == "native"
+        assert resolved.requested is AttentionKernel.AUTO and not resolved.fallback
+        assert "identical to plain diffusers" in resolved.why
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flash", "math", "flex"])
+def test_kernels_that_run_on_the_cpu_resolve_to_themselves(kernel):
+    resolved = resolve_attention(kernel, CPU, torch.float32)
+    assert resolved.kernel.value == kernel and resolved.requested.value == kernel
+    assert resolved.as_dict()["kernel"] == kernel and resolved.why
+
+
+@pytest.mark.parametrize("kernel", ["efficient", "cudnn", "sage"])
+def test_cuda_only_kernels_are_refused_on_the_cpu_with_the_alternatives(kernel):
+    with pytest.raises(AttentionError, match=rf"attention='{kernel}' cannot run here: it needs a CUDA GPU .* "
+                                             r"choose 'auto', 'sdpa' or 'math'"):
+        resolve_attention(kernel, CPU, torch.float32)
+
+
+def test_an_unknown_kernel_or_dtype_is_refused_by_name():
+    with pytest.raises(AttentionError, match=r"attention='fast' is not one of 'auto', 'sdpa', 'flash'"):
+        resolve_attention("fast", CPU, torch.float32)
+    for dtype in (torch.int8, torch.float8_e4m3fn, "fp8"):  # fp8 is a storage format, never a compute dtype
+        with pytest.raises(AttentionError, match="attention dtype=.* must be the model's compute dtype: one of bf16"):
+            resolve_attention("auto", CPU, dtype)
+    assert resolve_attention("auto", CPU, "bf16").dtype == "bfloat16"  # loaded.dtype_name
+    assert issubclass(AttentionError, StrategyError)  # the nodes report it as any other bad strategy input
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_auto_on_an_sm90_gpu_picks_flash_for_half_dtypes(gpu, dtype):
+    gpu((9, 0))
+    resolved = resolve_attention("auto", CUDA, dtype)
+    assert (resolved.kernel, resolved.backend, resolved.fallback) == (AttentionKernel.FLASH, "_native_flash", "")
+    assert "sm90" in resolved.why and resolved.sdpa_backend is torch.nn.attention.SDPBackend.FLASH_ATTENTION
+
+
+def test_auto_in_fp32_falls_back_to_efficient_and_says_why(gpu):
+    gpu((8, 0))
+    resolved = resolve_attention("auto", CUDA, torch.float32)
+    assert resolved.kernel is AttentionKernel.EFFICIENT
+    assert "passed over flash: torch's FlashAttention runs fp16/bf16" in resolved.fallback
+
+
+def test_auto_respects_kernels_disabled_in_torch(gpu, monkeypatch):
+    gpu((9, 0))
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: False)
+    resolved = resolve_attention("auto", CUDA, torch.bfloat16)
+    assert resolved.kernel is AttentionKernel.EFFICIENT
+    assert "enable_flash_sdp(False)" in resolved.fallback
+
+
+def test_auto_on_an_old_gpu_in_bf16_falls_back_to_plain_sdpa_with_a_log(gpu, caplog):
+    gpu((7, 5))
+    with caplog.at_level("WARNING", logger="vidmem"):
+        resolved = resolve_attention("auto", CUDA, torch.bfloat16)
+    assert resolved.kernel is AttentionKernel.SDPA
+    assert "flash: torch's FlashAttention needs an sm80+ GPU" in resolved.fallback
+    assert "efficient: torch's memory-efficient kernel needs sm50+ (sm80+ for bf16)" in resolved.fallback
+    assert "no fused kernel" in caplog.text
+
+
+def test_explicit_kernels_on_a_gpu_are_checked_against_capability_and_dtype(gpu):
+    gpu((7, 0))
+    with pytest.raises(AttentionError, match=r"attention='cudnn' cannot run here: torch's cuDNN attention needs an "
+                                             r"sm80\+ GPU .* this one is sm70: choose 'efficient' or 'sdpa'"):
+        resolve_attention("cudnn", CUDA, torch.float16)
+    assert resolve_attention("efficient", CUDA, torch.float16).backend == "_native_efficient"
+    gpu((9, 0))
+    with pytest.raises(AttentionError, match=r"attention='flash' .* model computes in float32: load it in bf16, "
+                                             r"or choose 'efficient'"):
+        resolve_attention("flash", CUDA, torch.float32)
+    assert resolve_attention("cudnn", CUDA, torch.bfloat16).backend == "_native_cudnn"
+
+
+def test_sage_not_installed_is_refused_with_the_pip_line(gpu, monkeypatch):
+    gpu((9, 0))
+    installed(monkeypatch, sage=None)
+    with pytest.raises(AttentionError, match=r"sageattention is not installed: pip install sageattention==1\.0\.6"):
+        resolve_attention("sage", CUDA, torch.bfloat16)
+
+
+@pytest.mark.parametrize("version, backend", [("1.0.6", SAGE1), ("2.1.1", "sage"), ("2.2.0", "sage")])
+def test_sage_goes_to_diffusers_from_2_1_1_and_to_vidmems_route_before(gpu, monkeypatch, version, backend):
+    gpu((9, 0))
+    installed(monkeypatch, sage=version)
+    resolved = resolve_attention("sage", CUDA, torch.bfloat16)
+    assert (resolved.kernel, resolved.backend, resolved.lossy) == (AttentionKernel.SAGE, backend, True)
+    assert resolve_attention("auto", CUDA, torch.bfloat16).kernel is AttentionKernel.FLASH  # auto never picks sage
+
+
+def test_sage_refusals_name_what_is_missing(gpu, monkeypatch):
+    gpu((9, 0))
+    installed(monkeypatch, sage="1.0.6", triton=False)
+    with pytest.raises(AttentionError, match=r"sageattention 1\.0\.6 is made of Triton kernels .* pip install triton"):
+        resolve_attention("sage", CUDA, torch.bfloat16)
+    installed(monkeypatch, sage="1.0.6")
+    with pytest.raises(AttentionError, match="SageAttention runs fp16/bf16 and the model computes in float32"):
+        resolve_attention("sage", CUDA, torch.float32)
+    gpu((7, 5))
+    with pytest.raises(AttentionError, match="SageAttention needs an sm80\\+ GPU .* sm75"):
+        resolve_attention("sage", CUDA, torch.float16)
+
+
+def test_flex_on_cuda_needs_triton(gpu, monkeypatch):
+    gpu((9, 0))
+    installed(monkeypatch, triton=False)
+    with pytest.raises(AttentionError, match="flex_attention on CUDA needs Triton: pip install triton"):
+        resolve_attention("flex", CUDA, torch.bfloat16)
+
+
+def test_the_planner_is_told_which_kernels_hold_the_score_matrix():
+    assert resolve_attention("math", CPU, torch.float32).materialises_scores
+    assert resolve_attention("flex", CPU, torch.float32).materialises_scores
+    assert not resolve_attention("flash", CPU, torch.float32).materialises_scores
+
+
+# --- applying, on the tiny pipelines -------------------------------------------------------------------
+
+
+def denoisers(loaded) -> dict:
+    return {name: getattr(loaded.pipe, name) for name in denoiser_blocks(loaded.pipe, loaded.spec)}
+
+
+def attention_modules(loaded) -> list:
+    return [m for d in denoisers(loaded).values() for m in d.modules() if getattr(m, "processor", None) is not None]
+
+
+def state(loaded) -> list:
+    """What applying a kernel may change: each attention module's forward, hook registry and backend."""
+    return [(m.__dict__.get("forward"), hasattr(m, "_diffusers_hook"), getattr(m.processor, "_attention_backend", "-"))
+            for m in attention_modules(loaded)]
+
+
+def run(loaded, variant, resolved=None, strategy=None, hooks=RunHooks()):
+    strategy = strategy or MemoryStrategy(offload="none")
+    if resolved is None:
+        return sample(loaded, strategy, request_for(variant), hooks), None
+    with attention_for_call(denoisers(loaded), resolved) as applied:
+        result = sample(loaded, strategy, request_for(variant), hooks)
+    return result, applied.as_dict()
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("kernel", ["auto", "sdpa", "flash"])
+def test_sdpas_own_kernels_give_the_default_latents_bit_for_bit(tiny_loaded, variant, kernel):
+    loaded = tiny_loaded(variant)
+    before = state(loaded)
+    default, _ = run(loaded, variant)
+    chosen, receipt = run(loaded, variant, resolve_attention(kernel, CPU, torch.float32))
+    assert torch.equal(chosen.latent["samples"], default.latent["samples"])
+    assert receipt["kernel"] == ("sdpa" if kernel == "auto" else kernel) and receipt["applied"]["transformer"]
+    assert state(loaded) == before
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_math_and_flex_run_and_stay_within_rounding_of_the_default(tiny_loaded, variant):
+    loaded = tiny_loaded(variant)
+    default = run(loaded, variant)[0].latent["samples"]
+    for kernel in ("math", "flex"):
+        latent = run(loaded, variant, resolve_attention(kernel, CPU, torch.float32))[0].latent["samples"]
+        assert torch.allclose(latent, default, atol=1e-4, rtol=1e-4), kernel
+
+
+def spy_dispatcher(monkeypatch) -> list:
+    """The backends Wan's processors hand diffusers' dispatcher, call by call."""
+    from diffusers.models.transformers import transformer_wan
+
+    seen, real = [], transformer_wan.dispatch_attention_fn
+
+    def spy(*args, backend=None, **kwargs):
+        seen.append(getattr(backend, "value", backend))
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(transformer_wan, "dispatch_attention_fn", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kernel, backend", [("math", "_native_math"), ("flex", "flex"), ("flash", "_native_flash"),
+                                             ("sdpa", "native")])
+def test_wan_hands_the_kernel_to_diffusers_dispatcher(tiny_loaded, monkeypatch, kernel, backend):
+    seen = spy_dispatcher(monkeypatch)
+    loaded = tiny_loaded("wan2.1-t2v")
+    run(loaded, "wan2.1-t2v", resolve_attention(kernel, CPU, torch.float32))
+    assert seen and set(seen) == {backend}
+    seen.clear()
+    run(loaded, "wan2.1-t2v")
+    assert set(seen) == {None}  # afterwards: the processors' own (unset) backend again
+
+
+def test_cogvideox_runs_its_sdpa_call_under_the_forced_backend(tiny_loaded, monkeypatch):
+    forced, real = [], attention.sdpa_kernel
+    monkeypatch.setattr(attention, "sdpa_kernel", lambda backend: forced.append(backend) or real(backend))
+    loaded = tiny_loaded("cogvideox-t2v")
+    _, receipt = run(loaded, "cogvideox-t2v", resolve_attention("math", CPU, torch.float32))
+    assert forced and set(forced) == {torch.nn.attention.SDPBackend.MATH}
+    assert "under sdpa_kernel(MATH)" in receipt["applied"]["transformer"]
+
+
+def test_cogvideox_flex_goes_through_the_dispatcher(tiny_loaded, monkeypatch):
+    from diffusers.models import attention_dispatch
+
+    seen, real = [], attention_dispatch.dispatch_attention_fn
+    monkeypatch.setattr(attention_dispatch, "dispatch_attention_fn",
+                        lambda *a, backend=None, **k: seen.append(backend.value) or real(*a, backend=backend, **k))
+    loaded = tiny_loaded("cogvideox-t2v")
+    _, receipt = run(loaded, "cogvideox-t2v", resolve_attention("flex", CPU, torch.float32))
+    assert set(seen) == {"flex"} and receipt["calls_rerouted"] == len(seen)
+
+
+def fake_sageattention(monkeypatch) -> list:
+    """sageattention 1.x as a module: its `sageattn` records its layout and computes plain SDPA."""
+    calls = []
+
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None):
+        calls.append(tensor_layout)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale)
+
+    module = types.ModuleType("sageattention")
+    module.__spec__ = importlib.machinery.ModuleSpec("sageattention", None)
+    module.sageattn = sageattn
+    monkeypatch.setitem(sys.modules, "sageattention", module)
+    return calls
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_sageattention_1_reaches_both_families_through_vidmems_route(tiny_loaded, monkeypatch, variant):
+    """On the CPU the fake computes plain SDPA, so the latents are the default's: every attention call
+    went to `sageattn`, in SDPA's layout, and nothing else changed."""
+    calls = fake_sageattention(monkeypatch)
+    loaded = tiny_loaded(variant)
+    before = state(loaded)
+    default = run(loaded, variant)[0].latent["samples"]
+    resolved = ResolvedAttention(AttentionKernel.SAGE, AttentionKernel.SAGE, SAGE1, "cpu", "float32", "test")
+    result, receipt = run(loaded, variant, resolved)
+    assert calls and set(calls) == {"HND"} and receipt["calls_rerouted"] == len(calls)
+    assert torch.equal(result.latent["samples"], default)
+    assert state(loaded) == before
+
+
+def test_a_missing_sageattention_is_refused_before_anything_changes(tiny_loaded, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sageattention", None)  # import fails
+    loaded = tiny_loaded("wan2.1-t2v")
+    before = state(loaded)
+    resolved = ResolvedAttention(AttentionKernel.SAGE, AttentionKernel.SAGE, SAGE1, "cpu", "float32", "test")
+    with pytest.raises(AttentionError, match=r"sageattention did not import .* pip install sageattention==1\.0\.6"):
+        with attention_for_call(denoisers(loaded), resolved):
+            pass
+    assert state(loaded) == before
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("kernel", ["flash", "flex"])
+def test_everything_is_put_back_after_an_error_mid_run(tiny_loaded, variant, kernel):
+    loaded = tiny_loaded(variant)
+    before = state(loaded)
+
+    def cancel(step, steps):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(loaded, variant, resolve_attention(kernel, CPU, torch.float32), hooks=RunHooks(on_step=cancel))
+    assert state(loaded) == before
+    assert not any(hasattr(m, "_diffusers_hook") for m in attention_modules(loaded))
+
+
+class _Unknown:
+    def __call__(self, attn, hidden_states, **kwargs):
+        return hidden_states
+
+
+def test_a_processor_no_kernel_can_reach_is_refused_and_the_others_put_back(tiny_loaded):
+    wan, cog = tiny_loaded("wan2.1-t2v"), tiny_loaded("cogvideox-t2v")
+    stranger = next(m for m in cog.pipe.transformer.modules() if getattr(m, "processor", None) is not None)
+    original = stranger.processor
+    before = state(wan)
+    stranger.processor = _Unknown()
+    try:
+        with pytest.raises(AttentionError, match=r"odd's attention processor _Unknown neither goes through diffusers' "
+                                                 r"dispatcher nor calls torch's SDPA.* choose 'sdpa'"):
+            with attention_for_call({"transformer": wan.pipe.transformer, "odd": cog.pipe.transformer},
+                                    resolve_attention("math", CPU, torch.float32)):
+                pass
+    finally:
+        stranger.processor = original
+    assert state(wan) == before
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_a_kernel_composes_with_streaming_tiers(tiny_loaded, variant):
+    loaded = tiny_loaded(variant)
+    sequential = MemoryStrategy(offload="sequential")
+    default = run(loaded, variant, strategy=sequential)[0].latent["samples"]
+    flash = run(loaded, variant, resolve_attention("flash", CPU, torch.float32), strategy=sequential)[0]
+    assert torch.equal(flash.latent["samples"], default)
+
+
+def test_under_context_parallelism_auto_keeps_the_splits_backend_and_others_need_a_parallel_version(tiny_loaded):
+    """A backend without a context-parallel version would attend within each rank's tokens only."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    processors = [m.processor for m in attention_modules(loaded)]
+    before = state(loaded)
+    for processor in processors:
+        processor._parallel_config = object()  # what diffusers' enable_parallelism leaves on them
+    try:
+        with attention_for_call(denoisers(loaded), resolve_attention("auto", CPU, torch.float32)) as applied:
+            assert "kept the backend context parallelism set" in applied.as_dict()["applied"]["transformer"]
+            assert state(loaded) == before
+        with pytest.raises(AttentionError, match=r"attention='math': transformer is split across GPUs \(context_parallel\)"
+                                                 r" and the dispatcher's '_native_math' has no context-parallel version; "
+                                                 r"choose 'auto' .* 'flash'"):
+            with attention_for_call(denoisers(loaded), resolve_attention("math", CPU, torch.float32)):
+                pass
+        with attention_for_call(denoisers(loaded), resolve_attention("flash", CPU, torch.float32)):
+            assert {p._attention_backend.value for p in processors} == {"_native_flash"}
+    finally:
+        for processor in processors:
+            del processor._parallel_config
+    assert state(loaded) == before
+
+
+def test_both_experts_of_wan_2_2_a14b_get_the_kernel(tiny_loaded, monkeypatch):
+    seen = spy_dispatcher(monkeypatch)
+    loaded = tiny_loaded("wan2.2-a14b")
+    default, _ = run(loaded, "wan2.2-a14b")
+    seen.clear()
+    chosen, receipt = run(loaded, "wan2.2-a14b", resolve_attention("flash", CPU, torch.float32))
+    assert set(receipt["applied"]) == {"transformer", "transformer_2"} and set(seen) == {"_native_flash"}
+    assert torch.equal(chosen.latent["samples"], default.latent["samples"])
+
+
+def test_plain_sdpa_leaves_a_processor_it_cannot_reach_as_it_is(tiny_loaded):
+    cog = tiny_loaded("cogvideox-t2v")
+    stranger = next(m for m in cog.pipe.transformer.modules() if getattr(m, "processor", None) is not None)
+    original = stranger.processor
+    stranger.processor = _Unknown()
+    try:
+        with attention_for_call(denoisers(cog), resolve_attention("sdpa", CPU, torch.float32)) as applied:
+            assert "modules as they are" in applied.as_dict()["applied"]["transformer"]
+    finally:
+        stranger.processor = original
+
+
+def test_a_resolved_kernel_is_never_auto():
+    with pytest.raises(AttentionError, match="never 'auto'; build it with resolve_attention"):
+        ResolvedAttention("auto", "auto", "native", "cpu", "float32", "")
+    assert ResolvedAttention("math", "auto", "_native_math", "cpu", "float32", "").describe() == "math (auto)"
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flex"])
+def test_a_kernel_composes_with_the_step_cache(tiny_loaded, kernel):
+    """Both put diffusers hooks on the denoiser (the cache on its blocks, the kernel on attention modules)."""
+    from dataclasses import replace
+
+    from vidmem.pipelines.step_cache import StepCache
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = replace(request_for("wan2.1-t2v", steps=6), cache=StepCache("first_block_cache", threshold=0.9, retention=0.0))
+    strategy = MemoryStrategy(offload="none")
+    cached = sample(loaded, strategy, request)
+    with attention_for_call(denoisers(loaded), resolve_attention(kernel, CPU, torch.float32)):
+        both = sample(loaded, strategy, request)
+    assert both.receipt["cache"]["blocks_skipped"] > 0
+    assert both.receipt["cache"]["blocks_computed"] == cached.receipt["cache"]["blocks_computed"]
+    assert torch.allclose(both.latent["samples"], cached.latent["samples"], atol=1e-4, rtol=1e-4)
+    assert not loaded.pipe.transformer.is_cache_enabled and not any(
+        hasattr(m, "_diffusers_hook") and m._diffusers_hook.hooks for m in attention_modules(loaded))
