@@ -247,12 +247,12 @@ class StagingRing:
         and is filled again only after that (`_acquire`).
         """
         routes = [upload_route(host, non_blocking) for host in hosts]
-        staged_total = sum(_nbytes(host) for host, route in zip(hosts, routes) if route == STAGED)
-        chunks = _Chunks(self, mark, staged_total)
-        tensors = [_upload_one(host, route, device, chunks) for host, route in zip(hosts, routes)]
-        chunks.flush()
-        totals = {route: sum(_nbytes(h) for h, r in zip(hosts, routes) if r == route) for route in (PINNED, STAGED, PAGEABLE)}
-        return tensors, UploadRoutes(totals[PINNED], totals[STAGED], totals[PAGEABLE])
+        chunks = _Chunks(self, mark, _route_bytes(hosts, routes, STAGED))
+        try:
+            tensors = [_upload_one(host, route, device, chunks) for host, route in zip(hosts, routes)]
+        finally:  # even when a copy fails (out of memory): the slot in use waits for what it queued
+            chunks.flush()
+        return tensors, UploadRoutes(*(_route_bytes(hosts, routes, route) for route in (PINNED, STAGED, PAGEABLE)))
 
     def release_after(self, slot: _StagingSlot, token: Any) -> None:
         """`slot` may be reused once the copy behind `token` has finished."""
@@ -333,6 +333,10 @@ class _Chunks:
         self.flush()
         self._slot, self._used = self._ring._acquire(min(self._left, RESIDENT_CHUNK_BYTES)), 0
         return self._slot.buffer
+
+
+def _route_bytes(hosts: list[torch.Tensor], routes: list[str], route: str) -> int:
+    return sum(_nbytes(host) for host, taken in zip(hosts, routes) if taken == route)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,8 @@ def small_chunks(monkeypatch):
 def tiers(loaded) -> dict[str, MemoryStrategy]:
     return {"none": MemoryStrategy(offload="none"), "model": MemoryStrategy(offload="model"),
             # a ceiling of its own: streamed blocks get pinned homes whatever RAM this machine has free
-            "block_swap": MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1, max_pinned_ram_gb=1.0)}
+            "block_swap": MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1,
+                                         max_pinned_ram_gb=1.0)}
 
 
 def compute_bytes(fake: FakeCuda) -> int:
@@ -104,8 +105,8 @@ def test_a_resident_tensor_with_a_pinned_home_is_copied_straight_from_it(loaded,
     fake = FakeCuda().install(monkeypatch)
     backend = CudaBackend(torch.device("cpu"))
     request, blocks = request_for(VARIANT), block_count(loaded)
-    sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=0, max_pinned_ram_gb=1.0),
-           request, backend=backend)
+    swap_all = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=0, max_pinned_ram_gb=1.0)
+    sample(loaded, swap_all, request, backend=backend)
     loaded.warm_store("sample", backend).release_all()
     homed = loaded.host_pool.pinned_bytes
     warm = sample(loaded, MemoryStrategy(offload="none"), request, backend=backend).receipt["warm"]
