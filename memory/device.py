@@ -103,6 +103,7 @@ class CopyToken:
     done: Any  # event on the stream that copied
     started: Any  # timing event, or None when untimed
     on_side_stream: bool
+    routes: Any = None  # a whole component's copy: bytes pinned, staged and pageable (warm.UploadRoutes)
 
 
 class CudaBackend:
@@ -120,21 +121,32 @@ class CudaBackend:
     copies_to_device = True
 
     def __init__(self, device: torch.device) -> None:
-        from .hostpool import StagingRing  # hostpool imports residency; keep device.py import-light
+        from .hostpool import RESIDENT_SLOTS, StagingRing  # hostpool imports residency; keep device.py import-light
 
         self.device = device
         self._side = torch.cuda.Stream(device=device)
-        self.staging = StagingRing(self.pin_arena, lambda token: token.done.query(), lambda token: token.done.synchronize())
+        finished, wait = (lambda token: token.done.query()), (lambda token: token.done.synchronize())
+        self.staging = StagingRing(self.pin_arena, finished, wait)
+        # whole components' chunks: a ring of their own, so the streamed ring keeps its prefetch + 2 bound
+        self.uploads = StagingRing(self.pin_arena, finished, wait, max_slots=RESIDENT_SLOTS)
 
     def pin_arena(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def copy_group(self, hosts, non_blocking, side_stream, timed):
         """Streamed groups' file-backed tensors go through a pinned staging slot (the disk tier);
-        whole components copy straight from wherever they live (a pageable copy, no staging)."""
+        whole components go through pinned memory chunk by chunk (`StagingRing.upload`)."""
         stream = self._side if side_stream else torch.cuda.current_stream(self.device)
         started = torch.cuda.Event(enable_timing=True) if timed else None
         done = torch.cuda.Event(enable_timing=timed)
+        if not side_stream:
+            with torch.cuda.stream(stream):
+                if started is not None:
+                    started.record(stream)
+                tensors, routes = self.uploads.upload(hosts, self.device, non_blocking,
+                                                      lambda: CopyToken(self.compute_done(), None, False))
+                done.record(stream)
+            return tensors, CopyToken(done, started, False, routes)
         sources, slot = self.staging.sources(hosts) if side_stream and non_blocking else (hosts, None)
         with torch.cuda.stream(stream):
             if started is not None:

@@ -17,6 +17,18 @@ the page cache, and each streamed copy goes file -> a reusable pinned staging sl
 (`StagingRing`, used by the CUDA backend), so anonymous RAM for streaming stays bounded by a few
 slots of the largest group.
 
+Resident weights (tiers none and model, the core of block swap) are not given pinned homes: they
+pass through a ring of their own, chunk by chunk (`StagingRing.upload`): the CPU copies a chunk
+from pageable memory (or the file mapping) into a free pinned slot and the device copy reads it
+asynchronously while the CPU fills the next slot, so no pageable tensor is ever copied with
+non_blocking=True. Why stage rather than pin them once: a resident weight is copied once per cold
+call and the warm store (memory/warm.py) keeps its device copy afterwards, so a pinned home would
+lock its bytes for the pipeline's life to speed up a copy that rarely recurs, and the first copy
+into a home costs the same CPU pass as staging. The pinned ceiling is worth more to streamed blocks,
+copied every step; staging holds RESIDENT_SLOTS x RESIDENT_CHUNK_BYTES at most, whatever the model
+size, and leaves file-backed weights in their mapping. A resident tensor already pinned (a home
+from an earlier block swap) is copied straight from it.
+
 A home or staging copy sits at the same address modulo LINE as the tensor it copies. Code that
 computes on the host copy (a CPU run after a streamed one, the tests' stand-in devices) then
 rounds as it did on the original: MKL's default mode picks its matrix-vector kernel by where the
@@ -34,7 +46,8 @@ import torch
 
 from .residency import Slot
 from .storage.mapping import is_file_backed
-from .units import GiB
+from .units import GiB, MiB
+from .warm import UploadRoutes
 
 ARENA_BYTES = 1 * GiB
 ALIGN = 512  # bytes; each copy starts in a block of its own (arenas and slots start at least LINE-aligned)
@@ -140,6 +153,26 @@ class HostPool:
 
 
 MAX_STAGING_SLOTS = 8  # a safety net: the schedule's own bound (prefetch + 2) is normally lower
+# Resident uploads: chunks large enough that per-chunk overhead (an event, a query) is noise next to
+# the copy (16 MiB is ~1 ms over PCIe 4), few enough slots that the CPU filling one overlaps the
+# device reading the others.
+RESIDENT_CHUNK_BYTES = 16 * MiB
+RESIDENT_SLOTS = 4
+
+# How a resident tensor reaches the device (`upload_route`).
+PINNED, STAGED, PAGEABLE = "pinned", "staged", "pageable"
+
+
+def upload_route(host: torch.Tensor, non_blocking: bool) -> str:
+    """PINNED: already page-locked, copied straight and asynchronously. STAGED: plain contiguous
+    host bytes (pageable or memory-mapped), copied through staging slots. PAGEABLE: copied
+    synchronously as it is: wrapper subclasses (GGUF, torchao), whose bytes are not one buffer,
+    and everything when `non_blocking` is off (the user asked for synchronous copies)."""
+    if type(host) is not torch.Tensor or host.device.type != "cpu":
+        return PAGEABLE
+    if host.is_pinned():
+        return PINNED
+    return STAGED if non_blocking and host.is_contiguous() else PAGEABLE
 
 
 @dataclass(eq=False)  # compared by identity
@@ -203,6 +236,24 @@ class StagingRing:
         self.staged_bytes += total
         return sources, slot
 
+    def upload(self, hosts: list[torch.Tensor], device: torch.device, non_blocking: bool,
+               mark: Callable[[], Any]) -> tuple[list[torch.Tensor], UploadRoutes]:
+        """Copy a whole component's `hosts` to `device` on the current stream, each by its
+        `upload_route`; returns the device tensors and the bytes that took each route.
+
+        Staged tensors are cut into chunks packed into this ring's slots: each chunk is copied on
+        the CPU into a slot, then to its place in the device tensor asynchronously; a full slot
+        is handed back with `mark()`, a token that finishes once the copies queued so far have,
+        and is filled again only after that (`_acquire`).
+        """
+        routes = [upload_route(host, non_blocking) for host in hosts]
+        chunks = _Chunks(self, mark, _route_bytes(hosts, routes, STAGED))
+        try:
+            tensors = [_upload_one(host, route, device, chunks) for host, route in zip(hosts, routes)]
+        finally:  # even when a copy fails (out of memory): the slot in use waits for what it queued
+            chunks.flush()
+        return tensors, UploadRoutes(*(_route_bytes(hosts, routes, route) for route in (PINNED, STAGED, PAGEABLE)))
+
     def release_after(self, slot: _StagingSlot, token: Any) -> None:
         """`slot` may be reused once the copy behind `token` has finished."""
         slot.token = token
@@ -236,6 +287,64 @@ class StagingRing:
         slot.token = None
         if slot in self._in_order:
             self._in_order.remove(slot)
+
+
+def _upload_one(host: torch.Tensor, route: str, device: torch.device, chunks: "_Chunks") -> torch.Tensor:
+    if route == PINNED:
+        return host.to(device, non_blocking=True)
+    if route == PAGEABLE:
+        return host.to(device)  # synchronous: torch never reads pageable memory behind the CPU's back
+    target = torch.empty_like(host, device=device)
+    chunks.send(_as_bytes(host), _as_bytes(target))
+    return target
+
+
+class _Chunks:
+    """One pass of bytes through a ring's slots: a slot is filled on the CPU piece by piece, each
+    piece copied out asynchronously at once; a full slot goes back to the ring with the token of
+    its last copy, and the next piece takes a free slot."""
+
+    def __init__(self, ring: StagingRing, mark: Callable[[], Any], total: int) -> None:
+        self._ring, self._mark, self._left = ring, mark, total
+        self._slot: _StagingSlot | None = None
+        self._used = 0  # bytes of the current slot already filled
+
+    def send(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the bytes of `source` (uint8, host) into `target` (uint8, device)."""
+        offset = 0
+        while offset < source.numel():
+            space = self._space()
+            take = min(source.numel() - offset, space.numel())
+            space[:take].copy_(source[offset : offset + take])
+            target[offset : offset + take].copy_(space[:take], non_blocking=True)  # from pinned memory
+            self._used = -(-(self._used + take) // ALIGN) * ALIGN
+            self._left -= take
+            self._ring.staged_bytes += take
+            offset += take
+
+    def flush(self) -> None:
+        if self._slot is not None:
+            self._ring.release_after(self._slot, self._mark())
+            self._slot = None
+
+    def _space(self) -> torch.Tensor:
+        if self._slot is not None and self._used < self._slot.buffer.numel():
+            return self._slot.buffer[self._used :]
+        self.flush()
+        self._slot, self._used = self._ring._acquire(min(self._left, RESIDENT_CHUNK_BYTES)), 0
+        return self._slot.buffer
+
+
+def _route_bytes(hosts: list[torch.Tensor], routes: list[str], route: str) -> int:
+    return sum(_nbytes(host) for host, taken in zip(hosts, routes) if taken == route)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)  # a view: the tensor is contiguous
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _packed_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:

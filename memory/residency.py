@@ -94,7 +94,8 @@ class WeightGroup:
     """A named set of tensors onloaded and evicted as one unit through a device backend.
 
     `streamed` groups copy on the backend's side stream (overlapping compute); whole
-    components copy on the compute stream.
+    components copy on the compute stream, through pinned memory where the backend pins
+    (`StagingRing.upload` in memory/hostpool.py), never as pageable asynchronous copies.
     """
 
     def __init__(self, name: str, tensors: list[list[Slot]], backend: Any, streamed: bool, non_blocking: bool = True,
@@ -132,7 +133,9 @@ class WeightGroup:
                 copies[i] = copy
         if self._warm is not None:
             uploaded = sum(_nbytes(hosts[i]) for i in missing)
-            self._warm.count(uploaded, self.nbytes - uploaded, self._streamed)
+            # a backend that routes whole components through pinned memory says how on its token
+            routes = getattr(self._token, "routes", None)
+            self._warm.count(uploaded, self.nbytes - uploaded, self._streamed, routes)
         self._point_copies(copies)
         return self._token
 

@@ -51,14 +51,33 @@ class _Kept:
     order: int  # within a rank, later first: the last streamed block kept is the last needed
 
 
+@dataclass(frozen=True)
+class UploadRoutes:
+    """How resident bytes reached the device (memory/hostpool.py, `StagingRing.upload`)."""
+
+    pinned: int = 0  # from page-locked host copies, straight and asynchronously
+    staged: int = 0  # through the pinned staging ring, chunk by chunk
+    pageable: int = 0  # synchronous copies from pageable memory (wrapper subclasses, non_blocking off, no pinning)
+
+    def __add__(self, other: "UploadRoutes") -> "UploadRoutes":
+        return UploadRoutes(self.pinned + other.pinned, self.staged + other.staged, self.pageable + other.pageable)
+
+    def describe(self) -> str:
+        parts = [f"{human_bytes(n)} {name}" for name, n in
+                 (("pinned", self.pinned), ("staged", self.staged), ("pageable", self.pageable)) if n]
+        return f" ({', '.join(parts)})" if parts else ""
+
+
 @dataclass
 class CallTally:
-    """What one call moved: resident weights copied to the device, streamed blocks copied (block
-    swap and sequential stream every step by design), and bytes found already on the device."""
+    """What one call moved: resident weights copied to the device (and how: `routes`), streamed
+    blocks copied (block swap and sequential stream every step by design), and bytes found already
+    on the device."""
 
     uploaded_bytes: int = 0
     streamed_bytes: int = 0
     reused_bytes: int = 0
+    routes: UploadRoutes = field(default_factory=UploadRoutes)
 
 
 @dataclass(eq=False)  # compared by identity: held in the set of live stores
@@ -116,11 +135,14 @@ class WarmStore:
     def holds_all(self, hosts: list[torch.Tensor]) -> bool:
         return all(storage_key(host) in self._kept for host in hosts)
 
-    def count(self, copied: int, reused: int, streamed: bool) -> None:
+    def count(self, copied: int, reused: int, streamed: bool, routes: UploadRoutes | None = None) -> None:
+        """`routes`: how the `copied` resident bytes travelled, as the backend reported it; a backend
+        that reports nothing copied them synchronously from where they live (pageable)."""
         if streamed:
             self.tally.streamed_bytes += copied
         else:
             self.tally.uploaded_bytes += copied
+            self.tally.routes += routes if routes is not None else UploadRoutes(pageable=copied)
         self.tally.reused_bytes += reused
 
     def keep(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
@@ -179,13 +201,16 @@ class WarmStore:
     def describe(self) -> str:
         tally = self.tally
         streamed = f", {human_bytes(tally.streamed_bytes)} streamed" if tally.streamed_bytes else ""
-        return (f"warm: {human_bytes(tally.uploaded_bytes)} uploaded, {human_bytes(tally.reused_bytes)} reused"
+        return (f"warm: {human_bytes(tally.uploaded_bytes)} uploaded{tally.routes.describe()}, "
+                f"{human_bytes(tally.reused_bytes)} reused"
                 f"{streamed}, {human_bytes(self.held_bytes)} kept")
 
     def as_dict(self) -> dict:
         tally = self.tally
         return {"uploaded_bytes": tally.uploaded_bytes, "streamed_bytes": tally.streamed_bytes,
                 "reused_bytes": tally.reused_bytes, "kept_bytes": self.held_bytes, "kept_tensors": self.tensors,
+                "upload_pinned_bytes": tally.routes.pinned, "upload_staged_bytes": tally.routes.staged,
+                "upload_pageable_bytes": tally.routes.pageable,
                 "summary": self.describe()}
 
 

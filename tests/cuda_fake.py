@@ -12,9 +12,16 @@ fake stream is current), and logs every call in order in `fake.log` as tuples:
     ("event_sync", event_id)             Event.synchronize: the host waits for one event
     ("device_sync",)                     torch.cuda.synchronize: the host waits for everything
     ("pin", nbytes)                      a pinned host allocation
+    ("stage", nbytes)                    a host copy into pinned memory inside a stream context (a staging slot filled)
     ("oom", stream)                      the injected out-of-memory error (the copy group is abandoned)
     (kind, group_name)                   the engine's observer events (onload, prefetch, evict), via `observe`
     ...and the memory statistics calls by name.
+
+Every host-to-device copy (`Tensor.to`, or `Tensor.copy_` into a tensor that is not pinned, while a fake
+stream is current) is also kept in `fake.transfers` as a `Transfer`: its stream, whether its source was
+pinned (allocated by the fake with `pin_memory=True`; `Tensor.is_pinned` answers the same), its
+non_blocking flag and its bytes. A device tensor allocated with `torch.empty_like` inside a stream
+context sits at its source's address modulo 64, as copies do (`copy_at_same_alignment`).
 
 Tensors stay on the CPU (the backend's device is `cpu`, so `.to(device)` is a real copy), while
 every CUDA call the backend makes goes through the fake. Events never complete on their own (a
@@ -27,10 +34,22 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from dataclasses import dataclass
 
+import numpy
 import torch
 
 from backends import copy_at_same_alignment
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One host-to-device copy."""
+
+    stream: str
+    source_pinned: bool
+    non_blocking: bool
+    nbytes: int
 
 
 class FakeStream:
@@ -93,6 +112,9 @@ class FakeCuda:
         self.waits: list[tuple[str, int, FakeEvent]] = []  # (stream, position, event it waited for)
         self.copies = 0
         self.in_context = 0  # inside torch.cuda.stream(...): where the backend copies
+        self.transfers: list[Transfer] = []
+        self.pinned: dict[int, torch.Tensor] = {}  # storage pointer -> buffer, kept alive so no pointer is reused
+        self._inside_copy = 0  # a copy's own inner work is not another copy
         self.oom_at = oom_at
         self.device_bytes = {"allocated": 3 << 20, "reserved": 8 << 20, "free": 100 << 20, "total": 1 << 30}
 
@@ -113,6 +135,22 @@ class FakeCuda:
 
     def calls(self, *kinds: str) -> list[tuple]:
         return [entry for entry in self.log if entry[0] in kinds]
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return type(tensor) is torch.Tensor and _ptr(tensor) in self.pinned
+
+    def pinned_bytes(self) -> int:
+        """Bytes ever allocated pinned (buffers are kept alive, so this never shrinks)."""
+        return sum(buffer.numel() for buffer in self.pinned.values())
+
+    def pageable_async(self) -> list[Transfer]:
+        """Copies the README forbids: non_blocking from pageable memory."""
+        return [t for t in self.transfers if t.non_blocking and not t.source_pinned]
+
+    def _transfer(self, source: torch.Tensor, destination: torch.Tensor, non_blocking: bool) -> None:
+        self.transfers.append(Transfer(self.current.name, self.is_pinned(source), bool(non_blocking),
+                                       source.numel() * source.element_size()))
+        self.log.append(("copy", self.current.name, _ptr(destination)))
 
     # --- installation -----------------------------------------------------------------------
 
@@ -168,17 +206,39 @@ class FakeCuda:
 
         def to(tensor, *args, **kwargs):
             out = original(tensor, *args, **kwargs)
-            if fake.in_context:
+            if fake.in_context and not fake._inside_copy:
                 fake.copies += fake.oom_stream in (None, fake.current.name)
                 if fake.copies == fake.oom_at and fake.oom_stream in (None, fake.current.name):
                     fake.log.append(("oom", fake.current.name))
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (fake)")
                 if out is tensor:  # same device: make the copy real, as a device copy would be
-                    out = copy_at_same_alignment(tensor)
-                fake.log.append(("copy", fake.current.name, _ptr(out)))
+                    fake._inside_copy += 1
+                    try:
+                        out = copy_at_same_alignment(tensor)
+                    finally:
+                        fake._inside_copy -= 1
+                fake._transfer(tensor, out, kwargs.get("non_blocking", False))
             return out
 
+        original_copy, original_empty_like = torch.Tensor.copy_, torch.empty_like
+
+        def copy_(destination, source, non_blocking=False):
+            out = original_copy(destination, source, non_blocking)
+            if fake.in_context and not fake._inside_copy:
+                if fake.is_pinned(destination):  # filling a staging slot: a host copy
+                    fake.log.append(("stage", source.numel() * source.element_size()))
+                else:
+                    fake._transfer(source, destination, non_blocking)
+            return out
+
+        def empty_like(tensor, *args, **kwargs):
+            if fake.in_context and "device" in kwargs and type(tensor) is torch.Tensor and tensor.is_contiguous():
+                return _empty_at_same_alignment(tensor)
+            return original_empty_like(tensor, *args, **kwargs)
+
         monkeypatch.setattr(torch.Tensor, "to", to)
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+        monkeypatch.setattr(torch, "empty_like", empty_like)
 
     def _patch_pinning(self, monkeypatch) -> None:
         fake, original = self, torch.empty
@@ -187,15 +247,25 @@ class FakeCuda:
             if pin_memory:
                 out = original(*args, **kwargs)
                 fake.log.append(("pin", out.numel() * out.element_size()))
+                fake.pinned[_ptr(out)] = out
                 return out
             return original(*args, **kwargs)
 
         monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda tensor, device=None: fake.is_pinned(tensor))
 
 
 class _Properties:
     def __init__(self, total_memory: int) -> None:
         self.total_memory = total_memory
+
+
+def _empty_at_same_alignment(tensor: torch.Tensor) -> torch.Tensor:
+    """Fresh memory for a copy of `tensor` at its address modulo 64 (see copy_at_same_alignment)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    line = numpy.empty(nbytes + 64, dtype=numpy.uint8)
+    start = (tensor.data_ptr() - line.ctypes.data) % 64
+    return torch.from_numpy(line[start : start + nbytes]).view(tensor.dtype).view(tensor.shape)
 
 
 def _ptr(tensor: torch.Tensor) -> int:

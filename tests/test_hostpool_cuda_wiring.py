@@ -44,7 +44,7 @@ def backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: object())
     cuda = CudaBackend(torch.device("cpu"))  # `.to(cpu)` stands in for the device copy
     monkeypatch.setattr(cuda, "pin_arena", lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
-    cuda.staging._pin = cuda.pin_arena
+    cuda.staging._pin = cuda.uploads._pin = cuda.pin_arena
     return cuda
 
 
@@ -68,12 +68,13 @@ def test_streamed_copies_of_file_backed_tensors_go_through_a_slot(backend, tmp_p
     assert backend.staging.slots == 2  # reused once its event said done
 
 
-def test_whole_components_and_blocking_copies_are_never_staged(backend, tmp_path):
+def test_blocking_copies_are_never_staged_and_whole_components_use_a_ring_of_their_own(backend, tmp_path):
     (tensor,) = mapped(tmp_path, 1)
-    for non_blocking, side_stream in ((True, False), (False, True)):
-        copies, _ = backend.copy_group([tensor], non_blocking, side_stream, False)
-        assert copies[0] is tensor
-    assert backend.staging.slots == 0
+    copies, _ = backend.copy_group([tensor], False, True, False)
+    assert copies[0] is tensor
+    copies, token = backend.copy_group([tensor], True, False, False)  # tests/test_resident_upload.py has the rest
+    assert torch.equal(copies[0], tensor) and not is_file_backed(copies[0]) and token.routes.staged == 256 * 4
+    assert backend.staging.slots == 0 and backend.uploads.slots == 1
 
 
 def test_a_full_ring_synchronizes_on_the_oldest_copy(backend, tmp_path):
