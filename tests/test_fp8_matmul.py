@@ -10,6 +10,7 @@ rounding (1e-5 relative). A tiny Wan pipeline's latent after 2 steps: see PSNR_F
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -216,3 +217,17 @@ def test_a_tiny_wan_samples_the_same_latent_with_fp8_matmul_under_none_and_block
     assert not torch.equal(on_none, upcast) and torch.isfinite(on_none).all()
     assert psnr_db(upcast, on_none) > PSNR_FLOOR_DB
     assert not any("fp8_matmul" in m.__dict__ for m in stored.pipe.transformer.modules())
+
+
+def test_the_bench_part_reports_quality_and_time_per_tier_without_asserting_speed():
+    from bench.support.speed_fp8 import fp8_rows
+    from bench.support.speed_runs import SpeedConfig, build, tiers
+
+    config = SpeedConfig(steps=2, blocks=2, runs=1)
+    rows = fp8_rows(build(config), config, log=lambda line: None)
+    assert set(rows["tiers"]) == set(tiers(config.blocks))
+    assert rows["tiers_bitwise_equal"] and PSNR_FLOOR_DB < rows["psnr_db"] < math.inf
+    assert rows["psnr_db"] == min(row["psnr_db"] for row in rows["tiers"].values())
+    assert rows["time_ratio"] == rows["tiers"]["none"]["time_ratio"] > 0  # present; its value is not a test
+    assert rows["receipt"]["fp8_layers"] > 0 and rows["receipt"]["fallback_calls"] == 0
+    assert rows["layers"] and all(row["time_ratio"] > 0 for row in rows["layers"].values())
