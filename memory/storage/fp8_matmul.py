@@ -60,7 +60,7 @@ def fp8_matmul_support(device: torch.device | str, modules: Mapping[str, nn.Modu
     if device.type != "cuda":
         return f"{device.type} devices have no fp8 matmul kernel in torch"
     if torch.version.hip:
-        return "ROCm: its fp8 kernels take float8_e4m3fnuz, not the float8_e4m3fn the files store"
+        return "ROCm: not verified by vidmem (MI300 multiplies float8_e4m3fnuz, not the float8_e4m3fn the files store)"
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         return f"CUDA capability {capability[0]}.{capability[1]} < 8.9 (no fp8 tensor cores; Ada, Hopper and newer have them)"

@@ -168,7 +168,9 @@ def fp8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, 
     # handed to the kernel, so quantizing and dequantizing use one number.
     amax = rows.abs().amax().float()
     x_scale = (amax / FP8_MAX).clamp(min=torch.finfo(x.dtype).tiny).to(x.dtype)
-    quantized = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    # cuBLASLt multiplies a row-major input by a column-major weight only: .t() of the stored
+    # [out, in] rows is that, and the quantized input is made row-major.
+    quantized = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()
     data = data.to(x.device)
     w_scale = torch.ones((), device=x.device) if scale is None else scale.to(device=x.device, dtype=torch.float32).reshape(())
     fused_bias = bias if bias is not None and x.dtype in FP8_MATMUL_BIAS_DTYPES else None
