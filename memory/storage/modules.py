@@ -116,9 +116,9 @@ class StoredLinear(_StoredWeight):
 
     def fp8_matmul_problem(self) -> str | None:
         """Why this layer's weight cannot go to torch._scaled_mm as stored (it then upcasts as
-        always); None when it can. Per-row or per-column scales are not used: _scaled_mm's rowwise
-        mode needs an input scale per row too, a bf16 output and (in torch 2.11) Hopper or newer,
-        and Comfy-Org's files scale per tensor."""
+        always); None when it can. Per-row or per-column weight scales are not used: _scaled_mm's
+        rowwise mode also wants a scale per input row and runs other kernels per card (CUTLASS
+        before Hopper or cuBLAS 12.9), none measured here; Comfy-Org's files scale per tensor."""
         if self.weight_stored.dtype != torch.float8_e4m3fn:
             return f"weight stored as {self.format.name} ({self.weight_stored.dtype}), not float8_e4m3fn"
         if self.weight_scale is not None and self.weight_scale.numel() != 1:
