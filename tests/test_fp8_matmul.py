@@ -143,6 +143,19 @@ def test_auto_on_the_cpu_stays_off_and_exact():
     assert receipt["enabled"] is False and receipt["reason"] == CPU_REASON and receipt["fp8_calls"] == 0
 
 
+@pytest.mark.parametrize("capability, enabled", [((8, 9), True), ((8, 6), False)])
+def test_auto_follows_the_card(monkeypatch, capability, enabled):
+    """The decision alone (a CUDA device faked by its capability; the product runs on the CPU)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    module = layer("fp8_scaled")
+    with fp8_matmul_for_call({"transformer": nn.Sequential(module, layer("bf16"))}, "auto", "cuda") as report:
+        module(torch.randn(4, 128))
+    receipt = report.as_dict()
+    assert receipt["enabled"] is enabled and receipt["fp8_calls"] == int(enabled)
+    assert (receipt["reason"] is None) is enabled
+    assert receipt["fallback_layers"] == ({"weight stored as bf16 (torch.bfloat16), not float8_e4m3fn": 1} if enabled else {})
+
+
 def test_off_changes_nothing():
     module = layer("fp8_scaled")
     x = torch.randn(4, 128)
