@@ -38,7 +38,7 @@ RELATIVE_RMS = 0.04  # fp8 product against the upcast one (measured worst 2.6%; 
 # path: measured 44.9 dB (fp8_e4m3fn) and 45.5 dB (fp8_scaled); 48.6 / 50.0 dB after 8 steps. The
 # floor leaves 5 dB (1.8x the RMS error) for other machines' BLAS. It is coarse: two steps leave
 # the latent mostly the seed's noise, so even a 5% error in every input scale still reads 41 dB;
-# the layer tests above carry the precision claim, this one that fp8 runs through the whole
+# the single-layer tests carry the precision claim, this one that fp8 runs through the whole
 # pipeline and every tier (an unscaled fp8_scaled weight gives NaN).
 PSNR_FLOOR_DB = 40.0
 # The tiny Wan with heads 16 wide (its own are 12): every linear layer then has multiples of 16.
