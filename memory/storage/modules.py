@@ -13,9 +13,17 @@ stored data's device). Model code reads it for its dtype or device (transformers
 activations to `wo.weight.dtype`); each read costs one upcast of that layer, so it is correct
 but not free. Assigning `weight` (e.g. a LoRA merge) is refused rather than silently lost.
 A model-wide `.to(dtype)` changes the compute dtype, never the stored format.
+
+fp8 matmul (fp8_matmul.py enables it per call): a StoredLinear holding float8_e4m3fn weights with a
+per-tensor scale (or none) can skip the upcast and multiply in fp8 with `torch._scaled_mm`: the
+input is quantized to e4m3fn with a dynamic per-tensor scale (its absolute maximum maps to 448),
+and the weight's stored bytes are used in place (a transposed view, no copy).
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +70,31 @@ class _StoredWeight(nn.Module):
         return f"{list(self.weight_shape)}, stored={self.format.name}, compute={self.compute_dtype}"
 
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+# cuBLASLt's fp8 GEMM needs both dimensions of the weight to be multiples of 16; the CPU kernel
+# takes any shape, but the rule is applied on every device so that the CPU tests see the same
+# layers fall back as a GPU would.
+FP8_MATMUL_MULTIPLE = 16
+FP8_MATMUL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Bias goes into the kernel only in the 16-bit output dtypes; cuBLASLt refuses a bias with a float32
+# output, so there it is added after the product (one elementwise add, still no weight upcast).
+FP8_MATMUL_BIAS_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Fp8MatmulTally:
+    """One layer's use of the fp8 matmul during one call: products computed in fp8, and calls
+    that fell back to the upcast path, by reason. Its presence on a layer enables the path."""
+
+    fp8_calls: int = 0
+    fallbacks: Counter = field(default_factory=Counter)
+
+
 class StoredLinear(_StoredWeight):
-    """`nn.Linear` with a stored weight: F.linear(x, dequantize(weight), bias)."""
+    """`nn.Linear` with a stored weight: F.linear(x, dequantize(weight), bias), or, while a call
+    has enabled it (`fp8_matmul` set), torch._scaled_mm on the stored fp8 bytes."""
+
+    fp8_matmul: Fp8MatmulTally | None = None  # class default: off unless a call turns it on
 
     def __init__(self, weight: StoredTensor, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> None:
         super().__init__()
@@ -74,8 +105,37 @@ class StoredLinear(_StoredWeight):
         self.bias = bias  # the same Parameter object the model had: ties and hooks keep seeing it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_matmul is not None:
+            problem = self._fp8_input_problem(x)
+            if problem is None:
+                self.fp8_matmul.fp8_calls += 1
+                return fp8_linear(x, self.weight_stored, self.weight_scale, self.bias)
+            self.fp8_matmul.fallbacks[problem] += 1
         weight = self.stored.dequantize(self.compute_dtype, x.device)
         return F.linear(x, weight, self.bias)
+
+    def fp8_matmul_problem(self) -> str | None:
+        """Why this layer's weight cannot go to torch._scaled_mm as stored (it then upcasts as
+        always); None when it can. Per-row or per-column weight scales are not used: _scaled_mm's
+        rowwise mode also wants a scale per input row and runs other kernels per card (CUTLASS
+        before Hopper or cuBLAS 12.9), none measured here; Comfy-Org's files scale per tensor."""
+        if self.weight_stored.dtype != torch.float8_e4m3fn:
+            return f"weight stored as {self.format.name} ({self.weight_stored.dtype}), not float8_e4m3fn"
+        if self.weight_scale is not None and self.weight_scale.numel() != 1:
+            return "weight scaled per row or column (only per-tensor scales are used)"
+        if self.in_features % FP8_MATMUL_MULTIPLE or self.out_features % FP8_MATMUL_MULTIPLE:
+            return f"shape {self.in_features}->{self.out_features}: both must be multiples of {FP8_MATMUL_MULTIPLE}"
+        return None
+
+    def _fp8_input_problem(self, x: torch.Tensor) -> str | None:
+        """Why this call cannot use the fp8 product (the layer itself can); None when it can."""
+        if x.dtype not in FP8_MATMUL_INPUT_DTYPES:
+            return f"input dtype {x.dtype}"
+        if torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+            return "gradients needed (torch._scaled_mm has no backward)"
+        if not self.weight_stored.is_contiguous():
+            return "weight not contiguous (the kernel reads its transpose in place)"
+        return None
 
 
 class StoredEmbedding(_StoredWeight):
@@ -93,3 +153,32 @@ class StoredEmbedding(_StoredWeight):
             return F.embedding(indices, self.weight, self.padding_idx, self.max_norm)
         rows = self.stored.select_rows(indices).dequantize(self.compute_dtype, indices.device)
         return rows.reshape(*indices.shape, self.embedding_dim)
+
+
+def fp8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ (data * scale).T + bias, computed by torch._scaled_mm on float8_e4m3fn `data` [out, in]
+    as stored, with `x` quantized to e4m3fn by a dynamic per-tensor scale.
+
+    Why a dynamic input scale: the files' static `input_scale` (calibrated offline, dropped by
+    scaled.py) clips activations beyond its range, and ComfyUI's unscaled path (scale 1, clamp to
+    +-448) flushes small activations into e4m3fn's subnormals; one absolute maximum per call puts
+    every activation in range at the cost of one reduction over the input."""
+    rows = x.reshape(-1, x.shape[-1])
+    # The scale is rounded to the input's dtype before dividing, and that same rounded value is
+    # handed to the kernel, so quantizing and dequantizing use one number.
+    amax = rows.abs().amax().float()
+    x_scale = (amax / FP8_MAX).clamp(min=torch.finfo(x.dtype).tiny).to(x.dtype)
+    # cuBLASLt multiplies a row-major input by a column-major weight only: .t() of the stored
+    # [out, in] rows is that, and the quantized input is made row-major.
+    quantized = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()
+    data = data.to(x.device)
+    w_scale = torch.ones((), device=x.device) if scale is None else scale.to(device=x.device, dtype=torch.float32).reshape(())
+    fused_bias = bias if bias is not None and x.dtype in FP8_MATMUL_BIAS_DTYPES else None
+    if fused_bias is not None:
+        fused_bias = fused_bias.to(device=x.device, dtype=x.dtype)
+    out = torch._scaled_mm(quantized, data.t(), scale_a=x_scale.float(), scale_b=w_scale, bias=fused_bias, out_dtype=x.dtype)
+    if isinstance(out, tuple):  # torch < 2.5 returned (out, amax)
+        out = out[0]
+    if bias is not None and fused_bias is None:
+        out = out + bias.to(device=x.device, dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], data.shape[0])
