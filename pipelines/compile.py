@@ -103,7 +103,7 @@ class CompileSettings:
         if self.mode not in MODES:
             raise StrategyError(f"compile mode={self.mode!r} is not one of {', '.join(map(repr, MODES))}.")
         object.__setattr__(self, "dynamic", _dynamic_value(self.dynamic))
-        if not isinstance(self.backend, str) or self.backend not in _backends():
+        if self.backend != "inductor" and (not isinstance(self.backend, str) or self.backend not in _backends()):
             raise StrategyError(f"compile backend={self.backend!r} is not a torch.compile backend here; use 'inductor' "
                                 f"(or one of {', '.join(sorted(_backends()))}).")
         if self.mode != "default" and self.backend != "inductor":
@@ -132,9 +132,9 @@ def _dynamic_value(value) -> str | bool:
 
 @functools.lru_cache(maxsize=1)
 def _backends() -> frozenset[str]:
-    import torch._dynamo
+    import torch._dynamo  # only for a backend other than the default: imports a lot
 
-    return frozenset(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"}
+    return frozenset(torch._dynamo.list_backends(exclude_tags=()))
 
 
 # Block class -> {(settings, hook layout): compiled forward}. Held here rather than on the modules

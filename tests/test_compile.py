@@ -344,3 +344,23 @@ def test_stored_linear_compiles_and_a_pointer_swap_does_not_recompile(fmt):
     with compiled_blocks({"blocks": [block]}, FAST) as compiled:
         torch.testing.assert_close(block(x), eager, **CLOSE)
     assert compiled.as_dict()["frames_compiled"] == 0, compiled.as_dict()["recompile_reasons"]
+
+
+def test_the_bench_part_gives_the_issues_keys_per_tier():
+    """bench/support/speed_compile.py at 2 blocks and 2 steps, with aot_eager (untimed: no timed assertion)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.support
+    from bench.support.speed_compile import compile_rows
+    from bench.support.speed_runs import SpeedConfig, build, tiers
+
+    config = SpeedConfig(steps=2, blocks=2, runs=1)
+    rows = compile_rows(build(config), config, FAST, log=lambda line: None)
+    for key in ("step_time_ratio", "recompiles_second_run", "compile_seconds"):
+        assert set(rows[key]) == set(tiers(config.blocks)), key
+    assert set(rows["recompiles_second_run"].values()) == {0}
+    assert all(seconds > 0 for seconds in rows["compile_seconds"].values())
+    assert all(ratio > 0 for ratio in rows["step_time_ratio"].values())
+    assert max(rows["max_abs_diff"].values()) < 1e-6 and not any(rows["fallback"].values())
+    assert rows["graph_breaks"]["sequential"] > 0 and rows["graph_breaks"]["none"] == 0
