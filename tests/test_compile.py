@@ -364,3 +364,33 @@ def test_the_bench_part_gives_the_issues_keys_per_tier():
     assert all(ratio > 0 for ratio in rows["step_time_ratio"].values())
     assert max(rows["max_abs_diff"].values()) < 1e-6 and not any(rows["fallback"].values())
     assert rows["graph_breaks"]["sequential"] > 0 and rows["graph_breaks"]["none"] == 0
+
+
+@pytest.mark.parametrize("storage", ["fp32", "fp8_scaled", "gguf_q8_0"])
+def test_the_disk_tier_with_stored_weights_compiles_once(storage, tmp_path):
+    """Weights used in place from mapped files (fp32) or kept stored (fp8 scaled, GGUF: StoredLinear,
+    dequantized inside the graph), streamed by block swap: eager's latents, and nothing compiled
+    again on a second call."""
+    from vidmem.pipelines.comfy_files import LoadOptions, load_model_files
+    from vidmem.pipelines.tiny_files import save_tiny_comfy_files, tiny_catalogue
+
+    files = save_tiny_comfy_files(VARIANT, tmp_path, storage, "original")
+    loaded = load_model_files(files.files, LoadOptions(dtype="fp32", weights_on_disk=True), tiny_catalogue())
+    assert loaded.on_disk
+    strategy = TIERS["block_swap:2"]
+    eager, _, _ = run(loaded, strategy, CompileSettings())
+    for call in range(2):
+        latents, report, _ = run(loaded, strategy, FAST)
+        torch.testing.assert_close(latents, eager, **CLOSE)
+    assert (report["frames_compiled"], report["fallback"]) == (0, None)
+
+
+@pytest.mark.parametrize("tier", ["none", "sequential"])
+def test_cogvideox_blocks_compile_too(tiny_loaded, tier):
+    loaded = tiny_loaded("cogvideox-t2v")
+    request = request_for("cogvideox-t2v")
+    eager, _, _ = run(loaded, TIERS[tier], CompileSettings(), request)
+    for call in range(2):
+        latents, report, _ = run(loaded, TIERS[tier], FAST, request)
+        torch.testing.assert_close(latents, eager, **CLOSE)
+    assert report["frames_compiled"] == 0
