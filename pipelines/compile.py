@@ -59,7 +59,7 @@ log = logging.getLogger("vidmem")
 
 MODES = ("default", "max-autotune-no-cudagraphs")
 REFUSED_MODES = ("reduce-overhead", "max-autotune")  # both record CUDA graphs
-DYNAMIC_CHOICES = ("auto", True, False)
+DYNAMIC_CHOICES = ("auto", "true", "false")  # as a node combo offers them; CompileSettings takes booleans too
 # Per code object, for our calls: frames every layout reaches (attention processors) collect entries.
 RECOMPILE_LIMIT = 64
 
