@@ -181,11 +181,12 @@ class CompileReport:
         self.blocks = blocks
         self.compile_seconds = 0.0
         self.fallback: str | None = None
-        self._start = _dynamo_totals()
+        self._start = _dynamo_totals() if settings.on else None  # off: dynamo is not even imported
         self._end: dict | None = None
 
     def finish(self) -> None:
-        self._end = _dynamo_totals()
+        if self.settings.on:
+            self._end = _dynamo_totals()
 
     def fall_back(self, block_class: type, error: BaseException) -> None:
         self.fallback = (f"torch.compile failed on {block_class.__name__} ({_why(error)}); this call ran the blocks "

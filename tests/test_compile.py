@@ -394,3 +394,39 @@ def test_cogvideox_blocks_compile_too(tiny_loaded, tier):
         latents, report, _ = run(loaded, TIERS[tier], FAST, request)
         torch.testing.assert_close(latents, eager, **CLOSE)
     assert report["frames_compiled"] == 0
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def oom_backend(graph, example_inputs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (autotuning)")
+
+
+def test_out_of_memory_is_raised_for_the_ladder_not_taken_for_a_compile_failure():
+    """While the block runs (a streamed leaf's copy failing) and while compiling (inductor's autotuning
+    allocating): the OOM ladder climbs on these, so they must reach it."""
+    block, x = TwoLayers(), torch.randn(2, 8)
+
+    @torch.compiler.disable
+    def copy_fails(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    handle = block.b.register_forward_pre_hook(copy_fails)
+    try:
+        with pytest.raises(torch.OutOfMemoryError), compiled_blocks({"blocks": [block]}, FAST):
+            block(x)
+    finally:
+        handle.remove()
+    use_test_backend(oom_backend, "vidmem_oom_test")
+    settings = CompileSettings(on=True, backend="vidmem_oom_test")
+    with pytest.raises(Exception) as raised, compiled_blocks({"blocks": [block]}, settings):
+        block(x)
+    assert "out of memory" in str(raised.value).lower() or isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+    assert "forward" not in block.__dict__
