@@ -39,6 +39,7 @@ VARIANT = "wan2.1-t2v"
 FAST = CompileSettings(on=True, backend="aot_eager")
 TIERS = {
     "none": MemoryStrategy(offload="none"),
+    "model": MemoryStrategy(offload="model"),
     "block_swap:1": MemoryStrategy(offload="block_swap", blocks_to_swap=1),
     "block_swap:2": MemoryStrategy(offload="block_swap", blocks_to_swap=2, prefetch_blocks=1),
     "sequential": MemoryStrategy(offload="sequential"),
