@@ -1,4 +1,12 @@
-"""Step cache benchmark (issue 23): blocks computed, weight copies made, time and PSNR per cache method and tier.
+"""Speed benchmark (issues 23 and 24): the step cache, attention kernels, compiled blocks and fp8 matmul, per tier.
+
+Parts (`--parts`, all by default): `cache` (below), `attention` (bench/support/speed_attention.py: every kernel this
+device runs against eager SDPA, time_ratio and max_abs_diff per tier), `compile` (bench/support/speed_compile.py:
+step_time_ratio, recompiles_second_run and compile_seconds per tier against eager) and `fp8_matmul`
+(bench/support/speed_fp8.py: time_ratio and psnr_db against the upcast path, fp8_scaled weights). Each part's
+JSON key is its name.
+
+The cache part: blocks computed, weight copies made, time and PSNR per cache method and tier.
 
 A 50-step Wan 2.1 1.3B-shaped sampler (30 blocks, random weights, the tiny text encoder and VAE from
 vidmem.pipelines.tiny; narrow widths on the CPU, the 1.3B's own in bf16 on CUDA), through
@@ -31,6 +39,7 @@ blocks_ratio is the real one for 50 steps, but its PSNR is not.
     python bench/speed.py --json bench/results/speed-cpu-2026-11-26.json   # ~3 min on 2 shared cores
     python bench/speed.py --steps 8 --blocks 4 --runs 1                     # seconds
     python bench/speed.py --device cuda --json bench/results/speed-gpu.json
+    python bench/speed.py --parts attention,compile --steps 8 --runs 3     # one or more parts only
 """
 
 from __future__ import annotations
@@ -53,8 +62,13 @@ use_this_checkout()  # `import vidmem` is this clone, installed or not
 import torch  # noqa: E402
 
 from bench.support.speed_report import evidence, goals, print_goals, print_tables  # noqa: E402
-from bench.support.speed_runs import SpeedConfig, build, count_pass, time_pass  # noqa: E402
+from bench.support.speed_attention import attention_rows  # noqa: E402
+from bench.support.speed_compile import compile_rows  # noqa: E402
+from vidmem.pipelines.compile import CompileSettings  # noqa: E402
+from bench.support.speed_fp8 import fp8_rows  # noqa: E402
+from bench.support.speed_runs import SpeedConfig, build, count_pass, tiers, time_pass  # noqa: E402
 
+PARTS = ("cache", "attention", "compile", "fp8_matmul")
 CAVEATS = [
     "Random weights: First Block Cache decides from its first block's output, so its skip rate and every "
     "method's PSNR here say nothing about a real model; MagCache's skips depend only on the published ratios and "
@@ -81,7 +95,13 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
     parser.add_argument("--fbc-bold", type=float, default=0.1, help="First Block Cache's bolder threshold")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (fixed, for stable timings)")
     parser.add_argument("--machine", default="", help="a note on the machine, for the JSON")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile part "
+                        "(aot_eager: dynamo's tracing and guards without code generation, for a quick check)")
     args = parser.parse_args(argv)
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        parser.error(f"--parts {args.parts!r}: {', '.join(sorted(unknown))} not among {', '.join(PARTS)}")
     cuda = args.device != "cpu"
     width, height, frames = (int(v) for v in (args.size or ("480x320x17" if cuda else "64x64x5")).split("x"))
     timed = args.time_tiers if args.time_tiers is not None else (f"none,block_swap_{args.blocks}" if cuda else "none")
@@ -99,6 +119,32 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     print(f"speed bench: {config.describe()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     loaded = build(config)
+    parts = args.parts.split(",")
+    result = {"bench": "speed", "config": config.describe(), "machine": machine(args), "caveats": CAVEATS, "parts": parts}
+    if "cache" in parts:
+        result.update(cache_part(loaded, config))
+    if "attention" in parts:
+        print("\nattention kernels against eager SDPA", flush=True)
+        result["attention"] = attention_rows(loaded, config, tiers(config.blocks))
+        print(json.dumps(result["attention"], indent=1))
+    if "compile" in parts:
+        print("\ncompiled blocks against eager", flush=True)
+        result["compile"] = compile_rows(loaded, config, CompileSettings(True, backend=args.compile_backend))
+        print(json.dumps(result["compile"], indent=1))
+    if "fp8_matmul" in parts:
+        print("\nfp8 matmul against the upcast path (fp8_scaled weights)", flush=True)
+        result["fp8_matmul"] = fp8_rows(loaded, config)
+    result["wall_seconds"] = round(time.perf_counter() - started, 1)
+    print(f"\ntotal {result['wall_seconds']:.0f} s, load average {os.getloadavg()[0]:.1f} at end")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return result
+
+
+def cache_part(loaded, config: SpeedConfig) -> dict:
+    """The step cache's rows (`cache`) and the verdicts on its goals (`goals`)."""
     calls = count_pass(loaded, config)
     times = None
     if config.time_tiers:
@@ -110,15 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_goals(verdicts)
     for caveat in CAVEATS:
         print(f"caveat: {caveat}")
-    result = {"bench": "speed", "config": config.describe(), "machine": machine(args), "caveats": CAVEATS,
-              "cache": report, "goals": verdicts,
-              "wall_seconds": round(time.perf_counter() - started, 1)}
-    print(f"\ntotal {result['wall_seconds']:.0f} s, load average {os.getloadavg()[0]:.1f} at end")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
-    return result
+    return {"cache": report, "goals": verdicts}
 
 
 def machine(args: argparse.Namespace) -> dict:

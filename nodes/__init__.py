@@ -7,6 +7,7 @@ from .load_files import VidMemLoadModelFiles
 from .loader import VidMemLoadPipeline
 from .lora import VidMemLoadLoRA
 from .sampler import VidMemVideoSampler
+from .speed import VidMemSpeed
 from .strategy import VidMemMemoryStrategy
 from .train import VidMemPrepareTrainingData, VidMemTrainLoRA
 
@@ -16,6 +17,7 @@ NODE_CLASS_MAPPINGS = {
     "VidMemMemoryStrategy": VidMemMemoryStrategy,
     "VidMemVideoSampler": VidMemVideoSampler,
     "VidMemStepCache": VidMemStepCache,
+    "VidMemSpeed": VidMemSpeed,
     "VidMemVAEDecode": VidMemVAEDecode,
     "VidMemFreeVRAM": VidMemFreeVRAM,
     "VidMemLoadLoRA": VidMemLoadLoRA,
@@ -29,6 +31,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "VidMemMemoryStrategy": "Memory Strategy (VidMem)",
     "VidMemVideoSampler": "Video Sampler (VidMem)",
     "VidMemStepCache": "Step Cache (VidMem)",
+    "VidMemSpeed": "Speed (VidMem)",
     "VidMemVAEDecode": "Video VAE Decode (VidMem)",
     "VidMemFreeVRAM": "Free VRAM (VidMem)",
     "VidMemLoadLoRA": "Load LoRA (VidMem)",

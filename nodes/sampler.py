@@ -9,6 +9,7 @@ from functools import reduce
 import torch
 
 from ..memory.plan.stages import VideoShape
+from ..memory.plan.types import PlanOptions
 from ..memory.telemetry import free_device_bytes
 from ..memory.units import GiB
 from ..pipelines.loader import FAMILIES
@@ -20,12 +21,14 @@ from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
 from ..pipelines.sample_checks import validate_request
 from ..pipelines.schedulers import SCHEDULERS
+from ..pipelines.speed import planned_attention
 from ..pipelines.step_cache import write_ratio_file
 from . import host
 from .cache import CACHE_TYPE, cache_input
 from .checks import literal_problem, literal_problems, pipeline_input
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt, human_bytes
+from .speed import SPEED_TYPE, speed_input
 from .strategy import STRATEGY_TYPE, as_choice
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
@@ -114,6 +117,8 @@ class VidMemVideoSampler:
                     "timestep >= ratio x 1000). 0: the model's own (T2V 0.875, I2V 0.9)."}),
                 "cache": (CACHE_TYPE, {"tooltip": "From a Step Cache (VidMem) node: skips blocks on steps whose "
                           "output can be predicted (and, under block swap, their copies). Empty: every step runs."}),
+                "speed": (SPEED_TYPE, {"tooltip": "From a Speed (VidMem) node: the attention kernel, compiled blocks "
+                          "and fp8 matmul. Empty: plain SDPA, eager blocks, fp8 weights upcast."}),
             },
         }
 
@@ -129,17 +134,19 @@ class VidMemVideoSampler:
                 or literal_problems(cls, cfg=cfg, shift=shift, cfg_2=cfg_2, boundary_ratio=boundary_ratio) or True)
 
     def sample(self, pipeline, strategy, prompt, negative_prompt, width, height, frames, steps, cfg, seed, image=None,
-               scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0, cache=None):
+               scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0, cache=None, speed=None):
         pipeline = pipeline_input(pipeline, NODE)
         choice = as_choice(strategy, NODE)
         step_cache = cache_input(cache, pipeline, NODE)
         # The widgets' "model's own" values (0, -1) are the engine's None.
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image, scheduler,
-                                shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None, step_cache)
+                                shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None, step_cache,
+                                speed_input(speed, NODE))
         check_before_planning(pipeline, choice, request)
         device = host.compute_device()
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
-        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames, cfg=guided), device)
+        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames, cfg=guided), device,
+                                           PlanOptions(attention=planned_attention(request.speed)))
         progress = host.Progress(steps, "sampling")
         try:
             cache = PromptCache(host.prompt_cache_folder())
@@ -208,7 +215,7 @@ def parallel_line(parallel: dict) -> str:
     return f"{parallel['ranks']} ranks ({parallel['backend']}), {parallel['mode']} degree {parallel['degree']}; peak: {peaks}"
 
 
-def _strategy_for_run(pipeline, choice, shape: VideoShape, device):
+def _strategy_for_run(pipeline, choice, shape: VideoShape, device, options: PlanOptions = PlanOptions()):
     """The strategy to run at the Sampler's own shape and one line saying what the planner predicts.
 
     offload=auto chooses here (no fit, no run: PlanError says what would fit). An explicit
@@ -219,10 +226,10 @@ def _strategy_for_run(pipeline, choice, shape: VideoShape, device):
     if choice.strategy.parallel.context_parallel_on:
         return _parallel_strategy_for_run(pipeline, choice, shape, device, (vram, ram), label)
     if choice.auto:
-        plan = choose_for(pipeline, shape, choice.strategy, vram, ram, device=device)
+        plan = choose_for(pipeline, shape, choice.strategy, vram, ram, options, device=device)
         return plan.strategy, f"auto chose at {label}: {_peaks(plan)}"
     try:
-        plan = plan_strategy(pipeline, shape, choice.strategy, vram, ram, device=device)
+        plan = plan_strategy(pipeline, shape, choice.strategy, vram, ram, options, device=device)
     except ValueError as error:
         return choice.strategy, f"no prediction at {label}: {error}"
     return choice.strategy, f"planned at {label}: {_peaks(plan)}"

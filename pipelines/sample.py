@@ -39,7 +39,7 @@ from ..memory.telemetry import StageMeter
 from ..memory.warm import call_on
 from .family import ModelError, denoiser_blocks
 from .hooks import RunHooks, interrupt_checks, outer_blocks
-from .loader import LoadedPipeline
+from .loader import LoadedPipeline, torch_dtype
 from .stages import stage_modules
 from .lora import describe_loras, lora_patches
 from .room import keep_bytes, sample_room
@@ -49,6 +49,7 @@ from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  #
 from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message,
                             out_of_memory_message, planner_fits)
 from .schedulers import SamplerChoice, build_scheduler
+from .speed import ResolvedSpeed, Speed, resolve_speed, speed_for_call
 from .step_cache import AppliedCache, StepCache
 
 log = logging.getLogger("vidmem")
@@ -70,6 +71,7 @@ class SampleRequest:
     cfg_2: float | None = None  # Wan 2.2 A14B's low-noise expert; None: same as cfg
     boundary_ratio: float | None = None  # Wan 2.2 A14B; None: the model's own (0 < ratio < 1)
     cache: StepCache = StepCache()  # step caching (pipelines/step_cache.py); off by default
+    speed: Speed = Speed()  # attention kernel, compiled blocks, fp8 matmul (pipelines/speed.py)
 
 
 @dataclass
@@ -121,12 +123,14 @@ def sample(
     backend = backend or loaded.backend(device or resolve_compute_device())
     device = backend.device
     pipe, spec = loaded.pipe, loaded.spec
+    # Refused here, before anything moves, when a choice cannot run on this device or model.
+    speed = resolve_speed(request.speed, device, torch_dtype(loaded.dtype_name), _denoisers(loaded))
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [], "sampler": choice.describe(),
                "lora": describe_loras(loaded.loras)}
     hooks.check_interrupt()
     texts = prompt_texts(pipe, spec.max_sequence_length, request.prompt, request.negative_prompt, choice.guided)
     prompts = look_up(pipe, texts, hooks.prompt_cache)
-    run = _Run(loaded, request, choice, hooks, backend, observer, prompts, len(prompts.embeds), receipt)
+    run = _Run(loaded, request, choice, hooks, backend, observer, prompts, len(prompts.embeds), receipt, speed)
     requested, rungs, resume = strategy, run.rungs, None
     while True:
         record = run.attempt(strategy, resume)
@@ -142,6 +146,11 @@ def sample(
     samples = spec.to_comfy_latent(pipe, record.raw, request.frames).to("cpu")
     latent = {"samples": samples, "vidmem": {"family": spec.name, "class_name": loaded.class_name, "frames": request.frames}}
     return SampleResult(latent, receipt)
+
+
+def _denoisers(loaded: LoadedPipeline) -> dict[str, torch.nn.Module]:
+    """The call's denoisers by name (Wan 2.2 A14B: both experts)."""
+    return {name: getattr(loaded.pipe, name) for name in denoiser_blocks(loaded.pipe, loaded.spec)}
 
 
 def block_count(loaded: LoadedPipeline) -> int:
@@ -161,6 +170,7 @@ class _Run:
     prompts: PromptEmbeddings
     hits: int
     receipt: dict
+    speed: ResolvedSpeed
     rungs: list[Rung] = field(default_factory=list)  # the OOM ladder climbed so far
 
     def attempt(self, strategy: MemoryStrategy, resume: ResumePoint | None) -> StepRecord:
@@ -208,7 +218,10 @@ class _Run:
         # Per-block CUDA events are cheap for tens of blocks, not for every leaf of `sequential`.
         telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
         warm = loaded.warm_store("sample", self.backend)  # weights the last call left on the device
+        # Speed first: compiled blocks must wrap the blocks' own forward, before the step cache wraps it.
+        blocks = denoiser_blocks(loaded.pipe, loaded.spec)
         with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
+                speed_for_call(self.speed, _denoisers(loaded), blocks, device) as speed, \
                 apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle:
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
             receipt["device_weight_bytes"], receipt["lora_bytes"] = weight_bytes, lora_handle.nbytes
@@ -242,6 +255,7 @@ class _Run:
                 streamed = handle.stream_counts()
             if self.request.cache.on:
                 receipt["cache"] = cache_receipt(self.request.cache, cache, streamed, cached)
+            receipt["speed"] = speed.as_dict()
             if warm is not None:
                 receipt["warm"] = warm.as_dict()
         return raw

@@ -33,7 +33,7 @@ KEYS = {"blocks_ratio", "copies_ratio", "time_ratio", "psnr_db", "tiers_bitwise_
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("speed") / "speed.json"
-    speed.main(["--steps", str(STEPS), "--blocks", str(BLOCKS), "--time-tiers", "", "--json", str(path)])
+    speed.main(["--steps", str(STEPS), "--blocks", str(BLOCKS), "--time-tiers", "", "--json", str(path), "--parts", "cache"])
     return json.loads(path.read_text())
 
 
@@ -79,3 +79,17 @@ def test_copies_fall_with_the_blocks(report, method):
     tolerance = (1 - entry["blocks_ratio"]) * 2 / BLOCKS  # see the module's docstring
     for tier, ratio in entry["copies_ratio_by_tier"].items():
         assert ratio <= entry["blocks_ratio"] + tolerance + 1e-9, (tier, ratio, entry["blocks_ratio"])
+
+
+def test_the_speed_parts_write_the_issues_keys(tmp_path):
+    """attention, compile and fp8_matmul in one run (aot_eager: no code generation), under the JSON keys
+    issue 24 names; each part's own figures are checked in test_speed_attention, test_compile, test_fp8_matmul."""
+    path = tmp_path / "parts.json"
+    speed.main(["--steps", "2", "--blocks", "2", "--time-tiers", "none", "--runs", "1", "--json", str(path),
+                "--parts", "attention,compile,fp8_matmul", "--compile-backend", "aot_eager"])
+    found = json.loads(path.read_text())
+    assert "cache" not in found and found["parts"] == ["attention", "compile", "fp8_matmul"]
+    assert {"time_ratio", "max_abs_diff"} <= set(found["attention"]["math"])
+    assert {"step_time_ratio", "recompiles_second_run", "compile_seconds"} <= set(found["compile"])
+    assert all(count == 0 for count in found["compile"]["recompiles_second_run"].values()), found["compile"]
+    assert {"time_ratio", "psnr_db"} <= set(found["fp8_matmul"])

@@ -137,6 +137,12 @@ def fp8_matmul_for_call(modules: Mapping[str, nn.Module], choice: Fp8Matmul | st
                 layer.fp8_matmul = before[name]
 
 
+def check_fp8_matmul(modules: Mapping[str, nn.Module], choice: Fp8Matmul | str, device: torch.device | str) -> None:
+    """Fp8MatmulError where `choice` is 'on' and cannot run on `device` for `modules`; for callers that
+    refuse before any model work (the Sampler), with the same rule `fp8_matmul_for_call` applies."""
+    _decline(_parse(choice), torch.device(device), _stored_linears(modules))
+
+
 def _parse(choice: Fp8Matmul | str) -> Fp8Matmul:
     try:
         return Fp8Matmul(choice)

@@ -1,0 +1,113 @@
+"""Speed: the Speed (VidMem) node's choices for one Sampler call, and applying them.
+
+Three independent parts, each in its own module: the attention kernel (pipelines/attention.py),
+compiled blocks (pipelines/compile.py) and fp8 matmul (memory/storage/fp8_matmul.py). This module
+holds the choices together (`Speed`), resolves what depends on the device and the model before any
+weight moves (`resolve_speed`: a kernel that cannot run here, or fp8 matmul asked of a card without
+it, is refused there, naming the input and the fix), and applies them around one call
+(`speed_for_call`), each undone in reverse on success, error or Cancel.
+
+Without a Speed node every choice is what ran before vidmem had one: plain SDPA (auto's pick on the
+CPU, and an exact fused SDPA kernel on CUDA), eager blocks, fp8 weights upcast. So CPU frames stay
+bit-identical to plain diffusers unless a lossy choice is asked for by name.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..memory.accounting import Attention
+from ..memory.storage.fp8_matmul import Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call
+from ..memory.strategy import StrategyError
+from .attention import AttentionKernel, ResolvedAttention, attention_for_call, resolve_attention
+from .compile import CompileSettings, compiled_blocks
+
+
+@dataclass(frozen=True)
+class Speed:
+    """What a Sampler call computes with. `fp8_matmul` defaults to off here (no Speed node: exact to
+    the stored weights); the Speed node's own default is auto."""
+
+    attention: AttentionKernel = AttentionKernel.AUTO
+    compile: CompileSettings = field(default_factory=CompileSettings)
+    fp8_matmul: Fp8Matmul = Fp8Matmul.OFF
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attention", _parsed(AttentionKernel, self.attention, "attention"))
+        object.__setattr__(self, "fp8_matmul", _parsed(Fp8Matmul, self.fp8_matmul, "fp8_matmul"))
+        if not isinstance(self.compile, CompileSettings):
+            raise StrategyError(f"compile={self.compile!r} must be a CompileSettings (on, mode, dynamic).")
+
+    @property
+    def default(self) -> bool:
+        return self == Speed()
+
+    def describe(self, attention: str | None = None) -> str:
+        """`attention auto, compiled blocks (default, dynamic auto), fp8 matmul off`; `attention`: the resolved
+        kernel's own description, where known."""
+        compiled = f"compiled blocks ({self.compile.describe()})" if self.compile.on else "eager blocks"
+        return f"attention {attention or self.attention.value}, {compiled}, fp8 matmul {self.fp8_matmul.value}"
+
+
+def planned_attention(speed: Speed) -> Attention:
+    """How the planner counts the attention `speed` chooses: math and flex hold the whole score matrix
+    (flex unless compiled, and the planner does not count on that); every other kernel is fused."""
+    return Attention.MATH if speed.attention in (AttentionKernel.MATH, AttentionKernel.FLEX) else Attention.FUSED
+
+
+@dataclass(frozen=True)
+class ResolvedSpeed:
+    """`speed` with its attention kernel resolved for this device and dtype."""
+
+    speed: Speed
+    attention: ResolvedAttention
+
+    def describe(self) -> str:
+        return self.speed.describe(self.attention.describe())
+
+
+def resolve_speed(speed: Speed, device: torch.device, dtype: torch.dtype,
+                  denoisers: Mapping[str, nn.Module] | None = None) -> ResolvedSpeed:
+    """The kernel `speed.attention` means here, and fp8 matmul 'on' checked against the device and the
+    model's layers (`denoisers`); StrategyError naming the input and the fix. Touches no weight."""
+    check_fp8_matmul(denoisers or {}, speed.fp8_matmul, device)
+    return ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype))
+
+
+@dataclass
+class AppliedSpeed:
+    """What one call ran with; `as_dict()` is the receipt's `speed` entry."""
+
+    resolved: ResolvedSpeed
+    attention: object
+    fp8: object
+    compiled: object
+
+    def as_dict(self) -> dict:
+        return {"attention": self.attention.as_dict(), "compile": self.compiled.as_dict(),
+                "fp8_matmul": self.fp8.as_dict()}
+
+
+@contextmanager
+def speed_for_call(resolved: ResolvedSpeed, denoisers: Mapping[str, nn.Module],
+                   blocks: Mapping[str, Sequence[nn.Module]], device: torch.device) -> Iterator[AppliedSpeed]:
+    """Apply `resolved` to the call's denoisers (name -> module) and their repeated blocks for the
+    block of the `with`; everything is put back in reverse order when it ends, however it ends."""
+    with ExitStack() as stack:
+        attention = stack.enter_context(attention_for_call(denoisers, resolved.attention))
+        fp8 = stack.enter_context(fp8_matmul_for_call(denoisers, resolved.speed.fp8_matmul, device))
+        compiled = stack.enter_context(compiled_blocks(blocks, resolved.speed.compile))
+        yield AppliedSpeed(resolved, attention, fp8, compiled)
+
+
+def _parsed(kind, value, name: str):
+    try:
+        return kind(value)
+    except ValueError:
+        accepted = ", ".join(repr(member.value) for member in kind)
+        raise StrategyError(f"{name}={value!r} is not one of {accepted}.") from None

@@ -1,0 +1,132 @@
+"""The Speed (VidMem) node and its glue (nodes/speed.py, pipelines/speed.py): the choices reach the
+Sampler's call, are refused before anything moves when they cannot run, say in the receipt what ran,
+and every tier gives tier none's latent with them. Each part's own behaviour is tested in
+test_attention.py, test_compile.py and test_fp8_matmul.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from backends import StrictBackend
+from test_tiers import request_for
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.strategy import StrategyError
+from vidmem.nodes.sampler import VidMemVideoSampler
+from vidmem.nodes.speed import VidMemSpeed, speed_input
+from vidmem.pipelines.compile import CompileSettings
+from vidmem.pipelines.sample import sample
+from vidmem.pipelines.speed import Speed
+
+STEPS = 3
+EAGER_COMPILE = CompileSettings(True, backend="eager")  # dynamo's tracing and guards, no code generation: fast
+
+
+def run(loaded, variant, strategy, speed):
+    request = replace(request_for(variant, steps=STEPS), speed=speed)
+    return sample(loaded, strategy, request, backend=StrictBackend())
+
+
+def test_the_node_builds_a_speed_and_the_sampler_takes_it():
+    speed = VidMemSpeed().build("math", True, "max-autotune-no-cudagraphs", "false", "off")["result"][0]
+    assert speed == Speed("math", CompileSettings(True, "max-autotune-no-cudagraphs", False), "off")
+    assert speed_input(None, "Video Sampler") == Speed() and speed_input(speed, "Video Sampler") is speed
+    with pytest.raises(StrategyError, match=r"speed \(Video Sampler\) got .*Speed \(VidMem\)"):
+        speed_input(MemoryStrategy(), "Video Sampler")
+    assert "speed" in VidMemVideoSampler.INPUT_TYPES()["optional"]
+
+
+def test_a_bad_choice_is_refused_by_name():
+    with pytest.raises(StrategyError, match="attention='fastest' is not one of"):
+        Speed("fastest")
+    with pytest.raises(StrategyError, match="fp8_matmul='yes' is not one of"):
+        Speed(fp8_matmul="yes")
+    with pytest.raises(StrategyError, match="compile="):
+        Speed(compile=True)
+
+
+def test_a_kernel_no_dtype_could_run_here_is_refused_when_queued():
+    """This machine has no GPU (CI): sage and cuDNN are refused at queue time with the fix; auto passes."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusals of a machine without CUDA")
+    assert VidMemSpeed.VALIDATE_INPUTS("auto") is True and VidMemSpeed.VALIDATE_INPUTS("sdpa") is True
+    for kernel in ("sage", "cudnn"):
+        problem = VidMemSpeed.VALIDATE_INPUTS(kernel)
+        assert isinstance(problem, str) and f"attention='{kernel}'" in problem and "choose 'auto'" in problem
+
+
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v"])
+def test_without_a_speed_node_the_run_is_unchanged_and_the_receipt_names_the_kernel(tiny_loaded, variant):
+    loaded = tiny_loaded(variant)
+    plain = run(loaded, variant, MemoryStrategy(offload="none"), Speed())
+    auto = run(loaded, variant, MemoryStrategy(offload="none"), Speed("auto", fp8_matmul="auto"))
+    assert torch.equal(plain.latent["samples"], auto.latent["samples"])  # auto on the CPU: plain SDPA, no fp8
+    receipt = plain.receipt["speed"]
+    assert receipt["attention"]["kernel"] == "sdpa" and receipt["attention"]["requested"] == "auto"
+    assert receipt["compile"]["compiled"] is False
+    assert receipt["fp8_matmul"]["enabled"] is False
+
+
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "wan2.2-a14b"])
+def test_every_tier_gives_tier_nones_latent_with_a_kernel_and_compiled_blocks(tiny_loaded, variant):
+    loaded = tiny_loaded(variant)
+    speed = Speed("math", EAGER_COMPILE)
+    blocks = len(loaded.pipe.transformer.blocks)
+    tiers = {"none": MemoryStrategy(offload="none"), "model": MemoryStrategy(offload="model"),
+             "block_swap": MemoryStrategy(offload="block_swap", blocks_to_swap=blocks),
+             "sequential": MemoryStrategy(offload="sequential")}
+    results = {name: run(loaded, variant, strategy, speed) for name, strategy in tiers.items()}
+    reference = results["none"].latent["samples"]
+    for name, result in results.items():
+        assert torch.equal(result.latent["samples"], reference), name
+        assert result.receipt["speed"]["attention"]["kernel"] == "math", name
+        assert result.receipt["speed"]["compile"]["compiled"] is True, (name, result.receipt["speed"]["compile"])
+    plain = run(loaded, variant, MemoryStrategy(offload="none"), Speed())
+    assert torch.allclose(plain.latent["samples"], reference, atol=1e-4)  # math against SDPA's CPU flash kernel
+
+
+def test_fp8_matmul_on_without_fp8_layers_is_refused_before_anything_moves(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    devices = {p.device for p in loaded.pipe.transformer.parameters()}
+    with pytest.raises(StrategyError, match="fp8_matmul='on' cannot run here"):
+        run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), Speed(fp8_matmul="on"))
+    assert {p.device for p in loaded.pipe.transformer.parameters()} == devices
+    assert not loaded.pipe.transformer.blocks[0].__dict__.get("forward")  # nothing left compiled or hooked
+
+
+def test_the_plan_counts_the_score_matrix_of_a_kernel_that_holds_it(tiny_loaded):
+    from vidmem.memory.plan.types import PlanOptions, VideoShape
+    from vidmem.pipelines.planning import plan_strategy
+    from vidmem.pipelines.speed import planned_attention
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    shape = VideoShape(256, 256, 17, cfg=True)
+
+    def peak(speed: Speed) -> int:
+        options = PlanOptions(attention=planned_attention(speed))
+        plan = plan_strategy(loaded, shape, MemoryStrategy(offload="none"), None, None, options, device="cpu")
+        return plan.stage("denoise").device_bytes
+
+    fused = peak(Speed())
+    assert peak(Speed("math")) > fused and peak(Speed("flex")) > fused
+    assert peak(Speed("flash")) == fused == peak(Speed("sage"))
+
+
+def test_compiled_blocks_with_the_step_cache_skip_what_the_eager_run_skips(tiny_loaded):
+    """The speed is applied before the step cache wraps the blocks, so both hold for the whole call."""
+    from vidmem.pipelines.step_cache import StepCache
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    cache = StepCache("mag_cache", mag_ratios=(1.0,) * STEPS, threshold=0.5, retention=0.0, max_skip_steps=3)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=len(loaded.pipe.transformer.blocks))
+
+    def cached(speed):
+        request = replace(request_for("wan2.1-t2v", steps=STEPS), cache=cache, speed=speed)
+        return sample(loaded, strategy, request, backend=StrictBackend())
+
+    eager, compiled = cached(Speed()), cached(Speed(compile=EAGER_COMPILE))
+    assert compiled.receipt["cache"]["blocks_skipped"] == eager.receipt["cache"]["blocks_skipped"] > 0
+    assert torch.equal(compiled.latent["samples"], eager.latent["samples"])
+    assert compiled.receipt["speed"]["compile"]["compiled"] is True
