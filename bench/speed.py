@@ -65,6 +65,7 @@ from bench.support.speed_report import evidence, goals, print_goals, print_table
 from bench.support.speed_attention import attention_rows  # noqa: E402
 from bench.support.speed_compile import compile_rows  # noqa: E402
 from vidmem.pipelines.compile import CompileSettings  # noqa: E402
+from vidmem.pipelines.speed import cpu_name  # noqa: E402
 from bench.support.speed_fp8 import fp8_rows  # noqa: E402
 from bench.support.speed_runs import SpeedConfig, build, count_pass, tiers, time_pass  # noqa: E402
 
@@ -162,20 +163,11 @@ def cache_part(loaded, config: SpeedConfig) -> dict:
 def machine(args: argparse.Namespace) -> dict:
     import diffusers
 
-    found = {"note": args.machine, "platform": platform.platform(), "cpu": _cpu_name(), "cores": os.cpu_count(),
+    found = {"note": args.machine, "platform": platform.platform(), "cpu": cpu_name(), "cores": os.cpu_count(),
              "threads": args.threads, "torch": torch.__version__, "diffusers": diffusers.__version__}
     if args.device != "cpu":
         found["gpu"] = torch.cuda.get_device_name()
     return found
-
-
-def _cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..memory import OffloadTier, StrategyError
+from ..memory.accounting import Attention
 from ..memory.plan.advice import over_budget_lines
 from ..memory.plan.candidates import times_differ
 from ..memory.plan.costs import TIME_RESOLUTION
@@ -29,12 +30,16 @@ from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recomm
 from ..memory.plan.stages import VideoShape
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
                          folder_options, recognise, transformer_file_request, vae_dtype_request, weight_dtype_request)
+from ..pipelines.compile import CompileSettings
+from ..pipelines.loader import torch_dtype
 from .cache import VidMemStepCache
+from .speed import VidMemSpeed
 from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, strategy_notes, tile_size_problem
 
 PLAN_ROUTE = "/vidmem/plan"
 STEPS = (1, 1000)  # the Sampler's range
 CACHE_PREFIX = "cache_"  # query parameters carrying the Step Cache node's widgets
+SPEED_PREFIX = "speed_"  # and the Speed node's
 SHAPE = {"width": (16, 4096), "height": (16, 4096), "frames": (1, 1025)}  # the Sampler's ranges
 
 
@@ -60,6 +65,7 @@ class PlanRequest:
     vae_dtype: str = ""  # Load Video Pipeline's VAE precision ("" follows dtype); the files' is in `files`
     steps: int = 50  # the Sampler's
     cache: tuple[tuple[str, object], ...] = ()  # the connected Step Cache node's widgets; () when none is
+    speed: tuple[tuple[str, object], ...] = ()  # the connected Speed node's widgets; () when none is
 
     @property
     def auto(self) -> bool:
@@ -94,25 +100,26 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     steps = _number(query, "steps", "INT", *STEPS) if "steps" in query else 50
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
                        files=files, transformer_file=transformer_file, weight_dtype=weight_dtype, vae_dtype=vae_dtype,
-                       steps=steps, cache=_cache_widgets(query))
+                       steps=steps, cache=_node_widgets(query, CACHE_PREFIX, VidMemStepCache, "Step Cache", ("mag_ratios",)),
+                       speed=_node_widgets(query, SPEED_PREFIX, VidMemSpeed, "Speed"))
 
 
-def _cache_widgets(query: Mapping[str, str]) -> tuple[tuple[str, object], ...]:
-    """The Step Cache node's widgets, sent as cache_<name>; () when the Sampler has no cache connected."""
-    if "cache_method" not in query:
+def _node_widgets(query: Mapping[str, str], prefix: str, node_cls, node: str, free=()) -> tuple[tuple[str, object], ...]:
+    """A node connected to the Sampler, its widgets sent as <prefix><name>; () when none is (its
+    first widget absent). `free`: widgets whose lists are the host's files, checked when planned."""
+    spec = node_cls.INPUT_TYPES()["required"]
+    if prefix + next(iter(spec)) not in query:
         return ()
-    spec = VidMemStepCache.INPUT_TYPES()["required"]
-    sent = {name[len(CACHE_PREFIX):]: text for name, text in query.items() if name.startswith(CACHE_PREFIX)}
+    sent = {name[len(prefix):]: text for name, text in query.items() if name.startswith(prefix)}
     found = []
     for name, entry in spec.items():
-        kind, options = entry
-        if name == "mag_ratios":  # the node's list is the host's files: any name is checked when planned
-            found.append((name, sent.get(name, options.get("default"))))
+        if name in free:
+            found.append((name, sent.get(name, entry[1].get("default"))))
             continue
         try:
             found.append((name, _widget(sent, name, entry)))
         except PlanRequestError as error:
-            raise PlanRequestError(CACHE_PREFIX + name, f"the Step Cache node's {error}") from None
+            raise PlanRequestError(prefix + name, f"the {node} node's {error}") from None
     return tuple(found)
 
 
@@ -169,7 +176,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
             raise StrategyError(problem)
         strategy = build_strategy(**widgets)
         model, options = _model_and_options(request, load_model)
-        options = replace(options, device=device or _probed_device())
+        options = replace(options, device=device or _probed_device(), attention=_planned_attention(request))
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
         base = replace(strategy, offload=OffloadTier.MODEL, blocks_to_swap=0)
@@ -194,12 +201,41 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         "chosen": chosen,
         "time": _time(plans, options),
         "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
-        "speed": _speed_lines(request, model),
+        "speed": _speed_lines(request, model, options),
     }
 
 
-def _speed_lines(request: PlanRequest, model) -> list[str]:
-    """What makes this run faster than the rows say: the connected step cache's skips, known before the run."""
+def _speed_lines(request: PlanRequest, model, options: PlanOptions) -> list[str]:
+    """What makes this run faster than the rows say: the connected Speed node's choices as they would
+    resolve on this device, and the connected step cache's skips, both known before the run."""
+    return [*_speed_node_lines(request, options), *_cache_lines(request, model)]
+
+
+def _planned_attention(request: PlanRequest) -> Attention:
+    """As the run plans it: math and flex chosen on the Speed node hold the whole score matrix."""
+    from ..pipelines.speed import Speed, planned_attention
+
+    try:
+        return planned_attention(Speed(dict(request.speed).get("attention", "auto")))
+    except StrategyError:  # named in the speed line
+        return Attention.FUSED
+
+
+def _speed_node_lines(request: PlanRequest, options: PlanOptions) -> list[str]:
+    if not request.speed:
+        return []
+    from ..pipelines.speed import Speed, speed_plan_line
+
+    widgets = dict(request.speed)
+    try:
+        speed = Speed(widgets["attention"], CompileSettings(widgets["compile"], widgets["compile_mode"],
+                                                            widgets["compile_dynamic"]), widgets["fp8_matmul"])
+    except StrategyError as error:
+        return [f"speed: {error}"]
+    return [f"speed: {speed_plan_line(speed, options.device, torch_dtype(request.dtype))}"]
+
+
+def _cache_lines(request: PlanRequest, model) -> list[str]:
     if not request.cache:
         return []
     from ..pipelines.step_cache import StepCache, layout_key, plan_line

@@ -14,15 +14,19 @@ bit-identical to plain diffusers unless a lossy choice is asked for by name.
 
 from __future__ import annotations
 
+import json
+import platform
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ..memory.accounting import Attention
-from ..memory.storage.fp8_matmul import Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call
+from ..memory.storage.fp8_matmul import Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
 from ..memory.strategy import StrategyError
 from .attention import AttentionKernel, ResolvedAttention, attention_for_call, resolve_attention
 from .compile import CompileSettings, compiled_blocks
@@ -111,3 +115,73 @@ def _parsed(kind, value, name: str):
     except ValueError:
         accepted = ", ".join(repr(member.value) for member in kind)
         raise StrategyError(f"{name}={value!r} is not one of {accepted}.") from None
+
+
+# --- What the plan says before the run -------------------------------------------------------------
+
+MEASURED = Path(__file__).parent / "configs" / "speedups.json"  # bench/speed.py's figures, per device name
+
+
+def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype) -> str:
+    """The Speed node's choices as they would resolve on this machine's `device_type`, for the plan:
+    the kernel auto picks (or why a choice is refused), compiled or not, fp8 matmul or why not, and
+    the per-step time measured on this device where bench/speed.py has measured it."""
+    try:
+        attention = f"attention {resolve_attention(speed.attention, device_type, dtype).describe()}"
+    except StrategyError as error:
+        attention = f"refused: {error}"
+    compiled = ("compiled blocks (the first run compiles, later runs of this graph reuse it)" if speed.compile.on
+                else "eager blocks")
+    fp8 = _fp8_plan_text(speed.fp8_matmul, device_type)
+    measured = measured_line(speed, device_type)
+    return f"{attention}; {compiled}; {fp8}" + (f". {measured}" if measured else "")
+
+
+def _fp8_plan_text(choice: Fp8Matmul, device_type: str) -> str:
+    if choice is Fp8Matmul.OFF:
+        return "fp8 weights upcast (fp8_matmul off)"
+    reason = fp8_matmul_support(device_type)
+    if reason is None or (choice is Fp8Matmul.ON and device_type == "cpu"):
+        return "fp8 matmul on the model's fp8 layers (their inputs rounded to fp8 too)"
+    return f"fp8 weights upcast: {reason}"
+
+
+def measured_line(speed: Speed, device_type: str) -> str:
+    """"measured on <device>: ..." from configs/speedups.json for this device, or "" where none is known."""
+    entry = _measured().get(device_name(device_type))
+    if entry is None:
+        return ""
+    parts = []
+    kernel = entry.get("attention", {}).get(speed.attention.value)
+    if kernel is not None and speed.attention is not AttentionKernel.AUTO:
+        parts.append(f"attention {speed.attention.value} x{kernel:.2f}")
+    if speed.compile.on and entry.get("compile") is not None:
+        parts.append(f"compiled blocks x{entry['compile']:.2f}")
+    if speed.fp8_matmul is not Fp8Matmul.OFF and entry.get("fp8_matmul") is not None:
+        parts.append(f"fp8 matmul x{entry['fp8_matmul']:.2f}")
+    if not parts:
+        return ""
+    return f"Measured on this {device_type} (step time against eager SDPA, {entry['source']}): {', '.join(parts)}"
+
+
+def device_name(device_type: str) -> str:
+    """The name bench/speed.py records a device's figures under: the GPU's, or the CPU's model name."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return cpu_name()
+
+
+def cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor()
+
+
+@lru_cache(maxsize=1)
+def _measured() -> dict[str, dict]:
+    if not MEASURED.is_file():
+        return {}
+    return {entry["device"]: entry for entry in json.loads(MEASURED.read_text(encoding="utf-8"))["devices"]}

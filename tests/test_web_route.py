@@ -304,3 +304,30 @@ def test_a_bad_step_cache_widget_is_named_with_its_node():
     with pytest.raises(PlanRequestError) as caught:
         parse_request(query(steps="0"), [TINY], ["fp32"])
     assert caught.value.name == "steps"
+
+
+def _wan_13b_speed_plan(**speed):
+    from vidmem.pipelines.configs import load_model
+
+    q = query(model="wan", dtype="bf16", width="832", height="480", frames="81", tile_size="256", overlap="32",
+              temporal_size="64", temporal_overlap="8", vram_budget_gb="80",
+              **{f"speed_{name}": value for name, value in speed.items()})
+    return plan_answer(parse_request(q, ["wan"], ["bf16"]), lambda n, d: load_model("wan2.1-t2v-1.3b", d),
+                       (80 * GiB, 64 * GiB), device="cpu")
+
+
+def test_the_plan_says_what_a_connected_speed_node_will_run_here_and_counts_a_kernel_that_holds_the_scores():
+    base = dict(attention="auto", compile="true", compile_mode="default", compile_dynamic="auto", fp8_matmul="auto")
+    plain = _wan_13b_speed_plan()
+    auto = _wan_13b_speed_plan(**base)
+    (line,) = auto["speed"]
+    assert line.startswith("speed: attention sdpa (auto); compiled blocks") and "fp8 weights upcast" in line, line
+    assert auto["rows"][-1]["peak_vram_bytes"] == plain["rows"][-1]["peak_vram_bytes"]
+    math_plan = _wan_13b_speed_plan(**dict(base, attention="math"))
+    assert math_plan["rows"][-1]["peak_vram_bytes"] > plain["rows"][-1]["peak_vram_bytes"]  # the score matrix
+    if not torch.cuda.is_available():
+        (refused,) = _wan_13b_speed_plan(**dict(base, attention="sage"))["speed"]
+        assert "refused: attention='sage' cannot run here" in refused
+    with pytest.raises(PlanRequestError) as caught:
+        parse_request(query(speed_attention="fastest", speed_compile="true"), [TINY], ["fp32"])
+    assert caught.value.name == "speed_attention" and "Speed node" in str(caught.value)

@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
-  cacheFields, cacheLine, speedLines, planBars, planLines, planQuery, planReasons, planVerdict, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
+  extraFields, cacheLine, speedLines, planBars, planLines, planQuery, planReasons, planVerdict, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
   parseStrategyText, receiptFrom, strategyLines, summarize, textFrom,
 } from "../../web/js/vidmem_format.js";
 
@@ -330,18 +330,21 @@ test("a Step Cache's work shows in the Sampler's receipt: blocks computed of all
   assert.match(compactLines("VidMemVideoSampler", { vidmem_receipt: [receipt] })[2], /cache 65\.0% of blocks computed/);
 });
 
-test("a Step Cache on the Sampler's cache input goes into the plan query, prefixed, with the Sampler's steps", () => {
+test("the Step Cache and Speed nodes on the Sampler's inputs go into the plan query, prefixed, with the Sampler's steps", () => {
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((n) => [n, 1]));
-  const cacheNode = { comfyClass: "VidMemStepCache" };
-  const values = { method: "mag_cache", threshold: 0.1, retention: 0.2, max_skip_steps: 4, mag_ratios: "auto" };
-  const extra = cacheFields(cacheNode, (name) => values[name]);
+  const values = { method: "mag_cache", threshold: 0.1, retention: 0.2, max_skip_steps: 4, mag_ratios: "auto",
+    attention: "flash", compile: true, compile_mode: "default", compile_dynamic: "auto", fp8_matmul: "auto" };
+  const extra = { ...extraFields("cache", { comfyClass: "VidMemStepCache" }, (name) => values[name]),
+    ...extraFields("speed", { comfyClass: "VidMemSpeed" }, (name) => values[name]) };
   const query = new URLSearchParams(planQuery({ model: "Wan", widgets, shape: { width: 832, height: 480, frames: 81, cfg: 5, steps: 40 }, extra }));
   assert.equal(query.get("steps"), "40");
   assert.equal(query.get("cache_method"), "mag_cache");
   assert.equal(query.get("cache_max_skip_steps"), "4");
+  assert.equal(query.get("speed_attention"), "flash");
+  assert.equal(query.get("speed_compile"), "true");
   assert.equal(query.get("method"), null);
-  assert.deepEqual(cacheFields({ comfyClass: "VidMemMemoryStrategy" }, () => 1), {});
-  assert.deepEqual(cacheFields(null, () => 1), {});
+  assert.deepEqual(extraFields("cache", { comfyClass: "VidMemSpeed" }, () => 1), {});
+  assert.deepEqual(extraFields("speed", null, () => 1), {});
   assert.deepEqual(speedLines({ status: "ok", speed: ["step cache: x"] }), ["step cache: x"]);
   assert.deepEqual(speedLines({ status: "error", speed: ["x"] }), []);
 });

@@ -7,7 +7,7 @@
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 import {
-  FREE_BODY, cacheFields, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STAGES, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines,
+  FREE_BODY, MEMORY_ROUTE, SAMPLER_EXTRAS, extraFields, NODE_TYPES, PLAN_ROUTE, STAGES, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines,
   ignoredStrategyWidgets, legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planReasons,
   planVerdict, slowdownText, speedLines, summarize, timeNote, timeShown,
 } from "./vidmem_format.js";
@@ -237,8 +237,10 @@ function planRequestFor(node) {
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((name) => [name, widgetValue(node, name)]));
   const shape = Object.fromEntries(["width", "height", "frames", "cfg", "steps"].map((name) => [name, widgetValue(sampler, name)]));
-  const cache = linkedNode(sampler, "cache");
-  const extra = cacheFields(cache, (name) => widgetValue(cache, name));
+  const extra = Object.assign({}, ...Object.keys(SAMPLER_EXTRAS).map((input) => {
+    const linked = linkedNode(sampler, input);
+    return extraFields(input, linked, (name) => widgetValue(linked, name));
+  }));
   return planQuery({ model: fields.model, dtype: fields.dtype, loader: fields, widgets, shape, extra, client: `${PAGE_ID}:${node.id}` });
 }
 

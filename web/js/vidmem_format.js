@@ -232,10 +232,11 @@ export const FILES_LOADER_WIDGETS = ["model", "model_2", "text_encoder", "vae", 
   "weight_dtype", "weights_on_disk"];
 
 export const LOADER_PREFIX = "loader_";
-// The Step Cache node on the Sampler's cache input: the plan says what it will skip (nodes/plan_route.py).
-export const CACHE_NODE = "VidMemStepCache";
-export const CACHE_WIDGETS = ["method", "threshold", "retention", "max_skip_steps", "mag_ratios"];
-export const CACHE_PREFIX = "cache_";
+// Nodes on the Sampler's cache and speed inputs: the plan says what they will do (nodes/plan_route.py).
+export const SAMPLER_EXTRAS = Object.freeze({
+  cache: { node: "VidMemStepCache", prefix: "cache_", widgets: ["method", "threshold", "retention", "max_skip_steps", "mag_ratios"] },
+  speed: { node: "VidMemSpeed", prefix: "speed_", widgets: ["attention", "compile", "compile_mode", "compile_dynamic", "fp8_matmul"] },
+});
 
 const typeOf = (node) => node?.comfyClass ?? node?.type;
 
@@ -251,11 +252,12 @@ export function pipelineLoader(start, upstream) {
   return null;
 }
 
-/** The plan query's fields for the node on the Sampler's cache input and `value(name)` of its
- * widgets: prefixed (the Strategy has no widgets of these names, but the route keeps them apart); {} for no Step Cache. */
-export function cacheFields(node, value) {
-  if (typeOf(node) !== CACHE_NODE) return {};
-  return Object.fromEntries(CACHE_WIDGETS.map((name) => [`${CACHE_PREFIX}${name}`, value(name)]));
+/** The plan query's fields for the node on the Sampler's `input` (cache or speed) and `value(name)` of
+ * its widgets: prefixed, so the route keeps them apart from the Strategy's; {} for any other node. */
+export function extraFields(input, node, value) {
+  const extra = SAMPLER_EXTRAS[input];
+  if (!extra || typeOf(node) !== extra.node) return {};
+  return Object.fromEntries(extra.widgets.map((name) => [`${extra.prefix}${name}`, value(name)]));
 }
 
 /** The plan query's loader fields from a loader node and `value(name)` of its widgets. */
@@ -362,7 +364,7 @@ export function planVerdict(plan) {
   return `${head}; peak ${gib(row.peak_vram_bytes)} of ${gib(vram)} GiB VRAM, ${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${time}`;
 }
 
-/** What makes the run faster than the rows say (a connected step cache's skips): lines under the verdict. */
+/** What makes the run faster than the rows say (the Speed node's choices, a step cache's skips): lines under the verdict. */
 export function speedLines(plan) {
   return plan?.status === "ok" ? plan.speed ?? [] : [];
 }
