@@ -221,7 +221,7 @@ class WarmStore:
                 "summary": self.describe()}
 
 
-_LIVE: "weakref.WeakSet[WarmStore]" = weakref.WeakSet()  # every store of a pipeline still loaded
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # every store of a pipeline still loaded (and ranks' stand-ins)
 
 
 def release_everywhere() -> int:
@@ -234,6 +234,26 @@ def release_everywhere() -> int:
         except WarmStoreBusy:
             pass  # deferred by the store itself
     return freed
+
+
+def release_up_to(nbytes: int) -> int:
+    """Live stores give back up to `nbytes` between them, each its streamed blocks first; returns
+    bytes dropped (a context-parallel rank answering its coordinator, memory/parallel/kept.py)."""
+    freed = 0
+    for store in list(_LIVE):
+        if freed >= nbytes:
+            break
+        try:
+            freed += store.release(nbytes - freed)
+        except WarmStoreBusy:
+            pass  # deferred by the store itself
+    return freed
+
+
+def track(store) -> None:
+    """`store` joins the live stores: anything with `held_bytes`, `release(nbytes)` and `release_all()`
+    (a rank's stand-in in the coordinator, memory/parallel/kept.py), held weakly like a WarmStore."""
+    _LIVE.add(store)
 
 
 def kept_everywhere() -> int:
