@@ -216,6 +216,7 @@ class StagingRing:
         self._slots: list[_StagingSlot] = []
         self._in_order: list[_StagingSlot] = []  # busy slots, oldest copy first
         self.staged_bytes = 0  # bytes copied through the slots, ever
+        self.refusals = 0  # passes copied synchronously because the driver refused to pin a first slot
 
     def __repr__(self) -> str:
         return f"StagingRing({len(self._slots)} slots, {self.pinned_bytes / GiB:.2f} GiB pinned)"
@@ -260,10 +261,16 @@ class StagingRing:
         Staged tensors are cut into chunks packed into this ring's slots: each chunk is copied on
         the CPU into a slot, then to its place in the device tensor asynchronously; a full slot
         is handed back with `mark()`, a token that finishes once the copies queued so far have,
-        and is filled again only after that (`_acquire`).
+        and is filled again only after that (`_acquire`). A ring that cannot pin its first slot
+        (the driver refused: WSL2's pinned limit, no free RAM) copies them synchronously instead,
+        and says so in the routes.
         """
         routes = [upload_route(host, non_blocking) for host in hosts]
-        chunks = _Chunks(self, mark, sum(_aligned(_nbytes(h)) for h, r in zip(hosts, routes) if r == STAGED))
+        staged = sum(_aligned(_nbytes(h)) for h, r in zip(hosts, routes) if r == STAGED)
+        if staged and not self._has_a_slot(min(staged, RESIDENT_CHUNK_BYTES)):
+            routes = [PAGEABLE if route == STAGED else route for route in routes]
+            staged = 0
+        chunks = _Chunks(self, mark, staged)
         try:
             tensors = [_upload_one(host, route, device, chunks) for host, route in zip(hosts, routes)]
         finally:  # even when a copy fails (out of memory): the slot in use waits for what it queued
@@ -274,6 +281,17 @@ class StagingRing:
         """`slot` may be reused once the copy behind `token` has finished."""
         slot.token = token
         self._in_order.append(slot)
+
+    def _has_a_slot(self, nbytes: int) -> bool:
+        """At least one slot, pinned now if need be; False when the driver refuses to pin it."""
+        if self._slots:
+            return True
+        try:
+            self._slots.append(_StagingSlot(self._pin(_power_of_two(nbytes))))
+        except RuntimeError:
+            self.refusals += 1
+            return False
+        return True
 
     def _acquire(self, nbytes: int) -> _StagingSlot:
         while True:

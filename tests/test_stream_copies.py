@@ -148,3 +148,25 @@ def test_the_check_catches_a_pageable_asynchronous_prefetch(loaded, monkeypatch)
     fake = FakeCuda().install(monkeypatch)
     sample(loaded, strategy_for("block_swap", loaded, 0.0), request_for(VARIANT), backend=Pageable(torch.device("cpu")))
     assert fake.pageable_async() and all(t.stream == "side" for t in fake.pageable_async())
+
+
+def test_when_the_driver_refuses_to_pin_copies_are_synchronous_and_counted_pageable(loaded, monkeypatch):
+    """WSL2's pinned limit, or no RAM left to lock: no slot can be pinned, so nothing is staged; the
+    run still works, every copy synchronous, and the receipts say so."""
+    strategy = strategy_for("block_swap", loaded, 1.0)
+    latents, _ = reference(loaded, strategy)
+    fake = FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+
+    def refuse(nbytes):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc, fake)")
+
+    monkeypatch.setattr(backend, "pin_arena", refuse)
+    backend.staging._pin = backend.uploads._pin = refuse
+    result = sample(loaded, strategy, request_for(VARIANT), backend=backend)
+    swap, warm = result.receipt["swap"], result.receipt["warm"]
+    assert torch.equal(result.latent["samples"], latents)
+    assert fake.transfers and not any(t.non_blocking for t in fake.transfers)
+    assert swap["pageable_bytes"] > 0 and swap["staged_bytes"] == swap["pinned_bytes"] == 0, swap
+    assert warm["upload_pageable_bytes"] == warm["uploaded_bytes"] > 0 and "pageable" in warm["summary"]
+    assert backend.staging.refusals > 0 and backend.staging.slots == 0 and loaded.host_pool.pinned_bytes == 0
