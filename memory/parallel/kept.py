@@ -58,7 +58,8 @@ class RankStores:
 
     def __init__(self, pool, devices: list[torch.device], label: str = "context-parallel rank") -> None:
         self.pool = pool
-        self.stores = [RankStore(f"{label} {rank} ({device})", device, rank, self) for rank, device in enumerate(devices)]
+        self.stores = [RankStore(f"{label} {rank} ({device})", device, rank, self)
+                       for rank, device in enumerate(devices)]
         self._lock = threading.RLock()  # held by the thread running a job; re-entered by its own requests
         self._deferred = [0] * len(devices)  # bytes asked for per rank during a run on another thread
 
