@@ -175,3 +175,18 @@ def test_comfyui_counts_a_ranks_memory_and_takes_it_back(monkeypatch):
     comfy.mm.unload_all_models()
     assert stores.stores[0].held_bytes == 0 and pool.jobs == [ReleaseJob((64 * KIB + 1, 0))]
     assert comfy.free_bytes() == comfy.total_bytes and not comfy.entries()
+
+
+def test_ranks_that_fail_while_giving_back_hold_nothing_and_nothing_raises_into_the_host():
+    from vidmem.memory.parallel import RankError
+
+    class FailingPool(ScriptedPool):
+        def run(self, job, *args):
+            self.alive = False  # a pool closes itself when a rank fails
+            raise RankError(1, "the process died with exit code 9")
+
+    pool = FailingPool([5 * KIB, 7 * KIB])
+    stores = RankStores(pool, [torch.device("cpu")] * 2)
+    stores.update(pool.kept)
+    assert stores.stores[1].release_all() == 7 * KIB  # the rank's memory went with it
+    assert [s.held_bytes for s in stores.stores] == [0, 0]

@@ -18,6 +18,7 @@ when the run ends. A request never starts ranks that are down.
 
 from __future__ import annotations
 
+import logging
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ import torch.distributed as dist
 
 from ..units import GiB
 from ..warm import WarmStoreBusy, kept_everywhere, release_up_to, track
+from .pool import RankError
+
+log = logging.getLogger("vidmem")
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,13 @@ class RankStores:
         if not self.pool.alive:  # the ranks are down: their memory went with them; never start them for this
             self.update(None)
             return
-        self.update(self.pool.run(ReleaseJob(tuple(nbytes))))
+        try:
+            self.update(self.pool.run(ReleaseJob(tuple(nbytes))))
+        except RankError as failure:
+            # The pool closed itself: the ranks, and all they kept, are gone. Never raise into the
+            # host's memory manager for that (nodes/host.py gives back, it does not fail).
+            log.warning("vidmem: the ranks stopped while giving memory back (%s); they hold nothing now", failure)
+            self.update(None)
 
 
 @dataclass(eq=False)  # compared by identity: held in the set of live stores
