@@ -14,6 +14,9 @@ rank in lockstep, so each rank releases its own share from its stores (streamed 
 store does) and they gather what each still keeps. While a run is in flight the pool is taken: a
 request from another thread is refused with WarmStoreBusy, as a store's is mid-call, and applied
 when the run ends. A request never starts ranks that are down.
+
+(While `ParallelSampleJob` ends each job with `memory.cleanup.free_memory`, which drops every live
+store, the ranks report 0 kept: see docs/warm-runs.md, "Context-parallel ranks keep their own".)
 """
 
 from __future__ import annotations

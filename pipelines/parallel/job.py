@@ -51,7 +51,8 @@ class ParallelSampleJob:
         peaks, kept = [None] * context.world_size, [0] * context.world_size
         dist.all_gather_object(peaks, rank_peak(result.receipt))
         # what each rank's warm store keeps on its GPU until the next run: the coordinator's
-        # stand-ins report it to the host (memory/parallel/kept.py)
+        # stand-ins report it to the host (memory/parallel/kept.py). 0 while free_memory above
+        # drops the rank's stores (it releases every live store since warm runs).
         dist.all_gather_object(kept, kept_everywhere())
         if context.rank != 0:
             return None
