@@ -16,7 +16,7 @@ request from another thread is refused with WarmStoreBusy, as a store's is mid-c
 when the run ends. A request never starts ranks that are down.
 
 (While `ParallelSampleJob` ends each job with `memory.cleanup.free_memory`, which drops every live
-store, the ranks report 0 kept: see docs/warm-runs.md, "Context-parallel ranks keep their own".)
+store, the ranks report 0 kept: see docs/warm-runs.md, "Context-parallel ranks' warm stores".)
 """
 
 from __future__ import annotations
