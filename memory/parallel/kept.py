@@ -1,7 +1,7 @@
 """Context-parallel ranks' warm stores, as the coordinator's memory manager sees them.
 
-Each rank keeps its own WarmStore through `sample()`: its weights stay on its GPU between runs, as
-a one-GPU run's do. That memory lives in another process, so ComfyUI could neither count it nor
+Each rank's `sample()` has its own WarmStore, which can keep weights on the rank's GPU between runs
+as a one-GPU run's does. That memory lives in another process, so ComfyUI could neither count it nor
 take it back, and Free VRAM (memory/warm.py `release_everywhere`) reached only the coordinator's
 own stores. Now the coordinator holds one stand-in per rank (`RankStore`): it joins the live
 stores, so `kept_everywhere` counts it and `release_everywhere` reaches it, and the host registers
