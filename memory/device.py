@@ -103,7 +103,7 @@ class CopyToken:
     done: Any  # event on the stream that copied
     started: Any  # timing event, or None when untimed
     on_side_stream: bool
-    routes: Any = None  # a whole component's copy: bytes pinned, staged and pageable (warm.UploadRoutes)
+    routes: Any = None  # bytes that went pinned, staged and pageable (warm.UploadRoutes)
 
 
 class CudaBackend:
@@ -126,37 +126,41 @@ class CudaBackend:
         self.device = device
         self._side = torch.cuda.Stream(device=device)
         finished, wait = (lambda token: token.done.query()), (lambda token: token.done.synchronize())
+        # streamed groups' chunks (side stream); whole components' chunks in a ring of their own, so
+        # a component's upload never waits for slots a prefetch holds, nor the other way round
         self.staging = StagingRing(self.pin_arena, finished, wait)
-        # whole components' chunks: a ring of their own, so the streamed ring keeps its prefetch + 2 bound
         self.uploads = StagingRing(self.pin_arena, finished, wait, max_slots=RESIDENT_SLOTS)
 
     def pin_arena(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def copy_group(self, hosts, non_blocking, side_stream, timed):
-        """Streamed groups' file-backed tensors go through a pinned staging slot (the disk tier);
-        whole components go through pinned memory chunk by chunk (`StagingRing.upload`)."""
+        """Every copy goes by its `upload_route` (memory/hostpool.py): pinned sources straight,
+        plain ones chunk by chunk through a pinned staging ring, the rest synchronously; so no
+        pageable tensor is ever copied with non_blocking=True. Streamed groups copy on the side
+        stream through `staging`, whole components on the compute stream through `uploads`.
+
+        The ring hands back each full slot with a marker event recorded after the copies that
+        read it; the last marker follows every copy of the group, so it is the group's own event
+        (compute waits on it); a group with nothing staged records one of its own.
+        """
         stream = self._side if side_stream else torch.cuda.current_stream(self.device)
+        ring = self.staging if side_stream else self.uploads
         started = torch.cuda.Event(enable_timing=True) if timed else None
-        done = torch.cuda.Event(enable_timing=timed)
-        if not side_stream:
-            with torch.cuda.stream(stream):
-                if started is not None:
-                    started.record(stream)
-                tensors, routes = self.uploads.upload(hosts, self.device, non_blocking,
-                                                      lambda: CopyToken(self.compute_done(), None, False))
-                done.record(stream)
-            return tensors, CopyToken(done, started, False, routes)
-        sources, slot = self.staging.sources(hosts) if side_stream and non_blocking else (hosts, None)
+        marks: list[CopyToken] = []
+
+        def mark() -> CopyToken:
+            done = torch.cuda.Event(enable_timing=timed)
+            done.record(stream)
+            marks.append(CopyToken(done, started, side_stream))
+            return marks[-1]
+
         with torch.cuda.stream(stream):
             if started is not None:
                 started.record(stream)
-            tensors = [source.to(self.device, non_blocking=non_blocking) for source in sources]
-            done.record(stream)
-        token = CopyToken(done, started, side_stream)
-        if slot is not None:
-            self.staging.release_after(slot, token)
-        return tensors, token
+            tensors, routes = ring.upload(hosts, self.device, non_blocking, mark)
+            last = marks[-1] if marks else mark()
+        return tensors, CopyToken(last.done, started, side_stream, routes)
 
     def evicted(self, host: torch.Tensor) -> torch.Tensor:
         return host

@@ -4,7 +4,7 @@ A host-to-device copy is only truly asynchronous from pinned memory. The first t
 tensor is seen, the pool copies it once into a pinned arena and makes that copy the tensor's
 home (the pageable original is released, so RAM is not doubled). Later runs find it already
 pinned and allocate nothing: the pool never grows run over run. Past the ceiling, or if the
-driver refuses to pin, tensors stay pageable and still work, only with synchronous copies.
+driver refuses to pin, tensors stay pageable and are staged at each copy (below).
 
 Arenas are ARENA_BYTES each, a power of two, because torch's pinned allocator rounds every
 request up to one: pinning each 670 MiB Wan 14B block separately would lock 1 GiB apiece. The
@@ -12,24 +12,38 @@ ceiling counts arena bytes, i.e. what is really locked. The pool belongs to one 
 (both experts of Wan 2.2 A14B share it) and lives as long as that pipeline.
 
 File-backed tensors (memory-mapped weight files, the disk tier) get no pinned home: that would
-copy the whole model into locked RAM, the very thing the disk tier avoids. Their bytes stay in
-the page cache, and each streamed copy goes file -> a reusable pinned staging slot -> device
-(`StagingRing`, used by the CUDA backend), so anonymous RAM for streaming stays bounded by a few
-slots of the largest group.
+copy the whole model into locked RAM, the very thing the disk tier avoids. They stay in the page
+cache and are staged at each copy (below).
 
-Resident weights (tiers none and model, the core of block swap) are not given pinned homes: they
-pass through a ring of their own, chunk by chunk (`StagingRing.upload`): the CPU copies a chunk
-from pageable memory (or the file mapping) into a free pinned slot and the device copy reads it
-asynchronously while the CPU fills the next slot, so no pageable tensor is ever copied with
-non_blocking=True. Why stage rather than pin them once: a resident weight is copied once per cold
+Every copy, streamed or resident, goes by `upload_route`: a pinned source is copied straight and
+asynchronously; a plain contiguous one (pageable: over the ceiling, larger than an arena, refused by
+the driver, or a resident weight; or memory-mapped) passes chunk by chunk through a `StagingRing`:
+the CPU copies a chunk into a free pinned slot and the device copy reads it asynchronously while
+the CPU fills the next slot, the slot filled again only once its copy's event has completed;
+anything else (wrapper subclasses, or `non_blocking` turned off) is copied synchronously. So no
+pageable tensor is ever copied with non_blocking=True: torch would take the flag, and the driver
+would copy through a bounce buffer of its own while the CPU waits, an "asynchronous" copy that is not.
+Streamed groups stage on the side stream through the CUDA backend's `staging` ring, whole
+components on the compute stream through its `uploads` ring; each ring holds a few slots of at most
+RESIDENT_CHUNK_BYTES, whatever the model's size, and pins nothing new run after run.
+
+Why stage a streamed block rather than copy it synchronously: both cost the CPU a pass over the
+bytes (the driver's bounce buffer is a memcpy too), but a synchronous copy holds the CPU until the
+last byte has crossed (after every copy queued before it on the side stream), so the CPU cannot
+queue the next kernels meanwhile and the GPU runs dry once it has worked through what was queued.
+Staged, the CPU's memcpy of one chunk overlaps the transfer of the one before, the CPU is free as
+soon as the last chunk is queued, and compute waits only on the group's event: the copy costs about
+the slower of host memcpy and PCIe and hides behind compute as a copy from a pinned home does. A
+pinned home is faster still (no memcpy at all): streamed blocks keep first claim on the ceiling.
+
+Why stage resident weights rather than pin them once: a resident weight is copied once per cold
 call and the warm store (memory/warm.py) keeps its device copy afterwards, so a pinned home would
 lock its bytes for the pipeline's life to speed up a copy that rarely recurs, and the first copy
-into a home costs the same CPU pass as staging. The pinned ceiling is worth more to streamed blocks,
-copied every step; staging holds RESIDENT_SLOTS x RESIDENT_CHUNK_BYTES at most, whatever the model
-size, and leaves file-backed weights in their mapping. A resident tensor already pinned (a home
-from an earlier block swap) is copied straight from it.
+into a home costs the same CPU pass as staging. A resident tensor already pinned (a home from an
+earlier block swap) is copied straight from it.
 
-A home or staging copy sits at the same address modulo LINE as the tensor it copies. Code that
+A home, or a whole-group staging copy (`sources`), sits at the same address modulo LINE as the
+tensor it copies (chunks are only a way through: their device copy is a fresh tensor). Code that
 computes on the host copy (a CPU run after a streamed one, the tests' stand-in devices) then
 rounds as it did on the original: MKL's default mode picks its matrix-vector kernel by where the
 operands lie, so the same bytes at another alignment can give other last bits
@@ -152,12 +166,14 @@ class HostPool:
         return any(a.data_ptr() <= pointer < a.data_ptr() + a.numel() for a in self._arenas)
 
 
-MAX_STAGING_SLOTS = 8  # a safety net: the schedule's own bound (prefetch + 2) is normally lower
-# Resident uploads: chunks large enough that per-chunk overhead (an event, a query) is noise next to
-# the copy (16 MiB is ~1 ms over PCIe 4), few enough slots that the CPU filling one overlaps the
-# device reading the others.
+# Staged copies (streamed and resident): chunks large enough that per-chunk overhead (an event, a
+# query) is noise next to the copy (16 MiB is ~1 ms over PCIe 4), few enough slots that the CPU
+# filling one overlaps the device reading the others.
 RESIDENT_CHUNK_BYTES = 16 * MiB
 RESIDENT_SLOTS = 4
+# The streamed ring: a prefetch of several groups queues their chunks back to back on the side
+# stream, so it may hold more slots in flight; 8 x 16 MiB = 128 MiB pinned at most.
+MAX_STAGING_SLOTS = 8
 
 # How a resident tensor reaches the device (`upload_route`).
 PINNED, STAGED, PAGEABLE = "pinned", "staged", "pageable"
@@ -182,15 +198,15 @@ class _StagingSlot:
 
 
 class StagingRing:
-    """Pinned staging slots for streamed copies of file-backed tensors: file -> slot -> device.
+    """Pinned staging slots: host bytes (pageable or memory-mapped) -> slot -> device, by chunks.
 
-    The CPU copies a group's file-backed tensors into one slot (reading the page cache, or the
-    disk on a miss) and the device copy then reads the slot asynchronously. A slot is reused only
-    once the copy that reads it has finished (`finished(token)`, else `wait(token)` blocks the
-    host), so a new slot is made only while every existing one is in flight: the schedule keeps
-    at most prefetch + 1 copies in flight, hence at most prefetch + 2 slots, each rounded up to a
-    power of two (as torch's pinned allocator rounds anyway) of the largest group staged.
-    Slots live as long as the backend, so later runs pin nothing new.
+    `upload` copies chunk after chunk into free slots on the CPU and queues each slot's device copy
+    at once. A slot is reused only once the copy that reads it has finished (`finished(token)`,
+    else `wait(token)` blocks the host on the oldest), so a new slot is made only while every
+    existing one is in flight, and never more than `max_slots`, each rounded up to a power of two
+    (as torch's pinned allocator rounds anyway) of at most RESIDENT_CHUNK_BYTES. `sources` is the
+    whole-group form for a backend that copies each group in one piece (file-backed tensors packed
+    into one slot). Slots live as long as the backend, so later runs pin nothing new.
     """
 
     def __init__(self, pin: Callable[[int], torch.Tensor], finished: Callable[[Any], bool],
@@ -200,6 +216,7 @@ class StagingRing:
         self._slots: list[_StagingSlot] = []
         self._in_order: list[_StagingSlot] = []  # busy slots, oldest copy first
         self.staged_bytes = 0  # bytes copied through the slots, ever
+        self.refusals = 0  # passes copied synchronously because the driver refused to pin a first slot
 
     def __repr__(self) -> str:
         return f"StagingRing({len(self._slots)} slots, {self.pinned_bytes / GiB:.2f} GiB pinned)"
@@ -238,16 +255,22 @@ class StagingRing:
 
     def upload(self, hosts: list[torch.Tensor], device: torch.device, non_blocking: bool,
                mark: Callable[[], Any]) -> tuple[list[torch.Tensor], UploadRoutes]:
-        """Copy a whole component's `hosts` to `device` on the current stream, each by its
-        `upload_route`; returns the device tensors and the bytes that took each route.
+        """Copy `hosts` (a whole component, or a streamed group) to `device` on the current stream,
+        each by its `upload_route`; returns the device tensors and the bytes that took each route.
 
         Staged tensors are cut into chunks packed into this ring's slots: each chunk is copied on
         the CPU into a slot, then to its place in the device tensor asynchronously; a full slot
         is handed back with `mark()`, a token that finishes once the copies queued so far have,
-        and is filled again only after that (`_acquire`).
+        and is filled again only after that (`_acquire`). A ring that cannot pin its first slot
+        (the driver refused: WSL2's pinned limit, no free RAM) copies them synchronously instead,
+        and says so in the routes.
         """
         routes = [upload_route(host, non_blocking) for host in hosts]
-        chunks = _Chunks(self, mark, _route_bytes(hosts, routes, STAGED))
+        staged = sum(_aligned(_nbytes(h)) for h, r in zip(hosts, routes) if r == STAGED)
+        if staged and not self._has_a_slot(min(staged, RESIDENT_CHUNK_BYTES)):
+            routes = [PAGEABLE if route == STAGED else route for route in routes]
+            staged = 0
+        chunks = _Chunks(self, mark, staged)
         try:
             tensors = [_upload_one(host, route, device, chunks) for host, route in zip(hosts, routes)]
         finally:  # even when a copy fails (out of memory): the slot in use waits for what it queued
@@ -258,6 +281,17 @@ class StagingRing:
         """`slot` may be reused once the copy behind `token` has finished."""
         slot.token = token
         self._in_order.append(slot)
+
+    def _has_a_slot(self, nbytes: int) -> bool:
+        """At least one slot, pinned now if need be; False when the driver refuses to pin it."""
+        if self._slots:
+            return True
+        try:
+            self._slots.append(_StagingSlot(self._pin(_power_of_two(nbytes))))
+        except RuntimeError:
+            self.refusals += 1
+            return False
+        return True
 
     def _acquire(self, nbytes: int) -> _StagingSlot:
         while True:
@@ -302,7 +336,8 @@ def _upload_one(host: torch.Tensor, route: str, device: torch.device, chunks: "_
 class _Chunks:
     """One pass of bytes through a ring's slots: a slot is filled on the CPU piece by piece, each
     piece copied out asynchronously at once; a full slot goes back to the ring with the token of
-    its last copy, and the next piece takes a free slot."""
+    its last copy, and the next piece takes a free slot. `total` counts each tensor's bytes
+    rounded up to ALIGN, as they are packed, so a group smaller than a chunk takes one slot."""
 
     def __init__(self, ring: StagingRing, mark: Callable[[], Any], total: int) -> None:
         self._ring, self._mark, self._left = ring, mark, total
@@ -313,12 +348,13 @@ class _Chunks:
         """Copy the bytes of `source` (uint8, host) into `target` (uint8, device)."""
         offset = 0
         while offset < source.numel():
-            space = self._space()
+            space = self._space(source.numel() - offset)
             take = min(source.numel() - offset, space.numel())
             space[:take].copy_(source[offset : offset + take])
             target[offset : offset + take].copy_(space[:take], non_blocking=True)  # from pinned memory
-            self._used = -(-(self._used + take) // ALIGN) * ALIGN
-            self._left -= take
+            packed = _aligned(self._used + take)
+            self._left -= packed - self._used
+            self._used = packed
             self._ring.staged_bytes += take
             offset += take
 
@@ -327,16 +363,20 @@ class _Chunks:
             self._ring.release_after(self._slot, self._mark())
             self._slot = None
 
-    def _space(self) -> torch.Tensor:
+    def _space(self, needed: int) -> torch.Tensor:
         if self._slot is not None and self._used < self._slot.buffer.numel():
             return self._slot.buffer[self._used :]
         self.flush()
-        self._slot, self._used = self._ring._acquire(min(self._left, RESIDENT_CHUNK_BYTES)), 0
+        self._slot, self._used = self._ring._acquire(min(max(self._left, needed), RESIDENT_CHUNK_BYTES)), 0
         return self._slot.buffer
 
 
 def _route_bytes(hosts: list[torch.Tensor], routes: list[str], route: str) -> int:
     return sum(_nbytes(host) for host, taken in zip(hosts, routes) if taken == route)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

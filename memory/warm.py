@@ -53,11 +53,11 @@ class _Kept:
 
 @dataclass(frozen=True)
 class UploadRoutes:
-    """How resident bytes reached the device (memory/hostpool.py, `StagingRing.upload`)."""
+    """How bytes reached the device (memory/hostpool.py, `upload_route` and `StagingRing.upload`)."""
 
     pinned: int = 0  # from page-locked host copies, straight and asynchronously
     staged: int = 0  # through the pinned staging ring, chunk by chunk
-    pageable: int = 0  # synchronous copies from pageable memory (wrapper subclasses, non_blocking off, no pinning)
+    pageable: int = 0  # synchronous copies (wrapper subclasses, non-contiguous, non_blocking off, no pinning)
 
     def __add__(self, other: "UploadRoutes") -> "UploadRoutes":
         return UploadRoutes(self.pinned + other.pinned, self.staged + other.staged, self.pageable + other.pageable)
@@ -71,13 +71,14 @@ class UploadRoutes:
 @dataclass
 class CallTally:
     """What one call moved: resident weights copied to the device (and how: `routes`), streamed
-    blocks copied (block swap and sequential stream every step by design), and bytes found already
-    on the device."""
+    blocks copied (block swap and sequential stream every step by design; how: `streamed_routes`),
+    and bytes found already on the device."""
 
     uploaded_bytes: int = 0
     streamed_bytes: int = 0
     reused_bytes: int = 0
     routes: UploadRoutes = field(default_factory=UploadRoutes)
+    streamed_routes: UploadRoutes = field(default_factory=UploadRoutes)
 
 
 @dataclass(eq=False)  # compared by identity: held in the set of live stores
@@ -136,13 +137,15 @@ class WarmStore:
         return all(storage_key(host) in self._kept for host in hosts)
 
     def count(self, copied: int, reused: int, streamed: bool, routes: UploadRoutes | None = None) -> None:
-        """`routes`: how the `copied` resident bytes travelled, as the backend reported it; a backend
-        that reports nothing copied them synchronously from where they live (pageable)."""
+        """`routes`: how the `copied` bytes travelled, as the backend reported it; a backend that
+        reports nothing copied them synchronously from where they live (pageable)."""
+        routes = routes if routes is not None else UploadRoutes(pageable=copied)
         if streamed:
             self.tally.streamed_bytes += copied
+            self.tally.streamed_routes += routes
         else:
             self.tally.uploaded_bytes += copied
-            self.tally.routes += routes if routes is not None else UploadRoutes(pageable=copied)
+            self.tally.routes += routes
         self.tally.reused_bytes += reused
 
     def keep(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
@@ -200,7 +203,8 @@ class WarmStore:
 
     def describe(self) -> str:
         tally = self.tally
-        streamed = f", {human_bytes(tally.streamed_bytes)} streamed" if tally.streamed_bytes else ""
+        streamed = (f", {human_bytes(tally.streamed_bytes)} streamed{tally.streamed_routes.describe()}"
+                    if tally.streamed_bytes else "")
         return (f"warm: {human_bytes(tally.uploaded_bytes)} uploaded{tally.routes.describe()}, "
                 f"{human_bytes(tally.reused_bytes)} reused"
                 f"{streamed}, {human_bytes(self.held_bytes)} kept")
@@ -211,10 +215,13 @@ class WarmStore:
                 "reused_bytes": tally.reused_bytes, "kept_bytes": self.held_bytes, "kept_tensors": self.tensors,
                 "upload_pinned_bytes": tally.routes.pinned, "upload_staged_bytes": tally.routes.staged,
                 "upload_pageable_bytes": tally.routes.pageable,
+                "stream_pinned_bytes": tally.streamed_routes.pinned,
+                "stream_staged_bytes": tally.streamed_routes.staged,
+                "stream_pageable_bytes": tally.streamed_routes.pageable,
                 "summary": self.describe()}
 
 
-_LIVE: "weakref.WeakSet[WarmStore]" = weakref.WeakSet()  # every store of a pipeline still loaded
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # every store of a pipeline still loaded (and ranks' stand-ins)
 
 
 def release_everywhere() -> int:
@@ -227,6 +234,26 @@ def release_everywhere() -> int:
         except WarmStoreBusy:
             pass  # deferred by the store itself
     return freed
+
+
+def release_up_to(nbytes: int) -> int:
+    """Live stores give back up to `nbytes` between them, each its streamed blocks first; returns
+    bytes dropped (a context-parallel rank answering its coordinator, memory/parallel/kept.py)."""
+    freed = 0
+    for store in list(_LIVE):
+        if freed >= nbytes:
+            break
+        try:
+            freed += store.release(nbytes - freed)
+        except WarmStoreBusy:
+            pass  # deferred by the store itself
+    return freed
+
+
+def track(store) -> None:
+    """`store` joins the live stores: anything with `held_bytes`, `release(nbytes)` and `release_all()`
+    (a rank's stand-in in the coordinator, memory/parallel/kept.py), held weakly like a WarmStore."""
+    _LIVE.add(store)
 
 
 def kept_everywhere() -> int:

@@ -29,6 +29,7 @@ def format_receipt(title: str, receipt: dict) -> str:
         lines.append(
             f"swap cost: {swap['swap_cost']:.1%} of step time ({human_bytes(swap['bytes_moved'])} moved, "
             f"copies {swap['copy_s']:.2f} s, waited {swap['wait_s']:.2f} s, {swap['groups']} streamed groups)"
+            + swap_routes(swap)
         )
     if "warm" in receipt:  # weights a previous call left on the device (docs/warm-runs.md)
         lines.append(receipt["warm"]["summary"])
@@ -46,6 +47,13 @@ def format_receipt(title: str, receipt: dict) -> str:
     if "note" in receipt:  # Memory Strategy values this tier ignores (nodes/strategy.py strategy_notes)
         lines.append("note: " + receipt["note"])
     return "\n".join(lines)
+
+
+def swap_routes(swap: dict) -> str:
+    """How streamed bytes crossed (memory/hostpool.py upload_route): pageable ones synchronously."""
+    parts = [f"{human_bytes(swap[f'{route}_bytes'])} {route}" for route in ("pinned", "staged", "pageable")
+             if swap.get(f"{route}_bytes")]
+    return f"; streamed {', '.join(parts)}" if parts else ""
 
 
 def cache_line(cache: dict) -> str:

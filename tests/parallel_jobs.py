@@ -81,3 +81,23 @@ class CountTokens:
         every = [None] * context.world_size
         dist.all_gather_object(every, sorted(seen))
         return every
+
+
+@dataclass(frozen=True)
+class KeepBytes:
+    """Each rank keeps `per_rank[rank]` bytes in a warm store of its own (in the rank's state, as a
+    rank's pipeline keeps its stores), as device copies a sampling run leaves behind; returns
+    what every rank keeps (the collective the coordinator's stand-ins read)."""
+
+    per_rank: tuple[int, ...]
+
+    def run(self, context):
+        from vidmem.memory.parallel.kept import gather_kept
+        from vidmem.memory.warm import STREAMED, WarmStore
+
+        store = context.state.setdefault("store", WarmStore(f"rank {context.rank}"))
+        hosts = context.state.setdefault("hosts", [])  # held: a kept copy's key is its host's address
+        for _ in range(self.per_rank[context.rank] // 1024):
+            hosts.append(torch.zeros(256))
+            store.keep([(hosts[-1], torch.zeros(256))], STREAMED)
+        return gather_kept(context)

@@ -65,7 +65,8 @@ def test_ranks_share_the_automatic_pinned_ceiling(tiny_loaded, monkeypatch):
     from vidmem.pipelines.parallel import Ranks, run
 
     sent, rooms = [], []
-    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), run=lambda job, *args: sent.append(job) or rank_zero_result())
+    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), alive=False,
+                           run=lambda job, *args: sent.append(job) or rank_zero_result())
     monkeypatch.setattr(run, "pinned_cap_bytes", lambda gb, room: rooms.append(room) or 10 * GiB)
     hooks = RunHooks(pinned_room=lambda: 6 * GiB)
     request = SampleRequest("a cat", "", 32, 32, 9, 1, 1.0, seed=0)
@@ -87,8 +88,9 @@ def test_the_coordinator_makes_room_on_every_rank_s_gpu_before_the_run(tiny_load
 
     monkeypatch.setattr(ranks_module.dist, "is_nccl_available", lambda: True)
     asked, order = [], []
-    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), run=lambda job, *args: order.append("run") or rank_zero_result())
-    hooks = RunHooks(make_room=lambda nbytes, device: asked.append((device, nbytes)) or order.append("room"))
+    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), alive=False,
+                           run=lambda job, *args: order.append("run") or rank_zero_result())
+    hooks = RunHooks(make_room=lambda nbytes, device, **registration: asked.append((device, nbytes)) or order.append("room"))
     strategy = MemoryStrategy(offload="none", parallel=Parallelism(gpus=(1, 3), context_parallel="ulysses"))
     request = SampleRequest("a cat", "", 32, 32, 9, 1, 5.0, seed=0)
     ranks = Ranks(gpus=(1, 3))

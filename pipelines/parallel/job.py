@@ -5,7 +5,8 @@ in the rank's state from run to run), with diffusers' context parallelism enable
 denoisers, and runs vidmem's ordinary `sample()`: the same strategy tiers, the same loop, the
 same noise (made on the CPU from the seed, so every rank starts from identical latents). The
 CP hooks split the tokens after patch embedding and gather them before the output projection,
-so every rank ends with the whole latent; rank 0's is returned.
+so every rank ends with the whole latent; rank 0's is returned, with what every rank's warm store
+keeps on its GPU until the next run (`per_rank_kept_bytes`, for the coordinator's stand-ins).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from ...memory.cleanup import free_memory
 from ...memory.parallel import RankContext
 from ...memory.strategy import MemoryStrategy, Parallelism
+from ...memory.warm import kept_everywhere
 from ..hooks import RunHooks
 from ..sample import SampleRequest, SampleResult, sample
 from .checks import check_context_parallel
@@ -46,14 +48,19 @@ class ParallelSampleJob:
             # An idle rank holds no allocator cache: rank 0 shares its GPU with the coordinator's
             # decode, which the per-GPU plan gives everything but the rank's context and NCCL buffers.
             free_memory(context.device)
-        peaks = [None] * context.world_size
+        peaks, kept = [None] * context.world_size, [0] * context.world_size
         dist.all_gather_object(peaks, rank_peak(result.receipt))
+        # what each rank's warm store keeps on its GPU until the next run: the coordinator's
+        # stand-ins report it to the host (memory/parallel/kept.py). 0 while free_memory above
+        # drops the rank's stores (it releases every live store since warm runs).
+        dist.all_gather_object(kept, kept_everywhere())
         if context.rank != 0:
             return None
         parallel = self.strategy.parallel
         result.receipt.update(strategy=self.strategy.describe(), parallel={
             "ranks": context.world_size, "mode": parallel.context_parallel.value, "degree": context.world_size,
-            "backend": dist.get_backend(), "per_rank_peak_bytes": peaks})
+            "backend": dist.get_backend(), "per_rank_peak_bytes": peaks,
+            "per_rank_kept_bytes": kept})
         return result
 
     def _pipeline(self, context: RankContext):

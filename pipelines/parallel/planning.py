@@ -8,7 +8,7 @@ explicit strategy gets `plan_parallel` as advice.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,18 +52,28 @@ def plan_explicit(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStr
                          vram_budget_bytes, ram_budget_bytes)
 
 
-def rank_rooms(loaded: LoadedPipeline, strategy: MemoryStrategy, request,
-               ranks: Ranks) -> list[tuple[torch.device, int]]:
-    """What each rank's GPU must have free before the ranks load (for the host's make_room, which
-    inside ComfyUI unloads its own models): the per-GPU plan's peak, or when the planner cannot
-    model this pipeline, the whole pipeline's weights (every rank opens all of them)."""
+@dataclass(frozen=True)
+class RankRoom:
+    """What one rank's GPU must have free before the ranks load: `total_bytes` (weights and
+    activations), of which `weight_bytes` are the weights its warm store may keep."""
+
+    device: torch.device
+    total_bytes: int
+    weight_bytes: int
+
+
+def rank_rooms(loaded: LoadedPipeline, strategy: MemoryStrategy, request, ranks: Ranks) -> list[RankRoom]:
+    """Each rank GPU's room (for the host's make_room, which inside ComfyUI unloads its own models):
+    the per-GPU plan's peak and weights, or when the planner cannot model this pipeline, the whole
+    pipeline's weights (every rank opens all of them)."""
     guided = request.cfg > 1 or (request.cfg_2 or 0) > 1
     shape = VideoShape(request.width, request.height, request.frames, cfg=guided)
     try:
-        peaks = [g.peak_bytes for g in plan_explicit(loaded, shape, strategy, ranks, None, None).gpus]
+        rooms = [(g.peak_bytes, g.weights_bytes) for g in plan_explicit(loaded, shape, strategy, ranks, None, None).gpus]
     except ValueError:
-        peaks = [sum(component_bytes(loaded.pipe).values())] * ranks.degree
-    return [(torch.device("cuda", gpu), peak) for gpu, peak in zip(ranks.gpus, peaks)]
+        whole = sum(component_bytes(loaded.pipe).values())
+        rooms = [(whole, whole)] * ranks.degree
+    return [RankRoom(torch.device("cuda", gpu), peak, weights) for gpu, (peak, weights) in zip(ranks.gpus, rooms)]
 
 
 def nothing_fits(plans: list[ParallelPlan], layout: MultiGpu, vram: int, ram: int) -> str:

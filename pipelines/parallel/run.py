@@ -3,7 +3,9 @@
 Everything that can be refused is refused here, before a rank starts: the family (CogVideoX),
 ring on the CPU, heads or tokens that do not divide by the degree, a pipeline the ranks could
 not reopen. The pool of ranks hangs off the pipeline it serves (`pipe.vidmem_worker_pool`), so
-it is reused run over run and goes away with the pipeline: its finalizer stops the ranks.
+it is reused run over run and goes away with the pipeline: its finalizer stops the ranks. Beside
+it hang the stand-ins of the ranks' warm stores (`pipe.vidmem_rank_stores`, memory/parallel/kept.py):
+each run registers one per rank GPU with the host and records what the ranks keep afterwards.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import weakref
 from dataclasses import replace
 
+import torch
+
 from ...memory.hostpool import pinned_cap_bytes
-from ...memory.parallel import WorkerPool
+from ...memory.parallel import RankStores, WorkerPool
 from ...memory.strategy import MemoryStrategy
 from ...memory.units import GiB
 from ..family import ModelError
@@ -27,6 +31,7 @@ from .ranks import Ranks
 from .source import PipelineSource
 
 POOL_ATTRIBUTE = "vidmem_worker_pool"
+STORES_ATTRIBUTE = "vidmem_rank_stores"  # the stand-ins of the ranks' warm stores (memory/parallel/kept.py)
 # The diffusers pipelines holding a pool, so Free VRAM can stop every one of them without being
 # wired to the pipeline (templates feed it the decoded frames). Weak: a dropped pipeline's pool
 # is closed by its own finalizer.
@@ -54,10 +59,13 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     pool = pool if pool is not None else pool_for(loaded, ranks)
     if pool.config.world_size != ranks.degree:
         raise ModelError(f"the pool has {pool.config.world_size} ranks but the run asks for {ranks.degree}.")
-    if ranks.gpus:  # inside ComfyUI its own models may hold the ranks' GPUs (GPU 0 above all)
-        for device, nbytes in rank_rooms(loaded, strategy, request, ranks):
-            hooks.make_room(nbytes, device)
-    result = pool.run(job, hooks.on_step, hooks.check_interrupt)
+    kept = rank_stores_for(loaded, pool, ranks)
+    with kept.running():  # the host's requests for the ranks' memory wait for the run's end
+        if ranks.gpus:  # inside ComfyUI its own models may hold the ranks' GPUs (GPU 0 above all)
+            for room, store in zip(rank_rooms(loaded, strategy, request, ranks), kept.stores):
+                hooks.make_room(room.total_bytes, room.device, warm=store, weight_bytes=room.weight_bytes)
+        result = pool.run(job, hooks.on_step, hooks.check_interrupt)
+        kept.update(result.receipt.get("parallel", {}).get("per_rank_kept_bytes"))
     # Rank 0's tensor arrives in shared memory (a file descriptor per tensor) and ComfyUI's output
     # cache would keep that segment: the run returns an ordinary copy.
     result.latent = {**result.latent, "samples": result.latent["samples"].clone()}
@@ -74,6 +82,19 @@ def rank_pinned_share(strategy: MemoryStrategy, ranks: int, host_room_bytes: int
     if strategy.max_pinned_ram_gb is not None:
         return strategy
     return replace(strategy, max_pinned_ram_gb=pinned_cap_bytes(None, host_room_bytes) / ranks / GiB)
+
+
+def rank_stores_for(loaded, pool: WorkerPool, ranks: Ranks) -> RankStores:
+    """The stand-ins of `pool`'s ranks' warm stores (memory/parallel/kept.py), kept on the pipeline
+    with its pool: ComfyUI counts what the ranks keep and Free VRAM reaches it. New with a new pool
+    or other GPUs."""
+    devices = [torch.device("cuda", gpu) for gpu in ranks.gpus] or [torch.device("cpu")] * ranks.degree
+    held = getattr(loaded.pipe, STORES_ATTRIBUTE, None)
+    if held is not None and held.pool is pool and [store.device for store in held.stores] == devices:
+        return held
+    stores = RankStores(pool, devices, label=f"{type(loaded.pipe).__name__} context-parallel rank")
+    setattr(loaded.pipe, STORES_ATTRIBUTE, stores)
+    return stores
 
 
 def pool_for(loaded, ranks: Ranks) -> WorkerPool:
