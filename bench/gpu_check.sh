@@ -8,7 +8,7 @@
 # The pack's other dependencies travel as wheels in .whl/ beside the tree; prepare them here first:
 #     bash bench/gpu_check.sh --prepare-wheels
 # Sized for 8 minutes of wall time on an H100: the suite gets SUITE_SECONDS, the warm rows at most
-# WARM_SECONDS, the 14B bench what is left of BUDGET_SECONDS (each JSON is rewritten after every row
+# WARM_SECONDS, the speed bench (bench/speed.py) SPEED_SECONDS, the 14B bench what is left of BUDGET_SECONDS (each JSON is rewritten after every row
 # and lists rows it had no time for).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,7 @@ started=$(date +%s)
 BUDGET_SECONDS=${BUDGET_SECONDS:-480}
 SUITE_SECONDS=${SUITE_SECONDS:-170}
 WARM_SECONDS=${WARM_SECONDS:-75}
+SPEED_SECONDS=${SPEED_SECONDS:-90}
 # Issue 22's goal is judged on the 1.3B at 832x480: every warm row of its 30 blocks (tests/test_gpu_bench.py checks the names).
 WARM_MODEL=wan2.1-t2v-1.3b
 WARM_ROWS=warm_none,warm_model,warm_block_swap_15,warm_block_swap_15_keep
@@ -51,6 +52,12 @@ timeout "$WARM_SECONDS" python3 bench/gpu.py --model "$WARM_MODEL" --rows "$WARM
     --budget-seconds $(( WARM_SECONDS - 30 )) > "$OUT/bench-warm.log" 2>&1
 echo "warm bench exit $?" | tee -a "$OUT/bench-warm.log"
 grep -v "^Failed to load CPU" "$OUT/bench-warm.log"
+
+echo "== bench/speed.py: attention kernels, compiled blocks, fp8 matmul on 1.3B-sized blocks (at most ${SPEED_SECONDS}s)"
+timeout "$SPEED_SECONDS" python3 bench/speed.py --device cuda --parts attention,compile,fp8_matmul --steps 4 --blocks 8 \
+    --runs 2 --json "$OUT/speed-gpu.json" > "$OUT/speed.log" 2>&1
+echo "speed bench exit $?" | tee -a "$OUT/speed.log"
+grep -v "^Failed to load CPU" "$OUT/speed.log" | tail -n 40
 
 left=$(( BUDGET_SECONDS - ($(date +%s) - started) - 60 ))
 echo "== bench/gpu.py (${left}s left for rows)"

@@ -130,3 +130,27 @@ def test_compiled_blocks_with_the_step_cache_skip_what_the_eager_run_skips(tiny_
     assert compiled.receipt["cache"]["blocks_skipped"] == eager.receipt["cache"]["blocks_skipped"] > 0
     assert torch.equal(compiled.latent["samples"], eager.latent["samples"])
     assert compiled.receipt["speed"]["compile"]["compiled"] is True
+
+
+def test_the_plan_quotes_a_speed_up_measured_on_this_device_and_nothing_where_none_was(monkeypatch):
+    from vidmem.pipelines import speed as speed_module
+
+    measured = {"device": "Test CPU", "source": "bench/results/x.json", "attention": {"flash": 0.8},
+                "compile": 0.7, "fp8_matmul": 1.3}
+    monkeypatch.setattr(speed_module, "cpu_name", lambda: "Test CPU")
+    monkeypatch.setattr(speed_module, "_measured", lambda: {"Test CPU": measured})
+    line = speed_module.measured_line(Speed("flash", CompileSettings(True)), "cpu")
+    assert "attention flash x0.80" in line and "compiled blocks x0.70" in line and "bench/results/x.json" in line
+    assert "fp8" not in line  # fp8 matmul off: nothing to quote
+    assert speed_module.measured_line(Speed(), "cpu") == ""
+    monkeypatch.setattr(speed_module, "cpu_name", lambda: "Another CPU")
+    assert speed_module.measured_line(Speed("flash", CompileSettings(True)), "cpu") == ""
+
+
+def test_the_shipped_measurements_name_their_source():
+    import json
+
+    from vidmem.pipelines.speed import MEASURED
+
+    for entry in json.loads(MEASURED.read_text())["devices"]:
+        assert entry["device"] and (MEASURED.parents[2] / entry["source"]).is_file(), entry

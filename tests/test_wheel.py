@@ -56,3 +56,12 @@ def test_the_console_script_plans_from_shipped_configs(installed):
     listed = run(target, str(script), "plan", "--list-models")
     assert listed.returncode == 0, listed.stderr
     assert "wan2.1-t2v-14b" in listed.stdout and "cogvideox-2b" in listed.stdout
+
+
+def test_the_configs_data_files_ship_in_the_wheel(installed):
+    """Every JSON the code reads beside its configs (MagCache's published ratios, measured speed-ups) is in the
+    wheel: without them `mag_ratios auto` and the plan's measured speed-ups would silently find nothing."""
+    wheel, _ = installed
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    for data in sorted((ROOT / "pipelines" / "configs").glob("*.json")):
+        assert f"vidmem/pipelines/configs/{data.name}" in shipped, data.name
