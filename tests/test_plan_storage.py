@@ -13,6 +13,8 @@ import re
 from dataclasses import replace
 
 import pytest
+
+from vidmem.memory.hostpool import MAX_STAGING_SLOTS, RESIDENT_CHUNK_BYTES, RESIDENT_SLOTS
 from torch import nn
 
 from vidmem.memory import MemoryStrategy
@@ -106,8 +108,12 @@ def test_disk_moves_weight_bytes_from_anonymous_ram_to_page_cache(wan):
     nonpersistent = sum(wan.weights(c).nbytes - _file_bytes(wan.module(c), None, c == "text_encoder")[0]
                         for c in wan.layout.all)  # computed buffers (rotary tables): in RAM too
     block = _file_bytes(wan.module("transformer").blocks[-1], "fp8_scaled", False)[0]
-    # pinned slots the streamed blocks are read through, each rounded up to a power of two
-    staging = (SWAP.prefetch_blocks + 2) * 2 ** math.ceil(math.log2(block))
+    # pinned slots the streamed blocks are read through in chunks (a power of two, at most 16 MiB; at most 8
+    # slots), and the whole components' own ring of 4 chunks (memory.hostpool)
+    slot = min(2 ** math.ceil(math.log2(block)), RESIDENT_CHUNK_BYTES)
+    slots = min(MAX_STAGING_SLOTS, (SWAP.prefetch_blocks + 2) * math.ceil(block / slot))
+    staging = slots * slot + RESIDENT_SLOTS * RESIDENT_CHUNK_BYTES
+    assert staging <= 192 * 2**20  # bounded whatever the model, not (prefetch + 2) whole blocks
     denoise_ram, denoise_disk = in_ram.stage("denoise"), on_disk.stage("denoise")
     assert denoise_ram.page_cache_bytes == 0
     assert denoise_disk.page_cache_bytes == weights + nonpersistent

@@ -187,11 +187,14 @@ def host_base(model: PlannerModel, options: PlanOptions = PlanOptions(),
 def staging_bytes(model: PlannerModel, strategy: MemoryStrategy, options: PlanOptions) -> int:
     """Pinned staging slots for streamed groups read from files (memory.hostpool.StagingRing).
 
-    At most prefetch + 2 slots, each the largest streamed group rounded up to a power of two (as
-    torch's pinned allocator rounds); they live as long as the pipeline's backend, so the largest
-    group of any component the run streams sets them. Whole components (tiers none and model)
-    and the resident cores of block swap copy straight from the mapping: no staging.
+    The streamed ring copies a group chunk by chunk through at most MAX_STAGING_SLOTS slots, each
+    the largest streamed group rounded up to a power of two (as torch's pinned allocator rounds)
+    but at most RESIDENT_CHUNK_BYTES; they live as long as the pipeline's backend, so the largest
+    group of any component the run streams sets them. Whole components (tiers none and model) pass
+    through a ring of their own of at most RESIDENT_SLOTS such chunks.
     """
+    from ..hostpool import MAX_STAGING_SLOTS, RESIDENT_CHUNK_BYTES, RESIDENT_SLOTS
+
     if options.on_cpu:  # nothing is copied to a device: no staging
         return 0
     on_device = {*sample_stage_components(model, strategy), model.layout.vae}
@@ -200,7 +203,11 @@ def staging_bytes(model: PlannerModel, strategy: MemoryStrategy, options: PlanOp
         weights = component_weights(model, name, options)
         units = table_streamed_unit_bytes(weights.table, strategy)
         largest = max(largest, *units, 0)
-    return (strategy.prefetch_blocks + 2) * (1 << (largest - 1).bit_length()) if largest else 0
+    if not largest:
+        return 0
+    slot = min(1 << (largest - 1).bit_length(), RESIDENT_CHUNK_BYTES)
+    slots = min(MAX_STAGING_SLOTS, (strategy.prefetch_blocks + 2) * -(-largest // slot))
+    return slots * slot + RESIDENT_SLOTS * RESIDENT_CHUNK_BYTES
 
 
 def piece_counts(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy) -> Counter:
