@@ -74,6 +74,12 @@ class ResolvedSpeed:
     def describe(self) -> str:
         return self.speed.describe(self.attention.describe())
 
+    @property
+    def untouched_attention(self) -> bool:
+        """auto resolved to plain SDPA: what the model runs without vidmem, so its processors are left as they
+        are (a backend set on them, or diffusers' active one, keeps working)."""
+        return self.speed.attention is AttentionKernel.AUTO and self.attention.kernel is AttentionKernel.SDPA
+
 
 def resolve_speed(speed: Speed, device: torch.device, dtype: torch.dtype,
                   denoisers: Mapping[str, nn.Module] | None = None) -> ResolvedSpeed:
@@ -103,10 +109,21 @@ def speed_for_call(resolved: ResolvedSpeed, denoisers: Mapping[str, nn.Module],
     """Apply `resolved` to the call's denoisers (name -> module) and their repeated blocks for the
     block of the `with`; everything is put back in reverse order when it ends, however it ends."""
     with ExitStack() as stack:
-        attention = stack.enter_context(attention_for_call(denoisers, resolved.attention))
+        attention = _Untouched(resolved.attention) if resolved.untouched_attention else \
+            stack.enter_context(attention_for_call(denoisers, resolved.attention))
         fp8 = stack.enter_context(fp8_matmul_for_call(denoisers, resolved.speed.fp8_matmul, device))
         compiled = stack.enter_context(compiled_blocks(blocks, resolved.speed.compile))
         yield AppliedSpeed(resolved, attention, fp8, compiled)
+
+
+@dataclass(frozen=True)
+class _Untouched:
+    """The receipt's attention entry when the processors were left as the model has them."""
+
+    resolved: ResolvedAttention
+
+    def as_dict(self) -> dict:
+        return {**self.resolved.as_dict(), "applied": "left as the model has it (plain SDPA without vidmem)"}
 
 
 def _parsed(kind, value, name: str):
