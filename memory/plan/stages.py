@@ -61,7 +61,7 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
         work.append(device_work(model, name, strategy, options, trace.flops, 1))
     steps_per_denoiser = _split_steps(options.steps, len(layout.denoisers))
     for name, steps in zip(layout.denoisers, steps_per_denoiser):
-        call = Call("denoise", name, shape)
+        call = Call("denoise", name, shape, chunks=strategy.chunk_count)
         flops = model.trace(call, options.attention).flops * steps  # traced first: it records the module order
         resident, held, streaming = denoiser_residency(model, name, strategy, stage, options)
         phases.append(phase(model, call, resident, options, name, held, streaming))
