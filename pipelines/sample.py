@@ -37,6 +37,7 @@ from ..memory.device import Backend
 from ..memory.lora import apply_loras
 from ..memory.telemetry import StageMeter
 from ..memory.warm import call_on
+from .activation_chunks import chunks_for_call
 from .family import ModelError, denoiser_blocks
 from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .loader import LoadedPipeline
@@ -209,7 +210,11 @@ class _Run:
         telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
         warm = loaded.warm_store("sample", self.backend)  # weights the last call left on the device
         with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
-                apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle:
+                apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, \
+                chunks_for_call(loaded, strategy, self.request.width, self.request.height, self.request.frames,
+                                self.choice.guided, hooks.device_budget(device)) as chunks:  # before the step cache wraps the blocks
+            if chunks.chunks > 1 or chunks.note:
+                receipt["activation_chunks"] = chunks.as_dict()
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
             receipt["device_weight_bytes"], receipt["lora_bytes"] = weight_bytes, lora_handle.nbytes
             request = self.request

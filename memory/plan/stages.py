@@ -265,6 +265,11 @@ def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: 
     if strategy.offload is OffloadTier.NONE:  # onloaded with the stage, as in the baseline; from files on disk
         return Traffic(once_bytes=weights.nbytes) if options.on_disk else Traffic()
     units = table_streamed_unit_bytes(weights.table, strategy)
+    if strategy.offload is OffloadTier.SEQUENTIAL and name in model.layout.denoisers:
+        # Chunked blocks call each layer once per token slice, and sequential copies a layer per call
+        # (the engine's events grow with the slices: tests/test_activation_chunks.py). Counted for every
+        # streamed layer: the few outside the blocks (embeddings, output projection) are called once.
+        units = units * strategy.chunk_count
     # Overlapped even without a prefetch: the host runs a block ahead, so block i's copy queues on
     # the side stream while block i-1 computes (measured: 97% of the copy time hidden on an H200).
     exposed = exposed_copy_share(strategy.offload is OffloadTier.SEQUENTIAL, strategy.prefetch_blocks)
