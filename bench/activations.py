@@ -47,22 +47,32 @@ STORAGES = ("fp8_scaled", "bf16")
 BLOCK_CHUNKS = (1, 2, 4, 8)
 WAN14B_BLOCK = dict(dim=5120, ffn_dim=13824, num_heads=40, cross_attn_norm=True, eps=1e-6)
 TEXT_TOKENS = 512
+DTYPES = ("float32", "bfloat16")
+FP32_MODULES = ("scale_shift_table", "norm1", "norm2", "norm3")  # WanTransformer3DModel._keep_in_fp32_modules in a block
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "activations-cpu-2026-11-26.json")
     parser.add_argument("--tokens", type=int, default=75600 // 16, help="tokens of the CPU block run")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the block's compute dtype (bfloat16 keeps "
+                        "diffusers' float32 modules: its norms and modulation table)")
     parser.add_argument("--skip-block", action="store_true", help="plans only")
+    parser.add_argument("--skip-plans", action="store_true", help="the block only, added to an existing --json file")
     parser.add_argument("--block-run", help=argparse.SUPPRESS)  # internal: one chunk count in this process
     args = parser.parse_args()
     if args.block_run:
-        print(json.dumps(block_run(int(args.block_run), args.tokens)))
+        print(json.dumps(block_run(int(args.block_run), args.tokens, args.dtype)))
         return
-    results = {"date": "2026-11-26", "machine": machine(), "plans": plans()}
-    write(args.json, results)
+    if args.skip_plans and args.json.exists():
+        results = json.loads(args.json.read_text())
+    else:
+        results = {"date": "2026-11-26", "machine": machine()}
+    if not args.skip_plans:
+        results["plans"] = plans()
+        write(args.json, results)
     if not args.skip_block:
-        results["block"] = block(args.tokens)
+        results["block" if args.dtype == "float32" else f"block_{args.dtype}"] = block(args.tokens, args.dtype)
         write(args.json, results)
     report(results)
 
@@ -134,23 +144,23 @@ def summary(plan) -> dict:
 
 # --- one real block on the CPU -------------------------------------------------------------------------
 
-def block(tokens: int) -> dict:
+def block(tokens: int, dtype: str = "float32") -> dict:
     """Each chunk count in a fresh process, so each peak RSS is its own."""
     runs = {}
     for chunks in BLOCK_CHUNKS:
-        out = subprocess.run([sys.executable, __file__, "--block-run", str(chunks), "--tokens", str(tokens)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, __file__, "--block-run", str(chunks), "--tokens", str(tokens),
+                              "--dtype", dtype], capture_output=True, text=True, check=True)
         runs[str(chunks)] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"block chunks={chunks}: {runs[str(chunks)]}", flush=True)
     base = runs["1"]
     for run in runs.values():
         run["equal_to_unchunked"] = run["output_digest"] == base["output_digest"]
         run["time_ratio"] = round(run["seconds"] / base["seconds"], 3)
-    return {"tokens": tokens, "text_tokens": TEXT_TOKENS, "dtype": "float32", "config": WAN14B_BLOCK,
+    return {"tokens": tokens, "text_tokens": TEXT_TOKENS, "dtype": dtype, "config": WAN14B_BLOCK,
             "note": f"1/{75600 // tokens} of 1280x720x81's 75,600 tokens" if 75600 % tokens == 0 else "", "runs": runs}
 
 
-def block_run(chunks: int, tokens: int) -> dict:
+def block_run(chunks: int, tokens: int, dtype: str = "float32") -> dict:
     import hashlib
 
     import torch
@@ -159,11 +169,11 @@ def block_run(chunks: int, tokens: int) -> dict:
     from vidmem.pipelines.activation_chunks import activation_chunks
 
     torch.manual_seed(0)
-    module = WanTransformerBlock(**WAN14B_BLOCK).eval()
-    inputs = block_inputs(tokens, "cpu")
-    predicted = predicted_peak(chunks, tokens)
+    module = cast(WanTransformerBlock(**WAN14B_BLOCK).eval(), dtype)
+    inputs = block_inputs(tokens, "cpu", dtype)
+    predicted = predicted_peak(chunks, tokens, dtype)
     with torch.no_grad():
-        module(*block_inputs(256, "cpu"))  # warm-up (first-call kernel setup), not timed
+        module(*block_inputs(256, "cpu", dtype))  # warm-up (first-call kernel setup), not timed
         with activation_chunks({"block": module}, {"block": [module]}, chunks), RssPeak() as rss:
             started = time.perf_counter()
             out = module(*inputs)
@@ -200,16 +210,34 @@ class RssPeak:
         return self.peak - self.start
 
 
-def block_inputs(tokens: int, device) -> tuple:
+def cast(module, dtype: str):
+    """The block as from_pretrained(torch_dtype=...) leaves it: diffusers' float32 modules stay float32."""
+    import torch
+
+    for name, tensor in module.named_parameters():
+        if not any(part in FP32_MODULES for part in name.split(".")):
+            tensor.data = tensor.data.to(getattr(torch, dtype))
+    return module
+
+
+def block_inputs(tokens: int, device, dtype: str = "float32") -> tuple:
+    """hidden and text states in the compute dtype; the timestep projection and rotary tables in float32,
+    as WanTransformer3DModel hands them to its blocks."""
     import torch
 
     dim, heads = WAN14B_BLOCK["dim"], WAN14B_BLOCK["num_heads"]
-    make = (lambda *s: torch.randn(*s, device=device)) if device != "meta" else (lambda *s: torch.empty(*s, device="meta"))
+
+    def make(*shape, dtype=torch.float32):
+        if device == "meta":
+            return torch.empty(*shape, device="meta", dtype=dtype)
+        return torch.randn(*shape, device=device).to(dtype)
+
+    compute = getattr(torch, dtype)
     rope = (make(1, tokens, 1, dim // heads), make(1, tokens, 1, dim // heads))
-    return make(1, tokens, dim), make(1, TEXT_TOKENS, dim), make(1, 6, dim), rope
+    return make(1, tokens, dim, dtype=compute), make(1, TEXT_TOKENS, dim, dtype=compute), make(1, 6, dim), rope
 
 
-def predicted_peak(chunks: int, tokens: int) -> int:
+def predicted_peak(chunks: int, tokens: int, dtype: str = "float32") -> int:
     """The planner's count for the same call: the block on meta under its tensor ledger."""
     import torch
     from diffusers.models.transformers.transformer_wan import WanTransformerBlock
@@ -218,8 +246,8 @@ def predicted_peak(chunks: int, tokens: int) -> int:
     from vidmem.pipelines.activation_chunks import activation_chunks
 
     with torch.device("meta"):
-        module = WanTransformerBlock(**WAN14B_BLOCK).eval()
-    inputs = block_inputs(tokens, "meta")
+        module = cast(WanTransformerBlock(**WAN14B_BLOCK).eval(), dtype)
+    inputs = block_inputs(tokens, "meta", dtype)
     with activation_chunks({"block": module}, {"block": [module]}, chunks):
         return trace(lambda: module(*inputs)).peak_bytes
 
@@ -230,12 +258,16 @@ def rss_bytes() -> int:
 
 
 def report(results: dict) -> None:
-    for row in results["plans"]:
-        cards = "; ".join(f"{card}: off {_fit(found['off'])}, auto {_fit(found['auto'])}" for card, found in row["cards"].items())
+    for row in results.get("plans", []):
+        cards = "; ".join(f"{card}: off {_fit(found['off'])}, auto {_fit(found['auto'])}"
+                          for card, found in row["cards"].items())
         print(f"{row['model']} {row['size'][0]}x{row['size'][1]}x{row['frames']} {row['weights']}: {cards}")
-    for chunks, run in results.get("block", {}).get("runs", {}).items():
-        print(f"block chunks={chunks}: {run['seconds']} s (x{run['time_ratio']}), RSS +{run['peak_rss_gib']} GiB "
-              f"(planned {run['predicted_peak_gib']} GiB), equal {run['equal_to_unchunked']}")
+    for key in [key for key in results if key.startswith("block")]:
+        part = results[key]
+        for chunks, run in part["runs"].items():
+            print(f"{key} ({part['dtype']}, {part['tokens']} tokens) chunks={chunks}: {run['seconds']} s "
+                  f"(x{run['time_ratio']}), RSS +{run['peak_rss_gib']} GiB (planned {run['predicted_peak_gib']} GiB), "
+                  f"equal {run['equal_to_unchunked']}")
 
 
 def _fit(found: dict) -> str:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 
 from ..memory import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement, VaeTiling
 from ..memory.context_parallel import cpu_modes, device_refusal
-from ..memory.strategy import (CHUNKS_AUTO, MAX_ACTIVATION_CHUNKS, TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE, ContextParallel,
-                               Parallelism)
+from ..memory.strategy import (CHUNKS_AUTO, MAX_ACTIVATION_CHUNKS, TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE,
+                               ContextParallel, Parallelism)
 from ..memory.telemetry import default_budgets
 from ..memory.units import GiB
 from .checks import connected, literal_problems

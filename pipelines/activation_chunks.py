@@ -34,6 +34,7 @@ slice: correct, but that many more copies; the planner counts them (memory/plan/
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -243,7 +244,8 @@ def chunk_problem(block: nn.Module) -> str | None:
 
 
 def _wrapped(block: nn.Module) -> bool:
-    """Something replaced the block's forward (diffusers leaves the plain bound method behind after removing its hooks)."""
+    """Something replaced the block's forward (diffusers leaves the plain bound method behind when it
+    removes its hooks: that one is the class's own forward, not a wrapper)."""
     forward = block.__dict__.get("forward")
     registry = getattr(block, "_diffusers_hook", None)
     if registry is not None and registry.hooks:
@@ -253,6 +255,7 @@ def _wrapped(block: nn.Module) -> bool:
 
 # --- applying it for one call ----------------------------------------------------------------------
 
+@functools.cache  # built on first use: importing diffusers' hooks is not free, and the CLI must stay light
 def _hook_class():
     from diffusers.hooks import ModelHook
 
@@ -350,9 +353,9 @@ def refusal(blocks: Mapping[str, Sequence[nn.Module]]) -> str | None:
 # --- one sampling call -----------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def chunks_for_call(loaded, strategy, width: int, height: int, frames: int, guided: bool,
-                    budget_bytes: int | None) -> Iterator[AppliedChunks]:
-    """`strategy.activation_chunks` applied to `loaded`'s denoisers for one sampling call.
+def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int | None) -> Iterator[AppliedChunks]:
+    """`strategy.activation_chunks` applied to `loaded`'s denoisers for one sampling call of `request`
+    (a SampleRequest: its width, height and frames) with guidance on or off.
 
     auto asks the planner for the fewest slices whose denoise fits `budget_bytes` (the device bytes
     the run may use; None, as on the CPU: unknown, so nothing is chunked), and leaves chunking off,
@@ -364,7 +367,8 @@ def chunks_for_call(loaded, strategy, width: int, height: int, frames: int, guid
     denoisers = {name: getattr(loaded.pipe, name) for name in blocks}
     count, note = strategy.activation_chunks, ""
     if strategy.chunks_auto:
-        count, note = _auto_count(loaded, strategy, (width, height, frames, guided), budget_bytes, blocks)
+        count, note = _auto_count(loaded, strategy, (request.width, request.height, request.frames, guided),
+                                  budget_bytes, blocks)
     with activation_chunks(denoisers, blocks, count) as applied:
         yield AppliedChunks(applied.chunks, applied.blocks, applied.family, note)
 

@@ -211,8 +211,8 @@ class _Run:
         warm = loaded.warm_store("sample", self.backend)  # weights the last call left on the device
         with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
                 apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, \
-                chunks_for_call(loaded, strategy, self.request.width, self.request.height, self.request.frames,
-                                self.choice.guided, hooks.device_budget(device)) as chunks:  # before the step cache wraps the blocks
+                chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
+                                hooks.device_budget(device)) as chunks:
             if chunks.chunks > 1 or chunks.note:
                 receipt["activation_chunks"] = chunks.as_dict()
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers

@@ -59,7 +59,8 @@ def test_chunked_latents_equal_unchunked_bit_for_bit(variant, tiny_loaded):
             chunked, receipt = latent(loaded, replace(strategy, activation_chunks=chunks), variant)
             assert torch.equal(chunked, reference), f"{variant} {label} chunks={chunks} differs from unchunked"
             applied = receipt["activation_chunks"]
-            assert applied["chunks"] == chunks and applied["blocks"] == sum(map(len, denoiser_blocks(loaded.pipe, loaded.spec).values()))
+            blocks = sum(map(len, denoiser_blocks(loaded.pipe, loaded.spec).values()))
+            assert applied["chunks"] == chunks and applied["blocks"] == blocks
     assert storage_map(loaded.pipe) == before
     assert hooks_of(loaded.pipe) == hooks_before
     assert blocks_as_found(loaded) == blocks_before
@@ -89,7 +90,8 @@ def test_sequential_copies_each_layer_once_per_slice_and_stays_identical(tiny_lo
         recorder = Recorder()
         request = request_for("wan2.1-t2v")
         strategy = MemoryStrategy(offload="sequential", activation_chunks=chunks)
-        results[chunks] = sample(loaded, strategy, request, backend=StrictBackend(), observer=recorder).latent["samples"]
+        result = sample(loaded, strategy, request, backend=StrictBackend(), observer=recorder)
+        results[chunks] = result.latent["samples"]
         events[chunks] = sum(1 for kind, _ in recorder.events if kind in ("onload", "prefetch"))
     assert torch.equal(results[2], results[1]) and torch.equal(results[3], results[1])
     assert events[1] < events[2] < events[3]  # what memory/plan/stages.py `_traffic` counts
@@ -186,7 +188,8 @@ def test_a_block_that_cannot_chunk_is_refused_before_anything_changes(tiny_loade
             latent(loaded, MemoryStrategy(offload="none", activation_chunks=2), "wan2.1-t2v")
         assert blocks_as_found(loaded) == before  # block 0 passed the check but was never hooked
         # auto leaves it off and says why, instead of failing the run
-        with chunks_for_call(loaded, MemoryStrategy(activation_chunks="auto"), 32, 32, 9, True, 1 << 30) as applied:
+        with chunks_for_call(loaded, MemoryStrategy(activation_chunks="auto"), request_for("wan2.1-t2v"), True,
+                             1 << 30) as applied:
             assert applied.chunks == 1 and "AttnProcessor2_0" in applied.note
     finally:
         attn.processor = original
@@ -211,6 +214,26 @@ def test_auto_without_a_budget_chunks_nothing(tiny_loaded):
     reference, _ = latent(loaded, MemoryStrategy(offload="none"), "wan2.1-t2v")
     chunked, receipt = latent(loaded, MemoryStrategy(offload="none", activation_chunks="auto"), "wan2.1-t2v")
     assert torch.equal(chunked, reference) and "activation_chunks" not in receipt
+
+
+def test_auto_asks_the_planner_for_the_fewest_slices_that_fit(tiny_loaded):
+    from vidmem.memory.plan.stages import denoise_stage
+    from vidmem.memory.plan.types import PlanOptions, VideoShape
+    from vidmem.pipelines.planning import plan_options, planner_model
+
+    loaded, request = tiny_loaded("wan2.1-t2v"), request_for("wan2.1-t2v")
+    model, options = planner_model(loaded), plan_options(loaded, PlanOptions())
+    shape = VideoShape(request.width, request.height, request.frames, cfg=True)
+    auto = MemoryStrategy(offload="none", activation_chunks="auto")
+    peaks = {n: denoise_stage(model, shape, replace(auto, activation_chunks=n), options).device_bytes for n in (1, 2)}
+    assert peaks[2] < peaks[1]  # the tiny model's activations shrink too, so the budget between them decides
+    with chunks_for_call(loaded, auto, request, True, peaks[1]) as applied:
+        assert applied.chunks == 1  # fits whole: nothing chunked
+    with chunks_for_call(loaded, auto, request, True, peaks[1] - 1) as applied:
+        assert applied.chunks >= 2 and not applied.note
+    reference, _ = latent(loaded, MemoryStrategy(offload="none"), "wan2.1-t2v")
+    chunked, receipt = latent(loaded, auto, "wan2.1-t2v", RunHooks(device_budget=lambda device: peaks[1] - 1))
+    assert torch.equal(chunked, reference) and receipt["activation_chunks"]["chunks"] >= 2
 
 
 def test_token_slices():
@@ -257,9 +280,11 @@ def test_wan14b_720p_fits_8gib_with_chunks_and_not_without(wan14b):
 
     shape, options = VideoShape(*SHAPE_720P), _options(wan14b)
     budgets = (8 * GiB, 32 * GiB)
-    off = candidate_plans(wan14b, shape, *budgets, MemoryStrategy(activation_chunks="off"), options, consider_disk=False)
+    off = candidate_plans(wan14b, shape, *budgets, MemoryStrategy(activation_chunks="off"), options,
+                          consider_disk=False)
     assert recommended(off) is None  # the issue's starting point: activations overrun 8 GiB under every tier
-    plans = candidate_plans(wan14b, shape, *budgets, MemoryStrategy(activation_chunks="auto"), options, consider_disk=False)
+    plans = candidate_plans(wan14b, shape, *budgets, MemoryStrategy(activation_chunks="auto"), options,
+                            consider_disk=False)
     best = recommended(plans)
     assert best is not None, "\n".join(p.describe() for p in plans)
     chosen = plans[best]
@@ -274,3 +299,58 @@ def test_sequential_traffic_counts_a_copy_per_slice(wan14b):
     traffic = [denoise_stage(wan14b, shape, MemoryStrategy(offload="sequential", activation_chunks=n), options)
                .work[0].traffic.per_pass_bytes for n in (1, 4)]
     assert traffic[1] == 4 * traffic[0]
+
+
+def test_the_advice_names_activation_chunks(wan14b):
+    from vidmem.memory.plan.advice import nothing_fits_message, over_budget_lines
+    from vidmem.memory.plan.candidates import candidate_plans, plan_run
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.memory.units import GiB
+
+    shape, options, budgets = VideoShape(*SHAPE_720P), _options(wan14b), (8 * GiB, 32 * GiB)
+    off = MemoryStrategy(activation_chunks="off")
+    plans = candidate_plans(wan14b, shape, *budgets, off, options, consider_disk=False)
+    message = nothing_fits_message(wan14b, shape, plans, off, options, consider_disk=False)
+    assert "With activation_chunks auto (--activation-chunks auto" in message, message
+    assert "activation_chunks=" in message.split("With activation_chunks auto")[1]  # the plan that fits, with its count
+    plan = plan_run(wan14b, shape, MemoryStrategy(offload="block_swap", blocks_to_swap=40), options, *budgets)
+    lines = over_budget_lines(wan14b, plan)
+    assert any(line.startswith("denoise:") and "fix: activation_chunks " in line for line in lines), lines
+
+
+# --- the node and its plan route -------------------------------------------------------------------------
+
+def test_the_node_passes_activation_chunks_and_keeps_it_last():
+    from vidmem.nodes.strategy import CHUNK_CHOICES, WIDGETS, VidMemMemoryStrategy
+
+    optional = VidMemMemoryStrategy.INPUT_TYPES()["optional"]
+    assert list(optional)[-1] == "activation_chunks"  # saved workflows' positional values keep their meaning
+    assert "activation_chunks" not in WIDGETS
+    assert list(optional["activation_chunks"][0]) == list(CHUNK_CHOICES) and optional["activation_chunks"][1]["default"] == "auto"
+    widgets = {name: spec[1].get("default") for name, spec in VidMemMemoryStrategy.INPUT_TYPES()["required"].items()}
+    choice = VidMemMemoryStrategy().build(**widgets, activation_chunks="8")["result"][0]
+    assert choice.strategy.activation_chunks == 8
+    default = VidMemMemoryStrategy().build(**widgets)["result"][0]
+    assert default.strategy.chunks_auto
+
+
+def test_the_plan_route_reads_activation_chunks(tiny_folder, monkeypatch):
+    from vidmem.nodes import host, plan_files
+    from vidmem.nodes.plan_route import PlanRequestError, parse_request, plan_answer
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.loader import DTYPES
+
+    path = tiny_folder("wan2.1-t2v")
+    monkeypatch.setattr(host, "resolve_model_folder", lambda name, given: path)
+    plan_files._folder_storage.cache_clear()
+    query = {"model": "Wan-tiny", "dtype": "fp32", "width": "32", "height": "32", "frames": "9", "offload": "none",
+             "activation_chunks": "2"}
+    answer = plan_answer(parse_request(query, ["Wan-tiny"], list(DTYPES)), lambda name, dtype: load_model(str(path), dtype),
+                         (8 * 2**30, 32 * 2**30))
+    assert answer["status"] == "ok", answer
+    mine = answer["rows"][answer["chosen"]]
+    assert mine["label"] == "your settings" and "activation_chunks=2" in mine["strategy"]
+    assert all(row["label"].endswith("chunks 2") for row in answer["rows"][:-1])
+    with pytest.raises(PlanRequestError, match="activation_chunks='3' must be one of auto, off, 2, 4") as error:
+        parse_request({**query, "activation_chunks": "3"}, ["Wan-tiny"], list(DTYPES))
+    assert error.value.name == "activation_chunks"

@@ -184,9 +184,10 @@ def chunked(model, component: str, run: Run, chunks: int) -> Run:
     from ..activation_chunks import activation_chunks
 
     transformer = model.traced_module(component)
+    blocks = {component: getattr(transformer, model.spec.blocks_attr)}
 
     def run_chunked():
-        with activation_chunks({component: transformer}, {component: getattr(transformer, model.spec.blocks_attr)}, chunks):
+        with activation_chunks({component: transformer}, blocks, chunks):
             return run()
     return run_chunked
 
