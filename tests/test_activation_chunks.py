@@ -216,24 +216,26 @@ def test_auto_without_a_budget_chunks_nothing(tiny_loaded):
     assert torch.equal(chunked, reference) and "activation_chunks" not in receipt
 
 
-def test_auto_asks_the_planner_for_the_fewest_slices_that_fit(tiny_loaded):
-    from vidmem.memory.plan.stages import denoise_stage
-    from vidmem.memory.plan.types import PlanOptions, VideoShape
-    from vidmem.pipelines.planning import plan_options, planner_model
+def test_auto_asks_the_planner_with_the_runs_shape_and_budget(tiny_loaded, monkeypatch):
+    """The wiring: the run hands auto's choice to the planner (whose choice is tested at real size below;
+    the tiny models' activations are too small next to a CUDA context to tell slice counts apart)."""
+    from vidmem.memory.plan import candidates
 
+    asked = []
+
+    def fewest(model, shape, strategy, options, vram):
+        asked.append((shape, strategy.offload.value, vram))
+        return replace(strategy, activation_chunks=2)
+
+    monkeypatch.setattr(candidates, "fewest_chunks", fewest)
     loaded, request = tiny_loaded("wan2.1-t2v"), request_for("wan2.1-t2v")
-    model, options = planner_model(loaded), plan_options(loaded, PlanOptions())
-    shape = VideoShape(request.width, request.height, request.frames, cfg=True)
-    auto = MemoryStrategy(offload="none", activation_chunks="auto")
-    peaks = {n: denoise_stage(model, shape, replace(auto, activation_chunks=n), options).device_bytes for n in (1, 2)}
-    assert peaks[2] < peaks[1]  # the tiny model's activations shrink too, so the budget between them decides
-    with chunks_for_call(loaded, auto, request, True, peaks[1]) as applied:
-        assert applied.chunks == 1  # fits whole: nothing chunked
-    with chunks_for_call(loaded, auto, request, True, peaks[1] - 1) as applied:
-        assert applied.chunks >= 2 and not applied.note
     reference, _ = latent(loaded, MemoryStrategy(offload="none"), "wan2.1-t2v")
-    chunked, receipt = latent(loaded, auto, "wan2.1-t2v", RunHooks(device_budget=lambda device: peaks[1] - 1))
-    assert torch.equal(chunked, reference) and receipt["activation_chunks"]["chunks"] >= 2
+    chunked, receipt = latent(loaded, MemoryStrategy(offload="none", activation_chunks="auto"), "wan2.1-t2v",
+                              RunHooks(device_budget=lambda device: 123 << 20))
+    assert torch.equal(chunked, reference) and receipt["activation_chunks"]["chunks"] == 2
+    shape, tier, vram = asked[0]
+    assert (shape.width, shape.height, shape.frames, shape.cfg) == (request.width, request.height, request.frames, True)
+    assert (tier, vram) == ("none", 123 << 20)
 
 
 def test_token_slices():
@@ -289,6 +291,21 @@ def test_wan14b_720p_fits_8gib_with_chunks_and_not_without(wan14b):
     assert best is not None, "\n".join(p.describe() for p in plans)
     chosen = plans[best]
     assert chosen.fits and chosen.strategy.activation_chunks > 1 and chosen.peak_vram_bytes <= 8 * GiB
+
+
+def test_fewest_chunks_is_the_fewest_that_fit(wan14b):
+    from vidmem.memory.plan.candidates import CHUNK_STEPS, fewest_chunks
+    from vidmem.memory.plan.stages import denoise_stage
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.memory.units import GiB
+
+    shape, options, vram = VideoShape(*SHAPE_720P), _options(wan14b), 8 * GiB
+    strategy = MemoryStrategy(offload="sequential", activation_chunks="auto")
+    chosen = fewest_chunks(wan14b, shape, strategy, options, vram).activation_chunks
+    fits = {n: denoise_stage(wan14b, shape, replace(strategy, activation_chunks=n), options).fits(vram)
+            for n in CHUNK_STEPS if n <= chosen}
+    assert chosen > 1 and fits[chosen] and not any(fits[n] for n in fits if n < chosen), fits
+    assert fewest_chunks(wan14b, shape, strategy, options, None).activation_chunks == 1  # no budget: nothing chunked
 
 
 def test_sequential_traffic_counts_a_copy_per_slice(wan14b):
