@@ -26,7 +26,8 @@ another GEMM algorithm for fewer rows: expect last-bit differences there, as bet
 
 Not chunked: blocks of other classes, fused QKV projections, attention processors other than
 diffusers' own, and context parallelism (its all-to-all splits the very tokens chunked here).
-`chunk_problem` says which; an explicit chunk count refuses them, `auto` falls back with a log line.
+`chunk_problem` says which; an explicit chunk count refuses them, `auto` leaves them unchunked with a
+note (pipelines/sample_chunks.py, which also asks the planner for auto's count in a run).
 Under offload=sequential every layer streams per call, so a chunked block copies its layers once per
 slice: correct, but that many more copies; the planner counts them (memory/plan/stages.py `_traffic`).
 """
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,8 +43,6 @@ import torch
 from torch import nn
 
 from ..memory.strategy import StrategyError
-
-log = logging.getLogger("vidmem")
 
 CHUNK_HOOK = "vidmem_activation_chunks"  # the hook's name in each block's diffusers HookRegistry
 
@@ -349,48 +347,3 @@ def refusal(blocks: Mapping[str, Sequence[nn.Module]]) -> str | None:
                 return f"{name} block {index}: {problem}"
     return None
 
-
-# --- one sampling call -----------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int | None) -> Iterator[AppliedChunks]:
-    """`strategy.activation_chunks` applied to `loaded`'s denoisers for one sampling call of `request`
-    (a SampleRequest: its width, height and frames) with guidance on or off.
-
-    auto asks the planner for the fewest slices whose denoise fits `budget_bytes` (the device bytes
-    the run may use; None, as on the CPU: unknown, so nothing is chunked), and leaves chunking off,
-    saying why in the receipt's note, where the model cannot chunk or the planner cannot model it.
-    An explicit count on a model that cannot chunk raises ChunkError before any block changes."""
-    from .family import denoiser_blocks
-
-    blocks = denoiser_blocks(loaded.pipe, loaded.spec)
-    denoisers = {name: getattr(loaded.pipe, name) for name in blocks}
-    count, note = strategy.activation_chunks, ""
-    if strategy.chunks_auto:
-        count, note = _auto_count(loaded, strategy, (request.width, request.height, request.frames, guided),
-                                  budget_bytes, blocks)
-    with activation_chunks(denoisers, blocks, count) as applied:
-        yield AppliedChunks(applied.chunks, applied.blocks, applied.family, note)
-
-
-def _auto_count(loaded, strategy, shape, budget_bytes: int | None, blocks) -> tuple[int, str]:
-    """(slices, note) for activation_chunks=auto: the planner's fewest that fit, or 1 and why."""
-    if budget_bytes is None:
-        return 1, ""
-    problem = refusal(blocks)
-    if problem:
-        log.info("vidmem: activation_chunks=auto leaves chunking off: %s", problem)
-        return 1, f"auto left chunking off: {problem}"
-    from ..memory.plan.candidates import fewest_chunks
-    from ..memory.plan.types import PlanOptions, VideoShape
-    from .planning import plan_options, planner_model
-
-    width, height, frames, guided = shape
-    try:
-        model, options = planner_model(loaded), plan_options(loaded, PlanOptions())
-        video = VideoShape(width, height, frames, cfg=guided)
-        model.check_shape(video)
-        return fewest_chunks(model, video, strategy, options, budget_bytes).activation_chunks, ""
-    except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the run (as pipelines/room.py)
-        log.info("vidmem: activation_chunks=auto has no prediction (%s); chunking stays off", error)
-        return 1, f"auto left chunking off: no prediction ({error})"

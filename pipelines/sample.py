@@ -37,7 +37,6 @@ from ..memory.device import Backend
 from ..memory.lora import apply_loras
 from ..memory.telemetry import StageMeter
 from ..memory.warm import call_on
-from .activation_chunks import chunks_for_call
 from .family import ModelError, denoiser_blocks
 from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .loader import LoadedPipeline
@@ -47,6 +46,7 @@ from .room import keep_bytes, sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
+from .sample_chunks import chunks_for_call
 from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message,
                             out_of_memory_message, planner_fits)
 from .schedulers import SamplerChoice, build_scheduler

@@ -21,12 +21,12 @@ from test_step_cache import FIRST_BLOCK, MAG
 from test_tiers import block_count, hooks_of, request_for, storage_map
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.strategy import MAX_ACTIVATION_CHUNKS, StrategyError
-from vidmem.pipelines.activation_chunks import (CHUNK_HOOK, ChunkError, activation_chunks, chunks_for_call,
-                                                token_slices)
+from vidmem.pipelines.activation_chunks import CHUNK_HOOK, ChunkError, activation_chunks, token_slices
 from vidmem.pipelines.family import denoiser_blocks
 from vidmem.pipelines.hooks import RunHooks
 from vidmem.pipelines.lora import load_lora, with_lora
 from vidmem.pipelines.sample import sample
+from vidmem.pipelines.sample_chunks import chunks_for_call
 
 VARIANTS = ("wan2.1-t2v", "wan2.1-i2v", "wan2.2-ti2v", "wan2.2-a14b", "cogvideox-t2v", "cogvideox1.5-t2v")
 
