@@ -19,8 +19,9 @@ __all__ = ["CHUNK_STEPS", "Plan", "PlanError", "candidate_plans", "fewest_chunks
            "times_differ"]
 
 TIER_ORDER = (OffloadTier.NONE, OffloadTier.MODEL, OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
-# Token slices activation_chunks=auto tries, fewest first (pipelines/activation_chunks.py); past 32 the
-# peak of 720p Wan 14B no longer falls (the model's own output norm, outside the blocks, is then the peak).
+# Token slices activation_chunks=auto tries, fewest first (pipelines/activation_chunks.py); past 16 the
+# allocated peak of 720p Wan 14B no longer falls (the model's own output norm, outside the blocks, is
+# then the peak; docs/activation-chunks.md).
 CHUNK_STEPS = (1, 2, 4, 8, 16, 32)
 STAGE_WORDS = {"text_encode": "text encode", "denoise": "denoise", "decode": "decode"}  # as people read them
 
