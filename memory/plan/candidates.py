@@ -130,7 +130,8 @@ class Plan:
         s = self.strategy
         return {
             "tier": s.offload.value, "blocks_to_swap": s.blocks_to_swap, "vae_tiling": s.vae_tiling is not None,
-            "text_encoder": s.text_encoder.value, "peak_vram_bytes": self.peak_vram_bytes,
+            "text_encoder": s.text_encoder.value, "activation_chunks": s.activation_chunks,
+            "peak_vram_bytes": self.peak_vram_bytes,
             "peak_ram_bytes": self.peak_ram_bytes, "stages": {st.name: st.device_bytes for st in self.stages},
             "host": {st.name: {"anon_bytes": st.host_bytes, "page_cache_bytes": st.page_cache_bytes} for st in self.stages},
             "peak_anon_bytes": self.peak_ram_bytes, "peak_page_cache_bytes": self.peak_page_cache_bytes,
