@@ -74,6 +74,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--text-encoder", default="offload_after_encoding",
                       choices=("device", "offload_after_encoding", "cpu"), help="starting text encoder placement")
     plan.add_argument("--prefetch", type=int, default=1, help="streamed blocks copied ahead")
+    plan.add_argument("--activation-chunks", default="auto", help="token slices per transformer block: auto (the "
+                      "fewest that fit), off, or 2..64 (same video, lower denoise peak)")
     plan.add_argument("--allocator", default="native", choices=("native", "cudaMallocAsync"),
                       help="CUDA allocator backend: native = PyTorch's caching allocator (plain scripts); "
                            "cudaMallocAsync = ComfyUI's default on CUDA builds (modelled as live bytes)")
@@ -117,7 +119,8 @@ def run_plan(args: argparse.Namespace) -> int:
     options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps,
                           storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9,
                           device=args.device)
-    base = MemoryStrategy(text_encoder=args.text_encoder, prefetch_blocks=args.prefetch)
+    base = MemoryStrategy(text_encoder=args.text_encoder, prefetch_blocks=args.prefetch,
+                          activation_chunks=args.activation_chunks)
     if parallel:
         return run_parallel_plan(args, model, shape, vram, ram, base, options)
     plans = candidate_plans(model, shape, vram, ram, base, options)
@@ -156,6 +159,7 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
     for plan in plans:
         s = plan.strategy
         tier = s.offload.value + (f" {s.blocks_to_swap}" if s.blocks_to_swap else "") + (" +disk" if plan.on_disk else "")
+        tier += f" chunks {s.activation_chunks}" if s.activation_chunks != 1 else ""
         tiles = f"{s.vae_tiling.tile_size}px/{s.vae_tiling.temporal_size}f" if s.vae_tiling else "-"
         stages = [f"{plan.stage(n).device_bytes / GIB:.1f}" for n in ("text_encode", "denoise", "decode")]
         rows.append((tier, s.text_encoder.value.replace("offload_after_encoding", "offload"), tiles, *stages,

@@ -85,6 +85,12 @@ class Parallelism:
         return f"balanced gpus={gpus}" if self.balanced else ""
 
 
+# activation_chunks: how many token slices each denoiser block computes in (pipelines/activation_chunks.py).
+CHUNKS_AUTO = "auto"  # the planner picks the fewest slices that fit the device budget
+CHUNKS_OFF = 1  # every block computes all its tokens at once, as diffusers does
+MAX_ACTIVATION_CHUNKS = 64  # 720p Wan 14B in 64 slices: 1,181 tokens each, past where slicing still lowers the peak
+
+
 # Core VAEDecodeTiled ranges (comfy nodes.py), so shared values mean the same thing.
 TILE_SIZE_RANGE = (64, 4096)
 TEMPORAL_SIZE_RANGE = (8, 4096)
@@ -136,8 +142,12 @@ class MemoryStrategy:
     vae_slicing: bool = False
     vae_tiling: VaeTiling | None = None
     parallel: Parallelism = field(default_factory=lambda: Parallelism())  # per GPU, every rank applies the fields above to its own copy
+    # "auto", or the token slices each denoiser block computes in: 1 (off) .. MAX_ACTIVATION_CHUNKS;
+    # "off" is accepted and stored as 1. Same video, lower activation peak (pipelines/activation_chunks.py).
+    activation_chunks: int | str = CHUNKS_OFF
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "activation_chunks", _parse_chunks(self.activation_chunks))
         if not isinstance(self.parallel, Parallelism):
             raise StrategyError(f"parallel={self.parallel!r} must be a Parallelism (gpus, context_parallel, degree).")
         object.__setattr__(self, "offload", _parse_enum(OffloadTier, self.offload, "offload"))
@@ -173,6 +183,15 @@ class MemoryStrategy:
             )
 
     @property
+    def chunks_auto(self) -> bool:
+        return self.activation_chunks == CHUNKS_AUTO
+
+    @property
+    def chunk_count(self) -> int:
+        """The token slices per block this strategy computes in; 1 while `auto` is unresolved."""
+        return CHUNKS_OFF if self.chunks_auto else self.activation_chunks
+
+    @property
     def streams_blocks(self) -> bool:
         return self.offload in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
 
@@ -196,9 +215,28 @@ class MemoryStrategy:
         if self.vae_tiling:
             t = self.vae_tiling
             parts.append(f"vae_tiling={t.tile_size}/{t.overlap}px,{t.temporal_size}/{t.temporal_overlap}f")
+        if self.activation_chunks != CHUNKS_OFF:
+            parts.append(f"activation_chunks={self.activation_chunks}")
         if self.parallel.describe():
             parts.append(self.parallel.describe())
         return " ".join(parts)
+
+
+def _parse_chunks(value: object) -> int | str:
+    """"auto", "off" (stored as 1) or a whole number 1..MAX_ACTIVATION_CHUNKS (a numeric string from a widget too)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in (CHUNKS_AUTO, "off"):
+            return CHUNKS_AUTO if text == CHUNKS_AUTO else CHUNKS_OFF
+        if not text.isdigit():
+            raise StrategyError(f"activation_chunks={value!r} must be 'auto', 'off' or a whole number of token slices "
+                                f"from 2 to {MAX_ACTIVATION_CHUNKS}, e.g. 4.")
+        value = int(text)
+    _check_int("activation_chunks", value)
+    if not CHUNKS_OFF <= value <= MAX_ACTIVATION_CHUNKS:
+        raise StrategyError(f"activation_chunks={value} must be 'auto', 'off' (or 1) or 2..{MAX_ACTIVATION_CHUNKS}; "
+                            f"more slices lower the denoise peak less and less: try 4 or 8.")
+    return value
 
 
 def _parse_enum(enum_type: type[Enum], value: object, name: str) -> Enum:

@@ -41,6 +41,7 @@ STEPS = (1, 1000)  # the Sampler's range
 CACHE_PREFIX = "cache_"  # query parameters carrying the Step Cache node's widgets
 SPEED_PREFIX = "speed_"  # and the Speed node's
 SHAPE = {"width": (16, 4096), "height": (16, 4096), "frames": (1, 1025)}  # the Sampler's ranges
+CHUNKS = "activation_chunks"  # an optional Strategy input the plan reads (a query parameter of that name)
 
 
 class PlanRequestError(ValueError):
@@ -66,6 +67,7 @@ class PlanRequest:
     steps: int = 50  # the Sampler's
     cache: tuple[tuple[str, object], ...] = ()  # the connected Step Cache node's widgets; () when none is
     speed: tuple[tuple[str, object], ...] = ()  # the connected Speed node's widgets; () when none is
+    activation_chunks: str = "auto"  # the Strategy's last optional input (nodes/strategy.py CHUNK_CHOICES)
 
     @property
     def auto(self) -> bool:
@@ -93,7 +95,7 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     if dtype not in dtypes:
         raise PlanRequestError("dtype", f"dtype={dtype!r} must be one of {', '.join(dtypes)}.")
     spec = {**VidMemMemoryStrategy.INPUT_TYPES()["required"], **VidMemMemoryStrategy.INPUT_TYPES()["optional"]}
-    values = {name: _widget(query, name, spec[name]) for name in (*WIDGETS, *BUDGETS)}
+    values = {name: _widget(query, name, spec[name]) for name in (*WIDGETS, *BUDGETS, CHUNKS)}
     width, height, frames = (_number(query, name, "INT", *SHAPE[name]) for name in SHAPE)
     cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
     shape = VideoShape(width, height, frames, cfg=cfg > 1.0)
@@ -101,7 +103,7 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
                        files=files, transformer_file=transformer_file, weight_dtype=weight_dtype, vae_dtype=vae_dtype,
                        steps=steps, cache=_node_widgets(query, CACHE_PREFIX, VidMemStepCache, "Step Cache", ("mag_ratios",)),
-                       speed=_node_widgets(query, SPEED_PREFIX, VidMemSpeed, "Speed"))
+                       speed=_node_widgets(query, SPEED_PREFIX, VidMemSpeed, "Speed"), activation_chunks=values[CHUNKS])
 
 
 def _node_widgets(query: Mapping[str, str], prefix: str, node_cls, node: str, free=()) -> tuple[tuple[str, object], ...]:
@@ -174,7 +176,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         problem = tile_size_problem(widgets["tile_size"]) if widgets["vae_tiling"] else None
         if problem:
             raise StrategyError(problem)
-        strategy = build_strategy(**widgets)
+        strategy = build_strategy(**widgets, activation_chunks=request.activation_chunks)
         model, options = _model_and_options(request, load_model)
         options = replace(options, device=device or _probed_device(), attention=_planned_attention(request))
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
@@ -271,10 +273,12 @@ def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], ob
 
 
 def _label(plan, options: PlanOptions) -> str:
-    """"block_swap 37", and "+disk" where the planner put weights on disk that the loader holds in RAM."""
+    """"block_swap 37", "chunks 4" where blocks compute in token slices, and "+disk" where the planner put
+    weights on disk that the loader holds in RAM."""
     s = plan.strategy
     blocks = f" {s.blocks_to_swap}" if s.offload is OffloadTier.BLOCK_SWAP else ""
-    return s.offload.value + blocks + (" +disk" if plan.on_disk and not options.on_disk else "")
+    chunks = f" chunks {s.activation_chunks}" if s.activation_chunks != 1 else ""
+    return s.offload.value + blocks + chunks + (" +disk" if plan.on_disk and not options.on_disk else "")
 
 
 def _row(label: str, plan, model) -> dict:
@@ -301,7 +305,7 @@ def _input_named(message: str) -> str | None:
     role = message.split(":", 1)[0].strip()
     if role in (*FILE_ROLES, "transformer_file", "weight_dtype"):  # the file loaders' messages start 'role: ...'
         return role
-    known = (*WIDGETS, *BUDGETS, *SHAPE)
+    known = (*WIDGETS, *BUDGETS, CHUNKS, *SHAPE)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 from ..memory import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement, VaeTiling
 from ..memory.context_parallel import cpu_modes, device_refusal
-from ..memory.strategy import TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE, ContextParallel, Parallelism
+from ..memory.strategy import (CHUNKS_AUTO, MAX_ACTIVATION_CHUNKS, TEMPORAL_SIZE_RANGE, TILE_SIZE_RANGE,
+                               ContextParallel, Parallelism)
 from ..memory.telemetry import default_budgets
 from ..memory.units import GiB
 from .checks import connected, literal_problems
@@ -60,6 +61,7 @@ class StrategyChoice:
         if self.auto:
             parallel = self.strategy.parallel.describe()
             text = ("offload=auto: the Sampler's planner chooses the tier, blocks, text encoder and VAE tiling"
+                    + (", and the activation chunks" if self.strategy.chunks_auto else "")
                     + (f"; {parallel}" if parallel else ""))
         else:
             text = self.strategy.describe()
@@ -79,6 +81,8 @@ def build_strategy(
     overlap: int,
     temporal_size: int,
     temporal_overlap: int,
+    *,
+    activation_chunks: str = "off",  # keyword only: not one of WIDGETS, whose order saved workflows keep
 ) -> MemoryStrategy:
     """The MemoryStrategy the widgets describe (offload=auto builds the base the planner starts from).
 
@@ -98,6 +102,7 @@ def build_strategy(
         text_encoder=text_encoder,
         vae_slicing=vae_slicing,
         vae_tiling=tiling,
+        activation_chunks=activation_chunks,
     )
 
 
@@ -119,6 +124,10 @@ LEGACY_SHAPE_INPUTS = ("width", "height", "frames")  # on this node before the S
 # Two widgets, not three: the web extension recognises workflows saved before the shape moved to
 # the Sampler by their 17 values (web/js/vidmem_format.js), and 14 + 3 would be mistaken for them.
 PARALLEL_WIDGETS = ("gpus", "context_parallel")
+# The last optional input, after gpus and context_parallel, so older workflows' positional values keep
+# their meaning. Its 17 values equal the count of workflows saved before the shape moved to the Sampler:
+# the web extension tells them apart by the value where those had frames (a number) and these have gpus.
+CHUNK_CHOICES = (CHUNKS_AUTO, "off", *(str(2 ** n) for n in range(1, MAX_ACTIVATION_CHUNKS.bit_length())))
 CPU_RANKS = "cpu:"
 
 
@@ -260,6 +269,13 @@ class VidMemMemoryStrategy:
                     "For now only a diffusers folder from Load Video Pipeline at its own dtype (no weight_dtype, "
                     "no single or fp8/GGUF files): each GPU's process reopens the folder with its weights in RAM, "
                     "so RAM holds one copy per GPU plus ComfyUI's."}),
+                "activation_chunks": (list(CHUNK_CHOICES), {"default": CHUNKS_AUTO, "tooltip":
+                    "Token slices each transformer block computes in (Wan, CogVideoX): the same video, a lower denoise "
+                    "peak. The feed-forward, norms and residuals run one slice at a time; attention keeps every key "
+                    "and value. auto: the planner picks the fewest slices that fit the VRAM budget (none when the run "
+                    "fits whole; a model that cannot chunk runs whole, with a note). off: as diffusers runs it. "
+                    "2-64: always that many (an error for a model that cannot chunk). Under sequential every layer "
+                    "is copied once per slice."}),
             },
         }
 
@@ -276,10 +292,11 @@ class VidMemMemoryStrategy:
                 or True)
 
     def build(self, pipeline=None, vram_budget_gb=0.0, ram_budget_gb=0.0, gpus=AUTO,
-              context_parallel=ContextParallel.OFF.value, **widgets):
+              context_parallel=ContextParallel.OFF.value, activation_chunks=CHUNKS_AUTO, **widgets):
         for name in LEGACY_SHAPE_INPUTS:  # direct callers of older versions; ComfyUI drops them itself
             widgets.pop(name, None)
-        strategy = replace(build_strategy(**widgets), parallel=parse_parallel(gpus, context_parallel))
+        strategy = replace(build_strategy(**widgets, activation_chunks=activation_chunks),
+                           parallel=parse_parallel(gpus, context_parallel))
         notes = strategy_notes(widgets["offload"], widgets["blocks_to_swap"])
         choice = StrategyChoice(strategy, widgets["offload"] == AUTO, vram_budget_gb, ram_budget_gb, notes)
         return {"ui": {"text": [choice.describe()]}, "result": (choice,)}

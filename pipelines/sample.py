@@ -46,6 +46,7 @@ from .room import keep_bytes, sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
+from .sample_chunks import chunks_for_call
 from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message,
                             out_of_memory_message, planner_fits)
 from .schedulers import SamplerChoice, build_scheduler
@@ -218,11 +219,15 @@ class _Run:
         # Per-block CUDA events are cheap for tens of blocks, not for every leaf of `sequential`.
         telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
         warm = loaded.warm_store("sample", self.backend)  # weights the last call left on the device
-        # Speed first: compiled blocks must wrap the blocks' own forward, before the step cache wraps it.
+        # Chunks and compiled blocks wrap the blocks' own forward, before the step cache wraps it.
         blocks = denoiser_blocks(loaded.pipe, loaded.spec)
         with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
-                speed_for_call(self.speed, _denoisers(loaded), blocks, device) as speed, \
-                apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle:
+                apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, \
+                chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
+                                hooks.device_budget(device)) as chunks, \
+                speed_for_call(self.speed.for_chunks(chunks.chunks), _denoisers(loaded), blocks, device) as speed:
+            if chunks.chunks > 1 or chunks.note:
+                receipt["activation_chunks"] = chunks.as_dict()
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
             receipt["device_weight_bytes"], receipt["lora_bytes"] = weight_bytes, lora_handle.nbytes
             request = self.request

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import platform
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -70,9 +70,20 @@ class ResolvedSpeed:
 
     speed: Speed
     attention: ResolvedAttention
+    compile_skipped: str = ""  # why the speed's compiled blocks did not apply to this call
 
     def describe(self) -> str:
         return self.speed.describe(self.attention.describe())
+
+    def for_chunks(self, chunks: int) -> "ResolvedSpeed":
+        """This speed for a call whose blocks run in `chunks` activation slices: the slices run through their
+        own forward (pipelines/activation_chunks.py), which compiled blocks cannot wrap yet, so the blocks run
+        eagerly and the receipt says why (`compile.fallback`)."""
+        if chunks <= 1 or not self.speed.compile.on:
+            return self
+        return replace(self, speed=replace(self.speed, compile=CompileSettings()), compile_skipped=(
+            f"activation_chunks={chunks}: the blocks run in slices through their own forward, which compiled "
+            "blocks do not wrap yet; they ran eagerly (set activation_chunks off to compile, if the video fits)"))
 
     @property
     def untouched_attention(self) -> bool:
@@ -99,8 +110,10 @@ class AppliedSpeed:
     compiled: object
 
     def as_dict(self) -> dict:
-        return {"attention": self.attention.as_dict(), "compile": self.compiled.as_dict(),
-                "fp8_matmul": self.fp8.as_dict()}
+        compiled = self.compiled.as_dict()
+        if self.resolved.compile_skipped:
+            compiled = {**compiled, "on": True, "compiled": False, "fallback": self.resolved.compile_skipped}
+        return {"attention": self.attention.as_dict(), "compile": compiled, "fp8_matmul": self.fp8.as_dict()}
 
 
 @contextmanager

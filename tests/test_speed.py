@@ -155,3 +155,14 @@ def test_the_shipped_measurements_name_their_source():
 
     for entry in json.loads(MEASURED.read_text())["devices"]:
         assert entry["device"] and (MEASURED.parents[2] / entry["source"]).is_file(), entry
+
+
+def test_activation_chunks_run_with_the_kernel_and_say_why_the_blocks_were_not_compiled(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    chunked = MemoryStrategy(offload="none", activation_chunks=2)
+    plain = run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), Speed("math"))
+    both = run(loaded, "wan2.1-t2v", chunked, Speed("math", EAGER_COMPILE))
+    assert torch.equal(both.latent["samples"], plain.latent["samples"])  # chunks are exact, with the chosen kernel
+    compiled = both.receipt["speed"]["compile"]
+    assert compiled["on"] and not compiled["compiled"] and "activation_chunks=2" in compiled["fallback"], compiled
+    assert both.receipt["speed"]["attention"]["kernel"] == "math"

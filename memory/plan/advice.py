@@ -4,7 +4,8 @@ Per stage (`over_budget_lines`): what the stage needs beyond each budget and the
 makes that stage fit, found by planning the stage again with it: the text encoder on the CPU, more
 swapped blocks, a lower tier, VAE tiling, the weights on disk, smaller stored weights.
 
-For the whole run (`nothing_fits_message`), two suggestions at most, each the first that fits: a
+For the whole run (`nothing_fits_message`), first activation chunks, when the run did not choose them
+(the same video, same weights: the least change); then two suggestions at most, each the first that fits: a
 smaller storage format for the transformer(s) and the text encoder with the weights where they
 are, and the weights memory-mapped from disk (as stored, if the search did not try that already,
 else with smaller storage). When neither exists and the device is what runs out, a shorter or
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .candidates import STAGE_WORDS, Plan, PlanError, _fewest_blocks, _tiling_that_fits, candidate_plans, recommended
+from .candidates import (STAGE_WORDS, Plan, PlanError, _fewest_blocks, _tiling_that_fits, candidate_plans,
+                         fewest_chunks, recommended)
 from .costs import GiB
 from .stages import decode_stage, denoise_stage, host_base, text_encode_stage
 from .types import PlannerModel, PlanOptions, StagePlan, VideoShape
@@ -41,7 +43,8 @@ def nothing_fits_message(model: PlannerModel, shape: VideoShape, plans: list[Pla
         what = "runtime; the weights are page cache" if least_ram.on_disk else "weights + runtime"
         lines.append(f"The pipeline keeps {_gib(held)} of anonymous RAM ({what}); give at least "
                      f"{_gib(least_ram.peak_ram_bytes)} of RAM.")
-    found = _first_fitting(model, shape, base, options, (vram, ram), _in_ram(model, options))
+    found = _with_chunks(model, shape, base, options, (vram, ram), consider_disk)
+    found = found or _first_fitting(model, shape, base, options, (vram, ram), _in_ram(model, options))
     found += _first_fitting(model, shape, base, options, (vram, ram), _on_disk(model, options, consider_disk))
     lines.extend(found)
     if not found and host_base(model, options)[0] <= ram and all(s.fits(vram) for s in leanest.stages[:1]):
@@ -96,6 +99,10 @@ def _vram_trials(model: PlannerModel, plan: Plan, name: str):
         yield "offload model", replace(s, offload=OffloadTier.MODEL), options
         if name == "text_encode":
             yield "offload model, text encoder on the CPU", replace(cpu, offload=OffloadTier.MODEL), options
+    if name == "denoise":
+        chunked = fewest_chunks(model, plan.shape, s, options, plan.vram_budget_bytes)
+        if chunked.activation_chunks > s.chunk_count:  # same tier, same weights: the least change
+            yield f"activation_chunks {chunked.activation_chunks}", chunked, options
     if name == "denoise" and tier is not OffloadTier.SEQUENTIAL:
         swapping = replace(s, offload=OffloadTier.BLOCK_SWAP, blocks_to_swap=1)
         swap = _fewest_blocks(model, plan.shape, swapping, options, plan.vram_budget_bytes)
@@ -155,6 +162,19 @@ def _first_fitting(model, shape, base, options, budgets, trials: list[PlanOption
         if best is not None:
             return [f"{_flags(trial, options)} it fits in {_gib(vram)} VRAM / {_gib(ram)} RAM: {_summary(plans[best])}."]
     return []
+
+
+def _with_chunks(model, shape, base: MemoryStrategy, options, budgets, consider_disk: bool) -> list[str]:
+    """The run with activation_chunks=auto, when the search had them off or fixed, if that fits."""
+    if base.chunks_auto:
+        return []
+    plans = candidate_plans(model, shape, *budgets, replace(base, activation_chunks="auto"), options, consider_disk)
+    best = recommended(plans)
+    if best is None:
+        return []
+    vram, ram = budgets
+    return [f"With activation_chunks auto (--activation-chunks auto; the same video, blocks computed in token slices) "
+            f"it fits in {_gib(vram)} VRAM / {_gib(ram)} RAM: {_summary(plans[best])}."]
 
 
 def _smaller_shape(model, shape, base, options, consider_disk, budgets) -> list[str]:

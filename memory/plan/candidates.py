@@ -15,9 +15,14 @@ from .types import PlannerModel, PlanOptions, StagePlan, VideoShape
 from ..strategy import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement
 from ..vae_tiles import auto_tiling
 
-__all__ = ["Plan", "PlanError", "candidate_plans", "plan_run", "recommended", "times_differ"]
+__all__ = ["CHUNK_STEPS", "Plan", "PlanError", "candidate_plans", "fewest_chunks", "plan_run", "recommended",
+           "times_differ"]
 
 TIER_ORDER = (OffloadTier.NONE, OffloadTier.MODEL, OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
+# Token slices activation_chunks=auto tries, fewest first (pipelines/activation_chunks.py); past 16 the
+# allocated peak of 720p Wan 14B no longer falls (the model's own output norm, outside the blocks, is
+# then the peak; docs/activation-chunks.md).
+CHUNK_STEPS = (1, 2, 4, 8, 16, 32)
 STAGE_WORDS = {"text_encode": "text encode", "denoise": "denoise", "decode": "decode"}  # as people read them
 
 
@@ -125,7 +130,8 @@ class Plan:
         s = self.strategy
         return {
             "tier": s.offload.value, "blocks_to_swap": s.blocks_to_swap, "vae_tiling": s.vae_tiling is not None,
-            "text_encoder": s.text_encoder.value, "peak_vram_bytes": self.peak_vram_bytes,
+            "text_encoder": s.text_encoder.value, "activation_chunks": s.activation_chunks,
+            "peak_vram_bytes": self.peak_vram_bytes,
             "peak_ram_bytes": self.peak_ram_bytes, "stages": {st.name: st.device_bytes for st in self.stages},
             "host": {st.name: {"anon_bytes": st.host_bytes, "page_cache_bytes": st.page_cache_bytes} for st in self.stages},
             "peak_anon_bytes": self.peak_ram_bytes, "peak_page_cache_bytes": self.peak_page_cache_bytes,
@@ -144,8 +150,13 @@ def plan_run(
     vram_budget_bytes: int | None = None,
     ram_budget_bytes: int | None = None,
 ) -> Plan:
-    """Predicted device and host peaks per stage for one run of `model` at `shape` under `strategy`."""
+    """Predicted device and host peaks per stage for one run of `model` at `shape` under `strategy`.
+
+    activation_chunks=auto is resolved as the run resolves it: the fewest slices whose denoise fits
+    `vram_budget_bytes` (none without a budget); the plan's strategy carries the count."""
     _check(model, shape, strategy, options)
+    if strategy.chunks_auto:
+        strategy = fewest_chunks(model, shape, strategy, options, vram_budget_bytes)
     stages = tuple(build(model, shape, strategy, options).within(vram_budget_bytes)
                    for build in (text_encode_stage, denoise_stage, decode_stage))
     baseline = compute_seconds(model, shape, strategy, options)
@@ -179,6 +190,8 @@ def candidate_plans(
 def _tier_plan(model, shape, tier: OffloadTier, base: MemoryStrategy, options: PlanOptions, budgets) -> Plan:
     vram, _ = budgets
     strategy = replace(base, offload=tier, blocks_to_swap=1 if tier is OffloadTier.BLOCK_SWAP else 0, vae_tiling=None)
+    if base.chunks_auto:  # chunks before blocks: slicing costs next to nothing, every swapped block a copy per step
+        strategy = fewest_chunks(model, shape, strategy, options, vram)
     if tier is OffloadTier.BLOCK_SWAP:
         strategy = _fewest_blocks(model, shape, strategy, options, vram)
     strategy = _text_encoder_that_fits(model, shape, strategy, options, budgets)
@@ -234,6 +247,25 @@ def _fewest_blocks(model, shape, strategy, options, vram: int) -> MemoryStrategy
         stage = denoise_stage(model, shape, replace(strategy, blocks_to_swap=middle), options)
         low, high = (low, middle) if stage.fits(vram) else (middle + 1, high)
     return replace(strategy, blocks_to_swap=low)
+
+
+def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, vram: int | None) -> MemoryStrategy:
+    """`strategy` with the fewest CHUNK_STEPS token slices under which its denoise fits `vram` (block swap:
+    with every block swapped, the tier's leanest); when none does, the count with the lowest peak.
+    The tier's weights are what they are: chunking lowers activations only."""
+    if vram is None:
+        return replace(strategy, activation_chunks=1)
+    probe = strategy
+    if strategy.offload is OffloadTier.BLOCK_SWAP:
+        probe = replace(strategy, blocks_to_swap=min(model.weights(n).block_count for n in model.layout.denoisers))
+    leanest = None
+    for chunks in CHUNK_STEPS:
+        stage = denoise_stage(model, shape, replace(probe, activation_chunks=chunks), options)
+        if stage.fits(vram):
+            return replace(strategy, activation_chunks=chunks)
+        if leanest is None or stage.device_bytes < leanest[1]:
+            leanest = (chunks, stage.device_bytes)
+    return replace(strategy, activation_chunks=leanest[0])
 
 
 def _text_encoder_that_fits(model, shape, strategy, options, budgets) -> MemoryStrategy:

@@ -61,7 +61,7 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
         work.append(device_work(model, name, strategy, options, trace.flops, 1))
     steps_per_denoiser = _split_steps(options.steps, len(layout.denoisers))
     for name, steps in zip(layout.denoisers, steps_per_denoiser):
-        call = Call("denoise", name, shape)
+        call = Call("denoise", name, shape, chunks=strategy.chunk_count)
         flops = model.trace(call, options.attention).flops * steps  # traced first: it records the module order
         resident, held, streaming = denoiser_residency(model, name, strategy, stage, options)
         phases.append(phase(model, call, resident, options, name, held, streaming))
@@ -272,6 +272,11 @@ def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: 
     if strategy.offload is OffloadTier.NONE:  # onloaded with the stage, as in the baseline; from files on disk
         return Traffic(once_bytes=weights.nbytes) if options.on_disk else Traffic()
     units = table_streamed_unit_bytes(weights.table, strategy)
+    if strategy.offload is OffloadTier.SEQUENTIAL and name in model.layout.denoisers:
+        # Chunked blocks call each layer once per token slice, and sequential copies a layer per call
+        # (the engine's events grow with the slices: tests/test_activation_chunks.py). Counted for every
+        # streamed layer: the few outside the blocks (embeddings, output projection) are called once.
+        units = units * strategy.chunk_count
     # Overlapped even without a prefetch: the host runs a block ahead, so block i's copy queues on
     # the side stream while block i-1 computes (measured: 97% of the copy time hidden on an H200).
     exposed = exposed_copy_share(strategy.offload is OffloadTier.SEQUENTIAL, strategy.prefetch_blocks)

@@ -55,6 +55,7 @@ class Call:
     shape: VideoShape
     piece: tuple[int, ...] | None = None  # decode: latent piece [b, C, t, h, w]
     vae_tiling: bool = False  # decode with the VAE's own (diffusers) tiling
+    chunks: int = 1  # denoise: token slices per block (MemoryStrategy.activation_chunks, resolved)
 
 
 @dataclass(frozen=True)

@@ -321,7 +321,8 @@ def _trace_file(call: Call, attention: Attention) -> str:
 
 
 def _call_key(call: Call) -> str:
-    return json.dumps([call.kind, call.component, call.piece, call.vae_tiling])
+    chunks = [call.chunks] if call.chunks != 1 else []  # unchunked calls keep the keys they were cached under
+    return json.dumps([call.kind, call.component, call.piece, call.vae_tiling, *chunks])
 
 
 def _trace_json(measured: Trace, order) -> dict:

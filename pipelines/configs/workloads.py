@@ -164,7 +164,7 @@ def workload_for(model, call) -> Run:
         whole_video = wan and not model.pipeline_config.get("expand_timesteps", False)
         return vae_encode_condition(model.traced_module("vae"), shape, shape.frames if whole_video else 1, model.dtype_of("vae"))
     if call.kind == "denoise":
-        return _denoise(model, call.component, shape)
+        return _denoise(model, call.component, shape, call.chunks)
     if call.kind == "decode":
         piece = torch.empty(call.piece, dtype=model.dtype_of(call.component), device="meta")  # a view of the whole latent: not counted
         return decode(model.traced_module(call.component), piece, call.vae_tiling)
@@ -174,8 +174,22 @@ def workload_for(model, call) -> Run:
     raise ValueError(f"unknown call kind {call.kind!r}")
 
 
-def _denoise(model, component: str, shape: VideoShape) -> Run:
-    return denoise_step(model, component, shape, model.traced_module(component))
+def _denoise(model, component: str, shape: VideoShape, chunks: int = 1) -> Run:
+    run = denoise_step(model, component, shape, model.traced_module(component))
+    return run if chunks == 1 else chunked(model, component, run, chunks)
+
+
+def chunked(model, component: str, run: Run, chunks: int) -> Run:
+    """`run` with the traced denoiser's blocks computing in `chunks` token slices, as the engine runs them."""
+    from ..activation_chunks import activation_chunks
+
+    transformer = model.traced_module(component)
+    blocks = {component: getattr(transformer, model.spec.blocks_attr)}
+
+    def run_chunked():
+        with activation_chunks({component: transformer}, blocks, chunks):
+            return run()
+    return run_chunked
 
 
 def denoise_step(model, component: str, shape: VideoShape, transformer, device: torch.device | str = "meta") -> Run:

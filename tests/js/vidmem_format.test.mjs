@@ -3,7 +3,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
+  FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_OPTIONS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
   extraFields, cacheLine, speedLines, planBars, planLines, planQuery, planReasons, planVerdict, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
   parseStrategyText, receiptFrom, strategyLines, summarize, textFrom,
 } from "../../web/js/vidmem_format.js";
@@ -179,6 +179,19 @@ test("an older Strategy node's widget values are read by name; current ones are 
   assert.equal(named.ram_budget_gb, 0);
   assert.equal(named.frames, 81);
   assert.equal(named.tile_size, 256);
+});
+
+test("today's 17 values (gpus, context_parallel, activation_chunks last) are not mistaken for an older node's", () => {
+  const current = ["model", 0, 1, -1, true, "cpu", false, true, 256, 32, 64, 8, 6, 0, "auto", "off", "auto"];
+  assert.equal(current.length, 17);
+  assert.equal(legacyStrategyValues(current), null);
+});
+
+test("the plan query carries activation_chunks", () => {
+  const widgets = { ...Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((n) => [n, 1])), activation_chunks: "4" };
+  const query = new URLSearchParams(planQuery({ model: "Wan", dtype: "bf16", widgets, shape: { width: 832, height: 480, frames: 81 } }));
+  assert.deepEqual([...STRATEGY_OPTIONS], ["activation_chunks"]);
+  assert.equal(query.get("activation_chunks"), "4");
 });
 
 test("the plan query carries the model, every widget and the sampler's shape, or nothing", () => {

@@ -7,7 +7,8 @@
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 import {
-  FREE_BODY, MEMORY_ROUTE, SAMPLER_EXTRAS, extraFields, NODE_TYPES, PLAN_ROUTE, STAGES, STRATEGY_BUDGETS, STRATEGY_WIDGETS, compactLines,
+  FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
+  STRATEGY_WIDGETS, compactLines, extraFields,
   ignoredStrategyWidgets, legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planReasons,
   planVerdict, slowdownText, speedLines, summarize, timeNote, timeShown,
 } from "./vidmem_format.js";
@@ -235,7 +236,8 @@ function planRequestFor(node) {
   const loader = pipelineLoader(upstream(node) ?? upstream(sampler), upstream);
   if (!loader) return null;
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
-  const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((name) => [name, widgetValue(node, name)]));
+  const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS]
+    .map((name) => [name, widgetValue(node, name)]));
   const shape = Object.fromEntries(["width", "height", "frames", "cfg", "steps"].map((name) => [name, widgetValue(sampler, name)]));
   const extra = Object.assign({}, ...Object.keys(SAMPLER_EXTRAS).map((input) => {
     const linked = linkedNode(sampler, input);

@@ -204,6 +204,9 @@ export const STRATEGY_WIDGETS = Object.freeze([
   "vae_slicing", "vae_tiling", "tile_size", "overlap", "temporal_size", "temporal_overlap",
 ]);
 export const STRATEGY_BUDGETS = Object.freeze(["vram_budget_gb", "ram_budget_gb"]);
+// Optional Strategy inputs the plan reads besides the budgets (nodes/strategy.py; the last input, after gpus
+// and context_parallel).
+export const STRATEGY_OPTIONS = Object.freeze(["activation_chunks"]);
 
 /** The Strategy widgets its offload tier ignores (greyed out on the node; nodes/strategy.py notes them). */
 export function ignoredStrategyWidgets(offload, vaeTiling) {
@@ -220,6 +223,9 @@ export const STAGES = Object.freeze([["text_encode", "encode"], ["denoise", "den
 /** Widget values of an older Strategy node by name, or null when `values` is already the current layout. */
 export function legacyStrategyValues(values) {
   if (!Array.isArray(values) || values.length !== LEGACY_STRATEGY_ORDER.length) return null;
+  // Today's layout has 17 values too (widgets, budgets, gpus, context_parallel, activation_chunks): where an
+  // older node has frames, a number, today's has gpus, text.
+  if (typeof values[STRATEGY_WIDGETS.length + 2] !== "number") return null;
   return Object.fromEntries(LEGACY_STRATEGY_ORDER.map((name, i) => [name, values[i]]));
 }
 
@@ -283,7 +289,7 @@ export function planQuery({ model, dtype, widgets, shape, client, loader, extra 
   for (const [name, value] of Object.entries(loader ?? {})) {
     if (value !== undefined && value !== null && !params.has(name)) params.set(name, String(value));
   }
-  for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS]) {
+  for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS]) {
     if (widgets?.[name] !== undefined && widgets[name] !== null) params.set(name, String(widgets[name]));
   }
   for (const name of ["width", "height", "frames", "cfg", "steps"]) {

@@ -1,0 +1,281 @@
+"""Activation chunks benchmark (issue 28): what fits at 720p with them, and one real block measured on the CPU.
+
+Two parts, written as JSON:
+- `plans`: for Wan 2.1 T2V 14B and 1.3B and Wan 2.2 T2V A14B at 1280x720x81, and CogVideoX-5b at its
+  own 720x480x49, on 8, 12 and 16 GiB cards with 32 GiB of RAM, weights fp8 scaled (the 14B's
+  shipped files) and bf16: the recommended plan with activation_chunks off and with auto (tier,
+  swapped blocks, chunks, peak VRAM, estimated slowdown), and the predicted denoise peak
+  (allocated, and as the native allocator reserves it) per chunk count under sequential.
+- `block`: one real-size Wan 14B block (dim 5,120, 40 heads, feed-forward 13,824; random weights,
+  float32: bf16 on this CPU is 4-5x slower) at `--tokens` tokens (default 4,725: 1/16 of 1280x720x81's
+  75,600, which would need ~15 GB at float32 unchunked and ~10 minutes per forward on two shared
+  cores), each chunk count in a fresh process after an untimed warm-up: output equal to the unchunked
+  one (bit for bit, by digest), time, peak RSS above where the forward started (sampled every
+  millisecond), next to the planner's prediction for the same call (the block traced on meta).
+
+    python bench/activations.py --json bench/results/activations-cpu-2026-11-26.json
+
+About 10 minutes on 2 shared cores (--skip-block for the plans only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VIDMEM_PLAN_CACHE", "0")  # measure, never read an older cache
+from bench.support.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # `import vidmem` is this clone, installed or not
+
+from vidmem.memory.units import GiB  # noqa: E402
+
+CASES = (("wan2.1-t2v-14b", 1280, 720, 81), ("wan2.1-t2v-1.3b", 1280, 720, 81), ("wan2.2-t2v-a14b", 1280, 720, 81),
+         ("cogvideox-5b", 720, 480, 49))
+CARDS_GIB = (8, 12, 16)
+RAM_GIB = 32
+STORAGES = ("fp8_scaled", "bf16")
+BLOCK_CHUNKS = (1, 2, 4, 8)
+WAN14B_BLOCK = dict(dim=5120, ffn_dim=13824, num_heads=40, cross_attn_norm=True, eps=1e-6)
+TEXT_TOKENS = 512
+DTYPES = ("float32", "bfloat16")
+FP32_MODULES = ("scale_shift_table", "norm1", "norm2", "norm3")  # WanTransformer3DModel._keep_in_fp32_modules in a block
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "activations-cpu-2026-11-26.json")
+    parser.add_argument("--tokens", type=int, default=75600 // 16, help="tokens of the CPU block run")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the block's compute dtype (bfloat16 keeps "
+                        "diffusers' float32 modules: its norms and modulation table)")
+    parser.add_argument("--skip-block", action="store_true", help="plans only")
+    parser.add_argument("--skip-plans", action="store_true", help="the block only, added to an existing --json file")
+    parser.add_argument("--block-run", help=argparse.SUPPRESS)  # internal: one chunk count in this process
+    args = parser.parse_args()
+    if args.block_run:
+        print(json.dumps(block_run(int(args.block_run), args.tokens, args.dtype)))
+        return
+    if args.skip_plans and args.json.exists():
+        results = json.loads(args.json.read_text())
+    else:
+        results = {"date": "2026-11-26", "machine": machine()}
+    if not args.skip_plans:
+        results["plans"] = plans()
+        write(args.json, results)
+    if not args.skip_block:
+        results["block" if args.dtype == "float32" else f"block_{args.dtype}"] = block(args.tokens, args.dtype)
+        write(args.json, results)
+    report(results)
+
+
+def write(path: Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "load_average": os.getloadavg()[0]}
+
+
+# --- plans -------------------------------------------------------------------------------------------
+
+def plans() -> list[dict]:
+    from vidmem.memory import MemoryStrategy
+    from vidmem.memory.plan.planner import Allocator, PlanOptions, VideoShape, candidate_plans, recommended
+    from vidmem.pipelines.configs import load_model
+
+    rows = []
+    for name, width, height, frames in CASES:
+        model, shape = load_model(name), VideoShape(width, height, frames)
+        for storage in STORAGES:
+            options = PlanOptions(storage=model.layout.stored_as(storage), allocator=Allocator.NATIVE, device="cuda")
+            started = time.perf_counter()
+            row = {"model": name, "size": [width, height], "frames": frames, "weights": storage,
+                   "denoise_peak_by_chunks": denoise_peaks(model, shape, options), "cards": {}}
+            for card in CARDS_GIB:
+                found = {}
+                for chunks in ("off", "auto"):
+                    candidates = candidate_plans(model, shape, card * GiB, RAM_GIB * GiB,
+                                                 MemoryStrategy(activation_chunks=chunks), options)
+                    best = recommended(candidates)
+                    found[chunks] = summary(candidates[best]) if best is not None else {
+                        "fits": False, "leanest": summary(min(candidates, key=lambda p: p.peak_vram_bytes))}
+                row["cards"][f"{card}GiB"] = found
+            row["seconds"] = round(time.perf_counter() - started, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def denoise_peaks(model, shape, options) -> dict:
+    """Predicted denoise peak per chunk count under sequential (the tier whose weights are smallest)."""
+    from vidmem.memory import MemoryStrategy
+    from vidmem.memory.plan.candidates import CHUNK_STEPS
+    from vidmem.memory.plan.stages import denoise_stage
+
+    found = {}
+    for chunks in CHUNK_STEPS:
+        stage = denoise_stage(model, shape, MemoryStrategy(offload="sequential", activation_chunks=chunks), options)
+        found[str(chunks)] = {"allocated_gib": round(stage.allocated_bytes / GiB, 2),
+                              "device_gib": round(stage.device_bytes / GiB, 2)}
+    return found
+
+
+def summary(plan) -> dict:
+    s = plan.strategy
+    return {"fits": bool(plan.fits), "tier": s.offload.value, "blocks_to_swap": s.blocks_to_swap,
+            "activation_chunks": s.activation_chunks, "text_encoder": s.text_encoder.value,
+            "vae_tiling": s.vae_tiling is not None, "disk": plan.on_disk,
+            "peak_vram_gib": round(plan.peak_vram_bytes / GiB, 2),
+            "denoise_gib": round(plan.stage("denoise").device_bytes / GiB, 2), "est_slowdown": plan.est_slowdown}
+
+
+# --- one real block on the CPU -------------------------------------------------------------------------
+
+def block(tokens: int, dtype: str = "float32") -> dict:
+    """Each chunk count in a fresh process, so each peak RSS is its own."""
+    runs = {}
+    for chunks in BLOCK_CHUNKS:
+        out = subprocess.run([sys.executable, __file__, "--block-run", str(chunks), "--tokens", str(tokens),
+                              "--dtype", dtype], capture_output=True, text=True, check=True)
+        runs[str(chunks)] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"block chunks={chunks}: {runs[str(chunks)]}", flush=True)
+    base = runs["1"]
+    for run in runs.values():
+        run["equal_to_unchunked"] = run["output_digest"] == base["output_digest"]
+        run["time_ratio"] = round(run["seconds"] / base["seconds"], 3)
+    return {"tokens": tokens, "text_tokens": TEXT_TOKENS, "dtype": dtype, "config": WAN14B_BLOCK,
+            "note": f"1/{75600 // tokens} of 1280x720x81's 75,600 tokens" if 75600 % tokens == 0 else "", "runs": runs}
+
+
+def block_run(chunks: int, tokens: int, dtype: str = "float32") -> dict:
+    import hashlib
+
+    import torch
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    from vidmem.pipelines.activation_chunks import activation_chunks
+
+    torch.manual_seed(0)
+    module = cast(WanTransformerBlock(**WAN14B_BLOCK).eval(), dtype)
+    inputs = block_inputs(tokens, "cpu", dtype)
+    predicted = predicted_peak(chunks, tokens, dtype)
+    with torch.no_grad():
+        module(*block_inputs(256, "cpu", dtype))  # warm-up (first-call kernel setup), not timed
+        with activation_chunks({"block": module}, {"block": [module]}, chunks), RssPeak() as rss:
+            started = time.perf_counter()
+            out = module(*inputs)
+            seconds = time.perf_counter() - started
+    digest = hashlib.sha256(out.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return {"chunks": chunks, "seconds": round(seconds, 2), "peak_rss_gib": round(rss.peak_above_start / GiB, 3),
+            "predicted_peak_gib": round(predicted / GiB, 3), "output_digest": digest}
+
+
+class RssPeak:
+    """The process's resident set sampled every millisecond on a thread: its peak above where it started
+    (ru_maxrss would also count peaks from before, such as building the weights)."""
+
+    def __enter__(self) -> "RssPeak":
+        import threading
+
+        self.start = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def peak_above_start(self) -> int:
+        return self.peak - self.start
+
+
+def cast(module, dtype: str):
+    """The block as from_pretrained(torch_dtype=...) leaves it: diffusers' float32 modules stay float32."""
+    import torch
+
+    for name, tensor in module.named_parameters():
+        if not any(part in FP32_MODULES for part in name.split(".")):
+            tensor.data = tensor.data.to(getattr(torch, dtype))
+    return module
+
+
+def block_inputs(tokens: int, device, dtype: str = "float32") -> tuple:
+    """hidden and text states in the compute dtype; the timestep projection and rotary tables in float32,
+    as WanTransformer3DModel hands them to its blocks."""
+    import torch
+
+    dim, heads = WAN14B_BLOCK["dim"], WAN14B_BLOCK["num_heads"]
+
+    def make(*shape, dtype=torch.float32):
+        if device == "meta":
+            return torch.empty(*shape, device="meta", dtype=dtype)
+        return torch.randn(*shape, device=device).to(dtype)
+
+    compute = getattr(torch, dtype)
+    rope = (make(1, tokens, 1, dim // heads), make(1, tokens, 1, dim // heads))
+    return make(1, tokens, dim, dtype=compute), make(1, TEXT_TOKENS, dim, dtype=compute), make(1, 6, dim), rope
+
+
+def predicted_peak(chunks: int, tokens: int, dtype: str = "float32") -> int:
+    """The planner's count for the same call: the block on meta under its tensor ledger."""
+    import torch
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    from vidmem.memory.accounting import trace
+    from vidmem.pipelines.activation_chunks import activation_chunks
+
+    with torch.device("meta"):
+        module = cast(WanTransformerBlock(**WAN14B_BLOCK).eval(), dtype)
+    inputs = block_inputs(tokens, "meta", dtype)
+    with activation_chunks({"block": module}, {"block": [module]}, chunks):
+        return trace(lambda: module(*inputs)).peak_bytes
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def report(results: dict) -> None:
+    for row in results.get("plans", []):
+        cards = "; ".join(f"{card}: off {_fit(found['off'])}, auto {_fit(found['auto'])}"
+                          for card, found in row["cards"].items())
+        print(f"{row['model']} {row['size'][0]}x{row['size'][1]}x{row['frames']} {row['weights']}: {cards}")
+    for key in [key for key in results if key.startswith("block")]:
+        part = results[key]
+        for chunks, run in part["runs"].items():
+            print(f"{key} ({part['dtype']}, {part['tokens']} tokens) chunks={chunks}: {run['seconds']} s "
+                  f"(x{run['time_ratio']}), RSS +{run['peak_rss_gib']} GiB (planned {run['predicted_peak_gib']} GiB), "
+                  f"equal {run['equal_to_unchunked']}")
+
+
+def _fit(found: dict) -> str:
+    if not found["fits"]:
+        return f"no (leanest {found['leanest']['peak_vram_gib']} GiB)"
+    blocks = f" {found['blocks_to_swap']}" if found["blocks_to_swap"] else ""
+    return f"{found['tier']}{blocks} chunks {found['activation_chunks']} {found['peak_vram_gib']} GiB"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""activation_chunks for one sampling call: the strategy's count, or auto's, asked of the planner.
+
+The mechanism is pipelines/activation_chunks.py; this is its place in `sample()` (as sample_ladder.py
+is the out-of-memory ladder's): which count the call runs with, and why auto left chunking off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from .activation_chunks import AppliedChunks, activation_chunks, refusal
+from .family import denoiser_blocks
+
+log = logging.getLogger("vidmem")
+
+
+@contextlib.contextmanager
+def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int | None) -> Iterator[AppliedChunks]:
+    """`strategy.activation_chunks` applied to `loaded`'s denoisers for one sampling call of `request`
+    (a SampleRequest: its width, height and frames) with guidance on or off.
+
+    auto asks the planner for the fewest slices whose denoise fits `budget_bytes` (the device bytes
+    the run may use; None, as on the CPU: unknown, so nothing is chunked), and leaves chunking off,
+    saying why in the receipt's note, where the model cannot chunk or the planner cannot model it.
+    An explicit count on a model that cannot chunk raises ChunkError before any block changes."""
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)
+    denoisers = {name: getattr(loaded.pipe, name) for name in blocks}
+    count, note = strategy.activation_chunks, ""
+    if strategy.chunks_auto:
+        count, note = _auto_count(loaded, strategy, (request.width, request.height, request.frames, guided),
+                                  budget_bytes, blocks)
+    with activation_chunks(denoisers, blocks, count) as applied:
+        yield AppliedChunks(applied.chunks, applied.blocks, applied.family, note)
+
+
+def _auto_count(loaded, strategy, shape, budget_bytes: int | None, blocks) -> tuple[int, str]:
+    """(slices, note) for activation_chunks=auto: the planner's fewest that fit, or 1 and why."""
+    if budget_bytes is None:
+        return 1, ""
+    problem = refusal(blocks)
+    if problem:
+        log.info("vidmem: activation_chunks=auto leaves chunking off: %s", problem)
+        return 1, f"auto left chunking off: {problem}"
+    from ..memory.plan.candidates import fewest_chunks
+    from ..memory.plan.types import PlanOptions, VideoShape
+    from .planning import plan_options, planner_model
+
+    width, height, frames, guided = shape
+    try:
+        model, options = planner_model(loaded), plan_options(loaded, PlanOptions())
+        video = VideoShape(width, height, frames, cfg=guided)
+        model.check_shape(video)
+        return fewest_chunks(model, video, strategy, options, budget_bytes).activation_chunks, ""
+    except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the run (as pipelines/room.py)
+        log.info("vidmem: activation_chunks=auto has no prediction (%s); chunking stays off", error)
+        return 1, f"auto left chunking off: no prediction ({error})"

@@ -1,0 +1,373 @@
+"""Activation chunks (pipelines/activation_chunks.py): denoiser blocks over token slices.
+
+Chunked latents equal unchunked ones bit for bit on the CPU, per family and tier (the strict backend
+poisons evicted weights, so a slice computed with weights the engine had already evicted would show),
+with a LoRA and with the step cache; every block is left as found, after success and after an error;
+bad input is refused by name before any block changes. The planner traces the chunked blocks: more
+slices lower real-size Wan 14B's predicted denoise peak at 1280x720x81, and that is what makes the
+issue's case (fp8 scaled weights, 8 GiB VRAM, 32 GiB RAM) fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from backends import StrictBackend
+from test_lora_sampling import lora_file
+from test_step_cache import FIRST_BLOCK, MAG
+from test_tiers import block_count, hooks_of, request_for, storage_map
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.strategy import MAX_ACTIVATION_CHUNKS, StrategyError
+from vidmem.pipelines.activation_chunks import CHUNK_HOOK, ChunkError, activation_chunks, token_slices
+from vidmem.pipelines.family import denoiser_blocks
+from vidmem.pipelines.hooks import RunHooks
+from vidmem.pipelines.lora import load_lora, with_lora
+from vidmem.pipelines.sample import sample
+from vidmem.pipelines.sample_chunks import chunks_for_call
+
+VARIANTS = ("wan2.1-t2v", "wan2.1-i2v", "wan2.2-ti2v", "wan2.2-a14b", "cogvideox-t2v", "cogvideox1.5-t2v")
+
+
+def latent(loaded, strategy, variant, hooks=RunHooks(), **changes):
+    result = sample(loaded, strategy, replace(request_for(variant), **changes), hooks, backend=StrictBackend())
+    return result.latent["samples"], result.receipt
+
+
+def tiers(loaded) -> dict[str, MemoryStrategy]:
+    return {"none": MemoryStrategy(offload="none"),
+            "block_swap": MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded))}
+
+
+def blocks_as_found(loaded) -> list[tuple]:
+    """What chunking touches on each block: an instance forward, a hook registry, the hooks in it."""
+    return [("forward" in b.__dict__, getattr(b, "_diffusers_hook", None),
+             tuple(getattr(b, "_diffusers_hook", None).hooks) if hasattr(b, "_diffusers_hook") else ())
+            for group in denoiser_blocks(loaded.pipe, loaded.spec).values() for b in group]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunked_latents_equal_unchunked_bit_for_bit(variant, tiny_loaded):
+    loaded = tiny_loaded(variant)
+    latent(loaded, MemoryStrategy(), variant)  # transformers adds hooks of its own on first use: snapshot after it
+    before, hooks_before, blocks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe), blocks_as_found(loaded)
+    for label, strategy in tiers(loaded).items():
+        reference, _ = latent(loaded, strategy, variant)
+        for chunks in (2, 3):
+            chunked, receipt = latent(loaded, replace(strategy, activation_chunks=chunks), variant)
+            assert torch.equal(chunked, reference), f"{variant} {label} chunks={chunks} differs from unchunked"
+            applied = receipt["activation_chunks"]
+            blocks = sum(map(len, denoiser_blocks(loaded.pipe, loaded.spec).values()))
+            assert applied["chunks"] == chunks and applied["blocks"] == blocks
+    assert storage_map(loaded.pipe) == before
+    assert hooks_of(loaded.pipe) == hooks_before
+    assert blocks_as_found(loaded) == blocks_before
+
+
+def test_the_chunked_forward_really_runs(tiny_loaded, monkeypatch):
+    """Equal latents prove nothing if the hook never ran: count the slices the feed-forward sees."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    block = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"][0]
+    rows = []
+    hook = block.ffn.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[1]))
+    try:
+        latent(loaded, MemoryStrategy(offload="none", activation_chunks=3), "wan2.1-t2v")
+    finally:
+        hook.remove()
+    tokens = sum(rows[:3])
+    assert rows[:3] == [s.stop - s.start for s in token_slices(tokens, 3)] and len(set(rows[:3])) >= 1
+    assert max(rows) < tokens
+
+
+def test_sequential_copies_each_layer_once_per_slice_and_stays_identical(tiny_loaded):
+    from backends import Recorder
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    events, results = {}, {}
+    for chunks in (1, 2, 3):
+        recorder = Recorder()
+        request = request_for("wan2.1-t2v")
+        strategy = MemoryStrategy(offload="sequential", activation_chunks=chunks)
+        result = sample(loaded, strategy, request, backend=StrictBackend(), observer=recorder)
+        results[chunks] = result.latent["samples"]
+        events[chunks] = sum(1 for kind, _ in recorder.events if kind in ("onload", "prefetch"))
+    assert torch.equal(results[2], results[1]) and torch.equal(results[3], results[1])
+    assert events[1] < events[2] < events[3]  # what memory/plan/stages.py `_traffic` counts
+
+
+def test_chunks_with_a_lora(tiny_loaded, tmp_path):
+    base = tiny_loaded("wan2.1-t2v")
+    styled = with_lora(base, load_lora(lora_file(tmp_path, base.pipe.transformer), base.pipe, 0.8))
+    plain, _ = latent(base, MemoryStrategy(offload="none"), "wan2.1-t2v")
+    for strategy in tiers(base).values():
+        reference, _ = latent(styled, strategy, "wan2.1-t2v")
+        chunked, _ = latent(styled, replace(strategy, activation_chunks=2), "wan2.1-t2v")
+        assert not torch.equal(reference, plain)  # the LoRA is on
+        assert torch.equal(chunked, reference)
+
+
+@pytest.mark.parametrize("variant, cache", [("wan2.1-t2v", FIRST_BLOCK), ("wan2.1-t2v", MAG), ("cogvideox-t2v", MAG)],
+                         ids=["wan-first_block_cache", "wan-mag_cache", "cogvideox-mag_cache"])
+def test_chunks_under_the_step_cache(variant, cache, tiny_loaded):
+    """The cache's hooks wrap the chunked forward (it is applied first): same skips, same latents."""
+    loaded = tiny_loaded(variant)
+    for strategy in tiers(loaded).values():
+        reference, receipt = latent(loaded, strategy, variant, cache=cache, steps=10)
+        blocks_before = blocks_as_found(loaded)  # diffusers' disable_cache leaves an empty registry of its own
+        chunked, chunked_receipt = latent(loaded, replace(strategy, activation_chunks=2), variant, cache=cache,
+                                          steps=10)
+        assert torch.equal(chunked, reference)
+        assert chunked_receipt["cache"]["blocks_skipped"] == receipt["cache"]["blocks_skipped"] > 0
+        assert blocks_as_found(loaded) == blocks_before
+
+
+def test_blocks_restored_after_an_error_mid_run(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    latent(loaded, MemoryStrategy(), "wan2.1-t2v")
+    before, blocks_before = storage_map(loaded.pipe), blocks_as_found(loaded)
+    calls = []
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) > 3:  # inside the denoise loop, chunked blocks applied
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        latent(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1, activation_chunks=2), "wan2.1-t2v",
+               RunHooks(check_interrupt=interrupt))
+    assert blocks_as_found(loaded) == blocks_before
+    assert storage_map(loaded.pipe) == before
+    # and the next run is the plain one
+    assert torch.equal(latent(loaded, MemoryStrategy(offload="none"), "wan2.1-t2v")[0],
+                       latent(loaded, MemoryStrategy(offload="none", activation_chunks=2), "wan2.1-t2v")[0])
+
+
+def test_an_error_inside_a_slice_restores_every_block(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)
+    denoisers = {name: getattr(loaded.pipe, name) for name in blocks}
+    before = blocks_as_found(loaded)
+    broken = blocks["transformer"][1].ffn
+    hook = broken.register_forward_pre_hook(lambda m, args: 1 / 0)
+    try:
+        with pytest.raises(ZeroDivisionError), activation_chunks(denoisers, blocks, 2):
+            assert blocks["transformer"][0]._diffusers_hook.get_hook(CHUNK_HOOK) is not None
+            latent(loaded, MemoryStrategy(offload="none"), "wan2.1-t2v")
+    finally:
+        hook.remove()
+    assert blocks_as_found(loaded) == before
+
+
+def test_bad_chunk_counts_are_refused_by_name():
+    for bad, words in ((0, "'auto', 'off' (or 1) or 2..64"), (MAX_ACTIVATION_CHUNKS + 1, "2..64"),
+                      ("many", "'auto', 'off' or a whole number"), (2.5, "whole number"), (True, "whole number")):
+        with pytest.raises(StrategyError, match="activation_chunks=") as error:
+            MemoryStrategy(activation_chunks=bad)
+        assert words in str(error.value)
+    assert MemoryStrategy(activation_chunks="off").activation_chunks == 1
+    assert MemoryStrategy(activation_chunks="8").activation_chunks == 8
+    assert MemoryStrategy(activation_chunks="auto").chunks_auto
+    assert "activation_chunks=4" in MemoryStrategy(activation_chunks=4).describe()
+    assert "activation_chunks" not in MemoryStrategy().describe()
+
+
+def test_a_block_that_cannot_chunk_is_refused_before_anything_changes(tiny_loaded):
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)
+    before = blocks_as_found(loaded)
+    attn = blocks["transformer"][1].attn1
+    original = attn.processor
+    attn.processor = AttnProcessor2_0()
+    try:
+        with pytest.raises(ChunkError, match=r"activation_chunks=2: transformer block 1 cannot be chunked: its attn1 "
+                                             r"runs AttnProcessor2_0.*Set activation_chunks to 'off'"):
+            latent(loaded, MemoryStrategy(offload="none", activation_chunks=2), "wan2.1-t2v")
+        assert blocks_as_found(loaded) == before  # block 0 passed the check but was never hooked
+        # auto leaves it off and says why, instead of failing the run
+        with chunks_for_call(loaded, MemoryStrategy(activation_chunks="auto"), request_for("wan2.1-t2v"), True,
+                             1 << 30) as applied:
+            assert applied.chunks == 1 and "AttnProcessor2_0" in applied.note
+    finally:
+        attn.processor = original
+
+
+def test_chunking_after_the_step_cache_is_refused(tiny_loaded):
+    """Wrapped after the cache, the chunked forward would bypass the cache's decision: refuse, say the order."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    transformer = loaded.pipe.transformer
+    transformer.enable_cache(FIRST_BLOCK.diffusers_config(10))
+    try:
+        blocks = denoiser_blocks(loaded.pipe, loaded.spec)
+        with pytest.raises(ChunkError, match="must be applied before them"):
+            with activation_chunks({"transformer": transformer}, blocks, 2):
+                pass
+    finally:
+        transformer.disable_cache()
+
+
+def test_auto_without_a_budget_chunks_nothing(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    reference, _ = latent(loaded, MemoryStrategy(offload="none"), "wan2.1-t2v")
+    chunked, receipt = latent(loaded, MemoryStrategy(offload="none", activation_chunks="auto"), "wan2.1-t2v")
+    assert torch.equal(chunked, reference) and "activation_chunks" not in receipt
+
+
+def test_auto_asks_the_planner_with_the_runs_shape_and_budget(tiny_loaded, monkeypatch):
+    """The wiring: the run hands auto's choice to the planner (whose choice is tested at real size below;
+    the tiny models' activations are too small next to a CUDA context to tell slice counts apart)."""
+    from vidmem.memory.plan import candidates
+
+    asked = []
+
+    def fewest(model, shape, strategy, options, vram):
+        asked.append((shape, strategy.offload.value, vram))
+        return replace(strategy, activation_chunks=2)
+
+    monkeypatch.setattr(candidates, "fewest_chunks", fewest)
+    loaded, request = tiny_loaded("wan2.1-t2v"), request_for("wan2.1-t2v")
+    reference, _ = latent(loaded, MemoryStrategy(offload="none"), "wan2.1-t2v")
+    chunked, receipt = latent(loaded, MemoryStrategy(offload="none", activation_chunks="auto"), "wan2.1-t2v",
+                              RunHooks(device_budget=lambda device: 123 << 20))
+    assert torch.equal(chunked, reference) and receipt["activation_chunks"]["chunks"] == 2
+    shape, tier, vram = asked[0]
+    assert (shape.width, shape.height, shape.frames, shape.cfg) == (request.width, request.height, request.frames, True)
+    assert (tier, vram) == ("none", 123 << 20)
+
+
+def test_token_slices():
+    assert token_slices(12, 3) == [slice(0, 4), slice(4, 8), slice(8, 12)]
+    assert token_slices(13, 3) == [slice(0, 4), slice(4, 8), slice(8, 13)]
+    assert token_slices(10, 3) == [slice(0, 5), slice(5, 10)]  # three slices would make one of 3 tokens
+    assert token_slices(12, 64) == [slice(0, 4), slice(4, 8), slice(8, 12)]  # never under MIN_SLICE_TOKENS
+    assert token_slices(3, 2) == [slice(0, 3)]
+
+
+# --- the planner, real size on meta ------------------------------------------------------------------
+
+SHAPE_720P = (1280, 720, 81)
+
+
+@pytest.fixture(scope="module")
+def wan14b():
+    from vidmem.pipelines.configs import load_model
+
+    return load_model("wan2.1-t2v-14b")
+
+
+def _options(model):
+    from vidmem.memory.plan.types import Allocator, PlanOptions
+
+    return PlanOptions(storage=model.layout.stored_as("fp8_scaled"), allocator=Allocator.NATIVE, device="cuda")
+
+
+def test_more_chunks_lower_the_predicted_denoise_peak_of_wan14b_at_720p(wan14b):
+    from vidmem.memory.plan.stages import denoise_stage
+    from vidmem.memory.plan.types import VideoShape
+
+    shape, options = VideoShape(*SHAPE_720P), _options(wan14b)
+    peaks = [denoise_stage(wan14b, shape, MemoryStrategy(offload="sequential", activation_chunks=n), options)
+             .allocated_bytes for n in (1, 2, 4, 8)]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, peaks
+    assert peaks[-1] < peaks[0] / 1.8  # slicing removes most of the block's full-size temporaries
+
+
+def test_wan14b_720p_fits_8gib_with_chunks_and_not_without(wan14b):
+    from vidmem.memory.plan.candidates import candidate_plans, recommended
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.memory.units import GiB
+
+    shape, options = VideoShape(*SHAPE_720P), _options(wan14b)
+    budgets = (8 * GiB, 32 * GiB)
+    off = candidate_plans(wan14b, shape, *budgets, MemoryStrategy(activation_chunks="off"), options,
+                          consider_disk=False)
+    assert recommended(off) is None  # the issue's starting point: activations overrun 8 GiB under every tier
+    plans = candidate_plans(wan14b, shape, *budgets, MemoryStrategy(activation_chunks="auto"), options,
+                            consider_disk=False)
+    best = recommended(plans)
+    assert best is not None, "\n".join(p.describe() for p in plans)
+    chosen = plans[best]
+    assert chosen.fits and chosen.strategy.activation_chunks > 1 and chosen.peak_vram_bytes <= 8 * GiB
+
+
+def test_fewest_chunks_is_the_fewest_that_fit(wan14b):
+    from vidmem.memory.plan.candidates import CHUNK_STEPS, fewest_chunks
+    from vidmem.memory.plan.stages import denoise_stage
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.memory.units import GiB
+
+    shape, options, vram = VideoShape(*SHAPE_720P), _options(wan14b), 8 * GiB
+    strategy = MemoryStrategy(offload="sequential", activation_chunks="auto")
+    chosen = fewest_chunks(wan14b, shape, strategy, options, vram).activation_chunks
+    fits = {n: denoise_stage(wan14b, shape, replace(strategy, activation_chunks=n), options).fits(vram)
+            for n in CHUNK_STEPS if n <= chosen}
+    assert chosen > 1 and fits[chosen] and not any(fits[n] for n in fits if n < chosen), fits
+    assert fewest_chunks(wan14b, shape, strategy, options, None).activation_chunks == 1  # no budget: nothing chunked
+
+
+def test_sequential_traffic_counts_a_copy_per_slice(wan14b):
+    from vidmem.memory.plan.stages import denoise_stage
+    from vidmem.memory.plan.types import VideoShape
+
+    shape, options = VideoShape(832, 480, 81), _options(wan14b)
+    traffic = [denoise_stage(wan14b, shape, MemoryStrategy(offload="sequential", activation_chunks=n), options)
+               .work[0].traffic.per_pass_bytes for n in (1, 4)]
+    assert traffic[1] == 4 * traffic[0]
+
+
+def test_the_advice_names_activation_chunks(wan14b):
+    from vidmem.memory.plan.advice import nothing_fits_message, over_budget_lines
+    from vidmem.memory.plan.candidates import candidate_plans, plan_run
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.memory.units import GiB
+
+    shape, options, budgets = VideoShape(*SHAPE_720P), _options(wan14b), (8 * GiB, 32 * GiB)
+    off = MemoryStrategy(activation_chunks="off")
+    plans = candidate_plans(wan14b, shape, *budgets, off, options, consider_disk=False)
+    message = nothing_fits_message(wan14b, shape, plans, off, options, consider_disk=False)
+    assert "With activation_chunks auto (--activation-chunks auto" in message, message
+    assert "activation_chunks=" in message.split("With activation_chunks auto")[1]  # the plan that fits, with its count
+    plan = plan_run(wan14b, shape, MemoryStrategy(offload="block_swap", blocks_to_swap=40), options, *budgets)
+    lines = over_budget_lines(wan14b, plan)
+    assert any(line.startswith("denoise:") and "fix: activation_chunks " in line for line in lines), lines
+
+
+# --- the node and its plan route -------------------------------------------------------------------------
+
+def test_the_node_passes_activation_chunks_and_keeps_it_last():
+    from vidmem.nodes.strategy import CHUNK_CHOICES, WIDGETS, VidMemMemoryStrategy
+
+    optional = VidMemMemoryStrategy.INPUT_TYPES()["optional"]
+    assert list(optional)[-1] == "activation_chunks"  # saved workflows' positional values keep their meaning
+    assert "activation_chunks" not in WIDGETS
+    assert list(optional["activation_chunks"][0]) == list(CHUNK_CHOICES) and optional["activation_chunks"][1]["default"] == "auto"
+    widgets = {name: spec[1].get("default") for name, spec in VidMemMemoryStrategy.INPUT_TYPES()["required"].items()}
+    choice = VidMemMemoryStrategy().build(**widgets, activation_chunks="8")["result"][0]
+    assert choice.strategy.activation_chunks == 8
+    default = VidMemMemoryStrategy().build(**widgets)["result"][0]
+    assert default.strategy.chunks_auto
+
+
+def test_the_plan_route_reads_activation_chunks(tiny_folder, monkeypatch):
+    from vidmem.nodes import host, plan_files
+    from vidmem.nodes.plan_route import PlanRequestError, parse_request, plan_answer
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.loader import DTYPES
+
+    path = tiny_folder("wan2.1-t2v")
+    monkeypatch.setattr(host, "resolve_model_folder", lambda name, given: path)
+    plan_files._folder_storage.cache_clear()
+    query = {"model": "Wan-tiny", "dtype": "fp32", "width": "32", "height": "32", "frames": "9", "offload": "none",
+             "activation_chunks": "2"}
+    answer = plan_answer(parse_request(query, ["Wan-tiny"], list(DTYPES)), lambda name, dtype: load_model(str(path), dtype),
+                         (8 * 2**30, 32 * 2**30))
+    assert answer["status"] == "ok", answer
+    mine = answer["rows"][answer["chosen"]]
+    assert mine["label"] == "your settings" and "activation_chunks=2" in mine["strategy"]
+    assert all(row["label"].endswith("chunks 2") for row in answer["rows"][:-1])
+    with pytest.raises(PlanRequestError, match="activation_chunks='3' must be one of auto, off, 2, 4") as error:
+        parse_request({**query, "activation_chunks": "3"}, ["Wan-tiny"], list(DTYPES))
+    assert error.value.name == "activation_chunks"
