@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -232,7 +232,8 @@ class _Run:
             receipt["device_weight_bytes"], receipt["lora_bytes"] = weight_bytes, lora_handle.nbytes
             request = self.request
             shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided)
-            room = sample_room(loaded, strategy, shape, request.steps, not prompts.complete, weight_bytes, device)
+            planned = replace(strategy, activation_chunks=chunks.chunks)  # auto resolved: the room of the slices run
+            room = sample_room(loaded, planned, shape, request.steps, not prompts.complete, weight_bytes, device)
             receipt["room"] = room.as_dict()
             hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=weight_bytes)  # weights + activations
             loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
