@@ -21,7 +21,8 @@ from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
 from ..pipelines.sample_checks import validate_request
 from ..pipelines.schedulers import SCHEDULERS
-from ..pipelines.speed import planned_attention
+from ..pipelines.loader import torch_dtype
+from ..pipelines.speed import planned_attention, resolve_speed
 from ..pipelines.step_cache import write_ratio_file
 from . import host
 from .cache import CACHE_TYPE, cache_input
@@ -142,8 +143,8 @@ class VidMemVideoSampler:
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image, scheduler,
                                 shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None, step_cache,
                                 speed_input(speed, NODE))
-        check_before_planning(pipeline, choice, request)
         device = host.compute_device()
+        check_before_planning(pipeline, choice, request, device)
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
         run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames, cfg=guided), device,
                                            PlanOptions(attention=planned_attention(request.speed)))
@@ -171,11 +172,15 @@ class VidMemVideoSampler:
         return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (result.latent,)}
 
 
-def check_before_planning(pipeline, choice, request) -> None:
+def check_before_planning(pipeline, choice, request, device) -> None:
     """Everything the loaded pipeline can tell about this request before any planning, encoding or
-    moving: the request's rules for this model (validate_request: size, frames, image, controls)
-    and blocks_to_swap against the model's blocks."""
+    moving: the request's rules for this model (validate_request: size, frames, image, controls),
+    the Speed node's choices on this device and model (also before a context-parallel run starts its
+    ranks), and blocks_to_swap against the model's blocks."""
     validate_request(pipeline, request)
+    resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
+                  {name: getattr(pipeline.pipe, name) for name in denoiser_blocks(pipeline.pipe, pipeline.spec)},
+                  context_parallel=choice.strategy.parallel.context_parallel_on)
     if not choice.auto:
         for name, blocks in denoiser_blocks(pipeline.pipe, pipeline.spec).items():
             choice.strategy.check_against_model(len(blocks), name)

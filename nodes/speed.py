@@ -13,7 +13,7 @@ from ..memory.storage.fp8_matmul import Fp8Matmul
 from ..memory.strategy import StrategyError
 from ..pipelines.attention import AttentionError, AttentionKernel, resolve_attention
 from ..pipelines.compile import DYNAMIC_CHOICES, MODES, TOOLTIPS, CompileSettings
-from ..pipelines.speed import Speed
+from ..pipelines.speed import NO_SPEED_NODE, Speed
 from . import host
 from .checks import connected
 
@@ -77,8 +77,8 @@ def queue_problem(attention) -> str | None:
     """Why `attention` cannot run on the host's device in any compute dtype, or None."""
     try:
         kernel = AttentionKernel(attention)
-    except ValueError:
-        return None  # ComfyUI's own combo check names it
+    except ValueError:  # named in VALIDATE_INPUTS, so ComfyUI's own combo check is off for it
+        return f"attention={attention!r} is not one of {', '.join(repr(k.value) for k in AttentionKernel)}."
     device = host.compute_device()
     problems = []
     for dtype in QUEUE_CHECK_DTYPES:
@@ -93,7 +93,7 @@ def queue_problem(attention) -> str | None:
 def speed_input(value, node: str) -> Speed:
     """The Sampler's optional speed input as a Speed; refused naming what was connected."""
     if value is None:
-        return Speed()
+        return NO_SPEED_NODE
     if isinstance(value, Speed):
         return value
     raise StrategyError(f"speed ({node}) got {connected(value)}, not a speed setting; connect the speed output of a "

@@ -21,6 +21,7 @@ import torch
 
 from ..memory import MemoryStrategy
 from ..memory.plan.costs import CUDA_CONTEXT_BYTES
+from ..memory.accounting import Attention
 from ..memory.plan.types import PlanOptions, StagePlan, VideoShape
 from ..memory.units import GiB
 
@@ -72,8 +73,9 @@ def activation_bytes(stages: list[StagePlan], weights_outside: int = 0) -> int:
 
 
 def sample_room(loaded, strategy: MemoryStrategy, shape: VideoShape, steps: int, encode_text: bool,
-                weight_bytes: int, device: torch.device) -> RoomRequest:
-    """Room for the sampling stage (prompt encoding, when it runs, and denoising) under `strategy`."""
+                weight_bytes: int, device: torch.device, attention: Attention = Attention.FUSED) -> RoomRequest:
+    """Room for the sampling stage (prompt encoding, when it runs, and denoising) under `strategy`, with
+    the call's attention counted as `attention` (math and flex hold the whole score matrix)."""
     if not wants_prediction(device):
         return RoomRequest(weight_bytes, 0, predicted=False)
 
@@ -81,7 +83,7 @@ def sample_room(loaded, strategy: MemoryStrategy, shape: VideoShape, steps: int,
         from ..memory.plan.stages import denoise_stage, text_encode_stage
         from .planning import plan_options, planner_model
 
-        model, options = planner_model(loaded), plan_options(loaded, PlanOptions(steps=steps))
+        model, options = planner_model(loaded), plan_options(loaded, PlanOptions(attention=attention, steps=steps))
         model.check_shape(shape)
         stages = [denoise_stage(model, shape, strategy, options)]
         if encode_text:

@@ -50,7 +50,7 @@ from .sample_chunks import chunks_for_call
 from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message,
                             out_of_memory_message, planner_fits)
 from .schedulers import SamplerChoice, build_scheduler
-from .speed import ResolvedSpeed, Speed, resolve_speed, speed_for_call
+from .speed import NO_SPEED_NODE, ResolvedSpeed, Speed, planned_attention, resolve_speed, speed_for_call
 from .step_cache import AppliedCache, StepCache
 
 log = logging.getLogger("vidmem")
@@ -72,7 +72,7 @@ class SampleRequest:
     cfg_2: float | None = None  # Wan 2.2 A14B's low-noise expert; None: same as cfg
     boundary_ratio: float | None = None  # Wan 2.2 A14B; None: the model's own (0 < ratio < 1)
     cache: StepCache = StepCache()  # step caching (pipelines/step_cache.py); off by default
-    speed: Speed = Speed()  # attention kernel, compiled blocks, fp8 matmul (pipelines/speed.py)
+    speed: Speed = NO_SPEED_NODE  # attention kernel, compiled blocks, fp8 matmul (pipelines/speed.py)
 
 
 @dataclass
@@ -203,7 +203,7 @@ class _Run:
         request, device = self.request, self.backend.device
         freed = free_memory(device)
         fits = planner_fits(self.loaded, request.width, request.height, request.frames, request.steps,
-                            self.choice.guided, self.hooks.device_budget(device))
+                            self.choice.guided, self.hooks.device_budget(device), planned_attention(request.speed))
         rung, how = next_rung(strategy, block_count(self.loaded), fits)
         self.rungs.append(Rung(strategy.describe(), steps_done + 1, steps_done, rung.describe(), how, freed.as_dict()))
         log.warning("vidmem: out of memory at step %d/%d under %s; resuming after step %d under %s (%s)",
@@ -233,7 +233,8 @@ class _Run:
             request = self.request
             shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided)
             planned = replace(strategy, activation_chunks=chunks.chunks)  # auto resolved: the room of the slices run
-            room = sample_room(loaded, planned, shape, request.steps, not prompts.complete, weight_bytes, device)
+            room = sample_room(loaded, planned, shape, request.steps, not prompts.complete, weight_bytes, device,
+                               planned_attention(request.speed))
             receipt["room"] = room.as_dict()
             hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=weight_bytes)  # weights + activations
             loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterator
 
 from .activation_chunks import AppliedChunks, activation_chunks, refusal
+from .speed import planned_attention
 from .family import denoiser_blocks
 
 log = logging.getLogger("vidmem")
@@ -30,12 +31,12 @@ def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int |
     count, note = strategy.activation_chunks, ""
     if strategy.chunks_auto:
         count, note = _auto_count(loaded, strategy, (request.width, request.height, request.frames, guided),
-                                  budget_bytes, blocks)
+                                  budget_bytes, blocks, planned_attention(request.speed))
     with activation_chunks(denoisers, blocks, count) as applied:
         yield AppliedChunks(applied.chunks, applied.blocks, applied.family, note)
 
 
-def _auto_count(loaded, strategy, shape, budget_bytes: int | None, blocks) -> tuple[int, str]:
+def _auto_count(loaded, strategy, shape, budget_bytes: int | None, blocks, attention) -> tuple[int, str]:
     """(slices, note) for activation_chunks=auto: the planner's fewest that fit, or 1 and why."""
     if budget_bytes is None:
         return 1, ""
@@ -49,7 +50,7 @@ def _auto_count(loaded, strategy, shape, budget_bytes: int | None, blocks) -> tu
 
     width, height, frames, guided = shape
     try:
-        model, options = planner_model(loaded), plan_options(loaded, PlanOptions())
+        model, options = planner_model(loaded), plan_options(loaded, PlanOptions(attention=attention))
         video = VideoShape(width, height, frames, cfg=guided)
         model.check_shape(video)
         return fewest_chunks(model, video, strategy, options, budget_bytes).activation_chunks, ""

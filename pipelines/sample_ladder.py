@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from ..memory.accounting import Attention
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -115,7 +116,7 @@ def no_climb_message(strategy: MemoryStrategy, step: int, steps: int, error: Bas
 
 
 def planner_fits(loaded, width: int, height: int, frames: int, steps: int, guided: bool,
-                 budget: int | None) -> Callable[[MemoryStrategy], bool] | None:
+                 budget: int | None, attention: Attention = Attention.FUSED) -> Callable[[MemoryStrategy], bool] | None:
     """Whether the planner predicts the denoise stage under a strategy to fit `budget` device bytes
     (the host's figure after the cleanup); None without a budget."""
     if budget is None:
@@ -127,6 +128,6 @@ def planner_fits(loaded, width: int, height: int, frames: int, steps: int, guide
     def fits(strategy: MemoryStrategy) -> bool:
         model = planner_model(loaded)
         shape = VideoShape(width, height, frames, cfg=guided)
-        return denoise_stage(model, shape, strategy, plan_options(loaded, PlanOptions(steps=steps))).fits(budget)
+        return denoise_stage(model, shape, strategy, plan_options(loaded, PlanOptions(attention=attention, steps=steps))).fits(budget)
 
     return fits

@@ -28,7 +28,7 @@ from torch import nn
 from ..memory.accounting import Attention
 from ..memory.storage.fp8_matmul import Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
 from ..memory.strategy import StrategyError
-from .attention import AttentionKernel, ResolvedAttention, attention_for_call, resolve_attention
+from .attention import SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, resolve_attention
 from .compile import CompileSettings, compiled_blocks
 
 
@@ -40,6 +40,7 @@ class Speed:
     attention: AttentionKernel = AttentionKernel.AUTO
     compile: CompileSettings = field(default_factory=CompileSettings)
     fp8_matmul: Fp8Matmul = Fp8Matmul.OFF
+    chosen: bool = True  # False: no Speed node (NO_SPEED_NODE): the attention is left as the model has it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", _parsed(AttentionKernel, self.attention, "attention"))
@@ -49,7 +50,8 @@ class Speed:
 
     @property
     def default(self) -> bool:
-        return self == Speed()
+        """No Speed node was connected: what ran before the node existed."""
+        return not self.chosen
 
     def describe(self, attention: str | None = None) -> str:
         """`attention auto, compiled blocks (default, dynamic auto), fp8 matmul off`; `attention`: the resolved
@@ -78,7 +80,12 @@ class ResolvedSpeed:
     def for_chunks(self, chunks: int) -> "ResolvedSpeed":
         """This speed for a call whose blocks run in `chunks` activation slices: the slices run through their
         own forward (pipelines/activation_chunks.py), which compiled blocks cannot wrap yet, so the blocks run
-        eagerly and the receipt says why (`compile.fallback`)."""
+        eagerly and the receipt says why (`compile.fallback`). SageAttention 1.x, which vidmem reaches by
+        rerouting each attention module's forward, is refused: the slices call the dispatcher directly."""
+        if chunks > 1 and self.attention.backend == SAGE1:
+            raise StrategyError(f"attention='sage' with sageattention 1.x cannot run with activation_chunks={chunks}: "
+                                "the slices call diffusers' dispatcher, which needs sageattention 2.1.1 or newer; set "
+                                "activation_chunks off (if the video fits), or choose attention 'auto'.")
         if chunks <= 1 or not self.speed.compile.on:
             return self
         return replace(self, speed=replace(self.speed, compile=CompileSettings()), compile_skipped=(
@@ -87,15 +94,20 @@ class ResolvedSpeed:
 
     @property
     def untouched_attention(self) -> bool:
-        """auto resolved to plain SDPA: what the model runs without vidmem, so its processors are left as they
-        are (a backend set on them, or diffusers' active one, keeps working)."""
-        return self.speed.attention is AttentionKernel.AUTO and self.attention.kernel is AttentionKernel.SDPA
+        """No Speed node, or auto resolved to plain SDPA: what the model runs without vidmem, so its processors
+        are left as they are (SDPA choosing per call, a backend set on them or diffusers' active one)."""
+        return self.speed.default or (self.speed.attention is AttentionKernel.AUTO and self.attention.kernel is AttentionKernel.SDPA)
 
 
 def resolve_speed(speed: Speed, device: torch.device, dtype: torch.dtype,
-                  denoisers: Mapping[str, nn.Module] | None = None) -> ResolvedSpeed:
+                  denoisers: Mapping[str, nn.Module] | None = None, context_parallel: bool = False) -> ResolvedSpeed:
     """The kernel `speed.attention` means here, and fp8 matmul 'on' checked against the device and the
     model's layers (`denoisers`); StrategyError naming the input and the fix. Touches no weight."""
+    if context_parallel and speed.compile.on:
+        # diffusers' context parallelism hooks the first block's forward, which compiled blocks would have to wrap.
+        raise StrategyError("compile on the Speed node cannot run with context_parallel on the Memory Strategy yet: "
+                            "diffusers' context parallelism replaces the first block's forward; set compile off, or "
+                            "context_parallel off.")
     check_fp8_matmul(denoisers or {}, speed.fp8_matmul, device)
     return ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype))
 
@@ -136,7 +148,8 @@ class _Untouched:
     resolved: ResolvedAttention
 
     def as_dict(self) -> dict:
-        return {**self.resolved.as_dict(), "applied": "left as the model has it (plain SDPA without vidmem)"}
+        return {**self.resolved.as_dict(), "kernel": AttentionKernel.SDPA.value, "why": WHY[AttentionKernel.SDPA],
+                "applied": "left as the model has it: SDPA choosing its kernel per call, as without vidmem"}
 
 
 def _parsed(kind, value, name: str):
@@ -170,10 +183,19 @@ def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype) -> str:
 def _fp8_plan_text(choice: Fp8Matmul, device_type: str) -> str:
     if choice is Fp8Matmul.OFF:
         return "fp8 weights upcast (fp8_matmul off)"
-    reason = fp8_matmul_support(device_type)
-    if reason is None or (choice is Fp8Matmul.ON and device_type == "cpu"):
+    if _fp8_enabled(choice, device_type):
         return "fp8 matmul on the model's fp8 layers (their inputs rounded to fp8 too)"
+    reason = fp8_matmul_support(device_type)
+    if choice is Fp8Matmul.ON:
+        return f"refused: fp8_matmul='on' cannot run here: {reason}"
     return f"fp8 weights upcast: {reason}"
+
+
+def _fp8_enabled(choice: Fp8Matmul, device_type: str) -> bool:
+    """Whether a run on `device_type` multiplies fp8 layers in fp8 (fp8_matmul_for_call's rule: 'on' also on the CPU)."""
+    if choice is Fp8Matmul.OFF:
+        return False
+    return fp8_matmul_support(device_type) is None or (choice is Fp8Matmul.ON and device_type == "cpu")
 
 
 def measured_line(speed: Speed, device_type: str) -> str:
@@ -187,7 +209,7 @@ def measured_line(speed: Speed, device_type: str) -> str:
         parts.append(f"attention {speed.attention.value} x{kernel:.2f}")
     if speed.compile.on and entry.get("compile") is not None:
         parts.append(f"compiled blocks x{entry['compile']:.2f}")
-    if speed.fp8_matmul is not Fp8Matmul.OFF and entry.get("fp8_matmul") is not None:
+    if _fp8_enabled(speed.fp8_matmul, device_type) and entry.get("fp8_matmul") is not None:
         parts.append(f"fp8 matmul x{entry['fp8_matmul']:.2f}")
     if not parts:
         return ""
@@ -215,3 +237,6 @@ def _measured() -> dict[str, dict]:
     if not MEASURED.is_file():
         return {}
     return {entry["device"]: entry for entry in json.loads(MEASURED.read_text(encoding="utf-8"))["devices"]}
+
+
+NO_SPEED_NODE = Speed(chosen=False)  # what the Sampler runs without a Speed node

@@ -34,6 +34,16 @@ def C(**changes):  # Step Cache inputs
     return lambda fx: {**widgets, **changes}
 
 
+def SP(**changes):  # Speed inputs
+    widgets = dict(attention="auto", compile=False, compile_mode="default", compile_dynamic="auto", fp8_matmul="auto")
+    return lambda fx: {**widgets, **changes}
+
+
+def speed(**changes):
+    """The Speed node's output, as the Sampler's speed input receives it."""
+    return NODE_CLASS_MAPPINGS["VidMemSpeed"]().build(**SP(**changes)(None))["result"][0]
+
+
 def step_cache(method="mag_cache", mag_ratios="auto"):
     """The Step Cache node's output, as the Sampler's cache input receives it."""
     node = NODE_CLASS_MAPPINGS["VidMemStepCache"]()
@@ -214,6 +224,14 @@ CASES = [
     Case("cache-retention-negative", "VidMemStepCache", C(retention=-0.1), "retention=-0.1 must be from 0.0 to 1.0"),
     Case("cache-max-skip-zero", "VidMemStepCache", C(max_skip_steps=0), "smaller than min of 1: max_skip_steps"),
     Case("cache-ratios-file-absent", "VidMemStepCache", C(mag_ratios="elsewhere.json"), "Value not in list: mag_ratios"),
+    Case("speed-attention-unknown", "VidMemSpeed", SP(attention="fastest"), "attention='fastest' is not one of"),
+    Case("speed-attention-sage-not-here", "VidMemSpeed", SP(attention="sage"), "attention='sage' cannot run here",
+         marks=(pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA refuses sage"),)),
+    Case("speed-compile-cuda-graphs", "VidMemSpeed", SP(compile_mode="reduce-overhead"), "Value not in list: compile_mode"),
+    Case("speed-fp8-maybe", "VidMemSpeed", SP(fp8_matmul="maybe"), "Value not in list: fp8_matmul"),
+    Case("sampler-speed-not-a-speed", "VidMemVideoSampler", K(speed="fast"), r"speed \(Video Sampler\) got"),
+    Case("sampler-fp8-matmul-on-without-fp8-layers", "VidMemVideoSampler", lambda fx: sampler_inputs(fx, speed=speed(
+         fp8_matmul="on")), "fp8_matmul='on' cannot run here"),
     Case("sampler-cache-not-a-cache", "VidMemVideoSampler", K(cache="fast"),
          r"cache \(Video Sampler\) got a str \('fast'\), not a step cache"),
     Case("sampler-cache-latent", "VidMemVideoSampler", lambda fx: sampler_inputs(fx, cache=fx.latent()),

@@ -18,7 +18,7 @@ from vidmem.nodes.sampler import VidMemVideoSampler
 from vidmem.nodes.speed import VidMemSpeed, speed_input
 from vidmem.pipelines.compile import CompileSettings
 from vidmem.pipelines.sample import sample
-from vidmem.pipelines.speed import Speed
+from vidmem.pipelines.speed import NO_SPEED_NODE, Speed
 
 STEPS = 3
 EAGER_COMPILE = CompileSettings(True, backend="eager")  # dynamo's tracing and guards, no code generation: fast
@@ -32,7 +32,7 @@ def run(loaded, variant, strategy, speed):
 def test_the_node_builds_a_speed_and_the_sampler_takes_it():
     speed = VidMemSpeed().build("math", True, "max-autotune-no-cudagraphs", "false", "off")["result"][0]
     assert speed == Speed("math", CompileSettings(True, "max-autotune-no-cudagraphs", False), "off")
-    assert speed_input(None, "Video Sampler") == Speed() and speed_input(speed, "Video Sampler") is speed
+    assert speed_input(None, "Video Sampler") == NO_SPEED_NODE and speed_input(speed, "Video Sampler") is speed
     with pytest.raises(StrategyError, match=r"speed \(Video Sampler\) got .*Speed \(VidMem\)"):
         speed_input(MemoryStrategy(), "Video Sampler")
     assert "speed" in VidMemVideoSampler.INPUT_TYPES()["optional"]
@@ -60,7 +60,7 @@ def test_a_kernel_no_dtype_could_run_here_is_refused_when_queued():
 @pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v"])
 def test_without_a_speed_node_the_run_is_unchanged_and_the_receipt_names_the_kernel(tiny_loaded, variant):
     loaded = tiny_loaded(variant)
-    plain = run(loaded, variant, MemoryStrategy(offload="none"), Speed())
+    plain = run(loaded, variant, MemoryStrategy(offload="none"), NO_SPEED_NODE)
     auto = run(loaded, variant, MemoryStrategy(offload="none"), Speed("auto", fp8_matmul="auto"))
     assert torch.equal(plain.latent["samples"], auto.latent["samples"])  # auto on the CPU: plain SDPA, no fp8
     receipt = plain.receipt["speed"]
@@ -166,3 +166,59 @@ def test_activation_chunks_run_with_the_kernel_and_say_why_the_blocks_were_not_c
     compiled = both.receipt["speed"]["compile"]
     assert compiled["on"] and not compiled["compiled"] and "activation_chunks=2" in compiled["fallback"], compiled
     assert both.receipt["speed"]["attention"]["kernel"] == "math"
+
+
+def test_without_a_speed_node_attention_is_left_as_the_model_has_it_even_on_a_gpu(tiny_loaded, monkeypatch):
+    """auto on a CUDA card resolves to a fused SDPA backend; without a node nothing is forced (SDPA keeps its own per-call
+    choice, which falls back where flash cannot serve), with a node auto applies the kernel it names."""
+    from vidmem.pipelines import attention
+    from vidmem.pipelines.speed import resolve_speed, speed_for_call
+
+    monkeypatch.setattr(attention, "_capability", lambda device: (9, 0))
+    loaded = tiny_loaded("wan2.1-t2v")
+    denoisers = {"transformer": loaded.pipe.transformer}
+    blocks = {"transformer": list(loaded.pipe.transformer.blocks)}
+    processors = [m.processor for m in loaded.pipe.transformer.modules() if hasattr(m, "processor")]
+    before = [getattr(p, "_attention_backend", None) for p in processors]
+    cuda = torch.device("cuda")
+    for speed, expect_forced in ((NO_SPEED_NODE, False), (Speed("auto", CompileSettings(), "off"), True)):
+        resolved = resolve_speed(speed, cuda, torch.bfloat16)
+        chosen = resolved.attention.kernel.value
+        assert chosen in ("flash", "efficient"), chosen  # what this torch build offers a faked sm90
+        with speed_for_call(resolved, denoisers, blocks, torch.device("cpu")) as applied:
+            during = [getattr(p, "_attention_backend", None) for p in processors]
+            receipt = applied.as_dict()["attention"]
+        assert (during != before) is expect_forced, (speed, during)
+        assert receipt["kernel"] == (chosen if expect_forced else "sdpa")
+        assert [getattr(p, "_attention_backend", None) for p in processors] == before
+
+
+def test_compiled_blocks_with_context_parallelism_are_refused_naming_both_inputs(tiny_loaded):
+    from vidmem.pipelines.speed import resolve_speed
+
+    with pytest.raises(StrategyError, match="compile on the Speed node cannot run with context_parallel"):
+        resolve_speed(Speed(compile=EAGER_COMPILE), torch.device("cpu"), torch.float32, context_parallel=True)
+    assert resolve_speed(Speed("math"), torch.device("cpu"), torch.float32, context_parallel=True)
+
+
+def test_the_run_plans_its_room_with_the_score_matrix_of_math(tiny_loaded):
+    from vidmem.memory.accounting import Attention
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.pipelines.room import sample_room
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    shape, strategy = VideoShape(256, 256, 17, cfg=True), MemoryStrategy(offload="none")
+    fused = sample_room(loaded, strategy, shape, 2, False, 0, torch.device("cuda"))
+    unfused = sample_room(loaded, strategy, shape, 2, False, 0, torch.device("cuda"), Attention.MATH)
+    assert unfused.total_bytes > fused.total_bytes, (fused, unfused)
+
+
+def test_an_unknown_kernel_is_refused_when_queued():
+    assert "attention='fastest' is not one of" in VidMemSpeed.VALIDATE_INPUTS("fastest")
+
+
+def test_the_plans_speed_line_says_what_the_run_would_do_with_fp8():
+    from vidmem.pipelines.speed import speed_plan_line
+
+    assert "fp8 weights upcast: the CPU" in speed_plan_line(Speed(fp8_matmul="auto"), "cpu", torch.float32)
+    assert "fp8 matmul on the model's fp8 layers" in speed_plan_line(Speed(fp8_matmul="on"), "cpu", torch.float32)
