@@ -5,7 +5,7 @@ The pipeline returns latents as [B, C, T, h, w]; its VAE decodes `latent / scali
 Three things differ from Wan and CogVideoX, and each is absorbed here, in `HunyuanVideo15Call`, a
 mixin the loader puts in front of diffusers' pipeline class (`FamilySpec.call_adapter`), so the
 sampler keeps speaking one interface to every family:
-- two prompt encoders: Qwen2.5-VL's text model (`text_encoder`) and a ByT5 glyph encoder
+- two prompt encoders: Qwen2.5-VL's text model (`text_encoder`, 7B) and a ByT5 glyph encoder
   (`text_encoder_2`, for quoted text), each with a mask. One prompt's four tensors are packed into
   one [1, L, D] tensor (`pack_prompt`), which is what the prompt cache stores and what the sampler
   passes as `prompt_embeds`; the mixin unpacks it. Packing copies values, never rounds them;
@@ -22,6 +22,14 @@ from __future__ import annotations
 import torch
 
 from .family import FamilySpec, SamplerDefaults
+
+# Fixed token counts HunyuanVideo15Pipeline.__init__ sets (the planner's workloads read them).
+PROMPT_TOKENS = 1000  # tokenizer_max_length: Qwen tokens kept after the chat template
+TEMPLATE_TOKENS = 108  # prompt_template_encode_start_idx: the template's tokens, encoded then cropped
+GLYPH_TOKENS = 256  # tokenizer_2_max_length: ByT5 tokens
+IMAGE_TOKENS = 729  # vision_num_semantic_tokens: zeros for text-to-video
+QWEN_SKIPPED_LAYERS = 2  # the prompt is the hidden state 2 layers before the last
+
 
 
 def _to_comfy_latent(pipe, raw: torch.Tensor, frames: int) -> torch.Tensor:
@@ -56,8 +64,14 @@ class HunyuanVideo15Call:
     """The call interface vidmem's sampler uses (see the module docstring), over diffusers' own loop."""
 
     def vidmem_encode_prompt(self, text: str, device: torch.device) -> torch.Tensor:
-        """One text's embeddings, packed; the same encode_prompt (and dtype) the pipeline's call runs."""
-        embeds = self.encode_prompt(prompt=text, device=device, dtype=self.transformer.dtype, batch_size=1)
+        """One text's embeddings, packed; the same encode_prompt (and dtype) the pipeline's call runs.
+
+        Qwen runs on `device` (the CPU when the strategy keeps the text encoder there); ByT5 follows
+        the tier, so it runs where the strategy placed it: on the execution device."""
+        glyphs, glyph_mask = self._get_byt5_prompt_embeds(self.tokenizer_2, self.text_encoder_2, [text],
+                                                          self._execution_device, self.tokenizer_2_max_length)
+        embeds = self.encode_prompt(prompt=text, device=device, dtype=self.transformer.dtype, batch_size=1,
+                                    prompt_embeds_2=glyphs.to(device), prompt_embeds_mask_2=glyph_mask.to(device))
         return pack_prompt(*embeds)
 
     def __call__(self, *args, guidance_scale: float | None = None, callback_on_step_end=None, **kwargs):
@@ -116,12 +130,13 @@ HUNYUAN_VIDEO15 = FamilySpec(
     image_conditioned=(),
     denoisers=("transformer",),
     blocks_attr="transformer_blocks",
+    # text_encoder_2 (ByT5, ~0.2B) runs only for quoted text; it follows the tier, like Wan's image
+    # encoder: the strategy's `text_encoder` input places Qwen, the large one.
     encoders=("text_encoder", "text_encoder_2"),
-    prompt_encoders=("text_encoder", "text_encoder_2"),
     frame_step=4,  # latent frames (frames - 1) // 4 + 1, decoded back to 4k + 1 frames
     to_comfy_latent=_to_comfy_latent,
     to_vae_latent=_to_vae_latent,
-    max_sequence_length=1000,  # the pipeline's tokenizer_max_length (Qwen tokens after the template)
+    max_sequence_length=PROMPT_TOKENS,
     single_file_transformer=None,  # folders only for now
     call_adapter=HunyuanVideo15Call,
     # The folders ship FlowMatchEulerDiscreteScheduler. HunyuanVideo-1.5's README recommends cfg 6

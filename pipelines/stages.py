@@ -5,11 +5,10 @@
 change here changes what runs and what is predicted together.
 
 The rules, from the family's declaration (`FamilySpec`):
-- the family's `encoders` are placed on the device, except its prompt encoders
-  (`FamilySpec.prompt_encoders`: HunyuanVideo 1.5 has two) when the strategy keeps them on the CPU
-  (`text_encoder = cpu`) or when nothing needs encoding (every prompt embedding came from the
-  cache). An image encoder (Wan 2.1 I2V's CLIP) follows the tier: the `text_encoder` input places
-  the prompt encoders only;
+- the family's `encoders` are placed on the device, except the prompt encoder when the strategy
+  keeps it on the CPU (`text_encoder = cpu`) or when nothing needs encoding (every prompt
+  embedding came from the cache). An image encoder (Wan 2.1 I2V's CLIP) follows the tier: the
+  `text_encoder` input places the prompt encoder only;
 - every denoiser;
 - the VAE, for image-to-video: it encodes the input image before the loop.
 Components the pipeline does not have (`present`) are left out.
@@ -24,14 +23,14 @@ from torch import nn
 from ..memory.strategy import TextEncoderPlacement
 from .family import FamilySpec
 
-PROMPT_ENCODER = "text_encoder"  # every family's first prompt encoder (FamilySpec.prompt_encoders)
+PROMPT_ENCODER = "text_encoder"  # the component the strategy's `text_encoder` input places
 IMAGE_VAE = "vae"  # image-to-video encodes the input image with it before the loop
 
 
 def stage_components(spec: FamilySpec, present: Collection[str], text_encoder: TextEncoderPlacement,
                      image: bool, encode_text: bool = True) -> tuple[str, ...]:
     """The sampling stage's components, in the order the strategy is applied to them."""
-    on_cpu = set(spec.prompt_encoders) if text_encoder is TextEncoderPlacement.CPU or not encode_text else set()
+    on_cpu = {PROMPT_ENCODER} if text_encoder is TextEncoderPlacement.CPU or not encode_text else set()
     names = [name for name in spec.encoders if name not in on_cpu] + list(spec.denoisers)
     if image:
         names.append(IMAGE_VAE)
