@@ -1,0 +1,155 @@
+"""HunyuanVideo 1.5 as a family: loaded from a diffusers folder, sampled on every tier bit for bit
+as plain diffusers samples it, decoded tiled, its bad input worded, and planned on meta."""
+
+from __future__ import annotations
+
+import json
+
+import diffusers
+import pytest
+import torch
+
+from test_tiers import hooks_of, storage_map
+from vidmem.memory import MemoryStrategy, VaeTiling
+from vidmem.memory.device import CpuBackend
+from vidmem.pipelines.decode import decode
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.hunyuan_video15 import HUNYUAN_VIDEO15, pack_prompt, unpack_prompt
+from vidmem.pipelines.sample import SampleRequest, sample
+from vidmem.pipelines.tiny import tiny_call_kwargs, tiny_spec
+
+VARIANT = "hunyuanvideo1.5-t2v"
+STEPS = 2
+TIERS = {
+    "none": MemoryStrategy(offload="none"),
+    "model": MemoryStrategy(offload="model"),
+    "model/te-cpu": MemoryStrategy(offload="model", text_encoder="cpu"),
+    "block_swap:1": MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=0),
+    "block_swap:2": MemoryStrategy(offload="block_swap", blocks_to_swap=2, prefetch_blocks=1),
+    "sequential": MemoryStrategy(offload="sequential"),
+}
+
+
+def request(prompt: str = "a cat", cfg: float = 5.0, **fields) -> SampleRequest:
+    spec = tiny_spec(VARIANT)
+    fields = dict(width=spec.width, height=spec.height, frames=spec.frames, steps=STEPS) | fields
+    return SampleRequest(prompt, "", cfg=cfg, seed=0, **fields)
+
+
+def plain_latents(folder, prompt: str = "a cat", cfg: float = 5.0) -> torch.Tensor:
+    """diffusers' own pipeline class on the same folder, cfg in its guider as diffusers takes it."""
+    pipe = diffusers.HunyuanVideo15Pipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.guider = type(pipe.guider)(guidance_scale=cfg)
+    return pipe(**dict(tiny_call_kwargs(VARIANT, steps=STEPS), prompt=prompt)).frames
+
+
+def test_the_folder_loads_as_the_hunyuan_video15_family(tiny_loaded):
+    loaded = tiny_loaded(VARIANT)
+    assert loaded.spec is HUNYUAN_VIDEO15
+    assert isinstance(loaded.pipe, diffusers.HunyuanVideo15Pipeline)
+    assert not loaded.needs_image and not loaded.accepts_image
+
+
+def test_every_tier_matches_plain_diffusers_bit_for_bit(tiny_loaded, tiny_folder):
+    loaded = tiny_loaded(VARIANT)
+    reference = plain_latents(tiny_folder(VARIANT))
+    sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend())  # transformers adds its own hooks on first use
+    before, hooks_before, guider = storage_map(loaded.pipe), hooks_of(loaded.pipe), loaded.pipe.guider
+    for label, strategy in TIERS.items():
+        latent = sample(loaded, strategy, request(), backend=CpuBackend()).latent
+        assert torch.equal(latent["samples"], reference), f"{label} differs from diffusers"
+        assert latent["vidmem"]["family"] == "hunyuanvideo1.5"
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+    assert loaded.pipe.guider is guider and "step" not in vars(loaded.pipe.scheduler)  # nothing left applied
+
+
+@pytest.mark.parametrize("prompt, cfg", [('a sign that says "vidmem"', 5.0), ("a cat", 1.0)])
+def test_glyph_text_and_unguided_runs_match_plain_diffusers(prompt, cfg, tiny_loaded, tiny_folder):
+    """Quoted text runs the ByT5 encoder; cfg 1 runs no negative pass (nor encodes one)."""
+    loaded = tiny_loaded(VARIANT)
+    reference = plain_latents(tiny_folder(VARIANT), prompt, cfg)
+    result = sample(loaded, TIERS["block_swap:1"], request(prompt, cfg), backend=CpuBackend())
+    assert torch.equal(result.latent["samples"], reference)
+    assert ("negative_prompt" in result.receipt["text_encode"]) == (cfg > 1)
+
+
+def test_packed_prompt_embeddings_unpack_to_the_same_bits():
+    torch.manual_seed(0)
+    embeds, glyphs = torch.randn(2, 7, 16), torch.randn(2, 5, 32)
+    masks = (torch.randint(0, 2, (2, 7)).float(), torch.randint(0, 2, (2, 5)).float())
+    unpacked = unpack_prompt(pack_prompt(embeds, masks[0], glyphs, masks[1]), 16, 32, 5)
+    expected = {"prompt_embeds": embeds, "prompt_embeds_mask": masks[0], "prompt_embeds_2": glyphs,
+                "prompt_embeds_mask_2": masks[1]}
+    assert unpacked.keys() == expected.keys()
+    assert all(torch.equal(unpacked[key], value) for key, value in expected.items())
+
+
+def test_decode_equals_the_diffusers_pipeline(tiny_loaded):
+    loaded = tiny_loaded(VARIANT)
+    expected = loaded.pipe(**tiny_call_kwargs(VARIANT, steps=STEPS, output_type="pt")).frames[0]  # [F, C, H, W]
+    latent = sample(loaded, TIERS["model"], request(), backend=CpuBackend()).latent
+    frames = decode(loaded, latent, backend=CpuBackend()).frames
+    assert torch.equal(frames, expected.permute(0, 2, 3, 1))
+
+
+def test_decode_tiled_in_space_and_time_stays_close_to_untiled(tiny_loaded):
+    """Not exact: the decoder's mid-block attends over a whole frame and every earlier frame, so a
+    tile or a chunk decoded alone sees less; with these random weights the mean error on 0..1 pixels
+    stays below 0.1 (docs/adding-a-family.md, HunyuanVideo 1.5's decode)."""
+    loaded = tiny_loaded(VARIANT)
+    latent = {"samples": torch.randn(1, 4, 5, 4, 8, generator=torch.Generator().manual_seed(0))}  # 128x64, 17 frames
+    whole = decode(loaded, latent, backend=CpuBackend())
+    tiled = decode(loaded, latent, MemoryStrategy(vae_tiling=VaeTiling(64, 16, 8, 4)), backend=CpuBackend())
+    assert tiled.receipt["decode"]["mode"] == "tiled"
+    assert tiled.receipt["decode"]["tiles"] > 1 and tiled.receipt["decode"]["chunks"] > 1
+    assert tiled.frames.shape == whole.frames.shape == (17, 64, 128, 3)
+    error = (tiled.frames - whole.frames).abs()
+    assert 0 < error.mean() < 0.1
+
+
+@pytest.mark.parametrize("size, words", [
+    (dict(frames=10), "frames=10 is not valid for hunyuanvideo1.5: use 4k+1 frames (e.g. 9 or 13)"),
+    (dict(width=72), "width=72 must be a multiple of 16 for hunyuanvideo1.5; use 64 or 80"),
+    (dict(height=8), "height=8 must be a multiple of 16 for hunyuanvideo1.5; use 16 or 32"),
+])
+def test_frame_rule_and_size_grid_errors_name_the_fix(size, words, tiny_loaded):
+    loaded = tiny_loaded(VARIANT)
+    before = storage_map(loaded.pipe)
+    with pytest.raises(ModelError) as error:
+        sample(loaded, TIERS["block_swap:1"], request(**size), backend=CpuBackend())
+    assert words in str(error.value)
+    assert storage_map(loaded.pipe) == before
+
+
+def test_the_planner_builds_the_real_models_on_meta_without_weights():
+    """The 8.3B transformer (diffusers' HunyuanVideo-1.5 docs) and the shapes the pipeline makes."""
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.pipelines.configs import load_model
+
+    for name in ("hunyuanvideo1.5-t2v-480p", "hunyuanvideo1.5-t2v-720p"):
+        model = load_model(name)
+        transformer = model.module("transformer")
+        assert all(p.device.type == "meta" for p in transformer.parameters())
+        assert 8.0e9 < sum(p.numel() for p in transformer.parameters()) < 8.6e9
+        assert model.layout.placed_encoders == ("text_encoder", "text_encoder_2")
+        assert model.latent_shape(VideoShape(848, 480, 121)) == (1, 32, 31, 30, 53)
+        assert model.forward_passes(VideoShape(848, 480, 121, cfg=True)) == 2
+    with pytest.raises(ModelError, match="use 4k\\+1 frames"):
+        load_model("hunyuanvideo1.5-t2v-480p").check_shape(VideoShape(848, 480, 120))
+
+
+def test_vidmem_plan_gives_peaks_that_fall_with_the_tier(capsys):
+    """On meta, from the shipped config: the streamed tiers need less than holding everything, and
+    the denoise stage with everything held needs at least the transformer's bf16 weights."""
+    from vidmem.cli import main
+    from vidmem.pipelines.configs import load_model
+
+    main(["plan", "--model", "hunyuanvideo1.5-t2v-480p", "--size", "256x256", "--frames", "9", "--vram", "16",
+          "--ram", "64", "--json"])
+    rows = {row["tier"]: row for row in json.loads(capsys.readouterr().out)["strategies"]}
+    peaks = {tier: row["peak_vram_bytes"] for tier, row in rows.items()}
+    assert peaks["sequential"] < peaks["block_swap"] < peaks["none"]
+    assert rows["block_swap"]["blocks_to_swap"] > 0
+    transformer = load_model("hunyuanvideo1.5-t2v-480p").module("transformer")
+    assert rows["none"]["stages"]["denoise"] > sum(p.numel() * p.element_size() for p in transformer.parameters())
