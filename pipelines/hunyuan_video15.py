@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .family import FamilySpec, SamplerDefaults
+from .hunyuan_video15_vae import hunyuan_video15_stages
 
 # Fixed token counts HunyuanVideo15Pipeline.__init__ sets (the planner's workloads read them).
 PROMPT_TOKENS = 1000  # tokenizer_max_length: Qwen tokens kept after the chat template
@@ -139,6 +140,7 @@ HUNYUAN_VIDEO15 = FamilySpec(
     max_sequence_length=PROMPT_TOKENS,
     single_file_transformer=None,  # folders only for now
     call_adapter=HunyuanVideo15Call,
+    vae_stages=hunyuan_video15_stages,  # the mid-block once over the whole latent, the rest streamed per tile
     # The folders ship FlowMatchEulerDiscreteScheduler. HunyuanVideo-1.5's README recommends cfg 6
     # and flow shift 5 at 480p, 9 at 720p T2V (not checked offline: the folders' own shift is used
     # unless `shift` is given).
