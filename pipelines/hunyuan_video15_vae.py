@@ -104,11 +104,11 @@ class _CausalCaches:
         context = conv.time_causal_padding[4]  # kernel frames - 1
         if self.first_chunk:
             out = conv(x)
-            padded = torch.cat([x[:, :, :1]] * context + [x], dim=2)
+            before = x[:, :, :1].expand(-1, -1, max(0, context - x.shape[2]), -1, -1)  # the repeated first frame
         else:
-            padded = torch.cat([self.tails[conv], x], dim=2)
-            out = conv.conv(F.pad(padded, conv.time_causal_padding[:4] + (0, 0), mode=conv.pad_mode))
-        self.tails[conv] = padded[:, :, -context:]
+            before = self.tails[conv]
+            out = conv.conv(F.pad(torch.cat([before, x], dim=2), conv.time_causal_padding[:4] + (0, 0), mode=conv.pad_mode))
+        self.tails[conv] = torch.cat([before, x[:, :, -context:]], dim=2)[:, :, -context:].clone()
         return out
 
     def resnet(self, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
