@@ -74,6 +74,18 @@ def test_glyph_text_and_unguided_runs_match_plain_diffusers(prompt, cfg, tiny_lo
     assert ("negative_prompt" in result.receipt["text_encode"]) == (cfg > 1)
 
 
+def test_cached_prompt_embeddings_give_the_same_latents(tiny_loaded, tmp_path):
+    """The packed embeddings go through the prompt cache whole; a hit skips both text encoders."""
+    from vidmem.pipelines.hooks import RunHooks
+    from vidmem.pipelines.prompt_cache import PromptCache
+
+    loaded, hooks = tiny_loaded(VARIANT), RunHooks(prompt_cache=PromptCache(tmp_path))
+    first = sample(loaded, TIERS["model"], request('a sign that says "hi"'), hooks=hooks, backend=CpuBackend())
+    again = sample(loaded, TIERS["model"], request('a sign that says "hi"'), hooks=hooks, backend=CpuBackend())
+    assert first.receipt["text_encode"]["cache"].startswith("encoded") and again.receipt["text_encode"]["cache"] == "used"
+    assert torch.equal(first.latent["samples"], again.latent["samples"])
+
+
 def test_packed_prompt_embeddings_unpack_to_the_same_bits():
     torch.manual_seed(0)
     embeds, glyphs = torch.randn(2, 7, 16), torch.randn(2, 5, 32)
