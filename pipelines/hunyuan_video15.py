@@ -1,4 +1,4 @@
-"""HunyuanVideo 1.5 (8.3B; T2V at 480p and 720p) declared for the engine.
+"""HunyuanVideo 1.5 (8.3B; T2V and I2V at 480p and 720p) declared for the engine.
 
 The pipeline returns latents as [B, C, T, h, w]; its VAE decodes `latent / scaling_factor`.
 
@@ -14,10 +14,14 @@ sampler keeps speaking one interface to every family:
   stepped), and a scale of 1 or less turns the negative pass off, as `guidance_scale <= 1` does
   for Wan and CogVideoX;
 - the loop has no `callback_on_step_end`: the mixin calls it after each scheduler step, with the
-  step index the scheduler keeps (so a loop resumed after an out-of-memory error counts on).
+  step index the scheduler keeps (so a loop resumed after an out-of-memory error counts on);
+- image-to-video takes no height or width (it picks the size bucket nearest the image's aspect):
+  the mixin makes the requested size the bucket, and the image is cropped to it.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -77,19 +81,32 @@ class HunyuanVideo15Call:
 
     def __call__(self, *args, guidance_scale: float | None = None, callback_on_step_end=None, **kwargs):
         kwargs = self._unpacked(kwargs)
-        guider, scheduler = self.guider, self.scheduler
+        size = self._requested_size(kwargs)
+        guider, scheduler, processor = self.guider, self.scheduler, self.video_processor
         had_step = "step" in vars(scheduler)
         self.guider = _call_guider(guider, guidance_scale)
         if callback_on_step_end is not None:
             scheduler.step = self._step_with_callback(scheduler.step, callback_on_step_end)
+        if size is not None:  # image-to-video: the requested size, not the bucket nearest the image's
+            processor.calculate_default_height_width = lambda height, width, target_size: size
         try:
             return super().__call__(*args, **kwargs)
-        finally:  # the shared pipeline keeps its own guider; the scheduler loses the wrapper
+        finally:  # the shared pipeline keeps its own guider; the scheduler and processor lose their wrappers
             self.guider = guider
             if callback_on_step_end is not None and not had_step:
                 del scheduler.step
             elif callback_on_step_end is not None:
                 scheduler.step = scheduler.step.__wrapped__
+            if size is not None:
+                del processor.calculate_default_height_width
+
+    def _requested_size(self, kwargs: dict) -> tuple[int, int] | None:
+        """(height, width) when the pipeline sizes the video from its image (HunyuanVideo15ImageToVideoPipeline
+        takes no height or width: it picks the bucket of `target_size` nearest the image's aspect)."""
+        if "height" in inspect.signature(super().__call__).parameters:
+            return None
+        height, width = kwargs.pop("height", None), kwargs.pop("width", None)
+        return None if height is None or width is None else (height, width)
 
     def _unpacked(self, kwargs: dict) -> dict:
         """Packed `prompt_embeds` / `negative_prompt_embeds` (no mask given) as the pipeline's eight arguments."""
@@ -127,13 +144,13 @@ def _call_guider(guider, guidance_scale: float | None):
 
 HUNYUAN_VIDEO15 = FamilySpec(
     name="hunyuanvideo1.5",
-    pipeline_classes=("HunyuanVideo15Pipeline",),
-    image_conditioned=(),
+    pipeline_classes=("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
+    image_conditioned=("HunyuanVideo15ImageToVideoPipeline",),  # its own checkpoints (480p_i2v, 720p_i2v)
     denoisers=("transformer",),
     blocks_attr="transformer_blocks",
-    # text_encoder_2 (ByT5, ~0.2B) runs only for quoted text; it follows the tier, like Wan's image
-    # encoder: the strategy's `text_encoder` input places Qwen, the large one.
-    encoders=("text_encoder", "text_encoder_2"),
+    # text_encoder_2 (ByT5, ~0.2B) runs only for quoted text; it follows the tier, like the image
+    # encoder (SigLIP, I2V): the strategy's `text_encoder` input places Qwen, the large one.
+    encoders=("text_encoder", "text_encoder_2", "image_encoder"),
     frame_step=4,  # latent frames (frames - 1) // 4 + 1, decoded back to 4k + 1 frames
     to_comfy_latent=_to_comfy_latent,
     to_vae_latent=_to_vae_latent,

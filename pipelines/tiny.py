@@ -87,6 +87,9 @@ _HY15_QWEN = dict(
     rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}, rope_theta=1000000.0,
 )
 _HY15_BYT5 = dict(_TEXT_ENCODER, d_model=32)  # text_embed_2_dim
+# hidden_size is the transformer's image_embed_dim; 32 px in patches of 8: 16 image tokens.
+_HY15_SIGLIP = dict(hidden_size=12, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                    patch_size=8)
 # The chat template Qwen2.5-VL ships, reduced to what HunyuanVideo15Pipeline uses (system + user +
 # generation prompt).
 _QWEN_CHAT_TEMPLATE = (
@@ -116,6 +119,7 @@ class TinySpec:
     pipeline_config: Mapping[str, Any] = field(default_factory=dict)
     text_stack: str = "t5"  # which prompt components the pipeline takes: a key of _TEXT_STACKS
     guider: bool = False  # cfg lives in a `guider` component (its config), not in a guidance_scale argument
+    siglip: bool = False  # a SigLIP image encoder and its `feature_extractor` (HunyuanVideo 1.5 I2V)
 
     def __post_init__(self):
         """Freeze the config mappings too, so no caller can change a variant for everyone."""
@@ -170,6 +174,14 @@ TINY_SPECS: dict[str, TinySpec] = {
         scheduler_config=dict(shift=5.0), text_encoder="Qwen2_5_VLTextModel", width=64, height=64,
         text_stack="hunyuan15", guider=True,
     ),
+    # Its image-to-video checkpoint: the image's VAE latent and mask as the extra input channels,
+    # SigLIP's tokens beside the text's.
+    "hunyuanvideo1.5-i2v": TinySpec(
+        pipeline="HunyuanVideo15ImageToVideoPipeline", transformer="HunyuanVideo15Transformer3DModel",
+        transformer_config=dict(_HY15_DIT, task_type="i2v"), vae="AutoencoderKLHunyuanVideo15", vae_config=_HY15_VAE,
+        scheduler="FlowMatchEulerDiscreteScheduler", scheduler_config=dict(shift=5.0), text_encoder="Qwen2_5_VLTextModel",
+        width=64, height=64, needs_image=True, text_stack="hunyuan15", guider=True, siglip=True,
+    ),
 }
 TINY_VARIANTS: tuple[str, ...] = tuple(TINY_SPECS)
 
@@ -216,12 +228,24 @@ def _image_components(spec: TinySpec, seed: int) -> dict[str, Any]:
     ...WithProjection). The PIL image processor when transformers has it: the default class
     needs torchvision and otherwise falls back to it with a warning.
     """
+    if spec.siglip:
+        return _siglip_components(seed)
     if not spec.image_encoder:
         return {}
     processor_cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
     return {
         "image_encoder": _seeded(seed, "CLIPVisionModel", transformers, transformers.CLIPVisionConfig(**_CLIP_VISION)),
         "image_processor": processor_cls(crop_size=32, size=32),
+    }
+
+
+def _siglip_components(seed: int) -> dict[str, Any]:
+    """HunyuanVideo 1.5 I2V's SigLIP vision tower (last_hidden_state feeds image_embed_dim), with
+    the PIL processor when transformers has it (the default one needs torchvision)."""
+    processor_cls = getattr(transformers, "SiglipImageProcessorPil", None) or transformers.SiglipImageProcessor
+    return {
+        "image_encoder": _seeded(seed, "SiglipVisionModel", transformers, transformers.SiglipVisionConfig(**_HY15_SIGLIP)),
+        "feature_extractor": processor_cls(size={"height": 32, "width": 32}),
     }
 
 

@@ -19,6 +19,7 @@ from vidmem.pipelines.sample import SampleRequest, sample
 from vidmem.pipelines.tiny import tiny_call_kwargs, tiny_spec
 
 VARIANT = "hunyuanvideo1.5-t2v"
+I2V = "hunyuanvideo1.5-i2v"
 STEPS = 2
 TIERS = {
     "none": MemoryStrategy(offload="none"),
@@ -84,6 +85,29 @@ def test_cached_prompt_embeddings_give_the_same_latents(tiny_loaded, tmp_path):
     again = sample(loaded, TIERS["model"], request('a sign that says "hi"'), hooks=hooks, backend=CpuBackend())
     assert first.receipt["text_encode"]["cache"].startswith("encoded") and again.receipt["text_encode"]["cache"] == "used"
     assert torch.equal(first.latent["samples"], again.latent["samples"])
+
+
+def test_image_to_video_matches_plain_diffusers_on_every_tier(tiny_loaded, tiny_folder):
+    """diffusers sizes the video from the image (64x64 here: the bucket nearest a square image)."""
+    loaded = tiny_loaded(I2V)
+    plain = diffusers.HunyuanVideo15ImageToVideoPipeline.from_pretrained(tiny_folder(I2V))
+    plain.set_progress_bar_config(disable=True)
+    call = {k: v for k, v in tiny_call_kwargs(I2V, steps=STEPS).items() if k not in ("height", "width")}
+    reference = plain(**call).frames
+    image = torch.full((1, 64, 64, 3), 128 / 255)  # the grey image tiny_call_kwargs gives diffusers
+    for label, strategy in TIERS.items():
+        latent = sample(loaded, strategy, request(image=image), backend=CpuBackend()).latent
+        assert torch.equal(latent["samples"], reference), f"{label} differs from diffusers"
+
+
+def test_image_to_video_makes_the_requested_size_not_the_images_bucket(tiny_loaded):
+    loaded = tiny_loaded(I2V)
+    image = torch.full((1, 64, 64, 3), 128 / 255)
+    latent = sample(loaded, TIERS["none"], request(image=image, width=96, height=64), backend=CpuBackend()).latent
+    assert latent["samples"].shape[-2:] == (64 // 16, 96 // 16)
+    assert "calculate_default_height_width" not in vars(loaded.pipe.video_processor)
+    with pytest.raises(ModelError, match="image-to-video: connect an IMAGE"):
+        sample(loaded, TIERS["none"], request(), backend=CpuBackend())
 
 
 def test_packed_prompt_embeddings_unpack_to_the_same_bits():
@@ -164,12 +188,15 @@ def test_the_planner_builds_the_real_models_on_meta_without_weights():
     from vidmem.memory.plan.types import VideoShape
     from vidmem.pipelines.configs import load_model
 
-    for name in ("hunyuanvideo1.5-t2v-480p", "hunyuanvideo1.5-t2v-720p"):
+    for name in ("hunyuanvideo1.5-t2v-480p", "hunyuanvideo1.5-t2v-720p", "hunyuanvideo1.5-i2v-480p",
+                 "hunyuanvideo1.5-i2v-720p"):
         model = load_model(name)
         transformer = model.module("transformer")
         assert all(p.device.type == "meta" for p in transformer.parameters())
         assert 8.0e9 < sum(p.numel() for p in transformer.parameters()) < 8.6e9
-        assert model.layout.placed_encoders == ("text_encoder", "text_encoder_2")
+        image = "i2v" in name
+        assert model.layout.placed_encoders == ("text_encoder", "text_encoder_2", "image_encoder")[: 3 if image else 2]
+        assert model.layout.conditioning == (("image_encoder", "vae") if image else ())
         assert model.latent_shape(VideoShape(848, 480, 121)) == (1, 32, 31, 30, 53)
         assert model.forward_passes(VideoShape(848, 480, 121, cfg=True)) == 2
     with pytest.raises(ModelError, match="use 4k\\+1 frames"):

@@ -43,6 +43,7 @@ BLOCK_COUNT = {
     "CLIPVisionModelWithProjection": "num_hidden_layers",
     "HunyuanVideo15Transformer3DModel": "num_layers",
     "Qwen2_5_VLTextModel": "num_hidden_layers",
+    "SiglipVisionModel": "num_hidden_layers",
 }
 # Encoder class -> dotted path of its block list (what the planner extrapolates). A denoiser's
 # blocks are its family's own declaration, FamilySpec.blocks_attr: the list the engine swaps.
@@ -52,6 +53,7 @@ ENCODER_BLOCKS = {
     "CLIPVisionModel": "encoder.layers|vision_model.encoder.layers",  # transformers 5 | 4
     "CLIPVisionModelWithProjection": "vision_model.encoder.layers",
     "Qwen2_5_VLTextModel": "layers",
+    "SiglipVisionModel": "vision_model.encoder.layers",
 }
 TRACED_BLOCKS = 2
 # Calls whose components a tier can stream module by module: their traces mark where each module ran.

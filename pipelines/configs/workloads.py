@@ -74,6 +74,13 @@ def clip_image(encoder, dtype: torch.dtype, size: int) -> Run:
     return run
 
 
+def siglip_image(encoder, dtype: torch.dtype, size: int) -> Run:
+    """HunyuanVideo15ImageToVideoPipeline._get_image_embeds: SigLIP's last hidden state."""
+    def run():
+        return encoder(pixel_values=_empty(1, 3, size, size, dtype=dtype)).last_hidden_state
+    return run
+
+
 def vae_encode_condition(vae, shape: VideoShape, frames: int, dtype: torch.dtype) -> Run:
     """Image-to-video conditioning: the image (CogVideoX) or the image plus empty frames (Wan)."""
     def run():
@@ -228,7 +235,10 @@ def workload_for(model, call) -> Run:
     if call.kind == "text_encode":
         return text_encode(model.traced_module(call.component), model.spec.max_sequence_length, shape, pad_copy=wan)
     if call.kind == "condition" and call.component == "image_encoder":
-        size = model.components["image_encoder"].config.get("image_size", 224)
+        config = model.components["image_encoder"]
+        size = config.config.get("image_size", 224)
+        if config.class_name == "SiglipVisionModel":
+            return siglip_image(model.traced_module("image_encoder"), dtype, size)
         return clip_image(model.traced_module("image_encoder"), dtype, size)
     if call.kind == "condition":
         whole_video = wan and not model.pipeline_config.get("expand_timesteps", False)
