@@ -110,6 +110,25 @@ def test_image_to_video_makes_the_requested_size_not_the_images_bucket(tiny_load
         sample(loaded, TIERS["none"], request(), backend=CpuBackend())
 
 
+def test_out_of_memory_resumes_from_the_last_step_through_the_adapter(tiny_loaded):
+    """The adapter's step-end callback counts steps with the restored scheduler's index, so the
+    resumed run equals an uninterrupted one under the strategy the ladder chose."""
+    from test_oom_ladder import InjectOOM, block_count, run
+    from vidmem.pipelines.sample_ladder import fixed_ladder
+
+    loaded, steps = tiny_loaded(VARIANT), 4
+    final = fixed_ladder(MemoryStrategy(), block_count(loaded))[0]
+    reference = run(loaded, final, request(steps=steps)).latent["samples"]
+    guider = loaded.pipe.guider
+    with InjectOOM(loaded.pipe.transformer.transformer_blocks[-1], [2 * 2 + 1]) as oom:  # step 3's cond pass
+        result = run(loaded, MemoryStrategy(offload="model"), request(steps=steps))
+    assert oom.raised == 1 and oom.calls == 2 * steps + 1  # finished steps are not run again
+    (rung,) = result.receipt["oom_ladder"]
+    assert rung["at_step"] == 3 and rung["resumed_from_step"] == 2
+    assert torch.equal(result.latent["samples"], reference)
+    assert loaded.pipe.guider is guider and "step" not in vars(loaded.pipe.scheduler)
+
+
 def test_packed_prompt_embeddings_unpack_to_the_same_bits():
     torch.manual_seed(0)
     embeds, glyphs = torch.randn(2, 7, 16), torch.randn(2, 5, 32)
