@@ -22,6 +22,7 @@ sampler keeps speaking one interface to every family:
 from __future__ import annotations
 
 import inspect
+from contextlib import ExitStack
 
 import torch
 
@@ -34,7 +35,6 @@ TEMPLATE_TOKENS = 108  # prompt_template_encode_start_idx: the template's tokens
 GLYPH_TOKENS = 256  # tokenizer_2_max_length: ByT5 tokens
 IMAGE_TOKENS = 729  # vision_num_semantic_tokens: zeros for text-to-video
 QWEN_SKIPPED_LAYERS = 2  # the prompt is the hidden state 2 layers before the last
-
 
 
 def _to_comfy_latent(pipe, raw: torch.Tensor, frames: int) -> torch.Tensor:
@@ -82,23 +82,13 @@ class HunyuanVideo15Call:
     def __call__(self, *args, guidance_scale: float | None = None, callback_on_step_end=None, **kwargs):
         kwargs = self._unpacked(kwargs)
         size = self._requested_size(kwargs)
-        guider, scheduler, processor = self.guider, self.scheduler, self.video_processor
-        had_step = "step" in vars(scheduler)
-        self.guider = _call_guider(guider, guidance_scale)
-        if callback_on_step_end is not None:
-            scheduler.step = self._step_with_callback(scheduler.step, callback_on_step_end)
-        if size is not None:  # image-to-video: the requested size, not the bucket nearest the image's
-            processor.calculate_default_height_width = lambda height, width, target_size: size
-        try:
+        with ExitStack() as undo:  # everything set for this call is put back, whatever happens
+            _set_for_call(undo, self, "guider", _call_guider(self.guider, guidance_scale))
+            if callback_on_step_end is not None:
+                _set_for_call(undo, self.scheduler, "step", self._step_with_callback(self.scheduler.step, callback_on_step_end))
+            if size is not None:  # image-to-video: the requested size, not the bucket nearest the image's
+                _set_for_call(undo, self.video_processor, "calculate_default_height_width", lambda height, width, target_size: size)
             return super().__call__(*args, **kwargs)
-        finally:  # the shared pipeline keeps its own guider; the scheduler and processor lose their wrappers
-            self.guider = guider
-            if callback_on_step_end is not None and not had_step:
-                del scheduler.step
-            elif callback_on_step_end is not None:
-                scheduler.step = scheduler.step.__wrapped__
-            if size is not None:
-                del processor.calculate_default_height_width
 
     def _requested_size(self, kwargs: dict) -> tuple[int, int] | None:
         """(height, width) when the pipeline sizes the video from its image (HunyuanVideo15ImageToVideoPipeline
@@ -130,8 +120,17 @@ class HunyuanVideo15Call:
                 return output
             return (replaced, *output[1:]) if isinstance(output, tuple) else type(output)(prev_sample=replaced)
 
-        stepped.__wrapped__ = step
         return stepped
+
+
+def _set_for_call(undo: ExitStack, owner: object, name: str, value: object) -> None:
+    """`owner.name = value` until `undo` closes; then the instance's own value comes back, or the
+    attribute is removed when it was the class's (a scheduler's `step`, a processor's method)."""
+    if name in vars(owner):
+        undo.callback(setattr, owner, name, vars(owner)[name])
+    else:
+        undo.callback(delattr, owner, name)
+    setattr(owner, name, value)
 
 
 def _call_guider(guider, guidance_scale: float | None):
@@ -159,8 +158,8 @@ HUNYUAN_VIDEO15 = FamilySpec(
     call_adapter=HunyuanVideo15Call,
     vae_stages=hunyuan_video15_stages,  # the mid-block once over the whole latent, the rest streamed per tile
     # The folders ship FlowMatchEulerDiscreteScheduler. HunyuanVideo-1.5's README recommends cfg 6
-    # and flow shift 5 at 480p, 9 at 720p T2V (not checked offline: the folders' own shift is used
-    # unless `shift` is given).
+    # and flow shift 5 at 480p, 9 at 720p T2V and 7 at 720p I2V (as recalled, not checked offline;
+    # one table per family, so 720p gets the T2V figure). The folder's own shift runs unless `shift` is given.
     sampler=SamplerDefaults(flow_matching=True, schedulers=(), recommended_shift=((1280 * 720, 9.0), (0, 5.0)),
                             cfg=6.0, steps=50),
 )
