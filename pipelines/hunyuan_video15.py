@@ -157,9 +157,9 @@ HUNYUAN_VIDEO15 = FamilySpec(
     single_file_transformer=None,  # folders only for now
     call_adapter=HunyuanVideo15Call,
     vae_stages=hunyuan_video15_stages,  # the mid-block once over the whole latent, the rest streamed per tile
-    # The folders ship FlowMatchEulerDiscreteScheduler. HunyuanVideo-1.5's README recommends cfg 6
-    # and flow shift 5 at 480p, 9 at 720p T2V and 7 at 720p I2V (as recalled, not checked offline;
-    # one table per family, so 720p gets the T2V figure). The folder's own shift runs unless `shift` is given.
+    # The folders ship FlowMatchEulerDiscreteScheduler with shift 5 at 480p, 9 at 720p T2V, 7 at
+    # 720p I2V, and a guider at cfg 6 (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py);
+    # one table per family, so 720p is advised the T2V figure. The folder's own shift runs unless `shift` is given.
     sampler=SamplerDefaults(flow_matching=True, schedulers=(), recommended_shift=((1280 * 720, 9.0), (0, 5.0)),
                             cfg=6.0, steps=50),
 )
