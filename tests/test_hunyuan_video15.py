@@ -238,3 +238,23 @@ def test_vidmem_plan_gives_peaks_that_fall_with_the_tier(capsys):
     assert rows["block_swap"]["blocks_to_swap"] > 0
     transformer = load_model("hunyuanvideo1.5-t2v-480p").module("transformer")
     assert rows["none"]["stages"]["denoise"] > sum(p.numel() * p.element_size() for p in transformer.parameters())
+
+
+def test_cuda_backend_keeps_its_stream_order_for_hunyuan_video15(tiny_folder, monkeypatch):
+    """The recording CUDA fake (tests/cuda_fake.py) on every tier: streamed copies on the side
+    stream, waits per block, no device copy left behind, latents equal the CPU backend's."""
+    from cuda_fake import FakeCuda
+    from test_cuda_path import Audit, own_pipeline, points_at_a_device_copy, tiers
+    from vidmem.memory.device import CudaBackend
+
+    loaded = own_pipeline(tiny_folder, VARIANT)
+    reference = sample(loaded, TIERS["none"], request('a sign that says "hi"'), backend=CpuBackend()).latent["samples"]
+    for label, strategy in tiers(len(loaded.pipe.transformer.transformer_blocks)).items():
+        with monkeypatch.context() as patch:
+            fake = FakeCuda().install(patch)
+            result = sample(loaded, strategy, request('a sign that says "hi"'), backend=CudaBackend(torch.device("cpu")),
+                            observer=fake.observe)
+        assert torch.equal(result.latent["samples"], reference), label
+        assert not points_at_a_device_copy(loaded.pipe, fake), label
+        audit = Audit(fake.log).run(strategy.prefetch_blocks)
+        assert not audit.problems, f"{label}: " + "; ".join(audit.problems[:5])
