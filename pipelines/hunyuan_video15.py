@@ -2,7 +2,7 @@
 
 The pipeline returns latents as [B, C, T, h, w]; its VAE decodes `latent / scaling_factor`.
 
-Three things differ from Wan and CogVideoX, and each is absorbed here, in `HunyuanVideo15Call`, a
+What differs from Wan and CogVideoX, and each is absorbed here, in `HunyuanVideo15Call`, a
 mixin the loader puts in front of diffusers' pipeline class (`FamilySpec.call_adapter`), so the
 sampler keeps speaking one interface to every family:
 - two prompt encoders: Qwen2.5-VL's text model (`text_encoder`, 7B) and a ByT5 glyph encoder
@@ -16,7 +16,9 @@ sampler keeps speaking one interface to every family:
 - the loop has no `callback_on_step_end`: the mixin calls it after each scheduler step, with the
   step index the scheduler keeps (so a loop resumed after an out-of-memory error counts on);
 - image-to-video takes no height or width (it picks the size bucket nearest the image's aspect):
-  the mixin makes the requested size the bucket, and the image is cropped to it.
+  the mixin makes the requested size the bucket, and the image is cropped to it;
+- diffusers' attention builds a dense [B, 1, S, S] mask in every block (12 GiB a copy at 720p):
+  for the call, every block's attention masks keys only above a size (hunyuan_video15_attention.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from contextlib import ExitStack
 import torch
 
 from .family import FamilySpec, SamplerDefaults
+from .hunyuan_video15_attention import key_masked_attention
 from .hunyuan_video15_vae import hunyuan_video15_stages
 
 # Fixed token counts HunyuanVideo15Pipeline.__init__ sets (the planner's workloads read them).
@@ -83,6 +86,7 @@ class HunyuanVideo15Call:
         kwargs = self._unpacked(kwargs)
         size = self._requested_size(kwargs)
         with ExitStack() as undo:  # everything set for this call is put back, whatever happens
+            undo.enter_context(key_masked_attention(self.transformer))  # no dense S x S mask at large sizes
             _set_for_call(undo, self, "guider", _call_guider(self.guider, guidance_scale))
             if callback_on_step_end is not None:
                 _set_for_call(undo, self.scheduler, "step", self._step_with_callback(self.scheduler.step, callback_on_step_end))

@@ -131,6 +131,25 @@ def test_out_of_memory_resumes_from_the_last_step_through_the_adapter(tiny_loade
     assert loaded.pipe.guider is guider and "step" not in vars(loaded.pipe.scheduler)
 
 
+def test_keys_only_masking_gives_the_valid_tokens_the_same_attention(tiny_loaded, monkeypatch):
+    """Above EXACT_MASK_BYTES the blocks mask keys only (no dense S x S mask); forced here at the
+    tiny size, the latents match diffusers' masking (on the CPU's math kernel, bit for bit)."""
+    from vidmem.pipelines import hunyuan_video15_attention as attention
+
+    loaded = tiny_loaded(VARIANT)
+    processors = [block.attn.processor for block in loaded.pipe.transformer.transformer_blocks]
+    exact = sample(loaded, TIERS["block_swap:1"], request('a sign that says "hi"'), backend=CpuBackend()).latent["samples"]
+    lean_calls = []
+    keys_masked = attention.KeyMaskedAttention._keys_masked
+    monkeypatch.setattr(attention, "EXACT_MASK_BYTES", 0)
+    monkeypatch.setattr(attention.KeyMaskedAttention, "_keys_masked",
+                        lambda self, *args: lean_calls.append(1) or keys_masked(self, *args))
+    lean = sample(loaded, TIERS["block_swap:1"], request('a sign that says "hi"'), backend=CpuBackend()).latent["samples"]
+    assert len(lean_calls) == STEPS * 2 * len(processors)  # every block, cond and uncond, every step
+    assert torch.allclose(lean, exact, atol=1e-6, rtol=0)
+    assert [block.attn.processor for block in loaded.pipe.transformer.transformer_blocks] == processors
+
+
 def test_packed_prompt_embeddings_unpack_to_the_same_bits():
     torch.manual_seed(0)
     embeds, glyphs = torch.randn(2, 7, 16), torch.randn(2, 5, 32)

@@ -17,6 +17,7 @@ import torch
 
 from ...memory.plan.planner import VideoShape
 from .. import hunyuan_video15 as hy15
+from ..hunyuan_video15_attention import key_masked_attention
 
 Run = Callable[[], object]
 GUIDANCE = 6.0
@@ -195,8 +196,9 @@ def _hunyuan15_forward(transformer, hidden_states, timestep, text, glyphs, image
     image = image + kinds(image, 2)
     context = torch.cat([image, glyphs, text], dim=1)
     mask = torch.cat([torch.zeros(image.shape[:2], dtype=torch.bool, device=image.device), masks[1].bool(), masks[0].bool()], dim=1)
-    for block in t.transformer_blocks:
-        hidden_states, context = block(hidden_states, context, temb, mask, rotary)
+    with key_masked_attention(t):  # as the sampler's call adapter runs the blocks
+        for block in t.transformer_blocks:
+            hidden_states, context = block(hidden_states, context, temb, mask, rotary)
     hidden_states = t.proj_out(t.norm_out(hidden_states, temb))
     return hidden_states.reshape(batch, frames, height, width, -1).permute(0, 4, 1, 2, 3)
 
