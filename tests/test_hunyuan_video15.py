@@ -150,6 +150,21 @@ def test_keys_only_masking_gives_the_valid_tokens_the_same_attention(tiny_loaded
     assert [block.attn.processor for block in loaded.pipe.transformer.transformer_blocks] == processors
 
 
+@pytest.mark.reproducible_blas
+def test_the_disk_tier_and_fp8_storage_run_the_family(tiny_loaded, tiny_folder):
+    """Weights used in place from the folder's files (weight_dtype = the files' dtype) give the
+    loaded pipeline's latents; fp8 storage upcasts per forward and stays finite."""
+    from vidmem.pipelines.loader import load_pipeline
+
+    reference = sample(tiny_loaded(VARIANT), TIERS["block_swap:1"], request(), backend=CpuBackend()).latent["samples"]
+    on_disk = load_pipeline(tiny_folder(VARIANT), "fp32", weight_dtype="fp32")
+    assert on_disk.on_disk and set(on_disk.storage) == {"transformer", "text_encoder"}
+    assert torch.equal(sample(on_disk, TIERS["block_swap:1"], request(), backend=CpuBackend()).latent["samples"], reference)
+    fp8 = load_pipeline(tiny_folder(VARIANT), "fp32", weight_dtype="fp8_e4m3fn")
+    latent = sample(fp8, TIERS["sequential"], request(), backend=CpuBackend()).latent["samples"]
+    assert fp8.storage["transformer"] == "fp8_e4m3fn" and torch.isfinite(latent).all()
+
+
 def test_packed_prompt_embeddings_unpack_to_the_same_bits():
     torch.manual_seed(0)
     embeds, glyphs = torch.randn(2, 7, 16), torch.randn(2, 5, 32)
