@@ -41,6 +41,7 @@ COGVIDEOX = FamilySpec(
     max_sequence_length=226,  # the pipeline's own __call__ default
     single_file_transformer=None,  # diffusers has no single-file loader for CogVideoX
     vae_stages=cogvideox_stream,
+    cfg_as_batch=True,  # CogVideoXPipeline concatenates cond and uncond into one batch
     # CogVideoX ships CogVideoXDDIMScheduler (2b) or CogVideoXDPMScheduler (5b, 1.5); both are
     # v-prediction, not flow matching, so `shift` does not apply. UniPC and DPM-Solver++ read the
     # same betas but not CogVideoX's snr_shift_scale: pipelines/schedulers.py refuses them when it is not 1.

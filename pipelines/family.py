@@ -58,6 +58,14 @@ class FamilySpec:
     # None for no limit (Wan's rotary table has rope_max_seq_len rows: beyond them diffusers fails
     # with a bare reshape error, so the size is refused by name first: positions_error)
     max_positions: Callable[[object], int | None] = lambda config: None
+    # A mixin the loader puts in front of the diffusers class when the family's pipeline does not
+    # take what the sampler passes (packed `prompt_embeds`, `guidance_scale`, `callback_on_step_end`;
+    # see pipelines/hunyuan_video15.py). It may define `vidmem_encode_prompt(text, device) -> [1, L, D]`,
+    # which pipelines/prompts.py then calls instead of the T5 families' `encode_prompt`.
+    call_adapter: type | None = None
+    # cfg runs as one batch of two through the denoiser (CogVideoX), not as two passes (Wan,
+    # HunyuanVideo 1.5): the planner counts forward passes and activations from it.
+    cfg_as_batch: bool = False
 
     def frames_error(self, frames: int) -> str | None:
         if frames >= 1 and (frames - 1) % self.frame_step == 0:

@@ -23,11 +23,12 @@ from ..memory.warm import WarmStore
 from ..memory.units import DTYPES  # re-exported: nodes and comfy_files name dtypes through the loader
 from .cogvideox import COGVIDEOX
 from .family import FamilySpec, ModelError
+from .hunyuan_video15 import HUNYUAN_VIDEO15
 from .json_files import read_json_object
 from .wan import WAN
 from .weight_storage import DEFAULT_WEIGHTS, check_weight_dtype, hold
 
-FAMILIES = (COGVIDEOX, WAN)
+FAMILIES = (COGVIDEOX, WAN, HUNYUAN_VIDEO15)
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,8 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config
 
 @lru_cache(maxsize=None)
 def pinned_pipeline_class(class_name: str) -> type:
-    """The diffusers pipeline class, with an execution device we set instead of infer.
+    """The diffusers pipeline class, with an execution device we set instead of infer, behind the
+    family's `call_adapter` when it declares one.
 
     diffusers infers where to create latents from where weights sit; while weights stream in,
     none sit on the compute device, so the strategy states it (`vidmem_execution_device`).
@@ -242,9 +244,11 @@ def pinned_pipeline_class(class_name: str) -> type:
     import diffusers
 
     base = getattr(diffusers, class_name)
+    adapter = family_for(class_name).call_adapter
 
     def _execution_device(self) -> torch.device:
         pinned = getattr(self, "vidmem_execution_device", None)
         return pinned if pinned is not None else base._execution_device.fget(self)
 
-    return type(f"VidMem{class_name}", (base,), {"_execution_device": property(_execution_device)})
+    bases = (adapter, base) if adapter is not None else (base,)
+    return type(f"VidMem{class_name}", bases, {"_execution_device": property(_execution_device)})

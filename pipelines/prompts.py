@@ -3,7 +3,9 @@ prompt cache, and encoded only when missing.
 
 Each text is encoded on its own with the family's `encode_prompt` (no guidance), which runs the
 same `_get_t5_prompt_embeds` the pipeline runs for the prompt and for the negative prompt, so
-cached and fresh embeddings are the same bits as diffusers' own.
+cached and fresh embeddings are the same bits as diffusers' own. A family whose pipeline encodes
+otherwise (HunyuanVideo 1.5: two encoders and masks) brings `vidmem_encode_prompt` through its
+call adapter (`FamilySpec.call_adapter`), which returns one packed tensor.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def look_up(pipe, texts: list[PromptText], cache: PromptCache | None) -> PromptE
     if cache is None:
         return found
     try:
-        identity = encoder_identity(pipe.text_encoder)
+        # Every prompt encoder the embedding depends on (HunyuanVideo 1.5's ByT5 too): either changed misses.
+        encoders = [pipe.text_encoder] + [e for e in [getattr(pipe, "text_encoder_2", None)] if e is not None]
+        identity = "+".join(encoder_identity(encoder) for encoder in encoders)
     except (EncoderIdentityError, RuntimeError) as error:
         found.cache_note = f"unavailable: {error}"
         return found
@@ -94,14 +98,18 @@ def look_up(pipe, texts: list[PromptText], cache: PromptCache | None) -> PromptE
 @torch.no_grad()  # as the pipeline's own __call__: no autograd graph, same kernels
 def encode_missing(pipe, found: PromptEmbeddings, device: torch.device) -> None:
     """Encode every text the cache did not have on `device`, and store it in the cache."""
+    family_encode = getattr(pipe, "vidmem_encode_prompt", None)
     for text in found.missing:
-        embeds, _ = pipe.encode_prompt(
-            prompt=text.text,
-            do_classifier_free_guidance=False,
-            num_videos_per_prompt=1,
-            max_sequence_length=text.max_sequence_length,
-            device=device,
-        )
+        if family_encode is not None:
+            embeds = family_encode(text.text, device)
+        else:
+            embeds, _ = pipe.encode_prompt(
+                prompt=text.text,
+                do_classifier_free_guidance=False,
+                num_videos_per_prompt=1,
+                max_sequence_length=text.max_sequence_length,
+                device=device,
+            )
         found.embeds[text.role] = embeds
         if found.cache is not None:
             stored = found.cache.store(found.keys[text.role], embeds, {"role": text.role, "tokens": len(text.token_ids)})

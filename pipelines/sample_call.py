@@ -107,8 +107,14 @@ def _restored_scheduler(resume: ResumePoint):
     """The scheduler after `resume.steps_done` steps; the pipeline's `set_timesteps` would reset it."""
     scheduler = object.__new__(resume.scheduler_class)
     scheduler.__dict__.update(copy.deepcopy(resume.scheduler_state))
-    scheduler.set_timesteps = lambda *args, **kwargs: None
+    scheduler.set_timesteps = _keep_timesteps
     return scheduler
+
+
+def _keep_timesteps(*args, sigmas=None, timesteps=None, **kwargs) -> None:
+    """The restored scheduler's `set_timesteps`: the schedule after the finished steps stands. It
+    names `sigmas` and `timesteps` because pipelines that pass them (HunyuanVideo 1.5's
+    retrieve_timesteps) first check that the scheduler's signature accepts them."""
 
 
 class StepRecord:

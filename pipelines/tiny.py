@@ -69,6 +69,34 @@ _CLIP_VISION = dict(
     intermediate_size=16, patch_size=1,
 )
 
+# HunyuanVideo 1.5: diffusers' fast-test sizes (tests/pipelines/hunyuan_video1_5), with the real
+# VAE geometry (16x spatial, 4x temporal: five blocks) so the frame rule and size grid are the real
+# ones, and two transformer blocks so block swap has a first and a last block.
+_HY15_LATENT = 4
+_HY15_DIT = dict(
+    in_channels=2 * _HY15_LATENT + 1, out_channels=_HY15_LATENT, num_attention_heads=2, attention_head_dim=8,
+    num_layers=2, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
+    text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=64, task_type="t2v",
+)
+_HY15_VAE = dict(
+    latent_channels=_HY15_LATENT, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+    spatial_compression_ratio=16, temporal_compression_ratio=4,
+)
+_HY15_QWEN = dict(
+    hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+    rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}, rope_theta=1000000.0,
+)
+_HY15_BYT5 = dict(_TEXT_ENCODER, d_model=32)  # text_embed_2_dim
+# hidden_size is the transformer's image_embed_dim; 32 px in patches of 8: 16 image tokens.
+_HY15_SIGLIP = dict(hidden_size=12, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                    patch_size=8)
+# The chat template Qwen2.5-VL ships, reduced to what HunyuanVideo15Pipeline uses (system + user +
+# generation prompt).
+_QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -89,6 +117,9 @@ class TinySpec:
     two_experts: bool = False
     image_encoder: bool = False
     pipeline_config: Mapping[str, Any] = field(default_factory=dict)
+    text_stack: str = "t5"  # which prompt components the pipeline takes: a key of _TEXT_STACKS
+    guider: bool = False  # cfg lives in a `guider` component (its config), not in a guidance_scale argument
+    siglip: bool = False  # a SigLIP image encoder and its `feature_extractor` (HunyuanVideo 1.5 I2V)
 
     def __post_init__(self):
         """Freeze the config mappings too, so no caller can change a variant for everyone."""
@@ -134,6 +165,22 @@ TINY_SPECS: dict[str, TinySpec] = {
         **dict(_WAN, vae_config=_WAN_VAE_22), pipeline="WanPipeline", width=64, height=64,
         transformer_config=dict(_WAN_DIT, in_channels=48, out_channels=48),
         pipeline_config=dict(expand_timesteps=True),
+    ),
+    # HunyuanVideo 1.5 T2V: Qwen2.5-VL's text model and a ByT5 glyph encoder, a CFG guider component.
+    # 64 px: its VAE compresses 16x and the transformer's patch is 1.
+    "hunyuanvideo1.5-t2v": TinySpec(
+        pipeline="HunyuanVideo15Pipeline", transformer="HunyuanVideo15Transformer3DModel", transformer_config=_HY15_DIT,
+        vae="AutoencoderKLHunyuanVideo15", vae_config=_HY15_VAE, scheduler="FlowMatchEulerDiscreteScheduler",
+        scheduler_config=dict(shift=5.0), text_encoder="Qwen2_5_VLTextModel", width=64, height=64,
+        text_stack="hunyuan15", guider=True,
+    ),
+    # Its image-to-video checkpoint: the image's VAE latent and mask as the extra input channels,
+    # SigLIP's tokens beside the text's.
+    "hunyuanvideo1.5-i2v": TinySpec(
+        pipeline="HunyuanVideo15ImageToVideoPipeline", transformer="HunyuanVideo15Transformer3DModel",
+        transformer_config=dict(_HY15_DIT, task_type="i2v"), vae="AutoencoderKLHunyuanVideo15", vae_config=_HY15_VAE,
+        scheduler="FlowMatchEulerDiscreteScheduler", scheduler_config=dict(shift=5.0), text_encoder="Qwen2_5_VLTextModel",
+        width=64, height=64, needs_image=True, text_stack="hunyuan15", guider=True, siglip=True,
     ),
 }
 TINY_VARIANTS: tuple[str, ...] = tuple(TINY_SPECS)
@@ -181,6 +228,8 @@ def _image_components(spec: TinySpec, seed: int) -> dict[str, Any]:
     ...WithProjection). The PIL image processor when transformers has it: the default class
     needs torchvision and otherwise falls back to it with a warning.
     """
+    if spec.siglip:
+        return _siglip_components(seed)
     if not spec.image_encoder:
         return {}
     processor_cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
@@ -190,11 +239,61 @@ def _image_components(spec: TinySpec, seed: int) -> dict[str, Any]:
     }
 
 
-def _components(spec: TinySpec, seed: int) -> dict[str, Any]:
+def _siglip_components(seed: int) -> dict[str, Any]:
+    """HunyuanVideo 1.5 I2V's SigLIP vision tower (last_hidden_state feeds image_embed_dim), with
+    the PIL processor when transformers has it (the default one needs torchvision)."""
+    processor_cls = getattr(transformers, "SiglipImageProcessorPil", None) or transformers.SiglipImageProcessor
+    return {
+        "image_encoder": _seeded(seed, "SiglipVisionModel", transformers, transformers.SiglipVisionConfig(**_HY15_SIGLIP)),
+        "feature_extractor": processor_cls(size={"height": 32, "width": 32}),
+    }
+
+
+def build_tiny_qwen_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """A byte-level Qwen2 tokenizer with no merges (one token per byte) and Qwen's chat markers.
+
+    HunyuanVideo 1.5 formats every prompt with `apply_chat_template`, so the template is set; it
+    saves as tokenizer.json + chat_template.jinja and reloads with AutoTokenizer, offline.
+    """
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())}
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = _QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _t5_text(spec: TinySpec, seed: int) -> dict[str, Any]:
     tokenizer = build_tiny_tokenizer()
-    components = {
+    return {"tokenizer": tokenizer, "text_encoder": _text_encoder(spec, len(tokenizer), seed)}
+
+
+def _hunyuan15_text(spec: TinySpec, seed: int) -> dict[str, Any]:
+    """Qwen2.5-VL's text model (prompt), ByT5 (quoted glyph text) and the guider holding cfg."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    tokenizer, tokenizer_2 = build_tiny_qwen_tokenizer(), transformers.ByT5Tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])  # Qwen's bos and eos, in this vocabulary
+    qwen = transformers.Qwen2_5_VLTextConfig(vocab_size=len(tokenizer), bos_token_id=ids[0], eos_token_id=ids[1], **_HY15_QWEN)
+    return {
         "tokenizer": tokenizer,
-        "text_encoder": _text_encoder(spec, len(tokenizer), seed),
+        "text_encoder": _seeded(seed, "Qwen2_5_VLTextModel", transformers, qwen),
+        "tokenizer_2": tokenizer_2,
+        "text_encoder_2": _seeded(seed, "T5EncoderModel", transformers,
+                                  transformers.T5Config(vocab_size=len(tokenizer_2), **_HY15_BYT5)),
+        "guider": ClassifierFreeGuidance(guidance_scale=5.0),  # tiny_call_kwargs' guidance_scale
+    }
+
+
+_TEXT_STACKS = {"t5": _t5_text, "hunyuan15": _hunyuan15_text}
+
+
+def _components(spec: TinySpec, seed: int) -> dict[str, Any]:
+    components = {
+        **_TEXT_STACKS[spec.text_stack](spec, seed),
         "vae": _seeded(seed, spec.vae, diffusers, **spec.vae_config),
         "scheduler": getattr(diffusers, spec.scheduler)(**spec.scheduler_config),
         "transformer": _seeded(seed, spec.transformer, diffusers, **spec.transformer_config),
@@ -251,6 +350,8 @@ def tiny_call_kwargs(variant: str, seed: int = 0, steps: int = 2, output_type: s
         num_inference_steps=steps, guidance_scale=5.0, output_type=output_type,
         generator=torch.Generator("cpu").manual_seed(seed),
     )
+    if spec.guider:
+        del kwargs["guidance_scale"]  # the saved guider's config holds the same 5.0
     if spec.needs_image:
         kwargs["image"] = Image.new("RGB", (spec.width, spec.height), (128, 128, 128))
     return kwargs

@@ -41,6 +41,9 @@ BLOCK_COUNT = {
     "UMT5EncoderModel": "num_layers",
     "CLIPVisionModel": "num_hidden_layers",
     "CLIPVisionModelWithProjection": "num_hidden_layers",
+    "HunyuanVideo15Transformer3DModel": "num_layers",
+    "Qwen2_5_VLTextModel": "num_hidden_layers",
+    "SiglipVisionModel": "num_hidden_layers",
 }
 # Encoder class -> dotted path of its block list (what the planner extrapolates). A denoiser's
 # blocks are its family's own declaration, FamilySpec.blocks_attr: the list the engine swaps.
@@ -49,6 +52,8 @@ ENCODER_BLOCKS = {
     "UMT5EncoderModel": "encoder.block",
     "CLIPVisionModel": "encoder.layers|vision_model.encoder.layers",  # transformers 5 | 4
     "CLIPVisionModelWithProjection": "vision_model.encoder.layers",
+    "Qwen2_5_VLTextModel": "layers",
+    "SiglipVisionModel": "vision_model.encoder.layers",
 }
 TRACED_BLOCKS = 2
 # Calls whose components a tier can stream module by module: their traces mark where each module ran.
@@ -93,6 +98,9 @@ class MetaModel:
     @cached_property
     def geometry(self) -> VaeGeometry:
         config = self.components["vae"].config
+        if "spatial_compression_ratio" in config:  # VAEs that state their factors (HunyuanVideo 1.5)
+            return VaeGeometry(int(config["spatial_compression_ratio"]), int(config.get("temporal_compression_ratio", 4)),
+                               config["latent_channels"])
         if self.spec.name == "cogvideox":
             spatial = 2 ** (len(config.get("block_out_channels", (128, 256, 256, 512))) - 1)
             return VaeGeometry(spatial, int(config.get("temporal_compression_ratio", 4)), config.get("latent_channels", 16))
@@ -142,7 +150,7 @@ class MetaModel:
         return (shape.batch, g.latent_channels, (shape.frames - 1) // g.temporal_factor + 1, shape.height // s, shape.width // s)
 
     def forward_passes(self, shape: VideoShape) -> int:
-        return 2 if shape.cfg and self.spec.name == "wan" else 1
+        return 2 if shape.cfg and not self.spec.cfg_as_batch else 1
 
     def weights(self, component: str, storage: str | None = None) -> ComponentWeights:
         """The component's tensors as stored: `storage` names a StorageFormat (None: the compute dtype)."""
@@ -354,6 +362,8 @@ def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int |
     count = BLOCK_COUNT.get(component.class_name)
     if max_blocks and count in config:
         config[count] = min(int(config[count]), max_blocks)
+        if isinstance(config.get("layer_types"), list):  # transformers 5 (Qwen) wants one entry per layer
+            config["layer_types"] = config["layer_types"][: config[count]]
     # Never inference tensors, whoever builds first (a Sampler node runs under ComfyUI's inference
     # mode): the cached module is also traced for training, whose backward cannot use them.
     with torch.device(device), torch.inference_mode(False):

@@ -2,9 +2,11 @@
 
 Each function returns a zero-argument callable for `vidmem.memory.accounting.trace`: it creates
 the tensors the pipeline creates in that stage (latents, embeddings, guidance copies) and calls
-the meta modules the way `CogVideoXPipeline` / `WanPipeline` (and their image-to-video variants)
-do in diffusers 0.42, so the ledger sees the same allocations. Tensors that exist before the
-stage (a decode piece is a view of the whole latent) are made outside the callable.
+the meta modules the way `CogVideoXPipeline` / `WanPipeline` (and their image-to-video variants) /
+`HunyuanVideo15Pipeline` do in diffusers 0.42, so the ledger sees the same allocations. Tensors
+that exist before the stage (a decode piece is a view of the whole latent) are made outside the
+callable. A new family adds its step here (a function, chosen in `denoise_step`) and, where its
+prompt encoding differs from T5's, its text encoding (chosen in `workload_for`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Callable
 import torch
 
 from ...memory.plan.planner import VideoShape
+from .. import hunyuan_video15 as hy15
+from ..hunyuan_video15_attention import key_masked_attention
 
 Run = Callable[[], object]
 GUIDANCE = 6.0
@@ -47,11 +51,34 @@ def text_encode(encoder, tokens: int, shape: VideoShape, pad_copy: bool) -> Run:
     return run
 
 
+def qwen_text_encode(encoder, shape: VideoShape) -> Run:
+    """HunyuanVideo15Pipeline._get_mllm_prompt_embeds: the chat template and prompt padded to a fixed
+    length, every hidden state kept (`output_hidden_states`), one of them cropped past the template."""
+    tokens = hy15.TEMPLATE_TOKENS + hy15.PROMPT_TOKENS
+
+    def run():
+        embeds = []
+        for _ in range(2 if shape.cfg else 1):
+            ids = torch.zeros((1, tokens), dtype=torch.long, device="meta")
+            states = encoder(input_ids=ids, output_hidden_states=True).hidden_states
+            embeds.append(states[-(hy15.QWEN_SKIPPED_LAYERS + 1)][:, hy15.TEMPLATE_TOKENS:].repeat(1, shape.batch, 1))
+            del states
+        return embeds
+    return run
+
+
 def clip_image(encoder, dtype: torch.dtype, size: int) -> Run:
     """WanImageToVideoPipeline.encode_image: the penultimate hidden state of a CLIP vision tower."""
     def run():
         pixels = _empty(1, 3, size, size, dtype=dtype)
         return encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+    return run
+
+
+def siglip_image(encoder, dtype: torch.dtype, size: int) -> Run:
+    """HunyuanVideo15ImageToVideoPipeline._get_image_embeds: SigLIP's last hidden state."""
+    def run():
+        return encoder(pixel_values=_empty(1, 3, size, size, dtype=dtype)).last_hidden_state
     return run
 
 
@@ -126,6 +153,56 @@ def wan_step(transformer, latent: tuple[int, ...], shape: VideoShape, dtype: tor
     return run
 
 
+def hunyuan15_step(transformer, latent: tuple[int, ...], shape: VideoShape, dtype: torch.dtype,
+                   device: torch.device | str = "meta") -> Run:
+    """One HunyuanVideo15Pipeline step: latents, zero condition latents and mask concatenated in
+    the transformer's dtype, cond and uncond as two passes (the guider), a flow-matching update."""
+    config = transformer.config
+    batch, channels, frames, height, width = latent
+
+    def run():
+        latents = _empty(*latent, dtype=dtype, device=device)
+        model_input = torch.cat([latents, torch.zeros_like(latents), latents.new_zeros(batch, 1, frames, height, width)], dim=1)
+        image = torch.zeros((batch, hy15.IMAGE_TOKENS, config.image_embed_dim), dtype=dtype, device=device)
+        timestep = torch.zeros((batch,), dtype=dtype, device=device)
+        preds = []
+        for _ in range(2 if shape.cfg else 1):
+            text = _empty(batch, hy15.PROMPT_TOKENS, config.text_embed_dim, dtype=dtype, device=device)
+            glyphs = _empty(batch, hy15.GLYPH_TOKENS, config.text_embed_2_dim, dtype=dtype, device=device)
+            masks = (torch.ones((batch, hy15.PROMPT_TOKENS), dtype=dtype, device=device),
+                     torch.ones((batch, hy15.GLYPH_TOKENS), dtype=dtype, device=device))
+            preds.append(_hunyuan15_forward(transformer, model_input, timestep, text, glyphs, image, masks))
+        noise = preds[0] if len(preds) == 1 else preds[1] + GUIDANCE * (preds[0] - preds[1])
+        return (latents.float() - 0.1 * noise).to(dtype)  # FlowMatchEulerDiscreteScheduler.step upcasts to fp32
+    return run
+
+
+def _hunyuan15_forward(transformer, hidden_states, timestep, text, glyphs, image, masks) -> torch.Tensor:
+    """HunyuanVideo15Transformer3DModel.forward with shapes only: diffusers reorders the text tokens
+    by their masks (valid first) and tests whether the image embeddings are all zero, which meta
+    tensors cannot answer; the reordered tokens are the same count, so a concatenation allocates
+    what the reorder does. Every module runs as in diffusers (same hooks, same order)."""
+    t = transformer
+    batch, _, frames, height, width = hidden_states.shape
+    rotary = t.rope(hidden_states)
+    temb = t.time_embed(timestep, timestep_r=None)
+    hidden_states = t.x_embedder(hidden_states)
+    kinds = lambda x, kind: t.cond_type_embed(torch.full_like(x[:, :, 0], kind, dtype=torch.long))  # noqa: E731
+    text = t.context_embedder(text, timestep, masks[0])
+    text = text + kinds(text, 0)
+    glyphs = t.context_embedder_2(glyphs)
+    glyphs = glyphs + kinds(glyphs, 1)
+    image = t.image_embedder(image) * 0.0
+    image = image + kinds(image, 2)
+    context = torch.cat([image, glyphs, text], dim=1)
+    mask = torch.cat([torch.zeros(image.shape[:2], dtype=torch.bool, device=image.device), masks[1].bool(), masks[0].bool()], dim=1)
+    with key_masked_attention(t):  # as the sampler's call adapter runs the blocks
+        for block in t.transformer_blocks:
+            hidden_states, context = block(hidden_states, context, temb, mask, rotary)
+    hidden_states = t.proj_out(t.norm_out(hidden_states, temb))
+    return hidden_states.reshape(batch, frames, height, width, -1).permute(0, 4, 1, 2, 3)
+
+
 def decode(vae, piece: torch.Tensor, own_tiling: bool) -> Run:
     """One `vae.decode` call; `own_tiling` switches on the VAE's own (diffusers) tiling for it."""
     def run():
@@ -155,10 +232,15 @@ def postprocess(shape: VideoShape, out_frames: int, spatial_factor: int) -> Run:
 def workload_for(model, call) -> Run:
     """The callable that runs `call` on `model`'s meta components (a `MetaModel`)."""
     shape, dtype, wan = call.shape, model.dtype, model.spec.name == "wan"
+    if call.kind == "text_encode" and model.components[call.component].class_name == "Qwen2_5_VLTextModel":
+        return qwen_text_encode(model.traced_module(call.component), shape)
     if call.kind == "text_encode":
         return text_encode(model.traced_module(call.component), model.spec.max_sequence_length, shape, pad_copy=wan)
     if call.kind == "condition" and call.component == "image_encoder":
-        size = model.components["image_encoder"].config.get("image_size", 224)
+        config = model.components["image_encoder"]
+        size = config.config.get("image_size", 224)
+        if config.class_name == "SiglipVisionModel":
+            return siglip_image(model.traced_module("image_encoder"), dtype, size)
         return clip_image(model.traced_module("image_encoder"), dtype, size)
     if call.kind == "condition":
         whole_video = wan and not model.pipeline_config.get("expand_timesteps", False)
@@ -202,6 +284,8 @@ def denoise_step(model, component: str, shape: VideoShape, transformer, device: 
     config = model.components[component].config
     batch, channels, frames, height, width = model.latent_shape(shape)
     image = model.pipeline_class in model.spec.image_conditioned
+    if model.spec.name == hy15.HUNYUAN_VIDEO15.name:
+        return hunyuan15_step(transformer, (batch, channels, frames, height, width), shape, model.dtype, device)
     if model.spec.name == "cogvideox":
         patch_t = config.get("patch_size_t") or 1
         frames += (-frames) % patch_t  # CogVideoX 1.5 pads the latent to whole temporal patches
