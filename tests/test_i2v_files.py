@@ -1,11 +1,13 @@
-"""Image-to-video from the files users download: Wan 2.2 I2V A14B and Wan 2.1 I2V 14B, end to end.
+"""Image-to-video from what users download, end to end on tiny models; and its plan.
 
 Tiny models written in Comfy-Org's layouts and key names (pipelines/tiny_files.py): the two
 Wan 2.2 I2V A14B experts (no CLIP vision encoder), Wan 2.1 I2V with clip_vision_h's layout
-(`vision_model.` names and a projection head Wan does not use). Against the folder twin
-(bit-identical latents per storage and layout) see test_comfy_files; here, every tier on files
-kept on disk gives tier none's latents, the expert hand-off streams the low-noise expert in
-time, and a wrong or missing image encoder is named.
+(`vision_model.` names and a projection head Wan does not use); CogVideoX-5b I2V from its
+diffusers folder. Against the folder twin (bit-identical latents per storage and layout) see
+test_comfy_files; here, every tier on files kept on disk gives tier none's latents, the expert
+hand-off streams the low-noise expert in time, a wrong or missing image encoder is named, and
+the planner counts the image conditioning (the VAE encode, Wan 2.1's CLIP) and fits Wan 2.2
+I2V A14B fp8 at 832x480x81 on 8 GB / 32 GB.
 """
 
 from __future__ import annotations
@@ -123,3 +125,55 @@ def test_wan21_i2v_with_an_fp16_clip_vision_file_runs_on_every_tier(written):
                for label, strategy in TIERS.items()}
     for label, latent in results.items():
         assert torch.equal(latent, results["none"]), label
+
+
+def test_cogvideox_i2v_from_its_folder_with_fp8_weights_on_every_tier_decodes_the_fitted_image(tiny_folder):
+    """The CogVideoX-5b I2V template's load (diffusers folder, weight_dtype fp8_scaled) on every tier,
+    from a picture of another size and aspect ratio fitted to the video by pipelines/image_fit."""
+    from vidmem.pipelines.decode import decode
+    from vidmem.pipelines.image_fit import fit_image
+    from vidmem.pipelines.loader import load_pipeline
+
+    variant = "cogvideox-i2v"
+    loaded = load_pipeline(tiny_folder(variant), "fp32", weight_dtype="fp8_scaled")
+    assert loaded.storage["transformer"] == "fp8_scaled" and loaded.needs_image
+    request = request_for(variant)
+    picture = torch.rand(1, 45, 70, 3, generator=torch.Generator().manual_seed(1))
+    request = replace(request, image=fit_image(picture, request.width, request.height, "crop").image)
+    tiers = {label: strategy for label, strategy in TIERS.items() if strategy.blocks_to_swap <= 1}  # one tiny block
+    results = {label: sample(loaded, strategy, request, backend=CpuBackend()).latent for label, strategy in tiers.items()}
+    for label, latent in results.items():
+        assert torch.equal(latent["samples"], results["none"]["samples"]), label
+    frames = decode(loaded, results["none"], backend=CpuBackend()).frames
+    assert frames.shape == (request.frames, request.height, request.width, 3) and frames.isfinite().all()
+    stretched = replace(request, image=fit_image(picture, request.width, request.height, "stretch").image)
+    other = sample(loaded, TIERS["none"], stretched, backend=CpuBackend()).latent["samples"]
+    assert not torch.equal(other, results["none"]["samples"]), "the start image conditions the video"
+
+
+@pytest.mark.parametrize("model,conditioning", [
+    ("wan2.2-i2v-a14b", ["vae (image)"]),
+    ("wan2.1-i2v-14b-480p", ["image_encoder (image)", "vae (image)"]),
+    ("cogvideox-5b-i2v", ["vae (image)"]),
+])
+def test_the_plan_counts_the_image_conditioning_before_the_denoise(model, conditioning):
+    from vidmem.memory.plan.planner import PlanOptions, VideoShape, plan_run
+    from vidmem.pipelines.configs import load_model
+
+    plan = plan_run(load_model(model, "bf16"), VideoShape(720, 480, 49), MemoryStrategy(offload="model"), PlanOptions())
+    denoise = next(stage for stage in plan.stages if stage.name == "denoise")
+    labels = [phase.label for phase in denoise.phases]
+    assert labels[:len(conditioning)] == conditioning and all(p.device_bytes > 0 for p in denoise.phases), labels
+
+
+def test_wan22_i2v_a14b_fp8_at_480p_fits_8_gb_and_32_gb_of_ram_with_the_weights_on_disk():
+    """The issue's `vidmem plan --model wan2.2-i2v-a14b --weights fp8_scaled --size 832x480 --frames 81
+    --vram 8 --ram 32`: 35 GB of fp8 weights do not fit 32 GB of RAM, memory-mapped they do."""
+    from vidmem.memory.plan.planner import PlanOptions, VideoShape, choose_strategy
+    from vidmem.pipelines.configs import load_model
+
+    storage = {"transformer": "fp8_scaled", "transformer_2": "fp8_scaled", "text_encoder": "fp8_scaled"}
+    plan = choose_strategy(load_model("wan2.2-i2v-a14b", "bf16"), VideoShape(832, 480, 81), 8 << 30, 32 << 30,
+                           options=PlanOptions(storage=storage))
+    assert plan.fits and plan.on_disk and plan.strategy.offload.value == "block_swap"
+    assert plan.peak_vram_bytes <= 8 << 30 and plan.peak_ram_bytes <= 32 << 30
