@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from numbers import Integral
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ def fit_image(image: torch.Tensor, width: int, height: int, resize: str = Resize
     if source == (width, height):
         return FittedImage(first.clone(), tuple(notes))
     pixels = first.permute(0, 3, 1, 2)  # [1, 3, H, W] for torch's resampling
-    fitted = {Resize.CROP: _crop, Resize.PAD: _pad, Resize.STRETCH: _stretch}[mode](pixels, width, height)
+    fitted = {Resize.CROP: _crop, Resize.PAD: _pad, Resize.STRETCH: _stretch}[mode](pixels, int(width), int(height))
     notes.append(f"image: {source[0]}x{source[1]} {_DONE[mode]} {width}x{height}")
     return FittedImage(fitted.permute(0, 2, 3, 1).contiguous(), tuple(notes))
 
@@ -89,7 +90,7 @@ def _resize_choice(resize: object) -> Resize:
 
 
 def _check_size(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
         raise ModelError(f"{name}={value!r} must be a whole number of pixels, at least 1.")
 
 

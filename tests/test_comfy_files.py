@@ -1,8 +1,8 @@
 """ComfyUI single files load into the pipeline the diffusers folder with the same weights gives.
 
 Every layout x storage format on tiny Wan 2.1 T2V, Wan 2.2 TI2V, A14B (two expert files),
-Wan 2.1 I2V and Wan 2.2 I2V A14B (two expert files, no image encoder): `sample` gives bit-identical latents on the CPU to the diffusers folder holding the
-files' dequantized weights. Both sides are compared with their weights in aligned memory (the
+Wan 2.1 I2V and Wan 2.2 I2V A14B (two expert files, no image encoder): `sample` gives
+bit-identical latents on the CPU to the diffusers folder holding the files' dequantized weights. Both sides are compared with their weights in aligned memory (the
 folder's parameters cloned; the files' copied into RAM or upcast per call): a weight used in
 place from a file mapping is not 64-byte aligned, and MKL rounds differently on unaligned data
 (FACTS: ~3e-6), which is a property of where the bytes lie, not of the loader. Runs that use
