@@ -103,3 +103,28 @@ def test_extreme_aspect_ratios_still_fill_the_frame():
     assert fit_image(tall, 64, 16, "crop").image.shape == (1, 16, 64, 3)
     padded = fit_image(tall, 64, 16, "pad").image
     assert padded.shape == (1, 16, 64, 3) and padded[0, :, 0].abs().sum() == 0  # left bar black
+
+
+def test_the_sampler_node_fits_its_image_with_the_resize_choice(tiny_folder):
+    """Wired in nodes/sampler.py (input `resize`, after `image`): the node samples from the fitted
+    image and its receipt says what was done; a picture already fitted by crop samples the same."""
+    from test_nodes import strategy_inputs
+    from vidmem.nodes import NODE_CLASS_MAPPINGS as N
+
+    sampler = N["VidMemVideoSampler"]
+    if "resize" not in sampler.INPUT_TYPES()["optional"]:
+        pytest.skip("nodes/sampler.py has no resize input yet: the lead wires fit_image into the Sampler")
+    (pipeline,) = N["VidMemLoadPipeline"]().load(model="ignored", dtype="fp32", path=str(tiny_folder("wan2.1-i2v")))
+    (strategy,) = N["VidMemMemoryStrategy"]().build(**strategy_inputs())["result"]
+    picture = torch.rand(2, 45, 70, 3, generator=torch.Generator().manual_seed(3))
+
+    def run(image, resize):
+        out = sampler().sample(pipeline, strategy, "a cat", "", 32, 32, 9, 2, 5.0, 0, image=image, resize=resize)
+        return out["result"][0]["samples"], out["ui"]["vidmem_receipt"][0].get("note", "")
+
+    cropped, note = run(picture, "crop")
+    assert "70x45 scaled and cropped to 32x32" in note and "batch of 2 images" in note
+    assert torch.equal(run(fit_image(picture, 32, 32, "crop").image, "stretch")[0], cropped)
+    assert not torch.equal(run(picture, "stretch")[0], cropped)
+    with pytest.raises(ModelError, match="resize='fill' is not a choice"):
+        run(picture, "fill")
