@@ -159,6 +159,12 @@ TINY_SPECS: dict[str, TinySpec] = {
         **_WAN, pipeline="WanPipeline", transformer_config=_WAN_DIT, two_experts=True,
         pipeline_config=dict(boundary_ratio=0.875),
     ),
+    # Wan 2.2 I2V A14B: two experts with the 36 input channels of Wan 2.1 I2V (noise, mask, image
+    # latents) and no CLIP image encoder (no image_dim); boundary as the T2V A14B's tiny twin.
+    "wan2.2-i2v-a14b": TinySpec(
+        **_WAN, pipeline="WanImageToVideoPipeline", needs_image=True, two_experts=True,
+        transformer_config=dict(_WAN_DIT, in_channels=36), pipeline_config=dict(boundary_ratio=0.875),
+    ),
     # TI2V-5B is saved as a WanPipeline (as on the hub); WanImageToVideoPipeline.from_pretrained of
     # the same folder gives its image-to-video mode. 64 px: its VAE compresses 16x, patch 2.
     "wan2.2-ti2v": TinySpec(

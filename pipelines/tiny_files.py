@@ -159,10 +159,12 @@ def _default_names(variant: str, storage: str, storages: dict[str, str]) -> dict
 
 def _write(role: str, tensors: dict, path: Path, layout: str, with_tokenizer: bool) -> Path:
     from .comfy_files.keys import KeyLayout
-    from .comfy_files.write import write_plain, write_text_encoder, write_transformer, write_vae
+    from .comfy_files.write import write_clip_vision, write_text_encoder, write_transformer, write_vae
 
     if role in ("model", "model_2"):
         return write_transformer(tensors, path, KeyLayout(layout))
     if role == "text_encoder":
         return write_text_encoder(tensors, path, tiny_spiece_model() if with_tokenizer else None)
-    return write_vae(tensors, path) if role == "vae" else write_plain(tensors, path)
+    if role == "clip_vision":  # Comfy-Org's clip_vision_h layout: vision_model. names and the projection head
+        return write_clip_vision(tensors, path, _CLIP_VISION["projection_dim"])
+    return write_vae(tensors, path)

@@ -25,7 +25,8 @@ try:
 except ImportError:  # tests/ is not a package: run from tests/ or with tests/ on sys.path
     import workflow_runner as wr
 
-FOLDERS = {"model": "diffusion_models", "model_2": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
+FOLDERS = {"model": "diffusion_models", "model_2": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae",
+           "clip_vision": "clip_vision"}
 CONFIGS = "vidmem_configs"
 UNUSED = "(none)"
 
@@ -42,10 +43,13 @@ class TemplateFiles:
 
     @property
     def variant(self) -> str:
-        """The tiny model that stands in for these files (A14B when a second expert is named)."""
+        """The tiny model that stands in for these files (an A14B when a second expert is named: the
+        I2V one when the name says so)."""
         roles = self.by_role
         variant = wr.tiny_variant_for(roles["model"])
-        return "wan2.2-a14b" if "model_2" in roles else variant
+        if "model_2" in roles and not variant.endswith("a14b"):
+            return "wan2.2-a14b"
+        return variant
 
     def paths(self, models_root: Path) -> dict[str, Path]:
         return {role: Path(models_root) / FOLDERS[role] / name for role, name in self.names}
@@ -128,8 +132,13 @@ REAL_FILES = {
     "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": ("wan2.2-t2v-a14b", "transformer_2", "fp8_scaled"),
     "umt5_xxl_fp8_e4m3fn_scaled.safetensors": ("wan2.1-t2v-14b", "text_encoder", "fp8_scaled"),
     "wan_2.1_vae.safetensors": ("wan2.1-t2v-14b", "vae", "bf16"),
+    "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors": ("wan2.2-i2v-a14b", "transformer", "fp8_scaled"),
+    "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors": ("wan2.2-i2v-a14b", "transformer_2", "fp8_scaled"),
+    "wan2.1_i2v_480p_14B_fp8_scaled.safetensors": ("wan2.1-i2v-14b-480p", "transformer", "fp8_scaled"),
+    "clip_vision_h.safetensors": ("wan2.1-i2v-14b-480p", "image_encoder", "fp16"),
 }
-ROLE_OF = {"transformer": "model", "transformer_2": "model_2", "text_encoder": "text_encoder", "vae": "vae"}
+ROLE_OF = {"transformer": "model", "transformer_2": "model_2", "text_encoder": "text_encoder", "vae": "vae",
+           "image_encoder": "clip_vision"}
 
 
 def place_real_size_headers(models_root: Path) -> list[Path]:

@@ -1,8 +1,8 @@
 """ComfyUI single files load into the pipeline the diffusers folder with the same weights gives.
 
-Every layout x storage format on tiny Wan 2.1 T2V, Wan 2.2 TI2V, A14B (two expert files) and
-Wan 2.1 I2V: `sample` gives bit-identical latents on the CPU to the diffusers folder holding the
-files' dequantized weights. Both sides are compared with their weights in aligned memory (the
+Every layout x storage format on tiny Wan 2.1 T2V, Wan 2.2 TI2V, A14B (two expert files),
+Wan 2.1 I2V and Wan 2.2 I2V A14B (two expert files, no image encoder): `sample` gives
+bit-identical latents on the CPU to the diffusers folder holding the files' dequantized weights. Both sides are compared with their weights in aligned memory (the
 folder's parameters cloned; the files' copied into RAM or upcast per call): a weight used in
 place from a file mapping is not 64-byte aligned, and MKL rounds differently on unaligned data
 (FACTS: ~3e-6), which is a property of where the bytes lie, not of the loader. Runs that use
@@ -33,6 +33,8 @@ CASES = [
     ("wan2.2-ti2v", "bf16", "original"), ("wan2.2-ti2v", "fp8_scaled", "prefixed"), ("wan2.2-ti2v", "gguf_q8_0", "original"),
     ("wan2.2-a14b", "fp16", "prefixed"), ("wan2.2-a14b", "fp8_scaled", "original"), ("wan2.2-a14b", "gguf_q8_0", "diffusers"),
     ("wan2.1-i2v", "fp8_scaled", "original"),
+    ("wan2.2-i2v-a14b", "fp8_scaled", "original"), ("wan2.2-i2v-a14b", "gguf_q8_0", "prefixed"),
+    ("wan2.2-i2v-a14b", "bf16", "diffusers"),
 ]
 STRATEGY = MemoryStrategy(offload="block_swap", blocks_to_swap=1)
 

@@ -270,7 +270,8 @@ def test_api_models_are_referenced_by_name(path):
 
 
 SINGLE_FILE_UI = [p for p in UI_FILES if "files" in wr.load_json(p)["extra"]["vidmem"]]
-ROLE_FOLDERS = {"model": "diffusion_models", "model_2": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
+ROLE_FOLDERS = {"model": "diffusion_models", "model_2": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae",
+                "clip_vision": "clip_vision"}
 
 
 def test_a_single_file_template_per_wan_family():
@@ -293,7 +294,8 @@ def test_single_file_template_names_comfy_orgs_files_in_their_folders(path):
         assert file["repo"] in ("Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged")
         assert file["url"] == f"https://huggingface.co/{file['repo']}/resolve/main/split_files/{file['folder']}/{name}"
     assert loader["inputs"]["weights_on_disk"] is True and loader["inputs"]["weight_dtype"] == "default"
-    assert ("model_2" in named) == (wr.tiny_variant_for(named["model"]) == "wan2.2-a14b"), "A14B takes both experts"
+    assert ("model_2" in named) == wr.tiny_variant_for(named["model"]).endswith("a14b"), "A14B takes both experts"
+    assert ("clip_vision" in named) == (wr.tiny_variant_for(named["model"]) == "wan2.1-i2v"), "Wan 2.1 I2V alone reads CLIP"
 
 
 MACHINE_UI = [p for p in UI_FILES if "machine" in wr.load_json(p)["extra"]["vidmem"]]
@@ -542,3 +544,24 @@ def test_shrink_calibrates_a_step_cache_the_tiny_models_have_no_ratios_for():
     api = wr.shrink_for_tiny(wr.load_json(wr.API_DIR / "wan21_t2v_1_3b_files_magcache.json"))
     cache = next(n for n in api.values() if n["class_type"] == wr.STEP_CACHE_NODE)["inputs"]
     assert cache["method"] == "mag_cache" and cache["mag_ratios"] == "calibrate"
+
+
+I2V_VARIANTS = {"wan2.2-i2v-a14b", "wan2.1-i2v", "cogvideox-i2v"}
+
+
+def test_image_to_video_templates_start_from_core_load_image():
+    """Every I2V model has a template; its API twin says _i2v_ in its name, and a core Load Image
+    (on example.png, which ships in ComfyUI/input) feeds the Sampler's image input."""
+    found = set()
+    for path in API_FILES:
+        api = wr.load_json(path)
+        variant = wr.tiny_variant_for(next(iter(wr.loader_models(api).values())))
+        if not tiny_spec(variant).needs_image:
+            continue
+        found.add(variant)
+        assert "_i2v_" in path.stem, path.stem
+        images = {nid: node for nid, node in api.items() if node["class_type"] == "LoadImage"}
+        sampler = next(node["inputs"] for node in api.values() if node["class_type"] == "VidMemVideoSampler")
+        assert len(images) == 1 and sampler["image"] == [next(iter(images)), 0], path.stem
+        assert next(iter(images.values()))["inputs"] == {"image": "example.png"}
+    assert found == I2V_VARIANTS

@@ -95,6 +95,9 @@ CORE_NODES: dict[str, NodeSpec] = {
         "quality": ("INT", {"default": 80, "min": 0, "max": 100}),
         "method": (["default", "fastest", "slowest"], {}),
     }),
+    # The image combo lists the files in ComfyUI/input; example.png ships there. The frontend adds an
+    # upload button after it (no value of its own in the API format; the UI's widgets_values may carry "image").
+    "LoadImage": _core("Load Image", {"image": (["example.png"], {"image_upload": True})}, outputs=("IMAGE", "MASK")),
 }
 VIRTUAL_NODES: dict[str, NodeSpec] = {"Note": _core("Note", {"text": ("STRING", {"multiline": True})})}
 
@@ -233,6 +236,8 @@ def _id_key(node_id: str) -> tuple:
 # Wan 2.2 A14B's single files are its two experts (wan2.2_t2v_high_noise_14B_..., _low_noise_).
 TINY_FOR_NAME: tuple[tuple[tuple[str, ...], str], ...] = (
     (("wan", "ti2v"), "wan2.2-ti2v"),
+    (("wan", "i2v", "a14b"), "wan2.2-i2v-a14b"),
+    (("wan2.2", "i2v", "_noise_"), "wan2.2-i2v-a14b"),
     (("wan", "a14b"), "wan2.2-a14b"),
     (("wan2.2", "t2v", "_noise_"), "wan2.2-a14b"),
     (("wan", "i2v"), "wan2.1-i2v"),
@@ -368,11 +373,29 @@ def run_api(api: dict) -> Run:
         if node["class_type"] in ours:
             with torch.inference_mode():
                 run.outputs[nid] = _run_ours(ours[node["class_type"]], inputs, run.ui, nid)
+        elif node["class_type"] in CORE_SOURCES:  # a core node whose output our nodes compute with
+            run.core_inputs[nid] = inputs
+            run.outputs[nid] = CORE_SOURCES[node["class_type"]](inputs)
         else:
             spec = node_spec(node["class_type"])
             run.core_inputs[nid] = inputs
             run.outputs[nid] = tuple(CoreValue(t, node["class_type"]) for t in spec.outputs)
     return run
+
+
+def _loaded_image(inputs: dict) -> tuple:
+    """Load Image's (IMAGE, MASK) for any file: a colour gradient of a size and aspect ratio no tiny
+    model runs at (56x40), so the sampler's fitting to the video's size is part of every I2V run."""
+    import torch
+
+    height, width = 40, 56
+    y = torch.linspace(0, 1, height)[:, None].expand(height, width)
+    x = torch.linspace(0, 1, width)[None, :].expand(height, width)
+    image = torch.stack([x, y, (x + y) / 2], dim=-1)[None]
+    return image, torch.zeros(1, height, width)
+
+
+CORE_SOURCES = {"LoadImage": _loaded_image}  # core nodes run_api stands in for with a real value
 
 
 def _run_ours(cls: type, inputs: dict, ui: dict, nid: str) -> tuple:

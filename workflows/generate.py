@@ -37,6 +37,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]  # the template lists bes
 from template_types import Template  # noqa: E402
 from templates_files import FILE_TEMPLATES  # noqa: E402
 from templates_folders import FOLDER_TEMPLATES  # noqa: E402
+from templates_i2v import I2V_TEMPLATES  # noqa: E402
 from templates_cache import CACHE_TEMPLATES  # noqa: E402
 from templates_lora import LORA_TEMPLATES  # noqa: E402
 from templates_train import TRAIN_TEMPLATES  # noqa: E402
@@ -55,7 +56,7 @@ class Node:
     colors: tuple[str, str] | None = None  # (color, bgcolor)
 
 
-TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES + CACHE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
+TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES + I2V_TEMPLATES + CACHE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
 
 MODEL_GROUP, SAMPLE_GROUP, SAVE_GROUP = "Model and memory strategy", "Sample, decode, free", "Save"
 LORA_GROUP, TRAIN_GROUP = "LoRA", "Train a LoRA"
@@ -79,6 +80,7 @@ LORA_HEIGHT = 180  # Load LoRA: three widgets and its receipt (a run grows it to
 PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receipt
 TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receipt
 CACHE_HEIGHT = 200  # Step Cache: five widgets, below the Sampler
+IMAGE_HEIGHT = 420  # core Load Image: its file, upload button and a preview of the image
 NOTE_CHAR_WIDTH, NOTE_LINE_HEIGHT, NOTE_PADDING = 7.25, 10.7, 70  # a Note's text, for notes sized to fit it
 VIEW_SCALE, VIEW_OFFSET = 0.7, (120, 180)  # the view a template opens with (extra.ds)
 FIRST_EXTRA_ID = 10  # ids 1-9 are the chain every template shares (the API twins keep them)
@@ -106,6 +108,11 @@ def graph(t: Template) -> list[Node]:
         middle.append(Node(cache_id, "VidMemStepCache", (b, top + sampler_h + GAP), (420, CACHE_HEIGHT), dict(t.cache),
                            group=SAMPLE_GROUP))
         sampler_links["cache"] = (cache_id, 0)
+    if t.image:  # image-to-video: core Load Image under the Sampler (and its Step Cache), into its image input
+        image_id = FIRST_EXTRA_ID + len(middle)
+        below = top + sampler_h + GAP + (CACHE_HEIGHT + GAP if t.cache else 0)
+        middle.append(Node(image_id, "LoadImage", (b, below), (420, IMAGE_HEIGHT), dict(image=t.image), group=SAMPLE_GROUP))
+        sampler_links["image"] = (image_id, 0)
     nodes = [
         Node(1, t.loader.type, (a, top), (FIRST_WIDTH, loader_h), t.loader.widgets, group=MODEL_GROUP),
         Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (FIRST_WIDTH, strategy_h),
@@ -252,7 +259,7 @@ FAMILIES = (("CogVideoX", "cogvideox"), ("Wan 2.2", "wan22"), ("Wan 2.1", "wan21
 def _card(t: Template) -> dict:
     """What a user choosing a template wants at a glance: the model, what it is made for (VRAM, RAM),
     how much computing it asks (steps, passes), what to download, and when to pick it."""
-    model = re.search(r"(Wan 2\.\d [\w.-]+|CogVideoX-\w+)", t.title).group(1)
+    model = re.search(r"(Wan 2\.\d (?:I2V )?[\w.-]+|CogVideoX-\w+(?: I2V)?)", t.title).group(1)
     vram = t.machine.vram_gb if t.machine else _title_vram(t.title)
     return {
         "model": model, "family": next(key for prefix, key in FAMILIES if model.startswith(prefix)),

@@ -47,7 +47,7 @@ class ModelFile:
 
     name: str
     repo: str
-    folder: str  # diffusion_models, text_encoders, vae
+    folder: str  # diffusion_models, text_encoders, vae, clip_vision
     size_gb: float  # the file's size in GB (10^9 bytes), as the README's table gives it
 
     @property
@@ -135,6 +135,7 @@ class Template:
     training: Training | None = None  # Prepare Training Data + Train LoRA between the loader and the Sampler
     sampler: dict = field(default_factory=dict)  # the Sampler's optional controls (scheduler, shift, cfg_2, ...)
     cache: dict | None = None  # a Step Cache (VidMem) node's widgets, linked to the Sampler's cache input
+    image: str | None = None  # image-to-video: core Load Image's file (in ComfyUI/input), linked to the Sampler's image
 
 
 def mag_cache(retention: float, max_skip_steps: int) -> dict:
@@ -152,11 +153,12 @@ def diffusers_folder(model: str, dtype: str, weight_dtype: str = "default") -> L
 
 
 def model_files(model: ModelFile, text_encoder: ModelFile, vae: ModelFile, model_2: ModelFile | None = None,
-                dtype: str = "bf16", weights_on_disk: bool = True) -> Loader:
+                dtype: str = "bf16", weights_on_disk: bool = True, clip_vision: ModelFile | None = None) -> Loader:
     """Load Video Model Files on ComfyUI's own files, by name: weights stored as in the files
-    (weight_dtype default never lowers them), computed in `dtype`, the VAE in the same dtype."""
+    (weight_dtype default never lowers them), computed in `dtype`, the VAE in the same dtype.
+    clip_vision: Wan 2.1 I2V's image encoder (clip_vision_h)."""
     return Loader("VidMemLoadModelFiles", dict(
         model=model.name, text_encoder=text_encoder.name, vae=vae.name, dtype=dtype, vae_dtype="same as dtype",
         weight_dtype="default", weights_on_disk=weights_on_disk, model_2=model_2.name if model_2 else NO_FILE,
-        clip_vision=NO_FILE,
+        clip_vision=clip_vision.name if clip_vision else NO_FILE,
     ), height=250)

@@ -78,9 +78,18 @@ def write_text_encoder(tensors: Mapping[str, Any], path: str | Path, spiece_mode
     return _write(tensors, path)
 
 
-def write_plain(tensors: Mapping[str, Any], path: str | Path) -> Path:
-    """Any component under its own names (CLIP vision: transformers' names, as clip_vision_h)."""
-    return _write(dict(tensors), path)
+def write_clip_vision(tensors: Mapping[str, Any], path: str | Path, projection_dim: int, seed: int = 0) -> Path:
+    """A CLIP vision file as Comfy-Org's clip_vision_h.safetensors: ComfyUI's
+    CLIPVisionModelWithProjection state, every name under `vision_model.` plus the
+    `visual_projection.weight` head, which Wan does not use (it reads hidden states) but the file
+    carries; it gets random values here, so a loader that used it would be caught."""
+    names = {name: name if name.startswith("vision_model.") else "vision_model." + name for name in tensors}
+    out = {names[name]: tensor for name, tensor in tensors.items()}
+    width = out["vision_model.post_layernorm.weight"].shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    dtype = out["vision_model.post_layernorm.weight"].dtype
+    out["visual_projection.weight"] = torch.randn(projection_dim, width, generator=generator).to(dtype)
+    return _write(out, path)
 
 
 def _write(tensors: dict[str, Any], path: str | Path) -> Path:

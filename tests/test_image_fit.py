@@ -1,0 +1,130 @@
+"""fit_image: a ComfyUI IMAGE of any size becomes the video's first frame by crop, pad or stretch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.image_fit import RESIZE_CHOICES, fit_image
+
+
+def two_tone(width: int, height: int, split: int) -> torch.Tensor:
+    """[1, H, W, 3]: columns left of `split` white, the rest grey (0.5)."""
+    image = torch.full((1, height, width, 3), 0.5)
+    image[:, :, :split] = 1.0
+    return image
+
+
+def bordered(width: int, height: int, border: int) -> torch.Tensor:
+    """[1, H, W, 3]: a red frame `border` pixels wide around a green centre."""
+    image = torch.zeros(1, height, width, 3)
+    image[..., 0] = 1.0
+    image[:, border:height - border, border:width - border] = torch.tensor([0.0, 1.0, 0.0])
+    return image
+
+
+@pytest.mark.parametrize("resize", RESIZE_CHOICES)
+def test_every_choice_gives_exactly_the_videos_size_in_comfys_layout(resize):
+    image = torch.rand(1, 37, 61, 3)
+    fitted = fit_image(image, 32, 48, resize)
+    assert fitted.image.shape == (1, 48, 32, 3) and fitted.image.dtype == torch.float32
+    assert 0 <= fitted.image.min() and fitted.image.max() <= 1
+    assert "61x37" in fitted.note and "32x48" in fitted.note
+
+
+def test_an_image_of_the_videos_size_is_passed_through_untouched():
+    image = torch.rand(1, 48, 64, 3)
+    for resize in RESIZE_CHOICES:
+        fitted = fit_image(image, 64, 48, resize)
+        assert torch.equal(fitted.image, image) and fitted.image.data_ptr() != image.data_ptr()
+        assert fitted.note == ""
+
+
+def test_crop_cuts_the_overflow_evenly_and_keeps_the_proportions():
+    """A 2:1 image into a square: the middle half stays, both side quarters go; no grey-white
+    boundary moves (a stretch would move it)."""
+    image = bordered(64, 32, 8)  # the red frame's sides lie in the quarters that are cut
+    fitted = fit_image(image, 32, 32, "crop").image[0]
+    assert torch.allclose(fitted[16, :, 1], torch.ones(32), atol=1e-3)  # the middle row: no red side bars left
+    assert fitted[0, 16, 0] > 0.99 and fitted[16, 16, 1] > 0.99  # top border kept (red), centre green
+
+
+def test_pad_keeps_everything_and_adds_black_bars():
+    image = torch.ones(1, 20, 40, 3)  # white, 2:1
+    fitted = fit_image(image, 40, 40, "pad").image[0]
+    assert torch.equal(fitted[:10], torch.zeros(10, 40, 3)) and torch.equal(fitted[30:], torch.zeros(10, 40, 3))
+    assert torch.equal(fitted[10:30], torch.ones(20, 40, 3))
+
+
+def test_stretch_keeps_everything_and_changes_proportions():
+    image = two_tone(40, 20, split=10)  # white quarter on the left
+    fitted = fit_image(image, 40, 40, "stretch").image[0]
+    assert torch.allclose(fitted[:, :9], torch.ones(40, 9, 3)) and torch.allclose(fitted[:, 11:], torch.full((40, 29, 3), 0.5))
+
+
+def test_crop_and_pad_agree_with_stretch_when_the_aspect_ratio_already_matches():
+    image = torch.rand(1, 60, 90, 3)
+    stretched = fit_image(image, 30, 20, "stretch").image
+    assert torch.allclose(fit_image(image, 30, 20, "crop").image, stretched)
+    assert torch.allclose(fit_image(image, 30, 20, "pad").image, stretched)
+
+
+def test_a_batch_uses_its_first_image_and_says_so_and_alpha_is_dropped():
+    batch = torch.rand(4, 16, 16, 4)
+    fitted = fit_image(batch, 16, 16, "crop")
+    assert torch.equal(fitted.image, batch[:1, ..., :3])
+    assert "batch of 4 images" in fitted.note and "first" in fitted.note and "Image From Batch" in fitted.note
+
+
+def test_the_input_is_never_modified():
+    image = torch.rand(2, 30, 50, 3)
+    before = image.clone()
+    for resize in RESIZE_CHOICES:
+        fit_image(image, 32, 32, resize)
+    assert torch.equal(image, before)
+
+
+@pytest.mark.parametrize("args,message", [
+    ((torch.rand(1, 8, 8, 3), 8, 8, "zoom"), "resize='zoom' is not a choice; use one of crop, pad, stretch"),
+    ((torch.rand(1, 8, 8, 3), 0, 8, "crop"), "width=0 must be a whole number of pixels"),
+    ((torch.rand(1, 8, 8, 3), 8, 8.5, "crop"), "height=8.5 must be a whole number"),
+    ((torch.rand(8, 8, 3), 8, 8, "crop"), "image has shape \\(8, 8, 3\\); expected a ComfyUI IMAGE"),
+    ((torch.full((1, 8, 8, 3), float("nan")), 8, 8, "crop"), "image contains NaN"),
+    (("picture.png", 8, 8, "crop"), "image is a str, not an IMAGE"),
+])
+def test_bad_input_is_named_with_its_fix(args, message):
+    with pytest.raises(ModelError, match=message):
+        fit_image(*args)
+
+
+def test_extreme_aspect_ratios_still_fill_the_frame():
+    tall = torch.rand(1, 500, 3, 3)
+    assert fit_image(tall, 64, 16, "crop").image.shape == (1, 16, 64, 3)
+    padded = fit_image(tall, 64, 16, "pad").image
+    assert padded.shape == (1, 16, 64, 3) and padded[0, :, 0].abs().sum() == 0  # left bar black
+
+
+def test_the_sampler_node_fits_its_image_with_the_resize_choice(tiny_folder):
+    """Wired in nodes/sampler.py (input `resize`, after `image`): the node samples from the fitted
+    image and its receipt says what was done; a picture already fitted by crop samples the same."""
+    from test_nodes import strategy_inputs
+    from vidmem.nodes import NODE_CLASS_MAPPINGS as N
+
+    sampler = N["VidMemVideoSampler"]
+    if "resize" not in sampler.INPUT_TYPES()["optional"]:
+        pytest.skip("nodes/sampler.py has no resize input yet: the lead wires fit_image into the Sampler")
+    (pipeline,) = N["VidMemLoadPipeline"]().load(model="ignored", dtype="fp32", path=str(tiny_folder("wan2.1-i2v")))
+    (strategy,) = N["VidMemMemoryStrategy"]().build(**strategy_inputs())["result"]
+    picture = torch.rand(2, 45, 70, 3, generator=torch.Generator().manual_seed(3))
+
+    def run(image, resize):
+        out = sampler().sample(pipeline, strategy, "a cat", "", 32, 32, 9, 2, 5.0, 0, image=image, resize=resize)
+        return out["result"][0]["samples"], out["ui"]["vidmem_receipt"][0].get("note", "")
+
+    cropped, note = run(picture, "crop")
+    assert "70x45 scaled and cropped to 32x32" in note and "batch of 2 images" in note
+    assert torch.equal(run(fit_image(picture, 32, 32, "crop").image, "stretch")[0], cropped)
+    assert not torch.equal(run(picture, "stretch")[0], cropped)
+    with pytest.raises(ModelError, match="resize='fill' is not a choice"):
+        run(picture, "fill")
