@@ -109,6 +109,8 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
 def _node_widgets(query: Mapping[str, str], prefix: str, node_cls, node: str, free=()) -> tuple[tuple[str, object], ...]:
     """A node connected to the Sampler, its widgets sent as <prefix><name>; () when none is (its
     first widget absent). `free`: widgets whose lists are the host's files, checked when planned."""
+    if not any(name.startswith(prefix) for name in query):  # before INPUT_TYPES: the cache node's lists files
+        return ()
     spec = node_cls.INPUT_TYPES()["required"]
     if prefix + next(iter(spec)) not in query:
         return ()

@@ -14,6 +14,7 @@ from ..memory.telemetry import free_device_bytes
 from ..memory.units import GiB
 from ..pipelines.loader import FAMILIES
 from ..pipelines.family import ModelError, denoiser_blocks
+from ..pipelines.image_fit import RESIZE_CHOICES, fit_image
 from ..pipelines.parallel import DeviceRoom, balanced_placement, component_bytes, resolve_ranks, sample_balanced, sample_parallel
 from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, plan_explicit
 from ..pipelines.planning import choose_for, plan_strategy
@@ -120,6 +121,13 @@ class VidMemVideoSampler:
                           "output can be predicted (and, under block swap, their copies). Empty: every step runs."}),
                 "speed": (SPEED_TYPE, {"tooltip": "From a Speed (VidMem) node: the attention kernel, compiled blocks "
                           "and fp8 matmul. Empty: plain SDPA, eager blocks, fp8 weights upcast."}),
+                # Last: saved workflows keep their widgets' positions.
+                "resize": (list(RESIZE_CHOICES), {"default": "crop", "tooltip":
+                    "How the image meets the video's width x height. crop: scaled to cover the frame, the overflow "
+                    "cut evenly from both sides (nothing distorted; edges past the frame's aspect ratio are lost). "
+                    "pad: scaled to fit inside, the rest black bars (nothing lost; the bars are part of the video). "
+                    "stretch: each side scaled on its own (nothing lost; proportions change). A batch of images "
+                    "uses its first."}),
             },
         }
 
@@ -135,12 +143,14 @@ class VidMemVideoSampler:
                 or literal_problems(cls, cfg=cfg, shift=shift, cfg_2=cfg_2, boundary_ratio=boundary_ratio) or True)
 
     def sample(self, pipeline, strategy, prompt, negative_prompt, width, height, frames, steps, cfg, seed, image=None,
-               scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0, cache=None, speed=None):
+               scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0, cache=None, speed=None, resize="crop"):
         pipeline = pipeline_input(pipeline, NODE)
         choice = as_choice(strategy, NODE)
         step_cache = cache_input(cache, pipeline, NODE)
+        fitted = fit_image(image, width, height, resize) if image is not None else None  # the video's first frame
         # The widgets' "model's own" values (0, -1) are the engine's None.
-        request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed, image, scheduler,
+        request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed,
+                                fitted.image if fitted else None, scheduler,
                                 shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None, step_cache,
                                 speed_input(speed, NODE))
         device = host.compute_device()
@@ -162,8 +172,9 @@ class VidMemVideoSampler:
         if ratios:  # a calibration run: save the ratios where the Step Cache node lists them
             path = write_ratio_file(host.mag_ratios_folder(), pipeline, steps, ratios, receipt.get("sampler", ""))
             receipt["cache"] = dict(receipt["cache"], ratios_file=path.name)
-        if choice.notes:
-            receipt["note"] = "; ".join(choice.notes)
+        notes = [*choice.notes, *(fitted.notes if fitted else ())]
+        if notes:
+            receipt["note"] = "; ".join(notes)
         if "parallel" in receipt:
             receipt["device"] = parallel_line(receipt["parallel"])
         if "placement" in receipt:

@@ -22,7 +22,9 @@ def build(**changes):
 
 def test_parallel_widgets_come_last_so_older_workflows_keep_their_values():
     spec = VidMemMemoryStrategy.INPUT_TYPES()
-    assert list(spec["optional"])[-len(PARALLEL_WIDGETS):] == list(PARALLEL_WIDGETS)
+    # After the budgets, in the order they were added: the parallel widgets, then activation_chunks.
+    optional = list(spec["optional"])
+    assert optional[optional.index("ram_budget_gb") + 1:] == [*PARALLEL_WIDGETS, "activation_chunks"]
     assert build().strategy.parallel == Parallelism()  # defaults: one process, as before
 
 

@@ -80,6 +80,7 @@ LORA_HEIGHT = 180  # Load LoRA: three widgets and its receipt (a run grows it to
 PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receipt
 TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receipt
 CACHE_HEIGHT = 200  # Step Cache: five widgets, below the Sampler
+SPEED_HEIGHT = 200  # Speed: five widgets, below the Step Cache
 IMAGE_HEIGHT = 420  # core Load Image: its file, upload button and a preview of the image
 NOTE_CHAR_WIDTH, NOTE_LINE_HEIGHT, NOTE_PADDING = 7.25, 10.7, 70  # a Note's text, for notes sized to fit it
 VIEW_SCALE, VIEW_OFFSET = 0.7, (120, 180)  # the view a template opens with (extra.ds)
@@ -108,9 +109,14 @@ def graph(t: Template) -> list[Node]:
         middle.append(Node(cache_id, "VidMemStepCache", (b, top + sampler_h + GAP), (420, CACHE_HEIGHT), dict(t.cache),
                            group=SAMPLE_GROUP))
         sampler_links["cache"] = (cache_id, 0)
+    if t.speed:  # the Speed node under the Step Cache, into the Sampler's speed input
+        speed_id = FIRST_EXTRA_ID + len(middle)
+        below = top + sampler_h + GAP + (CACHE_HEIGHT + GAP if t.cache else 0)
+        middle.append(Node(speed_id, "VidMemSpeed", (b, below), (420, SPEED_HEIGHT), dict(t.speed), group=SAMPLE_GROUP))
+        sampler_links["speed"] = (speed_id, 0)
     if t.image:  # image-to-video: core Load Image under the Sampler (and its Step Cache), into its image input
         image_id = FIRST_EXTRA_ID + len(middle)
-        below = top + sampler_h + GAP + (CACHE_HEIGHT + GAP if t.cache else 0)
+        below = top + sampler_h + GAP + (CACHE_HEIGHT + GAP if t.cache else 0) + (SPEED_HEIGHT + GAP if t.speed else 0)
         middle.append(Node(image_id, "LoadImage", (b, below), (420, IMAGE_HEIGHT), dict(image=t.image), group=SAMPLE_GROUP))
         sampler_links["image"] = (image_id, 0)
     nodes = [

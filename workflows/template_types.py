@@ -135,7 +135,12 @@ class Template:
     training: Training | None = None  # Prepare Training Data + Train LoRA between the loader and the Sampler
     sampler: dict = field(default_factory=dict)  # the Sampler's optional controls (scheduler, shift, cfg_2, ...)
     cache: dict | None = None  # a Step Cache (VidMem) node's widgets, linked to the Sampler's cache input
+    speed: dict | None = None  # a Speed (VidMem) node's widgets, linked to the Sampler's speed input
     image: str | None = None  # image-to-video: core Load Image's file (in ComfyUI/input), linked to the Sampler's image
+
+
+# The fast templates' Speed node: the fastest exact attention kernel, compiled blocks, fp8 matmul where the card has it.
+FAST_SPEED = dict(attention="auto", compile=True, compile_mode="default", compile_dynamic="auto", fp8_matmul="auto")
 
 
 def mag_cache(retention: float, max_skip_steps: int) -> dict:

@@ -15,7 +15,7 @@ tests/workflow_runner.shrink_for_tiny switches these caches to mag_ratios calibr
 
 from __future__ import annotations
 
-from template_types import NEGATIVE, Machine, Template, mag_cache, model_files, strategy
+from template_types import FAST_SPEED, NEGATIVE, Machine, Template, mag_cache, model_files, strategy
 from templates_files import (
     UMT5_FP8_22, WAN21_1_3B_FILES, WAN21_VAE_22, WAN22_A14B_FILES, WAN22_HIGH_FP8, WAN22_LOW_FP8, files_text,
 )
@@ -27,6 +27,15 @@ CACHE_QUALITY = (
     "For more speed raise the Step Cache's threshold (more skipped steps, more loss); for the uncached "
     "video set its method to off. Every memory tier gives the same video with the cache on: the skip "
     "decisions come from the ratios and the step count, not from where the weights are.\n\n"
+)
+
+SPEED_TEXT = (
+    "Speed (VidMem) on the Sampler: attention = auto (the fastest exact kernel for the card and precision, named "
+    "in the receipt), compile = true (the transformer's repeated blocks compiled with torch.compile: the first "
+    "run spends up to a minute or two compiling, later runs of this graph reuse it and recompile nothing, under "
+    "any offload tier), fp8_matmul = auto (on cards with fp8 tensor cores, RTX 40xx and H100 and newer, fp8 "
+    "weights multiply in fp8 and their inputs are rounded to fp8 too; elsewhere they are upcast as always). Set "
+    "compile to false to skip the first run's compile.\n\n"
 )
 
 CACHE_TEMPLATES = (
@@ -45,7 +54,7 @@ CACHE_TEMPLATES = (
             "30% less denoising time than the 30 uncached steps of the base template, on the 50-step "
             "schedule (vidmem plan --model wan2.1-t2v-1.3b --steps 50 --cache mag_cache). The Sampler's "
             "receipt counts the blocks computed and skipped.\n\n"
-            + CACHE_QUALITY +
+            + CACHE_QUALITY + SPEED_TEXT +
             "Memory strategy, offload = model, as the base template: the text encoder on the GPU alone "
             "(6.5 GiB) until the prompt is encoded, then the transformer (2.6 GiB), then the VAE in 256 px "
             "tiles; predicted peak VRAM 7.5 GiB. The transformer stays on the GPU while it samples, so here "
@@ -58,7 +67,7 @@ CACHE_TEMPLATES = (
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=50, cfg=5.0, fps=16.0,
         machine=Machine(8, 16, "wan2.1-t2v-1.3b", {"transformer": "bf16", "text_encoder": "fp8_scaled"}),
-        files=WAN21_1_3B_FILES, note_height=None, sampler=dict(shift=5.0), cache=mag_cache(0.2, 4),
+        files=WAN21_1_3B_FILES, note_height=None, sampler=dict(shift=5.0), cache=mag_cache(0.2, 4), speed=FAST_SPEED,
     ),
     Template(
         name="wan22_t2v_a14b_fp8_magcache",
@@ -76,7 +85,7 @@ CACHE_TEMPLATES = (
             "high-noise expert 13 steps). Another step count is refused by name; calibrate for it. It "
             "computes 15 of the high-noise expert's 26 steps and 11 of the low-noise expert's 14: 26 of 40 "
             "(65%) (vidmem plan --model wan2.2-t2v-a14b --steps 40 --cache mag_cache).\n\n"
-            + CACHE_QUALITY +
+            + CACHE_QUALITY + SPEED_TEXT +
             "Memory strategy, offload = block_swap with blocks_to_swap = 34 per expert, as the base "
             "template: 34 of 40 blocks (0.33 GiB each in fp8) stream to the GPU on every pass the transformer "
             "computes, weights memory-mapped from the files (weights_on_disk); predicted peak VRAM 10.0 GiB. "
@@ -92,6 +101,6 @@ CACHE_TEMPLATES = (
         width=832, height=480, frames=81, steps=40, cfg=4.0, fps=16.0,
         machine=Machine(12, 32, "wan2.2-t2v-a14b", {"transformer": "fp8_scaled", "transformer_2": "fp8_scaled",
                                                     "text_encoder": "fp8_scaled"}),
-        files=WAN22_A14B_FILES, note_height=None, sampler=dict(shift=12.0), cache=mag_cache(0.4, 2),
+        files=WAN22_A14B_FILES, note_height=None, sampler=dict(shift=12.0), cache=mag_cache(0.4, 2), speed=FAST_SPEED,
     ),
 )
