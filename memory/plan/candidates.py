@@ -260,7 +260,12 @@ def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, 
         probe = replace(strategy, blocks_to_swap=min(model.weights(n).block_count for n in model.layout.denoisers))
     leanest = None
     for chunks in CHUNK_STEPS:
-        stage = denoise_stage(model, shape, replace(probe, activation_chunks=chunks), options)
+        try:
+            stage = denoise_stage(model, shape, replace(probe, activation_chunks=chunks), options)
+        except ValueError:
+            if chunks == 1:
+                raise
+            break  # a family whose blocks cannot be chunked (the run leaves auto off for it too)
         if stage.fits(vram):
             return replace(strategy, activation_chunks=chunks)
         if leanest is None or stage.device_bytes < leanest[1]:
