@@ -169,12 +169,15 @@ def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype) -> str:
     """The Speed node's choices as they would resolve on this machine's `device_type`, for the plan:
     the kernel auto picks (or why a choice is refused), compiled or not, fp8 matmul or why not, and
     the per-step time measured on this device where bench/speed.py has measured it."""
+    compiled = ("compiled blocks (the first run compiles, later runs of this graph reuse it)" if speed.compile.on
+                else "eager blocks")
+    if device_type == "cuda" and not torch.cuda.is_available():  # planning for a GPU this process cannot see
+        return (f"attention {speed.attention.value}, fp8 matmul {speed.fp8_matmul.value}: resolved on the GPU when the "
+                f"run starts; {compiled}")
     try:
         attention = f"attention {resolve_attention(speed.attention, device_type, dtype).describe()}"
     except StrategyError as error:
         attention = f"refused: {error}"
-    compiled = ("compiled blocks (the first run compiles, later runs of this graph reuse it)" if speed.compile.on
-                else "eager blocks")
     fp8 = _fp8_plan_text(speed.fp8_matmul, device_type)
     measured = measured_line(speed, device_type)
     return f"{attention}; {compiled}; {fp8}" + (f". {measured}" if measured else "")

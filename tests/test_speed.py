@@ -222,3 +222,11 @@ def test_the_plans_speed_line_says_what_the_run_would_do_with_fp8():
 
     assert "fp8 weights upcast: the CPU" in speed_plan_line(Speed(fp8_matmul="auto"), "cpu", torch.float32)
     assert "fp8 matmul on the model's fp8 layers" in speed_plan_line(Speed(fp8_matmul="on"), "cpu", torch.float32)
+
+
+def test_the_plans_speed_line_for_a_gpu_this_process_cannot_see_says_so_instead_of_failing(monkeypatch):
+    from vidmem.pipelines.speed import speed_plan_line
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = speed_plan_line(Speed("auto", CompileSettings(True), "auto"), "cuda", torch.bfloat16)
+    assert "resolved on the GPU when the run starts" in line and "compiled blocks" in line
