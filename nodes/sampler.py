@@ -13,7 +13,7 @@ from ..memory.plan.types import PlanOptions
 from ..memory.telemetry import free_device_bytes
 from ..memory.units import GiB
 from ..pipelines.loader import FAMILIES
-from ..pipelines.family import ModelError, denoiser_blocks
+from ..pipelines.family import ModelError, denoiser_blocks, denoisers
 from ..pipelines.image_fit import RESIZE_CHOICES, fit_image
 from ..pipelines.parallel import DeviceRoom, balanced_placement, component_bytes, resolve_ranks, sample_balanced, sample_parallel
 from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, plan_explicit
@@ -190,7 +190,7 @@ def check_before_planning(pipeline, choice, request, device) -> None:
     ranks), and blocks_to_swap against the model's blocks."""
     validate_request(pipeline, request)
     resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
-                  {name: getattr(pipeline.pipe, name) for name in denoiser_blocks(pipeline.pipe, pipeline.spec)},
+                  denoisers(pipeline.pipe, pipeline.spec),
                   context_parallel=choice.strategy.parallel.context_parallel_on)
     if not choice.auto:
         for name, blocks in denoiser_blocks(pipeline.pipe, pipeline.spec).items():

@@ -106,6 +106,11 @@ def spatial_multiple(pipe) -> int:
     return pipe.vae_scale_factor_spatial * patch
 
 
+def denoisers(pipe, spec: FamilySpec) -> dict[str, torch.nn.Module]:
+    """The pipeline's denoisers by name (Wan 2.2 A14B: both experts), those it has."""
+    return {name: getattr(pipe, name) for name in spec.denoisers if getattr(pipe, name, None) is not None}
+
+
 def denoiser_blocks(pipe, spec: FamilySpec) -> dict[str, torch.nn.ModuleList]:
     return {
         name: getattr(getattr(pipe, name), spec.blocks_attr)

@@ -37,7 +37,7 @@ from ..memory.device import Backend
 from ..memory.lora import apply_loras
 from ..memory.telemetry import StageMeter
 from ..memory.warm import call_on
-from .family import ModelError, denoiser_blocks
+from .family import ModelError, denoiser_blocks, denoisers
 from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .loader import LoadedPipeline, torch_dtype
 from .stages import stage_modules
@@ -125,7 +125,7 @@ def sample(
     device = backend.device
     pipe, spec = loaded.pipe, loaded.spec
     # Refused here, before anything moves, when a choice cannot run on this device or model.
-    speed = resolve_speed(request.speed, device, torch_dtype(loaded.dtype_name), _denoisers(loaded))
+    speed = resolve_speed(request.speed, device, torch_dtype(loaded.dtype_name), denoisers(loaded.pipe, loaded.spec))
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [], "sampler": choice.describe(),
                "lora": describe_loras(loaded.loras)}
     hooks.check_interrupt()
@@ -147,11 +147,6 @@ def sample(
     samples = spec.to_comfy_latent(pipe, record.raw, request.frames).to("cpu")
     latent = {"samples": samples, "vidmem": {"family": spec.name, "class_name": loaded.class_name, "frames": request.frames}}
     return SampleResult(latent, receipt)
-
-
-def _denoisers(loaded: LoadedPipeline) -> dict[str, torch.nn.Module]:
-    """The call's denoisers by name (Wan 2.2 A14B: both experts)."""
-    return {name: getattr(loaded.pipe, name) for name in denoiser_blocks(loaded.pipe, loaded.spec)}
 
 
 def block_count(loaded: LoadedPipeline) -> int:
@@ -225,7 +220,7 @@ class _Run:
                 apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device)) as chunks, \
-                speed_for_call(self.speed.for_chunks(chunks.chunks), _denoisers(loaded), blocks, device) as speed:
+                speed_for_call(self.speed.for_chunks(chunks.chunks), denoisers(loaded.pipe, loaded.spec), blocks, device) as speed:
             if chunks.chunks > 1 or chunks.note:
                 receipt["activation_chunks"] = chunks.as_dict()
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
@@ -274,7 +269,7 @@ class _Run:
         cache = self.request.cache if cached else StepCache()
         if cache.on and cache.per_expert and len(blocks) > 1:
             cache.check_expert_steps(expert_steps(call, self.request.steps))
-        applied = AppliedCache(cache, {name: getattr(pipe, name) for name in blocks}, blocks)
+        applied = AppliedCache(cache, denoisers(pipe, spec), blocks)
         return applied.apply(self.request.steps) if cache.on else applied
 
     def _encode(self, call, strategy: MemoryStrategy, handle) -> None:

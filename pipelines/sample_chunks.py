@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from .activation_chunks import AppliedChunks, activation_chunks, refusal
 from .speed import planned_attention
-from .family import denoiser_blocks
+from .family import denoiser_blocks, denoisers
 
 log = logging.getLogger("vidmem")
 
@@ -27,12 +27,12 @@ def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int |
     saying why in the receipt's note, where the model cannot chunk or the planner cannot model it.
     An explicit count on a model that cannot chunk raises ChunkError before any block changes."""
     blocks = denoiser_blocks(loaded.pipe, loaded.spec)
-    denoisers = {name: getattr(loaded.pipe, name) for name in blocks}
+    modules = denoisers(loaded.pipe, loaded.spec)
     count, note = strategy.activation_chunks, ""
     if strategy.chunks_auto:
         count, note = _auto_count(loaded, strategy, (request.width, request.height, request.frames, guided),
                                   budget_bytes, blocks, planned_attention(request.speed))
-    with activation_chunks(denoisers, blocks, count) as applied:
+    with activation_chunks(modules, blocks, count) as applied:
         yield AppliedChunks(applied.chunks, applied.blocks, applied.family, note)
 
 

@@ -48,16 +48,10 @@ class Speed:
         if not isinstance(self.compile, CompileSettings):
             raise StrategyError(f"compile={self.compile!r} must be a CompileSettings (on, mode, dynamic).")
 
-    @property
-    def default(self) -> bool:
-        """No Speed node was connected: what ran before the node existed."""
-        return not self.chosen
-
-    def describe(self, attention: str | None = None) -> str:
-        """`attention auto, compiled blocks (default, dynamic auto), fp8 matmul off`; `attention`: the resolved
-        kernel's own description, where known."""
+    def describe(self) -> str:
+        """`attention auto, compiled blocks (default, dynamic auto), fp8 matmul off`."""
         compiled = f"compiled blocks ({self.compile.describe()})" if self.compile.on else "eager blocks"
-        return f"attention {attention or self.attention.value}, {compiled}, fp8 matmul {self.fp8_matmul.value}"
+        return f"attention {self.attention.value}, {compiled}, fp8 matmul {self.fp8_matmul.value}"
 
 
 def planned_attention(speed: Speed) -> Attention:
@@ -73,9 +67,6 @@ class ResolvedSpeed:
     speed: Speed
     attention: ResolvedAttention
     compile_skipped: str = ""  # why the speed's compiled blocks did not apply to this call
-
-    def describe(self) -> str:
-        return self.speed.describe(self.attention.describe())
 
     def for_chunks(self, chunks: int) -> "ResolvedSpeed":
         """This speed for a call whose blocks run in `chunks` activation slices: the slices run through their
@@ -96,7 +87,8 @@ class ResolvedSpeed:
     def untouched_attention(self) -> bool:
         """No Speed node, or auto resolved to plain SDPA: what the model runs without vidmem, so its processors
         are left as they are (SDPA choosing per call, a backend set on them or diffusers' active one)."""
-        return self.speed.default or (self.speed.attention is AttentionKernel.AUTO and self.attention.kernel is AttentionKernel.SDPA)
+        auto_sdpa = self.speed.attention is AttentionKernel.AUTO and self.attention.kernel is AttentionKernel.SDPA
+        return not self.speed.chosen or auto_sdpa
 
 
 def resolve_speed(speed: Speed, device: torch.device, dtype: torch.dtype,

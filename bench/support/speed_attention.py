@@ -22,7 +22,7 @@ import torch
 from vidmem.memory import MemoryStrategy
 from vidmem.pipelines.attention import (AttentionError, AttentionKernel, ResolvedAttention, attention_for_call,
                                         resolve_attention)
-from vidmem.pipelines.family import denoiser_blocks
+from vidmem.pipelines.family import denoisers
 from vidmem.pipelines.sample import sample
 from vidmem.pipelines.step_cache import StepCache
 
@@ -95,6 +95,6 @@ def _latent(loaded, config: SpeedConfig, strategy: MemoryStrategy, resolved: Res
     request = config.request(StepCache())
     if resolved is None:
         return sample(loaded, strategy, request, device=torch.device(config.device)).latent["samples"]
-    denoisers = {name: getattr(loaded.pipe, name) for name in denoiser_blocks(loaded.pipe, loaded.spec)}
-    with attention_for_call(denoisers, resolved):
+    modules = denoisers(loaded.pipe, loaded.spec)
+    with attention_for_call(modules, resolved):
         return sample(loaded, strategy, request, device=torch.device(config.device)).latent["samples"]

@@ -19,7 +19,7 @@ from ...memory.hostpool import pinned_cap_bytes
 from ...memory.parallel import RankStores, WorkerPool
 from ...memory.strategy import MemoryStrategy
 from ...memory.units import GiB
-from ..family import ModelError, denoiser_blocks
+from ..family import ModelError, denoisers
 from ..loader import torch_dtype
 from ..hooks import RunHooks
 from ..sample import SampleRequest, SampleResult
@@ -55,9 +55,8 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     run_loaded = loaded.image_mode() if request.image is not None else loaded
     device_type = "cuda" if ranks.gpus else "cpu"
     if device_type == "cpu" or torch.cuda.is_available():  # refused here, before any rank starts (ranks check again)
-        denoisers = {name: getattr(loaded.pipe, name) for name in denoiser_blocks(loaded.pipe, loaded.spec)}
-        resolve_speed(request.speed, torch.device(device_type), torch_dtype(loaded.dtype_name), denoisers,
-                      context_parallel=True)
+        resolve_speed(request.speed, torch.device(device_type), torch_dtype(loaded.dtype_name),
+                      denoisers(loaded.pipe, loaded.spec), context_parallel=True)
     check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,
                            ranks.degree, device_type)
     job = ParallelSampleJob(PipelineSource.of(loaded), rank_pinned_share(strategy, ranks.degree, hooks.pinned_room()),
