@@ -51,7 +51,7 @@ class Parallelism:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "context_parallel", _parse_enum(ContextParallel, self.context_parallel, "context_parallel"))
+            self, "context_parallel", parse_enum(ContextParallel, self.context_parallel, "context_parallel"))
         _check_int("degree", self.degree)
         if self.degree < 0 or self.degree == 1:
             raise StrategyError(f"degree={self.degree} must be 0 (one rank per GPU) or 2 or more.")
@@ -150,9 +150,9 @@ class MemoryStrategy:
         object.__setattr__(self, "activation_chunks", _parse_chunks(self.activation_chunks))
         if not isinstance(self.parallel, Parallelism):
             raise StrategyError(f"parallel={self.parallel!r} must be a Parallelism (gpus, context_parallel, degree).")
-        object.__setattr__(self, "offload", _parse_enum(OffloadTier, self.offload, "offload"))
+        object.__setattr__(self, "offload", parse_enum(OffloadTier, self.offload, "offload"))
         object.__setattr__(
-            self, "text_encoder", _parse_enum(TextEncoderPlacement, self.text_encoder, "text_encoder")
+            self, "text_encoder", parse_enum(TextEncoderPlacement, self.text_encoder, "text_encoder")
         )
         _check_int("blocks_to_swap", self.blocks_to_swap)
         _check_int("prefetch_blocks", self.prefetch_blocks)
@@ -239,7 +239,7 @@ def _parse_chunks(value: object) -> int | str:
     return value
 
 
-def _parse_enum(enum_type: type[Enum], value: object, name: str) -> Enum:
+def parse_enum(enum_type: type[Enum], value: object, name: str) -> Enum:
     try:
         return enum_type(value)
     except ValueError:

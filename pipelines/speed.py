@@ -27,7 +27,7 @@ from torch import nn
 
 from ..memory.accounting import Attention
 from ..memory.storage.fp8_matmul import Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
-from ..memory.strategy import StrategyError
+from ..memory.strategy import StrategyError, parse_enum
 from .attention import SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, resolve_attention
 from .compile import CompileSettings, compiled_blocks
 
@@ -43,8 +43,8 @@ class Speed:
     chosen: bool = True  # False: no Speed node (NO_SPEED_NODE): the attention is left as the model has it
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "attention", _parsed(AttentionKernel, self.attention, "attention"))
-        object.__setattr__(self, "fp8_matmul", _parsed(Fp8Matmul, self.fp8_matmul, "fp8_matmul"))
+        object.__setattr__(self, "attention", parse_enum(AttentionKernel, self.attention, "attention"))
+        object.__setattr__(self, "fp8_matmul", parse_enum(Fp8Matmul, self.fp8_matmul, "fp8_matmul"))
         if not isinstance(self.compile, CompileSettings):
             raise StrategyError(f"compile={self.compile!r} must be a CompileSettings (on, mode, dynamic).")
 
@@ -52,6 +52,9 @@ class Speed:
         """`attention auto, compiled blocks (default, dynamic auto), fp8 matmul off`."""
         compiled = f"compiled blocks ({self.compile.describe()})" if self.compile.on else "eager blocks"
         return f"attention {self.attention.value}, {compiled}, fp8 matmul {self.fp8_matmul.value}"
+
+
+NO_SPEED_NODE = Speed(chosen=False)  # what the Sampler runs without a Speed node
 
 
 def planned_attention(speed: Speed) -> Attention:
@@ -144,14 +147,6 @@ class _Untouched:
                 "applied": "left as the model has it: SDPA choosing its kernel per call, as without vidmem"}
 
 
-def _parsed(kind, value, name: str):
-    try:
-        return kind(value)
-    except ValueError:
-        accepted = ", ".join(repr(member.value) for member in kind)
-        raise StrategyError(f"{name}={value!r} is not one of {accepted}.") from None
-
-
 # --- What the plan says before the run -------------------------------------------------------------
 
 MEASURED = Path(__file__).parent / "configs" / "speedups.json"  # bench/speed.py's figures, per device name
@@ -232,6 +227,3 @@ def _measured() -> dict[str, dict]:
     if not MEASURED.is_file():
         return {}
     return {entry["device"]: entry for entry in json.loads(MEASURED.read_text(encoding="utf-8"))["devices"]}
-
-
-NO_SPEED_NODE = Speed(chosen=False)  # what the Sampler runs without a Speed node
