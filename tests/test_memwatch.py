@@ -41,8 +41,13 @@ def test_peak_growth_counts_pages_touched_inside_the_call(tmp_path):
 
 def test_peak_growth_is_the_peak_not_what_is_left(tmp_path):
     def allocate_and_free():
-        block = torch.ones(32 * MIB // 4)  # 32 MiB, freed before the call returns
-        return float(block[-1])
+        # Fresh anonymous pages, unmapped before the call returns. Not a torch tensor: malloc may
+        # hand a tensor pages an earlier test freed into its heap, already resident, so RSS would
+        # not grow at all (it read 0 in a full CI run).
+        with mmap.mmap(-1, 32 * MIB) as block:
+            for offset in range(0, len(block), mmap.PAGESIZE):
+                block[offset] = 1
+            return block[-mmap.PAGESIZE]
 
     assert memwatch.peak_growth(allocate_and_free) >= 0.9 * 32 * MIB
 
