@@ -316,3 +316,32 @@ def test_a_quantized_tensor_reshaped_before_quantizing_keeps_its_original_shape(
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32)).reshape(64, 16, 1, 2, 2)
     assert stored.shape == (64, 16, 1, 2, 2)
     assert torch.equal(stored.dequantize(torch.float32), reference)
+
+
+def test_a_mapping_unmapped_while_the_registry_is_read_neither_deadlocks_nor_stays_registered():
+    """The garbage collector runs a mapping's finalizer inside whatever allocation triggers it, also
+    one made while this thread holds the registry's lock (is_file_backed's generator did: a test run
+    hung there). The finalizer must not wait for that lock, and the range must still leave."""
+    import threading
+    import weakref
+
+    from vidmem.memory.storage import mapping
+
+    class Owner:
+        pass
+
+    owner, before = Owner(), mapping.mapped_bytes()
+    mapping.register_range(1 << 40, 4096, owner)
+    assert mapping.mapped_bytes() == before + 4096
+    gone = weakref.ref(owner)
+
+    def unmap_under_the_lock():
+        nonlocal owner
+        with mapping._lock:
+            owner = None  # the finalizer runs right here, as inside an allocation under the lock
+
+    worker = threading.Thread(target=unmap_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the mapping's finalizer waited for the lock its own thread held"
+    assert gone() is None and mapping.mapped_bytes() == before

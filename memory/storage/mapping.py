@@ -26,6 +26,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ import torch
 NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000) if sys.platform.startswith("linux") else 0
 _lock = threading.Lock()
 _ranges: dict[int, tuple[int, int]] = {}  # key -> (first address, end address) of a live mapping
+_unmapped: deque[int] = deque()  # keys whose mapping is gone, dropped from _ranges under the lock
 _next_key = 0
 
 
@@ -77,8 +79,18 @@ def register_range(start: int, nbytes: int, owner: object) -> None:
 
 
 def _forget(key: int) -> None:
-    with _lock:
-        _ranges.pop(key, None)
+    """The finalizer of a mapping. The garbage collector runs finalizers inside any allocation, also
+    one made while this thread holds `_lock` (the generator in is_file_backed): taking the lock here
+    deadlocked a test run, and changing `_ranges` there would break the iteration. So it only queues
+    the key (a deque append is atomic); the next reader drops it under the lock."""
+    _unmapped.append(key)
+
+
+def _live_ranges() -> list[tuple[int, int]]:
+    """The ranges of live mappings (call with `_lock` held)."""
+    while _unmapped:
+        _ranges.pop(_unmapped.popleft(), None)
+    return list(_ranges.values())
 
 
 def is_file_backed(tensor: torch.Tensor) -> bool:
@@ -88,10 +100,10 @@ def is_file_backed(tensor: torch.Tensor) -> bool:
     storage = tensor.untyped_storage()
     start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     with _lock:
-        return any(first <= start and end <= last for first, last in _ranges.values())
+        return any(first <= start and end <= last for first, last in _live_ranges())
 
 
 def mapped_bytes() -> int:
     """Bytes of all live file mappings (address space, not RAM: pages load on first touch)."""
     with _lock:
-        return sum(last - first for first, last in _ranges.values())
+        return sum(last - first for first, last in _live_ranges())
