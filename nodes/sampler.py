@@ -128,6 +128,9 @@ class VidMemVideoSampler:
                     "pad: scaled to fit inside, the rest black bars (nothing lost; the bars are part of the video). "
                     "stretch: each side scaled on its own (nothing lost; proportions change). A batch of images "
                     "uses its first."}),
+                "last_image": ("IMAGE", {"tooltip": "Last frame, for first-last-frame: the video starts on image and "
+                               "ends on this one, fitted the same way (resize). Wan 2.1 FLF2V 14B needs it; Wan 2.2 I2V "
+                               "A14B takes it; other models refuse it by name. Leave empty for image-to-video."}),
             },
         }
 
@@ -143,16 +146,18 @@ class VidMemVideoSampler:
                 or literal_problems(cls, cfg=cfg, shift=shift, cfg_2=cfg_2, boundary_ratio=boundary_ratio) or True)
 
     def sample(self, pipeline, strategy, prompt, negative_prompt, width, height, frames, steps, cfg, seed, image=None,
-               scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0, cache=None, speed=None, resize="crop"):
+               scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0, cache=None, speed=None, resize="crop",
+               last_image=None):
         pipeline = pipeline_input(pipeline, NODE)
         choice = as_choice(strategy, NODE)
         step_cache = cache_input(cache, pipeline, NODE)
         fitted = fit_image(image, width, height, resize) if image is not None else None  # the video's first frame
+        last = fit_image(last_image, width, height, resize, "last_image") if last_image is not None else None
         # The widgets' "model's own" values (0, -1) are the engine's None.
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed,
                                 fitted.image if fitted else None, scheduler,
                                 shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None, step_cache,
-                                speed_input(speed, NODE))
+                                speed_input(speed, NODE), last.image if last else None)
         device = host.compute_device()
         check_before_planning(pipeline, choice, request, device)
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
@@ -172,7 +177,7 @@ class VidMemVideoSampler:
         if ratios:  # a calibration run: save the ratios where the Step Cache node lists them
             path = write_ratio_file(host.mag_ratios_folder(), pipeline, steps, ratios, receipt.get("sampler", ""))
             receipt["cache"] = dict(receipt["cache"], ratios_file=path.name)
-        notes = [*choice.notes, *(fitted.notes if fitted else ())]
+        notes = [*choice.notes, *(fitted.notes if fitted else ()), *(last.notes if last else ())]
         if notes:
             receipt["note"] = "; ".join(notes)
         if "parallel" in receipt:

@@ -18,6 +18,10 @@ class ModelError(ValueError):
     """The model or a request for it is invalid; the message names the input and the fix."""
 
 
+def _first_frame_only(pipe, last_image_given: bool) -> str | None:
+    return "it conditions on a first frame only" if last_image_given else None
+
+
 @dataclass(frozen=True)
 class SamplerDefaults:
     """How a family samples, as data: which schedulers besides the model's own make sense, whether
@@ -49,6 +53,10 @@ class FamilySpec:
     max_sequence_length: int  # prompt tokens, as the pipeline's __call__ uses by default
     single_file_transformer: str | None  # diffusers class with from_single_file, if the family has one
     image_variant: Callable[[object], str | None] = lambda pipe: None  # I2V class for a T2V folder, if any
+    # (image-to-video pipe, whether a last_image was given) -> why this model cannot run that way
+    # (first-last-frame on a model not trained for it, or a model that needs a last frame without
+    # one), or None. The default: no model of the family takes a last frame.
+    last_frame_error: Callable[[object, bool], str | None] = _first_frame_only
     # (vae) -> the VAE's decode in stages: `context` (frame-wide layers run once on the whole
     # latent, or None), `stream()` (a decode that carries its causal caches across a tile's frame
     # chunks) and `frame_batch`; or None to decode every piece with `vae.decode`

@@ -54,20 +54,21 @@ class FittedImage:
         return "; ".join(self.notes)
 
 
-def fit_image(image: torch.Tensor, width: int, height: int, resize: str = Resize.CROP.value) -> FittedImage:
+def fit_image(image: torch.Tensor, width: int, height: int, resize: str = Resize.CROP.value,
+              name: str = "image") -> FittedImage:
     """`image` (a ComfyUI IMAGE [batch, H, W, 3 or 4]) as one image of exactly `width` x `height`.
 
     `resize` is "crop", "pad" or "stretch" (see the module doc). An image already of the video's
     size comes back unchanged (the same values, a new tensor). Bad input raises ModelError
-    naming the input and the fix; nothing is modified in place.
+    naming the input (`name`: the Sampler's image or last_image) and the fix; nothing is modified in place.
     """
     mode = _resize_choice(resize)
     _check_size("width", width)
     _check_size("height", height)
-    check_image(image)
+    check_image(image, name)
     notes = []
     if image.shape[0] > 1:
-        notes.append(f"image: a batch of {image.shape[0]} images; image-to-video starts from the first only "
+        notes.append(f"{name}: a batch of {image.shape[0]} images; the first is used "
                      "(pick another with core Image From Batch)")
     first = image[:1, ..., :3].float().clamp(0, 1)  # alpha is not part of a video frame
     source = (first.shape[2], first.shape[1])
@@ -75,7 +76,7 @@ def fit_image(image: torch.Tensor, width: int, height: int, resize: str = Resize
         return FittedImage(first.clone(), tuple(notes))
     pixels = first.permute(0, 3, 1, 2)  # [1, 3, H, W] for torch's resampling
     fitted = {Resize.CROP: _crop, Resize.PAD: _pad, Resize.STRETCH: _stretch}[mode](pixels, int(width), int(height))
-    notes.append(f"image: {source[0]}x{source[1]} {_DONE[mode]} {width}x{height}")
+    notes.append(f"{name}: {source[0]}x{source[1]} {_DONE[mode]} {width}x{height}")
     return FittedImage(fitted.permute(0, 2, 3, 1).contiguous(), tuple(notes))
 
 

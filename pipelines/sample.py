@@ -73,6 +73,8 @@ class SampleRequest:
     boundary_ratio: float | None = None  # Wan 2.2 A14B; None: the model's own (0 < ratio < 1)
     cache: StepCache = StepCache()  # step caching (pipelines/step_cache.py); off by default
     speed: Speed = NO_SPEED_NODE  # attention kernel, compiled blocks, fp8 matmul (pipelines/speed.py)
+    # First-last-frame (FamilySpec.last_frame_error says which models): the video's last frame, as `image`
+    last_image: torch.Tensor | None = None
 
 
 @dataclass
@@ -362,6 +364,8 @@ def _call_kwargs(loaded: LoadedPipeline, request: SampleRequest, choice: Sampler
         kwargs["guidance_scale_2"] = choice.cfg_2
     if loaded.needs_image:
         kwargs["image"] = comfy_image_to_pil(request.image)
+    if request.last_image is not None:
+        kwargs["last_image"] = comfy_image_to_pil(request.last_image)
     return kwargs
 
 

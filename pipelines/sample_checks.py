@@ -49,6 +49,7 @@ def validate_request(loaded, request) -> SamplerChoice:
         raise ModelError(f"{loaded.class_name} is text-to-video: disconnect the image input or load an I2V model.")
     if request.image is not None:
         check_image(request.image)
+    _check_last_image(loaded, request)
     if not isinstance(request.cache, StepCache):
         raise ModelError(f"cache must be a step cache (the Step Cache node's output), not {type(request.cache).__name__}.")
     return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio,
@@ -65,13 +66,32 @@ def check_cfg(cfg: object) -> None:
     check_scale("cfg", cfg)
 
 
-def check_image(image: object) -> None:
+def _check_last_image(loaded, request) -> None:
+    """First-last-frame: a last image needs a first one and a model trained on both ends; a model
+    trained on both ends needs both (the family says which: FamilySpec.last_frame_error)."""
+    given = request.last_image is not None
+    if given and request.image is None:
+        raise ModelError("last_image needs image too: first-last-frame starts from image and ends on last_image; "
+                         "connect the first frame to image.")
+    if request.image is None:
+        return
+    if given:
+        check_image(request.last_image, "last_image")
+    pipe = loaded.image_mode().pipe
+    problem = loaded.spec.last_frame_error(pipe, given)
+    if problem:
+        model = loaded.config_name or Path(loaded.folder).name or loaded.class_name
+        fix = "disconnect last_image" if given else "connect last_image"
+        raise ModelError(f"last_image: {model} cannot run this way ({problem}); {fix} or load another model.")
+
+
+def check_image(image: object, name: str = "image") -> None:
     """A ComfyUI IMAGE: a float tensor [batch, height, width, 3 or 4], finite, with pixels in it."""
     if not isinstance(image, torch.Tensor):
-        raise ModelError(f"image is a {type(image).__name__}, not an IMAGE; connect a Load Image node's IMAGE.")
+        raise ModelError(f"{name} is a {type(image).__name__}, not an IMAGE; connect a Load Image node's IMAGE.")
     if image.ndim != 4 or image.shape[-1] not in (3, 4) or image.numel() == 0:
-        raise ModelError(f"image has shape {tuple(image.shape)}; expected a ComfyUI IMAGE [batch, height, width, 3].")
+        raise ModelError(f"{name} has shape {tuple(image.shape)}; expected a ComfyUI IMAGE [batch, height, width, 3].")
     if not image.is_floating_point():
-        raise ModelError(f"image has dtype {image.dtype}; expected float pixels in 0..1 as ComfyUI's IMAGE.")
+        raise ModelError(f"{name} has dtype {image.dtype}; expected float pixels in 0..1 as ComfyUI's IMAGE.")
     if not torch.isfinite(image[:1]).all():  # only the first frame is used
-        raise ModelError("image contains NaN or infinite pixels; it would give NaN frames. Check the node that made it.")
+        raise ModelError(f"{name} contains NaN or infinite pixels; it would give NaN frames. Check the node that made it.")

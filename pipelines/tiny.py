@@ -114,6 +114,7 @@ class TinySpec:
     height: int = 32
     frames: int = 9
     needs_image: bool = False
+    last_image: bool = False  # first-last-frame: the call takes a last image too
     two_experts: bool = False
     image_encoder: bool = False
     pipeline_config: Mapping[str, Any] = field(default_factory=dict)
@@ -154,6 +155,12 @@ TINY_SPECS: dict[str, TinySpec] = {
     "wan2.1-i2v": TinySpec(
         **_WAN, pipeline="WanImageToVideoPipeline", needs_image=True, image_encoder=True,
         transformer_config=dict(_WAN_DIT, in_channels=36, image_dim=4),
+    ),
+    # Wan 2.1 FLF2V 14B: Wan 2.1 I2V with a positional embedding over the CLIP tokens of two images
+    # (32x32 px in patches of 1 and a class token: 1,025 per image).
+    "wan2.1-flf2v": TinySpec(
+        **_WAN, pipeline="WanImageToVideoPipeline", needs_image=True, image_encoder=True, last_image=True,
+        transformer_config=dict(_WAN_DIT, in_channels=36, image_dim=4, pos_embed_seq_len=2 * (32 * 32 + 1)),
     ),
     "wan2.2-a14b": TinySpec(
         **_WAN, pipeline="WanPipeline", transformer_config=_WAN_DIT, two_experts=True,
@@ -347,7 +354,8 @@ def save_tiny_pipeline(variant: str, folder: str | Path, seed: int = 0) -> Path:
 def tiny_call_kwargs(variant: str, seed: int = 0, steps: int = 2, output_type: str = "latent") -> dict[str, Any]:
     """Keyword arguments for one fast, deterministic call of the tiny `variant` at its default shape.
 
-    Image-conditioned variants get a flat grey PIL image of the run size. Note the latent layouts
+    Image-conditioned variants get a flat grey PIL image of the run size (first-last-frame ones a lighter
+    grey last image too). Note the latent layouts
     differ: CogVideoX returns (batch, frames, channels, h, w), Wan (batch, channels, frames, h, w).
     """
     spec = tiny_spec(variant)
@@ -360,4 +368,6 @@ def tiny_call_kwargs(variant: str, seed: int = 0, steps: int = 2, output_type: s
         del kwargs["guidance_scale"]  # the saved guider's config holds the same 5.0
     if spec.needs_image:
         kwargs["image"] = Image.new("RGB", (spec.width, spec.height), (128, 128, 128))
+    if spec.last_image:
+        kwargs["last_image"] = Image.new("RGB", (spec.width, spec.height), (200, 200, 200))
     return kwargs

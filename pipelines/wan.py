@@ -31,6 +31,31 @@ def _image_variant(pipe) -> str | None:
     return "WanImageToVideoPipeline" if pipe.config.get("expand_timesteps") else None
 
 
+def _last_frame_error(pipe, last_image_given: bool) -> str | None:
+    """Which Wan models take a last frame, read from the model itself.
+
+    Wan 2.1 FLF2V 14B positions two CLIP images (its image embedder's `pos_embed` has 2 x 257 rows),
+    so it needs both; diffusers' embedder cannot place one image in it. Wan 2.2 I2V A14B conditions
+    on VAE latents only: the last frame's latent goes in the mask's last place (as ComfyUI core's
+    WanFirstLastFrameToVideo). Wan 2.1 I2V 14B was trained on a first frame only, and TI2V-5B's
+    first-frame conditioning has no place for a last one (diffusers ignores it there).
+    """
+    transformer = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+    config = transformer.config
+    if config.get("pos_embed_seq_len"):
+        return None if last_image_given else (
+            "it is a first-last-frame model (its image embedding positions two images): connect last_image too, "
+            "or load Wan 2.1 I2V 14B to start from one image")
+    if not last_image_given:
+        return None
+    if pipe.config.get("expand_timesteps"):
+        return "Wan 2.2 TI2V-5B conditions on its first frame only: use Wan 2.2 I2V A14B for first-last-frame"
+    if config.get("image_dim"):
+        return ("Wan 2.1 I2V 14B was trained on a first frame only: use Wan 2.1 FLF2V 14B "
+                "(wan2.1_flf2v_720p_14B) or Wan 2.2 I2V A14B for first-last-frame")
+    return None
+
+
 WAN = FamilySpec(
     name="wan",
     pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
@@ -44,6 +69,7 @@ WAN = FamilySpec(
     max_sequence_length=512,  # the pipeline's own __call__ default
     single_file_transformer="WanTransformer3DModel",  # original / ComfyUI-repackaged checkpoints
     image_variant=_image_variant,
+    last_frame_error=_last_frame_error,
     vae_stages=wan_stages,
     # Wan's flow-matching UniPC is what the folders ship; diffusers' Wan docs: flow_shift 5.0 for
     # 720p, 3.0 for 480p (the folders ship one value; `shift` overrides it per run).

@@ -18,7 +18,8 @@ STEPS = 2
 def request_for(variant: str, steps: int = STEPS) -> SampleRequest:
     spec = tiny_spec(variant)
     image = torch.full((1, spec.height, spec.width, 3), 128 / 255) if spec.needs_image else None
-    return SampleRequest("a cat", "", spec.width, spec.height, spec.frames, steps, 5.0, 0, image)
+    last_image = torch.full((1, spec.height, spec.width, 3), 200 / 255) if spec.last_image else None
+    return SampleRequest("a cat", "", spec.width, spec.height, spec.frames, steps, 5.0, 0, image, last_image=last_image)
 
 
 def block_count(loaded) -> int:

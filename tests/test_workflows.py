@@ -295,7 +295,8 @@ def test_single_file_template_names_comfy_orgs_files_in_their_folders(path):
         assert file["url"] == f"https://huggingface.co/{file['repo']}/resolve/main/split_files/{file['folder']}/{name}"
     assert loader["inputs"]["weights_on_disk"] is True and loader["inputs"]["weight_dtype"] == "default"
     assert ("model_2" in named) == wr.tiny_variant_for(named["model"]).endswith("a14b"), "A14B takes both experts"
-    assert ("clip_vision" in named) == (wr.tiny_variant_for(named["model"]) == "wan2.1-i2v"), "Wan 2.1 I2V alone reads CLIP"
+    clip_readers = ("wan2.1-i2v", "wan2.1-flf2v")
+    assert ("clip_vision" in named) == (wr.tiny_variant_for(named["model"]) in clip_readers), "Wan 2.1 I2V and FLF2V read CLIP"
 
 
 MACHINE_UI = [p for p in UI_FILES if "machine" in wr.load_json(p)["extra"]["vidmem"]]
@@ -546,22 +547,25 @@ def test_shrink_calibrates_a_step_cache_the_tiny_models_have_no_ratios_for():
     assert cache["method"] == "mag_cache" and cache["mag_ratios"] == "calibrate"
 
 
-I2V_VARIANTS = {"wan2.2-i2v-a14b", "wan2.1-i2v", "cogvideox-i2v"}
+I2V_VARIANTS = {"wan2.2-i2v-a14b", "wan2.1-i2v", "wan2.1-flf2v", "cogvideox-i2v"}
 
 
 def test_image_to_video_templates_start_from_core_load_image():
-    """Every I2V model has a template; its API twin says _i2v_ in its name, and a core Load Image
-    (on example.png, which ships in ComfyUI/input) feeds the Sampler's image input."""
+    """Every I2V model has a template; its API twin says _i2v_ (first-last-frame: _flf2v_) in its
+    name, and a core Load Image (on example.png, which ships in ComfyUI/input) feeds the Sampler's
+    image input; a first-last-frame model's second one feeds last_image."""
     found = set()
     for path in API_FILES:
         api = wr.load_json(path)
         variant = wr.tiny_variant_for(next(iter(wr.loader_models(api).values())))
-        if not tiny_spec(variant).needs_image:
+        spec = tiny_spec(variant)
+        if not spec.needs_image:
             continue
         found.add(variant)
-        assert "_i2v_" in path.stem, path.stem
-        images = {nid: node for nid, node in api.items() if node["class_type"] == "LoadImage"}
+        assert ("_flf2v_" if spec.last_image else "_i2v_") in path.stem, path.stem
+        images = sorted(nid for nid, node in api.items() if node["class_type"] == "LoadImage")
         sampler = next(node["inputs"] for node in api.values() if node["class_type"] == "VidMemVideoSampler")
-        assert len(images) == 1 and sampler["image"] == [next(iter(images)), 0], path.stem
-        assert next(iter(images.values()))["inputs"] == {"image": "example.png"}
+        ends = ["image", "last_image"] if spec.last_image else ["image"]
+        assert len(images) == len(ends) and [sampler[end] for end in ends] == [[nid, 0] for nid in images], path.stem
+        assert all(api[nid]["inputs"] == {"image": "example.png"} for nid in images)
     assert found == I2V_VARIANTS

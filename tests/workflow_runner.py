@@ -240,6 +240,7 @@ TINY_FOR_NAME: tuple[tuple[tuple[str, ...], str], ...] = (
     (("wan2.2", "i2v", "_noise_"), "wan2.2-i2v-a14b"),
     (("wan", "a14b"), "wan2.2-a14b"),
     (("wan2.2", "t2v", "_noise_"), "wan2.2-a14b"),
+    (("wan", "flf2v"), "wan2.1-flf2v"),
     (("wan", "i2v"), "wan2.1-i2v"),
     (("wan",), "wan2.1-t2v"),
     (("cogvideo", "i2v"), "cogvideox-i2v"),

@@ -119,6 +119,11 @@ def graph(t: Template) -> list[Node]:
         below = top + sampler_h + GAP + (CACHE_HEIGHT + GAP if t.cache else 0) + (SPEED_HEIGHT + GAP if t.speed else 0)
         middle.append(Node(image_id, "LoadImage", (b, below), (420, IMAGE_HEIGHT), dict(image=t.image), group=SAMPLE_GROUP))
         sampler_links["image"] = (image_id, 0)
+        if t.last_image:  # first-last-frame: the last frame's Load Image under the first one
+            last_id = FIRST_EXTRA_ID + len(middle)
+            middle.append(Node(last_id, "LoadImage", (b, below + IMAGE_HEIGHT + GAP), (420, IMAGE_HEIGHT),
+                               dict(image=t.last_image), group=SAMPLE_GROUP))
+            sampler_links["last_image"] = (last_id, 0)
     nodes = [
         Node(1, t.loader.type, (a, top), (FIRST_WIDTH, loader_h), t.loader.widgets, group=MODEL_GROUP),
         Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (FIRST_WIDTH, strategy_h),
@@ -265,7 +270,7 @@ FAMILIES = (("CogVideoX", "cogvideox"), ("Wan 2.2", "wan22"), ("Wan 2.1", "wan21
 def _card(t: Template) -> dict:
     """What a user choosing a template wants at a glance: the model, what it is made for (VRAM, RAM),
     how much computing it asks (steps, passes), what to download, and when to pick it."""
-    model = re.search(r"(Wan 2\.\d (?:I2V )?[\w.-]+|CogVideoX-\w+(?: I2V)?)", t.title).group(1)
+    model = re.search(r"(Wan 2\.\d (?:I2V |FLF2V )?[\w.-]+|CogVideoX-\w+(?: I2V)?)", t.title).group(1)
     vram = t.machine.vram_gb if t.machine else _title_vram(t.title)
     return {
         "model": model, "family": next(key for prefix, key in FAMILIES if model.startswith(prefix)),

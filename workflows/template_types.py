@@ -137,6 +137,7 @@ class Template:
     cache: dict | None = None  # a Step Cache (VidMem) node's widgets, linked to the Sampler's cache input
     speed: dict | None = None  # a Speed (VidMem) node's widgets, linked to the Sampler's speed input
     image: str | None = None  # image-to-video: core Load Image's file (in ComfyUI/input), linked to the Sampler's image
+    last_image: str | None = None  # first-last-frame: a second Load Image, linked to the Sampler's last_image
 
 
 # The fast templates' Speed node: the fastest exact attention kernel, compiled blocks, fp8 matmul where the card has it.

@@ -14,16 +14,26 @@ from template_types import (
     NEGATIVE, WAN21_REPO, WAN22_REPO, Machine, ModelFile, Template, diffusers_folder, model_files, strategy,
 )
 from templates_files import UMT5_FP8, UMT5_FP8_22, WAN21_VAE, WAN21_VAE_22, files_text
+from templates_lora import DISTILL_SAMPLER, DISTILL_STEPS, LoraFile, LoraStep, lora_text
 
 EXAMPLE_IMAGE = "example.png"  # ships in ComfyUI/input, so the template validates before the user picks a picture
 WAN22_I2V_HIGH_FP8 = ModelFile("wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors", WAN22_REPO, "diffusion_models", 14.3)
 WAN22_I2V_LOW_FP8 = ModelFile("wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors", WAN22_REPO, "diffusion_models", 14.3)
 WAN21_I2V_480P_FP8 = ModelFile("wan2.1_i2v_480p_14B_fp8_scaled.safetensors", WAN21_REPO, "diffusion_models", 16.4)
 CLIP_VISION_H = ModelFile("clip_vision_h.safetensors", WAN21_REPO, "clip_vision", 1.26)
+WAN21_FLF2V_FP8 = ModelFile("wan2.1_flf2v_720p_14B_fp8_e4m3fn.safetensors", WAN21_REPO, "diffusion_models", 16.4)
 
 WAN22_I2V_FILES = (WAN22_I2V_HIGH_FP8, WAN22_I2V_LOW_FP8, UMT5_FP8_22, WAN21_VAE_22)
 WAN21_I2V_FILES = (WAN21_I2V_480P_FP8, UMT5_FP8, WAN21_VAE, CLIP_VISION_H)
+WAN21_FLF2V_FILES = (WAN21_FLF2V_FP8, UMT5_FP8, WAN21_VAE, CLIP_VISION_H)
 WAN22_I2V_WEIGHTS = {"transformer": "fp8_scaled", "transformer_2": "fp8_scaled", "text_encoder": "fp8_scaled"}
+# lightx2v's Wan 2.2 I2V A14B step-distill LoRAs as Comfy-Org repackaged them (sizes estimated, not read from the hub).
+LIGHTX2V_I2V_HIGH = LoraFile("wan2.2_i2v_lightx2v_4steps_lora_v1_high_noise.safetensors", WAN22_REPO,
+                             "split_files/loras/wan2.2_i2v_lightx2v_4steps_lora_v1_high_noise.safetensors",
+                             "about 0.6 GB", 0.6)
+LIGHTX2V_I2V_LOW = LoraFile("wan2.2_i2v_lightx2v_4steps_lora_v1_low_noise.safetensors", WAN22_REPO,
+                            "split_files/loras/wan2.2_i2v_lightx2v_4steps_lora_v1_low_noise.safetensors",
+                            "about 0.6 GB", 0.6)
 
 START_IMAGE = (
     "Start image: core Load Image, into the Sampler's image input. example.png ships with ComfyUI: upload "
@@ -93,6 +103,39 @@ I2V_TEMPLATES = (
         files=WAN22_I2V_FILES, note_height=None, image=EXAMPLE_IMAGE,
     ),
     Template(
+        name="wan22_i2v_a14b_lightx2v_4step",
+        title="Wan 2.2 I2V A14B 4-step, 8 GB card",
+        pick="animate a picture in 4 steps on an 8 GB card",
+        note=(
+            "Wan 2.2 I2V A14B in 4 steps with lightx2v's image-to-video distill LoRAs, one per expert, on an 8 GB "
+            "card with 32 GB of RAM: the start image animated into 832x480, 81 frames (about 5 s at 16 fps).\n\n"
+            + START_IMAGE
+            + files_text(WAN22_I2V_FILES, ("14 GB", "14 GB", "6.7 GB", "0.25 GB"))
+            + lora_text((LIGHTX2V_I2V_HIGH, LIGHTX2V_I2V_LOW))
+            + DISTILL_STEPS +
+            "Two Load LoRA nodes, strength 1.0 each: the high_noise LoRA on expert = high_noise, the low_noise one "
+            "on expert = low_noise (the T2V LoRAs do not fit image-to-video: use these). boundary_ratio = 0 keeps "
+            "the model's own 0.9: the high-noise expert runs the first 2 steps, the low-noise one the last 2. "
+            "cfg_2 = -1: the low-noise expert also runs at cfg 1.\n\n"
+            "Memory strategy, offload = block_swap with blocks_to_swap = 38 per expert: only one expert is on the "
+            "GPU at a time, 38 of its 40 blocks streaming in; predicted peak VRAM 7.6 GiB, in the denoise, "
+            "slowdown x1.03; 36 is the fewest that fit (7.9 GiB). The text encoder goes to the GPU alone (7.5 "
+            "GiB) and leaves once the prompt is encoded; the VAE encodes the start image and decodes in 256 px "
+            "tiles. weights_on_disk = on: the expert not in use is read again from disk at its turn (the "
+            "process's own RAM about 3 GiB).\n\n"
+            "Check your machine: vidmem plan --model wan2.2-i2v-a14b --weights fp8_scaled --disk --size 832x480 "
+            "--frames 81 --steps 4 --no-cfg --vram 8 --ram 32."
+        ),
+        loader=model_files(WAN22_I2V_HIGH_FP8, UMT5_FP8_22, WAN21_VAE_22, model_2=WAN22_I2V_LOW_FP8),
+        strategy=strategy("block_swap", "offload_after_encoding", 38),
+        prompt=WAN_PROMPT, negative_prompt=NEGATIVE,
+        width=832, height=480, frames=81, steps=4, cfg=1.0, fps=16.0,
+        machine=Machine(8, 32, "wan2.2-i2v-a14b", WAN22_I2V_WEIGHTS),
+        files=WAN22_I2V_FILES, note_height=None, image=EXAMPLE_IMAGE,
+        loras=(LoraStep(LIGHTX2V_I2V_HIGH, expert="high_noise"), LoraStep(LIGHTX2V_I2V_LOW, expert="low_noise")),
+        sampler=dict(DISTILL_SAMPLER, cfg_2=-1.0, boundary_ratio=0.0),
+    ),
+    Template(
         name="wan21_i2v_14b_480p_fp8",
         title="Wan 2.1 I2V 14B, 8 GB, 32 GB RAM",
         pick="animate a picture with Wan 2.1 at 480p",
@@ -121,6 +164,44 @@ I2V_TEMPLATES = (
         width=832, height=480, frames=81, steps=40, cfg=5.0, fps=16.0,
         machine=Machine(8, 32, "wan2.1-i2v-14b-480p", {"transformer": "fp8_scaled", "text_encoder": "fp8_scaled"}),
         files=WAN21_I2V_FILES, note_height=None, image=EXAMPLE_IMAGE,
+    ),
+    Template(
+        name="wan21_flf2v_14b_720p_fp8",
+        title="Wan 2.1 FLF2V 14B, 24 GB card",
+        pick="a video from its first and last frame",
+        note=(
+            "Wan 2.1 FLF2V 14B (first-last-frame) from Comfy-Org's fp8 single files on a 24 GB card with 32 GB of "
+            "RAM: a 1280x720 video of 81 frames (about 5 s at 16 fps) that starts on one picture and ends on "
+            "another. FLF2V is Wan 2.1 I2V 14B trained on both ends at 720p: the CLIP ViT-H encoder reads both "
+            "pictures (clip_vision_h, taken as clip_vision), the VAE encodes them as the first and last frames.\n\n"
+            "Start and end: two core Load Image nodes, the upper one into the Sampler's image (the first frame), "
+            "the lower one into last_image (the last frame). example.png ships with ComfyUI: upload your own "
+            "pictures there. Any size: the Sampler fits both to the video's width x height (resize: crop by "
+            "default). Describe the motion between them in the prompt. Without a last image this model stops "
+            "with a message; for one picture use the Wan 2.1 I2V template. Wan 2.2 I2V A14B takes a last_image "
+            "too.\n\n"
+            + files_text(WAN21_FLF2V_FILES, ("16 GB", "6.7 GB", "0.25 GB", "1.3 GB")) +
+            "Storage: the transformer stays fp8 (e4m3fn, as in the file) and the text encoder fp8 scaled, upcast "
+            "to bf16 one layer at a time. weights_on_disk = on: the files are memory-mapped (page cache; the "
+            "process's own RAM about 4 GiB predicted). The sampler runs at the model's own shift (16, as "
+            "Wan's FLF2V).\n\n"
+            "Memory strategy, offload = block_swap with blocks_to_swap = 18: 22 of the 40 blocks stay on the GPU, "
+            "18 stream in each step. At 720p most of the GPU goes to activations (75,600 tokens per pass), not "
+            "weights: predicted peak VRAM 22.5 GiB, in the denoise, slowdown x1.00. On a 16 GB card set "
+            "blocks_to_swap = 40 and activation_chunks = auto (the Strategy's default): the feed-forward then "
+            "runs in token slices. The text encoder goes to the GPU alone and leaves once the prompt is encoded; "
+            "the VAE encodes both pictures and decodes the video in 256 px tiles.\n\n"
+            "Check your machine: vidmem plan --model wan2.1-flf2v-14b-720p --weights fp8_e4m3fn --disk --size "
+            "1280x720 --frames 81 --vram 24 --ram 32. Every strategy gives the same frames."
+        ),
+        loader=model_files(WAN21_FLF2V_FP8, UMT5_FP8, WAN21_VAE, clip_vision=CLIP_VISION_H),
+        strategy=strategy("block_swap", "offload_after_encoding", 18),
+        prompt=("The camera glides smoothly from the first view to the last, the light shifting with it, "
+                "every object moving naturally into its final place."),
+        negative_prompt=NEGATIVE,
+        width=1280, height=720, frames=81, steps=40, cfg=5.0, fps=16.0,
+        machine=Machine(24, 32, "wan2.1-flf2v-14b-720p", {"transformer": "fp8_e4m3fn", "text_encoder": "fp8_scaled"}),
+        files=WAN21_FLF2V_FILES, note_height=None, image=EXAMPLE_IMAGE, last_image=EXAMPLE_IMAGE,
     ),
     Template(
         name="cogvideox_5b_i2v_fp8",

@@ -54,7 +54,16 @@ def transformer_to_diffusers(tensors: Mapping[str, object], layout: KeyLayout) -
         return dict(tensors)
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    return convert_wan_transformer_to_diffusers(dict(tensors))  # it pops from its argument: give it a copy
+    converted = convert_wan_transformer_to_diffusers(dict(tensors))  # it pops from its argument: give it a copy
+    # diffusers 0.42.1's single-file converter has no rule for Wan 2.1 FLF2V's image positions (its
+    # conversion script, scripts/convert_wan_to_diffusers.py, has): without this the file would
+    # load with `pos_embed` missing. A no-op once diffusers renames it itself.
+    if _FLF2V_ORIGINAL in converted:
+        converted[_FLF2V_DIFFUSERS] = converted.pop(_FLF2V_ORIGINAL)
+    return converted
+
+
+_FLF2V_ORIGINAL, _FLF2V_DIFFUSERS = "img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed"
 
 
 # diffusers name fragment -> original, applied in order. Image-embedder norms go before the block

@@ -123,8 +123,10 @@ def _cogvideox_rope(config, frames: int, height: int, width: int, device) -> tup
 
 
 def wan_step(transformer, latent: tuple[int, ...], shape: VideoShape, dtype: torch.dtype, condition_channels: int,
-             image_tokens: int | None, expand_timesteps: bool, device: torch.device | str = "meta") -> Run:
-    """One WanPipeline step: fp32 latents, cond and uncond as two passes of the same transformer."""
+             image_tokens: tuple[int, int] | None, expand_timesteps: bool, device: torch.device | str = "meta") -> Run:
+    """One WanPipeline step: fp32 latents, cond and uncond as two passes of the same transformer.
+    `image_tokens`: (images, CLIP tokens per image) for Wan 2.1 I2V and FLF2V, whose image embedder
+    takes the images as batch entries."""
     config = transformer.config
     batch, channels, frames, height, width = latent
 
@@ -132,7 +134,8 @@ def wan_step(transformer, latent: tuple[int, ...], shape: VideoShape, dtype: tor
         latents = _empty(*latent, dtype=torch.float32, device=device)
         text = _empty(batch, 512, config.text_dim, dtype=dtype, device=device)
         negative = _empty(batch, 512, config.text_dim, dtype=dtype, device=device) if shape.cfg else None
-        image = _empty(batch, image_tokens, config.image_dim, dtype=dtype, device=device) if image_tokens else None
+        image = _empty(batch * image_tokens[0], image_tokens[1], config.image_dim, dtype=dtype, device=device) \
+            if image_tokens else None
         if condition_channels:
             condition = _empty(batch, condition_channels, frames, height, width, dtype=dtype, device=device)
             model_input = torch.cat([latents, condition], dim=1).to(dtype)
@@ -291,7 +294,11 @@ def denoise_step(model, component: str, shape: VideoShape, transformer, device: 
         frames += (-frames) % patch_t  # CogVideoX 1.5 pads the latent to whole temporal patches
         return cogvideox_step(transformer, (batch, frames, channels, height, width), shape, model.dtype, image, device)
     condition = config.get("in_channels", channels) - channels
-    image_tokens = 257 if config.get("image_dim") else None  # CLIP ViT-H/14 at 224 px: 16 x 16 patches + class token
+    # CLIP ViT-H/14 at 224 px: 16 x 16 patches + class token. Wan 2.1 FLF2V positions a first and a
+    # last image: its pos_embed has a row per token of both.
+    images = 2 if config.get("pos_embed_seq_len") else 1
+    tokens = config["pos_embed_seq_len"] // 2 if images == 2 else 257
+    image_tokens = (images, tokens) if config.get("image_dim") else None
     expand = bool(model.pipeline_config.get("expand_timesteps", False))
     return wan_step(transformer, (batch, channels, frames, height, width), shape, model.dtype, condition, image_tokens, expand,
                     device)
