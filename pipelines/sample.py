@@ -46,7 +46,7 @@ from .room import keep_bytes, sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
-from .sample_chunks import chunks_for_call
+from .sample_chunks import can_chunk, chunks_for_call
 from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message,
                             out_of_memory_message, planner_fits)
 from .schedulers import SamplerChoice, build_scheduler
@@ -190,10 +190,15 @@ class _Run:
             step = (record.last.steps_done if record.last else 0) + 1
             if not self.hooks.climb_on_oom:
                 raise SamplingOutOfMemory(no_climb_message(strategy, step, self.request.steps, error)) from error
-            if next_rung(strategy, block_count(self.loaded), None) is None:
+            if next_rung(strategy, block_count(self.loaded), None, self.chunkable) is None:
                 raise SamplingOutOfMemory(out_of_memory_message(strategy, step, self.request.steps, self.rungs, error)) from error
             record.call = None
         return record
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether the ladder may offer activation-chunk rungs: blocks that chunk, a kernel that allows it."""
+        return self.speed.takes_chunks and can_chunk(self.loaded)
 
     def escalate(self, strategy: MemoryStrategy, steps_done: int) -> MemoryStrategy:
         """After an out-of-memory error under `strategy`: free, pick the next rung, log it."""
@@ -201,7 +206,7 @@ class _Run:
         freed = free_memory(device)
         fits = planner_fits(self.loaded, request.width, request.height, request.frames, request.steps,
                             self.choice.guided, self.hooks.device_budget(device), planned_attention(request.speed))
-        rung, how = next_rung(strategy, block_count(self.loaded), fits)
+        rung, how = next_rung(strategy, block_count(self.loaded), fits, self.chunkable)
         self.rungs.append(Rung(strategy.describe(), steps_done + 1, steps_done, rung.describe(), how, freed.as_dict()))
         log.warning("vidmem: out of memory at step %d/%d under %s; resuming after step %d under %s (%s)",
                     steps_done + 1, request.steps, strategy.describe(), steps_done, rung.describe(), how)

@@ -36,6 +36,11 @@ def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int |
         yield AppliedChunks(applied.chunks, applied.blocks, applied.family, note)
 
 
+def can_chunk(loaded) -> bool:
+    """Whether every denoiser block of `loaded` can run in activation chunks."""
+    return refusal(denoiser_blocks(loaded.pipe, loaded.spec)) is None
+
+
 def _auto_count(loaded, strategy, shape, budget_bytes: int | None, blocks, attention) -> tuple[int, str]:
     """(slices, note) for activation_chunks=auto: the planner's fewest that fit, or 1 and why."""
     if budget_bytes is None:

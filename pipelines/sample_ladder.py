@@ -6,22 +6,27 @@ rung from the last finished step: its latents, the scheduler's state and the ran
 (pipelines/sample_call.py), so the result is the one an uninterrupted run under the final
 strategy gives, bit for bit.
 
-Which rung: the first strategy, in order of leanness (more blocks swapped, then sequential), that
-the planner predicts to fit the device memory free after the cleanup, when the host says how much
-is free and the planner can model the pipeline. Otherwise a fixed ladder: block swap with half the
-blocks not yet swapped added, then every block, then sequential. Sequential is the last rung; an
-out-of-memory error there is raised as `SamplingOutOfMemory`, saying what to change.
+Which rung: the first strategy, in order of leanness, that the planner predicts to fit the device
+memory free after the cleanup, when the host says how much is free and the planner can model the
+pipeline: more blocks swapped; then, where activations are the wall (not even every block swapped
+fits), more activation chunks (each block's tokens in slices: pipelines/activation_chunks.py), with
+the fewest blocks that fit at that count; then sequential with the fewest chunks that fit. Otherwise
+a fixed ladder: block swap with half the blocks not yet swapped added, then every block, then
+sequential, then sequential with the chunk count doubled up to the largest step. Chunk rungs are
+only offered for blocks that can be chunked. The last rung's out-of-memory error is raised as
+`SamplingOutOfMemory`, saying what to change.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from ..memory.accounting import Attention
 from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..memory import MemoryStrategy, OffloadTier
+from ..memory.accounting import Attention
+from ..memory.plan.candidates import CHUNK_STEPS
 
 log = logging.getLogger("vidmem")
 
@@ -46,33 +51,55 @@ class Rung:
                 "next": self.chosen, "chosen_by": self.how, "cleanup": self.cleanup}
 
 
-def fixed_ladder(strategy: MemoryStrategy, blocks: int) -> list[MemoryStrategy]:
-    """The rungs above `strategy`: half the unswapped blocks added, every block, sequential."""
+def more_chunks(strategy: MemoryStrategy) -> list[int]:
+    """The chunk counts above the strategy's (auto counts as off: what it ran with is not known here)."""
+    return [count for count in CHUNK_STEPS if count > strategy.chunk_count]
+
+
+def fixed_ladder(strategy: MemoryStrategy, blocks: int, chunkable: bool = False) -> list[MemoryStrategy]:
+    """The rungs above `strategy`: half the unswapped blocks added, every block, sequential, then
+    (`chunkable`) sequential with each larger chunk count."""
+    sequential = replace(strategy, offload=OffloadTier.SEQUENTIAL, blocks_to_swap=0)
+    chunked = [replace(sequential, activation_chunks=count) for count in more_chunks(strategy)] if chunkable else []
     if strategy.offload is OffloadTier.SEQUENTIAL:
-        return []
+        return chunked
     swapped = strategy.blocks_to_swap if strategy.offload is OffloadTier.BLOCK_SWAP else 0
     counts = sorted({swapped + math.ceil((blocks - swapped) / 2), blocks} - {swapped}) if blocks > swapped else []
     rungs = [replace(strategy, offload=OffloadTier.BLOCK_SWAP, blocks_to_swap=n) for n in counts if n > 0]
-    return rungs + [replace(strategy, offload=OffloadTier.SEQUENTIAL, blocks_to_swap=0)]
+    return rungs + [sequential] + chunked
 
 
-def planned_rung(strategy: MemoryStrategy, blocks: int, fits: Callable[[MemoryStrategy], bool | None]) -> MemoryStrategy | None:
+Fits = Callable[[MemoryStrategy], "bool | None"]
+
+
+def planned_rung(strategy: MemoryStrategy, blocks: int, fits: Fits, chunkable: bool = False) -> MemoryStrategy | None:
     """The leanest-needed rung the planner predicts to fit: the fewest swapped blocks above the
-    current count that fit (the denoise peak falls as blocks are swapped), else sequential.
-    None when the planner cannot say (then the fixed ladder is used)."""
-    sequential = replace(strategy, offload=OffloadTier.SEQUENTIAL, blocks_to_swap=0)
-    if strategy.offload is OffloadTier.SEQUENTIAL:
-        return None
-    low = (strategy.blocks_to_swap if strategy.offload is OffloadTier.BLOCK_SWAP else 0) + 1
+    current count that fit (the denoise peak falls as blocks are swapped); where not even every
+    block fits and the blocks can be chunked, the fewest chunks above the current count under which
+    some block count fits, with the fewest such blocks; else sequential with the fewest chunks that
+    fit (when nothing is predicted to fit, the leanest: it may still run). None when the planner
+    cannot say (then the fixed ladder is used)."""
+    if strategy.offload is not OffloadTier.SEQUENTIAL:
+        swapped = strategy.blocks_to_swap if strategy.offload is OffloadTier.BLOCK_SWAP else 0
+        counts = [strategy.activation_chunks] + (more_chunks(strategy) if chunkable else [])
+        for index, count in enumerate(counts):
+            # At the current count a rung needs one more block; at a larger count the same blocks are one.
+            found = _fewest_blocks(replace(strategy, activation_chunks=count), swapped + (index == 0), blocks, fits)
+            if found is not False:
+                return found  # a rung, or None: the planner cannot say
+    return _sequential_rung(strategy, fits, chunkable)
+
+
+def _fewest_blocks(strategy: MemoryStrategy, low: int, blocks: int, fits: Fits) -> MemoryStrategy | None | bool:
+    """Block swap of the fewest blocks from `low` up that fit; False when not even every block fits;
+    None when the planner cannot say. A binary search: the denoise peak falls as blocks are swapped."""
     swap = lambda n: replace(strategy, offload=OffloadTier.BLOCK_SWAP, blocks_to_swap=n)  # noqa: E731
-    if low > blocks:
-        return sequential
+    if max(low, 1) > blocks:
+        return False
     verdict = fits(swap(blocks))
-    if verdict is None:
-        return None
     if not verdict:
-        return sequential
-    high = blocks
+        return verdict  # None (cannot say) or False
+    low, high = max(low, 1), blocks
     while low < high:
         middle = (low + high) // 2
         verdict = fits(swap(middle))
@@ -82,17 +109,32 @@ def planned_rung(strategy: MemoryStrategy, blocks: int, fits: Callable[[MemorySt
     return swap(low)
 
 
-def next_rung(strategy: MemoryStrategy, blocks: int, fits: Callable[[MemoryStrategy], bool | None] | None) -> tuple[MemoryStrategy, str] | None:
-    """(next strategy, how it was chosen), or None when `strategy` is the last rung."""
+def _sequential_rung(strategy: MemoryStrategy, fits: Fits, chunkable: bool) -> MemoryStrategy | None:
+    sequential = replace(strategy, offload=OffloadTier.SEQUENTIAL, blocks_to_swap=0)
+    candidates = [] if strategy.offload is OffloadTier.SEQUENTIAL else [sequential]
+    candidates += [replace(sequential, activation_chunks=count) for count in more_chunks(strategy)] if chunkable else []
+    for candidate in candidates:
+        verdict = fits(candidate)
+        if verdict is None:
+            return None
+        if verdict:
+            return candidate
+    return candidates[-1] if candidates else None
+
+
+def next_rung(strategy: MemoryStrategy, blocks: int, fits: Fits | None,
+              chunkable: bool = False) -> tuple[MemoryStrategy, str] | None:
+    """(next strategy, how it was chosen), or None when `strategy` is the last rung. `chunkable`:
+    the denoiser's blocks can run in activation chunks (and the attention kernel allows it)."""
     if fits is not None:
         try:
-            planned = planned_rung(strategy, blocks, fits)
+            planned = planned_rung(strategy, blocks, fits, chunkable)
         except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the ladder
             log.info("vidmem: no memory prediction for the OOM ladder: %s", error)
             planned = None
         if planned is not None:
             return planned, "planner"
-    rungs = fixed_ladder(strategy, blocks)
+    rungs = fixed_ladder(strategy, blocks, chunkable)
     return (rungs[0], "fixed ladder") if rungs else None
 
 

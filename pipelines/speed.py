@@ -87,6 +87,11 @@ class ResolvedSpeed:
             "blocks do not wrap yet; they ran eagerly (set activation_chunks off to compile, if the video fits)"))
 
     @property
+    def takes_chunks(self) -> bool:
+        """Whether a call may run in activation chunks (the OOM ladder offers chunk rungs only then)."""
+        return self.attention.backend != SAGE1
+
+    @property
     def untouched_attention(self) -> bool:
         """No Speed node, or auto resolved to plain SDPA: what the model runs without vidmem, so its processors
         are left as they are (SDPA choosing per call, a backend set on them or diffusers' active one)."""

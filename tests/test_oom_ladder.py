@@ -15,6 +15,7 @@ from test_tiers import hooks_of, request_for, storage_map
 from vidmem.memory import MemoryStrategy
 from vidmem.pipelines.sample import RunHooks, sample
 from vidmem.memory.cleanup import is_out_of_memory
+from vidmem.memory.plan.candidates import CHUNK_STEPS
 from vidmem.pipelines.sample_ladder import SamplingOutOfMemory, fixed_ladder, planned_rung
 
 STEPS = 4
@@ -120,20 +121,25 @@ def test_two_expert_model_resumes_across_the_expert_switch(tiny_loaded):
     assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
 
 
-def test_out_of_memory_under_sequential_names_what_to_change(tiny_loaded):
+def test_out_of_memory_under_the_last_rung_names_what_to_change(tiny_loaded):
+    """Sequential with the most activation chunks is the last rung."""
     loaded = tiny_loaded("cogvideox-t2v")
     before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    last = MemoryStrategy(offload="sequential", activation_chunks=CHUNK_STEPS[-1])
     with InjectOOM(loaded.pipe.transformer.transformer_blocks[0], [2]):
-        with pytest.raises(SamplingOutOfMemory, match=r"step 2/4 even with offload=sequential.*Lower width, height or frames") as caught:
-            run(loaded, MemoryStrategy(offload="sequential"), request_for("cogvideox-t2v", steps=STEPS))
+        with pytest.raises(SamplingOutOfMemory, match=r"step 2/4 even with offload=sequential.*activation_chunks=32.*"
+                                                      r"Lower width, height or frames") as caught:
+            run(loaded, last, request_for("cogvideox-t2v", steps=STEPS))
     assert is_out_of_memory(caught.value.__cause__)
     assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
 
 
 def test_out_of_memory_at_the_end_of_the_ladder_lists_the_rungs_tried(tiny_loaded):
     loaded = tiny_loaded("cogvideox-t2v")
-    with InjectOOM(loaded.pipe.transformer.transformer_blocks[0], [1, 2, 3]):
-        with pytest.raises(SamplingOutOfMemory, match=r"tried: offload=model .* -> offload=block_swap blocks_to_swap=1 .* -> offload=sequential"):
+    with InjectOOM(loaded.pipe.transformer.transformer_blocks[0], range(1, 30)):
+        with pytest.raises(SamplingOutOfMemory, match=r"tried: offload=model .* -> offload=block_swap blocks_to_swap=1 .* -> "
+                                                      r"offload=sequential .* -> offload=sequential .*activation_chunks=2 .*"
+                                                      r"-> offload=sequential .*activation_chunks=32\)\. Lower"):
             run(loaded, MemoryStrategy(offload="model"), request_for("cogvideox-t2v", steps=STEPS))
 
 
@@ -259,3 +265,49 @@ def test_the_decode_ladder_climbs_on_a_cublas_allocation_failure_and_on_nothing_
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         decode_with_fallback(failing_once("mat1 and mat2 shapes cannot be multiplied"), latents, COG, None,
                              free_memory=lambda: None)
+
+
+def test_fixed_ladder_adds_activation_chunks_after_sequential_where_blocks_chunk():
+    names = lambda rungs: [(r.offload.value, r.blocks_to_swap, r.chunk_count) for r in rungs]  # noqa: E731
+    assert names(fixed_ladder(MemoryStrategy(offload="block_swap", blocks_to_swap=40), 40, chunkable=True)) == [
+        ("sequential", 0, 1), ("sequential", 0, 2), ("sequential", 0, 4), ("sequential", 0, 8), ("sequential", 0, 16),
+        ("sequential", 0, 32)]
+    assert names(fixed_ladder(MemoryStrategy(offload="sequential", activation_chunks=4), 40, chunkable=True)) == [
+        ("sequential", 0, 8), ("sequential", 0, 16), ("sequential", 0, 32)]
+    assert names(fixed_ladder(MemoryStrategy(offload="sequential", activation_chunks="auto"), 40, chunkable=True))[0] == (
+        "sequential", 0, 2)
+    assert fixed_ladder(MemoryStrategy(offload="sequential"), 40, chunkable=False) == []
+
+
+def test_planner_rung_adds_chunks_where_activations_are_the_wall():
+    """Not even every block swapped fits at the current count: the fewest chunks under which some
+    block count fits, with the fewest such blocks; under sequential, the fewest chunks that fit."""
+    model = MemoryStrategy(offload="model")
+    chosen = planned_rung(model, 40, lambda s: s.chunk_count >= 4 and s.blocks_to_swap >= 30, chunkable=True)
+    assert (chosen.offload.value, chosen.blocks_to_swap, chosen.chunk_count) == ("block_swap", 30, 4)
+    # More chunks at the blocks already swapped is a rung of its own.
+    swapped = MemoryStrategy(offload="block_swap", blocks_to_swap=12)
+    chosen = planned_rung(swapped, 40, lambda s: s.chunk_count >= 2 and s.blocks_to_swap >= 12, chunkable=True)
+    assert (chosen.blocks_to_swap, chosen.chunk_count) == (12, 2)
+    sequential_only = lambda s: s.offload.value == "sequential" and s.chunk_count >= 8  # noqa: E731
+    chosen = planned_rung(model, 40, sequential_only, chunkable=True)
+    assert (chosen.offload.value, chosen.chunk_count) == ("sequential", 8)
+    assert planned_rung(model, 40, lambda s: False, chunkable=True).chunk_count == CHUNK_STEPS[-1]
+    assert planned_rung(model, 40, lambda s: s.chunk_count >= 4, chunkable=False).offload.value == "sequential"
+    assert planned_rung(MemoryStrategy(offload="sequential"), 40, sequential_only, chunkable=True).chunk_count == 8
+
+
+def test_a_chunk_rung_gives_the_uninterrupted_chunked_run_and_a_model_that_cannot_chunk_stops(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = request_for("wan2.1-t2v", steps=STEPS)
+    with InjectOOM(loaded.pipe.transformer.blocks[0], [3]):  # step 2 (two passes a step)
+        result = run(loaded, MemoryStrategy(offload="sequential"), request)
+    (rung,) = result.receipt["oom_ladder"]
+    assert "activation_chunks=2" in rung["next"] and rung["resumed_from_step"] == 1
+    assert result.receipt["activation_chunks"]["chunks"] == 2
+    reference = run(loaded, MemoryStrategy(offload="sequential", activation_chunks=2), request).latent["samples"]
+    assert torch.equal(result.latent["samples"], reference)
+    hunyuan = tiny_loaded("hunyuanvideo1.5-t2v")
+    with InjectOOM(hunyuan.pipe.transformer.transformer_blocks[0], [2]):
+        with pytest.raises(SamplingOutOfMemory, match="even with offload=sequential"):
+            run(hunyuan, MemoryStrategy(offload="sequential"), request_for("hunyuanvideo1.5-t2v", steps=STEPS))
