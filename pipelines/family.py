@@ -106,10 +106,14 @@ def positions_error(spec: FamilySpec, config, spatial_factor: int, temporal_fact
     return None
 
 
+def first_denoiser(pipe) -> torch.nn.Module:
+    """The denoiser whose config describes the model (Wan 2.2 A14B's experts share one layout)."""
+    return pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+
+
 def spatial_multiple(pipe) -> int:
     """Width and height must be multiples of VAE factor x transformer patch size."""
-    denoiser = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
-    patch = denoiser.config.patch_size
+    patch = first_denoiser(pipe).config.patch_size
     patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
     return pipe.vae_scale_factor_spatial * patch
 

@@ -170,6 +170,7 @@ class _Run:
     receipt: dict
     speed: ResolvedSpeed
     rungs: list[Rung] = field(default_factory=list)  # the OOM ladder climbed so far
+    chunks_ran: int = 1  # the activation chunks of the last attempt (auto resolved): chunk rungs start above it
 
     def attempt(self, strategy: MemoryStrategy, resume: ResumePoint | None) -> StepRecord:
         """One attempt: `record.raw` holds the raw latents, or is None after an out-of-memory
@@ -190,8 +191,9 @@ class _Run:
             step = (record.last.steps_done if record.last else 0) + 1
             if not self.hooks.climb_on_oom:
                 raise SamplingOutOfMemory(no_climb_message(strategy, step, self.request.steps, error)) from error
-            if next_rung(strategy, block_count(self.loaded), None, self.chunkable) is None:
-                raise SamplingOutOfMemory(out_of_memory_message(strategy, step, self.request.steps, self.rungs, error)) from error
+            if next_rung(strategy, block_count(self.loaded), None, self.chunkable, self.chunks_ran) is None:
+                raise SamplingOutOfMemory(out_of_memory_message(strategy, step, self.request.steps, self.rungs, error,
+                                                                self._ladder_hint())) from error
             record.call = None
         return record
 
@@ -200,13 +202,18 @@ class _Run:
         """Whether the ladder may offer activation-chunk rungs: blocks that chunk, a kernel that allows it."""
         return self.speed.takes_chunks and can_chunk(self.loaded)
 
+    def _ladder_hint(self) -> str:
+        if self.speed.takes_chunks or not can_chunk(self.loaded):
+            return ""
+        return "choose attention 'auto' on the Speed node (sageattention 1.x forbids activation chunks, a further rung); "
+
     def escalate(self, strategy: MemoryStrategy, steps_done: int) -> MemoryStrategy:
         """After an out-of-memory error under `strategy`: free, pick the next rung, log it."""
         request, device = self.request, self.backend.device
         freed = free_memory(device)
         fits = planner_fits(self.loaded, request.width, request.height, request.frames, request.steps,
                             self.choice.guided, self.hooks.device_budget(device), planned_attention(request.speed))
-        rung, how = next_rung(strategy, block_count(self.loaded), fits, self.chunkable)
+        rung, how = next_rung(strategy, block_count(self.loaded), fits, self.chunkable, self.chunks_ran)
         self.rungs.append(Rung(strategy.describe(), steps_done + 1, steps_done, rung.describe(), how, freed.as_dict()))
         log.warning("vidmem: out of memory at step %d/%d under %s; resuming after step %d under %s (%s)",
                     steps_done + 1, request.steps, strategy.describe(), steps_done, rung.describe(), how)
@@ -228,6 +235,7 @@ class _Run:
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device)) as chunks, \
                 speed_for_call(self.speed.for_chunks(chunks.chunks), denoisers(loaded.pipe, loaded.spec), blocks, device) as speed:
+            self.chunks_ran = chunks.chunks
             if chunks.chunks > 1 or chunks.note:
                 receipt["activation_chunks"] = chunks.as_dict()
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers

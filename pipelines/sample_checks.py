@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .family import ModelError, positions_error, spatial_multiple
+from .family import ModelError, first_denoiser, positions_error, spatial_multiple
 from .schedulers import SamplerChoice, check_scale, resolve_sampler
 from .step_cache import StepCache
 
@@ -27,10 +27,9 @@ def validate_request(loaded, request) -> SamplerChoice:
         if value < multiple or value % multiple:
             fix = max(multiple, value // multiple * multiple)
             raise ModelError(f"{name}={value} must be a multiple of {multiple} for {spec.name}; use {fix} or {fix + multiple}.")
-    denoiser = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
-    problem = positions_error(spec, denoiser.config, pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal,
-                              loaded.config_name or Path(loaded.folder).name or loaded.class_name,
-                              request.width, request.height, request.frames)
+    problem = positions_error(spec, first_denoiser(pipe).config, pipe.vae_scale_factor_spatial,
+                              pipe.vae_scale_factor_temporal, _model_label(loaded), request.width, request.height,
+                              request.frames)
     if problem:
         raise ModelError(problem)
     _check_whole("steps", request.steps)
@@ -66,23 +65,29 @@ def check_cfg(cfg: object) -> None:
     check_scale("cfg", cfg)
 
 
+def _model_label(loaded) -> str:
+    return loaded.config_name or Path(loaded.folder).name or loaded.class_name
+
+
 def _check_last_image(loaded, request) -> None:
-    """First-last-frame: a last image needs a first one and a model trained on both ends; a model
-    trained on both ends needs both (the family says which: FamilySpec.last_frame_error)."""
+    """First-last-frame: a model trained on both ends (the family says which: FamilySpec.last_frame_error)
+    takes a last image, with a first one; one trained on both ends needs both. A model that takes none
+    is named first, so the user is not sent to connect an image only to be told to remove both."""
     given = request.last_image is not None
-    if given and request.image is None:
+    if given and not loaded.accepts_image:
+        raise ModelError(f"last_image: {_model_label(loaded)} is text-to-video: disconnect last_image (and image), "
+                         "or load a first-last-frame model (Wan 2.1 FLF2V 14B, Wan 2.2 I2V A14B).")
+    if not given and request.image is None:
+        return
+    problem = loaded.spec.last_frame_error(loaded.image_mode().pipe, given)
+    if problem:
+        fix = "disconnect last_image" if given else "connect last_image"
+        raise ModelError(f"last_image: {_model_label(loaded)} cannot run this way ({problem}); {fix} or load another model.")
+    if request.image is None:
         raise ModelError("last_image needs image too: first-last-frame starts from image and ends on last_image; "
                          "connect the first frame to image.")
-    if request.image is None:
-        return
     if given:
         check_image(request.last_image, "last_image")
-    pipe = loaded.image_mode().pipe
-    problem = loaded.spec.last_frame_error(pipe, given)
-    if problem:
-        model = loaded.config_name or Path(loaded.folder).name or loaded.class_name
-        fix = "disconnect last_image" if given else "connect last_image"
-        raise ModelError(f"last_image: {model} cannot run this way ({problem}); {fix} or load another model.")
 
 
 def check_image(image: object, name: str = "image") -> None:

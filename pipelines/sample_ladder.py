@@ -51,16 +51,17 @@ class Rung:
                 "next": self.chosen, "chosen_by": self.how, "cleanup": self.cleanup}
 
 
-def more_chunks(strategy: MemoryStrategy) -> list[int]:
-    """The chunk counts above the strategy's (auto counts as off: what it ran with is not known here)."""
-    return [count for count in CHUNK_STEPS if count > strategy.chunk_count]
+def more_chunks(strategy: MemoryStrategy, chunks_ran: int = 1) -> list[int]:
+    """The chunk counts above what the failed attempt ran with: the strategy's count, or what its
+    `auto` resolved to (`chunks_ran`), whichever is larger."""
+    return [count for count in CHUNK_STEPS if count > max(strategy.chunk_count, chunks_ran)]
 
 
-def fixed_ladder(strategy: MemoryStrategy, blocks: int, chunkable: bool = False) -> list[MemoryStrategy]:
+def fixed_ladder(strategy: MemoryStrategy, blocks: int, chunkable: bool = False, chunks_ran: int = 1) -> list[MemoryStrategy]:
     """The rungs above `strategy`: half the unswapped blocks added, every block, sequential, then
-    (`chunkable`) sequential with each larger chunk count."""
+    (`chunkable`) sequential with each chunk count above the one that ran."""
     sequential = replace(strategy, offload=OffloadTier.SEQUENTIAL, blocks_to_swap=0)
-    chunked = [replace(sequential, activation_chunks=count) for count in more_chunks(strategy)] if chunkable else []
+    chunked = [replace(sequential, activation_chunks=n) for n in more_chunks(strategy, chunks_ran)] if chunkable else []
     if strategy.offload is OffloadTier.SEQUENTIAL:
         return chunked
     swapped = strategy.blocks_to_swap if strategy.offload is OffloadTier.BLOCK_SWAP else 0
@@ -72,22 +73,25 @@ def fixed_ladder(strategy: MemoryStrategy, blocks: int, chunkable: bool = False)
 Fits = Callable[[MemoryStrategy], "bool | None"]
 
 
-def planned_rung(strategy: MemoryStrategy, blocks: int, fits: Fits, chunkable: bool = False) -> MemoryStrategy | None:
+def planned_rung(strategy: MemoryStrategy, blocks: int, fits: Fits, chunkable: bool = False,
+                 chunks_ran: int = 1) -> MemoryStrategy | None:
     """The leanest-needed rung the planner predicts to fit: the fewest swapped blocks above the
     current count that fit (the denoise peak falls as blocks are swapped); where not even every
     block fits and the blocks can be chunked, the fewest chunks above the current count under which
     some block count fits, with the fewest such blocks; else sequential with the fewest chunks that
     fit (when nothing is predicted to fit, the leanest: it may still run). None when the planner
-    cannot say (then the fixed ladder is used)."""
+    cannot say (then the fixed ladder is used). `chunks_ran`: what the failed attempt's chunk count
+    (auto's included) was; chunk rungs start above it."""
+    larger = more_chunks(strategy, chunks_ran) if chunkable else []
     if strategy.offload is not OffloadTier.SEQUENTIAL:
         swapped = strategy.blocks_to_swap if strategy.offload is OffloadTier.BLOCK_SWAP else 0
-        counts = [strategy.activation_chunks] + (more_chunks(strategy) if chunkable else [])
+        counts = [strategy.activation_chunks] + larger
         for index, count in enumerate(counts):
             # At the current count a rung needs one more block; at a larger count the same blocks are one.
             found = _fewest_blocks(replace(strategy, activation_chunks=count), swapped + (index == 0), blocks, fits)
             if found is not False:
                 return found  # a rung, or None: the planner cannot say
-    return _sequential_rung(strategy, fits, chunkable)
+    return _sequential_rung(strategy, fits, larger)
 
 
 def _fewest_blocks(strategy: MemoryStrategy, low: int, blocks: int, fits: Fits) -> MemoryStrategy | None | bool:
@@ -109,10 +113,10 @@ def _fewest_blocks(strategy: MemoryStrategy, low: int, blocks: int, fits: Fits) 
     return swap(low)
 
 
-def _sequential_rung(strategy: MemoryStrategy, fits: Fits, chunkable: bool) -> MemoryStrategy | None:
+def _sequential_rung(strategy: MemoryStrategy, fits: Fits, larger: list[int]) -> MemoryStrategy | None:
     sequential = replace(strategy, offload=OffloadTier.SEQUENTIAL, blocks_to_swap=0)
     candidates = [] if strategy.offload is OffloadTier.SEQUENTIAL else [sequential]
-    candidates += [replace(sequential, activation_chunks=count) for count in more_chunks(strategy)] if chunkable else []
+    candidates += [replace(sequential, activation_chunks=count) for count in larger]
     for candidate in candidates:
         verdict = fits(candidate)
         if verdict is None:
@@ -123,27 +127,30 @@ def _sequential_rung(strategy: MemoryStrategy, fits: Fits, chunkable: bool) -> M
 
 
 def next_rung(strategy: MemoryStrategy, blocks: int, fits: Fits | None,
-              chunkable: bool = False) -> tuple[MemoryStrategy, str] | None:
+              chunkable: bool = False, chunks_ran: int = 1) -> tuple[MemoryStrategy, str] | None:
     """(next strategy, how it was chosen), or None when `strategy` is the last rung. `chunkable`:
-    the denoiser's blocks can run in activation chunks (and the attention kernel allows it)."""
+    the denoiser's blocks can run in activation chunks (and the attention kernel allows it);
+    `chunks_ran`: the chunk count the failed attempt ran with."""
     if fits is not None:
         try:
-            planned = planned_rung(strategy, blocks, fits, chunkable)
+            planned = planned_rung(strategy, blocks, fits, chunkable, chunks_ran)
         except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the ladder
             log.info("vidmem: no memory prediction for the OOM ladder: %s", error)
             planned = None
         if planned is not None:
             return planned, "planner"
-    rungs = fixed_ladder(strategy, blocks, chunkable)
+    rungs = fixed_ladder(strategy, blocks, chunkable, chunks_ran)
     return (rungs[0], "fixed ladder") if rungs else None
 
 
-def out_of_memory_message(strategy: MemoryStrategy, step: int, steps: int, rungs: list[Rung], error: BaseException) -> str:
+def out_of_memory_message(strategy: MemoryStrategy, step: int, steps: int, rungs: list[Rung], error: BaseException,
+                          hint: str = "") -> str:
+    """`hint`: what else would let the ladder go on (e.g. the attention kernel that forbade chunk rungs)."""
     tried = " -> ".join([r.failed for r in rungs] + [strategy.describe()])
     return (
         f"out of device memory during denoising at step {step}/{steps} even with {strategy.describe()}, the leanest "
         f"strategy (tried: {tried}). Lower width, height or frames; load the transformer stored as fp8 or GGUF "
-        f"(weight_dtype); or close other programs using the GPU. ({error})"
+        f"(weight_dtype); {hint}or close other programs using the GPU. ({error})"
     )
 
 

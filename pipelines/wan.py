@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .family import FamilySpec, SamplerDefaults
+from .family import FamilySpec, SamplerDefaults, first_denoiser
 from .wan_vae import wan_stages
 
 
@@ -40,12 +40,11 @@ def _last_frame_error(pipe, last_image_given: bool) -> str | None:
     WanFirstLastFrameToVideo). Wan 2.1 I2V 14B was trained on a first frame only, and TI2V-5B's
     first-frame conditioning has no place for a last one (diffusers ignores it there).
     """
-    transformer = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
-    config = transformer.config
+    config = first_denoiser(pipe).config
     if config.get("pos_embed_seq_len"):
         return None if last_image_given else (
-            "it is a first-last-frame model (its image embedding positions two images): connect last_image too, "
-            "or load Wan 2.1 I2V 14B to start from one image")
+            "it is a first-last-frame model: its image embedding positions two images; to start from one image, "
+            "load Wan 2.1 I2V 14B")
     if not last_image_given:
         return None
     if pipe.config.get("expand_timesteps"):

@@ -70,23 +70,31 @@ def test_wan22_i2v_a14b_takes_a_last_frame_as_diffusers_does(tiny_loaded):
 ])
 def test_a_model_without_last_frame_conditioning_refuses_one_by_name(variant, message, tiny_loaded):
     loaded = tiny_loaded(variant)
-    spec = tiny_spec(variant)
     request = request_for(variant)
     image = request.image if request.image is not None else grey(variant, 128)
     with pytest.raises(ModelError, match=message):
         sample(loaded, NONE, request.__class__(**{**request.__dict__, "image": image, "last_image": grey(variant, 9)}),
                backend=CpuBackend())
-    assert spec.width  # the request was the variant's own size: only last_image is wrong
+    sample(loaded, NONE, request.__class__(**{**request.__dict__, "image": image}), backend=CpuBackend())  # only last_image was wrong
 
 
 def test_flf2v_without_a_last_image_and_a_last_image_alone_are_named(tiny_loaded):
     loaded = tiny_loaded(FLF2V)
     request = request_for(FLF2V)
-    with pytest.raises(ModelError, match=r"first-last-frame model .*: connect last_image too.*\); connect last_image"):
+    with pytest.raises(ModelError, match=r"first-last-frame model: .* load Wan 2.1 I2V 14B\); connect last_image or load another model"):
         sample(loaded, NONE, request.__class__(**{**request.__dict__, "last_image": None}), backend=CpuBackend())
-    with pytest.raises(ModelError, match="last_image needs image too"):
-        sample(tiny_loaded("wan2.1-t2v"), NONE, request_for("wan2.1-t2v").__class__(
-            **{**request_for("wan2.1-t2v").__dict__, "last_image": grey("wan2.1-t2v", 9)}), backend=CpuBackend())
+    with pytest.raises(ModelError, match="is image-to-video: connect an IMAGE to the sampler's image input"):
+        sample(tiny_loaded(A14B), NONE, request.__class__(**{**request_for(A14B).__dict__, "image": None,
+                                                             "last_image": grey(A14B, 9)}), backend=CpuBackend())
+    # A model that takes no last frame says so first, not "connect image" and then "disconnect both".
+    t2v = request_for("wan2.1-t2v")
+    with pytest.raises(ModelError, match=r"last_image: .* is text-to-video: disconnect last_image"):
+        sample(tiny_loaded("wan2.1-t2v"), NONE, t2v.__class__(**{**t2v.__dict__, "last_image": grey("wan2.1-t2v", 9)}),
+               backend=CpuBackend())
+    ti2v = request_for("wan2.2-ti2v")
+    with pytest.raises(ModelError, match="TI2V-5B conditions on its first frame only"):
+        sample(tiny_loaded("wan2.2-ti2v"), NONE, ti2v.__class__(**{**ti2v.__dict__, "last_image": grey("wan2.2-ti2v", 9)}),
+               backend=CpuBackend())
     bad = torch.full((1, 32, 32, 3), float("nan"))
     with pytest.raises(ModelError, match="last_image contains NaN"):
         sample(loaded, NONE, request.__class__(**{**request.__dict__, "last_image": bad}), backend=CpuBackend())
@@ -138,3 +146,19 @@ def test_the_sampler_node_fits_last_image_like_image_and_says_so(tiny_folder):
     assert torch.equal(run(fit_image(last, 32, 32, "crop", "last_image").image)[0], cropped)
     with pytest.raises(ModelError, match="connect last_image"):
         run(None)
+
+
+def test_the_planner_counts_both_pictures_of_flf2v():
+    """FLF2V's image embedder takes two pictures' CLIP tokens (2 x 257) and adds a position to each: the
+    planner's traced step feeds it both (with one, the embedder's reshape fails and the plan with it),
+    and its weights count the positions."""
+    from vidmem.memory import MemoryStrategy as Strategy
+    from vidmem.memory.plan.stages import denoise_stage
+    from vidmem.memory.plan.types import PlanOptions, VideoShape
+    from vidmem.pipelines.configs import load_model
+
+    shape, strategy = VideoShape(832, 480, 81), Strategy(offload="none")
+    peaks = {name: denoise_stage(load_model(name), shape, strategy, PlanOptions()).peak_phase
+             for name in ("wan2.1-flf2v-14b-720p", "wan2.1-i2v-14b-720p")}
+    flf2v, i2v = peaks["wan2.1-flf2v-14b-720p"], peaks["wan2.1-i2v-14b-720p"]
+    assert flf2v.weights_bytes - i2v.weights_bytes == 514 * 1280 * 2  # its pos_embed, bf16

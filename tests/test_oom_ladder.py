@@ -277,6 +277,9 @@ def test_fixed_ladder_adds_activation_chunks_after_sequential_where_blocks_chunk
     assert names(fixed_ladder(MemoryStrategy(offload="sequential", activation_chunks="auto"), 40, chunkable=True))[0] == (
         "sequential", 0, 2)
     assert fixed_ladder(MemoryStrategy(offload="sequential"), 40, chunkable=False) == []
+    # auto resolved to 8 in the attempt that failed: the chunk rungs start above 8, not at 2.
+    assert names(fixed_ladder(MemoryStrategy(offload="sequential", activation_chunks="auto"), 40, chunkable=True,
+                              chunks_ran=8)) == [("sequential", 0, 16), ("sequential", 0, 32)]
 
 
 def test_planner_rung_adds_chunks_where_activations_are_the_wall():
@@ -295,6 +298,8 @@ def test_planner_rung_adds_chunks_where_activations_are_the_wall():
     assert planned_rung(model, 40, lambda s: False, chunkable=True).chunk_count == CHUNK_STEPS[-1]
     assert planned_rung(model, 40, lambda s: s.chunk_count >= 4, chunkable=False).offload.value == "sequential"
     assert planned_rung(MemoryStrategy(offload="sequential"), 40, sequential_only, chunkable=True).chunk_count == 8
+    auto = MemoryStrategy(offload="sequential", activation_chunks="auto")
+    assert planned_rung(auto, 40, sequential_only, chunkable=True, chunks_ran=8).chunk_count == 16
 
 
 def test_a_chunk_rung_gives_the_uninterrupted_chunked_run_and_a_model_that_cannot_chunk_stops(tiny_loaded):
@@ -311,3 +316,30 @@ def test_a_chunk_rung_gives_the_uninterrupted_chunked_run_and_a_model_that_canno
     with InjectOOM(hunyuan.pipe.transformer.transformer_blocks[0], [2]):
         with pytest.raises(SamplingOutOfMemory, match="even with offload=sequential"):
             run(hunyuan, MemoryStrategy(offload="sequential"), request_for("hunyuanvideo1.5-t2v", steps=STEPS))
+
+
+def test_the_chunk_rung_after_auto_starts_above_what_auto_ran(tiny_loaded, monkeypatch):
+    """The strategy says auto; the attempt ran with the count auto chose (4 here): the next rung is 8."""
+    import vidmem.pipelines.sample_chunks as sample_chunks
+
+    monkeypatch.setattr(sample_chunks, "_auto_count", lambda *args: (4, ""))
+    loaded = tiny_loaded("wan2.1-t2v")
+    with InjectOOM(loaded.pipe.transformer.blocks[0], [1]):
+        result = run(loaded, MemoryStrategy(offload="sequential", activation_chunks="auto"), request_for("wan2.1-t2v", steps=2))
+    (rung,) = result.receipt["oom_ladder"]
+    assert "activation_chunks=8" in rung["next"] and result.receipt["activation_chunks"]["chunks"] == 8
+
+
+def test_sage_attention_1_forbids_chunk_rungs_and_the_last_message_says_what_would_allow_them(tiny_loaded):
+    from vidmem.pipelines.attention import SAGE1, AttentionKernel, ResolvedAttention
+    from vidmem.pipelines.sample import _Run
+    from vidmem.pipelines.speed import NO_SPEED_NODE, ResolvedSpeed
+
+    sage1 = ResolvedSpeed(NO_SPEED_NODE, ResolvedAttention(AttentionKernel.SAGE, AttentionKernel.SAGE, SAGE1, "cpu", "float32", "test"))
+    assert not sage1.takes_chunks
+    sdpa = ResolvedSpeed(NO_SPEED_NODE, ResolvedAttention(AttentionKernel.SDPA, AttentionKernel.SDPA, "native", "cpu", "float32", "test"))
+    assert sdpa.takes_chunks
+    loaded = tiny_loaded("wan2.1-t2v")
+    run_state = _Run(loaded, request_for("wan2.1-t2v"), None, RunHooks(), None, None, None, 0, {}, sage1)
+    assert not run_state.chunkable and "attention 'auto'" in run_state._ladder_hint()
+    assert fixed_ladder(MemoryStrategy(offload="sequential"), 2, chunkable=run_state.chunkable) == []

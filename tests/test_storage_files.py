@@ -321,7 +321,8 @@ def test_a_quantized_tensor_reshaped_before_quantizing_keeps_its_original_shape(
 def test_a_mapping_unmapped_while_the_registry_is_read_neither_deadlocks_nor_stays_registered():
     """The garbage collector runs a mapping's finalizer inside whatever allocation triggers it, also
     one made while this thread holds the registry's lock (is_file_backed's generator did: a test run
-    hung there). The finalizer must not wait for that lock, and the range must still leave."""
+    hung there). The finalizer must not wait for that lock, and the range must still leave. (Should this
+    fail, its daemon thread keeps holding the lock: later disk-tier tests in the process then hang.)"""
     import threading
     import weakref
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ...memory import context_parallel as rules
 from ...memory.strategy import Parallelism
-from ..family import ModelError, spatial_multiple
+from ..family import ModelError, first_denoiser, spatial_multiple
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def sequence_problem(grid: TokenGrid, width: int, height: int, frames: int, degr
 
 
 def token_grid(pipe, spec) -> TokenGrid:
-    denoiser = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+    denoiser = first_denoiser(pipe)
     patch = denoiser.config.patch_size
     patch_t = patch[0] if isinstance(patch, (tuple, list)) else 1
     return TokenGrid(spatial_multiple(pipe), spec.frame_step, patch_t)
