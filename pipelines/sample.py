@@ -52,6 +52,7 @@ from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_messa
 from .schedulers import SamplerChoice, build_scheduler
 from .speed import NO_SPEED_NODE, ResolvedSpeed, Speed, planned_attention, resolve_speed, speed_for_call
 from .step_cache import AppliedCache, StepCache
+from .context_windows import windows_for_call
 
 log = logging.getLogger("vidmem")
 
@@ -73,6 +74,8 @@ class SampleRequest:
     boundary_ratio: float | None = None  # Wan 2.2 A14B; None: the model's own (0 < ratio < 1)
     cache: StepCache = StepCache()  # step caching (pipelines/step_cache.py); off by default
     speed: Speed = NO_SPEED_NODE  # attention kernel, compiled blocks, fp8 matmul (pipelines/speed.py)
+    window: int = 0  # context windows in video frames (pipelines/context_windows.py); 0: the whole clip at once
+    window_overlap: int = 0  # video frames neighbouring windows share and blend
 
 
 @dataclass
@@ -220,13 +223,17 @@ class _Run:
                 apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device)) as chunks, \
-                speed_for_call(self.speed.for_chunks(chunks.chunks), denoisers(loaded.pipe, loaded.spec), blocks, device) as speed:
+                speed_for_call(self.speed.for_chunks(chunks.chunks), denoisers(loaded.pipe, loaded.spec), blocks, device) as speed, \
+                windows_for_call(loaded, self.request) as windows:
+            if windows:
+                receipt["windows"] = windows
             if chunks.chunks > 1 or chunks.note:
                 receipt["activation_chunks"] = chunks.as_dict()
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
             receipt["device_weight_bytes"], receipt["lora_bytes"] = weight_bytes, lora_handle.nbytes
             request = self.request
-            shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided)
+            shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided,
+                               window=request.window, window_overlap=request.window_overlap)
             planned = replace(strategy, activation_chunks=chunks.chunks)  # auto resolved: the room of the slices run
             room = sample_room(loaded, planned, shape, request.steps, not prompts.complete, weight_bytes, device,
                                planned_attention(request.speed))
