@@ -58,11 +58,11 @@ class ContextWindows:
 def window_problem(family: str, denoiser_config, windows: ContextWindows, frames: int, frames_error,
                    temporal_factor: int) -> str | None:
     """Why `windows` cannot run on this model at `frames` (None: they can, or they are off)."""
-    if not windows.on and not windows.overlap:
-        return None
     for name, value in (("window", windows.window), ("window_overlap", windows.overlap)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             return f"{name}={value!r} must be a whole number of video frames, 0 (off) or more."
+    if not windows.on and not windows.overlap:
+        return None
     if not windows.on:
         return f"window_overlap={windows.overlap} needs a window: set window (e.g. 81) or window_overlap to 0."
     if family not in TIME_AXIS:

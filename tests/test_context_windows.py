@@ -204,28 +204,23 @@ def test_cogvideox_with_temporal_patches_is_refused(tiny_loaded):
 
 # --- the planner -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model", ["wan2.1-t2v-14b", "cogvideox-5b"])
-def test_a_windowed_plan_peaks_with_its_window_not_its_clip(model):
-    from vidmem.memory.plan.planner import PlanOptions, VideoShape, candidate_plans
-    from vidmem.memory.strategy import MemoryStrategy as Strategy
-    from vidmem.pipelines.configs import load_model  # noqa: F401  (resolved below)
+@pytest.mark.parametrize("model, size, frames, window", [("wan2.1-t2v-14b", (832, 480), 161, 81),
+                                                         ("cogvideox-5b", (720, 480), 97, 49)])
+def test_a_windowed_plan_peaks_with_its_window_not_its_clip(model, size, frames, window):
+    """Streamed weights (sequential) leave the activations to dominate, so the window shows; the
+    decode is tiled in time, so the whole clip decodes within the same peak."""
+    from vidmem.memory.plan.candidates import plan_run
+    from vidmem.memory.plan.types import PlanOptions, VideoShape
+    from vidmem.memory.strategy import VaeTiling
+    from vidmem.pipelines.configs import load_model
 
-    meta = _planner_model(model)
-    frames, window = (161, 81) if model.startswith("wan") else (97, 49)
-    gib = 1 << 30
-    options = PlanOptions(steps=4)
-    peaks = {}
-    for label, shape in (("window", VideoShape(832 if "wan" in model else 720, 480, window)),
-                         ("windowed", VideoShape(832 if "wan" in model else 720, 480, frames, window=window,
-                                                 window_overlap=16)),
-                         ("clip", VideoShape(832 if "wan" in model else 720, 480, frames))):
-        plans = candidate_plans(meta, shape, 80 * gib, 512 * gib, Strategy(activation_chunks=1), options)
-        peaks[label] = plans[0].stage("denoise").device_bytes
-    assert abs(peaks["windowed"] - peaks["window"]) <= 0.1 * peaks["window"]
-    assert peaks["clip"] > 1.1 * peaks["window"]  # the clip alone would need more: the test can fail
-
-
-def _planner_model(name: str):
-    from vidmem.cli.plan import load_model
-
-    return load_model(name, None, None)
+    meta = load_model(model, None, None)
+    strategy = MemoryStrategy(offload="sequential", activation_chunks=1, vae_tiling=VaeTiling())
+    plans = {label: plan_run(meta, shape, strategy, PlanOptions(steps=4)) for label, shape in (
+        ("window", VideoShape(*size, window)),
+        ("windowed", VideoShape(*size, frames, window=window, window_overlap=16)),
+        ("clip", VideoShape(*size, frames)))}
+    denoise = {label: plan.stage("denoise").device_bytes for label, plan in plans.items()}
+    assert abs(plans["windowed"].peak_vram_bytes - plans["window"].peak_vram_bytes) <= 0.1 * plans["window"].peak_vram_bytes
+    assert denoise["window"] <= denoise["windowed"] <= 1.1 * denoise["window"]  # the clip's latents are counted
+    assert denoise["clip"] > 1.1 * denoise["window"]  # the clip in one pass needs more: the test can fail
