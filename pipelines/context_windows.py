@@ -203,9 +203,11 @@ def windows_for_call(loaded, request) -> Iterator[dict]:
     windows = ContextWindows(request.window, request.window_overlap)
     note = window_note(windows, request.frames)
     if not windows.on or note:
-        yield {"note": note} if note else {}
+        yield {"note": note, "summary": note} if note else {}
         return
     pipe, spec = loaded.pipe, loaded.spec
     schedule = windows.schedule(request.frames, pipe.vae_scale_factor_temporal)
     with context_windows(denoisers(pipe, spec), spec.name, schedule) as receipt:
         yield receipt
+    receipt["summary"] = (f"context windows: {schedule.count} windows of {windows.window} frames, {windows.overlap} "
+                          f"shared (latent frames {', '.join(schedule.describe())}); {receipt['passes']} denoiser passes")

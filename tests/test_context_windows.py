@@ -224,3 +224,30 @@ def test_a_windowed_plan_peaks_with_its_window_not_its_clip(model, size, frames,
     assert abs(plans["windowed"].peak_vram_bytes - plans["window"].peak_vram_bytes) <= 0.1 * plans["window"].peak_vram_bytes
     assert denoise["window"] <= denoise["windowed"] <= 1.1 * denoise["window"]  # the clip's latents are counted
     assert denoise["clip"] > 1.1 * denoise["window"]  # the clip in one pass needs more: the test can fail
+
+
+# --- the Sampler node ----------------------------------------------------------------------------------
+
+def test_the_sampler_appends_window_inputs_after_every_existing_one():
+    from vidmem.nodes.sampler import VidMemVideoSampler
+
+    optional = list(VidMemVideoSampler.INPUT_TYPES()["optional"])
+    assert optional[optional.index("resize") + 1:optional.index("resize") + 3] == ["window", "window_overlap"]
+    for name in ("window", "window_overlap"):
+        kind, options = VidMemVideoSampler.INPUT_TYPES()["optional"][name]
+        assert kind == "INT" and options["default"] == 0 and "frames" in options["tooltip"]
+
+
+def test_the_sampler_node_runs_windows_and_its_receipt_names_them(tiny_loaded):
+    from test_nodes import strategy_inputs
+    from vidmem.nodes.strategy import VidMemMemoryStrategy
+    from vidmem.nodes.sampler import VidMemVideoSampler
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    (choice,) = VidMemMemoryStrategy().build(**strategy_inputs(offload="none"))["result"]
+    out = VidMemVideoSampler().sample(loaded, choice, "a cat", "", 32, 32, FRAMES, 1, 1.0, 0, window=9, window_overlap=4)
+    receipt = out["ui"]["vidmem_receipt"][0]
+    assert receipt["windows"]["windows"] == ["0-3", "2-5"] and receipt["windows"]["passes"] == 2
+    assert "context windows: 2 windows of 9 frames, 4 shared (latent frames 0-3, 2-5); 2 denoiser passes" \
+        in out["ui"]["text"][0]
+    assert out["result"][0]["samples"].shape[2] == 5
