@@ -73,7 +73,7 @@ def window_problem(family: str, denoiser_config, windows: ContextWindows, frames
                 "do not split yet; set window to 0.")
     problem = frames_error(windows.window)
     if problem:
-        return f"window: {problem.replace('frames=', 'window=', 1)}"
+        return problem.replace('frames=', 'window=', 1)
     if windows.overlap >= windows.window:
         return (f"window_overlap={windows.overlap} must be smaller than window={windows.window}; "
                 f"use e.g. {_rounded(windows.window // 5, temporal_factor)} (a fifth of the window).")

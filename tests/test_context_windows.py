@@ -251,3 +251,19 @@ def test_the_sampler_node_runs_windows_and_its_receipt_names_them(tiny_loaded):
     assert "context windows: 2 windows of 9 frames, 4 shared (latent frames 0-3, 2-5); 2 denoiser passes" \
         in out["ui"]["text"][0]
     assert out["result"][0]["samples"].shape[2] == 5
+
+
+# --- the planner's command line -------------------------------------------------------------------------
+
+def test_vidmem_plan_states_the_windows_and_refuses_bad_ones(capsys):
+    from vidmem.cli.plan import main as plan_main
+
+    base = ["plan", "--model", "wan2.1-t2v-1.3b", "--size", "832x480", "--frames", "161", "--vram", "12", "--ram", "64"]
+    assert plan_main([*base, "--window", "81", "--window-overlap", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "context windows: 3 windows of 81 frames, 16 shared (latent frames 0-21, 17-38, 20-41)" in out
+    assert "the denoise peak follows one 81-frame window" in out
+    assert plan_main([*base, "--window", "80", "--window-overlap", "16"]) == 2
+    assert "--window 80 is not valid for wan: use 4k+1 frames (e.g. 77 or 81)" in capsys.readouterr().err
+    assert plan_main([*base, "--window", "81", "--window-overlap", "81"]) == 2
+    assert "--window-overlap 81 must be smaller than --window 81" in capsys.readouterr().err
