@@ -10,7 +10,7 @@ import torch
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.device import CpuBackend
 from vidmem.memory.windows import WindowSchedule
-from vidmem.pipelines.context_windows import HOOK_NAME, context_windows, windows_for_call
+from vidmem.pipelines.context_windows import HOOK_NAME, context_windows, window_call
 from vidmem.pipelines.family import ModelError, denoisers
 from vidmem.pipelines.sample import SampleRequest, sample
 from vidmem.pipelines.step_cache import StepCache
@@ -106,7 +106,6 @@ def test_frames_only_one_window_sees_are_that_window_run_alone(variant, tiny_loa
     with torch.no_grad():
         with context_windows({"transformer": transformer}, loaded.spec.name, schedule):
             blended = transformer(**kwargs)[0]
-        from vidmem.pipelines.context_windows import window_call
         first = transformer(**window_call(kwargs, axis, 0, 3, 5))[0]
         last = transformer(**window_call(kwargs, axis, 2, 5, 5))[0]
     assert blended.shape == transformer(**kwargs)[0].shape
@@ -267,3 +266,21 @@ def test_vidmem_plan_states_the_windows_and_refuses_bad_ones(capsys):
     assert "--window 80 is not valid for wan: use 4k+1 frames (e.g. 77 or 81)" in capsys.readouterr().err
     assert plan_main([*base, "--window", "81", "--window-overlap", "81"]) == 2
     assert "--window-overlap 81 must be smaller than --window 81" in capsys.readouterr().err
+
+
+def test_ti2v_with_an_image_splits_its_per_token_timesteps_with_the_frames(tiny_loaded):
+    """Wan 2.2 TI2V-5B image-to-video: per-token timesteps (0 on the image's frame) cut per window."""
+    loaded = tiny_loaded("wan2.2-ti2v")
+    spec = tiny_spec("wan2.2-ti2v")
+    image = torch.linspace(0, 1, spec.height * spec.width * 3).reshape(1, spec.height, spec.width, 3)
+    seen = []
+    handle = loaded.pipe.transformer.register_forward_pre_hook(
+        lambda m, a, k: seen.append(k["timestep"].shape), with_kwargs=True)
+    try:
+        windowed = run(loaded, request_for("wan2.2-ti2v", image=image))
+    finally:
+        handle.remove()
+    assert seen and all(len(shape) == 2 for shape in seen)  # the pipeline passed per-token timesteps
+    assert windowed.receipt["windows"]["windows"] == ["0-3", "2-5"]
+    swapped = run(loaded, request_for("wan2.2-ti2v", image=image), TIERS["block_swap"])
+    assert torch.equal(windowed.latent["samples"], swapped.latent["samples"])
