@@ -109,20 +109,22 @@ def context_windows(denoisers: Mapping[str, nn.Module], family: str, schedule: W
 
     receipt = {"latent_frames": schedule.frames, "window": schedule.window, "overlap": schedule.overlap,
                "windows": schedule.describe(), "passes": 0}
-    hooked: list[tuple[nn.Module, bool]] = []
+    hooked: list[tuple[nn.Module, bool, bool]] = []
     try:
         for module in denoisers.values():
-            hooked.append((module, hasattr(module, "_diffusers_hook")))
+            hooked.append((module, hasattr(module, "_diffusers_hook"), "forward" in module.__dict__))
             HookRegistry.check_if_exists_or_initialize(module).register_hook(
                 _hook_class()(schedule, TIME_AXIS[family], receipt), HOOK_NAME)
         yield receipt
     finally:
-        for module, had_registry in reversed(hooked):
+        for module, had_registry, had_forward in reversed(hooked):
             registry = getattr(module, "_diffusers_hook", None)
             if registry is not None:
                 registry.remove_hook(HOOK_NAME, recurse=False)
                 if not had_registry and not registry.hooks:
                     del module._diffusers_hook
+                    if not had_forward:
+                        module.__dict__.pop("forward", None)  # back to the class's forward, as before
 
 
 @lru_cache(maxsize=None)

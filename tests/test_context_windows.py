@@ -148,6 +148,7 @@ def test_every_tier_windowed_is_tier_none_windowed_bit_for_bit(variant, storage,
     for module in denoisers(loaded.pipe, loaded.spec).values():  # nothing left applied
         registry = getattr(module, "_diffusers_hook", None)
         assert registry is None or registry.get_hook(HOOK_NAME) is None
+        assert registry is not None or "forward" not in module.__dict__
 
 
 def test_windows_change_the_result_and_keep_the_shape(tiny_loaded):
@@ -168,8 +169,9 @@ def test_the_hook_is_removed_when_the_run_fails(tiny_loaded):
     with pytest.raises(RuntimeError, match="stop"):
         sample(loaded, MemoryStrategy(offload="none"), request_for("wan2.1-t2v"), RunHooks(on_step=stop),
                backend=CpuBackend())
-    assert not hasattr(loaded.pipe.transformer, "_diffusers_hook") or \
-        loaded.pipe.transformer._diffusers_hook.get_hook(HOOK_NAME) is None
+    transformer = loaded.pipe.transformer
+    assert not hasattr(transformer, "_diffusers_hook") or transformer._diffusers_hook.get_hook(HOOK_NAME) is None
+    assert hasattr(transformer, "_diffusers_hook") or "forward" not in transformer.__dict__
 
 
 # --- bad values --------------------------------------------------------------------------------------
