@@ -66,6 +66,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                       help="what computes: a GPU (default), or the CPU, where memory-mapped weights are used in place "
                            "and upcasts run at the CPU's rate")
+    plan.add_argument("--window", type=int, default=0, help="context windows: denoise this many video frames at a "
+                      "time (on the model's frame grid, e.g. 81 for Wan); 0: the whole clip at once")
+    plan.add_argument("--window-overlap", type=int, default=0, help="video frames two neighbouring context windows "
+                      "share and blend (a multiple of 4, smaller than --window)")
     plan.add_argument("--steps", type=int, default=50, help="denoising steps (time estimate only)")
     plan.add_argument("--batch", type=int, default=1, help="videos per prompt")
     plan.add_argument("--cache", choices=("off", "mag_cache"), default="off",
@@ -107,7 +111,8 @@ def run_plan(args: argparse.Namespace) -> int:
     frames = args.frames or own.get("frames")
     if width is None or frames is None:
         raise ValueError("--size and --frames are required for a model folder (e.g. --size 832x480 --frames 81).")
-    shape = VideoShape(width, height, frames, batch=args.batch, cfg=not args.no_cfg)
+    shape = VideoShape(width, height, frames, batch=args.batch, cfg=not args.no_cfg,
+                       **_windows(model, frames, args.window, args.window_overlap))
     vram, ram = _budgets(args)
     parallel = wants_parallel(args)
     if args.train:  # a training step: no guidance pass, no text encoder or VAE on the device
@@ -127,13 +132,16 @@ def run_plan(args: argparse.Namespace) -> int:
     best = recommended(plans)
     message = None if best is not None else nothing_fits_message(model, shape, plans, base, options)
     if args.json:
-        print(json.dumps({"model": model.name, "size": [width, height], "frames": frames, "dtype": model.dtype_name,
+        print(json.dumps({"model": model.name, "size": [width, height], "frames": frames, "window": shape.window,
+                          "window_overlap": shape.window_overlap, "dtype": model.dtype_name,
                           "vae_dtype": model.vae_dtype_name or model.dtype_name,
                           "weights": args.weights or model.dtype_name, "disk_gbps": disk_gbps,
                           "allocator": options.allocator.value, "strategies": [p.as_dict() for p in plans],
                           "recommended": best, **({"message": message} if message else {})}, indent=2))
     else:
         print(_table(model, shape, vram, ram, plans, best, options))
+        if shape.window:
+            print("\n" + window_line(model, shape))
         if best is not None and options.device != "cpu":
             print("\n" + _warm_line(plans[best]))
         if args.cache == "mag_cache":
@@ -141,6 +149,34 @@ def run_plan(args: argparse.Namespace) -> int:
         if message:
             print(f"\n{message}")
     return 0 if best is not None else 1
+
+
+def _windows(model, frames: int, window: int, overlap: int) -> dict:
+    """--window/--window-overlap checked as the Sampler checks them (ValueError naming the fix)."""
+    from ..pipelines.context_windows import ContextWindows, window_problem
+
+    config = model.components[model.layout.denoisers[0]].config
+    problem = window_problem(model.spec.name, config, ContextWindows(window, overlap), frames, model.spec.frames_error,
+                             model.geometry.temporal_factor)
+    if problem:
+        raise ValueError(problem.replace("window_overlap=", "--window-overlap ").replace("window=", "--window "))
+    return {"window": window, "window_overlap": overlap}
+
+
+def window_line(model, shape) -> str:
+    """What the windows change in the plan, in words."""
+    from ..memory.windows import WindowSchedule
+
+    if not shape.window:
+        return ""
+    if not shape.windowed:
+        return f"--window {shape.window} covers all {shape.frames} frames: planned as one clip, no windows."
+    latent = model.latent_shape(shape)[2]
+    schedule = WindowSchedule(latent, model.latent_shape(shape.one_window())[2],
+                              shape.window_overlap // model.geometry.temporal_factor)
+    return (f"context windows: {schedule.count} windows of {shape.window} frames, {shape.window_overlap} shared "
+            f"(latent frames {', '.join(schedule.describe())}); the denoise peak follows one {shape.window}-frame window, "
+            f"each step runs {schedule.count} passes; latents and decode are the whole {shape.frames} frames.")
 
 
 def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, options) -> str:

@@ -15,6 +15,8 @@ def format_receipt(title: str, receipt: dict) -> str:
     for rung in receipt.get("oom_ladder", []):
         lines.append(f"out of memory at step {rung['at_step']} under {rung['failed']}: resumed after step "
                      f"{rung['resumed_from_step']} with {rung['next']} (chosen by the {rung['chosen_by']})")
+    if receipt.get("windows", {}).get("summary"):  # context windows (pipelines/context_windows.py)
+        lines.append(receipt["windows"]["summary"])
     if "device_weight_bytes" in receipt:
         lines.append(f"weights on device at peak: {human_bytes(receipt['device_weight_bytes'])}")
     if "text_encode" in receipt:

@@ -128,6 +128,14 @@ class VidMemVideoSampler:
                     "pad: scaled to fit inside, the rest black bars (nothing lost; the bars are part of the video). "
                     "stretch: each side scaled on its own (nothing lost; proportions change). A batch of images "
                     "uses its first."}),
+                "window": ("INT", {"default": 0, "min": 0, "max": MAX_FRAMES, "step": 4, "tooltip":
+                    "Context windows, in video frames: denoise this many frames at a time, in overlapping windows "
+                    "blended into one clip, so the peak VRAM follows the window, not the whole clip. On the "
+                    "model's frame grid (Wan 4k+1, e.g. 81; CogVideoX 8k+1, e.g. 49). 0: off, the whole clip at "
+                    "once; a window not shorter than frames changes nothing. Not with a Step Cache."}),
+                "window_overlap": ("INT", {"default": 0, "min": 0, "max": MAX_FRAMES, "step": 4, "tooltip":
+                    "Video frames two neighbouring windows share, cross-faded linearly; a multiple of 4, smaller "
+                    "than window (e.g. 16 for a window of 81). More overlap: smoother hand-overs, more passes."}),
                 "last_image": ("IMAGE", {"tooltip": "Last frame, for first-last-frame: the video starts on image and "
                                "ends on this one, fitted the same way (resize). Wan 2.1 FLF2V 14B needs it; Wan 2.2 I2V "
                                "A14B takes it; other models refuse it by name. Leave empty for image-to-video."}),
@@ -147,7 +155,7 @@ class VidMemVideoSampler:
 
     def sample(self, pipeline, strategy, prompt, negative_prompt, width, height, frames, steps, cfg, seed, image=None,
                scheduler="default", shift=0.0, cfg_2=-1.0, boundary_ratio=0.0, cache=None, speed=None, resize="crop",
-               last_image=None):
+               window=0, window_overlap=0, last_image=None):
         pipeline = pipeline_input(pipeline, NODE)
         choice = as_choice(strategy, NODE)
         step_cache = cache_input(cache, pipeline, NODE)
@@ -157,11 +165,13 @@ class VidMemVideoSampler:
         request = SampleRequest(prompt, negative_prompt, width, height, frames, steps, cfg, seed,
                                 fitted.image if fitted else None, scheduler,
                                 shift or None, None if cfg_2 == -1.0 else cfg_2, boundary_ratio or None, step_cache,
-                                speed_input(speed, NODE), last.image if last else None)
+                                speed_input(speed, NODE), last.image if last else None, window=window,
+                                window_overlap=window_overlap)
         device = host.compute_device()
         check_before_planning(pipeline, choice, request, device)
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
-        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames, cfg=guided), device,
+        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames, cfg=guided, window=window,
+                                                                              window_overlap=window_overlap), device,
                                            PlanOptions(attention=planned_attention(request.speed)))
         progress = host.Progress(steps, "sampling")
         try:
@@ -194,6 +204,9 @@ def check_before_planning(pipeline, choice, request, device) -> None:
     the Speed node's choices on this device and model (also before a context-parallel run starts its
     ranks), and blocks_to_swap against the model's blocks."""
     validate_request(pipeline, request)
+    if request.window and choice.strategy.parallel.context_parallel_on:
+        raise ModelError(f"window={request.window}: context windows do not run with context parallelism yet; set "
+                         "window to 0, or parallel to off.")
     resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
                   denoisers(pipeline.pipe, pipeline.spec),
                   context_parallel=choice.strategy.parallel.context_parallel_on)

@@ -52,6 +52,7 @@ from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_messa
 from .schedulers import SamplerChoice, build_scheduler
 from .speed import NO_SPEED_NODE, ResolvedSpeed, Speed, planned_attention, resolve_speed, speed_for_call
 from .step_cache import AppliedCache, StepCache
+from .context_windows import windows_for_call
 
 log = logging.getLogger("vidmem")
 
@@ -75,6 +76,8 @@ class SampleRequest:
     speed: Speed = NO_SPEED_NODE  # attention kernel, compiled blocks, fp8 matmul (pipelines/speed.py)
     # First-last-frame (FamilySpec.last_frame_error says which models): the video's last frame, as `image`
     last_image: torch.Tensor | None = None
+    window: int = 0  # context windows in video frames (pipelines/context_windows.py); 0: the whole clip at once
+    window_overlap: int = 0  # video frames neighbouring windows share and blend
 
 
 @dataclass
@@ -211,8 +214,9 @@ class _Run:
         """After an out-of-memory error under `strategy`: free, pick the next rung, log it."""
         request, device = self.request, self.backend.device
         freed = free_memory(device)
-        fits = planner_fits(self.loaded, request.width, request.height, request.frames, request.steps,
-                            self.choice.guided, self.hooks.device_budget(device), planned_attention(request.speed))
+        shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided, window=request.window,
+                           window_overlap=request.window_overlap)
+        fits = planner_fits(self.loaded, shape, request.steps, self.hooks.device_budget(device), planned_attention(request.speed))
         rung, how = next_rung(strategy, block_count(self.loaded), fits, self.chunkable, self.chunks_ran)
         self.rungs.append(Rung(strategy.describe(), steps_done + 1, steps_done, rung.describe(), how, freed.as_dict()))
         log.warning("vidmem: out of memory at step %d/%d under %s; resuming after step %d under %s (%s)",
@@ -234,14 +238,18 @@ class _Run:
                 apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device)) as chunks, \
-                speed_for_call(self.speed.for_chunks(chunks.chunks), denoisers(loaded.pipe, loaded.spec), blocks, device) as speed:
+                speed_for_call(self.speed.for_chunks(chunks.chunks), denoisers(loaded.pipe, loaded.spec), blocks, device) as speed, \
+                windows_for_call(loaded, self.request) as windows:
             self.chunks_ran = chunks.chunks
+            if windows:
+                receipt["windows"] = windows
             if chunks.chunks > 1 or chunks.note:
                 receipt["activation_chunks"] = chunks.as_dict()
             weight_bytes = device_weight_bytes(stage, strategy)  # inside the LoRA block: counts LoRA buffers
             receipt["device_weight_bytes"], receipt["lora_bytes"] = weight_bytes, lora_handle.nbytes
             request = self.request
-            shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided)
+            shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided,
+                               window=request.window, window_overlap=request.window_overlap)
             planned = replace(strategy, activation_chunks=chunks.chunks)  # auto resolved: the room of the slices run
             room = sample_room(loaded, planned, shape, request.steps, not prompts.complete, weight_bytes, device,
                                planned_attention(request.speed))

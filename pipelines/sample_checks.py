@@ -51,6 +51,7 @@ def validate_request(loaded, request) -> SamplerChoice:
     _check_last_image(loaded, request)
     if not isinstance(request.cache, StepCache):
         raise ModelError(f"cache must be a step cache (the Step Cache node's output), not {type(request.cache).__name__}.")
+    check_windows(loaded, request)
     return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio,
                            (request.width, request.height))
 
@@ -100,3 +101,18 @@ def check_image(image: object, name: str = "image") -> None:
         raise ModelError(f"{name} has dtype {image.dtype}; expected float pixels in 0..1 as ComfyUI's IMAGE.")
     if not torch.isfinite(image[:1]).all():  # only the first frame is used
         raise ModelError(f"{name} contains NaN or infinite pixels; it would give NaN frames. Check the node that made it.")
+
+
+def check_windows(loaded, request) -> None:
+    """`window` / `window_overlap` on the model's frame grid, and a step cache refused beside them."""
+    from .context_windows import ContextWindows, window_problem
+
+    pipe, windows = loaded.pipe, ContextWindows(request.window, request.window_overlap)
+    problem = window_problem(loaded.spec.name, first_denoiser(pipe).config, windows, request.frames, loaded.spec.frames_error,
+                             pipe.vae_scale_factor_temporal)
+    if problem:
+        raise ModelError(problem)
+    if windows.on and windows.window < request.frames and request.cache.on:
+        raise ModelError(f"window={request.window} and the step cache cannot run together: the cache compares each "
+                         "denoiser pass with the one before, which with windows is another window's. Disconnect the "
+                         "Step Cache (or set its method to off), or set window to 0.")

@@ -30,7 +30,8 @@ def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int |
     modules = denoisers(loaded.pipe, loaded.spec)
     count, note = strategy.activation_chunks, ""
     if strategy.chunks_auto:
-        count, note = _auto_count(loaded, strategy, (request.width, request.height, request.frames, guided),
+        frames = request.window if 0 < getattr(request, "window", 0) < request.frames else request.frames  # one window's
+        count, note = _auto_count(loaded, strategy, (request.width, request.height, frames, guided),
                                   budget_bytes, blocks, planned_attention(request.speed))
     with activation_chunks(modules, blocks, count) as applied:
         yield AppliedChunks(applied.chunks, applied.blocks, applied.family, note)

@@ -164,19 +164,19 @@ def no_climb_message(strategy: MemoryStrategy, step: int, steps: int, error: Bas
     )
 
 
-def planner_fits(loaded, width: int, height: int, frames: int, steps: int, guided: bool,
-                 budget: int | None, attention: Attention = Attention.FUSED) -> Callable[[MemoryStrategy], bool] | None:
-    """Whether the planner predicts the denoise stage under a strategy to fit `budget` device bytes
-    (the host's figure after the cleanup); None without a budget."""
+def planner_fits(loaded, shape, steps: int, budget: int | None,
+                 attention: Attention = Attention.FUSED) -> Callable[[MemoryStrategy], bool] | None:
+    """Whether the planner predicts the denoise stage of `shape` (a VideoShape: its size, frames,
+    guidance and context windows) under a strategy to fit `budget` device bytes (the host's figure
+    after the cleanup); None without a budget."""
     if budget is None:
         return None
     from ..memory.plan.stages import denoise_stage
-    from ..memory.plan.types import PlanOptions, VideoShape
+    from ..memory.plan.types import PlanOptions
     from .planning import plan_options, planner_model
 
     def fits(strategy: MemoryStrategy) -> bool:
         model = planner_model(loaded)
-        shape = VideoShape(width, height, frames, cfg=guided)
         return denoise_stage(model, shape, strategy, plan_options(loaded, PlanOptions(attention=attention, steps=steps))).fits(budget)
 
     return fits

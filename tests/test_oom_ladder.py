@@ -206,7 +206,7 @@ def test_the_host_budget_lets_the_planner_choose(tiny_loaded, monkeypatch):
     loaded = tiny_loaded("wan2.1-t2v")
     seen = []
 
-    def fake_planner_fits(loaded_, width, height, frames, steps, guided, budget, attention):
+    def fake_planner_fits(loaded_, shape, steps, budget, attention):
         seen.append(budget)
         return lambda strategy: strategy.offload.value == "block_swap" and strategy.blocks_to_swap >= 2
 

@@ -19,6 +19,7 @@ from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptio
                             VideoShape)
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
 from ..vae_tiles import plan_tiles
+from ..windows import WindowSchedule
 
 __all__ = ["Allocator", "Call", "ModelLayout", "Phase", "PlannerModel", "PlanOptions", "Runtime", "StagePlan",
            "VideoShape", "compute_seconds", "decode_stage", "denoise_stage", "host_base", "text_encode_stage"]
@@ -60,13 +61,27 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
         phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, f"{name} (image)"))
         work.append(device_work(model, name, strategy, options, trace.flops, 1))
     steps_per_denoiser = _split_steps(options.steps, len(layout.denoisers))
+    passes, clip = window_passes(model, shape)
     for name, steps in zip(layout.denoisers, steps_per_denoiser):
-        call = Call("denoise", name, shape, chunks=strategy.chunk_count)
-        flops = model.trace(call, options.attention).flops * steps  # traced first: it records the module order
+        call = Call("denoise", name, shape.one_window(), chunks=strategy.chunk_count)
+        flops = model.trace(call, options.attention).flops * steps * passes  # traced first: it records the module order
         resident, held, streaming = denoiser_residency(model, name, strategy, stage, options)
-        phases.append(phase(model, call, resident, options, name, held, streaming))
-        work.append(device_work(model, name, strategy, options, flops, steps * model.forward_passes(shape)))
+        phases.append(phase(model, call, [*resident, *clip], options, name, held, streaming))
+        work.append(device_work(model, name, strategy, options, flops, steps * model.forward_passes(shape) * passes))
     return StagePlan("denoise", tuple(phases), host, page_cache, tuple(work))
+
+
+def window_passes(model: PlannerModel, shape: VideoShape) -> tuple[int, list[int]]:
+    """Denoiser passes per step (one per context window) and, when windowed, the whole clip's
+    device tensors that outlive the passes: the latents and the blended fp32 output (a batch of two
+    where cfg runs as one batch: counted as two, a few MiB at most)."""
+    if not shape.windowed:
+        return 1, []
+    frames = model.latent_shape(shape)[2]
+    window = model.latent_shape(shape.one_window())[2]
+    schedule = WindowSchedule(frames, window, shape.window_overlap // model.geometry.temporal_factor)
+    latent = _numel(model.latent_shape(shape))
+    return schedule.count, [latent * 4, latent * 4 * 2]
 
 
 def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> StagePlan:

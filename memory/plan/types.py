@@ -44,6 +44,19 @@ class VideoShape:
     frames: int
     batch: int = 1  # videos per prompt
     cfg: bool = True  # classifier-free guidance (guidance scale > 1)
+    # Context windows (memory/windows.py), in video frames; 0: off. The denoiser sees `window`
+    # frames at a time, so its activations follow the window; latents, conditioning and decode
+    # stay the whole clip's.
+    window: int = 0
+    window_overlap: int = 0
+
+    @property
+    def windowed(self) -> bool:
+        return 0 < self.window < self.frames
+
+    def one_window(self) -> "VideoShape":
+        """The shape one denoiser pass sees: the window's frames (the whole clip when not windowed)."""
+        return replace(self, frames=self.window, window=0, window_overlap=0) if self.windowed else self
 
 
 @dataclass(frozen=True)
