@@ -1,0 +1,226 @@
+"""Activation offload for training (memory/activation_offload.py): checkpointed block inputs wait
+in host buffers from the run's pool and come back ahead of the backward on the side stream.
+
+On the CPU: the trained LoRA is bit-identical with offload on and off, on resident and streamed
+tiers. Under the recording CUDA fake (tests/cuda_fake.py): copies to the host wait on a compute
+event and fill pinned buffers, copies back are non_blocking from pinned memory on the side stream,
+one block ahead of the re-run that needs them; nothing in the block loop waits on the host; the
+pool pins nothing new after the first step and every buffer is back after the run, or an error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from cuda_fake import FakeCuda
+from test_train_backward_prefetch import BLOCKS, deep, logging_runs  # noqa: F401 (deep: a fixture)
+from test_train_support import prepared_per_variant
+from vidmem.memory import MemoryStrategy
+from vidmem.memory import activation_offload as offload_module
+from vidmem.memory.activation_offload import ActivationOffload, ActivationPool, InlineCopies
+from vidmem.memory.device import CpuBackend, CudaBackend
+from vidmem.training import TrainOutputs, TrainSettings, train_lora
+from vidmem.training.errors import TrainingError
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_loaded, tmp_path_factory):
+    return prepared_per_variant(tiny_loaded, tmp_path_factory.mktemp("train-offload"), clips=2)
+
+
+def train(loaded, data, strategy, tmp_path, name, offload, backend=None, **kwargs):
+    settings = TrainSettings(rank=4, alpha=4.0, learning_rate=1e-2, steps=STEPS, batch_size=1, seed=3,
+                             activation_offload=offload)
+    outputs = TrainOutputs(tmp_path / "loras" / f"{name}.safetensors", tmp_path / "checkpoints" / name)
+    result = train_lora(loaded, data, strategy, settings, outputs, backend or CpuBackend(), **kwargs)
+    return safetensors.torch.load_file(str(result.lora_path)), result.receipt
+
+
+@pytest.fixture
+def pools(monkeypatch):
+    """Every ActivationPool a run makes, to look at after it."""
+    made = []
+    original = ActivationPool.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(ActivationPool, "__init__", spy)
+    return made
+
+
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v"])
+def test_offloaded_training_is_bit_identical(tiny_loaded, prepared, tmp_path, variant, pools):
+    loaded, data = tiny_loaded(variant), prepared(variant)
+    for strategy in (MemoryStrategy(offload="none"), MemoryStrategy(offload="block_swap", blocks_to_swap=1)):
+        plain, receipt = train(loaded, data, strategy, tmp_path, "plain", False)
+        assert "activation_offload" not in receipt
+        moved, receipt = train(loaded, data, strategy, tmp_path, "moved", True)
+        assert all(torch.equal(moved[k], plain[k]) for k in plain), (variant, strategy.offload.value)
+        stats = receipt["activation_offload"]
+        checkpointed = len(getattr(loaded.pipe.transformer, loaded.spec.blocks_attr)) - (0 if strategy.streams_blocks else 1)  # last one kept
+        assert (stats["offloaded_bytes"] > 0) == (checkpointed > 0) and stats["on_demand_blocks"] == 0, stats
+    assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
+
+
+def test_activation_offload_needs_checkpointing():
+    with pytest.raises(TrainingError, match="activation_offload needs gradient_checkpointing"):
+        TrainSettings(activation_offload=True, gradient_checkpointing=False)
+    with pytest.raises(TrainingError, match="activation_offload='yes' must be true or false"):
+        TrainSettings(activation_offload="yes")
+    assert "activation_offload" not in TrainSettings(activation_offload=True).as_record()  # resumable either way
+
+
+class Chain(nn.Module):
+    """Blocks called as diffusers' loops call them: the carried state and a shared tensor."""
+
+    def __init__(self, count: int, width: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(count))
+
+    def forward(self, hidden, shared, run):
+        for block in self.blocks:
+            hidden = run(block, hidden, shared)
+        return hidden
+
+
+def _run_chain(offload: ActivationOffload | None, count: int = 4):
+    from torch.utils.checkpoint import checkpoint
+
+    chain = Chain(count)
+    x = torch.randn(3, 8, requires_grad=True)
+    shared = torch.randn(3, 8)
+
+    def run(block, hidden, shared):
+        def body(h, s):
+            return torch.tanh(block(h)) + s
+        if offload is None:
+            return checkpoint(body, hidden, shared, use_reentrant=False)
+        with offload.saving((hidden, shared)):
+            return checkpoint(body, hidden, shared, use_reentrant=False)
+
+    loss = chain(x * 2, shared, run).square().sum()
+    if offload is not None:
+        offload.begin_backward()
+    loss.backward()
+    return x.grad, [b.weight.grad for b in chain.blocks]
+
+
+def test_engine_offloads_the_carried_input_and_keeps_shared_ones():
+    pool = ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8), 1 << 20)
+    offload = ActivationOffload(InlineCopies(torch.device("cpu")), pool, prefetch=1)
+    grad, weights = _run_chain(offload)
+    reference_grad, reference_weights = _run_chain(None)
+    assert torch.equal(grad, reference_grad) and all(torch.equal(a, b) for a, b in zip(weights, reference_weights))
+    # the shared tensor is offloaded once (with the first block, before it is known to be shared)
+    assert offload.offloaded_bytes == (4 + 1) * 3 * 8 * 4
+    assert offload.on_demand == 0 and offload.prefetched == 4
+    offload.close()
+    assert pool.in_use == 0
+    pool.release()
+
+
+def test_over_the_ceiling_tensors_stay_on_the_device():
+    pool = ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8), 0)
+    offload = ActivationOffload(InlineCopies(torch.device("cpu")), pool)
+    grad, _ = _run_chain(offload)
+    assert torch.equal(grad, _run_chain(None)[0])
+    assert offload.offloaded_bytes == 0 and offload.over_cap == 4 + 1
+    offload.close()
+
+
+def _side_copies(fake: FakeCuda) -> list:
+    return [t for t in fake.transfers if t.stream == "side"]
+
+
+def test_copies_under_the_cuda_fake(deep, tmp_path, monkeypatch, pools):  # noqa: F811
+    """Tier none (no weight streaming), so every side-stream copy and host wait is the offload's."""
+    loaded, data = deep
+    reference, _ = train(loaded, data, MemoryStrategy(offload="none"), tmp_path, "ref", False)
+    with monkeypatch.context() as patch:
+        fake = FakeCuda().install(patch)
+        hooks = logging_runs(loaded.pipe.transformer.blocks, fake.log)
+        try:
+            weights, receipt = train(loaded, data, MemoryStrategy(offload="none"), tmp_path, "fake", True,
+                                     CudaBackend(torch.device("cpu")))
+        finally:
+            for hook in hooks:
+                hook.remove()
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    log = fake.log
+    # back to the device: from pinned memory, non_blocking, on the side stream; one per offloaded tensor
+    side = _side_copies(fake)
+    assert side and all(t.source_pinned and t.non_blocking for t in side), side
+    assert sum(t.nbytes for t in side) == receipt["activation_offload"]["offloaded_bytes"]  # every step's
+    assert not fake.pageable_async()
+    # to the host: the side stream waits for the compute stream's event, then fills a pinned buffer
+    stages = [i for i, e in enumerate(log) if e[0] == "stage"]
+    offloads = [i for i in stages if log[i - 1][:2] == ("wait_event", "side")]
+    assert len(offloads) == len(side)
+    for i in offloads:
+        waited = log[i - 1][2]
+        assert ("record", waited, "compute") in log[:i]
+    # inside the block loop (first forward run to last re-run of a step): event waits only, no host waits
+    runs = [i for i, e in enumerate(log) if e[0] == "run"]
+    per_step = len(runs) // STEPS
+    for step in range(STEPS):
+        first, last = runs[step * per_step], runs[(step + 1) * per_step - 1]
+        assert not [e for e in log[first:last] if e[0] in ("event_sync", "device_sync", "stream_sync")]
+    # each re-run (blocks 2, 1, 0: the last block is kept, not checkpointed) finds its input copied
+    # ahead, before the re-run of the block after it began
+    stats = receipt["activation_offload"]
+    assert stats["on_demand_blocks"] == 0 and stats["prefetched_blocks"] == (BLOCKS - 1) * STEPS
+    # pinned once in the first step, reused in the second, all returned and dropped after the run
+    pins = [i for i, e in enumerate(log) if e[0] == "pin"]
+    second_step = runs[per_step]
+    assert not [i for i in pins if i > second_step]
+    assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
+
+
+def test_buffers_come_back_after_an_error(deep, tmp_path, monkeypatch, pools):  # noqa: F811
+    loaded, data = deep
+    calls = []
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) == BLOCKS + 2:  # inside the first backward's re-runs
+            raise KeyboardInterrupt("cancelled")
+
+    with monkeypatch.context() as patch:
+        FakeCuda().install(patch)
+        with pytest.raises(KeyboardInterrupt, match="cancelled"):
+            train(loaded, data, MemoryStrategy(offload="block_swap", blocks_to_swap=2), tmp_path, "err", True,
+                  CudaBackend(torch.device("cpu")), check_interrupt=interrupt)
+    assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
+
+
+def test_offload_follows_the_weights_schedule_on_block_swap(deep, tmp_path, monkeypatch):  # noqa: F811
+    """With streamed weights the inputs' copies share the side stream with the weights' prefetch."""
+    loaded, data = deep
+    reference, _ = train(loaded, data, MemoryStrategy(offload="none"), tmp_path, "ref", False)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=BLOCKS, prefetch_blocks=1)
+    with monkeypatch.context() as patch:
+        fake = FakeCuda().install(patch)
+        weights, receipt = train(loaded, data, strategy, tmp_path, "swap", True, CudaBackend(torch.device("cpu")),
+                                 observer=fake.observe)
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    side = _side_copies(fake)
+    assert all(t.source_pinned and t.non_blocking for t in side)
+    streamed = sum(sum(p.numel() * p.element_size() for p in block.parameters())
+                   for block in loaded.pipe.transformer.blocks)
+    # the blocks' weights (streamed every pass, some kept across a pass boundary) and the offloaded inputs
+    assert sum(t.nbytes for t in side) >= STEPS * streamed + receipt["activation_offload"]["offloaded_bytes"]
+    assert receipt["activation_offload"]["on_demand_blocks"] == 0
+    assert not fake.pageable_async()
+
+
+def test_module_has_no_host_imports():
+    source = offload_module.__file__
+    text = open(source).read()
+    assert "comfy" not in text and "pipelines" not in text
