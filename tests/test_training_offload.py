@@ -224,3 +224,66 @@ def test_module_has_no_host_imports():
     source = offload_module.__file__
     text = open(source).read()
     assert "comfy" not in text and "pipelines" not in text
+
+
+# --- the planner ------------------------------------------------------------------------------
+
+def test_offloaded_peak_keeps_one_block_and_the_prefetched_inputs():
+    from vidmem.memory.plan.train import ActivationPeaks
+
+    peaks = ActivationPeaks(one_block=100, two_blocks=130, kept_per_block=5)
+    assert peaks.per_block == 30
+    assert peaks.offloaded_at(40, 1) == 100 + 30 + 40 * 5
+    assert peaks.offloaded_at(40, 2) == 100 + 60 + 40 * 5
+    assert peaks.offloaded_at(1, 2) == 100 + 5  # one block: nothing to prefetch
+    assert peaks.offloaded_at(40, 1) < peaks.at(40)
+
+
+def plan_json(capsys, *extra: str, vram: str = "24") -> tuple[int, dict]:
+    import json
+
+    from vidmem.cli import main
+
+    status = main(["plan", "--model", "cogvideox-2b", "--size", "720x480", "--frames", "49", "--vram", vram,
+                   "--ram", "64", "--train", "--rank", "64", "--json", *extra])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def test_cli_plans_activation_offload(capsys):
+    _, plain = plan_json(capsys)
+    _, moved = plan_json(capsys, "--activation-offload")
+    assert moved["request"]["activation_offload"] is True
+    for before, after in zip(plain["strategies"], moved["strategies"]):
+        assert after["activation_offload"] and not before["activation_offload"]
+        assert after["activation_bytes"] < before["activation_bytes"], after["tier"]
+        assert after["peak_vram_bytes"] - before["peak_vram_bytes"] == after["activation_bytes"] - before["activation_bytes"]
+        assert after["peak_ram_bytes"] - before["peak_ram_bytes"] == after["activation_host_bytes"] > 0
+        assert after["activation_copy_seconds"] > 0 and before["activation_copy_seconds"] == 0
+    # every tier re-runs blocks in full with offload: the same device activations (one block + one prefetched input)
+    assert len({s["activation_bytes"] for s in moved["strategies"]}) == 1
+    # streamed, without offload: one block + 29 inputs; with it: one block + 1 input; the host holds all 30
+    blocks = 30
+    streamed_before, streamed_after = plain["strategies"][3], moved["strategies"][3]
+    per_block = (streamed_before["activation_bytes"] - streamed_after["activation_bytes"]) // (blocks - 2)
+    assert streamed_after["activation_host_bytes"] == blocks * (1 << (per_block - 1).bit_length())
+    assert streamed_after["activation_copy_seconds"] == pytest.approx(2 * blocks * per_block / 22e9, rel=1e-3)
+
+
+def test_advice_names_activation_offload_when_it_makes_training_fit(capsys):
+    _, plain = plan_json(capsys)
+    _, moved = plan_json(capsys, "--activation-offload")
+    none_plain, none_moved = plain["strategies"][0]["peak_vram_bytes"], moved["strategies"][0]["peak_vram_bytes"]
+    between = f"{(none_plain + none_moved) / 2 / (1 << 30):.3f}"
+    _, tight = plan_json(capsys, vram=between)
+    assert not tight["strategies"][0]["fits"] and tight["strategies"][0]["fits_with_offload"]
+    assert tight["advice"].startswith("activation offload makes none fit"), tight["advice"]
+    _, roomy = plan_json(capsys)
+    assert roomy["advice"] == ""  # none fits already: offload is not what makes it fit
+
+
+def test_cli_activation_offload_needs_checkpointing(capsys):
+    from vidmem.cli import main
+
+    assert main(["plan", "--model", "cogvideox-2b", "--vram", "24", "--ram", "64", "--train", "--no-checkpointing",
+                 "--activation-offload"]) == 2
+    assert "needs checkpointing" in capsys.readouterr().err

@@ -276,9 +276,12 @@ def _training_context(model, run: _Run, settings: TrainSettings, blocks, check_i
                 # Resident blocks: the last block's activations are kept and each re-run skips its
                 # self-attention (autograd.gradient_checkpointing). Streamed blocks re-run in full: their
                 # weights move inside the re-run, which selective checkpointing's op replay cannot follow.
+                # With activation offload blocks re-run in full too: each block's input waits on the host,
+                # and a kept self-attention output (as large as the input) would stay on the device.
                 keep_last = None if streams_blocks else list(blocks)[-1]
+                selective = not streams_blocks and offload is None
                 stack.enter_context(gradient_checkpointing(model, settings.gradient_checkpointing, keep_last,
-                                                           selective=not streams_blocks, offload=offload))
+                                                           selective=selective, offload=offload))
                 stack.enter_context(interrupt_checks(list(blocks), check_interrupt))
                 yield
 
