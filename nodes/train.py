@@ -229,6 +229,12 @@ def train_lines(receipt: dict, settings: TrainSettings) -> list[str]:
     losses = receipt.get("losses") or []
     resumed = f" (resumed at step {receipt['start_step']})" if receipt.get("start_step") else ""
     over = [f"trained over the pipeline's {receipt['trained_over']}"] if "trained_over" in receipt else []
+    offload = receipt.get("activation_offload")
+    if offload:  # memory/activation_offload.py's stats
+        over.append(f"activation offload: {human_bytes(offload['offloaded_bytes'])} of block inputs to host memory "
+                    f"over the run in {human_bytes(offload['host_buffer_bytes'])} of buffers; "
+                    f"{offload['on_demand_blocks']} blocks copied back on demand, {offload['over_cap']} inputs kept "
+                    "on the device (over the pinned ceiling)")
     return over + [
         f"{receipt['component']}: LoRA rank {settings.rank} on {receipt['layers']} layers, "
         f"{human_bytes(receipt['trainable_bytes'])} trainable; {settings.optimizer.value} states "

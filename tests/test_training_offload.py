@@ -287,3 +287,31 @@ def test_cli_activation_offload_needs_checkpointing(capsys):
     assert main(["plan", "--model", "cogvideox-2b", "--vram", "24", "--ram", "64", "--train", "--no-checkpointing",
                  "--activation-offload"]) == 2
     assert "needs checkpointing" in capsys.readouterr().err
+
+
+# --- the node ---------------------------------------------------------------------------------
+
+def test_train_node_takes_activation_offload_and_shows_it(tiny_loaded, tmp_path, monkeypatch):
+    from test_train_support import make_dataset
+    from vidmem.nodes import host
+    from vidmem.nodes.strategy import StrategyChoice
+    from vidmem.nodes.train import VidMemPrepareTrainingData, VidMemTrainLoRA
+
+    optional = VidMemTrainLoRA.INPUT_TYPES()["optional"]
+    kind, options = optional["activation_offload"]
+    assert kind == "BOOLEAN" and options["default"] is False and "gradient_checkpointing" in options["tooltip"]
+    monkeypatch.setattr(host, "loras_folder", lambda: tmp_path / "models" / "loras")
+    monkeypatch.setattr(host, "training_folder", lambda: tmp_path / "output" / "vidmem_training")
+    loaded = tiny_loaded("wan2.1-t2v")
+    strategy = StrategyChoice(MemoryStrategy(offload="block_swap", blocks_to_swap=1))
+    data = VidMemPrepareTrainingData().prepare(loaded, strategy, str(make_dataset(tmp_path / "clips", clips=1)),
+                                               "32x32", "9")["result"][0]
+    train = dict(lora_name="offloaded", rank=4, alpha=4.0, learning_rate=1e-3, steps=1, batch_size=1, seed=0,
+                 target_modules="to_q,to_v", gradient_checkpointing=True, optimizer="adamw", checkpoint_every=0,
+                 resume=False, expert="both")
+    out = VidMemTrainLoRA().train(loaded, data, strategy, **train, activation_offload=True)
+    assert "activation offload:" in out["ui"]["text"][0]
+    assert out["ui"]["vidmem_receipt"][0]["activation_offload"]["offloaded_bytes"] > 0
+    with pytest.raises(TrainingError, match="activation_offload needs gradient_checkpointing"):
+        VidMemTrainLoRA().train(loaded, data, strategy, **dict(train, gradient_checkpointing=False),
+                                activation_offload=True)

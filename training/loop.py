@@ -5,7 +5,9 @@ backward, gradient clipping, the optimizer step. The denoiser runs under the str
 in sampling: `none`/`model` keep it on the device for the run; `block_swap`/`sequential` stream
 blocks (or layers) in for the forward and, with per-block gradient checkpointing, again in
 reverse order for the backward, prefetched in that order (memory/blockswap.py; training/autograd.py
-explains why that needs checkpointing).
+explains why that needs checkpointing). With `activation_offload` the checkpointed blocks' inputs
+wait in pooled host buffers and come back on the same side stream ahead of the backward
+(memory/activation_offload.py); every buffer returns to the pool after each step, errors included.
 The base weights are frozen for the run and their `requires_grad` restored afterwards; the
 trainable LoRA weights (float32) stay on the device beside the layers (training/adapters.py).
 
