@@ -10,6 +10,10 @@ pool pins nothing new after the first step and every buffer is back after the ru
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+
 import pytest
 import safetensors.torch
 import torch
@@ -63,7 +67,8 @@ def test_offloaded_training_is_bit_identical(tiny_loaded, prepared, tmp_path, va
         moved, receipt = train(loaded, data, strategy, tmp_path, "moved", True)
         assert all(torch.equal(moved[k], plain[k]) for k in plain), (variant, strategy.offload.value)
         stats = receipt["activation_offload"]
-        checkpointed = len(getattr(loaded.pipe.transformer, loaded.spec.blocks_attr)) - (0 if strategy.streams_blocks else 1)  # last one kept
+        blocks = len(getattr(loaded.pipe.transformer, loaded.spec.blocks_attr))
+        checkpointed = blocks - (0 if strategy.streams_blocks else 1)  # resident tiers keep the last one
         assert (stats["offloaded_bytes"] > 0) == (checkpointed > 0) and stats["on_demand_blocks"] == 0, stats
     assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
 
@@ -124,6 +129,35 @@ def test_engine_offloads_the_carried_input_and_keeps_shared_ones():
     offload.close()
     assert pool.in_use == 0
     pool.release()
+
+
+def test_block_inputs_are_freed_on_the_device_between_forward_and_backward():
+    """What the planner counts as leaving the device really is released: after the forward, no
+    block's output (the next block's input) is still alive except the last one, which the loss holds."""
+    from torch.utils.checkpoint import checkpoint
+
+    def alive_after_forward(offload):
+        chain, outputs = Chain(4), []
+        hidden, shared = torch.randn(3, 8, requires_grad=True) * 2, torch.randn(3, 8)
+        for block in chain.blocks:
+            with offload.saving((hidden, shared)) if offload else contextlib.nullcontext():
+                hidden = checkpoint(lambda h, s, b=block: torch.tanh(b(h)) + s, hidden, shared, use_reentrant=False)
+            outputs.append(weakref.ref(hidden))
+        loss = hidden.square().sum()
+        del hidden
+        gc.collect()
+        alive = sum(ref() is not None for ref in outputs)
+        if offload:
+            offload.begin_backward()
+        loss.backward()
+        if offload:
+            offload.close()
+        return alive
+
+    pool = ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8), 1 << 20)
+    assert alive_after_forward(None) == 4
+    assert alive_after_forward(ActivationOffload(InlineCopies(torch.device("cpu")), pool)) == 1
+    assert pool.in_use == 0
 
 
 def test_over_the_ceiling_tensors_stay_on_the_device():
@@ -256,7 +290,8 @@ def test_cli_plans_activation_offload(capsys):
     for before, after in zip(plain["strategies"], moved["strategies"]):
         assert after["activation_offload"] and not before["activation_offload"]
         assert after["activation_bytes"] < before["activation_bytes"], after["tier"]
-        assert after["peak_vram_bytes"] - before["peak_vram_bytes"] == after["activation_bytes"] - before["activation_bytes"]
+        dropped = before["activation_bytes"] - after["activation_bytes"]
+        assert before["peak_vram_bytes"] - after["peak_vram_bytes"] == dropped
         assert after["peak_ram_bytes"] - before["peak_ram_bytes"] == after["activation_host_bytes"] > 0
         assert after["activation_copy_seconds"] > 0 and before["activation_copy_seconds"] == 0
     # every tier re-runs blocks in full with offload: the same device activations (one block + one prefetched input)
