@@ -6,6 +6,8 @@ tiers. Under the recording CUDA fake (tests/cuda_fake.py): copies to the host wa
 event and fill pinned buffers, copies back are non_blocking from pinned memory on the side stream,
 one block ahead of the re-run that needs them; nothing in the block loop waits on the host; the
 pool pins nothing new after the first step and every buffer is back after the run, or an error.
+The planner: device activations drop to one block plus the prefetched input, RAM rises by the moved
+inputs, and the advice (and offload=auto's refusal) names offload when it is what makes a tier fit.
 """
 
 from __future__ import annotations
@@ -350,3 +352,19 @@ def test_train_node_takes_activation_offload_and_shows_it(tiny_loaded, tmp_path,
     with pytest.raises(TrainingError, match="activation_offload needs gradient_checkpointing"):
         VidMemTrainLoRA().train(loaded, data, strategy, **dict(train, gradient_checkpointing=False),
                                 activation_offload=True)
+
+
+def test_auto_refusal_names_activation_offload_when_it_would_fit():
+    from vidmem.memory.plan.train import training_bytes
+    from vidmem.memory.plan.train_plan import TrainPlan
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.training.plan import _nothing_fits
+
+    lora = training_bytes([(64, 64)], 4, "adamw")
+    plans = [TrainPlan(tier, 2 if tier == "block_swap" else 0, 1 << 30, lora, 8 << 30, 10 << 30, 4 << 30, False,
+                       fits_with_offload=tier == "block_swap") for tier in ("none", "model", "block_swap", "sequential")]
+    message = _nothing_fits(plans, VideoShape(64, 64, 9, cfg=False), 6 << 30, 32 << 30)
+    assert "activation offload makes block_swap 2 fit" in message
+    plans = [TrainPlan(p.tier, p.blocks_to_swap, p.weights_bytes, lora, p.activation_bytes, p.peak_vram_bytes,
+                       p.peak_ram_bytes, False) for p in plans]
+    assert "activation offload" not in _nothing_fits(plans, VideoShape(64, 64, 9, cfg=False), 6 << 30, 32 << 30)
