@@ -107,12 +107,12 @@ class ActivationPool:
         self._free.setdefault(buffer.numel(), []).append(buffer)
         self.in_use -= 1
 
-    def release(self) -> None:
-        """Drop every buffer (the run is over); refuses while any is still taken."""
-        if self.in_use:
-            raise ActivationOffloadError(f"{self.in_use} activation buffers are still in use; close the step first.")
+    def release(self) -> int:
+        """Drop every buffer (the run is over; called in a `finally`, so it never raises over the
+        error on its way out). Returns how many were still taken: 0 unless a step was not closed."""
         self._free.clear()
         self._made.clear()
+        return self.in_use
 
 
 def _view_like(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,7 @@ def test_offloaded_training_is_bit_identical(tiny_loaded, prepared, tmp_path, va
         blocks = len(getattr(loaded.pipe.transformer, loaded.spec.blocks_attr))
         checkpointed = blocks - (0 if strategy.streams_blocks else 1)  # resident tiers keep the last one
         assert (stats["offloaded_bytes"] > 0) == (checkpointed > 0) and stats["on_demand_blocks"] == 0, stats
+        assert stats["unreturned_buffers"] == 0
     assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
 
 
@@ -129,8 +130,7 @@ def test_engine_offloads_the_carried_input_and_keeps_shared_ones():
     assert offload.offloaded_bytes == (4 + 1) * 3 * 8 * 4
     assert offload.on_demand == 0 and offload.prefetched == 4
     offload.close()
-    assert pool.in_use == 0
-    pool.release()
+    assert pool.in_use == 0 and pool.release() == 0
 
 
 def test_block_inputs_are_freed_on_the_device_between_forward_and_backward():
@@ -368,3 +368,23 @@ def test_auto_refusal_names_activation_offload_when_it_would_fit():
     plans = [TrainPlan(p.tier, p.blocks_to_swap, p.weights_bytes, lora, p.activation_bytes, p.peak_vram_bytes,
                        p.peak_ram_bytes, False) for p in plans]
     assert "activation offload" not in _nothing_fits(plans, VideoShape(64, 64, 9, cfg=False), 6 << 30, 32 << 30)
+
+
+def test_a_second_backward_over_offloaded_inputs_is_refused_by_name():
+    from torch.utils.checkpoint import checkpoint
+
+    from vidmem.memory.activation_offload import ActivationOffloadError
+
+    pool = ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8), 1 << 20)
+    offload = ActivationOffload(InlineCopies(torch.device("cpu")), pool)
+    block = nn.Linear(8, 8)
+    hidden = torch.randn(3, 8, requires_grad=True) * 2
+    with offload.saving((hidden,)):
+        out = checkpoint(block, hidden, use_reentrant=False)
+    loss = out.square().sum()
+    offload.begin_backward()
+    loss.backward(retain_graph=True)
+    with pytest.raises(ActivationOffloadError, match="asked for twice"):
+        loss.backward()
+    offload.close()
+    assert pool.in_use == 0

@@ -152,8 +152,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
                 times = _train_steps(model, objective, order, run, settings, device, progress, save, passes, offload)
             finally:
                 if offload is not None:
-                    receipt["activation_offload"] = offload.stats()
-                    offload.pool.release()
+                    receipt["activation_offload"] = dict(offload.stats(), unreturned_buffers=offload.pool.release())
     receipt.update(steps=run.step, optimizer_state_bytes=state_bytes(run.optimizer), losses=run.losses[-5:],
                    seconds_per_step=(sum(times) / len(times)) if times else 0.0, stages=[meter.as_dict()])
     if run.step > run.saved_step:
