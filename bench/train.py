@@ -21,6 +21,13 @@ video tokens: 13 frames at 256 x 256) with 512 text tokens (umt5's length).
   child process whose glibc returns every large block when freed (MALLOC_MMAP_THRESHOLD_), with
   the peak reset through /proc/self/clear_refs; the growth is the step's activations, LoRA
   gradients and temporaries (the weights are resident before it starts).
+- `activation_offload`: the same step with Train LoRA's activation offload
+  (memory/activation_offload.py; blocks then re-run in full, no selective checkpointing):
+  `grads_equal` against the plain step, `time_ratio` / `cpu_time_ratio` against checkpointing
+  without it, `offloaded_bytes` per step and the peak RSS growth. On the CPU the "device" is the
+  host, so the copies land in the same RAM: the peak does not drop here and the row shows what the
+  copies and bookkeeping cost; the device-side drop is the planner's (`vidmem plan --train
+  --activation-offload`) and, on a GPU, `torch.cuda.max_memory_allocated`.
 - `optimizers.<name>.state_bytes`: bytes of every state tensor after one optimizer step on this
   LoRA (adamw_8bit needs bitsandbytes; skipped with a note when it is missing).
 
@@ -49,6 +56,7 @@ use_this_checkout()  # `import vidmem` is this clone, installed or not
 import diffusers  # noqa: E402
 import torch  # noqa: E402
 
+from vidmem.memory.activation_offload import ActivationOffload, ActivationPool, InlineCopies  # noqa: E402
 from vidmem.training.adapters import AttachedLora, build_layers, find_targets  # noqa: E402
 from vidmem.training.autograd import frozen_saved_by_storage, gradient_checkpointing  # noqa: E402
 from vidmem.training.batches import step_generator  # noqa: E402
@@ -77,15 +85,52 @@ def build(blocks: int):
     return model, layers, batch
 
 
-def step(model, layers, batch, checkpointing: bool) -> None:
+def step(model, layers, batch, checkpointing: bool, offload: ActivationOffload | None = None) -> None:
     """Forward + backward of one training step (the optimizer step is measured apart)."""
     for parameter in layers.parameters():
         parameter.grad = None
     # as Train LoRA checkpoints resident blocks: the last block kept, self-attention outputs kept
-    with AttachedLora(model, layers), gradient_checkpointing(model, checkpointing, model.blocks[-1], selective=True):
-        with frozen_saved_by_storage():
-            loss = FlowMatching(3.0).loss(model, batch, step_generator(0, 0), torch.device("cpu"))
-        loss.backward()
+    # (re-run in full with activation offload, as the trainer does)
+    try:
+        with AttachedLora(model, layers), gradient_checkpointing(model, checkpointing, model.blocks[-1],
+                                                                 selective=offload is None, offload=offload):
+            with frozen_saved_by_storage():
+                loss = FlowMatching(3.0).loss(model, batch, step_generator(0, 0), torch.device("cpu"))
+            if offload is not None:
+                offload.begin_backward()
+            loss.backward()
+    finally:
+        if offload is not None:
+            offload.close()
+
+
+def cpu_offload() -> ActivationOffload:
+    pool = ActivationPool(lambda nbytes: torch.empty(nbytes, dtype=torch.uint8), 1 << 62)
+    return ActivationOffload(InlineCopies(torch.device("cpu")), pool, prefetch=1)
+
+
+def offload_times(model, layers, batch, samples: int) -> dict:
+    """Checkpointing with activation offload against checkpointing without it, interleaved."""
+    offload = cpu_offload()
+    step(model, layers, batch, False)
+    plain = grads(layers)
+    step(model, layers, batch, True, offload)  # warm-up: the pool's buffers are made here
+    moved = grads(layers)
+    per_step = offload.offloaded_bytes
+    times, cpu = {False: [], True: []}, {False: [], True: []}
+    for round_ in range(samples):
+        for flag in ((False, True) if round_ % 2 == 0 else (True, False)):
+            wall, used = timed_both(lambda: step(model, layers, batch, True, offload if flag else None))
+            times[flag].append(wall)
+            cpu[flag].append(used)
+    return {
+        "grads_equal": all(torch.equal(a, b) for a, b in zip(plain, moved)),
+        "time_ratio": statistics.median(times[True]) / statistics.median(times[False]),
+        "cpu_time_ratio": statistics.median(cpu[True]) / statistics.median(cpu[False]),
+        "step_seconds": {"checkpointing": statistics.median(times[False]), "offload": statistics.median(times[True])},
+        "offloaded_bytes": per_step,
+        "host_buffer_bytes": offload.pool.pinned_bytes,
+    }
 
 
 def grads(layers) -> list[torch.Tensor]:
@@ -159,6 +204,9 @@ def flop_ratio(model, layers, batch) -> float:
 def measure_rss(args) -> None:
     model, layers, batch = build(args.blocks)
     result = {name: peak_growth(lambda: step(model, layers, batch, flag)) for name, flag in (("plain", False), ("checkpointing", True))}
+    offload = cpu_offload()
+    step(model, layers, batch, True, offload)  # the pool's buffers exist before the measured step, as from step 2 on
+    result["offload"] = peak_growth(lambda: step(model, layers, batch, True, offload))
     args.rss_only.write_text(json.dumps(result))
 
 
@@ -195,6 +243,8 @@ def main() -> None:
     checkpointing = checkpointing_times(model, layers, batch, args.samples)
     checkpointing.update(peak_activation_ratio=rss["checkpointing"] / rss["plain"], peak_rss_growth_bytes=rss,
                          flop_ratio=flop_ratio(model, layers, batch))
+    offload = offload_times(model, layers, batch, args.samples)
+    offload["peak_rss_growth_bytes"] = {"checkpointing": rss["checkpointing"], "offload": rss["offload"]}
     optimizers = optimizer_states(layers)
     lora_weights = sum(p.numel() for p in layers.parameters())
     result = {
@@ -202,6 +252,7 @@ def main() -> None:
                   "text_tokens": TEXT_TOKENS, "rank": RANK, "lora_layers": len(layers), "lora_weights": lora_weights,
                   "threads": args.threads, "dtype": "float32"},
         "checkpointing": checkpointing,
+        "activation_offload": offload,
         "optimizers": optimizers,
     }
     text = json.dumps(result, indent=1)

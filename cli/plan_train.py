@@ -27,11 +27,14 @@ def add_train_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations (faster, "
                        "much more VRAM; block_swap and sequential then refuse)")
     group.add_argument("--targets", help="comma-separated layer names LoRA trains (default: the trainer's)")
+    group.add_argument("--activation-offload", action="store_true", help="checkpointed block inputs in pinned RAM, "
+                       "copied back ahead of the backward: about one block's activations on the device, every "
+                       "block's input in RAM (needs checkpointing)")
 
 
 def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) -> int:
     from ..memory.accounting import Attention
-    from ..memory.plan.train_plan import TrainRequest
+    from ..memory.plan.train_plan import TrainRequest, advice
     from ..training.plan import plan_training_step
     from ..training.settings import DEFAULT_TARGETS, parse_targets
 
@@ -39,22 +42,24 @@ def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) 
     denoiser = model.layout.denoisers[0]  # Wan 2.2 A14B: one expert per run; both are the same size
     request = TrainRequest(rank=args.rank, optimizer=args.optimizer, checkpointing=not args.no_checkpointing,
                            targets=targets, storage=args.weights, prefetch_blocks=args.prefetch,
-                           attention=Attention(args.attention))
+                           attention=Attention(args.attention), activation_offload=args.activation_offload)
     plans, best = plan_training_step(model, denoiser, shape, vram, ram, request)  # as Train LoRA's offload=auto
     if args.json:
         print(json.dumps({"model": model.name, "component": denoiser, "size": [shape.width, shape.height],
                           "frames": shape.frames, "batch": shape.batch, "dtype": model.dtype_name,
                           "request": {**request.__dict__, "attention": request.attention.value,
                                       "targets": list(targets)},
-                          "strategies": [p.as_dict() for p in plans], "recommended": best}, indent=2))
+                          "strategies": [p.as_dict() for p in plans], "recommended": best,
+                          "advice": advice(plans)}, indent=2))
     else:
-        print(_table(model, denoiser, shape, vram, ram, request, plans, best))
+        print(_table(model, denoiser, shape, vram, ram, request, plans, best, advice(plans)))
     return 0 if best is not None else 1
 
 
-def _table(model, denoiser, shape, vram, ram, request, plans, best) -> str:
+def _table(model, denoiser, shape, vram, ram, request, plans, best, hint: str = "") -> str:
     head = (f"{model.name} {denoiser} LoRA rank {request.rank}, {request.optimizer}, "
-            f"{'checkpointing' if request.checkpointing else 'no checkpointing'}; {shape.width}x{shape.height}, "
+            f"{'checkpointing' if request.checkpointing else 'no checkpointing'}"
+            f"{', activation offload' if request.activation_offload else ''}; {shape.width}x{shape.height}, "
             f"{shape.frames} frames, batch {shape.batch}; budget {vram / GIB:.1f} GiB VRAM, {ram / GIB:.1f} GiB RAM")
     columns = ("strategy", "weights", "LoRA+grads+states", "activations", "peak VRAM", "peak RAM", "fits")
     rows = [columns]
@@ -70,6 +75,13 @@ def _table(model, denoiser, shape, vram, ram, request, plans, best) -> str:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() + mark)
     lines.append("\nDevice bytes live (as max_memory_allocated reports), including the CUDA context; the text "
                  "encoder and VAE are absent (latents and embeddings precomputed).")
+    offloaded = next((p for p in plans if p.activation_offload), None)
+    if offloaded is not None:
+        lines.append(f"Activation offload: block inputs {_gib(offloaded.activation_host_bytes)} in pinned RAM (in peak "
+                     f"RAM), ~{offloaded.activation_copy_seconds:.2f} s of copies per step (PCIe 4.0 x16), hidden "
+                     "behind the backward's re-runs while the prefetch keeps up.")
+    if hint:
+        lines.append(hint[0].upper() + hint[1:])
     if best is None:
         lines.append("Nothing fits: lower --rank/--batch/--size, use checkpointing, --optimizer adamw_8bit, "
                      "or stored weights such as --weights fp8_e4m3fn.")

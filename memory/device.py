@@ -134,6 +134,11 @@ class CudaBackend:
     def pin_arena(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    @property
+    def side_stream(self) -> Any:
+        """The stream streamed copies run on (training's activation offload queues its copies there too)."""
+        return self._side
+
     def copy_group(self, hosts, non_blocking, side_stream, timed):
         """Every copy goes by its `upload_route` (memory/hostpool.py): pinned sources straight,
         plain ones chunk by chunk through a pinned staging ring, the rest synchronously; so no

@@ -149,6 +149,14 @@ class VidMemTrainLoRA:
                 "expert": (list(EXPERT_COMPONENTS), {"default": "both", "tooltip": "Wan 2.2 A14B trains one "
                            "expert per run: high_noise or low_noise (load the LoRA on that expert). Others: both."}),
             },
+            # optional: prompts saved before this input existed still validate
+            "optional": {
+                "activation_offload": ("BOOLEAN", {"default": False, "tooltip": "Keep each checkpointed block's input "
+                                       "in pinned RAM instead of VRAM, copied back one block ahead of the backward on "
+                                       "the copy stream: VRAM holds about one block's activations, RAM grows by every "
+                                       "block's input, each input crosses PCIe twice per step; the same LoRA. Needs "
+                                       "gradient_checkpointing; offload=auto plans with it."}),
+            },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
@@ -158,11 +166,13 @@ class VidMemTrainLoRA:
         return literal_problems(cls, alpha=alpha, learning_rate=learning_rate) or True
 
     def train(self, pipeline, data, strategy, lora_name, rank, alpha, learning_rate, steps, batch_size, seed,
-              target_modules, gradient_checkpointing, optimizer, checkpoint_every, resume, expert="both", unique_id=None):
+              target_modules, gradient_checkpointing, optimizer, checkpoint_every, resume, expert="both",
+              activation_offload=False, unique_id=None):
         pipeline = pipeline_input(pipeline, "Train LoRA")
         file_name = lora_file_name(lora_name)
         settings = TrainSettings(rank, alpha, learning_rate, steps, batch_size, seed, target_modules,
-                                 gradient_checkpointing, optimizer, checkpoint_every, expert)
+                                 gradient_checkpointing, optimizer, checkpoint_every, expert,
+                                 activation_offload=activation_offload)
         outputs = TrainOutputs(host.loras_folder() / file_name, host.training_folder() / "checkpoints" / file_name.removesuffix(".safetensors"))
         device = host.compute_device()
         run, chosen = _train_strategy(strategy, pipeline, data, settings, device)
@@ -219,6 +229,12 @@ def train_lines(receipt: dict, settings: TrainSettings) -> list[str]:
     losses = receipt.get("losses") or []
     resumed = f" (resumed at step {receipt['start_step']})" if receipt.get("start_step") else ""
     over = [f"trained over the pipeline's {receipt['trained_over']}"] if "trained_over" in receipt else []
+    offload = receipt.get("activation_offload")
+    if offload:  # memory/activation_offload.py's stats
+        over.append(f"activation offload: {human_bytes(offload['offloaded_bytes'])} of block inputs to host memory "
+                    f"over the run in {human_bytes(offload['host_buffer_bytes'])} of buffers; "
+                    f"{offload['on_demand_blocks']} blocks copied back on demand, {offload['over_cap']} inputs kept "
+                    "on the device (over the pinned ceiling)")
     return over + [
         f"{receipt['component']}: LoRA rank {settings.rank} on {receipt['layers']} layers, "
         f"{human_bytes(receipt['trainable_bytes'])} trainable; {settings.optimizer.value} states "

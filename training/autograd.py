@@ -31,6 +31,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from ..memory.activation_offload import ActivationOffload
 from .errors import TrainingError
 
 
@@ -133,17 +134,22 @@ def check_layering(streams_leaves: bool) -> None:
                             "or update torch.")
 
 
-def _checkpointed(module: nn.Module, *args, kept: nn.Module | None = None, selective: bool = False, **kwargs):
+def _checkpointed(module: nn.Module, *args, kept: nn.Module | None = None, selective: bool = False,
+                  offload: ActivationOffload | None = None, **kwargs):
     if module is kept:
         return module(*args, **kwargs)
-    # determinism_check="default" compares each re-run's tensor shapes/dtypes/devices with the forward's.
-    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False,
-                                             context_fn=_selective_contexts if selective else _rerun_contexts, **kwargs)
+    # Non-reentrant checkpoint saves the block's inputs under the hooks active when it is called
+    # (before entering its own): `offload.saving` puts them in host memory (memory/activation_offload.py).
+    with offload.saving(args) if offload is not None else nullcontext():
+        # determinism_check="default" compares each re-run's tensor shapes/dtypes/devices with the forward's.
+        return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False,
+                                                 context_fn=_selective_contexts if selective else _rerun_contexts,
+                                                 **kwargs)
 
 
 @contextmanager
 def gradient_checkpointing(model: nn.Module, enabled: bool, keep_last: nn.Module | None = None,
-                           selective: bool = False) -> Iterator[None]:
+                           selective: bool = False, offload: ActivationOffload | None = None) -> Iterator[None]:
     """Per-block checkpointing through the model's own switch (diffusers' `gradient_checkpointing`
     attribute on the modules that loop over blocks), restored exactly afterwards.
 
@@ -160,6 +166,9 @@ def gradient_checkpointing(model: nn.Module, enabled: bool, keep_last: nn.Module
     checkpointing). Cross-attention over the text is re-run (its keys are the short side). Not
     with streamed tiers: their hooks copy weights inside the re-run, at other moments than in
     the forward, and selective checkpointing replays the forward's op sequence exactly.
+
+    `offload`: the checkpointed blocks' inputs wait in host memory until the backward
+    (memory/activation_offload.py); what selective checkpointing keeps stays on the device.
     """
     switches = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
     if enabled and not switches:
@@ -169,7 +178,8 @@ def gradient_checkpointing(model: nn.Module, enabled: bool, keep_last: nn.Module
     try:
         for module in switches:
             module.gradient_checkpointing = enabled
-            module._gradient_checkpointing_func = partial(_checkpointed, kept=keep_last, selective=selective)
+            module._gradient_checkpointing_func = partial(_checkpointed, kept=keep_last, selective=selective,
+                                                          offload=offload)
         yield
     finally:
         for module, flag, func in saved:

@@ -5,7 +5,9 @@ backward, gradient clipping, the optimizer step. The denoiser runs under the str
 in sampling: `none`/`model` keep it on the device for the run; `block_swap`/`sequential` stream
 blocks (or layers) in for the forward and, with per-block gradient checkpointing, again in
 reverse order for the backward, prefetched in that order (memory/blockswap.py; training/autograd.py
-explains why that needs checkpointing).
+explains why that needs checkpointing). With `activation_offload` the checkpointed blocks' inputs
+wait in pooled host buffers and come back on the same side stream ahead of the backward
+(memory/activation_offload.py); every buffer returns to the pool after each step, errors included.
 The base weights are frozen for the run and their `requires_grad` restored afterwards; the
 trainable LoRA weights (float32) stay on the device beside the layers (training/adapters.py).
 
@@ -27,6 +29,8 @@ from typing import Callable, Iterator
 import torch
 
 from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy
+from ..memory.activation_offload import ActivationOffload, ActivationPool, copies_for
+from ..memory.hostpool import pinned_cap_bytes
 from ..memory.blockswap import Observer
 from ..memory.offload import device_weight_bytes
 from ..memory.lora import apply_loras
@@ -133,15 +137,22 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
         receipt["trained_over"] = describe_loras(loaded.loras)
     # Device copies kept warm by sampling were made under inference mode and hold the room training needs.
     receipt["warm_released_bytes"] = loaded.release_warm()
+    offload = _activation_offload(settings, strategy, backend)
     with StageMeter("train", device) as meter:
         # LoRAs already on the pipeline (a distill LoRA, another expert's) apply as at sampling:
         # the new LoRA learns what is missing on top of them; all before the strategy (memory.lora's rule).
         with apply_loras(lora_patches(loaded.pipe, loaded.loras)), \
-                _training_context(model, run, settings, blocks, check_interrupt, strategy.streams_blocks), \
+                _training_context(model, run, settings, blocks, check_interrupt, strategy.streams_blocks, offload), \
                 apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
             handle.activate(component)
-            passes = lambda backward: handle.begin_pass(component, backward)  # noqa: E731
-            times = _train_steps(model, objective, order, run, settings, device, progress, save, passes)
+            if offload is not None:  # what the weights' homes left of the pinned ceiling
+                offload.pool.cap_bytes = _activation_cap(strategy, backend, loaded.host_pool)
+            passes = lambda backward: _begin_pass(handle, component, offload, backward)  # noqa: E731
+            try:
+                times = _train_steps(model, objective, order, run, settings, device, progress, save, passes, offload)
+            finally:
+                if offload is not None:
+                    receipt["activation_offload"] = dict(offload.stats(), unreturned_buffers=offload.pool.release())
     receipt.update(steps=run.step, optimizer_state_bytes=state_bytes(run.optimizer), losses=run.losses[-5:],
                    seconds_per_step=(sum(times) / len(times)) if times else 0.0, stages=[meter.as_dict()])
     if run.step > run.saved_step:
@@ -152,13 +163,18 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
 
 
 def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: TrainSettings, device, progress: Progress,
-                 save: Callable[[], None], passes: Callable[[bool], None]) -> list[float]:
+                 save: Callable[[], None], passes: Callable[[bool], None],
+                 offload: ActivationOffload | None = None) -> list[float]:
     """Steps until `settings.steps`; on any exception (Cancel included) the last completed step is saved first."""
     times = []
     try:
         while run.step < settings.steps:
             started = time.perf_counter()
-            loss = _step(model, objective, order.batch(run.step), run, settings, device, passes)
+            try:
+                loss = _step(model, objective, order.batch(run.step), run, settings, device, passes)
+            finally:  # the step's host buffers go back to the pool, after an error too
+                if offload is not None:
+                    offload.close()
             times.append(time.perf_counter() - started)
             progress(run.step, settings.steps, loss)
             if settings.checkpoint_every and run.step % settings.checkpoint_every == 0 and run.step < settings.steps:
@@ -169,6 +185,29 @@ def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: Train
             save()  # interrupted or failed: keep the last completed step, resumable
         raise
     return times
+
+
+def _activation_offload(settings: TrainSettings, strategy: MemoryStrategy, backend) -> ActivationOffload | None:
+    """The run's activation offload (None when off); its ceiling is set once the weights have their homes."""
+    if not settings.activation_offload:
+        return None
+    pin = backend.pin_arena if backend.can_pin else (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    return ActivationOffload(copies_for(backend), ActivationPool(pin, 0), strategy.prefetch_blocks)
+
+
+def _activation_cap(strategy: MemoryStrategy, backend, host_pool) -> int:
+    """Pinned buffers share the strategy's pinned ceiling with the weights' homes; unpinned ones
+    (a CPU run) are plain RAM, which the planner's RAM budget already counts."""
+    if not backend.can_pin:
+        return 1 << 62
+    room = getattr(host_pool, "host_room_bytes", None)
+    return pinned_cap_bytes(strategy.max_pinned_ram_gb, room) - (host_pool.pinned_bytes if host_pool else 0)
+
+
+def _begin_pass(handle, component: str, offload: ActivationOffload | None, backward: bool) -> None:
+    handle.begin_pass(component, backward)  # the weights' prefetch first: the backward needs them first
+    if backward and offload is not None:
+        offload.begin_backward()
 
 
 def _start(model, targets, settings: TrainSettings, device) -> _Run:
@@ -225,7 +264,7 @@ def _step(model, objective, batch, run: _Run, settings: TrainSettings, device, p
 
 @contextmanager
 def _training_context(model, run: _Run, settings: TrainSettings, blocks, check_interrupt,
-                      streams_blocks: bool) -> Iterator[None]:
+                      streams_blocks: bool, offload: ActivationOffload | None = None) -> Iterator[None]:
     """Base frozen, LoRA attached, checkpointing set, Cancel checked per block; all undone on exit.
 
     Nested before apply_strategy, as memory.lora's ordering rule asks: the LoRA hooks run before
@@ -238,9 +277,12 @@ def _training_context(model, run: _Run, settings: TrainSettings, blocks, check_i
                 # Resident blocks: the last block's activations are kept and each re-run skips its
                 # self-attention (autograd.gradient_checkpointing). Streamed blocks re-run in full: their
                 # weights move inside the re-run, which selective checkpointing's op replay cannot follow.
+                # With activation offload blocks re-run in full too: each block's input waits on the host,
+                # and a kept self-attention output (as large as the input) would stay on the device.
                 keep_last = None if streams_blocks else list(blocks)[-1]
+                selective = not streams_blocks and offload is None
                 stack.enter_context(gradient_checkpointing(model, settings.gradient_checkpointing, keep_last,
-                                                           selective=not streams_blocks))
+                                                           selective=selective, offload=offload))
                 stack.enter_context(interrupt_checks(list(blocks), check_interrupt))
                 yield
 

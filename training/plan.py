@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..memory import MemoryStrategy
 from ..memory.plan.train import trace_activations
-from ..memory.plan.train_plan import TrainPlan, TrainRequest, recommended, training_plans
+from ..memory.plan.train_plan import TrainPlan, TrainRequest, advice, recommended, training_plans
 from ..memory.plan.types import Call, VideoShape
 from ..memory.storage import FORMATS
 from ..memory.units import GiB
@@ -65,7 +65,8 @@ def planned_shape(data, settings: TrainSettings) -> VideoShape:
 
 def training_request(settings: TrainSettings, base: MemoryStrategy, storage: str | None) -> TrainRequest:
     return TrainRequest(rank=settings.rank, optimizer=settings.optimizer.value, checkpointing=settings.gradient_checkpointing,
-                        targets=tuple(settings.target_modules), storage=storage, prefetch_blocks=base.prefetch_blocks)
+                        targets=tuple(settings.target_modules), storage=storage, prefetch_blocks=base.prefetch_blocks,
+                        activation_offload=settings.activation_offload)
 
 
 def plan_training_step(model, denoiser: str, shape: VideoShape, vram: int, ram: int,
@@ -119,4 +120,5 @@ def _nothing_fits(plans: list[TrainPlan], shape: VideoShape, vram: int, ram: int
             f"{shape.batch} in {vram / GiB:.2f} GiB VRAM and {ram / GiB:.2f} GiB RAM; the least is {least.tier}"
             f"{f' {least.blocks_to_swap}' if least.blocks_to_swap else ''} at {least.peak_vram_bytes / GiB:.2f} GiB VRAM, "
             f"{least.peak_ram_bytes / GiB:.2f} GiB RAM. Lower the rank, batch size or bucket size, turn "
-            "gradient_checkpointing on, use optimizer adamw_8bit, or raise the budgets.")
+            "gradient_checkpointing on, use optimizer adamw_8bit, or raise the budgets."
+            + (f" Or: {advice(plans)}" if advice(plans) else ""))

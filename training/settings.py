@@ -28,6 +28,9 @@ class TrainSettings:
     expert: str = "both"  # Wan 2.2 A14B: "high_noise" or "low_noise"
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0  # 0 turns clipping off
+    # Checkpointed block inputs wait in (pinned) host memory until the backward: same LoRA, less VRAM,
+    # more RAM and a copy per block each way (memory/activation_offload.py). Needs gradient_checkpointing.
+    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -51,12 +54,18 @@ class TrainSettings:
             raise TrainingError("weight_decay and max_grad_norm must be 0 or more.")
         if not isinstance(self.gradient_checkpointing, bool):
             raise TrainingError(f"gradient_checkpointing={self.gradient_checkpointing!r} must be true or false.")
+        if not isinstance(self.activation_offload, bool):
+            raise TrainingError(f"activation_offload={self.activation_offload!r} must be true or false.")
+        if self.activation_offload and not self.gradient_checkpointing:
+            raise TrainingError("activation_offload needs gradient_checkpointing on: it moves the checkpointed blocks' "
+                                "inputs to host memory, and without checkpointing there are none. Turn "
+                                "gradient_checkpointing on, or activation_offload off.")
 
     def as_record(self) -> dict:
-        """For checkpoints: what must match to resume (steps and checkpoint_every may change)."""
+        """For checkpoints: what must match to resume (steps, checkpoint_every and activation_offload may change)."""
         record = asdict(self)
         record.update(optimizer=self.optimizer.value, target_modules=list(self.target_modules))
-        for free in ("steps", "checkpoint_every"):
+        for free in ("steps", "checkpoint_every", "activation_offload"):  # change nothing trained
             record.pop(free)
         return record
 

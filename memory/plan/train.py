@@ -106,9 +106,20 @@ class ActivationPeaks:
     two_blocks: int
     kept_per_block: int = 0
 
+    @property
+    def per_block(self) -> int:
+        """What each further block adds: with checkpointing, its input (what activation offload moves)."""
+        return max(0, self.two_blocks - self.one_block)
+
     def at(self, blocks: int) -> int:
         """Linear in the block count: every further block adds what the second one added."""
-        return self.one_block + max(0, blocks - 1) * max(0, self.two_blocks - self.one_block) + blocks * self.kept_per_block
+        return self.one_block + max(0, blocks - 1) * self.per_block + blocks * self.kept_per_block
+
+    def offloaded_at(self, blocks: int, prefetch: int) -> int:
+        """With activation offload (memory/activation_offload.py): the block inputs wait on the host,
+        so the device holds one block's worth (the re-run) plus the `prefetch` inputs copied ahead,
+        and whatever else stays per block (the trainer turns selective checkpointing off with offload)."""
+        return self.one_block + min(max(1, prefetch), max(0, blocks - 1)) * self.per_block + blocks * self.kept_per_block
 
 
 def trace_activations(module: nn.Module, blocks: nn.ModuleList, run: Callable[[], torch.Tensor], rank: int,

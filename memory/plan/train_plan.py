@@ -8,6 +8,15 @@ live bytes (what `torch.cuda.max_memory_allocated` reports); the caching allocat
 Host: the runtime, the denoiser's weights loaded once into RAM (the loader's copy, as the sampling
 planner counts it) and, for adamw_cpu_offload, the optimizer's states and float32 master copies.
 
+With activation offload (checkpointing on), the checkpointed block inputs wait in pinned host
+memory: the device's activations drop to one block's worth plus the inputs prefetched ahead of the
+backward (`ActivationPeaks.offloaded_at`; the trainer turns selective checkpointing off with it, so
+nothing else stays per block), RAM rises by every block's input, each in a buffer
+rounded up to a power of two as the pinned pool makes them, and each input crosses PCIe twice per
+step (`activation_copy_seconds`, hidden behind the re-runs when the prefetch keeps up). A plan
+without it says whether the same tier would fit with it (`fits_with_offload`), and `advice` names
+it when it is what makes training fit.
+
 Tiers `none` and `model` hold the same during training (the denoiser is the only component the
 step uses), `block_swap` and `sequential` stream weights and need checkpointing (training/loop.py
 refuses them without it). The recommendation is the first that fits, fastest first.
@@ -19,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from ..accounting import Attention
-from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES
+from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, PCIE_BYTES_PER_S
 from .schedule import table_resident_tensors
 from .train import ActivationPeaks, TrainingBytes, block_target_shapes, training_bytes
 from .types import Call, PlannerModel, VideoShape
@@ -37,10 +46,14 @@ class TrainRequest:
     storage: str | None = None  # StorageFormat of the denoiser's weights (None: the compute dtype)
     prefetch_blocks: int = 1
     attention: Attention = Attention.FUSED
+    activation_offload: bool = False  # checkpointed block inputs in pinned host memory
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"--rank {self.rank} must be 1 or more (16 to 128 is usual).")
+        if self.activation_offload and not self.checkpointing:
+            raise ValueError("--activation-offload moves the checkpointed blocks' inputs: it needs checkpointing "
+                             "(drop --no-checkpointing).")
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,10 @@ class TrainPlan:
     peak_ram_bytes: int
     fits: bool
     refused: str = ""  # why the trainer would refuse this tier ("" when it runs)
+    activation_offload: bool = False
+    activation_host_bytes: int = 0  # pinned host buffers for the offloaded block inputs (in peak_ram_bytes)
+    activation_copy_seconds: float = 0.0  # per step: every input to the host and back, at PCIe speed
+    fits_with_offload: bool = False  # without offload: the same tier would fit with it
 
     def as_dict(self) -> dict:
         record = asdict(self)
@@ -94,6 +111,20 @@ def recommended(plans: list[TrainPlan]) -> int | None:
     return next((i for i, plan in enumerate(plans) if plan.fits), None)
 
 
+def advice(plans: list[TrainPlan]) -> str:
+    """Names activation offload when it makes a tier fit that does not without it: when nothing
+    fits, or when it lets a faster tier than the recommended one fit. "" otherwise."""
+    best = recommended(plans)
+    faster = plans if best is None else plans[:best]
+    enabled = next((p for p in faster if p.fits_with_offload), None)
+    if enabled is None:
+        return ""
+    tier = enabled.tier + (f" {enabled.blocks_to_swap}" if enabled.blocks_to_swap else "")
+    return (f"activation offload makes {tier} fit{'' if best is None else ' (faster than ' + plans[best].tier + ')'}: "
+            "the checkpointed block inputs wait in pinned RAM and come back ahead of the backward (vidmem plan "
+            "--train --activation-offload; Train LoRA's activation_offload input).")
+
+
 def _fewest_swapped(model, denoiser, count, vram, ram, request, lora, peaks) -> TrainPlan:
     plan = None
     for swapped in range(1, count + 1):
@@ -116,10 +147,30 @@ def _plan(model: PlannerModel, denoiser: str, strategy: MemoryStrategy, vram: in
         upcast = sum(p.numel() for p in blocks[0].parameters()) * model.dtype_bytes(denoiser)
     if streams:  # streamed blocks re-run in full: nothing kept beyond each block's input
         peaks = replace(peaks, kept_per_block=0)
-    activation = peaks.at(len(blocks))
-    vram_peak = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + resident + upcast + lora.device + activation
-    ram_peak = HOST_RUNTIME_BYTES + weights.nbytes + lora.host
+    fixed_vram = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + resident + upcast + lora.device
+    fixed_ram = HOST_RUNTIME_BYTES + weights.nbytes + lora.host
     refused = "needs checkpointing" if streams and not request.checkpointing else ""
+    # with offload every block re-runs in full (selective checkpointing's kept outputs would stay on the device)
+    offload = _offloaded(replace(peaks, kept_per_block=0), len(blocks), request.prefetch_blocks, streams)
+    if request.activation_offload:
+        activation, host, seconds = offload
+    else:
+        activation, host, seconds = peaks.at(len(blocks)), 0, 0.0
+    vram_peak, ram_peak = fixed_vram + activation, fixed_ram + host
     fits = not refused and vram_peak <= vram and ram_peak <= ram
+    would_fit = (not refused and not request.activation_offload and request.checkpointing
+                 and fixed_vram + offload[0] <= vram and fixed_ram + offload[1] <= ram)
     return TrainPlan(strategy.offload.value, strategy.blocks_to_swap, resident + upcast, lora, activation,
-                     vram_peak, ram_peak, fits, refused)
+                     vram_peak, ram_peak, fits, refused, request.activation_offload, host, seconds, would_fit)
+
+
+def _offloaded(peaks: ActivationPeaks, blocks: int, prefetch: int, streams: bool) -> tuple[int, int, float]:
+    """(device activations, host bytes, copy seconds per step) with the checkpointed inputs offloaded.
+    Resident tiers keep the last block unwrapped (training/autograd.py): its input is not moved."""
+    moved = blocks if streams else blocks - 1
+    host = moved * _power_of_two(peaks.per_block) if peaks.per_block else 0
+    return peaks.offloaded_at(blocks, prefetch), host, 2 * moved * peaks.per_block / PCIE_BYTES_PER_S
+
+
+def _power_of_two(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 1).bit_length()

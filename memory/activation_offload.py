@@ -1,0 +1,334 @@
+"""Activation offload for training: checkpointed block inputs wait in pinned host memory.
+
+With per-block gradient checkpointing the only activations a block keeps from its forward to its
+backward are its inputs (the hidden state it was handed); the backward re-runs the block from
+them. At Wan 14B 720p that is 0.77 GB per block, 40 blocks: the inputs alone are 31 GB. Offloaded,
+each block's input is copied to a host buffer as the block starts (on the side stream, after an
+event says the compute that produced it is done) and its device memory is free as soon as the
+block has run; the backward, which re-runs blocks in reverse, starts copying the input of the
+block it needs next while the current one re-runs, on the same side stream and under the same
+prefetch depth as the weights (memory/blockswap.py). So the device holds about one block's
+activations plus the inputs in flight, and the host holds every block's input.
+
+Why not `torch.autograd.graph.save_on_cpu`: it offloads every tensor autograd saves (inside a
+checkpointed block that is nothing, outside it the block inputs), but copies on the compute
+stream, pins a fresh buffer per tensor per step, and brings each tensor back only when the
+backward asks for it, in line: the copy is exposed in full. Here the same saved-tensor hooks
+(`torch.autograd.graph.saved_tensors_hooks`) are layered around each checkpoint call only, so
+they see exactly the block's inputs (torch's non-reentrant checkpoint saves them under the hooks
+active when it is called, before its own), and the buffers come from an `ActivationPool`: pinned
+once per size under the RAM ceiling, reused step after step.
+
+A block's input that is also the previous block's input (Wan's text embedding, the timestep
+projection, rotary tables: the loop hands every block the same object) stays on the device by
+reference: it lives there anyway, so a host copy would only cost a copy. A tensor over the pool's
+ceiling stays on the device too (counted in `stats()["over_cap"]`).
+
+On the CPU (and the tests' stand-in devices) the copies are plain synchronous host copies at the
+source's address modulo LINE (MKL rounds by alignment: docs/bit-identity.md), so the schedule and
+the bookkeeping run, and training is bit-identical with offload on or off.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .device import record_stream
+from .hostpool import LINE
+
+# torch has no public getter for the active saved-tensor hooks (training/autograd.py says more).
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+class ActivationOffloadError(RuntimeError):
+    pass
+
+
+def _outer_hooks() -> tuple[Callable, Callable]:
+    identity = lambda tensor: tensor  # noqa: E731
+    if _TOP_HOOKS is None:
+        return identity, identity
+    try:
+        hooks = _TOP_HOOKS(False)
+    except TypeError:  # older signature without the argument
+        hooks = _TOP_HOOKS()
+    return hooks if hooks is not None else (identity, identity)
+
+
+def _power_of_two(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 1).bit_length()
+
+
+class ActivationPool:
+    """Host buffers for offloaded activations, under a byte ceiling, reused step after step.
+
+    Buffers are sized to powers of two (torch's pinned allocator rounds every request up to one
+    anyway) and kept by size: a training step offloads the same shapes every step (one bucket), so
+    from the second step on nothing new is pinned. `pin(nbytes)` makes one uint8 buffer (the
+    backend's `pin_arena`; plain memory on the CPU). `cap_bytes` counts every buffer made; past it,
+    or when the driver refuses to pin, `take` answers None and the tensor stays on the device.
+    """
+
+    def __init__(self, pin: Callable[[int], torch.Tensor], cap_bytes: int) -> None:
+        self._pin, self.cap_bytes = pin, max(0, int(cap_bytes))
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._made: list[torch.Tensor] = []
+        self.in_use = 0  # buffers taken and not given back
+
+    def __repr__(self) -> str:
+        return f"ActivationPool({len(self._made)} buffers, {self.pinned_bytes} bytes, {self.in_use} in use)"
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(buffer.numel() for buffer in self._made)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        size = _power_of_two(nbytes + LINE)  # room to start the copy at its source's offset in a line
+        free = self._free.get(size)
+        if free:
+            self.in_use += 1
+            return free.pop()
+        if self.pinned_bytes + size > self.cap_bytes:
+            return None
+        try:
+            buffer = self._pin(size)
+        except RuntimeError:  # the driver refused to lock more memory
+            return None
+        self._made.append(buffer)
+        self.in_use += 1
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault(buffer.numel(), []).append(buffer)
+        self.in_use -= 1
+
+    def release(self) -> int:
+        """Drop every buffer (the run is over; called in a `finally`, so it never raises over the
+        error on its way out). Returns how many were still taken: 0 unless a step was not closed."""
+        self._free.clear()
+        self._made.clear()
+        return self.in_use
+
+
+def _view_like(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """A view of `buffer` shaped as `tensor`, starting at `tensor`'s address modulo LINE."""
+    start = (tensor.data_ptr() - buffer.data_ptr()) % LINE
+    nbytes = tensor.numel() * tensor.element_size()
+    return buffer[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+
+
+class InlineCopies:
+    """CPU (and MPS/XPU's one queue): synchronous copies; on the CPU the host copy is handed back
+    as it is (its buffer returns to the pool when the step closes)."""
+
+    stream = None
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.hands_back_host = device.type == "cpu"
+
+    def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> Any:
+        host.copy_(tensor)
+        return None
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return (host if self.hands_back_host else host.to(self.device)), None
+
+    def wait(self, tensor: torch.Tensor, token: Any) -> None:
+        return None
+
+    def settle(self) -> None:
+        return None
+
+
+class SideStreamCopies:
+    """CUDA: both directions on the weights' side stream, ordered by events, never a host wait
+    inside the block loop.
+
+    To the host: the side stream waits for an event recorded on the compute stream (the input has
+    been computed), copies into the pinned buffer, and the device tensor is `record_stream`ed on
+    the side stream so the allocator keeps it until the copy has read it. To the device: a
+    non_blocking copy from the pinned buffer on the side stream; compute waits on its event and
+    the tensor is recorded on the compute stream. A buffer is filled (device to host) and read
+    (host to device) only by side-stream copies, in queue order, so it may go back to the pool as
+    soon as its copy to the device is queued.
+    """
+
+    hands_back_host = False
+
+    def __init__(self, device: torch.device, stream: Any) -> None:
+        self.device, self.stream = device, stream
+        self._last: Any = None  # event after the last copy queued on the side stream
+
+    def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> Any:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            host.copy_(tensor, non_blocking=True)
+            self._last = self._mark()
+        record_stream(tensor, self.stream)
+        return self._last
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        with torch.cuda.stream(self.stream):
+            tensor = host.to(self.device, non_blocking=True)  # pinned source: truly asynchronous
+            self._last = self._mark()
+        return tensor, self._last
+
+    def wait(self, tensor: torch.Tensor, token: Any) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(token)
+        record_stream(tensor, compute)
+
+    def settle(self) -> None:
+        """The host waits for the side stream's last copy (once per step, after the backward)."""
+        if self._last is not None:
+            self._last.synchronize()
+            self._last = None
+
+    def _mark(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+def copies_for(backend) -> InlineCopies | SideStreamCopies:
+    """The backend's side stream when it has one (CudaBackend), else inline copies."""
+    stream = getattr(backend, "side_stream", None)
+    return SideStreamCopies(backend.device, stream) if stream is not None else InlineCopies(backend.device)
+
+
+@dataclass(eq=False)
+class _Saved:
+    """One offloaded tensor: its host copy, and its device copy once brought back."""
+
+    block: "_Block"
+    buffer: torch.Tensor
+    host: torch.Tensor
+    device: torch.Tensor | None = None
+    token: Any = None
+    unpacked: bool = False
+
+
+@dataclass(eq=False)
+class _Block:
+    index: int
+    saved: list[_Saved] = field(default_factory=list)
+    onloaded: bool = False
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A tensor left on the device (shared with the previous block, or over the ceiling)."""
+
+    packed: Any
+
+
+class ActivationOffload:
+    """One training run's activation offload: `saving(args)` around each checkpoint call (in
+    forward order), `begin_backward()` before `loss.backward()`, `close()` after each step."""
+
+    def __init__(self, copies: InlineCopies | SideStreamCopies, pool: ActivationPool, prefetch: int = 1) -> None:
+        self.copies, self.pool, self.prefetch = copies, pool, max(1, int(prefetch))
+        self._blocks: list[_Block] = []
+        self._previous: list[weakref.ref] = []
+        self._carried: set[int] = set()
+        self.offloaded_bytes = 0  # bytes copied to the host, every step of the run
+        self.on_demand = 0  # blocks whose inputs were copied back only when asked for (not prefetched)
+        self.prefetched = 0
+        self.over_cap = 0
+
+    def stats(self) -> dict:
+        return {"offloaded_bytes": self.offloaded_bytes, "prefetched_blocks": self.prefetched,
+                "on_demand_blocks": self.on_demand, "over_cap": self.over_cap,
+                "host_buffer_bytes": self.pool.pinned_bytes}
+
+    @contextmanager
+    def saving(self, args: tuple) -> Iterator[None]:
+        """Around one checkpointed block call: its tensor inputs not shared with the previous
+        block's are offloaded when checkpoint saves them."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        shared = {id(ref()) for ref in self._previous if ref() is not None}
+        self._carried = {id(t) for t in tensors if id(t) not in shared and t.device == self.copies.device}
+        self._previous = [weakref.ref(t) for t in tensors]
+        self._blocks.append(_Block(len(self._blocks)))
+        outer_pack, outer_unpack = _outer_hooks()
+
+        def pack(tensor: torch.Tensor):
+            if id(tensor) in self._carried:
+                saved = self._offload(tensor)
+                if saved is not None:
+                    return saved
+            return _Kept(outer_pack(tensor))
+
+        def unpack(packed):
+            return outer_unpack(packed.packed) if isinstance(packed, _Kept) else self._bring_back(packed)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+        finally:
+            self._carried = set()
+
+    def begin_backward(self) -> None:
+        """The backward re-runs the last block first: start copying its inputs (and the next ones)."""
+        self._previous = []
+        for block in self._blocks[::-1][: self.prefetch]:
+            self._onload(block)
+            self.prefetched += 1
+
+    def close(self) -> None:
+        """After the step (or an error in it): every buffer back to the pool, nothing held."""
+        self.copies.settle()
+        for block in self._blocks:
+            for saved in block.saved:
+                if saved.buffer is not None:
+                    self.pool.give(saved.buffer)
+                    saved.buffer = None
+                saved.device = saved.host = None
+        self._blocks, self._previous, self._carried = [], [], set()
+
+    def _offload(self, tensor: torch.Tensor) -> _Saved | None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not tensor.is_contiguous() or type(tensor) is not torch.Tensor:
+            return None
+        buffer = self.pool.take(nbytes)
+        if buffer is None:
+            self.over_cap += 1
+            return None
+        host = _view_like(buffer, tensor)
+        block = self._blocks[-1]
+        saved = _Saved(block, buffer, host)
+        saved.token = self.copies.to_host(tensor, host)
+        block.saved.append(saved)
+        self.offloaded_bytes += nbytes
+        return saved
+
+    def _bring_back(self, saved: _Saved) -> torch.Tensor:
+        if saved.unpacked:
+            raise ActivationOffloadError("an offloaded activation was asked for twice (backward with retain_graph, "
+                                         "or a double backward); turn activation_offload off for that.")
+        if not saved.block.onloaded:
+            self._onload(saved.block)
+            self.on_demand += 1
+        for earlier in self._blocks[max(0, saved.block.index - self.prefetch) : saved.block.index][::-1]:
+            if not earlier.onloaded:
+                self._onload(earlier)
+                self.prefetched += 1
+        tensor, saved.device, saved.unpacked = saved.device, None, True
+        self.copies.wait(tensor, saved.token)
+        return tensor
+
+    def _onload(self, block: _Block) -> None:
+        block.onloaded = True
+        for saved in block.saved:
+            saved.device, saved.token = self.copies.to_device(saved.host)
+            if not self.copies.hands_back_host:  # read only by side-stream copies queued before any refill
+                self.pool.give(saved.buffer)
+                saved.buffer, saved.host = None, None
