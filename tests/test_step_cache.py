@@ -57,6 +57,53 @@ def test_every_tier_gives_tier_nones_latent_with_caching_on(tiny_loaded, variant
     assert "cache" not in uncached.receipt
 
 
+def run_observed(loaded, variant, strategy, cache):
+    """A run, and what the engine copied pass by pass: one list of (kind, group) per denoiser pass."""
+    passes: list[list[tuple[str, str]]] = []
+    marker = loaded.pipe.transformer.register_forward_pre_hook(lambda m, args: passes.append([]))
+    try:
+        request = replace(request_for(variant, steps=STEPS), cache=cache)
+        observer = lambda kind, group: passes[-1].append((kind, group.name)) if passes and group.streamed else None
+        result = sample(loaded, strategy, request, backend=StrictBackend(), observer=observer)
+    finally:
+        marker.remove()
+    return result, passes
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("swapped", ["one", "all"])
+def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_blocks(tiny_loaded, swapped, prefetch):
+    """MagCache's decision is foreseen: under block swap a skipped pass copies no block weight, not
+    even the first block's, and the pass before it prefetches nothing for it; the computed pass after
+    it still finds its first block prefetched (with prefetch), copied at the end of the skipped pass."""
+    from vidmem.pipelines.step_cache import mag_schedule
+
+    variant = "wan2.1-t2v"
+    loaded = tiny_loaded(variant)
+    blocks = block_count(loaded)
+    swap = blocks if swapped == "all" else 1
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=swap, prefetch_blocks=prefetch)
+    result, passes = run_observed(loaded, variant, strategy, MAG)
+    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]  # cfg: cond and uncond per step
+    assert len(passes) == len(computes) and not all(computes)
+    opening = f"transformer.blocks.{blocks - swap}"
+    for index, (events, computed) in enumerate(zip(passes, computes)):
+        copies = [(kind, name) for kind, name in events if kind in ("onload", "prefetch")]
+        if computed:
+            on_demand = [name for kind, name in copies if kind == "onload"]
+            # Only the very first pass (or one without prefetch) waits for a copy of its opening block.
+            assert on_demand == ([] if index and prefetch else on_demand), (index, events)
+            continue
+        following = computes[index + 1] if index + 1 < len(computes) else True  # the next call's first pass computes
+        # A skipped pass copies nothing for itself; at its end it prefetches for a computed next pass.
+        assert copies == ([("prefetch", opening)] if prefetch and following else []), (index, events)
+    cache = result.receipt["cache"]
+    computed_passes = sum(computes)
+    assert cache["blocks_skipped"] == (len(computes) - computed_passes) * blocks
+    assert cache["streamed_copies"] == computed_passes * swap + (1 if prefetch else 0)  # + the next call's opening
+    assert cache["streamed_copies_skipped"] == (len(computes) - computed_passes) * swap
+
+
 def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
@@ -67,9 +114,27 @@ def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     blocks = block_count(loaded)
     skipped_passes = cached["blocks_skipped"] // blocks  # MagCache skips whole passes
     assert skipped_passes > 0 and cached["blocks_skipped"] == skipped_passes * blocks
-    # Each skipped pass saves the copies of every block after the first (which decides, so it is copied).
-    assert cached["streamed_copies_skipped"] == skipped_passes * (blocks - 1)
+    # Each skipped pass saves the copies of every block, the first included (its decision is foreseen).
+    assert cached["streamed_copies_skipped"] == skipped_passes * blocks
     assert calibration["streamed_copies"] - cached["streamed_copies"] == cached["streamed_copies_skipped"]
+
+
+def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded):
+    """Under sequential every leaf streams: the leaves outside the blocks run on every pass, those of
+    a skipped pass's blocks are neither called nor prefetched (the leaf before the first block used to
+    prefetch it)."""
+    from vidmem.pipelines.step_cache import mag_schedule
+
+    variant = "wan2.1-t2v"
+    loaded = tiny_loaded(variant)
+    result, passes = run_observed(loaded, variant, MemoryStrategy(offload="sequential", prefetch_blocks=1), MAG)
+    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]
+    skipped = [events for events, computed in zip(passes, computes) if not computed]
+    assert skipped
+    for events in skipped:
+        copied = [name for kind, name in events if kind in ("onload", "prefetch")]
+        assert copied and not [name for name in copied if ".blocks." in name], events
+    assert result.receipt["cache"]["blocks_skipped"] > 0
 
 
 def test_calibration_skips_nothing_and_returns_the_ratios_per_step(tiny_loaded):
@@ -221,3 +286,54 @@ def test_per_expert_ratios_for_another_split_of_the_steps_are_refused_by_name(ti
     with pytest.raises(StrategyError, match="cover .* steps of transformer, but with this sampler"):
         run(loaded, "wan2.2-a14b", MemoryStrategy(offload="none"), off)
     assert not loaded.pipe.transformer.is_cache_enabled and not loaded.pipe.transformer_2.is_cache_enabled
+
+
+def _published_configs():
+    """(what, MagCacheConfig) for every published ratio set, at its own step count (and, for ratios of a
+    whole run, stretched to others), at its published threshold and bolder and shyer ones."""
+    import json
+
+    from vidmem.pipelines.step_cache import SHIPPED_RATIOS, published_cache
+
+    for entry in json.loads(SHIPPED_RATIOS.read_text())["models"]:
+        cache = published_cache(entry["model"])
+        step_counts = [entry["steps"]] if cache.per_expert else [entry["steps"], 20, 30]
+        for denoiser in dict(cache.expert_ratios):
+            for threshold in sorted({cache.threshold, 0.02, 0.06, 0.12, 0.25, 0.5}):
+                for steps in step_counts:
+                    config = replace(cache, threshold=threshold).diffusers_config(steps, denoiser)
+                    yield f"{entry['model']} {denoiser} threshold={threshold} steps={steps}", config
+
+
+def _same_view(found, expected) -> bool:
+    fields = ("step_index", "accumulated_ratio", "accumulated_err", "accumulated_steps", "has_residual")
+    return all(type(getattr(found, f)) is type(getattr(expected, f)) and bool(getattr(found, f) == getattr(expected, f))
+               for f in fields)
+
+
+def test_the_look_ahead_takes_diffusers_decision_on_every_step_of_every_published_ratio_set():
+    """`mag_decides` (before a pass) and `mag_after_pass` (after it) against diffusers' own MagCache
+    hooks, pass by pass: conditional and unconditional passes interleaved, over two whole runs (the
+    hooks reset their state after the last step), for every published ratio set and several thresholds."""
+    from diffusers.hooks import apply_mag_cache
+
+    from vidmem.pipelines.step_cache import MagView, _ScheduleModel, mag_after_pass, mag_decides
+
+    checked = skipped = 0
+    for what, config in _published_configs():
+        model = _ScheduleModel()
+        apply_mag_cache(model, config)
+        states = model.blocks[0]._diffusers_hook.get_hook("mag_cache_leader_block_hook").state_manager._state_cache
+        foreseen = {}  # context -> the view its next pass starts from, foreseen at the end of its last pass
+        with torch.no_grad():
+            for index in range(2 * 2 * config.num_inference_steps):
+                context = ("cond", "uncond")[index % 2]
+                view = MagView.of(states[context]) if context in states else MagView()
+                if context in foreseen:
+                    assert _same_view(foreseen[context], view), (what, index)
+                will_compute, decided = mag_decides(view, config)
+                computed = model(torch.zeros(1, 1), context)
+                assert will_compute == computed, (what, index)
+                foreseen[context] = mag_after_pass(decided, config, computed)
+                checked, skipped = checked + 1, skipped + (not computed)
+    assert skipped > 0 and checked > skipped  # the ratio sets skip some passes and compute others
