@@ -204,11 +204,11 @@ class BlockGate:
         self._tally = tally
         self._passes = {name: _PassTrack(group[0], group[-1]) for name, group in blocks.items() if len(group)}
         self._blocks: dict[int, tuple[str, int]] = {}  # id(block) -> (denoiser, index)
-        self._inside: dict[int, str] = {}  # id(any module inside a block) -> denoiser (sequential's leaves)
+        self._inside: dict[int, tuple[str, int]] = {}  # id(any module inside a block) -> its block (sequential's leaves)
         for name, group in blocks.items():
             for index, block in enumerate(group):
                 self._blocks[id(block)] = (name, index)
-                self._inside.update((id(m), name) for m in block.modules())
+                self._inside.update((id(m), (name, index)) for m in block.modules())
 
     def __call__(self, module: nn.Module) -> bool:
         """Before `module`'s forward: False only when it will not compute in this pass."""
@@ -222,15 +222,17 @@ class BlockGate:
 
     def ahead(self, module: nn.Module, next_pass: bool) -> bool:
         """Whether `module` (a block, or a module inside one) computes when it runs next: later in this
-        pass, or (`next_pass`) in the denoiser's next pass. True where it cannot be known yet."""
-        name = self._inside.get(id(module))
-        if name is None:
+        pass, or (`next_pass`) in the denoiser's next pass. First Block Cache's blocks after the first
+        are held (False) until its first block has decided (docs/step-cache.md, "Copies that are not made")."""
+        where = self._inside.get(id(module))
+        if where is None:
             return True  # outside the blocks: runs on every pass
+        name, index = where
         track = self._passes[name]
         if not next_pass and track.phase != _PassTrack.START:
             return self._decision(track.tail)  # this pass has decided
         if self._method is not CacheMethod.MAG:
-            return True  # First Block Cache decides from the first block's output
+            return index == 0  # First Block Cache: the first block always computes; the rest is decided in it
         return self._mag_next_pass(name) if next_pass else self._mag_this_pass(name)
 
     def begin(self, name: str) -> None:

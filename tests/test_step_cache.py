@@ -104,6 +104,31 @@ def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_bloc
     assert cache["streamed_copies_skipped"] == (len(computes) - computed_passes) * swap
 
 
+def test_first_block_cache_copies_only_the_deciding_block_in_a_skipped_pass(tiny_loaded):
+    """First Block Cache decides from its first block's output: that block is copied (it computes on
+    every pass); the blocks after it are held until it has decided, so a skipped pass copies no other."""
+    variant = "wan2.1-t2v"
+    loaded = tiny_loaded(variant)
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"]
+    leaf = next(m for m in blocks[-1].modules() if isinstance(m, torch.nn.Linear))  # runs only when its block computes
+    ran: list[int] = []
+    probe = leaf.register_forward_hook(lambda m, args, out: ran.append(1))
+    marker = loaded.pipe.transformer.register_forward_pre_hook(lambda m, args: ran.append(0))
+    try:
+        strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=len(blocks), prefetch_blocks=1)
+        result, passes = run_observed(loaded, variant, strategy, FIRST_BLOCK)
+    finally:
+        probe.remove()
+        marker.remove()
+    computed = [any(flags) for flags in "".join(map(str, ran)).split("0")[1:]]
+    assert len(computed) == len(passes) and not all(computed) and any(computed)
+    for events, pass_computed in zip(passes, computed):
+        copied = {name for kind, name in events if kind in ("onload", "prefetch")}
+        if not pass_computed:
+            assert copied <= {"transformer.blocks.0"}, events
+    assert result.receipt["cache"]["streamed_copies_skipped"] == result.receipt["cache"]["blocks_skipped"]
+
+
 def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
