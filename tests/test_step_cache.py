@@ -362,3 +362,48 @@ def test_the_look_ahead_takes_diffusers_decision_on_every_step_of_every_publishe
                 foreseen[context] = mag_after_pass(decided, config, computed)
                 checked, skipped = checked + 1, skipped + (not computed)
     assert skipped > 0 and checked > skipped  # the ratio sets skip some passes and compute others
+
+
+@pytest.mark.parametrize("contexts", [("cond", "uncond"), ("cond_uncond",)], ids=["wan", "cogvideox"])
+def test_the_gate_foresees_every_pass_from_anywhere_in_the_pass_before(contexts):
+    """BlockGate on diffusers' MagCache hooks, four blocks, passes in the cache contexts of Wan (a
+    conditional and an unconditional pass per step) or CogVideoX (one batched pass per step): asked
+    before the first block, between blocks (the first has decided, the last has not) and after the
+    last, it says what the pass under way and the next pass of the denoiser will do, as they then do."""
+    from diffusers.hooks import apply_mag_cache
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    from vidmem.pipelines.step_cache import BlockGate, CacheTally, _ScheduleBlock, _ScheduleModel
+
+    cache = StepCache("mag_cache", mag_ratios=(1.0, 0.99, 0.98, 0.99, 1.0, 0.97, 0.99, 1.0, 0.96, 0.95),
+                      threshold=0.06, retention=0.2, max_skip_steps=2)
+    model = _ScheduleModel()
+    model.blocks = torch.nn.ModuleList([_ScheduleBlock() for _ in range(4)])
+    apply_mag_cache(model, cache.diffusers_config(STEPS))
+    gate = BlockGate(CacheMethod.MAG, {"transformer": model.blocks}, CacheTally())
+    said: list[tuple[int, bool, bool]] = []  # (pass, this pass computes, the next pass computes)
+    passes = [0]
+
+    def ask(block):
+        said.append((passes[0], gate.ahead(block, next_pass=False), gate.ahead(model.blocks[0], next_pass=True)))
+
+    handles = [model.register_forward_pre_hook(lambda m, args: gate.begin("transformer"))]
+    for block in model.blocks:
+        handles.append(block.register_forward_pre_hook(lambda m, args: ask(m)))
+        handles.append(block.register_forward_hook(lambda m, args, out: gate.count(m), prepend=True))
+        handles.append(block.register_forward_hook(lambda m, args, out: ask(m)))
+    head_said, computed = [], []
+    handles.append(model.blocks[0].register_forward_pre_hook(lambda m, args: head_said.append(gate(m)), prepend=True))
+    with torch.no_grad():
+        for index in range(2 * len(contexts) * STEPS):  # two whole runs
+            passes[0] = index
+            context = contexts[index % len(contexts)]
+            _set_cache_context(model, CacheContext(context))
+            computed.append(model(torch.zeros(1, 1), context))
+    for handle in handles:
+        handle.remove()
+    assert head_said == computed and not all(computed) and any(computed)
+    for index, this_pass, next_pass in said:
+        assert this_pass == computed[index], index
+        if index >= len(contexts):  # the round of contexts is known once one repeats (before: prefetch, as uncached)
+            assert next_pass == (computed[index + 1] if index + 1 < len(computed) else True), index
