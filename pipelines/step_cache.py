@@ -5,9 +5,12 @@ each denoiser (`CacheMixin.enable_cache`) for one call and disabled again in `fi
 adds is what no runner does: under block swap a skipped block's weights are not copied either.
 diffusers replaces a block's `forward` when it skips it, but the block is still called, so the
 engine's forward pre-hook would copy its weights for nothing; `BlockGate` tells the engine, as the
-block is called, whether it will compute (memory/offload.py `compute_gate`). The decision is made in
-the pass's first block (MagCache: from the published magnitude ratios; First Block Cache: from how
-much the first block's output changed), so the first block itself is always copied when streamed.
+block is called, whether it will compute (memory/offload.py `compute_gate`), and, before it prefetches
+a block, whether the block's next run computes. MagCache decides in the pass's first block from its
+ratios, the step index and the error accumulated so far, nothing else: `mag_decides` takes the same
+decision on a copy of the hook's state, so a skipped pass is known before its first block is copied
+and before the pass ahead of it prefetches for it. First Block Cache decides from how much the first
+block's output changed: that block is copied on every pass (it computes), the rest once it decided.
 
 The count of blocks computed and skipped goes into the receipt (`CacheTally`).
 """

@@ -104,6 +104,30 @@ def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_bloc
     assert cache["streamed_copies_skipped"] == (len(computes) - computed_passes) * swap
 
 
+def test_the_disk_tier_copies_nothing_for_a_skipped_pass_either(tiny_folder):
+    """Weights memory-mapped from the folder's files stream through the same schedule: a skipped pass
+    reads no block from the file, and the latent is tier none's (of the same mapped pipeline)."""
+    from vidmem.memory.storage import is_file_backed
+    from vidmem.pipelines.loader import load_pipeline
+    from vidmem.pipelines.step_cache import mag_schedule
+
+    variant = "wan2.1-t2v"
+    mapped = load_pipeline(tiny_folder(variant), "fp32", weight_dtype="fp32")
+    assert mapped.on_disk and is_file_backed(mapped.pipe.transformer.blocks[0].attn1.to_q.weight)
+    blocks = block_count(mapped)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=1)
+    result, passes = run_observed(mapped, variant, strategy, MAG)
+    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]
+    for index, (events, computed) in enumerate(zip(passes, computes)):
+        copies = [(kind, name) for kind, name in events if kind in ("onload", "prefetch")]
+        if not computed:
+            following = computes[index + 1] if index + 1 < len(computes) else True
+            assert copies == ([("prefetch", "transformer.blocks.0")] if following else []), (index, events)
+    reference = run(mapped, variant, MemoryStrategy(offload="none"), MAG)
+    assert torch.equal(result.latent["samples"], reference.latent["samples"])
+    assert result.receipt["cache"]["streamed_copies"] == sum(computes) * blocks + 1
+
+
 def test_first_block_cache_copies_only_the_deciding_block_in_a_skipped_pass(tiny_loaded):
     """First Block Cache decides from its first block's output: that block is copied (it computes on
     every pass); the blocks after it are held until it has decided, so a skipped pass copies no other."""
