@@ -219,8 +219,11 @@ class StreamSchedule:
 
     def _drop_mispredicted(self, group: WeightGroup) -> None:
         """Evict prefetched groups that the path did not reach (a module skipped this pass, e.g.
-        the Wan VAE's first-chunk branch), so at most prefetch + 1 stay on the device."""
-        expected = {id(group), *(id(g) for g in self._upcoming(group)), *self._kept}
+        the Wan VAE's first-chunk branch), so at most prefetch + 1 stay on the device. A group in the
+        window that a step cache said would not compute stays: it was prefetched for a later pass
+        that computes it (First Block Cache cannot know in advance), and the window bounds it."""
+        window = self._order.after(group, self._prefetch, self._cyclic)
+        expected = {id(group), *(id(g) for g in window), *self._kept}
         for other in self.groups:
             if other.on_device and id(other) not in expected:
                 other.evict()

@@ -225,8 +225,10 @@ class BlockGate:
 
     def ahead(self, module: nn.Module, next_pass: bool) -> bool:
         """Whether `module` (a block, or a module inside one) computes when it runs next: later in this
-        pass, or (`next_pass`) in the denoiser's next pass. First Block Cache's blocks after the first
-        are held (False) until its first block has decided (docs/step-cache.md, "Copies that are not made")."""
+        pass, or (`next_pass`) in the denoiser's next pass. First Block Cache cannot know: its blocks
+        after the first are held (False) in a pass until its first block has decided, and prefetched
+        for the next pass (True: one prefetched for a pass that skips it stays on the device until a
+        pass computes it; docs/step-cache.md, "Copies that are not made")."""
         where = self._inside.get(id(module))
         if where is None:
             return True  # outside the blocks: runs on every pass
@@ -235,7 +237,7 @@ class BlockGate:
         if not next_pass and track.phase != _PassTrack.START:
             return self._decision(track.tail)  # this pass has decided
         if self._method is not CacheMethod.MAG:
-            return index == 0  # First Block Cache: the first block always computes; the rest is decided in it
+            return index == 0 or next_pass  # First Block Cache: the first block always computes
         return self._mag_next_pass(name) if next_pass else self._mag_this_pass(name)
 
     def begin(self, name: str) -> None:
