@@ -128,9 +128,12 @@ def test_the_disk_tier_copies_nothing_for_a_skipped_pass_either(tiny_folder):
     assert result.receipt["cache"]["streamed_copies"] == sum(computes) * blocks + 1
 
 
-def test_first_block_cache_copies_only_the_deciding_block_in_a_skipped_pass(tiny_loaded):
+@pytest.mark.parametrize("swapped", ["one", "all"])
+def test_first_block_cache_copies_only_the_deciding_block_in_a_skipped_pass(tiny_loaded, swapped):
     """First Block Cache decides from its first block's output: that block is copied (it computes on
-    every pass); the blocks after it are held until it has decided, so a skipped pass copies no other."""
+    every pass); the blocks after it are held until it has decided, so a skipped pass copies no other.
+    Blocks prefetched for the next pass stay through the passes that skip them: no pass but the
+    first waits for a copy of its first swapped block."""
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
     blocks = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"]
@@ -139,17 +142,21 @@ def test_first_block_cache_copies_only_the_deciding_block_in_a_skipped_pass(tiny
     probe = leaf.register_forward_hook(lambda m, args, out: ran.append(1))
     marker = loaded.pipe.transformer.register_forward_pre_hook(lambda m, args: ran.append(0))
     try:
-        strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=len(blocks), prefetch_blocks=1)
+        swap = len(blocks) if swapped == "all" else 1
+        strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=swap, prefetch_blocks=1)
         result, passes = run_observed(loaded, variant, strategy, FIRST_BLOCK)
     finally:
         probe.remove()
         marker.remove()
     computed = [any(flags) for flags in "".join(map(str, ran)).split("0")[1:]]
     assert len(computed) == len(passes) and not all(computed) and any(computed)
-    for events, pass_computed in zip(passes, computed):
+    opening = f"transformer.blocks.{len(blocks) - swap}"
+    for index, (events, pass_computed) in enumerate(zip(passes, computed)):
         copied = {name for kind, name in events if kind in ("onload", "prefetch")}
         if not pass_computed:
             assert copied <= {"transformer.blocks.0"}, events
+        if index:
+            assert ("onload", opening) not in events, (index, events)
     assert result.receipt["cache"]["streamed_copies_skipped"] == result.receipt["cache"]["blocks_skipped"]
 
 
