@@ -207,7 +207,7 @@ class BlockGate:
         self._tally = tally
         self._passes = {name: _PassTrack(group[0], group[-1]) for name, group in blocks.items() if len(group)}
         self._blocks: dict[int, tuple[str, int]] = {}  # id(block) -> (denoiser, index)
-        self._inside: dict[int, tuple[str, int]] = {}  # id(any module inside a block) -> its block (sequential's leaves)
+        self._inside: dict[int, tuple[str, int]] = {}  # id(module in a block) -> its block (sequential: leaves)
         for name, group in blocks.items():
             for index, block in enumerate(group):
                 self._blocks[id(block)] = (name, index)
