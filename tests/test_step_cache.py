@@ -438,3 +438,32 @@ def test_the_gate_foresees_every_pass_from_anywhere_in_the_pass_before(contexts)
         assert this_pass == computed[index], index
         if index >= len(contexts):  # the round of contexts is known once one repeats (before: prefetch, as uncached)
             assert next_pass == (computed[index + 1] if index + 1 < len(computed) else True), index
+
+
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG], ids=["first_block_cache", "mag_cache"])
+def test_the_cuda_path_keeps_its_promises_with_the_cache_on(tiny_folder, monkeypatch, cache):
+    """CudaBackend under the recording CUDA fake (tests/test_cuda_path.py's audit): with copies held
+    for skipped passes and made at the end of a skipped pass, copies stay on the side stream, compute
+    waits only on the block it runs, at most prefetch + 2 streamed groups hold device memory, and
+    the latent is the CPU backend's at tier none."""
+    from cuda_fake import FakeCuda
+    from test_cuda_path import Audit
+
+    from vidmem.memory.device import CpuBackend, CudaBackend
+    from vidmem.pipelines.loader import load_pipeline
+
+    variant = "wan2.1-t2v"
+    loaded = load_pipeline(tiny_folder(variant), "fp32")
+    request = replace(request_for(variant, steps=STEPS), cache=cache)
+    reference = sample(loaded, MemoryStrategy(offload="none"), request, backend=CpuBackend()).latent["samples"]
+    blocks = block_count(loaded)
+    for strategy in (*(MemoryStrategy(offload="block_swap", blocks_to_swap=n, prefetch_blocks=p)
+                       for n in (1, blocks) for p in (1, 2)), MemoryStrategy(offload="sequential", prefetch_blocks=2)):
+        with monkeypatch.context() as patch:
+            fake = FakeCuda().install(patch)
+            result = sample(loaded, strategy, request, backend=CudaBackend(torch.device("cpu")), observer=fake.observe)
+        label = strategy.describe()
+        assert torch.equal(result.latent["samples"], reference), label
+        assert result.receipt["cache"]["blocks_skipped"] > 0, label
+        audit = Audit(fake.log).run(strategy.prefetch_blocks)
+        assert not audit.problems, f"{label}: " + "; ".join(audit.problems[:5])
