@@ -36,7 +36,7 @@ skip rates or quality for output-driven methods (First Block Cache decides from 
 block's output changed); MagCache's skips depend only on its ratios and the step count, so its
 blocks_ratio is the real one for 50 steps, but its PSNR is not.
 
-    python bench/speed.py --json bench/results/speed-cpu-2026-11-26.json   # ~3 min on 2 shared cores
+    python bench/speed.py --parts cache --runs 3 --json bench/results/speed-cpu-2026-11-26.json  # 2-6 min on 2 cores, by load
     python bench/speed.py --steps 8 --blocks 4 --runs 1                     # seconds
     python bench/speed.py --device cuda --json bench/results/speed-gpu.json
     python bench/speed.py --parts attention,compile --steps 8 --runs 3     # one or more parts only

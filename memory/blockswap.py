@@ -100,6 +100,10 @@ class PassOrder:
     def opening(self, count: int) -> list[WeightGroup]:
         return self.groups[:count] if self.closed else []
 
+    def wraps(self, group: WeightGroup, upcoming: WeightGroup) -> bool:
+        """Whether `upcoming`, coming after `group`, runs in the next pass (the order wrapped round)."""
+        return self._position[id(upcoming)] <= self._position[id(group)]
+
 
 class StreamSchedule:
     """Onload/evict bookkeeping for one component's streamed groups.
@@ -123,6 +127,7 @@ class StreamSchedule:
         self._budget = budget or KeepBudget()
         self._kept: set[int] = set()  # ids of groups kept on the device by the budget
         self._skipping: set[int] = set()  # ids of groups called but not computing (a step cache)
+        self._foresight: dict[int, Callable[[bool], bool]] = {}  # id(group) -> will it compute (next pass?)
         self.copies = 0  # streamed groups copied to the device this call
         self.skipped = 0  # streamed groups whose forward a step cache skipped
         self._prefetch = prefetch
@@ -138,6 +143,11 @@ class StreamSchedule:
     @property
     def _order(self) -> PassOrder:
         return self._orders[self._backward]
+
+    def foresee(self, group: WeightGroup, computes: Callable[[bool], bool]) -> None:
+        """`computes(next_pass)` says ahead whether `group` will compute when it runs next (later in this
+        pass, or in the next pass): a group that will not is neither prefetched nor kept for it."""
+        self._foresight[id(group)] = computes
 
     def skip(self, group: WeightGroup) -> None:
         """`group`'s module is called but will not compute this pass (a step cache skips it): its
@@ -209,8 +219,11 @@ class StreamSchedule:
 
     def _drop_mispredicted(self, group: WeightGroup) -> None:
         """Evict prefetched groups that the path did not reach (a module skipped this pass, e.g.
-        the Wan VAE's first-chunk branch), so at most prefetch + 1 stay on the device."""
-        expected = {id(group), *(id(g) for g in self._upcoming(group)), *self._kept}
+        the Wan VAE's first-chunk branch), so at most prefetch + 1 stay on the device. A group in the
+        window that a step cache said would not compute stays: it was prefetched for a later pass
+        that computes it (First Block Cache cannot know in advance), and the window bounds it."""
+        window = self._order.after(group, self._prefetch, self._cyclic)
+        expected = {id(group), *(id(g) for g in window), *self._kept}
         for other in self.groups:
             if other.on_device and id(other) not in expected:
                 other.evict()
@@ -237,8 +250,17 @@ class StreamSchedule:
                 self._observe("evict", group)
 
     def end_of_pass(self) -> None:
-        """The component's forward has finished: the learned execution order is complete."""
+        """The component's forward has finished: the learned execution order is complete.
+
+        With foresight (a step cache), the groups that open the next pass are copied now when they
+        will compute in it: a pass that ended without computing its last group (skipped) prefetched
+        nothing, and the pass after it must not stall on its first group."""
         self._order.close()
+        if not self._foresight or not self._cyclic:
+            return
+        for group in self._order.opening(self._prefetch):
+            if not group.on_device and self._computes(group, next_pass=True):
+                self._onload(group, "prefetch")
 
     def _onload(self, group: WeightGroup, kind: str) -> None:
         while len(self._in_flight) > EVICTED_IN_FLIGHT:
@@ -250,7 +272,16 @@ class StreamSchedule:
         self._observe(kind, group)
 
     def _upcoming(self, group: WeightGroup) -> list[WeightGroup]:
-        return self._order.after(group, self._prefetch, self._cyclic)
+        """The groups to have on the device after `group`: the next `prefetch` in order, less those a
+        step cache will skip (in this pass, or in the next for those past the end of the order)."""
+        upcoming = self._order.after(group, self._prefetch, self._cyclic)
+        if not self._foresight:
+            return upcoming
+        return [u for u in upcoming if self._computes(u, next_pass=self._order.wraps(group, u))]
+
+    def _computes(self, group: WeightGroup, next_pass: bool) -> bool:
+        computes = self._foresight.get(id(group))
+        return computes is None or computes(next_pass)
 
 
 def hook_group(module: nn.Module, group: WeightGroup, schedule: StreamSchedule,
@@ -258,7 +289,9 @@ def hook_group(module: nn.Module, group: WeightGroup, schedule: StreamSchedule,
     """Forward hooks that stream `group` around `module`'s forward; returns removable handles.
 
     `computes(module)`, when given, says whether the module's forward will compute this time (a
-    step cache may have replaced it for this pass): if not, nothing is copied for it. The hooks
+    step cache may have replaced it for this pass): if not, nothing is copied for it. When it also
+    has `computes.ahead(module, next_pass)` (pipelines/step_cache.py `BlockGate`), the schedule
+    asks it before prefetching the group, so no copy is made for a pass that will skip it. The hooks
     re-point parameters and touch streams: never traced by torch.compile (a compiled model runs
     them eagerly between its graphs).
     """
@@ -274,4 +307,7 @@ def hook_group(module: nn.Module, group: WeightGroup, schedule: StreamSchedule,
     def after(m, args, out):
         schedule.after_forward(group)
 
+    ahead = getattr(computes, "ahead", None)
+    if ahead is not None:
+        schedule.foresee(group, lambda next_pass: ahead(module, next_pass))
     return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]

@@ -5,9 +5,12 @@ each denoiser (`CacheMixin.enable_cache`) for one call and disabled again in `fi
 adds is what no runner does: under block swap a skipped block's weights are not copied either.
 diffusers replaces a block's `forward` when it skips it, but the block is still called, so the
 engine's forward pre-hook would copy its weights for nothing; `BlockGate` tells the engine, as the
-block is called, whether it will compute (memory/offload.py `compute_gate`). The decision is made in
-the pass's first block (MagCache: from the published magnitude ratios; First Block Cache: from how
-much the first block's output changed), so the first block itself is always copied when streamed.
+block is called, whether it will compute (memory/offload.py `compute_gate`), and, before it prefetches
+a block, whether the block's next run computes. MagCache decides in the pass's first block from its
+ratios, the step index and the error accumulated so far, nothing else: `mag_decides` takes the same
+decision on a copy of the hook's state, so a skipped pass is known before its first block is copied
+and before the pass ahead of it prefetches for it. First Block Cache decides from how much the first
+block's output changed: that block is copied on every pass (it computes), the rest once it decided.
 
 The count of blocks computed and skipped goes into the receipt (`CacheTally`).
 """
@@ -189,25 +192,67 @@ class CacheTally:
 
 
 class BlockGate:
-    """Whether a denoiser block computes when it is called now: what the engine asks before copying
-    a streamed block's weights. Reads diffusers' decision for the current pass; the first block of
-    each denoiser decides (it always computes, or decides inside its own forward)."""
+    """Whether a denoiser block computes when it is called now, and whether a block's next run
+    computes: what the engine asks before copying a streamed block's weights, on demand or ahead.
+
+    For the pass under way it reads diffusers' decision from its hook's state once the first block
+    has decided. Before that, and for the next pass, MagCache's decision is foreseen (`mag_decides`,
+    from the hook's state and ratios alone), so a skipped pass is known before its first block is
+    copied, and before the previous pass prefetches for it. First Block Cache decides from the first
+    block's output: its first block always computes, and the rest of a pass is known only then."""
 
     def __init__(self, method: CacheMethod, blocks: Mapping[str, nn.ModuleList], tally: CacheTally) -> None:
         self._method = method
         self._hook = _BLOCK_HOOKS[method]
         self._tally = tally
-        self._later = {id(block) for group in blocks.values() for block in list(group)[1:]}
+        self._passes = {name: _PassTrack(group[0], group[-1]) for name, group in blocks.items() if len(group)}
+        self._blocks: dict[int, tuple[str, int]] = {}  # id(block) -> (denoiser, index)
+        self._inside: dict[int, tuple[str, int]] = {}  # id(module in a block) -> its block (sequential: leaves)
+        for name, group in blocks.items():
+            for index, block in enumerate(group):
+                self._blocks[id(block)] = (name, index)
+                self._inside.update((id(m), (name, index)) for m in block.modules())
 
     def __call__(self, module: nn.Module) -> bool:
-        """Before `module`'s forward: False only when the pass's decision says it will not compute."""
-        return id(module) not in self._later or self._decision(module)
+        """Before `module`'s forward: False only when it will not compute in this pass."""
+        where = self._blocks.get(id(module))
+        if where is None:
+            return True  # not a block: a leaf runs only when its block computes
+        name, index = where
+        if index == 0:
+            return self._method is CacheMethod.FIRST_BLOCK or self._mag_this_pass(name)
+        return self._decision(module)
+
+    def ahead(self, module: nn.Module, next_pass: bool) -> bool:
+        """Whether `module` (a block, or a module inside one) computes when it runs next: later in this
+        pass, or (`next_pass`) in the denoiser's next pass. First Block Cache cannot know: its blocks
+        after the first are held (False) in a pass until its first block has decided, and prefetched
+        for the next pass (True: one prefetched for a pass that skips it stays on the device until a
+        pass computes it; docs/step-cache.md, "Copies that are not made")."""
+        where = self._inside.get(id(module))
+        if where is None:
+            return True  # outside the blocks: runs on every pass
+        name, index = where
+        track = self._passes[name]
+        if not next_pass and track.phase != _PassTrack.START:
+            return self._decision(track.tail)  # this pass has decided
+        if self._method is not CacheMethod.MAG:
+            return index == 0 or next_pass  # First Block Cache: the first block always computes
+        return self._mag_next_pass(name) if next_pass else self._mag_this_pass(name)
+
+    def begin(self, name: str) -> None:
+        """A pass of denoiser `name` starts (before its first module runs)."""
+        if name in self._passes:
+            hook = self._head_hook(name)
+            context = hook.state_manager._context if hook is not None else None
+            self._passes[name].begin(context.name if context is not None else "inference")
 
     def count(self, module: nn.Module) -> None:
         """After `module`'s forward, when the pass's decision is known for every block: the first
         block always computes under First Block Cache and follows MagCache's decision."""
-        head = id(module) not in self._later
-        if (head and self._method is CacheMethod.FIRST_BLOCK) or self._decision(module):
+        name, index = self._blocks[id(module)]
+        self._passes[name].ran(module)
+        if (index == 0 and self._method is CacheMethod.FIRST_BLOCK) or self._decision(module):
             self._tally.computed += 1
         else:
             self._tally.skipped += 1
@@ -218,6 +263,118 @@ class BlockGate:
         if hook is None:
             hook = registry.get_hook(_HEAD_HOOKS[self._method]) if registry is not None else None
         return hook is None or hook.state_manager.get_state().should_compute
+
+    def _head_hook(self, name: str):
+        registry = getattr(self._passes[name].head, "_diffusers_hook", None)
+        return registry.get_hook(_HEAD_HOOKS[self._method]) if registry is not None else None
+
+    def _mag_view(self, name: str, context: str) -> "MagView":
+        state = self._head_hook(name).state_manager._state_cache.get(context)
+        return MagView.of(state) if state is not None else MagView()
+
+    def _mag_this_pass(self, name: str) -> bool:
+        """MagCache's decision for the pass under way, before its first block takes it."""
+        hook = self._head_hook(name)
+        if hook is None:
+            return True  # not cached (an expert without ratios)
+        return mag_decides(self._mag_view(name, self._passes[name].context), hook.config)[0]
+
+    def _mag_next_pass(self, name: str) -> bool:
+        """MagCache's decision for the denoiser's next pass, from anywhere in the pass under way."""
+        hook, track = self._head_hook(name), self._passes[name]
+        following = track.following()
+        if hook is None or following is None:
+            return True  # not cached, or the order of the cache contexts is not known yet
+        config = hook.config
+        view = self._mag_view(name, following)
+        if following == track.context and track.phase != _PassTrack.DONE:
+            # The same context runs next: finish this pass on a copy of its state first.
+            computed = self._decision(track.tail) if track.phase == _PassTrack.DECIDED else None
+            if computed is None:
+                computed, view = mag_decides(view, config)
+            view = mag_after_pass(view, config, computed)
+        return mag_decides(view, config)[0]
+
+
+class _PassTrack:
+    """Where one denoiser is in its pass, and the order its cache contexts run in (cond, uncond)."""
+
+    START, DECIDED, DONE = "start", "decided", "done"  # first block not run yet; it has; the last has
+
+    def __init__(self, head: nn.Module, tail: nn.Module) -> None:
+        self.head, self.tail = head, tail
+        self.context = ""
+        self.phase = self.START
+        self._order: list[str] = []
+        self._order_known = False
+
+    def begin(self, context: str) -> None:
+        if not self._order_known:
+            if context in self._order:
+                self._order_known = True  # a context runs again: one full round has been seen
+            else:
+                self._order.append(context)
+        self.context, self.phase = context, self.START
+
+    def ran(self, block: nn.Module) -> None:
+        if block is self.tail:
+            self.phase = self.DONE
+        elif block is self.head:
+            self.phase = self.DECIDED
+
+    def following(self) -> str | None:
+        """The cache context of the next pass; None until the round of contexts is known."""
+        if not self._order_known:
+            return None
+        return self._order[(self._order.index(self.context) + 1) % len(self._order)]
+
+
+# --- MagCache's decision before it is taken (what the prefetcher looks ahead with) -----------------
+
+@dataclass(frozen=True)
+class MagView:
+    """What MagCache's head hook reads to decide one cache context's pass (diffusers' MagCacheState)."""
+
+    step_index: int = 0
+    accumulated_ratio: float | torch.Tensor = 1.0  # diffusers keeps these as it computes them: tensors once
+    accumulated_err: float | torch.Tensor = 0.0   # a ratio has been multiplied in (the same types here)
+    accumulated_steps: int = 0
+    has_residual: bool = False
+
+    @classmethod
+    def of(cls, state) -> "MagView":
+        return cls(state.step_index, state.accumulated_ratio, state.accumulated_err, state.accumulated_steps,
+                   state.previous_residual is not None)
+
+
+def mag_decides(view: MagView, config) -> tuple[bool, MagView]:
+    """Whether MagCache's head hook will compute the pass it starts from `view` under `config` (a
+    `MagCacheConfig`), and the view after it decided, without touching the hook's state.
+
+    The same arithmetic, in the same order and types, as diffusers 0.42.1's
+    `MagCacheHeadHook.new_forward`, so the answer is the hook's own (tests/test_step_cache.py checks
+    it on every step of every published ratio set)."""
+    if config.calibrate:
+        return True, view
+    step = view.step_index
+    scale = 1.0 if step >= len(config.mag_ratios) else config.mag_ratios[step]
+    if step < int(config.retention_ratio * config.num_inference_steps + 0.5):
+        return True, view
+    ratio = view.accumulated_ratio * scale
+    steps = view.accumulated_steps + 1
+    err = view.accumulated_err + abs(1.0 - ratio)
+    if view.has_residual and err <= config.threshold and steps <= config.max_skip_steps:
+        return False, replace(view, accumulated_ratio=ratio, accumulated_err=err, accumulated_steps=steps)
+    return True, replace(view, accumulated_ratio=1.0, accumulated_err=0.0, accumulated_steps=0)
+
+
+def mag_after_pass(view: MagView, config, computed: bool) -> MagView:
+    """The view the context's next pass starts from, once the pass decided in `view` has ended: the
+    tail hook's step advance, and its reset after the last of `num_inference_steps`."""
+    step = view.step_index + 1
+    if step >= config.num_inference_steps:
+        return MagView()
+    return replace(view, step_index=step, has_residual=view.has_residual or computed)
 
 
 class AppliedCache:
@@ -251,8 +408,11 @@ class AppliedCache:
                 self._enabled.append(denoiser)
             gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
             for name, group in self._blocks.items():
+                # Prepended: the pass's phase is current before the engine's own hooks ask the gate.
+                self._counters.append(self._denoisers[name].register_forward_pre_hook(
+                    lambda m, args, name=name: gate.begin(name), prepend=True))
                 for block in group:
-                    self._counters.append(block.register_forward_hook(lambda m, args, out: gate.count(m)))
+                    self._counters.append(block.register_forward_hook(lambda m, args, out: gate.count(m), prepend=True))
                 if self.cache.method is CacheMethod.MAG and self.cache.calibrate:
                     # The pipeline resets the caches' state before it returns: read the ratios as they grow.
                     self._counters.append(group[-1].register_forward_hook(
@@ -446,13 +606,13 @@ class _ScheduleModel(nn.Module):
             TransformerBlockRegistry.register(_ScheduleBlock, TransformerBlockMetadata(return_hidden_states_index=0))
         self.blocks = nn.ModuleList([_ScheduleBlock(), _ScheduleBlock()])
 
-    def forward(self, hidden_states: torch.Tensor) -> bool:
-        """One pass; whether its blocks computed."""
+    def forward(self, hidden_states: torch.Tensor, context: str = "cond") -> bool:
+        """One pass in cache context `context`; whether its blocks computed."""
         from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
         tail = self.blocks[-1]
         tail.ran = False
-        _set_cache_context(self, CacheContext("cond"))
+        _set_cache_context(self, CacheContext(context))
         try:
             for block in self.blocks:
                 hidden_states = block(hidden_states)

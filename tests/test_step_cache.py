@@ -57,6 +57,109 @@ def test_every_tier_gives_tier_nones_latent_with_caching_on(tiny_loaded, variant
     assert "cache" not in uncached.receipt
 
 
+def run_observed(loaded, variant, strategy, cache):
+    """A run, and what the engine copied pass by pass: one list of (kind, group) per denoiser pass."""
+    passes: list[list[tuple[str, str]]] = []
+    marker = loaded.pipe.transformer.register_forward_pre_hook(lambda m, args: passes.append([]))
+    try:
+        request = replace(request_for(variant, steps=STEPS), cache=cache)
+        observer = lambda kind, group: passes[-1].append((kind, group.name)) if passes and group.streamed else None
+        result = sample(loaded, strategy, request, backend=StrictBackend(), observer=observer)
+    finally:
+        marker.remove()
+    return result, passes
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("swapped", ["one", "all"])
+def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_blocks(tiny_loaded, swapped, prefetch):
+    """MagCache's decision is foreseen: under block swap a skipped pass copies no block weight, not
+    even the first block's, and the pass before it prefetches nothing for it; the computed pass after
+    it still finds its first block prefetched (with prefetch), copied at the end of the skipped pass."""
+    from vidmem.pipelines.step_cache import mag_schedule
+
+    variant = "wan2.1-t2v"
+    loaded = tiny_loaded(variant)
+    blocks = block_count(loaded)
+    swap = blocks if swapped == "all" else 1
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=swap, prefetch_blocks=prefetch)
+    result, passes = run_observed(loaded, variant, strategy, MAG)
+    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]  # cfg: cond and uncond per step
+    assert len(passes) == len(computes) and not all(computes)
+    opening = f"transformer.blocks.{blocks - swap}"
+    for index, (events, computed) in enumerate(zip(passes, computes)):
+        copies = [(kind, name) for kind, name in events if kind in ("onload", "prefetch")]
+        if computed:
+            on_demand = [name for kind, name in copies if kind == "onload"]
+            # Only the very first pass (or one without prefetch) waits for a copy of its opening block.
+            assert on_demand == ([] if index and prefetch else on_demand), (index, events)
+            continue
+        following = computes[index + 1] if index + 1 < len(computes) else True  # the next call's first pass computes
+        # A skipped pass copies nothing for itself; at its end it prefetches for a computed next pass.
+        assert copies == ([("prefetch", opening)] if prefetch and following else []), (index, events)
+    cache = result.receipt["cache"]
+    computed_passes = sum(computes)
+    assert cache["blocks_skipped"] == (len(computes) - computed_passes) * blocks
+    assert cache["streamed_copies"] == computed_passes * swap + (1 if prefetch else 0)  # + the next call's opening
+    assert cache["streamed_copies_skipped"] == (len(computes) - computed_passes) * swap
+
+
+def test_the_disk_tier_copies_nothing_for_a_skipped_pass_either(tiny_folder):
+    """Weights memory-mapped from the folder's files stream through the same schedule: a skipped pass
+    reads no block from the file, and the latent is tier none's (of the same mapped pipeline)."""
+    from vidmem.memory.storage import is_file_backed
+    from vidmem.pipelines.loader import load_pipeline
+    from vidmem.pipelines.step_cache import mag_schedule
+
+    variant = "wan2.1-t2v"
+    mapped = load_pipeline(tiny_folder(variant), "fp32", weight_dtype="fp32")
+    assert mapped.on_disk and is_file_backed(mapped.pipe.transformer.blocks[0].attn1.to_q.weight)
+    blocks = block_count(mapped)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=1)
+    result, passes = run_observed(mapped, variant, strategy, MAG)
+    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]
+    for index, (events, computed) in enumerate(zip(passes, computes)):
+        copies = [(kind, name) for kind, name in events if kind in ("onload", "prefetch")]
+        if not computed:
+            following = computes[index + 1] if index + 1 < len(computes) else True
+            assert copies == ([("prefetch", "transformer.blocks.0")] if following else []), (index, events)
+    reference = run(mapped, variant, MemoryStrategy(offload="none"), MAG)
+    assert torch.equal(result.latent["samples"], reference.latent["samples"])
+    assert result.receipt["cache"]["streamed_copies"] == sum(computes) * blocks + 1
+
+
+@pytest.mark.parametrize("swapped", ["one", "all"])
+def test_first_block_cache_copies_only_the_deciding_block_in_a_skipped_pass(tiny_loaded, swapped):
+    """First Block Cache decides from its first block's output: that block is copied (it computes on
+    every pass); the blocks after it are held until it has decided, so a skipped pass copies no other.
+    Blocks prefetched for the next pass stay through the passes that skip them: no pass but the
+    first waits for a copy of its first swapped block."""
+    variant = "wan2.1-t2v"
+    loaded = tiny_loaded(variant)
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"]
+    leaf = next(m for m in blocks[-1].modules() if isinstance(m, torch.nn.Linear))  # runs only when its block computes
+    ran: list[int] = []
+    probe = leaf.register_forward_hook(lambda m, args, out: ran.append(1))
+    marker = loaded.pipe.transformer.register_forward_pre_hook(lambda m, args: ran.append(0))
+    try:
+        swap = len(blocks) if swapped == "all" else 1
+        strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=swap, prefetch_blocks=1)
+        result, passes = run_observed(loaded, variant, strategy, FIRST_BLOCK)
+    finally:
+        probe.remove()
+        marker.remove()
+    computed = [any(flags) for flags in "".join(map(str, ran)).split("0")[1:]]
+    assert len(computed) == len(passes) and not all(computed) and any(computed)
+    opening = f"transformer.blocks.{len(blocks) - swap}"
+    for index, (events, pass_computed) in enumerate(zip(passes, computed)):
+        copied = {name for kind, name in events if kind in ("onload", "prefetch")}
+        if not pass_computed:
+            assert copied <= {"transformer.blocks.0"}, events
+        if index:
+            assert ("onload", opening) not in events, (index, events)
+    assert result.receipt["cache"]["streamed_copies_skipped"] == result.receipt["cache"]["blocks_skipped"]
+
+
 def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
@@ -67,9 +170,27 @@ def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     blocks = block_count(loaded)
     skipped_passes = cached["blocks_skipped"] // blocks  # MagCache skips whole passes
     assert skipped_passes > 0 and cached["blocks_skipped"] == skipped_passes * blocks
-    # Each skipped pass saves the copies of every block after the first (which decides, so it is copied).
-    assert cached["streamed_copies_skipped"] == skipped_passes * (blocks - 1)
+    # Each skipped pass saves the copies of every block, the first included (its decision is foreseen).
+    assert cached["streamed_copies_skipped"] == skipped_passes * blocks
     assert calibration["streamed_copies"] - cached["streamed_copies"] == cached["streamed_copies_skipped"]
+
+
+def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded):
+    """Under sequential every leaf streams: the leaves outside the blocks run on every pass, those of
+    a skipped pass's blocks are neither called nor prefetched (the leaf before the first block used to
+    prefetch it)."""
+    from vidmem.pipelines.step_cache import mag_schedule
+
+    variant = "wan2.1-t2v"
+    loaded = tiny_loaded(variant)
+    result, passes = run_observed(loaded, variant, MemoryStrategy(offload="sequential", prefetch_blocks=1), MAG)
+    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]
+    skipped = [events for events, computed in zip(passes, computes) if not computed]
+    assert skipped
+    for events in skipped:
+        copied = [name for kind, name in events if kind in ("onload", "prefetch")]
+        assert copied and not [name for name in copied if ".blocks." in name], events
+    assert result.receipt["cache"]["blocks_skipped"] > 0
 
 
 def test_calibration_skips_nothing_and_returns_the_ratios_per_step(tiny_loaded):
@@ -221,3 +342,128 @@ def test_per_expert_ratios_for_another_split_of_the_steps_are_refused_by_name(ti
     with pytest.raises(StrategyError, match="cover .* steps of transformer, but with this sampler"):
         run(loaded, "wan2.2-a14b", MemoryStrategy(offload="none"), off)
     assert not loaded.pipe.transformer.is_cache_enabled and not loaded.pipe.transformer_2.is_cache_enabled
+
+
+def _published_configs():
+    """(what, MagCacheConfig) for every published ratio set, at its own step count (and, for ratios of a
+    whole run, stretched to others), at its published threshold and bolder and shyer ones."""
+    import json
+
+    from vidmem.pipelines.step_cache import SHIPPED_RATIOS, published_cache
+
+    for entry in json.loads(SHIPPED_RATIOS.read_text())["models"]:
+        cache = published_cache(entry["model"])
+        step_counts = [entry["steps"]] if cache.per_expert else [entry["steps"], 20, 30]
+        for denoiser in dict(cache.expert_ratios):
+            for threshold in sorted({cache.threshold, 0.02, 0.06, 0.12, 0.25, 0.5}):
+                for steps in step_counts:
+                    config = replace(cache, threshold=threshold).diffusers_config(steps, denoiser)
+                    yield f"{entry['model']} {denoiser} threshold={threshold} steps={steps}", config
+
+
+def _same_view(found, expected) -> bool:
+    fields = ("step_index", "accumulated_ratio", "accumulated_err", "accumulated_steps", "has_residual")
+    return all(type(getattr(found, f)) is type(getattr(expected, f)) and bool(getattr(found, f) == getattr(expected, f))
+               for f in fields)
+
+
+def test_the_look_ahead_takes_diffusers_decision_on_every_step_of_every_published_ratio_set():
+    """`mag_decides` (before a pass) and `mag_after_pass` (after it) against diffusers' own MagCache
+    hooks, pass by pass: conditional and unconditional passes interleaved, over two whole runs (the
+    hooks reset their state after the last step), for every published ratio set and several thresholds."""
+    from diffusers.hooks import apply_mag_cache
+
+    from vidmem.pipelines.step_cache import MagView, _ScheduleModel, mag_after_pass, mag_decides
+
+    checked = skipped = 0
+    for what, config in _published_configs():
+        model = _ScheduleModel()
+        apply_mag_cache(model, config)
+        states = model.blocks[0]._diffusers_hook.get_hook("mag_cache_leader_block_hook").state_manager._state_cache
+        foreseen = {}  # context -> the view its next pass starts from, foreseen at the end of its last pass
+        with torch.no_grad():
+            for index in range(2 * 2 * config.num_inference_steps):
+                context = ("cond", "uncond")[index % 2]
+                view = MagView.of(states[context]) if context in states else MagView()
+                if context in foreseen:
+                    assert _same_view(foreseen[context], view), (what, index)
+                will_compute, decided = mag_decides(view, config)
+                computed = model(torch.zeros(1, 1), context)
+                assert will_compute == computed, (what, index)
+                foreseen[context] = mag_after_pass(decided, config, computed)
+                checked, skipped = checked + 1, skipped + (not computed)
+    assert skipped > 0 and checked > skipped  # the ratio sets skip some passes and compute others
+
+
+@pytest.mark.parametrize("contexts", [("cond", "uncond"), ("cond_uncond",)], ids=["wan", "cogvideox"])
+def test_the_gate_foresees_every_pass_from_anywhere_in_the_pass_before(contexts):
+    """BlockGate on diffusers' MagCache hooks, four blocks, passes in the cache contexts of Wan (a
+    conditional and an unconditional pass per step) or CogVideoX (one batched pass per step): asked
+    before the first block, between blocks (the first has decided, the last has not) and after the
+    last, it says what the pass under way and the next pass of the denoiser will do, as they then do."""
+    from diffusers.hooks import apply_mag_cache
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    from vidmem.pipelines.step_cache import BlockGate, CacheTally, _ScheduleBlock, _ScheduleModel
+
+    cache = StepCache("mag_cache", mag_ratios=(1.0, 0.99, 0.98, 0.99, 1.0, 0.97, 0.99, 1.0, 0.96, 0.95),
+                      threshold=0.06, retention=0.2, max_skip_steps=2)
+    model = _ScheduleModel()
+    model.blocks = torch.nn.ModuleList([_ScheduleBlock() for _ in range(4)])
+    apply_mag_cache(model, cache.diffusers_config(STEPS))
+    gate = BlockGate(CacheMethod.MAG, {"transformer": model.blocks}, CacheTally())
+    said: list[tuple[int, bool, bool]] = []  # (pass, this pass computes, the next pass computes)
+    passes = [0]
+
+    def ask(block):
+        said.append((passes[0], gate.ahead(block, next_pass=False), gate.ahead(model.blocks[0], next_pass=True)))
+
+    handles = [model.register_forward_pre_hook(lambda m, args: gate.begin("transformer"))]
+    for block in model.blocks:
+        handles.append(block.register_forward_pre_hook(lambda m, args: ask(m)))
+        handles.append(block.register_forward_hook(lambda m, args, out: gate.count(m), prepend=True))
+        handles.append(block.register_forward_hook(lambda m, args, out: ask(m)))
+    head_said, computed = [], []
+    handles.append(model.blocks[0].register_forward_pre_hook(lambda m, args: head_said.append(gate(m)), prepend=True))
+    with torch.no_grad():
+        for index in range(2 * len(contexts) * STEPS):  # two whole runs
+            passes[0] = index
+            context = contexts[index % len(contexts)]
+            _set_cache_context(model, CacheContext(context))
+            computed.append(model(torch.zeros(1, 1), context))
+    for handle in handles:
+        handle.remove()
+    assert head_said == computed and not all(computed) and any(computed)
+    for index, this_pass, next_pass in said:
+        assert this_pass == computed[index], index
+        if index >= len(contexts):  # the round of contexts is known once one repeats (before: prefetch, as uncached)
+            assert next_pass == (computed[index + 1] if index + 1 < len(computed) else True), index
+
+
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG], ids=["first_block_cache", "mag_cache"])
+def test_the_cuda_path_keeps_its_promises_with_the_cache_on(tiny_folder, monkeypatch, cache):
+    """CudaBackend under the recording CUDA fake (tests/test_cuda_path.py's audit): with copies held
+    for skipped passes and made at the end of a skipped pass, copies stay on the side stream, compute
+    waits only on the block it runs, at most prefetch + 2 streamed groups hold device memory, and
+    the latent is the CPU backend's at tier none."""
+    from cuda_fake import FakeCuda
+    from test_cuda_path import Audit
+
+    from vidmem.memory.device import CpuBackend, CudaBackend
+    from vidmem.pipelines.loader import load_pipeline
+
+    variant = "wan2.1-t2v"
+    loaded = load_pipeline(tiny_folder(variant), "fp32")
+    request = replace(request_for(variant, steps=STEPS), cache=cache)
+    reference = sample(loaded, MemoryStrategy(offload="none"), request, backend=CpuBackend()).latent["samples"]
+    blocks = block_count(loaded)
+    for strategy in (*(MemoryStrategy(offload="block_swap", blocks_to_swap=n, prefetch_blocks=p)
+                       for n in (1, blocks) for p in (1, 2)), MemoryStrategy(offload="sequential", prefetch_blocks=2)):
+        with monkeypatch.context() as patch:
+            fake = FakeCuda().install(patch)
+            result = sample(loaded, strategy, request, backend=CudaBackend(torch.device("cpu")), observer=fake.observe)
+        label = strategy.describe()
+        assert torch.equal(result.latent["samples"], reference), label
+        assert result.receipt["cache"]["blocks_skipped"] > 0, label
+        audit = Audit(fake.log).run(strategy.prefetch_blocks)
+        assert not audit.problems, f"{label}: " + "; ".join(audit.problems[:5])
