@@ -16,8 +16,8 @@ puts in front of diffusers' pipeline class (`FamilySpec.call_adapter`):
   (`AudioLatentShape`) gives the pipeline the audio latent shape from `audio_vae/config.json`,
   so the audio noise drawn, and so the video, are the ones the full pipeline makes;
 - LTX-2.3 guidance (spatio-temporal and modality-isolation passes) costs two more transformer
-  passes per step that vidmem's sampler and planner do not count: off unless asked
-  (`VIDEO_ONLY_GUIDANCE`); cfg runs as one batch of two, as in diffusers;
+  passes per step that vidmem's sampler and planner do not count: off unless asked, and the
+  audio cfg follows the video's (`VIDEO_ONLY_GUIDANCE`); cfg runs as one batch of two, as in diffusers;
 - `use_cross_timestep` is the LTX-2.3 behaviour; LTX-2.0 folders (whose connectors project one
   shared text embedding: `per_modality_projections` false) get the 2.0 behaviour by default.
 """
@@ -37,10 +37,12 @@ from .family import FamilySpec, ModelError, SamplerDefaults
 PROMPT_TOKENS = 1024  # LTX2Pipeline.__call__'s max_sequence_length (Gemma tokens, left-padded)
 AUDIO_PARTS = ("audio_vae", "vocoder")  # what a video-only run never loads
 
-# The extra guidance passes the sampler does not drive (diffusers' own fast tests pin the same values).
+# The extra guidance passes the sampler does not drive are off (diffusers' own fast tests pin the
+# same values); the audio cfg follows the sampler's one cfg (None: "the video value"), so the
+# negative pass runs exactly when vidmem encodes a negative prompt (cfg above 1).
 VIDEO_ONLY_GUIDANCE = {
     "stg_scale": 0.0, "audio_stg_scale": 0.0, "spatio_temporal_guidance_blocks": None,
-    "modality_scale": 1.0, "audio_modality_scale": 1.0,
+    "modality_scale": 1.0, "audio_modality_scale": 1.0, "audio_guidance_scale": None,
 }
 
 
@@ -92,9 +94,14 @@ class AudioLatentShape:
 class LTX2Call:
     """The call interface vidmem's sampler uses (see the module docstring), over diffusers' own loop."""
 
+    # The VAE factors under the names the engine reads (Wan's; LTX2Pipeline calls them *_compression_ratio).
     @property
-    def vae_scale_factor_spatial(self) -> int:  # what family.spatial_multiple reads (Wan's name)
+    def vae_scale_factor_spatial(self) -> int:
         return self.vae_spatial_compression_ratio
+
+    @property
+    def vae_scale_factor_temporal(self) -> int:
+        return self.vae_temporal_compression_ratio
 
     def vidmem_encode_prompt(self, text: str, device: torch.device) -> torch.Tensor:
         """One text's Gemma hidden states and mask, packed; the encode the pipeline's call runs."""
@@ -124,13 +131,25 @@ class LTX2Call:
     def _stand_in_for_audio(self, undo: ExitStack) -> None:
         """For one video-only call: the audio latent shape from the folder's config, and the audio
         settings LTX2Pipeline.__init__ derived from the audio VAE it did not get."""
-        shape = AudioLatentShape.from_folder(Path(self.config["_name_or_path"]))
+        shape = AudioLatentShape.from_folder(_model_folder(self))
         values = {"audio_vae": shape, "audio_sampling_rate": shape.config.sample_rate,
                   "audio_hop_length": shape.config.mel_hop_length,
                   "audio_vae_mel_compression_ratio": shape.mel_compression_ratio,
                   "audio_vae_temporal_compression_ratio": shape.temporal_compression_ratio}
         for name, value in values.items():
             _set_in_dict(undo, self, name, value)
+
+
+def _model_folder(pipe) -> Path:
+    """The diffusers folder `pipe` was loaded from. vidmem's per-call pipelines are built from the
+    loaded one's components, so the pipeline's own config does not carry it; every model diffusers
+    loads from a folder records its `<folder>/<component>` (the VAE and connectors always are)."""
+    for name in ("vae", "connectors", "transformer"):
+        path = getattr(getattr(pipe, name, None), "config", {}).get("_name_or_path")
+        if path:
+            return Path(path).parent
+    raise ModelError("this LTX-2 pipeline was not loaded from a diffusers folder, so its audio latent shape "
+                     "(audio_vae/config.json) is unknown; load the model from its diffusers folder.")
 
 
 def _set_in_dict(undo: ExitStack, owner: object, name: str, value: object) -> None:

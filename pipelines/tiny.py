@@ -134,7 +134,7 @@ _LTX2_VOCODER = dict(
 
 # What LTX2Call sets by default, for plain diffusers (pipelines/ltx2.py); the tiny connectors are LTX-2.0's.
 _LTX2_CALL = dict(stg_scale=0.0, audio_stg_scale=0.0, spatio_temporal_guidance_blocks=None, modality_scale=1.0,
-                  audio_modality_scale=1.0, use_cross_timestep=False)
+                  audio_modality_scale=1.0, audio_guidance_scale=None, use_cross_timestep=False)
 
 
 @dataclass(frozen=True)
