@@ -90,6 +90,10 @@ class AudioLatentShape:
             )
         return cls(SimpleNamespace(**json.loads(path.read_text())))
 
+    def decode(self, latents: torch.Tensor, return_dict: bool = False) -> tuple[None]:
+        """No sound without the audio VAE: the pipeline's decoded output then carries audio None."""
+        return (None,)
+
 
 class LTX2Call:
     """The call interface vidmem's sampler uses (see the module docstring), over diffusers' own loop."""
@@ -135,9 +139,15 @@ class LTX2Call:
         values = {"audio_vae": shape, "audio_sampling_rate": shape.config.sample_rate,
                   "audio_hop_length": shape.config.mel_hop_length,
                   "audio_vae_mel_compression_ratio": shape.mel_compression_ratio,
-                  "audio_vae_temporal_compression_ratio": shape.temporal_compression_ratio}
+                  "audio_vae_temporal_compression_ratio": shape.temporal_compression_ratio,
+                  "vocoder": _no_sound}
         for name, value in values.items():
             _set_in_dict(undo, self, name, value)
+
+
+def _no_sound(mel: None) -> None:
+    """The vocoder of a video-only call (`AudioLatentShape.decode` made no spectrogram)."""
+    return None
 
 
 def _model_folder(pipe) -> Path:

@@ -127,6 +127,13 @@ def test_packed_prompt_embeddings_unpack_to_the_same_bits():
     assert torch.equal(unpacked, embeds) and torch.equal(unpacked_mask, mask) and unpacked_mask.dtype == torch.int64
 
 
+def test_a_video_only_call_decodes_video_and_gives_no_audio(tiny_loaded):
+    loaded = tiny_loaded(VARIANT)
+    output = loaded.pipe(**tiny_call_kwargs(VARIANT, steps=1, output_type="pt"))
+    assert output.frames.shape == (1, 9, 3, 64, 64) and output.audio is None
+    assert loaded.pipe.audio_vae is None and loaded.pipe.vocoder is None
+
+
 def test_decode_equals_the_diffusers_pipeline(tiny_loaded, tiny_folder):
     plain = diffusers.LTX2Pipeline.from_pretrained(tiny_folder(VARIANT))
     plain.set_progress_bar_config(disable=True)
