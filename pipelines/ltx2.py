@@ -54,6 +54,11 @@ def _identity_vae(pipe, latent: torch.Tensor) -> torch.Tensor:
     return latent
 
 
+def audio_latent_frames(frames: int, sampling_rate: int, hop_length: int, compression: int, frame_rate: float = 24.0) -> int:
+    """The audio latent frames LTX2Pipeline makes for `frames` video frames (its __call__'s rule)."""
+    return round(frames / frame_rate * (sampling_rate / hop_length / float(compression)))
+
+
 def pack_prompt(embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B, L, D] embeddings and their [B, L] token mask as one [B, L, D + 1] tensor (mask last)."""
     return torch.cat([embeds, mask.unsqueeze(-1).to(embeds.dtype)], dim=-1)
@@ -195,6 +200,7 @@ LTX2 = FamilySpec(
     single_file_transformer=None,  # folders only for now
     call_adapter=LTX2Call,
     unloaded=AUDIO_PARTS,
+    call_encoders=("connectors",),
     # FlowMatchEulerDiscreteScheduler with a resolution-dependent shift (`mu` from the token count,
     # computed by the pipeline): no fixed shift to recommend. cfg and steps: LTX2Pipeline.__call__'s defaults.
     sampler=SamplerDefaults(flow_matching=True, schedulers=(), recommended_shift=(), cfg=3.0, steps=30),
