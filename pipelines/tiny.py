@@ -112,7 +112,7 @@ _LTX2_DIT = dict(
 _LTX2_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 32, 64),
     decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
-    spatial_compression_ratio=32, temporal_compression_ratio=8,
+    spatial_compression_ratio=32, temporal_compression_ratio=8, decoder_causal=False,  # as LTX-2.0's VAE
 )
 _LTX2_CONNECTORS = dict(
     caption_channels=_LTX2_TEXT, text_proj_in_factor=_LTX2_GEMMA_LAYERS + 1, video_connector_num_attention_heads=2,

@@ -42,6 +42,7 @@ BLOCK_COUNT = {
     "CLIPVisionModel": "num_hidden_layers",
     "CLIPVisionModelWithProjection": "num_hidden_layers",
     "HunyuanVideo15Transformer3DModel": "num_layers",
+    "LTX2VideoTransformer3DModel": "num_layers",
     "Qwen2_5_VLTextModel": "num_hidden_layers",
     "SiglipVisionModel": "num_hidden_layers",
 }

@@ -75,8 +75,8 @@ def gemma_text_encode(encoder, shape: VideoShape) -> Run:
         embeds = []
         for _ in range(2 if shape.cfg else 1):
             ids = torch.zeros((1, ltx2.PROMPT_TOKENS), dtype=torch.long, device="meta")
-            mask = torch.ones((1, ltx2.PROMPT_TOKENS), dtype=torch.long, device="meta")
-            states = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+            # the padding mask is left out: transformers reads its values to pick a mask, meta cannot
+            states = encoder(input_ids=ids, output_hidden_states=True).hidden_states
             embeds.append(torch.stack(states, dim=-1).flatten(2, 3).repeat(1, shape.batch, 1))
             del states
         return embeds
