@@ -222,3 +222,17 @@ def test_vidmem_plan_gives_peaks_that_fall_with_the_tier(capsys):
     assert rows["block_swap"]["blocks_to_swap"] > 0
     transformer = load_model("ltx2-t2v-19b").module("transformer")
     assert rows["none"]["stages"]["denoise"] > sum(p.numel() * p.element_size() for p in transformer.parameters())
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: the step callback sees the video latents only, so a run resumed "
+                   "after an out-of-memory error draws fresh audio latents (max 0.09 off with the tiny model)")
+def test_out_of_memory_resumes_from_the_last_step(tiny_loaded):
+    from test_oom_ladder import InjectOOM, block_count, run
+    from vidmem.pipelines.sample_ladder import fixed_ladder
+
+    loaded, steps = tiny_loaded(VARIANT), 4
+    reference = run(loaded, fixed_ladder(MemoryStrategy(), block_count(loaded))[0], request(steps=steps)).latent["samples"]
+    with InjectOOM(loaded.pipe.transformer.transformer_blocks[-1], [2]) as oom:  # step 3: cfg is one batch
+        result = run(loaded, MemoryStrategy(offload="model"), request(steps=steps))
+    assert oom.raised == 1 and result.receipt["oom_ladder"][0]["resumed_from_step"] == 1
+    assert torch.equal(result.latent["samples"], reference)
