@@ -186,8 +186,10 @@ def audio_error(pipe) -> str | None:
 
 LTX2 = FamilySpec(
     name="ltx2",
-    pipeline_classes=("LTX2Pipeline",),
-    image_conditioned=(),
+    # One checkpoint makes both: a text-to-video folder also runs image-to-video (`image_variant`).
+    pipeline_classes=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
+    image_conditioned=("LTX2ImageToVideoPipeline",),
+    image_variant=lambda pipe: "LTX2ImageToVideoPipeline",
     denoisers=("transformer",),
     blocks_attr="transformer_blocks",
     # Gemma 3 (12B) is placed by the strategy's `text_encoder` input; the connectors (two small

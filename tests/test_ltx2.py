@@ -67,6 +67,24 @@ def test_every_tier_matches_plain_diffusers_bit_for_bit(tiny_loaded, tiny_folder
     assert loaded.pipe.audio_vae is None and loaded.pipe.vocoder is None  # never loaded, not even for a call
 
 
+def test_image_to_video_from_the_same_folder_matches_plain_diffusers_on_every_tier(tiny_loaded, tiny_folder):
+    """LTX-2 has one checkpoint for both: the text-to-video folder runs LTX2ImageToVideoPipeline."""
+    from PIL import Image
+
+    loaded = tiny_loaded(VARIANT).image_mode()
+    assert loaded.class_name == "LTX2ImageToVideoPipeline" and loaded.needs_image and loaded.pipe.audio_vae is None
+    plain = diffusers.LTX2ImageToVideoPipeline.from_pretrained(tiny_folder(VARIANT))
+    plain.set_progress_bar_config(disable=True)
+    grey = Image.new("RGB", (64, 64), (128, 128, 128))
+    reference = plain(**tiny_call_kwargs(VARIANT, steps=STEPS), image=grey).frames
+    image = torch.full((1, 64, 64, 3), 128 / 255)  # the same grey as a ComfyUI IMAGE
+    for label, strategy in TIERS.items():
+        latent = sample(loaded, strategy, request(image=image), backend=CpuBackend()).latent
+        assert torch.equal(latent["samples"], reference), f"{label} differs from diffusers"
+    with pytest.raises(ModelError, match="image-to-video: connect an IMAGE"):
+        sample(loaded, TIERS["none"], request(), backend=CpuBackend())
+
+
 def test_an_unguided_run_matches_plain_diffusers(tiny_loaded, tiny_folder):
     loaded = tiny_loaded(VARIANT)
     reference = plain_latents(tiny_folder(VARIANT), cfg=1.0)
@@ -193,6 +211,7 @@ def test_the_planner_builds_the_real_model_on_meta_without_weights():
     from vidmem.memory.plan.types import VideoShape
     from vidmem.pipelines.configs import load_model
 
+    assert load_model("ltx2-i2v-19b").layout.conditioning == ("vae",)  # the image's latent
     model = load_model("ltx2-t2v-19b")
     transformer = model.module("transformer")
     assert all(p.device.type == "meta" for p in transformer.parameters())
