@@ -71,7 +71,8 @@ class ModelLayout:
 
     @property
     def all(self) -> tuple[str, ...]:
-        names = (*self.text_encoders, *self.placed_encoders, *self.conditioning, *self.call_encoders, *self.denoisers, self.vae)
+        names = (*self.text_encoders, *self.placed_encoders, *self.conditioning, *self.call_encoders, *self.denoisers,
+                 self.vae)
         return tuple(dict.fromkeys(names))
 
     def stored_as(self, storage: str) -> dict[str, str]:
