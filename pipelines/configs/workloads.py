@@ -243,9 +243,9 @@ def ltx2_step(transformer, connectors_config: dict, latent: tuple[int, ...], sha
     audio_frames = ltx2.audio_latent_frames(shape.frames, config.audio_sampling_rate, config.audio_hop_length,
                                             config.audio_scale_factor)
     passes = batch * (2 if shape.cfg else 1)
-    width = lambda kind: (connectors_config[f"{kind}_connector_num_attention_heads"]  # noqa: E731
-                          * connectors_config[f"{kind}_connector_attention_head_dim"])  # the connectors' output width
-    video_width, audio_width = width("video"), width("audio")
+    connector_width = lambda kind: (connectors_config[f"{kind}_connector_num_attention_heads"]  # noqa: E731
+                                    * connectors_config[f"{kind}_connector_attention_head_dim"])  # output width
+    video_width, audio_width = connector_width("video"), connector_width("audio")
 
     def run():
         latents = _empty(batch, video_tokens, channels, dtype=torch.float32, device=device)
