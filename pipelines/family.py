@@ -74,6 +74,12 @@ class FamilySpec:
     # cfg runs as one batch of two through the denoiser (CogVideoX), not as two passes (Wan,
     # HunyuanVideo 1.5): the planner counts forward passes and activations from it.
     cfg_as_batch: bool = False
+    # Components the folder may have that a run never uses, so the loader neither checks nor loads
+    # them (LTX-2's audio VAE and vocoder for video only); the call adapter copes with their absence.
+    unloaded: tuple[str, ...] = ()
+    # Encoders (of `encoders`) the pipeline's call runs before its first step, every run (LTX-2's
+    # text connectors over the cached prompt): the planner traces them in the denoise stage.
+    call_encoders: tuple[str, ...] = ()
 
     def frames_error(self, frames: int) -> str | None:
         if frames >= 1 and (frames - 1) % self.frame_step == 0:

@@ -24,11 +24,12 @@ from ..memory.units import DTYPES  # re-exported: nodes and comfy_files name dty
 from .cogvideox import COGVIDEOX
 from .family import FamilySpec, ModelError
 from .hunyuan_video15 import HUNYUAN_VIDEO15
+from .ltx2 import LTX2
 from .json_files import read_json_object
 from .wan import WAN
 from .weight_storage import DEFAULT_WEIGHTS, check_weight_dtype, hold
 
-FAMILIES = (COGVIDEOX, WAN, HUNYUAN_VIDEO15)
+FAMILIES = (COGVIDEOX, WAN, HUNYUAN_VIDEO15, LTX2)
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,10 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     cls = pinned_pipeline_class(class_name)
     replaced = ("transformer",) if transformer_file else ()
     stored_names = lowered_components(index, replaced) if weight_dtype != DEFAULT_WEIGHTS else ()
-    configs = check_model_folder(folder, index, torch_dtype(dtype), replaced + stored_names)  # before anything is allocated
+    used = {name: entry for name, entry in index.items() if name not in spec.unloaded}
+    configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names)  # before anything is allocated
     overrides, storage, reports = {}, {}, {}
+    overrides.update({name: None for name in spec.unloaded if name in index})  # never read (the family's call copes)
     if transformer_file:
         overrides["transformer"], storage["transformer"], reports["transformer"] = _single_file_transformer(
             spec, index, folder, configs.get("transformer"), Path(transformer_file), dtype, weight_dtype)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, Mapping
 
 import diffusers
@@ -97,6 +97,45 @@ _QWEN_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# LTX-2: diffusers' fast-test sizes (tests/pipelines/ltx2/testing_utils.py), with the real VAE
+# geometry (32x spatial, 8x temporal: four scaling blocks over 4 px patches, and the ratios stated
+# as the real config states them, because the class derives 64x / 16x from the same blocks) and a
+# Gemma 3 built in code (the fast tests download hf-internal-testing/tiny-gemma3).
+_LTX2_TEXT = 16  # Gemma's hidden size = the connectors' width = the transformer's caption_channels
+_LTX2_GEMMA_LAYERS = 2
+_LTX2_DIT = dict(
+    in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+    audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+    audio_cross_attention_dim=8, num_layers=2, caption_channels=_LTX2_TEXT, rope_double_precision=False,
+    rope_type="split",
+)
+_LTX2_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 32, 64),
+    decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+    spatial_compression_ratio=32, temporal_compression_ratio=8, decoder_causal=False,  # as LTX-2.0's VAE
+)
+_LTX2_CONNECTORS = dict(
+    caption_channels=_LTX2_TEXT, text_proj_in_factor=_LTX2_GEMMA_LAYERS + 1, video_connector_num_attention_heads=2,
+    video_connector_attention_head_dim=8, video_connector_num_layers=1, video_connector_num_learnable_registers=None,
+    audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+    audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_double_precision=False,
+    rope_type="split",
+)
+# 8 mel bins / 4 x 2 latent channels = the transformer's 4 audio input channels.
+_LTX2_AUDIO_VAE = dict(
+    base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+    resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+    mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
+)
+_LTX2_VOCODER = dict(
+    in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+    resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1, output_sampling_rate=16000,
+)
+
+# What LTX2Call sets by default, for plain diffusers (pipelines/ltx2.py); the tiny connectors are LTX-2.0's.
+_LTX2_CALL = dict(stg_scale=0.0, audio_stg_scale=0.0, spatio_temporal_guidance_blocks=None, modality_scale=1.0,
+                  audio_modality_scale=1.0, audio_guidance_scale=None, use_cross_timestep=False)
+
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -121,10 +160,13 @@ class TinySpec:
     text_stack: str = "t5"  # which prompt components the pipeline takes: a key of _TEXT_STACKS
     guider: bool = False  # cfg lives in a `guider` component (its config), not in a guidance_scale argument
     siglip: bool = False  # a SigLIP image encoder and its `feature_extractor` (HunyuanVideo 1.5 I2V)
+    audio: bool = False  # an audio VAE and a vocoder (LTX-2)
+    # call arguments plain diffusers needs to run as vidmem's call adapter does (LTX-2's guidance passes)
+    call_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         """Freeze the config mappings too, so no caller can change a variant for everyone."""
-        for name in ("transformer_config", "vae_config", "scheduler_config", "pipeline_config"):
+        for name in ("transformer_config", "vae_config", "scheduler_config", "pipeline_config", "call_config"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
 
@@ -194,6 +236,14 @@ TINY_SPECS: dict[str, TinySpec] = {
         transformer_config=dict(_HY15_DIT, task_type="i2v"), vae="AutoencoderKLHunyuanVideo15", vae_config=_HY15_VAE,
         scheduler="FlowMatchEulerDiscreteScheduler", scheduler_config=dict(shift=5.0), text_encoder="Qwen2_5_VLTextModel",
         width=64, height=64, needs_image=True, text_stack="hunyuan15", guider=True, siglip=True,
+    ),
+    # LTX-2 T2V: Gemma 3 and the text connectors, one audio-video transformer, the audio VAE and vocoder.
+    # 64 px: the VAE compresses 32x (patch 1); 9 frames are 2 latent frames.
+    "ltx2-t2v": TinySpec(
+        pipeline="LTX2Pipeline", transformer="LTX2VideoTransformer3DModel", transformer_config=_LTX2_DIT,
+        vae="AutoencoderKLLTX2Video", vae_config=_LTX2_VAE, scheduler="FlowMatchEulerDiscreteScheduler",
+        scheduler_config={}, text_encoder="Gemma3ForConditionalGeneration", width=64, height=64,
+        text_stack="gemma3", audio=True, call_config=_LTX2_CALL,
     ),
 }
 TINY_VARIANTS: tuple[str, ...] = tuple(TINY_SPECS)
@@ -301,7 +351,46 @@ def _hunyuan15_text(spec: TinySpec, seed: int) -> dict[str, Any]:
     }
 
 
-_TEXT_STACKS = {"t5": _t5_text, "hunyuan15": _hunyuan15_text}
+def build_tiny_gemma_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """A Gemma tokenizer of single characters (no merges), built in code; LTX2Pipeline pads it left."""
+    vocab = {token: i for i, token in enumerate(("<pad>", "<eos>", "<bos>", "<unk>"))}
+    for char in string.ascii_letters + string.digits + string.punctuation + " ▁":
+        vocab.setdefault(char, len(vocab))
+    return transformers.GemmaTokenizer(vocab=vocab, merges=[], pad_token="<pad>", eos_token="<eos>",
+                                       bos_token="<bos>", unk_token="<unk>")
+
+
+def _gemma3_text(spec: TinySpec, seed: int) -> dict[str, Any]:
+    """LTX-2's Gemma 3 (a tiny vision tower too: the class has one) and the connectors over its layers."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    tokenizer = build_tiny_gemma_tokenizer()
+    text = transformers.Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=_LTX2_TEXT, intermediate_size=16, num_hidden_layers=_LTX2_GEMMA_LAYERS,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=8)
+    vision = transformers.SiglipVisionConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=8, patch_size=4)
+    gemma = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": _seeded(seed, "Gemma3ForConditionalGeneration", transformers, gemma),
+        "connectors": _seeded(seed, "LTX2TextConnectors", SimpleNamespace(LTX2TextConnectors=LTX2TextConnectors),
+                              **_LTX2_CONNECTORS),
+    }
+
+
+def _audio_components(spec: TinySpec, seed: int) -> dict[str, Any]:
+    if not spec.audio:
+        return {}
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    return {
+        "audio_vae": _seeded(seed, "AutoencoderKLLTX2Audio", diffusers, **_LTX2_AUDIO_VAE),
+        "vocoder": _seeded(seed, "LTX2Vocoder", SimpleNamespace(LTX2Vocoder=LTX2Vocoder), **_LTX2_VOCODER),
+    }
+
+
+_TEXT_STACKS = {"t5": _t5_text, "hunyuan15": _hunyuan15_text, "gemma3": _gemma3_text}
 
 
 def _components(spec: TinySpec, seed: int) -> dict[str, Any]:
@@ -311,6 +400,7 @@ def _components(spec: TinySpec, seed: int) -> dict[str, Any]:
         "scheduler": getattr(diffusers, spec.scheduler)(**spec.scheduler_config),
         "transformer": _seeded(seed, spec.transformer, diffusers, **spec.transformer_config),
         **_image_components(spec, seed),
+        **_audio_components(spec, seed),
     }
     if spec.two_experts:
         # seed + 1: two identical experts would hide a wrong expert switch.
@@ -364,6 +454,7 @@ def tiny_call_kwargs(variant: str, seed: int = 0, steps: int = 2, output_type: s
         num_inference_steps=steps, guidance_scale=5.0, output_type=output_type,
         generator=torch.Generator("cpu").manual_seed(seed),
     )
+    kwargs.update(spec.call_config)
     if spec.guider:
         del kwargs["guidance_scale"]  # the saved guider's config holds the same 5.0
     if spec.needs_image:

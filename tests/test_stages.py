@@ -32,9 +32,10 @@ TIERS = {  # blocks_to_swap: "all" swaps every block of the tiny model
     "block_swap:all:1": dict(offload="block_swap", blocks_to_swap="all", prefetch_blocks=1),
     "sequential:1": dict(offload="sequential", prefetch_blocks=1),
 }
-# Image conditioning is one call: the engine learns its order during it and never prefetches,
-# while the planner replays two passes (prefetch in steady state). There it is an upper bound.
-UPPER_BOUND_ONLY = {("sequential:1", "image_encoder"), ("sequential:1", "vae")}
+# Image conditioning (and LTX-2's text connectors) is one call: the engine learns its order during
+# it and never prefetches, while the planner replays two passes (prefetch in steady state). There
+# it is an upper bound.
+UPPER_BOUND_ONLY = {("sequential:1", "image_encoder"), ("sequential:1", "vae"), ("sequential:1", "connectors")}
 
 
 class DeviceLedger(StrictBackend):

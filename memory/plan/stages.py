@@ -50,7 +50,8 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
         stage = [n for n in stage if n not in layout.text_encoders]
     host, page_cache = host_base(model, options, strategy)
     host += 2 * _numel(model.latent_shape(shape)) * 4  # CPU noise, the returned latent
-    for name in layout.conditioning:
+    labels = {**{name: f"{name} (image)" for name in layout.conditioning}, **{name: name for name in layout.call_encoders}}
+    for name, label in labels.items():
         call = Call("condition", name, shape)
         trace = model.trace(call, options.attention)
         if name not in stage:  # an image encoder placed on the CPU encodes there
@@ -58,7 +59,7 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
             host += trace.peak_bytes + weights.transient_bytes
             work.append(_host_work(trace.flops, weights))
             continue
-        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, f"{name} (image)"))
+        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, label))
         work.append(device_work(model, name, strategy, options, trace.flops, 1))
     steps_per_denoiser = _split_steps(options.steps, len(layout.denoisers))
     passes, clip = window_passes(model, shape)
@@ -243,7 +244,7 @@ def compute_seconds(model: PlannerModel, shape: VideoShape, strategy: MemoryStra
     """Every stage's compute with nothing streamed and the decode untiled (its work, not its memory)."""
     attention, layout = options.attention, model.layout
     flops = sum(model.trace(Call("text_encode", n, shape), attention).flops for n in layout.text_encoders)
-    flops += sum(model.trace(Call("condition", n, shape), attention).flops for n in layout.conditioning)
+    flops += sum(model.trace(Call("condition", n, shape), attention).flops for n in (*layout.conditioning, *layout.call_encoders))
     for name, steps in zip(layout.denoisers, _split_steps(options.steps, len(layout.denoisers))):
         flops += model.trace(Call("denoise", name, shape), attention).flops * steps
     flops += decode_flops_untiled(model, shape, strategy, options)

@@ -80,10 +80,12 @@ class ModelLayout:
     vae: str = "vae"
     placed_encoders: tuple[str, ...] = ()  # encode conditioning only (FamilySpec.encoders); see stage_components
     conditioning: tuple[str, ...] = ()  # run before the loop for image-to-video (image encoder, VAE)
+    call_encoders: tuple[str, ...] = ()  # run by every call before the loop (LTX-2's text connectors)
 
     @property
     def all(self) -> tuple[str, ...]:
-        names = (*self.text_encoders, *self.placed_encoders, *self.conditioning, *self.denoisers, self.vae)
+        names = (*self.text_encoders, *self.placed_encoders, *self.conditioning, *self.call_encoders, *self.denoisers,
+                 self.vae)
         return tuple(dict.fromkeys(names))
 
     def stored_as(self, storage: str) -> dict[str, str]:

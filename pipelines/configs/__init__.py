@@ -13,7 +13,6 @@ components' config.json files are read; no weights are touched.
 
 from __future__ import annotations
 
-import importlib
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,12 +22,11 @@ from ...memory.units import DTYPES
 from ..family import ModelError
 from ..json_files import read_json_object
 from ..loader import family_for, read_model_index
-from .meta import ComponentConfig, MetaModel
+from .meta import ComponentConfig, MetaModel, component_class
 
 CONFIG_DIR = Path(__file__).parent
 MODELS_DIR = CONFIG_DIR / "models"
 COMPONENTS_DIR = CONFIG_DIR / "components"
-_LIBRARIES = ("diffusers", "transformers")
 
 
 def model_names() -> list[str]:
@@ -102,10 +100,13 @@ def _folder(folder: str, dtype: str | None, stamp: int, vae_dtype: str = "") -> 
 def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "") -> MetaModel:
     index = read_model_index(folder)
     class_name = index["_class_name"]
+    spec = family_for(class_name)
     components = {}
     for name, value in index.items():
-        if not (isinstance(value, list) and len(value) == 2 and value[0] in _LIBRARIES and value[1]):
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[1]):
             continue  # absent components
+        if name in spec.unloaded:
+            continue  # never loaded (LTX-2's audio parts for video): never planned
         if not _is_module(*value):
             continue  # tokenizers, schedulers, processors: no weights
         config_file = folder / name / "config.json"
@@ -114,14 +115,14 @@ def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "") -> MetaMo
     pipeline_config = {k: v for k, v in index.items() if k in ("boundary_ratio", "expand_timesteps")}
     dtype_name = _dtype(dtype or "bf16")
     return MetaModel(
-        name=folder.name, pipeline_class=class_name, spec=family_for(class_name), components=components,
+        name=folder.name, pipeline_class=class_name, spec=spec, components=components,
         dtype_name=dtype_name, pipeline_config=pipeline_config, source=str(folder),
         vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype,
     )
 
 
 def _is_module(library: str, class_name: str) -> bool:
-    cls = getattr(importlib.import_module(library), class_name, None)
+    cls = component_class(library, class_name)
     return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
 
 

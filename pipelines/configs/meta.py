@@ -42,6 +42,7 @@ BLOCK_COUNT = {
     "CLIPVisionModel": "num_hidden_layers",
     "CLIPVisionModelWithProjection": "num_hidden_layers",
     "HunyuanVideo15Transformer3DModel": "num_layers",
+    "LTX2VideoTransformer3DModel": "num_layers",
     "Qwen2_5_VLTextModel": "num_hidden_layers",
     "SiglipVisionModel": "num_hidden_layers",
 }
@@ -93,7 +94,8 @@ class MetaModel:
         present = lambda names: tuple(n for n in names if n in self.components)  # noqa: E731
         image = self.pipeline_class in self.spec.image_conditioned
         conditioning = (*present(("image_encoder",)), "vae") if image else ()
-        return ModelLayout(("text_encoder",), present(self.spec.denoisers), "vae", present(self.spec.encoders), conditioning)
+        return ModelLayout(("text_encoder",), present(self.spec.denoisers), "vae", present(self.spec.encoders), conditioning,
+                           present(self.spec.call_encoders))
 
     @cached_property
     def geometry(self) -> VaeGeometry:
@@ -356,8 +358,8 @@ def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int |
     Another `device` builds it there with the class's own random initialisation: the GPU bench and
     suite make real-size models that way (no files, no hub), at the dtypes a loaded model has.
     """
-    library = importlib.import_module(component.library)
-    cls = getattr(library, component.class_name)
+    cls = component_class(component.library, component.class_name)
+    from_diffusers = component.library != "transformers"  # diffusers, or a diffusers pipeline's own module
     config = dict(component.config)
     count = BLOCK_COUNT.get(component.class_name)
     if max_blocks and count in config:
@@ -367,13 +369,23 @@ def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int |
     # Never inference tensors, whoever builds first (a Sampler node runs under ComfyUI's inference
     # mode): the cached module is also traced for training, whose backward cannot use them.
     with torch.device(device), torch.inference_mode(False):
-        if component.library == "diffusers":
+        if from_diffusers:
             module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
         else:
             module = cls(cls.config_class(**config))
         # Cast inside too: setting a normal parameter's data to an inference tensor is refused.
-        _cast(module, dtype, _fp32_modules(cls, component.library, dtype), keep_unsaved=component.library == "diffusers")
+        _cast(module, dtype, _fp32_modules(cls, component.library, dtype), keep_unsaved=from_diffusers)
     return module.eval()
+
+
+def component_class(library: str, class_name: str) -> type | None:
+    """The class model_index.json names. diffusers records a pipeline's own modules (LTX-2's
+    connectors and vocoder) under the pipeline's package name ("ltx2"), found in diffusers.pipelines."""
+    module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+    try:
+        return getattr(importlib.import_module(module), class_name, None)
+    except ImportError:
+        return None
 
 
 def _fp32_modules(cls, library: str, dtype: torch.dtype) -> set[str]:

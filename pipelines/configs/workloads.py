@@ -17,6 +17,7 @@ import torch
 
 from ...memory.plan.planner import VideoShape
 from .. import hunyuan_video15 as hy15
+from .. import ltx2
 from ..hunyuan_video15_attention import key_masked_attention
 
 Run = Callable[[], object]
@@ -62,6 +63,21 @@ def qwen_text_encode(encoder, shape: VideoShape) -> Run:
             ids = torch.zeros((1, tokens), dtype=torch.long, device="meta")
             states = encoder(input_ids=ids, output_hidden_states=True).hidden_states
             embeds.append(states[-(hy15.QWEN_SKIPPED_LAYERS + 1)][:, hy15.TEMPLATE_TOKENS:].repeat(1, shape.batch, 1))
+            del states
+        return embeds
+    return run
+
+
+def gemma_text_encode(encoder, shape: VideoShape) -> Run:
+    """LTX2Pipeline._get_gemma_prompt_embeds: the whole Gemma 3 forward (its logits included, as the
+    pipeline calls it), every layer's hidden state stacked and flattened into one embedding."""
+    def run():
+        embeds = []
+        for _ in range(2 if shape.cfg else 1):
+            ids = torch.zeros((1, ltx2.PROMPT_TOKENS), dtype=torch.long, device="meta")
+            # the padding mask is left out: transformers reads its values to pick a mask, meta cannot
+            states = encoder(input_ids=ids, output_hidden_states=True).hidden_states
+            embeds.append(torch.stack(states, dim=-1).flatten(2, 3).repeat(1, shape.batch, 1))
             del states
         return embeds
     return run
@@ -206,6 +222,59 @@ def _hunyuan15_forward(transformer, hidden_states, timestep, text, glyphs, image
     return hidden_states.reshape(batch, frames, height, width, -1).permute(0, 4, 1, 2, 3)
 
 
+def ltx2_connectors(connectors, shape: VideoShape, dtype: torch.dtype) -> Run:
+    """LTX2Pipeline's call, before its loop: the connectors over Gemma's stacked layers (negative
+    and positive as one batch), left padding as Gemma's tokenizer pads."""
+    config = connectors.config
+
+    def run():
+        passes = shape.batch * (2 if shape.cfg else 1)
+        states = _empty(passes, ltx2.PROMPT_TOKENS, config.caption_channels * config.text_proj_in_factor, dtype=dtype)
+        mask = torch.ones((passes, ltx2.PROMPT_TOKENS), dtype=torch.long, device="meta")
+        return connectors(states, mask, padding_side="left")
+    return run
+
+
+def ltx2_step(transformer, connectors_config: dict, latent: tuple[int, ...], shape: VideoShape, dtype: torch.dtype,
+              device: torch.device | str = "meta") -> Run:
+    """One LTX2Pipeline step, video only: packed video and audio tokens (the audio branch runs with
+    the video's: pipelines/ltx2.py), cfg as one batch of two, fp32 predictions, the x0 guidance
+    arithmetic and two scheduler updates (video and audio)."""
+    config = transformer.config
+    batch, channels, frames, height, width = latent
+    video_tokens = frames * height * width  # patch sizes 1 (the LTX-2 checkpoints)
+    audio_frames = ltx2.audio_latent_frames(shape.frames, config.audio_sampling_rate, config.audio_hop_length,
+                                            config.audio_scale_factor)
+    passes = batch * (2 if shape.cfg else 1)
+    connector_width = lambda kind: (connectors_config[f"{kind}_connector_num_attention_heads"]  # noqa: E731
+                                    * connectors_config[f"{kind}_connector_attention_head_dim"])  # output width
+    video_width, audio_width = connector_width("video"), connector_width("audio")
+
+    def run():
+        latents = _empty(batch, video_tokens, channels, dtype=torch.float32, device=device)
+        audio = _empty(batch, audio_frames, config.audio_in_channels, dtype=torch.float32, device=device)
+        repeat = lambda x: (torch.cat([x] * 2) if shape.cfg else x).to(dtype)  # noqa: E731
+        text = _empty(passes, ltx2.PROMPT_TOKENS, video_width, dtype=dtype, device=device)
+        audio_text = _empty(passes, ltx2.PROMPT_TOKENS, audio_width, dtype=dtype, device=device)
+        mask = torch.ones((passes, ltx2.PROMPT_TOKENS), dtype=torch.long, device=device)
+        timestep = torch.zeros((passes,), dtype=torch.float32, device=device)
+        video_pred, audio_pred = transformer(
+            hidden_states=repeat(latents), audio_hidden_states=repeat(audio), encoder_hidden_states=text,
+            audio_encoder_hidden_states=audio_text, timestep=timestep, sigma=timestep, encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask, num_frames=frames, height=height, width=width, fps=24.0,
+            audio_num_frames=audio_frames, return_dict=False)
+        updated = []
+        for state, pred in ((latents, video_pred.float()), (audio, audio_pred.float())):
+            if shape.cfg:
+                uncond, cond = pred.chunk(2)
+                x0, x0_uncond = state - cond * 0.5, state - uncond * 0.5
+                pred = x0 + (GUIDANCE - 1) * (x0 - x0_uncond)
+                pred = (state - pred) / 0.5
+            updated.append(state - 0.1 * pred)  # FlowMatchEulerDiscreteScheduler.step in fp32
+        return updated
+    return run
+
+
 def decode(vae, piece: torch.Tensor, own_tiling: bool) -> Run:
     """One `vae.decode` call; `own_tiling` switches on the VAE's own (diffusers) tiling for it."""
     def run():
@@ -237,8 +306,12 @@ def workload_for(model, call) -> Run:
     shape, dtype, wan = call.shape, model.dtype, model.spec.name == "wan"
     if call.kind == "text_encode" and model.components[call.component].class_name == "Qwen2_5_VLTextModel":
         return qwen_text_encode(model.traced_module(call.component), shape)
+    if call.kind == "text_encode" and model.components[call.component].class_name == "Gemma3ForConditionalGeneration":
+        return gemma_text_encode(model.traced_module(call.component), shape)
     if call.kind == "text_encode":
         return text_encode(model.traced_module(call.component), model.spec.max_sequence_length, shape, pad_copy=wan)
+    if call.kind == "condition" and call.component == "connectors":
+        return ltx2_connectors(model.traced_module("connectors"), shape, dtype)
     if call.kind == "condition" and call.component == "image_encoder":
         config = model.components["image_encoder"]
         size = config.config.get("image_size", 224)
@@ -287,6 +360,9 @@ def denoise_step(model, component: str, shape: VideoShape, transformer, device: 
     config = model.components[component].config
     batch, channels, frames, height, width = model.latent_shape(shape)
     image = model.pipeline_class in model.spec.image_conditioned
+    if model.spec.name == ltx2.LTX2.name:
+        return ltx2_step(transformer, model.components["connectors"].config, (batch, channels, frames, height, width),
+                         shape, model.dtype, device)
     if model.spec.name == hy15.HUNYUAN_VIDEO15.name:
         return hunyuan15_step(transformer, (batch, channels, frames, height, width), shape, model.dtype, device)
     if model.spec.name == "cogvideox":

@@ -1,0 +1,210 @@
+"""LTX-2 (Lightricks, 19B audio-video DiT; Gemma 3 12B text encoder) declared for the engine, video only.
+
+The pipeline returns video latents as [B, C, T, h, w], already denormalised with the VAE's
+per-channel mean and std (`output_type="latent"`), which is what its VAE decodes: both latent
+conversions are the identity.
+
+What differs from Wan and CogVideoX, and each is absorbed here, in `LTX2Call`, a mixin the loader
+puts in front of diffusers' pipeline class (`FamilySpec.call_adapter`):
+- the prompt is Gemma 3's hidden states of every layer, stacked ([1, 1024, hidden x (layers + 1)]),
+  with a left-padding mask the connectors need; `pack_prompt` appends the mask as one more
+  channel (values 0 and 1 are exact in any float dtype) so the prompt cache keeps one tensor;
+- one transformer denoises video and audio together: every block runs an audio branch and
+  cross-attention both ways, so the audio tokens change the video and the branch cannot be left
+  out without changing the video. A video-only run keeps the transformer whole but never loads
+  the audio VAE or the vocoder (`unloaded` in the spec): for the call, a weightless stand-in
+  (`AudioLatentShape`) gives the pipeline the audio latent shape from `audio_vae/config.json`,
+  so the audio noise drawn, and so the video, are the ones the full pipeline makes;
+- LTX-2.3 guidance (spatio-temporal and modality-isolation passes) costs two more transformer
+  passes per step that vidmem's sampler and planner do not count: off unless asked, and the
+  audio cfg follows the video's (`VIDEO_ONLY_GUIDANCE`); cfg runs as one batch of two, as in diffusers;
+- `use_cross_timestep` is the LTX-2.3 behaviour; LTX-2.0 folders (whose connectors project one
+  shared text embedding: `per_modality_projections` false) get the 2.0 behaviour by default.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from .family import FamilySpec, ModelError, SamplerDefaults
+
+PROMPT_TOKENS = 1024  # LTX2Pipeline.__call__'s max_sequence_length (Gemma tokens, left-padded)
+AUDIO_PARTS = ("audio_vae", "vocoder")  # what a video-only run never loads
+
+# The extra guidance passes the sampler does not drive are off (diffusers' own fast tests pin the
+# same values); the audio cfg follows the sampler's one cfg (None: "the video value"), so the
+# negative pass runs exactly when vidmem encodes a negative prompt (cfg above 1).
+VIDEO_ONLY_GUIDANCE = {
+    "stg_scale": 0.0, "audio_stg_scale": 0.0, "spatio_temporal_guidance_blocks": None,
+    "modality_scale": 1.0, "audio_modality_scale": 1.0, "audio_guidance_scale": None,
+}
+
+
+def _identity_comfy(pipe, raw: torch.Tensor, frames: int) -> torch.Tensor:
+    return raw
+
+
+def _identity_vae(pipe, latent: torch.Tensor) -> torch.Tensor:
+    return latent
+
+
+def audio_latent_frames(frames: int, sampling_rate: int, hop_length: int, compression: int, frame_rate: float = 24.0) -> int:
+    """The audio latent frames LTX2Pipeline makes for `frames` video frames (its __call__'s rule)."""
+    return round(frames / frame_rate * (sampling_rate / hop_length / float(compression)))
+
+
+def pack_prompt(embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, L, D] embeddings and their [B, L] token mask as one [B, L, D + 1] tensor (mask last)."""
+    return torch.cat([embeds, mask.unsqueeze(-1).to(embeds.dtype)], dim=-1)
+
+
+def unpack_prompt(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_prompt`'s inverse: the embeddings and the tokenizer's integer mask, as the pipeline makes them."""
+    return packed[..., :-1], packed[..., -1].to(torch.int64)
+
+
+@dataclass(frozen=True)
+class AudioLatentShape:
+    """What LTX2Pipeline reads from its audio VAE to shape the audio latents, without its weights.
+
+    The pipeline reads `config` (mel_bins, latent_channels, sample_rate, mel_hop_length), the two
+    compression ratios (fixed at 4 in AutoencoderKLLTX2Audio), and `latents_mean` / `latents_std`
+    only to denormalise the audio latents it returns: a video-only run drops them, so 0 and 1 stand in."""
+
+    config: SimpleNamespace
+    mel_compression_ratio: int = 4
+    temporal_compression_ratio: int = 4
+    latents_mean: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    latents_std: torch.Tensor = field(default_factory=lambda: torch.ones(()))
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "AudioLatentShape":
+        path = folder / "audio_vae" / "config.json"
+        if not path.is_file():
+            raise ModelError(
+                f"'{folder}' has no audio_vae/config.json: LTX-2 denoises audio with the video, so even a "
+                "video-only run needs the audio latent shape it states; copy audio_vae/config.json from the "
+                "model's diffusers repository into the folder (its weights are not needed for video)."
+            )
+        return cls(SimpleNamespace(**json.loads(path.read_text())))
+
+    def decode(self, latents: torch.Tensor, return_dict: bool = False) -> tuple[None]:
+        """No sound without the audio VAE: the pipeline's decoded output then carries audio None."""
+        return (None,)
+
+
+class LTX2Call:
+    """The call interface vidmem's sampler uses (see the module docstring), over diffusers' own loop."""
+
+    # The VAE factors under the names the engine reads (Wan's; LTX2Pipeline calls them *_compression_ratio).
+    @property
+    def vae_scale_factor_spatial(self) -> int:
+        return self.vae_spatial_compression_ratio
+
+    @property
+    def vae_scale_factor_temporal(self) -> int:
+        return self.vae_temporal_compression_ratio
+
+    def vidmem_encode_prompt(self, text: str, device: torch.device) -> torch.Tensor:
+        """One text's Gemma hidden states and mask, packed; the encode the pipeline's call runs."""
+        embeds, mask = self._get_gemma_prompt_embeds(prompt=text, max_sequence_length=PROMPT_TOKENS, device=device)
+        return pack_prompt(embeds, mask)
+
+    def __call__(self, *args, **kwargs):
+        kwargs = self._unpacked(kwargs)
+        for name, value in VIDEO_ONLY_GUIDANCE.items():
+            kwargs.setdefault(name, value)
+        kwargs.setdefault("use_cross_timestep", bool(self.connectors.config.get("per_modality_projections", False)))
+        with ExitStack() as undo:  # everything set for this call is put back, whatever happens
+            if self.audio_vae is None:
+                self._stand_in_for_audio(undo)
+            return super().__call__(*args, **kwargs)
+
+    def _unpacked(self, kwargs: dict) -> dict:
+        """Packed `prompt_embeds` / `negative_prompt_embeds` (no mask given) as embeddings and masks."""
+        if kwargs.get("prompt_embeds") is None or kwargs.get("prompt_attention_mask") is not None:
+            return kwargs
+        for prefix in ("", "negative_"):
+            packed = kwargs.pop(f"{prefix}prompt_embeds", None)
+            if packed is not None:
+                kwargs[f"{prefix}prompt_embeds"], kwargs[f"{prefix}prompt_attention_mask"] = unpack_prompt(packed)
+        return kwargs
+
+    def _stand_in_for_audio(self, undo: ExitStack) -> None:
+        """For one video-only call: the audio latent shape from the folder's config, and the audio
+        settings LTX2Pipeline.__init__ derived from the audio VAE it did not get."""
+        shape = AudioLatentShape.from_folder(_model_folder(self))
+        values = {"audio_vae": shape, "audio_sampling_rate": shape.config.sample_rate,
+                  "audio_hop_length": shape.config.mel_hop_length,
+                  "audio_vae_mel_compression_ratio": shape.mel_compression_ratio,
+                  "audio_vae_temporal_compression_ratio": shape.temporal_compression_ratio,
+                  "vocoder": _no_sound}
+        for name, value in values.items():
+            _set_in_dict(undo, self, name, value)
+
+
+def _no_sound(mel: None) -> None:
+    """The vocoder of a video-only call (`AudioLatentShape.decode` made no spectrogram)."""
+    return None
+
+
+def _model_folder(pipe) -> Path:
+    """The diffusers folder `pipe` was loaded from. vidmem's per-call pipelines are built from the
+    loaded one's components, so the pipeline's own config does not carry it; every model diffusers
+    loads from a folder records its `<folder>/<component>` (the VAE and connectors always are)."""
+    for name in ("vae", "connectors", "transformer"):
+        path = getattr(getattr(pipe, name, None), "config", {}).get("_name_or_path")
+        if path:
+            return Path(path).parent
+    raise ModelError("this LTX-2 pipeline was not loaded from a diffusers folder, so its audio latent shape "
+                     "(audio_vae/config.json) is unknown; load the model from its diffusers folder.")
+
+
+def _set_in_dict(undo: ExitStack, owner: object, name: str, value: object) -> None:
+    """`owner.name = value` until `undo` closes, written to the instance's dict: DiffusionPipeline's
+    __setattr__ would record a component's class in the pipeline's config (and save it)."""
+    state = vars(owner)
+    undo.callback(state.__setitem__, name, state[name]) if name in state else undo.callback(state.pop, name, None)
+    state[name] = value
+
+
+def audio_error(pipe) -> str | None:
+    """Why `pipe` cannot make sound, naming the fix; None when it has its audio VAE and vocoder."""
+    missing = [name for name in AUDIO_PARTS if getattr(pipe, name, None) is None]
+    if not missing:
+        return None
+    return (f"audio was asked for, but this LTX-2 pipeline has no {' or '.join(missing)} (a video-only load, or a "
+            f"folder without them); load the model with audio, from a diffusers folder that has {', '.join(AUDIO_PARTS)}.")
+
+
+LTX2 = FamilySpec(
+    name="ltx2",
+    # One checkpoint makes both: a text-to-video folder also runs image-to-video (`image_variant`).
+    pipeline_classes=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
+    image_conditioned=("LTX2ImageToVideoPipeline",),
+    image_variant=lambda pipe: "LTX2ImageToVideoPipeline",
+    denoisers=("transformer",),
+    blocks_attr="transformer_blocks",
+    # Gemma 3 (12B) is placed by the strategy's `text_encoder` input; the connectors (two small
+    # transformers over the text tokens, run inside the pipeline's call) follow the tier.
+    encoders=("text_encoder", "connectors"),
+    frame_step=8,  # the VAE's temporal factor: (frames - 1) // 8 + 1 latent frames
+    to_comfy_latent=_identity_comfy,
+    to_vae_latent=_identity_vae,
+    max_sequence_length=PROMPT_TOKENS,
+    single_file_transformer=None,  # folders only for now
+    call_adapter=LTX2Call,
+    unloaded=AUDIO_PARTS,
+    call_encoders=("connectors",),
+    # FlowMatchEulerDiscreteScheduler with a resolution-dependent shift (`mu` from the token count,
+    # computed by the pipeline): no fixed shift to recommend. cfg and steps: LTX2Pipeline.__call__'s defaults.
+    sampler=SamplerDefaults(flow_matching=True, schedulers=(), recommended_shift=(), cfg=3.0, steps=30),
+    cfg_as_batch=True,  # torch.cat([negative, positive]) through the transformer, like CogVideoX
+)
