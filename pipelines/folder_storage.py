@@ -12,6 +12,7 @@ dtype bf16) is used in place: the disk tier. The VAE and the image encoder load 
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -95,8 +96,36 @@ def _stored(config: ComponentConfig, tensors: dict, dtype: torch.dtype, weight_d
     from .comfy_files.build import build_empty
 
     module = build_empty(config)
-    report, held = hold(module, tensors, dtype, weight_dtype, copy_to_ram=False, source=str(path))
+    report, held = hold(module, module_names(module, tensors), dtype, weight_dtype, copy_to_ram=False, source=str(path))
     return StoredComponent(module, held, report)
+
+
+def module_names(module: torch.nn.Module, tensors: dict) -> dict:
+    """The file's tensors under `module`'s own names. transformers renames some checkpoints' keys as
+    it loads them (Gemma 3, LTX-2's text encoder: the files' `language_model.model.*` is the module's
+    `model.language_model.*`); read directly, the files need the same renames, which the model class
+    declares. Files already named as the module are returned as they are."""
+    expected = set(module.state_dict())
+    if set(tensors) <= expected:
+        return tensors
+    rename = _transformers_renames(module, expected)
+    return {rename(name): tensor for name, tensor in tensors.items()} if rename else tensors
+
+
+def _transformers_renames(module: torch.nn.Module, expected: set[str]):
+    """transformers' key renames for this model class (None where it declares none)."""
+    try:  # transformers 5: the model's conversion mapping, applied as its loader applies it
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4: a regex table on the class
+        table = getattr(module, "_checkpoint_conversion_mapping", None) or {}
+        return (lambda name: next((re.sub(p, r, name) for p, r in table.items() if re.search(p, name)), name)) if table else None
+    try:
+        renames = [t for t in get_model_conversion_mapping(module) if isinstance(t, WeightRenaming)]
+    except Exception:  # noqa: BLE001 - not a transformers model: its names are the file's
+        return None
+    known = dict.fromkeys(expected)
+    return lambda name: rename_source_key(name, renames, [], getattr(module, "base_model_prefix", None), known)[0]
 
 
 def _component_config(folder: Path, index: dict, name: str, configs: dict[str, dict]) -> ComponentConfig:

@@ -255,3 +255,22 @@ def test_out_of_memory_resumes_from_the_last_step(tiny_loaded):
         result = run(loaded, MemoryStrategy(offload="model"), request(steps=steps))
     assert oom.raised == 1 and result.receipt["oom_ladder"][0]["resumed_from_step"] == 1
     assert torch.equal(result.latent["samples"], reference)
+
+
+def test_the_disk_tier_and_fp8_storage_run_the_family(tiny_loaded, tiny_folder):
+    """Gemma 3's files name its weights as transformers saves them (`language_model.model.*`), not as
+    its module holds them (`model.language_model.*`): read in place (weight_dtype), they take
+    transformers' own renames. Used in place, the latents are the loaded pipeline's; fp8 runs finite."""
+    from vidmem.pipelines.folder_storage import module_names
+    from vidmem.pipelines.loader import load_pipeline
+
+    reference = sample(tiny_loaded(VARIANT), TIERS["block_swap:1"], request(), backend=CpuBackend()).latent["samples"]
+    on_disk = load_pipeline(tiny_folder(VARIANT), "fp32", weight_dtype="fp32")
+    assert on_disk.on_disk and set(on_disk.storage) == {"transformer", "text_encoder"}
+    assert torch.equal(sample(on_disk, TIERS["block_swap:1"], request(), backend=CpuBackend()).latent["samples"], reference)
+    fp8 = load_pipeline(tiny_folder(VARIANT), "fp32", weight_dtype="fp8_scaled")
+    latent = sample(fp8, TIERS["sequential"], request(), backend=CpuBackend()).latent["samples"]
+    assert fp8.storage["text_encoder"] == "fp8_scaled" and torch.isfinite(latent).all()
+    gemma = tiny_loaded(VARIANT).pipe.text_encoder
+    saved = {"language_model.model.norm.weight": None, "model.language_model.norm.weight": None}
+    assert set(module_names(gemma, saved)) == {"model.language_model.norm.weight"}
