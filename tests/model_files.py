@@ -136,6 +136,7 @@ REAL_FILES = {
     "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors": ("wan2.2-i2v-a14b", "transformer_2", "fp8_scaled"),
     "wan2.1_i2v_480p_14B_fp8_scaled.safetensors": ("wan2.1-i2v-14b-480p", "transformer", "fp8_scaled"),
     "clip_vision_h.safetensors": ("wan2.1-i2v-14b-480p", "image_encoder", "fp16"),
+    "wan2.1_flf2v_720p_14B_fp8_e4m3fn.safetensors": ("wan2.1-flf2v-14b-720p", "transformer", "fp8_e4m3fn"),
 }
 ROLE_OF = {"transformer": "model", "transformer_2": "model_2", "text_encoder": "text_encoder", "vae": "vae",
            "image_encoder": "clip_vision"}
