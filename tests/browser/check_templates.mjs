@@ -356,6 +356,7 @@ async function main() {
       // cannot trace Wan at 832x480, and have 1-2 blocks where the template swaps 16); never the loader's inputs.
       const ownLimit = plan.status === "error" && (/cannot run \w+ at \d+x\d+x\d+/.test(plan.text)
         || /is more than \S+ can place: its positional embedding covers/.test(plan.text)
+        || /has learned positional embeddings and only generates \d+x\d+/.test(plan.text)
         || /blocks_to_swap=\d+ but this model's .* has \d+ blocks/.test(plan.text));
       if (!(plan.status === "ok" && plan.chart) && !ownLimit) report.problems.push(`${template.name}: no plan at the template's size (status ${plan.status}): ${result.plan}`);
       result.noteBelowName = await noteClearOfTheName(page);
