@@ -31,6 +31,7 @@ the bookkeeping run, and training is bit-identical with offload on or off.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ import torch
 
 from .device import record_stream
 from .hostpool import LINE
+
+log = logging.getLogger("vidmem")
 
 # torch has no public getter for the active saved-tensor hooks (training/autograd.py says more).
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -62,6 +65,12 @@ def _outer_hooks() -> tuple[Callable, Callable]:
 
 def _power_of_two(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 1).bit_length()
+
+
+def host_buffer_bytes(nbytes: int) -> int:
+    """The pinned buffer an input of `nbytes` takes (the pool's size classes; the planner counts the same):
+    a power of two with room to start the copy at its source's offset in a line."""
+    return _power_of_two(nbytes + LINE)
 
 
 class ActivationPool:
@@ -88,7 +97,7 @@ class ActivationPool:
         return sum(buffer.numel() for buffer in self._made)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        size = _power_of_two(nbytes + LINE)  # room to start the copy at its source's offset in a line
+        size = host_buffer_bytes(nbytes)
         free = self._free.get(size)
         if free:
             self.in_use += 1
@@ -300,6 +309,10 @@ class ActivationOffload:
             return None
         buffer = self.pool.take(nbytes)
         if buffer is None:
+            if not self.over_cap:  # the plan assumed every input fits the pinned ceiling: say so once
+                log.warning("vidmem: activation offload: the pinned-memory ceiling (%d MiB) is spent; block inputs "
+                            "beyond it stay on the GPU (raise max_pinned_ram_gb, or swap more blocks)",
+                            self.pool.cap_bytes >> 20)
             self.over_cap += 1
             return None
         host = _view_like(buffer, tensor)

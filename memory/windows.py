@@ -13,7 +13,8 @@ What we follow (learned from, not copied):
   no per-step shift), with the last window moved back so it ends on the clip's last frame instead
   of running short.
 - Their "overlap-linear" fuse method: inside an overlap, a frame's weight ramps linearly from the
-  window's edge, so two neighbours cross-fade and their weights sum to one; elsewhere the weight is
+  window's edge, so two neighbours cross-fade (the blend divides by the weights' sum, which is not one
+  where the end-aligned last window overlaps more than its neighbour); elsewhere the weight is
   exactly 1, so a frame seen by one window only is that window's output, bit for bit.
 """
 

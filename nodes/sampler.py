@@ -20,7 +20,7 @@ from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, p
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
-from ..pipelines.sample_checks import validate_request
+from ..pipelines.sample_checks import refuse_windows_in_parallel, validate_request
 from ..pipelines.schedulers import SCHEDULERS
 from ..pipelines.loader import torch_dtype
 from ..pipelines.speed import planned_attention, resolve_speed
@@ -204,9 +204,8 @@ def check_before_planning(pipeline, choice, request, device) -> None:
     the Speed node's choices on this device and model (also before a context-parallel run starts its
     ranks), and blocks_to_swap against the model's blocks."""
     validate_request(pipeline, request)
-    if request.window and choice.strategy.parallel.context_parallel_on:
-        raise ModelError(f"window={request.window}: context windows do not run with context parallelism yet; set "
-                         "window to 0, or parallel to off.")
+    if choice.strategy.parallel.context_parallel_on:
+        refuse_windows_in_parallel(request)
     resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
                   denoisers(pipeline.pipe, pipeline.spec),
                   context_parallel=choice.strategy.parallel.context_parallel_on)

@@ -175,8 +175,9 @@ def blended_forward(forward, call: dict, schedule: WindowSchedule, axis: int) ->
                                       device=out.device)
         total.narrow(axis, start, stop - start).add_(out.float() * weight)
         weights_sum.narrow(axis, start, stop - start).add_(weight)
+        out_dtype = out.dtype  # what the plain forward returns (the pipelines cast the input to it today)
         del out
-    return (total / weights_sum).to(hidden.dtype)
+    return (total / weights_sum).to(out_dtype)
 
 
 def window_call(call: dict, axis: int, start: int, stop: int, frames: int) -> dict:

@@ -103,6 +103,13 @@ def check_image(image: object, name: str = "image") -> None:
         raise ModelError(f"{name} contains NaN or infinite pixels; it would give NaN frames. Check the node that made it.")
 
 
+def refuse_windows_in_parallel(request) -> None:
+    """Context windows under context parallelism (not supported yet); a window covering the clip is a no-op."""
+    if 0 < request.window < request.frames:
+        raise ModelError(f"window={request.window}: context windows do not run with context parallelism yet; set "
+                         "window to 0, or parallel to off.")
+
+
 def check_windows(loaded, request) -> None:
     """`window` / `window_overlap` on the model's frame grid, and a step cache refused beside them."""
     from .context_windows import ContextWindows, window_problem

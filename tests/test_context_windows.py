@@ -111,7 +111,11 @@ def test_frames_only_one_window_sees_are_that_window_run_alone(variant, tiny_loa
     assert blended.shape == transformer(**kwargs)[0].shape
     assert torch.equal(blended.narrow(axis, 0, 2), first.narrow(axis, 0, 2))
     assert torch.equal(blended.narrow(axis, 3, 2), last.narrow(axis, 1, 2))
-    assert not torch.equal(blended.narrow(axis, 2, 1), first.narrow(axis, 2, 1))  # the shared frame is blended
+    # The shared frame (one latent frame of overlap: weight 1/2 from each side) is their mean, computed
+    # as the hook computes it: in float32, weighted, divided by the weights' sum.
+    shared = (first.narrow(axis, 2, 1).float() * 0.5 + last.narrow(axis, 0, 1).float() * 0.5) / 1.0
+    assert torch.equal(blended.narrow(axis, 2, 1), shared.to(blended.dtype))
+    assert not torch.equal(blended.narrow(axis, 2, 1), first.narrow(axis, 2, 1))
 
 
 # --- tiers -------------------------------------------------------------------------------------------
@@ -286,3 +290,15 @@ def test_ti2v_with_an_image_splits_its_per_token_timesteps_with_the_frames(tiny_
     assert windowed.receipt["windows"]["windows"] == ["0-3", "2-5"]
     swapped = run(loaded, request_for("wan2.2-ti2v", image=image), TIERS["block_swap"])
     assert torch.equal(windowed.latent["samples"], swapped.latent["samples"])
+
+
+def test_context_parallelism_refuses_windows_in_the_engine_and_a_whole_clip_window_is_no_window():
+    """The engine's parallel entry refuses windows itself (not only the node); a window covering the
+    clip changes nothing, so it is not refused."""
+    from vidmem.pipelines.sample import SampleRequest
+    from vidmem.pipelines.sample_checks import refuse_windows_in_parallel
+
+    with pytest.raises(ModelError, match="window=41: context windows do not run with context parallelism yet"):
+        refuse_windows_in_parallel(SampleRequest("a cat", frames=81, window=41, window_overlap=8))
+    refuse_windows_in_parallel(SampleRequest("a cat", frames=81, window=81))
+    refuse_windows_in_parallel(SampleRequest("a cat", frames=81))

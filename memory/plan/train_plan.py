@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from ..accounting import Attention
+from ..activation_offload import host_buffer_bytes
 from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, PCIE_BYTES_PER_S
 from .schedule import table_resident_tensors
 from .train import ActivationPeaks, TrainingBytes, block_target_shapes, training_bytes
@@ -168,9 +169,7 @@ def _offloaded(peaks: ActivationPeaks, blocks: int, prefetch: int, streams: bool
     """(device activations, host bytes, copy seconds per step) with the checkpointed inputs offloaded.
     Resident tiers keep the last block unwrapped (training/autograd.py): its input is not moved."""
     moved = blocks if streams else blocks - 1
-    host = moved * _power_of_two(peaks.per_block) if peaks.per_block else 0
+    host = moved * host_buffer_bytes(peaks.per_block) if peaks.per_block else 0
     return peaks.offloaded_at(blocks, prefetch), host, 2 * moved * peaks.per_block / PCIE_BYTES_PER_S
 
 
-def _power_of_two(nbytes: int) -> int:
-    return 1 << max(nbytes - 1, 1).bit_length()

@@ -23,7 +23,7 @@ from ..family import ModelError, denoisers
 from ..loader import torch_dtype
 from ..hooks import RunHooks
 from ..sample import SampleRequest, SampleResult
-from ..sample_checks import validate_request
+from ..sample_checks import refuse_windows_in_parallel, validate_request
 from ..speed import resolve_speed
 from ..step_cache import CacheMethod
 from .checks import check_context_parallel
@@ -48,6 +48,7 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     pipelines: a rank holds one pipeline at a time and reopens when the source changes).
     """
     validate_request(loaded, request)
+    refuse_windows_in_parallel(request)
     if request.cache.method is CacheMethod.FIRST_BLOCK:
         raise ModelError("cache first_block_cache decides from the first block's output, which each rank of context "
                          "parallelism computes for its own part of the video, so the ranks would disagree; choose "
