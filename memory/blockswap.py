@@ -200,6 +200,13 @@ class StreamSchedule:
             if not group.on_device:
                 self._onload(group, "prefetch")
 
+    def adopt(self, group: WeightGroup) -> None:
+        """`group` starts the call on the device, where the last call kept it (a warm store): it stays
+        for this call while the keep budget has room. Without this, the first forward would take it
+        for a stale prefetch and evict it, and the call would copy it again."""
+        if self._cyclic and self._budget.take(group.nbytes):
+            self._kept.add(id(group))
+
     def _retire(self, group: WeightGroup) -> None:
         """Evict a group whose compute has been queued (the GPU may still be reading it), unless
         the keep budget has room for it: then it stays for the next pass (sampling only)."""

@@ -148,6 +148,16 @@ class OffloadHandle:
         self._components.clear()
         self._active = None
 
+    def _adopt_kept(self) -> None:
+        """Take back what the warm store kept where the last call ended (no copy); a streamed group
+        taken back counts against this call's keep budget, as if this call had kept it."""
+        for component in self._components.values():
+            if component.core is not None:
+                component.core.adopt_kept()
+            for group in component.schedule.groups if component.schedule is not None else ():
+                if group.adopt_kept():
+                    component.schedule.adopt(group)
+
     def _keep_rank(self, group: WeightGroup) -> int:
         """Which kept copies go first when the host asks for memory back (memory/warm.py)."""
         if group.streamed:
@@ -247,8 +257,7 @@ def apply_strategy(
     try:
         for name, module in stage.modules.items():
             handle._add_component(name, module, stage.blocks.get(name), pool)
-        for group in handle.groups:
-            group.adopt_kept()  # where the last call ended: no copy
+        handle._adopt_kept()
         if not handle._exclusive:
             for group in handle.groups:
                 group.onload()

@@ -230,6 +230,11 @@ def test_free_memory_keeps_streamed_blocks_on_the_device(loaded, hooks, room_for
     assert cold.receipt["residency"]["kept_groups"] == 0
     assert kept.receipt["warm"]["streamed_bytes"] < cold.receipt["warm"]["streamed_bytes"] or room_for == "none"
     assert torch.equal(cold.latent["samples"], kept.latent["samples"])
+    if room_for == "all":  # the next call finds every block where this one kept it (an H200 re-streamed all but
+        again = sample(loaded, strategy, request, hooks=budget, backend=backend)  # the window's: 13 of 15)
+        assert again.receipt["warm"]["streamed_bytes"] == 0
+        assert again.receipt["residency"]["kept_groups"] == blocks
+        assert torch.equal(cold.latent["samples"], again.latent["samples"])
 
 
 def test_an_out_of_memory_cleanup_drops_every_kept_copy_first(loaded, hooks, monkeypatch):
