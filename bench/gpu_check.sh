@@ -90,4 +90,11 @@ if [ "$left" -gt 40 ] && command -v compute-sanitizer >/dev/null; then
     echo "memcheck exit $?" | tee -a "$OUT/sanitizer.log"
     tail -n 5 "$OUT/sanitizer.log"
 fi
+left=$(( BUDGET_SECONDS - ($(date +%s) - started) ))
+if [ "$left" -gt 40 ] && command -v compute-sanitizer >/dev/null; then
+    echo "== compute-sanitizer racecheck over the same step"
+    timeout $(( left - 10 )) compute-sanitizer --tool racecheck python3 bench/gpu.py --sanitize-step > "$OUT/racecheck.log" 2>&1
+    echo "racecheck exit $?" | tee -a "$OUT/racecheck.log"
+    tail -n 5 "$OUT/racecheck.log"
+fi
 echo "done in $(( $(date +%s) - started ))s"
