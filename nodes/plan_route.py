@@ -5,7 +5,8 @@ Strategy node's widget values and the Sampler's shape. The answer is every tier'
 peak VRAM and RAM per stage against the budgets, with the row the run would use. For a Load
 Video Model Files node (loader=VidMemLoadModelFiles) the files, from the host's own lists, are
 recognised from their headers (nodes/plan_files.py) and planned with their real storage and the
-disk tier, as the run will hold them. Planning
+disk tier, as the run will hold them. The Sampler's context window (window, window_overlap) is
+planned per window, and the windows the Sampler would refuse come back as its refusal. Planning
 builds the architecture on the meta device from config files: no weight is read and no GPU is
 touched. It runs on one worker thread, one request at a time, off the server's event loop;
 answers are cached by request, and a request that a newer one from the same node replaced
@@ -33,6 +34,7 @@ from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem
 from ..pipelines.compile import CompileSettings
 from ..pipelines.loader import torch_dtype
 from .cache import VidMemStepCache
+from .sampler import VidMemVideoSampler
 from .speed import VidMemSpeed
 from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, strategy_notes, tile_size_problem
 
@@ -42,6 +44,7 @@ CACHE_PREFIX = "cache_"  # query parameters carrying the Step Cache node's widge
 SPEED_PREFIX = "speed_"  # and the Speed node's
 SHAPE = {"width": (16, 4096), "height": (16, 4096), "frames": (1, 1025)}  # the Sampler's ranges
 CHUNKS = "activation_chunks"  # an optional Strategy input the plan reads (a query parameter of that name)
+WINDOWS = ("window", "window_overlap")  # the Sampler's context windows, in video frames; absent or 0: off
 
 
 class PlanRequestError(ValueError):
@@ -98,7 +101,9 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     values = {name: _widget(query, name, spec[name]) for name in (*WIDGETS, *BUDGETS, CHUNKS)}
     width, height, frames = (_number(query, name, "INT", *SHAPE[name]) for name in SHAPE)
     cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
-    shape = VideoShape(width, height, frames, cfg=cfg > 1.0)
+    sampler = VidMemVideoSampler.INPUT_TYPES()["optional"]  # the Sampler's own ranges
+    window, window_overlap = (_widget(query, name, sampler[name]) for name in WINDOWS)
+    shape = VideoShape(width, height, frames, cfg=cfg > 1.0, window=window, window_overlap=window_overlap)
     steps = _number(query, "steps", "INT", *STEPS) if "steps" in query else 50
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
                        files=files, transformer_file=transformer_file, weight_dtype=weight_dtype, vae_dtype=vae_dtype,
@@ -180,6 +185,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
             raise StrategyError(problem)
         strategy = build_strategy(**widgets, activation_chunks=request.activation_chunks)
         model, options = _model_and_options(request, load_model)
+        _check_windows(request, model)
         options = replace(options, device=device or _probed_device(), attention=_planned_attention(request))
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
@@ -199,7 +205,9 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
     return {
         "status": "ok", "model": request.model, "auto": request.auto,
         "config": getattr(model, "name", request.model), "storage": dict(options.storage), "on_disk": options.on_disk,
-        "shape": {"width": s.width, "height": s.height, "frames": s.frames},
+        "shape": {"width": s.width, "height": s.height, "frames": s.frames, "window": s.window,
+                  "window_overlap": s.window_overlap},
+        "windows": _window_lines(request.shape, model),
         "budgets": {"vram_bytes": vram, "ram_bytes": ram},
         "rows": [_row(label, plan, model) for label, plan in zip(labels, plans)],
         "chosen": chosen,
@@ -207,6 +215,36 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
         "speed": _speed_lines(request, model, options),
     }
+
+
+def _check_windows(request: PlanRequest, model) -> None:
+    """The Sampler's refusals of these windows on this model (ModelError naming window or
+    window_overlap): its frame grid, the families and CogVideoX 1.5 that take no windows, a step cache."""
+    from ..pipelines.context_windows import ContextWindows, window_problem
+    from ..pipelines.family import ModelError
+    from ..pipelines.sample_checks import window_cache_problem
+
+    s = request.shape
+    config = model.components[model.layout.denoisers[0]].config
+    problem = window_problem(model.spec.name, config, ContextWindows(s.window, s.window_overlap), s.frames,
+                             model.spec.frames_error, model.geometry.temporal_factor)
+    cache = _step_cache(request)
+    problem = problem or window_cache_problem(s.window, s.frames, not isinstance(cache, StrategyError) and cache.on)
+    if problem:
+        raise ModelError(problem)
+
+
+def _window_lines(shape: VideoShape, model) -> list[str]:
+    """What the windows are, for the line under the verdict: [] when off."""
+    from ..pipelines.context_windows import ContextWindows, window_note
+
+    windows = ContextWindows(shape.window, shape.window_overlap)
+    note = window_note(windows, shape.frames)
+    if not windows.on or note:
+        return [note] if note else []
+    schedule = windows.schedule(shape.frames, model.geometry.temporal_factor)
+    return [f"{shape.window}-frame windows, overlap {shape.window_overlap}, of {shape.frames} frames: {schedule.count} "
+            "windows a step; the denoise peak follows one window, latents and decode the whole clip"]
 
 
 def _speed_lines(request: PlanRequest, model, options: PlanOptions) -> list[str]:
@@ -239,18 +277,30 @@ def _speed_node_lines(request: PlanRequest, options: PlanOptions) -> list[str]:
     return [f"speed: {speed_plan_line(speed, options.device, torch_dtype(request.dtype))}"]
 
 
+def _step_cache(request: PlanRequest):
+    """The connected Step Cache node's StepCache (off when none is), or the StrategyError its widgets make."""
+    from ..pipelines.step_cache import StepCache
+
+    if not request.cache:
+        return StepCache()
+    widgets = dict(request.cache)
+    try:
+        return StepCache(widgets["method"], widgets["threshold"], widgets["retention"], widgets["max_skip_steps"],
+                         calibrate=True)  # the ratios are found by plan_line; calibrate lets it build without them
+    except StrategyError as error:
+        return error
+
+
 def _cache_lines(request: PlanRequest, model) -> list[str]:
     if not request.cache:
         return []
-    from ..pipelines.step_cache import StepCache, layout_key, plan_line
+    from ..pipelines.step_cache import layout_key, plan_line
     from .host import mag_ratios_folder
 
     widgets = dict(request.cache)
-    try:
-        cache = StepCache(widgets["method"], widgets["threshold"], widgets["retention"], widgets["max_skip_steps"],
-                          calibrate=True)  # the ratios are found by plan_line; calibrate lets it build without them
-    except StrategyError as error:
-        return [f"step cache: {error}"]
+    cache = _step_cache(request)
+    if isinstance(cache, StrategyError):
+        return [f"step cache: {cache}"]
     denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items()
                  if name.startswith("transformer")}
     line = plan_line(layout_key(model.pipeline_class, denoisers), request.steps, list(denoisers), cache,
@@ -307,7 +357,7 @@ def _input_named(message: str) -> str | None:
     role = message.split(":", 1)[0].strip()
     if role in (*FILE_ROLES, "transformer_file", "weight_dtype"):  # the file loaders' messages start 'role: ...'
         return role
-    known = (*WIDGETS, *BUDGETS, CHUNKS, *SHAPE)
+    known = (*WIDGETS, *BUDGETS, CHUNKS, *SHAPE, *WINDOWS)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)
 
 

@@ -119,7 +119,15 @@ def check_windows(loaded, request) -> None:
                              pipe.vae_scale_factor_temporal)
     if problem:
         raise ModelError(problem)
-    if windows.on and windows.window < request.frames and request.cache.on:
-        raise ModelError(f"window={request.window} and the step cache cannot run together: the cache compares each "
-                         "denoiser pass with the one before, which with windows is another window's. Disconnect the "
-                         "Step Cache (or set its method to off), or set window to 0.")
+    problem = window_cache_problem(request.window, request.frames, request.cache.on)
+    if problem:
+        raise ModelError(problem)
+
+
+def window_cache_problem(window: int, frames: int, cache_on: bool) -> str | None:
+    """Why a step cache cannot run beside these windows (None: it can); the plan route asks too."""
+    if 0 < window < frames and cache_on:
+        return (f"window={window} and the step cache cannot run together: the cache compares each denoiser pass "
+                "with the one before, which with windows is another window's. Disconnect the Step Cache (or set its "
+                "method to off), or set window to 0.")
+    return None

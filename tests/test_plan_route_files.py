@@ -126,3 +126,14 @@ def test_a_folders_transformer_file_is_planned_in_its_storage(models):
     assert own["rows"][0]["peak_ram_bytes"] != plan["rows"][0]["peak_ram_bytes"]
     with pytest.raises(PlanRequestError, match="transformer_file='nope.safetensors' is not in the host's list"):
         parse_request({**shape, "transformer_file": "nope.safetensors"}, ["Wan2.1-T2V-1.3B-Diffusers"], list(DTYPES))
+
+
+def test_files_are_planned_per_context_window_and_a_bad_window_is_refused(models):
+    """The Sampler's window reaches a files plan too: the model recognised from the headers is the one asked."""
+    whole = answer(dict(query(models), frames="17"))
+    windowed = answer(dict(query(models), frames="17", window="9", window_overlap="4"))
+    assert windowed["status"] == "ok", windowed
+    assert windowed["shape"]["window"] == 9 and windowed["windows"][0].startswith("9-frame windows, overlap 4, of 17 frames")
+    assert whole["windows"] == []
+    refused = answer(dict(query(models), frames="17", window="9", window_overlap="12"))
+    assert refused["status"] == "error" and refused["input"] == "window_overlap", refused

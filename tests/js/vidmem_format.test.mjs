@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_OPTIONS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
-  extraFields, cacheLine, speedLines, planBars, planLines, planQuery, planReasons, planVerdict, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
+  SAMPLER_SHAPE, extraFields, cacheLine, shapeText, speedLines, windowLines, planBars, planLines, planQuery, planReasons, planVerdict, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
   parseStrategyText, receiptFrom, strategyLines, summarize, textFrom,
 } from "../../web/js/vidmem_format.js";
 
@@ -204,6 +204,32 @@ test("the plan query carries the model, every widget and the sampler's shape, or
   for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS]) assert.ok(query.has(name), name);
   assert.equal(planQuery({ model: "", widgets, shape: { width: 1, height: 1, frames: 1 } }), null);
   assert.equal(planQuery({ model: "Wan", widgets, shape: { width: 832, height: undefined, frames: 81 } }), null);
+});
+
+test("the plan query carries the Sampler's context window where the Sampler has one", () => {
+  const shape = { width: 832, height: 480, frames: 161, cfg: 5, steps: 30, window: 81, window_overlap: 16 };
+  const query = new URLSearchParams(planQuery({ model: "Wan", dtype: "bf16", widgets: {}, shape }));
+  assert.ok(SAMPLER_SHAPE.includes("window") && SAMPLER_SHAPE.includes("window_overlap"));
+  assert.equal(query.get("window"), "81");
+  assert.equal(query.get("window_overlap"), "16");
+  assert.equal(new URLSearchParams(planQuery({ model: "Wan", widgets: {}, shape: { ...shape, window: 0 } })).get("window"), "0");
+  // An older Sampler without the widgets: nothing sent, the route plans the whole clip.
+  const older = new URLSearchParams(planQuery({ model: "Wan", widgets: {}, shape: { ...shape, window: undefined, window_overlap: undefined } }));
+  assert.equal(older.has("window"), false);
+  assert.equal(older.has("window_overlap"), false);
+  // A changed window is a changed request: the poll asks again and the chart redraws.
+  assert.notEqual(planQuery({ model: "Wan", widgets: {}, shape }), planQuery({ model: "Wan", widgets: {}, shape: { ...shape, window: 41 } }));
+});
+
+test("the plan states the windows it was planned for", () => {
+  const windowed = { ...PLAN, shape: { width: 832, height: 480, frames: 161, window: 81, window_overlap: 16 },
+    windows: ["81-frame windows, overlap 16, of 161 frames: 3 windows a step; the denoise peak follows one window"] };
+  assert.equal(planLines(windowed)[0], "Wan2.1-T2V-1.3B-Diffusers 832x480x161, 81-frame windows, overlap 16");
+  assert.deepEqual(windowLines(windowed), windowed.windows);
+  assert.equal(shapeText({ width: 832, height: 480, frames: 81, window: 81, window_overlap: 0 }), "832x480x81"); // covers the clip
+  assert.equal(shapeText(PLAN.shape), "832x480x81");
+  assert.deepEqual(windowLines(PLAN), []);
+  assert.deepEqual(windowLines({ status: "error", windows: ["x"] }), []);
 });
 
 test("the plan table marks the chosen row, keeps labels whole and shows the budgets", () => {

@@ -7,10 +7,10 @@
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 import {
-  FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
+  FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
   STRATEGY_WIDGETS, compactLines, extraFields,
   ignoredStrategyWidgets, legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planReasons,
-  planVerdict, slowdownText, speedLines, summarize, timeNote, timeShown,
+  planVerdict, slowdownText, speedLines, summarize, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -150,6 +150,8 @@ function renderPlan(node, plan, note) {
   });
   const children = [verdict];
   if (ok) {
+    const windows = windowLines(plan);
+    if (windows.length) children.push(textBlock("vidmem-plan-windows", windows, { color: "#9ec5f0", marginBottom: "3px" }));
     const reasons = planReasons(plan);
     if (reasons.length) children.push(textBlock("vidmem-plan-reasons", reasons, { color: "#f0a0a6", margin: "0 0 4px 8px" }));
     if (plan.auto && chosen) children.push(textBlock("vidmem-plan-strategy", [chosen.strategy], { color: "#aaa", marginBottom: "3px" }));
@@ -165,7 +167,7 @@ function renderPlan(node, plan, note) {
   body.append(...children);
   widget.element.replaceChildren(body);
   widget.element.dataset.status = plan?.status ?? "none";
-  widget.element.title = [planVerdict(plan), chosen?.strategy, ...planReasons(plan), ...speedLines(plan), ...planLines(plan), timeNote(plan)]
+  widget.element.title = [planVerdict(plan), ...windowLines(plan), chosen?.strategy, ...planReasons(plan), ...speedLines(plan), ...planLines(plan), timeNote(plan)]
     .filter(Boolean).join("\n");
   fitPlan(node);
   app.graph?.setDirtyCanvas(true, false);
@@ -238,7 +240,8 @@ function planRequestFor(node) {
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS]
     .map((name) => [name, widgetValue(node, name)]));
-  const shape = Object.fromEntries(["width", "height", "frames", "cfg", "steps"].map((name) => [name, widgetValue(sampler, name)]));
+  // A Sampler without window widgets (an older one) sends none: undefined values are left out of the query.
+  const shape = Object.fromEntries(SAMPLER_SHAPE.map((name) => [name, widgetValue(sampler, name)]));
   const extra = Object.assign({}, ...Object.keys(SAMPLER_EXTRAS).map((input) => {
     const linked = linkedNode(sampler, input);
     return extraFields(input, linked, (name) => widgetValue(linked, name));

@@ -238,6 +238,9 @@ export const FILES_LOADER_WIDGETS = ["model", "model_2", "text_encoder", "vae", 
   "weight_dtype", "weights_on_disk"];
 
 export const LOADER_PREFIX = "loader_";
+// The Sampler's widgets the plan reads: its shape, and its context window (window, window_overlap in
+// video frames; 0: off), sent only where the Sampler has them (nodes/plan_route.py checks them as it does).
+export const SAMPLER_SHAPE = Object.freeze(["width", "height", "frames", "cfg", "steps", "window", "window_overlap"]);
 // Nodes on the Sampler's cache and speed inputs: the plan says what they will do (nodes/plan_route.py).
 export const SAMPLER_EXTRAS = Object.freeze({
   cache: { node: "VidMemStepCache", prefix: "cache_", widgets: ["method", "threshold", "retention", "max_skip_steps", "mag_ratios"] },
@@ -292,7 +295,7 @@ export function planQuery({ model, dtype, widgets, shape, client, loader, extra 
   for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS]) {
     if (widgets?.[name] !== undefined && widgets[name] !== null) params.set(name, String(widgets[name]));
   }
-  for (const name of ["width", "height", "frames", "cfg", "steps"]) {
+  for (const name of SAMPLER_SHAPE) {
     if (shape[name] !== undefined && shape[name] !== null) params.set(name, String(shape[name]));
   }
   for (const [name, value] of Object.entries(extra ?? {})) {
@@ -335,7 +338,7 @@ export function planLines(plan) {
   const time = timeShown(plan);
   const disk = plan.on_disk ? ", weights on disk" : "";
   // The config the files were recognised as (a file name would run past the node), else the model's name.
-  const lines = [`${plan.config ?? plan.model} ${plan.shape.width}x${plan.shape.height}x${plan.shape.frames}${disk}`,
+  const lines = [`${plan.config ?? plan.model} ${shapeText(plan.shape)}${disk}`,
     `  ${"row".padEnd(width)}  VRAM   RAM GiB${time ? "  time" : ""}`];
   plan.rows.forEach((row, i) => {
     const mark = i === plan.chosen ? ">" : " ";
@@ -368,6 +371,18 @@ export function planVerdict(plan) {
     : `your settings: ${row.fits === false ? "over budget" : "fit"}`;
   const time = timeShown(plan) ? `, time ${slowdownText(row.est_slowdown)}` : "";
   return `${head}; peak ${gib(row.peak_vram_bytes)} of ${gib(vram)} GiB VRAM, ${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${time}`;
+}
+
+/** The planned clip, "832x480x161", and its context windows where they split it: ", 81-frame windows, overlap 16". */
+export function shapeText(shape) {
+  const clip = `${shape.width}x${shape.height}x${shape.frames}`;
+  const windowed = shape.window > 0 && shape.window < shape.frames;
+  return windowed ? `${clip}, ${shape.window}-frame windows, overlap ${shape.window_overlap ?? 0}` : clip;
+}
+
+/** What the Sampler's context window does to the plan (the server's words): lines under the verdict. */
+export function windowLines(plan) {
+  return plan?.status === "ok" ? plan.windows ?? [] : [];
 }
 
 /** What makes the run faster than the rows say (the Speed node's choices, a step cache's skips): lines under the verdict. */
