@@ -79,7 +79,7 @@ from bench.support.gpu_warm import (  # noqa: E402
 DEFAULT_MODEL = "wan2.1-t2v-14b"
 DEFAULT_SHAPE = VideoShape(832, 480, 81, cfg=False)
 # The CPU dry run: the same classes and rows at negligible width (4 blocks, 2 heads of 16).
-TINY_CHANGES = dict(num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=64)
+TINY_CHANGES = dict(num_layers=6, num_attention_heads=2, attention_head_dim=16, ffn_dim=64)
 TINY_SHAPE = VideoShape(64, 64, 5, cfg=False)
 FP8 = "fp8_e4m3fn"
 USER_CARD_GIB = 8.0

@@ -154,7 +154,9 @@ class OffloadHandle:
         for component in self._components.values():
             if component.core is not None:
                 component.core.adopt_kept()
-            for group in component.schedule.groups if component.schedule is not None else ():
+            if component.schedule is None:
+                continue
+            for group in component.schedule.groups:
                 if group.adopt_kept():
                     component.schedule.adopt(group)
 

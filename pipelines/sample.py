@@ -323,7 +323,7 @@ def residency_receipt(keep) -> dict:
     if not keep.limit_bytes:
         why = "no free memory beyond the call's own need was known: every streamed block was evicted after use"
     elif keep.kept_groups:
-        why = f"free memory kept {keep.kept_groups} streamed groups on the device after their first use"
+        why = f"free memory kept {keep.kept_groups} streamed groups on the device (after their first use, or since the last call)"
     else:
         why = "the free memory beyond the call's own need was smaller than one streamed group"
     return {**keep.as_dict(), "why": why}

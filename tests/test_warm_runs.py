@@ -230,11 +230,36 @@ def test_free_memory_keeps_streamed_blocks_on_the_device(loaded, hooks, room_for
     assert cold.receipt["residency"]["kept_groups"] == 0
     assert kept.receipt["warm"]["streamed_bytes"] < cold.receipt["warm"]["streamed_bytes"] or room_for == "none"
     assert torch.equal(cold.latent["samples"], kept.latent["samples"])
-    if room_for == "all":  # the next call finds every block where this one kept it (an H200 re-streamed all but
-        again = sample(loaded, strategy, request, hooks=budget, backend=backend)  # the window's: 13 of 15)
+    if room_for == "all":
+        # the next call finds every block where this one kept it (an H200 re-streamed all but the window's: 13 of 15)
+        again = sample(loaded, strategy, request, hooks=budget, backend=backend)
         assert again.receipt["warm"]["streamed_bytes"] == 0
         assert again.receipt["residency"]["kept_groups"] == blocks
         assert torch.equal(cold.latent["samples"], again.latent["samples"])
+
+
+def test_kept_blocks_beyond_a_smaller_budget_stream_again_and_the_budget_holds(loaded, hooks, monkeypatch):
+    """A call that finds more blocks kept than its own budget allows keeps what fits and streams the rest."""
+    from vidmem.pipelines.room import KEEP_MARGIN_BYTES
+
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    blocks = block_count(loaded)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=0)
+    request = request_for(VARIANT)
+    cold = sample(load_pipeline(loaded.folder, "fp32"), strategy, request, hooks=hooks, backend=backend)
+    weights = cold.receipt["device_weight_bytes"]
+    roomy = RunHooks(prompt_cache=hooks.prompt_cache, device_budget=lambda device: weights + KEEP_MARGIN_BYTES + (1 << 30))
+    assert sample(loaded, strategy, request, hooks=roomy, backend=backend).receipt["residency"]["kept_groups"] == blocks
+    store = loaded.warm_store("sample", backend)
+    # as a GPU reports it: what the store holds is not free
+    tight = RunHooks(prompt_cache=hooks.prompt_cache,
+                     device_budget=lambda device: weights + KEEP_MARGIN_BYTES + block_bytes(loaded, 0) - store.held_bytes)
+    again = sample(loaded, strategy, request, hooks=tight, backend=backend)
+    residency = again.receipt["residency"]
+    assert residency["kept_groups"] == 1 and residency["kept_bytes"] <= residency["limit_bytes"]
+    assert 0 < again.receipt["warm"]["streamed_bytes"] < cold.receipt["warm"]["streamed_bytes"]
+    assert torch.equal(cold.latent["samples"], again.latent["samples"])
 
 
 def test_an_out_of_memory_cleanup_drops_every_kept_copy_first(loaded, hooks, monkeypatch):
