@@ -270,6 +270,12 @@ def apply_strategy(
     return handle
 
 
+def stage_tensors(stage: StageComponents) -> list[torch.Tensor]:
+    """Every tensor the stage's modules hold now: between calls, the host tensors a warm store keys
+    its copies by."""
+    return [slot.current() for module in stage.modules.values() for m in module.modules() for slot in own_slots(m)]
+
+
 def device_weight_bytes(stage: StageComponents, strategy: MemoryStrategy) -> int:
     """Weight bytes the tier puts on the device at its peak (activations come on top).
 

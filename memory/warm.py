@@ -167,6 +167,13 @@ class WarmStore:
     def held_bytes(self) -> int:
         return sum(kept.nbytes for kept in self._kept.values())
 
+    def held_bytes_of(self, hosts: list[torch.Tensor]) -> int:
+        """Bytes kept for those of `hosts` the store holds copies of: what a call over them can take
+        back. The rest (a text encoder the last call kept, left out of this one) is dropped when the
+        call ends, so it is not room the call can count on."""
+        keys = {storage_key(host) for host in hosts}
+        return sum(kept.nbytes for key, kept in self._kept.items() if key in keys)
+
     @property
     def tensors(self) -> int:
         return len(self._kept)

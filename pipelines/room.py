@@ -129,8 +129,9 @@ def keep_bytes(free_bytes: int | None, room: RoomRequest, held_bytes: int) -> in
     """Device bytes a sampling call's streamed blocks may keep beyond the schedule's window.
 
     `free_bytes` is what the device has free now (after the host made room; None where unknown:
-    nothing is kept), `held_bytes` what the stage's warm store already holds (part of the room's
-    weights, already missing from the free figure). What the call itself needs (weights,
+    nothing is kept), `held_bytes` what the stage's warm store already holds of the tensors this
+    call runs (part of the room's weights, already missing from the free figure; copies the call
+    will not take back are not room it can count on). What the call itself needs (weights,
     activations) and the margin stay free.
     """
     if free_bytes is None:

@@ -31,7 +31,7 @@ from ..memory import (
 )
 from ..memory.blockswap import Observer
 from ..memory.cleanup import is_out_of_memory
-from ..memory.offload import device_weight_bytes
+from ..memory.offload import device_weight_bytes, stage_tensors
 from ..memory.plan.types import VideoShape
 from ..memory.device import Backend
 from ..memory.lora import apply_loras
@@ -258,7 +258,8 @@ class _Run:
             loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
             # Free memory the call does not need keeps streamed blocks on the device (not after an
             # out-of-memory error: the ladder's rungs then stream as planned).
-            keep = keep_bytes(hooks.device_budget(device), room, warm.held_bytes if warm else 0) \
+            held = warm.held_bytes_of(stage_tensors(stage)) if warm else 0  # what this call can take back
+            keep = keep_bytes(hooks.device_budget(device), room, held) \
                 if strategy.streams_blocks and not self.rungs else 0
             cache = self._step_cache(cached, call)
             with call_on(warm, self.backend), cache, \

@@ -262,6 +262,28 @@ def test_kept_blocks_beyond_a_smaller_budget_stream_again_and_the_budget_holds(l
     assert torch.equal(cold.latent["samples"], again.latent["samples"])
 
 
+def test_the_keep_budget_counts_only_the_copies_this_call_takes_back(loaded, hooks, monkeypatch):
+    """A text encoder kept on the device by the last call (tier none, text_encoder 'device') is not in
+    a call whose prompts are cached: its copies are dropped when that call ends, so the keep budget
+    must not count them as room (they would let kept blocks take memory the activations need)."""
+    import vidmem.pipelines.sample as sampling
+    from vidmem.memory.offload import stage_tensors
+
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    request = request_for(VARIANT)
+    sample(loaded, MemoryStrategy(offload="none", text_encoder="device"), request, hooks=hooks, backend=backend)
+    store = loaded.warm_store("sample", backend)
+    swap = MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=0)
+    taken_back = store.held_bytes_of(stage_tensors(sampling.sample_stage(loaded, swap, encode_text=False)))
+    assert 0 < taken_back < store.held_bytes  # the text encoder's copies are held too
+    counted = []
+    monkeypatch.setattr(sampling, "keep_bytes", lambda free, room, held: counted.append(held) or 0)
+    roomy = RunHooks(prompt_cache=hooks.prompt_cache, device_budget=lambda device: 1 << 40)
+    sample(loaded, swap, request, hooks=roomy, backend=backend)
+    assert counted == [taken_back]
+
+
 def test_an_out_of_memory_cleanup_drops_every_kept_copy_first(loaded, hooks, monkeypatch):
     from vidmem.memory.cleanup import free_memory
 
