@@ -128,7 +128,9 @@ class VidMemVideoSampler:
                     "pad: scaled to fit inside, the rest black bars (nothing lost; the bars are part of the video). "
                     "stretch: each side scaled on its own (nothing lost; proportions change). A batch of images "
                     "uses its first."}),
-                "window": ("INT", {"default": 0, "min": 0, "max": MAX_FRAMES, "step": 4, "tooltip":
+                # Step 1: the frontend rounds to the step from min, so with min 0 a step of 4 would
+                # turn 81 into 80; the Sampler checks the model's grid instead.
+                "window": ("INT", {"default": 0, "min": 0, "max": MAX_FRAMES, "step": 1, "tooltip":
                     "Context windows, in video frames: denoise this many frames at a time, in overlapping windows "
                     "blended into one clip, so the peak VRAM follows the window, not the whole clip. On the "
                     "model's frame grid (Wan 4k+1, e.g. 81; CogVideoX 8k+1, e.g. 49). 0: off, the whole clip at "

@@ -302,3 +302,14 @@ def test_context_parallelism_refuses_windows_in_the_engine_and_a_whole_clip_wind
         refuse_windows_in_parallel(SampleRequest("a cat", frames=81, window=41, window_overlap=8))
     refuse_windows_in_parallel(SampleRequest("a cat", frames=81, window=81))
     refuse_windows_in_parallel(SampleRequest("a cat", frames=81))
+
+
+def test_the_samplers_window_widget_can_hold_off_and_every_grid_window():
+    """ComfyUI's frontend rounds an INT widget to its step counted from its min (found in the browser: with
+    min 0 and step 4 a typed 81 became 80, a window no model takes). Off (0) and the grid windows must stay."""
+    from vidmem.nodes.sampler import VidMemVideoSampler
+
+    inputs = VidMemVideoSampler.INPUT_TYPES()["optional"]
+    for name, values in {"window": (0, 17, 49, 81, 121), "window_overlap": (0, 8, 16, 24)}.items():
+        options = inputs[name][1]
+        assert all((value - options["min"]) % options["step"] == 0 for value in values), (name, options)

@@ -10,7 +10,7 @@
 //     --out docs/screenshots --templates "wan21_t2v_1_3b_files:8:16,wan21_t2v_14b_fp8_files:8:32:blocks_to_swap=30"
 //
 // --templates lists API names with the VRAM and RAM budgets (GiB) to plan for, and optionally
-// widget changes (name=value;...: the Strategy's widget of that name, else the loader's; such
+// widget changes (name=value;...: the Strategy's widget of that name, else the loader's, else the Sampler's; such
 // a shot is named plan_<name>_changed_<zoom>.png). The plans are
 // the host's: run the server with the models the templates name (docs/verification.md says how
 // to get real-size plans without real weights). Prints one JSON report; exit 1 on a problem.
@@ -82,8 +82,9 @@ async function loadWithBudgets(page, ui, vram, ram, values) {
   await page.evaluate(({ vram, ram, values }) => {
     const strategy = window.app.graph.nodes.find((n) => n.type === "VidMemMemoryStrategy");
     const loader = window.app.graph.nodes.find((n) => /^VidMemLoad(ModelFiles|Pipeline)$/.test(n.type));
+    const sampler = window.app.graph.nodes.find((n) => n.type === "VidMemVideoSampler");
     for (const [name, value] of Object.entries({ vram_budget_gb: vram, ram_budget_gb: ram, ...values })) {
-      const widget = strategy.widgets.find((w) => w.name === name) ?? loader.widgets.find((w) => w.name === name);
+      const widget = [strategy, loader, sampler].map((node) => node?.widgets?.find((w) => w.name === name)).find(Boolean);
       widget.value = value;
       widget.callback?.(value);
     }
