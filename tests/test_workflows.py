@@ -120,7 +120,7 @@ def test_every_card_says_the_model_what_it_is_made_for_its_steps_files_and_when_
     for path in UI_FILES:
         card = wr.load_json(path)["extra"]["vidmem"]["card"]
         assert set(card) == {"model", "family", "variant", "vram_gb", "ram_gb", "shot", "speed", "files", "pick"}, path.stem
-        assert card["model"] in path.stem and card["family"] in ("wan21", "wan22", "cogvideox")
+        assert card["model"] in path.stem and card["family"] in ("wan21", "wan22", "cogvideox", "hunyuan15", "ltx2")
         assert re.fullmatch(r"(trains \d+ steps, samples \d+|(\d+ of )?\d+ steps, [12] pass(es)? each \(cfg( 1)?\))", card["speed"]), card
         assert 10 <= len(card["pick"]) <= 60 and card["pick"] not in path.stem, card["pick"]
         with Image.open(wr.thumbnail(path)) as image:
