@@ -569,3 +569,31 @@ def test_image_to_video_templates_start_from_core_load_image():
         assert len(images) == len(ends) and [sampler[end] for end in ends] == [[nid, 0] for nid in images], path.stem
         assert all(api[nid]["inputs"] == {"image": "example.png"} for nid in images)
     assert found == I2V_VARIANTS
+
+
+FAMILY_TEMPLATES = {  # issue 27: an 8 GB and a 24 GB template per family, each planned on its machine
+    "hunyuan15_t2v_480p_8gb": "hunyuanvideo1.5-t2v", "hunyuan15_t2v_720p_24gb": "hunyuanvideo1.5-t2v",
+    "ltx2_t2v_fp8_8gb": "ltx2-t2v", "ltx2_t2v_fp8_24gb": "ltx2-t2v",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_TEMPLATES))
+def test_family_templates_keep_the_models_frame_rule_and_grid_and_run_on_their_stand_in(name):
+    """Frames k x the VAE's temporal factor + 1, width and height on the VAE x patch grid (what the
+    Sampler checks at run time), read from the family's declaration and the real config; the
+    folder name maps to the family's tiny stand-in, and the machine is named so the planner test plans it."""
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.loader import family_for
+
+    api = wr.load_json(wr.API_DIR / f"{name}.json")
+    (sampler,) = nodes_of(api, "VidMemVideoSampler")
+    (loader,) = nodes_of(api, wr.FOLDER_LOADER)
+    assert wr.tiny_variant_for(loader["model"]) == FAMILY_TEMPLATES[name]
+    ui = next(p for p in UI_FILES if wr.api_twin(p).stem == name)
+    model = load_model(wr.load_json(ui)["extra"]["vidmem"]["machine"]["plan_model"])
+    spec = family_for(model.pipeline_class)
+    assert spec.frames_error(sampler["frames"]) is None, spec.frames_error(sampler["frames"])
+    vae = model.components["vae"].config
+    assert vae["temporal_compression_ratio"] == spec.frame_step
+    grid = vae["spatial_compression_ratio"] * model.components["transformer"].config["patch_size"]
+    assert sampler["width"] % grid == 0 and sampler["height"] % grid == 0, (sampler["width"], sampler["height"], grid)
