@@ -572,8 +572,8 @@ def test_image_to_video_templates_start_from_core_load_image():
 
 
 FAMILY_TEMPLATES = {  # issue 27: an 8 GB and a 24 GB template per family, each planned on its machine
-    "hunyuan15_t2v_480p_8gb": "hunyuanvideo1.5-t2v", "hunyuan15_t2v_720p_24gb": "hunyuanvideo1.5-t2v",
-    "ltx2_t2v_fp8_8gb": "ltx2-t2v", "ltx2_t2v_fp8_24gb": "ltx2-t2v",
+    "hunyuan15_t2v_480p_fp8": "hunyuanvideo1.5-t2v", "hunyuan15_t2v_720p": "hunyuanvideo1.5-t2v",
+    "ltx2_t2v_fp8_sequential": "ltx2-t2v", "ltx2_t2v_fp8_blockswap": "ltx2-t2v",
 }
 
 

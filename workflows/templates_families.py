@@ -26,7 +26,7 @@ LTX2_NEGATIVE = "worst quality, inconsistent motion, blurry, jittery, distorted"
 
 FAMILY_TEMPLATES = (
     Template(
-        name="hunyuan15_t2v_480p_8gb",
+        name="hunyuan15_t2v_480p_fp8",
         title="HunyuanVideo 1.5 480p, 8 GB card",
         pick="HunyuanVideo 1.5 at 480p, weights in fp8",
         note=(
@@ -55,7 +55,7 @@ FAMILY_TEMPLATES = (
         note_height=270,
     ),
     Template(
-        name="hunyuan15_t2v_720p_24gb",
+        name="hunyuan15_t2v_720p",
         title="HunyuanVideo 1.5 720p, 24 GB card",
         pick="HunyuanVideo 1.5 at 720p in bf16, 64 GB of RAM",
         note=(
@@ -81,7 +81,7 @@ FAMILY_TEMPLATES = (
         machine=Machine(24, 64, "hunyuanvideo1.5-t2v-720p", BF16),
     ),
     Template(
-        name="ltx2_t2v_fp8_8gb",
+        name="ltx2_t2v_fp8_sequential",
         title="LTX-2 fp8, 8 GB, 48 GB RAM",
         pick="the 19B LTX-2 on an 8 GB card, video only",
         note=(
@@ -109,7 +109,7 @@ FAMILY_TEMPLATES = (
         note_height=270,
     ),
     Template(
-        name="ltx2_t2v_fp8_24gb",
+        name="ltx2_t2v_fp8_blockswap",
         title="LTX-2 fp8, 24 GB, 64 GB RAM",
         pick="LTX-2 on a 24 GB card: 36 of 48 blocks resident",
         note=(
