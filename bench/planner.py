@@ -159,7 +159,7 @@ def published_figures() -> list[PublishedFigure]:
     from vidmem.memory import MemoryStrategy, VaeTiling
 
     docs = "diffusers' CogVideoX docs, \"Memory optimization\" (CogVideoX-2b, 50 steps, fp16)"
-    cog = (720, 480, 49)
+    cog, cog_settings = (720, 480, 49), "720x480, 49 frames, fp16"
     hunyuan = ("github.com/Tencent-Hunyuan/HunyuanVideo-1.5 README, System Requirements: \"Minimum GPU Memory: "
                "14 GB (with model offloading enabled)\"")
     hunyuan_settings = ("resolution, frames, VAE tiling and the attention kernel unknown (the README states none); "
@@ -168,18 +168,18 @@ def published_figures() -> list[PublishedFigure]:
             "smeltcore.com/recipes/ltx-2-rtx-4090/ (not read first-hand: the stored copy of that README predates "
             "LTX-2); a stated requirement, not a measured peak")
     ltx2_settings = ("ComfyUI's own LTX-2 nodes, audio and video, resolution, frames, offload and weight storage "
-                     "unknown; planned here at LTX2Pipeline's defaults with model offload (one component on the GPU at a "
-                     "time, as ComfyUI loads them), bf16, video only")
+                     "unknown; planned here at LTX2Pipeline's defaults with model offload (one component "
+                     "on the GPU at a time, as ComfyUI loads them), bf16, video only")
     return [
         PublishedFigure("cogvideox-2b", cog, "everything resident (pipe.to)",
-                        MemoryStrategy(offload="none", text_encoder="device"), "33 GB", docs, "720x480, 49 frames, fp16"),
+                        MemoryStrategy(offload="none", text_encoder="device"), "33 GB", docs, cog_settings),
         PublishedFigure("cogvideox-2b", cog, "enable_model_cpu_offload", MemoryStrategy(offload="model"), "19 GB", docs,
-                        "720x480, 49 frames, fp16"),
+                        cog_settings),
         PublishedFigure("cogvideox-2b", cog, "model offload + vae.enable_tiling",
-                        MemoryStrategy(offload="model", vae_tiling=VaeTiling()), "11 GB", docs, "720x480, 49 frames, fp16"),
+                        MemoryStrategy(offload="model", vae_tiling=VaeTiling()), "11 GB", docs, cog_settings),
         PublishedFigure("cogvideox-2b", cog, "enable_sequential_cpu_offload + tiling",
                         MemoryStrategy(offload="sequential", prefetch_blocks=0, vae_tiling=VaeTiling()), "under 4 GB", docs,
-                        "720x480, 49 frames, fp16"),
+                        cog_settings),
         PublishedFigure("hunyuanvideo1.5-t2v-480p", (848, 480, 121), "HunyuanVideo 1.5 480p, model offloading",
                         MemoryStrategy(offload="model", vae_tiling=VaeTiling()), "14 GB", hunyuan, hunyuan_settings),
         PublishedFigure("hunyuanvideo1.5-t2v-720p", (1280, 720, 121), "HunyuanVideo 1.5 720p, model offloading",

@@ -256,7 +256,8 @@ def tiny_variant_for(model_name: str) -> str:
     for parts, variant in TINY_FOR_NAME:
         if all(part in name for part in parts):
             return variant
-    raise ValueError(f"no tiny stand-in for model {model_name!r}; expected a Wan, CogVideoX, HunyuanVideo 1.5 or LTX-2 folder or file name")
+    raise ValueError(f"no tiny stand-in for model {model_name!r}; expected a Wan, CogVideoX, HunyuanVideo 1.5 or LTX-2 "
+                     "folder or file name")
 
 
 FOLDER_LOADER, FILES_LOADER = "VidMemLoadPipeline", "VidMemLoadModelFiles"

@@ -274,7 +274,8 @@ FAMILIES = (("CogVideoX", "cogvideox"), ("Wan 2.2", "wan22"), ("Wan 2.1", "wan21
 def _card(t: Template) -> dict:
     """What a user choosing a template wants at a glance: the model, what it is made for (VRAM, RAM),
     how much computing it asks (steps, passes), what to download, and when to pick it."""
-    model = re.search(r"(Wan 2\.\d (?:I2V |FLF2V )?[\w.-]+|CogVideoX-\w+(?: I2V)?|HunyuanVideo 1\.5|LTX-2)", t.title).group(1)
+    model = re.search(r"(Wan 2\.\d (?:I2V |FLF2V )?[\w.-]+|CogVideoX-\w+(?: I2V)?|HunyuanVideo 1\.5|LTX-2)",
+                      t.title).group(1)
     vram = t.machine.vram_gb if t.machine else _title_vram(t.title)
     return {
         "model": model, "family": next(key for prefix, key in FAMILIES if model.startswith(prefix)),
