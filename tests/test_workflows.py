@@ -120,7 +120,7 @@ def test_every_card_says_the_model_what_it_is_made_for_its_steps_files_and_when_
     for path in UI_FILES:
         card = wr.load_json(path)["extra"]["vidmem"]["card"]
         assert set(card) == {"model", "family", "variant", "vram_gb", "ram_gb", "shot", "speed", "files", "pick"}, path.stem
-        assert card["model"] in path.stem and card["family"] in ("wan21", "wan22", "cogvideox")
+        assert card["model"] in path.stem and card["family"] in ("wan21", "wan22", "cogvideox", "hunyuan15", "ltx2")
         assert re.fullmatch(r"(trains \d+ steps, samples \d+|(\d+ of )?\d+ steps, [12] pass(es)? each \(cfg( 1)?\))", card["speed"]), card
         assert 10 <= len(card["pick"]) <= 60 and card["pick"] not in path.stem, card["pick"]
         with Image.open(wr.thumbnail(path)) as image:
@@ -569,3 +569,31 @@ def test_image_to_video_templates_start_from_core_load_image():
         assert len(images) == len(ends) and [sampler[end] for end in ends] == [[nid, 0] for nid in images], path.stem
         assert all(api[nid]["inputs"] == {"image": "example.png"} for nid in images)
     assert found == I2V_VARIANTS
+
+
+FAMILY_TEMPLATES = {  # issue 27: an 8 GB and a 24 GB template per family, each planned on its machine
+    "hunyuan15_t2v_480p_fp8": "hunyuanvideo1.5-t2v", "hunyuan15_t2v_720p": "hunyuanvideo1.5-t2v",
+    "ltx2_t2v_fp8_sequential": "ltx2-t2v", "ltx2_t2v_fp8_blockswap": "ltx2-t2v",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_TEMPLATES))
+def test_family_templates_keep_the_models_frame_rule_and_grid_and_run_on_their_stand_in(name):
+    """Frames k x the VAE's temporal factor + 1, width and height on the VAE x patch grid (what the
+    Sampler checks at run time), read from the family's declaration and the real config; the
+    folder name maps to the family's tiny stand-in, and the machine is named so the planner test plans it."""
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.loader import family_for
+
+    api = wr.load_json(wr.API_DIR / f"{name}.json")
+    (sampler,) = nodes_of(api, "VidMemVideoSampler")
+    (loader,) = nodes_of(api, wr.FOLDER_LOADER)
+    assert wr.tiny_variant_for(loader["model"]) == FAMILY_TEMPLATES[name]
+    ui = next(p for p in UI_FILES if wr.api_twin(p).stem == name)
+    model = load_model(wr.load_json(ui)["extra"]["vidmem"]["machine"]["plan_model"])
+    spec = family_for(model.pipeline_class)
+    assert spec.frames_error(sampler["frames"]) is None, spec.frames_error(sampler["frames"])
+    vae = model.components["vae"].config
+    assert vae["temporal_compression_ratio"] == spec.frame_step
+    grid = vae["spatial_compression_ratio"] * model.components["transformer"].config["patch_size"]
+    assert sampler["width"] % grid == 0 and sampler["height"] % grid == 0, (sampler["width"], sampler["height"], grid)

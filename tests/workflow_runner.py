@@ -235,6 +235,9 @@ def _id_key(node_id: str) -> tuple:
 # First match wins: every listed substring must occur in the lower-cased folder or file name.
 # Wan 2.2 A14B's single files are its two experts (wan2.2_t2v_high_noise_14B_..., _low_noise_).
 TINY_FOR_NAME: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("hunyuanvideo", "1.5", "i2v"), "hunyuanvideo1.5-i2v"),
+    (("hunyuanvideo", "1.5"), "hunyuanvideo1.5-t2v"),
+    (("ltx-2",), "ltx2-t2v"),  # one LTX-2 folder runs text- and image-to-video
     (("wan", "ti2v"), "wan2.2-ti2v"),
     (("wan", "i2v", "a14b"), "wan2.2-i2v-a14b"),
     (("wan2.2", "i2v", "_noise_"), "wan2.2-i2v-a14b"),
@@ -253,7 +256,8 @@ def tiny_variant_for(model_name: str) -> str:
     for parts, variant in TINY_FOR_NAME:
         if all(part in name for part in parts):
             return variant
-    raise ValueError(f"no tiny stand-in for model {model_name!r}; expected a Wan or CogVideoX folder or file name")
+    raise ValueError(f"no tiny stand-in for model {model_name!r}; expected a Wan, CogVideoX, HunyuanVideo 1.5 or LTX-2 "
+                     "folder or file name")
 
 
 FOLDER_LOADER, FILES_LOADER = "VidMemLoadPipeline", "VidMemLoadModelFiles"

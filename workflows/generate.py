@@ -1,8 +1,9 @@
 """Write vidmem's workflow templates, UI format (workflows/*.json) and API format (workflows/api/*.json).
 
 Both files of a template come from one Python description (workflows/templates_folders.py for the
-diffusers-folder templates, workflows/templates_files.py for those on ComfyUI's own single files;
-their parts in workflows/template_types.py), so they cannot drift apart;
+diffusers-folder templates, workflows/templates_files.py for those on ComfyUI's own single files,
+workflows/templates_families.py for HunyuanVideo 1.5 and LTX-2; their parts in
+workflows/template_types.py), so they cannot drift apart;
 `tests/test_workflows.py` checks that the files on disk are what this script writes, and converts
 each UI file to API format on its own to compare. Widget order comes from the nodes' INPUT_TYPES.
 
@@ -39,6 +40,7 @@ from templates_files import FILE_TEMPLATES  # noqa: E402
 from templates_folders import FOLDER_TEMPLATES  # noqa: E402
 from templates_i2v import I2V_TEMPLATES  # noqa: E402
 from templates_cache import CACHE_TEMPLATES  # noqa: E402
+from templates_families import FAMILY_TEMPLATES  # noqa: E402
 from templates_lora import LORA_TEMPLATES  # noqa: E402
 from templates_train import TRAIN_TEMPLATES  # noqa: E402
 from workflow_runner import API_DIR, WORKFLOWS_DIR, node_spec, socket_inputs, widget_names  # noqa: E402
@@ -56,7 +58,8 @@ class Node:
     colors: tuple[str, str] | None = None  # (color, bgcolor)
 
 
-TEMPLATES = FOLDER_TEMPLATES + FILE_TEMPLATES + I2V_TEMPLATES + CACHE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
+TEMPLATES = (FOLDER_TEMPLATES + FILE_TEMPLATES + I2V_TEMPLATES + CACHE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
+             + FAMILY_TEMPLATES)
 
 MODEL_GROUP, SAMPLE_GROUP, SAVE_GROUP = "Model and memory strategy", "Sample, decode, free", "Save"
 LORA_GROUP, TRAIN_GROUP = "LoRA", "Train a LoRA"
@@ -264,13 +267,15 @@ def _vidmem_extra(t: Template) -> dict:
 
 # --- the Templates browser's card image (tests/browser/template_cards.mjs draws extra.vidmem.card) ----
 
-FAMILIES = (("CogVideoX", "cogvideox"), ("Wan 2.2", "wan22"), ("Wan 2.1", "wan21"))
+FAMILIES = (("CogVideoX", "cogvideox"), ("Wan 2.2", "wan22"), ("Wan 2.1", "wan21"), ("HunyuanVideo 1.5", "hunyuan15"),
+            ("LTX-2", "ltx2"))
 
 
 def _card(t: Template) -> dict:
     """What a user choosing a template wants at a glance: the model, what it is made for (VRAM, RAM),
     how much computing it asks (steps, passes), what to download, and when to pick it."""
-    model = re.search(r"(Wan 2\.\d (?:I2V |FLF2V )?[\w.-]+|CogVideoX-\w+(?: I2V)?)", t.title).group(1)
+    model = re.search(r"(Wan 2\.\d (?:I2V |FLF2V )?[\w.-]+|CogVideoX-\w+(?: I2V)?|HunyuanVideo 1\.5|LTX-2)",
+                      t.title).group(1)
     vram = t.machine.vram_gb if t.machine else _title_vram(t.title)
     return {
         "model": model, "family": next(key for prefix, key in FAMILIES if model.startswith(prefix)),

@@ -17,7 +17,10 @@ import { parseArgs } from "node:util";
 
 const SIZE = 600; // the card's layout in CSS px, zoomed to PIXELS: an 800 px JPEG at any device scale
 const PIXELS = 800;
-const COLORS = { wan21: ["#1f4fa8", "#2f6fdc"], wan22: ["#5b2aa8", "#8251e0"], cogvideox: ["#11734a", "#1d9a63"] };
+const COLORS = {
+  wan21: ["#1f4fa8", "#2f6fdc"], wan22: ["#5b2aa8", "#8251e0"], cogvideox: ["#11734a", "#1d9a63"],
+  hunyuan15: ["#a8431f", "#dc6a2f"], ltx2: ["#8a1f5e", "#c2347f"],
+};
 
 const escape = (text) => String(text ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 const gb = (value) => `${Number(value).toFixed(Number.isInteger(Number(value)) ? 0 : 1)} GB`;
