@@ -14,7 +14,7 @@ Four parts, written as JSON:
   without the op cache (same trace).
 - `published`: the plan next to published peak figures, each with its source and the settings the
   source leaves unstated: CogVideoX-2b 720x480x49 (diffusers docs), HunyuanVideo 1.5 (its README's
-  minimum with model offloading), LTX-2 (a stated requirement, quoted second-hand).
+  minimum with model offloading). LTX-2 has none yet: no first-hand published peak was found.
 
     python bench/planner.py --json bench/results/planner.json
 
@@ -164,12 +164,6 @@ def published_figures() -> list[PublishedFigure]:
                "14 GB (with model offloading enabled)\"")
     hunyuan_settings = ("resolution, frames, VAE tiling and the attention kernel unknown (the README states none); "
                         "its own inference code, not diffusers; planned here with model offload and VAE tiling")
-    ltx2 = ("Lightricks/ComfyUI-LTXVideo README: \"CUDA-compatible GPU with 32GB+ VRAM\", as quoted by "
-            "smeltcore.com/recipes/ltx-2-rtx-4090/ (not read first-hand: the stored copy of that README predates "
-            "LTX-2); a stated requirement, not a measured peak")
-    ltx2_settings = ("ComfyUI's own LTX-2 nodes, audio and video, resolution, frames, offload and weight storage "
-                     "unknown; planned here at LTX2Pipeline's defaults with model offload (one component "
-                     "on the GPU at a time, as ComfyUI loads them), bf16, video only")
     return [
         PublishedFigure("cogvideox-2b", cog, "everything resident (pipe.to)",
                         MemoryStrategy(offload="none", text_encoder="device"), "33 GB", docs, cog_settings),
@@ -184,8 +178,6 @@ def published_figures() -> list[PublishedFigure]:
                         MemoryStrategy(offload="model", vae_tiling=VaeTiling()), "14 GB", hunyuan, hunyuan_settings),
         PublishedFigure("hunyuanvideo1.5-t2v-720p", (1280, 720, 121), "HunyuanVideo 1.5 720p, model offloading",
                         MemoryStrategy(offload="model", vae_tiling=VaeTiling()), "14 GB", hunyuan, hunyuan_settings),
-        PublishedFigure("ltx2-t2v-19b", (768, 512, 121), "LTX-2 stated requirement, model offload",
-                        MemoryStrategy(offload="model"), "32 GB or more", ltx2, ltx2_settings),
     ]
 
 
