@@ -86,8 +86,8 @@ def _table(model, denoiser, shape, vram, ram, request, plans, best, hint: str = 
                  "encoder and VAE are absent (latents and embeddings precomputed).")
     offloaded = next((p for p in plans if p.activation_offload), None)
     if offloaded is not None:
-        kept = (f"; {offloaded.activation_kept_inputs} inputs ({_gib(offloaded.activation_kept_bytes)}) past the pinned "
-                "ceiling stay on the GPU (in peak VRAM)" if offloaded.activation_kept_inputs else "")
+        kept = (f"; {offloaded.activation_kept_inputs} inputs ({_gib(offloaded.activation_kept_bytes)}) past the "
+                "pinned ceiling stay on the GPU (in peak VRAM)" if offloaded.activation_kept_inputs else "")
         lines.append(f"Activation offload ({offloaded.tier}): block inputs {_gib(offloaded.activation_host_bytes)} in "
                      f"pinned RAM (in peak RAM){kept}, ~{offloaded.activation_copy_seconds:.2f} s of copies per step "
                      "(PCIe 4.0 x16), hidden behind the backward's re-runs while the prefetch keeps up.")

@@ -43,7 +43,8 @@ class TrainingChoice:
 
     def describe(self) -> str:
         shape = self.shape
-        chose = f"{self.strategy.describe()} (chosen by hand)" if self.fixed else f"auto chose {self.strategy.describe()}"
+        strategy = self.strategy.describe()
+        chose = f"{strategy} (chosen by hand)" if self.fixed else f"auto chose {strategy}"
         return (f"{chose} for the training step at {shape.width}x{shape.height}x"
                 f"{shape.frames}, batch {shape.batch}: predicted peak VRAM {self.plan.peak_vram_bytes / GiB:.2f} GiB, "
                 f"RAM {self.plan.peak_ram_bytes / GiB:.2f} GiB (budgets {self.budgets[0] / GiB:.2f} / "

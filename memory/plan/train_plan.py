@@ -136,7 +136,8 @@ def strategy_plan(model: PlannerModel, denoiser: str, shape: VideoShape, vram: i
     blocks = model.blocks(denoiser)
     if blocks is None:
         raise ValueError(f"{denoiser} of {model.name} has no transformer blocks to train LoRA on.")
-    lora, peaks = _step_bytes(model, denoiser, shape, request, activations, block_target_shapes(blocks, request.targets))
+    shapes = block_target_shapes(blocks, request.targets)
+    lora, peaks = _step_bytes(model, denoiser, shape, request, activations, shapes)
     return _plan(model, denoiser, strategy, vram, ram, request, lora, peaks)
 
 
@@ -163,7 +164,8 @@ def _offload_advice(plans: list[TrainPlan]) -> str:
     enabled = next((p for p in faster if p.fits_with_offload), None)
     if enabled is None:
         return ""
-    return (f"activation offload makes {_tier(enabled)} fit{'' if best is None else ' (faster than ' + plans[best].tier + ')'}: "
+    faster_than = "" if best is None else f" (faster than {plans[best].tier})"
+    return (f"activation offload makes {_tier(enabled)} fit{faster_than}: "
             "the checkpointed block inputs wait in pinned RAM and come back ahead of the backward (vidmem plan "
             "--train --activation-offload; Train LoRA's activation_offload input).")
 
@@ -176,10 +178,11 @@ def ceiling_note(plans: list[TrainPlan]) -> str:
     plan = next((p for p in candidates if p.activation_offload and p.activation_kept_inputs), None)
     if plan is None:
         return ""
-    return (f"with activation offload on {_tier(plan)}, {plan.activation_kept_inputs} block inputs ({plan.activation_kept_bytes / GiB:.2f} GiB) stay "
-            f"on the GPU, past the pinned ceiling ({plan.activation_ceiling_bytes / GiB:.2f} GiB left for them after the "
-            "weights' pinned homes; counted in its peak VRAM): raise max_pinned_ram_gb on the Memory Strategy node "
-            "(vidmem plan --max-pinned-ram-gb) to move them to RAM.")
+    return (f"with activation offload on {_tier(plan)}, {plan.activation_kept_inputs} block inputs "
+            f"({plan.activation_kept_bytes / GiB:.2f} GiB) stay on the GPU, past the pinned ceiling "
+            f"({plan.activation_ceiling_bytes / GiB:.2f} GiB left for them after the weights' pinned homes; counted in "
+            "its peak VRAM): raise max_pinned_ram_gb on the Memory Strategy node (vidmem plan --max-pinned-ram-gb) "
+            "to move them to RAM.")
 
 
 def _tier(plan: TrainPlan) -> str:
