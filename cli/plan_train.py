@@ -27,9 +27,15 @@ def add_train_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations (faster, "
                        "much more VRAM; block_swap and sequential then refuse)")
     group.add_argument("--targets", help="comma-separated layer names LoRA trains (default: the trainer's)")
-    group.add_argument("--activation-offload", action="store_true", help="checkpointed block inputs in pinned RAM, "
-                       "copied back ahead of the backward: about one block's activations on the device, every "
-                       "block's input in RAM (needs checkpointing)")
+    group.add_argument("--activation-offload", nargs="?", const="on", default="off", choices=("off", "on", "auto"),
+                       help="checkpointed block inputs in pinned RAM, copied back ahead of the backward: about one "
+                       "block's activations on the device, every block's input in RAM (needs checkpointing). Alone "
+                       "or 'on': every tier with it; 'auto': each tier with it only where the step fits with it and "
+                       "not without (default off)")
+    group.add_argument("--max-pinned-ram-gb", type=float, help="the pinned-memory ceiling (the Memory Strategy's "
+                       "max_pinned_ram_gb): streamed weights' homes first, then the offloaded block inputs; inputs "
+                       "past it stay on the GPU (default: the automatic ceiling, half the RAM the budget leaves "
+                       "once the weights are loaded, keeping 8 GiB unpinned)")
 
 
 def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) -> int:
@@ -42,12 +48,14 @@ def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) 
     denoiser = model.layout.denoisers[0]  # Wan 2.2 A14B: one expert per run; both are the same size
     request = TrainRequest(rank=args.rank, optimizer=args.optimizer, checkpointing=not args.no_checkpointing,
                            targets=targets, storage=args.weights, prefetch_blocks=args.prefetch,
-                           attention=Attention(args.attention), activation_offload=args.activation_offload)
+                           attention=Attention(args.attention), activation_offload=args.activation_offload,
+                           pinned_ceiling_bytes=_pinned_ceiling(args.max_pinned_ram_gb))
     plans, best = plan_training_step(model, denoiser, shape, vram, ram, request)  # as Train LoRA's offload=auto
     if args.json:
         print(json.dumps({"model": model.name, "component": denoiser, "size": [shape.width, shape.height],
                           "frames": shape.frames, "batch": shape.batch, "dtype": model.dtype_name,
                           "request": {**request.__dict__, "attention": request.attention.value,
+                                      "activation_offload": request.activation_offload.value,
                                       "targets": list(targets)},
                           "strategies": [p.as_dict() for p in plans], "recommended": best,
                           "advice": advice(plans)}, indent=2))
@@ -59,14 +67,15 @@ def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) 
 def _table(model, denoiser, shape, vram, ram, request, plans, best, hint: str = "") -> str:
     head = (f"{model.name} {denoiser} LoRA rank {request.rank}, {request.optimizer}, "
             f"{'checkpointing' if request.checkpointing else 'no checkpointing'}"
-            f"{', activation offload' if request.activation_offload else ''}; {shape.width}x{shape.height}, "
+            f"{_offload_head(request.activation_offload.value)}; {shape.width}x{shape.height}, "
             f"{shape.frames} frames, batch {shape.batch}; budget {vram / GIB:.1f} GiB VRAM, {ram / GIB:.1f} GiB RAM")
     columns = ("strategy", "weights", "LoRA+grads+states", "activations", "peak VRAM", "peak RAM", "fits")
     rows = [columns]
     for plan in plans:
         tier = plan.tier + (f" {plan.blocks_to_swap}" if plan.blocks_to_swap else "")
         fits = "yes" if plan.fits else (f"no ({plan.refused})" if plan.refused else "no")
-        rows.append((tier, _gib(plan.weights_bytes), _gib(plan.lora.device), _gib(plan.activation_bytes),
+        activations = _gib(plan.activation_bytes) + (" (offloaded)" if plan.activation_offload else "")
+        rows.append((tier, _gib(plan.weights_bytes), _gib(plan.lora.device), activations,
                      _gib(plan.peak_vram_bytes), _gib(plan.peak_ram_bytes), fits))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(columns))]
     lines = [head, ""]
@@ -77,15 +86,37 @@ def _table(model, denoiser, shape, vram, ram, request, plans, best, hint: str = 
                  "encoder and VAE are absent (latents and embeddings precomputed).")
     offloaded = next((p for p in plans if p.activation_offload), None)
     if offloaded is not None:
-        lines.append(f"Activation offload: block inputs {_gib(offloaded.activation_host_bytes)} in pinned RAM (in peak "
-                     f"RAM), ~{offloaded.activation_copy_seconds:.2f} s of copies per step (PCIe 4.0 x16), hidden "
-                     "behind the backward's re-runs while the prefetch keeps up.")
+        kept = (f"; {offloaded.activation_kept_inputs} inputs ({_gib(offloaded.activation_kept_bytes)}) past the "
+                "pinned ceiling stay on the GPU (in peak VRAM)" if offloaded.activation_kept_inputs else "")
+        lines.append(f"Activation offload ({offloaded.tier}): block inputs {_gib(offloaded.activation_host_bytes)} in "
+                     f"pinned RAM (in peak RAM){kept}, ~{offloaded.activation_copy_seconds:.2f} s of copies per step "
+                     "(PCIe 4.0 x16), hidden behind the backward's re-runs while the prefetch keeps up.")
+    if request.activation_offload.value == "auto":
+        lines += [f"{_tier(p)}: {p.activation_offload_reason}" for p in plans if p.activation_offload_reason]
     if hint:
         lines.append(hint[0].upper() + hint[1:])
     if best is None:
         lines.append("Nothing fits: lower --rank/--batch/--size, use checkpointing, --optimizer adamw_8bit, "
                      "or stored weights such as --weights fp8_e4m3fn.")
     return "\n".join(lines)
+
+
+def _offload_head(mode: str) -> str:
+    return {"off": "", "on": ", activation offload", "auto": ", activation offload auto"}[mode]
+
+
+def _tier(plan) -> str:
+    return plan.tier + (f" {plan.blocks_to_swap}" if plan.blocks_to_swap else "")
+
+
+def _pinned_ceiling(gb: float | None) -> int | None:
+    import math
+
+    if gb is None:
+        return None
+    if not math.isfinite(gb) or gb < 0:
+        raise ValueError(f"--max-pinned-ram-gb {gb} must be 0 (no pinning) or more.")
+    return int(gb * GIB)
 
 
 def _gib(nbytes: int) -> str:

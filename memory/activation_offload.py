@@ -21,8 +21,13 @@ once per size under the RAM ceiling, reused step after step.
 
 A block's input that is also the previous block's input (Wan's text embedding, the timestep
 projection, rotary tables: the loop hands every block the same object) stays on the device by
-reference: it lives there anyway, so a host copy would only cost a copy. A tensor over the pool's
-ceiling stays on the device too (counted in `stats()["over_cap"]`).
+reference: it lives there anyway, so a host copy would only cost a copy. The first block has no
+previous one, so all its tensor inputs are offloaded, those later blocks share included (Wan's
+text embedding and timestep projection; tuples such as rotary tables are not saved tensors).
+A tensor over the pool's ceiling stays on the device too (counted in `stats()["over_cap"]`).
+The training planner runs the same rules: it traces what `saving` offloads per block
+(`block_inputs`) and splits it at the pinned ceiling with the pool's own `take`
+(`split_at_ceiling`), so plan and run agree on what moves and what stays.
 
 On the CPU (and the tests' stand-in devices) the copies are plain synchronous host copies at the
 source's address modulo LINE (MKL rounds by alignment: docs/bit-identity.md), so the schedule and
@@ -35,7 +40,8 @@ import logging
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from enum import Enum
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -50,6 +56,25 @@ _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 
 class ActivationOffloadError(RuntimeError):
     pass
+
+
+class OffloadMode(str, Enum):
+    """off / on, or auto: on only where the training plan says the step fits with it and not without."""
+
+    OFF = "off"
+    ON = "on"
+    AUTO = "auto"
+
+
+def offload_mode(value: object, name: str = "activation_offload") -> OffloadMode:
+    """`value` as an OffloadMode: a mode or its name, or a boolean (the input was one before auto
+    existed, and saved workflows and prompts still hand True/False over): True is on, False off."""
+    if isinstance(value, bool):
+        return OffloadMode.ON if value else OffloadMode.OFF
+    try:
+        return OffloadMode(getattr(value, "value", value))
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not one of off, on, auto (or true/false).") from None
 
 
 def _outer_hooks() -> tuple[Callable, Callable]:
@@ -71,6 +96,36 @@ def host_buffer_bytes(nbytes: int) -> int:
     """The pinned buffer an input of `nbytes` takes (the pool's size classes; the planner counts the same):
     a power of two with room to start the copy at its source's offset in a line."""
     return _power_of_two(nbytes + LINE)
+
+
+def _stand_in(nbytes: int) -> torch.Tensor:
+    """A buffer that has a size and no memory: what planning runs the pool on."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+
+@dataclass(frozen=True)
+class CeilingSplit:
+    """Where one step's block inputs go under a pinned ceiling (`split_at_ceiling`)."""
+
+    moved_bytes: int  # input bytes copied to the host (and back) per step
+    host_bytes: int  # the pinned buffers they take (the pool's size classes)
+    kept_bytes: int  # inputs over the ceiling: they stay on the device
+    kept_inputs: int
+
+
+def split_at_ceiling(sizes: Iterable[int], cap_bytes: int) -> CeilingSplit:
+    """What a run does with block inputs of `sizes` bytes (in the forward's order) under a pinned
+    ceiling of `cap_bytes`: the pool's own `take`, on stand-in buffers, so planner and run share
+    one rule. Every step after the first reuses the first step's buffers in the same order, so one
+    step answers for the run."""
+    pool = ActivationPool(_stand_in, cap_bytes)
+    moved = kept = count = 0
+    for nbytes in sizes:
+        if pool.take(nbytes) is None:
+            kept, count = kept + nbytes, count + 1
+        else:
+            moved += nbytes
+    return CeilingSplit(moved, pool.pinned_bytes, kept, count)
 
 
 class ActivationPool:
@@ -220,6 +275,7 @@ class _Saved:
     block: "_Block"
     buffer: torch.Tensor
     host: torch.Tensor
+    nbytes: int
     device: torch.Tensor | None = None
     token: Any = None
     unpacked: bool = False
@@ -285,6 +341,11 @@ class ActivationOffload:
         finally:
             self._carried = set()
 
+    def block_inputs(self) -> list[list[int]]:
+        """Bytes offloaded per checkpointed block so far in this step (forward order); the planner
+        traces them (memory/plan/train.py), the run's total is `offloaded_bytes`."""
+        return [[saved.nbytes for saved in block.saved] for block in self._blocks]
+
     def begin_backward(self) -> None:
         """The backward re-runs the last block first: start copying its inputs (and the next ones)."""
         self._previous = []
@@ -317,7 +378,7 @@ class ActivationOffload:
             return None
         host = _view_like(buffer, tensor)
         block = self._blocks[-1]
-        saved = _Saved(block, buffer, host)
+        saved = _Saved(block, buffer, host, nbytes)
         saved.token = self.copies.to_host(tensor, host)
         block.saved.append(saved)
         self.offloaded_bytes += nbytes

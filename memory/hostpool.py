@@ -70,9 +70,9 @@ LINE = 64  # bytes, a cache line; a copy keeps its original's address modulo LIN
 PINNED_HEADROOM_BYTES = 8 * GiB
 
 
-def default_pinned_cap() -> int:
-    """Half of the RAM that is free now, keeping PINNED_HEADROOM_BYTES unpinned."""
-    available = psutil.virtual_memory().available
+def default_pinned_cap(available: int | None = None) -> int:
+    """Half of the RAM that is free now (or `available` bytes: a plan's), keeping PINNED_HEADROOM_BYTES unpinned."""
+    available = psutil.virtual_memory().available if available is None else available
     return max(0, min(available // 2, available - PINNED_HEADROOM_BYTES))
 
 

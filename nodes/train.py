@@ -15,7 +15,8 @@ from ..training import (
     prepare_training_data, train_lora,
 )
 from ..training.objective import EXPERT_COMPONENTS
-from ..training.plan import choose_training_strategy
+from ..memory.activation_offload import OffloadMode, offload_mode
+from ..training.plan import choose_training_strategy, resolve_activation_offload
 from ..training.save import lora_file_name
 from . import host
 from .checks import literal_problems, pipeline_input
@@ -37,13 +38,17 @@ def _run_strategy(strategy):
 
 
 def _train_strategy(strategy, pipeline, data, settings: TrainSettings, device):
-    """The strategy to train with and, for offload=auto, the training planner's choice behind it."""
+    """(strategy, settings, plan choice): offload=auto takes the training planner's tier, and
+    activation_offload=auto the plan's on or off (for the tier chosen, by the planner or by hand)."""
     choice = one_process_only(as_choice(strategy, "Train LoRA"), "Train LoRA")
-    if not choice.auto:
-        return choice.strategy, None
+    planning = choice.auto or settings.activation_offload is OffloadMode.AUTO
+    if not planning:
+        return choice.strategy, settings, None
     vram, ram = choice.budgets(device)
-    chosen = choose_training_strategy(pipeline, data, settings, choice.strategy, vram, ram)
-    return chosen.strategy, chosen
+    can_pin = pipeline.backend(device).can_pin
+    plan = choose_training_strategy if choice.auto else resolve_activation_offload
+    chosen = plan(pipeline, data, settings, choice.strategy, vram, ram, can_pin)
+    return chosen.strategy, chosen.settings(settings), chosen
 
 
 class VidMemPrepareTrainingData:
@@ -149,25 +154,31 @@ class VidMemTrainLoRA:
                 "expert": (list(EXPERT_COMPONENTS), {"default": "both", "tooltip": "Wan 2.2 A14B trains one "
                            "expert per run: high_noise or low_noise (load the LoRA on that expert). Others: both."}),
             },
-            # optional: prompts saved before this input existed still validate
+            # optional: prompts saved before this input existed still validate. Once a BOOLEAN: VALIDATE_INPUTS
+            # names it, so ComfyUI skips its own list check and a saved true/false still queues (as on/off).
             "optional": {
-                "activation_offload": ("BOOLEAN", {"default": False, "tooltip": "Keep each checkpointed block's input "
-                                       "in pinned RAM instead of VRAM, copied back one block ahead of the backward on "
-                                       "the copy stream: VRAM holds about one block's activations, RAM grows by every "
-                                       "block's input, each input crosses PCIe twice per step; the same LoRA. Needs "
-                                       "gradient_checkpointing; offload=auto plans with it."}),
+                "activation_offload": ([m.value for m in OffloadMode], {"default": OffloadMode.OFF.value, "tooltip":
+                                       "on: keep each checkpointed block's input in pinned RAM instead of VRAM, "
+                                       "copied back one block ahead of the backward on the copy stream: VRAM holds "
+                                       "about one block's activations, RAM grows by every block's input, each input "
+                                       "crosses PCIe twice per step; the same LoRA. Inputs past the pinned ceiling "
+                                       "(max_pinned_ram_gb) stay in VRAM. auto: on only when the training plan says "
+                                       "the step does not fit the budgets without it and fits with it (the receipt "
+                                       "says which and why). Needs gradient_checkpointing (auto stays off without)."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, alpha=None, learning_rate=None):
-        """The float widgets are named so NaN is refused when queued (it passes ComfyUI's min/max)."""
-        return literal_problems(cls, alpha=alpha, learning_rate=learning_rate) or True
+    def VALIDATE_INPUTS(cls, alpha=None, learning_rate=None, activation_offload=None):
+        """The float widgets are named so NaN is refused when queued (it passes ComfyUI's min/max);
+        activation_offload so a workflow saved when it was a BOOLEAN still queues (true/false: on/off)."""
+        return (literal_problems(cls, alpha=alpha, learning_rate=learning_rate)
+                or _offload_problem(activation_offload) or True)
 
     def train(self, pipeline, data, strategy, lora_name, rank, alpha, learning_rate, steps, batch_size, seed,
               target_modules, gradient_checkpointing, optimizer, checkpoint_every, resume, expert="both",
-              activation_offload=False, unique_id=None):
+              activation_offload="off", unique_id=None):
         pipeline = pipeline_input(pipeline, "Train LoRA")
         file_name = lora_file_name(lora_name)
         settings = TrainSettings(rank, alpha, learning_rate, steps, batch_size, seed, target_modules,
@@ -175,7 +186,7 @@ class VidMemTrainLoRA:
                                  activation_offload=activation_offload)
         outputs = TrainOutputs(host.loras_folder() / file_name, host.training_folder() / "checkpoints" / file_name.removesuffix(".safetensors"))
         device = host.compute_device()
-        run, chosen = _train_strategy(strategy, pipeline, data, settings, device)
+        run, settings, chosen = _train_strategy(strategy, pipeline, data, settings, device)
         bar = host.Progress(steps, "training")
 
         def progress(done, total, loss):
@@ -197,6 +208,16 @@ class VidMemTrainLoRA:
         text = "\n".join([format_receipt(f"Train LoRA: {file_name} after {result.receipt['steps']} steps", receipt),
                           *train_lines(receipt, settings)])
         return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (with_lora(pipeline, spec), file_name)}
+
+
+def _offload_problem(value) -> str | None:
+    if value is None:  # not given: the default
+        return None
+    try:
+        offload_mode(value)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def prepare_lines(receipt: dict) -> list[str]:

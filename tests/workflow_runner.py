@@ -116,12 +116,31 @@ def node_spec(class_type: str) -> NodeSpec:
 
         cls = ours[class_type]
         names = getattr(cls, "RETURN_NAMES", None) or cls.RETURN_TYPES
-        return NodeSpec(cls.INPUT_TYPES(), tuple(cls.RETURN_TYPES), tuple(names), NODE_DISPLAY_NAME_MAPPINGS[class_type])
+        inputs = _node_validated(cls.INPUT_TYPES(), cls)
+        return NodeSpec(inputs, tuple(cls.RETURN_TYPES), tuple(names), NODE_DISPLAY_NAME_MAPPINGS[class_type])
     if class_type in CORE_NODES:
         return CORE_NODES[class_type]
     if class_type in VIRTUAL_NODES:
         return VIRTUAL_NODES[class_type]
     raise KeyError(f"node type {class_type!r} is neither a vidmem node nor one of the core nodes {sorted(CORE_NODES)}")
+
+
+NODE_VALIDATES = "vidmem_node_validates"  # config mark: the node's VALIDATE_INPUTS names this input
+
+
+def _node_validated(inputs: Mapping, cls: type) -> dict:
+    """INPUT_TYPES with the inputs VALIDATE_INPUTS names marked: ComfyUI then skips its own list
+    check for a combo (a workflow saved when the input was a BOOLEAN still queues)."""
+    import inspect
+
+    validate = getattr(cls, "VALIDATE_INPUTS", None)
+    named = set(inspect.getfullargspec(validate).args) if validate is not None else set()
+    marked = {}
+    for section, entries in inputs.items():
+        marked[section] = {name: (entry[0], {**(entry[1] if len(entry) > 1 else {}), NODE_VALIDATES: True})
+                           if name in named and isinstance(entry[0], list) else entry
+                           for name, entry in entries.items()} if isinstance(entries, Mapping) else entries
+    return marked
 
 
 def is_widget(input_type: Any) -> bool:
@@ -147,7 +166,7 @@ def socket_inputs(spec: NodeSpec) -> list[tuple[str, str, bool]]:
 def value_problem(input_type: Any, config: Mapping, value: Any) -> str | None:
     """Why `value` would fail ComfyUI's validation of a widget input, or None if it is fine."""
     if isinstance(input_type, list):
-        return None if value in input_type else f"{value!r} is not one of {input_type}"
+        return None if value in input_type or config.get(NODE_VALIDATES) else f"{value!r} is not one of {input_type}"
     expected = {"INT": int, "FLOAT": (int, float), "STRING": str, "BOOLEAN": bool}[input_type]
     if not isinstance(value, expected) or (input_type in ("INT", "FLOAT") and isinstance(value, bool)):
         return f"{value!r} is not a {input_type}"

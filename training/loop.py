@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy
-from ..memory.activation_offload import ActivationOffload, ActivationPool, copies_for
+from ..memory.activation_offload import ActivationOffload, ActivationPool, OffloadMode, copies_for
 from ..memory.hostpool import pinned_cap_bytes
 from ..memory.blockswap import Observer
 from ..memory.offload import device_weight_bytes
@@ -115,6 +115,9 @@ def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: T
 
 def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, check_interrupt, resume, observer) -> TrainResult:
     component = check_request(loaded, data, strategy, settings)
+    if settings.activation_offload is OffloadMode.AUTO:  # before anything moves
+        raise TrainingError("activation_offload='auto' is decided by the training plan: resolve it first "
+                            "(training.plan.resolve_activation_offload, as Train LoRA does) or pass 'on' or 'off'.")
     check_writable(outputs.lora_path)
     model = getattr(loaded.pipe, component)
     targets = find_targets(model, component, settings.target_modules, loaded.spec.blocks_attr)
@@ -189,7 +192,7 @@ def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: Train
 
 def _activation_offload(settings: TrainSettings, strategy: MemoryStrategy, backend) -> ActivationOffload | None:
     """The run's activation offload (None when off); its ceiling is set once the weights have their homes."""
-    if not settings.activation_offload:
+    if settings.activation_offload is not OffloadMode.ON:
         return None
     pin = backend.pin_arena if backend.can_pin else (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
     return ActivationOffload(copies_for(backend), ActivationPool(pin, 0), strategy.prefetch_blocks)

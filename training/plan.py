@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..memory import MemoryStrategy
+from ..memory.activation_offload import OffloadMode
+from ..memory.hostpool import pinned_cap_bytes
 from ..memory.plan.train import trace_activations
-from ..memory.plan.train_plan import TrainPlan, TrainRequest, advice, recommended, training_plans
+from ..memory.plan.train_plan import (TrainPlan, TrainRequest, advice, ceiling_note, recommended, strategy_plan,
+                                      training_plans)
 from ..memory.plan.types import Call, VideoShape
 from ..memory.storage import FORMATS
 from ..memory.units import GiB
@@ -22,6 +25,9 @@ from .errors import TrainingError
 from .inference import training_mode
 from .settings import TrainSettings
 
+
+
+UNPINNED = 1 << 62  # a backend that does not pin (the CPU): its host buffers have no pinned ceiling
 
 
 @dataclass(frozen=True)
@@ -33,12 +39,30 @@ class TrainingChoice:
     shape: VideoShape
     budgets: tuple[int, int]  # (VRAM, RAM) bytes planned against
 
+    fixed: bool = False  # the tier was chosen by hand; the plan decided activation_offload auto only
+
     def describe(self) -> str:
         shape = self.shape
-        return (f"auto chose {self.strategy.describe()} for the training step at {shape.width}x{shape.height}x"
+        strategy = self.strategy.describe()
+        chose = f"{strategy} (chosen by hand)" if self.fixed else f"auto chose {strategy}"
+        return (f"{chose} for the training step at {shape.width}x{shape.height}x"
                 f"{shape.frames}, batch {shape.batch}: predicted peak VRAM {self.plan.peak_vram_bytes / GiB:.2f} GiB, "
                 f"RAM {self.plan.peak_ram_bytes / GiB:.2f} GiB (budgets {self.budgets[0] / GiB:.2f} / "
-                f"{self.budgets[1] / GiB:.2f} GiB)")
+                f"{self.budgets[1] / GiB:.2f} GiB)" + self._offload_text())
+
+    def _offload_text(self) -> str:
+        plan = self.plan
+        if not plan.activation_offload and not plan.activation_offload_reason:
+            return ""
+        text = f"; activation offload {'on' if plan.activation_offload else 'off'}"
+        if plan.activation_offload_reason:
+            text += f" ({plan.activation_offload_reason})"
+        note = ceiling_note([plan])
+        return text + (f"; {note}" if note else "")
+
+    def settings(self, settings: TrainSettings) -> TrainSettings:
+        """`settings` with activation_offload as the plan has it (auto resolved to on or off)."""
+        return replace(settings, activation_offload=OffloadMode.ON if self.plan.activation_offload else OffloadMode.OFF)
 
     def receipt(self, measured: dict) -> dict:
         """The plan's predictions, and beside them the run's measured peaks (`StageMeter.as_dict()`)."""
@@ -46,7 +70,14 @@ class TrainingChoice:
                   "shape": [self.shape.width, self.shape.height, self.shape.frames, self.shape.batch],
                   "predicted_peak_vram_bytes": self.plan.peak_vram_bytes,
                   "predicted_peak_ram_bytes": self.plan.peak_ram_bytes,
-                  "vram_budget_bytes": self.budgets[0], "ram_budget_bytes": self.budgets[1]}
+                  "vram_budget_bytes": self.budgets[0], "ram_budget_bytes": self.budgets[1],
+                  "activation_offload": self.plan.activation_offload}
+        if self.plan.activation_offload_reason:
+            record["activation_offload_reason"] = self.plan.activation_offload_reason
+        if self.plan.activation_offload:
+            record.update(predicted_offloaded_bytes_per_step=self.plan.activation_moved_bytes,
+                          predicted_activation_host_bytes=self.plan.activation_host_bytes,
+                          predicted_inputs_kept_on_device=self.plan.activation_kept_inputs)
         if measured.get("peak_allocated_bytes") is not None:
             record["measured_peak_vram_bytes"] = measured["peak_allocated_bytes"]
         if measured.get("peak_rss_bytes"):
@@ -63,16 +94,22 @@ def planned_shape(data, settings: TrainSettings) -> VideoShape:
     return VideoShape(largest.width, largest.height, largest.frames, batch=settings.batch_size, cfg=False)
 
 
-def training_request(settings: TrainSettings, base: MemoryStrategy, storage: str | None) -> TrainRequest:
+def training_request(settings: TrainSettings, base: MemoryStrategy, storage: str | None,
+                     pinned_ceiling: int | None = None) -> TrainRequest:
     return TrainRequest(rank=settings.rank, optimizer=settings.optimizer.value, checkpointing=settings.gradient_checkpointing,
                         targets=tuple(settings.target_modules), storage=storage, prefetch_blocks=base.prefetch_blocks,
-                        activation_offload=settings.activation_offload)
+                        activation_offload=settings.activation_offload, pinned_ceiling_bytes=pinned_ceiling)
 
 
 def plan_training_step(model, denoiser: str, shape: VideoShape, vram: int, ram: int,
                        request: TrainRequest) -> tuple[list[TrainPlan], int | None]:
     """Every tier's plan for one training step of `model`'s `denoiser` (a MetaModel from
     vidmem.pipelines.configs) and the index of the recommended one (None: nothing fits)."""
+    plans = training_plans(model, denoiser, shape, vram, ram, request, _tracer(model, denoiser, shape, request))
+    return plans, recommended(plans)
+
+
+def _tracer(model, denoiser: str, shape: VideoShape, request: TrainRequest):
     from ..pipelines.configs import workloads
 
     module = model.traced_module(denoiser)
@@ -81,28 +118,19 @@ def plan_training_step(model, denoiser: str, shape: VideoShape, vram: int, ram: 
 
     def activations(checkpointing: bool):
         return trace_activations(module, blocks, run, request.rank, request.targets, checkpointing, request.attention)
-
-    plans = training_plans(model, denoiser, shape, vram, ram, request, activations)
-    return plans, recommended(plans)
+    return activations
 
 
 def choose_training_strategy(loaded, data, settings: TrainSettings, base: MemoryStrategy,
-                             vram: int, ram: int) -> TrainingChoice:
-    """The fastest tier whose predicted training step fits both budgets; TrainingError if none does."""
-    from ..pipelines.planning import planner_model
-
-    from .loop import check_request
-
-    # The run's own checks first, so bad input is named as without auto, not as a planning failure.
-    component = check_request(loaded, data, base, settings)
-    model = getattr(loaded.pipe, component)
-    check_rank(model, find_targets(model, component, settings.target_modules, loaded.spec.blocks_attr), settings.rank)
-    shape = planned_shape(data, settings)
-    stored = loaded.storage.get(component) if hasattr(loaded, "storage") else None
-    request = training_request(settings, base, stored if stored in FORMATS else None)
+                             vram: int, ram: int, can_pin: bool = True) -> TrainingChoice:
+    """The fastest tier whose predicted training step fits both budgets; TrainingError if none does.
+    With activation_offload auto, each tier's plan has it on only where the step fits with it and
+    not without; `choice.settings(settings)` is the run's settings with it resolved. `can_pin`:
+    whether the run's backend pins (False: no pinned ceiling, as on the CPU)."""
+    component, shape, request, model = _planning_inputs(loaded, data, settings, base, can_pin)
     try:
         with training_mode():  # the trace runs a backward: not under the host's inference mode
-            plans, best = plan_training_step(planner_model(loaded), component, shape, vram, ram, request)
+            plans, best = plan_training_step(model, component, shape, vram, ram, request)
     except ValueError as error:
         raise TrainingError(f"offload=auto could not plan this training step: {error}; choose an offload tier "
                             "on the Memory Strategy node.") from None
@@ -111,6 +139,41 @@ def choose_training_strategy(loaded, data, settings: TrainSettings, base: Memory
     plan = plans[best]
     strategy = replace(base, offload=plan.tier, blocks_to_swap=plan.blocks_to_swap)
     return TrainingChoice(strategy, plan, shape, (vram, ram))
+
+
+def resolve_activation_offload(loaded, data, settings: TrainSettings, strategy: MemoryStrategy,
+                               vram: int, ram: int, can_pin: bool = True) -> TrainingChoice:
+    """activation_offload auto on a tier chosen by hand: the plan of that strategy decides (on only
+    when the step does not fit without it and fits with it). The strategy is kept either way;
+    `choice.settings(settings)` is the run's settings with on or off."""
+    component, shape, request, model = _planning_inputs(loaded, data, settings, strategy, can_pin)
+    try:
+        with training_mode():
+            plan = strategy_plan(model, component, shape, vram, ram, request, _tracer(model, component, shape, request),
+                                 strategy)
+    except ValueError as error:
+        raise TrainingError(f"activation_offload=auto could not plan this training step: {error}; set "
+                            "activation_offload to on or off.") from None
+    return TrainingChoice(strategy, plan, shape, (vram, ram), fixed=True)
+
+
+def _planning_inputs(loaded, data, settings: TrainSettings, base: MemoryStrategy, can_pin: bool = True):
+    """(component, shape, request, planner model); the run's own checks first, so bad input is named
+    as without a plan, not as a planning failure."""
+    from ..pipelines.planning import planner_model
+
+    from .loop import check_request
+
+    component = check_request(loaded, data, base, settings)
+    model = getattr(loaded.pipe, component)
+    check_rank(model, find_targets(model, component, settings.target_modules, loaded.spec.blocks_attr), settings.rank)
+    shape = planned_shape(data, settings)
+    stored = loaded.storage.get(component) if hasattr(loaded, "storage") else None
+    pool = getattr(loaded, "host_pool", None)
+    # the run's ceiling (training/loop.py `_activation_cap`); the planner takes the weights' homes from it
+    ceiling = pinned_cap_bytes(base.max_pinned_ram_gb, getattr(pool, "host_room_bytes", None)) if can_pin else UNPINNED
+    request = training_request(settings, base, stored if stored in FORMATS else None, ceiling)
+    return component, shape, request, planner_model(loaded)
 
 
 def _nothing_fits(plans: list[TrainPlan], shape: VideoShape, vram: int, ram: int) -> str:

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from numbers import Integral, Real
 
+from ..memory.activation_offload import OffloadMode, offload_mode
 from .errors import TrainingError
 from .optim import OptimizerName
 
@@ -29,8 +30,10 @@ class TrainSettings:
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0  # 0 turns clipping off
     # Checkpointed block inputs wait in (pinned) host memory until the backward: same LoRA, less VRAM,
-    # more RAM and a copy per block each way (memory/activation_offload.py). Needs gradient_checkpointing.
-    activation_offload: bool = False
+    # more RAM and a copy per block each way (memory/activation_offload.py). on needs gradient_checkpointing;
+    # auto: on only when the training plan says the step fits with it and not without (training/plan.py
+    # resolves it before the run). True/False (saved workflows) are on/off.
+    activation_offload: OffloadMode = OffloadMode.OFF
 
     def __post_init__(self) -> None:
         try:
@@ -54,9 +57,11 @@ class TrainSettings:
             raise TrainingError("weight_decay and max_grad_norm must be 0 or more.")
         if not isinstance(self.gradient_checkpointing, bool):
             raise TrainingError(f"gradient_checkpointing={self.gradient_checkpointing!r} must be true or false.")
-        if not isinstance(self.activation_offload, bool):
-            raise TrainingError(f"activation_offload={self.activation_offload!r} must be true or false.")
-        if self.activation_offload and not self.gradient_checkpointing:
+        try:
+            object.__setattr__(self, "activation_offload", offload_mode(self.activation_offload))
+        except ValueError as error:
+            raise TrainingError(str(error)) from None
+        if self.activation_offload is OffloadMode.ON and not self.gradient_checkpointing:
             raise TrainingError("activation_offload needs gradient_checkpointing on: it moves the checkpointed blocks' "
                                 "inputs to host memory, and without checkpointing there are none. Turn "
                                 "gradient_checkpointing on, or activation_offload off.")

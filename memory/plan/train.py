@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from ..accounting import Attention, TensorLedger
+from ..activation_offload import ActivationOffload, ActivationPool, InlineCopies
 
 FP32 = 4
 BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit states (one float32 absmax per block per state)
@@ -105,6 +106,9 @@ class ActivationPeaks:
     one_block: int
     two_blocks: int
     kept_per_block: int = 0
+    # What activation offload moves (bytes per tensor, `trace_offloaded_inputs`): the first
+    # checkpointed block's inputs, then each later block's. None: not traced, one `per_block` each.
+    offloaded: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def per_block(self) -> int:
@@ -122,6 +126,15 @@ class ActivationPeaks:
         return self.one_block + min(max(1, prefetch), max(0, blocks - 1)) * self.per_block + blocks * self.kept_per_block
 
 
+    def offloaded_inputs(self, moved_blocks: int) -> list[int]:
+        """The inputs activation offload moves in one step over `moved_blocks` checkpointed blocks,
+        in the forward's order (bytes each): what the run's pool is asked for, in that order."""
+        if moved_blocks < 1:
+            return []
+        first, later = self.offloaded or ((self.per_block,), (self.per_block,))
+        return [n for n in first if n] + [n for _ in range(moved_blocks - 1) for n in later if n]
+
+
 def trace_activations(module: nn.Module, blocks: nn.ModuleList, run: Callable[[], torch.Tensor], rank: int,
                       targets: tuple[str, ...], checkpointing: bool,
                       attention: Attention = Attention.FUSED) -> ActivationPeaks:
@@ -133,7 +146,52 @@ def trace_activations(module: nn.Module, blocks: nn.ModuleList, run: Callable[[]
             peaks.append(_trace_step(run, attention, counter))
             if keep == 1 and checkpointing:
                 kept = counter.forward_bytes
-    return ActivationPeaks(*peaks, kept_per_block=kept)
+    moved = trace_offloaded_inputs(module, blocks, run, rank, targets) if checkpointing else None
+    return ActivationPeaks(*peaks, kept_per_block=kept, offloaded=moved)
+
+
+def trace_offloaded_inputs(module: nn.Module, blocks: nn.ModuleList, run: Callable[[], torch.Tensor], rank: int,
+                           targets: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Bytes activation offload moves for the first checkpointed block and for a later one (a forward
+    on meta with two blocks). The run's own `ActivationOffload.saving` wraps each block, called as the
+    trainer calls it: through the model's gradient-checkpointing switch, which hands each block its
+    inputs positionally (what checkpoint saves, and so what the offload sees). The first block moves
+    every tensor input; a later one only those the previous block was not handed."""
+    offload = ActivationOffload(InlineCopies(torch.device("meta")),
+                                ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8, device="meta"), 1 << 62))
+
+    def checkpointed(block, *args, **kwargs):
+        with offload.saving(args):
+            return checkpoint(block.__call__, *args, use_reentrant=False, **kwargs)
+
+    try:
+        with _training_view(module, blocks, 2, rank, targets, checkpointing=False), \
+                _checkpointing_switch(module, checkpointed), torch.enable_grad():
+            run()
+            moved = offload.block_inputs()
+    finally:
+        offload.close()
+    if not moved:  # no checkpointing switch (a plain module): the planner counts one `per_block` input a block
+        return None
+    return tuple(moved[0]), tuple(moved[1]) if len(moved) > 1 else tuple(moved[0])
+
+
+@contextmanager
+def _checkpointing_switch(module: nn.Module, func: Callable) -> Iterator[None]:
+    """diffusers' per-block checkpointing on, through `func`; put back exactly on exit."""
+    switches = [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
+    saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in switches]
+    try:
+        for m in switches:
+            m.gradient_checkpointing, m._gradient_checkpointing_func = True, func
+        yield
+    finally:
+        for m, flag, previous in saved:
+            m.gradient_checkpointing = flag
+            if previous is None:
+                m.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                m._gradient_checkpointing_func = previous
 
 
 def _trace_step(run: Callable[[], torch.Tensor], attention: Attention, counter: "_SelfAttentionOutputs | None" = None) -> int:

@@ -13,9 +13,15 @@ memory: the device's activations drop to one block's worth plus the inputs prefe
 backward (`ActivationPeaks.offloaded_at`; the trainer turns selective checkpointing off with it, so
 nothing else stays per block), RAM rises by every block's input, each in a buffer
 rounded up to a power of two as the pinned pool makes them, and each input crosses PCIe twice per
-step (`activation_copy_seconds`, hidden behind the re-runs when the prefetch keeps up). A plan
+step (`activation_copy_seconds`, hidden behind the re-runs when the prefetch keeps up). The inputs
+are the ones the run moves, traced (`trace_offloaded_inputs`: the first block's shared inputs
+included), and they are split at the pinned ceiling by the pool's own rule (`split_at_ceiling`):
+the ceiling is the strategy's max_pinned_ram_gb (or the automatic one) less the streamed weights'
+pinned homes, and the inputs past it stay on the device, which the device peak then counts. A plan
 without it says whether the same tier would fit with it (`fits_with_offload`), and `advice` names
-it when it is what makes training fit.
+it when it is what makes training fit, and max_pinned_ram_gb when the ceiling keeps inputs on the GPU.
+With activation_offload auto each tier's plan turns it on only when the step does not fit without
+it and fits with it (`activation_offload_reason` says which and why).
 
 Tiers `none` and `model` hold the same during training (the denoiser is the only component the
 step uses), `block_swap` and `sequential` stream weights and need checkpointing (training/loop.py
@@ -28,9 +34,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from ..accounting import Attention
-from ..activation_offload import host_buffer_bytes
+from ..activation_offload import CeilingSplit, OffloadMode, offload_mode, split_at_ceiling
+from ..hostpool import ARENA_BYTES, default_pinned_cap
+from ..units import GiB
 from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, PCIE_BYTES_PER_S
-from .schedule import table_resident_tensors
+from .schedule import table_resident_tensors, table_streamed_unit_bytes
 from .train import ActivationPeaks, TrainingBytes, block_target_shapes, training_bytes
 from .types import Call, PlannerModel, VideoShape
 from ..strategy import MemoryStrategy, OffloadTier
@@ -47,12 +55,21 @@ class TrainRequest:
     storage: str | None = None  # StorageFormat of the denoiser's weights (None: the compute dtype)
     prefetch_blocks: int = 1
     attention: Attention = Attention.FUSED
-    activation_offload: bool = False  # checkpointed block inputs in pinned host memory
+    # Checkpointed block inputs in pinned host memory: off, on, or auto (on where only it makes the
+    # step fit). True/False are read as on/off.
+    activation_offload: OffloadMode = OffloadMode.OFF
+    # The pinned-memory ceiling in bytes (pinned_cap_bytes of the strategy's max_pinned_ram_gb and the
+    # host's room); the streamed weights' homes take their share first. None: the automatic ceiling
+    # for the RAM the budget leaves once the weights are loaded.
+    pinned_ceiling_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"--rank {self.rank} must be 1 or more (16 to 128 is usual).")
-        if self.activation_offload and not self.checkpointing:
+        object.__setattr__(self, "activation_offload", offload_mode(self.activation_offload, "--activation-offload"))
+        if self.pinned_ceiling_bytes is not None and self.pinned_ceiling_bytes < 0:
+            raise ValueError(f"--max-pinned-ram-gb must be 0 or more (got {self.pinned_ceiling_bytes / GiB:.2f} GiB).")
+        if self.activation_offload is OffloadMode.ON and not self.checkpointing:
             raise ValueError("--activation-offload moves the checkpointed blocks' inputs: it needs checkpointing "
                              "(drop --no-checkpointing).")
 
@@ -72,6 +89,11 @@ class TrainPlan:
     activation_host_bytes: int = 0  # pinned host buffers for the offloaded block inputs (in peak_ram_bytes)
     activation_copy_seconds: float = 0.0  # per step: every input to the host and back, at PCIe speed
     fits_with_offload: bool = False  # without offload: the same tier would fit with it
+    activation_moved_bytes: int = 0  # input bytes copied to the host per step (the run's offloaded_bytes / steps)
+    activation_kept_bytes: int = 0  # inputs past the pinned ceiling: they stay on the device (in activation_bytes)
+    activation_kept_inputs: int = 0
+    activation_ceiling_bytes: int = 0  # what the pinned ceiling leaves the inputs once the weights' homes are pinned
+    activation_offload_reason: str = ""  # auto: why it is on or off for this tier
 
     def as_dict(self) -> dict:
         record = asdict(self)
@@ -95,9 +117,7 @@ def training_plans(model: PlannerModel, denoiser: str, shape: VideoShape, vram: 
     if not shapes:
         raise ValueError(f"--targets {','.join(request.targets)} match no linear layer in {model.name}'s blocks; "
                          "use names such as to_q,to_k,to_v,to_out.0 (CogVideoX) or attn1.to_q,ffn.net.0.proj (Wan).")
-    lora = training_bytes(shapes, request.rank, request.optimizer)
-    model.trace(Call("denoise", denoiser, shape), request.attention)  # records the stream order residency reads
-    peaks = activations(request.checkpointing)
+    lora, peaks = _step_bytes(model, denoiser, shape, request, activations, shapes)
     plans = []
     for tier in TIERS:
         if tier is OffloadTier.BLOCK_SWAP:
@@ -108,22 +128,65 @@ def training_plans(model: PlannerModel, denoiser: str, shape: VideoShape, vram: 
     return plans
 
 
+def strategy_plan(model: PlannerModel, denoiser: str, shape: VideoShape, vram: int, ram: int, request: TrainRequest,
+                  activations: ActivationTracer, strategy: MemoryStrategy) -> TrainPlan:
+    """The plan of one strategy chosen by hand (its tier and blocks as given), e.g. to decide
+    activation_offload auto for it."""
+    model.check_shape(shape)
+    blocks = model.blocks(denoiser)
+    if blocks is None:
+        raise ValueError(f"{denoiser} of {model.name} has no transformer blocks to train LoRA on.")
+    shapes = block_target_shapes(blocks, request.targets)
+    lora, peaks = _step_bytes(model, denoiser, shape, request, activations, shapes)
+    return _plan(model, denoiser, strategy, vram, ram, request, lora, peaks)
+
+
+def _step_bytes(model, denoiser, shape, request, activations, shapes) -> tuple[TrainingBytes, ActivationPeaks]:
+    lora = training_bytes(shapes, request.rank, request.optimizer)
+    model.trace(Call("denoise", denoiser, shape), request.attention)  # records the stream order residency reads
+    return lora, activations(request.checkpointing)
+
+
 def recommended(plans: list[TrainPlan]) -> int | None:
     return next((i for i, plan in enumerate(plans) if plan.fits), None)
 
 
 def advice(plans: list[TrainPlan]) -> str:
     """Names activation offload when it makes a tier fit that does not without it: when nothing
-    fits, or when it lets a faster tier than the recommended one fit. "" otherwise."""
+    fits, or when it lets a faster tier than the recommended one fit; and max_pinned_ram_gb when
+    the pinned ceiling keeps block inputs on the GPU. "" otherwise."""
+    return " ".join(text for text in (_offload_advice(plans), ceiling_note(plans)) if text)
+
+
+def _offload_advice(plans: list[TrainPlan]) -> str:
     best = recommended(plans)
     faster = plans if best is None else plans[:best]
     enabled = next((p for p in faster if p.fits_with_offload), None)
     if enabled is None:
         return ""
-    tier = enabled.tier + (f" {enabled.blocks_to_swap}" if enabled.blocks_to_swap else "")
-    return (f"activation offload makes {tier} fit{'' if best is None else ' (faster than ' + plans[best].tier + ')'}: "
+    faster_than = "" if best is None else f" (faster than {plans[best].tier})"
+    return (f"activation offload makes {_tier(enabled)} fit{faster_than}: "
             "the checkpointed block inputs wait in pinned RAM and come back ahead of the backward (vidmem plan "
             "--train --activation-offload; Train LoRA's activation_offload input).")
+
+
+def ceiling_note(plans: list[TrainPlan]) -> str:
+    """The recommended plan's (or, when nothing fits, the first offloaded one's) inputs that the
+    pinned ceiling keeps on the GPU, and the fix; "" when every input it moves fits the ceiling."""
+    best = recommended(plans)
+    candidates = [plans[best]] if best is not None else plans
+    plan = next((p for p in candidates if p.activation_offload and p.activation_kept_inputs), None)
+    if plan is None:
+        return ""
+    return (f"with activation offload on {_tier(plan)}, {plan.activation_kept_inputs} block inputs "
+            f"({plan.activation_kept_bytes / GiB:.2f} GiB) stay on the GPU, past the pinned ceiling "
+            f"({plan.activation_ceiling_bytes / GiB:.2f} GiB left for them after the weights' pinned homes; counted in "
+            "its peak VRAM): raise max_pinned_ram_gb on the Memory Strategy node (vidmem plan --max-pinned-ram-gb) "
+            "to move them to RAM.")
+
+
+def _tier(plan: TrainPlan) -> str:
+    return plan.tier + (f" {plan.blocks_to_swap}" if plan.blocks_to_swap else "")
 
 
 def _fewest_swapped(model, denoiser, count, vram, ram, request, lora, peaks) -> TrainPlan:
@@ -151,25 +214,59 @@ def _plan(model: PlannerModel, denoiser: str, strategy: MemoryStrategy, vram: in
     fixed_vram = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + resident + upcast + lora.device
     fixed_ram = HOST_RUNTIME_BYTES + weights.nbytes + lora.host
     refused = "needs checkpointing" if streams and not request.checkpointing else ""
+    plain = (peaks.at(len(blocks)), 0, 0.0)
+    ceiling = _activation_ceiling(request, ram - fixed_ram, sum(table_streamed_unit_bytes(weights.table, strategy)))
     # with offload every block re-runs in full (selective checkpointing's kept outputs would stay on the device)
-    offload = _offloaded(replace(peaks, kept_per_block=0), len(blocks), request.prefetch_blocks, streams)
-    if request.activation_offload:
-        activation, host, seconds = offload
-    else:
-        activation, host, seconds = peaks.at(len(blocks)), 0, 0.0
-    vram_peak, ram_peak = fixed_vram + activation, fixed_ram + host
-    fits = not refused and vram_peak <= vram and ram_peak <= ram
-    would_fit = (not refused and not request.activation_offload and request.checkpointing
-                 and fixed_vram + offload[0] <= vram and fixed_ram + offload[1] <= ram)
+    rerun = replace(peaks, kept_per_block=0)
+    split = _offloaded_inputs(rerun, len(blocks), streams, ceiling)
+    # inputs past the ceiling stay on the device beside what offload leaves there
+    offload = (rerun.offloaded_at(len(blocks), request.prefetch_blocks) + split.kept_bytes, split.host_bytes,
+               2 * split.moved_bytes / PCIE_BYTES_PER_S)
+
+    def fits(activation, host):
+        return not refused and fixed_vram + activation <= vram and fixed_ram + host <= ram
+
+    can_offload = request.checkpointing and not refused
+    on, reason = _offload_choice(request.activation_offload, fits(*plain[:2]), can_offload and fits(*offload[:2]),
+                                 request.checkpointing)
+    activation, host, seconds = offload if on else plain
+    kept = split if on else CeilingSplit(0, 0, 0, 0)
     return TrainPlan(strategy.offload.value, strategy.blocks_to_swap, resident + upcast, lora, activation,
-                     vram_peak, ram_peak, fits, refused, request.activation_offload, host, seconds, would_fit)
+                     fixed_vram + activation, fixed_ram + host, fits(activation, host), refused, on, host, seconds,
+                     fits_with_offload=not on and can_offload and fits(*offload[:2]),
+                     activation_moved_bytes=kept.moved_bytes, activation_kept_bytes=kept.kept_bytes,
+                     activation_kept_inputs=kept.kept_inputs, activation_ceiling_bytes=ceiling if on else 0,
+                     activation_offload_reason=reason)
 
 
-def _offloaded(peaks: ActivationPeaks, blocks: int, prefetch: int, streams: bool) -> tuple[int, int, float]:
-    """(device activations, host bytes, copy seconds per step) with the checkpointed inputs offloaded.
-    Resident tiers keep the last block unwrapped (training/autograd.py): its input is not moved."""
+def _offload_choice(mode: OffloadMode, fits_without: bool, fits_with: bool, checkpointing: bool) -> tuple[bool, str]:
+    """(offload on?, why) for one tier: on and off as asked; auto turns it on only when the step
+    does not fit without it and fits with it (its copies cost time, its buffers RAM)."""
+    if mode is not OffloadMode.AUTO:
+        return mode is OffloadMode.ON, ""
+    if not checkpointing:
+        return False, "auto: off (activation offload needs checkpointing)"
+    if fits_without:
+        return False, "auto: off (the step fits without it)"
+    if fits_with:
+        return True, "auto: on (the step fits only with it)"
+    return False, "auto: off (the step does not fit with it either)"
+
+
+def _activation_ceiling(request: TrainRequest, free_ram: int, streamed: int) -> int:
+    """Pinned bytes the block inputs may take: the ceiling less the streamed weights' pinned homes,
+    which take theirs first (memory.hostpool.HostPool: whole arenas, while one more fits the ceiling;
+    the packing's slack in the last arena is not counted). The run sets the same
+    (training/loop.py `_activation_cap`)."""
+    cap = request.pinned_ceiling_bytes
+    if cap is None:  # the automatic ceiling, for the RAM free once the weights are loaded
+        cap = default_pinned_cap(max(0, free_ram))
+    arenas = min(-(-streamed // ARENA_BYTES), cap // ARENA_BYTES) if streamed else 0
+    return cap - arenas * ARENA_BYTES
+
+
+def _offloaded_inputs(peaks: ActivationPeaks, blocks: int, streams: bool, ceiling: int) -> CeilingSplit:
+    """The inputs the run moves, split at the pinned ceiling. Resident tiers keep the last block
+    unwrapped (training/autograd.py): its input is not moved."""
     moved = blocks if streams else blocks - 1
-    host = moved * host_buffer_bytes(peaks.per_block) if peaks.per_block else 0
-    return peaks.offloaded_at(blocks, prefetch), host, 2 * moved * peaks.per_block / PCIE_BYTES_PER_S
-
-
+    return split_at_ceiling(peaks.offloaded_inputs(moved), ceiling)
