@@ -36,8 +36,9 @@ const { values: args } = parseArgs({
 });
 const RUNS = (args.run ?? "").split(",").filter(Boolean); // templates run from the browser, by API name
 const TINY = { width: 32, height: 32, frames: 9, steps: 2 }; // the tiny stand-in models' size
-const TINY_TI2V = { ...TINY, width: 64, height: 64 }; // Wan 2.2 TI2V-5B's tiny stand-in: multiples of 64
-const tinyFor = (template) => (/TI2V/i.test(JSON.stringify(template.api)) ? TINY_TI2V : TINY);
+// Wan 2.2 TI2V-5B's tiny stand-in takes multiples of 64; LTX-2's tiny VAE (32x down) needs a 2x2 latent to decode
+const TINY_64 = { ...TINY, width: 64, height: 64 };
+const tinyFor = (template) => (/TI2V|LTX-2/i.test(JSON.stringify(template.api)) ? TINY_64 : TINY);
 const VIEWPORT = { width: 1600, height: 900 };
 // Readable screenshots: full detail at the fitted zoom, no minimap over the graph.
 const SETTINGS = { "LiteGraph.Canvas.MinFontSizeForLOD": 0, "Comfy.Minimap.Visible": false };
