@@ -213,7 +213,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         "chosen": chosen,
         "time": _time(plans, options),
         "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
-        "speed": _speed_lines(request, model, options),
+        "speed": _speed_lines(request, model, options, plans[chosen] if chosen is not None else None),
     }
 
 
@@ -247,10 +247,11 @@ def _window_lines(shape: VideoShape, model) -> list[str]:
             "windows a step; the denoise peak follows one window, latents and decode the whole clip"]
 
 
-def _speed_lines(request: PlanRequest, model, options: PlanOptions) -> list[str]:
+def _speed_lines(request: PlanRequest, model, options: PlanOptions, plan=None) -> list[str]:
     """What makes this run faster than the rows say: the connected Speed node's choices as they would
-    resolve on this device, and the connected step cache's skips, both known before the run."""
-    return [*_speed_node_lines(request, options), *_cache_lines(request, model)]
+    resolve on this device, and the connected step cache's skips and the time they save on `plan`
+    (the chosen row), both known before the run."""
+    return [*_speed_node_lines(request, options), *_cache_lines(request, model, plan)]
 
 
 def _planned_attention(request: PlanRequest) -> Attention:
@@ -291,10 +292,11 @@ def _step_cache(request: PlanRequest):
         return error
 
 
-def _cache_lines(request: PlanRequest, model) -> list[str]:
+def _cache_lines(request: PlanRequest, model, plan=None) -> list[str]:
+    """The connected step cache's skips, and with them the chosen row's time (`plan`, None: no row chosen)."""
     if not request.cache:
         return []
-    from ..pipelines.step_cache import layout_key, plan_line
+    from ..pipelines.step_cache import cache_plan, cached_time_line, layout_key
     from .host import mag_ratios_folder
 
     widgets = dict(request.cache)
@@ -303,9 +305,12 @@ def _cache_lines(request: PlanRequest, model) -> list[str]:
         return [f"step cache: {cache}"]
     denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items()
                  if name.startswith("transformer")}
-    line = plan_line(layout_key(model.pipeline_class, denoisers), request.steps, list(denoisers), cache,
-                     str(widgets["mag_ratios"]), mag_ratios_folder())
-    return [f"step cache: {line}"] if line else []
+    planned = cache_plan(layout_key(model.pipeline_class, denoisers), request.steps, list(denoisers), cache,
+                         str(widgets["mag_ratios"]), mag_ratios_folder())
+    if not planned.text:
+        return []
+    time = f"; {cached_time_line(plan, planned.share)}" if plan is not None and planned.share is not None else ""
+    return [f"step cache: {planned.text}{time}"]
 
 
 def _probed_device() -> str:

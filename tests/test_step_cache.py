@@ -6,6 +6,8 @@ every tier's latent must equal tier none's, bit for bit, with caching on.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import replace
 
 import pytest
@@ -315,6 +317,7 @@ def test_vidmem_plan_says_what_the_published_ratios_compute(capsys):
     main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "32", "--cache", "mag_cache"])
     out = capsys.readouterr().out
     assert "mag_cache with the published ratios (threshold 0.12, K 4, retention 0.2): steps computed transformer 21 of 50" in out
+    assert re.search(r"Time with the cache: about x0\.\d\d of the same run uncached \(42% of the denoise passes", out), out
     main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--ram", "32", "--cache", "mag_cache"])
     assert "no published MagCache ratios for this model" in capsys.readouterr().out
 
@@ -467,3 +470,17 @@ def test_the_cuda_path_keeps_its_promises_with_the_cache_on(tiny_folder, monkeyp
         assert result.receipt["cache"]["blocks_skipped"] > 0, label
         audit = Audit(fake.log).run(strategy.prefetch_blocks)
         assert not audit.problems, f"{label}: " + "; ".join(audit.problems[:5])
+
+
+def test_the_plans_time_with_a_cache_scales_the_denoise_stage_only():
+    from vidmem.memory.plan.planner import PlanOptions, VideoShape, plan_run
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.step_cache import cached_time_line
+
+    plan = plan_run(load_model("wan2.1-t2v-1.3b", "bf16"), VideoShape(832, 480, 81),
+                    MemoryStrategy(offload="block_swap", blocks_to_swap=15), PlanOptions(steps=50, device="cuda"))
+    whole = plan.seconds_with_denoise_share(1.0)
+    denoise = whole - plan.seconds_with_denoise_share(0.0)
+    assert 0 < denoise < whole  # encoding and decoding take time too
+    assert plan.seconds_with_denoise_share(0.4) == pytest.approx(whole - 0.6 * denoise)
+    assert f"about x{(whole - 0.6 * denoise) / whole:.2f} of the same run uncached" in cached_time_line(plan, 0.4)

@@ -76,8 +76,13 @@ class Plan:
 
     @property
     def est_slowdown(self) -> float:
-        seconds = sum(s.seconds(self.disk_read(s)) for s in self.stages)
+        seconds = self.seconds_with_denoise_share(1.0)
         return round(max(seconds / self.baseline_seconds, 1.0), 2) if self.baseline_seconds else 1.0
+
+    def seconds_with_denoise_share(self, share: float) -> float:
+        """The modelled seconds of every stage, the denoise stage's scaled by `share` (a step cache that
+        computes that share of the passes; 1.0: the plan as it is)."""
+        return sum(s.seconds(self.disk_read(s)) * (share if s.name == "denoise" else 1.0) for s in self.stages)
 
     def over_budget(self) -> list[str]:
         """One short line per stage over a budget ("denoise: VRAM 9.1 > 8.0 GiB, RAM 39.0 > 32.0 GiB");
