@@ -250,8 +250,7 @@ def _cache_line(model, steps: int, plan=None) -> str:
     planned = cache_plan(layout_key(model.pipeline_class, denoisers), steps, list(denoisers))
     if plan is None or planned.share is None:
         return planned.text
-    time = cached_time_line(plan, planned.share)
-    return f"{planned.text}\n{time[0].upper()}{time[1:]}."
+    return f"{planned.text}\n{cached_time_line(plan, planned.share)}"
 
 
 def _budgets(args: argparse.Namespace) -> tuple[int, int]:

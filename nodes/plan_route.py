@@ -309,7 +309,7 @@ def _cache_lines(request: PlanRequest, model, plan=None) -> list[str]:
                          str(widgets["mag_ratios"]), mag_ratios_folder())
     if not planned.text:
         return []
-    time = f"; {cached_time_line(plan, planned.share)}" if plan is not None and planned.share is not None else ""
+    time = f" {cached_time_line(plan, planned.share)}" if plan is not None and planned.share is not None else ""
     return [f"step cache: {planned.text}{time}"]
 
 

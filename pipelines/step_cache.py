@@ -679,8 +679,8 @@ def cached_time_line(plan, share: float) -> str:
     the blocks computed: 40.1% of the copies for 40.0% of the blocks on an H200) scaled by the share,
     the other stages as they are."""
     ratio = plan.seconds_with_denoise_share(share) / plan.seconds_with_denoise_share(1.0)
-    return (f"time with the cache: about x{ratio:.2f} of the same run uncached ({share:.0%} of the denoise passes "
-            "computed; encoding and decoding unchanged)")
+    return (f"Time with the cache: about x{ratio:.2f} of the same run uncached ({share:.0%} of the denoise passes "
+            "computed; encoding and decoding unchanged).")
 
 
 def _mag_cache_for(layout: str, cache: StepCache | None, ratios_name: str, folder: Path | None) -> StepCache | None:

@@ -288,13 +288,13 @@ def test_the_plan_says_what_a_connected_step_cache_skips_before_the_run():
                                           ratio_steps=published.ratio_steps), 50))
     assert len(plain) == 1 and f"steps computed transformer {expected} of 50" in plain[0], plain
     # the chosen row's time with the cache: the denoise scaled by the passes computed, encode and decode as they are
-    time = float(re.search(r"time with the cache: about x(\d\.\d\d) of the same run uncached", plain[0]).group(1))
+    time = float(re.search(r"Time with the cache: about x(\d\.\d\d) of the same run uncached", plain[0]).group(1))
     assert expected / 50 - 0.005 <= time < 1.0, plain
     bolder = _wan_13b_cache_plan(**dict(widgets, threshold="0.3", max_skip_steps="6"))["speed"][0]
     assert int(re.search(r"transformer (\d+) of 50", bolder).group(1)) < expected, bolder
     assert float(re.search(r"about x(\d\.\d\d)", bolder).group(1)) < time, bolder
     fbc = _wan_13b_cache_plan(**dict(widgets, method="first_block_cache"))["speed"][0]
-    assert "known only after the run" in fbc and "time with the cache" not in fbc
+    assert "known only after the run" in fbc and "Time with the cache" not in fbc
     assert "computes every step" in _wan_13b_cache_plan(**dict(widgets, mag_ratios="calibrate"))["speed"][0]
     missing = _wan_13b_cache_plan(**dict(widgets, mag_ratios="gone.json"))["speed"][0]
     assert "gone.json" in missing and "missing" in missing
