@@ -53,6 +53,8 @@ log = logging.getLogger("vidmem")
 # torch has no public getter for the active saved-tensor hooks (training/autograd.py says more).
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
+UNPINNED = 1 << 62  # the ceiling of a backend that does not pin (the CPU): plain RAM, which the RAM budget counts
+
 
 class ActivationOffloadError(RuntimeError):
     pass
@@ -74,7 +76,7 @@ def offload_mode(value: object, name: str = "activation_offload") -> OffloadMode
     try:
         return OffloadMode(getattr(value, "value", value))
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not one of off, on, auto (or true/false).") from None
+        raise ValueError(f"{name}={value!r} is not one of off, on, auto (a workflow saved with the old boolean: true or false, read as on or off).") from None
 
 
 def _outer_hooks() -> tuple[Callable, Callable]:

@@ -256,3 +256,18 @@ def test_train_node_takes_a_saved_boolean_and_auto(tiny_loaded, tmp_path, monkey
     assert receipt["training_plan"]["activation_offload"] is False
     assert receipt["training_plan"]["activation_offload_reason"] == "auto: off (the step fits without it)"
     assert "activation offload off (auto: off (the step fits without it))" in auto["ui"]["text"][0]
+
+
+def test_the_block_inputs_ceiling_is_less_what_the_pool_already_pinned():
+    """The run gives the block inputs the ceiling less every pinned byte its pipeline's pool holds (homes an
+    earlier sampling or training call made, never freed), so the plan may not assume fewer (found in review)."""
+    from vidmem.memory.hostpool import ARENA_BYTES
+    from vidmem.memory.plan.train_plan import TrainRequest, _activation_ceiling
+
+    cap, streamed = 8 * ARENA_BYTES, 2 * ARENA_BYTES
+    fresh = TrainRequest(rank=16, pinned_ceiling_bytes=cap)
+    assert _activation_ceiling(fresh, 0, streamed) == cap - streamed  # this tier's homes come first
+    after_sequential = TrainRequest(rank=16, pinned_ceiling_bytes=cap, pinned_already_bytes=5 * ARENA_BYTES)
+    assert _activation_ceiling(after_sequential, 0, streamed) == cap - 5 * ARENA_BYTES
+    full = TrainRequest(rank=16, pinned_ceiling_bytes=cap, pinned_already_bytes=cap + ARENA_BYTES)
+    assert _activation_ceiling(full, 0, streamed) == 0

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strategy
-from ..memory.activation_offload import ActivationOffload, ActivationPool, OffloadMode, copies_for
+from ..memory.activation_offload import UNPINNED, ActivationOffload, ActivationPool, OffloadMode, copies_for
 from ..memory.hostpool import pinned_cap_bytes
 from ..memory.blockswap import Observer
 from ..memory.offload import device_weight_bytes
@@ -202,7 +202,7 @@ def _activation_cap(strategy: MemoryStrategy, backend, host_pool) -> int:
     """Pinned buffers share the strategy's pinned ceiling with the weights' homes; unpinned ones
     (a CPU run) are plain RAM, which the planner's RAM budget already counts."""
     if not backend.can_pin:
-        return 1 << 62
+        return UNPINNED
     room = getattr(host_pool, "host_room_bytes", None)
     return pinned_cap_bytes(strategy.max_pinned_ram_gb, room) - (host_pool.pinned_bytes if host_pool else 0)
 

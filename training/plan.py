@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..memory import MemoryStrategy
-from ..memory.activation_offload import OffloadMode
+from ..memory.activation_offload import UNPINNED, OffloadMode
 from ..memory.hostpool import pinned_cap_bytes
 from ..memory.plan.train import trace_activations
 from ..memory.plan.train_plan import (TrainPlan, TrainRequest, advice, ceiling_note, recommended, strategy_plan,
@@ -27,7 +27,6 @@ from .settings import TrainSettings
 
 
 
-UNPINNED = 1 << 62  # a backend that does not pin (the CPU): its host buffers have no pinned ceiling
 
 
 @dataclass(frozen=True)
@@ -95,10 +94,11 @@ def planned_shape(data, settings: TrainSettings) -> VideoShape:
 
 
 def training_request(settings: TrainSettings, base: MemoryStrategy, storage: str | None,
-                     pinned_ceiling: int | None = None) -> TrainRequest:
+                     pinned_ceiling: int | None = None, pinned_already: int = 0) -> TrainRequest:
     return TrainRequest(rank=settings.rank, optimizer=settings.optimizer.value, checkpointing=settings.gradient_checkpointing,
                         targets=tuple(settings.target_modules), storage=storage, prefetch_blocks=base.prefetch_blocks,
-                        activation_offload=settings.activation_offload, pinned_ceiling_bytes=pinned_ceiling)
+                        activation_offload=settings.activation_offload, pinned_ceiling_bytes=pinned_ceiling,
+                        pinned_already_bytes=pinned_already)
 
 
 def plan_training_step(model, denoiser: str, shape: VideoShape, vram: int, ram: int,
@@ -172,7 +172,8 @@ def _planning_inputs(loaded, data, settings: TrainSettings, base: MemoryStrategy
     pool = getattr(loaded, "host_pool", None)
     # the run's ceiling (training/loop.py `_activation_cap`); the planner takes the weights' homes from it
     ceiling = pinned_cap_bytes(base.max_pinned_ram_gb, getattr(pool, "host_room_bytes", None)) if can_pin else UNPINNED
-    request = training_request(settings, base, stored if stored in FORMATS else None, ceiling)
+    already = getattr(pool, "pinned_bytes", 0) if can_pin else 0  # homes an earlier call left in the pool
+    request = training_request(settings, base, stored if stored in FORMATS else None, ceiling, already)
     return component, shape, request, planner_model(loaded)
 
 

@@ -80,9 +80,11 @@ class Plan:
         return round(max(seconds / self.baseline_seconds, 1.0), 2) if self.baseline_seconds else 1.0
 
     def seconds_with_denoise_share(self, share: float) -> float:
-        """The modelled seconds of every stage, the denoise stage's scaled by `share` (a step cache that
-        computes that share of the passes; 1.0: the plan as it is)."""
-        return sum(s.seconds(self.disk_read(s)) * (share if s.name == "denoise" else 1.0) for s in self.stages)
+        """The modelled seconds of every stage, the denoiser's per-step work scaled by `share` (a step
+        cache that computes that share of the passes; 1.0: the plan as it is). Work done once in the
+        denoise stage (an image encoder, LTX-2's connectors) is not skipped by a cache."""
+        return sum(w.seconds(self.disk_read(s)) * (share if s.name == "denoise" and w.passes > 1 else 1.0)
+                   for s in self.stages for w in s.work)
 
     def over_budget(self) -> list[str]:
         """One short line per stage over a budget ("denoise: VRAM 9.1 > 8.0 GiB, RAM 39.0 > 32.0 GiB");

@@ -62,6 +62,9 @@ class TrainRequest:
     # host's room); the streamed weights' homes take their share first. None: the automatic ceiling
     # for the RAM the budget leaves once the weights are loaded.
     pinned_ceiling_bytes: int | None = None
+    # Pinned bytes the pipeline's host pool already holds (homes an earlier sampling or training call
+    # made, never freed): the run's block inputs get the ceiling less all of them.
+    pinned_already_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -256,13 +259,16 @@ def _offload_choice(mode: OffloadMode, fits_without: bool, fits_with: bool, chec
 def _activation_ceiling(request: TrainRequest, free_ram: int, streamed: int) -> int:
     """Pinned bytes the block inputs may take: the ceiling less the streamed weights' pinned homes,
     which take theirs first (memory.hostpool.HostPool: whole arenas, while one more fits the ceiling;
-    the packing's slack in the last arena is not counted). The run sets the same
-    (training/loop.py `_activation_cap`)."""
+    the packing's slack in the last arena is not counted), or less what the pool already holds where
+    that is more. The run sets the ceiling less the pool's pinned bytes (training/loop.py
+    `_activation_cap`)."""
     cap = request.pinned_ceiling_bytes
     if cap is None:  # the automatic ceiling, for the RAM free once the weights are loaded
         cap = default_pinned_cap(max(0, free_ram))
     arenas = min(-(-streamed // ARENA_BYTES), cap // ARENA_BYTES) if streamed else 0
-    return cap - arenas * ARENA_BYTES
+    # homes already made count whether or not this tier streams their tensors; where this tier's
+    # streamed weights have no home yet, the run pins at least the planned arenas
+    return max(0, cap - max(arenas * ARENA_BYTES, request.pinned_already_bytes))
 
 
 def _offloaded_inputs(peaks: ActivationPeaks, blocks: int, streams: bool, ceiling: int) -> CeilingSplit:
