@@ -597,3 +597,17 @@ def test_family_templates_keep_the_models_frame_rule_and_grid_and_run_on_their_s
     assert vae["temporal_compression_ratio"] == spec.frame_step
     grid = vae["spatial_compression_ratio"] * model.components["transformer"].config["patch_size"]
     assert sampler["width"] % grid == 0 and sampler["height"] % grid == 0, (sampler["width"], sampler["height"], grid)
+
+
+def test_a_train_workflow_saved_with_the_old_boolean_activation_offload_still_validates():
+    """activation_offload was a BOOLEAN before off/on/auto: ComfyUI skips its list check for a combo the
+    node's VALIDATE_INPUTS names, and the node reads true/false as on/off; anything else is refused."""
+    from vidmem.nodes.train import VidMemTrainLoRA
+
+    spec = wr.node_spec("VidMemTrainLoRA")
+    input_type, config = next((t, c) for name, t, c, _optional in spec.ordered_inputs() if name == "activation_offload")
+    assert isinstance(input_type, list) and {"off", "on", "auto"} <= set(input_type)
+    for saved in (True, False, "auto"):
+        assert wr.value_problem(input_type, config, saved) is None
+        assert VidMemTrainLoRA.VALIDATE_INPUTS(activation_offload=saved) is True
+    assert "activation_offload" in str(VidMemTrainLoRA.VALIDATE_INPUTS(activation_offload="sometimes"))
