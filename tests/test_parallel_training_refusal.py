@@ -10,6 +10,7 @@ from fuzz_support import strategy_widgets
 from vidmem.memory import StrategyError
 from vidmem.nodes import NODE_CLASS_MAPPINGS as N
 from vidmem.nodes.train import _train_strategy
+from vidmem.training.settings import TrainSettings
 
 
 def strategy(**parallel):
@@ -25,4 +26,4 @@ def test_training_nodes_refuse_a_parallel_strategy(tiny_loaded, tmp_path, parall
                                                  "32x32", "9")
     with pytest.raises(StrategyError, match=f"Train LoRA runs on ComfyUI's device only.*{named}"):
         _train_strategy(strategy(**parallel), None, None, None, torch.device("cpu"))
-    assert _train_strategy(strategy(), None, None, None, torch.device("cpu"))[0] == strategy().strategy
+    assert _train_strategy(strategy(), None, None, TrainSettings(), torch.device("cpu"))[0] == strategy().strategy
