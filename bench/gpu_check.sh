@@ -83,18 +83,12 @@ else
     echo "== bench/gpu.py skipped: ${left}s left for rows"
 fi
 
-left=$(( BUDGET_SECONDS - ($(date +%s) - started) ))
-if [ "$left" -gt 40 ] && command -v compute-sanitizer >/dev/null; then
-    echo "== compute-sanitizer memcheck over one tiny block_swap step"
-    timeout $(( left - 10 )) compute-sanitizer --tool memcheck python3 bench/gpu.py --sanitize-step > "$OUT/sanitizer.log" 2>&1
-    echo "memcheck exit $?" | tee -a "$OUT/sanitizer.log"
-    tail -n 5 "$OUT/sanitizer.log"
-fi
-left=$(( BUDGET_SECONDS - ($(date +%s) - started) ))
-if [ "$left" -gt 40 ] && command -v compute-sanitizer >/dev/null; then
-    echo "== compute-sanitizer racecheck over the same step"
-    timeout $(( left - 10 )) compute-sanitizer --tool racecheck python3 bench/gpu.py --sanitize-step > "$OUT/racecheck.log" 2>&1
-    echo "racecheck exit $?" | tee -a "$OUT/racecheck.log"
-    tail -n 5 "$OUT/racecheck.log"
-fi
+for tool in memcheck racecheck; do  # each over one tiny block_swap step, while 40 s are left
+    left=$(( BUDGET_SECONDS - ($(date +%s) - started) ))
+    [ "$left" -gt 40 ] && command -v compute-sanitizer >/dev/null || break
+    echo "== compute-sanitizer $tool over one tiny block_swap step"
+    timeout $(( left - 10 )) compute-sanitizer --tool "$tool" python3 bench/gpu.py --sanitize-step > "$OUT/$tool.log" 2>&1
+    echo "$tool exit $?" | tee -a "$OUT/$tool.log"
+    tail -n 5 "$OUT/$tool.log"
+done
 echo "done in $(( $(date +%s) - started ))s"

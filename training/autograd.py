@@ -31,7 +31,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..memory.activation_offload import ActivationOffload
+from ..memory.activation_offload import ActivationOffload, checkpointing_switched
 from .errors import TrainingError
 
 
@@ -174,17 +174,6 @@ def gradient_checkpointing(model: nn.Module, enabled: bool, keep_last: nn.Module
     if enabled and not switches:
         raise TrainingError(f"{type(model).__name__} has no gradient checkpointing switch; set gradient_checkpointing "
                             "to false.")
-    saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in switches]
-    try:
-        for module in switches:
-            module.gradient_checkpointing = enabled
-            module._gradient_checkpointing_func = partial(_checkpointed, kept=keep_last, selective=selective,
-                                                          offload=offload)
+    func = partial(_checkpointed, kept=keep_last, selective=selective, offload=offload)
+    with checkpointing_switched(switches, enabled, func):
         yield
-    finally:
-        for module, flag, func in saved:
-            module.gradient_checkpointing = flag
-            if func is None:
-                module.__dict__.pop("_gradient_checkpointing_func", None)
-            else:
-                module._gradient_checkpointing_func = func

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from ..accounting import Attention, TensorLedger
-from ..activation_offload import ActivationOffload, ActivationPool, InlineCopies
+from ..activation_offload import UNPINNED, ActivationOffload, ActivationPool, InlineCopies, checkpointing_switched
 
 FP32 = 4
 BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit states (one float32 absmax per block per state)
@@ -158,7 +158,7 @@ def trace_offloaded_inputs(module: nn.Module, blocks: nn.ModuleList, run: Callab
     inputs positionally (what checkpoint saves, and so what the offload sees). The first block moves
     every tensor input; a later one only those the previous block was not handed."""
     offload = ActivationOffload(InlineCopies(torch.device("meta")),
-                                ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8, device="meta"), 1 << 62))
+                                ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8, device="meta"), UNPINNED))
 
     def checkpointed(block, *args, **kwargs):
         with offload.saving(args):
@@ -166,7 +166,7 @@ def trace_offloaded_inputs(module: nn.Module, blocks: nn.ModuleList, run: Callab
 
     try:
         with _training_view(module, blocks, 2, rank, targets, checkpointing=False), \
-                _checkpointing_switch(module, checkpointed), torch.enable_grad():
+                checkpointing_switched(_switches(module), True, checkpointed), torch.enable_grad():
             run()
             moved = offload.block_inputs()
     finally:
@@ -176,22 +176,9 @@ def trace_offloaded_inputs(module: nn.Module, blocks: nn.ModuleList, run: Callab
     return tuple(moved[0]), tuple(moved[1]) if len(moved) > 1 else tuple(moved[0])
 
 
-@contextmanager
-def _checkpointing_switch(module: nn.Module, func: Callable) -> Iterator[None]:
-    """diffusers' per-block checkpointing on, through `func`; put back exactly on exit."""
-    switches = [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
-    saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in switches]
-    try:
-        for m in switches:
-            m.gradient_checkpointing, m._gradient_checkpointing_func = True, func
-        yield
-    finally:
-        for m, flag, previous in saved:
-            m.gradient_checkpointing = flag
-            if previous is None:
-                m.__dict__.pop("_gradient_checkpointing_func", None)
-            else:
-                m._gradient_checkpointing_func = previous
+def _switches(module: nn.Module) -> list[nn.Module]:
+    """The modules holding diffusers' per-block checkpointing switch."""
+    return [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
 
 
 def _trace_step(run: Callable[[], torch.Tensor], attention: Attention, counter: "_SelfAttentionOutputs | None" = None) -> int:
