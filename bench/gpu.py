@@ -613,6 +613,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--budget-seconds", type=float, default=None,
                         help="start no row after this many seconds (the JSON lists the rest as skipped)")
+    parser.add_argument("--decode", action="store_true", help="the VAE decode rows instead (bench/support/gpu_decode.py)")
     parser.add_argument("--sanitize-step", action="store_true", help="one tiny block_swap step (for compute-sanitizer)")
     parser.add_argument("--replan", type=Path, metavar="JSON",
                         help="recompute the planner's figures in a results file with this checkout (no GPU needed)")
@@ -632,6 +633,8 @@ def main() -> None:
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
             parser.error(f"--size={args.size!r} must be WIDTHxHEIGHTxFRAMES, e.g. 832x480x81")
         shape = VideoShape(*(int(p) for p in parts), cfg=False)
+    if args.decode:
+        return decode_bench(args, shape if args.size or not cpu else VideoShape(128, 96, 9, cfg=False))
     config = BenchConfig(args.model, shape, tuple(TINY_CHANGES.items()) if cpu else (), args.warmup, args.steps,
                          args.device, args.pinned_gib)
     blocks = meta_model(config.model, dict(config.changes)).components["transformer"].config["num_layers"]
@@ -648,6 +651,20 @@ def main() -> None:
     deadline = time.time() + args.budget_seconds if args.budget_seconds else None
     save(run(config, rows, lambda line: print(line, flush=True), save, deadline))
     if args.json:
+        print(f"wrote {args.json}")
+
+
+def decode_bench(args: argparse.Namespace, shape: VideoShape) -> None:
+    """`--decode`: the model's VAE decoding the clip tiled, host copies overlapped or not (bench/support/gpu_decode.py)."""
+    from bench.support.gpu_decode import decode_rows
+
+    device = torch.device(args.device)
+    deadline = time.time() + args.budget_seconds if args.budget_seconds else None
+    result = {"bench": "gpu_decode", "model": args.model, "shape": dataclasses.asdict(shape), "gpu": gpu_info(device),
+              "torch": torch.__version__, **decode_rows(meta_model(args.model, {}), shape, device, args.steps, deadline)}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        write_json(args.json, result)
         print(f"wrote {args.json}")
 
 

@@ -1,7 +1,8 @@
 """Speed benchmark (issues 23 and 24): the step cache, attention kernels, compiled blocks and fp8 matmul, per tier.
 
 Parts (`--parts`, all by default): `cache` (below), `attention` (bench/support/speed_attention.py: every kernel this
-device runs against eager SDPA, time_ratio and max_abs_diff per tier), `compile` (bench/support/speed_compile.py:
+device runs against eager SDPA, time_ratio and max_abs_diff per tier), `attention_call` (the same module: one
+attention call per kernel at the video size, no sampler around it), `compile` (bench/support/speed_compile.py:
 step_time_ratio, recompiles_second_run and compile_seconds per tier against eager) and `fp8_matmul`
 (bench/support/speed_fp8.py: time_ratio and psnr_db against the upcast path, fp8_scaled weights). Each part's
 JSON key is its name.
@@ -62,14 +63,14 @@ use_this_checkout()  # `import vidmem` is this clone, installed or not
 import torch  # noqa: E402
 
 from bench.support.speed_report import evidence, goals, print_goals, print_tables  # noqa: E402
-from bench.support.speed_attention import attention_rows  # noqa: E402
+from bench.support.speed_attention import attention_rows, call_rows  # noqa: E402
 from bench.support.speed_compile import compile_rows  # noqa: E402
 from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 from vidmem.pipelines.speed import cpu_name  # noqa: E402
 from bench.support.speed_fp8 import fp8_rows  # noqa: E402
 from bench.support.speed_runs import SpeedConfig, build, count_pass, tiers, time_pass  # noqa: E402
 
-PARTS = ("cache", "attention", "compile", "fp8_matmul")
+PARTS = ("cache", "attention", "attention_call", "compile", "fp8_matmul")
 CAVEATS = [
     "Random weights: First Block Cache decides from its first block's output, so its skip rate and every "
     "method's PSNR here say nothing about a real model; MagCache's skips depend only on the published ratios and "
@@ -128,6 +129,10 @@ def main(argv: list[str] | None = None) -> dict:
         print("\nattention kernels against eager SDPA", flush=True)
         result["attention"] = attention_rows(loaded, config, tiers(config.blocks))
         print(json.dumps(result["attention"], indent=1))
+    if "attention_call" in parts:
+        print("\none attention call per kernel at the model's real width", flush=True)
+        result["attention_call"] = call_rows(config)
+        print(json.dumps(result["attention_call"], indent=1))
     if "compile" in parts:
         print("\ncompiled blocks against eager", flush=True)
         result["compile"] = compile_rows(loaded, config, CompileSettings(True, backend=args.compile_backend))

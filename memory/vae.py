@@ -103,6 +103,7 @@ def decode_video(
     out_device: torch.device | str = "cpu",
     report: DecodeReport | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    overlap_copies: bool | None = None,
 ) -> torch.Tensor:
     """Decode un-normalised latents [B, C, T, h, w] to pixels [B, 3, F, H, W] float32 on `out_device`.
 
@@ -121,6 +122,9 @@ def decode_video(
             on `park` (`out_device` when tiled, so that the compute device holds only the piece
             being decoded; `prepare` should move each frame there as it is made).
         on_step: called as on_step(done, total) after each piece (progress bars, interrupts).
+        overlap_copies: blend each piece on the host while the device decodes the next (`_Landing`); None
+            (default) does so when a CUDA decode lands in host memory in more than one piece. The frames
+            are the same either way.
     """
     geometry.check_latents(latents)
     streaming = isinstance(decode, Streaming)
@@ -135,6 +139,9 @@ def decode_video(
     else:
         pieces = list(itertools.product(plan.frames, plan.rows, plan.cols))
     total, done = len(groups) * len(pieces), 0
+    if overlap_copies is None:
+        overlap_copies = latents.device.type == "cuda" and out.device.type == "cpu" and total > 1
+    landing = _Landing(weights, overlap_copies)
     started = time.perf_counter()
     with torch.no_grad():
         for b0, b1 in groups:
@@ -142,10 +149,12 @@ def decode_video(
             for piece in pieces:
                 if streaming and piece[0] is plan.frames[0]:
                     tile_decode = decode.start()
-                _decode_piece(tile_decode if streaming else decode, source, out[b0:b1], piece, weights, latents.device)
+                pixels = _decode_piece(tile_decode if streaming else decode, source, piece, latents.device)
+                landing.put(pixels, out[b0:b1], piece)
                 done += 1
                 if on_step is not None:
                     on_step(done, total)
+        landing.flush()
     if report is not None:
         report.mode = "tiled" if blended else "whole"
         report.sliced, report.tiles, report.chunks = slicing, plan.tiles, plan.chunks
@@ -167,13 +176,56 @@ def _prepared(prepare: Prepare | None, latents: torch.Tensor, park: torch.device
     return features.to(park)
 
 
-def _decode_piece(decode: Decode, source: torch.Tensor, out: torch.Tensor, piece, weights: dict,
-                  device: torch.device) -> None:
-    """Decode one (chunk, row, col) piece of `source` on `device`; blend it into `out` (copy when untiled)."""
+def _decode_piece(decode: Decode, source: torch.Tensor, piece, device: torch.device) -> torch.Tensor:
+    """Decode one (chunk, row, col) piece of `source` on `device`: the pixels it owns, still on `device`."""
     frames, rows, cols = piece
     cut = source[:, :, frames.start - frames.context : frames.stop, rows.start : rows.stop, cols.start : cols.stop]
     cut = cut.to(device)
-    pixels = _checked(decode(cut), cut, frames, rows, cols)
+    return _checked(decode(cut), cut, frames, rows, cols)
+
+
+class _Landing:
+    """Where decoded pieces land in `out`: blended (or copied, untiled) at once, or one piece behind.
+
+    Why one behind: a CUDA piece copied to pageable host memory blocks the CPU until the GPU is idle, and the
+    CPU's blend that follows leaves the GPU idle in turn, once per piece. With `overlap`, each piece is copied
+    into pinned memory behind its decode on the same stream (non_blocking, an event recorded after it), and
+    blended only after the next piece's decode has been queued, so the CPU blends while the GPU decodes. The
+    blends run in the same order on the same values: the frames are identical.
+    """
+
+    def __init__(self, weights: dict, overlap: bool) -> None:
+        self.weights, self.overlap = weights, overlap
+        self.pending: tuple | None = None
+
+    def put(self, pixels: torch.Tensor, out: torch.Tensor, piece) -> None:
+        if not self.overlap:
+            _blend(pixels, out, piece, self.weights)
+            return
+        host = torch.empty(pixels.shape, dtype=pixels.dtype, pin_memory=torch.cuda.is_available() and pixels.is_cuda)
+        host.copy_(pixels, non_blocking=host.is_pinned())
+        copied = torch.cuda.Event() if pixels.is_cuda else None
+        if copied is not None:
+            copied.record(torch.cuda.current_stream(pixels.device))
+        previous, self.pending = self.pending, (host, copied, out, piece)
+        if previous is not None:
+            self._land(previous)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            previous, self.pending = self.pending, None
+            self._land(previous)
+
+    def _land(self, pending: tuple) -> None:
+        host, copied, out, piece = pending
+        if copied is not None:
+            copied.synchronize()
+        _blend(host, out, piece, self.weights)
+
+
+def _blend(pixels: torch.Tensor, out: torch.Tensor, piece, weights: dict) -> None:
+    """Blend one decoded piece into `out` with its weights (copy it, untiled)."""
+    frames, rows, cols = piece
     target = out[:, :, frames.out_start : frames.out_stop, rows.out_start : rows.out_stop,
                  cols.out_start : cols.out_stop]
     if weights:

@@ -119,3 +119,17 @@ def test_the_gpu_check_runs_every_warm_row_of_its_model():
     names = re.search(r"^WARM_ROWS=(\S+)$", script, re.M).group(1).split(",")
     blocks = meta_model(model, {}).components["transformer"].config["num_layers"]
     assert names == [r.name for r in default_rows(blocks, None) if r.warm]
+
+
+def test_the_decode_rows_run_on_the_cpu_with_the_same_frames_either_way():
+    """`bench/gpu.py --decode`'s CPU half: a tiny VAE in several tiles, overlapped and blocking landings give
+    the same frames; each variant timed every round; the planner's prediction beside them."""
+    import torch
+
+    from gpu import VideoShape
+    from support.gpu_decode import decode_rows
+
+    found = decode_rows(meta_model("wan2.1-t2v-1.3b", {}), VideoShape(128, 96, 9, cfg=False), torch.device("cpu"), runs=2)
+    assert found["same_frames"] and "6 tiles" in found["tiling"]
+    assert all(len(row["seconds"]) == 2 for row in found["variants"].values())
+    assert found["predicted"]["activation_bytes"] > 0 and "overlapped_over_blocking" in found

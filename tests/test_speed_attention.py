@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.support.speed_attention import EAGER, attention_rows  # noqa: E402
+from bench.support.speed_attention import EAGER, attention_rows, call_rows  # noqa: E402
 from bench.support.speed_runs import SpeedConfig, build, tiers  # noqa: E402
 
 CONFIG = SpeedConfig(steps=4, blocks=2, runs=0, time_tiers=())
@@ -45,3 +45,17 @@ def test_a_timed_round_gives_each_kernel_a_time_ratio_against_eager_sdpa():
     assert found[EAGER]["seconds_by_tier"]["none"]
     for kernel in ("sdpa", "flash", "math", "flex"):
         assert found[kernel]["time_ratio"] > 0 and found[kernel]["by_tier"]["none"]["seconds"], kernel
+
+
+def test_one_call_per_kernel_at_the_video_size():
+    """The attention_call part: Wan's token count from the size, every kernel timed or refused with its reason,
+    each exact kernel's output equal to sdpa's within float32 rounding."""
+    config = SpeedConfig(width=64, height=48, frames=9, heads=2, head_dim=8)
+    found = call_rows(config, runs=2, compile_flex=False)
+    assert found["shape"]["tokens"] == 3 * 3 * 4  # latent frames (9-1)/4+1, then 48/16 x 64/16 patches
+    kernels = found["kernels"]
+    assert kernels["auto"]["resolves_to"] == "sdpa" and "flex_compiled" not in kernels
+    assert "needs a CUDA GPU" in kernels["cudnn"]["skipped"]
+    for name in ("sdpa", "flash", "math", "flex"):
+        assert len(kernels[name]["ms_all"]) == 2 and kernels[name]["max_abs_diff"] < 1e-5, (name, kernels[name])
+    assert kernels["sdpa"]["ratio"] == 1.0

@@ -132,6 +132,36 @@ def test_progress_callback_counts_every_piece():
     assert steps == [(i, len(steps)) for i in range(1, len(steps) + 1)] and len(steps) > 1
 
 
+@pytest.mark.parametrize("slicing", [False, True])
+def test_overlapped_copies_blend_one_piece_behind_with_the_same_frames(monkeypatch, slicing):
+    """overlap_copies (on by default for CUDA decodes into host memory) blends piece i after piece i+1's
+    decode was queued; the decoder here reuses one output buffer, as a caching allocator may, so the held
+    piece must be a copy taken when it was handed over."""
+    from vidmem.memory import vae as vae_module
+
+    tiling = VaeTiling(tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4)
+    latents = torch.randn(2, 16, 5, 12, 12)
+    events, plain = [], nearest_decode(COG)
+    reused: dict[tuple, torch.Tensor] = {}
+
+    def decode(z):
+        pixels = plain(z)
+        buffer = reused.setdefault(tuple(pixels.shape), torch.empty_like(pixels))
+        events.append("decode")
+        return buffer.copy_(pixels)
+
+    blend = vae_module._blend
+    monkeypatch.setattr(vae_module, "_blend", lambda *a: (events.append("blend"), blend(*a))[1])
+    overlapped = decode_video(decode, latents, COG, tiling, slicing, overlap_copies=True)
+    pieces = events.count("decode")
+    assert pieces > 2 and events[:3] == ["decode", "decode", "blend"] and events[-3:] == ["decode", "blend", "blend"]
+    assert events.count("blend") == pieces
+    events.clear()
+    assert torch.equal(overlapped, decode_video(decode, latents, COG, tiling, slicing, overlap_copies=False))
+    assert events[:2] == ["decode", "blend"]
+    assert torch.equal(overlapped, decode_video(plain, latents, COG, tiling, slicing))  # default: off on the CPU
+
+
 # --- bad inputs -------------------------------------------------------------------------------
 
 
