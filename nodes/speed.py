@@ -23,12 +23,13 @@ SPEED_TYPE = "VIDMEM_SPEED"
 QUEUE_CHECK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_MATMUL_TOOLTIP = (
     "Multiply the transformer's fp8 / fp8_scaled layers in fp8 (torch._scaled_mm) instead of upcasting each weight "
-    "first. auto: on where the GPU has fp8 tensor cores (CUDA capability 8.9+: RTX 40xx, L4/L40S, H100/H200 and "
-    "newer) and the model holds fp8 layers; otherwise off (CPU frames stay identical). on: required, refused where it "
-    "cannot run. off: always upcast, exact to the stored weights. Its cost: each layer's input is rounded to fp8 "
-    "(3 mantissa bits), about 2.6% RMS per layer output; a 50-step latent of a random Wan 1.3B-shaped model came out "
-    "47 dB PSNR from 'off' (measured on the CPU; real weights and GPU speed are not measured yet). Layers whose widths "
-    "are not multiples of 16, with per-row scales or stored as e5m2 upcast as before, counted in the receipt.")
+    "first. auto: upcast, for now: on an H100 and an H200 fp8 matmul made a step slower (x1.14 at 832x480x81, x1.25 "
+    "at 480x320x17), since rounding each layer's input to fp8 costs more than the fp8 multiply saves. on: use it "
+    "where the GPU has fp8 tensor cores (CUDA capability 8.9+: RTX 40xx, L4/L40S, H100/H200 and newer), refused "
+    "where it cannot run. off: always upcast, exact to the stored weights. Its quality cost: each layer's input is "
+    "rounded to fp8 (3 mantissa bits); a random Wan 1.3B-shaped model's latent came out 46-48 dB PSNR from 'off' "
+    "(CPU, H100 and H200). Layers whose widths are not multiples of 16, with per-row scales or stored as e5m2 upcast "
+    "as before, counted in the receipt.")
 
 
 class VidMemSpeed:
@@ -48,9 +49,9 @@ class VidMemSpeed:
         return {
             "required": {
                 "attention": ([k.value for k in AttentionKernel], {"default": AttentionKernel.AUTO.value, "tooltip":
-                    "auto: the fastest exact kernel this GPU and dtype run (FlashAttention or memory-efficient "
-                    "SDPA on CUDA; plain SDPA on the CPU), named in the receipt; never a lossy one. sdpa: torch "
-                    "chooses per call, as without vidmem. flash, efficient, cudnn, math: that SDPA backend only. "
+                    "auto: torch's SDPA choosing its own fused kernel, measured the fastest exact choice on an "
+                    "H100 (forcing FlashAttention-2 was 1.6x slower at 480p), named in the receipt; never a lossy "
+                    "one. sdpa: the same, as without vidmem. flash, efficient, cudnn, math: that SDPA backend only. "
                     "flex: torch's flex_attention (unfused unless compiled). sage: SageAttention (pip "
                     "sageattention; INT8 Q.K, lossy but usually close; CUDA only)."}),
                 "compile": ("BOOLEAN", {"default": False, "tooltip": TOOLTIPS["compile"]}),

@@ -28,11 +28,12 @@ graph break; the sage 1.x route on Wan breaks the graph inside each attention mo
 every tensor method there), so it runs correctly but partly eager.
 
 auto's rule. auto never picks a lossy kernel (sage quantizes Q and K to INT8) nor flex (unfused,
-materialising the score matrix, unless the model is compiled). Off CUDA it is plain SDPA, exactly
-what runs without vidmem, so CPU frames stay bit-identical to plain diffusers. On CUDA it takes the
-first exact kernel this GPU, dtype and torch's flags (`torch.backends.cuda.enable_*_sdp`) allow:
-flash (fp16/bf16 on sm80+), then efficient; cuDNN only when chosen, since torch itself ranks it after
-flash by default. A kernel auto passes over is named in `fallback` and logged.
+materialising the score matrix, unless the model is compiled). Everywhere it is plain SDPA, exactly
+what runs without vidmem: off CUDA that keeps CPU frames bit-identical to plain diffusers; on CUDA,
+SDPA's own pick (cuDNN on Hopper with torch 2.11) was measured faster than any kernel forced through
+the dispatcher (`MEASURED_AUTO`), and it follows torch's flags (`torch.backends.cuda.enable_*_sdp`).
+The receipt names the kernel SDPA picks; where no fused kernel can run (an old GPU in bf16, every
+fused kernel disabled) the ones passed over are named in `fallback` and logged.
 """
 
 from __future__ import annotations
@@ -229,6 +230,12 @@ def _sage_problem(device: torch.device, dtype: torch.dtype) -> str:
     return ""
 
 
+# Why auto leaves SDPA to choose on CUDA: one attention call at Wan 2.1 1.3B's real size (832x480x81, 32,760
+# tokens, 12 heads of 128, bf16) on an H100 with torch 2.11, each kernel as the dispatcher runs it.
+MEASURED_AUTO = ("on an H100 at 32,760 tokens SDPA's own pick took 11.3 ms a call, cuDNN forced 13.0, FlashAttention-2 "
+                 "forced 18.4, memory-efficient 36.6 (bench/results/speed-attention-call-gpu-h100-2026-11-27.json)")
+
+
 def _auto(device: torch.device, dtype: torch.dtype) -> ResolvedAttention:
     if device.type != "cuda":
         why = (f"auto on {device.type}: torch's SDPA as it is, so frames stay identical to plain diffusers "
@@ -236,22 +243,37 @@ def _auto(device: torch.device, dtype: torch.dtype) -> ResolvedAttention:
         return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
     passed = []
     for kernel, enabled in ((AttentionKernel.FLASH, torch.backends.cuda.flash_sdp_enabled),
-                            (AttentionKernel.EFFICIENT, torch.backends.cuda.mem_efficient_sdp_enabled)):
+                            (AttentionKernel.EFFICIENT, torch.backends.cuda.mem_efficient_sdp_enabled),
+                            (AttentionKernel.CUDNN, torch.backends.cuda.cudnn_sdp_enabled)):
         problem = unavailable(kernel, device, dtype) or (
             "" if enabled() else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).")
-        if not problem:
-            sm = "".join(map(str, _capability(device)))
-            why = f"auto on CUDA sm{sm}, {_dtype_name(dtype)}: the first exact fused kernel available: {WHY[kernel]}"
-            return _resolved(kernel, AttentionKernel.AUTO, device, dtype, why, _fallback(passed))
-        passed.append(f"{kernel.value}: {problem}")
-    fallback = _fallback(passed)
-    log.warning("vidmem: attention auto found no fused kernel for %s on this GPU; using plain SDPA (%s)",
-                _dtype_name(dtype), fallback)
-    return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype,
-                     "auto on CUDA: no fused kernel available, torch's SDPA choosing per call", fallback)
+        if problem:
+            passed.append(f"{kernel.value}: {problem}")
+    sm = "".join(map(str, _capability(device)))
+    if len(passed) == 3:
+        fallback = _fallback(passed)
+        log.warning("vidmem: attention auto found no fused kernel for %s on this GPU; SDPA will use its math kernel "
+                    "(%s)", _dtype_name(dtype), fallback)
+        return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype,
+                         f"auto on CUDA sm{sm}: no fused kernel available, torch's SDPA choosing per call", fallback)
+    pick = _sdpa_pick(device, dtype)
+    why = (f"auto on CUDA sm{sm}, {_dtype_name(dtype)}: torch's SDPA choosing its fused kernel per call"
+           f"{f' ({pick} for 128-wide heads)' if pick else ''}, the fastest exact choice measured: {MEASURED_AUTO}")
+    return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
 
 
-_FLAG = {AttentionKernel.FLASH: "flash", AttentionKernel.EFFICIENT: "mem_efficient"}
+def _sdpa_pick(device: torch.device, dtype: torch.dtype) -> str:
+    """The backend torch's SDPA picks on this GPU for 128-wide heads, for the receipt ("" where it cannot say)."""
+    names = {SDPBackend.FLASH_ATTENTION: "FlashAttention-2", SDPBackend.EFFICIENT_ATTENTION: "memory-efficient",
+             SDPBackend.CUDNN_ATTENTION: "cuDNN", SDPBackend.MATH: "math"}
+    try:
+        probe = torch.empty(1, 12, 256, 128, device=device, dtype=dtype)
+        return names.get(SDPBackend(torch._fused_sdp_choice(probe, probe, probe)), "")
+    except Exception:  # a private torch function: the receipt does without the name rather than fail a run
+        return ""
+
+
+_FLAG = {AttentionKernel.FLASH: "flash", AttentionKernel.EFFICIENT: "mem_efficient", AttentionKernel.CUDNN: "cudnn"}
 
 
 def _fallback(passed: list[str]) -> str:

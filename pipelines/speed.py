@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..memory.accounting import Attention
-from ..memory.storage.fp8_matmul import Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
+from ..memory.storage.fp8_matmul import AUTO_REASON, Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
 from ..memory.strategy import StrategyError, parse_enum
 from .attention import SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, resolve_attention
 from .compile import CompileSettings, compiled_blocks
@@ -183,14 +183,15 @@ def _fp8_plan_text(choice: Fp8Matmul, device_type: str) -> str:
     reason = fp8_matmul_support(device_type)
     if choice is Fp8Matmul.ON:
         return f"refused: fp8_matmul='on' cannot run here: {reason}"
-    return f"fp8 weights upcast: {reason}"
+    return f"fp8 weights upcast: {reason or AUTO_REASON}"
 
 
 def _fp8_enabled(choice: Fp8Matmul, device_type: str) -> bool:
-    """Whether a run on `device_type` multiplies fp8 layers in fp8 (fp8_matmul_for_call's rule: 'on' also on the CPU)."""
-    if choice is Fp8Matmul.OFF:
+    """Whether a run on `device_type` multiplies fp8 layers in fp8 (fp8_matmul_for_call's rule: only 'on', also on
+    the CPU; auto upcasts)."""
+    if choice is not Fp8Matmul.ON:
         return False
-    return fp8_matmul_support(device_type) is None or (choice is Fp8Matmul.ON and device_type == "cpu")
+    return fp8_matmul_support(device_type) is None or device_type == "cpu"
 
 
 def measured_line(speed: Speed, device_type: str) -> str:

@@ -140,7 +140,7 @@ class Template:
     last_image: str | None = None  # first-last-frame: a second Load Image, linked to the Sampler's last_image
 
 
-# The fast templates' Speed node: the fastest exact attention kernel, compiled blocks, fp8 matmul where the card has it.
+# The fast templates' Speed node: auto attention (torch's SDPA choosing, measured fastest), compiled blocks, fp8 matmul auto.
 FAST_SPEED = dict(attention="auto", compile=True, compile_mode="default", compile_dynamic="auto", fp8_matmul="auto")
 
 

@@ -30,13 +30,14 @@ CACHE_QUALITY = (
 )
 
 SPEED_TEXT = (
-    "Speed (VidMem) on the Sampler: attention = auto (the fastest exact kernel for the card and precision, named "
-    "in the receipt), compile = true (the transformer's repeated blocks compiled with torch.compile: the first "
-    "run spends up to a minute or two compiling, later runs of this graph reuse it and recompile nothing, under "
-    "any offload tier), fp8_matmul = auto (on cards with fp8 tensor cores, RTX 40xx and H100 and newer, fp8 "
-    "weights multiply in fp8 and their inputs are rounded to fp8 too; elsewhere they are upcast as always). Set "
-    "compile to false to skip the first run's compile.\n\n"
+    "Speed (VidMem) on the Sampler: attention = auto (torch's SDPA choosing its own fused kernel, measured the "
+    "fastest exact choice on an H100; named in the receipt), compile = true (the transformer's repeated blocks "
+    "compiled with torch.compile: the first run spends up to a minute or two compiling, later runs of this graph "
+    "reuse it and recompile nothing, under any offload tier), fp8_matmul = auto (fp8 weights are upcast: fp8 "
+    "matmul measured slower on an H100 and an H200; set it to on to multiply in fp8 on cards with fp8 tensor "
+    "cores, RTX 40xx and H100 and newer). Set compile to false to skip the first run's compile.\n\n"
 )
+
 
 CACHE_TEMPLATES = (
     Template(

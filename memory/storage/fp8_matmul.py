@@ -8,10 +8,12 @@ to `torch._scaled_mm` (modules.py). Nothing is copied or converted: the layers o
 for the call, removed in `finally`, so every tier (block_swap and sequential stream the same fp8
 buffers) runs it unchanged, and a layer that cannot take part upcasts as always, counted.
 
-Priorities: `auto` uses it only where the card has fp8 tensor cores (CUDA capability 8.9: Ada,
-Hopper and newer), the same rule as ComfyUI's `supports_fp8_compute`. On the CPU `auto` stays off,
-so CPU frames remain bit-identical to plain diffusers; `on` is allowed there (torch's CPU kernel
-emulates it, slowly) so the path can be tested without a GPU. `on` where no kernel exists (older
+Priorities: `on` uses it where the card has fp8 tensor cores (CUDA capability 8.9: Ada, Hopper and
+newer), the same rule as ComfyUI's `supports_fp8_compute`. `auto` upcasts everywhere for now: on
+the GPUs measured (an H100 and an H200, eager blocks) fp8 matmul made a step slower (`AUTO_REASON`),
+since rounding each input to fp8 costs more than the fp8 GEMM saves at these widths. On the CPU
+`auto` stays off, so CPU frames remain bit-identical to plain diffusers; `on` is allowed there
+(torch's CPU kernel emulates it, slowly) so the path can be tested without a GPU. `on` where no kernel exists (older
 CUDA cards, MPS, ROCm's other fp8 types) or with no fp8 layer at all is refused before any model
 work, naming the input and the fix.
 
@@ -36,11 +38,15 @@ from .modules import Fp8MatmulTally, StoredLinear
 
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 CPU_REASON = "the CPU: auto keeps CPU frames bit-identical to plain diffusers ('on' runs torch's slow CPU kernel)"
-FIX = "set fp8_matmul to 'auto' (uses it where the card has it) or 'off'"
+FIX = "set fp8_matmul to 'auto' or 'off' (both upcast the fp8 weights)"
+# Why auto upcasts where fp8 tensor cores exist: bench/speed.py's fp8_matmul part, Wan 1.3B-shaped blocks, eager.
+AUTO_REASON = ("auto upcasts: fp8 matmul measured slower than upcasting on Hopper GPUs (step time x1.14 at 832x480x81 on "
+               "an H100, x1.25 at 480x320x17 on an H200: rounding each layer's input to fp8 costs more than the fp8 "
+               "GEMM saves); set fp8_matmul to 'on' to use it anyway")
 
 
 class Fp8Matmul(str, Enum):
-    AUTO = "auto"  # on where the device has fp8 tensor cores and the model has fp8 layers
+    AUTO = "auto"  # upcast: measured slower on the GPUs that have fp8 tensor cores (AUTO_REASON)
     ON = "on"  # required: refused where it cannot run
     OFF = "off"  # always upcast (exact to the stored weights)
 
@@ -50,8 +56,8 @@ class Fp8MatmulError(StrategyError):
 
 
 def fp8_matmul_support(device: torch.device | str, modules: Mapping[str, nn.Module] | None = None) -> str | None:
-    """None when `auto` would use fp8 matmul on `device` (and, given `modules`, they hold a layer
-    that can take it); otherwise the reason, in words for the receipt."""
+    """None when fp8 matmul can run on `device` (and, given `modules`, they hold a layer that can take
+    it); otherwise the reason, in words for the receipt."""
     device = torch.device(device)
     if not hasattr(torch, "_scaled_mm"):
         return f"torch {torch.__version__} has no torch._scaled_mm"
@@ -106,8 +112,8 @@ def fp8_matmul_for_call(modules: Mapping[str, nn.Module], choice: Fp8Matmul | st
     """Enable fp8 matmul on every eligible StoredLinear inside `modules` (name -> module, e.g.
     {"transformer": pipe.transformer}) for the block, and disable it in `finally`.
 
-    `choice` 'auto' decides with `fp8_matmul_support(device)`; 'on' raises Fp8MatmulError (before
-    touching any layer) where that says no, except on the CPU; 'off' changes nothing. Yields the
+    `choice` 'on' raises Fp8MatmulError (before touching any layer) where `fp8_matmul_support(device)`
+    says no, except on the CPU; 'auto' and 'off' change nothing (auto's reason in the report). Yields the
     call's Fp8MatmulReport.
 
         with fp8_matmul_for_call({"transformer": pipe.transformer}, "auto", device) as fp8:
@@ -157,7 +163,7 @@ def _decline(choice: Fp8Matmul, device: torch.device, layers: dict[str, StoredLi
     device_reason = fp8_matmul_support(device)
     layer_reason = None if _eligible(layers) else _no_layers_reason(layers)
     if choice is Fp8Matmul.AUTO:
-        return device_reason or layer_reason
+        return device_reason or layer_reason or AUTO_REASON
     blocking = layer_reason or (None if device_reason == CPU_REASON else device_reason)
     if blocking:
         raise Fp8MatmulError(f"fp8_matmul='on' cannot run here: {blocking}; {FIX}.")
