@@ -278,3 +278,28 @@ def test_tiny_files_can_carry_a_templates_real_file_names(tmp_path):
     assert out.files.text_encoder.name == real["text_encoder"] and out.files.vae.name == "tiny_wan2.1-t2v_vae.safetensors"
     assert (tmp_path / "vidmem_configs" / "tiny-wan2.1-t2v.json").is_file()
     assert load_model_files(out.files, LoadOptions(dtype="fp32"), tiny_catalogue()).storage["transformer"] == "fp8_scaled"
+
+
+@pytest.mark.parametrize("storage", ["fp8_scaled", "gguf_q8_0"])
+def test_the_t5_feed_forwards_dtype_probe_upcasts_nothing(written, monkeypatch, storage):
+    """UMT5's feed-forward reads wo.weight for its dtype before calling wo: with wo stored, each read would upcast
+    the whole matrix. One upcast per stored linear per encode, and the same encoder output as the unwrapped forward."""
+    from vidmem.memory.storage import StoredLinear, StoredTensor
+
+    loaded = load_model_files(written("wan2.1-t2v", storage).files, LoadOptions(dtype="fp32"), tiny_catalogue())
+    encoder = loaded.pipe.text_encoder
+    stored = [m for m in encoder.modules() if isinstance(m, StoredLinear)]
+    wrapped = [m for m in encoder.modules() if "forward" in m.__dict__ and isinstance(getattr(m, "wo", None), StoredLinear)]
+    assert stored and len(wrapped) == encoder.config.num_layers
+    calls, dequantize = [], StoredTensor.dequantize
+    monkeypatch.setattr(StoredTensor, "dequantize", lambda self, *a, **k: (calls.append(1), dequantize(self, *a, **k))[1])
+    ids = torch.randint(0, 32, (1, 12))
+    with torch.no_grad():
+        answered = encoder(ids).last_hidden_state
+    answered_calls = len(calls)
+    assert answered_calls >= len(stored)  # every stored linear upcast once for its forward (embeddings may add)
+    for module in wrapped:
+        del module.forward  # transformers' own forward, probing wo.weight
+    with torch.no_grad():
+        assert torch.equal(encoder(ids).last_hidden_state, answered)
+    assert len(calls) - answered_calls == answered_calls + 2 * len(wrapped)  # two probes per layer, each an upcast

@@ -194,3 +194,22 @@ def test_a_model_wide_cast_changes_the_compute_dtype_never_the_storage():
     fresh = empty()
     assign_weights(fresh, tensors, torch.bfloat16)
     assert torch.equal(model(ids), fresh(ids))
+
+
+def test_dtype_only_reads_answer_with_an_empty_tensor_and_leave_the_forward_alone():
+    """For callers that read `weight` only for its dtype (transformers' T5 feed-forward): no upcast while open,
+    the class default back afterwards, also when the block raises."""
+    from vidmem.memory.storage.modules import dtype_only_weight_reads
+
+    tensors = {k: quantize(v, "fp8_scaled") if v.ndim >= 2 else v for k, v in weights().items()}
+    model = empty()
+    assign_weights(model, tensors, torch.float32)
+    x = torch.randn(3, 64)
+    expected = model.proj(x)
+    with pytest.raises(RuntimeError, match="stop"):
+        with dtype_only_weight_reads(model.proj):
+            probe = model.proj.weight
+            assert probe.dtype == torch.float32 and probe.numel() == 0 and probe.device == model.proj.weight_stored.device
+            assert torch.equal(model.proj(x), expected)  # the layer's own forward reads its stored bytes
+            raise RuntimeError("stop")
+    assert "dtype_only_reads" not in model.proj.__dict__ and torch.equal(model.proj.weight, tensors["proj.weight"].dequantize(torch.float32))

@@ -11,7 +11,10 @@ upcast happens on the compute device.
 `weight` is a read-only property returning the dequantized weight (compute dtype, on the
 stored data's device). Model code reads it for its dtype or device (transformers' T5 casts
 activations to `wo.weight.dtype`); each read costs one upcast of that layer, so it is correct
-but not free. Assigning `weight` (e.g. a LoRA merge) is refused rather than silently lost.
+but not free. Where the caller is known to read only the dtype and device, `dtype_only_weight_reads`
+makes `weight` an empty tensor of the compute dtype for the duration (no upcast, and no read of
+bytes a streamed tier may still be copying). Assigning `weight` (e.g. a LoRA merge) is refused
+rather than silently lost.
 A model-wide `.to(dtype)` changes the compute dtype, never the stored format.
 
 fp8 matmul (fp8_matmul.py enables it per call): a StoredLinear holding float8_e4m3fn weights with a
@@ -23,7 +26,9 @@ and the weight's stored bytes are used in place (a transposed view, no copy).
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +51,12 @@ class _StoredWeight(nn.Module):
     def stored(self) -> StoredTensor:
         return StoredTensor(self.weight_stored, self.format, self.weight_shape, self.weight_scale)
 
+    dtype_only_reads = False  # class default; True inside `dtype_only_weight_reads`
+
     @property
     def weight(self) -> torch.Tensor:
+        if self.dtype_only_reads:  # the reader wants the dtype and device only (dtype_only_weight_reads)
+            return torch.empty(0, dtype=self.compute_dtype, device=self.weight_stored.device)
         return self.stored.dequantize(self.compute_dtype)
 
     @weight.setter
@@ -88,6 +97,18 @@ class Fp8MatmulTally:
 
     fp8_calls: int = 0
     fallbacks: Counter = field(default_factory=Counter)
+
+
+@contextmanager
+def dtype_only_weight_reads(layer: "_StoredWeight") -> Iterator[None]:
+    """While open, `layer.weight` is an empty tensor of the layer's compute dtype on its stored data's
+    device: for callers that read the weight only for its dtype or device. Its own forward is unaffected
+    (it reads the stored data, not `weight`)."""
+    layer.dtype_only_reads = True
+    try:
+        yield
+    finally:
+        del layer.dtype_only_reads  # back to the class default
 
 
 class StoredLinear(_StoredWeight):

@@ -14,6 +14,7 @@ under fp16 and bf16), so a file-loaded model holds the dtypes a folder-loaded on
 
 from __future__ import annotations
 
+import functools
 import importlib
 import tempfile
 from pathlib import Path
@@ -21,7 +22,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ...memory.storage import StorageError, StorageReport, assign_weights
+from ...memory.storage import StorageError, StorageReport, StoredLinear, assign_weights
+from ...memory.storage.modules import dtype_only_weight_reads
 from ..configs.meta import ComponentConfig
 from ..family import ModelError
 
@@ -56,7 +58,40 @@ def fill(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype
         raise ModelError(str(error)) from None
     module.eval()  # built from a config: training mode (T5 dropout) until told otherwise
     module.requires_grad_(False)
+    answer_dtype_probes(module)
     return report
+
+
+# transformers' T5 / UMT5 feed-forwards (T5DenseActDense, T5DenseGatedActDense and their UMT5 twins).
+T5_FEED_FORWARDS = ("DenseActDense", "DenseGatedActDense")
+
+
+def answer_dtype_probes(module: torch.nn.Module) -> int:
+    """Let the T5-family feed-forwards whose `wo` is stored read `wo.weight` for its dtype without an upcast.
+
+    Why: their forward reads `self.wo.weight` two or three times per call only to cast its input to wo's dtype
+    (kept for int8 T5 checkpoints whose wo stays float32). A stored wo upcasts its whole matrix for every read
+    (UMT5-XXL: 2 x 24 reads of 4096 x 10240 per prompt, on the host while the tier keeps wo there), and under
+    a streamed tier a read can come before wo's own copy to the device was waited for. Inside these forwards
+    the reads get an empty tensor of wo's compute dtype (`dtype_only_weight_reads`); wo's own forward reads
+    its stored bytes as always. Returns how many feed-forwards it wrapped."""
+    wrapped = 0
+    for ffn in module.modules():
+        wo = getattr(ffn, "wo", None)
+        if (isinstance(wo, StoredLinear) and type(ffn).__name__.endswith(T5_FEED_FORWARDS)
+                and "forward" not in ffn.__dict__):
+            ffn.forward = _with_dtype_only_reads(ffn.forward, wo)
+            wrapped += 1
+    return wrapped
+
+
+def _with_dtype_only_reads(forward, wo: StoredLinear):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with dtype_only_weight_reads(wo):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def tokenizer_from_spiece(model: bytes):
