@@ -32,6 +32,9 @@ from .swapstats import SwapLedger
 
 Observer = Callable[[str, WeightGroup], None]
 EVICTED_IN_FLIGHT = 1  # evicted groups the GPU may still be computing with; bounds device memory
+# Groups past the prefetch window whose file-backed weights (the disk tier) the kernel is asked to read ahead:
+# their page-cache misses then overlap compute instead of stalling the copy that stages them.
+READ_AHEAD_GROUPS = 2
 
 
 class KeepBudget:
@@ -223,6 +226,10 @@ class StreamSchedule:
         for upcoming in self._upcoming(group):
             if not upcoming.on_device:
                 self._onload(upcoming, "prefetch")
+        beyond = self._order.after(group, self._prefetch + READ_AHEAD_GROUPS, self._cyclic)[self._prefetch:]
+        for later in beyond:
+            if self._computes(later, next_pass=self._order.wraps(group, later)):
+                later.read_ahead()
 
     def _drop_mispredicted(self, group: WeightGroup) -> None:
         """Evict prefetched groups that the path did not reach (a module skipped this pass, e.g.

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .storage.mapping import any_mapped_files, read_ahead
 from .warm import WarmStore
 
 
@@ -138,6 +139,13 @@ class WeightGroup:
             self._warm.count(uploaded, self.nbytes - uploaded, self._streamed, routes)
         self._point_copies(copies)
         return self._token
+
+    def read_ahead(self) -> int:
+        """Have the kernel start reading this group's file-backed weights (the disk tier) into the page
+        cache, ahead of its copy (`storage.mapping.read_ahead`); bytes advised, 0 when on the device."""
+        if self.on_device or not any_mapped_files():
+            return 0
+        return read_ahead(self.hosts)
 
     def adopt_kept(self) -> bool:
         """Take the warm store's copies if it keeps every tensor of this group: the group is then

@@ -198,6 +198,9 @@ class _Block:
         self.on_device = False
         self._landed = None
 
+    def read_ahead(self) -> int:
+        return 0  # the model's copies read no file
+
 
 def _check(blocks, swapped, prefetch, bandwidth, forwards, other_compute_s) -> None:
     if not 0 <= swapped <= len(blocks):

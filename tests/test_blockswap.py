@@ -177,3 +177,58 @@ def test_peak_weight_bytes_count_the_running_prefetched_and_in_flight_blocks(swa
     expected = size(model) - sum(streamed) + sum(streamed[:at_once])
     strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=swapped, prefetch_blocks=prefetch)
     assert device_weight_bytes(StageComponents({"transformer": model}, {"transformer": blocks}), strategy) == expected
+
+
+class _Group:
+    """A streamed group's verbs, recording read-ahead advice."""
+
+    def __init__(self, name: str, advised: list) -> None:
+        self.name, self.nbytes, self.on_device, self._advised = name, 1, False, advised
+
+    def onload(self, timed: bool = False) -> None:
+        self.on_device = True
+
+    def wait(self) -> None:
+        return None
+
+    def evict(self) -> None:
+        self.on_device = False
+
+    def read_ahead(self) -> int:
+        self._advised.append(self.name)
+        return 1
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_the_schedule_reads_ahead_the_groups_past_its_prefetch_window(prefetch):
+    from vidmem.memory.blockswap import READ_AHEAD_GROUPS, StreamSchedule
+    from vidmem.memory.device import CpuBackend
+
+    advised: list[str] = []
+    groups = [_Group(f"b{i}", advised) for i in range(6)]
+    schedule = StreamSchedule(groups, prefetch, True, CpuBackend(), lambda kind, g: None)
+    schedule.before_forward(groups[0])
+    schedule.after_forward(groups[0])
+    assert advised == [f"b{i}" for i in range(1 + prefetch, 1 + prefetch + READ_AHEAD_GROUPS)]
+    assert all(g.on_device == (1 <= i <= prefetch) for i, g in enumerate(groups))  # advice copies nothing
+
+
+def test_read_ahead_advises_only_file_backed_tensors(tmp_path):
+    """madvise(MADV_WILLNEED) on the mapping under each tensor, at any offset in the file; other tensors are
+    left alone, and a tensor's bytes are never changed."""
+    import mmap
+
+    from vidmem.memory.storage import open_safetensors
+    from vidmem.memory.storage.mapping import read_ahead
+
+    if not hasattr(mmap, "MADV_WILLNEED"):
+        pytest.skip("this platform's mmap has no MADV_WILLNEED: read-ahead is a no-op here")
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.randn(3), "b": torch.randn(1000, 7)}  # b starts at an unaligned offset
+    save_file(tensors, tmp_path / "w.safetensors")
+    opened = open_safetensors(tmp_path / "w.safetensors")
+    mapped = [opened.tensors["a"], opened.tensors["b"]]
+    assert read_ahead(mapped) == sum(t.numel() * t.element_size() for t in mapped)
+    assert read_ahead([torch.randn(4), torch.empty(0)]) == 0
+    assert torch.equal(opened.tensors["b"], tensors["b"])

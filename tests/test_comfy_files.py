@@ -303,3 +303,22 @@ def test_the_t5_feed_forwards_dtype_probe_upcasts_nothing(written, monkeypatch, 
     with torch.no_grad():
         assert torch.equal(encoder(ids).last_hidden_state, answered)
     assert len(calls) - answered_calls == answered_calls + 2 * len(wrapped)  # two probes per layer, each an upcast
+
+
+def test_the_disk_tier_reads_streamed_weights_ahead_of_their_copies(written, monkeypatch):
+    """Under a streamed tier the schedule advises the kernel to read the file pages of the groups past its prefetch
+    window; a call that copied everything into RAM advises nothing. The frames do not depend on it."""
+    from vidmem.memory import residency
+
+    advised = []
+    read_ahead = residency.read_ahead
+    monkeypatch.setattr(residency, "read_ahead", lambda hosts: advised.append(read_ahead(hosts)) or advised[-1])
+    out = written("wan2.1-t2v", "fp8_scaled")
+    strategy = MemoryStrategy(offload="sequential")
+    mapped = load_model_files(out.files, LoadOptions(dtype="fp32", weights_on_disk=True), tiny_catalogue())
+    on_disk = sample(mapped, strategy, request_for("wan2.1-t2v"), backend=CpuBackend()).latent["samples"]
+    assert advised and sum(advised) > 0
+    advised.clear()
+    copied = load_model_files(out.files, LoadOptions(dtype="fp32", weights_on_disk=False), tiny_catalogue())
+    in_ram = sample(copied, strategy, request_for("wan2.1-t2v"), backend=CpuBackend()).latent["samples"]
+    assert sum(advised) == 0 and torch.allclose(on_disk, in_ram, atol=UNALIGNED_TOLERANCE, rtol=0)

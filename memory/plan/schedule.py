@@ -407,6 +407,9 @@ class _SimGroup:
             self.on_device = False
             self._ledger.change(self, False)
 
+    def read_ahead(self) -> int:
+        return 0  # page-cache advice moves no device bytes
+
 
 class _SimBackend:
     """The backend verbs the schedule calls for ordering and timing; nothing to order here."""

@@ -35,6 +35,7 @@ import torch
 NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000) if sys.platform.startswith("linux") else 0
 _lock = threading.Lock()
 _ranges: dict[int, tuple[int, int]] = {}  # key -> (first address, end address) of a live mapping
+_mappings: dict[int, weakref.ref] = {}  # key -> its mmap, for read-ahead advice (mappings made by map_file)
 _unmapped: deque[int] = deque()  # keys whose mapping is gone, dropped from _ranges under the lock
 _next_key = 0
 
@@ -48,7 +49,8 @@ def map_file(path: Path) -> tuple[mmap.mmap, torch.Tensor]:
     with open(path, "rb") as handle:
         mapping = _map(handle.fileno())
     whole = tensor_at(mapping, torch.uint8, 0, len(mapping))
-    register_range(whole.data_ptr(), whole.numel(), mapping)
+    key = register_range(whole.data_ptr(), whole.numel(), mapping)
+    _mappings[key] = weakref.ref(mapping)
     return mapping, whole
 
 
@@ -68,14 +70,15 @@ def tensor_at(mapping: mmap.mmap, dtype: torch.dtype, offset: int, count: int) -
         return torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset)
 
 
-def register_range(start: int, nbytes: int, owner: object) -> None:
-    """Record that [start, start + nbytes) is file-backed for as long as `owner` lives."""
+def register_range(start: int, nbytes: int, owner: object) -> int:
+    """Record that [start, start + nbytes) is file-backed for as long as `owner` lives; returns its key."""
     global _next_key
     with _lock:
         key = _next_key
         _next_key += 1
         _ranges[key] = (start, start + nbytes)
     weakref.finalize(owner, _forget, key)
+    return key
 
 
 def _forget(key: int) -> None:
@@ -89,7 +92,9 @@ def _forget(key: int) -> None:
 def _live_ranges() -> list[tuple[int, int]]:
     """The ranges of live mappings (call with `_lock` held)."""
     while _unmapped:
-        _ranges.pop(_unmapped.popleft(), None)
+        key = _unmapped.popleft()
+        _ranges.pop(key, None)
+        _mappings.pop(key, None)
     return list(_ranges.values())
 
 
@@ -101,6 +106,49 @@ def is_file_backed(tensor: torch.Tensor) -> bool:
     start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     with _lock:
         return any(first <= start and end <= last for first, last in _live_ranges())
+
+
+def read_ahead(tensors: list[torch.Tensor]) -> int:
+    """Ask the kernel to start reading the file pages under the file-backed `tensors` in the background
+    (madvise MADV_WILLNEED on their mapping); returns the bytes advised. Others are left alone.
+
+    Why: the disk tier's weights are read when they are copied (staged) or computed with, on the thread
+    that launches the GPU's work, so a page-cache miss stalls the GPU for the whole read. The streaming
+    schedule advises the groups just past its prefetch window, so their pages are on their way before
+    their copy starts. Advice only: a hint the kernel may ignore, never a change to any byte."""
+    advised = 0
+    for tensor in tensors:
+        found = _mapping_of(tensor)
+        if found is None:
+            continue
+        mapping, offset, nbytes = found
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # madvise wants a page-aligned start
+        try:
+            mapping.madvise(mmap.MADV_WILLNEED, start, nbytes + offset - start)
+        except (OSError, ValueError):  # a mapping closed meanwhile, or a platform without the advice
+            continue
+        advised += nbytes
+    return advised
+
+
+def any_mapped_files() -> bool:
+    """Whether a file mapping made by `map_file` may still be live (a cheap test before `read_ahead`)."""
+    return bool(_mappings)
+
+
+def _mapping_of(tensor: torch.Tensor) -> tuple[mmap.mmap, int, int] | None:
+    """(the mmap holding every byte of `tensor`, its byte offset there, its byte count), or None."""
+    if not hasattr(mmap, "MADV_WILLNEED") or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    with _lock:
+        _live_ranges()
+        for key, (first, last) in _ranges.items():
+            if first <= start and end <= last and key in _mappings:
+                mapping = _mappings[key]()
+                return None if mapping is None else (mapping, start - first, end - start)
+    return None
 
 
 def mapped_bytes() -> int:
