@@ -13,6 +13,9 @@ branches run the same forward twice, so the ratios hold). Every row, in the same
 - `fp8_*`: the same tiers with the linear weights stored as fp8 (e4m3fn, upcast per layer);
 - `disk_fp8_block_swap_<N>`: the fp8 weights memory-mapped from a safetensors file (the disk tier;
   the file was just written, so it reads from the page cache: the staging ring's cost, not a disk's);
+- `cold_disk_fp8_block_swap_<N>` and `..._no_read_ahead`: the same with the file's pages dropped from the
+  page cache before every step (a first run, or a model larger than RAM: every step reads the disk), with
+  the schedule's read-ahead advice and without it (`memory.blockswap.READ_AHEAD_GROUPS` 0);
 - `cap8_block_swap_<N>`: "a user's card, simulated": the caching allocator capped at 8 GiB by a
   per-process memory fraction, the whole transformer streamed;
 - `warm_none`, `warm_model`, `warm_block_swap_<N/2>` and `warm_block_swap_<N/2>_keep` (warm runs,
@@ -99,12 +102,16 @@ class Row:
     weights: str = "bf16"  # "bf16", or FP8 (linear weights stored as fp8, upcast per layer)
     disk: bool = False  # weights memory-mapped from a safetensors file
     vram_cap_gib: float | None = None  # per-process memory fraction, as on a smaller card
+    cold: bool = False  # with disk: the file's pages dropped from the page cache before every step
+    read_ahead: bool = True  # with disk: the schedule's read-ahead advice (False: READ_AHEAD_GROUPS 0)
     warm: bool = False  # two calls on one WarmStore, cold then warm (bench/support/gpu_warm.py)
     keep: bool = False  # with warm: streamed blocks kept on the device while free memory allows
 
     def __post_init__(self) -> None:
         if self.keep and not self.warm:
             raise ValueError(f"row {self.name}: keep=True measures the keep budget across warm calls; set warm=True too")
+        if (self.cold or not self.read_ahead) and not self.disk:
+            raise ValueError(f"row {self.name}: cold and read_ahead are about a memory-mapped file; set disk=True too")
 
 
 def default_rows(blocks: int, pinned_gib: float | None) -> list[Row]:
@@ -120,7 +127,10 @@ def default_rows(blocks: int, pinned_gib: float | None) -> list[Row]:
     rows += [Row("fp8_resident", MemoryStrategy(offload="none", **pin), weights=FP8),
              Row(f"fp8_block_swap_{blocks}", swap(blocks), weights=FP8),
              Row("fp8_sequential", MemoryStrategy(offload="sequential", **pin), weights=FP8),
-             Row(f"disk_fp8_block_swap_{blocks}", swap(blocks), weights=FP8, disk=True)]
+             Row(f"disk_fp8_block_swap_{blocks}", swap(blocks), weights=FP8, disk=True),
+             Row(f"cold_disk_fp8_block_swap_{blocks}", swap(blocks), weights=FP8, disk=True, cold=True),
+             Row(f"cold_disk_fp8_block_swap_{blocks}_no_read_ahead", swap(blocks), weights=FP8, disk=True, cold=True,
+                 read_ahead=False)]
     rows += [Row("group_offload_block", group_offload="block_level"), Row("group_offload_leaf", group_offload="leaf_level")]
     half = max(1, blocks // 2)  # half the blocks resident: the warm call reuses them, streams the rest
     rows += [Row("warm_none", MemoryStrategy(offload="none", **pin), warm=True),
@@ -252,10 +262,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(step: Callable[[], object], count: int, device: torch.device) -> list[float]:
-    """Wall seconds of each of `count` steps, the device drained before and after each."""
+def timed_steps(step: Callable[[], object], count: int, device: torch.device,
+                before_each: Callable[[], None] = lambda: None) -> list[float]:
+    """Wall seconds of each of `count` steps, the device drained before and after each (and
+    `before_each` run, untimed, before each)."""
     seconds = []
     for _ in range(count):
+        before_each()
         synchronize(device)
         start = time.perf_counter()
         step()
@@ -324,6 +337,47 @@ def profiled_step(step: Callable[[], object], device: torch.device) -> dict | No
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     return trace_overlap(events)
+
+
+def drop_cached_pages(module: torch.nn.Module) -> int:
+    """Drop the page-cache pages of every file `module`'s weights are mapped from, so the next step reads
+    them from the disk (a first run, or a model larger than RAM): each mapping's pages are unmapped from
+    this process (madvise DONTNEED: clean pages, never written) and its file's pages dropped
+    (posix_fadvise DONTNEED). Returns the files' bytes. Linux only; elsewhere it drops nothing."""
+    import mmap
+
+    from vidmem.memory.storage import mapping
+
+    if not (hasattr(os, "posix_fadvise") and hasattr(mmap, "MADV_DONTNEED")):
+        return 0
+    seen: dict[int, object] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        found = mapping.mapping_of(tensor)
+        if found is not None:
+            seen.setdefault(id(found[0]), found[0])
+    dropped = 0
+    for mapped in seen.values():
+        mapped.madvise(mmap.MADV_DONTNEED)
+        path = getattr(module, "bench_file", None)
+        if path is not None:
+            with open(path, "rb") as handle:
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            dropped += len(mapped)
+    return dropped
+
+
+@contextlib.contextmanager
+def read_ahead_groups(count: int | None) -> Iterator[None]:
+    """The streaming schedule's read-ahead for the duration (None: as shipped)."""
+    from vidmem.memory import blockswap
+
+    shipped = blockswap.READ_AHEAD_GROUPS
+    if count is not None:
+        blockswap.READ_AHEAD_GROUPS = count
+    try:
+        yield
+    finally:
+        blockswap.READ_AHEAD_GROUPS = shipped
 
 
 def memory_figures(device: torch.device) -> dict:
@@ -416,13 +470,16 @@ def measure_row(row: Row, module: torch.nn.Module, model, config: BenchConfig, p
     device = resolve_compute_device(config.device)
     reset_counters(device)
     step = denoise_step(model, "transformer", config.shape, module, device)
+    cold = (lambda: drop_cached_pages(module)) if row.cold else (lambda: None)
     started = time.perf_counter()
     # no_grad, as diffusers' pipelines run (placing weights under inference mode would make
     # inference tensors of the host copies)
-    with torch.no_grad(), vram_cap(device, row.vram_cap_gib), placed(row, module, device, pool):
-        timed_steps(step, config.warmup, device)
-        seconds = timed_steps(step, config.steps, device)
+    with torch.no_grad(), vram_cap(device, row.vram_cap_gib), placed(row, module, device, pool), \
+            read_ahead_groups(None if row.read_ahead else 0):
+        timed_steps(step, config.warmup, device, cold)
+        seconds = timed_steps(step, config.steps, device, cold)
         memory = memory_figures(device)  # before the profiled step: the profiler allocates too
+        cold()
         profile = profiled_step(step, device)
     result = {"step_seconds": statistics.median(seconds), "steps_seconds": seconds,
               "row_seconds": time.perf_counter() - started, **memory,
@@ -546,6 +603,7 @@ def twin(model, fp8_state: dict, disk: bool, folder: Path, log: Callable[[str], 
         path = folder / "transformer_fp8_e4m3fn.safetensors"
         write_safetensors(fp8_state, path)
         module = held_transformer(model, open_safetensors(path).tensors, str(path))
+        module.bench_file = path  # for the cold rows (drop_cached_pages)
     log(f"fp8 transformer {'mapped from a file' if disk else 'in RAM'} in {time.perf_counter() - start:.1f} s")
     return module
 

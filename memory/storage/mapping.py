@@ -118,7 +118,7 @@ def read_ahead(tensors: list[torch.Tensor]) -> int:
     their copy starts. Advice only: a hint the kernel may ignore, never a change to any byte."""
     advised = 0
     for tensor in tensors:
-        found = _mapping_of(tensor)
+        found = mapping_of(tensor)
         if found is None:
             continue
         mapping, offset, nbytes = found
@@ -136,7 +136,7 @@ def any_mapped_files() -> bool:
     return bool(_mappings)
 
 
-def _mapping_of(tensor: torch.Tensor) -> tuple[mmap.mmap, int, int] | None:
+def mapping_of(tensor: torch.Tensor) -> tuple[mmap.mmap, int, int] | None:
     """(the mmap holding every byte of `tensor`, its byte offset there, its byte count), or None."""
     if not hasattr(mmap, "MADV_WILLNEED") or tensor.device.type != "cpu" or tensor.numel() == 0:
         return None
