@@ -219,17 +219,15 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
 
 def _check_windows(request: PlanRequest, model) -> None:
     """The Sampler's refusals of these windows on this model (ModelError naming window or
-    window_overlap): its frame grid, the families and CogVideoX 1.5 that take no windows, a step cache."""
+    window_overlap): its frame grid, the families and CogVideoX 1.5 that take no windows. A step cache
+    runs beside windows (one cache state per window), so it is not asked about."""
     from ..pipelines.context_windows import ContextWindows, window_problem
     from ..pipelines.family import ModelError
-    from ..pipelines.sample_checks import window_cache_problem
 
     s = request.shape
     config = model.components[model.layout.denoisers[0]].config
     problem = window_problem(model.spec.name, config, ContextWindows(s.window, s.window_overlap), s.frames,
                              model.spec.frames_error, model.geometry.temporal_factor)
-    cache = _step_cache(request)
-    problem = problem or window_cache_problem(s.window, s.frames, not isinstance(cache, StrategyError) and cache.on)
     if problem:
         raise ModelError(problem)
 
