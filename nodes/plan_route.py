@@ -245,6 +245,15 @@ def _window_lines(shape: VideoShape, model) -> list[str]:
             "windows a step; the denoise peak follows one window, latents and decode the whole clip"]
 
 
+def _window_count(shape: VideoShape, model) -> int:
+    """Context windows a step runs (1: none, or one covering the clip): a step cache keeps a state per window."""
+    from ..pipelines.context_windows import ContextWindows
+
+    if not shape.windowed:
+        return 1
+    return ContextWindows(shape.window, shape.window_overlap).schedule(shape.frames, model.geometry.temporal_factor).count
+
+
 def _speed_lines(request: PlanRequest, model, options: PlanOptions, plan=None) -> list[str]:
     """What makes this run faster than the rows say: the connected Speed node's choices as they would
     resolve on this device, and the connected step cache's skips and the time they save on `plan`
@@ -304,7 +313,7 @@ def _cache_lines(request: PlanRequest, model, plan=None) -> list[str]:
     denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items()
                  if name.startswith("transformer")}
     planned = cache_plan(layout_key(model.pipeline_class, denoisers), request.steps, list(denoisers), cache,
-                         str(widgets["mag_ratios"]), mag_ratios_folder())
+                         str(widgets["mag_ratios"]), mag_ratios_folder(), _window_count(request.shape, model))
     if not planned.text:
         return []
     time = f" {cached_time_line(plan, planned.share)}" if plan is not None and planned.share is not None else ""

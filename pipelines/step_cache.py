@@ -723,21 +723,24 @@ class CachePlan:
 
 
 def plan_line(model_layout: str, steps: int, denoisers: list[str], cache: StepCache | None = None,
-              ratios_name: str = "auto", folder: Path | None = None) -> str:
+              ratios_name: str = "auto", folder: Path | None = None, windows: int = 1) -> str:
     """What `cache` would skip at `steps`, before the run (`vidmem plan --cache`, the Strategy node's plan)."""
-    return cache_plan(model_layout, steps, denoisers, cache, ratios_name, folder).text
+    return cache_plan(model_layout, steps, denoisers, cache, ratios_name, folder, windows).text
 
 
 def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepCache | None = None,
-               ratios_name: str = "auto", folder: Path | None = None) -> CachePlan:
+               ratios_name: str = "auto", folder: Path | None = None, windows: int = 1) -> CachePlan:
     """`plan_line`'s words and the share of passes computed.
 
     `cache` None: MagCache as published for this model. Otherwise the Step Cache node's settings with
     the ratios it names ("auto", "calibrate" or a file in `folder`); a threshold of 0 takes the one
-    published with the ratios, as a run does."""
+    published with the ratios, as a run does. `windows`: the context windows of a step (1: none);
+    each keeps its own cache state, so MagCache computes the same steps in each and the share of the
+    passes is the share of the steps."""
+    each = f" in each of the {windows} context windows, each with its own cache state," if windows > 1 else ""
     if cache is not None and cache.method is CacheMethod.FIRST_BLOCK:
-        return CachePlan(f"{cache.describe()}: decided while sampling from how much the first block's output changes, "
-                         "so what it skips is known only after the run (the Sampler's receipt counts it).")
+        return CachePlan(f"{cache.describe()}: decided while sampling from how much the first block's output changes"
+                         f"{each}, so what it skips is known only after the run (the Sampler's receipt counts it).")
     if cache is not None and not cache.on:
         return CachePlan("")
     if cache is not None and ratios_name == "calibrate":
@@ -761,7 +764,7 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
     # with a denoiser left uncached, how the denoise time splits between them is not known here
     return CachePlan(
         f"mag_cache with {source} (threshold {cache.threshold:g}, K {cache.max_skip_steps}, retention "
-        f"{cache.retention:g}): steps computed {parts} ({share:.0%}){note}. The denoising time and, under block "
+        f"{cache.retention:g}): steps computed {parts}{each} ({share:.0%}){note}. The denoising time and, under block "
         f"swap, the copies fall about as the steps computed; quality: docs/step-cache.md.", None if uncached else share)
 
 

@@ -197,11 +197,6 @@ def test_cogvideox_windows_follow_its_own_frame_grid(tiny_loaded):
         run(tiny_loaded("cogvideox-t2v"), request_for("cogvideox-t2v", window=13))
 
 
-def test_a_step_cache_beside_windows_is_refused(tiny_loaded):
-    with pytest.raises(ModelError, match="step cache cannot run together"):
-        run(tiny_loaded("wan2.1-t2v"), request_for("wan2.1-t2v", cache=StepCache(method="first_block_cache")))
-
-
 def test_cogvideox_with_temporal_patches_is_refused(tiny_loaded):
     with pytest.raises(ModelError, match="CogVideoX 1.5"):
         run(tiny_loaded("cogvideox1.5-t2v"), request_for("cogvideox1.5-t2v"))
