@@ -67,6 +67,22 @@ def test_windows_and_a_cache_give_tier_nones_frames_under_block_swap(tiny_loaded
     assert_nothing_left(loaded)
 
 
+@pytest.mark.parametrize("variant", ["wan2.1-i2v", "wan2.2-a14b", "cogvideox-t2v"])
+def test_other_families_windowed_and_cached_give_tier_nones_frames_on_every_tier(tiny_loaded, variant):
+    """I2V's condition channels, Wan 2.2's two experts (each with its windows and states), CogVideoX's
+    one batched pass a step ("cond_uncond:window0"): model, block swap and sequential give tier none's frames."""
+    loaded = tiny_loaded(variant)
+    request = request_for(variant, steps=STEPS, cache=MAG)
+    reference = sample(loaded, MemoryStrategy(offload="none"), request, backend=StrictBackend())
+    assert reference.receipt["cache"]["blocks_skipped"] > 0 and len(reference.receipt["cache"]["blocks_computed_per_window"]) == 2
+    for strategy in (MemoryStrategy(offload="model"), MemoryStrategy(offload="sequential", prefetch_blocks=1),
+                     MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=1)):
+        result = sample(loaded, strategy, request, backend=StrictBackend())
+        assert torch.equal(result.latent["samples"], reference.latent["samples"]), strategy.offload
+        assert result.receipt["cache"]["blocks_computed"] == reference.receipt["cache"]["blocks_computed"], strategy.offload
+    assert_nothing_left(loaded)
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_a_skipped_window_pass_copies_nothing_under_block_swap(tiny_loaded, prefetch):
     """MagCache's look-ahead works per window: with every block swapped, the copies are those of the
