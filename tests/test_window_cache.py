@@ -200,3 +200,30 @@ def test_the_plans_cached_time_scales_every_window_pass():
     denoise = whole - plan.seconds_with_denoise_share(0.0)
     assert 0 < denoise < whole
     assert f"about x{(whole - 0.6 * denoise) / whole:.2f} of the same run uncached" in cached_time_line(plan, 0.4)
+
+
+def test_a_calibration_run_with_windows_measures_the_first_windows_ratios(tiny_loaded):
+    loaded = tiny_loaded(VARIANT)
+    counted = run(loaded, StepCache("mag_cache", calibrate=True)).receipt["cache"]
+    ratios = counted["mag_ratios"]["transformer"]
+    assert counted["blocks_skipped"] == 0 and len(ratios) == STEPS and ratios[0] == 1.0
+    assert all(r > 0 for r in ratios)
+
+
+def test_windows_and_the_cache_are_removed_when_the_run_fails(tiny_loaded):
+    from vidmem.pipelines.hooks import RunHooks
+
+    loaded = tiny_loaded(VARIANT)
+    before = run(loaded, MAG)
+
+    def stop(step, total):
+        if step == 3:
+            raise RuntimeError("stop")
+
+    request = request_for(VARIANT, steps=STEPS, cache=MAG)
+    with pytest.raises(RuntimeError, match="stop"):
+        sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1), request, RunHooks(on_step=stop),
+               backend=StrictBackend())
+    assert_nothing_left(loaded)
+    assert current_cache_context(loaded.pipe.transformer) is None
+    assert torch.equal(run(loaded, MAG).latent["samples"], before.latent["samples"])  # no state carried over
