@@ -251,7 +251,8 @@ def _window_count(shape: VideoShape, model) -> int:
 
     if not shape.windowed:
         return 1
-    return ContextWindows(shape.window, shape.window_overlap).schedule(shape.frames, model.geometry.temporal_factor).count
+    windows = ContextWindows(shape.window, shape.window_overlap)
+    return windows.schedule(shape.frames, model.geometry.temporal_factor).count
 
 
 def _speed_lines(request: PlanRequest, model, options: PlanOptions, plan=None) -> list[str]:

@@ -276,7 +276,8 @@ class BlockGate:
         name, index = self._blocks[id(module)]
         track = self._passes[name]
         track.ran(module)
-        self._tally.add((index == 0 and self._method is CacheMethod.FIRST_BLOCK) or self._decision(module), track.window)
+        computed = (index == 0 and self._method is CacheMethod.FIRST_BLOCK) or self._decision(module)
+        self._tally.add(computed, track.window)
 
     def _decision(self, module: nn.Module) -> bool:
         registry = getattr(module, "_diffusers_hook", None)
@@ -433,7 +434,9 @@ class AppliedCache:
             gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
             for name, group in self._blocks.items():
                 denoiser = self._denoisers[name]
-                if _windowed(denoiser):  # each window is a pass, with its own state
+                # The windows hook is in place first (sample.py enters `windows_for_call` before the
+                # cache): a windowed denoiser's passes are its windows, each with its own state.
+                if _windowed(denoiser):
                     registry = diffusers_hooks().HookRegistry.check_if_exists_or_initialize(denoiser)
                     registry.register_hook(_window_passes_class()(gate, name), WINDOW_PASSES_HOOK)
                     self._window_passes.append(denoiser)

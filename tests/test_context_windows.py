@@ -13,7 +13,6 @@ from vidmem.memory.windows import WindowSchedule
 from vidmem.pipelines.context_windows import HOOK_NAME, context_windows, window_call
 from vidmem.pipelines.family import ModelError, denoisers
 from vidmem.pipelines.sample import SampleRequest, sample
-from vidmem.pipelines.step_cache import StepCache
 from vidmem.pipelines.tiny import tiny_spec
 
 STEPS = 2

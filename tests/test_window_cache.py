@@ -45,7 +45,7 @@ def assert_nothing_left(loaded) -> None:
     for module in denoisers(loaded.pipe, loaded.spec).values():
         assert not module.is_cache_enabled
         registry = getattr(module, "_diffusers_hook", None)
-        assert registry is None or (registry.get_hook(HOOK_NAME) is None and registry.get_hook(WINDOW_PASSES_HOOK) is None)
+        assert registry is None or all(registry.get_hook(name) is None for name in (HOOK_NAME, WINDOW_PASSES_HOOK))
 
 
 @pytest.mark.parametrize("method", CACHES)
@@ -74,12 +74,13 @@ def test_other_families_windowed_and_cached_give_tier_nones_frames_on_every_tier
     loaded = tiny_loaded(variant)
     request = request_for(variant, steps=STEPS, cache=MAG)
     reference = sample(loaded, MemoryStrategy(offload="none"), request, backend=StrictBackend())
-    assert reference.receipt["cache"]["blocks_skipped"] > 0 and len(reference.receipt["cache"]["blocks_computed_per_window"]) == 2
+    counted = reference.receipt["cache"]
+    assert counted["blocks_skipped"] > 0 and len(counted["blocks_computed_per_window"]) == WINDOWS
     for strategy in (MemoryStrategy(offload="model"), MemoryStrategy(offload="sequential", prefetch_blocks=1),
                      MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=1)):
         result = sample(loaded, strategy, request, backend=StrictBackend())
         assert torch.equal(result.latent["samples"], reference.latent["samples"]), strategy.offload
-        assert result.receipt["cache"]["blocks_computed"] == reference.receipt["cache"]["blocks_computed"], strategy.offload
+        assert result.receipt["cache"]["blocks_computed"] == counted["blocks_computed"], strategy.offload
     assert_nothing_left(loaded)
 
 
