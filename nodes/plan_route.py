@@ -219,17 +219,15 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
 
 def _check_windows(request: PlanRequest, model) -> None:
     """The Sampler's refusals of these windows on this model (ModelError naming window or
-    window_overlap): its frame grid, the families and CogVideoX 1.5 that take no windows, a step cache."""
+    window_overlap): its frame grid, the families and CogVideoX 1.5 that take no windows. A step cache
+    runs beside windows (one cache state per window), so it is not asked about."""
     from ..pipelines.context_windows import ContextWindows, window_problem
     from ..pipelines.family import ModelError
-    from ..pipelines.sample_checks import window_cache_problem
 
     s = request.shape
     config = model.components[model.layout.denoisers[0]].config
     problem = window_problem(model.spec.name, config, ContextWindows(s.window, s.window_overlap), s.frames,
                              model.spec.frames_error, model.geometry.temporal_factor)
-    cache = _step_cache(request)
-    problem = problem or window_cache_problem(s.window, s.frames, not isinstance(cache, StrategyError) and cache.on)
     if problem:
         raise ModelError(problem)
 
@@ -245,6 +243,16 @@ def _window_lines(shape: VideoShape, model) -> list[str]:
     schedule = windows.schedule(shape.frames, model.geometry.temporal_factor)
     return [f"{shape.window}-frame windows, overlap {shape.window_overlap}, of {shape.frames} frames: {schedule.count} "
             "windows a step; the denoise peak follows one window, latents and decode the whole clip"]
+
+
+def _window_count(shape: VideoShape, model) -> int:
+    """Context windows a step runs (1: none, or one covering the clip): a step cache keeps a state per window."""
+    from ..pipelines.context_windows import ContextWindows
+
+    if not shape.windowed:
+        return 1
+    windows = ContextWindows(shape.window, shape.window_overlap)
+    return windows.schedule(shape.frames, model.geometry.temporal_factor).count
 
 
 def _speed_lines(request: PlanRequest, model, options: PlanOptions, plan=None) -> list[str]:
@@ -306,7 +314,7 @@ def _cache_lines(request: PlanRequest, model, plan=None) -> list[str]:
     denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items()
                  if name.startswith("transformer")}
     planned = cache_plan(layout_key(model.pipeline_class, denoisers), request.steps, list(denoisers), cache,
-                         str(widgets["mag_ratios"]), mag_ratios_folder())
+                         str(widgets["mag_ratios"]), mag_ratios_folder(), _window_count(request.shape, model))
     if not planned.text:
         return []
     time = f" {cached_time_line(plan, planned.share)}" if plan is not None and planned.share is not None else ""

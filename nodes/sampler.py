@@ -134,7 +134,8 @@ class VidMemVideoSampler:
                     "Context windows, in video frames: denoise this many frames at a time, in overlapping windows "
                     "blended into one clip, so the peak VRAM follows the window, not the whole clip. On the "
                     "model's frame grid (Wan 4k+1, e.g. 81; CogVideoX 8k+1, e.g. 49). 0: off, the whole clip at "
-                    "once; a window not shorter than frames changes nothing. Not with a Step Cache."}),
+                    "once; a window not shorter than frames changes nothing. With a Step Cache, each window "
+                    "keeps its own cache state."}),
                 "window_overlap": ("INT", {"default": 0, "min": 0, "max": MAX_FRAMES, "step": 4, "tooltip":
                     "Video frames two neighbouring windows share, cross-faded linearly; a multiple of 4, smaller "
                     "than window (e.g. 16 for a window of 81). More overlap: smoother hand-overs, more passes."}),

@@ -18,15 +18,19 @@ What is sliced with the frames, per family (everything else passes through untou
   first frames, so again each window is placed at 0, as the model was trained.
 Windows of latent frames whose output no other window shares are the transformer's output on that
 window, bit for bit (weight 1).
+
+A step cache beside windows (pipelines/step_cache.py) keeps one cache state per window: a hook named
+`WINDOW_PASSES_HOOK` in the denoiser's registry, when there is one, is entered around each window's
+pass (its `window(index)`), and gives that window its own cache context.
 """
 
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator, Mapping
+from typing import Callable, ContextManager, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -35,6 +39,7 @@ from ..memory.windows import WindowSchedule, latent_count
 from .family import ModelError
 
 HOOK_NAME = "vidmem_context_windows"
+WINDOW_PASSES_HOOK = "vidmem_window_passes"  # entered around each window's pass when present (the step cache's)
 TIME_AXIS = {"wan": 2, "cogvideox": 1}  # where the latent frames are in the denoiser's hidden_states
 
 
@@ -144,7 +149,9 @@ def _hook_class() -> type:
             call = dict(bound.arguments)
             call.update(call.pop("kwargs", {}))
             return_dict = call.pop("return_dict", True)
-            output = blended_forward(forward, call, self.schedule, self.axis)
+            listener = module._diffusers_hook.get_hook(WINDOW_PASSES_HOOK)
+            around = listener.window if listener is not None else None
+            output = blended_forward(forward, call, self.schedule, self.axis, around)
             self.receipt["passes"] += self.schedule.count
             if return_dict:
                 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -155,8 +162,10 @@ def _hook_class() -> type:
     return WindowsHook
 
 
-def blended_forward(forward, call: dict, schedule: WindowSchedule, axis: int) -> torch.Tensor:
-    """`forward(**call)` over the whole clip, computed window by window and blended."""
+def blended_forward(forward, call: dict, schedule: WindowSchedule, axis: int,
+                    around: Callable[[int], ContextManager] | None = None) -> torch.Tensor:
+    """`forward(**call)` over the whole clip, computed window by window and blended; `around(index)`,
+    when given, is entered around window `index`'s forward (a step cache's per-window state)."""
     hidden = call["hidden_states"]
     frames = hidden.shape[axis]
     if frames != schedule.frames:
@@ -164,7 +173,8 @@ def blended_forward(forward, call: dict, schedule: WindowSchedule, axis: int) ->
                          f"{frames}; this is a bug, please report it with the model and frame count.")
     total = weights_sum = None
     for index, (start, stop) in enumerate(schedule.spans):
-        out = forward(**window_call(call, axis, start, stop, frames), return_dict=False)[0]
+        with around(index) if around is not None else nullcontext():
+            out = forward(**window_call(call, axis, start, stop, frames), return_dict=False)[0]
         weight = torch.tensor(schedule.weights(index), dtype=torch.float32, device=out.device)
         weight = weight.view([-1 if dim == axis else 1 for dim in range(out.ndim)])
         if total is None:

@@ -111,7 +111,8 @@ def refuse_windows_in_parallel(request) -> None:
 
 
 def check_windows(loaded, request) -> None:
-    """`window` / `window_overlap` on the model's frame grid, and a step cache refused beside them."""
+    """`window` / `window_overlap` on the model's frame grid (a step cache runs beside them: one cache
+    state per window, pipelines/step_cache.py)."""
     from .context_windows import ContextWindows, window_problem
 
     pipe, windows = loaded.pipe, ContextWindows(request.window, request.window_overlap)
@@ -119,15 +120,3 @@ def check_windows(loaded, request) -> None:
                              pipe.vae_scale_factor_temporal)
     if problem:
         raise ModelError(problem)
-    problem = window_cache_problem(request.window, request.frames, request.cache.on)
-    if problem:
-        raise ModelError(problem)
-
-
-def window_cache_problem(window: int, frames: int, cache_on: bool) -> str | None:
-    """Why a step cache cannot run beside these windows (None: it can); the plan route asks too."""
-    if 0 < window < frames and cache_on:
-        return (f"window={window} and the step cache cannot run together: the cache compares each denoiser pass "
-                "with the one before, which with windows is another window's. Disconnect the Step Cache (or set its "
-                "method to off), or set window to 0.")
-    return None

@@ -13,22 +13,33 @@ and before the pass ahead of it prefetches for it. First Block Cache decides fro
 block's output changed: that block is copied on every pass (it computes), the rest once it decided.
 
 The count of blocks computed and skipped goes into the receipt (`CacheTally`).
+
+Beside context windows (pipelines/context_windows.py) each window keeps its own cache state, so a
+window's step is compared with the same window's step before, not with the other window that ran
+just before it. diffusers keys a cache hook's state by the cache context the pipeline sets ("cond",
+"uncond"); `WindowPasses`, entered around each window's pass, narrows it to that window's context
+("cond:window1") and starts the gate's pass there, so MagCache's accumulated error, First Block
+Cache's residuals and the look-ahead of the copies are all per window. This is what kijai's
+ComfyUI-WanVideoWrapper does for TeaCache and MagCache (`WindowTracker.get_teacache`: one cache state
+per window id, handed to that window's model call).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from enum import Enum
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
 
 from ..memory.strategy import StrategyError
+from .context_windows import HOOK_NAME as WINDOWS_HOOK, WINDOW_PASSES_HOOK
 
 
 class CacheMethod(str, Enum):
@@ -179,6 +190,14 @@ class CacheTally:
     computed: int = 0
     skipped: int = 0
     calibrated_ratios: dict = field(default_factory=dict)  # denoiser -> MagCache ratios measured (calibrate)
+    per_window: dict = field(default_factory=dict)  # context window index -> [computed, skipped] (windows on)
+
+    def add(self, computed: bool, window: int | None) -> None:
+        """One block's pass: computed or skipped, in context window `window` (None: no windows)."""
+        self.computed += computed
+        self.skipped += not computed
+        if window is not None:
+            self.per_window.setdefault(window, [0, 0])[0 if computed else 1] += 1
 
     @property
     def computed_share(self) -> float:
@@ -186,8 +205,11 @@ class CacheTally:
         return self.computed / total if total else 1.0
 
     def as_dict(self) -> dict:
+        windows = sorted(self.per_window)
         return {"blocks_computed": self.computed, "blocks_skipped": self.skipped,
                 "blocks_computed_share": round(self.computed_share, 4),
+                **({"blocks_computed_per_window": [self.per_window[w][0] for w in windows],
+                    "blocks_skipped_per_window": [self.per_window[w][1] for w in windows]} if windows else {}),
                 **({"mag_ratios": self.calibrated_ratios} if self.calibrated_ratios else {})}
 
 
@@ -240,22 +262,22 @@ class BlockGate:
             return index == 0 or next_pass  # First Block Cache: the first block always computes
         return self._mag_next_pass(name) if next_pass else self._mag_this_pass(name)
 
-    def begin(self, name: str) -> None:
-        """A pass of denoiser `name` starts (before its first module runs)."""
+    def begin(self, name: str, window: int | None = None) -> None:
+        """A pass of denoiser `name` starts (before its first module runs); `window`: the context
+        window it is (None: the whole clip)."""
         if name in self._passes:
             hook = self._head_hook(name)
             context = hook.state_manager._context if hook is not None else None
-            self._passes[name].begin(context.name if context is not None else "inference")
+            self._passes[name].begin(context.name if context is not None else "inference", window)
 
     def count(self, module: nn.Module) -> None:
         """After `module`'s forward, when the pass's decision is known for every block: the first
         block always computes under First Block Cache and follows MagCache's decision."""
         name, index = self._blocks[id(module)]
-        self._passes[name].ran(module)
-        if (index == 0 and self._method is CacheMethod.FIRST_BLOCK) or self._decision(module):
-            self._tally.computed += 1
-        else:
-            self._tally.skipped += 1
+        track = self._passes[name]
+        track.ran(module)
+        computed = (index == 0 and self._method is CacheMethod.FIRST_BLOCK) or self._decision(module)
+        self._tally.add(computed, track.window)
 
     def _decision(self, module: nn.Module) -> bool:
         registry = getattr(module, "_diffusers_hook", None)
@@ -304,11 +326,13 @@ class _PassTrack:
     def __init__(self, head: nn.Module, tail: nn.Module) -> None:
         self.head, self.tail = head, tail
         self.context = ""
+        self.window: int | None = None  # the context window of the pass (None: the whole clip)
         self.phase = self.START
         self._order: list[str] = []
         self._order_known = False
 
-    def begin(self, context: str) -> None:
+    def begin(self, context: str, window: int | None = None) -> None:
+        self.window = window
         if not self._order_known:
             if context in self._order:
                 self._order_known = True  # a context runs again: one full round has been seen
@@ -387,6 +411,7 @@ class AppliedCache:
         self._denoisers = dict(denoisers)
         self._enabled: list[nn.Module] = []
         self._counters: list = []
+        self._window_passes: list[nn.Module] = []  # denoisers given per-window cache state
         self._blocks = blocks
 
     def apply(self, steps: int) -> "AppliedCache":
@@ -408,9 +433,16 @@ class AppliedCache:
                 self._enabled.append(denoiser)
             gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
             for name, group in self._blocks.items():
-                # Prepended: the pass's phase is current before the engine's own hooks ask the gate.
-                self._counters.append(self._denoisers[name].register_forward_pre_hook(
-                    lambda m, args, name=name: gate.begin(name), prepend=True))
+                denoiser = self._denoisers[name]
+                # The windows hook is in place first (sample.py enters `windows_for_call` before the
+                # cache): a windowed denoiser's passes are its windows, each with its own state.
+                if _windowed(denoiser):
+                    registry = diffusers_hooks().HookRegistry.check_if_exists_or_initialize(denoiser)
+                    registry.register_hook(_window_passes_class()(gate, name), WINDOW_PASSES_HOOK)
+                    self._window_passes.append(denoiser)
+                else:  # prepended: the pass's phase is current before the engine's own hooks ask the gate
+                    self._counters.append(denoiser.register_forward_pre_hook(
+                        lambda m, args, name=name: gate.begin(name), prepend=True))
                 for block in group:
                     self._counters.append(block.register_forward_hook(lambda m, args, out: gate.count(m), prepend=True))
                 if self.cache.method is CacheMethod.MAG and self.cache.calibrate:
@@ -426,6 +458,9 @@ class AppliedCache:
         for handle in self._counters:
             handle.remove()
         self._counters.clear()
+        for denoiser in self._window_passes:
+            denoiser._diffusers_hook.remove_hook(WINDOW_PASSES_HOOK, recurse=False)
+        self._window_passes.clear()
         for denoiser in self._enabled:
             denoiser.disable_cache()
         self._enabled.clear()
@@ -451,8 +486,68 @@ def _calibrated_ratios(tail: nn.Module) -> list[float]:
     if hook is None:
         return []
     states = hook.state_manager._state_cache  # diffusers keeps one state per cache context
-    state = states.get("cond") or next(iter(states.values()), None)
+    state = states.get("cond") or states.get(window_context("cond", 0)) or next(iter(states.values()), None)
     return [round(float(r), 5) for r in getattr(state, "calibration_ratios", [])]
+
+
+# --- One cache state per context window ---------------------------------------------------------------
+
+def window_context(context: str, index: int) -> str:
+    """The cache context of window `index` of a pass in `context` ("cond" -> "cond:window0")."""
+    return f"{context}:window{index}"
+
+
+def _windowed(denoiser: nn.Module) -> bool:
+    registry = getattr(denoiser, "_diffusers_hook", None)
+    return registry is not None and registry.get_hook(WINDOWS_HOOK) is not None
+
+
+def current_cache_context(module: nn.Module):
+    """The cache context the pipeline set on `module`'s cache hooks (diffusers' `CacheContext`), or None."""
+    from diffusers.hooks.hooks import StateManager
+
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is None:
+        return None
+    for child in (registry, *registry._get_child_registries()):  # as diffusers' _set_cache_context walks them
+        for hook in child.hooks.values():
+            for attr in vars(hook).values():
+                if isinstance(attr, StateManager) and attr._context is not None:
+                    return attr._context
+    return None
+
+
+@lru_cache(maxsize=None)
+def _window_passes_class() -> type:
+    from diffusers.hooks import ModelHook
+
+    class WindowPasses(ModelHook):
+        """In a denoiser's registry beside the windows hook: each window's pass runs in its own cache
+        context, so diffusers keeps one cache state per window, and the gate starts a pass there."""
+
+        def __init__(self, gate: BlockGate, name: str) -> None:
+            super().__init__()
+            self.gate, self.name = gate, name
+
+        def initialize_hook(self, module: nn.Module) -> nn.Module:
+            self.module = module
+            return module
+
+        @contextmanager
+        def window(self, index: int) -> Iterator[None]:
+            from diffusers.hooks.hooks import _set_cache_context
+
+            outer = current_cache_context(self.module)
+            if outer is not None:
+                _set_cache_context(self.module, replace(outer, name=window_context(outer.name, index)))
+            try:
+                self.gate.begin(self.name, index)
+                yield
+            finally:
+                if outer is not None:
+                    _set_cache_context(self.module, outer)  # the pipeline's own context, for its next window
+
+    return WindowPasses
 
 
 # --- MagCache ratio files ---------------------------------------------------------------------------
@@ -631,21 +726,24 @@ class CachePlan:
 
 
 def plan_line(model_layout: str, steps: int, denoisers: list[str], cache: StepCache | None = None,
-              ratios_name: str = "auto", folder: Path | None = None) -> str:
+              ratios_name: str = "auto", folder: Path | None = None, windows: int = 1) -> str:
     """What `cache` would skip at `steps`, before the run (`vidmem plan --cache`, the Strategy node's plan)."""
-    return cache_plan(model_layout, steps, denoisers, cache, ratios_name, folder).text
+    return cache_plan(model_layout, steps, denoisers, cache, ratios_name, folder, windows).text
 
 
 def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepCache | None = None,
-               ratios_name: str = "auto", folder: Path | None = None) -> CachePlan:
+               ratios_name: str = "auto", folder: Path | None = None, windows: int = 1) -> CachePlan:
     """`plan_line`'s words and the share of passes computed.
 
     `cache` None: MagCache as published for this model. Otherwise the Step Cache node's settings with
     the ratios it names ("auto", "calibrate" or a file in `folder`); a threshold of 0 takes the one
-    published with the ratios, as a run does."""
+    published with the ratios, as a run does. `windows`: the context windows of a step (1: none);
+    each keeps its own cache state, so MagCache computes the same steps in each and the share of the
+    passes is the share of the steps."""
+    each = f" in each of the {windows} context windows, each with its own cache state," if windows > 1 else ""
     if cache is not None and cache.method is CacheMethod.FIRST_BLOCK:
-        return CachePlan(f"{cache.describe()}: decided while sampling from how much the first block's output changes, "
-                         "so what it skips is known only after the run (the Sampler's receipt counts it).")
+        return CachePlan(f"{cache.describe()}: decided while sampling from how much the first block's output changes"
+                         f"{each}, so what it skips is known only after the run (the Sampler's receipt counts it).")
     if cache is not None and not cache.on:
         return CachePlan("")
     if cache is not None and ratios_name == "calibrate":
@@ -669,7 +767,7 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
     # with a denoiser left uncached, how the denoise time splits between them is not known here
     return CachePlan(
         f"mag_cache with {source} (threshold {cache.threshold:g}, K {cache.max_skip_steps}, retention "
-        f"{cache.retention:g}): steps computed {parts} ({share:.0%}){note}. The denoising time and, under block "
+        f"{cache.retention:g}): steps computed {parts}{each} ({share:.0%}){note}. The denoising time and, under block "
         f"swap, the copies fall about as the steps computed; quality: docs/step-cache.md.", None if uncached else share)
 
 

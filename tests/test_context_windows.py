@@ -13,7 +13,6 @@ from vidmem.memory.windows import WindowSchedule
 from vidmem.pipelines.context_windows import HOOK_NAME, context_windows, window_call
 from vidmem.pipelines.family import ModelError, denoisers
 from vidmem.pipelines.sample import SampleRequest, sample
-from vidmem.pipelines.step_cache import StepCache
 from vidmem.pipelines.tiny import tiny_spec
 
 STEPS = 2
@@ -195,11 +194,6 @@ def test_bad_windows_are_refused_with_the_fix(window, overlap, words, tiny_loade
 def test_cogvideox_windows_follow_its_own_frame_grid(tiny_loaded):
     with pytest.raises(ModelError, match=r"window=13 is not valid for cogvideox: use 8k\+1"):
         run(tiny_loaded("cogvideox-t2v"), request_for("cogvideox-t2v", window=13))
-
-
-def test_a_step_cache_beside_windows_is_refused(tiny_loaded):
-    with pytest.raises(ModelError, match="step cache cannot run together"):
-        run(tiny_loaded("wan2.1-t2v"), request_for("wan2.1-t2v", cache=StepCache(method="first_block_cache")))
 
 
 def test_cogvideox_with_temporal_patches_is_refused(tiny_loaded):

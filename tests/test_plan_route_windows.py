@@ -66,6 +66,24 @@ def test_a_window_covering_the_clip_is_planned_as_the_clip_with_the_samplers_not
     assert covering["windows"] == ["window=81 covers all 81 frames: sampled as one clip, no windows."]
 
 
+def test_a_step_cache_beside_windows_is_planned_per_window_with_its_time():
+    """The Sampler runs a step cache beside windows (one cache state per window): the plan does too.
+    MagCache computes the same steps in every window, so the share of the passes is the unwindowed
+    one, and the time line scales the windowed plan's denoise stage (every window's passes) by it."""
+    mag = dict(FBC, cache_method="mag_cache", cache_threshold="0")
+    whole = shipped_plan("wan2.1-t2v-1.3b", **mag)
+    windowed = shipped_plan("wan2.1-t2v-1.3b", window=81, window_overlap=16, **mag)
+    assert whole["status"] == windowed["status"] == "ok", (whole, windowed)
+    (line,) = [line for line in windowed["speed"] if line.startswith("step cache:")]
+    (unwindowed,) = [line for line in whole["speed"] if line.startswith("step cache:")]
+    computed = unwindowed.split("steps computed transformer ")[1].split(" (")[0]  # "23 of 50"
+    assert f"steps computed transformer {computed} in each of the 3 context windows, each with its own cache state, (" \
+        in line, (line, unwindowed)
+    assert "Time with the cache: about x" in line, line
+    fbc = shipped_plan("wan2.1-t2v-1.3b", window=81, window_overlap=16, **FBC)
+    assert fbc["status"] == "ok" and any("in each of the 3 context windows" in s for s in fbc["speed"]), fbc
+
+
 @pytest.mark.parametrize("change, name", [
     (dict(window="-4"), "window"), (dict(window="81.5"), "window"), (dict(window="2000"), "window"),
     (dict(window="81", window_overlap="x"), "window_overlap"), (dict(window_overlap="-1"), "window_overlap"),
@@ -91,7 +109,6 @@ def _sampler_refusal(loaded, variant: str, frames: int, window: int, overlap: in
     ("wan2.1-t2v", 17, 9, 12, False, "window_overlap"),  # overlap not smaller than the window
     ("wan2.1-t2v", 17, 9, 2, False, "window_overlap"),  # not a whole latent frame
     ("wan2.1-t2v", 17, 0, 4, False, "window_overlap"),  # an overlap with no window
-    ("wan2.1-t2v", 17, 9, 4, True, "window"),  # a step cache beside windows
     ("cogvideox1.5-t2v", 17, 9, 0, False, "window"),  # CogVideoX 1.5's temporal patches
     ("hunyuanvideo1.5-t2v", 17, 9, 4, False, "window"),  # a family that takes no windows
 ])
