@@ -145,7 +145,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if best is not None and options.device != "cpu":
             print("\n" + _warm_line(plans[best]))
         if args.cache == "mag_cache":
-            print("\n" + _cache_line(model, args.steps, plans[best] if best is not None else None))
+            print("\n" + _cache_line(model, args.steps, shape, plans[best] if best is not None else None))
         if message:
             print(f"\n{message}")
     return 0 if best is not None else 1
@@ -241,13 +241,15 @@ def _warm_line(plan) -> str:
             "text encoder on the GPU evicted them (docs/warm-runs.md).")
 
 
-def _cache_line(model, steps: int, plan=None) -> str:
-    """MagCache's skips as published for this model at `steps`, and the time they save on `plan` (the
-    recommended row; None where nothing fits)."""
+def _cache_line(model, steps: int, shape, plan=None) -> str:
+    """MagCache's skips as published for this model at `steps` (in each context window, with --window), and the
+    time they save on `plan` (the recommended row; None where nothing fits)."""
+    from ..pipelines.context_windows import ContextWindows
     from ..pipelines.step_cache import cache_plan, cached_time_line, layout_key
 
     denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items() if name.startswith("transformer")}
-    planned = cache_plan(layout_key(model.pipeline_class, denoisers), steps, list(denoisers))
+    windows = ContextWindows(shape.window, shape.window_overlap).count(shape.frames, model.geometry.temporal_factor)
+    planned = cache_plan(layout_key(model.pipeline_class, denoisers), steps, list(denoisers), windows=windows)
     if plan is None or planned.share is None:
         return planned.text
     return f"{planned.text}\n{cached_time_line(plan, planned.share)}"

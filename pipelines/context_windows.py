@@ -54,6 +54,10 @@ class ContextWindows:
     def on(self) -> bool:
         return self.window > 0
 
+    def count(self, frames: int, temporal_factor: int) -> int:
+        """Windows a step runs at `frames` (1: off, or one window covering the clip)."""
+        return self.schedule(frames, temporal_factor).count if self.on else 1
+
     def schedule(self, frames: int, temporal_factor: int) -> WindowSchedule:
         """The latent windows of a clip of `frames` video frames."""
         return WindowSchedule(latent_count(frames, temporal_factor), latent_count(self.window, temporal_factor),

@@ -740,7 +740,7 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
     published with the ratios, as a run does. `windows`: the context windows of a step (1: none);
     each keeps its own cache state, so MagCache computes the same steps in each and the share of the
     passes is the share of the steps."""
-    each = f" in each of the {windows} context windows, each with its own cache state," if windows > 1 else ""
+    each = f" in each of the {windows} context windows (each with its own cache state)" if windows > 1 else ""
     if cache is not None and cache.method is CacheMethod.FIRST_BLOCK:
         return CachePlan(f"{cache.describe()}: decided while sampling from how much the first block's output changes"
                          f"{each}, so what it skips is known only after the run (the Sampler's receipt counts it).")

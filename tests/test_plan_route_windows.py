@@ -77,7 +77,7 @@ def test_a_step_cache_beside_windows_is_planned_per_window_with_its_time():
     (line,) = [line for line in windowed["speed"] if line.startswith("step cache:")]
     (unwindowed,) = [line for line in whole["speed"] if line.startswith("step cache:")]
     computed = unwindowed.split("steps computed transformer ")[1].split(" (")[0]  # "23 of 50"
-    assert f"steps computed transformer {computed} in each of the 3 context windows, each with its own cache state, (" \
+    assert f"steps computed transformer {computed} in each of the 3 context windows (each with its own cache state) (" \
         in line, (line, unwindowed)
     assert "Time with the cache: about x" in line, line
     fbc = shipped_plan("wan2.1-t2v-1.3b", window=81, window_overlap=16, **FBC)

@@ -320,6 +320,11 @@ def test_vidmem_plan_says_what_the_published_ratios_compute(capsys):
     assert re.search(r"Time with the cache: about x0\.\d\d of the same run uncached \(42% of the denoise passes", out), out
     main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--ram", "32", "--cache", "mag_cache"])
     assert "no published MagCache ratios for this model" in capsys.readouterr().out
+    main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "32", "--cache", "mag_cache", "--frames", "161",
+          "--window", "81", "--window-overlap", "16"])  # each window keeps its own cache state: the same share
+    out = capsys.readouterr().out
+    assert ("steps computed transformer 21 of 50 in each of the 3 context windows (each with its own cache state) (42%)"
+            in out), out
 
 
 def test_per_expert_ratios_for_another_split_of_the_steps_are_refused_by_name(tiny_loaded):
