@@ -40,7 +40,7 @@ from .family import ModelError
 
 HOOK_NAME = "vidmem_context_windows"
 WINDOW_PASSES_HOOK = "vidmem_window_passes"  # entered around each window's pass when present (the step cache's)
-TIME_AXIS = {"wan": 2, "cogvideox": 1}  # where the latent frames are in the denoiser's hidden_states
+TIME_AXIS = {"wan": 2, "cogvideox": 1, "hunyuanvideo1.5": 2}  # where the latent frames are in the denoiser's hidden_states
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ def window_problem(family: str, denoiser_config, windows: ContextWindows, frames
     if not windows.on:
         return f"window_overlap={windows.overlap} needs a window: set window (e.g. 81) or window_overlap to 0."
     if family not in TIME_AXIS:
-        return (f"window={windows.window}: context windows are not supported for {family} yet (Wan and CogVideoX "
-                "are); set window to 0.")
+        return (f"window={windows.window}: context windows are not supported for {family} yet (Wan, CogVideoX and "
+                "HunyuanVideo 1.5 are); set window to 0.")
     if (denoiser_config.get("patch_size_t") or 1) > 1:
         return (f"window={windows.window}: CogVideoX 1.5 pads its latent to whole temporal patches, which windows "
                 "do not split yet; set window to 0.")
