@@ -671,7 +671,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--budget-seconds", type=float, default=None,
                         help="start no row after this many seconds (the JSON lists the rest as skipped)")
-    parser.add_argument("--decode", action="store_true", help="the VAE decode rows instead (bench/support/gpu_decode.py)")
+    parser.add_argument("--decode", action="store_true", help="the VAE decode rows instead (bench/support/gpu_decode.py; "
+                        "--steps is its timed rounds)")
     parser.add_argument("--sanitize-step", action="store_true", help="one tiny block_swap step (for compute-sanitizer)")
     parser.add_argument("--replan", type=Path, metavar="JSON",
                         help="recompute the planner's figures in a results file with this checkout (no GPU needed)")
@@ -717,7 +718,7 @@ def decode_bench(args: argparse.Namespace, shape: VideoShape) -> None:
     from bench.support.gpu_decode import decode_rows
 
     device = torch.device(args.device)
-    deadline = time.time() + args.budget_seconds if args.budget_seconds else None
+    deadline = time.time() + args.budget_seconds if args.budget_seconds is not None else None
     result = {"bench": "gpu_decode", "model": args.model, "shape": dataclasses.asdict(shape), "gpu": gpu_info(device),
               "torch": torch.__version__, **decode_rows(meta_model(args.model, {}), shape, device, args.steps, deadline)}
     print(json.dumps(result, indent=1))

@@ -31,7 +31,7 @@ from .strategy import VaeTiling
 from .cleanup import is_out_of_memory
 from .vae_tiles import RGB, Span, TilePlan, VaeGeometry, auto_tiling, plan_tiles
 
-__all__ = ["DecodeReport", "Rung", "Streaming", "VaeGeometry", "auto_tiling", "decode_video", "decode_with_fallback",
+__all__ = ["DecodeReport", "PinnedLanding", "Rung", "Streaming", "VaeGeometry", "auto_tiling", "decode_video", "decode_with_fallback",
            "fallback_rungs", "plan_tiles"]
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,17 @@ class Streaming:
 
     start: Callable[[], Decode]
     frame_batch: int = 1
+
+
+@dataclass(frozen=True)
+class PinnedLanding:
+    """Page-locked memory for overlapped landings (`_Landing`): `pin(nbytes)` returns a pinned uint8 buffer (a
+    backend's `pin_arena`), and the pair of piece buffers may pin at most `budget_bytes` (the strategy's pinned
+    ceiling less what the call has pinned already; None: no ceiling). Over the budget, or where pinning fails,
+    pieces land the blocking way."""
+
+    pin: Callable[[int], torch.Tensor]
+    budget_bytes: int | None = None
 
 
 @dataclass
@@ -103,6 +114,7 @@ def decode_video(
     out_device: torch.device | str = "cpu",
     report: DecodeReport | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    pinned: PinnedLanding | None = None,
     overlap_copies: bool | None = None,
 ) -> torch.Tensor:
     """Decode un-normalised latents [B, C, T, h, w] to pixels [B, 3, F, H, W] float32 on `out_device`.
@@ -122,9 +134,11 @@ def decode_video(
             on `park` (`out_device` when tiled, so that the compute device holds only the piece
             being decoded; `prepare` should move each frame there as it is made).
         on_step: called as on_step(done, total) after each piece (progress bars, interrupts).
+        pinned: pinned memory for landing pieces on the host (`PinnedLanding`); without it pieces land the
+            blocking way.
         overlap_copies: blend each piece on the host while the device decodes the next (`_Landing`); None
-            (default) does so when a CUDA decode lands in host memory in more than one piece. The frames
-            are the same either way.
+            (default) does so when `pinned` is given and a CUDA decode lands in host memory in more than one
+            piece; True also without pinned memory (tests). The frames are the same either way.
     """
     geometry.check_latents(latents)
     streaming = isinstance(decode, Streaming)
@@ -140,21 +154,26 @@ def decode_video(
         pieces = list(itertools.product(plan.frames, plan.rows, plan.cols))
     total, done = len(groups) * len(pieces), 0
     if overlap_copies is None:
-        overlap_copies = latents.device.type == "cuda" and out.device.type == "cpu" and total > 1
-    landing = _Landing(weights, overlap_copies)
+        overlap_copies = pinned is not None and latents.device.type == "cuda" and out.device.type == "cpu" and total > 1
+    landing = _Landing(weights, overlap_copies, pinned, _largest_piece(plan, batch if not slicing else 1))
     started = time.perf_counter()
-    with torch.no_grad():
-        for b0, b1 in groups:
-            source = _prepared(prepare, latents[b0:b1], out.device if len(pieces) > 1 else latents.device)
-            for piece in pieces:
-                if streaming and piece[0] is plan.frames[0]:
-                    tile_decode = decode.start()
-                pixels = _decode_piece(tile_decode if streaming else decode, source, piece, latents.device)
-                landing.put(pixels, out[b0:b1], piece)
-                done += 1
-                if on_step is not None:
-                    on_step(done, total)
-        landing.flush()
+    try:
+        with torch.no_grad():
+            for b0, b1 in groups:
+                source = _prepared(prepare, latents[b0:b1], out.device if len(pieces) > 1 else latents.device)
+                for piece in pieces:
+                    if streaming and piece[0] is plan.frames[0]:
+                        tile_decode = decode.start()
+                    # handed over at once: the device output must not outlive its piece (it would during the next
+                    # piece's decode)
+                    landing.put(_decode_piece(tile_decode if streaming else decode, source, piece, latents.device),
+                                out[b0:b1], piece)
+                    done += 1
+                    if on_step is not None:
+                        on_step(done, total)
+            landing.flush()
+    finally:
+        landing.release()  # also when a piece ran out of memory or was interrupted: nothing stays pinned
     if report is not None:
         report.mode = "tiled" if blended else "whole"
         report.sliced, report.tiles, report.chunks = slicing, plan.tiles, plan.chunks
@@ -189,20 +208,25 @@ class _Landing:
 
     Why one behind: a CUDA piece copied to pageable host memory blocks the CPU until the GPU is idle, and the
     CPU's blend that follows leaves the GPU idle in turn, once per piece. With `overlap`, each piece is copied
-    into pinned memory behind its decode on the same stream (non_blocking, an event recorded after it), and
-    blended only after the next piece's decode has been queued, so the CPU blends while the GPU decodes. The
-    blends run in the same order on the same values: the frames are identical.
+    into one of two pinned buffers behind its decode on the same stream (non_blocking, an event recorded after
+    it), and blended only after the next piece's decode has been queued, so the CPU blends while the GPU
+    decodes. The blends run in the same order on the same values: the frames are identical. The pair is pinned
+    once per decode, within `pinned.budget_bytes`, and unpinned when the decode ends (`release`); where it
+    would not fit, or pinning fails, pieces land the blocking way.
     """
 
-    def __init__(self, weights: dict, overlap: bool) -> None:
-        self.weights, self.overlap = weights, overlap
+    def __init__(self, weights: dict, overlap: bool, pinned: PinnedLanding | None, largest: int) -> None:
+        self.weights, self.overlap, self.pinned, self.largest = weights, overlap, pinned, largest
         self.pending: tuple | None = None
+        self._pair: list[torch.Tensor] | None = None  # two byte buffers of the largest piece, used in turn
+        self._turn = 0
 
     def put(self, pixels: torch.Tensor, out: torch.Tensor, piece) -> None:
-        if not self.overlap:
+        if not self.overlap or (self._pair is None and not self._make_pair(pixels.element_size())):
             _blend(pixels, out, piece, self.weights)
             return
-        host = torch.empty(pixels.shape, dtype=pixels.dtype, pin_memory=torch.cuda.is_available() and pixels.is_cuda)
+        host = self._pair[self._turn][: pixels.numel() * pixels.element_size()].view(pixels.dtype).view(pixels.shape)
+        self._turn ^= 1  # the other buffer's piece was blended when this one was handed over
         host.copy_(pixels, non_blocking=host.is_pinned())
         copied = torch.cuda.Event() if pixels.is_cuda else None
         if copied is not None:
@@ -216,11 +240,46 @@ class _Landing:
             previous, self.pending = self.pending, None
             self._land(previous)
 
+    def release(self) -> None:
+        """Drop the pair and the pending piece, and unpin (torch's host allocator keeps freed pinned blocks cached
+        for the process otherwise; the call releases only blocks no tensor holds)."""
+        pinned = self._pair is not None and self._pair[0].is_pinned()
+        self._pair = self.pending = None
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if pinned and empty is not None:
+            empty()
+
+    def _make_pair(self, itemsize: int) -> bool:
+        nbytes = self.largest * itemsize
+        if self.pinned is None:  # overlap asked for without pinned memory (tests, or a host that does not pin)
+            whole = torch.empty(2 * nbytes, dtype=torch.uint8)
+        elif self.pinned.budget_bytes is not None and 2 * nbytes > self.pinned.budget_bytes:
+            logger.info("vidmem VAE decode: two pieces (%d MiB) exceed the pinned ceiling (%d MiB left); pieces land "
+                        "the blocking way", 2 * nbytes >> 20, self.pinned.budget_bytes >> 20)
+            self.overlap = False
+            return False
+        else:
+            try:
+                whole = self.pinned.pin(2 * nbytes)
+            except RuntimeError as error:  # the driver's page-lock limit (WSL, Windows): not the device's memory
+                logger.warning("vidmem VAE decode: could not pin %d MiB for the pieces (%s); they land the blocking way",
+                               2 * nbytes >> 20, str(error).splitlines()[0] if str(error) else type(error).__name__)
+                self.overlap = False
+                return False
+        self._pair = [whole[:nbytes], whole[nbytes:]]
+        return True
+
     def _land(self, pending: tuple) -> None:
         host, copied, out, piece = pending
         if copied is not None:
             copied.synchronize()
         _blend(host, out, piece, self.weights)
+
+
+def _largest_piece(plan: TilePlan, batch: int) -> int:
+    """Elements of the largest decoded piece (what one landing buffer must hold)."""
+    return max(batch * RGB * (f.out_stop - f.out_start) * (r.out_stop - r.out_start) * (c.out_stop - c.out_start)
+               for f in plan.frames for r in plan.rows for c in plan.cols)
 
 
 def _blend(pixels: torch.Tensor, out: torch.Tensor, piece, weights: dict) -> None:
@@ -349,6 +408,7 @@ def decode_with_fallback(
     out_device: torch.device | str = "cpu",
     report: DecodeReport | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    pinned: PinnedLanding | None = None,
 ) -> torch.Tensor:
     """decode_video that answers torch.OutOfMemoryError by walking down `fallback_rungs`.
 
@@ -375,7 +435,7 @@ def decode_with_fallback(
             decode, latents = to_cpu(), latents.to("cpu")
         try:
             out = decode_video(decode, latents, geometry, rung.tiling, rung.slicing, prepare=prepare,
-                               out_device=out_device, report=report, on_step=on_step)
+                               out_device=out_device, report=report, on_step=on_step, pinned=pinned)
             report.seconds = time.perf_counter() - started  # failed rungs included
             return out
         except RuntimeError as error:  # torch.OutOfMemoryError is one; so are cuBLAS/cuDNN allocation failures

@@ -32,8 +32,9 @@ materialising the score matrix, unless the model is compiled). Everywhere it is 
 what runs without vidmem: off CUDA that keeps CPU frames bit-identical to plain diffusers; on CUDA,
 SDPA's own pick (cuDNN on Hopper with torch 2.11) was measured faster than any kernel forced through
 the dispatcher (`MEASURED_AUTO`), and it follows torch's flags (`torch.backends.cuda.enable_*_sdp`).
-The receipt names the kernel SDPA picks; where no fused kernel can run (an old GPU in bf16, every
-fused kernel disabled) the ones passed over are named in `fallback` and logged.
+The Sampler's receipt names the kernel SDPA picks (`sdpa_pick`); where SDPA would fall back to its
+math kernel (an old GPU in bf16, the fused kernels disabled) the ones passed over are named in
+`fallback` and logged.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class AttentionError(StrategyError):
 
 
 class AttentionKernel(str, Enum):
-    AUTO = "auto"  # the fastest exact kernel for the device and dtype (module docstring); says which in the receipt
+    AUTO = "auto"  # torch's SDPA choosing (measured fastest; module docstring); the receipt names its kernel
     SDPA = "sdpa"  # torch's scaled_dot_product_attention choosing its backend per call: what runs without vidmem
     FLASH = "flash"  # SDPA's FlashAttention-2 backend: CUDA sm80+, fp16/bf16 (on the CPU, torch's CPU flash kernel)
     EFFICIENT = "efficient"  # SDPA's memory-efficient backend: CUDA sm50+, fp32/fp16 (bf16 on sm80+)
@@ -125,7 +126,7 @@ class ResolvedAttention:
         return self.kernel is AttentionKernel.SAGE
 
     def describe(self) -> str:
-        """One line for the plan and logs: `flash (auto)`, `sdpa`."""
+        """One line for the plan and logs: `sdpa (auto)`, `flash`."""
         return self.kernel.value + (f" ({self.requested.value})" if self.requested is not self.kernel else "")
 
     def as_dict(self) -> dict:
@@ -232,8 +233,8 @@ def _sage_problem(device: torch.device, dtype: torch.dtype) -> str:
 
 # Why auto leaves SDPA to choose on CUDA: one attention call at Wan 2.1 1.3B's real size (832x480x81, 32,760
 # tokens, 12 heads of 128, bf16) on an H100 with torch 2.11, each kernel as the dispatcher runs it.
-MEASURED_AUTO = ("on an H100 at 32,760 tokens SDPA's own pick took 11.3 ms a call, cuDNN forced 13.0, FlashAttention-2 "
-                 "forced 18.4, memory-efficient 36.6 (bench/results/speed-attention-call-gpu-h100-2026-11-27.json)")
+MEASURED_AUTO = ("on an H100 at 32,760 tokens SDPA's own pick (cuDNN there) took 11.3 ms a call, FlashAttention-2 "
+                 "forced 18.4 ms, memory-efficient forced 36.6 ms (bench/results/speed-attention-call-gpu-h100-2026-11-27.json)")
 
 
 def _auto(device: torch.device, dtype: torch.dtype) -> ResolvedAttention:
@@ -241,7 +242,8 @@ def _auto(device: torch.device, dtype: torch.dtype) -> ResolvedAttention:
         why = (f"auto on {device.type}: torch's SDPA as it is, so frames stay identical to plain diffusers "
                "(the CPU has no faster exact kernel than the one SDPA picks)")
         return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
-    passed = []
+    major, minor = _capability(device)
+    passed, fused = [], []
     for kernel, enabled in ((AttentionKernel.FLASH, torch.backends.cuda.flash_sdp_enabled),
                             (AttentionKernel.EFFICIENT, torch.backends.cuda.mem_efficient_sdp_enabled),
                             (AttentionKernel.CUDNN, torch.backends.cuda.cudnn_sdp_enabled)):
@@ -249,23 +251,35 @@ def _auto(device: torch.device, dtype: torch.dtype) -> ResolvedAttention:
             "" if enabled() else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).")
         if problem:
             passed.append(f"{kernel.value}: {problem}")
-    sm = "".join(map(str, _capability(device)))
-    if len(passed) == 3:
+        elif kernel is not AttentionKernel.CUDNN or major in _CUDNN_FIRST:
+            fused.append(kernel)  # elsewhere torch ranks cuDNN after its math kernel: SDPA would never pick it
+    if not fused:
         fallback = _fallback(passed)
-        log.warning("vidmem: attention auto found no fused kernel for %s on this GPU; SDPA will use its math kernel "
-                    "(%s)", _dtype_name(dtype), fallback)
+        log.warning("vidmem: attention auto found no fused kernel SDPA would pick for %s on this GPU; SDPA will use "
+                    "its math kernel, which holds the whole score matrix (%s)", _dtype_name(dtype), fallback)
         return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype,
-                         f"auto on CUDA sm{sm}: no fused kernel available, torch's SDPA choosing per call", fallback)
-    pick = _sdpa_pick(device, dtype)
-    why = (f"auto on CUDA sm{sm}, {_dtype_name(dtype)}: torch's SDPA choosing its fused kernel per call"
-           f"{f' ({pick} for 128-wide heads)' if pick else ''}, the fastest exact choice measured: {MEASURED_AUTO}")
+                         f"auto on CUDA sm{major}{minor}: no fused kernel SDPA would pick, so its math kernel",
+                         fallback)
+    why = (f"auto on CUDA sm{major}{minor}, {_dtype_name(dtype)}: torch's SDPA choosing its fused kernel per call, "
+           f"the fastest exact choice measured: {MEASURED_AUTO}")
     return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
 
 
-def _sdpa_pick(device: torch.device, dtype: torch.dtype) -> str:
-    """The backend torch's SDPA picks on this GPU for 128-wide heads, for the receipt ("" where it cannot say)."""
+# torch ranks cuDNN attention first on these GPU generations (Hopper, Blackwell datacenter:
+# `check_prefer_cudnn_attention`), after its math kernel on the others.
+_CUDNN_FIRST = (9, 10)
+
+
+@lru_cache(maxsize=None)
+def sdpa_pick(device: str, dtype: torch.dtype) -> str:
+    """The backend torch's SDPA picks on this GPU for 128-wide heads ("" where it cannot say), for receipts.
+
+    Allocates a small probe on the device: called when a run writes its receipt, never when a choice is
+    resolved (queue-time checks and plans must not create a CUDA context)."""
     names = {SDPBackend.FLASH_ATTENTION: "FlashAttention-2", SDPBackend.EFFICIENT_ATTENTION: "memory-efficient",
              SDPBackend.CUDNN_ATTENTION: "cuDNN", SDPBackend.MATH: "math"}
+    if torch.device(device).type != "cuda":
+        return ""
     try:
         probe = torch.empty(1, 12, 256, 128, device=device, dtype=dtype)
         return names.get(SDPBackend(torch._fused_sdp_choice(probe, probe, probe)), "")

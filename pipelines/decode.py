@@ -11,7 +11,8 @@ from ..memory.blockswap import Observer
 from ..memory.device import Backend
 from ..memory.telemetry import StageMeter, free_device_bytes
 from ..memory.cleanup import free_memory
-from ..memory.vae import Decode, DecodeReport, Prepare, Streaming, VaeGeometry, decode_with_fallback
+from ..memory.hostpool import HostPool, pinned_cap_bytes
+from ..memory.vae import Decode, DecodeReport, PinnedLanding, Prepare, Streaming, VaeGeometry, decode_with_fallback
 from ..memory.offload import device_weight_bytes
 from ..memory.warm import call_on
 from .family import FamilySpec, ModelError
@@ -67,6 +68,15 @@ def validate_latent(loaded: LoadedPipeline, latent: dict) -> torch.Tensor:
 
 def geometry(pipe) -> VaeGeometry:
     return VaeGeometry(pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, latent_channels(pipe))
+
+
+def pinned_landing(backend: Backend, strategy: MemoryStrategy, pool: HostPool) -> PinnedLanding | None:
+    """Pinned memory for landing decoded pieces while the next decodes, within the strategy's pinned ceiling less
+    what the pipeline's pool already pinned (None where the backend does not pin: the CPU)."""
+    if not backend.can_pin:
+        return None
+    ceiling = pinned_cap_bytes(strategy.max_pinned_ram_gb, pool.host_room_bytes)
+    return PinnedLanding(backend.pin_arena, max(0, ceiling - pool.pinned_bytes))
 
 
 def vae_decoder(spec: FamilySpec, vae) -> tuple[Decode | Streaming, Prepare | None]:
@@ -139,6 +149,7 @@ def decode(
                 predict=decode_overrun(loaded, tuple(z.shape), strategy, free) if free is not None else None,
                 report=report,
                 on_step=on_step,
+                pinned=pinned_landing(backend, strategy, loaded.host_pool),
             )
     frames = pipe.video_processor.postprocess_video(video, output_type="pt")  # [B, F, C, H, W] in 0..1
     frames = frames.flatten(0, 1).permute(0, 2, 3, 1).float().contiguous()

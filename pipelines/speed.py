@@ -7,8 +7,8 @@ weight moves (`resolve_speed`: a kernel that cannot run here, or fp8 matmul aske
 it, is refused there, naming the input and the fix), and applies them around one call
 (`speed_for_call`), each undone in reverse on success, error or Cancel.
 
-Without a Speed node every choice is what ran before vidmem had one: plain SDPA (auto's pick on the
-CPU, and an exact fused SDPA kernel on CUDA), eager blocks, fp8 weights upcast. So CPU frames stay
+Without a Speed node every choice is what ran before vidmem had one: plain SDPA (also auto's pick, on
+every device), eager blocks, fp8 weights upcast. So CPU frames stay
 bit-identical to plain diffusers unless a lossy choice is asked for by name.
 """
 
@@ -28,7 +28,8 @@ from torch import nn
 from ..memory.accounting import Attention
 from ..memory.storage.fp8_matmul import AUTO_REASON, Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
 from ..memory.strategy import StrategyError, parse_enum
-from .attention import SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, resolve_attention
+from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, resolve_attention,
+                        sdpa_pick)
 from .compile import CompileSettings, compiled_blocks
 
 
@@ -134,7 +135,7 @@ def speed_for_call(resolved: ResolvedSpeed, denoisers: Mapping[str, nn.Module],
     """Apply `resolved` to the call's denoisers (name -> module) and their repeated blocks for the
     block of the `with`; everything is put back in reverse order when it ends, however it ends."""
     with ExitStack() as stack:
-        attention = _Untouched(resolved.attention) if resolved.untouched_attention else \
+        attention = _Untouched(resolved.attention, resolved.speed.chosen) if resolved.untouched_attention else \
             stack.enter_context(attention_for_call(denoisers, resolved.attention))
         fp8 = stack.enter_context(fp8_matmul_for_call(denoisers, resolved.speed.fp8_matmul, device))
         compiled = stack.enter_context(compiled_blocks(blocks, resolved.speed.compile))
@@ -146,10 +147,15 @@ class _Untouched:
     """The receipt's attention entry when the processors were left as the model has them."""
 
     resolved: ResolvedAttention
+    chosen: bool  # a Speed node chose auto (False: no Speed node)
 
     def as_dict(self) -> dict:
-        return {**self.resolved.as_dict(), "kernel": AttentionKernel.SDPA.value, "why": WHY[AttentionKernel.SDPA],
-                "applied": "left as the model has it: SDPA choosing its kernel per call, as without vidmem"}
+        found = {**self.resolved.as_dict(), "kernel": AttentionKernel.SDPA.value,
+                 "applied": "left as the model has it: SDPA choosing its kernel per call, as without vidmem"}
+        if not self.chosen:
+            return {**found, "why": WHY[AttentionKernel.SDPA]}
+        pick = sdpa_pick(self.resolved.device, getattr(torch, self.resolved.dtype))  # dtype: torch's own name
+        return {**found, **({"sdpa_picks": pick} if pick else {})}  # auto's own why: the measurement
 
 
 # --- What the plan says before the run -------------------------------------------------------------

@@ -110,7 +110,7 @@ def _sampler_refusal(loaded, variant: str, frames: int, window: int, overlap: in
     ("wan2.1-t2v", 17, 9, 2, False, "window_overlap"),  # not a whole latent frame
     ("wan2.1-t2v", 17, 0, 4, False, "window_overlap"),  # an overlap with no window
     ("cogvideox1.5-t2v", 17, 9, 0, False, "window"),  # CogVideoX 1.5's temporal patches
-    ("hunyuanvideo1.5-t2v", 17, 9, 4, False, "window"),  # a family that takes no windows
+    ("ltx2-t2v", 17, 9, 4, False, "window"),  # a family that takes no windows
 ])
 def test_a_window_the_sampler_refuses_is_answered_with_the_samplers_own_words(tiny_folder, tiny_loaded, variant, frames,
                                                                                window, overlap, cached, name):
@@ -126,8 +126,7 @@ def test_a_window_the_sampler_refuses_is_answered_with_the_samplers_own_words(ti
 
 
 @pytest.mark.parametrize("config, expected", [
-    ("hunyuanvideo1.5-t2v-480p", "not supported for"), ("ltx2-t2v-19b", "not supported for"),
-    ("cogvideox1.5-5b", "CogVideoX 1.5 pads"),
+    ("ltx2-t2v-19b", "not supported for"), ("cogvideox1.5-5b", "CogVideoX 1.5 pads"),
 ])
 def test_real_size_families_that_take_no_windows_show_the_refusal(config, expected):
     from vidmem.pipelines.configs import defaults
@@ -136,3 +135,11 @@ def test_real_size_families_that_take_no_windows_show_the_refusal(config, expect
     plan = shipped_plan(config, size["width"], size["height"], 161, window=81, window_overlap=16)
     assert plan["status"] == "error" and plan["input"] == "window" and expected in plan["error"], plan
     assert "set window to 0" in plan["error"]
+
+
+def test_hunyuanvideo15_takes_windows_on_the_chart():
+    from vidmem.pipelines.configs import defaults
+
+    size = defaults("hunyuanvideo1.5-t2v-480p")
+    plan = shipped_plan("hunyuanvideo1.5-t2v-480p", size["width"], size["height"], 241, window=121, window_overlap=24)
+    assert plan["status"] == "ok", plan

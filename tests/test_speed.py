@@ -190,6 +190,7 @@ def test_without_a_speed_node_attention_is_left_as_the_model_has_it_even_on_a_gp
             receipt = applied.as_dict()["attention"]
         assert (during != before) is (chosen == "efficient"), (speed, during)
         assert receipt["kernel"] == chosen
+        assert ("measured" in receipt["why"]) is (speed.chosen and speed.attention.value == "auto"), receipt  # auto's why
         assert [getattr(p, "_attention_backend", None) for p in processors] == before
 
 

@@ -162,6 +162,57 @@ def test_overlapped_copies_blend_one_piece_behind_with_the_same_frames(monkeypat
     assert torch.equal(overlapped, decode_video(plain, latents, COG, tiling, slicing))  # default: off on the CPU
 
 
+def test_a_decoded_piece_does_not_outlive_its_landing():
+    """The device output of piece i is gone before piece i+1 decodes (it was kept alive one piece too long,
+    adding a piece to the decode's device peak), with the landing overlapped or not."""
+    import weakref
+
+    tiling = VaeTiling(tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4)
+    latents, plain = torch.randn(1, 16, 5, 12, 12), nearest_decode(COG)
+    for overlap in (True, False):
+        earlier: list[weakref.ref] = []
+
+        def decode(z):
+            assert all(ref() is None for ref in earlier), "an earlier piece's output is still alive"
+            pixels = plain(z)
+            earlier.append(weakref.ref(pixels))
+            return pixels
+
+        decode_video(decode, latents, COG, tiling, overlap_copies=overlap)
+        assert len(earlier) > 2
+
+
+def test_pinned_landing_pins_one_pair_within_its_budget_and_falls_back_otherwise(caplog):
+    """One pin call per decode for two of the largest pieces; a budget too small for them, or a pin that fails,
+    lands the blocking way with the same frames."""
+    from vidmem.memory.vae import PinnedLanding
+
+    tiling = VaeTiling(tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4)
+    latents = torch.randn(1, 16, 5, 12, 12)
+    expected = decode_video(nearest_decode(COG), latents, COG, tiling)
+    asked = []
+
+    def pin(nbytes):
+        asked.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    landed = decode_video(nearest_decode(COG), latents, COG, tiling, pinned=PinnedLanding(pin), overlap_copies=True)
+    largest = max(f.out_stop - f.out_start for f in plan_tiles(latents.shape, COG, tiling).frames) * 3 * 64 * 64 * 4
+    assert torch.equal(landed, expected) and len(asked) == 1 and asked[0] <= 2 * largest
+    asked.clear()
+    small = decode_video(nearest_decode(COG), latents, COG, tiling, pinned=PinnedLanding(pin, budget_bytes=1024),
+                         overlap_copies=True)
+    assert torch.equal(small, expected) and asked == []
+
+    def refused(nbytes):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    with caplog.at_level("WARNING", logger="vidmem.memory.vae"):
+        failed = decode_video(nearest_decode(COG), latents, COG, tiling, pinned=PinnedLanding(refused),
+                              overlap_copies=True)
+    assert torch.equal(failed, expected) and "could not pin" in caplog.text
+
+
 # --- bad inputs -------------------------------------------------------------------------------
 
 

@@ -108,8 +108,9 @@ def call_rows(config: SpeedConfig, runs: int = 10, compile_flex: bool = True) ->
     """Every kernel on one self-attention call of the transformer at the bench's video size (the 1.3B's 12 heads
     of 128 on CUDA: 32,760 tokens at 832x480x81), through diffusers' dispatcher as Wan's processors call it.
 
-    Per kernel: `ms` (median of `runs` calls timed with CUDA events after two untimed ones), `ratio` to the
-    `sdpa` row, `max_abs_diff` from it, and `extra_bytes` (peak allocation above the inputs). Kernels that hold
+    Per kernel: `ms` (median of `runs` calls timed with CUDA events after two untimed ones; kernels one after
+    another, not interleaved), `ratio` to the `sdpa` row, `max_abs_diff` from it, and `extra_bytes` (peak
+    allocation above the inputs and one output, which the untimed calls left allocated). Kernels that hold
     the whole score matrix (math, flex uncompiled) are skipped where it would take over a quarter of free memory;
     `flex_compiled` is flex under torch.compile (its one-off compile seconds given), as it runs in compiled blocks.
     This isolates what the sampler rows blur at small sizes: which exact kernel auto should pick at real sizes.

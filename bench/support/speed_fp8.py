@@ -121,11 +121,12 @@ def _tokens(stored: LoadedPipeline, config: SpeedConfig) -> int:
 
 
 def layer_times(transformer: torch.nn.Module, tokens: int, config: SpeedConfig, runs: int = 5) -> dict[str, dict]:
-    """Each distinct (in, out) StoredLinear shape of `transformer`, forward alone on `tokens` rows
-    of random input: median seconds upcast and fp8, and their ratio."""
+    """Each distinct (in, out) StoredLinear shape of `transformer`'s blocks, forward alone on `tokens` rows
+    of random input: median seconds upcast and fp8, and their ratio. Only the repeated blocks' layers: the
+    others (Wan's condition embedder) run on one row, some kept in float32, and would say nothing at `tokens`."""
     shapes = {}
     for name, layer in transformer.named_modules():
-        if isinstance(layer, StoredLinear):
+        if isinstance(layer, StoredLinear) and name.startswith("blocks."):
             shapes.setdefault(f"{layer.in_features}->{layer.out_features}", (name, layer))
     found = {}
     for shape, (name, layer) in shapes.items():

@@ -109,6 +109,8 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
     host_frames = model.trace(Call("postprocess", vae, shape), options.attention).peak_bytes
     host, page_cache = host_base(model, options, strategy)
     work = device_work(model, vae, strategy, options, flops, sum(counts.values()))
+    if not options.on_cpu and sum(counts.values()) > 1:
+        largest_piece *= 2  # landed through a pinned pair: one piece blended while the next is copied (memory.vae)
     return StagePlan("decode", tuple(phases), host + host_frames + largest_piece, page_cache, (work,))
 
 
