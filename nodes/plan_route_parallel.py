@@ -186,5 +186,5 @@ def gpu_time(found: GpuPlans) -> dict:
     one = found.one_gpu
     return {"shown": bool(speedups), "resolution": TIME_RESOLUTION, "range": [min(times), max(times)],
             "speedup": True,
-            "relative_to": ("one GPU's estimated time (its recommended row, " + _single_label(one.strategy) + ")"
+            "relative_to": (f"one GPU ({_single_label(one.strategy)}, its recommended row), estimated"
                             if one is not None else "one GPU, where nothing fits")}

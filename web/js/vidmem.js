@@ -95,7 +95,7 @@ function drawChart(plan) {
   const time = timeShown(plan);
   const rowH = 24, top = 22, gap = 6, char = PLAN_FONT * MONO_ADVANCE;
   const labelW = Math.ceil(Math.max(8, ...bars.map((row) => row.label.length + 2)) * char) + 12;
-  const timeW = time ? Math.ceil((isParallel(plan) ? 6 : 5) * char) + 4 : 0;
+  const timeW = time ? Math.ceil(5 * char) + 4 : 0; // "+9%", "x2.4", or over several GPUs "x1.89"
   const peakW = Math.ceil(5 * char); // the row's peak VRAM in GiB, right of the stages
   const peakX = CHART_WIDTH - timeW - peakW;
   const panelW = Math.floor((peakX - labelW - gap * STAGES.length) / STAGES.length);

@@ -343,7 +343,7 @@ export function timeShown(plan) {
 export function timeNote(plan) {
   if (plan?.status !== "ok" || !plan.time) return "";
   const within = `${Math.round((plan.time.resolution ?? 0.05) * 100)}%`;
-  if (timeShown(plan) && plan.time.speedup) return `time: speedup, ${plan.time.relative_to} over the row's`;
+  if (timeShown(plan) && plan.time.speedup) return `speed: how many times faster than ${plan.time.relative_to}`;
   if (timeShown(plan)) return `time: estimated, against ${plan.time.relative_to}`;
   const [low, high] = (plan.time.range ?? [1, 1]).map((x) => slowdownText(x));
   const span = low === high ? low : `${low} to ${high}`;
@@ -357,9 +357,10 @@ export function planLines(plan) {
   const time = timeShown(plan);
   const disk = plan.on_disk ? ", weights on disk" : "";
   // The config the files were recognised as (a file name would run past the node), else the model's name.
-  const gpus = isParallel(plan) ? `, per GPU, ${plan.parallel.gpus} GPUs, ${plan.parallel.mode}` : "";
-  const lines = [`${plan.config ?? plan.model} ${shapeText(plan.shape)}${disk}${gpus}`,
-    `  ${"row".padEnd(width)}  VRAM   RAM GiB${time ? "  time" : ""}`];
+  const parallel = isParallel(plan); // its own line: the table is not wrapped
+  const lines = [`${plan.config ?? plan.model} ${shapeText(plan.shape)}${disk}`,
+    ...(parallel ? [`per GPU, ${plan.parallel.gpus} GPUs, ${plan.parallel.mode}`] : []),
+    `  ${"row".padEnd(width)}  VRAM   RAM GiB${time ? (parallel ? "  speed" : "  time") : ""}`];
   plan.rows.forEach((row, i) => {
     const mark = i === plan.chosen ? ">" : " ";
     const fit = row.fits === false ? " over" : "";
