@@ -30,9 +30,10 @@ from ..memory.accounting import Attention
 from ..memory.plan.advice import over_budget_lines
 from ..memory.plan.candidates import times_differ
 from ..memory.plan.costs import TIME_RESOLUTION
+from ..memory.plan.parallel import GpuSharing
 from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recommended
 from ..memory.plan.stages import VideoShape
-from .plan_route_parallel import gpu_rows, gpu_summary, gpu_time, plan_gpus, planned_layout
+from .plan_route_parallel import PARALLEL_DEVICE, gpu_rows, gpu_summary, gpu_time, plan_gpus, planned_layout
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
                          folder_options, recognise, transformer_file_request, vae_dtype_request, weight_dtype_request)
 from ..pipelines.compile import CompileSettings
@@ -200,7 +201,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
                                 _visible_gpus() if visible_gpus is None else visible_gpus)
         model, options = _model_and_options(request, load_model)
         _check_windows(request, model)
-        if layout is not None and layout.mode.value != "balanced":
+        if layout is not None and layout.mode is not GpuSharing.BALANCED:
             from ..pipelines.sample_checks import refuse_windows_in_parallel
 
             refuse_windows_in_parallel(request.shape)  # the Sampler's refusal, before any rank starts
@@ -259,7 +260,7 @@ def _gpus_answer(request: PlanRequest, model, options: PlanOptions, found, budge
         "chosen": found.chosen,
         "time": gpu_time(found),
         "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),
-        "speed": _speed_lines(request, model, replace(options, device="cuda")),  # no cached time: one GPU's rule
+        "speed": _speed_lines(request, model, replace(options, device=PARALLEL_DEVICE)),  # no cached time: one GPU's rule
         "parallel": gpu_summary(found),
     }
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from ..memory import StrategyError
 from ..memory.plan.candidates import STAGE_WORDS
 from ..memory.plan.costs import TIME_RESOLUTION
-from ..memory.plan.parallel import (INTERCONNECTS, RANK_STORAGE, MultiGpu, ParallelPlan, context_parallel_refusal,
-                                    parallel_candidates, parallel_recommended, plan_parallel)
+from ..memory.plan.parallel import (INTERCONNECTS, RANK_STORAGE, GpuSharing, MultiGpu, ParallelPlan,
+                                    context_parallel_refusal, parallel_candidates, parallel_recommended, plan_parallel)
 from ..memory.plan.planner import PlanOptions, plan_run
 from ..memory.strategy import MemoryStrategy
 from ..memory.units import GiB
@@ -44,7 +44,7 @@ def planned_layout(gpus: str, context_parallel: str, visible_gpus: int) -> Multi
                             "GPUs; this plan is for GPUs: list the GPUs to plan for (e.g. 0,1). The Sampler's receipt "
                             "shows what the CPU processes used.")
     if not parallel.context_parallel_on:
-        return MultiGpu(len(parallel.gpus), "balanced", link) if parallel.balanced else None
+        return MultiGpu(len(parallel.gpus), GpuSharing.BALANCED, link) if parallel.balanced else None
     if parallel.gpus is None and visible_gpus == 0:
         raise StrategyError(f"gpus={gpus!r} with context_parallel={mode} uses every GPU the machine shows, and this one "
                             "shows none, so the plan cannot count them: list the GPUs the run will use (e.g. 0,1).")
@@ -59,7 +59,7 @@ def check_parallel(model, layout: MultiGpu, options: PlanOptions) -> None:
     """The refusals the Sampler makes before its ranks start, in the node's words with the fix
     (a model that cannot split; storage the ranks cannot reopen). The size's own refusals (heads,
     tokens) come from the planner, worded as the runtime words them."""
-    if layout.mode.value == "balanced":
+    if layout.mode is GpuSharing.BALANCED:
         return
     refusal = context_parallel_refusal(model, layout.mode.value)
     if refusal:
@@ -135,7 +135,7 @@ def _over_budget(plan: ParallelPlan) -> list[str]:
             lines.append(f"{words}: VRAM {worst / GiB:.1f} > {vram / GiB:.1f} GiB on GPU "
                          f"{', '.join(str(g.index) for g in over)}: a leaner offload tier (auto picks one)")
     if ram is not None and plan.host_bytes > ram:
-        processes = "ComfyUI's process" if plan.layout.mode.value == "balanced" else \
+        processes = "ComfyUI's process" if plan.layout.mode is GpuSharing.BALANCED else \
             f"{plan.layout.gpus + 1} processes (one per GPU and ComfyUI's), each with its own copy of the weights"
         lines.append(f"RAM {plan.host_bytes / GiB:.1f} > {ram / GiB:.1f} GiB for {processes}: raise ram_budget_gb, "
                      "use fewer GPUs, or set context_parallel to off")
@@ -164,7 +164,7 @@ def _single_label(strategy: MemoryStrategy) -> str:
 
 def _summary_lines(found: GpuPlans, chosen: ParallelPlan | None) -> list[str]:
     layout, link = found.layout, found.layout.interconnect
-    if layout.mode.value == "balanced":
+    if layout.mode is GpuSharing.BALANCED:
         how = (f"per GPU, {layout.gpus} GPUs, balanced: the transformers and VAE on GPU 0, the text encoder on GPU 1; "
                "nothing is split")
     else:
