@@ -6,7 +6,10 @@ peak VRAM and RAM per stage against the budgets, with the row the run would use.
 Video Model Files node (loader=VidMemLoadModelFiles) the files, from the host's own lists, are
 recognised from their headers (nodes/plan_files.py) and planned with their real storage and the
 disk tier, as the run will hold them. The Sampler's context window (window, window_overlap) is
-planned per window, and the windows the Sampler would refuse come back as its refusal. Planning
+planned per window, and the windows the Sampler would refuse come back as its refusal. The
+Strategy's gpus and context_parallel, as the Sampler resolves them, plan two or more GPUs per GPU
+(nodes/plan_route_parallel.py: context parallelism or balanced placement, the speedup against one
+GPU); gpus=auto with context_parallel off is the one-GPU plan. Planning
 builds the architecture on the meta device from config files: no weight is read and no GPU is
 touched. It runs on one worker thread, one request at a time, off the server's event loop;
 answers are cached by request, and a request that a newer one from the same node replaced
@@ -27,8 +30,10 @@ from ..memory.accounting import Attention
 from ..memory.plan.advice import over_budget_lines
 from ..memory.plan.candidates import times_differ
 from ..memory.plan.costs import TIME_RESOLUTION
+from ..memory.plan.parallel import GpuSharing
 from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recommended
 from ..memory.plan.stages import VideoShape
+from .plan_route_parallel import PARALLEL_DEVICE, gpu_rows, gpu_summary, gpu_time, plan_gpus, planned_layout
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
                          folder_options, recognise, transformer_file_request, vae_dtype_request, weight_dtype_request)
 from ..pipelines.compile import CompileSettings
@@ -36,7 +41,8 @@ from ..pipelines.loader import torch_dtype
 from .cache import VidMemStepCache
 from .sampler import VidMemVideoSampler
 from .speed import VidMemSpeed
-from .strategy import AUTO, BUDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, strategy_notes, tile_size_problem
+from .strategy import (AUTO, BUDGETS, PARALLEL_WIDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, strategy_notes,
+                       tile_size_problem)
 
 PLAN_ROUTE = "/vidmem/plan"
 STEPS = (1, 1000)  # the Sampler's range
@@ -71,6 +77,8 @@ class PlanRequest:
     cache: tuple[tuple[str, object], ...] = ()  # the connected Step Cache node's widgets; () when none is
     speed: tuple[tuple[str, object], ...] = ()  # the connected Speed node's widgets; () when none is
     activation_chunks: str = "auto"  # the Strategy's last optional input (nodes/strategy.py CHUNK_CHOICES)
+    gpus: str = AUTO  # the Strategy's gpus text ("auto", "0,1", "cpu:2"), checked when planned (parse_parallel)
+    context_parallel: str = "off"  # the Strategy's context_parallel choice
 
     @property
     def auto(self) -> bool:
@@ -98,7 +106,7 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     if dtype not in dtypes:
         raise PlanRequestError("dtype", f"dtype={dtype!r} must be one of {', '.join(dtypes)}.")
     spec = {**VidMemMemoryStrategy.INPUT_TYPES()["required"], **VidMemMemoryStrategy.INPUT_TYPES()["optional"]}
-    values = {name: _widget(query, name, spec[name]) for name in (*WIDGETS, *BUDGETS, CHUNKS)}
+    values = {name: _widget(query, name, spec[name]) for name in (*WIDGETS, *BUDGETS, CHUNKS, *PARALLEL_WIDGETS)}
     width, height, frames = (_number(query, name, "INT", *SHAPE[name]) for name in SHAPE)
     cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
     sampler = VidMemVideoSampler.INPUT_TYPES()["optional"]  # the Sampler's own ranges
@@ -108,7 +116,8 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
                        files=files, transformer_file=transformer_file, weight_dtype=weight_dtype, vae_dtype=vae_dtype,
                        steps=steps, cache=_node_widgets(query, CACHE_PREFIX, VidMemStepCache, "Step Cache", ("mag_ratios",)),
-                       speed=_node_widgets(query, SPEED_PREFIX, VidMemSpeed, "Speed"), activation_chunks=values[CHUNKS])
+                       speed=_node_widgets(query, SPEED_PREFIX, VidMemSpeed, "Speed"), activation_chunks=values[CHUNKS],
+                       **{name: values[name] for name in PARALLEL_WIDGETS})
 
 
 def _node_widgets(query: Mapping[str, str], prefix: str, node_cls, node: str, free=()) -> tuple[tuple[str, object], ...]:
@@ -148,6 +157,8 @@ def _widget(query: Mapping[str, str], name: str, entry: tuple):
         return value
     if name not in query:
         return options.get("default")
+    if kind == "STRING":  # free text (gpus), checked where it is used
+        return query[name]
     if kind == "BOOLEAN":
         text = query[name].lower()
         if text not in ("true", "false"):
@@ -170,13 +181,15 @@ def _number(query: Mapping[str, str], name: str, kind: str, low, high):
 
 
 def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], budgets: tuple[int, int],
-                device: str | None = None) -> dict:
+                device: str | None = None, visible_gpus: int | None = None) -> dict:
     """The plan as JSON-ready data: one row per tier (and the user's own settings), the chosen row marked.
 
     `load_model(name, dtype[, vae_dtype])` gives the plannable meta model; `budgets` are the host's default
     (VRAM, RAM) bytes, used where the widgets say 0; `device` the torch device type the host
-    computes on (None: cuda when present, else cpu). Bad widgets or a shape the model cannot take
-    come back as {"status": "error", "input": name, "error": message}.
+    computes on (None: cuda when present, else cpu); `visible_gpus` the CUDA GPUs it shows (None:
+    probed), which gpus=auto counts under context parallelism. Two or more GPUs are planned per GPU
+    (plan_route_parallel.py) with a "parallel" summary; one GPU's answer has no "parallel" key. Bad
+    widgets or a shape the model cannot take come back as {"status": "error", "input": name, "error": message}.
     """
     widgets = dict(request.widgets)
     try:
@@ -184,12 +197,21 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         if problem:
             raise StrategyError(problem)
         strategy = build_strategy(**widgets, activation_chunks=request.activation_chunks)
+        layout = planned_layout(request.gpus, request.context_parallel,
+                                _visible_gpus() if visible_gpus is None else visible_gpus)
         model, options = _model_and_options(request, load_model)
         _check_windows(request, model)
+        if layout is not None and layout.mode is not GpuSharing.BALANCED:
+            from ..pipelines.sample_checks import refuse_windows_in_parallel
+
+            refuse_windows_in_parallel(request.shape)  # the Sampler's refusal, before any rank starts
         options = replace(options, device=device or _probed_device(), attention=_planned_attention(request))
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
         base = replace(strategy, offload=OffloadTier.MODEL, blocks_to_swap=0)
+        if layout is not None:
+            return _gpus_answer(request, model, options, plan_gpus(model, request.shape, layout, vram, ram, base, options,
+                                                                   None if request.auto else strategy), (vram, ram))
         plans = candidate_plans(model, request.shape, vram, ram, base=base, options=options)
         labels = [_label(plan, options) for plan in plans]
         chosen = recommended(plans)
@@ -197,10 +219,26 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
             plans.append(plan_run(model, request.shape, strategy, options, vram_budget_bytes=vram, ram_budget_bytes=ram))
             labels.append("your settings")
             chosen = len(plans) - 1
-    except FilesProblem as error:
+    except (FilesProblem, ValueError, OSError) as error:  # StrategyError, PlanError, ModelError: all name their input
+        return _error(error)
+    return {
+        **_head(request, model, options, vram, ram),
+        "rows": [_row(label, plan, model) for label, plan in zip(labels, plans)],
+        "chosen": chosen,
+        "time": _time(plans, options),
+        "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
+        "speed": _speed_lines(request, model, options, plans[chosen] if chosen is not None else None),
+    }
+
+
+def _error(error: Exception) -> dict:
+    if isinstance(error, FilesProblem):
         return {"status": "error", "input": error.name, "error": str(error)}
-    except (ValueError, OSError) as error:  # StrategyError, PlanError, ModelError: all name their input
-        return {"status": "error", "input": _input_named(str(error)), "error": str(error)}
+    return {"status": "error", "input": _input_named(str(error)), "error": str(error)}
+
+
+def _head(request: PlanRequest, model, options: PlanOptions, vram: int, ram: int) -> dict:
+    """What every answer starts with: the model, its storage, the shape and its windows, the budgets."""
     s = request.shape
     return {
         "status": "ok", "model": request.model, "auto": request.auto,
@@ -209,11 +247,21 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
                   "window_overlap": s.window_overlap},
         "windows": _window_lines(request.shape, model),
         "budgets": {"vram_bytes": vram, "ram_bytes": ram},
-        "rows": [_row(label, plan, model) for label, plan in zip(labels, plans)],
-        "chosen": chosen,
-        "time": _time(plans, options),
-        "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
-        "speed": _speed_lines(request, model, options, plans[chosen] if chosen is not None else None),
+    }
+
+
+def _gpus_answer(request: PlanRequest, model, options: PlanOptions, found, budgets: tuple[int, int]) -> dict:
+    """Two or more GPUs: the rows per GPU (plan_route_parallel.gpu_rows, the one-GPU rows' shape), the
+    time as the speedup against one GPU, and "parallel", what the chart's title line says."""
+    widgets = dict(request.widgets)
+    return {
+        **_head(request, model, options, *budgets),
+        "rows": gpu_rows(found),
+        "chosen": found.chosen,
+        "time": gpu_time(found),
+        "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),
+        "speed": _speed_lines(request, model, replace(options, device=PARALLEL_DEVICE)),  # no cached time: one GPU's rule
+        "parallel": gpu_summary(found),
     }
 
 
@@ -320,6 +368,12 @@ def _probed_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], object]) -> tuple[object, PlanOptions]:
     """The plannable model and how its weights are held: a folder's at the compute dtype; single
     files recognised from their headers, with their own storage and the disk tier."""
@@ -363,7 +417,7 @@ def _input_named(message: str) -> str | None:
     role = message.split(":", 1)[0].strip()
     if role in (*FILE_ROLES, "transformer_file", "weight_dtype"):  # the file loaders' messages start 'role: ...'
         return role
-    known = (*WIDGETS, *BUDGETS, CHUNKS, *SHAPE, *WINDOWS)
+    known = (*WIDGETS, *BUDGETS, CHUNKS, *SHAPE, *WINDOWS, *PARALLEL_WIDGETS)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)
 
 

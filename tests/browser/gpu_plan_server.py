@@ -10,10 +10,14 @@ headers of `python tests/workflow_runner.py place-headers` as the models (docs/v
         --listen 127.0.0.1 --port 8189 --base-directory /path/to/base-with-headers
 """
 
+import os
 import runpy
 import sys
 import threading
 import time
+
+# What gpus=auto counts under context parallelism on the GPU machine the plan is for (this host shows none).
+VISIBLE_GPUS = int(os.environ.get("VIDMEM_PLAN_VISIBLE_GPUS", "2"))
 
 
 def plan_for_cuda() -> None:
@@ -21,7 +25,8 @@ def plan_for_cuda() -> None:
         for name, module in list(sys.modules.items()):
             if name.endswith("nodes.routes") and hasattr(module, "plan_answer") and hasattr(module, "_register_plan_route"):
                 answer = module.plan_answer
-                module.plan_answer = lambda request, load, budgets, device=None: answer(request, load, budgets, device="cuda")
+                module.plan_answer = lambda request, load, budgets, device=None: answer(request, load, budgets, device="cuda",
+                                                                                      visible_gpus=VISIBLE_GPUS)
                 print(f"gpu_plan_server: {name} plans for cuda", flush=True)
                 return
         time.sleep(0.2)

@@ -8,9 +8,9 @@ import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
-  STRATEGY_WIDGETS, compactLines, extraFields,
-  ignoredStrategyWidgets, legacyStrategyValues, loaderFields, meterText, pipelineLoader, planBars, planLines, planQuery, planReasons,
-  planVerdict, slowdownText, speedLines, summarize, timeNote, timeShown, windowLines,
+  STRATEGY_PARALLEL, STRATEGY_WIDGETS, compactLines, extraFields, ignoredStrategyWidgets, isParallel, legacyStrategyValues,
+  loaderFields, meterText, parallelLines, pipelineLoader, planBars, planLines, planQuery, planReasons, planVerdict, speedLines,
+  summarize, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -88,13 +88,14 @@ function svg(tag, attrs, text) {
 
 // Per row: each stage's VRAM (thick) and RAM (thin) bar as a share of its budget; the dashed
 // line is the budget (a bar past it is red). The chosen row is marked; its label is never cut:
-// the label column is as wide as the longest label. The time column only where times differ.
+// the label column is as wide as the longest label. The time column only where times differ;
+// over several GPUs it is the speedup against one GPU ("x1.89") and the VRAM the fullest GPU's.
 function drawChart(plan) {
   const bars = planBars(plan);
   const time = timeShown(plan);
   const rowH = 24, top = 22, gap = 6, char = PLAN_FONT * MONO_ADVANCE;
   const labelW = Math.ceil(Math.max(8, ...bars.map((row) => row.label.length + 2)) * char) + 12;
-  const timeW = time ? Math.ceil(5 * char) + 4 : 0;
+  const timeW = time ? Math.ceil(5 * char) + 4 : 0; // "+9%", "x2.4", or over several GPUs "x1.89"
   const peakW = Math.ceil(5 * char); // the row's peak VRAM in GiB, right of the stages
   const peakX = CHART_WIDTH - timeW - peakW;
   const panelW = Math.floor((peakX - labelW - gap * STAGES.length) / STAGES.length);
@@ -105,7 +106,7 @@ function drawChart(plan) {
   chart.style.display = "block";
   STAGES.forEach(([, label], s) => chart.append(svg("text", { x: labelW + s * (panelW + gap), y: 15, fill: "#aaa" }, label)));
   chart.append(svg("text", { x: peakX, y: 15, fill: "#aaa" }, "VRAM"));
-  if (time) chart.append(svg("text", { x: CHART_WIDTH - timeW + 2, y: 15, fill: "#aaa" }, "time"));
+  if (time) chart.append(svg("text", { x: CHART_WIDTH - timeW + 2, y: 15, fill: "#aaa" }, isParallel(plan) ? "speed" : "time"));
   bars.forEach((row, r) => {
     const y = top + r * rowH;
     if (row.chosen) chart.append(svg("rect", { x: 0, y: y - 1, width: CHART_WIDTH, height: rowH - 1, fill: "rgba(120,180,255,0.2)", rx: 3 }));
@@ -122,7 +123,7 @@ function drawChart(plan) {
     const over = row.stages.some((stage) => stage.vram > 1);
     chart.append(svg("text", { x: peakX + peakW - 4, y: y + 16, fill: over ? "#ef7b85" : "#ddd", "text-anchor": "end" },
       (row.peakVram / 2 ** 30).toFixed(1)));
-    if (time) chart.append(svg("text", { x: CHART_WIDTH - timeW + 2, y: y + 16, fill: "#ddd" }, slowdownText(row.slowdown)));
+    if (time) chart.append(svg("text", { x: CHART_WIDTH - timeW + 2, y: y + 16, fill: "#ddd" }, row.time));
   });
   return chart;
 }
@@ -150,6 +151,8 @@ function renderPlan(node, plan, note) {
   });
   const children = [verdict];
   if (ok) {
+    const gpus = parallelLines(plan); // "per GPU, 2 GPUs, ulysses ...", and the speedup against one GPU
+    if (gpus.length) children.push(textBlock("vidmem-plan-gpus", gpus, { color: "#c5b3f0", marginBottom: "3px" }));
     const windows = windowLines(plan);
     if (windows.length) children.push(textBlock("vidmem-plan-windows", windows, { color: "#9ec5f0", marginBottom: "3px" }));
     const reasons = planReasons(plan);
@@ -158,7 +161,10 @@ function renderPlan(node, plan, note) {
     const speed = speedLines(plan);
     if (speed.length) children.push(textBlock("vidmem-plan-speed", speed, { color: "#9fd4a0", marginBottom: "3px" }));
     const disk = plan.rows.some((row) => row.label.endsWith("+disk")) ? "; +disk: weights memory-mapped from disk" : "";
-    const legend = [`bars: VRAM (thick), RAM (thin) per stage; dashed line: the budget; VRAM: the row's peak in GiB${disk}`,
+    const legend = [isParallel(plan)
+      ? `bars: VRAM per GPU (thick, the fullest GPU), RAM of every process (thin) per stage; dashed line: the budget; ` +
+        `VRAM: the row's peak per GPU in GiB${disk}`
+      : `bars: VRAM (thick), RAM (thin) per stage; dashed line: the budget; VRAM: the row's peak in GiB${disk}`,
       timeNote(plan)];
     children.push(drawChart(plan), textBlock("vidmem-plan-legend", legend, { color: "#aaa", marginTop: "3px" }), tableToggle(node, plan));
   }
@@ -167,7 +173,7 @@ function renderPlan(node, plan, note) {
   body.append(...children);
   widget.element.replaceChildren(body);
   widget.element.dataset.status = plan?.status ?? "none";
-  widget.element.title = [planVerdict(plan), ...windowLines(plan), chosen?.strategy, ...planReasons(plan), ...speedLines(plan), ...planLines(plan), timeNote(plan)]
+  widget.element.title = [planVerdict(plan), ...parallelLines(plan), ...windowLines(plan), chosen?.strategy, ...planReasons(plan), ...speedLines(plan), ...planLines(plan), timeNote(plan)]
     .filter(Boolean).join("\n");
   fitPlan(node);
   app.graph?.setDirtyCanvas(true, false);
@@ -238,7 +244,7 @@ function planRequestFor(node) {
   const loader = pipelineLoader(upstream(node) ?? upstream(sampler), upstream);
   if (!loader) return null;
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
-  const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS]
+  const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS, ...STRATEGY_PARALLEL]
     .map((name) => [name, widgetValue(node, name)]));
   // A Sampler without window widgets (an older one) sends none: undefined values are left out of the query.
   const shape = Object.fromEntries(SAMPLER_SHAPE.map((name) => [name, widgetValue(sampler, name)]));

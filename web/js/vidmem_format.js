@@ -207,6 +207,8 @@ export const STRATEGY_BUDGETS = Object.freeze(["vram_budget_gb", "ram_budget_gb"
 // Optional Strategy inputs the plan reads besides the budgets (nodes/strategy.py; the last input, after gpus
 // and context_parallel).
 export const STRATEGY_OPTIONS = Object.freeze(["activation_chunks"]);
+// The Strategy's GPUs and how they share the run: two or more plan per GPU (nodes/plan_route_parallel.py).
+export const STRATEGY_PARALLEL = Object.freeze(["gpus", "context_parallel"]);
 
 /** The Strategy widgets its offload tier ignores (greyed out on the node; nodes/strategy.py notes them). */
 export function ignoredStrategyWidgets(offload, vaeTiling) {
@@ -292,7 +294,7 @@ export function planQuery({ model, dtype, widgets, shape, client, loader, extra 
   for (const [name, value] of Object.entries(loader ?? {})) {
     if (value !== undefined && value !== null && !params.has(name)) params.set(name, String(value));
   }
-  for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS]) {
+  for (const name of [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS, ...STRATEGY_PARALLEL]) {
     if (widgets?.[name] !== undefined && widgets[name] !== null) params.set(name, String(widgets[name]));
   }
   for (const name of SAMPLER_SHAPE) {
@@ -316,6 +318,22 @@ export function slowdownText(x) {
 
 const gib = (n) => (Number.isFinite(n) ? `${(n / 2 ** 30).toFixed(1)}` : "-");
 
+/** A plan over two or more GPUs (plan.parallel): its rows are per GPU and its times speedups. */
+export function isParallel(plan) {
+  return plan?.status === "ok" && Boolean(plan.parallel);
+}
+
+/** A row's time cell: its speedup against one GPU ("x1.89") over several GPUs, else its slowdown ("+9%"). */
+export function timeText(plan, row) {
+  if (!isParallel(plan)) return slowdownText(row.est_slowdown);
+  return Number.isFinite(row.speedup) ? `x${row.speedup.toFixed(2)}` : "-";
+}
+
+/** What the GPUs are and the speedup, e.g. "per GPU, 2 GPUs, ulysses over PCIe 4.0 x16 (...)": lines under the verdict. */
+export function parallelLines(plan) {
+  return isParallel(plan) ? plan.parallel.lines ?? [] : [];
+}
+
 /** Whether the rows' times differ by more than the time model can tell (the server decides: plan.time). */
 export function timeShown(plan) {
   return plan?.status === "ok" && plan.time?.shown !== false;
@@ -325,6 +343,7 @@ export function timeShown(plan) {
 export function timeNote(plan) {
   if (plan?.status !== "ok" || !plan.time) return "";
   const within = `${Math.round((plan.time.resolution ?? 0.05) * 100)}%`;
+  if (timeShown(plan) && plan.time.speedup) return `speed: how many times faster than ${plan.time.relative_to}`;
   if (timeShown(plan)) return `time: estimated, against ${plan.time.relative_to}`;
   const [low, high] = (plan.time.range ?? [1, 1]).map((x) => slowdownText(x));
   const span = low === high ? low : `${low} to ${high}`;
@@ -338,13 +357,15 @@ export function planLines(plan) {
   const time = timeShown(plan);
   const disk = plan.on_disk ? ", weights on disk" : "";
   // The config the files were recognised as (a file name would run past the node), else the model's name.
+  const parallel = isParallel(plan); // its own line: the table is not wrapped
   const lines = [`${plan.config ?? plan.model} ${shapeText(plan.shape)}${disk}`,
-    `  ${"row".padEnd(width)}  VRAM   RAM GiB${time ? "  time" : ""}`];
+    ...(parallel ? [`per GPU, ${plan.parallel.gpus} GPUs, ${plan.parallel.mode}`] : []),
+    `  ${"row".padEnd(width)}  VRAM   RAM GiB${time ? (parallel ? "  speed" : "  time") : ""}`];
   plan.rows.forEach((row, i) => {
     const mark = i === plan.chosen ? ">" : " ";
     const fit = row.fits === false ? " over" : "";
     lines.push(`${mark} ${row.label.padEnd(width)} ${gib(row.peak_vram_bytes).padStart(5)} ${gib(row.peak_ram_bytes).padStart(5)}` +
-      `${time ? `     ${slowdownText(row.est_slowdown).padStart(4)}` : ""}${fit}`);
+      `${time ? `     ${timeText(plan, row).padStart(4)}` : ""}${fit}`);
   });
   lines.push(`  ${"budget".padEnd(width)} ${gib(plan.budgets.vram_bytes).padStart(5)} ${gib(plan.budgets.ram_bytes).padStart(5)}`);
   return lines;
@@ -369,8 +390,10 @@ export function planVerdict(plan) {
   const head = !plan.rows[plan.chosen] ? `nothing fits; even ${row.label} is over`
     : plan.auto ? `auto chose ${row.label}: ${row.fits === false ? "over budget" : "fits"}`
     : `your settings: ${row.fits === false ? "over budget" : "fit"}`;
-  const time = timeShown(plan) ? `, time ${slowdownText(row.est_slowdown)}` : "";
-  return `${head}; peak ${gib(row.peak_vram_bytes)} of ${gib(vram)} GiB VRAM, ${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${time}`;
+  const parallel = isParallel(plan);
+  const time = !timeShown(plan) ? "" : parallel ? `, ${timeText(plan, row)} against one GPU` : `, time ${slowdownText(row.est_slowdown)}`;
+  return `${head}; peak ${gib(row.peak_vram_bytes)} of ${gib(vram)} GiB VRAM${parallel ? " per GPU" : ""}, ` +
+    `${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${time}`;
 }
 
 /** The planned clip, "832x480x161", and its context windows where they split it: ", 81-frame windows, overlap 16". */
@@ -401,7 +424,8 @@ export function planBars(plan) {
   if (!plan || plan.status !== "ok") return [];
   const { vram_bytes: vram, ram_bytes: ram } = plan.budgets;
   return plan.rows.map((row, i) => ({
-    label: row.label, chosen: i === plan.chosen, fits: row.fits, slowdown: row.est_slowdown, peakVram: row.peak_vram_bytes,
+    label: row.label, chosen: i === plan.chosen, fits: row.fits, slowdown: row.est_slowdown, time: timeText(plan, row),
+    peakVram: row.peak_vram_bytes,
     stages: STAGES.map(([name]) => {
       const stage = row.stages.find((s) => s.name === name) ?? { vram_bytes: 0, ram_bytes: 0 };
       return { name, vram: vram ? stage.vram_bytes / vram : 0, ram: ram ? stage.ram_bytes / ram : 0 };
