@@ -162,3 +162,24 @@ def test_a_vae_only_file_is_no_transformer(plain_parts, tiny_folder, tmp_path):
 def test_an_ltx2_file_over_a_wan_folder_names_the_mismatch(checkpoint, tiny_folder):
     with pytest.raises(ModelError, match="is not the transformer of"):
         load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", checkpoint)
+
+
+def test_the_plan_route_reads_the_file_as_the_loader_does(tmp_path, tiny_loaded):
+    """nodes/plan_files.py reads a transformer_file with read_weight_file: its storage and shapes."""
+    from vidmem.pipelines.comfy_files import detect
+    from vidmem.pipelines.comfy_files.files import read_weight_file
+
+    stored = store_tensors(tiny_loaded(VARIANT).pipe.transformer, "fp8_scaled")
+    path = write_ltx2_checkpoint({"transformer": stored}, tmp_path / "ltx-2-19b-dev-fp8.safetensors")
+    file = read_weight_file(path, "transformer_file", detect.TRANSFORMER)
+    assert file.storage == "fp8_scaled" and file.layout.value == "prefixed"
+    assert file.fields == detect.transformer_config_fields(dict(tiny_loaded(VARIANT).pipe.transformer.config))
+
+
+def test_the_wan_files_loader_sends_an_ltx2_checkpoint_to_the_folder_loader(checkpoint):
+    from vidmem.pipelines.comfy_files import detect, match, shipped_catalogue
+    from vidmem.pipelines.comfy_files.files import read_weight_file
+
+    file = read_weight_file(checkpoint, "model", detect.TRANSFORMER)
+    with pytest.raises(ModelError, match=r"'ltx-2-19b-dev-tiny.safetensors' is an LTX-2 checkpoint.*transformer_file"):
+        match.choose_model(file, 1, shipped_catalogue())
