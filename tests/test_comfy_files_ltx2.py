@@ -23,6 +23,7 @@ from vidmem.pipelines.decode import decode
 from vidmem.pipelines.family import ModelError
 from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.sample import sample
+from vidmem.pipelines.weight_storage import matrices_mapped
 
 # What the tiny checkpoint carries besides the three parts, as the released file does: the text
 # connectors inside the transformer's prefix (diffusers keeps them apart: the folder's are used)
@@ -99,6 +100,7 @@ def test_the_full_checkpoint_samples_and_decodes_bit_for_bit_as_the_folder(check
     assert loaded.source.endswith("+ ltx-2-19b-dev-tiny.safetensors")
     assert set(loaded.storage) >= {"transformer", "vae"} and loaded.storage["transformer"] == "fp32"
     assert loaded.pipe.audio_vae is None and loaded.pipe.vocoder is None  # video only: never read
+    assert matrices_mapped(loaded.pipe.transformer)  # used in place from the file's mapping, not copied
     for name in ("transformer", "vae"):
         ours, theirs = getattr(loaded.pipe, name).state_dict(), getattr(reference.pipe, name).state_dict()
         assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours), name
