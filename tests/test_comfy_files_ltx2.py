@@ -185,3 +185,25 @@ def test_the_wan_files_loader_sends_an_ltx2_checkpoint_to_the_folder_loader(chec
     file = read_weight_file(checkpoint, "model", detect.TRANSFORMER)
     with pytest.raises(ModelError, match=r"'ltx-2-19b-dev-tiny.safetensors' is an LTX-2 checkpoint.*transformer_file"):
         match.choose_model(file, 1, shipped_catalogue())
+
+
+def test_the_released_19b_configs_fit_the_converters_tables(tmp_path):
+    """The shipped LTX-2 19B transformer and VAE configs written at real size (sparse: headers and
+    holes, no weights) in the checkpoint layout: the VAE's stage order fits diffusers' table (the
+    names round-trip), and the transformer file's shapes give the config's fields."""
+    from vidmem.pipelines.comfy_files import detect
+    from vidmem.pipelines.comfy_files.catalogue import entry_from_json
+    from vidmem.pipelines.comfy_files.files import ltx2_part, read_weight_file
+    from vidmem.pipelines.comfy_files.random_files import write_random_file
+    from vidmem.pipelines.configs import MODELS_DIR
+    from vidmem.pipelines.json_files import read_json_object
+
+    entry = entry_from_json(read_json_object(MODELS_DIR / "ltx2-t2v-19b.json", "model config"))
+    transformer = write_random_file(entry.components["transformer"], tmp_path / "ltx-2-19b-dev.safetensors", "fp8_e4m3fn",
+                                    holes=True)
+    file = read_weight_file(transformer, "transformer_file", detect.TRANSFORMER)
+    assert file.storage == "fp8_e4m3fn" and file.fields == detect.transformer_config_fields(entry.config("transformer"))
+    assert file.fields["num_layers"] == 48 and file.fields["inner_dim"] == 4096
+    vae = write_random_file(entry.components["vae"], tmp_path / "ltx-2-vae.safetensors", "bf16", holes=True)
+    assert ltx2.parts_in(file_names(vae)) == ("vae",)
+    assert len(ltx2_part(vae, "vae", "vae")) == len(file_names(vae))
