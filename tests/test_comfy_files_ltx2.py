@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from test_ltx2 import STEPS, TIERS, VARIANT, request
+from test_ltx2 import TIERS, VARIANT, request
 from vidmem.memory.device import CpuBackend
 from vidmem.pipelines.comfy_files import ltx2
 from vidmem.pipelines.comfy_files.write import dequantized, store_tensors, write_ltx2_checkpoint
@@ -145,10 +145,17 @@ def test_a_file_without_the_vae_over_a_folder_without_one_names_both_and_the_fix
     assert load_pipeline(folder, "fp32", full).pipe.vae is not None  # the file's own VAE needs no folder weights
 
 
-def test_an_ltx_2_3_checkpoint_is_refused_by_name(checkpoint, tiny_folder, tmp_path):
+NEWER = {  # what an LTX-2.3 checkpoint has that LTX-2.0's converter does not map: gated attention, 9-way modulation
+    "gated attention": {"transformer_blocks.0.attn1.to_gate_logits.weight": torch.zeros(2, 16)},
+    "prompt modulation": {"adaln_single.linear.weight": torch.zeros(9 * 16, 16)},
+}
+
+
+@pytest.mark.parametrize("added", NEWER.values(), ids=NEWER.keys())
+def test_an_ltx_2_3_checkpoint_is_refused_by_name(added, checkpoint, tiny_folder, tmp_path):
     with safe_open(str(checkpoint), "pt") as file:
         tensors = {name: file.get_tensor(name) for name in file.keys()}
-    tensors[ltx2.TRANSFORMER_PREFIX + "transformer_blocks.0.attn1.to_gate_logits.weight"] = torch.zeros(2, 16)
+    tensors.update({ltx2.TRANSFORMER_PREFIX + name: tensor for name, tensor in added.items()})
     newer = tmp_path / "ltx-2.3-22b-dev.safetensors"
     save_file(tensors, str(newer))
     with pytest.raises(ModelError, match=r"'ltx-2.3-22b-dev.safetensors' is an LTX-2.3 .*diffusers folder"):

@@ -56,13 +56,19 @@ def parts_in(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(part for part, marker in markers.items() if marker in names)
 
 
-def check_variant(names: Iterable[str], file_name: str) -> None:
-    """Refuse an LTX-2.3 (or any later) transformer: diffusers 0.42.1 maps only LTX-2.0's names."""
-    newer = sorted({fragment for name in names if name.startswith(TRANSFORMER_PREFIX)
+def check_variant(tensors: Mapping[str, Any], file_name: str) -> None:
+    """Refuse an LTX-2.3 (or any later) transformer: diffusers 0.42.1 maps only LTX-2.0's names.
+    Told by its names and, should they be renamed, by its shapes: LTX-2.3 modulates the prompt
+    too, so its timestep embedding makes 9 parameters per channel where LTX-2.0's makes 6."""
+    newer = sorted({f"{fragment} tensors" for name in tensors if name.startswith(TRANSFORMER_PREFIX)
                     for fragment in NEWER_VARIANT_FRAGMENTS if fragment in name})
+    modulation = tensors.get(TRANSFORMER_PREFIX + "adaln_single.linear.weight")
+    width = tensors.get(TRANSFORMER_PREFIX + "patchify_proj.weight")
+    if modulation is not None and width is not None and modulation.shape[0] != 6 * width.shape[0]:
+        newer.append(f"{modulation.shape[0] // width.shape[0]} modulation parameters per channel, not 6")
     if newer:
         raise ModelError(
-            f"'{file_name}' is an LTX-2.3 (or newer) checkpoint (it has {', '.join(newer)} tensors), and vidmem reads "
+            f"'{file_name}' is an LTX-2.3 (or newer) checkpoint (it has {', '.join(newer)}), and vidmem reads "
             "LTX-2.0 single files only (diffusers' converter maps LTX-2.0 names). Load that model from its diffusers "
             "folder with transformer_file empty, or use an LTX-2.0 file (ltx-2-19b-dev*.safetensors)."
         )
