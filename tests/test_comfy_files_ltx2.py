@@ -214,3 +214,12 @@ def test_the_released_19b_configs_fit_the_converters_tables(tmp_path):
     vae = write_random_file(entry.components["vae"], tmp_path / "ltx-2-vae.safetensors", "bf16", holes=True)
     assert ltx2.parts_in(file_names(vae)) == ("vae",)
     assert len(ltx2_part(vae, "vae", "vae")) == len(file_names(vae))
+
+
+def test_weight_dtype_lowers_the_files_transformer_and_the_vae_is_held_at_its_dtype(tiny_loaded, tiny_folder, tmp_path):
+    pipe = tiny_loaded(VARIANT).pipe
+    parts = {name: store_tensors(getattr(pipe, name), "bf16") for name in ("transformer", "vae")}
+    path = write_ltx2_checkpoint(parts, tmp_path / "ltx-2-19b-dev-bf16.safetensors")
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", path, weight_dtype="fp8_scaled")
+    assert loaded.storage["transformer"] == "fp8_scaled" and loaded.storage["vae"] == "fp32"  # cast at load
+    assert torch.isfinite(latents(loaded, "block_swap:1")["samples"]).all()

@@ -219,7 +219,7 @@ def replaced_components(path, folder) -> tuple[str, ...]:
 
 def load_vae(path, config: Mapping[str, Any] | None, folder, dtype: torch.dtype):
     """The video VAE of the LTX-2 checkpoint at `path`, configured by `folder`'s vae/config.json and
-    used in place from the file's mapping. Returns (module, storage format, report)."""
+    used in place from the file's mapping where already in `dtype`. Returns (module, held format, report)."""
     from ..configs.meta import ComponentConfig
     from ..weight_storage import DEFAULT_WEIGHTS, hold
     from .build import build_empty
@@ -231,6 +231,7 @@ def load_vae(path, config: Mapping[str, Any] | None, folder, dtype: torch.dtype)
                          "use an LTX-2 diffusers folder (its vae/config.json configures the file's VAE).")
     component = ComponentConfig("vae", "diffusers", "AutoencoderKLLTX2Video", config, str(folder / "vae" / "config.json"))
     module = build_empty(component)
-    report, held = hold(module, ltx2_part(path, "vae", "transformer_file"), dtype, DEFAULT_WEIGHTS,
-                        copy_to_ram=False, source=path.name)
-    return module, held, report
+    report, _ = hold(module, ltx2_part(path, "vae", "transformer_file"), dtype, DEFAULT_WEIGHTS,
+                     copy_to_ram=False, source=path.name)
+    # Its convolutions are cast to `dtype` at load (as load.py's VAEs): report what it is held in.
+    return module, report.formats[0].format, report
