@@ -111,8 +111,24 @@ def test_the_full_checkpoint_samples_and_decodes_bit_for_bit_as_the_folder(check
     assert torch.equal(frames, decode(reference, theirs, backend=CpuBackend()).frames)
 
 
-def test_a_transformer_only_file_takes_the_folders_vae(plain_parts, tiny_folder, tiny_loaded, tmp_path):
+def unprefixed(path, tmp_path):
+    with safe_open(str(path), "pt") as file:
+        tensors = {name.removeprefix(ltx2.TRANSFORMER_PREFIX): file.get_tensor(name) for name in file.keys()}
+    save_file(tensors, str(tmp_path / "ltx-2-unprefixed.safetensors"))
+    return tmp_path / "ltx-2-unprefixed.safetensors"
+
+
+def diffusers_named(path, tmp_path):
+    with safe_open(str(path), "pt") as file:
+        tensors = ltx2.part_tensors({name: file.get_tensor(name) for name in file.keys()}, "transformer")
+    save_file(tensors, str(tmp_path / "ltx-2-diffusers.safetensors"))
+    return tmp_path / "ltx-2-diffusers.safetensors"
+
+
+@pytest.mark.parametrize("layout", [None, unprefixed, diffusers_named], ids=["prefixed", "unprefixed", "diffusers"])
+def test_a_transformer_only_file_takes_the_folders_vae(layout, plain_parts, tiny_folder, tiny_loaded, tmp_path):
     path = write_ltx2_checkpoint({"transformer": plain_parts["transformer"]}, tmp_path / "ltx-2-transformer.safetensors")
+    path = layout(path, tmp_path) if layout else path
     loaded = load_pipeline(tiny_folder(VARIANT), "fp32", path)
     assert set(loaded.storage) == {"transformer"}
     assert torch.equal(latents(loaded, "none")["samples"], latents(tiny_loaded(VARIANT), "none")["samples"])

@@ -112,7 +112,8 @@ def _ltx2_transformer(path: Path, role: str, tensors: dict) -> tuple[str, KeyLay
             f"'{ltx2.TRANSFORMER_PREFIX}' tensors); pick the LTX-2 checkpoint that carries the transformer "
             "(ltx-2-19b-dev*.safetensors, or a transformer-only file)."
         )
-    return detect.TRANSFORMER, KeyLayout.PREFIXED, ltx2.part_tensors(tensors, "transformer"), None
+    layout = ltx2.transformer_layout(tensors)
+    return detect.TRANSFORMER, layout, ltx2.transformer_tensors(tensors, layout), None
 
 
 def ltx2_part(path: str | Path, part: str, role: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import torch
 
 from ..family import ModelError
 from .detect import count_blocks
+from .keys import KeyLayout
 
 TRANSFORMER_PREFIX, VAE_PREFIX, AUDIO_VAE_PREFIX = "model.diffusion_model.", "vae.", "audio_vae."
 PARTS = {"transformer": TRANSFORMER_PREFIX, "vae": VAE_PREFIX, "audio_vae": AUDIO_VAE_PREFIX}
@@ -43,27 +44,51 @@ AUDIO_VAE_MARKER = AUDIO_VAE_PREFIX + "per_channel_statistics.mean-of-means"
 NEWER_VARIANT_FRAGMENTS = ("to_gate_logits", "prompt_adaln", "prompt_scale_shift_table")
 
 
+# A transformer saved alone may lack the prefix (the original names), or carry diffusers' names.
+_UNPREFIXED_MARKER = TRANSFORMER_MARKER.removeprefix(TRANSFORMER_PREFIX)
+_DIFFUSERS_MARKER = "av_cross_attn_video_a2v_gate.emb.timestep_embedder.linear_1.weight"
+
+
 def is_ltx2(names: Iterable[str]) -> bool:
-    """Whether the names are an LTX-2 checkpoint's (its transformer, or a VAE-only file's video VAE)."""
+    """Whether the names are an LTX-2 checkpoint's (its transformer in any layout, or a VAE-only file's video VAE)."""
     names = set(names)
-    return TRANSFORMER_MARKER in names or VAE_MARKER in names
+    return transformer_layout(names) is not None or VAE_MARKER in names
+
+
+def transformer_layout(names: Iterable[str]) -> KeyLayout | None:
+    """PREFIXED: Lightricks' checkpoint names; ORIGINAL: the same without `model.diffusion_model.`;
+    DIFFUSERS: diffusers' own; None: no LTX-2 transformer."""
+    names = set(names)
+    markers = {KeyLayout.PREFIXED: TRANSFORMER_MARKER, KeyLayout.ORIGINAL: _UNPREFIXED_MARKER,
+               KeyLayout.DIFFUSERS: _DIFFUSERS_MARKER}
+    return next((layout for layout, marker in markers.items() if marker in names), None)
+
+
+def transformer_tensors(tensors: Mapping[str, Any], layout: KeyLayout) -> dict[str, Any]:
+    """The transformer's tensors under diffusers' names, from a file in `layout` (renamed, never copied)."""
+    if layout is KeyLayout.DIFFUSERS:
+        return dict(tensors)
+    if layout is KeyLayout.ORIGINAL:  # a transformer-only file: every name is the transformer's
+        tensors = {TRANSFORMER_PREFIX + name: t for name, t in tensors.items()}
+    return part_tensors(tensors, "transformer")
 
 
 def parts_in(names: Iterable[str]) -> tuple[str, ...]:
     """The parts ("transformer", "vae", "audio_vae") the file holds, in that order."""
     names = set(names)
-    markers = {"transformer": TRANSFORMER_MARKER, "vae": VAE_MARKER, "audio_vae": AUDIO_VAE_MARKER}
-    return tuple(part for part, marker in markers.items() if marker in names)
+    markers = {"vae": VAE_MARKER, "audio_vae": AUDIO_VAE_MARKER}
+    found = tuple(part for part, marker in markers.items() if marker in names)
+    return ("transformer",) + found if transformer_layout(names) is not None else found
 
 
 def check_variant(tensors: Mapping[str, Any], file_name: str) -> None:
     """Refuse an LTX-2.3 (or any later) transformer: diffusers 0.42.1 maps only LTX-2.0's names.
     Told by its names and, should they be renamed, by its shapes: LTX-2.3 modulates the prompt
     too, so its timestep embedding makes 9 parameters per channel where LTX-2.0's makes 6."""
-    newer = sorted({f"{fragment} tensors" for name in tensors if name.startswith(TRANSFORMER_PREFIX)
+    newer = sorted({f"{fragment} tensors" for name in tensors if not name.startswith(("vae.", "audio_vae.", "vocoder."))
                     for fragment in NEWER_VARIANT_FRAGMENTS if fragment in name})
-    modulation = tensors.get(TRANSFORMER_PREFIX + "adaln_single.linear.weight")
-    width = tensors.get(TRANSFORMER_PREFIX + "patchify_proj.weight")
+    modulation = _either(tensors, "adaln_single.linear.weight", "time_embed.linear.weight")
+    width = _either(tensors, "patchify_proj.weight", "proj_in.weight")
     if modulation is not None and width is not None and modulation.shape[0] != 6 * width.shape[0]:
         newer.append(f"{modulation.shape[0] // width.shape[0]} modulation parameters per channel, not 6")
     if newer:
@@ -72,6 +97,14 @@ def check_variant(tensors: Mapping[str, Any], file_name: str) -> None:
             "LTX-2.0 single files only (diffusers' converter maps LTX-2.0 names). Load that model from its diffusers "
             "folder with transformer_file empty, or use an LTX-2.0 file (ltx-2-19b-dev*.safetensors)."
         )
+
+
+def _either(tensors: Mapping[str, Any], original: str, diffusers_name: str):
+    """A transformer tensor by its checkpoint name (prefixed or not) or its diffusers name."""
+    for name in (TRANSFORMER_PREFIX + original, original, diffusers_name):
+        if name in tensors:
+            return tensors[name]
+    return None
 
 
 def part_tensors(tensors: Mapping[str, Any], part: str) -> dict[str, Any]:
