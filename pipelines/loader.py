@@ -167,7 +167,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     class_name = index["_class_name"]
     spec = family_for(class_name)
     cls = pinned_pipeline_class(class_name)
-    replaced = ("transformer",) if transformer_file else ()
+    replaced = _replaced_by_file(spec, index, folder, transformer_file) if transformer_file else ()
     stored_names = lowered_components(index, replaced) if weight_dtype != DEFAULT_WEIGHTS else ()
     used = {name: entry for name, entry in index.items() if name not in spec.unloaded}
     configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names)  # before anything is allocated
@@ -176,6 +176,11 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     if transformer_file:
         overrides["transformer"], storage["transformer"], reports["transformer"] = _single_file_transformer(
             spec, index, folder, configs.get("transformer"), Path(transformer_file), dtype, weight_dtype)
+    if "vae" in replaced:  # an LTX-2 checkpoint carries its video VAE
+        from .comfy_files import ltx2 as ltx2_files
+
+        overrides["vae"], storage["vae"], reports["vae"] = ltx2_files.load_vae(
+            transformer_file, configs.get("vae"), folder, torch_dtype(dtype))
     stored = load_stored(folder, index, configs, stored_names, torch_dtype(dtype), weight_dtype) if stored_names else {}
     for name, component in stored.items():
         overrides[name], storage[name], reports[name] = component.module, component.storage, component.report
@@ -198,20 +203,29 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
                           on_disk=on_disk(stored) and not transformer_file, storage_reports=MappingProxyType(reports))
 
 
-def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config: dict | None, path: Path, dtype: str,
-                             weight_dtype: str = DEFAULT_WEIGHTS):
-    """The folder's transformer config filled from a single file (any layout or storage format
-    pipelines.comfy_files reads: fp8 scaled files are dequantized per layer, not misread),
-    lowered to `weight_dtype` where it is narrower than the file."""
+def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_file: str | Path) -> tuple[str, ...]:
+    """The folder components a single file replaces: the transformer, and LTX-2's VAE where the
+    file has it (read from its header once the folder is known to take a transformer file)."""
+    from .comfy_files import ltx2 as ltx2_files
+
     if spec.single_file_transformer is None:
         raise ModelError(
-            f"transformer_file is not supported for {spec.name} (vidmem reads single-file transformers of Wan only); "
+            f"transformer_file is not supported for {spec.name} (vidmem reads single-file transformers of Wan and LTX-2 only); "
             "leave transformer_file empty and use the diffusers folder's transformer."
         )
     if index.get("transformer_2", [None])[0] is not None:
         raise ModelError(
             "transformer_file cannot replace the two experts of a Wan 2.2 A14B folder; leave it empty."
         )
+    return ltx2_files.replaced_components(transformer_file, folder)
+
+
+def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config: dict | None, path: Path, dtype: str,
+                             weight_dtype: str = DEFAULT_WEIGHTS):
+    """The folder's transformer config filled from a single file (any layout or storage format
+    pipelines.comfy_files reads: fp8 scaled files are dequantized per layer, not misread),
+    lowered to `weight_dtype` where it is narrower than the file (the family is checked to take
+    one in `_replaced_by_file`)."""
     if config is None:
         raise ModelError(f"transformer_file needs the folder's transformer config, but '{folder / 'model_index.json'}' "
                          "lists no transformer; use a Wan diffusers folder.")

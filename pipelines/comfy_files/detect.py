@@ -75,7 +75,12 @@ def transformer_fields(t: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def transformer_config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The same fields from a WanTransformer3DModel config (its constructor defaults filled in)."""
+    """The same fields from a WanTransformer3DModel config (its constructor defaults filled in),
+    or from an LTX-2 transformer's config (the fields `ltx2.transformer_fields` reads from its files)."""
+    from . import ltx2
+
+    if ltx2.is_transformer_config(config):
+        return ltx2.transformer_config_fields(config)
     return {
         "inner_dim": config["num_attention_heads"] * config["attention_head_dim"],
         "in_channels": config["in_channels"], "patch_size": list(config["patch_size"]),

@@ -16,7 +16,7 @@ from ...memory.storage import StorageError, fold_scaled_fp8, open_weights
 from ...memory.storage.files import SafetensorsFile
 from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
-from . import detect
+from . import detect, ltx2
 from .keys import KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
 
 TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
@@ -43,22 +43,25 @@ class WeightFile:
 def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
     """Open `path` (the loader input `role`), check it holds an `expected` kind of model."""
     path = Path(path)
-    try:
-        opened = open_weights(path)
-        if isinstance(opened, SafetensorsFile):
-            tensors = fold_scaled_fp8(_without_quant_records(path, role, opened.tensors))
-        else:
-            tensors = dict(opened.tensors)
-    except StorageError as error:
-        named = str(error) if path.name in str(error) else f"'{path.name}': {error}"
-        raise ModelError(f"{role}: {named}") from None
-    kind, layout, tensors, extra = _classify(path, role, tensors)
+    kind, layout, tensors, extra = _classify(path, role, _open_tensors(path, role))
     if kind != expected:
         raise ModelError(
             f"{role}: '{path.name}' holds {detect.KIND_NAMES[kind]}, but this input takes {detect.KIND_NAMES[expected]}; "
             f"pick the matching file from the {expected.replace('_', ' ')} list."
         )
     return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors, _fields(kind, layout, tensors), extra)
+
+
+def _open_tensors(path: Path, role: str) -> dict[str, Any]:
+    """The file's tensors, fp8 scales folded; ModelError naming `role` and the file when unreadable."""
+    try:
+        opened = open_weights(path)
+        if isinstance(opened, SafetensorsFile):
+            return fold_scaled_fp8(_without_quant_records(path, role, opened.tensors))
+        return dict(opened.tensors)
+    except StorageError as error:
+        named = str(error) if path.name in str(error) else f"'{path.name}': {error}"
+        raise ModelError(f"{role}: {named}") from None
 
 
 def _without_quant_records(path: Path, role: str, tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,6 +77,8 @@ def _without_quant_records(path: Path, role: str, tensors: Mapping[str, Any]) ->
 
 def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dict, bytes | None]:
     names = tuple(tensors)
+    if ltx2.is_ltx2(names):
+        return _ltx2_transformer(path, role, tensors)
     layout = transformer_layout(names)
     if layout is not None:
         return detect.TRANSFORMER, layout, transformer_to_diffusers(tensors, layout), None
@@ -98,12 +103,32 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     )
 
 
+def _ltx2_transformer(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dict, None]:
+    """An LTX-2 checkpoint read as its transformer (its VAEs are read apart: `ltx2_part`)."""
+    ltx2.check_variant(tensors, path.name)
+    if "transformer" not in ltx2.parts_in(tensors):
+        raise ModelError(
+            f"{role}: '{path.name}' holds only LTX-2's {' and '.join(ltx2.parts_in(tensors))} (no "
+            f"'{ltx2.TRANSFORMER_PREFIX}' tensors); pick the LTX-2 checkpoint that carries the transformer "
+            "(ltx-2-19b-dev*.safetensors, or a transformer-only file)."
+        )
+    layout = ltx2.transformer_layout(tensors)
+    return detect.TRANSFORMER, layout, ltx2.transformer_tensors(tensors, layout), None
+
+
+def ltx2_part(path: str | Path, part: str, role: str) -> dict[str, Any]:
+    """One part ("vae", "audio_vae") of an LTX-2 checkpoint under diffusers' names, mapped from the file."""
+    return ltx2.part_tensors(_open_tensors(Path(path), role), part)
+
+
 def _strip(tensors: dict, prefix: str, keep=lambda name: True) -> dict:
     return {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix) and keep(name[len(prefix):])}
 
 
 def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[str, Any]:
     try:
+        if kind == detect.TRANSFORMER and ltx2.is_transformer(tensors):
+            return ltx2.transformer_fields(tensors)
         if kind == detect.VAE:
             return detect.vae_fields(tensors, original=layout is KeyLayout.ORIGINAL)
         reader = {detect.TRANSFORMER: detect.transformer_fields, detect.TEXT_ENCODER: detect.text_encoder_fields,

@@ -37,6 +37,11 @@ def choose_model(model: WeightFile, experts: int, catalogue: Sequence[ModelEntry
             )
         raise ModelError(f"model_2: {other.name} has a single transformer; set model_2 to (none).")
     found = model.fields
+    if "audio_inner_dim" in found:  # comfy_files/ltx2.py's fields: an LTX-2 checkpoint
+        raise ModelError(
+            f"model: '{model.name}' is an LTX-2 checkpoint; these single-file inputs build Wan pipelines. Load LTX-2 with "
+            "Load Video Pipeline: its diffusers folder (for Gemma 3 and the text connectors) with this file as transformer_file."
+        )
     known = ", ".join(e.name for e in catalogue)
     raise ModelError(
         f"model: '{model.name}' is a Wan transformer vidmem has no config for (width {found['inner_dim']}, "

@@ -25,10 +25,12 @@ from ...memory.storage import storage_format
 from ...memory.storage.files import SAFETENSORS_DTYPES
 from ..configs.meta import ComponentConfig
 from .build import build_empty
+from . import ltx2
 from .files import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, original_transformer_names, vae_original_names
 from .write import SCALED_FP8_MARKER
 
+_LTX2_PARTS = {"LTX2VideoTransformer3DModel": "transformer", "AutoencoderKLLTX2Video": "vae"}
 CHUNK_ELEMENTS = 1 << 24  # 16 M values per generated chunk (64 MB in fp32)
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -41,7 +43,8 @@ def write_random_file(component: ComponentConfig, path: str | Path, storage: str
     Transformers and text encoders store their Linear weights in `storage` (fp8, fp8_scaled or a
     plain dtype) and everything else in bf16 (fp32 when `storage` is fp32); VAEs and encoders of
     other kinds store all in `storage` when it is plain. Wan transformers and VAEs are written in
-    their original layouts (`layout` for the transformer), as Comfy-Org ships them.
+    their original layouts (`layout` for the transformer), as Comfy-Org ships them; LTX-2's
+    transformer and video VAE under the names and prefixes of Lightricks' checkpoints.
 
     `holes`: the weights are left as holes of a sparse file (zeros, no disk space; the header,
     fp8 scales and tokenizer are written): a real-size file in seconds, for what reads headers
@@ -84,6 +87,8 @@ def _unique_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def _file_names(component: ComponentConfig, shapes: dict, layout: KeyLayout) -> dict[str, str]:
+    if component.class_name in _LTX2_PARTS:  # Lightricks' checkpoint layout, whatever `layout` says
+        return ltx2.original_names(_LTX2_PARTS[component.class_name], shapes)
     if component.class_name == "WanTransformer3DModel" and layout is not KeyLayout.DIFFUSERS:
         return original_transformer_names(shapes, COMFY_PREFIX if layout is KeyLayout.PREFIXED else "")
     if component.class_name == "AutoencoderKLWan":

@@ -12,6 +12,7 @@ under `comfy.gguf.orig_shape.<name>`).
 from __future__ import annotations
 
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
@@ -19,6 +20,7 @@ import safetensors.torch
 import torch
 
 from ...memory.storage import StoredTensor, quantize, storage_format
+from . import ltx2
 from .files import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, original_transformer_names, vae_original_names
 
@@ -67,6 +69,22 @@ def write_vae(tensors: Mapping[str, Any], path: str | Path) -> Path:
     """A Wan VAE file in its original layout (wan_2.1_vae.safetensors / wan2.2_vae.safetensors)."""
     names = vae_original_names(tensors)
     return _write({names[n]: t for n, t in tensors.items()}, path)
+
+
+def write_ltx2_checkpoint(parts: Mapping[str, Mapping[str, Any]], path: str | Path,
+                          extras: Mapping[str, Any] = MappingProxyType({})) -> Path:
+    """An LTX-2 checkpoint as Lightricks ships it (ltx-2-19b-dev*.safetensors): each part
+    ("transformer", "vae", "audio_vae"; diffusers names) under its prefix and original names, the
+    video VAE with the statistics the converter drops, plus `extras` as they are (file names)."""
+    out = dict(extras)
+    for part, tensors in parts.items():
+        names = ltx2.original_names(part, tensors)
+        out.update({names[name]: tensor for name, tensor in tensors.items()})
+        if part == "vae":  # in the file, unused by diffusers (its converter removes them)
+            mean = tensors["latents_mean"]
+            out[ltx2.VAE_PREFIX + "per_channel_statistics.mean-of-stds"] = torch.ones_like(mean)
+            out[ltx2.VAE_PREFIX + "per_channel_statistics.channel"] = torch.arange(mean.numel(), dtype=mean.dtype)
+    return _write(out, path)
 
 
 def write_text_encoder(tensors: Mapping[str, Any], path: str | Path, spiece_model: bytes | None) -> Path:
