@@ -122,3 +122,18 @@ def test_the_slot_table_splits_as_the_engine_does(strategy):
         expected_resident, expected_units = partition_slots(module, [members for _, members in units])
         assert table.nbytes(resident) == tensor_sizes(expected_resident)
         assert [table.nbytes(unit) for unit in per_unit] == [tensor_sizes(slots) for slots in expected_units]
+
+
+def test_a_context_parallel_ranks_trace_is_cached_apart_from_the_one_gpu_trace(cache_dir):
+    """Each rank's share of the sequence is its own trace: with the cache warm from a one-GPU plan, a 2-GPU plan
+    (cold and from the cache) is still the plan a cold computation gives (it read the one-GPU trace back before)."""
+    from vidmem.memory.plan.parallel import MultiGpu, plan_parallel
+
+    def ranks(model):
+        return plan_parallel(model, SHAPE, MemoryStrategy(), MultiGpu(2)).gpus[0]
+
+    cold = ranks(_from_json(_config(), None, disk_cache=False))
+    warm = _from_json(_config(), None)
+    _plans(warm)  # the one-GPU traces, written to the cache first
+    assert ranks(warm) == cold
+    assert ranks(_from_json(_config(), None)) == cold  # a fresh process, every trace from the cache

@@ -332,7 +332,9 @@ def _trace_file(call: Call, attention: Attention) -> str:
 
 def _call_key(call: Call) -> str:
     chunks = [call.chunks] if call.chunks != 1 else []  # unchunked calls keep the keys they were cached under
-    return json.dumps([call.kind, call.component, call.piece, call.vae_tiling, *chunks])
+    # a context-parallel rank's trace (RankCall) is its own: without these a rank read the one-GPU trace back
+    rank = [{"degree": call.degree, "mode": call.mode}] if getattr(call, "degree", 1) > 1 else []
+    return json.dumps([call.kind, call.component, call.piece, call.vae_tiling, *chunks, *rank])
 
 
 def _trace_json(measured: Trace, order) -> dict:
