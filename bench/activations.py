@@ -139,10 +139,15 @@ def device_block(args: argparse.Namespace) -> dict:
           f"{', '.join(map(str, args.tokens))}, chunks {', '.join(map(str, args.chunks))}, {args.runs} timed runs",
           flush=True)
     started = time.perf_counter()
-    results[f"block_{args.device}"] = found = measure(TINY if args.tiny else WAN14B, args.tokens, args.chunks,
-                                                      torch.device(args.device), args.dtype, meter, args.runs)
-    results["seconds"] = round(time.perf_counter() - started, 1)
-    write(args.json, results)
+    key = f"block_{args.device}"
+
+    def save(found: dict) -> None:
+        results[key] = found
+        results["seconds"] = round(time.perf_counter() - started, 1)
+        write(args.json, results)
+
+    found = measure(TINY if args.tiny else WAN14B, args.tokens, args.chunks, torch.device(args.device), args.dtype,
+                    meter, args.runs, save=save)
     print(f"goals: {json.dumps(found['goals'])}\nwrote {args.json} in {results['seconds']} s")
     return results
 

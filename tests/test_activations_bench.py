@@ -8,6 +8,7 @@ figures (never the figures themselves: those are the lease's)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -59,8 +60,11 @@ def test_the_cuda_path_resets_the_peak_before_each_measured_call_and_times_with_
     above = 120_000  # what the fake allocator says each measured call peaked at, above its start
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: fake.device_bytes["allocated"] + above)
     monkeypatch.setattr(activation_block, "COST_GOAL_TOKENS", TOKENS[0])  # the 480p goal, judged at a tiny count
-    found = measure(TINY, TOKENS, (4, 2), torch.device("cpu"), "float32", CudaMeter(), runs=RUNS, log=lambda line: None)
+    saved = []
+    found = measure(TINY, TOKENS, (4, 2), torch.device("cpu"), "float32", CudaMeter(), runs=RUNS, log=lambda line: None,
+                    save=lambda so_far: saved.append(json.loads(json.dumps(so_far))))
     assert found["chunks"] == [1, 2, 4] and found["meter"] == "cuda"  # unchunked first: the reference
+    assert [list(s["tokens"]) for s in saved] == [[str(TOKENS[0])], [str(t) for t in TOKENS]]  # saved per token count
     counts = len(found["chunks"]) * len(TOKENS)
     resets = [i for i, call in enumerate(fake.log) if call == ("reset_peak_memory_stats",)]
     assert len(resets) == counts
@@ -87,3 +91,37 @@ def test_bad_options_are_refused_by_name():
         activations.parse(["--tiny"])  # the dry run's narrow block needs --device
     args = activations.parse(["--device", "cpu"])
     assert args.tokens == (75600, 32760) and args.dtype == "float32" and args.json.name == "activations-cpu.json"
+
+
+# --- bench/gpu_check.sh's two parts for issues 28 and 24 -----------------------------------------------
+
+SCRIPT = (ROOT / "bench" / "gpu_check.sh").read_text()
+
+
+def _command(script_name: str) -> list[str]:
+    """The arguments bench/gpu_check.sh passes to `python3 bench/<script_name> --device cuda` (for speed.py,
+    in the compile part), line continuations joined, shell variables left as written, redirections dropped."""
+    joined = SCRIPT.replace("\\\n", " ")
+    line = next(line for line in joined.splitlines() if f"python3 bench/{script_name}" in line and "--device cuda" in line
+                and ("activations" in script_name or "--parts compile " in line))
+    words = line.split(f"python3 bench/{script_name}", 1)[1].split(">", 1)[0].split()
+    return [word.strip('"') for word in words]
+
+
+def test_the_gpu_check_runs_the_activation_block_with_options_the_bench_knows():
+    words = _command("activations.py")
+    assert words[:2] == ["--device", "cuda"] and re.search(r"^ACT_SECONDS=\$\{ACT_SECONDS:-\d+\}$", SCRIPT, re.M)
+    args = activations.parse(["--device", "cpu", *words[2:]])  # the same options, parsed where there is no GPU
+    assert args.tokens == (75600, 32760) and 1 in args.chunks and args.runs >= 3
+
+
+def test_the_gpu_check_compiles_at_480p_on_tiers_the_speed_bench_has():
+    import speed
+
+    words = _command("speed.py")
+    tiers = re.search(r"^COMPILE_TIERS=\$\{COMPILE_TIERS:-(\S+)\}", SCRIPT, re.M).group(1)
+    assert re.search(r"^COMPILE_SECONDS=\$\{COMPILE_SECONDS:-\d+\}$", SCRIPT, re.M)
+    argv = [tiers if word == "$COMPILE_TIERS" else word for word in words]
+    args, config = speed.parse(["--device", "cpu", *argv[2:]])  # parse checks the tiers against --blocks
+    assert (config.width, config.height, config.frames) == (832, 480, 81) and args.parts == "compile"
+    assert "none" in args.compile_tiers

@@ -143,16 +143,20 @@ class CpuMeter:
 
 
 def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], device, dtype: str, meter,
-            runs: int = 5, log=print) -> dict:
-    """Every chunk count at every token count (see the module docstring); 1 (unchunked) always runs first."""
+            runs: int = 5, log=print, save=None) -> dict:
+    """Every chunk count at every token count (see the module docstring); 1 (unchunked) always runs first.
+    `save` is handed the result so far after each token count (a lease's time limit keeps what was done)."""
     counts = (1, *sorted(set(chunks) - {1}))
     module = build_block(shape, device, dtype)
-    by_tokens = {}
+    found = {"config": asdict(shape), "dtype": dtype, "device": str(device), "meter": meter.name, "runs": runs,
+             "chunks": list(counts), "tokens": {}}
     with torch.no_grad():
         for count in tokens:
-            by_tokens[str(count)] = _at_tokens(module, shape, count, counts, device, dtype, meter, runs, log)
-    return {"config": asdict(shape), "dtype": dtype, "device": str(device), "meter": meter.name, "runs": runs,
-            "chunks": list(counts), "tokens": by_tokens, "goals": goals(by_tokens, meter.name == "cuda")}
+            found["tokens"][str(count)] = _at_tokens(module, shape, count, counts, device, dtype, meter, runs, log)
+            found["goals"] = goals(found["tokens"], meter.name == "cuda")
+            if save is not None:
+                save(found)
+    return found
 
 
 def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], device, dtype: str, meter, runs: int,
