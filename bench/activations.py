@@ -13,7 +13,7 @@ Two parts, written as JSON:
   one (bit for bit, by digest), time, peak RSS above where the forward started (sampled every
   millisecond), next to the planner's prediction for the same call (the block traced on meta).
 - `--device cuda` (or `cpu`): the block part only, every chunk count in this process at each `--tokens`
-  count (default 75,600 and 32,760: 720p and 480p), bf16 on CUDA: peak allocated above the weights and
+  count (default 32,760 and 75,600: 480p and 720p), bf16 on CUDA: peak allocated above the weights and
   inputs against the plan, CUDA-event time against unchunked, output equality, and issue 28's goals
   (bench/support/activation_block.py). `--device cpu --tiny` is its dry run (CI runs it).
 
@@ -63,7 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help=f"where the results go (default {CPU_RESULTS.relative_to(ROOT)}; "
                         "with --device, bench/results/activations-DEVICE.json)")
     parser.add_argument("--tokens", type=_counts, default=None, help="tokens of the block run, comma-separated with "
-                        "--device (default 75600,32760), one count without (default 4725)")
+                        "--device (default 32760,75600: 480p, then 720p), one count without (default 4725)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="the block's compute dtype (default bfloat16 on "
                         "CUDA, float32 elsewhere; bfloat16 keeps diffusers' float32 modules: norms, modulation table)")
     parser.add_argument("--device", choices=DEVICES, help="the block only, every chunk count in this process on this "
@@ -83,7 +83,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.runs < 1:
         parser.error(f"--runs {args.runs}: at least 1 timed call per chunk count")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    args.tokens = args.tokens or ((75600, 32760) if args.device else (75600 // 16,))
+    args.tokens = args.tokens or ((32760, 75600) if args.device else (75600 // 16,))
     if args.json is None:
         args.json = ROOT / "bench" / "results" / f"activations-{args.device}.json" if args.device else CPU_RESULTS
     return args

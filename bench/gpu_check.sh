@@ -112,7 +112,7 @@ if ! skip "$DECODE_SECONDS" "the VAE decode rows"; then
 fi
 
 if ! skip "$ACT_SECONDS" "the activation chunks block"; then
-    echo "== bench/activations.py --device cuda: one Wan 14B block per chunk count, 75,600 and 32,760 tokens (at most ${ACT_SECONDS}s)"
+    echo "== bench/activations.py --device cuda: one Wan 14B block per chunk count, 32,760 and 75,600 tokens (at most ${ACT_SECONDS}s)"
     timeout "$ACT_SECONDS" python3 bench/activations.py --device cuda --chunks 1,2,4,8,16 --runs 5 \
         --json "$OUT/activations-gpu.json" > "$OUT/activations.log" 2>&1
     echo "activations exit $?" | tee -a "$OUT/activations.log"

@@ -90,7 +90,7 @@ def test_bad_options_are_refused_by_name():
     with pytest.raises(SystemExit):
         activations.parse(["--tiny"])  # the dry run's narrow block needs --device
     args = activations.parse(["--device", "cpu"])
-    assert args.tokens == (75600, 32760) and args.dtype == "float32" and args.json.name == "activations-cpu.json"
+    assert args.tokens == (32760, 75600) and args.dtype == "float32" and args.json.name == "activations-cpu.json"
 
 
 # --- bench/gpu_check.sh's two parts for issues 28 and 24 -----------------------------------------------
@@ -112,7 +112,7 @@ def test_the_gpu_check_runs_the_activation_block_with_options_the_bench_knows():
     words = _command("activations.py")
     assert words[:2] == ["--device", "cuda"] and re.search(r"^ACT_SECONDS=\$\{ACT_SECONDS:-\d+\}$", SCRIPT, re.M)
     args = activations.parse(["--device", "cpu", *words[2:]])  # the same options, parsed where there is no GPU
-    assert args.tokens == (75600, 32760) and 1 in args.chunks and args.runs >= 3
+    assert args.tokens == (32760, 75600) and 1 in args.chunks and args.runs >= 3
 
 
 def test_the_gpu_check_compiles_at_480p_on_tiers_the_speed_bench_has():
@@ -125,3 +125,19 @@ def test_the_gpu_check_compiles_at_480p_on_tiers_the_speed_bench_has():
     args, config = speed.parse(["--device", "cpu", *argv[2:]])  # parse checks the tiers against --blocks
     assert (config.width, config.height, config.frames) == (832, 480, 81) and args.parts == "compile"
     assert "none" in args.compile_tiers
+
+
+def test_out_of_memory_at_one_token_count_is_recorded_and_the_next_count_runs():
+    class FirstCallRunsOutOfMemory(activation_block.CpuMeter):
+        calls = 0
+
+        def peak(self, call):
+            self.calls += 1
+            if self.calls == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.41 GiB\nmore")
+            return super().peak(call)
+
+    found = measure(TINY, TOKENS, (2,), torch.device("cpu"), "float32", FirstCallRunsOutOfMemory(), runs=1,
+                    log=lambda line: None)
+    assert found["tokens"][str(TOKENS[0])]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.41 GiB"
+    assert set(found["tokens"][str(TOKENS[1])]["rows"]) == {"1", "2"}

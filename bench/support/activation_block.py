@@ -2,8 +2,9 @@
 measured activation peak against the planner's, the time per forward against unchunked, and the output.
 
 One real-size Wan 2.1 14B block (dim 5,120, 40 heads, feed-forward 13,824; random weights, bf16 with
-diffusers' float32 modules kept, as from_pretrained loads it) at each token count (75,600: 1280x720x81;
-32,760: 832x480x81). Per count, after an untimed warm-up call (kernel selection, cuBLAS workspace):
+diffusers' float32 modules kept, as from_pretrained loads it) at each token count (32,760: 832x480x81,
+first, where both goals are judged; 75,600: 1280x720x81; out of memory at one is recorded, and the next
+runs). Per count, after an untimed warm-up call (kernel selection, cuBLAS workspace):
 - `measured_peak_bytes`: one call with the peak statistics reset just before it,
   `torch.cuda.max_memory_allocated()` minus `memory_allocated()` at its start, so the block's weights,
   its inputs and the unchunked reference output are not counted; the call's own output is, as in the
@@ -152,7 +153,11 @@ def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], dev
              "chunks": list(counts), "tokens": {}}
     with torch.no_grad():
         for count in tokens:
-            found["tokens"][str(count)] = _at_tokens(module, shape, count, counts, device, dtype, meter, runs, log)
+            try:
+                found["tokens"][str(count)] = _at_tokens(module, shape, count, counts, device, dtype, meter, runs, log)
+            except torch.OutOfMemoryError as error:  # a finding at this size: the other counts still run
+                found["tokens"][str(count)] = {"video": VIDEO_TOKENS.get(count, ""), "error": _first_line(error)}
+                log(f"  {count} tokens: {found['tokens'][str(count)]['error']}")
             found["goals"] = goals(found["tokens"], meter.name == "cuda")
             if save is not None:
                 save(found)
@@ -207,7 +212,7 @@ def _finish(row: dict, base: float | None, judged: bool, cost_applies: bool) -> 
 
 def goals(by_tokens: dict, judged: bool) -> dict:
     """The issue's two goals over every row they apply to (None: not judged, as on the CPU)."""
-    rows = [row for found in by_tokens.values() for row in found["rows"].values()]
+    rows = [row for found in by_tokens.values() for row in found.get("rows", {}).values()]
 
     def verdict(key: str) -> bool | None:
         found = [row[key] for row in rows if row[key] is not None]
@@ -216,6 +221,10 @@ def goals(by_tokens: dict, judged: bool) -> dict:
     return {"peak_within_10pct_of_plan": verdict("peak_within_10pct"),
             "chunking_costs_at_most_5pct_at_480p": verdict("cost_within_5pct"),
             "judged": "on CUDA only" if not judged else "yes"}
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
 def _line(tokens: int, row: dict) -> str:
