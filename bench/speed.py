@@ -41,7 +41,7 @@ blocks_ratio is the real one for 50 steps, but its PSNR is not.
     python bench/speed.py --steps 8 --blocks 4 --runs 1                     # seconds
     python bench/speed.py --device cuda --json bench/results/speed-gpu.json
     python bench/speed.py --parts attention,compile --steps 8 --runs 3     # one or more parts only
-    python bench/speed.py --device cuda --parts compile --size 832x480x81 --blocks 4 --steps 2 --runs 2 \
+    python bench/speed.py --device cuda --parts compile --size 832x480x81 --blocks 4 --steps 2 --runs 3 \
         --compile-tiers none,block_swap_4                                   # compiled blocks at 480p (gpu_check.sh)
 """
 

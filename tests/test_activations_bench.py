@@ -8,7 +8,6 @@ figures (never the figures themselves: those are the lease's)."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -91,40 +90,6 @@ def test_bad_options_are_refused_by_name():
         activations.parse(["--tiny"])  # the dry run's narrow block needs --device
     args = activations.parse(["--device", "cpu"])
     assert args.tokens == (32760, 75600) and args.dtype == "float32" and args.json.name == "activations-cpu.json"
-
-
-# --- bench/gpu_check.sh's two parts for issues 28 and 24 -----------------------------------------------
-
-SCRIPT = (ROOT / "bench" / "gpu_check.sh").read_text()
-
-
-def _command(script_name: str) -> list[str]:
-    """The arguments bench/gpu_check.sh passes to `python3 bench/<script_name> --device cuda` (for speed.py,
-    in the compile part), line continuations joined, shell variables left as written, redirections dropped."""
-    joined = SCRIPT.replace("\\\n", " ")
-    line = next(line for line in joined.splitlines() if f"python3 bench/{script_name}" in line and "--device cuda" in line
-                and ("activations" in script_name or "--parts compile " in line))
-    words = line.split(f"python3 bench/{script_name}", 1)[1].split(">", 1)[0].split()
-    return [word.strip('"') for word in words]
-
-
-def test_the_gpu_check_runs_the_activation_block_with_options_the_bench_knows():
-    words = _command("activations.py")
-    assert words[:2] == ["--device", "cuda"] and re.search(r"^ACT_SECONDS=\$\{ACT_SECONDS:-\d+\}$", SCRIPT, re.M)
-    args = activations.parse(["--device", "cpu", *words[2:]])  # the same options, parsed where there is no GPU
-    assert args.tokens == (32760, 75600) and 1 in args.chunks and args.runs >= 3
-
-
-def test_the_gpu_check_compiles_at_480p_on_tiers_the_speed_bench_has():
-    import speed
-
-    words = _command("speed.py")
-    tiers = re.search(r"^COMPILE_TIERS=\$\{COMPILE_TIERS:-(\S+)\}", SCRIPT, re.M).group(1)
-    assert re.search(r"^COMPILE_SECONDS=\$\{COMPILE_SECONDS:-\d+\}$", SCRIPT, re.M)
-    argv = [tiers if word == "$COMPILE_TIERS" else word for word in words]
-    args, config = speed.parse(["--device", "cpu", *argv[2:]])  # parse checks the tiers against --blocks
-    assert (config.width, config.height, config.frames) == (832, 480, 81) and args.parts == "compile"
-    assert "none" in args.compile_tiers
 
 
 def test_out_of_memory_at_one_token_count_is_recorded_and_the_next_count_runs():
