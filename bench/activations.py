@@ -12,8 +12,14 @@ Two parts, written as JSON:
   cores), each chunk count in a fresh process after an untimed warm-up: output equal to the unchunked
   one (bit for bit, by digest), time, peak RSS above where the forward started (sampled every
   millisecond), next to the planner's prediction for the same call (the block traced on meta).
+- `--device cuda` (or `cpu`): the block part only, every chunk count in this process at each `--tokens`
+  count (default 32,760 and 75,600: 480p and 720p), bf16 on CUDA: peak allocated above the weights and
+  inputs against the plan, CUDA-event time against unchunked, output equality, and issue 28's goals
+  (bench/support/activation_block.py). `--device cpu --tiny` is its dry run (CI runs it).
 
     python bench/activations.py --json bench/results/activations-cpu-2026-11-26.json
+    python bench/activations.py --device cuda --chunks 1,2,4,8,16 --json activations-gpu.json   # about 30 s on an H100
+    python bench/activations.py --device cpu --tiny --tokens 64,96 --runs 2 --json /tmp/dry.json   # seconds
 
 About 10 minutes on 2 shared cores (--skip-block for the plans only).
 """
@@ -37,6 +43,8 @@ from bench.support.checkout import use_this_checkout  # noqa: E402
 
 use_this_checkout()  # `import vidmem` is this clone, installed or not
 
+from bench.support.activation_block import (TINY, WAN14B, CpuMeter, CudaMeter, block_inputs, build_block,  # noqa: E402
+                                            chunked, measure, predicted_peak)
 from vidmem.memory.units import GiB  # noqa: E402
 
 CASES = (("wan2.1-t2v-14b", 1280, 720, 81), ("wan2.1-t2v-1.3b", 1280, 720, 81), ("wan2.2-t2v-a14b", 1280, 720, 81),
@@ -45,25 +53,66 @@ CARDS_GIB = (8, 12, 16)
 RAM_GIB = 32
 STORAGES = ("fp8_scaled", "bf16")
 BLOCK_CHUNKS = (1, 2, 4, 8)
-WAN14B_BLOCK = dict(dim=5120, ffn_dim=13824, num_heads=40, cross_attn_norm=True, eps=1e-6)
-TEXT_TOKENS = 512
 DTYPES = ("float32", "bfloat16")
-FP32_MODULES = ("scale_shift_table", "norm1", "norm2", "norm3")  # WanTransformer3DModel._keep_in_fp32_modules in a block
+DEVICES = ("cuda", "cpu")
+CPU_RESULTS = ROOT / "bench" / "results" / "activations-cpu-2026-11-26.json"
 
 
-def main() -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "activations-cpu-2026-11-26.json")
-    parser.add_argument("--tokens", type=int, default=75600 // 16, help="tokens of the CPU block run")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the block's compute dtype (bfloat16 keeps "
-                        "diffusers' float32 modules: its norms and modulation table)")
+    parser.add_argument("--json", type=Path, help=f"where the results go (default {CPU_RESULTS.relative_to(ROOT)}; "
+                        "with --device, bench/results/activations-DEVICE.json)")
+    parser.add_argument("--tokens", type=_counts, default=None, help="tokens of the block run, comma-separated with "
+                        "--device (default 32760,75600: 480p, then 720p), one count without (default 4725)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="the block's compute dtype (default bfloat16 on "
+                        "CUDA, float32 elsewhere; bfloat16 keeps diffusers' float32 modules: norms, modulation table)")
+    parser.add_argument("--device", choices=DEVICES, help="the block only, every chunk count in this process on this "
+                        "device (cuda: allocator peaks and CUDA-event times; cpu: the dry run, no peaks)")
+    parser.add_argument("--chunks", type=_counts, default=BLOCK_CHUNKS, help="chunk counts, comma-separated "
+                        f"(default {','.join(map(str, BLOCK_CHUNKS))}; 1, unchunked, always runs: the reference)")
+    parser.add_argument("--runs", type=int, default=5, help="timed calls per chunk count with --device (the median)")
+    parser.add_argument("--tiny", action="store_true", help="with --device: a narrow block (dim 64) for a dry run")
     parser.add_argument("--skip-block", action="store_true", help="plans only")
     parser.add_argument("--skip-plans", action="store_true", help="the block only, added to an existing --json file")
     parser.add_argument("--block-run", help=argparse.SUPPRESS)  # internal: one chunk count in this process
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.device is None and (args.tiny or (args.tokens and len(args.tokens) > 1)):
+        parser.error("--tiny and several --tokens counts need --device (the CPU RSS part runs one real block size)")
+    if args.device == "cuda" and not torch_cuda_available():
+        parser.error("--device cuda: torch sees no CUDA device here; use --device cpu for the dry run")
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: at least 1 timed call per chunk count")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.tokens = args.tokens or ((32760, 75600) if args.device else (75600 // 16,))
+    if args.json is None:
+        args.json = ROOT / "bench" / "results" / f"activations-{args.device}.json" if args.device else CPU_RESULTS
+    return args
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers of 1 or more")
+    return counts
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    if args.device:
+        return device_block(args)
+    tokens = args.tokens[0]
     if args.block_run:
-        print(json.dumps(block_run(int(args.block_run), args.tokens, args.dtype)))
-        return
+        print(json.dumps(block_run(int(args.block_run), tokens, args.dtype)))
+        return {}
     if args.skip_plans and args.json.exists():
         results = json.loads(args.json.read_text())
     else:
@@ -72,9 +121,35 @@ def main() -> None:
         results["plans"] = plans()
         write(args.json, results)
     if not args.skip_block:
-        results["block" if args.dtype == "float32" else f"block_{args.dtype}"] = block(args.tokens, args.dtype)
+        results["block" if args.dtype == "float32" else f"block_{args.dtype}"] = block(tokens, args.dtype)
         write(args.json, results)
     report(results)
+    return results
+
+
+def device_block(args: argparse.Namespace) -> dict:
+    """The block part in this process on --device: written under `block_<device>`, with the machine and date."""
+    import torch
+
+    meter = CudaMeter() if args.device == "cuda" else CpuMeter()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the dry run's times: one thread does not fight other work for shared cores
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(args.device)}
+    print(f"block on {args.device} ({args.dtype}{', tiny' if args.tiny else ''}): tokens "
+          f"{', '.join(map(str, args.tokens))}, chunks {', '.join(map(str, args.chunks))}, {args.runs} timed runs",
+          flush=True)
+    started = time.perf_counter()
+    key = f"block_{args.device}"
+
+    def save(found: dict) -> None:
+        results[key] = found
+        results["seconds"] = round(time.perf_counter() - started, 1)
+        write(args.json, results)
+
+    found = measure(TINY if args.tiny else WAN14B, args.tokens, args.chunks, torch.device(args.device), args.dtype,
+                    meter, args.runs, save=save)
+    print(f"goals: {json.dumps(found['goals'])}\nwrote {args.json} in {results['seconds']} s")
+    return results
 
 
 def write(path: Path, results: dict) -> None:
@@ -82,11 +157,14 @@ def write(path: Path, results: dict) -> None:
     path.write_text(json.dumps(results, indent=2) + "\n")
 
 
-def machine() -> dict:
+def machine(device: str = "cpu") -> dict:
     import torch
 
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "load_average": os.getloadavg()[0]}
+    found = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+             "load_average": os.getloadavg()[0]}
+    if device == "cuda":
+        found.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    return found
 
 
 # --- plans -------------------------------------------------------------------------------------------
@@ -156,7 +234,7 @@ def block(tokens: int, dtype: str = "float32") -> dict:
     for run in runs.values():
         run["equal_to_unchunked"] = run["output_digest"] == base["output_digest"]
         run["time_ratio"] = round(run["seconds"] / base["seconds"], 3)
-    return {"tokens": tokens, "text_tokens": TEXT_TOKENS, "dtype": dtype, "config": WAN14B_BLOCK,
+    return {"tokens": tokens, "text_tokens": WAN14B.text_tokens, "dtype": dtype, "config": WAN14B.block_kwargs(),
             "note": f"1/{75600 // tokens} of 1280x720x81's 75,600 tokens" if 75600 % tokens == 0 else "", "runs": runs}
 
 
@@ -164,17 +242,13 @@ def block_run(chunks: int, tokens: int, dtype: str = "float32") -> dict:
     import hashlib
 
     import torch
-    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
-    from vidmem.pipelines.activation_chunks import activation_chunks
-
-    torch.manual_seed(0)
-    module = cast(WanTransformerBlock(**WAN14B_BLOCK).eval(), dtype)
-    inputs = block_inputs(tokens, "cpu", dtype)
-    predicted = predicted_peak(chunks, tokens, dtype)
+    module = build_block(WAN14B, "cpu", dtype)
+    inputs = block_inputs(WAN14B, tokens, "cpu", dtype)
+    predicted = predicted_peak(WAN14B, chunks, tokens, dtype)
     with torch.no_grad():
-        module(*block_inputs(256, "cpu", dtype))  # warm-up (first-call kernel setup), not timed
-        with activation_chunks({"block": module}, {"block": [module]}, chunks), RssPeak() as rss:
+        module(*block_inputs(WAN14B, 256, "cpu", dtype))  # warm-up (first-call kernel setup), not timed
+        with chunked(module, chunks), RssPeak() as rss:
             started = time.perf_counter()
             out = module(*inputs)
             seconds = time.perf_counter() - started
@@ -208,48 +282,6 @@ class RssPeak:
     @property
     def peak_above_start(self) -> int:
         return self.peak - self.start
-
-
-def cast(module, dtype: str):
-    """The block as from_pretrained(torch_dtype=...) leaves it: diffusers' float32 modules stay float32."""
-    import torch
-
-    for name, tensor in module.named_parameters():
-        if not any(part in FP32_MODULES for part in name.split(".")):
-            tensor.data = tensor.data.to(getattr(torch, dtype))
-    return module
-
-
-def block_inputs(tokens: int, device, dtype: str = "float32") -> tuple:
-    """hidden and text states in the compute dtype; the timestep projection and rotary tables in float32,
-    as WanTransformer3DModel hands them to its blocks."""
-    import torch
-
-    dim, heads = WAN14B_BLOCK["dim"], WAN14B_BLOCK["num_heads"]
-
-    def make(*shape, dtype=torch.float32):
-        if device == "meta":
-            return torch.empty(*shape, device="meta", dtype=dtype)
-        return torch.randn(*shape, device=device).to(dtype)
-
-    compute = getattr(torch, dtype)
-    rope = (make(1, tokens, 1, dim // heads), make(1, tokens, 1, dim // heads))
-    return make(1, tokens, dim, dtype=compute), make(1, TEXT_TOKENS, dim, dtype=compute), make(1, 6, dim), rope
-
-
-def predicted_peak(chunks: int, tokens: int, dtype: str = "float32") -> int:
-    """The planner's count for the same call: the block on meta under its tensor ledger."""
-    import torch
-    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
-
-    from vidmem.memory.accounting import trace
-    from vidmem.pipelines.activation_chunks import activation_chunks
-
-    with torch.device("meta"):
-        module = cast(WanTransformerBlock(**WAN14B_BLOCK).eval(), dtype)
-    inputs = block_inputs(tokens, "meta", dtype)
-    with activation_chunks({"block": module}, {"block": [module]}, chunks):
-        return trace(lambda: module(*inputs)).peak_bytes
 
 
 def rss_bytes() -> int:

@@ -10,9 +10,11 @@
 # Sized for 8 minutes of wall time on an H100: the suite gets SUITE_SECONDS, the warm rows at most
 # WARM_SECONDS, the speed bench (bench/speed.py) SPEED_SECONDS, its cache part CACHE_SECONDS, fp8 matmul at
 # 832x480x81 FP8_SECONDS, one attention call per kernel at that size ATTN_SECONDS, the VAE decode with and
-# without overlapped host copies DECODE_SECONDS, the 14B bench what is left of BUDGET_SECONDS (each JSON is
-# rewritten after every row and lists rows it had no time for); a part given 0 seconds is skipped, so a lease
-# can spend its minutes on what an earlier one did not measure.
+# without overlapped host copies DECODE_SECONDS, one real-size Wan 14B block per activation_chunks count at
+# 720p and 480p (bench/activations.py: peak against the plan, time against unchunked) ACT_SECONDS, compiled
+# blocks against eager at 832x480x81 on the tiers COMPILE_TIERS names COMPILE_SECONDS, the 14B bench what is
+# left of BUDGET_SECONDS (each JSON is rewritten after every row and lists rows it had no time for); a part
+# given 0 seconds is skipped, so a lease can spend its minutes on what an earlier one did not measure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +35,9 @@ CACHE_SECONDS=${CACHE_SECONDS:-100}
 FP8_SECONDS=${FP8_SECONDS:-60}
 ATTN_SECONDS=${ATTN_SECONDS:-60}
 DECODE_SECONDS=${DECODE_SECONDS:-70}
+ACT_SECONDS=${ACT_SECONDS:-90}  # estimated 40 s (not yet run); room for first-call kernel setup per slice length
+COMPILE_SECONDS=${COMPILE_SECONDS:-120}  # estimated 40-60 s for two tiers (not yet run); JSON written at the end only
+COMPILE_TIERS=${COMPILE_TIERS:-none,block_swap_4}  # of none, block_swap_2, block_swap_4, sequential (4 blocks)
 BENCH_ROWS=${BENCH_ROWS:-}  # the 14B rows, comma-separated (default: every row, as long as time lasts)
 # Issue 22's goal is judged on the 1.3B at 832x480: every warm row of its 30 blocks (tests/test_gpu_bench.py checks the names).
 WARM_MODEL=wan2.1-t2v-1.3b
@@ -104,6 +109,22 @@ if ! skip "$DECODE_SECONDS" "the VAE decode rows"; then
         --budget-seconds $(( DECODE_SECONDS - 30 )) > "$OUT/bench-decode.log" 2>&1
     echo "decode bench exit $?" | tee -a "$OUT/bench-decode.log"
     grep -E 'seconds|same_frames|overlapped_over|peak|tiling|Error' "$OUT/bench-decode.log" | head -n 20
+fi
+
+if ! skip "$ACT_SECONDS" "the activation chunks block"; then
+    echo "== bench/activations.py --device cuda: one Wan 14B block per chunk count, 32,760 and 75,600 tokens (at most ${ACT_SECONDS}s)"
+    timeout "$ACT_SECONDS" python3 bench/activations.py --device cuda --chunks 1,2,4,8,16 --runs 5 \
+        --json "$OUT/activations-gpu.json" > "$OUT/activations.log" 2>&1
+    echo "activations exit $?" | tee -a "$OUT/activations.log"
+    grep -E 'tokens, chunks|goals|Error' "$OUT/activations.log"
+fi
+
+if ! skip "$COMPILE_SECONDS" "compiled blocks at 832x480x81"; then
+    echo "== bench/speed.py: compiled blocks against eager at 832x480x81, tiers $COMPILE_TIERS (at most ${COMPILE_SECONDS}s)"
+    timeout "$COMPILE_SECONDS" python3 bench/speed.py --device cuda --parts compile --size 832x480x81 --steps 2 --blocks 4 \
+        --runs 3 --compile-tiers "$COMPILE_TIERS" --json "$OUT/speed-compile-gpu.json" > "$OUT/speed-compile.log" 2>&1
+    echo "compile bench exit $?" | tee -a "$OUT/speed-compile.log"
+    grep -E '^  compile |Error' "$OUT/speed-compile.log"
 fi
 
 left=$(( BUDGET_SECONDS - ($(date +%s) - started) - 60 ))

@@ -41,6 +41,8 @@ blocks_ratio is the real one for 50 steps, but its PSNR is not.
     python bench/speed.py --steps 8 --blocks 4 --runs 1                     # seconds
     python bench/speed.py --device cuda --json bench/results/speed-gpu.json
     python bench/speed.py --parts attention,compile --steps 8 --runs 3     # one or more parts only
+    python bench/speed.py --device cuda --parts compile --size 832x480x81 --blocks 4 --steps 2 --runs 3 \
+        --compile-tiers none,block_swap_4                                   # compiled blocks at 480p (gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ import torch  # noqa: E402
 
 from bench.support.speed_report import evidence, goals, print_goals, print_tables  # noqa: E402
 from bench.support.speed_attention import attention_rows, call_rows  # noqa: E402
-from bench.support.speed_compile import compile_rows  # noqa: E402
+from bench.support.speed_compile import chosen_tiers, compile_rows  # noqa: E402
 from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 from vidmem.pipelines.speed import cpu_name  # noqa: E402
 from bench.support.speed_fp8 import fp8_rows  # noqa: E402
@@ -100,10 +102,17 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile part "
                         "(aot_eager: dynamo's tracing and guards without code generation, for a quick check)")
+    parser.add_argument("--compile-tiers", default="", help="tiers of the compile part, comma-separated (default every "
+                        "one: none, block_swap of half and of all blocks, sequential)")
     args = parser.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         parser.error(f"--parts {args.parts!r}: {', '.join(sorted(unknown))} not among {', '.join(PARTS)}")
+    args.compile_tiers = tuple(t for t in args.compile_tiers.split(",") if t)
+    try:
+        chosen_tiers(args.blocks, args.compile_tiers)
+    except ValueError as error:
+        parser.error(str(error))
     cuda = args.device != "cpu"
     width, height, frames = (int(v) for v in (args.size or ("480x320x17" if cuda else "64x64x5")).split("x"))
     timed = args.time_tiers if args.time_tiers is not None else (f"none,block_swap_{args.blocks}" if cuda else "none")
@@ -135,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result["attention_call"], indent=1))
     if "compile" in parts:
         print("\ncompiled blocks against eager", flush=True)
-        result["compile"] = compile_rows(loaded, config, CompileSettings(True, backend=args.compile_backend))
+        result["compile"] = compile_rows(loaded, config, CompileSettings(True, backend=args.compile_backend),
+                                         tier_names=args.compile_tiers)
         print(json.dumps(result["compile"], indent=1))
     if "fp8_matmul" in parts:
         print("\nfp8 matmul against the upcast path (fp8_scaled weights)", flush=True)

@@ -1,7 +1,8 @@
 """bench/speed.py, compiled blocks (issue 24 part 2): per tier, the denoise step time of compiled
 blocks against eager, the recompilations of a second run, and the first run's compile time.
 
-Per tier (none, block_swap of half and of all the blocks, sequential; speed_runs.tiers):
+Per tier (none, block_swap of half and of all the blocks, sequential; speed_runs.tiers; `--compile-tiers`
+picks some, e.g. at 832x480x81, where each tier costs a compile and seven sampler calls):
 - dynamo's caches are reset, so each tier's first compiled call compiles from nothing (inductor's
   on-disk kernel cache, shared by every run on the machine, still serves kernels it has seen:
   `compile_seconds` is dynamo + AOT + whatever inductor could not reuse);
@@ -21,9 +22,11 @@ compiled code is many small graphs (`graph_breaks` in the first run's report).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 import torch
 
+from vidmem.memory import MemoryStrategy
 from vidmem.pipelines.compile import CompileSettings, compiled_blocks
 from vidmem.pipelines.family import denoiser_blocks
 from vidmem.pipelines.sample import sample
@@ -33,12 +36,15 @@ from .speed_runs import SpeedConfig, tiers
 
 
 def compile_rows(loaded, config: SpeedConfig, settings: CompileSettings = CompileSettings(on=True),
-                 log=print) -> dict:
+                 log=print, tier_names: Sequence[str] = ()) -> dict:
     """{"step_time_ratio", "recompiles_second_run", "compile_seconds"} (each tier -> value), with the
-    settings, each tier's step times, latent difference, graph breaks and any fallback message."""
-    rows = {tier: _tier_row(loaded, config, strategy, settings) for tier, strategy in tiers(config.blocks).items()}
-    for tier, row in rows.items():
+    settings, each tier's step times, latent difference, graph breaks and any fallback message.
+    `tier_names`: the tiers measured, in their order (default every one of speed_runs.tiers)."""
+    rows = {}
+    for tier, strategy in chosen_tiers(config.blocks, tier_names).items():
+        rows[tier] = row = _tier_row(loaded, config, strategy, settings)
         ratio = f"x{row['step_time_ratio']:.2f}" if row["step_time_ratio"] is not None else "untimed"
+        # logged as each tier ends: a lease's time limit that cuts the part short keeps the tiers done in its log
         log(f"  compile {tier:<14} step {ratio}  recompiles {row['recompiles_second_run']}  "
             f"compile {row['compile_seconds']:.1f} s  diff {row['max_abs_diff']:.2e}" +
             (f"  FALLBACK: {row['fallback']}" if row["fallback"] else ""))
@@ -46,6 +52,16 @@ def compile_rows(loaded, config: SpeedConfig, settings: CompileSettings = Compil
             "max_abs_diff", "graph_breaks", "fallback")
     found = {key: {tier: row[key] for tier, row in rows.items()} for key in keys}
     return {**found, "settings": settings.describe(), "runs": config.runs}
+
+
+def chosen_tiers(blocks: int, names: Sequence[str] = ()) -> dict[str, MemoryStrategy]:
+    """speed_runs.tiers(blocks), or those named, in the order named; an unknown name is refused with the choices."""
+    every = tiers(blocks)
+    unknown = [name for name in names if name not in every]
+    if unknown:
+        raise ValueError(f"--compile-tiers: {', '.join(unknown)} not among this bench's tiers at {blocks} blocks "
+                         f"({', '.join(every)})")
+    return {name: every[name] for name in names} if names else every
 
 
 def _tier_row(loaded, config: SpeedConfig, strategy, settings: CompileSettings) -> dict:
