@@ -133,3 +133,11 @@ def test_the_decode_rows_run_on_the_cpu_with_the_same_frames_either_way():
     assert found["same_frames"] and "6 tiles" in found["tiling"]
     assert all(len(row["seconds"]) == 2 for row in found["variants"].values())
     assert found["predicted"]["activation_bytes"] > 0 and "overlapped_over_blocking" in found
+
+
+def test_the_gpu_checks_default_14b_rows_are_rows():
+    """bench/gpu_check.sh's default BENCH_ROWS must name rows of Wan 14B (a typo would cost a lease its 14B part)."""
+    script = (Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh").read_text()
+    names = re.search(r"^BENCH_ROWS=\$\{BENCH_ROWS-(\S+)\}$", script, re.M).group(1).split(",")
+    blocks = meta_model("wan2.1-t2v-14b", {}).components["transformer"].config["num_layers"]
+    assert set(names) <= {r.name for r in default_rows(blocks, None)}, names
