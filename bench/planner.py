@@ -162,8 +162,14 @@ def published_figures() -> list[PublishedFigure]:
     cog, cog_settings = (720, 480, 49), "720x480, 49 frames, fp16"
     hunyuan = ("github.com/Tencent-Hunyuan/HunyuanVideo-1.5 README, System Requirements: \"Minimum GPU Memory: "
                "14 GB (with model offloading enabled)\"")
-    hunyuan_settings = ("resolution, frames, VAE tiling and the attention kernel unknown (the README states none); "
-                        "its own inference code, not diffusers; planned here with model offload and VAE tiling")
+    hunyuan_settings = ("resolution, frames and the attention kernel unstated in the README; its own inference code "
+                        "(generate.py, hyvideo/pipelines/hunyuan_video_pipeline.py), not diffusers: under 60 GiB of GPU "
+                        "memory --offloading (default on) means group offloading, one transformer block per group on a "
+                        "side stream (vidmem's block swap), not whole-model offload; under 28 GiB the VAE decodes 128 px "
+                        "spatial tiles, overlap 0.25, in fp16 (get_vae_inference_config); PYTORCH_CUDA_ALLOC_CONF="
+                        "expandable_segments:True; --sr (1080p super-resolution) on by default. Planned here with "
+                        "model offload and diffusers' default tiling (256 px tiles): an upper bound, not Tencent's run; "
+                        "docs/decode.md, 'HunyuanVideo 1.5 against its 14 GB'")
     return [
         PublishedFigure("cogvideox-2b", cog, "everything resident (pipe.to)",
                         MemoryStrategy(offload="none", text_encoder="device"), "33 GB", docs, cog_settings),
