@@ -177,9 +177,9 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
         overrides["transformer"], storage["transformer"], reports["transformer"] = _single_file_transformer(
             spec, index, folder, configs.get("transformer"), Path(transformer_file), dtype, weight_dtype)
     if "vae" in replaced:  # an LTX-2 checkpoint carries its video VAE
-        from .comfy_files import ltx2 as ltx2_files
+        from .comfy_files import files as ltx2_files
 
-        overrides["vae"], storage["vae"], reports["vae"] = ltx2_files.load_vae(
+        overrides["vae"], storage["vae"], reports["vae"] = ltx2_files.load_ltx2_vae(
             transformer_file, configs.get("vae"), folder, torch_dtype(dtype))
     stored = load_stored(folder, index, configs, stored_names, torch_dtype(dtype), weight_dtype) if stored_names else {}
     for name, component in stored.items():
@@ -206,7 +206,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
 def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_file: str | Path) -> tuple[str, ...]:
     """The folder components a single file replaces: the transformer, and LTX-2's VAE where the
     file has it (read from its header once the folder is known to take a transformer file)."""
-    from .comfy_files import ltx2 as ltx2_files
+    from .comfy_files import files as ltx2_files
 
     if spec.single_file_transformer is None:
         raise ModelError(
@@ -217,7 +217,7 @@ def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_f
         raise ModelError(
             "transformer_file cannot replace the two experts of a Wan 2.2 A14B folder; leave it empty."
         )
-    return ltx2_files.replaced_components(transformer_file, folder)
+    return ltx2_files.ltx2_replaced_components(transformer_file, folder)
 
 
 def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config: dict | None, path: Path, dtype: str,

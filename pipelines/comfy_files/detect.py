@@ -8,7 +8,6 @@ matched config.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Mapping
 from math import prod
@@ -16,6 +15,7 @@ from typing import Any
 
 from ...memory.storage import StoredTensor, storage_format
 from ...memory.storage.stored import stored_format_of
+from .keys import count_blocks
 
 TRANSFORMER, VAE, TEXT_ENCODER, CLIP_VISION = "transformer", "vae", "text_encoder", "clip_vision"
 KIND_NAMES = {TRANSFORMER: "a Wan transformer", VAE: "a Wan VAE", TEXT_ENCODER: "a T5 / UMT5 text encoder",
@@ -48,11 +48,6 @@ def find_prefix(names, marker: str) -> str | None:
     """The prefix before `marker` in `names` ('' when unprefixed), or None when it is absent."""
     hits = [name[: -len(marker)] for name in names if name.endswith(marker)]
     return min(hits, key=len) if hits else None
-
-
-def count_blocks(names, pattern: str) -> int:
-    indices = {int(m.group(1)) for name in names if (m := re.match(pattern, name))}
-    return max(indices) + 1 if indices else 0
 
 
 def transformer_fields(t: Mapping[str, Any]) -> dict[str, Any]:

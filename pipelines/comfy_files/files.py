@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
 from ...memory.storage import StorageError, fold_scaled_fp8, open_weights
 from ...memory.storage.files import SafetensorsFile
 from ...memory.storage.scaled import refuse_unreadable
@@ -157,3 +159,43 @@ def vae_tensors(file: WeightFile, model_names) -> dict[str, Any]:
         return dict(file.tensors)
     to_diffusers = {original: name for name, original in vae_original_names(model_names).items()}
     return {to_diffusers.get(name, name): tensor for name, tensor in file.tensors.items()}
+
+
+# --- a diffusers folder's components replaced from one file (LTX-2) -------------------------------
+
+def ltx2_replaced_components(path, folder) -> tuple[str, ...]:
+    """The components of `folder` a single file at `path` replaces: its transformer, and an LTX-2
+    checkpoint's video VAE when it carries one (read from its header, nothing loaded). A file
+    without the VAE needs the folder's VAE weights: refused here, naming both, when they are absent."""
+    path, folder = Path(path), Path(folder)
+    names = _open_tensors(path, "transformer_file")
+    if not ltx2.is_ltx2(names):
+        return ("transformer",)
+    if "vae" in ltx2.parts_in(names):
+        return ("transformer", "vae")
+    if not any((folder / "vae").glob("*.safetensors")):
+        raise ModelError(
+            f"transformer_file '{path.name}' is an LTX-2 transformer without its video VAE (no '{ltx2.VAE_PREFIX}' tensors), "
+            f"and '{folder / 'vae'}' has no weights either. Use the full checkpoint that carries the VAE "
+            "(ltx-2-19b-dev*.safetensors), or put the VAE's diffusion_pytorch_model.safetensors in that folder."
+        )
+    return ("transformer",)
+
+
+def load_ltx2_vae(path, config: Mapping[str, Any] | None, folder, dtype: torch.dtype):
+    """The video VAE of the LTX-2 checkpoint at `path`, configured by `folder`'s vae/config.json and
+    used in place from the file's mapping where already in `dtype`. Returns (module, held format, report)."""
+    from ..configs.meta import ComponentConfig
+    from ..weight_storage import DEFAULT_WEIGHTS, hold
+    from .build import build_empty
+
+    path, folder = Path(path), Path(folder)
+    if config is None:
+        raise ModelError(f"'{path.name}' carries LTX-2's video VAE, but '{folder / 'model_index.json'}' lists no vae; "
+                         "use an LTX-2 diffusers folder (its vae/config.json configures the file's VAE).")
+    component = ComponentConfig("vae", "diffusers", "AutoencoderKLLTX2Video", config, str(folder / "vae" / "config.json"))
+    module = build_empty(component)
+    report, _ = hold(module, ltx2_part(path, "vae", "transformer_file"), dtype, DEFAULT_WEIGHTS,
+                     copy_to_ram=False, source=path.name)
+    # Its convolutions are cast to `dtype` at load (as load.py's VAEs): report what it is held in.
+    return module, report.formats[0].format, report

@@ -178,3 +178,9 @@ def _vae_name(name: str, residual: bool, resnets: dict, down_resnets: dict, star
 def _resnet_inner(inner: str) -> str:
     head, _, tail = inner.partition(".")
     return _RESNET.get(head, head) + (f".{tail}" if tail else "")
+
+
+def count_blocks(names, pattern: str) -> int:
+    """How many numbered blocks `pattern` (one group: the index) finds among `names`: the highest index + 1."""
+    indices = {int(m.group(1)) for name in names if (m := re.match(pattern, name))}
+    return max(indices) + 1 if indices else 0

@@ -23,14 +23,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..family import ModelError
-from .detect import count_blocks
-from .keys import KeyLayout
+from .keys import KeyLayout, count_blocks
 
 TRANSFORMER_PREFIX, VAE_PREFIX, AUDIO_VAE_PREFIX = "model.diffusion_model.", "vae.", "audio_vae."
 PARTS = {"transformer": TRANSFORMER_PREFIX, "vae": VAE_PREFIX, "audio_vae": AUDIO_VAE_PREFIX}
@@ -225,46 +221,3 @@ def is_transformer(tensors: Mapping[str, Any]) -> bool:
 
 def is_transformer_config(config: Mapping[str, Any]) -> bool:
     return "audio_in_channels" in config or config.get("_class_name") == "LTX2VideoTransformer3DModel"
-
-
-# --- a diffusers folder's components replaced from one file ---------------------------------------
-
-def replaced_components(path, folder) -> tuple[str, ...]:
-    """The components of `folder` a single file at `path` replaces: its transformer, and an LTX-2
-    checkpoint's video VAE when it carries one (read from its header, nothing loaded). A file
-    without the VAE needs the folder's VAE weights: refused here, naming both, when they are absent."""
-    from .files import _open_tensors
-
-    path, folder = Path(path), Path(folder)
-    names = _open_tensors(path, "transformer_file")
-    if not is_ltx2(names):
-        return ("transformer",)
-    if "vae" in parts_in(names):
-        return ("transformer", "vae")
-    if not any((folder / "vae").glob("*.safetensors")):
-        raise ModelError(
-            f"transformer_file '{path.name}' is an LTX-2 transformer without its video VAE (no '{VAE_PREFIX}' tensors), "
-            f"and '{folder / 'vae'}' has no weights either. Use the full checkpoint that carries the VAE "
-            "(ltx-2-19b-dev*.safetensors), or put the VAE's diffusion_pytorch_model.safetensors in that folder."
-        )
-    return ("transformer",)
-
-
-def load_vae(path, config: Mapping[str, Any] | None, folder, dtype: torch.dtype):
-    """The video VAE of the LTX-2 checkpoint at `path`, configured by `folder`'s vae/config.json and
-    used in place from the file's mapping where already in `dtype`. Returns (module, held format, report)."""
-    from ..configs.meta import ComponentConfig
-    from ..weight_storage import DEFAULT_WEIGHTS, hold
-    from .build import build_empty
-    from .files import ltx2_part
-
-    path, folder = Path(path), Path(folder)
-    if config is None:
-        raise ModelError(f"'{path.name}' carries LTX-2's video VAE, but '{folder / 'model_index.json'}' lists no vae; "
-                         "use an LTX-2 diffusers folder (its vae/config.json configures the file's VAE).")
-    component = ComponentConfig("vae", "diffusers", "AutoencoderKLLTX2Video", config, str(folder / "vae" / "config.json"))
-    module = build_empty(component)
-    report, _ = hold(module, ltx2_part(path, "vae", "transformer_file"), dtype, DEFAULT_WEIGHTS,
-                     copy_to_ram=False, source=path.name)
-    # Its convolutions are cast to `dtype` at load (as load.py's VAEs): report what it is held in.
-    return module, report.formats[0].format, report
