@@ -56,8 +56,8 @@ class VidMemLoadPipeline:
                     "fp8-scaled or GGUF; the authors', ComfyUI's or diffusers' names), e.g. a ComfyUI-repackaged "
                     "Wan 2.1 checkpoint, used in place from the file; the folder still provides its config, text "
                     "encoder and VAE. An LTX-2 checkpoint (ltx-2-19b-dev*) also supplies its video VAE, so that "
-                    "folder needs no transformer or VAE weights (only their config.json). Not for Wan 2.2 A14B (two experts), "
-                    "CogVideoX or HunyuanVideo 1.5."}),
+                    "folder needs no transformer or VAE weights (only their config.json). Not for Wan 2.2 A14B "
+                    "(two experts), CogVideoX or HunyuanVideo 1.5."}),
                 # Last on purpose: saved workflows' widget values are positional.
                 "weight_dtype": (list(WEIGHT_DTYPES), {"default": DEFAULT_WEIGHTS, "tooltip": "How the transformer "
                                  "and text encoder weights are stored in memory. default: loaded as diffusers does, at "
