@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .storage.mapping import any_mapped_files, read_ahead
+from .storage.mapping import any_mapped_files, is_file_backed, read_ahead
 from .warm import WarmStore
 
 
@@ -111,6 +111,7 @@ class WeightGroup:
         self._copies: list[torch.Tensor] | None = None  # while on the device: one per tied tensor
         self.on_device = False
         self.nbytes = tied_bytes(tensors)
+        self._mapped: bool | None = None  # whether a host lies in a file mapping (read_ahead's test, made once)
         self._point_all(backend.evicted)
 
     def __repr__(self) -> str:
@@ -143,7 +144,9 @@ class WeightGroup:
     def read_ahead(self) -> int:
         """Have the kernel start reading this group's file-backed weights (the disk tier) into the page
         cache, ahead of its copy (`storage.mapping.read_ahead`); bytes advised, 0 when on the device."""
-        if self.on_device or not any_mapped_files():
+        if self._mapped is None and any_mapped_files():  # once: hosts only ever move from a file into pinned RAM
+            self._mapped = any(is_file_backed(host) for host in self.hosts)
+        if self.on_device or not self._mapped:
             return 0
         return read_ahead(self.hosts)
 

@@ -454,15 +454,21 @@ def test_the_cuda_path_keeps_its_promises_with_the_cache_on(tiny_folder, monkeyp
     for skipped passes and made at the end of a skipped pass, copies stay on the side stream, compute
     waits only on the block it runs, at most prefetch + 2 streamed groups hold device memory, and
     the latent is the CPU backend's at tier none."""
+    from vidmem.pipelines.loader import load_pipeline
+
+    variant = "wan2.1-t2v"
+    assert_cuda_path_with_the_cache(load_pipeline(tiny_folder(variant), "fp32"),
+                                    replace(request_for(variant, steps=STEPS), cache=cache), monkeypatch)
+
+
+def assert_cuda_path_with_the_cache(loaded, request, monkeypatch) -> None:
+    """`request` (a step cache on) under block swap and sequential on CudaBackend with the recording CUDA fake:
+    the CPU backend's latent at tier none, passes skipped, and the audit of tests/test_cuda_path.py clean."""
     from cuda_fake import FakeCuda
     from test_cuda_path import Audit
 
     from vidmem.memory.device import CpuBackend, CudaBackend
-    from vidmem.pipelines.loader import load_pipeline
 
-    variant = "wan2.1-t2v"
-    loaded = load_pipeline(tiny_folder(variant), "fp32")
-    request = replace(request_for(variant, steps=STEPS), cache=cache)
     reference = sample(loaded, MemoryStrategy(offload="none"), request, backend=CpuBackend()).latent["samples"]
     blocks = block_count(loaded)
     for strategy in (*(MemoryStrategy(offload="block_swap", blocks_to_swap=n, prefetch_blocks=p)

@@ -235,23 +235,8 @@ def test_the_cuda_path_keeps_its_promises_with_windows_and_the_cache(tiny_folder
     """CudaBackend under the recording CUDA fake (tests/test_cuda_path.py's audit), windowed and
     cached: copies on the side stream, compute waiting only on the block it runs, at most prefetch + 2
     streamed groups on the device, and the CPU backend's latent at tier none."""
-    from cuda_fake import FakeCuda
-    from test_cuda_path import Audit
-
-    from vidmem.memory.device import CpuBackend, CudaBackend
+    from test_step_cache import assert_cuda_path_with_the_cache
     from vidmem.pipelines.loader import load_pipeline
 
-    loaded, cache = load_pipeline(tiny_folder(VARIANT), "fp32"), CACHES[method]
-    request = request_for(VARIANT, steps=STEPS, cache=cache)
-    reference = sample(loaded, MemoryStrategy(offload="none"), request, backend=CpuBackend()).latent["samples"]
-    blocks = block_count(loaded)
-    for strategy in (*(MemoryStrategy(offload="block_swap", blocks_to_swap=n, prefetch_blocks=p)
-                       for n in (1, blocks) for p in (1, 2)), MemoryStrategy(offload="sequential", prefetch_blocks=2)):
-        with monkeypatch.context() as patch:
-            fake = FakeCuda().install(patch)
-            result = sample(loaded, strategy, request, backend=CudaBackend(torch.device("cpu")), observer=fake.observe)
-        label = strategy.describe()
-        assert torch.equal(result.latent["samples"], reference), label
-        assert result.receipt["cache"]["blocks_skipped"] > 0, label
-        audit = Audit(fake.log).run(strategy.prefetch_blocks)
-        assert not audit.problems, f"{label}: " + "; ".join(audit.problems[:5])
+    assert_cuda_path_with_the_cache(load_pipeline(tiny_folder(VARIANT), "fp32"),
+                                    request_for(VARIANT, steps=STEPS, cache=CACHES[method]), monkeypatch)
