@@ -53,7 +53,7 @@ def run(loaded, data, strategy, tmp_path, name, monkeypatch, ceiling=None):
     """A CPU run with activation offload on; `ceiling`: the pinned ceiling the run's pool gets (a CPU
     backend pins nothing, so it has none of its own: the test hands it the planned one)."""
     if ceiling is not None:
-        monkeypatch.setattr(loop_module, "_activation_cap", lambda strategy, backend, pool: ceiling)
+        monkeypatch.setattr(loop_module, "_activation_cap", lambda ceiling_read, pool: ceiling)
     outputs = TrainOutputs(tmp_path / "loras" / f"{name}.safetensors", tmp_path / "checkpoints" / name)
     result = train_lora(loaded, data, strategy, settings("on"), outputs, CpuBackend())
     return result.receipt["activation_offload"]
@@ -271,3 +271,36 @@ def test_the_block_inputs_ceiling_is_less_what_the_pool_already_pinned():
     assert _activation_ceiling(after_sequential, 0, streamed) == cap - 5 * ARENA_BYTES
     full = TrainRequest(rank=16, pinned_ceiling_bytes=cap, pinned_already_bytes=cap + ARENA_BYTES)
     assert _activation_ceiling(full, 0, streamed) == 0
+
+
+class _PinningCpu(CpuBackend):
+    """The CPU, pinning plain memory: the weights' homes are made as on a GPU, so the ceiling applies."""
+
+    can_pin = True
+
+    def pin_arena(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def test_the_run_reads_its_ceiling_before_the_weights_are_pinned(tiny_folder, prepared, tmp_path, monkeypatch):
+    """Pinning the weights' homes can lower the free RAM the automatic ceiling is a share of. The plan
+    reads the ceiling before they are pinned and subtracts the homes; the run must do the same, not
+    read the lowered ceiling afterwards and subtract the homes a second time."""
+    from vidmem.pipelines.loader import load_pipeline
+
+    # a pipeline of its own: its weights move into the pool's arenas for good
+    loaded, data = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32"), prepared("wan2.1-t2v")
+    pool = loaded.host_pool
+    assert pool.pinned_bytes == 0
+    free_before = 8 << 30
+    # the automatic ceiling as RAM that pinning uses up would make it: each pinned byte is gone
+    monkeypatch.setattr(loop_module, "pinned_cap_bytes", lambda gb, room: max(0, free_before - pool.pinned_bytes))
+    caps = []
+    real_cap = loop_module._activation_cap
+    monkeypatch.setattr(loop_module, "_activation_cap", lambda ceiling, host_pool: caps.append(real_cap(ceiling, host_pool)) or caps[-1])
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=1)
+    outputs = TrainOutputs(tmp_path / "loras" / "ceiling.safetensors", tmp_path / "checkpoints" / "ceiling")
+    train_lora(loaded, data, strategy, settings("on"), outputs, _PinningCpu())
+    homes = pool.pinned_bytes
+    assert homes > 0  # the streamed block's weights were pinned
+    assert caps == [free_before - homes]

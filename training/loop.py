@@ -141,6 +141,9 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
     # Device copies kept warm by sampling were made under inference mode and hold the room training needs.
     receipt["warm_released_bytes"] = loaded.release_warm()
     offload = _activation_offload(settings, strategy, backend)
+    # read before the weights take their pinned homes, as the plan reads it: pinning them can lower the
+    # free RAM the automatic ceiling is a share of, and the homes are subtracted below once made
+    ceiling = _pinned_ceiling(strategy, backend, loaded.host_pool) if offload is not None else UNPINNED
     with StageMeter("train", device) as meter:
         # LoRAs already on the pipeline (a distill LoRA, another expert's) apply as at sampling:
         # the new LoRA learns what is missing on top of them; all before the strategy (memory.lora's rule).
@@ -149,7 +152,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
                 apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
             handle.activate(component)
             if offload is not None:  # what the weights' homes left of the pinned ceiling
-                offload.pool.cap_bytes = _activation_cap(strategy, backend, loaded.host_pool)
+                offload.pool.cap_bytes = _activation_cap(ceiling, loaded.host_pool)
             passes = lambda backward: _begin_pass(handle, component, offload, backward)  # noqa: E731
             try:
                 times = _train_steps(model, objective, order, run, settings, device, progress, save, passes, offload)
@@ -198,13 +201,20 @@ def _activation_offload(settings: TrainSettings, strategy: MemoryStrategy, backe
     return ActivationOffload(copies_for(backend), ActivationPool(pin, 0), strategy.prefetch_blocks)
 
 
-def _activation_cap(strategy: MemoryStrategy, backend, host_pool) -> int:
-    """Pinned buffers share the strategy's pinned ceiling with the weights' homes; unpinned ones
-    (a CPU run) are plain RAM, which the planner's RAM budget already counts."""
+def _pinned_ceiling(strategy: MemoryStrategy, backend, host_pool) -> int:
+    """The strategy's pinned ceiling, shared by the weights' homes and the activation buffers (the
+    one training/plan.py plans with); unpinned buffers (a CPU run) are plain RAM, which the planner's
+    RAM budget already counts."""
     if not backend.can_pin:
         return UNPINNED
-    room = getattr(host_pool, "host_room_bytes", None)
-    return pinned_cap_bytes(strategy.max_pinned_ram_gb, room) - (host_pool.pinned_bytes if host_pool else 0)
+    return pinned_cap_bytes(strategy.max_pinned_ram_gb, getattr(host_pool, "host_room_bytes", None))
+
+
+def _activation_cap(ceiling: int, host_pool) -> int:
+    """What the weights' homes, now made, left of `ceiling` for the activation buffers."""
+    if ceiling == UNPINNED:
+        return UNPINNED
+    return max(0, ceiling - (host_pool.pinned_bytes if host_pool else 0))
 
 
 def _begin_pass(handle, component: str, offload: ActivationOffload | None, backward: bool) -> None:
