@@ -1,0 +1,241 @@
+"""HunyuanVideo 1.5 from Comfy-Org's single files (hunyuanvideo1.5_*_{fp16,bf16,fp8_scaled}.safetensors) as
+Load Video Pipeline's transformer_file, over a HunyuanVideo 1.5 diffusers folder that supplies the rest.
+
+The tiny files are written from the folder's own transformer under Comfy-Org's names (q/k/v fused,
+the final modulation in Tencent's order: the reverse of comfy_files/hy15.py's table), so the
+file-loaded pipeline must sample bit for bit as the folder-loaded one; a wrong table entry fails
+the round trip, and the names are checked against the keys ComfyUI and musubi-tuner read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from test_hunyuan_video15 import TIERS, VARIANT, request
+from vidmem.memory.device import CpuBackend
+from vidmem.memory.storage import fold_scaled_fp8, is_file_backed, open_weights
+from vidmem.pipelines.comfy_files import detect, hy15
+from vidmem.pipelines.comfy_files.files import read_weight_file
+from vidmem.pipelines.comfy_files.keys import COMFY_PREFIX, KeyLayout
+from vidmem.pipelines.comfy_files.write import dequantized, write_hy15_transformer
+from vidmem.pipelines.decode import decode
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.loader import load_pipeline
+from vidmem.pipelines.sample import sample
+
+HY15_CONFIGS = ("hunyuanvideo1.5-t2v-480p", "hunyuanvideo1.5-t2v-720p", "hunyuanvideo1.5-i2v-480p", "hunyuanvideo1.5-i2v-720p")
+# Keys ComfyUI's comfy/model_detection.py reads to detect and configure HunyuanVideo (1.5: byt5_in,
+# cond_type_embedding, vision_in), and the fused attention key musubi-tuner names "ComfyUI repackaged".
+COMFY_KEYS = ("txt_in.individual_token_refiner.blocks.0.norm1.weight", "img_in.proj.weight", "final_layer.linear.weight",
+              "txt_in.input_embedder.weight", "byt5_in.fc1.weight", "cond_type_embedding.weight", "vision_in.proj.0.weight",
+              "double_blocks.0.img_attn_qkv.weight", "double_blocks.0.txt_attn_qkv.weight")
+DIFFUSERS_ONLY = ("transformer_blocks.", "context_embedder", "x_embedder", "time_embed.", "to_q", "norm_out", "proj_out", "ff.net")
+
+
+def plain_tensors(loaded) -> dict[str, torch.Tensor]:
+    return {name: t.detach() for name, t in loaded.pipe.transformer.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def comfy_file(tiny_loaded, tmp_path_factory):
+    path = tmp_path_factory.mktemp("hy15") / "hunyuanvideo1.5_480p_t2v_tiny_fp32.safetensors"
+    return write_hy15_transformer(plain_tensors(tiny_loaded(VARIANT)), path, "fp32")
+
+
+def copied_matrices(module) -> list[str]:
+    """The Linear / Embedding layers whose weight is not a view of a file mapping (copied at load)."""
+    return [name for name, layer in module.named_modules() if isinstance(layer, (torch.nn.Linear, torch.nn.Embedding))
+            and not is_file_backed(getattr(layer, "weight_stored", None) or layer.weight)]
+
+
+def file_tensors(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as file:
+        return {name: file.get_tensor(name) for name in file.keys()}
+
+
+def latents(loaded, tier: str) -> torch.Tensor:
+    return sample(loaded, TIERS[tier], request(), backend=CpuBackend()).latent["samples"]
+
+
+# --- the layout -----------------------------------------------------------------------------------
+
+def test_the_written_names_are_comfy_orgs_and_read_back_to_the_same_tensors(comfy_file, tiny_loaded):
+    tensors = file_tensors(comfy_file)
+    assert set(COMFY_KEYS) <= set(tensors)
+    assert not [n for n in tensors if any(fragment in n for fragment in DIFFUSERS_ONLY)]
+    qkv, q = tensors["double_blocks.0.img_attn_qkv.weight"], plain_tensors(tiny_loaded(VARIANT))["transformer_blocks.0.attn.to_q.weight"]
+    assert qkv.shape[0] == 3 * q.shape[0] and torch.equal(qkv[: q.shape[0]], q)  # rows q, k, v
+    assert hy15.transformer_layout(tensors) is KeyLayout.ORIGINAL
+    back = hy15.transformer_tensors(tensors, KeyLayout.ORIGINAL, comfy_file.name)
+    plain = plain_tensors(tiny_loaded(VARIANT))
+    assert set(back) == set(plain) and all(torch.equal(back[n], plain[n]) for n in plain)
+
+
+def test_the_final_modulation_is_stored_shift_first():
+    """Tencent's final layer chunks (shift, scale), diffusers' AdaLayerNormContinuous (scale, shift)."""
+    scale_then_shift = torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])
+    written = hy15.original_tensors({"norm_out.linear.weight": scale_then_shift})
+    assert torch.equal(written[hy15.SWAPPED + ".weight"][:2], torch.full((2, 3), 2.0))
+    back = hy15.transformer_tensors(written, KeyLayout.ORIGINAL, "x")
+    assert torch.equal(back["norm_out.linear.weight"], scale_then_shift)
+
+
+@pytest.mark.parametrize("name", HY15_CONFIGS)
+def test_the_shipped_8b_configs_round_trip_on_meta_and_their_shapes_give_their_fields(name):
+    """Real-size names and shapes (on meta: no memory): every diffusers tensor has an original name,
+    the ComfyUI keys are there, and the shapes give the config's fields back."""
+    from vidmem.pipelines.comfy_files.build import build_empty
+    from vidmem.pipelines.comfy_files.catalogue import entry_from_json
+    from vidmem.pipelines.configs import MODELS_DIR
+    from vidmem.pipelines.json_files import read_json_object
+
+    entry = entry_from_json(read_json_object(MODELS_DIR / f"{name}.json", "model config"))
+    with torch.device("meta"):
+        state = build_empty(entry.components["transformer"]).state_dict()
+    original = hy15.original_tensors(state)
+    assert set(COMFY_KEYS) <= set(original) and hy15.transformer_layout(original) is KeyLayout.ORIGINAL
+    assert original["txt_in.input_embedder.weight"].shape[1] == 3584 and original["img_in.proj.weight"].shape[:2] == (2048, 65)
+    back = hy15.transformer_tensors(original, KeyLayout.ORIGINAL, name)
+    assert {n: t.shape for n, t in back.items()} == {n: t.shape for n, t in state.items()}
+    assert hy15.transformer_fields(back) == detect.transformer_config_fields(entry.config("transformer"))
+
+
+def test_t2v_i2v_480p_and_720p_transformers_have_the_same_shapes():
+    """What the tensors cannot tell (so the folder's config decides): the four released transformers
+    differ only in task_type and target_size, which diffusers' model does not read."""
+    from vidmem.pipelines.comfy_files.catalogue import entry_from_json
+    from vidmem.pipelines.configs import MODELS_DIR
+    from vidmem.pipelines.json_files import read_json_object
+
+    fields = [detect.transformer_config_fields(entry_from_json(read_json_object(MODELS_DIR / f"{n}.json", "c")).config("transformer"))
+              for n in HY15_CONFIGS]
+    assert all(f == fields[0] for f in fields)
+
+
+# --- loaded and sampled ---------------------------------------------------------------------------
+
+def test_the_file_samples_and_decodes_bit_for_bit_as_the_folder(comfy_file, tiny_folder, tiny_loaded):
+    reference = tiny_loaded(VARIANT)
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", comfy_file)
+    assert loaded.source.endswith("+ " + comfy_file.name) and loaded.storage["transformer"] == "fp32"
+    assert copied_matrices(loaded.pipe.transformer) == ["norm_out.linear"]  # the rest used in place from the file's mapping
+    ours, theirs = loaded.pipe.transformer.state_dict(), reference.pipe.transformer.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    for tier in ("none", "block_swap:1", "block_swap:2"):
+        assert torch.equal(latents(loaded, tier), latents(reference, tier)), tier
+    result = sample(loaded, TIERS["none"], request(), backend=CpuBackend()).latent
+    frames = decode(loaded, result, backend=CpuBackend()).frames
+    assert torch.equal(frames, decode(reference, sample(reference, TIERS["none"], request(), backend=CpuBackend()).latent,
+                                      backend=CpuBackend()).frames)
+
+
+def tencent_unfused(path, tmp_path):
+    """Tencent's own checkpoint keeps the double blocks' q, k and v apart."""
+    tensors = {}
+    for name, tensor in file_tensors(path).items():
+        if name.startswith("double_blocks.") and "_attn_qkv." in name:
+            for part, rows in zip("qkv", tensor.chunk(3)):
+                tensors[name.replace("_attn_qkv.", f"_attn_{part}.")] = rows.clone()
+        else:
+            tensors[name] = tensor
+    save_file(tensors, str(tmp_path / "hunyuanvideo1.5_tencent.safetensors"))
+    return tmp_path / "hunyuanvideo1.5_tencent.safetensors"
+
+
+def prefixed(path, tmp_path):
+    save_file({COMFY_PREFIX + n: t for n, t in file_tensors(path).items()}, str(tmp_path / "hy15_prefixed.safetensors"))
+    return tmp_path / "hy15_prefixed.safetensors"
+
+
+def diffusers_named(path, tmp_path):
+    tensors = hy15.transformer_tensors(file_tensors(path), KeyLayout.ORIGINAL, path.name)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp_path / "hy15_diffusers.safetensors"))
+    return tmp_path / "hy15_diffusers.safetensors"
+
+
+@pytest.mark.parametrize("layout", [tencent_unfused, prefixed, diffusers_named], ids=["tencent", "prefixed", "diffusers"])
+def test_the_other_layouts_load_the_same(layout, comfy_file, tiny_folder, tiny_loaded, tmp_path):
+    path = layout(comfy_file, tmp_path)
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", path)
+    assert torch.equal(latents(loaded, "none"), latents(tiny_loaded(VARIANT), "none"))
+
+
+@pytest.mark.parametrize("storage", ["fp8_e4m3fn", "fp8_scaled", "gguf_q8_0"])
+def test_a_quantized_file_runs_as_stored(storage, tiny_folder, tiny_loaded, tmp_path):
+    """Stored matrices stay stored (fused q/k/v split into row ranges of the same data, one shared
+    scale) and are upcast per layer: the same latents as the file's values dequantized first and
+    then mapped in fresh memory."""
+    suffix = "gguf" if storage.startswith("gguf") else "safetensors"
+    path = write_hy15_transformer(plain_tensors(tiny_loaded(VARIANT)), tmp_path / f"hy15_{storage}.{suffix}", storage)
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", path)
+    assert loaded.storage["transformer"] == storage
+    file = read_weight_file(path, "transformer_file", detect.TRANSFORMER)
+    assert file.storage == storage
+    values = dequantized(fold_scaled_fp8(dict(open_weights(path).tensors)))  # the storage engine's reading, plain
+    twin = load_pipeline(tiny_folder(VARIANT), "fp32")
+    twin.pipe.transformer.load_state_dict(hy15.transformer_tensors(values, KeyLayout.ORIGINAL, path.name), assign=True)
+    assert torch.equal(latents(loaded, "block_swap:1"), latents(twin, "block_swap:1"))
+
+
+def test_weight_dtype_lowers_the_files_transformer(tiny_loaded, tiny_folder, tmp_path):
+    path = write_hy15_transformer(plain_tensors(tiny_loaded(VARIANT)), tmp_path / "hy15_bf16.safetensors", "bf16")
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", path, weight_dtype="fp8_scaled")
+    assert loaded.storage["transformer"] == "fp8_scaled"
+    assert torch.isfinite(latents(loaded, "block_swap:1")).all()
+
+
+def test_the_plan_route_reads_the_file_as_the_loader_does(tiny_loaded, tmp_path):
+    """nodes/plan_files.py reads a transformer_file with read_weight_file: its storage and shapes."""
+    path = write_hy15_transformer(plain_tensors(tiny_loaded(VARIANT)), tmp_path / "hy15_fp8_scaled.safetensors", "fp8_scaled")
+    file = read_weight_file(path, "transformer_file", detect.TRANSFORMER)
+    assert file.storage == "fp8_scaled" and file.layout is KeyLayout.ORIGINAL
+    assert file.fields == detect.transformer_config_fields(dict(tiny_loaded(VARIANT).pipe.transformer.config))
+
+
+# --- bad input, worded ----------------------------------------------------------------------------
+
+def test_a_hy15_file_over_a_wan_folder_names_both_families(comfy_file, tiny_folder):
+    with pytest.raises(ModelError, match=r"'hunyuanvideo1.5_480p_t2v_tiny_fp32.safetensors' is not the transformer of .*"
+                                         r"the file is a HunyuanVideo 1.5 transformer, the folder a Wan model"):
+        load_pipeline(tiny_folder("wan2.1-t2v"), "fp32", comfy_file)
+
+
+def test_a_wan_file_over_a_hy15_folder_names_both_families(tiny_folder, tiny_loaded, tmp_path):
+    from vidmem.pipelines.comfy_files.write import store_tensors, write_transformer
+
+    wan = write_transformer(store_tensors(tiny_loaded("wan2.1-t2v").pipe.transformer, "fp32"), tmp_path / "wan2.1_t2v.safetensors")
+    with pytest.raises(ModelError, match=r"'wan2.1_t2v.safetensors' is not the transformer of .*the file is a Wan "
+                                         r"transformer, the folder a HunyuanVideo 1.5 model"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", wan)
+
+
+def test_a_step_distilled_file_over_a_plain_folder_names_the_difference(tiny_loaded, tiny_folder, tmp_path):
+    tensors = plain_tensors(tiny_loaded(VARIANT))
+    tensors.update({name.replace("timestep_embedder.", "timestep_embedder_r."): t.clone()
+                    for name, t in tensors.items() if name.startswith("time_embed.timestep_embedder.")})
+    path = write_hy15_transformer(tensors, tmp_path / "hunyuanvideo1.5_480p_i2v_step_distilled.safetensors", "fp32")
+    assert "time_r_in.mlp.0.weight" in file_tensors(path)
+    with pytest.raises(ModelError, match=r"is not the transformer of .*use_meanflow True \(the model has False\)"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", path)
+
+
+def test_hunyuanvideo_1_0_and_unknown_tensors_are_refused_by_name(comfy_file, tiny_folder, tmp_path):
+    tensors = file_tensors(comfy_file)
+    old = {n: t for n, t in tensors.items() if n != hy15.V15_MARKER}
+    save_file(old, str(tmp_path / "hunyuan_video_t2v_720p_bf16.safetensors"))
+    with pytest.raises(ModelError, match=r"'hunyuan_video_t2v_720p_bf16.safetensors' is a HunyuanVideo \(1.0\) transformer"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", tmp_path / "hunyuan_video_t2v_720p_bf16.safetensors")
+    save_file(dict(tensors, **{"upsampler.conv.weight": torch.zeros(2, 2)}), str(tmp_path / "hunyuanvideo1.5_sr.safetensors"))
+    with pytest.raises(ModelError, match=r"'hunyuanvideo1.5_sr.safetensors' is a HunyuanVideo 1.5 transformer with tensors "
+                                         r".*upsampler.conv.weight"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", tmp_path / "hunyuanvideo1.5_sr.safetensors")
+
+
+def test_the_wan_files_loader_sends_a_hy15_file_to_the_folder_loader(comfy_file):
+    from vidmem.pipelines.comfy_files import match, shipped_catalogue
+
+    file = read_weight_file(comfy_file, "model", detect.TRANSFORMER)
+    with pytest.raises(ModelError, match=r"is a HunyuanVideo 1.5 transformer.*transformer_file"):
+        match.choose_model(file, 1, shipped_catalogue())
