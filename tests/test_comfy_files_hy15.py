@@ -73,6 +73,38 @@ def test_the_written_names_are_comfy_orgs_and_read_back_to_the_same_tensors(comf
     assert set(back) == set(plain) and all(torch.equal(back[n], plain[n]) for n in plain)
 
 
+# Spot checks written from diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py (not installed)
+# rather than from the table, so an entry wrong both ways (which the round trips cannot see) fails here.
+SCRIPT_PAIRS = {
+    "double_blocks.3.img_mod.linear.weight": "transformer_blocks.3.norm1.linear.weight",
+    "double_blocks.3.txt_mod.linear.bias": "transformer_blocks.3.norm1_context.linear.bias",
+    "double_blocks.3.img_mlp.fc2.weight": "transformer_blocks.3.ff.net.2.weight",
+    "double_blocks.3.txt_mlp.fc1.weight": "transformer_blocks.3.ff_context.net.0.proj.weight",
+    "double_blocks.3.txt_attn_q_norm.weight": "transformer_blocks.3.attn.norm_added_q.weight",
+    "double_blocks.3.txt_attn_proj.weight": "transformer_blocks.3.attn.to_add_out.weight",
+    "double_blocks.3.img_attn_proj.bias": "transformer_blocks.3.attn.to_out.0.bias",
+    "txt_in.individual_token_refiner.blocks.1.adaLN_modulation.1.weight":
+        "context_embedder.token_refiner.refiner_blocks.1.norm_out.linear.weight",
+    "txt_in.individual_token_refiner.blocks.1.self_attn_proj.weight": "context_embedder.token_refiner.refiner_blocks.1.attn.to_out.0.weight",
+    "txt_in.t_embedder.mlp.2.weight": "context_embedder.time_text_embed.timestep_embedder.linear_2.weight",
+    "txt_in.c_embedder.linear_1.weight": "context_embedder.time_text_embed.text_embedder.linear_1.weight",
+    "vision_in.proj.3.weight": "image_embedder.linear_2.weight",
+    "vision_in.proj.4.bias": "image_embedder.norm_out.bias",
+    "byt5_in.fc3.weight": "context_embedder_2.linear_3.weight",
+    "time_r_in.mlp.0.weight": "time_embed.timestep_embedder_r.linear_1.weight",
+}
+
+
+def test_the_table_agrees_with_diffusers_conversion_script():
+    for original, name in SCRIPT_PAIRS.items():
+        marker = torch.zeros(2, 2)
+        assert hy15.transformer_tensors({original: marker}, KeyLayout.ORIGINAL, "x") == {name: marker}, original
+        assert list(hy15.original_tensors({name: marker})) == [original], name
+    q, k, v = torch.zeros(1, 2), torch.ones(1, 2), torch.full((1, 2), 2.0)
+    split = hy15.transformer_tensors({"double_blocks.0.txt_attn_qkv.weight": torch.cat([q, k, v])}, KeyLayout.ORIGINAL, "x")
+    assert [split[f"transformer_blocks.0.attn.add_{p}_proj.weight"].max().item() for p in "qkv"] == [0.0, 1.0, 2.0]
+
+
 def test_the_final_modulation_is_stored_shift_first():
     """Tencent's final layer chunks (shift, scale), diffusers' AdaLayerNormContinuous (scale, shift)."""
     scale_then_shift = torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])
