@@ -163,6 +163,21 @@ def test_the_file_samples_and_decodes_bit_for_bit_as_the_folder(comfy_file, tiny
                                       backend=CpuBackend()).frames)
 
 
+def test_an_i2v_file_over_its_i2v_folder_samples_as_the_folder(tiny_folder, tiny_loaded, tmp_path):
+    """The image-conditioned pipeline (SigLIP tokens through the file's vision_in) from the file, bit for bit."""
+    from test_hunyuan_video15 import I2V
+
+    reference = tiny_loaded(I2V)
+    path = write_hy15_transformer(plain_tensors(reference), tmp_path / "hunyuanvideo1.5_480p_i2v_tiny.safetensors", "fp32")
+    loaded = load_pipeline(tiny_folder(I2V), "fp32", path)
+    assert loaded.needs_image
+    image = torch.full((1, 64, 64, 3), 128 / 255)
+    for tier in ("none", "block_swap:1"):
+        ours, theirs = (sample(p, TIERS[tier], request(image=image), backend=CpuBackend()).latent["samples"]
+                        for p in (loaded, reference))
+        assert torch.equal(ours, theirs), tier
+
+
 def tencent_unfused(path, tmp_path):
     """Tencent's own checkpoint keeps the double blocks' q, k and v apart."""
     tensors = {}
@@ -271,3 +286,33 @@ def test_the_wan_files_loader_sends_a_hy15_file_to_the_folder_loader(comfy_file)
     file = read_weight_file(comfy_file, "model", detect.TRANSFORMER)
     with pytest.raises(ModelError, match=r"is a HunyuanVideo 1.5 transformer.*transformer_file"):
         match.choose_model(file, 1, shipped_catalogue())
+
+
+def test_the_planner_plans_a_hy15_folder_with_a_file_in_the_files_storage(tiny_loaded, tmp_path, monkeypatch):
+    """The plan route (Load Video Pipeline's transformer_file) reads the HY15 file like the loader: the folder's
+    architecture (the shipped 8.3B config here), the file's storage, copied to RAM as the folder loader holds it."""
+    from types import SimpleNamespace
+
+    from vidmem.nodes import host, plan_files
+    from vidmem.nodes.plan_route import parse_request, plan_answer
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.loader import DTYPES
+
+    models = tmp_path / "diffusion_models"
+    path = write_hy15_transformer(plain_tensors(tiny_loaded(VARIANT)), models / "hunyuanvideo1.5_480p_t2v_fp8_scaled.safetensors",
+                                  "fp8_scaled")
+    fake = SimpleNamespace(models_dir=str(tmp_path), get_folder_paths=lambda key: [str(models)],
+                           get_filename_list=lambda key: sorted(p.name for p in models.glob("*")))
+    monkeypatch.setattr(host, "folder_paths", fake)
+    plan_files.recognise.cache_clear()
+    plan_files.transformer_file_options.cache_clear()
+    shape = {"model": "HunyuanVideo-1.5-480p", "dtype": "bf16", "width": "848", "height": "480", "frames": "121"}
+    folder_model = lambda name, dtype: load_model("hunyuanvideo1.5-t2v-480p", dtype)  # noqa: E731
+    budgets = (8 * 2**30, 32 * 2**30)
+    with_file = plan_answer(parse_request({**shape, "transformer_file": path.name}, [shape["model"]], list(DTYPES)),
+                            folder_model, budgets)
+    assert with_file["status"] == "ok", with_file
+    assert with_file["storage"] == {"transformer": "fp8_scaled"} and with_file["on_disk"] is False
+    own = plan_answer(parse_request({**shape, "transformer_file": "(from the folder)"}, [shape["model"]], list(DTYPES)),
+                      folder_model, budgets)
+    assert own["storage"] == {} and own["rows"][0]["peak_ram_bytes"] > with_file["rows"][0]["peak_ram_bytes"]
