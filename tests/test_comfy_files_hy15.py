@@ -316,3 +316,14 @@ def test_the_planner_plans_a_hy15_folder_with_a_file_in_the_files_storage(tiny_l
     own = plan_answer(parse_request({**shape, "transformer_file": "(from the folder)"}, [shape["model"]], list(DTYPES)),
                       folder_model, budgets)
     assert own["storage"] == {} and own["rows"][0]["peak_ram_bytes"] > with_file["rows"][0]["peak_ram_bytes"]
+
+
+def test_the_folder_needs_only_its_transformer_config(comfy_file, tiny_folder, tiny_loaded, tmp_path):
+    """A folder downloaded without the transformer's weights (the file replaces them) loads with the file."""
+    import shutil
+
+    folder = shutil.copytree(tiny_folder(VARIANT), tmp_path / "folder")
+    for weights in (folder / "transformer").glob("*.safetensors"):
+        weights.unlink()
+    loaded = load_pipeline(folder, "fp32", comfy_file)
+    assert torch.equal(latents(loaded, "none"), latents(tiny_loaded(VARIANT), "none"))
