@@ -327,3 +327,24 @@ def test_the_folder_needs_only_its_transformer_config(comfy_file, tiny_folder, t
         weights.unlink()
     loaded = load_pipeline(folder, "fp32", comfy_file)
     assert torch.equal(latents(loaded, "none"), latents(tiny_loaded(VARIANT), "none"))
+
+
+@pytest.mark.parametrize("storage", ["fp8_scaled", "bf16"])
+def test_a_real_size_comfy_file_reads_as_the_shipped_config(storage, tmp_path):
+    """The 8.3B transformer written at real size (sparse: headers and holes) in Comfy-Org's layout:
+    read as the loader reads it, its storage and the shipped config's fields (header only)."""
+    from vidmem.pipelines.comfy_files.catalogue import entry_from_json
+    from vidmem.pipelines.comfy_files.random_files import write_random_file
+    from vidmem.pipelines.configs import MODELS_DIR
+    from vidmem.pipelines.json_files import read_json_object
+
+    entry = entry_from_json(read_json_object(MODELS_DIR / "hunyuanvideo1.5-t2v-720p.json", "model config"))
+    path = write_random_file(entry.components["transformer"], tmp_path / f"hunyuanvideo1.5_720p_t2v_{storage}.safetensors",
+                             storage, holes=True)
+    with safe_open(str(path), "pt") as file:
+        names = set(file.keys())
+        assert set(COMFY_KEYS) <= names and file.get_slice("double_blocks.53.img_attn_qkv.weight").get_shape() == [3 * 2048, 2048]
+    assert ("double_blocks.0.img_attn_qkv.scale_weight" in names) == (storage == "fp8_scaled")
+    file = read_weight_file(path, "transformer_file", detect.TRANSFORMER)
+    assert file.storage == storage and file.layout is KeyLayout.ORIGINAL
+    assert file.fields == detect.transformer_config_fields(entry.config("transformer"))
