@@ -286,6 +286,16 @@ def test_the_wan_files_loader_sends_a_hy15_file_to_the_folder_loader(comfy_file)
     file = read_weight_file(comfy_file, "model", detect.TRANSFORMER)
     with pytest.raises(ModelError, match=r"is a HunyuanVideo 1.5 transformer.*transformer_file"):
         match.choose_model(file, 1, shipped_catalogue())
+    with pytest.raises(ModelError, match=r"vae: '.*' holds a HunyuanVideo 1.5 transformer, but this input takes a Wan VAE"):
+        read_weight_file(comfy_file, "vae", detect.VAE)
+
+
+def test_a_fused_matrix_that_does_not_split_in_three_is_named(comfy_file, tiny_folder, tmp_path):
+    tensors = file_tensors(comfy_file)
+    tensors["double_blocks.1.txt_attn_qkv.weight"] = tensors["double_blocks.1.txt_attn_qkv.weight"][:-1].clone()
+    save_file(tensors, str(tmp_path / "hy15_damaged.safetensors"))
+    with pytest.raises(ModelError, match=r"'hy15_damaged.safetensors': 'double_blocks.1.txt_attn_qkv.weight' has 47 rows"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", tmp_path / "hy15_damaged.safetensors")
 
 
 def test_the_planner_plans_a_hy15_folder_with_a_file_in_the_files_storage(tiny_loaded, tmp_path, monkeypatch):

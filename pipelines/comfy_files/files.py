@@ -47,8 +47,11 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
     path = Path(path)
     kind, layout, tensors, extra = _classify(path, role, _open_tensors(path, role))
     if kind != expected:
+        held = detect.KIND_NAMES[kind]
+        if kind == detect.TRANSFORMER:  # Wan's, LTX-2's or HunyuanVideo 1.5's
+            held = f"a {detect.transformer_family(_fields(kind, layout, tensors))} transformer"
         raise ModelError(
-            f"{role}: '{path.name}' holds {detect.KIND_NAMES[kind]}, but this input takes {detect.KIND_NAMES[expected]}; "
+            f"{role}: '{path.name}' holds {held}, but this input takes {detect.KIND_NAMES[expected]}; "
             f"pick the matching file from the {expected.replace('_', ' ')} list."
         )
     return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors, _fields(kind, layout, tensors), extra)

@@ -129,7 +129,10 @@ def transformer_tensors(tensors: Mapping[str, Any], layout: KeyLayout, file_name
         if not name.startswith(prefix):
             unknown.append(name)
             continue
-        mapped = _to_diffusers(name[len(prefix):], tensor)
+        try:
+            mapped = _to_diffusers(name[len(prefix):], tensor)
+        except ModelError as error:
+            raise ModelError(f"'{file_name}': '{name}' {error}") from None
         if mapped is None:
             unknown.append(name)
         else:
@@ -148,7 +151,7 @@ def _to_diffusers(name: str, tensor) -> dict[str, Any] | None:
     stem, dot, leaf = name.rpartition(".")
     if not dot or leaf not in ("weight", "bias"):
         return None
-    block, rest, (source, target, table) = _block_of(stem, _GROUPS)
+    block, rest, (_, target, table) = _block_of(stem, _GROUPS)
     base = target.format(block)
     if rest in FUSED:
         parts = [table.get(part) for part in FUSED[rest]]
@@ -172,11 +175,14 @@ def split_rows(tensor, parts: int) -> list:
     """`tensor` cut into `parts` equal row ranges: views for plain tensors; for stored ones (fp8,
     fp8 scaled, GGUF held row by row) StoredTensors over row ranges of the same data, a per-tensor
     scale shared, a per-row scale cut with its rows."""
-    rows = tensor.shape[0] // parts
+    rows, rest = divmod(tensor.shape[0], parts)
+    if rest:
+        raise ModelError(f"has {tensor.shape[0]} rows, which do not split into {parts} equal parts: the file is damaged; download it again.")
     if not isinstance(tensor, StoredTensor):
         return list(tensor.split(rows, dim=0))
     if tensor.data.shape[0] != tensor.shape[0]:
-        raise ModelError(f"a fused q/k/v matrix stored as {tensor!r} cannot be split by rows (flattened before quantizing).")
+        raise ModelError(f"is stored as {tensor!r}, flattened before quantizing, so its fused rows cannot be taken apart; "
+                         "use an fp16/bf16 or fp8 file, or a GGUF file that keeps its matrices' rows.")
     return [StoredTensor(tensor.data[i * rows:(i + 1) * rows], tensor.format, (rows, *tensor.shape[1:]),
                          _scale_rows(tensor.scale, tensor.shape[0], slice(i * rows, (i + 1) * rows)))
             for i in range(parts)]
