@@ -177,7 +177,8 @@ def split_rows(tensor, parts: int) -> list:
     scale shared, a per-row scale cut with its rows."""
     rows, rest = divmod(tensor.shape[0], parts)
     if rest:
-        raise ModelError(f"has {tensor.shape[0]} rows, which do not split into {parts} equal parts: the file is damaged; download it again.")
+        raise ModelError(f"has {tensor.shape[0]} rows, which do not split into {parts} equal parts: the file is damaged; "
+                         "download it again.")
     if not isinstance(tensor, StoredTensor):
         return list(tensor.split(rows, dim=0))
     if tensor.data.shape[0] != tensor.shape[0]:
