@@ -358,3 +358,27 @@ def test_a_real_size_comfy_file_reads_as_the_shipped_config(storage, tmp_path):
     file = read_weight_file(path, "transformer_file", detect.TRANSFORMER)
     assert file.storage == storage and file.layout is KeyLayout.ORIGINAL
     assert file.fields == detect.transformer_config_fields(entry.config("transformer"))
+
+
+@pytest.mark.parametrize("storage", ["fp32", "fp8_scaled"])
+def test_the_cuda_path_streams_the_files_split_matrices_in_the_promised_order(storage, tiny_folder, tiny_loaded, tmp_path,
+                                                                              monkeypatch):
+    """q, k and v split from one fused matrix are views of one mapping: under the recording CUDA fake
+    every tier copies, waits and evicts them in order, leaves nothing on the device, and samples bit
+    for bit as the CPU backend."""
+    from cuda_fake import FakeCuda
+    from test_cuda_path import Audit, points_at_a_device_copy, tiers
+    from test_tiers import block_count
+    from vidmem.memory.device import CudaBackend
+
+    path = write_hy15_transformer(plain_tensors(tiny_loaded(VARIANT)), tmp_path / f"hy15_{storage}.safetensors", storage)
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", path)
+    reference = latents(loaded, "none")
+    for label, strategy in tiers(block_count(loaded)).items():
+        with monkeypatch.context() as patch:
+            fake = FakeCuda().install(patch)
+            result = sample(loaded, strategy, request(), backend=CudaBackend(torch.device("cpu")), observer=fake.observe)
+        assert torch.equal(result.latent["samples"], reference), label
+        assert not points_at_a_device_copy(loaded.pipe, fake), label
+        problems = Audit(fake.log).run(strategy.prefetch_blocks).problems
+        assert not problems, f"{label}: " + "; ".join(problems[:5])
