@@ -240,9 +240,10 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config
     wanted = detect.transformer_config_fields(config)
     family, folder_family = detect.transformer_family(file.fields), detect.transformer_family(wanted)
     if family != folder_family:
-        raise ModelError(f"transformer_file '{path.name}' is not the transformer of '{folder.name}': the file is a {family} "
-                         f"transformer, the folder a {folder_family} model. Pick a {family} diffusers folder for this file (it "
-                         f"supplies the text encoders, VAE and scheduler), or a {folder_family} file for this folder.")
+        raise ModelError(f"transformer_file '{path.name}' is not the transformer of '{folder.name}': the file is "
+                         f"{detect.a_family_transformer(file.fields)}, the folder a {folder_family} model. Pick a diffusers "
+                         f"folder of the file's model (it supplies the text encoders, VAE and scheduler), or a {folder_family} "
+                         "file for this folder.")
     problems = detect.differences(file.fields, wanted)
     if problems:
         raise ModelError(f"transformer_file '{path.name}' is not the transformer of '{folder.name}' ({'; '.join(problems)}); "

@@ -96,6 +96,12 @@ def transformer_family(fields: Mapping[str, Any]) -> str:
     return "HunyuanVideo 1.5" if "text_embed_2_dim" in fields else "Wan"
 
 
+def a_family_transformer(fields: Mapping[str, Any]) -> str:
+    """'a Wan transformer', 'an LTX-2 transformer', ...: for messages."""
+    family = transformer_family(fields)
+    return f"{'an' if family.startswith('LTX') else 'a'} {family} transformer"
+
+
 def vae_fields(t: Mapping[str, Any], original: bool) -> dict[str, Any]:
     """AutoencoderKLWan fields fixed by the tensors: 2.1 has z_dim 16, 2.2 (residual stages) 48."""
     if original:

@@ -49,7 +49,7 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
     if kind != expected:
         held = detect.KIND_NAMES[kind]
         if kind == detect.TRANSFORMER:  # Wan's, LTX-2's or HunyuanVideo 1.5's
-            held = f"a {detect.transformer_family(_fields(kind, layout, tensors))} transformer"
+            held = detect.a_family_transformer(_fields(kind, layout, tensors))
         raise ModelError(
             f"{role}: '{path.name}' holds {held}, but this input takes {detect.KIND_NAMES[expected]}; "
             f"pick the matching file from the {expected.replace('_', ' ')} list."
