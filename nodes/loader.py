@@ -52,12 +52,13 @@ class VidMemLoadPipeline:
                          "extra_model_paths.yaml) unless the server was started with VIDMEM_ALLOW_ANY_PATH=1. "
                          "Leave empty for workflows you share."}),
                 "transformer_file": ([FOLDER_TRANSFORMER] + host.single_file_transformer_names(), {"tooltip":
-                    "Wan or LTX-2: a single-file transformer from models/diffusion_models (bf16/fp16, fp8, "
-                    "fp8-scaled or GGUF; the authors', ComfyUI's or diffusers' names), e.g. a ComfyUI-repackaged "
+                    "Wan, LTX-2 or HunyuanVideo 1.5: a single-file transformer from models/diffusion_models "
+                    "(bf16/fp16, fp8, fp8-scaled or GGUF; the authors', ComfyUI's or diffusers' names), e.g. a ComfyUI-repackaged "
                     "Wan 2.1 checkpoint, used in place from the file; the folder still provides its config, text "
                     "encoder and VAE. An LTX-2 checkpoint (ltx-2-19b-dev*) also supplies its video VAE, so that "
                     "folder needs no transformer or VAE weights (only their config.json). Not for Wan 2.2 A14B "
-                    "(two experts), CogVideoX or HunyuanVideo 1.5."}),
+                    "(two experts) or CogVideoX. A HunyuanVideo 1.5 file's T2V/I2V and 480p/720p come from "
+                    "the folder."}),
                 # Last on purpose: saved workflows' widget values are positional.
                 "weight_dtype": (list(WEIGHT_DTYPES), {"default": DEFAULT_WEIGHTS, "tooltip": "How the transformer "
                                  "and text encoder weights are stored in memory. default: loaded as diffusers does, at "

@@ -158,7 +158,8 @@ HUNYUAN_VIDEO15 = FamilySpec(
     to_comfy_latent=_to_comfy_latent,
     to_vae_latent=_to_vae_latent,
     max_sequence_length=PROMPT_TOKENS,
-    single_file_transformer=None,  # folders only for now
+    # Comfy-Org's repackaged files and Tencent's own, over a diffusers folder (comfy_files/hy15.py)
+    single_file_transformer="HunyuanVideo15Transformer3DModel",
     call_adapter=HunyuanVideo15Call,
     vae_stages=hunyuan_video15_stages,  # the mid-block once over the whole latent, the rest streamed per tile
     # The folders ship FlowMatchEulerDiscreteScheduler with shift 5 at 480p, 9 at 720p T2V, 7 at

@@ -210,7 +210,8 @@ def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_f
 
     if spec.single_file_transformer is None:
         raise ModelError(
-            f"transformer_file is not supported for {spec.name} (vidmem reads single-file transformers of Wan and LTX-2 only); "
+            f"transformer_file is not supported for {spec.name} (vidmem reads single-file transformers of Wan, LTX-2 and "
+            "HunyuanVideo 1.5 only); "
             "leave transformer_file empty and use the diffusers folder's transformer."
         )
     if index.get("transformer_2", [None])[0] is not None:
@@ -228,7 +229,7 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config
     one in `_replaced_by_file`)."""
     if config is None:
         raise ModelError(f"transformer_file needs the folder's transformer config, but '{folder / 'model_index.json'}' "
-                         "lists no transformer; use a Wan diffusers folder.")
+                         "lists no transformer; use a diffusers folder of the file's model.")
     from .comfy_files import detect
     from .comfy_files.build import build_empty
     from .comfy_files.files import read_weight_file
@@ -236,7 +237,14 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config
     from .weight_check import check_against_files, implied_weights, stored_elements
 
     file = read_weight_file(path, "transformer_file", detect.TRANSFORMER)
-    problems = detect.differences(file.fields, detect.transformer_config_fields(config))
+    wanted = detect.transformer_config_fields(config)
+    family, folder_family = detect.transformer_family(file.fields), detect.transformer_family(wanted)
+    if family != folder_family:
+        raise ModelError(f"transformer_file '{path.name}' is not the transformer of '{folder.name}': the file is "
+                         f"{detect.a_family_transformer(file.fields)}, the folder a {folder_family} model. Pick a diffusers "
+                         f"folder of the file's model (it supplies the text encoders, VAE and scheduler), or a {folder_family} "
+                         "file for this folder.")
+    problems = detect.differences(file.fields, wanted)
     if problems:
         raise ModelError(f"transformer_file '{path.name}' is not the transformer of '{folder.name}' ({'; '.join(problems)}); "
                          "pick the file of the same model, or leave transformer_file empty.")

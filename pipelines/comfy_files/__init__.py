@@ -4,6 +4,8 @@ What a file is comes from its tensors, never its name: the key layout (original 
 `model.diffusion_model.`-prefixed, diffusers), the storage format (bf16 / fp16 / fp32 / fp8 /
 fp8 scaled / GGUF), which Wan model (the shipped configs, matched field by field on shapes),
 which VAE (2.1: 16 latent channels, 2.2: 48), the text encoder and its embedded tokenizer.
+LTX-2's and HunyuanVideo 1.5's transformers (ltx2.py, hy15.py) are read the same way, as Load Video
+Pipeline's transformer_file over their diffusers folders.
 """
 
 from .catalogue import ModelEntry, shipped_catalogue

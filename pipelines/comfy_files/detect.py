@@ -71,11 +71,14 @@ def transformer_fields(t: Mapping[str, Any]) -> dict[str, Any]:
 
 def transformer_config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """The same fields from a WanTransformer3DModel config (its constructor defaults filled in),
-    or from an LTX-2 transformer's config (the fields `ltx2.transformer_fields` reads from its files)."""
-    from . import ltx2
+    or from an LTX-2 or HunyuanVideo 1.5 transformer's config (the fields `ltx2.transformer_fields` /
+    `hy15.transformer_fields` read from their files)."""
+    from . import hy15, ltx2
 
     if ltx2.is_transformer_config(config):
         return ltx2.transformer_config_fields(config)
+    if hy15.is_transformer_config(config):
+        return hy15.transformer_config_fields(config)
     return {
         "inner_dim": config["num_attention_heads"] * config["attention_head_dim"],
         "in_channels": config["in_channels"], "patch_size": list(config["patch_size"]),
@@ -84,6 +87,19 @@ def transformer_config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         "image_dim": config.get("image_dim"), "added_kv_proj_dim": config.get("added_kv_proj_dim"),
         "pos_embed_seq_len": config.get("pos_embed_seq_len"),
     }
+
+
+def transformer_family(fields: Mapping[str, Any]) -> str:
+    """The model family whose transformer has these fields (this module's or ltx2's / hy15's readers)."""
+    if "audio_inner_dim" in fields:
+        return "LTX-2"
+    return "HunyuanVideo 1.5" if "text_embed_2_dim" in fields else "Wan"
+
+
+def a_family_transformer(fields: Mapping[str, Any]) -> str:
+    """'a Wan transformer', 'an LTX-2 transformer', ...: for messages."""
+    family = transformer_family(fields)
+    return f"{'an' if family.startswith('LTX') else 'a'} {family} transformer"
 
 
 def vae_fields(t: Mapping[str, Any], original: bool) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from ...memory.storage import StorageError, fold_scaled_fp8, open_weights
 from ...memory.storage.files import SafetensorsFile
 from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
-from . import detect, ltx2
+from . import detect, hy15, ltx2
 from .keys import KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
 
 TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
@@ -47,8 +47,11 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
     path = Path(path)
     kind, layout, tensors, extra = _classify(path, role, _open_tensors(path, role))
     if kind != expected:
+        held = detect.KIND_NAMES[kind]
+        if kind == detect.TRANSFORMER:  # Wan's, LTX-2's or HunyuanVideo 1.5's
+            held = detect.a_family_transformer(_fields(kind, layout, tensors))
         raise ModelError(
-            f"{role}: '{path.name}' holds {detect.KIND_NAMES[kind]}, but this input takes {detect.KIND_NAMES[expected]}; "
+            f"{role}: '{path.name}' holds {held}, but this input takes {detect.KIND_NAMES[expected]}; "
             f"pick the matching file from the {expected.replace('_', ' ')} list."
         )
     return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors, _fields(kind, layout, tensors), extra)
@@ -81,6 +84,14 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     names = tuple(tensors)
     if ltx2.is_ltx2(names):
         return _ltx2_transformer(path, role, tensors)
+    layout = hy15.transformer_layout(names)
+    if layout is not None:
+        return detect.TRANSFORMER, layout, hy15.transformer_tensors(tensors, layout, path.name), None
+    if hy15.is_version_1(names):
+        raise ModelError(
+            f"{role}: '{path.name}' is a HunyuanVideo (1.0) transformer (no 'cond_type_embedding'), which vidmem does not "
+            "run; use a HunyuanVideo 1.5 file (Comfy-Org's hunyuanvideo1.5_*.safetensors) over a HunyuanVideo 1.5 diffusers folder."
+        )
     layout = transformer_layout(names)
     if layout is not None:
         return detect.TRANSFORMER, layout, transformer_to_diffusers(tensors, layout), None
@@ -99,8 +110,8 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
             return detect.VAE, vae_layout, _strip(tensors, prefix), None
     sample = ", ".join(names[:5])
     raise ModelError(
-        f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan "
-        "transformers (original, model.diffusion_model. or diffusers names), Wan VAEs, T5/UMT5 text encoders "
+        f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan, "
+        "LTX-2 and HunyuanVideo 1.5 transformers (original, model.diffusion_model. or diffusers names), Wan VAEs, T5/UMT5 text encoders "
         "(transformers names) and CLIP vision encoders; use Comfy-Org's repackaged files."
     )
 
@@ -131,6 +142,8 @@ def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[st
     try:
         if kind == detect.TRANSFORMER and ltx2.is_transformer(tensors):
             return ltx2.transformer_fields(tensors)
+        if kind == detect.TRANSFORMER and hy15.is_transformer(tensors):
+            return hy15.transformer_fields(tensors)
         if kind == detect.VAE:
             return detect.vae_fields(tensors, original=layout is KeyLayout.ORIGINAL)
         reader = {detect.TRANSFORMER: detect.transformer_fields, detect.TEXT_ENCODER: detect.text_encoder_fields,

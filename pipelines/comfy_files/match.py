@@ -42,6 +42,12 @@ def choose_model(model: WeightFile, experts: int, catalogue: Sequence[ModelEntry
             f"model: '{model.name}' is an LTX-2 checkpoint; these single-file inputs build Wan pipelines. Load LTX-2 with "
             "Load Video Pipeline: its diffusers folder (for Gemma 3 and the text connectors) with this file as transformer_file."
         )
+    if "text_embed_2_dim" in found:  # comfy_files/hy15.py's fields: a HunyuanVideo 1.5 transformer
+        raise ModelError(
+            f"model: '{model.name}' is a HunyuanVideo 1.5 transformer; these single-file inputs build Wan pipelines. Load "
+            "HunyuanVideo 1.5 with Load Video Pipeline: its diffusers folder (for Qwen2.5-VL, ByT5 and the VAE) with this "
+            "file as transformer_file."
+        )
     known = ", ".join(e.name for e in catalogue)
     raise ModelError(
         f"model: '{model.name}' is a Wan transformer vidmem has no config for (width {found['inner_dim']}, "

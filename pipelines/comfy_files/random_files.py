@@ -25,11 +25,12 @@ from ...memory.storage import storage_format
 from ...memory.storage.files import SAFETENSORS_DTYPES
 from ..configs.meta import ComponentConfig
 from .build import build_empty
-from . import ltx2
+from . import hy15, ltx2
 from .files import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, original_transformer_names, vae_original_names
 from .write import SCALED_FP8_MARKER
 
+_HY15 = "HunyuanVideo15Transformer3DModel"
 _LTX2_PARTS = {"LTX2VideoTransformer3DModel": "transformer", "AutoencoderKLLTX2Video": "vae"}
 CHUNK_ELEMENTS = 1 << 24  # 16 M values per generated chunk (64 MB in fp32)
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -44,7 +45,8 @@ def write_random_file(component: ComponentConfig, path: str | Path, storage: str
     plain dtype) and everything else in bf16 (fp32 when `storage` is fp32); VAEs and encoders of
     other kinds store all in `storage` when it is plain. Wan transformers and VAEs are written in
     their original layouts (`layout` for the transformer), as Comfy-Org ships them; LTX-2's
-    transformer and video VAE under the names and prefixes of Lightricks' checkpoints.
+    transformer and video VAE under the names and prefixes of Lightricks' checkpoints; HunyuanVideo
+    1.5's transformer under Comfy-Org's names, q/k/v fused (one scale per fused matrix).
 
     `holes`: the weights are left as holes of a sparse file (zeros, no disk space; the header,
     fp8 scales and tokenizer are written): a real-size file in seconds, for what reads headers
@@ -57,14 +59,17 @@ def write_random_file(component: ComponentConfig, path: str | Path, storage: str
         module = build_empty(component)
     linear = {f"{n}.weight" for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
     shapes = _unique_shapes(module)
-    names = _file_names(component, shapes, layout)
+    names, fill_of = _file_names(component, shapes, layout), {}
+    if component.class_name == _HY15 and layout is not KeyLayout.DIFFUSERS:  # q, k, v fused: other shapes
+        shapes, linear, fill_of = _hy15_shapes(shapes, linear, COMFY_PREFIX if layout is KeyLayout.PREFIXED else "")
+        names = {name: name for name in shapes}
     plain = fmt.torch_dtype if not fmt.quantized else torch.bfloat16
     plan = []  # (file name, shape, dtype, kind of values, scale)
     for name, shape in shapes.items():
         quantized = fmt.quantized and name in linear
         dtype = fmt.torch_dtype if quantized else plain
         scale = 4 * std / torch.finfo(torch.float8_e4m3fn).max if (quantized and fmt.scaled) else None
-        plan.append((names[name], shape, dtype, _fill(name, shape), scale))
+        plan.append((names[name], shape, dtype, _fill(fill_of.get(name, name), shape), scale))
         if scale is not None:
             plan.append((names[name].removesuffix("weight") + "scale_weight", (), torch.float32, "scale", scale))
     extras = {}
@@ -94,6 +99,18 @@ def _file_names(component: ComponentConfig, shapes: dict, layout: KeyLayout) -> 
     if component.class_name == "AutoencoderKLWan":
         return vae_original_names(shapes)
     return {name: name for name in shapes}
+
+
+def _hy15_shapes(shapes: dict, linear: set, prefix: str) -> tuple[dict, set, dict]:
+    """A HunyuanVideo 1.5 transformer's file names and shapes in Comfy-Org's layout (from its
+    diffusers `shapes`, mapped on meta), the matrices among them, and for each the diffusers name
+    whose kind of values it gets (a fused q/k/v: its q's)."""
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    original = hy15.original_tensors(meta, prefix)
+    fill_of = {name: next(iter(hy15.transformer_tensors({name.removeprefix(prefix): t}, KeyLayout.ORIGINAL, name)))
+               for name, t in original.items()}
+    return ({name: tuple(t.shape) for name, t in original.items()},
+            {name for name, source in fill_of.items() if source in linear}, fill_of)
 
 
 def _fill(name: str, shape: tuple) -> str:

@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 
 from ...memory.storage import StoredTensor, quantize, storage_format
-from . import ltx2
+from . import hy15, ltx2
 from .files import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, original_transformer_names, vae_original_names
 
@@ -84,6 +84,32 @@ def write_ltx2_checkpoint(parts: Mapping[str, Mapping[str, Any]], path: str | Pa
             mean = tensors["latents_mean"]
             out[ltx2.VAE_PREFIX + "per_channel_statistics.mean-of-stds"] = torch.ones_like(mean)
             out[ltx2.VAE_PREFIX + "per_channel_statistics.channel"] = torch.arange(mean.numel(), dtype=mean.dtype)
+    return _write(out, path)
+
+
+def write_hy15_transformer(tensors: Mapping[str, torch.Tensor], path: str | Path, storage: str = "bf16",
+                           layout: KeyLayout = KeyLayout.ORIGINAL) -> Path:
+    """A HunyuanVideo 1.5 transformer as Comfy-Org ships it (hunyuanvideo1.5_*.safetensors): the plain
+    diffusers-named `tensors` under Tencent's names with q/k/v fused (`layout` ORIGINAL; PREFIXED adds
+    ComfyUI's prefix; DIFFUSERS keeps diffusers' names), then stored as `store_tensors` stores: each
+    matrix (the token-type embedding aside, kept wide as ComfyUI keeps it) in `storage`, quantized
+    after fusing, so a fused matrix has one scale as in Comfy-Org's fp8 files."""
+    if layout is KeyLayout.DIFFUSERS:
+        named = dict(tensors)
+    else:
+        named = hy15.original_tensors(tensors, COMFY_PREFIX if layout is KeyLayout.PREFIXED else "")
+    fmt = storage_format(storage)
+    out = {}
+    for name, tensor in named.items():
+        matrix = name.endswith(".weight") and tensor.dim() == 2 and "cond_type_embed" not in name
+        if not tensor.is_floating_point():
+            out[name] = tensor
+        elif not fmt.quantized and fmt.gguf_type is None:
+            out[name] = tensor.to(fmt.torch_dtype).contiguous()
+        elif matrix and fmt.holds(tuple(tensor.shape)):
+            out[name] = quantize(tensor, fmt)
+        else:
+            out[name] = tensor.contiguous()
     return _write(out, path)
 
 
