@@ -1,11 +1,13 @@
 """Which module of the diffusers model a LoRA's module name means.
 
 Trainers name modules four ways: diffusers paths (`blocks.0.attn1.to_q`, PEFT and
-CogVideoX-Factory), the original Wan paths (`blocks.0.self_attn.q`: lightx2v, musubi, ComfyUI),
-and either of those flattened with underscores by kohya-style tools (`blocks_0_self_attn_q`,
-after a `lora_unet_` prefix). Each file uses one naming, so one naming is chosen per file (the
-one that resolves most of its names): `blocks.0.norm3` is a different layer in diffusers and
-in the original Wan layout, and a per-key guess could pick the wrong one.
+CogVideoX-Factory), the original checkpoint paths (Wan's `blocks.0.self_attn.q`: lightx2v, musubi,
+ComfyUI; LTX-2's `adaln_single.linear`, `patchify_proj`: Lightricks' LoRAs and ltx-trainer, whose
+block layers are named as in diffusers), and either of those flattened with underscores by
+kohya-style tools (`blocks_0_self_attn_q`, after a `lora_unet_` prefix). Each file uses one
+naming, so one naming is chosen per file (the one that resolves most of its names):
+`blocks.0.norm3` is a different layer in diffusers and in the original Wan layout, and a per-key
+guess could pick the wrong one.
 
 The original -> diffusers renaming is diffusers' own single-file converter, run on the names,
 so this module restates no table.
@@ -23,18 +25,29 @@ PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "
 MAX_FLAT_TOKENS = 10  # a flattened name splits into at most 2**(n-1) dotted guesses
 
 
-def wan_original_to_diffusers(names: Iterable[str]) -> dict[str, str]:
-    """Original Wan module names -> diffusers names, by diffusers' converter on `<name>.weight` keys."""
-    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+def by_converter(converter: str) -> Callable[[Iterable[str]], dict[str, str]]:
+    """Original module names -> diffusers names, by the diffusers single-file converter `converter`
+    (a function of diffusers.loaders.single_file_utils) run on `<name>.weight` keys. A name the
+    converter drops (LTX-2's text connectors, which diffusers keeps outside the transformer) is
+    left out, so it is reported as unknown."""
 
-    checkpoint = {f"{name}.weight": name for name in names}
-    converted = convert_wan_transformer_to_diffusers(dict(checkpoint))
-    return {original: new.removesuffix(".weight") for new, original in converted.items()}
+    def convert(names: Iterable[str]) -> dict[str, str]:
+        from diffusers.loaders import single_file_utils
+
+        checkpoint = {f"{name}.weight": name for name in names}
+        converted = getattr(single_file_utils, converter)(dict(checkpoint))
+        return {original: new.removesuffix(".weight") for new, original in converted.items()}
+
+    return convert
 
 
-# transformer class name -> how its original checkpoints name modules (None: diffusers names only)
+wan_original_to_diffusers = by_converter("convert_wan_transformer_to_diffusers")
+ltx2_original_to_diffusers = by_converter("convert_ltx2_transformer_to_diffusers")
+
+# transformer class name -> how its original checkpoints name modules (absent: diffusers names only)
 ORIGINAL_NAMING: dict[str, Callable[[Iterable[str]], dict[str, str]]] = {
     "WanTransformer3DModel": wan_original_to_diffusers,
+    "LTX2VideoTransformer3DModel": ltx2_original_to_diffusers,
 }
 
 
@@ -73,8 +86,13 @@ class ModelNames:
     def resolve(self, sources: Iterable[str]) -> tuple[dict[str, str], str]:
         """(source name -> model name for those resolved, the naming used), best naming for the file."""
         sources = list(sources)
-        results = [(label, self._by(naming, sources)) for label, naming in self._namings()]
-        label, best = max(results, key=lambda item: len(item[1]))  # max keeps the first of equals
+        best, label = None, ""
+        for name, naming in self._namings():
+            found = self._by(naming, sources)
+            if best is None or len(found) > len(best):  # equals keep the first
+                best, label = found, name
+            if len(best) == len(sources):
+                break  # a later naming could only tie; the flattened originals are the slow ones to try
         return best, label
 
     def _namings(self):
