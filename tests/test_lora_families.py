@@ -11,6 +11,7 @@ asserted at 1e-5.
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from contextlib import contextmanager
 
@@ -69,10 +70,34 @@ HY15_BLOCK = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_
               "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
               "ff_context.net.2", "norm1.linear", "norm1_context.linear")
 HY15_LAYERS = [f"transformer_blocks.{i}.{name}" for i in range(2) for name in HY15_BLOCK] + [
-    "proj_out", "context_embedder.token_refiner.refiner_blocks.0.attn.to_q"]
+    "proj_out", "context_embedder.proj_in", "context_embedder.token_refiner.refiner_blocks.0.attn.to_out.0"]
+# diffusers name -> Tencent's (hyvideo's HunyuanVideo 1.5 transformer), written from its model definition
+HY15_ORIGINAL = (
+    ("transformer_blocks.", "double_blocks."), ("attn.to_out.0", "img_attn_proj"), ("attn.to_add_out", "txt_attn_proj"),
+    ("attn.add_q_proj", "txt_attn_q"), ("attn.add_k_proj", "txt_attn_k"), ("attn.add_v_proj", "txt_attn_v"),
+    ("attn.to_q", "img_attn_q"), ("attn.to_k", "img_attn_k"), ("attn.to_v", "img_attn_v"),
+    ("ff_context.net.0.proj", "txt_mlp.fc1"), ("ff_context.net.2", "txt_mlp.fc2"), ("ff.net.0.proj", "img_mlp.fc1"),
+    ("ff.net.2", "img_mlp.fc2"), ("norm1_context.linear", "txt_mod.linear"), ("norm1.linear", "img_mod.linear"),
+)
+HY15_ORIGINAL_TOP = {"proj_out": "final_layer.linear", "context_embedder.proj_in": "txt_in.input_embedder",
+                     "context_embedder.token_refiner.refiner_blocks.0.attn.to_out.0": "txt_in.individual_token_refiner.blocks.0.self_attn_proj"}
+
+
+def hy15_original(name: str) -> str:
+    if name in HY15_ORIGINAL_TOP:
+        return HY15_ORIGINAL_TOP[name]
+    for new, old in HY15_ORIGINAL:
+        name = name.replace(new, old)
+    return name
+
+
 HY15_FORMATS = {
     "diffusers-peft": (peft_keys, None, "diffusers"),
     "kohya-flattened-diffusers": (kohya_keys("lora_unet_", True, naming=lambda n: n), 2.0, "diffusers (flattened)"),
+    # Tencent's train.py (PEFT on its own model, saved without a prefix); its alpha is in the metadata (below)
+    "tencent-original": (kohya_keys("", False, "lora_A", "lora_B", naming=hy15_original), None, "original"),
+    "comfyui-diffusion_model-original": (kohya_keys("diffusion_model.", False, naming=hy15_original), 2.0, "original"),
+    "musubi-flattened-original": (kohya_keys("lora_unet_", True, naming=hy15_original), 2.0, "original (flattened)"),
 }
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -114,10 +139,10 @@ def assert_close(ours, theirs, label):
     assert error <= RELATIVE_TOLERANCE * scale, f"{label}: max error {error:.3g} vs latent scale {scale:.3g}"
 
 
-def check_sampling(value, variant, lora, path, alpha, label, strength=0.8):
-    """The LoRA beside the layers on every tier: bit-identical across tiers, different from the base,
-    and equal to the LoRA merged into the weights by hand."""
-    spec = load_lora(path, value.pipe, strength)
+def check_sampling(value, variant, spec, lora, alpha, label):
+    """`spec` (the LoRA `lora` as loaded) beside the layers on every tier: bit-identical across tiers,
+    different from the base, and equal to the LoRA merged into the weights by hand."""
+    strength = spec.strength
     styled = with_lora(value, spec)
     ours = {tier: latents(styled, variant, strategy) for tier, strategy in TIERS.items()}
     assert torch.equal(ours["none"], ours["block_swap"]), f"{label}: tiers differ"
@@ -169,7 +194,7 @@ def test_ltx2_lora_samples_as_merged_by_hand(fmt, layers, loaded, tmp_path):
     writer, alpha, _ = LTX2_FORMATS[fmt]
     lora = random_lora(value.pipe.transformer, layers)
     path = write(tmp_path / f"{fmt}.safetensors", writer(lora, alpha))
-    check_sampling(value, LTX2, lora, path, alpha, fmt)
+    check_sampling(value, LTX2, load_lora(path, value.pipe, 0.8), lora, alpha, fmt)
 
 
 def test_ltx2_keys_outside_the_transformer_are_skipped_and_worded(loaded, tmp_path):
@@ -198,7 +223,27 @@ def test_hunyuan15_namings_resolve_and_sample_as_merged_by_hand(fmt, loaded, tmp
     writer, alpha, naming = HY15_FORMATS[fmt]
     lora = random_lora(value.pipe.transformer, HY15_LAYERS)
     path = write(tmp_path / f"{fmt}.safetensors", writer(lora, alpha))
-    spec = load_lora(path, value.pipe, 1.0)
+    spec = load_lora(path, value.pipe, 0.8)
     assert spec.naming == naming and not spec.skipped
     assert sorted(layer.module for layer in spec.layers["transformer"]) == sorted(HY15_LAYERS)
-    check_sampling(value, HY15, lora, path, alpha, fmt)
+    check_sampling(value, HY15, spec, lora, alpha, fmt)
+
+
+def test_hunyuan15_tencent_lora_takes_its_alpha_from_peft_metadata_and_words_what_it_skips(loaded, tmp_path):
+    """Tencent's saver writes PEFT's config (r, lora_alpha) as metadata. Its default targets every
+    linear layer, the refiner's fused qkv and the final modulation too, which have no one-to-one
+    diffusers layer: those keys are listed, the rest applies with scale lora_alpha / r."""
+    value = loaded(HY15)
+    lora = random_lora(value.pipe.transformer, HY15_LAYERS)
+    keys = HY15_FORMATS["tencent-original"][0](lora, None)
+    fused = {"txt_in.individual_token_refiner.blocks.0.self_attn_qkv": 48, "final_layer.adaLN_modulation.1": 32}
+    for name, rows in fused.items():
+        keys.update({f"{name}.lora_A.weight": torch.ones(4, 16), f"{name}.lora_B.weight": torch.ones(rows, 4)})
+    meta = {"lora_adapter_metadata": json.dumps({"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})}
+    path = write(tmp_path / "tencent.safetensors", keys, meta)
+    with pytest.warns(UserWarning, match="4 key\\(s\\) not applied") as caught:
+        spec = load_lora(path, value.pipe, 1.0)
+    for name in fused:
+        assert f"{name}.lora_B.weight: no layer '{name}' in this HunyuanVideo15Transformer3DModel (original naming)" in str(caught[0].message)
+    assert {layer.alpha for layer in spec.layers["transformer"]} == {8.0}
+    check_sampling(value, HY15, spec, lora, 8.0, "tencent with metadata")

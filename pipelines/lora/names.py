@@ -15,6 +15,7 @@ so this module restates no table.
 
 from __future__ import annotations
 
+import re
 from itertools import product
 from typing import Callable, Iterable
 
@@ -44,10 +45,60 @@ def by_converter(converter: str) -> Callable[[Iterable[str]], dict[str, str]]:
 wan_original_to_diffusers = by_converter("convert_wan_transformer_to_diffusers")
 ltx2_original_to_diffusers = by_converter("convert_ltx2_transformer_to_diffusers")
 
+# HunyuanVideo 1.5's own module names (Tencent's hyvideo transformer: its train.py saves LoRAs under
+# them, PEFT tensors, no prefix) -> diffusers'. diffusers 0.42.1 ships no converter for this model, so
+# this is data, written from the two model definitions (diffusers' scripts/convert_hunyuan_video1_5_
+# to_diffusers.py pairs the same tensors). Only one-to-one layers: the token refiner's fused
+# self_attn_qkv (split in three by diffusers) and final_layer.adaLN_modulation.1 (scale and shift
+# swapped) have no single diffusers layer with the same rows, so a LoRA on them is reported, not applied.
+_HY15_BLOCK = r"double_blocks\.(\d+)\."
+_HY15_REFINER = r"txt_in\.individual_token_refiner\.blocks\.(\d+)\."
+HUNYUAN15_ORIGINAL = tuple((re.compile(pattern), replacement) for pattern, replacement in (
+    (_HY15_BLOCK + r"img_mod\.linear", r"transformer_blocks.\1.norm1.linear"),
+    (_HY15_BLOCK + r"txt_mod\.linear", r"transformer_blocks.\1.norm1_context.linear"),
+    (_HY15_BLOCK + r"img_attn_([qkv])", r"transformer_blocks.\1.attn.to_\2"),
+    (_HY15_BLOCK + r"img_attn_proj", r"transformer_blocks.\1.attn.to_out.0"),
+    (_HY15_BLOCK + r"txt_attn_([qkv])", r"transformer_blocks.\1.attn.add_\2_proj"),
+    (_HY15_BLOCK + r"txt_attn_proj", r"transformer_blocks.\1.attn.to_add_out"),
+    (_HY15_BLOCK + r"img_mlp\.fc1", r"transformer_blocks.\1.ff.net.0.proj"),
+    (_HY15_BLOCK + r"img_mlp\.fc2", r"transformer_blocks.\1.ff.net.2"),
+    (_HY15_BLOCK + r"txt_mlp\.fc1", r"transformer_blocks.\1.ff_context.net.0.proj"),
+    (_HY15_BLOCK + r"txt_mlp\.fc2", r"transformer_blocks.\1.ff_context.net.2"),
+    (_HY15_REFINER + r"self_attn_proj", r"context_embedder.token_refiner.refiner_blocks.\1.attn.to_out.0"),
+    (_HY15_REFINER + r"mlp\.fc1", r"context_embedder.token_refiner.refiner_blocks.\1.ff.net.0.proj"),
+    (_HY15_REFINER + r"mlp\.fc2", r"context_embedder.token_refiner.refiner_blocks.\1.ff.net.2"),
+    (_HY15_REFINER + r"adaLN_modulation\.1", r"context_embedder.token_refiner.refiner_blocks.\1.norm_out.linear"),
+    (r"txt_in\.input_embedder", "context_embedder.proj_in"),
+    (r"txt_in\.t_embedder\.mlp\.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
+    (r"txt_in\.t_embedder\.mlp\.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
+    (r"txt_in\.c_embedder\.linear_([12])", r"context_embedder.time_text_embed.text_embedder.linear_\1"),
+    (r"time_in\.mlp\.0", "time_embed.timestep_embedder.linear_1"),
+    (r"time_in\.mlp\.2", "time_embed.timestep_embedder.linear_2"),
+    (r"time_r_in\.mlp\.0", "time_embed.timestep_embedder_r.linear_1"),
+    (r"time_r_in\.mlp\.2", "time_embed.timestep_embedder_r.linear_2"),
+    (r"byt5_in\.fc([123])", r"context_embedder_2.linear_\1"),
+    (r"vision_in\.proj\.1", "image_embedder.linear_1"),
+    (r"vision_in\.proj\.3", "image_embedder.linear_2"),
+    (r"final_layer\.linear", "proj_out"),
+))
+
+
+def hunyuan15_original_to_diffusers(names: Iterable[str]) -> dict[str, str]:
+    """HunyuanVideo 1.5's own module names -> diffusers names, for the names HUNYUAN15_ORIGINAL maps."""
+    found = {}
+    for name in names:
+        for pattern, replacement in HUNYUAN15_ORIGINAL:
+            match = pattern.fullmatch(name)
+            if match is not None:
+                found[name] = match.expand(replacement)
+                break
+    return found
+
 # transformer class name -> how its original checkpoints name modules (absent: diffusers names only)
 ORIGINAL_NAMING: dict[str, Callable[[Iterable[str]], dict[str, str]]] = {
     "WanTransformer3DModel": wan_original_to_diffusers,
     "LTX2VideoTransformer3DModel": ltx2_original_to_diffusers,
+    "HunyuanVideo15Transformer3DModel": hunyuan15_original_to_diffusers,
 }
 
 
