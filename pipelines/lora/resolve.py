@@ -22,7 +22,8 @@ APPLIED_KINDS = ("down", "up", "up_bias", "diff", "diff_b")
 FORMATS_READ = (
     "diffusers/PEFT (`transformer.blocks.0.attn1.to_q.lora_A.weight`), ComfyUI/kohya (`lora_unet_blocks_0_self_attn_q"
     ".lora_down.weight` + `.alpha`, `diffusion_model.blocks.0.self_attn.q.lora_down.weight`), original Wan / "
-    "lightx2v / musubi names (`blocks.0.self_attn.q`, `.diff`, `.diff_b`)"
+    "lightx2v / musubi names (`blocks.0.self_attn.q`, `.diff`, `.diff_b`), LTX-2's own (`diffusion_model.adaln_single.linear`), "
+    "HunyuanVideo 1.5's own (`double_blocks.0.img_attn_q`)"
 )
 
 
