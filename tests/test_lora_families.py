@@ -1,6 +1,6 @@
 """LoRAs on LTX-2 and HunyuanVideo 1.5: every key naming their trainers publish resolves to the same
 layers (LTX-2's audio branch and cross-modal attention included), and sampling with the LoRA beside
-the layers gives, on tiers none and block_swap, the frames of the same LoRA merged into the weights
+the layers gives, on tiers none, block_swap and sequential, the frames of the same LoRA merged into the weights
 by hand; keys that cannot apply are skipped with their reason.
 
 Tolerance: beside the layer computes W x + s B (A x), merged computes (W + s B A) x; they differ by
@@ -22,13 +22,14 @@ from backends import StrictBackend
 from test_lora import kohya_keys, peft_keys, random_lora, write
 from test_tiers import request_for
 from vidmem.memory import MemoryStrategy
-from vidmem.pipelines.lora import load_lora, with_lora
+from vidmem.pipelines.lora import LoraError, load_lora, with_lora
 from vidmem.pipelines.sample import sample
 
 LTX2, HY15 = "ltx2-t2v", "hunyuanvideo1.5-t2v"
 TIERS = {
     "none": MemoryStrategy(offload="none"),
     "block_swap": MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1),
+    "sequential": MemoryStrategy(offload="sequential", prefetch_blocks=1),  # a fused layer's parts stream apart
 }
 RELATIVE_TOLERANCE = 1e-5
 
@@ -91,6 +92,48 @@ def hy15_original(name: str) -> str:
     return name
 
 
+# diffusers name -> ComfyUI's (its HunyuanVideo model, Flux-style), for the one-to-one layers
+HY15_COMFY = (
+    ("transformer_blocks.", "double_blocks."), ("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"),
+    ("ff_context.net.0.proj", "txt_mlp.0"), ("ff_context.net.2", "txt_mlp.2"), ("ff.net.0.proj", "img_mlp.0"),
+    ("ff.net.2", "img_mlp.2"), ("norm1_context.linear", "txt_mod.lin"), ("norm1.linear", "img_mod.lin"),
+)
+HY15_COMFY_TOP = {"proj_out": "final_layer.linear", "context_embedder.proj_in": "txt_in.input_embedder",
+                  "context_embedder.token_refiner.refiner_blocks.0.attn.to_out.0": "txt_in.individual_token_refiner.blocks.0.self_attn.proj"}
+HY15_FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"), "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+
+
+def comfy_original(name: str) -> str:
+    if name in HY15_COMFY_TOP:
+        return HY15_COMFY_TOP[name]
+    for new, old in HY15_COMFY:
+        name = name.replace(new, old)
+    return name
+
+
+def comfy_fused_keys(prefix, flatten):
+    """ComfyUI's layout: q, k and v are one layer (`img_attn.qkv`). The three diffusers LoRAs become one
+    of rank 3r (down stacked, up block-diagonal), whose product is exactly theirs stacked; PEFT
+    tensors, no alpha (scale 1)."""
+    def name(original):
+        return prefix + (original.replace(".", "_") if flatten else original)
+
+    def writer(lora, alpha):
+        out = {}
+        for layer, (down, up) in lora.items():
+            if any(layer.endswith(part) for parts in HY15_FUSED.values() for part in parts):
+                continue
+            original = comfy_original(layer)
+            out[f"{name(original)}.lora_A.weight"], out[f"{name(original)}.lora_B.weight"] = down, up
+        for index in range(2):
+            for fused, parts in HY15_FUSED.items():
+                pairs = [lora[f"transformer_blocks.{index}.{part}"] for part in parts]
+                out[f"{name(f'double_blocks.{index}.{fused}')}.lora_A.weight"] = torch.cat([down for down, _ in pairs])
+                out[f"{name(f'double_blocks.{index}.{fused}')}.lora_B.weight"] = torch.block_diag(*[up for _, up in pairs])
+        return out
+    return writer
+
+
 HY15_FORMATS = {
     "diffusers-peft": (peft_keys, None, "diffusers"),
     "kohya-flattened-diffusers": (kohya_keys("lora_unet_", True, naming=lambda n: n), 2.0, "diffusers (flattened)"),
@@ -98,6 +141,9 @@ HY15_FORMATS = {
     "tencent-original": (kohya_keys("", False, "lora_A", "lora_B", naming=hy15_original), None, "original"),
     "comfyui-diffusion_model-original": (kohya_keys("diffusion_model.", False, naming=hy15_original), 2.0, "original"),
     "musubi-flattened-original": (kohya_keys("lora_unet_", True, naming=hy15_original), 2.0, "original (flattened)"),
+    # LoRAs made for ComfyUI's own model: fused q, k, v
+    "comfyui-fused-qkv": (comfy_fused_keys("diffusion_model.", False), None, "original"),
+    "comfyui-fused-qkv-flattened": (comfy_fused_keys("lora_unet_", True), None, "original (flattened)"),
 }
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -145,7 +191,7 @@ def check_sampling(value, variant, spec, lora, alpha, label):
     strength = spec.strength
     styled = with_lora(value, spec)
     ours = {tier: latents(styled, variant, strategy) for tier, strategy in TIERS.items()}
-    assert torch.equal(ours["none"], ours["block_swap"]), f"{label}: tiers differ"
+    assert all(torch.equal(ours["none"], out) for out in ours.values()), f"{label}: tiers differ"
     base = latents(value, variant)
     assert (ours["none"] - base).abs().max() > 100 * RELATIVE_TOLERANCE * base.abs().max(), f"{label}: the LoRA changed nothing"
     scale = strength * (1.0 if alpha is None else alpha / next(iter(lora.values()))[0].shape[0])
@@ -229,21 +275,39 @@ def test_hunyuan15_namings_resolve_and_sample_as_merged_by_hand(fmt, loaded, tmp
     check_sampling(value, HY15, spec, lora, alpha, fmt)
 
 
-def test_hunyuan15_tencent_lora_takes_its_alpha_from_peft_metadata_and_words_what_it_skips(loaded, tmp_path):
+def test_hunyuan15_tencent_lora_takes_its_alpha_from_peft_metadata_and_splits_the_fused_refiner_qkv(loaded, tmp_path):
     """Tencent's saver writes PEFT's config (r, lora_alpha) as metadata. Its default targets every
-    linear layer, the refiner's fused qkv and the final modulation too, which have no one-to-one
-    diffusers layer: those keys are listed, the rest applies with scale lora_alpha / r."""
+    linear layer: the refiner's fused qkv too (split by rows onto to_q, to_k, to_v), and the final
+    modulation, whose rows diffusers reorders: that one is listed as not applied."""
     value = loaded(HY15)
-    lora = random_lora(value.pipe.transformer, HY15_LAYERS)
+    model = value.pipe.transformer
+    lora = random_lora(model, HY15_LAYERS)
     keys = HY15_FORMATS["tencent-original"][0](lora, None)
-    fused = {"txt_in.individual_token_refiner.blocks.0.self_attn_qkv": 48, "final_layer.adaLN_modulation.1": 32}
-    for name, rows in fused.items():
-        keys.update({f"{name}.lora_A.weight": torch.ones(4, 16), f"{name}.lora_B.weight": torch.ones(rows, 4)})
+    refiner = "context_embedder.token_refiner.refiner_blocks.0.attn"
+    gen = torch.Generator().manual_seed(3)
+    down = torch.randn(4, model.get_submodule(f"{refiner}.to_q").in_features, generator=gen) * 0.2
+    ups = [torch.randn(model.get_submodule(f"{refiner}.to_{x}").out_features, 4, generator=gen) * 0.2 for x in "qkv"]
+    keys.update({"txt_in.individual_token_refiner.blocks.0.self_attn_qkv.lora_A.weight": down,
+                 "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.lora_B.weight": torch.cat(ups),
+                 "final_layer.adaLN_modulation.1.lora_A.weight": torch.ones(4, 16),
+                 "final_layer.adaLN_modulation.1.lora_B.weight": torch.ones(32, 4)})
     meta = {"lora_adapter_metadata": json.dumps({"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})}
     path = write(tmp_path / "tencent.safetensors", keys, meta)
-    with pytest.warns(UserWarning, match="4 key\\(s\\) not applied") as caught:
+    with pytest.warns(UserWarning, match="2 key\\(s\\) not applied") as caught:
         spec = load_lora(path, value.pipe, 1.0)
-    for name in fused:
-        assert f"{name}.lora_B.weight: no layer '{name}' in this HunyuanVideo15Transformer3DModel (original naming)" in str(caught[0].message)
+    assert ("final_layer.adaLN_modulation.1.lora_B.weight: no layer 'final_layer.adaLN_modulation.1' in this "
+            "HunyuanVideo15Transformer3DModel (original naming)") in str(caught[0].message)
     assert {layer.alpha for layer in spec.layers["transformer"]} == {8.0}
-    check_sampling(value, HY15, spec, lora, 8.0, "tencent with metadata")
+    merged = dict(lora) | {f"{refiner}.to_{x}": (down, up) for x, up in zip("qkv", ups)}
+    assert sorted(layer.module for layer in spec.layers["transformer"]) == sorted(merged)
+    check_sampling(value, HY15, spec, merged, 8.0, "tencent with metadata")
+
+
+def test_a_fused_layer_of_another_size_is_refused_naming_its_parts(loaded, tmp_path):
+    value = loaded(HY15)
+    keys = {"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": torch.ones(4, 16),
+            "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": torch.ones(40, 4)}
+    with pytest.raises(LoraError, match=r"'diffusion_model.double_blocks.0.img_attn.qkv' has 40 output rows \(up\); it is "
+                       r"transformer_blocks.0.attn.to_q \+ transformer_blocks.0.attn.to_k \+ transformer_blocks.0.attn.to_v fused, "
+                       r"48 rows in this model"):
+        load_lora(write(tmp_path / "big.safetensors", keys), value.pipe, 1.0)

@@ -45,30 +45,35 @@ def by_converter(converter: str) -> Callable[[Iterable[str]], dict[str, str]]:
 wan_original_to_diffusers = by_converter("convert_wan_transformer_to_diffusers")
 ltx2_original_to_diffusers = by_converter("convert_ltx2_transformer_to_diffusers")
 
-# HunyuanVideo 1.5's own module names (Tencent's hyvideo transformer: its train.py saves LoRAs under
-# them, PEFT tensors, no prefix) -> diffusers'. diffusers 0.42.1 ships no converter for this model, so
-# this is data, written from the two model definitions (diffusers' scripts/convert_hunyuan_video1_5_
-# to_diffusers.py pairs the same tensors). Only one-to-one layers: the token refiner's fused
-# self_attn_qkv (split in three by diffusers) and final_layer.adaLN_modulation.1 (scale and shift
-# swapped) have no single diffusers layer with the same rows, so a LoRA on them is reported, not applied.
+# A name in an original layout means one diffusers module, or several (`Target` a tuple) where the
+# original fuses them into one layer whose output rows are theirs in order (q, k, v).
+Target = str | tuple[str, ...]
+
+# HunyuanVideo 1.5's original module names -> diffusers'. Two layouts: Tencent's own (hyvideo's
+# transformer; its train.py saves LoRAs under them, PEFT tensors, no prefix) and ComfyUI's (its
+# HunyuanVideo model, Flux-style: fused `img_attn.qkv`, `img_mod.lin`, `img_mlp.0`; Comfy-Org's files
+# and LoRAs made for ComfyUI). diffusers 0.42.1 ships no converter for this model, so this is data,
+# written from the three model definitions (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py
+# pairs Tencent's tensors the same way). final_layer.adaLN_modulation.1 is left out: diffusers swaps
+# its scale and shift rows, so no name maps it; a LoRA on it is reported, not applied.
 _HY15_BLOCK = r"double_blocks\.(\d+)\."
 _HY15_REFINER = r"txt_in\.individual_token_refiner\.blocks\.(\d+)\."
+_HY15_TO_BLOCK = r"transformer_blocks.\1."
+_HY15_TO_REFINER = r"context_embedder.token_refiner.refiner_blocks.\1."
 HUNYUAN15_ORIGINAL = tuple((re.compile(pattern), replacement) for pattern, replacement in (
-    (_HY15_BLOCK + r"img_mod\.linear", r"transformer_blocks.\1.norm1.linear"),
-    (_HY15_BLOCK + r"txt_mod\.linear", r"transformer_blocks.\1.norm1_context.linear"),
-    (_HY15_BLOCK + r"img_attn_([qkv])", r"transformer_blocks.\1.attn.to_\2"),
-    (_HY15_BLOCK + r"img_attn_proj", r"transformer_blocks.\1.attn.to_out.0"),
-    (_HY15_BLOCK + r"txt_attn_([qkv])", r"transformer_blocks.\1.attn.add_\2_proj"),
-    (_HY15_BLOCK + r"txt_attn_proj", r"transformer_blocks.\1.attn.to_add_out"),
-    (_HY15_BLOCK + r"img_mlp\.fc1", r"transformer_blocks.\1.ff.net.0.proj"),
-    (_HY15_BLOCK + r"img_mlp\.fc2", r"transformer_blocks.\1.ff.net.2"),
-    (_HY15_BLOCK + r"txt_mlp\.fc1", r"transformer_blocks.\1.ff_context.net.0.proj"),
-    (_HY15_BLOCK + r"txt_mlp\.fc2", r"transformer_blocks.\1.ff_context.net.2"),
-    (_HY15_REFINER + r"self_attn_proj", r"context_embedder.token_refiner.refiner_blocks.\1.attn.to_out.0"),
-    (_HY15_REFINER + r"mlp\.fc1", r"context_embedder.token_refiner.refiner_blocks.\1.ff.net.0.proj"),
-    (_HY15_REFINER + r"mlp\.fc2", r"context_embedder.token_refiner.refiner_blocks.\1.ff.net.2"),
-    (_HY15_REFINER + r"adaLN_modulation\.1", r"context_embedder.token_refiner.refiner_blocks.\1.norm_out.linear"),
-    (r"txt_in\.input_embedder", "context_embedder.proj_in"),
+    # Tencent's names
+    (_HY15_BLOCK + r"img_attn_([qkv])", _HY15_TO_BLOCK + r"attn.to_\2"),
+    (_HY15_BLOCK + r"txt_attn_([qkv])", _HY15_TO_BLOCK + r"attn.add_\2_proj"),
+    (_HY15_BLOCK + r"img_mod\.linear", _HY15_TO_BLOCK + "norm1.linear"),
+    (_HY15_BLOCK + r"txt_mod\.linear", _HY15_TO_BLOCK + "norm1_context.linear"),
+    (_HY15_BLOCK + r"img_mlp\.fc1", _HY15_TO_BLOCK + "ff.net.0.proj"),
+    (_HY15_BLOCK + r"img_mlp\.fc2", _HY15_TO_BLOCK + "ff.net.2"),
+    (_HY15_BLOCK + r"txt_mlp\.fc1", _HY15_TO_BLOCK + "ff_context.net.0.proj"),
+    (_HY15_BLOCK + r"txt_mlp\.fc2", _HY15_TO_BLOCK + "ff_context.net.2"),
+    (_HY15_REFINER + r"self_attn_qkv", tuple(_HY15_TO_REFINER + f"attn.to_{x}" for x in "qkv")),
+    (_HY15_REFINER + r"self_attn_proj", _HY15_TO_REFINER + "attn.to_out.0"),
+    (_HY15_REFINER + r"mlp\.fc1", _HY15_TO_REFINER + "ff.net.0.proj"),
+    (_HY15_REFINER + r"mlp\.fc2", _HY15_TO_REFINER + "ff.net.2"),
     (r"txt_in\.t_embedder\.mlp\.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
     (r"txt_in\.t_embedder\.mlp\.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
     (r"txt_in\.c_embedder\.linear_([12])", r"context_embedder.time_text_embed.text_embedder.linear_\1"),
@@ -76,6 +81,32 @@ HUNYUAN15_ORIGINAL = tuple((re.compile(pattern), replacement) for pattern, repla
     (r"time_in\.mlp\.2", "time_embed.timestep_embedder.linear_2"),
     (r"time_r_in\.mlp\.0", "time_embed.timestep_embedder_r.linear_1"),
     (r"time_r_in\.mlp\.2", "time_embed.timestep_embedder_r.linear_2"),
+    # ComfyUI's names
+    (_HY15_BLOCK + r"img_attn\.qkv", tuple(_HY15_TO_BLOCK + f"attn.to_{x}" for x in "qkv")),
+    (_HY15_BLOCK + r"txt_attn\.qkv", tuple(_HY15_TO_BLOCK + f"attn.add_{x}_proj" for x in "qkv")),
+    (_HY15_BLOCK + r"img_mod\.lin", _HY15_TO_BLOCK + "norm1.linear"),
+    (_HY15_BLOCK + r"txt_mod\.lin", _HY15_TO_BLOCK + "norm1_context.linear"),
+    (_HY15_BLOCK + r"img_mlp\.0", _HY15_TO_BLOCK + "ff.net.0.proj"),
+    (_HY15_BLOCK + r"img_mlp\.2", _HY15_TO_BLOCK + "ff.net.2"),
+    (_HY15_BLOCK + r"txt_mlp\.0", _HY15_TO_BLOCK + "ff_context.net.0.proj"),
+    (_HY15_BLOCK + r"txt_mlp\.2", _HY15_TO_BLOCK + "ff_context.net.2"),
+    (_HY15_REFINER + r"self_attn\.qkv", tuple(_HY15_TO_REFINER + f"attn.to_{x}" for x in "qkv")),
+    (_HY15_REFINER + r"self_attn\.proj", _HY15_TO_REFINER + "attn.to_out.0"),
+    (_HY15_REFINER + r"mlp\.0", _HY15_TO_REFINER + "ff.net.0.proj"),
+    (_HY15_REFINER + r"mlp\.2", _HY15_TO_REFINER + "ff.net.2"),
+    (r"txt_in\.t_embedder\.in_layer", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
+    (r"txt_in\.t_embedder\.out_layer", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
+    (r"txt_in\.c_embedder\.in_layer", "context_embedder.time_text_embed.text_embedder.linear_1"),
+    (r"txt_in\.c_embedder\.out_layer", "context_embedder.time_text_embed.text_embedder.linear_2"),
+    (r"time_in\.in_layer", "time_embed.timestep_embedder.linear_1"),
+    (r"time_in\.out_layer", "time_embed.timestep_embedder.linear_2"),
+    (r"time_r_in\.in_layer", "time_embed.timestep_embedder_r.linear_1"),
+    (r"time_r_in\.out_layer", "time_embed.timestep_embedder_r.linear_2"),
+    # alike in both
+    (_HY15_BLOCK + r"img_attn[._]proj", _HY15_TO_BLOCK + "attn.to_out.0"),
+    (_HY15_BLOCK + r"txt_attn[._]proj", _HY15_TO_BLOCK + "attn.to_add_out"),
+    (_HY15_REFINER + r"adaLN_modulation\.1", _HY15_TO_REFINER + "norm_out.linear"),
+    (r"txt_in\.input_embedder", "context_embedder.proj_in"),
     (r"byt5_in\.fc([123])", r"context_embedder_2.linear_\1"),
     (r"vision_in\.proj\.1", "image_embedder.linear_1"),
     (r"vision_in\.proj\.3", "image_embedder.linear_2"),
@@ -83,19 +114,20 @@ HUNYUAN15_ORIGINAL = tuple((re.compile(pattern), replacement) for pattern, repla
 ))
 
 
-def hunyuan15_original_to_diffusers(names: Iterable[str]) -> dict[str, str]:
-    """HunyuanVideo 1.5's own module names -> diffusers names, for the names HUNYUAN15_ORIGINAL maps."""
+def hunyuan15_original_to_diffusers(names: Iterable[str]) -> dict[str, Target]:
+    """HunyuanVideo 1.5's original module names (Tencent's or ComfyUI's) -> diffusers name(s)."""
     found = {}
     for name in names:
         for pattern, replacement in HUNYUAN15_ORIGINAL:
             match = pattern.fullmatch(name)
             if match is not None:
-                found[name] = match.expand(replacement)
+                found[name] = match.expand(replacement) if isinstance(replacement, str) else tuple(map(match.expand, replacement))
                 break
     return found
 
+
 # transformer class name -> how its original checkpoints name modules (absent: diffusers names only)
-ORIGINAL_NAMING: dict[str, Callable[[Iterable[str]], dict[str, str]]] = {
+ORIGINAL_NAMING: dict[str, Callable[[Iterable[str]], dict[str, Target]]] = {
     "WanTransformer3DModel": wan_original_to_diffusers,
     "LTX2VideoTransformer3DModel": ltx2_original_to_diffusers,
     "HunyuanVideo15Transformer3DModel": hunyuan15_original_to_diffusers,
@@ -134,7 +166,7 @@ class ModelNames:
         self._flat = {name.replace(".", "_"): name for name in self.targets if name}
         self._original = ORIGINAL_NAMING.get(type(model).__name__)
 
-    def resolve(self, sources: Iterable[str]) -> tuple[dict[str, str], str]:
+    def resolve(self, sources: Iterable[str]) -> tuple[dict[str, Target], str]:
         """(source name -> model name for those resolved, the naming used), best naming for the file."""
         sources = list(sources)
         best, label = None, ""
@@ -153,7 +185,7 @@ class ModelNames:
             yield "original", lambda names: self._known(self._original(names))
             yield "original (flattened)", self._flattened_original
 
-    def _by(self, naming, sources: list[str]) -> dict[str, str]:
+    def _by(self, naming, sources: list[str]) -> dict[str, Target]:
         """Per source, the first of its candidates (prefix removed or not) that the naming resolves."""
         options = {source: candidates(source) for source in sources}
         resolved = naming({c for cs in options.values() for c in cs})
@@ -164,14 +196,16 @@ class ModelNames:
                 found[source] = hit
         return found
 
-    def _known(self, mapping: dict[str, str]) -> dict[str, str]:
-        return {source: name for source, name in mapping.items() if name in self.targets}
+    def _known(self, mapping: dict[str, Target]) -> dict[str, Target]:
+        """The mapped names whose target (every one, for a fused layer) is in the model."""
+        return {source: name for source, name in mapping.items()
+                if (name in self.targets if isinstance(name, str) else all(n in self.targets for n in name))}
 
-    def _flattened_original(self, names: Iterable[str]) -> dict[str, str]:
+    def _flattened_original(self, names: Iterable[str]) -> dict[str, Target]:
         """Flattened original names: try every dotted guess; keep names with exactly one target."""
         guesses = {g: flat for flat in names for g in dotted_guesses(flat)}
         converted = self._known(self._original(guesses))
-        hits: dict[str, set[str]] = {}
+        hits: dict[str, set[Target]] = {}
         for guess, target in converted.items():
             hits.setdefault(guesses[guess], set()).add(target)
         return {flat: targets.pop() for flat, targets in hits.items() if len(targets) == 1}
