@@ -10,7 +10,9 @@ naming, so one naming is chosen per file (the one that resolves most of its name
 guess could pick the wrong one.
 
 The original -> diffusers renaming is diffusers' own single-file converter, run on the names,
-so this module restates no table.
+where diffusers has one (Wan, LTX-2), so those are restated nowhere. HunyuanVideo 1.5 has none in
+diffusers 0.42.1: its names are a table here, and its fused layers (ComfyUI's `img_attn.qkv`) map to
+several diffusers layers, whose rows resolve.py splits.
 """
 
 from __future__ import annotations
