@@ -1,7 +1,8 @@
 """LoRAs on LTX-2 and HunyuanVideo 1.5: every key naming their trainers publish resolves to the same
-layers (LTX-2's audio branch and cross-modal attention included), and sampling with the LoRA beside
-the layers gives, on tiers none, block_swap and sequential, the frames of the same LoRA merged into the weights
-by hand; keys that cannot apply are skipped with their reason.
+layers (LTX-2's audio branch and cross-modal attention included; HunyuanVideo 1.5's fused qkv split
+onto q, k and v), and sampling with the LoRA beside the layers gives, on tiers none, block_swap and
+sequential, the frames of the same LoRA merged into the weights by hand; keys that cannot apply are
+skipped with their reason.
 
 Tolerance: beside the layer computes W x + s B (A x), merged computes (W + s B A) x; they differ by
 fp32 rounding only, amplified by two denoising steps: measured 5e-7 to 8e-7 of the latents' magnitude,
