@@ -18,8 +18,9 @@ NO_LORAS = "(no LoRAs found in models/loras)"
 class VidMemLoadLoRA:
     DESCRIPTION = (
         "Adds a LoRA (style, motion, or a distill LoRA such as lightx2v) to a pipeline. Chain several. "
-        "Reads diffusers/PEFT, ComfyUI/kohya, original Wan (lightx2v, musubi) and CogVideoX-Factory "
-        "files, .safetensors only. The base weights are never copied or changed."
+        "Reads diffusers/PEFT, ComfyUI/kohya, original Wan (lightx2v, musubi), LTX-2 (Lightricks, "
+        "ltx-trainer), HunyuanVideo 1.5 (Tencent's train.py) and CogVideoX-Factory files, .safetensors "
+        "only. The base weights are never copied or changed."
     )
     CATEGORY = "vidmem"
     FUNCTION = "load"

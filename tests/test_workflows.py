@@ -435,7 +435,7 @@ def test_tier_templates_differ_mainly_in_their_memory_strategy():
 
 LORA_UI = [p for p in UI_FILES if "loras" in wr.load_json(p)["extra"]["vidmem"]]
 TRAIN_UI = [p for p in UI_FILES if "trains" in wr.load_json(p)["extra"]["vidmem"]]
-LORA_REPOS = ("Kijai/WanVideo_comfy", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged")
+LORA_REPOS = ("Kijai/WanVideo_comfy", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged", "Lightricks/LTX-2-19b-LoRA-Camera-Control-Dolly-In")
 
 
 def nodes_of(api: dict, class_type: str) -> list[dict]:
@@ -447,7 +447,7 @@ def test_a_lora_template_per_family_with_a_distill_lora_where_one_exists():
     for path in LORA_UI:
         api = wr.load_json(wr.api_twin(path))
         variants[tiny_loras.loader_variant(api, "3")] = path
-    assert set(variants) >= {"wan2.1-t2v", "wan2.2-a14b", "cogvideox-t2v"}, variants
+    assert set(variants) >= {"wan2.1-t2v", "wan2.2-a14b", "cogvideox-t2v", "ltx2-t2v", "hunyuanvideo1.5-t2v"}, variants
     for variant in ("wan2.1-t2v", "wan2.2-a14b"):  # lightx2v's distill LoRAs: 4 steps, no guidance, flow shift 5
         api = wr.load_json(wr.api_twin(variants[variant]))
         (sampler,) = nodes_of(api, "VidMemVideoSampler")
@@ -574,6 +574,7 @@ def test_image_to_video_templates_start_from_core_load_image():
 FAMILY_TEMPLATES = {  # issue 27: an 8 GB and a 24 GB template per family, each planned on its machine
     "hunyuan15_t2v_480p_fp8": "hunyuanvideo1.5-t2v", "hunyuan15_t2v_720p": "hunyuanvideo1.5-t2v",
     "ltx2_t2v_fp8_sequential": "ltx2-t2v", "ltx2_t2v_fp8_blockswap": "ltx2-t2v",
+    "hunyuan15_t2v_480p_style_lora": "hunyuanvideo1.5-t2v", "ltx2_t2v_camera_lora": "ltx2-t2v",  # and their LoRA templates
 }
 
 

@@ -6,7 +6,9 @@ host, `place_tiny_loras` writes, under exactly those names in a models/loras fol
 shaped for the tiny model that stands in for the template's loader, in the key layout the real file
 uses: lightx2v's (`diffusion_model.blocks.N.self_attn.q.lora_down.weight` + `.alpha`, original Wan
 names) for Wan, diffusers/PEFT (`transformer.transformer_blocks.N.attn1.to_q.lora_A.weight`, as
-CogVideoX-Factory saves) for CogVideoX. An existing file is never overwritten.
+CogVideoX-Factory saves) for CogVideoX, Lightricks' (`diffusion_model.transformer_blocks.N.attn1.to_q
+.lora_A.weight`, the audio branch too) for LTX-2, and Tencent's train.py's (`double_blocks.N.img_attn_q
+.lora_A.weight`, no prefix) for HunyuanVideo 1.5. An existing file is never overwritten.
 
     python tests/workflow_runner.py place-loras /path/to/ComfyUI/models/loras
     python tests/workflow_runner.py place-clips /tmp/vidmem_clips
@@ -35,6 +37,12 @@ WAN_ORIGINAL = (("attn1.to_out.0", "self_attn.o"), ("attn2.to_out.0", "cross_att
 WAN_LAYERS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v",
               "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
 COG_LAYERS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0")
+# LTX-2: the video and audio self-attention and the cross-modal attention (names as in diffusers)
+LTX2_LAYERS = tuple(f"{a}.{p}" for a in ("attn1", "audio_attn1", "audio_to_video_attn", "video_to_audio_attn")
+                    for p in ("to_q", "to_k", "to_v", "to_out.0"))
+# HunyuanVideo 1.5: diffusers name -> Tencent's, the image and text streams' attention
+HY15_ORIGINAL = (("attn.to_q", "img_attn_q"), ("attn.to_k", "img_attn_k"), ("attn.to_v", "img_attn_v"),
+                 ("attn.to_out.0", "img_attn_proj"), ("attn.add_q_proj", "txt_attn_q"), ("attn.to_add_out", "txt_attn_proj"))
 
 
 def loader_variant(api: dict, node_id: str) -> str:
@@ -69,21 +77,31 @@ def tiny_lora_tensors(variant: str, seed: int = 0) -> dict:
     transformer = build_tiny_pipeline(variant).transformer
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    is_wan = variant.startswith("wan")
-    blocks = "blocks" if is_wan else "transformer_blocks"
+    family = next((f for f in ("wan", "ltx2", "hunyuanvideo1.5") if variant.startswith(f)), "cogvideox")
+    blocks = "blocks" if family == "wan" else "transformer_blocks"
+    layers = {"wan": WAN_LAYERS, "ltx2": LTX2_LAYERS, "hunyuanvideo1.5": tuple(d for d, _ in HY15_ORIGINAL)}.get(family, COG_LAYERS)
     for index in range(len(getattr(transformer, blocks))):
-        for layer in WAN_LAYERS if is_wan else COG_LAYERS:
+        for layer in layers:
             module = transformer.get_submodule(f"{blocks}.{index}.{layer}")
             down = torch.randn(RANK, module.in_features, generator=gen) * 0.1
             up = torch.randn(module.out_features, RANK, generator=gen) * 0.1
-            if is_wan:
+            if family == "wan":
                 name = f"diffusion_model.blocks.{index}.{_original(layer)}"
                 tensors.update({f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
                                 f"{name}.alpha": torch.tensor(float(RANK))})
             else:
-                name = f"transformer.{blocks}.{index}.{layer}"
+                name = _peft_name(family, index, layer)
                 tensors.update({f"{name}.lora_A.weight": down, f"{name}.lora_B.weight": up})
     return tensors
+
+
+def _peft_name(family: str, index: int, layer: str) -> str:
+    """The module name a PEFT-tensor LoRA of `family` uses for block `index`'s `layer` (a diffusers name)."""
+    if family == "ltx2":  # Lightricks' LoRAs: the original names, which are diffusers' inside the blocks
+        return f"diffusion_model.transformer_blocks.{index}.{layer}"
+    if family == "hunyuanvideo1.5":  # Tencent's train.py: its own names, no prefix
+        return f"double_blocks.{index}.{dict(HY15_ORIGINAL)[layer]}"
+    return f"transformer.transformer_blocks.{index}.{layer}"  # CogVideoX-Factory
 
 
 def _original(layer: str) -> str:

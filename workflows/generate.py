@@ -332,7 +332,7 @@ def _files(t: Template) -> str:
     loras = sum(step.file.size_gb for step in t.loras)
     if t.files:
         return f"{files:.1f} GB of files + {loras:.1f} GB LoRA" if loras else f"{files:.1f} GB of Comfy-Org files"
-    extra = " + your clips" if t.training else " + your LoRA" if t.loras else ""
+    extra = " + your clips" if t.training else f" + {loras:.2g} GB LoRA" if loras else " + your LoRA" if t.loras else ""
     return f"a diffusers folder{extra}"
 
 

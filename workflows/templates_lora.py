@@ -7,11 +7,16 @@ fp8 single files with the weights mapped from disk, they fit an 8 GB card and 32
 planner's figures, `vidmem plan ... --steps 4 --no-cfg`). No step-distill LoRA exists for CogVideoX
 (lightx2v and Lightning are Wan-only): its template loads a style LoRA instead, e.g. one trained
 with the "Train CogVideoX-2b LoRA" template or by CogVideoX-Factory.
+
+LTX-2 carries one of Lightricks' own camera-control LoRAs (dolly in), at LTX2Pipeline's defaults;
+HunyuanVideo 1.5 a style LoRA of the user's own (no distill LoRA is published for it), e.g. one
+trained with Tencent's train.py. Each reuses its family's template of the same card (templates_families).
 """
 
 from __future__ import annotations
 
 from template_types import NEGATIVE, LoraFile, LoraStep, Machine, Template, diffusers_folder, model_files, strategy
+from templates_families import FP8, LTX2_NEGATIVE
 from templates_files import (
     UMT5_FP8_22, WAN21_14B_FILES, WAN21_VAE_22, WAN22_A14B_FILES, WAN22_HIGH_FP8, WAN22_LOW_FP8, files_text,
 )
@@ -28,6 +33,9 @@ LIGHTX2V_WAN22_LOW = LoraFile("wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.sa
                               "split_files/loras/wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors",
                               "about 0.6 GB", 0.6)
 COGVIDEOX_STYLE = LoraFile("cogvideox_2b_style_lora.safetensors", "")  # the user's own: trained, not downloaded
+LTX2_DOLLY_IN = LoraFile("ltx-2-19b-lora-camera-control-dolly-in.safetensors", "Lightricks/LTX-2-19b-LoRA-Camera-Control-Dolly-In",
+                         "ltx-2-19b-lora-camera-control-dolly-in.safetensors", "0.33 GB", 0.33)
+HUNYUAN15_STYLE = LoraFile("hunyuan15_480p_style_lora.safetensors", "")  # the user's own
 
 DISTILL_SAMPLER = dict(scheduler="flow_match_euler", shift=5.0)
 DISTILL_STEPS = (
@@ -138,5 +146,70 @@ LORA_TEMPLATES = (
         negative_prompt=NEGATIVE,
         width=720, height=480, frames=49, steps=50, cfg=6.0, fps=8.0, note_height=None,
         loras=(LoraStep(COGVIDEOX_STYLE),),
+    ),
+    Template(
+        name="ltx2_t2v_camera_lora",
+        title="LTX-2 LoRA, 24 GB, 64 GB RAM",
+        pick="LTX-2 with Lightricks' dolly-in camera LoRA",
+        note=(
+            "LTX-2 text to video with one of Lightricks' camera-control LoRAs (dolly in) on a 24 GB card with "
+            "64 GB of RAM: 768x512, 121 frames (about 5 s at 24 fps), video only (no audio). Frames must be 8k+1, "
+            "width and height multiples of 32.\n\n"
+            "Model: the diffusers folder of Lightricks/LTX-2 in ComfyUI/models/diffusers/LTX-2, computed in bf16, "
+            "the transformer and the Gemma 3 12B text encoder stored in fp8 (weight_dtype = fp8_scaled).\n"
+            + lora_text((LTX2_DOLLY_IN,)) +
+            "Load LoRA: strength 1.0. The prompt names the move (\"the camera dollies in\"), as Lightricks' "
+            "examples do. Lightricks' LoRAs (and ltx-trainer's, ai-toolkit's, musubi's) use LTX-2's own key "
+            "names; Load LoRA maps them through diffusers' LTX-2 converter, the audio branch's layers included, "
+            "and lists any key it cannot apply. The LoRA runs beside each layer (the fp8 weights are never "
+            "rewritten), streamed with its block. 30 steps at cfg 3: LTX2Pipeline's defaults.\n\n"
+            "Memory strategy: as the \"LTX-2 fp8, 24 GB, 64 GB RAM\" template, block_swap with blocks_to_swap = "
+            "12 (36 of the 48 blocks stay on the GPU). Predicted without the LoRA: 19.3 GiB VRAM at the peak, 37 "
+            "GiB of RAM; the LoRA adds at most its 0.33 GB (the Sampler's receipt shows its bytes). If you run "
+            "out of memory, raise blocks_to_swap by 4.\n\n"
+            "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
+            "121 --vram 24 --ram 64."
+        ),
+        loader=diffusers_folder("LTX-2", "bf16", weight_dtype="fp8_scaled"),
+        strategy=strategy("block_swap", "offload_after_encoding", 12),
+        prompt="The camera dollies in toward a lighthouse keeper reading by lamplight in a small stone room, rain on the window.",
+        negative_prompt=LTX2_NEGATIVE,
+        width=768, height=512, frames=121, steps=30, cfg=3.0, fps=24.0,
+        machine=Machine(24, 64, "ltx2-t2v-19b", FP8), note_height=None,
+        loras=(LoraStep(LTX2_DOLLY_IN),),
+    ),
+    Template(
+        name="hunyuan15_t2v_480p_style_lora",
+        title="HunyuanVideo 1.5 LoRA, 8 GB card",
+        pick="your own HunyuanVideo 1.5 style LoRA on 8 GB",
+        note=(
+            "HunyuanVideo 1.5 text to video with a style LoRA on an 8 GB card with 32 GB of RAM: 848x480, 121 "
+            "frames (about 5 s at 24 fps). Frames must be 4k+1, width and height multiples of 16.\n\n"
+            "No step-distill LoRA is published for HunyuanVideo 1.5 (Tencent publishes distilled checkpoints, "
+            "not LoRAs), so this template keeps the authors' 50 steps at cfg 6.\n\n"
+            "Model: the diffusers folder of hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v in "
+            "ComfyUI/models/diffusers/HunyuanVideo-1.5-Diffusers-480p_t2v, computed in bf16, stored in fp8 "
+            "(weight_dtype = fp8_scaled).\n"
+            "LoRA: models/loras/hunyuan15_480p_style_lora.safetensors is your own (rename yours, or pick its "
+            "name in the list): one trained with Tencent's HunyuanVideo-1.5 train.py (its lora/ folder's "
+            "safetensors file, Tencent's own key names and its lora_alpha read from the file), with musubi-tuner "
+            "or a diffusers trainer, or one made for ComfyUI (fused img_attn.qkv, split onto q, k and v here). "
+            "Only the final modulation layer (which train.py's default all-linear also trains) has no "
+            "one-to-one diffusers layer: it is listed as not applied. A LoRA for another HunyuanVideo 1.5 size "
+            "is refused, naming the layer.\n\n"
+            "Load LoRA: strength 1.0; 0 gives the base model's frames exactly. Several Load LoRA nodes chain.\n\n"
+            "Memory strategy: as the \"HunyuanVideo 1.5 480p, 8 GB card\" template, offload = sequential: every "
+            "layer streams to the GPU as it runs, its LoRA with it. Predicted without the LoRA: 5.6 GiB VRAM "
+            "at the peak, 21 GiB of RAM; the VAE decodes in 128 px tiles.\n\n"
+            "Check your machine: vidmem plan --model hunyuanvideo1.5-t2v-480p --weights fp8_scaled --size "
+            "848x480 --frames 121 --vram 8 --ram 32."
+        ),
+        loader=diffusers_folder("HunyuanVideo-1.5-Diffusers-480p_t2v", "bf16", weight_dtype="fp8_scaled"),
+        strategy=strategy("sequential", "offload_after_encoding", tile_size=128),
+        prompt="A cat walks on the grass in a sunlit garden, watercolor style, tracking shot.",
+        negative_prompt=NEGATIVE,
+        width=848, height=480, frames=121, steps=50, cfg=6.0, fps=24.0,
+        machine=Machine(8, 32, "hunyuanvideo1.5-t2v-480p", FP8), note_height=None,
+        loras=(LoraStep(HUNYUAN15_STYLE),),
     ),
 )

@@ -1,18 +1,23 @@
 """Which module of the diffusers model a LoRA's module name means.
 
 Trainers name modules four ways: diffusers paths (`blocks.0.attn1.to_q`, PEFT and
-CogVideoX-Factory), the original Wan paths (`blocks.0.self_attn.q`: lightx2v, musubi, ComfyUI),
-and either of those flattened with underscores by kohya-style tools (`blocks_0_self_attn_q`,
-after a `lora_unet_` prefix). Each file uses one naming, so one naming is chosen per file (the
-one that resolves most of its names): `blocks.0.norm3` is a different layer in diffusers and
-in the original Wan layout, and a per-key guess could pick the wrong one.
+CogVideoX-Factory), the original checkpoint paths (Wan's `blocks.0.self_attn.q`: lightx2v, musubi,
+ComfyUI; LTX-2's `adaln_single.linear`, `patchify_proj`: Lightricks' LoRAs and ltx-trainer, whose
+block layers are named as in diffusers), and either of those flattened with underscores by
+kohya-style tools (`blocks_0_self_attn_q`, after a `lora_unet_` prefix). Each file uses one
+naming, so one naming is chosen per file (the one that resolves most of its names):
+`blocks.0.norm3` is a different layer in diffusers and in the original Wan layout, and a per-key
+guess could pick the wrong one.
 
 The original -> diffusers renaming is diffusers' own single-file converter, run on the names,
-so this module restates no table.
+where diffusers has one (Wan, LTX-2), so those are restated nowhere. HunyuanVideo 1.5 has none in
+diffusers 0.42.1: its names are a table here, and its fused layers (ComfyUI's `img_attn.qkv`) map to
+several diffusers layers, whose rows resolve.py splits.
 """
 
 from __future__ import annotations
 
+import re
 from itertools import product
 from typing import Callable, Iterable
 
@@ -23,18 +28,111 @@ PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "
 MAX_FLAT_TOKENS = 10  # a flattened name splits into at most 2**(n-1) dotted guesses
 
 
-def wan_original_to_diffusers(names: Iterable[str]) -> dict[str, str]:
-    """Original Wan module names -> diffusers names, by diffusers' converter on `<name>.weight` keys."""
-    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+def by_converter(converter: str) -> Callable[[Iterable[str]], dict[str, str]]:
+    """Original module names -> diffusers names, by the diffusers single-file converter `converter`
+    (a function of diffusers.loaders.single_file_utils) run on `<name>.weight` keys. A name the
+    converter drops (LTX-2's text connectors, which diffusers keeps outside the transformer) is
+    left out, so it is reported as unknown."""
 
-    checkpoint = {f"{name}.weight": name for name in names}
-    converted = convert_wan_transformer_to_diffusers(dict(checkpoint))
-    return {original: new.removesuffix(".weight") for new, original in converted.items()}
+    def convert(names: Iterable[str]) -> dict[str, str]:
+        from diffusers.loaders import single_file_utils
+
+        checkpoint = {f"{name}.weight": name for name in names}
+        converted = getattr(single_file_utils, converter)(dict(checkpoint))
+        return {original: new.removesuffix(".weight") for new, original in converted.items()}
+
+    return convert
 
 
-# transformer class name -> how its original checkpoints name modules (None: diffusers names only)
-ORIGINAL_NAMING: dict[str, Callable[[Iterable[str]], dict[str, str]]] = {
+wan_original_to_diffusers = by_converter("convert_wan_transformer_to_diffusers")
+ltx2_original_to_diffusers = by_converter("convert_ltx2_transformer_to_diffusers")
+
+# A name in an original layout means one diffusers module, or several (`Target` a tuple) where the
+# original fuses them into one layer whose output rows are theirs in order (q, k, v).
+Target = str | tuple[str, ...]
+
+# HunyuanVideo 1.5's original module names -> diffusers'. Two layouts: Tencent's own (hyvideo's
+# transformer; its train.py saves LoRAs under them, PEFT tensors, no prefix) and ComfyUI's (its
+# HunyuanVideo model, Flux-style: fused `img_attn.qkv`, `img_mod.lin`, `img_mlp.0`; Comfy-Org's files
+# and LoRAs made for ComfyUI). diffusers 0.42.1 ships no converter for this model, so this is data,
+# written from the three model definitions (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py
+# pairs Tencent's tensors the same way). final_layer.adaLN_modulation.1 is left out: diffusers swaps
+# its scale and shift rows, so no name maps it; a LoRA on it is reported, not applied.
+_HY15_BLOCK = r"double_blocks\.(\d+)\."
+_HY15_REFINER = r"txt_in\.individual_token_refiner\.blocks\.(\d+)\."
+_HY15_TO_BLOCK = r"transformer_blocks.\1."
+_HY15_TO_REFINER = r"context_embedder.token_refiner.refiner_blocks.\1."
+HUNYUAN15_ORIGINAL = tuple((re.compile(pattern), replacement) for pattern, replacement in (
+    # Tencent's names
+    (_HY15_BLOCK + r"img_attn_([qkv])", _HY15_TO_BLOCK + r"attn.to_\2"),
+    (_HY15_BLOCK + r"txt_attn_([qkv])", _HY15_TO_BLOCK + r"attn.add_\2_proj"),
+    (_HY15_BLOCK + r"img_mod\.linear", _HY15_TO_BLOCK + "norm1.linear"),
+    (_HY15_BLOCK + r"txt_mod\.linear", _HY15_TO_BLOCK + "norm1_context.linear"),
+    (_HY15_BLOCK + r"img_mlp\.fc1", _HY15_TO_BLOCK + "ff.net.0.proj"),
+    (_HY15_BLOCK + r"img_mlp\.fc2", _HY15_TO_BLOCK + "ff.net.2"),
+    (_HY15_BLOCK + r"txt_mlp\.fc1", _HY15_TO_BLOCK + "ff_context.net.0.proj"),
+    (_HY15_BLOCK + r"txt_mlp\.fc2", _HY15_TO_BLOCK + "ff_context.net.2"),
+    (_HY15_REFINER + r"self_attn_qkv", tuple(_HY15_TO_REFINER + f"attn.to_{x}" for x in "qkv")),
+    (_HY15_REFINER + r"self_attn_proj", _HY15_TO_REFINER + "attn.to_out.0"),
+    (_HY15_REFINER + r"mlp\.fc1", _HY15_TO_REFINER + "ff.net.0.proj"),
+    (_HY15_REFINER + r"mlp\.fc2", _HY15_TO_REFINER + "ff.net.2"),
+    (r"txt_in\.t_embedder\.mlp\.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
+    (r"txt_in\.t_embedder\.mlp\.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
+    (r"txt_in\.c_embedder\.linear_([12])", r"context_embedder.time_text_embed.text_embedder.linear_\1"),
+    (r"time_in\.mlp\.0", "time_embed.timestep_embedder.linear_1"),
+    (r"time_in\.mlp\.2", "time_embed.timestep_embedder.linear_2"),
+    (r"time_r_in\.mlp\.0", "time_embed.timestep_embedder_r.linear_1"),
+    (r"time_r_in\.mlp\.2", "time_embed.timestep_embedder_r.linear_2"),
+    # ComfyUI's names
+    (_HY15_BLOCK + r"img_attn\.qkv", tuple(_HY15_TO_BLOCK + f"attn.to_{x}" for x in "qkv")),
+    (_HY15_BLOCK + r"txt_attn\.qkv", tuple(_HY15_TO_BLOCK + f"attn.add_{x}_proj" for x in "qkv")),
+    (_HY15_BLOCK + r"img_mod\.lin", _HY15_TO_BLOCK + "norm1.linear"),
+    (_HY15_BLOCK + r"txt_mod\.lin", _HY15_TO_BLOCK + "norm1_context.linear"),
+    (_HY15_BLOCK + r"img_mlp\.0", _HY15_TO_BLOCK + "ff.net.0.proj"),
+    (_HY15_BLOCK + r"img_mlp\.2", _HY15_TO_BLOCK + "ff.net.2"),
+    (_HY15_BLOCK + r"txt_mlp\.0", _HY15_TO_BLOCK + "ff_context.net.0.proj"),
+    (_HY15_BLOCK + r"txt_mlp\.2", _HY15_TO_BLOCK + "ff_context.net.2"),
+    (_HY15_REFINER + r"self_attn\.qkv", tuple(_HY15_TO_REFINER + f"attn.to_{x}" for x in "qkv")),
+    (_HY15_REFINER + r"self_attn\.proj", _HY15_TO_REFINER + "attn.to_out.0"),
+    (_HY15_REFINER + r"mlp\.0", _HY15_TO_REFINER + "ff.net.0.proj"),
+    (_HY15_REFINER + r"mlp\.2", _HY15_TO_REFINER + "ff.net.2"),
+    (r"txt_in\.t_embedder\.in_layer", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
+    (r"txt_in\.t_embedder\.out_layer", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
+    (r"txt_in\.c_embedder\.in_layer", "context_embedder.time_text_embed.text_embedder.linear_1"),
+    (r"txt_in\.c_embedder\.out_layer", "context_embedder.time_text_embed.text_embedder.linear_2"),
+    (r"time_in\.in_layer", "time_embed.timestep_embedder.linear_1"),
+    (r"time_in\.out_layer", "time_embed.timestep_embedder.linear_2"),
+    (r"time_r_in\.in_layer", "time_embed.timestep_embedder_r.linear_1"),
+    (r"time_r_in\.out_layer", "time_embed.timestep_embedder_r.linear_2"),
+    # alike in both
+    (_HY15_BLOCK + r"img_attn[._]proj", _HY15_TO_BLOCK + "attn.to_out.0"),
+    (_HY15_BLOCK + r"txt_attn[._]proj", _HY15_TO_BLOCK + "attn.to_add_out"),
+    (_HY15_REFINER + r"adaLN_modulation\.1", _HY15_TO_REFINER + "norm_out.linear"),
+    (r"txt_in\.input_embedder", "context_embedder.proj_in"),
+    (r"byt5_in\.fc([123])", r"context_embedder_2.linear_\1"),
+    (r"vision_in\.proj\.1", "image_embedder.linear_1"),
+    (r"vision_in\.proj\.3", "image_embedder.linear_2"),
+    (r"final_layer\.linear", "proj_out"),
+))
+
+
+def hunyuan15_original_to_diffusers(names: Iterable[str]) -> dict[str, Target]:
+    """HunyuanVideo 1.5's original module names (Tencent's or ComfyUI's) -> diffusers name(s)."""
+    found = {}
+    for name in names:
+        for pattern, replacement in HUNYUAN15_ORIGINAL:
+            match = pattern.fullmatch(name)
+            if match is not None:
+                found[name] = match.expand(replacement) if isinstance(replacement, str) else tuple(map(match.expand, replacement))
+                break
+    return found
+
+
+# transformer class name -> how its original checkpoints name modules (absent: diffusers names only)
+ORIGINAL_NAMING: dict[str, Callable[[Iterable[str]], dict[str, Target]]] = {
     "WanTransformer3DModel": wan_original_to_diffusers,
+    "LTX2VideoTransformer3DModel": ltx2_original_to_diffusers,
+    "HunyuanVideo15Transformer3DModel": hunyuan15_original_to_diffusers,
 }
 
 
@@ -70,11 +168,16 @@ class ModelNames:
         self._flat = {name.replace(".", "_"): name for name in self.targets if name}
         self._original = ORIGINAL_NAMING.get(type(model).__name__)
 
-    def resolve(self, sources: Iterable[str]) -> tuple[dict[str, str], str]:
+    def resolve(self, sources: Iterable[str]) -> tuple[dict[str, Target], str]:
         """(source name -> model name for those resolved, the naming used), best naming for the file."""
         sources = list(sources)
-        results = [(label, self._by(naming, sources)) for label, naming in self._namings()]
-        label, best = max(results, key=lambda item: len(item[1]))  # max keeps the first of equals
+        best, label = None, ""
+        for name, naming in self._namings():
+            found = self._by(naming, sources)
+            if best is None or len(found) > len(best):  # equals keep the first
+                best, label = found, name
+            if len(best) == len(sources):
+                break  # a later naming could only tie; the flattened originals are the slow ones to try
         return best, label
 
     def _namings(self):
@@ -84,7 +187,7 @@ class ModelNames:
             yield "original", lambda names: self._known(self._original(names))
             yield "original (flattened)", self._flattened_original
 
-    def _by(self, naming, sources: list[str]) -> dict[str, str]:
+    def _by(self, naming, sources: list[str]) -> dict[str, Target]:
         """Per source, the first of its candidates (prefix removed or not) that the naming resolves."""
         options = {source: candidates(source) for source in sources}
         resolved = naming({c for cs in options.values() for c in cs})
@@ -95,14 +198,16 @@ class ModelNames:
                 found[source] = hit
         return found
 
-    def _known(self, mapping: dict[str, str]) -> dict[str, str]:
-        return {source: name for source, name in mapping.items() if name in self.targets}
+    def _known(self, mapping: dict[str, Target]) -> dict[str, Target]:
+        """The mapped names whose target (every one, for a fused layer) is in the model."""
+        return {source: name for source, name in mapping.items()
+                if (name in self.targets if isinstance(name, str) else all(n in self.targets for n in name))}
 
-    def _flattened_original(self, names: Iterable[str]) -> dict[str, str]:
+    def _flattened_original(self, names: Iterable[str]) -> dict[str, Target]:
         """Flattened original names: try every dotted guess; keep names with exactly one target."""
         guesses = {g: flat for flat in names for g in dotted_guesses(flat)}
         converted = self._known(self._original(guesses))
-        hits: dict[str, set[str]] = {}
+        hits: dict[str, set[Target]] = {}
         for guess, target in converted.items():
             hits.setdefault(guesses[guess], set()).add(target)
         return {flat: targets.pop() for flat, targets in hits.items() if len(targets) == 1}

@@ -22,7 +22,8 @@ APPLIED_KINDS = ("down", "up", "up_bias", "diff", "diff_b")
 FORMATS_READ = (
     "diffusers/PEFT (`transformer.blocks.0.attn1.to_q.lora_A.weight`), ComfyUI/kohya (`lora_unet_blocks_0_self_attn_q"
     ".lora_down.weight` + `.alpha`, `diffusion_model.blocks.0.self_attn.q.lora_down.weight`), original Wan / "
-    "lightx2v / musubi names (`blocks.0.self_attn.q`, `.diff`, `.diff_b`)"
+    "lightx2v / musubi names (`blocks.0.self_attn.q`, `.diff`, `.diff_b`), LTX-2's own (`diffusion_model.adaln_single.linear`), "
+    "HunyuanVideo 1.5's own (`double_blocks.0.img_attn_q`)"
 )
 
 
@@ -64,14 +65,17 @@ def resolve_layers(lora: LoraFile, model: nn.Module) -> tuple[tuple[ResolvedLaye
         if target is None:
             skipped += [f"{key}: no layer '{source}' in this {type(model).__name__} ({naming} naming)" for key in raw.keys]
             continue
-        if target in owner:
-            raise LoraError(f"LoRA file {lora.path}: '{owner[target]}' and '{source}' both target {target}; the file mixes two LoRAs. Split it or re-save it.")
-        owner[target] = source
-        module = names.modules.get(target)
-        if not _is_linear(module):
+        parts = (target,) if isinstance(target, str) else target  # several: a fused layer of the original
+        for part in parts:
+            if part in owner:
+                raise LoraError(f"LoRA file {lora.path}: '{owner[part]}' and '{source}' both target {part}; the file mixes two LoRAs. Split it or re-save it.")
+            owner[part] = source
+        modules = [names.modules.get(part) for part in parts]
+        if not all(_is_linear(module) for module in modules):
             skipped += [f"{key}: {target} is not a linear layer{_delta_note(raw)}; vidmem applies LoRAs to linear layers only" for key in raw.keys]
             continue
-        layers.append(_canonical(lora, raw, target, module))
+        pieces = [raw] if len(parts) == 1 else _split_rows(lora, raw, parts, modules)
+        layers += [_canonical(lora, piece, part, module) for piece, part, module in zip(pieces, parts, modules)]
     if not layers:
         raise LoraError(
             f"LoRA file {lora.path}: none of its {sum(len(r.keys) for r in lora.layers.values()) + len(lora.unknown_keys)} keys "
@@ -95,6 +99,25 @@ def _canonical(lora: LoraFile, raw: RawLayer, target: str, module: nn.Module) ->
     except LoraError as error:
         raise LoraError(f"LoRA file {lora.path}: {error}") from None
     return ResolvedLayer(target, t, _alpha(lora, raw, target))
+
+
+def _split_rows(lora: LoraFile, raw: RawLayer, parts: tuple[str, ...], modules: list[nn.Module]) -> list[RawLayer]:
+    """A fused layer's LoRA as one per diffusers layer: the output rows (up, its bias, the deltas) split
+    in the order of `parts`, the input side (down, alpha) the same for each. Views, never copies;
+    each part gets its own tensor objects, since the engine attaches them to each layer as buffers."""
+    sizes = [module.out_features for module in modules]
+    split = {}
+    for kind, tensor in raw.tensors.items():
+        if kind in ("up", "up_bias", "diff", "diff_b"):
+            if tensor.shape[0] != sum(sizes):
+                raise LoraError(
+                    f"LoRA file {lora.path}: layer '{raw.source}' has {tensor.shape[0]} output rows ({kind}); it is "
+                    f"{' + '.join(parts)} fused, {sum(sizes)} rows in this model. The LoRA is for another model size."
+                )
+            split[kind] = torch.split(tensor, sizes)
+        else:
+            split[kind] = [tensor.view_as(tensor) for _ in parts]
+    return [RawLayer(raw.source, {kind: pieces[i] for kind, pieces in split.items()}, raw.keys) for i in range(len(parts))]
 
 
 def _alpha(lora: LoraFile, raw: RawLayer, target: str) -> float | None:
