@@ -207,4 +207,7 @@ LTX2 = FamilySpec(
     # computed by the pipeline): no fixed shift to recommend. cfg and steps: LTX2Pipeline.__call__'s defaults.
     sampler=SamplerDefaults(flow_matching=True, schedulers=(), recommended_shift=(), cfg=3.0, steps=30),
     cfg_as_batch=True,  # torch.cat([negative, positive]) through the transformer, like CogVideoX
+    # 32x VAE: a 256 px tile is 8 latent pixels, below its decoder's receptive field (error 4x diffusers'
+    # tiling in bench/vae_decode.py); diffusers' own LTX-2 tiles are 512 px (docs/decode.md).
+    min_decode_tile=512,
 )
