@@ -50,9 +50,16 @@ class AudioResult:
         return {"waveform": self.waveform, "sample_rate": self.sample_rate}
 
 
-def with_audio(latent: dict, pipe, audio: torch.Tensor) -> dict:
+def with_audio(latent: dict, pipe, audio: torch.Tensor, resumed_after: int = 0) -> dict:
     """`latent` (a new dict) with the run's audio latents and what decoding them needs to know.
-    `pipe` is the loaded pipeline: without its own audio VAE, the call denormalised with 0 and 1."""
+    `pipe` is the loaded pipeline: without its own audio VAE, the call denormalised with 0 and 1.
+    A run resumed after an out-of-memory error (`resumed_after` steps done) resumes the video
+    latents only (the step callback sees no audio): its audio started again from noise midway, so
+    it is left out and the reason kept for Decode Audio's error."""
+    if resumed_after:
+        info = {"dropped": f"the run resumed after step {resumed_after} following an out-of-memory error, and "
+                           "the audio latents were drawn afresh there (only the video's are resumed)"}
+        return dict(latent, vidmem=dict(latent.get("vidmem", {}), audio=info))
     info = {"normalised": getattr(pipe, "audio_vae", None) is None, "frame_rate": FRAME_RATE}
     metadata = dict(latent.get("vidmem", {}), audio=info)
     return dict(latent, **{AUDIO_KEY: audio.detach().to("cpu"), "vidmem": metadata})
@@ -70,6 +77,10 @@ def audio_latents(loaded: LoadedPipeline, latent) -> torch.Tensor:
     if origin not in (None, LTX2.name):
         raise ModelError(f"latent: it came from a {origin} model, which makes no sound; {_FIX_LATENT}")
     audio = latent.get(AUDIO_KEY)
+    dropped = ((latent.get("vidmem") or {}).get("audio") or {}).get("dropped")
+    if audio is None and dropped:
+        raise ModelError(f"latent: it has no sound: {dropped}. Sample again with a strategy that fits "
+                         "(the Sampler's receipt names the one it climbed to) to get the sound.")
     if not isinstance(audio, torch.Tensor):
         raise ModelError(f"latent: it has no '{AUDIO_KEY}' (the audio latents), only the video; {_FIX_LATENT}")
     if audio.ndim != 4 or audio.numel() == 0 or not audio.is_floating_point():

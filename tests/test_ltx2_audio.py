@@ -169,3 +169,18 @@ def test_the_node_returns_comfy_audio(tiny_loaded):
     with pytest.raises(ModelError, match="pipeline \\(Decode Audio\\) got"):
         VidMemDecodeAudio().decode("not a pipeline", latent)
     assert json.dumps(out["ui"]["vidmem_receipt"])  # the receipt is plain data
+
+
+def test_a_run_resumed_after_out_of_memory_keeps_the_video_and_names_why_it_has_no_sound(tiny_loaded):
+    """The step callback sees the video latents only, so a resumed run's audio restarted from noise
+    midway: the LATENT leaves it out, and Decode Audio says why (test_ltx2's xfail is the video side)."""
+    from test_oom_ladder import InjectOOM, run
+    from vidmem.memory import MemoryStrategy
+
+    loaded = tiny_loaded(VARIANT)
+    with InjectOOM(loaded.pipe.transformer.transformer_blocks[-1], [2]) as oom:  # step 3: cfg is one batch
+        result = run(loaded, MemoryStrategy(offload="model"), request(steps=4))
+    assert oom.raised == 1 and result.receipt["oom_ladder"][0]["resumed_from_step"] == 1
+    assert AUDIO_KEY not in result.latent and result.latent["samples"].ndim == 5
+    with pytest.raises(ModelError, match="latent: it has no sound: the run resumed after step 1 following an out-of-memory"):
+        decode_audio(loaded, result.latent, device=CPU)
