@@ -98,7 +98,7 @@ FAMILY_TEMPLATES = (
             "copied while the current one computes; the text encoder streams the same way (text_encoder = "
             "offload_after_encoding). The planner predicts 7.0 GiB VRAM at the peak (the denoise), 37 GiB of "
             "RAM, and x1.15 the time of a resident run (the fp8 upcast and the copies). The VAE decodes in "
-            "256 px tiles.\n\n"
+            "512 px tiles: vidmem raises the strategy's default 256 px tiles for LTX-2's 32x VAE (2.5 GiB).\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
             "121 --vram 8 --ram 48. 30 steps at cfg 3: LTX2Pipeline's defaults. Every strategy gives the same frames."
         ),
@@ -124,7 +124,7 @@ FAMILY_TEMPLATES = (
             "36 stay on the GPU and the last 12 stream in from system RAM every step, the next one copied "
             "while the current one computes (prefetch_blocks = 1). The text encoder goes to the GPU alone "
             "and leaves once the prompt is encoded (text_encoder = offload_after_encoding); the VAE decodes "
-            "in 256 px tiles. Predicted: 19.3 GiB VRAM at the peak (the denoise), 37 GiB of RAM (with 8 "
+            "in 512 px tiles (the default 256, raised for LTX-2's 32x VAE). Predicted: 19.3 GiB VRAM at the peak (the denoise), 37 GiB of RAM (with 8 "
             "swapped blocks it predicts 20.9 GiB: little room left).\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
             "121 --vram 24 --ram 64. 30 steps at cfg 3: LTX2Pipeline's defaults. Every strategy gives the same frames."
@@ -153,7 +153,8 @@ FAMILY_TEMPLATES = (
             "the waveform (at the vocoder's rate) and frees them. Without that node nothing of them is loaded, "
             "and the frames are the same with or without it.\n\n"
             "Memory strategy, offload = sequential, as in \"LTX-2 fp8, 8 GB, 48 GB RAM\": 7.0 GiB VRAM at the "
-            "peak (the denoise), 37 GiB of RAM; the audio parts are small beside it.\n\n"
+            "peak (the denoise), 37 GiB of RAM; the audio parts are small beside it. The VAE decodes in 512 px "
+            "tiles (the default 256, raised for LTX-2's 32x VAE).\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
             "121 --vram 8 --ram 48. 30 steps at cfg 3: LTX2Pipeline's defaults. Create Video's fps must stay 24."
         ),
