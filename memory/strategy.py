@@ -154,10 +154,11 @@ def family_tiling(tiling: VaeTiling | None, min_tile: int, family: str = "this m
     if tiling == VaeTiling():
         overlap = min(tiling.overlap * min_tile // tiling.tile_size // 8 * 8, min_tile // 4)
         raised = VaeTiling(min_tile, overlap, tiling.temporal_size, tiling.temporal_overlap)
-        return FamilyTiling(raised, f"default tile {tiling.tile_size}/{tiling.overlap} px raised to {min_tile}/{overlap} px, "
-                                    f"{family}'s smallest tile that keeps decoding close to untiled")
-    return FamilyTiling(tiling, f"warning: tile_size {tiling.tile_size} is below {min_tile} px, {family}'s smallest tile "
-                                "that keeps decoding close to untiled; expect visible seams (raise tile_size)")
+        return FamilyTiling(raised, f"default tile {tiling.tile_size}/{tiling.overlap} px raised to "
+                                    f"{min_tile}/{overlap} px, {family}'s smallest tile that keeps decoding close "
+                                    "to untiled")
+    return FamilyTiling(tiling, f"warning: tile_size {tiling.tile_size} is below {min_tile} px, {family}'s smallest "
+                                "tile that keeps decoding close to untiled; expect visible seams (raise tile_size)")
 
 
 @dataclass(frozen=True)
