@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..pipelines.hooks import RunHooks
 from ..pipelines.ltx2_audio import decode_audio
 from . import host
 from .checks import pipeline_input
@@ -38,7 +39,7 @@ class VidMemDecodeAudio:
 
     def decode(self, pipeline, latent):
         pipeline = pipeline_input(pipeline, NODE)
-        host.check_interrupt()
-        result = decode_audio(pipeline, latent, device=host.compute_device())
+        hooks = RunHooks(check_interrupt=host.check_interrupt, make_room=host.make_room)
+        result = decode_audio(pipeline, latent, device=host.compute_device(), hooks=hooks)
         text = format_receipt(f"Decode Audio: {result.receipt['audio']}; {pipeline.describe()}", result.receipt)
         return {"ui": {"text": [text], "vidmem_receipt": [result.receipt]}, "result": (result.as_comfy(),)}

@@ -28,6 +28,7 @@ from ..memory import resolve_compute_device
 from ..memory.cleanup import free_memory
 from ..memory.telemetry import StageMeter
 from .family import ModelError
+from .hooks import RunHooks
 from .loader import LoadedPipeline, torch_dtype
 from .ltx2 import AUDIO_PARTS, LTX2
 
@@ -168,14 +169,20 @@ def _from_checkpoint(path: str, folder: Path, dtype: torch.dtype) -> torch.nn.Mo
 
 
 @torch.no_grad()
-def decode_audio(loaded: LoadedPipeline, latent: dict, device: torch.device | None = None) -> AudioResult:
+def decode_audio(loaded: LoadedPipeline, latent: dict, device: torch.device | None = None,
+                 hooks: RunHooks = RunHooks()) -> AudioResult:
     """LTX-2's sound from a sampled LATENT, decoded on `device` (default: CUDA when present) as
-    LTX2Pipeline decodes it, with the audio VAE and vocoder loaded for this call and freed after."""
+    LTX2Pipeline decodes it, with the audio VAE and vocoder loaded for this call and freed after.
+    `hooks.make_room` is asked for their weights before they move (their activations, a mel
+    spectrogram and a waveform of seconds, are small beside them); `hooks.check_interrupt` before."""
     audio = audio_latents(loaded, latent)
     device = device or resolve_compute_device()
+    hooks.check_interrupt()
     audio_vae, vocoder, source = load_audio_parts(loaded)
     try:
         _check_channels(audio, audio_vae)
+        weight_bytes = sum(t.numel() * t.element_size() for m in (audio_vae, vocoder) for t in m.state_dict().values())
+        hooks.make_room(weight_bytes, device, weight_bytes=weight_bytes)
         with StageMeter("audio_decode", device) as meter:
             audio_vae.to(device)
             vocoder.to(device)

@@ -17,6 +17,7 @@ from test_ltx2 import STEPS, TIERS, VARIANT, request
 from vidmem.memory.device import CpuBackend
 from vidmem.pipelines.decode import decode
 from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.hooks import RunHooks
 from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.ltx2 import AUDIO_PARTS
 from vidmem.pipelines.ltx2_audio import AUDIO_KEY, audio_latents, decode_audio
@@ -72,8 +73,13 @@ def test_the_sound_equals_diffusers_own_and_the_audio_parts_are_dropped(audio_st
     loaded = load_pipeline(audio_stats_folder, "fp32")
     latent = sample(loaded, TIERS["block_swap:1"], request(), backend=CpuBackend()).latent
     assert no_audio_parts(loaded.pipe)
-    result = decode_audio(loaded, latent, device=CPU)
+    asked = []
+    hooks = RunHooks(make_room=lambda nbytes, device, warm=None, weight_bytes=0: asked.append((nbytes, device)))
+    result = decode_audio(loaded, latent, device=CPU, hooks=hooks)
     assert torch.equal(result.waveform, expected.float())
+    parts = [diffusers.AutoencoderKLLTX2Audio.from_pretrained(audio_stats_folder / "audio_vae"),
+             diffusers.pipelines.ltx2.vocoder.LTX2Vocoder.from_pretrained(audio_stats_folder / "vocoder")]
+    assert asked == [(sum(t.numel() * 4 for part in parts for t in part.state_dict().values()), CPU)]  # their fp32 bytes
     assert result.waveform.shape[:2] == (1, 2) and result.waveform.device.type == "cpu"
     assert result.sample_rate == rate and isinstance(result.sample_rate, int)
     assert result.as_comfy() == {"waveform": result.waveform, "sample_rate": rate}
