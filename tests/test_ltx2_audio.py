@@ -127,6 +127,9 @@ def test_the_single_checkpoints_audio_vae_is_used(tiny_folder, tmp_path):
     assert loaded.transformer_file == str(checkpoint) and no_audio_parts(loaded.pipe)
     result = decode_audio(loaded, latent, device=CPU)
     assert torch.equal(result.waveform, expected) and result.receipt["audio_vae"] == checkpoint.name
+    from_file = sample(loaded, TIERS["block_swap:1"], request(), backend=CpuBackend()).latent  # sampled from the file
+    assert torch.equal(from_file[AUDIO_KEY], latent[AUDIO_KEY]) and torch.equal(from_file["samples"], latent["samples"])
+    assert torch.equal(decode_audio(loaded, from_file, device=CPU).waveform, expected)
 
 
 def test_a_latent_without_sound_names_the_input_and_the_fix(tiny_loaded):
