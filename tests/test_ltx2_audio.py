@@ -193,3 +193,13 @@ def test_a_run_resumed_after_out_of_memory_keeps_the_video_and_names_why_it_has_
     assert AUDIO_KEY not in result.latent and result.latent["samples"].ndim == 5
     with pytest.raises(ModelError, match="latent: it has no sound: the run resumed after step 1 following an out-of-memory"):
         decode_audio(loaded, result.latent, device=CPU)
+
+
+def test_image_to_video_keeps_its_sound_too(tiny_loaded):
+    loaded = tiny_loaded(VARIANT)
+    image = torch.full((1, 64, 64, 3), 0.5)
+    latent = sample(loaded, TIERS["model"], request(image=image), backend=CpuBackend()).latent
+    assert latent["vidmem"]["class_name"] == "LTX2ImageToVideoPipeline" and latent[AUDIO_KEY].ndim == 4
+    result = decode_audio(loaded, latent, device=CPU)
+    assert result.waveform.ndim == 3 and torch.isfinite(result.waveform).all()
+    assert no_audio_parts(loaded.pipe) and no_audio_parts(loaded.image_mode().pipe)
