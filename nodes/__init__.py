@@ -2,6 +2,7 @@
 
 from .cache import VidMemStepCache
 from .decode import VidMemVAEDecode
+from .decode_audio import VidMemDecodeAudio
 from .free import VidMemFreeVRAM
 from .load_files import VidMemLoadModelFiles
 from .loader import VidMemLoadPipeline
@@ -19,6 +20,7 @@ NODE_CLASS_MAPPINGS = {
     "VidMemStepCache": VidMemStepCache,
     "VidMemSpeed": VidMemSpeed,
     "VidMemVAEDecode": VidMemVAEDecode,
+    "VidMemDecodeAudio": VidMemDecodeAudio,
     "VidMemFreeVRAM": VidMemFreeVRAM,
     "VidMemLoadLoRA": VidMemLoadLoRA,
     "VidMemPrepareTrainingData": VidMemPrepareTrainingData,
@@ -33,6 +35,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "VidMemStepCache": "Step Cache (VidMem)",
     "VidMemSpeed": "Speed (VidMem)",
     "VidMemVAEDecode": "Video VAE Decode (VidMem)",
+    "VidMemDecodeAudio": "Decode Audio (VidMem)",
     "VidMemFreeVRAM": "Free VRAM (VidMem)",
     "VidMemLoadLoRA": "Load LoRA (VidMem)",
     "VidMemPrepareTrainingData": "Prepare Training Data (VidMem)",

@@ -46,6 +46,8 @@ def format_receipt(title: str, receipt: dict) -> str:
         lines.append(f"latents saved to input/{receipt['saved_latents']} (core Load Latent lists it)")
     if "decode_summary" in receipt:
         lines.append("VAE: " + receipt["decode_summary"])
+    if "tiling_note" in receipt:  # the family raised a default tile, or warns of a small one (pipelines/decode.py)
+        lines.append("VAE tiles: " + receipt["tiling_note"])
     if "note" in receipt:  # Memory Strategy values this tier ignores (nodes/strategy.py strategy_notes)
         lines.append("note: " + receipt["note"])
     return "\n".join(lines)

@@ -76,7 +76,9 @@ class VidMemVideoSampler:
     FUNCTION = "sample"
     RETURN_TYPES = ("LATENT",)
     RETURN_NAMES = ("latent",)
-    OUTPUT_TOOLTIPS = ("Video latent [batch, channels, frames, h, w]; save it with core Save Latent to keep a run.",)
+    OUTPUT_TOOLTIPS = ("Video latent [batch, channels, frames, h, w]; save it with core Save Latent to keep a run. "
+                       "LTX-2's also carries the sound it made (audio_samples) for Decode Audio; Save Latent keeps "
+                       "only the video.",)
 
     @classmethod
     def INPUT_TYPES(cls):

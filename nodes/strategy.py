@@ -237,7 +237,8 @@ class VidMemMemoryStrategy:
                     "Decode in overlapping, blended tiles and in frame chunks: bounded VRAM for any size, a little slower."}),
                 "tile_size": ("INT", {"default": _TILES.tile_size, "min": TILE_SIZE_RANGE[0], "max": TILE_SIZE_RANGE[1],
                     "step": TILE_STEP, "tooltip": "Tile edge in output pixels (as core VAE Decode (Tiled)), a multiple "
-                    "of 32. Smaller uses less VRAM."}),
+                    "of 32. Smaller uses less VRAM. Left at the defaults (256/32), a family whose VAE needs larger tiles "
+                    "decodes at its own (LTX-2: 512/64 px); a tile set below that is honoured, with a warning."}),
                 "overlap": ("INT", {"default": _TILES.overlap, "min": 0, "max": 4096, "step": 8, "tooltip":
                     "Pixels shared by neighbouring tiles and blended; a multiple of 8, at most tile_size/4."}),
                 "temporal_size": ("INT", {"default": _TILES.temporal_size, "min": TEMPORAL_SIZE_RANGE[0],

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -14,6 +15,7 @@ from ..memory.cleanup import free_memory
 from ..memory.hostpool import HostPool, pinned_cap_bytes
 from ..memory.vae import Decode, DecodeReport, PinnedLanding, Prepare, Streaming, VaeGeometry, decode_with_fallback
 from ..memory.offload import device_weight_bytes
+from ..memory.strategy import family_tiling
 from ..memory.warm import call_on
 from .family import FamilySpec, ModelError
 from .hooks import RunHooks, interrupt_checks, outer_blocks
@@ -21,6 +23,8 @@ from .latents import check_latent
 from .loader import LoadedPipeline
 from .planning import decode_overrun
 from .room import decode_room
+
+log = logging.getLogger("vidmem")
 
 # Decoding with no strategy connected: the whole VAE on the device, as diffusers does.
 DEFAULT_DECODE_STRATEGY = MemoryStrategy(offload=OffloadTier.NONE)
@@ -106,7 +110,7 @@ def decode(
     on a CUDA device; elsewhere there is no prediction unless it is given.
     """
     samples = validate_latent(loaded, latent)
-    strategy = strategy or DEFAULT_DECODE_STRATEGY
+    strategy, tiling_note = tiling_for_family(loaded, strategy or DEFAULT_DECODE_STRATEGY)
     backend = backend or loaded.backend(device or resolve_compute_device())
     device = backend.device
     pipe, vae = loaded.pipe, loaded.pipe.vae
@@ -155,6 +159,17 @@ def decode(
     frames = frames.flatten(0, 1).permute(0, 2, 3, 1).float().contiguous()
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [meter.as_dict()],
                "decode": report.as_dict(), "decode_summary": report.describe(), "room": room.as_dict()}
+    if tiling_note:
+        receipt["tiling_note"] = tiling_note
     if warm is not None:
         receipt["warm"] = warm.as_dict()
     return DecodeResult(frames, receipt)
+
+
+def tiling_for_family(loaded: LoadedPipeline, strategy: MemoryStrategy) -> tuple[MemoryStrategy, str]:
+    """`strategy` with the tile the family's VAE needs (FamilySpec.min_decode_tile), and the note
+    saying what changed or warning of a tile chosen below it; the planner resolves it the same way."""
+    chosen = family_tiling(strategy.vae_tiling, loaded.spec.min_decode_tile, loaded.spec.name)
+    if chosen.warns:
+        log.warning("vidmem: %s", chosen.note)
+    return replace(strategy, vae_tiling=chosen.tiling), chosen.note

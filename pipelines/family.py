@@ -80,6 +80,9 @@ class FamilySpec:
     # Encoders (of `encoders`) the pipeline's call runs before its first step, every run (LTX-2's
     # text connectors over the cached prompt): the planner traces them in the denoise stage.
     call_encoders: tuple[str, ...] = ()
+    # The smallest decode tile (output px) that sees enough of the frame for this VAE; a tiling left
+    # at its defaults is raised to it, a smaller one chosen by the user warns (memory.strategy.family_tiling).
+    min_decode_tile: int = 0
 
     def frames_error(self, frames: int) -> str | None:
         if frames >= 1 and (frames - 1) % self.frame_step == 0:

@@ -45,6 +45,7 @@ class LoadedPipeline:
     # shipped config name they were recognised as (also in `config_name`).
     folder: str = ""
     config_name: str = ""  # the shipped model config single files were matched to ("" for folders)
+    transformer_file: str = ""  # the single file that replaced the folder's transformer ("" for none)
     storage: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # component -> StorageFormat name
     on_disk: bool = False  # weights used in place from their files' mappings (the disk tier)
     vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name
@@ -200,7 +201,8 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     if weight_dtype != DEFAULT_WEIGHTS:
         source += f" (weight_dtype {weight_dtype})"
     return LoadedPipeline(pipe, spec, class_name, source, dtype, str(folder), storage=MappingProxyType(storage),
-                          on_disk=on_disk(stored) and not transformer_file, storage_reports=MappingProxyType(reports))
+                          on_disk=on_disk(stored) and not transformer_file, storage_reports=MappingProxyType(reports),
+                          transformer_file=str(transformer_file or ""))
 
 
 def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_file: str | Path) -> tuple[str, ...]:

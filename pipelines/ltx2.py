@@ -1,4 +1,4 @@
-"""LTX-2 (Lightricks, 19B audio-video DiT; Gemma 3 12B text encoder) declared for the engine, video only.
+"""LTX-2 (Lightricks, 19B audio-video DiT; Gemma 3 12B text encoder) declared for the engine.
 
 The pipeline returns video latents as [B, C, T, h, w], already denormalised with the VAE's
 per-channel mean and std (`output_type="latent"`), which is what its VAE decodes: both latent
@@ -14,7 +14,9 @@ puts in front of diffusers' pipeline class (`FamilySpec.call_adapter`):
   out without changing the video. A video-only run keeps the transformer whole but never loads
   the audio VAE or the vocoder (`unloaded` in the spec): for the call, a weightless stand-in
   (`AudioLatentShape`) gives the pipeline the audio latent shape from `audio_vae/config.json`,
-  so the audio noise drawn, and so the video, are the ones the full pipeline makes;
+  so the audio noise drawn, and so the video, are the ones the full pipeline makes. The audio
+  latents the call returns ride along in the LATENT; `ltx2_audio.py` decodes them on request
+  (Decode Audio), loading the audio parts for that call only;
 - LTX-2.3 guidance (spatio-temporal and modality-isolation passes) costs two more transformer
   passes per step that vidmem's sampler and planner do not count: off unless asked, and the
   audio cfg follows the video's (`VIDEO_ONLY_GUIDANCE`); cfg runs as one batch of two, as in diffusers;
@@ -180,8 +182,9 @@ def audio_error(pipe) -> str | None:
     missing = [name for name in AUDIO_PARTS if getattr(pipe, name, None) is None]
     if not missing:
         return None
-    return (f"audio was asked for, but this LTX-2 pipeline has no {' or '.join(missing)} (a video-only load, or a "
-            f"folder without them); load the model with audio, from a diffusers folder that has {', '.join(AUDIO_PARTS)}.")
+    return (f"this LTX-2 pipeline holds no {' or '.join(missing)} (vidmem loads them only inside Decode Audio, "
+            f"from the folder); for sound, connect Decode Audio (VidMem) to a folder that has {', '.join(AUDIO_PARTS)} "
+            "with their weights (pipelines/ltx2_audio.py: audio_parts_error).")
 
 
 LTX2 = FamilySpec(
@@ -207,4 +210,7 @@ LTX2 = FamilySpec(
     # computed by the pipeline): no fixed shift to recommend. cfg and steps: LTX2Pipeline.__call__'s defaults.
     sampler=SamplerDefaults(flow_matching=True, schedulers=(), recommended_shift=(), cfg=3.0, steps=30),
     cfg_as_batch=True,  # torch.cat([negative, positive]) through the transformer, like CogVideoX
+    # 32x VAE: a 256 px tile is 8 latent pixels, below its decoder's receptive field (error 4x diffusers'
+    # tiling in bench/vae_decode.py); diffusers' own LTX-2 tiles are 512 px (docs/decode.md).
+    min_decode_tile=512,
 )

@@ -40,6 +40,7 @@ from ..memory.warm import call_on
 from .family import ModelError, denoiser_blocks, denoisers
 from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .loader import LoadedPipeline, torch_dtype
+from .ltx2_audio import with_audio
 from .stages import stage_modules
 from .lora import describe_loras, lora_patches
 from .room import keep_bytes, sample_room
@@ -151,6 +152,9 @@ def sample(
         receipt["oom_ladder"] = [r.as_dict() for r in rungs]
     samples = spec.to_comfy_latent(pipe, record.raw, request.frames).to("cpu")
     latent = {"samples": samples, "vidmem": {"family": spec.name, "class_name": loaded.class_name, "frames": request.frames}}
+    if record.audio is not None:  # LTX-2's sound, for Decode Audio; a video-only graph just carries it
+        resumed = resume.steps_done if resume is not None else 0
+        latent = with_audio(latent, pipe, record.audio, resumed)
     return SampleResult(latent, receipt)
 
 
@@ -271,8 +275,9 @@ class _Run:
                 embeds = call_embeds(prompts, device)
                 record.denoising = True
                 with StageMeter("denoise", device) as meter:
-                    raw = call(**_call_kwargs(loaded, self.request, self.choice, embeds, hooks, record,
-                                              expert_hand_off(call, handle))).frames
+                    output = call(**_call_kwargs(loaded, self.request, self.choice, embeds, hooks, record,
+                                                 expert_hand_off(call, handle)))
+                raw, record.audio = output.frames, getattr(output, "audio", None)
                 receipt["stages"].append(meter.as_dict())
                 if telemetry:
                     receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)

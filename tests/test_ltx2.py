@@ -274,3 +274,61 @@ def test_the_disk_tier_and_fp8_storage_run_the_family(tiny_loaded, tiny_folder):
     gemma = tiny_loaded(VARIANT).pipe.text_encoder
     saved = {"language_model.model.norm.weight": None, "model.language_model.norm.weight": None}
     assert set(module_names(gemma, saved)) == {"model.language_model.norm.weight"}
+
+
+# --- the family's decode tile (FamilySpec.min_decode_tile) -----------------------------------------
+
+def _wide_latent() -> dict:
+    """2 x 20 x 24 latent pixels: 9 frames of 640x768, several 512 px tiles and many 256 px ones."""
+    return _latent(frames=2, height=20, width=24)
+
+
+def test_a_default_tiling_is_raised_to_the_familys_tile_and_the_receipt_says_so(tiny_loaded):
+    """LTX-2's 32x VAE sees 8 latent pixels in a 256 px tile: the strategy's default tile becomes
+    the family's 512 px (overlap scaled to 64), the tile an explicit 512/64 decodes with, bit for bit."""
+    loaded, latent = tiny_loaded(VARIANT), _wide_latent()
+    assert LTX2.min_decode_tile == 512
+    default = decode(loaded, latent, MemoryStrategy(vae_tiling=VaeTiling()), backend=CpuBackend())
+    chosen = decode(loaded, latent, MemoryStrategy(vae_tiling=VaeTiling(512, 64)), backend=CpuBackend())
+    assert torch.equal(default.frames, chosen.frames)
+    assert default.receipt["decode"]["tiles"] == chosen.receipt["decode"]["tiles"] == 4
+    assert "default tile 256/32 px raised to 512/64 px" in default.receipt["tiling_note"]
+    assert "tiling_note" not in chosen.receipt
+    untiled = decode(loaded, latent, backend=CpuBackend())  # no tiling stays no tiling
+    assert untiled.receipt["decode"]["tiles"] == 1 and "tiling_note" not in untiled.receipt
+
+
+def test_a_tile_chosen_below_the_familys_is_honoured_with_a_warning(tiny_loaded, caplog):
+    loaded, latent = tiny_loaded(VARIANT), _wide_latent()
+    small = decode(loaded, latent, MemoryStrategy(vae_tiling=VaeTiling(288, 32)), backend=CpuBackend())
+    raised = decode(loaded, latent, MemoryStrategy(vae_tiling=VaeTiling()), backend=CpuBackend())
+    assert small.receipt["decode"]["tiles"] > raised.receipt["decode"]["tiles"]
+    assert small.receipt["tiling_note"].startswith("warning: tile_size 288 is below 512 px, ltx2's smallest tile")
+    assert any("tile_size 288 is below 512 px" in r.getMessage() for r in caplog.records)
+
+
+def test_the_planner_plans_the_tile_the_decode_runs():
+    """The planner resolves the default tile with the same rule: LTX-2's default plans 512 px
+    pieces (as an explicit 512/64), Wan's (no family minimum) stays at 256 px."""
+    from vidmem.memory.plan.stages import piece_counts
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.pipelines.configs import load_model
+
+    shape = VideoShape(768, 512, 9)
+    pieces = lambda model, tiling: piece_counts(model, shape, MemoryStrategy(vae_tiling=tiling))  # noqa: E731
+    ltx2 = load_model("ltx2-t2v-19b")
+    assert ltx2.vae_min_tile == 512
+    assert pieces(ltx2, VaeTiling()) == pieces(ltx2, VaeTiling(512, 64)) != pieces(ltx2, VaeTiling(288, 32))
+    wan = load_model("wan2.1-t2v-1.3b")
+    assert wan.vae_min_tile == 0 and pieces(wan, VaeTiling()) != pieces(wan, VaeTiling(512, 64))
+
+
+def test_the_family_tiling_rule():
+    from vidmem.memory.strategy import family_tiling
+
+    assert family_tiling(None, 512).tiling is None
+    assert family_tiling(VaeTiling(), 0).tiling == VaeTiling() and not family_tiling(VaeTiling(), 0).note
+    assert family_tiling(VaeTiling(), 512).tiling == VaeTiling(512, 64)
+    assert family_tiling(VaeTiling(), 384).tiling == VaeTiling(384, 48)
+    assert family_tiling(VaeTiling(256, 32, 32, 8), 512).warns  # any field chosen: the tiling is the user's
+    assert family_tiling(VaeTiling(768, 64), 512).tiling == VaeTiling(768, 64)

@@ -374,6 +374,11 @@ def test_api_workflow_runs_end_to_end_with_tiny_models(path, models_root, tiny_c
     sampler_text = run.ui[ids["VidMemVideoSampler"]]["text"][0]
     assert all(name in sampler_text for name in applied), (applied, sampler_text[:800])
 
+    if "VidMemDecodeAudio" in ids:  # LTX-2's sound, into Create Video beside the frames
+        audio = run.outputs[ids["VidMemDecodeAudio"]][0]
+        assert run.core_inputs[ids["CreateVideo"]]["audio"] is audio
+        pipe = run.outputs[ids[wr.FOLDER_LOADER]][0].pipe
+        assert pipe.audio_vae is None and pipe.vocoder is None, "the audio parts were freed, not kept on the pipeline"
     assert run.core_inputs, "the graph ends in core save nodes"
     for nid, inputs in run.core_inputs.items():
         assert not wr.core_input_problems(api[nid]["class_type"], inputs), (nid, api[nid]["class_type"])
@@ -550,6 +555,22 @@ def test_shrink_calibrates_a_step_cache_the_tiny_models_have_no_ratios_for():
 I2V_VARIANTS = {"wan2.2-i2v-a14b", "wan2.1-i2v", "wan2.1-flf2v", "cogvideox-i2v"}
 
 
+def test_the_sound_template_feeds_decode_audio_into_create_video():
+    """Issue 27: LTX-2's sound reaches Save Video through core Create Video's audio input; the video-only
+    LTX-2 templates have no Decode Audio (their graphs never load the audio parts)."""
+    for name in ("ltx2_t2v_fp8_sound", "ltx2_t2v_fp8_sequential", "ltx2_t2v_fp8_blockswap"):
+        api = wr.load_json(wr.API_DIR / f"{name}.json")
+        audio = [nid for nid, node in api.items() if node["class_type"] == "VidMemDecodeAudio"]
+        (create,) = nodes_of(api, "CreateVideo")
+        if name != "ltx2_t2v_fp8_sound":
+            assert not audio and "audio" not in create, name
+            continue
+        (nid,) = audio
+        (sampler,) = [i for i, node in api.items() if node["class_type"] == "VidMemVideoSampler"]
+        assert create["audio"] == [nid, 0] and create["fps"] == 24.0  # LTX-2's frame rate: the sound's length
+        assert api[nid]["inputs"]["latent"] == [sampler, 0]
+
+
 def test_image_to_video_templates_start_from_core_load_image():
     """Every I2V model has a template; its API twin says _i2v_ (first-last-frame: _flf2v_) in its
     name, and a core Load Image (on example.png, which ships in ComfyUI/input) feeds the Sampler's
@@ -573,7 +594,7 @@ def test_image_to_video_templates_start_from_core_load_image():
 
 FAMILY_TEMPLATES = {  # issue 27: an 8 GB and a 24 GB template per family, each planned on its machine
     "hunyuan15_t2v_480p_fp8": "hunyuanvideo1.5-t2v", "hunyuan15_t2v_720p": "hunyuanvideo1.5-t2v",
-    "ltx2_t2v_fp8_sequential": "ltx2-t2v", "ltx2_t2v_fp8_blockswap": "ltx2-t2v",
+    "ltx2_t2v_fp8_sequential": "ltx2-t2v", "ltx2_t2v_fp8_blockswap": "ltx2-t2v", "ltx2_t2v_fp8_sound": "ltx2-t2v",
     "hunyuan15_t2v_480p_style_lora": "hunyuanvideo1.5-t2v", "ltx2_t2v_camera_lora": "ltx2-t2v",  # and their LoRA templates
 }
 

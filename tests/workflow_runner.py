@@ -458,6 +458,13 @@ def core_input_problems(class_type: str, inputs: dict) -> list[str]:
 def _socket_problem(input_type: str, value: Any) -> str | None:
     if isinstance(value, CoreValue):
         return None if types_match(value.type, input_type) else f"got {value.type} from {value.made_by}"
+    if input_type == "AUDIO":  # core AUDIO: {"waveform": [batch, channels, samples] float on the CPU, "sample_rate": int}
+        import torch
+
+        waveform = value.get("waveform") if isinstance(value, dict) else None
+        if not isinstance(waveform, torch.Tensor) or waveform.ndim != 3 or not waveform.is_floating_point() \
+                or waveform.device.type != "cpu" or not isinstance(value.get("sample_rate"), int):
+            return f"AUDIO must be {{'waveform': [batch, channels, samples] float on the CPU, 'sample_rate': int}}, got {value!r:.120}"
     if input_type == "IMAGE":
         import torch
 

@@ -85,6 +85,7 @@ TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receip
 CACHE_HEIGHT = 200  # Step Cache: five widgets, below the Sampler
 SPEED_HEIGHT = 200  # Speed: five widgets, below the Step Cache
 IMAGE_HEIGHT = 420  # core Load Image: its file, upload button and a preview of the image
+AUDIO_HEIGHT = 150  # Decode Audio: two links and its receipt
 NOTE_CHAR_WIDTH, NOTE_LINE_HEIGHT, NOTE_PADDING = 7.25, 10.7, 70  # a Note's text, for notes sized to fit it
 VIEW_SCALE, VIEW_OFFSET = 0.7, (120, 180)  # the view a template opens with (extra.ds)
 FIRST_EXTRA_ID = 10  # ids 1-9 are the chain every template shares (the API twins keep them)
@@ -127,6 +128,12 @@ def graph(t: Template) -> list[Node]:
             middle.append(Node(last_id, "LoadImage", (b, below + IMAGE_HEIGHT + GAP), (420, IMAGE_HEIGHT),
                                dict(image=t.last_image), group=SAMPLE_GROUP))
             sampler_links["last_image"] = (last_id, 0)
+    video_links = {}
+    if t.audio:  # Decode Audio under Free VRAM: the sound into Create Video beside the frames
+        audio_id = FIRST_EXTRA_ID + len(middle)
+        middle.append(Node(audio_id, "VidMemDecodeAudio", (c, top + decode_h + GAP + 160 + GAP), (340, AUDIO_HEIGHT),
+                           links=dict(pipeline=pipeline, latent=(3, 0)), group=SAMPLE_GROUP))
+        video_links["audio"] = (audio_id, 0)
     nodes = [
         Node(1, t.loader.type, (a, top), (FIRST_WIDTH, loader_h), t.loader.widgets, group=MODEL_GROUP),
         Node(2, "VidMemMemoryStrategy", (a, top + loader_h + GAP), (FIRST_WIDTH, strategy_h),
@@ -140,7 +147,8 @@ def graph(t: Template) -> list[Node]:
         Node(5, "VidMemFreeVRAM", (c, top + decode_h + GAP), (340, 160), dict(unload_comfy_models=False),
              links=dict(anything=(4, 0)), group=SAMPLE_GROUP),
         # Save Video grows to fit its preview (a square one for the tiny models): room for that.
-        Node(6, "CreateVideo", (d, top), (480, 80), dict(fps=t.fps), links=dict(images=(5, 0)), group=SAVE_GROUP),
+        Node(6, "CreateVideo", (d, top), (480, 80), dict(fps=t.fps), links=dict(images=(5, 0), **video_links),
+             group=SAVE_GROUP),
         Node(7, "SaveVideo", (d, top + 80 + 2 * GAP), (480, 620), dict(filename_prefix=f"vidmem/{t.name}", format="auto",
              codec="auto"), links=dict(video=(6, 0)), group=SAVE_GROUP),
         Node(8, "SaveAnimatedWEBP", (e, top), (480, 760), dict(

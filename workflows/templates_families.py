@@ -13,7 +13,9 @@ Steps, guidance and shot as the model authors publish them:
   Frames 4k+1 (the VAE's temporal factor 4), width and height multiples of 16.
 - LTX-2: LTX2Pipeline.__call__'s defaults in diffusers 0.42.1: 768x512, 121 frames at frame_rate
   24, 30 steps, guidance_scale 3.0 (its docstring example uses the same). Frames 8k+1 (temporal
-  factor 8), width and height multiples of 32. Video only: the audio parts are not loaded.
+  factor 8), width and height multiples of 32. Video only: the audio parts are not loaded, except in
+  "LTX-2 with sound", where Decode Audio (VidMem) loads the audio VAE and vocoder for its own run and
+  feeds core Create Video's audio input.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ FAMILY_TEMPLATES = (
             "copied while the current one computes; the text encoder streams the same way (text_encoder = "
             "offload_after_encoding). The planner predicts 7.0 GiB VRAM at the peak (the denoise), 37 GiB of "
             "RAM, and x1.15 the time of a resident run (the fp8 upcast and the copies). The VAE decodes in "
-            "256 px tiles.\n\n"
+            "512 px tiles: vidmem raises the strategy's default 256 px tiles for LTX-2's 32x VAE (2.5 GiB).\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
             "121 --vram 8 --ram 48. 30 steps at cfg 3: LTX2Pipeline's defaults. Every strategy gives the same frames."
         ),
@@ -122,7 +124,7 @@ FAMILY_TEMPLATES = (
             "36 stay on the GPU and the last 12 stream in from system RAM every step, the next one copied "
             "while the current one computes (prefetch_blocks = 1). The text encoder goes to the GPU alone "
             "and leaves once the prompt is encoded (text_encoder = offload_after_encoding); the VAE decodes "
-            "in 256 px tiles. Predicted: 19.3 GiB VRAM at the peak (the denoise), 37 GiB of RAM (with 8 "
+            "in 512 px tiles (the default 256, raised for LTX-2's 32x VAE). Predicted: 19.3 GiB VRAM at the peak (the denoise), 37 GiB of RAM (with 8 "
             "swapped blocks it predicts 20.9 GiB: little room left).\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
             "121 --vram 24 --ram 64. 30 steps at cfg 3: LTX2Pipeline's defaults. Every strategy gives the same frames."
@@ -134,5 +136,35 @@ FAMILY_TEMPLATES = (
         width=768, height=512, frames=121, steps=30, cfg=3.0, fps=24.0,
         machine=Machine(24, 64, "ltx2-t2v-19b", FP8),
         note_height=270,
+    ),
+    Template(
+        name="ltx2_t2v_fp8_sound",
+        title="LTX-2 with sound, 8 GB, 48 GB RAM",
+        pick="LTX-2 video and its sound as one MP4",
+        note=(
+            "LTX-2 text to video with sound on an 8 GB card with 48 GB of RAM: 768x512, 121 frames (about 5 s at "
+            "24 fps) and the sound LTX-2 makes with them, saved together by core Create Video and Save Video. "
+            "Frames must be 8k+1, width and height multiples of 32.\n\n"
+            "Model: the diffusers folder of Lightricks/LTX-2 in ComfyUI/models/diffusers/LTX-2, computed in "
+            "bf16, the transformer and the Gemma 3 12B text encoder stored in fp8 (weight_dtype = fp8_scaled). "
+            "The folder must hold audio_vae/ and vocoder/ with their weights.\n\n"
+            "Sound: the transformer denoises audio with the video, so the Sampler's LATENT carries the audio "
+            "latents; Decode Audio (VidMem) loads the audio VAE and the vocoder for its own run only, decodes "
+            "the waveform (at the vocoder's rate) and frees them. Without that node nothing of them is loaded, "
+            "and the frames are the same with or without it.\n\n"
+            "Memory strategy, offload = sequential, as in \"LTX-2 fp8, 8 GB, 48 GB RAM\": 7.0 GiB VRAM at the "
+            "peak (the denoise), 37 GiB of RAM; the audio parts are small beside it. The VAE decodes in 512 px "
+            "tiles (the default 256, raised for LTX-2's 32x VAE).\n\n"
+            "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
+            "121 --vram 8 --ram 48. 30 steps at cfg 3: LTX2Pipeline's defaults. Create Video's fps must stay 24."
+        ),
+        loader=diffusers_folder("LTX-2", "bf16", weight_dtype="fp8_scaled"),
+        strategy=strategy("sequential", "offload_after_encoding"),
+        prompt="A street drummer plays a fast beat on upturned buckets, crowd cheering, handheld close-up.",
+        negative_prompt=LTX2_NEGATIVE,
+        width=768, height=512, frames=121, steps=30, cfg=3.0, fps=24.0,
+        machine=Machine(8, 48, "ltx2-t2v-19b", FP8),
+        note_height=300,
+        audio=True,
     ),
 )

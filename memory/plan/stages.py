@@ -17,7 +17,7 @@ from .schedule import (ComponentWeights, Streaming, stream_timeline, table_compu
                        table_streamed_unit_bytes)
 from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
                             VideoShape)
-from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
+from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement, family_tiling
 from ..vae_tiles import plan_tiles
 from ..windows import WindowSchedule
 
@@ -231,7 +231,8 @@ def staging_bytes(model: PlannerModel, strategy: MemoryStrategy, options: PlanOp
 def piece_counts(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy) -> Counter:
     """Distinct latent pieces a vidmem decode calls the VAE on, and how often each."""
     latent = model.latent_shape(shape)
-    tiles = plan_tiles(latent, model.geometry, strategy.vae_tiling, stream_batch=model.vae_stream_batch)
+    tiling = family_tiling(strategy.vae_tiling, model.vae_min_tile).tiling  # the tile the decode runs
+    tiles = plan_tiles(latent, model.geometry, tiling, stream_batch=model.vae_stream_batch)
     batch = 1 if strategy.vae_slicing else latent[0]
     counts: Counter = Counter()
     for frames in tiles.frames:

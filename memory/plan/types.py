@@ -102,6 +102,7 @@ class PlannerModel(Protocol):
     layout: ModelLayout
     geometry: VaeGeometry
     vae_stream_batch: int | None  # the decode's chunks stream the VAE's caches (no context frames)
+    vae_min_tile: int  # the family's smallest decode tile in px (FamilySpec.min_decode_tile; 0: none)
 
     def check_shape(self, shape: VideoShape) -> None: ...  # raise ValueError naming the fix
     def weights(self, component: str, storage: str | None = None) -> ComponentWeights: ...  # as stored

@@ -119,6 +119,10 @@ class MetaModel:
         self._keep("weights", "vae_stream_batch", {"frame_batch": batch})
         return batch
 
+    @property
+    def vae_min_tile(self) -> int:
+        return self.spec.min_decode_tile
+
     def stage_components(self, text_encoder: TextEncoderPlacement, encode_text: bool = True) -> tuple[str, ...]:
         """What `pipelines.sample` applies the strategy to, for this pipeline class (pipelines/stages.py)."""
         image = self.pipeline_class in self.spec.image_conditioned

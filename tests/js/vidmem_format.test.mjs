@@ -140,7 +140,7 @@ test("constants the extension relies on", () => {
   assert.deepEqual(FREE_BODY, { unload_models: true, free_memory: true });
   assert.ok(Object.isFrozen(FREE_BODY));
   assert.equal(MEMORY_ROUTE, "/vidmem/memory");
-  assert.deepEqual([...NODE_TYPES].sort(), ["VidMemFreeVRAM", "VidMemLoadLoRA", "VidMemLoadPipeline",
+  assert.deepEqual([...NODE_TYPES].sort(), ["VidMemDecodeAudio", "VidMemFreeVRAM", "VidMemLoadLoRA", "VidMemLoadPipeline",
                                             "VidMemMemoryStrategy", "VidMemPrepareTrainingData", "VidMemTrainLoRA",
                                             "VidMemVAEDecode", "VidMemVideoSampler"]);
 });
@@ -386,4 +386,13 @@ test("the Step Cache and Speed nodes on the Sampler's inputs go into the plan qu
   assert.deepEqual(extraFields("speed", null, () => 1), {});
   assert.deepEqual(speedLines({ status: "ok", speed: ["step cache: x"] }), ["step cache: x"]);
   assert.deepEqual(speedLines({ status: "error", speed: ["x"] }), []);
+});
+
+test("Decode Audio's receipt: device, its stage, where the audio VAE came from and the sound", () => {
+  const receipt = { device: "cuda:0", stages: [{ stage: "audio_decode", seconds: 0.4, peak_allocated_bytes: 2 ** 28 }],
+                    audio_vae: "folder", audio: "5.04 s at 24000 Hz, 2 channels" };
+  const { title, lines } = summarize("VidMemDecodeAudio", { vidmem_receipt: [receipt] });
+  assert.equal(title, "audio receipt");
+  assert.equal(lines[0], "device: cuda:0");
+  assert.ok(lines.some((line) => line.includes("5.04 s at 24000 Hz")), lines.join("\n"));
 });
