@@ -11,7 +11,8 @@ from vidmem.pipelines.step_cache import StepCache
 
 from .speed_runs import UNCACHED, SpeedConfig, call, methods, psnr_db, tiers
 
-BOLD = (0.12, 0.24)  # MagCache's published Wan 2.1 threshold, and twice it
+PUBLISHED_SETTINGS = (0.12, 4)  # MagCache's published Wan 2.1 threshold and K
+BOLD = (0.24, 6)  # twice the threshold, and K 6: on a model whose ratios stay near 1, K binds before the threshold
 FBC_BOLD = (0.1, 0.2)  # First Block Cache beyond diffusers' default 0.05
 
 
@@ -24,17 +25,18 @@ def calibrated_ratios(loaded, config: SpeedConfig) -> tuple[float, ...]:
 
 def quality_methods(config: SpeedConfig, ratios: tuple[float, ...], calibrated_on: str) -> dict[str, StepCache]:
     """Uncached; MagCache with the published Wan 2.1 1.3B ratios (speed.py's settings) and bolder;
-    MagCache with the calibrated ratios at vidmem's defaults, the published settings and bolder; First
-    Block Cache at diffusers' default and bolder."""
+    MagCache with the calibrated ratios at vidmem's defaults (threshold 0.06, K 3), the published
+    settings and bolder; First Block Cache at diffusers' default and bolder."""
     shipped = methods(config)
     published = shipped["mag_cache"]
     calibrated = StepCache("mag_cache", expert_ratios=(("transformer", ratios),), ratio_steps=config.steps,
                            ratio_source=f"calibrated on the trained model ({calibrated_on})")
-    found = {UNCACHED: shipped[UNCACHED], "mag_cache_published": published}
-    found[f"mag_cache_published_{BOLD[1]:g}"] = replace(published, threshold=BOLD[1])
-    found["mag_cache_calibrated"] = calibrated
-    for threshold in BOLD:
-        found[f"mag_cache_calibrated_{threshold:g}"] = replace(calibrated, threshold=threshold, max_skip_steps=4)
+    bold = dict(threshold=BOLD[0], max_skip_steps=BOLD[1])
+    found = {UNCACHED: shipped[UNCACHED], "mag_cache_published": published,
+             "mag_cache_published_bold": replace(published, **bold), "mag_cache_calibrated": calibrated,
+             "mag_cache_calibrated_published_settings": replace(calibrated, threshold=PUBLISHED_SETTINGS[0],
+                                                                max_skip_steps=PUBLISHED_SETTINGS[1]),
+             "mag_cache_calibrated_bold": replace(calibrated, **bold)}
     found["first_block_cache"] = shipped["first_block_cache"]
     for threshold in FBC_BOLD:
         found[f"first_block_cache_{threshold:g}"] = StepCache("first_block_cache", threshold=threshold)

@@ -39,7 +39,7 @@ class TrainConfig:
     (the sampler's flow_shift, so training sees the noise levels sampling visits), and the seed."""
 
     steps: int = 600
-    batch: int = 16
+    batch: int = 8
     lr: float = 2e-3
     uncond_share: float = 0.1
     shift: float = 3.0
@@ -181,7 +181,8 @@ def train(pipe, config: TrainConfig, video: tuple[int, int, int], max_sequence_l
             schedule.step()
             losses.append(loss.item())
             if log and (step + 1) % max(1, config.steps // 10) == 0:
-                log(f"  train step {step + 1}/{config.steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)")
+                log(f"  train step {step + 1}/{config.steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)",
+                    flush=True)
     finally:
         transformer.eval()
         transformer.zero_grad(set_to_none=True)
