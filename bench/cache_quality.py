@@ -27,7 +27,9 @@ blocks_ratio (blocks computed / uncached), psnr_db (final latent against the unc
 uncached latent's range; the random VAE would add nothing by decoding), passes skipped, and where the
 run first skipped and first differed from the uncached run's pass outputs (`same_until_first_skip`:
 before its first skip a cached run is the uncached run bit for bit). `seed_psnr_db`: the uncached
-run at seed 0 against seed 1, same prompt, for scale (two different videos of one class). TaylorSeer
+run at seed 0 against seed 1, same prompt, for scale (two different videos of one class);
+mse_to_own_class and nearest_class_is_prompted: whether the cached video still lies among its
+prompt's videos (as `denoises` judges the uncached ones). TaylorSeer
 is not measured: vidmem's StepCache offers MagCache and First Block Cache.
 
     python bench/cache_quality.py --json bench/results/cache-quality-cpu-2026-11-27.json  # 3-5 min on 2 cores
@@ -54,7 +56,7 @@ use_this_checkout()  # `import vidmem` is this clone, installed or not
 import torch  # noqa: E402
 
 from bench.support.cache_quality_runs import calibrated_ratios, compared, quality_methods, run  # noqa: E402
-from bench.support.cache_signal import CLASSES, TrainConfig, denoises, latent_shape, train  # noqa: E402
+from bench.support.cache_signal import CLASSES, TrainConfig, denoises, judged, latent_shape, train  # noqa: E402
 from bench.support.speed_runs import UNCACHED, SpeedConfig, build, psnr_db  # noqa: E402
 
 SEEDS = (0, 1)  # each class prompt is sampled at both: eight videos judged per method
@@ -101,11 +103,13 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     print(f"cache quality bench: {config.describe()}, training {training}", flush=True)
     loaded = build(config)
-    trained = train(loaded.pipe, training, (config.width, config.height, config.frames), loaded.spec.max_sequence_length)
+    video = (config.width, config.height, config.frames)
+    trained = train(loaded.pipe, training, video, loaded.spec.max_sequence_length)
     calibration = replace(config, prompt=CLASSES[0][0], seed=CALIBRATION_SEED)
     ratios = calibrated_ratios(loaded, calibration)
     settings = quality_methods(config, ratios, f"'{calibration.prompt}', seed {calibration.seed}")
     rows, uncached = {m: {} for m in settings}, {}
+    shape = latent_shape(config.width, config.height, config.frames)
     for index, (prompt, _) in enumerate(CLASSES):
         for seed in SEEDS:
             one = replace(config, prompt=prompt, seed=seed)
@@ -113,9 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
             uncached[(index, seed)] = reference.latent
             for method, cache in settings.items():
                 done = reference if method == UNCACHED else run(loaded, one, cache)
-                rows[method][f"{prompt} | seed {seed}"] = compared(done, reference, config)
+                rows[method][f"{prompt} | seed {seed}"] = {**compared(done, reference, config),
+                                                           **judged(done.latent[0], index, shape)}
         print(f"  {prompt}: done ({time.perf_counter() - started:.0f} s)", flush=True)
-    shape = latent_shape(config.width, config.height, config.frames)
     result = {"bench": "cache_quality", "config": config.describe(), "threads": args.threads, "caveats": CAVEATS,
               "training": trained, "calibrated_ratios": list(ratios),
               "denoises": denoises({i: uncached[(i, SEEDS[0])][0] for i in range(len(CLASSES))}, shape, seed=7),
@@ -136,7 +140,10 @@ def summary(settings: str, by_sample: dict) -> dict:
     psnrs = [row["psnr_db"] for row in by_sample.values() if row["psnr_db"] is not None]
     return {"settings": settings, "blocks_ratio": sum(r["blocks_ratio"] for r in by_sample.values()) / len(by_sample),
             "psnr_db_mean": sum(psnrs) / len(psnrs) if psnrs else None, "psnr_db_worst": min(psnrs) if psnrs else None,
-            "same_until_first_skip": all(r["same_until_first_skip"] for r in by_sample.values()), "by_sample": by_sample}
+            "same_until_first_skip": all(r["same_until_first_skip"] for r in by_sample.values()),
+            "mse_to_own_class_mean": sum(r["mse_to_own_class"] for r in by_sample.values()) / len(by_sample),
+            "nearest_class_is_prompted": sum(r["nearest_class_is_prompted"] for r in by_sample.values()),
+            "by_sample": by_sample}
 
 
 def print_report(result: dict) -> None:
@@ -150,14 +157,18 @@ def print_report(result: dict) -> None:
         print(f"{prompt:<38} {row['mse_to_own_class']:>13.3f} {row['mse_to_nearest_other_class']:>11.3f} "
               f"{row['noise_mse_to_own_class']:>8.3f} {str(row['nearest_class_is_prompted']):>10} "
               f"{result['seed_psnr_db'][prompt]:>9.1f}")
-    print(f"\n{'method':<28} {'settings':<52} {'blocks':>7} {'PSNR mean':>9} {'worst':>6} {'same until skip':>15}")
+    print(f"\n{'method':<40} {'settings':<56} {'blocks':>7} {'PSNR mean':>9} {'worst':>6} {'same until skip':>15} "
+          f"{'MSE own class':>13} {'in class':>8}")
     for method, row in result["methods"].items():
         mean = "equal" if row["psnr_db_mean"] is None else f"{row['psnr_db_mean']:.1f}"
         worst = "-" if row["psnr_db_worst"] is None else f"{row['psnr_db_worst']:.1f}"
-        print(f"{method:<28} {row['settings']:<52} {row['blocks_ratio']:>7.3f} {mean:>9} {worst:>6} "
-              f"{str(row['same_until_first_skip']):>15}")
-    print("(blocks: computed / uncached, mean over the class prompts at seeds 0 and 1; PSNR of the final latent against "
-          "the uncached run, dB, mean and worst; seed PSNR: the uncached run at seed 0 against seed 1, for scale)")
+        print(f"{method:<40} {row['settings']:<56} {row['blocks_ratio']:>7.3f} {mean:>9} {worst:>6} "
+              f"{str(row['same_until_first_skip']):>15} {row['mse_to_own_class_mean']:>13.3f} "
+              f"{row['nearest_class_is_prompted']:>4}/{len(row['by_sample'])}")
+    print("(blocks: computed / uncached, mean over the class prompts at seeds 0 and 1; PSNR of the final latent "
+          "against the uncached run, dB, mean and worst; MSE own class: to the nearest of 256 videos of the prompted "
+          "class, mean; in class: samples no other class lies nearer to; seed PSNR: the uncached run at seed 0 against "
+          "seed 1, for scale)")
     for caveat in result["caveats"]:
         print(f"caveat: {caveat}")
 

@@ -21,7 +21,8 @@ METHODS = {"off", "mag_cache_published", "mag_cache_published_bold", "mag_cache_
            "mag_cache_calibrated_published_settings", "mag_cache_calibrated_bold", "first_block_cache",
            "first_block_cache_0.1", "first_block_cache_0.2"}
 ROW_KEYS = {"blocks_ratio", "psnr_db", "bitwise_equal_to_uncached", "passes", "passes_skipped", "first_skipped_pass",
-            "first_differing_pass", "same_until_first_skip"}
+            "first_differing_pass", "same_until_first_skip", "mse_to_own_class", "mse_to_nearest_other_class",
+            "nearest_class_is_prompted"}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def report(tmp_path_factory):
 
 def test_the_json_has_the_training_evidence_and_every_method(report):
     assert {"config", "caveats", "training", "calibrated_ratios", "denoises", "seed_psnr_db", "methods"} <= set(report)
-    assert {"loss_first_tenth", "loss_last_tenth", "held_out_loss_before", "held_out_loss_after"} <= set(report["training"])
+    losses = {"loss_first_tenth", "loss_last_tenth", "held_out_loss_before", "held_out_loss_after"}
+    assert losses <= set(report["training"])
     assert set(report["methods"]) == METHODS
     prompts = {prompt for prompt, _ in cache_signal.CLASSES}
     assert set(report["denoises"]) == set(report["seed_psnr_db"]) == prompts
@@ -43,6 +45,7 @@ def test_the_json_has_the_training_evidence_and_every_method(report):
         assert set(row["by_sample"]) == samples, method
         for entry in row["by_sample"].values():
             assert set(entry) == ROW_KEYS and entry["passes"] == 2 * STEPS  # guidance: cond and uncond passes
+        assert 0 <= row["nearest_class_is_prompted"] <= len(samples)
 
 
 def test_a_cached_run_differs_from_uncached_only_from_its_first_skipped_pass(report):

@@ -125,7 +125,8 @@ def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * u / (1 + (shift - 1) * u)
 
 
-def flow_loss(transformer, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+def flow_loss(transformer, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
+              embeds: torch.Tensor) -> torch.Tensor:
     """Wan's flow-matching objective: x_s = (1 - s) x0 + s noise; the model predicts noise - x0."""
     s = sigma.view(-1, 1, 1, 1, 1)
     noisy = (1 - s) * x0 + s * noise
@@ -181,8 +182,8 @@ def train(pipe, config: TrainConfig, video: tuple[int, int, int], max_sequence_l
             schedule.step()
             losses.append(loss.item())
             if log and (step + 1) % max(1, config.steps // 10) == 0:
-                log(f"  train step {step + 1}/{config.steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)",
-                    flush=True)
+                elapsed = time.perf_counter() - start
+                log(f"  train step {step + 1}/{config.steps}: loss {loss.item():.4f} ({elapsed:.0f} s)", flush=True)
     finally:
         transformer.eval()
         transformer.zero_grad(set_to_none=True)
@@ -204,17 +205,18 @@ def nearest_family_mse(latent: torch.Tensor, shape, loading: torch.Tensor, seed:
     return found
 
 
+def judged(latent: torch.Tensor, index: int, shape) -> dict:
+    """How near `latent` [C, F, h, w] lies to class `index`'s videos, and whether no other class is nearer."""
+    distances = nearest_family_mse(latent, shape, signatures())
+    return {"mse_to_own_class": distances[index],
+            "mse_to_nearest_other_class": min(d for i, d in enumerate(distances) if i != index),
+            "nearest_class_is_prompted": min(range(len(distances)), key=distances.__getitem__) == index}
+
+
 def denoises(samples: dict[int, torch.Tensor], shape, seed: int) -> dict:
     """Whether the uncached samples look like the data: per class, the nearest-member distance to
-    its own class, to the nearest other class, and for a draw of pure noise to its own class."""
-    loading = signatures()
+    its own class and to the nearest other class, and for a draw of pure noise to its own class."""
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    rows = {}
-    for index, latent in samples.items():
-        distances = nearest_family_mse(latent, shape, loading)
-        own = distances[index]
-        rows[CLASSES[index][0]] = {
-            "mse_to_own_class": own, "mse_to_nearest_other_class": min(d for i, d in enumerate(distances) if i != index),
-            "noise_mse_to_own_class": nearest_family_mse(noise, shape, loading)[index],
-            "nearest_class_is_prompted": min(range(len(distances)), key=distances.__getitem__) == index}
-    return rows
+    return {CLASSES[index][0]: {**judged(latent, index, shape),
+                                "noise_mse_to_own_class": judged(noise, index, shape)["mse_to_own_class"]}
+            for index, latent in samples.items()}
