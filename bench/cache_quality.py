@@ -58,6 +58,7 @@ import torch  # noqa: E402
 from bench.support.cache_quality_runs import calibrated_ratios, compared, quality_methods, run  # noqa: E402
 from bench.support.cache_signal import CLASSES, TrainConfig, denoises, judged, latent_shape, train  # noqa: E402
 from bench.support.speed_runs import UNCACHED, SpeedConfig, build, psnr_db  # noqa: E402
+from vidmem.pipelines.step_cache import StepCache  # noqa: E402
 
 SEEDS = (0, 1)  # each class prompt is sampled at both: eight videos judged per method
 CALIBRATION_SEED = 100  # MagCache's ratios are measured on another video than the ones judged
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
               "denoises": denoises({i: uncached[(i, SEEDS[0])][0] for i in range(len(CLASSES))}, shape, seed=7),
               "seed_psnr_db": {p: psnr_db(uncached[(i, SEEDS[0])], uncached[(i, SEEDS[1])])
                                for i, (p, _) in enumerate(CLASSES)},
-              "methods": {m: summary(settings[m].describe(), by_sample) for m, by_sample in rows.items()}}
+              "methods": {m: summary(settings[m], by_sample) for m, by_sample in rows.items()}}
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     print_report(result)
     if args.json:
@@ -135,15 +136,16 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def summary(settings: str, by_sample: dict) -> dict:
+def summary(cache: StepCache, by_sample: dict) -> dict:
     """One method over every prompt and seed: mean blocks ratio, mean and worst PSNR (None: equal)."""
-    psnrs = [row["psnr_db"] for row in by_sample.values() if row["psnr_db"] is not None]
-    return {"settings": settings, "blocks_ratio": sum(r["blocks_ratio"] for r in by_sample.values()) / len(by_sample),
+    rows = list(by_sample.values())
+    psnrs = [row["psnr_db"] for row in rows if row["psnr_db"] is not None]
+    mean = lambda key: sum(row[key] for row in rows) / len(rows)  # noqa: E731
+    return {"settings": cache.describe(), "ratios": cache.ratio_source or None, "blocks_ratio": mean("blocks_ratio"),
             "psnr_db_mean": sum(psnrs) / len(psnrs) if psnrs else None, "psnr_db_worst": min(psnrs) if psnrs else None,
-            "same_until_first_skip": all(r["same_until_first_skip"] for r in by_sample.values()),
-            "mse_to_own_class_mean": sum(r["mse_to_own_class"] for r in by_sample.values()) / len(by_sample),
-            "nearest_class_is_prompted": sum(r["nearest_class_is_prompted"] for r in by_sample.values()),
-            "by_sample": by_sample}
+            "same_until_first_skip": all(row["same_until_first_skip"] for row in rows),
+            "mse_to_own_class_mean": mean("mse_to_own_class"),
+            "nearest_class_is_prompted": sum(row["nearest_class_is_prompted"] for row in rows), "by_sample": by_sample}
 
 
 def print_report(result: dict) -> None:

@@ -66,6 +66,8 @@ def test_a_cached_run_differs_from_uncached_only_from_its_first_skipped_pass(rep
 def test_the_uncached_row_is_its_own_reference(report):
     off = report["methods"]["off"]
     assert off["blocks_ratio"] == 1.0 and off["psnr_db_mean"] is None and off["same_until_first_skip"]
+    assert off["ratios"] is None and "published" in report["methods"]["mag_cache_published"]["ratios"]
+    assert "calibrated on the trained model" in report["methods"]["mag_cache_calibrated"]["ratios"]
 
 
 def test_the_classes_are_distinct_families_of_smooth_motion():

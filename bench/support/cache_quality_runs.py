@@ -69,14 +69,14 @@ class PassRecorder:
 
 
 @dataclass
-class Run:
+class Recorded:
     latent: torch.Tensor
     blocks_computed: int
     outputs: list[torch.Tensor]
     computed: list[bool]
 
 
-def run(loaded, config: SpeedConfig, cache: StepCache) -> Run:
+def run(loaded, config: SpeedConfig, cache: StepCache) -> Recorded:
     """One `sample()` call at tier none, every pass recorded."""
     recorder = PassRecorder(loaded.pipe.transformer)
     try:
@@ -84,11 +84,11 @@ def run(loaded, config: SpeedConfig, cache: StepCache) -> Run:
     finally:
         recorder.remove()
     total = len(recorder.computed) * config.blocks
-    return Run(done.latent, done.receipt.get("cache", {}).get("blocks_computed", total), recorder.outputs,
+    return Recorded(done.latent, done.receipt.get("cache", {}).get("blocks_computed", total), recorder.outputs,
                recorder.computed)
 
 
-def compared(cached: Run, uncached: Run, config: SpeedConfig) -> dict:
+def compared(cached: Recorded, uncached: Recorded, config: SpeedConfig) -> dict:
     """One method on one prompt against the uncached run: blocks ratio, PSNR of the final latent, and
     where the run first skipped and first differed (the passes before the first skip must match)."""
     skipped = [i for i, c in enumerate(cached.computed) if not c]
