@@ -109,18 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
     calibration = replace(config, prompt=CLASSES[0][0], seed=CALIBRATION_SEED)
     ratios = calibrated_ratios(loaded, calibration)
     settings = quality_methods(config, ratios, f"'{calibration.prompt}', seed {calibration.seed}")
-    rows, uncached = {m: {} for m in settings}, {}
     shape = latent_shape(config.width, config.height, config.frames)
-    for index, (prompt, _) in enumerate(CLASSES):
-        for seed in SEEDS:
-            one = replace(config, prompt=prompt, seed=seed)
-            reference = run(loaded, one, settings[UNCACHED])
-            uncached[(index, seed)] = reference.latent
-            for method, cache in settings.items():
-                done = reference if method == UNCACHED else run(loaded, one, cache)
-                rows[method][f"{prompt} | seed {seed}"] = {**compared(done, reference, config),
-                                                           **judged(done.latent[0], index, shape)}
-        print(f"  {prompt}: done ({time.perf_counter() - started:.0f} s)", flush=True)
+    rows, uncached = judge(loaded, config, settings, shape, started)
     result = {"bench": "cache_quality", "config": config.describe(), "threads": args.threads, "caveats": CAVEATS,
               "training": trained, "calibrated_ratios": list(ratios),
               "denoises": denoises({i: uncached[(i, SEEDS[0])][0] for i in range(len(CLASSES))}, shape, seed=7),
@@ -134,6 +124,23 @@ def main(argv: list[str] | None = None) -> dict:
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
     return result
+
+
+def judge(loaded, config: SpeedConfig, settings: dict[str, StepCache], shape, started: float) -> tuple[dict, dict]:
+    """Every method on every class prompt and seed against the uncached run: method -> "prompt |
+    seed" -> its row, and (class, seed) -> the uncached latent."""
+    rows, uncached = {m: {} for m in settings}, {}
+    for index, (prompt, _) in enumerate(CLASSES):
+        for seed in SEEDS:
+            one = replace(config, prompt=prompt, seed=seed)
+            reference = run(loaded, one, settings[UNCACHED])
+            uncached[(index, seed)] = reference.latent
+            for method, cache in settings.items():
+                done = reference if method == UNCACHED else run(loaded, one, cache)
+                rows[method][f"{prompt} | seed {seed}"] = {**compared(done, reference, config),
+                                                           **judged(done.latent[0], index, shape)}
+        print(f"  {prompt}: done ({time.perf_counter() - started:.0f} s)", flush=True)
+    return rows, uncached
 
 
 def summary(cache: StepCache, by_sample: dict) -> dict:
