@@ -35,7 +35,8 @@ Caveats, also in the JSON: on the CPU no weight is copied (the schedule still co
 copy), so a CPU time ratio reflects compute saved, not copies. Random weights do not represent real
 skip rates or quality for output-driven methods (First Block Cache decides from how much its first
 block's output changed); MagCache's skips depend only on its ratios and the step count, so its
-blocks_ratio is the real one for 50 steps, but its PSNR is not.
+blocks_ratio is the real one for 50 steps, but its PSNR is not. bench/cache_quality.py measures both
+on a tiny Wan trained in the bench (docs/step-cache.md, Quality).
 
     python bench/speed.py --parts cache --runs 3 --json bench/results/speed-cpu-2026-11-26.json  # 2-6 min on 2 cores, by load
     python bench/speed.py --steps 8 --blocks 4 --runs 1                     # seconds
@@ -76,7 +77,8 @@ PARTS = ("cache", "attention", "attention_call", "compile", "fp8_matmul")
 CAVEATS = [
     "Random weights: First Block Cache decides from its first block's output, so its skip rate and every "
     "method's PSNR here say nothing about a real model; MagCache's skips depend only on the published ratios and "
-    "the step count, so its blocks_ratio is the real one at that step count.",
+    "the step count, so its blocks_ratio is the real one at that step count. bench/cache_quality.py measures skip "
+    "rates and PSNR on a trained tiny model instead.",
     "On the CPU nothing is copied (the schedule counts what it would copy): a CPU time_ratio reflects compute "
     "saved, not copies saved.",
     "Each call starts cold (warm-run device copies released), so every call of a tier copies the same way.",

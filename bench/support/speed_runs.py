@@ -43,6 +43,8 @@ class SpeedConfig:
     time_tiers: tuple[str, ...] = ("none",)
     fbc_bold: float = 0.1  # First Block Cache's bolder threshold (diffusers' default is 0.05)
     real_widths: bool = False  # the 1.3B's own widths (12 x 128, ffn 8960): `--device cuda`
+    prompt: str = "a cat and a dog dance"
+    seed: int = 0
 
     def transformer(self) -> dict:
         widths = {} if self.real_widths else dict(num_attention_heads=self.heads, attention_head_dim=self.head_dim,
@@ -50,8 +52,8 @@ class SpeedConfig:
         return dict(transformer_config(MODEL)[1], num_layers=self.blocks, text_dim=32, **widths)  # 32: the tiny encoder
 
     def request(self, cache: StepCache) -> SampleRequest:
-        return SampleRequest("a cat and a dog dance", "", self.width, self.height, self.frames, self.steps, self.cfg,
-                             seed=0, cache=cache)
+        return SampleRequest(self.prompt, "", self.width, self.height, self.frames, self.steps, self.cfg,
+                             seed=self.seed, cache=cache)
 
     def describe(self) -> dict:
         config = self.transformer()
