@@ -71,7 +71,11 @@ PINNED_HEADROOM_BYTES = 8 * GiB
 
 
 def default_pinned_cap(available: int | None = None) -> int:
-    """Half of the RAM that is free now (or `available` bytes: a plan's), keeping PINNED_HEADROOM_BYTES unpinned."""
+    """Half of the RAM that is free now (or `available` bytes: a plan's), keeping PINNED_HEADROOM_BYTES unpinned.
+
+    What a pool has already pinned is not added back: adopting a pageable weight moves it (its old
+    bytes are freed), so the free RAM read after pinning is the free RAM before it, and the pool's
+    homes count against the ceiling on top (HostPool._allocate, the training and decode callers)."""
     available = psutil.virtual_memory().available if available is None else available
     return max(0, min(available // 2, available - PINNED_HEADROOM_BYTES))
 
