@@ -205,7 +205,8 @@ def diffusers_named(path, tmp_path):
 # What ComfyUI's own model (comfy/ldm/hunyuan_video/model.py, Flux-style) names these parameters, and so
 # what its ModelSave writes under `model.model.`: written from that model, not from hy15.COMFY_RENAMES.
 COMFY_SAVED_KEYS = ("model.model.double_blocks.0.img_attn.qkv.weight", "model.model.double_blocks.1.txt_attn.qkv.bias",
-                    "model.model.double_blocks.0.img_attn.norm.query_norm.scale", "model.model.double_blocks.0.txt_attn.norm.key_norm.scale",
+                    "model.model.double_blocks.0.img_attn.norm.query_norm.scale",
+                    "model.model.double_blocks.0.txt_attn.norm.key_norm.scale",
                     "model.model.double_blocks.1.img_mod.lin.weight", "model.model.double_blocks.0.txt_mlp.2.bias",
                     "model.model.double_blocks.0.img_attn.proj.weight", "model.model.txt_in.t_embedder.in_layer.weight",
                     "model.model.txt_in.c_embedder.out_layer.bias", "model.model.time_in.in_layer.weight",
@@ -463,3 +464,20 @@ def test_a_flattened_final_modulation_is_named_as_such():
     flattened = StoredTensor(quantize(torch.randn(1, 64), fmt).data, fmt, (2, 32))  # one row of blocks meaning two rows
     with pytest.raises(ModelError, match=r"flattened before quantizing, so its \(shift, scale\) halves cannot be swapped"):
         hy15.swap_halves(flattened)
+
+
+def test_a_file_whose_name_contradicts_the_folder_loads_with_a_warning(comfy_file, tiny_folder, tmp_path, caplog):
+    """t2v / i2v and 480p / 720p are config values the tensors cannot show: the folder decides, and
+    a name that says otherwise is logged (a renamed file may be right), not refused."""
+    import logging
+    import shutil
+
+    claimed = shutil.copy(comfy_file, tmp_path / "hunyuanvideo1.5_i2v_tiny.safetensors")
+    with caplog.at_level(logging.WARNING, logger="vidmem"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", claimed)
+    assert "transformer_file 'hunyuanvideo1.5_i2v_tiny.safetensors': its name says i2v, the folder's task_type is 't2v'" in caplog.text
+    caplog.clear()
+    plain = shutil.copy(comfy_file, tmp_path / "hunyuanvideo1.5_tiny.safetensors")
+    with caplog.at_level(logging.WARNING, logger="vidmem"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", plain)
+    assert "its name says" not in caplog.text

@@ -344,6 +344,19 @@ def _constructor_defaults() -> dict[str, Any]:
     return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
+# What a file's name may claim that its tensors cannot show: (word in the name, config key, its value).
+_NAME_CLAIMS = (("t2v", "task_type", "t2v"), ("i2v", "task_type", "i2v"), ("480p", "target_size", 640), ("720p", "target_size", 960))
+
+
+def name_disagreements(file_name: str, config: Mapping[str, Any]) -> list[str]:
+    """What `file_name` says (t2v / i2v, 480p / 720p) that the folder's transformer `config`
+    contradicts. The tensors have the same shapes either way, so this is worth a warning, not a
+    refusal: the folder's config decides, and a renamed file may be right."""
+    words = set(re.split(r"[^a-z0-9]+", file_name.lower()))
+    return [f"its name says {word}, the folder's {key} is {config[key]!r}"
+            for word, key, value in _NAME_CLAIMS if word in words and key in config and config[key] != value]
+
+
 def is_transformer(tensors: Mapping[str, Any]) -> bool:
     """Whether diffusers-named transformer tensors are HunyuanVideo 1.5's."""
     return "cond_type_embed.weight" in tensors
