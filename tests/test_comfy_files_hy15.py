@@ -452,7 +452,9 @@ def test_a_square_matrix_with_a_per_column_scale_splits_by_storeds_rule():
     for scale in (torch.tensor([1.0, 2.0, 4.0, 8.0]), torch.tensor([[1.0], [2.0], [4.0], [8.0]]), torch.tensor(0.5)):
         stored = StoredTensor(data, fmt, (4, 4), scale)
         whole = stored.dequantize(torch.float32)
-        assert torch.equal(torch.cat([part.dequantize(torch.float32) for part in hy15.split_rows(stored, 2)]), whole)
+        parts = hy15.split_rows(stored, 2)
+        assert all(part.data.data_ptr() == data.data_ptr() + i * 8 for i, part in enumerate(parts))  # views of the file's rows
+        assert torch.equal(torch.cat([part.dequantize(torch.float32) for part in parts]), whole)
         swapped = hy15.swap_halves(stored).dequantize(torch.float32)
         assert torch.equal(swapped, torch.cat([whole[2:], whole[:2]])), scale.shape
 

@@ -72,7 +72,8 @@ def _hy15_transformer(path: Path, role: str, layout: KeyLayout, tensors: Mapping
         mapped = hy15.transformer_tensors(tensors, layout, path.name)
     except ModelError as error:
         raise ModelError(f"{role}: {error}") from None
-    if mapped["x_embedder.proj.weight"].shape[1] == hy15.SR_IN_CHANNELS:
+    patch = mapped.get("x_embedder.proj.weight")  # absent: _fields names the missing tensor
+    if patch is not None and patch.shape[1] == hy15.SR_IN_CHANNELS:
         raise ModelError(
             f"{role}: '{path.name}' is a HunyuanVideo 1.5 super-resolution transformer ({hy15.SR_IN_CHANNELS} input "
             "channels: it upscales another model's latents), which vidmem does not run; use Comfy-Org's "
