@@ -9,6 +9,7 @@ its fix and an absurd size never reaches the allocator.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -232,7 +233,7 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config
     if config is None:
         raise ModelError(f"transformer_file needs the folder's transformer config, but '{folder / 'model_index.json'}' "
                          "lists no transformer; use a diffusers folder of the file's model.")
-    from .comfy_files import detect
+    from .comfy_files import detect, hy15
     from .comfy_files.build import build_empty
     from .comfy_files.files import read_weight_file
     from .configs.meta import ComponentConfig
@@ -250,6 +251,8 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config
     if problems:
         raise ModelError(f"transformer_file '{path.name}' is not the transformer of '{folder.name}' ({'; '.join(problems)}); "
                          "pick the file of the same model, or leave transformer_file empty.")
+    for claim in hy15.name_disagreements(path.name, config):  # the tensors cannot tell: the folder decides
+        logging.getLogger("vidmem").warning("vidmem: transformer_file '%s': %s; the folder's config is used.", path.name, claim)
     component = ComponentConfig("transformer", "diffusers", spec.single_file_transformer, config,
                                 str(folder / "transformer" / "config.json"))
     # Used in place from the file's mapping (the disk tier): the config against the file's real tensors.

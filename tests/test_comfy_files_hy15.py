@@ -202,7 +202,31 @@ def diffusers_named(path, tmp_path):
     return tmp_path / "hy15_diffusers.safetensors"
 
 
-@pytest.mark.parametrize("layout", [tencent_unfused, prefixed, diffusers_named], ids=["tencent", "prefixed", "diffusers"])
+# What ComfyUI's own model (comfy/ldm/hunyuan_video/model.py, Flux-style) names these parameters, and so
+# what its ModelSave writes under `model.model.`: written from that model, not from hy15.COMFY_RENAMES.
+COMFY_SAVED_KEYS = ("model.model.double_blocks.0.img_attn.qkv.weight", "model.model.double_blocks.1.txt_attn.qkv.bias",
+                    "model.model.double_blocks.0.img_attn.norm.query_norm.scale",
+                    "model.model.double_blocks.0.txt_attn.norm.key_norm.scale",
+                    "model.model.double_blocks.1.img_mod.lin.weight", "model.model.double_blocks.0.txt_mlp.2.bias",
+                    "model.model.double_blocks.0.img_attn.proj.weight", "model.model.txt_in.t_embedder.in_layer.weight",
+                    "model.model.txt_in.c_embedder.out_layer.bias", "model.model.time_in.in_layer.weight",
+                    "model.model.txt_in.individual_token_refiner.blocks.0.self_attn.qkv.weight",
+                    "model.model.txt_in.individual_token_refiner.blocks.0.mlp.0.weight",
+                    "model.model.final_layer.adaLN_modulation.1.weight", "model.model.cond_type_embedding.weight")
+
+
+def comfy_saved(path, tmp_path):
+    """As ComfyUI's ModelSave writes this family (process_unet_state_dict_for_saving): its model's names under `model.model.`."""
+    plain = hy15.transformer_tensors(file_tensors(path), KeyLayout.ORIGINAL, path.name)
+    written = write_hy15_transformer(plain, tmp_path / "hy15_saved_by_comfyui.safetensors", "fp32", KeyLayout.PREFIXED)
+    names = set(file_tensors(written))
+    assert set(COMFY_SAVED_KEYS) <= names and hy15.transformer_layout(names) is KeyLayout.PREFIXED
+    assert not [n for n in names if "_attn_qkv." in n or "mlp.fc" in n or ".linear." in n.replace("final_layer.linear.", "")]
+    return written
+
+
+@pytest.mark.parametrize("layout", [tencent_unfused, prefixed, comfy_saved, diffusers_named],
+                         ids=["tencent", "model.diffusion_model", "saved-by-comfyui", "diffusers"])
 def test_the_other_layouts_load_the_same(layout, comfy_file, tiny_folder, tiny_loaded, tmp_path):
     path = layout(comfy_file, tmp_path)
     loaded = load_pipeline(tiny_folder(VARIANT), "fp32", path)
@@ -272,7 +296,8 @@ def test_hunyuanvideo_1_0_and_unknown_tensors_are_refused_by_name(comfy_file, ti
     tensors = file_tensors(comfy_file)
     old = {n: t for n, t in tensors.items() if n != hy15.V15_MARKER}
     save_file(old, str(tmp_path / "hunyuan_video_t2v_720p_bf16.safetensors"))
-    with pytest.raises(ModelError, match=r"'hunyuan_video_t2v_720p_bf16.safetensors' is a HunyuanVideo \(1.0\) transformer"):
+    with pytest.raises(ModelError, match=r"^transformer_file: 'hunyuan_video_t2v_720p_bf16.safetensors' is a HunyuanVideo 1.0 "
+                                         r"or HunyuanImage 2.1 transformer"):
         load_pipeline(tiny_folder(VARIANT), "fp32", tmp_path / "hunyuan_video_t2v_720p_bf16.safetensors")
     save_file(dict(tensors, **{"upsampler.conv.weight": torch.zeros(2, 2)}), str(tmp_path / "hunyuanvideo1.5_sr.safetensors"))
     with pytest.raises(ModelError, match=r"'hunyuanvideo1.5_sr.safetensors' is a HunyuanVideo 1.5 transformer with tensors "
@@ -382,3 +407,79 @@ def test_the_cuda_path_streams_the_files_split_matrices_in_the_promised_order(st
         assert not points_at_a_device_copy(loaded.pipe, fake), label
         problems = Audit(fake.log).run(strategy.prefetch_blocks).problems
         assert not problems, f"{label}: " + "; ".join(problems[:5])
+
+
+def test_the_super_resolution_models_are_named(comfy_file, tmp_path):
+    tensors = file_tensors(comfy_file)
+    patch = tensors["img_in.proj.weight"]
+    tensors["img_in.proj.weight"] = torch.zeros(patch.shape[0], hy15.SR_IN_CHANNELS, *patch.shape[2:])
+    save_file(tensors, str(tmp_path / "hunyuanvideo1.5_720p_sr_distilled.safetensors"))
+    with pytest.raises(ModelError, match=r"^transformer_file: 'hunyuanvideo1.5_720p_sr_distilled.safetensors' is a HunyuanVideo 1.5 "
+                                         r"super-resolution transformer \(98 input channels"):
+        read_weight_file(tmp_path / "hunyuanvideo1.5_720p_sr_distilled.safetensors", "transformer_file", detect.TRANSFORMER)
+
+
+def test_an_all_in_one_checkpoint_is_named_with_the_fix(comfy_file, tmp_path):
+    tensors = {COMFY_PREFIX + n: t for n, t in file_tensors(comfy_file).items()}
+    tensors |= {"vae.decoder.conv_in.weight": torch.zeros(2, 2), "text_encoders.qwen25_7b.transformer.norm.weight": torch.zeros(2)}
+    save_file(tensors, str(tmp_path / "hunyuanvideo1.5_aio.safetensors"))
+    with pytest.raises(ModelError, match=r"^transformer_file: 'hunyuanvideo1.5_aio.safetensors' is an all-in-one HunyuanVideo 1.5 "
+                                         r"checkpoint .*vidmem reads the transformer alone.*ModelSave"):
+        read_weight_file(tmp_path / "hunyuanvideo1.5_aio.safetensors", "transformer_file", detect.TRANSFORMER)
+
+
+def test_a_damaged_file_is_checked_against_its_input_before_its_names(comfy_file, tmp_path):
+    """The kind is told by the markers alone: a transformer in the vae input is named as one, even
+    when its names would not map; in its own input the mapping error carries the input's name."""
+    tensors = file_tensors(comfy_file)
+    tensors["double_blocks.1.txt_attn_qkv.weight"] = tensors["double_blocks.1.txt_attn_qkv.weight"][:-1].clone()
+    save_file(tensors, str(tmp_path / "hy15_damaged.safetensors"))
+    with pytest.raises(ModelError, match=r"^vae: 'hy15_damaged.safetensors' holds a HunyuanVideo 1.5 transformer, but this input "
+                                         r"takes a Wan VAE"):
+        read_weight_file(tmp_path / "hy15_damaged.safetensors", "vae", detect.VAE)
+    with pytest.raises(ModelError, match=r"^transformer_file: 'hy15_damaged.safetensors': 'double_blocks.1.txt_attn_qkv.weight' "
+                                         r"has 47 rows"):
+        read_weight_file(tmp_path / "hy15_damaged.safetensors", "transformer_file", detect.TRANSFORMER)
+
+
+def test_a_square_matrix_with_a_per_column_scale_splits_by_storeds_rule():
+    """A per-column scale as long as the rows are many is not a per-row one: every row range keeps
+    it whole (StoredTensor.row_range); a per-row scale ([rows, 1]) is cut with its rows."""
+    from vidmem.memory.storage import StoredTensor, storage_format
+
+    fmt = storage_format("fp8_scaled")
+    data = torch.arange(16, dtype=torch.float32).reshape(4, 4).to(torch.float8_e4m3fn)
+    for scale in (torch.tensor([1.0, 2.0, 4.0, 8.0]), torch.tensor([[1.0], [2.0], [4.0], [8.0]]), torch.tensor(0.5)):
+        stored = StoredTensor(data, fmt, (4, 4), scale)
+        whole = stored.dequantize(torch.float32)
+        parts = hy15.split_rows(stored, 2)
+        assert all(part.data.data_ptr() == data.data_ptr() + i * 8 for i, part in enumerate(parts))  # views of the file's rows
+        assert torch.equal(torch.cat([part.dequantize(torch.float32) for part in parts]), whole)
+        swapped = hy15.swap_halves(stored).dequantize(torch.float32)
+        assert torch.equal(swapped, torch.cat([whole[2:], whole[:2]])), scale.shape
+
+
+def test_a_flattened_final_modulation_is_named_as_such():
+    from vidmem.memory.storage import StoredTensor, quantize, storage_format
+
+    fmt = storage_format("gguf_q8_0")
+    flattened = StoredTensor(quantize(torch.randn(1, 64), fmt).data, fmt, (2, 32))  # one row of blocks meaning two rows
+    with pytest.raises(ModelError, match=r"flattened before quantizing, so its \(shift, scale\) halves cannot be swapped"):
+        hy15.swap_halves(flattened)
+
+
+def test_a_file_whose_name_contradicts_the_folder_loads_with_a_warning(comfy_file, tiny_folder, tmp_path, caplog):
+    """t2v / i2v and 480p / 720p are config values the tensors cannot show: the folder decides, and
+    a name that says otherwise is logged (a renamed file may be right), not refused."""
+    import logging
+    import shutil
+
+    claimed = shutil.copy(comfy_file, tmp_path / "hunyuanvideo1.5_i2v_tiny.safetensors")
+    with caplog.at_level(logging.WARNING, logger="vidmem"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", claimed)
+    assert "transformer_file 'hunyuanvideo1.5_i2v_tiny.safetensors': its name says i2v, the folder's task_type is 't2v'" in caplog.text
+    caplog.clear()
+    plain = shutil.copy(comfy_file, tmp_path / "hunyuanvideo1.5_tiny.safetensors")
+    with caplog.at_level(logging.WARNING, logger="vidmem"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", plain)
+    assert "its name says" not in caplog.text

@@ -312,3 +312,21 @@ def test_a_fused_layer_of_another_size_is_refused_naming_its_parts(loaded, tmp_p
                        r"transformer_blocks.0.attn.to_q \+ transformer_blocks.0.attn.to_k \+ transformer_blocks.0.attn.to_v fused, "
                        r"48 rows in this model"):
         load_lora(write(tmp_path / "big.safetensors", keys), value.pipe, 1.0)
+
+
+def test_hunyuan15_names_come_from_the_file_readers_table():
+    """Tencent's and ComfyUI's names for one layer resolve alike (comfy_files/hy15.py's table and
+    ComfyUI's renames, shared with the file reader); the final modulation, whose shift and scale
+    rows diffusers swaps, resolves to nothing, so a LoRA on it is reported rather than misapplied."""
+    from vidmem.pipelines.lora.names import hunyuan15_original_to_diffusers
+
+    pairs = {"txt_in.t_embedder.mlp.0": "txt_in.t_embedder.in_layer", "time_r_in.mlp.2": "time_r_in.out_layer",
+             "double_blocks.4.txt_mod.linear": "double_blocks.4.txt_mod.lin",
+             "txt_in.individual_token_refiner.blocks.1.mlp.fc2": "txt_in.individual_token_refiner.blocks.1.mlp.2",
+             "txt_in.individual_token_refiner.blocks.1.self_attn_qkv": "txt_in.individual_token_refiner.blocks.1.self_attn.qkv"}
+    found = hunyuan15_original_to_diffusers([*pairs, *pairs.values(), "final_layer.adaLN_modulation.1"])
+    assert all(found[tencent] == found[comfy] for tencent, comfy in pairs.items())
+    assert found["time_r_in.mlp.2"] == "time_embed.timestep_embedder_r.linear_2"
+    assert found["txt_in.individual_token_refiner.blocks.1.self_attn_qkv"] == tuple(
+        f"context_embedder.token_refiner.refiner_blocks.1.attn.to_{x}" for x in "qkv")
+    assert "final_layer.adaLN_modulation.1" not in found

@@ -111,6 +111,15 @@ class StoredTensor:
         rows = self.data.index_select(0, index)
         return StoredTensor(rows, self.format, (rows.shape[0], self.shape[1]), _scale_rows(self.scale, index))
 
+    def row_range(self, start: int, stop: int) -> "StoredTensor":
+        """Rows `start:stop` of dimension 0, still stored: a view of the same data (a fused matrix's
+        q, k or v). A per-row scale is cut with its rows; a per-tensor or per-column one is shared."""
+        if self.data.shape[0] != self.shape[0] or not 0 <= start < stop <= self.shape[0]:
+            raise StorageError(f"{self!r}: rows {start}:{stop} cannot be taken (held as {list(self.data.shape)}; "
+                               "a tensor flattened before quantizing keeps no rows).")
+        rows = slice(start, stop)
+        return StoredTensor(self.data[rows], self.format, (stop - start, *self.shape[1:]), _scale_rows(self.scale, rows))
+
     def _layout_problem(self) -> str | None:
         fmt, data = self.format, self.data
         if fmt.scaled != (self.scale is not None):

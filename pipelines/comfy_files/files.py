@@ -19,7 +19,7 @@ from ...memory.storage.files import SafetensorsFile
 from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
 from . import detect, hy15, ltx2
-from .keys import KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
+from .keys import COMFY_PREFIX, KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
 
 TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
 QUANT_SUFFIX = ".comfy_quant"  # ComfyUI's newer per-layer quantization record (JSON bytes), next to `weight_scale`
@@ -47,14 +47,39 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
     path = Path(path)
     kind, layout, tensors, extra = _classify(path, role, _open_tensors(path, role))
     if kind != expected:
-        held = detect.KIND_NAMES[kind]
-        if kind == detect.TRANSFORMER:  # Wan's, LTX-2's or HunyuanVideo 1.5's
-            held = detect.a_family_transformer(_fields(kind, layout, tensors))
         raise ModelError(
-            f"{role}: '{path.name}' holds {held}, but this input takes {detect.KIND_NAMES[expected]}; "
+            f"{role}: '{path.name}' holds {_held(kind, layout, tensors)}, but this input takes {detect.KIND_NAMES[expected]}; "
             f"pick the matching file from the {expected.replace('_', ' ')} list."
         )
+    if kind == detect.TRANSFORMER and hy15.transformer_layout(tensors) is not None:
+        tensors = _hy15_transformer(path, role, layout, tensors)
     return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors, _fields(kind, layout, tensors), extra)
+
+
+def _held(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> str:
+    """What a file of `kind` holds, for messages: a transformer by its family."""
+    if kind != detect.TRANSFORMER:
+        return detect.KIND_NAMES[kind]
+    if hy15.transformer_layout(tensors) is not None:  # still under the file's names: see _classify
+        return "a HunyuanVideo 1.5 transformer"
+    return detect.a_family_transformer(_fields(kind, layout, tensors))
+
+
+def _hy15_transformer(path: Path, role: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """A HunyuanVideo 1.5 transformer's tensors under diffusers' names, once the file is known to be
+    one in the right input; the super-resolution models (which map fully) refused by name."""
+    try:
+        mapped = hy15.transformer_tensors(tensors, layout, path.name)
+    except ModelError as error:
+        raise ModelError(f"{role}: {error}") from None
+    patch = mapped.get("x_embedder.proj.weight")  # absent: _fields names the missing tensor
+    if patch is not None and patch.shape[1] == hy15.SR_IN_CHANNELS:
+        raise ModelError(
+            f"{role}: '{path.name}' is a HunyuanVideo 1.5 super-resolution transformer ({hy15.SR_IN_CHANNELS} input "
+            "channels: it upscales another model's latents), which vidmem does not run; use Comfy-Org's "
+            "hunyuanvideo1.5_{480p,720p}_{t2v,i2v}*.safetensors."
+        )
+    return mapped
 
 
 def _open_tensors(path: Path, role: str) -> dict[str, Any]:
@@ -84,13 +109,20 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     names = tuple(tensors)
     if ltx2.is_ltx2(names):
         return _ltx2_transformer(path, role, tensors)
+    if hy15.is_all_in_one(names):
+        raise ModelError(
+            f"{role}: '{path.name}' is an all-in-one HunyuanVideo 1.5 checkpoint (the transformer under "
+            f"'{COMFY_PREFIX}' with 'vae.' and 'text_encoders.' beside it); vidmem reads the transformer alone. Use "
+            "Comfy-Org's hunyuanvideo1.5_*.safetensors, or save the model alone from ComfyUI (Load Checkpoint, then ModelSave)."
+        )
     layout = hy15.transformer_layout(names)
-    if layout is not None:
-        return detect.TRANSFORMER, layout, hy15.transformer_tensors(tensors, layout, path.name), None
+    if layout is not None:  # mapped to diffusers' names once the input is known to take it (read_weight_file)
+        return detect.TRANSFORMER, layout, tensors, None
     if hy15.is_version_1(names):
         raise ModelError(
-            f"{role}: '{path.name}' is a HunyuanVideo (1.0) transformer (no 'cond_type_embedding'), which vidmem does not "
-            "run; use a HunyuanVideo 1.5 file (Comfy-Org's hunyuanvideo1.5_*.safetensors) over a HunyuanVideo 1.5 diffusers folder."
+            f"{role}: '{path.name}' is a HunyuanVideo 1.0 or HunyuanImage 2.1 transformer (no 'cond_type_embedding'), "
+            "which vidmem does not run; use a HunyuanVideo 1.5 file (Comfy-Org's hunyuanvideo1.5_*.safetensors) over a "
+            "HunyuanVideo 1.5 diffusers folder."
         )
     layout = transformer_layout(names)
     if layout is not None:
@@ -110,9 +142,10 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
             return detect.VAE, vae_layout, _strip(tensors, prefix), None
     sample = ", ".join(names[:5])
     raise ModelError(
-        f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan, "
-        "LTX-2 and HunyuanVideo 1.5 transformers (original, model.diffusion_model. or diffusers names), Wan VAEs, T5/UMT5 text encoders "
-        "(transformers names) and CLIP vision encoders; use Comfy-Org's repackaged files."
+        f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan "
+        "transformers (original, model.diffusion_model. or diffusers names), LTX-2 checkpoints, HunyuanVideo 1.5 transformers "
+        "(Comfy-Org's or Tencent's names, saved by ComfyUI under model.model., or diffusers names), Wan VAEs, T5/UMT5 text "
+        "encoders (transformers names) and CLIP vision encoders; use Comfy-Org's repackaged files."
     )
 
 

@@ -4,8 +4,13 @@ Comfy-Org's files (HunyuanVideo_1.5_repackaged: hunyuanvideo1.5_720p_t2v_fp16.sa
 ..._480p_i2v_..._fp8_scaled...) hold the transformer under Tencent's original names, unprefixed
 (`double_blocks.0.img_mod.linear.weight`, `txt_in.individual_token_refiner.blocks.0.norm1.weight`),
 with each double block's image and text attention fused into one `img_attn_qkv` / `txt_attn_qkv`
-matrix as ComfyUI's model holds them; Tencent's own checkpoint keeps `img_attn_q/_k/_v` apart.
-Both are read, and files saved by ComfyUI (`model.diffusion_model.` prefix) or in diffusers' names.
+matrix; Tencent's own checkpoint keeps `img_attn_q/_k/_v` apart. Files saved by ComfyUI itself
+(its ModelSave / CheckpointSave) hold its model's names instead (`img_attn.qkv`, `img_mod.lin`,
+`img_mlp.0`, `img_attn.norm.query_norm.scale`, `txt_in.t_embedder.in_layer`) under `model.model.`:
+ComfyUI's own renaming rules (COMFY_RENAMES, which the LoRA naming in pipelines/lora/names.py uses
+too) take them back to Tencent's. Files in diffusers' names are read as they are. An all-in-one
+checkpoint (`model.diffusion_model.` beside `vae.` and `text_encoders.`) is refused by name; a
+transformer alone under `model.diffusion_model.` (ComfyUI's checkpoint prefix) is read.
 
 diffusers 0.42.1 ships no single-file converter for this model (only the conversion script
 scripts/convert_hunyuan_video1_5_to_diffusers.py, not installed), so the mapping is written here
@@ -13,18 +18,21 @@ once, as data, from the two model definitions (Tencent's / ComfyUI's and diffuse
 HunyuanVideo15Transformer3DModel): renames, three fused matrices split by rows into q, k, v
 (views of the file's mapping, never copies), and the final modulation, which Tencent orders
 (shift, scale) and diffusers' AdaLayerNormContinuous (scale, shift): its two halves trade places
-(a copy of one small matrix). The reverse (`original_tensors`) writes files in Comfy-Org's layout
-for tests and benches; tests/test_comfy_files_hy15.py round-trips a model through both.
+(a copy of one small matrix). The reverse (`original_tensors`) writes files in Comfy-Org's and ComfyUI's
+layouts for tests and benches; tests/test_comfy_files_hy15.py round-trips a model through both.
 
 What the tensors cannot tell: T2V from I2V, and 480p from 720p. Every HunyuanVideo 1.5
-transformer has the image projection (`vision_in`) and 65 input channels; `task_type` and
-`target_size` are config values only (diffusers' model reads neither), so the folder's
-transformer config decides them. The step-distilled 480p I2V model has a second time embedder
-(`time_r_in`, `use_meanflow`), which the tensors do show.
+transformer but the super-resolution ones (98 input channels, refused by name) has the image
+projection (`vision_in`) and 65 input channels; `task_type` and `target_size` are config values
+only (diffusers' model reads neither), so the folder's transformer config decides them. The
+step-distilled 480p I2V model has a second time embedder (`time_r_in`, `use_meanflow`), which the
+tensors do show.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -94,27 +102,99 @@ _GROUPS = (
 FUSED = {"img_attn_qkv": ("img_attn_q", "img_attn_k", "img_attn_v"),
          "txt_attn_qkv": ("txt_attn_q", "txt_attn_k", "txt_attn_v"),
          "self_attn_qkv": ("self_attn_q", "self_attn_k", "self_attn_v")}
-# Comfy-Org fuses the double blocks' attention; the token refiner is fused in every release.
-_WRITTEN_FUSED = ("img_attn_qkv", "txt_attn_qkv", "self_attn_qkv")
+SR_IN_CHANNELS = 98  # the super-resolution models (ComfyUI: HunyuanVideo15_SR_Distilled, in_channels 98)
 SWAPPED = "final_layer.adaLN_modulation.1"  # (shift, scale) in the file, (scale, shift) in diffusers
+
+# ComfyUI's model names its layers Flux-style (`img_attn.qkv`, `img_mod.lin`, `img_mlp.0`,
+# `t_embedder.in_layer`): HunyuanVideo.process_unet_state_dict (comfy/supported_models.py) renames
+# Tencent's names with these replace rules, in this order, when it loads a file. Files ComfyUI saves
+# (`process_unet_state_dict_for_saving`: SAVED_PREFIX before each name) and LoRAs made for ComfyUI
+# use the renamed names; `tencent_name` takes them back. The rules for HunyuanVideo 1.0's single
+# blocks (`.q_norm.`, `.modulation.`) match no 1.5 name but are kept: this is ComfyUI's list verbatim.
+COMFY_RENAMES = (
+    ("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer."), ("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."),
+    ("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer."), ("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."),
+    ("_mod.linear.", "_mod.lin."), ("_attn_qkv.", "_attn.qkv."),
+    ("mlp.fc1.", "mlp.0."), ("mlp.fc2.", "mlp.2."),
+    ("_attn_q_norm.weight", "_attn.norm.query_norm.scale"), ("_attn_k_norm.weight", "_attn.norm.key_norm.scale"),
+    (".q_norm.weight", ".norm.query_norm.scale"), (".k_norm.weight", ".norm.key_norm.scale"),
+    ("_attn_proj.", "_attn.proj."),
+    (".modulation.linear.", ".modulation.lin."),
+    ("_in.mlp.2.", "_in.out_layer."), ("_in.mlp.0.", "_in.in_layer."),
+)
+SAVED_PREFIX = "model.model."  # ComfyUI's HunyuanVideo.process_unet_state_dict_for_saving
+_LEAVES = ("weight", "bias")
+
+
+def comfy_name(name: str) -> str:
+    """Tencent's parameter name as ComfyUI's model names it (its replace rules, run as it runs them)."""
+    for old, new in COMFY_RENAMES:
+        name = name.replace(old, new)
+    return name
+
+
+def _renamed_in_groups() -> tuple[dict[str, str], ...]:
+    """Per group of _GROUPS: ComfyUI's name inside the block -> Tencent's, for every name the table
+    maps. Derived by running the rules forward: the rules are substring replaces whose plain reverse
+    would also hit names they never produced (`mlp.0.` inside `time_in.mlp.0.`)."""
+    found = []
+    for source, _, table in _GROUPS:
+        block = source.format(0)
+        stems = list(table) + [whole for whole, parts in FUSED.items() if all(p in table for p in parts)]
+        pairs = {comfy_name(f"{block}{stem}.{leaf}").removeprefix(block): f"{stem}.{leaf}" for stem in stems for leaf in _LEAVES}
+        found.append({renamed: tencent for renamed, tencent in pairs.items() if renamed != tencent})
+    return tuple(found)
+
+
+def tencent_name(name: str) -> str:
+    """A parameter name in Tencent's layout, whether written so or as ComfyUI's model names it."""
+    block, rest, group = _block_of(name, _GROUPS)
+    tencent = _RENAMED[_GROUPS.index(group)].get(rest)
+    return name if tencent is None else group[0].format(block) + tencent
+
+
+def diffusers_targets(name: str) -> tuple[str, ...] | None:
+    """The diffusers parameter name(s) a Tencent or ComfyUI parameter `name` holds (q, k, v for a
+    fused matrix, whose rows they are in that order); None for a name outside the table."""
+    stem, dot, leaf = tencent_name(name).rpartition(".")
+    if not dot or leaf not in _LEAVES:
+        return None
+    block, rest, (_, target, table) = _block_of(stem, _GROUPS)
+    parts = FUSED.get(rest, (rest,))
+    if not all(part in table for part in parts):
+        return None
+    return tuple(f"{target.format(block)}{table[part]}.{leaf}" for part in parts)
 
 
 def transformer_layout(names: Iterable[str]) -> KeyLayout | None:
-    """ORIGINAL: Comfy-Org's / Tencent's names; PREFIXED: under `model.diffusion_model.`;
-    DIFFUSERS: diffusers' own; None: no HunyuanVideo 1.5 transformer (see `is_version_1`)."""
+    """ORIGINAL: Comfy-Org's / Tencent's names, unprefixed; PREFIXED: under a prefix (`model.model.`:
+    saved by ComfyUI, names as its model has them; `model.diffusion_model.`: ComfyUI's checkpoint
+    layout, see `is_all_in_one`); DIFFUSERS: diffusers' own; None: no HunyuanVideo 1.5 transformer
+    (see `is_version_1`). The markers are the same in Tencent's and ComfyUI's names."""
     names = set(names)
     if all(marker in names for marker in DIFFUSERS_MARKERS):
         return KeyLayout.DIFFUSERS
-    for layout, prefix in ((KeyLayout.ORIGINAL, ""), (KeyLayout.PREFIXED, COMFY_PREFIX)):
-        if prefix + MARKER in names and prefix + V15_MARKER in names:
-            return layout
-    return None
+    prefix = _prefix(names)
+    if prefix is None:
+        return None
+    return KeyLayout.ORIGINAL if prefix == "" else KeyLayout.PREFIXED
+
+
+def _prefix(names) -> str | None:
+    return next((p for p in ("", SAVED_PREFIX, COMFY_PREFIX) if p + MARKER in names and p + V15_MARKER in names), None)
 
 
 def is_version_1(names: Iterable[str]) -> bool:
-    """A HunyuanVideo (1.0) transformer: ComfyUI's HunyuanVideo key without 1.5's token-type embedding."""
+    """ComfyUI's HunyuanVideo key without 1.5's token-type embedding: a HunyuanVideo 1.0 or
+    HunyuanImage 2.1 transformer (ComfyUI reads all three as one model class)."""
     names = set(names)
-    return any(prefix + MARKER in names and prefix + V15_MARKER not in names for prefix in ("", COMFY_PREFIX))
+    return any(p + MARKER in names and p + V15_MARKER not in names for p in ("", SAVED_PREFIX, COMFY_PREFIX))
+
+
+def is_all_in_one(names: Iterable[str]) -> bool:
+    """A checkpoint holding the transformer (`model.diffusion_model.`) with its VAE and text encoders."""
+    names = set(names)
+    return COMFY_PREFIX + MARKER in names and any(n.startswith(("vae.", "text_encoders.")) for n in names)
 
 
 def transformer_tensors(tensors: Mapping[str, Any], layout: KeyLayout, file_name: str) -> dict[str, Any]:
@@ -123,42 +203,31 @@ def transformer_tensors(tensors: Mapping[str, Any], layout: KeyLayout, file_name
     file for a name the table does not know, so nothing is loaded half-mapped."""
     if layout is KeyLayout.DIFFUSERS:
         return dict(tensors)
-    prefix = COMFY_PREFIX if layout is KeyLayout.PREFIXED else ""
+    prefix = _prefix(set(tensors)) or ""
     out, unknown = {}, []
     for name, tensor in tensors.items():
-        if not name.startswith(prefix):
+        targets = diffusers_targets(name[len(prefix):]) if name.startswith(prefix) else None
+        if targets is None:
             unknown.append(name)
             continue
         try:
-            mapped = _to_diffusers(name[len(prefix):], tensor)
+            out.update(zip(targets, _values(name[len(prefix):], tensor, len(targets))))
         except ModelError as error:
             raise ModelError(f"'{file_name}': '{name}' {error}") from None
-        if mapped is None:
-            unknown.append(name)
-        else:
-            out.update(mapped)
     if unknown:
         raise ModelError(
             f"'{file_name}' is a HunyuanVideo 1.5 transformer with tensors vidmem's name table does not map "
-            f"({', '.join(sorted(unknown)[:5])}{', ...' if len(unknown) > 5 else ''}): a variant vidmem does not read "
-            "(e.g. the super-resolution models). Use Comfy-Org's hunyuanvideo1.5_{480p,720p}_{t2v,i2v}*.safetensors, "
-            "or load the model from its diffusers folder with transformer_file empty."
+            f"({', '.join(sorted(unknown)[:5])}{', ...' if len(unknown) > 5 else ''}): a variant vidmem does not read. "
+            "Use Comfy-Org's hunyuanvideo1.5_{480p,720p}_{t2v,i2v}*.safetensors, or load the model from its diffusers "
+            "folder with transformer_file empty."
         )
     return out
 
 
-def _to_diffusers(name: str, tensor) -> dict[str, Any] | None:
-    stem, dot, leaf = name.rpartition(".")
-    if not dot or leaf not in ("weight", "bias"):
-        return None
-    block, rest, (_, target, table) = _block_of(stem, _GROUPS)
-    base = target.format(block)
-    if rest in FUSED:
-        parts = [table.get(part) for part in FUSED[rest]]
-        return None if None in parts else {f"{base}{part}.{leaf}": rows for part, rows in zip(parts, split_rows(tensor, 3))}
-    if rest in table:
-        return {f"{base}{table[rest]}.{leaf}": swap_halves(tensor) if stem == SWAPPED else tensor}
-    return None
+def _values(name: str, tensor, parts: int) -> list:
+    if parts > 1:
+        return split_rows(tensor, parts)
+    return [swap_halves(tensor) if tencent_name(name).rpartition(".")[0] == SWAPPED else tensor]
 
 
 def _block_of(stem: str, groups) -> tuple[str, str, tuple]:
@@ -171,22 +240,20 @@ def _block_of(stem: str, groups) -> tuple[str, str, tuple]:
     return "", stem, groups[-1]
 
 
+_RENAMED = _renamed_in_groups()
+
+
 def split_rows(tensor, parts: int) -> list:
     """`tensor` cut into `parts` equal row ranges: views for plain tensors; for stored ones (fp8,
-    fp8 scaled, GGUF held row by row) StoredTensors over row ranges of the same data, a per-tensor
-    scale shared, a per-row scale cut with its rows."""
+    fp8 scaled, GGUF held row by row) StoredTensor.row_range views of the same data."""
     rows, rest = divmod(tensor.shape[0], parts)
     if rest:
         raise ModelError(f"has {tensor.shape[0]} rows, which do not split into {parts} equal parts: the file is damaged; "
                          "download it again.")
     if not isinstance(tensor, StoredTensor):
         return list(tensor.split(rows, dim=0))
-    if tensor.data.shape[0] != tensor.shape[0]:
-        raise ModelError(f"is stored as {tensor!r}, flattened before quantizing, so its fused rows cannot be taken apart; "
-                         "use an fp16/bf16 or fp8 file, or a GGUF file that keeps its matrices' rows.")
-    return [StoredTensor(tensor.data[i * rows:(i + 1) * rows], tensor.format, (rows, *tensor.shape[1:]),
-                         _scale_rows(tensor.scale, tensor.shape[0], slice(i * rows, (i + 1) * rows)))
-            for i in range(parts)]
+    _check_rows_kept(tensor, f"its {parts} row ranges cannot be taken apart")
+    return [tensor.row_range(i * rows, (i + 1) * rows) for i in range(parts)]
 
 
 def swap_halves(tensor):
@@ -194,23 +261,25 @@ def swap_halves(tensor):
     if not isinstance(tensor, StoredTensor):
         first, second = tensor.chunk(2, dim=0)
         return torch.cat([second, first], dim=0)
+    _check_rows_kept(tensor, "its (shift, scale) halves cannot be swapped into diffusers' (scale, shift)")
     first, second = split_rows(tensor, 2)
-    scale = None if tensor.scale is None else (tensor.scale if first.scale is tensor.scale else
-                                               torch.cat([second.scale, first.scale], dim=0))
+    scale = tensor.scale if first.scale is tensor.scale else torch.cat([second.scale, first.scale], dim=0)
     return StoredTensor(torch.cat([second.data, first.data], dim=0), tensor.format, tensor.shape, scale)
 
 
-def _scale_rows(scale, rows: int, index: slice):
-    if scale is None or scale.dim() == 0 or scale.shape[0] != rows:
-        return scale  # per tensor (or per column): the same for every row
-    return scale[index]
+def _check_rows_kept(tensor: StoredTensor, what: str) -> None:
+    if tensor.data.shape[0] != tensor.shape[0]:
+        raise ModelError(f"is stored as {tensor!r}, flattened before quantizing, so {what}; use an fp16/bf16 or fp8 "
+                         "file, or a GGUF file that keeps its matrices' rows.")
 
 
-# --- the reverse, for writing files in Comfy-Org's layout ------------------------------------------
+# --- the reverse, for writing files in Comfy-Org's and ComfyUI's layouts ---------------------------
 
-def original_tensors(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-    """Plain diffusers-named transformer tensors under Comfy-Org's names (`prefix` before each):
-    q, k and v fused by rows, the final modulation's halves back in Tencent's order (copies)."""
+def original_tensors(tensors: Mapping[str, torch.Tensor], layout: KeyLayout = KeyLayout.ORIGINAL) -> dict[str, torch.Tensor]:
+    """Plain diffusers-named transformer tensors under Comfy-Org's names (ORIGINAL), or as ComfyUI
+    saves them (PREFIXED: its model's names under `model.model.`): q, k and v fused by rows (Comfy-Org
+    fuses the double blocks' attention, every release the refiner's), the final modulation's halves
+    back in Tencent's order (copies)."""
     reverse = tuple((target, source, {new: old for old, new in table.items()}) for source, target, table in _GROUPS)
     out, fused = {}, {}
     for name, tensor in tensors.items():
@@ -219,14 +288,16 @@ def original_tensors(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> d
         if rest not in table:
             raise ModelError(f"'{name}' has no HunyuanVideo 1.5 original name; update pipelines/comfy_files/hy15.py.")
         original, base = table[rest], target.format(block)
-        whole = next((f for f in _WRITTEN_FUSED if original in FUSED[f]), None)
+        whole = next((f for f, parts in FUSED.items() if original in parts), None)
         if whole is not None:
             fused.setdefault(f"{base}{whole}.{leaf}", {})[FUSED[whole].index(original)] = tensor
         else:
             out[f"{base}{original}.{leaf}"] = swap_halves(tensor) if base + original == SWAPPED else tensor
     for name, parts in fused.items():
         out[name] = torch.cat([parts[i] for i in range(3)], dim=0)
-    return {prefix + name: tensor for name, tensor in out.items()}
+    if layout is KeyLayout.PREFIXED:
+        return {SAVED_PREFIX + comfy_name(name): tensor for name, tensor in out.items()}
+    return out
 
 
 # --- what the shapes fix --------------------------------------------------------------------------
@@ -250,18 +321,40 @@ def transformer_fields(t: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def transformer_config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The same fields from a HunyuanVideo15Transformer3DModel config (its constructor defaults filled in)."""
-    get = lambda key, default: config.get(key) if config.get(key) is not None else default  # noqa: E731
-    head_dim = get("attention_head_dim", 128)
-    inner = get("num_attention_heads", 16) * head_dim
+    """The same fields from a HunyuanVideo15Transformer3DModel config, its constructor's defaults
+    (read from diffusers, not restated) filling what the config leaves out."""
+    config = {**_constructor_defaults(), **{key: value for key, value in config.items() if value is not None}}
+    head_dim = config["attention_head_dim"]
+    inner = config["num_attention_heads"] * head_dim
     return {
-        "inner_dim": inner, "in_channels": get("in_channels", 65), "patch_size": get("patch_size", 1),
-        "patch_size_t": get("patch_size_t", 1), "out_channels": get("out_channels", 32),
-        "attention_head_dim": head_dim, "ffn_dim": int(inner * get("mlp_ratio", 4.0)),
-        "num_layers": get("num_layers", 54), "num_refiner_layers": get("num_refiner_layers", 2),
-        "text_embed_dim": get("text_embed_dim", 3584), "text_embed_2_dim": get("text_embed_2_dim", 1472),
-        "image_embed_dim": get("image_embed_dim", 1152), "use_meanflow": bool(get("use_meanflow", False)),
+        "inner_dim": inner, "in_channels": config["in_channels"], "patch_size": config["patch_size"],
+        "patch_size_t": config["patch_size_t"], "out_channels": config["out_channels"],
+        "attention_head_dim": head_dim, "ffn_dim": int(inner * config["mlp_ratio"]),
+        "num_layers": config["num_layers"], "num_refiner_layers": config["num_refiner_layers"],
+        "text_embed_dim": config["text_embed_dim"], "text_embed_2_dim": config["text_embed_2_dim"],
+        "image_embed_dim": config["image_embed_dim"], "use_meanflow": bool(config["use_meanflow"]),
     }
+
+
+@functools.cache
+def _constructor_defaults() -> dict[str, Any]:
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    parameters = inspect.signature(HunyuanVideo15Transformer3DModel.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+# What a file's name may claim that its tensors cannot show: (word in the name, config key, its value).
+_NAME_CLAIMS = (("t2v", "task_type", "t2v"), ("i2v", "task_type", "i2v"), ("480p", "target_size", 640), ("720p", "target_size", 960))
+
+
+def name_disagreements(file_name: str, config: Mapping[str, Any]) -> list[str]:
+    """What `file_name` says (t2v / i2v, 480p / 720p) that the folder's transformer `config`
+    contradicts. The tensors have the same shapes either way, so this is worth a warning, not a
+    refusal: the folder's config decides, and a renamed file may be right."""
+    words = set(re.split(r"[^a-z0-9]+", file_name.lower()))
+    return [f"its name says {word}, the folder's {key} is {config[key]!r}"
+            for word, key, value in _NAME_CLAIMS if word in words and key in config and config[key] != value]
 
 
 def is_transformer(tensors: Mapping[str, Any]) -> bool:

@@ -26,7 +26,7 @@ COMFY_PREFIX = "model.diffusion_model."
 
 class KeyLayout(str, Enum):
     ORIGINAL = "original"  # Wan's own checkpoint names (Comfy-Org's repackaged files, city96's GGUF)
-    PREFIXED = "prefixed"  # the same under `model.diffusion_model.` (files saved by ComfyUI)
+    PREFIXED = "prefixed"  # the same under ComfyUI's prefix (`model.diffusion_model.`; HunyuanVideo 1.5's saved files: `model.model.`)
     DIFFUSERS = "diffusers"  # diffusers' WanTransformer3DModel / AutoencoderKLWan names
 
 

@@ -37,12 +37,13 @@ def choose_model(model: WeightFile, experts: int, catalogue: Sequence[ModelEntry
             )
         raise ModelError(f"model_2: {other.name} has a single transformer; set model_2 to (none).")
     found = model.fields
-    if "audio_inner_dim" in found:  # comfy_files/ltx2.py's fields: an LTX-2 checkpoint
+    family = detect.transformer_family(found)
+    if family == "LTX-2":
         raise ModelError(
             f"model: '{model.name}' is an LTX-2 checkpoint; these single-file inputs build Wan pipelines. Load LTX-2 with "
             "Load Video Pipeline: its diffusers folder (for Gemma 3 and the text connectors) with this file as transformer_file."
         )
-    if "text_embed_2_dim" in found:  # comfy_files/hy15.py's fields: a HunyuanVideo 1.5 transformer
+    if family == "HunyuanVideo 1.5":
         raise ModelError(
             f"model: '{model.name}' is a HunyuanVideo 1.5 transformer; these single-file inputs build Wan pipelines. Load "
             "HunyuanVideo 1.5 with Load Video Pipeline: its diffusers folder (for Qwen2.5-VL, ByT5 and the VAE) with this "

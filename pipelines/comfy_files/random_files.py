@@ -61,7 +61,7 @@ def write_random_file(component: ComponentConfig, path: str | Path, storage: str
     shapes = _unique_shapes(module)
     names, fill_of = _file_names(component, shapes, layout), {}
     if component.class_name == _HY15 and layout is not KeyLayout.DIFFUSERS:  # q, k, v fused: other shapes
-        shapes, linear, fill_of = _hy15_shapes(shapes, linear, COMFY_PREFIX if layout is KeyLayout.PREFIXED else "")
+        shapes, linear, fill_of = _hy15_shapes(shapes, linear, layout)
         names = {name: name for name in shapes}
     plain = fmt.torch_dtype if not fmt.quantized else torch.bfloat16
     plan = []  # (file name, shape, dtype, kind of values, scale)
@@ -101,14 +101,14 @@ def _file_names(component: ComponentConfig, shapes: dict, layout: KeyLayout) -> 
     return {name: name for name in shapes}
 
 
-def _hy15_shapes(shapes: dict, linear: set, prefix: str) -> tuple[dict, set, dict]:
-    """A HunyuanVideo 1.5 transformer's file names and shapes in Comfy-Org's layout (from its
+def _hy15_shapes(shapes: dict, linear: set, layout: KeyLayout) -> tuple[dict, set, dict]:
+    """A HunyuanVideo 1.5 transformer's file names and shapes in Comfy-Org's or ComfyUI's layout (from its
     diffusers `shapes`, mapped on meta), the matrices among them, and for each the diffusers name
     whose kind of values it gets (a fused q/k/v: its q's)."""
     meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
-    original = hy15.original_tensors(meta, prefix)
-    fill_of = {name: next(iter(hy15.transformer_tensors({name.removeprefix(prefix): t}, KeyLayout.ORIGINAL, name)))
-               for name, t in original.items()}
+    original = hy15.original_tensors(meta, layout)
+    prefix = hy15.SAVED_PREFIX if layout is KeyLayout.PREFIXED else ""
+    fill_of = {name: hy15.diffusers_targets(name.removeprefix(prefix))[0] for name in original}
     return ({name: tuple(t.shape) for name, t in original.items()},
             {name for name, source in fill_of.items() if source in linear}, fill_of)
 

@@ -29,21 +29,26 @@ GGUF_ORIG_SHAPE = "comfy.gguf.orig_shape."
 
 
 def store_tensors(module: torch.nn.Module, storage: str) -> dict[str, Any]:
-    """`module`'s state under `storage`: Linear weights quantized; plain formats convert all floats.
+    """`module`'s state under `storage`: Linear weights quantized; plain formats convert all floats."""
+    linear = {f"{name}.weight" for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    return store_state({name: t.detach() for name, t in module.state_dict().items()}, linear, storage)
+
+
+def store_state(state: Mapping[str, torch.Tensor], matrix_names, storage: str) -> dict[str, Any]:
+    """`state` under `storage`: the tensors named in `matrix_names` quantized (a quantized format),
+    every floating tensor converted (a plain one: bf16, fp16, fp32), the rest kept as it is.
 
     A GGUF format keeps a matrix whose rows do not split into whole blocks as it is (float32),
     as city96's converter does.
     """
     fmt = storage_format(storage)
-    linear = {f"{name}.weight" for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
-    state = {name: t.detach() for name, t in module.state_dict().items()}
     out = {}
     for name, tensor in state.items():
         if not tensor.is_floating_point():
             out[name] = tensor
         elif not fmt.quantized and fmt.gguf_type is None:
             out[name] = tensor.to(fmt.torch_dtype).contiguous()
-        elif name in linear and fmt.holds(tuple(tensor.shape)):
+        elif name in matrix_names and fmt.holds(tuple(tensor.shape)):
             out[name] = quantize(tensor, fmt)
         else:
             out[name] = tensor.contiguous()
@@ -89,28 +94,14 @@ def write_ltx2_checkpoint(parts: Mapping[str, Mapping[str, Any]], path: str | Pa
 
 def write_hy15_transformer(tensors: Mapping[str, torch.Tensor], path: str | Path, storage: str = "bf16",
                            layout: KeyLayout = KeyLayout.ORIGINAL) -> Path:
-    """A HunyuanVideo 1.5 transformer as Comfy-Org ships it (hunyuanvideo1.5_*.safetensors): the plain
-    diffusers-named `tensors` under Tencent's names with q/k/v fused (`layout` ORIGINAL; PREFIXED adds
-    ComfyUI's prefix; DIFFUSERS keeps diffusers' names), then stored as `store_tensors` stores: each
-    matrix (the token-type embedding aside, kept wide as ComfyUI keeps it) in `storage`, quantized
-    after fusing, so a fused matrix has one scale as in Comfy-Org's fp8 files."""
-    if layout is KeyLayout.DIFFUSERS:
-        named = dict(tensors)
-    else:
-        named = hy15.original_tensors(tensors, COMFY_PREFIX if layout is KeyLayout.PREFIXED else "")
-    fmt = storage_format(storage)
-    out = {}
-    for name, tensor in named.items():
-        matrix = name.endswith(".weight") and tensor.dim() == 2 and "cond_type_embed" not in name
-        if not tensor.is_floating_point():
-            out[name] = tensor
-        elif not fmt.quantized and fmt.gguf_type is None:
-            out[name] = tensor.to(fmt.torch_dtype).contiguous()
-        elif matrix and fmt.holds(tuple(tensor.shape)):
-            out[name] = quantize(tensor, fmt)
-        else:
-            out[name] = tensor.contiguous()
-    return _write(out, path)
+    """A HunyuanVideo 1.5 transformer from plain diffusers-named `tensors`: as Comfy-Org ships it
+    (`layout` ORIGINAL: hunyuanvideo1.5_*.safetensors, Tencent's names, q/k/v fused), as ComfyUI saves
+    it (PREFIXED: `model.model.` and its model's names) or in diffusers' names (DIFFUSERS); then stored
+    by `store_state`: each matrix (the token-type embedding aside, kept wide as ComfyUI keeps it) in
+    `storage`, quantized after fusing, so a fused matrix has one scale as in Comfy-Org's fp8 files."""
+    named = dict(tensors) if layout is KeyLayout.DIFFUSERS else hy15.original_tensors(tensors, layout)
+    matrices = {name for name, t in named.items() if name.endswith(".weight") and t.dim() == 2 and "cond_type_embed" not in name}
+    return _write(store_state(named, matrices, storage), path)
 
 
 def write_text_encoder(tensors: Mapping[str, Any], path: str | Path, spiece_model: bytes | None) -> Path:

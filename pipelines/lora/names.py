@@ -11,17 +11,18 @@ guess could pick the wrong one.
 
 The original -> diffusers renaming is diffusers' own single-file converter, run on the names,
 where diffusers has one (Wan, LTX-2), so those are restated nowhere. HunyuanVideo 1.5 has none in
-diffusers 0.42.1: its names are a table here, and its fused layers (ComfyUI's `img_attn.qkv`) map to
-several diffusers layers, whose rows resolve.py splits.
+diffusers 0.42.1: its names are the table comfy_files/hy15.py reads single files with, and its fused
+layers (ComfyUI's `img_attn.qkv`) map to several diffusers layers, whose rows resolve.py splits.
 """
 
 from __future__ import annotations
 
-import re
 from itertools import product
 from typing import Callable, Iterable
 
 from torch import nn
+
+from ..comfy_files import hy15
 
 # Heads trainers put before the module path, most specific first.
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "lora_unet_", "lora_transformer_", "unet.")
@@ -51,80 +52,21 @@ ltx2_original_to_diffusers = by_converter("convert_ltx2_transformer_to_diffusers
 # original fuses them into one layer whose output rows are theirs in order (q, k, v).
 Target = str | tuple[str, ...]
 
-# HunyuanVideo 1.5's original module names -> diffusers'. Two layouts: Tencent's own (hyvideo's
-# transformer; its train.py saves LoRAs under them, PEFT tensors, no prefix) and ComfyUI's (its
-# HunyuanVideo model, Flux-style: fused `img_attn.qkv`, `img_mod.lin`, `img_mlp.0`; Comfy-Org's files
-# and LoRAs made for ComfyUI). diffusers 0.42.1 ships no converter for this model, so this is data,
-# written from the three model definitions (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py
-# pairs Tencent's tensors the same way). final_layer.adaLN_modulation.1 is left out: diffusers swaps
-# its scale and shift rows, so no name maps it; a LoRA on it is reported, not applied.
-_HY15_BLOCK = r"double_blocks\.(\d+)\."
-_HY15_REFINER = r"txt_in\.individual_token_refiner\.blocks\.(\d+)\."
-_HY15_TO_BLOCK = r"transformer_blocks.\1."
-_HY15_TO_REFINER = r"context_embedder.token_refiner.refiner_blocks.\1."
-HUNYUAN15_ORIGINAL = tuple((re.compile(pattern), replacement) for pattern, replacement in (
-    # Tencent's names
-    (_HY15_BLOCK + r"img_attn_([qkv])", _HY15_TO_BLOCK + r"attn.to_\2"),
-    (_HY15_BLOCK + r"txt_attn_([qkv])", _HY15_TO_BLOCK + r"attn.add_\2_proj"),
-    (_HY15_BLOCK + r"img_mod\.linear", _HY15_TO_BLOCK + "norm1.linear"),
-    (_HY15_BLOCK + r"txt_mod\.linear", _HY15_TO_BLOCK + "norm1_context.linear"),
-    (_HY15_BLOCK + r"img_mlp\.fc1", _HY15_TO_BLOCK + "ff.net.0.proj"),
-    (_HY15_BLOCK + r"img_mlp\.fc2", _HY15_TO_BLOCK + "ff.net.2"),
-    (_HY15_BLOCK + r"txt_mlp\.fc1", _HY15_TO_BLOCK + "ff_context.net.0.proj"),
-    (_HY15_BLOCK + r"txt_mlp\.fc2", _HY15_TO_BLOCK + "ff_context.net.2"),
-    (_HY15_REFINER + r"self_attn_qkv", tuple(_HY15_TO_REFINER + f"attn.to_{x}" for x in "qkv")),
-    (_HY15_REFINER + r"self_attn_proj", _HY15_TO_REFINER + "attn.to_out.0"),
-    (_HY15_REFINER + r"mlp\.fc1", _HY15_TO_REFINER + "ff.net.0.proj"),
-    (_HY15_REFINER + r"mlp\.fc2", _HY15_TO_REFINER + "ff.net.2"),
-    (r"txt_in\.t_embedder\.mlp\.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
-    (r"txt_in\.t_embedder\.mlp\.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
-    (r"txt_in\.c_embedder\.linear_([12])", r"context_embedder.time_text_embed.text_embedder.linear_\1"),
-    (r"time_in\.mlp\.0", "time_embed.timestep_embedder.linear_1"),
-    (r"time_in\.mlp\.2", "time_embed.timestep_embedder.linear_2"),
-    (r"time_r_in\.mlp\.0", "time_embed.timestep_embedder_r.linear_1"),
-    (r"time_r_in\.mlp\.2", "time_embed.timestep_embedder_r.linear_2"),
-    # ComfyUI's names
-    (_HY15_BLOCK + r"img_attn\.qkv", tuple(_HY15_TO_BLOCK + f"attn.to_{x}" for x in "qkv")),
-    (_HY15_BLOCK + r"txt_attn\.qkv", tuple(_HY15_TO_BLOCK + f"attn.add_{x}_proj" for x in "qkv")),
-    (_HY15_BLOCK + r"img_mod\.lin", _HY15_TO_BLOCK + "norm1.linear"),
-    (_HY15_BLOCK + r"txt_mod\.lin", _HY15_TO_BLOCK + "norm1_context.linear"),
-    (_HY15_BLOCK + r"img_mlp\.0", _HY15_TO_BLOCK + "ff.net.0.proj"),
-    (_HY15_BLOCK + r"img_mlp\.2", _HY15_TO_BLOCK + "ff.net.2"),
-    (_HY15_BLOCK + r"txt_mlp\.0", _HY15_TO_BLOCK + "ff_context.net.0.proj"),
-    (_HY15_BLOCK + r"txt_mlp\.2", _HY15_TO_BLOCK + "ff_context.net.2"),
-    (_HY15_REFINER + r"self_attn\.qkv", tuple(_HY15_TO_REFINER + f"attn.to_{x}" for x in "qkv")),
-    (_HY15_REFINER + r"self_attn\.proj", _HY15_TO_REFINER + "attn.to_out.0"),
-    (_HY15_REFINER + r"mlp\.0", _HY15_TO_REFINER + "ff.net.0.proj"),
-    (_HY15_REFINER + r"mlp\.2", _HY15_TO_REFINER + "ff.net.2"),
-    (r"txt_in\.t_embedder\.in_layer", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
-    (r"txt_in\.t_embedder\.out_layer", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
-    (r"txt_in\.c_embedder\.in_layer", "context_embedder.time_text_embed.text_embedder.linear_1"),
-    (r"txt_in\.c_embedder\.out_layer", "context_embedder.time_text_embed.text_embedder.linear_2"),
-    (r"time_in\.in_layer", "time_embed.timestep_embedder.linear_1"),
-    (r"time_in\.out_layer", "time_embed.timestep_embedder.linear_2"),
-    (r"time_r_in\.in_layer", "time_embed.timestep_embedder_r.linear_1"),
-    (r"time_r_in\.out_layer", "time_embed.timestep_embedder_r.linear_2"),
-    # alike in both
-    (_HY15_BLOCK + r"img_attn[._]proj", _HY15_TO_BLOCK + "attn.to_out.0"),
-    (_HY15_BLOCK + r"txt_attn[._]proj", _HY15_TO_BLOCK + "attn.to_add_out"),
-    (_HY15_REFINER + r"adaLN_modulation\.1", _HY15_TO_REFINER + "norm_out.linear"),
-    (r"txt_in\.input_embedder", "context_embedder.proj_in"),
-    (r"byt5_in\.fc([123])", r"context_embedder_2.linear_\1"),
-    (r"vision_in\.proj\.1", "image_embedder.linear_1"),
-    (r"vision_in\.proj\.3", "image_embedder.linear_2"),
-    (r"final_layer\.linear", "proj_out"),
-))
-
 
 def hunyuan15_original_to_diffusers(names: Iterable[str]) -> dict[str, Target]:
-    """HunyuanVideo 1.5's original module names (Tencent's or ComfyUI's) -> diffusers name(s)."""
+    """HunyuanVideo 1.5's original module names -> diffusers name(s), by comfy_files/hy15.py's table
+    (the one the file reader uses): Tencent's names (hyvideo's transformer; its train.py saves LoRAs
+    under them) and ComfyUI's model's (fused `img_attn.qkv`, `img_mod.lin`, `img_mlp.0`: LoRAs made
+    for ComfyUI), a fused layer to its q, k, v, whose rows resolve.py splits. The final modulation is
+    left out: diffusers swaps its shift and scale rows, so a LoRA on it is reported, not applied."""
     found = {}
     for name in names:
-        for pattern, replacement in HUNYUAN15_ORIGINAL:
-            match = pattern.fullmatch(name)
-            if match is not None:
-                found[name] = match.expand(replacement) if isinstance(replacement, str) else tuple(map(match.expand, replacement))
-                break
+        parameter = f"{name}.weight"
+        targets = hy15.diffusers_targets(parameter)
+        if targets is None or hy15.tencent_name(parameter) == f"{hy15.SWAPPED}.weight":
+            continue
+        modules = tuple(target.removesuffix(".weight") for target in targets)
+        found[name] = modules[0] if len(modules) == 1 else modules
     return found
 
 
