@@ -330,3 +330,19 @@ def test_hunyuan15_names_come_from_the_file_readers_table():
     assert found["txt_in.individual_token_refiner.blocks.1.self_attn_qkv"] == tuple(
         f"context_embedder.token_refiner.refiner_blocks.1.attn.to_{x}" for x in "qkv")
     assert "final_layer.adaLN_modulation.1" not in found
+
+
+def test_ltx2_names_follow_diffusers_lora_converter_ltx23_included():
+    """diffusers' LTX-2 LoRA converter, not its single-file one: LTX-2.3's prompt modulations
+    (`prompt_adaln_single`, `audio_prompt_adaln_single`) get their diffusers names too."""
+    from vidmem.pipelines.lora.names import ltx2_original_to_diffusers
+
+    names = ["adaln_single.linear", "prompt_adaln_single.linear", "audio_prompt_adaln_single.linear",
+             "transformer_blocks.0.attn1.to_q", "av_ca_a2v_gate_adaln_single.linear"]
+    assert ltx2_original_to_diffusers(names) == {
+        "adaln_single.linear": "time_embed.linear",
+        "prompt_adaln_single.linear": "prompt_adaln.linear",
+        "audio_prompt_adaln_single.linear": "audio_prompt_adaln.linear",
+        "transformer_blocks.0.attn1.to_q": "transformer_blocks.0.attn1.to_q",
+        "av_ca_a2v_gate_adaln_single.linear": "av_cross_attn_video_a2v_gate.linear",
+    }

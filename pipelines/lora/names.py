@@ -32,8 +32,7 @@ MAX_FLAT_TOKENS = 10  # a flattened name splits into at most 2**(n-1) dotted gue
 def by_converter(converter: str) -> Callable[[Iterable[str]], dict[str, str]]:
     """Original module names -> diffusers names, by the diffusers single-file converter `converter`
     (a function of diffusers.loaders.single_file_utils) run on `<name>.weight` keys. A name the
-    converter drops (LTX-2's text connectors, which diffusers keeps outside the transformer) is
-    left out, so it is reported as unknown."""
+    converter drops is left out, so it is reported as unknown."""
 
     def convert(names: Iterable[str]) -> dict[str, str]:
         from diffusers.loaders import single_file_utils
@@ -46,7 +45,17 @@ def by_converter(converter: str) -> Callable[[Iterable[str]], dict[str, str]]:
 
 
 wan_original_to_diffusers = by_converter("convert_wan_transformer_to_diffusers")
-ltx2_original_to_diffusers = by_converter("convert_ltx2_transformer_to_diffusers")
+
+
+def ltx2_original_to_diffusers(names: Iterable[str]) -> dict[str, str]:
+    """LTX-2's original module names -> diffusers', by diffusers' own LTX-2 LoRA converter (the one
+    LTX2Pipeline.lora_state_dict runs), which also knows LTX-2.3's renamed prompt modulations; the
+    single-file converter does not."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
+
+    checkpoint = {f"diffusion_model.{name}.weight": name for name in names}
+    converted = _convert_non_diffusers_ltx2_lora_to_diffusers(checkpoint)
+    return {original: new.removeprefix("transformer.").removesuffix(".weight") for new, original in converted.items()}
 
 # A name in an original layout means one diffusers module, or several (`Target` a tuple) where the
 # original fuses them into one layer whose output rows are theirs in order (q, k, v).
