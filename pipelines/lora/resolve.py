@@ -72,7 +72,8 @@ def resolve_layers(lora: LoraFile, model: nn.Module) -> tuple[tuple[ResolvedLaye
             owner[part] = source
         modules = [names.modules.get(part) for part in parts]
         if not all(_is_linear(module) for module in modules):
-            skipped += [f"{key}: {target} is not a linear layer{_delta_note(raw)}; vidmem applies LoRAs to linear layers only" for key in raw.keys]
+            shown = " + ".join(parts)  # a fused layer's parts, or the one target
+            skipped += [f"{key}: {shown} is not a linear layer{_delta_note(raw)}; vidmem applies LoRAs to linear layers only" for key in raw.keys]
             continue
         pieces = [raw] if len(parts) == 1 else _split_rows(lora, raw, parts, modules)
         layers += [_canonical(lora, piece, part, module) for piece, part, module in zip(pieces, parts, modules)]
