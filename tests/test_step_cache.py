@@ -24,6 +24,14 @@ from vidmem.pipelines.step_cache import CacheMethod, StepCache
 STEPS = 10
 FIRST_BLOCK = StepCache("first_block_cache", threshold=0.9, retention=0.0)  # bold: skips on random weights
 MAG = StepCache("mag_cache", mag_ratios=(1.0,) * STEPS, threshold=0.5, retention=0.2, max_skip_steps=3)
+TAYLOR = StepCache("taylor_seer", interval=3, warmup_steps=2, end_steps=1, order=2)  # computes 6 of 10 steps
+
+
+def schedule(cache, steps=STEPS) -> list[bool]:
+    """The steps a foreseen cache computes (True): MagCache's and TaylorSeer's, from diffusers' own hooks."""
+    from vidmem.pipelines.step_cache import mag_schedule, taylor_schedule
+
+    return taylor_schedule(cache, steps) if cache.method is CacheMethod.TAYLOR else mag_schedule(cache, steps)
 
 
 def tiers(loaded) -> dict[str, MemoryStrategy]:
@@ -39,7 +47,7 @@ def run(loaded, variant, strategy, cache, steps=STEPS):
     return sample(loaded, strategy, request, backend=StrictBackend())
 
 
-@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG], ids=["first_block_cache", "mag_cache"])
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG, TAYLOR], ids=["first_block_cache", "mag_cache", "taylor_seer"])
 @pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v", "wan2.2-a14b"])
 def test_every_tier_gives_tier_nones_latent_with_caching_on(tiny_loaded, variant, cache):
     loaded = tiny_loaded(variant)
@@ -72,21 +80,22 @@ def run_observed(loaded, variant, strategy, cache):
     return result, passes
 
 
+@pytest.mark.parametrize("cache", [MAG, TAYLOR], ids=["mag_cache", "taylor_seer"])
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("swapped", ["one", "all"])
-def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_blocks(tiny_loaded, swapped, prefetch):
-    """MagCache's decision is foreseen: under block swap a skipped pass copies no block weight, not
-    even the first block's, and the pass before it prefetches nothing for it; the computed pass after
-    it still finds its first block prefetched (with prefetch), copied at the end of the skipped pass."""
-    from vidmem.pipelines.step_cache import mag_schedule
-
+def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_blocks(tiny_loaded, swapped, prefetch,
+                                                                                   cache):
+    """MagCache's and TaylorSeer's decisions are foreseen: under block swap a skipped pass copies no
+    block weight, not even the first block's, and the pass before it prefetches nothing for it; the
+    computed pass after it still finds its first block prefetched (with prefetch), copied at the end
+    of the skipped pass."""
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
     blocks = block_count(loaded)
     swap = blocks if swapped == "all" else 1
     strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=swap, prefetch_blocks=prefetch)
-    result, passes = run_observed(loaded, variant, strategy, MAG)
-    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]  # cfg: cond and uncond per step
+    result, passes = run_observed(loaded, variant, strategy, cache)
+    computes = [step for step in schedule(cache) for _ in range(2)]  # cfg: cond and uncond per step
     assert len(passes) == len(computes) and not all(computes)
     opening = f"transformer.blocks.{blocks - swap}"
     for index, (events, computed) in enumerate(zip(passes, computes)):
@@ -106,26 +115,26 @@ def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_bloc
     assert cache["streamed_copies_skipped"] == (len(computes) - computed_passes) * swap
 
 
-def test_the_disk_tier_copies_nothing_for_a_skipped_pass_either(tiny_folder):
+@pytest.mark.parametrize("cache", [MAG, TAYLOR], ids=["mag_cache", "taylor_seer"])
+def test_the_disk_tier_copies_nothing_for_a_skipped_pass_either(tiny_folder, cache):
     """Weights memory-mapped from the folder's files stream through the same schedule: a skipped pass
     reads no block from the file, and the latent is tier none's (of the same mapped pipeline)."""
     from vidmem.memory.storage import is_file_backed
     from vidmem.pipelines.loader import load_pipeline
-    from vidmem.pipelines.step_cache import mag_schedule
 
     variant = "wan2.1-t2v"
     mapped = load_pipeline(tiny_folder(variant), "fp32", weight_dtype="fp32")
     assert mapped.on_disk and is_file_backed(mapped.pipe.transformer.blocks[0].attn1.to_q.weight)
     blocks = block_count(mapped)
     strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=1)
-    result, passes = run_observed(mapped, variant, strategy, MAG)
-    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]
+    result, passes = run_observed(mapped, variant, strategy, cache)
+    computes = [step for step in schedule(cache) for _ in range(2)]
     for index, (events, computed) in enumerate(zip(passes, computes)):
         copies = [(kind, name) for kind, name in events if kind in ("onload", "prefetch")]
         if not computed:
             following = computes[index + 1] if index + 1 < len(computes) else True
             assert copies == ([("prefetch", "transformer.blocks.0")] if following else []), (index, events)
-    reference = run(mapped, variant, MemoryStrategy(offload="none"), MAG)
+    reference = run(mapped, variant, MemoryStrategy(offload="none"), cache)
     assert torch.equal(result.latent["samples"], reference.latent["samples"])
     assert result.receipt["cache"]["streamed_copies"] == sum(computes) * blocks + 1
 
@@ -177,16 +186,15 @@ def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     assert calibration["streamed_copies"] - cached["streamed_copies"] == cached["streamed_copies_skipped"]
 
 
-def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded):
+@pytest.mark.parametrize("cache", [MAG, TAYLOR], ids=["mag_cache", "taylor_seer"])
+def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded, cache):
     """Under sequential every leaf streams: the leaves outside the blocks run on every pass, those of
     a skipped pass's blocks are neither called nor prefetched (the leaf before the first block used to
     prefetch it)."""
-    from vidmem.pipelines.step_cache import mag_schedule
-
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
-    result, passes = run_observed(loaded, variant, MemoryStrategy(offload="sequential", prefetch_blocks=1), MAG)
-    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]
+    result, passes = run_observed(loaded, variant, MemoryStrategy(offload="sequential", prefetch_blocks=1), cache)
+    computes = [step for step in schedule(cache) for _ in range(2)]
     skipped = [events for events, computed in zip(passes, computes) if not computed]
     assert skipped
     for events in skipped:
@@ -448,7 +456,7 @@ def test_the_gate_foresees_every_pass_from_anywhere_in_the_pass_before(contexts)
             assert next_pass == (computed[index + 1] if index + 1 < len(computed) else True), index
 
 
-@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG], ids=["first_block_cache", "mag_cache"])
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG, TAYLOR], ids=["first_block_cache", "mag_cache", "taylor_seer"])
 def test_the_cuda_path_keeps_its_promises_with_the_cache_on(tiny_folder, monkeypatch, cache):
     """CudaBackend under the recording CUDA fake (tests/test_cuda_path.py's audit): with copies held
     for skipped passes and made at the end of a skipped pass, copies stay on the side stream, compute
