@@ -239,6 +239,11 @@ def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded):
     ({"method": "mag_cache"}, "mag_ratios"),
     ({"method": "mag_cache", "mag_ratios": (1.0, 0.0)}, "mag_ratios"),
     ({"method": "mag_cache", "mag_ratios": (1.0,), "max_skip_steps": 0}, "max_skip_steps"),
+    ({"method": "taylor_seer", "interval": 0}, "interval"),
+    ({"method": "taylor_seer", "warmup_steps": 0}, "warmup_steps=0 .*predicts from computed steps"),
+    ({"method": "taylor_seer", "end_steps": -1}, "end_steps"),
+    ({"method": "taylor_seer", "order": 4}, "order=4 must be a whole number from 1 to 3"),
+    ({"method": "taylor_seer", "interval": 2.5}, "interval"),
 ])
 def test_bad_cache_settings_are_refused_by_name(kwargs, named):
     with pytest.raises(StrategyError, match=named):
@@ -503,3 +508,110 @@ def test_the_plans_time_with_a_cache_scales_the_denoise_stage_only():
     assert 0 < denoise < whole  # encoding and decoding take time too
     assert plan.seconds_with_denoise_share(0.4) == pytest.approx(whole - 0.6 * denoise)
     assert f"about x{(whole - 0.6 * denoise) / whole:.2f} of the same run uncached" in cached_time_line(plan, 0.4)
+
+
+@pytest.mark.parametrize("contexts", [("cond", "uncond"), ("cond_uncond",)], ids=["wan", "cogvideox"])
+@pytest.mark.parametrize("cache", [TAYLOR, StepCache("taylor_seer"), StepCache("taylor_seer", interval=1, end_steps=3),
+                                   StepCache("taylor_seer", interval=2, warmup_steps=1, order=3)],
+                         ids=["test", "defaults", "interval1", "order3"])
+def test_the_gate_foresees_taylor_seers_every_pass_from_anywhere_in_the_pass_before(contexts, cache):
+    """BlockGate on diffusers' TaylorSeer hooks (lite mode, four blocks and an output projection),
+    passes in Wan's or CogVideoX's cache contexts, over two whole runs with the pipeline's reset of the
+    hooks' state between them: asked before the first block, between blocks and after the last, it
+    says what the pass under way and the denoiser's next pass do, as diffusers' hook state then shows;
+    and a predicted pass runs no block's own forward."""
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    from vidmem.pipelines.step_cache import BlockGate, CacheTally, _ScheduleBlock, _taylor_ran
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([_ScheduleBlock() for _ in range(4)])
+            self.proj_out = torch.nn.Linear(1, 1)
+
+        def forward(self, hidden_states):
+            for block in self.blocks:
+                block.ran = False
+                hidden_states = block(hidden_states)
+            self.proj_out(hidden_states)
+            return [block.ran for block in self.blocks]
+
+    model = Model()
+    from diffusers.hooks import apply_taylorseer_cache
+
+    apply_taylorseer_cache(model, cache.diffusers_config(STEPS))
+    tally = CacheTally()
+    gate = BlockGate(CacheMethod.TAYLOR, {"transformer": model.blocks}, tally)
+    gate.expect({"transformer": STEPS})
+    said: list[tuple[int, bool, bool]] = []  # (pass, this pass computes, the next pass computes)
+    passes, context = [0], [contexts[0]]
+
+    def ask(block):
+        said.append((passes[0], gate.ahead(block, next_pass=False), gate.ahead(model.blocks[0], next_pass=True)))
+
+    handles = [model.register_forward_pre_hook(lambda m, args: gate.begin("transformer"))]
+    for block in model.blocks:
+        handles.append(block.register_forward_pre_hook(lambda m, args: ask(m)))
+        handles.append(block.register_forward_pre_hook(lambda m, args: gate_said.append(gate(m)), prepend=True))
+        handles.append(block.register_forward_hook(lambda m, args, out: gate.count(m), prepend=True))
+        handles.append(block.register_forward_hook(lambda m, args, out: ask(m)))
+    gate_said, computed, ran = [], [], []
+    with torch.no_grad():
+        for run_index in range(2):  # two whole runs
+            for step in range(STEPS):
+                for name in contexts:
+                    passes[0], context[0] = len(computed), name
+                    _set_cache_context(model, CacheContext(name))
+                    ran.append(model(torch.zeros(1, 1)))
+                    computed.append(_taylor_ran(model.blocks[-1], name))  # diffusers' own state says what it did
+                    _set_cache_context(model, None)
+            HookRegistry.check_if_exists_or_initialize(model).reset_stateful_hooks()  # as the pipeline does at its end
+    for handle in handles:
+        handle.remove()
+    assert computed[:len(contexts) * STEPS] == computed[len(contexts) * STEPS:]
+    assert computed == [step for step in schedule(cache) for _ in contexts] * 2
+    assert ran == [[c] * 4 for c in computed]  # a predicted pass runs no block
+    assert gate_said == [c for c in computed for _ in range(4)]
+    for index, this_pass, next_pass in said:
+        assert this_pass == computed[index], index
+        if index >= len(contexts):  # the round of contexts is known once one repeats
+            assert next_pass == (computed[index + 1] if index + 1 < len(computed) else True), index
+    assert tally.computed == 4 * sum(computed) and tally.skipped == 4 * (len(computed) - sum(computed))
+    if cache.interval > 1:
+        assert not all(computed) and any(computed)
+
+
+def test_taylor_seer_that_leaves_nothing_to_predict_is_refused_before_anything_runs(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    cache = StepCache("taylor_seer", warmup_steps=6, end_steps=4)
+    with pytest.raises(StrategyError, match="warmup_steps=6 and end_steps=4, which leave nothing to predict in 10 steps"):
+        run(loaded, "wan2.1-t2v", MemoryStrategy(offload="block_swap", blocks_to_swap=1), cache)
+    assert not loaded.pipe.transformer.is_cache_enabled  # nothing left half-applied
+    assert not any(m._forward_hooks for m in denoiser_blocks(loaded.pipe, loaded.spec)["transformer"])
+    assert StepCache("taylor_seer").describe() == "taylor_seer interval=5 warmup_steps=3 end_steps=0 order=1"
+
+
+def test_taylor_seer_counts_each_experts_own_steps_and_the_end_steps_bind_the_last(tiny_loaded):
+    """Wan 2.2 A14B: each expert warms up on its own passes (its Taylor factors start empty), and the
+    steps always computed at the end are the run's, so the low-noise expert's."""
+    from vidmem.pipelines.step_cache import taylor_schedule
+
+    variant = "wan2.2-a14b"
+    loaded = tiny_loaded(variant)
+    passes = {"transformer": 0, "transformer_2": 0}
+    handles = [getattr(loaded.pipe, name).register_forward_pre_hook(
+        lambda m, args, name=name: passes.__setitem__(name, passes[name] + 1)) for name in passes]
+    try:
+        receipt = run(loaded, variant, MemoryStrategy(offload="none"), TAYLOR).receipt["cache"]
+    finally:
+        for handle in handles:
+            handle.remove()
+    steps = {name: count // 2 for name, count in passes.items()}  # cond and uncond per step
+    assert all(steps.values()) and sum(steps.values()) == STEPS
+    blocks = block_count(loaded)
+    expected = sum(sum(taylor_schedule(TAYLOR, steps[name], final=name == "transformer_2")) * 2 * blocks
+                   for name in steps)
+    assert receipt["blocks_computed"] == expected
+    assert receipt["blocks_computed"] + receipt["blocks_skipped"] == 2 * STEPS * blocks
