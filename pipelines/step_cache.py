@@ -910,6 +910,8 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
                          f"{each}, so what it skips is known only after the run (the Sampler's receipt counts it).")
     if cache is not None and not cache.on:
         return CachePlan("")
+    if cache is not None and cache.method is CacheMethod.TAYLOR:
+        return taylor_plan(cache, steps, denoisers, each)
     if cache is not None and ratios_name == "calibrate":
         return CachePlan("mag_cache calibrate: this run computes every step to measure the model's ratios and saves "
                          "them for the next runs; it skips nothing itself.")
@@ -933,6 +935,29 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
         f"mag_cache with {source} (threshold {cache.threshold:g}, K {cache.max_skip_steps}, retention "
         f"{cache.retention:g}): steps computed {parts}{each} ({share:.0%}){note}. The denoising time and, under block "
         f"swap, the copies fall about as the steps computed; quality: docs/step-cache.md.", None if uncached else share)
+
+
+def taylor_plan(cache: StepCache, steps: int, denoisers: list[str], each: str = "") -> CachePlan:
+    """TaylorSeer's steps computed at `steps`, from its step arithmetic (the same in every cache
+    context and context window). With two experts each warms up on its own, so the share depends on
+    where the steps are split between them, which the plan does not know: the words say so, with no share."""
+    try:
+        cache.check_steps(steps)
+    except StrategyError as error:
+        return CachePlan(f"taylor_seer: {error}")
+    settings = (f"taylor_seer (interval {cache.interval}, warm-up {cache.warmup_steps}, end steps {cache.end_steps}, "
+                f"order {cache.order})")
+    skipped = ("on the others every block returns zeros without computing and the output projection is extrapolated, "
+               "so under block swap, sequential and the disk tier those passes copy no block weight")
+    if len(denoisers) > 1:
+        return CachePlan(f"{settings}: each of {', '.join(denoisers)} warms up on its own steps, so the steps computed "
+                         f"depend on where the sampler hands over{each}; {skipped}. The Sampler's receipt counts them; "
+                         "quality: docs/step-cache.md.")
+    computed = sum(taylor_schedule(cache, steps))
+    share = computed / steps
+    return CachePlan(f"{settings}: steps computed {computed} of {steps}{each} ({share:.0%}); {skipped}. The denoising "
+                     "time and the copies fall about as the steps computed; quality: docs/step-cache.md (not measured "
+                     "on real weights).", share)
 
 
 def cached_time_line(plan, share: float) -> str:

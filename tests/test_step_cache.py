@@ -615,3 +615,23 @@ def test_taylor_seer_counts_each_experts_own_steps_and_the_end_steps_bind_the_la
                    for name in steps)
     assert receipt["blocks_computed"] == expected
     assert receipt["blocks_computed"] + receipt["blocks_skipped"] == 2 * STEPS * blocks
+
+
+def test_vidmem_plan_says_what_taylor_seer_computes_from_its_step_arithmetic(capsys):
+    from vidmem.cli import main
+    from vidmem.pipelines.step_cache import cache_plan, taylor_computes
+
+    main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "32", "--cache", "taylor_seer"])
+    out = capsys.readouterr().out
+    expected = sum(taylor_computes(step, 5, 3, None) for step in range(50))
+    assert f"taylor_seer (interval 5, warm-up 3, end steps 0, order 1): steps computed {expected} of 50 (" in out, out
+    assert re.search(rf"Time with the cache: about x0\.\d\d of the same run uncached \({expected / 50:.0%} of the", out), out
+    main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "32", "--cache", "taylor_seer", "--frames", "161",
+          "--window", "81", "--window-overlap", "16"])  # each window counts its own steps: the same share
+    assert f"steps computed {expected} of 50 in each of the 3 context windows" in capsys.readouterr().out
+    bold = cache_plan("any", 20, ["transformer"], StepCache("taylor_seer", interval=2, warmup_steps=2, end_steps=2))
+    assert bold.share == sum(taylor_computes(step, 2, 2, 18) for step in range(20)) / 20 and bold.share < 1
+    experts = cache_plan("any", 40, ["transformer", "transformer_2"], StepCache("taylor_seer"))
+    assert experts.share is None and "warms up on its own steps" in experts.text  # the split is not known here
+    refused = cache_plan("any", 3, ["transformer"], StepCache("taylor_seer"))
+    assert refused.share is None and "leave nothing to predict in 3 steps" in refused.text
