@@ -213,7 +213,8 @@ def test_calibration_skips_nothing_and_returns_the_ratios_per_step(tiny_loaded):
     assert again.receipt["cache"]["mag_ratios"] == cache["mag_ratios"]  # the same run measures the same
 
 
-def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded):
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, TAYLOR], ids=["first_block_cache", "taylor_seer"])
+def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded, cache):
     loaded = tiny_loaded("wan2.1-t2v")
     transformer = loaded.pipe.transformer
 
@@ -222,13 +223,13 @@ def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded):
 
     from vidmem.pipelines.hooks import RunHooks
 
-    request = replace(request_for("wan2.1-t2v", steps=STEPS), cache=FIRST_BLOCK)
+    request = replace(request_for("wan2.1-t2v", steps=STEPS), cache=cache)
     with pytest.raises(InterruptedError):
         sample(loaded, MemoryStrategy(offload="none"), request, hooks=RunHooks(on_step=lambda *a: cancel()),
                backend=StrictBackend())
     assert not transformer.is_cache_enabled
     assert not any(m._forward_pre_hooks for m in denoiser_blocks(loaded.pipe, loaded.spec)["transformer"])
-    run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), FIRST_BLOCK)  # and the next call enables it again
+    run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), cache)  # and the next call enables it again
 
 
 @pytest.mark.parametrize("kwargs,named", [
