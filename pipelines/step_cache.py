@@ -210,8 +210,8 @@ def diffusers_hooks():
     if missing:
         import diffusers
 
-        raise StrategyError(f"step caching needs diffusers' First Block Cache, MagCache and TaylorSeer hooks; diffusers "
-                            f"{diffusers.__version__} lacks {', '.join(missing)}: pip install -U diffusers "
+        raise StrategyError(f"step caching needs diffusers' First Block Cache, MagCache and TaylorSeer hooks; "
+                            f"diffusers {diffusers.__version__} lacks {', '.join(missing)}: pip install -U diffusers "
                             "(0.42 has them), or set the cache method to 'off'.")
     return hooks
 
@@ -222,7 +222,9 @@ def _check_taylor(cache: StepCache) -> None:
                             ("order", 1, TAYLOR_MAX_ORDER)):
         value = getattr(cache, name)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            why = " (TaylorSeer predicts from computed steps, so at least the first computes)" if name == "warmup_steps" else ""
+            why = ""
+            if name == "warmup_steps":
+                why = " (TaylorSeer predicts from computed steps, so at least the first computes)"
             raise StrategyError(f"cache {name}={value!r} must be a whole number from {low} to {high}{why}.")
 
 
