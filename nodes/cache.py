@@ -67,9 +67,10 @@ class VidMemStepCache:
             },
             "optional": {  # optional, so graphs saved before TaylorSeer existed still load and queue
                 "interval": ("INT", {"default": 5, "min": 1, "max": 1000, "tooltip":
-                    "TaylorSeer: after the warm-up, one step in `interval` is computed and the others predicted "
-                    "(5, diffusers' default, computes about a fifth of the steps: roughly 4x faster denoising). "
-                    "Larger is faster and drifts further from the uncached video; 1 computes every step."}),
+                    "TaylorSeer: after the warm-up, one step in `interval` is computed and the others predicted. "
+                    "5 (diffusers' default) computes 13 of 50 steps, about a quarter of the denoising work; 3 "
+                    "computes 19 and stayed much closer to the uncached video on vidmem's trained test model "
+                    "(docs/step-cache.md). Larger is faster and drifts further; 1 computes every step."}),
                 "warmup_steps": ("INT", {"default": 3, "min": 1, "max": 1000, "tooltip":
                     "TaylorSeer: steps always computed at the start (at least 1: it predicts from computed "
                     "steps). They set the video's layout; more is slower and closer to the uncached video. "
