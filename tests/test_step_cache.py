@@ -636,3 +636,22 @@ def test_vidmem_plan_says_what_taylor_seer_computes_from_its_step_arithmetic(cap
     assert experts.share is None and "warms up on its own steps" in experts.text  # the split is not known here
     refused = cache_plan("any", 3, ["transformer"], StepCache("taylor_seer"))
     assert refused.share is None and "leave nothing to predict in 3 steps" in refused.text
+
+
+def test_taylor_seer_with_a_lora_gives_tier_nones_latent_on_every_tier(tiny_loaded, tmp_path):
+    """A LoRA's layers sit inside the blocks TaylorSeer's hooks wrap: the LoRA acts on computed passes,
+    predicted passes run no block, and every tier gives tier none's latent."""
+    from test_lora_sampling import lora_file
+
+    from vidmem.pipelines.lora import load_lora, with_lora
+
+    variant = "wan2.1-t2v"
+    base = tiny_loaded(variant)
+    styled = with_lora(base, load_lora(lora_file(tmp_path, base.pipe.transformer), base.pipe, 0.8))
+    reference = run(styled, variant, MemoryStrategy(offload="none"), TAYLOR)
+    assert reference.receipt["cache"]["blocks_skipped"] > 0
+    assert not torch.equal(reference.latent["samples"], run(base, variant, MemoryStrategy(offload="none"), TAYLOR).latent["samples"])
+    for name, strategy in tiers(styled).items():
+        result = run(styled, variant, strategy, TAYLOR)
+        assert torch.equal(result.latent["samples"], reference.latent["samples"]), name
+        assert result.receipt["cache"]["blocks_computed"] == reference.receipt["cache"]["blocks_computed"], name
