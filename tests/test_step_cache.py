@@ -655,3 +655,20 @@ def test_taylor_seer_with_a_lora_gives_tier_nones_latent_on_every_tier(tiny_load
         result = run(styled, variant, strategy, TAYLOR)
         assert torch.equal(result.latent["samples"], reference.latent["samples"]), name
         assert result.receipt["cache"]["blocks_computed"] == reference.receipt["cache"]["blocks_computed"], name
+
+
+def test_an_out_of_memory_error_under_taylor_seer_resumes_uncached_and_leaves_nothing(tiny_loaded):
+    """The ladder resumes from the last finished step without the cache (its pass counts would restart
+    at 0 halfway through); the receipt says so, no hook is left, and the next call caches again."""
+    from test_oom_ladder import InjectOOM
+
+    variant = "wan2.1-t2v"
+    loaded = tiny_loaded(variant)
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"]
+    with InjectOOM(blocks[0], [2 * 3 + 1]) as oom:  # step 3's cond pass (computed under TAYLOR)
+        result = run(loaded, variant, MemoryStrategy(offload="model"), TAYLOR)
+    assert oom.raised == 1 and result.receipt["oom_ladder"]
+    assert "ran uncached" in result.receipt["cache"]["note"] and result.receipt["cache"]["blocks_skipped"] == 0
+    assert not loaded.pipe.transformer.is_cache_enabled
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in blocks)
+    assert run(loaded, variant, MemoryStrategy(offload="none"), TAYLOR).receipt["cache"]["blocks_skipped"] > 0
