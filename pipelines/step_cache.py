@@ -57,7 +57,7 @@ class CacheMethod(str, Enum):
 # their feed-forwards, so their weights would still be copied.) Its lite mode is what vidmem runs: on a
 # predicted step every block returns zeros without computing and `proj_out`'s output is extrapolated
 # from the computed steps, so a predicted pass needs no block weight at all and keeps one latent-sized
-# tensor per order and context.
+# tensor per order and context. The modules are named exactly (`taylor_on`), not by lite's patterns.
 _TAYLOR_HOOK = "taylorseer_cache"
 
 
@@ -232,6 +232,24 @@ def taylor_arithmetic(cache: StepCache, steps: int, final: bool = True) -> dict:
     """diffusers' TaylorSeerCacheConfig step settings for a denoiser that runs `steps` passes per context."""
     return {"cache_interval": cache.interval, "disable_cache_before_step": cache.warmup_steps,
             "disable_cache_after_step": steps - cache.end_steps if cache.end_steps and final else None}
+
+
+def taylor_on(config, name: str, denoiser: nn.Module, blocks) -> object:
+    """`config` (lite mode) with its modules named exactly: the denoiser's declared blocks return zeros
+    on a predicted step, and every output projection directly under it (`proj_out`, LTX-2's
+    `audio_proj_out`) is extrapolated. Lite mode's own patterns would match any top-level `*block*`
+    list and only `proj_out`, so an audio branch would be decoded from zeros."""
+    import re
+    from dataclasses import replace as with_fields
+
+    paths = {id(m): path for path, m in denoiser.named_modules()}
+    outputs = [child for child, _ in denoiser.named_children() if child.endswith("proj_out")]
+    if not outputs or not blocks:
+        raise StrategyError(f"cache taylor_seer extrapolates the denoiser's output projection (proj_out) and skips "
+                            f"its blocks; {name} ({type(denoiser).__name__}) has {'no proj_out' if not outputs else 'no blocks'}: "
+                            "choose mag_cache, first_block_cache or 'off'.")
+    return with_fields(config, use_lite_mode=False, skip_predict_identifiers=[re.escape(paths[id(b)]) for b in blocks],
+                       cache_identifiers=[re.escape(child) for child in outputs])
 
 
 def taylor_computes(step: int, interval: int, warmup: int, after: int | None) -> bool:
@@ -555,7 +573,8 @@ class AppliedCache:
                                         "'calibrate') or choose first_block_cache.")
                 self.cache.check_steps(steps)
                 if self.cache.method is CacheMethod.TAYLOR:
-                    config = self.cache.diffusers_config(own[name], name, final=name == last)
+                    config = taylor_on(self.cache.diffusers_config(own[name], name, final=name == last), name,
+                                       denoiser, self._blocks.get(name, ()))
                 else:
                     config = self.cache.diffusers_config(steps, name)
                 denoiser.enable_cache(config)

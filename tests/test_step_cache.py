@@ -672,3 +672,34 @@ def test_an_out_of_memory_error_under_taylor_seer_resumes_uncached_and_leaves_no
     assert not loaded.pipe.transformer.is_cache_enabled
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in blocks)
     assert run(loaded, variant, MemoryStrategy(offload="none"), TAYLOR).receipt["cache"]["blocks_skipped"] > 0
+
+
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v", "hunyuanvideo1.5-t2v", "ltx2-t2v"])
+def test_taylor_seer_hooks_exactly_the_declared_blocks_and_every_output_projection(tiny_loaded, variant):
+    """Zeros from the declared blocks, extrapolation of each output projection: LTX-2's audio branch has
+    its own (`audio_proj_out`), which diffusers' lite patterns would leave to be computed from zeros.
+    A denoiser without an output projection is refused by name, with nothing applied."""
+    from vidmem.pipelines.step_cache import AppliedCache, _TAYLOR_HOOK
+    from vidmem.pipelines.family import denoisers
+
+    loaded = tiny_loaded(variant)
+    transformer = loaded.pipe.transformer
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)
+    with AppliedCache(TAYLOR, denoisers(loaded.pipe, loaded.spec), blocks).apply(STEPS):
+        hooked = {path for path, m in transformer.named_modules()
+                  if getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook(_TAYLOR_HOOK)}
+    declared = {path for path, m in transformer.named_modules() if any(m is b for b in blocks["transformer"])}
+    outputs = {"proj_out", "audio_proj_out"} if variant == "ltx2-t2v" else {"proj_out"}
+    assert hooked == declared | outputs
+    assert not transformer.is_cache_enabled
+
+    class NoProjection(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
+
+        enable_cache = disable_cache = lambda self, *a: None
+
+    bare = NoProjection()
+    with pytest.raises(StrategyError, match=r"taylor_seer extrapolates .*\(NoProjection\) has no proj_out"):
+        AppliedCache(TAYLOR, {"transformer": bare}, {"transformer": bare.blocks}).apply(STEPS)
