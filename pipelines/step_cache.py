@@ -1,6 +1,6 @@
 """Step caching: skip the transformer blocks of steps whose output can be predicted, and their copies.
 
-The caches are diffusers' own hooks (`diffusers.hooks`: First Block Cache and MagCache), enabled on
+The caches are diffusers' own hooks (`diffusers.hooks`: First Block Cache, MagCache, TaylorSeer), enabled on
 each denoiser (`CacheMixin.enable_cache`) for one call and disabled again in `finally`. What vidmem
 adds is what no runner does: under block swap a skipped block's weights are not copied either.
 diffusers replaces a block's `forward` when it skips it, but the block is still called, so the
@@ -9,8 +9,10 @@ block is called, whether it will compute (memory/offload.py `compute_gate`), and
 a block, whether the block's next run computes. MagCache decides in the pass's first block from its
 ratios, the step index and the error accumulated so far, nothing else: `mag_decides` takes the same
 decision on a copy of the hook's state, so a skipped pass is known before its first block is copied
-and before the pass ahead of it prefetches for it. First Block Cache decides from how much the first
-block's output changed: that block is copied on every pass (it computes), the rest once it decided.
+and before the pass ahead of it prefetches for it. TaylorSeer (lite) decides by the pass count of its
+cache context alone (`taylor_computes`), foreseen the same way. First Block Cache decides from how
+much the first block's output changed: that block is copied on every pass (it computes), the rest
+once it decided.
 
 The count of blocks computed and skipped goes into the receipt (`CacheTally`).
 
@@ -245,9 +247,10 @@ def taylor_on(config, name: str, denoiser: nn.Module, blocks) -> object:
     paths = {id(m): path for path, m in denoiser.named_modules()}
     outputs = [child for child, _ in denoiser.named_children() if child.endswith("proj_out")]
     if not outputs or not blocks:
+        lacks = "no proj_out" if not outputs else "no blocks"
         raise StrategyError(f"cache taylor_seer extrapolates the denoiser's output projection (proj_out) and skips "
-                            f"its blocks; {name} ({type(denoiser).__name__}) has {'no proj_out' if not outputs else 'no blocks'}: "
-                            "choose mag_cache, first_block_cache or 'off'.")
+                            f"its blocks; {name} ({type(denoiser).__name__}) has {lacks}: choose mag_cache, "
+                            "first_block_cache or 'off'.")
     return with_fields(config, use_lite_mode=False, skip_predict_identifiers=[re.escape(paths[id(b)]) for b in blocks],
                        cache_identifiers=[re.escape(child) for child in outputs])
 
@@ -413,7 +416,6 @@ class BlockGate:
                 computed, view = mag_decides(view, config)
             view = mag_after_pass(view, config, computed)
         return mag_decides(view, config)[0]
-
 
     def _taylor_this_pass(self, name: str) -> bool:
         """TaylorSeer's decision for the pass under way: foreseen from the step count before the first
