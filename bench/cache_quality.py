@@ -20,7 +20,9 @@ Then, per class prompt at seeds 0 and 1, `sample()` at tier none with the pipeli
 - `mag_cache_calibrated` (vidmem's defaults: threshold 0.06, K 3), `_published_settings` (0.12, K 4)
   and `_bold` (0.24, K 6): ratios measured on the trained model by vidmem's own calibration run
   (the first class's prompt, seed 100: another video than the ones judged);
-- `first_block_cache` at diffusers' default 0.05, and at 0.1 and 0.2.
+- `first_block_cache` at diffusers' default 0.05, and at 0.1 and 0.2;
+- `taylor_seer` (diffusers' lite mode) at diffusers' defaults (interval 5, warm-up 3, order 1), and
+  `_interval_3` and `_interval_3_order_2`.
 
 Per method, prompt and seed (JSON key `methods`: mean and worst over the eight, then `by_sample`):
 blocks_ratio (blocks computed / uncached), psnr_db (final latent against the uncached one, over the
@@ -29,8 +31,7 @@ run first skipped and first differed from the uncached run's pass outputs (`same
 before its first skip a cached run is the uncached run bit for bit). `seed_psnr_db`: the uncached
 run at seed 0 against seed 1, same prompt, for scale (two different videos of one class);
 mse_to_own_class and nearest_class_is_prompted: whether the cached video still lies among its
-prompt's videos (as `denoises` judges the uncached ones). TaylorSeer
-is not measured: vidmem's StepCache offers MagCache and First Block Cache.
+prompt's videos (as `denoises` judges the uncached ones).
 
     python bench/cache_quality.py --json bench/results/cache-quality-cpu-2026-11-27.json  # 3-5 min on 2 cores
     python bench/cache_quality.py --train-steps 3 --steps 4                             # seconds: a dry run

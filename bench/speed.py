@@ -18,6 +18,7 @@ vidmem.pipelines.tiny; narrow widths on the CPU, the 1.3B's own in bf16 on CUDA)
   at their published threshold 0.12, K 4 and retention 0.2, passed directly (the random model's
   layout key is not the 1.3B's, so 'auto' would not find them);
 - `first_block_cache` at diffusers' default threshold 0.05, and `first_block_cache_bold` (`--fbc-bold`);
+- `taylor_seer`: TaylorSeer (diffusers' lite mode) at diffusers' defaults, interval 5, warm-up 3, order 1;
 
 under each tier: none, block_swap of half the blocks and of all of them, sequential (prefetch 1).
 One audited call per method and tier gives the counts: blocks computed (receipt), streamed copies

@@ -72,8 +72,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       "share and blend (a multiple of 4, smaller than --window)")
     plan.add_argument("--steps", type=int, default=50, help="denoising steps (time estimate only)")
     plan.add_argument("--batch", type=int, default=1, help="videos per prompt")
-    plan.add_argument("--cache", choices=("off", "mag_cache"), default="off",
-                      help="mag_cache: also say how many steps MagCache with the model's published ratios computes")
+    plan.add_argument("--cache", choices=("off", "mag_cache", "taylor_seer"), default="off",
+                      help="mag_cache: also say how many steps MagCache with the model's published ratios computes; "
+                           "taylor_seer: how many TaylorSeer computes at its defaults (interval 5, warm-up 3, order 1)")
     plan.add_argument("--no-cfg", action="store_true", help="guidance scale 1: no negative-prompt pass")
     plan.add_argument("--text-encoder", default="offload_after_encoding",
                       choices=("device", "offload_after_encoding", "cpu"), help="starting text encoder placement")
@@ -144,8 +145,8 @@ def run_plan(args: argparse.Namespace) -> int:
             print("\n" + window_line(model, shape))
         if best is not None and options.device != "cpu":
             print("\n" + _warm_line(plans[best]))
-        if args.cache == "mag_cache":
-            print("\n" + _cache_line(model, args.steps, shape, plans[best] if best is not None else None))
+        if args.cache != "off":
+            print("\n" + _cache_line(model, args.steps, shape, plans[best] if best is not None else None, args.cache))
         if message:
             print(f"\n{message}")
     return 0 if best is not None else 1
@@ -241,15 +242,16 @@ def _warm_line(plan) -> str:
             "text encoder on the GPU evicted them (docs/warm-runs.md).")
 
 
-def _cache_line(model, steps: int, shape, plan=None) -> str:
-    """MagCache's skips as published for this model at `steps` (in each context window, with --window), and the
-    time they save on `plan` (the recommended row; None where nothing fits)."""
+def _cache_line(model, steps: int, shape, plan=None, method: str = "mag_cache") -> str:
+    """MagCache's skips as published for this model at `steps` (or TaylorSeer's at its defaults; in each context
+    window, with --window), and the time they save on `plan` (the recommended row; None where nothing fits)."""
     from ..pipelines.context_windows import ContextWindows
-    from ..pipelines.step_cache import cache_plan, cached_time_line, layout_key
+    from ..pipelines.step_cache import StepCache, cache_plan, cached_time_line, layout_key
 
     denoisers = {name: (c.config["num_layers"], c.config) for name, c in model.components.items() if name.startswith("transformer")}
     windows = ContextWindows(shape.window, shape.window_overlap).count(shape.frames, model.geometry.temporal_factor)
-    planned = cache_plan(layout_key(model.pipeline_class, denoisers), steps, list(denoisers), windows=windows)
+    cache = StepCache(method) if method == "taylor_seer" else None  # None: MagCache as published
+    planned = cache_plan(layout_key(model.pipeline_class, denoisers), steps, list(denoisers), cache, windows=windows)
     if plan is None or planned.share is None:
         return planned.text
     return f"{planned.text}\n{cached_time_line(plan, planned.share)}"

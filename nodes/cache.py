@@ -31,9 +31,10 @@ class CacheChoice:
 class VidMemStepCache:
     DESCRIPTION = (
         "Skips the transformer's blocks on steps whose result can be predicted: MagCache from the model's "
-        "published magnitude ratios (about 2x on Wan 2.1 at a small loss, per its paper), or First Block Cache "
-        "from how much the first block's output changed. Under block swap the skipped blocks are not copied "
-        "either. Connect it to the Video Sampler's cache input."
+        "published magnitude ratios (about 2x on Wan 2.1 at a small loss, per its paper), First Block Cache "
+        "from how much the first block's output changed, or TaylorSeer, which computes one step in `interval` "
+        "and extrapolates the others. Under block swap the skipped blocks are not copied either. Connect it to "
+        "the Video Sampler's cache input."
     )
     CATEGORY = "vidmem"
     FUNCTION = "build"
@@ -48,8 +49,10 @@ class VidMemStepCache:
                 "method": ([m.value for m in CacheMethod], {"default": CacheMethod.MAG.value, "tooltip":
                     "mag_cache: skips whole steps while the error its ratios predict stays under the threshold; "
                     "decided ahead, the same on every GPU. first_block_cache: runs the first block each pass and "
-                    "skips the rest when its output changed less than the threshold; needs no ratios. off: every "
-                    "block of every step."}),
+                    "skips the rest when its output changed less than the threshold; needs no ratios. taylor_seer: "
+                    "after the warm-up computes one step in `interval` and predicts the others' output by a Taylor "
+                    "series over the computed steps (no block runs or is copied then); needs no ratios, decided "
+                    "ahead from the step count, the same on every GPU. off: every block of every step."}),
                 "threshold": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip":
                     "0: the method's default (mag_cache 0.06, first_block_cache 0.05). Higher skips more and "
                     "loses more detail; MagCache's paper reports about 2x on Wan 2.1 at 0.06 with a small loss."}),
@@ -62,6 +65,23 @@ class VidMemStepCache:
                     "they exist; calibrate runs every block once and saves this model's ratios as a file listed "
                     "here (named by model, blocks and steps). A file measured on another model is refused."}),
             },
+            "optional": {  # optional, so graphs saved before TaylorSeer existed still load and queue
+                "interval": ("INT", {"default": 5, "min": 1, "max": 1000, "tooltip":
+                    "TaylorSeer: after the warm-up, one step in `interval` is computed and the others predicted. "
+                    "5 (diffusers' default) computes 13 of 50 steps, about a quarter of the denoising work; 3 "
+                    "computes 19 and stayed much closer to the uncached video on vidmem's trained test model "
+                    "(docs/step-cache.md). Larger is faster and drifts further; 1 computes every step."}),
+                "warmup_steps": ("INT", {"default": 3, "min": 1, "max": 1000, "tooltip":
+                    "TaylorSeer: steps always computed at the start (at least 1: it predicts from computed "
+                    "steps). They set the video's layout; more is slower and closer to the uncached video. "
+                    "Each Wan 2.2 expert warms up on its own steps."}),
+                "end_steps": ("INT", {"default": 0, "min": 0, "max": 1000, "tooltip":
+                    "TaylorSeer: steps always computed at the end of the run, where fine detail settles; 0: "
+                    "none. Each costs one full step."}),
+                "order": ("INT", {"default": 1, "min": 1, "max": 3, "tooltip":
+                    "TaylorSeer: the Taylor series' order. 1 extrapolates along the last two computed steps; 2 "
+                    "and 3 follow curvature but amplify noise between steps `interval` apart. Costs no time."}),
+            },
         }
 
     @classmethod
@@ -69,11 +89,13 @@ class VidMemStepCache:
         """Named so NaN is refused when queued (it passes ComfyUI's min/max); ranges checked here."""
         return literal_problem(cls, "threshold", threshold) or literal_problem(cls, "retention", retention) or True
 
-    def build(self, method, threshold, retention, max_skip_steps, mag_ratios=AUTO):
+    def build(self, method, threshold, retention, max_skip_steps, mag_ratios=AUTO, interval=5, warmup_steps=3,
+              end_steps=0, order=1):
         needs_ratios = method == CacheMethod.MAG.value and mag_ratios != CALIBRATE
         # The ratios are resolved against the pipeline at the Sampler; a placeholder passes the check here.
         cache = StepCache(method, threshold, retention, max_skip_steps, (1.0,) if needs_ratios else None,
-                          calibrate=method == CacheMethod.MAG.value and mag_ratios == CALIBRATE)
+                          calibrate=method == CacheMethod.MAG.value and mag_ratios == CALIBRATE, interval=interval,
+                          warmup_steps=warmup_steps, end_steps=end_steps, order=order)
         choice = CacheChoice(cache, mag_ratios)
         return {"ui": {"text": [f"Step Cache: {cache.describe()}" + (f", ratios {mag_ratios}" if needs_ratios else "")]},
                 "result": (choice,)}

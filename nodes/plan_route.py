@@ -125,9 +125,10 @@ def _node_widgets(query: Mapping[str, str], prefix: str, node_cls, node: str, fr
     first widget absent). `free`: widgets whose lists are the host's files, checked when planned."""
     if not any(name.startswith(prefix) for name in query):  # before INPUT_TYPES: the cache node's lists files
         return ()
-    spec = node_cls.INPUT_TYPES()["required"]
-    if prefix + next(iter(spec)) not in query:
+    types = node_cls.INPUT_TYPES()
+    if prefix + next(iter(types["required"])) not in query:
         return ()
+    spec = {**types["required"], **types.get("optional", {})}  # optional widgets not sent take their defaults
     sent = {name[len(prefix):]: text for name, text in query.items() if name.startswith(prefix)}
     found = []
     for name, entry in spec.items():
@@ -332,8 +333,9 @@ def _step_cache(request: PlanRequest):
         return StepCache()
     widgets = dict(request.cache)
     try:
+        taylor = {name: widgets[name] for name in ("interval", "warmup_steps", "end_steps", "order") if name in widgets}
         return StepCache(widgets["method"], widgets["threshold"], widgets["retention"], widgets["max_skip_steps"],
-                         calibrate=True)  # the ratios are found by plan_line; calibrate lets it build without them
+                         calibrate=True, **taylor)  # the ratios are found by plan_line; calibrate lets it build without them
     except StrategyError as error:
         return error
 

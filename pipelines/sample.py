@@ -52,7 +52,7 @@ from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_messa
                             out_of_memory_message, planner_fits)
 from .schedulers import SamplerChoice, build_scheduler
 from .speed import NO_SPEED_NODE, ResolvedSpeed, Speed, planned_attention, resolve_speed, speed_for_call
-from .step_cache import AppliedCache, StepCache
+from .step_cache import AppliedCache, CacheMethod, StepCache
 from .context_windows import windows_for_call
 
 log = logging.getLogger("vidmem")
@@ -299,7 +299,8 @@ class _Run:
         if cache.on and cache.per_expert and len(blocks) > 1:
             cache.check_expert_steps(expert_steps(call, self.request.steps))
         applied = AppliedCache(cache, denoisers(pipe, spec), blocks)
-        return applied.apply(self.request.steps) if cache.on else applied
+        split = expert_steps(call, self.request.steps) if cache.method is CacheMethod.TAYLOR and len(blocks) > 1 else None
+        return applied.apply(self.request.steps, split) if cache.on else applied
 
     def _encode(self, call, strategy: MemoryStrategy, handle) -> None:
         device = self.backend.device

@@ -1,6 +1,6 @@
 """Step caching: skip the transformer blocks of steps whose output can be predicted, and their copies.
 
-The caches are diffusers' own hooks (`diffusers.hooks`: First Block Cache and MagCache), enabled on
+The caches are diffusers' own hooks (`diffusers.hooks`: First Block Cache, MagCache, TaylorSeer), enabled on
 each denoiser (`CacheMixin.enable_cache`) for one call and disabled again in `finally`. What vidmem
 adds is what no runner does: under block swap a skipped block's weights are not copied either.
 diffusers replaces a block's `forward` when it skips it, but the block is still called, so the
@@ -9,8 +9,10 @@ block is called, whether it will compute (memory/offload.py `compute_gate`), and
 a block, whether the block's next run computes. MagCache decides in the pass's first block from its
 ratios, the step index and the error accumulated so far, nothing else: `mag_decides` takes the same
 decision on a copy of the hook's state, so a skipped pass is known before its first block is copied
-and before the pass ahead of it prefetches for it. First Block Cache decides from how much the first
-block's output changed: that block is copied on every pass (it computes), the rest once it decided.
+and before the pass ahead of it prefetches for it. TaylorSeer (lite) decides by the pass count of its
+cache context alone (`taylor_computes`), foreseen the same way. First Block Cache decides from how
+much the first block's output changed: that block is copied on every pass (it computes), the rest
+once it decided.
 
 The count of blocks computed and skipped goes into the receipt (`CacheTally`).
 
@@ -46,12 +48,28 @@ class CacheMethod(str, Enum):
     OFF = "off"
     FIRST_BLOCK = "first_block_cache"  # skip the rest of a pass when the first block's output barely changed
     MAG = "mag_cache"  # skip whole steps while the accumulated magnitude-ratio error stays under the threshold
+    TAYLOR = "taylor_seer"  # compute one step in `interval`, predict the output projection on the others
+
+
+# diffusers' TaylorSeer has two modes. Its default predicts the blocks' attention modules, matched by
+# names ending in "attn"; Wan's and CogVideoX's are `attn1` / `attn2`, so in diffusers 0.42.1 it hooks
+# nothing on them and would run uncached. (Matched by hand, it would keep Taylor factors of every
+# attention output of every block per cache context: Wan 14B at 720p, 81 frames, two attentions x 40
+# blocks x 2 orders x 2 contexts of 75600 x 5120 values, hundreds of GB, and the blocks would still run
+# their feed-forwards, so their weights would still be copied.) Its lite mode is what vidmem runs: on a
+# predicted step every block returns zeros without computing and `proj_out`'s output is extrapolated
+# from the computed steps, so a predicted pass needs no block weight at all and keeps one latent-sized
+# tensor per order and context. The modules are named exactly (`taylor_on`), not by lite's patterns.
+_TAYLOR_HOOK = "taylorseer_cache"
 
 
 # diffusers' hook names: read the per-pass decision from a block's hook registry.
-_BLOCK_HOOKS = {CacheMethod.FIRST_BLOCK: "fbc_block_hook", CacheMethod.MAG: "mag_cache_block_hook"}
-_HEAD_HOOKS = {CacheMethod.FIRST_BLOCK: "fbc_leader_block_hook", CacheMethod.MAG: "mag_cache_leader_block_hook"}
+_BLOCK_HOOKS = {CacheMethod.FIRST_BLOCK: "fbc_block_hook", CacheMethod.MAG: "mag_cache_block_hook",
+                CacheMethod.TAYLOR: _TAYLOR_HOOK}
+_HEAD_HOOKS = {CacheMethod.FIRST_BLOCK: "fbc_leader_block_hook", CacheMethod.MAG: "mag_cache_leader_block_hook",
+               CacheMethod.TAYLOR: _TAYLOR_HOOK}
 DEFAULT_THRESHOLDS = {CacheMethod.FIRST_BLOCK: 0.05, CacheMethod.MAG: 0.06}  # diffusers' and the papers' defaults
+TAYLOR_MAX_ORDER = 3  # higher orders difference steps `interval` apart ever more times: noise, not accuracy
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,12 @@ class StepCache:
     more at some loss of quality. `retention`: the share of steps at the start always computed.
     `max_skip_steps`: MagCache's K, the most consecutive steps skipped. `mag_ratios`: MagCache's
     per-step magnitude ratios for this model and sampler (calibrated with `calibrate`).
+
+    TaylorSeer (`taylor_seer`, diffusers' lite mode): `warmup_steps` computed first (at least one: it
+    predicts from computed steps), then one step in `interval` computed and the others predicted by
+    a Taylor series of `order` over the computed steps; the last `end_steps` always computed (0: none).
+    Each denoiser and cache context counts its own passes (a Wan 2.2 expert warms up on its own;
+    `end_steps` bind the denoiser that runs last). diffusers' defaults: interval 5, warm-up 3, order 1.
     """
 
     method: CacheMethod = CacheMethod.OFF
@@ -73,6 +97,10 @@ class StepCache:
     expert_ratios: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (denoiser, its own ratios), Wan 2.2 A14B's experts
     ratio_steps: int = 0  # the step count the ratios were measured at (0: unknown; they are stretched to the run's)
     ratio_source: str = ""  # where the ratios come from, for the receipt
+    interval: int = 5  # TaylorSeer: one step in `interval` computed after the warm-up
+    warmup_steps: int = 3  # TaylorSeer: steps computed at the start of each denoiser's passes
+    end_steps: int = 0  # TaylorSeer: steps computed at the end of the run
+    order: int = 1  # TaylorSeer: the Taylor series' order
 
     def __post_init__(self) -> None:
         try:
@@ -86,6 +114,7 @@ class StepCache:
                 raise StrategyError(f"cache {name}={value!r} must be a number from {low} to {high}.")
         if isinstance(self.max_skip_steps, bool) or not isinstance(self.max_skip_steps, int) or self.max_skip_steps < 1:
             raise StrategyError(f"cache max_skip_steps={self.max_skip_steps!r} must be a whole number, 1 or more.")
+        _check_taylor(self)
         if self.mag_ratios is not None:
             object.__setattr__(self, "mag_ratios", _checked_ratios(self.mag_ratios, "mag_ratios"))
         object.__setattr__(self, "expert_ratios", tuple((str(name), _checked_ratios(ratios, f"mag_ratios of {name}"))
@@ -108,6 +137,9 @@ class StepCache:
             return "off"
         if self.method is CacheMethod.MAG and self.calibrate:
             return "mag_cache calibration (nothing skipped)"
+        if self.method is CacheMethod.TAYLOR:
+            return (f"{self.method.value} interval={self.interval} warmup_steps={self.warmup_steps} "
+                    f"end_steps={self.end_steps} order={self.order}")
         threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
         if self.method is CacheMethod.FIRST_BLOCK:
             return f"{self.method.value} threshold={threshold:g}"
@@ -115,7 +147,11 @@ class StepCache:
 
     def check_steps(self, steps: int) -> None:
         """Per-expert ratios (Wan 2.2 A14B) hold only at the step count they were measured at: each
-        expert's share of the steps moves with it."""
+        expert's share of the steps moves with it. TaylorSeer's fixed steps must leave one to predict."""
+        if self.method is CacheMethod.TAYLOR and self.warmup_steps + self.end_steps >= steps:
+            raise StrategyError(f"cache taylor_seer computes warmup_steps={self.warmup_steps} and end_steps="
+                                f"{self.end_steps}, which leave nothing to predict in {steps} steps: lower them "
+                                "(or raise steps), or set the cache method to 'off'.")
         if self.method is CacheMethod.MAG and self.per_expert and self.ratio_steps and self.ratio_steps != steps:
             raise StrategyError(f"cache mag_ratios were measured per expert at {self.ratio_steps} steps; each expert's "
                                 f"share changes with the step count: set steps to {self.ratio_steps}, or calibrate at "
@@ -138,14 +174,20 @@ class StepCache:
     def ratios_for(self, denoiser: str) -> tuple[float, ...] | None:
         return dict(self.expert_ratios).get(denoiser, self.mag_ratios)
 
-    def diffusers_config(self, steps: int, denoiser: str = "transformer"):
-        """The diffusers hook configuration for `denoiser` in a run of `steps` steps.
+    def diffusers_config(self, steps: int, denoiser: str = "transformer", final: bool = True):
+        """The diffusers hook configuration for `denoiser` in a run of `steps` steps (for TaylorSeer, the
+        steps `denoiser` itself runs; `final`: it runs the run's last steps, which `end_steps` binds).
 
         MagCache counts the steps of each denoiser it is applied to from 0. Ratios measured at this
         step count are used as measured (an expert of Wan 2.2 A14B measured its own steps, so its
         array is as long as its share); otherwise they are stretched to the run's steps, nearest
         neighbour, as MagCache's authors do."""
         hooks = diffusers_hooks()
+        if self.method is CacheMethod.TAYLOR:
+            # Lite mode keeps one latent-sized factor per order and context: fp32 costs nothing there and
+            # keeps the differences of nearby steps from rounding away (diffusers' default is bf16).
+            return hooks.TaylorSeerCacheConfig(**taylor_arithmetic(self, steps, final), max_order=self.order,
+                                               taylor_factors_dtype=torch.float32, use_lite_mode=True)
         FirstBlockCacheConfig, MagCacheConfig = hooks.FirstBlockCacheConfig, hooks.MagCacheConfig
         threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
         if self.method is CacheMethod.FIRST_BLOCK:
@@ -164,15 +206,60 @@ def diffusers_hooks():
     """diffusers' hooks module, with the caches vidmem uses; a worded refusal on a diffusers without them."""
     import diffusers.hooks as hooks
 
-    missing = [name for name in ("FirstBlockCacheConfig", "MagCacheConfig", "apply_mag_cache", "HookRegistry")
+    missing = [name for name in ("FirstBlockCacheConfig", "MagCacheConfig", "apply_mag_cache", "HookRegistry",
+                                 "TaylorSeerCacheConfig", "apply_taylorseer_cache")
                if not hasattr(hooks, name)]
     if missing:
         import diffusers
 
-        raise StrategyError(f"step caching needs diffusers' First Block Cache and MagCache hooks; diffusers "
-                            f"{diffusers.__version__} lacks {', '.join(missing)}: pip install -U diffusers "
+        raise StrategyError(f"step caching needs diffusers' First Block Cache, MagCache and TaylorSeer hooks; "
+                            f"diffusers {diffusers.__version__} lacks {', '.join(missing)}: pip install -U diffusers "
                             "(0.42 has them), or set the cache method to 'off'.")
     return hooks
+
+
+def _check_taylor(cache: StepCache) -> None:
+    """TaylorSeer's settings, checked on every cache (they keep their defaults for the other methods)."""
+    for name, low, high in (("interval", 1, 1000), ("warmup_steps", 1, 1000), ("end_steps", 0, 1000),
+                            ("order", 1, TAYLOR_MAX_ORDER)):
+        value = getattr(cache, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            why = ""
+            if name == "warmup_steps":
+                why = " (TaylorSeer predicts from computed steps, so at least the first computes)"
+            raise StrategyError(f"cache {name}={value!r} must be a whole number from {low} to {high}{why}.")
+
+
+def taylor_arithmetic(cache: StepCache, steps: int, final: bool = True) -> dict:
+    """diffusers' TaylorSeerCacheConfig step settings for a denoiser that runs `steps` passes per context."""
+    return {"cache_interval": cache.interval, "disable_cache_before_step": cache.warmup_steps,
+            "disable_cache_after_step": steps - cache.end_steps if cache.end_steps and final else None}
+
+
+def taylor_on(config, name: str, denoiser: nn.Module, blocks) -> object:
+    """`config` (lite mode) with its modules named exactly: the denoiser's declared blocks return zeros
+    on a predicted step, and every output projection directly under it (`proj_out`, LTX-2's
+    `audio_proj_out`) is extrapolated. Lite mode's own patterns would match any top-level `*block*`
+    list and only `proj_out`, so an audio branch would be decoded from zeros."""
+    import re
+    from dataclasses import replace as with_fields
+
+    paths = {id(m): path for path, m in denoiser.named_modules()}
+    outputs = [child for child, _ in denoiser.named_children() if child.endswith("proj_out")]
+    if not outputs or not blocks:
+        lacks = "no proj_out" if not outputs else "no blocks"
+        raise StrategyError(f"cache taylor_seer extrapolates the denoiser's output projection (proj_out) and skips "
+                            f"its blocks; {name} ({type(denoiser).__name__}) has {lacks}: choose mag_cache, "
+                            "first_block_cache or 'off'.")
+    return with_fields(config, use_lite_mode=False, skip_predict_identifiers=[re.escape(paths[id(b)]) for b in blocks],
+                       cache_identifiers=[re.escape(child) for child in outputs])
+
+
+def taylor_computes(step: int, interval: int, warmup: int, after: int | None) -> bool:
+    """Whether TaylorSeer computes (True) or predicts its `step`-th pass in a cache context: the same
+    arithmetic as diffusers 0.42.1's `TaylorSeerCacheHook._measure_should_compute` (note its phase:
+    the step right after the warm-up is predicted, the one after it computed)."""
+    return step < warmup or (step - warmup - 1) % interval == 0 or (after is not None and step >= after)
 
 
 def _checked_ratios(ratios, name: str) -> tuple[float, ...]:
@@ -228,6 +315,7 @@ class BlockGate:
         self._hook = _BLOCK_HOOKS[method]
         self._tally = tally
         self._passes = {name: _PassTrack(group[0], group[-1]) for name, group in blocks.items() if len(group)}
+        self._steps: dict[str, int] = {}  # TaylorSeer: passes per cache context in a run (`expect`)
         self._blocks: dict[int, tuple[str, int]] = {}  # id(block) -> (denoiser, index)
         self._inside: dict[int, tuple[str, int]] = {}  # id(module in a block) -> its block (sequential: leaves)
         for name, group in blocks.items():
@@ -241,9 +329,16 @@ class BlockGate:
         if where is None:
             return True  # not a block: a leaf runs only when its block computes
         name, index = where
+        if self._method is CacheMethod.TAYLOR:
+            return self._taylor_this_pass(name)  # every block follows the pass's step arithmetic
         if index == 0:
             return self._method is CacheMethod.FIRST_BLOCK or self._mag_this_pass(name)
         return self._decision(module)
+
+    def expect(self, steps: Mapping[str, int]) -> None:
+        """The passes per cache context each denoiser runs in this call: TaylorSeer counts on from the
+        last, and the pipeline resets its count after it, so the pass after the last is a run's first."""
+        self._steps = dict(steps)
 
     def ahead(self, module: nn.Module, next_pass: bool) -> bool:
         """Whether `module` (a block, or a module inside one) computes when it runs next: later in this
@@ -256,6 +351,8 @@ class BlockGate:
             return True  # outside the blocks: runs on every pass
         name, index = where
         track = self._passes[name]
+        if self._method is CacheMethod.TAYLOR:
+            return self._taylor_next_pass(name) if next_pass else self._taylor_this_pass(name)
         if not next_pass and track.phase != _PassTrack.START:
             return self._decision(track.tail)  # this pass has decided
         if self._method is not CacheMethod.MAG:
@@ -276,7 +373,10 @@ class BlockGate:
         name, index = self._blocks[id(module)]
         track = self._passes[name]
         track.ran(module)
-        computed = (index == 0 and self._method is CacheMethod.FIRST_BLOCK) or self._decision(module)
+        if self._method is CacheMethod.TAYLOR:
+            computed = _taylor_ran(module, track.context)  # the block's own hook state: what diffusers did
+        else:
+            computed = (index == 0 and self._method is CacheMethod.FIRST_BLOCK) or self._decision(module)
         self._tally.add(computed, track.window)
 
     def _decision(self, module: nn.Module) -> bool:
@@ -316,6 +416,47 @@ class BlockGate:
                 computed, view = mag_decides(view, config)
             view = mag_after_pass(view, config, computed)
         return mag_decides(view, config)[0]
+
+    def _taylor_this_pass(self, name: str) -> bool:
+        """TaylorSeer's decision for the pass under way: foreseen from the step count before the first
+        block has run, read from its hook state after."""
+        hook, track = self._head_hook(name), self._passes[name]
+        if hook is None:
+            return True
+        if track.phase != _PassTrack.START:
+            return _taylor_ran(track.head, track.context)
+        return self._taylor_foresee(name, hook, _taylor_step(hook, track.context) + 1)
+
+    def _taylor_next_pass(self, name: str) -> bool:
+        """TaylorSeer's decision for the denoiser's next pass: the step after its context's last."""
+        hook, track = self._head_hook(name), self._passes[name]
+        following = track.following()
+        if hook is None or following is None:
+            return True  # not cached, or the order of the cache contexts is not known yet
+        step = _taylor_step(hook, following) + 1
+        if following == track.context and track.phase == _PassTrack.START:
+            step += 1  # the pass under way has not counted itself yet
+        return self._taylor_foresee(name, hook, step)
+
+    def _taylor_foresee(self, name: str, hook, step: int) -> bool:
+        steps = self._steps.get(name)
+        if steps:
+            step %= steps  # after a run's last pass the pipeline resets the count: the next run's first
+        return taylor_computes(step, hook.cache_interval, hook.disable_cache_before_step, hook.disable_cache_after_step)
+
+
+def _taylor_step(hook, context: str) -> int:
+    """The last pass TaylorSeer counted in `context` (-1: none yet)."""
+    state = hook.state_manager._state_cache.get(context)
+    return state.current_step if state is not None else -1
+
+
+def _taylor_ran(module: nn.Module, context: str) -> bool:
+    """Whether `module`'s TaylorSeer hook computed (True) or predicted its latest pass in `context`."""
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.get_hook(_TAYLOR_HOOK) if registry is not None else None
+    state = hook.state_manager._state_cache.get(context) if hook is not None else None
+    return state is None or state.last_update_step == state.current_step
 
 
 class _PassTrack:
@@ -414,7 +555,11 @@ class AppliedCache:
         self._window_passes: list[nn.Module] = []  # denoisers given per-window cache state
         self._blocks = blocks
 
-    def apply(self, steps: int) -> "AppliedCache":
+    def apply(self, steps: int, denoiser_steps: Mapping[str, int] | None = None) -> "AppliedCache":
+        """Enable the cache for a call of `steps` steps; `denoiser_steps`: the steps each denoiser runs
+        when they share them (Wan 2.2 A14B's experts; TaylorSeer counts each one's own)."""
+        own = {name: (denoiser_steps or {}).get(name, steps) for name in self._denoisers}
+        last = list(self._denoisers)[-1] if self._denoisers else None
         try:
             for name, denoiser in self._denoisers.items():
                 if not hasattr(denoiser, "enable_cache"):
@@ -429,9 +574,15 @@ class AppliedCache:
                     raise StrategyError(f"cache mag_ratios has no ratios for {name}; calibrate this model (mag_ratios "
                                         "'calibrate') or choose first_block_cache.")
                 self.cache.check_steps(steps)
-                denoiser.enable_cache(self.cache.diffusers_config(steps, name))
+                if self.cache.method is CacheMethod.TAYLOR:
+                    config = taylor_on(self.cache.diffusers_config(own[name], name, final=name == last), name,
+                                       denoiser, self._blocks.get(name, ()))
+                else:
+                    config = self.cache.diffusers_config(steps, name)
+                denoiser.enable_cache(config)
                 self._enabled.append(denoiser)
             gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
+            gate.expect(own)
             for name, group in self._blocks.items():
                 denoiser = self._denoisers[name]
                 # The windows hook is in place first (sample.py enters `windows_for_call` before the
@@ -684,6 +835,20 @@ def mag_schedule(cache: StepCache, steps: int, denoiser: str = "transformer") ->
     return computed
 
 
+def taylor_schedule(cache: StepCache, steps: int, final: bool = True) -> list[bool]:
+    """Which of `steps` passes TaylorSeer computes (True) in one cache context of a denoiser that runs
+    `steps` passes (`final`: it runs the run's last steps, which `end_steps` binds).
+
+    Its decisions are step arithmetic, never the model's values: diffusers' own hook runs here on a
+    stand-in (lite mode, as a run), so the schedule is the one a run takes."""
+    if cache.method is not CacheMethod.TAYLOR:
+        return [True] * steps
+    stand_in = _TaylorStandIn()
+    diffusers_hooks().apply_taylorseer_cache(stand_in, cache.diffusers_config(steps, final=final))
+    with torch.no_grad():
+        return [stand_in(torch.zeros(1, 1)) for _ in range(steps)]
+
+
 class _ScheduleBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.ran = True
@@ -716,6 +881,28 @@ class _ScheduleModel(nn.Module):
         return tail.ran
 
 
+class _TaylorStandIn(nn.Module):
+    """One trivial block and an output projection, named as TaylorSeer's lite mode finds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_ScheduleBlock()])
+        self.proj_out = nn.Identity()
+
+    def forward(self, hidden_states: torch.Tensor) -> bool:
+        """One pass in the "cond" cache context; whether its block computed."""
+        from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+        block = self.blocks[0]
+        block.ran = False
+        _set_cache_context(self, CacheContext("cond"))
+        try:
+            self.proj_out(block(hidden_states))
+        finally:
+            _set_cache_context(self, None)
+        return block.ran
+
+
 @dataclass(frozen=True)
 class CachePlan:
     """What a step cache will skip, known before the run: the plan's words, and the share of the
@@ -746,6 +933,8 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
                          f"{each}, so what it skips is known only after the run (the Sampler's receipt counts it).")
     if cache is not None and not cache.on:
         return CachePlan("")
+    if cache is not None and cache.method is CacheMethod.TAYLOR:
+        return taylor_plan(cache, steps, denoisers, each)
     if cache is not None and ratios_name == "calibrate":
         return CachePlan("mag_cache calibrate: this run computes every step to measure the model's ratios and saves "
                          "them for the next runs; it skips nothing itself.")
@@ -769,6 +958,29 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
         f"mag_cache with {source} (threshold {cache.threshold:g}, K {cache.max_skip_steps}, retention "
         f"{cache.retention:g}): steps computed {parts}{each} ({share:.0%}){note}. The denoising time and, under block "
         f"swap, the copies fall about as the steps computed; quality: docs/step-cache.md.", None if uncached else share)
+
+
+def taylor_plan(cache: StepCache, steps: int, denoisers: list[str], each: str = "") -> CachePlan:
+    """TaylorSeer's steps computed at `steps`, from its step arithmetic (the same in every cache
+    context and context window). With two experts each warms up on its own, so the share depends on
+    where the steps are split between them, which the plan does not know: the words say so, with no share."""
+    try:
+        cache.check_steps(steps)
+    except StrategyError as error:
+        return CachePlan(f"taylor_seer: {error}")
+    settings = (f"taylor_seer (interval {cache.interval}, warm-up {cache.warmup_steps}, end steps {cache.end_steps}, "
+                f"order {cache.order})")
+    skipped = ("on the others every block returns zeros without computing and the output projection is extrapolated, "
+               "so under block swap, sequential and the disk tier those passes copy no block weight")
+    if len(denoisers) > 1:
+        return CachePlan(f"{settings}: each of {', '.join(denoisers)} warms up on its own steps, so the steps computed "
+                         f"depend on where the sampler hands over{each}; {skipped}. The Sampler's receipt counts them; "
+                         "quality: docs/step-cache.md.")
+    computed = sum(taylor_schedule(cache, steps))
+    share = computed / steps
+    return CachePlan(f"{settings}: steps computed {computed} of {steps}{each} ({share:.0%}); {skipped}. The denoising "
+                     "time and the copies fall about as the steps computed; quality: docs/step-cache.md (not measured "
+                     "on real weights).", share)
 
 
 def cached_time_line(plan, share: float) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from backends import StrictBackend
 from test_lora_sampling import lora_file
-from test_step_cache import FIRST_BLOCK, MAG
+from test_step_cache import FIRST_BLOCK, MAG, TAYLOR
 from test_tiers import block_count, hooks_of, request_for, storage_map
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.strategy import MAX_ACTIVATION_CHUNKS, StrategyError
@@ -108,8 +108,10 @@ def test_chunks_with_a_lora(tiny_loaded, tmp_path):
         assert torch.equal(chunked, reference)
 
 
-@pytest.mark.parametrize("variant, cache", [("wan2.1-t2v", FIRST_BLOCK), ("wan2.1-t2v", MAG), ("cogvideox-t2v", MAG)],
-                         ids=["wan-first_block_cache", "wan-mag_cache", "cogvideox-mag_cache"])
+@pytest.mark.parametrize("variant, cache", [("wan2.1-t2v", FIRST_BLOCK), ("wan2.1-t2v", MAG), ("cogvideox-t2v", MAG),
+                                            ("wan2.1-t2v", TAYLOR), ("cogvideox-t2v", TAYLOR)],
+                         ids=["wan-first_block_cache", "wan-mag_cache", "cogvideox-mag_cache", "wan-taylor_seer",
+                              "cogvideox-taylor_seer"])
 def test_chunks_under_the_step_cache(variant, cache, tiny_loaded):
     """The cache's hooks wrap the chunked forward (it is applied first): same skips, same latents."""
     loaded = tiny_loaded(variant)

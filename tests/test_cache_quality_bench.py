@@ -19,7 +19,8 @@ from bench.support import cache_signal  # noqa: E402
 STEPS = 4
 METHODS = {"off", "mag_cache_published", "mag_cache_published_bold", "mag_cache_calibrated",
            "mag_cache_calibrated_published_settings", "mag_cache_calibrated_bold", "first_block_cache",
-           "first_block_cache_0.1", "first_block_cache_0.2"}
+           "first_block_cache_0.1", "first_block_cache_0.2", "taylor_seer", "taylor_seer_interval_3",
+           "taylor_seer_interval_3_order_2"}
 ROW_KEYS = {"blocks_ratio", "psnr_db", "bitwise_equal_to_uncached", "passes", "passes_skipped", "first_skipped_pass",
             "first_differing_pass", "same_until_first_skip", "mse_to_own_class", "mse_to_nearest_other_class",
             "nearest_class_is_prompted"}

@@ -44,10 +44,10 @@ def speed(**changes):
     return NODE_CLASS_MAPPINGS["VidMemSpeed"]().build(**SP(**changes)(None))["result"][0]
 
 
-def step_cache(method="mag_cache", mag_ratios="auto"):
+def step_cache(method="mag_cache", mag_ratios="auto", **taylor):
     """The Step Cache node's output, as the Sampler's cache input receives it."""
     node = NODE_CLASS_MAPPINGS["VidMemStepCache"]()
-    return node.build(method, 0.0, 0.2, 3, mag_ratios)["result"][0]
+    return node.build(method, 0.0, 0.2, 3, mag_ratios, **taylor)["result"][0]
 
 
 def latent_with(samples=None, variant="wan2.1-t2v", **extra):
@@ -238,6 +238,9 @@ CASES = [
          r"cache \(Video Sampler\) got a LATENT"),
     Case("sampler-cache-no-published-ratios", "VidMemVideoSampler", lambda fx: sampler_inputs(fx, cache=step_cache()),
          "mag_ratios 'auto': no published MagCache ratios for WanPipeline"),
+    Case("sampler-cache-taylor-seer-nothing-to-predict", "VidMemVideoSampler",  # the fuzz Sampler runs 1 step
+         lambda fx: sampler_inputs(fx, cache=step_cache("taylor_seer", warmup_steps=1)),
+         "warmup_steps=1 and end_steps=0, which leave nothing to predict in 1 steps"),
     Case("sampler-cache-first-block-one-block", "VidMemVideoSampler",
          lambda fx: sampler_inputs(fx, "cogvideox-t2v", cache=step_cache("first_block_cache")),
          "first_block_cache decides after the first block"),

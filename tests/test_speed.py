@@ -115,12 +115,14 @@ def test_the_plan_counts_the_score_matrix_of_a_kernel_that_holds_it(tiny_loaded)
     assert peak(Speed("flash")) == fused == peak(Speed("sage"))
 
 
-def test_compiled_blocks_with_the_step_cache_skip_what_the_eager_run_skips(tiny_loaded):
+@pytest.mark.parametrize("method", ["mag_cache", "taylor_seer"])
+def test_compiled_blocks_with_the_step_cache_skip_what_the_eager_run_skips(tiny_loaded, method):
     """The speed is applied before the step cache wraps the blocks, so both hold for the whole call."""
     from vidmem.pipelines.step_cache import StepCache
 
     loaded = tiny_loaded("wan2.1-t2v")
-    cache = StepCache("mag_cache", mag_ratios=(1.0,) * STEPS, threshold=0.5, retention=0.0, max_skip_steps=3)
+    cache = (StepCache("mag_cache", mag_ratios=(1.0,) * STEPS, threshold=0.5, retention=0.0, max_skip_steps=3)
+             if method == "mag_cache" else StepCache("taylor_seer", interval=2, warmup_steps=1))
     strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=len(loaded.pipe.transformer.blocks))
 
     def cached(speed):

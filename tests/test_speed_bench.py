@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import speed  # noqa: E402
 
 BLOCKS, STEPS = 4, 8
-METHODS = {"off", "mag_cache", "first_block_cache", "first_block_cache_bold"}
+METHODS = {"off", "mag_cache", "first_block_cache", "first_block_cache_bold", "taylor_seer"}
 STREAMED = {f"block_swap_{BLOCKS // 2}", f"block_swap_{BLOCKS}", "sequential"}
 KEYS = {"blocks_ratio", "copies_ratio", "time_ratio", "psnr_db", "tiers_bitwise_equal"}
 
@@ -73,6 +73,18 @@ def test_mag_cache_skips_whole_passes_and_their_copies(report):
         if tier.startswith("block_swap"):
             assert copies["saved_by_cache"] > 0, tier
             assert copies["wasted"] == copies["uncached_wasted"], tier  # no copy for a skipped pass
+
+
+def test_taylor_seer_skips_the_passes_its_step_arithmetic_says_and_their_copies(report):
+    from vidmem.pipelines.step_cache import StepCache, taylor_schedule
+
+    taylor = report["cache"]["taylor_seer"]
+    assert taylor["blocks_computed"] == sum(taylor_schedule(StepCache("taylor_seer"), STEPS)) * 2 * BLOCKS
+    for tier, copies in taylor["copies_by_tier"].items():
+        assert copies["receipt_agrees"] and copies["copies"] < copies["uncached_copies"], tier
+        if tier.startswith("block_swap"):
+            assert copies["saved_by_cache"] > 0, tier
+            assert copies["wasted"] == copies["uncached_wasted"], tier  # no copy for a predicted pass
 
 
 @pytest.mark.parametrize("method", sorted(METHODS - {"off"}))

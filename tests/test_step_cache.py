@@ -24,6 +24,14 @@ from vidmem.pipelines.step_cache import CacheMethod, StepCache
 STEPS = 10
 FIRST_BLOCK = StepCache("first_block_cache", threshold=0.9, retention=0.0)  # bold: skips on random weights
 MAG = StepCache("mag_cache", mag_ratios=(1.0,) * STEPS, threshold=0.5, retention=0.2, max_skip_steps=3)
+TAYLOR = StepCache("taylor_seer", interval=3, warmup_steps=2, end_steps=1, order=2)  # computes 6 of 10 steps
+
+
+def schedule(cache, steps=STEPS) -> list[bool]:
+    """The steps a foreseen cache computes (True): MagCache's and TaylorSeer's, from diffusers' own hooks."""
+    from vidmem.pipelines.step_cache import mag_schedule, taylor_schedule
+
+    return taylor_schedule(cache, steps) if cache.method is CacheMethod.TAYLOR else mag_schedule(cache, steps)
 
 
 def tiers(loaded) -> dict[str, MemoryStrategy]:
@@ -39,7 +47,7 @@ def run(loaded, variant, strategy, cache, steps=STEPS):
     return sample(loaded, strategy, request, backend=StrictBackend())
 
 
-@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG], ids=["first_block_cache", "mag_cache"])
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG, TAYLOR], ids=["first_block_cache", "mag_cache", "taylor_seer"])
 @pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v", "wan2.2-a14b"])
 def test_every_tier_gives_tier_nones_latent_with_caching_on(tiny_loaded, variant, cache):
     loaded = tiny_loaded(variant)
@@ -72,21 +80,22 @@ def run_observed(loaded, variant, strategy, cache):
     return result, passes
 
 
+@pytest.mark.parametrize("cache", [MAG, TAYLOR], ids=["mag_cache", "taylor_seer"])
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("swapped", ["one", "all"])
-def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_blocks(tiny_loaded, swapped, prefetch):
-    """MagCache's decision is foreseen: under block swap a skipped pass copies no block weight, not
-    even the first block's, and the pass before it prefetches nothing for it; the computed pass after
-    it still finds its first block prefetched (with prefetch), copied at the end of the skipped pass."""
-    from vidmem.pipelines.step_cache import mag_schedule
-
+def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_blocks(tiny_loaded, swapped, prefetch,
+                                                                                   cache):
+    """MagCache's and TaylorSeer's decisions are foreseen: under block swap a skipped pass copies no
+    block weight, not even the first block's, and the pass before it prefetches nothing for it; the
+    computed pass after it still finds its first block prefetched (with prefetch), copied at the end
+    of the skipped pass."""
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
     blocks = block_count(loaded)
     swap = blocks if swapped == "all" else 1
     strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=swap, prefetch_blocks=prefetch)
-    result, passes = run_observed(loaded, variant, strategy, MAG)
-    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]  # cfg: cond and uncond per step
+    result, passes = run_observed(loaded, variant, strategy, cache)
+    computes = [step for step in schedule(cache) for _ in range(2)]  # cfg: cond and uncond per step
     assert len(passes) == len(computes) and not all(computes)
     opening = f"transformer.blocks.{blocks - swap}"
     for index, (events, computed) in enumerate(zip(passes, computes)):
@@ -106,26 +115,26 @@ def test_a_skipped_pass_copies_nothing_and_the_next_computed_pass_finds_its_bloc
     assert cache["streamed_copies_skipped"] == (len(computes) - computed_passes) * swap
 
 
-def test_the_disk_tier_copies_nothing_for_a_skipped_pass_either(tiny_folder):
+@pytest.mark.parametrize("cache", [MAG, TAYLOR], ids=["mag_cache", "taylor_seer"])
+def test_the_disk_tier_copies_nothing_for_a_skipped_pass_either(tiny_folder, cache):
     """Weights memory-mapped from the folder's files stream through the same schedule: a skipped pass
     reads no block from the file, and the latent is tier none's (of the same mapped pipeline)."""
     from vidmem.memory.storage import is_file_backed
     from vidmem.pipelines.loader import load_pipeline
-    from vidmem.pipelines.step_cache import mag_schedule
 
     variant = "wan2.1-t2v"
     mapped = load_pipeline(tiny_folder(variant), "fp32", weight_dtype="fp32")
     assert mapped.on_disk and is_file_backed(mapped.pipe.transformer.blocks[0].attn1.to_q.weight)
     blocks = block_count(mapped)
     strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=1)
-    result, passes = run_observed(mapped, variant, strategy, MAG)
-    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]
+    result, passes = run_observed(mapped, variant, strategy, cache)
+    computes = [step for step in schedule(cache) for _ in range(2)]
     for index, (events, computed) in enumerate(zip(passes, computes)):
         copies = [(kind, name) for kind, name in events if kind in ("onload", "prefetch")]
         if not computed:
             following = computes[index + 1] if index + 1 < len(computes) else True
             assert copies == ([("prefetch", "transformer.blocks.0")] if following else []), (index, events)
-    reference = run(mapped, variant, MemoryStrategy(offload="none"), MAG)
+    reference = run(mapped, variant, MemoryStrategy(offload="none"), cache)
     assert torch.equal(result.latent["samples"], reference.latent["samples"])
     assert result.receipt["cache"]["streamed_copies"] == sum(computes) * blocks + 1
 
@@ -177,16 +186,15 @@ def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     assert calibration["streamed_copies"] - cached["streamed_copies"] == cached["streamed_copies_skipped"]
 
 
-def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded):
+@pytest.mark.parametrize("cache", [MAG, TAYLOR], ids=["mag_cache", "taylor_seer"])
+def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded, cache):
     """Under sequential every leaf streams: the leaves outside the blocks run on every pass, those of
     a skipped pass's blocks are neither called nor prefetched (the leaf before the first block used to
     prefetch it)."""
-    from vidmem.pipelines.step_cache import mag_schedule
-
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
-    result, passes = run_observed(loaded, variant, MemoryStrategy(offload="sequential", prefetch_blocks=1), MAG)
-    computes = [step for step in mag_schedule(MAG, STEPS) for _ in range(2)]
+    result, passes = run_observed(loaded, variant, MemoryStrategy(offload="sequential", prefetch_blocks=1), cache)
+    computes = [step for step in schedule(cache) for _ in range(2)]
     skipped = [events for events, computed in zip(passes, computes) if not computed]
     assert skipped
     for events in skipped:
@@ -205,7 +213,8 @@ def test_calibration_skips_nothing_and_returns_the_ratios_per_step(tiny_loaded):
     assert again.receipt["cache"]["mag_ratios"] == cache["mag_ratios"]  # the same run measures the same
 
 
-def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded):
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, TAYLOR], ids=["first_block_cache", "taylor_seer"])
+def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded, cache):
     loaded = tiny_loaded("wan2.1-t2v")
     transformer = loaded.pipe.transformer
 
@@ -214,13 +223,13 @@ def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded):
 
     from vidmem.pipelines.hooks import RunHooks
 
-    request = replace(request_for("wan2.1-t2v", steps=STEPS), cache=FIRST_BLOCK)
+    request = replace(request_for("wan2.1-t2v", steps=STEPS), cache=cache)
     with pytest.raises(InterruptedError):
         sample(loaded, MemoryStrategy(offload="none"), request, hooks=RunHooks(on_step=lambda *a: cancel()),
                backend=StrictBackend())
     assert not transformer.is_cache_enabled
     assert not any(m._forward_pre_hooks for m in denoiser_blocks(loaded.pipe, loaded.spec)["transformer"])
-    run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), FIRST_BLOCK)  # and the next call enables it again
+    run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), cache)  # and the next call enables it again
 
 
 @pytest.mark.parametrize("kwargs,named", [
@@ -231,6 +240,11 @@ def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded):
     ({"method": "mag_cache"}, "mag_ratios"),
     ({"method": "mag_cache", "mag_ratios": (1.0, 0.0)}, "mag_ratios"),
     ({"method": "mag_cache", "mag_ratios": (1.0,), "max_skip_steps": 0}, "max_skip_steps"),
+    ({"method": "taylor_seer", "interval": 0}, "interval"),
+    ({"method": "taylor_seer", "warmup_steps": 0}, "warmup_steps=0 .*predicts from computed steps"),
+    ({"method": "taylor_seer", "end_steps": -1}, "end_steps"),
+    ({"method": "taylor_seer", "order": 4}, "order=4 must be a whole number from 1 to 3"),
+    ({"method": "taylor_seer", "interval": 2.5}, "interval"),
 ])
 def test_bad_cache_settings_are_refused_by_name(kwargs, named):
     with pytest.raises(StrategyError, match=named):
@@ -448,7 +462,7 @@ def test_the_gate_foresees_every_pass_from_anywhere_in_the_pass_before(contexts)
             assert next_pass == (computed[index + 1] if index + 1 < len(computed) else True), index
 
 
-@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG], ids=["first_block_cache", "mag_cache"])
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG, TAYLOR], ids=["first_block_cache", "mag_cache", "taylor_seer"])
 def test_the_cuda_path_keeps_its_promises_with_the_cache_on(tiny_folder, monkeypatch, cache):
     """CudaBackend under the recording CUDA fake (tests/test_cuda_path.py's audit): with copies held
     for skipped passes and made at the end of a skipped pass, copies stay on the side stream, compute
@@ -495,3 +509,197 @@ def test_the_plans_time_with_a_cache_scales_the_denoise_stage_only():
     assert 0 < denoise < whole  # encoding and decoding take time too
     assert plan.seconds_with_denoise_share(0.4) == pytest.approx(whole - 0.6 * denoise)
     assert f"about x{(whole - 0.6 * denoise) / whole:.2f} of the same run uncached" in cached_time_line(plan, 0.4)
+
+
+@pytest.mark.parametrize("contexts", [("cond", "uncond"), ("cond_uncond",)], ids=["wan", "cogvideox"])
+@pytest.mark.parametrize("cache", [TAYLOR, StepCache("taylor_seer"), StepCache("taylor_seer", interval=1, end_steps=3),
+                                   StepCache("taylor_seer", interval=2, warmup_steps=1, order=3)],
+                         ids=["test", "defaults", "interval1", "order3"])
+def test_the_gate_foresees_taylor_seers_every_pass_from_anywhere_in_the_pass_before(contexts, cache):
+    """BlockGate on diffusers' TaylorSeer hooks (lite mode, four blocks and an output projection),
+    passes in Wan's or CogVideoX's cache contexts, over two whole runs with the pipeline's reset of the
+    hooks' state between them: asked before the first block, between blocks and after the last, it
+    says what the pass under way and the denoiser's next pass do, as diffusers' hook state then shows;
+    and a predicted pass runs no block's own forward."""
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    from vidmem.pipelines.step_cache import BlockGate, CacheTally, _ScheduleBlock, _taylor_ran
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([_ScheduleBlock() for _ in range(4)])
+            self.proj_out = torch.nn.Linear(1, 1)
+
+        def forward(self, hidden_states):
+            for block in self.blocks:
+                block.ran = False
+                hidden_states = block(hidden_states)
+            self.proj_out(hidden_states)
+            return [block.ran for block in self.blocks]
+
+    model = Model()
+    from diffusers.hooks import apply_taylorseer_cache
+
+    apply_taylorseer_cache(model, cache.diffusers_config(STEPS))
+    tally = CacheTally()
+    gate = BlockGate(CacheMethod.TAYLOR, {"transformer": model.blocks}, tally)
+    gate.expect({"transformer": STEPS})
+    said: list[tuple[int, bool, bool]] = []  # (pass, this pass computes, the next pass computes)
+    passes, context = [0], [contexts[0]]
+
+    def ask(block):
+        said.append((passes[0], gate.ahead(block, next_pass=False), gate.ahead(model.blocks[0], next_pass=True)))
+
+    handles = [model.register_forward_pre_hook(lambda m, args: gate.begin("transformer"))]
+    for block in model.blocks:
+        handles.append(block.register_forward_pre_hook(lambda m, args: ask(m)))
+        handles.append(block.register_forward_pre_hook(lambda m, args: gate_said.append(gate(m)), prepend=True))
+        handles.append(block.register_forward_hook(lambda m, args, out: gate.count(m), prepend=True))
+        handles.append(block.register_forward_hook(lambda m, args, out: ask(m)))
+    gate_said, computed, ran = [], [], []
+    with torch.no_grad():
+        for run_index in range(2):  # two whole runs
+            for step in range(STEPS):
+                for name in contexts:
+                    passes[0], context[0] = len(computed), name
+                    _set_cache_context(model, CacheContext(name))
+                    ran.append(model(torch.zeros(1, 1)))
+                    computed.append(_taylor_ran(model.blocks[-1], name))  # diffusers' own state says what it did
+                    _set_cache_context(model, None)
+            HookRegistry.check_if_exists_or_initialize(model).reset_stateful_hooks()  # as the pipeline does at its end
+    for handle in handles:
+        handle.remove()
+    assert computed[:len(contexts) * STEPS] == computed[len(contexts) * STEPS:]
+    assert computed == [step for step in schedule(cache) for _ in contexts] * 2
+    assert ran == [[c] * 4 for c in computed]  # a predicted pass runs no block
+    assert gate_said == [c for c in computed for _ in range(4)]
+    for index, this_pass, next_pass in said:
+        assert this_pass == computed[index], index
+        if index >= len(contexts):  # the round of contexts is known once one repeats
+            assert next_pass == (computed[index + 1] if index + 1 < len(computed) else True), index
+    assert tally.computed == 4 * sum(computed) and tally.skipped == 4 * (len(computed) - sum(computed))
+    if cache.interval > 1:
+        assert not all(computed) and any(computed)
+
+
+def test_taylor_seer_that_leaves_nothing_to_predict_is_refused_before_anything_runs(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    cache = StepCache("taylor_seer", warmup_steps=6, end_steps=4)
+    with pytest.raises(StrategyError, match="warmup_steps=6 and end_steps=4, which leave nothing to predict in 10 steps"):
+        run(loaded, "wan2.1-t2v", MemoryStrategy(offload="block_swap", blocks_to_swap=1), cache)
+    assert not loaded.pipe.transformer.is_cache_enabled  # nothing left half-applied
+    assert not any(m._forward_hooks for m in denoiser_blocks(loaded.pipe, loaded.spec)["transformer"])
+    assert StepCache("taylor_seer").describe() == "taylor_seer interval=5 warmup_steps=3 end_steps=0 order=1"
+
+
+def test_taylor_seer_counts_each_experts_own_steps_and_the_end_steps_bind_the_last(tiny_loaded):
+    """Wan 2.2 A14B: each expert warms up on its own passes (its Taylor factors start empty), and the
+    steps always computed at the end are the run's, so the low-noise expert's."""
+    from vidmem.pipelines.step_cache import taylor_schedule
+
+    variant = "wan2.2-a14b"
+    loaded = tiny_loaded(variant)
+    passes = {"transformer": 0, "transformer_2": 0}
+    handles = [getattr(loaded.pipe, name).register_forward_pre_hook(
+        lambda m, args, name=name: passes.__setitem__(name, passes[name] + 1)) for name in passes]
+    try:
+        receipt = run(loaded, variant, MemoryStrategy(offload="none"), TAYLOR).receipt["cache"]
+    finally:
+        for handle in handles:
+            handle.remove()
+    steps = {name: count // 2 for name, count in passes.items()}  # cond and uncond per step
+    assert all(steps.values()) and sum(steps.values()) == STEPS
+    blocks = block_count(loaded)
+    expected = sum(sum(taylor_schedule(TAYLOR, steps[name], final=name == "transformer_2")) * 2 * blocks
+                   for name in steps)
+    assert receipt["blocks_computed"] == expected
+    assert receipt["blocks_computed"] + receipt["blocks_skipped"] == 2 * STEPS * blocks
+
+
+def test_vidmem_plan_says_what_taylor_seer_computes_from_its_step_arithmetic(capsys):
+    from vidmem.cli import main
+    from vidmem.pipelines.step_cache import cache_plan, taylor_computes
+
+    main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "32", "--cache", "taylor_seer"])
+    out = capsys.readouterr().out
+    expected = sum(taylor_computes(step, 5, 3, None) for step in range(50))
+    assert f"taylor_seer (interval 5, warm-up 3, end steps 0, order 1): steps computed {expected} of 50 (" in out, out
+    assert re.search(rf"Time with the cache: about x0\.\d\d of the same run uncached \({expected / 50:.0%} of the", out), out
+    main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "32", "--cache", "taylor_seer", "--frames", "161",
+          "--window", "81", "--window-overlap", "16"])  # each window counts its own steps: the same share
+    assert f"steps computed {expected} of 50 in each of the 3 context windows" in capsys.readouterr().out
+    bold = cache_plan("any", 20, ["transformer"], StepCache("taylor_seer", interval=2, warmup_steps=2, end_steps=2))
+    assert bold.share == sum(taylor_computes(step, 2, 2, 18) for step in range(20)) / 20 and bold.share < 1
+    experts = cache_plan("any", 40, ["transformer", "transformer_2"], StepCache("taylor_seer"))
+    assert experts.share is None and "warms up on its own steps" in experts.text  # the split is not known here
+    refused = cache_plan("any", 3, ["transformer"], StepCache("taylor_seer"))
+    assert refused.share is None and "leave nothing to predict in 3 steps" in refused.text
+
+
+def test_taylor_seer_with_a_lora_gives_tier_nones_latent_on_every_tier(tiny_loaded, tmp_path):
+    """A LoRA's layers sit inside the blocks TaylorSeer's hooks wrap: the LoRA acts on computed passes,
+    predicted passes run no block, and every tier gives tier none's latent."""
+    from test_lora_sampling import lora_file
+
+    from vidmem.pipelines.lora import load_lora, with_lora
+
+    variant = "wan2.1-t2v"
+    base = tiny_loaded(variant)
+    styled = with_lora(base, load_lora(lora_file(tmp_path, base.pipe.transformer), base.pipe, 0.8))
+    reference = run(styled, variant, MemoryStrategy(offload="none"), TAYLOR)
+    assert reference.receipt["cache"]["blocks_skipped"] > 0
+    assert not torch.equal(reference.latent["samples"], run(base, variant, MemoryStrategy(offload="none"), TAYLOR).latent["samples"])
+    for name, strategy in tiers(styled).items():
+        result = run(styled, variant, strategy, TAYLOR)
+        assert torch.equal(result.latent["samples"], reference.latent["samples"]), name
+        assert result.receipt["cache"]["blocks_computed"] == reference.receipt["cache"]["blocks_computed"], name
+
+
+def test_an_out_of_memory_error_under_taylor_seer_resumes_uncached_and_leaves_nothing(tiny_loaded):
+    """The ladder resumes from the last finished step without the cache (its pass counts would restart
+    at 0 halfway through); the receipt says so, no hook is left, and the next call caches again."""
+    from test_oom_ladder import InjectOOM
+
+    variant = "wan2.1-t2v"
+    loaded = tiny_loaded(variant)
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"]
+    with InjectOOM(blocks[0], [2 * 3 + 1]) as oom:  # step 3's cond pass (computed under TAYLOR)
+        result = run(loaded, variant, MemoryStrategy(offload="model"), TAYLOR)
+    assert oom.raised == 1 and result.receipt["oom_ladder"]
+    assert "ran uncached" in result.receipt["cache"]["note"] and result.receipt["cache"]["blocks_skipped"] == 0
+    assert not loaded.pipe.transformer.is_cache_enabled
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in blocks)
+    assert run(loaded, variant, MemoryStrategy(offload="none"), TAYLOR).receipt["cache"]["blocks_skipped"] > 0
+
+
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v", "hunyuanvideo1.5-t2v", "ltx2-t2v"])
+def test_taylor_seer_hooks_exactly_the_declared_blocks_and_every_output_projection(tiny_loaded, variant):
+    """Zeros from the declared blocks, extrapolation of each output projection: LTX-2's audio branch has
+    its own (`audio_proj_out`), which diffusers' lite patterns would leave to be computed from zeros.
+    A denoiser without an output projection is refused by name, with nothing applied."""
+    from vidmem.pipelines.step_cache import AppliedCache, _TAYLOR_HOOK
+    from vidmem.pipelines.family import denoisers
+
+    loaded = tiny_loaded(variant)
+    transformer = loaded.pipe.transformer
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)
+    with AppliedCache(TAYLOR, denoisers(loaded.pipe, loaded.spec), blocks).apply(STEPS):
+        hooked = {path for path, m in transformer.named_modules()
+                  if getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook(_TAYLOR_HOOK)}
+    declared = {path for path, m in transformer.named_modules() if any(m is b for b in blocks["transformer"])}
+    outputs = {"proj_out", "audio_proj_out"} if variant == "ltx2-t2v" else {"proj_out"}
+    assert hooked == declared | outputs
+    assert not transformer.is_cache_enabled
+
+    class NoProjection(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
+
+        enable_cache = disable_cache = lambda self, *a: None
+
+    bare = NoProjection()
+    with pytest.raises(StrategyError, match=r"taylor_seer extrapolates .*\(NoProjection\) has no proj_out"):
+        AppliedCache(TAYLOR, {"transformer": bare}, {"transformer": bare.blocks}).apply(STEPS)

@@ -277,7 +277,7 @@ def _wan_13b_cache_plan(**cache):
 
 
 def test_the_plan_says_what_a_connected_step_cache_skips_before_the_run():
-    from vidmem.pipelines.step_cache import CacheMethod, StepCache, layout_key, mag_schedule, published_cache
+    from vidmem.pipelines.step_cache import CacheMethod, StepCache, layout_key, mag_schedule, published_cache, taylor_computes
 
     assert _wan_13b_cache_plan()["speed"] == []  # no Step Cache node connected
     widgets = dict(method="mag_cache", threshold="0", retention="0.2", max_skip_steps="3", mag_ratios="auto")
@@ -299,6 +299,15 @@ def test_the_plan_says_what_a_connected_step_cache_skips_before_the_run():
     missing = _wan_13b_cache_plan(**dict(widgets, mag_ratios="gone.json"))["speed"][0]
     assert "gone.json" in missing and "missing" in missing
     assert _wan_13b_cache_plan(**dict(widgets, method="off"))["speed"] == []
+    taylor = _wan_13b_cache_plan(**dict(widgets, method="taylor_seer", interval="4", warmup_steps="2",
+                                        end_steps="3"))["speed"][0]
+    computed = sum(taylor_computes(step, 4, 2, 47) for step in range(50))
+    assert f"taylor_seer (interval 4, warm-up 2, end steps 3, order 1): steps computed {computed} of 50" in taylor, taylor
+    assert f"({computed / 50:.0%} of the denoise passes computed" in taylor, taylor
+    defaults = _wan_13b_cache_plan(**dict(widgets, method="taylor_seer"))["speed"][0]  # widgets of an older graph
+    assert "taylor_seer (interval 5, warm-up 3, end steps 0, order 1)" in defaults, defaults
+    refused = _wan_13b_cache_plan(**dict(widgets, method="taylor_seer", warmup_steps="40", end_steps="10"))["speed"][0]
+    assert "leave nothing to predict in 50 steps" in refused, refused
 
 
 def test_a_bad_step_cache_widget_is_named_with_its_node():

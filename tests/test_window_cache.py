@@ -25,10 +25,12 @@ VARIANT = "wan2.1-t2v"  # 17 frames in windows of 9 sharing 4: latent frames 0-3
 WINDOWS = 2
 FIRST_BLOCK = StepCache("first_block_cache", threshold=0.9, retention=0.0)  # bold: skips on random weights
 MAG = StepCache("mag_cache", mag_ratios=(1.0,) * STEPS, threshold=0.5, retention=0.2, max_skip_steps=3)
-CACHES = {"first_block_cache": FIRST_BLOCK, "mag_cache": MAG}
+TAYLOR = StepCache("taylor_seer", interval=3, warmup_steps=2, end_steps=1, order=2)
+CACHES = {"first_block_cache": FIRST_BLOCK, "mag_cache": MAG, "taylor_seer": TAYLOR}
 # Caches that never skip: First Block Cache's first block never changes this little between steps,
-# MagCache keeps every step (retention 1).
-NEVER_SKIP = {"first_block_cache": replace(FIRST_BLOCK, threshold=1e-12), "mag_cache": replace(MAG, retention=1.0)}
+# MagCache keeps every step (retention 1), TaylorSeer computes one step in one.
+NEVER_SKIP = {"first_block_cache": replace(FIRST_BLOCK, threshold=1e-12), "mag_cache": replace(MAG, retention=1.0),
+              "taylor_seer": replace(TAYLOR, interval=1)}  # TaylorSeer: one step in 1 computed
 
 
 def run(loaded, cache, strategy=MemoryStrategy(offload="none"), **changes):
@@ -173,6 +175,25 @@ def test_each_window_takes_magcaches_decisions_from_its_own_steps_alone(tiny_loa
     assert not all(expected)
     for context, computed in passes.items():
         assert computed == expected, context
+
+
+def test_each_window_counts_taylor_seers_steps_alone_and_copies_only_computed_passes(tiny_loaded):
+    """TaylorSeer counts the passes of each window and cache context: the pass at step s computes
+    exactly when an unwindowed run's does (one count shared by the windows would run twice as fast and
+    predict on another schedule); with every block swapped, only computed window passes copy."""
+    from vidmem.pipelines.step_cache import taylor_schedule
+
+    loaded = tiny_loaded(VARIANT)
+    expected = taylor_schedule(TAYLOR, STEPS)
+    passes = observed_passes(loaded, TAYLOR)
+    assert sorted(passes) == sorted(f"{c}:window{w}" for c in ("cond", "uncond") for w in range(WINDOWS))
+    assert not all(expected) and all(computed == expected for computed in passes.values()), passes
+    blocks = block_count(loaded)
+    counted = run(loaded, TAYLOR, MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=1)).receipt["cache"]
+    computed_passes = sum(expected) * 2 * WINDOWS
+    assert counted["blocks_computed"] == computed_passes * blocks
+    assert counted["streamed_copies"] == computed_passes * blocks + 1  # + the next call's opening block
+    assert counted["streamed_copies_skipped"] == counted["blocks_skipped"]
 
 
 def test_first_block_cache_compares_a_window_only_with_itself(tiny_loaded):

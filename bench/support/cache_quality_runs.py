@@ -14,6 +14,7 @@ from .speed_runs import UNCACHED, SpeedConfig, call, methods, psnr_db, tiers
 PUBLISHED_SETTINGS = (0.12, 4)  # MagCache's published Wan 2.1 threshold and K
 BOLD = (0.24, 6)  # twice the threshold, and K 6: on a model whose ratios stay near 1, K binds before the threshold
 FBC_BOLD = (0.1, 0.2)  # First Block Cache beyond diffusers' default 0.05
+TAYLOR_GENTLE = {"interval_3": dict(interval=3), "interval_3_order_2": dict(interval=3, order=2)}  # beside the defaults
 
 
 def calibrated_ratios(loaded, config: SpeedConfig) -> tuple[float, ...]:
@@ -26,7 +27,8 @@ def calibrated_ratios(loaded, config: SpeedConfig) -> tuple[float, ...]:
 def quality_methods(config: SpeedConfig, ratios: tuple[float, ...], calibrated_on: str) -> dict[str, StepCache]:
     """Uncached; MagCache with the published Wan 2.1 1.3B ratios (speed.py's settings) and bolder;
     MagCache with the calibrated ratios at vidmem's defaults (threshold 0.06, K 3), the published
-    settings and bolder; First Block Cache at diffusers' default and bolder."""
+    settings and bolder; First Block Cache at diffusers' default and bolder; TaylorSeer at diffusers'
+    defaults (interval 5) and gentler (interval 3, at order 1 and 2)."""
     shipped = methods(config)
     published = shipped["mag_cache"]
     calibrated = StepCache("mag_cache", expert_ratios=(("transformer", ratios),), ratio_steps=config.steps,
@@ -40,6 +42,9 @@ def quality_methods(config: SpeedConfig, ratios: tuple[float, ...], calibrated_o
     found["first_block_cache"] = shipped["first_block_cache"]
     for threshold in FBC_BOLD:
         found[f"first_block_cache_{threshold:g}"] = StepCache("first_block_cache", threshold=threshold)
+    found["taylor_seer"] = StepCache("taylor_seer")  # diffusers' defaults: interval 5, warm-up 3, order 1
+    for name, settings in TAYLOR_GENTLE.items():
+        found[f"taylor_seer_{name}"] = StepCache("taylor_seer", **settings)
     return found
 
 

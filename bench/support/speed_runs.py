@@ -70,7 +70,8 @@ def published_entry() -> dict:
 
 def methods(config: SpeedConfig) -> dict[str, StepCache]:
     """The uncached run, MagCache with the published Wan 2.1 1.3B ratios at their published
-    threshold, K and retention, and First Block Cache at its default and a bolder threshold.
+    threshold, K and retention, First Block Cache at its default and a bolder threshold, and
+    TaylorSeer at diffusers' defaults (its steps computed are step arithmetic: the real ones).
 
     The ratios are given directly (`expert_ratios`): the random model's layout key differs from the
     1.3B's, so 'auto' would not find them. At another step count they are stretched (nearest
@@ -82,7 +83,8 @@ def methods(config: SpeedConfig) -> dict[str, StepCache]:
                     ratio_steps=entry["steps"] if entry["steps"] == config.steps else 0,
                     ratio_source=f"published ({entry['source']})")
     return {UNCACHED: StepCache(), "mag_cache": mag, "first_block_cache": StepCache("first_block_cache"),
-            "first_block_cache_bold": StepCache("first_block_cache", threshold=config.fbc_bold)}
+            "first_block_cache_bold": StepCache("first_block_cache", threshold=config.fbc_bold),
+            "taylor_seer": StepCache("taylor_seer")}  # diffusers' defaults: interval 5, warm-up 3, order 1
 
 
 def tiers(blocks: int) -> dict[str, MemoryStrategy]:

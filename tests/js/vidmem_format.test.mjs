@@ -371,7 +371,7 @@ test("a Step Cache's work shows in the Sampler's receipt: blocks computed of all
 
 test("the Step Cache and Speed nodes on the Sampler's inputs go into the plan query, prefixed, with the Sampler's steps", () => {
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS].map((n) => [n, 1]));
-  const values = { method: "mag_cache", threshold: 0.1, retention: 0.2, max_skip_steps: 4, mag_ratios: "auto",
+  const values = { method: "mag_cache", threshold: 0.1, retention: 0.2, max_skip_steps: 4, mag_ratios: "auto", interval: 3,
     attention: "flash", compile: true, compile_mode: "default", compile_dynamic: "auto", fp8_matmul: "auto" };
   const extra = { ...extraFields("cache", { comfyClass: "VidMemStepCache" }, (name) => values[name]),
     ...extraFields("speed", { comfyClass: "VidMemSpeed" }, (name) => values[name]) };
@@ -379,6 +379,8 @@ test("the Step Cache and Speed nodes on the Sampler's inputs go into the plan qu
   assert.equal(query.get("steps"), "40");
   assert.equal(query.get("cache_method"), "mag_cache");
   assert.equal(query.get("cache_max_skip_steps"), "4");
+  assert.equal(query.get("cache_interval"), "3");  // TaylorSeer's
+  assert.equal(query.get("cache_order"), null);  // a widget the node lacks is not sent: the route takes its default
   assert.equal(query.get("speed_attention"), "flash");
   assert.equal(query.get("speed_compile"), "true");
   assert.equal(query.get("method"), null);

@@ -247,7 +247,8 @@ export const LOADER_PREFIX = "loader_";
 export const SAMPLER_SHAPE = Object.freeze(["width", "height", "frames", "cfg", "steps", "window", "window_overlap"]);
 // Nodes on the Sampler's cache and speed inputs: the plan says what they will do (nodes/plan_route.py).
 export const SAMPLER_EXTRAS = Object.freeze({
-  cache: { node: "VidMemStepCache", prefix: "cache_", widgets: ["method", "threshold", "retention", "max_skip_steps", "mag_ratios"] },
+  cache: { node: "VidMemStepCache", prefix: "cache_", widgets: ["method", "threshold", "retention", "max_skip_steps", "mag_ratios",
+    "interval", "warmup_steps", "end_steps", "order"] },
   speed: { node: "VidMemSpeed", prefix: "speed_", widgets: ["attention", "compile", "compile_mode", "compile_dynamic", "fp8_matmul"] },
 });
 
