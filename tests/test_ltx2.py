@@ -330,5 +330,9 @@ def test_the_family_tiling_rule():
     assert family_tiling(VaeTiling(), 0).tiling == VaeTiling() and not family_tiling(VaeTiling(), 0).note
     assert family_tiling(VaeTiling(), 512).tiling == VaeTiling(512, 64)
     assert family_tiling(VaeTiling(), 384).tiling == VaeTiling(384, 48)
-    assert family_tiling(VaeTiling(256, 32, 32, 8), 512).warns  # any field chosen: the tiling is the user's
+    only_temporal = family_tiling(VaeTiling(256, 32, 32, 8), 512)  # the user chose the frames, not the tile
+    assert only_temporal.tiling == VaeTiling(512, 64, 32, 8) and not only_temporal.warns
+    small = family_tiling(VaeTiling(224, 32), 512)  # a tile chosen below the minimum: honoured, with a warning
+    assert small.tiling == VaeTiling(224, 32) and small.warns and "224" in small.note
+    assert not family_tiling(VaeTiling(), 512).warns and "raised" in family_tiling(VaeTiling(), 512).note
     assert family_tiling(VaeTiling(768, 64), 512).tiling == VaeTiling(768, 64)
