@@ -252,7 +252,8 @@ def diffusers_order(folder, audio: torch.Tensor, dtype: torch.dtype, cast_first:
 
 
 def sound_latent(audio: torch.Tensor) -> dict:
-    return {"samples": torch.zeros(1, 4, 2, 2, 2), AUDIO_KEY: audio, "vidmem": {"family": "ltx2", "audio": {"normalised": True}}}
+    metadata = {"family": "ltx2", "audio": {"normalised": True}}
+    return {"samples": torch.zeros(1, 4, 2, 2, 2), AUDIO_KEY: audio, "vidmem": metadata}
 
 
 def test_bf16_denormalises_in_fp32_before_the_cast_as_diffusers_does(audio_stats_folder):
@@ -272,13 +273,14 @@ def record_parts(monkeypatch) -> list:
 
 
 def fail_in_vocoder(monkeypatch, error, on_device: str) -> list:
+    """The vocoder raises `error` when its input is on `on_device`; returns the activations it made first."""
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
     raised, forward = [], LTX2Vocoder.forward
 
     def failing(self, mel, *args, **kwargs):
         if mel.device.type == on_device:
-            activation = mel * 2  # noqa: F841 - a local an un-cleared traceback would keep on the device
+            activation = mel * 2  # a local that an uncleared traceback would keep on the device
             raised.append(activation)
             raise error
         return forward(self, mel, *args, **kwargs)
@@ -297,8 +299,10 @@ def test_out_of_memory_in_the_vocoder_decodes_on_the_cpu(tiny_loaded, monkeypatc
     raised = fail_in_vocoder(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "meta")
     result = decode_audio(loaded, latent, device=torch.device("meta"))
     assert raised and torch.equal(result.waveform, expected)
-    assert "meta ran out of memory (CUDA out of memory. Tried to allocate 2 GiB); decoded on the CPU" == result.receipt["fallback"]
-    assert len(loads) == 2 and all(p.device.type == "meta" for parts in loads for m in parts[:2] for p in m.parameters())
+    fallback = "meta ran out of memory (CUDA out of memory. Tried to allocate 2 GiB); decoded on the CPU"
+    assert result.receipt["fallback"] == fallback
+    dropped = [p.device.type == "meta" for parts in loads for m in parts[:2] for p in m.parameters()]
+    assert len(loads) == 2 and all(dropped)  # the device's copies and the CPU's, both dropped
 
 
 def test_an_error_in_the_vocoder_leaves_nothing_on_the_device(tiny_loaded, monkeypatch):
