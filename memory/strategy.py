@@ -134,31 +134,32 @@ class FamilyTiling:
     """The tiling a decode runs for one model family, and why it is not the strategy's own."""
 
     tiling: VaeTiling | None
-    note: str = ""  # why the tile was raised, or a warning that it is below the family's minimum
-
-    @property
-    def warns(self) -> bool:
-        return self.note.startswith("warning")
+    note: str = ""  # why the tile was raised, or why the chosen tile is below the family's minimum
+    warns: bool = False  # the note is a warning: a tile the user chose is below the family's minimum
 
 
 def family_tiling(tiling: VaeTiling | None, min_tile: int, family: str = "this model") -> FamilyTiling:
     """`tiling` for a VAE whose tiles need at least `min_tile` output pixels to see enough of the
     frame (LTX-2's 32x VAE: a 256 px tile is 8 latent pixels, less than its decoder's receptive field).
 
-    The tiling left at its defaults (`VaeTiling()`: nobody chose a tile) is raised to `min_tile`, its
-    overlap scaled with it; a tile chosen below the minimum is honoured, with a warning. The Strategy
-    node cannot tell a tile_size typed as 256 from one left there: pick 224 or 288 to force small tiles.
-    The decode and the planner both call this, so the planner plans the tile the decode runs."""
+    A spatial tile left at its defaults (`VaeTiling()`'s tile_size and overlap: nobody chose one) is
+    raised to `min_tile`, its overlap scaled with it; the temporal tile is the user's either way, so
+    changing only temporal_size neither keeps the small tile nor warns about it. A tile chosen below
+    the minimum is honoured, with a warning. The Strategy node cannot tell a tile_size typed as 256
+    from one left there: pick 224 or 288 to force small tiles. The decode and the planner both call
+    this, so the planner plans the tile the decode runs."""
     if tiling is None or tiling.tile_size >= min_tile:
         return FamilyTiling(tiling)
-    if tiling == VaeTiling():
+    default = VaeTiling()
+    if (tiling.tile_size, tiling.overlap) == (default.tile_size, default.overlap):
         overlap = min(tiling.overlap * min_tile // tiling.tile_size // 8 * 8, min_tile // 4)
         raised = VaeTiling(min_tile, overlap, tiling.temporal_size, tiling.temporal_overlap)
         return FamilyTiling(raised, f"default tile {tiling.tile_size}/{tiling.overlap} px raised to "
                                     f"{min_tile}/{overlap} px, {family}'s smallest tile that keeps decoding close "
                                     "to untiled")
     return FamilyTiling(tiling, f"warning: tile_size {tiling.tile_size} is below {min_tile} px, {family}'s smallest "
-                                "tile that keeps decoding close to untiled; expect visible seams (raise tile_size)")
+                                "tile that keeps decoding close to untiled; expect visible seams (raise tile_size)",
+                        warns=True)
 
 
 @dataclass(frozen=True)

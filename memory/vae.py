@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .strategy import VaeTiling
+from .strategy import VaeTiling, family_tiling
 from .cleanup import is_out_of_memory
 from .vae_tiles import RGB, Span, TilePlan, VaeGeometry, auto_tiling, plan_tiles
 
@@ -332,9 +332,16 @@ def fallback_rungs(
     *,
     cpu_available: bool = True,
     stream_batch: int | None = None,
+    min_tile: int = 0,
 ) -> list[Rung]:
-    """The ladder: as asked; sliced; smaller tiles down to 64 px; shorter chunks down to 8 frames; CPU.
+    """The ladder: as asked; sliced; smaller tiles down to 64 px (or `min_tile`); shorter chunks
+    down to 8 frames; CPU.
 
+    `min_tile` is the family's smallest tile that decodes close to untiled
+    (FamilySpec.min_decode_tile): the ladder does not halve below it, since shorter chunks and then
+    the CPU give the same video where smaller tiles would give seams, and the CPU rung's default
+    tile is raised to it as the decode raises the strategy's (strategy.family_tiling). A tile the
+    user chose below it stays as chosen.
     A rung whose plan is the same as an earlier rung's is left out: it would fail the same way.
     `stream_batch` is the `Streaming` decoder's frame batch, whose chunks are planned differently.
     """
@@ -344,9 +351,9 @@ def fallback_rungs(
     base = tiling or VaeTiling(tile_size=whole_frame, overlap=min(64, whole_frame // 4 // 8 * 8),
                                temporal_size=whole_video, temporal_overlap=min(8, whole_video // 2 // 4 * 4))
     rungs = [Rung(tiling, slicing, False, "as requested"), Rung(tiling, True, False, "one batch item at a time")]
-    tile = base.tile_size
-    while tile > 64:
-        tile = max(64, tile // 2 // 32 * 32)
+    tile, floor = base.tile_size, max(64, -(-min_tile // 32) * 32)
+    while tile > floor:
+        tile = max(floor, tile // 2 // 32 * 32)
         smaller = replace(base, tile_size=tile, overlap=min(base.overlap, tile // 4 // 8 * 8))
         rungs.append(Rung(smaller, True, False, f"tile_size {tile}"))
     spatial = rungs[-1].tiling or base
@@ -357,7 +364,7 @@ def fallback_rungs(
                           temporal_overlap=min(spatial.temporal_overlap, temporal // 2 // 4 * 4))
         rungs.append(Rung(shorter, True, False, f"temporal_size {temporal}"))
     if cpu_available:
-        rungs.append(Rung(tiling or VaeTiling(), True, True, "decode on the CPU"))
+        rungs.append(Rung(family_tiling(tiling or VaeTiling(), min_tile).tiling, True, True, "decode on the CPU"))
     return _distinct(rungs, latent_shape, geometry, stream_batch)
 
 
@@ -409,8 +416,10 @@ def decode_with_fallback(
     report: DecodeReport | None = None,
     on_step: Callable[[int, int], None] | None = None,
     pinned: PinnedLanding | None = None,
+    min_tile: int = 0,
 ) -> torch.Tensor:
-    """decode_video that answers torch.OutOfMemoryError by walking down `fallback_rungs`.
+    """decode_video that answers torch.OutOfMemoryError by walking down `fallback_rungs` (whose
+    tiles stay at or above the family's `min_tile`).
 
     `predict(rung)`, when given, returns why a device rung would run out of memory (a planner
     prediction against the free device memory) or None. Rungs predicted to overrun are skipped
@@ -427,7 +436,7 @@ def decode_with_fallback(
     report = report if report is not None else DecodeReport()
     geometry.check_latents(latents)
     rungs = fallback_rungs(latents.shape, geometry, tiling, slicing, cpu_available=to_cpu is not None,
-                           stream_batch=decode.frame_batch if isinstance(decode, Streaming) else None)
+                           stream_batch=decode.frame_batch if isinstance(decode, Streaming) else None, min_tile=min_tile)
     rungs = _skip_predicted_overruns(rungs, predict, report)
     failures, started = [], time.perf_counter()
     for index, rung in enumerate(rungs):

@@ -112,7 +112,8 @@ def plan_tiles(latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry
 
 
 def auto_tiling(
-    free_bytes: int, latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry, bytes_per_pixel_estimate: float
+    free_bytes: int, latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry, bytes_per_pixel_estimate: float,
+    min_tile: int = 0,
 ) -> VaeTiling | None:
     """The cheapest tiling whose predicted peak fits `free_bytes`; None when the whole decode fits.
 
@@ -120,15 +121,18 @@ def auto_tiling(
     produces (height x width x frames, counting discarded context frames), and only 75% of
     `free_bytes` is planned for. Among the tilings that fit, the one decoding the fewest redundant
     pixels (overlaps, context frames) wins; if none fits, the smallest tiling is returned and the
-    fallback ladder has the last word.
+    fallback ladder has the last word. Tiles start at `min_tile` (the family's smallest tile that
+    decodes close to untiled, FamilySpec.min_decode_tile; 64 px at least): below it only shorter
+    chunks are searched, so the planner never advises a tile the family decodes with seams.
     """
     budget = free_bytes * _AUTO_SAFETY
     frames, height, width = _out_size(latent_shape, geometry)
     if bytes_per_pixel_estimate * frames * height * width <= budget:
         return None
+    floor = max(64, _round_up(min_tile, 32))
     best: tuple[float, int, VaeTiling] | None = None
-    smallest = _tiling(64, 8)
-    for tile in range(64, min(_round_up(max(height, width), 32), 4096) + 1, 32):
+    smallest = _tiling(floor, 8)
+    for tile in range(floor, max(floor, min(_round_up(max(height, width), 32), 4096)) + 1, 32):
         for temporal in _halvings(min(_round_up(frames, 4), 4096), 8, 4):
             tiling = _tiling(tile, temporal)
             peak, work = _plan_cost(latent_shape, geometry, tiling)

@@ -16,7 +16,8 @@ class VidMemDecodeAudio:
     DESCRIPTION = (
         "Decodes the sound LTX-2 made with the video (kept in the Video Sampler's LATENT) to an AUDIO for core "
         "Create Video's audio input, Save Audio or Preview Audio. Only this node loads LTX-2's audio VAE and vocoder, "
-        "for its own run, and frees them after: a graph without it never loads them."
+        "for its own run, and frees them after (leaving what other pipelines keep warm): a graph without it never "
+        "loads them. If the GPU runs out of memory here, the sound is decoded on the CPU."
     )
     CATEGORY = "vidmem"
     FUNCTION = "decode"

@@ -154,6 +154,7 @@ def decode(
                 report=report,
                 on_step=on_step,
                 pinned=pinned_landing(backend, strategy, loaded.host_pool),
+                min_tile=loaded.spec.min_decode_tile,
             )
     frames = pipe.video_processor.postprocess_video(video, output_type="pt")  # [B, F, C, H, W] in 0..1
     frames = frames.flatten(0, 1).permute(0, 2, 3, 1).float().contiguous()

@@ -18,19 +18,24 @@ the vocoder always comes from the folder.
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..memory import resolve_compute_device
-from ..memory.cleanup import free_memory
+from ..memory.cleanup import is_out_of_memory
 from ..memory.telemetry import StageMeter
 from .family import ModelError
 from .hooks import RunHooks
 from .loader import LoadedPipeline, torch_dtype
 from .ltx2 import AUDIO_PARTS, LTX2
+
+log = logging.getLogger("vidmem")
 
 AUDIO_KEY = "audio_samples"  # the LATENT's audio latents, beside "samples"
 FRAME_RATE = 24.0  # LTX2Pipeline.__call__'s frame_rate, which vidmem's sampler leaves at its default
@@ -174,29 +179,74 @@ def decode_audio(loaded: LoadedPipeline, latent: dict, device: torch.device | No
     """LTX-2's sound from a sampled LATENT, decoded on `device` (default: CUDA when present) as
     LTX2Pipeline decodes it, with the audio VAE and vocoder loaded for this call and freed after.
     `hooks.make_room` is asked for their weights before they move (their activations, a mel
-    spectrogram and a waveform of seconds, are small beside them); `hooks.check_interrupt` before."""
+    spectrogram and a waveform of seconds, are small beside them); `hooks.check_interrupt` before.
+
+    Freeing them touches nothing else: the weights other pipelines keep warm on the device stay
+    (only the device's unused cache is returned). When the device runs out of memory the parts
+    are dropped from it and the sound is decoded again on the CPU (the receipt's "fallback" says
+    why); any other error propagates with the parts' weights already off the device and the
+    frames of its traceback cleared, so a host that keeps the exception keeps no device memory
+    (those frames' local variables are gone from the traceback; its lines stay)."""
     audio = audio_latents(loaded, latent)
     device = device or resolve_compute_device()
+    normalised = (latent.get("vidmem") or {}).get("audio", {}).get("normalised", True)
     hooks.check_interrupt()
     audio_vae, vocoder, source = load_audio_parts(loaded)
-    try:
-        _check_channels(audio, audio_vae)
-        weight_bytes = sum(t.numel() * t.element_size() for m in (audio_vae, vocoder) for t in m.state_dict().values())
-        hooks.make_room(weight_bytes, device, weight_bytes=weight_bytes)
-        with StageMeter("audio_decode", device) as meter:
-            audio_vae.to(device)
-            vocoder.to(device)
-            z = audio.to(device, audio_vae.dtype)
-            if (latent.get("vidmem") or {}).get("audio", {}).get("normalised", True):
-                z = denormalise(z, audio_vae)
-            waveform = vocoder(audio_vae.decode(z, return_dict=False)[0])
-        waveform, rate = waveform.float().cpu().contiguous(), int(vocoder.config.output_sampling_rate)
-    finally:
-        del audio_vae, vocoder  # nothing of them outlives the call
-        free_memory(device)
+    _check_channels(audio, audio_vae)
+    weight_bytes = sum(t.numel() * t.element_size() for m in (audio_vae, vocoder) for t in m.state_dict().values())
+    hooks.make_room(weight_bytes, device, weight_bytes=weight_bytes)
+    fallback = None
+    with StageMeter("audio_decode", device) as meter:
+        try:
+            waveform = _decode_on(device, audio, audio_vae, vocoder, normalised)
+        except RuntimeError as error:  # torch.OutOfMemoryError is one; so are cuBLAS/cuDNN allocation failures
+            _drop(error, audio_vae, vocoder, device=device)
+            if device.type == "cpu" or not is_out_of_memory(error):
+                raise
+            fallback = f"{device} ran out of memory ({str(error).strip().splitlines()[0]}); decoded on the CPU"
+        except BaseException as error:
+            _drop(error, audio_vae, vocoder, device=device)
+            raise
+        if fallback:
+            log.warning("vidmem Decode Audio: %s", fallback)
+            audio_vae, vocoder, _ = load_audio_parts(loaded)  # the device's copies are gone: a fresh CPU copy
+            waveform = _decode_on(torch.device("cpu"), audio, audio_vae, vocoder, normalised)
+    rate = int(vocoder.config.output_sampling_rate)
+    _drop(None, audio_vae, vocoder, device=device)
     receipt = {"device": str(device), "stages": [meter.as_dict()], "audio_vae": source,
                "audio": f"{waveform.shape[-1] / rate:.2f} s at {rate} Hz, {waveform.shape[1]} channels"}
+    if fallback:
+        receipt["fallback"] = fallback
     return AudioResult(waveform, rate, receipt)
+
+
+def _decode_on(device: torch.device, audio: torch.Tensor, audio_vae, vocoder, normalised: bool) -> torch.Tensor:
+    """LTX2Pipeline's audio tail on `device`: denormalise the fp32 latents, then cast them to the
+    audio VAE's dtype (as the pipeline does: casting first rounds the latents before the statistics
+    scale them), mel spectrogram, waveform; float32 on the CPU."""
+    audio_vae.to(device)
+    vocoder.to(device)
+    z = audio.to(device, torch.float32)
+    if normalised:
+        z = denormalise(z, audio_vae)
+    waveform = vocoder(audio_vae.decode(z.to(audio_vae.dtype), return_dict=False)[0])
+    return waveform.float().cpu().contiguous()
+
+
+def _drop(error: BaseException | None, *parts: torch.nn.Module, device: torch.device | None = None) -> None:
+    """The parts' weights off the device, then the device's unused cache back to the driver.
+
+    Their weights go to the meta device (no copy, no host memory: they are dropped anyway), so
+    whatever still holds the modules (the frames of `error`'s traceback) holds no device memory;
+    those frames are cleared too, for the activations their locals hold. Unlike
+    memory.cleanup.free_memory, this leaves the weights other pipelines keep warm on the device."""
+    for part in parts:
+        part.to("meta")
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)  # skips the frames still running (this call's own)
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def denormalise(z: torch.Tensor, audio_vae) -> torch.Tensor:
@@ -210,7 +260,7 @@ def denormalise(z: torch.Tensor, audio_vae) -> torch.Tensor:
 
 def _check_channels(audio: torch.Tensor, audio_vae) -> None:
     config = audio_vae.config
-    expected = (config.latent_channels, config.mel_bins // 4)  # AutoencoderKLLTX2Audio compresses mel bins by 4
+    expected = (config.latent_channels, config.mel_bins // audio_vae.mel_compression_ratio)
     if (audio.shape[1], audio.shape[3]) != expected:
         raise ModelError(f"latent: its audio latents have {audio.shape[1]} channels x {audio.shape[3]} mel bins, but this "
                          f"pipeline's audio VAE decodes {expected[0]} x {expected[1]}; decode with the LTX-2 pipeline "

@@ -307,6 +307,18 @@ def test_a_tile_chosen_below_the_familys_is_honoured_with_a_warning(tiny_loaded,
     assert any("tile_size 288 is below 512 px" in r.getMessage() for r in caplog.records)
 
 
+
+def test_the_decode_ladder_is_given_the_familys_smallest_tile(tiny_loaded, monkeypatch):
+    """Its fallback rungs then never halve an LTX-2 tile below 512 px (tests/test_vae_tiling.py)."""
+    from vidmem.pipelines import decode as decode_module
+
+    given, original = [], decode_module.decode_with_fallback
+    monkeypatch.setattr(decode_module, "decode_with_fallback",
+                        lambda *args, **kwargs: (given.append(kwargs.get("min_tile")), original(*args, **kwargs))[1])
+    decode(tiny_loaded(VARIANT), _wide_latent(), MemoryStrategy(vae_tiling=VaeTiling()), backend=CpuBackend())
+    assert given == [512]
+
+
 def test_the_planner_plans_the_tile_the_decode_runs():
     """The planner resolves the default tile with the same rule: LTX-2's default plans 512 px
     pieces (as an explicit 512/64), Wan's (no family minimum) stays at 256 px."""
@@ -330,5 +342,9 @@ def test_the_family_tiling_rule():
     assert family_tiling(VaeTiling(), 0).tiling == VaeTiling() and not family_tiling(VaeTiling(), 0).note
     assert family_tiling(VaeTiling(), 512).tiling == VaeTiling(512, 64)
     assert family_tiling(VaeTiling(), 384).tiling == VaeTiling(384, 48)
-    assert family_tiling(VaeTiling(256, 32, 32, 8), 512).warns  # any field chosen: the tiling is the user's
+    only_temporal = family_tiling(VaeTiling(256, 32, 32, 8), 512)  # the user chose the frames, not the tile
+    assert only_temporal.tiling == VaeTiling(512, 64, 32, 8) and not only_temporal.warns
+    small = family_tiling(VaeTiling(224, 32), 512)  # a tile chosen below the minimum: honoured, with a warning
+    assert small.tiling == VaeTiling(224, 32) and small.warns and "224" in small.note
+    assert not family_tiling(VaeTiling(), 512).warns and "raised" in family_tiling(VaeTiling(), 512).note
     assert family_tiling(VaeTiling(768, 64), 512).tiling == VaeTiling(768, 64)

@@ -203,3 +203,123 @@ def test_image_to_video_keeps_its_sound_too(tiny_loaded):
     result = decode_audio(loaded, latent, device=CPU)
     assert result.waveform.ndim == 3 and torch.isfinite(result.waveform).all()
     assert no_audio_parts(loaded.pipe) and no_audio_parts(loaded.image_mode().pipe)
+
+
+class KeptStore:
+    """A warm store as memory/warm.py registers them (`track`): it counts what it is asked to give back."""
+
+    held_bytes = 1 << 20
+
+    def __init__(self) -> None:
+        self.asked = []
+
+    def release(self, nbytes: int) -> int:
+        self.asked.append(nbytes)
+        return 0
+
+    def release_all(self) -> int:
+        self.asked.append("all")
+        return 0
+
+
+def test_decode_audio_leaves_the_weights_other_pipelines_keep_warm(tiny_loaded):
+    from vidmem.memory.warm import track
+
+    loaded = tiny_loaded(VARIANT)
+    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    store = KeptStore()
+    track(store)
+    decode_audio(loaded, latent, device=CPU)
+    assert store.asked == []  # a warm run after Decode Audio still finds its weights
+    from vidmem.memory.cleanup import free_memory
+
+    free_memory(CPU)
+    assert store.asked == ["all"]  # the test can see a release
+
+
+def diffusers_order(folder, audio: torch.Tensor, dtype: torch.dtype, cast_first: bool = False) -> torch.Tensor:
+    """LTX2Pipeline's audio tail by hand: denormalise the fp32 latents, then cast (or, `cast_first`, the other way)."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    audio_vae = diffusers.AutoencoderKLLTX2Audio.from_pretrained(folder / "audio_vae", torch_dtype=dtype).eval()
+    vocoder = LTX2Vocoder.from_pretrained(folder / "vocoder", torch_dtype=dtype).eval()
+    z = audio.to(dtype) if cast_first else audio
+    packed = diffusers.LTX2Pipeline._pack_audio_latents(z)
+    packed = diffusers.LTX2Pipeline._denormalize_audio_latents(packed, audio_vae.latents_mean, audio_vae.latents_std)
+    z = diffusers.LTX2Pipeline._unpack_audio_latents(packed, audio.shape[2], num_mel_bins=audio.shape[3])
+    with torch.no_grad():
+        return vocoder(audio_vae.decode(z.to(dtype), return_dict=False)[0]).float()
+
+
+def sound_latent(audio: torch.Tensor) -> dict:
+    metadata = {"family": "ltx2", "audio": {"normalised": True}}
+    return {"samples": torch.zeros(1, 4, 2, 2, 2), AUDIO_KEY: audio, "vidmem": metadata}
+
+
+def test_bf16_denormalises_in_fp32_before_the_cast_as_diffusers_does(audio_stats_folder):
+    audio = torch.randn(1, 2, 9, 2, generator=torch.Generator().manual_seed(0)) * 3
+    result = decode_audio(load_pipeline(audio_stats_folder, "bf16"), sound_latent(audio), device=CPU)
+    assert torch.equal(result.waveform, diffusers_order(audio_stats_folder, audio, torch.bfloat16))
+    assert not torch.equal(result.waveform, diffusers_order(audio_stats_folder, audio, torch.bfloat16, cast_first=True))
+
+
+def record_parts(monkeypatch) -> list:
+    """The audio VAEs and vocoders decode_audio loads, kept here so the test can look at them after."""
+    from vidmem.pipelines import ltx2_audio
+
+    loads, original = [], ltx2_audio.load_audio_parts
+    monkeypatch.setattr(ltx2_audio, "load_audio_parts", lambda loaded: (loads.append(original(loaded)), loads[-1])[1])
+    return loads
+
+
+def fail_in_vocoder(monkeypatch, error, on_device: str) -> list:
+    """The vocoder raises `error` when its input is on `on_device`; returns the activations it made first."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    raised, forward = [], LTX2Vocoder.forward
+
+    def failing(self, mel, *args, **kwargs):
+        if mel.device.type == on_device:
+            activation = mel * 2  # a local that an uncleared traceback would keep on the device
+            raised.append(activation)
+            raise error
+        return forward(self, mel, *args, **kwargs)
+
+    monkeypatch.setattr(LTX2Vocoder, "forward", failing)
+    return raised
+
+
+def test_out_of_memory_in_the_vocoder_decodes_on_the_cpu(tiny_loaded, monkeypatch):
+    """The device (meta stands in for CUDA) runs out of memory in the vocoder: its parts leave it,
+    and the same sound comes from the CPU, with the fallback in the receipt."""
+    loaded = tiny_loaded(VARIANT)
+    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    expected = decode_audio(loaded, latent, device=CPU).waveform
+    loads = record_parts(monkeypatch)
+    raised = fail_in_vocoder(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "meta")
+    result = decode_audio(loaded, latent, device=torch.device("meta"))
+    assert raised and torch.equal(result.waveform, expected)
+    fallback = "meta ran out of memory (CUDA out of memory. Tried to allocate 2 GiB); decoded on the CPU"
+    assert result.receipt["fallback"] == fallback
+    dropped = [p.device.type == "meta" for parts in loads for m in parts[:2] for p in m.parameters()]
+    assert len(loads) == 2 and all(dropped)  # the device's copies and the CPU's, both dropped
+
+
+def test_an_error_in_the_vocoder_leaves_nothing_on_the_device(tiny_loaded, monkeypatch):
+    """Any other error propagates, but the modules its traceback reaches hold no weights on the
+    device, and the traceback's frames no activations."""
+    import traceback
+
+    loaded = tiny_loaded(VARIANT)
+    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    loads = record_parts(monkeypatch)
+    fail_in_vocoder(monkeypatch, ValueError("a bad vocoder"), "cpu")
+    with pytest.raises(ValueError, match="a bad vocoder") as caught:
+        decode_audio(loaded, latent, device=CPU)
+    assert len(loads) == 1 and all(p.device.type == "meta" for m in loads[0][:2] for p in m.parameters())
+    frames = [frame for frame, _ in traceback.walk_tb(caught.value.__traceback__)]
+    assert frames[-1].f_code.co_name == "failing" and "activation" not in frames[-1].f_locals
+    no_oom = fail_in_vocoder(monkeypatch, torch.OutOfMemoryError("CPU out of memory"), "cpu")
+    with pytest.raises(torch.OutOfMemoryError):  # the CPU has nowhere to fall back to
+        decode_audio(loaded, latent, device=CPU)
+    assert no_oom and len(loads) == 2

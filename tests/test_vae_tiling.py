@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -342,6 +344,24 @@ def test_auto_tiling_too_small_a_budget_gives_the_smallest_tiles():
     assert auto_tiling(1, (1, 16, 13, 60, 90), COG, 1000.0) == VaeTiling(64, 16, 8, 4)
 
 
+
+LTX2_GEOMETRY = VaeGeometry(spatial_factor=32, temporal_factor=8, latent_channels=128)
+
+
+def test_auto_tiling_never_goes_below_the_familys_smallest_tile():
+    """LTX-2's 32x VAE decodes with seams below 512 px: tight budgets shorten the chunks instead."""
+    shape = (1, 128, 9, 24, 40)  # 768 x 1280, 65 frames
+    free = auto_tiling(10**12, shape, LTX2_GEOMETRY, 1000.0, min_tile=512)
+    assert free is None
+    for budget in (2**36, 2**34, 2**32, 1):
+        tiling = auto_tiling(budget, shape, LTX2_GEOMETRY, 1000.0, min_tile=512)
+        assert tiling.tile_size >= 512, budget
+    assert auto_tiling(1, shape, LTX2_GEOMETRY, 1000.0, min_tile=512) == VaeTiling(512, 64, 8, 4)
+    assert auto_tiling(1, shape, LTX2_GEOMETRY, 1000.0).tile_size == 64  # the test can see the floor
+    small = (1, 128, 9, 8, 8)  # 256 x 256: smaller than the floor, still tiled in time
+    assert auto_tiling(1, small, LTX2_GEOMETRY, 1000.0, min_tile=512) == VaeTiling(512, 64, 8, 4)
+
+
 # --- fallback ladder --------------------------------------------------------------------------------
 
 
@@ -373,6 +393,21 @@ def test_ladder_rungs_go_smaller_then_shorter_then_cpu():
     assert "decode on the CPU" not in [r.label for r in without_cpu]
 
 
+
+def test_ladder_tiles_stop_at_the_familys_smallest_tile_and_the_cpu_rung_uses_it():
+    shape = (1, 128, 9, 48, 64)  # LTX-2, 1536 x 2048
+    rungs = fallback_rungs(shape, LTX2_GEOMETRY, None, min_tile=512)
+    tiles = [r.tiling.tile_size for r in rungs[2:] if not r.on_cpu]
+    assert tiles and min(tiles) == 512 and tiles == sorted(tiles, reverse=True)
+    temporal = [r.tiling.temporal_size for r in rungs[2:-1]]
+    assert temporal[-1] < temporal[0] and rungs[-2].tiling.tile_size == 512  # shorter chunks after the smallest tile
+    assert rungs[-1].on_cpu and rungs[-1].tiling == VaeTiling(512, 64)  # the default tile, raised as the decode raises it
+    unfloored = fallback_rungs(shape, LTX2_GEOMETRY, None)
+    assert min(r.tiling.tile_size for r in unfloored[2:]) == 64 and unfloored[-1].tiling == VaeTiling()
+    chosen = fallback_rungs(shape, LTX2_GEOMETRY, VaeTiling(224, 32), min_tile=512)  # the user's tile stays
+    assert {r.tiling.tile_size for r in chosen} == {224}
+
+
 def largest_call(shape, tiling) -> int:
     """Latent cells (frames x rows x cols) of the largest decode call of a plan."""
     plan = plan_tiles(shape, COG, tiling)
@@ -392,6 +427,21 @@ def test_ladder_stops_at_the_first_rung_that_fits(limit):
     assert len(report.fallbacks) == len(freed) == first_fit
     assert all("ran out of memory (CUDA out of memory" in line for line in report.fallbacks)
     assert report.mode == ("whole" if first_fit == 0 else "tiled")
+
+
+
+def test_the_ladder_given_a_familys_smallest_tile_shortens_chunks_instead_of_going_below_it():
+    shape = (1, 16, 9, 60, 90)
+    latents = torch.randn(shape)
+    report = DecodeReport()
+    out = decode_with_fallback(OomAbove(3 * 8 * 8), latents, COG, None, free_memory=lambda: None, report=report,
+                               to_cpu=lambda: nearest_decode(COG), min_tile=128)
+    assert torch.allclose(out, decode_video(nearest_decode(COG), latents, COG, None), atol=1e-6)
+    tiles = re.findall(r"tile_size (\d+)", " ".join(report.fallbacks))
+    assert tiles and min(map(int, tiles)) == 128 and "retrying with decode on the CPU" in report.fallbacks[-1]
+    unfloored = DecodeReport()
+    decode_with_fallback(OomAbove(3 * 8 * 8), latents, COG, None, free_memory=lambda: None, report=unfloored)
+    assert "tile_size 64" in " ".join(unfloored.fallbacks)  # the test can see the floor
 
 
 def test_ladder_skips_rungs_predicted_to_overrun_without_running_them():

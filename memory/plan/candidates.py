@@ -301,7 +301,7 @@ def _tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int 
     free = vram - fixed
     tiled = strategy
     for _ in range(attempts):
-        tiling = auto_tiling(max(free, 1), latent, model.geometry, activation / pixels)
+        tiling = auto_tiling(max(free, 1), latent, model.geometry, activation / pixels, model.vae_min_tile)
         tiled = replace(strategy, vae_tiling=tiling)
         if tiling is None or decode_stage(model, shape, tiled, options).fits(vram):
             break

@@ -72,10 +72,22 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
                 hooks.make_room(room.total_bytes, room.device, warm=store, weight_bytes=room.weight_bytes)
         result = pool.run(job, hooks.on_step, hooks.check_interrupt)
         kept.update(result.receipt.get("parallel", {}).get("per_rank_kept_bytes"))
-    # Rank 0's tensor arrives in shared memory (a file descriptor per tensor) and ComfyUI's output
-    # cache would keep that segment: the run returns an ordinary copy.
-    result.latent = {**result.latent, "samples": result.latent["samples"].clone()}
+    # Rank 0's tensors arrive in shared memory (a file descriptor per tensor) and ComfyUI's output
+    # cache would keep those segments: the run returns ordinary copies of all of them (the video,
+    # LTX-2's audio latents, any metadata tensor).
+    result.latent = owned_copy(result.latent)
     return result
+
+
+def owned_copy(value):
+    """`value` with every tensor in it (through dicts, lists and tuples) cloned out of shared memory."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: owned_copy(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(owned_copy(item) for item in value)
+    return value
 
 
 def rank_pinned_share(strategy: MemoryStrategy, ranks: int, host_room_bytes: int | None) -> MemoryStrategy:
