@@ -279,6 +279,18 @@ CASES = [
     Case("decode-wrong-channels-saving", "VidMemVAEDecode",
          D(lambda fx: {"samples": torch.zeros(1, 4, 2, 4, 4)}, save_latents=True), "latent has 4 channels"),
     Case("decode-missing-latent", "VidMemVAEDecode", lambda fx: {"pipeline": fx.pipeline()}, "Required input is missing: latent"),
+    # --- Decode Audio: LTX-2's sound only, from a latent that carries it ---------------------------
+    Case("audio-wan-pipeline", "VidMemDecodeAudio", D(latent_with(variant="ltx2-t2v")), "Decode Audio decodes LTX-2's sound"),
+    Case("audio-wan-latent", "VidMemDecodeAudio", D(latent_with(), "ltx2-t2v"), "makes no sound"),
+    Case("audio-latent-not-a-dict", "VidMemDecodeAudio", D(lambda fx: "a latent", "ltx2-t2v"), "expected a LATENT"),
+    Case("audio-video-only-latent", "VidMemDecodeAudio", D(lambda fx: {"samples": fx.latent("ltx2-t2v")["samples"]}, "ltx2-t2v"),
+         "latent: it has no 'audio_samples'"),
+    Case("audio-samples-3d", "VidMemDecodeAudio", D(latent_with(variant="ltx2-t2v", audio_samples=torch.zeros(1, 8, 4)), "ltx2-t2v"),
+         "are not audio latents"),
+    Case("audio-samples-nan", "VidMemDecodeAudio",
+         D(latent_with(variant="ltx2-t2v", audio_samples=torch.full((1, 8, 4, 16), NAN)), "ltx2-t2v"), "NaN or infinite"),
+    Case("audio-missing-latent", "VidMemDecodeAudio", lambda fx: {"pipeline": fx.pipeline("ltx2-t2v")},
+         "Required input is missing: latent"),
     # --- Prepare Training Data ----------------------------------------------------------------------------
     Case("prepare-empty-folder", "VidMemPrepareTrainingData", P(files=()), "folder .* has no videos"),
     Case("prepare-folder-missing", "VidMemPrepareTrainingData", P(folder="/nonexistent/clips"), "folder '/nonexistent/clips' is not a folder"),
