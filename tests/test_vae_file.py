@@ -205,3 +205,32 @@ def test_hunyuanvideo_1_0_style_names_are_not_taken_for_1_5():
     """1.0's VAE norms are GroupNorms (`norm1.weight`): no gamma marker, so not read as 1.5's."""
     assert hy15_vae.vae_layout(["decoder.conv_in.conv.weight", "decoder.mid.block_1.norm1.weight"]) is None
     assert hy15_vae.vae_layout(["decoder.conv_in.weight", "decoder.mid_block.resnets.0.norm1.gamma"]) is None  # Wan's
+
+
+def test_the_node_lists_models_vae_and_loads_the_file_at_vae_dtype(hy15_file, hy15_latent, tiny_folder, tiny_loaded,
+                                                                  tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from vidmem.nodes import host
+    from vidmem.nodes.loader import FOLDER_VAE, VidMemLoadPipeline
+
+    vaes = tmp_path / "vae"
+    vaes.mkdir()
+    shutil.copy(hy15_file, vaes / hy15_file.name)
+    (vaes / "old.ckpt").write_bytes(b"x")
+    fake = SimpleNamespace(get_filename_list=lambda key: sorted(p.name for p in vaes.iterdir()) if key == "vae" else [],
+                           get_folder_paths=lambda key: [str(vaes)] if key == "vae" else [])
+    monkeypatch.setattr(host, "folder_paths", fake)
+    monkeypatch.setenv("VIDMEM_ALLOW_ANY_PATH", "1")  # the folder is given by path, outside this fake's model folders
+    choices, options = VidMemLoadPipeline.INPUT_TYPES()["optional"]["vae_file"]
+    assert choices == [FOLDER_VAE, hy15_file.name] and "hunyuanvideo15_vae_fp16" in options["tooltip"]  # never a pickle
+    assert list(VidMemLoadPipeline.INPUT_TYPES()["optional"])[-1] == "vae_file"  # last: saved widget values are positional
+    folder = str(tiny_folder(VARIANT))
+    (loaded,) = VidMemLoadPipeline().load("x", "fp32", folder, vae_file=hy15_file.name)
+    assert loaded.vae_file == str(vaes / hy15_file.name)
+    assert torch.equal(decode(loaded, hy15_latent, backend=CpuBackend()).frames,
+                       decode(tiny_loaded(VARIANT), hy15_latent, backend=CpuBackend()).frames)
+    (wide,) = VidMemLoadPipeline().load("x", "bf16", folder, vae_dtype="fp32", vae_file=hy15_file.name)
+    assert wide.vae_dtype_name == "fp32" and wide.pipe.vae.dtype == torch.float32 and wide.vae_file
+    with pytest.raises(ModelError, match="vae_file 'gone.safetensors' was not found in models/vae"):
+        VidMemLoadPipeline().load("x", "fp32", folder, vae_file="gone.safetensors")

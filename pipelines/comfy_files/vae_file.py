@@ -33,12 +33,11 @@ def check_family(spec: FamilySpec, vae_class: str | None) -> None:
     """Refuse `vae_file` for a folder whose VAE vidmem reads no single file of (before any file is read)."""
     if vae_class in READ_CLASSES:
         return
+    fix = "leave vae_file at (from the folder)"
     if spec.name == "ltx2":
-        fix = "an LTX-2 checkpoint (ltx-2-19b-dev*) carries its video VAE: pick it as transformer_file and leave vae_file at (from the folder)"
-    else:
-        fix = "leave vae_file at (from the folder)"
-    raise ModelError(f"vae_file is not supported for {_SHOWN.get(spec.name, spec.name)} (its VAE is {vae_class}; vidmem reads the VAE files of "
-                     f"Wan and HunyuanVideo 1.5 only); {fix}.")
+        fix = f"an LTX-2 checkpoint (ltx-2-19b-dev*) carries its video VAE: pick it as transformer_file and {fix}"
+    raise ModelError(f"vae_file is not supported for {_SHOWN.get(spec.name, spec.name)} (its VAE is {vae_class}; vidmem "
+                     f"reads the VAE files of Wan and HunyuanVideo 1.5 only); {fix}.")
 
 
 def read_vae_file(path: str | Path, vae_class: str, config: Mapping[str, Any], folder: str | Path) -> WeightFile:
