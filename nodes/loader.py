@@ -13,6 +13,7 @@ from .preflight import HIDDEN, check_before_loading
 PIPELINE_TYPE = "VIDMEM_PIPELINE"
 NO_MODELS = "(no diffusers models found)"
 FOLDER_TRANSFORMER = "(from the folder)"
+FOLDER_VAE = FOLDER_TRANSFORMER  # the folder's own VAE
 SAME = "same as dtype"
 # Both loaders' VAE precision, one widget (Load Video Model Files, Load Video Pipeline).
 VAE_DTYPE_INPUT = ([SAME, *DTYPES], {"default": SAME, "tooltip": "The VAE's precision. fp32 is what diffusers' Wan "
@@ -68,6 +69,12 @@ class VidMemLoadPipeline:
                                  "the weights mapped from the files (disk tier). The VAE is never lowered."}),
                 # After weight_dtype, for the same reason: older workflows get the default.
                 "vae_dtype": VAE_DTYPE_INPUT,
+                # Last, for the same reason.
+                "vae_file": ([FOLDER_VAE] + host.model_file_names("vae"), {"tooltip":
+                    "Wan or HunyuanVideo 1.5: a single VAE file from models/vae that replaces the folder's VAE, "
+                    "recognised by its tensors (Wan's wan_2.1_vae / wan2.2_vae, Comfy-Org's "
+                    "hunyuanvideo15_vae_fp16); the folder still provides its config, so its vae/ needs only "
+                    "config.json. Run at vae_dtype. Not for CogVideoX, nor LTX-2 (its checkpoint brings its VAE)."}),
             },
             "hidden": HIDDEN,  # the prompt, to check the Samplers it feeds before loading (nodes/preflight.py)
         }
@@ -79,7 +86,8 @@ class VidMemLoadPipeline:
         return path_problem(path) or True
 
     def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER,
-             weight_dtype: str = DEFAULT_WEIGHTS, vae_dtype: str = SAME, prompt=None, unique_id=None):
+             weight_dtype: str = DEFAULT_WEIGHTS, vae_dtype: str = SAME, vae_file: str = FOLDER_VAE,
+             prompt=None, unique_id=None):
         problem = path_problem(path)
         if problem:
             raise ModelError(problem)
@@ -92,6 +100,9 @@ class VidMemLoadPipeline:
         folder = found(host.resolve_model_folder, model, path)
         check_before_loading(prompt, unique_id, lambda: load_model(str(folder), dtype, vae_dtype_name(vae_dtype) or None))
         single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
+        if vae_file != FOLDER_VAE:  # read at vae_dtype from the file (with_vae_dtype re-reads the folder's)
+            vae = found(host.resolve_model_file, "vae", vae_file, "vae_file")
+            return (load_pipeline(folder, dtype, single, weight_dtype, vae, vae_dtype_name(vae_dtype)),)
         return (with_vae_dtype(load_pipeline(folder, dtype, single, weight_dtype), vae_dtype_name(vae_dtype)),)
 
 

@@ -70,8 +70,11 @@ def with_vae_dtype(loaded, vae_dtype: str):
     (Load Video Pipeline's vae_dtype: fp32 for quality, as Load Video Model Files offers), so an
     fp32 VAE holds the files' own values, not ones rounded to the compute dtype first; "" or the
     compute dtype keeps `loaded` as it is. The pipeline is the loader's own, fresh: nothing shared changes."""
-    if not vae_dtype or vae_dtype == loaded.dtype_name:
+    if not vae_dtype or vae_dtype == (loaded.vae_dtype_name or loaded.dtype_name):
         return loaded
+    if loaded.vae_file:  # re-reading the folder would drop the file's VAE: load_pipeline(vae_dtype=) reads it at once
+        raise ModelError(f"vae_dtype {vae_dtype}: the VAE came from vae_file '{Path(loaded.vae_file).name}'; load it at "
+                         "that dtype (load_pipeline's vae_dtype) instead of changing it afterwards.")
     if vae_dtype not in DTYPES:
         raise ModelError(f"vae_dtype={vae_dtype!r} is not supported; use 'same as dtype' or one of {', '.join(DTYPES)}.")
     folder = Path(loaded.folder)

@@ -47,6 +47,7 @@ class LoadedPipeline:
     folder: str = ""
     config_name: str = ""  # the shipped model config single files were matched to ("" for folders)
     transformer_file: str = ""  # the single file that replaced the folder's transformer ("" for none)
+    vae_file: str = ""  # the single file that replaced the folder's VAE ("" for none)
     storage: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # component -> StorageFormat name
     on_disk: bool = False  # weights used in place from their files' mappings (the disk tier)
     vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name
@@ -150,7 +151,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str | Path | None = None,
-                  weight_dtype: str = DEFAULT_WEIGHTS) -> LoadedPipeline:
+                  weight_dtype: str = DEFAULT_WEIGHTS, vae_file: str | Path | None = None,
+                  vae_dtype: str = "") -> LoadedPipeline:
     """Load offline with safetensors weights only; every component ends on the CPU.
 
     `transformer_file` replaces the folder's transformer with a single-file checkpoint (Wan's
@@ -159,6 +161,10 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     `weight_dtype` (a StorageFormat name) holds the transformer(s) and the text encoder in that
     format, lowered at load where it is narrower than the files (`folder_storage`); "default"
     loads them as diffusers does, at `dtype`.
+    `vae_file` replaces the folder's VAE with a single VAE file (Wan's, or HunyuanVideo 1.5's as
+    Comfy-Org ships it: `comfy_files.vae_file`), configured by the folder's vae/config.json and
+    held at `vae_dtype` ("" follows `dtype`; only with vae_file: a folder's VAE takes its dtype
+    from `folder_storage.with_vae_dtype`).
     """
     from .folder_check import check_model_folder  # imports configs, which import this module
     from .folder_storage import load_stored, lowered_components, on_disk
@@ -170,6 +176,9 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     spec = family_for(class_name)
     cls = pinned_pipeline_class(class_name)
     replaced = _replaced_by_file(spec, index, folder, transformer_file) if transformer_file else ()
+    carries_vae = "vae" in replaced  # an LTX-2 checkpoint carries its video VAE
+    if vae_file:
+        replaced += _replaced_by_vae_file(spec, index, replaced)
     stored_names = lowered_components(index, replaced) if weight_dtype != DEFAULT_WEIGHTS else ()
     used = {name: entry for name, entry in index.items() if name not in spec.unloaded}
     configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names)  # before anything is allocated
@@ -178,11 +187,16 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     if transformer_file:
         overrides["transformer"], storage["transformer"], reports["transformer"] = _single_file_transformer(
             spec, index, folder, configs.get("transformer"), Path(transformer_file), dtype, weight_dtype)
-    if "vae" in replaced:  # an LTX-2 checkpoint carries its video VAE
+    if carries_vae:
         from .comfy_files import files as ltx2_files
 
         overrides["vae"], storage["vae"], reports["vae"] = ltx2_files.load_ltx2_vae(
             transformer_file, configs.get("vae"), folder, torch_dtype(dtype))
+    if vae_file:
+        from .comfy_files.vae_file import load_vae_file
+
+        overrides["vae"], storage["vae"], reports["vae"] = load_vae_file(
+            vae_file, index["vae"][1], configs.get("vae") or {}, folder, torch_dtype(vae_dtype or dtype))
     stored = load_stored(folder, index, configs, stored_names, torch_dtype(dtype), weight_dtype) if stored_names else {}
     for name, component in stored.items():
         overrides[name], storage[name], reports[name] = component.module, component.storage, component.report
@@ -198,12 +212,23 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
             "diffusers-format model."
         ) from error
     pipe.set_progress_bar_config(disable=True)  # progress is reported through the host instead
-    source = f"{folder} + {Path(transformer_file).name}" if transformer_file else str(folder)
+    source = " + ".join([str(folder)] + [Path(f).name for f in (transformer_file, vae_file) if f])
     if weight_dtype != DEFAULT_WEIGHTS:
         source += f" (weight_dtype {weight_dtype})"
     return LoadedPipeline(pipe, spec, class_name, source, dtype, str(folder), storage=MappingProxyType(storage),
                           on_disk=on_disk(stored) and not transformer_file, storage_reports=MappingProxyType(reports),
-                          transformer_file=str(transformer_file or ""))
+                          transformer_file=str(transformer_file or ""), vae_file=str(vae_file or ""),
+                          vae_dtype_name=vae_dtype if vae_file and vae_dtype != dtype else "")
+
+
+def _replaced_by_vae_file(spec: FamilySpec, index: dict, replaced: tuple[str, ...]) -> tuple[str, ...]:
+    """("vae",) once the folder is known to take a VAE file (before any file is read)."""
+    from .comfy_files.vae_file import check_family
+
+    check_family(spec, (index.get("vae") or [None, None])[1])
+    if "vae" in replaced:  # not reached today: LTX-2 takes no vae_file (its checkpoint carries the VAE)
+        raise ModelError("vae_file and a transformer_file that carries its VAE both replace the folder's VAE; keep one.")
+    return ("vae",)
 
 
 def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_file: str | Path) -> tuple[str, ...]:

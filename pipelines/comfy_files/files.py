@@ -18,7 +18,7 @@ from ...memory.storage import StorageError, fold_scaled_fp8, open_weights
 from ...memory.storage.files import SafetensorsFile
 from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
-from . import detect, hy15, ltx2
+from . import detect, hy15, hy15_vae, ltx2
 from .keys import COMFY_PREFIX, KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
 
 TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
@@ -58,6 +58,8 @@ def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
 
 def _held(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> str:
     """What a file of `kind` holds, for messages: a transformer by its family."""
+    if kind == detect.VAE and hy15_vae.is_vae(tensors):
+        return "a HunyuanVideo 1.5 VAE"
     if kind != detect.TRANSFORMER:
         return detect.KIND_NAMES[kind]
     if hy15.transformer_layout(tensors) is not None:  # still under the file's names: see _classify
@@ -136,6 +138,11 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     prefix = detect.find_prefix(names, detect.CLIP_MARKER)
     if prefix is not None and prefix + "embeddings.patch_embedding.weight" in tensors:  # the projection head is not used by Wan's CLIPVisionModel (hidden states only)
         return detect.CLIP_VISION, KeyLayout.DIFFUSERS, _strip(tensors, prefix, keep=lambda n: n.startswith(detect.CLIP_PARTS)), None
+    layout = hy15_vae.vae_layout(names)  # before Wan's: its diffusers names share Wan's marker
+    if layout is not None:
+        mapped = hy15_vae.vae_tensors(tensors, layout)
+        hy15_vae.check_names(mapped, f"{role}: '{path.name}'")
+        return detect.VAE, KeyLayout.DIFFUSERS, mapped, None
     for marker, vae_layout in zip(detect.VAE_MARKERS, (KeyLayout.ORIGINAL, KeyLayout.DIFFUSERS)):
         prefix = detect.find_prefix(names, marker)
         if prefix is not None:
@@ -144,7 +151,7 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     raise ModelError(
         f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan "
         "transformers (original, model.diffusion_model. or diffusers names), LTX-2 checkpoints, HunyuanVideo 1.5 transformers "
-        "(Comfy-Org's or Tencent's names, saved by ComfyUI under model.model., or diffusers names), Wan VAEs, T5/UMT5 text "
+        "(Comfy-Org's or Tencent's names, saved by ComfyUI under model.model., or diffusers names), Wan and HunyuanVideo 1.5 VAEs, T5/UMT5 text "
         "encoders (transformers names) and CLIP vision encoders; use Comfy-Org's repackaged files."
     )
 
@@ -177,6 +184,8 @@ def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[st
             return ltx2.transformer_fields(tensors)
         if kind == detect.TRANSFORMER and hy15.is_transformer(tensors):
             return hy15.transformer_fields(tensors)
+        if kind == detect.VAE and hy15_vae.is_vae(tensors):
+            return hy15_vae.vae_fields(tensors)
         if kind == detect.VAE:
             return detect.vae_fields(tensors, original=layout is KeyLayout.ORIGINAL)
         reader = {detect.TRANSFORMER: detect.transformer_fields, detect.TEXT_ENCODER: detect.text_encoder_fields,

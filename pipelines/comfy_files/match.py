@@ -58,6 +58,10 @@ def choose_model(model: WeightFile, experts: int, catalogue: Sequence[ModelEntry
 
 
 def check_vae(entry: ModelEntry, vae: WeightFile) -> None:
+    if "z_dim" not in vae.fields:  # HunyuanVideo 1.5's (comfy_files/hy15_vae.py): Load Video Pipeline's vae_file reads it
+        raise ModelError(f"vae: '{vae.name}' is HunyuanVideo 1.5's VAE, but {entry.name} is a Wan model: use the Wan VAE "
+                         "(wan_2.1_vae / wan2.2_vae.safetensors). A HunyuanVideo 1.5 VAE file goes to Load Video Pipeline's "
+                         "vae_file, over a HunyuanVideo 1.5 diffusers folder.")
     wanted = detect.vae_config_fields(entry.config("vae"))
     if vae.fields == wanted:
         return

@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 
 from ...memory.storage import StoredTensor, quantize, storage_format
-from . import hy15, ltx2
+from . import hy15, hy15_vae, ltx2
 from .files import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, original_transformer_names, vae_original_names
 
@@ -74,6 +74,12 @@ def write_vae(tensors: Mapping[str, Any], path: str | Path) -> Path:
     """A Wan VAE file in its original layout (wan_2.1_vae.safetensors / wan2.2_vae.safetensors)."""
     names = vae_original_names(tensors)
     return _write({names[n]: t for n, t in tensors.items()}, path)
+
+
+def write_hy15_vae(tensors: Mapping[str, torch.Tensor], path: str | Path, dtype: torch.dtype = torch.float16) -> Path:
+    """A HunyuanVideo 1.5 VAE from diffusers-named `tensors`, as Comfy-Org ships it
+    (hunyuanvideo15_vae_fp16.safetensors: Tencent's names, unprefixed, every tensor in `dtype`)."""
+    return _write({name: t.to(dtype) for name, t in hy15_vae.original_tensors(tensors).items()}, path)
 
 
 def write_ltx2_checkpoint(parts: Mapping[str, Mapping[str, Any]], path: str | Path,
