@@ -27,49 +27,50 @@ CONV_IN = "decoder.conv_in.conv.weight"  # in both layouts; its input channels a
 ORIGINAL_MARKER = "decoder.mid.block_1.norm1.gamma"
 DIFFUSERS_MARKER = "decoder.mid_block.resnets.0.norm1.gamma"
 
-# (Tencent's pattern, diffusers' replacement), in the order they apply (the attention's q/k/v before
-# the rest of it); `_BACK` below is the same table read the other way.
+# (Tencent's name, diffusers' name) per rule, in the order they apply (the attention's q/k/v before
+# the rest of it); each `{slot}` stands for what `_SLOTS` matches and is carried over, in order.
+# Read forward to load a file, backward to write one.
 _RULES = (
-    (r"^encoder\.down\.(\d+)\.block\.(\d+)\.", r"encoder.down_blocks.\1.resnets.\2."),
-    (r"^encoder\.down\.(\d+)\.downsample\.", r"encoder.down_blocks.\1.downsamplers.0."),
-    (r"^decoder\.up\.(\d+)\.block\.(\d+)\.", r"decoder.up_blocks.\1.resnets.\2."),
-    (r"^decoder\.up\.(\d+)\.upsample\.", r"decoder.up_blocks.\1.upsamplers.0."),
-    (r"^(encoder|decoder)\.mid\.block_1\.", r"\1.mid_block.resnets.0."),
-    (r"^(encoder|decoder)\.mid\.block_2\.", r"\1.mid_block.resnets.1."),
-    (r"^(encoder|decoder)\.mid\.attn_1\.([qkv])\.", r"\1.mid_block.attentions.0.to_\2."),
-    (r"^(encoder|decoder)\.mid\.attn_1\.", r"\1.mid_block.attentions.0."),
+    ("encoder.down.{n}.block.{n}.", "encoder.down_blocks.{n}.resnets.{n}."),
+    ("encoder.down.{n}.downsample.", "encoder.down_blocks.{n}.downsamplers.0."),
+    ("decoder.up.{n}.block.{n}.", "decoder.up_blocks.{n}.resnets.{n}."),
+    ("decoder.up.{n}.upsample.", "decoder.up_blocks.{n}.upsamplers.0."),
+    ("{side}.mid.block_1.", "{side}.mid_block.resnets.0."),
+    ("{side}.mid.block_2.", "{side}.mid_block.resnets.1."),
+    ("{side}.mid.attn_1.{qkv}.", "{side}.mid_block.attentions.0.to_{qkv}."),
+    ("{side}.mid.attn_1.", "{side}.mid_block.attentions.0."),
 )
+_SLOTS = {"n": r"(\d+)", "side": "(encoder|decoder)", "qkv": "([qkv])"}
+
+
+def _rule(source: str, target: str) -> tuple[re.Pattern, str]:
+    """A name prefix `source` as an anchored pattern, and `target` as its replacement."""
+    pieces = re.split(r"\{(\w+)\}", source)
+    pattern = "".join(_SLOTS[piece] if i % 2 else re.escape(piece) for i, piece in enumerate(pieces))  # odd: slot names
+    groups = iter(range(1, len(pieces)))
+    return re.compile("^" + pattern), re.sub(r"\{\w+\}", lambda _: f"\\g<{next(groups)}>", target)
+
+
+_FORWARD = tuple(_rule(original, diffusers) for original, diffusers in _RULES)
+_BACK = tuple(_rule(diffusers, original) for original, diffusers in _RULES)
+
+
+def _renamed(name: str, rules: tuple[tuple[re.Pattern, str], ...]) -> str:
+    for pattern, replacement in rules:
+        renamed, count = pattern.subn(replacement, name)
+        if count:
+            return renamed
+    return name
 
 
 def diffusers_name(name: str) -> str:
     """The diffusers name of a Tencent VAE tensor name (names without a rule are the same in both)."""
-    for original, diffusers in _RULES:
-        renamed, count = re.subn(original, diffusers, name)
-        if count:
-            return renamed
-    return name
+    return _renamed(name, _FORWARD)
 
 
 def original_name(name: str) -> str:
     """The Tencent (Comfy-Org file) name of a diffusers VAE tensor name: `diffusers_name` reversed."""
-    for original, diffusers in _BACK:
-        renamed, count = re.subn(original, diffusers, name)
-        if count:
-            return renamed
-    return name
-
-
-# The table read the other way: diffusers' side as patterns, Tencent's as replacements.
-_BACK = (
-    (r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.down.\1.block.\2."),
-    (r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample."),
-    (r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.", r"decoder.up.\1.block.\2."),
-    (r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.", r"decoder.up.\1.upsample."),
-    (r"^(encoder|decoder)\.mid_block\.resnets\.0\.", r"\1.mid.block_1."),
-    (r"^(encoder|decoder)\.mid_block\.resnets\.1\.", r"\1.mid.block_2."),
-    (r"^(encoder|decoder)\.mid_block\.attentions\.0\.to_([qkv])\.", r"\1.mid.attn_1.\2."),
-    (r"^(encoder|decoder)\.mid_block\.attentions\.0\.", r"\1.mid.attn_1."),
-)
+    return _renamed(name, _BACK)
 
 
 def vae_layout(names: Iterable[str]) -> KeyLayout | None:
