@@ -53,7 +53,7 @@ operands lie, so the same bytes at another alignment can give other last bits
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import psutil
 import torch
@@ -123,6 +123,18 @@ class HostPool:
         if not backend.can_pin:
             return tensors
         return [self._adopt_one(owners, backend, cap_bytes, rehomed) for owners in tensors]
+
+    @property
+    def spare_bytes(self) -> int:
+        """Room left in the newest arena: new homes fill it before another arena is pinned."""
+        return self.arena_bytes - self._used if self._arenas else 0
+
+    def homed_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Bytes of those of `tensors` (each counted once) that already have a home here: streaming
+        them again pins nothing new. A planner asks it of a tier's streamed tensors, since the pool
+        may also hold homes of tensors the tier keeps resident (an earlier call on another tier)."""
+        unique = {t.data_ptr(): t for t in tensors if self._holds(t)}  # homes never overlap
+        return sum(_nbytes(t) for t in unique.values())
 
     def stats(self) -> dict:
         return {"pinned_bytes": self.pinned_bytes, "arenas": len(self._arenas), "allocations": self.allocations,

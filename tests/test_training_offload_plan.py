@@ -22,6 +22,7 @@ from vidmem.memory.activation_offload import (ActivationOffload, ActivationPool,
                                               host_buffer_bytes, offload_mode, split_at_ceiling)
 from vidmem.memory.device import CpuBackend
 from vidmem.memory.plan.train_plan import TrainRequest
+from vidmem.memory.residency import Slot
 from vidmem.training import TrainOutputs, TrainSettings, train_lora
 from vidmem.training import loop as loop_module
 from vidmem.training.errors import TrainingError
@@ -258,19 +259,43 @@ def test_train_node_takes_a_saved_boolean_and_auto(tiny_loaded, tmp_path, monkey
     assert "activation offload off (auto: off (the step fits without it))" in auto["ui"]["text"][0]
 
 
-def test_the_block_inputs_ceiling_is_less_what_the_pool_already_pinned():
-    """The run gives the block inputs the ceiling less every pinned byte its pipeline's pool holds (homes an
-    earlier sampling or training call made, never freed), so the plan may not assume fewer (found in review)."""
+def test_the_block_inputs_ceiling_is_less_what_the_pool_holds_once_the_tier_is_homed():
+    """The run gives the block inputs the ceiling less every pinned byte its pipeline's pool holds once the
+    tier's streamed weights have their homes (homes an earlier sampling or training call made are never
+    freed), so the plan may not assume fewer; it pins new arenas only for streamed bytes without a home."""
     from vidmem.memory.hostpool import ARENA_BYTES
-    from vidmem.memory.plan.train_plan import TrainRequest, _activation_ceiling
+    from vidmem.memory.plan.train_plan import _activation_ceiling
 
     cap, streamed = 8 * ARENA_BYTES, 2 * ARENA_BYTES
     fresh = TrainRequest(rank=16, pinned_ceiling_bytes=cap)
     assert _activation_ceiling(fresh, 0, streamed) == cap - streamed  # this tier's homes come first
+    # five arenas of homes: those of this tier's weights (after sequential sampling) are not pinned again ...
     after_sequential = TrainRequest(rank=16, pinned_ceiling_bytes=cap, pinned_already_bytes=5 * ARENA_BYTES)
-    assert _activation_ceiling(after_sequential, 0, streamed) == cap - 5 * ARENA_BYTES
+    assert _activation_ceiling(after_sequential, 0, 0) == cap - 5 * ARENA_BYTES
+    # ... those of tensors this tier keeps resident (another tier's, a text encoder's) stay beside its new ones
+    assert _activation_ceiling(after_sequential, 0, streamed) == cap - 7 * ARENA_BYTES
+    # new homes fill the room left in the newest arena before another is pinned
+    roomy = replace(after_sequential, pinned_spare_bytes=ARENA_BYTES // 2)
+    assert _activation_ceiling(roomy, 0, ARENA_BYTES // 2) == cap - 5 * ARENA_BYTES
+    assert _activation_ceiling(roomy, 0, streamed) == cap - 7 * ARENA_BYTES
+    # the pool pins no arena past the ceiling
+    assert _activation_ceiling(after_sequential, 0, 10 * ARENA_BYTES) == 0
     full = TrainRequest(rank=16, pinned_ceiling_bytes=cap, pinned_already_bytes=cap + ARENA_BYTES)
     assert _activation_ceiling(full, 0, streamed) == 0
+
+
+def test_a_request_names_a_bad_arena_size_and_homes_of_another_model():
+    with pytest.raises(ValueError, match="pinned_arena_bytes 0"):
+        TrainRequest(pinned_arena_bytes=0)
+    from vidmem.memory.plan.train_plan import _homed_streamed
+
+    request = TrainRequest(pinned_homed_block_bytes=[1, 2, 3], pinned_homed_leaf_bytes=7)
+    assert request.pinned_homed_block_bytes == (1, 2, 3)  # a list is kept as a tuple: the request stays hashable
+    assert _homed_streamed(request, MemoryStrategy(offload="block_swap", blocks_to_swap=2), 3) == 5  # the last two
+    assert _homed_streamed(request, MemoryStrategy(offload="sequential"), 3) == 7
+    assert _homed_streamed(request, MemoryStrategy(offload="model"), 3) == 0
+    with pytest.raises(ValueError, match="3 entries for a denoiser of 2 blocks"):
+        _homed_streamed(request, MemoryStrategy(offload="sequential"), 2)
 
 
 class _PinningCpu(CpuBackend):
@@ -304,3 +329,61 @@ def test_the_run_reads_its_ceiling_before_the_weights_are_pinned(tiny_folder, pr
     homes = pool.pinned_bytes
     assert homes > 0  # the streamed block's weights were pinned
     assert caps == [free_before - homes]
+
+
+SMALL_ARENA = 64 << 10  # bytes: a tiny Wan block (27 tensors, ~26 KiB) packs into one, a whole model into several
+
+
+def _other_components_homes(pool, backend) -> None:
+    """Homes of tensors the training tier does not stream (another component's weight, e.g. a text
+    encoder's), filling the pool's newest arena to its end: the tier's own homes need a new one."""
+    holder = torch.nn.Module()
+    holder.register_buffer("weight", torch.ones(SMALL_ARENA, dtype=torch.uint8))
+    assert holder.weight.data_ptr() % 64 == 0  # it starts an arena and fills it
+    pool.adopt([[Slot(holder, "weight", False, holder.weight)]], backend, 1 << 30)
+    assert pool.pinned_bytes == SMALL_ARENA and pool.spare_bytes == 0
+
+
+def _sequential_sampling_homes(loaded, backend, ceiling_gb) -> None:
+    """What sequential sampling leaves in the pool: a home for every leaf of the transformer."""
+    from vidmem.memory import StageComponents, apply_strategy
+
+    transformer = loaded.pipe.transformer
+    stage = StageComponents({"transformer": transformer}, {"transformer": transformer.blocks})
+    with apply_strategy(stage, MemoryStrategy(offload="sequential", max_pinned_ram_gb=ceiling_gb), backend,
+                        host_pool=loaded.host_pool):
+        pass
+
+
+@pytest.mark.parametrize("homes", ["none", "another component's", "this tier's (sequential sampling)", "both"])
+def test_the_planned_ceiling_is_what_the_run_gives_the_block_inputs(tiny_folder, prepared, tmp_path, monkeypatch, homes):
+    """Issue 28: the plan's ceiling for the block inputs equals the cap the run gives them once the
+    streamed weights have their homes, whatever homes the pipeline's pool held before. Homes of tensors
+    the tier does not stream stay beside the tier's new ones (the plan once took only the larger of the
+    two); homes the tier's tensors already have are not pinned twice."""
+    from dataclasses import replace as renew
+
+    from vidmem.memory.hostpool import HostPool
+    from vidmem.pipelines.loader import load_pipeline
+
+    # a pipeline of its own (its weights move into the pool's arenas for good), with small arenas so
+    # tiny weights span several
+    loaded = renew(load_pipeline(tiny_folder("wan2.1-t2v"), "fp32"), host_pool=HostPool(arena_bytes=SMALL_ARENA))
+    data, backend, ceiling_gb = prepared("wan2.1-t2v"), _PinningCpu(), 1.0
+    if homes in ("another component's", "both"):
+        _other_components_homes(loaded.host_pool, backend)
+    if homes in ("this tier's (sequential sampling)", "both"):
+        _sequential_sampling_homes(loaded, backend, ceiling_gb)
+    before = loaded.host_pool.pinned_bytes
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=1, max_pinned_ram_gb=ceiling_gb)
+    plan = resolve_activation_offload(loaded, data, settings("on"), strategy, ROOMY, ROOMY, can_pin=True).plan
+    caps = []
+    real_cap = loop_module._activation_cap
+    monkeypatch.setattr(loop_module, "_activation_cap", lambda ceiling, host_pool: caps.append(real_cap(ceiling, host_pool)) or caps[-1])
+    outputs = TrainOutputs(tmp_path / "loras" / "homes.safetensors", tmp_path / "checkpoints" / "homes")
+    train_lora(loaded, data, strategy, settings("on"), outputs, backend)
+    assert plan.activation_offload and caps == [plan.activation_ceiling_bytes]
+    served = homes in ("this tier's (sequential sampling)", "both")
+    # the streamed block found its homes, or took one new arena beside whatever was there
+    assert loaded.host_pool.pinned_bytes - before == (0 if served else SMALL_ARENA)
+    assert caps[0] == int(ceiling_gb * (1 << 30)) - loaded.host_pool.pinned_bytes

@@ -13,11 +13,13 @@ from dataclasses import dataclass, replace
 
 from ..memory import MemoryStrategy
 from ..memory.activation_offload import UNPINNED, OffloadMode
-from ..memory.hostpool import pinned_cap_bytes
+from ..memory.hostpool import HostPool, pinned_cap_bytes
+from ..memory.offload import streamed_units
 from ..memory.plan.train import trace_activations
 from ..memory.plan.train_plan import (TrainPlan, TrainRequest, advice, ceiling_note, recommended, strategy_plan,
                                       training_plans)
 from ..memory.plan.types import Call, VideoShape
+from ..memory.residency import Slot, partition_slots
 from ..memory.storage import FORMATS
 from ..memory.units import GiB
 from .adapters import check_rank, find_targets
@@ -94,11 +96,32 @@ def planned_shape(data, settings: TrainSettings) -> VideoShape:
 
 
 def training_request(settings: TrainSettings, base: MemoryStrategy, storage: str | None,
-                     pinned_ceiling: int | None = None, pinned_already: int = 0) -> TrainRequest:
+                     pinned_ceiling: int | None = None) -> TrainRequest:
+    """The request for an empty host pool; `pool_homes` adds what a pipeline's pool already holds."""
     return TrainRequest(rank=settings.rank, optimizer=settings.optimizer.value, checkpointing=settings.gradient_checkpointing,
                         targets=tuple(settings.target_modules), storage=storage, prefetch_blocks=base.prefetch_blocks,
-                        activation_offload=settings.activation_offload, pinned_ceiling_bytes=pinned_ceiling,
-                        pinned_already_bytes=pinned_already)
+                        activation_offload=settings.activation_offload, pinned_ceiling_bytes=pinned_ceiling)
+
+
+def pool_homes(request: TrainRequest, pool: HostPool, model, blocks) -> TrainRequest:
+    """`request` with the pinned homes `pool` already holds: all its pinned bytes, the room in its
+    newest arena, and which of `model`'s streamed tensors have a home (per block, and for the
+    sequential tier's leaves), split by the engine's own rule, so each tier's plan pins new arenas
+    only for the streamed tensors the run will find without one."""
+    if not pool.pinned_bytes:
+        return replace(request, pinned_arena_bytes=pool.arena_bytes)
+    every_block = MemoryStrategy(offload="block_swap", blocks_to_swap=len(blocks))
+    per_block = tuple(pool.homed_bytes(slot.host for slot in unit)
+                      for unit in _streamed_slots(model, blocks, every_block))
+    leaves = _streamed_slots(model, blocks, MemoryStrategy(offload="sequential"))
+    return replace(request, pinned_already_bytes=pool.pinned_bytes, pinned_homed_block_bytes=per_block,
+                   pinned_homed_leaf_bytes=pool.homed_bytes(slot.host for unit in leaves for slot in unit),
+                   pinned_spare_bytes=pool.spare_bytes, pinned_arena_bytes=pool.arena_bytes)
+
+
+def _streamed_slots(model, blocks, strategy: MemoryStrategy) -> list[list[Slot]]:
+    """Each unit's tensors as the engine streams them under `strategy` (apply_strategy's own split)."""
+    return partition_slots(model, [members for _, members in streamed_units(model, blocks, strategy)])[1]
 
 
 def plan_training_step(model, denoiser: str, shape: VideoShape, vram: int, ram: int,
@@ -172,8 +195,9 @@ def _planning_inputs(loaded, data, settings: TrainSettings, base: MemoryStrategy
     pool = getattr(loaded, "host_pool", None)
     # the run's ceiling (training/loop.py `_activation_cap`); the planner takes the weights' homes from it
     ceiling = pinned_cap_bytes(base.max_pinned_ram_gb, getattr(pool, "host_room_bytes", None)) if can_pin else UNPINNED
-    already = getattr(pool, "pinned_bytes", 0) if can_pin else 0  # homes an earlier call left in the pool
-    request = training_request(settings, base, stored if stored in FORMATS else None, ceiling, already)
+    request = training_request(settings, base, stored if stored in FORMATS else None, ceiling)
+    if can_pin and pool is not None:  # homes an earlier call left in the pool
+        request = pool_homes(request, pool, model, getattr(model, loaded.spec.blocks_attr))
     return component, shape, request, planner_model(loaded)
 
 

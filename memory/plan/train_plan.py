@@ -16,8 +16,10 @@ rounded up to a power of two as the pinned pool makes them, and each input cross
 step (`activation_copy_seconds`, hidden behind the re-runs when the prefetch keeps up). The inputs
 are the ones the run moves, traced (`trace_offloaded_inputs`: the first block's shared inputs
 included), and they are split at the pinned ceiling by the pool's own rule (`split_at_ceiling`):
-the ceiling is the strategy's max_pinned_ram_gb (or the automatic one) less the streamed weights'
-pinned homes, and the inputs past it stay on the device, which the device peak then counts. A plan
+the ceiling is the strategy's max_pinned_ram_gb (or the automatic one) less what the pipeline's host
+pool holds once the streamed weights have their pinned homes (homes an earlier call made are kept,
+whichever tensors they serve; only streamed weights without one take new arenas), and the inputs
+past it stay on the device, which the device peak then counts. A plan
 without it says whether the same tier would fit with it (`fits_with_offload`), and `advice` names
 it when it is what makes training fit, and max_pinned_ram_gb when the ceiling keeps inputs on the GPU.
 With activation_offload auto each tier's plan turns it on only when the step does not fit without
@@ -62,9 +64,15 @@ class TrainRequest:
     # host's room); the streamed weights' homes take their share first. None: the automatic ceiling
     # for the RAM the budget leaves once the weights are loaded.
     pinned_ceiling_bytes: int | None = None
-    # Pinned bytes the pipeline's host pool already holds (homes an earlier sampling or training call
-    # made, never freed): the run's block inputs get the ceiling less all of them.
-    pinned_already_bytes: int = 0
+    # The pipeline's host pool as the run will find it (training/plan.py reads it; `vidmem plan --train`
+    # has none: an empty pool). The run's block inputs get the ceiling less every pinned byte it holds
+    # once the tier's streamed weights have their homes; only those without one yet take new arenas.
+    pinned_already_bytes: int = 0  # pinned bytes it holds (whole arenas: homes earlier calls made, never freed)
+    # of each block's streamed tensors, the bytes that have a home there (block swap streams the last N)
+    pinned_homed_block_bytes: tuple[int, ...] = ()
+    pinned_homed_leaf_bytes: int = 0  # of the sequential tier's streamed tensors, the bytes that have a home there
+    pinned_spare_bytes: int = 0  # room left in its newest arena, which new homes fill before another is pinned
+    pinned_arena_bytes: int = ARENA_BYTES  # the size of its arenas
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -72,6 +80,10 @@ class TrainRequest:
         object.__setattr__(self, "activation_offload", offload_mode(self.activation_offload, "--activation-offload"))
         if self.pinned_ceiling_bytes is not None and self.pinned_ceiling_bytes < 0:
             raise ValueError(f"--max-pinned-ram-gb must be 0 or more (got {self.pinned_ceiling_bytes / GiB:.2f} GiB).")
+        object.__setattr__(self, "pinned_homed_block_bytes", tuple(self.pinned_homed_block_bytes))
+        if self.pinned_arena_bytes < 1:
+            raise ValueError(f"pinned_arena_bytes {self.pinned_arena_bytes} must be 1 or more "
+                             "(the host pool's arena size, HostPool.arena_bytes).")
         if self.activation_offload is OffloadMode.ON and not self.checkpointing:
             raise ValueError("--activation-offload moves the checkpointed blocks' inputs: it needs checkpointing "
                              "(drop --no-checkpointing).")
@@ -218,7 +230,9 @@ def _plan(model: PlannerModel, denoiser: str, strategy: MemoryStrategy, vram: in
     fixed_ram = HOST_RUNTIME_BYTES + weights.nbytes + lora.host
     refused = "needs checkpointing" if streams and not request.checkpointing else ""
     plain = (peaks.at(len(blocks)), 0, 0.0)
-    ceiling = _activation_ceiling(request, ram - fixed_ram, sum(table_streamed_unit_bytes(weights.table, strategy)))
+    streamed = sum(table_streamed_unit_bytes(weights.table, strategy))
+    unhomed = max(0, streamed - _homed_streamed(request, strategy, len(blocks)))  # what the run pins anew
+    ceiling = _activation_ceiling(request, ram - fixed_ram, unhomed)
     # with offload every block re-runs in full (selective checkpointing's kept outputs would stay on the device)
     rerun = replace(peaks, kept_per_block=0)
     split = _offloaded_inputs(rerun, len(blocks), streams, ceiling)
@@ -256,19 +270,33 @@ def _offload_choice(mode: OffloadMode, fits_without: bool, fits_with: bool, chec
     return False, "auto: off (the step does not fit with it either)"
 
 
-def _activation_ceiling(request: TrainRequest, free_ram: int, streamed: int) -> int:
-    """Pinned bytes the block inputs may take: the ceiling less the streamed weights' pinned homes,
-    which take theirs first (memory.hostpool.HostPool: whole arenas, while one more fits the ceiling;
-    the packing's slack in the last arena is not counted), or less what the pool already holds where
-    that is more. The run sets the ceiling less the pool's pinned bytes (training/loop.py
-    `_activation_cap`)."""
+def _homed_streamed(request: TrainRequest, strategy: MemoryStrategy, block_count: int) -> int:
+    """Bytes of the tier's streamed tensors that already have a pinned home (pinned nothing new)."""
+    homed = request.pinned_homed_block_bytes
+    if homed and len(homed) != block_count:
+        raise ValueError(f"pinned_homed_block_bytes has {len(homed)} entries for a denoiser of {block_count} blocks; "
+                         "read it from the pipeline planned (training/plan.py `pool_homes`).")
+    if strategy.offload is OffloadTier.SEQUENTIAL:
+        return request.pinned_homed_leaf_bytes
+    if strategy.offload is OffloadTier.BLOCK_SWAP:
+        return sum(homed[block_count - strategy.blocks_to_swap:])
+    return 0
+
+
+def _activation_ceiling(request: TrainRequest, free_ram: int, unhomed: int) -> int:
+    """Pinned bytes the block inputs may take: what the run gives them, the ceiling less every byte
+    the host pool holds once this tier's streamed weights have their homes (training/loop.py
+    `_activation_cap`). The pool keeps what it already holds, whatever tensors those homes serve,
+    and pins new homes only for the `unhomed` streamed bytes: into the room left in its newest
+    arena, then whole arenas while one more fits the ceiling (memory.hostpool.HostPool; the
+    packing's slack at each arena's end is not counted)."""
     cap = request.pinned_ceiling_bytes
     if cap is None:  # the automatic ceiling, for the RAM free once the weights are loaded
         cap = default_pinned_cap(max(0, free_ram))
-    arenas = min(-(-streamed // ARENA_BYTES), cap // ARENA_BYTES) if streamed else 0
-    # homes already made count whether or not this tier streams their tensors; where this tier's
-    # streamed weights have no home yet, the run pins at least the planned arenas
-    return max(0, cap - max(arenas * ARENA_BYTES, request.pinned_already_bytes))
+    arena, already = request.pinned_arena_bytes, request.pinned_already_bytes
+    needed = max(0, unhomed - request.pinned_spare_bytes)
+    arenas = min(-(-needed // arena), max(0, cap - already) // arena)
+    return max(0, cap - already - arenas * arena)
 
 
 def _offloaded_inputs(peaks: ActivationPeaks, blocks: int, streams: bool, ceiling: int) -> CeilingSplit:
