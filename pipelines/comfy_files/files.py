@@ -174,6 +174,12 @@ def ltx2_part(path: str | Path, part: str, role: str) -> dict[str, Any]:
     return ltx2.part_tensors(_open_tensors(Path(path), role), part)
 
 
+def ltx2_parts(path: str | Path, role: str) -> tuple[str, ...]:
+    """The LTX-2 parts ("transformer", "vae", "audio_vae") the file at `path` holds, read as the loader
+    reads it (safetensors or GGUF: only its header and index)."""
+    return ltx2.parts_in(_open_tensors(Path(path), role))
+
+
 def _strip(tensors: dict, prefix: str, keep=lambda name: True) -> dict:
     return {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix) and keep(name[len(prefix):])}
 
