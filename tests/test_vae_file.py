@@ -157,6 +157,48 @@ def test_a_file_of_the_other_family_is_refused_naming_both(hy15_file, tiny_folde
         load_pipeline(tiny_folder(VARIANT), "fp32", vae_file=wan)
 
 
+def rewritten(path, target, rename=lambda name: name, added=None):
+    """The VAE file at `path` written again at `target` with its names renamed and `added` tensors."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {rename(name): t for name, t in load_file(str(path)).items()}
+    save_file(dict(tensors, **(added or {})), str(target))
+    return target
+
+
+def comfy_projections(channels: int) -> dict[str, torch.Tensor]:
+    """ComfyUI's vae_refiner mid-block time projections (ResnetBlock's default temb_channels=512 ->
+    channels), as its Save VAE writes them (comfy/ldm/hunyuan_video/vae_refiner.py, mid.block_1/2)."""
+    return {f"{side}.mid.block_{n}.temb_proj.{w}": torch.randn(channels, 512) if w == "weight" else torch.randn(channels)
+            for side in ("encoder", "decoder") for n in (1, 2) for w in ("weight", "bias")}
+
+
+def test_a_vae_saved_by_comfyuis_save_vae_loads_without_its_unused_projections(hy15_file, tiny_folder, tiny_loaded,
+                                                                               tmp_path):
+    reference = tiny_loaded(VARIANT)
+    channels = reference.pipe.vae.config.block_out_channels[-1]
+    added = comfy_projections(channels)
+    assert len(added) == 8
+    saved = rewritten(hy15_file, tmp_path / "ComfyUI_vae.safetensors", added=added)
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", vae_file=saved)
+    ours, theirs = vae_state(loaded), vae_state(reference)
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    stray = {"encoder.down.0.block.0.temb_proj.weight": torch.randn(8, 512)}  # not ComfyUI's: still refused
+    other = rewritten(hy15_file, tmp_path / "stray_vae.safetensors", added=dict(added, **stray))
+    with pytest.raises(ModelError, match="not part of the model"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", vae_file=other)
+
+
+@pytest.mark.parametrize("prefix", ["vae.", "first_stage_model."])
+def test_a_prefixed_vae_loads_as_the_folder(prefix, hy15_file, tiny_folder, tiny_loaded, tmp_path):
+    """A VAE cut from a checkpoint keeps the checkpoint's prefix: found before the marker, as a Wan VAE's is."""
+    path = rewritten(hy15_file, tmp_path / "prefixed_vae.safetensors", rename=lambda name: prefix + name,
+                     added={prefix + n: t for n, t in comfy_projections(8).items()})
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", vae_file=path)
+    ours, theirs = vae_state(loaded), vae_state(tiny_loaded(VARIANT))
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 def test_a_vae_of_another_size_is_refused_naming_the_fields(tiny_folder, tiny_loaded, tmp_path):
     folder = shutil.copytree(tiny_folder(VARIANT), tmp_path / "wide")
     config = json.loads((folder / "vae" / "config.json").read_text())

@@ -138,9 +138,10 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     prefix = detect.find_prefix(names, detect.CLIP_MARKER)
     if prefix is not None and prefix + "embeddings.patch_embedding.weight" in tensors:  # the projection head is not used by Wan's CLIPVisionModel (hidden states only)
         return detect.CLIP_VISION, KeyLayout.DIFFUSERS, _strip(tensors, prefix, keep=lambda n: n.startswith(detect.CLIP_PARTS)), None
-    layout = hy15_vae.vae_layout(names)  # before Wan's: its diffusers names share Wan's marker
-    if layout is not None:
-        mapped = hy15_vae.vae_tensors(tensors, layout)
+    found = hy15_vae.find_vae(names)  # before Wan's: its diffusers names share Wan's marker
+    if found is not None:
+        prefix, layout = found
+        mapped = hy15_vae.vae_tensors(_strip(tensors, prefix), layout)
         hy15_vae.check_names(mapped, f"{role}: '{path.name}'")
         return detect.VAE, KeyLayout.DIFFUSERS, mapped, None
     for marker, vae_layout in zip(detect.VAE_MARKERS, (KeyLayout.ORIGINAL, KeyLayout.DIFFUSERS)):
