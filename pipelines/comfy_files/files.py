@@ -42,13 +42,14 @@ class WeightFile:
         return self.path.name
 
 
-def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
-    """Open `path` (the loader input `role`), check it holds an `expected` kind of model."""
+def read_weight_file(path: str | Path, role: str, expected: str, takes: str = "") -> WeightFile:
+    """Open `path` (the loader input `role`), check it holds an `expected` kind of model (`takes`: what
+    the input takes, for the message; default the kind's name)."""
     path = Path(path)
     kind, layout, tensors, extra = _classify(path, role, _open_tensors(path, role))
     if kind != expected:
         raise ModelError(
-            f"{role}: '{path.name}' holds {_held(kind, layout, tensors)}, but this input takes {detect.KIND_NAMES[expected]}; "
+            f"{role}: '{path.name}' holds {_held(kind, layout, tensors)}, but this input takes {takes or detect.KIND_NAMES[expected]}; "
             f"pick the matching file from the {expected.replace('_', ' ')} list."
         )
     if kind == detect.TRANSFORMER and hy15.transformer_layout(tensors) is not None:
@@ -148,6 +149,7 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
         prefix = detect.find_prefix(names, marker)
         if prefix is not None:
             return detect.VAE, vae_layout, _strip(tensors, prefix), None
+    _refuse_folder_only_vae(path, role, names)
     sample = ", ".join(names[:5])
     raise ModelError(
         f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan "
@@ -157,17 +159,44 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     )
 
 
+VAE_INPUTS = ("vae", "vae_file")  # Load Video Model Files' and Load Video Pipeline's VAE inputs
+
+
 def _ltx2_transformer(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dict, None]:
     """An LTX-2 checkpoint read as its transformer (its VAEs are read apart: `ltx2_part`)."""
     ltx2.check_variant(tensors, path.name)
-    if "transformer" not in ltx2.parts_in(tensors):
+    parts = ltx2.parts_in(tensors)
+    if "transformer" not in parts and role in VAE_INPUTS:
         raise ModelError(
-            f"{role}: '{path.name}' holds only LTX-2's {' and '.join(ltx2.parts_in(tensors))} (no "
+            f"{role}: '{path.name}' is LTX-2's video VAE (it holds only LTX-2's {' and '.join(parts)}); "
+            "vae_file takes Wan and HunyuanVideo 1.5 VAEs, and LTX-2's VAE comes with its checkpoint: pick the LTX-2 "
+            "checkpoint that carries it (ltx-2-19b-dev*.safetensors) as Load Video Pipeline's transformer_file over an "
+            "LTX-2 diffusers folder, and leave vae_file at (from the folder)."
+        )
+    if "transformer" not in parts:
+        raise ModelError(
+            f"{role}: '{path.name}' holds only LTX-2's {' and '.join(parts)} (no "
             f"'{ltx2.TRANSFORMER_PREFIX}' tensors); pick the LTX-2 checkpoint that carries the transformer "
             "(ltx-2-19b-dev*.safetensors, or a transformer-only file)."
         )
     layout = ltx2.transformer_layout(tensors)
     return detect.TRANSFORMER, layout, ltx2.transformer_tensors(tensors, layout), None
+
+
+def _refuse_folder_only_vae(path: Path, role: str, names: tuple[str, ...]) -> None:
+    """The VAEs vidmem reads only from a diffusers folder (or LTX-2's checkpoint), named as such
+    rather than called a key layout vidmem does not know."""
+    if detect.find_prefix(names, detect.COGVIDEOX_VAE_MARKER) is not None:
+        raise ModelError(
+            f"{role}: '{path.name}' is CogVideoX's VAE, which vidmem reads from its diffusers folder only (vae/); "
+            "load the CogVideoX folder with Load Video Pipeline and leave vae_file at (from the folder)."
+        )
+    if ltx2.AUDIO_VAE_MARKER in names:
+        raise ModelError(
+            f"{role}: '{path.name}' is LTX-2's audio VAE, which only Decode Audio reads: from the LTX-2 checkpoint "
+            "(Load Video Pipeline's transformer_file, ltx-2-19b-dev*.safetensors) or the diffusers folder's audio_vae/; "
+            "it is no input's single file."
+        )
 
 
 def ltx2_part(path: str | Path, part: str, role: str) -> dict[str, Any]:
@@ -199,7 +228,8 @@ def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[st
                   detect.CLIP_VISION: detect.clip_vision_fields}[kind]
         return reader(tensors)
     except KeyError as error:
-        raise ModelError(f"{detect.KIND_NAMES[kind]} file lacks the tensor {error}; the file is incomplete or of another variant.") from None
+        shown = _held(kind, layout, tensors) if kind == detect.VAE else detect.KIND_NAMES[kind]  # a transformer's _held reads _fields
+        raise ModelError(f"{shown} file lacks the tensor {error}; the file is incomplete or of another variant.") from None
 
 
 def model_tensors(file: WeightFile, model_names) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def check_family(spec: FamilySpec, vae_class: str | None) -> None:
 def read_vae_file(path: str | Path, vae_class: str, config: Mapping[str, Any], folder: str | Path) -> WeightFile:
     """The VAE file at `path`, checked to be the folder's VAE (`vae_class` configured by `config`)."""
     path, folder = Path(path), Path(folder)
-    file = read_weight_file(path, ROLE, detect.VAE)
+    file = read_weight_file(path, ROLE, detect.VAE, takes=READ_CLASSES.get(vae_class, ""))  # the folder's VAE, not KIND_NAMES' Wan
     is_hy15 = hy15_vae.is_vae(file.tensors)
     if is_hy15 != (vae_class == hy15_vae.CLASS_NAME):
         held = "HunyuanVideo 1.5's VAE" if is_hy15 else "a Wan VAE"
