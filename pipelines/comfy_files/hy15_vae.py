@@ -8,6 +8,10 @@ AutoencoderKLHunyuanVideo15 holds the same tensors under other names; its conver
 reshaping, so the mapping is a few name rules, written here once as data and used both ways
 (`diffusers_name` reads a file, `original_name` writes one for tests).
 
+The same names come from ComfyUI's Save VAE (with the mid-block time projections ComfyUI builds and
+never uses: COMFY_UNUSED, dropped) and, behind a prefix (`vae.`, `first_stage_model.`), from a VAE cut
+out of a checkpoint: `find_vae` finds the prefix before the marker, as Wan's VAE branch does.
+
 Told apart from the other VAEs by its tensors: HunyuanVideo's causal convolutions keep an inner
 `conv.` (Wan's are Conv3d subclasses: `decoder.conv_in.weight`), and its norms are RMS norms with a
 `gamma` (HunyuanVideo 1.0's VAE has GroupNorm `weight`s). ComfyUI tells it the same way

@@ -2,7 +2,7 @@
 
 The file is read by its tensors, as Load Video Model Files reads its `vae` (files.read_weight_file):
 Wan 2.1 / 2.2 VAEs in their original or diffusers names, HunyuanVideo 1.5's as Comfy-Org ships it
-(hy15_vae.py). It must be the folder's VAE class and fit the folder's vae/config.json field by field;
+or ComfyUI's Save VAE writes it (hy15_vae.py), either behind a checkpoint's prefix. It must be the folder's VAE class and fit the folder's vae/config.json field by field;
 otherwise it is refused naming the file and the fix before anything is built. CogVideoX has no
 single-file VAE in vidmem, and LTX-2's checkpoint brings its own (transformer_file).
 
