@@ -29,7 +29,7 @@ import torch
 
 from .strategy import VaeTiling, family_tiling
 from .cleanup import is_out_of_memory
-from .vae_tiles import RGB, Span, TilePlan, VaeGeometry, auto_tiling, plan_tiles
+from .vae_tiles import RGB, Span, TilePlan, VaeGeometry, auto_tiling, plan_tiles, tile_floor
 
 __all__ = ["DecodeReport", "PinnedLanding", "Rung", "Streaming", "VaeGeometry", "auto_tiling", "decode_video", "decode_with_fallback",
            "fallback_rungs", "plan_tiles"]
@@ -351,7 +351,7 @@ def fallback_rungs(
     base = tiling or VaeTiling(tile_size=whole_frame, overlap=min(64, whole_frame // 4 // 8 * 8),
                                temporal_size=whole_video, temporal_overlap=min(8, whole_video // 2 // 4 * 4))
     rungs = [Rung(tiling, slicing, False, "as requested"), Rung(tiling, True, False, "one batch item at a time")]
-    tile, floor = base.tile_size, max(64, -(-min_tile // 32) * 32)
+    tile, floor = base.tile_size, tile_floor(min_tile)
     while tile > floor:
         tile = max(floor, tile // 2 // 32 * 32)
         smaller = replace(base, tile_size=tile, overlap=min(base.overlap, tile // 4 // 8 * 8))

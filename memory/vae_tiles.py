@@ -129,7 +129,7 @@ def auto_tiling(
     frames, height, width = _out_size(latent_shape, geometry)
     if bytes_per_pixel_estimate * frames * height * width <= budget:
         return None
-    floor = max(64, _round_up(min_tile, 32))
+    floor = tile_floor(min_tile)
     best: tuple[float, int, VaeTiling] | None = None
     smallest = _tiling(floor, 8)
     for tile in range(floor, max(floor, min(_round_up(max(height, width), 32), 4096)) + 1, 32):
@@ -252,6 +252,12 @@ def _halvings(start: int, low: int, multiple: int) -> list[int]:
         sizes.append(size)
         size = size // 2 // multiple * multiple
     return sizes
+
+
+def tile_floor(min_tile: int = 0) -> int:
+    """The smallest tile (px) the planner and the fallback ladder use: the family's `min_tile`
+    rounded up to a multiple of 32, and 64 px at least."""
+    return max(64, _round_up(min_tile, 32))
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -118,15 +118,13 @@ def _has_weights(part: Path) -> bool:
 
 
 def _file_audio_vae(loaded: LoadedPipeline) -> bool:
-    """Whether the pipeline's single checkpoint carries the audio VAE (read from its header)."""
+    """Whether the pipeline's single checkpoint carries the audio VAE (read from its header, by the
+    reader the loader uses: a GGUF transformer file carries no audio VAE, and is no safetensors file)."""
     if not loaded.transformer_file:
         return False
-    from safetensors import safe_open
+    from .comfy_files.files import ltx2_parts
 
-    from .comfy_files import ltx2 as ltx2_files
-
-    with safe_open(loaded.transformer_file, "pt") as file:
-        return "audio_vae" in ltx2_files.parts_in(file.keys())
+    return "audio_vae" in ltx2_parts(loaded.transformer_file, "transformer_file")
 
 
 def load_audio_parts(loaded: LoadedPipeline) -> tuple[torch.nn.Module, torch.nn.Module, str]:
@@ -135,6 +133,11 @@ def load_audio_parts(loaded: LoadedPipeline) -> tuple[torch.nn.Module, torch.nn.
     error = audio_parts_error(loaded)
     if error:
         raise ModelError(error)
+    return _build_parts(loaded)
+
+
+def _build_parts(loaded: LoadedPipeline) -> tuple[torch.nn.Module, torch.nn.Module, str]:
+    """load_audio_parts once `audio_parts_error` has found nothing missing."""
     from diffusers import AutoencoderKLLTX2Audio
 
     folder, dtype = Path(loaded.folder), torch_dtype(loaded.dtype_name)
@@ -184,40 +187,61 @@ def decode_audio(loaded: LoadedPipeline, latent: dict, device: torch.device | No
     Freeing them touches nothing else: the weights other pipelines keep warm on the device stay
     (only the device's unused cache is returned). When the device runs out of memory the parts
     are dropped from it and the sound is decoded again on the CPU (the receipt's "fallback" says
-    why); any other error propagates with the parts' weights already off the device and the
-    frames of its traceback cleared, so a host that keeps the exception keeps no device memory
-    (those frames' local variables are gone from the traceback; its lines stay)."""
+    why); any other error, here or in the CPU's decode, propagates with every copy of the parts
+    off the device and the frames of its traceback cleared, so a host that keeps the exception keeps
+    no device memory (those frames' local variables are gone from the traceback; its lines stay)."""
     audio = audio_latents(loaded, latent)
     device = device or resolve_compute_device()
     normalised = (latent.get("vidmem") or {}).get("audio", {}).get("normalised", True)
     hooks.check_interrupt()
-    audio_vae, vocoder, source = load_audio_parts(loaded)
+    held = [load_audio_parts(loaded)]  # the CPU's fresh copy joins after an out-of-memory error
+    try:
+        result = _decode_held(loaded, held, audio, device, normalised, hooks)
+    except BaseException as error:
+        _drop(error, *_modules(held), device=device)
+        raise
+    _drop(None, *_modules(held), device=device)
+    return result
+
+
+def _modules(held: list) -> list[torch.nn.Module]:
+    return [module for audio_vae, vocoder, _ in held for module in (audio_vae, vocoder)]
+
+
+def _decode_held(loaded: LoadedPipeline, held: list, audio: torch.Tensor, device: torch.device, normalised: bool,
+                 hooks: RunHooks) -> AudioResult:
+    """decode_audio's body on the parts in `held` (which the caller drops, whatever happens)."""
+    audio_vae, vocoder, source = held[0]
     _check_channels(audio, audio_vae)
     weight_bytes = sum(t.numel() * t.element_size() for m in (audio_vae, vocoder) for t in m.state_dict().values())
     hooks.make_room(weight_bytes, device, weight_bytes=weight_bytes)
-    fallback = None
     with StageMeter("audio_decode", device) as meter:
-        try:
-            waveform = _decode_on(device, audio, audio_vae, vocoder, normalised)
-        except RuntimeError as error:  # torch.OutOfMemoryError is one; so are cuBLAS/cuDNN allocation failures
-            _drop(error, audio_vae, vocoder, device=device)
-            if device.type == "cpu" or not is_out_of_memory(error):
-                raise
-            fallback = f"{device} ran out of memory ({str(error).strip().splitlines()[0]}); decoded on the CPU"
-        except BaseException as error:
-            _drop(error, audio_vae, vocoder, device=device)
-            raise
-        if fallback:
-            log.warning("vidmem Decode Audio: %s", fallback)
-            audio_vae, vocoder, _ = load_audio_parts(loaded)  # the device's copies are gone: a fresh CPU copy
-            waveform = _decode_on(torch.device("cpu"), audio, audio_vae, vocoder, normalised)
+        waveform, fallback = _decode_with_cpu_fallback(loaded, held, audio, device, normalised)
     rate = int(vocoder.config.output_sampling_rate)
-    _drop(None, audio_vae, vocoder, device=device)
     receipt = {"device": str(device), "stages": [meter.as_dict()], "audio_vae": source,
                "audio": f"{waveform.shape[-1] / rate:.2f} s at {rate} Hz, {waveform.shape[1]} channels"}
     if fallback:
         receipt["fallback"] = fallback
     return AudioResult(waveform, rate, receipt)
+
+
+def _decode_with_cpu_fallback(loaded: LoadedPipeline, held: list, audio: torch.Tensor, device: torch.device,
+                              normalised: bool) -> tuple[torch.Tensor, str | None]:
+    """The waveform decoded on `device`, or, when it runs out of memory there, on a fresh CPU copy
+    of the parts (appended to `held`; the device's are dropped first, to give its memory back), and
+    why it fell back (None when it did not)."""
+    audio_vae, vocoder, _ = held[0]
+    try:
+        return _decode_on(device, audio, audio_vae, vocoder, normalised), None
+    except RuntimeError as error:  # torch.OutOfMemoryError is one; so are cuBLAS/cuDNN allocation failures
+        if device.type == "cpu" or not is_out_of_memory(error):
+            raise
+        _drop(error, audio_vae, vocoder, device=device)
+        fallback = f"{device} ran out of memory ({str(error).strip().splitlines()[0]}); decoded on the CPU"
+    log.warning("vidmem Decode Audio: %s", fallback)
+    held.append(_build_parts(loaded))  # the device's copies are gone; the parts were found complete already
+    audio_vae, vocoder, _ = held[-1]
+    return _decode_on(torch.device("cpu"), audio, audio_vae, vocoder, normalised), fallback
 
 
 def _decode_on(device: torch.device, audio: torch.Tensor, audio_vae, vocoder, normalised: bool) -> torch.Tensor:

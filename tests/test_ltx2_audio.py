@@ -132,6 +132,23 @@ def test_the_single_checkpoints_audio_vae_is_used(tiny_folder, tmp_path):
     assert torch.equal(decode_audio(loaded, from_file, device=CPU).waveform, expected)
 
 
+def test_a_gguf_transformer_over_a_folder_without_the_audio_vae_names_what_to_copy(tiny_folder, tmp_path):
+    """A GGUF file is no safetensors file: its header is read by the loader's reader, which finds no
+    audio VAE in it, and the folder's missing weights are named."""
+    from vidmem.pipelines.comfy_files.write import store_tensors, write_ltx2_checkpoint
+    from vidmem.pipelines.tiny import build_tiny_pipeline
+
+    folder = shutil.copytree(tiny_folder(VARIANT), tmp_path / "ltx2")
+    for weights in (folder / "audio_vae").glob("*.safetensors"):
+        weights.unlink()
+    stored = store_tensors(build_tiny_pipeline(VARIANT).transformer, "gguf_q8_0")
+    path = write_ltx2_checkpoint({"transformer": stored}, tmp_path / "ltx-2-19b-dev-Q8_0.gguf")
+    loaded = load_pipeline(folder, "fp32", path)
+    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    with pytest.raises(ModelError, match=r"has no weights for audio_vae.*copy audio_vae/ \(config.json and weights\)"):
+        decode_audio(loaded, latent, device=CPU)
+
+
 def test_a_latent_without_sound_names_the_input_and_the_fix(tiny_loaded):
     loaded = tiny_loaded(VARIANT)
     latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
@@ -267,9 +284,22 @@ def record_parts(monkeypatch) -> list:
     """The audio VAEs and vocoders decode_audio loads, kept here so the test can look at them after."""
     from vidmem.pipelines import ltx2_audio
 
-    loads, original = [], ltx2_audio.load_audio_parts
-    monkeypatch.setattr(ltx2_audio, "load_audio_parts", lambda loaded: (loads.append(original(loaded)), loads[-1])[1])
+    loads, original = [], ltx2_audio._build_parts
+    monkeypatch.setattr(ltx2_audio, "_build_parts", lambda loaded: (loads.append(original(loaded)), loads[-1])[1])
     return loads
+
+
+def count_checks(monkeypatch) -> list:
+    """One entry per audio_parts_error call (the folder and checkpoint checks)."""
+    from vidmem.pipelines import ltx2_audio
+
+    calls, original = [], ltx2_audio.audio_parts_error
+    monkeypatch.setattr(ltx2_audio, "audio_parts_error", lambda loaded: (calls.append(loaded), original(loaded))[1])
+    return calls
+
+
+def all_dropped(loads) -> bool:
+    return all(p.device.type == "meta" for parts in loads for m in parts[:2] for p in m.parameters())
 
 
 def fail_in_vocoder(monkeypatch, error, on_device: str) -> list:
@@ -295,14 +325,47 @@ def test_out_of_memory_in_the_vocoder_decodes_on_the_cpu(tiny_loaded, monkeypatc
     loaded = tiny_loaded(VARIANT)
     latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
     expected = decode_audio(loaded, latent, device=CPU).waveform
-    loads = record_parts(monkeypatch)
+    loads, checks = record_parts(monkeypatch), count_checks(monkeypatch)
     raised = fail_in_vocoder(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "meta")
     result = decode_audio(loaded, latent, device=torch.device("meta"))
     assert raised and torch.equal(result.waveform, expected)
     fallback = "meta ran out of memory (CUDA out of memory. Tried to allocate 2 GiB); decoded on the CPU"
     assert result.receipt["fallback"] == fallback
-    dropped = [p.device.type == "meta" for parts in loads for m in parts[:2] for p in m.parameters()]
-    assert len(loads) == 2 and all(dropped)  # the device's copies and the CPU's, both dropped
+    assert len(loads) == 2 and all_dropped(loads)  # the device's copies and the CPU's, both dropped
+    assert len(checks) == 1  # the folder (and a checkpoint's header) checked once, not again for the CPU's copy
+
+
+def test_an_error_in_the_cpus_decode_after_out_of_memory_drops_both_copies(tiny_loaded, monkeypatch):
+    loaded = tiny_loaded(VARIANT)
+    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    loads = record_parts(monkeypatch)
+    fail_in_vocoder(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "meta")
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    on_meta = LTX2Vocoder.forward
+    monkeypatch.setattr(LTX2Vocoder, "forward", lambda self, mel, *a, **k: on_meta(self, mel, *a, **k) if mel.device.type
+                        == "meta" else (_ for _ in ()).throw(ValueError("a bad vocoder on the CPU")))
+    with pytest.raises(ValueError, match="a bad vocoder on the CPU"):
+        decode_audio(loaded, latent, device=torch.device("meta"))
+    assert len(loads) == 2 and all_dropped(loads)
+
+
+def test_refusals_and_host_errors_before_the_decode_drop_the_parts(tiny_loaded, monkeypatch):
+    """A latent the audio VAE cannot decode, or a host that fails to make room: the parts loaded for
+    the call are dropped all the same."""
+    loaded = tiny_loaded(VARIANT)
+    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    loads = record_parts(monkeypatch)
+    with pytest.raises(ModelError, match="3 channels x 2 mel bins"):
+        decode_audio(loaded, dict(latent, audio_samples=torch.zeros(1, 3, 9, 2)), device=CPU)
+    assert len(loads) == 1 and all_dropped(loads)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the host could not make room")
+
+    with pytest.raises(RuntimeError, match="could not make room"):
+        decode_audio(loaded, latent, device=CPU, hooks=RunHooks(make_room=refuse))
+    assert len(loads) == 2 and all_dropped(loads)
 
 
 def test_an_error_in_the_vocoder_leaves_nothing_on_the_device(tiny_loaded, monkeypatch):
@@ -316,7 +379,7 @@ def test_an_error_in_the_vocoder_leaves_nothing_on_the_device(tiny_loaded, monke
     fail_in_vocoder(monkeypatch, ValueError("a bad vocoder"), "cpu")
     with pytest.raises(ValueError, match="a bad vocoder") as caught:
         decode_audio(loaded, latent, device=CPU)
-    assert len(loads) == 1 and all(p.device.type == "meta" for m in loads[0][:2] for p in m.parameters())
+    assert len(loads) == 1 and all_dropped(loads)
     frames = [frame for frame, _ in traceback.walk_tb(caught.value.__traceback__)]
     assert frames[-1].f_code.co_name == "failing" and "activation" not in frames[-1].f_locals
     no_oom = fail_in_vocoder(monkeypatch, torch.OutOfMemoryError("CPU out of memory"), "cpu")

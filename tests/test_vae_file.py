@@ -157,6 +157,48 @@ def test_a_file_of_the_other_family_is_refused_naming_both(hy15_file, tiny_folde
         load_pipeline(tiny_folder(VARIANT), "fp32", vae_file=wan)
 
 
+def rewritten(path, target, rename=lambda name: name, added=None):
+    """The VAE file at `path` written again at `target` with its names renamed and `added` tensors."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {rename(name): t for name, t in load_file(str(path)).items()}
+    save_file(dict(tensors, **(added or {})), str(target))
+    return target
+
+
+def comfy_projections(channels: int) -> dict[str, torch.Tensor]:
+    """ComfyUI's vae_refiner mid-block time projections (ResnetBlock's default temb_channels=512 ->
+    channels), as its Save VAE writes them (comfy/ldm/hunyuan_video/vae_refiner.py, mid.block_1/2)."""
+    return {f"{side}.mid.block_{n}.temb_proj.{w}": torch.randn(channels, 512) if w == "weight" else torch.randn(channels)
+            for side in ("encoder", "decoder") for n in (1, 2) for w in ("weight", "bias")}
+
+
+def test_a_vae_saved_by_comfyuis_save_vae_loads_without_its_unused_projections(hy15_file, tiny_folder, tiny_loaded,
+                                                                               tmp_path):
+    reference = tiny_loaded(VARIANT)
+    channels = reference.pipe.vae.config.block_out_channels[-1]
+    added = comfy_projections(channels)
+    assert len(added) == 8
+    saved = rewritten(hy15_file, tmp_path / "ComfyUI_vae.safetensors", added=added)
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", vae_file=saved)
+    ours, theirs = vae_state(loaded), vae_state(reference)
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    stray = {"encoder.down.0.block.0.temb_proj.weight": torch.randn(8, 512)}  # not ComfyUI's: still refused
+    other = rewritten(hy15_file, tmp_path / "stray_vae.safetensors", added=dict(added, **stray))
+    with pytest.raises(ModelError, match="not part of the model"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", vae_file=other)
+
+
+@pytest.mark.parametrize("prefix", ["vae.", "first_stage_model."])
+def test_a_prefixed_vae_loads_as_the_folder(prefix, hy15_file, tiny_folder, tiny_loaded, tmp_path):
+    """A VAE cut from a checkpoint keeps the checkpoint's prefix: found before the marker, as a Wan VAE's is."""
+    path = rewritten(hy15_file, tmp_path / "prefixed_vae.safetensors", rename=lambda name: prefix + name,
+                     added={prefix + n: t for n, t in comfy_projections(8).items()})
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32", vae_file=path)
+    ours, theirs = vae_state(loaded), vae_state(tiny_loaded(VARIANT))
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 def test_a_vae_of_another_size_is_refused_naming_the_fields(tiny_folder, tiny_loaded, tmp_path):
     folder = shutil.copytree(tiny_folder(VARIANT), tmp_path / "wide")
     config = json.loads((folder / "vae" / "config.json").read_text())
@@ -179,9 +221,84 @@ def test_cogvideox_and_ltx2_folders_refuse_a_vae_file_before_reading_it(tiny_fol
 def test_a_transformer_file_as_vae_file_is_refused_naming_the_input(tiny_folder, tiny_loaded, tmp_path):
     state = {n: t.detach() for n, t in tiny_loaded(VARIANT).pipe.transformer.state_dict().items()}
     path = write_hy15_transformer(state, tmp_path / "hunyuanvideo1.5_480p_t2v_fp16.safetensors", "fp32")
-    with pytest.raises(ModelError, match="vae_file: 'hunyuanvideo1.5_480p_t2v_fp16.safetensors' holds a HunyuanVideo 1.5 "
-                                         "transformer, but this input takes"):
+    with pytest.raises(ModelError, match=r"vae_file: 'hunyuanvideo1.5_480p_t2v_fp16.safetensors' holds a HunyuanVideo 1.5 "
+                                         r"transformer, but this input takes HunyuanVideo 1.5's VAE \(hunyuanvideo15_vae_fp16"):
         load_pipeline(tiny_folder(VARIANT), "fp32", vae_file=path)
+    with pytest.raises(ModelError, match=r"holds a HunyuanVideo 1.5 transformer, but this input takes a Wan VAE \(wan_2.1_vae"):
+        load_pipeline(tiny_folder(WAN), "fp32", vae_file=path)  # the VAE each folder takes, named
+
+
+@pytest.fixture(scope="module")
+def ltx2_parts():
+    from vidmem.pipelines.comfy_files.write import store_tensors
+    from vidmem.pipelines.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("ltx2-t2v")
+    return {name: store_tensors(getattr(pipe, name), "fp32") for name in ("vae", "audio_vae")}
+
+
+@pytest.mark.parametrize("folder", [WAN, VARIANT])
+def test_ltx2s_video_vae_is_named_with_where_it_comes_from(folder, ltx2_parts, tiny_folder, tmp_path):
+    from vidmem.pipelines.comfy_files.write import write_ltx2_checkpoint
+
+    for parts in ({"vae": ltx2_parts["vae"]}, ltx2_parts):
+        path = write_ltx2_checkpoint(parts, tmp_path / "ltx-2-19b-vae.safetensors")
+        with pytest.raises(ModelError, match=r"^vae_file: 'ltx-2-19b-vae.safetensors' is LTX-2's video VAE .*vae_file takes "
+                                             r"Wan and HunyuanVideo 1.5 VAEs, and LTX-2's VAE comes with its checkpoint.*"
+                                             r"transformer_file"):
+            load_pipeline(tiny_folder(folder), "fp32", vae_file=path)
+
+
+def test_ltx2s_audio_vae_and_cogvideoxs_vae_are_named(ltx2_parts, tiny_folder, tiny_loaded, tmp_path):
+    from safetensors.torch import save_file
+
+    from vidmem.pipelines.comfy_files.write import write_ltx2_checkpoint
+
+    audio = write_ltx2_checkpoint({"audio_vae": ltx2_parts["audio_vae"]}, tmp_path / "ltx-2-audio-vae.safetensors")
+    with pytest.raises(ModelError, match=r"^vae_file: 'ltx-2-audio-vae.safetensors' is LTX-2's audio VAE, which only "
+                                         r"Decode Audio reads"):
+        load_pipeline(tiny_folder(WAN), "fp32", vae_file=audio)
+    cogvideox = tmp_path / "cogvideox_vae.safetensors"
+    save_file(vae_state(tiny_loaded("cogvideox-t2v")), str(cogvideox))
+    for folder in (WAN, VARIANT):
+        with pytest.raises(ModelError, match=r"^vae_file: 'cogvideox_vae.safetensors' is CogVideoX's VAE, which vidmem reads "
+                                             r"from its diffusers folder only"):
+            load_pipeline(tiny_folder(folder), "fp32", vae_file=cogvideox)
+    with pytest.raises(ModelError, match=r"^vae: 'cogvideox_vae.safetensors' is CogVideoX's VAE"):  # Load Video Model Files
+        read_weight_file(cogvideox, "vae", "vae")
+
+
+def test_no_wan_or_hy15_vae_has_cogvideoxs_marker(hy15_file, tiny_loaded):
+    """The CogVideoX VAE is told by its decoder's spatial norms: no Wan or HunyuanVideo 1.5 VAE, in any
+    layout or size, has them (and CogVideoX's own does, so the check can fail)."""
+    import diffusers
+    from safetensors import safe_open
+
+    from vidmem.pipelines.comfy_files import detect
+    from vidmem.pipelines.comfy_files.keys import vae_original_names
+
+    with torch.device("meta"):
+        real = {cls.__name__: list(cls().state_dict()) for cls in (diffusers.AutoencoderKLWan, diffusers.AutoencoderKLHunyuanVideo15,
+                                                                   diffusers.AutoencoderKLCogVideoX)}
+        wan22 = list(diffusers.AutoencoderKLWan(base_dim=160, z_dim=48, is_residual=True).state_dict())
+    with safe_open(str(hy15_file), "pt") as file:
+        comfy_hy15 = list(file.keys())
+    names = {"wan 2.1": real["AutoencoderKLWan"], "wan 2.2": wan22, "hy15": real["AutoencoderKLHunyuanVideo15"],
+             "wan 2.1 original": list(vae_original_names(real["AutoencoderKLWan"]).values()),
+             "wan 2.2 original": list(vae_original_names(wan22).values()), "hy15 comfy": comfy_hy15,
+             "hy15 original": [hy15_vae.original_name(n) for n in real["AutoencoderKLHunyuanVideo15"]]}
+    for label, file_names in names.items():
+        assert detect.find_prefix(file_names, detect.COGVIDEOX_VAE_MARKER) is None, label
+    assert detect.find_prefix(real["AutoencoderKLCogVideoX"], detect.COGVIDEOX_VAE_MARKER) == ""
+
+
+def test_an_incomplete_hy15_vae_is_named_as_hy15s(hy15_file, tmp_path):
+    path = tmp_path / "hunyuanvideo15_vae_cut.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    save_file({n: t for n, t in load_file(str(hy15_file)).items() if n != "encoder.conv_in.conv.weight"}, str(path))
+    with pytest.raises(ModelError, match=r"^a HunyuanVideo 1.5 VAE file lacks the tensor 'encoder.conv_in.conv.weight'"):
+        read_weight_file(path, "vae_file", "vae")
 
 
 def test_the_file_is_read_as_a_hy15_vae_in_either_layout_and_refused_by_the_wan_files_loader(hy15_file, tmp_path):

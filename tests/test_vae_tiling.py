@@ -408,6 +408,19 @@ def test_ladder_tiles_stop_at_the_familys_smallest_tile_and_the_cpu_rung_uses_it
     assert {r.tiling.tile_size for r in chosen} == {224}
 
 
+@pytest.mark.parametrize("min_tile", [0, 65, 100, 512])
+def test_the_planner_and_the_ladder_share_one_tile_floor(min_tile):
+    """A family floor off the 32 px grid rounds up the same way in auto_tiling and in the ladder."""
+    from vidmem.memory.vae_tiles import tile_floor
+
+    shape = (1, 128, 9, 48, 64)
+    floor = tile_floor(min_tile)
+    assert floor % 32 == 0 and floor >= max(64, min_tile) and floor - 32 < max(64, min_tile)
+    assert auto_tiling(1, shape, LTX2_GEOMETRY, 1000.0, min_tile=min_tile).tile_size == floor
+    rungs = fallback_rungs(shape, LTX2_GEOMETRY, None, min_tile=min_tile)
+    assert min(r.tiling.tile_size for r in rungs[2:] if not r.on_cpu) == floor
+
+
 def largest_call(shape, tiling) -> int:
     """Latent cells (frames x rows x cols) of the largest decode call of a plan."""
     plan = plan_tiles(shape, COG, tiling)

@@ -26,6 +26,8 @@ TEXT_MARKER = "encoder.block.0.layer.0.SelfAttention.q.weight"
 CLIP_MARKER = "encoder.layers.0.self_attn.q_proj.weight"  # after an optional "vision_model." (HF v4 names)
 CLIP_PARTS = ("embeddings.", "pre_layrnorm.", "encoder.", "post_layernorm.")  # CLIPVisionModel without its projection head
 VAE_MARKERS = ("decoder.middle.0.residual.0.gamma", "decoder.mid_block.resnets.0.norm1.gamma")
+# diffusers' AutoencoderKLCogVideoX: its decoder's spatial norms (SpatialNorm3D) are CogVideoX's alone.
+COGVIDEOX_VAE_MARKER = "decoder.mid_block.resnets.0.norm1.conv_y.conv.weight"
 
 
 def storage_name(tensors: Mapping[str, Any]) -> str:

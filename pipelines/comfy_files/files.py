@@ -42,13 +42,15 @@ class WeightFile:
         return self.path.name
 
 
-def read_weight_file(path: str | Path, role: str, expected: str) -> WeightFile:
-    """Open `path` (the loader input `role`), check it holds an `expected` kind of model."""
+def read_weight_file(path: str | Path, role: str, expected: str, takes: str = "") -> WeightFile:
+    """Open `path` (the loader input `role`), check it holds an `expected` kind of model (`takes`: what
+    the input takes, for the message; default the kind's name)."""
     path = Path(path)
     kind, layout, tensors, extra = _classify(path, role, _open_tensors(path, role))
     if kind != expected:
         raise ModelError(
-            f"{role}: '{path.name}' holds {_held(kind, layout, tensors)}, but this input takes {detect.KIND_NAMES[expected]}; "
+            f"{role}: '{path.name}' holds {_held(kind, layout, tensors)}, but this input takes "
+            f"{takes or detect.KIND_NAMES[expected]}; "
             f"pick the matching file from the {expected.replace('_', ' ')} list."
         )
     if kind == detect.TRANSFORMER and hy15.transformer_layout(tensors) is not None:
@@ -138,15 +140,17 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     prefix = detect.find_prefix(names, detect.CLIP_MARKER)
     if prefix is not None and prefix + "embeddings.patch_embedding.weight" in tensors:  # the projection head is not used by Wan's CLIPVisionModel (hidden states only)
         return detect.CLIP_VISION, KeyLayout.DIFFUSERS, _strip(tensors, prefix, keep=lambda n: n.startswith(detect.CLIP_PARTS)), None
-    layout = hy15_vae.vae_layout(names)  # before Wan's: its diffusers names share Wan's marker
-    if layout is not None:
-        mapped = hy15_vae.vae_tensors(tensors, layout)
+    found = hy15_vae.find_vae(names)  # before Wan's: its diffusers names share Wan's marker
+    if found is not None:
+        prefix, layout = found
+        mapped = hy15_vae.vae_tensors(_strip(tensors, prefix), layout)
         hy15_vae.check_names(mapped, f"{role}: '{path.name}'")
         return detect.VAE, KeyLayout.DIFFUSERS, mapped, None
     for marker, vae_layout in zip(detect.VAE_MARKERS, (KeyLayout.ORIGINAL, KeyLayout.DIFFUSERS)):
         prefix = detect.find_prefix(names, marker)
         if prefix is not None:
             return detect.VAE, vae_layout, _strip(tensors, prefix), None
+    _refuse_folder_only_vae(path, role, names)
     sample = ", ".join(names[:5])
     raise ModelError(
         f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan "
@@ -156,12 +160,23 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     )
 
 
+VAE_INPUTS = ("vae", "vae_file")  # Load Video Model Files' and Load Video Pipeline's VAE inputs
+
+
 def _ltx2_transformer(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dict, None]:
     """An LTX-2 checkpoint read as its transformer (its VAEs are read apart: `ltx2_part`)."""
     ltx2.check_variant(tensors, path.name)
-    if "transformer" not in ltx2.parts_in(tensors):
+    parts = ltx2.parts_in(tensors)
+    if "transformer" not in parts and role in VAE_INPUTS:
         raise ModelError(
-            f"{role}: '{path.name}' holds only LTX-2's {' and '.join(ltx2.parts_in(tensors))} (no "
+            f"{role}: '{path.name}' is LTX-2's video VAE (it holds only LTX-2's {' and '.join(parts)}); "
+            "vae_file takes Wan and HunyuanVideo 1.5 VAEs, and LTX-2's VAE comes with its checkpoint: pick the LTX-2 "
+            "checkpoint that carries it (ltx-2-19b-dev*.safetensors) as Load Video Pipeline's transformer_file over an "
+            "LTX-2 diffusers folder, and leave vae_file at (from the folder)."
+        )
+    if "transformer" not in parts:
+        raise ModelError(
+            f"{role}: '{path.name}' holds only LTX-2's {' and '.join(parts)} (no "
             f"'{ltx2.TRANSFORMER_PREFIX}' tensors); pick the LTX-2 checkpoint that carries the transformer "
             "(ltx-2-19b-dev*.safetensors, or a transformer-only file)."
         )
@@ -169,9 +184,31 @@ def _ltx2_transformer(path: Path, role: str, tensors: dict) -> tuple[str, KeyLay
     return detect.TRANSFORMER, layout, ltx2.transformer_tensors(tensors, layout), None
 
 
+def _refuse_folder_only_vae(path: Path, role: str, names: tuple[str, ...]) -> None:
+    """The VAEs vidmem reads only from a diffusers folder (or LTX-2's checkpoint), named as such
+    rather than called a key layout vidmem does not know."""
+    if detect.find_prefix(names, detect.COGVIDEOX_VAE_MARKER) is not None:
+        raise ModelError(
+            f"{role}: '{path.name}' is CogVideoX's VAE, which vidmem reads from its diffusers folder only (vae/); "
+            "load the CogVideoX folder with Load Video Pipeline and leave vae_file at (from the folder)."
+        )
+    if ltx2.AUDIO_VAE_MARKER in names:
+        raise ModelError(
+            f"{role}: '{path.name}' is LTX-2's audio VAE, which only Decode Audio reads: from the LTX-2 checkpoint "
+            "(Load Video Pipeline's transformer_file, ltx-2-19b-dev*.safetensors) or the diffusers folder's audio_vae/; "
+            "it is no input's single file."
+        )
+
+
 def ltx2_part(path: str | Path, part: str, role: str) -> dict[str, Any]:
     """One part ("vae", "audio_vae") of an LTX-2 checkpoint under diffusers' names, mapped from the file."""
     return ltx2.part_tensors(_open_tensors(Path(path), role), part)
+
+
+def ltx2_parts(path: str | Path, role: str) -> tuple[str, ...]:
+    """The LTX-2 parts ("transformer", "vae", "audio_vae") the file at `path` holds, read as the loader
+    reads it (safetensors or GGUF: only its header and index)."""
+    return ltx2.parts_in(_open_tensors(Path(path), role))
 
 
 def _strip(tensors: dict, prefix: str, keep=lambda name: True) -> dict:
@@ -192,7 +229,8 @@ def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[st
                   detect.CLIP_VISION: detect.clip_vision_fields}[kind]
         return reader(tensors)
     except KeyError as error:
-        raise ModelError(f"{detect.KIND_NAMES[kind]} file lacks the tensor {error}; the file is incomplete or of another variant.") from None
+        shown = _held(kind, layout, tensors) if kind == detect.VAE else detect.KIND_NAMES[kind]  # a transformer's _held reads _fields
+        raise ModelError(f"{shown} file lacks the tensor {error}; the file is incomplete or of another variant.") from None
 
 
 def model_tensors(file: WeightFile, model_names) -> dict[str, Any]:

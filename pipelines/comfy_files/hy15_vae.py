@@ -8,6 +8,10 @@ AutoencoderKLHunyuanVideo15 holds the same tensors under other names; its conver
 reshaping, so the mapping is a few name rules, written here once as data and used both ways
 (`diffusers_name` reads a file, `original_name` writes one for tests).
 
+The same names come from ComfyUI's Save VAE (with the mid-block time projections ComfyUI builds and
+never uses: COMFY_UNUSED, dropped) and, behind a prefix (`vae.`, `first_stage_model.`), from a VAE cut
+out of a checkpoint: `find_vae` finds the prefix before the marker, as Wan's VAE branch does.
+
 Told apart from the other VAEs by its tensors: HunyuanVideo's causal convolutions keep an inner
 `conv.` (Wan's are Conv3d subclasses: `decoder.conv_in.weight`), and its norms are RMS norms with a
 `gamma` (HunyuanVideo 1.0's VAE has GroupNorm `weight`s). ComfyUI tells it the same way
@@ -20,12 +24,19 @@ import re
 from typing import Any, Iterable, Mapping
 
 from ..family import ModelError
+from . import detect
 from .keys import KeyLayout
 
 CLASS_NAME = "AutoencoderKLHunyuanVideo15"
 CONV_IN = "decoder.conv_in.conv.weight"  # in both layouts; its input channels are the latent channels
 ORIGINAL_MARKER = "decoder.mid.block_1.norm1.gamma"
 DIFFUSERS_MARKER = "decoder.mid_block.resnets.0.norm1.gamma"
+# ComfyUI's vae_refiner builds its mid-block resnets with ResnetBlock's default temb_channels=512, so
+# a VAE saved from ComfyUI (Save VAE writes vae.get_sd()) carries their time-embedding projections
+# (512 -> channels), which no forward uses (ComfyUI loads the file with strict=False) and diffusers'
+# VAE does not have. Exactly these are dropped: any other stray tensor still refuses the file.
+COMFY_UNUSED = frozenset(f"{side}.mid.block_{n}.temb_proj.{w}"
+                         for side in ("encoder", "decoder") for n in (1, 2) for w in ("weight", "bias"))
 
 # (Tencent's name, diffusers' name) per rule, in the order they apply (the attention's q/k/v before
 # the rest of it); each `{slot}` stands for what `_SLOTS` matches and is carried over, in order.
@@ -73,6 +84,18 @@ def original_name(name: str) -> str:
     return _renamed(name, _BACK)
 
 
+def find_vae(names: Iterable[str]) -> tuple[str, KeyLayout] | None:
+    """(prefix, layout) of a HunyuanVideo 1.5 VAE: the prefix '' (Comfy-Org's file, ComfyUI's Save VAE)
+    or what stands before its names (`vae.`, `first_stage_model.`: a VAE cut from a checkpoint); None
+    when the names are no HunyuanVideo 1.5 VAE's."""
+    names = tuple(names)
+    prefix = detect.find_prefix(names, CONV_IN)
+    if prefix is None:
+        return None
+    layout = vae_layout(name[len(prefix):] for name in names if name.startswith(prefix))
+    return None if layout is None else (prefix, layout)
+
+
 def vae_layout(names: Iterable[str]) -> KeyLayout | None:
     """ORIGINAL (Comfy-Org's / Tencent's names) or DIFFUSERS for a HunyuanVideo 1.5 VAE; None otherwise."""
     names = set(names)
@@ -86,10 +109,11 @@ def vae_layout(names: Iterable[str]) -> KeyLayout | None:
 
 
 def vae_tensors(tensors: Mapping[str, Any], layout: KeyLayout) -> dict[str, Any]:
-    """The file's tensors under diffusers' names (the same tensors: renamed, never copied)."""
+    """The file's tensors under diffusers' names (the same tensors: renamed, never copied), without
+    the projections ComfyUI's own VAE carries unused (COMFY_UNUSED)."""
     if layout is KeyLayout.DIFFUSERS:
         return dict(tensors)
-    return {diffusers_name(name): tensor for name, tensor in tensors.items()}
+    return {diffusers_name(name): tensor for name, tensor in tensors.items() if name not in COMFY_UNUSED}
 
 
 def original_tensors(tensors: Mapping[str, Any]) -> dict[str, Any]:

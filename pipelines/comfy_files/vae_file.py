@@ -2,7 +2,7 @@
 
 The file is read by its tensors, as Load Video Model Files reads its `vae` (files.read_weight_file):
 Wan 2.1 / 2.2 VAEs in their original or diffusers names, HunyuanVideo 1.5's as Comfy-Org ships it
-(hy15_vae.py). It must be the folder's VAE class and fit the folder's vae/config.json field by field;
+or ComfyUI's Save VAE writes it (hy15_vae.py), either behind a checkpoint's prefix. It must be the folder's VAE class and fit the folder's vae/config.json field by field;
 otherwise it is refused naming the file and the fix before anything is built. CogVideoX has no
 single-file VAE in vidmem, and LTX-2's checkpoint brings its own (transformer_file).
 
@@ -43,7 +43,7 @@ def check_family(spec: FamilySpec, vae_class: str | None) -> None:
 def read_vae_file(path: str | Path, vae_class: str, config: Mapping[str, Any], folder: str | Path) -> WeightFile:
     """The VAE file at `path`, checked to be the folder's VAE (`vae_class` configured by `config`)."""
     path, folder = Path(path), Path(folder)
-    file = read_weight_file(path, ROLE, detect.VAE)
+    file = read_weight_file(path, ROLE, detect.VAE, takes=READ_CLASSES.get(vae_class, ""))  # the folder's VAE, not KIND_NAMES' Wan
     is_hy15 = hy15_vae.is_vae(file.tensors)
     if is_hy15 != (vae_class == hy15_vae.CLASS_NAME):
         held = "HunyuanVideo 1.5's VAE" if is_hy15 else "a Wan VAE"
