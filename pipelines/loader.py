@@ -209,7 +209,10 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     for name, file in text_read.items():
         overrides[name], storage[name], reports[name] = _text_encoder_from_file(file, name, index, configs, folder, dtype,
                                                                                 weight_dtype)
-    stored = load_stored(folder, index, configs, stored_names, torch_dtype(dtype), weight_dtype) if stored_names else {}
+    # load_stored checks the RAM the other components take at `dtype`; an encoder from a file lies in the
+    # file's mapping (fp8 files: half the bytes), so it is left out of that sum rather than counted in full.
+    ram_configs = {name: config for name, config in configs.items() if name not in text_files}
+    stored = load_stored(folder, index, ram_configs, stored_names, torch_dtype(dtype), weight_dtype) if stored_names else {}
     for name, component in stored.items():
         overrides[name], storage[name], reports[name] = component.module, component.storage, component.report
     try:

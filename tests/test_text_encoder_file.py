@@ -144,11 +144,42 @@ def test_fp8_scaled_files_in_either_layout_encode_as_the_folder_lowered_to_fp8_s
         assert_equal(embeddings(loaded), lowered)
 
 
+def test_a_gguf_file_is_read_through_the_storage_and_planned_in_its_format(tiny_loaded, tiny_folder, tmp_path):
+    """A GGUF text encoder (the T5 names, Q8_0 matrices) stays stored; the loaded pipeline plans it as Q8_0."""
+    from vidmem.pipelines.comfy_files.write import dequantized
+    from vidmem.pipelines.planning import plan_options
+
+    stored = store_tensors(encoder(tiny_loaded(WAN)), "gguf_q8_0")
+    path = write_text_encoder(stored, tmp_path / "umt5-xxl-encoder-Q8_0.gguf", None)
+    loaded = load_pipeline(tiny_folder(WAN), "fp32", text_encoder_file=path)
+    assert loaded.storage["text_encoder"] == "gguf_q8_0" and dict(plan_options(loaded).storage)["text_encoder"] == "gguf_q8_0"
+    assert any(isinstance(m, StoredLinear) for m in encoder(loaded).modules())
+    reference = load_pipeline(tiny_folder(WAN), "fp32")
+    encoder(reference).load_state_dict(dequantized(stored), strict=False)  # the values the file holds, plain
+    found, expected = embeddings(loaded), embeddings(reference)
+    for a, b in zip(found, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # the same values, upcast per layer or held plain
+
+
 def test_weight_dtype_lowers_the_file_as_it_lowers_the_folders_encoder(tiny_folder, files):
     loaded = load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled", text_encoder_file=files(HY15, storage="bf16"),
                            text_encoder_2_file=files(HY15, "text_encoder_2"))
     assert loaded.storage["text_encoder"] == "fp8_scaled"  # lowered
     assert loaded.storage["text_encoder_2"] == "fp32"  # never lowered, as the folder's text_encoder_2 is not
+
+
+def test_the_ram_check_of_a_lowered_folder_leaves_out_the_encoders_from_files(tiny_folder, files, monkeypatch):
+    """They lie in their files' mappings: counting them at dtype would refuse a load that fits."""
+    from vidmem.pipelines import folder_storage
+
+    seen = []
+    monkeypatch.setattr(folder_storage, "check_against_ram", lambda needs, *args: seen.extend(label for label, _ in needs))
+    load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled")
+    assert {label.split()[0] for label in seen} == {"transformer", "text_encoder", "vae", "text_encoder_2"}  # all counted
+    seen.clear()
+    load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled", text_encoder_file=files(HY15),
+                  text_encoder_2_file=files(HY15, "text_encoder_2"))
+    assert {label.split()[0] for label in seen} == {"transformer", "vae"}
 
 
 def test_the_folder_needs_only_the_config_of_a_replaced_encoder(tiny_folder, tiny_loaded, files, tmp_path):
