@@ -422,7 +422,8 @@ def _input_named(message: str) -> str | None:
     """The input a planner or strategy message is about: its messages start 'name=value'."""
     head = message.split("=", 1)[0].strip()
     role = message.split(":", 1)[0].strip()
-    if role in (*FILE_ROLES, "transformer_file", *TEXT_ENCODER_WIDGETS, "weight_dtype"):  # the file loaders' messages start 'role: ...'
+    # The file loaders' messages start 'role: ...'.
+    if role in (*FILE_ROLES, "transformer_file", *TEXT_ENCODER_WIDGETS, "weight_dtype"):
         return role
     known = (*WIDGETS, *BUDGETS, CHUNKS, *SHAPE, *WINDOWS, *PARALLEL_WIDGETS)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)

@@ -48,7 +48,8 @@ class LoadedPipeline:
     config_name: str = ""  # the shipped model config single files were matched to ("" for folders)
     transformer_file: str = ""  # the single file that replaced the folder's transformer ("" for none)
     vae_file: str = ""  # the single file that replaced the folder's VAE ("" for none)
-    text_encoder_files: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # component -> the file that replaced it
+    # component -> the single file that replaced it (text_encoder, text_encoder_2; empty for none)
+    text_encoder_files: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     storage: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # component -> StorageFormat name
     on_disk: bool = False  # weights used in place from their files' mappings (the disk tier)
     vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name

@@ -49,7 +49,8 @@ def read_weight_file(path: str | Path, role: str, expected: str, takes: str = ""
     kind, layout, tensors, extra = _classify(path, role, _open_tensors(path, role))
     if kind != expected:
         raise ModelError(
-            f"{role}: '{path.name}' holds {_held(kind, layout, tensors)}, but this input takes {takes or detect.KIND_NAMES[expected]}; "
+            f"{role}: '{path.name}' holds {_held(kind, layout, tensors)}, but this input takes "
+            f"{takes or detect.KIND_NAMES[expected]}; "
             f"pick the matching file from the {expected.replace('_', ' ')} list."
         )
     if kind == detect.TRANSFORMER and hy15.transformer_layout(tensors) is not None:

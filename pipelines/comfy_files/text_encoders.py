@@ -22,6 +22,7 @@ the file's mapping and are never copied.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,8 @@ class LanguageModelLayout:
     optional: tuple[str, ...] = ()  # model submodules a file may lack (see text_encoder_file.fit_optional)
 
 
-QWEN25_VL = LanguageModelLayout("Qwen2_5_VLTextModel", "Qwen2.5-VL 7B (HunyuanVideo 1.5's)", renames=(("model.", ""),), unread=("visual.", "lm_head."),
-                                language="")
+QWEN25_VL = LanguageModelLayout("Qwen2_5_VLTextModel", "Qwen2.5-VL 7B (HunyuanVideo 1.5's)", renames=(("model.", ""),),
+                                unread=("visual.", "lm_head."), language="")
 GEMMA3 = LanguageModelLayout(
     "Gemma3ForConditionalGeneration", "Gemma 3 12B (LTX-2's)",
     renames=(("model.", "model.language_model."), ("multi_modal_projector.", "model.multi_modal_projector."),
@@ -65,7 +66,7 @@ def is_language_model(names: Iterable[str]) -> bool:
 
 
 def layout_of(names: Iterable[str], file_name: str, role: str) -> LanguageModelLayout:
-    """The layout of a language-model file (see `is_language_model`); one vidmem runs none of is refused by name."""
+    """The layout of a language-model file (see `is_language_model`); a language model no family uses is refused by name."""
     names = set(names)
     if GEMMA_MARKER in names and QK_NORM_MARKER in names:
         return GEMMA3
@@ -121,7 +122,7 @@ def fields(t: Mapping[str, Any]) -> dict[str, Any]:
     embed = t[layout.language + "embed_tokens.weight"].shape
     found = {
         "class": layout.class_name, "vocab_size": embed[0], "hidden_size": embed[1],
-        "num_hidden_layers": count_blocks(t, layout.language.replace(".", r"\.") + r"layers\.(\d+)\."),
+        "num_hidden_layers": count_blocks(t, re.escape(layout.language) + r"layers\.(\d+)\."),
         "intermediate_size": t[layer + "mlp.gate_proj.weight"].shape[0],
         "q_width": t[layer + "self_attn.q_proj.weight"].shape[0], "kv_width": t[layer + "self_attn.k_proj.weight"].shape[0],
     }
