@@ -325,3 +325,18 @@ def test_the_node_reads_the_files_from_the_text_encoder_list(tiny_folder, files,
     (plain,) = VidMemLoadPipeline().load("x", "fp32", path=str(tiny_folder(WAN)))
     assert "text_encoder" not in plain.storage and not plain.text_encoder_files
     json.dumps(spec["text_encoder_file"])  # the widget spec is plain JSON for the frontend
+
+
+def test_load_video_model_files_names_a_language_model_in_its_wan_inputs(files, tmp_path):
+    """Comfy-Org's Qwen / Gemma files are recognised in the single-file loader's inputs too, and refused by
+    what they are (a Gemma file has CLIP vision names under vision_model.: it is not taken for CLIP vision)."""
+    from vidmem.pipelines.comfy_files import LoadOptions, load_model_files
+    from vidmem.pipelines.tiny_files import save_tiny_comfy_files, tiny_catalogue
+
+    wan = save_tiny_comfy_files(WAN, tmp_path, "bf16", reference=False).files
+    with pytest.raises(ModelError, match=r"text_encoder: '.*' is a Qwen2.5-VL 7B \(HunyuanVideo 1.5's\) text encoder, but "
+                                         r"tiny-wan2.1-t2v runs with umt5-xxl"):
+        load_model_files(replace(wan, text_encoder=files(HY15)), LoadOptions(dtype="fp32"), tiny_catalogue())
+    with pytest.raises(ModelError, match=r"clip_vision: '.*' holds a Gemma 3 12B \(LTX-2's\) text encoder, but this input "
+                                         r"takes a CLIP vision encoder"):
+        load_model_files(replace(wan, clip_vision=files(LTX2)), LoadOptions(dtype="fp32"), tiny_catalogue())

@@ -29,10 +29,7 @@ from .files import WeightFile, read_weight_file
 
 ROLES = {"text_encoder": "text_encoder_file", "text_encoder_2": "text_encoder_2_file"}  # component -> loader input
 FOLDER_CHOICE = "(from the folder)"
-# What each class is, for messages.
-HELD = {"UMT5EncoderModel": "a UMT5-XXL text encoder (Wan's)",
-        "T5EncoderModel": "a T5 text encoder (CogVideoX's T5-XXL, or HunyuanVideo 1.5's ByT5 glyph encoder)",
-        **{name: f"a {layout.shown} text encoder" for name, layout in text_encoders.LAYOUTS.items()}}
+HELD = text_encoders.HELD
 # (component, the folder's class) -> the files that fit it; a pair not listed takes no file.
 PICK = {
     ("text_encoder", "UMT5EncoderModel"): "umt5_xxl_fp8_e4m3fn_scaled.safetensors or umt5_xxl_fp16.safetensors",

@@ -58,6 +58,10 @@ GEMMA3 = LanguageModelLayout(
              ("vision_model.", "model.vision_tower."), ("lm_head.", "lm_head.")),
     unread=(), language="model.language_model.", optional=("model.vision_tower", "model.multi_modal_projector"))
 LAYOUTS = {layout.class_name: layout for layout in (QWEN25_VL, GEMMA3)}
+# What a text encoder file of each class is, for messages (the T5 ones are read by detect.text_encoder_fields).
+HELD = {"UMT5EncoderModel": "a UMT5-XXL text encoder (Wan's)",
+        "T5EncoderModel": "a T5 text encoder (CogVideoX's T5-XXL, or HunyuanVideo 1.5's ByT5 glyph encoder)",
+        **{name: f"a {layout.shown} text encoder" for name, layout in LAYOUTS.items()}}
 
 
 def is_language_model(names: Iterable[str]) -> bool:
