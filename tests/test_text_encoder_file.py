@@ -106,6 +106,34 @@ def test_the_written_names_are_comfyuis_and_read_back_to_the_model(tiny_loaded, 
     assert set(back) == set(module.state_dict()) - {"lm_head.weight"}  # Gemma's lm_head is tied to the embedding
 
 
+# ComfyUI's own configs of the real models (comfy/text_encoders/llama.py Qwen25_7BVLI_Config, Gemma3_12B_Config),
+# restated: the shapes of Comfy-Org's files.
+COMFY_SIZES = {
+    "qwen2.5-vl-7b-text": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
+                               q_width=28 * 128, kv_width=4 * 128),
+    "gemma-3-12b": dict(vocab_size=262208, hidden_size=3840, num_hidden_layers=48, intermediate_size=15360, q_width=16 * 256,
+                        kv_width=8 * 256, head_dim=256),
+}
+
+
+@pytest.mark.parametrize("ref", list(COMFY_SIZES))
+def test_real_size_files_fit_the_shipped_diffusers_configs(ref):
+    """The real models built on meta from the configs vidmem ships for the diffusers folders, written in ComfyUI's
+    names and read back: their fields are ComfyUI's sizes and agree with the config's, so a real file is taken."""
+    from vidmem.pipelines.comfy_files.build import build_empty
+    from vidmem.pipelines.comfy_files.catalogue import read_component
+
+    component = read_component("text_encoder", {"ref": ref})
+    with torch.device("meta"):
+        state = dict(build_empty(component).state_dict())
+    layout = text_encoders.LAYOUTS[component.class_name]
+    names = text_encoders.comfy_names(layout, [n for n in state if n != "lm_head.weight"])
+    file = {original: state[name] for name, original in names.items()}
+    found = text_encoders.fields(text_encoders.model_tensors(layout, file))
+    assert {k: found[k] for k in COMFY_SIZES[ref]} == COMFY_SIZES[ref]
+    assert found == text_encoders.config_fields(component.class_name, component.config)
+
+
 # --- the same encoder as the folder's -------------------------------------------------------------
 
 @pytest.mark.reproducible_blas
