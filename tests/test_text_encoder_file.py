@@ -9,9 +9,9 @@ names are checked against the keys ComfyUI itself reads, restated here)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,21 +338,31 @@ def test_a_refusal_comes_before_the_transformer_file_is_built(tiny_folder, tiny_
 
 # --- the node -------------------------------------------------------------------------------------
 
-def test_the_node_reads_the_files_from_the_text_encoder_list(tiny_folder, files, monkeypatch):
+def test_the_node_reads_the_files_from_the_text_encoder_list(tiny_folder, files, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
     from vidmem.nodes import host
     from vidmem.nodes.loader import VidMemLoadPipeline
 
-    path = files(WAN, storage="fp8_scaled")
-    monkeypatch.setattr(host, "model_file_names", lambda role: [path.name] if role == "text_encoder" else [])
-    monkeypatch.setattr(host, "resolve_model_file", lambda role, name, label="": path.parent / name)
+    texts = tmp_path / "text_encoders"
+    texts.mkdir()
+    path = Path(shutil.copy(files(WAN, storage="fp8_scaled"), texts / "umt5_xxl_fp8_e4m3fn_scaled.safetensors"))
+    (texts / "old.pth").write_bytes(b"x")
+    fake = SimpleNamespace(get_filename_list=lambda key: sorted(p.name for p in texts.iterdir()) if key == "text_encoders" else [],
+                           get_folder_paths=lambda key: [str(texts)] if key == "text_encoders" else [])
+    monkeypatch.setattr(host, "folder_paths", fake)
+    monkeypatch.setenv("VIDMEM_ALLOW_ANY_PATH", "1")  # the folder is given by path, outside this fake's model folders
     spec = VidMemLoadPipeline.INPUT_TYPES()["optional"]
     for widget in ("text_encoder_file", "text_encoder_2_file"):
-        assert spec[widget][0] == ["(from the folder)", path.name] and spec[widget][1]["tooltip"]
-    (loaded,) = VidMemLoadPipeline().load("x", "fp32", path=str(tiny_folder(WAN)), text_encoder_file=path.name)
+        assert spec[widget][0] == ["(from the folder)", path.name] and spec[widget][1]["tooltip"]  # never a pickle
+    folder = str(tiny_folder(WAN))
+    (loaded,) = VidMemLoadPipeline().load("x", "fp32", path=folder, text_encoder_file=path.name)
+    assert loaded.text_encoder_files == {"text_encoder": str(path)}
     assert loaded.storage["text_encoder"] == "fp8_scaled" and "text_encoder fp8_scaled" in loaded.describe()
-    (plain,) = VidMemLoadPipeline().load("x", "fp32", path=str(tiny_folder(WAN)))
+    (plain,) = VidMemLoadPipeline().load("x", "fp32", path=folder)
     assert "text_encoder" not in plain.storage and not plain.text_encoder_files
-    json.dumps(spec["text_encoder_file"])  # the widget spec is plain JSON for the frontend
+    with pytest.raises(ModelError, match="text_encoder_2_file 'gone.safetensors' was not found in models/text_encoders"):
+        VidMemLoadPipeline().load("x", "fp32", path=folder, text_encoder_2_file="gone.safetensors")
 
 
 def test_load_video_model_files_names_a_language_model_in_its_wan_inputs(files, tmp_path):
