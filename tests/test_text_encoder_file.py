@@ -286,6 +286,13 @@ def test_a_transformer_or_vae_in_the_text_encoder_input_is_refused_by_what_it_ho
     with pytest.raises(ModelError, match=r"text_encoder_file: 'wan_2.1_vae.safetensors' holds a Wan VAE, but this input "
                                          r"takes a text encoder \(a UMT5-XXL text encoder \(Wan's\)\)"):
         load_pipeline(tiny_folder(WAN), "fp32", text_encoder_file=vae)
+    from vidmem.pipelines.comfy_files.write import write_hy15_transformer
+
+    transformer = write_hy15_transformer({n: t.detach() for n, t in tiny_loaded(HY15).pipe.transformer.state_dict().items()},
+                                         tmp_path / "hunyuanvideo1.5_480p_t2v_tiny.safetensors", "bf16")
+    with pytest.raises(ModelError, match=r"text_encoder_file: 'hunyuanvideo1.5_480p_t2v_tiny.safetensors' holds a HunyuanVideo "
+                                         r"1.5 transformer, but this input takes a text encoder \(a Qwen2.5-VL 7B"):
+        load_pipeline(tiny_folder(HY15), "fp32", text_encoder_file=transformer)
     assert built == []
 
 
