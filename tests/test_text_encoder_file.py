@@ -26,6 +26,7 @@ from vidmem.pipelines.comfy_files import text_encoders
 from vidmem.pipelines.comfy_files.write import store_tensors, write_language_model, write_text_encoder, write_vae
 from vidmem.pipelines.family import ModelError
 from vidmem.pipelines.loader import load_pipeline
+from vidmem.pipelines.planning import plan_options
 from vidmem.pipelines.sample import sample
 
 HY15, LTX2, WAN, COG = "hunyuanvideo1.5-t2v", "ltx2-t2v", "wan2.1-t2v", "cogvideox-t2v"
@@ -168,6 +169,7 @@ def test_fp8_scaled_files_in_either_layout_encode_as_the_folder_lowered_to_fp8_s
     for path in (scaled, newer):
         loaded = load_pipeline(tiny_folder(variant), "fp32", text_encoder_file=path)
         assert loaded.storage["text_encoder"] == "fp8_scaled"
+        assert dict(plan_options(loaded).storage)["text_encoder"] == "fp8_scaled"  # planned as fp8 bytes
         assert any(isinstance(m, StoredLinear) for m in encoder(loaded).modules())
         assert_equal(embeddings(loaded), lowered)
 
@@ -175,7 +177,6 @@ def test_fp8_scaled_files_in_either_layout_encode_as_the_folder_lowered_to_fp8_s
 def test_a_gguf_file_is_read_through_the_storage_and_planned_in_its_format(tiny_loaded, tiny_folder, tmp_path):
     """A GGUF text encoder (the T5 names, Q8_0 matrices) stays stored; the loaded pipeline plans it as Q8_0."""
     from vidmem.pipelines.comfy_files.write import dequantized
-    from vidmem.pipelines.planning import plan_options
 
     stored = store_tensors(encoder(tiny_loaded(WAN)), "gguf_q8_0")
     path = write_text_encoder(stored, tmp_path / "umt5-xxl-encoder-Q8_0.gguf", None)
