@@ -14,6 +14,7 @@ PIPELINE_TYPE = "VIDMEM_PIPELINE"
 NO_MODELS = "(no diffusers models found)"
 FOLDER_TRANSFORMER = "(from the folder)"
 FOLDER_VAE = FOLDER_TRANSFORMER  # the folder's own VAE
+FOLDER_TEXT_ENCODER = FOLDER_TRANSFORMER  # the folder's own text encoder(s)
 SAME = "same as dtype"
 # Both loaders' VAE precision, one widget (Load Video Model Files, Load Video Pipeline).
 VAE_DTYPE_INPUT = ([SAME, *DTYPES], {"default": SAME, "tooltip": "The VAE's precision. fp32 is what diffusers' Wan "
@@ -75,6 +76,21 @@ class VidMemLoadPipeline:
                     "recognised by its tensors (Wan's wan_2.1_vae / wan2.2_vae, Comfy-Org's "
                     "hunyuanvideo15_vae_fp16); the folder still provides its config, so its vae/ needs only "
                     "config.json. Run at vae_dtype. Not for CogVideoX, nor LTX-2 (its checkpoint brings its VAE)."}),
+                # Last, for the same reason.
+                "text_encoder_file": ([FOLDER_TEXT_ENCODER] + host.model_file_names("text_encoder"), {"tooltip":
+                    "A single text-encoder file from models/text_encoders that replaces the folder's text_encoder, "
+                    "recognised by its tensors: Wan umt5_xxl_fp8_e4m3fn_scaled / umt5_xxl_fp16, HunyuanVideo 1.5 "
+                    "qwen_2.5_vl_7b_fp8_scaled / qwen_2.5_vl_7b, LTX-2 gemma_3_12B_it (and its fp8-scaled "
+                    "variants), CogVideoX t5xxl_fp16 / t5xxl_fp8_e4m3fn_scaled (bf16/fp16, fp8, fp8-scaled or GGUF). "
+                    "It must fit the folder's text_encoder/config.json (refused otherwise, naming the file to pick); "
+                    "the folder still provides the tokenizer, so its text_encoder/ needs only config.json. "
+                    "weight_dtype lowers it as it lowers the folder's; the plan counts its format (an fp8 file "
+                    "about halves the text encoder's RAM)."}),
+                # After text_encoder_file, for the same reason.
+                "text_encoder_2_file": ([FOLDER_TEXT_ENCODER] + host.model_file_names("text_encoder"), {"tooltip":
+                    "HunyuanVideo 1.5 only: its second text encoder (ByT5, for quoted text) from a single file, "
+                    "Comfy-Org's byt5_small_glyphxl_fp16, checked against the folder's text_encoder_2/config.json; "
+                    "the folder keeps its tokenizer_2. Held as the file stores it (weight_dtype does not lower it)."}),
             },
             "hidden": HIDDEN,  # the prompt, to check the Samplers it feeds before loading (nodes/preflight.py)
         }
@@ -87,6 +103,7 @@ class VidMemLoadPipeline:
 
     def load(self, model: str, dtype: str, path: str = "", transformer_file: str = FOLDER_TRANSFORMER,
              weight_dtype: str = DEFAULT_WEIGHTS, vae_dtype: str = SAME, vae_file: str = FOLDER_VAE,
+             text_encoder_file: str = FOLDER_TEXT_ENCODER, text_encoder_2_file: str = FOLDER_TEXT_ENCODER,
              prompt=None, unique_id=None):
         problem = path_problem(path)
         if problem:
@@ -100,10 +117,12 @@ class VidMemLoadPipeline:
         folder = found(host.resolve_model_folder, model, path)
         check_before_loading(prompt, unique_id, lambda: load_model(str(folder), dtype, vae_dtype_name(vae_dtype) or None))
         single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
+        texts = {role: None if name == FOLDER_TEXT_ENCODER else found(host.resolve_model_file, "text_encoder", name, role)
+                 for role, name in (("text_encoder_file", text_encoder_file), ("text_encoder_2_file", text_encoder_2_file))}
         if vae_file != FOLDER_VAE:  # read at vae_dtype from the file (with_vae_dtype re-reads the folder's)
             vae = found(host.resolve_model_file, "vae", vae_file, "vae_file")
-            return (load_pipeline(folder, dtype, single, weight_dtype, vae, vae_dtype_name(vae_dtype)),)
-        return (with_vae_dtype(load_pipeline(folder, dtype, single, weight_dtype), vae_dtype_name(vae_dtype)),)
+            return (load_pipeline(folder, dtype, single, weight_dtype, vae, vae_dtype_name(vae_dtype), **texts),)
+        return (with_vae_dtype(load_pipeline(folder, dtype, single, weight_dtype, **texts), vae_dtype_name(vae_dtype)),)
 
 
 def path_problem(path) -> str | None:

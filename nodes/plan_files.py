@@ -130,6 +130,26 @@ def transformer_file_request(query) -> tuple[str, int, int] | None:
     return name, stat.st_size, stat.st_mtime_ns
 
 
+# Load Video Pipeline's text-encoder file widgets -> the folder component each replaces.
+TEXT_ENCODER_WIDGETS = {"text_encoder_file": "text_encoder", "text_encoder_2_file": "text_encoder_2"}
+
+
+def text_encoder_files_request(query) -> tuple[tuple[str, str, int, int], ...]:
+    """Load Video Pipeline's text-encoder files as (component, name, size, mtime_ns), the folder's own left out;
+    FilesProblem naming the widget when a name is not in the host's list."""
+    chosen = []
+    for widget, component in TEXT_ENCODER_WIDGETS.items():
+        name = query.get(widget, FOLDER_TRANSFORMER)
+        if name == FOLDER_TRANSFORMER:
+            continue
+        if name not in host.model_file_names("text_encoder"):
+            raise FilesProblem(widget, f"{widget}={name!r} is not in the host's text encoder list; pick one the "
+                                       "Load Video Pipeline node offers, or (from the folder).")
+        stat = host.resolve_model_file("text_encoder", name, widget).stat()
+        chosen.append((component, name, stat.st_size, stat.st_mtime_ns))
+    return tuple(chosen)
+
+
 def weight_dtype_request(query) -> str:
     """Load Video Pipeline's weight_dtype (its last widget); FilesProblem when it is not a choice."""
     value = query.get("weight_dtype", DEFAULT_WEIGHTS)
@@ -138,19 +158,26 @@ def weight_dtype_request(query) -> str:
     return value
 
 
-def folder_options(model: str, weight_dtype: str, transformer_file: tuple[str, int, int] | None) -> PlanOptions:
+def folder_options(model: str, weight_dtype: str, transformer_file: tuple[str, int, int] | None,
+                   text_encoder_files: tuple[tuple[str, str, int, int], ...] = ()) -> PlanOptions:
     """How Load Video Pipeline holds a folder's weights, as the loader will (`folder_storage`):
     at the compute dtype by default; with weight_dtype, each lowered component in the format its
-    files' matrices are held in, memory-mapped (the disk tier) when nothing was re-stored."""
+    files' matrices are held in, memory-mapped (the disk tier) when nothing was re-stored. A
+    single file replacing a component (transformer_file, the text encoder files) plans in the
+    file's storage, as the loader holds it."""
     storage = dict(transformer_file_options(transformer_file, weight_dtype).storage) if transformer_file else {}
+    for component, *file in text_encoder_files:
+        held = text_encoder_file_storage(component, tuple(file), weight_dtype)
+        if held is not None:
+            storage[component] = held
     if weight_dtype == DEFAULT_WEIGHTS:
         return PlanOptions(storage=storage)
     folder = host.resolve_model_folder(model, "")
     index = folder / "model_index.json"
-    held = _folder_storage(str(folder), index.stat().st_mtime_ns if index.is_file() else 0, weight_dtype,
-                           ("transformer",) if transformer_file else ())
+    replaced = ("transformer",) * bool(transformer_file) + tuple(component for component, *_ in text_encoder_files)
+    held = _folder_storage(str(folder), index.stat().st_mtime_ns if index.is_file() else 0, weight_dtype, replaced)
     storage.update({name: fmt for name, (_, fmt) in held.items()})
-    on_disk = not transformer_file and all(stored == fmt for stored, fmt in held.values())
+    on_disk = not replaced and all(stored == fmt for stored, fmt in held.values())
     return PlanOptions(storage=storage, on_disk=on_disk)
 
 
@@ -167,6 +194,17 @@ def _folder_storage(folder: str, stamp: int, weight_dtype: str, replaced: tuple[
         stored = detect.storage_name(folder_tensors(Path(folder) / name, name))
         held[name] = (stored, held_format(stored, weight_dtype))
     return held
+
+
+@lru_cache(maxsize=16)
+def text_encoder_file_storage(component: str, file: tuple[str, int, int], weight_dtype: str = DEFAULT_WEIGHTS) -> str | None:
+    """The format a text-encoder file replacing the folder's `component` is held in, as the loader holds it (the
+    file's, lowered by weight_dtype for `text_encoder` only); None where it is no storage format the planner knows.
+    Only the header is read (and the few small records classifying it needs): an fp8 file plans as fp8 bytes."""
+    widget = next(w for w, c in TEXT_ENCODER_WIDGETS.items() if c == component)
+    opened = read_weight_file(host.resolve_model_file("text_encoder", file[0], widget), widget, detect.TEXT_ENCODER)
+    held = held_format(opened.storage, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS)
+    return held if held in FORMATS else None
 
 
 @lru_cache(maxsize=16)

@@ -35,7 +35,8 @@ from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recomm
 from ..memory.plan.stages import VideoShape
 from .plan_route_parallel import PARALLEL_DEVICE, gpu_rows, gpu_summary, gpu_time, plan_gpus, planned_layout
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
-                         folder_options, recognise, transformer_file_request, vae_dtype_request, weight_dtype_request)
+                         TEXT_ENCODER_WIDGETS, folder_options, recognise, text_encoder_files_request, transformer_file_request,
+                         vae_dtype_request, weight_dtype_request)
 from ..pipelines.compile import CompileSettings
 from ..pipelines.loader import torch_dtype
 from .cache import VidMemStepCache
@@ -71,6 +72,7 @@ class PlanRequest:
     ram_budget_gb: float
     files: FilesRequest | None = None  # a Load Video Model Files node's widgets; None for a folder
     transformer_file: tuple[str, int, int] | None = None  # Load Video Pipeline's single-file transformer
+    text_encoder_files: tuple[tuple[str, str, int, int], ...] = ()  # its text-encoder files: (component, name, size, mtime)
     weight_dtype: str = DEFAULT_WEIGHTS  # Load Video Pipeline's storage choice for the folder
     vae_dtype: str = ""  # Load Video Pipeline's VAE precision ("" follows dtype); the files' is in `files`
     steps: int = 50  # the Sampler's
@@ -89,12 +91,14 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     """A PlanRequest from the query string; PlanRequestError naming the first bad parameter."""
     model = _required(query, "model")
     files = transformer_file = None
+    text_encoder_files = ()
     weight_dtype, vae_dtype = DEFAULT_WEIGHTS, ""
     try:
         if query.get("loader") == FILES_LOADER:
             files = files_request(query, dtypes)
         else:
             transformer_file = transformer_file_request(query)
+            text_encoder_files = text_encoder_files_request(query)
             weight_dtype = weight_dtype_request(query)
             vae_dtype = vae_dtype_request(query, "vae_dtype", dtypes)
     except FilesProblem as error:
@@ -114,7 +118,8 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     shape = VideoShape(width, height, frames, cfg=cfg > 1.0, window=window, window_overlap=window_overlap)
     steps = _number(query, "steps", "INT", *STEPS) if "steps" in query else 50
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
-                       files=files, transformer_file=transformer_file, weight_dtype=weight_dtype, vae_dtype=vae_dtype,
+                       files=files, transformer_file=transformer_file, text_encoder_files=text_encoder_files,
+                       weight_dtype=weight_dtype, vae_dtype=vae_dtype,
                        steps=steps, cache=_node_widgets(query, CACHE_PREFIX, VidMemStepCache, "Step Cache", ("mag_ratios",)),
                        speed=_node_widgets(query, SPEED_PREFIX, VidMemSpeed, "Speed"), activation_chunks=values[CHUNKS],
                        **{name: values[name] for name in PARALLEL_WIDGETS})
@@ -381,7 +386,7 @@ def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], ob
     files recognised from their headers, with their own storage and the disk tier."""
     if request.files is None:  # the VAE's own dtype only when set: load_model(name, dtype[, vae_dtype])
         model = load_model(request.model, request.dtype, *([request.vae_dtype] if request.vae_dtype else []))
-        return model, folder_options(request.model, request.weight_dtype, request.transformer_file)
+        return model, folder_options(request.model, request.weight_dtype, request.transformer_file, request.text_encoder_files)
     recognised = recognise(request.files, request.dtype)
     return recognised.planner_model, recognised.options
 
@@ -417,7 +422,8 @@ def _input_named(message: str) -> str | None:
     """The input a planner or strategy message is about: its messages start 'name=value'."""
     head = message.split("=", 1)[0].strip()
     role = message.split(":", 1)[0].strip()
-    if role in (*FILE_ROLES, "transformer_file", "weight_dtype"):  # the file loaders' messages start 'role: ...'
+    # The file loaders' messages start 'role: ...'.
+    if role in (*FILE_ROLES, "transformer_file", *TEXT_ENCODER_WIDGETS, "weight_dtype"):
         return role
     known = (*WIDGETS, *BUDGETS, CHUNKS, *SHAPE, *WINDOWS, *PARALLEL_WIDGETS)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)

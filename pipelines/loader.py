@@ -48,6 +48,8 @@ class LoadedPipeline:
     config_name: str = ""  # the shipped model config single files were matched to ("" for folders)
     transformer_file: str = ""  # the single file that replaced the folder's transformer ("" for none)
     vae_file: str = ""  # the single file that replaced the folder's VAE ("" for none)
+    # component -> the single file that replaced it (text_encoder, text_encoder_2; empty for none)
+    text_encoder_files: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     storage: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # component -> StorageFormat name
     on_disk: bool = False  # weights used in place from their files' mappings (the disk tier)
     vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name
@@ -152,7 +154,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str | Path | None = None,
                   weight_dtype: str = DEFAULT_WEIGHTS, vae_file: str | Path | None = None,
-                  vae_dtype: str = "") -> LoadedPipeline:
+                  vae_dtype: str = "", text_encoder_file: str | Path | None = None,
+                  text_encoder_2_file: str | Path | None = None) -> LoadedPipeline:
     """Load offline with safetensors weights only; every component ends on the CPU.
 
     `transformer_file` replaces the folder's transformer with a single-file checkpoint (Wan's
@@ -165,6 +168,10 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     Comfy-Org ships it: `comfy_files.vae_file`), configured by the folder's vae/config.json and
     held at `vae_dtype` ("" follows `dtype`; only with vae_file: a folder's VAE takes its dtype
     from `folder_storage.with_vae_dtype`).
+    `text_encoder_file` / `text_encoder_2_file` replace the folder's text encoder(s) with a single file
+    (Comfy-Org's umt5 / t5xxl / Qwen2.5-VL / Gemma 3 / ByT5 files: `comfy_files.text_encoder_file`),
+    configured by the folder's config.json and checked against it before anything is built; the
+    folder keeps supplying the tokenizers. `weight_dtype` lowers the first as it lowers the folder's.
     """
     from .folder_check import check_model_folder  # imports configs, which import this module
     from .folder_storage import load_stored, lowered_components, on_disk
@@ -179,9 +186,12 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     carries_vae = "vae" in replaced  # an LTX-2 checkpoint carries its video VAE
     if vae_file:
         replaced += _replaced_by_vae_file(spec, index, replaced)
+    text_files = _text_encoder_files(index, folder, text_encoder_file, text_encoder_2_file)
+    replaced += tuple(text_files)
     stored_names = lowered_components(index, replaced) if weight_dtype != DEFAULT_WEIGHTS else ()
     used = {name: entry for name, entry in index.items() if name not in spec.unloaded}
     configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names)  # before anything is allocated
+    text_read = {name: _read_text_encoder_file(path, name, index, configs, folder) for name, path in text_files.items()}
     overrides, storage, reports = {}, {}, {}
     overrides.update({name: None for name in spec.unloaded if name in index})  # never read (the family's call copes)
     if transformer_file:
@@ -197,7 +207,13 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
 
         overrides["vae"], storage["vae"], reports["vae"] = load_vae_file(
             vae_file, index["vae"][1], configs.get("vae") or {}, folder, torch_dtype(vae_dtype or dtype))
-    stored = load_stored(folder, index, configs, stored_names, torch_dtype(dtype), weight_dtype) if stored_names else {}
+    for name, file in text_read.items():
+        overrides[name], storage[name], reports[name] = _text_encoder_from_file(file, name, index, configs, folder, dtype,
+                                                                                weight_dtype)
+    # load_stored checks the RAM the other components take at `dtype`; an encoder from a file lies in the
+    # file's mapping (fp8 files: half the bytes), so it is left out of that sum rather than counted in full.
+    ram_configs = {name: config for name, config in configs.items() if name not in text_files}
+    stored = load_stored(folder, index, ram_configs, stored_names, torch_dtype(dtype), weight_dtype) if stored_names else {}
     for name, component in stored.items():
         overrides[name], storage[name], reports[name] = component.module, component.storage, component.report
     try:
@@ -212,12 +228,14 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
             "diffusers-format model."
         ) from error
     pipe.set_progress_bar_config(disable=True)  # progress is reported through the host instead
-    source = " + ".join([str(folder)] + [Path(f).name for f in (transformer_file, vae_file) if f])
+    source = " + ".join([str(folder)] + [Path(f).name for f in (transformer_file, vae_file, *text_files.values()) if f])
     if weight_dtype != DEFAULT_WEIGHTS:
         source += f" (weight_dtype {weight_dtype})"
     return LoadedPipeline(pipe, spec, class_name, source, dtype, str(folder), storage=MappingProxyType(storage),
-                          on_disk=on_disk(stored) and not transformer_file, storage_reports=MappingProxyType(reports),
+                          on_disk=on_disk(stored) and not transformer_file and not text_files,
+                          storage_reports=MappingProxyType(reports),
                           transformer_file=str(transformer_file or ""), vae_file=str(vae_file or ""),
+                          text_encoder_files=MappingProxyType({name: str(path) for name, path in text_files.items()}),
                           vae_dtype_name=vae_dtype if vae_file and vae_dtype != dtype else "")
 
 
@@ -229,6 +247,28 @@ def _replaced_by_vae_file(spec: FamilySpec, index: dict, replaced: tuple[str, ..
     if "vae" in replaced:  # not reached today: LTX-2 takes no vae_file (its checkpoint carries the VAE)
         raise ModelError("vae_file and a transformer_file that carries its VAE both replace the folder's VAE; keep one.")
     return ("vae",)
+
+
+def _text_encoder_files(index: dict, folder: Path, text_encoder_file, text_encoder_2_file) -> dict[str, str | Path]:
+    """component -> the file replacing it, once the folder is known to take one there (before any file is read)."""
+    from .comfy_files.text_encoder_file import check_replaceable
+
+    files = {name: path for name, path in (("text_encoder", text_encoder_file), ("text_encoder_2", text_encoder_2_file)) if path}
+    for name in files:
+        check_replaceable(index, name, folder)
+    return files
+
+
+def _read_text_encoder_file(path, name: str, index: dict, configs: dict, folder: Path):
+    from .comfy_files.text_encoder_file import read_text_encoder_file
+
+    return read_text_encoder_file(path, name, index[name][1], configs.get(name), folder)
+
+
+def _text_encoder_from_file(file, name: str, index: dict, configs: dict, folder: Path, dtype: str, weight_dtype: str):
+    from .comfy_files.text_encoder_file import load_text_encoder_file
+
+    return load_text_encoder_file(file, name, index[name][1], configs[name], folder, torch_dtype(dtype), weight_dtype)
 
 
 def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_file: str | Path) -> tuple[str, ...]:

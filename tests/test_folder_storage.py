@@ -102,8 +102,9 @@ def test_the_planner_and_auto_use_the_folders_chosen_storage(tiny_folder):
 
 def test_the_node_takes_weight_dtype_after_its_older_inputs(tiny_folder, monkeypatch):
     spec = VidMemLoadPipeline.INPUT_TYPES()
-    # appended (then vae_dtype, then vae_file): saved workflows' widget values keep their places
-    assert list(spec["optional"]) == ["path", "transformer_file", "weight_dtype", "vae_dtype", "vae_file"]
+    # appended (then vae_dtype, vae_file, the text encoder files): saved workflows' widget values keep their places
+    assert list(spec["optional"]) == ["path", "transformer_file", "weight_dtype", "vae_dtype", "vae_file", "text_encoder_file",
+                                      "text_encoder_2_file"]
     choices, options = spec["optional"]["weight_dtype"]
     assert options["default"] == "default" and {"fp8_scaled", "gguf_q8_0", "fp8_e4m3fn"} <= set(choices)
     (loaded,) = VidMemLoadPipeline().load("x", "fp32", path=str(tiny_folder("cogvideox-t2v")), weight_dtype="fp8_scaled")

@@ -128,6 +128,27 @@ def test_a_folders_transformer_file_is_planned_in_its_storage(models):
         parse_request({**shape, "transformer_file": "nope.safetensors"}, ["Wan2.1-T2V-1.3B-Diffusers"], list(DTYPES))
 
 
+def test_a_folders_text_encoder_file_is_planned_in_its_storage(models):
+    """Load Video Pipeline with text_encoder_file: an fp8 file plans as fp8 bytes, as the loader holds it."""
+    def folder_model(name, dtype):
+        from vidmem.pipelines.configs import load_model
+        return load_model("wan2.1-t2v-1.3b", dtype)
+
+    shape = {"model": "Wan2.1-T2V-1.3B-Diffusers", "dtype": "bf16", "width": "832", "height": "480", "frames": "81",
+             "text_encoder": "cpu"}  # the Strategy's own widget of that name keeps its meaning
+    with_file = parse_request({**shape, "text_encoder_file": models.text_encoder.name}, ["Wan2.1-T2V-1.3B-Diffusers"],
+                              list(DTYPES))
+    assert [entry[:2] for entry in with_file.text_encoder_files] == [("text_encoder", models.text_encoder.name)]
+    plan = plan_answer(with_file, folder_model, BUDGETS)
+    assert plan["status"] == "ok", plan
+    assert plan["storage"] == {"text_encoder": "fp8_scaled"}
+    own = plan_answer(parse_request(shape, ["Wan2.1-T2V-1.3B-Diffusers"], list(DTYPES)), folder_model, BUDGETS)
+    assert own["storage"] == {}
+    assert plan["rows"][0]["peak_ram_bytes"] < own["rows"][0]["peak_ram_bytes"]
+    with pytest.raises(PlanRequestError, match="text_encoder_2_file='nope.safetensors' is not in the host's text encoder list"):
+        parse_request({**shape, "text_encoder_2_file": "nope.safetensors"}, ["Wan2.1-T2V-1.3B-Diffusers"], list(DTYPES))
+
+
 def test_files_are_planned_per_context_window_and_a_bad_window_is_refused(models):
     """The Sampler's window reaches a files plan too: the model recognised from the headers is the one asked."""
     whole = answer(dict(query(models), frames="17"))

@@ -341,7 +341,8 @@ def test_the_node_lists_models_vae_and_loads_the_file_at_vae_dtype(hy15_file, hy
     monkeypatch.setenv("VIDMEM_ALLOW_ANY_PATH", "1")  # the folder is given by path, outside this fake's model folders
     choices, options = VidMemLoadPipeline.INPUT_TYPES()["optional"]["vae_file"]
     assert choices == [FOLDER_VAE, hy15_file.name] and "hunyuanvideo15_vae_fp16" in options["tooltip"]  # never a pickle
-    assert list(VidMemLoadPipeline.INPUT_TYPES()["optional"])[-1] == "vae_file"  # last: saved widget values are positional
+    # appended after vae_dtype (then the text encoder files): saved widget values are positional
+    assert list(VidMemLoadPipeline.INPUT_TYPES()["optional"])[-3:] == ["vae_file", "text_encoder_file", "text_encoder_2_file"]
     folder = str(tiny_folder(VARIANT))
     (loaded,) = VidMemLoadPipeline().load("x", "fp32", folder, vae_file=hy15_file.name)
     assert loaded.vae_file == str(vaes / hy15_file.name)

@@ -18,7 +18,7 @@ from ...memory.storage import StorageError, fold_scaled_fp8, open_weights
 from ...memory.storage.files import SafetensorsFile
 from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
-from . import detect, hy15, hy15_vae, ltx2
+from . import detect, hy15, hy15_vae, ltx2, text_encoders
 from .keys import COMFY_PREFIX, KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
 
 TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
@@ -62,6 +62,8 @@ def _held(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> str:
     """What a file of `kind` holds, for messages: a transformer by its family."""
     if kind == detect.VAE and hy15_vae.is_vae(tensors):
         return "a HunyuanVideo 1.5 VAE"
+    if kind == detect.TEXT_ENCODER and text_encoders.class_of(tensors) is not None:
+        return f"a {text_encoders.LAYOUTS[text_encoders.class_of(tensors)].shown} text encoder"
     if kind != detect.TRANSFORMER:
         return detect.KIND_NAMES[kind]
     if hy15.transformer_layout(tensors) is not None:  # still under the file's names: see _classify
@@ -131,6 +133,11 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     layout = transformer_layout(names)
     if layout is not None:
         return detect.TRANSFORMER, layout, transformer_to_diffusers(tensors, layout), None
+    if text_encoders.is_language_model(names):  # before CLIP's: Gemma 3's vision tower has CLIP's names
+        llm = text_encoders.layout_of(names, path.name, role)
+        spiece = tensors.get(TOKENIZER_KEY)
+        mapped = text_encoders.model_tensors(llm, {n: t for n, t in tensors.items() if n != TOKENIZER_KEY})
+        return detect.TEXT_ENCODER, KeyLayout.ORIGINAL, mapped, None if spiece is None else bytes(spiece.cpu().numpy().tobytes())
     prefix = detect.find_prefix(names, detect.TEXT_MARKER)
     if prefix is not None:
         spiece = tensors.get(TOKENIZER_KEY)
@@ -156,7 +163,7 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
         f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan "
         "transformers (original, model.diffusion_model. or diffusers names), LTX-2 checkpoints, HunyuanVideo 1.5 transformers "
         "(Comfy-Org's or Tencent's names, saved by ComfyUI under model.model., or diffusers names), Wan and HunyuanVideo 1.5 VAEs, T5/UMT5 text "
-        "encoders (transformers names) and CLIP vision encoders; use Comfy-Org's repackaged files."
+        "encoders (transformers names), Qwen2.5-VL 7B and Gemma 3 12B text encoders (ComfyUI's names) and CLIP vision encoders; use Comfy-Org's repackaged files."
     )
 
 
@@ -225,6 +232,8 @@ def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[st
             return hy15_vae.vae_fields(tensors)
         if kind == detect.VAE:
             return detect.vae_fields(tensors, original=layout is KeyLayout.ORIGINAL)
+        if kind == detect.TEXT_ENCODER and text_encoders.class_of(tensors) is not None:
+            return text_encoders.fields(tensors)
         reader = {detect.TRANSFORMER: detect.transformer_fields, detect.TEXT_ENCODER: detect.text_encoder_fields,
                   detect.CLIP_VISION: detect.clip_vision_fields}[kind]
         return reader(tensors)

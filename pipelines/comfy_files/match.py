@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..family import ModelError
-from . import detect
+from . import detect, text_encoders
 from .catalogue import ModelEntry
 from .files import WeightFile
 
@@ -78,6 +78,12 @@ def check_vae(entry: ModelEntry, vae: WeightFile) -> None:
 def check_text_encoder(entry: ModelEntry, text_encoder: WeightFile) -> None:
     component = entry.components["text_encoder"]
     wanted = detect.text_encoder_config_fields(component.class_name, component.config)
+    found = text_encoder.fields["class"]
+    if found != component.class_name:  # another family's encoder: its class says it all
+        raise ModelError(
+            f"text_encoder: '{text_encoder.name}' is {text_encoders.HELD.get(found, found)}, but {entry.name} runs with "
+            "umt5-xxl: use umt5_xxl_fp8_e4m3fn_scaled.safetensors or umt5_xxl_fp16.safetensors from models/text_encoders."
+        )
     problems = detect.differences(text_encoder.fields, wanted)
     if problems:
         raise ModelError(

@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 
 from ...memory.storage import StoredTensor, quantize, storage_format
-from . import hy15, hy15_vae, ltx2
+from . import hy15, hy15_vae, ltx2, text_encoders
 from .files import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, original_transformer_names, vae_original_names
 
@@ -117,6 +117,18 @@ def write_text_encoder(tensors: Mapping[str, Any], path: str | Path, spiece_mode
     if spiece_model is not None:
         tensors[TOKENIZER_KEY] = torch.frombuffer(bytearray(spiece_model), dtype=torch.uint8)
     return _write(tensors, path)
+
+
+def write_language_model(tensors: Mapping[str, Any], path: str | Path, class_name: str,
+                         extras: Mapping[str, Any] = MappingProxyType({})) -> Path:
+    """A Qwen2.5-VL / Gemma 3 text encoder from its transformers-named `tensors` (plain or stored), as
+    Comfy-Org ships it: ComfyUI's names (text_encoders.comfy_names), without the `lm_head` ComfyUI's model
+    does not have (Gemma ties it to the embedding), plus `extras` as they are (e.g. a vision tower's
+    names the text model has no place for, or the embedded `spiece_model`)."""
+    layout = text_encoders.LAYOUTS[class_name]
+    kept = {name: t for name, t in tensors.items() if not name.startswith("lm_head.")}
+    names = text_encoders.comfy_names(layout, kept)
+    return _write({**{names[name]: t for name, t in kept.items()}, **extras}, path)
 
 
 def write_clip_vision(tensors: Mapping[str, Any], path: str | Path, projection_dim: int, seed: int = 0) -> Path:

@@ -346,6 +346,10 @@ test("the plan finds the loader through any chain of Load LoRA / Train LoRA node
   const vaeQuery = new URLSearchParams(planQuery({ model: "Wan2.1", dtype: "bf16",
     loader: loaderFields(fp32Vae, (name) => fp32Vae.widgets[name]), widgets: {}, shape: { width: 32, height: 32, frames: 9 } }));
   assert.equal(vaeQuery.get("vae_dtype"), "fp32"); // the folder's VAE precision reaches the route, as the files'
+  const withText = node("VidMemLoadPipeline", null, { model: "HY15", dtype: "bf16", text_encoder_file: "qwen_fp8.safetensors" });
+  const textQuery = new URLSearchParams(planQuery({ model: "HY15", dtype: "bf16",
+    loader: loaderFields(withText, (name) => withText.widgets[name]), widgets: {}, shape: { width: 32, height: 32, frames: 9 } }));
+  assert.equal(textQuery.get("text_encoder_file"), "qwen_fp8.safetensors"); // the text encoder file's storage is planned
 });
 
 test("the Strategy widgets a tier ignores are the ones greyed out, and the note shows on the receipt", async () => {

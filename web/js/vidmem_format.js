@@ -283,8 +283,8 @@ export function loaderFields(loader, value) {
     return { loader: kind, model: value("model"), dtype: value("dtype"), ...files };
   }
   const fields = { loader: kind, model: value("model"), dtype: value("dtype") };
-  // Load Video Pipeline's own file, storage and VAE precision choices.
-  for (const name of ["transformer_file", "weight_dtype", "vae_dtype"]) {
+  // Load Video Pipeline's own file, storage and VAE precision choices (its text-encoder files plan in their storage).
+  for (const name of ["transformer_file", "weight_dtype", "vae_dtype", "text_encoder_file", "text_encoder_2_file"]) {
     const chosen = value(name);
     if (chosen !== undefined && chosen !== null) fields[name] = chosen;
   }

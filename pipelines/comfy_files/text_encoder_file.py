@@ -1,0 +1,119 @@
+"""A diffusers folder's text encoder replaced by a single file (Load Video Pipeline's `text_encoder_file`,
+and `text_encoder_2_file` for HunyuanVideo 1.5's ByT5 glyph encoder).
+
+The files users keep in ComfyUI's models/text_encoders, read by their tensors (files.read_weight_file):
+Comfy-Org's umt5_xxl_* (Wan) and t5xxl_* (CogVideoX: the same T5 names, so it comes free), the ByT5
+glyph encoder (byt5_small_glyphxl_fp16), and the language models in ComfyUI's names (text_encoders.py:
+qwen_2.5_vl_7b* for HunyuanVideo 1.5, gemma_3_12B_it* for LTX-2). Stored bf16 / fp16, fp8, fp8 scaled
+(either of Comfy-Org's layouts) or GGUF, as the storage engine reads them; formats it cannot read
+(nvfp4, int8 blockwise) are refused by name there.
+
+The file must be the folder's text encoder class and fit its config.json field by field, or it is
+refused naming the file, what differs and the file to pick, before anything is built (the folder then
+needs only config.json in that component's folder: its tokenizer stays the folder's). The encoder is
+built empty from the folder's config and given the file's tensors in place, held as the folder's
+would be (`weight_dtype` lowers `text_encoder`, never `text_encoder_2`, as in `weight_storage.LOWERED`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..family import ModelError
+from . import detect, text_encoders
+from .files import WeightFile, read_weight_file
+
+ROLES = {"text_encoder": "text_encoder_file", "text_encoder_2": "text_encoder_2_file"}  # component -> loader input
+FOLDER_CHOICE = "(from the folder)"
+HELD = text_encoders.HELD
+# (component, the folder's class) -> the files that fit it; a pair not listed takes no file.
+PICK = {
+    ("text_encoder", "UMT5EncoderModel"): "umt5_xxl_fp8_e4m3fn_scaled.safetensors or umt5_xxl_fp16.safetensors",
+    ("text_encoder", "T5EncoderModel"): "t5xxl_fp16.safetensors or t5xxl_fp8_e4m3fn_scaled.safetensors",
+    ("text_encoder", "Qwen2_5_VLTextModel"): "qwen_2.5_vl_7b_fp8_scaled.safetensors or qwen_2.5_vl_7b.safetensors",
+    ("text_encoder", "Gemma3ForConditionalGeneration"): "gemma_3_12B_it.safetensors or one of its fp8-scaled variants",
+    ("text_encoder_2", "T5EncoderModel"): "byt5_small_glyphxl_fp16.safetensors",
+}
+log = logging.getLogger("vidmem")
+
+
+def check_replaceable(index: Mapping[str, Any], component: str, folder: str | Path) -> str:
+    """The class of the folder's `component` when a file may replace it (before any file is read)."""
+    role, folder = ROLES[component], Path(folder)
+    entry = index.get(component)
+    class_name = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    if class_name is None and component == "text_encoder_2":
+        raise ModelError(f"{role}: '{folder.name}' has no second text encoder (only HunyuanVideo 1.5 has one, its ByT5 "
+                         f"glyph encoder); leave {role} at {FOLDER_CHOICE}.")
+    if (component, class_name) not in PICK:
+        raise ModelError(f"{role}: '{folder.name}' has no {component} vidmem reads a single file for (it lists "
+                         f"{class_name}); leave {role} at {FOLDER_CHOICE}.")
+    return class_name
+
+
+def read_text_encoder_file(path: str | Path, component: str, class_name: str, config: Mapping[str, Any] | None,
+                           folder: str | Path) -> WeightFile:
+    """The file at `path`, checked to be the folder's `component` (`class_name` configured by `config`)."""
+    role, path, folder = ROLES[component], Path(path), Path(folder)
+    fix = f"pick {PICK[(component, class_name)]} from models/text_encoders, or leave {role} at {FOLDER_CHOICE}"
+    if config is None:
+        raise ModelError(f"{role}: '{folder.name}' has no {component}/config.json, which configures the file; "
+                         "re-download the folder's configs.")
+    file = read_weight_file(path, role, detect.TEXT_ENCODER, takes=f"a text encoder ({HELD[class_name]})")
+    found = file.fields["class"]
+    if found != class_name:
+        raise ModelError(f"{role}: '{path.name}' is {HELD[found]}, but the {component} of '{folder.name}' is "
+                         f"{HELD[class_name]}: {fix}.")
+    problems = detect.differences(file.fields, _config_fields(class_name, config))
+    if problems:
+        raise ModelError(f"{role}: '{path.name}' is not the {component} of '{folder.name}' ({'; '.join(problems)}); {fix}.")
+    return file
+
+
+def _config_fields(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    if class_name in text_encoders.LAYOUTS:
+        return text_encoders.config_fields(class_name, config)
+    return detect.text_encoder_config_fields(class_name, config)
+
+
+def load_text_encoder_file(file: WeightFile, component: str, class_name: str, config: Mapping[str, Any],
+                           folder: str | Path, dtype: torch.dtype, weight_dtype: str):
+    """The folder's `component` built from `config` and filled from `file` (see the module doc), computing
+    in `dtype`. Returns (module, the format its matrices are held in, report)."""
+    from ..configs.meta import ComponentConfig
+    from ..weight_storage import DEFAULT_WEIGHTS, LOWERED, hold
+    from .build import build_empty
+
+    config_path = str(Path(folder) / component / "config.json")
+    module = build_empty(ComponentConfig(component, "transformers", class_name, dict(config), config_path))
+    tensors = fit_optional(module, file.tensors, file.name)
+    report, held = hold(module, tensors, dtype, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS,
+                        copy_to_ram=False, source=file.name)
+    return module, held, report
+
+
+def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any], file_name: str) -> Mapping[str, Any]:
+    """`tensors` for `module`, whose optional parts (Gemma 3's vision tower and projector) the file may lack.
+
+    Why: LTX-2 runs Gemma's language model only (LTX2Pipeline passes input_ids, never pixel_values), but
+    a part left without weights stays on the meta device, where an offload tier moving the encoder would
+    fail; giving it zeros would cost real RAM (about 0.8 GB in bf16 for Gemma 3 12B's SigLIP tower) for
+    nothing. So a file that carries the whole vision part has it mapped, as the folder's encoder has it;
+    otherwise the part is removed from the module (its submodules set to None, which transformers' forward
+    never reaches without images) and any of its tensors the file has are left unread."""
+    layout = text_encoders.LAYOUTS.get(type(module).__name__)
+    if layout is None or not layout.optional:
+        return tensors
+    wanted = [name for name in module.state_dict() if name.startswith(tuple(p + "." for p in layout.optional))]
+    if all(name in tensors for name in wanted):
+        return tensors
+    for path in layout.optional:
+        parent, _, leaf = path.rpartition(".")
+        setattr(module.get_submodule(parent), leaf, None)
+    log.info("vidmem: '%s' lacks %s's vision part (%s): the text encoder runs without it.", file_name,
+             layout.class_name, ", ".join(layout.optional))
+    return {name: t for name, t in tensors.items() if not name.startswith(tuple(p + "." for p in layout.optional))}
