@@ -1,10 +1,10 @@
-"""Load Video Pipeline (VidMem): a CogVideoX or Wan diffusers folder, kept on the CPU until used."""
+"""Load Video Pipeline (VidMem): a diffusers folder of any family vidmem declares (Wan, CogVideoX, LTX-2,
+HunyuanVideo 1.5), its parts optionally replaced by single files, kept on the CPU until used."""
 
 from __future__ import annotations
 
 from ..pipelines.configs import load_model
 from ..pipelines.family import ModelError
-from ..pipelines.folder_storage import with_vae_dtype
 from ..pipelines.loader import DTYPES, load_pipeline
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, WEIGHT_DTYPES
 from . import host
@@ -29,8 +29,9 @@ def vae_dtype_name(value: str) -> str:
 
 class VidMemLoadPipeline:
     DESCRIPTION = (
-        "Loads a CogVideoX or Wan pipeline (diffusers format, safetensors only). Weights stay in "
-        "system RAM; a Memory Strategy decides what goes to the GPU during each run."
+        "Loads a Wan, CogVideoX, LTX-2 or HunyuanVideo 1.5 pipeline from a diffusers folder (safetensors only), "
+        "optionally with its transformer, VAE or text encoders from single files (ComfyUI's models/ folders). "
+        "Weights stay in system RAM; a Memory Strategy decides what goes to the GPU during each run."
     )
     CATEGORY = "vidmem"
     FUNCTION = "load"
@@ -45,8 +46,8 @@ class VidMemLoadPipeline:
             "required": {
                 "model": (names, {"tooltip": "A folder under models/diffusers holding model_index.json. "
                                   "Saved by name, so a shared workflow finds it on another machine."}),
-                "dtype": (list(DTYPES), {"default": "bf16", "tooltip": "Weight precision. bf16 for Wan and "
-                          "CogVideoX-5b/1.5, fp16 for CogVideoX-2b; fp32 doubles memory."}),
+                "dtype": (list(DTYPES), {"default": "bf16", "tooltip": "Compute precision. bf16 for Wan, LTX-2, "
+                          "HunyuanVideo 1.5 and CogVideoX-5b/1.5, fp16 for CogVideoX-2b; fp32 doubles memory."}),
             },
             "optional": {
                 "path": ("STRING", {"default": "", "tooltip": "Full path to a diffusers folder; when set it "
@@ -119,10 +120,8 @@ class VidMemLoadPipeline:
         single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
         texts = {role: None if name == FOLDER_TEXT_ENCODER else found(host.resolve_model_file, "text_encoder", name, role)
                  for role, name in (("text_encoder_file", text_encoder_file), ("text_encoder_2_file", text_encoder_2_file))}
-        if vae_file != FOLDER_VAE:  # read at vae_dtype from the file (with_vae_dtype re-reads the folder's)
-            vae = found(host.resolve_model_file, "vae", vae_file, "vae_file")
-            return (load_pipeline(folder, dtype, single, weight_dtype, vae, vae_dtype_name(vae_dtype), **texts),)
-        return (with_vae_dtype(load_pipeline(folder, dtype, single, weight_dtype, **texts), vae_dtype_name(vae_dtype)),)
+        vae = None if vae_file == FOLDER_VAE else found(host.resolve_model_file, "vae", vae_file, "vae_file")
+        return (load_pipeline(folder, dtype, single, weight_dtype, vae, vae_dtype_name(vae_dtype), **texts),)
 
 
 def path_problem(path) -> str | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,29 +65,19 @@ def load_stored(folder: Path, index: dict, configs: dict[str, dict], names: tupl
     return {name: _stored(components[name], tensors[name], dtype, weight_dtype, folder / name) for name in names}
 
 
-def with_vae_dtype(loaded, vae_dtype: str):
-    """`loaded` (a folder's pipeline) with its VAE read again from the folder's files at `vae_dtype`
-    (Load Video Pipeline's vae_dtype: fp32 for quality, as Load Video Model Files offers), so an
-    fp32 VAE holds the files' own values, not ones rounded to the compute dtype first; "" or the
-    compute dtype keeps `loaded` as it is. The pipeline is the loader's own, fresh: nothing shared changes."""
-    if not vae_dtype or vae_dtype == (loaded.vae_dtype_name or loaded.dtype_name):
-        return loaded
-    if loaded.vae_file:  # re-reading the folder would drop the file's VAE: load_pipeline(vae_dtype=) reads it at once
-        raise ModelError(f"vae_dtype {vae_dtype}: the VAE came from vae_file '{Path(loaded.vae_file).name}'; load it at "
-                         "that dtype (load_pipeline's vae_dtype) instead of changing it afterwards.")
-    if vae_dtype not in DTYPES:
-        raise ModelError(f"vae_dtype={vae_dtype!r} is not supported; use 'same as dtype' or one of {', '.join(DTYPES)}.")
-    folder = Path(loaded.folder)
+def folder_vae(folder: Path, vae_dtype: str) -> torch.nn.Module:
+    """The folder's VAE read from its files at `vae_dtype` (Load Video Pipeline's vae_dtype: fp32 for
+    quality, as Load Video Model Files offers), so an fp32 VAE holds the files' own values, not ones
+    rounded to the compute dtype first. load_pipeline passes it to from_pretrained in place of the VAE
+    it would read at the compute dtype: the files are read once."""
     library, class_name = read_json_object(folder / "model_index.json", "model folder")["vae"]  # checked at load
     vae_class = getattr(importlib.import_module(library), class_name)
     try:
-        vae = vae_class.from_pretrained(folder / "vae", torch_dtype=DTYPES[vae_dtype], use_safetensors=True,
-                                        local_files_only=True)
+        return vae_class.from_pretrained(folder / "vae", torch_dtype=DTYPES[vae_dtype], use_safetensors=True,
+                                         local_files_only=True)
     except (OSError, ValueError, RuntimeError) as error:
         raise ModelError(f"could not read the VAE of '{folder}' at vae_dtype {vae_dtype} ({error}); re-download the "
                          "model, or set vae_dtype to 'same as dtype'.") from error
-    loaded.pipe.register_modules(vae=vae)
-    return replace(loaded, vae_dtype_name=vae_dtype)
 
 
 def on_disk(components: dict[str, StoredComponent]) -> bool:

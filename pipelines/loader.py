@@ -1,4 +1,4 @@
-"""Load a CogVideoX or Wan pipeline from a diffusers-format folder, safetensors only, offline.
+"""Load a pipeline of any declared family from a diffusers-format folder (parts optionally from single files), safetensors only, offline.
 
 Components are loaded to the CPU and stay there: a MemoryStrategy onloads them for one call.
 The family comes from `model_index.json`, never from the folder's name. The folder is checked
@@ -165,18 +165,20 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     format, lowered at load where it is narrower than the files (`folder_storage`); "default"
     loads them as diffusers does, at `dtype`.
     `vae_file` replaces the folder's VAE with a single VAE file (Wan's, or HunyuanVideo 1.5's as
-    Comfy-Org ships it: `comfy_files.vae_file`), configured by the folder's vae/config.json and
-    held at `vae_dtype` ("" follows `dtype`; only with vae_file: a folder's VAE takes its dtype
-    from `folder_storage.with_vae_dtype`).
+    Comfy-Org ships it: `comfy_files.vae_file`), configured by the folder's vae/config.json.
+    `vae_dtype` ("" follows `dtype`) is the VAE's precision wherever it comes from: the folder, the
+    vae_file, or an LTX-2 checkpoint given as transformer_file.
     `text_encoder_file` / `text_encoder_2_file` replace the folder's text encoder(s) with a single file
     (Comfy-Org's umt5 / t5xxl / Qwen2.5-VL / Gemma 3 / ByT5 files: `comfy_files.text_encoder_file`),
     configured by the folder's config.json and checked against it before anything is built; the
     folder keeps supplying the tokenizers. `weight_dtype` lowers the first as it lowers the folder's.
     """
     from .folder_check import check_model_folder  # imports configs, which import this module
-    from .folder_storage import load_stored, lowered_components, on_disk
+    from .folder_storage import folder_vae, load_stored, lowered_components, on_disk
 
     check_weight_dtype(weight_dtype)
+    if vae_dtype and vae_dtype not in DTYPES:
+        raise ModelError(f"vae_dtype={vae_dtype!r} is not supported; use 'same as dtype' or one of {', '.join(DTYPES)}.")
     folder = Path(folder).expanduser()
     index = read_model_index(folder)
     class_name = index["_class_name"]
@@ -201,12 +203,14 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
         from .comfy_files import files as ltx2_files
 
         overrides["vae"], storage["vae"], reports["vae"] = ltx2_files.load_ltx2_vae(
-            transformer_file, configs.get("vae"), folder, torch_dtype(dtype))
+            transformer_file, configs.get("vae"), folder, torch_dtype(vae_dtype or dtype))
     if vae_file:
         from .comfy_files.vae_file import load_vae_file
 
         overrides["vae"], storage["vae"], reports["vae"] = load_vae_file(
             vae_file, index["vae"][1], configs.get("vae") or {}, folder, torch_dtype(vae_dtype or dtype))
+    elif vae_dtype and vae_dtype != dtype and not carries_vae and "vae" in index:
+        overrides["vae"] = folder_vae(folder, vae_dtype)  # read once, at its own precision
     for name, file in text_read.items():
         overrides[name], storage[name], reports[name] = _text_encoder_from_file(file, name, index, configs, folder, dtype,
                                                                                 weight_dtype)
@@ -236,16 +240,14 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
                           storage_reports=MappingProxyType(reports),
                           transformer_file=str(transformer_file or ""), vae_file=str(vae_file or ""),
                           text_encoder_files=MappingProxyType({name: str(path) for name, path in text_files.items()}),
-                          vae_dtype_name=vae_dtype if vae_file and vae_dtype != dtype else "")
+                          vae_dtype_name=vae_dtype if vae_dtype != dtype and "vae" in index else "")
 
 
 def _replaced_by_vae_file(spec: FamilySpec, index: dict, replaced: tuple[str, ...]) -> tuple[str, ...]:
     """("vae",) once the folder is known to take a VAE file (before any file is read)."""
     from .comfy_files.vae_file import check_family
 
-    check_family(spec, (index.get("vae") or [None, None])[1])
-    if "vae" in replaced:  # not reached today: LTX-2 takes no vae_file (its checkpoint carries the VAE)
-        raise ModelError("vae_file and a transformer_file that carries its VAE both replace the folder's VAE; keep one.")
+    check_family(spec, (index.get("vae") or [None, None])[1])  # refuses LTX-2, whose checkpoint carries its VAE
     return ("vae",)
 
 

@@ -239,3 +239,21 @@ def test_weight_dtype_lowers_the_files_transformer_and_the_vae_is_held_at_its_dt
     loaded = load_pipeline(tiny_folder(VARIANT), "fp32", path, weight_dtype="fp8_scaled")
     assert loaded.storage["transformer"] == "fp8_scaled" and loaded.storage["vae"] == "fp32"  # cast at load
     assert torch.isfinite(latents(loaded, "block_swap:1")["samples"]).all()
+
+
+@pytest.mark.parametrize("folder_vae", [True, False], ids=["folder with VAE weights", "folder with vae/config.json only"])
+def test_vae_dtype_holds_the_checkpoints_own_vae(folder_vae, plain_parts, tiny_folder, tmp_path):
+    """vae_dtype applies to the VAE the checkpoint brings: never the folder's VAE read in its place (a folder
+    with VAE weights), never a failed re-read of the folder (one with vae/config.json only)."""
+    folder = shutil.copytree(tiny_folder(VARIANT), tmp_path / "folder")
+    if not folder_vae:
+        for weights in (folder / "vae").glob("*.safetensors"):
+            weights.unlink()
+    parts = dict(plain_parts, vae={name: t + 1 for name, t in plain_parts["vae"].items()})  # not the folder's values
+    path = write_ltx2_checkpoint(parts, tmp_path / "ltx-2-19b-dev-other-vae.safetensors")
+    loaded = load_pipeline(folder, "fp32", path, vae_dtype="bf16")
+    assert loaded.vae_dtype_name == "bf16" and {t.dtype for t in loaded.pipe.vae.parameters()} == {torch.bfloat16}
+    wide = load_pipeline(folder, "fp32", path).pipe.vae.state_dict()  # the checkpoint's VAE, as stored
+    held = loaded.pipe.vae.state_dict()
+    assert held.keys() == wide.keys() and all(torch.equal(held[k], wide[k].to(torch.bfloat16)) for k in wide)
+    assert {t.dtype for t in loaded.pipe.transformer.parameters()} == {torch.float32}

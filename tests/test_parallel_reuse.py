@@ -52,3 +52,14 @@ def test_a_rank_reopens_its_pipeline_when_the_mode_or_source_changes(tiny_loaded
     assert len(opened) == 2, "ulysses -> ring: a fresh copy"
     job("ring", replace(source, dtype="fp32" if source.dtype != "fp32" else "bf16"))._pipeline(context)
     assert len(opened) == 3
+
+
+def test_a_rank_opens_the_vae_at_the_coordinators_vae_dtype(tiny_folder):
+    """A rank's copy holds the VAE at the loader's vae_dtype (the image encoding of I2V runs on it), and a
+    coordinator that changes only vae_dtype is another source."""
+    from vidmem.pipelines.loader import load_pipeline
+
+    folder = tiny_folder("wan2.1-t2v")
+    wide = PipelineSource.of(load_pipeline(folder, "bf16", vae_dtype="fp32"))
+    assert wide.vae_dtype == "fp32" and wide != PipelineSource.of(load_pipeline(folder, "bf16"))
+    assert {t.dtype for t in wide.load().pipe.vae.parameters()} == {torch.float32}

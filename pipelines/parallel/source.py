@@ -40,6 +40,7 @@ class PipelineSource:
     folder: str
     dtype: str
     loras: tuple[LoraSource, ...] = ()
+    vae_dtype: str = ""  # the loader's vae_dtype ("" follows dtype)
 
     @classmethod
     def of(cls, loaded: LoadedPipeline) -> "PipelineSource":
@@ -48,9 +49,9 @@ class PipelineSource:
             raise ModelError(f"{RANK_STORAGE}; this pipeline comes from {loaded.source}. Load the diffusers folder with "
                              "Load Video Pipeline (the folder's own transformer), or set context_parallel to off.")
         loras = tuple(LoraSource.of(spec.name, str(spec.path), spec.strength, spec.expert) for spec in loaded.loras)
-        return cls(loaded.folder, loaded.dtype_name, loras)
+        return cls(loaded.folder, loaded.dtype_name, loras, loaded.vae_dtype_name)
 
     def load(self) -> LoadedPipeline:
-        loaded = load_pipeline(self.folder, self.dtype)
+        loaded = load_pipeline(self.folder, self.dtype, vae_dtype=self.vae_dtype)
         specs = tuple(load_lora(lora.path, loaded.pipe, lora.strength, lora.expert, name=lora.name) for lora in self.loras)
         return replace(loaded, loras=specs) if specs else loaded
