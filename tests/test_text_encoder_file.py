@@ -135,6 +135,50 @@ def test_real_size_files_fit_the_shipped_diffusers_configs(ref):
     assert found == text_encoders.config_fields(component.class_name, component.config)
 
 
+# google/gemma-3-12b-it's own config.json, restated in its shape: text_config holds only the keys that differ from
+# Gemma3TextConfig's defaults (no head_dim, no vocab_size), as transformers 4.x saves configs too.
+SPARSE_GEMMA = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+                "text_config": {"hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
+                                "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+                                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+                "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                  "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                                  "patch_size": 14, "vision_use_head": False}}
+# Qwen2.5-VL 7B's language model as a flat Qwen2_5_VLTextConfig (HunyuanVideo 1.5's text_encoder/config.json shape).
+FLAT_QWEN = {"model_type": "qwen2_5_vl_text", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+             "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064}
+
+
+@pytest.mark.parametrize("class_name,config,ref", [("Gemma3ForConditionalGeneration", SPARSE_GEMMA, "gemma-3-12b"),
+                                                   ("Qwen2_5_VLTextModel", FLAT_QWEN, "qwen2.5-vl-7b-text")])
+def test_a_config_that_leaves_out_defaults_gives_the_models_fields(class_name, config, ref):
+    """Keys a config omits take the config class's defaults (Gemma 3 12B's head_dim 256, not hidden // heads = 240)."""
+    fields = text_encoders.config_fields(class_name, config)
+    assert {k: fields[k] for k in COMFY_SIZES[ref]} == COMFY_SIZES[ref]
+
+
+def test_the_t5_reader_takes_left_out_keys_at_their_defaults_too():
+    """One rule for every text encoder config: a key left out is the config class's default, never unchecked."""
+    from vidmem.pipelines.comfy_files import detect
+
+    fields = detect.text_encoder_config_fields("UMT5EncoderModel", {"d_model": 4096, "num_layers": 24})
+    assert fields["relative_attention_num_buckets"] == 32 and fields["num_heads"] == 6 and fields["vocab_size"] == 250112
+
+
+# ComfyUI 0.8.0's comfy/text_encoders/byt5_config_small_glyph.json, restated: what byt5_small_glyphxl_fp16 holds.
+COMFY_BYT5_GLYPH = dict(vocab_size=1510, d_model=1472, num_layers=12, num_heads=6, d_kv=64, d_ff=3584,
+                        relative_attention_num_buckets=32)
+
+
+def test_the_shipped_byt5_glyph_config_is_comfyuis():
+    from vidmem.pipelines.comfy_files import detect
+    from vidmem.pipelines.comfy_files.catalogue import read_component
+
+    component = read_component("text_encoder_2", {"ref": "byt5-small-glyph"})
+    fields = detect.text_encoder_config_fields(component.class_name, component.config)
+    assert {k: fields[k] for k in COMFY_BYT5_GLYPH} == COMFY_BYT5_GLYPH
+
+
 # --- the same encoder as the folder's -------------------------------------------------------------
 
 @pytest.mark.reproducible_blas

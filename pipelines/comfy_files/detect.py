@@ -139,9 +139,20 @@ def text_encoder_fields(t: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def text_config(class_name: str, config: Mapping[str, Any]):
+    """The text part of a transformers text encoder's config (Gemma 3's text_config; the config itself for
+    the others), every key the file leaves out at the config class's default: the model is built the same
+    way (build.build_empty), and configs saved by transformers or their authors omit the defaults."""
+    import transformers
+
+    return getattr(transformers, class_name).config_class(**config).get_text_config()
+
+
 def text_encoder_config_fields(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields `text_encoder_fields` reads, from a T5 / UMT5 config (see `text_config`)."""
+    text = text_config(class_name, config)
     fields = ("vocab_size", "d_model", "num_layers", "num_heads", "d_kv", "d_ff", "relative_attention_num_buckets")
-    return {"class": class_name, **{k: config[k] for k in fields if k in config}}
+    return {"class": class_name, **{k: getattr(text, k) for k in fields}}
 
 
 def clip_vision_fields(t: Mapping[str, Any]) -> dict[str, Any]:
