@@ -388,6 +388,27 @@ def test_a_refusal_comes_before_the_transformer_file_is_built(tiny_folder, tiny_
     assert built == []
 
 
+@pytest.mark.parametrize("variant,dropped", [(HY15, "layers.1.mlp.up_proj.weight"), (WAN, "encoder.final_layer_norm.weight")])
+def test_a_file_that_fits_the_config_but_lacks_a_tensor_is_refused_before_anything_is_built(tiny_loaded, tiny_folder, tmp_path,
+                                                                                            built, variant, dropped):
+    from vidmem.pipelines.comfy_files.write import write_hy15_transformer
+
+    module = encoder(tiny_loaded(variant))
+    tensors = {name: t for name, t in store_tensors(module, "fp32").items() if name != dropped}
+    if variant == HY15:
+        path = write_language_model(tensors, tmp_path / "qwen_incomplete.safetensors", "Qwen2_5_VLTextModel")
+        transformer = write_hy15_transformer(
+            {n: t.detach() for n, t in tiny_loaded(HY15).pipe.transformer.state_dict().items()},
+            tmp_path / "hunyuanvideo1.5_tiny.safetensors", "fp32")
+        files = {"transformer_file": transformer}
+    else:
+        path, files = write_text_encoder(tensors, tmp_path / "umt5_incomplete.safetensors", None), {}
+    with pytest.raises(ModelError, match=rf"text_encoder_file: '{path.name}' lacks 1 of the tensors the text_encoder of "
+                                         rf"'{variant}' needs \({dropped}\); the file is incomplete"):
+        load_pipeline(tiny_folder(variant), "fp32", text_encoder_file=path, **files)
+    assert built == []
+
+
 # --- the node -------------------------------------------------------------------------------------
 
 def test_the_node_reads_the_files_from_the_text_encoder_list(tiny_folder, files, tmp_path, monkeypatch):

@@ -17,7 +17,9 @@ would be (`weight_dtype` lowers `text_encoder`, never `text_encoder_2`, as in `w
 
 from __future__ import annotations
 
+import json
 import logging
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -38,6 +40,7 @@ PICK = {
     ("text_encoder", "Gemma3ForConditionalGeneration"): "gemma_3_12B_it.safetensors or one of its fp8-scaled variants",
     ("text_encoder_2", "T5EncoderModel"): "byt5_small_glyphxl_fp16.safetensors",
 }
+LISTED = 5  # missing tensors named in a message
 log = logging.getLogger("vidmem")
 
 
@@ -71,7 +74,34 @@ def read_text_encoder_file(path: str | Path, component: str, class_name: str, co
     problems = detect.differences(file.fields, _config_fields(class_name, config))
     if problems:
         raise ModelError(f"{role}: '{path.name}' is not the {component} of '{folder.name}' ({'; '.join(problems)}); {fix}.")
+    needed = _needed_names(class_name, json.dumps(dict(config), sort_keys=True))
+    missing = [names[0] for names in needed if not any(name in file.tensors for name in names)]
+    if missing:
+        listed = ", ".join(missing[:LISTED]) + (f" and {len(missing) - LISTED} more" if len(missing) > LISTED else "")
+        raise ModelError(f"{role}: '{path.name}' lacks {len(missing)} of the tensors the {component} of '{folder.name}' "
+                         f"needs ({listed}); the file is incomplete or of another variant: {fix}.")
     return file
+
+
+@lru_cache(maxsize=8)
+def _needed_names(class_name: str, config_json: str) -> tuple[tuple[str, ...], ...]:
+    """The weights a file must hold for `class_name` configured by `config_json`, one tuple of names per
+    tensor (tied names share one: a file holding either is whole), the parts `fit_optional` may remove left
+    out. Built on meta (no memory; not the build `load_text_encoder_file` makes), so an incomplete file is
+    refused before any component is built rather than in assign_weights, after the transformer file."""
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    with torch.device("meta"):
+        module = cls(cls.config_class(**json.loads(config_json)))
+    module.tie_weights()  # as build.build_empty does: tied weights become one parameter
+    layout = text_encoders.LAYOUTS.get(class_name)
+    optional = tuple(part + "." for part in layout.optional) if layout else ()
+    by_tensor: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if not name.startswith(optional):
+            by_tensor.setdefault(id(parameter), []).append(name)
+    return tuple(tuple(names) for names in by_tensor.values())
 
 
 def _config_fields(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]:
