@@ -35,8 +35,9 @@ from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recomm
 from ..memory.plan.stages import VideoShape
 from .plan_route_parallel import PARALLEL_DEVICE, gpu_rows, gpu_summary, gpu_time, plan_gpus, planned_layout
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
-                         TEXT_ENCODER_WIDGETS, folder_options, recognise, text_encoder_files_request, transformer_file_request,
+                         folder_options, recognise, text_encoder_files_request, transformer_file_request,
                          vae_dtype_request, weight_dtype_request)
+from ..pipelines.comfy_files.text_encoder_file import ROLES as TEXT_ROLES
 from ..pipelines.compile import CompileSettings
 from ..pipelines.loader import torch_dtype
 from .cache import VidMemStepCache
@@ -423,7 +424,7 @@ def _input_named(message: str) -> str | None:
     head = message.split("=", 1)[0].strip()
     role = message.split(":", 1)[0].strip()
     # The file loaders' messages start 'role: ...'.
-    if role in (*FILE_ROLES, "transformer_file", *TEXT_ENCODER_WIDGETS, "weight_dtype"):
+    if role in (*FILE_ROLES, "transformer_file", *TEXT_ROLES.values(), "weight_dtype"):
         return role
     known = (*WIDGETS, *BUDGETS, CHUNKS, *SHAPE, *WINDOWS, *PARALLEL_WIDGETS)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)
