@@ -130,7 +130,7 @@ def test_real_size_files_fit_the_shipped_diffusers_configs(ref):
     layout = text_encoders.LAYOUTS[component.class_name]
     names = text_encoders.comfy_names(layout, [n for n in state if n != "lm_head.weight"])
     file = {original: state[name] for name, original in names.items()}
-    found = text_encoders.fields(text_encoders.model_tensors(layout, file))
+    found = text_encoders.fields(text_encoders.model_tensors(layout, file), component.class_name)
     assert {k: found[k] for k in COMFY_SIZES[ref]} == COMFY_SIZES[ref]
     assert found == text_encoders.config_fields(component.class_name, component.config)
 

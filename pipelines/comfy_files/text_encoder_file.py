@@ -29,9 +29,8 @@ from ..family import ModelError
 from . import detect, text_encoders
 from .files import WeightFile, read_weight_file
 
-ROLES = {"text_encoder": "text_encoder_file", "text_encoder_2": "text_encoder_2_file"}  # component -> loader input
-FOLDER_CHOICE = "(from the folder)"
-HELD = text_encoders.HELD
+ROLES = {"text_encoder": "text_encoder_file", "text_encoder_2": "text_encoder_2_file"}  # component -> loader input (the one table)
+FOLDER_CHOICE = "(from the folder)"  # every file input's "use the folder's own" choice (nodes/loader.py reads it)
 # (component, the folder's class) -> the files that fit it; a pair not listed takes no file.
 PICK = {
     ("text_encoder", "UMT5EncoderModel"): "umt5_xxl_fp8_e4m3fn_scaled.safetensors or umt5_xxl_fp16.safetensors",
@@ -42,6 +41,15 @@ PICK = {
 }
 LISTED = 5  # missing tensors named in a message
 log = logging.getLogger("vidmem")
+
+
+def replaced_components(index: Mapping[str, Any], folder: str | Path, chosen: Mapping[str, Any]) -> dict[str, Any]:
+    """component -> the file replacing it, from the loader's inputs `chosen` (input -> path, empty or None for the
+    folder's own), each checked to be replaceable (`check_replaceable`) before any file is read."""
+    files = {component: chosen[role] for component, role in ROLES.items() if chosen.get(role)}
+    for component in files:
+        check_replaceable(index, component, folder)
+    return files
 
 
 def check_replaceable(index: Mapping[str, Any], component: str, folder: str | Path) -> str:
@@ -66,11 +74,12 @@ def read_text_encoder_file(path: str | Path, component: str, class_name: str, co
     if config is None:
         raise ModelError(f"{role}: '{folder.name}' has no {component}/config.json, which configures the file; "
                          "re-download the folder's configs.")
-    file = read_weight_file(path, role, detect.TEXT_ENCODER, takes=f"a text encoder ({HELD[class_name]})")
+    file = read_weight_file(path, role, detect.TEXT_ENCODER, takes=f"a text encoder ({text_encoders.HELD[class_name]})")
     found = file.fields["class"]
     if found != class_name:
-        raise ModelError(f"{role}: '{path.name}' is {HELD[found]}, but the {component} of '{folder.name}' is "
-                         f"{HELD[class_name]}: {fix}.")
+        held = text_encoders.HELD
+        raise ModelError(f"{role}: '{path.name}' is {held[found]}, but the {component} of '{folder.name}' is "
+                         f"{held[class_name]}: {fix}.")
     problems = detect.differences(file.fields, _config_fields(class_name, config))
     if problems:
         raise ModelError(f"{role}: '{path.name}' is not the {component} of '{folder.name}' ({'; '.join(problems)}); {fix}.")

@@ -120,9 +120,10 @@ def class_of(model_names: Iterable[str]) -> str | None:
                  and layout.language + "layers.0.self_attn.q_proj.weight" in names), None)
 
 
-def fields(t: Mapping[str, Any]) -> dict[str, Any]:
-    """The config fields a language model's tensors (model names) fix; `config_fields` reads the same from a config."""
-    layout = LAYOUTS[class_of(t)]
+def fields(t: Mapping[str, Any], class_name: str) -> dict[str, Any]:
+    """The config fields the tensors (model names) of a language model of `class_name` (`class_of`) fix;
+    `config_fields` reads the same from a config."""
+    layout = LAYOUTS[class_name]
     layer = layout.language + "layers.0."
     embed = t[layout.language + "embed_tokens.weight"].shape
     found = {
