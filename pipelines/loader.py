@@ -50,6 +50,8 @@ class LoadedPipeline:
     vae_file: str = ""  # the single file that replaced the folder's VAE ("" for none)
     # component -> the single file that replaced it (text_encoder, text_encoder_2; empty for none)
     text_encoder_files: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # "component.sub.module" paths the loader removed (a Gemma 3 file without its vision tower): not planned either
+    removed: tuple[str, ...] = ()
     storage: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # component -> StorageFormat name
     on_disk: bool = False  # weights used in place from their files' mappings (the disk tier)
     vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name
@@ -214,9 +216,11 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
             vae_file, index["vae"][1], configs.get("vae") or {}, folder, torch_dtype(vae_dtype or dtype))
     elif vae_dtype and vae_dtype != dtype and not carries_vae and "vae" in index:
         overrides["vae"] = folder_vae(folder, vae_dtype)  # read once, at its own precision
+    removed = ()
     for name, file in text_read.items():
-        overrides[name], storage[name], reports[name] = text_file.load_text_encoder_file(
+        overrides[name], storage[name], reports[name], parts = text_file.load_text_encoder_file(
             file, name, index[name][1], configs[name], folder, torch_dtype(dtype), weight_dtype)
+        removed += tuple(f"{name}.{part}" for part in parts)
     # load_stored checks the RAM the other components take at `dtype`; an encoder from a file lies in the
     # file's mapping (fp8 files: half the bytes), so it is left out of that sum rather than counted in full.
     ram_configs = {name: config for name, config in configs.items() if name not in text_files}
@@ -243,6 +247,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
                           storage_reports=MappingProxyType(reports),
                           transformer_file=str(transformer_file or ""), vae_file=str(vae_file or ""),
                           text_encoder_files=MappingProxyType({name: str(path) for name, path in text_files.items()}),
+                          removed=removed,
                           vae_dtype_name=vae_dtype if vae_dtype != dtype and "vae" in index else "")
 
 

@@ -290,9 +290,27 @@ def test_gemma_without_its_vision_tower_runs_its_language_model_on_every_tier(ti
     with_vision = encoder(load_pipeline(tiny_folder(LTX2), "fp32", text_encoder_file=files(LTX2)))
     assert with_vision.model.vision_tower is not None  # carried by the file: mapped as the folder has it
     request = request_for(LTX2)
-    for strategy in (MemoryStrategy(offload="sequential"), MemoryStrategy(offload="model")):
+    tiers = (MemoryStrategy(offload="none"), MemoryStrategy(offload="model"),
+             MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=0), MemoryStrategy(offload="sequential"))
+    for strategy in tiers:
         found = sample(loaded, strategy, request, backend=CpuBackend()).latent["samples"]
         assert torch.equal(found, sample(tiny_loaded(LTX2), strategy, request, backend=CpuBackend()).latent["samples"])
+
+
+def test_a_gemma_file_without_its_vision_tower_is_planned_without_it(tiny_loaded, tiny_folder, files):
+    """The loader records the parts it removed; the planner builds the encoder without them, so it counts the
+    bytes the run holds (Gemma 3 12B's SigLIP tower and projector: about 0.42B parameters)."""
+    from vidmem.pipelines.planning import planner_model
+
+    without = load_pipeline(tiny_folder(LTX2), "fp32", text_encoder_file=files(LTX2, with_vision=False))
+    whole = load_pipeline(tiny_folder(LTX2), "fp32", text_encoder_file=files(LTX2))
+    assert without.removed == ("text_encoder.model.vision_tower", "text_encoder.model.multi_modal_projector")
+    assert whole.removed == ()
+    gemma = encoder(tiny_loaded(LTX2))
+    parts = [gemma.get_submodule(path) for path in text_encoders.GEMMA3.optional]
+    vision = sum(t.numel() * t.element_size() for part in parts for t in [*part.parameters(), *part.buffers()])
+    planned = {loaded.removed: planner_model(loaded).weights("text_encoder").nbytes for loaded in (without, whole)}
+    assert vision > 0 and planned[()] - planned[without.removed] == vision
 
 
 # --- refusals -------------------------------------------------------------------------------------

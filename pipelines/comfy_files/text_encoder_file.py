@@ -122,37 +122,41 @@ def _config_fields(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]
 def load_text_encoder_file(file: WeightFile, component: str, class_name: str, config: Mapping[str, Any],
                            folder: str | Path, dtype: torch.dtype, weight_dtype: str):
     """The folder's `component` built from `config` and filled from `file` (see the module doc), computing
-    in `dtype`. Returns (module, the format its matrices are held in, report)."""
+    in `dtype`. Returns (module, the format its matrices are held in, report, the submodule paths removed
+    from it: `fit_optional`)."""
     from ..configs.meta import ComponentConfig
     from ..weight_storage import DEFAULT_WEIGHTS, LOWERED, hold
     from .build import build_empty
 
     config_path = str(Path(folder) / component / "config.json")
     module = build_empty(ComponentConfig(component, "transformers", class_name, dict(config), config_path))
-    tensors = fit_optional(module, file.tensors, file.name)
+    tensors, removed = fit_optional(module, file.tensors, file.name)
     report, held = hold(module, tensors, dtype, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS,
                         copy_to_ram=False, source=file.name)
-    return module, held, report
+    return module, held, report, removed
 
 
-def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any], file_name: str) -> Mapping[str, Any]:
-    """`tensors` for `module`, whose optional parts (Gemma 3's vision tower and projector) the file may lack.
+def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any], file_name: str) -> tuple[Mapping[str, Any], tuple[str, ...]]:
+    """(`tensors` for `module`, the submodule paths removed from it): its optional parts (Gemma 3's vision
+    tower and projector) the file may lack.
 
     Why: LTX-2 runs Gemma's language model only (LTX2Pipeline passes input_ids, never pixel_values), but
     a part left without weights stays on the meta device, where an offload tier moving the encoder would
     fail; giving it zeros would cost real RAM (about 0.8 GB in bf16 for Gemma 3 12B's SigLIP tower) for
     nothing. So a file that carries the whole vision part has it mapped, as the folder's encoder has it;
     otherwise the part is removed from the module (its submodules set to None, which transformers' forward
-    never reaches without images) and any of its tensors the file has are left unread."""
+    never reaches without images) and any of its tensors the file has are left unread. The removed paths
+    go on the LoadedPipeline, so the planner leaves those weights out too."""
     layout = text_encoders.LAYOUTS.get(type(module).__name__)
     if layout is None or not layout.optional:
-        return tensors
+        return tensors, ()
     wanted = [name for name in module.state_dict() if name.startswith(tuple(p + "." for p in layout.optional))]
     if all(name in tensors for name in wanted):
-        return tensors
+        return tensors, ()
     for path in layout.optional:
         parent, _, leaf = path.rpartition(".")
         setattr(module.get_submodule(parent), leaf, None)
     log.info("vidmem: '%s' lacks %s's vision part (%s): the text encoder runs without it.", file_name,
              layout.class_name, ", ".join(layout.optional))
-    return {name: t for name, t in tensors.items() if not name.startswith(tuple(p + "." for p in layout.optional))}
+    kept = {name: t for name, t in tensors.items() if not name.startswith(tuple(p + "." for p in layout.optional))}
+    return kept, layout.optional
