@@ -20,7 +20,7 @@ from ..pipelines.comfy_files import shipped_catalogue
 from ..pipelines.comfy_files import detect, match
 from ..pipelines.comfy_files.files import read_weight_file
 from ..pipelines.comfy_files.load import _COMPONENT, _KIND
-from ..pipelines.comfy_files.text_encoder_file import ROLES, check_replaceable, read_text_encoder_file
+from ..pipelines.comfy_files.text_encoder_file import ROLES, check_replaceable, read_text_encoder_file, removed_parts
 from ..pipelines.configs import load_model
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, LOWERED, WEIGHT_DTYPES, held_format
 from . import host
@@ -162,12 +162,11 @@ def folder_options(model: str, weight_dtype: str, transformer_file: tuple[str, i
     storage = dict(transformer_file_options(transformer_file, weight_dtype).storage) if transformer_file else {}
     if not text_encoder_files and weight_dtype == DEFAULT_WEIGHTS:
         return PlanOptions(storage=storage)
-    folder = host.resolve_model_folder(model, "")
-    index = folder / "model_index.json"
-    stamp = index.stat().st_mtime_ns if index.is_file() else 0
+    folder, stamp = _folder_and_stamp(model)
     for component, *file in text_encoder_files:
-        held = text_encoder_file_storage(str(folder), stamp, component, tuple(file), weight_dtype)
-        if held is not None:
+        stored, _ = text_encoder_file_plan(folder, stamp, component, tuple(file))
+        held = held_format(stored, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS)
+        if held in FORMATS:
             storage[component] = held
     if weight_dtype == DEFAULT_WEIGHTS:
         return PlanOptions(storage=storage)
@@ -193,14 +192,29 @@ def _folder_storage(folder: str, stamp: int, weight_dtype: str, replaced: tuple[
     return held
 
 
+def folder_removed(model: str, text_encoder_files: tuple[tuple[str, str, int, int], ...]) -> tuple[str, ...]:
+    """The parts of the folder's text encoders Load Video Pipeline removes for these files ("component.path",
+    as LoadedPipeline.removed: a Gemma 3 file without its vision tower), for configs.load_model(removed=...)."""
+    if not text_encoder_files:
+        return ()
+    folder, stamp = _folder_and_stamp(model)
+    return tuple(f"{component}.{part}" for component, *file in text_encoder_files
+                 for part in text_encoder_file_plan(folder, stamp, component, tuple(file))[1])
+
+
+def _folder_and_stamp(model: str) -> tuple[str, int]:
+    """The folder of `model` and its model_index.json's mtime (a changed folder is read again)."""
+    folder = host.resolve_model_folder(model, "")
+    index = folder / "model_index.json"
+    return str(folder), index.stat().st_mtime_ns if index.is_file() else 0
+
+
 @lru_cache(maxsize=16)
-def text_encoder_file_storage(folder: str, stamp: int, component: str, file: tuple[str, int, int],
-                              weight_dtype: str = DEFAULT_WEIGHTS) -> str | None:
-    """The format a text-encoder file replacing `folder`'s `component` is held in, as the loader holds it (the
-    file's, lowered by weight_dtype for `text_encoder` only); None where it is no storage format the planner knows.
-    The file is checked against the folder by the loader's own checks, with its messages (a file the loader
-    refuses gets no plan); only headers are read (and the few small records classifying it needs). `stamp`:
-    model_index.json's mtime, so a changed folder is checked again."""
+def text_encoder_file_plan(folder: str, stamp: int, component: str, file: tuple[str, int, int]) -> tuple[str, tuple[str, ...]]:
+    """(the storage format of the matrices of a text-encoder file replacing `folder`'s `component`, the parts of
+    the component the loader removes for it: text_encoder_file.removed_parts). The file is checked against the
+    folder by the loader's own checks, with its messages (a file the loader refuses gets no plan); only headers
+    are read (and the few small records classifying it needs). `stamp`: model_index.json's mtime."""
     from ..pipelines.json_files import read_json_object
     from ..pipelines.loader import read_model_index
 
@@ -210,8 +224,7 @@ def text_encoder_file_storage(folder: str, stamp: int, component: str, file: tup
     config = read_json_object(config_path, widget) if config_path.is_file() else None
     path = host.resolve_model_file("text_encoder", file[0], widget)
     opened = read_text_encoder_file(path, component, class_name, config, folder_path)
-    held = held_format(opened.storage, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS)
-    return held if held in FORMATS else None
+    return opened.storage, removed_parts(opened, class_name, config)
 
 
 @lru_cache(maxsize=16)

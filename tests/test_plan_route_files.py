@@ -189,3 +189,31 @@ def test_a_text_encoder_file_the_loader_refuses_gets_the_loaders_message_not_a_p
                                        list(DTYPES)), folder_model, BUDGETS)
     assert second["status"] == "error" and second["input"] == "text_encoder_2_file", second
     assert "'Wan2.1-T2V-1.3B-Diffusers' has no second text encoder" in second["error"]
+
+
+def test_a_gemma_file_without_its_vision_tower_is_planned_without_it(models, tmp_path):
+    """The plan reads from the file's header what the loader will remove (text_encoder_file.removed_parts) and
+    builds the folder's model without it: fewer bytes than the same folder with the whole Gemma file."""
+    from vidmem.pipelines.comfy_files import text_encoders
+    from vidmem.pipelines.comfy_files.write import store_tensors, write_language_model
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.loader import load_pipeline
+
+    folder = diffusers_folder(tmp_path, "ltx2-t2v", "LTX-2")
+    tensors = store_tensors(load_pipeline(folder, "fp32").pipe.text_encoder, "bf16")
+    lean = {n: t for n, t in tensors.items() if not n.startswith(text_encoders.GEMMA3.optional)}
+    for name, written in (("gemma_whole.safetensors", tensors), ("gemma_novision.safetensors", lean)):
+        write_language_model(written, tmp_path / "text_encoders" / name, "Gemma3ForConditionalGeneration")
+    asked = []
+
+    def folder_model(name, dtype, *vae, removed=()):
+        asked.append(removed)
+        return load_model(str(tmp_path / "diffusers" / name), dtype, *vae, removed=removed)
+
+    shape = {"model": "LTX-2", "dtype": "bf16", "width": "64", "height": "64", "frames": "9"}
+    plans = {name: plan_answer(parse_request({**shape, "text_encoder_file": name}, ["LTX-2"], list(DTYPES)), folder_model,
+                               BUDGETS) for name in ("gemma_whole.safetensors", "gemma_novision.safetensors")}
+    assert all(plan["status"] == "ok" for plan in plans.values()), plans
+    assert asked == [(), ("text_encoder.model.vision_tower", "text_encoder.model.multi_modal_projector")]
+    whole, lean = (plans[name]["rows"][0]["peak_ram_bytes"] for name in ("gemma_whole.safetensors", "gemma_novision.safetensors"))
+    assert lean < whole

@@ -92,24 +92,44 @@ def read_text_encoder_file(path: str | Path, component: str, class_name: str, co
     return file
 
 
-@lru_cache(maxsize=8)
 def _needed_names(class_name: str, config_json: str) -> tuple[tuple[str, ...], ...]:
     """The weights a file must hold for `class_name` configured by `config_json`, one tuple of names per
     tensor (tied names share one: a file holding either is whole), the parts `fit_optional` may remove left
-    out. Built on meta (no memory; not the build `load_text_encoder_file` makes), so an incomplete file is
-    refused before any component is built rather than in assign_weights, after the transformer file."""
+    out: so an incomplete file is refused before any component is built rather than in assign_weights,
+    after the transformer file."""
+    optional = _optional_prefixes(class_name)
+    return tuple(names for names in _parameter_names(class_name, config_json) if not names[0].startswith(optional))
+
+
+def removed_parts(file: WeightFile, class_name: str, config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The submodules `fit_optional` removes when `file` (checked by read_text_encoder_file) is loaded: Gemma 3's
+    vision tower and projector when the file lacks any of their weights. Read from its names; nothing is built
+    but on meta, so the plan can leave them out before a load."""
+    optional = _optional_prefixes(class_name)
+    wanted = [names for names in _parameter_names(class_name, json.dumps(dict(config), sort_keys=True))
+              if names[0].startswith(optional)] if optional else []
+    whole = all(any(name in file.tensors for name in names) for names in wanted)
+    return () if whole else text_encoders.LAYOUTS[class_name].optional
+
+
+def _optional_prefixes(class_name: str) -> tuple[str, ...]:
+    layout = text_encoders.LAYOUTS.get(class_name)
+    return tuple(part + "." for part in layout.optional) if layout else ()
+
+
+@lru_cache(maxsize=8)
+def _parameter_names(class_name: str, config_json: str) -> tuple[tuple[str, ...], ...]:
+    """Every parameter of `class_name` configured by `config_json`, one tuple of names per tensor (tied names
+    together). Built on meta: no memory, and not the build `load_text_encoder_file` makes."""
     import transformers
 
     cls = getattr(transformers, class_name)
     with torch.device("meta"):
         module = cls(cls.config_class(**json.loads(config_json)))
     module.tie_weights()  # as build.build_empty does: tied weights become one parameter
-    layout = text_encoders.LAYOUTS.get(class_name)
-    optional = tuple(part + "." for part in layout.optional) if layout else ()
     by_tensor: dict[int, list[str]] = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
-        if not name.startswith(optional):
-            by_tensor.setdefault(id(parameter), []).append(name)
+        by_tensor.setdefault(id(parameter), []).append(name)
     return tuple(tuple(names) for names in by_tensor.values())
 
 
