@@ -210,7 +210,8 @@ def _folder_and_stamp(model: str) -> tuple[str, int]:
 
 
 @lru_cache(maxsize=16)
-def text_encoder_file_plan(folder: str, stamp: int, component: str, file: tuple[str, int, int]) -> tuple[str, tuple[str, ...]]:
+def text_encoder_file_plan(folder: str, stamp: int, component: str,
+                           file: tuple[str, int, int]) -> tuple[str, tuple[str, ...]]:
     """(the storage format of the matrices of a text-encoder file replacing `folder`'s `component`, the parts of
     the component the loader removes for it: text_encoder_file.removed_parts). The file is checked against the
     folder by the loader's own checks, with its messages (a file the loader refuses gets no plan); only headers

@@ -29,7 +29,8 @@ from ..family import ModelError
 from . import detect, text_encoders
 from .files import WeightFile, read_weight_file
 
-ROLES = {"text_encoder": "text_encoder_file", "text_encoder_2": "text_encoder_2_file"}  # component -> loader input (the one table)
+# component -> Load Video Pipeline's input: the one table the loader, the node and the plan read.
+ROLES = {"text_encoder": "text_encoder_file", "text_encoder_2": "text_encoder_2_file"}
 FOLDER_CHOICE = "(from the folder)"  # every file input's "use the folder's own" choice (nodes/loader.py reads it)
 # (component, the folder's class) -> the files that fit it; a pair not listed takes no file.
 PICK = {
@@ -156,7 +157,8 @@ def load_text_encoder_file(file: WeightFile, component: str, class_name: str, co
     return module, held, report, removed
 
 
-def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any], file_name: str) -> tuple[Mapping[str, Any], tuple[str, ...]]:
+def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any],
+                 file_name: str) -> tuple[Mapping[str, Any], tuple[str, ...]]:
     """(`tensors` for `module`, the submodule paths removed from it): its optional parts (Gemma 3's vision
     tower and projector) the file may lack.
 
