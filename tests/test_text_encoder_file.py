@@ -172,6 +172,8 @@ def test_the_t5_reader_takes_left_out_keys_at_their_defaults_too():
 
     fields = detect.text_encoder_config_fields("UMT5EncoderModel", {"d_model": 4096, "num_layers": 24})
     assert fields["relative_attention_num_buckets"] == 32 and fields["num_heads"] == 6 and fields["vocab_size"] == 250112
+    with pytest.raises(ModelError, match=r"the UMT5EncoderModel config.json does not configure its class \(.*d_model"):
+        detect.text_encoder_config_fields("UMT5EncoderModel", {"d_model": "wide"})
 
 
 # ComfyUI 0.8.0's comfy/text_encoders/byt5_config_small_glyph.json, restated: what byt5_small_glyphxl_fp16 holds.
