@@ -3,6 +3,7 @@ HunyuanVideo 1.5), its parts optionally replaced by single files, kept on the CP
 
 from __future__ import annotations
 
+from ..pipelines.comfy_files.text_encoder_file import FOLDER_CHOICE, ROLES
 from ..pipelines.configs import load_model
 from ..pipelines.family import ModelError
 from ..pipelines.loader import DTYPES, load_pipeline
@@ -12,7 +13,7 @@ from .preflight import HIDDEN, check_before_loading
 
 PIPELINE_TYPE = "VIDMEM_PIPELINE"
 NO_MODELS = "(no diffusers models found)"
-FOLDER_TRANSFORMER = "(from the folder)"
+FOLDER_TRANSFORMER = FOLDER_CHOICE  # the folder's own transformer (one sentinel for every file input)
 FOLDER_VAE = FOLDER_TRANSFORMER  # the folder's own VAE
 FOLDER_TEXT_ENCODER = FOLDER_TRANSFORMER  # the folder's own text encoder(s)
 SAME = "same as dtype"
@@ -118,8 +119,9 @@ class VidMemLoadPipeline:
         folder = found(host.resolve_model_folder, model, path)
         check_before_loading(prompt, unique_id, lambda: load_model(str(folder), dtype, vae_dtype_name(vae_dtype) or None))
         single = None if transformer_file == FOLDER_TRANSFORMER else found(host.resolve_single_file, transformer_file)
-        texts = {role: None if name == FOLDER_TEXT_ENCODER else found(host.resolve_model_file, "text_encoder", name, role)
-                 for role, name in (("text_encoder_file", text_encoder_file), ("text_encoder_2_file", text_encoder_2_file))}
+        chosen = {"text_encoder_file": text_encoder_file, "text_encoder_2_file": text_encoder_2_file}
+        texts = {widget: None if chosen[widget] == FOLDER_TEXT_ENCODER
+                 else found(host.resolve_model_file, "text_encoder", chosen[widget], widget) for widget in ROLES.values()}
         vae = None if vae_file == FOLDER_VAE else found(host.resolve_model_file, "vae", vae_file, "vae_file")
         return (load_pipeline(folder, dtype, single, weight_dtype, vae, vae_dtype_name(vae_dtype), **texts),)
 

@@ -20,10 +20,11 @@ from ..pipelines.comfy_files import shipped_catalogue
 from ..pipelines.comfy_files import detect, match
 from ..pipelines.comfy_files.files import read_weight_file
 from ..pipelines.comfy_files.load import _COMPONENT, _KIND
+from ..pipelines.comfy_files.text_encoder_file import ROLES, check_replaceable, read_text_encoder_file, removed_parts
 from ..pipelines.configs import load_model
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, LOWERED, WEIGHT_DTYPES, held_format
 from . import host
-from .loader import SAME, vae_dtype_name
+from .loader import FOLDER_TEXT_ENCODER, FOLDER_TRANSFORMER, SAME, vae_dtype_name
 
 FILES_LOADER = "VidMemLoadModelFiles"
 FILE_ROLES = ("model", "text_encoder", "vae", "model_2", "clip_vision")  # the first three are required
@@ -115,9 +116,6 @@ def recognise(request: FilesRequest, dtype: str) -> RecognisedFiles:
     return RecognisedFiles(entry.name, PlanOptions(storage=storage, on_disk=on_disk), model)
 
 
-FOLDER_TRANSFORMER = "(from the folder)"  # nodes/loader.py: the folder's own transformer
-
-
 def transformer_file_request(query) -> tuple[str, int, int] | None:
     """Load Video Pipeline's transformer_file as (name, size, mtime_ns); None for the folder's own."""
     name = query.get("transformer_file", FOLDER_TRANSFORMER)
@@ -130,21 +128,17 @@ def transformer_file_request(query) -> tuple[str, int, int] | None:
     return name, stat.st_size, stat.st_mtime_ns
 
 
-# Load Video Pipeline's text-encoder file widgets -> the folder component each replaces.
-TEXT_ENCODER_WIDGETS = {"text_encoder_file": "text_encoder", "text_encoder_2_file": "text_encoder_2"}
-
-
 def text_encoder_files_request(query) -> tuple[tuple[str, str, int, int], ...]:
     """Load Video Pipeline's text-encoder files as (component, name, size, mtime_ns), the folder's own left out;
     FilesProblem naming the widget when a name is not in the host's list."""
     chosen = []
-    for widget, component in TEXT_ENCODER_WIDGETS.items():
-        name = query.get(widget, FOLDER_TRANSFORMER)
-        if name == FOLDER_TRANSFORMER:
+    for component, widget in ROLES.items():
+        name = query.get(widget, FOLDER_TEXT_ENCODER)
+        if name == FOLDER_TEXT_ENCODER:
             continue
         if name not in host.model_file_names("text_encoder"):
             raise FilesProblem(widget, f"{widget}={name!r} is not in the host's text encoder list; pick one the "
-                                       "Load Video Pipeline node offers, or (from the folder).")
+                                       f"Load Video Pipeline node offers, or {FOLDER_TEXT_ENCODER}.")
         stat = host.resolve_model_file("text_encoder", name, widget).stat()
         chosen.append((component, name, stat.st_size, stat.st_mtime_ns))
     return tuple(chosen)
@@ -166,16 +160,18 @@ def folder_options(model: str, weight_dtype: str, transformer_file: tuple[str, i
     single file replacing a component (transformer_file, the text encoder files) plans in the
     file's storage, as the loader holds it."""
     storage = dict(transformer_file_options(transformer_file, weight_dtype).storage) if transformer_file else {}
+    if not text_encoder_files and weight_dtype == DEFAULT_WEIGHTS:
+        return PlanOptions(storage=storage)
+    folder, stamp = _folder_and_stamp(model)
     for component, *file in text_encoder_files:
-        held = text_encoder_file_storage(component, tuple(file), weight_dtype)
-        if held is not None:
+        stored, _ = text_encoder_file_plan(folder, stamp, component, tuple(file))
+        held = held_format(stored, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS)
+        if held in FORMATS:
             storage[component] = held
     if weight_dtype == DEFAULT_WEIGHTS:
         return PlanOptions(storage=storage)
-    folder = host.resolve_model_folder(model, "")
-    index = folder / "model_index.json"
     replaced = ("transformer",) * bool(transformer_file) + tuple(component for component, *_ in text_encoder_files)
-    held = _folder_storage(str(folder), index.stat().st_mtime_ns if index.is_file() else 0, weight_dtype, replaced)
+    held = _folder_storage(str(folder), stamp, weight_dtype, replaced)
     storage.update({name: fmt for name, (_, fmt) in held.items()})
     on_disk = not replaced and all(stored == fmt for stored, fmt in held.values())
     return PlanOptions(storage=storage, on_disk=on_disk)
@@ -196,15 +192,40 @@ def _folder_storage(folder: str, stamp: int, weight_dtype: str, replaced: tuple[
     return held
 
 
+def folder_removed(model: str, text_encoder_files: tuple[tuple[str, str, int, int], ...]) -> tuple[str, ...]:
+    """The parts of the folder's text encoders Load Video Pipeline removes for these files ("component.path",
+    as LoadedPipeline.removed: a Gemma 3 file without its vision tower), for configs.load_model(removed=...)."""
+    if not text_encoder_files:
+        return ()
+    folder, stamp = _folder_and_stamp(model)
+    return tuple(f"{component}.{part}" for component, *file in text_encoder_files
+                 for part in text_encoder_file_plan(folder, stamp, component, tuple(file))[1])
+
+
+def _folder_and_stamp(model: str) -> tuple[str, int]:
+    """The folder of `model` and its model_index.json's mtime (a changed folder is read again)."""
+    folder = host.resolve_model_folder(model, "")
+    index = folder / "model_index.json"
+    return str(folder), index.stat().st_mtime_ns if index.is_file() else 0
+
+
 @lru_cache(maxsize=16)
-def text_encoder_file_storage(component: str, file: tuple[str, int, int], weight_dtype: str = DEFAULT_WEIGHTS) -> str | None:
-    """The format a text-encoder file replacing the folder's `component` is held in, as the loader holds it (the
-    file's, lowered by weight_dtype for `text_encoder` only); None where it is no storage format the planner knows.
-    Only the header is read (and the few small records classifying it needs): an fp8 file plans as fp8 bytes."""
-    widget = next(w for w, c in TEXT_ENCODER_WIDGETS.items() if c == component)
-    opened = read_weight_file(host.resolve_model_file("text_encoder", file[0], widget), widget, detect.TEXT_ENCODER)
-    held = held_format(opened.storage, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS)
-    return held if held in FORMATS else None
+def text_encoder_file_plan(folder: str, stamp: int, component: str,
+                           file: tuple[str, int, int]) -> tuple[str, tuple[str, ...]]:
+    """(the storage format of the matrices of a text-encoder file replacing `folder`'s `component`, the parts of
+    the component the loader removes for it: text_encoder_file.removed_parts). The file is checked against the
+    folder by the loader's own checks, with its messages (a file the loader refuses gets no plan); only headers
+    are read (and the few small records classifying it needs). `stamp`: model_index.json's mtime."""
+    from ..pipelines.json_files import read_json_object
+    from ..pipelines.loader import read_model_index
+
+    folder_path, widget = Path(folder), ROLES[component]
+    class_name = check_replaceable(read_model_index(folder_path), component, folder_path)
+    config_path = folder_path / component / "config.json"
+    config = read_json_object(config_path, widget) if config_path.is_file() else None
+    path = host.resolve_model_file("text_encoder", file[0], widget)
+    opened = read_text_encoder_file(path, component, class_name, config, folder_path)
+    return opened.storage, removed_parts(opened, class_name, config)
 
 
 @lru_cache(maxsize=16)

@@ -35,8 +35,9 @@ from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recomm
 from ..memory.plan.stages import VideoShape
 from .plan_route_parallel import PARALLEL_DEVICE, gpu_rows, gpu_summary, gpu_time, plan_gpus, planned_layout
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
-                         TEXT_ENCODER_WIDGETS, folder_options, recognise, text_encoder_files_request, transformer_file_request,
+                         folder_options, folder_removed, recognise, text_encoder_files_request, transformer_file_request,
                          vae_dtype_request, weight_dtype_request)
+from ..pipelines.comfy_files.text_encoder_file import ROLES as TEXT_ROLES
 from ..pipelines.compile import CompileSettings
 from ..pipelines.loader import torch_dtype
 from .cache import VidMemStepCache
@@ -190,7 +191,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
                 device: str | None = None, visible_gpus: int | None = None) -> dict:
     """The plan as JSON-ready data: one row per tier (and the user's own settings), the chosen row marked.
 
-    `load_model(name, dtype[, vae_dtype])` gives the plannable meta model; `budgets` are the host's default
+    `load_model(name, dtype[, vae_dtype][, removed=])` gives the plannable meta model; `budgets` are the host's default
     (VRAM, RAM) bytes, used where the widgets say 0; `device` the torch device type the host
     computes on (None: cuda when present, else cpu); `visible_gpus` the CUDA GPUs it shows (None:
     probed), which gpus=auto counts under context parallelism. Two or more GPUs are planned per GPU
@@ -384,8 +385,10 @@ def _visible_gpus() -> int:
 def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], object]) -> tuple[object, PlanOptions]:
     """The plannable model and how its weights are held: a folder's at the compute dtype; single
     files recognised from their headers, with their own storage and the disk tier."""
-    if request.files is None:  # the VAE's own dtype only when set: load_model(name, dtype[, vae_dtype])
-        model = load_model(request.model, request.dtype, *([request.vae_dtype] if request.vae_dtype else []))
+    if request.files is None:  # the VAE's own dtype only when set: load_model(name, dtype[, vae_dtype][, removed=])
+        removed = folder_removed(request.model, request.text_encoder_files)  # a Gemma file without its vision tower
+        model = load_model(request.model, request.dtype, *([request.vae_dtype] if request.vae_dtype else []),
+                           **({"removed": removed} if removed else {}))
         return model, folder_options(request.model, request.weight_dtype, request.transformer_file, request.text_encoder_files)
     recognised = recognise(request.files, request.dtype)
     return recognised.planner_model, recognised.options
@@ -423,7 +426,7 @@ def _input_named(message: str) -> str | None:
     head = message.split("=", 1)[0].strip()
     role = message.split(":", 1)[0].strip()
     # The file loaders' messages start 'role: ...'.
-    if role in (*FILE_ROLES, "transformer_file", *TEXT_ENCODER_WIDGETS, "weight_dtype"):
+    if role in (*FILE_ROLES, "transformer_file", *TEXT_ROLES.values(), "weight_dtype"):
         return role
     known = (*WIDGETS, *BUDGETS, CHUNKS, *SHAPE, *WINDOWS, *PARALLEL_WIDGETS)
     return head if head in known else next((name for name in known if f"{name}=" in message), None)

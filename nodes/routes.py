@@ -78,8 +78,9 @@ def _register_plan_route(routes) -> None:
             budgets.append(default_budgets(host.compute_device()))
         return plan_answer(plan_request, plannable, budgets[0], device=host.compute_device().type)
 
-    def plannable(name: str, dtype: str, vae_dtype: str = ""):
-        return load_model(str(host.resolve_model_folder(name, "")), dtype, vae_dtype or None)  # config files only, on meta
+    def plannable(name: str, dtype: str, vae_dtype: str = "", removed: tuple[str, ...] = ()):
+        folder = str(host.resolve_model_folder(name, ""))
+        return load_model(folder, dtype, vae_dtype or None, removed)  # config files only, on meta
 
     service = PlanService(answer)
 

@@ -50,6 +50,8 @@ class LoadedPipeline:
     vae_file: str = ""  # the single file that replaced the folder's VAE ("" for none)
     # component -> the single file that replaced it (text_encoder, text_encoder_2; empty for none)
     text_encoder_files: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # "component.sub.module" paths the loader removed (a Gemma 3 file without its vision tower): not planned either
+    removed: tuple[str, ...] = ()
     storage: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # component -> StorageFormat name
     on_disk: bool = False  # weights used in place from their files' mappings (the disk tier)
     vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name
@@ -173,6 +175,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     configured by the folder's config.json and checked against it before anything is built; the
     folder keeps supplying the tokenizers. `weight_dtype` lowers the first as it lowers the folder's.
     """
+    from .comfy_files import text_encoder_file as text_file
     from .folder_check import check_model_folder  # imports configs, which import this module
     from .folder_storage import folder_vae, load_stored, lowered_components, on_disk
 
@@ -188,12 +191,14 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     carries_vae = "vae" in replaced  # an LTX-2 checkpoint carries its video VAE
     if vae_file:
         replaced += _replaced_by_vae_file(spec, index, replaced)
-    text_files = _text_encoder_files(index, folder, text_encoder_file, text_encoder_2_file)
+    text_files = text_file.replaced_components(index, folder, {"text_encoder_file": text_encoder_file,
+                                                               "text_encoder_2_file": text_encoder_2_file})
     replaced += tuple(text_files)
     stored_names = lowered_components(index, replaced) if weight_dtype != DEFAULT_WEIGHTS else ()
     used = {name: entry for name, entry in index.items() if name not in spec.unloaded}
     configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names)  # before anything is allocated
-    text_read = {name: _read_text_encoder_file(path, name, index, configs, folder) for name, path in text_files.items()}
+    text_read = {name: text_file.read_text_encoder_file(path, name, index[name][1], configs.get(name), folder)
+                 for name, path in text_files.items()}
     overrides, storage, reports = {}, {}, {}
     overrides.update({name: None for name in spec.unloaded if name in index})  # never read (the family's call copes)
     if transformer_file:
@@ -211,9 +216,11 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
             vae_file, index["vae"][1], configs.get("vae") or {}, folder, torch_dtype(vae_dtype or dtype))
     elif vae_dtype and vae_dtype != dtype and not carries_vae and "vae" in index:
         overrides["vae"] = folder_vae(folder, vae_dtype)  # read once, at its own precision
+    removed = ()
     for name, file in text_read.items():
-        overrides[name], storage[name], reports[name] = _text_encoder_from_file(file, name, index, configs, folder, dtype,
-                                                                                weight_dtype)
+        overrides[name], storage[name], reports[name], parts = text_file.load_text_encoder_file(
+            file, name, index[name][1], configs[name], folder, torch_dtype(dtype), weight_dtype)
+        removed += tuple(f"{name}.{part}" for part in parts)
     # load_stored checks the RAM the other components take at `dtype`; an encoder from a file lies in the
     # file's mapping (fp8 files: half the bytes), so it is left out of that sum rather than counted in full.
     ram_configs = {name: config for name, config in configs.items() if name not in text_files}
@@ -240,6 +247,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
                           storage_reports=MappingProxyType(reports),
                           transformer_file=str(transformer_file or ""), vae_file=str(vae_file or ""),
                           text_encoder_files=MappingProxyType({name: str(path) for name, path in text_files.items()}),
+                          removed=removed,
                           vae_dtype_name=vae_dtype if vae_dtype != dtype and "vae" in index else "")
 
 
@@ -249,28 +257,6 @@ def _replaced_by_vae_file(spec: FamilySpec, index: dict, replaced: tuple[str, ..
 
     check_family(spec, (index.get("vae") or [None, None])[1])  # refuses LTX-2, whose checkpoint carries its VAE
     return ("vae",)
-
-
-def _text_encoder_files(index: dict, folder: Path, text_encoder_file, text_encoder_2_file) -> dict[str, str | Path]:
-    """component -> the file replacing it, once the folder is known to take one there (before any file is read)."""
-    from .comfy_files.text_encoder_file import check_replaceable
-
-    files = {name: path for name, path in (("text_encoder", text_encoder_file), ("text_encoder_2", text_encoder_2_file)) if path}
-    for name in files:
-        check_replaceable(index, name, folder)
-    return files
-
-
-def _read_text_encoder_file(path, name: str, index: dict, configs: dict, folder: Path):
-    from .comfy_files.text_encoder_file import read_text_encoder_file
-
-    return read_text_encoder_file(path, name, index[name][1], configs.get(name), folder)
-
-
-def _text_encoder_from_file(file, name: str, index: dict, configs: dict, folder: Path, dtype: str, weight_dtype: str):
-    from .comfy_files.text_encoder_file import load_text_encoder_file
-
-    return load_text_encoder_file(file, name, index[name][1], configs[name], folder, torch_dtype(dtype), weight_dtype)
 
 
 def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_file: str | Path) -> tuple[str, ...]:

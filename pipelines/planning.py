@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 def planner_model(loaded: LoadedPipeline):
     """The pipeline's architecture built on meta from its folder's config files, or the shipped
-    config its single files were recognised as (cached)."""
-    return load_model(loaded.folder or loaded.config_name, loaded.dtype_name, loaded.vae_dtype_name or None)
+    config its single files were recognised as (cached), less the parts the loader removed."""
+    return load_model(loaded.folder or loaded.config_name, loaded.dtype_name, loaded.vae_dtype_name or None, loaded.removed)
 
 
 def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions(), device=None) -> PlanOptions:

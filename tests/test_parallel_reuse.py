@@ -8,11 +8,13 @@ import os
 from dataclasses import replace
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.parallel import RankContext
 from vidmem.memory.strategy import Parallelism
+from vidmem.pipelines.family import ModelError
 from vidmem.pipelines.parallel import job as job_module
 from vidmem.pipelines.parallel.job import ParallelSampleJob
 from vidmem.pipelines.parallel.source import PipelineSource
@@ -63,3 +65,14 @@ def test_a_rank_opens_the_vae_at_the_coordinators_vae_dtype(tiny_folder):
     wide = PipelineSource.of(load_pipeline(folder, "bf16", vae_dtype="fp32"))
     assert wide.vae_dtype == "fp32" and wide != PipelineSource.of(load_pipeline(folder, "bf16"))
     assert {t.dtype for t in wide.load().pipe.vae.parameters()} == {torch.float32}
+
+
+def test_a_pipeline_with_single_files_is_refused_naming_every_file_input(tiny_loaded):
+    """The refusal tells which of Load Video Pipeline's inputs to leave at (from the folder): any of the four."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    from_file = replace(loaded, source=f"{loaded.folder} + umt5_xxl_fp16.safetensors",
+                        text_encoder_files={"text_encoder": "umt5_xxl_fp16.safetensors"})
+    with pytest.raises(ModelError) as error:
+        PipelineSource.of(from_file)
+    assert all(name in str(error.value) for name in ("transformer_file", "vae_file", "text_encoder_file",
+                                                     "text_encoder_2_file", "(from the folder)"))

@@ -13,7 +13,7 @@ from vidmem.pipelines.tiny_files import save_tiny_comfy_files
 
 BUDGETS = (8 * 2**30, 32 * 2**30)
 FOLDERS = {"diffusion_models": "diffusion_models", "unet": "diffusion_models", "text_encoders": "text_encoders",
-           "clip": "text_encoders", "vae": "vae", "clip_vision": "clip_vision"}
+           "clip": "text_encoders", "vae": "vae", "clip_vision": "clip_vision", "diffusers": "diffusers"}
 
 
 @pytest.fixture
@@ -128,8 +128,17 @@ def test_a_folders_transformer_file_is_planned_in_its_storage(models):
         parse_request({**shape, "transformer_file": "nope.safetensors"}, ["Wan2.1-T2V-1.3B-Diffusers"], list(DTYPES))
 
 
-def test_a_folders_text_encoder_file_is_planned_in_its_storage(models):
+def diffusers_folder(root, variant: str, name: str):
+    """Tiny `variant` saved as models/diffusers/<name> (the plan checks a text encoder file against its configs)."""
+    from vidmem.pipelines.tiny import save_tiny_pipeline
+
+    return save_tiny_pipeline(variant, root / "diffusers" / name)
+
+
+def test_a_folders_text_encoder_file_is_planned_in_its_storage(models, tmp_path):
     """Load Video Pipeline with text_encoder_file: an fp8 file plans as fp8 bytes, as the loader holds it."""
+    diffusers_folder(tmp_path, "wan2.1-t2v", "Wan2.1-T2V-1.3B-Diffusers")
+
     def folder_model(name, dtype):
         from vidmem.pipelines.configs import load_model
         return load_model("wan2.1-t2v-1.3b", dtype)
@@ -158,3 +167,53 @@ def test_files_are_planned_per_context_window_and_a_bad_window_is_refused(models
     assert whole["windows"] == []
     refused = answer(dict(query(models), frames="17", window="9", window_overlap="12"))
     assert refused["status"] == "error" and refused["input"] == "window_overlap", refused
+
+
+def test_a_text_encoder_file_the_loader_refuses_gets_the_loaders_message_not_a_plan(models, tmp_path):
+    """The plan checks the file against the folder with the loader's own checks (headers only): Wan's umt5 over an
+    LTX-2 folder, or a second text encoder for a folder that has none, is the loader's refusal naming the widget."""
+    diffusers_folder(tmp_path, "ltx2-t2v", "LTX-2")
+    diffusers_folder(tmp_path, "wan2.1-t2v", "Wan2.1-T2V-1.3B-Diffusers")
+
+    def folder_model(name, dtype):
+        from vidmem.pipelines.configs import load_model
+        return load_model("wan2.1-t2v-1.3b", dtype)
+
+    shape = {"dtype": "bf16", "width": "64", "height": "64", "frames": "9"}
+    names = ["LTX-2", "Wan2.1-T2V-1.3B-Diffusers"]
+    over_ltx2 = plan_answer(parse_request({**shape, "model": "LTX-2", "text_encoder_file": models.text_encoder.name}, names,
+                                          list(DTYPES)), folder_model, BUDGETS)
+    assert over_ltx2["status"] == "error" and over_ltx2["input"] == "text_encoder_file", over_ltx2
+    assert "is a UMT5-XXL text encoder (Wan's), but the text_encoder of 'LTX-2' is a Gemma 3 12B" in over_ltx2["error"]
+    second = plan_answer(parse_request({**shape, "model": names[1], "text_encoder_2_file": models.text_encoder.name}, names,
+                                       list(DTYPES)), folder_model, BUDGETS)
+    assert second["status"] == "error" and second["input"] == "text_encoder_2_file", second
+    assert "'Wan2.1-T2V-1.3B-Diffusers' has no second text encoder" in second["error"]
+
+
+def test_a_gemma_file_without_its_vision_tower_is_planned_without_it(models, tmp_path):
+    """The plan reads from the file's header what the loader will remove (text_encoder_file.removed_parts) and
+    builds the folder's model without it: fewer bytes than the same folder with the whole Gemma file."""
+    from vidmem.pipelines.comfy_files import text_encoders
+    from vidmem.pipelines.comfy_files.write import store_tensors, write_language_model
+    from vidmem.pipelines.configs import load_model
+    from vidmem.pipelines.loader import load_pipeline
+
+    folder = diffusers_folder(tmp_path, "ltx2-t2v", "LTX-2")
+    tensors = store_tensors(load_pipeline(folder, "fp32").pipe.text_encoder, "bf16")
+    lean = {n: t for n, t in tensors.items() if not n.startswith(text_encoders.GEMMA3.optional)}
+    for name, written in (("gemma_whole.safetensors", tensors), ("gemma_novision.safetensors", lean)):
+        write_language_model(written, tmp_path / "text_encoders" / name, "Gemma3ForConditionalGeneration")
+    asked = []
+
+    def folder_model(name, dtype, *vae, removed=()):
+        asked.append(removed)
+        return load_model(str(tmp_path / "diffusers" / name), dtype, *vae, removed=removed)
+
+    shape = {"model": "LTX-2", "dtype": "bf16", "width": "64", "height": "64", "frames": "9"}
+    names = ("gemma_whole.safetensors", "gemma_novision.safetensors")
+    whole, without = (plan_answer(parse_request({**shape, "text_encoder_file": name}, ["LTX-2"], list(DTYPES)), folder_model,
+                                  BUDGETS) for name in names)
+    assert whole["status"] == without["status"] == "ok", (whole, without)
+    assert asked == [(), ("text_encoder.model.vision_tower", "text_encoder.model.multi_modal_projector")]
+    assert without["rows"][0]["peak_ram_bytes"] < whole["rows"][0]["peak_ram_bytes"]

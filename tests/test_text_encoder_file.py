@@ -35,9 +35,10 @@ GLYPH_PROMPT = 'a sign that says "hi"'  # quoted text: HunyuanVideo 1.5 runs its
 COMFY_KEYS = {
     "Qwen2_5_VLTextModel": ("model.layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.q_proj.weight",
                             "model.embed_tokens.weight", "model.norm.weight", "model.layers.1.mlp.gate_proj.weight"),
-    "Gemma3ForConditionalGeneration": ("model.layers.0.post_feedforward_layernorm.weight", "model.layers.1.self_attn.q_norm.weight",
-                                       "model.embed_tokens.weight", "model.norm.weight",
-                                       "multi_modal_projector.mm_input_projection_weight", "multi_modal_projector.mm_soft_emb_norm.weight",
+    "Gemma3ForConditionalGeneration": ("model.layers.0.post_feedforward_layernorm.weight",
+                                       "model.layers.1.self_attn.q_norm.weight", "model.embed_tokens.weight",
+                                       "model.norm.weight", "multi_modal_projector.mm_input_projection_weight",
+                                       "multi_modal_projector.mm_soft_emb_norm.weight",
                                        "vision_model.embeddings.patch_embedding.weight", "vision_model.post_layernorm.weight",
                                        "vision_model.encoder.layers.0.self_attn.q_proj.weight"),
 }
@@ -59,6 +60,14 @@ def write_file(loaded, component: str, storage: str, path, with_vision: bool = T
         extras = QWEN_EXTRAS if class_name == "Qwen2_5_VLTextModel" else {}
         return write_language_model(tensors, path, class_name, extras)
     return write_text_encoder(tensors, path, None)
+
+
+def hy15_transformer_file(tiny_loaded, path, storage: str = "fp32"):
+    """The tiny HunyuanVideo 1.5 transformer as Comfy-Org ships it."""
+    from vidmem.pipelines.comfy_files.write import write_hy15_transformer
+
+    state = {n: t.detach() for n, t in tiny_loaded(HY15).pipe.transformer.state_dict().items()}
+    return write_hy15_transformer(state, path, storage)
 
 
 def embeddings(loaded, prompt: str = GLYPH_PROMPT) -> tuple[torch.Tensor, ...]:
@@ -130,9 +139,55 @@ def test_real_size_files_fit_the_shipped_diffusers_configs(ref):
     layout = text_encoders.LAYOUTS[component.class_name]
     names = text_encoders.comfy_names(layout, [n for n in state if n != "lm_head.weight"])
     file = {original: state[name] for name, original in names.items()}
-    found = text_encoders.fields(text_encoders.model_tensors(layout, file))
+    found = text_encoders.fields(text_encoders.model_tensors(layout, file), component.class_name)
     assert {k: found[k] for k in COMFY_SIZES[ref]} == COMFY_SIZES[ref]
     assert found == text_encoders.config_fields(component.class_name, component.config)
+
+
+# google/gemma-3-12b-it's own config.json, restated in its shape: text_config holds only the keys that differ from
+# Gemma3TextConfig's defaults (no head_dim, no vocab_size), as transformers 4.x saves configs too.
+SPARSE_GEMMA = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+                "text_config": {"hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
+                                "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+                                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+                "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                  "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                                  "patch_size": 14, "vision_use_head": False}}
+# Qwen2.5-VL 7B's language model as a flat Qwen2_5_VLTextConfig (HunyuanVideo 1.5's text_encoder/config.json shape).
+FLAT_QWEN = {"model_type": "qwen2_5_vl_text", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+             "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064}
+
+
+@pytest.mark.parametrize("class_name,config,ref", [("Gemma3ForConditionalGeneration", SPARSE_GEMMA, "gemma-3-12b"),
+                                                   ("Qwen2_5_VLTextModel", FLAT_QWEN, "qwen2.5-vl-7b-text")])
+def test_a_config_that_leaves_out_defaults_gives_the_models_fields(class_name, config, ref):
+    """Keys a config omits take the config class's defaults (Gemma 3 12B's head_dim 256, not hidden // heads = 240)."""
+    fields = text_encoders.config_fields(class_name, config)
+    assert {k: fields[k] for k in COMFY_SIZES[ref]} == COMFY_SIZES[ref]
+
+
+def test_the_t5_reader_takes_left_out_keys_at_their_defaults_too():
+    """One rule for every text encoder config: a key left out is the config class's default, never unchecked."""
+    from vidmem.pipelines.comfy_files import detect
+
+    fields = detect.text_encoder_config_fields("UMT5EncoderModel", {"d_model": 4096, "num_layers": 24})
+    assert fields["relative_attention_num_buckets"] == 32 and fields["num_heads"] == 6 and fields["vocab_size"] == 250112
+    with pytest.raises(ModelError, match=r"the UMT5EncoderModel config.json does not configure its class \(.*d_model"):
+        detect.text_encoder_config_fields("UMT5EncoderModel", {"d_model": "wide"})
+
+
+# ComfyUI 0.8.0's comfy/text_encoders/byt5_config_small_glyph.json, restated: what byt5_small_glyphxl_fp16 holds.
+COMFY_BYT5_GLYPH = dict(vocab_size=1510, d_model=1472, num_layers=12, num_heads=6, d_kv=64, d_ff=3584,
+                        relative_attention_num_buckets=32)
+
+
+def test_the_shipped_byt5_glyph_config_is_comfyuis():
+    from vidmem.pipelines.comfy_files import detect
+    from vidmem.pipelines.comfy_files.catalogue import read_component
+
+    component = read_component("text_encoder_2", {"ref": "byt5-small-glyph"})
+    fields = detect.text_encoder_config_fields(component.class_name, component.config)
+    assert {k: fields[k] for k in COMFY_BYT5_GLYPH} == COMFY_BYT5_GLYPH
 
 
 # --- the same encoder as the folder's -------------------------------------------------------------
@@ -181,7 +236,8 @@ def test_a_gguf_file_is_read_through_the_storage_and_planned_in_its_format(tiny_
     stored = store_tensors(encoder(tiny_loaded(WAN)), "gguf_q8_0")
     path = write_text_encoder(stored, tmp_path / "umt5-xxl-encoder-Q8_0.gguf", None)
     loaded = load_pipeline(tiny_folder(WAN), "fp32", text_encoder_file=path)
-    assert loaded.storage["text_encoder"] == "gguf_q8_0" and dict(plan_options(loaded).storage)["text_encoder"] == "gguf_q8_0"
+    assert loaded.storage["text_encoder"] == "gguf_q8_0"
+    assert dict(plan_options(loaded).storage)["text_encoder"] == "gguf_q8_0"
     assert any(isinstance(m, StoredLinear) for m in encoder(loaded).modules())
     reference = load_pipeline(tiny_folder(WAN), "fp32")
     encoder(reference).load_state_dict(dequantized(stored), strict=False)  # the values the file holds, plain
@@ -191,8 +247,8 @@ def test_a_gguf_file_is_read_through_the_storage_and_planned_in_its_format(tiny_
 
 
 def test_weight_dtype_lowers_the_file_as_it_lowers_the_folders_encoder(tiny_folder, files):
-    loaded = load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled", text_encoder_file=files(HY15, storage="bf16"),
-                           text_encoder_2_file=files(HY15, "text_encoder_2"))
+    loaded = load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled",
+                           text_encoder_file=files(HY15, storage="bf16"), text_encoder_2_file=files(HY15, "text_encoder_2"))
     assert loaded.storage["text_encoder"] == "fp8_scaled"  # lowered
     assert loaded.storage["text_encoder_2"] == "fp32"  # never lowered, as the folder's text_encoder_2 is not
 
@@ -216,7 +272,8 @@ def test_the_folder_needs_only_the_config_of_a_replaced_encoder(tiny_folder, tin
     for component in ("text_encoder", "text_encoder_2"):
         for weights in (folder / component).glob("*.safetensors"):
             weights.unlink()
-    loaded = load_pipeline(folder, "fp32", text_encoder_file=files(HY15), text_encoder_2_file=files(HY15, "text_encoder_2"))
+    loaded = load_pipeline(folder, "fp32", text_encoder_file=files(HY15),
+                           text_encoder_2_file=files(HY15, "text_encoder_2"))
     assert_equal(embeddings(loaded), embeddings(tiny_loaded(HY15)))
     with pytest.raises(ModelError, match="text_encoder"):  # without the file the folder's weights are missing
         load_pipeline(folder, "fp32")
@@ -225,7 +282,8 @@ def test_the_folder_needs_only_the_config_of_a_replaced_encoder(tiny_folder, tin
 @pytest.mark.reproducible_blas
 @pytest.mark.parametrize("tier", ["block_swap", "sequential"])
 def test_a_sample_at_a_tier_equals_the_folder_only_run(tiny_loaded, tiny_folder, files, tier):
-    strategy = MemoryStrategy(offload=tier, blocks_to_swap=1, prefetch_blocks=0) if tier == "block_swap" else MemoryStrategy(offload=tier)
+    swapped = {"blocks_to_swap": 1, "prefetch_blocks": 0} if tier == "block_swap" else {}
+    strategy = MemoryStrategy(offload=tier, **swapped)
     loaded = load_pipeline(tiny_folder(HY15), "fp32", text_encoder_file=files(HY15),
                            text_encoder_2_file=files(HY15, "text_encoder_2"))
     request = replace(request_for(HY15), prompt=GLYPH_PROMPT)
@@ -246,9 +304,28 @@ def test_gemma_without_its_vision_tower_runs_its_language_model_on_every_tier(ti
     with_vision = encoder(load_pipeline(tiny_folder(LTX2), "fp32", text_encoder_file=files(LTX2)))
     assert with_vision.model.vision_tower is not None  # carried by the file: mapped as the folder has it
     request = request_for(LTX2)
-    for strategy in (MemoryStrategy(offload="sequential"), MemoryStrategy(offload="model")):
+    tiers = (MemoryStrategy(offload="none"), MemoryStrategy(offload="model"),
+             MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=0),
+             MemoryStrategy(offload="sequential"))
+    for strategy in tiers:
         found = sample(loaded, strategy, request, backend=CpuBackend()).latent["samples"]
         assert torch.equal(found, sample(tiny_loaded(LTX2), strategy, request, backend=CpuBackend()).latent["samples"])
+
+
+def test_a_gemma_file_without_its_vision_tower_is_planned_without_it(tiny_loaded, tiny_folder, files):
+    """The loader records the parts it removed; the planner builds the encoder without them, so it counts the
+    bytes the run holds (Gemma 3 12B's SigLIP tower and projector: about 0.42B parameters)."""
+    from vidmem.pipelines.planning import planner_model
+
+    without = load_pipeline(tiny_folder(LTX2), "fp32", text_encoder_file=files(LTX2, with_vision=False))
+    whole = load_pipeline(tiny_folder(LTX2), "fp32", text_encoder_file=files(LTX2))
+    assert without.removed == ("text_encoder.model.vision_tower", "text_encoder.model.multi_modal_projector")
+    assert whole.removed == ()
+    gemma = encoder(tiny_loaded(LTX2))
+    parts = [gemma.get_submodule(path) for path in text_encoders.GEMMA3.optional]
+    vision = sum(t.numel() * t.element_size() for part in parts for t in [*part.parameters(), *part.buffers()])
+    planned = {loaded.removed: planner_model(loaded).weights("text_encoder").nbytes for loaded in (without, whole)}
+    assert vision > 0 and planned[()] - planned[without.removed] == vision
 
 
 # --- refusals -------------------------------------------------------------------------------------
@@ -282,15 +359,13 @@ def test_a_file_of_another_family_is_refused_with_what_it_holds_and_what_to_pick
     assert built == []
 
 
-def test_a_transformer_or_vae_in_the_text_encoder_input_is_refused_by_what_it_holds(tiny_loaded, tiny_folder, tmp_path, built):
+def test_a_transformer_or_vae_in_the_text_encoder_input_is_refused_by_what_it_holds(tiny_loaded, tiny_folder, tmp_path,
+                                                                                     built):
     vae = write_vae(store_tensors(tiny_loaded(WAN).pipe.vae, "fp32"), tmp_path / "wan_2.1_vae.safetensors")
     with pytest.raises(ModelError, match=r"text_encoder_file: 'wan_2.1_vae.safetensors' holds a Wan VAE, but this input "
                                          r"takes a text encoder \(a UMT5-XXL text encoder \(Wan's\)\)"):
         load_pipeline(tiny_folder(WAN), "fp32", text_encoder_file=vae)
-    from vidmem.pipelines.comfy_files.write import write_hy15_transformer
-
-    transformer = write_hy15_transformer({n: t.detach() for n, t in tiny_loaded(HY15).pipe.transformer.state_dict().items()},
-                                         tmp_path / "hunyuanvideo1.5_480p_t2v_tiny.safetensors", "bf16")
+    transformer = hy15_transformer_file(tiny_loaded, tmp_path / "hunyuanvideo1.5_480p_t2v_tiny.safetensors", "bf16")
     with pytest.raises(ModelError, match=r"text_encoder_file: 'hunyuanvideo1.5_480p_t2v_tiny.safetensors' holds a HunyuanVideo "
                                          r"1.5 transformer, but this input takes a text encoder \(a Qwen2.5-VL 7B"):
         load_pipeline(tiny_folder(HY15), "fp32", text_encoder_file=transformer)
@@ -318,8 +393,8 @@ def test_an_unreadable_format_is_refused_by_name_and_nothing_is_built(tiny_folde
 
 
 def test_a_language_model_no_family_uses_is_refused_by_name(tiny_loaded, tmp_path, tiny_folder):
-    tensors = {"model.layers.0.self_attn.q_proj.weight": torch.ones(4, 4), "model.layers.0.self_attn.q_norm.weight": torch.ones(2),
-               "model.embed_tokens.weight": torch.ones(8, 4)}
+    tensors = {"model.layers.0.self_attn.q_proj.weight": torch.ones(4, 4),
+               "model.layers.0.self_attn.q_norm.weight": torch.ones(2), "model.embed_tokens.weight": torch.ones(8, 4)}
     from safetensors.torch import save_file
 
     save_file(tensors, str(tmp_path / "qwen_3_4b.safetensors"))
@@ -335,12 +410,26 @@ def test_a_second_text_encoder_file_needs_a_folder_with_one(tiny_folder, files, 
 
 
 def test_a_refusal_comes_before_the_transformer_file_is_built(tiny_folder, tiny_loaded, files, tmp_path, built):
-    from vidmem.pipelines.comfy_files.write import write_hy15_transformer
-
-    transformer = write_hy15_transformer({n: t.detach() for n, t in tiny_loaded(HY15).pipe.transformer.state_dict().items()},
-                                         tmp_path / "hunyuanvideo1.5_tiny.safetensors", "fp32")
+    transformer = hy15_transformer_file(tiny_loaded, tmp_path / "hunyuanvideo1.5_tiny.safetensors")
     with pytest.raises(ModelError, match="UMT5-XXL"):
         load_pipeline(tiny_folder(HY15), "fp32", transformer_file=transformer, text_encoder_file=files(WAN))
+    assert built == []
+
+
+@pytest.mark.parametrize("variant,dropped", [(HY15, "layers.1.mlp.up_proj.weight"),
+                                             (WAN, "encoder.final_layer_norm.weight")])
+def test_a_file_that_fits_the_config_but_lacks_a_tensor_is_refused_before_anything_is_built(
+        tiny_loaded, tiny_folder, tmp_path, built, variant, dropped):
+    module = encoder(tiny_loaded(variant))
+    tensors = {name: t for name, t in store_tensors(module, "fp32").items() if name != dropped}
+    if variant == HY15:
+        path = write_language_model(tensors, tmp_path / "qwen_incomplete.safetensors", "Qwen2_5_VLTextModel")
+        files = {"transformer_file": hy15_transformer_file(tiny_loaded, tmp_path / "hunyuanvideo1.5_tiny.safetensors")}
+    else:
+        path, files = write_text_encoder(tensors, tmp_path / "umt5_incomplete.safetensors", None), {}
+    with pytest.raises(ModelError, match=rf"text_encoder_file: '{path.name}' lacks 1 of the tensors the text_encoder of "
+                                         rf"'{variant}' needs \({dropped}\); the file is incomplete"):
+        load_pipeline(tiny_folder(variant), "fp32", text_encoder_file=path, **files)
     assert built == []
 
 
@@ -356,7 +445,8 @@ def test_the_node_reads_the_files_from_the_text_encoder_list(tiny_folder, files,
     texts.mkdir()
     path = Path(shutil.copy(files(WAN, storage="fp8_scaled"), texts / "umt5_xxl_fp8_e4m3fn_scaled.safetensors"))
     (texts / "old.pth").write_bytes(b"x")
-    fake = SimpleNamespace(get_filename_list=lambda key: sorted(p.name for p in texts.iterdir()) if key == "text_encoders" else [],
+    listed = lambda key: sorted(p.name for p in texts.iterdir()) if key == "text_encoders" else []  # noqa: E731
+    fake = SimpleNamespace(get_filename_list=listed,
                            get_folder_paths=lambda key: [str(texts)] if key == "text_encoders" else [])
     monkeypatch.setattr(host, "folder_paths", fake)
     monkeypatch.setenv("VIDMEM_ALLOW_ANY_PATH", "1")  # the folder is given by path, outside this fake's model folders

@@ -15,6 +15,7 @@ from typing import Any
 
 from ...memory.storage import StoredTensor, storage_format
 from ...memory.storage.stored import stored_format_of
+from ..family import ModelError
 from .keys import count_blocks
 
 TRANSFORMER, VAE, TEXT_ENCODER, CLIP_VISION = "transformer", "vae", "text_encoder", "clip_vision"
@@ -139,9 +140,25 @@ def text_encoder_fields(t: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def text_config(class_name: str, config: Mapping[str, Any]):
+    """The text part of a transformers text encoder's config (Gemma 3's text_config; the config itself for
+    the others), every key the file leaves out at the config class's default: the model is built the same
+    way (build.build_empty), and configs saved by transformers or their authors omit the defaults."""
+    import transformers
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates config fields with it
+
+    try:
+        return getattr(transformers, class_name).config_class(**config).get_text_config()
+    except (TypeError, ValueError, StrictDataclassError) as error:  # a key of the wrong type or value
+        raise ModelError(f"the {class_name} config.json does not configure its class ({error}); re-download the "
+                         "model's configs.") from None
+
+
 def text_encoder_config_fields(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields `text_encoder_fields` reads, from a T5 / UMT5 config (see `text_config`)."""
+    text = text_config(class_name, config)
     fields = ("vocab_size", "d_model", "num_layers", "num_heads", "d_kv", "d_ff", "relative_attention_num_buckets")
-    return {"class": class_name, **{k: config[k] for k in fields if k in config}}
+    return {"class": class_name, **{k: getattr(text, k) for k in fields}}
 
 
 def clip_vision_fields(t: Mapping[str, Any]) -> dict[str, Any]:

@@ -62,8 +62,9 @@ def _held(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> str:
     """What a file of `kind` holds, for messages: a transformer by its family."""
     if kind == detect.VAE and hy15_vae.is_vae(tensors):
         return "a HunyuanVideo 1.5 VAE"
-    if kind == detect.TEXT_ENCODER and text_encoders.class_of(tensors) is not None:
-        return f"a {text_encoders.LAYOUTS[text_encoders.class_of(tensors)].shown} text encoder"
+    language_model = text_encoders.class_of(tensors) if kind == detect.TEXT_ENCODER else None
+    if language_model is not None:
+        return text_encoders.HELD[language_model]
     if kind != detect.TRANSFORMER:
         return detect.KIND_NAMES[kind]
     if hy15.transformer_layout(tensors) is not None:  # still under the file's names: see _classify
@@ -161,9 +162,10 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
     sample = ", ".join(names[:5])
     raise ModelError(
         f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan "
-        "transformers (original, model.diffusion_model. or diffusers names), LTX-2 checkpoints, HunyuanVideo 1.5 transformers "
-        "(Comfy-Org's or Tencent's names, saved by ComfyUI under model.model., or diffusers names), Wan and HunyuanVideo 1.5 VAEs, T5/UMT5 text "
-        "encoders (transformers names), Qwen2.5-VL 7B and Gemma 3 12B text encoders (ComfyUI's names) and CLIP vision encoders; use Comfy-Org's repackaged files."
+        "transformers (original, model.diffusion_model. or diffusers names), LTX-2 checkpoints, HunyuanVideo 1.5 "
+        "transformers (Comfy-Org's or Tencent's names, saved by ComfyUI under model.model., or diffusers names), Wan and "
+        "HunyuanVideo 1.5 VAEs, T5/UMT5 text encoders (transformers names), Qwen2.5-VL 7B and Gemma 3 12B text encoders "
+        "(ComfyUI's names) and CLIP vision encoders; use Comfy-Org's repackaged files."
     )
 
 
@@ -232,13 +234,15 @@ def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[st
             return hy15_vae.vae_fields(tensors)
         if kind == detect.VAE:
             return detect.vae_fields(tensors, original=layout is KeyLayout.ORIGINAL)
-        if kind == detect.TEXT_ENCODER and text_encoders.class_of(tensors) is not None:
-            return text_encoders.fields(tensors)
+        language_model = text_encoders.class_of(tensors) if kind == detect.TEXT_ENCODER else None
+        if language_model is not None:
+            return text_encoders.fields(tensors, language_model)
         reader = {detect.TRANSFORMER: detect.transformer_fields, detect.TEXT_ENCODER: detect.text_encoder_fields,
                   detect.CLIP_VISION: detect.clip_vision_fields}[kind]
         return reader(tensors)
     except KeyError as error:
-        shown = _held(kind, layout, tensors) if kind == detect.VAE else detect.KIND_NAMES[kind]  # a transformer's _held reads _fields
+        # Not a transformer's _held: it reads _fields.
+        shown = _held(kind, layout, tensors) if kind == detect.VAE else detect.KIND_NAMES[kind]
         raise ModelError(f"{shown} file lacks the tensor {error}; the file is incomplete or of another variant.") from None
 
 

@@ -17,7 +17,9 @@ would be (`weight_dtype` lowers `text_encoder`, never `text_encoder_2`, as in `w
 
 from __future__ import annotations
 
+import json
 import logging
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -27,9 +29,9 @@ from ..family import ModelError
 from . import detect, text_encoders
 from .files import WeightFile, read_weight_file
 
-ROLES = {"text_encoder": "text_encoder_file", "text_encoder_2": "text_encoder_2_file"}  # component -> loader input
-FOLDER_CHOICE = "(from the folder)"
-HELD = text_encoders.HELD
+# component -> Load Video Pipeline's input: the one table the loader, the node and the plan read.
+ROLES = {"text_encoder": "text_encoder_file", "text_encoder_2": "text_encoder_2_file"}
+FOLDER_CHOICE = "(from the folder)"  # every file input's "use the folder's own" choice (nodes/loader.py reads it)
 # (component, the folder's class) -> the files that fit it; a pair not listed takes no file.
 PICK = {
     ("text_encoder", "UMT5EncoderModel"): "umt5_xxl_fp8_e4m3fn_scaled.safetensors or umt5_xxl_fp16.safetensors",
@@ -38,7 +40,17 @@ PICK = {
     ("text_encoder", "Gemma3ForConditionalGeneration"): "gemma_3_12B_it.safetensors or one of its fp8-scaled variants",
     ("text_encoder_2", "T5EncoderModel"): "byt5_small_glyphxl_fp16.safetensors",
 }
+LISTED = 5  # missing tensors named in a message
 log = logging.getLogger("vidmem")
+
+
+def replaced_components(index: Mapping[str, Any], folder: str | Path, chosen: Mapping[str, Any]) -> dict[str, Any]:
+    """component -> the file replacing it, from the loader's inputs `chosen` (input -> path, empty or None for the
+    folder's own), each checked to be replaceable (`check_replaceable`) before any file is read."""
+    files = {component: chosen[role] for component, role in ROLES.items() if chosen.get(role)}
+    for component in files:
+        check_replaceable(index, component, folder)
+    return files
 
 
 def check_replaceable(index: Mapping[str, Any], component: str, folder: str | Path) -> str:
@@ -63,15 +75,63 @@ def read_text_encoder_file(path: str | Path, component: str, class_name: str, co
     if config is None:
         raise ModelError(f"{role}: '{folder.name}' has no {component}/config.json, which configures the file; "
                          "re-download the folder's configs.")
-    file = read_weight_file(path, role, detect.TEXT_ENCODER, takes=f"a text encoder ({HELD[class_name]})")
+    file = read_weight_file(path, role, detect.TEXT_ENCODER, takes=f"a text encoder ({text_encoders.HELD[class_name]})")
     found = file.fields["class"]
     if found != class_name:
-        raise ModelError(f"{role}: '{path.name}' is {HELD[found]}, but the {component} of '{folder.name}' is "
-                         f"{HELD[class_name]}: {fix}.")
+        held = text_encoders.HELD
+        raise ModelError(f"{role}: '{path.name}' is {held[found]}, but the {component} of '{folder.name}' is "
+                         f"{held[class_name]}: {fix}.")
     problems = detect.differences(file.fields, _config_fields(class_name, config))
     if problems:
         raise ModelError(f"{role}: '{path.name}' is not the {component} of '{folder.name}' ({'; '.join(problems)}); {fix}.")
+    needed = _needed_names(class_name, json.dumps(dict(config), sort_keys=True))
+    missing = [names[0] for names in needed if not any(name in file.tensors for name in names)]
+    if missing:
+        listed = ", ".join(missing[:LISTED]) + (f" and {len(missing) - LISTED} more" if len(missing) > LISTED else "")
+        raise ModelError(f"{role}: '{path.name}' lacks {len(missing)} of the tensors the {component} of '{folder.name}' "
+                         f"needs ({listed}); the file is incomplete or of another variant: {fix}.")
     return file
+
+
+def _needed_names(class_name: str, config_json: str) -> tuple[tuple[str, ...], ...]:
+    """The weights a file must hold for `class_name` configured by `config_json`, one tuple of names per
+    tensor (tied names share one: a file holding either is whole), the parts `fit_optional` may remove left
+    out: so an incomplete file is refused before any component is built rather than in assign_weights,
+    after the transformer file."""
+    optional = _optional_prefixes(class_name)
+    return tuple(names for names in _parameter_names(class_name, config_json) if not names[0].startswith(optional))
+
+
+def removed_parts(file: WeightFile, class_name: str, config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The submodules `fit_optional` removes when `file` (checked by read_text_encoder_file) is loaded: Gemma 3's
+    vision tower and projector when the file lacks any of their weights. Read from its names; nothing is built
+    but on meta, so the plan can leave them out before a load."""
+    optional = _optional_prefixes(class_name)
+    wanted = [names for names in _parameter_names(class_name, json.dumps(dict(config), sort_keys=True))
+              if names[0].startswith(optional)] if optional else []
+    whole = all(any(name in file.tensors for name in names) for names in wanted)
+    return () if whole else text_encoders.LAYOUTS[class_name].optional
+
+
+def _optional_prefixes(class_name: str) -> tuple[str, ...]:
+    layout = text_encoders.LAYOUTS.get(class_name)
+    return tuple(part + "." for part in layout.optional) if layout else ()
+
+
+@lru_cache(maxsize=8)
+def _parameter_names(class_name: str, config_json: str) -> tuple[tuple[str, ...], ...]:
+    """Every parameter of `class_name` configured by `config_json`, one tuple of names per tensor (tied names
+    together). Built on meta: no memory, and not the build `load_text_encoder_file` makes."""
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    with torch.device("meta"):
+        module = cls(cls.config_class(**json.loads(config_json)))
+    module.tie_weights()  # as build.build_empty does: tied weights become one parameter
+    by_tensor: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(parameter), []).append(name)
+    return tuple(tuple(names) for names in by_tensor.values())
 
 
 def _config_fields(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -83,37 +143,42 @@ def _config_fields(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]
 def load_text_encoder_file(file: WeightFile, component: str, class_name: str, config: Mapping[str, Any],
                            folder: str | Path, dtype: torch.dtype, weight_dtype: str):
     """The folder's `component` built from `config` and filled from `file` (see the module doc), computing
-    in `dtype`. Returns (module, the format its matrices are held in, report)."""
+    in `dtype`. Returns (module, the format its matrices are held in, report, the submodule paths removed
+    from it: `fit_optional`)."""
     from ..configs.meta import ComponentConfig
     from ..weight_storage import DEFAULT_WEIGHTS, LOWERED, hold
     from .build import build_empty
 
     config_path = str(Path(folder) / component / "config.json")
     module = build_empty(ComponentConfig(component, "transformers", class_name, dict(config), config_path))
-    tensors = fit_optional(module, file.tensors, file.name)
+    tensors, removed = fit_optional(module, file.tensors, file.name)
     report, held = hold(module, tensors, dtype, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS,
                         copy_to_ram=False, source=file.name)
-    return module, held, report
+    return module, held, report, removed
 
 
-def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any], file_name: str) -> Mapping[str, Any]:
-    """`tensors` for `module`, whose optional parts (Gemma 3's vision tower and projector) the file may lack.
+def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any],
+                 file_name: str) -> tuple[Mapping[str, Any], tuple[str, ...]]:
+    """(`tensors` for `module`, the submodule paths removed from it): its optional parts (Gemma 3's vision
+    tower and projector) the file may lack.
 
     Why: LTX-2 runs Gemma's language model only (LTX2Pipeline passes input_ids, never pixel_values), but
     a part left without weights stays on the meta device, where an offload tier moving the encoder would
     fail; giving it zeros would cost real RAM (about 0.8 GB in bf16 for Gemma 3 12B's SigLIP tower) for
     nothing. So a file that carries the whole vision part has it mapped, as the folder's encoder has it;
     otherwise the part is removed from the module (its submodules set to None, which transformers' forward
-    never reaches without images) and any of its tensors the file has are left unread."""
+    never reaches without images) and any of its tensors the file has are left unread. The removed paths
+    go on the LoadedPipeline, so the planner leaves those weights out too."""
     layout = text_encoders.LAYOUTS.get(type(module).__name__)
     if layout is None or not layout.optional:
-        return tensors
+        return tensors, ()
     wanted = [name for name in module.state_dict() if name.startswith(tuple(p + "." for p in layout.optional))]
     if all(name in tensors for name in wanted):
-        return tensors
+        return tensors, ()
     for path in layout.optional:
         parent, _, leaf = path.rpartition(".")
         setattr(module.get_submodule(parent), leaf, None)
     log.info("vidmem: '%s' lacks %s's vision part (%s): the text encoder runs without it.", file_name,
              layout.class_name, ", ".join(layout.optional))
-    return {name: t for name, t in tensors.items() if not name.startswith(tuple(p + "." for p in layout.optional))}
+    kept = {name: t for name, t in tensors.items() if not name.startswith(tuple(p + "." for p in layout.optional))}
+    return kept, layout.optional

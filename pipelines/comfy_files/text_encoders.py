@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..family import ModelError
+from . import detect
 from .keys import count_blocks
 
 # ComfyUI's detection keys (comfy/sd.py detect_te_model): every one of these language models has the
@@ -119,9 +120,10 @@ def class_of(model_names: Iterable[str]) -> str | None:
                  and layout.language + "layers.0.self_attn.q_proj.weight" in names), None)
 
 
-def fields(t: Mapping[str, Any]) -> dict[str, Any]:
-    """The config fields a language model's tensors (model names) fix; `config_fields` reads the same from a config."""
-    layout = LAYOUTS[class_of(t)]
+def fields(t: Mapping[str, Any], class_name: str) -> dict[str, Any]:
+    """The config fields the tensors (model names) of a language model of `class_name` (`class_of`) fix;
+    `config_fields` reads the same from a config."""
+    layout = LAYOUTS[class_name]
     layer = layout.language + "layers.0."
     embed = t[layout.language + "embed_tokens.weight"].shape
     found = {
@@ -137,14 +139,15 @@ def fields(t: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def config_fields(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]:
-    """The `fields` of a text encoder config of `class_name` (Gemma 3's under its text_config)."""
-    text = config.get("text_config") or config
-    heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads") or text.get("num_attention_heads")
-    head_dim = text.get("head_dim") or (text["hidden_size"] // heads if heads else None)
-    wanted = {"class": class_name, **{k: text.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                                                              "intermediate_size")},
-              "q_width": heads * head_dim if heads and head_dim else None,
-              "kv_width": kv_heads * head_dim if kv_heads and head_dim else None}
+    """The `fields` of a text encoder config of `class_name` (Gemma 3's under its text_config), keys left out
+    at their defaults as the T5 reader takes them (detect.text_config)."""
+    text = detect.text_config(class_name, config)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    wanted = {"class": class_name, **{k: getattr(text, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                                     "intermediate_size")},
+              "q_width": heads * head_dim, "kv_width": kv_heads * head_dim}
     if class_name == GEMMA3.class_name:
         wanted["head_dim"] = head_dim
     return wanted

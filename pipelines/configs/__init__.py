@@ -33,24 +33,26 @@ def model_names() -> list[str]:
     return sorted(path.stem for path in MODELS_DIR.glob("*.json"))
 
 
-def load_model(name_or_path: str, dtype: str | None = None, vae_dtype: str | None = None) -> MetaModel:
+def load_model(name_or_path: str, dtype: str | None = None, vae_dtype: str | None = None,
+               removed: tuple[str, ...] = ()) -> MetaModel:
     """A shipped model by name, a model config file in the shipped schema, or a diffusers-format
     folder (configs only).
 
     `dtype` is the compute dtype (default: the model's own); `vae_dtype` the VAE's when it runs
-    in another (e.g. fp32 for quality). Models are shared per (name or folder, dtypes) so their
-    memoised traces are reused.
+    in another (e.g. fp32 for quality); `removed` the submodules the loader left out ("component.path":
+    MetaModel.removed). Models are shared per (name or folder, dtypes, removed) so their memoised traces
+    are reused.
     """
     path = Path(name_or_path).expanduser()
     vae = _dtype(vae_dtype) if vae_dtype else ""
     if (MODELS_DIR / f"{name_or_path}.json").is_file():
-        return _shipped(name_or_path, dtype, vae)
+        return _shipped(name_or_path, dtype, vae, removed)
     if path.suffix == ".json" and path.is_file():  # a model config in the shipped schema kept elsewhere
-        return _config_file(str(path.resolve()), dtype, path.stat().st_mtime_ns, vae)
+        return _config_file(str(path.resolve()), dtype, path.stat().st_mtime_ns, vae, removed)
     if path.is_dir() or "/" in name_or_path or name_or_path.startswith("."):
         index = path / "model_index.json"
         stamp = index.stat().st_mtime_ns if index.is_file() else 0
-        return _folder(str(path.resolve()), dtype, stamp, vae)
+        return _folder(str(path.resolve()), dtype, stamp, vae, removed)
     raise ModelError(
         f"unknown model '{name_or_path}'; use one of {', '.join(model_names())}, "
         "or the path of a diffusers-format folder (with model_index.json)."
@@ -64,24 +66,26 @@ def defaults(name: str) -> dict:
 
 
 @lru_cache(maxsize=16)
-def _shipped(name: str, dtype: str | None, vae_dtype: str = "") -> MetaModel:
-    return _from_json(read_json_object(MODELS_DIR / f"{name}.json", f"the shipped config of {name}"), dtype, vae_dtype)
+def _shipped(name: str, dtype: str | None, vae_dtype: str = "", removed: tuple[str, ...] = ()) -> MetaModel:
+    data = read_json_object(MODELS_DIR / f"{name}.json", f"the shipped config of {name}")
+    return _from_json(data, dtype, vae_dtype, removed=removed)
 
 
 @lru_cache(maxsize=8)
-def _config_file(file: str, dtype: str | None, stamp: int, vae_dtype: str = "") -> MetaModel:
+def _config_file(file: str, dtype: str | None, stamp: int, vae_dtype: str = "", removed: tuple[str, ...] = ()) -> MetaModel:
     """A model config outside the shipped set (ComfyUI's models/vidmem_configs: the tiny models the
     single-file loader matches); `stamp`: a changed file is read again."""
-    return _from_json(read_json_object(Path(file), "model config"), dtype, vae_dtype)
+    return _from_json(read_json_object(Path(file), "model config"), dtype, vae_dtype, removed=removed)
 
 
-def _from_json(data: dict, dtype: str | None, vae_dtype: str = "", disk_cache: bool = True) -> MetaModel:
+def _from_json(data: dict, dtype: str | None, vae_dtype: str = "", disk_cache: bool = True,
+               removed: tuple[str, ...] = ()) -> MetaModel:
     components = {name: _component(name, entry) for name, entry in data["components"].items()}
     dtype_name = _dtype(dtype or data["dtype"])
     return MetaModel(
         name=data["name"], pipeline_class=data["pipeline"], spec=family_for(data["pipeline"]), components=components,
         dtype_name=dtype_name, pipeline_config=data.get("pipeline_config", {}), source=data.get("source", ""),
-        vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype, disk_cache=disk_cache,
+        vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype, disk_cache=disk_cache, removed=removed,
     )
 
 
@@ -93,11 +97,11 @@ def _component(name: str, entry: dict) -> ComponentConfig:
 
 
 @lru_cache(maxsize=8)
-def _folder(folder: str, dtype: str | None, stamp: int, vae_dtype: str = "") -> MetaModel:
-    return _from_folder(Path(folder), dtype, vae_dtype)  # `stamp`: a changed model_index.json is read again
+def _folder(folder: str, dtype: str | None, stamp: int, vae_dtype: str = "", removed: tuple[str, ...] = ()) -> MetaModel:
+    return _from_folder(Path(folder), dtype, vae_dtype, removed)  # `stamp`: a changed model_index.json is read again
 
 
-def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "") -> MetaModel:
+def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "", removed: tuple[str, ...] = ()) -> MetaModel:
     index = read_model_index(folder)
     class_name = index["_class_name"]
     spec = family_for(class_name)
@@ -117,7 +121,7 @@ def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "") -> MetaMo
     return MetaModel(
         name=folder.name, pipeline_class=class_name, spec=spec, components=components,
         dtype_name=dtype_name, pipeline_config=pipeline_config, source=str(folder),
-        vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype,
+        vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype, removed=removed,
     )
 
 

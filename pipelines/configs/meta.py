@@ -81,6 +81,9 @@ class MetaModel:
     source: str = ""
     vae_dtype_name: str = ""  # "" when the VAE runs in dtype_name (Wan's docs run it in fp32)
     disk_cache: bool = True  # keep measurements in the user's plan cache (plan_cache.py; VIDMEM_PLAN_CACHE=0: off)
+    # "component.sub.module" paths the loader removed (a Gemma 3 text encoder file without its vision tower):
+    # left out of every build, so their weights are not counted.
+    removed: tuple[str, ...] = ()
     _built: dict = field(default_factory=dict, repr=False)
     _weights: dict = field(default_factory=dict, repr=False)
     _traces: dict = field(default_factory=dict, repr=False)
@@ -177,7 +180,8 @@ class MetaModel:
     def module(self, component: str) -> torch.nn.Module:
         """The full-size component on meta (weights and residency come from it)."""
         if component not in self._built:
-            self._built[component] = build_meta(self.components[component], self.dtype_of(component))
+            self._built[component] = self._without_removed(component, build_meta(self.components[component],
+                                                                                 self.dtype_of(component)))
         return self._built[component]
 
     def blocks(self, component: str) -> torch.nn.ModuleList | None:
@@ -239,7 +243,8 @@ class MetaModel:
         """Everything this model's measurements depend on besides the code: its resolved configuration."""
         return {"name": self.name, "pipeline": self.pipeline_class, "pipeline_config": self.pipeline_config,
                 "dtype": self.dtype_name, "vae_dtype": self.vae_dtype_name,
-                "components": {n: [c.library, c.class_name, c.config] for n, c in sorted(self.components.items())}}
+                "components": {n: [c.library, c.class_name, c.config] for n, c in sorted(self.components.items())},
+                **({"removed": list(self.removed)} if self.removed else {})}  # absent: the caches of before stay valid
 
     @cached_property
     def _disk(self) -> PlanCache | None:
@@ -288,8 +293,18 @@ class MetaModel:
             if self._blocks_of(component) is None:
                 self._built[key] = self.module(component)
             else:
-                self._built[key] = build_meta(self.components[component], self.dtype_of(component), TRACED_BLOCKS)
+                built = build_meta(self.components[component], self.dtype_of(component), TRACED_BLOCKS)
+                self._built[key] = self._without_removed(component, built)
         return self._built[key]
+
+    def _without_removed(self, component: str, module: torch.nn.Module) -> torch.nn.Module:
+        """`module` with the submodules `removed` names under `component` set to None, as the loader left them."""
+        for path in self.removed:
+            owner, _, sub = path.partition(".")
+            if owner == component:
+                parent, _, leaf = sub.rpartition(".")
+                setattr(module.get_submodule(parent), leaf, None)
+        return module
 
     def real_block_count(self, component: str) -> int:
         path = self._blocks_of(component)

@@ -12,9 +12,11 @@ import os
 from dataclasses import dataclass, replace
 
 from ...memory.context_parallel import RANK_STORAGE
+from ..comfy_files.text_encoder_file import FOLDER_CHOICE
 from ..family import ModelError
 from ..loader import LoadedPipeline, load_pipeline
 from ..lora import load_lora
+from ..weight_storage import DEFAULT_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class PipelineSource:
         """The source of a pipeline loaded from a diffusers folder; ModelError for anything else."""
         if loaded.config_name or loaded.storage or loaded.source != loaded.folder:
             raise ModelError(f"{RANK_STORAGE}; this pipeline comes from {loaded.source}. Load the diffusers folder with "
-                             "Load Video Pipeline (the folder's own transformer), or set context_parallel to off.")
+                             f"Load Video Pipeline, its transformer_file, vae_file, text_encoder_file and text_encoder_2_file "
+                             f"left at {FOLDER_CHOICE} and weight_dtype at {DEFAULT_WEIGHTS}, or set context_parallel to off.")
         loras = tuple(LoraSource.of(spec.name, str(spec.path), spec.strength, spec.expert) for spec in loaded.loras)
         return cls(loaded.folder, loaded.dtype_name, loras, loaded.vae_dtype_name)
 
