@@ -1,0 +1,163 @@
+"""GGUF text encoders in llama.cpp's names (city96's umt5 / T5 files, Qwen2.5-VL and Gemma 3 GGUFs) read
+through Load Video Pipeline's text_encoder_file: the tiny folder's own encoder written as llama.cpp's converter
+writes it (gguf_names' table reversed, Gemma's norms stored + 1) encodes a prompt bit for bit as the folder
+for F32 files, and as the same weights quantized the same way for Q8_0. The names are also checked against
+gguf-py's own tensor map (llama.cpp's), so a wrong table entry fails twice."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from test_text_encoder_file import COG, HY15, LTX2, WAN, assert_equal, embeddings, encoder
+from vidmem.memory.storage import StoredLinear
+from vidmem.pipelines.comfy_files import gguf_names
+from vidmem.pipelines.comfy_files.detect import storage_name
+from vidmem.pipelines.comfy_files.write import dequantized, store_tensors, write_llama_cpp_text_encoder
+from vidmem.pipelines.family import ModelError
+from vidmem.pipelines.loader import load_pipeline
+
+ARCH = {WAN: "t5encoder", COG: "t5encoder", HY15: "qwen2vl", LTX2: "gemma3"}
+
+
+def exact_norms(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state with Gemma's norms (built as zeros) drawn at random on a 2**-10 grid, so that they
+    matter and llama.cpp's 1 + weight is exact in F32 (the round trip is then bit for bit; real files round
+    there, as llama.cpp's converter does)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def drawn(t):
+        return (torch.randn(t.shape, generator=generator) * 256).round() / 1024
+
+    return {name: drawn(t) if name.endswith("norm.weight") else t for name, t in module.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def gguf_folder(tiny_folder, tmp_path_factory):
+    """variant -> the tiny folder, its Gemma's norms made exact (see exact_norms); other variants as they are."""
+    def get(variant):
+        if variant != LTX2:
+            return tiny_folder(variant)
+        folder = tmp_path_factory.getbasetemp() / "gemma-exact-norms"
+        if not folder.exists():
+            shutil.copytree(tiny_folder(LTX2), folder)
+            loaded = load_pipeline(tiny_folder(LTX2), "fp32")
+            encoder(loaded).load_state_dict(exact_norms(encoder(loaded)))
+            shutil.rmtree(folder / "text_encoder")
+            encoder(loaded).save_pretrained(folder / "text_encoder")
+        return folder
+
+    return get
+
+
+def write(loaded, variant, storage, path):
+    return write_llama_cpp_text_encoder(store_tensors(encoder(loaded), storage), path, ARCH[variant])
+
+
+def gguf_tensor_names(path) -> set[str]:
+    import gguf
+
+    return {t.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("variant", [WAN, COG, HY15, LTX2])
+def test_the_written_names_are_llama_cpps_own(gguf_folder, tmp_path, variant):
+    """Every name written is the one gguf-py's map (llama.cpp's) gives the model's tensor."""
+    import gguf
+
+    loaded = load_pipeline(gguf_folder(variant), "fp32")
+    path = write(loaded, variant, "fp32", tmp_path / "te-F32.gguf")
+    arch = next(a for a in gguf.MODEL_ARCH if gguf.MODEL_ARCH_NAMES[a] == ARCH[variant])
+    names = gguf.get_tensor_name_map(arch, 64)
+    state = encoder(loaded).state_dict()
+    expected = set()
+    for name in state:
+        bare = name.replace("model.language_model.", "model.") if variant == LTX2 else name
+        if not bare.startswith("model.") and variant in (HY15,):
+            bare = "model." + bare
+        if name.startswith(("model.vision_tower.", "model.multi_modal_projector.", "lm_head.", "encoder.embed_tokens.")):
+            continue
+        stem, leaf = bare.rsplit(".", 1)
+        expected.add(f"{names.get_name(stem)}.{leaf}")
+    assert gguf_tensor_names(path) == expected
+
+
+@pytest.mark.reproducible_blas
+@pytest.mark.parametrize("variant", [WAN, COG, HY15, LTX2])
+def test_an_f32_gguf_encodes_bit_for_bit_as_the_folder(gguf_folder, tmp_path, variant):
+    folder = load_pipeline(gguf_folder(variant), "fp32")
+    path = write(folder, variant, "fp32", tmp_path / "te-F32.gguf")
+    loaded = load_pipeline(gguf_folder(variant), "fp32", text_encoder_file=path)
+    assert loaded.storage["text_encoder"] == "fp32"
+    assert_equal(embeddings(loaded), embeddings(folder))
+
+
+@pytest.mark.reproducible_blas
+def test_an_f16_gguf_encodes_as_the_folder_with_its_weights_in_f16(gguf_folder, tmp_path):
+    folder = load_pipeline(gguf_folder(WAN), "fp32")
+    stored = store_tensors(encoder(folder), "fp16")
+    path = write_llama_cpp_text_encoder(stored, tmp_path / "umt5-xxl-encoder-F16.gguf", ARCH[WAN])
+    loaded = load_pipeline(gguf_folder(WAN), "fp32", text_encoder_file=path)
+    assert loaded.storage["text_encoder"] == "fp16"
+    reference = load_pipeline(gguf_folder(WAN), "fp32")
+    encoder(reference).load_state_dict(dequantized(stored), strict=False)
+    assert_equal(embeddings(loaded), embeddings(reference))
+
+
+@pytest.mark.reproducible_blas
+@pytest.mark.parametrize("variant", [WAN, COG])
+def test_a_q8_0_gguf_encodes_as_the_same_weights_quantized_the_same_way(gguf_folder, tmp_path, variant):
+    folder = load_pipeline(gguf_folder(variant), "fp32")
+    stored = store_tensors(encoder(folder), "gguf_q8_0")
+    path = write_llama_cpp_text_encoder(stored, tmp_path / "te-Q8_0.gguf", ARCH[variant])
+    loaded = load_pipeline(gguf_folder(variant), "fp32", text_encoder_file=path)
+    assert loaded.storage["text_encoder"] == storage_name(stored) == "gguf_q8_0"
+    assert any(isinstance(m, StoredLinear) for m in encoder(loaded).modules())
+    reference = load_pipeline(gguf_folder(variant), "fp32")
+    encoder(reference).load_state_dict(dequantized(stored), strict=False)  # the values the file holds, plain
+    for a, b in zip(embeddings(loaded), embeddings(reference), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # the same values, upcast per layer or held plain
+
+
+def test_a_broken_table_entry_fails_the_round_trip(gguf_folder, tmp_path, monkeypatch):
+    """A wrong entry (Gemma's two post-norms swapped in the reader only) reads the file into other places."""
+    folder = load_pipeline(gguf_folder(LTX2), "fp32")
+    path = write(folder, LTX2, "fp32", tmp_path / "gemma-F32.gguf")
+    parts = tuple((old, {"post_attention_norm": "post_feedforward_layernorm", "post_ffw_norm": "post_attention_layernorm"}
+                   .get(old, new)) for old, new in gguf_names.GEMMA3.parts)
+    broken = gguf_names.GgufNames(**{**gguf_names.GEMMA3.__dict__, "parts": parts})
+    monkeypatch.setattr(gguf_names, "LAYOUTS", (gguf_names.T5, gguf_names.QWEN2VL, broken))
+    loaded = load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=path)
+    assert any(not torch.equal(a, b) for a, b in zip(embeddings(loaded), embeddings(folder)))
+
+
+def test_gemmas_norms_are_new_tensors_and_the_file_mapping_is_untouched(gguf_folder, tmp_path):
+    from vidmem.memory.storage import open_weights
+
+    folder = load_pipeline(gguf_folder(LTX2), "fp32")
+    path = write(folder, LTX2, "fp32", tmp_path / "gemma-F32.gguf")
+    opened = open_weights(path)
+    before = opened.tensors["blk.0.attn_norm.weight"].clone()
+    model_norm = encoder(folder).state_dict()["model.language_model.layers.0.input_layernorm.weight"]
+    assert torch.equal(before, model_norm + 1)  # as llama.cpp's converter stores it
+    mapped = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder_file")
+    assert torch.equal(mapped["model.layers.0.input_layernorm.weight"], model_norm)
+    assert torch.equal(opened.tensors["blk.0.attn_norm.weight"], before)
+    assert mapped["model.layers.0.self_attn.q_proj.weight"] is opened.tensors["blk.0.attn_q.weight"]  # renamed, not copied
+
+
+def test_another_llama_cpp_architecture_is_refused_by_name(gguf_folder, tmp_path):
+    folder = load_pipeline(gguf_folder(HY15), "fp32")
+    path = write(folder, HY15, "fp32", tmp_path / "te.gguf")
+    from vidmem.memory.storage import open_weights
+
+    opened = open_weights(path)
+    with pytest.raises(ModelError, match=r"architecture 'llama'.*qwen2vl.*gemma3"):
+        gguf_names.file_tensors(opened.tensors, {gguf_names.ARCH_KEY: "llama"}, "text_encoder_file: 'te.gguf'")
+
+
+def test_the_reverse_table_refuses_a_name_it_has_no_entry_for():
+    with pytest.raises(ModelError, match="no llama.cpp name"):
+        gguf_names.llama_cpp_names(gguf_names.T5, ["encoder.block.0.layer.0.SelfAttention.x.weight"])
