@@ -161,3 +161,52 @@ def test_another_llama_cpp_architecture_is_refused_by_name(gguf_folder, tmp_path
 def test_the_reverse_table_refuses_a_name_it_has_no_entry_for():
     with pytest.raises(ModelError, match="no llama.cpp name"):
         gguf_names.llama_cpp_names(gguf_names.T5, ["encoder.block.0.layer.0.SelfAttention.x.weight"])
+
+
+# --- Gemma's token table under a GGUF weight_dtype ------------------------------------------------
+
+def small_gemma(empty: bool = False) -> torch.nn.Module:
+    """A Gemma 3 wide enough for Q8_0 blocks (32), as LTX-2 loads it (its token table tied to lm_head)."""
+    import accelerate
+    import transformers
+
+    text = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=8, patch_size=4)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    if empty:
+        with accelerate.init_empty_weights():
+            return transformers.Gemma3ForConditionalGeneration(config)
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
+def unique_tensors(module: torch.nn.Module):
+    return {id(t): t for t in (*module.parameters(), *module.buffers())}.values()
+
+
+def test_a_gemma_held_at_gguf_q8_0_keeps_its_token_table_as_loaded_and_is_planned_as_held():
+    """Gemma's token table is tied to lm_head (a Linear) and scales its rows (its own forward): it cannot stay
+    stored, so weight_dtype must not round it (it would be dequantized again at load, a dense copy planned at
+    Q8_0 bytes). The Linear weights are lowered; the planner counts exactly what is held."""
+    from vidmem.memory.plan.storage import stored_sizes
+    from vidmem.memory.storage import storage_format
+    from vidmem.pipelines.weight_storage import hold
+
+    source = small_gemma()
+    tensors = {name: t.detach().clone() for name, t in source.state_dict().items() if name != "lm_head.weight"}
+    module = small_gemma(empty=True)
+    report, held_format = hold(module, tensors, torch.float32, "gguf_q8_0", copy_to_ram=False, source="gemma")
+    table = module.model.language_model.embed_tokens
+    assert type(table).__name__ == "Gemma3TextScaledWordEmbedding"  # not swapped for a plain lookup
+    assert table.weight is module.lm_head.weight  # still tied
+    assert torch.equal(table.weight, tensors["model.language_model.embed_tokens.weight"])  # exactly as loaded
+    assert report.dequantized == () and held_format == "gguf_q8_0"
+    assert any(isinstance(m, StoredLinear) for m in module.model.language_model.modules())
+
+    planned_model = small_gemma(empty=True)
+    planned_model.tie_weights()  # as the planner builds it (configs.meta.build_meta, comfy_files.build.build_empty)
+    sizes = stored_sizes(planned_model, storage_format("gguf_q8_0"))
+    planned = sum(sizes.nbytes(id(t), t) for t in unique_tensors(planned_model))
+    assert planned == sum(t.numel() * t.element_size() for t in unique_tensors(module))
