@@ -210,3 +210,74 @@ def test_a_gemma_held_at_gguf_q8_0_keeps_its_token_table_as_loaded_and_is_planne
     sizes = stored_sizes(planned_model, storage_format("gguf_q8_0"))
     planned = sum(sizes.nbytes(id(t), t) for t in unique_tensors(planned_model))
     assert planned == sum(t.numel() * t.element_size() for t in unique_tensors(module))
+
+
+# --- Load Video Model Files' text_encoder: city96's umt5 GGUF, its tokenizer in the metadata ----------
+
+@pytest.mark.reproducible_blas
+def test_load_video_model_files_reads_a_umt5_gguf_with_its_tokenizer_from_the_metadata(tmp_path):
+    from dataclasses import replace
+
+    from vidmem.pipelines.comfy_files import LoadOptions, load_model_files
+    from vidmem.pipelines.comfy_files.gguf_tokenizer import tokenizer_metadata
+    from vidmem.pipelines.tiny import build_tiny_pipeline, build_tiny_tokenizer
+    from vidmem.pipelines.tiny_files import save_tiny_comfy_files, tiny_catalogue, tiny_spiece_model
+
+    out = save_tiny_comfy_files(WAN, tmp_path / "comfy", "fp32", reference=False)
+    text = build_tiny_pipeline(WAN).text_encoder  # the weights the safetensors file holds (the same seed)
+    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "umt5-xxl-encoder-F32.gguf", "t5encoder",
+                                        tokenizer_metadata(tiny_spiece_model()))
+    options = LoadOptions(dtype="fp32")
+    from_gguf = load_model_files(replace(out.files, text_encoder=path), options, tiny_catalogue())
+    from_safetensors = load_model_files(out.files, options, tiny_catalogue())
+    prompt = "a cat dances with the monkey, 12 times!"
+    assert from_gguf.pipe.tokenizer(prompt).input_ids == build_tiny_tokenizer()(prompt).input_ids
+    assert_equal(embeddings(from_gguf, prompt), embeddings(from_safetensors, prompt))
+
+
+@pytest.mark.reproducible_blas
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2vl"])
+def test_a_q8_0_language_model_gguf_holds_the_same_weights_quantized_the_same_way(tmp_path, arch):
+    """The tiny pipelines' Gemma and Qwen are too narrow for Q8_0 blocks: a small Gemma 3 (32 wide) read through
+    read_weight_file (Qwen's table: the same Gemma written as qwen2vl, its Gemma-only norms aside, read by names)
+    gives every language-model tensor the values of the same weights quantized the same way, and held at
+    fp32 computes the same hidden states as the model holding those values plain."""
+    from vidmem.pipelines.comfy_files import read_weight_file, text_encoders
+    from vidmem.pipelines.weight_storage import hold
+
+    source = small_gemma()
+    for name, tensor in exact_norms(source).items():
+        if name.endswith("norm.weight"):
+            source.get_parameter(name).data.copy_(tensor)
+    stored = store_tensors(source, "gguf_q8_0")
+    language = text_encoders.GEMMA3.language
+    if arch == "qwen2vl":  # Qwen's layout: no q/k norms, no post norms (left out of the file and the check)
+        gemma_only = ("q_norm", "k_norm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+        written = {n: t for n, t in stored.items() if n.startswith(language) and not any(k in n for k in gemma_only)}
+        path = write_llama_cpp_text_encoder({n[len(language):]: t for n, t in written.items()},
+                                            tmp_path / "qwen-Q8_0.gguf", arch)
+        from vidmem.memory.storage import open_weights
+
+        opened = open_weights(path)
+        mapped = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder_file")
+        expected = {text_encoders.QWEN25_VL.renames[0][0] + n[len(language):]: t for n, t in written.items()}
+        assert set(mapped) == set(expected)
+        assert all(torch.equal(a, b) for a, b in zip(dequantized(mapped).values(), (dequantized(expected)[n] for n in mapped)))
+        return
+    path = write_llama_cpp_text_encoder(stored, tmp_path / "gemma-Q8_0.gguf", arch)
+    file = read_weight_file(path, "text_encoder_file", "text_encoder")
+    assert file.storage == "gguf_q8_0" and file.fields["class"] == "Gemma3ForConditionalGeneration"
+    assert set(file.tensors) == {n for n in stored if n.startswith(language)}
+    plain = dequantized(stored)
+    assert all(torch.equal(t, plain[n]) for n, t in dequantized(file.tensors).items())
+
+    vision = {n: t for n, t in source.state_dict().items() if not n.startswith(language) and n != "lm_head.weight"}
+    held = small_gemma(empty=True)
+    hold(held, {**file.tensors, **vision}, torch.float32, "default", copy_to_ram=False, source=path.name)
+    reference = small_gemma()
+    reference.load_state_dict({**plain, "lm_head.weight": plain[language + "embed_tokens.weight"]})
+    ids = torch.tensor([[2, 5, 9, 11, 3]])
+    with torch.no_grad():
+        found = held.model.language_model(ids).last_hidden_state
+        wanted = reference.model.language_model(ids).last_hidden_state
+    torch.testing.assert_close(found, wanted, rtol=0, atol=1e-5)  # the same values, upcast per layer or held plain

@@ -167,11 +167,11 @@ def llama_cpp_names(layout: GgufNames, file_names: Iterable[str]) -> dict[str, s
             continue
         index, _, part = stem[len(new_prefix):].partition(".")
         if not stem.startswith(new_prefix) or part not in parts:
-            raise ModelError(f"'{name}' has no llama.cpp name in vidmem's {layout.shown} table; update gguf_names.{layout.shown}.")
+            raise ModelError(f"'{name}' has no llama.cpp name in vidmem's {layout.shown} table; update its table in gguf_names.py.")
         mapping[name] = f"{old_prefix}{index}.{parts[part]}.{leaf}"
     wrong = [name for name, old in mapping.items() if _renamed(layout, old.rsplit(".", 1)[0]) != name.rsplit(".", 1)[0]]
     if wrong:
-        raise ModelError(f"vidmem's {layout.shown} llama.cpp name table disagrees with itself for {wrong[:3]}; update gguf_names.")
+        raise ModelError(f"vidmem's {layout.shown} llama.cpp name table disagrees with itself for {wrong[:3]}; update its table in gguf_names.py.")
     return mapping
 
 

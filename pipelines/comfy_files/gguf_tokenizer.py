@@ -36,6 +36,33 @@ def spiece_model(metadata: Mapping[str, Any], where: str) -> bytes:
     for field, key in (("unk_id", "unknown"), ("bos_id", "bos"), ("eos_id", "eos"), ("pad_id", "padding")):
         value = metadata.get(f"tokenizer.ggml.{key}_token_id")
         setattr(spec, field, -1 if value is None else int(value))
-    model.normalizer_spec.add_dummy_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    model.normalizer_spec.remove_extra_whitespaces = bool(metadata.get("tokenizer.ggml.remove_extra_whitespaces", True))
+    normalizer = model.normalizer_spec
+    normalizer.add_dummy_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    normalizer.remove_extra_whitespaces = bool(metadata.get("tokenizer.ggml.remove_extra_whitespaces", True))
+    charsmap = metadata.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap:  # T5's NFKC table; without one the text is taken as it is
+        normalizer.name, normalizer.precompiled_charsmap = "nmt_nfkc", bytes(charsmap)
+    else:
+        normalizer.name = "identity"
     return model.SerializeToString()
+
+
+def tokenizer_metadata(spiece: bytes) -> dict[str, Any]:
+    """The `tokenizer.ggml.*` fields llama.cpp's converter writes from a T5 SentencePiece model (for
+    writing test files); `spiece_model` reads them back."""
+    from sentencepiece import sentencepiece_model_pb2 as proto
+
+    model = proto.ModelProto()
+    model.ParseFromString(spiece)
+    spec, normalizer = model.trainer_spec, model.normalizer_spec
+    fields = {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": [p.piece for p in model.pieces],
+              "tokenizer.ggml.scores": [float(p.score) for p in model.pieces],
+              "tokenizer.ggml.token_type": [int(p.type) for p in model.pieces],
+              "tokenizer.ggml.add_space_prefix": normalizer.add_dummy_prefix,
+              "tokenizer.ggml.remove_extra_whitespaces": normalizer.remove_extra_whitespaces}
+    if normalizer.precompiled_charsmap:
+        fields["tokenizer.ggml.precompiled_charsmap"] = list(normalizer.precompiled_charsmap)
+    for field, key in (("unk_id", "unknown"), ("bos_id", "bos"), ("eos_id", "eos"), ("pad_id", "padding")):
+        if getattr(spec, field) >= 0:  # llama.cpp writes only the ids a model has
+            fields[f"tokenizer.ggml.{key}_token_id"] = getattr(spec, field)
+    return fields
