@@ -71,15 +71,15 @@ def test_the_written_names_are_llama_cpps_own(gguf_folder, tmp_path, variant):
     path = write(loaded, variant, "fp32", tmp_path / "te-F32.gguf")
     arch = next(a for a in gguf.MODEL_ARCH if gguf.MODEL_ARCH_NAMES[a] == ARCH[variant])
     names = gguf.get_tensor_name_map(arch, 64)
-    state = encoder(loaded).state_dict()
+    # transformers' names as gguf-py knows them (its map is keyed by the HF checkpoints' names: `model.` before
+    # a language model's layers); what llama.cpp's files leave out (tied copies, vision parts) skipped
+    hf_names = {WAN: "", COG: "", HY15: "model.", LTX2: "model."}[variant]
+    skipped = ("model.vision_tower.", "model.multi_modal_projector.", "lm_head.", "encoder.embed_tokens.")
     expected = set()
-    for name in state:
-        bare = name.replace("model.language_model.", "model.") if variant == LTX2 else name
-        if not bare.startswith("model.") and variant in (HY15,):
-            bare = "model." + bare
-        if name.startswith(("model.vision_tower.", "model.multi_modal_projector.", "lm_head.", "encoder.embed_tokens.")):
+    for name in encoder(loaded).state_dict():
+        if name.startswith(skipped):
             continue
-        stem, leaf = bare.rsplit(".", 1)
+        stem, leaf = (hf_names + name.removeprefix("model.language_model.")).rsplit(".", 1)
         expected.add(f"{names.get_name(stem)}.{leaf}")
     assert gguf_tensor_names(path) == expected
 
@@ -212,13 +212,27 @@ def test_a_gemma_held_at_gguf_q8_0_keeps_its_token_table_as_loaded_and_is_planne
     assert planned == sum(t.numel() * t.element_size() for t in unique_tensors(module))
 
 
+def same_spiece(found: bytes, expected: bytes) -> bool:
+    """Two SentencePiece models with the same pieces (text, score, type), special ids and normalizer switches."""
+    from sentencepiece import sentencepiece_model_pb2 as proto
+
+    a, b = proto.ModelProto(), proto.ModelProto()
+    a.ParseFromString(found)
+    b.ParseFromString(expected)
+    pieces = [[(p.piece, p.score, p.type) for p in m.pieces] for m in (a, b)]
+    ids = [[getattr(m.trainer_spec, f) for f in ("unk_id", "bos_id", "eos_id", "pad_id", "model_type")] for m in (a, b)]
+    switches = [(m.normalizer_spec.add_dummy_prefix, m.normalizer_spec.remove_extra_whitespaces,
+                 m.normalizer_spec.precompiled_charsmap) for m in (a, b)]
+    return pieces[0] == pieces[1] and ids[0] == ids[1] and switches[0] == switches[1]
+
+
 # --- Load Video Model Files' text_encoder: city96's umt5 GGUF, its tokenizer in the metadata ----------
 
 @pytest.mark.reproducible_blas
 def test_load_video_model_files_reads_a_umt5_gguf_with_its_tokenizer_from_the_metadata(tmp_path):
     from dataclasses import replace
 
-    from vidmem.pipelines.comfy_files import LoadOptions, load_model_files
+    from vidmem.pipelines.comfy_files import LoadOptions, load_model_files, read_weight_file
     from vidmem.pipelines.comfy_files.gguf_tokenizer import tokenizer_metadata
     from vidmem.pipelines.tiny import build_tiny_pipeline, build_tiny_tokenizer
     from vidmem.pipelines.tiny_files import save_tiny_comfy_files, tiny_catalogue, tiny_spiece_model
@@ -230,6 +244,7 @@ def test_load_video_model_files_reads_a_umt5_gguf_with_its_tokenizer_from_the_me
     options = LoadOptions(dtype="fp32")
     from_gguf = load_model_files(replace(out.files, text_encoder=path), options, tiny_catalogue())
     from_safetensors = load_model_files(out.files, options, tiny_catalogue())
+    assert same_spiece(read_weight_file(path, "text_encoder", "text_encoder").tokenizer_model, tiny_spiece_model())
     prompt = "a cat dances with the monkey, 12 times!"
     assert from_gguf.pipe.tokenizer(prompt).input_ids == build_tiny_tokenizer()(prompt).input_ids
     assert_equal(embeddings(from_gguf, prompt), embeddings(from_safetensors, prompt))
@@ -281,3 +296,23 @@ def test_a_q8_0_language_model_gguf_holds_the_same_weights_quantized_the_same_wa
         found = held.model.language_model(ids).last_hidden_state
         wanted = reference.model.language_model(ids).last_hidden_state
     torch.testing.assert_close(found, wanted, rtol=0, atol=1e-5)  # the same values, upcast per layer or held plain
+
+
+def test_a_t5_tokenizers_normalizer_table_comes_back_from_the_metadata(tmp_path):
+    """Real T5 tokenizers carry an NFKC table (precompiled_charsmap), which llama.cpp keeps in the metadata."""
+    from sentencepiece import sentencepiece_model_pb2 as proto
+
+    from vidmem.memory.storage import open_weights
+    from vidmem.pipelines.comfy_files.gguf_tokenizer import tokenizer_metadata
+    from vidmem.pipelines.tiny import build_tiny_pipeline
+    from vidmem.pipelines.tiny_files import tiny_spiece_model
+
+    model = proto.ModelProto()
+    model.ParseFromString(tiny_spiece_model())
+    model.normalizer_spec.precompiled_charsmap = bytes(range(7, 200))
+    spiece = model.SerializeToString()
+    text = build_tiny_pipeline(WAN).text_encoder
+    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "t5.gguf", "t5", tokenizer_metadata(spiece))
+    opened = open_weights(path)
+    rebuilt = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder")[gguf_names.TOKENIZER_KEY]
+    assert same_spiece(rebuilt.numpy().tobytes(), spiece)
