@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..memory.storage import FORMATS, StorageReport, StoredTensor, is_file_backed, quantize, storage_format
+from ..memory.storage import FORMATS, StorageReport, StoredTensor, is_file_backed, quantize, stays_stored, storage_format
 from .family import ModelError
 
 DEFAULT_WEIGHTS = "default"  # as the files store them
@@ -39,12 +39,14 @@ def held_format(stored: str, weight_dtype: str) -> str:
 
 
 def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: str) -> dict[str, Any]:
-    """The tensors the format `target` lowers (`StorageFormat.lowers` on `module`'s layers) quantized
-    to it when stored wider; every other tensor as given (same objects)."""
+    """The tensors the format `target` lowers (`StorageFormat.lowers` on `module`'s layers, of the
+    weights the model can hold stored: `stays_stored`) quantized to it when stored wider; every other
+    tensor as given (same objects), so a tied or custom token table (Gemma's) is never rounded for nothing."""
     fmt = storage_format(target)
     lowered = dict(tensors)
+    storable = stays_stored(module)  # a weight the model cannot hold stored would be dequantized again at load
     for name, tensor in tensors.items():
-        if _bytes_per_weight(tensor) > fmt.bytes_per_weight and _lowered_by(module, name, fmt):
+        if _bytes_per_weight(tensor) > fmt.bytes_per_weight and name in storable and _lowered_by(module, name, fmt):
             wide = tensor.dequantize(torch.float32) if isinstance(tensor, StoredTensor) else tensor
             lowered[name] = quantize(wide, fmt)
     return lowered

@@ -2,7 +2,7 @@
 weights left memory-mapped in their files (the disk tier)."""
 
 from .accounting import FormatCount, StorageReport
-from .apply import assign_weights
+from .apply import assign_weights, stays_stored
 from .errors import StorageError
 from .files import SafetensorsFile, open_safetensors, sniff
 from .formats import FORMATS, StorageFormat, storage_format
@@ -34,6 +34,7 @@ __all__ = [
     "open_weights",
     "quantize",
     "sniff",
+    "stays_stored",
     "storage_format",
     "supported_gguf_types",
     "upcast_workspace_bytes",

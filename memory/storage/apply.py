@@ -189,8 +189,17 @@ def _stays_stored(value: StoredTensor, target: torch.dtype) -> bool:
     return value.format.quantized or value.scale is not None or value.format.torch_dtype != target
 
 
+def stays_stored(module: nn.Module) -> frozenset[str]:
+    """The qualified names of the weights `module` can hold stored (every name of a tied one): what
+    `assign_weights` keeps stored, so a loader lowers nothing else (the rest would be dequantized
+    into a dense copy at load) and the planner counts nothing else at a stored format's bytes."""
+    return frozenset(name for entry in _entries(module) if _storable(module, entry) for name in entry.names)
+
+
 def _storable(root: nn.Module, entry: _Entry) -> bool:
-    """A Linear or Embedding weight (every owner of a tied one) can stay stored."""
+    """A Linear or Embedding weight (every owner of a tied one, all of one class) can stay stored;
+    not an Embedding subclass with its own forward, which StoredEmbedding's plain lookup would drop
+    (Gemma 3's token table scales its rows by sqrt(hidden_size))."""
     if not entry.is_parameter:
         return False
     owners = [_owner(root, name) for name in entry.names]
@@ -198,7 +207,9 @@ def _storable(root: nn.Module, entry: _Entry) -> bool:
     if len(kinds) != 1 or any(leaf != "weight" for _, leaf in owners):
         return False
     kind = kinds.pop()
-    return issubclass(kind, (nn.Linear, nn.Embedding))
+    if issubclass(kind, nn.Embedding):
+        return kind.forward is nn.Embedding.forward
+    return issubclass(kind, nn.Linear)
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -18,7 +18,7 @@ from ...memory.storage import StorageError, fold_scaled_fp8, open_weights
 from ...memory.storage.files import SafetensorsFile
 from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
-from . import detect, hy15, hy15_vae, ltx2, text_encoders
+from . import detect, gguf_names, hy15, hy15_vae, ltx2, text_encoders
 from .keys import COMFY_PREFIX, KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
 
 TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
@@ -95,6 +95,8 @@ def _open_tensors(path: Path, role: str) -> dict[str, Any]:
         opened = open_weights(path)
         if isinstance(opened, SafetensorsFile):
             return fold_scaled_fp8(_without_quant_records(path, role, opened.tensors))
+        if gguf_names.is_llama_cpp(opened.tensors):  # llama.cpp's text-encoder names: brought to the readers' own
+            return gguf_names.file_tensors(opened.tensors, opened.metadata, f"{role}: '{path.name}'")
         return dict(opened.tensors)
     except StorageError as error:
         named = str(error) if path.name in str(error) else f"'{path.name}': {error}"

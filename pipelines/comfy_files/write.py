@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 
 from ...memory.storage import StoredTensor, quantize, storage_format
-from . import hy15, hy15_vae, ltx2, text_encoders
+from . import gguf_names, hy15, hy15_vae, ltx2, text_encoders
 from .files import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, original_transformer_names, vae_original_names
 
@@ -131,6 +131,29 @@ def write_language_model(tensors: Mapping[str, Any], path: str | Path, class_nam
     return _write({**{names[name]: t for name, t in kept.items()}, **extras}, path)
 
 
+def write_llama_cpp_text_encoder(tensors: Mapping[str, Any], path: str | Path, arch: str,
+                                 tokenizer: Mapping[str, Any] = MappingProxyType({})) -> Path:
+    """A text encoder as llama.cpp's converter (and city96's T5 files) write it: from its transformers-named
+    `tensors` (plain or stored; T5 / UMT5, Qwen2.5-VL's text model or Gemma 3's language model), renamed by
+    gguf_names' table for `arch` ("t5encoder", "qwen2vl", "gemma3"; Gemma's norms stored as 1 + weight),
+    `general.architecture` set to `arch`, plus `tokenizer` metadata (tokenizer.ggml.* fields) as given.
+    What llama.cpp's files lack is left out: the tied copies, the vision parts (mmproj files) and lm_head."""
+    if arch in gguf_names.T5.archs:
+        layout = gguf_names.T5 if any(n.endswith("wi_0.weight") for n in tensors) else gguf_names.T5_UNGATED
+        named = {n: t for n, t in tensors.items() if n != "encoder.embed_tokens.weight"}
+    else:
+        layout = next(layout for layout in gguf_names.LAYOUTS if arch in layout.archs)
+        class_name = "Gemma3ForConditionalGeneration" if layout is gguf_names.GEMMA3 else "Qwen2_5_VLTextModel"
+        language = text_encoders.LAYOUTS[class_name].language
+        kept = [n for n in tensors if n.startswith(language) and not n.startswith("lm_head.")]
+        comfy = text_encoders.comfy_names(text_encoders.LAYOUTS[class_name], kept)
+        named = {comfy[n]: tensors[n] for n in kept}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_gguf(gguf_names.llama_cpp_tensors(layout, named), path, arch, tokenizer)
+    return path
+
+
 def write_clip_vision(tensors: Mapping[str, Any], path: str | Path, projection_dim: int, seed: int = 0) -> Path:
     """A CLIP vision file as Comfy-Org's clip_vision_h.safetensors: ComfyUI's
     CLIPVisionModelWithProjection state, every name under `vision_model.` plus the
@@ -171,16 +194,20 @@ def _flat_safetensors(tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
     return flat
 
 
-def _write_gguf(tensors: dict[str, Any], path: Path) -> None:
+def _write_gguf(tensors: dict[str, Any], path: Path, arch: str = "wan",
+                metadata: Mapping[str, Any] = MappingProxyType({})) -> None:
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), arch="wan")
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    for key, value in metadata.items():
+        _add_field(writer, key, value)
     for name, tensor in tensors.items():
         if isinstance(tensor, StoredTensor):
             qtype = gguf.GGMLQuantizationType[tensor.format.gguf_type]
             writer.add_tensor(name, tensor.data.numpy(), raw_dtype=qtype)
             continue
-        array = tensor.to(torch.float32).numpy()
+        # F16 stays F16 (as llama.cpp's and city96's converters keep it); other floats are written F32
+        array = (tensor if tensor.dtype == torch.float16 else tensor.to(torch.float32)).numpy()
         if array.ndim > 4:  # GGUF holds at most four dimensions
             writer.add_array(GGUF_ORIG_SHAPE + name, list(array.shape))
             array = array.reshape(array.shape[0], -1)
@@ -189,3 +216,17 @@ def _write_gguf(tensors: dict[str, Any], path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_field(writer, key: str, value) -> None:
+    """One metadata field, typed by its Python value (a list's items by theirs)."""
+    if isinstance(value, (list, tuple)):
+        writer.add_array(key, list(value))
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_string(key, str(value))
