@@ -35,8 +35,9 @@ class VidMemLoadModelFiles:
             "required": {
                 "model": (_files("model"), {"tooltip": "A Wan transformer from models/diffusion_models (or unet), "
                           "e.g. wan2.1_t2v_14B_fp8_scaled.safetensors. For Wan 2.2 A14B: the high-noise expert."}),
-                "text_encoder": (_files("text_encoder"), {"tooltip": "umt5-xxl from models/text_encoders (or clip), e.g. "
-                                 "umt5_xxl_fp8_e4m3fn_scaled.safetensors. It must embed its tokenizer (Comfy-Org's files do)."}),
+                "text_encoder": (_files("text_encoder"), {"tooltip": "umt5-xxl from models/text_encoders (or clip): Comfy-Org's "
+                                 "umt5_xxl_*.safetensors, or city96's umt5-xxl-encoder-*.gguf. It must carry its tokenizer "
+                                 "(Comfy-Org's files embed it; city96's GGUFs hold it in their metadata)."}),
                 "vae": (_files("vae"), {"tooltip": "wan_2.1_vae.safetensors for every Wan model except Wan 2.2 TI2V-5B, "
                         "which needs wan2.2_vae.safetensors. A mismatch is refused before loading."}),
                 "dtype": (list(DTYPES), {"default": "bf16", "tooltip": "Compute precision of the transformer and "

@@ -166,8 +166,9 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
         f"{role}: '{path.name}' has a key layout vidmem does not know (first names: {sample}). vidmem reads Wan "
         "transformers (original, model.diffusion_model. or diffusers names), LTX-2 checkpoints, HunyuanVideo 1.5 "
         "transformers (Comfy-Org's or Tencent's names, saved by ComfyUI under model.model., or diffusers names), Wan and "
-        "HunyuanVideo 1.5 VAEs, T5/UMT5 text encoders (transformers names), Qwen2.5-VL 7B and Gemma 3 12B text encoders "
-        "(ComfyUI's names) and CLIP vision encoders; use Comfy-Org's repackaged files."
+        "HunyuanVideo 1.5 VAEs, T5/UMT5 text encoders (transformers names, or llama.cpp's in GGUF), Qwen2.5-VL 7B "
+        "and Gemma 3 12B text encoders (ComfyUI's names, or llama.cpp's in GGUF) and CLIP vision encoders; use "
+        "Comfy-Org's repackaged files."
     )
 
 
