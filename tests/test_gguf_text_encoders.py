@@ -316,3 +316,38 @@ def test_a_t5_tokenizers_normalizer_table_comes_back_from_the_metadata(tmp_path)
     opened = open_weights(path)
     rebuilt = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder")[gguf_names.TOKENIZER_KEY]
     assert same_spiece(rebuilt.numpy().tobytes(), spiece)
+
+
+# --- Gemma's token table cut to the tokenizer by llama.cpp's converter ---------------------------------
+
+def test_a_gemma_gguf_with_a_cut_token_table_loads_padded_with_zero_rows(gguf_folder, tmp_path):
+    """llama.cpp's gemma3 converter cuts token_embd to the tokenizer's length (fewer rows than the config's
+    vocab_size): the file is read, the missing rows are zeros, and ordinary ids embed as the full file's."""
+    folder = load_pipeline(gguf_folder(LTX2), "fp32")
+    stored = store_tensors(encoder(folder), "fp32")
+    table_name = "model.language_model.embed_tokens.weight"
+    rows = stored[table_name].shape[0]
+    full = write_llama_cpp_text_encoder(stored, tmp_path / "gemma-F32.gguf", "gemma3")
+    cut = write_llama_cpp_text_encoder({**stored, table_name: stored[table_name][:rows - 4]},
+                                       tmp_path / "gemma-cut-F32.gguf", "gemma3")
+    from_full = load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=full)
+    from_cut = load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=cut)
+    table = encoder(from_cut).get_input_embeddings().weight
+    assert table.shape[0] == rows and torch.count_nonzero(table[rows - 4:]) == 0
+    assert torch.equal(table[:rows - 4], encoder(from_full).get_input_embeddings().weight[:rows - 4])
+    ids = torch.arange(rows - 4).reshape(1, -1)
+    with torch.no_grad():
+        found = encoder(from_cut).model.language_model(ids).last_hidden_state
+        wanted = encoder(from_full).model.language_model(ids).last_hidden_state
+    assert torch.equal(found, wanted)
+
+
+def test_a_gemma_gguf_with_more_token_rows_than_the_config_is_refused(gguf_folder, tmp_path):
+    folder = load_pipeline(gguf_folder(LTX2), "fp32")
+    stored = store_tensors(encoder(folder), "fp32")
+    table_name = "model.language_model.embed_tokens.weight"
+    table = stored[table_name]
+    longer = write_llama_cpp_text_encoder({**stored, table_name: torch.cat([table, table[:4]])},
+                                          tmp_path / "gemma-long-F32.gguf", "gemma3")
+    with pytest.raises(ModelError, match="vocab_size"):
+        load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=longer)

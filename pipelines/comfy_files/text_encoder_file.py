@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ...memory.storage import StoredTensor
 from ..family import ModelError
 from . import detect, text_encoders
 from .files import WeightFile, read_weight_file
@@ -81,7 +82,8 @@ def read_text_encoder_file(path: str | Path, component: str, class_name: str, co
         held = text_encoders.HELD
         raise ModelError(f"{role}: '{path.name}' is {held[found]}, but the {component} of '{folder.name}' is "
                          f"{held[class_name]}: {fix}.")
-    problems = detect.differences(file.fields, _config_fields(class_name, config))
+    wanted = _config_fields(class_name, config)
+    problems = detect.differences(_rows_padded(file, wanted), wanted)
     if problems:
         raise ModelError(f"{role}: '{path.name}' is not the {component} of '{folder.name}' ({'; '.join(problems)}); {fix}.")
     needed = _needed_names(class_name, json.dumps(dict(config), sort_keys=True))
@@ -91,6 +93,46 @@ def read_text_encoder_file(path: str | Path, component: str, class_name: str, co
         raise ModelError(f"{role}: '{path.name}' lacks {len(missing)} of the tensors the {component} of '{folder.name}' "
                          f"needs ({listed}); the file is incomplete or of another variant: {fix}.")
     return file
+
+
+def _cut_token_rows(file: WeightFile, vocab_size: int) -> int:
+    """How many token rows a llama.cpp Gemma 3 GGUF lacks against the config's `vocab_size` (0 for any other file).
+
+    Why: llama.cpp's gemma3 converter cuts token_embd to the tokenizer's length (262144 rows where the config says
+    262208; some files keep all 262208). The ids past the tokenizer are the image soft token and unused ids, which
+    LTX-2 (text only, input_ids from the tokenizer) never looks up, so zero rows there change nothing it computes.
+    A table with more rows than the config is never a cut: the check refuses it."""
+    if file.llama_cpp != "gemma3":
+        return 0
+    rows = file.fields.get("vocab_size")
+    return vocab_size - rows if isinstance(rows, int) and rows < vocab_size else 0
+
+
+def _rows_padded(file: WeightFile, wanted: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`file.fields` with a cut Gemma 3 token table (`_cut_token_rows`) counted at the rows it is padded to at load."""
+    if not _cut_token_rows(file, wanted.get("vocab_size", 0)):
+        return file.fields
+    return {**file.fields, "vocab_size": wanted["vocab_size"]}
+
+
+def _token_table_padded(file: WeightFile, class_name: str, config: Mapping[str, Any],
+                        dtype: torch.dtype) -> Mapping[str, Any]:
+    """`file.tensors` with a cut Gemma 3 token table (`_cut_token_rows`) padded with zero rows. The table is
+    dequantized at load anyway (tied to lm_head, never kept stored: weight_storage), so padding costs no
+    more memory than loading it."""
+    if file.llama_cpp != "gemma3":
+        return file.tensors
+    vocab_size = detect.text_config(class_name, config).vocab_size
+    missing = _cut_token_rows(file, vocab_size)
+    if not missing:
+        return file.tensors
+    name = text_encoders.GEMMA3.language + "embed_tokens.weight"
+    table = file.tensors[name]
+    table = table.dequantize(dtype) if isinstance(table, StoredTensor) else table.to(dtype)
+    padded = torch.cat([table, table.new_zeros(missing, table.shape[1])])
+    log.info("vidmem: '%s' has %d token rows for a vocabulary of %d (llama.cpp cuts Gemma's table to its "
+             "tokenizer): the %d ids past it get zero rows.", file.name, vocab_size - missing, vocab_size, missing)
+    return {**file.tensors, name: padded}
 
 
 def _needed_names(class_name: str, config_json: str) -> tuple[tuple[str, ...], ...]:
@@ -151,7 +193,7 @@ def load_text_encoder_file(file: WeightFile, component: str, class_name: str, co
 
     config_path = str(Path(folder) / component / "config.json")
     module = build_empty(ComponentConfig(component, "transformers", class_name, dict(config), config_path))
-    tensors, removed = fit_optional(module, file.tensors, file.name)
+    tensors, removed = fit_optional(module, _token_table_padded(file, class_name, config, dtype), file.name)
     report, held = hold(module, tensors, dtype, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS,
                         copy_to_ram=False, source=file.name)
     return module, held, report, removed
