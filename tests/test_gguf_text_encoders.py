@@ -226,6 +226,17 @@ def same_spiece(found: bytes, expected: bytes) -> bool:
     return pieces[0] == pieces[1] and ids[0] == ids[1] and switches[0] == switches[1]
 
 
+def padded_spiece(spiece: bytes, vocab_size: int) -> bytes:
+    """`spiece` with its pieces padded to `vocab_size` as llama.cpp's converter pads them."""
+    from sentencepiece import sentencepiece_model_pb2 as proto
+
+    model = proto.ModelProto()
+    model.ParseFromString(spiece)
+    for i in range(1, vocab_size - len(model.pieces) + 1):
+        model.pieces.add(piece=f"[PAD{i}]", score=-1000.0, type=proto.ModelProto.SentencePiece.UNUSED)
+    return model.SerializeToString()
+
+
 # --- Load Video Model Files' text_encoder: city96's umt5 GGUF, its tokenizer in the metadata ----------
 
 @pytest.mark.reproducible_blas
@@ -239,12 +250,14 @@ def test_load_video_model_files_reads_a_umt5_gguf_with_its_tokenizer_from_the_me
 
     out = save_tiny_comfy_files(WAN, tmp_path / "comfy", "fp32", reference=False)
     text = build_tiny_pipeline(WAN).text_encoder  # the weights the safetensors file holds (the same seed)
+    vocab_size = text.config.vocab_size  # llama.cpp pads the pieces to it with [PADn] UNUSED pieces
     path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "umt5-xxl-encoder-F32.gguf", "t5encoder",
-                                        tokenizer_metadata(tiny_spiece_model()))
+                                        tokenizer_metadata(tiny_spiece_model(), vocab_size))
     options = LoadOptions(dtype="fp32")
     from_gguf = load_model_files(replace(out.files, text_encoder=path), options, tiny_catalogue())
     from_safetensors = load_model_files(out.files, options, tiny_catalogue())
-    assert same_spiece(read_weight_file(path, "text_encoder", "text_encoder").tokenizer_model, tiny_spiece_model())
+    rebuilt = read_weight_file(path, "text_encoder", "text_encoder").tokenizer_model
+    assert same_spiece(rebuilt, padded_spiece(tiny_spiece_model(), vocab_size))
     prompt = "a cat dances with the monkey, 12 times!"
     assert from_gguf.pipe.tokenizer(prompt).input_ids == build_tiny_tokenizer()(prompt).input_ids
     assert_equal(embeddings(from_gguf, prompt), embeddings(from_safetensors, prompt))
@@ -313,9 +326,47 @@ def test_a_t5_tokenizers_normalizer_table_comes_back_from_the_metadata(tmp_path)
     spiece = model.SerializeToString()
     text = build_tiny_pipeline(WAN).text_encoder
     path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "t5.gguf", "t5", tokenizer_metadata(spiece))
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.precompiled_charsmap"]
+    assert field.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT8]  # as llama.cpp's converter writes it
     opened = open_weights(path)
     rebuilt = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder")[gguf_names.TOKENIZER_KEY]
     assert same_spiece(rebuilt.numpy().tobytes(), spiece)
+
+
+def tokenizer_proto(metadata):
+    from sentencepiece import sentencepiece_model_pb2 as proto
+
+    from vidmem.pipelines.comfy_files.gguf_tokenizer import spiece_model
+
+    model = proto.ModelProto()
+    model.ParseFromString(spiece_model(metadata, "text_encoder: 't5.gguf'"))
+    return model
+
+
+def test_a_t5_tokenizer_without_a_normalizer_table_is_read_with_a_warning(caplog):
+    from vidmem.pipelines.comfy_files.gguf_tokenizer import tokenizer_metadata
+    from vidmem.pipelines.tiny_files import tiny_spiece_model
+
+    metadata = tokenizer_metadata(tiny_spiece_model())
+    assert "tokenizer.ggml.precompiled_charsmap" not in metadata
+    with caplog.at_level("WARNING", logger="vidmem"):
+        model = tokenizer_proto(metadata)
+    assert model.normalizer_spec.name == "identity"
+    assert "'t5.gguf' has no tokenizer.ggml.precompiled_charsmap" in caplog.text
+
+
+def test_byte_fallback_is_set_by_whether_the_tokenizer_has_byte_pieces():
+    from vidmem.pipelines.comfy_files.gguf_tokenizer import BYTE, tokenizer_metadata
+    from vidmem.pipelines.tiny_files import tiny_spiece_model
+
+    metadata = tokenizer_metadata(tiny_spiece_model())
+    assert not tokenizer_proto(metadata).trainer_spec.byte_fallback
+    with_bytes = {**metadata, "tokenizer.ggml.tokens": [*metadata["tokenizer.ggml.tokens"], "<0x00>"],
+                  "tokenizer.ggml.scores": [*metadata["tokenizer.ggml.scores"], 0.0],
+                  "tokenizer.ggml.token_type": [*metadata["tokenizer.ggml.token_type"], BYTE]}
+    assert tokenizer_proto(with_bytes).trainer_spec.byte_fallback
 
 
 # --- Gemma's token table cut to the tokenizer by llama.cpp's converter ---------------------------------
