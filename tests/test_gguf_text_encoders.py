@@ -148,6 +148,20 @@ def test_gemmas_norms_are_new_tensors_and_the_file_mapping_is_untouched(gguf_fol
     assert mapped["model.layers.0.self_attn.q_proj.weight"] is opened.tensors["blk.0.attn_q.weight"]  # renamed, not copied
 
 
+def test_a_full_encoder_decoder_t5_gguf_is_read_as_its_encoder(gguf_folder, tmp_path):
+    """llama.cpp's `t5` files keep the decoder (`dec.*`) and lm_head (`output.weight`): dropped for the encoder."""
+    from vidmem.pipelines.comfy_files.write import _write_gguf
+
+    folder = load_pipeline(gguf_folder(WAN), "fp32")
+    named = {n: t for n, t in store_tensors(encoder(folder), "fp32").items() if n != "encoder.embed_tokens.weight"}
+    tensors = gguf_names.llama_cpp_tensors(gguf_names.T5, named)
+    decoder = {name.replace("enc.", "dec.", 1): t for name, t in tensors.items() if name.startswith("enc.")}
+    path = tmp_path / "t5-full-F32.gguf"
+    _write_gguf({**tensors, **decoder, "output.weight": tensors["token_embd.weight"]}, path, "t5")
+    loaded = load_pipeline(gguf_folder(WAN), "fp32", text_encoder_file=path)
+    assert_equal(embeddings(loaded), embeddings(folder))
+
+
 def test_another_llama_cpp_architecture_is_refused_by_name(gguf_folder, tmp_path):
     folder = load_pipeline(gguf_folder(HY15), "fp32")
     path = write(folder, HY15, "fp32", tmp_path / "te.gguf")

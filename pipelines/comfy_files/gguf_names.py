@@ -52,6 +52,7 @@ class GgufNames:
     parts: tuple[tuple[str, str], ...]  # a block's tensors: llama.cpp stem -> file stem
     top: tuple[tuple[str, str], ...]  # the tensors outside the blocks, by stem
     norms_plus_one: bool = False  # every `*norm` weight stored as 1 + weight (Gemma)
+    unread: tuple[str, ...] = ()  # name prefixes of tensors the encoder has no place for: left out, never read
 
 
 T5 = GgufNames(
@@ -61,7 +62,10 @@ T5 = GgufNames(
            ("attn_rel_b", "layer.0.SelfAttention.relative_attention_bias"), ("attn_norm", "layer.0.layer_norm"),
            ("ffn_gate", "layer.1.DenseReluDense.wi_0"), ("ffn_up", "layer.1.DenseReluDense.wi_1"),
            ("ffn_down", "layer.1.DenseReluDense.wo"), ("ffn_norm", "layer.1.layer_norm")),
-    top=(("token_embd", "shared"), ("enc.output_norm", "encoder.final_layer_norm")))
+    top=(("token_embd", "shared"), ("enc.output_norm", "encoder.final_layer_norm")),
+    # a full encoder-decoder `t5` GGUF also holds the decoder (`dec.blk.N.*`, `dec.output_norm`) and its
+    # lm_head (`output`): the text encoder is the encoder alone
+    unread=("dec.", "output.weight"))
 # T5 v1.0's feed-forward is not gated: its one input matrix is llama.cpp's ffn_up.
 T5_UNGATED = replace(T5, parts=tuple((old, "layer.1.DenseReluDense.wi" if old == "ffn_up" else new)
                                      for old, new in T5.parts if old != "ffn_gate"))
@@ -108,11 +112,14 @@ def layout_of(names: Iterable[str], metadata: Mapping[str, Any], where: str) -> 
 
 def file_tensors(tensors: Mapping[str, Any], metadata: Mapping[str, Any], where: str) -> dict[str, Any]:
     """A llama.cpp-named GGUF's tensors under the names its reader takes (renamed, never copied; Gemma's
-    norms new tensors), a T5's tokenizer rebuilt from the metadata under `spiece_model`. A name no
-    table entry covers is kept as it is, so the model's own check names it as unexpected."""
+    norms new tensors), a T5's tokenizer rebuilt from the metadata under `spiece_model`, a full T5's decoder
+    left out (`GgufNames.unread`). A name no table entry covers is kept as it is, so the model's own check
+    names it as unexpected."""
     layout = layout_of(tensors, metadata, where)
     out = {}
     for name, tensor in tensors.items():
+        if name.startswith(layout.unread):
+            continue
         stem, _, leaf = name.rpartition(".")
         old = _llama_cpp_stem(layout, stem)
         new = _renamed(layout, stem)
