@@ -125,8 +125,8 @@ def test_a_broken_table_entry_fails_the_round_trip(gguf_folder, tmp_path, monkey
     """A wrong entry (Gemma's two post-norms swapped in the reader only) reads the file into other places."""
     folder = load_pipeline(gguf_folder(LTX2), "fp32")
     path = write(folder, LTX2, "fp32", tmp_path / "gemma-F32.gguf")
-    parts = tuple((old, {"post_attention_norm": "post_feedforward_layernorm", "post_ffw_norm": "post_attention_layernorm"}
-                   .get(old, new)) for old, new in gguf_names.GEMMA3.parts)
+    swapped = {"post_attention_norm": "post_feedforward_layernorm", "post_ffw_norm": "post_attention_layernorm"}
+    parts = tuple((old, swapped.get(old, new)) for old, new in gguf_names.GEMMA3.parts)
     broken = gguf_names.GgufNames(**{**gguf_names.GEMMA3.__dict__, "parts": parts})
     monkeypatch.setattr(gguf_names, "LAYOUTS", (gguf_names.T5, gguf_names.QWEN2VL, broken))
     loaded = load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=path)
@@ -145,7 +145,8 @@ def test_gemmas_norms_are_new_tensors_and_the_file_mapping_is_untouched(gguf_fol
     mapped = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder_file")
     assert torch.equal(mapped["model.layers.0.input_layernorm.weight"], model_norm)
     assert torch.equal(opened.tensors["blk.0.attn_norm.weight"], before)
-    assert mapped["model.layers.0.self_attn.q_proj.weight"] is opened.tensors["blk.0.attn_q.weight"]  # renamed, not copied
+    # renamed, not copied
+    assert mapped["model.layers.0.self_attn.q_proj.weight"] is opened.tensors["blk.0.attn_q.weight"]
 
 
 def test_a_full_encoder_decoder_t5_gguf_is_read_as_its_encoder(gguf_folder, tmp_path):
@@ -226,6 +227,24 @@ def test_a_gemma_held_at_gguf_q8_0_keeps_its_token_table_as_loaded_and_is_planne
     assert planned == sum(t.numel() * t.element_size() for t in unique_tensors(module))
 
 
+def test_the_loader_and_the_planner_lower_the_same_weights():
+    """One rule (memory.storage.lowered_weights): what weight_storage.lower_storage quantizes is what
+    memory.plan.storage.quantizable counts; Gemma's tied, scaled token table is in neither."""
+    from vidmem.memory.plan.storage import quantizable
+    from vidmem.memory.storage import lowered_weights, storage_format
+    from vidmem.pipelines.weight_storage import lower_storage
+
+    source, fmt = small_gemma(), storage_format("gguf_q8_0")
+    source.tie_weights()
+    names = lowered_weights(source, fmt)
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.language_model.embed_tokens.weight" not in names
+    state = dict(source.state_dict())
+    lowered = lower_storage(source, state, "gguf_q8_0")
+    assert {n for n, t in lowered.items() if t is not state[n]} == names
+    assert {id(w) for _, w in quantizable(source, fmt)} == {id(source.get_parameter(n)) for n in names}
+
+
 def same_spiece(found: bytes, expected: bytes) -> bool:
     """Two SentencePiece models with the same pieces (text, score, type), special ids and normalizer switches."""
     from sentencepiece import sentencepiece_model_pb2 as proto
@@ -265,8 +284,8 @@ def test_load_video_model_files_reads_a_umt5_gguf_with_its_tokenizer_from_the_me
     out = save_tiny_comfy_files(WAN, tmp_path / "comfy", "fp32", reference=False)
     text = build_tiny_pipeline(WAN).text_encoder  # the weights the safetensors file holds (the same seed)
     vocab_size = text.config.vocab_size  # llama.cpp pads the pieces to it with [PADn] UNUSED pieces
-    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "umt5-xxl-encoder-F32.gguf", "t5encoder",
-                                        tokenizer_metadata(tiny_spiece_model(), vocab_size))
+    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "umt5-xxl-encoder-F32.gguf",
+                                        "t5encoder", tokenizer_metadata(tiny_spiece_model(), vocab_size))
     options = LoadOptions(dtype="fp32")
     from_gguf = load_model_files(replace(out.files, text_encoder=path), options, tiny_catalogue())
     from_safetensors = load_model_files(out.files, options, tiny_catalogue())
@@ -294,7 +313,8 @@ def test_a_q8_0_language_model_gguf_holds_the_same_weights_quantized_the_same_wa
     stored = store_tensors(source, "gguf_q8_0")
     language = text_encoders.GEMMA3.language
     if arch == "qwen2vl":  # Qwen's layout: no q/k norms, no post norms (left out of the file and the check)
-        gemma_only = ("q_norm", "k_norm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+        gemma_only = ("q_norm", "k_norm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm")
         written = {n: t for n, t in stored.items() if n.startswith(language) and not any(k in n for k in gemma_only)}
         path = write_llama_cpp_text_encoder({n[len(language):]: t for n, t in written.items()},
                                             tmp_path / "qwen-Q8_0.gguf", arch)
@@ -304,7 +324,8 @@ def test_a_q8_0_language_model_gguf_holds_the_same_weights_quantized_the_same_wa
         mapped = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder_file")
         expected = {text_encoders.QWEN25_VL.renames[0][0] + n[len(language):]: t for n, t in written.items()}
         assert set(mapped) == set(expected)
-        assert all(torch.equal(a, b) for a, b in zip(dequantized(mapped).values(), (dequantized(expected)[n] for n in mapped)))
+        plain = dequantized(expected)
+        assert all(torch.equal(t, plain[n]) for n, t in dequantized(mapped).items())
         return
     path = write_llama_cpp_text_encoder(stored, tmp_path / "gemma-Q8_0.gguf", arch)
     file = read_weight_file(path, "text_encoder_file", "text_encoder")
@@ -339,7 +360,8 @@ def test_a_t5_tokenizers_normalizer_table_comes_back_from_the_metadata(tmp_path)
     model.normalizer_spec.precompiled_charsmap = bytes(range(7, 200))
     spiece = model.SerializeToString()
     text = build_tiny_pipeline(WAN).text_encoder
-    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "t5.gguf", "t5", tokenizer_metadata(spiece))
+    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "t5.gguf", "t5",
+                                        tokenizer_metadata(spiece))
     import gguf
 
     field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.precompiled_charsmap"]

@@ -19,9 +19,9 @@ from ...memory.storage.files import SafetensorsFile
 from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
 from . import detect, gguf_names, hy15, hy15_vae, ltx2, text_encoders
+from .gguf_names import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
 
-TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
 QUANT_SUFFIX = ".comfy_quant"  # ComfyUI's newer per-layer quantization record (JSON bytes), next to `weight_scale`
 
 

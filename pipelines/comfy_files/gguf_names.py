@@ -38,7 +38,7 @@ from ...memory.storage import StoredTensor
 from ..family import ModelError
 
 ARCH_KEY = "general.architecture"
-TOKENIZER_KEY = "spiece_model"  # files.TOKENIZER_KEY (files imports this module)
+TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here (files.py reads it)
 _BLOCK = re.compile(r"(\d+)\.(.+)")
 
 
@@ -77,8 +77,8 @@ QWEN2VL = GgufNames(("qwen2vl",), "Qwen2.5-VL", ("blk.", "model.layers."),
                     parts=(*_LANGUAGE_PARTS, ("ffn_norm", "post_attention_layernorm")), top=_LANGUAGE_TOP)
 GEMMA3 = GgufNames(("gemma3",), "Gemma 3", ("blk.", "model.layers."),
                    parts=(*_LANGUAGE_PARTS, ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
-                          ("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
-                          ("post_ffw_norm", "post_feedforward_layernorm")),
+                          ("post_attention_norm", "post_attention_layernorm"),
+                          ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm")),
                    top=_LANGUAGE_TOP, norms_plus_one=True)
 LAYOUTS = (T5, QWEN2VL, GEMMA3)
 READ = ("t5 / t5encoder (city96's umt5-xxl-encoder-*.gguf, t5-v1_1-xxl-encoder-*.gguf), qwen2vl (Qwen2.5-VL 7B) "
@@ -99,7 +99,8 @@ def layout_of(names: Iterable[str], metadata: Mapping[str, Any], where: str) -> 
         return T5 if "enc.blk.0.ffn_gate.weight" in names else T5_UNGATED
     arch = metadata.get(ARCH_KEY)
     if arch is None:
-        arch = "gemma3" if "blk.0.post_ffw_norm.weight" in names else "qwen2vl" if "blk.0.attn_q.bias" in names else None
+        by_names = (("gemma3", "blk.0.post_ffw_norm.weight"), ("qwen2vl", "blk.0.attn_q.bias"))
+        arch = next((found for found, marker in by_names if marker in names), None)
     found = next((layout for layout in LAYOUTS if arch in layout.archs), None)
     if found is None:
         raise ModelError(
@@ -174,11 +175,13 @@ def llama_cpp_names(layout: GgufNames, file_names: Iterable[str]) -> dict[str, s
             continue
         index, _, part = stem[len(new_prefix):].partition(".")
         if not stem.startswith(new_prefix) or part not in parts:
-            raise ModelError(f"'{name}' has no llama.cpp name in vidmem's {layout.shown} table; update its table in gguf_names.py.")
+            raise ModelError(f"'{name}' has no llama.cpp name in vidmem's {layout.shown} table; update its table in "
+                             "gguf_names.py.")
         mapping[name] = f"{old_prefix}{index}.{parts[part]}.{leaf}"
     wrong = [name for name, old in mapping.items() if _renamed(layout, old.rsplit(".", 1)[0]) != name.rsplit(".", 1)[0]]
     if wrong:
-        raise ModelError(f"vidmem's {layout.shown} llama.cpp name table disagrees with itself for {wrong[:3]}; update its table in gguf_names.py.")
+        raise ModelError(f"vidmem's {layout.shown} llama.cpp name table disagrees with itself for {wrong[:3]}; "
+                         "update its table in gguf_names.py.")
     return mapping
 
 

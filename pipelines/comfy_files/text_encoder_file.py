@@ -21,7 +21,7 @@ import json
 import logging
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -148,11 +148,18 @@ def removed_parts(file: WeightFile, class_name: str, config: Mapping[str, Any]) 
     """The submodules `fit_optional` removes when `file` (checked by read_text_encoder_file) is loaded: Gemma 3's
     vision tower and projector when the file lacks any of their weights. Read from its names; nothing is built
     but on meta, so the plan can leave them out before a load."""
+    if not _optional_prefixes(class_name):
+        return ()
+    names = _parameter_names(class_name, json.dumps(dict(config), sort_keys=True))
+    return text_encoders.LAYOUTS[class_name].optional if _lacks_optional(class_name, names, file.tensors) else ()
+
+
+def _lacks_optional(class_name: str, names: Iterable[tuple[str, ...]], tensors: Mapping[str, Any]) -> bool:
+    """Whether `tensors` lack any weight of `class_name`'s optional parts (`names`: the model's parameters, one
+    tuple of tied names per tensor): the one rule `removed_parts` (the plan) and `fit_optional` (the load) decide by."""
     optional = _optional_prefixes(class_name)
-    wanted = [names for names in _parameter_names(class_name, json.dumps(dict(config), sort_keys=True))
-              if names[0].startswith(optional)] if optional else []
-    whole = all(any(name in file.tensors for name in names) for names in wanted)
-    return () if whole else text_encoders.LAYOUTS[class_name].optional
+    wanted = [group for group in names if group[0].startswith(optional)] if optional else []
+    return not all(any(name in tensors for name in group) for group in wanted)
 
 
 def _optional_prefixes(class_name: str) -> tuple[str, ...]:
@@ -170,6 +177,11 @@ def _parameter_names(class_name: str, config_json: str) -> tuple[tuple[str, ...]
     with torch.device("meta"):
         module = cls(cls.config_class(**json.loads(config_json)))
     module.tie_weights()  # as build.build_empty does: tied weights become one parameter
+    return _tensor_names(module)
+
+
+def _tensor_names(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """`module`'s parameters, one tuple of names per tensor (tied names together)."""
     by_tensor: dict[int, list[str]] = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(parameter), []).append(name)
@@ -212,10 +224,7 @@ def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any],
     never reaches without images) and any of its tensors the file has are left unread. The removed paths
     go on the LoadedPipeline, so the planner leaves those weights out too."""
     layout = text_encoders.LAYOUTS.get(type(module).__name__)
-    if layout is None or not layout.optional:
-        return tensors, ()
-    wanted = [name for name in module.state_dict() if name.startswith(tuple(p + "." for p in layout.optional))]
-    if all(name in tensors for name in wanted):
+    if layout is None or not _lacks_optional(layout.class_name, _tensor_names(module), tensors):
         return tensors, ()
     for path in layout.optional:
         parent, _, leaf = path.rpartition(".")
