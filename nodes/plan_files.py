@@ -74,7 +74,8 @@ def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
     vae_dtype = vae_dtype_request(query, PREFIX + "vae_dtype", vae_dtypes)
     weight_dtype = query.get(PREFIX + "weight_dtype", DEFAULT_WEIGHTS)
     if weight_dtype != DEFAULT_WEIGHTS and weight_dtype not in FORMATS:
-        raise FilesProblem("weight_dtype", f"weight_dtype={weight_dtype!r} must be default or one of {', '.join(FORMATS)}.")
+        raise FilesProblem("weight_dtype",
+                           f"weight_dtype={weight_dtype!r} must be default or one of {', '.join(FORMATS)}.")
     on_disk = query.get(PREFIX + "weights_on_disk", "true").lower()
     if on_disk not in ("true", "false"):
         raise FilesProblem("weights_on_disk", f"weights_on_disk={on_disk!r} must be true or false.")
@@ -107,7 +108,10 @@ def recognise(request: FilesRequest, dtype: str) -> RecognisedFiles:
     storage, restored = {}, False
     for role, file in opened.items():
         component = _COMPONENT[role]
-        held = held_format(file.storage, request.weight_dtype) if component in LOWERED else (vae if component == "vae" else dtype)
+        if component in LOWERED:
+            held = held_format(file.storage, request.weight_dtype)
+        else:
+            held = vae if component == "vae" else dtype
         restored |= component in LOWERED and held != file.storage
         if held in FORMATS and component in model.layout.all:
             storage[component] = held
@@ -148,7 +152,8 @@ def weight_dtype_request(query) -> str:
     """Load Video Pipeline's weight_dtype (its last widget); FilesProblem when it is not a choice."""
     value = query.get("weight_dtype", DEFAULT_WEIGHTS)
     if value not in WEIGHT_DTYPES:
-        raise FilesProblem("weight_dtype", f"weight_dtype={value!r} must be {DEFAULT_WEIGHTS} or one of {', '.join(FORMATS)}.")
+        raise FilesProblem("weight_dtype",
+                           f"weight_dtype={value!r} must be {DEFAULT_WEIGHTS} or one of {', '.join(FORMATS)}.")
     return value
 
 
@@ -178,7 +183,8 @@ def folder_options(model: str, weight_dtype: str, transformer_file: tuple[str, i
 
 
 @lru_cache(maxsize=16)
-def _folder_storage(folder: str, stamp: int, weight_dtype: str, replaced: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+def _folder_storage(folder: str, stamp: int, weight_dtype: str,
+                    replaced: tuple[str, ...]) -> dict[str, tuple[str, str]]:
     """component -> (its files' matrix format, the format the loader holds it in); `stamp`: a
     changed model_index.json is read again. Only headers are read (the files are mapped)."""
     from ..pipelines.folder_storage import folder_tensors, lowered_components

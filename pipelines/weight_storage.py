@@ -18,7 +18,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ..memory.storage import FORMATS, StorageReport, StoredTensor, is_file_backed, quantize, stays_stored, storage_format
+from ..memory.storage import (FORMATS, StorageReport, StoredTensor, is_file_backed, lowered_weights, quantize,
+                              storage_format)
 from .family import ModelError
 
 DEFAULT_WEIGHTS = "default"  # as the files store them
@@ -28,37 +29,31 @@ LOWERED = ("transformer", "transformer_2", "text_encoder")  # components whose w
 
 def check_weight_dtype(value: str) -> None:
     if value not in WEIGHT_DTYPES:
-        raise ModelError(f"weight_dtype='{value}' is not a storage format; use {DEFAULT_WEIGHTS} or one of {', '.join(FORMATS)}.")
+        raise ModelError(f"weight_dtype='{value}' is not a storage format; use {DEFAULT_WEIGHTS} or one of "
+                         f"{', '.join(FORMATS)}.")
 
 
 def held_format(stored: str, weight_dtype: str) -> str:
     """The format a component stored as `stored` is held in: `weight_dtype` when it is narrower."""
     if weight_dtype == DEFAULT_WEIGHTS or stored not in FORMATS:
         return stored
-    return weight_dtype if storage_format(weight_dtype).bytes_per_weight < storage_format(stored).bytes_per_weight else stored
+    narrower = storage_format(weight_dtype).bytes_per_weight < storage_format(stored).bytes_per_weight
+    return weight_dtype if narrower else stored
 
 
 def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: str) -> dict[str, Any]:
-    """The tensors the format `target` lowers (`StorageFormat.lowers` on `module`'s layers, of the
-    weights the model can hold stored: `stays_stored`) quantized to it when stored wider; every other
-    tensor as given (same objects), so a tied or custom token table (Gemma's) is never rounded for nothing."""
+    """The tensors the format `target` lowers in `module` (`lowered_weights`: the format's declaration, of
+    the weights the model can hold stored, as the planner counts them) quantized to it when stored wider;
+    every other tensor as given (same objects), so a tied or custom token table (Gemma's) is never rounded
+    for nothing (a weight the model cannot hold stored would be dequantized again at load)."""
     fmt = storage_format(target)
     lowered = dict(tensors)
-    storable = stays_stored(module)  # a weight the model cannot hold stored would be dequantized again at load
+    names = lowered_weights(module, fmt)
     for name, tensor in tensors.items():
-        if _bytes_per_weight(tensor) > fmt.bytes_per_weight and name in storable and _lowered_by(module, name, fmt):
+        if name in names and _bytes_per_weight(tensor) > fmt.bytes_per_weight:
             wide = tensor.dequantize(torch.float32) if isinstance(tensor, StoredTensor) else tensor
             lowered[name] = quantize(wide, fmt)
     return lowered
-
-
-def _lowered_by(module: torch.nn.Module, name: str, fmt) -> bool:
-    owner, _, leaf = name.rpartition(".")
-    try:
-        layer = module.get_submodule(owner)
-    except AttributeError:
-        return False
-    return leaf == "weight" and fmt.lowers(layer)
 
 
 def _bytes_per_weight(tensor) -> float:

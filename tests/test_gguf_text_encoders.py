@@ -125,8 +125,8 @@ def test_a_broken_table_entry_fails_the_round_trip(gguf_folder, tmp_path, monkey
     """A wrong entry (Gemma's two post-norms swapped in the reader only) reads the file into other places."""
     folder = load_pipeline(gguf_folder(LTX2), "fp32")
     path = write(folder, LTX2, "fp32", tmp_path / "gemma-F32.gguf")
-    parts = tuple((old, {"post_attention_norm": "post_feedforward_layernorm", "post_ffw_norm": "post_attention_layernorm"}
-                   .get(old, new)) for old, new in gguf_names.GEMMA3.parts)
+    swapped = {"post_attention_norm": "post_feedforward_layernorm", "post_ffw_norm": "post_attention_layernorm"}
+    parts = tuple((old, swapped.get(old, new)) for old, new in gguf_names.GEMMA3.parts)
     broken = gguf_names.GgufNames(**{**gguf_names.GEMMA3.__dict__, "parts": parts})
     monkeypatch.setattr(gguf_names, "LAYOUTS", (gguf_names.T5, gguf_names.QWEN2VL, broken))
     loaded = load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=path)
@@ -145,7 +145,22 @@ def test_gemmas_norms_are_new_tensors_and_the_file_mapping_is_untouched(gguf_fol
     mapped = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder_file")
     assert torch.equal(mapped["model.layers.0.input_layernorm.weight"], model_norm)
     assert torch.equal(opened.tensors["blk.0.attn_norm.weight"], before)
-    assert mapped["model.layers.0.self_attn.q_proj.weight"] is opened.tensors["blk.0.attn_q.weight"]  # renamed, not copied
+    # renamed, not copied
+    assert mapped["model.layers.0.self_attn.q_proj.weight"] is opened.tensors["blk.0.attn_q.weight"]
+
+
+def test_a_full_encoder_decoder_t5_gguf_is_read_as_its_encoder(gguf_folder, tmp_path):
+    """llama.cpp's `t5` files keep the decoder (`dec.*`) and lm_head (`output.weight`): dropped for the encoder."""
+    from vidmem.pipelines.comfy_files.write import _write_gguf
+
+    folder = load_pipeline(gguf_folder(WAN), "fp32")
+    named = {n: t for n, t in store_tensors(encoder(folder), "fp32").items() if n != "encoder.embed_tokens.weight"}
+    tensors = gguf_names.llama_cpp_tensors(gguf_names.T5, named)
+    decoder = {name.replace("enc.", "dec.", 1): t for name, t in tensors.items() if name.startswith("enc.")}
+    path = tmp_path / "t5-full-F32.gguf"
+    _write_gguf({**tensors, **decoder, "output.weight": tensors["token_embd.weight"]}, path, "t5")
+    loaded = load_pipeline(gguf_folder(WAN), "fp32", text_encoder_file=path)
+    assert_equal(embeddings(loaded), embeddings(folder))
 
 
 def test_another_llama_cpp_architecture_is_refused_by_name(gguf_folder, tmp_path):
@@ -212,6 +227,24 @@ def test_a_gemma_held_at_gguf_q8_0_keeps_its_token_table_as_loaded_and_is_planne
     assert planned == sum(t.numel() * t.element_size() for t in unique_tensors(module))
 
 
+def test_the_loader_and_the_planner_lower_the_same_weights():
+    """One rule (memory.storage.lowered_weights): what weight_storage.lower_storage quantizes is what
+    memory.plan.storage.quantizable counts; Gemma's tied, scaled token table is in neither."""
+    from vidmem.memory.plan.storage import quantizable
+    from vidmem.memory.storage import lowered_weights, storage_format
+    from vidmem.pipelines.weight_storage import lower_storage
+
+    source, fmt = small_gemma(), storage_format("gguf_q8_0")
+    source.tie_weights()
+    names = lowered_weights(source, fmt)
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.language_model.embed_tokens.weight" not in names
+    state = dict(source.state_dict())
+    lowered = lower_storage(source, state, "gguf_q8_0")
+    assert {n for n, t in lowered.items() if t is not state[n]} == names
+    assert {id(w) for _, w in quantizable(source, fmt)} == {id(source.get_parameter(n)) for n in names}
+
+
 def same_spiece(found: bytes, expected: bytes) -> bool:
     """Two SentencePiece models with the same pieces (text, score, type), special ids and normalizer switches."""
     from sentencepiece import sentencepiece_model_pb2 as proto
@@ -224,6 +257,17 @@ def same_spiece(found: bytes, expected: bytes) -> bool:
     switches = [(m.normalizer_spec.add_dummy_prefix, m.normalizer_spec.remove_extra_whitespaces,
                  m.normalizer_spec.precompiled_charsmap) for m in (a, b)]
     return pieces[0] == pieces[1] and ids[0] == ids[1] and switches[0] == switches[1]
+
+
+def padded_spiece(spiece: bytes, vocab_size: int) -> bytes:
+    """`spiece` with its pieces padded to `vocab_size` as llama.cpp's converter pads them."""
+    from sentencepiece import sentencepiece_model_pb2 as proto
+
+    model = proto.ModelProto()
+    model.ParseFromString(spiece)
+    for i in range(1, vocab_size - len(model.pieces) + 1):
+        model.pieces.add(piece=f"[PAD{i}]", score=-1000.0, type=proto.ModelProto.SentencePiece.UNUSED)
+    return model.SerializeToString()
 
 
 # --- Load Video Model Files' text_encoder: city96's umt5 GGUF, its tokenizer in the metadata ----------
@@ -239,12 +283,14 @@ def test_load_video_model_files_reads_a_umt5_gguf_with_its_tokenizer_from_the_me
 
     out = save_tiny_comfy_files(WAN, tmp_path / "comfy", "fp32", reference=False)
     text = build_tiny_pipeline(WAN).text_encoder  # the weights the safetensors file holds (the same seed)
-    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "umt5-xxl-encoder-F32.gguf", "t5encoder",
-                                        tokenizer_metadata(tiny_spiece_model()))
+    vocab_size = text.config.vocab_size  # llama.cpp pads the pieces to it with [PADn] UNUSED pieces
+    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "umt5-xxl-encoder-F32.gguf",
+                                        "t5encoder", tokenizer_metadata(tiny_spiece_model(), vocab_size))
     options = LoadOptions(dtype="fp32")
     from_gguf = load_model_files(replace(out.files, text_encoder=path), options, tiny_catalogue())
     from_safetensors = load_model_files(out.files, options, tiny_catalogue())
-    assert same_spiece(read_weight_file(path, "text_encoder", "text_encoder").tokenizer_model, tiny_spiece_model())
+    rebuilt = read_weight_file(path, "text_encoder", "text_encoder").tokenizer_model
+    assert same_spiece(rebuilt, padded_spiece(tiny_spiece_model(), vocab_size))
     prompt = "a cat dances with the monkey, 12 times!"
     assert from_gguf.pipe.tokenizer(prompt).input_ids == build_tiny_tokenizer()(prompt).input_ids
     assert_equal(embeddings(from_gguf, prompt), embeddings(from_safetensors, prompt))
@@ -267,7 +313,8 @@ def test_a_q8_0_language_model_gguf_holds_the_same_weights_quantized_the_same_wa
     stored = store_tensors(source, "gguf_q8_0")
     language = text_encoders.GEMMA3.language
     if arch == "qwen2vl":  # Qwen's layout: no q/k norms, no post norms (left out of the file and the check)
-        gemma_only = ("q_norm", "k_norm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+        gemma_only = ("q_norm", "k_norm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm")
         written = {n: t for n, t in stored.items() if n.startswith(language) and not any(k in n for k in gemma_only)}
         path = write_llama_cpp_text_encoder({n[len(language):]: t for n, t in written.items()},
                                             tmp_path / "qwen-Q8_0.gguf", arch)
@@ -277,7 +324,8 @@ def test_a_q8_0_language_model_gguf_holds_the_same_weights_quantized_the_same_wa
         mapped = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder_file")
         expected = {text_encoders.QWEN25_VL.renames[0][0] + n[len(language):]: t for n, t in written.items()}
         assert set(mapped) == set(expected)
-        assert all(torch.equal(a, b) for a, b in zip(dequantized(mapped).values(), (dequantized(expected)[n] for n in mapped)))
+        plain = dequantized(expected)
+        assert all(torch.equal(t, plain[n]) for n, t in dequantized(mapped).items())
         return
     path = write_llama_cpp_text_encoder(stored, tmp_path / "gemma-Q8_0.gguf", arch)
     file = read_weight_file(path, "text_encoder_file", "text_encoder")
@@ -312,7 +360,81 @@ def test_a_t5_tokenizers_normalizer_table_comes_back_from_the_metadata(tmp_path)
     model.normalizer_spec.precompiled_charsmap = bytes(range(7, 200))
     spiece = model.SerializeToString()
     text = build_tiny_pipeline(WAN).text_encoder
-    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "t5.gguf", "t5", tokenizer_metadata(spiece))
+    path = write_llama_cpp_text_encoder(store_tensors(text, "fp32"), tmp_path / "t5.gguf", "t5",
+                                        tokenizer_metadata(spiece))
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.precompiled_charsmap"]
+    assert field.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT8]  # as llama.cpp's converter writes it
     opened = open_weights(path)
     rebuilt = gguf_names.file_tensors(opened.tensors, opened.metadata, "text_encoder")[gguf_names.TOKENIZER_KEY]
     assert same_spiece(rebuilt.numpy().tobytes(), spiece)
+
+
+def tokenizer_proto(metadata):
+    from sentencepiece import sentencepiece_model_pb2 as proto
+
+    from vidmem.pipelines.comfy_files.gguf_tokenizer import spiece_model
+
+    model = proto.ModelProto()
+    model.ParseFromString(spiece_model(metadata, "text_encoder: 't5.gguf'"))
+    return model
+
+
+def test_a_t5_tokenizer_without_a_normalizer_table_is_read_with_a_warning(caplog):
+    from vidmem.pipelines.comfy_files.gguf_tokenizer import tokenizer_metadata
+    from vidmem.pipelines.tiny_files import tiny_spiece_model
+
+    metadata = tokenizer_metadata(tiny_spiece_model())
+    assert "tokenizer.ggml.precompiled_charsmap" not in metadata
+    with caplog.at_level("WARNING", logger="vidmem"):
+        model = tokenizer_proto(metadata)
+    assert model.normalizer_spec.name == "identity"
+    assert "'t5.gguf' has no tokenizer.ggml.precompiled_charsmap" in caplog.text
+
+
+def test_byte_fallback_is_set_by_whether_the_tokenizer_has_byte_pieces():
+    from vidmem.pipelines.comfy_files.gguf_tokenizer import BYTE, tokenizer_metadata
+    from vidmem.pipelines.tiny_files import tiny_spiece_model
+
+    metadata = tokenizer_metadata(tiny_spiece_model())
+    assert not tokenizer_proto(metadata).trainer_spec.byte_fallback
+    with_bytes = {**metadata, "tokenizer.ggml.tokens": [*metadata["tokenizer.ggml.tokens"], "<0x00>"],
+                  "tokenizer.ggml.scores": [*metadata["tokenizer.ggml.scores"], 0.0],
+                  "tokenizer.ggml.token_type": [*metadata["tokenizer.ggml.token_type"], BYTE]}
+    assert tokenizer_proto(with_bytes).trainer_spec.byte_fallback
+
+
+# --- Gemma's token table cut to the tokenizer by llama.cpp's converter ---------------------------------
+
+def test_a_gemma_gguf_with_a_cut_token_table_loads_padded_with_zero_rows(gguf_folder, tmp_path):
+    """llama.cpp's gemma3 converter cuts token_embd to the tokenizer's length (fewer rows than the config's
+    vocab_size): the file is read, the missing rows are zeros, and ordinary ids embed as the full file's."""
+    folder = load_pipeline(gguf_folder(LTX2), "fp32")
+    stored = store_tensors(encoder(folder), "fp32")
+    table_name = "model.language_model.embed_tokens.weight"
+    rows = stored[table_name].shape[0]
+    full = write_llama_cpp_text_encoder(stored, tmp_path / "gemma-F32.gguf", "gemma3")
+    cut = write_llama_cpp_text_encoder({**stored, table_name: stored[table_name][:rows - 4]},
+                                       tmp_path / "gemma-cut-F32.gguf", "gemma3")
+    from_full = load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=full)
+    from_cut = load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=cut)
+    table = encoder(from_cut).get_input_embeddings().weight
+    assert table.shape[0] == rows and torch.count_nonzero(table[rows - 4:]) == 0
+    assert torch.equal(table[:rows - 4], encoder(from_full).get_input_embeddings().weight[:rows - 4])
+    ids = torch.arange(rows - 4).reshape(1, -1)
+    with torch.no_grad():
+        found = encoder(from_cut).model.language_model(ids).last_hidden_state
+        wanted = encoder(from_full).model.language_model(ids).last_hidden_state
+    assert torch.equal(found, wanted)
+
+
+def test_a_gemma_gguf_with_more_token_rows_than_the_config_is_refused(gguf_folder, tmp_path):
+    folder = load_pipeline(gguf_folder(LTX2), "fp32")
+    stored = store_tensors(encoder(folder), "fp32")
+    table_name = "model.language_model.embed_tokens.weight"
+    table = stored[table_name]
+    longer = write_llama_cpp_text_encoder({**stored, table_name: torch.cat([table, table[:4]])},
+                                          tmp_path / "gemma-long-F32.gguf", "gemma3")
+    with pytest.raises(ModelError, match="vocab_size"):
+        load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=longer)

@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..storage.apply import stays_stored
+from ..storage.apply import lowered_weights
 from ..storage.formats import StorageFormat, storage_format
 from ..storage.stored import upcast_workspace_bytes
 
@@ -60,12 +60,12 @@ class StoredSizes:
 
 
 def quantizable(module: nn.Module, fmt: StorageFormat) -> list[tuple[nn.Module, nn.Parameter]]:
-    """The layers whose weight `fmt` stores (`StorageFormat.lowers`, of the weights the model can hold
-    stored: `stays_stored`, as the loaders lower), each weight once (tied weights are one tensor)."""
-    storable = stays_stored(module)
+    """The layers whose weight `fmt` stores (`lowered_weights`, the rule the loaders lower by), each
+    weight once (tied weights are one tensor)."""
+    lowered = lowered_weights(module, fmt)
     found: dict[int, tuple[nn.Module, nn.Parameter]] = {}
     for name, sub in module.named_modules():
-        if fmt.lowers(sub) and (f"{name}.weight" if name else "weight") in storable:
+        if (f"{name}.weight" if name else "weight") in lowered:
             weight = sub._parameters["weight"]
             found.setdefault(id(weight), (sub, weight))
     return list(found.values())

@@ -2,7 +2,7 @@
 weights left memory-mapped in their files (the disk tier)."""
 
 from .accounting import FormatCount, StorageReport
-from .apply import assign_weights, stays_stored
+from .apply import assign_weights, lowered_weights, stays_stored
 from .errors import StorageError
 from .files import SafetensorsFile, open_safetensors, sniff
 from .formats import FORMATS, StorageFormat, storage_format
@@ -28,6 +28,7 @@ __all__ = [
     "assign_weights",
     "fold_scaled_fp8",
     "is_file_backed",
+    "lowered_weights",
     "mapped_bytes",
     "open_gguf",
     "open_safetensors",

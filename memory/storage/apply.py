@@ -32,6 +32,7 @@ from torch import nn
 
 from .accounting import Ledger, StorageReport
 from .errors import StorageError
+from .formats import StorageFormat
 from .modules import StoredEmbedding, StoredLinear
 from .stored import FP8_DTYPES, StoredTensor, stored_format_of
 
@@ -194,6 +195,13 @@ def stays_stored(module: nn.Module) -> frozenset[str]:
     `assign_weights` keeps stored, so a loader lowers nothing else (the rest would be dequantized
     into a dense copy at load) and the planner counts nothing else at a stored format's bytes."""
     return frozenset(name for entry in _entries(module) if _storable(module, entry) for name in entry.names)
+
+
+def lowered_weights(module: nn.Module, fmt: StorageFormat) -> frozenset[str]:
+    """The qualified names of the weights `fmt` stores narrow in `module`: the format's declaration
+    (`StorageFormat.lowers`) on each owning layer, of the weights the model can hold stored
+    (`stays_stored`). The one rule the loaders lower by and the planner counts by."""
+    return frozenset(name for name in stays_stored(module) if fmt.lowers(_owner(module, name)[0]))
 
 
 def _storable(root: nn.Module, entry: _Entry) -> bool:

@@ -19,9 +19,9 @@ from ...memory.storage.files import SafetensorsFile
 from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
 from . import detect, gguf_names, hy15, hy15_vae, ltx2, text_encoders
+from .gguf_names import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
 
-TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here
 QUANT_SUFFIX = ".comfy_quant"  # ComfyUI's newer per-layer quantization record (JSON bytes), next to `weight_scale`
 
 
@@ -36,6 +36,7 @@ class WeightFile:
     tensors: Mapping[str, Any]
     fields: Mapping[str, Any]  # config fields its shapes fix (detect.*_fields)
     tokenizer_model: bytes | None = field(default=None, repr=False)  # embedded spiece.model bytes
+    llama_cpp: str | None = None  # the architecture of a llama.cpp-named GGUF (gguf_names), else None
 
     @property
     def name(self) -> str:
@@ -46,7 +47,8 @@ def read_weight_file(path: str | Path, role: str, expected: str, takes: str = ""
     """Open `path` (the loader input `role`), check it holds an `expected` kind of model (`takes`: what
     the input takes, for the message; default the kind's name)."""
     path = Path(path)
-    kind, layout, tensors, extra = _classify(path, role, _open_tensors(path, role))
+    opened, llama_cpp = _open(path, role)
+    kind, layout, tensors, extra = _classify(path, role, opened)
     if kind != expected:
         raise ModelError(
             f"{role}: '{path.name}' holds {_held(kind, layout, tensors)}, but this input takes "
@@ -55,7 +57,8 @@ def read_weight_file(path: str | Path, role: str, expected: str, takes: str = ""
         )
     if kind == detect.TRANSFORMER and hy15.transformer_layout(tensors) is not None:
         tensors = _hy15_transformer(path, role, layout, tensors)
-    return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors, _fields(kind, layout, tensors), extra)
+    return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors, _fields(kind, layout, tensors), extra,
+                      llama_cpp)
 
 
 def _held(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> str:
@@ -91,13 +94,20 @@ def _hy15_transformer(path: Path, role: str, layout: KeyLayout, tensors: Mapping
 
 def _open_tensors(path: Path, role: str) -> dict[str, Any]:
     """The file's tensors, fp8 scales folded; ModelError naming `role` and the file when unreadable."""
+    return _open(path, role)[0]
+
+
+def _open(path: Path, role: str) -> tuple[dict[str, Any], str | None]:
+    """(`_open_tensors`, the llama.cpp architecture of a llama.cpp-named GGUF or None)."""
     try:
         opened = open_weights(path)
         if isinstance(opened, SafetensorsFile):
-            return fold_scaled_fp8(_without_quant_records(path, role, opened.tensors))
+            return fold_scaled_fp8(_without_quant_records(path, role, opened.tensors)), None
         if gguf_names.is_llama_cpp(opened.tensors):  # llama.cpp's text-encoder names: brought to the readers' own
-            return gguf_names.file_tensors(opened.tensors, opened.metadata, f"{role}: '{path.name}'")
-        return dict(opened.tensors)
+            where = f"{role}: '{path.name}'"
+            arch = gguf_names.layout_of(opened.tensors, opened.metadata, where).archs[0]
+            return gguf_names.file_tensors(opened.tensors, opened.metadata, where), arch
+        return dict(opened.tensors), None
     except StorageError as error:
         named = str(error) if path.name in str(error) else f"'{path.name}': {error}"
         raise ModelError(f"{role}: {named}") from None

@@ -38,7 +38,7 @@ from ...memory.storage import StoredTensor
 from ..family import ModelError
 
 ARCH_KEY = "general.architecture"
-TOKENIZER_KEY = "spiece_model"  # files.TOKENIZER_KEY (files imports this module)
+TOKENIZER_KEY = "spiece_model"  # Comfy-Org's text encoder files embed the SentencePiece model here (files.py reads it)
 _BLOCK = re.compile(r"(\d+)\.(.+)")
 
 
@@ -52,6 +52,7 @@ class GgufNames:
     parts: tuple[tuple[str, str], ...]  # a block's tensors: llama.cpp stem -> file stem
     top: tuple[tuple[str, str], ...]  # the tensors outside the blocks, by stem
     norms_plus_one: bool = False  # every `*norm` weight stored as 1 + weight (Gemma)
+    unread: tuple[str, ...] = ()  # name prefixes of tensors the encoder has no place for: left out, never read
 
 
 T5 = GgufNames(
@@ -61,7 +62,10 @@ T5 = GgufNames(
            ("attn_rel_b", "layer.0.SelfAttention.relative_attention_bias"), ("attn_norm", "layer.0.layer_norm"),
            ("ffn_gate", "layer.1.DenseReluDense.wi_0"), ("ffn_up", "layer.1.DenseReluDense.wi_1"),
            ("ffn_down", "layer.1.DenseReluDense.wo"), ("ffn_norm", "layer.1.layer_norm")),
-    top=(("token_embd", "shared"), ("enc.output_norm", "encoder.final_layer_norm")))
+    top=(("token_embd", "shared"), ("enc.output_norm", "encoder.final_layer_norm")),
+    # a full encoder-decoder `t5` GGUF also holds the decoder (`dec.blk.N.*`, `dec.output_norm`) and its
+    # lm_head (`output`): the text encoder is the encoder alone
+    unread=("dec.", "output.weight"))
 # T5 v1.0's feed-forward is not gated: its one input matrix is llama.cpp's ffn_up.
 T5_UNGATED = replace(T5, parts=tuple((old, "layer.1.DenseReluDense.wi" if old == "ffn_up" else new)
                                      for old, new in T5.parts if old != "ffn_gate"))
@@ -73,8 +77,8 @@ QWEN2VL = GgufNames(("qwen2vl",), "Qwen2.5-VL", ("blk.", "model.layers."),
                     parts=(*_LANGUAGE_PARTS, ("ffn_norm", "post_attention_layernorm")), top=_LANGUAGE_TOP)
 GEMMA3 = GgufNames(("gemma3",), "Gemma 3", ("blk.", "model.layers."),
                    parts=(*_LANGUAGE_PARTS, ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
-                          ("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
-                          ("post_ffw_norm", "post_feedforward_layernorm")),
+                          ("post_attention_norm", "post_attention_layernorm"),
+                          ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm")),
                    top=_LANGUAGE_TOP, norms_plus_one=True)
 LAYOUTS = (T5, QWEN2VL, GEMMA3)
 READ = ("t5 / t5encoder (city96's umt5-xxl-encoder-*.gguf, t5-v1_1-xxl-encoder-*.gguf), qwen2vl (Qwen2.5-VL 7B) "
@@ -95,7 +99,8 @@ def layout_of(names: Iterable[str], metadata: Mapping[str, Any], where: str) -> 
         return T5 if "enc.blk.0.ffn_gate.weight" in names else T5_UNGATED
     arch = metadata.get(ARCH_KEY)
     if arch is None:
-        arch = "gemma3" if "blk.0.post_ffw_norm.weight" in names else "qwen2vl" if "blk.0.attn_q.bias" in names else None
+        by_names = (("gemma3", "blk.0.post_ffw_norm.weight"), ("qwen2vl", "blk.0.attn_q.bias"))
+        arch = next((found for found, marker in by_names if marker in names), None)
     found = next((layout for layout in LAYOUTS if arch in layout.archs), None)
     if found is None:
         raise ModelError(
@@ -108,11 +113,14 @@ def layout_of(names: Iterable[str], metadata: Mapping[str, Any], where: str) -> 
 
 def file_tensors(tensors: Mapping[str, Any], metadata: Mapping[str, Any], where: str) -> dict[str, Any]:
     """A llama.cpp-named GGUF's tensors under the names its reader takes (renamed, never copied; Gemma's
-    norms new tensors), a T5's tokenizer rebuilt from the metadata under `spiece_model`. A name no
-    table entry covers is kept as it is, so the model's own check names it as unexpected."""
+    norms new tensors), a T5's tokenizer rebuilt from the metadata under `spiece_model`, a full T5's decoder
+    left out (`GgufNames.unread`). A name no table entry covers is kept as it is, so the model's own check
+    names it as unexpected."""
     layout = layout_of(tensors, metadata, where)
     out = {}
     for name, tensor in tensors.items():
+        if name.startswith(layout.unread):
+            continue
         stem, _, leaf = name.rpartition(".")
         old = _llama_cpp_stem(layout, stem)
         new = _renamed(layout, stem)
@@ -167,11 +175,13 @@ def llama_cpp_names(layout: GgufNames, file_names: Iterable[str]) -> dict[str, s
             continue
         index, _, part = stem[len(new_prefix):].partition(".")
         if not stem.startswith(new_prefix) or part not in parts:
-            raise ModelError(f"'{name}' has no llama.cpp name in vidmem's {layout.shown} table; update its table in gguf_names.py.")
+            raise ModelError(f"'{name}' has no llama.cpp name in vidmem's {layout.shown} table; update its table in "
+                             "gguf_names.py.")
         mapping[name] = f"{old_prefix}{index}.{parts[part]}.{leaf}"
     wrong = [name for name, old in mapping.items() if _renamed(layout, old.rsplit(".", 1)[0]) != name.rsplit(".", 1)[0]]
     if wrong:
-        raise ModelError(f"vidmem's {layout.shown} llama.cpp name table disagrees with itself for {wrong[:3]}; update its table in gguf_names.py.")
+        raise ModelError(f"vidmem's {layout.shown} llama.cpp name table disagrees with itself for {wrong[:3]}; "
+                         "update its table in gguf_names.py.")
     return mapping
 
 

@@ -21,10 +21,11 @@ import json
 import logging
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
+from ...memory.storage import StoredTensor
 from ..family import ModelError
 from . import detect, text_encoders
 from .files import WeightFile, read_weight_file
@@ -81,7 +82,8 @@ def read_text_encoder_file(path: str | Path, component: str, class_name: str, co
         held = text_encoders.HELD
         raise ModelError(f"{role}: '{path.name}' is {held[found]}, but the {component} of '{folder.name}' is "
                          f"{held[class_name]}: {fix}.")
-    problems = detect.differences(file.fields, _config_fields(class_name, config))
+    wanted = _config_fields(class_name, config)
+    problems = detect.differences(_rows_padded(file, wanted), wanted)
     if problems:
         raise ModelError(f"{role}: '{path.name}' is not the {component} of '{folder.name}' ({'; '.join(problems)}); {fix}.")
     needed = _needed_names(class_name, json.dumps(dict(config), sort_keys=True))
@@ -91,6 +93,46 @@ def read_text_encoder_file(path: str | Path, component: str, class_name: str, co
         raise ModelError(f"{role}: '{path.name}' lacks {len(missing)} of the tensors the {component} of '{folder.name}' "
                          f"needs ({listed}); the file is incomplete or of another variant: {fix}.")
     return file
+
+
+def _cut_token_rows(file: WeightFile, vocab_size: int) -> int:
+    """How many token rows a llama.cpp Gemma 3 GGUF lacks against the config's `vocab_size` (0 for any other file).
+
+    Why: llama.cpp's gemma3 converter cuts token_embd to the tokenizer's length (262144 rows where the config says
+    262208; some files keep all 262208). The ids past the tokenizer are the image soft token and unused ids, which
+    LTX-2 (text only, input_ids from the tokenizer) never looks up, so zero rows there change nothing it computes.
+    A table with more rows than the config is never a cut: the check refuses it."""
+    if file.llama_cpp != "gemma3":
+        return 0
+    rows = file.fields.get("vocab_size")
+    return vocab_size - rows if isinstance(rows, int) and rows < vocab_size else 0
+
+
+def _rows_padded(file: WeightFile, wanted: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`file.fields` with a cut Gemma 3 token table (`_cut_token_rows`) counted at the rows it is padded to at load."""
+    if not _cut_token_rows(file, wanted.get("vocab_size", 0)):
+        return file.fields
+    return {**file.fields, "vocab_size": wanted["vocab_size"]}
+
+
+def _token_table_padded(file: WeightFile, class_name: str, config: Mapping[str, Any],
+                        dtype: torch.dtype) -> Mapping[str, Any]:
+    """`file.tensors` with a cut Gemma 3 token table (`_cut_token_rows`) padded with zero rows. The table is
+    dequantized at load anyway (tied to lm_head, never kept stored: weight_storage), so padding costs no
+    more memory than loading it."""
+    if file.llama_cpp != "gemma3":
+        return file.tensors
+    vocab_size = detect.text_config(class_name, config).vocab_size
+    missing = _cut_token_rows(file, vocab_size)
+    if not missing:
+        return file.tensors
+    name = text_encoders.GEMMA3.language + "embed_tokens.weight"
+    table = file.tensors[name]
+    table = table.dequantize(dtype) if isinstance(table, StoredTensor) else table.to(dtype)
+    padded = torch.cat([table, table.new_zeros(missing, table.shape[1])])
+    log.info("vidmem: '%s' has %d token rows for a vocabulary of %d (llama.cpp cuts Gemma's table to its "
+             "tokenizer): the %d ids past it get zero rows.", file.name, vocab_size - missing, vocab_size, missing)
+    return {**file.tensors, name: padded}
 
 
 def _needed_names(class_name: str, config_json: str) -> tuple[tuple[str, ...], ...]:
@@ -106,11 +148,18 @@ def removed_parts(file: WeightFile, class_name: str, config: Mapping[str, Any]) 
     """The submodules `fit_optional` removes when `file` (checked by read_text_encoder_file) is loaded: Gemma 3's
     vision tower and projector when the file lacks any of their weights. Read from its names; nothing is built
     but on meta, so the plan can leave them out before a load."""
+    if not _optional_prefixes(class_name):
+        return ()
+    names = _parameter_names(class_name, json.dumps(dict(config), sort_keys=True))
+    return text_encoders.LAYOUTS[class_name].optional if _lacks_optional(class_name, names, file.tensors) else ()
+
+
+def _lacks_optional(class_name: str, names: Iterable[tuple[str, ...]], tensors: Mapping[str, Any]) -> bool:
+    """Whether `tensors` lack any weight of `class_name`'s optional parts (`names`: the model's parameters, one
+    tuple of tied names per tensor): the one rule `removed_parts` (the plan) and `fit_optional` (the load) decide by."""
     optional = _optional_prefixes(class_name)
-    wanted = [names for names in _parameter_names(class_name, json.dumps(dict(config), sort_keys=True))
-              if names[0].startswith(optional)] if optional else []
-    whole = all(any(name in file.tensors for name in names) for names in wanted)
-    return () if whole else text_encoders.LAYOUTS[class_name].optional
+    wanted = [group for group in names if group[0].startswith(optional)] if optional else []
+    return not all(any(name in tensors for name in group) for group in wanted)
 
 
 def _optional_prefixes(class_name: str) -> tuple[str, ...]:
@@ -128,6 +177,11 @@ def _parameter_names(class_name: str, config_json: str) -> tuple[tuple[str, ...]
     with torch.device("meta"):
         module = cls(cls.config_class(**json.loads(config_json)))
     module.tie_weights()  # as build.build_empty does: tied weights become one parameter
+    return _tensor_names(module)
+
+
+def _tensor_names(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """`module`'s parameters, one tuple of names per tensor (tied names together)."""
     by_tensor: dict[int, list[str]] = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(parameter), []).append(name)
@@ -151,7 +205,7 @@ def load_text_encoder_file(file: WeightFile, component: str, class_name: str, co
 
     config_path = str(Path(folder) / component / "config.json")
     module = build_empty(ComponentConfig(component, "transformers", class_name, dict(config), config_path))
-    tensors, removed = fit_optional(module, file.tensors, file.name)
+    tensors, removed = fit_optional(module, _token_table_padded(file, class_name, config, dtype), file.name)
     report, held = hold(module, tensors, dtype, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS,
                         copy_to_ram=False, source=file.name)
     return module, held, report, removed
@@ -170,10 +224,7 @@ def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any],
     never reaches without images) and any of its tensors the file has are left unread. The removed paths
     go on the LoadedPipeline, so the planner leaves those weights out too."""
     layout = text_encoders.LAYOUTS.get(type(module).__name__)
-    if layout is None or not layout.optional:
-        return tensors, ()
-    wanted = [name for name in module.state_dict() if name.startswith(tuple(p + "." for p in layout.optional))]
-    if all(name in tensors for name in wanted):
+    if layout is None or not _lacks_optional(layout.class_name, _tensor_names(module), tensors):
         return tensors, ()
     for path in layout.optional:
         parent, _, leaf = path.rpartition(".")

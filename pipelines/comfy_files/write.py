@@ -220,7 +220,9 @@ def _write_gguf(tensors: dict[str, Any], path: Path, arch: str = "wan",
 
 def _add_field(writer, key: str, value) -> None:
     """One metadata field, typed by its Python value (a list's items by theirs)."""
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, bytes):  # a UINT8 array, as gguf-py writes bytes (llama.cpp's precompiled_charsmap)
+        writer.add_array(key, value)
+    elif isinstance(value, (list, tuple)):
         writer.add_array(key, list(value))
     elif isinstance(value, bool):
         writer.add_bool(key, value)
