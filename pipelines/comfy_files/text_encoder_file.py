@@ -170,14 +170,42 @@ def _optional_prefixes(class_name: str) -> tuple[str, ...]:
 @lru_cache(maxsize=8)
 def _parameter_names(class_name: str, config_json: str) -> tuple[tuple[str, ...], ...]:
     """Every parameter of `class_name` configured by `config_json`, one tuple of names per tensor (tied names
-    together). Built on meta: no memory, and not the build `load_text_encoder_file` makes."""
+    together)."""
+    return _tensor_names(_meta_model(class_name, config_json))
+
+
+@lru_cache(maxsize=4)
+def _meta_model(class_name: str, config_json: str) -> torch.nn.Module:
+    """`class_name` configured by `config_json`, built on meta: no memory, and not the build
+    `load_text_encoder_file` makes (only its structure is read)."""
     import transformers
 
     cls = getattr(transformers, class_name)
     with torch.device("meta"):
         module = cls(cls.config_class(**json.loads(config_json)))
     module.tie_weights()  # as build.build_empty does: tied weights become one parameter
-    return _tensor_names(module)
+    return module
+
+
+def lowered_ram_need(file: WeightFile, component: str, class_name: str, config: Mapping[str, Any],
+                     weight_dtype: str) -> tuple[str, int] | None:
+    """(what, bytes): the RAM `weight_dtype` takes when `load_text_encoder_file` lowers `file`'s matrices into it
+    (weight_storage.lower_storage's rule, counted from the file's header on a meta build); None when nothing
+    is lowered (the file at its own format or narrower, or a component weight_dtype never lowers), for the
+    file then stays in its mapping.
+
+    Why: the folder's RAM check leaves file-backed encoders out, right for a file used in place; a bf16
+    Gemma 3 12B file at gguf_q4_k is quantized into about 7 GB of RAM, which must be counted before the load."""
+    from ..weight_storage import DEFAULT_WEIGHTS, LOWERED, lowered_names, lowered_ram_bytes
+
+    if weight_dtype == DEFAULT_WEIGHTS or component not in LOWERED:
+        return None
+    module = _meta_model(class_name, json.dumps(dict(config), sort_keys=True))
+    names = lowered_names(module, file.tensors, weight_dtype)
+    if not names:
+        return None
+    elements = sum(file.tensors[name].shape.numel() for name in names)
+    return f"{ROLES[component]} '{file.name}' lowered to {weight_dtype}", lowered_ram_bytes(weight_dtype, elements)
 
 
 def _tensor_names(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
