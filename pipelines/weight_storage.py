@@ -61,7 +61,8 @@ def lowered_names(module: torch.nn.Module, tensors: Mapping[str, Any], target: s
     a RAM check can count them from a file's header before anything is built."""
     fmt = storage_format(target)
     names = lowered_weights(module, fmt)
-    return [name for name, tensor in tensors.items() if name in names and _bytes_per_weight(tensor) > fmt.bytes_per_weight]
+    wider = (name for name, tensor in tensors.items() if _bytes_per_weight(tensor) > fmt.bytes_per_weight)
+    return [name for name in wider if name in names]
 
 
 def _bytes_per_weight(tensor) -> float:

@@ -56,5 +56,6 @@ def test_a_plain_table_is_copied_without_a_float32_pass(upcasts):
 
 def test_a_tensor_of_another_shape_is_refused_naming_both():
     table = quantize(torch.randn(ROWS, COLUMNS), "gguf_q8_0")
-    with pytest.raises(StorageError, match=rf"shape \[{ROWS + 1}, {COLUMNS}\].*pass one of its shape \[{ROWS}, {COLUMNS}\]"):
+    wanted = rf"shape \[{ROWS + 1}, {COLUMNS}\].*pass one of its shape \[{ROWS}, {COLUMNS}\]"
+    with pytest.raises(StorageError, match=wanted):
         dequantize_into(table, torch.empty(ROWS + 1, COLUMNS))

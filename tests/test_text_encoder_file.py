@@ -262,8 +262,8 @@ def test_the_ram_check_of_a_lowered_folder_leaves_out_the_encoders_from_files(ti
     load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled")
     assert {label.split()[0] for label in seen} == {"transformer", "text_encoder", "vae", "text_encoder_2"}  # all counted
     seen.clear()
-    load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled", text_encoder_file=files(HY15, storage="fp8_scaled"),
-                  text_encoder_2_file=files(HY15, "text_encoder_2"))
+    load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled",
+                  text_encoder_file=files(HY15, storage="fp8_scaled"), text_encoder_2_file=files(HY15, "text_encoder_2"))
     assert {label.split()[0] for label in seen} == {"transformer", "vae"}  # a file at weight_dtype's format: in place
 
 
@@ -272,14 +272,15 @@ def ram_needs(monkeypatch, folder, **inputs) -> dict[str, int]:
     from vidmem.pipelines import folder_storage
 
     seen, check = {}, folder_storage.check_against_ram
-    monkeypatch.setattr(folder_storage, "check_against_ram", lambda needs, *args: seen.update(needs) or check(needs, *args))
+    monkeypatch.setattr(folder_storage, "check_against_ram",
+                        lambda needs, *args: seen.update(needs) or check(needs, *args))
     load_pipeline(folder, "fp32", **inputs)
     monkeypatch.setattr(folder_storage, "check_against_ram", check)
     return seen
 
 
-def test_a_text_encoder_file_lowered_by_weight_dtype_is_counted_in_the_folders_ram_check(tiny_loaded, tiny_folder, files,
-                                                                                        monkeypatch):
+def test_a_text_encoder_file_lowered_by_weight_dtype_is_counted_in_the_folders_ram_check(
+        tiny_loaded, tiny_folder, files, monkeypatch):
     """The file's matrices quantized into RAM are counted at the format, from its header; at its own format it
     is used in place and not counted."""
     from vidmem.memory.storage import FORMATS

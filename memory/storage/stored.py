@@ -12,7 +12,6 @@ most DEQUANT_CHUNK weights (large matrices are upcast in row chunks, bit-identic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
