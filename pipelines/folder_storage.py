@@ -15,6 +15,7 @@ import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -41,13 +42,26 @@ def lowered_components(index: dict, replaced: tuple[str, ...] = ()) -> tuple[str
     return tuple(n for n in LOWERED if n not in replaced and isinstance(index.get(n), list) and index[n][0] is not None)
 
 
-def load_stored(folder: Path, index: dict, configs: dict[str, dict], names: tuple[str, ...], dtype: torch.dtype,
-                weight_dtype: str) -> dict[str, StoredComponent]:
-    """Each component in `names` built from its config and its files, held as `weight_dtype` says.
+@dataclass(frozen=True)
+class CheckedFolder:
+    """The lowered components of a folder as `check_stored` found them fit to load: `build_stored` builds them."""
 
-    Checked before any allocation: every file by content (a pickle or a truncated file is named),
-    each config against the weights its files hold, and what the load keeps in RAM (the lowered
-    weights, the other components at `dtype`) against the machine's RAM and swap.
+    folder: Path
+    components: dict[str, ComponentConfig]
+    tensors: dict[str, dict]  # component -> its files' tensors, memory-mapped
+    dtype: torch.dtype
+    weight_dtype: str
+
+
+def check_stored(folder: Path, index: dict, configs: dict[str, dict], names: tuple[str, ...], dtype: torch.dtype,
+                 weight_dtype: str, lowered_files: Sequence[tuple[str, int]] = ()) -> CheckedFolder:
+    """The components in `names` checked, before any allocation, to be loadable as `weight_dtype` says.
+
+    Every file by content (a pickle or a truncated file is named), each config against the weights its
+    files hold, and what the load keeps in RAM (the lowered weights, the other components at `dtype`, and
+    `lowered_files`: (what, bytes) of the single files weight_dtype lowers into RAM,
+    text_encoder_file.lowered_ram_need) against the machine's RAM and swap, in one check: one message
+    lists all of it. The loader checks first and builds (`build_stored`) after the other files are read.
     """
     tensors = {name: folder_tensors(folder / name, name) for name in names}
     components = {name: _component_config(folder, index, name, configs) for name in names}
@@ -60,9 +74,18 @@ def load_stored(folder: Path, index: dict, configs: dict[str, dict], names: tupl
             needs.append((f"{name} as {weight_dtype}", lowered_ram_bytes(weight_dtype, elements)))
     for name in configs.keys() - set(names):
         needs.append(ram_need(implied_weights(_component_config(folder, index, name, configs), dtype)))
-    check_against_ram(needs, f"model folder '{folder}' with weight_dtype {weight_dtype}",
-                      "Pick a smaller weight_dtype (fp8_scaled, gguf_q4_k) or a smaller model.")
-    return {name: _stored(components[name], tensors[name], dtype, weight_dtype, folder / name) for name in names}
+    needs.extend(lowered_files)
+    fix = "Pick a smaller weight_dtype (fp8_scaled, gguf_q4_k) or a smaller model"
+    if lowered_files:  # why a file is counted at all: it is lowered, not used in place
+        fix += ", or a text encoder file already stored in weight_dtype's format (used in place, not lowered into RAM)"
+    check_against_ram(needs, f"model folder '{folder}' with weight_dtype {weight_dtype}", fix + ".")
+    return CheckedFolder(folder, components, tensors, dtype, weight_dtype)
+
+
+def build_stored(checked: CheckedFolder) -> dict[str, StoredComponent]:
+    """Each component `check_stored` checked, built from its config and its files, held as its weight_dtype says."""
+    return {name: _stored(config, checked.tensors[name], checked.dtype, checked.weight_dtype, checked.folder / name)
+            for name, config in checked.components.items()}
 
 
 def folder_vae(folder: Path, vae_dtype: str) -> torch.nn.Module:

@@ -177,7 +177,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     """
     from .comfy_files import text_encoder_file as text_file
     from .folder_check import check_model_folder  # imports configs, which import this module
-    from .folder_storage import folder_vae, load_stored, lowered_components, on_disk
+    from .folder_storage import build_stored, check_stored, folder_vae, lowered_components, on_disk
 
     check_weight_dtype(weight_dtype)
     if vae_dtype and vae_dtype not in DTYPES:
@@ -199,6 +199,14 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names)  # before anything is allocated
     text_read = {name: text_file.read_text_encoder_file(path, name, index[name][1], configs.get(name), folder)
                  for name, path in text_files.items()}
+    # check_stored checks the RAM the other components take at `dtype`; an encoder from a file lies in the
+    # file's mapping (fp8 files: half the bytes), so it is left out of that sum rather than counted in full,
+    # but what weight_dtype lowers of it into RAM is counted (in the same check, before anything is built).
+    ram_configs = {name: config for name, config in configs.items() if name not in text_files}
+    lowered_files = [need for name, file in text_read.items() if (need := text_file.lowered_ram_need(
+        file, name, index[name][1], configs[name], weight_dtype))]
+    checked = (check_stored(folder, index, ram_configs, stored_names, torch_dtype(dtype), weight_dtype, lowered_files)
+               if stored_names or lowered_files else None)
     overrides, storage, reports = {}, {}, {}
     overrides.update({name: None for name in spec.unloaded if name in index})  # never read (the family's call copes)
     if transformer_file:
@@ -221,10 +229,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
         overrides[name], storage[name], reports[name], parts = text_file.load_text_encoder_file(
             file, name, index[name][1], configs[name], folder, torch_dtype(dtype), weight_dtype)
         removed += tuple(f"{name}.{part}" for part in parts)
-    # load_stored checks the RAM the other components take at `dtype`; an encoder from a file lies in the
-    # file's mapping (fp8 files: half the bytes), so it is left out of that sum rather than counted in full.
-    ram_configs = {name: config for name, config in configs.items() if name not in text_files}
-    stored = load_stored(folder, index, ram_configs, stored_names, torch_dtype(dtype), weight_dtype) if stored_names else {}
+    stored = build_stored(checked) if checked else {}
     for name, component in stored.items():
         overrides[name], storage[name], reports[name] = component.module, component.storage, component.report
     try:

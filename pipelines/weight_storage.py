@@ -48,12 +48,21 @@ def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: s
     for nothing (a weight the model cannot hold stored would be dequantized again at load)."""
     fmt = storage_format(target)
     lowered = dict(tensors)
-    names = lowered_weights(module, fmt)
-    for name, tensor in tensors.items():
-        if name in names and _bytes_per_weight(tensor) > fmt.bytes_per_weight:
-            wide = tensor.dequantize(torch.float32) if isinstance(tensor, StoredTensor) else tensor
-            lowered[name] = quantize(wide, fmt)
+    for name in lowered_names(module, tensors, target):
+        tensor = tensors[name]
+        wide = tensor.dequantize(torch.float32) if isinstance(tensor, StoredTensor) else tensor
+        lowered[name] = quantize(wide, fmt)
     return lowered
+
+
+def lowered_names(module: torch.nn.Module, tensors: Mapping[str, Any], target: str) -> list[str]:
+    """The names in `tensors` that `lower_storage` quantizes to `target`: the format's weights of `module`
+    (`lowered_weights`) stored wider than it. `module` may be built on meta: only its structure is read, so
+    a RAM check can count them from a file's header before anything is built."""
+    fmt = storage_format(target)
+    names = lowered_weights(module, fmt)
+    wider = (name for name, tensor in tensors.items() if _bytes_per_weight(tensor) > fmt.bytes_per_weight)
+    return [name for name in wider if name in names]
 
 
 def _bytes_per_weight(tensor) -> float:

@@ -438,3 +438,32 @@ def test_a_gemma_gguf_with_more_token_rows_than_the_config_is_refused(gguf_folde
                                           tmp_path / "gemma-long-F32.gguf", "gemma3")
     with pytest.raises(ModelError, match="vocab_size"):
         load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=longer)
+
+
+def test_a_quantized_cut_token_table_is_dequantized_in_chunks_into_the_padded_table(gguf_folder, tmp_path, monkeypatch):
+    """The padded table is written once, a row chunk at a time (dequantize_into), with the one-pass values. The
+    tiny Gemma's rows (16 wide) take no GGUF block: its table is given as fp8 scaled, through the same path."""
+    import json
+    from dataclasses import replace
+
+    from vidmem.memory.storage import quantize
+    from vidmem.pipelines.comfy_files import detect, text_encoder_file
+    from vidmem.pipelines.comfy_files.files import read_weight_file
+
+    folder = load_pipeline(gguf_folder(LTX2), "fp32")
+    stored = store_tensors(encoder(folder), "fp32")
+    table_name = "model.language_model.embed_tokens.weight"
+    rows = stored[table_name].shape[0]
+    path = write_llama_cpp_text_encoder({**stored, table_name: stored[table_name][:rows - 4]},
+                                        tmp_path / "gemma-cut-F32.gguf", "gemma3")
+    file = read_weight_file(path, "text_encoder_file", detect.TEXT_ENCODER)
+    table = quantize(file.tensors[table_name].clone(), "fp8_scaled")
+    file = replace(file, tensors={**file.tensors, table_name: table})
+    into, chunked = [], text_encoder_file.dequantize_into
+    monkeypatch.setattr(text_encoder_file, "dequantize_into", lambda t, out: into.append(out.shape) or chunked(t, out))
+    config = json.loads((gguf_folder(LTX2) / "text_encoder" / "config.json").read_text())
+    padded = text_encoder_file._token_table_padded(file, type(encoder(folder)).__name__, config,
+                                                   torch.bfloat16)[table_name]
+    assert into == [torch.Size([rows - 4, table.shape[1]])]
+    assert padded.dtype == torch.bfloat16 and torch.equal(padded[:rows - 4], table.dequantize(torch.bfloat16))
+    assert padded.shape[0] == rows and torch.count_nonzero(padded[rows - 4:]) == 0

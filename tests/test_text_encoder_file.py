@@ -262,9 +262,59 @@ def test_the_ram_check_of_a_lowered_folder_leaves_out_the_encoders_from_files(ti
     load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled")
     assert {label.split()[0] for label in seen} == {"transformer", "text_encoder", "vae", "text_encoder_2"}  # all counted
     seen.clear()
-    load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled", text_encoder_file=files(HY15),
-                  text_encoder_2_file=files(HY15, "text_encoder_2"))
-    assert {label.split()[0] for label in seen} == {"transformer", "vae"}
+    load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled",
+                  text_encoder_file=files(HY15, storage="fp8_scaled"), text_encoder_2_file=files(HY15, "text_encoder_2"))
+    assert {label.split()[0] for label in seen} == {"transformer", "vae"}  # a file at weight_dtype's format: in place
+
+
+def ram_needs(monkeypatch, folder, **inputs) -> dict[str, int]:
+    """label -> bytes of the one RAM check `load_pipeline(folder, "fp32", **inputs)` makes (the load runs)."""
+    from vidmem.pipelines import folder_storage
+
+    seen, check = {}, folder_storage.check_against_ram
+    monkeypatch.setattr(folder_storage, "check_against_ram",
+                        lambda needs, *args: seen.update(needs) or check(needs, *args))
+    load_pipeline(folder, "fp32", **inputs)
+    monkeypatch.setattr(folder_storage, "check_against_ram", check)
+    return seen
+
+
+def test_a_text_encoder_file_lowered_by_weight_dtype_is_counted_in_the_folders_ram_check(
+        tiny_loaded, tiny_folder, files, monkeypatch):
+    """The file's matrices quantized into RAM are counted at the format, from its header; at its own format it
+    is used in place and not counted."""
+    from vidmem.memory.storage import FORMATS
+    from vidmem.pipelines.comfy_files import detect
+    from vidmem.pipelines.comfy_files.files import read_weight_file
+    from vidmem.pipelines.weight_storage import lowered_names
+
+    path = files(HY15, storage="bf16")
+    needs = ram_needs(monkeypatch, tiny_folder(HY15), weight_dtype="fp8_scaled", text_encoder_file=path)
+    label = f"text_encoder_file '{path.name}' lowered to fp8_scaled"
+    tensors = read_weight_file(path, "text_encoder_file", detect.TEXT_ENCODER).tensors
+    matrices = lowered_names(encoder(tiny_loaded(HY15)), tensors, "fp8_scaled")  # the folder's plain encoder
+    assert matrices and len(matrices) < len(tensors)  # the matrices only: norms and biases stay mapped
+    assert needs[label] == FORMATS["fp8_scaled"].stored_bytes(sum(tensors[n].shape.numel() for n in matrices))
+    in_place = ram_needs(monkeypatch, tiny_folder(HY15), weight_dtype="bf16", text_encoder_file=path)
+    assert not [label for label in in_place if "text_encoder_file" in label]
+
+
+def test_a_lowered_text_encoder_file_that_does_not_fit_is_refused_before_anything_is_built(tiny_folder, files,
+                                                                                          monkeypatch, built):
+    import psutil
+    from types import SimpleNamespace
+
+    path = files(HY15, storage="bf16")
+    needs = ram_needs(monkeypatch, tiny_folder(HY15), weight_dtype="fp8_scaled", text_encoder_file=path)
+    file_need = next(nbytes for label, nbytes in needs.items() if path.name in label)
+    ram = sum(needs.values()) - file_need // 2  # the folder fits; not with the lowered file
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=ram))
+    monkeypatch.setattr(psutil, "swap_memory", lambda: SimpleNamespace(total=0))
+    built.clear()
+    with pytest.raises(ModelError, match=rf"weight_dtype fp8_scaled needs .*text_encoder_file '{path.name}' lowered to "
+                                         r"fp8_scaled.*or a text encoder file already stored in weight_dtype's format"):
+        load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled", text_encoder_file=path)
+    assert built == []
 
 
 def test_the_folder_needs_only_the_config_of_a_replaced_encoder(tiny_folder, tiny_loaded, files, tmp_path):

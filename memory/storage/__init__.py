@@ -11,7 +11,7 @@ from .mapping import is_file_backed, mapped_bytes
 from .modules import StoredEmbedding, StoredLinear
 from .quantize import quantize
 from .scaled import fold_scaled_fp8
-from .stored import StoredTensor, upcast_workspace_bytes
+from .stored import StoredTensor, dequantize_into, upcast_workspace_bytes
 from .weightfile import open_weights
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "StoredLinear",
     "StoredTensor",
     "assign_weights",
+    "dequantize_into",
     "fold_scaled_fp8",
     "is_file_backed",
     "lowered_weights",

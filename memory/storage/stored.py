@@ -12,7 +12,6 @@ most DEQUANT_CHUNK weights (large matrices are upcast in row chunks, bit-identic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
@@ -78,11 +77,7 @@ class StoredTensor:
         step = self._rows_per_chunk()
         if step is None:
             return _upcast(data, scale, self.format, self.shape, dtype)
-        out = torch.empty(self.shape, dtype=dtype, device=data.device)
-        for start in range(0, self.shape[0], step):
-            rows = slice(start, start + step)
-            out[rows] = _upcast(data[rows], _scale_rows(scale, rows), self.format, out[rows].shape, dtype)
-        return out
+        return _upcast_rows(data, scale, self.format, torch.empty(self.shape, dtype=dtype, device=data.device), step)
 
     def _rows_per_chunk(self) -> int | None:
         """Rows to upcast at once so the float32 temporaries stay under DEQUANT_CHUNK weights;
@@ -144,6 +139,38 @@ class StoredTensor:
         if data.numel() != fmt.stored_bytes(self.numel):
             return f"{data.numel()} data bytes, expected {fmt.stored_bytes(self.numel)}"
         return None
+
+
+def dequantize_into(stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:
+    """`stored` dequantized into `out`, a preallocated tensor of its shape in the compute dtype (the leading
+    rows of a padded table, say), and returned: for loads, never per forward.
+
+    Why: a large table dequantized whole goes through float32 temporaries of its full size (Gemma 3 12B's
+    262208 x 3840 token table: about 4 GB for a 2 GB bf16 result), and padding its result afterwards copies
+    it again. Here rows go a chunk of at most DEQUANT_CHUNK weights at a time, so the temporaries stay one
+    chunk's and the result is written once, in place. Bit-identical to `StoredTensor.dequantize`: every value
+    is computed from its own element or block, and GGUF blocks run along a row. A tensor flattened before
+    quantizing keeps no rows and is dequantized in one pass."""
+    if tuple(out.shape) != tuple(stored.shape):
+        raise StorageError(f"{stored!r} cannot be dequantized into a tensor of shape {list(out.shape)}; "
+                           f"pass one of its shape {list(stored.shape)}.")
+    data = stored.data.to(out.device)
+    if stored.format.gguf_type is None and stored.scale is None:
+        return out.copy_(data)  # exact widening, no temporary
+    scale = None if stored.scale is None else stored.scale.to(device=out.device, dtype=torch.float32)
+    if len(stored.shape) < 2 or data.shape[0] != stored.shape[0]:
+        return out.copy_(_upcast(data, scale, stored.format, stored.shape, out.dtype))
+    step = max(1, DEQUANT_CHUNK // (stored.numel // stored.shape[0] or 1))
+    return _upcast_rows(data, scale, stored.format, out, step)
+
+
+def _upcast_rows(data: torch.Tensor, scale: torch.Tensor | None, fmt: StorageFormat, out: torch.Tensor,
+                 step: int) -> torch.Tensor:
+    """`out` filled `step` rows at a time from row-laid stored `data` (a per-row scale cut with its rows)."""
+    for start in range(0, out.shape[0], step):
+        rows = slice(start, start + step)
+        out[rows] = _upcast(data[rows], _scale_rows(scale, rows), fmt, out[rows].shape, out.dtype)
+    return out
 
 
 def upcast_workspace_bytes(fmt: StorageFormat, shape, dtype: torch.dtype) -> int:

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ...memory.storage import StoredTensor
+from ...memory.storage import StoredTensor, dequantize_into
 from ..family import ModelError
 from . import detect, text_encoders
 from .files import WeightFile, read_weight_file
@@ -119,7 +119,8 @@ def _token_table_padded(file: WeightFile, class_name: str, config: Mapping[str, 
                         dtype: torch.dtype) -> Mapping[str, Any]:
     """`file.tensors` with a cut Gemma 3 token table (`_cut_token_rows`) padded with zero rows. The table is
     dequantized at load anyway (tied to lm_head, never kept stored: weight_storage), so padding costs no
-    more memory than loading it."""
+    more memory than loading it: its rows are dequantized in chunks straight into the padded table
+    (`dequantize_into`), with no whole-table temporary (about 2 GB at Gemma 3 12B's size in bf16)."""
     if file.llama_cpp != "gemma3":
         return file.tensors
     vocab_size = detect.text_config(class_name, config).vocab_size
@@ -128,8 +129,12 @@ def _token_table_padded(file: WeightFile, class_name: str, config: Mapping[str, 
         return file.tensors
     name = text_encoders.GEMMA3.language + "embed_tokens.weight"
     table = file.tensors[name]
-    table = table.dequantize(dtype) if isinstance(table, StoredTensor) else table.to(dtype)
-    padded = torch.cat([table, table.new_zeros(missing, table.shape[1])])
+    padded = torch.empty(vocab_size, table.shape[1], dtype=dtype)
+    if isinstance(table, StoredTensor):
+        dequantize_into(table, padded[:-missing])
+    else:
+        padded[:-missing].copy_(table)
+    padded[-missing:].zero_()
     log.info("vidmem: '%s' has %d token rows for a vocabulary of %d (llama.cpp cuts Gemma's table to its "
              "tokenizer): the %d ids past it get zero rows.", file.name, vocab_size - missing, vocab_size, missing)
     return {**file.tensors, name: padded}
@@ -170,14 +175,42 @@ def _optional_prefixes(class_name: str) -> tuple[str, ...]:
 @lru_cache(maxsize=8)
 def _parameter_names(class_name: str, config_json: str) -> tuple[tuple[str, ...], ...]:
     """Every parameter of `class_name` configured by `config_json`, one tuple of names per tensor (tied names
-    together). Built on meta: no memory, and not the build `load_text_encoder_file` makes."""
+    together)."""
+    return _tensor_names(_meta_model(class_name, config_json))
+
+
+@lru_cache(maxsize=4)
+def _meta_model(class_name: str, config_json: str) -> torch.nn.Module:
+    """`class_name` configured by `config_json`, built on meta: no memory, and not the build
+    `load_text_encoder_file` makes (only its structure is read)."""
     import transformers
 
     cls = getattr(transformers, class_name)
     with torch.device("meta"):
         module = cls(cls.config_class(**json.loads(config_json)))
     module.tie_weights()  # as build.build_empty does: tied weights become one parameter
-    return _tensor_names(module)
+    return module
+
+
+def lowered_ram_need(file: WeightFile, component: str, class_name: str, config: Mapping[str, Any],
+                     weight_dtype: str) -> tuple[str, int] | None:
+    """(what, bytes): the RAM `weight_dtype` takes when `load_text_encoder_file` lowers `file`'s matrices into it
+    (weight_storage.lower_storage's rule, counted from the file's header on a meta build); None when nothing
+    is lowered (the file at its own format or narrower, or a component weight_dtype never lowers), for the
+    file then stays in its mapping.
+
+    Why: the folder's RAM check leaves file-backed encoders out, right for a file used in place; a bf16
+    Gemma 3 12B file at gguf_q4_k is quantized into about 7 GB of RAM, which must be counted before the load."""
+    from ..weight_storage import DEFAULT_WEIGHTS, LOWERED, lowered_names, lowered_ram_bytes
+
+    if weight_dtype == DEFAULT_WEIGHTS or component not in LOWERED:
+        return None
+    module = _meta_model(class_name, json.dumps(dict(config), sort_keys=True))
+    names = lowered_names(module, file.tensors, weight_dtype)
+    if not names:
+        return None
+    elements = sum(file.tensors[name].shape.numel() for name in names)
+    return f"{ROLES[component]} '{file.name}' lowered to {weight_dtype}", lowered_ram_bytes(weight_dtype, elements)
 
 
 def _tensor_names(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
