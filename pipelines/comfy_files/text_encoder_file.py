@@ -86,7 +86,7 @@ def read_text_encoder_file(path: str | Path, component: str, class_name: str, co
     problems = detect.differences(_rows_padded(file, wanted), wanted)
     if problems:
         raise ModelError(f"{role}: '{path.name}' is not the {component} of '{folder.name}' ({'; '.join(problems)}); {fix}.")
-    needed = _needed_names(class_name, json.dumps(dict(config), sort_keys=True))
+    needed = _needed_names(class_name, _config_key(config))
     missing = [names[0] for names in needed if not any(name in file.tensors for name in names)]
     if missing:
         listed = ", ".join(missing[:LISTED]) + (f" and {len(missing) - LISTED} more" if len(missing) > LISTED else "")
@@ -155,7 +155,7 @@ def removed_parts(file: WeightFile, class_name: str, config: Mapping[str, Any]) 
     but on meta, so the plan can leave them out before a load."""
     if not _optional_prefixes(class_name):
         return ()
-    names = _parameter_names(class_name, json.dumps(dict(config), sort_keys=True))
+    names = _parameter_names(class_name, _config_key(config))
     return text_encoders.LAYOUTS[class_name].optional if _lacks_optional(class_name, names, file.tensors) else ()
 
 
@@ -165,6 +165,11 @@ def _lacks_optional(class_name: str, names: Iterable[tuple[str, ...]], tensors: 
     optional = _optional_prefixes(class_name)
     wanted = [group for group in names if group[0].startswith(optional)] if optional else []
     return not all(any(name in tensors for name in group) for group in wanted)
+
+
+def _config_key(config: Mapping[str, Any]) -> str:
+    """`config` as the hashable key the meta builds below are cached by."""
+    return json.dumps(dict(config), sort_keys=True)
 
 
 def _optional_prefixes(class_name: str) -> tuple[str, ...]:
@@ -205,7 +210,7 @@ def lowered_ram_need(file: WeightFile, component: str, class_name: str, config: 
 
     if weight_dtype == DEFAULT_WEIGHTS or component not in LOWERED:
         return None
-    module = _meta_model(class_name, json.dumps(dict(config), sort_keys=True))
+    module = _meta_model(class_name, _config_key(config))
     names = lowered_names(module, file.tensors, weight_dtype)
     if not names:
         return None
@@ -264,5 +269,6 @@ def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any],
         setattr(module.get_submodule(parent), leaf, None)
     log.info("vidmem: '%s' lacks %s's vision part (%s): the text encoder runs without it.", file_name,
              layout.class_name, ", ".join(layout.optional))
-    kept = {name: t for name, t in tensors.items() if not name.startswith(tuple(p + "." for p in layout.optional))}
+    optional = _optional_prefixes(layout.class_name)
+    kept = {name: t for name, t in tensors.items() if not name.startswith(optional)}
     return kept, layout.optional
