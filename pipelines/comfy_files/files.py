@@ -148,15 +148,12 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
         return detect.TRANSFORMER, layout, transformer_to_diffusers(tensors, layout), None
     if text_encoders.is_language_model(names):  # before CLIP's: Gemma 3's vision tower has CLIP's names
         llm = text_encoders.layout_of(names, path.name, role)
-        spiece = tensors.get(TOKENIZER_KEY)
         mapped = text_encoders.model_tensors(llm, {n: t for n, t in tensors.items() if n != TOKENIZER_KEY})
-        return detect.TEXT_ENCODER, KeyLayout.ORIGINAL, mapped, None if spiece is None else bytes(spiece.cpu().numpy().tobytes())
+        return detect.TEXT_ENCODER, KeyLayout.ORIGINAL, mapped, _embedded_tokenizer(tensors)
     prefix = detect.find_prefix(names, detect.TEXT_MARKER)
     if prefix is not None:
-        spiece = tensors.get(TOKENIZER_KEY)
         stripped = _strip(tensors, prefix, keep=lambda name: name != TOKENIZER_KEY)
-        data = None if spiece is None else bytes(spiece.cpu().numpy().tobytes())
-        return detect.TEXT_ENCODER, KeyLayout.DIFFUSERS, stripped, data
+        return detect.TEXT_ENCODER, KeyLayout.DIFFUSERS, stripped, _embedded_tokenizer(tensors)
     prefix = detect.find_prefix(names, detect.CLIP_MARKER)
     if prefix is not None and prefix + "embeddings.patch_embedding.weight" in tensors:  # the projection head is not used by Wan's CLIPVisionModel (hidden states only)
         return detect.CLIP_VISION, KeyLayout.DIFFUSERS, _strip(tensors, prefix, keep=lambda n: n.startswith(detect.CLIP_PARTS)), None
@@ -180,6 +177,12 @@ def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dic
         "and Gemma 3 12B text encoders (ComfyUI's names, or llama.cpp's in GGUF) and CLIP vision encoders; use "
         "Comfy-Org's repackaged files."
     )
+
+
+def _embedded_tokenizer(tensors: Mapping[str, Any]) -> bytes | None:
+    """The SentencePiece model a text encoder file embeds (Comfy-Org's `spiece_model` tensor), or None."""
+    spiece = tensors.get(TOKENIZER_KEY)
+    return None if spiece is None else bytes(spiece.cpu().numpy().tobytes())
 
 
 VAE_INPUTS = ("vae", "vae_file")  # Load Video Model Files' and Load Video Pipeline's VAE inputs
