@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from test_text_encoder_file import write_file
+from test_text_encoder_file import hy15_transformer_file, write_file
 from vidmem.memory.storage import FORMATS
 from vidmem.pipelines.comfy_files import detect
 from vidmem.pipelines.comfy_files.files import read_weight_file
@@ -26,7 +26,7 @@ from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.weight_check import implied_weights, ram_need
 from vidmem.pipelines.weight_storage import lowered_names
 
-WAN, LTX2 = "wan2.1-t2v", "ltx2-t2v"
+WAN, LTX2, HY15 = "wan2.1-t2v", "ltx2-t2v", "hunyuanvideo1.5-t2v"
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,28 @@ def test_a_lowered_transformer_file_counts_its_lowered_matrices_not_the_folders_
     assert loaded.storage["transformer"] == "fp8_scaled"  # what was counted is what the loader lowered
 
 
+def family_file(variant: str, tiny_loaded, path):
+    """The tiny `variant`'s transformer as its single file (an LTX-2 checkpoint with its VAE), stored fp32."""
+    pipe = tiny_loaded(variant).pipe
+    if variant == HY15:
+        return hy15_transformer_file(tiny_loaded, path / "hunyuanvideo1.5_t2v_tiny.safetensors")
+    parts = {name: store_tensors(getattr(pipe, name), "fp32") for name in ("transformer", "vae")}
+    return write_ltx2_checkpoint(parts, path / "ltx-2-19b-dev-fp32.safetensors")
+
+
+@pytest.mark.parametrize("variant", [LTX2, HY15])
+def test_the_lowered_transformer_files_of_the_other_families_count_by_the_same_rule(
+        variant, tiny_loaded, tiny_folder, tmp_path, monkeypatch):
+    path = family_file(variant, tiny_loaded, tmp_path)
+    needs = ram_needs(monkeypatch, tiny_folder(variant), transformer_file=path, weight_dtype="gguf_q8_0")
+    tensors = read_weight_file(path, "transformer_file", detect.TRANSFORMER).tensors  # under the model's names
+    matrices = lowered_names(tiny_loaded(variant).pipe.transformer, tensors, "gguf_q8_0")
+    assert matrices and len(matrices) < len(tensors)
+    lowered = FORMATS["gguf_q8_0"].stored_bytes(sum(tensors[name].shape.numel() for name in matrices))
+    assert needs[f"transformer_file '{path.name}' lowered to gguf_q8_0"] == lowered
+    assert from_folder_config(needs, "transformer") == []
+
+
 def test_a_lowered_transformer_file_that_does_not_fit_is_refused_before_anything_is_built(
         tiny_folder, written, monkeypatch, built):
     """The text encoder from a file already in weight_dtype's format: the transformer_file is all that is lowered."""
@@ -157,12 +179,10 @@ def test_a_vae_file_counts_only_what_is_cast_into_ram(tiny_loaded, tiny_folder, 
 
 
 def test_an_ltx2_checkpoints_vae_counts_what_is_cast_at_vae_dtype(tiny_loaded, tiny_folder, tmp_path, monkeypatch):
-    pipe = tiny_loaded(LTX2).pipe
-    parts = {name: store_tensors(getattr(pipe, name), "fp32") for name in ("transformer", "vae")}
-    path = write_ltx2_checkpoint(parts, tmp_path / "ltx-2-19b-dev-fp32.safetensors")
+    path = family_file(LTX2, tiny_loaded, tmp_path)
     needs = ram_needs(monkeypatch, tiny_folder(LTX2), weight_dtype="fp8_scaled", transformer_file=path, vae_dtype="bf16")
     assert from_folder_config(needs, "vae") == [] and from_folder_config(needs, "transformer") == []
-    in_file = sum(t.numel() for t in parts["vae"].values() if t.is_floating_point())
+    in_file = sum(t.numel() for t in tiny_loaded(LTX2).pipe.vae.state_dict().values() if t.is_floating_point())
     assert needs[f"the VAE of transformer_file '{path.name}' cast to bf16"] == 2 * in_file
     in_place = ram_needs(monkeypatch, tiny_folder(LTX2), weight_dtype="fp8_scaled", transformer_file=path)
     assert not [label for label in in_place if "VAE" in label or label.startswith("vae")]
