@@ -81,7 +81,8 @@ def check_stored(folder: Path, index: dict, configs: dict[str, dict], names: tup
         needs.append((f"{name} as {weight_dtype}",
                       ram_beyond_mappings(module, module_names(module, tensors[name]), dtype, weight_dtype)))
     for name in configs.keys() - set(names):
-        needs.append(ram_need(implied_weights(_component_config(folder, index, name, configs), dtypes.get(name, dtype))))
+        config = _component_config(folder, index, name, configs)
+        needs.append(ram_need(implied_weights(config, dtypes.get(name, dtype))))
     needs = [need for need in (*needs, *file_needs) if need[1]]  # nothing for what stays mapped
     lowers = weight_dtype != DEFAULT_WEIGHTS
     fix = "Pick a smaller weight_dtype (fp8_scaled, gguf_q4_k) or a smaller model" if lowers else \

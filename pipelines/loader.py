@@ -246,8 +246,8 @@ def _check_load(folder, dtype: str, transformer_file, weight_dtype: str, vae_fil
     configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names, dtypes)
     text_read = {name: text_file.read_text_encoder_file(path, name, index[name][1], configs.get(name), folder)
                  for name, path in text_files.items()}
-    transformer = (_check_transformer_file(spec, index, folder, configs.get("transformer"), Path(transformer_file), dtype)
-                   if transformer_file else None)
+    transformer = (_check_transformer_file(spec, index, folder, configs.get("transformer"), Path(transformer_file),
+                                           dtype) if transformer_file else None)
     checked = CheckedLoad(folder, index, spec, dtype, weight_dtype, vae_dtype, configs, transformer_file, transformer,
                           carries_vae, vae_file, text_files, text_read, None)
     return replace(checked, stored=_check_ram(checked, stored_names, replaced, dtypes))
@@ -282,7 +282,8 @@ def _file_needs(checked: CheckedLoad) -> tuple[list[tuple[str, int]], list[str]]
     if checked.transformer is not None:
         needs.append(_transformer_file_need(checked.transformer, checked.dtype, checked.weight_dtype))
     for name, file in checked.text_read.items():
-        need = text_file.lowered_ram_need(file, name, checked.index[name][1], checked.configs[name], checked.weight_dtype)
+        need = text_file.lowered_ram_need(file, name, checked.index[name][1], checked.configs[name],
+                                          checked.weight_dtype)
         needs += [(*need, LOWERED_FILE_FIX.format(what="text encoder file"))] if need else []
     if checked.configs.get("vae") is not None and (checked.vae_input or checked.carries_vae):
         needs.append(_vae_file_need(checked))  # no config: the VAE's loader names that
@@ -300,8 +301,10 @@ def _transformer_file_need(checked: CheckedTransformerFile, dtype: str, weight_d
     tensors, name = checked.file.tensors, checked.path.name
     nbytes = ram_beyond_mappings(module, tensors, torch_dtype(dtype), weight_dtype)
     if weight_dtype != DEFAULT_WEIGHTS and lowered_names(module, tensors, weight_dtype):
-        return f"transformer_file '{name}' lowered to {weight_dtype}", nbytes, LOWERED_FILE_FIX.format(what="transformer_file")
-    return f"transformer_file '{name}' cast to {dtype}", nbytes, CAST_FILE_FIX.format(dtype_input="dtype", what="transformer_file")
+        return (f"transformer_file '{name}' lowered to {weight_dtype}", nbytes,
+                LOWERED_FILE_FIX.format(what="transformer_file"))
+    return (f"transformer_file '{name}' cast to {dtype}", nbytes,
+            CAST_FILE_FIX.format(dtype_input="dtype", what="transformer_file"))
 
 
 def _vae_file_need(checked: CheckedLoad) -> tuple[str, int, str]:
@@ -313,7 +316,8 @@ def _vae_file_need(checked: CheckedLoad) -> tuple[str, int, str]:
     from .weight_check import built_on_meta, ram_beyond_mappings
 
     folder, config, dtype = checked.folder, checked.configs["vae"], checked.vae_dtype or checked.dtype
-    component = ComponentConfig("vae", "diffusers", checked.index["vae"][1], config, str(folder / "vae" / "config.json"))
+    component = ComponentConfig("vae", "diffusers", checked.index["vae"][1], config,
+                                str(folder / "vae" / "config.json"))
     module = built_on_meta(component, torch_dtype(dtype))
     if checked.vae_input:
         file = read_vae_file(checked.vae_input, component.class_name, config, folder)
@@ -376,7 +380,8 @@ def _components(checked: CheckedLoad) -> BuiltComponents:
 
     index, folder, dtype = checked.index, checked.folder, checked.dtype
     overrides, storage, reports = {}, {}, {}
-    overrides.update({name: None for name in checked.spec.unloaded if name in index})  # never read (the family's call copes)
+    # never read (the family's call copes)
+    overrides.update({name: None for name in checked.spec.unloaded if name in index})
     if checked.transformer is not None:
         overrides["transformer"], storage["transformer"], reports["transformer"] = _build_transformer(
             checked.transformer, dtype, checked.weight_dtype)

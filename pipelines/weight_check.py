@@ -125,7 +125,8 @@ def built_on_meta(config: ComponentConfig, dtype: torch.dtype) -> torch.nn.Modul
     return module
 
 
-def ram_beyond_mappings(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype, weight_dtype: str) -> int:
+def ram_beyond_mappings(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype,
+                        weight_dtype: str) -> int:
     """The RAM `weight_storage.hold(module, tensors, dtype, weight_dtype, copy_to_ram=False)` takes beyond the
     files' mappings, counted from the tensors' headers and `module` built on meta (nothing allocated).
 
@@ -150,8 +151,9 @@ def ram_beyond_mappings(module: torch.nn.Module, tensors: Mapping[str, Any], dty
         else:
             in_place = not tensor.is_floating_point() or tensor.dtype == target
         copied += 0 if in_place else prod(tensor.shape) * target.itemsize
-    lowered_bytes = lowered_ram_bytes(weight_dtype, sum(prod(tensors[name].shape) for name in lowered)) if lowered else 0
-    return copied + lowered_bytes
+    if not lowered:
+        return copied
+    return copied + lowered_ram_bytes(weight_dtype, sum(prod(tensors[name].shape) for name in lowered))
 
 
 def ram_need(implied: ImpliedWeights) -> tuple[str, int]:

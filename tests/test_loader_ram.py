@@ -65,7 +65,8 @@ def ram_needs(monkeypatch, folder, dtype: str = "fp32", **inputs) -> dict[str, i
     from vidmem.pipelines import folder_storage
 
     seen, check = {}, folder_storage.check_against_ram
-    monkeypatch.setattr(folder_storage, "check_against_ram", lambda needs, *args: seen.update(needs) or check(needs, *args))
+    monkeypatch.setattr(folder_storage, "check_against_ram",
+                        lambda needs, *args: seen.update(needs) or check(needs, *args))
     load_pipeline(folder, dtype, **inputs)
     monkeypatch.setattr(folder_storage, "check_against_ram", check)
     return seen
@@ -81,7 +82,8 @@ def machine_with_ram(monkeypatch, ram: int) -> None:
 def folder_config_bytes(loaded, name: str, dtype: torch.dtype) -> int:
     """Bytes the folder's diffusers component `name` takes read into RAM at `dtype`, from its config."""
     module = getattr(loaded.pipe, name)
-    return ram_need(implied_weights(ComponentConfig(name, "diffusers", type(module).__name__, dict(module.config)), dtype))[1]
+    config = ComponentConfig(name, "diffusers", type(module).__name__, dict(module.config))
+    return ram_need(implied_weights(config, dtype))[1]
 
 
 def from_folder_config(needs: dict[str, int], name: str) -> list[str]:
@@ -95,7 +97,7 @@ def test_a_lowered_transformer_file_counts_its_lowered_matrices_not_the_folders_
     needs = ram_needs(monkeypatch, tiny_folder(WAN), transformer_file=path, weight_dtype="fp8_scaled")
     tensors = read_weight_file(path, "transformer_file", detect.TRANSFORMER).tensors
     matrices = lowered_names(tiny_loaded(WAN).pipe.transformer, tensors, "fp8_scaled")  # the loader's rule
-    assert matrices and len(matrices) < len(tensors)  # the matrices only: norms, biases, the patch embedding stay mapped
+    assert matrices and len(matrices) < len(tensors)  # the matrices only: norms, biases, patch embedding stay mapped
     lowered = FORMATS["fp8_scaled"].stored_bytes(sum(tensors[name].shape.numel() for name in matrices))
     assert needs[f"transformer_file '{path.name}' lowered to fp8_scaled"] == lowered
     assert from_folder_config(needs, "transformer") == []  # the file replaces it: never counted at dtype in full
@@ -134,8 +136,9 @@ def test_a_lowered_transformer_file_that_does_not_fit_is_refused_before_anything
     file_need = needs[f"transformer_file '{lowered.name}' lowered to fp8_scaled"]
     machine_with_ram(monkeypatch, sum(needs.values()) - file_need // 2)  # the rest fits; not with the lowered file
     built.clear()
-    with pytest.raises(ModelError, match=rf"weight_dtype fp8_scaled needs .* of RAM .*transformer_file '{lowered.name}' "
-                                         r"lowered to fp8_scaled.*a transformer_file already stored in weight_dtype's "
+    with pytest.raises(ModelError, match=rf"weight_dtype fp8_scaled needs .* of RAM .*"
+                                         rf"transformer_file '{lowered.name}' lowered to fp8_scaled.*"
+                                         r"a transformer_file already stored in weight_dtype's "
                                          r"format \(used in place"):
         load_pipeline(tiny_folder(WAN), "fp32", lowered, **inputs)
     assert built == []
@@ -152,7 +155,8 @@ def test_a_transformer_file_used_in_place_counts_nothing_and_loads_where_the_res
     assert "text_encoder as fp8_scaled" in needs  # the check ran
     assert not [label for label in needs if label.startswith("transformer")]
     machine_with_ram(monkeypatch, sum(needs.values()))
-    assert load_pipeline(tiny_folder(WAN), "fp32", path, weight_dtype="fp8_scaled").storage["transformer"] == "fp8_scaled"
+    loaded = load_pipeline(tiny_folder(WAN), "fp32", path, weight_dtype="fp8_scaled")
+    assert loaded.storage["transformer"] == "fp8_scaled"
 
 
 def test_a_folder_already_in_weight_dtypes_format_counts_only_what_it_casts(tiny_folder, monkeypatch):
@@ -180,7 +184,8 @@ def test_a_vae_file_counts_only_what_is_cast_into_ram(tiny_loaded, tiny_folder, 
 
 def test_an_ltx2_checkpoints_vae_counts_what_is_cast_at_vae_dtype(tiny_loaded, tiny_folder, tmp_path, monkeypatch):
     path = family_file(LTX2, tiny_loaded, tmp_path)
-    needs = ram_needs(monkeypatch, tiny_folder(LTX2), weight_dtype="fp8_scaled", transformer_file=path, vae_dtype="bf16")
+    needs = ram_needs(monkeypatch, tiny_folder(LTX2), weight_dtype="fp8_scaled", transformer_file=path,
+                      vae_dtype="bf16")
     assert from_folder_config(needs, "vae") == [] and from_folder_config(needs, "transformer") == []
     in_file = sum(t.numel() for t in tiny_loaded(LTX2).pipe.vae.state_dict().values() if t.is_floating_point())
     assert needs[f"the VAE of transformer_file '{path.name}' cast to bf16"] == 2 * in_file
