@@ -14,9 +14,10 @@ whole folder. Here every component model_index.json lists is looked at first:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -45,18 +46,20 @@ class FolderComponent:
         return ComponentConfig(self.name, self.library, self.class_name, self.config, str(self.path / "config.json"))
 
 
-def check_model_folder(folder: Path, index: dict, dtype: torch.dtype, replaced: Collection[str] = ()) -> dict[str, dict]:
+def check_model_folder(folder: Path, index: dict, dtype: torch.dtype, replaced: Collection[str] = (),
+                       dtypes: Mapping[str, torch.dtype] = MappingProxyType({})) -> dict[str, dict]:
     """Every component of `folder` checked (see the module doc); its models' configs by name.
 
     `replaced` components are read from elsewhere (a single transformer file): only their
-    config.json is checked here.
+    config.json is checked here. Each component is counted at its dtype in `dtypes` (the VAE at
+    vae_dtype), else at `dtype`.
     """
     components = [_component(folder, name, entry) for name, entry in index.items() if _is_component(entry)]
     needs = []
     for component in components:
         if component.config is None:
             continue
-        implied = implied_weights(component.component_config(), dtype)
+        implied = implied_weights(component.component_config(), dtypes.get(component.name, dtype))
         if component.name in replaced:
             continue
         stored = _check_weight_files(component)

@@ -15,7 +15,8 @@ import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 import torch
 
@@ -24,8 +25,9 @@ from ..memory.storage import StorageError, StorageReport, fold_scaled_fp8, open_
 from .configs.meta import ComponentConfig
 from .family import ModelError
 from .json_files import read_json_object
-from .weight_check import check_against_files, check_against_ram, implied_weights, ram_need, stored_elements
-from .weight_storage import DEFAULT_WEIGHTS, LOWERED, hold, lowered_ram_bytes, matrices_mapped
+from .weight_check import (built_on_meta, check_against_files, check_against_ram, implied_weights, ram_beyond_mappings,
+                           ram_need, stored_elements)
+from .weight_storage import DEFAULT_WEIGHTS, LOWERED, hold, matrices_mapped
 
 WEIGHT_FILES = ("diffusion_pytorch_model", "model")  # diffusers' and transformers' weight file names
 
@@ -54,31 +56,39 @@ class CheckedFolder:
 
 
 def check_stored(folder: Path, index: dict, configs: dict[str, dict], names: tuple[str, ...], dtype: torch.dtype,
-                 weight_dtype: str, lowered_files: Sequence[tuple[str, int]] = ()) -> CheckedFolder:
+                 weight_dtype: str, file_needs: Sequence[tuple[str, int]] = (), fixes: Sequence[str] = (),
+                 dtypes: Mapping[str, torch.dtype] = MappingProxyType({})) -> CheckedFolder:
     """The components in `names` checked, before any allocation, to be loadable as `weight_dtype` says.
 
     Every file by content (a pickle or a truncated file is named), each config against the weights its
-    files hold, and what the load keeps in RAM (the lowered weights, the other components at `dtype`, and
-    `lowered_files`: (what, bytes) of the single files weight_dtype lowers into RAM,
-    text_encoder_file.lowered_ram_need) against the machine's RAM and swap, in one check: one message
-    lists all of it. The loader checks first and builds (`build_stored`) after the other files are read.
+    files hold, and what the load makes in RAM against the machine's RAM and swap, in one check: one message
+    lists all of it. Counted: what the lowered components take beyond their files' mappings
+    (`ram_beyond_mappings`: a folder already in weight_dtype's format is used in place), every other
+    component of `configs` in full at its dtype (`dtypes`, else `dtype`: diffusers copies it into RAM), and
+    `file_needs`: (what, bytes) of the single files that replace components (what weight_dtype lowers or the
+    load casts of them), each with the fix in `fixes` that avoids it. `configs` holds the folder's own
+    components only: a component a file replaces is counted by its file, never by the folder's config.
+    The loader checks first and builds (`build_stored`) after the other files are read.
     """
     tensors = {name: folder_tensors(folder / name, name) for name in names}
     components = {name: _component_config(folder, index, name, configs) for name in names}
     needs = []
     for name in names:
         implied = implied_weights(components[name], dtype)
-        elements = stored_elements(t.shape for t in tensors[name].values())
-        check_against_files(implied, elements, f"the .safetensors files in '{folder / name}'")
-        if weight_dtype != DEFAULT_WEIGHTS:
-            needs.append((f"{name} as {weight_dtype}", lowered_ram_bytes(weight_dtype, elements)))
+        check_against_files(implied, stored_elements(t.shape for t in tensors[name].values()),
+                            f"the .safetensors files in '{folder / name}'")
+        module = built_on_meta(components[name], dtype)
+        needs.append((f"{name} as {weight_dtype}",
+                      ram_beyond_mappings(module, module_names(module, tensors[name]), dtype, weight_dtype)))
     for name in configs.keys() - set(names):
-        needs.append(ram_need(implied_weights(_component_config(folder, index, name, configs), dtype)))
-    needs.extend(lowered_files)
-    fix = "Pick a smaller weight_dtype (fp8_scaled, gguf_q4_k) or a smaller model"
-    if lowered_files:  # why a file is counted at all: it is lowered, not used in place
-        fix += ", or a text encoder file already stored in weight_dtype's format (used in place, not lowered into RAM)"
-    check_against_ram(needs, f"model folder '{folder}' with weight_dtype {weight_dtype}", fix + ".")
+        config = _component_config(folder, index, name, configs)
+        needs.append(ram_need(implied_weights(config, dtypes.get(name, dtype))))
+    needs = [need for need in (*needs, *file_needs) if need[1]]  # nothing for what stays mapped
+    lowers = weight_dtype != DEFAULT_WEIGHTS
+    fix = "Pick a smaller weight_dtype (fp8_scaled, gguf_q4_k) or a smaller model" if lowers else \
+        "Load a smaller model or a lower dtype"
+    what = f"model folder '{folder}'" + (f" with weight_dtype {weight_dtype}" if lowers else "")
+    check_against_ram(needs, what, "".join((fix, *(f", or {clause}" for clause in fixes), ".")))
     return CheckedFolder(folder, components, tensors, dtype, weight_dtype)
 
 

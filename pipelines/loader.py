@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
@@ -29,6 +29,11 @@ from .ltx2 import LTX2
 from .json_files import read_json_object
 from .wan import WAN
 from .weight_storage import DEFAULT_WEIGHTS, check_weight_dtype, hold
+
+if TYPE_CHECKING:  # imported lazily at run time: they import this module
+    from .comfy_files.files import WeightFile
+    from .configs.meta import ComponentConfig
+    from .folder_storage import CheckedFolder
 
 FAMILIES = (COGVIDEOX, WAN, HUNYUAN_VIDEO15, LTX2)
 
@@ -154,6 +159,41 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+@dataclass(frozen=True)
+class CheckedTransformerFile:
+    """A transformer_file read (mapped, nothing copied) and checked against the folder's transformer config."""
+
+    path: Path
+    file: WeightFile
+    component: ComponentConfig  # the folder's transformer config, which the file fills
+
+
+@dataclass(frozen=True)
+class CheckedLoad:
+    """What `load_pipeline` found before building anything: the folder's index and configs, every single file
+    read from its header and checked, and the RAM the whole load makes checked against the machine, so
+    `_build` only allocates."""
+
+    folder: Path
+    index: dict
+    spec: FamilySpec
+    dtype: str
+    weight_dtype: str
+    vae_dtype: str  # "" follows dtype
+    configs: dict  # component -> its config.json
+    transformer_input: str | Path | None  # the inputs as given (what LoadedPipeline records)
+    transformer: CheckedTransformerFile | None
+    carries_vae: bool  # an LTX-2 checkpoint given as transformer_file carries its video VAE
+    vae_input: str | Path | None
+    text_files: dict  # component -> the file replacing it
+    text_read: dict[str, WeightFile]  # component -> its file, checked against the folder's config
+    stored: CheckedFolder | None  # the folder's lowered components, checked (None: none to check)
+
+    @property
+    def vae_torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.vae_dtype or self.dtype)
+
+
 def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str | Path | None = None,
                   weight_dtype: str = DEFAULT_WEIGHTS, vae_file: str | Path | None = None,
                   vae_dtype: str = "", text_encoder_file: str | Path | None = None,
@@ -174,67 +214,129 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
     (Comfy-Org's umt5 / t5xxl / Qwen2.5-VL / Gemma 3 / ByT5 files: `comfy_files.text_encoder_file`),
     configured by the folder's config.json and checked against it before anything is built; the
     folder keeps supplying the tokenizers. `weight_dtype` lowers the first as it lowers the folder's.
+    Everything is read and checked first (`_check_load`: files, configs, and the RAM the load makes,
+    in one check), then built (`_build`).
     """
+    return _build(_check_load(folder, dtype, transformer_file, weight_dtype, vae_file, vae_dtype,
+                              {"text_encoder_file": text_encoder_file, "text_encoder_2_file": text_encoder_2_file}))
+
+
+def _check_load(folder, dtype: str, transformer_file, weight_dtype: str, vae_file, vae_dtype: str,
+                text_inputs: dict) -> CheckedLoad:
+    """Every input read and checked, nothing allocated (files mapped, models only on meta)."""
     from .comfy_files import text_encoder_file as text_file
     from .folder_check import check_model_folder  # imports configs, which import this module
-    from .folder_storage import build_stored, check_stored, folder_vae, lowered_components, on_disk
+    from .folder_storage import lowered_components
 
     check_weight_dtype(weight_dtype)
     if vae_dtype and vae_dtype not in DTYPES:
         raise ModelError(f"vae_dtype={vae_dtype!r} is not supported; use 'same as dtype' or one of {', '.join(DTYPES)}.")
     folder = Path(folder).expanduser()
     index = read_model_index(folder)
-    class_name = index["_class_name"]
-    spec = family_for(class_name)
-    cls = pinned_pipeline_class(class_name)
+    spec = family_for(index["_class_name"])
     replaced = _replaced_by_file(spec, index, folder, transformer_file) if transformer_file else ()
     carries_vae = "vae" in replaced  # an LTX-2 checkpoint carries its video VAE
     if vae_file:
         replaced += _replaced_by_vae_file(spec, index, replaced)
-    text_files = text_file.replaced_components(index, folder, {"text_encoder_file": text_encoder_file,
-                                                               "text_encoder_2_file": text_encoder_2_file})
+    text_files = text_file.replaced_components(index, folder, text_inputs)
     replaced += tuple(text_files)
     stored_names = lowered_components(index, replaced) if weight_dtype != DEFAULT_WEIGHTS else ()
     used = {name: entry for name, entry in index.items() if name not in spec.unloaded}
-    configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names)  # before anything is allocated
+    dtypes = {"vae": torch_dtype(vae_dtype)} if vae_dtype else {}  # the folder's VAE is read at vae_dtype
+    configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names, dtypes)
     text_read = {name: text_file.read_text_encoder_file(path, name, index[name][1], configs.get(name), folder)
                  for name, path in text_files.items()}
-    # check_stored checks the RAM the other components take at `dtype`; an encoder from a file lies in the
-    # file's mapping (fp8 files: half the bytes), so it is left out of that sum rather than counted in full,
-    # but what weight_dtype lowers of it into RAM is counted (in the same check, before anything is built).
-    ram_configs = {name: config for name, config in configs.items() if name not in text_files}
-    lowered_files = [need for name, file in text_read.items() if (need := text_file.lowered_ram_need(
-        file, name, index[name][1], configs[name], weight_dtype))]
-    checked = (check_stored(folder, index, ram_configs, stored_names, torch_dtype(dtype), weight_dtype, lowered_files)
-               if stored_names or lowered_files else None)
-    overrides, storage, reports = {}, {}, {}
-    overrides.update({name: None for name in spec.unloaded if name in index})  # never read (the family's call copes)
-    if transformer_file:
-        overrides["transformer"], storage["transformer"], reports["transformer"] = _single_file_transformer(
-            spec, index, folder, configs.get("transformer"), Path(transformer_file), dtype, weight_dtype)
-    if carries_vae:
-        from .comfy_files import files as ltx2_files
+    transformer = (_check_transformer_file(spec, index, folder, configs.get("transformer"), Path(transformer_file),
+                                           dtype) if transformer_file else None)
+    checked = CheckedLoad(folder, index, spec, dtype, weight_dtype, vae_dtype, configs, transformer_file, transformer,
+                          carries_vae, vae_file, text_files, text_read, None)
+    return replace(checked, stored=_check_ram(checked, stored_names, replaced, dtypes))
 
-        overrides["vae"], storage["vae"], reports["vae"] = ltx2_files.load_ltx2_vae(
-            transformer_file, configs.get("vae"), folder, torch_dtype(vae_dtype or dtype))
-    if vae_file:
-        from .comfy_files.vae_file import load_vae_file
 
-        overrides["vae"], storage["vae"], reports["vae"] = load_vae_file(
-            vae_file, index["vae"][1], configs.get("vae") or {}, folder, torch_dtype(vae_dtype or dtype))
-    elif vae_dtype and vae_dtype != dtype and not carries_vae and "vae" in index:
-        overrides["vae"] = folder_vae(folder, vae_dtype)  # read once, at its own precision
-    removed = ()
-    for name, file in text_read.items():
-        overrides[name], storage[name], reports[name], parts = text_file.load_text_encoder_file(
-            file, name, index[name][1], configs[name], folder, torch_dtype(dtype), weight_dtype)
-        removed += tuple(f"{name}.{part}" for part in parts)
-    stored = build_stored(checked) if checked else {}
-    for name, component in stored.items():
-        overrides[name], storage[name], reports[name] = component.module, component.storage, component.report
+def _check_ram(checked: CheckedLoad, stored_names: tuple[str, ...], replaced: tuple[str, ...], dtypes: dict):
+    """The one RAM check of the whole load (`folder_storage.check_stored`), run where anything beyond the
+    folder's own components takes RAM: the folder's lowered components, or single files lowered or cast into
+    RAM. The folder's other components count at their dtype; a component a file replaces counts only what
+    its file makes in RAM (nothing for a file used in place from its mapping). Returns the checked lowered
+    components (None when there are none to check)."""
+    from .folder_storage import check_stored
+
+    needs, fixes = _file_needs(checked)
+    if not stored_names and not needs:
+        return None
+    folder_own = {name: config for name, config in checked.configs.items() if name not in replaced}
+    return check_stored(checked.folder, checked.index, folder_own, stored_names, torch_dtype(checked.dtype),
+                        checked.weight_dtype, needs, fixes, dtypes)
+
+
+# The fix that avoids each kind of single-file RAM (a file used in place costs none).
+LOWERED_FILE_FIX = "a {what} already stored in weight_dtype's format (used in place, not lowered into RAM)"
+CAST_FILE_FIX = "{dtype_input} equal to the precision the {what} is stored in (used in place, not cast into RAM)"
+
+
+def _file_needs(checked: CheckedLoad) -> tuple[list[tuple[str, int]], list[str]]:
+    """(what, bytes) of the RAM each single file takes beyond its mapping, and the fix of each kind counted."""
+    from .comfy_files import text_encoder_file as text_file
+
+    needs = []  # (what, bytes, fix)
+    if checked.transformer is not None:
+        needs.append(_transformer_file_need(checked.transformer, checked.dtype, checked.weight_dtype))
+    for name, file in checked.text_read.items():
+        need = text_file.lowered_ram_need(file, name, checked.index[name][1], checked.configs[name],
+                                          checked.weight_dtype)
+        needs += [(*need, LOWERED_FILE_FIX.format(what="text encoder file"))] if need else []
+    if checked.configs.get("vae") is not None and (checked.vae_input or checked.carries_vae):
+        needs.append(_vae_file_need(checked))  # no config: the VAE's loader names that
+    counted = [need for need in needs if need[1]]
+    return [(what, nbytes) for what, nbytes, _fix in counted], list(dict.fromkeys(fix for *_need, fix in counted))
+
+
+def _transformer_file_need(checked: CheckedTransformerFile, dtype: str, weight_dtype: str) -> tuple[str, int, str]:
+    """What the transformer_file takes in RAM as `_build_transformer` holds it (0: used in place from its mapping):
+    the matrices weight_dtype lowers, by the loader's own rule, and the tensors cast to their dtype."""
+    from .weight_check import built_on_meta, ram_beyond_mappings
+    from .weight_storage import lowered_names
+
+    module = built_on_meta(checked.component, torch_dtype(dtype))
+    tensors, name = checked.file.tensors, checked.path.name
+    nbytes = ram_beyond_mappings(module, tensors, torch_dtype(dtype), weight_dtype)
+    if weight_dtype != DEFAULT_WEIGHTS and lowered_names(module, tensors, weight_dtype):
+        return (f"transformer_file '{name}' lowered to {weight_dtype}", nbytes,
+                LOWERED_FILE_FIX.format(what="transformer_file"))
+    return (f"transformer_file '{name}' cast to {dtype}", nbytes,
+            CAST_FILE_FIX.format(dtype_input="dtype", what="transformer_file"))
+
+
+def _vae_file_need(checked: CheckedLoad) -> tuple[str, int, str]:
+    """What the VAE read from a file (vae_file, or the one an LTX-2 transformer_file carries) takes in RAM: its
+    tensors not stored at vae_dtype are cast into it (a file at vae_dtype is used in place)."""
+    from .comfy_files import files
+    from .comfy_files.vae_file import read_vae_file
+    from .configs.meta import ComponentConfig
+    from .weight_check import built_on_meta, ram_beyond_mappings
+
+    folder, config, dtype = checked.folder, checked.configs["vae"], checked.vae_dtype or checked.dtype
+    component = ComponentConfig("vae", "diffusers", checked.index["vae"][1], config,
+                                str(folder / "vae" / "config.json"))
+    module = built_on_meta(component, torch_dtype(dtype))
+    if checked.vae_input:
+        file = read_vae_file(checked.vae_input, component.class_name, config, folder)
+        tensors, what = files.model_tensors(file, module.state_dict().keys()), f"vae_file '{file.name}'"
+    else:
+        path = checked.transformer.path
+        tensors, what = files.ltx2_part(path, "vae", "transformer_file"), f"the VAE of transformer_file '{path.name}'"
+    nbytes = ram_beyond_mappings(module, tensors, torch_dtype(dtype), DEFAULT_WEIGHTS)
+    return f"{what} cast to {dtype}", nbytes, CAST_FILE_FIX.format(dtype_input="vae_dtype", what=what)
+
+
+def _build(checked: CheckedLoad) -> LoadedPipeline:
+    """The pipeline `_check_load` found fit to load: each replaced or lowered component built and held, the rest
+    read by diffusers."""
+    built = _components(checked)
+    folder, dtype = checked.folder, checked.dtype
     try:
-        pipe = cls.from_pretrained(
-            folder, torch_dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True, **overrides
+        pipe = pinned_pipeline_class(checked.index["_class_name"]).from_pretrained(
+            folder, torch_dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True, **built.overrides
         )
     except ModelError:
         raise
@@ -244,16 +346,66 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
             "diffusers-format model."
         ) from error
     pipe.set_progress_bar_config(disable=True)  # progress is reported through the host instead
-    source = " + ".join([str(folder)] + [Path(f).name for f in (transformer_file, vae_file, *text_files.values()) if f])
-    if weight_dtype != DEFAULT_WEIGHTS:
-        source += f" (weight_dtype {weight_dtype})"
-    return LoadedPipeline(pipe, spec, class_name, source, dtype, str(folder), storage=MappingProxyType(storage),
-                          on_disk=on_disk(stored) and not transformer_file and not text_files,
-                          storage_reports=MappingProxyType(reports),
+    transformer_file, vae_file = checked.transformer_input, checked.vae_input
+    files = (transformer_file, vae_file, *checked.text_files.values())
+    source = " + ".join([str(folder)] + [Path(f).name for f in files if f])
+    if checked.weight_dtype != DEFAULT_WEIGHTS:
+        source += f" (weight_dtype {checked.weight_dtype})"
+    vae_dtype = checked.vae_dtype
+    return LoadedPipeline(pipe, checked.spec, checked.index["_class_name"], source, dtype, str(folder),
+                          storage=MappingProxyType(built.storage),
+                          on_disk=built.on_disk and not transformer_file and not checked.text_files,
+                          storage_reports=MappingProxyType(built.reports),
                           transformer_file=str(transformer_file or ""), vae_file=str(vae_file or ""),
-                          text_encoder_files=MappingProxyType({name: str(path) for name, path in text_files.items()}),
-                          removed=removed,
-                          vae_dtype_name=vae_dtype if vae_dtype != dtype and "vae" in index else "")
+                          text_encoder_files=MappingProxyType({name: str(p) for name, p in checked.text_files.items()}),
+                          removed=built.removed,
+                          vae_dtype_name=vae_dtype if vae_dtype != dtype and "vae" in checked.index else "")
+
+
+@dataclass(frozen=True)
+class BuiltComponents:
+    """The components `_build` gives diffusers' from_pretrained in place of reading them from the folder."""
+
+    overrides: dict  # component -> module (None: never read)
+    storage: dict  # component -> the format its weights are held in
+    reports: dict  # component -> StorageReport
+    removed: tuple[str, ...]  # "component.sub.module" paths removed (a Gemma 3 file without its vision tower)
+    on_disk: bool  # the lowered folder components all still lie in their files' mappings
+
+
+def _components(checked: CheckedLoad) -> BuiltComponents:
+    """Each component that is not read by from_pretrained, built and held as `_check_load` checked it."""
+    from .comfy_files import text_encoder_file as text_file
+    from .folder_storage import build_stored, folder_vae, on_disk
+
+    index, folder, dtype = checked.index, checked.folder, checked.dtype
+    overrides, storage, reports = {}, {}, {}
+    # never read (the family's call copes)
+    overrides.update({name: None for name in checked.spec.unloaded if name in index})
+    if checked.transformer is not None:
+        overrides["transformer"], storage["transformer"], reports["transformer"] = _build_transformer(
+            checked.transformer, dtype, checked.weight_dtype)
+    if checked.carries_vae:
+        from .comfy_files import files as ltx2_files
+
+        overrides["vae"], storage["vae"], reports["vae"] = ltx2_files.load_ltx2_vae(
+            checked.transformer_input, checked.configs.get("vae"), folder, checked.vae_torch_dtype)
+    if checked.vae_input:
+        from .comfy_files.vae_file import load_vae_file
+
+        overrides["vae"], storage["vae"], reports["vae"] = load_vae_file(
+            checked.vae_input, index["vae"][1], checked.configs.get("vae") or {}, folder, checked.vae_torch_dtype)
+    elif checked.vae_dtype and checked.vae_dtype != dtype and not checked.carries_vae and "vae" in index:
+        overrides["vae"] = folder_vae(folder, checked.vae_dtype)  # read once, at its own precision
+    removed = ()
+    for name, file in checked.text_read.items():
+        overrides[name], storage[name], reports[name], parts = text_file.load_text_encoder_file(
+            file, name, index[name][1], checked.configs[name], folder, torch_dtype(dtype), checked.weight_dtype)
+        removed += tuple(f"{name}.{part}" for part in parts)
+    stored = build_stored(checked.stored) if checked.stored else {}
+    for name, component in stored.items():
+        overrides[name], storage[name], reports[name] = component.module, component.storage, component.report
+    return BuiltComponents(overrides, storage, reports, removed, on_disk(stored))
 
 
 def _replaced_by_vae_file(spec: FamilySpec, index: dict, replaced: tuple[str, ...]) -> tuple[str, ...]:
@@ -282,17 +434,14 @@ def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_f
     return ltx2_files.ltx2_replaced_components(transformer_file, folder)
 
 
-def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config: dict | None, path: Path, dtype: str,
-                             weight_dtype: str = DEFAULT_WEIGHTS):
-    """The folder's transformer config filled from a single file (any layout or storage format
-    pipelines.comfy_files reads: fp8 scaled files are dequantized per layer, not misread),
-    lowered to `weight_dtype` where it is narrower than the file (the family is checked to take
-    one in `_replaced_by_file`)."""
+def _check_transformer_file(spec: FamilySpec, index: dict, folder: Path, config: dict | None, path: Path,
+                            dtype: str) -> CheckedTransformerFile:
+    """The transformer_file read from its header (any layout or storage format pipelines.comfy_files reads) and
+    checked to be the folder's transformer (the family is checked to take one in `_replaced_by_file`)."""
     if config is None:
         raise ModelError(f"transformer_file needs the folder's transformer config, but '{folder / 'model_index.json'}' "
                          "lists no transformer; use a diffusers folder of the file's model.")
     from .comfy_files import detect, hy15
-    from .comfy_files.build import build_empty
     from .comfy_files.files import read_weight_file
     from .configs.meta import ComponentConfig
     from .weight_check import check_against_files, implied_weights, stored_elements
@@ -316,8 +465,17 @@ def _single_file_transformer(spec: FamilySpec, index: dict, folder: Path, config
     # Used in place from the file's mapping (the disk tier): the config against the file's real tensors.
     check_against_files(implied_weights(component, torch_dtype(dtype)), stored_elements(t.shape for t in file.tensors.values()),
                         f"transformer_file '{path.name}'")
-    module = build_empty(component)
-    report, held = hold(module, file.tensors, torch_dtype(dtype), weight_dtype, copy_to_ram=False, source=path.name)
+    return CheckedTransformerFile(path, file, component)
+
+
+def _build_transformer(checked: CheckedTransformerFile, dtype: str, weight_dtype: str):
+    """The checked transformer_file's module: the folder's config filled from the file (fp8 scaled files are
+    dequantized per layer, not misread), lowered to `weight_dtype` where it is narrower than the file."""
+    from .comfy_files.build import build_empty
+
+    module = build_empty(checked.component)
+    report, held = hold(module, checked.file.tensors, torch_dtype(dtype), weight_dtype, copy_to_ram=False,
+                        source=checked.path.name)
     return module, held, report
 
 

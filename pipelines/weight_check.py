@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from math import prod
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -113,6 +113,47 @@ def check_against_ram(needs: Sequence[tuple[str, int]], what: str, fix: str) -> 
             f"{what} needs {_size(total)} of RAM for its weights but this machine has {_size(ram)} of RAM and "
             f"{_size(swap)} of swap ({parts}). {fix}"
         )
+
+
+def built_on_meta(config: ComponentConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """The whole component on meta (after `check_against_files` has refused an absurd size), tied as
+    the loaders tie it: only its structure is read (which layers hold which weights)."""
+    module = build_meta(config, dtype)
+    tie = getattr(module, "tie_weights", None)
+    if callable(tie):
+        tie()
+    return module
+
+
+def ram_beyond_mappings(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype,
+                        weight_dtype: str) -> int:
+    """The RAM `weight_storage.hold(module, tensors, dtype, weight_dtype, copy_to_ram=False)` takes beyond the
+    files' mappings, counted from the tensors' headers and `module` built on meta (nothing allocated).
+
+    Why: a file used in place costs page cache, not RAM, while what the load makes anew must fit before it
+    starts. So, by the loaders' own rules: the weights weight_dtype lowers (`lowered_names`) at the format's
+    bytes, and every other tensor `assign_weights` copies: one that no Linear / Embedding can hold stored
+    (norms, biases, convolutions) and that is not already in its dtype, cast or dequantized to it. A stored
+    weight a layer upcasts per call stays mapped: 0."""
+    from ..memory.storage import StoredTensor, stays_stored
+    from .comfy_files.build import keep_fp32
+    from .weight_storage import DEFAULT_WEIGHTS, lowered_names, lowered_ram_bytes
+
+    lowered = set(lowered_names(module, tensors, weight_dtype)) if weight_dtype != DEFAULT_WEIGHTS else set()
+    kept_stored, fp32_modules = stays_stored(module), keep_fp32(module, dtype)
+    copied = 0
+    for name, tensor in tensors.items():
+        if name in lowered or name in kept_stored:
+            continue
+        target = torch.float32 if any(part in name.split(".") for part in fp32_modules) else dtype
+        if isinstance(tensor, StoredTensor):
+            in_place = not (tensor.format.quantized or tensor.scale is not None or tensor.format.torch_dtype != target)
+        else:
+            in_place = not tensor.is_floating_point() or tensor.dtype == target
+        copied += 0 if in_place else prod(tensor.shape) * target.itemsize
+    if not lowered:
+        return copied
+    return copied + lowered_ram_bytes(weight_dtype, sum(prod(tensors[name].shape) for name in lowered))
 
 
 def ram_need(implied: ImpliedWeights) -> tuple[str, int]:
