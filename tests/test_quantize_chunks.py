@@ -66,15 +66,22 @@ def small_chunks(monkeypatch, rows: int = CHUNK_ROWS, width: int = COLUMNS) -> l
     """QUANTIZE_CHUNK made `rows` rows of `width`; returns the rows of each chunk quantized from now on."""
     seen, encode = [], getattr(quantize_module, "_encode", None)
     monkeypatch.setattr(quantize_module, "QUANTIZE_CHUNK", rows * width, raising=False)
-    monkeypatch.setattr(quantize_module, "_encode", lambda values, *args: seen.append(values.shape[0]) or encode(values, *args),
-                        raising=False)
+    def spy(values, *args):
+        seen.append(values.shape[0])
+        return encode(values, *args)
+
+    monkeypatch.setattr(quantize_module, "_encode", spy, raising=False)
     return seen
 
 
 def spy_dequantize(monkeypatch) -> list[int]:
     """The leading rows of every StoredTensor dequantized from now on."""
     seen, dequantize = [], StoredTensor.dequantize
-    monkeypatch.setattr(StoredTensor, "dequantize", lambda self, *args, **kwargs: seen.append(self.shape[0]) or dequantize(self, *args, **kwargs))
+    def spy(self, *args, **kwargs):
+        seen.append(self.shape[0])
+        return dequantize(self, *args, **kwargs)
+
+    monkeypatch.setattr(StoredTensor, "dequantize", spy)
     return seen
 
 
@@ -203,12 +210,19 @@ def test_the_transient_does_not_grow_with_the_tensor(name, stored_source, monkey
     assert large < 512 * COLUMNS * 4 / 4, large
 
 
-@pytest.mark.parametrize("name", [name for name, fmt in FORMATS.items() if fmt.gguf_type and fmt.gguf_type not in quantize_module.K_QUANTS])
+NUMPY_QUANTIZED = [name for name, fmt in FORMATS.items() if fmt.gguf_type and fmt.gguf_type not in quantize_module.K_QUANTS]
+
+
+@pytest.mark.parametrize("name", NUMPY_QUANTIZED)
 def test_the_numpy_quantizers_see_one_chunk_at_a_time(name, monkeypatch):
     """gguf-py's quantizers (numpy: not seen by torch's allocator) make several temporaries the size of
     their input: they are given one chunk's rows, never the table."""
     seen, numpy_quantize = [], gguf.quants.quantize
-    monkeypatch.setattr(gguf.quants, "quantize", lambda values, kind: seen.append(values.shape[0]) or numpy_quantize(values, kind))
+    def spy(values, kind):
+        seen.append(values.shape[0])
+        return numpy_quantize(values, kind)
+
+    monkeypatch.setattr(gguf.quants, "quantize", spy)
     small_chunks(monkeypatch)
     quantize(table(), name)
     assert seen == RAGGED
