@@ -45,13 +45,13 @@ def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: s
     """The tensors the format `target` lowers in `module` (`lowered_weights`: the format's declaration, of
     the weights the model can hold stored, as the planner counts them) quantized to it when stored wider;
     every other tensor as given (same objects), so a tied or custom token table (Gemma's) is never rounded
-    for nothing (a weight the model cannot hold stored would be dequantized again at load)."""
+    for nothing (a weight the model cannot hold stored would be dequantized again at load). `quantize` goes
+    a row chunk at a time, a stored source (an fp8 or GGUF file lowered further) dequantized chunk by chunk
+    too: the transient is one chunk's, never a float32 copy of the whole table."""
     fmt = storage_format(target)
     lowered = dict(tensors)
     for name in lowered_names(module, tensors, target):
-        tensor = tensors[name]
-        wide = tensor.dequantize(torch.float32) if isinstance(tensor, StoredTensor) else tensor
-        lowered[name] = quantize(wide, fmt)
+        lowered[name] = quantize(tensors[name], fmt)
     return lowered
 
 

@@ -133,8 +133,9 @@ class StoredTensor:
             return f"GGUF data must be raw uint8 blocks, got {data.dtype}"
         # Row layout [*shape[:-1], row_bytes] needs whole blocks per row; a flat layout (a tensor
         # reshaped before quantizing, with its original shape in the file's metadata) per tensor.
+        # An empty tensor holds no block (zero rows, or rows of zero weights); a scalar cannot hold one.
         blocked = self.numel if data.dim() == 1 and len(self.shape) != 1 else (self.shape[-1] if self.shape else 0)
-        if not blocked or blocked % fmt.block_size:
+        if not self.shape or blocked % fmt.block_size:
             return f"the last dimension must be a multiple of the {fmt.block_size}-weight block"
         if data.numel() != fmt.stored_bytes(self.numel):
             return f"{data.numel()} data bytes, expected {fmt.stored_bytes(self.numel)}"
@@ -208,6 +209,8 @@ def _upcast(data: torch.Tensor, scale: torch.Tensor | None, fmt: StorageFormat, 
 
 def _dequantize_gguf(data: torch.Tensor, fmt: StorageFormat, shape: torch.Size) -> torch.Tensor:
     """ggml's block formulas (ggml.py), in float32, on `data`'s device."""
+    if data.numel() == 0:  # no block: the formulas' reshapes cannot infer a size from nothing
+        return torch.empty(shape, dtype=torch.float32, device=data.device)
     return DEQUANTIZE[fmt.gguf_type](data.reshape(-1, fmt.block_bytes)).reshape(shape)
 
 
