@@ -132,25 +132,15 @@ def ram_beyond_mappings(module: torch.nn.Module, tensors: Mapping[str, Any], dty
 
     Why: a file used in place costs page cache, not RAM, while what the load makes anew must fit before it
     starts. So, by the loaders' own rules: the weights weight_dtype lowers (`lowered_names`) at the format's
-    bytes, and every other tensor `assign_weights` copies: one that no Linear / Embedding can hold stored
-    (norms, biases, convolutions) and that is not already in its dtype, cast or dequantized to it. A stored
-    weight a layer upcasts per call stays mapped: 0."""
-    from ..memory.storage import StoredTensor, stays_stored
+    bytes, and what the fill copies of the rest (`memory.storage.bytes_copied`: the casts and dequantized
+    copies of tensors no layer holds stored; a stored weight a layer upcasts per call stays mapped)."""
+    from ..memory.storage import bytes_copied
     from .comfy_files.build import keep_fp32
     from .weight_storage import DEFAULT_WEIGHTS, lowered_names, lowered_ram_bytes
 
     lowered = set(lowered_names(module, tensors, weight_dtype)) if weight_dtype != DEFAULT_WEIGHTS else set()
-    kept_stored, fp32_modules = stays_stored(module), keep_fp32(module, dtype)
-    copied = 0
-    for name, tensor in tensors.items():
-        if name in lowered or name in kept_stored:
-            continue
-        target = torch.float32 if any(part in name.split(".") for part in fp32_modules) else dtype
-        if isinstance(tensor, StoredTensor):
-            in_place = not (tensor.format.quantized or tensor.scale is not None or tensor.format.torch_dtype != target)
-        else:
-            in_place = not tensor.is_floating_point() or tensor.dtype == target
-        copied += 0 if in_place else prod(tensor.shape) * target.itemsize
+    rest = {name: tensor for name, tensor in tensors.items() if name not in lowered}
+    copied = bytes_copied(module, rest, dtype, keep_fp32(module, dtype))
     if not lowered:
         return copied
     return copied + lowered_ram_bytes(weight_dtype, sum(prod(tensors[name].shape) for name in lowered))

@@ -213,3 +213,32 @@ def test_dtype_only_reads_answer_with_an_empty_tensor_and_leave_the_forward_alon
             assert torch.equal(model.proj(x), expected)  # the layer's own forward reads its stored bytes
             raise RuntimeError("stop")
     assert "dtype_only_reads" not in model.proj.__dict__ and torch.equal(model.proj.weight, tensors["proj.weight"].dequantize(torch.float32))
+
+
+def _stored_as(tensors: dict[str, torch.Tensor], fmt: str) -> dict:
+    """Every float tensor of `tensors` in `fmt` where it can be (GGUF needs whole blocks in a row)."""
+    from vidmem.memory.storage import storage_format
+
+    target = storage_format(fmt)
+    return {name: quantize(t, fmt) if t.is_floating_point() and t.dim() == 2 and target.holds(tuple(t.shape)) else t
+            for name, t in tensors.items()}
+
+
+@pytest.mark.parametrize("source", ["float32", "bfloat16", "float16", "fp8_e4m3fn", "fp8_scaled", "gguf_q8_0"])
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("keep", [(), ("norm",)])
+def test_bytes_copied_is_what_assign_weights_copies(source, compute, keep):
+    """The count a loader's RAM check makes before loading (from shapes, on a meta module) equals the
+    bytes the fill then copies, for every source format, compute dtype and fp32-kept module."""
+    from vidmem.memory.storage import bytes_copied
+
+    plain = weights()
+    if source in ("float32", "bfloat16", "float16"):
+        tensors = {k: v.to(getattr(torch, source)) if v.is_floating_point() else v for k, v in plain.items()}
+    else:
+        tensors = _stored_as(plain, source)
+    counted = bytes_copied(empty(), tensors, compute, keep)
+    report = assign_weights(empty(), tensors, compute, keep)
+    assert counted == report.copied_bytes
+    if source == "float32" and compute == torch.bfloat16:
+        assert counted > 0  # the case is not vacuous: norms, biases and the convolution are cast

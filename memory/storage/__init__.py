@@ -2,7 +2,7 @@
 weights left memory-mapped in their files (the disk tier)."""
 
 from .accounting import FormatCount, StorageReport
-from .apply import assign_weights, lowered_weights, stays_stored
+from .apply import assign_weights, bytes_copied, lowered_weights, stays_stored
 from .errors import StorageError
 from .files import SafetensorsFile, open_safetensors, sniff
 from .formats import FORMATS, StorageFormat, storage_format
@@ -26,6 +26,7 @@ __all__ = [
     "StoredLinear",
     "StoredTensor",
     "assign_weights",
+    "bytes_copied",
     "dequantize_into",
     "fold_scaled_fp8",
     "is_file_backed",

@@ -73,12 +73,9 @@ def assign_weights(
         if not present:
             ledger.kept_computed(entry.names[0], entry.current)
             continue
-        value = tensors[present[0]]
-        _check_shape(present[0], value, entry.current)
-        target = _target_dtype(entry.names, value, compute_dtype, keep)
-        storable = _storable(module, entry)
-        value = _as_stored(value, target, storable)
-        if isinstance(value, StoredTensor) and _stays_stored(value, target) and storable:
+        _check_shape(present[0], tensors[present[0]], entry.current)
+        value, target, stored = _placed(module, entry, tensors[present[0]], compute_dtype, keep)
+        if stored:
             _check_lookup(module, entry, value, source)
             swaps.append((entry, value, target))
         else:
@@ -91,6 +88,32 @@ def assign_weights(
         ledger.stored(entry.names[0], stored)
     _check_no_meta(module, source)
     return ledger.report()
+
+
+def bytes_copied(module: nn.Module, tensors: Mapping[str, torch.Tensor | StoredTensor], compute_dtype: torch.dtype,
+                 keep_fp32: Iterable[str] = ()) -> int:
+    """The bytes `assign_weights(module, tensors, compute_dtype, keep_fp32)` allocates anew (the casts and the
+    dequantized copies its report lists), from shapes and dtypes only: nothing is allocated and `module` may
+    be built on meta. Why: a loader's RAM check counts by the fill's own rules, so what it promises is what
+    the fill does. Names the model lacks are ignored here (assign_weights refuses them)."""
+    keep, total = tuple(keep_fp32), 0
+    for entry in _entries(module):
+        present = [n for n in entry.names if n in tensors]
+        if not present:
+            continue
+        value, target, stored = _placed(module, entry, tensors[present[0]], compute_dtype, keep)
+        if not stored and _copy_made(value, target) is not None:
+            total += value.shape.numel() * target.itemsize
+    return total
+
+
+def _placed(module: nn.Module, entry: _Entry, value: torch.Tensor | StoredTensor, compute_dtype: torch.dtype,
+            keep: tuple[str, ...]) -> tuple[torch.Tensor | StoredTensor, torch.dtype | None, bool]:
+    """`value` as the model holds it for `entry`, its target dtype, and whether it is swapped in stored."""
+    target = _target_dtype(entry.names, value, compute_dtype, keep)
+    storable = _storable(module, entry)
+    value = _as_stored(value, target, storable)
+    return value, target, storable and isinstance(value, StoredTensor) and _stays_stored(value, target)
 
 
 def _entries(module: nn.Module) -> list[_Entry]:
@@ -227,19 +250,22 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _materialise(name: str, value, target: torch.dtype | None, ledger: Ledger) -> torch.Tensor:
     """The plain tensor the model will hold: in place when possible, else a counted copy."""
-    if isinstance(value, StoredTensor):
-        if not _stays_stored(value, target):
-            value = value.data  # a plain format already in the target dtype
-        else:
-            tensor = value.dequantize(target)
-            ledger.copied(name, tensor, "dequantized")
-            return tensor
-    if target is None or value.dtype == target:
-        ledger.held(name, value)
-        return value
-    tensor = value.to(target)
-    ledger.copied(name, tensor, "cast")
+    made = _copy_made(value, target)
+    if made is None:
+        held = value.data if isinstance(value, StoredTensor) else value  # a plain format already in its dtype
+        ledger.held(name, held)
+        return held
+    tensor = value.dequantize(target) if made == "dequantized" else value.to(target)
+    ledger.copied(name, tensor, made)
     return tensor
+
+
+def _copy_made(value: torch.Tensor | StoredTensor, target: torch.dtype | None) -> str | None:
+    """What `_materialise` makes of `value` held plain: None where it holds the given tensor in place,
+    else how the new tensor of `target` comes ("dequantized" or "cast")."""
+    if isinstance(value, StoredTensor):
+        return "dequantized" if _stays_stored(value, target) else None
+    return None if target is None or value.dtype == target else "cast"
 
 
 def _point(root: nn.Module, entry: _Entry, tensor: torch.Tensor) -> None:
