@@ -119,3 +119,15 @@ def test_the_receipt_says_how_many_slices_ran():
             assert "slices" not in applied.as_dict()  # nothing ran yet
             block(hidden, text, temb, None)
         assert applied.as_dict()["chunks"] == asked and applied.as_dict()["slices"] == [ran]
+
+
+# --- the planner ----------------------------------------------------------------------------------------
+
+def test_the_planner_passes_a_chunk_refusal_on_unchanged(capsys):
+    """A family whose blocks cannot chunk: the advice is activation_chunks', not "change width, height or frames"."""
+    from vidmem.cli import main
+
+    assert main(["plan", "--model", "ltx2-t2v-19b", "--vram", "8", "--ram", "64", "--activation-chunks", "4"]) == 2
+    error = capsys.readouterr().err
+    assert "cannot be chunked" in error and "Set activation_chunks to 'off'" in error
+    assert "change width, height or frames" not in error
