@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vidmem.memory import MemoryStrategy
 from vidmem.pipelines.activation_chunks import (MIN_SLICE_TOKENS, activation_chunks, query_block, token_slices,
                                                 wan_block_forward)
 
@@ -131,3 +132,29 @@ def test_the_planner_passes_a_chunk_refusal_on_unchanged(capsys):
     error = capsys.readouterr().err
     assert "cannot be chunked" in error and "Set activation_chunks to 'off'" in error
     assert "change width, height or frames" not in error
+
+
+@pytest.mark.parametrize("name", ["cogvideox-5b", "wan2.1-t2v-1.3b"])
+def test_sequential_traffic_counts_the_copies_that_run(name):
+    """Sequential copies a layer per call. Chunked, a block calls its per-token layers once per slice (CogVideoX's
+    feed-forward and norm2's norm once more, for the text tokens, where diffusers' norm2 called it twice), but
+    CogVideoX's attention once, and the layers outside the blocks once: the extra bytes are those layers', not
+    every streamed layer's."""
+    from vidmem.memory.plan.stages import component_weights, denoise_stage
+    from vidmem.memory.plan.types import Allocator, PlanOptions, VideoShape
+    from vidmem.pipelines.configs import load_model
+
+    model = load_model(name)
+    options = PlanOptions(allocator=Allocator.NATIVE, device="cuda")
+    shape = VideoShape(720, 480, 49) if name.startswith("cogvideox") else VideoShape(832, 480, 81)
+    per_pass = {n: denoise_stage(model, shape, MemoryStrategy(offload="sequential", activation_chunks=n), options)
+                .work[-1].traffic.per_pass_bytes for n in (1, 4)}
+    table = component_weights(model, model.layout.denoisers[0], options).table
+    _, units, heads = table.units(MemoryStrategy(offload="sequential"))
+    block_of = dict(zip(table.modules, table.block))
+    if name.startswith("cogvideox"):
+        def extra(head): return 4 if ".ff." in head else 3 if head.endswith(".norm2.norm") else 0
+    else:
+        def extra(head): return 3 if block_of[head] >= 0 and head.count(".") > 1 else 0  # "blocks.7": its own table
+    expected = sum(extra(head) * sum(table.nbytes(units[unit])) for head, unit in heads.items())
+    assert per_pass[4] - per_pass[1] == expected > 0
