@@ -275,8 +275,9 @@ class VidMemMemoryStrategy:
                     "peak. The feed-forward, norms and residuals run one slice at a time; attention keeps every key "
                     "and value. auto: the planner picks the fewest slices that fit the VRAM budget (none when the run "
                     "fits whole; a model that cannot chunk runs whole, with a note). off: as diffusers runs it. "
-                    "2-64: always that many (an error for a model that cannot chunk). Under sequential every layer "
-                    "is copied once per slice."}),
+                    "2-64: always that many (an error for a model that cannot chunk). Under sequential each "
+                    "per-token layer is copied once per slice. A chunked call runs its blocks uncompiled: the Speed "
+                    "node's compile is skipped for it (the receipt's compile.fallback says so)."}),
             },
         }
 

@@ -19,7 +19,8 @@ and video, far fewer tokens) chunks its feed-forward half only: norm, feed-forwa
 
 Result: the chunked block calls the block's own modules (so LoRA hooks, stored fp8 layers and the
 engine's hooks run as before) on row slices, and every operation is per token except attention,
-whose keys and values are whole. On the CPU that gives bit-identical latents (tests/
+whose keys and values are whole; the slices keep torch's CPU attention kernel's query blocks as the whole
+run has them (`token_slices`). On the CPU that gives bit-identical latents (tests/
 test_activation_chunks.py verifies it per family and tier; it is checked, not assumed: a kernel
 that picked a different reduction order by row count would break it). On CUDA, cuBLAS may pick
 another GEMM algorithm for fewer rows: expect last-bit differences there, as between batch sizes.
@@ -29,7 +30,7 @@ diffusers' own, and context parallelism (its all-to-all splits the very tokens c
 `chunk_problem` says which; an explicit chunk count refuses them, `auto` leaves them unchunked with a
 note (pipelines/sample_chunks.py, which also asks the planner for auto's count in a run).
 Under offload=sequential every layer streams per call, so a chunked block copies its layers once per
-slice: correct, but that many more copies; the planner counts them (memory/plan/stages.py `_traffic`).
+slice: correct, but that many more copies; the planner counts them (memory/plan/stages.py `_chunked_copies`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -55,13 +56,18 @@ class ChunkError(StrategyError):
 class AppliedChunks:
     """What one call chunked, for the receipt."""
 
-    chunks: int  # 1: nothing chunked
+    chunks: int  # 1: nothing chunked; else the count asked for
     blocks: int = 0
     family: str = ""
     note: str = ""  # why auto left it off, when it did
+    # The slice counts the blocks ran, filled in by the hooks as they run: token_slices runs fewer than
+    # asked where the tokens are few (64 asked of 40 tokens: 10). A record of the call, not its settings.
+    slices_ran: set[int] = field(default_factory=set, compare=False)
 
     def as_dict(self) -> dict:
         found = {"chunks": self.chunks, "blocks": self.blocks}
+        if self.slices_ran:
+            found["slices"] = sorted(self.slices_ran)
         if self.family:
             found["family"] = self.family
         if self.note:
@@ -77,25 +83,90 @@ MIN_SLICE_TOKENS = 4
 
 def token_slices(tokens: int, chunks: int) -> list[slice]:
     """At most `chunks` contiguous slices covering `tokens` rows, none under MIN_SLICE_TOKENS (unless
-    `tokens` is), sizes differing by at most one."""
-    count = max(1, min(chunks, tokens // MIN_SLICE_TOKENS))
-    bounds = [tokens * i // count for i in range(count + 1)]
+    `tokens` is), each query row computed by the CPU's attention kernel as in the unsliced run.
+
+    Why the last condition: torch's CPU flash attention takes the queries in blocks (`query_block`), and a
+    block of 1-3 rows sums in another order, as such matrices do anywhere (MIN_SLICE_TOKENS). Equal slices
+    can leave such a block where the whole run has none (1,540 tokens in 2: 770 = 3 x 256 + 2), so they are
+    used only where every row's block is the same size as in the whole run or 4 rows or more in both
+    (sizes then differ by at most one, which is nearly always); otherwise the slices are multiples of 4 rows
+    and the last is sized to end as the whole run ends (`_blocked_sizes`)."""
+    bounds = [0]
+    for size in _slice_sizes(tokens, chunks):
+        bounds.append(bounds[-1] + size)
     return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
+
+
+@functools.cache  # every block of every step asks again; the fallback scans the possible last slices
+def _slice_sizes(tokens: int, chunks: int) -> tuple[int, ...]:
+    count = max(1, min(chunks, tokens // MIN_SLICE_TOKENS))
+    sizes = tuple(tokens * (i + 1) // count - tokens * i // count for i in range(count))
+    return sizes if _same_query_blocks(tokens, sizes) else _blocked_sizes(tokens, count)
+
+
+def query_block(rows: int) -> int:
+    """The rows per query block of torch's CPU flash attention over `rows` queries (aten/src/ATen/native/
+    cpu/FlashAttentionKernel.cpp, `flash_attention_kernel_impl`): 256 from 768 up, 64 from 192, else 32."""
+    return min(256 if rows >= 768 else 64 if rows >= 192 else 32, rows)
+
+
+def _last_block(rows: int) -> int:
+    """The rows in the last query block of `rows` (only the last can be short)."""
+    return (rows - 1) % query_block(rows) + 1
+
+
+def _ends_as_whole(tokens: int, last: int) -> bool:
+    """Whether a last slice of `last` rows ends in the query block the whole run ends in: the same 1-3 rows,
+    or 4 rows or more in both. The whole run's other blocks are 32 rows or more."""
+    whole = _last_block(tokens)
+    if whole < MIN_SLICE_TOKENS:
+        return _last_block(last) == whole
+    return _last_block(last) >= MIN_SLICE_TOKENS
+
+
+def _same_query_blocks(tokens: int, sizes: tuple[int, ...]) -> bool:
+    *inner, last = sizes
+    return all(_last_block(size) >= MIN_SLICE_TOKENS for size in inner) and _ends_as_whole(tokens, last)
+
+
+def _blocked_sizes(tokens: int, count: int) -> tuple[int, ...]:
+    """Slice sizes whose query blocks are the whole run's: all but the last a multiple of 4 rows (so is every
+    block of theirs), the last one that ends as the whole run does, chosen to keep the largest slice
+    smallest. Fewer slices where none fits (a few dozen tokens at most): one always does."""
+    step = MIN_SLICE_TOKENS
+    for inner in range(count - 1, 0, -1):
+        # the last slice's possible sizes: those that leave the others their multiples of 4
+        fitting = [last for last in range(tokens - step * inner, step - 1, -step) if _ends_as_whole(tokens, last)]
+        if fitting:
+            last = min(fitting, key=lambda size: (max(size, -(-(tokens - size) // (step * inner)) * step), size))
+            quads = (tokens - last) // step
+            return (*(step * (quads * (i + 1) // inner - quads * i // inner) for i in range(inner)), last)
+    return (tokens,)
 
 
 # --- Wan -------------------------------------------------------------------------------------------
 
-def _rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
-    """A modulation tensor's rows for a slice: per-token ones (Wan 2.2 TI2V, [B, S, C]) are sliced,
-    broadcast ones ([B, 1, C]) are used whole."""
-    return tensor if tensor.shape[1] == 1 else tensor[:, rows]
+# The modulation's six parts, in the order WanTransformerBlock.forward unpacks them.
+SHIFT, SCALE, GATE, C_SHIFT, C_SCALE, C_GATE = range(6)
 
 
-def _wan_modulation(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """shift, scale, gate (self-attention) and the feed-forward's, as WanTransformerBlock.forward makes them."""
-    if temb.ndim == 4:
-        return tuple(part.squeeze(2) for part in (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2))
-    return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
+@dataclass(frozen=True)
+class _WanModulation:
+    """shift, scale, gate (self-attention) and the feed-forward's, as WanTransformerBlock.forward makes them,
+    one part for one slice's rows at a time.
+
+    Why per slice: Wan 2.2 TI2V's modulation is per token (temb [B, S, 6, C]). Built whole, as diffusers does,
+    its float32 copy and the float32 sum are two full-size tensors alive through the whole block (1.9 GiB each
+    for TI2V-5B at 1280x704x121), more than the slices save. Each element is the same float32 addition either
+    way, so the result does not change. Broadcast modulation ([B, 6, C], Wan 2.1 and 2.2 A14B) is tiny."""
+
+    table: torch.Tensor  # the block's scale_shift_table, [1, 6, C]
+    temb: torch.Tensor
+
+    def part(self, index: int, rows: slice) -> torch.Tensor:
+        if self.temb.ndim == 4:  # per token: [1, C] + [B, rows, C]
+            return self.table[:, index] + self.temb[:, rows, index].float()
+        return self.table[:, index : index + 1] + self.temb[:, index : index + 1].float()  # [B, 1, C]
 
 
 def _wan_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,16 +179,16 @@ def _wan_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return out.type_as(hidden)
 
 
-def _wan_norm1(block, hidden: torch.Tensor, rows: slice, shift, scale) -> torch.Tensor:
+def _wan_norm1(block, hidden: torch.Tensor, rows: slice, modulation: _WanModulation) -> torch.Tensor:
     x = hidden[:, rows]
-    return (block.norm1(x.float()) * (1 + _rows(scale, rows)) + _rows(shift, rows)).type_as(x)
+    return (block.norm1(x.float()) * (1 + modulation.part(SCALE, rows)) + modulation.part(SHIFT, rows)).type_as(x)
 
 
-def _wan_keys_values(block, hidden, rope, shift, scale, slices) -> tuple[torch.Tensor, torch.Tensor]:
+def _wan_keys_values(block, hidden, rope, modulation, slices) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention's keys and values for every token, computed a slice at a time."""
     attn, keys, values = block.attn1, None, None
     for rows in slices:
-        x = _wan_norm1(block, hidden, rows, shift, scale)
+        x = _wan_norm1(block, hidden, rows, modulation)
         key = attn.norm_k(attn.to_k(x)).unflatten(2, (attn.heads, -1))
         value = attn.to_v(x).unflatten(2, (attn.heads, -1))
         del x
@@ -147,21 +218,21 @@ def _wan_self_attention(block, x: torch.Tensor, keys, values, rope, rows: slice)
 def wan_block_forward(block: nn.Module, chunks: int, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                       temb: torch.Tensor, rotary_emb=None) -> torch.Tensor:
     """diffusers' WanTransformerBlock.forward over `chunks` token slices (see the module docstring)."""
-    shift, scale, gate, c_shift, c_scale, c_gate = _wan_modulation(block, temb)
+    modulation = _WanModulation(block.scale_shift_table, temb)
     slices = token_slices(hidden_states.shape[1], chunks)
-    keys, values = _wan_keys_values(block, hidden_states, rotary_emb, shift, scale, slices)
+    keys, values = _wan_keys_values(block, hidden_states, rotary_emb, modulation, slices)
     out = torch.empty_like(hidden_states)
     for rows in slices:
-        x = _wan_norm1(block, hidden_states, rows, shift, scale)
+        x = _wan_norm1(block, hidden_states, rows, modulation)
         attn_output = _wan_self_attention(block, x, keys, values, rotary_emb, rows)
         del x
-        h = (hidden_states[:, rows].float() + attn_output * _rows(gate, rows)).type_as(hidden_states)
+        h = (hidden_states[:, rows].float() + attn_output * modulation.part(GATE, rows)).type_as(hidden_states)
         del attn_output
         h = h + block.attn2(block.norm2(h.float()).type_as(h), encoder_hidden_states, None, None)
-        x = (block.norm3(h.float()) * (1 + _rows(c_scale, rows)) + _rows(c_shift, rows)).type_as(h)
+        x = (block.norm3(h.float()) * (1 + modulation.part(C_SCALE, rows)) + modulation.part(C_SHIFT, rows)).type_as(h)
         ff_output = block.ffn(x)
         del x
-        out[:, rows] = (h.float() + ff_output.float() * _rows(c_gate, rows)).type_as(h)
+        out[:, rows] = (h.float() + ff_output.float() * modulation.part(C_GATE, rows)).type_as(h)
     return out
 
 
@@ -260,12 +331,15 @@ def _hook_class():
     class ChunkHook(ModelHook):
         """Replaces the block's forward by its chunked twin (diffusers' ModelHook.new_forward)."""
 
-        def __init__(self, forward, chunks: int) -> None:
+        def __init__(self, forward, chunks: int, slices_ran: set[int]) -> None:
             super().__init__()
             self.chunked_forward = forward
             self.chunks = chunks
+            self.slices_ran = slices_ran
 
         def new_forward(self, module: nn.Module, *args, **kwargs):
+            hidden_states = args[0] if args else kwargs["hidden_states"]
+            self.slices_ran.add(len(token_slices(hidden_states.shape[1], self.chunks)))
             return self.chunked_forward(module, self.chunks, *args, **kwargs)
 
     return ChunkHook
@@ -296,15 +370,16 @@ def activation_chunks(denoisers: Mapping[str, nn.Module], blocks: Mapping[str, S
                              "Set activation_chunks to 'off' (or 'auto', which leaves such models unchunked).")
     from diffusers.hooks import HookRegistry
 
-    hook = _hook_class()
+    hook, slices_ran = _hook_class(), set()
     applied: list[tuple[nn.Module, dict]] = []
     try:
         for _, _, block in listed:
             applied.append((block, {key: block.__dict__[key] for key in _TOUCHED if key in block.__dict__}))
-            HookRegistry.check_if_exists_or_initialize(block).register_hook(hook(_known(block)[1], chunks), CHUNK_HOOK)
+            HookRegistry.check_if_exists_or_initialize(block).register_hook(hook(_known(block)[1], chunks, slices_ran),
+                                                                            CHUNK_HOOK)
         _forget_child_registries(denoisers)
         families = sorted({_known(block)[0] for _, _, block in listed})
-        yield AppliedChunks(chunks, len(listed), ",".join(families))
+        yield AppliedChunks(chunks, len(listed), ",".join(families), slices_ran=slices_ran)
     finally:
         for block, before in reversed(applied):
             _restore(block, before)

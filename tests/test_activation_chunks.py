@@ -94,7 +94,7 @@ def test_sequential_copies_each_layer_once_per_slice_and_stays_identical(tiny_lo
         results[chunks] = result.latent["samples"]
         events[chunks] = sum(1 for kind, _ in recorder.events if kind in ("onload", "prefetch"))
     assert torch.equal(results[2], results[1]) and torch.equal(results[3], results[1])
-    assert events[1] < events[2] < events[3]  # what memory/plan/stages.py `_traffic` counts
+    assert events[1] < events[2] < events[3]  # what memory/plan/stages.py `_chunked_copies` counts
 
 
 def test_chunks_with_a_lora(tiny_loaded, tmp_path):
@@ -308,16 +308,6 @@ def test_fewest_chunks_is_the_fewest_that_fit(wan14b):
             for n in CHUNK_STEPS if n <= chosen}
     assert chosen > 1 and fits[chosen] and not any(fits[n] for n in fits if n < chosen), fits
     assert fewest_chunks(wan14b, shape, strategy, options, None).activation_chunks == 1  # no budget: nothing chunked
-
-
-def test_sequential_traffic_counts_a_copy_per_slice(wan14b):
-    from vidmem.memory.plan.stages import denoise_stage
-    from vidmem.memory.plan.types import VideoShape
-
-    shape, options = VideoShape(832, 480, 81), _options(wan14b)
-    traffic = [denoise_stage(wan14b, shape, MemoryStrategy(offload="sequential", activation_chunks=n), options)
-               .work[0].traffic.per_pass_bytes for n in (1, 4)]
-    assert traffic[1] == 4 * traffic[0]
 
 
 def test_the_advice_names_activation_chunks(wan14b):

@@ -10,6 +10,7 @@ declaration the engine reads too); how they are resident mirrors vidmem.memory.o
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from .allocator import replay
 from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, Traffic, Work, exposed_copy_share
@@ -68,7 +69,8 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
         flops = model.trace(call, options.attention).flops * steps * passes  # traced first: it records the module order
         resident, held, streaming = denoiser_residency(model, name, strategy, stage, options)
         phases.append(phase(model, call, [*resident, *clip], options, name, held, streaming))
-        work.append(device_work(model, name, strategy, options, flops, steps * model.forward_passes(shape) * passes))
+        work.append(device_work(model, name, strategy, options, flops, steps * model.forward_passes(shape) * passes,
+                                call))
     return StagePlan("denoise", tuple(phases), host, page_cache, tuple(work))
 
 
@@ -268,10 +270,11 @@ def decode_flops_untiled(model: PlannerModel, shape: VideoShape, strategy: Memor
 
 
 def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, options: PlanOptions, flops: float,
-                passes: int) -> Work:
-    """`name`'s compute on the device: its FLOPs, the weights it moves, the stored weights it upcasts each pass."""
+                passes: int, call: Call | None = None) -> Work:
+    """`name`'s compute on the device: its FLOPs, the weights it moves, the stored weights it upcasts each pass.
+    `call`: the denoise call, whose chunked blocks call some layers once per token slice."""
     weights = component_weights(model, name, options)
-    return Work(flops, passes, _traffic(model, name, strategy, options), dequant_weights=weights.stored.stored_weights,
+    return Work(flops, passes, _traffic(model, name, strategy, options, call), dequant_weights=weights.stored.stored_weights,
                 dequant_widens=weights.stored.widens,
                 rates=options.rates)
 
@@ -281,7 +284,8 @@ def _host_work(flops: float, weights: ComponentWeights) -> Work:
     return Work(flops, on_host=True, host_weight_bytes=weights.nbytes, dequant_weights=weights.stored.stored_weights)
 
 
-def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: PlanOptions) -> Traffic:
+def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: PlanOptions,
+             call: Call | None = None) -> Traffic:
     """Host-to-device bytes as stored: what streams per pass, and what is onloaded once. On a CPU
     device nothing is copied; memory-mapped weights are read in place every pass (page faults:
     synchronous), from the disk when the page cache cannot keep them."""
@@ -291,15 +295,44 @@ def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: 
     if strategy.offload is OffloadTier.NONE:  # onloaded with the stage, as in the baseline; from files on disk
         return Traffic(once_bytes=weights.nbytes) if options.on_disk else Traffic()
     units = table_streamed_unit_bytes(weights.table, strategy)
-    if strategy.offload is OffloadTier.SEQUENTIAL and name in model.layout.denoisers:
-        # Chunked blocks call each layer once per token slice, and sequential copies a layer per call
-        # (the engine's events grow with the slices: tests/test_activation_chunks.py). Counted for every
-        # streamed layer: the few outside the blocks (embeddings, output projection) are called once.
-        units = units * strategy.chunk_count
+    if strategy.offload is OffloadTier.SEQUENTIAL and call is not None and call.chunks > 1:
+        units = [size for size, copies in zip(units, _chunked_copies(model, call, weights.table, strategy, options))
+                 for _ in range(copies)]
     # Overlapped even without a prefetch: the host runs a block ahead, so block i's copy queues on
     # the side stream while block i-1 computes (measured: 97% of the copy time hidden on an H200).
     exposed = exposed_copy_share(strategy.offload is OffloadTier.SEQUENTIAL, strategy.prefetch_blocks)
     return Traffic(sum(units), len(units), weights.nbytes - sum(units), exposed_share=exposed)
+
+
+def _chunked_copies(model: PlannerModel, call: Call, table, strategy: MemoryStrategy,
+                    options: PlanOptions) -> list[int]:
+    """Copies per pass of each streamed unit of a chunked denoise call (sequential copies a layer each time
+    it is called: the engine's events, tests/test_activation_chunks.py). A chunked block calls its per-token
+    layers once per slice that ran (token_slices may run fewer than asked) but its attention over all tokens
+    (CogVideoX's) once, like the layers outside the blocks: so a unit is copied once, as unchunked, plus the
+    calls per pass the chunked trace adds to the unchunked one (a traced call runs every guidance pass: the
+    fewest calls of any module that ran, the patch embedding's, is the passes)."""
+    _, per_unit, unit_of = table.units(strategy)  # unit_of: head module name -> unit index
+    chunked = _module_calls(model, call, options, table)
+    plain = _module_calls(model, replace(call, chunks=1), options, table)
+    passes = min((calls for calls in plain.values() if calls), default=1)
+    copies = [1] * len(per_unit)
+    for name, unit in unit_of.items():
+        copies[unit] = max(1, 1 + round((chunked[name] - plain[name]) / passes))
+    return copies
+
+
+def _module_calls(model: PlannerModel, call: Call, options: PlanOptions, table) -> dict[str, int]:
+    """How often each module of the full-size component (`table.modules`) starts a forward in `call`'s trace.
+    The trace runs the first blocks only; the others run as the last traced one does (blocks are identical)."""
+    traced = Counter(name for _, starts, name in model.trace(call, options.attention).marks if starts)
+    last = max((b for name, b in zip(table.modules, table.block) if b >= 0 and name in traced), default=-1)
+    return {name: traced[_as_traced(name, block, last)] for name, block in zip(table.modules, table.block)}
+
+
+def _as_traced(name: str, block: int, last: int) -> str:
+    """The name module `name` of block `block` has in a trace that ran blocks 0..`last`: the last one's."""
+    return name if block <= last else f"{name}.".replace(f".{block}.", f".{last}.", 1)[:-1]
 
 
 def _split_steps(steps: int, denoisers: int) -> list[int]:

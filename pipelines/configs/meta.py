@@ -24,7 +24,7 @@ from ...memory.plan.planner import Call, ModelLayout, VideoShape
 from ...memory.plan.schedule import ComponentWeights, SlotTable, slot_table
 from ...memory.plan.storage import StoredSizes, stored_sizes
 from ...memory.storage import storage_format
-from ...memory.strategy import TextEncoderPlacement
+from ...memory.strategy import StrategyError, TextEncoderPlacement
 from ...memory.units import DTYPES
 from ...memory.vae_tiles import VaeGeometry
 from ..family import FamilySpec, ModelError, positions_error
@@ -212,6 +212,8 @@ class MetaModel:
             try:
                 module = self.traced_module(call.component) if streams else None
                 measured = trace(self._workload(call), attention, self._cache, module)
+            except StrategyError:  # the strategy's own refusal (activation_chunks on blocks that cannot chunk): its fix
+                raise
             except (ValueError, RuntimeError) as error:
                 raise ModelError(f"width={call.shape.width}, height={call.shape.height}, frames={call.shape.frames}: "
                                  f"{self.name} cannot run {call.kind} at this size ({error}); change width, height "

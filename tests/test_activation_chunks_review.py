@@ -1,0 +1,160 @@
+"""Activation chunks, the review's findings (pipelines/activation_chunks.py, memory/plan/stages.py):
+slices that keep the CPU attention kernel's query blocks, Wan 2.2 TI2V's per-token modulation built a slice at
+a time, the slices that ran in the receipt, the sequential tier's copies counted as they run, and the
+planner passing a chunk refusal on unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vidmem.memory import MemoryStrategy
+from vidmem.pipelines.activation_chunks import (MIN_SLICE_TOKENS, activation_chunks, query_block, token_slices,
+                                                wan_block_forward)
+
+# Token counts whose equal slices leave a query block of 1-3 rows (1540 / 2: 770 = 3 x 256 + 2), and ones
+# where the whole run itself ends in such a block (1025 = 4 x 256 + 1).
+UNEVEN = ((1540, 2), (2306, 3), (4100, 4), (1025, 4), (1027, 3), (769, 2), (193, 2), (35, 3))
+
+
+def _sliced_attention(tokens: int, chunks: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(tokens)
+    q, k, v = (torch.randn(1, 2, tokens, 64, dtype=dtype) for _ in range(3))
+    whole = F.scaled_dot_product_attention(q, k, v)
+    slices = token_slices(tokens, chunks)
+    sliced = torch.cat([F.scaled_dot_product_attention(q[:, :, rows], k, v) for rows in slices], 2)
+    return whole, sliced
+
+
+@pytest.mark.parametrize("tokens, chunks", UNEVEN)
+def test_slices_keep_the_cpu_attention_bit_identical_in_float32(tokens, chunks):
+    whole, sliced = _sliced_attention(tokens, chunks)
+    assert torch.equal(sliced, whole)
+
+
+def test_a_wan_block_chunked_at_an_uneven_size_is_bit_identical():
+    """The same through the whole chunked block (float32: the kernel's blocks show there, not in bf16)."""
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    torch.manual_seed(0)
+    tokens, channels = 1540, 64
+    block = WanTransformerBlock(channels, 128, 2, "rms_norm_across_heads", True, 1e-6).eval()
+    hidden, text, temb = torch.randn(1, tokens, channels), torch.randn(1, 8, channels), torch.randn(1, 6, channels)
+    rope = (torch.randn(1, tokens, 1, 32), torch.randn(1, tokens, 1, 32))
+    with torch.no_grad():
+        reference = block(hidden, text, temb, rope)
+        for chunks in (2, 3, 4, 8):
+            assert torch.equal(wan_block_forward(block, chunks, hidden, text, temb, rope), reference), chunks
+
+
+def test_token_slices_keep_their_other_guarantees():
+    for tokens in [*range(1, 300), 1025, 1540, 2306, 4100, 17550, 27280, 75521, 75600]:
+        for chunks in (1, 2, 3, 4, 7, 16, 64):
+            slices = token_slices(tokens, chunks)
+            sizes = [rows.stop - rows.start for rows in slices]
+            assert slices[0].start == 0 and slices[-1].stop == tokens
+            assert all(a.stop == b.start for a, b in zip(slices, slices[1:]))
+            assert len(slices) <= chunks and (min(sizes) >= MIN_SLICE_TOKENS or len(slices) == 1)
+            # near an even share: the last slice moves by at most half a 256-row block to end as the whole run does
+            assert max(sizes) <= -(-tokens // len(slices)) + query_block(256 * 3) // 2 + MIN_SLICE_TOKENS
+    assert token_slices(13, 3) == [slice(0, 4), slice(4, 8), slice(8, 13)]  # equal slices where they are exact
+    assert len(token_slices(75600, 64)) == 64 and len(token_slices(1540, 2)) == 2  # real sizes: every slice asked
+
+
+# --- Wan 2.2 TI2V: per-token modulation ------------------------------------------------------------------
+
+def test_ti2v_per_token_modulation_is_bit_identical():
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    torch.manual_seed(0)
+    tokens, channels = 64, 64
+    block = WanTransformerBlock(channels, 128, 2, "rms_norm_across_heads", True, 1e-6).eval()
+    hidden, text = torch.randn(1, tokens, channels), torch.randn(1, 8, channels)
+    temb = torch.randn(1, tokens, 6, channels)  # per token, as Wan 2.2 TI2V hands it
+    rope = (torch.randn(1, tokens, 1, 32), torch.randn(1, tokens, 1, 32))
+    with torch.no_grad():
+        reference = block(hidden, text, temb, rope)
+        for chunks in (2, 3, 4, 8):
+            assert torch.equal(wan_block_forward(block, chunks, hidden, text, temb, rope), reference), chunks
+
+
+def test_ti2v_per_token_modulation_is_sliced_too():
+    """One real-size TI2V-5B block at 1280x704x121 on meta: built whole, the modulation's float32 copy and sum
+    (1.9 GiB each) stayed through the block and chunks barely lowered its peak (3.75 GiB at 4 slices, 3.80
+    unchunked); a slice at a time, the peak is that of broadcast modulation."""
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    from vidmem.memory.accounting import Attention, trace
+
+    tokens, channels = 31 * 22 * 40, 3072
+    with torch.device("meta"):
+        block = WanTransformerBlock(channels, 14336, 24, "rms_norm_across_heads", True, 1e-6).to(torch.bfloat16)
+    block.scale_shift_table.data = block.scale_shift_table.data.float()  # diffusers keeps it in float32
+    hidden = torch.empty(1, tokens, channels, dtype=torch.bfloat16, device="meta")
+    text = torch.empty(1, 512, channels, dtype=torch.bfloat16, device="meta")
+    rope = tuple(torch.empty(1, tokens, 1, 128, device="meta") for _ in range(2))
+    per_token = torch.empty(1, tokens, 6, channels, dtype=torch.bfloat16, device="meta")
+    broadcast = torch.empty(1, 6, channels, dtype=torch.bfloat16, device="meta")
+
+    def peak(fn) -> int:
+        return trace(fn, Attention.FUSED).peak_bytes
+
+    unchunked = peak(lambda: block(hidden, text, per_token, rope))
+    chunked = peak(lambda: wan_block_forward(block, 4, hidden, text, per_token, rope))
+    assert chunked <= peak(lambda: wan_block_forward(block, 4, hidden, text, broadcast, rope)) * 1.02
+    assert chunked < unchunked / 3, (chunked, unchunked)
+
+
+# --- the receipt: slices that ran --------------------------------------------------------------------------
+
+def test_the_receipt_says_how_many_slices_ran():
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    torch.manual_seed(0)
+    block = WanTransformerBlock(32, 64, 2, "rms_norm_across_heads", False, 1e-6).eval()
+    hidden, text, temb = torch.randn(1, 40, 32), torch.randn(1, 8, 32), torch.randn(1, 6, 32)
+    for asked, ran in ((7, 7), (64, 10)):  # 40 tokens: at most 10 slices of MIN_SLICE_TOKENS
+        with torch.no_grad(), activation_chunks({"t": block}, {"t": [block]}, asked) as applied:
+            assert "slices" not in applied.as_dict()  # nothing ran yet
+            block(hidden, text, temb, None)
+        assert applied.as_dict()["chunks"] == asked and applied.as_dict()["slices"] == [ran]
+
+
+# --- the planner ----------------------------------------------------------------------------------------
+
+def test_the_planner_passes_a_chunk_refusal_on_unchanged(capsys):
+    """A family whose blocks cannot chunk: the advice is activation_chunks', not "change width, height or frames"."""
+    from vidmem.cli import main
+
+    assert main(["plan", "--model", "ltx2-t2v-19b", "--vram", "8", "--ram", "64", "--activation-chunks", "4"]) == 2
+    error = capsys.readouterr().err
+    assert "cannot be chunked" in error and "Set activation_chunks to 'off'" in error
+    assert "change width, height or frames" not in error
+
+
+@pytest.mark.parametrize("name", ["cogvideox-5b", "wan2.1-t2v-1.3b"])
+def test_sequential_traffic_counts_the_copies_that_run(name):
+    """Sequential copies a layer per call. Chunked, a block calls its per-token layers once per slice (CogVideoX's
+    feed-forward and norm2's norm once more, for the text tokens, where diffusers' norm2 called it twice), but
+    CogVideoX's attention once, and the layers outside the blocks once: the extra bytes are those layers', not
+    every streamed layer's."""
+    from vidmem.memory.plan.stages import component_weights, denoise_stage
+    from vidmem.memory.plan.types import Allocator, PlanOptions, VideoShape
+    from vidmem.pipelines.configs import load_model
+
+    model = load_model(name)
+    options = PlanOptions(allocator=Allocator.NATIVE, device="cuda")
+    shape = VideoShape(720, 480, 49) if name.startswith("cogvideox") else VideoShape(832, 480, 81)
+    per_pass = {n: denoise_stage(model, shape, MemoryStrategy(offload="sequential", activation_chunks=n), options)
+                .work[-1].traffic.per_pass_bytes for n in (1, 4)}
+    table = component_weights(model, model.layout.denoisers[0], options).table
+    _, units, heads = table.units(MemoryStrategy(offload="sequential"))
+    block_of = dict(zip(table.modules, table.block))
+    if name.startswith("cogvideox"):
+        def extra(head): return 4 if ".ff." in head else 3 if head.endswith(".norm2.norm") else 0
+    else:
+        def extra(head): return 3 if block_of[head] >= 0 and head.count(".") > 1 else 0  # "blocks.7": its own table
+    expected = sum(extra(head) * sum(table.nbytes(units[unit])) for head, unit in heads.items())
+    assert per_pass[4] - per_pass[1] == expected > 0
