@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
+from dataclasses import replace
 
 import pytest
 import safetensors.torch
@@ -267,12 +268,17 @@ def test_module_has_no_host_imports():
 def test_offloaded_peak_keeps_one_block_and_the_prefetched_inputs():
     from vidmem.memory.plan.train import ActivationPeaks
 
-    peaks = ActivationPeaks(one_block=100, two_blocks=130, kept_per_block=5)
-    assert peaks.per_block == 30
-    assert peaks.offloaded_at(40, 1) == 100 + 30 + 40 * 5
-    assert peaks.offloaded_at(40, 2) == 100 + 60 + 40 * 5
+    # one block 100, the second adds 30 (its input 10 and a one-time input gradient 20), each further one 10
+    peaks = ActivationPeaks(one_block=100, two_blocks=130, three_blocks=140, kept_per_block=5)
+    assert (peaks.per_block, peaks.once) == (10, 20)
+    assert peaks.offloaded_at(40, 1) == 100 + 20 + 10 + 40 * 5
+    assert peaks.offloaded_at(40, 2) == 100 + 20 + 20 + 40 * 5
     assert peaks.offloaded_at(1, 2) == 100 + 5  # one block: nothing to prefetch
     assert peaks.offloaded_at(40, 1) < peaks.at(40)
+    # traced inputs: the first block's come back whole (a shared 50 whose original is still alive)
+    traced = replace(peaks, offloaded=((10, 1, 50), (10,)))
+    assert traced.offloaded_at(40, 1) == 100 + 20 + 61 + 40 * 5
+    assert traced.offloaded_at(40, 3) == 100 + 20 + 61 + 2 * 10 + 40 * 5
 
 
 def plan_json(capsys, *extra: str, vram: str = "24") -> tuple[int, dict]:
