@@ -218,6 +218,8 @@ def test_copies_under_the_cuda_fake(deep, tmp_path, monkeypatch, pools):  # noqa
     second_step = runs[per_step]
     assert not [i for i in pins if i > second_step]
     assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
+    # dropping the buffers is not enough: torch's caching host allocator keeps them locked until emptied
+    assert ("host_empty_cache",) in log[runs[-1]:]
 
 
 def test_buffers_come_back_after_an_error(deep, tmp_path, monkeypatch, pools):  # noqa: F811
@@ -230,11 +232,13 @@ def test_buffers_come_back_after_an_error(deep, tmp_path, monkeypatch, pools):  
             raise KeyboardInterrupt("cancelled")
 
     with monkeypatch.context() as patch:
-        FakeCuda().install(patch)
+        fake = FakeCuda().install(patch)
         with pytest.raises(KeyboardInterrupt, match="cancelled"):
             train(loaded, data, MemoryStrategy(offload="block_swap", blocks_to_swap=2), tmp_path, "err", True,
                   CudaBackend(torch.device("cpu")), check_interrupt=interrupt)
     assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
+    pins = [i for i, e in enumerate(fake.log) if e[0] == "pin"]
+    assert pins and ("host_empty_cache",) in fake.log[pins[-1]:]  # unlocked on the way out, not only dropped
 
 
 def test_offload_follows_the_weights_schedule_on_block_swap(deep, tmp_path, monkeypatch):  # noqa: F811
