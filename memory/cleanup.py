@@ -41,6 +41,17 @@ class FreeReceipt:
                 "warm_released_bytes": self.warm_released_bytes}
 
 
+def release_cached_pinned() -> bool:
+    """Unlock the pinned host blocks torch's caching host allocator keeps after their tensors are
+    gone (it holds them for reuse until told to let go, so dropping the last reference unlocks
+    nothing). False where this torch has no such call: it is private, probed, and may vanish."""
+    release = getattr(torch._C, "_host_emptyCache", None)
+    if release is None:
+        return False
+    release()
+    return True
+
+
 def free_memory(device: torch.device) -> FreeReceipt:
     """Drop the weights every pipeline keeps on the device between runs, gc.collect(), then for a
     CUDA device empty_cache() and ipc_collect().
@@ -57,7 +68,5 @@ def free_memory(device: torch.device) -> FreeReceipt:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.ipc_collect()
-        release_pinned = getattr(torch._C, "_host_emptyCache", None)  # probed: private, may vanish
-        if release_pinned is not None:
-            release_pinned()
+        release_cached_pinned()
     return FreeReceipt(before, snapshot(device), collected, released)

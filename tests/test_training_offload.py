@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
+from dataclasses import replace
 
 import pytest
 import safetensors.torch
@@ -217,6 +218,8 @@ def test_copies_under_the_cuda_fake(deep, tmp_path, monkeypatch, pools):  # noqa
     second_step = runs[per_step]
     assert not [i for i in pins if i > second_step]
     assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
+    # dropping the buffers is not enough: torch's caching host allocator keeps them locked until emptied
+    assert ("host_empty_cache",) in log[runs[-1]:]
 
 
 def test_buffers_come_back_after_an_error(deep, tmp_path, monkeypatch, pools):  # noqa: F811
@@ -229,11 +232,13 @@ def test_buffers_come_back_after_an_error(deep, tmp_path, monkeypatch, pools):  
             raise KeyboardInterrupt("cancelled")
 
     with monkeypatch.context() as patch:
-        FakeCuda().install(patch)
+        fake = FakeCuda().install(patch)
         with pytest.raises(KeyboardInterrupt, match="cancelled"):
             train(loaded, data, MemoryStrategy(offload="block_swap", blocks_to_swap=2), tmp_path, "err", True,
                   CudaBackend(torch.device("cpu")), check_interrupt=interrupt)
     assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
+    pins = [i for i, e in enumerate(fake.log) if e[0] == "pin"]
+    assert pins and ("host_empty_cache",) in fake.log[pins[-1]:]  # unlocked on the way out, not only dropped
 
 
 def test_offload_follows_the_weights_schedule_on_block_swap(deep, tmp_path, monkeypatch):  # noqa: F811
@@ -267,12 +272,17 @@ def test_module_has_no_host_imports():
 def test_offloaded_peak_keeps_one_block_and_the_prefetched_inputs():
     from vidmem.memory.plan.train import ActivationPeaks
 
-    peaks = ActivationPeaks(one_block=100, two_blocks=130, kept_per_block=5)
-    assert peaks.per_block == 30
-    assert peaks.offloaded_at(40, 1) == 100 + 30 + 40 * 5
-    assert peaks.offloaded_at(40, 2) == 100 + 60 + 40 * 5
+    # one block 100, the second adds 30 (its input 10 and a one-time input gradient 20), each further one 10
+    peaks = ActivationPeaks(one_block=100, two_blocks=130, three_blocks=140, kept_per_block=5)
+    assert (peaks.per_block, peaks.once) == (10, 20)
+    assert peaks.offloaded_at(40, 1) == 100 + 20 + 10 + 40 * 5
+    assert peaks.offloaded_at(40, 2) == 100 + 20 + 20 + 40 * 5
     assert peaks.offloaded_at(1, 2) == 100 + 5  # one block: nothing to prefetch
     assert peaks.offloaded_at(40, 1) < peaks.at(40)
+    # traced inputs: the first block's come back whole (a shared 50 whose original is still alive)
+    traced = replace(peaks, offloaded=((10, 1, 50), (10,)))
+    assert traced.offloaded_at(40, 1) == 100 + 20 + 61 + 40 * 5
+    assert traced.offloaded_at(40, 3) == 100 + 20 + 61 + 2 * 10 + 40 * 5
 
 
 def plan_json(capsys, *extra: str, vram: str = "24") -> tuple[int, dict]:

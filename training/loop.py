@@ -7,7 +7,8 @@ blocks (or layers) in for the forward and, with per-block gradient checkpointing
 reverse order for the backward, prefetched in that order (memory/blockswap.py; training/autograd.py
 explains why that needs checkpointing). With `activation_offload` the checkpointed blocks' inputs
 wait in pooled host buffers and come back on the same side stream ahead of the backward
-(memory/activation_offload.py); every buffer returns to the pool after each step, errors included.
+(memory/activation_offload.py); every buffer returns to the pool after each step, errors included,
+and at the run's end the pool is dropped and its pinned memory unlocked.
 The base weights are frozen for the run and their `requires_grad` restored afterwards; the
 trainable LoRA weights (float32) stay on the device beside the layers (training/adapters.py).
 
@@ -32,6 +33,7 @@ from ..memory import MemoryStrategy, OffloadTier, StageComponents, apply_strateg
 from ..memory.activation_offload import UNPINNED, ActivationOffload, ActivationPool, OffloadMode, copies_for
 from ..memory.hostpool import pinned_cap_bytes
 from ..memory.blockswap import Observer
+from ..memory.cleanup import release_cached_pinned
 from ..memory.offload import device_weight_bytes
 from ..memory.lora import apply_loras
 from ..memory.telemetry import StageMeter
@@ -158,7 +160,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
                 times = _train_steps(model, objective, order, run, settings, device, progress, save, passes, offload)
             finally:
                 if offload is not None:
-                    receipt["activation_offload"] = dict(offload.stats(), unreturned_buffers=offload.pool.release())
+                    _drop_activation_pool(offload, receipt, backend.can_pin)
     receipt.update(steps=run.step, optimizer_state_bytes=state_bytes(run.optimizer), losses=run.losses[-5:],
                    seconds_per_step=(sum(times) / len(times)) if times else 0.0, stages=[meter.as_dict()])
     if run.step > run.saved_step:
@@ -199,6 +201,16 @@ def _activation_offload(settings: TrainSettings, strategy: MemoryStrategy, backe
         return None
     pin = backend.pin_arena if backend.can_pin else (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
     return ActivationOffload(copies_for(backend), ActivationPool(pin, 0), strategy.prefetch_blocks)
+
+
+def _drop_activation_pool(offload: ActivationOffload, receipt: dict, pinned: bool) -> None:
+    """The run is over (or failed): drop the activation buffers and, where they were pinned, unlock
+    them. torch's caching host allocator keeps freed pinned blocks locked for reuse, so without
+    emptying it the buffers' RAM would stay page-locked after training. Its other unused blocks go
+    too; pinned tensors still alive (the pipeline's weight homes) are untouched."""
+    receipt["activation_offload"] = dict(offload.stats(), unreturned_buffers=offload.pool.release())
+    if pinned:
+        release_cached_pinned()
 
 
 def _pinned_ceiling(strategy: MemoryStrategy, backend, host_pool) -> int:

@@ -18,7 +18,7 @@ from ..memory.offload import streamed_units
 from ..memory.plan.train import trace_activations
 from ..memory.plan.train_plan import (TrainPlan, TrainRequest, advice, ceiling_note, recommended, strategy_plan,
                                       training_plans)
-from ..memory.plan.types import Call, VideoShape
+from ..memory.plan.types import VideoShape
 from ..memory.residency import Slot, partition_slots
 from ..memory.storage import FORMATS
 from ..memory.units import GiB
@@ -135,9 +135,11 @@ def plan_training_step(model, denoiser: str, shape: VideoShape, vram: int, ram: 
 def _tracer(model, denoiser: str, shape: VideoShape, request: TrainRequest):
     from ..pipelines.configs import workloads
 
-    module = model.traced_module(denoiser)
+    # The full-size meta module, not the two-block traced one: the trace cuts it to one, two and three
+    # blocks (the third block's increment is what every further block adds; memory/plan/train.py).
+    module = model.module(denoiser)
     blocks = getattr(module, model.spec.blocks_attr)
-    run = workloads.workload_for(model, Call("denoise", denoiser, shape))
+    run = workloads.denoise_step(model, denoiser, shape, module)
 
     def activations(checkpointing: bool):
         return trace_activations(module, blocks, run, request.rank, request.targets, checkpointing, request.attention)

@@ -5,12 +5,16 @@ weights, their gradients and (unless CPU-offloaded) the optimizer states for the
 the activations autograd saves for the backward. The text encoder and the VAE are absent (latents
 and prompt embeddings are precomputed); Wan 2.2 A14B trains one expert per run.
 
-Activations are traced, not guessed: one forward + backward of the denoiser cut to one block and
-to two blocks, on the meta device, under the accounting `TensorLedger` (on meta, tensors autograd
-saves stay alive until the backward frees them, as on a GPU). The two-block peak less the one-block
-peak is what each further block adds, and the real block count extrapolates. With checkpointing
-each block is wrapped in `torch.utils.checkpoint` (non-reentrant), so a block keeps only its input
-and the backward re-runs one block at a time; streamed tiers require it (training/loop.py says so).
+Activations are traced, not guessed: one forward + backward of the denoiser cut to one, two and
+three blocks, on the meta device, under the accounting `TensorLedger` (on meta, tensors autograd
+saves stay alive until the backward frees them, as on a GPU). The three-block peak less the
+two-block peak is what each further block adds, and the real block count extrapolates from two.
+The step from one block to two is no guide: it also holds a one-time cost (the first block's input
+needs no gradient, since nothing upstream trains; from the second block on a block input's gradient
+is computed), and counting it per block doubled Wan 2.1 14B's activations at 832x480x81 (49.7 GiB
+at 40 blocks for a traced 25.9). With checkpointing each block is wrapped in
+`torch.utils.checkpoint` (non-reentrant), so a block keeps only its input and the backward re-runs
+one block at a time; streamed tiers require it (training/loop.py says so).
 
 Pure: no pipelines/ imports. The caller hands in the traced module, its block list and the call
 that runs one denoise step on it (vidmem.pipelines.configs builds them); this module changes them
@@ -96,7 +100,7 @@ def block_target_shapes(blocks: nn.ModuleList, targets: tuple[str, ...]) -> list
 
 @dataclass(frozen=True)
 class ActivationPeaks:
-    """Traced training-step peaks (bytes) of the denoiser cut to one and to two blocks.
+    """Traced training-step peaks (bytes) of the denoiser cut to one, two and three blocks.
 
     `kept_per_block`: what the trainer's selective checkpointing keeps of each checkpointed block
     beyond its input (its self-attention output and logsumexp, training/autograd.py), held from
@@ -105,6 +109,7 @@ class ActivationPeaks:
 
     one_block: int
     two_blocks: int
+    three_blocks: int
     kept_per_block: int = 0
     # What activation offload moves (bytes per tensor, `trace_offloaded_inputs`): the first
     # checkpointed block's inputs, then each later block's. None: not traced, one `per_block` each.
@@ -112,19 +117,36 @@ class ActivationPeaks:
 
     @property
     def per_block(self) -> int:
-        """What each further block adds: with checkpointing, its input (what activation offload moves)."""
-        return max(0, self.two_blocks - self.one_block)
+        """What each block past the second adds: with checkpointing, its input (what activation offload moves)."""
+        return max(0, self.three_blocks - self.two_blocks)
+
+    @property
+    def once(self) -> int:
+        """What the second block adds beyond its input, once for the run: the backward of a block
+        whose input needs a gradient (every block but the first)."""
+        return max(0, self.two_blocks - self.one_block - self.per_block)
 
     def at(self, blocks: int) -> int:
-        """Linear in the block count: every further block adds what the second one added."""
-        return self.one_block + max(0, blocks - 1) * self.per_block + blocks * self.kept_per_block
+        """Linear in the block count from the second block on: every further block adds its input."""
+        if blocks <= 1:
+            return self.one_block + max(0, blocks) * self.kept_per_block
+        return self.two_blocks + (blocks - 2) * self.per_block + blocks * self.kept_per_block
 
     def offloaded_at(self, blocks: int, prefetch: int) -> int:
         """With activation offload (memory/activation_offload.py): the block inputs wait on the host,
-        so the device holds one block's worth (the re-run) plus the `prefetch` inputs copied ahead,
-        and whatever else stays per block (the trainer turns selective checkpointing off with offload)."""
-        return self.one_block + min(max(1, prefetch), max(0, blocks - 1)) * self.per_block + blocks * self.kept_per_block
-
+        so the device holds one block's worth (the re-run, its input and the one-time input gradient)
+        plus the `prefetch` blocks' inputs copied ahead, and whatever else stays per block (the
+        trainer turns selective checkpointing off with offload). The copies ahead peak when they
+        reach the first block, whose inputs come back whole (`offloaded[0]`): those it shares with
+        the later blocks (Wan's text embedding and timestep projection) stay alive on the device
+        as well, so they count twice (Wan 2.2 TI2V's per-token timestep projection, 0.94 GiB at
+        1280x704x121)."""
+        stays = blocks * self.kept_per_block
+        if blocks <= 1:
+            return self.one_block + stays
+        ahead = min(max(1, prefetch), blocks - 1)
+        first = sum(self.offloaded[0]) if self.offloaded else self.per_block
+        return self.one_block + self.once + first + (ahead - 1) * self.per_block + stays
 
     def offloaded_inputs(self, moved_blocks: int) -> list[int]:
         """The inputs activation offload moves in one step over `moved_blocks` checkpointed blocks,
@@ -138,9 +160,10 @@ class ActivationPeaks:
 def trace_activations(module: nn.Module, blocks: nn.ModuleList, run: Callable[[], torch.Tensor], rank: int,
                       targets: tuple[str, ...], checkpointing: bool,
                       attention: Attention = Attention.FUSED) -> ActivationPeaks:
-    """Peak bytes of one forward + backward (loss on `run()`'s output) with 1 and 2 blocks kept."""
+    """Peak bytes of one forward + backward (loss on `run()`'s output) with 1, 2 and 3 blocks kept.
+    `blocks` needs three (or all the model has) for the per-block increment past the second."""
     peaks, kept = [], 0
-    for keep in (1, 2):
+    for keep in (1, 2, 3):
         with _training_view(module, blocks, keep, rank, targets, checkpointing, attention):
             counter = _SelfAttentionOutputs()
             peaks.append(_trace_step(run, attention, counter))

@@ -10,10 +10,10 @@ planner counts it) and, for adamw_cpu_offload, the optimizer's states and float3
 
 With activation offload (checkpointing on), the checkpointed block inputs wait in pinned host
 memory: the device's activations drop to one block's worth plus the inputs prefetched ahead of the
-backward (`ActivationPeaks.offloaded_at`; the trainer turns selective checkpointing off with it, so
-nothing else stays per block), RAM rises by every block's input, each in a buffer
-rounded up to a power of two as the pinned pool makes them, and each input crosses PCIe twice per
-step (`activation_copy_seconds`, hidden behind the re-runs when the prefetch keeps up). The inputs
+backward, the first block's whole when the prefetch reaches it (`ActivationPeaks.offloaded_at`; the
+trainer turns selective checkpointing off with it, so nothing else stays per block), RAM rises by
+every block's input, each in a buffer rounded up to a power of two as the pinned pool makes them,
+and each input crosses PCIe twice per step (`activation_copy_seconds`, hidden behind the re-runs when the prefetch keeps up). The inputs
 are the ones the run moves, traced (`trace_offloaded_inputs`: the first block's shared inputs
 included), and they are split at the pinned ceiling by the pool's own rule (`split_at_ceiling`):
 the ceiling is the strategy's max_pinned_ram_gb (or the automatic one) less what the pipeline's host
