@@ -287,6 +287,8 @@ class _Run:
             if self.request.cache.on:
                 receipt["cache"] = cache_receipt(self.request.cache, cache, streamed, cached)
             receipt["speed"] = speed.as_dict()
+            if chunks.chunks > 1:
+                receipt["activation_chunks"] = chunks.as_dict()  # again, now with the slices the blocks ran
             if warm is not None:
                 receipt["warm"] = warm.as_dict()
         return raw

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 
 from .activation_chunks import AppliedChunks, activation_chunks, refusal
 from .speed import planned_attention
@@ -34,7 +35,7 @@ def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int |
         count, note = _auto_count(loaded, strategy, (request.width, request.height, frames, guided),
                                   budget_bytes, blocks, planned_attention(request.speed))
     with activation_chunks(modules, blocks, count) as applied:
-        yield AppliedChunks(applied.chunks, applied.blocks, applied.family, note)
+        yield replace(applied, note=note)  # the same record: the hooks fill in the slices that ran
 
 
 def can_chunk(loaded) -> bool:

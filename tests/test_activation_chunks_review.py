@@ -122,6 +122,17 @@ def test_the_receipt_says_how_many_slices_ran():
         assert applied.as_dict()["chunks"] == asked and applied.as_dict()["slices"] == [ran]
 
 
+def test_a_sampled_receipt_names_the_slices_that_ran(tiny_loaded):
+    from backends import StrictBackend
+    from test_tiers import request_for
+    from vidmem.pipelines.sample import sample
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    receipt = sample(loaded, MemoryStrategy(offload="none", activation_chunks=64), request_for("wan2.1-t2v"),
+                     backend=StrictBackend()).receipt["activation_chunks"]
+    assert receipt["chunks"] == 64 and len(receipt["slices"]) == 1 and receipt["slices"][0] < 64
+
+
 # --- the planner ----------------------------------------------------------------------------------------
 
 def test_the_planner_passes_a_chunk_refusal_on_unchanged(capsys):
