@@ -52,9 +52,9 @@ TRAIN_TEMPLATES = (
                     "Wan takes 4k+1 frames, a video uses its first 33.") +
             "Memory strategy, offload = model: while training only the transformer is on the GPU (2.65 GiB "
             "bf16) with the LoRA, its gradients and AdamW states (0.18 GiB) and the activations of one "
-            "832x480x33 sample with checkpointing (5.4 GiB): predicted peak 8.8 GiB (vidmem plan --model "
+            "832x480x33 sample with checkpointing (4.4 GiB): predicted peak 7.8 GiB (vidmem plan --model "
             "wan2.1-t2v-1.3b --train --rank 16 --size 832x480 --frames 33 --vram 12). On an 8 GB card use "
-            "offload = sequential (6.2 GiB, slower) or smaller buckets. The text encoder (10.6 GiB) goes to the "
+            "offload = sequential (4.0 GiB, slower) or smaller buckets. The text encoder (10.6 GiB) goes to the "
             "GPU alone to encode the captions and the prompt, then leaves (on a card that also drives a "
             "display, set text_encoder = cpu). Sampling: 832x480, 81 frames, 30 steps, cfg 5."
         ),
@@ -77,8 +77,8 @@ TRAIN_TEMPLATES = (
                     "CogVideoX takes 8k+1 frames, a video uses its first 49.") +
             "Memory strategy, offload = model: while training only the transformer is on the GPU (3.4 GiB fp16) "
             "with the LoRA, gradients and states (0.11 GiB) and one sample's activations with checkpointing "
-            "(3.7 GiB): predicted peak 7.8 GiB (vidmem plan --model cogvideox-2b --train --rank 16 --size "
-            "720x480 --frames 49 --vram 12), so an 8 GB card trains it too with text_encoder = cpu. The T5 text "
+            "(5.7 GiB): predicted peak 9.7 GiB (vidmem plan --model cogvideox-2b --train --rank 16 --size "
+            "720x480 --frames 49 --vram 12). On an 8 GB card use offload = sequential (4.7 GiB, slower). The T5 text "
             "encoder (8.9 GiB) goes to the GPU alone to encode the captions and the prompt, then leaves. "
             "Sampling: 720x480, 49 frames, 50 steps, cfg 6. Later runs: the \"CogVideoX-2b LoRA, 12 GB card\" "
             "template loads a LoRA by name."
@@ -103,8 +103,8 @@ TRAIN_TEMPLATES = (
                     "samples at 1280x704 too.") +
             "Memory strategy, offload = model: while training only the transformer is on the GPU (9.3 GiB bf16) "
             "with the LoRA, gradients and states (0.35 GiB) and one sample's activations with checkpointing "
-            "(4.2 GiB): predicted peak 14.5 GiB (vidmem plan --model wan2.2-ti2v-5b --train --rank 16 --size "
-            "832x480 --frames 33 --vram 16). On a 12 GB card use offload = sequential (5.3 GiB, slower). The "
+            "(2.6 GiB): predicted peak 12.8 GiB (vidmem plan --model wan2.2-ti2v-5b --train --rank 16 --size "
+            "832x480 --frames 33 --vram 16). On a 12 GB card use offload = sequential (3.0 GiB, slower). The "
             "text encoder (10.6 GiB) goes to the GPU alone and leaves. Sampling: 1280x704, 121 frames, 50 "
             "steps, cfg 5 (the same strategy: the transformer alone fits 16 GB)."
         ),
