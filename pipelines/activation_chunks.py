@@ -97,7 +97,7 @@ def token_slices(tokens: int, chunks: int) -> list[slice]:
     return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
 
 
-@functools.cache  # every block of every step asks again; the fallback scans the possible last slices
+@functools.lru_cache(maxsize=512)  # every block of every step asks again; the fallback scans the possible last slices
 def _slice_sizes(tokens: int, chunks: int) -> tuple[int, ...]:
     count = max(1, min(chunks, tokens // MIN_SLICE_TOKENS))
     sizes = tuple(tokens * (i + 1) // count - tokens * i // count for i in range(count))

@@ -404,3 +404,25 @@ def test_a_second_backward_over_offloaded_inputs_is_refused_by_name():
         loss.backward()
     offload.close()
     assert pool.in_use == 0
+
+
+def test_a_failing_unlock_does_not_hide_the_runs_own_error(deep, tmp_path, monkeypatch, pools, caplog):  # noqa: F811
+    """The unlock runs in a finally: under a sticky CUDA error it may raise too, and the user must see the
+    run's own error (here the cancel), with the unlock's failure logged, not the other way round."""
+    from vidmem.training import loop
+
+    loaded, data = deep
+
+    def interrupt():
+        raise KeyboardInterrupt("cancelled")
+
+    def sticky():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with monkeypatch.context() as patch:
+        FakeCuda().install(patch)
+        patch.setattr(loop, "release_cached_pinned", sticky)
+        with pytest.raises(KeyboardInterrupt, match="cancelled"):
+            train(loaded, data, MemoryStrategy(offload="none"), tmp_path, "sticky", True,
+                  CudaBackend(torch.device("cpu")), check_interrupt=interrupt)
+    assert "not unlocked" in caplog.text and "illegal memory access" in caplog.text

@@ -20,6 +20,8 @@ so a later run with more steps continues from it.
 
 from __future__ import annotations
 
+import logging
+
 import math
 import time
 from contextlib import ExitStack, contextmanager
@@ -210,7 +212,10 @@ def _drop_activation_pool(offload: ActivationOffload, receipt: dict, pinned: boo
     too; pinned tensors still alive (the pipeline's weight homes) are untouched."""
     receipt["activation_offload"] = dict(offload.stats(), unreturned_buffers=offload.pool.release())
     if pinned:
-        release_cached_pinned()
+        try:
+            release_cached_pinned()
+        except RuntimeError as error:  # runs in a finally: a sticky CUDA error must not hide the run's own
+            logging.getLogger("vidmem").warning("vidmem: pinned activation buffers not unlocked (%s).", error)
 
 
 def _pinned_ceiling(strategy: MemoryStrategy, backend, host_pool) -> int:
