@@ -162,7 +162,7 @@ def test_a_transformer_file_used_in_place_counts_nothing_and_loads_where_the_res
 def test_a_folder_already_in_weight_dtypes_format_counts_only_what_it_casts(tiny_folder, monkeypatch):
     """At weight_dtype fp32 the fp32 folder's transformer and text encoder are used in place (the disk tier)."""
     needs = ram_needs(monkeypatch, tiny_folder(WAN), weight_dtype="fp32")
-    assert needs.keys() == {label for label in needs if label.startswith("vae (")}  # the VAE, read by diffusers
+    assert needs.keys() == set(from_folder_config(needs, "vae")) and len(needs) == 1  # the check ran: the VAE only
 
 
 def test_the_folders_vae_counts_at_vae_dtype(tiny_loaded, tiny_folder, monkeypatch):
@@ -174,6 +174,7 @@ def test_the_folders_vae_counts_at_vae_dtype(tiny_loaded, tiny_folder, monkeypat
 def test_a_vae_file_counts_only_what_is_cast_into_ram(tiny_loaded, tiny_folder, written, monkeypatch):
     path = written("vae", "fp32")
     in_place = ram_needs(monkeypatch, tiny_folder(WAN), weight_dtype="fp8_scaled", vae_file=path)
+    assert {"transformer as fp8_scaled", "text_encoder as fp8_scaled"} <= in_place.keys()  # the check ran
     assert not [label for label in in_place if label.startswith("vae")]  # fp32 at fp32: mapped, not counted
     cast = ram_needs(monkeypatch, tiny_folder(WAN), weight_dtype="fp8_scaled", vae_file=path, vae_dtype="bf16")
     assert from_folder_config(cast, "vae") == []
@@ -190,4 +191,5 @@ def test_an_ltx2_checkpoints_vae_counts_what_is_cast_at_vae_dtype(tiny_loaded, t
     in_file = sum(t.numel() for t in tiny_loaded(LTX2).pipe.vae.state_dict().values() if t.is_floating_point())
     assert needs[f"the VAE of transformer_file '{path.name}' cast to bf16"] == 2 * in_file
     in_place = ram_needs(monkeypatch, tiny_folder(LTX2), weight_dtype="fp8_scaled", transformer_file=path)
+    assert f"transformer_file '{path.name}' lowered to fp8_scaled" in in_place  # the check ran
     assert not [label for label in in_place if "VAE" in label or label.startswith("vae")]
