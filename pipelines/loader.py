@@ -244,6 +244,9 @@ def _check_load(folder, dtype: str, transformer_file, weight_dtype: str, vae_fil
     used = {name: entry for name, entry in index.items() if name not in spec.unloaded}
     dtypes = {"vae": torch_dtype(vae_dtype)} if vae_dtype else {}  # the folder's VAE is read at vae_dtype
     configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names, dtypes)
+    if carries_vae and configs.get("vae") is None:  # before anything is built, not when the VAE is
+        raise ModelError(f"'{Path(transformer_file).name}' carries LTX-2's video VAE, but '{folder / 'model_index.json'}' "
+                         "lists no vae; use an LTX-2 diffusers folder (its vae/config.json configures the file's VAE).")
     text_read = {name: text_file.read_text_encoder_file(path, name, index[name][1], configs.get(name), folder)
                  for name, path in text_files.items()}
     transformer = (_check_transformer_file(spec, index, folder, configs.get("transformer"), Path(transformer_file),
@@ -284,7 +287,7 @@ def _file_needs(checked: CheckedLoad) -> tuple[list[tuple[str, int]], list[str]]
     for name, file in checked.text_read.items():
         needs += _text_file_needs(checked, name, file)
     if checked.configs.get("vae") is not None and (checked.vae_input or checked.carries_vae):
-        needs.append(_vae_file_need(checked))  # no config: the VAE's loader names that
+        needs.append(_vae_file_need(checked))  # no config: refused in _check_load (LTX-2) or by the VAE's loader
     counted = [need for need in needs if need[1]]
     return [(what, nbytes) for what, nbytes, _fix in counted], list(dict.fromkeys(fix for *_need, fix in counted))
 

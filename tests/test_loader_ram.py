@@ -198,6 +198,25 @@ def test_an_ltx2_checkpoints_vae_counts_what_is_cast_at_vae_dtype(tiny_loaded, t
     assert not [label for label in in_place if "VAE" in label or label.startswith("vae")]
 
 
+def test_an_ltx2_checkpoint_with_its_vae_over_a_folder_without_one_is_refused_before_anything_is_built(
+        tiny_loaded, tiny_folder, tmp_path, built):
+    import json
+    import shutil
+
+    folder = tmp_path / "ltx2-without-vae"
+    shutil.copytree(tiny_folder(LTX2), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    del index["vae"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    path = family_file(LTX2, tiny_loaded, tmp_path)
+    built.clear()
+    with pytest.raises(ModelError, match=rf"'{path.name}' carries LTX-2's video VAE, but .*model_index.json' lists no "
+                                         r"vae; use an LTX-2 diffusers folder"):
+        load_pipeline(folder, "fp32", transformer_file=path, weight_dtype="gguf_q8_0")
+    assert built == []  # the transformer was neither built nor lowered first
+
+
+
 # --- text encoder files: counted as the transformer_file is, at every weight_dtype ---------------------------
 
 def test_text_encoder_files_count_what_their_fill_copies_at_weight_dtype_default(tiny_loaded, tiny_folder, tmp_path,
