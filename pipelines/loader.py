@@ -257,19 +257,17 @@ def _check_load(folder, dtype: str, transformer_file, weight_dtype: str, vae_fil
 
 
 def _check_ram(checked: CheckedLoad, stored_names: tuple[str, ...], replaced: tuple[str, ...], dtypes: dict):
-    """The one RAM check of the whole load (`folder_storage.check_stored`), run where anything beyond the
-    folder's own components takes RAM: the folder's lowered components, or single files lowered or cast into
-    RAM. The folder's other components count at their dtype; a component a file replaces counts only what
-    its file makes in RAM (nothing for a file used in place from its mapping). Returns the checked lowered
-    components (None when there are none to check)."""
+    """The one RAM check of the whole load (`folder_storage.check_stored`), always run, after every file is read:
+    the folder's own components at their dtype, its lowered components, and what each single file makes in RAM
+    (nothing for a file used in place from its mapping; a component a file replaces is counted by its file
+    only), so one refusal lists all of it. Returns the checked lowered components (None when there are none)."""
     from .folder_storage import check_stored
 
     needs, fixes = _file_needs(checked)
-    if not stored_names and not needs:
-        return None
     folder_own = {name: config for name, config in checked.configs.items() if name not in replaced}
-    return check_stored(checked.folder, checked.index, folder_own, stored_names, torch_dtype(checked.dtype),
-                        checked.weight_dtype, needs, fixes, dtypes)
+    stored = check_stored(checked.folder, checked.index, folder_own, stored_names, torch_dtype(checked.dtype),
+                          checked.weight_dtype, needs, fixes, dtypes)
+    return stored if stored_names else None
 
 
 # The fix that avoids each kind of single-file RAM (a file used in place costs none).

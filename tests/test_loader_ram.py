@@ -216,6 +216,21 @@ def test_an_ltx2_checkpoint_with_its_vae_over_a_folder_without_one_is_refused_be
     assert built == []  # the transformer was neither built nor lowered first
 
 
+def test_one_refusal_lists_the_folder_and_the_files_each_with_its_size(tiny_folder, written, monkeypatch):
+    """A machine short even of the folder's own components: the refusal still lists every part of the load (the
+    folder's VAE, its lowered text encoder, the lowered transformer_file), so freeing RAM for what it lists
+    cannot meet a second refusal for what it left out."""
+    from vidmem.pipelines.weight_check import _size
+
+    path = written("transformer", "fp32")
+    needs = ram_needs(monkeypatch, tiny_folder(WAN), transformer_file=path, weight_dtype="fp8_scaled")
+    assert len(needs) == 3 and f"transformer_file '{path.name}' lowered to fp8_scaled" in needs
+    machine_with_ram(monkeypatch, 1)
+    with pytest.raises(ModelError) as refused:
+        load_pipeline(tiny_folder(WAN), "fp32", path, weight_dtype="fp8_scaled")
+    for label, nbytes in needs.items():
+        assert f"{_size(nbytes)} for {label}" in str(refused.value)
+
 
 # --- text encoder files: counted as the transformer_file is, at every weight_dtype ---------------------------
 
