@@ -7,8 +7,10 @@ whole folder. Here every component model_index.json lists is looked at first:
 - every weight file is decided by CONTENT (`memory.storage.sniff`): a pickle under any name, an
   empty or truncated file, a GGUF file named .safetensors are refused naming the file; files
   named like pickles (.bin, .pt, .pth, .ckpt, .pkl) are refused unread: vidmem never unpickles;
-- the config is built on meta and its weights counted against the files and the machine's RAM
-  (`weight_check`), so an absurd size never reaches the allocator.
+- the config is built on meta and its weights counted against the files (`weight_check`), so an
+  absurd size never reaches the allocator.
+The RAM the load makes is checked after this, in one check with the single files and the lowered
+components (`folder_storage.check_stored`, from the loader): one refusal lists everything.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..memory.storage import StorageError, sniff
 from .configs.meta import ComponentConfig
 from .family import ModelError
 from .json_files import read_json_object
-from .weight_check import check_against_files, check_against_ram, implied_weights, ram_need, stored_elements
+from .weight_check import check_against_files, implied_weights, stored_elements
 
 LIBRARIES = ("diffusers", "transformers")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -51,11 +53,12 @@ def check_model_folder(folder: Path, index: dict, dtype: torch.dtype, replaced: 
     """Every component of `folder` checked (see the module doc); its models' configs by name.
 
     `replaced` components are read from elsewhere (a single transformer file): only their
-    config.json is checked here. Each component is counted at its dtype in `dtypes` (the VAE at
-    vae_dtype), else at `dtype`.
+    config.json is checked here (that the class takes it). Each component is built at its dtype in
+    `dtypes` (the VAE at vae_dtype), else at `dtype`. Nothing is checked against RAM here: the loader
+    checks the whole load's RAM once, after every file is read (`folder_storage.check_stored`), so a
+    refusal lists all that takes RAM instead of the folder's part first and the files' after.
     """
     components = [_component(folder, name, entry) for name, entry in index.items() if _is_component(entry)]
-    needs = []
     for component in components:
         if component.config is None:
             continue
@@ -64,10 +67,6 @@ def check_model_folder(folder: Path, index: dict, dtype: torch.dtype, replaced: 
             continue
         stored = _check_weight_files(component)
         check_against_files(implied, stored, f"the .safetensors files in '{component.path}'")
-        needs.append(ram_need(implied))
-    check_against_ram(needs, f"model folder '{folder}'",
-                      "Its config.json files may be wrong (re-download them); or load a smaller model, a lower dtype, "
-                      "or the model's single files with Load Video Model Files (weights_on_disk keeps them on disk).")
     return {c.name: c.config for c in components if c.config is not None}
 
 

@@ -86,7 +86,8 @@ def check_stored(folder: Path, index: dict, configs: dict[str, dict], names: tup
     needs = [need for need in (*needs, *file_needs) if need[1]]  # nothing for what stays mapped
     lowers = weight_dtype != DEFAULT_WEIGHTS
     fix = "Pick a smaller weight_dtype (fp8_scaled, gguf_q4_k) or a smaller model" if lowers else \
-        "Load a smaller model or a lower dtype"
+        ("Load a smaller model or a lower dtype, or set weight_dtype (the transformer and text encoder are then held "
+         "from their files' mappings, not copied into RAM, where already in its format)")
     what = f"model folder '{folder}'" + (f" with weight_dtype {weight_dtype}" if lowers else "")
     check_against_ram(needs, what, "".join((fix, *(f", or {clause}" for clause in fixes), ".")))
     return CheckedFolder(folder, components, tensors, dtype, weight_dtype)

@@ -244,6 +244,9 @@ def _check_load(folder, dtype: str, transformer_file, weight_dtype: str, vae_fil
     used = {name: entry for name, entry in index.items() if name not in spec.unloaded}
     dtypes = {"vae": torch_dtype(vae_dtype)} if vae_dtype else {}  # the folder's VAE is read at vae_dtype
     configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names, dtypes)
+    if carries_vae and configs.get("vae") is None:  # before anything is built, not when the VAE is
+        raise ModelError(f"'{Path(transformer_file).name}' carries LTX-2's video VAE, but '{folder / 'model_index.json'}' "
+                         "lists no vae; use an LTX-2 diffusers folder (its vae/config.json configures the file's VAE).")
     text_read = {name: text_file.read_text_encoder_file(path, name, index[name][1], configs.get(name), folder)
                  for name, path in text_files.items()}
     transformer = (_check_transformer_file(spec, index, folder, configs.get("transformer"), Path(transformer_file),
@@ -254,39 +257,35 @@ def _check_load(folder, dtype: str, transformer_file, weight_dtype: str, vae_fil
 
 
 def _check_ram(checked: CheckedLoad, stored_names: tuple[str, ...], replaced: tuple[str, ...], dtypes: dict):
-    """The one RAM check of the whole load (`folder_storage.check_stored`), run where anything beyond the
-    folder's own components takes RAM: the folder's lowered components, or single files lowered or cast into
-    RAM. The folder's other components count at their dtype; a component a file replaces counts only what
-    its file makes in RAM (nothing for a file used in place from its mapping). Returns the checked lowered
-    components (None when there are none to check)."""
+    """The one RAM check of the whole load (`folder_storage.check_stored`), always run, after every file is read:
+    the folder's own components at their dtype, its lowered components, and what each single file makes in RAM
+    (nothing for a file used in place from its mapping; a component a file replaces is counted by its file
+    only), so one refusal lists all of it. Returns the checked lowered components (None when there are none)."""
     from .folder_storage import check_stored
 
     needs, fixes = _file_needs(checked)
-    if not stored_names and not needs:
-        return None
     folder_own = {name: config for name, config in checked.configs.items() if name not in replaced}
-    return check_stored(checked.folder, checked.index, folder_own, stored_names, torch_dtype(checked.dtype),
-                        checked.weight_dtype, needs, fixes, dtypes)
+    stored = check_stored(checked.folder, checked.index, folder_own, stored_names, torch_dtype(checked.dtype),
+                          checked.weight_dtype, needs, fixes, dtypes)
+    return stored if stored_names else None
 
 
 # The fix that avoids each kind of single-file RAM (a file used in place costs none).
 LOWERED_FILE_FIX = "a {what} already stored in weight_dtype's format (used in place, not lowered into RAM)"
 CAST_FILE_FIX = "{dtype_input} equal to the precision the {what} is stored in (used in place, not cast into RAM)"
+PADDED_TABLE_FIX = ("a text encoder file with the config's whole token table (llama.cpp's Gemma 3 GGUFs cut it to the "
+                    "tokenizer's rows, which the load pads back)")
 
 
 def _file_needs(checked: CheckedLoad) -> tuple[list[tuple[str, int]], list[str]]:
     """(what, bytes) of the RAM each single file takes beyond its mapping, and the fix of each kind counted."""
-    from .comfy_files import text_encoder_file as text_file
-
     needs = []  # (what, bytes, fix)
     if checked.transformer is not None:
         needs.append(_transformer_file_need(checked.transformer, checked.dtype, checked.weight_dtype))
     for name, file in checked.text_read.items():
-        need = text_file.lowered_ram_need(file, name, checked.index[name][1], checked.configs[name],
-                                          checked.weight_dtype)
-        needs += [(*need, LOWERED_FILE_FIX.format(what="text encoder file"))] if need else []
+        needs += _text_file_needs(checked, name, file)
     if checked.configs.get("vae") is not None and (checked.vae_input or checked.carries_vae):
-        needs.append(_vae_file_need(checked))  # no config: the VAE's loader names that
+        needs.append(_vae_file_need(checked))  # no config: refused in _check_load (LTX-2) or by the VAE's loader
     counted = [need for need in needs if need[1]]
     return [(what, nbytes) for what, nbytes, _fix in counted], list(dict.fromkeys(fix for *_need, fix in counted))
 
@@ -294,17 +293,41 @@ def _file_needs(checked: CheckedLoad) -> tuple[list[tuple[str, int]], list[str]]
 def _transformer_file_need(checked: CheckedTransformerFile, dtype: str, weight_dtype: str) -> tuple[str, int, str]:
     """What the transformer_file takes in RAM as `_build_transformer` holds it (0: used in place from its mapping):
     the matrices weight_dtype lowers, by the loader's own rule, and the tensors cast to their dtype."""
-    from .weight_check import built_on_meta, ram_beyond_mappings
-    from .weight_storage import lowered_names
+    from .weight_check import built_on_meta
 
     module = built_on_meta(checked.component, torch_dtype(dtype))
-    tensors, name = checked.file.tensors, checked.path.name
+    return _held_file_need(module, checked.file.tensors, dtype, weight_dtype, f"transformer_file '{checked.path.name}'",
+                           "transformer_file")
+
+
+def _text_file_needs(checked: CheckedLoad, name: str, file: WeightFile) -> list[tuple[str, int, str]]:
+    """What a text encoder file takes in RAM as `load_text_encoder_file` holds it, counted as the transformer_file
+    is (what weight_dtype lowers, where it lowers this component, and the casts and dequantized copies), plus
+    the padded token table it allocates for a cut Gemma 3 GGUF, at every weight_dtype."""
+    from .comfy_files import text_encoder_file as text_file
+
+    module, tensors, padded = text_file.held_on_meta(file, checked.index[name][1], checked.configs[name],
+                                                     torch_dtype(checked.dtype))
+    what = f"{text_file.ROLES[name]} '{file.name}'"
+    needs = [_held_file_need(module, tensors, checked.dtype, text_file.held_weight_dtype(name, checked.weight_dtype),
+                             what, "text encoder file")]
+    if padded is not None:
+        needs.append((f"{what}: its token table padded to {padded.shape[0]:,} rows at {checked.dtype}",
+                      padded.numel() * padded.element_size(), PADDED_TABLE_FIX))
+    return needs
+
+
+def _held_file_need(module: torch.nn.Module, tensors, dtype: str, weight_dtype: str, what: str,
+                    kind: str) -> tuple[str, int, str]:
+    """(label, bytes, fix) of the RAM a single file's `tensors` take beyond their mapping when `module` (on meta) is
+    filled from them at `weight_dtype` (`weight_check.ram_beyond_mappings`: the loaders' own rules)."""
+    from .weight_check import ram_beyond_mappings
+    from .weight_storage import lowered_names
+
     nbytes = ram_beyond_mappings(module, tensors, torch_dtype(dtype), weight_dtype)
     if weight_dtype != DEFAULT_WEIGHTS and lowered_names(module, tensors, weight_dtype):
-        return (f"transformer_file '{name}' lowered to {weight_dtype}", nbytes,
-                LOWERED_FILE_FIX.format(what="transformer_file"))
-    return (f"transformer_file '{name}' cast to {dtype}", nbytes,
-            CAST_FILE_FIX.format(dtype_input="dtype", what="transformer_file"))
+        return f"{what} lowered to {weight_dtype}", nbytes, LOWERED_FILE_FIX.format(what=kind)
+    return f"{what} cast to {dtype}", nbytes, CAST_FILE_FIX.format(dtype_input="dtype", what=kind)
 
 
 def _vae_file_need(checked: CheckedLoad) -> tuple[str, int, str]:

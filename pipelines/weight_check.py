@@ -44,7 +44,8 @@ class ImpliedWeights:
     buffer_bytes: int = 0  # tables the class computes (rotary frequencies ...): in RAM, never in files
 
     def describe(self) -> str:
-        return f"{self.component} ({self.source}): {self.numel:,} weights, {_size(self.nbytes)}, largest {self.largest}"
+        """Its label in a RAM refusal, which gives each part's bytes (`check_against_ram`)."""
+        return f"{self.component} ({self.source}): {self.numel:,} weights, largest {self.largest}"
 
 
 def implied_weights(config: ComponentConfig, dtype: torch.dtype) -> ImpliedWeights:
@@ -102,13 +103,14 @@ def check_against_files(implied: ImpliedWeights, stored_numel: int, files: str) 
 
 def check_against_ram(needs: Sequence[tuple[str, int]], what: str, fix: str) -> None:
     """ModelError when the bytes `needs` lists ((what holds them, bytes), all held at once in
-    RAM) exceed the machine's RAM and swap: such a load can never finish."""
+    RAM) exceed the machine's RAM and swap: such a load can never finish. The message lists every
+    part with its bytes, largest first, so the user sees what to shrink."""
     import psutil
 
     total = sum(nbytes for _label, nbytes in needs)
     ram, swap = psutil.virtual_memory().total, psutil.swap_memory().total
     if total > ram + swap:
-        parts = "; ".join(label for label, _nbytes in sorted(needs, key=lambda need: -need[1]))
+        parts = "; ".join(f"{_size(nbytes)} for {label}" for label, nbytes in sorted(needs, key=lambda need: -need[1]))
         raise ModelError(
             f"{what} needs {_size(total)} of RAM for its weights but this machine has {_size(ram)} of RAM and "
             f"{_size(swap)} of swap ({parts}). {fix}"

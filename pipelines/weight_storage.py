@@ -47,7 +47,10 @@ def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: s
     every other tensor as given (same objects), so a tied or custom token table (Gemma's) is never rounded
     for nothing (a weight the model cannot hold stored would be dequantized again at load). `quantize` goes
     a row chunk at a time, a stored source (an fp8 or GGUF file lowered further) dequantized chunk by chunk
-    too: the transient is one chunk's, never a float32 copy of the whole table."""
+    too: the transient is one chunk's. Not so for a stored source whose rows cannot be taken apart (a GGUF
+    tensor flattened before quantizing, or a per-row scale on a tensor of more than 2 dimensions:
+    `memory.storage.quantize`'s `_stored_matrix`): it is dequantized in one pass, a float32 copy of the
+    whole tensor for the moment it is quantized."""
     fmt = storage_format(target)
     lowered = dict(tensors)
     for name in lowered_names(module, tensors, target):

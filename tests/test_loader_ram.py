@@ -14,12 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from test_text_encoder_file import hy15_transformer_file, write_file
+import test_gguf_text_encoders
+from test_text_encoder_file import encoder, hy15_transformer_file, write_file
 from vidmem.memory.storage import FORMATS
 from vidmem.pipelines.comfy_files import detect
 from vidmem.pipelines.comfy_files.files import read_weight_file
 from vidmem.pipelines.comfy_files.keys import KeyLayout
-from vidmem.pipelines.comfy_files.write import store_tensors, write_ltx2_checkpoint, write_transformer, write_vae
+from vidmem.pipelines.comfy_files.write import (store_tensors, write_llama_cpp_text_encoder, write_ltx2_checkpoint,
+                                                write_transformer, write_vae)
 from vidmem.pipelines.configs.meta import ComponentConfig
 from vidmem.pipelines.family import ModelError
 from vidmem.pipelines.loader import load_pipeline
@@ -27,6 +29,7 @@ from vidmem.pipelines.weight_check import implied_weights, ram_need
 from vidmem.pipelines.weight_storage import lowered_names
 
 WAN, LTX2, HY15 = "wan2.1-t2v", "ltx2-t2v", "hunyuanvideo1.5-t2v"
+gguf_folder = test_gguf_text_encoders.gguf_folder  # a fixture: the tiny LTX-2 folder, its Gemma's norms exact
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +165,7 @@ def test_a_transformer_file_used_in_place_counts_nothing_and_loads_where_the_res
 def test_a_folder_already_in_weight_dtypes_format_counts_only_what_it_casts(tiny_folder, monkeypatch):
     """At weight_dtype fp32 the fp32 folder's transformer and text encoder are used in place (the disk tier)."""
     needs = ram_needs(monkeypatch, tiny_folder(WAN), weight_dtype="fp32")
-    assert needs.keys() == {label for label in needs if label.startswith("vae (")}  # the VAE, read by diffusers
+    assert needs.keys() == set(from_folder_config(needs, "vae")) and len(needs) == 1  # the check ran: the VAE only
 
 
 def test_the_folders_vae_counts_at_vae_dtype(tiny_loaded, tiny_folder, monkeypatch):
@@ -174,6 +177,7 @@ def test_the_folders_vae_counts_at_vae_dtype(tiny_loaded, tiny_folder, monkeypat
 def test_a_vae_file_counts_only_what_is_cast_into_ram(tiny_loaded, tiny_folder, written, monkeypatch):
     path = written("vae", "fp32")
     in_place = ram_needs(monkeypatch, tiny_folder(WAN), weight_dtype="fp8_scaled", vae_file=path)
+    assert {"transformer as fp8_scaled", "text_encoder as fp8_scaled"} <= in_place.keys()  # the check ran
     assert not [label for label in in_place if label.startswith("vae")]  # fp32 at fp32: mapped, not counted
     cast = ram_needs(monkeypatch, tiny_folder(WAN), weight_dtype="fp8_scaled", vae_file=path, vae_dtype="bf16")
     assert from_folder_config(cast, "vae") == []
@@ -190,4 +194,89 @@ def test_an_ltx2_checkpoints_vae_counts_what_is_cast_at_vae_dtype(tiny_loaded, t
     in_file = sum(t.numel() for t in tiny_loaded(LTX2).pipe.vae.state_dict().values() if t.is_floating_point())
     assert needs[f"the VAE of transformer_file '{path.name}' cast to bf16"] == 2 * in_file
     in_place = ram_needs(monkeypatch, tiny_folder(LTX2), weight_dtype="fp8_scaled", transformer_file=path)
+    assert f"transformer_file '{path.name}' lowered to fp8_scaled" in in_place  # the check ran
     assert not [label for label in in_place if "VAE" in label or label.startswith("vae")]
+
+
+def test_an_ltx2_checkpoint_with_its_vae_over_a_folder_without_one_is_refused_before_anything_is_built(
+        tiny_loaded, tiny_folder, tmp_path, built):
+    import json
+    import shutil
+
+    folder = tmp_path / "ltx2-without-vae"
+    shutil.copytree(tiny_folder(LTX2), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    del index["vae"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    path = family_file(LTX2, tiny_loaded, tmp_path)
+    built.clear()
+    with pytest.raises(ModelError, match=rf"'{path.name}' carries LTX-2's video VAE, but .*model_index.json' lists no "
+                                         r"vae; use an LTX-2 diffusers folder"):
+        load_pipeline(folder, "fp32", transformer_file=path, weight_dtype="gguf_q8_0")
+    assert built == []  # the transformer was neither built nor lowered first
+
+
+def test_one_refusal_lists_the_folder_and_the_files_each_with_its_size(tiny_folder, written, monkeypatch):
+    """A machine short even of the folder's own components: the refusal still lists every part of the load (the
+    folder's VAE, its lowered text encoder, the lowered transformer_file), so freeing RAM for what it lists
+    cannot meet a second refusal for what it left out."""
+    from vidmem.pipelines.weight_check import _size
+
+    path = written("transformer", "fp32")
+    needs = ram_needs(monkeypatch, tiny_folder(WAN), transformer_file=path, weight_dtype="fp8_scaled")
+    assert len(needs) == 3 and f"transformer_file '{path.name}' lowered to fp8_scaled" in needs
+    machine_with_ram(monkeypatch, 1)
+    with pytest.raises(ModelError) as refused:
+        load_pipeline(tiny_folder(WAN), "fp32", path, weight_dtype="fp8_scaled")
+    for label, nbytes in needs.items():
+        assert f"{_size(nbytes)} for {label}" in str(refused.value)
+
+
+# --- text encoder files: counted as the transformer_file is, at every weight_dtype ---------------------------
+
+def test_text_encoder_files_count_what_their_fill_copies_at_weight_dtype_default(tiny_loaded, tiny_folder, tmp_path,
+                                                                                   monkeypatch):
+    """bf16 files computed in fp32: their norms are cast into RAM (the matrices stay stored, upcast per call). The
+    count is the fill's own report, for the lowered text_encoder and the never lowered ByT5 text_encoder_2 alike."""
+    loaded = tiny_loaded(HY15)
+    inputs = {f"{name}_file": write_file(loaded, name, "bf16", tmp_path / f"{name}-bf16.safetensors")
+              for name in ("text_encoder", "text_encoder_2")}
+    needs = ram_needs(monkeypatch, tiny_folder(HY15), "fp32", **inputs)
+    got = load_pipeline(tiny_folder(HY15), "fp32", **inputs)
+    for name, path in ((name, inputs[f"{name}_file"]) for name in ("text_encoder", "text_encoder_2")):
+        copied = got.storage_reports[name].copied_bytes
+        assert copied > 0  # the norms are cast: real RAM, which the old rule (lowered matrices only) never counted
+        assert needs[f"{name}_file '{path.name}' cast to fp32"] == copied
+
+
+def cut_gemma_file(gguf_folder, path, storage: str = "fp32", cut: int = 4):
+    """The tiny Gemma as a llama.cpp GGUF whose token table lacks its last `cut` rows (as the converter cuts it)."""
+    stored = store_tensors(encoder(load_pipeline(gguf_folder(LTX2), "fp32")), storage)
+    name = "model.language_model.embed_tokens.weight"
+    return write_llama_cpp_text_encoder({**stored, name: stored[name][:-cut]}, path, "gemma3")
+
+
+@pytest.mark.parametrize("weight_dtype", ["default", "fp8_scaled"])
+def test_a_cut_gemma_token_table_counts_the_padded_table_the_load_allocates(gguf_folder, tmp_path, monkeypatch,
+                                                                              weight_dtype):
+    """llama.cpp's Gemma 3 GGUFs cut the token table (262,144 of 262,208 rows): the load pads it into a new table
+    at dtype (about 2 GB at Gemma 3 12B's size in bf16), at every weight_dtype, so the check counts it."""
+    path = cut_gemma_file(gguf_folder, tmp_path / "gemma-cut-F32.gguf")
+    needs = ram_needs(monkeypatch, gguf_folder(LTX2), "bf16", text_encoder_file=path, weight_dtype=weight_dtype)
+    table = encoder(load_pipeline(gguf_folder(LTX2), "bf16", text_encoder_file=path,
+                                  weight_dtype=weight_dtype)).get_input_embeddings().weight
+    label = f"text_encoder_file '{path.name}': its token table padded to {table.shape[0]:,} rows at bf16"
+    assert needs[label] == table.numel() * table.element_size() and table.dtype == torch.bfloat16
+
+
+def test_a_cut_gemma_table_that_does_not_fit_is_refused_before_anything_is_built(gguf_folder, tmp_path, monkeypatch,
+                                                                                  built):
+    path = cut_gemma_file(gguf_folder, tmp_path / "gemma-cut-F32.gguf")
+    needs = ram_needs(monkeypatch, gguf_folder(LTX2), "fp32", text_encoder_file=path)
+    (label,) = [label for label in needs if "token table padded" in label]
+    machine_with_ram(monkeypatch, sum(needs.values()) - needs[label] // 2)  # the rest fits; not with the table
+    built.clear()
+    with pytest.raises(ModelError, match=r"needs .* of RAM .*token table padded to .*"
+                                         r"a text encoder file with the config's whole token table"):
+        load_pipeline(gguf_folder(LTX2), "fp32", text_encoder_file=path)
+    assert built == []

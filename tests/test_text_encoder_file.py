@@ -281,8 +281,8 @@ def ram_needs(monkeypatch, folder, **inputs) -> dict[str, int]:
 
 def test_a_text_encoder_file_lowered_by_weight_dtype_is_counted_in_the_folders_ram_check(
         tiny_loaded, tiny_folder, files, monkeypatch):
-    """The file's matrices quantized into RAM are counted at the format, from its header; at its own format it
-    is used in place and not counted."""
+    """The file's matrices quantized into RAM are counted at the format, from its header, with what the fill casts
+    (its bf16 norms at fp32); at its own format its matrices are used in place: only the casts count."""
     from vidmem.memory.storage import FORMATS
     from vidmem.pipelines.comfy_files import detect
     from vidmem.pipelines.comfy_files.files import read_weight_file
@@ -294,9 +294,12 @@ def test_a_text_encoder_file_lowered_by_weight_dtype_is_counted_in_the_folders_r
     tensors = read_weight_file(path, "text_encoder_file", detect.TEXT_ENCODER).tensors
     matrices = lowered_names(encoder(tiny_loaded(HY15)), tensors, "fp8_scaled")  # the folder's plain encoder
     assert matrices and len(matrices) < len(tensors)  # the matrices only: norms and biases stay mapped
-    assert needs[label] == FORMATS["fp8_scaled"].stored_bytes(sum(tensors[n].shape.numel() for n in matrices))
+    casts = load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled",
+                          text_encoder_file=path).storage_reports["text_encoder"].copied_bytes
+    assert needs[label] == FORMATS["fp8_scaled"].stored_bytes(sum(tensors[n].shape.numel() for n in matrices)) + casts
     in_place = ram_needs(monkeypatch, tiny_folder(HY15), weight_dtype="bf16", text_encoder_file=path)
-    assert not [label for label in in_place if "text_encoder_file" in label]
+    assert not [label for label in in_place if "lowered" in label]  # the matrices stay mapped: only the casts count
+    assert in_place[f"text_encoder_file '{path.name}' cast to fp32"] == casts
 
 
 def test_a_lowered_text_encoder_file_that_does_not_fit_is_refused_before_anything_is_built(tiny_folder, files,

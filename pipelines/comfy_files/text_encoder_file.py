@@ -115,19 +115,28 @@ def _rows_padded(file: WeightFile, wanted: Mapping[str, Any]) -> Mapping[str, An
     return {**file.fields, "vocab_size": wanted["vocab_size"]}
 
 
-def _token_table_padded(file: WeightFile, class_name: str, config: Mapping[str, Any],
-                        dtype: torch.dtype) -> Mapping[str, Any]:
-    """`file.tensors` with a cut Gemma 3 token table (`_cut_token_rows`) padded with zero rows. The table is
-    dequantized at load anyway (tied to lm_head, never kept stored: weight_storage), so padding costs no
-    more memory than loading it: its rows are dequantized in chunks straight into the padded table
-    (`dequantize_into`), with no whole-table temporary (about 2 GB at Gemma 3 12B's size in bf16)."""
+def _cut_table(file: WeightFile, class_name: str, config: Mapping[str, Any]) -> tuple[str, int, int] | None:
+    """(the token table's name, the rows it is padded to at load, the rows it lacks) for a cut Gemma 3 table
+    (`_cut_token_rows`); None for any other file. The one rule the load (`_token_table_padded`) and the RAM check
+    (`held_on_meta`) read."""
     if file.llama_cpp != "gemma3":
-        return file.tensors
+        return None
     vocab_size = detect.text_config(class_name, config).vocab_size
     missing = _cut_token_rows(file, vocab_size)
-    if not missing:
+    return (text_encoders.GEMMA3.language + "embed_tokens.weight", vocab_size, missing) if missing else None
+
+
+def _token_table_padded(file: WeightFile, class_name: str, config: Mapping[str, Any],
+                        dtype: torch.dtype) -> Mapping[str, Any]:
+    """`file.tensors` with a cut Gemma 3 token table (`_cut_table`) padded with zero rows. The table is
+    dequantized at load anyway (tied to lm_head, never kept stored: weight_storage), so padding costs no
+    more memory than loading it: its rows are dequantized in chunks straight into the padded table
+    (`dequantize_into`), with no whole-table temporary (about 2 GB at Gemma 3 12B's size in bf16). The padded
+    table is new RAM at every weight_dtype: `held_on_meta` counts it."""
+    cut = _cut_table(file, class_name, config)
+    if cut is None:
         return file.tensors
-    name = text_encoders.GEMMA3.language + "embed_tokens.weight"
+    name, vocab_size, missing = cut
     table = file.tensors[name]
     padded = torch.empty(vocab_size, table.shape[1], dtype=dtype)
     if isinstance(table, StoredTensor):
@@ -197,25 +206,33 @@ def _meta_model(class_name: str, config_json: str) -> torch.nn.Module:
     return module
 
 
-def lowered_ram_need(file: WeightFile, component: str, class_name: str, config: Mapping[str, Any],
-                     weight_dtype: str) -> tuple[str, int] | None:
-    """(what, bytes): the RAM `weight_dtype` takes when `load_text_encoder_file` lowers `file`'s matrices into it
-    (weight_storage.lower_storage's rule, counted from the file's header on a meta build); None when nothing
-    is lowered (the file at its own format or narrower, or a component weight_dtype never lowers), for the
-    file then stays in its mapping.
+def held_weight_dtype(component: str, weight_dtype: str) -> str:
+    """The weight_dtype `component`'s file is held at: `weight_dtype` for the components it lowers
+    (weight_storage.LOWERED: `text_encoder`), else DEFAULT_WEIGHTS (ByT5's `text_encoder_2` keeps its file's)."""
+    from ..weight_storage import DEFAULT_WEIGHTS, LOWERED
 
-    Why: the folder's RAM check leaves file-backed encoders out, right for a file used in place; a bf16
-    Gemma 3 12B file at gguf_q4_k is quantized into about 7 GB of RAM, which must be counted before the load."""
-    from ..weight_storage import DEFAULT_WEIGHTS, LOWERED, lowered_names, lowered_ram_bytes
+    return weight_dtype if component in LOWERED else DEFAULT_WEIGHTS
 
-    if weight_dtype == DEFAULT_WEIGHTS or component not in LOWERED:
-        return None
+
+def held_on_meta(file: WeightFile, class_name: str, config: Mapping[str, Any],
+                 dtype: torch.dtype) -> tuple[torch.nn.Module, Mapping[str, Any], torch.Tensor | None]:
+    """What `load_text_encoder_file` fills its encoder with, with nothing allocated: (the encoder built on meta, the
+    tensors the fill is given, the padded token table among them or None).
+
+    Why: the loader's RAM check counts a text encoder file as it counts a transformer file, by the fill's own
+    rules (`weight_check.ram_beyond_mappings`: casts, dequantized copies, what weight_dtype lowers), from the
+    tensors the fill really gets: a cut Gemma 3 table as the padded table the load allocates before the fill (a
+    meta tensor at `dtype`: about 2 GB at Gemma 3 12B's size in bf16, new RAM at every weight_dtype), and the
+    optional parts `fit_optional` leaves out removed."""
     module = _meta_model(class_name, _config_key(config))
-    names = lowered_names(module, file.tensors, weight_dtype)
-    if not names:
-        return None
-    elements = sum(file.tensors[name].shape.numel() for name in names)
-    return f"{ROLES[component]} '{file.name}' lowered to {weight_dtype}", lowered_ram_bytes(weight_dtype, elements)
+    tensors, padded = file.tensors, None
+    cut = _cut_table(file, class_name, config)
+    if cut is not None:
+        name, vocab_size, _missing = cut
+        padded = torch.empty(vocab_size, file.tensors[name].shape[1], dtype=dtype, device="meta")
+        tensors = {**tensors, name: padded}
+    kept, _left_out = _without_optional(class_name, _parameter_names(class_name, _config_key(config)), tensors)
+    return module, kept, padded
 
 
 def _tensor_names(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -238,14 +255,14 @@ def load_text_encoder_file(file: WeightFile, component: str, class_name: str, co
     in `dtype`. Returns (module, the format its matrices are held in, report, the submodule paths removed
     from it: `fit_optional`)."""
     from ..configs.meta import ComponentConfig
-    from ..weight_storage import DEFAULT_WEIGHTS, LOWERED, hold
+    from ..weight_storage import hold
     from .build import build_empty
 
     config_path = str(Path(folder) / component / "config.json")
     module = build_empty(ComponentConfig(component, "transformers", class_name, dict(config), config_path))
     tensors, removed = fit_optional(module, _token_table_padded(file, class_name, config, dtype), file.name)
-    report, held = hold(module, tensors, dtype, weight_dtype if component in LOWERED else DEFAULT_WEIGHTS,
-                        copy_to_ram=False, source=file.name)
+    report, held = hold(module, tensors, dtype, held_weight_dtype(component, weight_dtype), copy_to_ram=False,
+                        source=file.name)
     return module, held, report, removed
 
 
@@ -261,14 +278,23 @@ def fit_optional(module: torch.nn.Module, tensors: Mapping[str, Any],
     otherwise the part is removed from the module (its submodules set to None, which transformers' forward
     never reaches without images) and any of its tensors the file has are left unread. The removed paths
     go on the LoadedPipeline, so the planner leaves those weights out too."""
-    layout = text_encoders.LAYOUTS.get(type(module).__name__)
-    if layout is None or not _lacks_optional(layout.class_name, _tensor_names(module), tensors):
-        return tensors, ()
-    for path in layout.optional:
+    kept, removed = _without_optional(type(module).__name__, _tensor_names(module), tensors)
+    for path in removed:
         parent, _, leaf = path.rpartition(".")
         setattr(module.get_submodule(parent), leaf, None)
-    log.info("vidmem: '%s' lacks %s's vision part (%s): the text encoder runs without it.", file_name,
-             layout.class_name, ", ".join(layout.optional))
-    optional = _optional_prefixes(layout.class_name)
-    kept = {name: t for name, t in tensors.items() if not name.startswith(optional)}
-    return kept, layout.optional
+    if removed:
+        log.info("vidmem: '%s' lacks %s's vision part (%s): the text encoder runs without it.", file_name,
+                 type(module).__name__, ", ".join(removed))
+    return kept, removed
+
+
+def _without_optional(class_name: str, names: Iterable[tuple[str, ...]],
+                      tensors: Mapping[str, Any]) -> tuple[Mapping[str, Any], tuple[str, ...]]:
+    """(`tensors` without `class_name`'s optional parts, the parts left out) when `tensors` lack any of their
+    weights (`names`: the model's parameters, one tuple of tied names per tensor); else (`tensors`, ()).
+    The load (`fit_optional`) and the RAM check (`held_on_meta`) leave out the same tensors."""
+    layout = text_encoders.LAYOUTS.get(class_name)
+    if layout is None or not _lacks_optional(class_name, names, tensors):
+        return tensors, ()
+    optional = _optional_prefixes(class_name)
+    return {name: t for name, t in tensors.items() if not name.startswith(optional)}, layout.optional
