@@ -224,7 +224,7 @@ def load_pipeline(folder: str | Path, dtype: str = "bf16", transformer_file: str
 def _check_load(folder, dtype: str, transformer_file, weight_dtype: str, vae_file, vae_dtype: str,
                 text_inputs: dict) -> CheckedLoad:
     """Every input read and checked, nothing allocated (files mapped, models only on meta)."""
-    from .comfy_files import text_encoder_file as text_file
+    from .comfy_files import files as ltx2_files, text_encoder_file as text_file
     from .folder_check import check_model_folder  # imports configs, which import this module
     from .folder_storage import lowered_components
 
@@ -244,9 +244,8 @@ def _check_load(folder, dtype: str, transformer_file, weight_dtype: str, vae_fil
     used = {name: entry for name, entry in index.items() if name not in spec.unloaded}
     dtypes = {"vae": torch_dtype(vae_dtype)} if vae_dtype else {}  # the folder's VAE is read at vae_dtype
     configs = check_model_folder(folder, used, torch_dtype(dtype), replaced + stored_names, dtypes)
-    if carries_vae and configs.get("vae") is None:  # before anything is built, not when the VAE is
-        raise ModelError(f"'{Path(transformer_file).name}' carries LTX-2's video VAE, but '{folder / 'model_index.json'}' "
-                         "lists no vae; use an LTX-2 diffusers folder (its vae/config.json configures the file's VAE).")
+    if carries_vae:  # before anything is built, not when the VAE is
+        ltx2_files.check_ltx2_vae_config(transformer_file, configs.get("vae"), folder)
     text_read = {name: text_file.read_text_encoder_file(path, name, index[name][1], configs.get(name), folder)
                  for name, path in text_files.items()}
     transformer = (_check_transformer_file(spec, index, folder, configs.get("transformer"), Path(transformer_file),

@@ -304,6 +304,13 @@ def ltx2_replaced_components(path, folder) -> tuple[str, ...]:
     return ("transformer",)
 
 
+def check_ltx2_vae_config(path, config: Mapping[str, Any] | None, folder) -> None:
+    """An LTX-2 checkpoint's video VAE needs the folder's vae/config.json: refused by name where it lists none."""
+    if config is None:
+        raise ModelError(f"'{Path(path).name}' carries LTX-2's video VAE, but '{Path(folder) / 'model_index.json'}' lists "
+                         "no vae; use an LTX-2 diffusers folder (its vae/config.json configures the file's VAE).")
+
+
 def load_ltx2_vae(path, config: Mapping[str, Any] | None, folder, dtype: torch.dtype):
     """The video VAE of the LTX-2 checkpoint at `path`, configured by `folder`'s vae/config.json and
     used in place from the file's mapping where already in `dtype`. Returns (module, held format, report)."""
@@ -312,9 +319,7 @@ def load_ltx2_vae(path, config: Mapping[str, Any] | None, folder, dtype: torch.d
     from .build import build_empty
 
     path, folder = Path(path), Path(folder)
-    if config is None:
-        raise ModelError(f"'{path.name}' carries LTX-2's video VAE, but '{folder / 'model_index.json'}' lists no vae; "
-                         "use an LTX-2 diffusers folder (its vae/config.json configures the file's VAE).")
+    check_ltx2_vae_config(path, config, folder)
     component = ComponentConfig("vae", "diffusers", "AutoencoderKLLTX2Video", config, str(folder / "vae" / "config.json"))
     module = build_empty(component)
     report, _ = hold(module, ltx2_part(path, "vae", "transformer_file"), dtype, DEFAULT_WEIGHTS,
