@@ -34,19 +34,26 @@ def test_slices_keep_the_cpu_attention_bit_identical_in_float32(tokens, chunks):
     assert torch.equal(sliced, whole)
 
 
-def test_a_wan_block_chunked_at_an_uneven_size_is_bit_identical():
-    """The same through the whole chunked block (float32: the kernel's blocks show there, not in bf16)."""
+def _assert_wan_block_chunks_bit_identical(tokens: int, per_token_temb: bool) -> None:
+    """A diffusers Wan block against wan_block_forward at 2, 3, 4 and 8 chunks, float32."""
     from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
     torch.manual_seed(0)
-    tokens, channels = 1540, 64
+    channels = 64
     block = WanTransformerBlock(channels, 128, 2, "rms_norm_across_heads", True, 1e-6).eval()
-    hidden, text, temb = torch.randn(1, tokens, channels), torch.randn(1, 8, channels), torch.randn(1, 6, channels)
+    hidden, text = torch.randn(1, tokens, channels), torch.randn(1, 8, channels)
+    # per token, as Wan 2.2 TI2V hands it; else one row broadcast over the tokens
+    temb = torch.randn(1, tokens, 6, channels) if per_token_temb else torch.randn(1, 6, channels)
     rope = (torch.randn(1, tokens, 1, 32), torch.randn(1, tokens, 1, 32))
     with torch.no_grad():
         reference = block(hidden, text, temb, rope)
         for chunks in (2, 3, 4, 8):
             assert torch.equal(wan_block_forward(block, chunks, hidden, text, temb, rope), reference), chunks
+
+
+def test_a_wan_block_chunked_at_an_uneven_size_is_bit_identical():
+    """The same through the whole chunked block (float32: the kernel's blocks show there, not in bf16)."""
+    _assert_wan_block_chunks_bit_identical(1540, per_token_temb=False)
 
 
 def test_token_slices_keep_their_other_guarantees():
@@ -66,18 +73,7 @@ def test_token_slices_keep_their_other_guarantees():
 # --- Wan 2.2 TI2V: per-token modulation ------------------------------------------------------------------
 
 def test_ti2v_per_token_modulation_is_bit_identical():
-    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
-
-    torch.manual_seed(0)
-    tokens, channels = 64, 64
-    block = WanTransformerBlock(channels, 128, 2, "rms_norm_across_heads", True, 1e-6).eval()
-    hidden, text = torch.randn(1, tokens, channels), torch.randn(1, 8, channels)
-    temb = torch.randn(1, tokens, 6, channels)  # per token, as Wan 2.2 TI2V hands it
-    rope = (torch.randn(1, tokens, 1, 32), torch.randn(1, tokens, 1, 32))
-    with torch.no_grad():
-        reference = block(hidden, text, temb, rope)
-        for chunks in (2, 3, 4, 8):
-            assert torch.equal(wan_block_forward(block, chunks, hidden, text, temb, rope), reference), chunks
+    _assert_wan_block_chunks_bit_identical(64, per_token_temb=True)
 
 
 def test_ti2v_per_token_modulation_is_sliced_too():
