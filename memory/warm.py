@@ -18,6 +18,8 @@ store holds device memory. The host (nodes/host.py inside ComfyUI) asks for memo
 `release(nbytes)`: kept streamed blocks first, then the cores of components that were not in use
 when the call ended, then the rest. During a call (`in_use`) a request from another thread is
 refused with a message and applied when the call ends; a call never gives back what it is running.
+Mid-call the store may hold nothing (the groups have taken the copies), so a request for
+everything is recorded as such, not as a byte count: the call's end then drops all it would keep.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class WarmStore:
     _kept: dict = field(default_factory=dict)
     _owner: int | None = None  # thread id of the call in progress
     _deferred: int = 0  # bytes the host asked for during a call
+    _deferred_all: bool = False  # the host asked for everything during a call
     _backend: weakref.ref | None = None  # the backend whose copies are kept
 
     def __post_init__(self) -> None:
@@ -117,8 +120,11 @@ class WarmStore:
             yield self
         finally:
             self._owner = None
-            deferred, self._deferred = self._deferred, 0
-            if deferred:
+            deferred, everything = self._deferred, self._deferred_all
+            self._deferred, self._deferred_all = 0, False
+            if everything:
+                self.release_all()
+            elif deferred:
                 self.release(deferred)
 
     @property
@@ -169,10 +175,19 @@ class WarmStore:
 
     def held_bytes_of(self, hosts: list[torch.Tensor]) -> int:
         """Bytes kept for those of `hosts` the store holds copies of: what a call over them can take
-        back. The rest (a text encoder the last call kept, left out of this one) is dropped when the
-        call ends, so it is not room the call can count on."""
-        keys = {storage_key(host) for host in hosts}
+        back. The rest (a text encoder the last call kept, left out of this one) is not room the
+        call can count on (`retain` drops it)."""
+        keys = _keys_of(hosts)
         return sum(kept.nbytes for key, kept in self._kept.items() if key in keys)
+
+    def retain(self, hosts: list[torch.Tensor]) -> int:
+        """Keep only the copies of `hosts` (the tensors of the stage about to run); returns the bytes
+        dropped. Call it before the host is told what the store holds: a copy this call will not take
+        (a text encoder the last call kept, left out of this one) would otherwise stay on the device
+        for the whole call and be counted by the host as loaded, so it would free too little."""
+        keys = _keys_of(hosts)
+        dropped = [key for key in self._kept if key not in keys]
+        return sum(self._kept.pop(key).nbytes for key in dropped)
 
     @property
     def tensors(self) -> int:
@@ -198,15 +213,27 @@ class WarmStore:
         self._kept.clear()
 
     def release_all(self) -> int:
-        return self.release(self.held_bytes + 1) if self._kept else 0
+        """Drop every kept copy; returns bytes dropped. Refused while a call on another thread holds
+        the store even when it holds nothing now (the call's groups have taken the copies and would
+        hand them back at its end); the call's end then drops everything."""
+        self._refuse_if_busy(None)
+        freed = self.held_bytes
+        self._kept.clear()
+        self.released_bytes += freed
+        return freed
 
-    def _refuse_if_busy(self, nbytes: int) -> None:
+    def _refuse_if_busy(self, nbytes: int | None) -> None:
+        """`nbytes` None: the host asked for everything."""
         if self._owner is None or self._owner == threading.get_ident():
             return
-        self._deferred = max(self._deferred, nbytes)
-        raise WarmStoreBusy(
-            f"vidmem: {self.label} is running on {self.device} and cannot give memory back mid-call; it will release "
-            f"{min(nbytes, self.held_bytes) / GiB:.2f} GiB of kept weights when the call ends.")
+        if nbytes is None:
+            self._deferred_all = True
+            what = "everything it keeps"
+        else:
+            self._deferred = max(self._deferred, nbytes)
+            what = f"{nbytes / GiB:.2f} GiB of kept weights"
+        raise WarmStoreBusy(f"vidmem: {self.label} is running on {self.device} and cannot give memory back "
+                            f"mid-call; it will release {what} when the call ends.")
 
     def describe(self) -> str:
         tally = self.tally
@@ -271,6 +298,10 @@ def kept_everywhere() -> int:
 def call_on(store: WarmStore | None, backend):
     """`store.in_use(backend.device, backend)`, or nothing where the backend keeps no store (the CPU)."""
     return store.in_use(backend.device, backend) if store is not None else nullcontext()
+
+
+def _keys_of(hosts: list[torch.Tensor]) -> set:
+    return {storage_key(host) for host in hosts}
 
 
 def storage_key(tensor: torch.Tensor) -> tuple:

@@ -258,11 +258,13 @@ class _Run:
             room = sample_room(loaded, planned, shape, request.steps, not prompts.complete, weight_bytes, device,
                                planned_attention(request.speed))
             receipt["room"] = room.as_dict()
+            if warm is not None:  # copies this stage will not take must not sit on the device, counted as loaded
+                warm.retain(stage_tensors(stage))
             hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=weight_bytes)  # weights + activations
             loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
             # Free memory the call does not need keeps streamed blocks on the device (not after an
             # out-of-memory error: the ladder's rungs then stream as planned).
-            held = warm.held_bytes_of(stage_tensors(stage)) if warm else 0  # what this call can take back
+            held = warm.held_bytes if warm else 0  # what this call can take back
             keep = keep_bytes(hooks.device_budget(device), room, held) \
                 if strategy.streams_blocks and not self.rungs else 0
             cache = self._step_cache(cached, call)
