@@ -284,7 +284,7 @@ class _Run:
                 if telemetry:
                     receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)
                 if strategy.streams_blocks:
-                    receipt["residency"] = residency_receipt(handle.keep)
+                    receipt["residency"] = residency_receipt(handle.keep, climbed=bool(self.rungs))
                 streamed = handle.stream_counts()
             if self.request.cache.on:
                 receipt["cache"] = cache_receipt(self.request.cache, cache, streamed, cached)
@@ -329,9 +329,12 @@ def cache_receipt(cache: StepCache, applied: AppliedCache, streamed: dict, cache
     return found
 
 
-def residency_receipt(keep) -> dict:
-    """What free memory let streamed blocks keep on the device, and why."""
-    if not keep.limit_bytes:
+def residency_receipt(keep, climbed: bool = False) -> dict:
+    """What free memory let streamed blocks keep on the device, and why (`climbed`: the out-of-memory
+    ladder climbed a rung in this call, so nothing was kept whatever the free memory)."""
+    if climbed:
+        why = "the out-of-memory ladder climbed a rung: every streamed block was evicted after use, as the rung plans"
+    elif not keep.limit_bytes:
         why = "no free memory beyond the call's own need was known: every streamed block was evicted after use"
     elif keep.kept_groups:
         why = f"free memory kept {keep.kept_groups} streamed groups on the device (after their first use, or since the last call)"

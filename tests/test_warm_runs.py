@@ -335,3 +335,18 @@ def test_vidmem_plan_shows_the_cold_and_the_warm_case(capsys):
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("Cold and warm:"))
     assert "first run uploads" in line and "later runs of the same graph find them on the GPU" in line
+
+
+def test_after_the_out_of_memory_ladder_climbed_the_residency_receipt_says_why_nothing_was_kept(loaded, hooks,
+                                                                                                 monkeypatch):
+    """Plenty of free memory is known, yet nothing is kept once a rung was climbed: the receipt must say
+    so, not that free memory was unknown."""
+    from dataclasses import replace
+
+    FakeCuda(oom_at=3, oom_stream="side").install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    roomy = replace(hooks, device_budget=lambda device: 1 << 40)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1)
+    receipt = sample(loaded, strategy, request_for(VARIANT), hooks=roomy, backend=backend).receipt
+    assert receipt["oom_ladder"] and receipt["residency"]["kept_groups"] == 0
+    assert "out-of-memory ladder climbed" in receipt["residency"]["why"]
