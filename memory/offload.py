@@ -43,6 +43,7 @@ class StageComponents:
 class _Component:
     core: WeightGroup | None  # everything not streamed, moved as one group
     schedule: StreamSchedule | None
+    denoiser: bool = False  # has transformer blocks: runs every step, to the call's end
 
 
 class OffloadHandle:
@@ -164,8 +165,16 @@ class OffloadHandle:
         """Which kept copies go first when the host asks for memory back (memory/warm.py)."""
         if group.streamed:
             return STREAMED
-        active = self._components.get(self._active) if self._active else None
-        return ACTIVE_CORE if active is not None and active.core is group or not self._exclusive else IDLE_CORE
+        return ACTIVE_CORE if any(component.core is group for component in self._ended_with()) else IDLE_CORE
+
+    def _ended_with(self) -> list[_Component]:
+        """The components in use when the call ended: the active one under the tiers that keep one at
+        a time; under tier none the denoisers (a text or image encoder ran only at the start, so it is
+        the cheaper loss), or every component of a stage without one (the decode's VAE)."""
+        if self._exclusive:
+            return [self._components[self._active]] if self._active in self._components else []
+        denoisers = [component for component in self._components.values() if component.denoiser]
+        return denoisers or list(self._components.values())
 
     def _evict(self, component: _Component) -> None:
         if component.core is not None and component.core.on_device:
@@ -200,7 +209,7 @@ class OffloadHandle:
             for (head, _), group in zip(streamed, groups):
                 self._hooks += hook_group(head, group, schedule, self.compute_gate)
             self._hooks.append(module.register_forward_hook(torch.compiler.disable(lambda m, args, out: schedule.end_of_pass())))
-        self._components[name] = _Component(core, schedule)
+        self._components[name] = _Component(core, schedule, denoiser=blocks is not None)
         if self._exclusive:
             self._hook_activation(name, module)
 
