@@ -28,7 +28,7 @@ from .hostpool import HostPool, pinned_cap_bytes
 from .residency import Slot, WeightGroup, own_slots, partition_slots, tie, tied_bytes
 from .strategy import MemoryStrategy, OffloadTier
 from .swapstats import SwapLedger
-from .warm import ACTIVE_CORE, IDLE_CORE, STREAMED, WarmStore
+from .warm import ACTIVE_CORE, IDLE_CORE, STREAMED, WarmStore, rehome_everywhere
 
 
 @dataclass(frozen=True)
@@ -265,6 +265,8 @@ def apply_strategy(
         strategy.check_against_model(len(blocks), name)
     handle = OffloadHandle(strategy, backend, observer, telemetry, warm, keep_bytes, compute_gate)
     pool = host_pool or HostPool()
+    if strategy.max_pinned_ram_gb is not None:  # the user's ceiling holds for homes made under a higher one too
+        pool.fit_ceiling(pinned_cap_bytes(strategy.max_pinned_ram_gb), rehome_everywhere)
     try:
         for name, module in stage.modules.items():
             handle._add_component(name, module, stage.blocks.get(name), pool)

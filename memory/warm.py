@@ -270,6 +270,15 @@ def release_everywhere() -> int:
     return freed
 
 
+def rehome_everywhere(old: torch.Tensor, new: torch.Tensor) -> None:
+    """`old`'s bytes now live at `new`: every live store's copy follows (a pipeline's stages share its
+    pinned pool, so the decode's store may hold a copy of a home the sampler's call moves)."""
+    for store in list(_LIVE):
+        rehome = getattr(store, "rehome", None)  # a rank's stand-in keeps no keys here
+        if rehome is not None:
+            rehome(old, new)
+
+
 def release_up_to(nbytes: int) -> int:
     """Live stores give back up to `nbytes` between them, each its streamed blocks first; returns
     bytes dropped (a context-parallel rank answering its coordinator, memory/parallel/kept.py)."""
