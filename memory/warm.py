@@ -97,6 +97,8 @@ class WarmStore:
     _deferred: int = 0  # bytes the host asked for during a call
     _deferred_all: bool = False  # the host asked for everything during a call
     _backend: weakref.ref | None = None  # the backend whose copies are kept
+    _siblings: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)  # the pipeline's other stages
+    _ended_with: set | None = field(default=None, repr=False)  # keys the last call kept at its end (None: no call yet)
 
     def __post_init__(self) -> None:
         _LIVE.add(self)
@@ -120,6 +122,7 @@ class WarmStore:
             yield self
         finally:
             self._owner = None
+            self._ended_with = set(self._kept)
             deferred, everything = self._deferred, self._deferred_all
             self._deferred, self._deferred_all = 0, False
             if everything:
@@ -181,13 +184,44 @@ class WarmStore:
         return sum(kept.nbytes for key, kept in self._kept.items() if key in keys)
 
     def retain(self, hosts: list[torch.Tensor]) -> int:
-        """Keep only the copies of `hosts` (the tensors of the stage about to run); returns the bytes
-        dropped. Call it before the host is told what the store holds: a copy this call will not take
-        (a text encoder the last call kept, left out of this one) would otherwise stay on the device
-        for the whole call and be counted by the host as loaded, so it would free too little."""
+        """Keep only the copies of `hosts` (the tensors of the stage about to run), taking over those a
+        sibling store holds (`share_with`); returns the bytes dropped. Call it before the host is told
+        what the store holds: a copy this call will not take (a text encoder the last call kept, left
+        out of this one) would otherwise stay on the device for the whole call and be counted by the
+        host as loaded, so it would free too little."""
         keys = _keys_of(hosts)
         dropped = [key for key in self._kept if key not in keys]
-        return sum(self._kept.pop(key).nbytes for key in dropped)
+        freed = sum(self._kept.pop(key).nbytes for key in dropped)
+        for sibling in list(self._siblings):
+            self._take_over(sibling, keys)
+        return freed
+
+    def share_with(self, other: "WarmStore") -> None:
+        """`other` is another stage's store of the same pipeline, whose components this stage may use
+        too (image-to-video's VAE: the sampler encodes the image with it, the decode decodes): each
+        store's `retain` takes over the other's copies of its stage that its own last call kept at its
+        end (all of them before its first call), so the device holds one copy. A stage whose tier
+        drops a component mid-call (tier model evicts the VAE once the transformer runs) keeps nothing
+        of it at the end, so it leaves the other stage's copy where it is."""
+        if other is not self:
+            self._siblings.add(other)
+            other._siblings.add(self)
+
+    def _take_over(self, other: "WarmStore", keys: set) -> None:
+        """Move `other`'s copies of `keys` here, when they were made where this store's copies are
+        (same device and backend; a store that keeps nothing yet takes on the other's): a call on
+        another device then drops them with this store's own (`in_use`)."""
+        if other.busy or not other._kept:
+            return
+        if self.device is None and not self._kept:
+            self.device, self._backend = other.device, other._backend
+        mine = self._backend() if self._backend is not None else None
+        theirs = other._backend() if other._backend is not None else None
+        if self.device != other.device or mine is None or mine is not theirs:
+            return
+        wanted = keys if self._ended_with is None else keys & self._ended_with
+        for key in wanted & other._kept.keys():
+            self._kept[key] = other._kept.pop(key)
 
     @property
     def tensors(self) -> int:
