@@ -12,6 +12,9 @@ those bytes cannot be freed and the address handed to another tensor while the c
 hit always means the same bytes. Hosts are read-only during inference; code that writes weights in
 place (training) must `release_all()` first. When the pinned host pool re-homes a tensor (a block
 becomes streamed), `rehome` moves the key with it, so a changed strategy moves only the difference.
+Before a call, `retain` keeps only the stage's copies and takes over those a sibling store of the
+same pipeline holds (`share_with`: image-to-video's VAE, used by the sampler and the decode), so
+the host counts no copy the call will not take and the device holds one copy of each weight.
 
 Between calls nothing is hooked: modules point at their host storage as after any call; only the
 store holds device memory. The host (nodes/host.py inside ComfyUI) asks for memory back through
