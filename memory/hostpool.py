@@ -11,6 +11,10 @@ request up to one: pinning each 670 MiB Wan 14B block separately would lock 1 Gi
 ceiling counts arena bytes, i.e. what is really locked. The pool belongs to one loaded pipeline
 (both experts of Wan 2.2 A14B share it) and lives as long as that pipeline.
 
+A ceiling the user lowers below what the pool holds (down to 0: no pinning) is applied to the
+homes already made too (`fit_ceiling`, at the next apply): the newest arenas go, their homes move
+back to pageable copies at the same address modulo LINE, and a warm store's copies follow them.
+
 File-backed tensors (memory-mapped weight files, the disk tier) get no pinned home: that would
 copy the whole model into locked RAM, the very thing the disk tier avoids. They stay in the page
 cache and are staged at each copy (below).
@@ -58,6 +62,7 @@ from typing import Any, Callable, Iterable
 import psutil
 import torch
 
+from .cleanup import release_cached_pinned
 from .residency import Slot
 from .storage.mapping import is_file_backed
 from .units import GiB, MiB
@@ -105,6 +110,7 @@ class HostPool:
         self.host_room_bytes = host_room_bytes
         self._arenas: list[torch.Tensor] = []
         self._used = 0  # bytes used in the newest arena
+        self._homes: list[list[Slot]] = []  # each home's owners, to move them off an arena `fit_ceiling` drops
         self.allocations = 0  # tensors ever copied into the pool; flat after the first run
         self.fallbacks = 0  # tensors left pageable (over the ceiling, or pinning refused)
         self.file_backed = 0  # tensors left in their file mapping, staged at copy time instead
@@ -123,6 +129,39 @@ class HostPool:
         if not backend.can_pin:
             return tensors
         return [self._adopt_one(owners, backend, cap_bytes, rehomed) for owners in tensors]
+
+    def fit_ceiling(self, cap_bytes: int, rehomed: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> int:
+        """Unpin the newest arenas until at most `cap_bytes` stay pinned (a ceiling lowered since the
+        homes were made); returns the bytes unpinned. Each home in a dropped arena gets a pageable
+        copy at the same address modulo LINE (MKL then rounds as it did), its owners are re-pointed
+        to it and `rehomed(old, new)` hears of it (a warm store's copy follows its bytes). Call it
+        between calls, when every module points at its host tensors. Each home moves whole: an
+        error leaves it where it was, still counted, and the arenas in place."""
+        keep = max(0, cap_bytes) // self.arena_bytes
+        if len(self._arenas) <= keep:
+            return 0
+        dropped = self._arenas[keep:]
+        for owners in [owners for owners in self._homes if _inside(owners[0].host, dropped)]:
+            self._unpin(owners, rehomed)
+        unpinned = sum(arena.numel() for arena in dropped)
+        self._arenas = self._arenas[:keep]
+        self._used = self.arena_bytes if self._arenas else 0  # the kept arenas' spare room is unknown: none is reused
+        del dropped
+        release_cached_pinned()  # torch's host allocator would keep the arenas locked for reuse
+        return unpinned
+
+    def _unpin(self, owners: list[Slot], rehomed) -> None:
+        home = owners[0].host
+        buffer = torch.empty(_nbytes(home) + LINE, dtype=torch.uint8)
+        start = (home.data_ptr() - buffer.data_ptr()) % LINE
+        pageable = buffer[start : start + _nbytes(home)].view(home.dtype).view(home.shape)
+        pageable.copy_(home)
+        for slot in owners:
+            if _points_at(slot, home):
+                slot.point_to(pageable)
+        if rehomed is not None:
+            rehomed(home, pageable)
+        self._homes.remove(owners)
 
     @property
     def spare_bytes(self) -> int:
@@ -156,6 +195,7 @@ class HostPool:
         adopted = [Slot(s.module, s.name, s.is_parameter, home) for s in owners]
         for slot in adopted:
             slot.point_to(home)
+        self._homes.append(adopted)
         if rehomed is not None:
             rehomed(host, home)
         return adopted
@@ -178,8 +218,19 @@ class HostPool:
         return self._arenas[-1][start : start + size].view(host.dtype).view(host.shape)
 
     def _holds(self, tensor: torch.Tensor) -> bool:
-        pointer = tensor.data_ptr()
-        return any(a.data_ptr() <= pointer < a.data_ptr() + a.numel() for a in self._arenas)
+        return _inside(tensor, self._arenas)
+
+
+def _points_at(slot: Slot, home: torch.Tensor) -> bool:
+    """Whether `slot`'s module still holds `home` there (a call's LoRA buffers are gone after it)."""
+    table = slot.module._parameters if slot.is_parameter else slot.module._buffers
+    tensor = table.get(slot.name)
+    return tensor is not None and tensor.data_ptr() == home.data_ptr()
+
+
+def _inside(tensor: torch.Tensor, arenas: list[torch.Tensor]) -> bool:
+    pointer = tensor.data_ptr()
+    return any(a.data_ptr() <= pointer < a.data_ptr() + a.numel() for a in arenas)
 
 
 # Staged copies (streamed and resident): chunks large enough that per-chunk overhead (an event, a

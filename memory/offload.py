@@ -28,7 +28,7 @@ from .hostpool import HostPool, pinned_cap_bytes
 from .residency import Slot, WeightGroup, own_slots, partition_slots, tie, tied_bytes
 from .strategy import MemoryStrategy, OffloadTier
 from .swapstats import SwapLedger
-from .warm import ACTIVE_CORE, IDLE_CORE, STREAMED, WarmStore
+from .warm import ACTIVE_CORE, IDLE_CORE, STREAMED, WarmStore, rehome_everywhere
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class StageComponents:
 class _Component:
     core: WeightGroup | None  # everything not streamed, moved as one group
     schedule: StreamSchedule | None
+    denoiser: bool = False  # has transformer blocks: runs every step, to the call's end
 
 
 class OffloadHandle:
@@ -164,8 +165,16 @@ class OffloadHandle:
         """Which kept copies go first when the host asks for memory back (memory/warm.py)."""
         if group.streamed:
             return STREAMED
-        active = self._components.get(self._active) if self._active else None
-        return ACTIVE_CORE if active is not None and active.core is group or not self._exclusive else IDLE_CORE
+        return ACTIVE_CORE if any(component.core is group for component in self._ended_with()) else IDLE_CORE
+
+    def _ended_with(self) -> list[_Component]:
+        """The components in use when the call ended: the active one under the tiers that keep one at
+        a time; under tier none the denoisers (a text or image encoder ran only at the start, so it is
+        the cheaper loss), or every component of a stage without one (the decode's VAE)."""
+        if self._exclusive:
+            return [self._components[self._active]] if self._active in self._components else []
+        denoisers = [component for component in self._components.values() if component.denoiser]
+        return denoisers or list(self._components.values())
 
     def _evict(self, component: _Component) -> None:
         if component.core is not None and component.core.on_device:
@@ -200,7 +209,7 @@ class OffloadHandle:
             for (head, _), group in zip(streamed, groups):
                 self._hooks += hook_group(head, group, schedule, self.compute_gate)
             self._hooks.append(module.register_forward_hook(torch.compiler.disable(lambda m, args, out: schedule.end_of_pass())))
-        self._components[name] = _Component(core, schedule)
+        self._components[name] = _Component(core, schedule, denoiser=blocks is not None)
         if self._exclusive:
             self._hook_activation(name, module)
 
@@ -256,6 +265,8 @@ def apply_strategy(
         strategy.check_against_model(len(blocks), name)
     handle = OffloadHandle(strategy, backend, observer, telemetry, warm, keep_bytes, compute_gate)
     pool = host_pool or HostPool()
+    if strategy.max_pinned_ram_gb is not None:  # the user's ceiling holds for homes made under a higher one too
+        pool.fit_ceiling(pinned_cap_bytes(strategy.max_pinned_ram_gb), rehome_everywhere)
     try:
         for name, module in stage.modules.items():
             handle._add_component(name, module, stage.blocks.get(name), pool)

@@ -12,12 +12,17 @@ those bytes cannot be freed and the address handed to another tensor while the c
 hit always means the same bytes. Hosts are read-only during inference; code that writes weights in
 place (training) must `release_all()` first. When the pinned host pool re-homes a tensor (a block
 becomes streamed), `rehome` moves the key with it, so a changed strategy moves only the difference.
+Before a call, `retain` keeps only the stage's copies and takes over those a sibling store of the
+same pipeline holds (`share_with`: image-to-video's VAE, used by the sampler and the decode), so
+the host counts no copy the call will not take and the device holds one copy of each weight.
 
 Between calls nothing is hooked: modules point at their host storage as after any call; only the
 store holds device memory. The host (nodes/host.py inside ComfyUI) asks for memory back through
 `release(nbytes)`: kept streamed blocks first, then the cores of components that were not in use
 when the call ended, then the rest. During a call (`in_use`) a request from another thread is
 refused with a message and applied when the call ends; a call never gives back what it is running.
+Mid-call the store may hold nothing (the groups have taken the copies), so a request for
+everything is recorded as such, not as a byte count: the call's end then drops all it would keep.
 """
 
 from __future__ import annotations
@@ -93,7 +98,10 @@ class WarmStore:
     _kept: dict = field(default_factory=dict)
     _owner: int | None = None  # thread id of the call in progress
     _deferred: int = 0  # bytes the host asked for during a call
+    _deferred_all: bool = False  # the host asked for everything during a call
     _backend: weakref.ref | None = None  # the backend whose copies are kept
+    _siblings: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)  # the pipeline's other stages
+    _ended_with: set | None = field(default=None, repr=False)  # keys the last call kept at its end (None: no call yet)
 
     def __post_init__(self) -> None:
         _LIVE.add(self)
@@ -117,8 +125,12 @@ class WarmStore:
             yield self
         finally:
             self._owner = None
-            deferred, self._deferred = self._deferred, 0
-            if deferred:
+            self._ended_with = set(self._kept)
+            deferred, everything = self._deferred, self._deferred_all
+            self._deferred, self._deferred_all = 0, False
+            if everything:
+                self.release_all()
+            elif deferred:
                 self.release(deferred)
 
     @property
@@ -169,10 +181,50 @@ class WarmStore:
 
     def held_bytes_of(self, hosts: list[torch.Tensor]) -> int:
         """Bytes kept for those of `hosts` the store holds copies of: what a call over them can take
-        back. The rest (a text encoder the last call kept, left out of this one) is dropped when the
-        call ends, so it is not room the call can count on."""
-        keys = {storage_key(host) for host in hosts}
+        back. The rest (a text encoder the last call kept, left out of this one) is not room the
+        call can count on (`retain` drops it)."""
+        keys = _keys_of(hosts)
         return sum(kept.nbytes for key, kept in self._kept.items() if key in keys)
+
+    def retain(self, hosts: list[torch.Tensor]) -> int:
+        """Keep only the copies of `hosts` (the tensors of the stage about to run), taking over those a
+        sibling store holds (`share_with`); returns the bytes dropped. Call it before the host is told
+        what the store holds: a copy this call will not take (a text encoder the last call kept, left
+        out of this one) would otherwise stay on the device for the whole call and be counted by the
+        host as loaded, so it would free too little."""
+        keys = _keys_of(hosts)
+        dropped = [key for key in self._kept if key not in keys]
+        freed = sum(self._kept.pop(key).nbytes for key in dropped)
+        for sibling in list(self._siblings):
+            self._take_over(sibling, keys)
+        return freed
+
+    def share_with(self, other: "WarmStore") -> None:
+        """`other` is another stage's store of the same pipeline, whose components this stage may use
+        too (image-to-video's VAE: the sampler encodes the image with it, the decode decodes): each
+        store's `retain` takes over the other's copies of its stage that its own last call kept at its
+        end (all of them before its first call), so the device holds one copy. A stage whose tier
+        drops a component mid-call (tier model evicts the VAE once the transformer runs) keeps nothing
+        of it at the end, so it leaves the other stage's copy where it is."""
+        if other is not self:
+            self._siblings.add(other)
+            other._siblings.add(self)
+
+    def _take_over(self, other: "WarmStore", keys: set) -> None:
+        """Move `other`'s copies of `keys` here, when they were made where this store's copies are
+        (same device and backend; a store that keeps nothing yet takes on the other's): a call on
+        another device then drops them with this store's own (`in_use`)."""
+        if other.busy or not other._kept:
+            return
+        if self.device is None and not self._kept:
+            self.device, self._backend = other.device, other._backend
+        mine = self._backend() if self._backend is not None else None
+        theirs = other._backend() if other._backend is not None else None
+        if self.device != other.device or mine is None or mine is not theirs:
+            return
+        wanted = keys if self._ended_with is None else keys & self._ended_with
+        for key in wanted & other._kept.keys():
+            self._kept[key] = other._kept.pop(key)
 
     @property
     def tensors(self) -> int:
@@ -198,15 +250,27 @@ class WarmStore:
         self._kept.clear()
 
     def release_all(self) -> int:
-        return self.release(self.held_bytes + 1) if self._kept else 0
+        """Drop every kept copy; returns bytes dropped. Refused while a call on another thread holds
+        the store even when it holds nothing now (the call's groups have taken the copies and would
+        hand them back at its end); the call's end then drops everything."""
+        self._refuse_if_busy(None)
+        freed = self.held_bytes
+        self._kept.clear()
+        self.released_bytes += freed
+        return freed
 
-    def _refuse_if_busy(self, nbytes: int) -> None:
+    def _refuse_if_busy(self, nbytes: int | None) -> None:
+        """`nbytes` None: the host asked for everything."""
         if self._owner is None or self._owner == threading.get_ident():
             return
-        self._deferred = max(self._deferred, nbytes)
-        raise WarmStoreBusy(
-            f"vidmem: {self.label} is running on {self.device} and cannot give memory back mid-call; it will release "
-            f"{min(nbytes, self.held_bytes) / GiB:.2f} GiB of kept weights when the call ends.")
+        if nbytes is None:
+            self._deferred_all = True
+            what = "everything it keeps"
+        else:
+            self._deferred = max(self._deferred, nbytes)
+            what = f"{nbytes / GiB:.2f} GiB of kept weights"
+        raise WarmStoreBusy(f"vidmem: {self.label} is running on {self.device} and cannot give memory back "
+                            f"mid-call; it will release {what} when the call ends.")
 
     def describe(self) -> str:
         tally = self.tally
@@ -243,6 +307,15 @@ def release_everywhere() -> int:
     return freed
 
 
+def rehome_everywhere(old: torch.Tensor, new: torch.Tensor) -> None:
+    """`old`'s bytes now live at `new`: every live store's copy follows (a pipeline's stages share its
+    pinned pool, so the decode's store may hold a copy of a home the sampler's call moves)."""
+    for store in list(_LIVE):
+        rehome = getattr(store, "rehome", None)  # a rank's stand-in keeps no keys here
+        if rehome is not None:
+            rehome(old, new)
+
+
 def release_up_to(nbytes: int) -> int:
     """Live stores give back up to `nbytes` between them, each its streamed blocks first; returns
     bytes dropped (a context-parallel rank answering its coordinator, memory/parallel/kept.py)."""
@@ -271,6 +344,10 @@ def kept_everywhere() -> int:
 def call_on(store: WarmStore | None, backend):
     """`store.in_use(backend.device, backend)`, or nothing where the backend keeps no store (the CPU)."""
     return store.in_use(backend.device, backend) if store is not None else nullcontext()
+
+
+def _keys_of(hosts: list[torch.Tensor]) -> set:
+    return {storage_key(host) for host in hosts}
 
 
 def storage_key(tensor: torch.Tensor) -> tuple:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from ..memory import free_memory
+from ..memory.telemetry import snapshot
+from ..memory.warm import kept_everywhere
 from ..pipelines.parallel.run import close_all_pools
 from . import host
 from .receipts import human_bytes
@@ -42,9 +45,14 @@ class VidMemFreeVRAM:
         return float("nan")  # never equal to itself: the cleanup runs on every queue
 
     def free(self, anything, unload_comfy_models=False):
+        device = host.compute_device()
+        # Measured before ComfyUI unloads: its unload_all_models also empties vidmem's stores (they are
+        # its loaded models), and the receipt must count what this node freed, that share included.
+        before, kept = snapshot(device), kept_everywhere()
         unloaded = host.unload_host_models() if unload_comfy_models else False
         stopped = close_all_pools()  # context-parallel ranks hold their own copies on their GPUs
-        receipt = free_memory(host.compute_device())
+        receipt = free_memory(device)
+        receipt = replace(receipt, before=before, warm_released_bytes=max(0, kept - kept_everywhere()))
         report = receipt.as_dict() | {"comfy_models_unloaded": unloaded, "parallel_pools_stopped": stopped}
         return {"ui": {"text": [format_free(report)], "vidmem_receipt": [report]}, "result": (anything,)}
 

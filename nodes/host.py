@@ -193,10 +193,14 @@ def _patcher_class():
             return freed
 
         def detach(self, unpatch_all=True):
+            """`unpatch_all`: ComfyUI drops the entry, so the store must give back everything, even
+            when it holds nothing now: mid-call its groups have taken the copies, and the store then
+            drops all of them when the call ends (ComfyUI no longer counts them)."""
             warm = self._warm()
-            if unpatch_all and warm is not None and warm.held_bytes:
+            if unpatch_all and warm is not None:
                 freed = _give_back(warm, warm.release_all)
-                log.info("vidmem: gave back all %.2f GiB of %s at ComfyUI's request", freed / (1 << 30), warm.label)
+                if freed:
+                    log.info("vidmem: gave back all %.2f GiB of %s at ComfyUI's request", freed / (1 << 30), warm.label)
             return self.model
 
     return VidmemPatcher

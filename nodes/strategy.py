@@ -222,9 +222,10 @@ class VidMemMemoryStrategy:
                     "transfer; each extra block costs one block of VRAM. 0 copies on demand."}),
                 "max_pinned_ram_gb": ("FLOAT", {"default": AUTO_PINNED, "min": AUTO_PINNED, "max": 1024.0, "step": 0.5,
                     "tooltip": "Ceiling on page-locked RAM for streamed blocks (GPU only). Pinned blocks copy "
-                    "asynchronously while the GPU computes; past the ceiling they stay pageable and copy "
-                    "synchronously. Pinned RAM cannot be swapped out. -1: automatic (half the free RAM, "
-                    "keeping 8 GB unpinned); 0: no pinning."}),
+                    "straight and asynchronously while the GPU computes; past the ceiling they are staged "
+                    "through a small pinned ring (one more CPU copy per step). Pinned RAM cannot be swapped "
+                    "out. -1: automatic (half the free RAM, keeping 8 GB unpinned); 0: no pinning. A value "
+                    "lower than what earlier runs pinned unpins the excess at the next run."}),
                 "non_blocking": ("BOOLEAN", {"default": _DEFAULT.non_blocking, "tooltip":
                     "Copy streamed blocks asynchronously so copies overlap compute. Turn off only to "
                     "debug a driver problem: every copy then stalls the GPU."}),

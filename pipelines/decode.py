@@ -14,7 +14,7 @@ from ..memory.telemetry import StageMeter, free_device_bytes
 from ..memory.cleanup import free_memory
 from ..memory.hostpool import HostPool, pinned_cap_bytes
 from ..memory.vae import Decode, DecodeReport, PinnedLanding, Prepare, Streaming, VaeGeometry, decode_with_fallback
-from ..memory.offload import device_weight_bytes
+from ..memory.offload import device_weight_bytes, stage_tensors
 from ..memory.strategy import family_tiling
 from ..memory.warm import call_on
 from .family import FamilySpec, ModelError
@@ -119,6 +119,9 @@ def decode(
     hooks.check_interrupt()
     room = decode_room(loaded, tuple(samples.shape), strategy, device_weight_bytes(stage, strategy), device)
     warm = loaded.warm_store("decode", backend)  # the VAE as the last decode left it on the device
+    if warm is not None:  # image-to-video's sampler keeps the VAE too (it encodes the image): one copy, taken over
+        warm.share_with(loaded.warm_store("sample", backend))
+        warm.retain(stage_tensors(stage))
     hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=room.weight_bytes)  # weights + activations
     loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
 

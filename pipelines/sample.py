@@ -258,11 +258,13 @@ class _Run:
             room = sample_room(loaded, planned, shape, request.steps, not prompts.complete, weight_bytes, device,
                                planned_attention(request.speed))
             receipt["room"] = room.as_dict()
+            if warm is not None:  # copies this stage will not take must not sit on the device, counted as loaded
+                warm.retain(stage_tensors(stage))
             hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=weight_bytes)  # weights + activations
             loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
             # Free memory the call does not need keeps streamed blocks on the device (not after an
             # out-of-memory error: the ladder's rungs then stream as planned).
-            held = warm.held_bytes_of(stage_tensors(stage)) if warm else 0  # what this call can take back
+            held = warm.held_bytes if warm else 0  # what this call can take back
             keep = keep_bytes(hooks.device_budget(device), room, held) \
                 if strategy.streams_blocks and not self.rungs else 0
             cache = self._step_cache(cached, call)
@@ -282,7 +284,7 @@ class _Run:
                 if telemetry:
                     receipt["swap"] = swap_receipt(handle.swap_summary(), meter.seconds, loaded.host_pool)
                 if strategy.streams_blocks:
-                    receipt["residency"] = residency_receipt(handle.keep)
+                    receipt["residency"] = residency_receipt(handle.keep, climbed=bool(self.rungs))
                 streamed = handle.stream_counts()
             if self.request.cache.on:
                 receipt["cache"] = cache_receipt(self.request.cache, cache, streamed, cached)
@@ -327,9 +329,12 @@ def cache_receipt(cache: StepCache, applied: AppliedCache, streamed: dict, cache
     return found
 
 
-def residency_receipt(keep) -> dict:
-    """What free memory let streamed blocks keep on the device, and why."""
-    if not keep.limit_bytes:
+def residency_receipt(keep, climbed: bool = False) -> dict:
+    """What free memory let streamed blocks keep on the device, and why (`climbed`: the out-of-memory
+    ladder climbed a rung in this call, so nothing was kept whatever the free memory)."""
+    if climbed:
+        why = "the out-of-memory ladder climbed a rung: every streamed block was evicted after use, as the rung plans"
+    elif not keep.limit_bytes:
         why = "no free memory beyond the call's own need was known: every streamed block was evicted after use"
     elif keep.kept_groups:
         why = f"free memory kept {keep.kept_groups} streamed groups on the device (after their first use, or since the last call)"

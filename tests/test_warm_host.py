@@ -20,11 +20,12 @@ from cuda_fake import FakeCuda
 from test_tiers import request_for
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.device import CudaBackend
+from vidmem.memory.offload import stage_tensors
 from vidmem.nodes import host
 from vidmem.pipelines.hooks import RunHooks
 from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.prompt_cache import PromptCache
-from vidmem.pipelines.sample import sample
+from vidmem.pipelines.sample import sample, sample_stage
 
 VARIANT = "wan2.1-t2v"
 ENTRY = "VidmemWeights"
@@ -176,3 +177,92 @@ def test_a_negative_weight_grant_shrinks_the_store_streamed_blocks_first(comfy, 
     patcher = host.registered_patcher(store, comfy.device)
     assert patcher.partially_load(comfy.device, -1) == -store.released_bytes < 0
     assert 0 < store.held_bytes < held  # one kept streamed block went, the core stayed
+
+
+def request_on_step(loaded, backend, ask, at_step=1):
+    """RunHooks whose on_step runs `ask(store)` once, at `at_step`, inside the sampler's call."""
+    done = []
+
+    def on_step(step, total):
+        if step == at_step and not done:
+            done.append(ask(store_of(loaded, backend)))
+
+    return on_step, done
+
+
+def sample_with(loaded, backend, comfy, strategy, on_step=lambda step, total: None):
+    room = lambda n, d, warm=None, weight_bytes=0: host.make_room(n, comfy.device, warm=warm, weight_bytes=weight_bytes)  # noqa: E731
+    return sample(loaded, strategy, request_for(VARIANT), hooks=RunHooks(make_room=room, on_step=on_step), backend=backend)
+
+
+def test_copies_the_call_will_not_take_are_dropped_before_comfyui_is_asked_for_room(comfy, tiny_folder, monkeypatch):
+    """A text encoder the last run kept (text_encoder 'device'), left out of this run (text_encoder
+    'cpu'), after ComfyUI took the rest back: ComfyUI must not count the text encoder as loaded (it
+    would free too little for the transformer), and it must not sit on the device during the call.
+    The request for room equals a fresh pipeline's."""
+    stale, fresh = load_pipeline(tiny_folder(VARIANT), "fp32"), load_pipeline(tiny_folder(VARIANT), "fp32")
+    FakeCuda().install(monkeypatch)
+    on_cpu = MemoryStrategy(offload="none", text_encoder="cpu")
+    backend = CudaBackend(torch.device("cpu"))
+    sample_with(stale, backend, comfy, MemoryStrategy(offload="none", text_encoder="device"))
+    this_stage = stage_tensors(sample_stage(stale, on_cpu, encode_text=True))
+    store = store_of(stale, backend)
+    store.take(this_stage)  # as if ComfyUI had taken the transformer back: only the text encoder is kept
+    assert store.held_bytes > 0 and store.held_bytes_of(this_stage) == 0
+    requests = []
+    for loaded, on in ((stale, backend), (fresh, CudaBackend(torch.device("cpu")))):
+        comfy.log.clear()
+        on_step, mid_call = request_on_step(loaded, on, lambda store: store.held_bytes - store.held_bytes_of(this_stage))
+        sample_with(loaded, on, comfy, on_cpu, on_step)
+        assert mid_call == [0]  # nothing but this stage's copies on the device while it runs
+        requests.append(comfy.calls("free_memory"))
+    assert requests[0] == requests[1] and requests[0]
+
+
+def fire_from_another_thread(request):
+    """What ComfyUI's memory manager does from a second thread: never raises into it."""
+    errors = []
+
+    def other_thread():
+        try:
+            request()
+        except Exception as error:  # noqa: BLE001 - what ComfyUI would have seen
+            errors.append(error)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    return errors
+
+
+@pytest.mark.parametrize("first", ["device", "cpu"])
+def test_unload_all_models_from_another_thread_during_a_real_call_leaves_nothing_kept(comfy, tiny_folder, first,
+                                                                                       monkeypatch):
+    """Mid-call the groups have taken the copies (the store may hold nothing): ComfyUI drops the entry,
+    so when the call ends the store must keep nothing that ComfyUI no longer counts."""
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32")
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    sample_with(loaded, backend, comfy, MemoryStrategy(offload="none", text_encoder=first))
+    assert store_of(loaded, backend).held_bytes > 0 and comfy.entries() == [ENTRY]
+    on_step, errors = request_on_step(loaded, backend, lambda store: fire_from_another_thread(comfy.mm.unload_all_models))
+    sample_with(loaded, backend, comfy, MemoryStrategy(offload="none", text_encoder="cpu"), on_step)
+    assert errors == [[]] and comfy.entries() == []
+    assert store_of(loaded, backend).held_bytes == 0  # applied in full when the call ended
+
+
+def test_a_partial_request_from_another_thread_during_a_real_call_is_applied_when_it_ends(comfy, run):
+    loaded, backend, once = run
+    once()
+    store = store_of(loaded, backend)
+    held = store.held_bytes
+    patcher = host.registered_patcher(store, comfy.device)
+    answers = []
+
+    def ask(store):
+        return fire_from_another_thread(lambda: answers.append(patcher.partially_unload(comfy.device, held // 2)))
+
+    on_step, errors = request_on_step(loaded, backend, ask)
+    sample_with(loaded, backend, comfy, MemoryStrategy(offload="none"), on_step)
+    assert errors == [[]] and answers == [0]  # nothing given mid-call (the store held nothing then), nothing raised
+    assert 0 < store.held_bytes <= held - held // 2

@@ -335,3 +335,34 @@ def test_vidmem_plan_shows_the_cold_and_the_warm_case(capsys):
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("Cold and warm:"))
     assert "first run uploads" in line and "later runs of the same graph find them on the GPU" in line
+
+
+def test_after_the_out_of_memory_ladder_climbed_the_residency_receipt_says_why_nothing_was_kept(loaded, hooks,
+                                                                                                 monkeypatch):
+    """Plenty of free memory is known, yet nothing is kept once a rung was climbed: the receipt must say
+    so, not that free memory was unknown."""
+    from dataclasses import replace
+
+    FakeCuda(oom_at=3, oom_stream="side").install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    roomy = replace(hooks, device_budget=lambda device: 1 << 40)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1)
+    receipt = sample(loaded, strategy, request_for(VARIANT), hooks=roomy, backend=backend).receipt
+    assert receipt["oom_ladder"] and receipt["residency"]["kept_groups"] == 0
+    assert "out-of-memory ladder climbed" in receipt["residency"]["why"]
+
+
+def test_under_tier_none_a_text_encoder_that_ran_only_at_the_start_goes_before_the_transformer(loaded, monkeypatch):
+    """When the host asks for part of the memory back, components not in use when the call ended go
+    first (docs/warm-runs.md): under tier none every component stays, yet the text encoder ran only
+    at the start and the transformer until the end."""
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    sample(loaded, MemoryStrategy(offload="none", text_encoder="device"), request_for(VARIANT), backend=backend)
+    store = loaded.warm_store("sample", backend)
+    encoder = list(loaded.pipe.text_encoder.parameters()) + list(loaded.pipe.text_encoder.buffers())
+    transformer = list(loaded.pipe.transformer.parameters()) + list(loaded.pipe.transformer.buffers())
+    encoder_bytes, transformer_bytes = store.held_bytes_of(encoder), store.held_bytes_of(transformer)
+    assert encoder_bytes > 0 and transformer_bytes > 0
+    store.release(encoder_bytes)
+    assert store.held_bytes_of(encoder) == 0 and store.held_bytes_of(transformer) == transformer_bytes

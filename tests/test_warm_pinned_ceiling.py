@@ -1,0 +1,48 @@
+"""A pinned ceiling lowered after a run that pinned applies to the homes already made: the newest
+arenas are unpinned, their homes move back to pageable copies (the run stays bit-identical), and
+the warm store's kept copies follow them (nothing is uploaded again)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cuda_fake import FakeCuda
+from test_tiers import block_count, request_for
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.device import CudaBackend
+from vidmem.memory.hostpool import HostPool
+from vidmem.memory.units import GiB
+from vidmem.pipelines.hooks import RunHooks
+from vidmem.pipelines.loader import load_pipeline
+from vidmem.pipelines.prompt_cache import PromptCache
+from vidmem.pipelines.sample import sample
+
+VARIANT = "wan2.1-t2v"
+ARENA = 16 * 1024  # small arenas: the tiny model's streamed blocks fill several
+
+
+@pytest.mark.parametrize("arenas_kept", [0, 1])
+def test_lowering_the_pinned_ceiling_unpins_homes_beyond_it_and_the_run_is_unchanged(tiny_folder, tmp_path, arenas_kept,
+                                                                                      monkeypatch):
+    loaded = replace(load_pipeline(tiny_folder(VARIANT), "fp32"), host_pool=HostPool(arena_bytes=ARENA))
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    hooks = RunHooks(prompt_cache=PromptCache(tmp_path / "prompts"))
+    swap = MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=1)
+    first = sample(loaded, swap, request_for(VARIANT), hooks=hooks, backend=backend)
+    pool = loaded.host_pool
+    assert pool.stats()["arenas"] > arenas_kept and first.receipt["warm"]["stream_pinned_bytes"] > 0
+    ceiling = arenas_kept * ARENA
+    lowered = replace(swap, max_pinned_ram_gb=ceiling / GiB)
+    second = sample(loaded, lowered, request_for(VARIANT), hooks=hooks, backend=backend)
+    assert pool.pinned_bytes <= ceiling and pool.stats()["arenas"] == arenas_kept
+    warm = second.receipt["warm"]
+    assert warm["stream_staged_bytes"] > 0 and (warm["stream_pinned_bytes"] > 0) == (arenas_kept > 0)
+    # the kept copies (core and prefetched blocks) followed their bytes to the pageable copies: none is copied again
+    assert warm["uploaded_bytes"] == 0 and warm["reused_bytes"] == first.receipt["warm"]["kept_bytes"]
+    assert torch.equal(first.latent["samples"], second.latent["samples"])
+    third = sample(loaded, lowered, request_for(VARIANT), hooks=hooks, backend=backend)  # settled: nothing moves
+    assert pool.pinned_bytes <= ceiling and torch.equal(first.latent["samples"], third.latent["samples"])
