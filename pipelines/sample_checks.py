@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from .family import ModelError, first_denoiser, positions_error, spatial_multiple
+from .family import ModelError, denoiser_blocks, first_denoiser, positions_error, spatial_multiple
 from .schedulers import SamplerChoice, check_scale, resolve_sampler
-from .step_cache import StepCache
+from .step_cache import StepCache, check_block_metadata
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF  # torch.Generator.manual_seed takes 64 bits
 
@@ -51,6 +51,7 @@ def validate_request(loaded, request) -> SamplerChoice:
     _check_last_image(loaded, request)
     if not isinstance(request.cache, StepCache):
         raise ModelError(f"cache must be a step cache (the Step Cache node's output), not {type(request.cache).__name__}.")
+    check_block_metadata(request.cache, denoiser_blocks(pipe, spec))
     check_windows(loaded, request)
     return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio,
                            (request.width, request.height))
