@@ -75,11 +75,12 @@ def audio_latents(loaded: LoadedPipeline, latent) -> torch.Tensor:
                          f"({loaded.class_name}); connect the LTX-2 pipeline that sampled the latent.")
     if not isinstance(latent, dict):
         raise ModelError(f"latent: expected a LATENT (a dict), got {type(latent).__name__}; {_FIX_LATENT}")
-    origin = (latent.get("vidmem") or {}).get("family")
+    metadata, audio_info = _metadata(latent)
+    origin = metadata.get("family")
     if origin not in (None, LTX2.name):
         raise ModelError(f"latent: it came from a {origin} model, which makes no sound; {_FIX_LATENT}")
     audio = latent.get(AUDIO_KEY)
-    dropped = ((latent.get("vidmem") or {}).get("audio") or {}).get("dropped")
+    dropped = audio_info.get("dropped")
     if audio is None and dropped:
         raise ModelError(f"latent: it has no sound: {dropped}. Sample again with a strategy that fits "
                          "(the Sampler's receipt names the one it climbed to) to get the sound.")
@@ -91,6 +92,20 @@ def audio_latents(loaded: LoadedPipeline, latent) -> torch.Tensor:
     if not torch.isfinite(audio).all():
         raise ModelError(f"latent: its '{AUDIO_KEY}' hold NaN or infinite values; sample again (check cfg).")
     return audio
+
+
+def _metadata(latent: dict) -> tuple[dict, dict]:
+    """The LATENT's vidmem metadata and its "audio" entry ({} where absent), refused by name when
+    either is not the dict the Sampler writes (an edited or foreign LATENT)."""
+    metadata = latent.get("vidmem", {})
+    if not isinstance(metadata, dict):
+        raise ModelError(f"latent: its 'vidmem' metadata is {type(metadata).__name__}, not the dict the Video Sampler "
+                         f"writes; {_FIX_LATENT}")
+    audio_info = metadata.get("audio", {})
+    if not isinstance(audio_info, dict):
+        raise ModelError(f"latent: its vidmem 'audio' entry is {type(audio_info).__name__}, not the dict the Video "
+                         f"Sampler writes beside the sound; {_FIX_LATENT}")
+    return metadata, audio_info
 
 
 def audio_parts_error(loaded: LoadedPipeline) -> str | None:
@@ -188,7 +203,7 @@ def decode_audio(loaded: LoadedPipeline, latent: dict, device: torch.device | No
     no device memory (those frames' local variables are gone from the traceback; its lines stay)."""
     audio = audio_latents(loaded, latent)
     device = device or resolve_compute_device()
-    normalised = (latent.get("vidmem") or {}).get("audio", {}).get("normalised", True)
+    normalised = _metadata(latent)[1].get("normalised", True)
     hooks.check_interrupt()
     held = [load_audio_parts(loaded)]  # the CPU's fresh copy joins after an out-of-memory error
     try:
