@@ -118,6 +118,16 @@ def resolve_sampler(pipe, spec, scheduler: str, shift, cfg: float, cfg_2, bounda
         defaults.shift_for(*size) if defaults.flow_matching else None, dynamic)
 
 
+def check_step_count(shipped, steps: int) -> None:
+    """A scheduler that stretches its schedule to end at `shift_terminal` (LTX-2's) divides by the
+    distance its last sigma travels, which is zero for a single step: diffusers then samples NaN."""
+    terminal = shipped.config.get("shift_terminal")
+    if terminal and steps < 2:
+        raise ModelError(f"steps={steps} is too few for this model's scheduler ({type(shipped).__name__}), which "
+                         f"stretches its schedule to end at shift_terminal={terminal:g}: one step gives NaN latents. "
+                         "Use 2 steps or more.")
+
+
 def scheduler_class(shipped, name: str) -> str:
     return {"default": type(shipped).__name__, "unipc": "UniPCMultistepScheduler",
             "dpmpp_2m": "DPMSolverMultistepScheduler", "flow_match_euler": "FlowMatchEulerDiscreteScheduler"}[name]

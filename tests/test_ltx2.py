@@ -57,7 +57,7 @@ def test_the_folder_loads_as_ltx2_without_its_audio_parts(tiny_loaded):
 def test_every_tier_matches_plain_diffusers_bit_for_bit(tiny_loaded, tiny_folder):
     loaded = tiny_loaded(VARIANT)
     reference = plain_latents(tiny_folder(VARIANT))
-    sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend())  # transformers adds its own hooks on first use
+    sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend())  # transformers adds its own hooks on first use
     before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
     for label, strategy in TIERS.items():
         latent = sample(loaded, strategy, request(), backend=CpuBackend()).latent
@@ -147,7 +147,7 @@ def test_packed_prompt_embeddings_unpack_to_the_same_bits():
 
 def test_a_video_only_call_decodes_video_and_gives_no_audio(tiny_loaded):
     loaded = tiny_loaded(VARIANT)
-    output = loaded.pipe(**tiny_call_kwargs(VARIANT, steps=1, output_type="pt"))
+    output = loaded.pipe(**tiny_call_kwargs(VARIANT, steps=2, output_type="pt"))
     assert output.frames.shape == (1, 9, 3, 64, 64) and output.audio is None
     assert loaded.pipe.audio_vae is None and loaded.pipe.vocoder is None
 

@@ -47,3 +47,14 @@ def test_families_whose_scheduler_reads_shift_still_take_it(tiny_loaded, variant
     assert not loaded.pipe.scheduler.config.get("use_dynamic_shifting")
     result = sample(loaded, MemoryStrategy(), replace(request_for(variant, steps=2), shift=7.0))
     assert "shift=7 " in result.receipt["sampler"]
+
+
+def test_one_step_on_ltx2s_scheduler_is_refused_by_name(tiny_loaded):
+    """Its shift_terminal stretch divides by the distance the last sigma travels, zero for one step:
+    diffusers samples NaN (found when the tiny LTX-2 got the real scheduler config)."""
+    loaded = tiny_loaded("ltx2-t2v")
+    with pytest.raises(ModelError, match=r"steps=1 is too few .*shift_terminal=0.1: one step gives NaN latents. "
+                                         r"Use 2 steps or more"):
+        sample(loaded, MemoryStrategy(), request_for("ltx2-t2v", steps=1))
+    two = sample(loaded, MemoryStrategy(), request_for("ltx2-t2v", steps=2)).latent
+    assert two["samples"].isfinite().all() and two["audio_samples"].isfinite().all()
