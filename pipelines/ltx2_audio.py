@@ -95,9 +95,11 @@ def audio_latents(loaded: LoadedPipeline, latent) -> torch.Tensor:
 
 
 def _metadata(latent: dict) -> tuple[dict, dict]:
-    """The LATENT's vidmem metadata and its "audio" entry ({} where absent), refused by name when
-    either is not the dict the Sampler writes (an edited or foreign LATENT)."""
-    metadata = latent.get("vidmem", {})
+    """The LATENT's vidmem metadata and its "audio" entry ({} where absent; metadata None counts as
+    absent, as before), refused by name when either is not the dict the Sampler writes (an edited or
+    foreign LATENT)."""
+    metadata = latent.get("vidmem")
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise ModelError(f"latent: its 'vidmem' metadata is {type(metadata).__name__}, not the dict the Video Sampler "
                          f"writes; {_FIX_LATENT}")
