@@ -220,11 +220,24 @@ def diffusers_hooks():
 
 # First Block Cache and MagCache find where a block takes and returns its hidden states in diffusers'
 # TransformerBlockRegistry, which knows only the block classes diffusers registered (0.42.1: neither
-# LTX-2's nor HunyuanVideo 1.5's). Registering them ourselves is not safe for LTX-2: its block returns
-# video AND audio hidden states, while the hooks read the second output's input by the name
-# `encoder_hidden_states` (LTX-2's text), so a skipped pass would hand the text back as the audio.
-# TaylorSeer (lite) needs no block metadata. So the two are refused by name before anything runs.
+# LTX-2's nor HunyuanVideo 1.5's). HunyuanVideo 1.5's block has exactly the contract the hooks
+# assume, as HunyuanVideo's (registered by diffusers) does: `forward(hidden_states,
+# encoder_hidden_states, ...)` returning `(hidden_states, encoder_hidden_states)`, the blocks chained
+# one into the next with nothing between them; so vidmem registers it as diffusers registers
+# HunyuanVideo's. LTX-2's block is not registered: it returns video AND audio hidden states, while the
+# hooks read the second output's input by the name `encoder_hidden_states` (LTX-2's text), so a
+# skipped pass would hand the text back as the audio. TaylorSeer (lite) needs no block metadata.
 _NEEDS_BLOCK_METADATA = (CacheMethod.FIRST_BLOCK, CacheMethod.MAG)
+
+
+def _register_fitting_blocks(registry) -> None:
+    """Register the block classes that fit the hooks' contract but that diffusers does not (idempotent)."""
+    from diffusers.hooks._helpers import TransformerBlockMetadata
+    from diffusers.models.transformers import transformer_hunyuan_video15
+
+    block = getattr(transformer_hunyuan_video15, "HunyuanVideo15TransformerBlock", None)
+    if block is not None and block not in registry._registry:
+        registry.register(block, TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1))
 
 
 def blocks_without_metadata(block_classes) -> list[str]:
@@ -232,6 +245,7 @@ def blocks_without_metadata(block_classes) -> list[str]:
     from diffusers.hooks._helpers import TransformerBlockRegistry
 
     TransformerBlockRegistry._register()  # diffusers fills it on first use
+    _register_fitting_blocks(TransformerBlockRegistry)
     return sorted({cls.__name__ for cls in block_classes if cls not in TransformerBlockRegistry._registry})
 
 
