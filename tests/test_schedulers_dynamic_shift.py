@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from test_tiers import request_for
 from vidmem.memory import MemoryStrategy
@@ -47,6 +48,8 @@ def test_families_whose_scheduler_reads_shift_still_take_it(tiny_loaded, variant
     assert not loaded.pipe.scheduler.config.get("use_dynamic_shifting")
     result = sample(loaded, MemoryStrategy(), replace(request_for(variant, steps=2), shift=7.0))
     assert "shift=7 " in result.receipt["sampler"]
+    default = sample(loaded, MemoryStrategy(), request_for(variant, steps=2))
+    assert not torch.equal(result.latent["samples"], default.latent["samples"])  # read, not only named
 
 
 def test_one_step_on_ltx2s_scheduler_is_refused_by_name(tiny_loaded):
