@@ -52,7 +52,9 @@ class VidMemStepCache:
                     "skips the rest when its output changed less than the threshold; needs no ratios. taylor_seer: "
                     "after the warm-up computes one step in `interval` and predicts the others' output by a Taylor "
                     "series over the computed steps (no block runs or is copied then); needs no ratios, decided "
-                    "ahead from the step count, the same on every GPU. off: every block of every step."}),
+                    "ahead from the step count, the same on every GPU. off: every block of every step. "
+                    "mag_cache and first_block_cache need diffusers' block metadata, which LTX-2's blocks "
+                    "lack: there choose taylor_seer or off."}),
                 "threshold": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip":
                     "0: the method's default (mag_cache 0.06, first_block_cache 0.05). Higher skips more and "
                     "loses more detail; MagCache's paper reports about 2x on Wan 2.1 at 0.06 with a small loss."}),

@@ -111,8 +111,10 @@ class VidMemVideoSampler:
                     "dpmpp_2m: DPM-Solver++ 2M; flow_match_euler: flow-match Euler (Wan only). CogVideoX 2b and 1.5 "
                     "(trained with snr_shift_scale 3) take only default. Set for this run only."}),
                 "shift": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.1, "tooltip":
-                    "Flow shift, Wan only (0 for CogVideoX). 0: the model's own. Wan's advice: 3.0 at 480p, 5.0 at "
-                    "720p; a larger shift spends more steps at high noise (composition), a smaller one on detail."}),
+                    "Flow shift. 0: the model's own. Wan: 3.0 at 480p, 5.0 at 720p. HunyuanVideo 1.5: 5.0 at 480p, "
+                    "9.0 at 720p. LTX-2: 0 only (its scheduler picks the shift from the resolution). CogVideoX: 0 "
+                    "only (no shift). A larger shift spends more steps at high noise (composition), a smaller one "
+                    "on detail."}),
                 "cfg_2": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 30.0, "step": 0.1, "tooltip":
                     "Wan 2.2 A14B only: cfg of the low-noise expert (cfg is the high-noise one's). -1: same as cfg. "
                     "1 runs no negative pass for that expert (e.g. a Lightning LoRA on the low-noise expert)."}),

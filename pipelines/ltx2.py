@@ -105,6 +105,10 @@ class AudioLatentShape:
 class LTX2Call:
     """The call interface vidmem's sampler uses (see the module docstring), over diffusers' own loop."""
 
+    # diffusers' list, and the audio latents (a local of the loop): the step callback records them,
+    # so a run resumed after an out-of-memory error resumes the audio with the video.
+    _callback_tensor_inputs = ["latents", "prompt_embeds", "negative_prompt_embeds", "audio_latents"]
+
     # The VAE factors under the names the engine reads (Wan's; LTX2Pipeline calls them *_compression_ratio).
     @property
     def vae_scale_factor_spatial(self) -> int:
@@ -124,10 +128,25 @@ class LTX2Call:
         for name, value in VIDEO_ONLY_GUIDANCE.items():
             kwargs.setdefault(name, value)
         kwargs.setdefault("use_cross_timestep", bool(self.connectors.config.get("per_modality_projections", False)))
+        if kwargs.get("callback_on_step_end") is not None:
+            kwargs = self._recording_audio(kwargs)
         with ExitStack() as undo:  # everything set for this call is put back, whatever happens
             if self.audio_vae is None:
                 self._stand_in_for_audio(undo)
             return super().__call__(*args, **kwargs)
+
+    def _recording_audio(self, kwargs: dict) -> dict:
+        """The step callback with the audio latents asked for and kept on the call (`_vidmem_step_audio`,
+        which pipelines/sample_call.py's StepRecord reads): the callback itself sees what it asked for."""
+        callback = kwargs["callback_on_step_end"]
+        asked = list(kwargs.get("callback_on_step_end_tensor_inputs") or ["latents"])
+
+        def recording(pipe, step: int, timestep, tensors: dict) -> dict:
+            self._vidmem_step_audio = tensors["audio_latents"]
+            return callback(pipe, step, timestep, {k: v for k, v in tensors.items() if k in asked})
+
+        return dict(kwargs, callback_on_step_end=recording,
+                    callback_on_step_end_tensor_inputs=list(dict.fromkeys([*asked, "audio_latents"])))
 
     def _unpacked(self, kwargs: dict) -> dict:
         """Packed `prompt_embeds` / `negative_prompt_embeds` (no mask given) as embeddings and masks."""

@@ -59,13 +59,9 @@ class AudioResult:
 def with_audio(latent: dict, pipe, audio: torch.Tensor, resumed_after: int = 0) -> dict:
     """`latent` (a new dict) with the run's audio latents and what decoding them needs to know.
     `pipe` is the loaded pipeline: without its own audio VAE, the call denormalised with 0 and 1.
-    A run resumed after an out-of-memory error (`resumed_after` steps done) resumes the video
-    latents only (the step callback sees no audio): its audio started again from noise midway, so
-    it is left out and the reason kept for Decode Audio's error."""
-    if resumed_after:
-        info = {"dropped": f"the run resumed after step {resumed_after} following an out-of-memory error, and "
-                           "the audio latents were drawn afresh there (only the video's are resumed)"}
-        return dict(latent, vidmem=dict(latent.get("vidmem", {}), audio=info))
+    A run resumed after an out-of-memory error (`resumed_after` steps done) resumed its audio latents
+    with the video's (LTX2Call records them each step, pipelines/sample_call.py hands them back), so
+    its sound is the uninterrupted run's and is kept like any other."""
     info = {"normalised": getattr(pipe, "audio_vae", None) is None, "frame_rate": FRAME_RATE}
     metadata = dict(latent.get("vidmem", {}), audio=info)
     return dict(latent, **{AUDIO_KEY: audio.detach().to("cpu"), "vidmem": metadata})
@@ -79,11 +75,12 @@ def audio_latents(loaded: LoadedPipeline, latent) -> torch.Tensor:
                          f"({loaded.class_name}); connect the LTX-2 pipeline that sampled the latent.")
     if not isinstance(latent, dict):
         raise ModelError(f"latent: expected a LATENT (a dict), got {type(latent).__name__}; {_FIX_LATENT}")
-    origin = (latent.get("vidmem") or {}).get("family")
+    metadata, audio_info = _metadata(latent)
+    origin = metadata.get("family")
     if origin not in (None, LTX2.name):
         raise ModelError(f"latent: it came from a {origin} model, which makes no sound; {_FIX_LATENT}")
     audio = latent.get(AUDIO_KEY)
-    dropped = ((latent.get("vidmem") or {}).get("audio") or {}).get("dropped")
+    dropped = audio_info.get("dropped")
     if audio is None and dropped:
         raise ModelError(f"latent: it has no sound: {dropped}. Sample again with a strategy that fits "
                          "(the Sampler's receipt names the one it climbed to) to get the sound.")
@@ -95,6 +92,22 @@ def audio_latents(loaded: LoadedPipeline, latent) -> torch.Tensor:
     if not torch.isfinite(audio).all():
         raise ModelError(f"latent: its '{AUDIO_KEY}' hold NaN or infinite values; sample again (check cfg).")
     return audio
+
+
+def _metadata(latent: dict) -> tuple[dict, dict]:
+    """The LATENT's vidmem metadata and its "audio" entry ({} where absent; metadata None counts as
+    absent, as before), refused by name when either is not the dict the Sampler writes (an edited or
+    foreign LATENT)."""
+    metadata = latent.get("vidmem")
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict):
+        raise ModelError(f"latent: its 'vidmem' metadata is {type(metadata).__name__}, not the dict the Video Sampler "
+                         f"writes; {_FIX_LATENT}")
+    audio_info = metadata.get("audio", {})
+    if not isinstance(audio_info, dict):
+        raise ModelError(f"latent: its vidmem 'audio' entry is {type(audio_info).__name__}, not the dict the Video "
+                         f"Sampler writes beside the sound; {_FIX_LATENT}")
+    return metadata, audio_info
 
 
 def audio_parts_error(loaded: LoadedPipeline) -> str | None:
@@ -192,7 +205,7 @@ def decode_audio(loaded: LoadedPipeline, latent: dict, device: torch.device | No
     no device memory (those frames' local variables are gone from the traceback; its lines stay)."""
     audio = audio_latents(loaded, latent)
     device = device or resolve_compute_device()
-    normalised = (latent.get("vidmem") or {}).get("audio", {}).get("normalised", True)
+    normalised = _metadata(latent)[1].get("normalised", True)
     hooks.check_interrupt()
     held = [load_audio_parts(loaded)]  # the CPU's fresh copy joins after an out-of-memory error
     try:

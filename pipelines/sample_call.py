@@ -13,7 +13,8 @@ reads (so the loop itself is diffusers', unchanged):
   loop skips them with diffusers' own `continue`, and its indices (`timesteps[i - 1]`, the
   callback's step) stay those of the whole run; `prepare_latents` hands back the latents of the
   last finished step and the conditioning the first attempt prepared (no image encoded twice,
-  no random draws repeated); the scheduler comes back with its state after that step.
+  no random draws repeated), and `prepare_audio_latents` LTX-2's audio latents of that step; the
+  scheduler comes back with its state after that step.
 - a record of each finished step (`StepRecord`), taken in the step-end callback.
 """
 
@@ -41,6 +42,9 @@ class ResumePoint:
     generator_state: torch.Tensor  # the CPU generator after that step (CogVideoX's DPM draws noise per step)
     carry: torch.Tensor | None  # CogVideoXDPMScheduler's previous x0 prediction, a loop variable in diffusers
     prepared: object  # what prepare_latents returned: latents, or (latents, conditioning...)
+    # LTX-2's audio latents after that step: its one transformer denoises audio beside the video and
+    # the audio tokens reach the video through cross-attention, so they resume with it (None: no audio)
+    audio_latents: torch.Tensor | None = None
 
 
 class _CallOverrides:
@@ -81,6 +85,13 @@ class _CallOverrides:
         if isinstance(resume.prepared, tuple):
             return (resume.latents, *resume.prepared[1:])
         return resume.latents
+
+    def prepare_audio_latents(self, *args, **kwargs):
+        """LTX-2: the audio latents of the last finished step when resuming (no fresh noise drawn)."""
+        resume = self._vidmem_resume
+        if resume is None or resume.audio_latents is None:
+            return super().prepare_audio_latents(*args, **kwargs)
+        return resume.audio_latents
 
 
 @lru_cache(maxsize=None)
@@ -135,7 +146,8 @@ class StepRecord:
         scheduler = self.call.scheduler
         state = copy.deepcopy({k: v for k, v in scheduler.__dict__.items() if k not in OVERRIDES})
         self.last = ResumePoint(step + 1, latents, type(scheduler), state, self.generator.get_state(), self._carry,
-                                self.call._vidmem_prepared if self.last is None else self.last.prepared)
+                                self.call._vidmem_prepared if self.last is None else self.last.prepared,
+                                getattr(self.call, "_vidmem_step_audio", None))
 
     def _track_carry(self, scheduler) -> None:
         """CogVideoXDPMScheduler takes the previous step's x0 prediction as an argument that

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from .family import ModelError, first_denoiser, positions_error, spatial_multiple
-from .schedulers import SamplerChoice, check_scale, resolve_sampler
-from .step_cache import StepCache
+from .family import ModelError, denoiser_blocks, first_denoiser, positions_error, spatial_multiple
+from .schedulers import SamplerChoice, check_scale, check_step_count, resolve_sampler
+from .step_cache import StepCache, check_block_metadata
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF  # torch.Generator.manual_seed takes 64 bits
 
@@ -35,6 +35,7 @@ def validate_request(loaded, request) -> SamplerChoice:
     _check_whole("steps", request.steps)
     if request.steps < 1:
         raise ModelError(f"steps={request.steps} must be at least 1.")
+    check_step_count(pipe.scheduler, request.steps)
     _check_whole("seed", request.seed)
     if not 0 <= request.seed <= MAX_SEED:
         raise ModelError(f"seed={request.seed} must be between 0 and {MAX_SEED}.")
@@ -51,6 +52,7 @@ def validate_request(loaded, request) -> SamplerChoice:
     _check_last_image(loaded, request)
     if not isinstance(request.cache, StepCache):
         raise ModelError(f"cache must be a step cache (the Step Cache node's output), not {type(request.cache).__name__}.")
+    check_block_metadata(request.cache, denoiser_blocks(pipe, spec))
     check_windows(loaded, request)
     return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio,
                            (request.width, request.height))

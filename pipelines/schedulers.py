@@ -38,6 +38,9 @@ class SamplerChoice:
     cfg_2: float | None  # None: single-expert model
     boundary_ratio: float | None  # None: single-expert model
     recommended_shift: float | None = None  # the family's advice at this size (FamilySpec.sampler)
+    # The scheduler shifts by the resolution (use_dynamic_shifting: LTX-2's mu from the token count)
+    # and never reads `shift`, so the receipt names no shift value.
+    dynamic_shift: bool = False
 
     @property
     def guided(self) -> bool:
@@ -46,7 +49,10 @@ class SamplerChoice:
 
     def describe(self) -> str:
         parts = [f"scheduler={self.scheduler} ({self.scheduler_class})"]
-        if self.shift is not None:
+        if self.dynamic_shift:
+            parts.append("shift=resolution-dependent (the model's scheduler picks it from the frame size: "
+                         "use_dynamic_shifting)")
+        elif self.shift is not None:
             parts.append(f"shift={self.shift:g}" + (" (model default)" if self.shift_is_default else ""))
             if self.recommended_shift is not None and self.recommended_shift != self.shift:
                 parts.append(f"(recommended at this size: shift={self.recommended_shift:g})")
@@ -84,6 +90,10 @@ def resolve_sampler(pipe, spec, scheduler: str, shift, cfg: float, cfg_2, bounda
             "which it was trained with, and give noisy frames; use scheduler='default'.")
     if shift is not None and not defaults.flow_matching:
         raise ModelError(f"shift applies to flow-matching models (Wan); {spec.name} is not one. Leave shift empty (None).")
+    dynamic = defaults.flow_matching and bool(shipped.config.get("use_dynamic_shifting"))
+    if shift is not None and dynamic:
+        raise ModelError(f"shift={shift!r} would be ignored: {spec.name}'s scheduler ({type(shipped).__name__}, "
+                         "use_dynamic_shifting) picks its shift from the resolution. Set shift to 0 (the model's own).")
     if shift is not None:
         check_positive("shift", shift, "e.g. 3.0 for 480p or 5.0 for 720p")
     model_shift = next((shipped.config[k] for k in SHIFT_KEYS if k in shipped.config), None) if defaults.flow_matching else None
@@ -105,7 +115,17 @@ def resolve_sampler(pipe, spec, scheduler: str, shift, cfg: float, cfg_2, bounda
         scheduler, scheduler_class(shipped, scheduler), model_shift if shift is None else float(shift), shift is None,
         float(cfg), (float(cfg if cfg_2 is None else cfg_2)) if experts else None,
         (pipe.config["boundary_ratio"] if boundary_ratio is None else float(boundary_ratio)) if experts else None,
-        defaults.shift_for(*size) if defaults.flow_matching else None)
+        defaults.shift_for(*size) if defaults.flow_matching else None, dynamic)
+
+
+def check_step_count(shipped, steps: int) -> None:
+    """A scheduler that stretches its schedule to end at `shift_terminal` (LTX-2's) divides by the
+    distance its last sigma travels, which is zero for a single step: diffusers then samples NaN."""
+    terminal = shipped.config.get("shift_terminal")
+    if terminal and steps < 2:
+        raise ModelError(f"steps={steps} is too few for this model's scheduler ({type(shipped).__name__}), which "
+                         f"stretches its schedule to end at shift_terminal={terminal:g}: one step gives NaN latents. "
+                         "Use 2 steps or more.")
 
 
 def scheduler_class(shipped, name: str) -> str:

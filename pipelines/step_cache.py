@@ -218,6 +218,91 @@ def diffusers_hooks():
     return hooks
 
 
+# First Block Cache and MagCache find where a block takes and returns its hidden states in diffusers'
+# TransformerBlockRegistry, which knows only the block classes diffusers registered (0.42.1: neither
+# LTX-2's nor HunyuanVideo 1.5's). HunyuanVideo 1.5's block has exactly the contract the hooks
+# assume, as HunyuanVideo's (registered by diffusers) does: `forward(hidden_states,
+# encoder_hidden_states, ...)` returning `(hidden_states, encoder_hidden_states)`, the blocks chained
+# one into the next with nothing between them; so vidmem registers it as diffusers registers
+# HunyuanVideo's. LTX-2's block is not registered: it returns video AND audio hidden states, while the
+# hooks read the second output's input by the name `encoder_hidden_states` (LTX-2's text), so a
+# skipped pass would hand the text back as the audio. TaylorSeer (lite) needs no block metadata.
+_NEEDS_BLOCK_METADATA = (CacheMethod.FIRST_BLOCK, CacheMethod.MAG)
+
+
+def _register_fitting_blocks(registry) -> None:
+    """Register the block classes that fit the hooks' contract but that diffusers does not (idempotent)."""
+    from diffusers.hooks._helpers import TransformerBlockMetadata
+    from diffusers.models.transformers import transformer_hunyuan_video15
+
+    block = getattr(transformer_hunyuan_video15, "HunyuanVideo15TransformerBlock", None)
+    if block is not None and block not in registry._registry:
+        registry.register(block, TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1))
+
+
+def blocks_without_metadata(block_classes) -> list[str]:
+    """The names of the classes in `block_classes` that diffusers' block registry does not know."""
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    TransformerBlockRegistry._register()  # diffusers fills it on first use
+    _register_fitting_blocks(TransformerBlockRegistry)
+    return sorted({cls.__name__ for cls in block_classes if cls not in TransformerBlockRegistry._registry})
+
+
+def metadata_refusal(method: CacheMethod, block_classes) -> str | None:
+    """Why `method` cannot hook blocks of `block_classes` (the fix named), or None when it can."""
+    if method not in _NEEDS_BLOCK_METADATA:
+        return None
+    missing = blocks_without_metadata(block_classes)
+    if not missing:
+        return None
+    return (f"first_block_cache / mag_cache need diffusers' block metadata, which "
+            f"{', '.join(missing)} lacks; choose taylor_seer or off.")
+
+
+def check_block_metadata(cache: StepCache, blocks: Mapping[str, nn.ModuleList]) -> None:
+    """StrategyError when `cache` is a First Block Cache or MagCache that diffusers cannot hook on `blocks`."""
+    problem = metadata_refusal(cache.method, {type(block) for group in blocks.values() for block in group})
+    if problem:
+        raise StrategyError(problem)
+
+
+@lru_cache(maxsize=None)
+def _layout_block_classes(pipeline_class: str) -> tuple[type, ...]:
+    """The denoiser block classes of `pipeline_class`'s family, for a plan that has no model: each
+    denoiser class (from the pipeline's signature) built with one layer on the meta device. Empty
+    when they cannot be found this way (a run still refuses by the blocks it has)."""
+    import inspect
+    import typing
+
+    import diffusers
+
+    from .loader import FAMILIES
+
+    spec = next((s for s in FAMILIES if pipeline_class in s.pipeline_classes), None)
+    pipeline = getattr(diffusers, pipeline_class, None)
+    if spec is None or pipeline is None:
+        return ()
+    found = []
+    for name in spec.denoisers:
+        parameter = inspect.signature(pipeline.__init__).parameters.get(name)
+        hinted = typing.get_args(parameter.annotation) or (parameter.annotation,) if parameter else ()
+        for cls in (c for c in hinted if isinstance(c, type) and issubclass(c, nn.Module)):
+            try:
+                with torch.device("meta"):
+                    found.append(type(getattr(cls(num_layers=1), spec.blocks_attr)[0]))
+            except (TypeError, AttributeError, IndexError):
+                continue
+    return tuple(found)
+
+
+def layout_refusal(model_layout: str, method: CacheMethod) -> str | None:
+    """`metadata_refusal` for the model of a `layout_key`, known before it is loaded."""
+    if method not in _NEEDS_BLOCK_METADATA:
+        return None
+    return metadata_refusal(method, _layout_block_classes(model_layout.split(" ", 1)[0]))
+
+
 def _check_taylor(cache: StepCache) -> None:
     """TaylorSeer's settings, checked on every cache (they keep their defaults for the other methods)."""
     for name, low, high in (("interval", 1, 1000), ("warmup_steps", 1, 1000), ("end_steps", 0, 1000),
@@ -560,6 +645,7 @@ class AppliedCache:
         when they share them (Wan 2.2 A14B's experts; TaylorSeer counts each one's own)."""
         own = {name: (denoiser_steps or {}).get(name, steps) for name in self._denoisers}
         last = list(self._denoisers)[-1] if self._denoisers else None
+        check_block_metadata(self.cache, self._blocks)  # before any hook is placed
         try:
             for name, denoiser in self._denoisers.items():
                 if not hasattr(denoiser, "enable_cache"):
@@ -749,6 +835,9 @@ def write_ratio_file(folder: Path, loaded, steps: int, ratios: Mapping[str, list
 def cache_with_ratios(cache: StepCache, loaded, ratios_name: str, folder: Path | None) -> StepCache:
     """`cache` with the MagCache ratios `ratios_name` names: "auto" (published for this model),
     "calibrate", or a ratio file in `folder`. Refused by name when they are for another model."""
+    from .family import denoiser_blocks
+
+    check_block_metadata(cache, denoiser_blocks(loaded.pipe, loaded.spec))  # before 'auto' offers another method
     if cache.method is not CacheMethod.MAG:
         return cache
     if ratios_name == "calibrate":
@@ -928,6 +1017,9 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
     each keeps its own cache state, so MagCache computes the same steps in each and the share of the
     passes is the share of the steps."""
     each = f" in each of the {windows} context windows (each with its own cache state)" if windows > 1 else ""
+    refusal = layout_refusal(model_layout, CacheMethod.MAG if cache is None else cache.method)
+    if refusal:
+        return CachePlan(refusal)
     if cache is not None and cache.method is CacheMethod.FIRST_BLOCK:
         return CachePlan(f"{cache.describe()}: decided while sampling from how much the first block's output changes"
                          f"{each}, so what it skips is known only after the run (the Sampler's receipt counts it).")

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,11 @@ _LTX2_VOCODER = dict(
 )
 
 # What LTX2Call sets by default, for plain diffusers (pipelines/ltx2.py); the tiny connectors are LTX-2.0's.
+# The real LTX-2's scheduler settings (the shipped model config): its FlowMatchEuler shifts by the
+# resolution (use_dynamic_shifting, mu from the token count), so the tiny one refuses `shift` as the
+# real one does and samples the same kind of schedule.
+_LTX2_SCHEDULER = json.loads((Path(__file__).parent / "configs" / "models" / "ltx2-t2v-19b.json")
+                             .read_text(encoding="utf-8"))["scheduler"]["config"]
 _LTX2_CALL = dict(stg_scale=0.0, audio_stg_scale=0.0, spatio_temporal_guidance_blocks=None, modality_scale=1.0,
                   audio_modality_scale=1.0, audio_guidance_scale=None, use_cross_timestep=False)
 
@@ -242,7 +248,7 @@ TINY_SPECS: dict[str, TinySpec] = {
     "ltx2-t2v": TinySpec(
         pipeline="LTX2Pipeline", transformer="LTX2VideoTransformer3DModel", transformer_config=_LTX2_DIT,
         vae="AutoencoderKLLTX2Video", vae_config=_LTX2_VAE, scheduler="FlowMatchEulerDiscreteScheduler",
-        scheduler_config={}, text_encoder="Gemma3ForConditionalGeneration", width=64, height=64,
+        scheduler_config=_LTX2_SCHEDULER, text_encoder="Gemma3ForConditionalGeneration", width=64, height=64,
         text_stack="gemma3", audio=True, call_config=_LTX2_CALL,
     ),
 }

@@ -122,7 +122,7 @@ class Fixtures:
         from vidmem.pipelines.tiny import tiny_spec
 
         spec = tiny_spec(variant)
-        request = SampleRequest("a cat", "", spec.width, spec.height, spec.frames, 1, 5.0, 0)
+        request = SampleRequest("a cat", "", spec.width, spec.height, spec.frames, 2, 5.0, 0)  # LTX-2 takes 2 or more
         return sample(self.tiny_loaded(variant), MemoryStrategy(), request, backend=CpuBackend()).latent
 
 

@@ -144,14 +144,14 @@ def test_a_gguf_transformer_over_a_folder_without_the_audio_vae_names_what_to_co
     stored = store_tensors(build_tiny_pipeline(VARIANT).transformer, "gguf_q8_0")
     path = write_ltx2_checkpoint({"transformer": stored}, tmp_path / "ltx-2-19b-dev-Q8_0.gguf")
     loaded = load_pipeline(folder, "fp32", path)
-    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     with pytest.raises(ModelError, match=r"has no weights for audio_vae.*copy audio_vae/ \(config.json and weights\)"):
         decode_audio(loaded, latent, device=CPU)
 
 
 def test_a_latent_without_sound_names_the_input_and_the_fix(tiny_loaded):
     loaded = tiny_loaded(VARIANT)
-    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     video_only = {"samples": latent["samples"]}  # as core Load Latent gives it back
     with pytest.raises(ModelError, match="latent: it has no 'audio_samples'.*sample again"):
         decode_audio(loaded, video_only, device=CPU)
@@ -166,7 +166,7 @@ def test_a_latent_without_sound_names_the_input_and_the_fix(tiny_loaded):
 
 
 def test_a_mismatched_pipeline_is_named(tiny_loaded):
-    latent = sample(tiny_loaded(VARIANT), TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    latent = sample(tiny_loaded(VARIANT), TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     with pytest.raises(ModelError, match="pipeline: Decode Audio decodes LTX-2's sound, but the pipeline is wan"):
         decode_audio(tiny_loaded("wan2.1-t2v"), latent, device=CPU)
 
@@ -176,7 +176,7 @@ def test_a_folder_without_a_vocoder_names_what_to_copy(tiny_folder, tmp_path):
     shutil.copytree(tiny_folder(VARIANT), folder)
     shutil.rmtree(folder / "vocoder")
     loaded = load_pipeline(folder, "fp32")  # video needs no vocoder
-    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     with pytest.raises(ModelError, match=r"has no weights for vocoder.*copy vocoder/ \(config.json and weights\)"):
         decode_audio(loaded, latent, device=CPU)
     assert no_audio_parts(loaded.pipe)
@@ -197,9 +197,9 @@ def test_the_node_returns_comfy_audio(tiny_loaded):
     assert json.dumps(out["ui"]["vidmem_receipt"])  # the receipt is plain data
 
 
-def test_a_run_resumed_after_out_of_memory_keeps_the_video_and_names_why_it_has_no_sound(tiny_loaded):
-    """The step callback sees the video latents only, so a resumed run's audio restarted from noise
-    midway: the LATENT leaves it out, and Decode Audio says why (test_ltx2's xfail is the video side)."""
+def test_a_run_resumed_after_out_of_memory_keeps_its_sound(tiny_loaded):
+    """The audio latents resume with the video's (test_ltx2 checks both bit for bit against an
+    uninterrupted run): the LATENT keeps them and Decode Audio decodes them."""
     from test_oom_ladder import InjectOOM, run
     from vidmem.memory import MemoryStrategy
 
@@ -207,9 +207,20 @@ def test_a_run_resumed_after_out_of_memory_keeps_the_video_and_names_why_it_has_
     with InjectOOM(loaded.pipe.transformer.transformer_blocks[-1], [2]) as oom:  # step 3: cfg is one batch
         result = run(loaded, MemoryStrategy(offload="model"), request(steps=4))
     assert oom.raised == 1 and result.receipt["oom_ladder"][0]["resumed_from_step"] == 1
-    assert AUDIO_KEY not in result.latent and result.latent["samples"].ndim == 5
-    with pytest.raises(ModelError, match="latent: it has no sound: the run resumed after step 1 following an out-of-memory"):
-        decode_audio(loaded, result.latent, device=CPU)
+    assert result.latent[AUDIO_KEY].ndim == 4 and "dropped" not in result.latent["vidmem"]["audio"]
+    assert decode_audio(loaded, result.latent, device=CPU).waveform.ndim == 3
+
+
+@pytest.mark.parametrize("metadata, words", [
+    ("x", "its 'vidmem' metadata is str, not the dict"),
+    ({"family": "ltx2", "audio": None}, "its vidmem 'audio' entry is NoneType, not the dict"),
+    ({"family": "ltx2", "audio": [1]}, "its vidmem 'audio' entry is list, not the dict")])
+def test_malformed_metadata_is_refused_by_name(tiny_loaded, metadata, words):
+    """Used to be a raw AttributeError ('NoneType' object has no attribute 'get')."""
+    loaded = tiny_loaded(VARIANT)
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
+    with pytest.raises(ModelError, match=f"latent: {words}.*sample again"):
+        decode_audio(loaded, dict(latent, vidmem=metadata), device=CPU)
 
 
 def test_image_to_video_keeps_its_sound_too(tiny_loaded):
@@ -243,7 +254,7 @@ def test_decode_audio_leaves_the_weights_other_pipelines_keep_warm(tiny_loaded):
     from vidmem.memory.warm import track
 
     loaded = tiny_loaded(VARIANT)
-    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     store = KeptStore()
     track(store)
     decode_audio(loaded, latent, device=CPU)
@@ -323,7 +334,7 @@ def test_out_of_memory_in_the_vocoder_decodes_on_the_cpu(tiny_loaded, monkeypatc
     """The device (meta stands in for CUDA) runs out of memory in the vocoder: its parts leave it,
     and the same sound comes from the CPU, with the fallback in the receipt."""
     loaded = tiny_loaded(VARIANT)
-    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     expected = decode_audio(loaded, latent, device=CPU).waveform
     loads, checks = record_parts(monkeypatch), count_checks(monkeypatch)
     raised = fail_in_vocoder(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "meta")
@@ -337,7 +348,7 @@ def test_out_of_memory_in_the_vocoder_decodes_on_the_cpu(tiny_loaded, monkeypatc
 
 def test_an_error_in_the_cpus_decode_after_out_of_memory_drops_both_copies(tiny_loaded, monkeypatch):
     loaded = tiny_loaded(VARIANT)
-    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     loads = record_parts(monkeypatch)
     fail_in_vocoder(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "meta")
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
@@ -354,7 +365,7 @@ def test_refusals_and_host_errors_before_the_decode_drop_the_parts(tiny_loaded, 
     """A latent the audio VAE cannot decode, or a host that fails to make room: the parts loaded for
     the call are dropped all the same."""
     loaded = tiny_loaded(VARIANT)
-    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     loads = record_parts(monkeypatch)
     with pytest.raises(ModelError, match="3 channels x 2 mel bins"):
         decode_audio(loaded, dict(latent, audio_samples=torch.zeros(1, 3, 9, 2)), device=CPU)
@@ -374,7 +385,7 @@ def test_an_error_in_the_vocoder_leaves_nothing_on_the_device(tiny_loaded, monke
     import traceback
 
     loaded = tiny_loaded(VARIANT)
-    latent = sample(loaded, TIERS["none"], request(steps=1), backend=CpuBackend()).latent
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     loads = record_parts(monkeypatch)
     fail_in_vocoder(monkeypatch, ValueError("a bad vocoder"), "cpu")
     with pytest.raises(ValueError, match="a bad vocoder") as caught:

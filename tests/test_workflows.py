@@ -308,10 +308,9 @@ def test_a_cogvideox_template_stores_its_weights_in_fp8():
                for l in loaders), loaders
 
 
-@by_name(MACHINE_UI)
-def test_template_strategy_fits_its_machine_per_the_planner(path):
-    """The planner, at the template's full size, on the machine it names, with the weights' storage
-    (as the files' names state it, or as the folder loader's weight_dtype lowers it)."""
+def _template_plan(path):
+    """The planner's row for a machine template: at its full size, on the machine it names, with the
+    weights' storage (as the files' names state it, or as the folder loader's weight_dtype lowers it)."""
     from vidmem.memory.plan.planner import PlanOptions, VideoShape, plan_run
     from vidmem.nodes.strategy import WIDGETS, build_strategy
     from vidmem.pipelines.configs import load_model
@@ -336,9 +335,51 @@ def test_template_strategy_fits_its_machine_per_the_planner(path):
     options = PlanOptions(storage=machine["weights"], on_disk=on_disk)
     plan = plan_run(model, shape, strategy, options, vram_budget_bytes=int(machine["vram_gb"] * 2**30),
                     ram_budget_bytes=int(machine["ram_gb"] * 2**30))
+    return plan, strategy, machine
+
+
+@by_name(MACHINE_UI)
+def test_template_strategy_fits_its_machine_per_the_planner(path):
+    plan, strategy, machine = _template_plan(path)
     peaks = f"peak VRAM {plan.peak_vram_bytes / 2**30:.2f} GiB, RAM {plan.peak_ram_bytes / 2**30:.2f} GiB"
     assert plan.fits, f"{path.stem}: {strategy.describe()} does not fit {machine}: {peaks}"
     print(f"\n{path.stem}: {strategy.describe()}: {peaks}, slowdown x{plan.est_slowdown:.2f}")
+
+
+LTX2_UI = [p for p in MACHINE_UI if wr.load_json(p)["extra"]["vidmem"]["machine"]["plan_model"].startswith("ltx2")]
+QUOTED_PEAKS = re.compile(r"([\d.]+) GiB VRAM at the\s+peak(?: \(the denoise\))?, ([\d.]+) GiB of RAM")
+QUOTED_SLOWDOWN = re.compile(r"x(\d+\.\d\d) the time of a resident run")
+
+
+@by_name(LTX2_UI)
+def test_the_ltx2_notes_quote_the_planners_figures(path):
+    """The notes' VRAM (0.1 GiB), RAM (1 GiB) and slowdown (0.01) are the plan's for the template's own
+    strategy and machine, so a planner change cannot leave a note promising old numbers."""
+    notes = _note_texts(path)
+    plan = _template_plan(path)[0]
+    peaks = QUOTED_PEAKS.findall(notes)
+    assert peaks, f"{path.stem} quotes no peaks"
+    for vram, ram in peaks:
+        assert (vram, ram) == (f"{plan.peak_vram_bytes / 2**30:.1f}", f"{plan.peak_ram_bytes / 2**30:.0f}"), path.stem
+    for slowdown in QUOTED_SLOWDOWN.findall(notes):
+        assert slowdown == f"{plan.est_slowdown:.2f}", path.stem
+
+
+@by_name(LTX2_UI)
+def test_the_ltx2_notes_say_how_guidance_and_the_decode_differ(path):
+    notes = " ".join(_note_texts(path).split())
+    assert "Guidance differs from LTX2Pipeline's defaults" in notes and "stg" in notes and "modality" in notes
+    assert "LTX-2's decoder is not causal" in notes
+
+
+def test_every_ltx2_template_is_checked():
+    assert len(LTX2_UI) == 4, [p.stem for p in LTX2_UI]
+
+
+def _note_texts(path) -> str:
+    """The text of the template's Note nodes."""
+    return "\n".join(str(value) for node in wr.load_json(path)["nodes"] if node["type"] in ("Note", "MarkdownNote")
+                     for value in node.get("widgets_values", []))
 
 
 @by_name(API_FILES)

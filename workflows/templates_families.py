@@ -25,6 +25,17 @@ from template_types import NEGATIVE, Machine, Template, diffusers_folder, strate
 FP8 = {"transformer": "fp8_scaled", "text_encoder": "fp8_scaled"}
 BF16 = {"transformer": "bf16", "text_encoder": "bf16"}
 LTX2_NEGATIVE = "worst quality, inconsistent motion, blurry, jittery, distorted"  # LTX2Pipeline's docstring example
+# What vidmem runs differently from LTX2Pipeline's defaults (pipelines/ltx2.py VIDEO_ONLY_GUIDANCE), and
+# how its VAE decodes in time (docs/decode.md): said in every LTX-2 template.
+LTX2_GUIDANCE = (
+    "Guidance differs from LTX2Pipeline's defaults: the one cfg guides video and sound alike (LTX2Pipeline: "
+    "audio cfg 7), and its spatio-temporal (stg 1, block 28) and modality-isolation (3) passes are off, as each "
+    "costs another transformer pass per step that the planner does not count; so the frames are not "
+    "LTX2Pipeline's default output for the same seed. ")
+LTX2_CHUNKS = (
+    "The VAE decodes in 64-frame chunks blended over 8 frames; LTX-2's decoder is not causal, so frames near "
+    "a chunk boundary differ slightly from a whole decode (temporal_size 121 or more decodes exactly, for more "
+    "VRAM: check with vidmem plan; docs/decode.md).")
 
 FAMILY_TEMPLATES = (
     Template(
@@ -96,11 +107,13 @@ FAMILY_TEMPLATES = (
             "time: in bf16 the weights alone would need about 66 GiB of RAM.\n\n"
             "Memory strategy, offload = sequential: every layer streams to the GPU as it runs, the next one "
             "copied while the current one computes; the text encoder streams the same way (text_encoder = "
-            "offload_after_encoding). The planner predicts 7.0 GiB VRAM at the peak (the denoise), 37 GiB of "
-            "RAM, and x1.15 the time of a resident run (the fp8 upcast and the copies). The VAE decodes in "
-            "512 px tiles: vidmem raises the strategy's default 256 px tiles for LTX-2's 32x VAE (2.5 GiB).\n\n"
+            "offload_after_encoding). The planner predicts 7.0 GiB VRAM at the peak (the denoise), 38 GiB of "
+            "RAM, and x1.14 the time of a resident run (the fp8 upcast and the copies). The VAE decodes in "
+            "512 px tiles: vidmem raises the strategy's default 256 px tiles for LTX-2's 32x VAE (2.5 GiB). "
+            + LTX2_CHUNKS + "\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
-            "121 --vram 8 --ram 48. 30 steps at cfg 3: LTX2Pipeline's defaults. Every strategy gives the same frames."
+            "121 --vram 8 --ram 48. 30 steps at cfg 3: LTX2Pipeline's defaults. " + LTX2_GUIDANCE +
+            "Every strategy gives the same frames."
         ),
         loader=diffusers_folder("LTX-2", "bf16", weight_dtype="fp8_scaled"),
         strategy=strategy("sequential", "offload_after_encoding"),
@@ -108,7 +121,7 @@ FAMILY_TEMPLATES = (
         negative_prompt=LTX2_NEGATIVE,
         width=768, height=512, frames=121, steps=30, cfg=3.0, fps=24.0,
         machine=Machine(8, 48, "ltx2-t2v-19b", FP8),
-        note_height=270,
+        note_height=None,
     ),
     Template(
         name="ltx2_t2v_fp8_blockswap",
@@ -124,10 +137,12 @@ FAMILY_TEMPLATES = (
             "36 stay on the GPU and the last 12 stream in from system RAM every step, the next one copied "
             "while the current one computes (prefetch_blocks = 1). The text encoder goes to the GPU alone "
             "and leaves once the prompt is encoded (text_encoder = offload_after_encoding); the VAE decodes "
-            "in 512 px tiles (the default 256, raised for LTX-2's 32x VAE). Predicted: 19.3 GiB VRAM at the peak (the denoise), 37 GiB of RAM (with 8 "
-            "swapped blocks it predicts 20.9 GiB: little room left).\n\n"
+            "in 512 px tiles (the default 256, raised for LTX-2's 32x VAE). Predicted: 19.3 GiB VRAM at the peak "
+            "(the denoise), 38 GiB of RAM (with 8 swapped blocks it predicts 20.9 GiB: little room left). "
+            + LTX2_CHUNKS + "\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
-            "121 --vram 24 --ram 64. 30 steps at cfg 3: LTX2Pipeline's defaults. Every strategy gives the same frames."
+            "121 --vram 24 --ram 64. 30 steps at cfg 3: LTX2Pipeline's defaults. " + LTX2_GUIDANCE +
+            "Every strategy gives the same frames."
         ),
         loader=diffusers_folder("LTX-2", "bf16", weight_dtype="fp8_scaled"),
         strategy=strategy("block_swap", "offload_after_encoding", 12),
@@ -135,7 +150,7 @@ FAMILY_TEMPLATES = (
         negative_prompt=LTX2_NEGATIVE,
         width=768, height=512, frames=121, steps=30, cfg=3.0, fps=24.0,
         machine=Machine(24, 64, "ltx2-t2v-19b", FP8),
-        note_height=270,
+        note_height=None,
     ),
     Template(
         name="ltx2_t2v_fp8_sound",
@@ -153,10 +168,11 @@ FAMILY_TEMPLATES = (
             "the waveform (at the vocoder's rate) and frees them. Without that node nothing of them is loaded, "
             "and the frames are the same with or without it.\n\n"
             "Memory strategy, offload = sequential, as in \"LTX-2 fp8, 8 GB, 48 GB RAM\": 7.0 GiB VRAM at the "
-            "peak (the denoise), 37 GiB of RAM; the audio parts are small beside it. The VAE decodes in 512 px "
-            "tiles (the default 256, raised for LTX-2's 32x VAE).\n\n"
+            "peak (the denoise), 38 GiB of RAM; the audio parts are small beside it. The VAE decodes in 512 px "
+            "tiles (the default 256, raised for LTX-2's 32x VAE). " + LTX2_CHUNKS + "\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
-            "121 --vram 8 --ram 48. 30 steps at cfg 3: LTX2Pipeline's defaults. Create Video's fps must stay 24."
+            "121 --vram 8 --ram 48. 30 steps at cfg 3: LTX2Pipeline's defaults. " + LTX2_GUIDANCE +
+            "Create Video's fps must stay 24."
         ),
         loader=diffusers_folder("LTX-2", "bf16", weight_dtype="fp8_scaled"),
         strategy=strategy("sequential", "offload_after_encoding"),
@@ -164,7 +180,7 @@ FAMILY_TEMPLATES = (
         negative_prompt=LTX2_NEGATIVE,
         width=768, height=512, frames=121, steps=30, cfg=3.0, fps=24.0,
         machine=Machine(8, 48, "ltx2-t2v-19b", FP8),
-        note_height=300,
+        note_height=None,
         audio=True,
     ),
 )

@@ -16,7 +16,7 @@ trained with Tencent's train.py. Each reuses its family's template of the same c
 from __future__ import annotations
 
 from template_types import NEGATIVE, LoraFile, LoraStep, Machine, Template, diffusers_folder, model_files, strategy
-from templates_families import FP8, LTX2_NEGATIVE
+from templates_families import FP8, LTX2_CHUNKS, LTX2_GUIDANCE, LTX2_NEGATIVE
 from templates_files import (
     UMT5_FP8_22, WAN21_14B_FILES, WAN21_VAE_22, WAN22_A14B_FILES, WAN22_HIGH_FP8, WAN22_LOW_FP8, files_text,
 )
@@ -164,11 +164,11 @@ LORA_TEMPLATES = (
             "and lists any key it cannot apply. The LoRA runs beside each layer (the fp8 weights are never "
             "rewritten), streamed with its block. 30 steps at cfg 3: LTX2Pipeline's defaults.\n\n"
             "Memory strategy: as the \"LTX-2 fp8, 24 GB, 64 GB RAM\" template, block_swap with blocks_to_swap = "
-            "12 (36 of the 48 blocks stay on the GPU). Predicted without the LoRA: 19.3 GiB VRAM at the peak, 37 "
+            "12 (36 of the 48 blocks stay on the GPU). Predicted without the LoRA: 19.3 GiB VRAM at the peak, 38 "
             "GiB of RAM; the LoRA adds at most its 0.33 GB (the Sampler's receipt shows its bytes). If you run "
-            "out of memory, raise blocks_to_swap by 4.\n\n"
+            "out of memory, raise blocks_to_swap by 4. " + LTX2_CHUNKS + "\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
-            "121 --vram 24 --ram 64."
+            "121 --vram 24 --ram 64. " + LTX2_GUIDANCE
         ),
         loader=diffusers_folder("LTX-2", "bf16", weight_dtype="fp8_scaled"),
         strategy=strategy("block_swap", "offload_after_encoding", 12),
