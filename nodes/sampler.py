@@ -112,7 +112,7 @@ class VidMemVideoSampler:
                     "(trained with snr_shift_scale 3) take only default. Set for this run only."}),
                 "shift": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.1, "tooltip":
                     "Flow shift. 0: the model's own. Wan: 3.0 at 480p, 5.0 at 720p. HunyuanVideo 1.5: 5.0 at 480p, "
-                    "9.0 at 720p. LTX-2: 0 only (its scheduler picks the shift from the resolution). CogVideoX: 0 "
+                    "9.0 at 720p (7.0 for I2V). LTX-2: 0 only (its scheduler picks the shift from the resolution). CogVideoX: 0 "
                     "only (no shift). A larger shift spends more steps at high noise (composition), a smaller one "
                     "on detail."}),
                 "cfg_2": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 30.0, "step": 0.1, "tooltip":
