@@ -1085,6 +1085,20 @@ def cached_time_line(plan, share: float) -> str:
             "computed; encoding and decoding unchanged).")
 
 
+def _ratio_file(folder: Path | None, ratios_name: str) -> Path:
+    """The ratio file `ratios_name` names in `folder`. Only a plain file name is read: the name comes from a
+    widget, which the plan route takes from an HTTP query, so a path (absolute, `..`) or something that is not
+    a regular file (a FIFO would block the read, a device would never end) is refused unopened."""
+    path = Path(folder or ".") / ratios_name
+    if ratios_name in ("", ".", "..") or any(separator in ratios_name for separator in "/\\"):
+        raise StrategyError(f"mag_ratios '{ratios_name}' is not a ratio file's name; pick a listed file, 'auto', or "
+                            "'calibrate'.")
+    if path.exists() and not path.is_file():
+        raise StrategyError(f"mag_ratios '{ratios_name}' in {path.parent} is not a regular file; pick a listed file, "
+                            "'auto', or 'calibrate'.")
+    return path
+
+
 def _mag_cache_for(layout: str, cache: StepCache | None, ratios_name: str, folder: Path | None) -> StepCache | None:
     """MagCache with the ratios `ratios_name` names for the model of `layout` (`cache` None: as published):
     None when "auto" finds nothing published for it; StrategyError for a file of another model."""
@@ -1093,7 +1107,7 @@ def _mag_cache_for(layout: str, cache: StepCache | None, ratios_name: str, folde
     if ratios_name == "auto":
         entry = _shipped().get(layout)
         return None if entry is None else _with_entry(cache, entry, "published")
-    entry = read_json_file(Path(folder or ".") / ratios_name, "mag_ratios")
+    entry = read_json_file(_ratio_file(folder, ratios_name), "mag_ratios")
     if entry.get("model") != layout:
         raise StrategyError(f"mag_ratios '{ratios_name}' was measured on {entry.get('model')!r}, not this model "
                             f"({layout}); pick this model's file, 'auto', or 'calibrate'.")

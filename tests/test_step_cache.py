@@ -703,3 +703,28 @@ def test_taylor_seer_hooks_exactly_the_declared_blocks_and_every_output_projecti
     bare = NoProjection()
     with pytest.raises(StrategyError, match=r"taylor_seer extrapolates .*\(NoProjection\) has no proj_out"):
         AppliedCache(TAYLOR, {"transformer": bare}, {"transformer": bare.blocks}).apply(STEPS)
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../secret.json", "sub/ratios.json", "..", "a\\b.json"])
+def test_mag_ratios_names_a_file_in_the_folder_never_a_path(tiny_loaded, tmp_path, name):
+    """The name comes from a widget (the plan route takes it from an HTTP query): a path is refused unopened."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "secret.json").write_text('{"model": "SECRET"}')
+    with pytest.raises(StrategyError, match="is not a ratio file's name") as refused:
+        cache_with_ratios_for(tiny_loaded("wan2.1-t2v"), name, tmp_path / "sub")
+    assert "SECRET" not in str(refused.value)
+
+
+def test_mag_ratios_that_is_not_a_regular_file_is_refused_unread(tiny_loaded, tmp_path):
+    """A FIFO in the folder would block the read forever (one plan worker serves every chart)."""
+    import os
+
+    os.mkfifo(tmp_path / "stuck.json")
+    with pytest.raises(StrategyError, match="is not a regular file"):
+        cache_with_ratios_for(tiny_loaded("wan2.1-t2v"), "stuck.json", tmp_path)
+
+
+def cache_with_ratios_for(loaded, name, folder):
+    from vidmem.pipelines.step_cache import cache_with_ratios
+
+    return cache_with_ratios(StepCache("mag_cache", mag_ratios=(1.0,)), loaded, name, folder)
