@@ -12,7 +12,7 @@ from pathlib import Path
 from .plan import parse_size
 
 DEMO_VARIANT = "wan2.1-t2v"
-OFFLOAD_TIERS = ("none", "model", "block_swap", "sequential")  # memory.strategy.OffloadTier, without importing torch
+OFFLOAD_TIERS = ("none", "model", "block_swap", "sequential", "auto")  # the Strategy node's offload choices, without torch
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:

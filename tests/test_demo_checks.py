@@ -43,3 +43,10 @@ def test_out_that_is_a_file_is_refused_before_the_render(nothing_built, tmp_path
     assert main(["demo", "--out", str(out)]) == 2
     assert f"--out {out} is a file, not a folder" in capsys.readouterr().err
     assert out.read_text() == "x"
+
+
+def test_the_offload_choices_are_the_strategy_nodes():
+    from vidmem.cli.demo import OFFLOAD_TIERS
+    from vidmem.nodes.strategy import VidMemMemoryStrategy
+
+    assert set(OFFLOAD_TIERS) == set(VidMemMemoryStrategy.INPUT_TYPES()["required"]["offload"][0])
