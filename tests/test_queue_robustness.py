@@ -31,12 +31,22 @@ def raw_server(answer: bytes) -> str:
     def serve():
         while True:
             connection, _ = listener.accept()
-            connection.recv(65536)
+            read_request(connection)  # all of it: unread bytes would make the close a reset
             connection.sendall(answer)
             connection.close()
 
     threading.Thread(target=serve, daemon=True).start()
     return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def read_request(connection: socket.socket) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data and (chunk := connection.recv(65536)):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length and (chunk := connection.recv(65536)):
+        body += chunk
 
 
 @pytest.mark.parametrize("answer", [b"SSH-2.0-OpenSSH_9.6\r\n",
