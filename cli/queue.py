@@ -7,7 +7,7 @@ It posts the workflow to `/prompt` with a client id, shows progress from ComfyUI
 reports a rejected workflow's node errors in plain words, waits until `/history/<id>` says the
 prompt finished, prints the nodes' text outputs (vidmem's memory receipts), and downloads the
 saved files through `/view`. Exit status: 0 success, 1 the server rejected or failed the prompt
-(or it timed out), 2 bad command-line input.
+(or it timed out), 2 bad command-line input, 130 Ctrl-C (the prompt stays on the server).
 
 Progress comes from ComfyUI's websocket (through `websocket-client`), because that is where
 ComfyUI sends per-step progress; `/history` stays the authority on completion and is also polled
@@ -332,7 +332,7 @@ def open_socket(server: Server, client_id: str) -> ProgressSocket | None:
 
 
 def run_queue(args: argparse.Namespace) -> int:
-    """`vidmem queue`: 0 on success, 1 when the server rejects or fails the prompt, 2 on bad input."""
+    """`vidmem queue`: 0 on success, 1 when the server rejects or fails the prompt, 2 on bad input, 130 on Ctrl-C."""
     try:
         check_wait_and_out(args.timeout, args.out)
         workflow = apply_overrides(load_workflow(args.workflow), [parse_override(s) for s in args.set or []])
