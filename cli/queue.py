@@ -306,7 +306,7 @@ def queue_state(server: Server, prompt_id: str) -> str:
     try:
         queue = server.get_json("/queue", timeout=min(server.timeout, 5.0))
     except QueueError:
-        return "its state on the server is unknown (GET /queue did not answer)"
+        return "its state on the server is unknown (GET /queue did not say)"
     for key, state in (("queue_running", "it is still running"), ("queue_pending", "it is still queued")):
         items = queue.get(key) if isinstance(queue.get(key), list) else []  # ComfyUI's: [[number, prompt_id, ...]]
         if any(isinstance(item, list) and len(item) > 1 and item[1] == prompt_id for item in items):
