@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from .demo import add_demo_parser, run_demo
-from .plan import add_plan_parser, run_plan
+from .plan import add_plan_parser, in_flag_spelling, run_plan
 from .queue import add_queue_parser, run_queue  # standard library only: cheap to import
 
 
@@ -25,5 +25,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ValueError as error:  # bad input: one clear line, no traceback
-        print(f"vidmem: {error}", file=sys.stderr)
+        print(f"vidmem: {in_flag_spelling(str(error))}", file=sys.stderr)
         return 2

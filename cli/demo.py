@@ -12,6 +12,7 @@ from pathlib import Path
 from .plan import parse_size
 
 DEMO_VARIANT = "wan2.1-t2v"
+OFFLOAD_TIERS = ("none", "model", "block_swap", "sequential", "auto")  # the Strategy node's offload choices, without torch
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -19,7 +20,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("vidmem-demo"), help="folder for demo.mp4 and receipt.json")
     demo.add_argument("--variant", default=DEMO_VARIANT, help="built-in tiny model (see --list-variants)")
     demo.add_argument("--list-variants", action="store_true", help="print the built-in variants and exit")
-    demo.add_argument("--offload", default="block_swap", help="none | model | block_swap | sequential")
+    demo.add_argument("--offload", default="block_swap", choices=OFFLOAD_TIERS, help=" | ".join(OFFLOAD_TIERS))
     demo.add_argument("--blocks-to-swap", type=int, default=1, help="for --offload block_swap")
     demo.add_argument("--size", default="64x64", help="WIDTHxHEIGHT")
     demo.add_argument("--frames", type=int, default=17)
@@ -39,6 +40,7 @@ def run_demo(args: argparse.Namespace) -> int:
     spec = tiny_spec(args.variant)
     if spec.needs_image:
         raise ValueError(f"--variant {args.variant} is image-to-video; the demo runs text-to-video variants.")
+    _check_run(args, spec)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vidmem-demo-") as scratch:
         folder = save_tiny_pipeline(args.variant, Path(scratch) / args.variant)
@@ -48,6 +50,22 @@ def run_demo(args: argparse.Namespace) -> int:
     (args.out / "receipt.json").write_text(json.dumps(receipt, indent=2))
     print(json.dumps(receipt, indent=2))
     return 0
+
+
+def _check_run(args: argparse.Namespace, spec) -> None:
+    """What the nodes would refuse after the model is built, refused first (ValueError naming the flag):
+    nothing is written and nothing is built for a run that cannot happen."""
+    from ..pipelines.loader import family_for
+
+    problem = family_for(spec.pipeline).frames_error(args.frames)
+    if problem:
+        raise ValueError(problem.replace(f"frames={args.frames}", f"--frames {args.frames}"))
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps} must be at least 1.")
+    if args.offload == "block_swap" and args.blocks_to_swap < 1:
+        raise ValueError(f"--blocks-to-swap {args.blocks_to_swap} must be at least 1 for --offload block_swap.")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a folder; give a folder for demo.mp4 and receipt.json.")
 
 
 def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int):

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 
 from .plan_parallel import add_parallel_arguments, run_parallel_plan, wants_parallel
-from .plan_train import add_train_arguments, run_train_plan
+from .plan_train import add_train_arguments, refuse_sampling_flags, run_train_plan
 
 # Not vidmem.memory.units.GiB: importing vidmem.memory loads torch, and `vidmem --help` and
 # `vidmem queue` import this module without needing it.
@@ -70,7 +72,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       "time (on the model's frame grid, e.g. 81 for Wan); 0: the whole clip at once")
     plan.add_argument("--window-overlap", type=int, default=0, help="video frames two neighbouring context windows "
                       "share and blend (a multiple of 4, smaller than --window)")
-    plan.add_argument("--steps", type=int, default=50, help="denoising steps (time estimate only)")
+    plan.add_argument("--steps", type=int, default=50, help="denoising steps, 1-1000 as the Sampler takes (time "
+                      "estimate only)")
     plan.add_argument("--batch", type=int, default=1, help="videos per prompt")
     plan.add_argument("--cache", choices=("off", "mag_cache", "taylor_seer"), default="off",
                       help="mag_cache: also say how many steps MagCache with the model's published ratios computes; "
@@ -80,7 +83,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       choices=("device", "offload_after_encoding", "cpu"), help="starting text encoder placement")
     plan.add_argument("--prefetch", type=int, default=1, help="streamed blocks copied ahead")
     plan.add_argument("--activation-chunks", default="auto", help="token slices per transformer block: auto (the "
-                      "fewest that fit), off, or 2..64 (same video, lower denoise peak)")
+                      "fewest that fit), off, or 2, 4, 8, 16, 32, 64 as the Memory Strategy node offers (same video, "
+                      "lower denoise peak)")
     plan.add_argument("--allocator", default="native", choices=("native", "cudaMallocAsync"),
                       help="CUDA allocator backend: native = PyTorch's caching allocator (plain scripts); "
                            "cudaMallocAsync = ComfyUI's default on CUDA builds (modelled as live bytes)")
@@ -106,10 +110,12 @@ def run_plan(args: argparse.Namespace) -> int:
     from ..memory.plan.costs import NVME_BYTES_PER_S
     from ..memory.strategy import MemoryStrategy
 
+    _check_numbers(args)
+    refuse_sampling_flags(args)
     model = load_model(args.model, args.dtype, args.vae_dtype)
     own = defaults(args.model)
     width, height = parse_size(args.size) if args.size else (own.get("width"), own.get("height"))
-    frames = args.frames or own.get("frames")
+    frames = own.get("frames") if args.frames is None else args.frames
     if width is None or frames is None:
         raise ValueError("--size and --frames are required for a model folder (e.g. --size 832x480 --frames 81).")
     shape = VideoShape(width, height, frames, batch=args.batch, cfg=not args.no_cfg,
@@ -119,8 +125,6 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.train:  # a training step: no guidance pass, no text encoder or VAE on the device
         return run_train_plan(args, model, VideoShape(width, height, frames, batch=args.batch, cfg=False), vram, ram)
     disk_gbps = NVME_BYTES_PER_S / 1e9 if args.disk_gbps is None else args.disk_gbps
-    if disk_gbps <= 0:
-        raise ValueError(f"--disk-gbps {args.disk_gbps} must be a positive read rate in GB/s, e.g. 3 for an NVMe SSD.")
     storage = model.layout.stored_as(args.weights) if args.weights else {}
     options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps,
                           storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9,
@@ -150,6 +154,36 @@ def run_plan(args: argparse.Namespace) -> int:
         if message:
             print(f"\n{message}")
     return 0 if best is not None else 1
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The numeric flags and --activation-chunks, before a model is built: ValueError naming the flag.
+    Budgets and the disk rate must be finite and positive (inf would plan an unbounded machine, nan
+    compares false with every limit); frames and steps take the Sampler's ranges."""
+    from ..nodes.strategy import CHUNK_CHOICES  # the Memory Strategy node's own choices
+
+    for flag, value, example in (("--vram", args.vram, "12"), ("--ram", args.ram, "32"), ("--disk-gbps", args.disk_gbps, "3")):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            unit = "a read rate in GB/s" if flag == "--disk-gbps" else "a budget in GiB"
+            raise ValueError(f"{flag} {value} must be a positive finite number, {unit}, e.g. {flag} {example}.")
+    if args.frames is not None and args.frames < 1:
+        raise ValueError(f"--frames {args.frames} must be at least 1 (or leave it out for the model's own).")
+    if not 1 <= args.steps <= 1000:
+        raise ValueError(f"--steps {args.steps} must be from 1 to 1000, as the Video Sampler takes.")
+    if args.activation_chunks not in CHUNK_CHOICES:
+        raise ValueError(f"--activation-chunks {args.activation_chunks} must be one of {', '.join(CHUNK_CHOICES)}, "
+                         "as the Memory Strategy node offers.")
+
+
+# Engine inputs as the plan command spells them, for messages the CLI passes on (the engine says "name=value").
+FLAGS = {"prefetch_blocks": "--prefetch", "activation_chunks": "--activation-chunks", "batch": "--batch",
+         "frames": "--frames", "steps": "--steps", "text_encoder": "--text-encoder",
+         "width": "--size width", "height": "--size height"}
+
+
+def in_flag_spelling(message: str) -> str:
+    """An engine message with its leading 'name=' written as the flag that set it ('--prefetch -1')."""
+    return re.sub(r"^(\w+)=", lambda m: f"{FLAGS[m.group(1)]} " if m.group(1) in FLAGS else m.group(0), message)
 
 
 def _windows(model, frames: int, window: int, overlap: int) -> dict:
@@ -258,7 +292,7 @@ def _cache_line(model, steps: int, shape, plan=None, method: str = "mag_cache") 
 
 
 def _budgets(args: argparse.Namespace) -> tuple[int, int]:
-    vram = args.vram
+    vram = args.vram  # a given budget was checked (_check_numbers)
     if vram is None:
         import torch
 
@@ -270,8 +304,6 @@ def _budgets(args: argparse.Namespace) -> tuple[int, int]:
         import psutil
 
         ram = psutil.virtual_memory().total / GIB
-    if vram <= 0 or ram <= 0:
-        raise ValueError(f"--vram {vram} and --ram {ram} must be positive GiB values.")
     return int(vram * GIB), int(ram * GIB)
 
 
@@ -292,5 +324,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_plan(args)
     except ValueError as error:
-        print(f"vidmem: {error}", file=sys.stderr)
+        print(f"vidmem: {in_flag_spelling(str(error))}", file=sys.stderr)
         return 2

@@ -38,6 +38,19 @@ def add_train_arguments(plan: argparse.ArgumentParser) -> None:
                        "once the weights are loaded, keeping 8 GiB unpinned)")
 
 
+# Flags that shape a sampling plan and that the training step's plan has no use for: (flag, its value, its default).
+SAMPLING_ONLY = (("--window", "window", 0), ("--window-overlap", "window_overlap", 0), ("--disk", "disk", False),
+                 ("--disk-gbps", "disk_gbps", None), ("--cache", "cache", "off"))
+
+
+def refuse_sampling_flags(args: argparse.Namespace) -> None:
+    """--train with a sampling-only flag: ValueError naming them, rather than a plan that silently ignored them."""
+    given = [flag for flag, name, default in SAMPLING_ONLY if getattr(args, name) != default]
+    if args.train and given:
+        raise ValueError(f"{', '.join(given)} {'plans' if len(given) == 1 else 'plan'} sampling; --train plans one "
+                         f"training step without {'it' if len(given) == 1 else 'them'} (drop {', '.join(given)}).")
+
+
 def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) -> int:
     from ..memory.accounting import Attention
     from ..memory.plan.train_plan import TrainRequest, advice

@@ -7,7 +7,7 @@ It posts the workflow to `/prompt` with a client id, shows progress from ComfyUI
 reports a rejected workflow's node errors in plain words, waits until `/history/<id>` says the
 prompt finished, prints the nodes' text outputs (vidmem's memory receipts), and downloads the
 saved files through `/view`. Exit status: 0 success, 1 the server rejected or failed the prompt
-(or it timed out), 2 bad command-line input.
+(or it timed out), 2 bad command-line input, 130 Ctrl-C (the prompt stays on the server).
 
 Progress comes from ComfyUI's websocket (through `websocket-client`), because that is where
 ComfyUI sends per-step progress; `/history` stays the authority on completion and is also polled
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import urllib.parse
@@ -32,6 +33,7 @@ from .queue_client import (
     ProgressSocket,
     QueueError,
     Server,
+    Unreachable,
     UsageError,
     download,
     json_object,
@@ -59,6 +61,11 @@ def load_workflow(path: Path) -> dict:
         )
     if not isinstance(data, dict) or not all(isinstance(n, dict) and "class_type" in n for n in data.values()):
         raise UsageError(f"'{path}' is not an API-format workflow ({{node id: {{class_type, inputs}}}}).")
+    for node_id, node in data.items():  # --set and the messages read these; a list there would crash them
+        for key in ("inputs", "_meta"):
+            if not isinstance(node.get(key, {}), dict):
+                raise UsageError(f"'{path}': node {node_id}'s {key!r} is a {type(node[key]).__name__}, not an object "
+                                 "({name: value}); export the workflow again with Export (API).")
     return data
 
 
@@ -229,7 +236,8 @@ def submit(server: Server, workflow: dict, client_id: str) -> str:
             payload = json_object(raw, "POST /prompt")
         except QueueError:
             payload = {"error": quote(raw)}
-        raise QueueError("the server rejected the workflow:\n  " + "\n  ".join(node_error_lines(payload, workflow)))
+        lines = node_error_lines(payload, workflow) or [f"HTTP 400: {quote(raw)!r}"]  # no error and no node_errors
+        raise QueueError("the server rejected the workflow:\n  " + "\n  ".join(lines))
     if status != 200:
         raise QueueError(f"POST /prompt: HTTP {status}: {quote(raw)}")
     payload = json_object(raw, "POST /prompt")
@@ -241,9 +249,9 @@ def submit(server: Server, workflow: dict, client_id: str) -> str:
     return prompt_id
 
 
-def finished(server: Server, prompt_id: str) -> dict | None:
-    """The prompt's history entry once it is done, None while it is not."""
-    entry = server.get_json(f"/history/{urllib.parse.quote(prompt_id)}").get(prompt_id)
+def finished(server: Server, prompt_id: str, timeout: float | None = None) -> dict | None:
+    """The prompt's history entry once it is done, None while it is not (`timeout`: for the request)."""
+    entry = server.get_json(f"/history/{urllib.parse.quote(prompt_id)}", timeout).get(prompt_id)
     if entry is None:
         return None
     entry = mapping(entry, f"history entry of prompt {prompt_id}")
@@ -258,9 +266,12 @@ TERMINAL = ("execution_success", "execution_error", "execution_interrupted")
 
 def wait(server: Server, socket_: ProgressSocket | None, prompt_id: str, view: ProgressView, timeout: float) -> dict:
     """The history entry once the prompt is done. The websocket (if any) drives the view and says
-    when to look early; /history is polled every POLL_S seconds regardless and decides."""
+    when to look early; /history is polled every POLL_S seconds regardless and decides. A poll that
+    gets no answer (slow, refused, cut short) is tried again until the deadline, each request given at
+    most the time left: the prompt is queued, so only `timeout` ends the wait."""
     deadline = time.monotonic() + timeout
     next_poll = time.monotonic() + POLL_S
+    unanswered = ""  # the last poll failure shown
     while time.monotonic() < deadline:
         message = None
         if socket_ is not None:
@@ -275,17 +286,40 @@ def wait(server: Server, socket_: ProgressSocket | None, prompt_id: str, view: P
             view.message(message, prompt_id)
         if ends(message, prompt_id) or time.monotonic() >= next_poll:
             next_poll = time.monotonic() + POLL_S
-            entry = finished(server, prompt_id)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                entry = finished(server, prompt_id, min(server.timeout, left))
+            except Unreachable as error:
+                if str(error) != unanswered:  # once per kind of failure, not once a second
+                    print(f"note: {error}; trying again until --timeout", file=sys.stderr)
+                unanswered = str(error)
+                continue
             if entry:
                 return entry
-    raise QueueError(f"prompt {prompt_id} did not finish within {timeout:.0f} s (it is still queued or running on the server).")
+    raise QueueError(f"prompt {prompt_id} did not finish within {timeout:g} s; {queue_state(server, prompt_id)}.")
+
+
+def queue_state(server: Server, prompt_id: str) -> str:
+    """Where the prompt is, from GET /queue, in words; "unknown" when the server does not say."""
+    try:
+        queue = server.get_json("/queue", timeout=min(server.timeout, 5.0))
+    except QueueError:
+        return "its state on the server is unknown (GET /queue did not say)"
+    for key, state in (("queue_running", "it is still running"), ("queue_pending", "it is still queued")):
+        items = queue.get(key) if isinstance(queue.get(key), list) else []  # ComfyUI's: [[number, prompt_id, ...]]
+        if any(isinstance(item, list) and len(item) > 1 and item[1] == prompt_id for item in items):
+            return f"{state} on the server (POST {server.url}/interrupt stops a running prompt)"
+    return "the server's queue does not list it; its state is unknown (see GET /history)"
 
 
 def ends(message: dict | None, prompt_id: str) -> bool:
     """Does this websocket message say our prompt is over (done, failed, interrupted)?"""
-    if not message or (message.get("data") or {}).get("prompt_id") != prompt_id:
+    data = (message or {}).get("data") or {}
+    if not isinstance(data, dict) or data.get("prompt_id") != prompt_id:  # not shaped like ComfyUI's: not ours
         return False
-    kind, data = message.get("type"), message.get("data") or {}
+    kind = message.get("type")
     return kind in TERMINAL or (kind == "executing" and data.get("node") is None)
 
 
@@ -298,17 +332,19 @@ def open_socket(server: Server, client_id: str) -> ProgressSocket | None:
 
 
 def run_queue(args: argparse.Namespace) -> int:
-    """`vidmem queue`: 0 on success, 1 when the server rejects or fails the prompt, 2 on bad input."""
+    """`vidmem queue`: 0 on success, 1 when the server rejects or fails the prompt, 2 on bad input, 130 on Ctrl-C."""
     try:
+        check_wait_and_out(args.timeout, args.out)
         workflow = apply_overrides(load_workflow(args.workflow), [parse_override(s) for s in args.set or []])
         server = Server(args.server)
     except UsageError as error:
         print(f"vidmem queue: {error}", file=sys.stderr)
         return 2
     client_id = f"vidmem-queue-{uuid.uuid4().hex}"
-    socket_ = open_socket(server, client_id)  # before posting, so no early message is missed
     view = ProgressView(workflow)
+    socket_ = prompt_id = None
     try:
+        socket_ = open_socket(server, client_id)  # before posting, so no early message is missed
         prompt_id = submit(server, workflow, client_id)
         print(f"queued prompt {prompt_id} on {server.url}", file=sys.stderr)
         entry = wait(server, socket_, prompt_id, view, args.timeout)
@@ -320,10 +356,25 @@ def run_queue(args: argparse.Namespace) -> int:
         view.done()
         print(f"vidmem queue: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C stops the waiting here, not the prompt on the server
+        view.done()
+        where = (f"prompt {prompt_id} is still on the server; POST {server.url}/interrupt stops it if it is running"
+                 if prompt_id else f"the prompt may have been queued; GET {server.url}/queue shows it")
+        print(f"\nvidmem queue: interrupted: {where}.", file=sys.stderr)
+        return 130
     finally:
         if socket_ is not None:
             socket_.close()
     return 0
+
+
+def check_wait_and_out(timeout: float, out: Path | None) -> None:
+    """--timeout and --out checked before anything is sent (UsageError): a render must not end in a
+    refusal that was known before it started."""
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"--timeout {timeout:g} must be a positive number of seconds, e.g. 3600.")
+    if out is not None and out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a folder; give a folder (it is created if missing).")
 
 
 def report(entry: dict, workflow: dict, server: Server, out: Path | None) -> None:

@@ -10,6 +10,7 @@ place, so an interrupted download never leaves half a file under the expected na
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import socket
@@ -35,6 +36,11 @@ class UsageError(Exception):
     """Bad local input (file, --set); nothing was sent."""
 
 
+class Unreachable(QueueError):
+    """No usable answer came (refused, timed out, not HTTP, cut short): while waiting for a prompt that
+    is already queued, a passing state, not a verdict on the prompt."""
+
+
 # --- HTTP to the one server -----------------------------------------------------------------------
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -57,22 +63,26 @@ class Server:
         self.url = self.url.rstrip("/")
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
-    def request(self, path: str, body: dict | None = None) -> tuple[int, bytes]:
-        """(status, body); an HTTP error status is returned, a connection failure raises QueueError."""
+    def request(self, path: str, body: dict | None = None, timeout: float | None = None) -> tuple[int, bytes]:
+        """(status, body); an HTTP error status is returned, no usable answer raises Unreachable.
+        `timeout`: seconds for this request (None: the server's), e.g. the time a wait has left."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
         req = urllib.request.Request(self.url + path, data=data, headers=headers)
         try:
-            with self._opener.open(req, timeout=self.timeout) as response:
+            with self._opener.open(req, timeout=self.timeout if timeout is None else timeout) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as error:
             return error.code, error.read() if error.fp else b""
+        except http.client.HTTPException as error:  # a non-HTTP service on the port, or an answer cut short
+            raise Unreachable(f"{self.url}{path} answered something that is not HTTP, or cut its answer short "
+                              f"({type(error).__name__}); is --server a ComfyUI server?") from None
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
-            raise QueueError(f"cannot reach {self.url}{path}: {reason}") from None
+            raise Unreachable(f"cannot reach {self.url}{path}: {reason}") from None
 
-    def get_json(self, path: str) -> dict:
-        status, raw = self.request(path)
+    def get_json(self, path: str, timeout: float | None = None) -> dict:
+        status, raw = self.request(path, timeout=timeout)
         if status != 200:
             raise QueueError(f"GET {path}: HTTP {status}: {quote(raw)}")
         return json_object(raw, f"GET {path}")
@@ -238,5 +248,11 @@ def download(server: Server, files: list[OutputFile], out: Path) -> list[Path]:
         status, data = server.request(f"/view?{file.query()}")
         if status != 200:
             raise QueueError(f"GET /view?{file.query()}: HTTP {status}: {quote(data)}")
-        saved.append(write_bytes_atomically(file.target(out), data))
+        target = file.target(out)
+        try:
+            saved.append(write_bytes_atomically(target, data))
+        except OSError as error:
+            raise QueueError(f"cannot write {target}: {error.strerror or error}. The outputs are still on the server "
+                             f"({len(saved)} of {len(files)} saved here); free the space or pick another --out and "
+                             "download them through /view.") from None
     return saved

@@ -10,6 +10,7 @@ weight_dtype choice where it lowers the matrices; the VAE and image encoder at t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -68,8 +69,7 @@ def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
         if name not in host.model_file_names(LISTED_AS.get(role, role)):
             raise FilesProblem(role, f"{role}={name!r} is not in the host's {role} file list; pick a file the "
                                      "Load Video Model Files node offers.")
-        path = host.resolve_model_file(LISTED_AS.get(role, role), name, role)
-        stat = path.stat()
+        stat = _listed_stat(lambda: host.resolve_model_file(LISTED_AS.get(role, role), name, role), role, name)
         files.append((role, name, stat.st_size, stat.st_mtime_ns))
     vae_dtype = vae_dtype_request(query, PREFIX + "vae_dtype", vae_dtypes)
     weight_dtype = query.get(PREFIX + "weight_dtype", DEFAULT_WEIGHTS)
@@ -80,6 +80,16 @@ def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
     if on_disk not in ("true", "false"):
         raise FilesProblem("weights_on_disk", f"weights_on_disk={on_disk!r} must be true or false.")
     return FilesRequest(tuple(files), vae_dtype, weight_dtype, on_disk == "true")
+
+
+def _listed_stat(resolve, widget: str, name: str) -> os.stat_result:
+    """The stat of a file the host listed a moment ago; FilesProblem naming the widget when it has gone
+    since (deleted, moved, unreadable): a bad request, not a server error."""
+    try:
+        return resolve().stat()
+    except OSError as error:
+        raise FilesProblem(widget, f"{widget}={name!r} is listed but cannot be read now ({error.strerror or error}); "
+                                   "refresh the node's file list and pick it again.") from None
 
 
 def vae_dtype_request(query, key: str, vae_dtypes: list[str]) -> str:
@@ -128,7 +138,7 @@ def transformer_file_request(query) -> tuple[str, int, int] | None:
     if name not in host.single_file_transformer_names():
         raise FilesProblem("transformer_file", f"transformer_file={name!r} is not in the host's list; pick one the "
                                                "Load Video Pipeline node offers, or (from the folder).")
-    stat = host.resolve_single_file(name).stat()
+    stat = _listed_stat(lambda: host.resolve_single_file(name), "transformer_file", name)
     return name, stat.st_size, stat.st_mtime_ns
 
 
@@ -143,7 +153,7 @@ def text_encoder_files_request(query) -> tuple[tuple[str, str, int, int], ...]:
         if name not in host.model_file_names("text_encoder"):
             raise FilesProblem(widget, f"{widget}={name!r} is not in the host's text encoder list; pick one the "
                                        f"Load Video Pipeline node offers, or {FOLDER_TEXT_ENCODER}.")
-        stat = host.resolve_model_file("text_encoder", name, widget).stat()
+        stat = _listed_stat(lambda: host.resolve_model_file("text_encoder", name, widget), widget, name)
         chosen.append((component, name, stat.st_size, stat.st_mtime_ns))
     return tuple(chosen)
 

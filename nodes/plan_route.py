@@ -121,14 +121,16 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
                        files=files, transformer_file=transformer_file, text_encoder_files=text_encoder_files,
                        weight_dtype=weight_dtype, vae_dtype=vae_dtype,
-                       steps=steps, cache=_node_widgets(query, CACHE_PREFIX, VidMemStepCache, "Step Cache", ("mag_ratios",)),
+                       steps=steps, cache=_node_widgets(query, CACHE_PREFIX, VidMemStepCache, "Step Cache"),
                        speed=_node_widgets(query, SPEED_PREFIX, VidMemSpeed, "Speed"), activation_chunks=values[CHUNKS],
                        **{name: values[name] for name in PARALLEL_WIDGETS})
 
 
-def _node_widgets(query: Mapping[str, str], prefix: str, node_cls, node: str, free=()) -> tuple[tuple[str, object], ...]:
+def _node_widgets(query: Mapping[str, str], prefix: str, node_cls, node: str) -> tuple[tuple[str, object], ...]:
     """A node connected to the Sampler, its widgets sent as <prefix><name>; () when none is (its
-    first widget absent). `free`: widgets whose lists are the host's files, checked when planned."""
+    first widget absent). Every list widget must be one of the node's own choices: the Step Cache's
+    mag_ratios becomes a file path when planned, so a name the node does not list (an absolute path,
+    `..`, a FIFO) is refused here, before any file is opened."""
     if not any(name.startswith(prefix) for name in query):  # before INPUT_TYPES: the cache node's lists files
         return ()
     types = node_cls.INPUT_TYPES()
@@ -138,9 +140,6 @@ def _node_widgets(query: Mapping[str, str], prefix: str, node_cls, node: str, fr
     sent = {name[len(prefix):]: text for name, text in query.items() if name.startswith(prefix)}
     found = []
     for name, entry in spec.items():
-        if name in free:
-            found.append((name, sent.get(name, entry[1].get("default"))))
-            continue
         try:
             found.append((name, _widget(sent, name, entry)))
         except PlanRequestError as error:

@@ -296,8 +296,8 @@ def test_the_plan_says_what_a_connected_step_cache_skips_before_the_run():
     fbc = _wan_13b_cache_plan(**dict(widgets, method="first_block_cache"))["speed"][0]
     assert "known only after the run" in fbc and "Time with the cache" not in fbc
     assert "computes every step" in _wan_13b_cache_plan(**dict(widgets, mag_ratios="calibrate"))["speed"][0]
-    missing = _wan_13b_cache_plan(**dict(widgets, mag_ratios="gone.json"))["speed"][0]
-    assert "gone.json" in missing and "missing" in missing
+    with pytest.raises(PlanRequestError, match="mag_ratios='gone.json' must be one of auto, calibrate"):
+        _wan_13b_cache_plan(**dict(widgets, mag_ratios="gone.json"))  # not a file the node lists: never opened
     assert _wan_13b_cache_plan(**dict(widgets, method="off"))["speed"] == []
     taylor = _wan_13b_cache_plan(**dict(widgets, method="taylor_seer", interval="4", warmup_steps="2",
                                         end_steps="3"))["speed"][0]

@@ -1,0 +1,55 @@
+"""`vidmem plan`'s flags: numbers that cannot describe a machine or a run are refused with exit 2 and
+a message naming the flag, never a traceback or a plan of something else (--frames 0 planned as 81)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vidmem.cli import main
+
+PLAN = ["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "16"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--vram", "inf"], "--vram inf must be a positive finite number, a budget in GiB"),
+    (["--vram", "nan"], "--vram nan must be a positive finite number"),
+    (["--ram", "1e400"], "--ram inf must be a positive finite number"),
+    (["--ram", "-2"], "--ram -2.0 must be a positive finite number"),
+    (["--disk", "--disk-gbps", "nan"], "--disk-gbps nan must be a positive finite number, a read rate in GB/s"),
+    (["--frames", "0"], "--frames 0 must be at least 1"),
+    (["--steps", "0"], "--steps 0 must be from 1 to 1000"),
+    (["--steps", "-5", "--cache", "mag_cache"], "--steps -5 must be from 1 to 1000"),
+    (["--steps", "1001"], "--steps 1001 must be from 1 to 1000"),
+    (["--activation-chunks", "3"], "--activation-chunks 3 must be one of auto, off, 2, 4, 8, 16, 32, 64"),
+], ids=["vram-inf", "vram-nan", "ram-overflow", "ram-negative", "disk-nan", "frames-0", "steps-0", "steps-neg-cache",
+        "steps-1001", "chunks-3"])
+def test_numbers_that_describe_no_machine_or_run_are_refused_naming_the_flag(flags, message, capsys):
+    assert main(PLAN + flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefetch", "-1"], "vidmem: --prefetch -1 must be 0 or more"),
+    (["--batch", "0"], "vidmem: --batch 0 must be at least 1"),
+    (["--size", "0x0"], "vidmem: --size width 0 must be a multiple of 16"),
+])
+def test_engine_refusals_are_written_as_the_flags(flags, message, capsys):
+    assert main(PLAN + flags) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--window", "81"], "--window plans sampling"),
+    (["--disk"], "--disk plans sampling"),
+    (["--cache", "mag_cache"], "--cache plans sampling"),
+    (["--window", "81", "--window-overlap", "16", "--disk-gbps", "1"], "--window, --window-overlap, --disk-gbps plan sampling"),
+])
+def test_train_refuses_the_sampling_flags_it_would_ignore(flags, named, capsys):
+    assert main(PLAN + ["--train"] + flags) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_the_node_choices_and_train_without_sampling_flags_still_plan(capsys):
+    assert main(PLAN + ["--activation-chunks", "4", "--steps", "1", "--frames", "1", "--json"]) in (0, 1)
+    assert main(PLAN + ["--train", "--size", "320x192", "--frames", "9", "--json"]) in (0, 1)

@@ -1,0 +1,52 @@
+"""`vidmem demo` refuses what the nodes would refuse before it creates --out or builds the model:
+a refused run leaves no folder behind and costs no model build."""
+
+from __future__ import annotations
+
+import pytest
+
+from vidmem.cli import main
+from vidmem.pipelines import tiny
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    def build(*args, **kwargs):
+        raise AssertionError("the tiny model must not be built for a refused run")
+
+    monkeypatch.setattr(tiny, "save_tiny_pipeline", build)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--frames", "16"], "--frames 16 is not valid for wan: use 4k+1 frames"),
+    (["--frames", "0"], "--frames 0 is not valid"),
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--blocks-to-swap", "0"], "--blocks-to-swap 0 must be at least 1 for --offload block_swap"),
+])
+def test_a_run_the_nodes_would_refuse_is_refused_before_out_is_made(nothing_built, tmp_path, flags, message, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_an_unknown_offload_tier_is_refused_by_the_parser(nothing_built, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--out", str(tmp_path / "demo"), "--offload", "swap"])
+    assert exit_.value.code == 2 and "invalid choice: 'swap'" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
+
+
+def test_out_that_is_a_file_is_refused_before_the_render(nothing_built, tmp_path, capsys):
+    out = tmp_path / "afile"
+    out.write_text("x")
+    assert main(["demo", "--out", str(out)]) == 2
+    assert f"--out {out} is a file, not a folder" in capsys.readouterr().err
+    assert out.read_text() == "x"
+
+
+def test_the_offload_choices_are_the_strategy_nodes():
+    from vidmem.cli.demo import OFFLOAD_TIERS
+    from vidmem.nodes.strategy import VidMemMemoryStrategy
+
+    assert set(OFFLOAD_TIERS) == set(VidMemMemoryStrategy.INPUT_TYPES()["required"]["offload"][0])
