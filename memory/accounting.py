@@ -108,7 +108,11 @@ class TensorLedger(TorchDispatchMode):
             out = _rebuild(*cached)
         else:
             out = func(*args, **kwargs)
-            if key is not None:
+            if fresh and _returns_an_input(out, args, kwargs):
+                # an op whose schema claims a fresh result but hands back an input's storage (aten._unsafe_view,
+                # which matmul's reshape runs): nothing is allocated, and a cached rebuild would allocate
+                fresh = False
+            elif key is not None:
                 self._cache.store(key, out)
         if fresh:
             for tensor in out if isinstance(out, (tuple, list)) else (out,):
@@ -220,6 +224,23 @@ def _meta_of(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_meta_of(v) for v in value)
     return value
+
+
+def _returns_an_input(out: Any, args, kwargs) -> bool:
+    """Whether a tensor `out` holds shares its storage with a tensor in the op's arguments."""
+    inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+    return any(t.untyped_storage()._cdata in inputs for t in _tensors(out))
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def _rebuild(is_sequence: bool, meta: tuple) -> Any:
