@@ -39,7 +39,7 @@ def text_encode_stage(model: PlannerModel, shape: VideoShape, strategy: MemorySt
             host += trace.peak_bytes + weights.transient_bytes
             work.append(_host_work(trace.flops, weights))
             continue
-        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, name))
+        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call), options, name))
         work.append(device_work(model, name, strategy, options, trace.flops, 1))
     return StagePlan("text_encode", tuple(phases), host, page_cache, tuple(work))
 
@@ -60,14 +60,14 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
             host += trace.peak_bytes + weights.transient_bytes
             work.append(_host_work(trace.flops, weights))
             continue
-        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call.kind), options, label))
+        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call), options, label))
         work.append(device_work(model, name, strategy, options, trace.flops, 1))
     steps_per_denoiser = _split_steps(options.steps, len(layout.denoisers))
     passes, clip = window_passes(model, shape)
     for name, steps in zip(layout.denoisers, steps_per_denoiser):
         call = Call("denoise", name, shape.one_window(), chunks=strategy.chunk_count)
         flops = model.trace(call, options.attention).flops * steps * passes  # traced first: it records the module order
-        resident, held, streaming = denoiser_residency(model, name, strategy, stage, options)
+        resident, held, streaming = denoiser_residency(model, call, strategy, stage, options)
         phases.append(phase(model, call, [*resident, *clip], options, name, held, streaming))
         work.append(device_work(model, name, strategy, options, flops, steps * model.forward_passes(shape) * passes,
                                 call))
@@ -98,7 +98,7 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
         counts = piece_counts(model, shape, strategy)
         calls = [Call("decode", vae, shape, piece) for piece in counts]
     model.trace(calls[0], options.attention)  # traced first: it records the module order
-    resident = tier_residency(model, vae, strategy, [vae], options, "decode")
+    resident = tier_residency(model, vae, strategy, [vae], options, calls[0])
     if options.runtime is Runtime.DIFFUSERS and strategy.offload is OffloadTier.NONE:
         resident = tier_residency(model, vae, strategy, list(model.layout.all), options)  # pipe.to("cuda"): all stay
     phases, flops, largest_piece = [], 0.0, 0
@@ -137,7 +137,7 @@ def phase(model: PlannerModel, call: Call, resident: list[int], options: PlanOpt
 
 
 def tier_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, stage_names: list[str],
-                   options: PlanOptions = PlanOptions(), kind: str | None = None) -> list[int]:
+                   options: PlanOptions = PlanOptions(), call: Call | None = None) -> list[int]:
     """Weight tensors (as stored) resident while `active` computes; under `none` every stage
     component is. A stored-quantized component adds its one dequantized layer (the transient). On a
     CPU device memory-mapped weights are computed where they lie: page cache, not device bytes."""
@@ -148,13 +148,13 @@ def tier_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, s
     if strategy.offload is OffloadTier.NONE:
         names = dict.fromkeys([*stage_names, active])
         return [t for name in names for t in component_weights(model, name, options).tensors] + transient
-    order = model.stream_order(active, kind)  # the order this kind of call runs the modules in
+    order = model.stream_order(call) if call is not None else None  # the order `call` ran the modules in
     return table_resident_tensors(weights.table, strategy, order) + transient
 
 
-def denoiser_residency(model: PlannerModel, active: str, strategy: MemoryStrategy, stage_names: list[str],
+def denoiser_residency(model: PlannerModel, call: Call, strategy: MemoryStrategy, stage_names: list[str],
                        options: PlanOptions) -> tuple[list[int], list[int], Streaming | None]:
-    """`tier_residency` for a denoiser while its blocks compute, as (tensors on the device
+    """`tier_residency` for the denoiser `call` runs, while its blocks compute, as (tensors on the device
     throughout, evicted ones the GPU may still read, what streams meanwhile). Block swap: the
     blocks live then and the evicted one (`schedule.computing_residency`). Sequential: the tensors
     that stay, and the leaves (with a stored layer's upcast workspace), which the phase replays
@@ -163,11 +163,12 @@ def denoiser_residency(model: PlannerModel, active: str, strategy: MemoryStrateg
     allocated, 3.574 planned; holding the pass's largest leaves throughout planned 3.93).
     The text encoders and the VAE keep the tier's weight peak throughout: their streamed leaves are
     small next to their activations or dominate both (umt5's token table), and no GPU measured them."""
+    active = call.component
     weights = component_weights(model, active, options)
     transient = [weights.transient_bytes] if weights.transient_bytes else []
-    order = model.stream_order(active, "denoise")
+    order = model.stream_order(call)
     if options.weights_in_place or strategy.offload not in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL):
-        return tier_residency(model, active, strategy, stage_names, options, "denoise"), [], None
+        return tier_residency(model, active, strategy, stage_names, options, call), [], None
     if strategy.offload is OffloadTier.BLOCK_SWAP:
         live, held = table_computing_residency(weights.table, strategy, order)
         return live + transient, held, None

@@ -132,13 +132,14 @@ def training_plans(model: PlannerModel, denoiser: str, shape: VideoShape, vram: 
     if not shapes:
         raise ValueError(f"--targets {','.join(request.targets)} match no linear layer in {model.name}'s blocks; "
                          "use names such as to_q,to_k,to_v,to_out.0 (CogVideoX) or attn1.to_q,ffn.net.0.proj (Wan).")
-    lora, peaks = _step_bytes(model, denoiser, shape, request, activations, shapes)
+    call = Call("denoise", denoiser, shape)
+    lora, peaks = _step_bytes(model, call, request, activations, shapes)
     plans = []
     for tier in TIERS:
         if tier is OffloadTier.BLOCK_SWAP:
-            plans.append(_fewest_swapped(model, denoiser, len(blocks), vram, ram, request, lora, peaks))
+            plans.append(_fewest_swapped(model, call, len(blocks), vram, ram, request, lora, peaks))
         else:
-            plans.append(_plan(model, denoiser, MemoryStrategy(offload=tier, prefetch_blocks=request.prefetch_blocks),
+            plans.append(_plan(model, call, MemoryStrategy(offload=tier, prefetch_blocks=request.prefetch_blocks),
                                vram, ram, request, lora, peaks))
     return plans
 
@@ -152,13 +153,14 @@ def strategy_plan(model: PlannerModel, denoiser: str, shape: VideoShape, vram: i
     if blocks is None:
         raise ValueError(f"{denoiser} of {model.name} has no transformer blocks to train LoRA on.")
     shapes = block_target_shapes(blocks, request.targets)
-    lora, peaks = _step_bytes(model, denoiser, shape, request, activations, shapes)
-    return _plan(model, denoiser, strategy, vram, ram, request, lora, peaks)
+    call = Call("denoise", denoiser, shape)
+    lora, peaks = _step_bytes(model, call, request, activations, shapes)
+    return _plan(model, call, strategy, vram, ram, request, lora, peaks)
 
 
-def _step_bytes(model, denoiser, shape, request, activations, shapes) -> tuple[TrainingBytes, ActivationPeaks]:
+def _step_bytes(model, call: Call, request, activations, shapes) -> tuple[TrainingBytes, ActivationPeaks]:
     lora = training_bytes(shapes, request.rank, request.optimizer)
-    model.trace(Call("denoise", denoiser, shape), request.attention)  # records the stream order residency reads
+    model.trace(call, request.attention)  # records the stream order residency reads
     return lora, activations(request.checkpointing)
 
 
@@ -204,23 +206,25 @@ def _tier(plan: TrainPlan) -> str:
     return plan.tier + (f" {plan.blocks_to_swap}" if plan.blocks_to_swap else "")
 
 
-def _fewest_swapped(model, denoiser, count, vram, ram, request, lora, peaks) -> TrainPlan:
+def _fewest_swapped(model, call: Call, count, vram, ram, request, lora, peaks) -> TrainPlan:
     plan = None
     for swapped in range(1, count + 1):
         strategy = MemoryStrategy(offload=OffloadTier.BLOCK_SWAP, blocks_to_swap=swapped,
                                   prefetch_blocks=request.prefetch_blocks)
-        plan = _plan(model, denoiser, strategy, vram, ram, request, lora, peaks)
+        plan = _plan(model, call, strategy, vram, ram, request, lora, peaks)
         if plan.fits or plan.refused:
             return plan
     return plan
 
 
-def _plan(model: PlannerModel, denoiser: str, strategy: MemoryStrategy, vram: int, ram: int,
+def _plan(model: PlannerModel, call: Call, strategy: MemoryStrategy, vram: int, ram: int,
           request: TrainRequest, lora: TrainingBytes, peaks: ActivationPeaks) -> TrainPlan:
+    """The plan under `strategy` for training the denoiser of `call` (the step's forward, traced)."""
+    denoiser = call.component
     weights = model.weights(denoiser, request.storage)
     blocks = model.blocks(denoiser)
     streams = strategy.offload in (OffloadTier.BLOCK_SWAP, OffloadTier.SEQUENTIAL)
-    resident = sum(table_resident_tensors(weights.table, strategy, model.stream_order(denoiser)))
+    resident = sum(table_resident_tensors(weights.table, strategy, model.stream_order(call)))
     upcast = weights.transient_bytes
     if upcast and request.checkpointing:  # the backward re-runs a whole block, its layers upcast
         upcast = sum(p.numel() for p in blocks[0].parameters()) * model.dtype_bytes(denoiser)

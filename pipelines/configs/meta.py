@@ -190,24 +190,24 @@ class MetaModel:
             return None
         return getattr(self.module(component), self.spec.blocks_attr)
 
-    def stream_order(self, component: str, kind: str | None = None):
-        """The module order one `kind` call of `component` ran in (a VAE encodes and decodes in
-        different orders); without `kind`, the first recorded."""
-        if kind is not None:
-            return self._streams.get((component, kind))
-        return next((order for (name, _), order in self._streams.items() if name == component), None)
+    def stream_order(self, call: Call):
+        """The module order `call` ran in (None before it was traced): its own, never another call's of
+        the same kind, which may differ (a VAE encodes and decodes in different orders, a causal VAE
+        decodes one latent frame in another than 21, activation chunks call some layers per slice), so
+        a plan does not depend on what the process planned before it."""
+        return self._streams.get(call)
 
     def trace(self, call: Call, attention: Attention) -> Trace:
         key = (call, Attention(attention))
         if key not in self._traces:
             streams = call.kind in STREAMED_KINDS
-            record = streams and (call.component, call.kind) not in self._streams
+            record = streams and call not in self._streams
             file, entry = _trace_file(call, attention), _call_key(call)
             cached = self._cached(file, entry, _trace_from_json)
             if cached is not None and not (record and cached[0][1] is None):  # kept without the order it ran in
                 self._traces[key], order = cached[0]
                 if record:
-                    self._streams[(call.component, call.kind)] = order
+                    self._streams[call] = order
                 return self._traces[key]
             try:
                 module = self.traced_module(call.component) if streams else None
@@ -219,9 +219,10 @@ class MetaModel:
                                  f"{self.name} cannot run {call.kind} at this size ({error}); change width, height "
                                  "or frames to a size the model is made for.") from error
             self._traces[key] = replace(measured, flops=measured.flops * self._block_scale(call.component))
-            order = self._order(call.component, measured.marks) if record and measured.marks else None
+            # an order already recorded (the same call under another attention kernel) is kept with this entry too
+            order = self._order(call.component, measured.marks) if record and measured.marks else self._streams.get(call)
             if order is not None:
-                self._streams[(call.component, call.kind)] = order
+                self._streams[call] = order
             self._keep(file, entry, _trace_json(self._traces[key], order))
         return self._traces[key]
 
@@ -365,7 +366,7 @@ def _trace_json(measured: Trace, order) -> dict:
 
 
 def _trace_from_json(entry: dict) -> tuple[Trace, tuple | None]:
-    """The trace, and the module order it ran in (None when another call's order was recorded first)."""
+    """The trace, and the module order it ran in (None: not a streamed kind, or kept before orders were kept per call)."""
     measured = Trace(int(entry["peak_bytes"]), tuple(int(e) for e in entry["events"]), entry["flops"],
                      int(entry["live_bytes"]), tuple((int(p), bool(s), str(n)) for p, s, n in entry["marks"]))
     if not isinstance(measured.flops, (int, float)):
