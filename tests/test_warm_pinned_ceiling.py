@@ -71,3 +71,24 @@ def test_every_dropped_arena_is_freed_before_the_host_allocator_is_asked_to_unlo
                         lambda: alive_at_release.append([not torch.UntypedStorage._expired(w) for w in weak]))
     assert pool.fit_ceiling(0, rehome_everywhere) == len(weak) * ARENA
     assert alive_at_release == [[False] * len(weak)]
+
+
+def test_a_decode_with_a_lower_ceiling_leaves_the_samplers_homes_pinned(tiny_folder, tmp_path, monkeypatch):
+    """The pool is the pipeline's, its homes the sampler's streamed blocks: only a streaming stage's
+    ceiling unpins them. A Decode strategy with max_pinned_ram_gb=0 used to unpin them every run and
+    the Sampler pinned them again at its next: every run copied every streamed weight twice."""
+    from vidmem.pipelines.decode import decode
+
+    loaded = replace(load_pipeline(tiny_folder(VARIANT), "fp32"), host_pool=HostPool(arena_bytes=ARENA))
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    hooks = RunHooks(prompt_cache=PromptCache(tmp_path / "prompts"))
+    sampler = MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=1)
+    decoder = MemoryStrategy(offload="none", max_pinned_ram_gb=0.0)
+    pool = loaded.host_pool
+    seen = []
+    for _ in range(3):
+        result = sample(loaded, sampler, request_for(VARIANT), hooks=hooks, backend=backend)
+        decode(loaded, result.latent, decoder, backend=backend)
+        seen.append((pool.allocations, pool.pinned_bytes))
+    assert seen[0][1] > 0 and seen[1:] == seen[:1] * 2
