@@ -242,7 +242,7 @@ def apply_strategy(
     warm: WarmStore | None = None,
     keep_bytes: int = 0,
     compute_gate: Callable[[nn.Module], bool] | None = None,
-    unpin_beyond_ceiling: bool = False,
+    unpin_beyond_ceiling: bool = True,
 ) -> OffloadHandle:
     """Apply `strategy` to `stage` on `backend`'s device; nothing is left applied if this raises.
 
@@ -258,7 +258,7 @@ def apply_strategy(
     a step cache skips it this pass, so its weights are not copied; `handle.stream_counts()`).
     `unpin_beyond_ceiling`: the stage's streamed blocks are what `host_pool` holds (the sampler,
     training), so a streaming strategy's `max_pinned_ram_gb` lower than what earlier calls pinned
-    unpins the excess first (`HostPool.fit_ceiling`). Leave it off for a stage that shares the pool
+    unpins the excess first (`HostPool.fit_ceiling`). Turn it off for a stage that shares the pool
     without owning it (the decode): its own ceiling would unpin the sampler's homes every run and
     the sampler would pin them again at its next.
 

@@ -132,7 +132,8 @@ def decode(
     decode_piece, prepare = vae_decoder(loaded.spec, vae)
     # Cancel is checked between pieces (on_step) and, inside a piece, before each VAE block.
     with interrupt_checks(outer_blocks(vae), hooks.check_interrupt), call_on(warm, backend), \
-            apply_strategy(stage, strategy, backend, observer, loaded.host_pool, warm=warm) as handle:
+            apply_strategy(stage, strategy, backend, observer, loaded.host_pool, warm=warm,
+                           unpin_beyond_ceiling=False) as handle:  # the pool's homes are the sampler's
         handle.activate("vae")
 
         def decode_on_cpu():

@@ -270,7 +270,7 @@ class _Run:
             cache = self._step_cache(cached, call)
             with call_on(warm, self.backend), cache, \
                     apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry, warm, keep,
-                                   cache.gate, unpin_beyond_ceiling=True) as handle:
+                                   cache.gate) as handle:
                 call.vidmem_execution_device = device
                 if "text_encode" not in receipt:  # the first attempt (a cache hit encodes nothing)
                     self._encode(call, strategy, handle)

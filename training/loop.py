@@ -153,7 +153,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
         # the new LoRA learns what is missing on top of them; all before the strategy (memory.lora's rule).
         with apply_loras(lora_patches(loaded.pipe, loaded.loras)), \
                 _training_context(model, run, settings, blocks, check_interrupt, strategy.streams_blocks, offload), \
-                apply_strategy(stage, strategy, backend, observer, loaded.host_pool, unpin_beyond_ceiling=True) as handle:
+                apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
             handle.activate(component)
             if offload is not None:  # what the weights' homes left of the pinned ceiling
                 offload.pool.cap_bytes = _activation_cap(ceiling, loaded.host_pool)
