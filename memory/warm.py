@@ -12,9 +12,10 @@ those bytes cannot be freed and the address handed to another tensor while the c
 hit always means the same bytes. Hosts are read-only during inference; code that writes weights in
 place (training) must `release_all()` first. When the pinned host pool re-homes a tensor (a block
 becomes streamed), `rehome` moves the key with it, so a changed strategy moves only the difference.
-Before a call, `retain` keeps only the stage's copies and takes over those a sibling store of the
-same pipeline holds (`share_with`: image-to-video's VAE, used by the sampler and the decode), so
-the host counts no copy the call will not take and the device holds one copy of each weight.
+Before a call, `retain` keeps only the stage's copies and, when the call will keep them on the
+device to its end, takes over those a sibling store of the same pipeline holds (`share_with`:
+image-to-video's VAE, used by the sampler and the decode), so the host counts no copy the call
+will not take and the device holds one copy of each weight.
 
 Between calls nothing is hooked: modules point at their host storage as after any call; only the
 store holds device memory. The host (nodes/host.py inside ComfyUI) asks for memory back through
@@ -101,7 +102,6 @@ class WarmStore:
     _deferred_all: bool = False  # the host asked for everything during a call
     _backend: weakref.ref | None = None  # the backend whose copies are kept
     _siblings: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)  # the pipeline's other stages
-    _ended_with: set | None = field(default=None, repr=False)  # keys the last call kept at its end (None: no call yet)
 
     def __post_init__(self) -> None:
         _LIVE.add(self)
@@ -125,7 +125,6 @@ class WarmStore:
             yield self
         finally:
             self._owner = None
-            self._ended_with = set(self._kept)
             deferred, everything = self._deferred, self._deferred_all
             self._deferred, self._deferred_all = 0, False
             if everything:
@@ -186,26 +185,31 @@ class WarmStore:
         keys = _keys_of(hosts)
         return sum(kept.nbytes for key, kept in self._kept.items() if key in keys)
 
-    def retain(self, hosts: list[torch.Tensor]) -> int:
-        """Keep only the copies of `hosts` (the tensors of the stage about to run), taking over those a
-        sibling store holds (`share_with`); returns the bytes dropped. Call it before the host is told
-        what the store holds: a copy this call will not take (a text encoder the last call kept, left
-        out of this one) would otherwise stay on the device for the whole call and be counted by the
-        host as loaded, so it would free too little."""
+    def retain(self, hosts: list[torch.Tensor], *, take_over: bool) -> int:
+        """Keep only the copies of `hosts` (the tensors of the stage about to run); returns the bytes
+        dropped. Call it before the host is told what the store holds: a copy this call will not take
+        (a text encoder the last call kept, left out of this one) would otherwise stay on the device
+        for the whole call and be counted by the host as loaded, so it would free too little.
+
+        `take_over`: this call keeps every one of `hosts` on the device until it ends (the sampler
+        under tier none; the decode, whose VAE is its only component), so the copies a sibling store
+        holds (`share_with`) move here and the device keeps one. A call that drops a component
+        mid-call (tier model and block swap evict the VAE once the transformer runs) passes False:
+        taking the sibling's copy would only lose it. Decided by this call, not the last one, so a
+        cancelled call or a changed tier cannot leave two copies."""
         keys = _keys_of(hosts)
         dropped = [key for key in self._kept if key not in keys]
         freed = sum(self._kept.pop(key).nbytes for key in dropped)
-        for sibling in list(self._siblings):
-            self._take_over(sibling, keys)
+        if take_over:
+            for sibling in list(self._siblings):
+                self._take_over(sibling, keys)
         return freed
 
     def share_with(self, other: "WarmStore") -> None:
         """`other` is another stage's store of the same pipeline, whose components this stage may use
-        too (image-to-video's VAE: the sampler encodes the image with it, the decode decodes): each
-        store's `retain` takes over the other's copies of its stage that its own last call kept at its
-        end (all of them before its first call), so the device holds one copy. A stage whose tier
-        drops a component mid-call (tier model evicts the VAE once the transformer runs) keeps nothing
-        of it at the end, so it leaves the other stage's copy where it is."""
+        too (image-to-video's VAE: the sampler encodes the image with it, the decode decodes): a
+        `retain(..., take_over=True)` of either store moves the other's copies of its stage to it, so
+        the device holds one copy."""
         if other is not self:
             self._siblings.add(other)
             other._siblings.add(self)
@@ -222,8 +226,7 @@ class WarmStore:
         theirs = other._backend() if other._backend is not None else None
         if self.device != other.device or mine is None or mine is not theirs:
             return
-        wanted = keys if self._ended_with is None else keys & self._ended_with
-        for key in wanted & other._kept.keys():
+        for key in keys & other._kept.keys():
             self._kept[key] = other._kept.pop(key)
 
     @property
