@@ -12,9 +12,9 @@ ceiling counts arena bytes, i.e. what is really locked. The pool belongs to one 
 (both experts of Wan 2.2 A14B share it) and lives as long as that pipeline.
 
 A ceiling the user lowers below what the pool holds (down to 0: no pinning) is applied to the
-homes already made too (`fit_ceiling`, at the next apply of a stage that streams, see apply_strategy's
-`unpin_beyond_ceiling`): the newest arenas go, their homes move
-back to pageable copies at the same address modulo LINE, and a warm store's copies follow them.
+homes already made too (`fit_ceiling`, at the next apply of a stage that streams; not the decode's,
+see apply_strategy's `unpin_beyond_ceiling`): the newest arenas go, their homes move back to
+pageable copies at the same address modulo LINE, and a warm store's copies follow them.
 
 File-backed tensors (memory-mapped weight files, the disk tier) get no pinned home: that would
 copy the whole model into locked RAM, the very thing the disk tier avoids. They stay in the page
