@@ -12,8 +12,9 @@ ceiling counts arena bytes, i.e. what is really locked. The pool belongs to one 
 (both experts of Wan 2.2 A14B share it) and lives as long as that pipeline.
 
 A ceiling the user lowers below what the pool holds (down to 0: no pinning) is applied to the
-homes already made too (`fit_ceiling`, at the next apply): the newest arenas go, their homes move
-back to pageable copies at the same address modulo LINE, and a warm store's copies follow them.
+homes already made too (`fit_ceiling`, at the next apply of a stage that streams; not the decode's,
+see apply_strategy's `unpin_beyond_ceiling`): the newest arenas go, their homes move back to
+pageable copies at the same address modulo LINE, and a warm store's copies follow them.
 
 File-backed tensors (memory-mapped weight files, the disk tier) get no pinned home: that would
 copy the whole model into locked RAM, the very thing the disk tier avoids. They stay in the page
@@ -140,15 +141,20 @@ class HostPool:
         keep = max(0, cap_bytes) // self.arena_bytes
         if len(self._arenas) <= keep:
             return 0
-        dropped = self._arenas[keep:]
-        for owners in [owners for owners in self._homes if _inside(owners[0].host, dropped)]:
-            self._unpin(owners, rehomed)
-        unpinned = sum(arena.numel() for arena in dropped)
+        unpinned = sum(arena.numel() for arena in self._arenas[keep:])
+        self._unpin_homes_in(self._arenas[keep:], rehomed)
         self._arenas = self._arenas[:keep]
         self._used = self.arena_bytes if self._arenas else 0  # the kept arenas' spare room is unknown: none is reused
-        del dropped
-        release_cached_pinned()  # torch's host allocator would keep the arenas locked for reuse
+        # No name in this frame refers to a dropped arena, a home in it or its owners (they live and die
+        # in `_unpin_homes_in`): torch's host allocator frees them now instead of keeping one locked.
+        release_cached_pinned()
         return unpinned
+
+    def _unpin_homes_in(self, dropped: list[torch.Tensor], rehomed) -> None:
+        """Move every home inside `dropped` to a pageable copy. A helper of its own so that its loop
+        variables (the last home's owners, which view an arena) are gone when it returns."""
+        for owners in [owners for owners in self._homes if _inside(owners[0].host, dropped)]:
+            self._unpin(owners, rehomed)
 
     def _unpin(self, owners: list[Slot], rehomed) -> None:
         home = owners[0].host

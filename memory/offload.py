@@ -242,6 +242,7 @@ def apply_strategy(
     warm: WarmStore | None = None,
     keep_bytes: int = 0,
     compute_gate: Callable[[nn.Module], bool] | None = None,
+    unpin_beyond_ceiling: bool = True,
 ) -> OffloadHandle:
     """Apply `strategy` to `stage` on `backend`'s device; nothing is left applied if this raises.
 
@@ -255,6 +256,11 @@ def apply_strategy(
     block is not copied again on the next step (`handle.keep` says how many were kept).
     `compute_gate(module)`: whether a streamed module will compute when it is called now (False:
     a step cache skips it this pass, so its weights are not copied; `handle.stream_counts()`).
+    `unpin_beyond_ceiling`: the stage's streamed blocks are what `host_pool` holds (the sampler,
+    training), so a streaming strategy's `max_pinned_ram_gb` lower than what earlier calls pinned
+    unpins the excess first (`HostPool.fit_ceiling`). Turn it off for a stage that shares the pool
+    without owning it (the decode): its own ceiling would unpin the sampler's homes every run and
+    the sampler would pin them again at its next.
 
     Example:
         with apply_strategy(stage, strategy, backend_for(device)) as handle:
@@ -265,7 +271,8 @@ def apply_strategy(
         strategy.check_against_model(len(blocks), name)
     handle = OffloadHandle(strategy, backend, observer, telemetry, warm, keep_bytes, compute_gate)
     pool = host_pool or HostPool()
-    if strategy.max_pinned_ram_gb is not None:  # the user's ceiling holds for homes made under a higher one too
+    if unpin_beyond_ceiling and strategy.streams_blocks and strategy.max_pinned_ram_gb is not None:
+        # the user's ceiling holds for homes made under a higher one too
         pool.fit_ceiling(pinned_cap_bytes(strategy.max_pinned_ram_gb), rehome_everywhere)
     try:
         for name, module in stage.modules.items():

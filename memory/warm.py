@@ -12,9 +12,10 @@ those bytes cannot be freed and the address handed to another tensor while the c
 hit always means the same bytes. Hosts are read-only during inference; code that writes weights in
 place (training) must `release_all()` first. When the pinned host pool re-homes a tensor (a block
 becomes streamed), `rehome` moves the key with it, so a changed strategy moves only the difference.
-Before a call, `retain` keeps only the stage's copies and takes over those a sibling store of the
-same pipeline holds (`share_with`: image-to-video's VAE, used by the sampler and the decode), so
-the host counts no copy the call will not take and the device holds one copy of each weight.
+Before a call, `retain` keeps only the stage's copies and, when the call will keep them on the
+device to its end, takes over those a sibling store of the same pipeline holds (`share_with`:
+image-to-video's VAE, used by the sampler and the decode), so the host counts no copy the call
+will not take and the device holds one copy of each weight.
 
 Between calls nothing is hooked: modules point at their host storage as after any call; only the
 store holds device memory. The host (nodes/host.py inside ComfyUI) asks for memory back through
@@ -23,15 +24,21 @@ when the call ended, then the rest. During a call (`in_use`) a request from anot
 refused with a message and applied when the call ends; a call never gives back what it is running.
 Mid-call the store may hold nothing (the groups have taken the copies), so a request for
 everything is recorded as such, not as a byte count: the call's end then drops all it would keep.
+
+Threads. The call runs on ComfyUI's execution thread; the host may ask for memory back from
+another. One lock per store covers every change to the kept copies, the busy check together with
+the recording of a refused request, and the call's end (owner cleared, recorded requests taken):
+a request is either recorded before the call ends, and applied by it, or sees the call over and
+releases at once. The lock is never held across a device copy or a call back into the host.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -101,7 +108,7 @@ class WarmStore:
     _deferred_all: bool = False  # the host asked for everything during a call
     _backend: weakref.ref | None = None  # the backend whose copies are kept
     _siblings: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)  # the pipeline's other stages
-    _ended_with: set | None = field(default=None, repr=False)  # keys the last call kept at its end (None: no call yet)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # see "Threads" above
 
     def __post_init__(self) -> None:
         _LIVE.add(self)
@@ -113,21 +120,22 @@ class WarmStore:
         """For the length of one call on `device` through `backend`: copies kept for another device
         or made by another backend (its own streams; a pipeline keeps one per device) are dropped,
         the tally restarts, and host requests from other threads are refused until the end."""
-        if self.device is not None and self.device != device:
-            self.forget()
-        if backend is not None:
-            if self._backend is not None and self._backend() is not backend:
-                self.forget()
-            self._backend = weakref.ref(backend)
-        self.device, self.tally = device, CallTally()
-        self._owner = threading.get_ident()
+        with self._lock:
+            if self.device is not None and self.device != device:
+                self._kept.clear()
+            if backend is not None:
+                if self._backend is not None and self._backend() is not backend:
+                    self._kept.clear()
+                self._backend = weakref.ref(backend)
+            self.device, self.tally = device, CallTally()
+            self._owner = threading.get_ident()
         try:
             yield self
         finally:
-            self._owner = None
-            self._ended_with = set(self._kept)
-            deferred, everything = self._deferred, self._deferred_all
-            self._deferred, self._deferred_all = 0, False
+            with self._lock:  # a request recorded after this would wait for a call that has ended
+                self._owner = None
+                deferred, everything = self._deferred, self._deferred_all
+                self._deferred, self._deferred_all = 0, False
             if everything:
                 self.release_all()
             elif deferred:
@@ -139,14 +147,15 @@ class WarmStore:
 
     def take(self, hosts: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The kept copy of each host (removed from the store: the caller owns it now), or None."""
-        found = []
-        for host in hosts:
-            kept = self._kept.pop(storage_key(host), None)
-            found.append(kept.copy if kept is not None else None)
-        return found
+        keys = [storage_key(host) for host in hosts]
+        with self._lock:
+            found = [self._kept.pop(key, None) for key in keys]
+        return [kept.copy if kept is not None else None for kept in found]
 
     def holds_all(self, hosts: list[torch.Tensor]) -> bool:
-        return all(storage_key(host) in self._kept for host in hosts)
+        keys = _keys_of(hosts)
+        with self._lock:
+            return keys <= self._kept.keys()
 
     def count(self, copied: int, reused: int, streamed: bool, routes: UploadRoutes | None = None) -> None:
         """`routes`: how the `copied` bytes travelled, as the backend reported it; a backend that
@@ -162,50 +171,61 @@ class WarmStore:
 
     def keep(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
         """Keep `(host, device copy)` pairs until the next call takes them or the host asks."""
-        for host, copy in pairs:
-            order = len(self._kept)
-            self._kept[storage_key(host)] = _Kept(host, copy, _nbytes(copy), rank, order)
+        entries = [(storage_key(host), host, copy, _nbytes(copy)) for host, copy in pairs]
+        with self._lock:
+            for key, host, copy, nbytes in entries:
+                self._kept[key] = _Kept(host, copy, nbytes, rank, len(self._kept))
 
     def rehome(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """`old`'s bytes now live at `new` (the pinned pool adopted them): its copy follows."""
-        kept = self._kept.pop(storage_key(old), None)
-        if kept is not None:
-            kept.host = new
-            self._kept[storage_key(new)] = kept
+        old_key, new_key = storage_key(old), storage_key(new)
+        with self._lock:
+            kept = self._kept.pop(old_key, None)
+            if kept is not None:
+                kept.host = new
+                self._kept[new_key] = kept
 
     # --- giving memory back ----------------------------------------------------------------------
 
     @property
     def held_bytes(self) -> int:
-        return sum(kept.nbytes for kept in self._kept.values())
+        with self._lock:  # the host reads it from its own thread while a call's groups take copies
+            return _bytes_of(self._kept.values())
 
     def held_bytes_of(self, hosts: list[torch.Tensor]) -> int:
         """Bytes kept for those of `hosts` the store holds copies of: what a call over them can take
         back. The rest (a text encoder the last call kept, left out of this one) is not room the
         call can count on (`retain` drops it)."""
         keys = _keys_of(hosts)
-        return sum(kept.nbytes for key, kept in self._kept.items() if key in keys)
+        with self._lock:
+            return _bytes_of(kept for key, kept in self._kept.items() if key in keys)
 
-    def retain(self, hosts: list[torch.Tensor]) -> int:
-        """Keep only the copies of `hosts` (the tensors of the stage about to run), taking over those a
-        sibling store holds (`share_with`); returns the bytes dropped. Call it before the host is told
-        what the store holds: a copy this call will not take (a text encoder the last call kept, left
-        out of this one) would otherwise stay on the device for the whole call and be counted by the
-        host as loaded, so it would free too little."""
+    def retain(self, hosts: list[torch.Tensor], *, take_over: bool) -> int:
+        """Keep only the copies of `hosts` (the tensors of the stage about to run); returns the bytes
+        dropped. Call it before the host is told what the store holds: a copy this call will not take
+        (a text encoder the last call kept, left out of this one) would otherwise stay on the device
+        for the whole call and be counted by the host as loaded, so it would free too little.
+
+        `take_over`: this call keeps every one of `hosts` on the device until it ends (the sampler
+        under tier none; the decode, whose VAE is its only component), so the copies a sibling store
+        holds (`share_with`) move here and the device keeps one. A call that drops a component
+        mid-call (tier model and block swap evict the VAE once the transformer runs) passes False:
+        taking the sibling's copy would only lose it. Decided by this call, not the last one, so a
+        cancelled call or a changed tier cannot leave two copies."""
         keys = _keys_of(hosts)
-        dropped = [key for key in self._kept if key not in keys]
-        freed = sum(self._kept.pop(key).nbytes for key in dropped)
-        for sibling in list(self._siblings):
-            self._take_over(sibling, keys)
+        with self._lock:
+            dropped = [key for key in self._kept if key not in keys]
+            freed = _bytes_of(self._kept.pop(key) for key in dropped)
+        if take_over:
+            for sibling in list(self._siblings):
+                self._take_over(sibling, keys)
         return freed
 
     def share_with(self, other: "WarmStore") -> None:
         """`other` is another stage's store of the same pipeline, whose components this stage may use
-        too (image-to-video's VAE: the sampler encodes the image with it, the decode decodes): each
-        store's `retain` takes over the other's copies of its stage that its own last call kept at its
-        end (all of them before its first call), so the device holds one copy. A stage whose tier
-        drops a component mid-call (tier model evicts the VAE once the transformer runs) keeps nothing
-        of it at the end, so it leaves the other stage's copy where it is."""
+        too (image-to-video's VAE: the sampler encodes the image with it, the decode decodes): a
+        `retain(..., take_over=True)` of either store moves the other's copies of its stage to it, so
+        the device holds one copy."""
         if other is not self:
             self._siblings.add(other)
             other._siblings.add(self)
@@ -213,54 +233,60 @@ class WarmStore:
     def _take_over(self, other: "WarmStore", keys: set) -> None:
         """Move `other`'s copies of `keys` here, when they were made where this store's copies are
         (same device and backend; a store that keeps nothing yet takes on the other's): a call on
-        another device then drops them with this store's own (`in_use`)."""
-        if other.busy or not other._kept:
-            return
-        if self.device is None and not self._kept:
-            self.device, self._backend = other.device, other._backend
-        mine = self._backend() if self._backend is not None else None
-        theirs = other._backend() if other._backend is not None else None
-        if self.device != other.device or mine is None or mine is not theirs:
-            return
-        wanted = keys if self._ended_with is None else keys & self._ended_with
-        for key in wanted & other._kept.keys():
-            self._kept[key] = other._kept.pop(key)
+        another device then drops them with this store's own (`in_use`). Both stores are locked: a
+        copy is in one of them at every moment, never in neither nor in both."""
+        with _locked(self, other):
+            if other._owner is not None or not other._kept:
+                return
+            if self.device is None and not self._kept:
+                self.device, self._backend = other.device, other._backend
+            mine = self._backend() if self._backend is not None else None
+            theirs = other._backend() if other._backend is not None else None
+            if self.device != other.device or mine is None or mine is not theirs:
+                return
+            for key in keys & other._kept.keys():
+                self._kept[key] = other._kept.pop(key)
 
     @property
     def tensors(self) -> int:
-        return len(self._kept)
+        with self._lock:
+            return len(self._kept)
 
     def release(self, nbytes: int) -> int:
         """Drop kept copies, streamed blocks first, until `nbytes` are freed; returns bytes dropped.
 
         Refused (WarmStoreBusy) while a call on another thread holds the store; the request is
         then applied when that call ends."""
-        self._refuse_if_busy(nbytes)
-        freed = 0
-        for key, kept in sorted(self._kept.items(), key=lambda item: (item[1].rank, -item[1].order)):
-            if freed >= nbytes:
-                break
-            del self._kept[key]
-            freed += kept.nbytes
-        self.released_bytes += freed
+        with self._lock:
+            self._refuse_if_busy(nbytes)
+            freed = 0
+            for key, kept in sorted(self._kept.items(), key=lambda item: (item[1].rank, -item[1].order)):
+                if freed >= nbytes:
+                    break
+                del self._kept[key]
+                freed += kept.nbytes
+            self.released_bytes += freed
         return freed
 
     def forget(self) -> None:
         """Drop every kept copy without counting it as given back (the end of a call replaces them)."""
-        self._kept.clear()
+        with self._lock:
+            self._kept.clear()
 
     def release_all(self) -> int:
         """Drop every kept copy; returns bytes dropped. Refused while a call on another thread holds
         the store even when it holds nothing now (the call's groups have taken the copies and would
         hand them back at its end); the call's end then drops everything."""
-        self._refuse_if_busy(None)
-        freed = self.held_bytes
-        self._kept.clear()
-        self.released_bytes += freed
+        with self._lock:
+            self._refuse_if_busy(None)
+            freed = _bytes_of(self._kept.values())
+            self._kept.clear()
+            self.released_bytes += freed
         return freed
 
     def _refuse_if_busy(self, nbytes: int | None) -> None:
-        """`nbytes` None: the host asked for everything."""
+        """`nbytes` None: the host asked for everything. Called with the lock held, so the refusal is
+        recorded before the call's end can take the recorded requests, or the call is seen over."""
         if self._owner is None or self._owner == threading.get_ident():
             return
         if nbytes is None:
@@ -344,6 +370,20 @@ def kept_everywhere() -> int:
 def call_on(store: WarmStore | None, backend):
     """`store.in_use(backend.device, backend)`, or nothing where the backend keeps no store (the CPU)."""
     return store.in_use(backend.device, backend) if store is not None else nullcontext()
+
+
+@contextmanager
+def _locked(*stores: WarmStore) -> Iterator[None]:
+    """Hold the locks of `stores`, always taken in the same order, so two stores taking over each
+    other's copies at once cannot each wait for the other's lock."""
+    with ExitStack() as stack:
+        for store in sorted(stores, key=id):
+            stack.enter_context(store._lock)
+        yield
+
+
+def _bytes_of(kept: Iterable[_Kept]) -> int:
+    return sum(entry.nbytes for entry in kept)
 
 
 def _keys_of(hosts: list[torch.Tensor]) -> set:

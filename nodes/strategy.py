@@ -225,7 +225,9 @@ class VidMemMemoryStrategy:
                     "straight and asynchronously while the GPU computes; past the ceiling they are staged "
                     "through a small pinned ring (one more CPU copy per step). Pinned RAM cannot be swapped "
                     "out. -1: automatic (half the free RAM, keeping 8 GB unpinned); 0: no pinning. A value "
-                    "lower than what earlier runs pinned unpins the excess at the next run."}),
+                    "lower than what earlier runs pinned unpins the excess at the next run of a Video Sampler or "
+                    "Train LoRA node with a streaming tier (block_swap, sequential); a Decode's value only caps "
+                    "what the Decode pins itself and never unpins the Sampler's blocks."}),
                 "non_blocking": ("BOOLEAN", {"default": _DEFAULT.non_blocking, "tooltip":
                     "Copy streamed blocks asynchronously so copies overlap compute. Turn off only to "
                     "debug a driver problem: every copy then stalls the GPU."}),

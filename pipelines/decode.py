@@ -121,7 +121,7 @@ def decode(
     warm = loaded.warm_store("decode", backend)  # the VAE as the last decode left it on the device
     if warm is not None:  # image-to-video's sampler keeps the VAE too (it encodes the image): one copy, taken over
         warm.share_with(loaded.warm_store("sample", backend))
-        warm.retain(stage_tensors(stage))
+        warm.retain(stage_tensors(stage), take_over=True)  # the VAE, its only component, stays to the end
     hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=room.weight_bytes)  # weights + activations
     loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
 
@@ -132,7 +132,8 @@ def decode(
     decode_piece, prepare = vae_decoder(loaded.spec, vae)
     # Cancel is checked between pieces (on_step) and, inside a piece, before each VAE block.
     with interrupt_checks(outer_blocks(vae), hooks.check_interrupt), call_on(warm, backend), \
-            apply_strategy(stage, strategy, backend, observer, loaded.host_pool, warm=warm) as handle:
+            apply_strategy(stage, strategy, backend, observer, loaded.host_pool, warm=warm,
+                           unpin_beyond_ceiling=False) as handle:  # the pool's homes are the sampler's
         handle.activate("vae")
 
         def decode_on_cpu():

@@ -4,6 +4,8 @@ tier that does not keep the VAE through the sampler's call leaves the decode's c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -48,3 +50,71 @@ def test_the_sampler_and_the_decode_keep_one_copy_of_the_vae(tiny_folder, tmp_pa
     assert second_decode.receipt["warm"]["uploaded_bytes"] == 0  # tier model: the sampler left the decode's copy alone
     assert torch.equal(first_sample.latent["samples"], second_sample.latent["samples"])
     assert torch.equal(first_decode.frames, second_decode.frames)
+
+
+def vae_hosts(loaded) -> list[torch.Tensor]:
+    """The VAE's host tensors as they are now, between calls (mid-call its parameters point at device
+    copies, so keys taken then would name those instead)."""
+    return [t.data for t in list(loaded.pipe.vae.parameters()) + list(loaded.pipe.vae.buffers())]
+
+
+class Cancelled(Exception):
+    pass
+
+
+def decode_store_vae_at_step(loaded, backend, hosts, seen):
+    """A step callback noting the VAE bytes the decode's store keeps while the sampler runs."""
+    def on_step(step, total):
+        if step == 1:
+            seen.append(loaded.warm_store("decode", backend).held_bytes_of(hosts))
+    return on_step
+
+
+def cancel_at_step(step, total):
+    if step == 1:
+        raise Cancelled()
+
+
+def test_after_a_cancelled_sampler_call_the_next_one_still_takes_the_decodes_vae(tiny_folder, tmp_path, monkeypatch):
+    """The takeover is decided by the call about to run (tier none keeps the VAE to its end), not by
+    what the last call kept: a cancelled (or out-of-memory) call kept nothing, which used to make the
+    next call upload a second VAE copy beside the decode's."""
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32")
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    hooks = RunHooks(prompt_cache=PromptCache(tmp_path / "prompts"))
+    none = MemoryStrategy(offload="none")
+    hosts = vae_hosts(loaded)
+    vae_bytes = sum(t.numel() * t.element_size() for t in hosts)
+    first = sample(loaded, none, request_for(VARIANT), hooks=hooks, backend=backend)
+    decode(loaded, first.latent, backend=backend)
+    with pytest.raises(Cancelled):
+        sample(loaded, none, request_for(VARIANT), hooks=replace(hooks, on_step=cancel_at_step), backend=backend)
+    decode(loaded, first.latent, backend=backend)
+    assert vae_copies(loaded, backend) == vae_bytes
+    mid_call = []
+    third = sample(loaded, none, request_for(VARIANT), backend=backend,
+                   hooks=replace(hooks, on_step=decode_store_vae_at_step(loaded, backend, hosts, mid_call)))
+    assert mid_call == [0] and vae_copies(loaded, backend) == vae_bytes
+    assert third.receipt["warm"]["reused_bytes"] >= vae_bytes
+    assert torch.equal(first.latent["samples"], third.latent["samples"])
+
+
+def test_a_sampler_switched_from_tier_model_to_none_takes_the_decodes_vae(tiny_folder, tmp_path, monkeypatch):
+    """Tier model evicts the VAE mid-call and leaves the decode's copy alone; the next call under tier
+    none keeps it to its end and takes it over, whatever the last call's tier was."""
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32")
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    hooks = RunHooks(prompt_cache=PromptCache(tmp_path / "prompts"))
+    hosts = vae_hosts(loaded)
+    vae_bytes = sum(t.numel() * t.element_size() for t in hosts)
+    first = sample(loaded, MemoryStrategy(offload="model"), request_for(VARIANT), hooks=hooks, backend=backend)
+    decode(loaded, first.latent, backend=backend)
+    assert loaded.warm_store("decode", backend).held_bytes_of(hosts) == vae_bytes
+    mid_call = []
+    second = sample(loaded, MemoryStrategy(offload="none"), request_for(VARIANT), backend=backend,
+                    hooks=replace(hooks, on_step=decode_store_vae_at_step(loaded, backend, hosts, mid_call)))
+    assert mid_call == [0] and vae_copies(loaded, backend) == vae_bytes
+    assert second.receipt["warm"]["reused_bytes"] >= vae_bytes
+    assert torch.equal(first.latent["samples"], second.latent["samples"])

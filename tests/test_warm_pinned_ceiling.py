@@ -46,3 +46,49 @@ def test_lowering_the_pinned_ceiling_unpins_homes_beyond_it_and_the_run_is_uncha
     assert torch.equal(first.latent["samples"], second.latent["samples"])
     third = sample(loaded, lowered, request_for(VARIANT), hooks=hooks, backend=backend)  # settled: nothing moves
     assert pool.pinned_bytes <= ceiling and torch.equal(first.latent["samples"], third.latent["samples"])
+
+
+def test_every_dropped_arena_is_freed_before_the_host_allocator_is_asked_to_unlock_it(tiny_folder, tmp_path,
+                                                                                     monkeypatch):
+    """fit_ceiling's release_cached_pinned() unlocks only arenas nobody refers to: a loop variable left
+    pointing at the last home's owners kept one arena page-locked until the next release."""
+    import vidmem.memory.hostpool as hostpool
+    from vidmem.memory.warm import rehome_everywhere
+
+    loaded = replace(load_pipeline(tiny_folder(VARIANT), "fp32"), host_pool=HostPool(arena_bytes=ARENA))
+    fake = FakeCuda().install(monkeypatch)
+    swap = MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=1)
+    sample(loaded, swap, request_for(VARIANT), hooks=RunHooks(prompt_cache=PromptCache(tmp_path / "prompts")),
+           backend=CudaBackend(torch.device("cpu")))
+    pool = loaded.host_pool
+    for arena in pool._arenas:
+        fake.pinned.pop(arena.data_ptr(), None)  # the fake's registry of pinned buffers is not the pool's
+    weak = [arena.untyped_storage()._weak_ref() for arena in pool._arenas]
+    del arena
+    assert len(weak) > 1
+    alive_at_release = []
+    monkeypatch.setattr(hostpool, "release_cached_pinned",
+                        lambda: alive_at_release.append([not torch.UntypedStorage._expired(w) for w in weak]))
+    assert pool.fit_ceiling(0, rehome_everywhere) == len(weak) * ARENA
+    assert alive_at_release == [[False] * len(weak)]
+
+
+def test_a_decode_with_a_lower_ceiling_leaves_the_samplers_homes_pinned(tiny_folder, tmp_path, monkeypatch):
+    """The pool is the pipeline's, its homes the sampler's streamed blocks: only a streaming stage's
+    ceiling unpins them. A Decode strategy with max_pinned_ram_gb=0 used to unpin them every run and
+    the Sampler pinned them again at its next: every run copied every streamed weight twice."""
+    from vidmem.pipelines.decode import decode
+
+    loaded = replace(load_pipeline(tiny_folder(VARIANT), "fp32"), host_pool=HostPool(arena_bytes=ARENA))
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    hooks = RunHooks(prompt_cache=PromptCache(tmp_path / "prompts"))
+    sampler = MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=1)
+    decoder = MemoryStrategy(offload="none", max_pinned_ram_gb=0.0)
+    pool = loaded.host_pool
+    seen = []
+    for _ in range(3):
+        result = sample(loaded, sampler, request_for(VARIANT), hooks=hooks, backend=backend)
+        decode(loaded, result.latent, decoder, backend=backend)
+        seen.append((pool.allocations, pool.pinned_bytes))
+    assert seen[0][1] > 0 and seen[1:] == seen[:1] * 2
