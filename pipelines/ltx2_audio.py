@@ -56,12 +56,12 @@ class AudioResult:
         return {"waveform": self.waveform, "sample_rate": self.sample_rate}
 
 
-def with_audio(latent: dict, pipe, audio: torch.Tensor, resumed_after: int = 0) -> dict:
+def with_audio(latent: dict, pipe, audio: torch.Tensor) -> dict:
     """`latent` (a new dict) with the run's audio latents and what decoding them needs to know.
     `pipe` is the loaded pipeline: without its own audio VAE, the call denormalised with 0 and 1.
-    A run resumed after an out-of-memory error (`resumed_after` steps done) resumed its audio latents
-    with the video's (LTX2Call records them each step, pipelines/sample_call.py hands them back), so
-    its sound is the uninterrupted run's and is kept like any other."""
+    A run resumed after an out-of-memory error resumed its audio latents with the video's (LTX2Call
+    records them each step, pipelines/sample_call.py hands them back), so its sound is the
+    uninterrupted run's and is kept like any other."""
     info = {"normalised": getattr(pipe, "audio_vae", None) is None, "frame_rate": FRAME_RATE}
     metadata = dict(latent.get("vidmem", {}), audio=info)
     return dict(latent, **{AUDIO_KEY: audio.detach().to("cpu"), "vidmem": metadata})

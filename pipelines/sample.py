@@ -153,8 +153,7 @@ def sample(
     samples = spec.to_comfy_latent(pipe, record.raw, request.frames).to("cpu")
     latent = {"samples": samples, "vidmem": {"family": spec.name, "class_name": loaded.class_name, "frames": request.frames}}
     if record.audio is not None:  # LTX-2's sound, for Decode Audio; a video-only graph just carries it
-        resumed = resume.steps_done if resume is not None else 0
-        latent = with_audio(latent, pipe, record.audio, resumed)
+        latent = with_audio(latent, pipe, record.audio)
     return SampleResult(latent, receipt)
 
 
