@@ -233,8 +233,11 @@ _NEEDS_BLOCK_METADATA = (CacheMethod.FIRST_BLOCK, CacheMethod.MAG)
 def _register_fitting_blocks(registry) -> None:
     """Register the block classes that fit the hooks' contract but that diffusers does not (idempotent)."""
     from diffusers.hooks._helpers import TransformerBlockMetadata
-    from diffusers.models.transformers import transformer_hunyuan_video15
 
+    try:
+        from diffusers.models.transformers import transformer_hunyuan_video15
+    except ImportError:  # a diffusers before HunyuanVideo 1.5 (the pack allows 0.35): nothing to register
+        return
     block = getattr(transformer_hunyuan_video15, "HunyuanVideo15TransformerBlock", None)
     if block is not None and block not in registry._registry:
         registry.register(block, TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1))

@@ -134,3 +134,19 @@ def test_vidmem_plan_says_mag_cache_does_not_run_on_ltx2(capsys):
     main(["plan", "--model", "ltx2-t2v-19b", "--cache", "mag_cache", "--vram", "24", "--ram", "64"])
     out = capsys.readouterr().out
     assert REFUSAL.format("LTX2VideoTransformerBlock") in out and "'calibrate' measures" not in out
+
+
+def test_a_diffusers_without_hunyuan_video15_still_checks_other_families(monkeypatch, tiny_loaded):
+    """The pack allows diffusers 0.35, which has no HunyuanVideo 1.5 module: registering its block is skipped,
+    and a Wan block (which diffusers knows) is still found, instead of a raw ModuleNotFoundError."""
+    import sys
+    import types
+
+    from vidmem.pipelines.step_cache import blocks_without_metadata
+
+    wan = tiny_loaded("wan2.1-t2v")
+    blocks = {type(block) for block_list in denoiser_blocks(wan.pipe, wan.spec).values() for block in block_list}
+    # diffusers' transformers package as 0.35 has it: no such submodule to find
+    monkeypatch.setitem(sys.modules, "diffusers.models.transformers", types.ModuleType("diffusers.models.transformers"))
+    monkeypatch.delitem(sys.modules, "diffusers.models.transformers.transformer_hunyuan_video15", raising=False)
+    assert blocks_without_metadata(blocks) == []

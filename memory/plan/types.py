@@ -109,7 +109,6 @@ class PlannerModel(Protocol):
     def dtype_bytes(self, component: str) -> int: ...  # bytes per element of the dtype it computes in
     def module(self, component: str) -> nn.Module: ...  # full size, on meta
     def blocks(self, component: str) -> nn.ModuleList | None: ...  # the swappable blocks (denoisers)
-    # one `kind` call's module order, once traced (None: the first recorded)
     def stream_order(self, call: Call) -> Order | None: ...  # the module order `call` ran in, once traced
     def trace(self, call: Call, attention: Attention) -> Trace: ...  # memoised by the model
     def latent_shape(self, shape: VideoShape) -> tuple[int, int, int, int, int]: ...  # as the VAE decodes
