@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -880,15 +882,32 @@ def _shipped() -> dict:
     return {entry["model"]: entry for entry in json.loads(SHIPPED_RATIOS.read_text(encoding="utf-8"))["models"]}
 
 
+MAX_RATIO_FILE_BYTES = 16 << 20  # a ratio file vidmem writes is a few KiB
+
+
 def read_json_file(path: Path, what: str) -> dict:
+    """The JSON object in the regular file `path`. Opened without blocking and checked on the open file, so
+    a FIFO or device put there (or swapped in after a check) is refused instead of blocking or never ending."""
+    path = Path(path)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
-        raise StrategyError(f"{what} '{Path(path).name}' is missing from {Path(path).parent}; pick a listed file.") from None
-    except (OSError, ValueError) as error:
-        raise StrategyError(f"{what} '{Path(path).name}' is not a readable JSON ratio file ({error}); calibrate again.") from None
+        raise StrategyError(f"{what} '{path.name}' is missing from {path.parent}; pick a listed file.") from None
+    except OSError as error:
+        raise StrategyError(f"{what} '{path.name}' cannot be opened ({error.strerror}); pick a listed file.") from None
+    with os.fdopen(descriptor, "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise StrategyError(f"{what} '{path.name}' in {path.parent} is not a regular file; pick a listed file.")
+        try:
+            raw = file.read(MAX_RATIO_FILE_BYTES + 1)
+            if len(raw) > MAX_RATIO_FILE_BYTES:
+                raise ValueError(f"over {MAX_RATIO_FILE_BYTES >> 20} MiB")
+            data = json.loads(raw.decode("utf-8"))
+        except (OSError, ValueError) as error:
+            raise StrategyError(f"{what} '{path.name}' is not a readable JSON ratio file ({error}); calibrate "
+                                "again.") from None
     if not isinstance(data, dict):
-        raise StrategyError(f"{what} '{Path(path).name}' is not a ratio file (a JSON object); calibrate again.")
+        raise StrategyError(f"{what} '{path.name}' is not a ratio file (a JSON object); calibrate again.")
     return data
 
 
@@ -1089,17 +1108,13 @@ def cached_time_line(plan, share: float) -> str:
 
 
 def _ratio_file(folder: Path | None, ratios_name: str) -> Path:
-    """The ratio file `ratios_name` names in `folder`. Only a plain file name is read: the name comes from a
-    widget, which the plan route takes from an HTTP query, so a path (absolute, `..`) or something that is not
-    a regular file (a FIFO would block the read, a device would never end) is refused unopened."""
-    path = Path(folder or ".") / ratios_name
-    if ratios_name in ("", ".", "..") or any(separator in ratios_name for separator in "/\\"):
+    """The ratio file `ratios_name` names in `folder`. Only a plain file name is taken: the name comes from a
+    widget, which the plan route takes from an HTTP query, so a path (absolute, `..`, a separator, a Windows
+    drive's `D:`) is refused unopened; `read_json_file` then reads only a regular file."""
+    if ratios_name in ("", ".", "..") or any(separator in ratios_name for separator in "/\\:"):
         raise StrategyError(f"mag_ratios '{ratios_name}' is not a ratio file's name; pick a listed file, 'auto', or "
                             "'calibrate'.")
-    if path.exists() and not path.is_file():
-        raise StrategyError(f"mag_ratios '{ratios_name}' in {path.parent} is not a regular file; pick a listed file, "
-                            "'auto', or 'calibrate'.")
-    return path
+    return Path(folder or ".") / ratios_name
 
 
 def _mag_cache_for(layout: str, cache: StepCache | None, ratios_name: str, folder: Path | None) -> StepCache | None:

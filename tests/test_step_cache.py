@@ -705,7 +705,7 @@ def test_taylor_seer_hooks_exactly_the_declared_blocks_and_every_output_projecti
         AppliedCache(TAYLOR, {"transformer": bare}, {"transformer": bare.blocks}).apply(STEPS)
 
 
-@pytest.mark.parametrize("name", ["/etc/passwd", "../secret.json", "sub/ratios.json", "..", "a\\b.json"])
+@pytest.mark.parametrize("name", ["/etc/passwd", "../secret.json", "sub/ratios.json", "..", "a\\b.json", "D:secret.json"])
 def test_mag_ratios_names_a_file_in_the_folder_never_a_path(tiny_loaded, tmp_path, name):
     """The name comes from a widget (the plan route takes it from an HTTP query): a path is refused unopened."""
     (tmp_path / "sub").mkdir()
@@ -719,9 +719,26 @@ def test_mag_ratios_that_is_not_a_regular_file_is_refused_unread(tiny_loaded, tm
     """A FIFO in the folder would block the read forever (one plan worker serves every chart)."""
     import os
 
+    import threading
+
     os.mkfifo(tmp_path / "stuck.json")
-    with pytest.raises(StrategyError, match="is not a regular file"):
-        cache_with_ratios_for(tiny_loaded("wan2.1-t2v"), "stuck.json", tmp_path)
+    loaded, outcome = tiny_loaded("wan2.1-t2v"), []
+
+    def read():
+        try:
+            cache_with_ratios_for(loaded, "stuck.json", tmp_path)
+        except StrategyError as error:
+            outcome.append(str(error))
+
+    reader = threading.Thread(target=read, daemon=True)  # a blocked read fails the test instead of hanging it
+    reader.start()
+    reader.join(timeout=30)
+    assert outcome and "is not a regular file" in outcome[0]
+
+
+def test_mag_ratios_whose_name_the_system_refuses_is_a_worded_error(tiny_loaded, tmp_path):
+    with pytest.raises(StrategyError, match="cannot be opened"):
+        cache_with_ratios_for(tiny_loaded("wan2.1-t2v"), "x" * 300 + ".json", tmp_path)
 
 
 def cache_with_ratios_for(loaded, name, folder):
