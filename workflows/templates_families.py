@@ -137,7 +137,7 @@ FAMILY_TEMPLATES = (
             "36 stay on the GPU and the last 12 stream in from system RAM every step, the next one copied "
             "while the current one computes (prefetch_blocks = 1). The text encoder goes to the GPU alone "
             "and leaves once the prompt is encoded (text_encoder = offload_after_encoding); the VAE decodes "
-            "in 512 px tiles (the default 256, raised for LTX-2's 32x VAE). Predicted: 19.3 GiB VRAM at the peak "
+            "in 512 px tiles (the default 256, raised for LTX-2's 32x VAE). Predicted: 19.2 GiB VRAM at the peak "
             "(the denoise), 38 GiB of RAM (with 8 swapped blocks it predicts 20.9 GiB: little room left). "
             + LTX2_CHUNKS + "\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "

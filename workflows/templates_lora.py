@@ -164,7 +164,7 @@ LORA_TEMPLATES = (
             "and lists any key it cannot apply. The LoRA runs beside each layer (the fp8 weights are never "
             "rewritten), streamed with its block. 30 steps at cfg 3: LTX2Pipeline's defaults.\n\n"
             "Memory strategy: as the \"LTX-2 fp8, 24 GB, 64 GB RAM\" template, block_swap with blocks_to_swap = "
-            "12 (36 of the 48 blocks stay on the GPU). Predicted without the LoRA: 19.3 GiB VRAM at the peak, 38 "
+            "12 (36 of the 48 blocks stay on the GPU). Predicted without the LoRA: 19.2 GiB VRAM at the peak, 38 "
             "GiB of RAM; the LoRA adds at most its 0.33 GB (the Sampler's receipt shows its bytes). If you run "
             "out of memory, raise blocks_to_swap by 4. " + LTX2_CHUNKS + "\n\n"
             "Check your machine: vidmem plan --model ltx2-t2v-19b --weights fp8_scaled --size 768x512 --frames "
