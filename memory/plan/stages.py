@@ -97,15 +97,15 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
     else:
         counts = piece_counts(model, shape, strategy)
         calls = [Call("decode", vae, shape, piece) for piece in counts]
-    model.trace(calls[0], options.attention)  # traced first: it records the module order
-    resident = tier_residency(model, vae, strategy, [vae], options, calls[0])
-    if options.runtime is Runtime.DIFFUSERS and strategy.offload is OffloadTier.NONE:
-        resident = tier_residency(model, vae, strategy, list(model.layout.all), options)  # pipe.to("cuda"): all stay
     phases, flops, largest_piece = [], 0.0, 0
     for call in calls:
+        flops += model.trace(call, options.attention).flops * counts[call.piece]  # traced first: it records the order
+        # each piece's own module order: a causal VAE decodes a one-frame piece without its temporal convolutions
+        resident = tier_residency(model, vae, strategy, [vae], options, call)
+        if options.runtime is Runtime.DIFFUSERS and strategy.offload is OffloadTier.NONE:
+            resident = tier_residency(model, vae, strategy, list(model.layout.all), options)  # pipe.to("cuda"): all stay
         label = f"{vae} decode {'x'.join(map(str, call.piece[2:]))} ({counts[call.piece]} calls)"
         phases.append(phase(model, call, [*resident, z], options, label))
-        flops += model.trace(call, options.attention).flops * counts[call.piece]
         pixels = 3 * model.geometry.frames(call.piece[2]) * _numel(call.piece[3:]) * model.geometry.spatial_factor ** 2
         largest_piece = max(largest_piece, call.piece[0] * pixels * itemsize)  # copied to the host per piece
     host_frames = model.trace(Call("postprocess", vae, shape), options.attention).peak_bytes
