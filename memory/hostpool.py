@@ -153,8 +153,13 @@ class HostPool:
     def _unpin_homes_in(self, dropped: list[torch.Tensor], rehomed) -> None:
         """Move every home inside `dropped` to a pageable copy. A helper of its own so that its loop
         variables (the last home's owners, which view an arena) are gone when it returns."""
-        for owners in [owners for owners in self._homes if _inside(owners[0].host, dropped)]:
-            self._unpin(owners, rehomed)
+        moved = set()  # ids: Slot equality would compare the tensors, and a whole-list remove per home is quadratic
+        try:
+            for owners in [owners for owners in self._homes if _inside(owners[0].host, dropped)]:
+                self._unpin(owners, rehomed)
+                moved.add(id(owners))
+        finally:  # a home moved before an error is no longer the pool's
+            self._homes = [owners for owners in self._homes if id(owners) not in moved]
 
     def _unpin(self, owners: list[Slot], rehomed) -> None:
         home = owners[0].host
@@ -167,7 +172,6 @@ class HostPool:
                 slot.point_to(pageable)
         if rehomed is not None:
             rehomed(home, pageable)
-        self._homes.remove(owners)
 
     @property
     def spare_bytes(self) -> int:
