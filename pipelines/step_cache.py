@@ -291,7 +291,7 @@ def _layout_block_classes(pipeline_class: str) -> tuple[type, ...]:
     found = []
     for name in spec.denoisers:
         parameter = inspect.signature(pipeline.__init__).parameters.get(name)
-        hinted = typing.get_args(parameter.annotation) or (parameter.annotation,) if parameter else ()
+        hinted = (typing.get_args(parameter.annotation) or (parameter.annotation,)) if parameter else ()
         for cls in (c for c in hinted if isinstance(c, type) and issubclass(c, nn.Module)):
             try:
                 with torch.device("meta"):
