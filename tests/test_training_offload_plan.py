@@ -104,7 +104,7 @@ def test_planned_offloaded_bytes_are_what_the_run_moved(tiny_loaded, prepared, t
 def test_the_first_block_moves_the_inputs_later_blocks_share(tiny_loaded, prepared):
     """Wan hands every block the same text embedding and timestep projection: the first block moves
     them (it has no previous block to share with), the later ones only their hidden state."""
-    from vidmem.memory.plan.train import trace_offloaded_inputs
+    from vidmem.memory.plan.train import trace_offloaded_step
     from vidmem.pipelines.planning import planner_model
     from vidmem.training.plan import planned_shape
     from vidmem.memory.plan.types import Call
@@ -115,7 +115,7 @@ def test_the_first_block_moves_the_inputs_later_blocks_share(tiny_loaded, prepar
     module = model.traced_module("transformer")
     blocks = getattr(module, model.spec.blocks_attr)
     call = workloads.workload_for(model, Call("denoise", "transformer", planned_shape(data, settings("on"))))
-    first, later = trace_offloaded_inputs(module, blocks, call, 4, ("to_q", "to_v"))
+    _, (first, later) = trace_offloaded_step(module, blocks, call, 4, ("to_q", "to_v"))
     assert len(first) == 3 and len(later) == 1  # hidden, text, timestep projection; then hidden only
     assert later[0] == first[0]
     assert not module.gradient_checkpointing and "_gradient_checkpointing_func" not in module.__dict__

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from ..accounting import Attention, TensorLedger
@@ -111,9 +112,11 @@ class ActivationPeaks:
     two_blocks: int
     three_blocks: int
     kept_per_block: int = 0
-    # What activation offload moves (bytes per tensor, `trace_offloaded_inputs`): the first
+    # What activation offload moves (bytes per tensor, `trace_offloaded_step`): the first
     # checkpointed block's inputs, then each later block's. None: not traced, one `per_block` each.
     offloaded: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # The step traced with activation offload at three blocks, prefetch 1 (None: not traced).
+    offloaded_step: int | None = None
 
     @property
     def per_block(self) -> int:
@@ -140,11 +143,22 @@ class ActivationPeaks:
         reach the first block, whose inputs come back whole (`offloaded[0]`): those it shares with
         the later blocks (Wan's text embedding and timestep projection) stay alive on the device
         as well, so they count twice (Wan 2.2 TI2V's per-token timestep projection, 0.94 GiB at
-        1280x704x121)."""
+        1280x704x121).
+
+        Where the offloaded step was traced (`offloaded_step`, three blocks at prefetch 1), it is the
+        figure, and each further block prefetched adds a later block's inputs: a sum of the plain
+        traces would be too high where a block's copied-back input dies once its re-run is done (a
+        plain checkpoint holds the original to the block's end; Wan 2.1 1.3B: 5/6 of a hidden state
+        at the peak) and too low where the third block adds bytes the second does not (CogVideoX's
+        text state). Beyond three blocks nothing more stays on the device. With two blocks it can be
+        a block's text state high, never low."""
         stays = blocks * self.kept_per_block
         if blocks <= 1:
             return self.one_block + stays
         ahead = min(max(1, prefetch), blocks - 1)
+        later = sum(self.offloaded[1]) if self.offloaded else self.per_block
+        if self.offloaded_step is not None:
+            return self.offloaded_step + (ahead - 1) * later + stays
         first = sum(self.offloaded[0]) if self.offloaded else self.per_block
         return self.one_block + self.once + first + (ahead - 1) * self.per_block + stays
 
@@ -160,7 +174,8 @@ class ActivationPeaks:
 def trace_activations(module: nn.Module, blocks: nn.ModuleList, run: Callable[[], torch.Tensor], rank: int,
                       targets: tuple[str, ...], checkpointing: bool,
                       attention: Attention = Attention.FUSED) -> ActivationPeaks:
-    """Peak bytes of one forward + backward (loss on `run()`'s output) with 1, 2 and 3 blocks kept.
+    """Peak bytes of one forward + backward (loss on `run()`'s output) with 1, 2 and 3 blocks kept,
+    and with checkpointing, of the same step with activation offload at three blocks.
     `blocks` needs three (or all the model has) for the per-block increment past the second."""
     peaks, kept = [], 0
     for keep in (1, 2, 3):
@@ -169,34 +184,55 @@ def trace_activations(module: nn.Module, blocks: nn.ModuleList, run: Callable[[]
             peaks.append(_trace_step(run, attention, counter))
             if keep == 1 and checkpointing:
                 kept = counter.forward_bytes
-    moved = trace_offloaded_inputs(module, blocks, run, rank, targets) if checkpointing else None
-    return ActivationPeaks(*peaks, kept_per_block=kept, offloaded=moved)
+    traced = trace_offloaded_step(module, blocks, run, rank, targets, attention) if checkpointing else None
+    step, moved = traced or (None, None)
+    return ActivationPeaks(*peaks, kept_per_block=kept, offloaded=moved, offloaded_step=step)
 
 
-def trace_offloaded_inputs(module: nn.Module, blocks: nn.ModuleList, run: Callable[[], torch.Tensor], rank: int,
-                           targets: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """Bytes activation offload moves for the first checkpointed block and for a later one (a forward
-    on meta with two blocks). The run's own `ActivationOffload.saving` wraps each block, called as the
-    trainer calls it: through the model's gradient-checkpointing switch, which hands each block its
-    inputs positionally (what checkpoint saves, and so what the offload sees). The first block moves
-    every tensor input; a later one only those the previous block was not handed."""
-    offload = ActivationOffload(InlineCopies(torch.device("meta")),
-                                ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8, device="meta"), UNPINNED))
+class _FreshCopies(InlineCopies):
+    """Copies back to the (meta) device made as new tensors, as a GPU makes them: the ledger counts them."""
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return host.clone(), None
+
+
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    """A pool buffer made outside the ledger: host memory is not the device's to count."""
+    with _disable_current_modes():
+        return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+
+def trace_offloaded_step(module: nn.Module, blocks: nn.ModuleList, run: Callable[[], torch.Tensor], rank: int,
+                         targets: tuple[str, ...], attention: Attention = Attention.FUSED,
+                         ) -> tuple[int, tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """One training step with activation offload on three blocks (or all the module has), prefetch 1,
+    traced on meta as the run makes it: the run's own `ActivationOffload.saving` around each block,
+    called as the trainer calls it, through the model's gradient-checkpointing switch (which hands
+    each block its inputs positionally: what checkpoint saves, and so what the offload sees), and
+    `begin_backward` before the backward. Returns the step's peak and the bytes the offload moved
+    for the first checkpointed block and for a later one: the first moves every tensor input, a
+    later one only those the previous block was not handed. None without a checkpointing switch."""
+    offload = ActivationOffload(_FreshCopies(torch.device("meta")), ActivationPool(_host_buffer, UNPINNED))
+    contexts = _attention_contexts if Attention(attention) is Attention.FUSED else _no_contexts
+    moved: list[list[int]] = []
 
     def checkpointed(block, *args, **kwargs):
         with offload.saving(args):
-            return checkpoint(block.__call__, *args, use_reentrant=False, **kwargs)
+            return checkpoint(block.__call__, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    def begin_backward():
+        moved.extend(offload.block_inputs())
+        offload.begin_backward()
 
     try:
-        with _training_view(module, blocks, 2, rank, targets, checkpointing=False), \
-                checkpointing_switched(_switches(module), True, checkpointed), torch.enable_grad():
-            run()
-            moved = offload.block_inputs()
+        with _training_view(module, blocks, 3, rank, targets, False, attention), \
+                checkpointing_switched(_switches(module), True, checkpointed):
+            peak = _trace_step(run, attention, before_backward=begin_backward)
     finally:
         offload.close()
     if not moved:  # no checkpointing switch (a plain module): the planner counts one `per_block` input a block
         return None
-    return tuple(moved[0]), tuple(moved[1]) if len(moved) > 1 else tuple(moved[0])
+    return peak, (tuple(moved[0]), tuple(moved[1]) if len(moved) > 1 else tuple(moved[0]))
 
 
 def _switches(module: nn.Module) -> list[nn.Module]:
@@ -204,7 +240,8 @@ def _switches(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
 
 
-def _trace_step(run: Callable[[], torch.Tensor], attention: Attention, counter: "_SelfAttentionOutputs | None" = None) -> int:
+def _trace_step(run: Callable[[], torch.Tensor], attention: Attention, counter: "_SelfAttentionOutputs | None" = None,
+                before_backward: Callable[[], None] = lambda: None) -> int:
     ledger = TensorLedger()
     _COUNTERS.append(counter or _SelfAttentionOutputs())
     try:
@@ -214,6 +251,7 @@ def _trace_step(run: Callable[[], torch.Tensor], attention: Attention, counter: 
             # innermost mode); for plain attention a mode that only notes them does.
             stack.enter_context(_FusedTrainingAttention() if Attention(attention) is Attention.FUSED else _NoteAttention())
             loss = run().float().square().mean()
+            before_backward()
             loss.backward()
             del loss
     finally:
@@ -278,13 +316,21 @@ def _training_view(module: nn.Module, blocks: nn.ModuleList, keep: int, rank: in
 
 def _attach_lora(linear: nn.Linear, rank: int):
     """out + up(down(x)): float32 LoRA weights that require grad, so autograd saves what a real
-    LoRA run saves. They are made outside the ledger: their bytes are `training_bytes`' to count."""
+    LoRA run saves. They are made outside the ledger and their gradients are dropped as soon as
+    they are made: both are `training_bytes`' to count, for the whole step (the trace held each
+    block's gradients from its backward on, so the plan counted most of them twice)."""
     down = torch.zeros(rank, linear.in_features, device="meta", requires_grad=True)
     up = torch.zeros(linear.out_features, rank, device="meta", requires_grad=True)
+    for weight in (down, up):
+        weight.register_post_accumulate_grad_hook(_drop_gradient)
 
     def hook(mod, inputs, out):  # as training/adapters.py: float32 LoRA on an upcast input, scaled
         return out + (F.linear(F.linear(inputs[0].float(), down), up) * 1.0).to(out.dtype)
     return linear.register_forward_hook(hook)
+
+
+def _drop_gradient(weight: torch.Tensor) -> None:
+    weight.grad = None
 
 
 class _Checkpointed(nn.Module):

@@ -14,7 +14,7 @@ backward, the first block's whole when the prefetch reaches it (`ActivationPeaks
 trainer turns selective checkpointing off with it, so nothing else stays per block), RAM rises by
 every block's input, each in a buffer rounded up to a power of two as the pinned pool makes them,
 and each input crosses PCIe twice per step (`activation_copy_seconds`, hidden behind the re-runs when the prefetch keeps up). The inputs
-are the ones the run moves, traced (`trace_offloaded_inputs`: the first block's shared inputs
+are the ones the run moves, traced (`trace_offloaded_step`: the first block's shared inputs
 included), and they are split at the pinned ceiling by the pool's own rule (`split_at_ceiling`):
 the ceiling is the strategy's max_pinned_ram_gb (or the automatic one) less what the pipeline's host
 pool holds once the streamed weights have their pinned homes (homes an earlier call made are kept,
