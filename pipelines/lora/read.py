@@ -9,6 +9,7 @@ naming the trainer used) is resolved against the model later (names.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,20 +92,34 @@ def peft_alphas(metadata: Mapping[str, str], path: Path) -> dict[str, float]:
     """lora_alpha from diffusers/PEFT adapter metadata: "" for the global value, plus alpha_pattern.
 
     Keys may carry a component prefix ("transformer.lora_alpha"). Without metadata the diffusers
-    convention holds: alpha = rank, i.e. scale 1.
+    convention holds: alpha = rank, i.e. scale 1. A value that is not a finite number is refused
+    here, naming the key, rather than turning every frame NaN (or failing) at the sampler.
     """
     raw = metadata.get(PEFT_METADATA_KEY)
     if not raw:
         return {}
+    fix = "re-save the LoRA with a numeric lora_alpha, or remove that metadata entry (alpha = rank is then assumed)"
     try:
         config = json.loads(raw)
     except json.JSONDecodeError:
-        raise LoraError(f"LoRA file {path}: its '{PEFT_METADATA_KEY}' metadata is not JSON; re-save the LoRA.") from None
+        raise LoraError(f"LoRA file {path}: its '{PEFT_METADATA_KEY}' metadata is not JSON; {fix}.") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"LoRA file {path}: its '{PEFT_METADATA_KEY}' metadata is a JSON {type(config).__name__}, "
+                        f"not an object of PEFT settings; {fix}.")
     alphas: dict[str, float] = {}
     for key, value in config.items():
-        field = key.rsplit(".", 1)[-1]
-        if field == "lora_alpha" and value is not None:
-            alphas[""] = float(value)
-        elif field == "alpha_pattern" and isinstance(value, dict):
-            alphas.update({pattern: float(v) for pattern, v in value.items()})
+        setting = key.rsplit(".", 1)[-1]
+        if setting == "lora_alpha" and value is not None:
+            alphas[""] = _alpha_value(value, f"'{key}'", path, fix)
+        elif setting == "alpha_pattern" and isinstance(value, dict):
+            alphas.update({pattern: _alpha_value(v, f"'{key}' entry '{pattern}'", path, fix) for pattern, v in value.items()})
     return alphas
+
+
+def _alpha_value(value: object, where: str, path: Path, fix: str) -> float:
+    # bool is an int to Python, and json reads NaN and Infinity: neither is an alpha
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number):
+        raise LoraError(f"LoRA file {path}: metadata {where} in '{PEFT_METADATA_KEY}' is {value!r}, not a finite "
+                        f"number; {fix}.")
+    return number
