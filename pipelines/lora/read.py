@@ -9,9 +9,10 @@ naming the trainer used) is resolved against the model later (names.py).
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import dataclass
+import hashlib
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -30,6 +31,8 @@ KEY_TAILS = (
     (".alpha", "alpha"), (".diff_b", "diff_b"), (".diff", "diff"),
 )
 PEFT_METADATA_KEY = "lora_adapter_metadata"  # diffusers' save_lora_weights writes lora_alpha and r here
+TRAINED_BY_KEY = "vidmem_training"  # what vidmem's trainer records (training/save.py): component, expert, ...
+IDENTITY_SAMPLE_BYTES = 1 << 20  # of the tensor data, hashed from each end beside the header
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class LoraFile:
     layers: Mapping[str, RawLayer]  # source module name -> tensors
     unknown_keys: tuple[str, ...]  # keys whose tail is not a LoRA tensor vidmem knows (DoRA, LoHa, LoKr...)
     peft_alphas: Mapping[str, float]  # "" -> global lora_alpha; module-name patterns -> alpha
+    trained_by: Mapping[str, object] = field(default_factory=dict)  # vidmem's training record ({} for other files)
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +81,33 @@ def read_lora_file(path: str | os.PathLike) -> LoraFile:
         grouped[source][kind] = tensor
         keys.setdefault(source, []).append(key)
     layers = {s: RawLayer(s, grouped[s], tuple(keys[s])) for s in grouped}
-    return LoraFile(path, layers, tuple(unknown), peft_alphas(opened.metadata, path))
+    return LoraFile(path, layers, tuple(unknown), peft_alphas(opened.metadata, path), trained_record(opened.metadata))
+
+
+def file_identity(path: str | os.PathLike) -> dict:
+    """{"size", "sha256"}: the size and a hash of the header (names, shapes, metadata) and of the first
+    and last MiB of the tensor data, cheap for a LoRA of any size. Two files with the same
+    identity are the same LoRA in practice; a re-trained or re-saved one differs."""
+    path = Path(path)
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        header_bytes = int.from_bytes(head, "little") if len(head) == 8 else 0
+        digest.update(head + handle.read(min(header_bytes, size)))
+        digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
+        handle.seek(max(handle.tell(), size - IDENTITY_SAMPLE_BYTES))
+        digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def trained_record(metadata: Mapping[str, str]) -> dict:
+    """vidmem's training record from the metadata; {} when absent or unreadable (it only informs checks)."""
+    try:
+        record = json.loads(metadata.get(TRAINED_BY_KEY) or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def split_key(key: str) -> tuple[str, str] | None:
