@@ -23,9 +23,10 @@ LoRAs are a property of the call, not of the module: two pipelines sharing modul
 their own set for their own call. Strength 0 registers nothing, so it gives the base exactly.
 
 The fused alternative (`apply_loras(patches, fuse=True)`, plain floating-point weights only):
-each targeted weight is re-pointed to a new tensor `W + scale * up @ down` (computed in float32,
-rounded once to the weight's dtype) and pointed back at the untouched original on removal, so
-the undo is exact. It saves the per-step cost of the side computation at the price of one extra
+each targeted weight is re-pointed to a new tensor `W + sum of scale * up @ down` (every patch on
+it summed in float32, then rounded once to the weight's dtype, so chained LoRAs on a bf16 weight
+are not rounded per LoRA) and pointed back at the untouched original on removal, so the undo is
+exact. It saves the per-step cost of the side computation at the price of one extra
 copy of every targeted weight in host RAM for the call; quantized storage (fp8, GGUF) is refused
 because fusing would need a dequantized copy anyway.
 """
@@ -163,10 +164,13 @@ def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = F
             out = transformer(**inputs)
     """
     handle = LoraHandle()
+    deltas: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # fuse: id(parameter) -> (parameter, float32 sum)
     try:
         for index, patch in enumerate(patches):
             if patch.scale != 0.0:
-                _fuse(handle, patch) if fuse else handle._attach(patch, index)
+                _fuse(handle, patch, deltas) if fuse else handle._attach(patch, index)
+        for parameter, delta in deltas.values():  # after every check passed: nothing half-fused
+            _replace(handle, parameter, delta)
     except BaseException:
         handle.remove()
         raise
@@ -176,8 +180,9 @@ def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = F
 FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _fuse(handle: LoraHandle, patch: LoraPatch) -> None:
-    """Re-point the layer's weight (and bias, for diff_b) to fused copies; keep the originals."""
+def _fuse(handle: LoraHandle, patch: LoraPatch, deltas: dict) -> None:
+    """Add the patch's float32 weight (and bias, for diff_b) deltas to `deltas`, per parameter; the
+    caller re-points each parameter once, to its original plus the sum, rounded once."""
     module = patch.module
     weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
     if weight is None or weight.dtype not in FUSABLE_DTYPES:
@@ -185,21 +190,26 @@ def _fuse(handle: LoraHandle, patch: LoraPatch) -> None:
                         "stores it quantized; apply this LoRA beside the layer (fuse=False).")
     if patch.diff_b is not None and bias is None:
         raise LoraError(f"LoRA on {patch.name}: a bias delta cannot be fused into a layer without a bias; use fuse=False.")
-    delta = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    delta = _delta_of(deltas, weight)
     if patch.down is not None:
         delta += (patch.up.to(delta) @ patch.down.to(delta)) * patch.scale
     if patch.diff is not None:
         delta += patch.diff.to(delta) * patch.scale
-    _replace(handle, weight, delta)
     if patch.diff_b is not None:
-        _replace(handle, bias, patch.diff_b.to(bias.device, torch.float32) * patch.scale)
+        _delta_of(deltas, bias).add_(patch.diff_b.to(bias.device, torch.float32) * patch.scale)
     handle.applied.append(patch)
 
 
+def _delta_of(deltas: dict, parameter: nn.Parameter) -> torch.Tensor:
+    """The float32 delta summed so far for `parameter` (zeros at first)."""
+    if id(parameter) not in deltas:
+        deltas[id(parameter)] = (parameter, torch.zeros(parameter.shape, dtype=torch.float32, device=parameter.device))
+    return deltas[id(parameter)][1]
+
+
 def _replace(handle: LoraHandle, parameter: nn.Parameter, delta: torch.Tensor) -> None:
-    """parameter.data <- a new tensor (data + delta), the first original kept for the exact undo."""
-    if not any(p is parameter for p, _ in handle._originals):
-        handle._originals.append((parameter, parameter.data))
+    """parameter.data <- a new tensor (data + delta, rounded once), the original kept for the exact undo."""
+    handle._originals.append((parameter, parameter.data))
     parameter.data = (parameter.data.to(torch.float32) + delta).to(parameter.dtype)
 
 

@@ -127,8 +127,8 @@ class VidMemTrainLoRA:
                 "rank": ("INT", {"default": 16, "min": 1, "max": 512, "tooltip": "LoRA rank: trainable size and "
                          "capacity. 16-64 is usual; at most the smallest targeted layer's width."}),
                 "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 1024.0, "step": 0.5, "tooltip":
-                          "The LoRA's scale is alpha / rank; alpha = rank gives 1. Saved in the file, so loaders "
-                          "apply the same scale."}),
+                          "The LoRA's scale is alpha / rank; alpha = rank gives 1. Folded into the saved file's "
+                          "lora_B, so every loader (Load LoRA, ComfyUI's, diffusers') applies the same scale."}),
                 "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 1e-1, "step": 1e-5, "round": False,
                                   "tooltip": "AdamW learning rate; 1e-4 is the usual start for video LoRAs."}),
                 "steps": ("INT", {"default": 500, "min": 1, "max": 1000000, "tooltip": "Optimizer steps in total "

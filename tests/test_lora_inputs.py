@@ -112,3 +112,50 @@ def test_node_is_registered_with_tooltips():
     assert inputs["strength"][1]["min"] == -4.0 and inputs["strength"][1]["max"] == 4.0
     assert inputs["expert"][0] == ["both", "high_noise", "low_noise"]
     assert all(options[1].get("tooltip") for options in inputs.values())
+
+
+def kohya_with_alpha(wan, alpha):
+    """One layer in kohya form, its `.alpha` tensor replaced by `alpha`; (tensors, the alpha key)."""
+    tensors = kohya_keys("diffusion_model.", False)(random_lora(wan.transformer, WAN_LAYERS[:1]), 4)
+    key = next(k for k in tensors if k.endswith(".alpha"))
+    tensors[key] = alpha
+    return tensors, key
+
+
+@pytest.mark.parametrize("alpha, says", [
+    (torch.tensor(float("nan")), "is nan, not a finite number"),
+    (torch.tensor(float("inf")), "is inf, not a finite number"),
+    (torch.zeros(0), r"holds 0 values \(shape \[0\]\); an alpha is one number"),
+    (torch.tensor([2.0, 9.0]), r"holds 2 values \(shape \[2\]\); an alpha is one number"),
+])
+def test_a_bad_alpha_tensor_is_refused_at_load_naming_the_file_and_key(wan, tmp_path, alpha, says):
+    tensors, key = kohya_with_alpha(wan, alpha)
+    path = write(tmp_path / "bad_alpha.safetensors", tensors)
+    with pytest.raises(LoraError, match=rf"bad_alpha.safetensors: '{key}' {says}"):
+        load_lora(path, wan)
+
+
+@pytest.mark.parametrize("metadata, says", [
+    ('{"lora_alpha": "abc"}', r"metadata 'lora_alpha' in 'lora_adapter_metadata' is 'abc', not a finite number"),
+    ('{"transformer.lora_alpha": NaN}', r"metadata 'transformer.lora_alpha' .* is nan, not a finite number"),
+    ('{"lora_alpha": true}', r"is True, not a finite number"),
+    ('{"alpha_pattern": {"to_q": Infinity}}', r"'alpha_pattern' entry 'to_q' .* is inf"),
+    ('[1, 2]', r"metadata is a JSON list, not an object of PEFT settings"),
+])
+def test_bad_peft_metadata_is_refused_at_load_naming_the_file(wan, tmp_path, metadata, says):
+    path = write(tmp_path / "bad_meta.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS[:1]), None),
+                 {"lora_adapter_metadata": metadata})
+    with pytest.raises(LoraError, match=rf"bad_meta.safetensors: .*{says}.*re-save the LoRA"):
+        load_lora(path, wan)
+
+
+def test_a_rank_zero_layer_is_refused_at_load(wan, tmp_path):
+    tensors = kohya_keys("diffusion_model.", False)(random_lora(wan.transformer, WAN_LAYERS[:1]), 4)
+    for key, tensor in list(tensors.items()):
+        if key.endswith("lora_down.weight"):
+            tensors[key] = torch.zeros(0, tensor.shape[1])
+        elif key.endswith("lora_up.weight"):
+            tensors[key] = torch.zeros(tensor.shape[0], 0)
+    path = write(tmp_path / "rank0.safetensors", tensors)
+    with pytest.raises(LoraError, match=r"rank0.safetensors: layer 'diffusion_model.blocks.0.self_attn.q' has rank 0"):
+        load_lora(path, wan)

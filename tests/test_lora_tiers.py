@@ -224,6 +224,32 @@ def test_fused_alternative_refuses_quantized_storage(wan, spec):
     assert not stored._buffers.keys() & {f"{BUFFER_PREFIX}0_down"}
 
 
+def test_fused_chained_loras_round_once_and_undo_exactly():
+    """Two LoRAs on one bf16 weight (and bias): the float32 sum, rounded once, as the docstring says."""
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    weight, bias = layer.weight.data, layer.bias.data
+    terms = [(torch.randn(4, 64, generator=gen) * 0.05, torch.randn(64, 4, generator=gen) * 0.05,
+              torch.randn(64, generator=gen) * 0.05) for _ in range(2)]
+    patches = [LoraPatch(layer, 0.8, down, up, diff_b=b, name="l") for down, up, b in terms]
+    with apply_loras(patches, fuse=True):
+        fused_weight, fused_bias = layer.weight.data.clone(), layer.bias.data.clone()
+    once = (weight.float() + sum(0.8 * (up @ down) for down, up, _ in terms)).to(torch.bfloat16)
+    assert torch.equal(fused_weight, once)
+    assert torch.equal(fused_bias, (bias.float() + sum(0.8 * b for _, _, b in terms)).to(torch.bfloat16))
+    assert layer.weight.data_ptr() == weight.data_ptr() and layer.bias.data_ptr() == bias.data_ptr()  # the originals back
+
+
+def test_a_refused_fuse_leaves_no_weight_fused():
+    layer, plain = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8, bias=False)
+    weight, before = layer.weight.data, layer.weight.data.clone()
+    patches = [LoraPatch(layer, 1.0, torch.ones(2, 8), torch.ones(8, 2), name="a"),
+               LoraPatch(plain, 1.0, diff_b=torch.ones(8), name="b")]
+    with pytest.raises(ValueError, match="without a bias"):
+        apply_loras(patches, fuse=True)
+    assert layer.weight.data_ptr() == weight.data_ptr() and torch.equal(layer.weight.data, before)
+
+
 def test_disk_tier_weights_mapped_from_their_file_take_loras(wan, spec, tmp_path):
     """Weights left memory-mapped in their safetensors file (the disk tier): the LoRA runs beside
     them under every tier, bit-identical, and the mapped weights are never written or copied."""

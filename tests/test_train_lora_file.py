@@ -64,8 +64,9 @@ def test_file_carries_alpha_and_rank_for_the_loader(trained):
     with safetensors.safe_open(str(result.lora_path), "pt") as opened:
         adapter = json.loads(opened.metadata()["lora_adapter_metadata"])
         keys = list(opened.keys())
-    assert adapter["r"] == 4 and adapter["lora_alpha"] == 2.0
-    assert all(k.startswith("transformer.blocks.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
+    # diffusers' prefixed form; alpha / rank folded into lora_B, so alpha is the rank (training/save.py)
+    assert adapter["transformer.r"] == 4 and adapter["transformer.lora_alpha"] == 4
+    assert all(k.startswith("diffusion_model.blocks.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
 
 
 @pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v"])

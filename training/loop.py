@@ -40,6 +40,8 @@ from ..memory.offload import device_weight_bytes
 from ..memory.lora import apply_loras
 from ..memory.telemetry import StageMeter
 from ..pipelines.lora import describe_loras, lora_patches
+from ..pipelines.lora.names import trained_key_stems
+from ..pipelines.lora.read import file_identity
 from ..pipelines.hooks import interrupt_checks
 from .adapters import AttachedLora, build_layers, find_targets, trainable_bytes
 from .autograd import check_layering, frozen_saved_by_storage, gradient_checkpointing
@@ -49,7 +51,8 @@ from .inference import normal_tensors, training_mode
 from .objective import denoiser_for, objective_for
 from .optim import OptimizerSettings, check_available, load_state_tensors, make_optimizer, state_bytes, state_to_tensors
 from .prepare import PreparedData
-from .save import check_writable, load_lora_into, lora_metadata, lora_tensors, read_checkpoint, write_checkpoint, write_safetensors_atomic
+from .save import (check_writable, final_lora_tensors, load_lora_into, lora_metadata, lora_tensors, read_checkpoint,
+                   write_checkpoint, write_safetensors_atomic)
 from .settings import TrainSettings
 
 Progress = Callable[[int, int, float], None]  # (steps done, total, last loss)
@@ -125,21 +128,27 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
     check_writable(outputs.lora_path)
     model = getattr(loaded.pipe, component)
     targets = find_targets(model, component, settings.target_modules, loaded.spec.blocks_attr)
+    stems = trained_key_stems(model, targets.paths)  # the file's key names, refused now rather than after the run
     device = backend.device
     run = _start(model, targets, settings, device)
+    trained_over = _trained_over(loaded.loras, component)
     state = {"settings": settings.as_record(), "data": data.fingerprint, "component": component,
-             "targets": list(targets.paths), "rng": "per-step generators seeded from (seed, step)"}
+             "targets": list(targets.paths), "rng": "per-step generators seeded from (seed, step)",
+             "trained_over": trained_over}
     if resume:
         _resume(run, outputs.checkpoint_folder, state)
     objective = objective_for(loaded, component)
     order = BatchOrder(data, settings.batch_size, settings.seed)
     blocks = getattr(model, loaded.spec.blocks_attr)
     stage = StageComponents({component: model}, {component: blocks})
-    meta = lora_metadata(settings.rank, settings.alpha, targets.paths, {"component": component, "family": loaded.spec.name})
+    record = {"component": component, "family": loaded.spec.name, "expert": settings.expert, "rank": settings.rank,
+              "alpha": settings.alpha, "trained_over": trained_over}
+    # the checkpoint keeps the raw tensors resume reads; the file folds alpha / rank into lora_B (training/save.py)
+    meta = lora_metadata(settings.rank, settings.alpha, targets.paths, record)
+    final_meta = lora_metadata(settings.rank, settings.rank, targets.paths, dict(record, folded_scale=settings.alpha / settings.rank))
     save = lambda: _checkpoint(run, outputs.checkpoint_folder, meta, state)  # noqa: E731
     receipt = {"strategy": strategy.describe(), "device": str(device), "component": component,
-               "layers": len(targets.paths), "trainable_bytes": trainable_bytes(run.layers),
-               "device_weight_bytes": device_weight_bytes(stage, strategy), "start_step": run.step}
+               "layers": len(targets.paths), "trainable_bytes": trainable_bytes(run.layers), "start_step": run.step}
     if loaded.loras:
         receipt["trained_over"] = describe_loras(loaded.loras)
     # Device copies kept warm by sampling were made under inference mode and hold the room training needs.
@@ -151,9 +160,11 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
     with StageMeter("train", device) as meter:
         # LoRAs already on the pipeline (a distill LoRA, another expert's) apply as at sampling:
         # the new LoRA learns what is missing on top of them; all before the strategy (memory.lora's rule).
-        with apply_loras(lora_patches(loaded.pipe, loaded.loras)), \
-                _training_context(model, run, settings, blocks, check_interrupt, strategy.streams_blocks, offload), \
-                apply_strategy(stage, strategy, backend, observer, loaded.host_pool) as handle:
+        with apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, ExitStack() as stack:
+            # inside the LoRA block, as the sampler measures it: the applied LoRAs' buffers count
+            receipt["device_weight_bytes"], receipt["lora_bytes"] = device_weight_bytes(stage, strategy), lora_handle.nbytes
+            stack.enter_context(_training_context(model, run, settings, blocks, check_interrupt, strategy.streams_blocks, offload))
+            handle = stack.enter_context(apply_strategy(stage, strategy, backend, observer, loaded.host_pool))
             handle.activate(component)
             if offload is not None:  # what the weights' homes left of the pinned ceiling
                 offload.pool.cap_bytes = _activation_cap(ceiling, loaded.host_pool)
@@ -167,7 +178,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
                    seconds_per_step=(sum(times) / len(times)) if times else 0.0, stages=[meter.as_dict()])
     if run.step > run.saved_step:
         save()
-    write_safetensors_atomic(lora_tensors(run.layers), meta, outputs.lora_path)
+    write_safetensors_atomic(final_lora_tensors(run.layers, stems, settings.alpha / settings.rank), final_meta, outputs.lora_path)
     receipt.update(lora=str(outputs.lora_path), checkpoint=str(outputs.checkpoint_folder))
     return TrainResult(outputs.lora_path, run.losses, receipt)
 
@@ -256,10 +267,37 @@ def _resume(run: _Run, folder: Path, state: dict) -> None:
     if differing:
         raise TrainingError(f"checkpoint {folder} was made with other {', '.join(differing)}; set resume to false to "
                             "start over (its checkpoint is replaced), or use the same data and settings.")
+    # checkpoints from before the stack was recorded have no entry: nothing to compare
+    if "trained_over" in saved and saved["trained_over"] != state["trained_over"]:
+        raise TrainingError(f"checkpoint {folder} was trained over {_stack_text(saved['trained_over'])}, but this pipeline "
+                            f"carries {_stack_text(state['trained_over'])}; the LoRA learned what was missing on top of "
+                            "those, so continuing over others would mix two runs. Load the same LoRAs (same files, "
+                            "strengths and experts), or set resume to false to start over.")
     load_lora_into(run.layers, lora_file)
     load_state_tensors(run.optimizer, tensors, meta)
     run.step = run.saved_step = int(saved["step"])
     run.losses = list(saved["losses"])
+
+
+def _trained_over(loras, component: str) -> list[dict]:
+    """The pipeline's LoRAs that act on the trained component, as resume compares them: name, file
+    identity (size and a hash of its header and ends), strength, expert."""
+    found = []
+    for spec in loras:
+        if spec.strength != 0 and spec.layers.get(component):
+            try:
+                identity = file_identity(spec.path)
+            except OSError:  # moved or deleted since it was loaded; its tensors are still mapped
+                identity = {"size": None, "sha256": None}
+            found.append({"name": spec.name, "strength": spec.strength, "expert": spec.expert, **identity})
+    return found
+
+
+def _stack_text(stack: list[dict]) -> str:
+    if not stack:
+        return "no LoRA"
+    return "[" + "; ".join(f"{e['name']} x{e['strength']:g} ({e['expert']}, {e['size']} bytes, "
+                           f"sha256 {str(e['sha256'])[:12]})" for e in stack) + "]"
 
 
 def _checkpoint(run: _Run, folder: Path, meta: dict, state: dict) -> None:

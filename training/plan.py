@@ -5,6 +5,11 @@ from the denoiser's config on the meta device, its stored format, the LoRA setti
 largest bucket of the prepared data at the run's batch size; the first tier that fits both
 budgets, fastest first, is the one trained with. The receipt names the plan and its predicted
 peaks, and after the run the measured peaks beside them.
+
+LoRAs already on the pipeline (a distill LoRA) ride beside the trained layers for the whole run
+(training/loop.py applies them as the sampler does); the planner in memory/plan knows nothing of
+them, so their bytes on the trained component are taken off the VRAM budget it plans against and
+added to every plan's peak here.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class TrainingChoice:
     budgets: tuple[int, int]  # (VRAM, RAM) bytes planned against
 
     fixed: bool = False  # the tier was chosen by hand; the plan decided activation_offload auto only
+    pipeline_lora_bytes: int = 0  # the pipeline's own LoRAs on the trained component (in the plan's peak VRAM)
 
     def describe(self) -> str:
         shape = self.shape
@@ -72,7 +78,8 @@ class TrainingChoice:
                   "predicted_peak_vram_bytes": self.plan.peak_vram_bytes,
                   "predicted_peak_ram_bytes": self.plan.peak_ram_bytes,
                   "vram_budget_bytes": self.budgets[0], "ram_budget_bytes": self.budgets[1],
-                  "activation_offload": self.plan.activation_offload}
+                  "activation_offload": self.plan.activation_offload,
+                  "pipeline_lora_bytes": self.pipeline_lora_bytes}
         if self.plan.activation_offload_reason:
             record["activation_offload_reason"] = self.plan.activation_offload_reason
         if self.plan.activation_offload:
@@ -153,17 +160,19 @@ def choose_training_strategy(loaded, data, settings: TrainSettings, base: Memory
     not without; `choice.settings(settings)` is the run's settings with it resolved. `can_pin`:
     whether the run's backend pins (False: no pinned ceiling, as on the CPU)."""
     component, shape, request, model = _planning_inputs(loaded, data, settings, base, can_pin)
+    loras = applied_lora_bytes(loaded, component)
     try:
         with training_mode():  # the trace runs a backward: not under the host's inference mode
-            plans, best = plan_training_step(model, component, shape, vram, ram, request)
+            plans, best = plan_training_step(model, component, shape, vram - loras, ram, request)
     except ValueError as error:
         raise TrainingError(f"offload=auto could not plan this training step: {error}; choose an offload tier "
                             "on the Memory Strategy node.") from None
+    plans = [_with_loras(plan, loras) for plan in plans]
     if best is None:
-        raise TrainingError(_nothing_fits(plans, shape, vram, ram))
+        raise TrainingError(_nothing_fits(plans, shape, vram, ram, loras))
     plan = plans[best]
     strategy = replace(base, offload=plan.tier, blocks_to_swap=plan.blocks_to_swap)
-    return TrainingChoice(strategy, plan, shape, (vram, ram))
+    return TrainingChoice(strategy, plan, shape, (vram, ram), pipeline_lora_bytes=loras)
 
 
 def resolve_activation_offload(loaded, data, settings: TrainSettings, strategy: MemoryStrategy,
@@ -172,14 +181,33 @@ def resolve_activation_offload(loaded, data, settings: TrainSettings, strategy: 
     when the step does not fit without it and fits with it). The strategy is kept either way;
     `choice.settings(settings)` is the run's settings with on or off."""
     component, shape, request, model = _planning_inputs(loaded, data, settings, strategy, can_pin)
+    loras = applied_lora_bytes(loaded, component)
     try:
         with training_mode():
-            plan = strategy_plan(model, component, shape, vram, ram, request, _tracer(model, component, shape, request),
-                                 strategy)
+            plan = strategy_plan(model, component, shape, vram - loras, ram, request,
+                                 _tracer(model, component, shape, request), strategy)
     except ValueError as error:
         raise TrainingError(f"activation_offload=auto could not plan this training step: {error}; set "
                             "activation_offload to on or off.") from None
-    return TrainingChoice(strategy, plan, shape, (vram, ram), fixed=True)
+    return TrainingChoice(strategy, _with_loras(plan, loras), shape, (vram, ram), fixed=True, pipeline_lora_bytes=loras)
+
+
+def applied_lora_bytes(loaded, component: str) -> int:
+    """Bytes of the pipeline's LoRAs on `component`, each tensor once (strength 0 applies nothing).
+    Counted whole on the device for every tier: under block swap only the resident and in-flight
+    blocks' share is there at once, so this over-counts those tiers by the streamed share."""
+    sizes = {}
+    for spec in getattr(loaded, "loras", ()):
+        if spec.strength != 0:
+            for layer in spec.layers.get(component, ()):
+                sizes.update({id(t): t.numel() * t.element_size() for t in layer.tensors.values()})
+    return sum(sizes.values())
+
+
+def _with_loras(plan: TrainPlan, lora_bytes: int) -> TrainPlan:
+    """`plan` (made against the budget less `lora_bytes`, so its `fits` already holds them) with the
+    pipeline's LoRAs in its peak VRAM."""
+    return replace(plan, peak_vram_bytes=plan.peak_vram_bytes + lora_bytes) if lora_bytes else plan
 
 
 def _planning_inputs(loaded, data, settings: TrainSettings, base: MemoryStrategy, can_pin: bool = True):
@@ -203,12 +231,14 @@ def _planning_inputs(loaded, data, settings: TrainSettings, base: MemoryStrategy
     return component, shape, request, planner_model(loaded)
 
 
-def _nothing_fits(plans: list[TrainPlan], shape: VideoShape, vram: int, ram: int) -> str:
+def _nothing_fits(plans: list[TrainPlan], shape: VideoShape, vram: int, ram: int, lora_bytes: int = 0) -> str:
     runnable = [p for p in plans if not p.refused] or plans
     least = min(runnable, key=lambda p: p.peak_vram_bytes)
     return (f"offload=auto: no strategy fits a training step at {shape.width}x{shape.height}x{shape.frames}, batch "
             f"{shape.batch} in {vram / GiB:.2f} GiB VRAM and {ram / GiB:.2f} GiB RAM; the least is {least.tier}"
             f"{f' {least.blocks_to_swap}' if least.blocks_to_swap else ''} at {least.peak_vram_bytes / GiB:.2f} GiB VRAM, "
-            f"{least.peak_ram_bytes / GiB:.2f} GiB RAM. Lower the rank, batch size or bucket size, turn "
+            f"{least.peak_ram_bytes / GiB:.2f} GiB RAM"
+            + (f" (the pipeline's LoRAs take {lora_bytes / GiB:.2f} GiB of it)" if lora_bytes else "")
+            + ". Lower the rank, batch size or bucket size, turn "
             "gradient_checkpointing on, use optimizer adamw_8bit, or raise the budgets."
             + (f" Or: {advice(plans)}" if advice(plans) else ""))

@@ -1,11 +1,20 @@
 """Writing what training makes: the LoRA file and resumable checkpoints, atomically, safetensors only.
 
-The LoRA is written in diffusers/PEFT naming (`transformer.<module path>.lora_A.weight` = down,
-`lora_B.weight` = up) with `lora_alpha` and `r` in the `lora_adapter_metadata` entry diffusers'
-`save_lora_weights` writes, so the pack's LoRA loader, diffusers and ComfyUI all read it with
-scale alpha / rank, the scale it was trained with. Every write goes to a temporary name in the
-target folder and is renamed into place, so an interrupted or failed save never leaves a
-half-written file under the name.
+The LoRA file is written so that the pack's loader, diffusers and ComfyUI all apply the scale it
+was trained with. ComfyUI reads alpha only from `<layer>.alpha` tensors, diffusers from its
+`transformer.`-prefixed `lora_adapter_metadata` (as its `save_lora_weights` writes it) or, for
+Wan's original names, from `.alpha` tensors: so `alpha / rank` is folded into `lora_B` (up) and
+the metadata records `lora_alpha` = rank (scale 1), which every reader gets right. Keys: Wan in
+its original layout (`diffusion_model.blocks.0.self_attn.q.lora_A.weight`, the names ComfyUI
+maps and diffusers' Wan loader converts), other families in diffusers' naming
+(`transformer.<module path>.lora_A.weight`; ComfyUI has no model for them). A Wan 2.2 expert's
+LoRA is named like any other (diffusers loads it with `load_into_transformer_2`, ComfyUI onto
+the model it is loaded with); the expert, the trained alpha and rank and the LoRAs trained over
+are recorded in the `vidmem_training` metadata, and Load LoRA checks the expert.
+
+Checkpoints keep the raw trained tensors (`transformer.<path>`, alpha unfolded) that resume reads.
+Every write goes to a temporary name in the target folder and is renamed into place, so an
+interrupted or failed save never leaves a half-written file under the name.
 """
 
 from __future__ import annotations
@@ -64,9 +73,25 @@ def lora_tensors(layers: nn.ModuleDict, component_prefix: str = "transformer") -
     return tensors
 
 
-def lora_metadata(rank: int, alpha: float, targets: tuple[str, ...], info: dict) -> dict[str, str]:
+def final_lora_tensors(layers: nn.ModuleDict, stems: dict[str, str], scale: float) -> dict[str, torch.Tensor]:
+    """The LoRA file's tensors: `stems[path]` names each layer, `scale` (alpha / rank) folded into lora_B
+    so that readers that take alpha from nowhere but `.alpha` tensors (ComfyUI) apply it too."""
+    tensors = {}
+    for key, layer in layers.items():
+        stem = stems[path_of(key)]
+        tensors[f"{stem}.lora_A.weight"] = layer.down.detach().to("cpu", torch.float32).contiguous()
+        tensors[f"{stem}.lora_B.weight"] = (layer.up.detach().to("cpu", torch.float32) * scale).contiguous()
+    return tensors
+
+
+def lora_metadata(rank: int, alpha: float, targets: tuple[str, ...], info: dict,
+                  component_prefix: str = "transformer") -> dict[str, str]:
+    """Metadata as diffusers' save_lora_weights writes it (each PEFT field under `<component>.`, which
+    its loader requires), plus the trainer's own record under TRAINED_BY_KEY."""
     adapter = {"r": rank, "lora_alpha": alpha, "target_modules": sorted(set(targets))}
-    return {PEFT_METADATA_KEY: json.dumps(adapter), TRAINED_BY_KEY: json.dumps(info, sort_keys=True), "format": "pt"}
+    prefixed = {f"{component_prefix}.{field}": value for field, value in adapter.items()}
+    return {PEFT_METADATA_KEY: json.dumps(prefixed, sort_keys=True), TRAINED_BY_KEY: json.dumps(info, sort_keys=True),
+            "format": "pt"}
 
 
 def write_safetensors_atomic(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> Path:

@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 
 from torch import nn
 
+from ...memory.lora import LoraError
 from ..comfy_files import hy15
 
 # Heads trainers put before the module path, most specific first.
@@ -56,6 +57,37 @@ def ltx2_original_to_diffusers(names: Iterable[str]) -> dict[str, str]:
     checkpoint = {f"diffusion_model.{name}.weight": name for name in names}
     converted = _convert_non_diffusers_ltx2_lora_to_diffusers(checkpoint)
     return {original: new.removeprefix("transformer.").removesuffix(".weight") for new, original in converted.items()}
+
+# Wan's original names of a block's linear layers (its checkpoints' and ComfyUI's layout). Only
+# this side is listed: the diffusers side of each comes from diffusers' converter, as when reading.
+WAN_BLOCK_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.k",
+                     "cross_attn.v", "cross_attn.o", "cross_attn.k_img", "cross_attn.v_img", "ffn.0", "ffn.2")
+
+
+def wan_diffusers_to_original(paths: Iterable[str]) -> dict[str, str]:
+    """Wan block layers' diffusers paths -> original names, by running the converter forwards on
+    every original block-layer name; a path it cannot reach is a LoraError (nothing is guessed)."""
+    paths = list(paths)
+    blocks = {path.split(".")[1] for path in paths if path.startswith("blocks.") and path.count(".") > 1}
+    originals = [f"blocks.{block}.{name}" for block in sorted(blocks) for name in WAN_BLOCK_LINEARS]
+    reverse = {new: original for original, new in wan_original_to_diffusers(originals).items()}
+    missing = [path for path in paths if path not in reverse]
+    if missing:
+        raise LoraError(f"no original Wan name for {', '.join(missing[:3])}: vidmem writes Wan LoRAs for the blocks' "
+                        "attention and feed-forward layers only; choose target_modules among them.")
+    return {path: reverse[path] for path in paths}
+
+
+def trained_key_stems(model: nn.Module, paths: Iterable[str]) -> dict[str, str]:
+    """Module path -> the key stem a trained LoRA file uses for it, in the naming every reader maps:
+    Wan in its original layout under `diffusion_model.` (the naming ComfyUI maps, and the one
+    diffusers' Wan loader converts), other families in diffusers' naming under `transformer.`
+    (ComfyUI has no model for them; CogVideoX-Factory writes this)."""
+    paths = list(paths)
+    if type(model).__name__ == "WanTransformer3DModel":
+        return {path: f"diffusion_model.{original}" for path, original in wan_diffusers_to_original(paths).items()}
+    return {path: f"transformer.{path}" for path in paths}
+
 
 # A name in an original layout means one diffusers module, or several (`Target` a tuple) where the
 # original fuses them into one layer whose output rows are theirs in order (q, k, v).

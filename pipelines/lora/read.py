@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import hashlib
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -29,6 +31,8 @@ KEY_TAILS = (
     (".alpha", "alpha"), (".diff_b", "diff_b"), (".diff", "diff"),
 )
 PEFT_METADATA_KEY = "lora_adapter_metadata"  # diffusers' save_lora_weights writes lora_alpha and r here
+TRAINED_BY_KEY = "vidmem_training"  # what vidmem's trainer records (training/save.py): component, expert, ...
+IDENTITY_SAMPLE_BYTES = 1 << 20  # of the tensor data, hashed from each end beside the header
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class LoraFile:
     layers: Mapping[str, RawLayer]  # source module name -> tensors
     unknown_keys: tuple[str, ...]  # keys whose tail is not a LoRA tensor vidmem knows (DoRA, LoHa, LoKr...)
     peft_alphas: Mapping[str, float]  # "" -> global lora_alpha; module-name patterns -> alpha
+    trained_by: Mapping[str, object] = field(default_factory=dict)  # vidmem's training record ({} for other files)
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +81,33 @@ def read_lora_file(path: str | os.PathLike) -> LoraFile:
         grouped[source][kind] = tensor
         keys.setdefault(source, []).append(key)
     layers = {s: RawLayer(s, grouped[s], tuple(keys[s])) for s in grouped}
-    return LoraFile(path, layers, tuple(unknown), peft_alphas(opened.metadata, path))
+    return LoraFile(path, layers, tuple(unknown), peft_alphas(opened.metadata, path), trained_record(opened.metadata))
+
+
+def file_identity(path: str | os.PathLike) -> dict:
+    """{"size", "sha256"}: the size and a hash of the header (names, shapes, metadata) and of the first
+    and last MiB of the tensor data, cheap for a LoRA of any size. Two files with the same
+    identity are the same LoRA in practice; a re-trained or re-saved one differs."""
+    path = Path(path)
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        header_bytes = int.from_bytes(head, "little") if len(head) == 8 else 0
+        digest.update(head + handle.read(min(header_bytes, size)))
+        digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
+        handle.seek(max(handle.tell(), size - IDENTITY_SAMPLE_BYTES))
+        digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def trained_record(metadata: Mapping[str, str]) -> dict:
+    """vidmem's training record from the metadata; {} when absent or unreadable (it only informs checks)."""
+    try:
+        record = json.loads(metadata.get(TRAINED_BY_KEY) or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def split_key(key: str) -> tuple[str, str] | None:
@@ -91,20 +122,34 @@ def peft_alphas(metadata: Mapping[str, str], path: Path) -> dict[str, float]:
     """lora_alpha from diffusers/PEFT adapter metadata: "" for the global value, plus alpha_pattern.
 
     Keys may carry a component prefix ("transformer.lora_alpha"). Without metadata the diffusers
-    convention holds: alpha = rank, i.e. scale 1.
+    convention holds: alpha = rank, i.e. scale 1. A value that is not a finite number is refused
+    here, naming the key, rather than turning every frame NaN (or failing) at the sampler.
     """
     raw = metadata.get(PEFT_METADATA_KEY)
     if not raw:
         return {}
+    fix = "re-save the LoRA with a numeric lora_alpha, or remove that metadata entry (alpha = rank is then assumed)"
     try:
         config = json.loads(raw)
     except json.JSONDecodeError:
-        raise LoraError(f"LoRA file {path}: its '{PEFT_METADATA_KEY}' metadata is not JSON; re-save the LoRA.") from None
+        raise LoraError(f"LoRA file {path}: its '{PEFT_METADATA_KEY}' metadata is not JSON; {fix}.") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"LoRA file {path}: its '{PEFT_METADATA_KEY}' metadata is a JSON {type(config).__name__}, "
+                        f"not an object of PEFT settings; {fix}.")
     alphas: dict[str, float] = {}
     for key, value in config.items():
-        field = key.rsplit(".", 1)[-1]
-        if field == "lora_alpha" and value is not None:
-            alphas[""] = float(value)
-        elif field == "alpha_pattern" and isinstance(value, dict):
-            alphas.update({pattern: float(v) for pattern, v in value.items()})
+        setting = key.rsplit(".", 1)[-1]
+        if setting == "lora_alpha" and value is not None:
+            alphas[""] = _alpha_value(value, f"'{key}'", path, fix)
+        elif setting == "alpha_pattern" and isinstance(value, dict):
+            alphas.update({pattern: _alpha_value(v, f"'{key}' entry '{pattern}'", path, fix) for pattern, v in value.items()})
     return alphas
+
+
+def _alpha_value(value: object, where: str, path: Path, fix: str) -> float:
+    # bool is an int to Python, and json reads NaN and Infinity: neither is an alpha
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number):
+        raise LoraError(f"LoRA file {path}: metadata {where} in '{PEFT_METADATA_KEY}' is {value!r}, not a finite "
+                        f"number; {fix}.")
+    return number

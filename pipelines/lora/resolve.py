@@ -8,6 +8,7 @@ file ends up either applied or in `skipped` with its reason; nothing is dropped 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -93,6 +94,10 @@ def _canonical(lora: LoraFile, raw: RawLayer, target: str, module: nn.Module) ->
         raise LoraError(f"LoRA file {lora.path}: layer '{raw.source}' has no {missing} matrix; the file is incomplete. Download it again.")
     if not t:
         raise LoraError(f"LoRA file {lora.path}: layer '{raw.source}' has an alpha but no matrices; the file is incomplete.")
+    if "down" in t and 0 in (t["down"].shape[0], t["up"].shape[-1]):
+        raise LoraError(f"LoRA file {lora.path}: layer '{raw.source}' has rank 0 (down {list(t['down'].shape)}, up "
+                        f"{list(t['up'].shape)}): it changes nothing and its alpha / rank is undefined. The file is "
+                        "damaged or was saved empty; use another file.")
     try:
         check_fits(module, target, t.get("down"), t.get("up"), t.get("diff"), t.get("diff_b"))
         if "up_bias" in t:
@@ -123,11 +128,26 @@ def _split_rows(lora: LoraFile, raw: RawLayer, parts: tuple[str, ...], modules: 
 
 def _alpha(lora: LoraFile, raw: RawLayer, target: str) -> float | None:
     if "alpha" in raw.tensors:
-        return float(raw.tensors["alpha"].float().reshape(-1)[0])
+        return _alpha_tensor(lora, raw)
     for pattern, alpha in lora.peft_alphas.items():  # PEFT alpha_pattern: a module-name suffix
         if pattern and (target == pattern or target.endswith("." + pattern)):
             return alpha
     return lora.peft_alphas.get("")
+
+
+def _alpha_tensor(lora: LoraFile, raw: RawLayer) -> float:
+    """The one finite number an `.alpha` tensor must hold; anything else is named here, at load, not
+    at the sampler (where a NaN scale would read as a bad strength)."""
+    tensor = raw.tensors["alpha"]
+    key = next((k for k in raw.keys if k.endswith(".alpha")), f"{raw.source}.alpha")
+    if tensor.numel() != 1:
+        raise LoraError(f"LoRA file {lora.path}: '{key}' holds {tensor.numel()} values (shape {list(tensor.shape)}); an "
+                        "alpha is one number. The file is malformed; re-save it with a scalar alpha or use another file.")
+    value = float(tensor.float().reshape(-1)[0])
+    if not math.isfinite(value):
+        raise LoraError(f"LoRA file {lora.path}: '{key}' is {value}, not a finite number; the file is damaged or was "
+                        "saved from a diverged training run. Use another file.")
+    return value
 
 
 def _is_linear(module: nn.Module | None) -> bool:

@@ -18,12 +18,14 @@ from typing import Mapping
 import torch
 
 from ...memory.lora import LoraError, LoraPatch
-from .read import read_lora_file
+from .read import LoraFile, read_lora_file
 from .resolve import ResolvedLayer, resolve_layers
 
 EXPERTS = ("both", "high_noise", "low_noise")
 # Wan 2.2 A14B in diffusers: `transformer` runs the high-noise steps, `transformer_2` the low-noise ones.
 EXPERT_COMPONENTS = {"high_noise": ("transformer",), "low_noise": ("transformer_2",), "both": ("transformer", "transformer_2")}
+# the component a vidmem training record names -> the expert, where the component alone says it
+TRAINED_COMPONENT_EXPERT = {"transformer_2": "low_noise"}
 STRENGTH_RANGE = (-4.0, 4.0)
 SHOWN_SKIPPED = 20  # a warning lists this many skipped keys, then counts the rest
 
@@ -79,6 +81,7 @@ def load_lora(path: str | os.PathLike, pipe, strength: float = 1.0, expert: str 
         raise LoraError(f"LoRA {Path(path).name}: strength {strength} is outside [{low}, {high}]; pick a value in range.")
     components = expert_components(pipe, expert, path)
     lora = read_lora_file(path)
+    _check_trained_expert(lora, pipe, expert)
     layers, naming, skipped = {}, "", ()
     for component in components:
         layers[component], naming, skipped = resolve_layers(lora, getattr(pipe, component))
@@ -87,6 +90,24 @@ def load_lora(path: str | os.PathLike, pipe, strength: float = 1.0, expert: str 
         shown = list(skipped[:SHOWN_SKIPPED]) + ([f"... and {len(skipped) - SHOWN_SKIPPED} more"] if len(skipped) > SHOWN_SKIPPED else [])
         warnings.warn(f"LoRA {lora.path.name}: {len(skipped)} key(s) not applied:\n  " + "\n  ".join(shown), stacklevel=2)
     return LoraSpec(name or lora.path.name, str(lora.path), float(strength), expert, layers, naming, skipped)
+
+
+def _check_trained_expert(lora: LoraFile, pipe, expert: str) -> None:
+    """A LoRA vidmem trained on one Wan 2.2 expert goes on that expert: its keys name no expert (as
+    diffusers and ComfyUI expect), so only the training record says which one it learned."""
+    record = lora.trained_by
+    trained = record.get("expert")
+    if trained not in ("high_noise", "low_noise"):
+        trained = TRAINED_COMPONENT_EXPERT.get(record.get("component"))  # files from before "expert" was recorded
+    if trained is None or trained == expert:
+        return
+    component = EXPERT_COMPONENTS[trained][0]
+    two_experts = all(getattr(pipe, n, None) is not None for n in EXPERT_COMPONENTS["both"])
+    said = f"LoRA {lora.path.name} was trained on Wan 2.2 A14B's {trained.replace('_', '-')} expert ({component})"
+    if two_experts:
+        raise LoraError(f"{said}, but expert='{expert}' would apply it to {' and '.join(EXPERT_COMPONENTS[expert])}. Set "
+                        f"expert to '{trained}' (Train LoRA's output already carries it there).")
+    warnings.warn(f"{said}; this pipeline has one transformer, which it is applied to.", stacklevel=3)
 
 
 def _check_finite(path: Path, layers: dict) -> None:
