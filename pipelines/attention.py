@@ -136,12 +136,14 @@ class ResolvedAttention:
 
 
 def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
-                      dtype: torch.dtype | str) -> ResolvedAttention:
+                      dtype: torch.dtype | str, masked_by: str = "") -> ResolvedAttention:
     """The kernel `choice` means on `device` for a model computing in `dtype` (a torch dtype or a name
     of memory.units.DTYPES, e.g. `loaded.dtype_name`: not the parameters' dtype, which is the storage's
     under fp8 or GGUF); raises AttentionError (input named, fix given) when it cannot run there.
-    Imports nothing heavy and touches no model."""
+    `masked_by`: the model, when its attention passes a mask (`family.attention_masked`), which the
+    mask-less kernels refuse (`check_mask`). Imports nothing heavy and touches no model."""
     kernel = _parse_kernel(choice)
+    check_mask(kernel, masked_by)
     device = torch.device(device)
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
@@ -154,6 +156,23 @@ def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
         raise AttentionError(f"attention={kernel.value!r} cannot run here: {problem}")
     why = CPU_FLASH if kernel is AttentionKernel.FLASH and device.type == "cpu" else WHY[kernel]
     return _resolved(kernel, kernel, device, dtype, why)
+
+
+# Kernels that take no attention mask: diffusers' dispatcher raises "`attn_mask` is not supported" for
+# `_native_flash` and every `sage` backend, and torch's CPU flash kernel takes none either; vidmem's
+# sage 1.x route refuses a mask the same way. On a model whose attention passes one (LTX-2's and
+# HunyuanVideo 1.5's text padding) they would fail at the first attention call, after the weights moved.
+MASKLESS = (AttentionKernel.FLASH, AttentionKernel.SAGE)
+
+
+def check_mask(kernel: AttentionKernel | str, masked_by: str) -> None:
+    """AttentionError naming the kernels that work when `kernel` takes no mask and the model `masked_by`
+    names passes one ("" : the model passes none). auto never picks a mask-less kernel (it is SDPA)."""
+    kernel = _parse_kernel(kernel)
+    if masked_by and kernel in MASKLESS:
+        usable = ", ".join(repr(k.value) for k in AttentionKernel if k not in MASKLESS)
+        raise AttentionError(f"attention={kernel.value!r} cannot run {masked_by}: its attention passes a mask (the "
+                             f"text's padding), which {kernel.value} does not take; choose one of {usable}.")
 
 
 WHY = {

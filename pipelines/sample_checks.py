@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .family import ModelError, denoiser_blocks, first_denoiser, positions_error, spatial_multiple
+from .attention import check_mask
+from .family import ModelError, attention_masked, denoiser_blocks, first_denoiser, positions_error, spatial_multiple
 from .schedulers import SamplerChoice, check_scale, check_step_count, resolve_sampler
 from .step_cache import StepCache, check_block_metadata
 
@@ -54,8 +55,14 @@ def validate_request(loaded, request) -> SamplerChoice:
         raise ModelError(f"cache must be a step cache (the Step Cache node's output), not {type(request.cache).__name__}.")
     check_block_metadata(request.cache, denoiser_blocks(pipe, spec))
     check_windows(loaded, request)
+    check_mask(request.speed.attention, masked_by(loaded))  # the device's own checks follow in resolve_speed
     return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio,
                            (request.width, request.height))
+
+
+def masked_by(loaded) -> str:
+    """The model, for attention.check_mask, when its attention passes a mask; "" when it passes none."""
+    return f"{loaded.spec.name} ({_model_label(loaded)})" if attention_masked(loaded.spec) else ""
 
 
 def _check_whole(name: str, value: object) -> None:
