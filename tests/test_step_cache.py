@@ -585,10 +585,16 @@ def test_the_gate_foresees_taylor_seers_every_pass_from_anywhere_in_the_pass_bef
 
 
 def test_taylor_seer_that_leaves_nothing_to_predict_is_refused_before_anything_runs(tiny_loaded):
+    from vidmem.pipelines.hooks import RunHooks
+
     loaded = tiny_loaded("wan2.1-t2v")
     cache = StepCache("taylor_seer", warmup_steps=6, end_steps=4)
+    rooms = []
+    hooks = RunHooks(make_room=lambda nbytes, device, **_: rooms.append(nbytes))
+    request = replace(request_for("wan2.1-t2v", steps=STEPS), cache=cache)
     with pytest.raises(StrategyError, match="warmup_steps=6 and end_steps=4, which leave nothing to predict in 10 steps"):
-        run(loaded, "wan2.1-t2v", MemoryStrategy(offload="block_swap", blocks_to_swap=1), cache)
+        sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1), request, hooks, backend=StrictBackend())
+    assert rooms == []  # before ComfyUI was asked to make room (it unloads its own models for it)
     assert not loaded.pipe.transformer.is_cache_enabled  # nothing left half-applied
     assert not any(m._forward_hooks for m in denoiser_blocks(loaded.pipe, loaded.spec)["transformer"])
     assert StepCache("taylor_seer").describe() == "taylor_seer interval=5 warmup_steps=3 end_steps=0 order=1"
