@@ -28,6 +28,7 @@ per window id, handed to that window's model call).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -848,11 +849,16 @@ def layout_key(pipeline_class: str, denoisers: Mapping[str, tuple[int, Mapping]]
 
 
 def ratio_file_name(loaded, steps: int) -> str:
-    """`<pipeline class>-<blocks>blocks-<steps>steps.json`: readable in the node's list."""
+    """`<pipeline class>-<blocks>blocks-<steps>steps-<key>.json`: readable in the node's list, and one file
+    per model: `<key>` is a short hash of `model_key` (each denoiser's blocks, heads and head width), which
+    tells apart models of one class and block count (Wan 2.1 1.3B and Wan 2.2 TI2V-5B both have 30 blocks:
+    without it one's calibration overwrote the other's). A file named the older way (no key) is still read;
+    its `model` entry is checked as any file's is."""
     from .family import denoiser_blocks
 
     blocks = min(len(b) for b in denoiser_blocks(loaded.pipe, loaded.spec).values())
-    return f"{loaded.class_name}-{blocks}blocks-{steps}steps.json"
+    key = hashlib.sha256(model_key(loaded).encode("utf-8")).hexdigest()[:8]
+    return f"{loaded.class_name}-{blocks}blocks-{steps}steps-{key}.json"
 
 
 def write_ratio_file(folder: Path, loaded, steps: int, ratios: Mapping[str, list[float]], sampler: str) -> Path:
@@ -895,9 +901,10 @@ def ratio_files(folder: Path | None) -> list[str]:
 def _with_entry(cache: StepCache, entry: dict, source: str) -> StepCache:
     ratios = entry.get("ratios")
     steps = entry.get("steps")
-    if not isinstance(ratios, dict) or not ratios or not isinstance(steps, int):
-        raise StrategyError(f"mag_ratios '{source}' is not a ratio file vidmem wrote (no 'ratios' per denoiser or no "
-                            "'steps'); calibrate again.")
+    if not isinstance(ratios, dict) or not ratios or not all(isinstance(v, list) for v in ratios.values()) or \
+            isinstance(steps, bool) or not isinstance(steps, int):
+        raise StrategyError(f"mag_ratios '{source}' is not a ratio file vidmem wrote (no list of 'ratios' per denoiser "
+                            "or no 'steps'); calibrate again.")
     experts = tuple((name, tuple(values)) for name, values in ratios.items())
     threshold = cache.threshold or entry.get("threshold", 0.0)  # 0: the threshold published with the ratios
     return replace(cache, mag_ratios=None, expert_ratios=experts, ratio_steps=steps, threshold=threshold,

@@ -272,7 +272,8 @@ def test_a_calibration_file_is_written_read_back_and_refused_on_another_model(ti
     loaded = tiny_loaded("wan2.1-t2v")
     measured = run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), StepCache("mag_cache", calibrate=True))
     path = write_ratio_file(tmp_path, loaded, STEPS, measured.receipt["cache"]["mag_ratios"], "default")
-    assert ratio_files(tmp_path) == [path.name] == [f"WanPipeline-2blocks-{STEPS}steps.json"]
+    assert ratio_files(tmp_path) == [path.name] and re.fullmatch(rf"WanPipeline-2blocks-{STEPS}steps-[0-9a-f]{{8}}\.json",
+                                                                 path.name), path.name
     node_cache = StepCache("mag_cache", threshold=0.5, mag_ratios=(1.0,))
     cache = cache_with_ratios(node_cache, loaded, path.name, tmp_path)
     assert dict(cache.expert_ratios)["transformer"] == tuple(measured.receipt["cache"]["mag_ratios"]["transformer"])
