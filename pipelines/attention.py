@@ -523,6 +523,8 @@ class _ScopedForward:
         self.scope: Callable | None = None
 
     def __call__(self, *args, **kwargs):
+        if self.scope is None:  # released, yet still called: a wrapper put over ours was left in place
+            return self.inner(*args, **kwargs)
         with self.scope():
             return self.inner(*args, **kwargs)
 
