@@ -56,7 +56,9 @@ class VidMemStepCache:
                     "mag_cache and first_block_cache need diffusers' block metadata, which LTX-2's blocks "
                     "lack: there choose taylor_seer or off."}),
                 "threshold": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip":
-                    "0: the method's default (mag_cache 0.06, first_block_cache 0.05). Higher skips more and "
+                    "0: mag_cache takes the threshold published with the model's ratios (mag_ratios auto; e.g. 0.12 "
+                    "for Wan 2.1 1.3B) or 0.06 where none was published (a calibrated file); first_block_cache "
+                    "0.05. retention and max_skip_steps stay this node's values either way. Higher skips more and "
                     "loses more detail; MagCache's paper reports about 2x on Wan 2.1 at 0.06 with a small loss."}),
                 "retention": ("FLOAT", {"default": 0.2, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip":
                     "MagCache: the share of steps at the start that always run (they set the composition)."}),
@@ -65,7 +67,8 @@ class VidMemStepCache:
                 "mag_ratios": ([AUTO, CALIBRATE, *ratio_files(host.mag_ratios_folder())], {"default": AUTO, "tooltip":
                     "MagCache's per-step magnitude ratios for this model: auto uses the published ones where "
                     "they exist; calibrate runs every block once and saves this model's ratios as a file listed "
-                    "here (named by model, blocks and steps). A file measured on another model is refused."}),
+                    "here (named by model, blocks, steps and a short key of the model's layout). A file measured on another "
+                    "model is refused."}),
             },
             "optional": {  # optional, so graphs saved before TaylorSeer existed still load and queue
                 "interval": ("INT", {"default": 5, "min": 1, "max": 1000, "tooltip":
@@ -99,8 +102,18 @@ class VidMemStepCache:
                           calibrate=method == CacheMethod.MAG.value and mag_ratios == CALIBRATE, interval=interval,
                           warmup_steps=warmup_steps, end_steps=end_steps, order=order)
         choice = CacheChoice(cache, mag_ratios)
-        return {"ui": {"text": [f"Step Cache: {cache.describe()}" + (f", ratios {mag_ratios}" if needs_ratios else "")]},
-                "result": (choice,)}
+        return {"ui": {"text": [node_text(cache, mag_ratios if needs_ratios else None)]}, "result": (choice,)}
+
+
+def node_text(cache: StepCache, ratios: str | None) -> str:
+    """What the node shows. MagCache's threshold 0 is resolved with the ratios at the Sampler (the published
+    one with 'auto'), so it is not named as 0.06 here; the Sampler's receipt gives the value it ran with."""
+    if ratios is None:
+        return f"Step Cache: {cache.describe()}"
+    if cache.threshold:
+        return f"Step Cache: {cache.describe()}, ratios {ratios}"
+    return (f"Step Cache: {cache.method.value} threshold=the one published with the ratios (0.06 where none is) "
+            f"retention={cache.retention:g} max_skip_steps={cache.max_skip_steps}, ratios {ratios}")
 
 
 def cache_input(value, pipeline, node: str) -> StepCache:

@@ -303,7 +303,7 @@ def _speed_lines(request: PlanRequest, model, options: PlanOptions, plan=None) -
     """What makes this run faster than the rows say: the connected Speed node's choices as they would
     resolve on this device, and the connected step cache's skips and the time they save on `plan`
     (the chosen row), both known before the run."""
-    return [*_speed_node_lines(request, options), *_cache_lines(request, model, plan)]
+    return [*_speed_node_lines(request, options, model), *_cache_lines(request, model, plan)]
 
 
 def _planned_attention(request: PlanRequest) -> Attention:
@@ -316,9 +316,10 @@ def _planned_attention(request: PlanRequest) -> Attention:
         return Attention.FUSED
 
 
-def _speed_node_lines(request: PlanRequest, options: PlanOptions) -> list[str]:
+def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list[str]:
     if not request.speed:
         return []
+    from ..pipelines.family import attention_masked
     from ..pipelines.speed import Speed, speed_plan_line
 
     widgets = dict(request.speed)
@@ -327,7 +328,8 @@ def _speed_node_lines(request: PlanRequest, options: PlanOptions) -> list[str]:
                                                             widgets["compile_dynamic"]), widgets["fp8_matmul"])
     except StrategyError as error:
         return [f"speed: {error}"]
-    return [f"speed: {speed_plan_line(speed, options.device, torch_dtype(request.dtype))}"]
+    masked_by = f"{model.spec.name} ({request.model})" if attention_masked(model.spec) else ""  # as the Sampler refuses
+    return [f"speed: {speed_plan_line(speed, options.device, torch_dtype(request.dtype), masked_by)}"]
 
 
 def _step_cache(request: PlanRequest):

@@ -12,10 +12,12 @@ the denoisers' attention modules and restores exactly what was there before, on 
   the processors' `_attention_backend` is set to the dispatcher's backend (`native`, `_native_flash`,
   `flex`, `sage`, ...). diffusers' own `set_attention_backend` is not used: it also changes the
   dispatcher's process-wide active backend and `reset_attention_backend` does not put that back.
-- CogVideoX (`CogVideoXAttnProcessor2_0` calls `F.scaled_dot_product_attention` itself): a named
-  diffusers hook around each attention module's forward runs it under `sdpa_kernel(<backend>)` for
-  the SDPA backends, or reroutes its SDPA call through the dispatcher (flex, sage) with a
-  `TorchFunctionMode` scoped to that forward. Processors that do neither are refused by name.
+- CogVideoX (`CogVideoXAttnProcessor2_0` calls `F.scaled_dot_product_attention` itself): each
+  attention module's forward runs under `sdpa_kernel(<backend>)` for the SDPA backends, or reroutes
+  its SDPA call through the dispatcher (flex, sage) with a `TorchFunctionMode` scoped to that
+  forward. The wrapper is one object per module, reused by every call (`_ScopedForward`: compiled
+  blocks guard on it, so a new one per call recompiled them). Processors that do neither are refused
+  by name.
 
 SageAttention 1.x (PyPI's `sageattention` 1.0.6, pure Triton) is not accepted by diffusers' `sage`
 backend, which needs 2.1.1 or newer (`_REQUIRED_SAGE_VERSION`, no binary wheel on PyPI). The
@@ -89,7 +91,6 @@ SAGE_FIX = ("pip install sageattention==1.0.6 (pure Triton, vidmem's own route),
 _HALF = (torch.float16, torch.bfloat16)
 # Processors that call torch's SDPA themselves (not through the dispatcher): their kernel is set around the call.
 SDPA_PROCESSORS = frozenset({"CogVideoXAttnProcessor2_0", "FusedCogVideoXAttnProcessor2_0", "AttnProcessor2_0"})
-HOOK_NAME = "vidmem_attention"
 
 
 @dataclass(frozen=True)
@@ -136,12 +137,14 @@ class ResolvedAttention:
 
 
 def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
-                      dtype: torch.dtype | str) -> ResolvedAttention:
+                      dtype: torch.dtype | str, masked_by: str = "") -> ResolvedAttention:
     """The kernel `choice` means on `device` for a model computing in `dtype` (a torch dtype or a name
     of memory.units.DTYPES, e.g. `loaded.dtype_name`: not the parameters' dtype, which is the storage's
     under fp8 or GGUF); raises AttentionError (input named, fix given) when it cannot run there.
-    Imports nothing heavy and touches no model."""
+    `masked_by`: the model, when its attention passes a mask (`family.attention_masked`), which the
+    mask-less kernels refuse (`check_mask`). Imports nothing heavy and touches no model."""
     kernel = _parse_kernel(choice)
+    check_mask(kernel, masked_by)
     device = torch.device(device)
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
@@ -154,6 +157,23 @@ def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
         raise AttentionError(f"attention={kernel.value!r} cannot run here: {problem}")
     why = CPU_FLASH if kernel is AttentionKernel.FLASH and device.type == "cpu" else WHY[kernel]
     return _resolved(kernel, kernel, device, dtype, why)
+
+
+# Kernels that take no attention mask: diffusers' dispatcher raises "`attn_mask` is not supported" for
+# `_native_flash` and every `sage` backend, and torch's CPU flash kernel takes none either; vidmem's
+# sage 1.x route refuses a mask the same way. On a model whose attention passes one (LTX-2's and
+# HunyuanVideo 1.5's text padding) they would fail at the first attention call, after the weights moved.
+MASKLESS = (AttentionKernel.FLASH, AttentionKernel.SAGE)
+
+
+def check_mask(kernel: AttentionKernel | str, masked_by: str) -> None:
+    """AttentionError naming the kernels that work when `kernel` takes no mask and the model `masked_by`
+    names passes one ("" : the model passes none). auto never picks a mask-less kernel (it is SDPA)."""
+    kernel = _parse_kernel(kernel)
+    if masked_by and kernel in MASKLESS:
+        usable = ", ".join(repr(k.value) for k in AttentionKernel if k not in MASKLESS)
+        raise AttentionError(f"attention={kernel.value!r} cannot run {masked_by}: its attention passes a mask (the "
+                             f"text's padding), which {kernel.value} does not take; choose one of {usable}.")
 
 
 WHY = {
@@ -351,25 +371,28 @@ class AppliedAttention:
     resolved: ResolvedAttention
     routes: dict[str, str] = field(default_factory=dict)  # denoiser -> how the kernel reached its attention
     _backends: list[tuple[object, object]] = field(default_factory=list)  # (processor, its own _attention_backend)
-    _hooked: list[tuple[nn.Module, bool, bool]] = field(default_factory=list)  # (module, had a registry, had a forward)
+    _scoped: list[tuple[nn.Module, _ScopedForward, object]] = field(default_factory=list)  # (module, ours, forward found)
     _counter: _CallCount | None = None
+    _counted_before: int = 0  # the counter's calls when this call began (the counter outlives calls)
 
     def as_dict(self) -> dict:
         found = {**self.resolved.as_dict(), "applied": dict(self.routes)}
         if self._counter is not None:
-            found["calls_rerouted"] = self._counter.calls
+            found["calls_rerouted"] = self._counter.calls - self._counted_before
         return found
 
     def remove(self) -> None:
-        """Put back every processor's backend and remove every hook (idempotent)."""
-        while self._hooked:
-            module, had_registry, had_forward = self._hooked.pop()
-            registry = module._diffusers_hook
-            registry.remove_hook(HOOK_NAME, recurse=False)
-            if not had_registry and not registry.hooks:
-                del module._diffusers_hook
-                if not had_forward:
-                    del module.forward  # back to the class's forward, as before
+        """Put back every processor's backend and every attention module's forward (idempotent)."""
+        while self._scoped:
+            module, scoped, found = self._scoped.pop()
+            if module.__dict__.get("forward") is not scoped:  # someone wrapped ours and did not unwrap: theirs to undo
+                log.warning("vidmem: %s.forward was replaced during the call and not restored; left as found.",
+                            type(module).__name__)
+            elif found is _ABSENT:
+                del module.forward  # back to the class's forward, as before
+            else:
+                module.forward = found
+            scoped.release()
         while self._backends:
             processor, backend = self._backends.pop()
             processor._attention_backend = backend
@@ -412,7 +435,7 @@ def _apply(applied: AppliedAttention, name: str, denoiser: nn.Module, attend: Ca
     scoped = direct + (dispatched if resolved.backend == SAGE1 else [])
     scope = _scope_factory(resolved, attend, applied) if scoped else None
     for module in scoped if scope is not None else ():
-        _hook(applied, module, scope)
+        _scope_forward(applied, module, scope)
     return _route(resolved, backend, dispatched, direct, scope is not None)
 
 
@@ -458,21 +481,67 @@ def _keeps_parallel_backend(resolved: ResolvedAttention, name: str) -> bool:
 
 
 def _scope_factory(resolved: ResolvedAttention, attend: Callable | None, applied: AppliedAttention):
-    """What runs around a direct-SDPA attention forward: None when nothing needs to (plain SDPA)."""
+    """What runs around a direct-SDPA attention forward: None when nothing needs to (plain SDPA). The same
+    object for the same kernel in every call (`_sdpa_scope`, `_reroute_scope`): compiled blocks guard on it."""
     if resolved.sdpa_backend is not None:
-        return lambda: sdpa_kernel(resolved.sdpa_backend)
+        return _sdpa_scope(resolved.sdpa_backend)
     if attend is None:
         return None
-    applied._counter = applied._counter or _CallCount()
-    return lambda: _RerouteSdpa(attend, applied._counter)
+    scope, applied._counter = _reroute_scope(attend, resolved.device)
+    applied._counted_before = applied._counter.calls
+    return scope
 
 
-def _hook(applied: AppliedAttention, module: nn.Module, scope: Callable) -> None:
-    from diffusers.hooks import HookRegistry
+@lru_cache(maxsize=None)
+def _sdpa_scope(backend: SDPBackend) -> Callable:
+    return lambda: sdpa_kernel(backend)
 
-    had_registry, had_forward = hasattr(module, "_diffusers_hook"), "forward" in module.__dict__
-    HookRegistry.check_if_exists_or_initialize(module).register_hook(_scoped_forward_hook()(scope), HOOK_NAME)
-    applied._hooked.append((module, had_registry, had_forward))
+
+@lru_cache(maxsize=None)
+def _reroute_scope(attend: Callable, device: str) -> tuple[Callable, _CallCount]:
+    counter = _CallCount(device)  # counts every call's reroutes; each call reports its own difference
+    return (lambda: _RerouteSdpa(attend, counter)), counter
+
+
+_ABSENT = object()
+_SCOPED_ATTR = "_vidmem_scoped_forward"
+
+
+class _ScopedForward:
+    """An attention module's forward run inside a call's scope (`sdpa_kernel(...)`, or the SDPA reroute).
+
+    Made once per module and kept on it (`_SCOPED_ATTR`), so every call installs the very same object.
+    Why: dynamo guards a compiled block on its attention module's `forward` by identity, and drops the
+    compiled code when that object is freed ("...forward got deallocated"). diffusers' hook registry
+    builds a new forward at each registration, so a hook per call recompiled every compiled call after
+    the first (CogVideoX with any kernel but plain SDPA). Between calls the module runs its own forward:
+    only this inert object stays on it, holding no scope."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.plain = type(module).forward.__get__(module)  # made once: a fresh bound method would fail the guard
+        self.inner: Callable = self.plain
+        self.scope: Callable | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.scope is None:  # released, yet still called: a wrapper put over ours was left in place
+            return self.inner(*args, **kwargs)
+        with self.scope():
+            return self.inner(*args, **kwargs)
+
+    def release(self) -> None:
+        self.inner, self.scope = self.plain, None
+
+
+def _scope_forward(applied: AppliedAttention, module: nn.Module, scope: Callable) -> None:
+    """Run `module`'s forward (its own, or the one found on it) inside `scope` until `applied` is removed."""
+    scoped = module.__dict__.get(_SCOPED_ATTR)
+    if scoped is None:
+        scoped = _ScopedForward(module)
+        module.__dict__[_SCOPED_ATTR] = scoped  # not a Module or Parameter: no state_dict entry, no .to()
+    found = module.__dict__.get("forward", _ABSENT)
+    scoped.inner, scoped.scope = (scoped.plain if found is _ABSENT else found), scope
+    module.forward = scoped
+    applied._scoped.append((module, scoped, found))
 
 
 def _check_dispatcher(resolved: ResolvedAttention) -> None:
@@ -494,7 +563,8 @@ def _backend_name(name: str):
 
 
 def _rerouted_attention(resolved: ResolvedAttention) -> Callable | None:
-    """For kernels outside SDPA: a function with SDPA's signature (heads before sequence) that runs it."""
+    """For kernels outside SDPA: a function with SDPA's signature (heads before sequence) that runs it, the
+    same object in every call (compiled blocks guard on it)."""
     if resolved.backend == SAGE1:
         return _sage1_attention(_import_sageattn())
     if resolved.kernel in (AttentionKernel.FLEX, AttentionKernel.SAGE):
@@ -509,6 +579,7 @@ def _import_sageattn() -> Callable:
         raise AttentionError(f"attention='sage': sageattention did not import ({error}): {SAGE_FIX}.") from None
 
 
+@lru_cache(maxsize=None)
 def _sage1_attention(sageattn: Callable) -> Callable:
     def attend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if attn_mask is not None or dropout_p or enable_gqa:
@@ -519,21 +590,32 @@ def _sage1_attention(sageattn: Callable) -> Callable:
     return attend
 
 
+@lru_cache(maxsize=None)
 def _dispatched_attention(backend) -> Callable:
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models import attention_dispatch
 
     def attend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         # SDPA takes (batch, heads, sequence, dim); the dispatcher (batch, sequence, heads, dim).
-        out = dispatch_attention_fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
-                                    dropout_p, is_causal, scale, enable_gqa, backend=backend)
+        out = attention_dispatch.dispatch_attention_fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                                       attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend)
         return out.transpose(1, 2)
 
     return attend
 
 
 class _CallCount:
-    def __init__(self) -> None:
-        self.calls = 0
+    """SDPA calls rerouted, counted in a tensor: compiled blocks guard a Python int by its value (each new
+    count recompiled), a tensor only by its shape and dtype, and the graph adds to it in place."""
+
+    def __init__(self, device: str) -> None:
+        self._tensor = torch.zeros((), dtype=torch.int64, device=device)  # on the attention's device: one graph
+
+    def add(self) -> None:
+        self._tensor.add_(1)
+
+    @property
+    def calls(self) -> int:
+        return int(self._tensor)
 
 
 class _RerouteSdpa(TorchFunctionMode):
@@ -546,25 +628,6 @@ class _RerouteSdpa(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            self._counter.calls += 1
+            self._counter.add()
             return self._attend(*args, **kwargs)
         return func(*args, **kwargs)
-
-
-@lru_cache(maxsize=1)
-def _scoped_forward_hook() -> type:
-    """The hook class, built on first use (diffusers' hooks are imported only when a kernel is applied)."""
-    from diffusers.hooks import ModelHook
-
-    class ScopedForward(ModelHook):
-        """Runs the module's forward inside `scope()`, which is exited on error too."""
-
-        def __init__(self, scope: Callable) -> None:
-            super().__init__()
-            self._scope = scope
-
-        def new_forward(self, module: nn.Module, *args, **kwargs):
-            with self._scope():
-                return self.fn_ref.original_forward(*args, **kwargs)
-
-    return ScopedForward

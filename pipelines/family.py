@@ -115,6 +115,20 @@ def positions_error(spec: FamilySpec, config, spatial_factor: int, temporal_fact
     return None
 
 
+# Families whose denoiser attention passes a mask, read from diffusers 0.42.1's processors: LTX-2's
+# cross-attention masks the text padding (`encoder_attention_mask`, LTX2AudioVideoAttnProcessor),
+# HunyuanVideo 1.5's joint attention masks it too (HunyuanVideo15AttnProcessor2_0, and the token
+# refiner's AttnProcessor2_0). Wan's and CogVideoX's blocks call their attention without one. Kernels
+# that take no mask (pipelines/attention.py MASKLESS) are refused on these before anything moves.
+# Kept here, by family name, until the specs carry it as a field (ltx2.py, hunyuan_video15.py).
+ATTENTION_MASKED = frozenset({"ltx2", "hunyuanvideo1.5"})
+
+
+def attention_masked(spec: FamilySpec) -> bool:
+    """Whether the family's denoiser attention passes a mask (the text's padding)."""
+    return spec.name in ATTENTION_MASKED
+
+
 def first_denoiser(pipe) -> torch.nn.Module:
     """The denoiser whose config describes the model (Wan 2.2 A14B's experts share one layout)."""
     return pipe.transformer if pipe.transformer is not None else pipe.transformer_2

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from .family import ModelError, denoiser_blocks, first_denoiser, positions_error, spatial_multiple
-from .schedulers import SamplerChoice, check_scale, check_step_count, resolve_sampler
-from .step_cache import StepCache, check_block_metadata
+from .attention import check_mask
+from .family import ModelError, attention_masked, denoiser_blocks, denoisers, first_denoiser, positions_error, spatial_multiple
+from .schedulers import SamplerChoice, build_scheduler, check_scale, check_step_count, resolve_sampler
+from .step_cache import StepCache, check_block_metadata, check_cache_fits
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF  # torch.Generator.manual_seed takes 64 bits
 
@@ -54,8 +55,28 @@ def validate_request(loaded, request) -> SamplerChoice:
         raise ModelError(f"cache must be a step cache (the Step Cache node's output), not {type(request.cache).__name__}.")
     check_block_metadata(request.cache, denoiser_blocks(pipe, spec))
     check_windows(loaded, request)
-    return resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2, request.boundary_ratio,
-                           (request.width, request.height))
+    check_mask(request.speed.attention, masked_by(loaded))  # the device's own checks follow in resolve_speed
+    choice = resolve_sampler(pipe, spec, request.scheduler, request.shift, request.cfg, request.cfg_2,
+                             request.boundary_ratio, (request.width, request.height))
+    check_cache_fits(request.cache, denoisers(pipe, spec), denoiser_blocks(pipe, spec), request.steps,
+                     expert_split(pipe, spec, choice, request.steps) if request.cache.on else None)
+    return choice
+
+
+def expert_split(pipe, spec, choice: SamplerChoice, steps: int) -> dict[str, int] | None:
+    """The steps each denoiser runs when they share the run (Wan 2.2 A14B's experts), as the call will split
+    them (sample.expert_steps on the call this choice builds); None for one denoiser."""
+    if len(denoisers(pipe, spec)) < 2:
+        return None
+    from .sample import expert_steps  # sample.py imports this module: imported when first needed
+    from .sample_call import call_pipeline
+
+    return expert_steps(call_pipeline(pipe, build_scheduler(pipe.scheduler, choice), choice.boundary_ratio), steps)
+
+
+def masked_by(loaded) -> str:
+    """The model, for attention.check_mask, when its attention passes a mask; "" when it passes none."""
+    return f"{loaded.spec.name} ({_model_label(loaded)})" if attention_masked(loaded.spec) else ""
 
 
 def _check_whole(name: str, value: object) -> None:

@@ -28,8 +28,8 @@ from torch import nn
 from ..memory.accounting import Attention
 from ..memory.storage.fp8_matmul import AUTO_REASON, Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
 from ..memory.strategy import StrategyError, parse_enum
-from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, resolve_attention,
-                        sdpa_pick)
+from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, check_mask,
+                        resolve_attention, sdpa_pick)
 from .compile import CompileSettings, compiled_blocks
 
 
@@ -163,17 +163,22 @@ class _Untouched:
 MEASURED = Path(__file__).parent / "configs" / "speedups.json"  # bench/speed.py's figures, per device name
 
 
-def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype) -> str:
+def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_by: str = "") -> str:
     """The Speed node's choices as they would resolve on this machine's `device_type`, for the plan:
     the kernel auto picks (or why a choice is refused), compiled or not, fp8 matmul or why not, and
-    the per-step time measured on this device where bench/speed.py has measured it."""
+    the per-step time measured on this device where bench/speed.py has measured it. `masked_by`: the
+    model, when its attention passes a mask (a mask-less kernel is refused as the Sampler refuses it)."""
     compiled = ("compiled blocks (the first run compiles, later runs of this graph reuse it)" if speed.compile.on
                 else "eager blocks")
     if device_type == "cuda" and not torch.cuda.is_available():  # planning for a GPU this process cannot see
+        try:
+            check_mask(speed.attention, masked_by)
+        except StrategyError as error:
+            return f"refused: {error}; {compiled}"
         return (f"attention {speed.attention.value}, fp8 matmul {speed.fp8_matmul.value}: resolved on the GPU when the "
                 f"run starts; {compiled}")
     try:
-        attention = f"attention {resolve_attention(speed.attention, device_type, dtype).describe()}"
+        attention = f"attention {resolve_attention(speed.attention, device_type, dtype, masked_by).describe()}"
     except StrategyError as error:
         attention = f"refused: {error}"
     fp8 = _fp8_plan_text(speed.fp8_matmul, device_type)

@@ -28,6 +28,7 @@ per window id, handed to that window's model call).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -335,14 +336,52 @@ def taylor_on(config, name: str, denoiser: nn.Module, blocks) -> object:
     from dataclasses import replace as with_fields
 
     paths = {id(m): path for path, m in denoiser.named_modules()}
-    outputs = [child for child, _ in denoiser.named_children() if child.endswith("proj_out")]
-    if not outputs or not blocks:
-        lacks = "no proj_out" if not outputs else "no blocks"
+    outputs = _output_projections(denoiser)
+    _check_taylor_target(name, denoiser, blocks)
+    return with_fields(config, use_lite_mode=False, skip_predict_identifiers=[re.escape(paths[id(b)]) for b in blocks],
+                       cache_identifiers=[re.escape(child) for child in outputs])
+
+
+def _output_projections(denoiser: nn.Module) -> list[str]:
+    return [child for child, _ in denoiser.named_children() if child.endswith("proj_out")]
+
+
+def _check_taylor_target(name: str, denoiser: nn.Module, blocks) -> None:
+    if not _output_projections(denoiser) or not blocks:
+        lacks = "no proj_out" if not _output_projections(denoiser) else "no blocks"
         raise StrategyError(f"cache taylor_seer extrapolates the denoiser's output projection (proj_out) and skips "
                             f"its blocks; {name} ({type(denoiser).__name__}) has {lacks}: choose mag_cache, "
                             "first_block_cache or 'off'.")
-    return with_fields(config, use_lite_mode=False, skip_predict_identifiers=[re.escape(paths[id(b)]) for b in blocks],
-                       cache_identifiers=[re.escape(child) for child in outputs])
+
+
+def check_cache_fits(cache: StepCache, denoisers: Mapping[str, nn.Module], blocks: Mapping[str, nn.ModuleList],
+                     steps: int, denoiser_steps: Mapping[str, int] | None = None) -> None:
+    """Every refusal of `cache` for a run of `steps` on these denoisers that needs no hook placed: the
+    Sampler runs it in validate_request, before ComfyUI is asked to make room; `AppliedCache.apply` runs
+    it again. `denoiser_steps`: the steps each denoiser runs when they share them (Wan 2.2 A14B)."""
+    if not cache.on:
+        return
+    check_block_metadata(cache, blocks)
+    cache.check_steps(steps)
+    if cache.per_expert and denoiser_steps and len(blocks) > 1:
+        cache.check_expert_steps(denoiser_steps)
+    for name, denoiser in denoisers.items():
+        _check_denoiser(cache, name, denoiser, blocks.get(name, ()))
+
+
+def _check_denoiser(cache: StepCache, name: str, denoiser: nn.Module, blocks) -> None:
+    if not hasattr(denoiser, "enable_cache"):
+        raise StrategyError(f"step caching needs a diffusers denoiser with cache hooks; {name} "
+                            f"({type(denoiser).__name__}) has none: set the cache method to 'off'.")
+    if cache.method is CacheMethod.FIRST_BLOCK and len(blocks) < 2:
+        raise StrategyError(f"first_block_cache decides after the first block whether to run the rest; {name} "
+                            f"has {len(blocks)} block(s): choose mag_cache or 'off'.")
+    # Ratios for the other expert only are fine (Wan 2.2 I2V A14B's authors never skip the first): that one runs uncached.
+    if cache.skips and cache.method is CacheMethod.MAG and cache.ratios_for(name) is None and not cache.expert_ratios:
+        raise StrategyError(f"cache mag_ratios has no ratios for {name}; calibrate this model (mag_ratios "
+                            "'calibrate') or choose first_block_cache.")
+    if cache.method is CacheMethod.TAYLOR:
+        _check_taylor_target(name, denoiser, blocks)
 
 
 def taylor_computes(step: int, interval: int, warmup: int, after: int | None) -> bool:
@@ -649,22 +688,14 @@ class AppliedCache:
         """Enable the cache for a call of `steps` steps; `denoiser_steps`: the steps each denoiser runs
         when they share them (Wan 2.2 A14B's experts; TaylorSeer counts each one's own)."""
         own = {name: (denoiser_steps or {}).get(name, steps) for name in self._denoisers}
-        last = list(self._denoisers)[-1] if self._denoisers else None
-        check_block_metadata(self.cache, self._blocks)  # before any hook is placed
+        # end_steps bind the denoiser that runs the run's last steps: the last one that runs any (a Wan 2.2
+        # boundary_ratio near 0 leaves the low-noise expert none).
+        last = next((name for name in reversed(self._denoisers) if own[name] > 0), None)
+        check_cache_fits(self.cache, self._denoisers, self._blocks, steps, denoiser_steps)  # before any hook is placed
         try:
             for name, denoiser in self._denoisers.items():
-                if not hasattr(denoiser, "enable_cache"):
-                    raise StrategyError(f"step caching needs a diffusers denoiser with cache hooks; {name} "
-                                        f"({type(denoiser).__name__}) has none: set the cache method to 'off'.")
-                if self.cache.method is CacheMethod.FIRST_BLOCK and len(self._blocks.get(name, ())) < 2:
-                    raise StrategyError(f"first_block_cache decides after the first block whether to run the rest; {name} "
-                                        f"has {len(self._blocks.get(name, ()))} block(s): choose mag_cache or 'off'.")
                 if self.cache.skips and self.cache.method is CacheMethod.MAG and self.cache.ratios_for(name) is None:
-                    if self.cache.expert_ratios:
-                        continue  # ratios for the other expert only (Wan 2.2 I2V A14B's authors never skip the first)
-                    raise StrategyError(f"cache mag_ratios has no ratios for {name}; calibrate this model (mag_ratios "
-                                        "'calibrate') or choose first_block_cache.")
-                self.cache.check_steps(steps)
+                    continue  # ratios for the other expert only (check_cache_fits refused the rest)
                 if self.cache.method is CacheMethod.TAYLOR:
                     config = taylor_on(self.cache.diffusers_config(own[name], name, final=name == last), name,
                                        denoiser, self._blocks.get(name, ()))
@@ -818,11 +849,16 @@ def layout_key(pipeline_class: str, denoisers: Mapping[str, tuple[int, Mapping]]
 
 
 def ratio_file_name(loaded, steps: int) -> str:
-    """`<pipeline class>-<blocks>blocks-<steps>steps.json`: readable in the node's list."""
+    """`<pipeline class>-<blocks>blocks-<steps>steps-<key>.json`: readable in the node's list, and one file
+    per model: `<key>` is a short hash of `model_key` (each denoiser's blocks, heads and head width), which
+    tells apart models of one class and block count (Wan 2.1 1.3B and Wan 2.2 TI2V-5B both have 30 blocks:
+    without it one's calibration overwrote the other's). A file named the older way (no key) is still read;
+    its `model` entry is checked as any file's is."""
     from .family import denoiser_blocks
 
     blocks = min(len(b) for b in denoiser_blocks(loaded.pipe, loaded.spec).values())
-    return f"{loaded.class_name}-{blocks}blocks-{steps}steps.json"
+    key = hashlib.sha256(model_key(loaded).encode("utf-8")).hexdigest()[:8]
+    return f"{loaded.class_name}-{blocks}blocks-{steps}steps-{key}.json"
 
 
 def write_ratio_file(folder: Path, loaded, steps: int, ratios: Mapping[str, list[float]], sampler: str) -> Path:
@@ -865,9 +901,10 @@ def ratio_files(folder: Path | None) -> list[str]:
 def _with_entry(cache: StepCache, entry: dict, source: str) -> StepCache:
     ratios = entry.get("ratios")
     steps = entry.get("steps")
-    if not isinstance(ratios, dict) or not ratios or not isinstance(steps, int):
-        raise StrategyError(f"mag_ratios '{source}' is not a ratio file vidmem wrote (no 'ratios' per denoiser or no "
-                            "'steps'); calibrate again.")
+    if not isinstance(ratios, dict) or not ratios or not all(isinstance(v, list) for v in ratios.values()) or \
+            isinstance(steps, bool) or not isinstance(steps, int):
+        raise StrategyError(f"mag_ratios '{source}' is not a ratio file vidmem wrote (no list of 'ratios' per denoiser "
+                            "or no 'steps'); calibrate again.")
     experts = tuple((name, tuple(values)) for name, values in ratios.items())
     threshold = cache.threshold or entry.get("threshold", 0.0)  # 0: the threshold published with the ratios
     return replace(cache, mag_ratios=None, expert_ratios=experts, ratio_steps=steps, threshold=threshold,

@@ -397,6 +397,27 @@ def test_cogvideox_blocks_compile_too(tiny_loaded, tier):
     assert report["frames_compiled"] == 0
 
 
+@pytest.mark.parametrize("kernel", ["math", "flex"])
+def test_cogvideox_with_a_kernel_set_around_its_attention_compiles_nothing_on_the_second_call(tiny_loaded, kernel):
+    """CogVideoX calls SDPA itself, so its kernel is set around each attention module's forward; dynamo guards the
+    compiled block on that forward by identity, and a new wrapper per call recompiled every call (review)."""
+    from vidmem.pipelines.speed import Speed
+
+    loaded = tiny_loaded("cogvideox-t2v")
+    attention = [m for m in loaded.pipe.transformer.modules() if getattr(m, "processor", None) is not None]
+    request = request_for("cogvideox-t2v")
+    eager = sample(loaded, TIERS["none"], dataclasses.replace(request, speed=Speed(kernel)), backend=StrictBackend())
+    for call in range(2):
+        result = sample(loaded, TIERS["none"], dataclasses.replace(request, speed=Speed(kernel, FAST)),
+                        backend=StrictBackend())
+        report = result.receipt["speed"]["compile"]
+        torch.testing.assert_close(result.latent["samples"], eager.latent["samples"], **CLOSE)
+        assert all("forward" not in m.__dict__ for m in attention)  # the kernel's wrapper is off between calls
+    assert (report["frames_compiled"], report["recompiles"]) == (0, 0), report["recompile_reasons"]
+    assert result.receipt["speed"]["attention"].get("calls_rerouted") == \
+        eager.receipt["speed"]["attention"].get("calls_rerouted")  # each call counts its own (flex), not the total
+
+
 class TwoLayers(torch.nn.Module):
     def __init__(self):
         super().__init__()

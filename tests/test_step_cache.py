@@ -272,7 +272,8 @@ def test_a_calibration_file_is_written_read_back_and_refused_on_another_model(ti
     loaded = tiny_loaded("wan2.1-t2v")
     measured = run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), StepCache("mag_cache", calibrate=True))
     path = write_ratio_file(tmp_path, loaded, STEPS, measured.receipt["cache"]["mag_ratios"], "default")
-    assert ratio_files(tmp_path) == [path.name] == [f"WanPipeline-2blocks-{STEPS}steps.json"]
+    assert ratio_files(tmp_path) == [path.name] and re.fullmatch(rf"WanPipeline-2blocks-{STEPS}steps-[0-9a-f]{{8}}\.json",
+                                                                 path.name), path.name
     node_cache = StepCache("mag_cache", threshold=0.5, mag_ratios=(1.0,))
     cache = cache_with_ratios(node_cache, loaded, path.name, tmp_path)
     assert dict(cache.expert_ratios)["transformer"] == tuple(measured.receipt["cache"]["mag_ratios"]["transformer"])
@@ -585,10 +586,16 @@ def test_the_gate_foresees_taylor_seers_every_pass_from_anywhere_in_the_pass_bef
 
 
 def test_taylor_seer_that_leaves_nothing_to_predict_is_refused_before_anything_runs(tiny_loaded):
+    from vidmem.pipelines.hooks import RunHooks
+
     loaded = tiny_loaded("wan2.1-t2v")
     cache = StepCache("taylor_seer", warmup_steps=6, end_steps=4)
+    rooms = []
+    hooks = RunHooks(make_room=lambda nbytes, device, **_: rooms.append(nbytes))
+    request = replace(request_for("wan2.1-t2v", steps=STEPS), cache=cache)
     with pytest.raises(StrategyError, match="warmup_steps=6 and end_steps=4, which leave nothing to predict in 10 steps"):
-        run(loaded, "wan2.1-t2v", MemoryStrategy(offload="block_swap", blocks_to_swap=1), cache)
+        sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1), request, hooks, backend=StrictBackend())
+    assert rooms == []  # before ComfyUI was asked to make room (it unloads its own models for it)
     assert not loaded.pipe.transformer.is_cache_enabled  # nothing left half-applied
     assert not any(m._forward_hooks for m in denoiser_blocks(loaded.pipe, loaded.spec)["transformer"])
     assert StepCache("taylor_seer").describe() == "taylor_seer interval=5 warmup_steps=3 end_steps=0 order=1"
