@@ -252,6 +252,9 @@ class _Run:
         loaded, hooks, prompts, receipt = self.loaded, self.hooks, self.prompts, self.receipt
         device = self.backend.device
         self.phase = Phase.SETUP
+        earlier_passes = receipt.get("windows", {}).get("passes", 0)  # a failed attempt's, summed into this one's
+        for key in ATTEMPT_KEYS:  # a failed attempt's figures must not pass for this one's
+            receipt.pop(key, None)
         stage = sample_stage(loaded, strategy, encode_text=not prompts.complete)
         # Per-block CUDA events are cheap for tens of blocks, not for every leaf of `sequential`.
         telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
@@ -263,7 +266,8 @@ class _Run:
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device)) as chunks, \
                 speed_for_call(self.speed.for_chunks(chunks.chunks), denoisers(loaded.pipe, loaded.spec), blocks, device) as speed, \
-                windows_for_call(loaded, self.request) as windows:
+                windows_for_call(loaded, self.request, record.last.steps_done if record.last else 0,
+                                 earlier_passes) as windows:
             self.chunks_ran = chunks.chunks
             if windows:
                 receipt["windows"] = windows
@@ -338,6 +342,11 @@ class _Run:
                 handle.evict("text_encoder")
         self.receipt["stages"].append(meter.as_dict())
         self.receipt["text_encode"] = prompt_receipt(self.prompts, self.hits)
+
+
+# What each attempt writes afresh: after an out-of-memory climb, the final attempt's figures only.
+ATTEMPT_KEYS = ("windows", "activation_chunks", "device_weight_bytes", "lora_bytes", "room", "swap", "residency",
+                "cache", "speed", "warm")
 
 
 def cache_receipt(cache: StepCache, applied: AppliedCache, streamed: dict, cached: bool) -> dict:

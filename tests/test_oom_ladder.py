@@ -442,3 +442,17 @@ def test_out_of_memory_copying_the_text_encoder_in_is_the_text_encoders(tiny_loa
     assert owners(loaded.pipe, backend.failed) == {"text_encoder"}
     assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
 
+
+def test_a_climb_leaves_no_figure_of_the_failed_attempt_in_the_receipt(tiny_loaded, monkeypatch):
+    """auto ran 4 activation chunks in the attempt that failed and 1 in the one that finished: the
+    receipt has no activation_chunks entry (written only for more than one chunk), not the stale 4."""
+    import vidmem.pipelines.sample_chunks as sample_chunks
+
+    answers = iter([(4, ""), (1, "")])
+    monkeypatch.setattr(sample_chunks, "_auto_count", lambda *args: next(answers))
+    loaded = tiny_loaded("wan2.1-t2v")
+    with InjectOOM(loaded.pipe.transformer.blocks[0], [3]) as oom:
+        result = run(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1, activation_chunks="auto"),
+                     request_for("wan2.1-t2v", steps=3))
+    assert oom.raised == 1 and len(result.receipt["oom_ladder"]) == 1
+    assert "activation_chunks" not in result.receipt
