@@ -212,9 +212,13 @@ def window_call(call: dict, axis: int, start: int, stop: int, frames: int) -> di
 
 
 @contextmanager
-def windows_for_call(loaded, request) -> Iterator[dict]:
+def windows_for_call(loaded, request, resumed_from: int = 0, earlier_passes: int = 0) -> Iterator[dict]:
     """The request's windows on the loaded pipeline's denoisers for one sampling call; yields the
-    receipt entry ({} when off, a note when the window covers the clip)."""
+    receipt entry ({} when off, a note when the window covers the clip).
+
+    `resumed_from`, `earlier_passes`: this attempt resumes after that many finished steps, from an
+    attempt (or several) that ran out of memory after `earlier_passes` window passes; the receipt's
+    `passes` counts them too, so it is the whole run's, as without the error."""
     from .family import denoisers
 
     windows = ContextWindows(request.window, request.window_overlap)
@@ -225,6 +229,10 @@ def windows_for_call(loaded, request) -> Iterator[dict]:
     pipe, spec = loaded.pipe, loaded.spec
     schedule = windows.schedule(request.frames, pipe.vae_scale_factor_temporal)
     with context_windows(denoisers(pipe, spec), spec.name, schedule) as receipt:
+        receipt["passes"] = earlier_passes
         yield receipt
+    resumed = (f" ({receipt['passes'] - earlier_passes} of them after resuming from step {resumed_from} under the "
+               f"out-of-memory ladder's rung)") if resumed_from else ""
     receipt["summary"] = (f"context windows: {schedule.count} windows of {windows.window} frames, {windows.overlap} "
-                          f"shared (latent frames {', '.join(schedule.describe())}); {receipt['passes']} denoiser passes")
+                          f"shared (latent frames {', '.join(schedule.describe())}); {receipt['passes']} denoiser "
+                          f"passes{resumed}")

@@ -5,8 +5,8 @@ preprocessing stretches whatever it is given to that size: a 1920x1080 photo int
 out squashed. Users expect what core ComfyUI and the popular packs do (core's WanImageToVideo
 scales and crops from the centre; kijai's resize nodes offer crop, pad and stretch):
 
-- crop: scale until the image covers the frame, cut the overflow evenly from both sides. Nothing
-  is distorted; the edges past the frame's aspect ratio are lost. The default.
+- crop: cut the overflow past the frame's aspect ratio evenly from both sides, then scale to the
+  frame. Nothing is distorted; the edges past the frame's aspect ratio are lost. The default.
 - pad: scale until the image fits inside the frame, fill the rest with black bars. Nothing is
   lost, but the bars are part of the first frame, so the model animates them too.
 - stretch: scale each side on its own. Nothing is lost; proportions change.
@@ -109,13 +109,19 @@ def _stretch(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
 
 
 def _crop(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """Cut the image to the frame's aspect ratio around its centre, in source pixels, then scale
+    (core ComfyUI's centre crop also cuts first). Scaling first would make an intermediate as long as
+    the image's long side scaled to cover the frame: a 2000x4 strip into 832x480 is 240000x480 (1.3 GiB)."""
     source_h, source_w = pixels.shape[-2:]
-    scale = max(width / source_w, height / source_h)
-    # Never below the frame: rounding must not leave a pixel to pad.
-    covered_w, covered_h = max(width, round(source_w * scale)), max(height, round(source_h * scale))
-    scaled = _scaled(pixels, covered_w, covered_h)
-    top, left = (covered_h - height) // 2, (covered_w - width) // 2
-    return scaled[..., top:top + height, left:left + width]
+    left, right = _centred(source_w, min(source_w, source_h * width / height))
+    top, bottom = _centred(source_h, min(source_h, source_w * height / width))
+    return _scaled(pixels[..., top:bottom, left:right], width, height)
+
+
+def _centred(size: int, kept: float) -> tuple[int, int]:
+    """The whole pixels (start, stop) nearest to a span `kept` pixels long centred in `size`; at least one."""
+    start = round((size - kept) / 2)
+    return start, max(start + 1, round((size + kept) / 2))
 
 
 def _pad(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:

@@ -7,8 +7,9 @@ it runs. Noise comes from a CPU generator, so a seed gives the same video on any
 Per call, in this order (each undone in reverse, on success, error or Cancel alike): the
 pipeline's LoRAs are applied beside their layers, then the strategy (so LoRA tensors stream with
 their layers and count in the device bytes), on a per-call pipeline object carrying the call's
-scheduler (pipelines/sample_call.py). An out-of-memory error while denoising climbs the ladder
-of pipelines/sample_ladder.py and resumes from the last finished step.
+scheduler (pipelines/sample_call.py). An out-of-memory error while the weights are placed or while
+denoising climbs the ladder of pipelines/sample_ladder.py and resumes from the last finished step;
+one while the prompt encoder runs stops with a message naming `text_encoder=cpu`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Callable
 
 import torch
@@ -48,8 +50,8 @@ from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, pro
 from .sample_call import ResumePoint, StepRecord, call_pipeline
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
 from .sample_chunks import can_chunk, chunks_for_call
-from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message,
-                            out_of_memory_message, planner_fits)
+from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message, out_of_memory_message,
+                            planner_fits, text_encoder_message, when_out_of_memory)
 from .schedulers import SamplerChoice, build_scheduler
 from .speed import NO_SPEED_NODE, ResolvedSpeed, Speed, planned_attention, resolve_speed, speed_for_call
 from .step_cache import AppliedCache, CacheMethod, StepCache
@@ -121,8 +123,9 @@ def sample(
     Cancel (`hooks.check_interrupt` raising) is checked before every transformer block and
     text-encoder block, so it stops the run within one block; everything is restored as after
     any other error. Prompt embeddings come from `hooks.prompt_cache` when it has them. An
-    out-of-memory error while denoising frees memory, escalates the strategy and resumes from
-    the last finished step (`receipt["oom_ladder"]`); under sequential it raises SamplingOutOfMemory.
+    out-of-memory error while the weights are placed or while denoising frees memory, escalates the
+    strategy and resumes from the last finished step (`receipt["oom_ladder"]`); under the last rung,
+    or while the prompt encoder runs, it raises SamplingOutOfMemory saying what to change.
     """
     choice = validate_request(loaded, request)
     if request.image is not None:
@@ -145,7 +148,7 @@ def sample(
             break
         resume = record.last
         del record  # the failed attempt's tensors go before the cleanup
-        strategy = run.escalate(strategy, resume.steps_done if resume else 0)
+        strategy = run.escalate(strategy, resume.steps_done if resume else 0, placing=run.phase is Phase.PLACING)
     receipt["strategy"] = strategy.describe()
     if rungs:
         receipt["requested_strategy"] = requested.describe()
@@ -155,6 +158,15 @@ def sample(
     if record.audio is not None:  # LTX-2's sound, for Decode Audio; a video-only graph just carries it
         latent = with_audio(latent, pipe, record.audio)
     return SampleResult(latent, receipt)
+
+
+class Phase(str, Enum):
+    """Where an attempt is, which decides what an out-of-memory error there leads to."""
+
+    SETUP = "setup"  # nothing placed yet (LoRAs, chunks, windows, the host's room): raised as it is
+    PLACING = "placing weights"  # apply_strategy (offload=none puts every weight on the device): the ladder climbs
+    TEXT = "text encoding"  # the prompt encoder: a SamplingOutOfMemory naming text_encoder=cpu, no climb
+    DENOISING = "denoising"  # the loop and its setup (image encoding): the ladder climbs and resumes
 
 
 def block_count(loaded: LoadedPipeline) -> int:
@@ -177,10 +189,12 @@ class _Run:
     speed: ResolvedSpeed
     rungs: list[Rung] = field(default_factory=list)  # the OOM ladder climbed so far
     chunks_ran: int = 1  # the activation chunks of the last attempt (auto resolved): chunk rungs start above it
+    phase: Phase = Phase.SETUP  # where the current (or the failed) attempt is
 
     def attempt(self, strategy: MemoryStrategy, resume: ResumePoint | None) -> StepRecord:
         """One attempt: `record.raw` holds the raw latents, or is None after an out-of-memory
-        error while denoising under a strategy with a rung above it (any other error is raised)."""
+        error while placing the weights or denoising under a strategy with a rung above it (any
+        other error is raised; one while the prompt encoder runs as a SamplingOutOfMemory)."""
         pipe = self.loaded.pipe
         call = call_pipeline(pipe, build_scheduler(pipe.scheduler, self.choice), self.choice.boundary_ratio, resume)
         generator = torch.Generator("cpu")
@@ -192,13 +206,16 @@ class _Run:
         try:
             record.raw = self._run(call, strategy, record, cached=resume is None)
         except BaseException as error:
-            if not (record.denoising and is_out_of_memory(error)):
+            if self.phase is Phase.SETUP or not is_out_of_memory(error):
                 raise
+            if self.phase is Phase.TEXT:  # everything is already restored: the strategy's `with` has exited
+                raise SamplingOutOfMemory(text_encoder_message(strategy, error)) from error
             step = (record.last.steps_done if record.last else 0) + 1
+            when = when_out_of_memory(step, self.request.steps, placing=self.phase is Phase.PLACING)
             if not self.hooks.climb_on_oom:
-                raise SamplingOutOfMemory(no_climb_message(strategy, step, self.request.steps, error)) from error
+                raise SamplingOutOfMemory(no_climb_message(strategy, when, error)) from error
             if next_rung(strategy, block_count(self.loaded), None, self.chunkable, self.chunks_ran) is None:
-                raise SamplingOutOfMemory(out_of_memory_message(strategy, step, self.request.steps, self.rungs, error,
+                raise SamplingOutOfMemory(out_of_memory_message(strategy, when, self.rungs, error,
                                                                 self._ladder_hint())) from error
             record.call = None
         return record
@@ -213,17 +230,20 @@ class _Run:
             return ""
         return "choose attention 'auto' on the Speed node (sageattention 1.x forbids activation chunks, a further rung); "
 
-    def escalate(self, strategy: MemoryStrategy, steps_done: int) -> MemoryStrategy:
-        """After an out-of-memory error under `strategy`: free, pick the next rung, log it."""
+    def escalate(self, strategy: MemoryStrategy, steps_done: int, placing: bool = False) -> MemoryStrategy:
+        """After an out-of-memory error under `strategy`: free, pick the next rung, log it.
+        `placing`: the error came while the weights were placed, before the first step (at step 0)."""
         request, device = self.request, self.backend.device
         freed = free_memory(device)
         shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided, window=request.window,
                            window_overlap=request.window_overlap)
         fits = planner_fits(self.loaded, shape, request.steps, self.hooks.device_budget(device), planned_attention(request.speed))
         rung, how = next_rung(strategy, block_count(self.loaded), fits, self.chunkable, self.chunks_ran)
-        self.rungs.append(Rung(strategy.describe(), steps_done + 1, steps_done, rung.describe(), how, freed.as_dict()))
-        log.warning("vidmem: out of memory at step %d/%d under %s; resuming after step %d under %s (%s)",
-                    steps_done + 1, request.steps, strategy.describe(), steps_done, rung.describe(), how)
+        at_step = 0 if placing else steps_done + 1
+        self.rungs.append(Rung(strategy.describe(), at_step, steps_done, rung.describe(), how, freed.as_dict()))
+        log.warning("vidmem: out of memory %s under %s; resuming after step %d under %s (%s)",
+                    when_out_of_memory(at_step, request.steps, placing), strategy.describe(), steps_done,
+                    rung.describe(), how)
         return rung
 
     def _run(self, call, strategy: MemoryStrategy, record: StepRecord, cached: bool = True) -> torch.Tensor:
@@ -231,6 +251,10 @@ class _Run:
         the cache's state would start from step 0 halfway through the run)."""
         loaded, hooks, prompts, receipt = self.loaded, self.hooks, self.prompts, self.receipt
         device = self.backend.device
+        self.phase = Phase.SETUP
+        earlier_passes = receipt.get("windows", {}).get("passes", 0)  # a failed attempt's, summed into this one's
+        for key in ATTEMPT_KEYS:  # a failed attempt's figures must not pass for this one's
+            receipt.pop(key, None)
         stage = sample_stage(loaded, strategy, encode_text=not prompts.complete)
         # Per-block CUDA events are cheap for tens of blocks, not for every leaf of `sequential`.
         telemetry = strategy.offload is OffloadTier.BLOCK_SWAP
@@ -242,7 +266,8 @@ class _Run:
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device)) as chunks, \
                 speed_for_call(self.speed.for_chunks(chunks.chunks), denoisers(loaded.pipe, loaded.spec), blocks, device) as speed, \
-                windows_for_call(loaded, self.request) as windows:
+                windows_for_call(loaded, self.request, record.last.steps_done if record.last else 0,
+                                 earlier_passes) as windows:
             self.chunks_ran = chunks.chunks
             if windows:
                 receipt["windows"] = windows
@@ -267,14 +292,16 @@ class _Run:
             keep = keep_bytes(hooks.device_budget(device), room, held) \
                 if strategy.streams_blocks and not self.rungs else 0
             cache = self._step_cache(cached, call)
+            self.phase = Phase.PLACING
             with call_on(warm, self.backend), cache, \
                     apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry, warm, keep,
                                    cache.gate) as handle:
                 call.vidmem_execution_device = device
-                if "text_encode" not in receipt:  # the first attempt (a cache hit encodes nothing)
+                if "text_encode" not in receipt:  # the first attempt to get here (a cache hit encodes nothing)
+                    self.phase = Phase.TEXT
                     self._encode(call, strategy, handle)
+                self.phase = Phase.DENOISING
                 embeds = call_embeds(prompts, device)
-                record.denoising = True
                 with StageMeter("denoise", device) as meter:
                     output = call(**_call_kwargs(loaded, self.request, self.choice, embeds, hooks, record,
                                                  expert_hand_off(call, handle)))
@@ -315,6 +342,11 @@ class _Run:
                 handle.evict("text_encoder")
         self.receipt["stages"].append(meter.as_dict())
         self.receipt["text_encode"] = prompt_receipt(self.prompts, self.hits)
+
+
+# What each attempt writes afresh: after an out-of-memory climb, the final attempt's figures only.
+ATTEMPT_KEYS = ("windows", "activation_chunks", "device_weight_bytes", "lora_bytes", "room", "swap", "residency",
+                "cache", "speed", "warm")
 
 
 def cache_receipt(cache: StepCache, applied: AppliedCache, streamed: dict, cached: bool) -> dict:

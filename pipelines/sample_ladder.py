@@ -1,10 +1,15 @@
 """The out-of-memory ladder for sampling: free, escalate to a leaner strategy, resume.
 
-When denoising runs out of device memory, the strategy (and the LoRAs) are removed as after any
-error, cached memory is returned (memory.cleanup.free_memory), and the run goes on under the next
-rung from the last finished step: its latents, the scheduler's state and the random generator's
-(pipelines/sample_call.py), so the result is the one an uninterrupted run under the final
-strategy gives, bit for bit.
+What it covers: an out-of-memory error while the strategy places the weights before the first step
+(`offload=none` puts every component on the device at once), and one while denoising (the loop,
+with its setup: an image-to-video model's image encoding, the prompt embeddings' move to the
+device). The strategy (and the LoRAs) are removed as after any error, cached memory is returned
+(memory.cleanup.free_memory), and the run goes on under the next rung from the last finished step
+(from the start after a placement error: nothing was lost): its latents, the scheduler's state and
+the random generator's (pipelines/sample_call.py), so the result is the one an uninterrupted run
+under the final strategy gives, bit for bit. Not covered: the prompt encoder running out of memory
+(the rungs stream the denoiser's blocks, not the encoder), which stops with a SamplingOutOfMemory
+naming `text_encoder=cpu` (`text_encoder_message`).
 
 Which rung: the first strategy, in order of leanness, that the planner predicts to fit the device
 memory free after the cleanup, when the host says how much is free and the planner can model the
@@ -24,7 +29,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..memory import MemoryStrategy, OffloadTier
+from ..memory import MemoryStrategy, OffloadTier, TextEncoderPlacement
 from ..memory.accounting import Attention
 from ..memory.plan.candidates import CHUNK_STEPS
 
@@ -143,25 +148,49 @@ def next_rung(strategy: MemoryStrategy, blocks: int, fits: Fits | None,
     return (rungs[0], "fixed ladder") if rungs else None
 
 
-def out_of_memory_message(strategy: MemoryStrategy, step: int, steps: int, rungs: list[Rung], error: BaseException,
+def when_out_of_memory(step: int, steps: int, placing: bool = False) -> str:
+    """Where the attempt was, for the messages: placing the weights, or the 1-based `step` of `steps`."""
+    return "while placing the weights on the device (before the first step)" if placing \
+        else f"during denoising at step {step}/{steps}"
+
+
+def out_of_memory_message(strategy: MemoryStrategy, when: str, rungs: list[Rung], error: BaseException,
                           hint: str = "") -> str:
-    """`hint`: what else would let the ladder go on (e.g. the attention kernel that forbade chunk rungs)."""
+    """`when`: when_out_of_memory(...); `hint`: what else would let the ladder go on (e.g. the
+    attention kernel that forbade chunk rungs)."""
     tried = " -> ".join([r.failed for r in rungs] + [strategy.describe()])
     return (
-        f"out of device memory during denoising at step {step}/{steps} even with {strategy.describe()}, the leanest "
+        f"out of device memory {when} even with {strategy.describe()}, the leanest "
         f"strategy (tried: {tried}). Lower width, height or frames; load the transformer stored as fp8 or GGUF "
         f"(weight_dtype); {hint}or close other programs using the GPU. ({error})"
     )
 
 
-def no_climb_message(strategy: MemoryStrategy, step: int, steps: int, error: BaseException) -> str:
+def no_climb_message(strategy: MemoryStrategy, when: str, error: BaseException) -> str:
     """Out of memory where the ladder may not climb (a rank of a context-parallel run)."""
     return (
-        f"out of device memory during denoising at step {step}/{steps} under {strategy.describe()}; the ranks of a "
+        f"out of device memory {when} under {strategy.describe()}; the ranks of a "
         f"context-parallel run keep the strategy they started with, so none climbs the ladder alone. Choose a leaner "
         f"offload tier on the Memory Strategy (each GPU applies it: block_swap, then sequential), or lower width, "
         f"height or frames. ({error})"
     )
+
+
+def text_encoder_message(strategy: MemoryStrategy, error: BaseException) -> str:
+    """Out of memory while the prompt encoder ran: not the ladder's (its rungs stream the denoiser's
+    blocks; a leaner denoiser would not make the encoder fit), so the message says what would."""
+    fixes = []
+    if strategy.text_encoder is not TextEncoderPlacement.CPU:
+        fixes.append("set text_encoder=cpu on the Memory Strategy (the prompt is encoded on the CPU; only its "
+                     "embeddings move to the GPU)")
+    if strategy.offload is OffloadTier.NONE:
+        fixes.append("choose a leaner offload tier (model, block_swap or sequential: the encoder then has the GPU "
+                     "to itself while it runs)")
+    elif strategy.offload is not OffloadTier.SEQUENTIAL:
+        fixes.append("choose offload=sequential (the encoder streams in layer by layer)")
+    fixes.append("close other programs using the GPU")
+    return (f"out of device memory while encoding the prompt under {strategy.describe()}; the out-of-memory ladder "
+            f"covers placing the weights and denoising, not the text encoder. To fix: {'; or '.join(fixes)}. ({error})")
 
 
 def planner_fits(loaded, shape, steps: int, budget: int | None,

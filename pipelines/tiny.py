@@ -447,12 +447,14 @@ def save_tiny_pipeline(variant: str, folder: str | Path, seed: int = 0) -> Path:
     return folder
 
 
-def tiny_call_kwargs(variant: str, seed: int = 0, steps: int = 2, output_type: str = "latent") -> dict[str, Any]:
+def tiny_call_kwargs(variant: str, seed: int = 0, steps: int = 2, output_type: str = "latent",
+                     structured: bool = False) -> dict[str, Any]:
     """Keyword arguments for one fast, deterministic call of the tiny `variant` at its default shape.
 
     Image-conditioned variants get a flat grey PIL image of the run size (first-last-frame ones a lighter
-    grey last image too). Note the latent layouts
-    differ: CogVideoX returns (batch, frames, channels, h, w), Wan (batch, channels, frames, h, w).
+    grey last image too); with `structured`, `tiny_image`'s pictures instead (a flat grey picture
+    cannot show a flipped or transposed image). Note the latent
+    layouts differ: CogVideoX returns (batch, frames, channels, h, w), Wan (batch, channels, frames, h, w).
     """
     spec = tiny_spec(variant)
     kwargs = dict(
@@ -463,8 +465,30 @@ def tiny_call_kwargs(variant: str, seed: int = 0, steps: int = 2, output_type: s
     kwargs.update(spec.call_config)
     if spec.guider:
         del kwargs["guidance_scale"]  # the saved guider's config holds the same 5.0
+    size = (spec.width, spec.height)
     if spec.needs_image:
-        kwargs["image"] = Image.new("RGB", (spec.width, spec.height), (128, 128, 128))
+        kwargs["image"] = tiny_picture(tiny_image(variant)) if structured else Image.new("RGB", size, (128, 128, 128))
     if spec.last_image:
-        kwargs["last_image"] = Image.new("RGB", (spec.width, spec.height), (200, 200, 200))
+        kwargs["last_image"] = tiny_picture(tiny_image(variant, last=True)) if structured else Image.new("RGB", size, (200, 200, 200))
     return kwargs
+
+
+def tiny_image(variant: str, last: bool = False) -> torch.Tensor:
+    """A ComfyUI IMAGE [1, H, W, 3] at the variant's run size that every flip, transpose, rotation
+    and channel swap changes (a flat grey one hides them all): red rises left to right, green top to
+    bottom, blue is bright in the top-left quarter. On whole 8-bit levels, so the Sampler's PIL
+    conversion keeps it exactly. `last`: a first-last-frame model's last frame, the colours inverted."""
+    spec = tiny_spec(variant)
+    height, width = spec.height, spec.width
+    red = torch.linspace(0, 1, width).expand(height, width)
+    green = torch.linspace(0, 1, height).unsqueeze(1).expand(height, width)
+    blue = torch.full((height, width), 0.2)
+    blue[: height // 2, : width // 2] = 0.8
+    image = (torch.stack([red, green, blue], dim=-1).unsqueeze(0) * 255).round() / 255
+    return 1 - image if last else image
+
+
+def tiny_picture(image: torch.Tensor) -> Image.Image:
+    """`tiny_image` as the PIL picture diffusers takes; converted here, not by the Sampler's own code,
+    so a comparison of the two paths can catch that code turning the picture."""
+    return Image.fromarray((image[0] * 255).round().to(torch.uint8).numpy())

@@ -1,9 +1,12 @@
 """bench/planner.py's published figures: every entry names its source and what the source leaves
 unstated, and is planned at a shot its model accepts. Planning them is the bench's job (about 40 s),
-so this checks the declarations only."""
+so this checks the declarations only. And docs/long-video.md quotes the JSON it names
+(bench/long_video.py writes it), so a re-plan that moves a figure cannot leave the doc behind."""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -32,3 +35,29 @@ def test_a_published_figure_names_its_source_and_its_unstated_settings_at_a_vali
     assert spec.frames_error(frames) is None, spec.frames_error(frames)
     grid = model.components["vae"].config.get("spatial_compression_ratio", 8)
     assert width % grid == 0 and height % grid == 0, (figure.shape, grid)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_long_video_doc_quotes_the_json_it_names():
+    doc = (ROOT / "docs" / "long-video.md").read_text()
+    (source,) = re.findall(r"From (bench/results/long-video-[\w.-]+\.json)", doc)
+    found = json.loads((ROOT / source).read_text())
+    rows = [line for line in doc.splitlines() if line.startswith("| ") and line.rstrip().endswith(" |") and " GiB |" in line]
+    assert len(rows) == len(found["plans"]), rows
+    for row, plan in zip(rows, found["plans"]):
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        width, height = plan["size"]
+        assert f"{width}x{height}, {plan['window']} / {plan['frames']}" in cells[0], (cells[0], plan["model"])
+        peaks = [f"{plan[shape]['sequential_peak_gib']:.2f} GiB" for shape in ("one_window", "windowed", "clip")]
+        assert cells[1:] == [*peaks, f"x{plan['windowed_over_window']:.3f}"], (plan["model"], cells)
+    run = found["run"]
+    for case in ("window", "windowed", "clip"):
+        assert f"+{run[case]['peak_growth_bytes'] / 2**20:.1f} MiB" in doc, case
+    assert f"(latent {', '.join(run['windowed']['windows'])})" in doc
+    assert f"(x{found['run_windowed_over_window']:.2f})" in doc
+    decode = {plan["model"]: plan for plan in found["plans"]}
+    for model, words in (("wan2.1-t2v-14b", "{:.1f} GiB with 256 px"), ("cogvideox-5b", "({:.1f} GiB tiled)")):
+        figures = {f"{decode[model][shape]['sequential_decode_gib']:.1f}" for shape in ("one_window", "clip")}
+        assert len(figures) == 1 and words.format(float(figures.pop())) in doc, model  # "the same for both lengths"

@@ -11,6 +11,7 @@ single-file converter leaves unnamed) loads, and the planner plans it.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import safetensors
@@ -22,7 +23,7 @@ from vidmem.pipelines.comfy_files import LoadOptions, load_model_files, read_wei
 from vidmem.pipelines.family import ModelError
 from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.sample import sample
-from vidmem.pipelines.tiny import tiny_call_kwargs, tiny_spec
+from vidmem.pipelines.tiny import tiny_call_kwargs, tiny_image, tiny_picture, tiny_spec
 from vidmem.pipelines.tiny_files import save_tiny_comfy_files, tiny_catalogue
 from test_tiers import request_for
 
@@ -47,18 +48,18 @@ def test_flf2v_ends_on_its_last_image(tiny_loaded):
 
 
 def test_wan22_i2v_a14b_takes_a_last_frame_as_diffusers_does(tiny_loaded):
+    """With pictures that have an orientation (a flat grey one would hide a turned image) and differ
+    from each other: swapping them changes the video, so each lands in its own place."""
     loaded = tiny_loaded(A14B)
-    request = request_for(A14B, steps=4)
-    with_last = request.__class__(**{**request.__dict__, "last_image": grey(A14B, 200)})
-    kwargs = tiny_call_kwargs(A14B, steps=4)
-    from PIL import Image
-
-    spec = tiny_spec(A14B)
-    kwargs["last_image"] = Image.new("RGB", (spec.width, spec.height), (200, 200, 200))
+    first, last = tiny_image(A14B), tiny_image(A14B, last=True)
+    request = replace(request_for(A14B, steps=4), image=first)
+    with_last = replace(request, last_image=last)
+    kwargs = dict(tiny_call_kwargs(A14B, steps=4, structured=True), last_image=tiny_picture(last))
     reference = loaded.pipe(**kwargs).frames
     for strategy in (NONE, MemoryStrategy(offload="block_swap", blocks_to_swap=2), MemoryStrategy(offload="sequential")):
         assert torch.equal(latent(loaded, with_last, strategy), reference), strategy.offload
     assert not torch.equal(latent(loaded, request), reference)
+    assert not torch.equal(latent(loaded, replace(with_last, image=last, last_image=first)), reference)
 
 
 @pytest.mark.parametrize("variant,message", [

@@ -5,7 +5,7 @@ bit (StrictBackend poisons evicted weights), and nothing is left applied on any 
 from __future__ import annotations
 
 import dataclasses
-import math
+import re
 
 import pytest
 import torch
@@ -180,7 +180,11 @@ def test_fixed_ladder_rungs():
     assert names(fixed_ladder(MemoryStrategy(offload="block_swap", blocks_to_swap=39), n)) == [("block_swap", 40, 1), ("sequential", 0, 1)]
     assert names(fixed_ladder(MemoryStrategy(offload="block_swap", blocks_to_swap=40), n)) == [("sequential", 0, 1)]
     assert fixed_ladder(MemoryStrategy(offload="sequential"), n) == []
-    assert math.ceil(40 / 2) == 20
+    # Half of an odd count of unswapped blocks rounds up: the first rung always adds at least half.
+    assert names(fixed_ladder(model, 41))[0] == ("block_swap", 21, 2)
+    assert names(fixed_ladder(MemoryStrategy(offload="block_swap", blocks_to_swap=10), 41))[0] == ("block_swap", 26, 1)
+    assert names(fixed_ladder(MemoryStrategy(offload="block_swap", blocks_to_swap=40), 41)) == [("block_swap", 41, 1),
+                                                                                              ("sequential", 0, 1)]
 
 
 def test_planner_rung_is_the_fewest_blocks_predicted_to_fit():
@@ -343,3 +347,112 @@ def test_sage_attention_1_forbids_chunk_rungs_and_the_last_message_says_what_wou
     run_state = _Run(loaded, request_for("wan2.1-t2v"), None, RunHooks(), None, None, None, 0, {}, sage1)
     assert not run_state.chunkable and "attention 'auto'" in run_state._ladder_hint()
     assert fixed_ladder(MemoryStrategy(offload="sequential"), 2, chunkable=run_state.chunkable) == []
+
+
+# --- out of memory before the loop: placing the weights, encoding the prompt ----------------------------
+class OOMAtCopy(StrictBackend):
+    """Raises an out-of-memory error at the `at`-th copy of a weight group to the device (1-based,
+    counted across attempts): a device allocation failing while weights are placed. `failed`: the
+    host tensors of the group that failed."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls, self.failed = at, 0, None
+
+    def copy_group(self, hosts, non_blocking, side_stream, timed):
+        self.calls += 1
+        if self.calls == self.at:
+            self.failed = hosts
+            raise torch.OutOfMemoryError("CUDA out of memory (injected while copying weights)")
+        return super().copy_group(hosts, non_blocking, side_stream, timed)
+
+
+def owners(pipe, hosts) -> set[str]:
+    """The components whose own tensors `hosts` are."""
+    owner = {t.data_ptr(): name for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)
+             for t in [*c.parameters(), *c.buffers()]}
+    return {owner.get(host.data_ptr(), "?") for host in hosts}
+
+
+@pytest.mark.parametrize("offload, at, component", [("none", 1, "text_encoder"), ("none", 2, "transformer"),
+                                                    ("model", 2, "transformer")])
+def test_out_of_memory_placing_weights_climbs_and_starts_from_the_first_step(offload, at, component, tiny_loaded):
+    """offload=none places every weight before the first step (the text encoder's group, then the
+    transformer's): an error there has lost nothing, so the next rung runs from the start (at_step 0).
+    Under model the transformer's copy comes with its first forward: step 1."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = request_for("wan2.1-t2v", steps=2)
+    final = fixed_ladder(MemoryStrategy(offload=offload), block_count(loaded))[0]
+    reference = run(loaded, final, request).latent["samples"]
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    backend = OOMAtCopy(at)
+    result = sample(loaded, MemoryStrategy(offload=offload), request, hooks=RunHooks(), backend=backend)
+    assert owners(loaded.pipe, backend.failed) == {component}
+    (rung,) = result.receipt["oom_ladder"]
+    assert rung["at_step"] == (0 if offload == "none" else 1) and rung["resumed_from_step"] == 0
+    assert rung["failed"].startswith(f"offload={offload}") and result.receipt["strategy"] == final.describe()
+    assert torch.equal(result.latent["samples"], reference)
+    assert result.receipt["text_encode"]["cache"]  # the prompt was encoded once, by the attempt that ran
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+
+
+def test_a_run_that_may_not_climb_says_the_weights_were_being_placed(tiny_loaded):
+    loaded = tiny_loaded("wan2.1-t2v")
+    with pytest.raises(SamplingOutOfMemory, match=r"while placing the weights on the device \(before the first step\) "
+                                                  r"under offload=none.*keep the strategy"):
+        sample(loaded, MemoryStrategy(offload="none"), request_for("wan2.1-t2v", steps=2),
+               hooks=RunHooks(climb_on_oom=False), backend=OOMAtCopy(2))
+
+
+TEXT_ENCODER_FIXES = {"none": ["text_encoder=cpu", "leaner offload tier"],
+                      "model": ["text_encoder=cpu", "offload=sequential \\(the encoder streams"],
+                      "sequential": ["text_encoder=cpu"]}
+
+
+@pytest.mark.parametrize("offload", list(TEXT_ENCODER_FIXES))
+def test_out_of_memory_in_the_text_encoder_is_named_with_its_fixes_and_restores_everything(offload, tiny_loaded):
+    """The ladder's rungs stream the denoiser, so none makes the prompt encoder fit: its error is a
+    SamplingOutOfMemory naming text_encoder=cpu (and a leaner tier where there is one), not the
+    bare torch error, with every weight and hook as before."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = request_for("wan2.1-t2v", steps=2)
+    strategy = MemoryStrategy(offload=offload)
+    run(loaded, strategy, request)  # first: transformers adds hooks of its own on first use
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    with InjectOOM(loaded.pipe.text_encoder.encoder.block[0], [1]) as oom, \
+            pytest.raises(SamplingOutOfMemory, match=f"while encoding the prompt under offload={offload}") as caught:
+        run(loaded, strategy, request)
+    assert oom.raised == 1 and is_out_of_memory(caught.value.__cause__)
+    message = str(caught.value)
+    for fix in TEXT_ENCODER_FIXES[offload]:
+        assert re.search(fix, message), (fix, message)
+    assert ("leaner offload tier" in message) == (offload == "none")
+    assert ("choose offload=sequential" in message) == (offload == "model")
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+
+
+def test_out_of_memory_copying_the_text_encoder_in_is_the_text_encoders(tiny_loaded):
+    """Under model the text encoder's weights are copied in when it runs (copy 1): the same message."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    before, hooks_before = storage_map(loaded.pipe), hooks_of(loaded.pipe)
+    backend = OOMAtCopy(1)
+    with pytest.raises(SamplingOutOfMemory, match="while encoding the prompt under offload=model.*text_encoder=cpu"):
+        sample(loaded, MemoryStrategy(offload="model"), request_for("wan2.1-t2v", steps=2), hooks=RunHooks(),
+               backend=backend)
+    assert owners(loaded.pipe, backend.failed) == {"text_encoder"}
+    assert storage_map(loaded.pipe) == before and hooks_of(loaded.pipe) == hooks_before
+
+
+def test_a_climb_leaves_no_figure_of_the_failed_attempt_in_the_receipt(tiny_loaded, monkeypatch):
+    """auto ran 4 activation chunks in the attempt that failed and 1 in the one that finished: the
+    receipt has no activation_chunks entry (written only for more than one chunk), not the stale 4."""
+    import vidmem.pipelines.sample_chunks as sample_chunks
+
+    answers = iter([(4, ""), (1, "")])
+    monkeypatch.setattr(sample_chunks, "_auto_count", lambda *args: next(answers))
+    loaded = tiny_loaded("wan2.1-t2v")
+    with InjectOOM(loaded.pipe.transformer.blocks[0], [3]) as oom:
+        result = run(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1, activation_chunks="auto"),
+                     request_for("wan2.1-t2v", steps=3))
+    assert oom.raised == 1 and len(result.receipt["oom_ladder"]) == 1
+    assert "activation_chunks" not in result.receipt
