@@ -319,7 +319,6 @@ def _planned_attention(request: PlanRequest) -> Attention:
 def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list[str]:
     if not request.speed:
         return []
-    from ..pipelines.family import attention_masked
     from ..pipelines.speed import Speed, speed_plan_line
 
     widgets = dict(request.speed)
@@ -328,7 +327,7 @@ def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list
                                                             widgets["compile_dynamic"]), widgets["fp8_matmul"])
     except StrategyError as error:
         return [f"speed: {error}"]
-    masked_by = f"{model.spec.name} ({request.model})" if attention_masked(model.spec) else ""  # as the Sampler refuses
+    masked_by = f"{model.spec.name} ({request.model})" if model.spec.attention_masked else ""  # as the Sampler refuses
     return [f"speed: {speed_plan_line(speed, options.device, torch_dtype(request.dtype), masked_by)}"]
 
 

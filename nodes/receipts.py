@@ -13,6 +13,10 @@ def format_receipt(title: str, receipt: dict) -> str:
     if receipt.get("lora") and receipt["lora"] != "no LoRA":
         lines.append(receipt["lora"])
     for rung in receipt.get("oom_ladder", []):
+        if rung["at_step"] == 0:  # placing the weights: no step had run
+            lines.append(f"out of memory before the first step under {rung['failed']}: started again with "
+                         f"{rung['next']} (chosen by the {rung['chosen_by']})")
+            continue
         lines.append(f"out of memory at step {rung['at_step']} under {rung['failed']}: resumed after step "
                      f"{rung['resumed_from_step']} with {rung['next']} (chosen by the {rung['chosen_by']})")
     if receipt.get("windows", {}).get("summary"):  # context windows (pipelines/context_windows.py)

@@ -141,7 +141,7 @@ def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
     """The kernel `choice` means on `device` for a model computing in `dtype` (a torch dtype or a name
     of memory.units.DTYPES, e.g. `loaded.dtype_name`: not the parameters' dtype, which is the storage's
     under fp8 or GGUF); raises AttentionError (input named, fix given) when it cannot run there.
-    `masked_by`: the model, when its attention passes a mask (`family.attention_masked`), which the
+    `masked_by`: the model, when its attention passes a mask (`FamilySpec.attention_masked`), which the
     mask-less kernels refuse (`check_mask`). Imports nothing heavy and touches no model."""
     kernel = _parse_kernel(choice)
     check_mask(kernel, masked_by)

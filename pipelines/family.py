@@ -71,6 +71,11 @@ class FamilySpec:
     # see pipelines/hunyuan_video15.py). It may define `vidmem_encode_prompt(text, device) -> [1, L, D]`,
     # which pipelines/prompts.py then calls instead of the T5 families' `encode_prompt`.
     call_adapter: type | None = None
+    # The denoiser's attention passes a mask (the text's padding), read from diffusers 0.42.1's
+    # processors: LTX-2's cross-attention and HunyuanVideo 1.5's joint attention and token refiner
+    # do; Wan's and CogVideoX's blocks do not. Kernels that take no mask (pipelines/attention.py
+    # MASKLESS) are refused on these before anything moves.
+    attention_masked: bool = False
     # cfg runs as one batch of two through the denoiser (CogVideoX), not as two passes (Wan,
     # HunyuanVideo 1.5): the planner counts forward passes and activations from it.
     cfg_as_batch: bool = False
@@ -115,18 +120,6 @@ def positions_error(spec: FamilySpec, config, spatial_factor: int, temporal_fact
     return None
 
 
-# Families whose denoiser attention passes a mask, read from diffusers 0.42.1's processors: LTX-2's
-# cross-attention masks the text padding (`encoder_attention_mask`, LTX2AudioVideoAttnProcessor),
-# HunyuanVideo 1.5's joint attention masks it too (HunyuanVideo15AttnProcessor2_0, and the token
-# refiner's AttnProcessor2_0). Wan's and CogVideoX's blocks call their attention without one. Kernels
-# that take no mask (pipelines/attention.py MASKLESS) are refused on these before anything moves.
-# Kept here, by family name, until the specs carry it as a field (ltx2.py, hunyuan_video15.py).
-ATTENTION_MASKED = frozenset({"ltx2", "hunyuanvideo1.5"})
-
-
-def attention_masked(spec: FamilySpec) -> bool:
-    """Whether the family's denoiser attention passes a mask (the text's padding)."""
-    return spec.name in ATTENTION_MASKED
 
 
 def first_denoiser(pipe) -> torch.nn.Module:

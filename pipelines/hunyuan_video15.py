@@ -161,6 +161,7 @@ HUNYUAN_VIDEO15 = FamilySpec(
     # Comfy-Org's repackaged files and Tencent's own, over a diffusers folder (comfy_files/hy15.py)
     single_file_transformer="HunyuanVideo15Transformer3DModel",
     call_adapter=HunyuanVideo15Call,
+    attention_masked=True,  # joint attention and the token refiner mask the text padding
     vae_stages=hunyuan_video15_stages,  # the mid-block once over the whole latent, the rest streamed per tile
     # The folders ship FlowMatchEulerDiscreteScheduler with shift 5 at 480p, 9 at 720p T2V, 7 at
     # 720p I2V, and a guider at cfg 6 (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py);

@@ -223,6 +223,7 @@ LTX2 = FamilySpec(
     max_sequence_length=PROMPT_TOKENS,
     single_file_transformer="LTX2VideoTransformer3DModel",  # Lightricks' / Comfy-Org's checkpoints (comfy_files/ltx2.py)
     call_adapter=LTX2Call,
+    attention_masked=True,  # the cross-attention masks the text padding (LTX2AudioVideoAttnProcessor)
     unloaded=AUDIO_PARTS,
     call_encoders=("connectors",),
     # FlowMatchEulerDiscreteScheduler with a resolution-dependent shift (`mu` from the token count,

@@ -135,7 +135,6 @@ class StepRecord:
         self.call = call
         self.generator = generator
         self.last = previous
-        self.denoising = False  # set when the pipeline call starts: errors from then on are in denoising
         self.raw: torch.Tensor | None = None  # the pipeline's latents when the attempt finished
         self.audio: torch.Tensor | None = None  # its audio latents, for a family that makes sound (LTX-2)
         self._carry = previous.carry if previous is not None else None

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .attention import check_mask
-from .family import ModelError, attention_masked, denoiser_blocks, denoisers, first_denoiser, positions_error, spatial_multiple
+from .family import ModelError, denoiser_blocks, denoisers, first_denoiser, positions_error, spatial_multiple
 from .schedulers import SamplerChoice, build_scheduler, check_scale, check_step_count, resolve_sampler
 from .step_cache import StepCache, check_block_metadata, check_cache_fits
 
@@ -76,7 +76,7 @@ def expert_split(pipe, spec, choice: SamplerChoice, steps: int) -> dict[str, int
 
 def masked_by(loaded) -> str:
     """The model, for attention.check_mask, when its attention passes a mask; "" when it passes none."""
-    return f"{loaded.spec.name} ({_model_label(loaded)})" if attention_masked(loaded.spec) else ""
+    return f"{loaded.spec.name} ({_model_label(loaded)})" if loaded.spec.attention_masked else ""
 
 
 def _check_whole(name: str, value: object) -> None:

@@ -19,3 +19,13 @@ def test_sampler_lora_and_ladder_lines():
             "with offload=sequential (chosen by the planner)") in text
     assert "prompt: 600 tokens, 88 cut (the encoder reads 512); embeddings cache: used" in text
     assert "LoRA" not in format_receipt("Video Sampler", {"lora": "no LoRA"})
+
+
+def test_a_rung_taken_while_placing_the_weights_says_it_started_again():
+    """at_step 0: the weights did not fit while being placed, no step had run (pipelines/sample.py)."""
+    receipt = {"oom_ladder": [{"failed": "offload=none", "at_step": 0, "resumed_from_step": 0,
+                               "next": "offload=model", "chosen_by": "fixed ladder", "cleanup": {}}]}
+    text = format_receipt("Video Sampler", receipt)
+    assert ("out of memory before the first step under offload=none: started again with offload=model "
+            "(chosen by the fixed ladder)") in text
+    assert "resumed after step" not in text

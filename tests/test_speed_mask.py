@@ -20,7 +20,7 @@ from backends import StrictBackend  # noqa: E402
 from test_tiers import request_for  # noqa: E402
 from vidmem.memory import MemoryStrategy  # noqa: E402
 from vidmem.pipelines.attention import MASKLESS, AttentionError, AttentionKernel, resolve_attention  # noqa: E402
-from vidmem.pipelines.family import attention_masked, denoisers  # noqa: E402
+from vidmem.pipelines.family import denoisers  # noqa: E402
 from vidmem.pipelines.hooks import RunHooks  # noqa: E402
 from vidmem.pipelines.sample import sample  # noqa: E402
 from vidmem.pipelines.speed import Speed, speed_plan_line  # noqa: E402
@@ -67,7 +67,7 @@ def test_the_family_declares_a_mask_exactly_when_its_attention_passes_one(tiny_l
     finally:
         for handle in handles:
             handle.remove()
-    assert attention_masked(loaded.spec) == spy.masked
+    assert loaded.spec.attention_masked == spy.masked
 
 
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
@@ -78,7 +78,7 @@ def test_every_kernel_the_cpu_accepts_runs_or_is_refused_before_room_is_made(tin
         rooms = []
         hooks = RunHooks(make_room=lambda nbytes, device, **_: rooms.append(nbytes))
         request = replace(request_for(variant, steps=2), speed=Speed(kernel))
-        refuses = kernel in MASKLESS and attention_masked(loaded.spec)
+        refuses = kernel in MASKLESS and loaded.spec.attention_masked
         try:
             result = sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1), request, hooks,
                             backend=StrictBackend())
