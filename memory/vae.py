@@ -46,7 +46,9 @@ class Streaming:
 
     `start()` returns a fresh decode for one tile, which is then called with that tile's chunks
     in order (Wan's feature caches, CogVideoX's conv caches). Chunks need no context frames and
-    no temporal blending, so they are exact; `temporal_size` then only bounds the frames one call
+    no temporal blending: they compute what the whole decode computes, equal to it up to float
+    rounding (an elementwise kernel can round an element differently when a call's size moves it
+    between its vectorised body and its tail); `temporal_size` then only bounds the frames one call
     returns. Every chunk but the first holds a multiple of `frame_batch` latent frames, the batch
     the VAE itself steps through time with; the first also holds the VAE's whole first batch, so
     it can run up to one batch over `temporal_size`.
@@ -92,7 +94,7 @@ class DecodeReport:
         if self.shared_context and self.tiles > 1:
             text += ", frame-wide layers shared by the tiles"
         if self.streamed and self.chunks > 1:
-            text += ", chunks streamed exactly"
+            text += ", chunks streamed with the causal caches carried"  # equal to untiled up to float rounding
         calls = f"{self.decode_calls} call{'' if self.decode_calls == 1 else 's'}"
         text += f"{', sliced' if self.sliced else ''}, {calls}, {self.seconds:.1f} s"
         return text + "".join(f"\n  fallback: {line}" for line in self.fallbacks)

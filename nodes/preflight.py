@@ -6,9 +6,10 @@ blocks do not suit the model: it learns when it runs, after the loader has loade
 (minutes for a 14B). The loader runs first and knows the model, and ComfyUI hands a node the
 prompt it runs in (hidden input PROMPT). So a loader, before it loads, follows its pipeline output
 to the Video Samplers it feeds (through Load LoRA and Train LoRA), reads their literal width,
-height and frames and their Memory Strategy's offload and blocks_to_swap, and checks them against
-the model's config (a small file, built on the meta device): a problem is raised naming the node,
-the input and the fix, with nothing loaded. Only literal values of known nodes are checked;
+height and frames and their Memory Strategy's widgets, and checks them: the Strategy's through its
+own build() (the rules between its inputs), blocks_to_swap and the size against the model's config
+(a small file, built on the meta device). A problem is raised naming the node, the input and the
+fix, with nothing loaded. Only literal values of known nodes are checked;
 anything else (a value from another node, a graph shape not understood) is left to the Sampler,
 which checks again first thing when it runs.
 """
@@ -20,6 +21,7 @@ import logging
 from ..memory import StrategyError
 from ..memory.plan.stages import VideoShape
 from ..pipelines.family import ModelError
+from .strategy import BUDGETS, PARALLEL_WIDGETS, WIDGETS, VidMemMemoryStrategy
 
 log = logging.getLogger("vidmem")
 
@@ -78,6 +80,7 @@ def _check_sampler(prompt: dict, sampler_id: str, inputs: dict, model) -> None:
     if not isinstance(node, dict) or node.get("class_type") != STRATEGY:
         return
     widgets = node.get("inputs", {})
+    _check_strategy_widgets(str(link[0]), widgets)
     blocks = widgets.get("blocks_to_swap")
     if widgets.get("offload") != "block_swap" or not isinstance(blocks, int) or isinstance(blocks, bool):
         return
@@ -87,3 +90,18 @@ def _check_sampler(prompt: dict, sampler_id: str, inputs: dict, model) -> None:
             raise StrategyError(f"Memory Strategy (node {link[0]}), checked against {model.name}'s config before "
                                 f"loading it: blocks_to_swap={blocks} but its {name} has {count} blocks; use 1..{count} "
                                 "(or offload='sequential' to stream every layer).")
+
+
+def _check_strategy_widgets(strategy_id: str, widgets: dict) -> None:
+    """The Strategy's literal widgets through its own build(): the rules between inputs that ComfyUI's
+    per-input min/max cannot see (overlap against tile_size, temporal_overlap against temporal_size,
+    a GPU listed twice or alone) refuse the prompt before the model loads, not after. Skipped when
+    any widget is linked or missing (its value is known only when the Strategy runs)."""
+    names = (*WIDGETS, *BUDGETS, *PARALLEL_WIDGETS, "activation_chunks")
+    values = {name: widgets[name] for name in names if name in widgets}
+    if any(name not in values for name in WIDGETS) or any(isinstance(v, list) for v in values.values()):
+        return
+    try:
+        VidMemMemoryStrategy().build(**values)
+    except StrategyError as error:
+        raise StrategyError(f"Memory Strategy (node {strategy_id}), checked before loading the model: {error}") from None

@@ -28,6 +28,7 @@ from ..pipelines.step_cache import write_ratio_file
 from . import host
 from .cache import CACHE_TYPE, cache_input
 from .checks import literal_problem, literal_problems, pipeline_input
+from .decode import record_plan
 from .loader import PIPELINE_TYPE
 from .receipts import format_receipt, human_bytes
 from .speed import SPEED_TYPE, speed_input
@@ -177,9 +178,9 @@ class VidMemVideoSampler:
         device = host.compute_device()
         check_before_planning(pipeline, choice, request, device)
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
-        run, plan_line = _strategy_for_run(pipeline, choice, VideoShape(width, height, frames, cfg=guided, window=window,
-                                                                              window_overlap=window_overlap), device,
-                                           PlanOptions(attention=planned_attention(request.speed)))
+        shape = VideoShape(width, height, frames, cfg=guided, window=window, window_overlap=window_overlap)
+        options = PlanOptions(attention=planned_attention(request.speed))
+        run, plan_line = _strategy_for_run(pipeline, choice, shape, device, options)
         progress = host.Progress(steps, "sampling")
         try:
             cache = PromptCache(host.prompt_cache_folder())
@@ -202,7 +203,8 @@ class VidMemVideoSampler:
         if "placement" in receipt:
             receipt["device"] = receipt["placement"]
         text = format_receipt(f"Video Sampler: {pipeline.describe()}", receipt)
-        return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (result.latent,)}
+        # The Decode plans offload=auto at this shape too (the latent's size shows neither cfg nor the window).
+        return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (record_plan(result.latent, shape, options),)}
 
 
 def check_before_planning(pipeline, choice, request, device) -> None:

@@ -55,6 +55,7 @@ def validate_latent(loaded: LoadedPipeline, latent: dict) -> torch.Tensor:
     origin = metadata.get("family") if isinstance(metadata, dict) else None
     if origin is not None and origin != loaded.spec.name:
         raise ModelError(f"latent came from a {origin} model but the pipeline is {loaded.spec.name}; decode it with the {origin} pipeline.")
+    _check_scaling_factor(loaded, metadata)
     expected = latent_channels(loaded.pipe)
     if samples.shape[1] != expected:
         raise ModelError(
@@ -68,6 +69,19 @@ def validate_latent(loaded: LoadedPipeline, latent: dict) -> torch.Tensor:
             "Sample it again (check cfg and the sampler's inputs) or load a saved latent that is intact."
         )
     return samples
+
+
+def _check_scaling_factor(loaded: LoadedPipeline, metadata) -> None:
+    """Same family and channels do not make the same latent space: CogVideoX-2b's VAE scales latents by
+    1.15258426, 5B's and 1.5's by 0.7, so a 2b latent decoded by the others is off in every pixel. The
+    Sampler records its VAE's factor; a latent without it (older, or a VAE without one) is not checked."""
+    recorded = metadata.get("vae_scaling_factor") if isinstance(metadata, dict) else None
+    own = loaded.pipe.vae.config.get("scaling_factor")
+    if not isinstance(recorded, (int, float)) or not isinstance(own, (int, float)) or abs(recorded - own) <= 1e-6 * abs(own):
+        return
+    raise ModelError(f"latent was sampled by a VAE with scaling_factor {recorded} but {loaded.describe()}'s VAE has "
+                     f"{own}, so it would decode to wrong colours; decode it with the pipeline that sampled it "
+                     "(CogVideoX-2b latents need the 2b pipeline, 5B and 1.5 latents theirs).")
 
 
 def geometry(pipe) -> VaeGeometry:

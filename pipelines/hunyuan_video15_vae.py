@@ -16,7 +16,12 @@ So the decode runs in two stages:
   mask: equal up to float rounding, and its peak is one frame's scores.
 - `stream()` runs the up-blocks and the head on a tile's chunks in time order, carrying each
   causal convolution's last two input frames from chunk to chunk and upsampling the video's first
-  frame the way diffusers does only in the first chunk, so temporal chunks are exact.
+  frame the way diffusers does only in the first chunk, so temporal chunks compute what the whole
+  decode computes. They equal it up to float rounding, not always bit for bit: the CPU's SiLU
+  rounds differently in its vectorised body and its scalar tail, and which elements fall in the
+  tail depends on the size of the tensor a call sees. Where a frame's elements fill whole vector
+  lanes (the tests' even sizes) chunks equal the whole decode exactly; at odd sizes (5x7x9 on the
+  tiny model) they differ by under 1e-6 on 0..1 pixels in fp32 (tests/test_hunyuan_video15.py).
 Tiled, the result differs from untiled only within a convolution's reach of a tile border, where
 the blend fades one tile into the next.
 """

@@ -154,7 +154,8 @@ def sample(
         receipt["requested_strategy"] = requested.describe()
         receipt["oom_ladder"] = [r.as_dict() for r in rungs]
     samples = spec.to_comfy_latent(pipe, record.raw, request.frames).to("cpu")
-    latent = {"samples": samples, "vidmem": {"family": spec.name, "class_name": loaded.class_name, "frames": request.frames}}
+    latent = {"samples": samples, "vidmem": {"family": spec.name, "class_name": loaded.class_name, "frames": request.frames,
+                                             "vae_scaling_factor": pipe.vae.config.get("scaling_factor")}}
     if record.audio is not None:  # LTX-2's sound, for Decode Audio; a video-only graph just carries it
         latent = with_audio(latent, pipe, record.audio)
     return SampleResult(latent, receipt)

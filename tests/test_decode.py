@@ -98,6 +98,18 @@ def test_latent_from_another_family_is_refused(tiny_loaded):
         decode(tiny_loaded("cogvideox-t2v"), latent)
 
 
+def test_latent_from_a_vae_with_another_scaling_factor_is_refused(tiny_loaded):
+    """CogVideoX-2b (1.15258426) and 5B / 1.5 (0.7) share family and channels but not the latent scale."""
+    loaded = tiny_loaded("cogvideox-t2v")
+    latent = sample(loaded, MemoryStrategy(), request_for("cogvideox-t2v"), backend=CpuBackend()).latent
+    assert latent["vidmem"]["vae_scaling_factor"] == loaded.pipe.vae.config.scaling_factor == 1.15258426
+    from_5b = dict(latent, vidmem=dict(latent["vidmem"], vae_scaling_factor=0.7))
+    with pytest.raises(ModelError, match=r"scaling_factor 0.7 but .* VAE has 1.15258426"):
+        decode(loaded, from_5b, backend=CpuBackend())
+    older = dict(latent, vidmem={k: v for k, v in latent["vidmem"].items() if k != "vae_scaling_factor"})
+    assert torch.equal(decode(loaded, older, backend=CpuBackend()).frames, decode(loaded, latent, backend=CpuBackend()).frames)
+
+
 def test_latent_with_wrong_channels_is_refused(tiny_loaded):
     loaded = tiny_loaded("wan2.1-t2v")
     with pytest.raises(ModelError, match="latent has 4 channels .* decodes 16"):
