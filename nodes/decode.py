@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from ..memory.plan.candidates import PlanError, _tiling_that_fits
+from ..memory.plan.candidates import PlanError, tiling_that_fits
 from ..memory.plan.stages import VideoShape
 from ..memory.plan.types import Attention, PlanOptions
 from ..pipelines.decode import decode, validate_latent
@@ -107,7 +107,7 @@ def _strategy_for_decode(pipeline, choice, latent_shape, latent: dict | None = N
         # elsewhere); the decode needs only the VAE to fit, so tile it against the budget.
         base = replace(choice.strategy, offload="model", blocks_to_swap=0, vae_tiling=None)
         try:
-            return _tiling_that_fits(model, shape, base, plan_options(pipeline, options, run_device(device)), vram)
+            return tiling_that_fits(model, shape, base, plan_options(pipeline, options, run_device(device)), vram)
         except ValueError:
             return untiled
     except ValueError:

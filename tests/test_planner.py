@@ -483,14 +483,14 @@ def test_each_stage_over_a_budget_gets_the_change_that_makes_it_fit():
 
 def test_the_planner_never_advises_a_tile_below_the_familys_smallest():
     """LTX-2 decodes with seams below 512 px tiles: the tiling the planner picks, and the fix its
-    advice offers (advice.py asks the same `_tiling_that_fits`), shorten the chunks instead."""
-    from vidmem.memory.plan.candidates import _tiling_that_fits
+    advice offers (advice.py asks the same `tiling_that_fits`), shorten the chunks instead."""
+    from vidmem.memory.plan.candidates import tiling_that_fits
     from vidmem.memory.plan.stages import decode_stage
 
     model, shape, strategy = load_model("ltx2-t2v-19b"), VideoShape(1024, 768, 25), MemoryStrategy(offload="model")
     untiled = decode_stage(model, shape, strategy, PlanOptions()).allocated_bytes
     for vram in (untiled * 2 // 3, 3 * GiB):  # without the floor: 64 px and 256 px tiles
-        tiling = _tiling_that_fits(model, shape, strategy, PlanOptions(), vram).vae_tiling
+        tiling = tiling_that_fits(model, shape, strategy, PlanOptions(), vram).vae_tiling
         assert tiling is not None and tiling.tile_size >= model.vae_min_tile == 512, (vram, tiling)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .candidates import (STAGE_WORDS, Plan, PlanError, _fewest_blocks, _tiling_that_fits, candidate_plans,
+from .candidates import (STAGE_WORDS, Plan, PlanError, _fewest_blocks, tiling_that_fits, candidate_plans,
                          fewest_chunks, recommended)
 from .costs import GiB
 from .stages import decode_stage, denoise_stage, host_base, text_encode_stage
@@ -109,7 +109,7 @@ def _vram_trials(model: PlannerModel, plan: Plan, name: str):
         words = f"blocks_to_swap {swap.blocks_to_swap}"
         yield (words if tier is OffloadTier.BLOCK_SWAP else f"offload block_swap, {words}"), swap, options
     if name == "decode":
-        tiled = _tiling_that_fits(model, plan.shape, replace(s, vae_tiling=None), options, plan.vram_budget_bytes)
+        tiled = tiling_that_fits(model, plan.shape, replace(s, vae_tiling=None), options, plan.vram_budget_bytes)
         if tiled.vae_tiling is not None and tiled.vae_tiling != s.vae_tiling:
             t = tiled.vae_tiling
             yield f"VAE tiling, tile_size {t.tile_size}, temporal_size {t.temporal_size}", replace(s, vae_tiling=t), options

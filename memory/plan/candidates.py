@@ -202,7 +202,7 @@ def _tier_plan(model, shape, tier: OffloadTier, base: MemoryStrategy, options: P
     if tier is OffloadTier.BLOCK_SWAP:
         strategy = _fewest_blocks(model, shape, strategy, options, vram)
     strategy = _text_encoder_that_fits(model, shape, strategy, options, budgets)
-    strategy = _tiling_that_fits(model, shape, strategy, options, vram)
+    strategy = tiling_that_fits(model, shape, strategy, options, vram)
     return plan_run(model, shape, strategy, options, *budgets)
 
 
@@ -288,7 +288,7 @@ def _text_encoder_that_fits(model, shape, strategy, options, budgets) -> MemoryS
     return on_cpu if text_encode_stage(model, shape, on_cpu, options).host_bytes <= ram else strategy
 
 
-def _tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int = 4) -> MemoryStrategy:
+def tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int = 4) -> MemoryStrategy:
     """Untiled if the whole decode fits; else the cheapest tiling whose traced peak fits."""
     untiled = decode_stage(model, shape, strategy, options)
     if untiled.fits(vram):
