@@ -56,13 +56,16 @@ _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 UNPINNED = 1 << 62  # the ceiling of a backend that does not pin (the CPU): plain RAM, which the RAM budget counts
 
 
+_ABSENT = object()  # an attribute the module did not have (None is a value diffusers sets)
+
+
 @contextmanager
 def checkpointing_switched(switches: list, enabled: bool, func: Callable) -> Iterator[None]:
     """diffusers' per-block checkpointing (`gradient_checkpointing` and `_gradient_checkpointing_func`
     on each module in `switches`) set to `enabled` through `func`; both put back exactly on exit,
     the instance attribute removed where the module had none. Shared by the training run and the
     planner's trace of what it moves."""
-    saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in switches]
+    saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func", _ABSENT)) for m in switches]
     try:
         for module in switches:
             module.gradient_checkpointing, module._gradient_checkpointing_func = enabled, func
@@ -70,7 +73,7 @@ def checkpointing_switched(switches: list, enabled: bool, func: Callable) -> Ite
     finally:
         for module, flag, previous in saved:
             module.gradient_checkpointing = flag
-            if previous is None:
+            if previous is _ABSENT:  # diffusers' ModelMixin sets it to None on the instance: that is kept
                 module.__dict__.pop("_gradient_checkpointing_func", None)
             else:
                 module._gradient_checkpointing_func = previous

@@ -159,3 +159,24 @@ def test_a_rank_zero_layer_is_refused_at_load(wan, tmp_path):
     path = write(tmp_path / "rank0.safetensors", tensors)
     with pytest.raises(LoraError, match=r"rank0.safetensors: layer 'diffusion_model.blocks.0.self_attn.q' has rank 0"):
         load_lora(path, wan)
+
+
+@pytest.mark.parametrize("kind", ["lora_down.weight", "lora_up.weight"])
+def test_a_matrix_that_is_not_2d_is_refused_with_both_shapes(wan, tmp_path, kind):
+    """A 0-d matrix reaches the shape check (it raised a bare IndexError in the rank-0 check before it)."""
+    tensors = kohya_keys("diffusion_model.", False)(random_lora(wan.transformer, WAN_LAYERS[:1]), 4)
+    key = next(k for k in tensors if k.endswith(kind))
+    tensors[key] = torch.tensor(1.0)
+    path = write(tmp_path / "flat.safetensors", tensors)
+    with pytest.raises(LoraError, match=r"flat.safetensors: .*do not fit"):
+        load_lora(path, wan)
+
+
+def test_a_metadata_alpha_written_as_a_number_string_is_read_as_the_number(wan, tmp_path):
+    lora = random_lora(wan.transformer, WAN_LAYERS[:1])
+    alphas = []
+    for name, metadata in (("text", '{"lora_alpha": "2"}'), ("number", '{"lora_alpha": 2}')):
+        spec = load_lora(write(tmp_path / f"{name}.safetensors", peft_keys(lora, None),
+                               {"lora_adapter_metadata": metadata}), wan)
+        alphas.append({layer.alpha for layers in spec.layers.values() for layer in layers})
+    assert alphas[0] == alphas[1] == {2.0}

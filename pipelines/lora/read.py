@@ -147,8 +147,14 @@ def peft_alphas(metadata: Mapping[str, str], path: Path) -> dict[str, float]:
 
 
 def _alpha_value(value: object, where: str, path: Path, fix: str) -> float:
-    # bool is an int to Python, and json reads NaN and Infinity: neither is an alpha
-    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    # bool is an int to Python, and json reads NaN and Infinity: neither is an alpha; a number written
+    # as a string ("2") is read as the number, as float() always read it
+    number = math.nan
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
     if not math.isfinite(number):
         raise LoraError(f"LoRA file {path}: metadata {where} in '{PEFT_METADATA_KEY}' is {value!r}, not a finite "
                         f"number; {fix}.")

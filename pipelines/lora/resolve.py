@@ -94,7 +94,8 @@ def _canonical(lora: LoraFile, raw: RawLayer, target: str, module: nn.Module) ->
         raise LoraError(f"LoRA file {lora.path}: layer '{raw.source}' has no {missing} matrix; the file is incomplete. Download it again.")
     if not t:
         raise LoraError(f"LoRA file {lora.path}: layer '{raw.source}' has an alpha but no matrices; the file is incomplete.")
-    if "down" in t and 0 in (t["down"].shape[0], t["up"].shape[-1]):
+    # a matrix that is not 2-D is check_fits' to refuse (with both shapes); here only an empty rank
+    if "down" in t and t["down"].dim() == t["up"].dim() == 2 and 0 in (t["down"].shape[0], t["up"].shape[-1]):
         raise LoraError(f"LoRA file {lora.path}: layer '{raw.source}' has rank 0 (down {list(t['down'].shape)}, up "
                         f"{list(t['up'].shape)}): it changes nothing and its alpha / rank is undefined. The file is "
                         "damaged or was saved empty; use another file.")
