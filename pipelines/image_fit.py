@@ -21,6 +21,8 @@ saying so; an alpha channel is dropped. Pure torch, no ComfyUI imports: the samp
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from enum import Enum
 from numbers import Integral
@@ -119,9 +121,14 @@ def _crop(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
 
 
 def _centred(size: int, kept: float) -> tuple[int, int]:
-    """The whole pixels (start, stop) nearest to a span `kept` pixels long centred in `size`; at least one."""
-    start = round((size - kept) / 2)
-    return start, max(start + 1, round((size + kept) / 2))
+    """The whole pixels (start, stop) of a span within a pixel of `kept` (at least one) centred in
+    `size`. Of the two whole lengths around `kept`, the one whose margins split evenly: the cut is then
+    exactly centred (rounding each end apart could shrink the span by a pixel: 6 keeping 3 kept 2,
+    a 1.5x stretch). A whole `kept` of the other parity is kept as it is, half a pixel off centre."""
+    lengths = {max(1, min(size, math.floor(kept))), max(1, min(size, math.ceil(kept)))}
+    length = next((n for n in sorted(lengths) if (size - n) % 2 == 0), min(lengths))
+    start = (size - length) // 2
+    return start, start + length
 
 
 def _pad(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:

@@ -204,3 +204,15 @@ def test_the_sampler_node_fits_its_image_with_the_resize_choice(tiny_folder):
     assert not torch.equal(run(picture, "stretch")[0], cropped)
     with pytest.raises(ModelError, match="resize='fill' is not a choice"):
         run(picture, "fill")
+
+
+@pytest.mark.parametrize("size, kept", [(6, 3), (10, 7), (1926, 1923), (622, 614.6), (480, 369.23), (5, 0.2), (7, 7)])
+def test_the_crop_keeps_a_span_within_a_pixel_of_the_frames_aspect_centred(size, kept):
+    """Rounding each end half to even could shrink the span by a pixel (6 keeping 3 gave 2: the
+    picture stretched by 1.5x); the span is within a pixel of `kept`, centred exactly where a length
+    that close splits the margins evenly, else half a pixel off."""
+    from vidmem.pipelines.image_fit import _centred
+
+    start, stop = _centred(size, kept)
+    assert abs((stop - start) - max(1, kept)) < 1 and 0 <= start and stop <= size
+    assert abs((start + stop) - size) <= (0 if kept % 1 else 1)
