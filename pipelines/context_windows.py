@@ -218,7 +218,9 @@ def windows_for_call(loaded, request, resumed_from: int = 0, earlier_passes: int
 
     `resumed_from`, `earlier_passes`: this attempt resumes after that many finished steps, from an
     attempt (or several) that ran out of memory after `earlier_passes` window passes; the receipt's
-    `passes` counts them too, so it is the whole run's, as without the error."""
+    `passes` counts every pass that ran, theirs too. The rung runs again the step the error cut
+    short, so its passes that had finished count twice: as many as an uninterrupted run's only
+    when the error came at a step's first pass."""
     from .family import denoisers
 
     windows = ContextWindows(request.window, request.window_overlap)
@@ -231,8 +233,8 @@ def windows_for_call(loaded, request, resumed_from: int = 0, earlier_passes: int
     with context_windows(denoisers(pipe, spec), spec.name, schedule) as receipt:
         receipt["passes"] = earlier_passes
         yield receipt
-    resumed = (f" ({receipt['passes'] - earlier_passes} of them after resuming from step {resumed_from} under the "
-               f"out-of-memory ladder's rung)") if resumed_from else ""
+    resumed = (f" ran ({receipt['passes'] - earlier_passes} of them after resuming from step {resumed_from} under "
+               f"the out-of-memory ladder's rung, which runs again the step the error cut short)") if resumed_from else ""
     receipt["summary"] = (f"context windows: {schedule.count} windows of {windows.window} frames, {windows.overlap} "
                           f"shared (latent frames {', '.join(schedule.describe())}); {receipt['passes']} denoiser "
                           f"passes{resumed}")

@@ -179,22 +179,24 @@ def test_the_hook_is_removed_when_the_run_fails(tiny_loaded):
 
 
 
-def test_after_an_out_of_memory_climb_the_receipt_counts_the_whole_runs_window_passes(tiny_loaded):
+@pytest.mark.parametrize("call, passes", [(5, 12), (7, 14)])
+def test_after_an_out_of_memory_climb_the_receipt_counts_every_window_pass_that_ran(tiny_loaded, call, passes):
     """The ladder resumes after step 1 (Wan: 2 windows x cond and uncond = 4 passes a step; block 0's
-    5th call is step 2's first): the receipt's passes are those before the error and after it, as
-    many as an uninterrupted run's, and the summary says how many came after the resume."""
+    5th call is step 2's first). The receipt counts the passes that ran: at step 2's first pass as
+    many as an uninterrupted run's; at its third (the cond forward's two windows done) two more,
+    since the rung runs step 2 again; the summary says how many came after the resume."""
     from test_oom_ladder import InjectOOM
 
     loaded = tiny_loaded("wan2.1-t2v")
     request = request_for("wan2.1-t2v", steps=3)
     whole = run(loaded, request, MemoryStrategy(offload="block_swap", blocks_to_swap=1)).receipt["windows"]
-    with InjectOOM(loaded.pipe.transformer.blocks[0], [5]) as oom:
+    with InjectOOM(loaded.pipe.transformer.blocks[0], [call]) as oom:
         result = run(loaded, request, MemoryStrategy(offload="model"))
     windows = result.receipt["windows"]
     assert oom.raised == 1 and result.receipt["oom_ladder"][0]["resumed_from_step"] == 1
-    assert windows["passes"] == whole["passes"] == 12
-    assert windows["summary"].endswith("; 12 denoiser passes (8 of them after resuming from step 1 under the "
-                                       "out-of-memory ladder's rung)")
+    assert whole["passes"] == 12 and windows["passes"] == passes
+    assert windows["summary"].endswith(f"; {passes} denoiser passes ran (8 of them after resuming from step 1 under "
+                                       "the out-of-memory ladder's rung, which runs again the step the error cut short)")
     assert whole["summary"].endswith("; 12 denoiser passes")
 
 # --- bad values --------------------------------------------------------------------------------------
