@@ -385,10 +385,15 @@ class AppliedAttention:
         """Put back every processor's backend and every attention module's forward (idempotent)."""
         while self._scoped:
             module, scoped, found = self._scoped.pop()
+            if found is _IN_PLACE:  # ours was already in the module's chain: it stays there, inert
+                scoped.release(in_chain=True)
+                continue
             if module.__dict__.get("forward") is not scoped:  # someone wrapped ours and did not unwrap: theirs to undo
                 log.warning("vidmem: %s.forward was replaced during the call and not restored; left as found.",
                             type(module).__name__)
-            elif found is _ABSENT:
+                scoped.release(in_chain=True)  # their wrapper still calls ours
+                continue
+            if found is _ABSENT:
                 del module.forward  # back to the class's forward, as before
             else:
                 module.forward = found
@@ -504,6 +509,7 @@ def _reroute_scope(attend: Callable, device: str) -> tuple[Callable, _CallCount]
 
 
 _ABSENT = object()
+_IN_PLACE = object()  # the scoped forward was found in the module's chain, not installed by this call
 _SCOPED_ATTR = "_vidmem_scoped_forward"
 
 
@@ -521,6 +527,7 @@ class _ScopedForward:
         self.plain = type(module).forward.__get__(module)  # made once: a fresh bound method would fail the guard
         self.inner: Callable = self.plain
         self.scope: Callable | None = None
+        self.in_chain = False  # left in the module's forward chain (under a wrapper someone put over it)
 
     def __call__(self, *args, **kwargs):
         if self.scope is None:  # released, yet still called: a wrapper put over ours was left in place
@@ -528,8 +535,12 @@ class _ScopedForward:
         with self.scope():
             return self.inner(*args, **kwargs)
 
-    def release(self) -> None:
-        self.inner, self.scope = self.plain, None
+    def release(self, in_chain: bool = False) -> None:
+        """Out of the call's scope. `in_chain`: something still calls this object (a wrapper left over
+        it), so it keeps calling what it wrapped; else it lets go of that."""
+        self.scope, self.in_chain = None, in_chain
+        if not in_chain:
+            self.inner = self.plain
 
 
 def _scope_forward(applied: AppliedAttention, module: nn.Module, scope: Callable) -> None:
@@ -539,6 +550,12 @@ def _scope_forward(applied: AppliedAttention, module: nn.Module, scope: Callable
         scoped = _ScopedForward(module)
         module.__dict__[_SCOPED_ATTR] = scoped  # not a Module or Parameter: no state_dict entry, no .to()
     found = module.__dict__.get("forward", _ABSENT)
+    if found is scoped or (scoped.in_chain and found is not _ABSENT):
+        # Ours is still called from the module's forward (a wrapper left over it calls it): scope it
+        # where it is. Installing it again would make it wrap the wrapper that calls it: no end.
+        scoped.scope = scope
+        applied._scoped.append((module, scoped, _IN_PLACE))
+        return
     scoped.inner, scoped.scope = (scoped.plain if found is _ABSENT else found), scope
     module.forward = scoped
     applied._scoped.append((module, scoped, found))

@@ -428,3 +428,46 @@ def test_a_kernel_composes_with_the_step_cache(tiny_loaded, kernel):
     assert torch.allclose(both.latent["samples"], cached.latent["samples"], atol=1e-4, rtol=1e-4)
     assert not loaded.pipe.transformer.is_cache_enabled and not any(
         hasattr(m, "_diffusers_hook") and m._diffusers_hook.hooks for m in attention_modules(loaded))
+
+
+def test_a_wrapper_left_over_the_scoped_forward_is_kept_and_later_calls_still_run(caplog):
+    """A third party wraps the attention forward during a call and never unwraps: it is left as found
+    (with a warning), and the next calls scope ours where it is under that wrapper (installing ours
+    again would wrap the wrapper that calls it: a RecursionError on the second call)."""
+    from contextlib import contextmanager
+    from torch import nn
+
+    from vidmem.pipelines import attention
+
+    class Attn(nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    entered = []
+
+    @contextmanager
+    def scope():
+        entered.append(1)
+        yield
+
+    module = Attn()
+
+    def one_call(wrap=False):
+        applied = attention.AppliedAttention.__new__(attention.AppliedAttention)
+        applied._scoped, applied._backends, applied._counter = [], [], None
+        attention._scope_forward(applied, module, scope)
+        if wrap:
+            inner = module.forward
+            module.forward = lambda *a, **k: inner(*a, **k)
+        try:
+            return module(torch.zeros(1))
+        finally:
+            applied.remove()
+
+    with caplog.at_level("WARNING", logger="vidmem"):
+        assert one_call(wrap=True).item() == 1.0
+    assert "left as found" in caplog.text
+    assert module(torch.zeros(1)).item() == 1.0 and len(entered) == 1  # between calls: no scope
+    for calls in (2, 3):
+        assert one_call().item() == 1.0 and len(entered) == calls  # the scope still reaches the forward
+    assert module(torch.zeros(1)).item() == 1.0 and len(entered) == 3
