@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Callable
@@ -148,7 +150,7 @@ def sample(
             break
         resume = record.last
         del record  # the failed attempt's tensors go before the cleanup
-        strategy = run.escalate(strategy, resume.steps_done if resume else 0, placing=run.phase is Phase.PLACING)
+        strategy = run.escalate(strategy, resume.steps_done if resume else 0)
     receipt["strategy"] = strategy.describe()
     if rungs:
         receipt["requested_strategy"] = requested.describe()
@@ -167,7 +169,13 @@ class Phase(str, Enum):
     SETUP = "setup"  # nothing placed yet (LoRAs, chunks, windows, the host's room): raised as it is
     PLACING = "placing weights"  # apply_strategy (offload=none puts every weight on the device): the ladder climbs
     TEXT = "text encoding"  # the prompt encoder: a SamplingOutOfMemory naming text_encoder=cpu, no climb
-    DENOISING = "denoising"  # the loop and its setup (image encoding): the ladder climbs and resumes
+    IMAGE = "encoding the start image"  # image-to-video, up to the first denoiser pass: offload rungs only
+    DENOISING = "denoising"  # from the first denoiser pass: the ladder climbs and resumes
+
+    @property
+    def before_the_steps(self) -> str:
+        """The sample_ladder.BEFORE_THE_STEPS key of a phase before any step ran, else ''."""
+        return {Phase.PLACING: "placing", Phase.IMAGE: "image"}.get(self, "")
 
 
 def block_count(loaded: LoadedPipeline) -> int:
@@ -212,38 +220,40 @@ class _Run:
             if self.phase is Phase.TEXT:  # everything is already restored: the strategy's `with` has exited
                 raise SamplingOutOfMemory(text_encoder_message(strategy, error)) from error
             step = (record.last.steps_done if record.last else 0) + 1
-            when = when_out_of_memory(step, self.request.steps, placing=self.phase is Phase.PLACING)
+            when = when_out_of_memory(step, self.request.steps, self.phase.before_the_steps)
             if not self.hooks.climb_on_oom:
                 raise SamplingOutOfMemory(no_climb_message(strategy, when, error)) from error
             if next_rung(strategy, block_count(self.loaded), None, self.chunkable, self.chunks_ran) is None:
-                raise SamplingOutOfMemory(out_of_memory_message(strategy, when, self.rungs, error,
-                                                                self._ladder_hint())) from error
+                raise SamplingOutOfMemory(out_of_memory_message(strategy, when, self.rungs, error, self._ladder_hint(),
+                                                                image=self.phase is Phase.IMAGE)) from error
             record.call = None
         return record
 
     @property
     def chunkable(self) -> bool:
-        """Whether the ladder may offer activation-chunk rungs: blocks that chunk, a kernel that allows it."""
-        return self.speed.takes_chunks and can_chunk(self.loaded)
+        """Whether the ladder may offer activation-chunk rungs: blocks that chunk, a kernel that allows it,
+        and an error from the denoiser's passes (chunks do nothing for the start image's encoding)."""
+        return self.phase is not Phase.IMAGE and self.speed.takes_chunks and can_chunk(self.loaded)
 
     def _ladder_hint(self) -> str:
         if self.speed.takes_chunks or not can_chunk(self.loaded):
             return ""
         return "choose attention 'auto' on the Speed node (sageattention 1.x forbids activation chunks, a further rung); "
 
-    def escalate(self, strategy: MemoryStrategy, steps_done: int, placing: bool = False) -> MemoryStrategy:
-        """After an out-of-memory error under `strategy`: free, pick the next rung, log it.
-        `placing`: the error came while the weights were placed, before the first step (at step 0)."""
+    def escalate(self, strategy: MemoryStrategy, steps_done: int) -> MemoryStrategy:
+        """After an out-of-memory error under `strategy`: free, pick the next rung, log it. An error
+        before the attempt's first step (placing the weights, encoding the start image) is at step 0."""
         request, device = self.request, self.backend.device
         freed = free_memory(device)
         shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided, window=request.window,
                            window_overlap=request.window_overlap)
         fits = planner_fits(self.loaded, shape, request.steps, self.hooks.device_budget(device), planned_attention(request.speed))
         rung, how = next_rung(strategy, block_count(self.loaded), fits, self.chunkable, self.chunks_ran)
-        at_step = 0 if placing else steps_done + 1
+        before = self.phase.before_the_steps
+        at_step = 0 if before else steps_done + 1
         self.rungs.append(Rung(strategy.describe(), at_step, steps_done, rung.describe(), how, freed.as_dict()))
         log.warning("vidmem: out of memory %s under %s; resuming after step %d under %s (%s)",
-                    when_out_of_memory(at_step, request.steps, placing), strategy.describe(), steps_done,
+                    when_out_of_memory(at_step, request.steps, before), strategy.describe(), steps_done,
                     rung.describe(), how)
         return rung
 
@@ -301,9 +311,8 @@ class _Run:
                 if "text_encode" not in receipt:  # the first attempt to get here (a cache hit encodes nothing)
                     self.phase = Phase.TEXT
                     self._encode(call, strategy, handle)
-                self.phase = Phase.DENOISING
                 embeds = call_embeds(prompts, device)
-                with StageMeter("denoise", device) as meter:
+                with StageMeter("denoise", device) as meter, self._denoising_from_the_first_pass():
                     output = call(**_call_kwargs(loaded, self.request, self.choice, embeds, hooks, record,
                                                  expert_hand_off(call, handle)))
                 raw, record.audio = output.frames, getattr(output, "audio", None)
@@ -321,6 +330,26 @@ class _Run:
             if warm is not None:
                 receipt["warm"] = warm.as_dict()
         return raw
+
+    @contextmanager
+    def _denoising_from_the_first_pass(self) -> Iterator[None]:
+        """Image-to-video encodes its start image inside the pipeline call, before the first denoiser
+        pass: the phase is IMAGE until a denoiser runs (a pre-hook on each), DENOISING from then on."""
+        if not self.loaded.needs_image:
+            self.phase = Phase.DENOISING
+            yield
+            return
+        self.phase = Phase.IMAGE
+
+        def first_pass(module, args):
+            self.phase = Phase.DENOISING
+        handles = [module.register_forward_pre_hook(first_pass)
+                   for module in denoisers(self.loaded.pipe, self.loaded.spec).values()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _step_cache(self, cached: bool, call) -> AppliedCache:
         """The request's step cache on the call's denoisers (an inert one when off or not `cached`)."""

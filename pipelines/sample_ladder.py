@@ -148,21 +148,29 @@ def next_rung(strategy: MemoryStrategy, blocks: int, fits: Fits | None,
     return (rungs[0], "fixed ladder") if rungs else None
 
 
-def when_out_of_memory(step: int, steps: int, placing: bool = False) -> str:
-    """Where the attempt was, for the messages: placing the weights, or the 1-based `step` of `steps`."""
-    return "while placing the weights on the device (before the first step)" if placing \
-        else f"during denoising at step {step}/{steps}"
+BEFORE_THE_STEPS = {  # where an attempt can run out of memory before its first step, for the messages
+    "placing": "while placing the weights on the device (before the first step)",
+    "image": "while encoding the start image (before the first step)",
+}
+
+
+def when_out_of_memory(step: int, steps: int, before: str = "") -> str:
+    """Where the attempt was, for the messages: `before` the steps (a BEFORE_THE_STEPS key), or the
+    1-based `step` of `steps`."""
+    return BEFORE_THE_STEPS[before] if before else f"during denoising at step {step}/{steps}"
 
 
 def out_of_memory_message(strategy: MemoryStrategy, when: str, rungs: list[Rung], error: BaseException,
-                          hint: str = "") -> str:
+                          hint: str = "", image: bool = False) -> str:
     """`when`: when_out_of_memory(...); `hint`: what else would let the ladder go on (e.g. the
-    attention kernel that forbade chunk rungs)."""
+    attention kernel that forbade chunk rungs); `image`: the start image's encoding ran out (the
+    transformer's storage and chunks do not help there)."""
     tried = " -> ".join([r.failed for r in rungs] + [strategy.describe()])
+    fix = ("Lower width or height (the start image is encoded at the video's size); " if image else
+           "Lower width, height or frames; load the transformer stored as fp8 or GGUF (weight_dtype); " + hint)
     return (
         f"out of device memory {when} even with {strategy.describe()}, the leanest "
-        f"strategy (tried: {tried}). Lower width, height or frames; load the transformer stored as fp8 or GGUF "
-        f"(weight_dtype); {hint}or close other programs using the GPU. ({error})"
+        f"strategy (tried: {tried}). {fix}or close other programs using the GPU. ({error})"
     )
 
 

@@ -456,3 +456,26 @@ def test_a_climb_leaves_no_figure_of_the_failed_attempt_in_the_receipt(tiny_load
                      request_for("wan2.1-t2v", steps=3))
     assert oom.raised == 1 and len(result.receipt["oom_ladder"]) == 1
     assert "activation_chunks" not in result.receipt
+
+
+@pytest.mark.parametrize("variant, part", [("wan2.1-i2v", "image_encoder"), ("cogvideox-i2v", "vae")])
+def test_an_out_of_memory_error_encoding_the_start_image_climbs_offload_rungs_only(tiny_loaded, variant, part):
+    """The start image is encoded inside the pipeline call, before the first denoiser pass: an error
+    there is before the first step (at_step 0), climbs the offload tiers only (activation chunks split
+    the transformer's passes, not the image encoder's), and once they are spent says where it ran out
+    and what helps there."""
+    loaded = tiny_loaded(variant)
+    module = getattr(loaded.pipe, part)
+    target = module.encoder if part == "vae" else module
+    request = request_for(variant, steps=2)
+    with InjectOOM(target, [1]) as oom:
+        result = run(loaded, MemoryStrategy(offload="none"), request)
+    rung = result.receipt["oom_ladder"][0]
+    assert oom.raised == 1 and (rung["at_step"], rung["resumed_from_step"]) == (0, 0)
+    assert "activation_chunks" not in rung["next"] and rung["next"].startswith("offload=")
+    with InjectOOM(target, range(1, 100)) as oom, pytest.raises(SamplingOutOfMemory) as raised:
+        run(loaded, MemoryStrategy(offload="sequential"), request)
+    assert oom.raised == 1  # sequential is the last offload rung; chunk rungs are not tried for the image
+    message = str(raised.value)
+    assert "while encoding the start image (before the first step)" in message
+    assert "Lower width or height (the start image is encoded" in message and "fp8" not in message
