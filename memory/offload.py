@@ -29,6 +29,7 @@ from .residency import Slot, WeightGroup, own_slots, partition_slots, tie, tied_
 from .strategy import MemoryStrategy, OffloadTier
 from .swapstats import SwapLedger
 from .warm import ACTIVE_CORE, IDLE_CORE, STREAMED, WarmStore, rehome_everywhere
+from .storage.mapping import any_mapped_files, check_files_unchanged
 
 
 @dataclass(frozen=True)
@@ -280,6 +281,8 @@ def apply_strategy(
     """
     for name, blocks in stage.blocks.items():
         strategy.check_against_model(len(blocks), name)
+    if any_mapped_files():  # the disk tier: refuse before anything is placed
+        check_files_unchanged(stage_tensors(stage))
     handle = OffloadHandle(strategy, backend, observer, telemetry, warm, keep_bytes, compute_gate)
     pool = host_pool or HostPool()
     if unpin_beyond_ceiling and strategy.streams_blocks and strategy.max_pinned_ram_gb is not None:
