@@ -113,11 +113,24 @@ class HostPool:
         self._used = 0  # bytes used in the newest arena
         self._homes: list[list[Slot]] = []  # each home's owners, to move them off an arena `fit_ceiling` drops
         self.allocations = 0  # tensors ever copied into the pool; flat after the first run
-        self.fallbacks = 0  # tensors left pageable (over the ceiling, or pinning refused)
-        self.file_backed = 0  # tensors left in their file mapping, staged at copy time instead
+        # Host tensors (by address) left pageable (over the ceiling, or pinning refused) and left in
+        # their file mapping (staged at copy time instead): sets, because every call builds its groups
+        # again and meets the same tensors; a count per meeting grew call after call.
+        self._pageable: set[int] = set()
+        self._mapped: set[int] = set()
 
     def __repr__(self) -> str:
         return f"HostPool({self.pinned_bytes / GiB:.2f} GiB pinned in {len(self._arenas)} arenas)"
+
+    @property
+    def fallbacks(self) -> int:
+        """Distinct host tensors left pageable now (each counted once, however many calls met it)."""
+        return len(self._pageable)
+
+    @property
+    def file_backed(self) -> int:
+        """Distinct host tensors left in their file mapping (each counted once)."""
+        return len(self._mapped)
 
     @property
     def pinned_bytes(self) -> int:
@@ -194,12 +207,13 @@ class HostPool:
         if self._holds(host):
             return owners
         if is_file_backed(host):
-            self.file_backed += 1
+            self._mapped.add(host.data_ptr())
             return owners
         home = self._allocate(host, backend, cap_bytes)
         if home is None:
-            self.fallbacks += 1
+            self._pageable.add(host.data_ptr())
             return owners
+        self._pageable.discard(host.data_ptr())  # pinned now, under a ceiling raised since
         home.copy_(host)
         self.allocations += 1
         adopted = [Slot(s.module, s.name, s.is_parameter, home) for s in owners]

@@ -29,6 +29,7 @@ from .residency import Slot, WeightGroup, own_slots, partition_slots, tie, tied_
 from .strategy import MemoryStrategy, OffloadTier
 from .swapstats import SwapLedger
 from .warm import ACTIVE_CORE, IDLE_CORE, STREAMED, WarmStore, rehome_everywhere
+from .storage.mapping import any_mapped_files, check_files_unchanged
 
 
 @dataclass(frozen=True)
@@ -142,12 +143,23 @@ class OffloadHandle:
             self.warm.forget()  # what this call did not take back is not needed any more
             if keep:
                 for group in self._groups:
+                    self._claim_for_compute(group)
                     self.warm.keep(group.kept_pairs(), self._keep_rank(group))
         for group in self._groups:
             group.restore()
         self._groups.clear()
         self._components.clear()
         self._active = None
+
+    @staticmethod
+    def _claim_for_compute(group: WeightGroup) -> None:
+        """A streamed group the schedule began copying for a pass that never came (the call ended)
+        still has its side-stream copy pending. The next call takes the copy from the warm store
+        with no token to wait on, so claim it now: the compute stream waits for the copy and the
+        allocator learns the compute stream uses it (record_stream), or a later kernel could read
+        it half-copied, or its memory be handed to the next prefetch while a kernel reads it."""
+        if group.streamed and group.on_device:
+            group.wait()
 
     def _adopt_kept(self) -> None:
         """Take back what the warm store kept where the last call ended (no copy); a streamed group
@@ -269,6 +281,8 @@ def apply_strategy(
     """
     for name, blocks in stage.blocks.items():
         strategy.check_against_model(len(blocks), name)
+    if any_mapped_files():  # the disk tier: refuse before anything is placed
+        check_files_unchanged(stage_tensors(stage))
     handle = OffloadHandle(strategy, backend, observer, telemetry, warm, keep_bytes, compute_gate)
     pool = host_pool or HostPool()
     if unpin_beyond_ceiling and strategy.streams_blocks and strategy.max_pinned_ram_gb is not None:

@@ -22,6 +22,7 @@ never correctness.
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 import threading
 import warnings
@@ -36,6 +37,8 @@ NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000) if sys.platform.startswith("l
 _lock = threading.Lock()
 _ranges: dict[int, tuple[int, int]] = {}  # key -> (first address, end address) of a live mapping
 _mappings: dict[int, weakref.ref] = {}  # key -> its mmap, for read-ahead advice (mappings made by map_file)
+# key -> (path, (st_dev, st_ino, st_size, st_mtime_ns)) of the file a map_file mapping was made from
+_files: dict[int, tuple[str, tuple[int, int, int, int]]] = {}
 _unmapped: deque[int] = deque()  # keys whose mapping is gone, dropped from _ranges under the lock
 _next_key = 0
 
@@ -48,9 +51,11 @@ def map_file(path: Path) -> tuple[mmap.mmap, torch.Tensor]:
     """
     with open(path, "rb") as handle:
         mapping = _map(handle.fileno())
+        stamp = _stamp(os.fstat(handle.fileno()))
     whole = tensor_at(mapping, torch.uint8, 0, len(mapping))
     key = register_range(whole.data_ptr(), whole.numel(), mapping)
     _mappings[key] = weakref.ref(mapping)
+    _files[key] = (str(path), stamp)
     return mapping, whole
 
 
@@ -95,7 +100,43 @@ def _live_ranges() -> list[tuple[int, int]]:
         key = _unmapped.popleft()
         _ranges.pop(key, None)
         _mappings.pop(key, None)
+        _files.pop(key, None)
     return list(_ranges.values())
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class MappedFileChanged(RuntimeError):
+    """A weight file mapped at load was replaced or changed on disk since."""
+
+
+def check_files_unchanged(tensors: list[torch.Tensor]) -> None:
+    """Refuse to run on weights whose file changed since it was mapped (at load).
+
+    A mapping reads the file's current bytes: a file rewritten in place would silently give new
+    weights (a mix with copies kept on the device), and one truncated would kill the process
+    with SIGBUS on the first read past its new end. Checked before a call places anything; a
+    change during the call cannot be caught this way (docs/storage.md).
+    """
+    with _lock:
+        _live_ranges()
+        spans = [(key, *_ranges[key]) for key in _files if key in _ranges]
+        files = dict(_files)
+    pointers = [t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel() > 0]
+    used = {key for key, start, end in spans if any(start <= p < end for p in pointers)}
+    for key in sorted(used):
+        path, stamp = files[key]
+        try:
+            now = _stamp(os.stat(path))
+        except OSError as error:
+            raise MappedFileChanged(f"weight file {path} is gone or unreadable since the model was loaded "
+                                    f"({error.strerror}): reload the model.") from None
+        if now != stamp:
+            raise MappedFileChanged(f"weight file {path} changed on disk since the model was loaded (it is read "
+                                    "from the file while running, so the run would mix old and new weights or "
+                                    "crash): reload the model.")
 
 
 def is_file_backed(tensor: torch.Tensor) -> bool:
