@@ -700,16 +700,19 @@ def test_taylor_seer_hooks_exactly_the_declared_blocks_and_every_output_projecti
     assert hooked == declared | outputs
     assert not transformer.is_cache_enabled
 
-    class NoProjection(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
-
-        enable_cache = disable_cache = lambda self, *a: None
-
     bare = NoProjection()
     with pytest.raises(StrategyError, match=r"taylor_seer extrapolates .*\(NoProjection\) has no proj_out"):
         AppliedCache(TAYLOR, {"transformer": bare}, {"transformer": bare.blocks}).apply(STEPS)
+
+
+class NoProjection(torch.nn.Module):
+    """A denoiser with blocks and cache switches but no proj_out: TaylorSeer has nothing to extrapolate."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
+
+    enable_cache = disable_cache = lambda self, *a: None
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../secret.json", "sub/ratios.json", "..", "a\\b.json", "D:secret.json"])

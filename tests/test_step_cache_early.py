@@ -62,12 +62,7 @@ def test_the_refusal_comes_before_room_is_made_and_leaves_nothing_applied(tiny_l
 
 
 def test_taylor_without_an_output_projection_is_refused_by_the_early_check():
-    class NoProjection(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
-
-        enable_cache = disable_cache = lambda self, *a: None
+    from test_step_cache import NoProjection
 
     bare = NoProjection()
     with pytest.raises(StrategyError, match=r"taylor_seer extrapolates .*\(NoProjection\) has no proj_out"):
