@@ -14,7 +14,6 @@ one while the prompt encoder runs stops with a message naming `text_encoder=cpu`
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,7 +48,7 @@ from .stages import stage_modules
 from .lora import describe_loras, lora_patches
 from .room import keep_bytes, sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
-from .sample_call import ResumePoint, StepRecord, call_pipeline
+from .sample_call import ResumePoint, StepRecord, call_pipeline, expert_steps
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
 from .sample_chunks import can_chunk, chunks_for_call
 from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message, out_of_memory_message,
@@ -409,16 +408,6 @@ def swap_receipt(summary: dict, denoise_seconds: float, pool) -> dict:
     totals = summary["totals"]
     cost = totals["wait_s"] / denoise_seconds if denoise_seconds > 0 else 0.0
     return {**totals, "swap_cost": cost, "groups": len(summary["blocks"]), "host_pool": pool.stats()}
-
-
-def expert_steps(call, steps: int) -> dict[str, int]:
-    """Steps each Wan 2.2 A14B expert runs in this call: the high-noise one while the timestep is at
-    or above the boundary (as the pipeline decides), the low-noise one after."""
-    scheduler = copy.deepcopy(call.scheduler)
-    scheduler.set_timesteps(steps)
-    boundary = call.config["boundary_ratio"] * scheduler.config.num_train_timesteps
-    high = int((scheduler.timesteps >= boundary).sum())
-    return {"transformer": high, "transformer_2": steps - high}
 
 
 def expert_hand_off(pipe, handle) -> Callable[[int], None]:

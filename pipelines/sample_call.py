@@ -167,3 +167,13 @@ class StepRecord:
             return output
 
         scheduler.step = tracked
+
+
+def expert_steps(call, steps: int) -> dict[str, int]:
+    """Steps each Wan 2.2 A14B expert runs in this call: the high-noise one while the timestep is at
+    or above the boundary (as the pipeline decides), the low-noise one after."""
+    scheduler = copy.deepcopy(call.scheduler)
+    scheduler.set_timesteps(steps)
+    boundary = call.config["boundary_ratio"] * scheduler.config.num_train_timesteps
+    high = int((scheduler.timesteps >= boundary).sum())
+    return {"transformer": high, "transformer_2": steps - high}

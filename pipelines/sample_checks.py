@@ -9,6 +9,7 @@ import torch
 
 from .attention import check_mask
 from .family import ModelError, denoiser_blocks, denoisers, first_denoiser, positions_error, spatial_multiple
+from .sample_call import call_pipeline, expert_steps
 from .schedulers import SamplerChoice, build_scheduler, check_scale, check_step_count, resolve_sampler
 from .step_cache import StepCache, check_block_metadata, check_cache_fits
 
@@ -65,12 +66,9 @@ def validate_request(loaded, request) -> SamplerChoice:
 
 def expert_split(pipe, spec, choice: SamplerChoice, steps: int) -> dict[str, int] | None:
     """The steps each denoiser runs when they share the run (Wan 2.2 A14B's experts), as the call will split
-    them (sample.expert_steps on the call this choice builds); None for one denoiser."""
+    them (sample_call.expert_steps on the call this choice builds); None for one denoiser."""
     if len(denoisers(pipe, spec)) < 2:
         return None
-    from .sample import expert_steps  # sample.py imports this module: imported when first needed
-    from .sample_call import call_pipeline
-
     return expert_steps(call_pipeline(pipe, build_scheduler(pipe.scheduler, choice), choice.boundary_ratio), steps)
 
 
