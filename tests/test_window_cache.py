@@ -121,7 +121,7 @@ def test_one_window_over_the_clip_through_the_hook_is_the_cached_clip(tiny_loade
     loaded = tiny_loaded(VARIANT)
     whole = run(loaded, MAG, window=0, window_overlap=0)
 
-    def one_window(loaded, request):  # the run's windows, as one window over the 5 latent frames
+    def one_window(loaded, request, *_resume):  # the run's windows, as one window over the 5 latent frames
         return context_windows(denoisers(loaded.pipe, loaded.spec), loaded.spec.name, WindowSchedule(5, 5, 0))
 
     monkeypatch.setattr(sampling, "windows_for_call", one_window)
