@@ -65,12 +65,9 @@ def check_writable(path: Path) -> None:
 
 
 def lora_tensors(layers: nn.ModuleDict, component_prefix: str = "transformer") -> dict[str, torch.Tensor]:
-    tensors = {}
-    for key, layer in layers.items():
-        stem = f"{component_prefix}.{path_of(key)}"
-        tensors[f"{stem}.lora_A.weight"] = layer.down.detach().to("cpu", torch.float32).contiguous()
-        tensors[f"{stem}.lora_B.weight"] = layer.up.detach().to("cpu", torch.float32).contiguous()
-    return tensors
+    """The raw trained tensors as a checkpoint keeps them: diffusers' naming, alpha not folded."""
+    stems = {path_of(key): f"{component_prefix}.{path_of(key)}" for key in layers}
+    return final_lora_tensors(layers, stems, 1.0)
 
 
 def final_lora_tensors(layers: nn.ModuleDict, stems: dict[str, str], scale: float) -> dict[str, torch.Tensor]:
