@@ -8,6 +8,8 @@ branches run the same forward twice, so the ratios hold). Every row, in the same
 
 - `resident`: the whole transformer on the GPU (vidmem tier none: no hooks at all);
 - `block_swap_<N>` at several counts (prefetch 1), all blocks with prefetch 0 and 2, and `sequential`;
+- `block_swap_<N>_unpinned`: all blocks at a pinned ceiling of 0 (`max_pinned_ram_gb=0`: no pinned
+  homes, every streamed block staged chunk by chunk through the streamed ring), beside `block_swap_<N>`;
 - `group_offload_block` / `group_offload_leaf`: diffusers' own `enable_group_offload`, block level
   with one block per group and leaf level, both with `use_stream=True`;
 - `fp8_*`: the same tiers with the linear weights stored as fp8 (e4m3fn, upcast per layer);
@@ -122,6 +124,9 @@ def default_rows(blocks: int, pinned_gib: float | None) -> list[Row]:
     rows = [Row("resident", MemoryStrategy(offload="none", **pin))]
     rows += [Row(f"block_swap_{n}", swap(n)) for n in counts]
     rows += [Row(f"block_swap_{blocks}_prefetch_{k}", swap(blocks, prefetch_blocks=k)) for k in (0, 2)]
+    # a pinned ceiling of 0: every streamed block staged chunk by chunk through the streamed ring (docs/warm-runs.md)
+    rows += [Row(f"block_swap_{blocks}_unpinned", MemoryStrategy(offload="block_swap", blocks_to_swap=blocks,
+                                                                 max_pinned_ram_gb=0))]
     rows += [Row("sequential", MemoryStrategy(offload="sequential", **pin))]
     rows += [Row(f"cap8_block_swap_{blocks}", swap(blocks), vram_cap_gib=USER_CARD_GIB)]
     rows += [Row("fp8_resident", MemoryStrategy(offload="none", **pin), weights=FP8),

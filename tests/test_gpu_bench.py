@@ -141,3 +141,14 @@ def test_the_gpu_checks_default_14b_rows_are_rows():
     names = re.search(r"^BENCH_ROWS=\$\{BENCH_ROWS-(\S+)\}$", script, re.M).group(1).split(",")
     blocks = meta_model("wan2.1-t2v-14b", {}).components["transformer"].config["num_layers"]
     assert set(names) <= {r.name for r in default_rows(blocks, None)}, names
+
+
+def test_the_gpu_checks_stream_rows_are_rows_of_its_model():
+    """bench/gpu_check.sh's STREAM_ROWS: every block streamed on the warm model, pinned homes against none."""
+    script = (Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh").read_text()
+    model = re.search(r"^WARM_MODEL=(\S+)$", script, re.M).group(1)
+    names = re.search(r"^STREAM_ROWS=(\S+)", script, re.M).group(1).split(",")
+    blocks = meta_model(model, {}).components["transformer"].config["num_layers"]
+    rows = {r.name: r for r in default_rows(blocks, None)}
+    assert names == [f"block_swap_{blocks}", f"block_swap_{blocks}_unpinned"]
+    assert rows[names[1]].strategy.max_pinned_ram_gb == 0 and rows[names[0]].strategy.blocks_to_swap == blocks
