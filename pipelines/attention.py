@@ -426,6 +426,7 @@ def _apply(applied: AppliedAttention, name: str, denoiser: nn.Module, attend: Ca
     if not modules:
         raise AttentionError(f"attention={resolved.requested.value!r}: {name} ({type(denoiser).__name__}) has no "
                              "diffusers attention modules to set a kernel on; choose 'auto'.")
+    _check_head_widths(resolved, name, modules)
     dispatched = [m for m in modules if hasattr(m.processor, "_attention_backend")]
     direct = [m for m in modules if m not in dispatched]
     if resolved.kernel is not AttentionKernel.SDPA:  # plain SDPA leaves direct processors as they are
@@ -442,6 +443,46 @@ def _apply(applied: AppliedAttention, name: str, denoiser: nn.Module, attend: Ca
     for module in scoped if scope is not None else ():
         _scope_forward(applied, module, scope)
     return _route(resolved, backend, dispatched, direct, scope is not None)
+
+
+def _check_head_widths(resolved: ResolvedAttention, name: str, modules: list[nn.Module]) -> None:
+    """Refuse, before the run, an SDPA kernel forced on heads it will not take. torch checks each call and,
+    with one kernel forced, raises "No available kernel" mid-run (an H200's cuDNN refused a tiny LTX-2's
+    4-wide sound heads: it wants multiples of 8). The kernel itself is asked, on a probe of each width."""
+    backend = resolved.sdpa_backend
+    if backend is None or backend is SDPBackend.MATH:
+        return
+    for width in sorted({width for width in map(_head_width, modules) if width}):
+        problem = _kernel_refusal(backend, width, getattr(torch, resolved.dtype), resolved.device)
+        if problem:
+            raise AttentionError(f"attention={resolved.requested.value!r}: torch's {backend.name} kernel does not run "
+                                 f"{name}'s attention heads, {width} wide, in {resolved.dtype} on {resolved.device} "
+                                 f"({problem}); choose 'auto' (SDPA picks a kernel per call) or 'sdpa'.")
+
+
+def _head_width(module: nn.Module) -> int | None:
+    """The width of one attention head of a diffusers attention module (None where it does not say)."""
+    heads, width = getattr(module, "heads", None), getattr(getattr(module, "to_q", None), "out_features", None)
+    return width // heads if isinstance(heads, int) and isinstance(width, int) and heads > 0 and not width % heads \
+        else None
+
+
+@lru_cache(maxsize=None)
+def _kernel_refusal(backend: SDPBackend, width: int, dtype: torch.dtype, device: str) -> str:
+    """Why SDPA's `backend` will not run heads `width` wide in `dtype` on `device` ("" when it does): torch's
+    own reasons, which it gives as warnings before raising."""
+    import warnings
+
+    probe = torch.zeros(1, 1, 8, width, dtype=dtype, device=device)
+    with warnings.catch_warnings(record=True) as caught, sdpa_kernel(backend):
+        warnings.simplefilter("always")
+        try:
+            F.scaled_dot_product_attention(probe, probe, probe)
+        except RuntimeError as error:
+            reasons = [str(w.message).split(" (Triggered internally")[0] for w in caught]
+            reasons = [r for r in reasons if r and not r.endswith("because:")]
+            return "; ".join(reasons) or str(error).splitlines()[0]
+    return ""
 
 
 def _route(resolved: ResolvedAttention, backend: str, dispatched: list, direct: list, scoped: bool) -> str:

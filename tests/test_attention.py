@@ -313,6 +313,40 @@ def test_a_missing_sageattention_is_refused_before_anything_changes(tiny_loaded,
 
 
 @pytest.mark.parametrize("variant", FAMILIES)
+def test_a_kernel_that_refuses_the_models_head_width_is_refused_before_anything_changes(tiny_loaded, monkeypatch,
+                                                                                      variant):
+    """An H200's cuDNN refused a tiny LTX-2's 4-wide heads mid-run ("No available kernel"): now the kernel is
+    asked on a probe of each head width first. Here the probe's answer is faked (the CPU's flash takes any)."""
+    loaded = tiny_loaded(variant)
+    widths = {attention._head_width(m) for m in attention_modules(loaded)}
+    asked = []
+
+    def refusal(backend, width, dtype, device):
+        asked.append((backend, width))
+        return "head_dim should be a multiple of 8" if width == max(widths) else ""
+
+    monkeypatch.setattr(attention, "_kernel_refusal", refusal)
+    before = state(loaded)
+    with pytest.raises(AttentionError, match=rf"FLASH_ATTENTION kernel does not run transformer's attention heads, "
+                                             rf"{max(widths)} wide, in float32 on cpu \(head_dim should be a multiple "
+                                             r"of 8\); choose 'auto'"):
+        run(loaded, variant, resolve_attention("flash", CPU, torch.float32))
+    assert state(loaded) == before
+    assert {width for _, width in asked} == widths and None not in widths
+    asked.clear()
+    for kernel in ("auto", "sdpa", "math", "flex"):  # SDPA chooses per call, or no fused SDPA kernel is forced
+        run(loaded, variant, resolve_attention(kernel, CPU, torch.float32))
+    assert asked == []
+
+
+def test_the_head_width_probe_asks_torch_itself():
+    from torch.nn.attention import SDPBackend
+
+    assert attention._kernel_refusal(SDPBackend.FLASH_ATTENTION, 12, torch.float32, "cpu") == ""
+    assert "No viable backend" in attention._kernel_refusal(SDPBackend.CUDNN_ATTENTION, 4, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
 @pytest.mark.parametrize("kernel", ["flash", "flex"])
 def test_everything_is_put_back_after_an_error_mid_run(tiny_loaded, variant, kernel):
     loaded = tiny_loaded(variant)

@@ -6,7 +6,7 @@
 - compiled blocks under inductor with CogVideoX's SDPA call rerouted to flex (the reroute counter is a
   device tensor added to in place inside the compiled graph; the CPU suite checks eager and aot_eager);
 - `attention=cudnn` on LTX-2 and HunyuanVideo 1.5, whose attention passes a mask (flash and sage are
-  refused there; cudnn is accepted and must run).
+  refused there; cudnn is accepted and must run), and refused before the run on heads cuDNN will not take.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch._dynamo
 
 from test_tiers import request_for
 from vidmem.memory import MemoryStrategy
+from vidmem.pipelines.attention import AttentionError
 from vidmem.pipelines.compile import CompileSettings
 from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.sample import sample
@@ -95,3 +96,14 @@ def test_cudnn_runs_on_the_masked_families_within_bf16_rounding_of_auto(family, 
     error = ((a - b).abs().max() / b.abs().max()).item()
     print(f"\n{module.VARIANT}: cudnn against auto, largest difference {error:.2e} of the largest value")
     assert error < 0.05, error  # a mask ignored or misread moves the latents by far more than bf16 rounding
+
+
+def test_cudnn_on_heads_it_will_not_take_is_refused_before_the_run(tiny_folder, cuda):
+    """The tiny LTX-2's sound heads are 4 wide: cuDNN refused them mid-run with SDPA's "No available kernel"
+    (H200, 2026-11-27); now the kernel is asked first and the Sampler names the width and the fix."""
+    from test_ltx2 import VARIANT, request
+
+    loaded = load_pipeline(tiny_folder(VARIANT), "bf16")
+    with pytest.raises(AttentionError, match=r"CUDNN_ATTENTION kernel does not run transformer's attention heads, 4 wide.*"
+                                             r"choose 'auto'"):
+        sample(loaded, NONE, request(speed=Speed("cudnn")), device=cuda)
