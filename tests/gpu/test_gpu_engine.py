@@ -189,3 +189,38 @@ def test_cancel_stops_within_one_block_and_leaves_nothing(strategy, stop_after, 
     assert stopped_at == stop_after, f"ran {stopped_at - stop_after} block(s) after Cancel"
     assert_restored(loaded, before, hooks_before)
     assert torch.equal(sample(loaded, strategy, request, device=cuda).latent["samples"], reference)
+
+
+def test_a_lowered_pinned_ceiling_unlocks_the_pinned_memory_on_the_driver(tiny_folder, cuda):
+    """A ceiling lowered after a run unpins the pool's newest arenas and asks torch's host allocator to let
+    go of them (`HostPool.fit_ceiling`, then `_host_emptyCache`); proven with the CUDA fake on the CPU
+    (tests/test_warm_pinned_ceiling.py). Here: the page-locked bytes torch's host allocator holds fall by
+    at least what was unpinned, and the frames stay the same."""
+    from dataclasses import replace
+
+    from test_tiers import block_count, request_for
+    from vidmem.memory.cleanup import release_cached_pinned
+    from vidmem.memory.hostpool import HostPool
+    from vidmem.pipelines.loader import load_pipeline
+    from vidmem.pipelines.sample import sample
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        pytest.skip("this torch has no torch.cuda.host_memory_stats to read the pinned bytes from")
+    loaded = replace(load_pipeline(tiny_folder("wan2.1-t2v"), "fp32"), host_pool=HostPool(arena_bytes=1 << 20))
+    swap = MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=1)
+    request = request_for("wan2.1-t2v")
+    try:
+        first = sample(loaded, swap, request, device=cuda).latent["samples"]
+        unpinned = loaded.host_pool.pinned_bytes
+        release_cached_pinned()
+        before = stats()
+        second = sample(loaded, replace(swap, max_pinned_ram_gb=0.0), request, device=cuda).latent["samples"]
+        release_cached_pinned()
+        after = stats()
+        print(f"\nunpinned {unpinned} B; host allocator before {before}; after {after}")
+        assert unpinned > 0 and loaded.host_pool.pinned_bytes == 0
+        assert before["active_bytes.current"] - after["active_bytes.current"] >= unpinned, (before, after)
+        assert torch.equal(first, second)
+    finally:
+        loaded.release_warm()
