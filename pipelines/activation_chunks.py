@@ -10,9 +10,10 @@ it reads them only as keys and values.
 How: for one call, each block's `forward` is replaced (a named diffusers hook, `CHUNK_HOOK`, in the
 block's own `HookRegistry`, so the step cache's hooks wrap it and the two compose) by the same
 arithmetic in two passes over `chunks` slices of the tokens:
-1. keys and values of self-attention for every slice, written into two preallocated tensors;
-2. per slice: its queries, attention against all keys and values, the residual, cross-attention,
-   the feed-forward and its residual, written into the output.
+1. keys, values and queries of self-attention for every slice: keys and values written into two
+   preallocated tensors, queries parked in the output tensor (still empty then);
+2. per slice: its queries read back, attention against all keys and values, the residual,
+   cross-attention, the feed-forward and its residual, written into the output over those queries.
 So the full-size tensors alive at once are the input, the output, the keys and the values;
 everything else is 1/chunks of its unchunked size. CogVideoX's block (joint attention over text
 and video, far fewer tokens) chunks its feed-forward half only: norm, feed-forward, residual.
@@ -184,31 +185,50 @@ def _wan_norm1(block, hidden: torch.Tensor, rows: slice, modulation: _WanModulat
     return (block.norm1(x.float()) * (1 + modulation.part(SCALE, rows)) + modulation.part(SHIFT, rows)).type_as(x)
 
 
-def _wan_keys_values(block, hidden, rope, modulation, slices) -> tuple[torch.Tensor, torch.Tensor]:
-    """Self-attention's keys and values for every token, computed a slice at a time."""
-    attn, keys, values = block.attn1, None, None
-    for rows in slices:
+def _wan_projections(block, hidden, rope, modulation, slices, out) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Self-attention's keys and values for every token, computed a slice at a time, and its queries, parked
+    in `out` (the block's output, still empty: each slice's output overwrites its own rows only after its
+    queries are read back). Why park them: pass 2 would otherwise normalise every token a second time
+    for its queries, full-size float32 work that cost a real Wan 14B block 7% at 480p on an H200 (docs/
+    activation-chunks.md), and `out` holds them at no extra memory. Returns (keys, values, queries parked):
+    queries of another dtype than `out` are not parked, and pass 2 makes them again."""
+    attn, keys, values, parked = block.attn1, None, None, True
+    for rows in slices:  # each projection is stored as soon as it is made: one of them alive at a time beside x
         x = _wan_norm1(block, hidden, rows, modulation)
+        if parked:
+            query = _wan_query(block, x, rope, rows)
+            parked = query.dtype == out.dtype
+            if parked:
+                out[:, rows] = query.flatten(2, 3)
+            del query
         key = attn.norm_k(attn.to_k(x)).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(x).unflatten(2, (attn.heads, -1))
-        del x
         if rope is not None:
             key = _wan_rotary(key, rope[0][:, rows], rope[1][:, rows])
         if keys is None:
             keys = key.new_empty((key.shape[0], hidden.shape[1], *key.shape[2:]))
+        keys[:, rows] = key
+        del key
+        value = attn.to_v(x).unflatten(2, (attn.heads, -1))
+        del x
+        if values is None:
             values = value.new_empty((value.shape[0], hidden.shape[1], *value.shape[2:]))
-        keys[:, rows], values[:, rows] = key, value
-    return keys, values
+        values[:, rows] = value
+        del value
+    return keys, values, parked
 
 
-def _wan_self_attention(block, x: torch.Tensor, keys, values, rope, rows: slice) -> torch.Tensor:
-    """WanAttnProcessor's self-attention for the queries of one slice, against every key and value."""
+def _wan_query(block, x: torch.Tensor, rope, rows: slice) -> torch.Tensor:
+    """WanAttnProcessor's queries for the tokens `rows` (x: their normalised hidden state)."""
+    attn = block.attn1
+    query = attn.norm_q(attn.to_q(x)).unflatten(2, (attn.heads, -1))
+    return _wan_rotary(query, rope[0][:, rows], rope[1][:, rows]) if rope is not None else query
+
+
+def _wan_self_attention(block, query: torch.Tensor, keys, values) -> torch.Tensor:
+    """WanAttnProcessor's self-attention for one slice's queries, against every key and value."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     attn = block.attn1
-    query = attn.norm_q(attn.to_q(x)).unflatten(2, (attn.heads, -1))
-    if rope is not None:
-        query = _wan_rotary(query, rope[0][:, rows], rope[1][:, rows])
     out = dispatch_attention_fn(query, keys, values, attn_mask=None, dropout_p=0.0, is_causal=False,
                                 backend=attn.processor._attention_backend, parallel_config=None)
     out = out.flatten(2, 3).type_as(query)
@@ -220,12 +240,15 @@ def wan_block_forward(block: nn.Module, chunks: int, hidden_states: torch.Tensor
     """diffusers' WanTransformerBlock.forward over `chunks` token slices (see the module docstring)."""
     modulation = _WanModulation(block.scale_shift_table, temb)
     slices = token_slices(hidden_states.shape[1], chunks)
-    keys, values = _wan_keys_values(block, hidden_states, rotary_emb, modulation, slices)
     out = torch.empty_like(hidden_states)
+    keys, values, parked = _wan_projections(block, hidden_states, rotary_emb, modulation, slices, out)
     for rows in slices:
-        x = _wan_norm1(block, hidden_states, rows, modulation)
-        attn_output = _wan_self_attention(block, x, keys, values, rotary_emb, rows)
-        del x
+        if parked:  # contiguous as made (a batch of several makes the parked rows a strided view)
+            query = out[:, rows].unflatten(2, (block.attn1.heads, -1)).contiguous()
+        else:
+            query = _wan_query(block, _wan_norm1(block, hidden_states, rows, modulation), rotary_emb, rows)
+        attn_output = _wan_self_attention(block, query, keys, values)
+        del query
         h = (hidden_states[:, rows].float() + attn_output * modulation.part(GATE, rows)).type_as(hidden_states)
         del attn_output
         h = h + block.attn2(block.norm2(h.float()).type_as(h), encoder_hidden_states, None, None)

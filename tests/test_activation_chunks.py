@@ -81,6 +81,38 @@ def test_the_chunked_forward_really_runs(tiny_loaded, monkeypatch):
     assert max(rows) < tokens
 
 
+def test_queries_are_made_once_and_a_query_of_another_dtype_is_made_again_in_the_second_pass(tiny_loaded, monkeypatch):
+    """The first pass parks each slice's queries in the output tensor (every token normalised once, not twice:
+    the H200 measured the second normalisation in chunking's cost). Queries that would change dtype there are
+    not parked: the second pass makes them again, and the latents stay the same either way."""
+    from vidmem.pipelines import activation_chunks as chunking
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    strategy = MemoryStrategy(offload="none", activation_chunks=3)
+    reference, _ = latent(loaded, MemoryStrategy(offload="none"), "wan2.1-t2v")
+    make, project = chunking._wan_query, chunking._wan_projections
+    queries, parked, other_dtype = [], [], []
+
+    def query(*args):
+        queries.append(1)
+        return make(*args)
+
+    def projections(block, hidden, rope, modulation, slices, out):
+        found = project(block, hidden, rope, modulation, slices, out.double() if other_dtype else out)
+        parked.append(found[2])
+        return found
+
+    monkeypatch.setattr(chunking, "_wan_query", query)
+    monkeypatch.setattr(chunking, "_wan_projections", projections)
+    chunked, _ = latent(loaded, strategy, "wan2.1-t2v")
+    assert torch.equal(chunked, reference) and parked and all(parked)
+    assert len(queries) == 3 * len(parked)  # one per slice of each block call
+    queries.clear(), parked.clear(), other_dtype.append(True)
+    again, _ = latent(loaded, strategy, "wan2.1-t2v")
+    assert torch.equal(again, reference) and parked and not any(parked)
+    assert len(queries) == 4 * len(parked)  # the first slice's in the first pass, then each slice's in the second
+
+
 def test_sequential_copies_each_layer_once_per_slice_and_stays_identical(tiny_loaded):
     from backends import Recorder
 
