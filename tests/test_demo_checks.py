@@ -3,6 +3,8 @@ a refused run leaves no folder behind and costs no model build."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vidmem.cli import main
@@ -50,3 +52,25 @@ def test_the_offload_choices_are_the_strategy_nodes():
     from vidmem.nodes.strategy import VidMemMemoryStrategy
 
     assert set(OFFLOAD_TIERS) == set(VidMemMemoryStrategy.INPUT_TYPES()["required"]["offload"][0])
+
+
+TEXT_TO_VIDEO = [name for name, spec in tiny.TINY_SPECS.items() if not spec.needs_image]
+
+
+@pytest.mark.parametrize("variant", TEXT_TO_VIDEO)
+def test_every_listed_text_to_video_variant_runs_at_its_defaults(variant, tmp_path, capsys):
+    """The default size and frames are the variant's own: CogVideoX 1.5's tiny rotary table covers 32 px,
+    and a fixed 64x64 default crashed it inside diffusers."""
+    steps = "2" if variant.startswith("ltx2") else "1"  # LTX-2's stretched schedule refuses one step (NaN latents)
+    assert main(["demo", "--out", str(tmp_path), "--variant", variant, "--steps", steps]) == 0
+    spec = tiny.tiny_spec(variant)
+    video = json.loads((tmp_path / "receipt.json").read_text())["video"]
+    assert video["size"] == [spec.width, spec.height] and video["frames"] == spec.frames
+
+
+def test_cogvideox15_beyond_its_rotary_table_is_refused_by_name(nothing_built, tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--variant", "cogvideox1.5-t2v", "--size", "64x32"]) == 2
+    assert ("--size width 64 is more than --variant cogvideox1.5-t2v can place: its rotary positional table covers "
+            "32 px; use width 32 or less") in capsys.readouterr().err
+    assert not out.exists()
