@@ -388,8 +388,7 @@ def report(entry: dict, workflow: dict, server: Server, out: Path | None) -> Non
         for file in files:
             print(f"output of node {file.node_id}: {'/'.join(file.parts + (file.filename,))} (use --out DIR to download)")
         return
-    for path in download(server, files, Path(out)):
-        print(f"saved {path}")
+    download(server, files, Path(out), on_saved=lambda path: print(f"saved {path}", flush=True))
 
 
 def add_queue_parser(subparsers) -> argparse.ArgumentParser:

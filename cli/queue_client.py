@@ -235,8 +235,10 @@ def output_files(entry: dict) -> list[OutputFile]:
     return files
 
 
-def download(server: Server, files: list[OutputFile], out: Path) -> list[Path]:
-    """Each file into `out`, through a temp file renamed into place; every name was checked first."""
+def download(server: Server, files: list[OutputFile], out: Path, on_saved=lambda path: None) -> list[Path]:
+    """Each file into `out`, through a temp file renamed into place; every name was checked first.
+    `on_saved(path)` is called as each file lands, so a later failure does not hide what was saved; the
+    failure's message says which files were saved and which are still only on the server."""
     root = out.resolve()
     for file in files:  # refuse before the first byte is written (a subfolder may be a link out)
         target = file.target(out)
@@ -245,14 +247,25 @@ def download(server: Server, files: list[OutputFile], out: Path) -> list[Path]:
                              f"outside --out {root}. Nothing was downloaded.")
     saved = []
     for file in files:
-        status, data = server.request(f"/view?{file.query()}")
+        try:
+            status, data = server.request(f"/view?{file.query()}")
+        except Unreachable as error:  # the prompt is done: no wait left to retry in
+            raise QueueError(f"{error}. {_still_on_server(saved, files)}; download them through /view.") from None
         if status != 200:
-            raise QueueError(f"GET /view?{file.query()}: HTTP {status}: {quote(data)}")
+            raise QueueError(f"GET /view?{file.query()}: HTTP {status}: {quote(data)}. {_still_on_server(saved, files)}; "
+                             "download them through /view.")
         target = file.target(out)
         try:
             saved.append(write_bytes_atomically(target, data))
         except OSError as error:
-            raise QueueError(f"cannot write {target}: {error.strerror or error}. The outputs are still on the server "
-                             f"({len(saved)} of {len(files)} saved here); free the space or pick another --out and "
-                             "download them through /view.") from None
+            raise QueueError(f"cannot write {target}: {error.strerror or error}. {_still_on_server(saved, files)}; free "
+                             "the space or pick another --out and download them through /view.") from None
+        on_saved(saved[-1])
     return saved
+
+
+def _still_on_server(saved: list[Path], files: list[OutputFile]) -> str:
+    """Which outputs a failed download left where: the first len(saved) of `files` landed."""
+    left = ", ".join("/".join(file.parts + (file.filename,)) for file in files[len(saved):])
+    return (f"The outputs are still on the server ({len(saved)} of {len(files)} saved here"
+            + (f": {', '.join(map(str, saved))}" if saved else "") + f"; not saved: {left})")

@@ -465,3 +465,35 @@ def test_files_of_a_good_answer_land_under_their_subfolder(tmp_path):
     assert output_file("7", {"filename": "a.mp4", "subfolder": "video\\day1"}).target(tmp_path) == tmp_path / "video" / "day1" / "a.mp4"
     assert output_file("7", {"filename": "a.mp4", "subfolder": "./x/"}).target(tmp_path) == tmp_path / "x" / "a.mp4"
     assert output_file("7", {"filename": "a..b.mp4"}).target(tmp_path) == tmp_path / "a..b.mp4"
+
+
+class SecondViewFails(Handler):
+    """The first output downloads; the second /view answers 500, or drops the connection."""
+
+    def do_GET(self):
+        if self.path.startswith("/view?") and "preview" in self.path:
+            self.server.viewed.append(self.path)
+            if self.server.scenario == "drop":
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return None
+            return self.reply(500, b"boom")
+        return super().do_GET()
+
+
+@pytest.mark.parametrize("how, error", [("success", "HTTP 500: boom"), ("drop", "cut its answer short")])
+def test_a_later_download_failing_says_what_was_saved_and_what_is_still_on_the_server(how, error, tmp_path, capsys):
+    server = Stub(how, websocket=False)
+    server.RequestHandlerClass = SecondViewFails
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert queue(str(WORKFLOW), "--server", server.url, "--out", str(tmp_path), "--timeout", "20") == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    captured = capsys.readouterr()
+    first = tmp_path / "vidmem" / "vidmem_00001.mp4"
+    assert first.read_bytes() == FILES["vidmem_00001.mp4"] and f"saved {first}" in captured.out
+    assert error in captured.err and "Traceback" not in captured.err, captured.err
+    assert (f"The outputs are still on the server (1 of 2 saved here: {first}; not saved: "
+            "vidmem/vidmem_preview_00001.webp)") in captured.err, captured.err
