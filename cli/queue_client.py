@@ -37,8 +37,9 @@ class UsageError(Exception):
 
 
 class Unreachable(QueueError):
-    """No usable answer came (refused, timed out, not HTTP, cut short): while waiting for a prompt that
-    is already queued, a passing state, not a verdict on the prompt."""
+    """No usable answer came (refused, timed out, not HTTP, cut short, or a 5xx: the server or a proxy in
+    front of it failed this one request): while waiting for a prompt that is already queued, a passing
+    state, not a verdict on the prompt."""
 
 
 # --- HTTP to the one server -----------------------------------------------------------------------
@@ -83,6 +84,8 @@ class Server:
 
     def get_json(self, path: str, timeout: float | None = None) -> dict:
         status, raw = self.request(path, timeout=timeout)
+        if status >= 500:  # the server (or a proxy) failed this request, not the prompt: callers may ask again
+            raise Unreachable(f"GET {path}: HTTP {status}: {quote(raw)}")
         if status != 200:
             raise QueueError(f"GET {path}: HTTP {status}: {quote(raw)}")
         return json_object(raw, f"GET {path}")
