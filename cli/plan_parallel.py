@@ -43,6 +43,11 @@ def wants_parallel(args: argparse.Namespace) -> bool:
         raise ValueError("--cp balanced needs --gpus 2 or more (whole components on different GPUs).")
     if args.gpus > 1 and args.train:
         raise ValueError("--gpus plans inference; --train plans one GPU's training step (drop --gpus).")
+    if args.gpus > 1 and args.device == "cpu":
+        raise ValueError(f"--device cpu plans the CPU computing; --gpus {args.gpus} plans GPUs (drop one of them).")
+    if args.gpus > 1 and args.cache != "off":
+        raise ValueError(f"--cache {args.cache} is planned on one GPU only; drop it with --gpus {args.gpus} (or plan "
+                         "without --gpus to see the steps it skips).")
     return args.gpus > 1
 
 
