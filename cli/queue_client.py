@@ -61,6 +61,10 @@ class Server:
         parts = urllib.parse.urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UsageError(f"--server {self.url!r} must be an http(s) URL such as http://127.0.0.1:8188.")
+        try:
+            parts.port  # urllib checks the port only when it is read: here, not at the first request
+        except ValueError as error:
+            raise UsageError(f"--server {self.url!r} has a bad port ({error}); use e.g. http://127.0.0.1:8188.") from None
         self.url = self.url.rstrip("/")
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 

@@ -348,6 +348,14 @@ def test_server_must_be_http(capsys):
     assert "must be an http(s) URL" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:abc"])
+def test_a_bad_port_names_server_through_either_entry(url, capsys):
+    assert queue(str(WORKFLOW), "--server", url) == 2
+    assert queue_cli.main(["queue", str(WORKFLOW), "--server", url]) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"vidmem queue: --server '{url}' has a bad port") == 2 and "Traceback" not in err, err
+
+
 def test_standalone_module_entry_uses_the_same_parser(stub):
     assert queue_cli.main(["queue", str(WORKFLOW), "--server", stub.url, "--timeout", "20"]) == 0
 
