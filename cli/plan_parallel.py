@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 GIB = 1 << 30
 
@@ -60,8 +61,9 @@ def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) ->
                          "or give the bandwidth with --interconnect-gbps.")
     link = INTERCONNECTS[args.interconnect]
     if args.interconnect_gbps is not None:
-        if not args.interconnect_gbps > 0:
-            raise ValueError(f"--interconnect-gbps {args.interconnect_gbps} must be positive, e.g. 25 for PCIe 4.0 x16.")
+        if not (math.isfinite(args.interconnect_gbps) and args.interconnect_gbps > 0):  # inf: collectives for free
+            raise ValueError(f"--interconnect-gbps {args.interconnect_gbps} must be a positive finite number, e.g. 25 "
+                             "for PCIe 4.0 x16.")
         link = type(link)(f"a {args.interconnect_gbps:g} GB/s link (--interconnect-gbps)", args.interconnect_gbps * 1e9,
                           link.latency_s)
     layout = MultiGpu(args.gpus, args.cp, link)

@@ -66,3 +66,9 @@ def test_the_node_choices_and_train_without_sampling_flags_still_plan(capsys):
 def test_gpus_refuses_the_flags_it_would_drop(flags, message, capsys):
     assert main(PLAN + ["--gpus", "2"] + flags) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_an_interconnect_rate_must_be_finite_and_positive(value, capsys):
+    assert main(PLAN + ["--gpus", "2", "--interconnect-gbps", value]) == 2
+    assert f"--interconnect-gbps {float(value)} must be a positive finite number" in capsys.readouterr().err
