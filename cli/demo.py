@@ -57,6 +57,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _check_run(args: argparse.Namespace, spec, width: int, height: int, frames: int) -> None:
     """What the nodes would refuse after the model is built, refused first (ValueError naming the flag):
     nothing is written and nothing is built for a run that cannot happen."""
+    from ..nodes.sampler import size_problem
     from ..pipelines.loader import family_for
 
     problem = family_for(spec.pipeline).frames_error(frames)
@@ -65,10 +66,18 @@ def _check_run(args: argparse.Namespace, spec, width: int, height: int, frames: 
     problem = _rotary_table_error(args.variant, spec, width, height)
     if problem:
         raise ValueError(problem)
+    for name, value in (("width", width), ("height", height)):
+        problem = size_problem(name, value)  # the Sampler's own check: the grid every model shares
+        if problem:
+            raise ValueError(problem.replace(f"{name}={value}", f"--size {name} {value}", 1))
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps} must be at least 1.")
     if args.offload == "block_swap" and args.blocks_to_swap < 1:
         raise ValueError(f"--blocks-to-swap {args.blocks_to_swap} must be at least 1 for --offload block_swap.")
+    blocks = spec.transformer_config["num_layers"]  # each tiny denoiser's block count (both experts alike)
+    if args.offload == "block_swap" and args.blocks_to_swap > blocks:
+        raise ValueError(f"--blocks-to-swap {args.blocks_to_swap} is more than --variant {args.variant}'s {blocks} "
+                         f"transformer blocks; use 1..{blocks} (or --offload sequential to stream every layer).")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file, not a folder; give a folder for demo.mp4 and receipt.json.")
 

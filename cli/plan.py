@@ -190,8 +190,16 @@ def _windows(model, frames: int, window: int, overlap: int) -> dict:
     problem = window_problem(model.spec.name, config, ContextWindows(window, overlap), frames, model.spec.frames_error,
                              model.geometry.temporal_factor)
     if problem:
-        raise ValueError(problem.replace("window_overlap=", "--window-overlap ").replace("window=", "--window "))
+        for name, flag in WINDOW_FLAGS:
+            problem = problem.replace(name, flag)
+        raise ValueError(problem)
     return {"window": window, "window_overlap": overlap}
+
+
+# The Sampler's window inputs as the plan command spells them, in its messages' every form
+# ("window_overlap=16", "set window (e.g. 81)", "window_overlap to 0"); the longer name first.
+WINDOW_FLAGS = (("window_overlap=", "--window-overlap "), ("window_overlap to", "--window-overlap to"),
+                ("window=", "--window "), ("set window ", "set --window "))
 
 
 def window_line(model, shape) -> str:

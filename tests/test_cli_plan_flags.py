@@ -33,6 +33,8 @@ def test_numbers_that_describe_no_machine_or_run_are_refused_naming_the_flag(fla
     (["--prefetch", "-1"], "vidmem: --prefetch -1 must be 0 or more"),
     (["--batch", "0"], "vidmem: --batch 0 must be at least 1"),
     (["--size", "0x0"], "vidmem: --size width 0 must be a multiple of 16"),
+    (["--window-overlap", "16"], "vidmem: --window-overlap 16 needs a window: set --window (e.g. 81) or "
+                                 "--window-overlap to 0."),
 ])
 def test_engine_refusals_are_written_as_the_flags(flags, message, capsys):
     assert main(PLAN + flags) == 2

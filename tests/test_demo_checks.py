@@ -24,6 +24,10 @@ def nothing_built(monkeypatch):
     (["--frames", "0"], "--frames 0 is not valid"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--blocks-to-swap", "0"], "--blocks-to-swap 0 must be at least 1 for --offload block_swap"),
+    (["--blocks-to-swap", "99"], "--blocks-to-swap 99 is more than --variant wan2.1-t2v's 2 transformer blocks; use "
+                                 "1..2 (or --offload sequential to stream every layer)"),
+    (["--size", "60x60"], "--size width 60 must be a multiple of 16"),
+    (["--size", "0x0"], "--size width 0 must be from 16 to"),
 ])
 def test_a_run_the_nodes_would_refuse_is_refused_before_out_is_made(nothing_built, tmp_path, flags, message, capsys):
     out = tmp_path / "demo"
