@@ -22,8 +22,8 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     demo.add_argument("--list-variants", action="store_true", help="print the built-in variants and exit")
     demo.add_argument("--offload", default="block_swap", choices=OFFLOAD_TIERS, help=" | ".join(OFFLOAD_TIERS))
     demo.add_argument("--blocks-to-swap", type=int, default=1, help="for --offload block_swap")
-    demo.add_argument("--size", default="64x64", help="WIDTHxHEIGHT")
-    demo.add_argument("--frames", type=int, default=17)
+    demo.add_argument("--size", help="WIDTHxHEIGHT (default: the variant's own, e.g. 32x32; see --list-variants)")
+    demo.add_argument("--frames", type=int, help="frames to generate (default: the variant's own, e.g. 9)")
     demo.add_argument("--steps", type=int, default=4)
     demo.add_argument("--seed", type=int, default=0)
     return demo
@@ -36,15 +36,17 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.list_variants:
         print("\n".join(TINY_VARIANTS))
         return 0
-    width, height = parse_size(args.size)
     spec = tiny_spec(args.variant)
     if spec.needs_image:
         raise ValueError(f"--variant {args.variant} is image-to-video; the demo runs text-to-video variants.")
-    _check_run(args, spec)
+    # The variant's own shape by default: a tiny model's positional tables are sized for it.
+    width, height = parse_size(args.size) if args.size else (spec.width, spec.height)
+    count = spec.frames if args.frames is None else args.frames
+    _check_run(args, spec, width, height, count)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vidmem-demo-") as scratch:
         folder = save_tiny_pipeline(args.variant, Path(scratch) / args.variant)
-        frames, receipt = _run_nodes(folder, args, width, height)
+        frames, receipt = _run_nodes(folder, args, width, height, count)
     video = write_mp4(frames, args.out / "demo.mp4")
     receipt["video"] = {"path": str(video), "frames": int(frames.shape[0]), "size": [width, height]}
     (args.out / "receipt.json").write_text(json.dumps(receipt, indent=2))
@@ -52,23 +54,52 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_run(args: argparse.Namespace, spec) -> None:
+def _check_run(args: argparse.Namespace, spec, width: int, height: int, frames: int) -> None:
     """What the nodes would refuse after the model is built, refused first (ValueError naming the flag):
     nothing is written and nothing is built for a run that cannot happen."""
+    from ..nodes.sampler import size_problem
     from ..pipelines.loader import family_for
 
-    problem = family_for(spec.pipeline).frames_error(args.frames)
+    problem = family_for(spec.pipeline).frames_error(frames)
     if problem:
-        raise ValueError(problem.replace(f"frames={args.frames}", f"--frames {args.frames}"))
+        raise ValueError(problem.replace(f"frames={frames}", f"--frames {frames}"))
+    problem = _rotary_table_error(args.variant, spec, width, height)
+    if problem:
+        raise ValueError(problem)
+    for name, value in (("width", width), ("height", height)):
+        problem = size_problem(name, value)  # the Sampler's own check: the grid every model shares
+        if problem:
+            raise ValueError(problem.replace(f"{name}={value}", f"--size {name} {value}", 1))
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps} must be at least 1.")
     if args.offload == "block_swap" and args.blocks_to_swap < 1:
         raise ValueError(f"--blocks-to-swap {args.blocks_to_swap} must be at least 1 for --offload block_swap.")
+    blocks = spec.transformer_config["num_layers"]  # each tiny denoiser's block count (both experts alike)
+    if args.offload == "block_swap" and args.blocks_to_swap > blocks:
+        raise ValueError(f"--blocks-to-swap {args.blocks_to_swap} is more than --variant {args.variant}'s {blocks} "
+                         f"transformer blocks; use 1..{blocks} (or --offload sequential to stream every layer).")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file, not a folder; give a folder for demo.mp4 and receipt.json.")
 
 
-def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int):
+def _rotary_table_error(variant: str, spec, width: int, height: int) -> str | None:
+    """CogVideoX 1.5 slices its rotary table, sample_width x sample_height latent pixels, and cannot grow
+    it: beyond, diffusers fails mid-run with a bare tensor size mismatch. Refused by name first (as the
+    sampler refuses sizes beyond Wan's rope_max_seq_len)."""
+    config = spec.transformer_config
+    if not (config.get("use_rotary_positional_embeddings") and config.get("patch_size_t")):
+        return None  # CogVideoX 1.0 crops its grid to fit; other families check their own tables
+    patch = config["patch_size"]
+    factor = 2 ** (len(spec.vae_config["block_out_channels"]) - 1)  # the pipeline's vae_scale_factor_spatial
+    for label, value, sample in (("width", width, config["sample_width"]), ("height", height, config["sample_height"])):
+        most = sample // patch * patch * factor
+        if value // (factor * patch) > sample // patch:
+            return (f"--size {label} {value} is more than --variant {variant} can place: its rotary positional table "
+                    f"covers {most} px; use {label} {most} or less (its own size is {spec.width}x{spec.height}).")
+    return None
+
+
+def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int, frames: int):
     """The same node classes ComfyUI runs, called in graph order."""
     from ..nodes import NODE_CLASS_MAPPINGS as N
 
@@ -80,7 +111,7 @@ def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int):
         vae_slicing=False, vae_tiling=True, tile_size=64, overlap=16, temporal_size=8, temporal_overlap=4,
     )["result"][0]
     sampled = N["VidMemVideoSampler"]().sample(
-        pipeline, strategy, "a lighthouse at dusk", "", width, height, args.frames, args.steps, 5.0, args.seed
+        pipeline, strategy, "a lighthouse at dusk", "", width, height, frames, args.steps, 5.0, args.seed
     )
     decoded = N["VidMemVAEDecode"]().decode(pipeline, sampled["result"][0], strategy)
     receipt = {

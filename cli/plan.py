@@ -31,22 +31,6 @@ from .plan_train import add_train_arguments, refuse_sampling_flags, run_train_pl
 GIB = 1 << 30
 
 
-class _StorageNames:
-    """`--weights` choices, read from vidmem.memory.storage when argparse first needs them: importing
-    the engine loads torch, which `vidmem --help` and `vidmem queue` must not pay for."""
-
-    def _names(self) -> tuple[str, ...]:
-        from ..memory.storage import FORMATS
-
-        return tuple(FORMATS)
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
-
-
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan = subparsers.add_parser("plan", help="predict VRAM/RAM per stage and pick the strategy that fits",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,8 +43,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="compute dtype (default: the model's own)")
     plan.add_argument("--vae-dtype", choices=("bf16", "fp16", "fp32"),
                       help="the VAE's compute dtype when it differs (fp32 for quality, as diffusers' Wan docs do)")
-    plan.add_argument("--weights", choices=_StorageNames(), help="storage of the transformer(s) and text encoder, "
-                      "upcast per layer to the compute dtype (default: the compute dtype); the VAE keeps its dtype")
+    # No `choices=`: argparse formats choices when the argument is added, and the names live in the engine,
+    # which imports torch (`vidmem queue` and `--help` must not); run_plan checks the name (_check_weights).
+    plan.add_argument("--weights", help="storage of the transformer(s) and text encoder, upcast per layer to the "
+                      "compute dtype: fp16, bf16, fp8_e4m3fn, fp8_scaled, gguf_q8_0, ... (default: the compute "
+                      "dtype); the VAE keeps its dtype")
     plan.add_argument("--disk", action="store_true", help="weights stay memory-mapped in their files (disk tier): "
                       "page cache instead of RAM, read from the disk again when RAM cannot keep them")
     plan.add_argument("--disk-gbps", type=float, help="sequential read rate of the disk in GB/s, for the time "
@@ -111,6 +98,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from ..memory.strategy import MemoryStrategy
 
     _check_numbers(args)
+    _check_weights(args.weights)
     refuse_sampling_flags(args)
     model = load_model(args.model, args.dtype, args.vae_dtype)
     own = defaults(args.model)
@@ -175,6 +163,14 @@ def _check_numbers(args: argparse.Namespace) -> None:
                          "as the Memory Strategy node offers.")
 
 
+def _check_weights(name: str | None) -> None:
+    """--weights is one of the engine's storage formats (ValueError listing them)."""
+    from ..memory.storage import FORMATS
+
+    if name is not None and name not in FORMATS:
+        raise ValueError(f"--weights {name!r} is not a storage vidmem knows; use one of {', '.join(FORMATS)}.")
+
+
 # Engine inputs as the plan command spells them, for messages the CLI passes on (the engine says "name=value").
 FLAGS = {"prefetch_blocks": "--prefetch", "activation_chunks": "--activation-chunks", "batch": "--batch",
          "frames": "--frames", "steps": "--steps", "text_encoder": "--text-encoder",
@@ -194,8 +190,16 @@ def _windows(model, frames: int, window: int, overlap: int) -> dict:
     problem = window_problem(model.spec.name, config, ContextWindows(window, overlap), frames, model.spec.frames_error,
                              model.geometry.temporal_factor)
     if problem:
-        raise ValueError(problem.replace("window_overlap=", "--window-overlap ").replace("window=", "--window "))
+        for name, flag in WINDOW_FLAGS:
+            problem = problem.replace(name, flag)
+        raise ValueError(problem)
     return {"window": window, "window_overlap": overlap}
+
+
+# The Sampler's window inputs as the plan command spells them, in its messages' every form
+# ("window_overlap=16", "set window (e.g. 81)", "window_overlap to 0"); the longer name first.
+WINDOW_FLAGS = (("window_overlap=", "--window-overlap "), ("window_overlap to", "--window-overlap to"),
+                ("window=", "--window "), ("set window ", "set --window "))
 
 
 def window_line(model, shape) -> str:

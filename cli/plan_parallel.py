@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 GIB = 1 << 30
 
@@ -43,6 +44,11 @@ def wants_parallel(args: argparse.Namespace) -> bool:
         raise ValueError("--cp balanced needs --gpus 2 or more (whole components on different GPUs).")
     if args.gpus > 1 and args.train:
         raise ValueError("--gpus plans inference; --train plans one GPU's training step (drop --gpus).")
+    if args.gpus > 1 and args.device == "cpu":
+        raise ValueError(f"--device cpu plans the CPU computing; --gpus {args.gpus} plans GPUs (drop one of them).")
+    if args.gpus > 1 and args.cache != "off":
+        raise ValueError(f"--cache {args.cache} is planned on one GPU only; drop it with --gpus {args.gpus} (or plan "
+                         "without --gpus to see the steps it skips).")
     return args.gpus > 1
 
 
@@ -55,8 +61,9 @@ def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) ->
                          "or give the bandwidth with --interconnect-gbps.")
     link = INTERCONNECTS[args.interconnect]
     if args.interconnect_gbps is not None:
-        if not args.interconnect_gbps > 0:
-            raise ValueError(f"--interconnect-gbps {args.interconnect_gbps} must be positive, e.g. 25 for PCIe 4.0 x16.")
+        if not (math.isfinite(args.interconnect_gbps) and args.interconnect_gbps > 0):  # inf: collectives for free
+            raise ValueError(f"--interconnect-gbps {args.interconnect_gbps} must be a positive finite number, e.g. 25 "
+                             "for PCIe 4.0 x16.")
         link = type(link)(f"a {args.interconnect_gbps:g} GB/s link (--interconnect-gbps)", args.interconnect_gbps * 1e9,
                           link.latency_s)
     layout = MultiGpu(args.gpus, args.cp, link)
@@ -65,7 +72,7 @@ def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) ->
         raise ValueError(f"{refusal} To plan that: vidmem plan --gpus {args.gpus} --cp balanced.")
     plans, single = parallel_candidates(model, shape, vram, ram, layout, base, options)
     best = parallel_recommended(plans)
-    message = None if best is not None else _nothing_fits(plans, layout, vram, ram)
+    message = None if best is not None else _nothing_fits(plans, layout, vram, ram, single, args.disk)
     if args.json:
         print(json.dumps({"model": model.name, "size": [shape.width, shape.height], "frames": shape.frames,
                           "dtype": model.dtype_name, "weights": args.weights or model.dtype_name, "gpus": layout.gpus,
@@ -89,7 +96,7 @@ def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> st
                                       f"({link.bytes_per_s / 1e9:g} GB/s per GPU)")
             + f"; budget {vram / GIB:.1f} GiB VRAM per GPU, {ram / GIB:.1f} GiB RAM")
     one = ("one GPU: nothing fits" if single is None else
-           f"one GPU: {_tier(single.strategy)}, {_gib(single.peak_vram_bytes)} VRAM, x{single.est_slowdown:.2f} slowdown "
+           f"one GPU: {_tier(single.strategy, single.on_disk)}, {_gib(single.peak_vram_bytes)} VRAM, x{single.est_slowdown:.2f} slowdown "
            f"(the speedup's reference)")
     columns = ("strategy per GPU", "text enc.", "VAE tiles", "encode", "denoise", "decode", "peak VRAM/GPU",
                "RAM (all)", "time", "speedup", "fits")
@@ -98,7 +105,7 @@ def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> st
         s = plan.strategy
         stages = [f"{max(g.stage(n).device_bytes for g in plan.gpus) / GIB:.1f}" for n in ("text_encode", "denoise", "decode")]
         encoder = "GPU 1" if layout.mode.value == "balanced" else s.text_encoder.value.replace("offload_after_encoding", "offload")
-        rows.append((_tier(s), encoder,
+        rows.append((_tier(s, plan.on_disk), encoder,
                      f"{s.vae_tiling.tile_size}px/{s.vae_tiling.temporal_size}f" if s.vae_tiling else "-", *stages,
                      _gib(plan.per_gpu_peak_bytes), _gib(plan.host_bytes), f"{plan.seconds:.0f} s",
                      f"x{plan.speedup:.2f}" if plan.speedup else "-", "yes" if plan.fits else "no"))
@@ -113,6 +120,10 @@ def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> st
                          _gib(g.peak_bytes)))
     lines += _aligned(gpu_rows, None)
     lines += ["", *_notes(chosen, layout)]
+    if any(plan.on_disk for plan in plans) or (single is not None and single.on_disk):
+        lines.append("+disk: weights memory-mapped from their files. RAM (all) is anonymous memory, what must fit; the "
+                     "page cache holds the files and is reclaimable, so what the budget cannot keep is read again from "
+                     "the disk (--disk-gbps), in the time estimate.")
     return "\n".join(lines)
 
 
@@ -133,14 +144,33 @@ def _notes(plan, layout) -> list[str]:
             "other storage)."]
 
 
-def _nothing_fits(plans, layout, vram: int, ram: int) -> str:
+def _nothing_fits(plans, layout, vram: int, ram: int, single, disk: bool) -> str:
     leanest = min(plans, key=lambda p: p.per_gpu_peak_bytes)
-    return (f"Nothing fits {layout.gpus} GPUs of {vram / GIB:.1f} GiB with {ram / GIB:.1f} GiB RAM: the leanest row needs "
-            f"{_gib(leanest.per_gpu_peak_bytes)} per GPU and {_gib(leanest.host_bytes)} RAM. "
-            + ("Balanced placement only moves the prompt encoder off the transformers' GPU: lower the storage "
-               "(--weights), or plan with --disk." if layout.mode.value == "balanced" else
-               "Weights are replicated on every GPU, and every rank holds them in RAM (the folder at its own dtype: "
-               "context parallelism cannot use --weights or --disk yet): more RAM or VRAM per GPU, or --cp balanced."))
+    head = (f"Nothing fits {layout.gpus} GPUs of {vram / GIB:.1f} GiB with {ram / GIB:.1f} GiB RAM: the leanest row needs "
+            f"{_gib(leanest.per_gpu_peak_bytes)} per GPU and {_gib(leanest.host_bytes)} RAM. ")
+    if layout.mode.value != "balanced":
+        return head + ("Weights are replicated on every GPU, and every rank holds them in RAM (the folder at its own "
+                       "dtype: context parallelism cannot use --weights or --disk yet): more RAM or VRAM per GPU, or "
+                       "--cp balanced.")
+    return head + _balanced_advice(leanest, vram, ram, single, disk)
+
+
+def _balanced_advice(leanest, vram: int, ram: int, single, disk: bool) -> str:
+    """What would fit, by what is over budget: the encoder's GPU holds the prompt encoder whole (neither
+    a tier nor the disk lowers its VRAM), the transformers' GPU and the RAM follow the row's tier."""
+    over = [g for g in leanest.gpus if g.peak_bytes > vram]
+    one_gpu = ("" if single is None else f" One GPU of {vram / GIB:.1f} GiB fits: {_tier(single.strategy, single.on_disk)}, "
+               f"{_gib(single.peak_vram_bytes)} (plan without --gpus); it can offload the prompt encoder.")
+    disk_hint = "" if disk else ", or plan with --disk"
+    whole = [g for g in over if g.index != 0]  # GPU 0 runs the row's tier; the others hold their components whole
+    if whole:
+        gpu = max(whole, key=lambda g: g.peak_bytes)
+        return (f"GPU {gpu.index} holds {', '.join(gpu.components)} whole ({_gib(gpu.peak_bytes)}), which balanced "
+                f"placement neither streams nor maps from disk: lower the storage (--weights) or give GPUs of more than "
+                f"{_gib(gpu.peak_bytes)}.{one_gpu}")
+    if over:
+        return f"The transformers' GPU is over budget in every tier: lower the storage (--weights){disk_hint}.{one_gpu}"
+    return f"The RAM is over budget: more RAM, lower the storage (--weights){disk_hint}.{one_gpu}"
 
 
 def _aligned(rows, mark_index) -> list[str]:
@@ -152,8 +182,10 @@ def _aligned(rows, mark_index) -> list[str]:
     return lines
 
 
-def _tier(strategy) -> str:
-    return strategy.offload.value + (f" {strategy.blocks_to_swap}" if strategy.blocks_to_swap else "")
+def _tier(strategy, on_disk: bool = False) -> str:
+    """The row's tier as on one GPU ('block_swap 15 +disk')."""
+    return (strategy.offload.value + (f" {strategy.blocks_to_swap}" if strategy.blocks_to_swap else "")
+            + (" +disk" if on_disk else ""))
 
 
 def _gib(nbytes: int) -> str:

@@ -52,6 +52,8 @@ def load_workflow(path: Path) -> dict:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise UsageError(f"workflow file '{path}' does not exist.") from None
+    except OSError as error:  # a folder, no permission: one line, as for a missing file
+        raise UsageError(f"cannot read workflow file '{path}': {error.strerror or error}.") from None
     except ValueError as error:
         raise UsageError(f"workflow file '{path}' is not JSON ({error}).") from None
     if isinstance(data, dict) and "nodes" in data and "links" in data:
@@ -267,8 +269,8 @@ TERMINAL = ("execution_success", "execution_error", "execution_interrupted")
 def wait(server: Server, socket_: ProgressSocket | None, prompt_id: str, view: ProgressView, timeout: float) -> dict:
     """The history entry once the prompt is done. The websocket (if any) drives the view and says
     when to look early; /history is polled every POLL_S seconds regardless and decides. A poll that
-    gets no answer (slow, refused, cut short) is tried again until the deadline, each request given at
-    most the time left: the prompt is queued, so only `timeout` ends the wait."""
+    gets no answer (slow, refused, cut short, a 5xx) is tried again until the deadline, each request given
+    at most the time left: the prompt is queued, so only `timeout` ends the wait."""
     deadline = time.monotonic() + timeout
     next_poll = time.monotonic() + POLL_S
     unanswered = ""  # the last poll failure shown
@@ -388,8 +390,7 @@ def report(entry: dict, workflow: dict, server: Server, out: Path | None) -> Non
         for file in files:
             print(f"output of node {file.node_id}: {'/'.join(file.parts + (file.filename,))} (use --out DIR to download)")
         return
-    for path in download(server, files, Path(out)):
-        print(f"saved {path}")
+    download(server, files, Path(out), on_saved=lambda path: print(f"saved {path}", flush=True))
 
 
 def add_queue_parser(subparsers) -> argparse.ArgumentParser:

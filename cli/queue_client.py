@@ -37,8 +37,9 @@ class UsageError(Exception):
 
 
 class Unreachable(QueueError):
-    """No usable answer came (refused, timed out, not HTTP, cut short): while waiting for a prompt that
-    is already queued, a passing state, not a verdict on the prompt."""
+    """No usable answer came (refused, timed out, not HTTP, cut short, or a 5xx: the server or a proxy in
+    front of it failed this one request): while waiting for a prompt that is already queued, a passing
+    state, not a verdict on the prompt."""
 
 
 # --- HTTP to the one server -----------------------------------------------------------------------
@@ -60,6 +61,10 @@ class Server:
         parts = urllib.parse.urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UsageError(f"--server {self.url!r} must be an http(s) URL such as http://127.0.0.1:8188.")
+        try:
+            parts.port  # urllib checks the port only when it is read: here, not at the first request
+        except ValueError as error:
+            raise UsageError(f"--server {self.url!r} has a bad port ({error}); use e.g. http://127.0.0.1:8188.") from None
         self.url = self.url.rstrip("/")
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
@@ -83,6 +88,8 @@ class Server:
 
     def get_json(self, path: str, timeout: float | None = None) -> dict:
         status, raw = self.request(path, timeout=timeout)
+        if status >= 500:  # the server (or a proxy) failed this request, not the prompt: callers may ask again
+            raise Unreachable(f"GET {path}: HTTP {status}: {quote(raw)}")
         if status != 200:
             raise QueueError(f"GET {path}: HTTP {status}: {quote(raw)}")
         return json_object(raw, f"GET {path}")
@@ -235,8 +242,10 @@ def output_files(entry: dict) -> list[OutputFile]:
     return files
 
 
-def download(server: Server, files: list[OutputFile], out: Path) -> list[Path]:
-    """Each file into `out`, through a temp file renamed into place; every name was checked first."""
+def download(server: Server, files: list[OutputFile], out: Path, on_saved=lambda path: None) -> list[Path]:
+    """Each file into `out`, through a temp file renamed into place; every name was checked first.
+    `on_saved(path)` is called as each file lands, so a later failure does not hide what was saved; the
+    failure's message says which files were saved and which are still only on the server."""
     root = out.resolve()
     for file in files:  # refuse before the first byte is written (a subfolder may be a link out)
         target = file.target(out)
@@ -245,14 +254,25 @@ def download(server: Server, files: list[OutputFile], out: Path) -> list[Path]:
                              f"outside --out {root}. Nothing was downloaded.")
     saved = []
     for file in files:
-        status, data = server.request(f"/view?{file.query()}")
+        try:
+            status, data = server.request(f"/view?{file.query()}")
+        except Unreachable as error:  # the prompt is done: no wait left to retry in
+            raise QueueError(f"{error}. {_still_on_server(saved, files)}; download them through /view.") from None
         if status != 200:
-            raise QueueError(f"GET /view?{file.query()}: HTTP {status}: {quote(data)}")
+            raise QueueError(f"GET /view?{file.query()}: HTTP {status}: {quote(data)}. {_still_on_server(saved, files)}; "
+                             "download them through /view.")
         target = file.target(out)
         try:
             saved.append(write_bytes_atomically(target, data))
         except OSError as error:
-            raise QueueError(f"cannot write {target}: {error.strerror or error}. The outputs are still on the server "
-                             f"({len(saved)} of {len(files)} saved here); free the space or pick another --out and "
-                             "download them through /view.") from None
+            raise QueueError(f"cannot write {target}: {error.strerror or error}. {_still_on_server(saved, files)}; free "
+                             "the space or pick another --out and download them through /view.") from None
+        on_saved(saved[-1])
     return saved
+
+
+def _still_on_server(saved: list[Path], files: list[OutputFile]) -> str:
+    """Which outputs a failed download left where: the first len(saved) of `files` landed."""
+    left = ", ".join("/".join(file.parts + (file.filename,)) for file in files[len(saved):])
+    return (f"The outputs are still on the server ({len(saved)} of {len(files)} saved here"
+            + (f": {', '.join(map(str, saved))}" if saved else "") + f"; not saved: {left})")

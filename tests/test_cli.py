@@ -10,7 +10,7 @@ from vidmem.cli import main
 
 
 def test_demo_writes_video_and_receipt(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path), "--frames", "9", "--steps", "2"]) == 0
+    assert main(["demo", "--out", str(tmp_path), "--size", "64x64", "--frames", "9", "--steps", "2"]) == 0
     receipt = json.loads((tmp_path / "receipt.json").read_text())
     assert receipt["video"]["frames"] == 9
     assert {"sampler", "decode", "free"} <= set(receipt)

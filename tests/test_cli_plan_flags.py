@@ -33,6 +33,8 @@ def test_numbers_that_describe_no_machine_or_run_are_refused_naming_the_flag(fla
     (["--prefetch", "-1"], "vidmem: --prefetch -1 must be 0 or more"),
     (["--batch", "0"], "vidmem: --batch 0 must be at least 1"),
     (["--size", "0x0"], "vidmem: --size width 0 must be a multiple of 16"),
+    (["--window-overlap", "16"], "vidmem: --window-overlap 16 needs a window: set --window (e.g. 81) or "
+                                 "--window-overlap to 0."),
 ])
 def test_engine_refusals_are_written_as_the_flags(flags, message, capsys):
     assert main(PLAN + flags) == 2
@@ -44,6 +46,10 @@ def test_engine_refusals_are_written_as_the_flags(flags, message, capsys):
     (["--disk"], "--disk plans sampling"),
     (["--cache", "mag_cache"], "--cache plans sampling"),
     (["--window", "81", "--window-overlap", "16", "--disk-gbps", "1"], "--window, --window-overlap, --disk-gbps plan sampling"),
+    (["--device", "cpu"], "--device plans sampling"),
+    (["--allocator", "cudaMallocAsync", "--text-encoder", "device", "--no-cfg", "--activation-chunks", "64",
+      "--vae-dtype", "fp32", "--steps", "1"],
+     "--allocator, --text-encoder, --no-cfg, --activation-chunks, --vae-dtype, --steps plan sampling"),
 ])
 def test_train_refuses_the_sampling_flags_it_would_ignore(flags, named, capsys):
     assert main(PLAN + ["--train"] + flags) == 2
@@ -53,3 +59,18 @@ def test_train_refuses_the_sampling_flags_it_would_ignore(flags, named, capsys):
 def test_the_node_choices_and_train_without_sampling_flags_still_plan(capsys):
     assert main(PLAN + ["--activation-chunks", "4", "--steps", "1", "--frames", "1", "--json"]) in (0, 1)
     assert main(PLAN + ["--train", "--size", "320x192", "--frames", "9", "--json"]) in (0, 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "cpu"], "--device cpu plans the CPU computing; --gpus 2 plans GPUs"),
+    (["--cache", "mag_cache"], "--cache mag_cache is planned on one GPU only; drop it with --gpus 2"),
+])
+def test_gpus_refuses_the_flags_it_would_drop(flags, message, capsys):
+    assert main(PLAN + ["--gpus", "2"] + flags) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_an_interconnect_rate_must_be_finite_and_positive(value, capsys):
+    assert main(PLAN + ["--gpus", "2", "--interconnect-gbps", value]) == 2
+    assert f"--interconnect-gbps {float(value)} must be a positive finite number" in capsys.readouterr().err

@@ -3,6 +3,8 @@ a refused run leaves no folder behind and costs no model build."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vidmem.cli import main
@@ -22,6 +24,10 @@ def nothing_built(monkeypatch):
     (["--frames", "0"], "--frames 0 is not valid"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--blocks-to-swap", "0"], "--blocks-to-swap 0 must be at least 1 for --offload block_swap"),
+    (["--blocks-to-swap", "99"], "--blocks-to-swap 99 is more than --variant wan2.1-t2v's 2 transformer blocks; use "
+                                 "1..2 (or --offload sequential to stream every layer)"),
+    (["--size", "60x60"], "--size width 60 must be a multiple of 16"),
+    (["--size", "0x0"], "--size width 0 must be from 16 to"),
 ])
 def test_a_run_the_nodes_would_refuse_is_refused_before_out_is_made(nothing_built, tmp_path, flags, message, capsys):
     out = tmp_path / "demo"
@@ -50,3 +56,25 @@ def test_the_offload_choices_are_the_strategy_nodes():
     from vidmem.nodes.strategy import VidMemMemoryStrategy
 
     assert set(OFFLOAD_TIERS) == set(VidMemMemoryStrategy.INPUT_TYPES()["required"]["offload"][0])
+
+
+TEXT_TO_VIDEO = [name for name, spec in tiny.TINY_SPECS.items() if not spec.needs_image]
+
+
+@pytest.mark.parametrize("variant", TEXT_TO_VIDEO)
+def test_every_listed_text_to_video_variant_runs_at_its_defaults(variant, tmp_path, capsys):
+    """The default size and frames are the variant's own: CogVideoX 1.5's tiny rotary table covers 32 px,
+    and a fixed 64x64 default crashed it inside diffusers."""
+    steps = "2" if variant.startswith("ltx2") else "1"  # LTX-2's stretched schedule refuses one step (NaN latents)
+    assert main(["demo", "--out", str(tmp_path), "--variant", variant, "--steps", steps]) == 0
+    spec = tiny.tiny_spec(variant)
+    video = json.loads((tmp_path / "receipt.json").read_text())["video"]
+    assert video["size"] == [spec.width, spec.height] and video["frames"] == spec.frames
+
+
+def test_cogvideox15_beyond_its_rotary_table_is_refused_by_name(nothing_built, tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--variant", "cogvideox1.5-t2v", "--size", "64x32"]) == 2
+    assert ("--size width 64 is more than --variant cogvideox1.5-t2v can place: its rotary positional table covers "
+            "32 px; use width 32 or less") in capsys.readouterr().err
+    assert not out.exists()

@@ -348,6 +348,14 @@ def test_server_must_be_http(capsys):
     assert "must be an http(s) URL" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:abc"])
+def test_a_bad_port_names_server_through_either_entry(url, capsys):
+    assert queue(str(WORKFLOW), "--server", url) == 2
+    assert queue_cli.main(["queue", str(WORKFLOW), "--server", url]) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"vidmem queue: --server '{url}' has a bad port") == 2 and "Traceback" not in err, err
+
+
 def test_standalone_module_entry_uses_the_same_parser(stub):
     assert queue_cli.main(["queue", str(WORKFLOW), "--server", stub.url, "--timeout", "20"]) == 0
 
@@ -418,11 +426,10 @@ def test_a_subfolder_linked_out_of_out_is_refused(stub, tmp_path, capsys):
     ({"scenario": "success", "answers": {"/history": (200, json.dumps({"prompt-1": {"status": {"status_str": "error",
                                                                                               "messages": [["x"], 5]}}}).encode())}},
      "prompt ended with status 'error'"),
-    ({"scenario": "success", "answers": {"/history": (500, b"boom")}}, "GET /history/prompt-1: HTTP 500: boom"),
     ({"scenario": "success", "answers": {"/view": (404, b"gone")}}, "HTTP 404: gone"),
 ], indirect=["stub"], ids=["prompt-html", "prompt-list", "no-prompt-id", "prompt-id-number", "400-text", "400-odd-shape",
                            "history-text", "history-list", "entry-str", "status-list", "outputs-list", "output-str",
-                           "messages-odd", "history-500", "view-404"])
+                           "messages-odd", "view-404"])
 def test_answers_that_are_not_comfyuis_are_refused_clearly(stub, message, tmp_path, capsys):
     out = tmp_path / "out"
     assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(out), "--timeout", "20") == 1
@@ -465,3 +472,73 @@ def test_files_of_a_good_answer_land_under_their_subfolder(tmp_path):
     assert output_file("7", {"filename": "a.mp4", "subfolder": "video\\day1"}).target(tmp_path) == tmp_path / "video" / "day1" / "a.mp4"
     assert output_file("7", {"filename": "a.mp4", "subfolder": "./x/"}).target(tmp_path) == tmp_path / "x" / "a.mp4"
     assert output_file("7", {"filename": "a..b.mp4"}).target(tmp_path) == tmp_path / "a..b.mp4"
+
+
+class SecondViewFails(Handler):
+    """The first output downloads; the second /view answers 500, or drops the connection."""
+
+    def do_GET(self):
+        if self.path.startswith("/view?") and "preview" in self.path:
+            self.server.viewed.append(self.path)
+            if self.server.scenario == "drop":
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return None
+            return self.reply(500, b"boom")
+        return super().do_GET()
+
+
+@pytest.mark.parametrize("how, error", [("success", "HTTP 500: boom"), ("drop", "cut its answer short")])
+def test_a_later_download_failing_says_what_was_saved_and_what_is_still_on_the_server(how, error, tmp_path, capsys):
+    server = Stub(how, websocket=False)
+    server.RequestHandlerClass = SecondViewFails
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert queue(str(WORKFLOW), "--server", server.url, "--out", str(tmp_path), "--timeout", "20") == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    captured = capsys.readouterr()
+    first = tmp_path / "vidmem" / "vidmem_00001.mp4"
+    assert first.read_bytes() == FILES["vidmem_00001.mp4"] and f"saved {first}" in captured.out
+    assert error in captured.err and "Traceback" not in captured.err, captured.err
+    assert (f"The outputs are still on the server (1 of 2 saved here: {first}; not saved: "
+            "vidmem/vidmem_preview_00001.webp)") in captured.err, captured.err
+
+
+class FirstHistory503(Handler):
+    """One 503 from /history while the prompt runs (a busy proxy), then ComfyUI's answers."""
+
+    def do_GET(self):
+        if self.path.startswith("/history") and self.server.queued.is_set() and not getattr(self.server, "failed", False):
+            self.server.failed = True
+            return self.reply(503, b"Service Unavailable")
+        return super().do_GET()
+
+
+def test_a_5xx_while_waiting_is_retried_like_no_answer(tmp_path, capsys):
+    server = Stub("success", websocket=False)
+    server.RequestHandlerClass = FirstHistory503
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert queue(str(WORKFLOW), "--server", server.url, "--out", str(tmp_path), "--timeout", "20") == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert err.count("note: GET /history/prompt-1: HTTP 503: Service Unavailable; trying again until --timeout") == 1, err
+    assert (tmp_path / "vidmem" / "vidmem_00001.mp4").read_bytes() == FILES["vidmem_00001.mp4"]
+
+
+@pytest.mark.parametrize("stub", [{"websocket": False, "answers": {"/history": (500, b"boom")}}], indirect=True)
+def test_a_history_that_keeps_failing_ends_at_the_timeout_with_one_note(stub, tmp_path, capsys):
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(tmp_path), "--timeout", "3") == 1
+    err = capsys.readouterr().err
+    assert err.count("note: GET /history/prompt-1: HTTP 500: boom; trying again until --timeout") == 1, err
+    assert "prompt prompt-1 did not finish within 3 s" in err and "Traceback" not in err
+
+
+def test_a_folder_or_unreadable_file_as_the_workflow_is_one_line(tmp_path, capsys):
+    assert queue(str(tmp_path), "--server", "http://127.0.0.1:9") == 2
+    err = capsys.readouterr().err
+    assert f"vidmem queue: cannot read workflow file '{tmp_path}': Is a directory." in err and "Traceback" not in err

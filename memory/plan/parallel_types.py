@@ -131,6 +131,11 @@ class ParallelPlan:
         return max(g.peak_bytes for g in self.gpus)
 
     @property
+    def on_disk(self) -> bool:
+        """Weights memory-mapped from their files (the disk tier): only such a plan holds page cache."""
+        return self.page_cache_bytes > 0
+
+    @property
     def speedup(self) -> float | None:
         return round(self.single_seconds / self.seconds, 2) if self.single_seconds and self.seconds else None
 
@@ -162,7 +167,7 @@ class ParallelPlan:
             "single_gpu_seconds": None if self.single_seconds is None else round(self.single_seconds, 2),
             "speedup": self.speedup, "all_to_all_bytes_per_pass": self.comm.total,
             "comm_seconds": round(self.comm_seconds, 2), "ram_bytes": self.host_bytes,
-            "page_cache_bytes": self.page_cache_bytes, "fits": self.fits,
+            "page_cache_bytes": self.page_cache_bytes, "on_disk": self.on_disk, "fits": self.fits,
             "ranks": [{"gpu": g.index, "components": list(g.components), "peak_bytes": g.peak_bytes,
                        "denoise_weights_bytes": g.weights_bytes, "denoise_activation_bytes": g.denoise_activation_bytes,
                        "nccl_bytes": g.comm_bytes, "stages": {st.name: st.device_bytes for st in g.stages}}

@@ -45,6 +45,8 @@ def load_model(name_or_path: str, dtype: str | None = None, vae_dtype: str | Non
     """
     path = Path(name_or_path).expanduser()
     vae = _dtype(vae_dtype) if vae_dtype else ""
+    if path.name == "model_index.json" and path.is_file():  # the folder's index names the folder
+        path, name_or_path = path.parent, str(path.parent)
     if (MODELS_DIR / f"{name_or_path}.json").is_file():
         return _shipped(name_or_path, dtype, vae, removed)
     if path.suffix == ".json" and path.is_file():  # a model config in the shipped schema kept elsewhere
@@ -75,15 +77,24 @@ def _shipped(name: str, dtype: str | None, vae_dtype: str = "", removed: tuple[s
 def _config_file(file: str, dtype: str | None, stamp: int, vae_dtype: str = "", removed: tuple[str, ...] = ()) -> MetaModel:
     """A model config outside the shipped set (ComfyUI's models/vidmem_configs: the tiny models the
     single-file loader matches); `stamp`: a changed file is read again."""
-    return _from_json(read_json_object(Path(file), "model config"), dtype, vae_dtype, removed=removed)
+    return _from_json(read_json_object(Path(file), "model config"), dtype, vae_dtype, removed=removed, where=file)
+
+
+CONFIG_KEYS = ("name", "pipeline", "dtype", "components")  # what every shipped-schema config states
 
 
 def _from_json(data: dict, dtype: str | None, vae_dtype: str = "", disk_cache: bool = True,
-               removed: tuple[str, ...] = ()) -> MetaModel:
+               removed: tuple[str, ...] = (), where: str = "the model config") -> MetaModel:
+    missing = [key for key in CONFIG_KEYS if key not in data]
+    if missing or not isinstance(data["components"], dict):  # e.g. a workflow or a component's config.json
+        raise ModelError(f"'{where}' is not a vidmem model config (it has no {', '.join(missing) or 'components object'}); "
+                         "for a diffusers folder give the folder, for a built-in model its name (vidmem plan --list-models).")
     components = {name: _component(name, entry) for name, entry in data["components"].items()}
+    spec = family_for(data["pipeline"])
+    _check_parts(components, spec, f"'{where}'")
     dtype_name = _dtype(dtype or data["dtype"])
     return MetaModel(
-        name=data["name"], pipeline_class=data["pipeline"], spec=family_for(data["pipeline"]), components=components,
+        name=data["name"], pipeline_class=data["pipeline"], spec=spec, components=components,
         dtype_name=dtype_name, pipeline_config=data.get("pipeline_config", {}), source=data.get("source", ""),
         vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype, disk_cache=disk_cache, removed=removed,
     )
@@ -116,6 +127,7 @@ def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "", removed: 
         config_file = folder / name / "config.json"
         config = read_json_object(config_file, f"{name}'s config (the planner reads each component's config.json)")
         components[name] = ComponentConfig(name, value[0], value[1], config, str(config_file))
+    _check_parts(components, spec, f"model folder '{folder}'")
     pipeline_config = {k: v for k, v in index.items() if k in ("boundary_ratio", "expand_timesteps")}
     dtype_name = _dtype(dtype or "bf16")
     return MetaModel(
@@ -123,6 +135,16 @@ def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "", removed: 
         dtype_name=dtype_name, pipeline_config=pipeline_config, source=str(folder),
         vae_dtype_name="" if vae_dtype == dtype_name else vae_dtype, removed=removed,
     )
+
+
+def _check_parts(components: dict, spec, where: str) -> None:
+    """A denoiser and a VAE, which every plan builds: ModelError naming the one missing (else a KeyError
+    or IndexError deep in the planner)."""
+    if not any(name in components for name in spec.denoisers):
+        raise ModelError(f"{where} lists no denoiser ({' or '.join(spec.denoisers)} with a config.json): "
+                         "give a complete diffusers-format pipeline folder.")
+    if "vae" not in components:
+        raise ModelError(f"{where} lists no vae (with a config.json): give a complete diffusers-format pipeline folder.")
 
 
 def _is_module(library: str, class_name: str) -> bool:
