@@ -83,20 +83,17 @@ def _check_run(args: argparse.Namespace, spec, width: int, height: int, frames: 
 
 
 def _rotary_table_error(variant: str, spec, width: int, height: int) -> str | None:
-    """CogVideoX 1.5 slices its rotary table, sample_width x sample_height latent pixels, and cannot grow
-    it: beyond, diffusers fails mid-run with a bare tensor size mismatch. Refused by name first (as the
-    sampler refuses sizes beyond Wan's rope_max_seq_len)."""
-    config = spec.transformer_config
-    if not (config.get("use_rotary_positional_embeddings") and config.get("patch_size_t")):
-        return None  # CogVideoX 1.0 crops its grid to fit; other families check their own tables
-    patch = config["patch_size"]
+    """A size beyond the denoiser's positional table (CogVideoX 1.5's rotary table, Wan's rope_max_seq_len), as
+    the Sampler refuses it (pipelines/family.positions_error), but from the tiny spec's config: before building."""
+    from ..pipelines.family import positions_error
+    from ..pipelines.loader import family_for
+
     factor = 2 ** (len(spec.vae_config["block_out_channels"]) - 1)  # the pipeline's vae_scale_factor_spatial
-    for label, value, sample in (("width", width, config["sample_width"]), ("height", height, config["sample_height"])):
-        most = sample // patch * patch * factor
-        if value // (factor * patch) > sample // patch:
-            return (f"--size {label} {value} is more than --variant {variant} can place: its rotary positional table "
-                    f"covers {most} px; use {label} {most} or less (its own size is {spec.width}x{spec.height}).")
-    return None
+    problem = positions_error(family_for(spec.pipeline), spec.transformer_config, factor, 1, f"--variant {variant}",
+                              width, height, 1)  # one frame: the demo's frame counts are the variants' own
+    return problem and (problem.replace(f"width={width}", f"--size width {width}", 1)
+                        .replace(f"height={height}", f"--size height {height}", 1).removesuffix(".")
+                        + f" (its own size is {spec.width}x{spec.height}).")
 
 
 def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int, frames: int):

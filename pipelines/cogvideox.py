@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .cogvideox_vae import cogvideox_stream
-from .family import FamilySpec, SamplerDefaults
+from .family import FamilySpec, PositionLimits, SamplerDefaults
 
 
 def _padding_frames(pipe, frames: int) -> int:
@@ -21,6 +21,16 @@ def _padding_frames(pipe, frames: int) -> int:
 
 def _to_comfy_latent(pipe, raw: torch.Tensor, frames: int) -> torch.Tensor:
     return raw[:, _padding_frames(pipe, frames) :].permute(0, 2, 1, 3, 4).contiguous()
+
+
+def _positions(config) -> PositionLimits | None:
+    """CogVideoX 1.5 (temporal patches, rotary embedding) slices its rotary table, sample_height x sample_width
+    latent pixels, and cannot grow it (diffusers' get_3d_rotary_pos_embed, grid_type 'slice'): beyond it the run
+    fails mid-way with a bare tensor size mismatch. CogVideoX 1.0 crops its grid to any size; time is not sliced."""
+    if not (config.get("use_rotary_positional_embeddings") and config.get("patch_size_t")):
+        return None
+    patch = config["patch_size"]
+    return PositionLimits(config["sample_height"] // patch, config["sample_width"] // patch, None)
 
 
 def _to_vae_latent(pipe, latent: torch.Tensor) -> torch.Tensor:
@@ -46,4 +56,5 @@ COGVIDEOX = FamilySpec(
     # v-prediction, not flow matching, so `shift` does not apply. UniPC and DPM-Solver++ read the
     # same betas but not CogVideoX's snr_shift_scale: pipelines/schedulers.py refuses them when it is not 1.
     sampler=SamplerDefaults(flow_matching=False, schedulers=("unipc", "dpmpp_2m"), cfg=6.0, steps=50),
+    max_positions=_positions,
 )

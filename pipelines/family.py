@@ -62,10 +62,11 @@ class FamilySpec:
     # chunks) and `frame_batch`; or None to decode every piece with `vae.decode`
     vae_stages: Callable[[object], object | None] = lambda vae: None
     sampler: SamplerDefaults = SamplerDefaults()
-    # (denoiser config) -> how many patch positions per axis its positional embedding covers, or
-    # None for no limit (Wan's rotary table has rope_max_seq_len rows: beyond them diffusers fails
-    # with a bare reshape error, so the size is refused by name first: positions_error)
-    max_positions: Callable[[object], int | None] = lambda config: None
+    # (denoiser config) -> the patch positions per axis its positional embedding covers, or None for
+    # no limit (Wan's rotary table has rope_max_seq_len rows and CogVideoX 1.5 slices a fixed table:
+    # beyond them diffusers fails mid-run with a bare shape error, so the size is refused by name
+    # first: positions_error)
+    max_positions: Callable[[object], "PositionLimits | None"] = lambda config: None
     # A mixin the loader puts in front of the diffusers class when the family's pipeline does not
     # take what the sampler passes (packed `prompt_embeds`, `guidance_scale`, `callback_on_step_end`;
     # see pipelines/hunyuan_video15.py). It may define `vidmem_encode_prompt(text, device) -> [1, L, D]`,
@@ -99,24 +100,37 @@ class FamilySpec:
         )
 
 
+@dataclass(frozen=True)
+class PositionLimits:
+    """The patch positions a denoiser's positional embedding covers per axis (None: no limit there)."""
+
+    height: int | None
+    width: int | None
+    frames: int | None
+
+    @classmethod
+    def every_axis(cls, positions: int) -> "PositionLimits":
+        return cls(positions, positions, positions)
+
+
 def positions_error(spec: FamilySpec, config, spatial_factor: int, temporal_factor: int, model: str,
                     width: int, height: int, frames: int) -> str | None:
     """Why the denoiser (its `config`) cannot place a width x height x frames video, naming the
     input and the largest value it takes; None when it can. Config only: no weights are read."""
-    limit = spec.max_positions(config)
-    if not limit:
+    limits = spec.max_positions(config)
+    if limits is None:
         return None
     patch = config.get("patch_size", (1, 2, 2))
     patch_t, patch_h, patch_w = patch if isinstance(patch, (list, tuple)) else (1, patch, patch)
-    for label, value, per_position in (("width", width, spatial_factor * patch_w),
-                                       ("height", height, spatial_factor * patch_h)):
-        if value // per_position > limit:
+    for label, value, per_position, limit in (("width", width, spatial_factor * patch_w, limits.width),
+                                              ("height", height, spatial_factor * patch_h, limits.height)):
+        if limit and value // per_position > limit:
             return (f"{label}={value} is more than {model} can place: its positional embedding covers {limit} "
                     f"patches of {per_position} px ({limit * per_position} px); use {label} {limit * per_position} or less.")
-    if ((frames - 1) // temporal_factor + 1) // patch_t > limit:
-        most = (limit * patch_t - 1) * temporal_factor + 1
-        return (f"frames={frames} is more than {model} can place: its positional embedding covers {limit} latent "
-                f"frames; use frames {most} or less.")
+    if limits.frames and ((frames - 1) // temporal_factor + 1) // patch_t > limits.frames:
+        most = (limits.frames * patch_t - 1) * temporal_factor + 1
+        return (f"frames={frames} is more than {model} can place: its positional embedding covers {limits.frames} "
+                f"latent frames; use frames {most} or less.")
     return None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .family import FamilySpec, SamplerDefaults, first_denoiser
+from .family import FamilySpec, PositionLimits, SamplerDefaults, first_denoiser
 from .wan_vae import wan_stages
 
 
@@ -74,5 +74,5 @@ WAN = FamilySpec(
     # 720p, 3.0 for 480p (the folders ship one value; `shift` overrides it per run).
     sampler=SamplerDefaults(flow_matching=True, schedulers=("unipc", "dpmpp_2m", "flow_match_euler"),
                             recommended_shift=((1280 * 720, 5.0), (0, 3.0)), cfg=5.0, steps=50),
-    max_positions=lambda config: config.get("rope_max_seq_len", 1024),  # WanTransformer3DModel's default
+    max_positions=lambda config: PositionLimits.every_axis(config.get("rope_max_seq_len", 1024)),  # diffusers' default
 )

@@ -75,6 +75,6 @@ def test_every_listed_text_to_video_variant_runs_at_its_defaults(variant, tmp_pa
 def test_cogvideox15_beyond_its_rotary_table_is_refused_by_name(nothing_built, tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--variant", "cogvideox1.5-t2v", "--size", "64x32"]) == 2
-    assert ("--size width 64 is more than --variant cogvideox1.5-t2v can place: its rotary positional table covers "
-            "32 px; use width 32 or less") in capsys.readouterr().err
+    assert ("--size width 64 is more than --variant cogvideox1.5-t2v can place: its positional embedding covers 2 "
+            "patches of 16 px (32 px); use width 32 or less (its own size is 32x32)") in capsys.readouterr().err
     assert not out.exists()
