@@ -88,12 +88,23 @@ def _rotary_table_error(variant: str, spec, width: int, height: int) -> str | No
     from ..pipelines.family import positions_error
     from ..pipelines.loader import family_for
 
-    factor = 2 ** (len(spec.vae_config["block_out_channels"]) - 1)  # the pipeline's vae_scale_factor_spatial
-    problem = positions_error(family_for(spec.pipeline), spec.transformer_config, factor, 1, f"--variant {variant}",
-                              width, height, 1)  # one frame: the demo's frame counts are the variants' own
+    family = family_for(spec.pipeline)
+    if family.max_positions(spec.transformer_config) is None:
+        return None
+    problem = positions_error(family, spec.transformer_config, _spatial_factor(spec.vae_config), 1,
+                              f"--variant {variant}", width, height, 1)  # one frame: the variants' own counts
     return problem and (problem.replace(f"width={width}", f"--size width {width}", 1)
                         .replace(f"height={height}", f"--size height {height}", 1).removesuffix(".")
                         + f" (its own size is {spec.width}x{spec.height}).")
+
+
+def _spatial_factor(vae: dict) -> int:
+    """The pipeline's vae_scale_factor_spatial, read from the tiny VAE's config as each pipeline reads it."""
+    if "scale_factor_spatial" in vae:  # Wan 2.2's
+        return vae["scale_factor_spatial"]
+    if "temperal_downsample" in vae:  # Wan 2.1's (diffusers' spelling)
+        return 2 ** len(vae["temperal_downsample"])
+    return 2 ** (len(vae["block_out_channels"]) - 1)  # CogVideoX's
 
 
 def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int, frames: int):
