@@ -177,6 +177,7 @@ def test_without_a_speed_node_attention_is_left_as_the_model_has_it_even_on_a_gp
     from vidmem.pipelines.speed import resolve_speed, speed_for_call
 
     monkeypatch.setattr(attention, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(attention, "_kernel_refusal", lambda *args: "")  # its probe needs the GPU faked here
     loaded = tiny_loaded("wan2.1-t2v")
     denoisers = {"transformer": loaded.pipe.transformer}
     blocks = {"transformer": list(loaded.pipe.transformer.blocks)}
