@@ -1,0 +1,26 @@
+"""An attention kernel without a context-parallel version is refused before any rank starts, in the
+rank's own words (diffusers' registry of backends that support context parallelism)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.strategy import Parallelism
+from vidmem.pipelines.attention import AttentionError
+from vidmem.pipelines.parallel import Ranks, sample_parallel
+from vidmem.pipelines.parallel.run import POOL_ATTRIBUTE
+from vidmem.pipelines.sample import SampleRequest
+from vidmem.pipelines.speed import Speed
+
+ULYSSES_2 = MemoryStrategy(offload="none", parallel=Parallelism(context_parallel="ulysses", degree=2))
+
+
+@pytest.mark.parametrize("kernel", ["math", "flex"])
+def test_a_kernel_without_a_parallel_version_is_refused_before_any_rank_starts(tiny_loaded, kernel):
+    loaded = tiny_loaded("wan2.1-t2v")
+    request = SampleRequest("a cat", "", 32, 32, 9, steps=2, cfg=1.0, speed=Speed(attention=kernel))
+    with pytest.raises(AttentionError, match=f"attention='{kernel}': transformer is split across GPUs.*has no "
+                                             "context-parallel version; choose 'auto'"):
+        sample_parallel(loaded, ULYSSES_2, request, Ranks(cpu_processes=2))
+    assert getattr(loaded.pipe, POOL_ATTRIBUTE, None) is None
