@@ -8,10 +8,10 @@ inside a rank; here the message names the sizes that work instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...memory import context_parallel as rules
-from ...memory.strategy import Parallelism
+from ...memory.strategy import CHUNKS_OFF, MemoryStrategy, Parallelism
 from ..family import ModelError, first_denoiser, spatial_multiple
 
 
@@ -52,3 +52,12 @@ def check_context_parallel(loaded, width: int, height: int, frames: int, paralle
         refusal = rules.tokens_refusal(mode, degree, (width, height, frames), grid.tokens, grid.unit, grid.frame_step)
     if refusal:
         raise ModelError(refusal)
+
+
+def rank_strategy(strategy: MemoryStrategy) -> MemoryStrategy:
+    """The strategy the ranks run: activation_chunks auto resolved to off (a rank's blocks hold their
+    share of the tokens already); ModelError naming both inputs for a chunk count."""
+    refusal = rules.chunks_refusal(strategy.parallel.context_parallel.value, strategy)
+    if refusal:
+        raise ModelError(refusal)
+    return replace(strategy, activation_chunks=CHUNKS_OFF)
