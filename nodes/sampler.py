@@ -16,8 +16,8 @@ from ..memory.units import GiB
 from ..pipelines.loader import FAMILIES
 from ..pipelines.family import ModelError, denoiser_blocks, denoisers
 from ..pipelines.image_fit import RESIZE_CHOICES, fit_image
-from ..pipelines.parallel import (DeviceRoom, balanced_placement, component_bytes, rank_strategy, resolve_ranks,
-                                  sample_balanced, sample_parallel)
+from ..pipelines.parallel import (DeviceRoom, balanced_placement, check_parallel_attention, component_bytes, rank_strategy,
+                                  resolve_ranks, sample_balanced, sample_parallel)
 from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, plan_explicit
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
@@ -218,9 +218,11 @@ def check_before_planning(pipeline, choice, request, device) -> None:
     if choice.strategy.parallel.context_parallel_on:
         refuse_windows_in_parallel(request)
         rank_strategy(choice.strategy)  # an activation chunk count is refused (auto runs the ranks unchunked)
-    resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
-                  denoisers(pipeline.pipe, pipeline.spec),
-                  context_parallel=choice.strategy.parallel.context_parallel_on)
+    resolved = resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
+                             denoisers(pipeline.pipe, pipeline.spec),
+                             context_parallel=choice.strategy.parallel.context_parallel_on)
+    if choice.strategy.parallel.context_parallel_on:
+        check_parallel_attention(resolved, denoisers(pipeline.pipe, pipeline.spec))
     if not choice.auto:
         for name, blocks in denoiser_blocks(pipeline.pipe, pipeline.spec).items():
             choice.strategy.check_against_model(len(blocks), name)

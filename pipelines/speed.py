@@ -28,8 +28,8 @@ from torch import nn
 from ..memory.accounting import Attention
 from ..memory.storage.fp8_matmul import AUTO_REASON, Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
 from ..memory.strategy import StrategyError, parse_enum
-from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, _keeps_parallel_backend, attention_for_call,
-                        check_mask, resolve_attention, sdpa_pick)
+from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, check_mask,
+                        resolve_attention, sdpa_pick)
 from .compile import CompileSettings, compiled_blocks
 
 
@@ -110,12 +110,7 @@ def resolve_speed(speed: Speed, device: torch.device, dtype: torch.dtype,
                             "diffusers' context parallelism replaces the first block's forward; set compile off, or "
                             "context_parallel off.")
     check_fp8_matmul(denoisers or {}, speed.fp8_matmul, device)
-    attention = resolve_attention(speed.attention, device, dtype)
-    if context_parallel:
-        # The rank's own check (diffusers' registry of kernels with a context-parallel version), asked here
-        # too so the coordinator refuses before any rank starts and loads.
-        _keeps_parallel_backend(attention, next(iter(denoisers or {}), "transformer"))
-    return ResolvedSpeed(speed, attention)
+    return ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype))
 
 
 @dataclass

@@ -24,3 +24,15 @@ def test_a_kernel_without_a_parallel_version_is_refused_before_any_rank_starts(t
                                              "context-parallel version; choose 'auto'"):
         sample_parallel(loaded, ULYSSES_2, request, Ranks(cpu_processes=2))
     assert getattr(loaded.pipe, POOL_ATTRIBUTE, None) is None
+
+
+def test_the_sampler_node_refuses_it_too(tiny_loaded):
+    from fuzz_support import strategy_widgets
+    from vidmem.nodes import NODE_CLASS_MAPPINGS as N
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    (choice,) = N["VidMemMemoryStrategy"]().build(**strategy_widgets(offload="none"), gpus="cpu:2",
+                                                  context_parallel="ulysses")["result"]
+    with pytest.raises(AttentionError, match="attention='math': transformer is split across GPUs"):
+        N["VidMemVideoSampler"]().sample(loaded, choice, "a cat", "", 32, 32, 9, 2, 1.0, 0, speed=Speed(attention="math"))
+    assert getattr(loaded.pipe, POOL_ATTRIBUTE, None) is None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from ...memory import context_parallel as rules
 from ...memory.strategy import CHUNKS_OFF, MemoryStrategy, Parallelism
+from ..attention import _keeps_parallel_backend
 from ..family import ModelError, first_denoiser, spatial_multiple
 
 
@@ -61,3 +62,9 @@ def rank_strategy(strategy: MemoryStrategy) -> MemoryStrategy:
     if refusal:
         raise ModelError(refusal)
     return replace(strategy, activation_chunks=CHUNKS_OFF)
+
+
+def check_parallel_attention(resolved_speed, denoiser_names) -> None:
+    """AttentionError, in the rank's words, for a Speed kernel with no context-parallel version: the
+    rank's own check (diffusers' registry of backends that support it), asked here before any rank loads."""
+    _keeps_parallel_backend(resolved_speed.attention, next(iter(denoiser_names), "transformer"))

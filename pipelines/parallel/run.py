@@ -26,7 +26,7 @@ from ..sample import SampleRequest, SampleResult
 from ..sample_checks import refuse_windows_in_parallel, validate_request
 from ..speed import resolve_speed
 from ..step_cache import CacheMethod
-from .checks import check_context_parallel, rank_strategy
+from .checks import check_context_parallel, check_parallel_attention, rank_strategy
 from .job import ParallelSampleJob
 from .planning import rank_rooms
 from .ranks import Ranks
@@ -57,8 +57,9 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     run_loaded = loaded.image_mode() if request.image is not None else loaded
     device_type = "cuda" if ranks.gpus else "cpu"
     if device_type == "cpu" or torch.cuda.is_available():  # refused here, before any rank starts (ranks check again)
-        resolve_speed(request.speed, torch.device(device_type), torch_dtype(loaded.dtype_name),
-                      denoisers(loaded.pipe, loaded.spec), context_parallel=True)
+        resolved = resolve_speed(request.speed, torch.device(device_type), torch_dtype(loaded.dtype_name),
+                                 denoisers(loaded.pipe, loaded.spec), context_parallel=True)
+        check_parallel_attention(resolved, denoisers(loaded.pipe, loaded.spec))
     check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,
                            ranks.degree, device_type)
     job = ParallelSampleJob(PipelineSource.of(loaded), rank_pinned_share(strategy, ranks.degree, hooks.pinned_room()),
