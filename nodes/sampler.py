@@ -16,8 +16,8 @@ from ..memory.units import GiB
 from ..pipelines.loader import FAMILIES
 from ..pipelines.family import ModelError, denoiser_blocks, denoisers
 from ..pipelines.image_fit import RESIZE_CHOICES, fit_image
-from ..pipelines.parallel import (DeviceRoom, balanced_placement, check_parallel_attention, component_bytes, rank_strategy,
-                                  resolve_ranks, sample_balanced, sample_parallel)
+from ..pipelines.parallel import (DeviceRoom, balanced_placement, check_parallel_attention, close_pool, component_bytes,
+                                  rank_strategy, resolve_ranks, sample_balanced, sample_parallel)
 from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, plan_explicit
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
@@ -232,6 +232,10 @@ def _sample(pipeline, strategy, request, hooks, device):
     """One process, or with context parallelism the pool of ranks (this process keeps progress,
     Cancel and the receipt; the ranks apply the offload tier to their own copies)."""
     parallel = strategy.parallel
+    if not parallel.context_parallel_on:
+        # Ranks left from an earlier context-parallel run each hold a whole copy of the pipeline, which
+        # this run's plan does not count: stop them (a later context-parallel run starts new ones).
+        close_pool(pipeline)
     if parallel.balanced:
         return sample_balanced(pipeline, strategy, request, _placement(pipeline, strategy, device), hooks)
     if not parallel.context_parallel_on:
