@@ -73,9 +73,13 @@ def device_refusal(mode: str, device_type: str) -> str | None:
 def heads_refusal(mode: str, heads: int, degree: int) -> str | None:
     if mode != ContextParallel.ULYSSES or heads % degree == 0:
         return None
-    working = [d for d in range(2, heads + 1) if heads % d == 0 and d <= 16]
-    return (f"context_parallel=ulysses with degree {degree}: this transformer has {heads} attention heads, which "
-            f"do not divide between {degree} ranks; use a degree of {', '.join(map(str, working))}, or ring.")
+    working = [str(d) for d in range(2, heads + 1) if heads % d == 0 and d <= 16]
+    counts = f"{', '.join(working[:-1])} or {working[-1]}" if len(working) > 1 else "".join(working)
+    # Said in the inputs users have (gpus, context_parallel), not the API's `degree`; ring runs on CUDA only.
+    use = f"use {counts} GPUs (or CPU processes, gpus=cpu:N), or" if working else "use"
+    return (f"context_parallel=ulysses with {degree} ranks: this transformer has {heads} attention heads, which "
+            f"do not divide between {degree} ranks; {use} on CUDA GPUs context_parallel=ring, which needs no such "
+            "division.")
 
 
 def tokens_refusal(mode: str, degree: int, size: tuple[int, int, int], tokens_at: TokensAt, spatial_step: int,

@@ -64,7 +64,7 @@ def test_ring_is_refused_on_the_cpu(tiny_loaded):
 
 def test_heads_must_divide_by_the_degree(tiny_loaded):
     four = MemoryStrategy(parallel=Parallelism(context_parallel="ulysses", degree=4))
-    with pytest.raises(ModelError, match="2 attention heads, which do not divide between 4 ranks; use a degree of 2"):
+    with pytest.raises(ModelError, match=r"2 attention heads, which do not divide between 4 ranks; use 2 GPUs \(or CPU processes, gpus=cpu:N\)"):
         sample_parallel(tiny_loaded("wan2.1-t2v"), four, SampleRequest("a cat", "", 32, 32, 9, steps=1),
                         Ranks(cpu_processes=4))
 
