@@ -222,7 +222,8 @@ def check_before_planning(pipeline, choice, request, device) -> None:
                              denoisers(pipeline.pipe, pipeline.spec),
                              context_parallel=choice.strategy.parallel.context_parallel_on)
     if choice.strategy.parallel.context_parallel_on:
-        check_parallel_attention(resolved, denoisers(pipeline.pipe, pipeline.spec))
+        check_parallel_attention(resolved, denoisers(pipeline.pipe, pipeline.spec),
+                                 choice.strategy.parallel.context_parallel.value)
     if not choice.auto:
         for name, blocks in denoiser_blocks(pipeline.pipe, pipeline.spec).items():
             choice.strategy.check_against_model(len(blocks), name)

@@ -36,3 +36,22 @@ def test_the_sampler_node_refuses_it_too(tiny_loaded):
     with pytest.raises(AttentionError, match="attention='math': transformer is split across GPUs"):
         N["VidMemVideoSampler"]().sample(loaded, choice, "a cat", "", 32, 32, 9, 2, 1.0, 0, speed=Speed(attention="math"))
     assert getattr(loaded.pipe, POOL_ATTRIBUTE, None) is None
+
+
+@pytest.mark.parametrize("kernel, backend, refused", [("sdpa", "native", True), ("auto", "native", False),
+                                                      ("cudnn", "_native_cudnn", False), ("flash", "_native_flash", False)])
+def test_ring_refuses_a_kernel_set_explicitly_that_returns_no_log_sum_exp(kernel, backend, refused):
+    """diffusers' native backend raises for return_lse=True inside ring's merge; auto keeps ring's cuDNN."""
+    from types import SimpleNamespace
+
+    from vidmem.pipelines.attention import ResolvedAttention
+    from vidmem.pipelines.parallel import check_parallel_attention
+
+    resolved = SimpleNamespace(attention=ResolvedAttention(kernel if kernel != "auto" else "sdpa", kernel, backend,
+                                                           "cuda", "bf16", "test"))
+    check_parallel_attention(resolved, ["transformer"], "ulysses")  # ulysses needs no log-sum-exp
+    if refused:
+        with pytest.raises(AttentionError, match=f"attention='{kernel}' with context_parallel=ring.*no log-sum-exp"):
+            check_parallel_attention(resolved, ["transformer"], "ring")
+    else:
+        check_parallel_attention(resolved, ["transformer"], "ring")

@@ -59,7 +59,7 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     if device_type == "cpu" or torch.cuda.is_available():  # refused here, before any rank starts (ranks check again)
         resolved = resolve_speed(request.speed, torch.device(device_type), torch_dtype(loaded.dtype_name),
                                  denoisers(loaded.pipe, loaded.spec), context_parallel=True)
-        check_parallel_attention(resolved, denoisers(loaded.pipe, loaded.spec))
+        check_parallel_attention(resolved, denoisers(loaded.pipe, loaded.spec), strategy.parallel.context_parallel.value)
     check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,
                            ranks.degree, device_type)
     job = ParallelSampleJob(PipelineSource.of(loaded), rank_pinned_share(strategy, ranks.degree, hooks.pinned_room()),
