@@ -43,11 +43,13 @@ class Parallelism:
     `gpus` None means automatic: the host's one device when `context_parallel` is off, every
     visible GPU when it is on. `degree` 0 means one rank per GPU used; on a machine without
     GPUs a degree of N runs N CPU processes (gloo), which is how CI checks the parallel runtime.
+    `cpu` True runs `degree` CPU processes even where GPUs are visible (the node's gpus=cpu:N).
     """
 
     gpus: tuple[int, ...] | None = None
     context_parallel: ContextParallel = ContextParallel.OFF
     degree: int = 0
+    cpu: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -65,6 +67,11 @@ class Parallelism:
         if self.context_parallel is ContextParallel.OFF and self.degree:
             raise StrategyError(f"degree={self.degree} only applies with context_parallel on; set it to 0, "
                                 "or choose context_parallel='ulysses'.")
+        if not isinstance(self.cpu, bool):
+            raise StrategyError(f"cpu={self.cpu!r} must be True (CPU processes) or False.")
+        if self.cpu and (self.degree < 2 or self.gpus is not None or not self.context_parallel_on):
+            raise StrategyError(f"cpu=True runs `degree` CPU processes (gpus=cpu:N): it needs context_parallel on, "
+                                f"degree 2 or more and no gpus listed (got degree={self.degree}, gpus={self.gpus!r}).")
         if self.degree and self.gpus is not None and self.degree != len(self.gpus):
             raise StrategyError(f"degree={self.degree} but gpus lists {len(self.gpus)} GPUs; context parallelism runs "
                                 "one rank per GPU: set degree to 0 or to the number of GPUs listed.")
@@ -79,7 +86,7 @@ class Parallelism:
         return not self.context_parallel_on and self.gpus is not None and len(self.gpus) >= 2
 
     def describe(self) -> str:
-        gpus = "auto" if self.gpus is None else ",".join(map(str, self.gpus))
+        gpus = f"cpu:{self.degree}" if self.cpu else "auto" if self.gpus is None else ",".join(map(str, self.gpus))
         if self.context_parallel_on:
             return f"{self.context_parallel.value} degree={self.degree or 'all'} gpus={gpus}"
         return f"balanced gpus={gpus}" if self.balanced else ""

@@ -8,6 +8,7 @@ from functools import reduce
 
 import torch
 
+from ..memory.plan.parallel import ParallelError
 from ..memory.plan.stages import VideoShape
 from ..memory.plan.types import PlanOptions
 from ..memory.telemetry import free_device_bytes
@@ -15,7 +16,8 @@ from ..memory.units import GiB
 from ..pipelines.loader import FAMILIES
 from ..pipelines.family import ModelError, denoiser_blocks, denoisers
 from ..pipelines.image_fit import RESIZE_CHOICES, fit_image
-from ..pipelines.parallel import DeviceRoom, balanced_placement, component_bytes, resolve_ranks, sample_balanced, sample_parallel
+from ..pipelines.parallel import (DeviceRoom, balanced_placement, check_parallel_attention, close_pool, component_bytes,
+                                  rank_strategy, resolve_ranks, sample_balanced, sample_parallel)
 from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, plan_explicit
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
@@ -215,9 +217,13 @@ def check_before_planning(pipeline, choice, request, device) -> None:
     validate_request(pipeline, request)
     if choice.strategy.parallel.context_parallel_on:
         refuse_windows_in_parallel(request)
-    resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
-                  denoisers(pipeline.pipe, pipeline.spec),
-                  context_parallel=choice.strategy.parallel.context_parallel_on)
+        rank_strategy(choice.strategy)  # an activation chunk count is refused (auto runs the ranks unchunked)
+    resolved = resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
+                             denoisers(pipeline.pipe, pipeline.spec),
+                             context_parallel=choice.strategy.parallel.context_parallel_on)
+    if choice.strategy.parallel.context_parallel_on:
+        check_parallel_attention(resolved, denoisers(pipeline.pipe, pipeline.spec),
+                                 choice.strategy.parallel.context_parallel.value)
     if not choice.auto:
         for name, blocks in denoiser_blocks(pipeline.pipe, pipeline.spec).items():
             choice.strategy.check_against_model(len(blocks), name)
@@ -227,6 +233,10 @@ def _sample(pipeline, strategy, request, hooks, device):
     """One process, or with context parallelism the pool of ranks (this process keeps progress,
     Cancel and the receipt; the ranks apply the offload tier to their own copies)."""
     parallel = strategy.parallel
+    if not parallel.context_parallel_on:
+        # Ranks left from an earlier context-parallel run each hold a whole copy of the pipeline, which
+        # this run's plan does not count: stop them (a later context-parallel run starts new ones).
+        close_pool(pipeline)
     if parallel.balanced:
         return sample_balanced(pipeline, strategy, request, _placement(pipeline, strategy, device), hooks)
     if not parallel.context_parallel_on:
@@ -285,6 +295,8 @@ def _parallel_strategy_for_run(pipeline, choice, shape: VideoShape, device, budg
         return plan.strategy, f"auto chose at {label}: {parallel_plan_line(plan)}"
     try:
         plan = plan_explicit(pipeline, shape, choice.strategy, ranks, *budgets)
+    except ParallelError:
+        raise  # a refusal the ranks would meet too (the model, the sizes, the storage), not a missing prediction
     except ValueError as error:
         return choice.strategy, f"no prediction at {label}: {error}"
     return choice.strategy, f"planned at {label}: {parallel_plan_line(plan)}"

@@ -140,12 +140,12 @@ def parse_parallel(gpus: str, context_parallel: str) -> Parallelism:
     if text.startswith(CPU_RANKS):
         count = text[len(CPU_RANKS):]
         if not count.isdigit() or int(count) < 2 or mode == ContextParallel.OFF:
-            raise StrategyError(f"gpus={gpus!r}: 'cpu:N' runs N CPU processes (N 2 or more, for testing without GPUs) "
+            raise StrategyError(f"gpus={gpus!r}: 'cpu:N' runs N CPU processes (N 2 or more, for testing; slow) "
                                 f"and needs context_parallel {' or '.join(cpu_modes())}; e.g. cpu:2.")
         refusal = device_refusal(mode, "cpu")
         if refusal:
             raise StrategyError(f"gpus={gpus!r}: {refusal}")
-        return Parallelism(None, mode, int(count))
+        return Parallelism(None, mode, int(count), cpu=True)  # CPU processes even where GPUs are visible
     parts = text.split(",")
     if not all(part.isdigit() for part in parts):
         raise StrategyError(f"gpus={gpus!r} must be auto, GPU indices separated by commas (e.g. 0,1), or cpu:N.")
@@ -263,8 +263,8 @@ class VidMemMemoryStrategy:
                     "Which GPUs to use, as CUDA numbers them. auto: ComfyUI's GPU (context_parallel off) or every "
                     "visible GPU (context_parallel on). 0,1: these GPUs; with context_parallel off, whole components "
                     "go to different GPUs (the transformers and VAE on the first listed, the text encoder on the "
-                    "second) under the offload tier; with it on, one rank per GPU. cpu:2: two CPU processes "
-                    "(testing without GPUs)."}),
+                    "second) under the offload tier; with it on, one rank per GPU. cpu:2: two CPU processes, "
+                    "even where GPUs are visible (for testing; slow)."}),
                 "context_parallel": ([m.value for m in ContextParallel], {"default": ContextParallel.OFF.value,
                     "tooltip": "Split each video's tokens between the GPUs (Wan only, diffusers' context "
                     "parallelism); every GPU holds the whole model and applies the offload tier above to its own "

@@ -266,8 +266,6 @@ def _wan_problem(block: nn.Module) -> str | None:
         attn = getattr(block, name)
         if type(attn.processor) is not WanAttnProcessor:
             return f"its {name} runs {type(attn.processor).__name__}, not diffusers' WanAttnProcessor"
-        if getattr(attn.processor, "_parallel_config", None) is not None:
-            return "context parallelism splits the tokens across GPUs already"
     if getattr(block.attn1, "fused_projections", False):
         return "its self-attention projections are fused (fuse_qkv_projections)"
     if block.attn1.add_k_proj is not None:
@@ -329,10 +327,18 @@ def chunk_problem(block: nn.Module) -> str | None:
     entry = _known(block)
     if entry is None:
         return f"vidmem chunks diffusers' {' and '.join(_FORWARDS)} only, not {type(block).__name__}"
+    if _split_across_ranks(block):  # before _wrapped: diffusers' context-parallel hooks wrap block 0 too
+        return "context parallelism splits the tokens across GPUs already"
     if _wrapped(block):
         return ("its forward is already wrapped (a step cache or compile applied first); activation chunks must be "
                 "applied before them")
     return entry[2](block)
+
+
+def _split_across_ranks(block: nn.Module) -> bool:
+    """diffusers' context parallelism set its config on the block's attention processors."""
+    return any(getattr(getattr(module, "processor", None), "_parallel_config", None) is not None
+               for module in (getattr(block, "attn1", None), getattr(block, "attn2", None)))
 
 
 def _wrapped(block: nn.Module) -> bool:

@@ -64,7 +64,7 @@ def test_ring_is_refused_on_the_cpu(tiny_loaded):
 
 def test_heads_must_divide_by_the_degree(tiny_loaded):
     four = MemoryStrategy(parallel=Parallelism(context_parallel="ulysses", degree=4))
-    with pytest.raises(ModelError, match="2 attention heads, which do not divide between 4 ranks; use a degree of 2"):
+    with pytest.raises(ModelError, match=r"2 attention heads, which do not divide between 4 ranks; use 2 GPUs \(or CPU processes, gpus=cpu:N\)"):
         sample_parallel(tiny_loaded("wan2.1-t2v"), four, SampleRequest("a cat", "", 32, 32, 9, steps=1),
                         Ranks(cpu_processes=4))
 
@@ -121,3 +121,22 @@ def test_gpus_without_nccl_are_refused_before_any_rank_starts(monkeypatch):
     with pytest.raises(ModelError, match="needs NCCL, which this PyTorch build does not have"):
         resolve_ranks(Parallelism(context_parallel="ulysses"), 2)
     assert resolve_ranks(Parallelism(context_parallel="ulysses", degree=2), 0) == Ranks(cpu_processes=2)  # gloo
+
+
+@pytest.mark.parametrize("visible", [0, 2, 4])
+def test_gpus_cpu_n_runs_cpu_processes_whatever_gpus_are_visible(visible, monkeypatch):
+    from vidmem.nodes.strategy import parse_parallel
+    from vidmem.pipelines.parallel import ranks
+
+    monkeypatch.setattr(ranks.dist, "is_nccl_available", lambda: True)  # so a GPU answer would not be refused
+    parallel = parse_parallel("cpu:2", "ulysses")
+    assert resolve_ranks(parallel, visible) == Ranks(cpu_processes=2)
+    assert parallel.describe() == "ulysses degree=2 gpus=cpu:2"
+
+
+@pytest.mark.parametrize("fields", [dict(cpu=True, context_parallel="ulysses"),
+                                    dict(cpu=True, context_parallel="ulysses", degree=2, gpus=(0, 1)),
+                                    dict(cpu=True, degree=0)])
+def test_cpu_processes_need_a_degree_and_context_parallelism(fields):
+    with pytest.raises(StrategyError, match="cpu=True runs `degree` CPU processes"):
+        Parallelism(**fields)

@@ -32,7 +32,7 @@ def test_parallel_widgets_come_last_so_older_workflows_keep_their_values():
     ("auto", "off", Parallelism()),
     (" 0, 1 ", "off", Parallelism((0, 1))),
     ("0,2", "ulysses", Parallelism((0, 2), "ulysses")),
-    ("CPU:2", "ulysses", Parallelism(None, "ulysses", 2)),
+    ("CPU:2", "ulysses", Parallelism(None, "ulysses", 2, cpu=True)),
 ])
 def test_gpus_text(gpus, mode, expected):
     assert parse_parallel(gpus, mode) == expected

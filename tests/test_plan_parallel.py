@@ -204,7 +204,7 @@ def test_uneven_sequence_names_sizes_that_split(wan):
 
 
 def test_ulysses_needs_the_heads_to_divide(wan):
-    with pytest.raises(ParallelError, match="12 attention heads.*8 ranks; use a degree of 2, 3, 4, 6, 12, or ring"):
+    with pytest.raises(ParallelError, match="12 attention heads.*8 ranks; use 2, 3, 4, 6 or 12 GPUs.*or on CUDA GPUs context_parallel=ring"):
         plan_parallel(wan, VideoShape(512, 512, 81), MemoryStrategy(), MultiGpu(8))
 
 

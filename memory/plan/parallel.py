@@ -28,19 +28,20 @@ from dataclasses import replace
 from .parallel_checks import (CommBytes, ParallelError, check_context_parallel, comm_bytes, context_parallel_refusal,
                               sequence_tokens)
 from .parallel_layout import balanced_placement, encoder_stage, with_resident
-from .parallel_trace import RankCall, context_parallel_trace
+from .parallel_trace import TRACED_PARTS, RankCall, context_parallel_trace
 from .parallel_types import INTERCONNECTS, NCCL_BYTES, GpuPlan, Interconnect, MultiGpu, GpuSharing, ParallelPlan
 from .costs import CUDA_CONTEXT_BYTES
 from .planner import Plan, PlannerModel, PlanOptions, StagePlan, VideoShape, candidate_plans, plan_run, recommended
 from .stages import phase
 from .types import Call
-from ..context_parallel import RANK_STORAGE
-from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
+from ..context_parallel import RANK_STORAGE, chunks_refusal
+from ..strategy import CHUNKS_OFF, MemoryStrategy, OffloadTier, TextEncoderPlacement
 
 __all__ = ["INTERCONNECTS", "NCCL_BYTES", "CommBytes", "GpuPlan", "Interconnect", "MultiGpu", "GpuSharing",
            "ParallelError", "ParallelPlan", "RANK_STORAGE", "balanced_placement", "check_context_parallel",
            "check_rank_storage", "comm_bytes",
            "context_parallel_refusal", "parallel_candidates", "parallel_recommended", "plan_parallel", "plan_seconds",
+           "check_traceable", "rank_strategy",
            "sequence_tokens"]
 
 
@@ -54,6 +55,7 @@ def plan_parallel(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
     if layout.mode is not GpuSharing.BALANCED:  # refused before anything is traced
         check_context_parallel(model, shape, layout.gpus, layout.mode.value)
         check_rank_storage(options, layout)
+        strategy = rank_strategy(strategy, layout)
     single = plan_run(model, shape, strategy, options)
     reference = single if reference is None else reference
     budgets = (vram_budget_bytes, ram_budget_bytes)
@@ -108,6 +110,7 @@ def _rank_stage(model, shape, stage: StagePlan, layout: MultiGpu, options: PlanO
         if p.label not in denoisers:
             phases.append(p)
             continue
+        check_traceable(model.traced_module(p.label), layout.mode.value)
         call = RankCall("denoise", p.label, shape, degree=layout.gpus, mode=layout.mode.value)
         with context_parallel_trace(model.traced_module(p.label), layout.gpus, layout.mode.value):
             ranked = phase(model, call, list(p.resident[1:]), options, p.label, streaming=p.streaming)  # resident[0]: cuBLAS
@@ -119,6 +122,17 @@ def _rank_stage(model, shape, stage: StagePlan, layout: MultiGpu, options: PlanO
     for index, name in zip(range(len(work) - len(denoisers), len(work)), denoisers):
         work[index] = replace(work[index], flops=work[index].flops * scale[name])
     return replace(stage, phases=tuple(phases), work=tuple(work))
+
+
+def check_traceable(transformer, mode: str) -> None:
+    """ParallelError for a denoiser the per-rank trace cannot follow (the refusal rules let only the Wan
+    family through; this keeps any other model from an AttributeError mid-trace)."""
+    missing = [name for name in TRACED_PARTS if not hasattr(transformer, name)]
+    if not missing and all(hasattr(block, "attn1") for block in transformer.blocks):
+        return
+    raise ParallelError(f"context_parallel={mode}: {type(transformer).__name__} cannot be planned per rank (the "
+                        f"per-rank trace follows Wan's {', '.join(TRACED_PARTS)} and each block's attn1; missing: "
+                        f"{', '.join(missing) or 'attn1'}). Set context_parallel to off.")
 
 
 def _comm(model, shape, rank: Plan, layout: MultiGpu) -> tuple[CommBytes, float]:
@@ -178,8 +192,9 @@ def parallel_candidates(model: PlannerModel, shape: VideoShape, vram_budget_byte
                               *budgets, reference) for p in on_home], one_gpu
     rank_vram = vram_budget_bytes - NCCL_BYTES(layout.gpus)
     # No disk rows: ranks reopen the folder with their weights in RAM (check_rank_storage).
-    per_rank = candidate_plans(model, shape, rank_vram, _share(ram_budget_bytes, layout.gpus), base, options,
-                               consider_disk=False)
+    # Ranks run unchunked (rank_strategy): the one-GPU rows would pick slices of one GPU's whole sequence.
+    per_rank = candidate_plans(model, shape, rank_vram, _share(ram_budget_bytes, layout.gpus),
+                               rank_strategy(base, layout), options, consider_disk=False)
     plans = []
     for single in per_rank:
         strategy = single.strategy
@@ -194,6 +209,16 @@ def check_rank_storage(options: PlanOptions, layout: MultiGpu) -> None:
     if layout.gpus > 1 and (options.on_disk or options.storage):
         raise ParallelError(f"{RANK_STORAGE}; drop --disk/--weights (or weight_dtype) to plan it, or plan "
                             "--cp balanced, which runs the pipeline as loaded.")
+
+
+def rank_strategy(strategy: MemoryStrategy, layout: MultiGpu) -> MemoryStrategy:
+    """The strategy each rank runs: unchunked (activation_chunks auto is off there; a count is refused)."""
+    if layout.gpus == 1:
+        return strategy
+    refusal = chunks_refusal(layout.mode.value, strategy)
+    if refusal:
+        raise ParallelError(refusal)
+    return replace(strategy, activation_chunks=CHUNKS_OFF)
 
 
 def _fewest_rank_blocks(model, shape, strategy: MemoryStrategy, layout: MultiGpu, options, vram: int) -> MemoryStrategy:

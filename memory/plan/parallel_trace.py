@@ -53,7 +53,9 @@ class RankCall(Call):
 
 @contextmanager
 def context_parallel_trace(transformer: nn.Module, degree: int, mode: str):
-    """While active, a forward of `transformer` (a diffusers Wan-style model on meta) runs as one rank."""
+    """While active, a forward of `transformer` (a diffusers Wan-style model on meta) runs as one rank.
+
+    Only a transformer with Wan's `TRACED_PARTS` (memory.plan.parallel.check_traceable says so first)."""
     handles, swapped = [], []
     try:
         handles.append(transformer.register_forward_pre_hook(_split_timestep(degree), with_kwargs=True))
@@ -69,6 +71,9 @@ def context_parallel_trace(transformer: nn.Module, degree: int, mode: str):
             handle.remove()
         for attention, processor in swapped:
             attention.processor = processor
+
+
+TRACED_PARTS = ("rope", "blocks", "proj_out")  # what the hooks below attach to, as Wan names them
 
 
 def _chunk(tensor: torch.Tensor, degree: int, dim: int = 1) -> torch.Tensor:

@@ -8,10 +8,11 @@ inside a rank; here the message names the sizes that work instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...memory import context_parallel as rules
-from ...memory.strategy import Parallelism
+from ...memory.strategy import CHUNKS_OFF, ContextParallel, MemoryStrategy, Parallelism
+from ..attention import AttentionError, AttentionKernel, _keeps_parallel_backend
 from ..family import ModelError, first_denoiser, spatial_multiple
 
 
@@ -52,3 +53,30 @@ def check_context_parallel(loaded, width: int, height: int, frames: int, paralle
         refusal = rules.tokens_refusal(mode, degree, (width, height, frames), grid.tokens, grid.unit, grid.frame_step)
     if refusal:
         raise ModelError(refusal)
+
+
+def rank_strategy(strategy: MemoryStrategy) -> MemoryStrategy:
+    """The strategy the ranks run: activation_chunks auto resolved to off (a rank's blocks hold their
+    share of the tokens already); ModelError naming both inputs for a chunk count."""
+    refusal = rules.chunks_refusal(strategy.parallel.context_parallel.value, strategy)
+    if refusal:
+        raise ModelError(refusal)
+    return replace(strategy, activation_chunks=CHUNKS_OFF)
+
+
+# Backends vidmem can set that diffusers runs split but whose forward cannot return the log-sum-exp
+# ring merges by: its `_native_attention_forward_op` raises for return_lse=True (0.42.1).
+NO_LOG_SUM_EXP = ("native",)
+
+
+def check_parallel_attention(resolved_speed, denoiser_names, mode: str) -> None:
+    """AttentionError, in the rank's words, for a Speed kernel with no context-parallel version: the
+    rank's own check (diffusers' registry of backends that support it), asked here before any rank loads.
+    Under ring also a kernel set explicitly that returns no log-sum-exp (auto keeps ring's cuDNN)."""
+    attention = resolved_speed.attention
+    _keeps_parallel_backend(attention, next(iter(denoiser_names), "transformer"))
+    if mode == ContextParallel.RING and attention.requested is not AttentionKernel.AUTO \
+            and attention.backend in NO_LOG_SUM_EXP:
+        raise AttentionError(f"attention={attention.requested.value!r} with context_parallel=ring: the dispatcher's "
+                             f"'{attention.backend}' returns no log-sum-exp, which ring merges its partial results by; "
+                             "choose 'auto' (ring's cuDNN attention), 'cudnn' or 'flash', or context_parallel=ulysses.")

@@ -34,10 +34,7 @@ class ParallelSampleJob:
 
     def run(self, context: RankContext) -> SampleResult | None:
         loaded = self._pipeline(context)
-        # Checked by the coordinator already; again here for torchrun, which has none.
-        request, image_mode = self.request, loaded.image_mode() if self.request.image is not None else loaded
-        check_context_parallel(image_mode, request.width, request.height, request.frames, self.strategy.parallel,
-                               context.world_size, context.device.type)
+        self._check(loaded, context)  # this request on a reused copy
         per_rank = replace(self.strategy, parallel=Parallelism())  # within a rank, an ordinary one-device run
         # No prompt cache in ranks: a hit on one rank and a miss on another would run different
         # modules, and every rank must run the same ones in the same order.
@@ -73,10 +70,19 @@ class ParallelSampleJob:
         if context.state.get("pipeline_key") != key:
             context.state.clear()  # a different pipeline or mode: let the old copy go first
             loaded = self.source.load()
+            self._check(loaded, context)  # before diffusers splits it: its own errors name no input (CogVideoX's cp_plan)
             enable_context_parallel(loaded.pipe, loaded.spec.denoisers, self.strategy.parallel.context_parallel,
                                     context.world_size, context.device)
             context.state.update(pipeline_key=key, loaded=loaded)
         return context.state["loaded"]
+
+
+    def _check(self, loaded, context: RankContext) -> None:
+        """Checked by the coordinator already; again here for torchrun, which has none."""
+        request = self.request
+        run_loaded = loaded.image_mode() if request.image is not None else loaded
+        check_context_parallel(run_loaded, request.width, request.height, request.frames, self.strategy.parallel,
+                               context.world_size, context.device.type)
 
 
 def rank_peak(receipt: dict) -> dict:

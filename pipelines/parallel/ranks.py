@@ -31,14 +31,19 @@ class Ranks:
 
 
 def resolve_ranks(parallel: Parallelism, visible_gpus: int) -> Ranks:
-    """The ranks `parallel` asks for on a machine with `visible_gpus` CUDA GPUs; ModelError when impossible."""
+    """The ranks `parallel` asks for on a machine with `visible_gpus` CUDA GPUs; ModelError when impossible.
+
+    CPU processes when `parallel.cpu` asks for them (gpus=cpu:N), whatever GPUs are visible; a bare
+    degree runs CPU processes only on a machine without GPUs."""
+    if parallel.cpu:
+        return Ranks(cpu_processes=parallel.degree)
     if visible_gpus == 0:
         if parallel.gpus is not None:
             raise ModelError(f"gpus={','.join(map(str, parallel.gpus))} but no CUDA GPU is visible; set gpus to auto.")
         if parallel.degree < 2:
             raise ModelError(f"context_parallel={parallel.context_parallel.value} needs two or more GPUs and this machine "
-                             "has none; set context_parallel to off (or, to test on the CPU, degree to the number of "
-                             "CPU processes, which is slow).")
+                             "has none; set context_parallel to off (or, to test on the CPU, gpus to cpu:2 for two CPU "
+                             "processes, which is slow).")
         return Ranks(cpu_processes=parallel.degree)
     gpus = parallel.gpus if parallel.gpus is not None else tuple(range(visible_gpus))
     missing = [g for g in gpus if g >= visible_gpus]
@@ -46,7 +51,9 @@ def resolve_ranks(parallel: Parallelism, visible_gpus: int) -> Ranks:
         raise ModelError(f"gpus lists {','.join(map(str, missing))} but only GPUs 0..{visible_gpus - 1} are visible.")
     if parallel.degree and parallel.degree != len(gpus):
         raise ModelError(f"degree={parallel.degree} but {len(gpus)} GPUs are used; context parallelism runs one rank "
-                         "per GPU: set degree to 0, or list that many GPUs in gpus.")
+                         f"per GPU: list {parallel.degree} GPUs in gpus (e.g. "
+                         f"{','.join(map(str, range(parallel.degree)))}), or for CPU processes gpus=cpu:{parallel.degree} "
+                         "(Parallelism(cpu=True)).")
     if len(gpus) < 2:
         raise ModelError(f"context_parallel={parallel.context_parallel.value} needs two or more GPUs; only GPU "
                          f"{gpus[0]} is used. List more in gpus, or set context_parallel to off.")

@@ -1,7 +1,7 @@
 """The coordinator's side of a context-parallel Sampler run.
 
-Everything that can be refused is refused here, before a rank starts: the family (CogVideoX),
-ring on the CPU, heads or tokens that do not divide by the degree, a pipeline the ranks could
+Everything that can be refused is refused here, before a rank starts: the family (anything but
+Wan), an activation chunk count, an attention kernel with no context-parallel version, ring on the CPU, heads or tokens that do not divide by the degree, a pipeline the ranks could
 not reopen. The pool of ranks hangs off the pipeline it serves (`pipe.vidmem_worker_pool`), so
 it is reused run over run and goes away with the pipeline: its finalizer stops the ranks. Beside
 it hang the stand-ins of the ranks' warm stores (`pipe.vidmem_rank_stores`, memory/parallel/kept.py):
@@ -26,7 +26,7 @@ from ..sample import SampleRequest, SampleResult
 from ..sample_checks import refuse_windows_in_parallel, validate_request
 from ..speed import resolve_speed
 from ..step_cache import CacheMethod
-from .checks import check_context_parallel
+from .checks import check_context_parallel, check_parallel_attention, rank_strategy
 from .job import ParallelSampleJob
 from .planning import rank_rooms
 from .ranks import Ranks
@@ -49,6 +49,7 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     """
     validate_request(loaded, request)
     refuse_windows_in_parallel(request)
+    strategy = rank_strategy(strategy)
     if request.cache.method is CacheMethod.FIRST_BLOCK:
         raise ModelError("cache first_block_cache decides from the first block's output, which each rank of context "
                          "parallelism computes for its own part of the video, so the ranks would disagree; choose "
@@ -56,8 +57,9 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     run_loaded = loaded.image_mode() if request.image is not None else loaded
     device_type = "cuda" if ranks.gpus else "cpu"
     if device_type == "cpu" or torch.cuda.is_available():  # refused here, before any rank starts (ranks check again)
-        resolve_speed(request.speed, torch.device(device_type), torch_dtype(loaded.dtype_name),
-                      denoisers(loaded.pipe, loaded.spec), context_parallel=True)
+        resolved = resolve_speed(request.speed, torch.device(device_type), torch_dtype(loaded.dtype_name),
+                                 denoisers(loaded.pipe, loaded.spec), context_parallel=True)
+        check_parallel_attention(resolved, denoisers(loaded.pipe, loaded.spec), strategy.parallel.context_parallel.value)
     check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,
                            ranks.degree, device_type)
     job = ParallelSampleJob(PipelineSource.of(loaded), rank_pinned_share(strategy, ranks.degree, hooks.pinned_room()),

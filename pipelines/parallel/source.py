@@ -33,7 +33,13 @@ class LoraSource:
 
     @classmethod
     def of(cls, name: str, path: str, strength: float, expert: str) -> "LoraSource":
-        stat = os.stat(path)
+        """ModelError when the file has gone since it was applied here: each rank reapplies it from disk."""
+        try:
+            stat = os.stat(path)
+        except OSError as error:
+            raise ModelError(f"LoRA '{name}' was applied from {path}, which the ranks cannot read now "
+                             f"({error.strerror}); each rank reapplies its LoRAs from their files. Put the file back "
+                             "(or reload the LoRA), or set context_parallel to off: this process keeps it applied.") from error
         return cls(name, str(path), strength, expert, stat.st_size, stat.st_mtime_ns)
 
 
