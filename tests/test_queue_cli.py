@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import hashlib
 import json
 import threading
@@ -215,15 +216,22 @@ class Handler(BaseHTTPRequestHandler):
             return
 
 
+@contextlib.contextmanager
+def serving(server):
+    """`server` answering on a thread of its own for the block, then shut down and closed."""
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def stub(request):
     param = getattr(request, "param", ("success", True))
-    server = Stub(*param) if isinstance(param, tuple) else Stub(**param)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving(Stub(*param) if isinstance(param, tuple) else Stub(**param)) as server:
+        yield server
 
 
 def queue(*argv: str) -> int:
@@ -492,12 +500,8 @@ class SecondViewFails(Handler):
 def test_a_later_download_failing_says_what_was_saved_and_what_is_still_on_the_server(how, error, tmp_path, capsys):
     server = Stub(how, websocket=False)
     server.RequestHandlerClass = SecondViewFails
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with serving(server):
         assert queue(str(WORKFLOW), "--server", server.url, "--out", str(tmp_path), "--timeout", "20") == 1
-    finally:
-        server.shutdown()
-        server.server_close()
     captured = capsys.readouterr()
     first = tmp_path / "vidmem" / "vidmem_00001.mp4"
     assert first.read_bytes() == FILES["vidmem_00001.mp4"] and f"saved {first}" in captured.out
@@ -519,12 +523,8 @@ class FirstHistory503(Handler):
 def test_a_5xx_while_waiting_is_retried_like_no_answer(tmp_path, capsys):
     server = Stub("success", websocket=False)
     server.RequestHandlerClass = FirstHistory503
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with serving(server):
         assert queue(str(WORKFLOW), "--server", server.url, "--out", str(tmp_path), "--timeout", "20") == 0
-    finally:
-        server.shutdown()
-        server.server_close()
     err = capsys.readouterr().err
     assert err.count("note: GET /history/prompt-1: HTTP 503: Service Unavailable; trying again until --timeout") == 1, err
     assert (tmp_path / "vidmem" / "vidmem_00001.mp4").read_bytes() == FILES["vidmem_00001.mp4"]
