@@ -85,6 +85,7 @@ _DISPATCHER = {AttentionKernel.SDPA: "native", AttentionKernel.FLASH: "_native_f
 _SDPA_BACKENDS = {AttentionKernel.FLASH: SDPBackend.FLASH_ATTENTION, AttentionKernel.EFFICIENT: SDPBackend.EFFICIENT_ATTENTION,
                   AttentionKernel.CUDNN: SDPBackend.CUDNN_ATTENTION, AttentionKernel.MATH: SDPBackend.MATH}
 SAGE1 = "vidmem_sage1"  # vidmem's route for sageattention 1.x (not a dispatcher backend; module docstring)
+SAGE1_HEAD_WIDTHS = (64, 96, 128)  # sageattention 1.0.6's `sageattn` asserts these mid-call: asked before the run
 SAGE_DISPATCHER_VERSION = "2.1.1"  # diffusers' _REQUIRED_SAGE_VERSION (0.42.1)
 SAGE_FIX = ("pip install sageattention==1.0.6 (pure Triton, vidmem's own route), or build sageattention 2.1.1+ from "
             "source (diffusers' 'sage' backend)")
@@ -449,10 +450,18 @@ def _check_head_widths(resolved: ResolvedAttention, name: str, modules: list[nn.
     """Refuse, before the run, an SDPA kernel forced on heads it will not take. torch checks each call and,
     with one kernel forced, raises "No available kernel" mid-run (an H200's cuDNN refused a tiny LTX-2's
     4-wide sound heads: it wants multiples of 8). The kernel itself is asked, on a probe of each width."""
+    widths = sorted({width for width in map(_head_width, modules) if width})
+    if resolved.backend == SAGE1:
+        refused = [width for width in widths if width not in SAGE1_HEAD_WIDTHS]
+        if refused:
+            raise AttentionError(f"attention={resolved.requested.value!r}: SageAttention 1.x runs attention heads "
+                                 f"{', '.join(map(str, SAGE1_HEAD_WIDTHS))} wide and {name}'s are "
+                                 f"{', '.join(map(str, refused))} wide; choose 'auto'.")
+        return
     backend = resolved.sdpa_backend
     if backend is None or backend is SDPBackend.MATH:
         return
-    for width in sorted({width for width in map(_head_width, modules) if width}):
+    for width in widths:
         problem = _kernel_refusal(backend, width, getattr(torch, resolved.dtype), resolved.device)
         if problem:
             raise AttentionError(f"attention={resolved.requested.value!r}: torch's {backend.name} kernel does not run "
@@ -643,7 +652,10 @@ def _sage1_attention(sageattn: Callable) -> Callable:
         if attn_mask is not None or dropout_p or enable_gqa:
             raise AttentionError("attention='sage': this model's attention passes a mask, dropout or grouped heads, "
                                  "which SageAttention 1.x does not take; choose 'auto'.")
-        return sageattn(query, key, value, tensor_layout="HND", is_causal=is_causal, sm_scale=scale)
+        # sageattn smooths K by subtracting its mean over the sequence *in place* (`k -= km`): the caller's key,
+        # which the model owns and may read again (a key reused across calls). The same smoothing, out of place.
+        key = key - key.mean(dim=2, keepdim=True)
+        return sageattn(query, key, value, tensor_layout="HND", is_causal=is_causal, sm_scale=scale, smooth_k=False)
 
     return attend
 

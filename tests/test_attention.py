@@ -271,11 +271,18 @@ def test_cogvideox_flex_goes_through_the_dispatcher(tiny_loaded, monkeypatch):
     assert set(seen) == {"flex"} and receipt["calls_rerouted"] == len(seen)
 
 
-def fake_sageattention(monkeypatch) -> list:
-    """sageattention 1.x as a module: its `sageattn` records its layout and computes plain SDPA."""
+def fake_sageattention(monkeypatch, widths: tuple[int, ...] | None = None) -> list:
+    """sageattention 1.0.6 as a module, as its `sageattn` behaves on a GPU: it asserts the head width (64, 96 or
+    128), smooths K *in place* unless `smooth_k=False`, and (here) computes plain SDPA, recording its layout.
+    `widths`: the head widths it takes (the tiny models' heads are narrower than any real model's)."""
     calls = []
+    if widths is not None:
+        monkeypatch.setattr(attention, "SAGE1_HEAD_WIDTHS", widths)
 
-    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None):
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=True):
+        assert q.size(-1) in attention.SAGE1_HEAD_WIDTHS, "headdim should be in [64, 96, 128]."
+        if smooth_k:
+            k -= k.mean(dim=1 if tensor_layout == "NHD" else 2, keepdim=True)
         calls.append(tensor_layout)
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale)
 
@@ -286,18 +293,59 @@ def fake_sageattention(monkeypatch) -> list:
     return calls
 
 
+SAGE1_RESOLVED = ResolvedAttention(AttentionKernel.SAGE, AttentionKernel.SAGE, SAGE1, "cpu", "float32", "test")
+
+
+def head_widths(loaded) -> tuple[int, ...]:
+    return tuple(sorted({attention._head_width(m) for m in attention_modules(loaded)} - {None}))
+
+
 @pytest.mark.parametrize("variant", FAMILIES)
 def test_sageattention_1_reaches_both_families_through_vidmems_route(tiny_loaded, monkeypatch, variant):
-    """On the CPU the fake computes plain SDPA, so the latents are the default's: every attention call
-    went to `sageattn`, in SDPA's layout, and nothing else changed."""
-    calls = fake_sageattention(monkeypatch)
+    """On the CPU the fake computes plain SDPA on the smoothed keys, so the latents are the default's within
+    rounding (subtracting a key mean shifts each query's scores by one constant: softmax is unchanged in exact
+    arithmetic): every attention call went to `sageattn`, in SDPA's layout, and nothing else changed."""
     loaded = tiny_loaded(variant)
+    calls = fake_sageattention(monkeypatch, widths=head_widths(loaded))
     before = state(loaded)
     default = run(loaded, variant)[0].latent["samples"]
-    resolved = ResolvedAttention(AttentionKernel.SAGE, AttentionKernel.SAGE, SAGE1, "cpu", "float32", "test")
-    result, receipt = run(loaded, variant, resolved)
+    result, receipt = run(loaded, variant, SAGE1_RESOLVED)
     assert calls and set(calls) == {"HND"} and receipt["calls_rerouted"] == len(calls)
-    assert torch.equal(result.latent["samples"], default)
+    torch.testing.assert_close(result.latent["samples"], default, rtol=1e-4, atol=1e-5)
+    assert state(loaded) == before
+
+
+def test_sageattention_1_leaves_the_callers_key_as_it_was():
+    """sageattn 1.0.6 subtracts K's mean from K in place, a tensor the model owns and may read again: vidmem's
+    route smooths a copy and tells sageattn not to (the same arithmetic, the same result)."""
+    calls = []
+
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=True):
+        if smooth_k:
+            k -= k.mean(dim=2, keepdim=True)
+        calls.append(k.clone())
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale)
+
+    q, k, v = (torch.randn(1, 2, 16, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    kept = k.clone()
+    out = attention._sage1_attention(sageattn)(q, k, v)
+    assert torch.equal(k, kept)
+    torch.testing.assert_close(calls[0], kept - kept.mean(dim=2, keepdim=True), rtol=0, atol=0)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, kept, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_sageattention_1_on_head_widths_it_does_not_take_is_refused_before_anything_changes(tiny_loaded, monkeypatch,
+                                                                                            variant):
+    """sageattn 1.0.6 asserts heads 64, 96 or 128 wide inside the call: mid-run. The route asks first."""
+    fake_sageattention(monkeypatch)
+    loaded = tiny_loaded(variant)
+    widths = head_widths(loaded)
+    assert not set(widths) & {64, 96, 128}
+    before = state(loaded)
+    with pytest.raises(AttentionError, match=rf"SageAttention 1\.x runs attention heads 64, 96, 128 wide and "
+                                             rf"transformer's are {', '.join(map(str, widths))} wide; choose 'auto'"):
+        run(loaded, variant, SAGE1_RESOLVED)
     assert state(loaded) == before
 
 
