@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # The wheels for a Python 3.12 x86-64 GPU machine: what vidmem imports that such an image lacks.
-WHEELS="diffusers==0.42.1 gguf==0.19.0 ftfy==6.3.1 wcwidth==0.9.4 websocket-client==1.9.2 importlib_metadata==10.2.0 lazy-importer==0.1.0"
+WHEELS="diffusers==0.42.1 gguf==0.19.0 ftfy==6.3.1 wcwidth==0.9.4 websocket-client==1.9.2 importlib_metadata==10.2.0 lazy-importer==0.1.0 sageattention==1.0.6"
 if [ "${1:-}" = "--prepare-wheels" ]; then
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS

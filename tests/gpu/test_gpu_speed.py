@@ -6,7 +6,9 @@
 - compiled blocks under inductor with CogVideoX's SDPA call rerouted to flex (the reroute counter is a
   device tensor added to in place inside the compiled graph; the CPU suite checks eager and aot_eager);
 - `attention=cudnn` on LTX-2 and HunyuanVideo 1.5, whose attention passes a mask (flash and sage are
-  refused there; cudnn is accepted and must run), and refused before the run on heads cuDNN will not take.
+  refused there; cudnn is accepted and must run), and refused before the run on heads cuDNN will not take;
+- `attention=sage` through vidmem's route for sageattention 1.x (pure Triton; carried as a wheel by
+  `bench/gpu_check.sh --prepare-wheels`), which no GPU has run: Wan and CogVideoX with heads 64 wide.
 """
 
 from __future__ import annotations
@@ -107,3 +109,38 @@ def test_cudnn_on_heads_it_will_not_take_is_refused_before_the_run(tiny_folder, 
     with pytest.raises(AttentionError, match=r"CUDNN_ATTENTION kernel does not run transformer's attention heads, 4 wide.*"
                                              r"choose 'auto'"):
         sample(loaded, NONE, request(speed=Speed("cudnn")), device=cuda)
+
+
+def folder_with_heads_64_wide(variant: str, tmp_path, monkeypatch):
+    """The tiny `variant` saved with two attention heads of 64: sageattention 1.0.6 takes heads 64, 96 or 128
+    wide (the tiny models' are 8 to 12)."""
+    from vidmem.pipelines import tiny
+
+    spec = tiny.tiny_spec(variant)
+    config = {**spec.transformer_config, "num_attention_heads": 2, "attention_head_dim": 64}
+    monkeypatch.setitem(tiny.TINY_SPECS, variant, dataclasses.replace(spec, transformer_config=config))
+    return tiny.save_tiny_pipeline(variant, tmp_path / variant)
+
+
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v"])
+def test_sageattention_1_runs_within_int8_rounding_of_auto_on_every_tier(variant, tmp_path, monkeypatch, cuda):
+    pytest.importorskip("sageattention", reason="sageattention 1.0.6 not installed (bench/gpu_check.sh --prepare-wheels)")
+    loaded = load_pipeline(folder_with_heads_64_wide(variant, tmp_path, monkeypatch), "bf16")
+    request = request_for(variant)
+    loaded.release_warm()
+    try:
+        auto = sample(loaded, NONE, dataclasses.replace(request, speed=Speed("auto")), device=cuda)
+        sage = sample(loaded, NONE, dataclasses.replace(request, speed=Speed("sage")), device=cuda)
+        attention = sage.receipt["speed"]["attention"]
+        assert attention["kernel"] == "sage" and attention["calls_rerouted"] > 0, attention
+        a, b = sage.latent["samples"].float(), auto.latent["samples"].float()
+        assert torch.isfinite(a).all()
+        error = ((a - b).abs().max() / b.abs().max()).item()
+        print(f"\n{variant}: sage 1.x against auto, largest difference {error:.2e} of the largest value")
+        assert error < 0.05, error  # INT8 Q.K rounding; a wrong layout or scale moves the latents by far more
+        loaded.release_warm()
+        swapped = sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1),
+                         dataclasses.replace(request, speed=Speed("sage")), device=cuda)
+        assert torch.equal(swapped.latent["samples"], sage.latent["samples"])  # the tier changes no arithmetic
+    finally:
+        loaded.release_warm()
