@@ -3,9 +3,10 @@
 Parts (`--parts`, all by default): `cache` (below), `attention` (bench/support/speed_attention.py: every kernel this
 device runs against eager SDPA, time_ratio and max_abs_diff per tier), `attention_call` (the same module: one
 attention call per kernel at the video size, no sampler around it), `compile` (bench/support/speed_compile.py:
-step_time_ratio, recompiles_second_run and compile_seconds per tier against eager) and `fp8_matmul`
-(bench/support/speed_fp8.py: time_ratio and psnr_db against the upcast path, fp8_scaled weights). Each part's
-JSON key is its name.
+step_time_ratio, recompiles_second_run and compile_seconds per tier against eager), `fp8_matmul`
+(bench/support/speed_fp8.py: time_ratio and psnr_db against the upcast path, fp8_scaled weights) and `goal`
+(bench/support/speed_goal.py: issue 24's goal, compiled blocks with the best kernel and fp8 matmul off and on
+against eager SDPA with fp8 weights upcast, per tier, with the verdicts). Each part's JSON key is its name.
 
 The cache part: blocks computed, weight copies made, time and PSNR per cache method and tier.
 
@@ -45,6 +46,7 @@ on a tiny Wan trained in the bench (docs/step-cache.md, Quality).
     python bench/speed.py --parts attention,compile --steps 8 --runs 3     # one or more parts only
     python bench/speed.py --device cuda --parts compile --size 832x480x81 --blocks 4 --steps 2 --runs 3 \
         --compile-tiers none,block_swap_4                                   # compiled blocks at 480p (gpu_check.sh)
+    python bench/speed.py --device cuda --parts goal --size 832x480x81 --blocks 4 --steps 2 --runs 2  # the 1.5x goal
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ from bench.support.speed_compile import chosen_tiers, compile_rows  # noqa: E402
 from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 from vidmem.pipelines.speed import cpu_name  # noqa: E402
 from bench.support.speed_fp8 import fp8_rows  # noqa: E402
+from bench.support.speed_goal import goal_rows  # noqa: E402
 from bench.support.speed_runs import SpeedConfig, build, count_pass, tiers, time_pass  # noqa: E402
 
-PARTS = ("cache", "attention", "attention_call", "compile", "fp8_matmul")
+PARTS = ("cache", "attention", "attention_call", "compile", "fp8_matmul", "goal")
 CAVEATS = [
     "Random weights: First Block Cache decides from its first block's output, so its skip rate and every "
     "method's PSNR here say nothing about a real model; MagCache's skips depend only on the published ratios and "
@@ -106,7 +109,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile part "
                         "(aot_eager: dynamo's tracing and guards without code generation, for a quick check)")
     parser.add_argument("--compile-tiers", default="", help="tiers of the compile part, comma-separated (default every "
-                        "one: none, block_swap of half and of all blocks, sequential)")
+                        "one: none, block_swap of half and of all blocks, sequential), and of the goal part (default "
+                        "none and block_swap of all blocks)")
     args = parser.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
@@ -153,13 +157,27 @@ def main(argv: list[str] | None = None) -> dict:
     if "fp8_matmul" in parts:
         print("\nfp8 matmul against the upcast path (fp8_scaled weights)", flush=True)
         result["fp8_matmul"] = fp8_rows(loaded, config)
+    if "goal" in parts:
+        print("\nthe goal: compiled blocks, the best kernel, fp8 matmul against eager SDPA with fp8 weights upcast", flush=True)
+        result["goal"] = goal_rows(loaded, config, CompileSettings(True, backend=args.compile_backend),
+                                   tier_names=args.compile_tiers,
+                                   on_row=lambda found: write_json(args.json, {**result, "goal": found, "partial": True}))
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     print(f"\ntotal {result['wall_seconds']:.0f} s, load average {os.getloadavg()[0]:.1f} at end")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     return result
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    """The evidence so far, replaced whole (a part that writes as it goes leaves a complete file if cut short)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1))
+    partial.replace(path)
 
 
 def cache_part(loaded, config: SpeedConfig) -> dict:

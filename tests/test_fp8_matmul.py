@@ -11,6 +11,7 @@ rounding (1e-5 relative). A tiny Wan pipeline's latent after 2 steps: see PSNR_F
 from __future__ import annotations
 
 import math
+from dataclasses import replace as dataclass_replace
 import sys
 from pathlib import Path
 
@@ -250,3 +251,26 @@ def test_the_bench_part_reports_quality_and_time_per_tier_without_asserting_spee
     assert rows["time_ratio"] == rows["tiers"]["none"]["time_ratio"] > 0  # present; its value is not a test
     assert rows["receipt"]["fp8_layers"] > 0 and rows["receipt"]["fallback_calls"] == 0
     assert rows["layers"] and all(row["time_ratio"] > 0 for row in rows["layers"].values())
+
+
+def test_fp8_matmul_inside_compiled_blocks_gives_the_eager_fp8_latent_and_compiles_once(wan16, tmp_path):
+    """Compiled blocks with fp8 matmul on (the goal's fastest settings on an fp8 file): `_scaled_mm` and the
+    input's rounding to fp8 trace into the graph; the latent is eager fp8's (inductor may fuse the rounding:
+    float32 reassociation only), every layer still multiplies in fp8, and a second call compiles nothing."""
+    from vidmem.pipelines.compile import CompileSettings
+    from vidmem.pipelines.speed import Speed
+
+    torch._dynamo.reset()
+    stored = pipeline_with(wan16, tmp_path, "fp8_scaled", dequantize_first=False)
+    eager, _ = fp8_latent(stored, MemoryStrategy(offload="none"), CpuBackend())
+    request = dataclass_replace(request_for("wan2.1-t2v"),
+                                speed=Speed("auto", CompileSettings(on=True, backend="inductor"), fp8_matmul="on"))
+    for strategy in (MemoryStrategy(offload="none"), MemoryStrategy(offload="block_swap", blocks_to_swap=2)):
+        for call in range(2):
+            result = sample(stored, strategy, request, backend=CpuBackend())
+            speed = result.receipt["speed"]
+            assert speed["compile"]["compiled"], speed["compile"]["fallback"]
+            assert speed["fp8_matmul"]["fp8_layers"] > 0 and speed["fp8_matmul"]["fallback_calls"] == 0
+            torch.testing.assert_close(result.latent["samples"], eager, rtol=1e-5, atol=1e-5)
+        assert speed["compile"]["frames_compiled"] == 0, speed["compile"]["recompile_reasons"]
+    torch._dynamo.reset()

@@ -1,6 +1,7 @@
-"""bench/gpu_check.sh's parts for issues 28 and 24 (ACT_SECONDS, COMPILE_SECONDS): the options the script passes
-are ones the benches accept, checked by the benches' own parsers where there is no GPU, and the compile part's
-`--compile-tiers` runs the tiers named, in that order, and no other."""
+"""bench/gpu_check.sh's parts for issues 28 and 24 (ACT_SECONDS, COMPILE_SECONDS, GOAL_SECONDS): the options the
+script passes are ones the benches accept, checked by the benches' own parsers where there is no GPU; the compile
+part's `--compile-tiers` runs the tiers named, in that order, and no other; the goal part measures what issue 24's
+goal names and writes its JSON as it goes."""
 
 from __future__ import annotations
 
@@ -15,18 +16,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed  # noqa: E402  (puts the repository root on the path, for bench.support)
 from bench.support.speed_compile import compile_rows  # noqa: E402
+from bench.support.speed_goal import GOAL_SPEEDUP, goal_rows, goals  # noqa: E402
 from bench.support.speed_runs import SpeedConfig, build  # noqa: E402
 from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 
 SCRIPT = (ROOT / "bench" / "gpu_check.sh").read_text()
 
 
-def _command(script_name: str) -> list[str]:
+def _command(script_name: str, part: str = "compile") -> list[str]:
     """The arguments bench/gpu_check.sh passes to `python3 bench/<script_name> --device cuda` (for speed.py,
     in the compile part), line continuations joined, shell variables left as written, redirections dropped."""
     joined = SCRIPT.replace("\\\n", " ")
     line = next(line for line in joined.splitlines() if f"python3 bench/{script_name}" in line and "--device cuda" in line
-                and ("activations" in script_name or "--parts compile " in line))
+                and ("activations" in script_name or f"--parts {part} " in line))
     words = line.split(f"python3 bench/{script_name}", 1)[1].split(">", 1)[0].split()
     return [word.strip('"') for word in words]
 
@@ -69,3 +71,46 @@ def test_an_unknown_compile_tier_is_refused_before_anything_is_built(capsys):
         raise AssertionError("--compile-tiers block_swap_8 at 4 blocks was accepted")
     error = capsys.readouterr().err
     assert "block_swap_8" in error and "block_swap_4" in error  # names the bad tier and the choices
+
+
+def test_the_gpu_check_measures_the_goal_at_480p_with_options_the_speed_bench_knows():
+    words = _command("speed.py", part="goal")
+    assert re.search(r"^GOAL_SECONDS=\$\{GOAL_SECONDS:-\d+\}", SCRIPT, re.M)
+    args, config = speed.parse(["--device", "cpu", *words[2:]])
+    assert (config.width, config.height, config.frames) == (832, 480, 81) and args.parts == "goal"
+    assert "--json" in words and config.runs >= 2
+
+
+def test_the_goal_part_measures_each_setting_against_the_fp8_baseline_and_writes_as_it_goes():
+    torch._dynamo.reset()
+    config = SpeedConfig(steps=1, blocks=2, runs=1, time_tiers=())
+    snapshots = []
+    found = goal_rows(build(config), config, CompileSettings(True, backend="aot_eager"), log=lambda line: None,
+                      on_row=lambda so_far: snapshots.append({name: list(row) for name, row in so_far["rows"].items()}))
+    torch._dynamo.reset()
+    rows = found["rows"]
+    assert found["tiers"] == ["none", "block_swap_2"] and "fp8_scaled" in found["baseline"]
+    assert set(rows) == {"auto+fp8_off", "auto+fp8_on", "sage+fp8_off", "sage+fp8_on"}
+    assert all("needs a CUDA GPU" in rows[name]["skipped"] for name in ("sage+fp8_off", "sage+fp8_on"))
+    for name in ("auto+fp8_off", "auto+fp8_on"):
+        for tier in found["tiers"]:
+            row = rows[name][tier]
+            assert row["recompiles"] == 0 and not row["fallback"] and row["same_latents_both_calls"]
+            assert row["step_time_ratio"] > 0  # present; its value is not a test
+        assert set(rows[name]["block_swap_over_none"]) == {"block_swap_2"}
+    # fp8 matmul really ran inside the compiled blocks, and only where asked; its latents differ by fp8's rounding
+    assert rows["auto+fp8_off"]["none"]["fp8_layers"] == 0 < rows["auto+fp8_on"]["none"]["fp8_layers"]
+    assert 35 < rows["auto+fp8_on"]["none"]["psnr_db"] < 80
+    assert len(snapshots) == 4 and snapshots[0] == {"auto+fp8_off": ["none"]}
+    assert found["goals"]["fastest"] in ("auto+fp8_off", "auto+fp8_on") and found["goals"]["lines"]
+
+
+def test_the_goal_verdicts_judge_the_fastest_row():
+    def row(none, swapped):
+        return {"none": {"step_time_ratio": none}, "block_swap_over_none": {"block_swap_4": swapped}}
+
+    verdict = goals({"a": row(0.7, 1.01), "b": row(0.6, 1.05), "c": {"skipped": "no"}})
+    assert verdict["fastest"] == "b" and verdict["met_speedup"] and not verdict["met_swap_overhead"]
+    assert verdict["speedup"] == round(1 / 0.6, 3) and verdict["swap_overhead"] == 1.05
+    assert not goals({"a": row(1 / GOAL_SPEEDUP + 0.01, 1.0)})["met_speedup"]
+    assert goals({"c": {"skipped": "no"}})["fastest"] is None
