@@ -517,18 +517,19 @@ def _check_direct(resolved: ResolvedAttention, name: str, direct: list[nn.Module
                                  "be set on it; choose 'sdpa' (leaves its attention as it is).")
 
 
-def _keeps_parallel_backend(resolved: ResolvedAttention, name: str) -> bool:
+def _keeps_parallel_backend(resolved: ResolvedAttention, name: str, also_refused: tuple[str, ...] = ()) -> bool:
     """Under context parallelism (diffusers' `enable_parallelism`), whether auto keeps the backend it set.
 
     A backend without a context-parallel version would attend within each rank's share of the tokens
-    only, giving wrong frames without an error: refused, as `set_attention_backend` does."""
+    only, giving wrong frames without an error: refused, as `set_attention_backend` does. `also_refused`:
+    backends the caller refuses for its split mode (ring's), left out of the kernels the message offers."""
     if resolved.requested is AttentionKernel.AUTO:
         return True
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     if resolved.backend not in _AttentionBackendRegistry._supports_context_parallel:
         parallel = _AttentionBackendRegistry._supports_context_parallel
-        usable = sorted(k.value for k, b in _DISPATCHER.items() if b in parallel)
+        usable = sorted(k.value for k, b in _DISPATCHER.items() if b in parallel and b not in also_refused)
         raise AttentionError(f"attention={resolved.requested.value!r}: {name} is split across GPUs (context_parallel) "
                              f"and the dispatcher's '{resolved.backend}' has no context-parallel version; choose 'auto' "
                              f"(keeps the split's own) or one of {', '.join(map(repr, usable))}.")

@@ -55,3 +55,19 @@ def test_ring_refuses_a_kernel_set_explicitly_that_returns_no_log_sum_exp(kernel
             check_parallel_attention(resolved, ["transformer"], "ring")
     else:
         check_parallel_attention(resolved, ["transformer"], "ring")
+
+
+def test_under_ring_the_refusal_of_a_kernel_without_a_parallel_version_offers_only_kernels_ring_takes():
+    """flex has no context-parallel version; under ring 'sdpa' (native, no log-sum-exp) is refused too, so the
+    message must not offer it (it did: following the advice met the next refusal)."""
+    from types import SimpleNamespace
+
+    from vidmem.pipelines.attention import ResolvedAttention
+    from vidmem.pipelines.parallel import check_parallel_attention
+
+    resolved = SimpleNamespace(attention=ResolvedAttention("flex", "flex", "flex", "cuda", "bf16", "test"))
+    for mode, offers_sdpa in (("ring", False), ("ulysses", True)):
+        with pytest.raises(AttentionError, match="has no context-parallel version") as refused:
+            check_parallel_attention(resolved, ["transformer"], mode)
+        offered = str(refused.value).split("one of ", 1)[1]
+        assert ("'sdpa'" in offered) is offers_sdpa and "'cudnn'" in offered, offered

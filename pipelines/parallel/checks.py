@@ -74,7 +74,8 @@ def check_parallel_attention(resolved_speed, denoiser_names, mode: str) -> None:
     rank's own check (diffusers' registry of backends that support it), asked here before any rank loads.
     Under ring also a kernel set explicitly that returns no log-sum-exp (auto keeps ring's cuDNN)."""
     attention = resolved_speed.attention
-    _keeps_parallel_backend(attention, next(iter(denoiser_names), "transformer"))
+    _keeps_parallel_backend(attention, next(iter(denoiser_names), "transformer"),
+                            also_refused=NO_LOG_SUM_EXP if mode == ContextParallel.RING else ())
     if mode == ContextParallel.RING and attention.requested is not AttentionKernel.AUTO \
             and attention.backend in NO_LOG_SUM_EXP:
         raise AttentionError(f"attention={attention.requested.value!r} with context_parallel=ring: the dispatcher's "
