@@ -249,6 +249,10 @@ class MemoryStrategy:
             parts.append(f"blocks_to_swap={self.blocks_to_swap}")
         if self.streams_blocks:
             parts.append(f"prefetch={self.prefetch_blocks}")
+        if self.max_pinned_ram_gb is not None:  # 0: weights stream from pageable homes (slower copies, same frames)
+            parts.append(f"max_pinned_ram_gb={self.max_pinned_ram_gb:g}")
+        if not self.non_blocking:
+            parts.append("non_blocking=False")
         parts.append(f"text_encoder={self.text_encoder.value}")
         if self.vae_slicing:
             parts.append("vae_slicing")

@@ -111,6 +111,10 @@ def test_strategy_describes_its_parallelism():
     assert not Parallelism(gpus=(0, 1), context_parallel="ulysses").balanced
     assert "ulysses degree=2 gpus=auto" in ULYSSES_2.describe()
     assert MemoryStrategy().describe() == "offload=model text_encoder=offload_after_encoding"
+    # what changes how weights are copied is in the receipt's strategy too (an unpinned run read as a pinned one)
+    assert MemoryStrategy(offload="block_swap", blocks_to_swap=2, max_pinned_ram_gb=0, non_blocking=False).describe() == \
+        "offload=block_swap blocks_to_swap=2 prefetch=1 max_pinned_ram_gb=0 non_blocking=False text_encoder=offload_after_encoding"
+    assert "max_pinned_ram_gb=2.5" in MemoryStrategy(max_pinned_ram_gb=2.5).describe()
 
 
 def test_gpus_without_nccl_are_refused_before_any_rank_starts(monkeypatch):
