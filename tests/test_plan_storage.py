@@ -212,5 +212,5 @@ def test_plan_for_a_cpu_device_counts_mapped_weights_in_place(capsys):
     for device in ("cuda", "cpu"):
         assert plan_main([*args, "--device", device]) == 0
         out = json.loads(capsys.readouterr().out)
-        peaks[device] = {(s["tier"], s["disk"]): s["peak_vram_bytes"] for s in out["strategies"]}
+        peaks[device] = {(s["tier"], s["on_disk"]): s["peak_vram_bytes"] for s in out["strategies"]}
     assert peaks["cpu"][("none", True)] < peaks["cuda"][("none", True)]

@@ -142,7 +142,7 @@ class Plan:
             "peak_ram_bytes": self.peak_ram_bytes, "stages": {st.name: st.device_bytes for st in self.stages},
             "host": {st.name: {"anon_bytes": st.host_bytes, "page_cache_bytes": st.page_cache_bytes} for st in self.stages},
             "peak_anon_bytes": self.peak_ram_bytes, "peak_page_cache_bytes": self.peak_page_cache_bytes,
-            "storage": dict(self.options.storage), "disk": self.on_disk,
+            "storage": dict(self.options.storage), "on_disk": self.on_disk,
             "disk_bytes_per_s": self.options.disk_bytes_per_s if self.on_disk else None,
             "disk_reread_bytes_per_pass": self.disk_reread_bytes_per_pass,
             "est_slowdown": self.est_slowdown, "fits": self.fits,
