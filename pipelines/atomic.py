@@ -38,10 +38,27 @@ def atomic_path(target: Path) -> Iterator[Path]:
         # mkstemp makes the file private (0600); the finished file gets the mode any new file gets
         # here (0666 less the umask), so a LoRA or latent is readable as the user's other files are.
         os.chmod(temporary, 0o666 & ~_UMASK)
-        os.replace(temporary, target)
+        _replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+class FileInUse(PermissionError):
+    """The target could not be replaced because something holds it open (Windows refuses to replace a
+    file that is open or memory-mapped, as a LoRA or weight file vidmem maps is)."""
+
+
+def _replace(temporary: str, target: Path) -> None:
+    try:
+        os.replace(temporary, target)
+    except PermissionError as error:
+        if not target.exists():
+            raise
+        raise FileInUse(error.errno, f"{target} could not be replaced: it is open in another program, or loaded "
+                                     f"from disk by a node (a LoRA or model file is memory-mapped while it is in "
+                                     f"use; {error.strerror}). Free it (Free VRAM, or remove the node that loads "
+                                     f"it) or choose another file name; nothing was written.", str(target)) from None
 
 
 def write_bytes_atomically(target: Path, data: bytes) -> Path:

@@ -25,3 +25,22 @@ def test_an_error_leaves_the_target_as_it_was_and_no_partial_file(tmp_path):
             temporary.write_bytes(b"half")
             raise RuntimeError("disk full")
     assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["latent.safetensors"]
+
+
+def test_a_target_held_open_is_named_with_the_fix_and_nothing_is_written(tmp_path, monkeypatch):
+    """Windows refuses to replace a file that is open or memory-mapped (a LoRA vidmem has mapped, saved over by
+    training): PermissionError from os.replace. Said with the file and the fix; the old file stays whole."""
+    from vidmem.pipelines import atomic
+
+    target = tmp_path / "my_lora.safetensors"
+    target.write_bytes(b"old")
+
+    def refuse(source, destination):
+        raise PermissionError(13, "Access is denied")
+
+    monkeypatch.setattr(atomic.os, "replace", refuse)
+    with pytest.raises(atomic.FileInUse, match=r"my_lora\.safetensors could not be replaced: it is open .*"
+                                               r"choose another file name; nothing was written") as refused:
+        write_bytes_atomically(target, b"new")
+    assert isinstance(refused.value, PermissionError) and refused.value.filename == str(target)
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["my_lora.safetensors"]
