@@ -35,7 +35,7 @@ from vidmem.memory import MemoryStrategy
 from vidmem.memory.strategy import StrategyError
 from vidmem.pipelines.compile import CompileSettings
 from vidmem.pipelines.family import denoisers
-from vidmem.pipelines.loader import LoadedPipeline
+from vidmem.pipelines.loader import LoadedPipeline, torch_dtype
 from vidmem.pipelines.sample import sample
 from vidmem.pipelines.speed import NO_SPEED_NODE, Speed, resolve_speed
 from vidmem.pipelines.step_cache import StepCache
@@ -93,7 +93,7 @@ def goal_rows(loaded: LoadedPipeline, config: SpeedConfig, settings: CompileSett
 def _refusal(stored: LoadedPipeline, speed: Speed, device: torch.device) -> str:
     """Why the Sampler would refuse `speed` here ("" when it runs it), asked as the Sampler asks."""
     try:
-        resolve_speed(speed, device, stored.pipe.transformer.dtype, denoisers(stored.pipe, stored.spec))
+        resolve_speed(speed, device, torch_dtype(stored.dtype_name), denoisers(stored.pipe, stored.spec))
     except StrategyError as error:
         return str(error)
     return ""
