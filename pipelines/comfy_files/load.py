@@ -147,7 +147,8 @@ def _ram_need(role: str, file: WeightFile, module, tensors: dict, options: LoadO
         return None if options.weights_on_disk else (f"{role} '{file.name}'", file.path.stat().st_size)
     nbytes = lowered_ram_bytes(options.weight_dtype, stored_elements(tensors[n].shape for n in lowered))
     if not options.weights_on_disk:  # the rest is copied as the file holds it
-        nbytes += sum(_file_bytes(t) for n, t in tensors.items() if n not in set(lowered))
+        kept = tensors.keys() - set(lowered)
+        nbytes += sum(_file_bytes(tensors[n]) for n in kept)
     return f"{role} '{file.name}' with {len(lowered)} tensors lowered to {options.weight_dtype}", nbytes
 
 
