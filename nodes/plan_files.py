@@ -20,7 +20,7 @@ from ..memory.storage import FORMATS
 from ..pipelines.comfy_files import shipped_catalogue
 from ..pipelines.comfy_files import detect, match
 from ..pipelines.comfy_files.files import read_weight_file
-from ..pipelines.comfy_files.load import _COMPONENT, _KIND
+from ..pipelines.comfy_files.load import _COMPONENT, _KIND, restores_weights
 from ..pipelines.comfy_files.text_encoder_file import ROLES, check_replaceable, read_text_encoder_file, removed_parts
 from ..pipelines.configs import load_model
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, LOWERED, WEIGHT_DTYPES, held_format
@@ -122,7 +122,7 @@ def recognise(request: FilesRequest, dtype: str) -> RecognisedFiles:
             held = held_format(file.storage, request.weight_dtype)
         else:
             held = vae if component == "vae" else dtype
-        restored |= component in LOWERED and held != file.storage
+        restored |= restores_weights(entry, role, file, request.weight_dtype)  # per tensor, as the load decides
         if held in FORMATS and component in model.layout.all:
             storage[component] = held
     # Matrices weight_dtype re-stored at load live in RAM: the disk tier holds only while they stay mapped.

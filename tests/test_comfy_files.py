@@ -29,6 +29,8 @@ UNALIGNED_TOLERANCE = 1e-5  # FACTS: weights read in place from a mapping at oth
 
 CASES = [
     *[("wan2.1-t2v", storage, "original") for storage in ("bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2", "fp8_scaled", "gguf_q8_0", "gguf_q4_0")],
+    # Every other GGUF type vidmem reads (each case a few seconds on the CPU).
+    *[("wan2.1-t2v", storage, "original") for storage in ("gguf_q6_k", "gguf_q5_k", "gguf_q5_1", "gguf_q5_0", "gguf_q4_k", "gguf_q4_1")],
     *[("wan2.1-t2v", storage, layout) for storage in ("bf16", "fp8_scaled") for layout in ("prefixed", "diffusers")],
     ("wan2.2-ti2v", "bf16", "original"), ("wan2.2-ti2v", "fp8_scaled", "prefixed"), ("wan2.2-ti2v", "gguf_q8_0", "original"),
     ("wan2.2-a14b", "fp16", "prefixed"), ("wan2.2-a14b", "fp8_scaled", "original"), ("wan2.2-a14b", "gguf_q8_0", "diffusers"),

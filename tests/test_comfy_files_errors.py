@@ -15,7 +15,7 @@ import torch
 
 from vidmem.nodes import host
 from vidmem.nodes.load_files import NONE, SAME, VidMemLoadModelFiles
-from vidmem.pipelines.comfy_files import LoadOptions, load_model_files
+from vidmem.pipelines.comfy_files import LoadOptions, detect, load_model_files, read_weight_file
 from vidmem.pipelines.family import ModelError
 from vidmem.pipelines.tiny_files import save_tiny_comfy_files, tiny_catalogue
 
@@ -234,3 +234,30 @@ def test_a_damaged_embedded_tokenizer_is_named_before_anything_is_built(tiny, tm
     safetensors.torch.save_file(tensors, str(bad))
     with pytest.raises(ModelError, match="text_encoder: 'umt5.safetensors' embeds a tokenizer .* not a SentencePiece model"):
         load(replace(files, text_encoder=bad))
+
+
+@pytest.mark.parametrize("dropped,named_tensor", [
+    ("shared.weight", "shared.weight"),
+    ("encoder.block.0.layer.1.DenseReluDense.wi_0.weight", "encoder.block.0.layer.1.DenseReluDense.wi_0.weight"),
+    ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", "relative_attention_bias"),
+])
+def test_a_t5_file_missing_a_tensor_names_the_tensor_the_input_and_the_file(tiny, tmp_path, dropped, named_tensor):
+    tensors = safetensors.torch.load_file(str(tiny("wan2.1-t2v").text_encoder))
+    del tensors[dropped]
+    cut = tmp_path / "umt5_cut.safetensors"
+    safetensors.torch.save_file(tensors, str(cut))
+    with pytest.raises(ModelError, match=rf"lacks the tensor '.*{named_tensor}.*': text_encoder 'umt5_cut.safetensors' is incomplete"):
+        read_weight_file(cut, "text_encoder", detect.TEXT_ENCODER)
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.scores", "tokenizer.ggml.token_type"])
+def test_gguf_tokenizer_lists_shorter_than_its_tokens_are_named(tiny, tmp_path, key):
+    from vidmem.pipelines.comfy_files.gguf_tokenizer import tokenizer_metadata
+    from vidmem.pipelines.comfy_files.write import write_llama_cpp_text_encoder
+
+    tensors = safetensors.torch.load_file(str(tiny("wan2.1-t2v").text_encoder))
+    metadata = tokenizer_metadata(bytes(tensors.pop("spiece_model").numpy().tobytes()))
+    metadata[key] = metadata[key][:-3]
+    path = write_llama_cpp_text_encoder(tensors, tmp_path / "umt5_bad_tokenizer.gguf", "t5encoder", metadata)
+    with pytest.raises(ModelError, match=rf"umt5_bad_tokenizer.gguf' has a damaged tokenizer: {key} lists"):
+        read_weight_file(path, "text_encoder", detect.TEXT_ENCODER)

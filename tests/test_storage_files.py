@@ -141,6 +141,15 @@ def header_file(tmp_path, header: dict, data: bytes) -> str:
         ({"w": {"dtype": "Q9", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 16, "dtype 'Q9'"),
         ({"w": {"shape": [4]}}, b"", "lacks dtype/shape/data_offsets"),
         ({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, b"\0" * 16, "malformed"),
+        # Two tensors over the same bytes (safetensors: "invalid offset"), a gap, trailing bytes.
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+          "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 32, "'b' starts at data byte 0 and overlaps"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}}, b"\0" * 20, "'b' .* leaves data bytes 8..12 unused"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12, "end at data byte 8 but the file holds 12"),
+        # __metadata__ is an object of strings to strings.
+        *[({"__metadata__": meta, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, "__metadata__")
+          for meta in ("abc", [1, 2], 5, {"a": 1})],
     ],
 )
 def test_bad_safetensors_headers_name_the_file_and_the_fix(tmp_path, header, data, message):
@@ -157,6 +166,14 @@ def test_anything_else_is_refused(tmp_path, content):
     path.write_bytes(content)
     with pytest.raises(StorageError, match=str(path)):
         sniff(path)
+
+
+def test_header_entries_in_any_order_and_empty_tensors_fill_the_data(tmp_path):
+    """The layout check sorts by offset (JSON order is free) and lets empty tensors share an offset."""
+    header = {"b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}, "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},
+              "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {"format": "pt"}}
+    tensors = open_weights(header_file(tmp_path, header, struct.pack("<4f", 1, 2, 3, 4))).tensors
+    assert tensors["a"].tolist() == [1, 2] and tensors["b"].tolist() == [3, 4] and tensors["e"].shape == (0,)
 
 
 def test_a_truncated_safetensors_file_is_refused(tmp_path):
@@ -220,7 +237,7 @@ def test_unsupported_gguf_types_are_named_with_the_supported_ones(tmp_path):
     qtype = gguf.GGMLQuantizationType.Q2_K
     blocks = np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
     write_gguf(tmp_path / "m.gguf", {"w": (blocks, qtype)})
-    with pytest.raises(StorageError, match=r"GGUF type Q2_K.*supported: F32, F16, BF16, Q8_0.*Q4_K"):
+    with pytest.raises(StorageError, match=r"GGUF type Q2_K.*supported: F32, F16, BF16, F64, I8, I16, I32, I64, Q8_0.*Q4_K"):
         open_gguf(tmp_path / "m.gguf")
 
 
@@ -346,3 +363,30 @@ def test_a_mapping_unmapped_while_the_registry_is_read_neither_deadlocks_nor_sta
     worker.join(timeout=10)
     assert not worker.is_alive(), "the mapping's finalizer waited for the lock its own thread held"
     assert gone() is None and mapping.mapped_bytes() == before
+
+
+@pytest.mark.parametrize("orig_shape", [[3, 5, 7], [64, -1, -64], ["64", "64"], [64.0, 64.0]])
+@pytest.mark.parametrize("quantized", [True, False])
+def test_an_original_shape_that_does_not_hold_the_tensor_is_named(tmp_path, orig_shape, quantized):
+    """A `comfy.gguf.orig_shape.<name>` record that contradicts the tensor (or is not integers) is a
+    StorageError naming the file and the tensor, not a raw error from reshaping."""
+    x = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    value = (gguf.quants.quantize(x, qtype), qtype) if quantized else x
+    path = tmp_path / "m.gguf"
+    write_gguf(path, {"w": value}, {"comfy.gguf.orig_shape.w": orig_shape})
+    with pytest.raises(StorageError, match=r"m.gguf: tensor 'w' records an original shape .* does not hold its 4096 elements"):
+        open_gguf(path)
+
+
+def test_every_plain_gguf_type_read_is_listed_as_supported():
+    from vidmem.memory.storage.gguf_files import PLAIN_TYPES, supported_gguf_types
+
+    assert set(PLAIN_TYPES) <= set(supported_gguf_types())
+
+
+def test_an_empty_gguf_tensor_is_read_empty_not_called_outside_the_file(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, {"empty": np.zeros((0, 32), np.float32), "w": np.ones((2, 32), np.float32)})
+    tensors = open_gguf(path).tensors
+    assert tensors["empty"].shape == (0, 32) and torch.equal(tensors["w"], torch.ones(2, 32))

@@ -63,7 +63,7 @@ def assign_weights(
     buffers replaced, quantized Linear/Embedding children swapped); on error it is left as is.
     """
     entries = _entries(module)
-    _check_keys(entries, tensors, source)
+    _check_fit(entries, tensors, source)
     keep = tuple(keep_fp32)
     ledger = Ledger()
     swaps: list[tuple[_Entry, StoredTensor, torch.dtype]] = []
@@ -73,7 +73,6 @@ def assign_weights(
         if not present:
             ledger.kept_computed(entry.names[0], entry.current)
             continue
-        _check_shape(present[0], tensors[present[0]], entry.current)
         value, target, stored = _placed(module, entry, tensors[present[0]], compute_dtype, keep)
         if stored:
             _check_lookup(module, entry, value, source)
@@ -152,6 +151,22 @@ def _entries_by_identity(module: nn.Module) -> list[_Entry]:
     return list(by_id.values())
 
 
+def check_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor | StoredTensor],
+                  source: str = "the weights") -> None:
+    """StorageError naming `source` when `tensors` would not fill `module` (missing or extra names, other
+    shapes): assign_weights' own checks, with nothing assigned. `module` may be built on meta, so a loader
+    checks every file before it fills the first (a broken VAE refused before a 14B transformer is read)."""
+    _check_fit(_entries(module), tensors, source)
+
+
+def _check_fit(entries: list[_Entry], tensors: Mapping, source: str) -> None:
+    _check_keys(entries, tensors, source)
+    for entry in entries:
+        present = next((n for n in entry.names if n in tensors), None)
+        if present is not None:
+            _check_shape(present, tensors[present], entry.current, source)
+
+
 def _check_keys(entries: list[_Entry], tensors: Mapping, source: str) -> None:
     known = {name for entry in entries for name in entry.names}
     unexpected = [key for key in tensors if key not in known]
@@ -177,10 +192,10 @@ def _check_keys(entries: list[_Entry], tensors: Mapping, source: str) -> None:
     )
 
 
-def _check_shape(name: str, value, current: torch.Tensor) -> None:
+def _check_shape(name: str, value, current: torch.Tensor, source: str) -> None:
     if tuple(value.shape) != tuple(current.shape):
         raise StorageError(
-            f"'{name}' has shape {list(value.shape)} in the file but {list(current.shape)} in the model; "
+            f"{source}: '{name}' has shape {list(value.shape)} in the file but {list(current.shape)} in the model; "
             "the file is for another model size or variant; pick the matching file."
         )
 

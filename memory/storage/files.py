@@ -81,7 +81,7 @@ def open_safetensors(path: str | os.PathLike) -> SafetensorsFile:
     with open(path, "rb") as handle:
         _refuse_pickles(path, handle.read(9))
     header, data_start = _safetensors_header(path, size)
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None) or {}  # checked: strings to strings
     mapping, _whole = map_file(path)
     tensors = {name: _view(mapping, entry, data_start) for name, entry in header.items()}
     return SafetensorsFile(path, MappingProxyType(tensors), MappingProxyType(dict(metadata)))
@@ -131,10 +131,37 @@ def _safetensors_header(path: Path, size: int) -> tuple[dict, int]:
     if not isinstance(header, dict):
         raise StorageError(f"{bad}: its header is not a JSON object; download it again or convert it to .safetensors.")
     data_start = 8 + length
-    for name, entry in header.items():
-        if name != "__metadata__":
-            _check_entry(path, name, entry, size - data_start)
+    _check_metadata(path, header.get("__metadata__"))
+    entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    for name, entry in entries.items():
+        _check_entry(path, name, entry, size - data_start)
+    _check_layout(path, entries, size - data_start)
     return header, data_start
+
+
+def _check_metadata(path: Path, metadata: object) -> None:
+    """safetensors' `__metadata__` is an object of strings to strings (or absent)."""
+    if metadata is None:
+        return
+    if not (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise StorageError(f"{path}: its header's __metadata__ is {json.dumps(metadata)[:80]}, where safetensors has an "
+                           "object of strings to strings; the file is damaged or was not written by safetensors; "
+                           "download it again or re-save it with safetensors.")
+
+
+def _check_layout(path: Path, entries: dict, data_bytes: int) -> None:
+    """The tensors, by offset, follow one another with no overlap and no gap and fill the data, as the
+    safetensors library requires (an overlap would alias two tensors' bytes: a damaged or crafted file)."""
+    end = 0
+    for begin, stop, name in sorted((*entry["data_offsets"], name) for name, entry in entries.items()):
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves data bytes {end}..{begin} unused"
+            raise StorageError(f"{path}: tensor '{name}' starts at data byte {begin} and {what} (invalid offset); the "
+                               "file is damaged; download it again.")
+        end = stop
+    if end != data_bytes:
+        raise StorageError(f"{path}: its tensors end at data byte {end} but the file holds {data_bytes} bytes of data "
+                           "after its header (a damaged file, or not safetensors); download it again.")
 
 
 def _check_entry(path: Path, name: str, entry: object, data_bytes: int) -> None:

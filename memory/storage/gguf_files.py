@@ -11,6 +11,7 @@ converter flattens tensors of more than four dimensions and records the original
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from .stored import StoredTensor
 
 ORIG_SHAPE_KEY = "comfy.gguf.orig_shape."
 GGUF_FORMATS: dict[str, StorageFormat] = {f.gguf_type: f for f in FORMATS.values() if f.gguf_type}
-PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "F64": torch.float64,
+PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
                "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
 
 
@@ -43,7 +44,7 @@ class GgufFile:
 
 
 def supported_gguf_types() -> list[str]:
-    return ["F32", "F16", "BF16", *GGUF_FORMATS]
+    return [*PLAIN_TYPES, *GGUF_FORMATS]
 
 
 def open_gguf(path: str | os.PathLike) -> GgufFile:
@@ -69,24 +70,42 @@ def open_gguf(path: str | os.PathLike) -> GgufFile:
 
 def _tensor(path: Path, mapping, item, orig_shape) -> torch.Tensor | StoredTensor:
     kind = item.tensor_type.name
-    shape = tuple(int(d) for d in reversed(item.shape.tolist()))
-    if orig_shape is not None:
-        shape = tuple(int(d) for d in orig_shape)
-    if int(item.data_offset) + int(item.n_bytes) > len(mapping) or not item.n_bytes:
+    shape = _logical_shape(path, item, orig_shape)
+    if int(item.data_offset) + int(item.n_bytes) > len(mapping):
         raise StorageError(f"{path} is truncated or damaged: tensor '{item.name}' lies outside the file; download it again.")
-    if kind in PLAIN_TYPES or kind == "BF16":
-        dtype = PLAIN_TYPES.get(kind, torch.bfloat16)
-        return tensor_at(mapping, dtype, int(item.data_offset), int(item.n_bytes) // dtype.itemsize).reshape(shape)
-    if kind not in GGUF_FORMATS:
+    if kind not in PLAIN_TYPES and kind not in GGUF_FORMATS:
         raise StorageError(
             f"{path}: tensor '{item.name}' is GGUF type {kind}, which vidmem does not read; "
             f"supported: {', '.join(supported_gguf_types())}. Use a file quantized to one of them (Q8_0 .. Q4_K)."
         )
-    fmt = GGUF_FORMATS[kind]
+    fmt = GGUF_FORMATS.get(kind)
+    if not item.n_bytes:  # an empty tensor (a dimension of 0): nothing to map
+        return torch.empty(shape, dtype=PLAIN_TYPES[kind]) if fmt is None else StoredTensor(
+            torch.empty(*shape[:-1], 0, dtype=torch.uint8), fmt, shape)
+    if fmt is None:
+        dtype = PLAIN_TYPES[kind]
+        return tensor_at(mapping, dtype, int(item.data_offset), int(item.n_bytes) // dtype.itemsize).reshape(shape)
     data = tensor_at(mapping, torch.uint8, int(item.data_offset), int(item.n_bytes))
     if orig_shape is None:  # rows stay rows: [*shape[:-1], row_bytes]
         data = data.reshape(*shape[:-1], shape[-1] // fmt.block_size * fmt.block_bytes)
     return StoredTensor(data, fmt, shape)
+
+
+def _logical_shape(path: Path, item, orig_shape) -> tuple[int, ...]:
+    """The tensor's torch shape: its GGUF dimensions reversed, or city96's recorded original shape, which
+    must be non-negative integers holding the same elements (a damaged record would fail later, raw)."""
+    shape = tuple(int(d) for d in reversed(item.shape.tolist()))
+    if orig_shape is None:
+        return shape
+    dims = list(orig_shape) if isinstance(orig_shape, (list, tuple)) else None
+    valid = dims is not None and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims)
+    if not valid or math.prod(dims) != math.prod(shape):
+        raise StorageError(
+            f"{path}: tensor '{item.name}' records an original shape {orig_shape!r} ({ORIG_SHAPE_KEY}{item.name}) "
+            f"that does not hold its {math.prod(shape)} elements (stored as {list(shape)}); the file is damaged or "
+            "was converted wrongly: download or convert it again."
+        )
+    return tuple(dims)
 
 
 def _contents(field) -> Any:

@@ -129,8 +129,8 @@ def text_encoder_fields(t: Mapping[str, Any]) -> dict[str, Any]:
     block = "encoder.block.{}.layer.0.SelfAttention."
     layers = count_blocks(t, r"encoder\.block\.(\d+)\.")
     bias = t[block.format(0) + "relative_attention_bias.weight"]
-    embed = t.get("shared.weight", t.get("encoder.embed_tokens.weight"))
-    wi = t.get("encoder.block.0.layer.1.DenseReluDense.wi_0.weight", t.get("encoder.block.0.layer.1.DenseReluDense.wi.weight"))
+    embed = _either(t, "shared.weight", "encoder.embed_tokens.weight")
+    wi = _either(t, "encoder.block.0.layer.1.DenseReluDense.wi_0.weight", "encoder.block.0.layer.1.DenseReluDense.wi.weight")
     umt5 = layers < 2 or block.format(1) + "relative_attention_bias.weight" in t
     return {
         "class": "UMT5EncoderModel" if umt5 else "T5EncoderModel",
@@ -138,6 +138,14 @@ def text_encoder_fields(t: Mapping[str, Any]) -> dict[str, Any]:
         "num_heads": bias.shape[1], "d_kv": t[block.format(0) + "q.weight"].shape[0] // bias.shape[1],
         "d_ff": wi.shape[0], "relative_attention_num_buckets": bias.shape[0],
     }
+
+
+def _either(t: Mapping[str, Any], name: str, other: str):
+    """The tensor under `name` or `other`; KeyError naming the first (a missing tensor, as `t[name]` gives)."""
+    found = t.get(name, t.get(other))
+    if found is None:
+        raise KeyError(name)
+    return found
 
 
 def text_config(class_name: str, config: Mapping[str, Any]):

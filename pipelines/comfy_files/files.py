@@ -47,21 +47,22 @@ def read_weight_file(path: str | Path, role: str, expected: str, takes: str = ""
     """Open `path` (the loader input `role`), check it holds an `expected` kind of model (`takes`: what
     the input takes, for the message; default the kind's name)."""
     path = Path(path)
+    where = f"{role} '{path.name}'"
     opened, llama_cpp = _open(path, role)
     kind, layout, tensors, extra = _classify(path, role, opened)
     if kind != expected:
         raise ModelError(
-            f"{role}: '{path.name}' holds {_held(kind, layout, tensors)}, but this input takes "
+            f"{role}: '{path.name}' holds {_held(kind, layout, tensors, where)}, but this input takes "
             f"{takes or detect.KIND_NAMES[expected]}; "
             f"pick the matching file from the {expected.replace('_', ' ')} list."
         )
     if kind == detect.TRANSFORMER and hy15.transformer_layout(tensors) is not None:
         tensors = _hy15_transformer(path, role, layout, tensors)
-    return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors, _fields(kind, layout, tensors), extra,
-                      llama_cpp)
+    return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors,
+                      _fields(kind, layout, tensors, where), extra, llama_cpp)
 
 
-def _held(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> str:
+def _held(kind: str, layout: KeyLayout, tensors: Mapping[str, Any], where: str) -> str:
     """What a file of `kind` holds, for messages: a transformer by its family."""
     if kind == detect.VAE and hy15_vae.is_vae(tensors):
         return "a HunyuanVideo 1.5 VAE"
@@ -72,7 +73,7 @@ def _held(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> str:
         return detect.KIND_NAMES[kind]
     if hy15.transformer_layout(tensors) is not None:  # still under the file's names: see _classify
         return "a HunyuanVideo 1.5 transformer"
-    return detect.a_family_transformer(_fields(kind, layout, tensors))
+    return detect.a_family_transformer(_fields(kind, layout, tensors, where))
 
 
 def _hy15_transformer(path: Path, role: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -240,7 +241,8 @@ def _strip(tensors: dict, prefix: str, keep=lambda name: True) -> dict:
     return {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix) and keep(name[len(prefix):])}
 
 
-def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[str, Any]:
+def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The config fields the shapes fix; ModelError naming `where` (the input and its file) for a missing tensor."""
     try:
         if kind == detect.TRANSFORMER and ltx2.is_transformer(tensors):
             return ltx2.transformer_fields(tensors)
@@ -258,8 +260,9 @@ def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any]) -> dict[st
         return reader(tensors)
     except KeyError as error:
         # Not a transformer's _held: it reads _fields.
-        shown = _held(kind, layout, tensors) if kind == detect.VAE else detect.KIND_NAMES[kind]
-        raise ModelError(f"{shown} file lacks the tensor {error}; the file is incomplete or of another variant.") from None
+        shown = _held(kind, layout, tensors, where) if kind == detect.VAE else detect.KIND_NAMES[kind]
+        raise ModelError(f"{shown} file lacks the tensor {error}: {where} is incomplete or of another variant; "
+                         "download it again or pick the matching file.") from None
 
 
 def model_tensors(file: WeightFile, model_names) -> dict[str, Any]:

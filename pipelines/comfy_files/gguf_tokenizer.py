@@ -41,6 +41,10 @@ def spiece_model(metadata: Mapping[str, Any], where: str) -> bytes:
                          "Unigram) tokenizer. Use city96's umt5-xxl-encoder-*.gguf or Comfy-Org's umt5_xxl_*.safetensors.")
     tokens, scores = metadata["tokenizer.ggml.tokens"], metadata.get("tokenizer.ggml.scores")
     types = metadata.get("tokenizer.ggml.token_type")
+    for key, values in (("tokenizer.ggml.scores", scores), ("tokenizer.ggml.token_type", types)):
+        if values is not None and len(values) < len(tokens):
+            raise ModelError(f"{where} has a damaged tokenizer: {key} lists {len(values)} entries for its {len(tokens)} "
+                             "tokens (tokenizer.ggml.tokens); download the file again.")
     model = proto.ModelProto()
     for index, token in enumerate(tokens):
         model.pieces.add(piece=token, score=float(scores[index]) if scores is not None else 0.0,

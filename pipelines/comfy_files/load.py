@@ -1,10 +1,11 @@
 """load_model_files: a Wan pipeline from ComfyUI's model files, with no diffusers folder.
 
-Every file is opened and checked before any model is built (content sniffing refuses pickles
-and truncated files; tensor shapes say which model each file is and whether they belong
-together), so a bad input costs nothing. Then each component is built without weights and given
-the file's tensors in place: with `weights_on_disk` the weights stay in the files' mappings (the
-page cache: the disk tier), otherwise they are copied into RAM once.
+Every file is opened and checked before any weight is read into memory (content sniffing refuses
+pickles and truncated files; tensor shapes say which model each file is and whether they belong
+together; every component, built on meta, is checked name by name and shape by shape against its
+file; the RAM the load takes is counted), so a bad input costs nothing. Then each component is
+given the file's tensors in place: with `weights_on_disk` the weights stay in the files' mappings
+(the page cache: the disk tier), otherwise they are copied into RAM once.
 
     files = ModelFiles(model="…/wan2.1_t2v_1.3B_fp16.safetensors",
                        text_encoder="…/umt5_xxl_fp8_e4m3fn_scaled.safetensors", vae="…/wan_2.1_vae.safetensors")
@@ -13,20 +14,26 @@ page cache: the disk tier), otherwise they are copied into RAM once.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Sequence
 
 
+from ...memory.storage import StorageError, StoredTensor
+from ...memory.storage.apply import check_weights
 from ..family import ModelError
 from ..loader import DTYPES, LoadedPipeline, pinned_pipeline_class
 from ..wan import WAN
 from ..weight_check import check_against_files, check_against_ram, implied_weights, stored_elements
-from ..weight_storage import DEFAULT_WEIGHTS, LOWERED, check_weight_dtype, held_format, hold, lowered_ram_bytes, matrices_mapped
+from ..weight_storage import (DEFAULT_WEIGHTS, LOWERED, check_weight_dtype, hold, lowered_names, lowered_ram_bytes,
+                              matrices_mapped)
 from . import build, detect, match
 from .catalogue import ModelEntry, shipped_catalogue
 from .files import WeightFile, model_tensors, read_weight_file
+
+log = logging.getLogger("vidmem")
 
 
 @dataclass(frozen=True)
@@ -58,21 +65,20 @@ class LoadOptions:
     def vae(self) -> str:
         return self.vae_dtype or self.dtype
 
-    def lowers(self, file: WeightFile) -> bool:
-        """Whether weight_dtype re-stores this file's matrices narrower (in RAM, not mapped)."""
-        return held_format(file.storage, self.weight_dtype) != file.storage
-
 
 def load_model_files(files: ModelFiles, options: LoadOptions = LoadOptions(),
                      catalogue: Sequence[ModelEntry] | None = None) -> LoadedPipeline:
     """Load a Wan pipeline from single files; ModelError naming the input and its fix when they do not fit."""
     opened = _open_all(files)
     entry = _match(opened, catalogue if catalogue is not None else shipped_catalogue())
-    _check_sizes(entry, opened, options)
+    modules = {role: build.build_empty(entry.components[_COMPONENT[role]]) for role in opened}  # on meta
+    tensors = {role: model_tensors(file, modules[role].state_dict().keys()) for role, file in opened.items()}
+    _check_files(entry, opened, modules, tensors, options)
     components, storage, reports = {}, {}, {}
     for role, file in opened.items():
         name = _COMPONENT[role]
-        components[name], reports[name], storage[name] = _load_component(entry, name, file, options)
+        components[name] = modules[role]
+        reports[name], storage[name] = _fill_component(name, modules[role], tensors[role], file, options)
     pipe = _assemble(entry, components, opened["text_encoder"].tokenizer_model)
     return LoadedPipeline(
         pipe, WAN, entry.pipeline_class, source=" + ".join(f.name for f in opened.values()),
@@ -96,6 +102,8 @@ def _open_all(files: ModelFiles) -> dict[str, WeightFile]:
 def _match(opened: dict[str, WeightFile], catalogue: Sequence[ModelEntry]) -> ModelEntry:
     match.check_experts(opened["model"], opened.get("model_2"))
     entry = match.choose_model(opened["model"], 1 + ("model_2" in opened), catalogue)
+    for claim in match.name_disagreements(entry, opened["model"], opened.get("model_2")):
+        log.warning("vidmem: %s.", claim)
     match.check_vae(entry, opened["vae"])
     match.check_text_encoder(entry, opened["text_encoder"])
     match.check_tokenizer(opened["text_encoder"])
@@ -109,36 +117,73 @@ def _maps_files(options: LoadOptions, components: dict) -> bool:
     return options.weights_on_disk and all(matrices_mapped(components[name]) for name in LOWERED if name in components)
 
 
-def _check_sizes(entry: ModelEntry, opened: dict[str, WeightFile], options: LoadOptions) -> None:
-    """Before any allocation: each matched config's weights (built on meta) against the file's
-    real tensors, and when they are copied into RAM, the files' sizes against RAM and swap."""
-    in_ram = []
+def _check_files(entry: ModelEntry, opened: dict[str, WeightFile], modules: dict, tensors: dict,
+                 options: LoadOptions) -> None:
+    """Before any weight is read: each matched config's weights against the file's real tensors, then
+    every name and shape against the component built on meta (`modules`), then what the load puts in
+    RAM against RAM and swap. ModelError naming the input and its file."""
     for role, file in opened.items():
         name = _COMPONENT[role]
-        dtype = DTYPES[options.vae if name == "vae" else options.dtype]
-        implied = implied_weights(entry.components[name], dtype)
-        elements = stored_elements(t.shape for t in file.tensors.values())
-        check_against_files(implied, elements, f"{role} '{file.name}'")
-        if name in LOWERED and options.lowers(file):  # re-stored in RAM at the lower format
-            in_ram.append((f"{role} '{file.name}' as {options.weight_dtype}", lowered_ram_bytes(options.weight_dtype, elements)))
-        elif not options.weights_on_disk:
-            in_ram.append((f"{role} '{file.name}'", file.path.stat().st_size))
+        implied = implied_weights(entry.components[name], _dtype(name, options))
+        check_against_files(implied, stored_elements(t.shape for t in file.tensors.values()), f"{role} '{file.name}'")
+    for role, file in opened.items():
+        try:
+            check_weights(modules[role], tensors[role], f"'{file.name}'")
+        except StorageError as error:
+            raise ModelError(f"{role}: {error}") from None
+    in_ram = [need for role, file in opened.items() if (need := _ram_need(role, file, modules[role], tensors[role], options))]
     if in_ram:
         check_against_ram(in_ram, "holding these weights in RAM (weights_on_disk off, or weight_dtype lowering them)",
                           "Turn weights_on_disk on and leave weight_dtype at default: the weights then stay "
                           "mapped from the files and are read as needed.")
 
 
-def _load_component(entry: ModelEntry, name: str, file: WeightFile, options: LoadOptions):
+def _ram_need(role: str, file: WeightFile, module, tensors: dict, options: LoadOptions) -> tuple[str, int] | None:
+    """(label, bytes) of what `file` takes in RAM once loaded, None when it stays mapped. weight_dtype
+    re-stores tensor by tensor (`lowered_names`: a Q6_K matrix in a Q4_K_M file, an F16 one in a Q8_0
+    file), so the count is per tensor, never from the file's majority format."""
+    lowered = _lowered(_COMPONENT[role], module, tensors, options.weight_dtype)
+    if not lowered:
+        return None if options.weights_on_disk else (f"{role} '{file.name}'", file.path.stat().st_size)
+    nbytes = lowered_ram_bytes(options.weight_dtype, stored_elements(tensors[n].shape for n in lowered))
+    if not options.weights_on_disk:  # the rest is copied as the file holds it
+        kept = tensors.keys() - set(lowered)
+        nbytes += sum(_file_bytes(tensors[n]) for n in kept)
+    return f"{role} '{file.name}' with {len(lowered)} tensors lowered to {options.weight_dtype}", nbytes
+
+
+def _lowered(name: str, module, tensors: dict, weight_dtype: str) -> list[str]:
+    """The tensors weight_dtype re-stores in component `name` (none outside LOWERED, none at default)."""
+    if name not in LOWERED or weight_dtype == DEFAULT_WEIGHTS:
+        return []
+    return lowered_names(module, tensors, weight_dtype)
+
+
+def restores_weights(entry: ModelEntry, role: str, file: WeightFile, weight_dtype: str) -> bool:
+    """Whether weight_dtype re-stores any of `file`'s tensors (into RAM: the disk tier no longer holds), as
+    the load decides it, tensor by tensor; the component is built on meta to know its matrices."""
+    name = _COMPONENT[role]
+    if name not in LOWERED or weight_dtype == DEFAULT_WEIGHTS:
+        return False
     module = build.build_empty(entry.components[name])
-    tensors = model_tensors(file, module.state_dict().keys())
+    return bool(_lowered(name, module, model_tensors(file, module.state_dict().keys()), weight_dtype))
+
+
+def _file_bytes(tensor) -> int:
+    return tensor.nbytes if isinstance(tensor, StoredTensor) else tensor.numel() * tensor.element_size()
+
+
+def _dtype(name: str, options: LoadOptions):
+    return DTYPES[options.vae if name == "vae" else options.dtype]
+
+
+def _fill_component(name: str, module, tensors: dict, file: WeightFile, options: LoadOptions):
+    """`module` (built on meta, checked against `tensors`) given its weights; (report, held format)."""
     weight_dtype = options.weight_dtype if name in LOWERED else DEFAULT_WEIGHTS
-    dtype = DTYPES[options.vae if name == "vae" else options.dtype]
-    report, matrices = hold(module, tensors, dtype, weight_dtype, not options.weights_on_disk, file.name)
+    report, matrices = hold(module, tensors, _dtype(name, options), weight_dtype, not options.weights_on_disk, file.name)
     # The matrices' format for the lowered components (what the planner budgets); the VAE's and
     # the image encoder's convolutions and layers are cast to their dtype at load.
-    held = matrices if name in LOWERED else report.formats[0].format
-    return module, report, held
+    return report, matrices if name in LOWERED else report.formats[0].format
 
 
 def _assemble(entry: ModelEntry, components: dict, spiece: bytes):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from ..family import ModelError
 from . import detect, text_encoders
@@ -11,7 +14,14 @@ from .files import WeightFile
 
 
 def check_experts(model: WeightFile, model_2: WeightFile | None) -> None:
-    """Wan 2.2 A14B's two experts are one architecture; anything else is the wrong pairing."""
+    """Wan 2.2 A14B's two experts are one architecture; anything else is the wrong pairing, and so is one
+    file given twice (its shapes fit: Wan 2.1 14B as both would run as Wan 2.2 A14B)."""
+    if model_2 is not None and _same_file(model.path, model_2.path):
+        raise ModelError(
+            f"model_2: '{model_2.name}' is the same file as model ('{model.name}'). Wan 2.2 A14B runs two experts: "
+            "model takes the high-noise file and model_2 the low-noise one (e.g. wan2.2_t2v_high_noise_14B_* and "
+            "wan2.2_t2v_low_noise_14B_*); for a model with one transformer (Wan 2.1 14B) set model_2 to (none)."
+        )
     if model_2 is None or model_2.fields == model.fields:
         return
     diff = detect.differences(model_2.fields, model.fields)
@@ -20,6 +30,39 @@ def check_experts(model: WeightFile, model_2: WeightFile | None) -> None:
         "Wan 2.2 A14B's experts share one architecture: pick the low-noise file of the same model "
         "(e.g. wan2.2_t2v_low_noise_14B_* with wan2.2_t2v_high_noise_14B_*), or set model_2 to (none)."
     )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # a link or another spelling of the path is the same file too
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+# Wan 2.1 T2V / I2V 14B and the Wan 2.2 A14B experts have the same shapes: only the file names tell them apart.
+_EXPERT = re.compile(r"(high|low)[ _.-]?noise")
+_WAN21 = re.compile(r"wan[ _.-]?2[ _.-]1(?![0-9])")
+
+
+def name_disagreements(entry: ModelEntry, model: WeightFile, model_2: WeightFile | None) -> list[str]:
+    """What the transformer files' names say (a high_noise / low_noise expert, Wan 2.1) that the files as
+    given contradict. Shapes cannot tell these models apart, so this is a warning, not a refusal: the
+    inputs decide (model_2 set or not), and a renamed file may be right."""
+    claims = []
+    for role, file in (("model", model), ("model_2", model_2)):
+        name = file.name.lower() if file is not None else ""
+        expert = _EXPERT.search(name)
+        if expert and model_2 is None:
+            claims.append(f"model: '{file.name}' is named a {expert.group(1)}-noise expert of Wan 2.2 A14B, but with "
+                          f"model_2 at (none) its shapes run as {entry.name}; set model_2 to the low-noise expert to "
+                          "run Wan 2.2 A14B")
+        elif expert and expert.group(1) != ("high" if role == "model" else "low"):
+            claims.append(f"{role}: '{file.name}' is named the {expert.group(1)}-noise expert, but {role} takes the "
+                          f"{'high' if role == 'model' else 'low'}-noise one; swap model and model_2")
+        if _WAN21.search(name) and model_2 is not None:
+            claims.append(f"{role}: '{file.name}' is named Wan 2.1, but with model_2 set the two files run as the "
+                          f"experts of {entry.name}")
+    return claims
 
 
 def choose_model(model: WeightFile, experts: int, catalogue: Sequence[ModelEntry]) -> ModelEntry:
