@@ -136,7 +136,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if shape.window:
             print("\n" + window_line(model, shape))
         if best is not None and options.device != "cpu":
-            print("\n" + _warm_line(plans[best]))
+            print("\n" + _warm_line(model, plans[best]))
         if args.cache != "off":
             print("\n" + _cache_line(model, args.steps, shape, plans[best] if best is not None else None, args.cache))
         if message:
@@ -267,17 +267,39 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
     return "\n".join(lines)
 
 
-def _warm_line(plan) -> str:
+def _warm_line(model, plan) -> str:
     """The cold case and the warm case of the recommended row: what its first run uploads before it
     can denoise, which later runs of the same graph keep on the GPU (docs/warm-runs.md)."""
-    from ..memory.plan.costs import PCIE_BYTES_PER_S
-
-    kept = max((p.weights_bytes for p in plan.stage("denoise").phases), default=0)
+    kept = uploaded_weight_bytes(model, plan)
+    rate, source = first_upload_rate(plan)
     streams = " (the streamed blocks still stream every step)" if plan.strategy.streams_blocks else ""
     return (f"Cold and warm: the recommended row's first run uploads {kept / GIB:.1f} GiB of weights before it "
-            f"denoises (about {kept / PCIE_BYTES_PER_S:.1f} s at {PCIE_BYTES_PER_S / 1e9:g} GB/s); later runs of the "
+            f"denoises (about {kept / rate:.1f} s at {rate / 1e9:g} GB/s, {source}); later runs of the "
             f"same graph find them on the GPU{streams}, unless ComfyUI took the memory back or, under tier model, a "
             "text encoder on the GPU evicted them (docs/warm-runs.md).")
+
+
+def uploaded_weight_bytes(model, plan) -> int:
+    """Weight bytes the denoise stage puts on the GPU, less the upcast workspace of a stored layer
+    (a temporary the layer computes with, made on the GPU: never uploaded, never kept)."""
+    from ..memory.plan.stages import component_weights
+
+    def uploaded(phase) -> int:
+        component = phase.label.removesuffix(" (image)")
+        workspace = component_weights(model, component, plan.options).transient_bytes if component in model.layout.all else 0
+        return phase.weights_bytes - workspace
+
+    return max((uploaded(p) for p in plan.stage("denoise").phases), default=0)
+
+
+def first_upload_rate(plan) -> tuple[float, str]:
+    """How fast the first run's weights reach the GPU, and from where: memory-mapped weights (the disk
+    tier) come from a cold page cache, so the disk (--disk-gbps) sets the pace, not the PCIe copy."""
+    from ..memory.plan.costs import PCIE_BYTES_PER_S
+
+    if plan.on_disk and plan.options.disk_bytes_per_s < PCIE_BYTES_PER_S:
+        return plan.options.disk_bytes_per_s, "read from the disk (--disk-gbps): the page cache starts cold"
+    return PCIE_BYTES_PER_S, "over PCIe"
 
 
 def _cache_line(model, steps: int, shape, plan=None, method: str = "mag_cache") -> str:

@@ -2,7 +2,9 @@
 
 The web extension sends the model name (one of the pack's own model lists, never a path), the
 Strategy node's widget values and the Sampler's shape. The answer is every tier's predicted
-peak VRAM and RAM per stage against the budgets, with the row the run would use. For a Load
+peak VRAM and RAM per stage against the budgets, with the row the run would use: under `auto`, the
+Sampler's choice, with the weights where the loader holds them (`+disk` rows are shown with the
+loader input they need, never chosen). For a Load
 Video Model Files node (loader=VidMemLoadModelFiles) the files, from the host's own lists, are
 recognised from their headers (nodes/plan_files.py) and planned with their real storage and the
 disk tier, as the run will hold them. The Sampler's context window (window, window_overlap) is
@@ -220,21 +222,44 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
                                                                    None if request.auto else strategy), (vram, ram))
         plans = candidate_plans(model, request.shape, vram, ram, base=base, options=options)
         labels = [_label(plan, options) for plan in plans]
-        chosen = recommended(plans)
+        chosen = as_loaded_choice(plans, options)
         if not request.auto:
             plans.append(plan_run(model, request.shape, strategy, options, vram_budget_bytes=vram, ram_budget_bytes=ram))
             labels.append("your settings")
             chosen = len(plans) - 1
     except (FilesProblem, ValueError, OSError) as error:  # StrategyError, PlanError, ModelError: all name their input
         return _error(error)
+    needs = _disk_input(request)
     return {
         **_head(request, model, options, vram, ram),
-        "rows": [_row(label, plan, model) for label, plan in zip(labels, plans)],
+        "rows": [_row(label, plan, model, needs if plan.on_disk != options.on_disk else "")
+                 for label, plan in zip(labels, plans)],
         "chosen": chosen,
         "time": _time(plans, options),
         "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
         "speed": _speed_lines(request, model, options, plans[chosen] if chosen is not None else None),
     }
+
+
+def as_loaded_choice(plans, options: PlanOptions) -> int | None:
+    """The row the Sampler's `auto` runs (pipelines/planning.choose_for): the fastest that fits with the
+    weights held as the loader holds them. A `+disk` row needs another load, so it is shown, never chosen."""
+    held = [i for i, plan in enumerate(plans) if plan.on_disk == options.on_disk]
+    best = recommended([plans[i] for i in held])
+    return None if best is None else held[best]
+
+
+def _disk_input(request: PlanRequest) -> str:
+    """The loader input that keeps the weights memory-mapped from their files, for the `+disk` rows."""
+    if request.files is not None:
+        if not request.files.weights_on_disk:
+            return "weights_on_disk on (Load Video Model Files)"
+        # weight_dtype re-stored the matrices at load: those live in RAM whatever weights_on_disk says.
+        return "weight_dtype default, weights_on_disk on (Load Video Model Files)"
+    if request.transformer_file or request.text_encoder_files:  # replaced components are held in RAM
+        return ("Load Video Pipeline with the folder's own transformer and text encoder, weight_dtype the format "
+                "its files store (e.g. bf16)")
+    return "weight_dtype set to the format the folder's files store, e.g. bf16 (Load Video Pipeline)"
 
 
 def _error(error: Exception) -> dict:
@@ -403,9 +428,10 @@ def _label(plan, options: PlanOptions) -> str:
     return s.offload.value + blocks + chunks + (" +disk" if plan.on_disk and not options.on_disk else "")
 
 
-def _row(label: str, plan, model) -> dict:
+def _row(label: str, plan, model, needs: str = "") -> dict:
+    """One chart row; `needs`: the loader input this row's weights need (a `+disk` row), "" when it runs as loaded."""
     return {
-        "label": label, "strategy": plan.strategy.describe(), "fits": plan.fits, "on_disk": plan.on_disk,
+        "label": label, "strategy": plan.strategy.describe(), "fits": plan.fits, "on_disk": plan.on_disk, "needs": needs,
         "est_slowdown": plan.est_slowdown, "peak_vram_bytes": plan.peak_vram_bytes, "peak_ram_bytes": plan.peak_ram_bytes,
         "stages": [{"name": s.name, "vram_bytes": s.device_bytes, "ram_bytes": s.host_bytes} for s in plan.stages],
         "over_budget": over_budget_lines(model, plan),  # one line per stage, with the fix that makes it fit

@@ -3,7 +3,8 @@
 The architecture comes from the pipeline's diffusers folder or, for ComfyUI's single files, the
 shipped config the loader recognised them as. How the weights are held comes from the loader too
 (`plan_options`): each component's storage format and whether the weights stay memory-mapped in
-their files (the disk tier), so predictions and `auto` count the bytes the run really holds.
+their files (the disk tier), so predictions and `auto` count the bytes the run really holds, the
+LoRA tensors a sampling run attaches to its layers included (`sampling_model`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,61 @@ def planner_model(loaded: LoadedPipeline):
     """The pipeline's architecture built on meta from its folder's config files, or the shipped
     config its single files were recognised as (cached), less the parts the loader removed."""
     return load_model(loaded.folder or loaded.config_name, loaded.dtype_name, loaded.vae_dtype_name or None, loaded.removed)
+
+
+def sampling_model(loaded: LoadedPipeline):
+    """`planner_model` as a sampling run holds it: with the LoRA tensors the run attaches to its
+    layers (`lora_tensors`). Training plans keep `planner_model`: they add the pipeline's LoRAs
+    themselves (training.plan.applied_lora_bytes)."""
+    model = planner_model(loaded)
+    held = lora_tensors(loaded)
+    return WithLoras(model, held) if held else model
+
+
+def lora_tensors(loaded: LoadedPipeline) -> dict[str, dict[str, list[tuple[int, int]]]]:
+    """component -> layer -> (key, bytes) of each LoRA tensor a run registers on that layer.
+
+    The engine's own patches (`lora_patches`, as pipelines.sample applies them): memory.lora puts
+    each patch's tensors on its layer as buffers, so they ride with the layer's block or leaf under
+    every tier; a tensor shared by two layers is one key. Strength 0 attaches nothing."""
+    from .lora import lora_patches
+
+    loras = getattr(loaded, "loras", ())
+    if not loras:  # the common case reads nothing of the pipeline
+        return {}
+    held: dict[str, dict[str, list[tuple[int, int]]]] = {}
+    for patch in lora_patches(loaded.pipe, loras):
+        if patch.scale == 0.0:  # apply_loras skips it: no buffer
+            continue
+        component, layer = patch.name.split(".", 1)
+        held.setdefault(component, {}).setdefault(layer, []).extend(
+            (id(t), t.numel() * t.element_size()) for t in patch.tensors.values())
+    return held
+
+
+class WithLoras:
+    """A planner model whose components carry the run's LoRA tensors on their layers; everything
+    else is the wrapped model's. Only `weights` differs: the denoise stage then streams the LoRA
+    bytes with their blocks, as the engine moves them, instead of not counting them at all."""
+
+    def __init__(self, model, held: dict[str, dict[str, list[tuple[int, int]]]]) -> None:
+        self._model, self._held, self._weights = model, held, {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def weights(self, component: str, storage: str | None = None):
+        base = self._model.weights(component, storage)
+        held = self._held.get(component)
+        if not held:
+            return base
+        key = (component, storage)
+        if key not in self._weights:
+            known = set(base.table.modules)
+            for layer in held.keys() - known:  # a layer the meta model names otherwise: not planned, never fatal
+                logger.info("vidmem: LoRA layer %s.%s is not in the planner's model: not counted", component, layer)
+            self._weights[key] = base.with_tensors({layer: t for layer, t in held.items() if layer in known})
+        return self._weights[key]
 
 
 def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions(), device=None) -> PlanOptions:
@@ -60,8 +116,8 @@ def run_device(device=None) -> str:
 def plan_strategy(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStrategy,
                   vram_budget_bytes: int | None, ram_budget_bytes: int | None,
                   options: PlanOptions = PlanOptions(), device=None) -> Plan:
-    """Predicted peaks per stage for running `strategy` at `shape` on `device`, with the weights as loaded."""
-    return plan_run(planner_model(loaded), shape, strategy, plan_options(loaded, options, run_device(device)),
+    """Predicted peaks per stage for running `strategy` at `shape` on `device`, with the weights (and LoRAs) as loaded."""
+    return plan_run(sampling_model(loaded), shape, strategy, plan_options(loaded, options, run_device(device)),
                     vram_budget_bytes=vram_budget_bytes, ram_budget_bytes=ram_budget_bytes)
 
 
@@ -74,7 +130,7 @@ def choose_for(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy,
     pipeline's and are not chosen here (they were fixed at load); when nothing fits, the error
     says which storage or disk tier would, to load with instead.
     """
-    return choose_strategy(planner_model(loaded), shape, vram_budget_bytes, ram_budget_bytes,
+    return choose_strategy(sampling_model(loaded), shape, vram_budget_bytes, ram_budget_bytes,
                            base=replace(base, offload="model", blocks_to_swap=0),
                            options=plan_options(loaded, options, run_device(device)), consider_disk=False)
 

@@ -210,9 +210,7 @@ def _summary(plan: Plan) -> str:
 
 def _smaller_shapes(model, shape: VideoShape):
     """Fewer frames first (cheaper to lose), then lower resolutions, as the model accepts them."""
-    step = 4
-    frames = max(1, (shape.frames - 1) // 2 // step * step + 1)
-    candidates = [replace(shape, frames=frames)]
+    candidates = [_fewer_frames(model, shape)]
     for scale in (0.75, 0.5):
         width, height = (max(64, int(v * scale) // 32 * 32) for v in (shape.width, shape.height))
         candidates.append(replace(shape, width=width, height=height))
@@ -222,6 +220,19 @@ def _smaller_shapes(model, shape: VideoShape):
         except ValueError:
             continue
         yield candidate
+
+
+def _fewer_frames(model, shape: VideoShape) -> VideoShape:
+    """About half the frames: the most, from half down, that the model's frame rule takes (its shape
+    check: Wan's 4k+1, LTX-2's 8k+1), so the suggestion is a count the model runs; one frame at least."""
+    for frames in range((shape.frames - 1) // 2 + 1, 1, -1):
+        fewer = replace(shape, frames=frames)
+        try:
+            model.check_shape(fewer)
+        except ValueError:
+            continue
+        return fewer
+    return replace(shape, frames=1)
 
 
 def _gib(nbytes: int | None) -> str:

@@ -16,7 +16,8 @@ do in a run. What is in flight on top:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -100,6 +101,27 @@ class SlotTable:
         """Bytes of each distinct tensor among `tensors` (a tied tensor is copied once)."""
         return [self.sizes[t] for t in dict.fromkeys(tensors)]
 
+    def with_tensors(self, held: Mapping[str, Sequence[tuple[Hashable, int]]]) -> "SlotTable":
+        """This table with more tensors held directly by named modules: `held` maps a module's name
+        to (key, bytes) per tensor, one key per distinct tensor (a key under several modules is one
+        tensor, tied as `residency.partition_slots` ties it). A module's own buffers move with it
+        under every tier, in its block or as part of its leaf, so these do too (the LoRA buffers
+        memory.lora registers on their layers). ValueError names a module the table does not have."""
+        unknown = [name for name in held if name not in self.modules]
+        if unknown:
+            raise ValueError(f"no module {', '.join(map(repr, unknown))} holds tensors in this component; "
+                             "name modules that hold weights (its linear layers).")
+        sizes, index = list(self.sizes), {}
+        extra: dict[str, list[int]] = {}
+        for name, tensors in held.items():
+            for key, nbytes in tensors:
+                if key not in index:
+                    index[key] = len(sizes)
+                    sizes.append(int(nbytes))
+                extra.setdefault(name, []).append(index[key])
+        slots = tuple(slot + tuple(extra.get(name, ())) for name, slot in zip(self.modules, self.slots))
+        return replace(self, sizes=tuple(sizes), slots=slots, _memo={})
+
 
 def slot_table(module: nn.Module, blocks: nn.ModuleList | None, stored: StoredSizes = StoredSizes()) -> SlotTable:
     """`module`'s SlotTable, its tensors counted as stored."""
@@ -141,6 +163,14 @@ class ComponentWeights:
     def transient_bytes(self) -> int:
         """The dequantized copy of the layer computing now (0 when nothing is stored quantized)."""
         return self.stored.transient_bytes
+
+    def with_tensors(self, held: Mapping[str, Sequence[tuple[Hashable, int]]]) -> "ComponentWeights":
+        """These weights and more tensors held by named modules (`SlotTable.with_tensors`), e.g. the
+        LoRA buffers a run attaches to its layers: counted where the engine moves them, with their
+        block or leaf, not as one lump beside the component."""
+        table = self.table.with_tensors(held)
+        added = table.sizes[len(self.table.sizes):]
+        return replace(self, nbytes=self.nbytes + sum(added), tensors=self.tensors + added, table=table)
 
 
 def tensor_sizes(slots, stored: StoredSizes = StoredSizes()) -> list[int]:

@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_OPTIONS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
-  SAMPLER_SHAPE, extraFields, cacheLine, shapeText, speedLines, windowLines, planBars, planLines, planQuery, planReasons, planVerdict, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
+  SAMPLER_SHAPE, extraFields, cacheLine, shapeText, speedLines, windowLines, planBars, planLines, planQuery, planReasons, planVerdict, needsLine, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
   parseStrategyText, receiptFrom, strategyLines, summarize, textFrom,
 } from "../../web/js/vidmem_format.js";
 
@@ -270,6 +270,23 @@ test("the verdict names the chosen row, or the problem and its input; the reason
   assert.equal(planReasons(none).length, 1);
   assert.equal(planVerdict({ status: "error", error: "tile_size=100 must be a multiple of 32" }), "plan: tile_size=100 must be a multiple of 32");
   assert.match(planVerdict(null), /connect the Sampler/);
+});
+
+test("a +disk row the loader does not hold is never the verdict's: it says which loader input it needs", () => {
+  // nodes/plan_route.py: auto chooses among the rows the loader holds (the Sampler's auto); +disk rows carry `needs`.
+  const needs = "weights_on_disk on (Load Video Model Files)";
+  const leanest = { ...PLAN.rows[0], label: "sequential" };
+  const disk = { ...PLAN.rows[1], label: "sequential +disk", on_disk: true, needs, fits: true };
+  const nothing = { ...PLAN, auto: true, chosen: null, rows: [leanest, disk] };
+  assert.match(planVerdict(nothing), /^nothing fits as loaded; even sequential is over; peak 12\.0/);
+  assert.deepEqual(planReasons(nothing), [...leanest.over_budget, `sequential +disk fits with ${needs}`]);
+  assert.equal(needsLine(nothing), `+disk rows need the weights on disk: ${needs}; auto runs the weights as loaded`);
+  assert.equal(planLines(nothing).at(-1), `  ${needsLine(nothing)}`);
+  const chosen = { ...nothing, chosen: 0, rows: [{ ...leanest, fits: true, over_budget: [] }, disk] };
+  assert.match(planVerdict(chosen), /^auto chose sequential: fits/);
+  assert.deepEqual(planReasons(chosen), []);
+  assert.equal(needsLine(PLAN), "");
+  assert.match(planLines(PLAN).at(-1), /budget/);
 });
 
 test("bars are shares of the budgets: past 1 is over the line", () => {

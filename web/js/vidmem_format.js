@@ -371,14 +371,23 @@ export function planLines(plan) {
       `${time ? `     ${timeText(plan, row).padStart(4)}` : ""}${fit}`);
   });
   lines.push(`  ${"budget".padEnd(width)} ${gib(plan.budgets.vram_bytes).padStart(5)} ${gib(plan.budgets.ram_bytes).padStart(5)}`);
+  const needs = needsLine(plan);
+  if (needs) lines.push(`  ${needs}`);
   return lines;
 }
 
-/** The row the verdict is about: the chosen one, else (nothing fits) the leanest candidate. */
+/** What the +disk rows need from the loader (row.needs, nodes/plan_route.py), or "" when every row runs as loaded:
+ * auto never runs them, so the chart must not read as if the Sampler could. */
+export function needsLine(plan) {
+  const row = plan?.status === "ok" ? plan.rows.find((r) => r.needs) : undefined;
+  return row ? `+disk rows need the weights on disk: ${row.needs}; auto runs the weights as loaded` : "";
+}
+
+/** The row the verdict is about: the chosen one, else (nothing fits) the leanest candidate the loader can run. */
 function verdictRow(plan) {
   const row = plan.rows[plan.chosen];
   if (row) return row;
-  const candidates = plan.rows.filter((r) => r.label !== "your settings");
+  const candidates = plan.rows.filter((r) => r.label !== "your settings" && !r.needs);
   return candidates.at(-1) ?? plan.rows.at(-1);
 }
 
@@ -390,7 +399,8 @@ export function planVerdict(plan) {
   const row = verdictRow(plan);
   if (!row) return "no plan";
   const { vram_bytes: vram, ram_bytes: ram } = plan.budgets;
-  const head = !plan.rows[plan.chosen] ? `nothing fits; even ${row.label} is over`
+  const asLoaded = plan.rows.some((r) => r.needs) ? " as loaded" : "";
+  const head = !plan.rows[plan.chosen] ? `nothing fits${asLoaded}; even ${row.label} is over`
     : plan.auto ? `auto chose ${row.label}: ${row.fits === false ? "over budget" : "fits"}`
     : `your settings: ${row.fits === false ? "over budget" : "fit"}`;
   const parallel = isParallel(plan);
@@ -419,7 +429,10 @@ export function speedLines(plan) {
 /** Why the verdict's row does not fit: one short line per stage, each with the fix (nodes/plan_route.py). */
 export function planReasons(plan) {
   if (plan?.status !== "ok") return [];
-  return verdictRow(plan)?.over_budget ?? [];
+  const reasons = verdictRow(plan)?.over_budget ?? [];
+  // Nothing runs as loaded, but a +disk row would: say which loader input gets there.
+  const onDisk = !plan.rows[plan.chosen] && plan.rows.find((r) => r.needs && r.fits !== false);
+  return onDisk ? [...reasons, `${onDisk.label} fits with ${onDisk.needs}`] : reasons;
 }
 
 /** Bars to draw: per row and stage, VRAM and RAM as fractions of their budgets (1 = on the line). */
