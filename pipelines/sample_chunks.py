@@ -53,11 +53,11 @@ def _auto_count(loaded, strategy, shape, budget_bytes: int | None, blocks, atten
         return 1, f"auto left chunking off: {problem}"
     from ..memory.plan.candidates import fewest_chunks
     from ..memory.plan.types import PlanOptions, VideoShape
-    from .planning import plan_options, planner_model
+    from .planning import plan_options, sampling_model
 
     width, height, frames, guided = shape
-    try:
-        model, options = planner_model(loaded), plan_options(loaded, PlanOptions(attention=attention))
+    try:  # with the run's LoRA tensors, which stream with their blocks
+        model, options = sampling_model(loaded), plan_options(loaded, PlanOptions(attention=attention))
         video = VideoShape(width, height, frames, cfg=guided)
         model.check_shape(video)
         return fewest_chunks(model, video, strategy, options, budget_bytes).activation_chunks, ""

@@ -210,10 +210,10 @@ def planner_fits(loaded, shape, steps: int, budget: int | None,
         return None
     from ..memory.plan.stages import denoise_stage
     from ..memory.plan.types import PlanOptions
-    from .planning import plan_options, planner_model
+    from .planning import plan_options, sampling_model
 
     def fits(strategy: MemoryStrategy) -> bool:
-        model = planner_model(loaded)
+        model = sampling_model(loaded)  # with the run's LoRA tensors, which stream with their blocks
         return denoise_stage(model, shape, strategy, plan_options(loaded, PlanOptions(attention=attention, steps=steps))).fits(budget)
 
     return fits

@@ -29,7 +29,7 @@ def test_offload_auto_sends_no_chunks_to_the_ranks(monkeypatch):
     """Wan 2.1 14B at 720p in 12 GiB: the one-GPU rows chunk (fewest_chunks over one GPU's whole
     sequence); the rows the Sampler runs the ranks with must not."""
     model = load_model("wan2.1-t2v-14b", "bf16", None)
-    monkeypatch.setattr(planning, "planner_model", lambda loaded: model)  # stands in for a loaded 14B folder
+    monkeypatch.setattr(planning, "sampling_model", lambda loaded: model)  # stands in for a loaded 14B folder
     monkeypatch.setattr(planning, "plan_options", lambda loaded, device=None: PlanOptions(device=device))
     (choice,) = N["VidMemMemoryStrategy"]().build(**strategy_widgets(offload="auto", vram_budget_gb=12, ram_budget_gb=512),
                                                   gpus="0,1", context_parallel="ulysses")["result"]

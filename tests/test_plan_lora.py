@@ -75,3 +75,26 @@ def test_a_tensor_shared_by_two_layers_is_one_tensor_and_an_unknown_layer_is_nam
     assert table.sizes == (10, 20)  # the table it grew from is unchanged
     with pytest.raises(ValueError, match="'c'"):
         table.with_tensors({"c": [("x", 1)]})
+
+
+def test_the_runs_own_fit_checks_plan_with_the_loras(tiny_loaded, lora_path, monkeypatch):
+    """activation_chunks=auto and the out-of-memory ladder's fit check plan the run as it holds its weights:
+    with the LoRA tensors on their layers (they planned without them)."""
+    from vidmem.memory.plan import candidates, stages
+    from vidmem.pipelines import sample_chunks, sample_ladder
+    from vidmem.pipelines.planning import WithLoras
+
+    loaded = _with_a_lora(tiny_loaded(VARIANT), lora_path)
+    spec, seen = tiny_spec(VARIANT), []
+    real_stage, real_fewest = stages.denoise_stage, candidates.fewest_chunks
+    monkeypatch.setattr(stages, "denoise_stage", lambda model, *a, **k: seen.append(model) or real_stage(model, *a, **k))
+    monkeypatch.setattr(candidates, "fewest_chunks", lambda model, *a, **k: seen.append(model) or real_fewest(model, *a, **k))
+    shape = VideoShape(spec.width, spec.height, spec.frames)
+    sample_ladder.planner_fits(loaded, shape, 2, 2**40)(MemoryStrategy(offload="none"))
+    from vidmem.pipelines.family import denoiser_blocks
+    from vidmem.memory.accounting import Attention
+
+    sample_chunks._auto_count(loaded, MemoryStrategy(offload="none", activation_chunks="auto"),
+                              (spec.width, spec.height, spec.frames, True), 2**40,
+                              denoiser_blocks(loaded.pipe, loaded.spec), Attention.FUSED)
+    assert len(seen) == 2 and all(isinstance(model, WithLoras) for model in seen)

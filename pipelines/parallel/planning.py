@@ -18,7 +18,7 @@ from ...memory.plan.stages import VideoShape
 from ...memory.strategy import MemoryStrategy, Parallelism
 from ...memory.units import GiB
 from ..loader import LoadedPipeline
-from ..planning import plan_options, planner_model
+from ..planning import plan_options, sampling_model
 from .balanced import component_bytes
 from .ranks import Ranks
 
@@ -36,7 +36,7 @@ def choose_parallel(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrat
     """The fastest per-GPU plan that fits every GPU and the RAM of every process; PlanError otherwise."""
     layout = layout_of(base, ranks)
     one_process = replace(base, offload="model", blocks_to_swap=0, parallel=Parallelism())
-    plans, _ = parallel_candidates(planner_model(loaded), shape, vram_budget_bytes, ram_budget_bytes, layout,
+    plans, _ = parallel_candidates(sampling_model(loaded), shape, vram_budget_bytes, ram_budget_bytes, layout,
                                    one_process, plan_options(loaded, device=rank_device(ranks)))
     best = parallel_recommended(plans)
     if best is None:
@@ -47,7 +47,7 @@ def choose_parallel(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrat
 def plan_explicit(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStrategy, ranks: Ranks,
                   vram_budget_bytes: int, ram_budget_bytes: int) -> ParallelPlan:
     """The per-GPU prediction for a strategy the user set (advice: the run goes ahead either way)."""
-    return plan_parallel(planner_model(loaded), shape, replace(strategy, parallel=Parallelism()),
+    return plan_parallel(sampling_model(loaded), shape, replace(strategy, parallel=Parallelism()),
                          layout_of(strategy, ranks), plan_options(loaded, device=rank_device(ranks)),
                          vram_budget_bytes, ram_budget_bytes)
 
