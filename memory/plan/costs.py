@@ -123,6 +123,15 @@ class Traffic:
     once_bytes: int = 0  # onloaded once for the stage
     overlapped: bool = True  # copies on a side stream while compute runs (False: page faults, in line)
     exposed_share: float = 0.0  # of the copy time, what shows even when overlapped (exposed_copy_share)
+    # Distinct bytes among `per_pass_bytes` (None: all of them). Sequential offload with activation chunks
+    # copies a layer once per token slice, but the page cache keeps its pages after the first slice: the
+    # disk reads each streamed byte at most once per pass, while PCIe carries every copy.
+    distinct_per_pass_bytes: int | None = None
+
+    @property
+    def streamed_bytes(self) -> int:
+        """The distinct weight bytes streamed per pass: what the disk tier may have to read."""
+        return self.per_pass_bytes if self.distinct_per_pass_bytes is None else self.distinct_per_pass_bytes
 
 
 @dataclass(frozen=True)
@@ -137,17 +146,18 @@ class DiskRead:
         """(bytes read from the disk every pass, bytes read once per stage), run over run.
 
         Streamed bytes are read every pass, so they are the hottest pages and the cache keeps them
-        first; what does not fit is read again each pass. This is the bound for a cache that keeps
-        a stable subset (Linux's active list / multi-gen LRU protect pages used twice); a strict LRU
-        over a cyclic scan larger than itself would re-read all of it. When a run's files fit the
+        first; what does not fit is read again each pass, once per distinct byte (Traffic.streamed_bytes).
+        This is the bound for a cache that keeps a stable subset (Linux's active list / multi-gen LRU
+        protect pages used twice); a strict LRU over a cyclic scan larger than itself would re-read all of it. When a run's files fit the
         cache (not `cold`), nothing is read from the disk after the first run, as with weights in RAM.
         """
         if self.cache_bytes is None:
             return 0, 0
-        per_pass = max(0, traffic.per_pass_bytes - self.cache_bytes)
+        streamed = traffic.streamed_bytes
+        per_pass = max(0, streamed - self.cache_bytes)
         if self.cold:  # other stages evicted this one's weights: the first pass reads them all
-            return per_pass, traffic.once_bytes + traffic.per_pass_bytes - per_pass
-        left = max(0, self.cache_bytes - traffic.per_pass_bytes)
+            return per_pass, traffic.once_bytes + streamed - per_pass
+        left = max(0, self.cache_bytes - streamed)
         return per_pass, max(0, traffic.once_bytes - left)
 
 

@@ -296,13 +296,15 @@ def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: 
     if strategy.offload is OffloadTier.NONE:  # onloaded with the stage, as in the baseline; from files on disk
         return Traffic(once_bytes=weights.nbytes) if options.on_disk else Traffic()
     units = table_streamed_unit_bytes(weights.table, strategy)
+    distinct = sum(units)  # the page cache keeps a layer's pages after its first slice: the disk reads it once
     if strategy.offload is OffloadTier.SEQUENTIAL and call is not None and call.chunks > 1:
         units = [size for size, copies in zip(units, _chunked_copies(model, call, weights.table, strategy, options))
                  for _ in range(copies)]
     # Overlapped even without a prefetch: the host runs a block ahead, so block i's copy queues on
     # the side stream while block i-1 computes (measured: 97% of the copy time hidden on an H200).
     exposed = exposed_copy_share(strategy.offload is OffloadTier.SEQUENTIAL, strategy.prefetch_blocks)
-    return Traffic(sum(units), len(units), weights.nbytes - sum(units), exposed_share=exposed)
+    return Traffic(sum(units), len(units), weights.nbytes - distinct, exposed_share=exposed,
+                   distinct_per_pass_bytes=distinct)
 
 
 def _chunked_copies(model: PlannerModel, call: Call, table, strategy: MemoryStrategy,
