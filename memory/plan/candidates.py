@@ -37,7 +37,7 @@ class Plan:
     strategy: MemoryStrategy
     stages: tuple[StagePlan, ...]
     baseline_seconds: float  # the same run with everything resident: no streaming, no tiling
-    vram_budget_bytes: int | None = None
+    vram_budget_bytes: int | None = None  # the compute's budget: on a CPU device the RAM's (PlanOptions.compute_budget)
     ram_budget_bytes: int | None = None
     options: PlanOptions = PlanOptions()  # storage, disk tier and disk rate the plan assumed
 
@@ -63,8 +63,9 @@ class Plan:
         return max(s.page_cache_bytes for s in self.stages)
 
     def disk_read(self, stage: StagePlan) -> DiskRead | None:
-        """The page cache a stage leaves for memory-mapped weights: the RAM budget less its anonymous bytes."""
-        cache = None if self.ram_budget_bytes is None else max(0, self.ram_budget_bytes - stage.host_bytes)
+        """The page cache a stage leaves for memory-mapped weights: the RAM budget less its anonymous bytes
+        (on a CPU device its compute's too: StagePlan.ram_bytes)."""
+        cache = None if self.ram_budget_bytes is None else max(0, self.ram_budget_bytes - stage.ram_bytes)
         return self.options.disk(cache, cold=cache is not None and stage.page_cache_bytes > cache)
 
     @property
@@ -93,11 +94,15 @@ class Plan:
                 for stage, over in self.stages_over() if over]
 
     def stages_over(self) -> list[tuple[StagePlan, list[str]]]:
-        """Each stage with what it needs beyond the budgets ("VRAM 9.1 > 8.0 GiB"), empty where it fits."""
+        """Each stage with what it needs beyond the budgets ("VRAM 9.1 > 8.0 GiB"), empty where it fits.
+        On a CPU device compute and process share the RAM: one test, of their sum ("RAM 6.8 > 4.5 GiB")."""
         found = []
         for s in self.stages:
             over = []
-            if not s.fits(self.vram_budget_bytes):
+            if self.options.on_cpu:
+                if not s.fits(self.vram_budget_bytes):
+                    over.append(f"RAM {s.ram_bytes / GiB:.1f} > {_gib(self.vram_budget_bytes)}")
+            elif not s.fits(self.vram_budget_bytes):
                 over.append(f"VRAM {s.device_bytes / GiB:.1f} > {_gib(self.vram_budget_bytes)}")
             if self.ram_budget_bytes is not None and s.host_bytes > self.ram_budget_bytes:
                 over.append(f"RAM {s.host_bytes / GiB:.1f} > {_gib(self.ram_budget_bytes)}")
@@ -160,8 +165,10 @@ def plan_run(
     """Predicted device and host peaks per stage for one run of `model` at `shape` under `strategy`.
 
     activation_chunks=auto is resolved as the run resolves it: the fewest slices whose denoise fits
-    `vram_budget_bytes` (none without a budget); the plan's strategy carries the count."""
+    `vram_budget_bytes` (none without a budget); the plan's strategy carries the count. On a CPU device
+    the compute fits the RAM budget instead (PlanOptions.compute_budget), with the process's own bytes."""
     _check(model, shape, strategy, options)
+    vram_budget_bytes = options.compute_budget(vram_budget_bytes, ram_budget_bytes)
     if strategy.chunks_auto:
         strategy = fewest_chunks(model, shape, strategy, options, vram_budget_bytes)
     stages = tuple(build(model, shape, strategy, options).within(vram_budget_bytes)
@@ -184,9 +191,11 @@ def candidate_plans(
 
     With `consider_disk`, when a plan with the weights in RAM overruns the RAM budget, the same
     tiers follow with the weights memory-mapped from disk (`options.on_disk`). The storage format
-    is never changed here: lowering precision is the user's choice.
+    is never changed here: lowering precision is the user's choice. On a CPU device the compute's
+    budget is the RAM budget (PlanOptions.compute_budget).
     """
     _check(model, shape, base, options)
+    vram_budget_bytes = options.compute_budget(vram_budget_bytes, ram_budget_bytes)
     plans = [_tier_plan(model, shape, tier, base, options, (vram_budget_bytes, ram_budget_bytes)) for tier in TIER_ORDER]
     if consider_disk and not options.on_disk and any(_over_ram(p) for p in plans):
         on_disk = replace(options, on_disk=True)
@@ -207,7 +216,7 @@ def _tier_plan(model, shape, tier: OffloadTier, base: MemoryStrategy, options: P
 
 
 def _over_ram(plan: Plan) -> bool:
-    return plan.ram_budget_bytes is not None and plan.peak_ram_bytes > plan.ram_budget_bytes
+    return plan.ram_budget_bytes is not None and max(s.ram_bytes for s in plan.stages) > plan.ram_budget_bytes
 
 
 def recommended(plans: list[Plan]) -> int | None:
@@ -285,7 +294,7 @@ def _text_encoder_that_fits(model, shape, strategy, options, budgets) -> MemoryS
     if text_encode_stage(model, shape, strategy, options).fits(vram):
         return strategy
     on_cpu = replace(strategy, text_encoder=TextEncoderPlacement.CPU)
-    return on_cpu if text_encode_stage(model, shape, on_cpu, options).host_bytes <= ram else strategy
+    return on_cpu if text_encode_stage(model, shape, on_cpu, options).ram_bytes <= ram else strategy
 
 
 def tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int = 4) -> MemoryStrategy:
@@ -295,6 +304,8 @@ def tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int =
         return strategy
     phase = untiled.peak_phase
     fixed = CUDA_CONTEXT_BYTES + sum(phase.resident)  # context, workspace, VAE weights, the latent
+    if untiled.on_cpu:  # no context; the process's RAM and the weights not already in it
+        fixed = untiled.host_bytes + sum(phase.resident) - phase.in_host_bytes
     activation = max(phase.peak.allocated - sum(phase.resident), 1)
     latent = model.latent_shape(shape)
     pixels = model.geometry.frames(latent[2]) * latent[3] * latent[4] * model.geometry.spatial_factor ** 2

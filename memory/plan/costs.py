@@ -30,9 +30,16 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 # Host RSS of the process before any weight: 0.36 GiB measured here (torch 2.13 CPU build +
-# diffusers 0.42.1 + transformers 5.23 imported, Linux); a CUDA build maps cuBLAS/cuDNN/CUDA
-# runtime libraries and host-side context state, about 1 GiB more once the GPU is initialised.
+# diffusers 0.42.1 + transformers 5.23 imported, Linux; 0.41 GiB with the Wan and UMT5 model classes
+# imported too); a CUDA build maps cuBLAS/cuDNN/CUDA runtime libraries and host-side context state,
+# about 1 GiB more once the GPU is initialised. A run on a CPU device never initialises the GPU.
 HOST_RUNTIME_BYTES = 3 * GiB // 2
+HOST_RUNTIME_BYTES_CPU = GiB // 2
+
+
+def host_runtime_bytes(on_cpu: bool) -> int:
+    """The process's RSS before any weight: without the CUDA libraries when it computes on the CPU."""
+    return HOST_RUNTIME_BYTES_CPU if on_cpu else HOST_RUNTIME_BYTES
 
 
 # Sustained dense bf16/fp16 throughput of a consumer GPU on these models (RTX 4090: 165 TFLOP/s
