@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from vidmem.memory import MemoryStrategy
-from vidmem.memory.plan.candidates import candidate_plans, plan_run
+from vidmem.memory.plan import candidates
+from vidmem.memory.plan.candidates import candidate_plans, fewest_chunks, plan_run
 from vidmem.memory.plan.costs import HOST_RUNTIME_BYTES, HOST_RUNTIME_BYTES_CPU
 from vidmem.memory.plan.planner import PlanOptions, VideoShape, choose_strategy
 from vidmem.memory.plan.stages import host_base
@@ -92,3 +93,31 @@ def test_a_cpu_process_runtime_leaves_out_the_cuda_libraries(wan):
     weights = sum(wan.weights(n).nbytes for n in wan.layout.all)
     assert host_base(wan, PlanOptions(device="cpu"))[0] == HOST_RUNTIME_BYTES_CPU + weights
     assert host_base(wan, PlanOptions())[0] == HOST_RUNTIME_BYTES + weights
+
+
+class _Stage:
+    """A denoise stage that fits no budget, with an unlimited reservation and a footprint under the budget."""
+
+    def __init__(self, unlimited: int, under_budget: int) -> None:
+        self.device_bytes, self._under = unlimited, under_budget
+
+    def fits(self, budget) -> bool:
+        return False
+
+    def footprint(self, budget) -> int:
+        return self._under
+
+
+def test_when_no_chunk_count_fits_the_one_closest_under_the_budget_is_taken(wan, monkeypatch):
+    # Two denoisers (Wan 2.2): one phase can fit near the limit while the other does not; the count to show
+    # is the one that needs the least under the budget, not the one with the lowest unlimited reservation.
+    stages = {1: _Stage(10, 10), 2: _Stage(8, 6), 4: _Stage(7, 7), 8: _Stage(7, 7), 16: _Stage(7, 7), 32: _Stage(6, 7)}
+    monkeypatch.setattr(candidates, "denoise_stage", lambda m, s, strategy, o: stages[strategy.activation_chunks])
+    chosen = fewest_chunks(wan, SHAPE, MemoryStrategy(offload="sequential"), PlanOptions(), 5)
+    assert chosen.activation_chunks == 2
+
+
+def test_a_tiny_budget_is_printed_with_its_digits(wan):
+    plan = plan_run(wan, VideoShape(320, 192, 9), MemoryStrategy(), PlanOptions(steps=4), 8 * GiB, GiB // 1000)
+    assert any("> 0.001 GiB" in line for line in plan.over_budget())
+    assert not any("0.0 GiB" in line for line in plan.over_budget())

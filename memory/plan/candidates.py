@@ -266,8 +266,11 @@ def _fewest_blocks(model, shape, strategy, options, vram: int) -> MemoryStrategy
 
 
 def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, vram: int | None) -> MemoryStrategy:
-    """`strategy` with the fewest CHUNK_STEPS token slices under which its denoise fits `vram` (block swap:
-    with every block swapped, the tier's leanest); when none does, the count with the lowest peak.
+    """`strategy` with the fewest CHUNK_STEPS token slices under which its denoise fits `vram` (the compute's
+    budget, PlanOptions.compute_budget; block swap: with every block swapped, the tier's leanest); when none
+    does, the count that needs the least under that budget (StagePlan.footprint: near the limit the allocator
+    releases its cache, so where one phase of a stage fits and another does not, as with Wan 2.2's two
+    denoisers, the lowest unlimited reservation is not always the closest to fitting).
     The tier's weights are what they are: chunking lowers activations only."""
     if vram is None:
         return replace(strategy, activation_chunks=1)
@@ -284,8 +287,8 @@ def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, 
             break  # a family whose blocks cannot be chunked (the run leaves auto off for it too)
         if stage.fits(vram):
             return replace(strategy, activation_chunks=chunks)
-        if leanest is None or stage.device_bytes < leanest[1]:
-            leanest = (chunks, stage.device_bytes)
+        if leanest is None or stage.footprint(vram) < leanest[1]:
+            leanest = (chunks, stage.footprint(vram))
     return replace(strategy, activation_chunks=leanest[0])
 
 
@@ -321,4 +324,7 @@ def tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int =
 
 
 def _gib(nbytes: int | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / GiB:.1f} GiB"
+    """"8.0 GiB"; below 0.05 GiB three significant digits ("0.001 GiB"), so a tiny budget never reads 0.0."""
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / GiB:.3g} GiB" if 0 < nbytes < GiB // 20 else f"{nbytes / GiB:.1f} GiB"
