@@ -43,9 +43,9 @@ def test_a_cpu_plan_that_fits_holds_its_compute_and_its_process_in_the_ram(wan, 
     plans = candidate_plans(wan, SHAPE, int(vram_gib * GiB), ram, options=CPU_DISK)
     assert any(p.fits for p in plans)
     for plan in plans:
+        assert plan.fits == all(sum_of_parts(s) <= ram for s in plan.stages)
         for stage in plan.stages:  # memory-mapped weights are page cache: none is in host_bytes twice
             assert stage.ram_bytes == sum_of_parts(stage)
-        assert plan.fits == all(sum_of_parts(s) <= ram for s in plan.stages)
 
 
 def test_a_cpu_plan_over_its_ram_says_so_whatever_the_vram_budget(wan):
@@ -96,7 +96,7 @@ def test_a_cpu_process_runtime_leaves_out_the_cuda_libraries(wan):
 
 
 class _Stage:
-    """A denoise stage that fits no budget, with an unlimited reservation and a footprint under the budget."""
+    """A denoise stage over every budget the test passes: its unlimited reservation, what it needs under one."""
 
     def __init__(self, unlimited: int, under_budget: int) -> None:
         self.device_bytes, self._under = unlimited, under_budget

@@ -285,10 +285,11 @@ def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, 
             if chunks == 1:
                 raise
             break  # a family whose blocks cannot be chunked (the run leaves auto off for it too)
-        if stage.fits(vram):
+        need = stage.footprint(vram)  # one allocator replay per phase: fits(vram) is need <= vram
+        if need <= vram:
             return replace(strategy, activation_chunks=chunks)
-        if leanest is None or stage.footprint(vram) < leanest[1]:
-            leanest = (chunks, stage.footprint(vram))
+        if leanest is None or need < leanest[1]:
+            leanest = (chunks, need)
     return replace(strategy, activation_chunks=leanest[0])
 
 

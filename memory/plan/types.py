@@ -259,16 +259,12 @@ class StagePlan:
         GPU its worst phase near that limit (Phase.within); on a CPU the RAM of compute and process together."""
         if self.on_cpu:
             return self.ram_bytes
-        return self.within(budget).device_bytes
+        return max((p.within(budget).device_bytes for p in self.phases), default=0)
 
     def fits(self, budget: int | None) -> bool:
-        """Whether the stage fits a compute device of `budget` bytes: VRAM on a GPU; on a CPU the RAM,
-        which its compute shares with the process (pass PlanOptions.compute_budget)."""
-        if budget is None:
-            return True
-        if self.on_cpu:
-            return self.ram_bytes <= budget
-        return all(p.fits(budget) for p in self.phases)
+        """Whether the stage fits a compute device of `budget` bytes: VRAM on a GPU (every phase near
+        that limit); on a CPU the RAM, which its compute shares with the process (PlanOptions.compute_budget)."""
+        return budget is None or self.footprint(budget) <= budget
 
     def within(self, vram: int | None) -> "StagePlan":
         return self if vram is None else replace(self, phases=tuple(p.within(vram) for p in self.phases))
