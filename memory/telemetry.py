@@ -100,7 +100,8 @@ class StageMeter:
 
 def default_budgets(device: torch.device) -> tuple[int, int]:
     """(VRAM, RAM) budgets when the user gives none: the GPU's total memory and the machine's
-    RAM. On a CPU-only machine compute runs in RAM, so RAM is the "VRAM" budget too."""
+    RAM. On a CPU-only machine compute runs in RAM, so RAM is the "VRAM" budget too; the planner
+    then fits the compute and the process together in that one RAM (PlanOptions.compute_budget)."""
     ram = psutil.virtual_memory().total
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory, ram

@@ -37,7 +37,7 @@ class Plan:
     strategy: MemoryStrategy
     stages: tuple[StagePlan, ...]
     baseline_seconds: float  # the same run with everything resident: no streaming, no tiling
-    vram_budget_bytes: int | None = None
+    vram_budget_bytes: int | None = None  # the compute's budget: on a CPU device the RAM's (PlanOptions.compute_budget)
     ram_budget_bytes: int | None = None
     options: PlanOptions = PlanOptions()  # storage, disk tier and disk rate the plan assumed
 
@@ -63,8 +63,9 @@ class Plan:
         return max(s.page_cache_bytes for s in self.stages)
 
     def disk_read(self, stage: StagePlan) -> DiskRead | None:
-        """The page cache a stage leaves for memory-mapped weights: the RAM budget less its anonymous bytes."""
-        cache = None if self.ram_budget_bytes is None else max(0, self.ram_budget_bytes - stage.host_bytes)
+        """The page cache a stage leaves for memory-mapped weights: the RAM budget less its anonymous bytes
+        (on a CPU device its compute's too: StagePlan.ram_bytes)."""
+        cache = None if self.ram_budget_bytes is None else max(0, self.ram_budget_bytes - stage.ram_bytes)
         return self.options.disk(cache, cold=cache is not None and stage.page_cache_bytes > cache)
 
     @property
@@ -93,11 +94,15 @@ class Plan:
                 for stage, over in self.stages_over() if over]
 
     def stages_over(self) -> list[tuple[StagePlan, list[str]]]:
-        """Each stage with what it needs beyond the budgets ("VRAM 9.1 > 8.0 GiB"), empty where it fits."""
+        """Each stage with what it needs beyond the budgets ("VRAM 9.1 > 8.0 GiB"), empty where it fits.
+        On a CPU device compute and process share the RAM: one test, of their sum ("RAM 6.8 > 4.5 GiB")."""
         found = []
         for s in self.stages:
             over = []
-            if not s.fits(self.vram_budget_bytes):
+            if self.options.on_cpu:
+                if not s.fits(self.vram_budget_bytes):
+                    over.append(f"RAM {s.ram_bytes / GiB:.1f} > {_gib(self.vram_budget_bytes)}")
+            elif not s.fits(self.vram_budget_bytes):
                 over.append(f"VRAM {s.device_bytes / GiB:.1f} > {_gib(self.vram_budget_bytes)}")
             if self.ram_budget_bytes is not None and s.host_bytes > self.ram_budget_bytes:
                 over.append(f"RAM {s.host_bytes / GiB:.1f} > {_gib(self.ram_budget_bytes)}")
@@ -160,8 +165,10 @@ def plan_run(
     """Predicted device and host peaks per stage for one run of `model` at `shape` under `strategy`.
 
     activation_chunks=auto is resolved as the run resolves it: the fewest slices whose denoise fits
-    `vram_budget_bytes` (none without a budget); the plan's strategy carries the count."""
+    `vram_budget_bytes` (none without a budget); the plan's strategy carries the count. On a CPU device
+    the compute fits the RAM budget instead (PlanOptions.compute_budget), with the process's own bytes."""
     _check(model, shape, strategy, options)
+    vram_budget_bytes = options.compute_budget(vram_budget_bytes, ram_budget_bytes)
     if strategy.chunks_auto:
         strategy = fewest_chunks(model, shape, strategy, options, vram_budget_bytes)
     stages = tuple(build(model, shape, strategy, options).within(vram_budget_bytes)
@@ -184,9 +191,11 @@ def candidate_plans(
 
     With `consider_disk`, when a plan with the weights in RAM overruns the RAM budget, the same
     tiers follow with the weights memory-mapped from disk (`options.on_disk`). The storage format
-    is never changed here: lowering precision is the user's choice.
+    is never changed here: lowering precision is the user's choice. On a CPU device the compute's
+    budget is the RAM budget (PlanOptions.compute_budget).
     """
     _check(model, shape, base, options)
+    vram_budget_bytes = options.compute_budget(vram_budget_bytes, ram_budget_bytes)
     plans = [_tier_plan(model, shape, tier, base, options, (vram_budget_bytes, ram_budget_bytes)) for tier in TIER_ORDER]
     if consider_disk and not options.on_disk and any(_over_ram(p) for p in plans):
         on_disk = replace(options, on_disk=True)
@@ -207,7 +216,7 @@ def _tier_plan(model, shape, tier: OffloadTier, base: MemoryStrategy, options: P
 
 
 def _over_ram(plan: Plan) -> bool:
-    return plan.ram_budget_bytes is not None and plan.peak_ram_bytes > plan.ram_budget_bytes
+    return plan.ram_budget_bytes is not None and max(s.ram_bytes for s in plan.stages) > plan.ram_budget_bytes
 
 
 def recommended(plans: list[Plan]) -> int | None:
@@ -257,8 +266,11 @@ def _fewest_blocks(model, shape, strategy, options, vram: int) -> MemoryStrategy
 
 
 def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, vram: int | None) -> MemoryStrategy:
-    """`strategy` with the fewest CHUNK_STEPS token slices under which its denoise fits `vram` (block swap:
-    with every block swapped, the tier's leanest); when none does, the count with the lowest peak.
+    """`strategy` with the fewest CHUNK_STEPS token slices under which its denoise fits `vram` (the compute's
+    budget, PlanOptions.compute_budget; block swap: with every block swapped, the tier's leanest); when none
+    does, the count that needs the least under that budget (StagePlan.footprint: near the limit the allocator
+    releases its cache, so where one phase of a stage fits and another does not, as with Wan 2.2's two
+    denoisers, the lowest unlimited reservation is not always the closest to fitting).
     The tier's weights are what they are: chunking lowers activations only."""
     if vram is None:
         return replace(strategy, activation_chunks=1)
@@ -273,10 +285,11 @@ def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, 
             if chunks == 1:
                 raise
             break  # a family whose blocks cannot be chunked (the run leaves auto off for it too)
-        if stage.fits(vram):
+        need = stage.footprint(vram)  # one allocator replay per phase: fits(vram) is need <= vram
+        if need <= vram:
             return replace(strategy, activation_chunks=chunks)
-        if leanest is None or stage.device_bytes < leanest[1]:
-            leanest = (chunks, stage.device_bytes)
+        if leanest is None or need < leanest[1]:
+            leanest = (chunks, need)
     return replace(strategy, activation_chunks=leanest[0])
 
 
@@ -285,7 +298,7 @@ def _text_encoder_that_fits(model, shape, strategy, options, budgets) -> MemoryS
     if text_encode_stage(model, shape, strategy, options).fits(vram):
         return strategy
     on_cpu = replace(strategy, text_encoder=TextEncoderPlacement.CPU)
-    return on_cpu if text_encode_stage(model, shape, on_cpu, options).host_bytes <= ram else strategy
+    return on_cpu if text_encode_stage(model, shape, on_cpu, options).ram_bytes <= ram else strategy
 
 
 def tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int = 4) -> MemoryStrategy:
@@ -295,6 +308,8 @@ def tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int =
         return strategy
     phase = untiled.peak_phase
     fixed = CUDA_CONTEXT_BYTES + sum(phase.resident)  # context, workspace, VAE weights, the latent
+    if untiled.on_cpu:  # no context; the process's RAM and the weights not already in it
+        fixed = untiled.host_bytes + sum(phase.resident) - phase.in_host_bytes
     activation = max(phase.peak.allocated - sum(phase.resident), 1)
     latent = model.latent_shape(shape)
     pixels = model.geometry.frames(latent[2]) * latent[3] * latent[4] * model.geometry.spatial_factor ** 2
@@ -310,4 +325,7 @@ def tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int =
 
 
 def _gib(nbytes: int | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / GiB:.1f} GiB"
+    """"8.0 GiB"; below 0.05 GiB three significant digits ("0.001 GiB"), so a tiny budget never reads 0.0."""
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / GiB:.3g} GiB" if 0 < nbytes < GiB // 20 else f"{nbytes / GiB:.1f} GiB"

@@ -30,9 +30,16 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 # Host RSS of the process before any weight: 0.36 GiB measured here (torch 2.13 CPU build +
-# diffusers 0.42.1 + transformers 5.23 imported, Linux); a CUDA build maps cuBLAS/cuDNN/CUDA
-# runtime libraries and host-side context state, about 1 GiB more once the GPU is initialised.
+# diffusers 0.42.1 + transformers 5.23 imported, Linux; 0.41 GiB with the Wan and UMT5 model classes
+# imported too); a CUDA build maps cuBLAS/cuDNN/CUDA runtime libraries and host-side context state,
+# about 1 GiB more once the GPU is initialised. A run on a CPU device never initialises the GPU.
 HOST_RUNTIME_BYTES = 3 * GiB // 2
+HOST_RUNTIME_BYTES_CPU = GiB // 2
+
+
+def host_runtime_bytes(on_cpu: bool) -> int:
+    """The process's RSS before any weight: without the CUDA libraries when it computes on the CPU."""
+    return HOST_RUNTIME_BYTES_CPU if on_cpu else HOST_RUNTIME_BYTES
 
 
 # Sustained dense bf16/fp16 throughput of a consumer GPU on these models (RTX 4090: 165 TFLOP/s
@@ -123,6 +130,15 @@ class Traffic:
     once_bytes: int = 0  # onloaded once for the stage
     overlapped: bool = True  # copies on a side stream while compute runs (False: page faults, in line)
     exposed_share: float = 0.0  # of the copy time, what shows even when overlapped (exposed_copy_share)
+    # Distinct bytes among `per_pass_bytes` (None: all of them). Sequential offload with activation chunks
+    # copies a layer once per token slice, but the page cache keeps its pages after the first slice: the
+    # disk reads each streamed byte at most once per pass, while PCIe carries every copy.
+    distinct_per_pass_bytes: int | None = None
+
+    @property
+    def streamed_bytes(self) -> int:
+        """The distinct weight bytes streamed per pass: what the disk tier may have to read."""
+        return self.per_pass_bytes if self.distinct_per_pass_bytes is None else self.distinct_per_pass_bytes
 
 
 @dataclass(frozen=True)
@@ -137,17 +153,18 @@ class DiskRead:
         """(bytes read from the disk every pass, bytes read once per stage), run over run.
 
         Streamed bytes are read every pass, so they are the hottest pages and the cache keeps them
-        first; what does not fit is read again each pass. This is the bound for a cache that keeps
-        a stable subset (Linux's active list / multi-gen LRU protect pages used twice); a strict LRU
-        over a cyclic scan larger than itself would re-read all of it. When a run's files fit the
+        first; what does not fit is read again each pass, once per distinct byte (Traffic.streamed_bytes).
+        This is the bound for a cache that keeps a stable subset (Linux's active list / multi-gen LRU
+        protect pages used twice); a strict LRU over a cyclic scan larger than itself would re-read all of it. When a run's files fit the
         cache (not `cold`), nothing is read from the disk after the first run, as with weights in RAM.
         """
         if self.cache_bytes is None:
             return 0, 0
-        per_pass = max(0, traffic.per_pass_bytes - self.cache_bytes)
+        streamed = traffic.streamed_bytes
+        per_pass = max(0, streamed - self.cache_bytes)
         if self.cold:  # other stages evicted this one's weights: the first pass reads them all
-            return per_pass, traffic.once_bytes + traffic.per_pass_bytes - per_pass
-        left = max(0, self.cache_bytes - traffic.per_pass_bytes)
+            return per_pass, traffic.once_bytes + streamed - per_pass
+        left = max(0, self.cache_bytes - streamed)
         return per_pass, max(0, traffic.once_bytes - left)
 
 

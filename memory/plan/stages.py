@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import replace
 
 from .allocator import replay
-from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HOST_RUNTIME_BYTES, Traffic, Work, exposed_copy_share
+from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Traffic, Work, exposed_copy_share, host_runtime_bytes
 from .schedule import (ComponentWeights, Streaming, stream_timeline, table_computing_residency, table_resident_tensors,
                        table_streamed_unit_bytes)
 from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
@@ -39,9 +39,11 @@ def text_encode_stage(model: PlannerModel, shape: VideoShape, strategy: MemorySt
             host += trace.peak_bytes + weights.transient_bytes
             work.append(_host_work(trace.flops, weights))
             continue
-        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call), options, name))
+        resident = tier_residency(model, name, strategy, stage, options, call)
+        in_host = weights_in_host(model, name, options, resident)
+        phases.append(phase(model, call, resident, options, name, in_host=in_host))
         work.append(device_work(model, name, strategy, options, trace.flops, 1))
-    return StagePlan("text_encode", tuple(phases), host, page_cache, tuple(work))
+    return StagePlan("text_encode", tuple(phases), host, page_cache, tuple(work), options.on_cpu)
 
 
 def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> StagePlan:
@@ -60,7 +62,9 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
             host += trace.peak_bytes + weights.transient_bytes
             work.append(_host_work(trace.flops, weights))
             continue
-        phases.append(phase(model, call, tier_residency(model, name, strategy, stage, options, call), options, label))
+        resident = tier_residency(model, name, strategy, stage, options, call)
+        in_host = weights_in_host(model, name, options, resident)
+        phases.append(phase(model, call, resident, options, label, in_host=in_host))
         work.append(device_work(model, name, strategy, options, trace.flops, 1))
     steps_per_denoiser = _split_steps(options.steps, len(layout.denoisers))
     passes, clip = window_passes(model, shape)
@@ -68,10 +72,11 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
         call = Call("denoise", name, shape.one_window(), chunks=strategy.chunk_count)
         flops = model.trace(call, options.attention).flops * steps * passes  # traced first: it records the module order
         resident, held, streaming = denoiser_residency(model, call, strategy, stage, options)
-        phases.append(phase(model, call, [*resident, *clip], options, name, held, streaming))
+        phases.append(phase(model, call, [*resident, *clip], options, name, held, streaming,
+                            weights_in_host(model, name, options, resident)))
         work.append(device_work(model, name, strategy, options, flops, steps * model.forward_passes(shape) * passes,
                                 call))
-    return StagePlan("denoise", tuple(phases), host, page_cache, tuple(work))
+    return StagePlan("denoise", tuple(phases), host, page_cache, tuple(work), options.on_cpu)
 
 
 def window_passes(model: PlannerModel, shape: VideoShape) -> tuple[int, list[int]]:
@@ -105,7 +110,8 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
         if options.runtime is Runtime.DIFFUSERS and strategy.offload is OffloadTier.NONE:
             resident = tier_residency(model, vae, strategy, list(model.layout.all), options)  # pipe.to("cuda"): all stay
         label = f"{vae} decode {'x'.join(map(str, call.piece[2:]))} ({counts[call.piece]} calls)"
-        phases.append(phase(model, call, [*resident, z], options, label))
+        in_host = weights_in_host(model, vae, options, resident)
+        phases.append(phase(model, call, [*resident, z], options, label, in_host=in_host))
         pixels = 3 * model.geometry.frames(call.piece[2]) * _numel(call.piece[3:]) * model.geometry.spatial_factor ** 2
         largest_piece = max(largest_piece, call.piece[0] * pixels * itemsize)  # copied to the host per piece
     host_frames = model.trace(Call("postprocess", vae, shape), options.attention).peak_bytes
@@ -113,21 +119,21 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
     work = device_work(model, vae, strategy, options, flops, sum(counts.values()))
     if not options.on_cpu and sum(counts.values()) > 1:
         largest_piece *= 2  # landed through a pinned pair: one piece blended while the next is copied (memory.vae)
-    return StagePlan("decode", tuple(phases), host + host_frames + largest_piece, page_cache, (work,))
+    return StagePlan("decode", tuple(phases), host + host_frames + largest_piece, page_cache, (work,), options.on_cpu)
 
 
 def phase(model: PlannerModel, call: Call, resident: list[int], options: PlanOptions, label: str,
-          held: list[int] = (), streaming: Streaming | None = None) -> Phase:
+          held: list[int] = (), streaming: Streaming | None = None, in_host: int = 0) -> Phase:
     """Replay resident weights, then the call's allocations, through the allocator model. A CPU
     device has no CUDA context or cuBLAS workspace, and its allocator keeps no cache: live bytes.
     `held`: streamed weights evicted but still read by the GPU (reserved, not allocated).
     `streaming`: weights the sequential tier moves while the call runs, replayed between its
     allocations where the engine moves them (`schedule.stream_timeline`); `resident` then holds only
-    what stays on the device throughout."""
+    what stays on the device throughout. `in_host`: of `resident`, the host's own weights (Phase.in_host_bytes)."""
     trace = model.trace(call, options.attention)
     if options.on_cpu:
         peak = replay(tuple(resident), trace.events)
-        return Phase(label, sum(resident), peak, peak.allocated, tuple(resident), trace.events)
+        return Phase(label, sum(resident), peak, peak.allocated, tuple(resident), trace.events, in_host_bytes=in_host)
     tensors, held = (CUBLAS_WORKSPACE_BYTES, *resident), tuple(held)
     timeline = stream_timeline(streaming, trace.marks) if streaming is not None else None
     peak = replay(tensors, trace.events, held=held, timeline=timeline)
@@ -180,6 +186,16 @@ def denoiser_residency(model: PlannerModel, call: Call, strategy: MemoryStrategy
     return fixed, [], Streaming(weights.table, strategy, options.runtime is Runtime.VIDMEM, tuple(whole[len(fixed):]))
 
 
+def weights_in_host(model: PlannerModel, active: str, options: PlanOptions, resident: list[int]) -> int:
+    """Of `resident` (tier_residency's tensors while `active` computes), the bytes that are the host's own
+    weights, which host_base already counts: on a CPU device every one but `active`'s upcast transient
+    (CpuBackend.copy_group returns the host tensors themselves; memory-mapped weights are page cache and
+    tier_residency then lists the transient alone). On a GPU the device holds copies: none."""
+    if not options.on_cpu:
+        return 0
+    return sum(resident) - component_weights(model, active, options).transient_bytes
+
+
 def component_weights(model: PlannerModel, name: str, options: PlanOptions) -> ComponentWeights:
     return model.weights(name, options.storage_of(name))
 
@@ -200,9 +216,10 @@ def host_base(model: PlannerModel, options: PlanOptions = PlanOptions(),
     pinned staging slots streamed groups are read through on their way to the device.
     """
     weights = sum(component_weights(model, n, options).nbytes for n in model.layout.all)
+    runtime = host_runtime_bytes(options.on_cpu)
     if not options.on_disk:
-        return HOST_RUNTIME_BYTES + weights, 0
-    return HOST_RUNTIME_BYTES + staging_bytes(model, strategy or MemoryStrategy(), options), weights
+        return runtime + weights, 0
+    return runtime + staging_bytes(model, strategy or MemoryStrategy(), options), weights
 
 
 def staging_bytes(model: PlannerModel, strategy: MemoryStrategy, options: PlanOptions) -> int:
@@ -296,13 +313,15 @@ def _traffic(model: PlannerModel, name: str, strategy: MemoryStrategy, options: 
     if strategy.offload is OffloadTier.NONE:  # onloaded with the stage, as in the baseline; from files on disk
         return Traffic(once_bytes=weights.nbytes) if options.on_disk else Traffic()
     units = table_streamed_unit_bytes(weights.table, strategy)
+    distinct = sum(units)  # the page cache keeps a layer's pages after its first slice: the disk reads it once
     if strategy.offload is OffloadTier.SEQUENTIAL and call is not None and call.chunks > 1:
         units = [size for size, copies in zip(units, _chunked_copies(model, call, weights.table, strategy, options))
                  for _ in range(copies)]
     # Overlapped even without a prefetch: the host runs a block ahead, so block i's copy queues on
     # the side stream while block i-1 computes (measured: 97% of the copy time hidden on an H200).
     exposed = exposed_copy_share(strategy.offload is OffloadTier.SEQUENTIAL, strategy.prefetch_blocks)
-    return Traffic(sum(units), len(units), weights.nbytes - sum(units), exposed_share=exposed)
+    return Traffic(sum(units), len(units), weights.nbytes - distinct, exposed_share=exposed,
+                   distinct_per_pass_bytes=distinct)
 
 
 def _chunked_copies(model: PlannerModel, call: Call, table, strategy: MemoryStrategy,

@@ -165,6 +165,14 @@ class PlanOptions:
     def storage_of(self, component: str) -> str | None:
         return dict(self.storage).get(component)
 
+    def compute_budget(self, vram: int | None, ram: int | None) -> int | None:
+        """The bytes the compute may hold. On a CPU device the compute's memory is the RAM that the
+        process's anonymous bytes share, so its budget is the RAM budget (the VRAM budget only stands
+        in where no RAM budget is given): a CPU run needs about the sum of both (StagePlan.ram_bytes)."""
+        if self.on_cpu:
+            return ram if ram is not None else vram
+        return vram
+
     def disk(self, cache_bytes: int | None, cold: bool = False) -> DiskRead | None:
         """How weights are read when on disk, with `cache_bytes` of page cache for them."""
         return DiskRead(self.disk_bytes_per_s, cache_bytes, cold) if self.on_disk else None
@@ -183,6 +191,9 @@ class Phase:
     held: tuple[int, ...] = field(repr=False, default=())  # evicted, still read by the GPU: reserved only
     streaming: Streaming | None = field(repr=False, default=None)  # what the sequential tier streams meanwhile
     timeline: WeightTimeline | None = field(repr=False, default=None)  # where it comes and goes among `events`
+    # Of `weights_bytes`, the host tensors themselves, already in the stage's host_bytes: on a CPU device
+    # CpuBackend.copy_group hands the compute the host copies (no copy), so they are counted once.
+    in_host_bytes: int = 0
 
     def fits(self, budget: int) -> bool:
         return self.within(budget).device_bytes <= budget
@@ -206,6 +217,7 @@ class StagePlan:
     buffers, activations on the CPU): what must fit the RAM budget. `page_cache_bytes` are weights
     memory-mapped from their files (the disk tier): the kernel reclaims them under pressure, so
     they never decide a fit; what the budget cannot keep of them is read again (see `seconds`).
+    `on_cpu`: the phases compute on the CPU, in the same RAM as `host_bytes` (see `ram_bytes`).
     """
 
     name: str
@@ -213,6 +225,7 @@ class StagePlan:
     host_bytes: int
     page_cache_bytes: int = 0
     work: tuple[Work, ...] = ()
+    on_cpu: bool = False
 
     def seconds(self, disk: DiskRead | None = None) -> float:
         return sum(w.seconds(disk) for w in self.work)
@@ -233,8 +246,25 @@ class StagePlan:
     def reserved_bytes(self) -> int:
         return max((p.peak.reserved for p in self.phases), default=0)
 
-    def fits(self, vram: int | None) -> bool:
-        return vram is None or all(p.fits(vram) for p in self.phases)
+    @property
+    def ram_bytes(self) -> int:
+        """Anonymous RAM the stage needs. On a CPU device its compute holds RAM too: the worst phase's
+        bytes beyond the weights `host_bytes` already counts (Phase.in_host_bytes) come on top."""
+        if not self.on_cpu:
+            return self.host_bytes
+        return self.host_bytes + max((p.device_bytes - p.in_host_bytes for p in self.phases), default=0)
+
+    def footprint(self, budget: int | None) -> int:
+        """What the stage needs of a compute device of `budget` bytes (PlanOptions.compute_budget): on a
+        GPU its worst phase near that limit (Phase.within); on a CPU the RAM of compute and process together."""
+        if self.on_cpu:
+            return self.ram_bytes
+        return max((p.within(budget).device_bytes for p in self.phases), default=0)
+
+    def fits(self, budget: int | None) -> bool:
+        """Whether the stage fits a compute device of `budget` bytes: VRAM on a GPU (every phase near
+        that limit); on a CPU the RAM, which its compute shares with the process (PlanOptions.compute_budget)."""
+        return budget is None or self.footprint(budget) <= budget
 
     def within(self, vram: int | None) -> "StagePlan":
         return self if vram is None else replace(self, phases=tuple(p.within(vram) for p in self.phases))
