@@ -89,7 +89,7 @@ def plan_gpus(model, shape, layout: MultiGpu, vram: int, ram: int, base: MemoryS
     options = replace(options, device=PARALLEL_DEVICE)
     plans, one_gpu = parallel_candidates(model, shape, vram, ram, layout, base, options)
     labels = [_label(plan, options) for plan in plans]
-    chosen = parallel_recommended(plans)
+    chosen = parallel_recommended(plans, on_disk=options.on_disk)  # as choose_parallel: the weights as loaded
     if strategy is not None:
         plans.append(plan_parallel(model, shape, strategy, layout, options, vram, ram, reference=one_gpu))
         labels.append("your settings")

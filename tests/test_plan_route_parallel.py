@@ -141,3 +141,16 @@ def test_a_bad_context_parallel_names_the_widget():
     with pytest.raises(PlanRequestError, match="context_parallel='tensor' must be one of off, ulysses, ring") as error:
         parse_request({"model": WAN, **SIZE, "context_parallel": "tensor"}, [WAN], list(DTYPES))
     assert error.value.name == "context_parallel"
+
+
+def test_balanced_auto_on_the_chart_never_chooses_a_disk_row_the_loader_does_not_hold(capsys):
+    """Balanced runs the pipeline as loaded, so with RAM below the weights the rows that fit memory-map them:
+    a suggestion for the loader, which the command may recommend, never the chart's `auto` (the one-GPU chart
+    and the Sampler's auto never pick them either)."""
+    route = answer(gpus="0,1", context_parallel="off", ram_budget_gb="40")
+    rows = route["rows"]
+    assert any(row["fits"] and row["on_disk"] for row in rows)
+    cli = cli_plan(capsys, "--gpus", "2", "--cp", "balanced", "--ram", "40")
+    assert cli["strategies"][cli["recommended"]]["on_disk"]  # the command's advice: keep the weights on disk
+    assert route["chosen"] is None or not rows[route["chosen"]]["on_disk"]
+    assert route["chosen"] is None or rows[route["chosen"]]["fits"]

@@ -232,7 +232,10 @@ def _fewest_rank_blocks(model, shape, strategy: MemoryStrategy, layout: MultiGpu
     return replace(strategy, blocks_to_swap=low)
 
 
-def parallel_recommended(plans: list[ParallelPlan]) -> int | None:
-    """The fitting plan with the least estimated time, the earlier on a tie."""
-    fitting = [(round(p.seconds, 1), i) for i, p in enumerate(plans) if p.fits]
+def parallel_recommended(plans: list[ParallelPlan], on_disk: bool | None = None) -> int | None:
+    """The fitting plan with the least estimated time, the earlier on a tie. With `on_disk` (how the loader
+    holds the weights), only plans that hold them so: balanced mode runs the pipeline as loaded, so a row
+    with the weights memory-mapped is a suggestion for the loader, never one to run weights held in RAM by."""
+    fitting = [(round(p.seconds, 1), i) for i, p in enumerate(plans)
+               if p.fits and (on_disk is None or p.on_disk == on_disk)]
     return min(fitting)[1] if fitting else None

@@ -36,9 +36,10 @@ def choose_parallel(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrat
     """The fastest per-GPU plan that fits every GPU and the RAM of every process; PlanError otherwise."""
     layout = layout_of(base, ranks)
     one_process = replace(base, offload="model", blocks_to_swap=0, parallel=Parallelism())
+    options = plan_options(loaded, device=rank_device(ranks))
     plans, _ = parallel_candidates(sampling_model(loaded), shape, vram_budget_bytes, ram_budget_bytes, layout,
-                                   one_process, plan_options(loaded, device=rank_device(ranks)))
-    best = parallel_recommended(plans)
+                                   one_process, options)
+    best = parallel_recommended(plans, on_disk=options.on_disk)
     if best is None:
         raise PlanError(nothing_fits(plans, layout, vram_budget_bytes, ram_budget_bytes))
     return plans[best]
