@@ -222,8 +222,10 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
     stored = dict(options.storage)
     weights = f"weights {next(iter(stored.values()))}" if stored else "weights at the compute dtype"
     vae = f", VAE {model.vae_dtype_name}" if model.vae_dtype_name else ""
+    from ..memory.plan.candidates import _gib  # a tiny budget keeps its digits ("0.001 GiB", not "0.0")
+
     head = (f"{model.name} ({model.dtype_name}{vae}, {weights}) {shape.width}x{shape.height}, {shape.frames} frames; "
-            f"budget {vram / GIB:.1f} GiB VRAM, {ram / GIB:.1f} GiB RAM; {options.allocator.value} allocator")
+            f"budget {_gib(vram)} VRAM, {_gib(ram)} RAM; {options.allocator.value} allocator")
     from ..memory.plan.candidates import times_differ
     from ..memory.plan.costs import TIME_RESOLUTION
 

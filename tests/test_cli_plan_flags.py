@@ -74,3 +74,11 @@ def test_gpus_refuses_the_flags_it_would_drop(flags, message, capsys):
 def test_an_interconnect_rate_must_be_finite_and_positive(value, capsys):
     assert main(PLAN + ["--gpus", "2", "--interconnect-gbps", value]) == 2
     assert f"--interconnect-gbps {float(value)} must be a positive finite number" in capsys.readouterr().err
+
+
+def test_a_tiny_budget_is_printed_with_its_digits(capsys):
+    """--ram 0.001 read "0.0 GiB RAM" in the table's head and in the advice: as if no RAM were given."""
+    assert main(["plan", "--model", "wan2.1-t2v-1.3b", "--size", "832x480", "--frames", "81", "--vram", "8",
+                 "--ram", "0.001"]) == 1
+    out = capsys.readouterr().out
+    assert "budget 8.0 GiB VRAM, 0.001 GiB RAM" in out and "> 0.001 GiB" in out and " 0.0 GiB" not in out

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .candidates import (STAGE_WORDS, Plan, PlanError, _fewest_blocks, tiling_that_fits, candidate_plans,
+from .candidates import (STAGE_WORDS, Plan, PlanError, _fewest_blocks, _gib, tiling_that_fits, candidate_plans,
                          fewest_chunks, recommended)
-from .costs import GiB
 from .stages import decode_stage, denoise_stage, host_base, text_encode_stage
 from .types import PlannerModel, PlanOptions, StagePlan, VideoShape
 from ..storage import FORMATS, storage_format
@@ -235,5 +234,3 @@ def _fewer_frames(model, shape: VideoShape) -> VideoShape:
     return replace(shape, frames=1)
 
 
-def _gib(nbytes: int | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / GiB:.1f} GiB"
