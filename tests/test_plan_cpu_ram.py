@@ -121,3 +121,16 @@ def test_a_tiny_budget_is_printed_with_its_digits(wan):
     plan = plan_run(wan, VideoShape(320, 192, 9), MemoryStrategy(), PlanOptions(steps=4), 8 * GiB, GiB // 1000)
     assert any("> 0.001 GiB" in line for line in plan.over_budget())
     assert not any("0.0 GiB" in line for line in plan.over_budget())
+
+
+def test_a_cpu_stage_over_its_ram_is_said_once_with_digits_that_differ(wan):
+    """One RAM test on a CPU (compute and process share it): a stage over it read "RAM 1.6 > 1.0 GiB, RAM 1.6 >
+    1.0 GiB", and a need just above the budget "RAM 1.0 > 1.0 GiB"."""
+    plan = plan_run(wan, SHAPE, MemoryStrategy(offload="sequential", activation_chunks=16), CPU_DISK, GiB, GiB)
+    lines = plan.over_budget()
+    assert lines and not plan.fits
+    for line in lines:
+        over = line.split(": ", 1)[1]
+        assert over.count("RAM") == 1 and "VRAM" not in over, line
+        need, budget = over.removeprefix("RAM ").removesuffix(" GiB").split(" > ")
+        assert need != budget, line

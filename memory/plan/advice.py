@@ -125,10 +125,10 @@ def _ram_fix(model: PlannerModel, plan: Plan, name: str) -> str:
     trials += [(f"weights stored as {t.storage[0][1]}" + (", on disk" if t.on_disk and not options.on_disk else ""), t)
                for t in _smaller_storage(model, options) + ([] if options.on_disk else _on_disk(model, options, True))]
     for words, trial in trials:
-        if _stage(model, plan, name, plan.strategy, trial).host_bytes <= ram:
+        if _stage(model, plan, name, plan.strategy, trial).ram_bytes <= ram:  # on a CPU with its compute's RAM
             return words
     stage = plan.stage(name)
-    return f"more RAM (at least {_gib(stage.host_bytes)})"
+    return f"more RAM (at least {_gib(stage.ram_bytes)})"
 
 
 def _smaller_storage(model: PlannerModel, options: PlanOptions) -> list[PlanOptions]:

@@ -99,13 +99,14 @@ class Plan:
         found = []
         for s in self.stages:
             over = []
-            if self.options.on_cpu:
+            if self.options.on_cpu:  # the compute budget is the RAM budget (compute_budget): one test covers both
                 if not s.fits(self.vram_budget_bytes):
-                    over.append(f"RAM {s.ram_bytes / GiB:.1f} > {_gib(self.vram_budget_bytes)}")
-            elif not s.fits(self.vram_budget_bytes):
-                over.append(f"VRAM {s.device_bytes / GiB:.1f} > {_gib(self.vram_budget_bytes)}")
-            if self.ram_budget_bytes is not None and s.host_bytes > self.ram_budget_bytes:
-                over.append(f"RAM {s.host_bytes / GiB:.1f} > {_gib(self.ram_budget_bytes)}")
+                    over.append(f"RAM {_over(s.ram_bytes, self.vram_budget_bytes)}")
+            else:
+                if not s.fits(self.vram_budget_bytes):
+                    over.append(f"VRAM {_over(s.device_bytes, self.vram_budget_bytes)}")
+                if self.ram_budget_bytes is not None and s.host_bytes > self.ram_budget_bytes:
+                    over.append(f"RAM {_over(s.host_bytes, self.ram_budget_bytes)}")
             found.append((s, over))
         return found
 
@@ -322,6 +323,13 @@ def tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int =
             break
         free = int(free * 0.6)
     return tiled
+
+
+def _over(need: int, budget: int) -> str:
+    """"9.1 > 8.0 GiB"; with two decimals where one would print the need equal to the budget ("1.04 > 1.00")."""
+    if f"{need / GiB:.1f}" == f"{budget / GiB:.1f}":
+        return f"{need / GiB:.2f} > {budget / GiB:.2f} GiB"
+    return f"{need / GiB:.1f} > {_gib(budget)}"
 
 
 def _gib(nbytes: int | None) -> str:
