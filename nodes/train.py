@@ -101,7 +101,7 @@ class VidMemPrepareTrainingData:
     def IS_CHANGED(cls, folder=None, **_other_inputs):
         """The folder's media and captions by name, size and modification time (stat only, nothing
         read): clips or captions added, removed or edited make ComfyUI run the node again, which
-        encodes only what its cache lacks. A constant for a linked, empty or unreadable folder."""
+        encodes only what its cache lacks. A constant for a linked, missing, empty or refused folder."""
         if not isinstance(folder, str) or not folder.strip() or folder_problem(folder):
             return ""
         root = Path(folder.strip()).expanduser()
