@@ -19,20 +19,25 @@ class VidMemFreeVRAM:
     DESCRIPTION = (
         "Drops the weights vidmem keeps on the GPU between runs (warm runs), then runs gc.collect(), "
         "torch.cuda.empty_cache() and torch.cuda.ipc_collect() when the value passing through arrives, "
-        "and passes it on unchanged. Shows memory before and after."
+        "and passes it on unchanged. Shows memory before and after. It runs on every queue: the next queue "
+        "is cold (uploads the weights again) and every node after it runs again each time, so give it a "
+        "branch of its own (its output unconnected), if at all: ComfyUI takes kept weights back by itself "
+        "when it needs the room."
     )
     CATEGORY = "vidmem"
     FUNCTION = "free"
     OUTPUT_NODE = True
     RETURN_TYPES = (ANY,)
     RETURN_NAMES = ("passthrough",)
-    OUTPUT_TOOLTIPS = ("The input, unchanged; connect it onward so later nodes run after the cleanup.",)
+    OUTPUT_TOOLTIPS = ("The input, unchanged. Every node connected after it runs again on every queue (this node "
+                       "is never cached): leave it unconnected unless a later node must wait for the cleanup.",)
 
     @classmethod
     def INPUT_TYPES(cls):
         return {
             "required": {
                 "anything": (ANY, {"tooltip": "Any value; the cleanup runs when it arrives and it is passed on. "
+                                   "The weights kept for the next queue are dropped: the next queue is cold. "
                                    "Every pipeline's context-parallel ranks (one process per GPU) are stopped too; "
                                    "the next parallel run starts them again."}),
                 "unload_comfy_models": ("BOOLEAN", {"default": False, "tooltip":

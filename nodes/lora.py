@@ -10,7 +10,7 @@ from ..pipelines.lora import EXPERTS, load_lora, with_lora
 from ..pipelines.lora.spec import STRENGTH_RANGE
 from . import host
 from .checks import literal_problem, pipeline_input
-from .loader import PIPELINE_TYPE
+from .loader import PIPELINE_TYPE, found
 
 NO_LORAS = "(no LoRAs found in models/loras)"
 
@@ -49,9 +49,21 @@ class VidMemLoadLoRA:
         """strength is named so NaN is refused when queued (it passes ComfyUI's min/max); its range is checked here."""
         return literal_problem(cls, "strength", strength) or True
 
+    @classmethod
+    def IS_CHANGED(cls, lora_name=None, **_other_inputs):
+        """The file's modification time and size: a LoRA rewritten under the same name (Train LoRA
+        writes models/loras/<name>.safetensors) is read again; an unchanged one stays cached."""
+        if not isinstance(lora_name, str):  # linked: ComfyUI keys the cache on the value that arrives
+            return ""
+        try:
+            stat = host.resolve_lora(lora_name).stat()
+        except OSError:  # not there: the node says so when it runs
+            return ""
+        return stat.st_mtime_ns, stat.st_size
+
     def load(self, pipeline, lora_name: str, strength: float, expert: str = "both"):
         pipeline = pipeline_input(pipeline, "Load LoRA")
-        path = host.resolve_lora(lora_name)
+        path = found(host.resolve_lora, lora_name)
         spec = load_lora(path, pipeline.pipe, strength, expert, name=lora_name)
         return {"ui": {"text": [summary(spec)]}, "result": (with_lora(pipeline, spec),)}
 

@@ -11,7 +11,12 @@ own build() (the rules between its inputs), blocks_to_swap and the size against 
 (a small file, built on the meta device). A problem is raised naming the node, the input and the
 fix, with nothing loaded. Only literal values of known nodes are checked;
 anything else (a value from another node, a graph shape not understood) is left to the Sampler,
-which checks again first thing when it runs.
+which checks again first thing when it runs. Only Samplers that feed an output node are checked:
+ComfyUI runs (and validates) only the nodes an output needs, so a Sampler left dangling on the
+canvas must not stop the loader. A node of a class vidmem does not know (ComfyUI's or another
+pack's) counts as an output, erring on the side of checking. Under "queue selected outputs" the
+prompt still holds every branch and nothing says which outputs were picked: a Sampler on a branch
+left out is still checked (bypass it, or fix its value).
 """
 
 from __future__ import annotations
@@ -48,6 +53,31 @@ def samplers_fed_by(prompt: dict, node_id: str) -> list[tuple[str, dict]]:
     return found
 
 
+def feeds_an_output(prompt: dict, node_id: str) -> bool:
+    """Whether an output node is reachable from node `node_id` (so ComfyUI runs it): one of vidmem's
+    classes with OUTPUT_NODE, or any class vidmem does not know (the save nodes of ComfyUI and of other
+    packs; assumed an output, so that a Sampler is never skipped by mistake)."""
+    from . import NODE_CLASS_MAPPINGS as ours  # here: the package imports the loaders, which import this module
+
+    seen, frontier = {str(node_id)}, [str(node_id)]
+    while frontier:
+        source = frontier.pop()
+        for nid, node in prompt.items():
+            if str(nid) in seen or not isinstance(node, dict) or not _reads_from(node, source):
+                continue
+            cls = ours.get(node.get("class_type"))
+            if cls is None or getattr(cls, "OUTPUT_NODE", False) is True:
+                return True
+            seen.add(str(nid))
+            frontier.append(str(nid))
+    return False
+
+
+def _reads_from(node: dict, source: str) -> bool:
+    """Whether any input of `node` links to an output of node `source`."""
+    return any(isinstance(v, list) and len(v) == 2 and str(v[0]) == source for v in node.get("inputs", {}).values())
+
+
 def check_before_loading(prompt, node_id, model_config) -> None:
     """ModelError or StrategyError naming the Sampler or Strategy input the model cannot take.
 
@@ -55,7 +85,13 @@ def check_before_loading(prompt, node_id, model_config) -> None:
     is built only when a Sampler is found. Without a prompt (a direct call) nothing is checked."""
     if not isinstance(prompt, dict) or node_id is None:
         return
-    samplers = samplers_fed_by(prompt, node_id)
+    samplers = []
+    for sampler_id, inputs in samplers_fed_by(prompt, node_id):
+        if feeds_an_output(prompt, sampler_id):
+            samplers.append((sampler_id, inputs))
+        else:
+            log.info("vidmem: Video Sampler (node %s) feeds no output node, so ComfyUI does not run it; not checked "
+                     "before loading", sampler_id)
     if not samplers:
         return
     try:

@@ -75,7 +75,10 @@ class VidMemSpeed:
 
 
 def queue_problem(attention) -> str | None:
-    """Why `attention` cannot run on the host's device in any compute dtype, or None."""
+    """Why `attention` cannot run on the host's device in any compute dtype, or None; None for a
+    linked input (no value when queued): Speed and then the Sampler check the value when it arrives."""
+    if attention is None:
+        return None
     try:
         kernel = AttentionKernel(attention)
     except ValueError:  # named in VALIDATE_INPUTS, so ComfyUI's own combo check is off for it

@@ -173,7 +173,10 @@ def one_process_only(choice, node: str):
 
 def tile_size_problem(tile_size) -> str | None:
     """The one rule on tile_size that ComfyUI's min/max cannot express (and its range, since
-    naming it in VALIDATE_INPUTS turns ComfyUI's own check off for it)."""
+    naming it in VALIDATE_INPUTS turns ComfyUI's own check off for it). None for a linked input
+    (no value when queued): MemoryStrategy checks the value when it arrives."""
+    if tile_size is None:
+        return None
     low, high = TILE_SIZE_RANGE
     if not isinstance(tile_size, int) or isinstance(tile_size, bool) or not low <= tile_size <= high:
         return f"tile_size={tile_size!r} must be a whole number of pixels from {low} to {high}."

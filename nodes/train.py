@@ -7,13 +7,18 @@ a Video Sampler right after it samples with it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+from pathlib import Path
 
 from ..pipelines.lora import load_lora, with_lora
 from ..training import (
     DEFAULT_TARGETS, BucketSettings, OptimizerName, TrainOutputs, TrainSettings, parse_frames, parse_resolutions,
     prepare_training_data, train_lora,
 )
+from ..training.data import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from ..training.errors import TrainingError
 from ..training.objective import EXPERT_COMPONENTS
 from ..memory.activation_offload import OffloadMode, offload_mode
 from ..training.plan import choose_training_strategy, resolve_activation_offload
@@ -21,6 +26,7 @@ from ..training.save import lora_file_name
 from . import host
 from .checks import literal_problems, pipeline_input
 from .loader import PIPELINE_TYPE
+from .model_folders import ALLOW_ANY_PATH_ENV, _within
 from .receipts import format_receipt, human_bytes
 from .strategy import STRATEGY_TYPE, as_choice, one_process_only
 
@@ -72,7 +78,10 @@ class VidMemPrepareTrainingData:
                 "strategy": (STRATEGY_TYPE, {"tooltip": "Where the text encoder and VAE live while encoding; VAE "
                              "tiling here tiles the encode (tile_size, overlap)."}),
                 "folder": ("STRING", {"default": "", "tooltip": "Full path of a folder of videos (.mp4 .mov .webm "
-                           ".mkv .avi .gif) and images (.png .jpg .webp), each with a caption .txt of the same name."}),
+                           ".mkv .avi .gif) and images (.png .jpg .webp), each with a caption .txt of the same name, "
+                           "inside ComfyUI's input folder (e.g. ComfyUI/input/my_clips; others only where the server "
+                           f"was started with {ALLOW_ANY_PATH_ENV}=1). Files added or changed there make the next "
+                           "queue prepare again."}),
                 "resolutions": ("STRING", {"default": "832x480, 480x832", "tooltip": "Resolution buckets as "
                                 "WIDTHxHEIGHT, comma separated; each clip goes to the one nearest its aspect ratio, "
                                 "scaled to cover and centre-cropped. Multiples of 16 (32 for Wan 2.2 TI2V-5B)."}),
@@ -82,7 +91,28 @@ class VidMemPrepareTrainingData:
             },
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, folder=None):
+        """folder is named (a STRING: ComfyUI checks nothing of it) so a folder outside ComfyUI's
+        input folder is refused when queued, before anything reads it."""
+        return folder_problem(folder) or True
+
+    @classmethod
+    def IS_CHANGED(cls, folder=None, **_other_inputs):
+        """The folder's media and captions by name, size and modification time (stat only, nothing
+        read): clips or captions added, removed or edited make ComfyUI run the node again, which
+        encodes only what its cache lacks. A constant for a linked, missing, empty or refused folder."""
+        if not isinstance(folder, str) or not folder.strip() or folder_problem(folder):
+            return ""
+        root = Path(folder.strip()).expanduser()
+        listing = sorted((str(path.relative_to(root)), stat.st_size, stat.st_mtime_ns)
+                         for path, stat in _data_files(root))
+        return hashlib.sha256(repr(listing).encode()).hexdigest() if listing else ""
+
     def prepare(self, pipeline, strategy, folder, resolutions, frame_buckets):
+        problem = folder_problem(folder)  # also when linked: VALIDATE_INPUTS saw no value then
+        if problem:
+            raise TrainingError(problem)
         pipeline = pipeline_input(pipeline, "Prepare Training Data")
         run, note = _run_strategy(strategy)
         buckets = BucketSettings(parse_resolutions(resolutions), parse_frames(frame_buckets))
@@ -97,6 +127,38 @@ class VidMemPrepareTrainingData:
         text = "\n".join([format_receipt(f"Prepare Training Data: {len(data.samples)} samples for {pipeline.describe()}",
                                           receipt), *prepare_lines(receipt)])
         return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (data,)}
+
+
+def folder_problem(folder) -> str | None:
+    """Why Prepare Training Data may not read the typed `folder`, or None. Inside ComfyUI only its
+    input folder, as Load Video Pipeline's path only its model folders (nodes/model_folders.py,
+    the same switch): the captions are copied into output/vidmem_training, which ComfyUI's /view
+    serves to whoever reaches the server. A link placed inside the input folder is followed; '..' is
+    refused outright. Without ComfyUI the user is the operator: anything goes."""
+    if not isinstance(folder, str) or not folder.strip() or not host.in_comfyui():
+        return None  # linked (checked when it arrives), empty (the node says so when it runs), no host
+    if os.environ.get(ALLOW_ANY_PATH_ENV, "").strip().lower() in ("1", "true", "yes"):
+        return None
+    given, root = Path(os.path.expanduser(folder.strip())), host.latents_folder()  # ComfyUI's input folder
+    if ".." not in given.parts and (_within(os.path.abspath(given), os.path.abspath(root))
+                                    or _within(os.path.realpath(given), os.path.realpath(root))):
+        return None
+    return (f"folder '{folder.strip()}' is outside ComfyUI's input folder ({root}); folder may name only a folder "
+            f"inside it, without '..'. Put the clips and captions in a folder there (e.g. {Path(root) / 'my_clips'}) "
+            f"and give its full path. To accept any folder, whoever runs the server starts ComfyUI with the "
+            f"environment variable {ALLOW_ANY_PATH_ENV}=1 (only where everyone who can reach the server may read "
+            "its files).")
+
+
+def _data_files(root: Path):
+    """(path, stat) of every media file and caption under `root` that training/data.py's scan_folder
+    reads (dot files and folders skipped), without reading any."""
+    if not root.is_dir():
+        return
+    for path in root.rglob("*"):
+        if path.suffix.lower() in (*VIDEO_SUFFIXES, *IMAGE_SUFFIXES, ".txt") and path.is_file() \
+                and not any(part.startswith(".") for part in path.relative_to(root).parts):
+            yield path, path.stat()
 
 
 class VidMemTrainLoRA:

@@ -144,7 +144,7 @@ def test_an_explicit_strategy_is_planned_at_the_samplers_shape_as_advice(tiny_lo
     assert run is choice.strategy and line.startswith("no prediction at 832x480x81")  # tiny rope table: advice only
 
 
-@pytest.mark.parametrize("tile_size, ok", [(256, True), (100, False), (32, False), (8192, False), (None, False)])
+@pytest.mark.parametrize("tile_size, ok", [(256, True), (100, False), (32, False), (8192, False), (None, True)])
 def test_strategy_queue_check_of_tile_size(tile_size, ok):
     import inspect
 
@@ -241,6 +241,29 @@ def test_cross_input_problems_stop_the_strategy_node_naming_the_input(change, me
         VidMemMemoryStrategy().build(**strategy_inputs(**change))
 
 
+def _widget_default(entry):
+    """What a fresh node holds in a widget: its default, else a list's first choice (None for a socket)."""
+    kind, options = entry[0], (entry[1] if len(entry) > 1 else {})
+    if "default" in options:
+        return options["default"]
+    return kind[0] if isinstance(kind, list) and kind else None
+
+
+@pytest.mark.parametrize("node_id", sorted(n for n, c in NODE_CLASS_MAPPINGS.items() if hasattr(c, "VALIDATE_INPUTS")))
+def test_a_linked_input_passes_every_queue_check(node_id):
+    """ComfyUI 0.8.0 hands VALIDATE_INPUTS None for a linked input (its value does not exist when
+    queued; nodes/checks.py): None never refuses a prompt, the value is checked when it arrives."""
+    import inspect
+
+    cls = NODE_CLASS_MAPPINGS[node_id]
+    named = list(inspect.signature(cls.VALIDATE_INPUTS).parameters)
+    inputs = all_inputs(cls)
+    widgets = {name: _widget_default(inputs[name]) for name in named}
+    assert cls.VALIDATE_INPUTS(**widgets) is True, "a fresh node queues"
+    for name in named:
+        assert cls.VALIDATE_INPUTS(**{**widgets, name: None}) is True, f"{node_id}.{name} linked"
+
+
 def test_free_vram_passes_its_input_through_and_always_reruns():
     value = object()
     out = VidMemFreeVRAM().free(value)
@@ -248,6 +271,10 @@ def test_free_vram_passes_its_input_through_and_always_reruns():
     assert "rss_bytes" in out["ui"]["vidmem_receipt"][0]["before"]
     changed = VidMemFreeVRAM.IS_CHANGED(anything=value)
     assert math.isnan(changed) and changed != VidMemFreeVRAM.IS_CHANGED(anything=value)
+    # So it says what that costs: a cold next queue, and every node after it run again.
+    said = " ".join([VidMemFreeVRAM.DESCRIPTION, VidMemFreeVRAM.INPUT_TYPES()["required"]["anything"][1]["tooltip"],
+                     *VidMemFreeVRAM.OUTPUT_TOOLTIPS])
+    assert "the next queue is cold" in said and "runs again on every queue" in said
 
 
 def test_host_without_comfyui_degrades_to_explicit_paths(tmp_path):

@@ -18,7 +18,7 @@ from vidmem.pipelines.tiny_files import save_tiny_comfy_files
 
 
 def graph(loader: str = "VidMemLoadPipeline", width=32, height=32, frames=9, offload="model", blocks=0, via_lora=True):
-    """An API-format prompt: loader 1 -> (Load LoRA 2 ->) Sampler 4 <- Strategy 3; Decode 5 beside."""
+    """An API-format prompt: loader 1 -> (Load LoRA 2 ->) Sampler 4 <- Strategy 3 -> Decode 5 -> Save 6."""
     source = ["2", 0] if via_lora else ["1", 0]
     return {
         "1": {"class_type": loader, "inputs": {}},
@@ -27,6 +27,7 @@ def graph(loader: str = "VidMemLoadPipeline", width=32, height=32, frames=9, off
         "4": {"class_type": "VidMemVideoSampler", "inputs": {"pipeline": source, "strategy": ["3", 0],
                                                             "width": width, "height": height, "frames": frames}},
         "5": {"class_type": "VidMemVAEDecode", "inputs": {"pipeline": source, "latent": ["4", 0]}},
+        "6": {"class_type": "SaveAnimatedWEBP", "inputs": {"images": ["5", 0]}},
     }
 
 
@@ -74,6 +75,36 @@ def test_a_good_graph_or_one_it_cannot_read_loads(folder_loader, prompt):
     load, loads = folder_loader
     (loaded,) = load(prompt)
     assert loaded.class_name == "WanPipeline" and len(loads) == 1
+
+
+def with_node(prompt: dict, nid: str, class_type: str, **inputs) -> dict:
+    return {**prompt, nid: {"class_type": class_type, "inputs": inputs}}
+
+
+@pytest.mark.parametrize("extra", [
+    {},  # a second Sampler left on the canvas, connected to nothing
+    {"8": ("VidMemVAEDecode", {"latent": ["7", 0]})},  # decoded, and the frames go nowhere
+])
+def test_a_sampler_no_output_needs_is_not_checked(folder_loader, extra):
+    """ComfyUI runs (and validates) only what an output node needs: a bad value on a Sampler it will
+    not run must not stop the loader the rest of the graph uses."""
+    load, loads = folder_loader
+    prompt = with_node(graph(), "7", "VidMemVideoSampler", pipeline=["1", 0], width=32, height=32, frames=10)
+    for nid, (class_type, inputs) in extra.items():
+        prompt = with_node(prompt, nid, class_type, pipeline=["1", 0], **inputs)
+    (loaded,) = load(prompt)
+    assert loaded.class_name == "WanPipeline" and len(loads) == 1
+
+
+@pytest.mark.parametrize("output", ["VidMemFreeVRAM", "VHS_VideoCombine"])  # an OUTPUT_NODE of ours; another pack's
+def test_a_sampler_feeding_an_output_through_any_node_is_checked(folder_loader, output):
+    load, loads = folder_loader
+    prompt = with_node(graph(), "7", "VidMemVideoSampler", pipeline=["1", 0], width=32, height=32, frames=10)
+    prompt = with_node(prompt, "8", "VidMemVAEDecode", pipeline=["1", 0], latent=["7", 0])
+    prompt = with_node(prompt, "9", output, images=["8", 0])
+    with pytest.raises(ModelError, match=r"Video Sampler \(node 7\), .*: frames=10 is not valid for wan"):
+        load(prompt)
+    assert loads == []
 
 
 def test_the_files_loader_checks_from_the_files_headers(tmp_path, monkeypatch):

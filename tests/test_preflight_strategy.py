@@ -22,7 +22,9 @@ def prompt(**strategy):
     return {"1": {"class_type": "VidMemLoadPipeline", "inputs": {}},
             "2": {"class_type": "VidMemMemoryStrategy", "inputs": WIDGETS | strategy},
             "3": {"class_type": "VidMemVideoSampler", "inputs": {"pipeline": ["1", 0], "strategy": ["2", 0],
-                                                                "width": 832, "height": 480, "frames": 81}}}
+                                                                "width": 832, "height": 480, "frames": 81}},
+            "4": {"class_type": "VidMemVAEDecode", "inputs": {"pipeline": ["1", 0], "latent": ["3", 0]}},
+            "5": {"class_type": "SaveAnimatedWEBP", "inputs": {"images": ["4", 0]}}}
 
 
 def check(graph):

@@ -169,9 +169,39 @@ def test_every_node_type_exists(path):
     ui = wr.load_json(path)
     unknown = {node["type"] for node in ui["nodes"]} - KNOWN_TYPES
     assert not unknown, f"{path.name}: node types neither vidmem's nor listed core nodes: {unknown}"
-    chain = {"VidMemMemoryStrategy", "VidMemVideoSampler", "VidMemVAEDecode", "VidMemFreeVRAM"}
+    chain = {"VidMemMemoryStrategy", "VidMemVideoSampler", "VidMemVAEDecode"}
     assert chain <= {node["type"] for node in ui["nodes"]}, "the whole chain appears"
     assert any(node["type"].startswith("VidMemLoad") for node in ui["nodes"]), "a vidmem loader starts it"
+
+
+# Core nodes that write what a template makes (ComfyUI runs a prompt for its output nodes).
+SAVE_NODES = ("CreateVideo", "SaveVideo", "SaveAnimatedWEBP")
+
+
+@by_name(API_FILES)
+def test_no_template_frees_vram_before_its_outputs(path):
+    """Free VRAM is never cached (its IS_CHANGED is NaN) and drops the weights kept on the GPU: in a
+    template's chain it would make every queue cold and run every node after it again, rewriting the
+    same video. The save nodes take the Decode's frames straight."""
+    api = wr.load_json(path)
+    decode = next(nid for nid, node in api.items() if node["class_type"] == "VidMemVAEDecode")
+    for nid, node in api.items():
+        if node["class_type"] not in SAVE_NODES:
+            continue
+        before = _ancestors(api, nid)
+        assert not any(api[a]["class_type"] == "VidMemFreeVRAM" for a in before), f"{path.stem}: node {nid}"
+        assert decode in before, f"{path.stem}: {node['class_type']} (node {nid}) does not save the Decode's frames"
+
+
+def _ancestors(api: dict, nid: str) -> set[str]:
+    """Every node whose output reaches node `nid` (what ComfyUI runs, and keys its cache on, before it)."""
+    found, frontier = set(), [nid]
+    while frontier:
+        for value in api[frontier.pop()]["inputs"].values():
+            if wr.is_link(value) and value[0] not in found:
+                found.add(value[0])
+                frontier.append(value[0])
+    return found
 
 
 @by_name(UI_FILES)
@@ -401,7 +431,8 @@ def test_api_workflow_runs_end_to_end_with_tiny_models(path, models_root, tiny_c
     assert isinstance(latent, dict) and latent["samples"].ndim == 5
     frames = run.outputs[ids["VidMemVAEDecode"]][0]
     assert frames.shape == (spec.frames, spec.height, spec.width, 3) and frames.dtype == torch.float32
-    assert run.outputs[ids["VidMemFreeVRAM"]][0] is frames, "Free VRAM passes its input through unchanged"
+    for save in ("CreateVideo", "SaveAnimatedWEBP"):
+        assert run.core_inputs[ids[save]]["images"] is frames, f"{save} gets the Decode's frames"
     strategy_text = run.ui[ids["VidMemMemoryStrategy"]]["text"][0]
     assert f"offload={original[ids['VidMemMemoryStrategy']]['inputs']['offload']}" in strategy_text
     applied = [node["inputs"]["lora_name"] for node in api.values() if node["class_type"] == tiny_loras.LORA_NODE]

@@ -61,7 +61,7 @@ class Node:
 TEMPLATES = (FOLDER_TEMPLATES + FILE_TEMPLATES + I2V_TEMPLATES + CACHE_TEMPLATES + LORA_TEMPLATES + TRAIN_TEMPLATES
              + FAMILY_TEMPLATES)
 
-MODEL_GROUP, SAMPLE_GROUP, SAVE_GROUP = "Model and memory strategy", "Sample, decode, free", "Save"
+MODEL_GROUP, SAMPLE_GROUP, SAVE_GROUP = "Model and memory strategy", "Sample and decode", "Save"
 LORA_GROUP, TRAIN_GROUP = "LoRA", "Train a LoRA"
 NOTE_COLORS = ("#432", "#653")
 
@@ -92,9 +92,14 @@ FIRST_EXTRA_ID = 10  # ids 1-9 are the chain every template shares (the API twin
 
 
 def graph(t: Template) -> list[Node]:
-    """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> Free VRAM -> save,
-    with the template's LoRA or training nodes between the loader and the Sampler, and its Step
-    Cache (if it carries one) under the Sampler, linked to the Sampler's cache input.
+    """The chain every template shares: Load -> Strategy -> Sampler -> Decode -> save, with the
+    template's LoRA or training nodes between the loader and the Sampler, and its Step Cache (if it
+    carries one) under the Sampler, linked to the Sampler's cache input.
+
+    No Free VRAM in the chain: it drops the weights kept for the next queue (which then uploads
+    them again) and, never cached itself, makes every node after it run again on every queue.
+    ComfyUI takes the kept weights back by itself when it needs the room (docs/warm-runs.md).
+    Id 5, once Free VRAM's, stays unused so the API twins keep their ids.
 
     The strategy takes the Sampler's shape (the browser reads it from the graph), so it has no
     size of its own and no pipeline link: the plan finds the model through the Sampler.
@@ -129,9 +134,9 @@ def graph(t: Template) -> list[Node]:
                                dict(image=t.last_image), group=SAMPLE_GROUP))
             sampler_links["last_image"] = (last_id, 0)
     video_links = {}
-    if t.audio:  # Decode Audio under Free VRAM: the sound into Create Video beside the frames
+    if t.audio:  # Decode Audio under the Decode: the sound into Create Video beside the frames
         audio_id = FIRST_EXTRA_ID + len(middle)
-        middle.append(Node(audio_id, "VidMemDecodeAudio", (c, top + decode_h + GAP + 160 + GAP), (340, AUDIO_HEIGHT),
+        middle.append(Node(audio_id, "VidMemDecodeAudio", (c, top + decode_h + GAP), (340, AUDIO_HEIGHT),
                            links=dict(pipeline=pipeline, latent=(3, 0)), group=SAMPLE_GROUP))
         video_links["audio"] = (audio_id, 0)
     nodes = [
@@ -144,16 +149,14 @@ def graph(t: Template) -> list[Node]:
         ), links=sampler_links, group=SAMPLE_GROUP),
         Node(4, "VidMemVAEDecode", (c, top), (340, decode_h), dict(save_latents=False),
              links=dict(pipeline=pipeline, latent=(3, 0), strategy=(2, 0)), group=SAMPLE_GROUP),
-        Node(5, "VidMemFreeVRAM", (c, top + decode_h + GAP), (340, 160), dict(unload_comfy_models=False),
-             links=dict(anything=(4, 0)), group=SAMPLE_GROUP),
         # Save Video grows to fit its preview (a square one for the tiny models): room for that.
-        Node(6, "CreateVideo", (d, top), (480, 80), dict(fps=t.fps), links=dict(images=(5, 0), **video_links),
+        Node(6, "CreateVideo", (d, top), (480, 80), dict(fps=t.fps), links=dict(images=(4, 0), **video_links),
              group=SAVE_GROUP),
         Node(7, "SaveVideo", (d, top + 80 + 2 * GAP), (480, 620), dict(filename_prefix=f"vidmem/{t.name}", format="auto",
              codec="auto"), links=dict(video=(6, 0)), group=SAVE_GROUP),
         Node(8, "SaveAnimatedWEBP", (e, top), (480, 760), dict(
             filename_prefix=f"vidmem/{t.name}_preview", fps=t.fps, lossless=False, quality=85, method="default",
-        ), links=dict(images=(5, 0)), group=SAVE_GROUP),
+        ), links=dict(images=(4, 0)), group=SAVE_GROUP),
         Node(9, "Note", (a, 0), (c + 340, note_height), dict(text=t.note), colors=NOTE_COLORS),
         *middle,
     ]
