@@ -138,7 +138,7 @@ class Template:
     speed: dict | None = None  # a Speed (VidMem) node's widgets, linked to the Sampler's speed input
     image: str | None = None  # image-to-video: core Load Image's file (in ComfyUI/input), linked to the Sampler's image
     last_image: str | None = None  # first-last-frame: a second Load Image, linked to the Sampler's last_image
-    audio: bool = False  # LTX-2's sound: a Decode Audio (VidMem) node under Free VRAM, into Create Video's audio
+    audio: bool = False  # LTX-2's sound: a Decode Audio (VidMem) node beside the Decode, into Create Video's audio
 
 
 # The fast templates' Speed node: auto attention (torch's SDPA choosing, measured fastest), compiled blocks, fp8 matmul auto.

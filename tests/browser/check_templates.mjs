@@ -128,13 +128,13 @@ async function runInBrowser(page, seed, tiny = TINY) {
     };
     const deadline = Date.now() + 240000;
     while (Date.now() < deadline) {
-      const texts = ["VidMemMemoryStrategy", "VidMemVideoSampler", "VidMemVAEDecode", "VidMemFreeVRAM"]
+      const texts = ["VidMemMemoryStrategy", "VidMemVideoSampler", "VidMemVAEDecode"]
         .map((t) => (t === "VidMemMemoryStrategy" ? plan(byType(t)) : receipt(byType(t))));
       const queue = await (await fetch("/api/queue")).json();
       const idle = !queue.queue_running.length && !queue.queue_pending.length;
       if (texts.slice(1).every(Boolean) && idle) {
         const saved = app.graph.serialize().nodes.find((n) => n.type === "VidMemVideoSampler").widgets_values;
-        return { strategy: texts[0], sampler: texts[1], decode: texts[2], free: texts[3], samplerWidgetsSaved: saved.length };
+        return { strategy: texts[0], sampler: texts[1], decode: texts[2], samplerWidgetsSaved: saved.length };
       }
       await new Promise((resolve) => setTimeout(resolve, 500));
     }
