@@ -74,6 +74,7 @@ NOTE_GAP = 90  # between the note and the groups' top: a group's title sits abov
 GROUP_HEAD = 80  # node title bar (30) + group title (24) + room
 GAP = 50  # between stacked nodes: the lower one's title bar (30) and the source badge drawn above it (~20)
 SAMPLER_HEIGHT, STRATEGY_HEIGHT = 590, 790  # with the widgets of BASE_WIDGETS (the Strategy: room for its plan)
+PLAN_EXTRAS_HEIGHT = 150  # the plan's paragraphs on what a Speed node and a Step Cache will do (6-8 lines)
 FIRST_WIDTH = 480  # the loader and the Strategy: the plan's chart is drawn for this width (vidmem.js CHART_WIDTH)
 WIDGET_ROW = 28  # what one more number or combo widget adds (24 and spacing)
 # Widget counts the heights were set for; an input added to a node later gets its row (see _grown).
@@ -82,7 +83,7 @@ MIDDLE_WIDTH = 520  # Load LoRA shows file names of 60 characters (Comfy-Org's L
 LORA_HEIGHT = 180  # Load LoRA: three widgets and its receipt (a run grows it to 171 px)
 PREPARE_HEIGHT = 240  # Prepare Training Data: three text widgets and its receipt
 TRAIN_HEIGHT = 520  # Train LoRA: thirteen widgets, the loss line and its receipt
-CACHE_HEIGHT = 200  # Step Cache: five widgets, below the Sampler
+CACHE_HEIGHT = 250  # Step Cache: five widgets, below the Sampler, and the receipt a run adds (calibration: 4 lines)
 SPEED_HEIGHT = 200  # Speed: five widgets, below the Step Cache
 IMAGE_HEIGHT = 420  # core Load Image: its file, upload button and a preview of the image
 AUDIO_HEIGHT = 150  # Decode Audio: two links and its receipt
@@ -111,6 +112,8 @@ def graph(t: Template) -> list[Node]:
     top = note_height + NOTE_GAP
     middle, pipeline = _middle(t, top)
     loader_h, strategy_h, decode_h = _grown(t.loader.type, t.loader.height), _grown("VidMemMemoryStrategy", STRATEGY_HEIGHT), 190
+    if t.cache or t.speed:
+        strategy_h += PLAN_EXTRAS_HEIGHT
     sampler_h = _grown("VidMemVideoSampler", SAMPLER_HEIGHT)
     sampler_links = dict(pipeline=pipeline, strategy=(2, 0))
     if t.cache:  # the Step Cache under the Sampler, into its cache input
