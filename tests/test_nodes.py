@@ -96,7 +96,10 @@ def test_auto_is_chosen_by_the_sampler_at_its_own_shape(tiny_loaded):
     assert auto.auto and "Sampler's planner chooses" in auto.describe()
     run, line = _strategy_for_run(loaded, auto, VideoShape(32, 32, 9), torch.device("cpu"))
     assert run.offload.value == "none" and line.startswith("auto chose at 32x32x9: offload=none")
-    starved = StrategyChoice(auto.strategy, auto=True, vram_budget_gb=1e-4, ram_budget_gb=64.0)
+    # On a CPU device compute and process share the RAM: its budget is what starves the run, not the VRAM's.
+    assert _strategy_for_run(loaded, StrategyChoice(auto.strategy, auto=True, vram_budget_gb=1e-4, ram_budget_gb=64.0),
+                             VideoShape(32, 32, 9), torch.device("cpu"))[0].offload.value == "none"
+    starved = StrategyChoice(auto.strategy, auto=True, vram_budget_gb=64.0, ram_budget_gb=1e-4)
     with pytest.raises(PlanError, match="nothing fits"):
         _strategy_for_run(loaded, starved, VideoShape(32, 32, 9), torch.device("cpu"))
     # blocks_to_swap left from a block_swap template: ignored (the planner chooses), with a note
