@@ -259,7 +259,9 @@ class VidMemMemoryStrategy:
                 "pipeline": ("VIDMEM_PIPELINE", {"tooltip": "Not needed: the plan reads the model from the "
                              "Sampler's pipeline. Kept so workflows that connect it still load."}),
                 "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5, "tooltip":
-                    "VRAM the plan may use; 0: the GPU's total memory. Lower it to leave room for other apps."}),
+                    "VRAM the plan may use; 0: the GPU's total memory. Lower it to leave room for other apps. "
+                    "On a CPU device (ComfyUI run on the CPU) the compute holds RAM: ram_budget_gb covers it and this is "
+                    "not used."}),
                 "ram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 4096.0, "step": 1.0, "tooltip":
                     "System RAM the plan may use, including the loaded weights; 0: this machine's RAM."}),
                 "gpus": ("STRING", {"default": AUTO, "tooltip":
