@@ -54,9 +54,7 @@ def lora_tensors(loaded: LoadedPipeline) -> dict[str, dict[str, list[tuple[int, 
     if not loras:  # the common case reads nothing of the pipeline
         return {}
     held: dict[str, dict[str, list[tuple[int, int]]]] = {}
-    for patch in lora_patches(loaded.pipe, loras):
-        if patch.scale == 0.0:  # apply_loras skips it: no buffer
-            continue
+    for patch in lora_patches(loaded.pipe, loras):  # strength 0 makes no patch, so no buffer
         component, layer = patch.name.split(".", 1)
         held.setdefault(component, {}).setdefault(layer, []).extend(
             (id(t), t.numel() * t.element_size()) for t in patch.tensors.values())

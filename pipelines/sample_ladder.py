@@ -212,8 +212,10 @@ def planner_fits(loaded, shape, steps: int, budget: int | None,
     from ..memory.plan.types import PlanOptions
     from .planning import plan_options, sampling_model
 
+    models = []  # built on first use (with the run's LoRA tensors, which stream with their blocks), once per call
+
     def fits(strategy: MemoryStrategy) -> bool:
-        model = sampling_model(loaded)  # with the run's LoRA tensors, which stream with their blocks
-        return denoise_stage(model, shape, strategy, plan_options(loaded, PlanOptions(attention=attention, steps=steps))).fits(budget)
+        models[:] = models or [sampling_model(loaded)]
+        return denoise_stage(models[0], shape, strategy, plan_options(loaded, PlanOptions(attention=attention, steps=steps))).fits(budget)
 
     return fits

@@ -71,8 +71,8 @@ def _tier_row(loaded, config: SpeedConfig, strategy, settings: CompileSettings) 
     eager, eager_receipt = _call(loaded, config, strategy, CompileSettings())  # the reference, and a warm-up
     eager_steps, compiled_steps = [], []
     for _ in range(config.runs):  # interleaved: machine load lands on both alike
-        eager_steps.append(_step_seconds(_call(loaded, config, strategy, CompileSettings())[1], config))
-        compiled_steps.append(_step_seconds(_call(loaded, config, strategy, settings)[1], config))
+        eager_steps.append(step_seconds(_call(loaded, config, strategy, CompileSettings())[1], config))
+        compiled_steps.append(step_seconds(_call(loaded, config, strategy, settings)[1], config))
     eager_step = statistics.median(eager_steps) if eager_steps else None
     compiled_step = statistics.median(compiled_steps) if compiled_steps else None
     return {"step_time_ratio": round(compiled_step / eager_step, 4) if eager_steps else None,
@@ -93,6 +93,7 @@ def _call(loaded, config: SpeedConfig, strategy, settings: CompileSettings) -> t
     return result.latent["samples"], {**result.receipt, "compile": compiled.as_dict()}
 
 
-def _step_seconds(receipt: dict, config: SpeedConfig) -> float:
+def step_seconds(receipt: dict, config: SpeedConfig) -> float:
+    """The denoise stage's seconds (the receipt's; prompt encoding excluded) over the steps."""
     denoise = next(stage for stage in receipt["stages"] if stage["stage"] == "denoise")
     return denoise["seconds"] / config.steps

@@ -40,7 +40,7 @@ from vidmem.pipelines.sample import sample
 from vidmem.pipelines.speed import NO_SPEED_NODE, Speed, resolve_speed
 from vidmem.pipelines.step_cache import StepCache
 
-from .speed_compile import chosen_tiers
+from .speed_compile import chosen_tiers, step_seconds
 from .speed_fp8 import with_stored_transformer
 from .speed_runs import SpeedConfig, psnr_db
 
@@ -106,8 +106,8 @@ def _tier_row(stored: LoadedPipeline, config: SpeedConfig, strategy: MemoryStrat
     baseline, _ = _call(stored, config, strategy, NO_SPEED_NODE)  # the reference, and a warm-up
     baseline_steps, row_steps = [], []
     for _ in range(config.runs):  # interleaved: the machine's load lands on both alike
-        baseline_steps.append(_step_seconds(_call(stored, config, strategy, NO_SPEED_NODE)[1], config))
-        row_steps.append(_step_seconds(_call(stored, config, strategy, speed)[1], config))
+        baseline_steps.append(step_seconds(_call(stored, config, strategy, NO_SPEED_NODE)[1], config))
+        row_steps.append(step_seconds(_call(stored, config, strategy, speed)[1], config))
     baseline_step, row_step = statistics.median(baseline_steps), statistics.median(row_steps)
     first_compile, second_compile = first_receipt["speed"]["compile"], second_receipt["speed"]["compile"]
     psnr = psnr_db(baseline, second)
@@ -128,11 +128,6 @@ def _call(stored: LoadedPipeline, config: SpeedConfig, strategy: MemoryStrategy,
     request = dataclasses.replace(config.request(StepCache()), speed=speed)
     result = sample(stored, strategy, request, device=torch.device(config.device))
     return result.latent["samples"], result.receipt
-
-
-def _step_seconds(receipt: dict, config: SpeedConfig) -> float:
-    denoise = next(stage for stage in receipt["stages"] if stage["stage"] == "denoise")
-    return denoise["seconds"] / config.steps
 
 
 def _add_swap_overhead(row: dict, tiers: dict) -> None:
