@@ -118,12 +118,7 @@ class ModelFolders:
         folders may be (the server is often reachable by others), unless its operator set
         $VIDMEM_ALLOW_ANY_PATH=1. Without ComfyUI the user is the operator: anything goes. A
         symlink placed inside a model folder is followed; '..' is refused outright."""
-        if self.folder_paths is None or os.environ.get(ALLOW_ANY_PATH_ENV, "").strip().lower() in ("1", "true", "yes"):
-            return None
-        given = Path(os.path.expanduser(path.strip()))
-        roots = self.model_roots()
-        if ".." not in given.parts and any(_within(os.path.abspath(given), os.path.abspath(root)) or
-                                           _within(os.path.realpath(given), os.path.realpath(root)) for root in roots):
+        if self.folder_paths is None or any_path_allowed() or inside_any(path, self.model_roots()):
             return None
         return (f"path '{path.strip()}' is outside ComfyUI's model folders (models/ and those of "
                 "extra_model_paths.yaml); path may name only a folder inside them, without '..'. Put the diffusers "
@@ -139,6 +134,19 @@ class ModelFolders:
             return (f"models/{key}: ComfyUI is not running and {MODELS_DIR_ENV} is not set "
                     "(set it to a folder laid out like ComfyUI's models/)")
         return f"{self.root / key} (from {MODELS_DIR_ENV}; no such folder)"
+
+
+def any_path_allowed() -> bool:
+    """Whether the server's operator set $VIDMEM_ALLOW_ANY_PATH: typed folders anywhere may be read."""
+    return os.environ.get(ALLOW_ANY_PATH_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def inside_any(path: str, roots) -> bool:
+    """Whether the typed folder `path` lies inside one of `roots`: '..' refused outright, a link placed
+    inside a root followed (its real path may be elsewhere)."""
+    given = Path(os.path.expanduser(path.strip()))
+    return ".." not in given.parts and any(_within(os.path.abspath(given), os.path.abspath(root)) or
+                                           _within(os.path.realpath(given), os.path.realpath(root)) for root in roots)
 
 
 def _within(path: str, root: str) -> bool:

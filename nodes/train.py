@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 from ..pipelines.lora import load_lora, with_lora
@@ -26,7 +25,7 @@ from ..training.save import lora_file_name
 from . import host
 from .checks import literal_problems, pipeline_input
 from .loader import PIPELINE_TYPE
-from .model_folders import ALLOW_ANY_PATH_ENV, _within
+from .model_folders import ALLOW_ANY_PATH_ENV, any_path_allowed, inside_any
 from .receipts import format_receipt, human_bytes
 from .strategy import STRATEGY_TYPE, as_choice, one_process_only
 
@@ -137,11 +136,8 @@ def folder_problem(folder) -> str | None:
     refused outright. Without ComfyUI the user is the operator: anything goes."""
     if not isinstance(folder, str) or not folder.strip() or not host.in_comfyui():
         return None  # linked (checked when it arrives), empty (the node says so when it runs), no host
-    if os.environ.get(ALLOW_ANY_PATH_ENV, "").strip().lower() in ("1", "true", "yes"):
-        return None
-    given, root = Path(os.path.expanduser(folder.strip())), host.latents_folder()  # ComfyUI's input folder
-    if ".." not in given.parts and (_within(os.path.abspath(given), os.path.abspath(root))
-                                    or _within(os.path.realpath(given), os.path.realpath(root))):
+    root = host.latents_folder()  # ComfyUI's input folder
+    if any_path_allowed() or inside_any(folder, [root]):
         return None
     return (f"folder '{folder.strip()}' is outside ComfyUI's input folder ({root}); folder may name only a folder "
             f"inside it, without '..'. Put the clips and captions in a folder there (e.g. {Path(root) / 'my_clips'}) "
