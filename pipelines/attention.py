@@ -24,10 +24,10 @@ backend, which needs 2.1.1 or newer (`_REQUIRED_SAGE_VERSION`, no binary wheel o
 dispatcher's registry is keyed by its closed `AttentionBackendName` enum, so a backend of our own
 could only be registered by overwriting one of diffusers' entries for the whole process; instead
 vidmem's `sage1` route keeps the processors on `native` and reroutes, inside each attention
-module's forward only, the SDPA call to `sageattention.sageattn`. Under torch.compile (blocks compiled,
-backend 'eager', tiny models) every dispatcher backend and CogVideoX's rerouted call trace without a
-graph break; the sage 1.x route on Wan breaks the graph inside each attention module (the mode sees
-every tensor method there), so it runs correctly but partly eager.
+module's forward only, the SDPA call to `sageattention.sageattn`. Under torch.compile every dispatcher
+backend and every rerouted call trace without a graph break, one graph for all of a model's blocks
+(tests/test_compile.py; the H200 found both a break per attention and a graph per block on Wan's
+route, fixed in `_RerouteSdpa` and `_ScopedForward.entry`).
 
 auto's rule. auto never picks a lossy kernel (sage quantizes Q and K to INT8) nor flex (unfused,
 materialising the score matrix, unless the model is compiled). Everywhere it is plain SDPA, exactly
@@ -46,6 +46,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import types
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
@@ -389,7 +390,7 @@ class AppliedAttention:
             if found is _IN_PLACE:  # ours was already in the module's chain: it stays there, inert
                 scoped.release(in_chain=True)
                 continue
-            if module.__dict__.get("forward") is not scoped:  # someone wrapped ours and did not unwrap: theirs to undo
+            if module.__dict__.get("forward") is not scoped.entry:  # someone wrapped ours and did not unwrap: theirs to undo
                 log.warning("vidmem: %s.forward was replaced during the call and not restored; left as found.",
                             type(module).__name__)
                 scoped.release(in_chain=True)  # their wrapper still calls ours
@@ -576,6 +577,11 @@ class _ScopedForward:
 
     def __init__(self, module: nn.Module) -> None:
         self.plain = type(module).forward.__get__(module)  # made once: a fresh bound method would fail the guard
+        # What goes on `module.forward`: one function shared by every module, bound to this one. Dynamo guards
+        # a compiled block on its attention's forward; an object per module (this one) failed that guard on
+        # every other block, so each block compiled its own copy: past dynamo's recompile limit (8) the rest
+        # of a 30- or 40-block model ran eagerly. A bound method is guarded by its function.
+        self.entry = types.MethodType(_run_scoped, module)
         self.inner: Callable = self.plain
         self.scope: Callable | None = None
         self.in_chain = False  # left in the module's forward chain (under a wrapper someone put over it)
@@ -594,6 +600,11 @@ class _ScopedForward:
             self.inner = self.plain
 
 
+def _run_scoped(module: nn.Module, *args, **kwargs):
+    """`module.forward` while scoped (`_ScopedForward.entry`): its `_ScopedForward`, called."""
+    return getattr(module, _SCOPED_ATTR)(*args, **kwargs)
+
+
 def _scope_forward(applied: AppliedAttention, module: nn.Module, scope: Callable) -> None:
     """Run `module`'s forward (its own, or the one found on it) inside `scope` until `applied` is removed."""
     scoped = module.__dict__.get(_SCOPED_ATTR)
@@ -601,14 +612,14 @@ def _scope_forward(applied: AppliedAttention, module: nn.Module, scope: Callable
         scoped = _ScopedForward(module)
         module.__dict__[_SCOPED_ATTR] = scoped  # not a Module or Parameter: no state_dict entry, no .to()
     found = module.__dict__.get("forward", _ABSENT)
-    if found is scoped or (scoped.in_chain and found is not _ABSENT):
+    if found is scoped.entry or (scoped.in_chain and found is not _ABSENT):
         # Ours is still called from the module's forward (a wrapper left over it calls it): scope it
         # where it is. Installing it again would make it wrap the wrapper that calls it: no end.
         scoped.scope = scope
         applied._scoped.append((module, scoped, _IN_PLACE))
         return
     scoped.inner, scoped.scope = (scoped.plain if found is _ABSENT else found), scope
-    module.forward = scoped
+    module.forward = scoped.entry
     applied._scoped.append((module, scoped, found))
 
 
@@ -701,4 +712,14 @@ class _RerouteSdpa(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             self._counter.add()
             return self._attend(*args, **kwargs)
+        if func is torch.Tensor.unflatten and not _named_shape(args[2] if len(args) > 2 else kwargs.get("sizes")):
+            # Tensor.unflatten is torch's Python wrapper over the C op, and dynamo cannot trace its
+            # `super().unflatten()` when the mode hands it on: one graph break per call in every compiled
+            # Wan block (its processor unflattens the heads). The C op, as the wrapper calls it for plain sizes.
+            return torch.unflatten(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _named_shape(sizes) -> bool:
+    """Tensor.unflatten's named form ((name, size) pairs), which only its Python wrapper takes."""
+    return isinstance(sizes, dict) or (isinstance(sizes, (tuple, list)) and bool(sizes) and isinstance(sizes[0], (tuple, list)))

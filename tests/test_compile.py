@@ -452,3 +452,39 @@ def test_out_of_memory_is_raised_for_the_ladder_not_taken_for_a_compile_failure(
         block(x)
     assert "out of memory" in str(raised.value).lower() or isinstance(raised.value.__cause__, torch.OutOfMemoryError)
     assert "forward" not in block.__dict__
+
+
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "cogvideox-t2v"])
+def test_sdpa_rerouted_to_sageattention_compiles_one_graph_for_every_block_without_breaks(tiny_loaded, monkeypatch,
+                                                                                          variant):
+    """The sage 1.x route scopes each attention module's forward (a TorchFunctionMode rerouting SDPA). Two H200
+    findings (2026-11-28, 4 Wan blocks): each compiled block broke its graph at every attention (the mode handed
+    Wan's `Tensor.unflatten` to torch's Python wrapper, whose `super()` dynamo cannot trace), and each block compiled
+    its own graph (dynamo guarded on a per-module forward object), so a 30- or 40-block model passed dynamo's
+    recompile limit and ran most blocks eagerly. Now: the frames plain SDPA compiles, no break, nothing again on the
+    second call, and the latents within rounding of plain SDPA's (the fake sageattn computes SDPA on smoothed keys)."""
+    import sys
+
+    import torch.nn.functional as F
+
+    from test_attention import SAGE1_RESOLVED, fake_sageattention, head_widths, run as run_attention
+
+    loaded = tiny_loaded(variant)
+    fake_sageattention(monkeypatch, widths=head_widths(loaded))
+    # a sageattn with no Python side effect: the test fake's call list would be guarded on, and recompile, itself
+    monkeypatch.setattr(sys.modules["sageattention"], "sageattn",
+                        lambda q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=True:
+                        F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale))
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)
+    reports, latents = {}, {}
+    for name, resolved in (("sdpa", None), ("sage", SAGE1_RESOLVED)):
+        torch._dynamo.reset()
+        for call in range(2):
+            with compiled_blocks(blocks, FAST) as compiled:
+                result, _ = run_attention(loaded, variant, resolved)
+            reports[name, call], latents[name] = compiled.as_dict(), result.latent["samples"]
+    assert sum(len(group) for group in blocks.values()) >= (2 if variant == "wan2.1-t2v" else 1)
+    assert reports["sage", 0]["graph_breaks"] == 0
+    assert reports["sage", 0]["frames_compiled"] == reports["sdpa", 0]["frames_compiled"], reports["sage", 0]
+    assert reports["sage", 1]["frames_compiled"] == 0, reports["sage", 1]
+    torch.testing.assert_close(latents["sage"], latents["sdpa"], rtol=1e-4, atol=1e-5)
