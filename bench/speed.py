@@ -74,7 +74,7 @@ from bench.support.speed_compile import chosen_tiers, compile_rows  # noqa: E402
 from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 from vidmem.pipelines.speed import cpu_name  # noqa: E402
 from bench.support.speed_fp8 import fp8_rows  # noqa: E402
-from bench.support.speed_goal import goal_rows  # noqa: E402
+from bench.support.speed_goal import goal_rows, row_names_of  # noqa: E402
 from bench.support.speed_runs import SpeedConfig, build, count_pass, tiers, time_pass  # noqa: E402
 
 PARTS = ("cache", "attention", "attention_call", "compile", "fp8_matmul", "goal")
@@ -111,11 +111,18 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
     parser.add_argument("--compile-tiers", default="", help="tiers of the compile part, comma-separated (default every "
                         "one: none, block_swap of half and of all blocks, sequential), and of the goal part (default "
                         "none and block_swap of all blocks)")
+    parser.add_argument("--goal-rows", default="", help="rows of the goal part, comma-separated (default all: "
+                        "sage+fp8_off, auto+fp8_off, sage+fp8_on, auto+fp8_on)")
     args = parser.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         parser.error(f"--parts {args.parts!r}: {', '.join(sorted(unknown))} not among {', '.join(PARTS)}")
     args.compile_tiers = tuple(t for t in args.compile_tiers.split(",") if t)
+    args.goal_rows = tuple(r for r in args.goal_rows.split(",") if r)
+    try:
+        row_names_of(args.goal_rows)
+    except ValueError as error:
+        parser.error(f"--goal-rows {','.join(args.goal_rows)!r}: {error}")
     try:
         chosen_tiers(args.blocks, args.compile_tiers)
     except ValueError as error:
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "goal" in parts:
         print("\nthe goal: compiled blocks, the best kernel, fp8 matmul against eager SDPA with fp8 weights upcast", flush=True)
         result["goal"] = goal_rows(loaded, config, CompileSettings(True, backend=args.compile_backend),
-                                   tier_names=args.compile_tiers,
+                                   tier_names=args.compile_tiers, row_names=args.goal_rows,
                                    on_row=lambda found: write_json(args.json, {**result, "goal": found, "partial": True}))
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     print(f"\ntotal {result['wall_seconds']:.0f} s, load average {os.getloadavg()[0]:.1f} at end")

@@ -25,8 +25,9 @@ SCRIPT = (ROOT / "bench" / "gpu_check.sh").read_text()
 
 def _command(script_name: str, part: str = "compile") -> list[str]:
     """The arguments bench/gpu_check.sh passes to `python3 bench/<script_name> --device cuda` (for speed.py,
-    in the compile part), line continuations joined, shell variables left as written, redirections dropped."""
-    joined = SCRIPT.replace("\\\n", " ")
+    in the compile part), line continuations joined, shell variables left as written, redirections and optional
+    arguments (`${VAR:+--option "$VAR"}`, absent when VAR is empty, as by default) dropped."""
+    joined = re.sub(r'\$\{\w+:\+[^}]*\}', "", SCRIPT.replace("\\\n", " "))
     line = next(line for line in joined.splitlines() if f"python3 bench/{script_name}" in line and "--device cuda" in line
                 and ("activations" in script_name or f"--parts {part} " in line))
     words = line.split(f"python3 bench/{script_name}", 1)[1].split(">", 1)[0].split()
@@ -79,6 +80,7 @@ def test_the_gpu_check_measures_the_goal_at_480p_with_options_the_speed_bench_kn
     args, config = speed.parse(["--device", "cpu", *words[2:]])
     assert (config.width, config.height, config.frames) == (832, 480, 81) and args.parts == "goal"
     assert "--json" in words and config.runs >= 2
+    assert re.search(r'^GOAL_ROWS=\$\{GOAL_ROWS:-\}', SCRIPT, re.M) and '${GOAL_ROWS:+--goal-rows "$GOAL_ROWS"}' in SCRIPT
 
 
 def test_the_goal_part_measures_each_setting_against_the_fp8_baseline_and_writes_as_it_goes():
@@ -114,3 +116,20 @@ def test_the_goal_verdicts_judge_the_fastest_row():
     assert verdict["speedup"] == round(1 / 0.6, 3) and verdict["swap_overhead"] == 1.05
     assert not goals({"a": row(1 / GOAL_SPEEDUP + 0.01, 1.0)})["met_speedup"]
     assert goals({"c": {"skipped": "no"}})["fastest"] is None
+
+
+def test_goal_rows_are_chosen_by_name_in_their_order_and_an_unknown_one_is_refused(capsys):
+    from bench.support.speed_goal import ROWS, row_names_of
+
+    assert row_names_of(()) == ROWS
+    assert row_names_of(("auto+fp8_on", "sage+fp8_off")) == (("sage", "off"), ("auto", "on"))
+    try:
+        speed.parse(["--parts", "goal", "--goal-rows", "auto+fp8_on,flash+fp8_on"])
+    except SystemExit:
+        pass
+    else:
+        raise AssertionError("--goal-rows flash+fp8_on was accepted")
+    error = capsys.readouterr().err
+    assert "flash+fp8_on" in error and "sage+fp8_off" in error  # names the bad row and the choices
+    args, _ = speed.parse(["--parts", "goal", "--goal-rows", "auto+fp8_on"])
+    assert args.goal_rows == ("auto+fp8_on",)

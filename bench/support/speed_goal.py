@@ -53,17 +53,19 @@ GOAL_SWAP_OVERHEAD = 1.03
 
 
 def goal_rows(loaded: LoadedPipeline, config: SpeedConfig, settings: CompileSettings = CompileSettings(on=True),
-              tier_names: Sequence[str] = (), log=print, on_row: Callable[[dict], None] = lambda found: None) -> dict:
+              tier_names: Sequence[str] = (), log=print, on_row: Callable[[dict], None] = lambda found: None,
+              row_names: Sequence[str] = ()) -> dict:
     """{"rows": {"<kernel>+fp8_<off|on>": {tier: {...}} or {"skipped"/"failed": reason}}, "goals", ...}:
     the module docstring's measurements on `loaded` with its transformer stored in FORMAT. `on_row` is given
-    what is found so far after each row and tier (a lease's time limit may cut the part short)."""
+    what is found so far after each row and tier (a lease's time limit may cut the part short). `row_names`:
+    the rows to measure, by name (default all of ROWS; `row_names_of` checks them)."""
     stored = with_stored_transformer(loaded, FORMAT)
     tiers = chosen_tiers(config.blocks, tier_names or ("none", f"block_swap_{config.blocks}"))
     device = torch.device(config.device)
     rows: dict[str, dict] = {}
     found = {"format": FORMAT, "baseline": f"{NO_SPEED_NODE.describe()}, transformer {FORMAT}",
              "settings": settings.describe(), "runs": config.runs, "tiers": list(tiers), "rows": rows}
-    for kernel, fp8 in ROWS:
+    for kernel, fp8 in row_names_of(row_names):
         name = f"{kernel}+fp8_{fp8}"
         speed = Speed(attention=kernel, compile=settings, fp8_matmul=fp8)
         refusal = _refusal(stored, speed, device)
@@ -88,6 +90,16 @@ def goal_rows(loaded: LoadedPipeline, config: SpeedConfig, settings: CompileSett
     for line in found["goals"]["lines"]:
         log(f"  goal: {line}")
     return found
+
+
+def row_names_of(names: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """ROWS named by `names` ("sage+fp8_off", ...), in ROWS' order; all of them for none. Raises ValueError
+    naming the unknown ones and the known."""
+    known = {f"{kernel}+fp8_{fp8}": (kernel, fp8) for kernel, fp8 in ROWS}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"goal rows {', '.join(unknown)} unknown: choose among {', '.join(known)}")
+    return tuple(row for name, row in known.items() if not names or name in names)
 
 
 def _refusal(stored: LoadedPipeline, speed: Speed, device: torch.device) -> str:
