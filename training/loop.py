@@ -51,7 +51,7 @@ from .inference import normal_tensors, training_mode
 from .objective import denoiser_for, objective_for
 from .optim import OptimizerSettings, check_available, load_state_tensors, make_optimizer, state_bytes, state_to_tensors
 from .prepare import PreparedData
-from .save import (check_writable, final_lora_tensors, load_lora_into, lora_metadata, lora_tensors, read_checkpoint,
+from .save import (check_output_folders, check_writable, final_lora_tensors, load_lora_into, lora_metadata, lora_tensors, read_checkpoint,
                    write_checkpoint, write_safetensors_atomic)
 from .settings import TrainSettings
 
@@ -126,6 +126,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
         raise TrainingError("activation_offload='auto' is decided by the training plan: resolve it first "
                             "(training.plan.resolve_activation_offload, as Train LoRA does) or pass 'on' or 'off'.")
     check_writable(outputs.lora_path)
+    check_output_folders(outputs.lora_path, outputs.checkpoint_folder)
     model = getattr(loaded.pipe, component)
     targets = find_targets(model, component, settings.target_modules, loaded.spec.blocks_attr)
     stems = trained_key_stems(model, targets.paths)  # the file's key names, refused now rather than after the run
@@ -170,7 +171,8 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
                 offload.pool.cap_bytes = _activation_cap(ceiling, loaded.host_pool)
             passes = lambda backward: _begin_pass(handle, component, offload, backward)  # noqa: E731
             try:
-                times = _train_steps(model, objective, order, run, settings, device, progress, save, passes, offload)
+                times = _train_steps(model, objective, order, run, settings, device, progress, save, passes,
+                                     outputs.checkpoint_folder, offload)
             finally:
                 if offload is not None:
                     _drop_activation_pool(offload, receipt, backend.can_pin)
@@ -184,7 +186,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
 
 
 def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: TrainSettings, device, progress: Progress,
-                 save: Callable[[], None], passes: Callable[[bool], None],
+                 save: Callable[[], None], passes: Callable[[bool], None], checkpoint_folder: Path,
                  offload: ActivationOffload | None = None) -> list[float]:
     """Steps until `settings.steps`; on any exception (Cancel included) the last completed step is saved first."""
     times = []
@@ -203,9 +205,19 @@ def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: Train
     except BaseException:
         run.optimizer.zero_grad()
         if run.step > run.saved_step:
-            save()  # interrupted or failed: keep the last completed step, resumable
+            _save_keeping_error(save, checkpoint_folder)  # interrupted or failed: keep the last completed step
         raise
     return times
+
+
+def _save_keeping_error(save: Callable[[], None], folder: Path) -> None:
+    """The checkpoint after a Cancel or an error: if it cannot be written (a full disk), the warning
+    says so and the caller raises the run's own exception, which says why the run stopped."""
+    try:
+        save()
+    except Exception as error:  # noqa: BLE001 - any failure here must not replace the run's own
+        logging.getLogger("vidmem").warning("vidmem: the checkpoint of the last completed step could not be saved "
+                                            "in %s (%s); resume continues from the last one saved, if any.", folder, error)
 
 
 def _activation_offload(settings: TrainSettings, strategy: MemoryStrategy, backend) -> ActivationOffload | None:
