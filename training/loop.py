@@ -49,10 +49,11 @@ from .batches import BatchOrder, step_generator
 from .errors import TrainingError
 from .inference import normal_tensors, training_mode
 from .objective import denoiser_for, objective_for
-from .optim import OptimizerSettings, check_available, load_state_tensors, make_optimizer, state_bytes, state_to_tensors
+from .optim import OptimizerSettings, check_available, make_optimizer, state_bytes, state_from_tensors, state_to_tensors
 from .prepare import PreparedData
-from .save import (check_output_folders, check_writable, final_lora_tensors, load_lora_into, lora_metadata, lora_tensors, read_checkpoint,
-                   write_checkpoint, write_safetensors_atomic)
+from .save import (CHECKPOINT_DAMAGE, check_output_folders, check_writable, copy_lora_into, damaged_checkpoint,
+                   final_lora_tensors, lora_metadata, lora_tensors, read_checkpoint, read_lora_tensors, write_checkpoint,
+                   write_safetensors_atomic)
 from .settings import TrainSettings
 
 Progress = Callable[[int, int, float], None]  # (steps done, total, last loss)
@@ -271,6 +272,8 @@ def _start(model, targets, settings: TrainSettings, device) -> _Run:
 
 
 def _resume(run: _Run, folder: Path, state: dict) -> None:
+    """Continue `run` from the checkpoint in `folder` (if any), or refuse by name: other data or
+    settings, another LoRA stack under it, a damaged file."""
     found = read_checkpoint(folder)
     if found is None:
         return
@@ -285,10 +288,24 @@ def _resume(run: _Run, folder: Path, state: dict) -> None:
                             f"carries {_stack_text(state['trained_over'])}; the LoRA learned what was missing on top of "
                             "those, so continuing over others would mix two runs. Load the same LoRAs (same files, "
                             "strengths and experts), or set resume to false to start over.")
-    load_lora_into(run.layers, lora_file)
-    load_state_tensors(run.optimizer, tensors, meta)
-    run.step = run.saved_step = int(saved["step"])
-    run.losses = list(saved["losses"])
+    # Everything is read and checked before anything is applied. The layers are not attached to the
+    # model yet, so any refusal here (the optimizer's own check below included) leaves the model as it
+    # was; the run is dropped with the error.
+    try:
+        lora = read_lora_tensors(run.layers, lora_file)
+        optimizer_state = state_from_tensors(tensors, meta)
+        step, losses = int(saved["step"]), [float(loss) for loss in saved["losses"]]
+    except TrainingError:
+        raise
+    except CHECKPOINT_DAMAGE as error:
+        raise damaged_checkpoint(folder, error) from None
+    copy_lora_into(run.layers, lora)  # first: adamw_cpu_offload's state load copies the weights to its host copies
+    try:
+        run.optimizer.load_state_dict(optimizer_state)
+    except CHECKPOINT_DAMAGE as error:  # torch's optimizers check the groups before they change anything
+        raise damaged_checkpoint(folder, error) from None
+    run.step = run.saved_step = step
+    run.losses = losses
 
 
 def _trained_over(loras, component: str) -> list[dict]:

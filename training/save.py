@@ -130,13 +130,18 @@ def write_safetensors_atomic(tensors: dict[str, torch.Tensor], metadata: dict[st
     return path
 
 
-def load_lora_into(layers: nn.ModuleDict, path: Path, component_prefix: str = "transformer") -> None:
-    """Copy a saved LoRA's tensors into `layers` (same targets and rank, or TrainingError)."""
+def read_lora_tensors(layers: nn.ModuleDict, path: Path, component_prefix: str = "transformer") -> dict[str, torch.Tensor]:
+    """A saved LoRA's tensors, checked to fit `layers` (same targets and rank, or TrainingError)."""
     saved = safetensors.torch.load_file(str(path))
     expected = lora_tensors(layers, component_prefix)
     if set(saved) != set(expected) or any(saved[k].shape != expected[k].shape for k in expected):
         raise TrainingError(f"checkpoint {path} holds other layers or ranks than this run trains; set resume to "
                             "false to start over, or use the settings it was made with.")
+    return saved
+
+
+def copy_lora_into(layers: nn.ModuleDict, saved: dict[str, torch.Tensor], component_prefix: str = "transformer") -> None:
+    """Copy tensors read by read_lora_tensors into `layers` (checked there, so this cannot stop halfway)."""
     with torch.no_grad():
         for key, layer in layers.items():
             stem = f"{component_prefix}.{path_of(key)}"
@@ -187,7 +192,18 @@ def read_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor], str, d
             meta = (opened.metadata() or {}).get("optimizer", "")
             tensors = {key: opened.get_tensor(key) for key in opened.keys()}
         state = json.loads((folder / "state.json").read_text())
-    except (OSError, ValueError, safetensors.SafetensorError) as error:
-        raise TrainingError(f"the training checkpoint in {folder} is damaged ({error}); delete that folder to start "
-                            "over, or set resume to false.") from None
+        if not isinstance(state, dict):
+            raise ValueError("state.json does not hold a JSON object")
+    except CHECKPOINT_DAMAGE as error:
+        raise damaged_checkpoint(folder, error) from None
     return folder / "lora.safetensors", tensors, meta, state
+
+
+# what reading a damaged checkpoint raises: a cut file (SafetensorError, OSError), bad JSON or a
+# value of the wrong kind (ValueError, TypeError), a missing entry (KeyError)
+CHECKPOINT_DAMAGE = (OSError, ValueError, TypeError, KeyError, safetensors.SafetensorError)
+
+
+def damaged_checkpoint(folder: Path, error: BaseException) -> TrainingError:
+    return TrainingError(f"the training checkpoint in {folder} is damaged ({type(error).__name__}: {error}); delete "
+                         "that folder to start over, or set resume to false.")
