@@ -1,10 +1,11 @@
 """Training checkpoints survive a crash between their two renames, a damaged one is named (when it is
-read and when resume loads it, with nothing applied)."""
+read and when resume loads it, with nothing applied), and resume refuses one past the steps asked."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -128,3 +129,18 @@ def test_a_checkpoint_damaged_inside_its_files_is_named_on_resume_and_nothing_is
     assert not outputs.lora_path.exists()
     assert_same_model(loaded.pipe.transformer, found)
 
+
+def test_resume_refuses_a_checkpoint_past_the_steps_asked(trained, tmp_path):
+    """It used to run nothing and write the longer-trained LoRA as if it had `steps` steps."""
+    loaded, data, made = trained
+    folder = shutil.copytree(made.checkpoint_folder, tmp_path / "checkpoint")
+    outputs = TrainOutputs(tmp_path / "lora.safetensors", folder)
+    with pytest.raises(TrainingError, match=rf"checkpoint {re.escape(str(folder))} is at step {STEPS_DONE} and steps is 1: set steps to "
+                                            rf"{STEPS_DONE} or more .* resume to false"):
+        train_lora(loaded, data, MemoryStrategy(offload="none"), settings(1), outputs, CpuBackend(), resume=True)
+    assert not outputs.lora_path.exists()
+    # the same steps: nothing left to train, the checkpoint's LoRA is written again
+    result = train_lora(loaded, data, MemoryStrategy(offload="none"), settings(STEPS_DONE), outputs, CpuBackend(), resume=True)
+    assert result.receipt["start_step"] == STEPS_DONE and len(result.losses) == STEPS_DONE
+    again, first = safetensors.torch.load_file(str(result.lora_path)), safetensors.torch.load_file(str(made.lora_path))
+    assert again.keys() == first.keys() and all(torch.equal(again[key], first[key]) for key in first)

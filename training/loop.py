@@ -138,7 +138,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
              "targets": list(targets.paths), "rng": "per-step generators seeded from (seed, step)",
              "trained_over": trained_over}
     if resume:
-        _resume(run, outputs.checkpoint_folder, state)
+        _resume(run, outputs.checkpoint_folder, state, settings.steps)
     objective = objective_for(loaded, component)
     order = BatchOrder(data, settings.batch_size, settings.seed)
     blocks = getattr(model, loaded.spec.blocks_attr)
@@ -271,9 +271,9 @@ def _start(model, targets, settings: TrainSettings, device) -> _Run:
     return _Run(layers, optimizer, 0, [], 0)
 
 
-def _resume(run: _Run, folder: Path, state: dict) -> None:
+def _resume(run: _Run, folder: Path, state: dict, steps: int) -> None:
     """Continue `run` from the checkpoint in `folder` (if any), or refuse by name: other data or
-    settings, another LoRA stack under it, a damaged file."""
+    settings, another LoRA stack under it, more steps done than `steps`, a damaged file."""
     found = read_checkpoint(folder)
     if found is None:
         return
@@ -299,6 +299,9 @@ def _resume(run: _Run, folder: Path, state: dict) -> None:
         raise
     except CHECKPOINT_DAMAGE as error:
         raise damaged_checkpoint(folder, error) from None
+    if step > steps:
+        raise TrainingError(f"checkpoint {folder} is at step {step} and steps is {steps}: set steps to {step} or more "
+                            "to continue it, or set resume to false to start over (its checkpoint is replaced).")
     copy_lora_into(run.layers, lora)  # first: adamw_cpu_offload's state load copies the weights to its host copies
     try:
         run.optimizer.load_state_dict(optimizer_state)
