@@ -107,3 +107,23 @@ def test_lora_name_must_be_a_plain_file_name(name):
 
     with pytest.raises(TrainingError, match="plain file name"):
         lora_file_name(name)
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_training(tiny_loaded, wan_data, tmp_path):
+    """A file where the LoRA's or the checkpoint's folder must be: refused by name before any step
+    (it used to train every step and then fail with a raw OSError), and the folders the check made
+    are gone again."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where a folder is needed")
+    loras, checkpoints = tmp_path / "loras" / "deeper", tmp_path / "checkpoints"
+    cases = [(TrainOutputs(blocker / "x.safetensors", checkpoints / "x"), r"LoRA's folder .*not-a-folder cannot be written"),
+             (TrainOutputs(blocker / "sub" / "x.safetensors", checkpoints / "x"), r"LoRA's folder .*not-a-folder.sub cannot"),
+             (TrainOutputs(loras / "x.safetensors", blocker / "x"), r"folder of checkpoint x .*not-a-folder cannot be written"),
+             (TrainOutputs(loras / "x.safetensors", blocker), r"checkpoint folder .*not-a-folder is a file, not a folder")]
+    done = []
+    for outputs, match in cases:
+        refused(match, lambda: train_lora(tiny_loaded("wan2.1-t2v"), wan_data, MemoryStrategy(), TrainSettings(steps=2), outputs,
+                                          CpuBackend(), progress=lambda step, total, loss: done.append(step)),
+                tmp_path / "loras", checkpoints)
+    assert done == [], "steps ran before the refusal"
+    assert blocker.read_text() == "a file where a folder is needed"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import safetensors.torch
 import pytest
 import torch
@@ -121,6 +123,30 @@ def test_interrupt_saves_a_checkpoint_and_resume_ends_at_the_same_weights(tiny_l
     assert resumed.receipt["start_step"] == 3
     assert resumed.losses == straight.losses
     assert_same_weights(safetensors.torch.load_file(str(straight.lora_path)), safetensors.torch.load_file(str(resumed.lora_path)))
+
+
+def test_a_checkpoint_that_cannot_be_saved_does_not_hide_why_the_run_stopped(tiny_loaded, prepared, tmp_path, monkeypatch, caplog):
+    """Cancel after a step with the disk full: the Cancel comes out, and a warning names the folder."""
+    from vidmem.training import loop
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(loop, "write_checkpoint", full_disk)
+    done = []
+
+    def cancel_after_a_step():
+        if done:
+            raise Cancel()
+
+    outputs = TrainOutputs(tmp_path / "c.safetensors", tmp_path / "ck_c")
+    with caplog.at_level(logging.WARNING, logger="vidmem"), pytest.raises(Cancel):
+        train_lora(tiny_loaded("wan2.1-t2v"), prepared("wan2.1-t2v"), MemoryStrategy(offload="none"),
+                   TrainSettings(rank=4, alpha=4.0, steps=3, batch_size=1, seed=3), outputs, CpuBackend(),
+                   progress=lambda step, total, loss: done.append(step), check_interrupt=cancel_after_a_step)
+    assert done == [1]
+    assert f"could not be saved in {outputs.checkpoint_folder}" in caplog.text and "No space left" in caplog.text
+    assert not outputs.lora_path.exists()
 
 
 def test_periodic_checkpoints_and_resume_refuses_other_settings(tiny_loaded, prepared, tmp_path):

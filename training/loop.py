@@ -49,10 +49,11 @@ from .batches import BatchOrder, step_generator
 from .errors import TrainingError
 from .inference import normal_tensors, training_mode
 from .objective import denoiser_for, objective_for
-from .optim import OptimizerSettings, check_available, load_state_tensors, make_optimizer, state_bytes, state_to_tensors
+from .optim import OptimizerSettings, check_available, make_optimizer, state_bytes, state_from_tensors, state_to_tensors
 from .prepare import PreparedData
-from .save import (check_writable, final_lora_tensors, load_lora_into, lora_metadata, lora_tensors, read_checkpoint,
-                   write_checkpoint, write_safetensors_atomic)
+from .save import (CHECKPOINT_DAMAGE, check_output_folders, check_writable, copy_lora_into, damaged_checkpoint,
+                   final_lora_tensors, lora_metadata, lora_tensors, read_checkpoint, read_lora_tensors, write_checkpoint,
+                   write_safetensors_atomic)
 from .settings import TrainSettings
 
 Progress = Callable[[int, int, float], None]  # (steps done, total, last loss)
@@ -126,6 +127,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
         raise TrainingError("activation_offload='auto' is decided by the training plan: resolve it first "
                             "(training.plan.resolve_activation_offload, as Train LoRA does) or pass 'on' or 'off'.")
     check_writable(outputs.lora_path)
+    check_output_folders(outputs.lora_path, outputs.checkpoint_folder)
     model = getattr(loaded.pipe, component)
     targets = find_targets(model, component, settings.target_modules, loaded.spec.blocks_attr)
     stems = trained_key_stems(model, targets.paths)  # the file's key names, refused now rather than after the run
@@ -136,7 +138,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
              "targets": list(targets.paths), "rng": "per-step generators seeded from (seed, step)",
              "trained_over": trained_over}
     if resume:
-        _resume(run, outputs.checkpoint_folder, state)
+        _resume(run, outputs.checkpoint_folder, state, settings.steps)
     objective = objective_for(loaded, component)
     order = BatchOrder(data, settings.batch_size, settings.seed)
     blocks = getattr(model, loaded.spec.blocks_attr)
@@ -170,7 +172,8 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
                 offload.pool.cap_bytes = _activation_cap(ceiling, loaded.host_pool)
             passes = lambda backward: _begin_pass(handle, component, offload, backward)  # noqa: E731
             try:
-                times = _train_steps(model, objective, order, run, settings, device, progress, save, passes, offload)
+                times = _train_steps(model, objective, order, run, settings, device, progress, save, passes,
+                                     outputs.checkpoint_folder, offload)
             finally:
                 if offload is not None:
                     _drop_activation_pool(offload, receipt, backend.can_pin)
@@ -184,7 +187,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
 
 
 def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: TrainSettings, device, progress: Progress,
-                 save: Callable[[], None], passes: Callable[[bool], None],
+                 save: Callable[[], None], passes: Callable[[bool], None], checkpoint_folder: Path,
                  offload: ActivationOffload | None = None) -> list[float]:
     """Steps until `settings.steps`; on any exception (Cancel included) the last completed step is saved first."""
     times = []
@@ -203,9 +206,19 @@ def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: Train
     except BaseException:
         run.optimizer.zero_grad()
         if run.step > run.saved_step:
-            save()  # interrupted or failed: keep the last completed step, resumable
+            _save_keeping_error(save, checkpoint_folder)  # interrupted or failed: keep the last completed step
         raise
     return times
+
+
+def _save_keeping_error(save: Callable[[], None], folder: Path) -> None:
+    """The checkpoint after a Cancel or an error: if it cannot be written (a full disk), the warning
+    says so and the caller raises the run's own exception, which says why the run stopped."""
+    try:
+        save()
+    except Exception as error:  # noqa: BLE001 - any failure here must not replace the run's own
+        logging.getLogger("vidmem").warning("vidmem: the checkpoint of the last completed step could not be saved "
+                                            "in %s (%s); resume continues from the last one saved, if any.", folder, error)
 
 
 def _activation_offload(settings: TrainSettings, strategy: MemoryStrategy, backend) -> ActivationOffload | None:
@@ -258,7 +271,9 @@ def _start(model, targets, settings: TrainSettings, device) -> _Run:
     return _Run(layers, optimizer, 0, [], 0)
 
 
-def _resume(run: _Run, folder: Path, state: dict) -> None:
+def _resume(run: _Run, folder: Path, state: dict, steps: int) -> None:
+    """Continue `run` from the checkpoint in `folder` (if any), or refuse by name: other data or
+    settings, another LoRA stack under it, more steps done than `steps`, a damaged file."""
     found = read_checkpoint(folder)
     if found is None:
         return
@@ -273,10 +288,27 @@ def _resume(run: _Run, folder: Path, state: dict) -> None:
                             f"carries {_stack_text(state['trained_over'])}; the LoRA learned what was missing on top of "
                             "those, so continuing over others would mix two runs. Load the same LoRAs (same files, "
                             "strengths and experts), or set resume to false to start over.")
-    load_lora_into(run.layers, lora_file)
-    load_state_tensors(run.optimizer, tensors, meta)
-    run.step = run.saved_step = int(saved["step"])
-    run.losses = list(saved["losses"])
+    # Everything is read and checked before anything is applied. The layers are not attached to the
+    # model yet, so any refusal here (the optimizer's own check below included) leaves the model as it
+    # was; the run is dropped with the error.
+    try:
+        lora = read_lora_tensors(run.layers, lora_file)
+        optimizer_state = state_from_tensors(tensors, meta)
+        step, losses = int(saved["step"]), [float(loss) for loss in saved["losses"]]
+    except TrainingError:
+        raise
+    except CHECKPOINT_DAMAGE as error:
+        raise damaged_checkpoint(folder, error) from None
+    if step > steps:
+        raise TrainingError(f"checkpoint {folder} is at step {step} and steps is {steps}: set steps to {step} or more "
+                            "to continue it, or set resume to false to start over (its checkpoint is replaced).")
+    copy_lora_into(run.layers, lora)  # first: adamw_cpu_offload's state load copies the weights to its host copies
+    try:
+        run.optimizer.load_state_dict(optimizer_state)
+    except CHECKPOINT_DAMAGE as error:  # torch's optimizers check the groups before they change anything
+        raise damaged_checkpoint(folder, error) from None
+    run.step = run.saved_step = step
+    run.losses = losses
 
 
 def _trained_over(loras, component: str) -> list[dict]:

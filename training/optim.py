@@ -141,6 +141,11 @@ def _json_key(key):
 
 
 def load_state_tensors(optimizer, tensors: dict[str, torch.Tensor], meta: str) -> None:
+    optimizer.load_state_dict(state_from_tensors(tensors, meta))
+
+
+def state_from_tensors(tensors: dict[str, torch.Tensor], meta: str) -> dict:
+    """The state_dict state_to_tensors saved, rebuilt; damaged JSON raises ValueError, TypeError or KeyError."""
     def build(value):
         if isinstance(value, dict) and set(value) == {TENSOR_REF}:
             return tensors[value[TENSOR_REF]]
@@ -150,4 +155,7 @@ def load_state_tensors(optimizer, tensors: dict[str, torch.Tensor], meta: str) -
             return [build(v) for v in value]
         return value
 
-    optimizer.load_state_dict(build(json.loads(meta)))
+    state = build(json.loads(meta))
+    if not isinstance(state, dict):
+        raise ValueError(f"the optimizer state is a {type(state).__name__}, not a state_dict")
+    return state

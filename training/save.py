@@ -30,7 +30,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..pipelines.atomic import atomic_path
+from ..pipelines.atomic import PARTIAL_SUFFIX, atomic_path
 from .adapters import path_of
 from .errors import TrainingError
 
@@ -62,6 +62,39 @@ def check_writable(path: Path) -> None:
     if TRAINED_BY_KEY not in metadata:
         raise TrainingError(f"{path} already exists and was not written by vidmem's trainer; choose another "
                             "lora_name (or move that file) so it is not overwritten.")
+
+
+def check_output_folders(lora_path: Path, checkpoint_folder: Path) -> None:
+    """Refuse, before training, outputs that cannot be written, rather than fail after every step.
+
+    The LoRA is written in its folder, a checkpoint in a staging folder beside `checkpoint_folder`
+    that is then renamed onto it: each of those folders is made and a temporary file written in it
+    and removed. Folders made only for the check are removed again, so a refused run leaves nothing.
+    """
+    if checkpoint_folder.exists() and not checkpoint_folder.is_dir():
+        raise TrainingError(f"the checkpoint folder {checkpoint_folder} is a file, not a folder; move that file "
+                            "(or choose another lora_name) so checkpoints can be saved. Nothing was trained.")
+    _check_folder(lora_path.parent, "the LoRA's folder", "the LoRA can be saved")
+    _check_folder(checkpoint_folder.parent, f"the folder of checkpoint {checkpoint_folder.name}", "checkpoints can be saved")
+
+
+def _check_folder(folder: Path, role: str, purpose: str) -> None:
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # what mkdir makes, deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".vidmem-write-check.", suffix=PARTIAL_SUFFIX)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise TrainingError(f"{role} {folder} cannot be written ({error}); make it a writable folder (a file in "
+                            f"its place moved away, its permissions fixed) or choose another place, so {purpose}. "
+                            "Nothing was trained.") from None
+    finally:
+        for path in made:
+            try:
+                path.rmdir()
+            except OSError:  # not made here after all, or something was written into it meanwhile
+                pass
 
 
 def lora_tensors(layers: nn.ModuleDict, component_prefix: str = "transformer") -> dict[str, torch.Tensor]:
@@ -97,13 +130,18 @@ def write_safetensors_atomic(tensors: dict[str, torch.Tensor], metadata: dict[st
     return path
 
 
-def load_lora_into(layers: nn.ModuleDict, path: Path, component_prefix: str = "transformer") -> None:
-    """Copy a saved LoRA's tensors into `layers` (same targets and rank, or TrainingError)."""
+def read_lora_tensors(layers: nn.ModuleDict, path: Path, component_prefix: str = "transformer") -> dict[str, torch.Tensor]:
+    """A saved LoRA's tensors, checked to fit `layers` (same targets and rank, or TrainingError)."""
     saved = safetensors.torch.load_file(str(path))
     expected = lora_tensors(layers, component_prefix)
     if set(saved) != set(expected) or any(saved[k].shape != expected[k].shape for k in expected):
         raise TrainingError(f"checkpoint {path} holds other layers or ranks than this run trains; set resume to "
                             "false to start over, or use the settings it was made with.")
+    return saved
+
+
+def copy_lora_into(layers: nn.ModuleDict, saved: dict[str, torch.Tensor], component_prefix: str = "transformer") -> None:
+    """Copy tensors read by read_lora_tensors into `layers` (checked there, so this cannot stop halfway)."""
     with torch.no_grad():
         for key, layer in layers.items():
             stem = f"{component_prefix}.{path_of(key)}"
@@ -154,7 +192,18 @@ def read_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor], str, d
             meta = (opened.metadata() or {}).get("optimizer", "")
             tensors = {key: opened.get_tensor(key) for key in opened.keys()}
         state = json.loads((folder / "state.json").read_text())
-    except (OSError, ValueError, safetensors.SafetensorError) as error:
-        raise TrainingError(f"the training checkpoint in {folder} is damaged ({error}); delete that folder to start "
-                            "over, or set resume to false.") from None
+        if not isinstance(state, dict):
+            raise ValueError("state.json does not hold a JSON object")
+    except CHECKPOINT_DAMAGE as error:
+        raise damaged_checkpoint(folder, error) from None
     return folder / "lora.safetensors", tensors, meta, state
+
+
+# what reading a damaged checkpoint raises: a cut file (SafetensorError, OSError), bad JSON or a
+# value of the wrong kind (ValueError, TypeError), a missing entry (KeyError)
+CHECKPOINT_DAMAGE = (OSError, ValueError, TypeError, KeyError, safetensors.SafetensorError)
+
+
+def damaged_checkpoint(folder: Path, error: BaseException) -> TrainingError:
+    return TrainingError(f"the training checkpoint in {folder} is damaged ({type(error).__name__}: {error}); delete "
+                         "that folder to start over, or set resume to false.")
