@@ -387,13 +387,16 @@ class AppliedAttention:
         """Put back every processor's backend and every attention module's forward (idempotent)."""
         while self._scoped:
             module, scoped, found = self._scoped.pop()
-            if found is _IN_PLACE:  # ours was already in the module's chain: it stays there, inert
-                scoped.release(in_chain=True)
+            if isinstance(found, _InPlace):  # ours was already in the module's chain: it stays, as it was before
+                scoped.scope, scoped.in_chain = found.scope, found.in_chain
                 continue
-            if module.__dict__.get("forward") is not scoped.entry:  # someone wrapped ours and did not unwrap: theirs to undo
+            current = module.__dict__.get("forward", _ABSENT)
+            if current is not scoped.entry:  # replaced during the call and not put back: theirs to undo
                 log.warning("vidmem: %s.forward was replaced during the call and not restored; left as found.",
                             type(module).__name__)
-                scoped.release(in_chain=True)  # their wrapper still calls ours
+                # Only a wrapper that still calls ours keeps it in the chain; a forward that does not (the class's,
+                # put back by someone else) gets ours installed over it again by the next call.
+                scoped.release(in_chain=_calls_scoped(current, scoped))
                 continue
             if found is _ABSENT:
                 del module.forward  # back to the class's forward, as before
@@ -561,8 +564,16 @@ def _reroute_scope(attend: Callable, device: str) -> tuple[Callable, _CallCount]
 
 
 _ABSENT = object()
-_IN_PLACE = object()  # the scoped forward was found in the module's chain, not installed by this call
 _SCOPED_ATTR = "_vidmem_scoped_forward"
+
+
+@dataclass(frozen=True)
+class _InPlace:
+    """The scoped forward was found in the module's chain, not installed by this call: the scope and
+    in_chain it had, put back when the call ends (an outer call on the same module keeps its kernel)."""
+
+    scope: Callable | None
+    in_chain: bool
 
 
 class _ScopedForward:
@@ -579,8 +590,9 @@ class _ScopedForward:
         self.plain = type(module).forward.__get__(module)  # made once: a fresh bound method would fail the guard
         # What goes on `module.forward`: one function shared by every module, bound to this one. Dynamo guards
         # a compiled block on its attention's forward; an object per module (this one) failed that guard on
-        # every other block, so each block compiled its own copy: past dynamo's recompile limit (8) the rest
-        # of a 30- or 40-block model ran eagerly. A bound method is guarded by its function.
+        # every other block, so each block compiled its own copy: 30 to 40 full block compiles for a real model
+        # instead of one (eager only past vidmem's recompile limit of 64, compile.py). A bound method is guarded
+        # by its function.
         self.entry = types.MethodType(_run_scoped, module)
         self.inner: Callable = self.plain
         self.scope: Callable | None = None
@@ -612,15 +624,41 @@ def _scope_forward(applied: AppliedAttention, module: nn.Module, scope: Callable
         scoped = _ScopedForward(module)
         module.__dict__[_SCOPED_ATTR] = scoped  # not a Module or Parameter: no state_dict entry, no .to()
     found = module.__dict__.get("forward", _ABSENT)
-    if found is scoped.entry or (scoped.in_chain and found is not _ABSENT):
-        # Ours is still called from the module's forward (a wrapper left over it calls it): scope it
-        # where it is. Installing it again would make it wrap the wrapper that calls it: no end.
+    if found is scoped.entry or (scoped.in_chain and _calls_scoped(found, scoped)):
+        # Ours is still called from the module's forward (an outer call's, or a wrapper left over it calls
+        # it): scope it where it is. Installing it again would make it wrap the wrapper that calls it: no end.
+        applied._scoped.append((module, scoped, _InPlace(scoped.scope, scoped.in_chain)))
         scoped.scope = scope
-        applied._scoped.append((module, scoped, _IN_PLACE))
         return
     scoped.inner, scoped.scope = (scoped.plain if found is _ABSENT else found), scope
     module.forward = scoped.entry
     applied._scoped.append((module, scoped, found))
+
+
+def _calls_scoped(forward: object, scoped: _ScopedForward, depth: int = 8) -> bool:
+    """Whether `forward` reaches ours: it is ours, or wraps it as wrappers say so (`__wrapped__`, a bound
+    method's `__self__`, a partial's `func`, a closure's cells), `depth` links deep at most. A module itself
+    is not followed (the class's forward bound to the module holds ours only as the module's attribute)."""
+    seen: set[int] = set()
+    todo = [(forward, 0)]
+    while todo:
+        found, level = todo.pop()
+        if found is scoped or found is scoped.entry or getattr(found, "__func__", None) is _run_scoped:
+            return True
+        if id(found) in seen or level >= depth or found is None or isinstance(found, nn.Module):
+            continue
+        seen.add(id(found))
+        cells = getattr(found, "__closure__", None) or ()
+        links = [getattr(found, name, None) for name in ("__wrapped__", "__self__", "func")]
+        todo.extend((link, level + 1) for link in [*links, *(_cell_contents(cell) for cell in cells)])
+    return False
+
+
+def _cell_contents(cell) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return None
 
 
 def _check_dispatcher(resolved: ResolvedAttention) -> None:

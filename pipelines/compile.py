@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from ..memory.cleanup import is_out_of_memory
+from ..memory.storage.modules import ready_fp8_tallies
 from ..memory.strategy import StrategyError
 
 log = logging.getLogger("vidmem")
@@ -246,6 +247,7 @@ class _Runner:
     def __init__(self, settings: CompileSettings, report: CompileReport) -> None:
         self.settings = settings
         self.report = report
+        self._readied: set[int] = set()  # blocks whose fp8 counters are on their device (once per call)
 
     def __call__(self, block: nn.Module, *args, **kwargs):
         eager = type(block).forward
@@ -255,6 +257,7 @@ class _Runner:
             compiled = compiled_forward(type(block), self.settings, hook_layout(block))
         except Exception as error:  # torch.compile itself refused (a backend that cannot load here)
             return self._eager_after(block, error, args, kwargs)
+        self._ready_fp8(block, args, kwargs)
         frames, started = _frames(), time.perf_counter()
         try:
             with self._config():
@@ -266,6 +269,16 @@ class _Runner:
         if _frames() != frames:
             self.report.compile_seconds += time.perf_counter() - started
         return output
+
+    def _ready_fp8(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        """fp8 matmul's counters made on the block's device before its graph first runs: made inside it,
+        they would compile a second graph at the next pass (memory/storage/modules.py, Fp8MatmulTally)."""
+        if id(block) in self._readied:
+            return
+        self._readied.add(id(block))
+        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if device is not None:
+            ready_fp8_tallies(block, device)
 
     def _eager_after(self, block: nn.Module, error: BaseException, args: tuple, kwargs: dict):
         self.report.fall_back(type(block), error)

@@ -553,3 +553,66 @@ def test_a_wrapper_left_over_the_scoped_forward_is_kept_and_later_calls_still_ru
     for calls in (2, 3):
         assert one_call().item() == 1.0 and len(entered) == calls  # the scope still reaches the forward
     assert module(torch.zeros(1)).item() == 1.0 and len(entered) == 3
+
+
+def _scoping_call(module, scope):
+    """One call's scoping of `module`'s forward, as attention_for_call does it for a direct-SDPA module."""
+    applied = attention.AppliedAttention.__new__(attention.AppliedAttention)
+    applied._scoped, applied._backends, applied._counter = [], [], None
+    attention._scope_forward(applied, module, scope)
+    return applied
+
+
+def _counting_scope(entered: list, name: str):
+    from contextlib import contextmanager
+
+    @contextmanager
+    def scope():
+        entered.append(name)
+        yield
+
+    return scope
+
+
+class _PlusOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def test_a_forward_replaced_by_one_that_does_not_call_ours_gets_the_kernel_again_next_call(caplog):
+    """Something puts the class's forward back on the module during a call (not a wrapper of ours): it is left as
+    found, with a warning, and ours is installed over it again by the next call. Before, ours was taken to be still
+    in the chain, and every later call scoped an object nobody called: no kernel, silently."""
+    module, entered = _PlusOne(), []
+    scope = _counting_scope(entered, "call")
+    applied = _scoping_call(module, scope)
+    module.forward = type(module).forward.__get__(module)  # e.g. a hook registry torn down mid-call
+    with caplog.at_level("WARNING", logger="vidmem"):
+        applied.remove()
+    assert "left as found" in caplog.text
+    found = module.__dict__["forward"]
+    for calls in (1, 2):
+        applied = _scoping_call(module, scope)
+        try:
+            assert module(torch.zeros(1)).item() == 1.0 and entered == ["call"] * calls  # the kernel's scope ran
+        finally:
+            applied.remove()
+        assert module.__dict__["forward"] is found  # put back as found
+    assert module(torch.zeros(1)).item() == 1.0 and entered == ["call"] * 2  # between calls: no scope
+
+
+def test_a_nested_call_on_the_same_module_leaves_the_outer_calls_kernel_on():
+    module, entered = _PlusOne(), []
+    outer = _scoping_call(module, _counting_scope(entered, "outer"))
+    try:
+        module(torch.zeros(1))
+        inner = _scoping_call(module, _counting_scope(entered, "inner"))
+        try:
+            module(torch.zeros(1))
+        finally:
+            inner.remove()
+        module(torch.zeros(1))
+    finally:
+        outer.remove()
+    assert entered == ["outer", "inner", "outer"]
+    assert "forward" not in module.__dict__ and module(torch.zeros(1)).item() == 1.0 and len(entered) == 3

@@ -274,3 +274,30 @@ def test_fp8_matmul_inside_compiled_blocks_gives_the_eager_fp8_latent_and_compil
             torch.testing.assert_close(result.latent["samples"], eager, rtol=1e-5, atol=1e-5)
         assert speed["compile"]["frames_compiled"] == 0, speed["compile"]["recompile_reasons"]
     torch._dynamo.reset()
+
+
+def test_fp8_matmul_inside_compiled_blocks_compiles_no_more_frames_than_without_it(wan16, tmp_path):
+    """The tally's counters are tensors the graph adds to: a Python int bumped inside a compiled block was guarded
+    on its value (`...fp8_calls == 0`, `== 1`, ...), so every denoiser pass compiled the blocks again (4 steps with
+    guidance: 8 frames instead of 1), and past vidmem's recompile limit the rest ran eagerly while the receipt said
+    compiled. Now the first call compiles what it compiles without fp8 matmul, the second nothing, and the receipt
+    still counts one fp8 product per layer and pass."""
+    from vidmem.pipelines.compile import CompileSettings
+    from vidmem.pipelines.speed import Speed
+
+    stored = pipeline_with(wan16, tmp_path, "fp8_scaled", dequantize_first=False)
+    compiled = CompileSettings(on=True, backend="aot_eager")
+    reports = {}
+    for choice in ("off", "on"):
+        torch._dynamo.reset()
+        request = dataclass_replace(request_for("wan2.1-t2v", steps=4), speed=Speed("auto", compiled, fp8_matmul=choice))
+        for call in range(2):
+            reports[choice, call] = sample(stored, MemoryStrategy(offload="none"), request, backend=CpuBackend()).receipt["speed"]
+    torch._dynamo.reset()
+    first, second = reports["on", 0]["compile"], reports["on", 1]["compile"]
+    assert first["compiled"] and first["fallback"] is None
+    assert first["frames_compiled"] == reports["off", 0]["compile"]["frames_compiled"], first["recompile_reasons"]
+    assert (second["frames_compiled"], second["recompiles"]) == (0, 0), second["recompile_reasons"]
+    layers = sum(isinstance(m, StoredLinear) for block in stored.pipe.transformer.blocks for m in block.modules())
+    receipt = reports["on", 1]["fp8_matmul"]
+    assert receipt["fallback_calls"] == 0 and receipt["fp8_calls"] >= layers * 4 * 2  # every block layer, 4 steps, 2 guidance passes

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -90,13 +89,60 @@ FP8_MATMUL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_MATMUL_BIAS_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@dataclass
 class Fp8MatmulTally:
-    """One layer's use of the fp8 matmul during one call: products computed in fp8, and calls
-    that fell back to the upcast path, by reason. Its presence on a layer enables the path."""
+    """One layer's use of the fp8 matmul during one call: products computed in fp8 (`fp8_calls`), and
+    calls that fell back to the upcast path, by reason (`fallbacks`). Its presence on a layer enables
+    the path.
 
-    fp8_calls: int = 0
-    fallbacks: Counter = field(default_factory=Counter)
+    Counted in 0-dim int64 tensors the forward adds to in place, read as ints after the call. Why:
+    inside a compiled block dynamo guards a Python int by its value, so an int bumped per call made
+    every denoiser pass compile the blocks again; a tensor is guarded by dtype, shape and device only.
+    The counters sit on the device the layer computes on, made by `ready` before a compiled block first
+    runs (made inside a graph, their appearance would compile a second one; a reason's first fallback
+    still does, once). They are plain attributes, not buffers: offloading never moves them."""
+
+    def __init__(self) -> None:
+        self._fp8: torch.Tensor | None = None
+        self._fallbacks: dict[str, torch.Tensor] = {}
+
+    @property
+    def fp8_calls(self) -> int:
+        return 0 if self._fp8 is None else int(self._fp8)
+
+    @property
+    def fallbacks(self) -> Counter:
+        return Counter({reason: int(count) for reason, count in self._fallbacks.items()})
+
+    def ready(self, device: torch.device | str) -> None:
+        """Make the fp8 counter on `device` now, outside any graph."""
+        if self._fp8 is None or self._fp8.device != torch.device(device):
+            self._fp8 = _counter_on(device, self._fp8)
+
+    def count_fp8(self, device: torch.device) -> None:
+        if self._fp8 is None or self._fp8.device != device:
+            self._fp8 = _counter_on(device, self._fp8)
+        self._fp8.add_(1)
+
+    def count_fallback(self, reason: str, device: torch.device) -> None:
+        count = self._fallbacks.get(reason)
+        if count is None or count.device != device:
+            count = self._fallbacks[reason] = _counter_on(device, count)
+        count.add_(1)
+
+
+def _counter_on(device: torch.device | str, count: torch.Tensor | None) -> torch.Tensor:
+    """A counter on `device`, carrying `count` over. Never an inference tensor: one made inside
+    `inference_mode` could not be added to outside it."""
+    with torch.inference_mode(False):
+        return torch.zeros((), dtype=torch.int64, device=device) if count is None else count.to(device)
+
+
+def ready_fp8_tallies(module: nn.Module, device: torch.device | str) -> None:
+    """Put the fp8 counters of `module`'s StoredLinears with fp8 matmul on onto `device`, for a caller
+    about to run `module` compiled (see Fp8MatmulTally)."""
+    for layer in module.modules():
+        if isinstance(layer, StoredLinear) and layer.fp8_matmul is not None:
+            layer.fp8_matmul.ready(device)
 
 
 @contextmanager
@@ -129,9 +175,9 @@ class StoredLinear(_StoredWeight):
         if self.fp8_matmul is not None:
             problem = self._fp8_input_problem(x)
             if problem is None:
-                self.fp8_matmul.fp8_calls += 1
+                self.fp8_matmul.count_fp8(x.device)
                 return fp8_linear(x, self.weight_stored, self.weight_scale, self.bias)
-            self.fp8_matmul.fallbacks[problem] += 1
+            self.fp8_matmul.count_fallback(problem, x.device)
         weight = self.stored.dequantize(self.compute_dtype, x.device)
         return F.linear(x, weight, self.bias)
 
