@@ -132,7 +132,7 @@ class StreamSchedule:
         self._skipping: set[int] = set()  # ids of groups called but not computing (a step cache)
         self._foresight: dict[int, Callable[[bool], bool]] = {}  # id(group) -> will it compute (next pass?)
         self.copies = 0  # streamed groups copied to the device this call
-        self.skipped = 0  # streamed groups whose forward a step cache skipped
+        self.skipped = 0  # copies a step cache saved: skipped groups that were not on the device
         self._prefetch = prefetch
         self._backend = backend
         self._observe = observer
@@ -154,10 +154,13 @@ class StreamSchedule:
 
     def skip(self, group: WeightGroup) -> None:
         """`group`'s module is called but will not compute this pass (a step cache skips it): its
-        weights are not copied, and nothing is prefetched or evicted on its account."""
+        weights are not copied, and nothing is prefetched or evicted on its account. Counted as a
+        copy saved only when it is not on the device: a group kept there (or already prefetched)
+        would not have been copied for this pass either, so skipping it saves nothing."""
         self._order.learn(group)
         self._skipping.add(id(group))
-        self.skipped += 1
+        if not group.on_device:
+            self.skipped += 1
 
     def before_forward(self, group: WeightGroup) -> None:
         self._order.learn(group)

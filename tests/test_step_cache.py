@@ -186,6 +186,43 @@ def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     assert calibration["streamed_copies"] - cached["streamed_copies"] == cached["streamed_copies_skipped"]
 
 
+@pytest.mark.parametrize("room_for", ["all", "one"])
+def test_a_skipped_block_kept_on_the_device_counts_no_copy_saved(tiny_folder, monkeypatch, room_for):
+    """Free memory keeps streamed blocks on the device after their first use, cached or not: a skipped
+    pass saves a copy only of a block that is not there. Copies made plus copies saved is what the
+    same call copies computing every block (a calibration run), and nothing is saved when every block
+    is kept (the receipt once counted every skipped call of a kept block as saved)."""
+    from cuda_fake import FakeCuda
+    from vidmem.memory.device import CudaBackend
+    from vidmem.pipelines.hooks import RunHooks
+    from vidmem.pipelines.loader import load_pipeline
+    from vidmem.pipelines.room import KEEP_MARGIN_BYTES
+
+    variant = "wan2.1-t2v"
+    fresh = lambda: load_pipeline(tiny_folder(variant), "fp32")  # noqa: E731 (no call finds blocks a previous call kept)
+    loaded = fresh()  # before the fake: transformers' lazy imports read torch.cuda.Stream in annotations
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    blocks = block_count(loaded)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=0)
+    request = replace(request_for(variant, steps=STEPS), cache=MAG)
+    weights = sample(loaded, strategy, request, backend=backend).receipt["device_weight_bytes"]
+    one_block = sum(p.numel() * p.element_size() for p in loaded.pipe.transformer.blocks[0].parameters())
+    extra = {"all": 1 << 30, "one": one_block}[room_for]
+    budget = RunHooks(device_budget=lambda device: weights + KEEP_MARGIN_BYTES + extra)
+    kept = {"all": blocks, "one": 1}[room_for]
+
+    cached = sample(fresh(), strategy, request, hooks=budget, backend=backend).receipt
+    calibration = sample(fresh(), strategy, replace(request, cache=StepCache("mag_cache", calibrate=True)),
+                         hooks=budget, backend=backend).receipt
+    assert cached["residency"]["kept_groups"] == kept and calibration["residency"]["kept_groups"] == kept
+    skipped_passes = cached["cache"]["blocks_skipped"] // blocks
+    assert skipped_passes > 0
+    assert cached["cache"]["streamed_copies_skipped"] == skipped_passes * (blocks - kept)
+    assert cached["cache"]["streamed_copies"] + cached["cache"]["streamed_copies_skipped"] \
+        == calibration["cache"]["streamed_copies"]
+
+
 @pytest.mark.parametrize("cache", [MAG, TAYLOR], ids=["mag_cache", "taylor_seer"])
 def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded, cache):
     """Under sequential every leaf streams: the leaves outside the blocks run on every pass, those of
