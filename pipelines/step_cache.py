@@ -420,6 +420,15 @@ class CacheTally:
         total = self.computed + self.skipped
         return self.computed / total if total else 1.0
 
+    def merged(self, later: "CacheTally") -> "CacheTally":
+        """This tally and `later`'s summed, as a new tally: an attempt resumed after an out-of-memory
+        error continues the count of the steps the failed attempt finished. Calibrated ratios are the
+        later tally's (a resumed attempt runs uncached and measures none; a partial set would mislead)."""
+        windows = {w: [a + b for a, b in zip(self.per_window.get(w, [0, 0]), later.per_window.get(w, [0, 0]))]
+                   for w in {*self.per_window, *later.per_window}}
+        return CacheTally(self.computed + later.computed, self.skipped + later.skipped,
+                          dict(later.calibrated_ratios), windows)
+
     def as_dict(self) -> dict:
         windows = sorted(self.per_window)
         return {"blocks_computed": self.computed, "blocks_skipped": self.skipped,
@@ -672,12 +681,17 @@ def mag_after_pass(view: MagView, config, computed: bool) -> MagView:
 
 
 class AppliedCache:
-    """Step caching enabled on a call's denoisers; `remove()` disables it again (idempotent)."""
+    """Step caching enabled on a call's denoisers; `remove()` disables it again (idempotent).
 
-    def __init__(self, cache: StepCache, denoisers: Mapping[str, nn.Module], blocks: Mapping[str, nn.ModuleList]) -> None:
+    `enabled=False` counts the blocks without caching them (every block computes): an attempt that
+    resumes after an out-of-memory error runs uncached, and its receipt still counts what it ran."""
+
+    def __init__(self, cache: StepCache, denoisers: Mapping[str, nn.Module], blocks: Mapping[str, nn.ModuleList],
+                 enabled: bool = True) -> None:
         self.cache = cache
+        self.enabled = enabled
         self.tally = CacheTally()
-        self.gate = BlockGate(cache.method, blocks, self.tally) if cache.skips else None
+        self.gate = BlockGate(cache.method, blocks, self.tally) if cache.skips and enabled else None
         self._denoisers = dict(denoisers)
         self._enabled: list[nn.Module] = []
         self._counters: list = []
@@ -691,9 +705,10 @@ class AppliedCache:
         # end_steps bind the denoiser that runs the run's last steps: the last one that runs any (a Wan 2.2
         # boundary_ratio near 0 leaves the low-noise expert none).
         last = next((name for name in reversed(self._denoisers) if own[name] > 0), None)
-        check_cache_fits(self.cache, self._denoisers, self._blocks, steps, denoiser_steps)  # before any hook is placed
+        if self.enabled:
+            check_cache_fits(self.cache, self._denoisers, self._blocks, steps, denoiser_steps)  # before any hook is placed
         try:
-            for name, denoiser in self._denoisers.items():
+            for name, denoiser in self._denoisers.items() if self.enabled else ():
                 if self.cache.skips and self.cache.method is CacheMethod.MAG and self.cache.ratios_for(name) is None:
                     continue  # ratios for the other expert only (check_cache_fits refused the rest)
                 if self.cache.method is CacheMethod.TAYLOR:
@@ -703,6 +718,7 @@ class AppliedCache:
                     config = self.cache.diffusers_config(steps, name)
                 denoiser.enable_cache(config)
                 self._enabled.append(denoiser)
+            # Counting only (calibration, or not enabled): with no diffusers hook on a block the gate counts it computed.
             gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
             gate.expect(own)
             for name, group in self._blocks.items():
@@ -718,7 +734,7 @@ class AppliedCache:
                         lambda m, args, name=name: gate.begin(name), prepend=True))
                 for block in group:
                     self._counters.append(block.register_forward_hook(lambda m, args, out: gate.count(m), prepend=True))
-                if self.cache.method is CacheMethod.MAG and self.cache.calibrate:
+                if self.cache.method is CacheMethod.MAG and self.cache.calibrate and self.enabled:
                     # The pipeline resets the caches' state before it returns: read the ratios as they grow.
                     self._counters.append(group[-1].register_forward_hook(
                         lambda m, args, out, name=name: self._read_ratios(name, m)))

@@ -701,18 +701,33 @@ def test_taylor_seer_with_a_lora_gives_tier_nones_latent_on_every_tier(tiny_load
         assert result.receipt["cache"]["blocks_computed"] == reference.receipt["cache"]["blocks_computed"], name
 
 
-def test_an_out_of_memory_error_under_taylor_seer_resumes_uncached_and_leaves_nothing(tiny_loaded):
+@pytest.mark.parametrize("resumed_fails_at", [None, 5], ids=["once", "again_in_the_resumed_attempt"])
+def test_an_out_of_memory_error_under_taylor_seer_resumes_uncached_and_leaves_nothing(tiny_loaded, resumed_fails_at):
     """The ladder resumes from the last finished step without the cache (its pass counts would restart
-    at 0 halfway through); the receipt says so, no hook is left, and the next call caches again."""
+    at 0 halfway through); the receipt says so and counts true: the failed attempt's finished steps as
+    TaylorSeer ran them, and every block of every step a resumed attempt ran (one that fails in turn
+    included). No hook is left, and the next call caches again."""
     from test_oom_ladder import InjectOOM
 
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
     blocks = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"]
-    with InjectOOM(blocks[0], [2 * 3 + 1]) as oom:  # step 3's cond pass (computed under TAYLOR)
+    failed_at = 3
+    # Block 0's forwards, counted across attempts: step 3's cond pass (computed under TAYLOR), then
+    # the resumed attempt's step `resumed_fails_at` (one more forward: step 3's failed cond pass).
+    calls = [2 * failed_at + 1] + ([2 * resumed_fails_at + 2] if resumed_fails_at else [])
+    with InjectOOM(blocks[0], calls) as oom:
         result = run(loaded, variant, MemoryStrategy(offload="model"), TAYLOR)
-    assert oom.raised == 1 and result.receipt["oom_ladder"]
-    assert "ran uncached" in result.receipt["cache"]["note"] and result.receipt["cache"]["blocks_skipped"] == 0
+    assert oom.raised == len(calls)
+    assert [rung["resumed_from_step"] for rung in result.receipt["oom_ladder"]] == [failed_at, resumed_fails_at or failed_at][:len(calls)]
+    cache = result.receipt["cache"]
+    assert "ran uncached" in cache["note"]
+    per_step = 2 * len(blocks)  # cond and uncond passes
+    skipped_before = (failed_at - sum(schedule(TAYLOR)[:failed_at])) * per_step
+    assert skipped_before > 0  # the failed attempt's skips are in the count, not lost
+    assert cache["blocks_skipped"] == skipped_before
+    assert cache["blocks_computed"] == STEPS * per_step - skipped_before  # the resumed steps computed every block
+    assert cache["blocks_computed_share"] == round(cache["blocks_computed"] / (STEPS * per_step), 4)
     assert not loaded.pipe.transformer.is_cache_enabled
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in blocks)
     assert run(loaded, variant, MemoryStrategy(offload="none"), TAYLOR).receipt["cache"]["blocks_skipped"] > 0
