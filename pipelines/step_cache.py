@@ -135,6 +135,12 @@ class StepCache:
         """Whether blocks may be skipped (a calibration run computes every block)."""
         return self.on and not (self.method is CacheMethod.MAG and self.calibrate)
 
+    @property
+    def effective_threshold(self) -> float:
+        """The threshold a run uses: `threshold`, or the method's default when it is 0 (and no ratio
+        entry supplied one). describe(), diffusers_config() and the plan all read this one value."""
+        return self.threshold or DEFAULT_THRESHOLDS.get(self.method, 0.0)
+
     def describe(self) -> str:
         if not self.on:
             return "off"
@@ -143,7 +149,7 @@ class StepCache:
         if self.method is CacheMethod.TAYLOR:
             return (f"{self.method.value} interval={self.interval} warmup_steps={self.warmup_steps} "
                     f"end_steps={self.end_steps} order={self.order}")
-        threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
+        threshold = self.effective_threshold
         if self.method is CacheMethod.FIRST_BLOCK:
             return f"{self.method.value} threshold={threshold:g}"
         return f"{self.method.value} threshold={threshold:g} retention={self.retention:g} max_skip_steps={self.max_skip_steps}"
@@ -192,7 +198,7 @@ class StepCache:
             return hooks.TaylorSeerCacheConfig(**taylor_arithmetic(self, steps, final), max_order=self.order,
                                                taylor_factors_dtype=torch.float32, use_lite_mode=True)
         FirstBlockCacheConfig, MagCacheConfig = hooks.FirstBlockCacheConfig, hooks.MagCacheConfig
-        threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
+        threshold = self.effective_threshold
         if self.method is CacheMethod.FIRST_BLOCK:
             return FirstBlockCacheConfig(threshold=threshold)
         if self.calibrate:
@@ -1122,7 +1128,7 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
     source = "the published ratios" if ratios_name == "auto" else f"the ratios of {ratios_name}"
     # with a denoiser left uncached, how the denoise time splits between them is not known here
     return CachePlan(
-        f"mag_cache with {source} (threshold {cache.threshold:g}, K {cache.max_skip_steps}, retention "
+        f"mag_cache with {source} (threshold {cache.effective_threshold:g}, K {cache.max_skip_steps}, retention "
         f"{cache.retention:g}): steps computed {parts}{each} ({share:.0%}){note}. The denoising time and, under block "
         f"swap, the copies fall about as the steps computed; quality: docs/step-cache.md.", None if uncached else share)
 
