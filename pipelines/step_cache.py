@@ -32,13 +32,14 @@ import hashlib
 import json
 import math
 import os
+import reprlib
 import stat
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from enum import Enum
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -120,8 +121,7 @@ class StepCache:
         _check_taylor(self)
         if self.mag_ratios is not None:
             object.__setattr__(self, "mag_ratios", _checked_ratios(self.mag_ratios, "mag_ratios"))
-        object.__setattr__(self, "expert_ratios", tuple((str(name), _checked_ratios(ratios, f"mag_ratios of {name}"))
-                                                        for name, ratios in self.expert_ratios))
+        object.__setattr__(self, "expert_ratios", _checked_expert_ratios(self.expert_ratios))
         if self.method is CacheMethod.MAG and self.mag_ratios is None and not self.expert_ratios and not self.calibrate:
             raise StrategyError("cache method='mag_cache' needs mag_ratios for this model, or calibrate=True to measure "
                                 "them in one uncached run (its receipt gives them).")
@@ -398,11 +398,20 @@ def taylor_computes(step: int, interval: int, warmup: int, after: int | None) ->
 
 
 def _checked_ratios(ratios, name: str) -> tuple[float, ...]:
-    found = tuple(ratios)
+    found = tuple(ratios) if isinstance(ratios, Iterable) and not isinstance(ratios, (str, bytes)) else ()
     if not found or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0 for r in found):
         raise StrategyError(f"cache {name} must be a non-empty list of positive numbers (MagCache's per-step magnitude "
                             "ratios); calibrate them with calibrate=True.")
     return tuple(float(r) for r in found)
+
+
+def _checked_expert_ratios(experts) -> tuple[tuple[str, tuple[float, ...]], ...]:
+    """`expert_ratios` as ((denoiser, its ratios), ...), each pair checked; refused by name when it is not pairs."""
+    pairs = tuple(experts) if isinstance(experts, Iterable) and not isinstance(experts, (str, bytes)) else None
+    if pairs is None or any(not isinstance(p, (tuple, list)) or len(p) != 2 or not isinstance(p[0], str) for p in pairs):
+        raise StrategyError(f"cache expert_ratios={reprlib.repr(experts)} must be pairs of (denoiser name, its MagCache ratios), e.g. "
+                            "(('transformer', (1.0, 0.98, ...)), ('transformer_2', (...))); calibrate them with calibrate=True.")
+    return tuple((name, _checked_ratios(ratios, f"mag_ratios of {name}")) for name, ratios in pairs)
 
 
 @dataclass
@@ -962,7 +971,7 @@ def read_json_file(path: Path, what: str) -> dict:
             if len(raw) > MAX_RATIO_FILE_BYTES:
                 raise ValueError(f"over {MAX_RATIO_FILE_BYTES >> 20} MiB")
             data = json.loads(raw.decode("utf-8"))
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, RecursionError) as error:  # RecursionError: nesting deeper than Python's stack
             raise StrategyError(f"{what} '{path.name}' is not a readable JSON ratio file ({error}); calibrate "
                                 "again.") from None
     if not isinstance(data, dict):

@@ -282,6 +282,13 @@ def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded, cac
     ({"method": "taylor_seer", "end_steps": -1}, "end_steps"),
     ({"method": "taylor_seer", "order": 4}, "order=4 must be a whole number from 1 to 3"),
     ({"method": "taylor_seer", "interval": 2.5}, "interval"),
+    # not lists at all (each was a bare TypeError)
+    ({"method": "mag_cache", "mag_ratios": 5}, "mag_ratios must be a non-empty list"),
+    ({"method": "mag_cache", "mag_ratios": "1.0"}, "mag_ratios must be a non-empty list"),
+    ({"method": "mag_cache", "expert_ratios": (("transformer", 5),)}, "mag_ratios of transformer must be"),
+    ({"method": "mag_cache", "expert_ratios": 5}, "expert_ratios=5 must be pairs"),
+    ({"method": "mag_cache", "expert_ratios": ((1.0, 0.9),)}, "expert_ratios=.* must be pairs"),
+    ({"method": "mag_cache", "expert_ratios": (("transformer",),)}, "expert_ratios=.* must be pairs"),
 ])
 def test_bad_cache_settings_are_refused_by_name(kwargs, named):
     with pytest.raises(StrategyError, match=named):

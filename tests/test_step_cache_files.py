@@ -76,3 +76,18 @@ def test_the_plan_names_the_threshold_the_run_uses_for_a_calibrated_file(tiny_lo
         run = cache_with_ratios(node, loaded, written.name, tmp_path)
         assert run.effective_threshold == expected and f"threshold={expected:g} " in run.describe()
         assert run.diffusers_config(10, "transformer").threshold == expected
+
+
+def test_a_ratio_file_nested_past_pythons_stack_is_refused_by_name(tiny_loaded, tmp_path):
+    """Under the size cap, "[" * 200000 made json raise RecursionError, which escaped raw from the Sampler's
+    reading of the file and from the plan."""
+    from vidmem.pipelines.step_cache import cache_plan, read_json_file
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    (tmp_path / "deep.json").write_text("[" * 200000, encoding="utf-8")
+    with pytest.raises(StrategyError, match="mag_ratios 'deep.json' is not a readable JSON ratio file"):
+        read_json_file(tmp_path / "deep.json", "mag_ratios")
+    with pytest.raises(StrategyError, match="'deep.json' is not a readable JSON ratio file"):
+        cache_with_ratios(NODE_CACHE, loaded, "deep.json", tmp_path)
+    plan = cache_plan(model_key(loaded), 10, ["transformer"], NODE_CACHE, "deep.json", tmp_path)
+    assert "'deep.json' is not a readable JSON ratio file" in plan.text, plan.text
