@@ -186,8 +186,9 @@ def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     assert calibration["streamed_copies"] - cached["streamed_copies"] == cached["streamed_copies_skipped"]
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("room_for", ["all", "one"])
-def test_a_skipped_block_kept_on_the_device_counts_no_copy_saved(tiny_folder, monkeypatch, room_for):
+def test_a_skipped_block_kept_on_the_device_counts_no_copy_saved(tiny_folder, monkeypatch, room_for, prefetch):
     """Free memory keeps streamed blocks on the device after their first use, cached or not: a skipped
     pass saves a copy only of a block that is not there. Copies made plus copies saved is what the
     same call copies computing every block (a calibration run), and nothing is saved when every block
@@ -204,7 +205,7 @@ def test_a_skipped_block_kept_on_the_device_counts_no_copy_saved(tiny_folder, mo
     FakeCuda().install(monkeypatch)
     backend = CudaBackend(torch.device("cpu"))
     blocks = block_count(loaded)
-    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=0)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=prefetch)
     request = replace(request_for(variant, steps=STEPS), cache=MAG)
     weights = sample(loaded, strategy, request, backend=backend).receipt["device_weight_bytes"]
     one_block = sum(p.numel() * p.element_size() for p in loaded.pipe.transformer.blocks[0].parameters())
