@@ -132,7 +132,7 @@ class StreamSchedule:
         self._skipping: set[int] = set()  # ids of groups called but not computing (a step cache)
         self._foresight: dict[int, Callable[[bool], bool]] = {}  # id(group) -> will it compute (next pass?)
         self.copies = 0  # streamed groups copied to the device this call
-        self.skipped = 0  # streamed groups whose forward a step cache skipped
+        self.skipped = 0  # copies a step cache saved: skipped calls of groups the keep budget does not hold
         self._prefetch = prefetch
         self._backend = backend
         self._observe = observer
@@ -154,10 +154,15 @@ class StreamSchedule:
 
     def skip(self, group: WeightGroup) -> None:
         """`group`'s module is called but will not compute this pass (a step cache skips it): its
-        weights are not copied, and nothing is prefetched or evicted on its account."""
+        weights are not copied, and nothing is prefetched or evicted on its account. Counted as a
+        copy saved unless the keep budget holds the group: a kept group stays on the device whether
+        it computes or not, so an uncached call would not copy it for this pass either. A group that
+        is on the device because it was prefetched still counts: uncached, it would compute, be
+        evicted and be copied again for the next pass; held through the skip, that copy is saved."""
         self._order.learn(group)
         self._skipping.add(id(group))
-        self.skipped += 1
+        if id(group) not in self._kept:
+            self.skipped += 1
 
     def before_forward(self, group: WeightGroup) -> None:
         self._order.learn(group)

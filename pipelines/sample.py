@@ -55,7 +55,7 @@ from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_messa
                             planner_fits, text_encoder_message, when_out_of_memory)
 from .schedulers import SamplerChoice, build_scheduler
 from .speed import NO_SPEED_NODE, ResolvedSpeed, Speed, planned_attention, resolve_speed, speed_for_call
-from .step_cache import AppliedCache, CacheMethod, StepCache
+from .step_cache import AppliedCache, CacheMethod, CacheTally, StepCache
 from .context_windows import windows_for_call
 
 log = logging.getLogger("vidmem")
@@ -198,6 +198,10 @@ class _Run:
     rungs: list[Rung] = field(default_factory=list)  # the OOM ladder climbed so far
     chunks_ran: int = 1  # the activation chunks of the last attempt (auto resolved): chunk rungs start above it
     phase: Phase = Phase.SETUP  # where the current (or the failed) attempt is
+    # The step cache's count of blocks over the steps earlier (failed) attempts finished, and the current
+    # attempt's count at its last finished step: a resumed attempt re-runs from there, so their sum is true.
+    cache_before: CacheTally = field(default_factory=CacheTally)
+    cache_finished: CacheTally = field(default_factory=CacheTally)
 
     def attempt(self, strategy: MemoryStrategy, resume: ResumePoint | None) -> StepRecord:
         """One attempt: `record.raw` holds the raw latents, or is None after an out-of-memory
@@ -263,6 +267,7 @@ class _Run:
         device = self.backend.device
         self.phase = Phase.SETUP
         earlier_passes = receipt.get("windows", {}).get("passes", 0)  # a failed attempt's, summed into this one's
+        self.cache_before, self.cache_finished = self.cache_before.merged(self.cache_finished), CacheTally()
         for key in ATTEMPT_KEYS:  # a failed attempt's figures must not pass for this one's
             receipt.pop(key, None)
         stage = sample_stage(loaded, strategy, encode_text=not prompts.complete)
@@ -311,9 +316,14 @@ class _Run:
                     self.phase = Phase.TEXT
                     self._encode(call, strategy, handle)
                 embeds = call_embeds(prompts, device)
+                hand_off = expert_hand_off(call, handle)
+
+                def after_step(step: int) -> None:
+                    hand_off(step)
+                    self.cache_finished = CacheTally().merged(cache.tally)  # what a resumed attempt will not re-run
+
                 with StageMeter("denoise", device) as meter, self._denoising_from_the_first_pass():
-                    output = call(**_call_kwargs(loaded, self.request, self.choice, embeds, hooks, record,
-                                                 expert_hand_off(call, handle)))
+                    output = call(**_call_kwargs(loaded, self.request, self.choice, embeds, hooks, record, after_step))
                 raw, record.audio = output.frames, getattr(output, "audio", None)
                 receipt["stages"].append(meter.as_dict())
                 if telemetry:
@@ -322,7 +332,7 @@ class _Run:
                     receipt["residency"] = residency_receipt(handle.keep, climbed=bool(self.rungs))
                 streamed = handle.stream_counts()
             if self.request.cache.on:
-                receipt["cache"] = cache_receipt(self.request.cache, cache, streamed, cached)
+                receipt["cache"] = cache_receipt(self.request.cache, self.cache_before.merged(cache.tally), streamed, cached)
             receipt["speed"] = speed.as_dict()
             if chunks.chunks > 1:
                 receipt["activation_chunks"] = chunks.as_dict()  # again, now with the slices the blocks ran
@@ -351,13 +361,14 @@ class _Run:
                 handle.remove()
 
     def _step_cache(self, cached: bool, call) -> AppliedCache:
-        """The request's step cache on the call's denoisers (an inert one when off or not `cached`)."""
+        """The request's step cache on the call's denoisers (inert when off; counting every block computed,
+        caching none, when not `cached`)."""
         pipe, spec = self.loaded.pipe, self.loaded.spec
         blocks = denoiser_blocks(pipe, spec)
-        cache = self.request.cache if cached else StepCache()
-        if cache.on and cache.per_expert and len(blocks) > 1:
+        cache = self.request.cache
+        if cache.on and cached and cache.per_expert and len(blocks) > 1:
             cache.check_expert_steps(expert_steps(call, self.request.steps))
-        applied = AppliedCache(cache, denoisers(pipe, spec), blocks)
+        applied = AppliedCache(cache, denoisers(pipe, spec), blocks, enabled=cached)
         split = expert_steps(call, self.request.steps) if cache.method is CacheMethod.TAYLOR and len(blocks) > 1 else None
         return applied.apply(self.request.steps, split) if cache.on else applied
 
@@ -378,14 +389,18 @@ ATTEMPT_KEYS = ("windows", "activation_chunks", "device_weight_bytes", "lora_byt
                 "cache", "speed", "warm")
 
 
-def cache_receipt(cache: StepCache, applied: AppliedCache, streamed: dict, cached: bool) -> dict:
-    """What the step cache skipped: blocks computed, and streamed copies made and saved."""
-    found = {"method": cache.describe(), **applied.tally.as_dict(), "streamed_copies": streamed["copies"],
+def cache_receipt(cache: StepCache, tally: CacheTally, streamed: dict, cached: bool) -> dict:
+    """What the step cache skipped: blocks computed over the whole call (`tally`: every attempt's, each
+    up to its last finished step, the last attempt's in full), and streamed copies made and saved (the
+    last attempt's)."""
+    found = {"method": cache.describe(), **tally.as_dict(), "streamed_copies": streamed["copies"],
              "streamed_copies_skipped": streamed["skipped"]}
     if cache.ratio_source:
         found["ratios"] = cache.ratio_source
     if not cached:
-        found["note"] = "this attempt resumed after an out-of-memory error and ran uncached"
+        found["note"] = ("this attempt resumed after an out-of-memory error and ran uncached (every block computed); "
+                         "the block counts include the steps the failed attempt finished, the streamed copies are "
+                         "this attempt's")
     return found
 
 

@@ -32,13 +32,14 @@ import hashlib
 import json
 import math
 import os
+import reprlib
 import stat
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from enum import Enum
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -120,8 +121,7 @@ class StepCache:
         _check_taylor(self)
         if self.mag_ratios is not None:
             object.__setattr__(self, "mag_ratios", _checked_ratios(self.mag_ratios, "mag_ratios"))
-        object.__setattr__(self, "expert_ratios", tuple((str(name), _checked_ratios(ratios, f"mag_ratios of {name}"))
-                                                        for name, ratios in self.expert_ratios))
+        object.__setattr__(self, "expert_ratios", _checked_expert_ratios(self.expert_ratios))
         if self.method is CacheMethod.MAG and self.mag_ratios is None and not self.expert_ratios and not self.calibrate:
             raise StrategyError("cache method='mag_cache' needs mag_ratios for this model, or calibrate=True to measure "
                                 "them in one uncached run (its receipt gives them).")
@@ -135,6 +135,12 @@ class StepCache:
         """Whether blocks may be skipped (a calibration run computes every block)."""
         return self.on and not (self.method is CacheMethod.MAG and self.calibrate)
 
+    @property
+    def effective_threshold(self) -> float:
+        """The threshold a run uses: `threshold`, or the method's default when it is 0 (and no ratio
+        entry supplied one). describe(), diffusers_config() and the plan all read this one value."""
+        return self.threshold or DEFAULT_THRESHOLDS.get(self.method, 0.0)
+
     def describe(self) -> str:
         if not self.on:
             return "off"
@@ -143,7 +149,7 @@ class StepCache:
         if self.method is CacheMethod.TAYLOR:
             return (f"{self.method.value} interval={self.interval} warmup_steps={self.warmup_steps} "
                     f"end_steps={self.end_steps} order={self.order}")
-        threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
+        threshold = self.effective_threshold
         if self.method is CacheMethod.FIRST_BLOCK:
             return f"{self.method.value} threshold={threshold:g}"
         return f"{self.method.value} threshold={threshold:g} retention={self.retention:g} max_skip_steps={self.max_skip_steps}"
@@ -192,7 +198,7 @@ class StepCache:
             return hooks.TaylorSeerCacheConfig(**taylor_arithmetic(self, steps, final), max_order=self.order,
                                                taylor_factors_dtype=torch.float32, use_lite_mode=True)
         FirstBlockCacheConfig, MagCacheConfig = hooks.FirstBlockCacheConfig, hooks.MagCacheConfig
-        threshold = self.threshold or DEFAULT_THRESHOLDS[self.method]
+        threshold = self.effective_threshold
         if self.method is CacheMethod.FIRST_BLOCK:
             return FirstBlockCacheConfig(threshold=threshold)
         if self.calibrate:
@@ -392,11 +398,20 @@ def taylor_computes(step: int, interval: int, warmup: int, after: int | None) ->
 
 
 def _checked_ratios(ratios, name: str) -> tuple[float, ...]:
-    found = tuple(ratios)
+    found = tuple(ratios) if isinstance(ratios, Iterable) and not isinstance(ratios, (str, bytes)) else ()
     if not found or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0 for r in found):
         raise StrategyError(f"cache {name} must be a non-empty list of positive numbers (MagCache's per-step magnitude "
                             "ratios); calibrate them with calibrate=True.")
     return tuple(float(r) for r in found)
+
+
+def _checked_expert_ratios(experts) -> tuple[tuple[str, tuple[float, ...]], ...]:
+    """`expert_ratios` as ((denoiser, its ratios), ...), each pair checked; refused by name when it is not pairs."""
+    pairs = tuple(experts) if isinstance(experts, Iterable) and not isinstance(experts, (str, bytes)) else None
+    if pairs is None or any(not isinstance(p, (tuple, list)) or len(p) != 2 or not isinstance(p[0], str) for p in pairs):
+        raise StrategyError(f"cache expert_ratios={reprlib.repr(experts)} must be pairs of (denoiser name, its MagCache ratios), e.g. "
+                            "(('transformer', (1.0, 0.98, ...)), ('transformer_2', (...))); calibrate them with calibrate=True.")
+    return tuple((name, _checked_ratios(ratios, f"mag_ratios of {name}")) for name, ratios in pairs)
 
 
 @dataclass
@@ -419,6 +434,15 @@ class CacheTally:
     def computed_share(self) -> float:
         total = self.computed + self.skipped
         return self.computed / total if total else 1.0
+
+    def merged(self, later: "CacheTally") -> "CacheTally":
+        """This tally and `later`'s summed, as a new tally: an attempt resumed after an out-of-memory
+        error continues the count of the steps the failed attempt finished. Calibrated ratios are the
+        later tally's (a resumed attempt runs uncached and measures none; a partial set would mislead)."""
+        windows = {w: [a + b for a, b in zip(self.per_window.get(w, [0, 0]), later.per_window.get(w, [0, 0]))]
+                   for w in {*self.per_window, *later.per_window}}
+        return CacheTally(self.computed + later.computed, self.skipped + later.skipped,
+                          dict(later.calibrated_ratios), windows)
 
     def as_dict(self) -> dict:
         windows = sorted(self.per_window)
@@ -672,12 +696,17 @@ def mag_after_pass(view: MagView, config, computed: bool) -> MagView:
 
 
 class AppliedCache:
-    """Step caching enabled on a call's denoisers; `remove()` disables it again (idempotent)."""
+    """Step caching enabled on a call's denoisers; `remove()` disables it again (idempotent).
 
-    def __init__(self, cache: StepCache, denoisers: Mapping[str, nn.Module], blocks: Mapping[str, nn.ModuleList]) -> None:
+    `enabled=False` counts the blocks without caching them (every block computes): an attempt that
+    resumes after an out-of-memory error runs uncached, and its receipt still counts what it ran."""
+
+    def __init__(self, cache: StepCache, denoisers: Mapping[str, nn.Module], blocks: Mapping[str, nn.ModuleList],
+                 enabled: bool = True) -> None:
         self.cache = cache
+        self.enabled = enabled
         self.tally = CacheTally()
-        self.gate = BlockGate(cache.method, blocks, self.tally) if cache.skips else None
+        self.gate = BlockGate(cache.method, blocks, self.tally) if cache.skips and enabled else None
         self._denoisers = dict(denoisers)
         self._enabled: list[nn.Module] = []
         self._counters: list = []
@@ -691,9 +720,10 @@ class AppliedCache:
         # end_steps bind the denoiser that runs the run's last steps: the last one that runs any (a Wan 2.2
         # boundary_ratio near 0 leaves the low-noise expert none).
         last = next((name for name in reversed(self._denoisers) if own[name] > 0), None)
-        check_cache_fits(self.cache, self._denoisers, self._blocks, steps, denoiser_steps)  # before any hook is placed
+        if self.enabled:
+            check_cache_fits(self.cache, self._denoisers, self._blocks, steps, denoiser_steps)  # before any hook is placed
         try:
-            for name, denoiser in self._denoisers.items():
+            for name, denoiser in self._denoisers.items() if self.enabled else ():
                 if self.cache.skips and self.cache.method is CacheMethod.MAG and self.cache.ratios_for(name) is None:
                     continue  # ratios for the other expert only (check_cache_fits refused the rest)
                 if self.cache.method is CacheMethod.TAYLOR:
@@ -703,6 +733,7 @@ class AppliedCache:
                     config = self.cache.diffusers_config(steps, name)
                 denoiser.enable_cache(config)
                 self._enabled.append(denoiser)
+            # Counting only (calibration, or not enabled): with no diffusers hook on a block the gate counts it computed.
             gate = self.gate or BlockGate(self.cache.method, self._blocks, self.tally)
             gate.expect(own)
             for name, group in self._blocks.items():
@@ -718,7 +749,7 @@ class AppliedCache:
                         lambda m, args, name=name: gate.begin(name), prepend=True))
                 for block in group:
                     self._counters.append(block.register_forward_hook(lambda m, args, out: gate.count(m), prepend=True))
-                if self.cache.method is CacheMethod.MAG and self.cache.calibrate:
+                if self.cache.method is CacheMethod.MAG and self.cache.calibrate and self.enabled:
                     # The pipeline resets the caches' state before it returns: read the ratios as they grow.
                     self._counters.append(group[-1].register_forward_hook(
                         lambda m, args, out, name=name: self._read_ratios(name, m)))
@@ -940,7 +971,7 @@ def read_json_file(path: Path, what: str) -> dict:
             if len(raw) > MAX_RATIO_FILE_BYTES:
                 raise ValueError(f"over {MAX_RATIO_FILE_BYTES >> 20} MiB")
             data = json.loads(raw.decode("utf-8"))
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, RecursionError) as error:  # RecursionError: nesting deeper than Python's stack
             raise StrategyError(f"{what} '{path.name}' is not a readable JSON ratio file ({error}); calibrate "
                                 "again.") from None
     if not isinstance(data, dict):
@@ -1106,7 +1137,7 @@ def cache_plan(model_layout: str, steps: int, denoisers: list[str], cache: StepC
     source = "the published ratios" if ratios_name == "auto" else f"the ratios of {ratios_name}"
     # with a denoiser left uncached, how the denoise time splits between them is not known here
     return CachePlan(
-        f"mag_cache with {source} (threshold {cache.threshold:g}, K {cache.max_skip_steps}, retention "
+        f"mag_cache with {source} (threshold {cache.effective_threshold:g}, K {cache.max_skip_steps}, retention "
         f"{cache.retention:g}): steps computed {parts}{each} ({share:.0%}){note}. The denoising time and, under block "
         f"swap, the copies fall about as the steps computed; quality: docs/step-cache.md.", None if uncached else share)
 

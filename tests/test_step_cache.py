@@ -186,6 +186,44 @@ def test_a_skipped_block_is_not_copied_under_block_swap(tiny_loaded):
     assert calibration["streamed_copies"] - cached["streamed_copies"] == cached["streamed_copies_skipped"]
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("room_for", ["all", "one"])
+def test_a_skipped_block_kept_on_the_device_counts_no_copy_saved(tiny_folder, monkeypatch, room_for, prefetch):
+    """Free memory keeps streamed blocks on the device after their first use, cached or not: a skipped
+    pass saves a copy only of a block that is not there. Copies made plus copies saved is what the
+    same call copies computing every block (a calibration run), and nothing is saved when every block
+    is kept (the receipt once counted every skipped call of a kept block as saved)."""
+    from cuda_fake import FakeCuda
+    from vidmem.memory.device import CudaBackend
+    from vidmem.pipelines.hooks import RunHooks
+    from vidmem.pipelines.loader import load_pipeline
+    from vidmem.pipelines.room import KEEP_MARGIN_BYTES
+
+    variant = "wan2.1-t2v"
+    fresh = lambda: load_pipeline(tiny_folder(variant), "fp32")  # noqa: E731 (no call finds blocks a previous call kept)
+    loaded = fresh()  # before the fake: transformers' lazy imports read torch.cuda.Stream in annotations
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    blocks = block_count(loaded)
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=blocks, prefetch_blocks=prefetch)
+    request = replace(request_for(variant, steps=STEPS), cache=MAG)
+    weights = sample(loaded, strategy, request, backend=backend).receipt["device_weight_bytes"]
+    one_block = sum(p.numel() * p.element_size() for p in loaded.pipe.transformer.blocks[0].parameters())
+    extra = {"all": 1 << 30, "one": one_block}[room_for]
+    budget = RunHooks(device_budget=lambda device: weights + KEEP_MARGIN_BYTES + extra)
+    kept = {"all": blocks, "one": 1}[room_for]
+
+    cached = sample(fresh(), strategy, request, hooks=budget, backend=backend).receipt
+    calibration = sample(fresh(), strategy, replace(request, cache=StepCache("mag_cache", calibrate=True)),
+                         hooks=budget, backend=backend).receipt
+    assert cached["residency"]["kept_groups"] == kept and calibration["residency"]["kept_groups"] == kept
+    skipped_passes = cached["cache"]["blocks_skipped"] // blocks
+    assert skipped_passes > 0
+    assert cached["cache"]["streamed_copies_skipped"] == skipped_passes * (blocks - kept)
+    assert cached["cache"]["streamed_copies"] + cached["cache"]["streamed_copies_skipped"] \
+        == calibration["cache"]["streamed_copies"]
+
+
 @pytest.mark.parametrize("cache", [MAG, TAYLOR], ids=["mag_cache", "taylor_seer"])
 def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded, cache):
     """Under sequential every leaf streams: the leaves outside the blocks run on every pass, those of
@@ -245,6 +283,13 @@ def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded, cac
     ({"method": "taylor_seer", "end_steps": -1}, "end_steps"),
     ({"method": "taylor_seer", "order": 4}, "order=4 must be a whole number from 1 to 3"),
     ({"method": "taylor_seer", "interval": 2.5}, "interval"),
+    # not lists at all (each was a bare TypeError)
+    ({"method": "mag_cache", "mag_ratios": 5}, "mag_ratios must be a non-empty list"),
+    ({"method": "mag_cache", "mag_ratios": "1.0"}, "mag_ratios must be a non-empty list"),
+    ({"method": "mag_cache", "expert_ratios": (("transformer", 5),)}, "mag_ratios of transformer must be"),
+    ({"method": "mag_cache", "expert_ratios": 5}, "expert_ratios=5 must be pairs"),
+    ({"method": "mag_cache", "expert_ratios": ((1.0, 0.9),)}, "expert_ratios=.* must be pairs"),
+    ({"method": "mag_cache", "expert_ratios": (("transformer",),)}, "expert_ratios=.* must be pairs"),
 ])
 def test_bad_cache_settings_are_refused_by_name(kwargs, named):
     with pytest.raises(StrategyError, match=named):
@@ -664,18 +709,33 @@ def test_taylor_seer_with_a_lora_gives_tier_nones_latent_on_every_tier(tiny_load
         assert result.receipt["cache"]["blocks_computed"] == reference.receipt["cache"]["blocks_computed"], name
 
 
-def test_an_out_of_memory_error_under_taylor_seer_resumes_uncached_and_leaves_nothing(tiny_loaded):
+@pytest.mark.parametrize("resumed_fails_at", [None, 5], ids=["once", "again_in_the_resumed_attempt"])
+def test_an_out_of_memory_error_under_taylor_seer_resumes_uncached_and_leaves_nothing(tiny_loaded, resumed_fails_at):
     """The ladder resumes from the last finished step without the cache (its pass counts would restart
-    at 0 halfway through); the receipt says so, no hook is left, and the next call caches again."""
+    at 0 halfway through); the receipt says so and counts true: the failed attempt's finished steps as
+    TaylorSeer ran them, and every block of every step a resumed attempt ran (one that fails in turn
+    included). No hook is left, and the next call caches again."""
     from test_oom_ladder import InjectOOM
 
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
     blocks = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"]
-    with InjectOOM(blocks[0], [2 * 3 + 1]) as oom:  # step 3's cond pass (computed under TAYLOR)
+    failed_at = 3
+    # Block 0's forwards, counted across attempts: step 3's cond pass (computed under TAYLOR), then
+    # the resumed attempt's step `resumed_fails_at` (one more forward: step 3's failed cond pass).
+    calls = [2 * failed_at + 1] + ([2 * resumed_fails_at + 2] if resumed_fails_at else [])
+    with InjectOOM(blocks[0], calls) as oom:
         result = run(loaded, variant, MemoryStrategy(offload="model"), TAYLOR)
-    assert oom.raised == 1 and result.receipt["oom_ladder"]
-    assert "ran uncached" in result.receipt["cache"]["note"] and result.receipt["cache"]["blocks_skipped"] == 0
+    assert oom.raised == len(calls)
+    assert [rung["resumed_from_step"] for rung in result.receipt["oom_ladder"]] == [failed_at, resumed_fails_at or failed_at][:len(calls)]
+    cache = result.receipt["cache"]
+    assert "ran uncached" in cache["note"]
+    per_step = 2 * len(blocks)  # cond and uncond passes
+    skipped_before = (failed_at - sum(schedule(TAYLOR)[:failed_at])) * per_step
+    assert skipped_before > 0  # the failed attempt's skips are in the count, not lost
+    assert cache["blocks_skipped"] == skipped_before
+    assert cache["blocks_computed"] == STEPS * per_step - skipped_before  # the resumed steps computed every block
+    assert cache["blocks_computed_share"] == round(cache["blocks_computed"] / (STEPS * per_step), 4)
     assert not loaded.pipe.transformer.is_cache_enabled
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in blocks)
     assert run(loaded, variant, MemoryStrategy(offload="none"), TAYLOR).receipt["cache"]["blocks_skipped"] > 0

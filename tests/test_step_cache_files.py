@@ -58,3 +58,36 @@ def test_the_node_does_not_name_0_06_for_a_threshold_the_ratios_bring():
     assert "threshold=0.1 " in chosen, chosen
     (fbc,) = VidMemStepCache().build(threshold=0.0, mag_ratios="auto", **dict(args, method="first_block_cache"))["ui"]["text"]
     assert fbc == "Step Cache: first_block_cache threshold=0.05", fbc
+
+
+def test_the_plan_names_the_threshold_the_run_uses_for_a_calibrated_file(tiny_loaded, tmp_path):
+    """A file vidmem calibrated carries no threshold, so a node threshold of 0 runs at MagCache's default: the plan
+    said "threshold 0" while the run used 0.06. The plan, describe() and diffusers' config read one value."""
+    from vidmem.pipelines.step_cache import DEFAULT_THRESHOLDS, CacheMethod, cache_plan
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    written = write_ratio_file(tmp_path, loaded, 10, {"transformer": [1.0] * 10}, "default")
+    assert "threshold" not in json.loads(written.read_text(encoding="utf-8"))
+    default = DEFAULT_THRESHOLDS[CacheMethod.MAG]
+    for node_threshold, expected in ((0.0, default), (0.3, 0.3)):
+        node = StepCache("mag_cache", threshold=node_threshold, mag_ratios=(1.0,))
+        plan = cache_plan(model_key(loaded), 10, ["transformer"], node, written.name, tmp_path)
+        assert f"(threshold {expected:g}," in plan.text, plan.text
+        run = cache_with_ratios(node, loaded, written.name, tmp_path)
+        assert run.effective_threshold == expected and f"threshold={expected:g} " in run.describe()
+        assert run.diffusers_config(10, "transformer").threshold == expected
+
+
+def test_a_ratio_file_nested_past_pythons_stack_is_refused_by_name(tiny_loaded, tmp_path):
+    """Under the size cap, "[" * 200000 made json raise RecursionError, which escaped raw from the Sampler's
+    reading of the file and from the plan."""
+    from vidmem.pipelines.step_cache import cache_plan, read_json_file
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    (tmp_path / "deep.json").write_text("[" * 200000, encoding="utf-8")
+    with pytest.raises(StrategyError, match="mag_ratios 'deep.json' is not a readable JSON ratio file"):
+        read_json_file(tmp_path / "deep.json", "mag_ratios")
+    with pytest.raises(StrategyError, match="'deep.json' is not a readable JSON ratio file"):
+        cache_with_ratios(NODE_CACHE, loaded, "deep.json", tmp_path)
+    plan = cache_plan(model_key(loaded), 10, ["transformer"], NODE_CACHE, "deep.json", tmp_path)
+    assert "'deep.json' is not a readable JSON ratio file" in plan.text, plan.text
