@@ -124,7 +124,8 @@ class OffloadHandle:
             self._components[name].schedule.begin_pass(backward)
 
     def stream_counts(self) -> dict:
-        """Streamed groups copied to the device, and called but skipped by a step cache, this call."""
+        """Streamed groups copied to the device, and copies a step cache saved by skipping them (not a group the
+        keep budget holds: it stays on the device either way), this call."""
         schedules = [c.schedule for c in self._components.values() if c.schedule is not None]
         return {"copies": sum(s.copies for s in schedules), "skipped": sum(s.skipped for s in schedules)}
 
