@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,14 +64,15 @@ def test_compile_tiers_runs_the_tiers_named_in_their_order():
     assert all(count == 0 for count in found["recompiles_second_run"].values())
 
 
+def _refusal(argv: list[str], capsys) -> str:
+    """What bench/speed.py's parser says when it refuses `argv` (it must refuse)."""
+    with pytest.raises(SystemExit):
+        speed.parse(argv)
+    return capsys.readouterr().err
+
+
 def test_an_unknown_compile_tier_is_refused_before_anything_is_built(capsys):
-    try:
-        speed.parse(["--blocks", "4", "--compile-tiers", "none,block_swap_8"])
-    except SystemExit:
-        pass
-    else:
-        raise AssertionError("--compile-tiers block_swap_8 at 4 blocks was accepted")
-    error = capsys.readouterr().err
+    error = _refusal(["--blocks", "4", "--compile-tiers", "none,block_swap_8"], capsys)
     assert "block_swap_8" in error and "block_swap_4" in error  # names the bad tier and the choices
 
 
@@ -123,13 +125,7 @@ def test_goal_rows_are_chosen_by_name_in_their_order_and_an_unknown_one_is_refus
 
     assert row_names_of(()) == ROWS
     assert row_names_of(("auto+fp8_on", "sage+fp8_off")) == (("sage", "off"), ("auto", "on"))
-    try:
-        speed.parse(["--parts", "goal", "--goal-rows", "auto+fp8_on,flash+fp8_on"])
-    except SystemExit:
-        pass
-    else:
-        raise AssertionError("--goal-rows flash+fp8_on was accepted")
-    error = capsys.readouterr().err
+    error = _refusal(["--parts", "goal", "--goal-rows", "auto+fp8_on,flash+fp8_on"], capsys)
     assert "flash+fp8_on" in error and "sage+fp8_off" in error  # names the bad row and the choices
     args, _ = speed.parse(["--parts", "goal", "--goal-rows", "auto+fp8_on"])
     assert args.goal_rows == ("auto+fp8_on",)
