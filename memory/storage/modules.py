@@ -119,8 +119,7 @@ class Fp8MatmulTally:
             self._fp8 = _counter_on(device, self._fp8)
 
     def count_fp8(self, device: torch.device) -> None:
-        if self._fp8 is None or self._fp8.device != device:
-            self._fp8 = _counter_on(device, self._fp8)
+        self.ready(device)
         self._fp8.add_(1)
 
     def count_fallback(self, reason: str, device: torch.device) -> None:
