@@ -398,16 +398,21 @@ def taylor_computes(step: int, interval: int, warmup: int, after: int | None) ->
 
 
 def _checked_ratios(ratios, name: str) -> tuple[float, ...]:
-    found = tuple(ratios) if isinstance(ratios, Iterable) and not isinstance(ratios, (str, bytes)) else ()
+    found = _listed(ratios) or ()
     if not found or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0 for r in found):
         raise StrategyError(f"cache {name} must be a non-empty list of positive numbers (MagCache's per-step magnitude "
                             "ratios); calibrate them with calibrate=True.")
     return tuple(float(r) for r in found)
 
 
+def _listed(value) -> tuple | None:
+    """`value`'s items, where it is a list-like of them (not a string); else None."""
+    return tuple(value) if isinstance(value, Iterable) and not isinstance(value, (str, bytes)) else None
+
+
 def _checked_expert_ratios(experts) -> tuple[tuple[str, tuple[float, ...]], ...]:
     """`expert_ratios` as ((denoiser, its ratios), ...), each pair checked; refused by name when it is not pairs."""
-    pairs = tuple(experts) if isinstance(experts, Iterable) and not isinstance(experts, (str, bytes)) else None
+    pairs = _listed(experts)
     if pairs is None or any(not isinstance(p, (tuple, list)) or len(p) != 2 or not isinstance(p[0], str) for p in pairs):
         raise StrategyError(f"cache expert_ratios={reprlib.repr(experts)} must be pairs of (denoiser name, its MagCache ratios), e.g. "
                             "(('transformer', (1.0, 0.98, ...)), ('transformer_2', (...))); calibrate them with calibrate=True.")
