@@ -113,6 +113,68 @@ def test_queries_are_made_once_and_a_query_of_another_dtype_is_made_again_in_the
     assert len(queries) == 4 * len(parked)  # the first slice's in the first pass, then each slice's in the second
 
 
+def test_cross_attention_keys_and_values_are_made_once_per_block_call(tiny_loaded):
+    """The text's keys and values do not depend on the slice: made once per block call, as unchunked, not once
+    per slice. Its queries are per slice. Same latents either way."""
+    loaded = tiny_loaded("wan2.1-t2v")
+    attn = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"][0].attn2
+    calls = {}
+    handles = [getattr(attn, name).register_forward_pre_hook(
+        lambda m, args, name=name: calls.setdefault(name, []).append(args[0].shape[1])) for name in ("to_q", "to_k", "to_v")]
+    try:
+        reference, _ = latent(loaded, MemoryStrategy(offload="none"), "wan2.1-t2v")
+        unchunked = {name: len(found) for name, found in calls.items()}
+        calls.clear()
+        chunked, _ = latent(loaded, MemoryStrategy(offload="none", activation_chunks=3), "wan2.1-t2v")
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(chunked, reference)
+    assert len(calls["to_q"]) == 3 * unchunked["to_q"]  # one query projection per slice
+    assert len(calls["to_k"]) == len(calls["to_v"]) == unchunked["to_k"] == unchunked["to_q"]
+
+
+def test_image_tokens_cross_attention_of_wan21_i2v_is_chunked_bit_for_bit():
+    """Wan 2.1 I2V's cross-attention also attends to the CLIP image tokens through its own projections
+    (`add_k_proj`, `add_v_proj`: the tiny I2V pipeline has none, so this builds a block that has them). Their keys
+    and values too are made once per block call, and the block's output equals diffusers' bit for bit."""
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    from vidmem.pipelines.activation_chunks import wan_block_forward
+
+    torch.manual_seed(0)
+    block = WanTransformerBlock(32, 64, 2, cross_attn_norm=True, added_kv_proj_dim=32).eval()
+    hidden, context = torch.randn(1, 96, 32), torch.randn(1, 257 + 512, 32)  # the processor takes the last 512 as text
+    temb, rope = torch.randn(1, 6, 32), (torch.randn(1, 96, 1, 16), torch.randn(1, 96, 1, 16))
+    calls = []
+    handles = [getattr(block.attn2, name).register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
+               for name in ("add_k_proj", "add_v_proj", "to_k", "to_v")]
+    try:
+        with torch.no_grad():
+            reference = block(hidden, context, temb, rope)
+            calls.clear()
+            chunked = wan_block_forward(block, 3, hidden, context, temb, rope)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(chunked, reference)
+    assert sorted(calls) == ["add_k_proj", "add_v_proj", "to_k", "to_v"]
+
+
+def test_fused_cross_attention_projections_are_refused(tiny_loaded):
+    """Fused (to_kv), the processor projects keys and values in one GEMM, which the chunked forward does not
+    call: refused by name rather than computed another way."""
+    from vidmem.pipelines.activation_chunks import chunk_problem
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    block = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"][0]
+    block.attn2.fused_projections = True
+    try:
+        assert chunk_problem(block) == "its cross-attention projections are fused (fuse_qkv_projections)"
+    finally:
+        block.attn2.fused_projections = False
+
+
 def test_sequential_copies_each_layer_once_per_slice_and_stays_identical(tiny_loaded):
     from backends import Recorder
 
