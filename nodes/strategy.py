@@ -284,8 +284,8 @@ class VidMemMemoryStrategy:
                     "and value. auto: the planner picks the fewest slices that fit the VRAM budget (none when the run "
                     "fits whole; a model that cannot chunk runs whole, with a note). off: as diffusers runs it. "
                     "2-64: always that many (an error for a model that cannot chunk). Under sequential each "
-                    "per-token layer is copied once per slice. A chunked call runs its blocks uncompiled: the Speed "
-                    "node's compile is skipped for it (the receipt's compile.fallback says so)."}),
+                    "per-token layer is copied once per slice. With the Speed node's compile on, the slices run "
+                    "compiled."}),
             },
         }
 

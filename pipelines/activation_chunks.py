@@ -33,13 +33,17 @@ diffusers' own, and context parallelism (its all-to-all splits the very tokens c
 note (pipelines/sample_chunks.py, which also asks the planner for auto's count in a run).
 Under offload=sequential every layer streams per call, so a chunked block copies its layers once per
 slice: correct, but that many more copies; the planner counts them (memory/plan/stages.py `_chunked_copies`).
+
+Compiled blocks: each slice's work is a step, a module-level function of the block and tensors, called through
+the hook's `run` (plainly, or compiled for a call by pipelines/compile.py through `AppliedChunks.steps_run_by`),
+so one compiled graph per step serves every block and slice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +69,19 @@ class AppliedChunks:
     # The slice counts the blocks ran, filled in by the hooks as they run: token_slices runs fewer than
     # asked where the tokens are few (64 asked of 40 tokens: 10). A record of the call, not its settings.
     slices_ran: set[int] = field(default_factory=set, compare=False)
+    hooks: tuple = field(default=(), compare=False, repr=False)  # the blocks' ChunkHooks, for steps_run_by
+
+    @contextlib.contextmanager
+    def steps_run_by(self, run: StepRunner) -> Iterator[None]:
+        """Every chunked block's slice steps called through `run(step, block, *args)` for the `with` body
+        (compiled blocks' runner: pipelines/compile.py), and called plainly again after it, however it ends."""
+        for hook in self.hooks:
+            hook.run = run
+        try:
+            yield
+        finally:
+            for hook in self.hooks:
+                hook.run = _eager
 
     def as_dict(self) -> dict:
         found = {"chunks": self.chunks, "blocks": self.blocks}
@@ -152,23 +169,34 @@ def _blocked_sizes(tokens: int, count: int) -> tuple[int, ...]:
 SHIFT, SCALE, GATE, C_SHIFT, C_SCALE, C_GATE = range(6)
 
 
-@dataclass(frozen=True)
-class _WanModulation:
-    """shift, scale, gate (self-attention) and the feed-forward's, as WanTransformerBlock.forward makes them,
-    one part for one slice's rows at a time.
+def _eager(step, block: nn.Module, *args):
+    """How a slice's step runs unless compiled blocks are on: called as it is (`StepRunner`)."""
+    return step(block, *args)
+
+
+# run(step, block, *args) -> step(block, *args), or its compiled twin (pipelines/compile.py, `_Runner.run`).
+# Each step is a module-level function taking the block and tensors, so one compiled graph serves every block
+# and every slice: the slices differ only in their row count and their offset in the tensors, and dynamo guards
+# neither an offset nor (after the second size, with dynamic 'auto') a size.
+StepRunner = Callable[..., object]
+
+
+def _wan_part(table: torch.Tensor, temb: torch.Tensor, index: int) -> torch.Tensor:
+    """One of the modulation's six parts (shift, scale, gate; the feed-forward's), as WanTransformerBlock.forward
+    makes it, for the rows of `temb` given (all of them, or one slice's rows when the modulation is per token).
 
     Why per slice: Wan 2.2 TI2V's modulation is per token (temb [B, S, 6, C]). Built whole, as diffusers does,
     its float32 copy and the float32 sum are two full-size tensors alive through the whole block (1.9 GiB each
     for TI2V-5B at 1280x704x121), more than the slices save. Each element is the same float32 addition either
     way, so the result does not change. Broadcast modulation ([B, 6, C], Wan 2.1 and 2.2 A14B) is tiny."""
+    if temb.ndim == 4:  # per token: [1, C] + [B, rows, C]
+        return table[:, index] + temb[:, :, index].float()
+    return table[:, index : index + 1] + temb[:, index : index + 1].float()  # [B, 1, C]
 
-    table: torch.Tensor  # the block's scale_shift_table, [1, 6, C]
-    temb: torch.Tensor
 
-    def part(self, index: int, rows: slice) -> torch.Tensor:
-        if self.temb.ndim == 4:  # per token: [1, C] + [B, rows, C]
-            return self.table[:, index] + self.temb[:, rows, index].float()
-        return self.table[:, index : index + 1] + self.temb[:, index : index + 1].float()  # [B, 1, C]
+def _rows_of(temb: torch.Tensor, rows: slice) -> torch.Tensor:
+    """`temb` for the tokens `rows`: its own rows when it is per token, else all of it."""
+    return temb[:, rows] if temb.ndim == 4 else temb
 
 
 def _wan_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -181,77 +209,71 @@ def _wan_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return out.type_as(hidden)
 
 
-def _wan_norm1(block, hidden: torch.Tensor, rows: slice, modulation: _WanModulation) -> torch.Tensor:
-    x = hidden[:, rows]
-    return (block.norm1(x.float()) * (1 + modulation.part(SCALE, rows)) + modulation.part(SHIFT, rows)).type_as(x)
+def _wan_norm1(block, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """The self-attention's input for the rows `x` (their slice of `temb` where it is per token)."""
+    table = block.scale_shift_table
+    return (block.norm1(x.float()) * (1 + _wan_part(table, temb, SCALE)) + _wan_part(table, temb, SHIFT)).type_as(x)
 
 
-def _wan_projections(block, hidden, rope, modulation, slices, out) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _wan_query(block, x: torch.Tensor, cos, sin) -> torch.Tensor:
+    """WanAttnProcessor's queries for normalised rows `x` (cos, sin: their rotary rows, or None)."""
+    attn = block.attn1
+    query = attn.norm_q(attn.to_q(x)).unflatten(2, (attn.heads, -1))
+    return _wan_rotary(query, cos, sin) if cos is not None else query
+
+
+def _wan_slice_projections(block, x: torch.Tensor, temb: torch.Tensor, cos, sin, with_query: bool):
+    """Pass 1's step for one slice's rows `x`: self-attention's (queries or None, keys, values), as
+    WanAttnProcessor makes them."""
+    attn = block.attn1
+    x = _wan_norm1(block, x, temb)
+    query = _wan_query(block, x, cos, sin) if with_query else None
+    key = attn.norm_k(attn.to_k(x)).unflatten(2, (attn.heads, -1))
+    if cos is not None:
+        key = _wan_rotary(key, cos, sin)
+    return query, key, attn.to_v(x).unflatten(2, (attn.heads, -1))
+
+
+def _wan_projections(block, hidden, temb, rope, slices, out, run: StepRunner) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Self-attention's keys and values for every token, computed a slice at a time, and its queries, parked
     in `out` (the block's output, still empty: each slice's output overwrites its own rows only after its
     queries are read back). Why park them: pass 2 would otherwise normalise every token a second time
     for its queries, full-size float32 work that cost a real Wan 14B block 7% at 480p on an H200 (docs/
     activation-chunks.md), and `out` holds them at no extra memory. Returns (keys, values, queries parked):
     queries of another dtype than `out` are not parked, and pass 2 makes them again."""
-    attn, keys, values, parked = block.attn1, None, None, True
-    for rows in slices:  # each projection is stored as soon as it is made: one of them alive at a time beside x
-        x = _wan_norm1(block, hidden, rows, modulation)
+    keys = values = None
+    parked = True
+    for rows in slices:
+        query, key, value = run(_wan_slice_projections, block, hidden[:, rows], _rows_of(temb, rows),
+                                *_rope_rows(rope, rows), parked)
+        parked = query is not None and query.dtype == out.dtype
         if parked:
-            query = _wan_query(block, x, rope, rows)
-            parked = query.dtype == out.dtype
-            if parked:
-                out[:, rows] = query.flatten(2, 3)
-            del query
-        key = attn.norm_k(attn.to_k(x)).unflatten(2, (attn.heads, -1))
-        if rope is not None:
-            key = _wan_rotary(key, rope[0][:, rows], rope[1][:, rows])
+            out[:, rows] = query.flatten(2, 3)
+        del query
         if keys is None:
             keys = key.new_empty((key.shape[0], hidden.shape[1], *key.shape[2:]))
-        keys[:, rows] = key
-        del key
-        value = attn.to_v(x).unflatten(2, (attn.heads, -1))
-        del x
-        if values is None:
             values = value.new_empty((value.shape[0], hidden.shape[1], *value.shape[2:]))
-        values[:, rows] = value
-        del value
+        keys[:, rows], values[:, rows] = key, value
+        del key, value
     return keys, values, parked
 
 
-def _wan_query(block, x: torch.Tensor, rope, rows: slice) -> torch.Tensor:
-    """WanAttnProcessor's queries for the tokens `rows` (x: their normalised hidden state)."""
-    attn = block.attn1
-    query = attn.norm_q(attn.to_q(x)).unflatten(2, (attn.heads, -1))
-    return _wan_rotary(query, rope[0][:, rows], rope[1][:, rows]) if rope is not None else query
-
-
-def _wan_self_attention(block, query: torch.Tensor, keys, values) -> torch.Tensor:
-    """WanAttnProcessor's self-attention for one slice's queries, against every key and value."""
-    attn = block.attn1
-    return attn.to_out[1](attn.to_out[0](_attend(attn, query, keys, values)))
-
-
-@dataclass(frozen=True)
-class _WanCrossContext:
-    """Cross-attention's keys and values (the text's, and Wan 2.1 I2V's image tokens'), made once per block call.
-
-    Why once: WanAttnProcessor projects the text (and image) tokens each time attn2 is called; called per slice,
-    the same 512-token projections were made `chunks` times (at 480p Wan 14B in 16 slices, 2% of the block's
-    FLOPs for nothing). The keys and values do not depend on the slice, so each is made once, by the same layers
-    on the same input: the same values."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    image_keys: torch.Tensor | None = None
-    image_values: torch.Tensor | None = None
+def _rope_rows(rope, rows: slice) -> tuple:
+    """(cos, sin) of the tokens `rows`, or (None, None) without rotary embeddings."""
+    return (rope[0][:, rows], rope[1][:, rows]) if rope is not None else (None, None)
 
 
 # WanAttnProcessor's text context length: it takes the tokens before the last 512 as the image's (hardcoded there).
 _WAN_TEXT_TOKENS = 512
 
 
-def _wan_cross_context(block, encoder_hidden_states: torch.Tensor) -> _WanCrossContext:
-    """WanAttnProcessor's cross-attention keys and values, as it makes them from `encoder_hidden_states`."""
+def _wan_cross_context(block, encoder_hidden_states: torch.Tensor) -> tuple:
+    """Cross-attention's (keys, values, image keys, image values) as WanAttnProcessor makes them from
+    `encoder_hidden_states`: the text's, and Wan 2.1 I2V's image tokens' (None, None without them).
+
+    Why once per block call: the processor projects them each time attn2 is called; called per slice, the same
+    512-token projections were made `chunks` times (at 480p, a Wan 14B block in 16 slices spent 2% of its FLOPs
+    on it). They do not depend on the slice: made once by the same layers on the same input, the same values."""
     attn = block.attn2
     text, image = encoder_hidden_states, None
     if attn.add_k_proj is not None:  # I2V: the image's tokens come first
@@ -260,19 +282,9 @@ def _wan_cross_context(block, encoder_hidden_states: torch.Tensor) -> _WanCrossC
     keys = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))
     values = attn.to_v(text).unflatten(2, (attn.heads, -1))
     if image is None:
-        return _WanCrossContext(keys, values)
+        return keys, values, None, None
     image_keys = attn.norm_added_k(attn.add_k_proj(image)).unflatten(2, (attn.heads, -1))
-    return _WanCrossContext(keys, values, image_keys, attn.add_v_proj(image).unflatten(2, (attn.heads, -1)))
-
-
-def _wan_cross_attention(block, x: torch.Tensor, context: _WanCrossContext) -> torch.Tensor:
-    """WanAttnProcessor's cross-attention for one slice's normalised rows `x`, against keys and values made once."""
-    attn = block.attn2
-    query = attn.norm_q(attn.to_q(x)).unflatten(2, (attn.heads, -1))
-    out = _attend(attn, query, context.keys, context.values)
-    if context.image_keys is not None:  # the processor adds the image's attention to the text's, text first
-        out = out + _attend(attn, query, context.image_keys, context.image_values)
-    return attn.to_out[1](attn.to_out[0](out))
+    return keys, values, image_keys, attn.add_v_proj(image).unflatten(2, (attn.heads, -1))
 
 
 def _attend(attn, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -284,28 +296,48 @@ def _attend(attn, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     return out.flatten(2, 3).type_as(query)
 
 
+def _wan_slice_rest(block, x: torch.Tensor, parked, keys, values, cross: tuple, temb: torch.Tensor, cos, sin):
+    """Pass 2's step for one slice's rows `x`: its queries (read back from `parked`, their rows of the block's
+    output, or made again when None) against every key and value, the residual, cross-attention against the
+    keys and values made once, the feed-forward and its residual: the slice's output rows."""
+    table = block.scale_shift_table
+    if parked is not None:  # contiguous as made (a batch of several makes the parked rows a strided view)
+        query = parked.unflatten(2, (block.attn1.heads, -1)).contiguous()
+    else:
+        query = _wan_query(block, _wan_norm1(block, x, temb), cos, sin)
+    attn1 = block.attn1
+    attn_output = attn1.to_out[1](attn1.to_out[0](_attend(attn1, query, keys, values)))
+    del query
+    h = (x.float() + attn_output * _wan_part(table, temb, GATE)).type_as(x)
+    del attn_output
+    h = h + _wan_cross_attention(block, block.norm2(h.float()).type_as(h), *cross)
+    y = (block.norm3(h.float()) * (1 + _wan_part(table, temb, C_SCALE)) + _wan_part(table, temb, C_SHIFT)).type_as(h)
+    ff_output = block.ffn(y)
+    del y
+    return (h.float() + ff_output.float() * _wan_part(table, temb, C_GATE)).type_as(h)
+
+
+def _wan_cross_attention(block, x: torch.Tensor, keys, values, image_keys, image_values) -> torch.Tensor:
+    """WanAttnProcessor's cross-attention for one slice's normalised rows `x`, against keys and values made once."""
+    attn = block.attn2
+    query = attn.norm_q(attn.to_q(x)).unflatten(2, (attn.heads, -1))
+    out = _attend(attn, query, keys, values)
+    if image_keys is not None:  # the processor adds the image's attention to the text's, text first
+        out = out + _attend(attn, query, image_keys, image_values)
+    return attn.to_out[1](attn.to_out[0](out))
+
+
 def wan_block_forward(block: nn.Module, chunks: int, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                      temb: torch.Tensor, rotary_emb=None) -> torch.Tensor:
-    """diffusers' WanTransformerBlock.forward over `chunks` token slices (see the module docstring)."""
-    modulation = _WanModulation(block.scale_shift_table, temb)
+                      temb: torch.Tensor, rotary_emb=None, *, run: StepRunner = _eager) -> torch.Tensor:
+    """diffusers' WanTransformerBlock.forward over `chunks` token slices (see the module docstring); `run` calls
+    each slice's step (compiled where compiled blocks are on)."""
     slices = token_slices(hidden_states.shape[1], chunks)
     out = torch.empty_like(hidden_states)
-    keys, values, parked = _wan_projections(block, hidden_states, rotary_emb, modulation, slices, out)
+    keys, values, parked = _wan_projections(block, hidden_states, temb, rotary_emb, slices, out, run)
     cross = _wan_cross_context(block, encoder_hidden_states)
     for rows in slices:
-        if parked:  # contiguous as made (a batch of several makes the parked rows a strided view)
-            query = out[:, rows].unflatten(2, (block.attn1.heads, -1)).contiguous()
-        else:
-            query = _wan_query(block, _wan_norm1(block, hidden_states, rows, modulation), rotary_emb, rows)
-        attn_output = _wan_self_attention(block, query, keys, values)
-        del query
-        h = (hidden_states[:, rows].float() + attn_output * modulation.part(GATE, rows)).type_as(hidden_states)
-        del attn_output
-        h = h + _wan_cross_attention(block, block.norm2(h.float()).type_as(h), cross)
-        x = (block.norm3(h.float()) * (1 + modulation.part(C_SCALE, rows)) + modulation.part(C_SHIFT, rows)).type_as(h)
-        ff_output = block.ffn(x)
-        del x
-        out[:, rows] = (h.float() + ff_output.float() * modulation.part(C_GATE, rows)).type_as(h)
+        out[:, rows] = run(_wan_slice_rest, block, hidden_states[:, rows], out[:, rows] if parked else None, keys,
+                           values, cross, _rows_of(temb, rows), *_rope_rows(rotary_emb, rows))
     return out
 
 
@@ -326,30 +358,39 @@ def _wan_problem(block: nn.Module) -> str | None:
 
 # --- CogVideoX -------------------------------------------------------------------------------------
 
-def cogvideox_block_forward(block: nn.Module, chunks: int, hidden_states: torch.Tensor,
-                            encoder_hidden_states: torch.Tensor, temb: torch.Tensor, image_rotary_emb=None,
-                            attention_kwargs=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' CogVideoXBlock.forward with its feed-forward half over `chunks` slices of the video tokens.
-
-    The attention half is diffusers' own code path (joint attention over text and video); the
-    feed-forward, which diffusers runs on the text and video tokens concatenated, runs per slice."""
-    attention_kwargs = attention_kwargs or {}
+def _cogvideox_attention_half(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb, attention_kwargs):
+    """CogVideoXBlock.forward's attention half, diffusers' own code path (joint attention over text and video),
+    with its residuals: (video tokens, text tokens)."""
     norm_h, norm_e, gate_msa, enc_gate_msa = block.norm1(hidden_states, encoder_hidden_states, temb)
     attn_h, attn_e = block.attn1(hidden_states=norm_h, encoder_hidden_states=norm_e, image_rotary_emb=image_rotary_emb,
                                  **attention_kwargs)
     del norm_h, norm_e
-    hidden_states = hidden_states + gate_msa * attn_h
-    encoder_hidden_states = encoder_hidden_states + enc_gate_msa * attn_e
-    del attn_h, attn_e
+    return hidden_states + gate_msa * attn_h, encoder_hidden_states + enc_gate_msa * attn_e
+
+
+def _cogvideox_feed_forward(block, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
+    """CogVideoXBlock.forward's feed-forward half and its residual for the tokens `x` (a slice of the video's, or
+    the text's), under norm2's modulation (shift, scale, gate) for them."""
+    y = block.norm2.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+    return x + gate[:, None, :] * block.ff(y)
+
+
+def cogvideox_block_forward(block: nn.Module, chunks: int, hidden_states: torch.Tensor,
+                            encoder_hidden_states: torch.Tensor, temb: torch.Tensor, image_rotary_emb=None,
+                            attention_kwargs=None, *, run: StepRunner = _eager) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' CogVideoXBlock.forward with its feed-forward half over `chunks` slices of the video tokens.
+
+    The attention half is diffusers' own code path; the feed-forward, which diffusers runs on the text and video
+    tokens concatenated, runs per slice of the video's tokens and once on the text's. `run` calls each step
+    (compiled where compiled blocks are on)."""
+    hidden_states, encoder_hidden_states = run(_cogvideox_attention_half, block, hidden_states, encoder_hidden_states,
+                                               temb, image_rotary_emb, attention_kwargs or {})
     norm2 = block.norm2  # CogVideoXLayerNormZero, its modulation computed once for every slice
     shift, scale, gate, enc_shift, enc_scale, enc_gate = norm2.linear(norm2.silu(temb)).chunk(6, dim=1)
     out = torch.empty_like(hidden_states)
     for rows in token_slices(hidden_states.shape[1], chunks):
-        x = norm2.norm(hidden_states[:, rows]) * (1 + scale)[:, None, :] + shift[:, None, :]
-        out[:, rows] = hidden_states[:, rows] + gate[:, None, :] * block.ff(x)
-    x = norm2.norm(encoder_hidden_states) * (1 + enc_scale)[:, None, :] + enc_shift[:, None, :]
-    encoder_out = encoder_hidden_states + enc_gate[:, None, :] * block.ff(x)
-    return out, encoder_out
+        out[:, rows] = run(_cogvideox_feed_forward, block, hidden_states[:, rows], shift, scale, gate)
+    return out, run(_cogvideox_feed_forward, block, encoder_hidden_states, enc_shift, enc_scale, enc_gate)
 
 
 def _cogvideox_problem(block: nn.Module) -> str | None:
@@ -416,11 +457,12 @@ def _hook_class():
             self.chunked_forward = forward
             self.chunks = chunks
             self.slices_ran = slices_ran
+            self.run: StepRunner = _eager  # AppliedChunks.steps_run_by sets compiled blocks' runner for a call
 
         def new_forward(self, module: nn.Module, *args, **kwargs):
             hidden_states = args[0] if args else kwargs["hidden_states"]
             self.slices_ran.add(len(token_slices(hidden_states.shape[1], self.chunks)))
-            return self.chunked_forward(module, self.chunks, *args, **kwargs)
+            return self.chunked_forward(module, self.chunks, *args, run=self.run, **kwargs)
 
     return ChunkHook
 
@@ -450,16 +492,16 @@ def activation_chunks(denoisers: Mapping[str, nn.Module], blocks: Mapping[str, S
                              "Set activation_chunks to 'off' (or 'auto', which leaves such models unchunked).")
     from diffusers.hooks import HookRegistry
 
-    hook, slices_ran = _hook_class(), set()
+    hook, slices_ran, hooks = _hook_class(), set(), []
     applied: list[tuple[nn.Module, dict]] = []
     try:
         for _, _, block in listed:
             applied.append((block, {key: block.__dict__[key] for key in _TOUCHED if key in block.__dict__}))
-            HookRegistry.check_if_exists_or_initialize(block).register_hook(hook(_known(block)[1], chunks, slices_ran),
-                                                                            CHUNK_HOOK)
+            hooks.append(hook(_known(block)[1], chunks, slices_ran))
+            HookRegistry.check_if_exists_or_initialize(block).register_hook(hooks[-1], CHUNK_HOOK)
         _forget_child_registries(denoisers)
         families = sorted({_known(block)[0] for _, _, block in listed})
-        yield AppliedChunks(chunks, len(listed), ",".join(families), slices_ran=slices_ran)
+        yield AppliedChunks(chunks, len(listed), ",".join(families), slices_ran=slices_ran, hooks=tuple(hooks))
     finally:
         for block, before in reversed(applied):
             _restore(block, before)

@@ -47,7 +47,7 @@ import types
 import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -55,6 +55,9 @@ from torch import nn
 from ..memory.cleanup import is_out_of_memory
 from ..memory.storage.modules import ready_fp8_tallies
 from ..memory.strategy import StrategyError
+
+if TYPE_CHECKING:
+    from .activation_chunks import AppliedChunks
 
 log = logging.getLogger("vidmem")
 
@@ -138,22 +141,23 @@ def _backends() -> frozenset[str]:
     return frozenset(torch._dynamo.list_backends(exclude_tags=()))
 
 
-# Block class -> {(settings, hook layout): compiled forward}. Held here rather than on the modules
-# (left untouched between calls) because dynamo's own cache is per code object, process-wide anyway;
-# keyed weakly, so an unloaded model's classes take their entries with them.
-_COMPILED: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
+# Function compiled (a block class's `forward`, or an activation-chunk step) -> {(settings, hook layout): its
+# compiled twin}. Held here rather than on the modules (left untouched between calls) because dynamo's own
+# cache is per code object, process-wide anyway; keyed weakly, so an unloaded model's classes take their
+# entries with them.
+_COMPILED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
 
 
-def compiled_forward(block_class: type, settings: CompileSettings, layout: tuple = ()) -> Callable:
-    """The compiled `forward` of `block_class` for these settings and hook layout (made once,
+def compiled_function(function: Callable, settings: CompileSettings, layout: tuple = ()) -> Callable:
+    """The compiled `function` (its first argument a block) for these settings and hook layout (made once,
     reused by every later call with the same ones)."""
-    per_class = _COMPILED.setdefault(block_class, {})
+    per_function = _COMPILED.setdefault(function, {})
     key = (settings, layout)
-    if key not in per_class:
+    if key not in per_function:
         mode = None if settings.mode == "default" else settings.mode
-        per_class[key] = torch.compile(_own_code(block_class.forward), backend=settings.backend, mode=mode,
-                                       dynamic=settings.torch_dynamic)
-    return per_class[key]
+        per_function[key] = torch.compile(_own_code(function), backend=settings.backend, mode=mode,
+                                          dynamic=settings.torch_dynamic)
+    return per_function[key]
 
 
 def _own_code(function: Callable) -> Callable:
@@ -250,13 +254,16 @@ class _Runner:
         self._readied: set[int] = set()  # blocks whose fp8 counters are on their device (once per call)
 
     def __call__(self, block: nn.Module, *args, **kwargs):
-        eager = type(block).forward
+        return self.run(type(block).forward, block, *args, **kwargs)
+
+    def run(self, function: Callable, block: nn.Module, *args, **kwargs):
+        """`function(block, ...)` compiled: the block's forward, or a step of its activation chunks."""
         if self.report.fallback is not None:
-            return eager(block, *args, **kwargs)
+            return function(block, *args, **kwargs)
         try:
-            compiled = compiled_forward(type(block), self.settings, hook_layout(block))
+            compiled = compiled_function(function, self.settings, hook_layout(block))
         except Exception as error:  # torch.compile itself refused (a backend that cannot load here)
-            return self._eager_after(block, error, args, kwargs)
+            return self._eager_after(function, block, error, args, kwargs)
         self._ready_fp8(block, args, kwargs)
         frames, started = _frames(), time.perf_counter()
         try:
@@ -265,7 +272,7 @@ class _Runner:
         except Exception as error:
             if not _is_compile_failure(error):
                 raise
-            return self._eager_after(block, error, args, kwargs)
+            return self._eager_after(function, block, error, args, kwargs)
         if _frames() != frames:
             self.report.compile_seconds += time.perf_counter() - started
         return output
@@ -280,9 +287,9 @@ class _Runner:
         if device is not None:
             ready_fp8_tallies(block, device)
 
-    def _eager_after(self, block: nn.Module, error: BaseException, args: tuple, kwargs: dict):
+    def _eager_after(self, function: Callable, block: nn.Module, error: BaseException, args: tuple, kwargs: dict):
         self.report.fall_back(type(block), error)
-        return type(block).forward(block, *args, **kwargs)
+        return function(block, *args, **kwargs)
 
     def _config(self) -> ExitStack:
         """Dynamo settings for our calls only: guards on empty hook dicts (see the module docstring),
@@ -326,12 +333,16 @@ def _plain_forward(block: nn.Module) -> bool:
 
 
 @contextmanager
-def compiled_blocks(blocks: Mapping[str, Sequence[nn.Module]], settings: CompileSettings) -> Iterator[CompileReport]:
+def compiled_blocks(blocks: Mapping[str, Sequence[nn.Module]], settings: CompileSettings,
+                    chunked: AppliedChunks | None = None) -> Iterator[CompileReport]:
     """Compile the repeated blocks' `forward` for one call; yields a CompileReport (`.as_dict()`).
 
     Enter it before step caching is applied (diffusers' caches wrap a block's `forward` and put
     back what they found) and around the strategy and the LoRAs; on exit every block's `forward`
     is its class's again, on success or error. With `settings.on` False it does nothing.
+    `chunked`: the call's activation chunks, when the blocks run in slices (pipelines/activation_chunks.py).
+    Their forward is then the chunked one, which never calls the class's: its slice steps are compiled
+    instead (each a function of the block and tensors, one graph for every block and slice).
 
     Example:
         with compiled_blocks(denoiser_blocks(pipe, spec), CompileSettings(on=True)) as compiled:
@@ -342,6 +353,13 @@ def compiled_blocks(blocks: Mapping[str, Sequence[nn.Module]], settings: Compile
     report = CompileReport(settings, len(targets))
     if not settings.on:
         yield report
+        return
+    if chunked is not None and chunked.chunks > 1:
+        try:
+            with chunked.steps_run_by(_Runner(settings, report).run):
+                yield report
+        finally:
+            report.finish()
         return
     taken = [b for b in targets if not _plain_forward(b)]
     if taken:

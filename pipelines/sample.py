@@ -280,7 +280,7 @@ class _Run:
                 apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device)) as chunks, \
-                speed_for_call(self.speed.for_chunks(chunks.chunks), denoisers(loaded.pipe, loaded.spec), blocks, device) as speed, \
+                speed_for_call(self.speed, denoisers(loaded.pipe, loaded.spec), blocks, device, chunks) as speed, \
                 windows_for_call(loaded, self.request, record.last.steps_done if record.last else 0,
                                  earlier_passes) as windows:
             self.chunks_ran = chunks.chunks

@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import platform
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from ..memory.strategy import StrategyError, parse_enum
 from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, check_mask,
                         resolve_attention, sdpa_pick)
 from .compile import CompileSettings, compiled_blocks
+
+if TYPE_CHECKING:
+    from .activation_chunks import AppliedChunks
 
 
 @dataclass(frozen=True)
@@ -70,22 +73,15 @@ class ResolvedSpeed:
 
     speed: Speed
     attention: ResolvedAttention
-    compile_skipped: str = ""  # why the speed's compiled blocks did not apply to this call
 
-    def for_chunks(self, chunks: int) -> "ResolvedSpeed":
-        """This speed for a call whose blocks run in `chunks` activation slices: the slices run through their
-        own forward (pipelines/activation_chunks.py), which compiled blocks cannot wrap yet, so the blocks run
-        eagerly and the receipt says why (`compile.fallback`). SageAttention 1.x, which vidmem reaches by
-        rerouting each attention module's forward, is refused: the slices call the dispatcher directly."""
+    def check_chunks(self, chunks: int) -> None:
+        """Refuse what cannot run with `chunks` activation slices (pipelines/activation_chunks.py): SageAttention
+        1.x, which vidmem reaches by rerouting each attention module's forward, as the slices call diffusers'
+        dispatcher directly. Compiled blocks can: they compile the slices' steps (pipelines/compile.py)."""
         if chunks > 1 and self.attention.backend == SAGE1:
             raise StrategyError(f"attention='sage' with sageattention 1.x cannot run with activation_chunks={chunks}: "
                                 "the slices call diffusers' dispatcher, which needs sageattention 2.1.1 or newer; set "
                                 "activation_chunks off (if the video fits), or choose attention 'auto'.")
-        if chunks <= 1 or not self.speed.compile.on:
-            return self
-        return replace(self, speed=replace(self.speed, compile=CompileSettings()), compile_skipped=(
-            f"activation_chunks={chunks}: the blocks run in slices through their own forward, which compiled "
-            "blocks do not wrap yet; they ran eagerly (set activation_chunks off to compile, if the video fits)"))
 
     @property
     def takes_chunks(self) -> bool:
@@ -123,22 +119,23 @@ class AppliedSpeed:
     compiled: object
 
     def as_dict(self) -> dict:
-        compiled = self.compiled.as_dict()
-        if self.resolved.compile_skipped:
-            compiled = {**compiled, "on": True, "compiled": False, "fallback": self.resolved.compile_skipped}
-        return {"attention": self.attention.as_dict(), "compile": compiled, "fp8_matmul": self.fp8.as_dict()}
+        return {"attention": self.attention.as_dict(), "compile": self.compiled.as_dict(), "fp8_matmul": self.fp8.as_dict()}
 
 
 @contextmanager
 def speed_for_call(resolved: ResolvedSpeed, denoisers: Mapping[str, nn.Module],
-                   blocks: Mapping[str, Sequence[nn.Module]], device: torch.device) -> Iterator[AppliedSpeed]:
+                   blocks: Mapping[str, Sequence[nn.Module]], device: torch.device,
+                   chunked: AppliedChunks | None = None) -> Iterator[AppliedSpeed]:
     """Apply `resolved` to the call's denoisers (name -> module) and their repeated blocks for the
-    block of the `with`; everything is put back in reverse order when it ends, however it ends."""
+    block of the `with`; everything is put back in reverse order when it ends, however it ends.
+    `chunked`: the call's activation chunks, applied before (compiled blocks then compile their steps)."""
+    if chunked is not None:
+        resolved.check_chunks(chunked.chunks)
     with ExitStack() as stack:
         attention = _Untouched(resolved.attention, resolved.speed.chosen) if resolved.untouched_attention else \
             stack.enter_context(attention_for_call(denoisers, resolved.attention))
         fp8 = stack.enter_context(fp8_matmul_for_call(denoisers, resolved.speed.fp8_matmul, device))
-        compiled = stack.enter_context(compiled_blocks(blocks, resolved.speed.compile))
+        compiled = stack.enter_context(compiled_blocks(blocks, resolved.speed.compile, chunked))
         yield AppliedSpeed(resolved, attention, fp8, compiled)
 
 

@@ -97,8 +97,8 @@ def test_queries_are_made_once_and_a_query_of_another_dtype_is_made_again_in_the
         queries.append(1)
         return make(*args)
 
-    def projections(block, hidden, rope, modulation, slices, out):
-        found = project(block, hidden, rope, modulation, slices, out.double() if other_dtype else out)
+    def projections(block, hidden, temb, rope, slices, out, run):
+        found = project(block, hidden, temb, rope, slices, out.double() if other_dtype else out, run)
         parked.append(found[2])
         return found
 
@@ -161,18 +161,15 @@ def test_image_tokens_cross_attention_of_wan21_i2v_is_chunked_bit_for_bit():
     assert sorted(calls) == ["add_k_proj", "add_v_proj", "to_k", "to_v"]
 
 
-def test_fused_cross_attention_projections_are_refused(tiny_loaded):
+def test_fused_cross_attention_projections_are_refused(tiny_loaded, monkeypatch):
     """Fused (to_kv), the processor projects keys and values in one GEMM, which the chunked forward does not
     call: refused by name rather than computed another way."""
     from vidmem.pipelines.activation_chunks import chunk_problem
 
     loaded = tiny_loaded("wan2.1-t2v")
     block = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"][0]
-    block.attn2.fused_projections = True
-    try:
-        assert chunk_problem(block) == "its cross-attention projections are fused (fuse_qkv_projections)"
-    finally:
-        block.attn2.fused_projections = False
+    monkeypatch.setattr(block.attn2, "fused_projections", True, raising=False)  # undone as found: absent
+    assert chunk_problem(block) == "its cross-attention projections are fused (fuse_qkv_projections)"
 
 
 def test_sequential_copies_each_layer_once_per_slice_and_stays_identical(tiny_loaded):

@@ -492,3 +492,112 @@ def test_sdpa_rerouted_to_sageattention_compiles_one_graph_for_every_block_witho
     assert reports["sage", 1]["frames_compiled"] == 0, reports["sage", 1]
     torch.testing.assert_close(latents["sage"], eager, **CLOSE)
     assert (latents["sage"] - latents["sdpa"]).abs().max() > 1e-3  # the route ran inside the compiled blocks
+
+
+# --- compiled blocks with activation chunks (pipelines/activation_chunks.py) ---------------------------------------
+
+def run_chunked(loaded, strategy, settings, request):
+    """Sample through the Speed node's route (chunks are applied inside sample(), before compiled blocks);
+    (latents, the compile receipt, the sample receipt)."""
+    from vidmem.pipelines.speed import Speed
+
+    result = sample(loaded, strategy, dataclasses.replace(request, speed=Speed("auto", settings)),
+                    backend=StrictBackend())
+    return result.latent["samples"], result.receipt["speed"]["compile"], result.receipt
+
+
+def compiled_steps() -> set[str]:
+    """The activation-chunk steps that have a compiled twin now."""
+    from vidmem.pipelines import compile as compiling
+
+    return {getattr(function, "__name__", "") for function in compiling._COMPILED} & STEPS
+
+
+STEPS = {"_wan_slice_projections", "_wan_slice_rest", "_cogvideox_attention_half", "_cogvideox_feed_forward"}
+
+
+@pytest.mark.parametrize("tier", ["none", "block_swap:2", "sequential"])
+def test_activation_chunks_compile_their_slice_steps_once_for_every_block(wan, tier, monkeypatch):
+    """Chunked, a block runs the chunked forward, never its class's: the slices' steps are what compiles. One
+    graph per step serves every block and every slice (the tiny Wan's two blocks, three slices), a second call
+    compiles nothing, and the latents are the eager chunked run's (itself the unchunked run's bit for bit)."""
+    from vidmem.pipelines import compile as compiling
+
+    monkeypatch.setattr(compiling, "_COMPILED", weakref.WeakKeyDictionary())
+    strategy = dataclasses.replace(TIERS[tier], activation_chunks=3)
+    storage, hooks, found = storage_map(wan.pipe), hooks_of(wan.pipe), forwards(wan)
+    request = request_for(VARIANT)
+    eager, _, eager_receipt = run_chunked(wan, strategy, CompileSettings(), request)
+    plain, _, _ = run_chunked(wan, TIERS[tier], CompileSettings(), request)
+    assert torch.equal(eager, plain) and eager_receipt["activation_chunks"]["chunks"] == 3
+    first, report, receipt = run_chunked(wan, strategy, FAST, request)
+    assert report["compiled"] and report["fallback"] is None and report["frames_compiled"] >= 2, report
+    assert compiled_steps() == {"_wan_slice_projections", "_wan_slice_rest"}
+    if tier != "sequential":  # sequential's streaming hooks break the graphs at every leaf, by design
+        assert report["graph_breaks"] == 0, report
+        assert report["frames_compiled"] <= 2 * 2, report  # a step's second slice size may recompile once, dynamic
+    torch.testing.assert_close(first, eager, **CLOSE)
+    assert receipt["activation_chunks"]["slices"] == [3]
+    second, report, _ = run_chunked(wan, strategy, FAST, request)
+    assert (report["frames_compiled"], report["recompiles"]) == (0, 0), report["recompile_reasons"]
+    torch.testing.assert_close(second, eager, **CLOSE)
+    assert_left_as_found(wan, storage, hooks, found)
+    assert not chunk_hooks_left(wan)
+
+
+def chunk_hooks_left(loaded) -> list:
+    from vidmem.pipelines.activation_chunks import CHUNK_HOOK
+
+    return [registry.get_hook(CHUNK_HOOK) for registry in (getattr(b, "_diffusers_hook", None) for b in blocks_of(loaded))
+            if registry is not None and registry.get_hook(CHUNK_HOOK) is not None]
+
+
+def test_activation_chunks_compiled_with_a_lora_and_the_step_cache(wan, tmp_path):
+    lora = peft_keys(random_lora(wan.pipe.transformer, WAN_TARGETS, seed=1), None)
+    styled = with_lora(wan, load_lora(write(tmp_path / "style.safetensors", lora), wan.pipe, 0.8))
+    cache = StepCache("first_block_cache", threshold=0.9, retention=0.0)  # bold: skips on random weights
+    request = dataclasses.replace(request_for(VARIANT, steps=4), cache=cache)
+    strategy = dataclasses.replace(TIERS["block_swap:2"], activation_chunks=2)
+    eager, _, eager_receipt = run_chunked(styled, strategy, CompileSettings(), request)
+    assert eager_receipt["cache"]["blocks_skipped"] > 0
+    for _ in range(2):
+        latents, report, receipt = run_chunked(styled, strategy, FAST, request)
+        torch.testing.assert_close(latents, eager, **CLOSE)
+        assert receipt["cache"]["blocks_skipped"] == eager_receipt["cache"]["blocks_skipped"]
+        assert report["compiled"], report
+    assert report["frames_compiled"] == 0
+
+
+def test_cogvideox_activation_chunks_compile_too(tiny_loaded):
+    loaded = tiny_loaded("cogvideox-t2v")
+    request = request_for("cogvideox-t2v")
+    strategy = dataclasses.replace(TIERS["none"], activation_chunks=2)
+    eager, _, _ = run_chunked(loaded, strategy, CompileSettings(), request)
+    for _ in range(2):
+        latents, report, _ = run_chunked(loaded, strategy, FAST, request)
+        torch.testing.assert_close(latents, eager, **CLOSE)
+        assert report["compiled"] and report["fallback"] is None, report
+    assert report["frames_compiled"] == 0
+    assert {"_cogvideox_attention_half", "_cogvideox_feed_forward"} <= compiled_steps()
+
+
+def test_inductor_compiles_and_reuses_the_chunk_steps(wan):
+    """What a GPU runs: inductor's code for the slices' steps (here its C++ backend), reused by the second call."""
+    strategy = dataclasses.replace(TIERS["block_swap:2"], activation_chunks=2)
+    request = request_for(VARIANT)
+    eager, _, _ = run_chunked(wan, strategy, CompileSettings(), request)
+    for call in range(2):
+        latents, report, _ = run_chunked(wan, strategy, CompileSettings(on=True), request)
+        torch.testing.assert_close(latents, eager, rtol=1e-4, atol=1e-4)
+        assert report["compiled"], report["fallback"]
+    assert (report["frames_compiled"], report["recompiles"]) == (0, 0)
+
+
+def test_a_compile_failure_in_a_chunk_step_runs_the_rest_eagerly_and_says_why(wan):
+    use_test_backend(failing_backend, "vidmem_failing_test")
+    strategy = dataclasses.replace(TIERS["none"], activation_chunks=2)
+    request = request_for(VARIANT)
+    eager, _, _ = run_chunked(wan, strategy, CompileSettings(), request)
+    latents, report, _ = run_chunked(wan, strategy, CompileSettings(on=True, backend="vidmem_failing_test"), request)
+    assert torch.equal(latents, eager)
+    assert not report["compiled"] and "no kernels for this machine" in report["fallback"], report

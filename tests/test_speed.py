@@ -159,15 +159,18 @@ def test_the_shipped_measurements_name_their_source():
         assert entry["device"] and (MEASURED.parents[2] / entry["source"]).is_file(), entry
 
 
-def test_activation_chunks_run_with_the_kernel_and_say_why_the_blocks_were_not_compiled(tiny_loaded):
+def test_activation_chunks_run_compiled_with_the_kernel(tiny_loaded):
+    """Chunked blocks compile their slices' steps (dynamo's capture with the eager backend: the same ops), with
+    the chosen kernel: the latents of the plain run, and the receipt says compiled."""
     loaded = tiny_loaded("wan2.1-t2v")
     chunked = MemoryStrategy(offload="none", activation_chunks=2)
     plain = run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), Speed("math"))
     both = run(loaded, "wan2.1-t2v", chunked, Speed("math", EAGER_COMPILE))
     assert torch.equal(both.latent["samples"], plain.latent["samples"])  # chunks are exact, with the chosen kernel
     compiled = both.receipt["speed"]["compile"]
-    assert compiled["on"] and not compiled["compiled"] and "activation_chunks=2" in compiled["fallback"], compiled
+    assert compiled["compiled"] and compiled["fallback"] is None and compiled["frames_compiled"] >= 1, compiled
     assert both.receipt["speed"]["attention"]["kernel"] == "math"
+    assert both.receipt["activation_chunks"]["chunks"] == 2
 
 
 def test_without_a_speed_node_attention_is_left_as_the_model_has_it_even_on_a_gpu(tiny_loaded, monkeypatch):
