@@ -20,6 +20,7 @@ Two parts, written as JSON:
     python bench/activations.py --json bench/results/activations-cpu-2026-11-26.json
     python bench/activations.py --device cuda --chunks 1,2,4,8,16 --json activations-gpu.json   # about 30 s on an H100
     python bench/activations.py --device cpu --tiny --tokens 64,96 --runs 2 --json /tmp/dry.json   # seconds
+    python bench/activations.py --device cuda --compile --tokens 32760 --chunks 1,2,4 --json act-compiled.json
 
 About 10 minutes on 2 shared cores (--skip-block for the plans only).
 """
@@ -46,6 +47,7 @@ use_this_checkout()  # `import vidmem` is this clone, installed or not
 from bench.support.activation_block import (TINY, WAN14B, CpuMeter, CudaMeter, block_inputs, build_block,  # noqa: E402
                                             chunked, measure, predicted_peak)
 from vidmem.memory.units import GiB  # noqa: E402
+from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 
 CASES = (("wan2.1-t2v-14b", 1280, 720, 81), ("wan2.1-t2v-1.3b", 1280, 720, 81), ("wan2.2-t2v-a14b", 1280, 720, 81),
          ("cogvideox-5b", 720, 480, 49))
@@ -72,12 +74,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         f"(default {','.join(map(str, BLOCK_CHUNKS))}; 1, unchunked, always runs: the reference)")
     parser.add_argument("--runs", type=int, default=5, help="timed calls per chunk count with --device (the median)")
     parser.add_argument("--tiny", action="store_true", help="with --device: a narrow block (dim 64) for a dry run")
+    parser.add_argument("--compile", action="store_true", help="with --device: every count compiled as a Sampler call "
+                        "with the Speed node's compile compiles it (inductor, static shapes: each chunk count's slice "
+                        "sizes compile their own code, in the untimed warm-up); written under block_<device>_compiled")
     parser.add_argument("--skip-block", action="store_true", help="plans only")
     parser.add_argument("--skip-plans", action="store_true", help="the block only, added to an existing --json file")
     parser.add_argument("--block-run", help=argparse.SUPPRESS)  # internal: one chunk count in this process
     args = parser.parse_args(argv)
-    if args.device is None and (args.tiny or (args.tokens and len(args.tokens) > 1)):
-        parser.error("--tiny and several --tokens counts need --device (the CPU RSS part runs one real block size)")
+    if args.device is None and (args.tiny or args.compile or (args.tokens and len(args.tokens) > 1)):
+        parser.error("--tiny, --compile and several --tokens counts need --device (the CPU RSS part runs one real "
+                     "block size, eagerly)")
     if args.device == "cuda" and not torch_cuda_available():
         parser.error("--device cuda: torch sees no CUDA device here; use --device cpu for the dry run")
     if args.runs < 1:
@@ -135,11 +141,13 @@ def device_block(args: argparse.Namespace) -> dict:
     if args.device == "cpu":
         torch.set_num_threads(1)  # the dry run's times: one thread does not fight other work for shared cores
     results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(args.device)}
-    print(f"block on {args.device} ({args.dtype}{', tiny' if args.tiny else ''}): tokens "
+    print(f"block on {args.device} ({args.dtype}{', tiny' if args.tiny else ''}{', compiled' if args.compile else ''}): tokens "
           f"{', '.join(map(str, args.tokens))}, chunks {', '.join(map(str, args.chunks))}, {args.runs} timed runs",
           flush=True)
     started = time.perf_counter()
-    key = f"block_{args.device}"
+    key = f"block_{args.device}" + ("_compiled" if args.compile else "")
+    # Static shapes: a fair kernel for each slice size (dynamic 'auto' would time symbolic code after the second).
+    compiled = CompileSettings(on=True, dynamic=False) if args.compile else CompileSettings()
 
     def save(found: dict) -> None:
         results[key] = found
@@ -147,7 +155,7 @@ def device_block(args: argparse.Namespace) -> dict:
         write(args.json, results)
 
     found = measure(TINY if args.tiny else WAN14B, args.tokens, args.chunks, torch.device(args.device), args.dtype,
-                    meter, args.runs, save=save)
+                    meter, args.runs, save=save, compiled=compiled)
     print(f"goals: {json.dumps(found['goals'])}\nwrote {args.json} in {results['seconds']} s")
     return results
 

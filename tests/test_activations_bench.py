@@ -88,6 +88,8 @@ def test_bad_options_are_refused_by_name():
         activations.parse(["--device", "cpu", "--chunks", "2,0"])
     with pytest.raises(SystemExit):
         activations.parse(["--tiny"])  # the dry run's narrow block needs --device
+    with pytest.raises(SystemExit):
+        activations.parse(["--compile"])  # the CPU RSS part runs eagerly
     args = activations.parse(["--device", "cpu"])
     assert args.tokens == (32760, 75600) and args.dtype == "float32" and args.json.name == "activations-cpu.json"
 
@@ -106,3 +108,21 @@ def test_out_of_memory_at_one_token_count_is_recorded_and_the_next_count_runs():
                     log=lambda line: None)
     assert found["tokens"][str(TOKENS[0])]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.41 GiB"
     assert set(found["tokens"][str(TOKENS[1])]["rows"]) == {"1", "2"}
+
+
+def test_compiled_counts_compile_the_block_unchunked_and_its_slice_steps_chunked():
+    """`--compile` (aot_eager here for speed; the bench uses inductor): the unchunked count compiles the block's
+    forward, a chunked count the slices' steps, each once; outputs stay close to the unchunked reference."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from vidmem.pipelines.compile import CompileSettings
+
+    torch._dynamo.reset()
+    counters.clear()
+    found = measure(TINY, (64,), (1, 2), torch.device("cpu"), "float32", activation_block.CpuMeter(), runs=1,
+                    log=lambda line: None, compiled=CompileSettings(on=True, backend="aot_eager", dynamic=False))
+    rows = found["tokens"]["64"]["rows"]
+    assert found["compile"] == "default, dynamic false, backend aot_eager" and rows["2"]["close"], found
+    assert counters["frames"]["total"] == 3  # WanTransformerBlock.forward, then the two slice steps
+    torch._dynamo.reset()

@@ -25,6 +25,7 @@ timing and no allocator statistics (a dry run: CI checks the wiring at tiny widt
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ import torch
 
 from vidmem.memory.accounting import trace
 from vidmem.pipelines.activation_chunks import activation_chunks
+from vidmem.pipelines.compile import CompileSettings, compiled_blocks
 
 FP32_MODULES = ("scale_shift_table", "norm1", "norm2", "norm3")  # WanTransformer3DModel._keep_in_fp32_modules
 VIDEO_TOKENS = {75600: "1280x720x81", 32760: "832x480x81"}  # Wan's latent patches: (W/16) x (H/16) x ((F-1)/4+1)
@@ -97,6 +99,14 @@ def chunked(module: torch.nn.Module, chunks: int):
     return activation_chunks({"block": module}, {"block": [module]}, chunks)
 
 
+@contextlib.contextmanager
+def prepared(module: torch.nn.Module, chunks: int, compiled: CompileSettings = CompileSettings()):
+    """The block chunked (chunks > 1) and, with `compiled` on, compiled as a Sampler call compiles it: the
+    block's forward unchunked, the slices' steps chunked (pipelines/compile.py)."""
+    with chunked(module, chunks) as applied, compiled_blocks({"block": [module]}, compiled, applied):
+        yield
+
+
 def predicted_peak(shape: BlockShape, chunks: int, tokens: int, dtype: str) -> int:
     """The planner's count for the same call: the block on meta under its tensor ledger."""
     module = build_block(shape, "meta", dtype)
@@ -144,17 +154,19 @@ class CpuMeter:
 
 
 def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], device, dtype: str, meter,
-            runs: int = 5, log=print, save=None) -> dict:
+            runs: int = 5, log=print, save=None, compiled: CompileSettings = CompileSettings()) -> dict:
     """Every chunk count at every token count (see the module docstring); 1 (unchunked) always runs first.
-    `save` is handed the result so far after each token count (a lease's time limit keeps what was done)."""
+    `save` is handed the result so far after each token count (a lease's time limit keeps what was done).
+    `compiled` on: every count compiled (the warm-up call compiles, outside the timed calls)."""
     counts = (1, *sorted(set(chunks) - {1}))
     module = build_block(shape, device, dtype)
     found = {"config": asdict(shape), "dtype": dtype, "device": str(device), "meter": meter.name, "runs": runs,
-             "chunks": list(counts), "tokens": {}}
+             "chunks": list(counts), "compile": compiled.describe(), "tokens": {}}
     with torch.no_grad():
         for count in tokens:
             try:
-                found["tokens"][str(count)] = _at_tokens(module, shape, count, counts, device, dtype, meter, runs, log)
+                found["tokens"][str(count)] = _at_tokens(module, shape, count, counts, device, dtype, meter, runs, log,
+                                                         compiled)
             except torch.OutOfMemoryError as error:  # a finding at this size: the other counts still run
                 found["tokens"][str(count)] = {"video": VIDEO_TOKENS.get(count, ""), "error": _first_line(error)}
                 log(f"  {count} tokens: {found['tokens'][str(count)]['error']}")
@@ -165,12 +177,12 @@ def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], dev
 
 
 def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], device, dtype: str, meter, runs: int,
-               log) -> dict:
+               log, compiled: CompileSettings) -> dict:
     inputs = block_inputs(shape, tokens, device, dtype)
     rows, reference = {}, None
     for chunks in counts:
-        with chunked(module, chunks):
-            module(*inputs)  # warm-up: kernel selection and workspaces, outside the peak
+        with prepared(module, chunks, compiled):
+            module(*inputs)  # warm-up: kernel selection, workspaces and the compile, outside the peak
             out, peak = meter.peak(lambda: module(*inputs))
         reference = out if reference is None else reference
         predicted = predicted_peak(shape, chunks, tokens, dtype)
@@ -179,7 +191,7 @@ def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], 
         del out
     for _ in range(runs):  # interleaved rounds
         for chunks in counts:
-            with chunked(module, chunks):
+            with prepared(module, chunks, compiled):
                 rows[str(chunks)].setdefault("times", []).append(meter.seconds(lambda: module(*inputs)))
     base = statistics.median(rows["1"]["times"]) if runs else None
     for row in rows.values():
