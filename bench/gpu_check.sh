@@ -42,6 +42,9 @@ FP8_SECONDS=${FP8_SECONDS:-0}  # measured on the H100 (give it 60)
 ATTN_SECONDS=${ATTN_SECONDS:-0}  # measured on the H100 (give it 60)
 DECODE_SECONDS=${DECODE_SECONDS:-0}  # measured on the H200 after the landing fixes (2026-11-28; give it 100)
 ACT_SECONDS=${ACT_SECONDS:-0}  # measured on the H200 since the queries are parked (2026-11-28; give it 55)
+# The same block compiled at each chunk count at 480p (compiled chunked slices, not measured yet): 5 inductor
+# compiles of a real 14B block (its forward, then 2 steps x 2 counts) in the untimed warm-ups; give it 150.
+ACT_COMPILE_SECONDS=${ACT_COMPILE_SECONDS:-0}
 COMPILE_SECONDS=${COMPILE_SECONDS:-0}  # measured on the H200 (38 s for two tiers); JSON written at the end only
 GOAL_SECONDS=${GOAL_SECONDS:-0}  # measured on the H200 (2026-11-28; 120 s gave 7 of its 8 tier rows: give it 150)
 GOAL_ROWS=${GOAL_ROWS:-}  # the goal's rows, comma-separated (bench/speed.py --goal-rows; default all four)
@@ -139,6 +142,14 @@ if ! skip "$ACT_SECONDS" "the activation chunks block"; then
         --json "$OUT/activations-gpu.json" > "$OUT/activations.log" 2>&1
     echo "activations exit $?" | tee -a "$OUT/activations.log"
     grep -E 'tokens, chunks|goals|Error' "$OUT/activations.log"
+fi
+
+if ! skip "$ACT_COMPILE_SECONDS" "the activation chunks block compiled"; then
+    echo "== bench/activations.py --device cuda --compile: one Wan 14B block compiled per chunk count, 32,760 tokens (at most ${ACT_COMPILE_SECONDS}s)"
+    timeout "$ACT_COMPILE_SECONDS" python3 bench/activations.py --device cuda --compile --tokens 32760 --chunks 1,2,4 \
+        --runs 5 --json "$OUT/activations-compiled-gpu.json" > "$OUT/activations-compiled.log" 2>&1
+    echo "activations compiled exit $?" | tee -a "$OUT/activations-compiled.log"
+    grep -E 'tokens, chunks|goals|Error' "$OUT/activations-compiled.log"
 fi
 
 if ! skip "$COMPILE_SECONDS" "compiled blocks at 832x480x81"; then

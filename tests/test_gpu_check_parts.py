@@ -24,13 +24,14 @@ from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 SCRIPT = (ROOT / "bench" / "gpu_check.sh").read_text()
 
 
-def _command(script_name: str, part: str = "compile") -> list[str]:
+def _command(script_name: str, part: str = "compile", compiled: bool = False) -> list[str]:
     """The arguments bench/gpu_check.sh passes to `python3 bench/<script_name> --device cuda` (for speed.py,
-    in the compile part), line continuations joined, shell variables left as written, redirections and optional
-    arguments (`${VAR:+--option "$VAR"}`, absent when VAR is empty, as by default) dropped."""
+    in the compile part; for activations.py, the eager block or, `compiled`, the compiled one), line continuations
+    joined, shell variables left as written, redirections and optional arguments (`${VAR:+--option "$VAR"}`,
+    absent when VAR is empty, as by default) dropped."""
     joined = re.sub(r'\$\{\w+:\+[^}]*\}', "", SCRIPT.replace("\\\n", " "))
     line = next(line for line in joined.splitlines() if f"python3 bench/{script_name}" in line and "--device cuda" in line
-                and ("activations" in script_name or f"--parts {part} " in line))
+                and (("--compile " in line) == compiled if "activations" in script_name else f"--parts {part} " in line))
     words = line.split(f"python3 bench/{script_name}", 1)[1].split(">", 1)[0].split()
     return [word.strip('"') for word in words]
 
@@ -42,6 +43,15 @@ def test_the_gpu_check_runs_the_activation_block_with_options_the_bench_knows():
     assert words[:2] == ["--device", "cuda"] and re.search(r"^ACT_SECONDS=\$\{ACT_SECONDS:-\d+\}", SCRIPT, re.M)
     args = activations.parse(["--device", "cpu", *words[2:]])  # the same options, parsed where there is no GPU
     assert args.tokens == (32760, 75600) and 1 in args.chunks and args.runs >= 3
+
+
+def test_the_gpu_check_times_the_activation_block_compiled_at_480p():
+    import activations
+
+    words = _command("activations.py", compiled=True)
+    assert re.search(r"^ACT_COMPILE_SECONDS=\$\{ACT_COMPILE_SECONDS:-\d+\}", SCRIPT, re.M)
+    args = activations.parse(["--device", "cpu", *words[2:]])
+    assert args.compile and args.tokens == (32760,) and args.chunks[0] == 1 and len(args.chunks) > 1
 
 
 def test_the_gpu_check_compiles_at_480p_on_tiers_the_speed_bench_has():
