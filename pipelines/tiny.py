@@ -64,6 +64,10 @@ _WAN_DIT = dict(
     text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
 )
+# Wan 2.1 I2V's and FLF2V's cross-attention attends to the CLIP image tokens through projections of their own
+# (add_k_proj, add_v_proj, norm_added_k: ComfyUI's k_img, v_img, norm_k_img), as wide as the attention: the real
+# 14B's config has added_kv_proj_dim 5120 = 40 x 128. Without it the image tokens would pass for more text.
+_WAN_INNER = _WAN_DIT["num_attention_heads"] * _WAN_DIT["attention_head_dim"]
 _WAN_SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
 _CLIP_VISION = dict(
     hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
@@ -202,13 +206,14 @@ TINY_SPECS: dict[str, TinySpec] = {
     "wan2.1-t2v": TinySpec(**_WAN, pipeline="WanPipeline", transformer_config=_WAN_DIT),
     "wan2.1-i2v": TinySpec(
         **_WAN, pipeline="WanImageToVideoPipeline", needs_image=True, image_encoder=True,
-        transformer_config=dict(_WAN_DIT, in_channels=36, image_dim=4),
+        transformer_config=dict(_WAN_DIT, in_channels=36, image_dim=4, added_kv_proj_dim=_WAN_INNER),
     ),
     # Wan 2.1 FLF2V 14B: Wan 2.1 I2V with a positional embedding over the CLIP tokens of two images
     # (32x32 px in patches of 1 and a class token: 1,025 per image).
     "wan2.1-flf2v": TinySpec(
         **_WAN, pipeline="WanImageToVideoPipeline", needs_image=True, image_encoder=True, last_image=True,
-        transformer_config=dict(_WAN_DIT, in_channels=36, image_dim=4, pos_embed_seq_len=2 * (32 * 32 + 1)),
+        transformer_config=dict(_WAN_DIT, in_channels=36, image_dim=4, added_kv_proj_dim=_WAN_INNER,
+                                pos_embed_seq_len=2 * (32 * 32 + 1)),
     ),
     "wan2.2-a14b": TinySpec(
         **_WAN, pipeline="WanPipeline", transformer_config=_WAN_DIT, two_experts=True,

@@ -136,8 +136,8 @@ def test_cross_attention_keys_and_values_are_made_once_per_block_call(tiny_loade
 
 def test_image_tokens_cross_attention_of_wan21_i2v_is_chunked_bit_for_bit():
     """Wan 2.1 I2V's cross-attention also attends to the CLIP image tokens through its own projections
-    (`add_k_proj`, `add_v_proj`: the tiny I2V pipeline has none, so this builds a block that has them). Their keys
-    and values too are made once per block call, and the block's output equals diffusers' bit for bit."""
+    (`add_k_proj`, `add_v_proj`; the tiny I2V pipeline's latents are checked above, this is one block at a time).
+    Their keys and values too are made once per block call, and the block's output equals diffusers' bit for bit."""
     from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
     from vidmem.pipelines.activation_chunks import wan_block_forward

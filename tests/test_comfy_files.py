@@ -69,6 +69,21 @@ def latents(loaded, variant):
     return sample(loaded, STRATEGY, request_for(variant), backend=CpuBackend()).latent["samples"]
 
 
+def test_wan21_i2v_files_carry_the_image_cross_attention_weights(written):
+    """Wan 2.1 I2V's cross-attention has its own projections for the CLIP image tokens (ComfyUI's k_img, v_img,
+    norm_k_img; diffusers' add_k_proj, add_v_proj, norm_added_k), as the real 14B has: the tiny twin writes them,
+    and the loaded model uses them (its latents equal the folder's: test_files_sample_the_same_latents_as_the_folder)."""
+    from safetensors import safe_open
+
+    out = written("wan2.1-i2v", "fp8_scaled", "original")
+    with safe_open(str(out.files.model), "pt") as handle:
+        keys = set(handle.keys())
+    for name in ("k_img.weight", "v_img.weight", "norm_k_img.weight"):
+        assert f"blocks.0.cross_attn.{name}" in keys, sorted(k for k in keys if "blocks.0.cross_attn" in k)
+    loaded = load_model_files(out.files, LoadOptions(dtype="fp32", weights_on_disk=False), tiny_catalogue())
+    assert loaded.pipe.transformer.blocks[0].attn2.add_k_proj is not None
+
+
 @pytest.mark.parametrize("variant,storage,layout", CASES, ids=["-".join(c) for c in CASES])
 def test_files_sample_the_same_latents_as_the_folder(written, variant, storage, layout):
     out = written(variant, storage, layout)
