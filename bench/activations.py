@@ -75,8 +75,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=5, help="timed calls per chunk count with --device (the median)")
     parser.add_argument("--tiny", action="store_true", help="with --device: a narrow block (dim 64) for a dry run")
     parser.add_argument("--compile", action="store_true", help="with --device: every count compiled as a Sampler call "
-                        "with the Speed node's compile compiles it (inductor, static shapes: each chunk count's slice "
-                        "sizes compile their own code, in the untimed warm-up); written under block_<device>_compiled")
+                        "with the Speed node's compile compiles it, but with static shapes (a Sampler call's default "
+                        "dynamic 'auto' runs symbolic code once a last slice is one token longer; the default counts "
+                        "here slice 32,760 tokens evenly): each count compiles its own code in the untimed warm-up. "
+                        "The plan counts the eager forward, so a compiled peak fails only above it; written under "
+                        "block_<device>_compiled")
     parser.add_argument("--skip-block", action="store_true", help="plans only")
     parser.add_argument("--skip-plans", action="store_true", help="the block only, added to an existing --json file")
     parser.add_argument("--block-run", help=argparse.SUPPRESS)  # internal: one chunk count in this process

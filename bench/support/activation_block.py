@@ -195,7 +195,7 @@ def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], 
                 rows[str(chunks)].setdefault("times", []).append(meter.seconds(lambda: module(*inputs)))
     base = statistics.median(rows["1"]["times"]) if runs else None
     for row in rows.values():
-        _finish(row, base, judged=meter.name == "cuda", cost_applies=tokens == COST_GOAL_TOKENS)
+        _finish(row, base, judged=meter.name == "cuda", cost_applies=tokens == COST_GOAL_TOKENS, compiled=compiled.on)
         log(_line(tokens, row))
     return {"video": VIDEO_TOKENS.get(tokens, ""), "text_tokens": shape.text_tokens, "rows": rows}
 
@@ -210,14 +210,17 @@ def _compare(out: torch.Tensor, reference: torch.Tensor) -> dict:
             "max_abs_diff": (out.float() - reference.float()).abs().max().item()}
 
 
-def _finish(row: dict, base: float | None, judged: bool, cost_applies: bool) -> None:
-    """Medians, ratios and each goal's verdict on the row (None where it is not judged)."""
+def _finish(row: dict, base: float | None, judged: bool, cost_applies: bool, compiled: bool = False) -> None:
+    """Medians, ratios and each goal's verdict on the row (None where it is not judged). Compiled, the plan (which
+    traces the eager forward) is an upper bound: inductor fuses the float32 temporaries it counts, so only a peak
+    more than 10% above it fails."""
     times = row.get("times", [])
     row["seconds"] = statistics.median(times) if times else None
     row["time_ratio"] = round(row["seconds"] / base, 4) if times and base else None
     measured, predicted = row["measured_peak_bytes"], row["predicted_peak_bytes"]
     row["peak_error"] = round(measured / predicted - 1, 4) if measured is not None and predicted else None
-    row["peak_within_10pct"] = abs(row["peak_error"]) <= PEAK_GOAL if judged and row["peak_error"] is not None else None
+    error = row["peak_error"]
+    row["peak_within_10pct"] = (error if compiled else abs(error)) <= PEAK_GOAL if judged and error is not None else None
     row["cost_within_5pct"] = (row["time_ratio"] <= 1 + COST_GOAL
                                if judged and cost_applies and row["chunks"] > 1 and row["time_ratio"] else None)
 
