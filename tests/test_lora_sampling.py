@@ -116,3 +116,17 @@ def test_two_expert_loras_per_expert(tiny_loaded, tmp_path):
         assert torch.equal(latents(split, TIERS[label], "wan2.2-a14b")[0], outs["both"]), label
     assert lora_buffers(a14b.pipe) == []
     assert torch.equal(latents(a14b, variant="wan2.2-a14b")[0], base)
+
+
+def test_a_comfyui_lora_on_the_image_cross_attention_of_wan21_i2v_applies(tiny_loaded, tmp_path):
+    """Wan 2.1 I2V LoRAs train the image tokens' projections too (cross_attn.k_img / v_img in Wan's and ComfyUI's
+    names, attn2.add_k_proj / add_v_proj in diffusers'): their terms land on those layers and change the video."""
+    loaded = tiny_loaded("wan2.1-i2v")
+    lora = random_lora(loaded.pipe.transformer, ["blocks.0.attn2.add_k_proj", "blocks.1.attn2.add_v_proj"])
+    names = {"blocks.0.attn2.add_k_proj": "blocks.0.cross_attn.k_img", "blocks.1.attn2.add_v_proj": "blocks.1.cross_attn.v_img"}
+    tensors = {f"diffusion_model.{names[n]}.lora_{ab}.weight": t for n, (a, b) in lora.items() for ab, t in (("down", a), ("up", b))}
+    spec = load_lora(write(tmp_path / "i2v.safetensors", tensors), loaded.pipe, 1.0)
+    assert {layer.module for layer in spec.layers["transformer"]} == set(names) and not spec.skipped
+    base, _ = latents(loaded, variant="wan2.1-i2v")
+    changed, _ = latents(with_lora(loaded, spec), variant="wan2.1-i2v")
+    assert not torch.equal(base, changed)
