@@ -144,7 +144,8 @@ def device_block(args: argparse.Namespace) -> dict:
     if args.device == "cpu":
         torch.set_num_threads(1)  # the dry run's times: one thread does not fight other work for shared cores
     results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(args.device)}
-    print(f"block on {args.device} ({args.dtype}{', tiny' if args.tiny else ''}{', compiled' if args.compile else ''}): tokens "
+    kind = args.dtype + (", tiny" if args.tiny else "") + (", compiled" if args.compile else "")
+    print(f"block on {args.device} ({kind}): tokens "
           f"{', '.join(map(str, args.tokens))}, chunks {', '.join(map(str, args.chunks))}, {args.runs} timed runs",
           flush=True)
     started = time.perf_counter()

@@ -548,8 +548,8 @@ def test_activation_chunks_compile_their_slice_steps_once_for_every_block(wan, t
 def chunk_hooks_left(loaded) -> list:
     from vidmem.pipelines.activation_chunks import CHUNK_HOOK
 
-    return [registry.get_hook(CHUNK_HOOK) for registry in (getattr(b, "_diffusers_hook", None) for b in blocks_of(loaded))
-            if registry is not None and registry.get_hook(CHUNK_HOOK) is not None]
+    registries = [getattr(block, "_diffusers_hook", None) for block in blocks_of(loaded)]
+    return [r.get_hook(CHUNK_HOOK) for r in registries if r is not None and r.get_hook(CHUNK_HOOK) is not None]
 
 
 def test_activation_chunks_compiled_with_a_lora_and_the_step_cache(wan, tmp_path):

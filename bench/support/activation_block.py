@@ -220,7 +220,10 @@ def _finish(row: dict, base: float | None, judged: bool, cost_applies: bool, com
     measured, predicted = row["measured_peak_bytes"], row["predicted_peak_bytes"]
     row["peak_error"] = round(measured / predicted - 1, 4) if measured is not None and predicted else None
     error = row["peak_error"]
-    row["peak_within_10pct"] = (error if compiled else abs(error)) <= PEAK_GOAL if judged and error is not None else None
+    if judged and error is not None:
+        row["peak_within_10pct"] = (error if compiled else abs(error)) <= PEAK_GOAL
+    else:
+        row["peak_within_10pct"] = None
     row["cost_within_5pct"] = (row["time_ratio"] <= 1 + COST_GOAL
                                if judged and cost_applies and row["chunks"] > 1 and row["time_ratio"] else None)
 
