@@ -7,6 +7,8 @@ step_time_ratio, recompiles_second_run and compile_seconds per tier against eage
 (bench/support/speed_fp8.py: time_ratio and psnr_db against the upcast path, fp8_scaled weights) and `goal`
 (bench/support/speed_goal.py: issue 24's goal, compiled blocks with the best kernel and fp8 matmul off and on
 against eager SDPA with fp8 weights upcast, per tier, with the verdicts). Each part's JSON key is its name.
+`--model wan2.1-t2v-14b` gives the parts other than cache 14B-wide blocks on CUDA (40 heads of 128, feed-forward
+13,824: attention a smaller share of a step than at the 1.3B's width).
 
 The cache part: blocks computed, weight copies made, time and PSNR per cache method and tier.
 
@@ -47,6 +49,8 @@ on a tiny Wan trained in the bench (docs/step-cache.md, Quality).
     python bench/speed.py --device cuda --parts compile --size 832x480x81 --blocks 4 --steps 2 --runs 3 \
         --compile-tiers none,block_swap_4                                   # compiled blocks at 480p (gpu_check.sh)
     python bench/speed.py --device cuda --parts goal --size 832x480x81 --blocks 4 --steps 2 --runs 2  # the 1.5x goal
+    python bench/speed.py --device cuda --parts goal --model wan2.1-t2v-14b --size 832x480x81 --blocks 4 --steps 2 \
+        --runs 2                                                            # the same on 14B-wide blocks
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 from vidmem.pipelines.speed import cpu_name  # noqa: E402
 from bench.support.speed_fp8 import fp8_rows  # noqa: E402
 from bench.support.speed_goal import goal_rows, row_names_of  # noqa: E402
-from bench.support.speed_runs import SpeedConfig, build, count_pass, tiers, time_pass  # noqa: E402
+from bench.support.speed_runs import MODEL, WIDTH_MODELS, SpeedConfig, build, count_pass, tiers, time_pass  # noqa: E402
 
 PARTS = ("cache", "attention", "attention_call", "compile", "fp8_matmul", "goal")
 CAVEATS = [
@@ -95,9 +99,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--blocks", type=int, default=30, help="transformer blocks (Wan 2.1 1.3B has 30)")
-    parser.add_argument("--heads", type=int, default=2, help="attention heads (CPU; CUDA uses the 1.3B's 12)")
-    parser.add_argument("--head-dim", type=int, default=32, help="width of a head (CPU; CUDA uses 128)")
-    parser.add_argument("--ffn", type=int, default=256, help="feed-forward width (CPU; CUDA uses 8960)")
+    parser.add_argument("--model", choices=WIDTH_MODELS, default=MODEL, help="the transformer whose config the blocks "
+                        "have, and on CUDA whose widths (the 1.3B's 12 x 128 heads, feed-forward 8,960; the 14B's "
+                        "40 x 128, 13,824); the cache part runs the 1.3B only (its published MagCache ratios)")
+    parser.add_argument("--heads", type=int, default=2, help="attention heads (CPU; CUDA uses the model's)")
+    parser.add_argument("--head-dim", type=int, default=32, help="width of a head (CPU; CUDA uses the model's)")
+    parser.add_argument("--ffn", type=int, default=256, help="feed-forward width (CPU; CUDA uses the model's)")
     parser.add_argument("--size", default=None, help="video WxHxF (default 64x64x5 on the CPU, 480x320x17 on CUDA)")
     parser.add_argument("--runs", type=int, default=None, help="timed rounds after a warm-up (default 5 CPU, 3 CUDA)")
     parser.add_argument("--time-tiers", default=None, help="tiers timed, comma-separated (default none on the CPU, "
@@ -117,6 +124,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         parser.error(f"--parts {args.parts!r}: {', '.join(sorted(unknown))} not among {', '.join(PARTS)}")
+    if "cache" in args.parts.split(",") and args.model != MODEL:
+        parser.error(f"--model {args.model}: the cache part runs {MODEL} only (MagCache's published ratios are its); "
+                     f"choose --parts without cache, or --model {MODEL}")
     args.compile_tiers = tuple(t for t in args.compile_tiers.split(",") if t)
     args.goal_rows = tuple(r for r in args.goal_rows.split(",") if r)
     try:
@@ -133,7 +143,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
     config = SpeedConfig(steps=args.steps, blocks=args.blocks, heads=args.heads, head_dim=args.head_dim, ffn=args.ffn,
                          width=width, height=height, frames=frames, device=args.device,
                          runs=args.runs if args.runs is not None else (3 if cuda else 5),
-                         time_tiers=tuple(t for t in timed.split(",") if t), fbc_bold=args.fbc_bold, real_widths=cuda)
+                         time_tiers=tuple(t for t in timed.split(",") if t), fbc_bold=args.fbc_bold, real_widths=cuda,
+                         model=args.model)
     return args, config
 
 

@@ -89,8 +89,10 @@ def test_an_unknown_compile_tier_is_refused_before_anything_is_built(capsys):
 def test_the_gpu_check_measures_the_goal_at_480p_with_options_the_speed_bench_knows():
     words = _command("speed.py", part="goal")
     assert re.search(r"^GOAL_SECONDS=\$\{GOAL_SECONDS:-\d+\}", SCRIPT, re.M)
-    args, config = speed.parse(["--device", "cpu", *words[2:]])
+    model = re.search(r"^GOAL_MODEL=\$\{GOAL_MODEL:-(\S+)\}", SCRIPT, re.M).group(1)
+    args, config = speed.parse(["--device", "cpu", *(model if word == "$GOAL_MODEL" else word for word in words[2:])])
     assert (config.width, config.height, config.frames) == (832, 480, 81) and args.parts == "goal"
+    assert config.model == "wan2.1-t2v-14b"  # the width the goal has not been measured at yet
     assert "--json" in words and config.runs >= 2
     assert re.search(r'^GOAL_ROWS=\$\{GOAL_ROWS:-\}', SCRIPT, re.M) and '${GOAL_ROWS:+--goal-rows "$GOAL_ROWS"}' in SCRIPT
 
@@ -139,3 +141,21 @@ def test_goal_rows_are_chosen_by_name_in_their_order_and_an_unknown_one_is_refus
     assert "flash+fp8_on" in error and "sage+fp8_off" in error  # names the bad row and the choices
     args, _ = speed.parse(["--parts", "goal", "--goal-rows", "auto+fp8_on"])
     assert args.goal_rows == ("auto+fp8_on",)
+
+
+def test_the_model_gives_its_own_widths_on_cuda_and_the_narrow_ones_elsewhere():
+    wide = SpeedConfig(model="wan2.1-t2v-14b", real_widths=True).describe()
+    assert (wide["model"], wide["width"], wide["ffn"]) == ("wan2.1-t2v-14b", 5120, 13824)
+    assert SpeedConfig(real_widths=True).describe()["width"] == 1536  # the 1.3B's, the default
+    narrow = SpeedConfig(model="wan2.1-t2v-14b", heads=2, head_dim=8, ffn=32, blocks=1).transformer()
+    assert (narrow["num_attention_heads"], narrow["attention_head_dim"], narrow["ffn_dim"], narrow["num_layers"]) == \
+        (2, 8, 32, 1)
+    _, config = speed.parse(["--parts", "goal", "--model", "wan2.1-t2v-14b"])
+    assert config.model == "wan2.1-t2v-14b" and not config.real_widths  # the CPU keeps narrow widths
+
+
+def test_the_cache_part_refuses_a_model_whose_magcache_ratios_it_does_not_have(capsys):
+    error = _refusal(["--parts", "goal,cache", "--model", "wan2.1-t2v-14b"], capsys)
+    assert "--model wan2.1-t2v-14b" in error and "wan2.1-t2v-1.3b" in error  # names the input and the fix
+    assert "--model" in _refusal(["--model", "wan2.1-t2v-14b"], capsys)  # every part, the cache's among them
+    assert "invalid choice" in _refusal(["--parts", "goal", "--model", "wan2.2-t2v-a14b"], capsys)

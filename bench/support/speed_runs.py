@@ -19,6 +19,9 @@ from .blockswap_cpu import CpuTimes, build_pipeline, time_interleaved
 from .blockswap_modelled import transformer_config
 
 MODEL = "wan2.1-t2v-1.3b"
+# The transformers whose widths a CUDA run may take (`--model`): Wan 2.1 T2V's two, the shapes issue 24's goal
+# names. Their shipped configs (pipelines/configs/models) are the one declaration of those widths.
+WIDTH_MODELS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b")
 PUBLISHED = "Wan 2.1 T2V 1.3B"  # the label of its entry in pipelines/configs/mag_ratios.json
 UNCACHED = "off"
 CONTROL = "off (control)"  # the uncached call timed a second time: the noise floor of a time ratio
@@ -26,7 +29,7 @@ CONTROL = "off (control)"  # the uncached call timed a second time: the noise fl
 
 @dataclass(frozen=True)
 class SpeedConfig:
-    """One bench run: the transformer (Wan 2.1 1.3B's, `blocks` deep and `heads` x `head_dim` wide),
+    """One bench run: the transformer (`model`'s, `blocks` deep; `heads` x `head_dim` wide unless `real_widths`),
     the call, and what is timed."""
 
     steps: int = 50
@@ -42,14 +45,16 @@ class SpeedConfig:
     runs: int = 5  # timed interleaved rounds, after one untimed warm-up round
     time_tiers: tuple[str, ...] = ("none",)
     fbc_bold: float = 0.1  # First Block Cache's bolder threshold (diffusers' default is 0.05)
-    real_widths: bool = False  # the 1.3B's own widths (12 x 128, ffn 8960): `--device cuda`
+    real_widths: bool = False  # the model's own widths (the 1.3B's 12 x 128, ffn 8960): `--device cuda`
+    model: str = MODEL  # one of WIDTH_MODELS: whose config (and, with real_widths, widths) the blocks have
     prompt: str = "a cat and a dog dance"
     seed: int = 0
 
     def transformer(self) -> dict:
         widths = {} if self.real_widths else dict(num_attention_heads=self.heads, attention_head_dim=self.head_dim,
                                                   ffn_dim=self.ffn)
-        return dict(transformer_config(MODEL)[1], num_layers=self.blocks, text_dim=32, **widths)  # 32: the tiny encoder
+        # text_dim 32: the tiny text encoder's width
+        return dict(transformer_config(self.model)[1], num_layers=self.blocks, text_dim=32, **widths)
 
     def request(self, cache: StepCache) -> SampleRequest:
         return SampleRequest(self.prompt, "", self.width, self.height, self.frames, self.steps, self.cfg,
@@ -58,8 +63,8 @@ class SpeedConfig:
     def describe(self) -> dict:
         config = self.transformer()
         width = config["num_attention_heads"] * config["attention_head_dim"]
-        return {"steps": self.steps, "blocks": self.blocks, "width": width, "ffn": config["ffn_dim"],
-                "video": f"{self.width}x{self.height}x{self.frames}", "cfg": self.cfg, "device": self.device,
+        return {"model": self.model, "steps": self.steps, "blocks": self.blocks, "width": width,
+                "ffn": config["ffn_dim"], "video": f"{self.width}x{self.height}x{self.frames}", "cfg": self.cfg, "device": self.device,
                 "runs": self.runs, "time_tiers": list(self.time_tiers), "passes_per_step": 2 if self.cfg > 1 else 1}
 
 
