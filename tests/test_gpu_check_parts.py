@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed  # noqa: E402  (puts the repository root on the path, for bench.support)
 from bench.support.speed_compile import compile_rows  # noqa: E402
-from bench.support.speed_goal import GOAL_SPEEDUP, goal_rows, goals  # noqa: E402
+from bench.support.speed_goal import GOAL_SPEEDUP, goal_rows, goals, row_names_of  # noqa: E402
 from bench.support.speed_runs import SpeedConfig, build  # noqa: E402
 from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 
@@ -94,7 +94,10 @@ def test_the_gpu_check_measures_the_goal_at_480p_with_options_the_speed_bench_kn
     assert (config.width, config.height, config.frames) == (832, 480, 81) and args.parts == "goal"
     assert config.model == "wan2.1-t2v-14b"  # the width the goal has not been measured at yet
     assert "--json" in words and config.runs >= 2
-    assert re.search(r'^GOAL_ROWS=\$\{GOAL_ROWS:-\}', SCRIPT, re.M) and '${GOAL_ROWS:+--goal-rows "$GOAL_ROWS"}' in SCRIPT
+    assert '${GOAL_ROWS:+--goal-rows "$GOAL_ROWS"}' in SCRIPT
+    rows = re.search(r"^GOAL_ROWS=\$\{GOAL_ROWS-(\S*)\}", SCRIPT, re.M).group(1)
+    args, _ = speed.parse(["--parts", "goal", "--goal-rows", rows])  # the default rows are rows the bench has
+    assert {kernel for kernel, _ in row_names_of(args.goal_rows)} == {"auto"}  # the kernel the 1.3B found fastest
 
 
 def test_the_goal_part_measures_each_setting_against_the_fp8_baseline_and_writes_as_it_goes():
@@ -133,7 +136,7 @@ def test_the_goal_verdicts_judge_the_fastest_row():
 
 
 def test_goal_rows_are_chosen_by_name_in_their_order_and_an_unknown_one_is_refused(capsys):
-    from bench.support.speed_goal import ROWS, row_names_of
+    from bench.support.speed_goal import ROWS
 
     assert row_names_of(()) == ROWS
     assert row_names_of(("auto+fp8_on", "sage+fp8_off")) == (("sage", "off"), ("auto", "on"))
