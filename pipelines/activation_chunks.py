@@ -181,22 +181,30 @@ def _eager(step, block: nn.Module, *args):
 StepRunner = Callable[..., object]
 
 
-def _wan_part(table: torch.Tensor, temb: torch.Tensor, index: int) -> torch.Tensor:
+def _wan_modulation(block, temb: torch.Tensor) -> torch.Tensor:
+    """What every slice takes its modulation from (`_wan_part`): for broadcast `temb` ([B, 6, C], Wan 2.1 and
+    2.2 A14B) diffusers' own sum `scale_shift_table + temb.float()`, made once per block call (6 x C numbers;
+    made per part and slice, it was a dozen more small kernels per slice); per-token `temb` as it is."""
+    return temb if temb.ndim == 4 else block.scale_shift_table + temb.float()
+
+
+def _wan_part(table: torch.Tensor, modulation: torch.Tensor, index: int) -> torch.Tensor:
     """One of the modulation's six parts (shift, scale, gate; the feed-forward's), as WanTransformerBlock.forward
-    makes it, for the rows of `temb` given (all of them, or one slice's rows when the modulation is per token).
+    makes it, from `_wan_modulation`'s result for the rows given (all of them, or one slice's rows when the
+    modulation is per token).
 
-    Why per slice: Wan 2.2 TI2V's modulation is per token (temb [B, S, 6, C]). Built whole, as diffusers does,
-    its float32 copy and the float32 sum are two full-size tensors alive through the whole block (1.9 GiB each
-    for TI2V-5B at 1280x704x121), more than the slices save. Each element is the same float32 addition either
-    way, so the result does not change. Broadcast modulation ([B, 6, C], Wan 2.1 and 2.2 A14B) is tiny."""
-    if temb.ndim == 4:  # per token: [1, C] + [B, rows, C]
-        return table[:, index] + temb[:, :, index].float()
-    return table[:, index : index + 1] + temb[:, index : index + 1].float()  # [B, 1, C]
+    Why per slice where it is per token: Wan 2.2 TI2V's modulation is per token (temb [B, S, 6, C]). Built whole,
+    as diffusers does, its float32 copy and the float32 sum are two full-size tensors alive through the whole
+    block (1.9 GiB each for TI2V-5B at 1280x704x121), more than the slices save. Each element is the same float32
+    addition either way, so the result does not change."""
+    if modulation.ndim == 4:  # per token: [1, C] + [B, rows, C]
+        return table[:, index] + modulation[:, :, index].float()
+    return modulation[:, index : index + 1]  # [B, 1, C], a view of the sum made once
 
 
-def _rows_of(temb: torch.Tensor, rows: slice) -> torch.Tensor:
-    """`temb` for the tokens `rows`: its own rows when it is per token, else all of it."""
-    return temb[:, rows] if temb.ndim == 4 else temb
+def _rows_of(modulation: torch.Tensor, rows: slice) -> torch.Tensor:
+    """`_wan_modulation`'s result for the tokens `rows`: its own rows when it is per token, else all of it."""
+    return modulation[:, rows] if modulation.ndim == 4 else modulation
 
 
 def _wan_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -209,10 +217,11 @@ def _wan_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return out.type_as(hidden)
 
 
-def _wan_norm1(block, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-    """The self-attention's input for the rows `x` (their slice of `temb` where it is per token)."""
+def _wan_norm1(block, x: torch.Tensor, modulation: torch.Tensor) -> torch.Tensor:
+    """The self-attention's input for the rows `x` (`modulation`: `_wan_modulation`'s, their rows where per token)."""
     table = block.scale_shift_table
-    return (block.norm1(x.float()) * (1 + _wan_part(table, temb, SCALE)) + _wan_part(table, temb, SHIFT)).type_as(x)
+    return (block.norm1(x.float()) * (1 + _wan_part(table, modulation, SCALE))
+            + _wan_part(table, modulation, SHIFT)).type_as(x)
 
 
 def _wan_query(block, x: torch.Tensor, cos, sin) -> torch.Tensor:
@@ -222,11 +231,11 @@ def _wan_query(block, x: torch.Tensor, cos, sin) -> torch.Tensor:
     return _wan_rotary(query, cos, sin) if cos is not None else query
 
 
-def _wan_slice_projections(block, x: torch.Tensor, temb: torch.Tensor, cos, sin, with_query: bool):
+def _wan_slice_projections(block, x: torch.Tensor, modulation: torch.Tensor, cos, sin, with_query: bool):
     """Pass 1's step for one slice's rows `x`: self-attention's (queries or None, keys, values), as
     WanAttnProcessor makes them."""
     attn = block.attn1
-    x = _wan_norm1(block, x, temb)
+    x = _wan_norm1(block, x, modulation)
     query = _wan_query(block, x, cos, sin) if with_query else None
     key = attn.norm_k(attn.to_k(x)).unflatten(2, (attn.heads, -1))
     if cos is not None:
@@ -234,7 +243,8 @@ def _wan_slice_projections(block, x: torch.Tensor, temb: torch.Tensor, cos, sin,
     return query, key, attn.to_v(x).unflatten(2, (attn.heads, -1))
 
 
-def _wan_projections(block, hidden, temb, rope, slices, out, run: StepRunner) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _wan_projections(block, hidden, modulation, rope, slices, out,
+                     run: StepRunner) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Self-attention's keys and values for every token, computed a slice at a time, and its queries, parked
     in `out` (the block's output, still empty: each slice's output overwrites its own rows only after its
     queries are read back). Why park them: pass 2 would otherwise normalise every token a second time
@@ -244,7 +254,7 @@ def _wan_projections(block, hidden, temb, rope, slices, out, run: StepRunner) ->
     keys = values = None
     parked = True
     for rows in slices:
-        query, key, value = run(_wan_slice_projections, block, hidden[:, rows], _rows_of(temb, rows),
+        query, key, value = run(_wan_slice_projections, block, hidden[:, rows], _rows_of(modulation, rows),
                                 *_rope_rows(rope, rows), parked)
         parked = query is not None and query.dtype == out.dtype
         if parked:
@@ -296,7 +306,7 @@ def _attend(attn, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     return out.flatten(2, 3).type_as(query)
 
 
-def _wan_slice_rest(block, x: torch.Tensor, parked, keys, values, cross: tuple, temb: torch.Tensor, cos, sin):
+def _wan_slice_rest(block, x: torch.Tensor, parked, keys, values, cross: tuple, modulation: torch.Tensor, cos, sin):
     """Pass 2's step for one slice's rows `x`: its queries (read back from `parked`, their rows of the block's
     output, or made again when None) against every key and value, the residual, cross-attention against the
     keys and values made once, the feed-forward and its residual: the slice's output rows."""
@@ -304,17 +314,18 @@ def _wan_slice_rest(block, x: torch.Tensor, parked, keys, values, cross: tuple, 
     if parked is not None:  # contiguous as made (a batch of several makes the parked rows a strided view)
         query = parked.unflatten(2, (block.attn1.heads, -1)).contiguous()
     else:
-        query = _wan_query(block, _wan_norm1(block, x, temb), cos, sin)
+        query = _wan_query(block, _wan_norm1(block, x, modulation), cos, sin)
     attn1 = block.attn1
     attn_output = attn1.to_out[1](attn1.to_out[0](_attend(attn1, query, keys, values)))
     del query
-    h = (x.float() + attn_output * _wan_part(table, temb, GATE)).type_as(x)
+    h = (x.float() + attn_output * _wan_part(table, modulation, GATE)).type_as(x)
     del attn_output
     h = h + _wan_cross_attention(block, block.norm2(h.float()).type_as(h), *cross)
-    y = (block.norm3(h.float()) * (1 + _wan_part(table, temb, C_SCALE)) + _wan_part(table, temb, C_SHIFT)).type_as(h)
+    y = (block.norm3(h.float()) * (1 + _wan_part(table, modulation, C_SCALE))
+         + _wan_part(table, modulation, C_SHIFT)).type_as(h)
     ff_output = block.ffn(y)
     del y
-    return (h.float() + ff_output.float() * _wan_part(table, temb, C_GATE)).type_as(h)
+    return (h.float() + ff_output.float() * _wan_part(table, modulation, C_GATE)).type_as(h)
 
 
 def _wan_cross_attention(block, x: torch.Tensor, keys, values, image_keys, image_values) -> torch.Tensor:
@@ -333,11 +344,12 @@ def wan_block_forward(block: nn.Module, chunks: int, hidden_states: torch.Tensor
     each slice's step (compiled where compiled blocks are on)."""
     slices = token_slices(hidden_states.shape[1], chunks)
     out = torch.empty_like(hidden_states)
-    keys, values, parked = _wan_projections(block, hidden_states, temb, rotary_emb, slices, out, run)
+    modulation = _wan_modulation(block, temb)
+    keys, values, parked = _wan_projections(block, hidden_states, modulation, rotary_emb, slices, out, run)
     cross = _wan_cross_context(block, encoder_hidden_states)
     for rows in slices:
         out[:, rows] = run(_wan_slice_rest, block, hidden_states[:, rows], out[:, rows] if parked else None, keys,
-                           values, cross, _rows_of(temb, rows), *_rope_rows(rotary_emb, rows))
+                           values, cross, _rows_of(modulation, rows), *_rope_rows(rotary_emb, rows))
     return out
 
 
