@@ -207,7 +207,9 @@ def candidate_plans(
 def _tier_plan(model, shape, tier: OffloadTier, base: MemoryStrategy, options: PlanOptions, budgets) -> Plan:
     vram, _ = budgets
     strategy = replace(base, offload=tier, blocks_to_swap=1 if tier is OffloadTier.BLOCK_SWAP else 0, vae_tiling=None)
-    if base.chunks_auto:  # chunks before blocks: slicing costs next to nothing, every swapped block a copy per step
+    # Chunks before blocks: a slice costs compute that nothing hides (costs.CHUNK_COMPUTE_SHARE), a swapped block a copy
+    # that mostly hides behind the previous block's compute; so the fewest slices first, at the leanest block count.
+    if base.chunks_auto:
         strategy = fewest_chunks(model, shape, strategy, options, vram)
     if tier is OffloadTier.BLOCK_SWAP:
         strategy = _fewest_blocks(model, shape, strategy, options, vram)

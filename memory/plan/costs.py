@@ -89,6 +89,24 @@ def exposed_copy_share(leaves: bool, prefetch: int) -> float:
         return EXPOSED_COPY_SHARE_LEAVES
     return EXPOSED_COPY_SHARE_BLOCKS if prefetch else EXPOSED_COPY_SHARE_NO_PREFETCH
 
+# Time a denoiser block spends beyond its FLOPs when it runs in activation-chunk token slices, as a share of
+# its compute: each slice runs the block's small kernels again (a Wan block's ~90 per slice, launched and
+# drained as often as the whole block's) and writes its queries, keys, values and output into the
+# whole-size tensors. Measured on an H200 (bench/results/activations-gpu-h200-2026-11-28.json; docs/gpu.md),
+# one real-size Wan 14B block, eager bf16, at 480p (32,760 tokens), the costlier of the two sizes run (720p:
+# +1.8% to +6.3%): +3.1%, +5.3%, +6.5%, +9.1% at 2, 4, 8 and 16 slices, to the nearest percent; 32 slices
+# extrapolated (+3 points a doubling). A slower card spends longer in each kernel, so the fixed cost per slice
+# is a smaller share there: for a consumer card these are an upper bound. On a CPU nothing is launched, and a
+# chunked block measured no slower (docs/activation-chunks.md): no share.
+CHUNK_COMPUTE_SHARE = {1: 0.0, 2: 0.03, 4: 0.05, 8: 0.07, 16: 0.09, 32: 0.12}
+
+
+def chunk_compute_share(chunks: int) -> float:
+    """CHUNK_COMPUTE_SHARE for `chunks` slices: the listed count's, or the next listed one above it."""
+    listed = sorted(CHUNK_COMPUTE_SHARE)
+    return CHUNK_COMPUTE_SHARE[next((count for count in listed if count >= chunks), listed[-1])]
+
+
 # Upcasting stored weights (fp8, GGUF) to the compute dtype, once per layer call (every pass, under
 # every tier). On a GPU these elementwise kernels are memory-bound: scaled fp8 reads 1 B, writes and
 # reads two float32 temporaries and writes 2 B per weight (~23 B of traffic; the temporaries are
@@ -180,6 +198,7 @@ class Work:
     dequant_weights: int = 0  # stored weights upcast per pass (storage below the compute dtype)
     dequant_widens: bool = False  # those upcasts only widen (plain fp8): a fraction of the traffic on a GPU
     rates: DeviceRates = GPU_RATES  # the compute device's (on_host work runs at CPU_RATES)
+    compute_share: float = 0.0  # time beyond the FLOPs', as a share of their compute (chunk_compute_share)
 
     def seconds(self, disk: DiskRead | None = None) -> float:
         if self.on_host:  # page faults on memory-mapped weights are synchronous: reads add to compute
@@ -187,7 +206,8 @@ class Work:
             if disk is not None:
                 seconds += disk.reread_bytes(Traffic(once_bytes=self.host_weight_bytes))[1] / disk.bytes_per_s
             return seconds
-        return stage_seconds(self.flops, self.passes, self.traffic, disk, self.rates, self.upcast_weights)
+        return stage_seconds(self.flops, self.passes, self.traffic, disk, self.rates, self.upcast_weights,
+                             self.compute_share)
 
     @property
     def upcast_weights(self) -> float:
@@ -196,14 +216,15 @@ class Work:
 
 
 def stage_seconds(compute_flops: float, passes: int, traffic: Traffic, disk: DiskRead | None = None,
-                  rates: DeviceRates = GPU_RATES, dequant_weights: int = 0) -> float:
+                  rates: DeviceRates = GPU_RATES, dequant_weights: int = 0, compute_share: float = 0.0) -> float:
     """Estimated wall time of `passes` forward passes totalling `compute_flops`.
 
     With `disk`, streamed weights the page cache cannot keep are read from the disk every pass;
     reading, copying and computing overlap when the schedule prefetches (staging buffers). Stored
-    weights are upcast on the compute stream each pass: added to compute, never hidden.
+    weights are upcast on the compute stream each pass: added to compute, never hidden. `compute_share`:
+    time beyond the FLOPs' (activation chunks' slices), as a share of their compute.
     """
-    compute = compute_flops / rates.flops_per_s
+    compute = compute_flops / rates.flops_per_s * (1 + compute_share)
     per_pass_compute = compute / max(passes, 1) + dequant_weights / rates.dequant_weights_per_s
     copy_rate = rates.copy_bytes_per_s
     per_pass_copy = traffic.per_pass_bytes / copy_rate if copy_rate else 0.0

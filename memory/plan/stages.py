@@ -13,7 +13,8 @@ from collections import Counter
 from dataclasses import replace
 
 from .allocator import replay
-from .costs import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Traffic, Work, exposed_copy_share, host_runtime_bytes
+from .costs import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Traffic, Work, chunk_compute_share, exposed_copy_share,
+                    host_runtime_bytes)
 from .schedule import (ComponentWeights, Streaming, stream_timeline, table_computing_residency, table_resident_tensors,
                        table_streamed_unit_bytes)
 from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
@@ -292,9 +293,10 @@ def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, option
     """`name`'s compute on the device: its FLOPs, the weights it moves, the stored weights it upcasts each pass.
     `call`: the denoise call, whose chunked blocks call some layers once per token slice."""
     weights = component_weights(model, name, options)
+    chunked = call is not None and call.chunks > 1 and not options.on_cpu  # launches cost only where kernels launch
     return Work(flops, passes, _traffic(model, name, strategy, options, call), dequant_weights=weights.stored.stored_weights,
-                dequant_widens=weights.stored.widens,
-                rates=options.rates)
+                dequant_widens=weights.stored.widens, rates=options.rates,
+                compute_share=chunk_compute_share(call.chunks) if chunked else 0.0)
 
 
 def _host_work(flops: float, weights: ComponentWeights) -> Work:
