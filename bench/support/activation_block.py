@@ -21,6 +21,9 @@ The issue's goals, judged on CUDA only: every measured peak within 10% of the pl
 (480p) every chunk count at most 5% slower than unchunked. A block's cost ratio stands for a step's:
 the blocks are nearly all of a denoise step's time. `--device cpu` runs the same path with wall-clock
 timing and no allocator statistics (a dry run: CI checks the wiring at tiny widths).
+
+With `profile`, each count's row also says where its time goes (bench/support/activation_profile.py): one more
+call after the timed ones, under the profiler, its time summed by kind of work.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch
 from vidmem.memory.accounting import trace
 from vidmem.pipelines.activation_chunks import activation_chunks
 from vidmem.pipelines.compile import CompileSettings, compiled_blocks
+
+from .activation_profile import cost_table, profile_call
 
 FP32_MODULES = ("scale_shift_table", "norm1", "norm2", "norm3")  # WanTransformer3DModel._keep_in_fp32_modules
 VIDEO_TOKENS = {75600: "1280x720x81", 32760: "832x480x81"}  # Wan's latent patches: (W/16) x (H/16) x ((F-1)/4+1)
@@ -154,10 +159,12 @@ class CpuMeter:
 
 
 def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], device, dtype: str, meter,
-            runs: int = 5, log=print, save=None, compiled: CompileSettings = CompileSettings()) -> dict:
+            runs: int = 5, log=print, save=None, compiled: CompileSettings = CompileSettings(),
+            profile: bool = False) -> dict:
     """Every chunk count at every token count (see the module docstring); 1 (unchunked) always runs first.
     `save` is handed the result so far after each token count (a lease's time limit keeps what was done).
-    `compiled` on: every count compiled (the warm-up call compiles, outside the timed calls)."""
+    `compiled` on: every count compiled (the warm-up call compiles, outside the timed calls).
+    `profile`: each row's `profile`, from one more call after the timed ones (bench/support/activation_profile.py)."""
     counts = (1, *sorted(set(chunks) - {1}))
     module = build_block(shape, device, dtype)
     found = {"config": asdict(shape), "dtype": dtype, "device": str(device), "meter": meter.name, "runs": runs,
@@ -166,7 +173,7 @@ def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], dev
         for count in tokens:
             try:
                 found["tokens"][str(count)] = _at_tokens(module, shape, count, counts, device, dtype, meter, runs, log,
-                                                         compiled)
+                                                         compiled, profile)
             except torch.OutOfMemoryError as error:  # a finding at this size: the other counts still run
                 found["tokens"][str(count)] = {"video": VIDEO_TOKENS.get(count, ""), "error": _first_line(error)}
                 log(f"  {count} tokens: {found['tokens'][str(count)]['error']}")
@@ -177,7 +184,7 @@ def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], dev
 
 
 def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], device, dtype: str, meter, runs: int,
-               log, compiled: CompileSettings) -> dict:
+               log, compiled: CompileSettings, profile: bool = False) -> dict:
     inputs = block_inputs(shape, tokens, device, dtype)
     rows, reference = {}, None
     for chunks in counts:
@@ -193,11 +200,22 @@ def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], 
         for chunks in counts:
             with prepared(module, chunks, compiled):
                 rows[str(chunks)].setdefault("times", []).append(meter.seconds(lambda: module(*inputs)))
+    if profile:  # after every timed call, so the profiler's overhead is in none of them
+        _profile_rows(module, inputs, rows, device, compiled)
     base = statistics.median(rows["1"]["times"]) if runs else None
     for row in rows.values():
         _finish(row, base, judged=meter.name == "cuda", cost_applies=tokens == COST_GOAL_TOKENS, compiled=compiled.on)
         log(_line(tokens, row))
+    for line in cost_table(tokens, rows):
+        log(line)
     return {"video": VIDEO_TOKENS.get(tokens, ""), "text_tokens": shape.text_tokens, "rows": rows}
+
+
+def _profile_rows(module, inputs: tuple, rows: dict, device, compiled: CompileSettings) -> None:
+    """Each count's `profile`: one more call of the block prepared as its timed calls were (chunked, compiled)."""
+    for row in rows.values():
+        with prepared(module, row["chunks"], compiled):
+            row["profile"] = profile_call(lambda: module(*inputs), torch.device(device))
 
 
 def _compare(out: torch.Tensor, reference: torch.Tensor) -> dict:
