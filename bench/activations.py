@@ -16,9 +16,9 @@ Two parts, written as JSON:
   count (default 32,760 and 75,600: 480p and 720p), bf16 on CUDA: peak allocated above the weights and
   inputs against the plan, CUDA-event time against unchunked, output equality, and issue 28's goals
   (bench/support/activation_block.py). `--device cpu --tiny` is its dry run (CI runs it). `--profile` adds,
-  per count, where the time goes: one more call under torch.profiler, its device time by kind (gemm,
-  attention, copy, elementwise), busy against wall time, and each kind's difference against unchunked
-  (bench/support/activation_profile.py).
+  per count, where the time goes: one more call under torch.profiler after all the timed ones, its device
+  time by kind (gemm, attention, copy, elementwise), busy against wall time, and each kind's difference
+  against unchunked (bench/support/activation_profile.py).
 
     python bench/activations.py --json bench/results/activations-cpu-2026-11-26.json
     python bench/activations.py --device cuda --chunks 1,2,4,8,16 --json activations-gpu.json   # about 30 s on an H100
@@ -85,10 +85,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "here slice 32,760 tokens evenly): each count compiles its own code in the untimed warm-up. "
                         "The plan counts the eager forward, so a compiled peak fails only above it; written under "
                         "block_<device>_compiled")
-    parser.add_argument("--profile", action="store_true", help="with --device: after each count's timed calls, one "
-                        "more under torch.profiler, its time by kind (gemm, attention, copy, elementwise), kernels "
-                        "launched, busy against wall time and the top kernels in the row's `profile`, and a table of "
-                        "each kind's difference against unchunked (bench/support/activation_profile.py)")
+    parser.add_argument("--profile", action="store_true", help="with --device: once every count's timed calls are "
+                        "done, one more per count under torch.profiler, its time by kind (gemm, attention, copy, "
+                        "elementwise), kernels launched, busy against wall time and the top kernels in the row's "
+                        "`profile`, and a table of each kind's difference against unchunked "
+                        "(bench/support/activation_profile.py)")
     parser.add_argument("--skip-block", action="store_true", help="plans only")
     parser.add_argument("--skip-plans", action="store_true", help="the block only, added to an existing --json file")
     parser.add_argument("--block-run", help=argparse.SUPPRESS)  # internal: one chunk count in this process

@@ -179,10 +179,13 @@ def test_the_profile_table_prints_each_kind_against_unchunked(profiled_run):
     lines = activation_profile.cost_table(32760, made_up)
     assert lines[2].endswith("gemm +1.20 ms, attention +0.80 ms, copy +0.90 ms, elementwise +0.00 ms")
     assert "110.00 ms timed" in lines[2] and "+" not in lines[1]  # unchunked is the reference, no difference
+    assert "suspect" not in lines[2]
+    made_up["2"]["profile"]["busy_ms"] = 35.0  # above its 30 ms wall: impossible on one stream
+    assert "busy above wall: suspect kernel timestamps" in activation_profile.cost_table(32760, made_up)[2]
 
 
 def _profile(**by_kind) -> dict:
-    return {"clock": "cuda", "device_ms_by_kind": by_kind, "kernels": 10, "wall_ms": 20.0,
+    return {"clock": "cuda", "device_ms_by_kind": by_kind, "kernels": 10, "wall_ms": 30.0,
             "busy_ms": sum(by_kind.values()), "top": []}
 
 
@@ -264,25 +267,31 @@ def test_profile_needs_device(capsys):
     assert activations.parse(["--device", "cpu", "--profile"]).profile
 
 
-def test_the_profiled_call_is_outside_the_timed_calls_and_the_peaks():
-    """One more call per count, after the timed ones: the meter times and peaks exactly as without --profile."""
-    class CountingMeter(activation_block.CpuMeter):
-        peaks = timed = 0
+def test_the_profiled_calls_come_after_every_timed_call_and_peak(monkeypatch):
+    """One more call per count, once every token count's timed calls are done (a profiler session can slow the
+    launches after it): the meter times and peaks exactly as without --profile."""
+    calls = []
 
+    class RecordingMeter(activation_block.CpuMeter):
         def peak(self, call):
-            self.peaks += 1
+            calls.append("peak")
             return super().peak(call)
 
         def seconds(self, call):
-            self.timed += 1
+            calls.append("timed")
             return super().seconds(call)
 
-    meter = CountingMeter()
-    found = measure(TINY, (64,), (2, 4), torch.device("cpu"), "float32", meter, runs=RUNS, log=lambda line: None,
-                    profile=True)
-    rows = found["tokens"]["64"]["rows"]
-    assert meter.peaks == len(rows) and meter.timed == len(rows) * RUNS
-    assert all(row["profile"]["kernels"] > 0 for row in rows.values())
+    def profiled(call, device):
+        calls.append("profiled")
+        return activation_profile.profile_call(call, device)
+
+    monkeypatch.setattr(activation_block, "profile_call", profiled)
+    found = measure(TINY, TOKENS, (2, 4), torch.device("cpu"), "float32", RecordingMeter(), runs=RUNS,
+                    log=lambda line: None, profile=True)
+    counts = len(found["chunks"]) * len(TOKENS)
+    assert calls.count("peak") == counts and calls.count("timed") == counts * RUNS
+    assert calls[-counts:] == ["profiled"] * counts and calls.count("profiled") == counts
+    assert all(row["profile"]["kernels"] > 0 for part in found["tokens"].values() for row in part["rows"].values())
 
 
 def test_compiled_counts_are_profiled_running_their_compiled_graphs(monkeypatch):

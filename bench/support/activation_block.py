@@ -23,7 +23,7 @@ the blocks are nearly all of a denoise step's time. `--device cpu` runs the same
 timing and no allocator statistics (a dry run: CI checks the wiring at tiny widths).
 
 With `profile`, each count's row also says where its time goes (bench/support/activation_profile.py): one more
-call after the timed ones, under the profiler, its time summed by kind of work.
+call once every timed call is done, under the profiler, its time summed by kind of work.
 """
 
 from __future__ import annotations
@@ -164,7 +164,9 @@ def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], dev
     """Every chunk count at every token count (see the module docstring); 1 (unchunked) always runs first.
     `save` is handed the result so far after each token count (a lease's time limit keeps what was done).
     `compiled` on: every count compiled (the warm-up call compiles, outside the timed calls).
-    `profile`: each row's `profile`, from one more call after the timed ones (bench/support/activation_profile.py)."""
+    `profile`: each row's `profile`, from one more call once every token count's timed calls are done
+    (bench/support/activation_profile.py): until CUPTI is torn down, a profiler session can slow the launches after
+    it, and a chunked block launches more of them, so no timed call comes after one."""
     counts = (1, *sorted(set(chunks) - {1}))
     module = build_block(shape, device, dtype)
     found = {"config": asdict(shape), "dtype": dtype, "device": str(device), "meter": meter.name, "runs": runs,
@@ -173,18 +175,22 @@ def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], dev
         for count in tokens:
             try:
                 found["tokens"][str(count)] = _at_tokens(module, shape, count, counts, device, dtype, meter, runs, log,
-                                                         compiled, profile)
+                                                         compiled)
             except torch.OutOfMemoryError as error:  # a finding at this size: the other counts still run
                 found["tokens"][str(count)] = {"video": VIDEO_TOKENS.get(count, ""), "error": _first_line(error)}
                 log(f"  {count} tokens: {found['tokens'][str(count)]['error']}")
             found["goals"] = goals(found["tokens"], meter.name == "cuda")
             if save is not None:
                 save(found)
+        if profile:
+            _profile_all(module, shape, found["tokens"], device, dtype, log, compiled)
+            if save is not None:
+                save(found)
     return found
 
 
 def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], device, dtype: str, meter, runs: int,
-               log, compiled: CompileSettings, profile: bool = False) -> dict:
+               log, compiled: CompileSettings) -> dict:
     inputs = block_inputs(shape, tokens, device, dtype)
     rows, reference = {}, None
     for chunks in counts:
@@ -200,19 +206,26 @@ def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], 
         for chunks in counts:
             with prepared(module, chunks, compiled):
                 rows[str(chunks)].setdefault("times", []).append(meter.seconds(lambda: module(*inputs)))
-    if profile:  # after every timed call, so the profiler's overhead is in none of them
-        _profile_rows(module, inputs, rows, device, compiled)
     base = statistics.median(rows["1"]["times"]) if runs else None
     for row in rows.values():
         _finish(row, base, judged=meter.name == "cuda", cost_applies=tokens == COST_GOAL_TOKENS, compiled=compiled.on)
         log(_line(tokens, row))
-    for line in cost_table(tokens, rows):
-        log(line)
     return {"video": VIDEO_TOKENS.get(tokens, ""), "text_tokens": shape.text_tokens, "rows": rows}
 
 
+def _profile_all(module, shape: BlockShape, by_tokens: dict, device, dtype: str, log,
+                 compiled: CompileSettings) -> None:
+    """Each row's `profile`: one more call of the block prepared as its timed calls were (chunked, compiled), on
+    inputs of the same shapes; then each token count's table. A count that ran out of memory has no rows."""
+    for tokens, part in by_tokens.items():
+        if "rows" not in part:
+            continue
+        _profile_rows(module, block_inputs(shape, int(tokens), device, dtype), part["rows"], device, compiled)
+        for line in cost_table(int(tokens), part["rows"]):
+            log(line)
+
+
 def _profile_rows(module, inputs: tuple, rows: dict, device, compiled: CompileSettings) -> None:
-    """Each count's `profile`: one more call of the block prepared as its timed calls were (chunked, compiled)."""
     for row in rows.values():
         with prepared(module, row["chunks"], compiled):
             row["profile"] = profile_call(lambda: module(*inputs), torch.device(device))

@@ -4,8 +4,9 @@ Times alone cannot say why a chunked block is slower than the whole one. The ext
 rows (tile quantization: a last tile row half empty costs a full one), attention on fewer queries, the copies
 chunking adds (keys, values and queries written into preallocated tensors, each slice's output written back),
 elementwise work, or host-side launch overhead (the GPU idle while the CPU launches more, smaller kernels).
-So after a chunk count's timed runs, one more call of the block runs under `torch.profiler.profile`, outside
-every timed call and peak, and its row gets a `profile`:
+So once every count's timed runs are done (at every token count: a profiler session can slow the launches
+after it until CUPTI is torn down, pytorch/pytorch#144455), one more call of the block per count runs under
+`torch.profiler.profile`, and its row gets a `profile`:
 - `clock`: "cuda" (device kernels: CUDA activity) or "cpu" (the dry run: the aten ops' self CPU time, since
   there are no device kernels);
 - `device_ms_by_kind`: that time in ms summed by kind, `gemm`, `attention`, `copy`, `elementwise`, each kernel
@@ -13,7 +14,9 @@ every timed call and peak, and its row gets a `profile`:
 - `kernels`: device kernels launched, copies and memsets included (cpu: aten ops counted, nested ones too);
 - `wall_ms` of the profiled call (synchronised) and `busy_ms`, the sum of device time: wall well above busy
   means the GPU waited for the host. The profiler adds host time per launch, so wall is an upper bound: the
-  row's own timed `seconds` (unprofiled) against `busy_ms` says the same without it;
+  row's own timed `seconds` (unprofiled) against `busy_ms` says the same without it. Busy above wall cannot
+  happen on one stream: the printed line then says the kernels' timestamps are suspect (CUPTI has handed back
+  kernel records with timestamps from another clock at the start of a session, pytorch/pytorch#192021);
 - `top`: the 8 kernels (or ops) with the most time: name (first 80 characters), calls, ms.
 
 A dtype cast (`.float()`, `type_as`) runs the same CUDA kernel as a copy (`direct_copy_kernel_cuda`), so casts
@@ -134,8 +137,9 @@ def _profile_line(tokens: int, row: dict) -> str:
     kinds = ", ".join(f"{kind} {found['device_ms_by_kind'][kind]:.2f}" for kind in KINDS)
     timed = "-" if row.get("seconds") is None else f"{row['seconds'] * 1000:.2f}"
     launched = "kernels" if found["clock"] == "cuda" else "aten ops"
+    suspect = " (busy above wall: suspect kernel timestamps)" if found["busy_ms"] > found["wall_ms"] else ""
     return (f"    profiled {tokens} tokens, chunks {row['chunks']:>2}: {kinds}; busy {found['busy_ms']:.2f} ms, "
-            f"wall {found['wall_ms']:.2f} ms profiled, {timed} ms timed, {found['kernels']} {launched}")
+            f"wall {found['wall_ms']:.2f} ms profiled{suspect}, {timed} ms timed, {found['kernels']} {launched}")
 
 
 def difference(by_kind: dict, base: dict) -> str:
