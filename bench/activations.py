@@ -15,12 +15,17 @@ Two parts, written as JSON:
 - `--device cuda` (or `cpu`): the block part only, every chunk count in this process at each `--tokens`
   count (default 32,760 and 75,600: 480p and 720p), bf16 on CUDA: peak allocated above the weights and
   inputs against the plan, CUDA-event time against unchunked, output equality, and issue 28's goals
-  (bench/support/activation_block.py). `--device cpu --tiny` is its dry run (CI runs it).
+  (bench/support/activation_block.py). `--device cpu --tiny` is its dry run (CI runs it). `--profile` adds,
+  per count, where the time goes: one more call under torch.profiler after all the timed ones, its device
+  time by kind (gemm, attention, copy, elementwise), busy against wall time, and each kind's difference
+  against unchunked (bench/support/activation_profile.py).
 
     python bench/activations.py --json bench/results/activations-cpu-2026-11-26.json
     python bench/activations.py --device cuda --chunks 1,2,4,8,16 --json activations-gpu.json   # about 30 s on an H100
     python bench/activations.py --device cpu --tiny --tokens 64,96 --runs 2 --json /tmp/dry.json   # seconds
     python bench/activations.py --device cuda --compile --tokens 32760 --chunks 1,2,4 --json act-compiled.json
+    python bench/activations.py --device cuda --profile --tokens 32760 --chunks 1,2,4,8,16 --json act-profiled.json
+    python bench/activations.py --device cpu --tiny --tokens 64,96 --runs 2 --profile --json /tmp/dry.json
 
 About 10 minutes on 2 shared cores (--skip-block for the plans only).
 """
@@ -80,6 +85,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "here slice 32,760 tokens evenly): each count compiles its own code in the untimed warm-up. "
                         "The plan counts the eager forward, so a compiled peak fails only above it; written under "
                         "block_<device>_compiled")
+    parser.add_argument("--profile", action="store_true", help="with --device: once every count's timed calls are "
+                        "done, one more per count under torch.profiler, its time by kind (gemm, attention, copy, "
+                        "elementwise), kernels launched, busy against wall time and the top kernels in the row's "
+                        "`profile`, and a table of each kind's difference against unchunked "
+                        "(bench/support/activation_profile.py)")
     parser.add_argument("--skip-block", action="store_true", help="plans only")
     parser.add_argument("--skip-plans", action="store_true", help="the block only, added to an existing --json file")
     parser.add_argument("--block-run", help=argparse.SUPPRESS)  # internal: one chunk count in this process
@@ -87,6 +97,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.device is None and (args.tiny or args.compile or (args.tokens and len(args.tokens) > 1)):
         parser.error("--tiny, --compile and several --tokens counts need --device (the CPU RSS part runs one real "
                      "block size, eagerly)")
+    if args.profile and args.device is None:
+        parser.error("--profile needs --device: it profiles the block run in this process (the CPU RSS part runs "
+                     "each chunk count in its own process, unprofiled); try --device cpu --tiny --profile")
     if args.device == "cuda" and not torch_cuda_available():
         parser.error("--device cuda: torch sees no CUDA device here; use --device cpu for the dry run")
     if args.runs < 1:
@@ -144,7 +157,8 @@ def device_block(args: argparse.Namespace) -> dict:
     if args.device == "cpu":
         torch.set_num_threads(1)  # the dry run's times: one thread does not fight other work for shared cores
     results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(args.device)}
-    kind = args.dtype + (", tiny" if args.tiny else "") + (", compiled" if args.compile else "")
+    kind = "".join((args.dtype, ", tiny" if args.tiny else "", ", compiled" if args.compile else "",
+                    ", profiled" if args.profile else ""))
     print(f"block on {args.device} ({kind}): tokens "
           f"{', '.join(map(str, args.tokens))}, chunks {', '.join(map(str, args.chunks))}, {args.runs} timed runs",
           flush=True)
@@ -159,7 +173,7 @@ def device_block(args: argparse.Namespace) -> dict:
         write(args.json, results)
 
     found = measure(TINY if args.tiny else WAN14B, args.tokens, args.chunks, torch.device(args.device), args.dtype,
-                    meter, args.runs, save=save, compiled=compiled)
+                    meter, args.runs, save=save, compiled=compiled, profile=args.profile)
     print(f"goals: {json.dumps(found['goals'])}\nwrote {args.json} in {results['seconds']} s")
     return results
 

@@ -3,7 +3,8 @@ block, and its CUDA path on the recording CUDA fake, so the script a GPU lease r
 is checked in CI. What is checked: the JSON's rows, the planner's prediction per chunk count, the
 outputs against unchunked, that the allocator's peak is reset before every measured call and read
 above where the call started, that times come from CUDA events, and the goals' verdicts from the
-figures (never the figures themselves: those are the lease's)."""
+figures (never the figures themselves: those are the lease's). `--profile`: each count's time by kind
+(the CPU clock here, real CUDA kernel names classified), outside the timed calls, compiled too."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import activations  # noqa: E402  (puts the repository root on the path, for bench.support)
-from bench.support import activation_block  # noqa: E402
+from bench.support import activation_block, activation_profile  # noqa: E402
 from bench.support.activation_block import TINY, CudaMeter, measure  # noqa: E402
 from cuda_fake import FakeCuda  # noqa: E402
 
@@ -138,3 +139,197 @@ def test_a_compiled_peak_below_the_plan_passes_and_one_far_above_fails():
 
     assert judged(60, compiled=True) and not judged(60, compiled=False)
     assert judged(105, compiled=True) and not judged(120, compiled=True)
+
+
+# --- --profile: where a count's time goes ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("activations") / "profiled.json"
+    activations.main(["--device", "cpu", "--tiny", "--tokens", ",".join(map(str, TOKENS)), "--runs", str(RUNS),
+                      "--profile", "--json", str(path)])
+    return json.loads(path.read_text())
+
+
+def test_the_profiled_dry_run_breaks_every_count_down_by_kind(profiled_run):
+    for tokens, part in profiled_run["block_cpu"]["tokens"].items():
+        rows = part["rows"]
+        for chunks, row in rows.items():
+            found = row["profile"]
+            assert found["clock"] == "cpu" and set(found["device_ms_by_kind"]) == set(activation_profile.KINDS)
+            by_kind = found["device_ms_by_kind"]
+            assert by_kind["gemm"] > 0 and by_kind["attention"] > 0, (tokens, chunks, by_kind)
+            assert found["kernels"] > 0 and found["wall_ms"] > 0 and found["top"], (tokens, chunks)
+            assert found["busy_ms"] == pytest.approx(sum(by_kind.values()), abs=0.01)
+            assert all(len(top["name"]) <= 80 and top["calls"] > 0 for top in found["top"])
+            assert len(row["times"]) == RUNS  # the profiled call is not one of the timed ones
+        # slicing runs the block's ops once per slice: more launches, the thing the profile is there to show
+        assert rows["8"]["profile"]["kernels"] > rows["2"]["profile"]["kernels"] > rows["1"]["profile"]["kernels"]
+
+
+def test_the_profile_table_prints_each_kind_against_unchunked(profiled_run):
+    rows = profiled_run["block_cpu"]["tokens"][str(TOKENS[0])]["rows"]
+    lines = activation_profile.cost_table(TOKENS[0], rows)
+    assert "cpu clock" in lines[0] and len(lines) == 1 + len(rows)
+    base, eight = rows["1"]["profile"]["device_ms_by_kind"], rows["8"]["profile"]["device_ms_by_kind"]
+    assert f"gemm {eight['gemm'] - base['gemm']:+.2f} ms" in lines[-1]
+    made_up = {"1": {"chunks": 1, "seconds": 0.1, "profile": _profile(gemm=10, attention=5, copy=1, elementwise=2)},
+               "2": {"chunks": 2, "seconds": 0.11,
+                     "profile": _profile(gemm=11.2, attention=5.8, copy=1.9, elementwise=2)}}
+    lines = activation_profile.cost_table(32760, made_up)
+    assert lines[2].endswith("gemm +1.20 ms, attention +0.80 ms, copy +0.90 ms, elementwise +0.00 ms")
+    assert "110.00 ms timed" in lines[2] and "+" not in lines[1]  # unchunked is the reference, no difference
+    assert "suspect" not in lines[2]
+    made_up["2"]["profile"]["busy_ms"] = 35.0  # above its 30 ms wall: impossible on one stream
+    assert "busy above wall: suspect kernel timestamps" in activation_profile.cost_table(32760, made_up)[2]
+
+
+def _profile(**by_kind) -> dict:
+    return {"clock": "cuda", "device_ms_by_kind": by_kind, "kernels": 10, "wall_ms": 30.0,
+            "busy_ms": sum(by_kind.values()), "top": []}
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__"
+     "5x_cublas", "gemm"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "gemm"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false>",
+     "gemm"),
+    ("triton_tem_fused_addmm_0", "gemm"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t, "
+     "Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, false, false, false, false, true, true, false>",
+     "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+     "cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)", "attention"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_"
+     "cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(c10::BFloat16)#1}>", "copy"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("Memset (Device)", "copy"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, "
+     "unsigned int, 3, 128, 1>", "copy"),
+    ("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<...> >", "copy"),
+    ("triton_poi_fused_add_mul_0", "elementwise"),
+    ("triton_poi_fused__to_copy_add_mul_native_layer_norm_1", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, "
+     "at::native::GeluType)::{lambda()#2}::operator()() const", "elementwise"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(int, float, float const*, "
+     "float const*, float const*, float*, float*, float*)", "elementwise"),
+])
+def test_real_cuda_kernel_names_are_classified_by_kind(name, kind):
+    assert activation_profile.kind_of(name) == kind
+
+
+def test_the_cuda_clock_sums_device_kernels_and_not_the_annotations_around_them():
+    """What a CUDA profile holds (no GPU here: events as torch.profiler lists them): kernels, copies and memsets on
+    the device count; the device-side range of an annotation spans kernels already counted, and host ops run on
+    the CPU's clock, so neither does."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, device_type, micros, annotation=False):
+        return SimpleNamespace(name=name, device_type=device_type, device_time_total=micros,
+                               is_user_annotation=annotation)
+
+    events = [event("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", DeviceType.CUDA, 1500),
+              event("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", DeviceType.CUDA, 500),
+              event("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", DeviceType.CUDA, 3000),
+              event("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 250),
+              event("triton_poi_fused_add_mul_0", DeviceType.CUDA, 750),
+              event("wan block", DeviceType.CUDA, 9000, annotation=True),
+              event("aten::mm", DeviceType.CPU, 4000)]
+    found = activation_profile.summary(activation_profile._device_kernels(events), activation_profile.KERNEL_KINDS,
+                                       "cuda", wall_ms=8.0)
+    assert found["device_ms_by_kind"] == {"gemm": 2.0, "attention": 3.0, "copy": 0.25, "elementwise": 0.75}
+    assert found["kernels"] == 5 and found["busy_ms"] == 6.0 and found["wall_ms"] == 8.0
+    assert found["top"][0] == {"name": "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "calls": 1,
+                               "ms": 3.0}
+    assert found["top"][1] == {"name": "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "calls": 2, "ms": 2.0}
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("aten::addmm", "gemm"), ("aten::mm", "gemm"), ("aten::bmm", "gemm"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("aten::_scaled_dot_product_cudnn_attention", "attention"),
+    ("aten::copy_", "copy"), ("aten::cat", "copy"), ("aten::index_put_", "copy"), ("aten::slice_scatter", "copy"),
+    ("aten::mul", "elementwise"), ("aten::native_layer_norm", "elementwise"), ("aten::gelu", "elementwise"),
+])
+def test_aten_ops_are_classified_by_kind_on_the_cpu_clock(name, kind):
+    assert activation_profile.kind_of(name, activation_profile.OP_KINDS) == kind
+
+
+def test_profile_needs_device(capsys):
+    with pytest.raises(SystemExit):
+        activations.parse(["--profile"])
+    assert "--profile needs --device" in capsys.readouterr().err
+    assert activations.parse(["--device", "cpu", "--profile"]).profile
+
+
+def test_the_profiled_calls_come_after_every_timed_call_and_peak(monkeypatch):
+    """One more call per count, once every token count's timed calls are done (a profiler session can slow the
+    launches after it): the meter times and peaks exactly as without --profile."""
+    calls = []
+
+    class RecordingMeter(activation_block.CpuMeter):
+        def peak(self, call):
+            calls.append("peak")
+            return super().peak(call)
+
+        def seconds(self, call):
+            calls.append("timed")
+            return super().seconds(call)
+
+    def profiled(call, device):
+        calls.append("profiled")
+        return activation_profile.profile_call(call, device)
+
+    monkeypatch.setattr(activation_block, "profile_call", profiled)
+    found = measure(TINY, TOKENS, (2, 4), torch.device("cpu"), "float32", RecordingMeter(), runs=RUNS,
+                    log=lambda line: None, profile=True)
+    counts = len(found["chunks"]) * len(TOKENS)
+    assert calls.count("peak") == counts and calls.count("timed") == counts * RUNS
+    assert calls[-counts:] == ["profiled"] * counts and calls.count("profiled") == counts
+    assert all(row["profile"]["kernels"] > 0 for part in found["tokens"].values() for row in part["rows"].values())
+
+
+def test_compiled_counts_are_profiled_running_their_compiled_graphs(monkeypatch):
+    """--compile --profile: the profiled call runs the graphs the warm-up compiled (a backend that counts the graphs
+    it runs: one for the unchunked forward, two steps x two slices chunked), and compiles none of its own."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from vidmem.pipelines.compile import CompileSettings, _backends
+
+    graphs_run = []
+
+    def counting_backend(graph, example_inputs):
+        def run(*args):
+            graphs_run.append(1)
+            return graph(*args)
+
+        return run
+
+    if "vidmem_profile_counting" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(counting_backend, name="vidmem_profile_counting")
+    _backends.cache_clear()  # the list of backends is read once
+    profiled = []
+
+    def counted(call, device):
+        before = len(graphs_run)
+        found = activation_profile.profile_call(call, device)
+        profiled.append(len(graphs_run) - before)
+        return found
+
+    monkeypatch.setattr(activation_block, "profile_call", counted)
+    torch._dynamo.reset()
+    counters.clear()
+    found = measure(TINY, (64,), (1, 2), torch.device("cpu"), "float32", activation_block.CpuMeter(), runs=1,
+                    log=lambda line: None, profile=True,
+                    compiled=CompileSettings(on=True, backend="vidmem_profile_counting", dynamic=False))
+    assert profiled == [1, 4]
+    assert counters["frames"]["total"] == 3  # as unprofiled: the block's forward, then the two slice steps
+    for row in found["tokens"]["64"]["rows"].values():
+        assert row["profile"]["device_ms_by_kind"]["gemm"] > 0 and row["profile"]["device_ms_by_kind"]["attention"] > 0
+    torch._dynamo.reset()

@@ -21,6 +21,9 @@ The issue's goals, judged on CUDA only: every measured peak within 10% of the pl
 (480p) every chunk count at most 5% slower than unchunked. A block's cost ratio stands for a step's:
 the blocks are nearly all of a denoise step's time. `--device cpu` runs the same path with wall-clock
 timing and no allocator statistics (a dry run: CI checks the wiring at tiny widths).
+
+With `profile`, each count's row also says where its time goes (bench/support/activation_profile.py): one more
+call once every timed call is done, under the profiler, its time summed by kind of work.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch
 from vidmem.memory.accounting import trace
 from vidmem.pipelines.activation_chunks import activation_chunks
 from vidmem.pipelines.compile import CompileSettings, compiled_blocks
+
+from .activation_profile import cost_table, profile_call
 
 FP32_MODULES = ("scale_shift_table", "norm1", "norm2", "norm3")  # WanTransformer3DModel._keep_in_fp32_modules
 VIDEO_TOKENS = {75600: "1280x720x81", 32760: "832x480x81"}  # Wan's latent patches: (W/16) x (H/16) x ((F-1)/4+1)
@@ -154,10 +159,14 @@ class CpuMeter:
 
 
 def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], device, dtype: str, meter,
-            runs: int = 5, log=print, save=None, compiled: CompileSettings = CompileSettings()) -> dict:
+            runs: int = 5, log=print, save=None, compiled: CompileSettings = CompileSettings(),
+            profile: bool = False) -> dict:
     """Every chunk count at every token count (see the module docstring); 1 (unchunked) always runs first.
     `save` is handed the result so far after each token count (a lease's time limit keeps what was done).
-    `compiled` on: every count compiled (the warm-up call compiles, outside the timed calls)."""
+    `compiled` on: every count compiled (the warm-up call compiles, outside the timed calls).
+    `profile`: each row's `profile`, from one more call once every token count's timed calls are done
+    (bench/support/activation_profile.py): until CUPTI is torn down, a profiler session can slow the launches after
+    it, and a chunked block launches more of them, so no timed call comes after one."""
     counts = (1, *sorted(set(chunks) - {1}))
     module = build_block(shape, device, dtype)
     found = {"config": asdict(shape), "dtype": dtype, "device": str(device), "meter": meter.name, "runs": runs,
@@ -171,6 +180,10 @@ def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], dev
                 found["tokens"][str(count)] = {"video": VIDEO_TOKENS.get(count, ""), "error": _first_line(error)}
                 log(f"  {count} tokens: {found['tokens'][str(count)]['error']}")
             found["goals"] = goals(found["tokens"], meter.name == "cuda")
+            if save is not None:
+                save(found)
+        if profile:
+            _profile_all(module, shape, found["tokens"], device, dtype, log, compiled)
             if save is not None:
                 save(found)
     return found
@@ -198,6 +211,24 @@ def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], 
         _finish(row, base, judged=meter.name == "cuda", cost_applies=tokens == COST_GOAL_TOKENS, compiled=compiled.on)
         log(_line(tokens, row))
     return {"video": VIDEO_TOKENS.get(tokens, ""), "text_tokens": shape.text_tokens, "rows": rows}
+
+
+def _profile_all(module, shape: BlockShape, by_tokens: dict, device, dtype: str, log,
+                 compiled: CompileSettings) -> None:
+    """Each row's `profile`: one more call of the block prepared as its timed calls were (chunked, compiled), on
+    inputs of the same shapes; then each token count's table. A count that ran out of memory has no rows."""
+    for tokens, part in by_tokens.items():
+        if "rows" not in part:
+            continue
+        _profile_rows(module, block_inputs(shape, int(tokens), device, dtype), part["rows"], device, compiled)
+        for line in cost_table(int(tokens), part["rows"]):
+            log(line)
+
+
+def _profile_rows(module, inputs: tuple, rows: dict, device, compiled: CompileSettings) -> None:
+    for row in rows.values():
+        with prepared(module, row["chunks"], compiled):
+            row["profile"] = profile_call(lambda: module(*inputs), torch.device(device))
 
 
 def _compare(out: torch.Tensor, reference: torch.Tensor) -> dict:
