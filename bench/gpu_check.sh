@@ -11,14 +11,16 @@
 # WARM_SECONDS, the 1.3B's blocks all streamed with and without pinned homes STREAM_SECONDS, the speed bench (bench/speed.py) SPEED_SECONDS, its cache part CACHE_SECONDS, fp8 matmul at
 # 832x480x81 FP8_SECONDS, one attention call per kernel at that size ATTN_SECONDS, the VAE decode with and
 # without overlapped host copies DECODE_SECONDS, one real-size Wan 14B block per activation_chunks count at
-# 720p and 480p (bench/activations.py: peak against the plan, time against unchunked) ACT_SECONDS, compiled
-# blocks against eager at 832x480x81 on the tiers COMPILE_TIERS names COMPILE_SECONDS, issue 24's goal at
-# 832x480x81 (compiled blocks with auto and sage attention, fp8 matmul off and on, against eager SDPA with fp8
-# weights upcast, tiers none and block swap of all 4 blocks; bench/speed.py --parts goal) GOAL_SECONDS, the 14B bench
+# 720p and 480p (bench/activations.py: peak against the plan, time against unchunked, where the time goes) ACT_SECONDS,
+# the same compiled at 480p ACT_COMPILE_SECONDS, compiled blocks against eager at 832x480x81 on the tiers COMPILE_TIERS
+# names COMPILE_SECONDS, issue 24's goal at 832x480x81 on GOAL_MODEL's widths (compiled blocks with the GOAL_ROWS
+# kernels, fp8 matmul off and on, against eager SDPA with fp8 weights upcast, tiers none and block swap of all 4
+# blocks; bench/speed.py --parts goal) GOAL_SECONDS, the 14B bench
 # (BENCH_ROWS) what is left of BUDGET_SECONDS less SANITIZE_SECONDS, which compute-sanitizer's memcheck and
 # racecheck get last (each JSON is rewritten after every row and lists rows it had no time for). A part given
-# 0 seconds is skipped. The defaults are the next lease's plan, about 9 minutes: what no lease has measured
-# yet, and the suite as the regression check; the parts earlier leases measured default to 0 (their figures:
+# 0 seconds is skipped. The defaults are the next lease's plan, about 9 minutes (the suite 160 s, the activation
+# block eager 70 and compiled 150, the goal on 14B widths 150): what no lease has measured yet, and the suite as the
+# regression check; the parts earlier leases measured default to 0 (their figures:
 # docs/gpu.md, docs/speed.md, docs/step-cache.md), so give them seconds on a GPU kind not measured before.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,10 +43,12 @@ CACHE_SECONDS=${CACHE_SECONDS:-0}  # measured on the H200 (give it 100)
 FP8_SECONDS=${FP8_SECONDS:-0}  # measured on the H100 (give it 60)
 ATTN_SECONDS=${ATTN_SECONDS:-0}  # measured on the H100 (give it 60)
 DECODE_SECONDS=${DECODE_SECONDS:-0}  # measured on the H200 after the landing fixes (2026-11-28; give it 100)
-ACT_SECONDS=${ACT_SECONDS:-0}  # measured on the H200 since the queries are parked (2026-11-28; give it 55)
+# Measured on the H200 since the queries are parked (2026-11-28, 55 s); again since the cross-attention's keys and
+# values and the modulation are made once per block call, now with --profile: where each count's time goes.
+ACT_SECONDS=${ACT_SECONDS:-70}
 # The same block compiled at each chunk count at 480p (compiled chunked slices, not measured yet): 5 inductor
-# compiles of a real 14B block (its forward, then 2 steps x 2 counts) in the untimed warm-ups; give it 150.
-ACT_COMPILE_SECONDS=${ACT_COMPILE_SECONDS:-0}
+# compiles of a real 14B block (its forward, then 2 steps x 2 counts) in the untimed warm-ups, then profiled.
+ACT_COMPILE_SECONDS=${ACT_COMPILE_SECONDS:-150}
 COMPILE_SECONDS=${COMPILE_SECONDS:-0}  # measured on the H200 (38 s for two tiers); JSON written at the end only
 # Issue 24's goal on 14B-wide blocks (not measured yet; the 1.3B's: H200, 2026-11-28, 120 s gave 7 of its 8 tier rows).
 # By default its two auto rows (4 tier rows, ~130 s with the 14B's build): sage 1.0.6 was slower than SDPA's own kernel
@@ -144,18 +148,18 @@ fi
 
 if ! skip "$ACT_SECONDS" "the activation chunks block"; then
     echo "== bench/activations.py --device cuda: one Wan 14B block per chunk count, 32,760 and 75,600 tokens (at most ${ACT_SECONDS}s)"
-    timeout "$ACT_SECONDS" python3 bench/activations.py --device cuda --chunks 1,2,4,8,16 --runs 5 \
+    timeout "$ACT_SECONDS" python3 bench/activations.py --device cuda --chunks 1,2,4,8,16 --runs 5 --profile \
         --json "$OUT/activations-gpu.json" > "$OUT/activations.log" 2>&1
     echo "activations exit $?" | tee -a "$OUT/activations.log"
-    grep -E 'tokens, chunks|goals|Error' "$OUT/activations.log"
+    grep -E 'tokens, chunks|profile at|goals|Error' "$OUT/activations.log"
 fi
 
 if ! skip "$ACT_COMPILE_SECONDS" "the activation chunks block compiled"; then
     echo "== bench/activations.py --device cuda --compile: one Wan 14B block compiled per chunk count, 32,760 tokens (at most ${ACT_COMPILE_SECONDS}s)"
     timeout "$ACT_COMPILE_SECONDS" python3 bench/activations.py --device cuda --compile --tokens 32760 --chunks 1,2,4 \
-        --runs 5 --json "$OUT/activations-compiled-gpu.json" > "$OUT/activations-compiled.log" 2>&1
+        --runs 5 --profile --json "$OUT/activations-compiled-gpu.json" > "$OUT/activations-compiled.log" 2>&1
     echo "activations compiled exit $?" | tee -a "$OUT/activations-compiled.log"
-    grep -E 'tokens, chunks|goals|Error' "$OUT/activations-compiled.log"
+    grep -E 'tokens, chunks|profile at|goals|Error' "$OUT/activations-compiled.log"
 fi
 
 if ! skip "$COMPILE_SECONDS" "compiled blocks at 832x480x81"; then
