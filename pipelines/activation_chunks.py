@@ -16,8 +16,8 @@ arithmetic in two passes over `chunks` slices of the tokens:
    cross-attention (its keys and values, the text's, made once per call), the feed-forward and its
    residual, written into the output over those queries.
 So the full-size tensors alive at once are the input, the output, the keys and the values;
-everything else is 1/chunks of its unchunked size. CogVideoX's block (joint attention over text
-and video, far fewer tokens) chunks its feed-forward half only: norm, feed-forward, residual.
+everything else is 1/chunks of its unchunked size. CogVideoX's and HunyuanVideo 1.5's blocks (joint
+attention over text and video) chunk their feed-forward half only: norm, feed-forward, residual.
 
 Result: the chunked block calls the block's own modules (so LoRA hooks, stored fp8 layers and the
 engine's hooks run as before) on row slices, and every operation is per token except attention,
@@ -413,11 +413,74 @@ def _cogvideox_problem(block: nn.Module) -> str | None:
     return None
 
 
+# --- HunyuanVideo 1.5 ------------------------------------------------------------------------------
+
+def _hunyuan_video15_attention_half(block, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis):
+    """HunyuanVideo15TransformerBlock.forward's attention half, diffusers' own code path (joint attention over video
+    and text, through whatever processor the block has), with its residuals: (video tokens, text tokens, the video's
+    feed-forward modulation (shift, scale, gate), the text's)."""
+    norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
+    norm_e, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(encoder_hidden_states, emb=temb)
+    attn_h, attn_e = block.attn(hidden_states=norm_h, encoder_hidden_states=norm_e, attention_mask=attention_mask,
+                                image_rotary_emb=freqs_cis)
+    del norm_h, norm_e
+    hidden_states = hidden_states + attn_h * gate_msa.unsqueeze(1)
+    encoder_hidden_states = encoder_hidden_states + attn_e * c_gate_msa.unsqueeze(1)
+    video, text = (shift_mlp, scale_mlp, gate_mlp), (c_shift_mlp, c_scale_mlp, c_gate_mlp)
+    return hidden_states, encoder_hidden_states, video, text
+
+
+def _modulated_feed_forward(norm: nn.Module, ff: nn.Module, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
+    """HunyuanVideo15TransformerBlock.forward's feed-forward and its residual for the tokens `x`, operation for
+    operation: norm, modulation, feed-forward, gated residual."""
+    y = norm(x) * (1 + scale[:, None]) + shift[:, None]
+    return x + gate.unsqueeze(1) * ff(y)
+
+
+def _hunyuan_video15_feed_forward(block, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
+    """The video's feed-forward half for the video tokens `x` (one slice of them)."""
+    return _modulated_feed_forward(block.norm2, block.ff, x, shift, scale, gate)
+
+
+def _hunyuan_video15_context_feed_forward(block, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
+    """The text's feed-forward half (its own norm and feed-forward) for the text tokens `x`."""
+    return _modulated_feed_forward(block.norm2_context, block.ff_context, x, shift, scale, gate)
+
+
+def hunyuan_video15_block_forward(block: nn.Module, chunks: int, hidden_states: torch.Tensor,
+                                  encoder_hidden_states: torch.Tensor, temb: torch.Tensor, attention_mask=None,
+                                  freqs_cis=None, *args, run: StepRunner = _eager,
+                                  **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' HunyuanVideo15TransformerBlock.forward with its video feed-forward over `chunks` slices of the
+    video tokens, as CogVideoX's: the attention half (joint over video and text) is diffusers' own code path; the
+    feed-forward, 4x the width (its projection and GELU output are the block's largest tensors at 720p), runs per
+    slice, and the text's once. `run` calls each step (compiled where compiled blocks are on)."""
+    hidden_states, encoder_hidden_states, video, text = run(
+        _hunyuan_video15_attention_half, block, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis)
+    out = torch.empty_like(hidden_states)
+    for rows in token_slices(hidden_states.shape[1], chunks):
+        out[:, rows] = run(_hunyuan_video15_feed_forward, block, hidden_states[:, rows], *video)
+    return out, run(_hunyuan_video15_context_feed_forward, block, encoder_hidden_states, *text)
+
+
+def _hunyuan_video15_problem(block: nn.Module) -> str | None:
+    from diffusers.models.attention import FeedForward
+
+    for name in ("norm2", "norm2_context"):
+        if type(getattr(block, name)) is not nn.LayerNorm:
+            return f"its {name} is {type(getattr(block, name)).__name__}, not torch's LayerNorm"
+    for name in ("ff", "ff_context"):
+        if type(getattr(block, name)) is not FeedForward:
+            return f"its {name} is {type(getattr(block, name)).__name__}, not diffusers' FeedForward"
+    return None
+
+
 # Block class name -> (family, chunked forward, what may stop it). Classes are matched exactly:
 # a subclass may compute differently, and chunking it would silently change the video.
 _FORWARDS = {
     "WanTransformerBlock": ("wan", wan_block_forward, _wan_problem),
     "CogVideoXBlock": ("cogvideox", cogvideox_block_forward, _cogvideox_problem),
+    "HunyuanVideo15TransformerBlock": ("hunyuan_video15", hunyuan_video15_block_forward, _hunyuan_video15_problem),
 }
 
 
@@ -430,7 +493,7 @@ def chunk_problem(block: nn.Module) -> str | None:
     """Why `block` cannot be chunked (None: it can)."""
     entry = _known(block)
     if entry is None:
-        return f"vidmem chunks diffusers' {' and '.join(_FORWARDS)} only, not {type(block).__name__}"
+        return f"vidmem chunks diffusers' {', '.join(_FORWARDS)} only, not {type(block).__name__}"
     if _split_across_ranks(block):  # before _wrapped: diffusers' context-parallel hooks wrap block 0 too
         return "context parallelism splits the tokens across GPUs already"
     if _wrapped(block):
@@ -442,7 +505,7 @@ def chunk_problem(block: nn.Module) -> str | None:
 def _split_across_ranks(block: nn.Module) -> bool:
     """diffusers' context parallelism set its config on the block's attention processors."""
     return any(getattr(getattr(module, "processor", None), "_parallel_config", None) is not None
-               for module in (getattr(block, "attn1", None), getattr(block, "attn2", None)))
+               for module in (getattr(block, name, None) for name in ("attn1", "attn2", "attn")))
 
 
 def _wrapped(block: nn.Module) -> bool:

@@ -28,7 +28,8 @@ from vidmem.pipelines.lora import load_lora, with_lora
 from vidmem.pipelines.sample import sample
 from vidmem.pipelines.sample_chunks import chunks_for_call
 
-VARIANTS = ("wan2.1-t2v", "wan2.1-i2v", "wan2.2-ti2v", "wan2.2-a14b", "cogvideox-t2v", "cogvideox1.5-t2v")
+VARIANTS = ("wan2.1-t2v", "wan2.1-i2v", "wan2.2-ti2v", "wan2.2-a14b", "cogvideox-t2v", "cogvideox1.5-t2v", "hunyuanvideo1.5-t2v",
+            "hunyuanvideo1.5-i2v")
 
 
 def latent(loaded, strategy, variant, hooks=RunHooks(), **changes):
@@ -79,6 +80,24 @@ def test_the_chunked_forward_really_runs(tiny_loaded, monkeypatch):
     tokens = sum(rows[:3])
     assert rows[:3] == [s.stop - s.start for s in token_slices(tokens, 3)] and len(set(rows[:3])) >= 1
     assert max(rows) < tokens
+
+
+def test_hunyuanvideo15_feeds_its_video_feed_forward_in_slices_and_its_text_whole(tiny_loaded):
+    """Its joint attention runs whole; its video tokens' feed-forward sees one slice at a time, the text's all at once."""
+    loaded = tiny_loaded("hunyuanvideo1.5-t2v")
+    block = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"][0]
+    rows = {"ff": [], "ff_context": [], "attn": []}
+    hooks = [getattr(block, name).register_forward_pre_hook(
+        lambda m, args, kwargs, name=name: rows[name].append((args or (kwargs["hidden_states"],))[0].shape[1]),
+        with_kwargs=True) for name in rows]
+    try:
+        latent(loaded, MemoryStrategy(offload="none", activation_chunks=3), "hunyuanvideo1.5-t2v")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    video = rows["attn"][0]
+    assert rows["ff"][:3] == [s.stop - s.start for s in token_slices(video, 3)] and max(rows["ff"]) < video
+    assert len(rows["ff"]) == 3 * len(rows["attn"]) == 3 * len(rows["ff_context"])
 
 
 def test_queries_are_made_once_and_a_query_of_another_dtype_is_made_again_in_the_second_pass(tiny_loaded, monkeypatch):
@@ -200,9 +219,10 @@ def test_chunks_with_a_lora(tiny_loaded, tmp_path):
 
 
 @pytest.mark.parametrize("variant, cache", [("wan2.1-t2v", FIRST_BLOCK), ("wan2.1-t2v", MAG), ("cogvideox-t2v", MAG),
-                                            ("wan2.1-t2v", TAYLOR), ("cogvideox-t2v", TAYLOR)],
+                                            ("wan2.1-t2v", TAYLOR), ("cogvideox-t2v", TAYLOR),
+                                            ("hunyuanvideo1.5-t2v", FIRST_BLOCK)],
                          ids=["wan-first_block_cache", "wan-mag_cache", "cogvideox-mag_cache", "wan-taylor_seer",
-                              "cogvideox-taylor_seer"])
+                              "cogvideox-taylor_seer", "hunyuanvideo15-first_block_cache"])
 def test_chunks_under_the_step_cache(variant, cache, tiny_loaded):
     """The cache's hooks wrap the chunked forward (it is applied first): same skips, same latents."""
     loaded = tiny_loaded(variant)
@@ -384,6 +404,24 @@ def test_wan14b_720p_fits_8gib_with_chunks_and_not_without(wan14b):
     assert best is not None, "\n".join(p.describe() for p in plans)
     chosen = plans[best]
     assert chosen.fits and chosen.strategy.activation_chunks > 1 and chosen.peak_vram_bytes <= 8 * GiB
+
+
+def test_hunyuanvideo15_720p_block_swap_fits_8gib_once_its_feed_forward_is_sliced():
+    """At 1280x720x121 (113,585 tokens with the text) the feed-forward's 8,192-wide intermediate and its GELU
+    output are the block's largest tensors (1.7 GiB each). The attention half's peak is as high in bytes
+    allocated, but those two need segments of their own from the native allocator: sliced, its reservation
+    falls by about 3 GiB, and block swap of every block fits 8 GiB, where only sequential did."""
+    from vidmem.memory.plan.stages import denoise_stage
+    from vidmem.memory.plan.types import VideoShape
+    from vidmem.memory.units import GiB
+    from vidmem.pipelines.configs import load_model
+
+    model = load_model("hunyuanvideo1.5-t2v-720p")
+    shape, options = VideoShape(1280, 720, 121), _options(model)
+    swap_all = MemoryStrategy(offload="block_swap", blocks_to_swap=model.weights("transformer").block_count)
+    whole, sliced = (denoise_stage(model, shape, replace(swap_all, activation_chunks=n), options) for n in (1, 2))
+    assert sliced.allocated_bytes <= whole.allocated_bytes
+    assert sliced.footprint(8 * GiB) <= 8 * GiB < whole.footprint(8 * GiB) - 2 * GiB
 
 
 def test_fewest_chunks_is_the_fewest_that_fit(wan14b):

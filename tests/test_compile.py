@@ -513,7 +513,8 @@ def compiled_steps() -> set[str]:
     return {getattr(function, "__name__", "") for function in compiling._COMPILED} & STEPS
 
 
-STEPS = {"_wan_slice_projections", "_wan_slice_rest", "_cogvideox_attention_half", "_cogvideox_feed_forward"}
+STEPS = {"_wan_slice_projections", "_wan_slice_rest", "_cogvideox_attention_half", "_cogvideox_feed_forward",
+         "_hunyuan_video15_attention_half", "_hunyuan_video15_feed_forward", "_hunyuan_video15_context_feed_forward"}
 
 
 @pytest.mark.parametrize("tier", ["none", "block_swap:2", "sequential"])
@@ -568,9 +569,13 @@ def test_activation_chunks_compiled_with_a_lora_and_the_step_cache(wan, tmp_path
     assert report["frames_compiled"] == 0
 
 
-def test_cogvideox_activation_chunks_compile_too(tiny_loaded):
-    loaded = tiny_loaded("cogvideox-t2v")
-    request = request_for("cogvideox-t2v")
+@pytest.mark.parametrize("variant, steps", [
+    ("cogvideox-t2v", {"_cogvideox_attention_half", "_cogvideox_feed_forward"}),
+    ("hunyuanvideo1.5-t2v", {"_hunyuan_video15_attention_half", "_hunyuan_video15_feed_forward",
+                             "_hunyuan_video15_context_feed_forward"})])
+def test_joint_attention_activation_chunks_compile_too(tiny_loaded, variant, steps):
+    loaded = tiny_loaded(variant)
+    request = request_for(variant)
     strategy = dataclasses.replace(TIERS["none"], activation_chunks=2)
     eager, _, _ = run_chunked(loaded, strategy, CompileSettings(), request)
     for _ in range(2):
@@ -578,7 +583,7 @@ def test_cogvideox_activation_chunks_compile_too(tiny_loaded):
         torch.testing.assert_close(latents, eager, **CLOSE)
         assert report["compiled"] and report["fallback"] is None, report
     assert report["frames_compiled"] == 0
-    assert {"_cogvideox_attention_half", "_cogvideox_feed_forward"} <= compiled_steps()
+    assert steps <= compiled_steps()
 
 
 def test_inductor_compiles_and_reuses_the_chunk_steps(wan):

@@ -13,6 +13,7 @@ import torch
 from backends import StrictBackend
 from test_tiers import hooks_of, request_for, storage_map
 from vidmem.memory import MemoryStrategy
+from vidmem.pipelines.family import denoiser_blocks
 from vidmem.pipelines.sample import RunHooks, sample
 from vidmem.memory.cleanup import is_out_of_memory
 from vidmem.memory.plan.candidates import CHUNK_STEPS
@@ -306,20 +307,25 @@ def test_planner_rung_adds_chunks_where_activations_are_the_wall():
     assert planned_rung(auto, 40, sequential_only, chunkable=True, chunks_ran=8).chunk_count == 16
 
 
-def test_a_chunk_rung_gives_the_uninterrupted_chunked_run_and_a_model_that_cannot_chunk_stops(tiny_loaded):
-    loaded = tiny_loaded("wan2.1-t2v")
-    request = request_for("wan2.1-t2v", steps=STEPS)
-    with InjectOOM(loaded.pipe.transformer.blocks[0], [3]):  # step 2 (two passes a step)
+@pytest.mark.parametrize("variant", ["wan2.1-t2v", "hunyuanvideo1.5-t2v"])
+def test_a_chunk_rung_gives_the_uninterrupted_chunked_run(tiny_loaded, variant):
+    loaded = tiny_loaded(variant)
+    request = request_for(variant, steps=STEPS)
+    first_block = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"][0]
+    with InjectOOM(first_block, [3]):  # step 2 (two passes a step)
         result = run(loaded, MemoryStrategy(offload="sequential"), request)
     (rung,) = result.receipt["oom_ladder"]
     assert "activation_chunks=2" in rung["next"] and rung["resumed_from_step"] == 1
     assert result.receipt["activation_chunks"]["chunks"] == 2
     reference = run(loaded, MemoryStrategy(offload="sequential", activation_chunks=2), request).latent["samples"]
     assert torch.equal(result.latent["samples"], reference)
-    hunyuan = tiny_loaded("hunyuanvideo1.5-t2v")
-    with InjectOOM(hunyuan.pipe.transformer.transformer_blocks[0], [2]):
+
+
+def test_a_model_that_cannot_chunk_stops_after_sequential(tiny_loaded):
+    ltx2 = tiny_loaded("ltx2-t2v")  # LTX-2's audio-video blocks are not chunked
+    with InjectOOM(ltx2.pipe.transformer.transformer_blocks[0], [2]):
         with pytest.raises(SamplingOutOfMemory, match="even with offload=sequential"):
-            run(hunyuan, MemoryStrategy(offload="sequential"), request_for("hunyuanvideo1.5-t2v", steps=STEPS))
+            run(ltx2, MemoryStrategy(offload="sequential"), request_for("ltx2-t2v", steps=STEPS))
 
 
 def test_the_chunk_rung_after_auto_starts_above_what_auto_ran(tiny_loaded, monkeypatch):
