@@ -1,11 +1,11 @@
 """Activation chunks benchmark (issue 28): what fits at 720p with them, and one real block measured on the CPU.
 
 Two parts, written as JSON:
-- `plans`: for Wan 2.1 T2V 14B and 1.3B and Wan 2.2 T2V A14B at 1280x720x81, and CogVideoX-5b at its
-  own 720x480x49, on 8, 12 and 16 GiB cards with 32 GiB of RAM, weights fp8 scaled (the 14B's
-  shipped files) and bf16: the recommended plan with activation_chunks off and with auto (tier,
-  swapped blocks, chunks, peak VRAM, estimated slowdown), and the predicted denoise peak
-  (allocated, and as the native allocator reserves it) per chunk count under sequential.
+- `plans`: for Wan 2.1 T2V 14B and 1.3B and Wan 2.2 T2V A14B at 1280x720x81, CogVideoX-5b at its
+  own 720x480x49 and HunyuanVideo 1.5 720p at 1280x720x121, on 8, 12 and 16 GiB cards with 32 GiB of
+  RAM, weights fp8 scaled (the 14B's shipped files) and bf16: the recommended plan with activation_chunks
+  off and with auto (tier, swapped blocks, chunks, peak VRAM, estimated slowdown), and the predicted
+  denoise peak (allocated, and as the native allocator reserves it) per chunk count under sequential.
 - `block`: one real-size Wan 14B block (dim 5,120, 40 heads, feed-forward 13,824; random weights,
   float32: bf16 on this CPU is 4-5x slower) at `--tokens` tokens (default 4,725: 1/16 of 1280x720x81's
   75,600, which would need ~15 GB at float32 unchunked and ~10 minutes per forward on two shared
@@ -21,6 +21,7 @@ Two parts, written as JSON:
   against unchunked (bench/support/activation_profile.py).
 
     python bench/activations.py --json bench/results/activations-cpu-2026-11-26.json
+    python bench/activations.py --skip-block --json bench/results/activations-plans-2026-11-28.json  # 1 minute
     python bench/activations.py --device cuda --chunks 1,2,4,8,16 --json activations-gpu.json   # about 30 s on an H100
     python bench/activations.py --device cpu --tiny --tokens 64,96 --runs 2 --json /tmp/dry.json   # seconds
     python bench/activations.py --device cuda --compile --tokens 32760 --chunks 1,2,4 --json act-compiled.json
@@ -55,7 +56,7 @@ from vidmem.memory.units import GiB  # noqa: E402
 from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 
 CASES = (("wan2.1-t2v-14b", 1280, 720, 81), ("wan2.1-t2v-1.3b", 1280, 720, 81), ("wan2.2-t2v-a14b", 1280, 720, 81),
-         ("cogvideox-5b", 720, 480, 49))
+         ("cogvideox-5b", 720, 480, 49), ("hunyuanvideo1.5-t2v-720p", 1280, 720, 121))
 CARDS_GIB = (8, 12, 16)
 RAM_GIB = 32
 STORAGES = ("fp8_scaled", "bf16")
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.skip_plans and args.json.exists():
         results = json.loads(args.json.read_text())
     else:
-        results = {"date": "2026-11-26", "machine": machine()}
+        results = {"date": time.strftime("%Y-%m-%d"), "machine": machine()}
     if not args.skip_plans:
         results["plans"] = plans()
         write(args.json, results)

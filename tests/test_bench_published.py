@@ -61,3 +61,25 @@ def test_the_long_video_doc_quotes_the_json_it_names():
     for model, words in (("wan2.1-t2v-14b", "{:.1f} GiB with 256 px"), ("cogvideox-5b", "({:.1f} GiB tiled)")):
         figures = {f"{decode[model][shape]['sequential_decode_gib']:.1f}" for shape in ("one_window", "clip")}
         assert len(figures) == 1 and words.format(float(figures.pop())) in doc, model  # "the same for both lengths"
+
+
+def test_the_activation_chunks_doc_quotes_the_plans_json_it_names():
+    """docs/activation-chunks.md's 'What it buys' tables: the peaks per chunk count and the 8 GiB cells that
+    chunks make fit are the named JSON's (bench/activations.py --skip-block writes it)."""
+    doc = (ROOT / "docs" / "activation-chunks.md").read_text()
+    heading = r"## What it buys \(planned, [\d-]+, `(bench/results/activations-plans-[\w.-]+\.json)`\)"
+    (source,) = re.findall(heading, doc)
+    plans = {(row["model"], row["weights"]): row for row in json.loads((ROOT / source).read_text())["plans"]}
+    peaks = plans[("wan2.1-t2v-14b", "fp8_scaled")]["denoise_peak_by_chunks"]
+    for label, key in (("allocated", "allocated_gib"), ("reserved (native allocator)", "device_gib")):
+        (line,) = [line for line in doc.splitlines() if line.startswith(f"| {label} |")]
+        cells = [cell.strip().split(" ")[0] for cell in line.strip().strip("|").split("|")[1:]]
+        assert cells == [f"{peaks[count][key]:.2f}" for count in ("1", "2", "4", "8", "16", "32")], (label, cells)
+    cells = (("wan2.1-t2v-14b", "fp8_scaled", "auto: block_swap {blocks}, {chunks} chunks, {gib:.1f} GiB"),
+             ("hunyuanvideo1.5-t2v-720p", "bf16", "auto: sequential, {chunks} chunks, on disk, {gib:.1f} GiB"))
+    for model, weights, words in cells:
+        cards = plans[(model, weights)]["cards"]["8GiB"]
+        auto = cards["auto"]
+        assert not cards["off"]["fits"] and auto["fits"] and auto["activation_chunks"] > 1, model
+        assert words.format(blocks=auto["blocks_to_swap"], chunks=auto["activation_chunks"],
+                            gib=auto["peak_vram_gib"]) in doc, model
