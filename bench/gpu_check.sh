@@ -77,7 +77,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 # The repository root is the `vidmem` package: make it importable under that name.
 mkdir -p /tmp/vidmem-pkg && ln -sfn "$PWD" /tmp/vidmem-pkg/vidmem
-export PYTHONPATH=/tmp/vidmem-pkg:$PYTHONPATH
+export PYTHONPATH=/tmp/vidmem-pkg${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import diffusers" 2>/dev/null || { echo "diffusers is not importable here: run 'bash bench/gpu_check.sh --prepare-wheels' where there is internet, and carry .whl/ with the tree"; exit 2; }
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/nvidia-smi.txt"
 skip() { [ "$1" -gt 0 ] && return 1; echo "== $2 skipped (0 seconds given)"; }

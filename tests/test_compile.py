@@ -573,7 +573,10 @@ def test_activation_chunks_compiled_with_a_lora_and_the_step_cache(wan, tmp_path
     ("cogvideox-t2v", {"_cogvideox_attention_half", "_cogvideox_feed_forward"}),
     ("hunyuanvideo1.5-t2v", {"_hunyuan_video15_attention_half", "_hunyuan_video15_feed_forward",
                              "_hunyuan_video15_context_feed_forward"})])
-def test_joint_attention_activation_chunks_compile_too(tiny_loaded, variant, steps):
+def test_joint_attention_activation_chunks_compile_too(tiny_loaded, variant, steps, monkeypatch):
+    from vidmem.pipelines import compile as compiling
+
+    monkeypatch.setattr(compiling, "_COMPILED", weakref.WeakKeyDictionary())  # only this test's compiled steps
     loaded = tiny_loaded(variant)
     request = request_for(variant)
     strategy = dataclasses.replace(TIERS["none"], activation_chunks=2)

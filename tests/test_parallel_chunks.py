@@ -64,3 +64,13 @@ def test_a_split_block_is_named_as_split_not_as_wrapped(tiny_loaded):
     block.attn1.processor._parallel_config = object()  # what diffusers' enable_parallelism sets
     block.forward = lambda *args, **kwargs: None  # a wrapper, as its split-input hook installs
     assert chunk_problem(block) == "context parallelism splits the tokens across GPUs already"
+
+
+def test_a_split_hunyuanvideo15_block_is_named_as_split():
+    """HunyuanVideo 1.5's joint attention module is `attn`, not `attn1`: its split is seen there."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+
+    block = HunyuanVideo15TransformerBlock(2, 8, mlp_ratio=2.0)
+    assert chunk_problem(block) is None
+    block.attn.processor._parallel_config = object()
+    assert chunk_problem(block) == "context parallelism splits the tokens across GPUs already"

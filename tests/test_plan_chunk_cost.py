@@ -62,3 +62,15 @@ def test_the_shares_are_the_h200_measurement_to_the_nearest_percent():
         assert CHUNK_COMPUTE_SHARE[count] == round(share, 2), count
     shares = [CHUNK_COMPUTE_SHARE[count] for count in sorted(CHUNK_COMPUTE_SHARE)]
     assert shares == sorted(shares) and CHUNK_COMPUTE_SHARE[32] > CHUNK_COMPUTE_SHARE[16]  # more slices, more cost
+
+
+def test_stored_weights_are_upcast_once_per_slice(wan):
+    """A stored layer upcasts its weight at every call, and a chunked block calls its per-token layers once per
+    slice: the plan counts those upcasts (the cross-attention's keys and values, made once per block call, once)."""
+    fp8 = replace(GPU, storage=wan.layout.stored_as("fp8_scaled"))
+    upcasts = {chunks: _denoise(plan_run(wan, SHAPE, MemoryStrategy(offload="none", activation_chunks=chunks), fp8,
+                                         None, None)).dequant_weights for chunks in (1, 2, 4)}
+    assert upcasts[1] == wan.weights("transformer", "fp8_scaled").stored.stored_weights > 0
+    assert 1.5 * upcasts[1] < upcasts[2] < 2 * upcasts[1] and 3 * upcasts[1] < upcasts[4] < 4 * upcasts[1], upcasts
+    bf16 = plan_run(wan, SHAPE, MemoryStrategy(offload="none", activation_chunks=4), GPU, None, None)
+    assert _denoise(bf16).dequant_weights == 0  # nothing stored below the compute dtype, nothing upcast

@@ -173,9 +173,14 @@ def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], dev
              "chunks": list(counts), "compile": compiled.describe(), "tokens": {}}
     with torch.no_grad():
         for count in tokens:
+            def keep(so_far: dict, count: int = count) -> None:  # rows measured so far: a time limit keeps them
+                found["tokens"][str(count)] = {**so_far, "partial": True}
+                if save is not None:
+                    save(found)
+
             try:
                 found["tokens"][str(count)] = _at_tokens(module, shape, count, counts, device, dtype, meter, runs, log,
-                                                         compiled)
+                                                         compiled, keep)
             except torch.OutOfMemoryError as error:  # a finding at this size: the other counts still run
                 found["tokens"][str(count)] = {"video": VIDEO_TOKENS.get(count, ""), "error": _first_line(error)}
                 log(f"  {count} tokens: {found['tokens'][str(count)]['error']}")
@@ -190,9 +195,12 @@ def measure(shape: BlockShape, tokens: Sequence[int], chunks: Sequence[int], dev
 
 
 def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], device, dtype: str, meter, runs: int,
-               log, compiled: CompileSettings) -> dict:
+               log, compiled: CompileSettings, keep=lambda so_far: None) -> dict:
+    """One token count's rows: each count's peak (after a warm-up that also compiles), then interleaved timed
+    rounds. `keep` is handed the rows after each peak and each round (a real block compiles for a while)."""
     inputs = block_inputs(shape, tokens, device, dtype)
     rows, reference = {}, None
+    so_far = {"video": VIDEO_TOKENS.get(tokens, ""), "text_tokens": shape.text_tokens, "rows": rows}
     for chunks in counts:
         with prepared(module, chunks, compiled):
             module(*inputs)  # warm-up: kernel selection, workspaces and the compile, outside the peak
@@ -202,15 +210,17 @@ def _at_tokens(module, shape: BlockShape, tokens: int, counts: tuple[int, ...], 
         rows[str(chunks)] = {"chunks": chunks, "measured_peak_bytes": peak, "predicted_peak_bytes": predicted,
                              **_compare(out, reference)}
         del out
+        keep(so_far)
     for _ in range(runs):  # interleaved rounds
         for chunks in counts:
             with prepared(module, chunks, compiled):
                 rows[str(chunks)].setdefault("times", []).append(meter.seconds(lambda: module(*inputs)))
+        keep(so_far)
     base = statistics.median(rows["1"]["times"]) if runs else None
     for row in rows.values():
         _finish(row, base, judged=meter.name == "cuda", cost_applies=tokens == COST_GOAL_TOKENS, compiled=compiled.on)
         log(_line(tokens, row))
-    return {"video": VIDEO_TOKENS.get(tokens, ""), "text_tokens": shape.text_tokens, "rows": rows}
+    return so_far
 
 
 def _profile_all(module, shape: BlockShape, by_tokens: dict, device, dtype: str, log,

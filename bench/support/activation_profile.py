@@ -41,14 +41,17 @@ KINDS = ("gemm", "attention", "copy", "elementwise")
 TOP = 8
 NAME_CHARS = 80
 
-# CUDA kernel names (lowercased) -> kind; the first row with a matching substring wins. Attention comes first:
-# memory-efficient attention is built on CUTLASS ("fmha_cutlassF_..."), so "cutlass" alone would call it a GEMM.
-# Inductor's own kernels come before copy: a fused "triton_poi_fused__to_copy_add_0" is elementwise arithmetic
-# whose cast is free; its matmul templates ("triton_tem_fused_mm_0") are GEMMs.
+# CUDA kernel names (lowercased) -> kind; the first row with a matching substring wins. Inductor's own kernels
+# come first: it names a fused kernel after the ops it serves, attention's among them
+# ("triton_poi_fused__scaled_dot_product_flash_attention__to_copy_mul_0" is the rotary and casts feeding SDPA),
+# so its matmul templates ("triton_tem_fused_mm_0") are GEMMs and every other "triton_" kernel elementwise
+# (a fused "triton_poi_fused__to_copy_add_0" is arithmetic whose cast is free). Attention next: memory-efficient
+# attention is built on CUTLASS ("fmha_cutlassF_..."), so "cutlass" alone would call it a GEMM.
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("flash", "fmha", "sdpa", "attention")),  # flash-attn 2/3, PyTorch's, cuDNN's fused SDPA
-    ("gemm", ("gemm", "gemv", "sm90_xmma", "sm80_xmma", "cutlass", "nvjet", "splitkreduce", "triton_tem")),
+    ("gemm", ("triton_tem",)),
     ("elementwise", ("triton_",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),  # flash-attn 2/3, PyTorch's, cuDNN's fused SDPA
+    ("gemm", ("gemm", "gemv", "sm90_xmma", "sm80_xmma", "cutlass", "nvjet", "splitkreduce")),
     ("copy", ("copy", "memcpy", "memset", "catarray", "index", "scatter")),  # CatArrayBatchedCopy, index_put
 )
 

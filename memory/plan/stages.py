@@ -293,10 +293,31 @@ def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, option
     """`name`'s compute on the device: its FLOPs, the weights it moves, the stored weights it upcasts each pass.
     `call`: the denoise call, whose chunked blocks call some layers once per token slice."""
     weights = component_weights(model, name, options)
-    chunked = call is not None and call.chunks > 1 and not options.on_cpu  # launches cost only where kernels launch
-    return Work(flops, passes, _traffic(model, name, strategy, options, call), dequant_weights=weights.stored.stored_weights,
+    chunked = call is not None and call.chunks > 1
+    upcasts = _upcasts_per_pass(model, call, weights, options) if chunked else weights.stored.stored_weights
+    return Work(flops, passes, _traffic(model, name, strategy, options, call), dequant_weights=upcasts,
                 dequant_widens=weights.stored.widens, rates=options.rates,
-                compute_share=chunk_compute_share(call.chunks) if chunked else 0.0)
+                # launches cost only where kernels launch
+                compute_share=chunk_compute_share(call.chunks) if chunked and not options.on_cpu else 0.0)
+
+
+def _upcasts_per_pass(model: PlannerModel, call: Call, weights: ComponentWeights, options: PlanOptions) -> int:
+    """Stored weights upcast per pass of a chunked denoise call. A stored layer upcasts its weight at every call
+    (memory/storage/modules.py, StoredLinear), and a chunked block calls its per-token layers once per slice that
+    ran: the unchunked count scaled by the calls the chunked trace makes of the stored layers, weighted by their
+    stored bytes (the modules whose upcast workspace is not 0)."""
+    stored = weights.stored.stored_weights
+    table = weights.table
+    if not stored:
+        return 0
+    chunked = _module_calls(model, call, options, table)
+    plain = _module_calls(model, replace(call, chunks=1), options, table)
+    held = {name: sum(table.sizes[t] for t in slots)
+            for name, slots, workspace in zip(table.modules, table.slots, table.workspace) if workspace}
+    plain_bytes = sum(plain[name] * nbytes for name, nbytes in held.items())
+    if not plain_bytes:
+        return stored
+    return round(stored * sum(chunked[name] * nbytes for name, nbytes in held.items()) / plain_bytes)
 
 
 def _host_work(flops: float, weights: ComponentWeights) -> Work:
