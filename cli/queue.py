@@ -76,6 +76,7 @@ class Override:
     target: str  # node id, title or class_type
     input: str
     value: object
+    text: str = ""  # the value as typed: what an input holding text gets (apply_overrides)
 
 
 def parse_override(text: str) -> Override:
@@ -88,7 +89,7 @@ def parse_override(text: str) -> Override:
         value = json.loads(raw)
     except ValueError:
         value = raw
-    return Override(target.strip(), name.strip(), value)
+    return Override(target.strip(), name.strip(), value, raw)
 
 
 def find_nodes(workflow: dict, target: str) -> list[str]:
@@ -118,7 +119,10 @@ def apply_overrides(workflow: dict, overrides: list[Override]) -> dict:
                 f"--set {o.target}.{o.input}: node {ids[0]} ({workflow[ids[0]]['class_type']}) has no input "
                 f"'{o.input}'; its inputs: {', '.join(inputs)}."
             )
-        inputs[o.input] = o.value
+        # An input the workflow gives text (a list's choice: activation_chunks "2", a prompt) keeps text: JSON would
+        # make "2" the number 2, which ComfyUI refuses as not in the list.
+        as_text = isinstance(inputs[o.input], str) and not isinstance(o.value, str)
+        inputs[o.input] = (o.text or json.dumps(o.value)) if as_text else o.value
     return workflow
 
 
@@ -402,7 +406,8 @@ def add_queue_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--server", required=True, help="ComfyUI's URL, e.g. http://127.0.0.1:8188")
     parser.add_argument("--set", action="append", metavar="NODE.INPUT=VALUE", help=(
         "override one input before queueing; NODE is a node id, title or class (3.seed=7, "
-        "VidMemVideoSampler.steps=4); VALUE is JSON where it parses, else text; repeatable"))
+        "VidMemVideoSampler.steps=4); VALUE is JSON where it parses, else text, and text as typed where the "
+        "workflow holds text (2.activation_chunks=2 sends the choice \"2\"); repeatable"))
     parser.add_argument("--out", type=Path, help="download the saved files into this folder")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the prompt (default 3600)")
     return parser

@@ -260,13 +260,16 @@ def test_set_overrides_by_id_title_and_class(stub, tmp_path):
     code = queue(str(WORKFLOW), "--server", stub.url, "--timeout", "20",
                  "--set", "3.seed=7", "--set", "VidMemVideoSampler.steps=4",
                  "--set", "Memory Strategy (VidMem).blocks_to_swap=1", "--set", "3.prompt=a cat, at dusk",
-                 "--set", "VidMemMemoryStrategy.vae_tiling=false", "--set", 'SaveVideo.filename_prefix="7"')
+                 "--set", "VidMemMemoryStrategy.vae_tiling=false", "--set", 'SaveVideo.filename_prefix="7"',
+                 "--set", "2.activation_chunks=2", "--set", "2.gpus=2")
     assert code == 0
     prompt = stub.posted[0]["prompt"]
     assert prompt["3"]["inputs"]["seed"] == 7 and prompt["3"]["inputs"]["steps"] == 4
     assert prompt["3"]["inputs"]["prompt"] == "a cat, at dusk"
     assert prompt["2"]["inputs"]["blocks_to_swap"] == 1 and prompt["2"]["inputs"]["vae_tiling"] is False
     assert prompt["7"]["inputs"]["filename_prefix"] == "7"  # quoted JSON stays a string
+    # an input the workflow gives text takes the text typed: the choice "2", not the number ComfyUI would refuse
+    assert prompt["2"]["inputs"]["activation_chunks"] == "2" and prompt["2"]["inputs"]["gpus"] == "2"
     assert json.loads(WORKFLOW.read_text())["3"]["inputs"]["seed"] == 42, "the file is not modified"
 
 
