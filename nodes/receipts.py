@@ -19,6 +19,10 @@ def format_receipt(title: str, receipt: dict) -> str:
             continue
         lines.append(f"out of memory at step {rung['at_step']} under {rung['failed']}: resumed after step "
                      f"{rung['resumed_from_step']} with {rung['next']} (chosen by the {rung['chosen_by']})")
+    if receipt.get("activation_chunks"):
+        line = chunks_line(receipt["activation_chunks"])
+        if line:
+            lines.append(line)
     if receipt.get("windows", {}).get("summary"):  # context windows (pipelines/context_windows.py)
         lines.append(receipt["windows"]["summary"])
     if "device_weight_bytes" in receipt:
@@ -62,6 +66,16 @@ def swap_routes(swap: dict) -> str:
     parts = [f"{human_bytes(swap[f'{route}_bytes'])} {route}" for route in ("pinned", "staged", "pageable")
              if swap.get(f"{route}_bytes")]
     return f"; streamed {', '.join(parts)}" if parts else ""
+
+
+def chunks_line(chunks: dict) -> str:
+    """What activation chunks did (pipelines/activation_chunks.py AppliedChunks.as_dict): the blocks and the token
+    slices they ran in, which may be fewer than asked for few tokens; why auto left them off; "" when off."""
+    if chunks.get("chunks", 1) > 1:
+        slices = "/".join(map(str, chunks.get("slices", []))) or str(chunks["chunks"])
+        family = f" {chunks['family']}" if chunks.get("family") else ""
+        return f"activation chunks: {chunks['blocks']}{family} blocks in {slices} token slices"
+    return f"activation chunks: off ({chunks['note']})" if chunks.get("note") else ""
 
 
 def cache_line(cache: dict) -> str:

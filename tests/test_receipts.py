@@ -1,4 +1,5 @@
-"""The node text of a sampler receipt names the sampler, the LoRAs and every out-of-memory rung."""
+"""The node text of a sampler receipt names the sampler, the LoRAs, every out-of-memory rung and what activation
+chunks did."""
 
 from __future__ import annotations
 
@@ -29,3 +30,11 @@ def test_a_rung_taken_while_placing_the_weights_says_it_started_again():
     assert ("out of memory before the first step under offload=none: started again with offload=model "
             "(chosen by the fixed ladder)") in text
     assert "resumed after step" not in text
+
+
+def test_activation_chunks_say_what_ran_and_why_auto_left_them_off():
+    ran = {"activation_chunks": {"chunks": 4, "blocks": 40, "slices": [4], "family": "wan"}}
+    assert "activation chunks: 40 wan blocks in 4 token slices" in format_receipt("Video Sampler", ran)
+    off = {"activation_chunks": {"chunks": 1, "blocks": 0, "note": "ltx2 blocks cannot be chunked"}}
+    assert "activation chunks: off (ltx2 blocks cannot be chunked)" in format_receipt("Video Sampler", off)
+    assert "activation chunks" not in format_receipt("Video Sampler", {"activation_chunks": {"chunks": 1, "blocks": 0}})
