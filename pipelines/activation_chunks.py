@@ -380,11 +380,18 @@ def _cogvideox_attention_half(block, hidden_states, encoder_hidden_states, temb,
     return hidden_states + gate_msa * attn_h, encoder_hidden_states + enc_gate_msa * attn_e
 
 
+def _modulated_feed_forward(norm: nn.Module, ff: nn.Module, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
+    """A joint-attention block's feed-forward half and its residual for the tokens `x`, as CogVideoXBlock.forward
+    and HunyuanVideo15TransformerBlock.forward compute it: norm, modulation, feed-forward, gated residual (each
+    element the same arithmetic as theirs)."""
+    y = norm(x) * (1 + scale[:, None]) + shift[:, None]
+    return x + gate.unsqueeze(1) * ff(y)
+
+
 def _cogvideox_feed_forward(block, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
     """CogVideoXBlock.forward's feed-forward half and its residual for the tokens `x` (a slice of the video's, or
     the text's), under norm2's modulation (shift, scale, gate) for them."""
-    y = block.norm2.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
-    return x + gate[:, None, :] * block.ff(y)
+    return _modulated_feed_forward(block.norm2.norm, block.ff, x, shift, scale, gate)
 
 
 def cogvideox_block_forward(block: nn.Module, chunks: int, hidden_states: torch.Tensor,
@@ -428,13 +435,6 @@ def _hunyuan_video15_attention_half(block, hidden_states, encoder_hidden_states,
     encoder_hidden_states = encoder_hidden_states + attn_e * c_gate_msa.unsqueeze(1)
     video, text = (shift_mlp, scale_mlp, gate_mlp), (c_shift_mlp, c_scale_mlp, c_gate_mlp)
     return hidden_states, encoder_hidden_states, video, text
-
-
-def _modulated_feed_forward(norm: nn.Module, ff: nn.Module, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
-    """HunyuanVideo15TransformerBlock.forward's feed-forward and its residual for the tokens `x`, operation for
-    operation: norm, modulation, feed-forward, gated residual."""
-    y = norm(x) * (1 + scale[:, None]) + shift[:, None]
-    return x + gate.unsqueeze(1) * ff(y)
 
 
 def _hunyuan_video15_feed_forward(block, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
