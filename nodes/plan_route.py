@@ -31,7 +31,7 @@ from ..memory import OffloadTier, StrategyError
 from ..memory.accounting import Attention
 from ..memory.plan.advice import over_budget_lines
 from ..memory.plan.candidates import times_differ
-from ..memory.plan.costs import TIME_RESOLUTION
+from ..memory.plan.costs import TIME_RESOLUTION, MeasuredSpeed
 from ..memory.plan.parallel import GpuSharing
 from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recommended
 from ..memory.plan.stages import VideoShape
@@ -213,7 +213,9 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
             from ..pipelines.sample_checks import refuse_windows_in_parallel
 
             refuse_windows_in_parallel(request.shape)  # the Sampler's refusal, before any rank starts
-        options = replace(options, device=device or _probed_device(), attention=_planned_attention(request))
+        device = device or _probed_device()
+        options = replace(options, device=device, attention=_planned_attention(request),
+                          speed=_measured_speed(request, device))
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
         base = replace(strategy, offload=OffloadTier.MODEL, blocks_to_swap=0)
@@ -341,17 +343,38 @@ def _planned_attention(request: PlanRequest) -> Attention:
         return Attention.FUSED
 
 
-def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list[str]:
-    if not request.speed:
-        return []
-    from ..pipelines.speed import Speed, speed_plan_line
+def _requested_speed(request: PlanRequest):
+    """The connected Speed node's Speed (None when none is); StrategyError naming a bad widget."""
+    from ..pipelines.speed import Speed
 
+    if not request.speed:
+        return None
     widgets = dict(request.speed)
+    return Speed(widgets["attention"], CompileSettings(widgets["compile"], widgets["compile_mode"],
+                                                       widgets["compile_dynamic"]), widgets["fp8_matmul"])
+
+
+def _measured_speed(request: PlanRequest, device: str) -> MeasuredSpeed:
+    """What the Speed node's choices measured on this device (the time the rows estimate); none when bad (named in the
+    speed line) or not measured here."""
+    from ..pipelines.speed import measured_speed
+
     try:
-        speed = Speed(widgets["attention"], CompileSettings(widgets["compile"], widgets["compile_mode"],
-                                                            widgets["compile_dynamic"]), widgets["fp8_matmul"])
+        speed = _requested_speed(request)
+    except StrategyError:
+        return MeasuredSpeed()
+    return measured_speed(speed, device) if speed is not None else MeasuredSpeed()
+
+
+def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list[str]:
+    from ..pipelines.speed import speed_plan_line
+
+    try:
+        speed = _requested_speed(request)
     except StrategyError as error:
         return [f"speed: {error}"]
+    if speed is None:
+        return []
     masked_by = f"{model.spec.name} ({request.model})" if model.spec.attention_masked else ""  # as the Sampler refuses
     return [f"speed: {speed_plan_line(speed, options.device, torch_dtype(request.dtype), masked_by)}"]
 

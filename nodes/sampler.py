@@ -25,7 +25,7 @@ from ..pipelines.sample import RunHooks, SampleRequest, sample
 from ..pipelines.sample_checks import refuse_windows_in_parallel, validate_request
 from ..pipelines.schedulers import SCHEDULERS
 from ..pipelines.loader import torch_dtype
-from ..pipelines.speed import planned_attention, resolve_speed
+from ..pipelines.speed import measured_speed, planned_attention, resolve_speed
 from ..pipelines.step_cache import write_ratio_file
 from . import host
 from .cache import CACHE_TYPE, cache_input
@@ -181,7 +181,8 @@ class VidMemVideoSampler:
         check_before_planning(pipeline, choice, request, device)
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
         shape = VideoShape(width, height, frames, cfg=guided, window=window, window_overlap=window_overlap)
-        options = PlanOptions(attention=planned_attention(request.speed))
+        options = PlanOptions(attention=planned_attention(request.speed),
+                              speed=measured_speed(request.speed, torch.device(device).type))
         run, plan_line = _strategy_for_run(pipeline, choice, shape, device, options)
         progress = host.Progress(steps, "sampling")
         try:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..memory.accounting import Attention
+from ..memory.plan.costs import MeasuredSpeed
 from ..memory.storage.fp8_matmul import AUTO_REASON, Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
 from ..memory.strategy import StrategyError, parse_enum
 from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, check_mask,
@@ -202,22 +203,37 @@ def _fp8_enabled(choice: Fp8Matmul, device_type: str) -> bool:
     return fp8_matmul_support(device_type) is None or device_type == "cpu"
 
 
+def measured_speed(speed: Speed, device_type: str) -> MeasuredSpeed:
+    """The ratios configs/speedups.json holds for `speed`'s choices on this device, as the plan's time estimate
+    uses them (MeasuredSpeed: 1.0 for a choice not measured here, or not made); nothing for a GPU this process
+    cannot see (its name is unknown)."""
+    return MeasuredSpeed(**_measured_ratios(speed, device_type))
+
+
 def measured_line(speed: Speed, device_type: str) -> str:
     """"measured on <device>: ..." from configs/speedups.json for this device, or "" where none is known."""
+    ratios = _measured_ratios(speed, device_type)
+    if not ratios:
+        return ""
+    names = {"kernel": f"attention {speed.attention.value}", "compiled": "compiled blocks", "fp8_matmul": "fp8 matmul"}
+    parts = ", ".join(f"{names[part]} x{ratio:.2f}" for part, ratio in ratios.items())
+    source = _measured()[device_name(device_type)]["source"]
+    return f"Measured on this {device_type} (step time against eager SDPA, {source}): {parts}"
+
+
+def _measured_ratios(speed: Speed, device_type: str) -> dict[str, float]:
+    """MeasuredSpeed's fields that this device's entry measured for the choices `speed` makes: an attention kernel
+    chosen by name (auto's pick is the baseline's), compiled blocks when on, fp8 matmul where a run enables it."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return {}
     entry = _measured().get(device_name(device_type))
     if entry is None:
-        return ""
-    parts = []
-    kernel = entry.get("attention", {}).get(speed.attention.value)
-    if kernel is not None and speed.attention is not AttentionKernel.AUTO:
-        parts.append(f"attention {speed.attention.value} x{kernel:.2f}")
-    if speed.compile.on and entry.get("compile") is not None:
-        parts.append(f"compiled blocks x{entry['compile']:.2f}")
-    if _fp8_enabled(speed.fp8_matmul, device_type) and entry.get("fp8_matmul") is not None:
-        parts.append(f"fp8 matmul x{entry['fp8_matmul']:.2f}")
-    if not parts:
-        return ""
-    return f"Measured on this {device_type} (step time against eager SDPA, {entry['source']}): {', '.join(parts)}"
+        return {}
+    ratios = {"kernel": entry.get("attention", {}).get(speed.attention.value)
+              if speed.attention is not AttentionKernel.AUTO else None,
+              "compiled": entry.get("compile") if speed.compile.on else None,
+              "fp8_matmul": entry.get("fp8_matmul") if _fp8_enabled(speed.fp8_matmul, device_type) else None}
+    return {part: ratio for part, ratio in ratios.items() if ratio is not None}
 
 
 def device_name(device_type: str) -> str:

@@ -319,11 +319,11 @@ def test_a_bad_step_cache_widget_is_named_with_its_node():
     assert caught.value.name == "steps"
 
 
-def _wan_13b_speed_plan(**speed):
+def _wan_13b_speed_plan(offload="block_swap", **speed):
     from vidmem.pipelines.configs import load_model
 
     q = query(model="wan", dtype="bf16", width="832", height="480", frames="81", tile_size="256", overlap="32",
-              temporal_size="64", temporal_overlap="8", vram_budget_gb="80",
+              temporal_size="64", temporal_overlap="8", vram_budget_gb="80", offload=offload,
               **{f"speed_{name}": value for name, value in speed.items()})
     return plan_answer(parse_request(q, ["wan"], ["bf16"]), lambda n, d: load_model("wan2.1-t2v-1.3b", d),
                        (80 * GiB, 64 * GiB), device="cpu")

@@ -127,6 +127,32 @@ HOST_DEQUANT_WEIGHTS_PER_S = 0.4e9
 
 
 @dataclass(frozen=True)
+class MeasuredSpeed:
+    """The denoiser's step time with the Speed node's choices against eager blocks, SDPA's own kernel and
+    fp8 weights upcast, as bench/speed.py measured it on this device (pipelines/configs/speedups.json);
+    1.0 where nothing was measured. The plan multiplies the denoiser's compute (its upcasts included: the
+    ratios were measured with them) by the ratios that apply to the run, and moves its copies as before.
+
+    Why compiled blocks have their own ratio: under `sequential` each streamed leaf breaks the compiled
+    graph (21 breaks per Wan block on an H200, step x1.10 against eager), so it applies only where blocks
+    compile whole. Why fp8 matmul has its own: it multiplies only layers stored in float8_e4m3fn."""
+
+    kernel: float = 1.0  # the chosen attention kernel's (every tier)
+    compiled: float = 1.0  # compiled blocks' (tiers whose blocks compile whole: not sequential)
+    fp8_matmul: float = 1.0  # fp8 matmul's (a denoiser stored in float8_e4m3fn, every tier)
+
+    def __post_init__(self) -> None:
+        for name in ("kernel", "compiled", "fp8_matmul"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MeasuredSpeed.{name}={getattr(self, name)} must be a positive time ratio.")
+
+    def ratio(self, whole_blocks_compile: bool, fp8_weights: bool) -> float:
+        """The step-time ratio for a denoiser on a tier (`whole_blocks_compile`) and storage (`fp8_weights`)."""
+        return (self.kernel * (self.compiled if whole_blocks_compile else 1.0)
+                * (self.fp8_matmul if fp8_weights else 1.0))
+
+
+@dataclass(frozen=True)
 class DeviceRates:
     """How fast the compute device computes, receives weights and upcasts stored ones."""
 
@@ -200,6 +226,7 @@ class Work:
     dequant_widens: bool = False  # those upcasts only widen (plain fp8): a fraction of the traffic on a GPU
     rates: DeviceRates = GPU_RATES  # the compute device's (on_host work runs at CPU_RATES)
     compute_share: float = 0.0  # time beyond the FLOPs', as a share of their compute (chunk_compute_share)
+    time_ratio: float = 1.0  # the measured step time of the run's Speed choices (MeasuredSpeed.ratio)
 
     def seconds(self, disk: DiskRead | None = None) -> float:
         if self.on_host:  # page faults on memory-mapped weights are synchronous: reads add to compute
@@ -208,7 +235,7 @@ class Work:
                 seconds += disk.reread_bytes(Traffic(once_bytes=self.host_weight_bytes))[1] / disk.bytes_per_s
             return seconds
         return stage_seconds(self.flops, self.passes, self.traffic, disk, self.rates, self.upcast_weights,
-                             self.compute_share)
+                             self.compute_share, self.time_ratio)
 
     @property
     def upcast_weights(self) -> float:
@@ -217,16 +244,18 @@ class Work:
 
 
 def stage_seconds(compute_flops: float, passes: int, traffic: Traffic, disk: DiskRead | None = None,
-                  rates: DeviceRates = GPU_RATES, dequant_weights: int = 0, compute_share: float = 0.0) -> float:
+                  rates: DeviceRates = GPU_RATES, dequant_weights: int = 0, compute_share: float = 0.0,
+                  time_ratio: float = 1.0) -> float:
     """Estimated wall time of `passes` forward passes totalling `compute_flops`.
 
     With `disk`, streamed weights the page cache cannot keep are read from the disk every pass;
     reading, copying and computing overlap when the schedule prefetches (staging buffers). Stored
     weights are upcast on the compute stream each pass: added to compute, never hidden. `compute_share`:
-    time beyond the FLOPs' (activation chunks' slices), as a share of their compute.
+    time beyond the FLOPs' (activation chunks' slices), as a share of their compute. `time_ratio`: the
+    measured step time of faster kernels or compiled blocks, on the compute and its upcasts (MeasuredSpeed).
     """
     compute = compute_flops / rates.flops_per_s * (1 + compute_share)
-    per_pass_compute = compute / max(passes, 1) + dequant_weights / rates.dequant_weights_per_s
+    per_pass_compute = (compute / max(passes, 1) + dequant_weights / rates.dequant_weights_per_s) * time_ratio
     copy_rate = rates.copy_bytes_per_s
     per_pass_copy = traffic.per_pass_bytes / copy_rate if copy_rate else 0.0
     reread_pass, reread_once = disk.reread_bytes(traffic) if disk is not None else (0, 0)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
+import torch
+
 from .allocator import replay
 from .costs import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Traffic, Work, chunk_compute_share, exposed_copy_share,
                     host_runtime_bytes)
@@ -19,6 +21,7 @@ from .schedule import (ComponentWeights, Streaming, stream_timeline, table_compu
                        table_streamed_unit_bytes)
 from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
                             VideoShape)
+from ..storage import storage_format
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement, family_tiling
 from ..vae_tiles import plan_tiles
 from ..windows import WindowSchedule
@@ -269,10 +272,13 @@ def compute_seconds(model: PlannerModel, shape: VideoShape, strategy: MemoryStra
     attention, layout = options.attention, model.layout
     flops = sum(model.trace(Call("text_encode", n, shape), attention).flops for n in layout.text_encoders)
     flops += sum(model.trace(Call("condition", n, shape), attention).flops for n in (*layout.conditioning, *layout.call_encoders))
-    for name, steps in zip(layout.denoisers, _split_steps(options.steps, len(layout.denoisers))):
-        flops += model.trace(Call("denoise", name, shape), attention).flops * steps
     flops += decode_flops_untiled(model, shape, strategy, options)
-    return flops / options.rates.flops_per_s
+    seconds = flops / options.rates.flops_per_s
+    for name, steps in zip(layout.denoisers, _split_steps(options.steps, len(layout.denoisers))):
+        # resident, so compiled blocks compile whole: the run's best, what a tier's slowdown is against
+        denoise = model.trace(Call("denoise", name, shape), attention).flops * steps / options.rates.flops_per_s
+        seconds += denoise * _speed_ratio(name, OffloadTier.NONE, options)
+    return seconds
 
 
 def decode_flops_untiled(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> float:
@@ -298,7 +304,16 @@ def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, option
     return Work(flops, passes, _traffic(model, name, strategy, options, call), dequant_weights=upcasts,
                 dequant_widens=weights.stored.widens, rates=options.rates,
                 # launches cost only where kernels launch
-                compute_share=chunk_compute_share(call.chunks) if chunked and not options.on_cpu else 0.0)
+                compute_share=chunk_compute_share(call.chunks) if chunked and not options.on_cpu else 0.0,
+                time_ratio=_speed_ratio(name, strategy.offload, options) if call is not None else 1.0)
+
+
+def _speed_ratio(name: str, tier: OffloadTier, options: PlanOptions) -> float:
+    """The measured step-time ratio of the run's Speed choices for denoiser `name` on `tier` (MeasuredSpeed): blocks
+    compile whole on every tier but sequential, and fp8 matmul takes a denoiser stored in float8_e4m3fn."""
+    stored = options.storage_of(name)
+    fp8 = stored is not None and storage_format(stored).torch_dtype == torch.float8_e4m3fn
+    return options.speed.ratio(tier is not OffloadTier.SEQUENTIAL, fp8)
 
 
 def _upcasts_per_pass(model: PlannerModel, call: Call, weights: ComponentWeights, options: PlanOptions) -> int:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..accounting import Attention, Trace
 from .allocator import AllocatorPeak, WeightTimeline, replay
-from .costs import CPU_RATES, CUDA_CONTEXT_BYTES, GPU_RATES, NVME_BYTES_PER_S, DeviceRates, DiskRead, Work
+from .costs import CPU_RATES, CUDA_CONTEXT_BYTES, GPU_RATES, NVME_BYTES_PER_S, DeviceRates, DiskRead, MeasuredSpeed, Work
 from .schedule import ComponentWeights, Order, Streaming
 from ..storage import storage_format
 from ..strategy import TextEncoderPlacement
@@ -128,7 +128,8 @@ class PlanOptions:
     from the disk at `disk_bytes_per_s` when the page cache cannot keep them. `device` is the torch
     device type the run computes on: on "cpu" nothing is copied to a device, so memory-mapped
     weights are used in place (page cache, not device bytes) and compute, copies and upcasts
-    run at the CPU's rates.
+    run at the CPU's rates. `speed`: the Speed node's choices as measured on this device, which the
+    denoiser's time estimate follows (1.0 where nothing is measured).
     """
 
     attention: Attention = Attention.FUSED
@@ -139,6 +140,7 @@ class PlanOptions:
     on_disk: bool = False
     disk_bytes_per_s: float = NVME_BYTES_PER_S
     device: str = "cuda"
+    speed: MeasuredSpeed = MeasuredSpeed()
 
     def __post_init__(self) -> None:
         pairs = self.storage.items() if isinstance(self.storage, Mapping) else self.storage

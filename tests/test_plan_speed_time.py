@@ -1,0 +1,183 @@
+"""The plan's time follows the Speed node's choices where bench/speed.py measured them on this device
+(pipelines/configs/speedups.json, `MeasuredSpeed`): the denoiser's compute and its upcasts scale by the
+measured ratios; its copies do not; compiled blocks do not count under `sequential` (a graph break per
+streamed leaf); fp8 matmul counts only for a denoiser stored in float8_e4m3fn. The Memory Strategy's
+chart (GET /vidmem/plan) and the Sampler's plan both read them."""
+
+from __future__ import annotations
+
+import pytest
+
+from vidmem.memory import MemoryStrategy
+from vidmem.memory.plan.candidates import plan_run
+from vidmem.memory.plan.costs import MeasuredSpeed
+from vidmem.memory.plan.planner import Allocator, PlanOptions, VideoShape
+from vidmem.pipelines.compile import CompileSettings
+from vidmem.pipelines.configs import load_model
+from vidmem.pipelines.speed import Speed
+
+SHAPE = VideoShape(832, 480, 81)
+GPU = PlanOptions(allocator=Allocator.NATIVE, steps=4)
+FP8 = {"transformer": "fp8_scaled"}
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return load_model("wan2.1-t2v-1.3b")
+
+
+def _denoise(plan):
+    return next(w for w in plan.stage("denoise").work if w.passes > 1)
+
+
+def _plan(model, offload, speed=MeasuredSpeed(), storage=(), **strategy):
+    return plan_run(model, SHAPE, MemoryStrategy(offload=offload, **strategy), PlanOptions(
+        allocator=Allocator.NATIVE, steps=4, storage=storage, speed=speed), None, None)
+
+
+def test_nothing_measured_changes_nothing(wan):
+    plain = _plan(wan, "none")
+    assert _denoise(plain).time_ratio == 1.0
+    assert plain.seconds_with_denoise_share(1.0) == _plan(wan, "none", MeasuredSpeed()).seconds_with_denoise_share(1.0)
+
+
+def test_compiled_blocks_shorten_the_denoisers_compute_and_its_upcasts(wan):
+    eager = _denoise(_plan(wan, "none", storage=FP8))
+    compiled = _denoise(_plan(wan, "none", MeasuredSpeed(compiled=0.6), storage=FP8))
+    assert eager.dequant_weights > 0  # the upcasts are in the measured ratio: they scale with the compute
+    assert compiled.seconds() == pytest.approx(eager.seconds() * 0.6, rel=1e-9)
+
+
+def test_the_other_stages_do_not_follow_the_denoisers_speed(wan):
+    eager, compiled = _plan(wan, "none"), _plan(wan, "none", MeasuredSpeed(compiled=0.5, kernel=0.5))
+    for stage in ("text_encode", "decode"):
+        assert [w.seconds() for w in eager.stage(stage).work] == [w.seconds() for w in compiled.stage(stage).work]
+
+
+def test_the_resident_baseline_follows_it_so_a_tiers_slowdown_stays_against_the_runs_best(wan):
+    """A resident run with compiled blocks is no slower than its own best: x1.00, as eager. Sequential loses the
+    compile (its leaves break the graph), so it is slower against that best than eager sequential is against its."""
+    speed = MeasuredSpeed(compiled=0.6)
+    assert _plan(wan, "none", speed).est_slowdown == _plan(wan, "none").est_slowdown == 1.0
+    eager, compiled = _plan(wan, "sequential"), _plan(wan, "sequential", speed)
+    assert _denoise(compiled).time_ratio == 1.0
+    assert compiled.baseline_seconds < eager.baseline_seconds
+    assert compiled.est_slowdown > eager.est_slowdown
+
+
+def test_a_faster_compute_leaves_block_swaps_copies_as_they_were(wan):
+    """Block swap's copies overlap the compute: shortening the compute shortens the step only down to the copies."""
+    swapped = dict(blocks_to_swap=30)
+    eager = _denoise(_plan(wan, "block_swap", **swapped))
+    fast = _denoise(_plan(wan, "block_swap", MeasuredSpeed(compiled=0.01), **swapped))
+    assert fast.traffic == eager.traffic and fast.traffic.per_pass_bytes > 0
+    assert eager.seconds() * 0.01 < fast.seconds() < eager.seconds()
+
+
+@pytest.mark.parametrize("storage, counted", [({"transformer": "fp8_scaled"}, True),
+                                              ({"transformer": "fp8_e4m3fn"}, True),
+                                              ({"transformer": "fp8_e5m2"}, False),
+                                              ({"transformer": "gguf_q8_0"}, False),
+                                              ((), False)])
+def test_fp8_matmul_counts_for_a_denoiser_stored_in_e4m3fn_only(wan, storage, counted):
+    assert _denoise(_plan(wan, "none", MeasuredSpeed(fp8_matmul=1.2), storage)).time_ratio == (1.2 if counted else 1.0)
+
+
+def test_the_ratios_multiply():
+    speed = MeasuredSpeed(kernel=0.9, compiled=0.5, fp8_matmul=1.2)
+    assert speed.ratio(True, True) == pytest.approx(0.54)
+    assert speed.ratio(False, True) == pytest.approx(1.08)
+    assert speed.ratio(True, False) == pytest.approx(0.45)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_a_ratio_that_is_not_a_positive_time_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="MeasuredSpeed.compiled"):
+        MeasuredSpeed(compiled=bad)
+
+
+# --- configs/speedups.json to MeasuredSpeed -------------------------------------------------------------------
+
+MEASURED = {"device": "Test CPU", "source": "bench/results/x.json", "attention": {"flash": 0.8, "math": 2.0},
+            "compile": 0.7, "fp8_matmul": 1.3}
+
+
+@pytest.fixture
+def speed_module(monkeypatch):
+    from vidmem.pipelines import speed
+
+    monkeypatch.setattr(speed, "cpu_name", lambda: "Test CPU")
+    monkeypatch.setattr(speed, "_measured", lambda: {"Test CPU": MEASURED})
+    return speed
+
+
+def test_the_measured_ratios_of_the_choices_made(speed_module):
+    measured = speed_module.measured_speed(Speed("flash", CompileSettings(True), "on"), "cpu")
+    assert measured == MeasuredSpeed(kernel=0.8, compiled=0.7, fp8_matmul=1.3)  # 'on' multiplies in fp8 on the CPU
+    assert speed_module.measured_speed(Speed("math"), "cpu") == MeasuredSpeed(kernel=2.0)
+
+
+def test_choices_not_made_or_not_measured_are_not_counted(speed_module):
+    assert speed_module.measured_speed(Speed(), "cpu") == MeasuredSpeed()  # auto's kernel is the baseline's
+    assert speed_module.measured_speed(Speed("cudnn"), "cpu") == MeasuredSpeed()  # not measured here
+    assert speed_module.measured_speed(Speed(fp8_matmul="auto"), "cpu") == MeasuredSpeed()  # auto upcasts
+    assert speed_module.measured_speed(Speed(chosen=False), "cpu") == MeasuredSpeed()  # no Speed node
+
+
+def test_another_device_or_a_gpu_this_process_cannot_see_counts_nothing(speed_module, monkeypatch):
+    compiled = Speed(compile=CompileSettings(True))
+    monkeypatch.setattr(speed_module.torch.cuda, "is_available", lambda: False)
+    assert speed_module.measured_speed(compiled, "cuda") == MeasuredSpeed()
+    monkeypatch.setattr(speed_module, "cpu_name", lambda: "Another CPU")
+    assert speed_module.measured_speed(compiled, "cpu") == MeasuredSpeed()
+
+
+def test_the_plan_line_quotes_what_the_time_uses(speed_module):
+    speed = Speed("flash", CompileSettings(True), "on")
+    line = speed_module.measured_line(speed, "cpu")
+    assert "attention flash x0.80" in line and "compiled blocks x0.70" in line and "fp8 matmul x1.30" in line
+
+
+def test_the_chart_times_its_rows_with_the_speed_nodes_measured_choices(speed_module, monkeypatch):
+    """GET /vidmem/plan with a Speed node: the rows' slowdowns are against the run's best with its compiled blocks,
+    so `sequential` (whose leaves break the graph) shows what it loses; without a measurement the rows are as before."""
+    from test_web_route import _wan_13b_speed_plan
+
+    compiled = dict(attention="auto", compile="true", compile_mode="default", compile_dynamic="auto",
+                    fp8_matmul="off")
+
+    def sequential(**speed):
+        return _wan_13b_speed_plan(offload="sequential", **speed)["rows"][-1]
+
+    eager, fast = sequential(), sequential(**compiled)
+    assert eager["label"] == fast["label"] == "your settings"
+    assert fast["est_slowdown"] == pytest.approx(eager["est_slowdown"] / MEASURED["compile"], abs=0.02)
+    monkeypatch.setattr(speed_module, "_measured", lambda: {})  # another machine: nothing measured
+    assert sequential(**compiled)["est_slowdown"] == eager["est_slowdown"]
+
+
+class _Planned(Exception):
+    """Stops the Sampler node once its plan's options are seen: nothing runs."""
+
+
+def test_the_samplers_auto_choice_is_timed_with_the_measured_speed(speed_module, tiny_loaded, monkeypatch):
+    from vidmem.nodes import sampler as sampler_node
+    from vidmem.nodes.strategy import VidMemMemoryStrategy
+
+    seen = []
+
+    def choose_for(pipeline, shape, strategy, vram, ram, options, device=None):
+        seen.append(options.speed)
+        raise _Planned
+
+    monkeypatch.setattr(sampler_node, "choose_for", choose_for)
+    monkeypatch.setattr(sampler_node.host, "compute_device", lambda: speed_module.torch.device("cpu"))
+    (choice,) = VidMemMemoryStrategy().build(offload="auto", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
+                                             non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False,
+                                             vae_tiling=False, tile_size=256, overlap=64, temporal_size=64,
+                                             temporal_overlap=8)["result"]
+    for speed in (None, Speed(compile=CompileSettings(True))):
+        with pytest.raises(_Planned):
+            sampler_node.VidMemVideoSampler().sample(tiny_loaded("wan2.1-t2v"), choice, "a cat", "", 32, 32, 9, 1, 1.0,
+                                                     0, speed=speed)
+    assert seen == [MeasuredSpeed(), MeasuredSpeed(compiled=MEASURED["compile"])]
