@@ -33,6 +33,8 @@ copies on `oom_stream` only when given), once.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import itertools
 from dataclasses import dataclass
 
@@ -98,6 +100,21 @@ class FakeEvent:
         return 1.0  # milliseconds
 
 
+def _settle_before_faking() -> None:
+    """Let what torch and diffusers set up on first use see the real functions, whatever ran before this test.
+
+    - torch's `with torch.device(...)` recognises factory functions from a table built on first use: built while
+      `torch.empty` is the fake's (pinning), it misses the real one, and modules built on `meta` get CPU weights.
+    - diffusers' transformers import peft, which imports bitsandbytes, which registers CUDA kernels when torch says
+      a GPU is there; diffusers' hooks evaluate `torch.cuda.Stream | None` annotations at import (the fake's is a
+      function)."""
+    with torch.device("meta"):
+        torch.empty(0)
+    if importlib.util.find_spec("diffusers") is not None:
+        importlib.import_module("diffusers.models.transformers")
+        importlib.import_module("diffusers.hooks")
+
+
 class FakeCuda:
     def __init__(self, oom_at: int | None = None, oom_stream: str | None = None, allocator: str = "native") -> None:
         self.allocator = allocator
@@ -155,6 +172,7 @@ class FakeCuda:
     # --- installation -----------------------------------------------------------------------
 
     def install(self, monkeypatch) -> "FakeCuda":
+        _settle_before_faking()
         fake = self
         cuda = torch.cuda
 
