@@ -207,7 +207,8 @@ def measured_speed(speed: Speed, device_type: str) -> MeasuredSpeed:
     """The ratios configs/speedups.json holds for `speed`'s choices on this device, as the plan's time estimate
     uses them (MeasuredSpeed: 1.0 for a choice not measured here, or not made); nothing for a GPU this process
     cannot see (its name is unknown)."""
-    return MeasuredSpeed(**_measured_ratios(speed, device_type))
+    fp8_on = not (device_type == "cuda" and not torch.cuda.is_available()) and _fp8_enabled(speed.fp8_matmul, device_type)
+    return MeasuredSpeed(**_measured_ratios(speed, device_type), fp8_matmul_on=fp8_on)
 
 
 def measured_line(speed: Speed, device_type: str) -> str:

@@ -83,6 +83,19 @@ def test_fp8_matmul_counts_for_a_denoiser_stored_in_e4m3fn_only(wan, storage, co
     assert _denoise(_plan(wan, "none", MeasuredSpeed(fp8_matmul=1.2), storage)).time_ratio == (1.2 if counted else 1.0)
 
 
+def test_with_fp8_matmul_a_chunked_blocks_slices_add_no_upcasts(wan):
+    """A layer multiplied in fp8 never upcasts, so slicing a block does not multiply its upcasts (they stay
+    counted once, as in the measured ratio's baseline); with fp8 matmul off each slice upcasts again."""
+    chunked = dict(activation_chunks=16)
+    plain = _denoise(_plan(wan, "none", storage=FP8))
+    upcast = _denoise(_plan(wan, "none", storage=FP8, **chunked))
+    fp8 = _denoise(_plan(wan, "none", MeasuredSpeed(fp8_matmul_on=True), FP8, **chunked))
+    assert upcast.dequant_weights > 10 * plain.dequant_weights
+    assert fp8.dequant_weights == plain.dequant_weights
+    gguf = _denoise(_plan(wan, "none", MeasuredSpeed(fp8_matmul_on=True), {"transformer": "gguf_q8_0"}, **chunked))
+    assert gguf.dequant_weights > 10 * plain.dequant_weights  # GGUF layers upcast per slice whatever fp8 matmul says
+
+
 def test_the_ratios_multiply():
     speed = MeasuredSpeed(kernel=0.9, compiled=0.5, fp8_matmul=1.2)
     assert speed.ratio(True, True) == pytest.approx(0.54)
@@ -113,8 +126,13 @@ def speed_module(monkeypatch):
 
 def test_the_measured_ratios_of_the_choices_made(speed_module):
     measured = speed_module.measured_speed(Speed("flash", CompileSettings(True), "on"), "cpu")
-    assert measured == MeasuredSpeed(kernel=0.8, compiled=0.7, fp8_matmul=1.3)  # 'on' multiplies in fp8 on the CPU
+    assert measured == MeasuredSpeed(kernel=0.8, compiled=0.7, fp8_matmul=1.3, fp8_matmul_on=True)  # 'on': also on a CPU
     assert speed_module.measured_speed(Speed("math"), "cpu") == MeasuredSpeed(kernel=2.0)
+
+
+def test_fp8_matmul_on_is_known_where_no_ratio_was_measured(speed_module, monkeypatch):
+    monkeypatch.setattr(speed_module, "_measured", lambda: {})
+    assert speed_module.measured_speed(Speed(fp8_matmul="on"), "cpu") == MeasuredSpeed(fp8_matmul_on=True)
 
 
 def test_choices_not_made_or_not_measured_are_not_counted(speed_module):

@@ -135,11 +135,13 @@ class MeasuredSpeed:
 
     Why compiled blocks have their own ratio: under `sequential` each streamed leaf breaks the compiled
     graph (21 breaks per Wan block on an H200, step x1.10 against eager), so it applies only where blocks
-    compile whole. Why fp8 matmul has its own: it multiplies only layers stored in float8_e4m3fn."""
+    compile whole. Why fp8 matmul has its own: it multiplies only layers stored in float8_e4m3fn, and those
+    layers then upcast nowhere (`fp8_matmul_on`), so a chunked block's slices add no upcasts to them."""
 
     kernel: float = 1.0  # the chosen attention kernel's (every tier)
     compiled: float = 1.0  # compiled blocks' (tiers whose blocks compile whole: not sequential)
     fp8_matmul: float = 1.0  # fp8 matmul's (a denoiser stored in float8_e4m3fn, every tier)
+    fp8_matmul_on: bool = False  # the run multiplies float8_e4m3fn layers in fp8 (measured here or not)
 
     def __post_init__(self) -> None:
         for name in ("kernel", "compiled", "fp8_matmul"):

@@ -300,7 +300,9 @@ def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, option
     `call`: the denoise call, whose chunked blocks call some layers once per token slice."""
     weights = component_weights(model, name, options)
     chunked = call is not None and call.chunks > 1
-    upcasts = _upcasts_per_pass(model, call, weights, options) if chunked else weights.stored.stored_weights
+    upcasts = weights.stored.stored_weights
+    if chunked and not (options.speed.fp8_matmul_on and _fp8_stored(name, options)):  # fp8 matmul: no slice upcasts
+        upcasts = _upcasts_per_pass(model, call, weights, options)
     return Work(flops, passes, _traffic(model, name, strategy, options, call), dequant_weights=upcasts,
                 dequant_widens=weights.stored.widens, rates=options.rates,
                 # launches cost only where kernels launch
@@ -311,9 +313,13 @@ def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, option
 def _speed_ratio(name: str, tier: OffloadTier, options: PlanOptions) -> float:
     """The measured step-time ratio of the run's Speed choices for denoiser `name` on `tier` (MeasuredSpeed): blocks
     compile whole on every tier but sequential, and fp8 matmul takes a denoiser stored in float8_e4m3fn."""
+    return options.speed.ratio(tier is not OffloadTier.SEQUENTIAL, _fp8_stored(name, options))
+
+
+def _fp8_stored(name: str, options: PlanOptions) -> bool:
+    """Whether `name` is stored in float8_e4m3fn: what fp8 matmul multiplies as stored."""
     stored = options.storage_of(name)
-    fp8 = stored is not None and storage_format(stored).torch_dtype == torch.float8_e4m3fn
-    return options.speed.ratio(tier is not OffloadTier.SEQUENTIAL, fp8)
+    return stored is not None and storage_format(stored).torch_dtype == torch.float8_e4m3fn
 
 
 def _upcasts_per_pass(model: PlannerModel, call: Call, weights: ComponentWeights, options: PlanOptions) -> int:
