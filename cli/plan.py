@@ -77,6 +77,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                            "cudaMallocAsync = ComfyUI's default on CUDA builds (modelled as live bytes)")
     plan.add_argument("--attention", default="fused", choices=("fused", "math"),
                       help="fused = flash/memory-efficient kernels; math = score matrix materialised")
+    plan.add_argument("--compile", action="store_true", help="the Speed node's compile on: the time estimate uses "
+                      "compiled blocks' step time where bench/speed.py measured it on this machine's device")
+    plan.add_argument("--fp8-matmul", default="off", choices=("off", "auto", "on"),
+                      help="the Speed node's fp8_matmul (with fp8 --weights): 'on' multiplies fp8 layers in fp8, "
+                           "timed as measured on this machine's device")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_train_arguments(plan)
     add_parallel_arguments(plan)
@@ -94,7 +99,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from ..memory.accounting import Attention
     from ..memory.plan.planner import Allocator, PlanOptions, VideoShape, candidate_plans, recommended
     from ..memory.plan.advice import nothing_fits_message
-    from ..memory.plan.costs import NVME_BYTES_PER_S
+    from ..memory.plan.costs import NVME_BYTES_PER_S, MeasuredSpeed
+    from ..pipelines.speed import measured_speed
     from ..memory.strategy import MemoryStrategy
 
     _check_numbers(args)
@@ -114,9 +120,10 @@ def run_plan(args: argparse.Namespace) -> int:
         return run_train_plan(args, model, VideoShape(width, height, frames, batch=args.batch, cfg=False), vram, ram)
     disk_gbps = NVME_BYTES_PER_S / 1e9 if args.disk_gbps is None else args.disk_gbps
     storage = model.layout.stored_as(args.weights) if args.weights else {}
+    speed = _speed(args)
     options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps,
                           storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9,
-                          device=args.device)
+                          device=args.device, speed=measured_speed(speed, args.device) if speed else MeasuredSpeed())
     base = MemoryStrategy(text_encoder=args.text_encoder, prefetch_blocks=args.prefetch,
                           activation_chunks=args.activation_chunks)
     if parallel:
@@ -129,7 +136,9 @@ def run_plan(args: argparse.Namespace) -> int:
                           "window_overlap": shape.window_overlap, "dtype": model.dtype_name,
                           "vae_dtype": model.vae_dtype_name or model.dtype_name,
                           "weights": args.weights or model.dtype_name, "disk_gbps": disk_gbps,
-                          "allocator": options.allocator.value, "strategies": [p.as_dict() for p in plans],
+                          "allocator": options.allocator.value,
+                          **({"speed": _speed_line(speed, model, args.device)} if speed else {}),
+                          "strategies": [p.as_dict() for p in plans],
                           "recommended": best, **({"message": message} if message else {})}, indent=2))
     else:
         print(_table(model, shape, vram, ram, plans, best, options))
@@ -139,9 +148,29 @@ def run_plan(args: argparse.Namespace) -> int:
             print("\n" + _warm_line(model, plans[best]))
         if args.cache != "off":
             print("\n" + _cache_line(model, args.steps, shape, plans[best] if best is not None else None, args.cache))
+        if speed:
+            print("\nspeed: " + _speed_line(speed, model, args.device))
         if message:
             print(f"\n{message}")
     return 0 if best is not None else 1
+
+
+def _speed(args: argparse.Namespace):
+    """The Speed node's choices --compile and --fp8-matmul stand for (attention as the model has it); None without them."""
+    from ..pipelines.compile import CompileSettings
+    from ..pipelines.speed import Speed
+
+    if not args.compile and args.fp8_matmul == "off":
+        return None
+    return Speed(compile=CompileSettings(args.compile), fp8_matmul=args.fp8_matmul)
+
+
+def _speed_line(speed, model, device: str) -> str:
+    """The Memory Strategy chart's speed line: what the choices resolve to on `device`, and what was measured there."""
+    from ..pipelines.speed import speed_plan_line
+
+    masked_by = model.spec.name if model.spec.attention_masked else ""
+    return speed_plan_line(speed, device, model.dtype, masked_by)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

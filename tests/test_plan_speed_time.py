@@ -199,3 +199,26 @@ def test_the_samplers_auto_choice_is_timed_with_the_measured_speed(speed_module,
             sampler_node.VidMemVideoSampler().sample(tiny_loaded("wan2.1-t2v"), choice, "a cat", "", 32, 32, 9, 1, 1.0,
                                                      0, speed=speed)
     assert seen == [MeasuredSpeed(), MeasuredSpeed(compiled=MEASURED["compile"])]
+
+
+def test_vidmem_plan_times_its_rows_with_compile_and_says_what_it_resolves_to(speed_module, capsys):
+    """`vidmem plan --compile`: the rows as the chart times them on this machine's device (here the CPU, with the
+    test's measurement), and the chart's speed line; without the flag, no speed line and the plain times."""
+    import json
+
+    from vidmem.cli import main
+
+    plan = ["plan", "--model", "wan2.1-t2v-1.3b", "--size", "832x480", "--frames", "81", "--vram", "8", "--ram", "64",
+            "--device", "cpu", "--steps", "4", "--json"]
+
+    def rows(*flags):
+        assert main(plan + list(flags)) == 0
+        found = json.loads(capsys.readouterr().out)
+        return found, {(row["tier"], row["blocks_to_swap"], row["on_disk"]): row for row in found["strategies"]}
+
+    (eager, eager_rows), (fast, fast_rows) = rows(), rows("--compile")
+    assert "speed" not in eager and "compiled blocks x0.70" in fast["speed"]
+    sequential, resident = ("sequential", 0, False), ("none", 0, False)
+    # sequential does not compile whole blocks: slower against the compiled best than eager is against its own
+    assert fast_rows[sequential]["est_slowdown"] > eager_rows[sequential]["est_slowdown"]
+    assert fast_rows[resident]["est_slowdown"] == eager_rows[resident]["est_slowdown"]
