@@ -281,7 +281,8 @@ class VidMemMemoryStrategy:
                 "activation_chunks": (list(CHUNK_CHOICES), {"default": CHUNKS_AUTO, "tooltip":
                     "Token slices each transformer block computes in (Wan, CogVideoX, HunyuanVideo 1.5): the same video, "
                     "a lower denoise peak. The feed-forward, norms and residuals run one slice at a time; attention keeps "
-                    "every key and value (CogVideoX and HunyuanVideo 1.5 slice their feed-forward only). auto: the planner picks the fewest slices that fit the VRAM budget (none when the run "
+                    "every key and value (CogVideoX slices its feed-forward only). auto: the planner picks the "
+                    "fewest slices that fit the VRAM budget (none when the run "
                     "fits whole; a model that cannot chunk runs whole, with a note). off: as diffusers runs it. "
                     "2-64: always that many (an error for a model that cannot chunk). Under sequential each "
                     "per-token layer is copied once per slice. With the Speed node's compile on, the slices run "

@@ -16,8 +16,10 @@ arithmetic in two passes over `chunks` slices of the tokens:
    cross-attention (its keys and values, the text's, made once per call), the feed-forward and its
    residual, written into the output over those queries.
 So the full-size tensors alive at once are the input, the output, the keys and the values;
-everything else is 1/chunks of its unchunked size. CogVideoX's and HunyuanVideo 1.5's blocks (joint
-attention over text and video) chunk their feed-forward half only: norm, feed-forward, residual.
+everything else is 1/chunks of its unchunked size. HunyuanVideo 1.5's block (joint attention over video
+and text) runs the same two passes over its video tokens, its keys and values those of every token, video
+and text, and the text's queries as one more slice (`hunyuan_video15_block_forward`). CogVideoX's block
+chunks its feed-forward half only: norm, feed-forward, residual.
 
 Result: the chunked block calls the block's own modules (so LoRA hooks, stored fp8 layers and the
 engine's hooks run as before) on row slices, and every operation is per token except attention,
@@ -28,7 +30,8 @@ that picked a different reduction order by row count would break it). On CUDA, c
 another GEMM algorithm for fewer rows: expect last-bit differences there, as between batch sizes.
 
 Not chunked: blocks of other classes, fused QKV projections, attention processors other than
-diffusers' own, and context parallelism (its all-to-all splits the very tokens chunked here).
+diffusers' own (or, for HunyuanVideo 1.5, vidmem's key-masked wrapper of it), and context parallelism
+(its all-to-all splits the very tokens chunked here).
 `chunk_problem` says which; an explicit chunk count refuses them, `auto` leaves them unchunked with a
 note (pipelines/sample_chunks.py, which also asks the planner for auto's count in a run).
 Under offload=sequential every layer streams per call, so a chunked block copies its layers once per
@@ -47,9 +50,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..memory.strategy import StrategyError
+from .hunyuan_video15_attention import diffusers_processor, masks_keys_only
 
 CHUNK_HOOK = "vidmem_activation_chunks"  # the hook's name in each block's diffusers HookRegistry
 
@@ -100,7 +105,7 @@ class AppliedChunks:
 MIN_SLICE_TOKENS = 4
 
 
-def token_slices(tokens: int, chunks: int) -> list[slice]:
+def token_slices(tokens: int, chunks: int, followed: bool = False) -> list[slice]:
     """At most `chunks` contiguous slices covering `tokens` rows, none under MIN_SLICE_TOKENS (unless
     `tokens` is), each query row computed by the CPU's attention kernel as in the unsliced run.
 
@@ -109,18 +114,22 @@ def token_slices(tokens: int, chunks: int) -> list[slice]:
     can leave such a block where the whole run has none (1,540 tokens in 2: 770 = 3 x 256 + 2), so they are
     used only where every row's block is the same size as in the whole run or 4 rows or more in both
     (sizes then differ by at most one, which is nearly always); otherwise the slices are multiples of 4 rows
-    and the last is sized to end as the whole run ends (`_blocked_sizes`)."""
+    and the last is sized to end as the whole run ends (`_blocked_sizes`).
+
+    `followed`: more query rows follow these in the same attention call (HunyuanVideo 1.5's text after its video
+    tokens), so these rows do not end the run: the last slice too keeps 4 rows or more in its last block."""
     bounds = [0]
-    for size in _slice_sizes(tokens, chunks):
+    for size in _slice_sizes(tokens, chunks, followed):
         bounds.append(bounds[-1] + size)
     return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
 
 
 @functools.lru_cache(maxsize=512)  # every block of every step asks again; the fallback scans the possible last slices
-def _slice_sizes(tokens: int, chunks: int) -> tuple[int, ...]:
+def _slice_sizes(tokens: int, chunks: int, followed: bool = False) -> tuple[int, ...]:
     count = max(1, min(chunks, tokens // MIN_SLICE_TOKENS))
     sizes = tuple(tokens * (i + 1) // count - tokens * i // count for i in range(count))
-    return sizes if _same_query_blocks(tokens, sizes) else _blocked_sizes(tokens, count)
+    ends = MIN_SLICE_TOKENS if followed else _last_block(tokens)  # the rows in the whole run's block these end in
+    return sizes if _same_query_blocks(ends, sizes) else _blocked_sizes(tokens, count, ends)
 
 
 def query_block(rows: int) -> int:
@@ -134,28 +143,27 @@ def _last_block(rows: int) -> int:
     return (rows - 1) % query_block(rows) + 1
 
 
-def _ends_as_whole(tokens: int, last: int) -> bool:
-    """Whether a last slice of `last` rows ends in the query block the whole run ends in: the same 1-3 rows,
-    or 4 rows or more in both. The whole run's other blocks are 32 rows or more."""
-    whole = _last_block(tokens)
+def _ends_as_whole(whole: int, last: int) -> bool:
+    """Whether a last slice of `last` rows ends in a query block like the whole run's last one (`whole` rows):
+    the same 1-3 rows, or 4 rows or more in both. The whole run's other blocks are 32 rows or more."""
     if whole < MIN_SLICE_TOKENS:
         return _last_block(last) == whole
     return _last_block(last) >= MIN_SLICE_TOKENS
 
 
-def _same_query_blocks(tokens: int, sizes: tuple[int, ...]) -> bool:
+def _same_query_blocks(ends: int, sizes: tuple[int, ...]) -> bool:
     *inner, last = sizes
-    return all(_last_block(size) >= MIN_SLICE_TOKENS for size in inner) and _ends_as_whole(tokens, last)
+    return all(_last_block(size) >= MIN_SLICE_TOKENS for size in inner) and _ends_as_whole(ends, last)
 
 
-def _blocked_sizes(tokens: int, count: int) -> tuple[int, ...]:
+def _blocked_sizes(tokens: int, count: int, ends: int) -> tuple[int, ...]:
     """Slice sizes whose query blocks are the whole run's: all but the last a multiple of 4 rows (so is every
     block of theirs), the last one that ends as the whole run does, chosen to keep the largest slice
     smallest. Fewer slices where none fits (a few dozen tokens at most): one always does."""
     step = MIN_SLICE_TOKENS
     for inner in range(count - 1, 0, -1):
         # the last slice's possible sizes: those that leave the others their multiples of 4
-        fitting = [last for last in range(tokens - step * inner, step - 1, -step) if _ends_as_whole(tokens, last)]
+        fitting = [last for last in range(tokens - step * inner, step - 1, -step) if _ends_as_whole(ends, last)]
         if fitting:
             last = min(fitting, key=lambda size: (max(size, -(-(tokens - size) // (step * inner)) * step), size))
             quads = (tokens - last) // step
@@ -245,24 +253,32 @@ def _wan_slice_projections(block, x: torch.Tensor, modulation: torch.Tensor, cos
 
 def _wan_projections(block, hidden, modulation, rope, slices, out,
                      run: StepRunner) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Self-attention's keys and values for every token, computed a slice at a time, and its queries, parked
-    in `out` (the block's output, still empty: each slice's output overwrites its own rows only after its
-    queries are read back). Why park them: pass 2 would otherwise normalise every token a second time
-    for its queries, full-size float32 work that cost a real Wan 14B block 7% at 480p on an H200 (docs/
-    activation-chunks.md), and `out` holds them at no extra memory. Returns (keys, values, queries parked):
-    queries of another dtype than `out` are not parked, and pass 2 makes them again."""
+    """Wan's pass 1 (`_slice_projections`): self-attention's keys and values over the block's own tokens."""
+    return _slice_projections(run, _wan_slice_projections, block, hidden, slices, out, hidden.shape[1],
+                              lambda rows: (_rows_of(modulation, rows), *_rope_rows(rope, rows)))
+
+
+def _slice_projections(run: StepRunner, step, block, hidden, slices, out, tokens: int,
+                       arguments: Callable[[slice], tuple]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Pass 1 of a chunked block: `step(block, hidden[:, rows], *arguments(rows), with_query)` -> (queries or
+    None, keys, values) for each slice `rows`. Keys and values are written into two tensors of `tokens` rows
+    (hidden's first; joint attention's other tokens, written by the caller, after them); queries are parked in
+    `out` (the block's output, still empty: each slice's output overwrites its own rows only after its queries
+    are read back). Why park them: pass 2 would otherwise normalise every token a second time for its queries,
+    full-size float32 work that cost a real Wan 14B block 7% at 480p on an H200 (docs/activation-chunks.md),
+    and `out` holds them at no extra memory. Returns (keys, values, queries parked): queries of another dtype
+    than `out` are not parked, and pass 2 makes them again."""
     keys = values = None
     parked = True
     for rows in slices:
-        query, key, value = run(_wan_slice_projections, block, hidden[:, rows], _rows_of(modulation, rows),
-                                *_rope_rows(rope, rows), parked)
+        query, key, value = run(step, block, hidden[:, rows], *arguments(rows), parked)
         parked = query is not None and query.dtype == out.dtype
         if parked:
             out[:, rows] = query.flatten(2, 3)
         del query
         if keys is None:
-            keys = key.new_empty((key.shape[0], hidden.shape[1], *key.shape[2:]))
-            values = value.new_empty((value.shape[0], hidden.shape[1], *value.shape[2:]))
+            keys = key.new_empty((key.shape[0], tokens, *key.shape[2:]))
+            values = value.new_empty((value.shape[0], tokens, *value.shape[2:]))
         keys[:, rows], values[:, rows] = key, value
         del key, value
     return keys, values, parked
@@ -297,12 +313,12 @@ def _wan_cross_context(block, encoder_hidden_states: torch.Tensor) -> tuple:
     return keys, values, image_keys, attn.add_v_proj(image).unflatten(2, (attn.heads, -1))
 
 
-def _attend(attn, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def _attend(attn, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask=None) -> torch.Tensor:
     """diffusers' dispatcher with the processor's backend, flattened back to [B, rows, heads x dim] as it does."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    out = dispatch_attention_fn(query, keys, values, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                backend=attn.processor._attention_backend, parallel_config=None)
+    out = dispatch_attention_fn(query, keys, values, attn_mask=mask, dropout_p=0.0, is_causal=False,
+                                backend=diffusers_processor(attn.processor)._attention_backend, parallel_config=None)
     return out.flatten(2, 3).type_as(query)
 
 
@@ -422,50 +438,177 @@ def _cogvideox_problem(block: nn.Module) -> str | None:
 
 # --- HunyuanVideo 1.5 ------------------------------------------------------------------------------
 
-def _hunyuan_video15_attention_half(block, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis):
-    """HunyuanVideo15TransformerBlock.forward's attention half, diffusers' own code path (joint attention over video
-    and text, through whatever processor the block has), with its residuals: (video tokens, text tokens, the video's
-    feed-forward modulation (shift, scale, gate), the text's)."""
-    norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
-    norm_e, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(encoder_hidden_states, emb=temb)
-    attn_h, attn_e = block.attn(hidden_states=norm_h, encoder_hidden_states=norm_e, attention_mask=attention_mask,
-                                image_rotary_emb=freqs_cis)
-    del norm_h, norm_e
-    hidden_states = hidden_states + attn_h * gate_msa.unsqueeze(1)
-    encoder_hidden_states = encoder_hidden_states + attn_e * c_gate_msa.unsqueeze(1)
-    video, text = (shift_mlp, scale_mlp, gate_mlp), (c_shift_mlp, c_scale_mlp, c_gate_mlp)
-    return hidden_states, encoder_hidden_states, video, text
+def _hunyuan_video15_modulation(norm: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """AdaLayerNormZero's six parts (shift, scale, gate of the attention; of the feed-forward), as it makes them:
+    once per block call, every slice takes its rows' modulation from them."""
+    return norm.linear(norm.silu(temb)).chunk(6, dim=1)
 
 
-def _hunyuan_video15_feed_forward(block, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
-    """The video's feed-forward half for the video tokens `x` (one slice of them)."""
-    return _modulated_feed_forward(block.norm2, block.ff, x, shift, scale, gate)
+def _hunyuan_video15_norm1(norm: nn.Module, x: torch.Tensor, modulation) -> torch.Tensor:
+    """AdaLayerNormZero's output for the rows `x` (norm1's for video rows, norm1_context's for the text)."""
+    shift, scale = modulation[0], modulation[1]
+    return norm.norm(x) * (1 + scale[:, None]) + shift[:, None]
 
 
-def _hunyuan_video15_context_feed_forward(block, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
-    """The text's feed-forward half (its own norm and feed-forward) for the text tokens `x`."""
-    return _modulated_feed_forward(block.norm2_context, block.ff_context, x, shift, scale, gate)
+def _hunyuan_video15_query(block, x: torch.Tensor, cos, sin) -> torch.Tensor:
+    """HunyuanVideo15AttnProcessor2_0's queries for normalised video rows `x` (cos, sin: their rotary rows)."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    attn = block.attn
+    query = attn.norm_q(attn.to_q(x).unflatten(2, (attn.heads, -1)))
+    return apply_rotary_emb(query, (cos, sin), sequence_dim=1) if cos is not None else query
+
+
+def _hunyuan_video15_slice_projections(block, x: torch.Tensor, modulation, cos, sin, with_query: bool):
+    """Pass 1's step for one slice of video rows `x`: the joint attention's (queries or None, keys, values) for
+    them, as HunyuanVideo15AttnProcessor2_0 makes them (projection, QK norm, rotary)."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    attn = block.attn
+    x = _hunyuan_video15_norm1(block.norm1, x, modulation)
+    query = _hunyuan_video15_query(block, x, cos, sin) if with_query else None
+    key = attn.norm_k(attn.to_k(x).unflatten(2, (attn.heads, -1)))
+    if cos is not None:
+        key = apply_rotary_emb(key, (cos, sin), sequence_dim=1)
+    return query, key, attn.to_v(x).unflatten(2, (attn.heads, -1))
+
+
+def _hunyuan_video15_text_projections(block, text: torch.Tensor, modulation):
+    """The text tokens' (queries, keys, values), as the processor makes them: added projections and norms, no
+    rotary."""
+    attn = block.attn
+    x = _hunyuan_video15_norm1(block.norm1_context, text, modulation)
+    query, key, value = (proj(x).unflatten(2, (attn.heads, -1)) for proj in (attn.add_q_proj, attn.add_k_proj,
+                                                                           attn.add_v_proj))
+    if attn.norm_added_q is not None:
+        query = attn.norm_added_q(query)
+    if attn.norm_added_k is not None:
+        key = attn.norm_added_k(key)
+    return query, key, value
+
+
+def _hunyuan_video15_slice_rest(block, x: torch.Tensor, parked, keys, values, mask, modulation, cos, sin):
+    """Pass 2's step for one slice of video rows `x`: its queries (read back from `parked`, or made again when
+    None) against every key and value (video and text), the output projection and gated residual, then the
+    video's feed-forward and its residual: the slice's output rows."""
+    attn = block.attn
+    if parked is not None:  # contiguous as made (a batch of several makes the parked rows a strided view)
+        query = parked.unflatten(2, (attn.heads, -1)).contiguous()
+    else:
+        query = _hunyuan_video15_query(block, _hunyuan_video15_norm1(block.norm1, x, modulation), cos, sin)
+    attn_output = attn.to_out[1](attn.to_out[0](_attend(attn, query, keys, values, mask)))
+    del query
+    _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation
+    x = x + attn_output * gate_msa.unsqueeze(1)
+    del attn_output
+    return _modulated_feed_forward(block.norm2, block.ff, x, shift_mlp, scale_mlp, gate_mlp)
+
+
+def _hunyuan_video15_text_rest(block, text: torch.Tensor, query, keys, values, mask, lead: int, modulation):
+    """Pass 2's step for the text tokens: their queries (after `lead` video rows', see `_text_lead`) against every
+    key and value, the text's output projection and gated residual, its feed-forward and its residual."""
+    attn = block.attn
+    attn_output = attn.to_add_out(_attend(attn, query, keys, values, mask)[:, lead:])
+    _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation
+    text = text + attn_output * gate_msa.unsqueeze(1)
+    del attn_output
+    return _modulated_feed_forward(block.norm2_context, block.ff_context, text, shift_mlp, scale_mlp, gate_mlp)
+
+
+def _hunyuan_video15_rope(freqs_cis) -> Callable[[slice], tuple]:
+    """rows -> (cos, sin) of those video rows (freqs_cis: [video, head dim] each), or (None, None) without."""
+    if freqs_cis is None:
+        return lambda rows: (None, None)
+    return lambda rows: (freqs_cis[0][rows], freqs_cis[1][rows])
+
+
+def _text_lead(video: int, text: int) -> int:
+    """How many of the last video rows' queries the text's attention takes before its own, so that its query
+    rows end in a block like the whole run's last one (`token_slices`: a last block of 1-3 rows sums in another
+    order). Nearly always 0; at most the video tokens, which is the whole run."""
+    whole = _last_block(video + text)
+    return next(lead for lead in range(video + 1) if _ends_as_whole(whole, lead + text))
+
+
+def _hunyuan_video15_masks(block, video: int, text_mask, lead: int) -> tuple:
+    """(the video rows' mask, the text rows') as the running processor masks them. Where vidmem's wrapper masks
+    keys only: both the valid keys. Where diffusers' processor runs (the wrapper below its size, or alone) it
+    masks queries too: the text's padded rows attend to nothing (its SDPA writes zeros there), and the video rows,
+    all valid, see the keys' mask. `text_mask` [B, text] (None: nothing masked); `lead` video rows, all valid, go
+    before the text's (`_text_lead`)."""
+    if text_mask is None:
+        return None, None
+    batch, tokens = text_mask.shape[0], video + text_mask.shape[1]
+    keys = F.pad(text_mask, (video, 0), value=True).bool().view(batch, 1, 1, tokens)
+    if masks_keys_only(block.attn.processor, batch, tokens, text_mask):
+        return keys, keys
+    return keys, keys & F.pad(text_mask, (lead, 0), value=True).bool().view(batch, 1, -1, 1)
+
+
+def _text_queries(block, text_query, lead: int, out, parked: bool, hidden, modulation, rope) -> torch.Tensor:
+    """The text's queries after those of its `lead` video rows (`_text_lead`): parked in `out`, or made again."""
+    if not lead:
+        return text_query
+    led = slice(hidden.shape[1] - lead, hidden.shape[1])
+    if parked:
+        lead_query = out[:, led].unflatten(2, (block.attn.heads, -1))
+    else:
+        lead_query = _hunyuan_video15_query(block, _hunyuan_video15_norm1(block.norm1, hidden[:, led], modulation),
+                                            *rope(led))
+    return torch.cat([lead_query, text_query], dim=1)
 
 
 def hunyuan_video15_block_forward(block: nn.Module, chunks: int, hidden_states: torch.Tensor,
                                   encoder_hidden_states: torch.Tensor, temb: torch.Tensor, attention_mask=None,
                                   freqs_cis=None, *args, run: StepRunner = _eager,
                                   **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' HunyuanVideo15TransformerBlock.forward with its video feed-forward over `chunks` slices of the
-    video tokens, as CogVideoX's: the attention half (joint over video and text) is diffusers' own code path; the
-    feed-forward, 4x the width (its projection and GELU output are the block's largest tensors at 720p), runs per
-    slice, and the text's once. `run` calls each step (compiled where compiled blocks are on)."""
-    hidden_states, encoder_hidden_states, video, text = run(
-        _hunyuan_video15_attention_half, block, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis)
+    """diffusers' HunyuanVideo15TransformerBlock.forward over `chunks` slices of the video tokens, in Wan's two
+    passes (module docstring). Attention is joint over video and text: pass 1 makes the video slices' keys and
+    values, then the text's, into tensors of every token in the processor's order (video, then text), the
+    video's queries parked in the output; pass 2 runs the text's queries as one slice of their own first (with,
+    rarely, a lead of parked video queries: `_text_lead`), then per video slice its queries against every key and
+    value, masked as the running processor masks them (`_hunyuan_video15_masks`), the output projection, the
+    gated residual and the feed-forward. `run` calls each step (compiled where compiled blocks are on).
+
+    Every row the same arithmetic as unchunked, on the CPU bit for bit: the video rows, the text's valid rows and
+    its padded ones too (zeros under diffusers' mask; under vidmem's keys-only mask, values that nothing reads:
+    the next block masks them as keys, and the model's output keeps the video's). Checked on whole blocks with
+    either mask (tests/test_activation_chunks_review.py) and on sampled latents (tests/test_activation_chunks.py,
+    tests/test_hunyuan_video15.py)."""
+    video, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
+    slices = token_slices(video, chunks, followed=True)
+    rope = _hunyuan_video15_rope(freqs_cis)
+    modulation = _hunyuan_video15_modulation(block.norm1, temb)
+    text_modulation = _hunyuan_video15_modulation(block.norm1_context, temb)
     out = torch.empty_like(hidden_states)
-    for rows in token_slices(hidden_states.shape[1], chunks):
-        out[:, rows] = run(_hunyuan_video15_feed_forward, block, hidden_states[:, rows], *video)
-    return out, run(_hunyuan_video15_context_feed_forward, block, encoder_hidden_states, *text)
+    keys, values, parked = _slice_projections(run, _hunyuan_video15_slice_projections, block, hidden_states, slices,
+                                              out, video + text, lambda rows: (modulation, *rope(rows)))
+    text_query, keys[:, video:], values[:, video:] = run(_hunyuan_video15_text_projections, block,
+                                                         encoder_hidden_states, text_modulation)
+    lead = _text_lead(video, text)
+    video_mask, text_mask = _hunyuan_video15_masks(block, video, attention_mask, lead)
+    text_query = _text_queries(block, text_query, lead, out, parked, hidden_states, modulation, rope)
+    text_out = run(_hunyuan_video15_text_rest, block, encoder_hidden_states, text_query, keys, values, text_mask,
+                   lead, text_modulation)
+    del text_query
+    for rows in slices:
+        out[:, rows] = run(_hunyuan_video15_slice_rest, block, hidden_states[:, rows], out[:, rows] if parked else None,
+                           keys, values, video_mask, modulation, *rope(rows))
+    return out, text_out
 
 
 def _hunyuan_video15_problem(block: nn.Module) -> str | None:
     from diffusers.models.attention import FeedForward
+    from diffusers.models.normalization import AdaLayerNormZero
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
+    processor = diffusers_processor(block.attn.processor)
+    if type(processor) is not HunyuanVideo15AttnProcessor2_0:  # the slices make its arithmetic themselves
+        return f"its attn runs {type(processor).__name__}, not diffusers' HunyuanVideo15AttnProcessor2_0"
+    for name in ("norm1", "norm1_context"):
+        norm = getattr(block, name)
+        if type(norm) is not AdaLayerNormZero or norm.emb is not None or type(norm.norm) is not nn.LayerNorm:
+            return f"its {name} is not diffusers' AdaLayerNormZero over a LayerNorm, modulated by temb"
     for name in ("norm2", "norm2_context"):
         if type(getattr(block, name)) is not nn.LayerNorm:
             return f"its {name} is {type(getattr(block, name)).__name__}, not torch's LayerNorm"
@@ -503,8 +646,9 @@ def chunk_problem(block: nn.Module) -> str | None:
 
 
 def _split_across_ranks(block: nn.Module) -> bool:
-    """diffusers' context parallelism set its config on the block's attention processors."""
-    return any(getattr(getattr(module, "processor", None), "_parallel_config", None) is not None
+    """diffusers' context parallelism set its config on the block's attention processors (behind vidmem's
+    key-masked wrapper, for HunyuanVideo 1.5's)."""
+    return any(getattr(diffusers_processor(getattr(module, "processor", None)), "_parallel_config", None) is not None
                for module in (getattr(block, name, None) for name in ("attn1", "attn2", "attn")))
 
 

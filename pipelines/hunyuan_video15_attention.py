@@ -38,9 +38,14 @@ class KeyMaskedAttention:
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, image_rotary_emb: torch.Tensor | None = None):
         tokens = hidden_states.shape[1] + (encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0)
-        if attention_mask is None or hidden_states.shape[0] * tokens * tokens <= self.exact_mask_bytes:
+        if not self.masks_keys_only(hidden_states.shape[0], tokens, attention_mask):
             return self.exact(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         return self._keys_masked(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+    def masks_keys_only(self, batch: int, tokens: int, attention_mask: torch.Tensor | None) -> bool:
+        """Whether a call of `batch` x `tokens` (video and text) masks keys only, or runs diffusers' processor.
+        Activation chunks ask too (pipelines/activation_chunks.py): their slices must mask as this call would."""
+        return attention_mask is not None and batch * tokens * tokens > self.exact_mask_bytes
 
     def _keys_masked(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
         """HunyuanVideo15AttnProcessor2_0.__call__ with its mask over keys only (same projections,
@@ -75,6 +80,17 @@ class KeyMaskedAttention:
         if getattr(attn, "to_add_out", None) is not None:
             text_out = attn.to_add_out(text_out)
         return out, text_out
+
+
+def masks_keys_only(processor, batch: int, tokens: int, attention_mask: torch.Tensor | None) -> bool:
+    """What `processor` (a block's: this wrapper, or diffusers' own, which always masks queries and keys) does
+    for such a call: mask keys only (True) or queries and keys alike."""
+    return isinstance(processor, KeyMaskedAttention) and processor.masks_keys_only(batch, tokens, attention_mask)
+
+
+def diffusers_processor(processor):
+    """The diffusers processor behind `processor` (itself, or the one this wrapper runs below the size)."""
+    return processor.exact if isinstance(processor, KeyMaskedAttention) else processor
 
 
 @contextmanager

@@ -56,6 +56,52 @@ def test_a_wan_block_chunked_at_an_uneven_size_is_bit_identical():
     _assert_wan_block_chunks_bit_identical(1540, per_token_temb=False)
 
 
+# (video tokens, text tokens): even; equal video slices leaving a 1-3 row block (1540 / 2); the video alone ending
+# in a 1-row block (1025 = 4 x 256 + 1: followed by text, its rows do not end the run); the whole run ending
+# in a 2-row block (733 + 37 = 770 = 3 x 256 + 2) the text's 37 rows alone would not end in (`_text_lead`: 29).
+HUNYUAN_SIZES = ((96, 40), (1540, 37), (1025, 40), (733, 37))
+
+
+@pytest.mark.parametrize("video, text", HUNYUAN_SIZES)
+@pytest.mark.parametrize("keys_only", [False, True], ids=["diffusers_mask", "keys_only_mask"])
+def test_a_hunyuanvideo15_block_chunked_is_bit_identical_with_either_mask(video, text, keys_only, monkeypatch):
+    """HunyuanVideo 1.5's joint attention over query slices against diffusers' block, float32, a batch of two
+    with the text padded differently per row: every output row bit for bit, video and text, under diffusers'
+    own processor (padded text rows attend to nothing: zeros) and under vidmem's keys-only wrapper (padded rows
+    hold values nothing reads: the same values here too); and again with queries not parked (another dtype than
+    the output's: made again in the second pass, the text's lead too)."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+
+    from vidmem.pipelines import activation_chunks as chunking
+    from vidmem.pipelines.activation_chunks import _text_lead, hunyuan_video15_block_forward
+    from vidmem.pipelines.hunyuan_video15_attention import KeyMaskedAttention
+
+    torch.manual_seed(video)
+    block = HunyuanVideo15TransformerBlock(2, 64, mlp_ratio=2.0).eval()  # head dim 64: 32 hides the lead's need
+    if keys_only:
+        block.attn.processor = KeyMaskedAttention(block.attn.processor, exact_mask_bytes=0)
+    hidden, context, temb = torch.randn(2, video, 128), torch.randn(2, text, 128), torch.randn(2, 128)
+    mask = torch.zeros(2, text)
+    mask[0], mask[1, : text // 2] = 1, 1  # the first prompt fills the text: its last rows are valid
+    rope = (torch.randn(video, 64), torch.randn(video, 64))
+    assert (_text_lead(video, text) > 0) == (video == 733)
+    with torch.no_grad():
+        reference = block(hidden, context, temb, mask, rope)
+        for chunks in (2, 3, 4):
+            chunked = hunyuan_video15_block_forward(block, chunks, hidden, context, temb, mask, rope)
+            assert torch.equal(chunked[0], reference[0]) and torch.equal(chunked[1], reference[1]), chunks
+        project, parked = chunking._slice_projections, []
+
+        def not_parked(run, step, block, hidden, slices, out, *args):
+            found = project(run, step, block, hidden, slices, out.double(), *args)
+            parked.append(found[2])
+            return found
+
+        monkeypatch.setattr(chunking, "_slice_projections", not_parked)
+        chunked = hunyuan_video15_block_forward(block, 3, hidden, context, temb, mask, rope)
+        assert parked == [False] and torch.equal(chunked[0], reference[0]) and torch.equal(chunked[1], reference[1])
+
+
 def test_token_slices_keep_their_other_guarantees():
     for tokens in [*range(1, 300), 1025, 1540, 2306, 4100, 17550, 27280, 75521, 75600]:
         for chunks in (1, 2, 3, 4, 7, 16, 64):

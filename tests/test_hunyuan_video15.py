@@ -3,6 +3,7 @@ as plain diffusers samples it, decoded tiled, its bad input worded, and planned 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import diffusers
@@ -148,6 +149,12 @@ def test_keys_only_masking_gives_the_valid_tokens_the_same_attention(tiny_loaded
     assert len(lean_calls) == STEPS * 2 * len(processors)  # every block, cond and uncond, every step
     assert torch.allclose(lean, exact, atol=1e-6, rtol=0)
     assert [block.attn.processor for block in loaded.pipe.transformer.transformer_blocks] == processors
+    # activation chunks mask as the wrapper would: keys only here, so the chunked run gives its latents bit for bit
+    for chunks in (2, 3):
+        chunked = sample(loaded, dataclasses.replace(TIERS["block_swap:1"], activation_chunks=chunks),
+                         request('a sign that says "hi"'), backend=CpuBackend())
+        assert torch.equal(chunked.latent["samples"], lean) and chunked.receipt["activation_chunks"]["chunks"] == chunks
+    assert len(lean_calls) == STEPS * 2 * len(processors)  # the slices attend themselves: the wrapper never ran
 
 
 @pytest.mark.reproducible_blas

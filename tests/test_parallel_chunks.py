@@ -67,10 +67,17 @@ def test_a_split_block_is_named_as_split_not_as_wrapped(tiny_loaded):
 
 
 def test_a_split_hunyuanvideo15_block_is_named_as_split():
-    """HunyuanVideo 1.5's joint attention module is `attn`, not `attn1`: its split is seen there."""
+    """HunyuanVideo 1.5's joint attention module is `attn`, not `attn1`: its split is seen there, and behind
+    vidmem's key-masked wrapper (what the sampler's call puts on every block)."""
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+
+    from vidmem.pipelines.hunyuan_video15_attention import KeyMaskedAttention
 
     block = HunyuanVideo15TransformerBlock(2, 8, mlp_ratio=2.0)
     assert chunk_problem(block) is None
-    block.attn.processor._parallel_config = object()
+    block.attn.processor = KeyMaskedAttention(block.attn.processor)
+    assert chunk_problem(block) is None
+    block.attn.processor.exact._parallel_config = object()
+    assert chunk_problem(block) == "context parallelism splits the tokens across GPUs already"
+    block.attn.processor = block.attn.processor.exact
     assert chunk_problem(block) == "context parallelism splits the tokens across GPUs already"
