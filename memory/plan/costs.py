@@ -95,8 +95,8 @@ def exposed_copy_share(leaves: bool, prefetch: int) -> float:
 # whole-size tensors. Measured on an H200 (bench/results/activations-gpu-h200-2026-11-28.json; docs/gpu.md),
 # one real-size Wan 14B block, eager bf16, at 480p (32,760 tokens), the costlier of the two sizes run (720p:
 # +1.8% to +6.3%): +3.1%, +5.3%, +6.5%, +9.1% at 2, 4, 8 and 16 slices, to the nearest percent; 32 and 64
-# slices (the most MemoryStrategy takes) extrapolated, +3 points a doubling. CogVideoX and HunyuanVideo 1.5 slice
-# their feed-forward only, fewer kernels a slice: for them too these are an upper bound. A slower card spends longer in each kernel, so the fixed cost per slice
+# slices (the most MemoryStrategy takes) extrapolated, +3 points a doubling. HunyuanVideo 1.5 slices its whole block
+# as Wan does; CogVideoX slices its feed-forward only, fewer kernels a slice: for it these are an upper bound. A slower card spends longer in each kernel, so the fixed cost per slice
 # is a smaller share there: for a consumer card these are an upper bound. On a CPU nothing is launched, and a
 # chunked block measured no slower (docs/activation-chunks.md): no share.
 CHUNK_COMPUTE_SHARE = {1: 0.0, 2: 0.03, 4: 0.05, 8: 0.07, 16: 0.09, 32: 0.12, 64: 0.15}
