@@ -66,15 +66,29 @@ def answer(tiny_folder):
 
 
 def _samplers_plan(loaded, folder, chain, tier):
-    """The Sampler's plan for `tier` (pipelines.planning.plan_strategy) with the chain's LoRAs loaded for real,
-    under the strategy the Memory Strategy node builds from the same widgets."""
-    from vidmem.nodes.strategy import build_strategy
-
+    """The Sampler's plan for `tier` with the chain's LoRAs loaded for real."""
     for name, strength, expert in chain:
         loaded = with_lora(loaded, load_lora(folder / name, loaded.pipe, strength, expert, name=name))
-    request = parse_request(query(**TIERS[tier]), [TINY], ["fp32"])
+    return _sampler(loaded, parse_request(query(**TIERS[tier]), [TINY], ["fp32"]))
+
+
+def _sampler(loaded, request, vram_budget_bytes=1 * GiB):
+    """The Sampler's plan (pipelines.planning.plan_strategy) of `loaded` under the strategy the Memory Strategy
+    node builds from `request`'s widgets, at its shape."""
+    from vidmem.nodes.strategy import build_strategy
+
     strategy = build_strategy(**dict(request.widgets), activation_chunks=request.activation_chunks)
-    return plan_strategy(loaded, request.shape, strategy, 1 * GiB, 64 * GiB, PlanOptions(), device="cuda")
+    return plan_strategy(loaded, request.shape, strategy, vram_budget_bytes, 64 * GiB, PlanOptions(), device="cuda")
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """The plans the route makes with plan_run (the user's row), as Plan objects: their weight bytes."""
+    from vidmem.nodes import plan_route
+
+    made = []
+    monkeypatch.setattr(plan_route, "plan_run", lambda *a, **k: made.append(plan_run(*a, **k)) or made[-1])
+    return made
 
 
 def _weights(plan) -> list[int]:
@@ -91,11 +105,7 @@ def _denoise(row: dict) -> int:
     [("every-block.safetensors", 1.0, "both")],
     [("every-block.safetensors", 0.8, "both"), ("kohya.safetensors", -0.5, "both")],
 ], ids=["one", "two"])
-def test_the_charts_row_is_the_samplers_plan_with_the_loras(loras, answer, tiny_loaded, chain, tier, monkeypatch):
-    from vidmem.nodes import plan_route
-
-    planned = []
-    monkeypatch.setattr(plan_route, "plan_run", lambda *a, **k: planned.append(plan_run(*a, **k)) or planned[-1])
+def test_the_charts_row_is_the_samplers_plan_with_the_loras(loras, answer, tiny_loaded, chain, tier, planned):
     plan = answer(_lora_query(chain, **TIERS[tier]))
     assert plan["status"] == "ok", plan
     mine = plan["rows"][plan["chosen"]]
@@ -187,3 +197,61 @@ def test_a_train_lora_on_the_path_is_said_not_counted(loras, answer):
     assert plan["loras"] == ["Train LoRA: 1 on the path, not counted: the LoRA it trains is written by the run; the "
                              "Sampler counts it once it exists"]
     assert plan["rows"] == answer(_lora_query())["rows"]
+
+
+@pytest.mark.parametrize("expert", ["high_noise", "low_noise", "both"])
+def test_wan_22s_expert_is_planned_on_the_expert_the_sampler_puts_it_on(tmp_path, monkeypatch, tiny_loaded, tiny_folder,
+                                                                        expert, planned):
+    """Two experts: the LoRA's tensors on transformer, transformer_2 or both, as Load LoRA puts them."""
+    from vidmem.nodes import host
+    from vidmem.pipelines.configs import load_model
+
+    monkeypatch.setattr(host, "folder_paths", None)
+    monkeypatch.setenv("VIDMEM_MODELS_DIR", str(tmp_path))
+    (tmp_path / "loras").mkdir()
+    loaded = tiny_loaded("wan2.2-a14b")
+    path = write(tmp_path / "loras" / "distill.safetensors",
+                 peft_keys(random_lora(loaded.pipe.transformer, WAN_LAYERS, rank=16), None))
+    request = parse_request(_lora_query([("distill.safetensors", 1.0, expert)], **TIERS["block_swap"]), [TINY], ["fp32"])
+    folder = tiny_folder("wan2.2-a14b")
+    plan = plan_answer(request, lambda name, dtype: load_model(str(folder), dtype), BUDGETS, device="cuda")
+    assert plan["status"] == "ok", plan
+    with_it = with_lora(loaded, load_lora(path, loaded.pipe, 1.0, expert))
+    sampler, plain = _sampler(with_it, request), _sampler(loaded, request)
+    (charted,) = planned
+    assert _weights(charted) == _weights(sampler)
+    grew = [mine > base for mine, base in zip(_weights(sampler), _weights(plain))]
+    assert grew == {"high_noise": [True, False], "low_noise": [False, True], "both": [True, True]}[expert], grew
+
+
+def test_a_lora_on_load_video_model_files_is_planned_on_the_files_storage_as_the_sampler_plans_it(tmp_path, monkeypatch,
+                                                                                                 planned):
+    """fp8-scaled tiny Wan files, memory-mapped: the LoRA's tensors on the recognised model's layers."""
+    from types import SimpleNamespace
+
+    from test_plan_route_files import FOLDERS, query as files_query
+    from vidmem.nodes import host, plan_files
+    from vidmem.pipelines.comfy_files import LoadOptions, load_model_files, shipped_catalogue
+    from vidmem.pipelines.loader import DTYPES
+    from vidmem.pipelines.tiny_files import save_tiny_comfy_files
+
+    files = save_tiny_comfy_files("wan2.1-t2v", tmp_path, "fp8_scaled", reference=False).files
+    folders = {key: tmp_path / sub for key, sub in {**FOLDERS, "loras": "loras"}.items()}
+    folders["loras"].mkdir()
+    monkeypatch.setattr(host, "folder_paths", SimpleNamespace(
+        models_dir=str(tmp_path), get_folder_paths=lambda key: [str(folders[key])],
+        get_filename_list=lambda key: sorted(p.name for p in folders[key].glob("*") if p.is_file())))
+    plan_files.recognise.cache_clear()
+    loaded = load_model_files(files, LoadOptions(dtype="bf16", vae_dtype="fp32"),
+                              shipped_catalogue([tmp_path / "vidmem_configs"]))  # as the route matches them
+    first = [name for name in WAN_LAYERS if name.startswith("blocks.0.")]
+    path = write(folders["loras"] / "kohya.safetensors",
+                 kohya_keys("lora_unet_", True)(random_lora(loaded.pipe.transformer, first, rank=8), 4.0))
+    q = {**files_query(files), "offload": "block_swap", "blocks_to_swap": "1", "lora0_lora_name": "kohya.safetensors"}
+    request = parse_request(q, [], list(DTYPES))
+    plan = plan_answer(request, lambda *a: pytest.fail("a files request is not a folder"), BUDGETS, device="cuda")
+    assert plan["status"] == "ok" and plan["loras"][0].startswith("LoRAs: 1 counted"), plan
+    with_it = with_lora(loaded, load_lora(path, loaded.pipe))
+    sampler, plain = _sampler(with_it, request, 8 * GiB), _sampler(loaded, request, 8 * GiB)
+    (charted,) = planned
+    assert _weights(charted) == _weights(sampler) > _weights(plain)
