@@ -38,7 +38,8 @@ def sampling_model(loaded: LoadedPipeline):
     """`planner_model` as a sampling run holds it: with the LoRA tensors the run attaches to its
     layers (`with_loras`). Training plans keep `planner_model`: they add the pipeline's LoRAs
     themselves (training.plan.applied_lora_bytes)."""
-    return with_loras(planner_model(loaded), loaded.pipe, getattr(loaded, "loras", ()))
+    model, loras = planner_model(loaded), getattr(loaded, "loras", ())
+    return with_loras(model, loaded.pipe, loras) if loras else model  # the common case reads nothing of the pipeline
 
 
 def with_loras(model, pipe, loras):
@@ -46,7 +47,7 @@ def with_loras(model, pipe, loras):
     a run holds them; `model` itself when they attach nothing. `pipe` is a loaded pipeline's, or the
     planner's own denoisers on meta (`meta_denoisers`) for the live plan, where the specs come from the
     files' headers: both count the same layers and bytes."""
-    held = lora_tensors(pipe, loras) if loras else {}  # the common case reads nothing of the pipeline
+    held = lora_tensors(pipe, loras)
     return WithLoras(model, held) if held else model
 
 
