@@ -11,7 +11,8 @@ disk tier, as the run will hold them. The Sampler's context window (window, wind
 planned per window, and the windows the Sampler would refuse come back as its refusal. The
 Strategy's gpus and context_parallel, as the Sampler resolves them, plan two or more GPUs per GPU
 (nodes/plan_route_parallel.py: context parallelism or balanced placement, the speedup against one
-GPU); gpus=auto with context_parallel off is the one-GPU plan. Planning
+GPU); gpus=auto with context_parallel off is the one-GPU plan. The Load LoRA nodes on the pipeline's
+path are counted as the Sampler counts them, from their files' headers (nodes/plan_loras.py). Planning
 builds the architecture on the meta device from config files: no weight is read and no GPU is
 touched. It runs on one worker thread, one request at a time, off the server's event loop;
 answers are cached by request, and a request that a newer one from the same node replaced
@@ -36,6 +37,7 @@ from ..memory.plan.parallel import GpuSharing
 from ..memory.plan.planner import PlanOptions, candidate_plans, plan_run, recommended
 from ..memory.plan.stages import VideoShape
 from .plan_route_parallel import PARALLEL_DEVICE, gpu_rows, gpu_summary, gpu_time, plan_gpus, planned_layout
+from .plan_loras import LORA_WIDGETS, TRAINED, LoraRequest, lora_prefix, lora_request, planned_with_loras
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
                          folder_options, folder_removed, recognise, text_encoder_files_request, transformer_file_request,
                          vae_dtype_request, weight_dtype_request)
@@ -43,6 +45,7 @@ from ..pipelines.comfy_files.text_encoder_file import ROLES as TEXT_ROLES
 from ..pipelines.compile import CompileSettings
 from ..pipelines.loader import torch_dtype
 from .cache import VidMemStepCache
+from .lora import VidMemLoadLoRA
 from .sampler import VidMemVideoSampler
 from .speed import VidMemSpeed
 from .strategy import (AUTO, BUDGETS, PARALLEL_WIDGETS, WIDGETS, GiB, VidMemMemoryStrategy, build_strategy, strategy_notes,
@@ -84,6 +87,8 @@ class PlanRequest:
     activation_chunks: str = "auto"  # the Strategy's last optional input (nodes/strategy.py CHUNK_CHOICES)
     gpus: str = AUTO  # the Strategy's gpus text ("auto", "0,1", "cpu:2"), checked when planned (parse_parallel)
     context_parallel: str = "off"  # the Strategy's context_parallel choice
+    loras: tuple[LoraRequest, ...] = ()  # the Load LoRA nodes from the loader to the Sampler, in order
+    trained_loras: int = 0  # the Train LoRA nodes on that path (their LoRAs are not written yet)
 
     @property
     def auto(self) -> bool:
@@ -120,12 +125,31 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     window, window_overlap = (_widget(query, name, sampler[name]) for name in WINDOWS)
     shape = VideoShape(width, height, frames, cfg=cfg > 1.0, window=window, window_overlap=window_overlap)
     steps = _number(query, "steps", "INT", *STEPS) if "steps" in query else 50
+    trained = _number(query, TRAINED, "INT", 0, None) if TRAINED in query else 0
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
                        files=files, transformer_file=transformer_file, text_encoder_files=text_encoder_files,
                        weight_dtype=weight_dtype, vae_dtype=vae_dtype,
                        steps=steps, cache=_node_widgets(query, CACHE_PREFIX, VidMemStepCache, "Step Cache"),
                        speed=_node_widgets(query, SPEED_PREFIX, VidMemSpeed, "Speed"), activation_chunks=values[CHUNKS],
-                       **{name: values[name] for name in PARALLEL_WIDGETS})
+                       loras=_loras(query), trained_loras=trained, **{name: values[name] for name in PARALLEL_WIDGETS})
+
+
+def _loras(query: Mapping[str, str]) -> tuple[LoraRequest, ...]:
+    """The Load LoRA nodes' widgets, sent as lora<i>_<widget> from i=0 (plan_loras.py); () when none is."""
+    if lora_prefix(0) + "lora_name" not in query:  # before INPUT_TYPES: it lists the loras folder
+        return ()
+    spec = VidMemLoadLoRA.INPUT_TYPES()["required"]
+    found = []
+    while (prefix := lora_prefix(len(found))) + "lora_name" in query:
+        sent = {name[len(prefix):]: text for name, text in query.items() if name.startswith(prefix)}
+        try:
+            strength, expert = (_widget(sent, name, spec[name]) for name in LORA_WIDGETS[1:])
+            found.append(lora_request(len(found), sent["lora_name"], strength, expert))
+        except PlanRequestError as error:
+            raise PlanRequestError(prefix + error.name, f"the Load LoRA node's {error}") from None
+        except FilesProblem as error:
+            raise PlanRequestError(error.name, str(error)) from None
+    return tuple(found)
 
 
 def _node_widgets(query: Mapping[str, str], prefix: str, node_cls, node: str) -> tuple[tuple[str, object], ...]:
@@ -208,6 +232,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         layout = planned_layout(request.gpus, request.context_parallel,
                                 _visible_gpus() if visible_gpus is None else visible_gpus)
         model, options = _model_and_options(request, load_model)
+        model, loras = planned_with_loras(model, request.loras, request.trained_loras)  # as the Sampler plans them
         _check_windows(request, model)
         if layout is not None and layout.mode is not GpuSharing.BALANCED:
             from ..pipelines.sample_checks import refuse_windows_in_parallel
@@ -221,7 +246,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         base = replace(strategy, offload=OffloadTier.MODEL, blocks_to_swap=0)
         if layout is not None:
             return _gpus_answer(request, model, options, plan_gpus(model, request.shape, layout, vram, ram, base, options,
-                                                                   None if request.auto else strategy), (vram, ram))
+                                                                   None if request.auto else strategy), (vram, ram), loras)
         plans = candidate_plans(model, request.shape, vram, ram, base=base, options=options)
         labels = [_label(plan, options) for plan in plans]
         chosen = as_loaded_choice(plans, options)
@@ -233,7 +258,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         return _error(error)
     needs = _disk_input(request)
     return {
-        **_head(request, model, options, vram, ram),
+        **_head(request, model, options, vram, ram, loras),
         "rows": [_row(label, plan, model, needs if plan.on_disk != options.on_disk else "")
                  for label, plan in zip(labels, plans)],
         "chosen": chosen,
@@ -270,8 +295,9 @@ def _error(error: Exception) -> dict:
     return {"status": "error", "input": _input_named(str(error)), "error": str(error)}
 
 
-def _head(request: PlanRequest, model, options: PlanOptions, vram: int, ram: int) -> dict:
-    """What every answer starts with: the model, its storage, the shape and its windows, the budgets."""
+def _head(request: PlanRequest, model, options: PlanOptions, vram: int, ram: int, loras: list[str]) -> dict:
+    """What every answer starts with: the model, its storage, the shape and its windows, the budgets, and
+    the LoRAs counted (`loras`: plan_loras' lines, [] when none is on the path)."""
     s = request.shape
     return {
         "status": "ok", "model": request.model, "auto": request.auto,
@@ -280,15 +306,17 @@ def _head(request: PlanRequest, model, options: PlanOptions, vram: int, ram: int
                   "window_overlap": s.window_overlap},
         "windows": _window_lines(request.shape, model),
         "budgets": {"vram_bytes": vram, "ram_bytes": ram},
+        "loras": loras,
     }
 
 
-def _gpus_answer(request: PlanRequest, model, options: PlanOptions, found, budgets: tuple[int, int]) -> dict:
+def _gpus_answer(request: PlanRequest, model, options: PlanOptions, found, budgets: tuple[int, int],
+                 loras: list[str]) -> dict:
     """Two or more GPUs: the rows per GPU (plan_route_parallel.gpu_rows, the one-GPU rows' shape), the
     time as the speedup against one GPU, and "parallel", what the chart's title line says."""
     widgets = dict(request.widgets)
     return {
-        **_head(request, model, options, *budgets),
+        **_head(request, model, options, *budgets, loras),
         "rows": gpu_rows(found),
         "chosen": found.chosen,
         "time": gpu_time(found),

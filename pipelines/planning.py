@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
@@ -35,14 +36,22 @@ def planner_model(loaded: LoadedPipeline):
 
 def sampling_model(loaded: LoadedPipeline):
     """`planner_model` as a sampling run holds it: with the LoRA tensors the run attaches to its
-    layers (`lora_tensors`). Training plans keep `planner_model`: they add the pipeline's LoRAs
+    layers (`with_loras`). Training plans keep `planner_model`: they add the pipeline's LoRAs
     themselves (training.plan.applied_lora_bytes)."""
-    model = planner_model(loaded)
-    held = lora_tensors(loaded)
+    model, loras = planner_model(loaded), getattr(loaded, "loras", ())
+    return with_loras(model, loaded.pipe, loras) if loras else model  # the common case reads nothing of the pipeline
+
+
+def with_loras(model, pipe, loras):
+    """`model` (a planner model) carrying `loras` (LoraSpecs resolved against `pipe`) on its layers, as
+    a run holds them; `model` itself when they attach nothing. `pipe` is a loaded pipeline's, or the
+    planner's own denoisers on meta (`meta_denoisers`) for the live plan, where the specs come from the
+    files' headers: both count the same layers and bytes."""
+    held = lora_tensors(pipe, loras)
     return WithLoras(model, held) if held else model
 
 
-def lora_tensors(loaded: LoadedPipeline) -> dict[str, dict[str, list[tuple[int, int]]]]:
+def lora_tensors(pipe, loras) -> dict[str, dict[str, list[tuple[int, int]]]]:
     """component -> layer -> (key, bytes) of each LoRA tensor a run registers on that layer.
 
     The engine's own patches (`lora_patches`, as pipelines.sample applies them): memory.lora puts
@@ -50,15 +59,18 @@ def lora_tensors(loaded: LoadedPipeline) -> dict[str, dict[str, list[tuple[int, 
     every tier; a tensor shared by two layers is one key. Strength 0 attaches nothing."""
     from .lora import lora_patches
 
-    loras = getattr(loaded, "loras", ())
-    if not loras:  # the common case reads nothing of the pipeline
-        return {}
     held: dict[str, dict[str, list[tuple[int, int]]]] = {}
-    for patch in lora_patches(loaded.pipe, loras):  # strength 0 makes no patch, so no buffer
+    for patch in lora_patches(pipe, loras):  # strength 0 makes no patch, so no buffer
         component, layer = patch.name.split(".", 1)
         held.setdefault(component, {}).setdefault(layer, []).extend(
             (id(t), t.numel() * t.element_size()) for t in patch.tensors.values())
     return held
+
+
+def meta_denoisers(model) -> SimpleNamespace:
+    """The planner model's denoisers on the meta device, as a pipe (`transformer`, `transformer_2`) that
+    load_lora(header_only=True) resolves a LoRA file against before anything is loaded."""
+    return SimpleNamespace(**{name: model.module(name) for name in model.layout.denoisers})
 
 
 class WithLoras:

@@ -74,16 +74,23 @@ def _check_gguf_version(path: Path, head: bytes) -> None:
         raise StorageError(f"{path} starts like a GGUF file but has version {version}; vidmem reads GGUF versions 2 and 3. Download the file again or re-convert it.")
 
 
-def open_safetensors(path: str | os.PathLike) -> SafetensorsFile:
-    """Map `path` and view each tensor in place (zero-copy); StorageError if it is not a valid file."""
+def open_safetensors(path: str | os.PathLike, header_only: bool = False) -> SafetensorsFile:
+    """Map `path` and view each tensor in place (zero-copy); StorageError if it is not a valid file.
+
+    `header_only`: read the header and nothing else; each tensor is on the meta device (its name,
+    shape and dtype, no data), for a plan that counts bytes before anything is loaded."""
     path = Path(path)
     size = _size(path)
     with open(path, "rb") as handle:
         _refuse_pickles(path, handle.read(9))
     header, data_start = _safetensors_header(path, size)
     metadata = header.pop("__metadata__", None) or {}  # checked: strings to strings
-    mapping, _whole = map_file(path)
-    tensors = {name: _view(mapping, entry, data_start) for name, entry in header.items()}
+    if header_only:
+        tensors = {name: torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]], device="meta")
+                   for name, entry in header.items()}
+    else:
+        mapping, _whole = map_file(path)
+        tensors = {name: _view(mapping, entry, data_start) for name, entry in header.items()}
     return SafetensorsFile(path, MappingProxyType(tensors), MappingProxyType(dict(metadata)))
 
 

@@ -57,14 +57,17 @@ class LoraFile:
         return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in layer.tensors.values())
 
 
-def read_lora_file(path: str | os.PathLike) -> LoraFile:
-    """Open `path` (safetensors, checked by content) and group its tensors by module."""
+def read_lora_file(path: str | os.PathLike, header_only: bool = False) -> LoraFile:
+    """Open `path` (safetensors, checked by content) and group its tensors by module.
+
+    `header_only`: the tensors are on the meta device, from the header alone (shapes and dtypes:
+    what a plan counts); no tensor byte is read, so alpha values and finiteness are not known."""
     path = Path(path)
     try:
         kind = sniff(path)
         if kind != "safetensors":
             raise LoraError(f"LoRA file {path} is a {kind.upper()} file; LoRAs are read from .safetensors files only. Use the .safetensors release of this LoRA.")
-        opened = open_safetensors(path)
+        opened = open_safetensors(path, header_only)
     except StorageError as error:
         raise LoraError(f"LoRA file {path} cannot be used: {error}") from None
     grouped: dict[str, dict[str, torch.Tensor]] = {}

@@ -136,14 +136,16 @@ def _alpha(lora: LoraFile, raw: RawLayer, target: str) -> float | None:
     return lora.peft_alphas.get("")
 
 
-def _alpha_tensor(lora: LoraFile, raw: RawLayer) -> float:
+def _alpha_tensor(lora: LoraFile, raw: RawLayer) -> float | None:
     """The one finite number an `.alpha` tensor must hold; anything else is named here, at load, not
-    at the sampler (where a NaN scale would read as a bad strength)."""
+    at the sampler (where a NaN scale would read as a bad strength). None from a header-only file."""
     tensor = raw.tensors["alpha"]
     key = next((k for k in raw.keys if k.endswith(".alpha")), f"{raw.source}.alpha")
     if tensor.numel() != 1:
         raise LoraError(f"LoRA file {lora.path}: '{key}' holds {tensor.numel()} values (shape {list(tensor.shape)}); an "
                         "alpha is one number. The file is malformed; re-save it with a scalar alpha or use another file.")
+    if tensor.is_meta:  # a header-only file (read_lora_file): planned for its bytes, its scale never applied
+        return None
     value = float(tensor.float().reshape(-1)[0])
     if not math.isfinite(value):
         raise LoraError(f"LoRA file {lora.path}: '{key}' is {value}, not a finite number; the file is damaged or was "
@@ -158,7 +160,7 @@ def _is_linear(module: nn.Module | None) -> bool:
 def _delta_note(raw: RawLayer) -> str:
     """For deltas on norms/modulation (lightx2v ships many, mostly zeros): say whether they are zero."""
     deltas = [raw.tensors[k] for k in ("diff", "diff_b") if k in raw.tensors]
-    if not deltas:
+    if not deltas or any(d.is_meta for d in deltas):  # a header-only file: the values are not read
         return ""
     largest = max(float(d.float().abs().max()) if d.numel() else 0.0 for d in deltas)
     return " (its delta is all zeros)" if largest == 0 else f" (its delta reaches {largest:.3g}, so the result will differ from tools that apply it)"

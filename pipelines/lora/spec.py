@@ -70,17 +70,20 @@ def expert_components(pipe, expert: str, path: str | os.PathLike = "") -> tuple[
     return tuple(n for n in EXPERT_COMPONENTS[expert] if n in present)
 
 
-def load_lora(path: str | os.PathLike, pipe, strength: float = 1.0, expert: str = "both", name: str = "") -> LoraSpec:
+def load_lora(path: str | os.PathLike, pipe, strength: float = 1.0, expert: str = "both", name: str = "",
+              header_only: bool = False) -> LoraSpec:
     """Read `path`, resolve it against `pipe`'s denoiser(s) for `expert`, check every shape.
 
     Keys that cannot be applied are listed: as a LoraError when nothing applies, else as a
     warning (e.g. an image-to-video LoRA's image-attention layers on a text-to-video model).
+    `header_only`: for a plan; `pipe` may hold the denoisers on the meta device, the LoRA's tensors
+    are on meta too (read_lora_file), the same layers and bytes, alphas and finiteness unread.
     """
     low, high = STRENGTH_RANGE
     if not (low <= strength <= high):
         raise LoraError(f"LoRA {Path(path).name}: strength {strength} is outside [{low}, {high}]; pick a value in range.")
     components = expert_components(pipe, expert, path)
-    lora = read_lora_file(path)
+    lora = read_lora_file(path, header_only)
     _check_trained_expert(lora, pipe, expert)
     layers, naming, skipped = {}, "", ()
     for component in components:
@@ -115,7 +118,7 @@ def _check_finite(path: Path, layers: dict) -> None:
     for component, resolved in layers.items():
         for layer in resolved:
             for role, tensor in layer.tensors.items():
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all()):
                     raise LoraError(f"LoRA {path.name}: {component}.{layer.module} {role} holds NaN or infinite values; "
                                     "the file is damaged or was saved from a diverged training run. Use another file.")
 

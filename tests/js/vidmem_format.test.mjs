@@ -419,3 +419,36 @@ test("Decode Audio's receipt: device, its stage, where the audio VAE came from a
   assert.equal(lines[0], "device: cuda:0");
   assert.ok(lines.some((line) => line.includes("5.04 s at 24000 Hz")), lines.join("\n"));
 });
+
+test("the plan query carries each Load LoRA on the pipeline's path, the loader's side first, and counts Train LoRA nodes", async () => {
+  const { loraFields, loraLines, pipelineLoader } = await import("../../web/js/vidmem_format.js");
+  const node = (type, up = null, widgets = {}) => ({ comfyClass: type, up, widgets });
+  const upstream = (n) => n.up;
+  const value = (n, name) => n.widgets[name];
+  const loader = node("VidMemLoadPipeline", null, { model: "Wan2.1", dtype: "bf16" });
+  const style = node("VidMemLoadLoRA", loader, { lora_name: "style.safetensors", strength: 0.8, expert: "both" });
+  const trained = node("VidMemTrainLoRA", style, { lora_name: "mine", rank: 16 });
+  const distill = node("VidMemLoadLoRA", trained, { lora_name: "lightx2v.safetensors", strength: 1, expert: "high_noise" });
+  assert.equal(pipelineLoader(distill, upstream), loader);
+  const fields = loraFields(distill, upstream, value);
+  assert.deepEqual(fields, { lora0_lora_name: "style.safetensors", lora0_strength: 0.8, lora0_expert: "both",
+    lora1_lora_name: "lightx2v.safetensors", lora1_strength: 1, lora1_expert: "high_noise", trained_loras: 1 });
+  const shape = { width: 832, height: 480, frames: 81 };
+  const query = new URLSearchParams(planQuery({ model: "Wan2.1", widgets: {}, shape, extra: fields }));
+  assert.equal(query.get("lora0_lora_name"), "style.safetensors");
+  assert.equal(query.get("lora0_strength"), "0.8");
+  assert.equal(query.get("lora1_expert"), "high_noise");
+  assert.equal(query.get("trained_loras"), "1");
+  const zero = loraFields(node("VidMemLoadLoRA", loader, { lora_name: "style.safetensors", strength: 0, expert: "both" }), upstream, value);
+  assert.equal(new URLSearchParams(planQuery({ model: "Wan2.1", widgets: {}, shape, extra: zero })).get("lora0_strength"), "0");
+  // A graph without LoRAs sends no LoRA field: the query string is the one it sent before.
+  assert.deepEqual(loraFields(loader, upstream, value), {});
+  assert.deepEqual(loraFields(null, upstream, value), {});
+  const before = planQuery({ model: "Wan2.1", dtype: "bf16", widgets: { offload: "auto" }, shape, client: 3 });
+  assert.equal(planQuery({ model: "Wan2.1", dtype: "bf16", widgets: { offload: "auto" }, shape, client: 3,
+    extra: loraFields(loader, upstream, value) }), before);
+  assert.equal(before, "model=Wan2.1&dtype=bf16&offload=auto&width=832&height=480&frames=81&client=3");
+  assert.deepEqual(loraLines({ status: "ok", loras: ["LoRAs: 1 counted"] }), ["LoRAs: 1 counted"]);
+  assert.deepEqual(loraLines({ status: "ok" }), []);
+  assert.deepEqual(loraLines({ status: "error", loras: ["x"] }), []);
+});

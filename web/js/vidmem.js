@@ -9,8 +9,8 @@ import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
   STRATEGY_PARALLEL, STRATEGY_WIDGETS, compactLines, extraFields, ignoredStrategyWidgets, isParallel, legacyStrategyValues,
-  loaderFields, meterText, parallelLines, pipelineLoader, planBars, planLines, planQuery, planReasons, planVerdict, speedLines,
-  summarize, timeNote, timeShown, windowLines,
+  loaderFields, loraFields, loraLines, meterText, parallelLines, pipelineLoader, planBars, planLines, planQuery, planReasons,
+  planVerdict, speedLines, summarize, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -155,6 +155,8 @@ function renderPlan(node, plan, note) {
     if (gpus.length) children.push(textBlock("vidmem-plan-gpus", gpus, { color: "#c5b3f0", marginBottom: "3px" }));
     const windows = windowLines(plan);
     if (windows.length) children.push(textBlock("vidmem-plan-windows", windows, { color: "#9ec5f0", marginBottom: "3px" }));
+    const loras = loraLines(plan);
+    if (loras.length) children.push(textBlock("vidmem-plan-loras", loras, { color: "#e0c48a", marginBottom: "3px" }));
     const reasons = planReasons(plan);
     if (reasons.length) children.push(textBlock("vidmem-plan-reasons", reasons, { color: "#f0a0a6", margin: "0 0 4px 8px" }));
     if (plan.auto && chosen) children.push(textBlock("vidmem-plan-strategy", [chosen.strategy], { color: "#aaa", marginBottom: "3px" }));
@@ -173,7 +175,7 @@ function renderPlan(node, plan, note) {
   body.append(...children);
   widget.element.replaceChildren(body);
   widget.element.dataset.status = plan?.status ?? "none";
-  widget.element.title = [planVerdict(plan), ...parallelLines(plan), ...windowLines(plan), chosen?.strategy, ...planReasons(plan), ...speedLines(plan), ...planLines(plan), timeNote(plan)]
+  widget.element.title = [planVerdict(plan), ...parallelLines(plan), ...windowLines(plan), ...loraLines(plan), chosen?.strategy, ...planReasons(plan), ...speedLines(plan), ...planLines(plan), timeNote(plan)]
     .filter(Boolean).join("\n");
   fitPlan(node);
   app.graph?.setDirtyCanvas(true, false);
@@ -241,14 +243,15 @@ function planRequestFor(node) {
   const sampler = (node.getOutputNodes?.(0) ?? []).find((n) => n.comfyClass === SAMPLER || n.type === SAMPLER);
   if (!sampler) return null;
   const upstream = (n) => linkedNode(n, "pipeline");
-  const loader = pipelineLoader(upstream(node) ?? upstream(sampler), upstream);
+  const start = upstream(node) ?? upstream(sampler);
+  const loader = pipelineLoader(start, upstream);
   if (!loader) return null;
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS, ...STRATEGY_PARALLEL]
     .map((name) => [name, widgetValue(node, name)]));
   // A Sampler without window widgets (an older one) sends none: undefined values are left out of the query.
   const shape = Object.fromEntries(SAMPLER_SHAPE.map((name) => [name, widgetValue(sampler, name)]));
-  const extra = Object.assign({}, ...Object.keys(SAMPLER_EXTRAS).map((input) => {
+  const extra = Object.assign(loraFields(start, upstream, widgetValue), ...Object.keys(SAMPLER_EXTRAS).map((input) => {
     const linked = linkedNode(sampler, input);
     return extraFields(input, linked, (name) => widgetValue(linked, name));
   }));

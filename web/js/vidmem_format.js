@@ -266,6 +266,29 @@ export function pipelineLoader(start, upstream) {
   return null;
 }
 
+// Load LoRA's widgets the plan reads, sent as lora<i>_<widget> from the loader down (nodes/plan_loras.py).
+export const LORA_NODE = "VidMemLoadLoRA";
+export const LORA_WIDGETS = Object.freeze(["lora_name", "strength", "expert"]);
+
+/** The plan query's LoRA fields: each Load LoRA between `start` and the loader, in the order the run applies
+ * them (the loader's side first), and how many Train LoRA nodes are there (their LoRA is not written yet);
+ * {} when there are none, so a graph without LoRAs sends the query it always sent. */
+export function loraFields(start, upstream, value) {
+  const path = [];
+  const seen = new Set();
+  for (let node = start; node && !seen.has(node) && PIPELINE_PASS_THROUGH.includes(typeOf(node)); node = upstream(node)) {
+    seen.add(node);
+    path.unshift(node);
+  }
+  const fields = {};
+  path.filter((node) => typeOf(node) === LORA_NODE).forEach((node, i) => {
+    for (const name of LORA_WIDGETS) fields[`lora${i}_${name}`] = value(node, name);
+  });
+  const trained = path.filter((node) => typeOf(node) !== LORA_NODE).length;
+  if (trained) fields.trained_loras = trained;
+  return fields;
+}
+
 /** The plan query's fields for the node on the Sampler's `input` (cache or speed) and `value(name)` of
  * its widgets: prefixed, so the route keeps them apart from the Strategy's; {} for any other node. */
 export function extraFields(input, node, value) {
@@ -419,6 +442,11 @@ export function shapeText(shape) {
 /** What the Sampler's context window does to the plan (the server's words): lines under the verdict. */
 export function windowLines(plan) {
   return plan?.status === "ok" ? plan.windows ?? [] : [];
+}
+
+/** The LoRAs the plan counted (and the Train LoRA nodes it could not): lines under the verdict. */
+export function loraLines(plan) {
+  return plan?.status === "ok" ? plan.loras ?? [] : [];
 }
 
 /** What makes the run faster than the rows say (the Speed node's choices, a step cache's skips): lines under the verdict. */
