@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from ..memory.plan.candidates import PlanError, tiling_that_fits
+from ..memory.plan.costs import MeasuredSpeed
 from ..memory.plan.stages import VideoShape
 from ..memory.plan.types import Attention, PlanOptions
 from ..pipelines.decode import decode, validate_latent
@@ -72,9 +73,10 @@ class VidMemVAEDecode:
 
 def record_plan(latent: dict, shape: VideoShape, options: PlanOptions) -> dict:
     """A copy of the Sampler's latent that also says what the Sampler planned at: its shape (cfg and
-    the context window, which the latent's size does not show) and the attention it counted, so an
-    offload=auto Decode chooses as the Sampler did. Plain ints, bools and strings: it survives a copy."""
-    record = {"shape": asdict(shape), "attention": options.attention.value}
+    the context window, which the latent's size does not show), the attention it counted and the speed
+    it timed with (MeasuredSpeed), so an offload=auto Decode chooses as the Sampler did. Plain ints,
+    floats, bools and strings: it survives a copy."""
+    record = {"shape": asdict(shape), "attention": options.attention.value, "speed": asdict(options.speed)}
     return dict(latent, vidmem=dict(latent.get("vidmem") or {}, **{PLAN_KEY: record}))
 
 
@@ -122,15 +124,16 @@ def _latent_video_shape(model, latent_shape) -> VideoShape:
 
 
 def _recorded_plan(pipeline, model, latent_shape, latent) -> tuple[VideoShape, PlanOptions] | None:
-    """The Sampler's recorded shape and attention, when the latent carries them, came from this
-    pipeline's model class, and still has the size that shape samples; else None (plan as before)."""
+    """The Sampler's recorded shape, attention and speed, when the latent carries them, came from this
+    pipeline's model class, and still has the size that shape samples; else None (plan as before). A record
+    from before the speed was recorded plans with none, as its Sampler did."""
     metadata = latent.get("vidmem") if isinstance(latent, dict) else None
     record = metadata.get(PLAN_KEY) if isinstance(metadata, dict) else None
     if not isinstance(record, dict) or metadata.get("class_name") != pipeline.class_name:
         return None
     try:
         shape = VideoShape(**record["shape"])
-        options = PlanOptions(attention=Attention(record["attention"]))
+        options = PlanOptions(attention=Attention(record["attention"]), speed=MeasuredSpeed(**record.get("speed", {})))
         size = tuple(int(n) for n in model.latent_shape(shape))
     except (KeyError, TypeError, ValueError):
         return None

@@ -383,15 +383,23 @@ def _requested_speed(request: PlanRequest):
 
 
 def _measured_speed(request: PlanRequest, device: str) -> MeasuredSpeed:
-    """What the Speed node's choices measured on this device (the time the rows estimate); none when bad (named in the
-    speed line) or not measured here."""
+    """What the Speed node's choices measured on this device (the time the rows estimate), with the Load LoRA nodes'
+    hooks and the Strategy's context parallelism as the Sampler would run them; none when bad (named in the speed
+    line) or not measured here."""
     from ..pipelines.speed import measured_speed
 
     try:
         speed = _requested_speed(request)
     except StrategyError:
         return MeasuredSpeed()
-    return measured_speed(speed, device) if speed is not None else MeasuredSpeed()
+    if speed is None:
+        return MeasuredSpeed()
+    return measured_speed(speed, device, lora_hooks=any(lora.strength != 0 for lora in request.loras),
+                          context_parallel=_context_parallel(request))
+
+
+def _context_parallel(request: PlanRequest) -> bool:
+    return request.context_parallel != "off"
 
 
 def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list[str]:
@@ -404,7 +412,8 @@ def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list
     if speed is None:
         return []
     masked_by = f"{model.spec.name} ({request.model})" if model.spec.attention_masked else ""  # as the Sampler refuses
-    return [f"speed: {speed_plan_line(speed, options.device, torch_dtype(request.dtype), masked_by)}"]
+    line = speed_plan_line(speed, options.device, torch_dtype(request.dtype), masked_by, _context_parallel(request))
+    return [f"speed: {line}"]
 
 
 def _step_cache(request: PlanRequest):

@@ -181,8 +181,10 @@ class VidMemVideoSampler:
         check_before_planning(pipeline, choice, request, device)
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
         shape = VideoShape(width, height, frames, cfg=guided, window=window, window_overlap=window_overlap)
+        lora_hooks = any(spec.strength != 0 for spec in getattr(pipeline, "loras", ()))  # strength 0 adds no hook
         options = PlanOptions(attention=planned_attention(request.speed),
-                              speed=measured_speed(request.speed, torch.device(device).type))
+                              speed=measured_speed(request.speed, torch.device(device).type, lora_hooks,
+                                                   choice.strategy.parallel.context_parallel_on))
         run, plan_line = _strategy_for_run(pipeline, choice, shape, device, options)
         progress = host.Progress(steps, "sampling")
         try:
@@ -277,7 +279,7 @@ def _strategy_for_run(pipeline, choice, shape: VideoShape, device, options: Plan
     vram, ram = choice.budgets(device)
     label = f"{shape.width}x{shape.height}x{shape.frames}"
     if choice.strategy.parallel.context_parallel_on:
-        return _parallel_strategy_for_run(pipeline, choice, shape, device, (vram, ram), label)
+        return _parallel_strategy_for_run(pipeline, choice, shape, device, (vram, ram), label, options)
     if choice.auto:
         plan = choose_for(pipeline, shape, choice.strategy, vram, ram, options, device=device)
         return plan.strategy, f"auto chose at {label}: {_peaks(plan)}"
@@ -288,14 +290,15 @@ def _strategy_for_run(pipeline, choice, shape: VideoShape, device, options: Plan
     return choice.strategy, f"planned at {label}: {_peaks(plan)}"
 
 
-def _parallel_strategy_for_run(pipeline, choice, shape: VideoShape, device, budgets, label: str):
+def _parallel_strategy_for_run(pipeline, choice, shape: VideoShape, device, budgets, label: str,
+                               options: PlanOptions = PlanOptions()):
     """As above, with the per-GPU planner: every rank and this process hold a copy of the pipeline."""
     ranks = resolve_ranks(choice.strategy.parallel, _visible_gpus(device))
     if choice.auto:
-        plan = choose_parallel(pipeline, shape, choice.strategy, ranks, *budgets)
+        plan = choose_parallel(pipeline, shape, choice.strategy, ranks, *budgets, options)
         return plan.strategy, f"auto chose at {label}: {parallel_plan_line(plan)}"
     try:
-        plan = plan_explicit(pipeline, shape, choice.strategy, ranks, *budgets)
+        plan = plan_explicit(pipeline, shape, choice.strategy, ranks, *budgets, options)
     except ParallelError:
         raise  # a refusal the ranks would meet too (the model, the sizes, the storage), not a missing prediction
     except ValueError as error:

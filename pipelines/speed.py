@@ -101,13 +101,18 @@ def resolve_speed(speed: Speed, device: torch.device, dtype: torch.dtype,
                   denoisers: Mapping[str, nn.Module] | None = None, context_parallel: bool = False) -> ResolvedSpeed:
     """The kernel `speed.attention` means here, and fp8 matmul 'on' checked against the device and the
     model's layers (`denoisers`); StrategyError naming the input and the fix. Touches no weight."""
+    check_compile_with(speed, context_parallel)
+    check_fp8_matmul(denoisers or {}, speed.fp8_matmul, device)
+    return ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype))
+
+
+def check_compile_with(speed: Speed, context_parallel: bool) -> None:
+    """StrategyError where compiled blocks cannot run with the Memory Strategy's context parallelism."""
     if context_parallel and speed.compile.on:
         # diffusers' context parallelism hooks the first block's forward, which compiled blocks would have to wrap.
         raise StrategyError("compile on the Speed node cannot run with context_parallel on the Memory Strategy yet: "
                             "diffusers' context parallelism replaces the first block's forward; set compile off, or "
                             "context_parallel off.")
-    check_fp8_matmul(denoisers or {}, speed.fp8_matmul, device)
-    return ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype))
 
 
 @dataclass
@@ -161,14 +166,20 @@ class _Untouched:
 MEASURED = Path(__file__).parent / "configs" / "speedups.json"  # bench/speed.py's figures, per device name
 
 
-def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_by: str = "") -> str:
+def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_by: str = "",
+                    context_parallel: bool = False) -> str:
     """The Speed node's choices as they would resolve on this machine's `device_type`, for the plan:
     the kernel auto picks (or why a choice is refused), compiled or not, fp8 matmul or why not, and
     the per-step time measured on this device where bench/speed.py has measured it. `masked_by`: the
-    model, when its attention passes a mask (a mask-less kernel is refused as the Sampler refuses it)."""
-    compiled = ("compiled blocks (the first run compiles, later runs of this graph reuse it)" if speed.compile.on
-                else "eager blocks")
-    if device_type == "cuda" and not torch.cuda.is_available():  # planning for a GPU this process cannot see
+    model, when its attention passes a mask (a mask-less kernel is refused as the Sampler refuses it);
+    `context_parallel`: the Memory Strategy splits tokens across GPUs (compiled blocks are refused)."""
+    try:
+        check_compile_with(speed, context_parallel)
+        compiled = ("compiled blocks (the first run compiles, later runs of this graph reuse it)" if speed.compile.on
+                    else "eager blocks")
+    except StrategyError as error:
+        compiled = f"refused: {error}"
+    if not _visible(device_type):  # planning for a GPU this process cannot see
         try:
             check_mask(speed.attention, masked_by)
         except StrategyError as error:
@@ -203,12 +214,18 @@ def _fp8_enabled(choice: Fp8Matmul, device_type: str) -> bool:
     return fp8_matmul_support(device_type) is None or device_type == "cpu"
 
 
-def measured_speed(speed: Speed, device_type: str) -> MeasuredSpeed:
-    """The ratios configs/speedups.json holds for `speed`'s choices on this device, as the plan's time estimate
-    uses them (MeasuredSpeed: 1.0 for a choice not measured here, or not made); nothing for a GPU this process
-    cannot see (its name is unknown)."""
-    fp8_on = not (device_type == "cuda" and not torch.cuda.is_available()) and _fp8_enabled(speed.fp8_matmul, device_type)
-    return MeasuredSpeed(**_measured_ratios(speed, device_type), fp8_matmul_on=fp8_on)
+def measured_speed(speed: Speed, device_type: str, lora_hooks: bool = False,
+                   context_parallel: bool = False) -> MeasuredSpeed:
+    """What the plan's time estimate multiplies the denoiser's compute by for `speed`'s choices on this device:
+    configs/speedups.json's ratios (1.0 for a choice not measured here, or not made), and whether fp8 layers multiply
+    in fp8. Nothing for a GPU this process cannot see (its name is unknown). `lora_hooks`: LoRAs run beside their
+    layers (memory/lora.py), each hook a graph break, so compiled blocks break at every patched layer as under
+    sequential at every streamed leaf: timed with the sequential figure. `context_parallel`: compile is refused."""
+    ratios = _measured_ratios(speed, device_type, context_parallel)
+    if lora_hooks and "compiled" in ratios:
+        ratios["compiled"] = ratios.get("compiled_sequential", 1.0)
+    fp8_on = _visible(device_type) and _fp8_enabled(speed.fp8_matmul, device_type)
+    return MeasuredSpeed(**ratios, fp8_matmul_on=fp8_on)
 
 
 def measured_line(speed: Speed, device_type: str) -> str:
@@ -216,32 +233,47 @@ def measured_line(speed: Speed, device_type: str) -> str:
     ratios = _measured_ratios(speed, device_type)
     if not ratios:
         return ""
-    names = {"kernel": f"attention {speed.attention.value}", "compiled": "compiled blocks", "fp8_matmul": "fp8 matmul"}
+    names = {"kernel": f"attention {speed.attention.value}", "compiled": "compiled blocks",
+             "compiled_sequential": "compiled blocks under sequential", "fp8_matmul": "fp8 matmul"}
     parts = ", ".join(f"{names[part]} x{ratio:.2f}" for part, ratio in ratios.items())
-    source = _measured()[device_name(device_type)]["source"]
-    return f"Measured on this {device_type} (step time against eager SDPA, {source}): {parts}"
+    entry = _measured()[device_name(device_type)]
+    sources = dict.fromkeys(entry.get("sources", {}).get(_ENTRY_KEYS[part], entry["source"]) for part in ratios)
+    return f"Measured on this {device_type} (step time against eager SDPA, {', '.join(sources)}): {parts}"
 
 
-def _measured_ratios(speed: Speed, device_type: str) -> dict[str, float]:
-    """MeasuredSpeed's fields that this device's entry measured for the choices `speed` makes: an attention kernel
-    chosen by name (auto's pick is the baseline's), compiled blocks when on, fp8 matmul where a run enables it."""
-    if device_type == "cuda" and not torch.cuda.is_available():
-        return {}
-    entry = _measured().get(device_name(device_type))
+# MeasuredSpeed's fields -> the speedups.json keys they are read from (a figure's own "sources" entry is keyed so too).
+_ENTRY_KEYS = {"kernel": "attention", "compiled": "compile", "compiled_sequential": "compile_sequential",
+               "fp8_matmul": "fp8_matmul"}
+
+
+def _measured_ratios(speed: Speed, device_type: str, context_parallel: bool = False) -> dict[str, float]:
+    """MeasuredSpeed's ratios this device's entry measured for the choices `speed` makes: an attention kernel chosen
+    by name (auto's pick is the baseline's; flex's eager figure not with compile on, which fuses it), compiled blocks
+    when on (not with context parallelism, which refuses them), fp8 matmul where a run enables it."""
+    entry = _measured().get(device_name(device_type)) if _visible(device_type) else None
     if entry is None:
         return {}
-    ratios = {"kernel": entry.get("attention", {}).get(speed.attention.value)
-              if speed.attention is not AttentionKernel.AUTO else None,
-              "compiled": entry.get("compile") if speed.compile.on else None,
-              "fp8_matmul": entry.get("fp8_matmul") if _fp8_enabled(speed.fp8_matmul, device_type) else None}
+    compiled = speed.compile.on and not context_parallel
+    kernel = speed.attention is not AttentionKernel.AUTO and not (compiled and speed.attention is AttentionKernel.FLEX)
+    made = {"kernel": kernel, "compiled": compiled, "compiled_sequential": compiled,
+            "fp8_matmul": _fp8_enabled(speed.fp8_matmul, device_type)}
+    ratios = {part: entry.get(_ENTRY_KEYS[part]) for part, chosen in made.items() if chosen}
+    if "kernel" in ratios:
+        ratios["kernel"] = (ratios["kernel"] or {}).get(speed.attention.value)
     return {part: ratio for part, ratio in ratios.items() if ratio is not None}
 
 
+def _visible(device_type: str) -> bool:
+    """Whether this process computes on `device_type` itself (a plan for a GPU it cannot see knows nothing of it)."""
+    return not (device_type == "cuda" and not torch.cuda.is_available())
+
+
 def device_name(device_type: str) -> str:
-    """The name bench/speed.py records a device's figures under: the GPU's, or the CPU's model name."""
+    """The name bench/speed.py records a device's figures under: the GPU's, or the CPU's model name; "" for another
+    device type (no figures are recorded for it, and the host CPU's must not stand in)."""
     if device_type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return cpu_name()
+    return cpu_name() if device_type == "cpu" else ""
 
 
 def cpu_name() -> str:

@@ -95,3 +95,22 @@ def test_the_sampler_node_records_its_shape_in_the_latent(tiny_loaded):
 def _model(loaded):
     from vidmem.pipelines.planning import planner_model
     return planner_model(loaded)
+
+
+def test_auto_decode_chooses_with_the_speed_the_sampler_timed_with(wan14b):
+    """With compiled blocks measured on this device the Sampler's auto choice moves (sequential loses the compile),
+    and the Decode, re-planning from the latent's record, chooses the same strategy as the Sampler each time."""
+    from vidmem.memory.plan.costs import MeasuredSpeed
+
+    wan = SimpleNamespace(**dict(vars(wan14b), config_name="wan2.1-t2v-1.3b"))
+    shape, latent_shape = VideoShape(832, 480, 81), (1, 16, 21, 60, 104)
+    choice = StrategyChoice(MemoryStrategy(), auto=True, vram_budget_gb=8.0, ram_budget_gb=64.0)
+    chosen = []
+    for speed in (MeasuredSpeed(), MeasuredSpeed(compiled=0.66)):
+        options = PlanOptions(speed=speed)
+        sampled, _line = sampler_node._strategy_for_run(wan, choice, shape, torch.device("cuda"), options)
+        latent = {"samples": torch.zeros(latent_shape), "vidmem": {"family": "wan", "class_name": "WanPipeline"}}
+        decoded = decode_node._strategy_for_decode(wan, choice, latent_shape, decode_node.record_plan(latent, shape, options))
+        assert decoded == sampled
+        chosen.append(sampled)
+    assert chosen[0] != chosen[1]  # the premise: the speed changed the Sampler's choice

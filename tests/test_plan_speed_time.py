@@ -7,6 +7,7 @@ chart (GET /vidmem/plan) and the Sampler's plan both read them."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.plan.candidates import plan_run
@@ -97,10 +98,16 @@ def test_with_fp8_matmul_a_chunked_blocks_slices_add_no_upcasts(wan):
 
 
 def test_the_ratios_multiply():
-    speed = MeasuredSpeed(kernel=0.9, compiled=0.5, fp8_matmul=1.2)
-    assert speed.ratio(True, True) == pytest.approx(0.54)
-    assert speed.ratio(False, True) == pytest.approx(1.08)
-    assert speed.ratio(True, False) == pytest.approx(0.45)
+    speed = MeasuredSpeed(kernel=0.9, compiled=0.5, compiled_sequential=1.1, fp8_matmul=1.2)
+    assert speed.ratio(False, True) == pytest.approx(0.54)
+    assert speed.ratio(True, True) == pytest.approx(0.9 * 1.1 * 1.2)  # sequential: its own compiled figure
+    assert speed.ratio(False, False) == pytest.approx(0.45)
+
+
+def test_sequential_is_timed_with_compiles_sequential_figure(wan):
+    speed = MeasuredSpeed(compiled=0.6, compiled_sequential=1.1)
+    assert _denoise(_plan(wan, "sequential", speed)).time_ratio == 1.1
+    assert _denoise(_plan(wan, "block_swap", speed, blocks_to_swap=10)).time_ratio == 0.6
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
@@ -111,8 +118,9 @@ def test_a_ratio_that_is_not_a_positive_time_is_refused_by_name(bad):
 
 # --- configs/speedups.json to MeasuredSpeed -------------------------------------------------------------------
 
-MEASURED = {"device": "Test CPU", "source": "bench/results/x.json", "attention": {"flash": 0.8, "math": 2.0},
-            "compile": 0.7, "fp8_matmul": 1.3}
+MEASURED = {"device": "Test CPU", "source": "bench/results/x.json", "attention": {"flash": 0.8, "math": 2.0, "flex": 4.0},
+            "compile": 0.7, "compile_sequential": 1.1, "fp8_matmul": 1.3,
+            "sources": {"compile": "bench/results/y.json"}}
 
 
 @pytest.fixture
@@ -126,7 +134,8 @@ def speed_module(monkeypatch):
 
 def test_the_measured_ratios_of_the_choices_made(speed_module):
     measured = speed_module.measured_speed(Speed("flash", CompileSettings(True), "on"), "cpu")
-    assert measured == MeasuredSpeed(kernel=0.8, compiled=0.7, fp8_matmul=1.3, fp8_matmul_on=True)  # 'on': also on a CPU
+    assert measured == MeasuredSpeed(kernel=0.8, compiled=0.7, compiled_sequential=1.1, fp8_matmul=1.3,
+                                     fp8_matmul_on=True)  # 'on': also on a CPU
     assert speed_module.measured_speed(Speed("math"), "cpu") == MeasuredSpeed(kernel=2.0)
 
 
@@ -142,10 +151,30 @@ def test_choices_not_made_or_not_measured_are_not_counted(speed_module):
     assert speed_module.measured_speed(Speed(chosen=False), "cpu") == MeasuredSpeed()  # no Speed node
 
 
+def test_lora_hooks_break_compiled_blocks_as_sequentials_leaves_do(speed_module):
+    compiled = Speed(compile=CompileSettings(True))
+    assert speed_module.measured_speed(compiled, "cpu", lora_hooks=True) == MeasuredSpeed(compiled=1.1,
+                                                                                           compiled_sequential=1.1)
+
+
+def test_context_parallel_refuses_compile_so_it_is_not_credited_and_the_line_says_so(speed_module):
+    compiled = Speed("flash", CompileSettings(True))
+    assert speed_module.measured_speed(compiled, "cpu", context_parallel=True) == MeasuredSpeed(kernel=0.8)
+    line = speed_module.speed_plan_line(compiled, "cpu", speed_module.torch.float32, context_parallel=True)
+    assert "refused: compile on the Speed node cannot run with context_parallel" in line
+
+
+def test_flex_is_not_timed_with_its_eager_figure_when_compiled(speed_module):
+    assert speed_module.measured_speed(Speed("flex"), "cpu") == MeasuredSpeed(kernel=4.0)
+    flex_compiled = speed_module.measured_speed(Speed("flex", CompileSettings(True)), "cpu")
+    assert flex_compiled == MeasuredSpeed(compiled=0.7, compiled_sequential=1.1)
+
+
 def test_another_device_or_a_gpu_this_process_cannot_see_counts_nothing(speed_module, monkeypatch):
     compiled = Speed(compile=CompileSettings(True))
     monkeypatch.setattr(speed_module.torch.cuda, "is_available", lambda: False)
     assert speed_module.measured_speed(compiled, "cuda") == MeasuredSpeed()
+    assert speed_module.measured_speed(compiled, "mps") == MeasuredSpeed()  # the host CPU's figures do not stand in
     monkeypatch.setattr(speed_module, "cpu_name", lambda: "Another CPU")
     assert speed_module.measured_speed(compiled, "cpu") == MeasuredSpeed()
 
@@ -154,11 +183,14 @@ def test_the_plan_line_quotes_what_the_time_uses(speed_module):
     speed = Speed("flash", CompileSettings(True), "on")
     line = speed_module.measured_line(speed, "cpu")
     assert "attention flash x0.80" in line and "compiled blocks x0.70" in line and "fp8 matmul x1.30" in line
+    assert "compiled blocks under sequential x1.10" in line
+    assert "bench/results/x.json, bench/results/y.json" in line  # each figure's own run
 
 
 def test_the_chart_times_its_rows_with_the_speed_nodes_measured_choices(speed_module, monkeypatch):
     """GET /vidmem/plan with a Speed node: the rows' slowdowns are against the run's best with its compiled blocks,
-    so `sequential` (whose leaves break the graph) shows what it loses; without a measurement the rows are as before."""
+    so `sequential` (timed with its own compiled figure: its leaves break the graph) shows what it loses; without a
+    measurement the rows are as before."""
     from test_web_route import _wan_13b_speed_plan
 
     compiled = dict(attention="auto", compile="true", compile_mode="default", compile_dynamic="auto",
@@ -169,7 +201,9 @@ def test_the_chart_times_its_rows_with_the_speed_nodes_measured_choices(speed_mo
 
     eager, fast = sequential(), sequential(**compiled)
     assert eager["label"] == fast["label"] == "your settings"
-    assert fast["est_slowdown"] == pytest.approx(eager["est_slowdown"] / MEASURED["compile"], abs=0.02)
+    # sequential's compiled figure against the resident best's
+    assert fast["est_slowdown"] == pytest.approx(
+        eager["est_slowdown"] * MEASURED["compile_sequential"] / MEASURED["compile"], abs=0.02)
     monkeypatch.setattr(speed_module, "_measured", lambda: {})  # another machine: nothing measured
     assert sequential(**compiled)["est_slowdown"] == eager["est_slowdown"]
 
@@ -198,7 +232,8 @@ def test_the_samplers_auto_choice_is_timed_with_the_measured_speed(speed_module,
         with pytest.raises(_Planned):
             sampler_node.VidMemVideoSampler().sample(tiny_loaded("wan2.1-t2v"), choice, "a cat", "", 32, 32, 9, 1, 1.0,
                                                      0, speed=speed)
-    assert seen == [MeasuredSpeed(), MeasuredSpeed(compiled=MEASURED["compile"])]
+    assert seen == [MeasuredSpeed(), MeasuredSpeed(compiled=MEASURED["compile"],
+                                                 compiled_sequential=MEASURED["compile_sequential"])]
 
 
 def test_vidmem_plan_times_its_rows_with_compile_and_says_what_it_resolves_to(speed_module, capsys):
@@ -222,3 +257,44 @@ def test_vidmem_plan_times_its_rows_with_compile_and_says_what_it_resolves_to(sp
     # sequential does not compile whole blocks: slower against the compiled best than eager is against its own
     assert fast_rows[sequential]["est_slowdown"] > eager_rows[sequential]["est_slowdown"]
     assert fast_rows[resident]["est_slowdown"] == eager_rows[resident]["est_slowdown"]
+
+
+def test_the_samplers_context_parallel_plan_gets_its_options(tiny_loaded, monkeypatch):
+    """Over several ranks the Sampler plans with the same attention and speed options as on one GPU."""
+    from vidmem.memory.plan.stages import VideoShape as Shape
+    from vidmem.memory.strategy import MemoryStrategy as Strategy, Parallelism
+    from vidmem.nodes import sampler as sampler_node
+    from vidmem.nodes.strategy import StrategyChoice
+
+    seen = []
+
+    def choose_parallel(pipeline, shape, strategy, ranks, vram, ram, options):
+        seen.append(options)
+        raise _Planned
+
+    monkeypatch.setattr(sampler_node, "choose_parallel", choose_parallel)
+    choice = StrategyChoice(Strategy(parallel=Parallelism(context_parallel="ulysses", degree=2, cpu=True)), auto=True)
+    options = PlanOptions(speed=MeasuredSpeed(kernel=0.9))
+    with pytest.raises(_Planned):
+        sampler_node._strategy_for_run(tiny_loaded("wan2.1-t2v"), choice, Shape(32, 32, 9), torch.device("cpu"),
+                                       options)
+    assert seen == [options]
+
+
+def test_the_chart_times_a_lorad_run_with_compiles_sequential_figure(speed_module):
+    """Load LoRA nodes put hooks beside their layers, each a graph break: the chart credits compile as it credits
+    sequential's, and not at all with context parallelism (refused)."""
+    from dataclasses import replace
+
+    from test_web_route import query
+    from vidmem.nodes import plan_route
+    from vidmem.nodes.plan_loras import LoraRequest
+
+    request = plan_route.parse_request(query(model="wan", dtype="bf16", speed_attention="auto", speed_compile="true",
+                                             speed_compile_mode="default", speed_compile_dynamic="auto",
+                                             speed_fp8_matmul="off"), ["wan"], ["bf16"])
+    lora = LoraRequest("style.safetensors", 1.0, "both", 1, 1)
+    assert plan_route._measured_speed(request, "cpu").compiled == 0.7
+    assert plan_route._measured_speed(replace(request, loras=(lora,)), "cpu").compiled == 1.1
+    assert plan_route._measured_speed(replace(request, loras=(replace(lora, strength=0.0),)), "cpu").compiled == 0.7
+    assert plan_route._measured_speed(replace(request, context_parallel="ulysses"), "cpu").compiled == 1.0

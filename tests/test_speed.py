@@ -157,6 +157,8 @@ def test_the_shipped_measurements_name_their_source():
 
     for entry in json.loads(MEASURED.read_text())["devices"]:
         assert entry["device"] and (MEASURED.parents[2] / entry["source"]).is_file(), entry
+        for part, source in entry.get("sources", {}).items():  # a figure measured in another run names its own
+            assert part in entry and (MEASURED.parents[2] / source).is_file(), (entry["device"], part)
 
 
 def test_activation_chunks_run_compiled_with_the_kernel(tiny_loaded):

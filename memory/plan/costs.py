@@ -133,24 +133,25 @@ class MeasuredSpeed:
     1.0 where nothing was measured. The plan multiplies the denoiser's compute (its upcasts included: the
     ratios were measured with them) by the ratios that apply to the run, and moves its copies as before.
 
-    Why compiled blocks have their own ratio: under `sequential` each streamed leaf breaks the compiled
-    graph (21 breaks per Wan block on an H200, step x1.10 against eager), so it applies only where blocks
-    compile whole. Why fp8 matmul has its own: it multiplies only layers stored in float8_e4m3fn, and those
-    layers then upcast nowhere (`fp8_matmul_on`), so a chunked block's slices add no upcasts to them."""
+    Why compiled blocks have two ratios: under `sequential` each streamed leaf's hook breaks the compiled
+    graph (21 breaks per Wan block; the H200 measured x1.10, slower than eager), so whole blocks compile
+    only on the other tiers. Why fp8 matmul has its own: it multiplies only layers stored in float8_e4m3fn,
+    and those layers then upcast nowhere (`fp8_matmul_on`), so a chunked block's slices add no upcasts to them."""
 
     kernel: float = 1.0  # the chosen attention kernel's (every tier)
-    compiled: float = 1.0  # compiled blocks' (tiers whose blocks compile whole: not sequential)
+    compiled: float = 1.0  # compiled blocks' where whole blocks compile (every tier but sequential)
+    compiled_sequential: float = 1.0  # compiled blocks' under sequential (a graph break per streamed leaf)
     fp8_matmul: float = 1.0  # fp8 matmul's (a denoiser stored in float8_e4m3fn, every tier)
     fp8_matmul_on: bool = False  # the run multiplies float8_e4m3fn layers in fp8 (measured here or not)
 
     def __post_init__(self) -> None:
-        for name in ("kernel", "compiled", "fp8_matmul"):
+        for name in ("kernel", "compiled", "compiled_sequential", "fp8_matmul"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MeasuredSpeed.{name}={getattr(self, name)} must be a positive time ratio.")
 
-    def ratio(self, whole_blocks_compile: bool, fp8_weights: bool) -> float:
-        """The step-time ratio for a denoiser on a tier (`whole_blocks_compile`) and storage (`fp8_weights`)."""
-        return (self.kernel * (self.compiled if whole_blocks_compile else 1.0)
+    def ratio(self, sequential: bool, fp8_weights: bool) -> float:
+        """The step-time ratio for a denoiser on a tier (`sequential` or not) and storage (`fp8_weights`)."""
+        return (self.kernel * (self.compiled_sequential if sequential else self.compiled)
                 * (self.fp8_matmul if fp8_weights else 1.0))
 
 

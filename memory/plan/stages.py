@@ -313,7 +313,7 @@ def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, option
 def _speed_ratio(name: str, tier: OffloadTier, options: PlanOptions) -> float:
     """The measured step-time ratio of the run's Speed choices for denoiser `name` on `tier` (MeasuredSpeed): blocks
     compile whole on every tier but sequential, and fp8 matmul takes a denoiser stored in float8_e4m3fn."""
-    return options.speed.ratio(tier is not OffloadTier.SEQUENTIAL, _fp8_stored(name, options))
+    return options.speed.ratio(tier is OffloadTier.SEQUENTIAL, _fp8_stored(name, options))
 
 
 def _fp8_stored(name: str, options: PlanOptions) -> bool:

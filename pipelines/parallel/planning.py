@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...memory.plan.parallel import MultiGpu, ParallelPlan, parallel_candidates, parallel_recommended, plan_parallel
-from ...memory.plan.planner import PlanError
+from ...memory.plan.planner import PlanError, PlanOptions
 from ...memory.plan.stages import VideoShape
 from ...memory.strategy import MemoryStrategy, Parallelism
 from ...memory.units import GiB
@@ -32,11 +32,12 @@ def rank_device(ranks: Ranks) -> str:
 
 
 def choose_parallel(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy, ranks: Ranks,
-                    vram_budget_bytes: int, ram_budget_bytes: int) -> ParallelPlan:
-    """The fastest per-GPU plan that fits every GPU and the RAM of every process; PlanError otherwise."""
+                    vram_budget_bytes: int, ram_budget_bytes: int, options: PlanOptions = PlanOptions()) -> ParallelPlan:
+    """The fastest per-GPU plan that fits every GPU and the RAM of every process; PlanError otherwise. `options`:
+    the attention and speed the Sampler plans with (the pipeline's storage and the ranks' device are filled in)."""
     layout = layout_of(base, ranks)
     one_process = replace(base, offload="model", blocks_to_swap=0, parallel=Parallelism())
-    options = plan_options(loaded, device=rank_device(ranks))
+    options = plan_options(loaded, options, device=rank_device(ranks))
     plans, _ = parallel_candidates(sampling_model(loaded), shape, vram_budget_bytes, ram_budget_bytes, layout,
                                    one_process, options)
     best = parallel_recommended(plans, on_disk=options.on_disk)
@@ -46,10 +47,11 @@ def choose_parallel(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrat
 
 
 def plan_explicit(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStrategy, ranks: Ranks,
-                  vram_budget_bytes: int, ram_budget_bytes: int) -> ParallelPlan:
-    """The per-GPU prediction for a strategy the user set (advice: the run goes ahead either way)."""
+                  vram_budget_bytes: int, ram_budget_bytes: int, options: PlanOptions = PlanOptions()) -> ParallelPlan:
+    """The per-GPU prediction for a strategy the user set (advice: the run goes ahead either way); `options` as
+    choose_parallel's."""
     return plan_parallel(sampling_model(loaded), shape, replace(strategy, parallel=Parallelism()),
-                         layout_of(strategy, ranks), plan_options(loaded, device=rank_device(ranks)),
+                         layout_of(strategy, ranks), plan_options(loaded, options, device=rank_device(ranks)),
                          vram_budget_bytes, ram_budget_bytes)
 
 
