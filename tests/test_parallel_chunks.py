@@ -5,6 +5,7 @@ any rank starts (naming both inputs), and a rank that meets one names context pa
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 
@@ -30,7 +31,8 @@ def test_offload_auto_sends_no_chunks_to_the_ranks(monkeypatch):
     sequence); the rows the Sampler runs the ranks with must not."""
     model = load_model("wan2.1-t2v-14b", "bf16", None)
     monkeypatch.setattr(planning, "sampling_model", lambda loaded: model)  # stands in for a loaded 14B folder
-    monkeypatch.setattr(planning, "plan_options", lambda loaded, device=None: PlanOptions(device=device))
+    monkeypatch.setattr(planning, "plan_options", lambda loaded, options=PlanOptions(), device=None:
+                        replace(options, device=device))
     (choice,) = N["VidMemMemoryStrategy"]().build(**strategy_widgets(offload="auto", vram_budget_gb=12, ram_budget_gb=512),
                                                   gpus="0,1", context_parallel="ulysses")["result"]
     assert choice.auto and choice.strategy.chunks_auto
