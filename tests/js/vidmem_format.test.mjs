@@ -452,3 +452,31 @@ test("the plan query carries each Load LoRA on the pipeline's path, the loader's
   assert.deepEqual(loraLines({ status: "ok" }), []);
   assert.deepEqual(loraLines({ status: "error", loras: ["x"] }), []);
 });
+
+test("a bypassed Load LoRA passes the pipeline on and holds nothing; a muted node on the path sends no plan", async () => {
+  const { loraFields, pipelineLoader, MODE_BYPASSED, MODE_MUTED } = await import("../../web/js/vidmem_format.js");
+  const node = (type, up = null, widgets = {}, mode = 0) => ({ comfyClass: type, up, widgets, mode });
+  const upstream = (n) => n.up;
+  const value = (n, name) => n.widgets[name];
+  const loader = node("VidMemLoadPipeline", null, { model: "Wan2.1", dtype: "bf16" });
+  const first = node("VidMemLoadLoRA", loader, { lora_name: "style.safetensors", strength: 0.8, expert: "both" });
+  const off = node("VidMemLoadLoRA", first, { lora_name: "off.safetensors", strength: 1, expert: "both" }, MODE_BYPASSED);
+  const offTrain = node("VidMemTrainLoRA", off, { lora_name: "mine", rank: 16 }, MODE_BYPASSED);
+  const last = node("VidMemLoadLoRA", offTrain, { lora_name: "lightx2v.safetensors", strength: 1, expert: "high_noise" });
+  assert.equal(pipelineLoader(last, upstream), loader); // the bypassed nodes hand the loader's pipeline through
+  assert.deepEqual(loraFields(last, upstream, value), { lora0_lora_name: "style.safetensors", lora0_strength: 0.8,
+    lora0_expert: "both", lora1_lora_name: "lightx2v.safetensors", lora1_strength: 1, lora1_expert: "high_noise" });
+  assert.deepEqual(loraFields(off, upstream, value), { lora0_lora_name: "style.safetensors", lora0_strength: 0.8,
+    lora0_expert: "both" });
+  // A muted node on the path: the Sampler's required pipeline goes missing and the prompt cannot run.
+  const muted = node("VidMemLoadLoRA", first, { lora_name: "off.safetensors", strength: 1, expert: "both" }, MODE_MUTED);
+  const after = node("VidMemLoadLoRA", muted, { lora_name: "lightx2v.safetensors", strength: 1, expert: "both" });
+  assert.equal(pipelineLoader(after, upstream), null);
+  assert.deepEqual(loraFields(after, upstream, value), {});
+  // A loader muted or bypassed passes no pipeline on (it has no pipeline input).
+  for (const mode of [MODE_MUTED, MODE_BYPASSED]) {
+    const gone = node("VidMemLoadPipeline", null, { model: "Wan2.1", dtype: "bf16" }, mode);
+    assert.equal(pipelineLoader(node("VidMemLoadLoRA", gone), upstream), null);
+    assert.equal(pipelineLoader(gone, upstream), null);
+  }
+});

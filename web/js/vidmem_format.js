@@ -254,13 +254,20 @@ export const SAMPLER_EXTRAS = Object.freeze({
 
 const typeOf = (node) => node?.comfyClass ?? node?.type;
 
+// LiteGraph's node modes: a muted node does not run, and what it feeds gets no input (the Sampler's required
+// pipeline goes missing: the prompt cannot run); a bypassed one hands its input of the same type through unchanged.
+export const MODE_MUTED = 2;
+export const MODE_BYPASSED = 4;
+
 /** The loader a pipeline comes from: follow `upstream(node)` (the node on its `pipeline` input)
- * through any number of Load LoRA / Train LoRA nodes; null when unconnected, a loop, or another node. */
+ * through any number of Load LoRA / Train LoRA nodes, bypassed ones too (they pass the pipeline on);
+ * null when unconnected, a loop, another node, or a muted node or bypassed loader on the way (no pipeline arrives). */
 export function pipelineLoader(start, upstream) {
   const seen = new Set();
   for (let node = start; node && !seen.has(node); node = upstream(node)) {
     seen.add(node);
-    if (PIPELINE_LOADERS.includes(typeOf(node))) return node;
+    if (node.mode === MODE_MUTED) return null;
+    if (PIPELINE_LOADERS.includes(typeOf(node))) return node.mode === MODE_BYPASSED ? null : node;
     if (!PIPELINE_PASS_THROUGH.includes(typeOf(node))) return null;
   }
   return null;
@@ -272,13 +279,15 @@ export const LORA_WIDGETS = Object.freeze(["lora_name", "strength", "expert"]);
 
 /** The plan query's LoRA fields: each Load LoRA between `start` and the loader, in the order the run applies
  * them (the loader's side first), and how many Train LoRA nodes are there (their LoRA is not written yet);
- * {} when there are none, so a graph without LoRAs sends the query it always sent. */
+ * bypassed ones hold nothing and are left out. {} when there are none, so a graph without LoRAs sends the query
+ * it always sent, and {} when a node on the path is muted: no pipeline reaches the Sampler, nothing runs. */
 export function loraFields(start, upstream, value) {
   const path = [];
   const seen = new Set();
   for (let node = start; node && !seen.has(node) && PIPELINE_PASS_THROUGH.includes(typeOf(node)); node = upstream(node)) {
     seen.add(node);
-    path.unshift(node);
+    if (node.mode === MODE_MUTED) return {};
+    if (node.mode !== MODE_BYPASSED) path.unshift(node);
   }
   const fields = {};
   path.filter((node) => typeOf(node) === LORA_NODE).forEach((node, i) => {
