@@ -480,3 +480,25 @@ test("a bypassed Load LoRA passes the pipeline on and holds nothing; a muted nod
     assert.equal(pipelineLoader(gone, upstream), null);
   }
 });
+
+test("the plan follows the Sampler's pipeline, not the Strategy's old pipeline input", async () => {
+  const { loraFields, pipelineLoader, pipelineStart } = await import("../../web/js/vidmem_format.js");
+  const node = (type, up = null, widgets = {}) => ({ comfyClass: type, up, widgets });
+  const upstream = (n) => n.up;
+  const value = (n, name) => n.widgets[name];
+  const loader = node("VidMemLoadPipeline", null, { model: "Wan2.1", dtype: "bf16" });
+  const lora = node("VidMemLoadLoRA", loader, { lora_name: "style.safetensors", strength: 1, expert: "both" });
+  const sampler = node("VidMemSampler", lora);
+  const oldStrategy = node("VidMemStrategy", loader); // an old workflow: the Strategy's pipeline from the loader itself
+  const start = pipelineStart(oldStrategy, sampler, upstream);
+  assert.equal(start, lora);
+  assert.equal(pipelineLoader(start, upstream), loader);
+  assert.deepEqual(loraFields(start, upstream, value), { lora0_lora_name: "style.safetensors", lora0_strength: 1,
+    lora0_expert: "both" });
+  // The Strategy's pipeline from another loader: the Sampler runs its own pipeline's model.
+  const other = node("VidMemLoadPipeline", null, { model: "CogVideoX", dtype: "bf16" });
+  assert.equal(pipelineLoader(pipelineStart(node("VidMemStrategy", other), sampler, upstream), upstream), loader);
+  // While the Sampler's pipeline is not connected yet, the Strategy's still shows a plan; neither: none.
+  assert.equal(pipelineStart(oldStrategy, node("VidMemSampler"), upstream), loader);
+  assert.equal(pipelineStart(node("VidMemStrategy"), node("VidMemSampler"), upstream), null);
+});

@@ -9,8 +9,8 @@ import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
   STRATEGY_PARALLEL, STRATEGY_WIDGETS, compactLines, extraFields, ignoredStrategyWidgets, isParallel, legacyStrategyValues,
-  loaderFields, loraFields, loraLines, meterText, parallelLines, pipelineLoader, planBars, planLines, planQuery, planReasons,
-  planVerdict, speedLines, summarize, timeNote, timeShown, windowLines,
+  loaderFields, loraFields, loraLines, meterText, parallelLines, pipelineLoader, pipelineStart, planBars, planLines, planQuery,
+  planReasons, planVerdict, speedLines, summarize, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -243,7 +243,7 @@ function planRequestFor(node) {
   const sampler = (node.getOutputNodes?.(0) ?? []).find((n) => n.comfyClass === SAMPLER || n.type === SAMPLER);
   if (!sampler) return null;
   const upstream = (n) => linkedNode(n, "pipeline");
-  const start = upstream(node) ?? upstream(sampler);
+  const start = pipelineStart(node, sampler, upstream);
   const loader = pipelineLoader(start, upstream);
   if (!loader) return null;
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));

@@ -259,6 +259,12 @@ const typeOf = (node) => node?.comfyClass ?? node?.type;
 export const MODE_MUTED = 2;
 export const MODE_BYPASSED = 4;
 
+/** Where the plan walks the pipeline from: the Sampler's own `pipeline` input, as the run reads it; the
+ * Strategy's (not needed, kept so old workflows load) only while the Sampler's is not connected. */
+export function pipelineStart(strategy, sampler, upstream) {
+  return upstream(sampler) ?? upstream(strategy);
+}
+
 /** The loader a pipeline comes from: follow `upstream(node)` (the node on its `pipeline` input)
  * through any number of Load LoRA / Train LoRA nodes, bypassed ones too (they pass the pipeline on);
  * null when unconnected, a loop, another node, or a muted node or bypassed loader on the way (no pipeline arrives). */
