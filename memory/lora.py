@@ -44,7 +44,12 @@ BUFFER_PREFIX = "_vidmem_lora"
 
 
 class LoraError(ValueError):
-    """A LoRA file or a LoRA request vidmem cannot use; the message names the input and the fix."""
+    """A LoRA file or a LoRA request vidmem cannot use; the message names the input and the fix.
+    `widget`: the Load LoRA input it is about ("expert", "strength"); "" for the file itself."""
+
+    def __init__(self, message: str, *, widget: str = ""):
+        super().__init__(message)
+        self.widget = widget
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def planned_with_loras(model, loras: tuple[LoraRequest, ...], trained: int = 0) 
             path = host.resolve_lora(lora.name)
             specs.append(load_lora(path, pipe, lora.strength, lora.expert, name=lora.name, header_only=True))
         except (LoraError, OSError) as error:  # a file gone since it was listed, a damaged one, one for another model
-            widget = "expert" if "expert='" in str(error) else "lora_name"  # load_lora's expert refusals name it
+            widget = getattr(error, "widget", "") or "lora_name"  # a LoraError about the expert or strength says so
             raise FilesProblem(lora_prefix(index) + widget,
                                f"Load LoRA ({_nth(index)} after the loader) lora_name={lora.name!r}: {error}") from None
     return with_loras(model, pipe, specs), _lines(specs, trained)

@@ -174,6 +174,21 @@ def test_a_lora_for_another_model_or_expert_is_named_on_the_chart_with_the_fix(l
     assert "Set expert to 'both'" in expert["error"]
 
 
+def test_the_lora_error_says_which_input_it_is_about_not_its_wording(loras, answer, tiny_loaded):
+    """The chart's input comes from LoraError.widget: a file named like an expert refusal is still its lora_name."""
+    from vidmem.memory.lora import LoraError
+
+    (loras / "expert='both'.safetensors").write_bytes((loras / "cog.safetensors").read_bytes())
+    other = answer(_lora_query([("expert='both'.safetensors", 1.0, "both")]))
+    assert other["status"] == "error" and other["input"] == "lora0_lora_name", other
+    pipe = tiny_loaded(VARIANT).pipe
+    for kwargs, widget in [(dict(expert="low_noise"), "expert"), (dict(strength=9.0), "strength"),
+                           (dict(), "")]:
+        with pytest.raises(LoraError) as caught:
+            load_lora(loras / "cog.safetensors", pipe, **kwargs)
+        assert caught.value.widget == widget, caught.value
+
+
 def test_a_file_gone_since_it_was_listed_is_named_not_a_server_error(loras, answer):
     request = parse_request(_lora_query([("kohya.safetensors", 1.0, "both")]), [TINY], ["fp32"])
     (loras / "kohya.safetensors").unlink()

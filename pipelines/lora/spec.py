@@ -60,12 +60,12 @@ class LoraSpec:
 def expert_components(pipe, expert: str, path: str | os.PathLike = "") -> tuple[str, ...]:
     """The denoiser components `expert` means on this pipeline; LoraError if it has no such expert."""
     if expert not in EXPERTS:
-        raise LoraError(f"expert='{expert}' is not valid; use one of {', '.join(EXPERTS)}.")
+        raise LoraError(f"expert='{expert}' is not valid; use one of {', '.join(EXPERTS)}.", widget="expert")
     present = tuple(n for n in EXPERT_COMPONENTS["both"] if getattr(pipe, n, None) is not None)
     if expert != "both" and len(present) < 2:
         raise LoraError(
             f"LoRA {Path(path).name}: expert='{expert}' needs a two-expert model (Wan 2.2 A14B); this "
-            "pipeline has a single transformer. Set expert to 'both'."
+            "pipeline has a single transformer. Set expert to 'both'.", widget="expert"
         )
     return tuple(n for n in EXPERT_COMPONENTS[expert] if n in present)
 
@@ -81,7 +81,8 @@ def load_lora(path: str | os.PathLike, pipe, strength: float = 1.0, expert: str 
     """
     low, high = STRENGTH_RANGE
     if not (low <= strength <= high):
-        raise LoraError(f"LoRA {Path(path).name}: strength {strength} is outside [{low}, {high}]; pick a value in range.")
+        raise LoraError(f"LoRA {Path(path).name}: strength {strength} is outside [{low}, {high}]; pick a value in range.",
+                        widget="strength")
     components = expert_components(pipe, expert, path)
     lora = read_lora_file(path, header_only)
     _check_trained_expert(lora, pipe, expert)
@@ -109,7 +110,7 @@ def _check_trained_expert(lora: LoraFile, pipe, expert: str) -> None:
     said = f"LoRA {lora.path.name} was trained on Wan 2.2 A14B's {trained.replace('_', '-')} expert ({component})"
     if two_experts:
         raise LoraError(f"{said}, but expert='{expert}' would apply it to {' and '.join(EXPERT_COMPONENTS[expert])}. Set "
-                        f"expert to '{trained}' (Train LoRA's output already carries it there).")
+                        f"expert to '{trained}' (Train LoRA's output already carries it there).", widget="expert")
     warnings.warn(f"{said}; this pipeline has one transformer, which it is applied to.", stacklevel=3)
 
 
