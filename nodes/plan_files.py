@@ -69,7 +69,7 @@ def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
         if name not in host.model_file_names(LISTED_AS.get(role, role)):
             raise FilesProblem(role, f"{role}={name!r} is not in the host's {role} file list; pick a file the "
                                      "Load Video Model Files node offers.")
-        stat = _listed_stat(lambda: host.resolve_model_file(LISTED_AS.get(role, role), name, role), role, name)
+        stat = listed_stat(lambda: host.resolve_model_file(LISTED_AS.get(role, role), name, role), role, name)
         files.append((role, name, stat.st_size, stat.st_mtime_ns))
     vae_dtype = vae_dtype_request(query, PREFIX + "vae_dtype", vae_dtypes)
     weight_dtype = query.get(PREFIX + "weight_dtype", DEFAULT_WEIGHTS)
@@ -82,7 +82,7 @@ def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
     return FilesRequest(tuple(files), vae_dtype, weight_dtype, on_disk == "true")
 
 
-def _listed_stat(resolve, widget: str, name: str) -> os.stat_result:
+def listed_stat(resolve, widget: str, name: str) -> os.stat_result:
     """The stat of a file the host listed a moment ago; FilesProblem naming the widget when it has gone
     since (deleted, moved, unreadable): a bad request, not a server error."""
     try:
@@ -138,7 +138,7 @@ def transformer_file_request(query) -> tuple[str, int, int] | None:
     if name not in host.single_file_transformer_names():
         raise FilesProblem("transformer_file", f"transformer_file={name!r} is not in the host's list; pick one the "
                                                "Load Video Pipeline node offers, or (from the folder).")
-    stat = _listed_stat(lambda: host.resolve_single_file(name), "transformer_file", name)
+    stat = listed_stat(lambda: host.resolve_single_file(name), "transformer_file", name)
     return name, stat.st_size, stat.st_mtime_ns
 
 
@@ -153,7 +153,7 @@ def text_encoder_files_request(query) -> tuple[tuple[str, str, int, int], ...]:
         if name not in host.model_file_names("text_encoder"):
             raise FilesProblem(widget, f"{widget}={name!r} is not in the host's text encoder list; pick one the "
                                        f"Load Video Pipeline node offers, or {FOLDER_TEXT_ENCODER}.")
-        stat = _listed_stat(lambda: host.resolve_model_file("text_encoder", name, widget), widget, name)
+        stat = listed_stat(lambda: host.resolve_model_file("text_encoder", name, widget), widget, name)
         chosen.append((component, name, stat.st_size, stat.st_mtime_ns))
     return tuple(chosen)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..memory.lora import LoraError
 from ..memory.units import MiB
 from . import host
-from .plan_files import FilesProblem, _listed_stat
+from .plan_files import FilesProblem, listed_stat
 
 LORA_PREFIX = "lora"  # lora<i>_lora_name, lora<i>_strength, lora<i>_expert: Load LoRA's widgets
 LORA_WIDGETS = ("lora_name", "strength", "expert")
@@ -44,7 +44,7 @@ def lora_request(index: int, name: str, strength: float, expert: str) -> LoraReq
     if name not in host.lora_names():
         raise FilesProblem(widget, f"Load LoRA ({_nth(index)} after the loader): lora_name={name!r} is not in "
                                    "models/loras; pick a LoRA the node lists, or remove the node.")
-    stat = _listed_stat(lambda: host.resolve_lora(name), widget, name)
+    stat = listed_stat(lambda: host.resolve_lora(name), widget, name)
     return LoraRequest(name, strength, expert, stat.st_size, stat.st_mtime_ns)
 
 

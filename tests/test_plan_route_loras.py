@@ -270,3 +270,16 @@ def test_a_lora_on_load_video_model_files_is_planned_on_the_files_storage_as_the
     sampler, plain = _sampler(with_it, request, 8 * GiB), _sampler(loaded, request, 8 * GiB)
     (charted,) = planned
     assert _weights(charted) == _weights(sampler) > _weights(plain)
+
+
+def test_the_nodes_modules_import_no_private_name_from_one_another():
+    """A helper two node modules share is public where it lives (plan_files.listed_stat for plan_loras)."""
+    import ast
+    from pathlib import Path
+
+    import vidmem.nodes
+
+    private = [(path.name, node.module, alias.name) for path in sorted(Path(vidmem.nodes.__file__).parent.glob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom) and node.level == 1
+               for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert private == []
