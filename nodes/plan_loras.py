@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..memory.lora import LoraError
-from ..memory.units import MiB
+from ..memory.units import human_bytes
 from . import host
 from .plan_files import FilesProblem, listed_stat
 
@@ -70,13 +70,13 @@ def planned_with_loras(model, loras: tuple[LoraRequest, ...], trained: int = 0) 
 
 
 def _lines(specs, trained: int) -> list[str]:
-    """"LoRAs: 2 counted, 612.0 MiB on their layers (...): a x1, b x0.5", and the Train LoRA nodes not counted."""
+    """"LoRAs: 2 counted, 612.00 MiB on their layers (...): a x1, b x0.5", and the Train LoRA nodes not counted."""
     lines = []
     if specs:
         applied = [spec for spec in specs if spec.strength != 0]
-        mib = sum(spec.nbytes for spec in applied) / MiB
+        size = human_bytes(sum(spec.nbytes for spec in applied))
         each = ", ".join(f"{spec.name} x{spec.strength:g}" + ("" if spec.strength else " (adds nothing)") for spec in specs)
-        lines.append(f"LoRAs: {len(applied)} counted, {mib:.1f} MiB on their layers (resident with them, streamed with "
+        lines.append(f"LoRAs: {len(applied)} counted, {size} on their layers (resident with them, streamed with "
                      f"their blocks under block_swap and sequential): {each}")
     if trained:
         lines.append(f"Train LoRA: {trained} on the path, not counted: the LoRA it trains is written by the run; the "

@@ -9,7 +9,7 @@ import pytest
 from test_lora import WAN_LAYERS, kohya_keys, peft_keys, random_lora, write
 from test_web_route import TINY, query
 from vidmem.memory.plan.planner import PlanOptions, plan_run
-from vidmem.memory.units import GiB
+from vidmem.memory.units import GiB, human_bytes
 from vidmem.nodes.plan_route import PlanRequestError, parse_request, plan_answer
 from vidmem.pipelines.lora import load_lora, with_lora
 from vidmem.pipelines.planning import plan_strategy
@@ -121,7 +121,8 @@ def test_the_charts_row_is_the_samplers_plan_with_the_loras(loras, answer, tiny_
     assert mine["fits"] == sampler.fits
     (line,) = plan["loras"]
     total = sum(load_lora(loras / name, tiny_loaded(VARIANT).pipe).nbytes for name, *_ in chain)
-    assert line.startswith(f"LoRAs: {len(chain)} counted, {total / 2**20:.1f} MiB on their layers"), line
+    assert line.startswith(f"LoRAs: {len(chain)} counted, {human_bytes(total)} on their layers"), line
+    assert " KiB on their layers" in line  # the tiny LoRAs are under 1 MiB: shown in KiB, not as 0.0 MiB
     assert all(name in line for name, *_ in chain)
 
 
@@ -130,7 +131,7 @@ def test_strength_zero_plans_as_no_lora_and_a_graph_without_loras_says_nothing(l
     zero = answer(_lora_query([("every-block.safetensors", 0, "both")]))
     assert plain["loras"] == [] and zero["status"] == "ok"
     assert zero["rows"] == plain["rows"] and zero["chosen"] == plain["chosen"]
-    assert zero["loras"] == ["LoRAs: 0 counted, 0.0 MiB on their layers (resident with them, streamed with their blocks "
+    assert zero["loras"] == ["LoRAs: 0 counted, 0 B on their layers (resident with them, streamed with their blocks "
                              "under block_swap and sequential): every-block.safetensors x0 (adds nothing)"]
 
 
