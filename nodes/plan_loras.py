@@ -52,10 +52,10 @@ def planned_with_loras(model, loras: tuple[LoraRequest, ...], trained: int = 0) 
     """(`model` carrying the LoRAs' tensors on their layers, the lines the chart shows about them).
     FilesProblem naming the node's lora_name when a file cannot be read or fits nothing in the model."""
     from ..pipelines.lora import load_lora
-    from ..pipelines.planning import meta_denoisers, with_loras
+    from ..pipelines.planning import WithLoras, meta_denoisers, with_loras
 
     if not loras:
-        return model, _lines((), trained)
+        return model, _lines((), 0, trained)
     pipe = meta_denoisers(model)
     specs = []
     for index, lora in enumerate(loras):
@@ -66,15 +66,18 @@ def planned_with_loras(model, loras: tuple[LoraRequest, ...], trained: int = 0) 
             widget = getattr(error, "widget", "") or "lora_name"  # a LoraError about the expert or strength says so
             raise FilesProblem(lora_prefix(index) + widget,
                                f"Load LoRA ({_nth(index)} after the loader) lora_name={lora.name!r}: {error}") from None
-    return with_loras(model, pipe, specs), _lines(specs, trained)
+    planned = with_loras(model, pipe, specs)
+    return planned, _lines(specs, planned.lora_bytes() if isinstance(planned, WithLoras) else 0, trained)
 
 
-def _lines(specs, trained: int) -> list[str]:
-    """"LoRAs: 2 counted, 612.00 MiB on their layers (...): a x1, b x0.5", and the Train LoRA nodes not counted."""
+def _lines(specs, counted: int, trained: int) -> list[str]:
+    """"LoRAs: 2 counted, 612.00 MiB on their layers (...): a x1, b x0.5", and the Train LoRA nodes not counted.
+    `counted`: the bytes the plan counts (WithLoras.lora_bytes), not the specs' own: a layer the planner's
+    model lacks is not counted, so the line does not say it is."""
     lines = []
     if specs:
         applied = [spec for spec in specs if spec.strength != 0]
-        size = human_bytes(sum(spec.nbytes for spec in applied))
+        size = human_bytes(counted)
         each = ", ".join(f"{spec.name} x{spec.strength:g}" + ("" if spec.strength else " (adds nothing)") for spec in specs)
         lines.append(f"LoRAs: {len(applied)} counted, {size} on their layers (resident with them, streamed with "
                      f"their blocks under block_swap and sequential): {each}")

@@ -97,6 +97,15 @@ class WithLoras:
             self._weights[key] = base.with_tensors({layer: t for layer, t in held.items() if layer in known})
         return self._weights[key]
 
+    def lora_bytes(self) -> int:
+        """Bytes of the LoRA tensors these weights count: those on layers the planner's model names (the
+        others are logged by `weights`, not counted), a tensor on several layers or experts once."""
+        counted: dict[int, int] = {}
+        for component, held in self._held.items():
+            known = set(self._model.weights(component).table.modules)
+            counted.update(pair for layer, tensors in held.items() if layer in known for pair in tensors)
+        return sum(counted.values())
+
 
 def plan_options(loaded: LoadedPipeline, options: PlanOptions = PlanOptions(), device=None) -> PlanOptions:
     """`options` with the pipeline's real storage: each component's format and the disk tier, and

@@ -207,6 +207,42 @@ def test_the_lora_widgets_and_files_are_in_the_cache_key(loras):
     assert one != parse_request(_lora_query([("kohya.safetensors", 1.0, "both")]), [TINY], ["fp32"])  # rewritten
 
 
+class _Renamed:
+    """A planner model whose transformer's weight table names `layer` otherwise: the LoRA's tensors on
+    it are not counted (planning.WithLoras logs them), as for a layer the meta model names differently."""
+
+    def __init__(self, model, layer: str) -> None:
+        self._model, self._layer = model, layer
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def weights(self, component: str, storage: str | None = None):
+        from dataclasses import replace
+
+        base = self._model.weights(component, storage)
+        if component != "transformer":
+            return base
+        modules = tuple(f"{name}.elsewhere" if name == self._layer else name for name in base.table.modules)
+        return replace(base, table=replace(base.table, modules=modules, _memo={}))
+
+
+def test_the_lora_line_states_the_bytes_the_plan_counts(loras, tiny_folder, tiny_loaded):
+    """A LoRA layer the planner's model lacks is not counted, so the line does not count it either."""
+    from vidmem.nodes.plan_loras import lora_request, planned_with_loras
+    from vidmem.pipelines.configs import load_model
+
+    layer = "blocks.0.attn1.to_q"
+    model = _Renamed(load_model(str(tiny_folder(VARIANT)), "fp32"), layer)
+    planned, (line,) = planned_with_loras(model, (lora_request(0, "kohya.safetensors", 1.0, "both"),))
+    spec = load_lora(loras / "kohya.safetensors", tiny_loaded(VARIANT).pipe)
+    (lacking,) = [held for held in spec.layers["transformer"] if held.module == layer]
+    counted = planned.weights("transformer").nbytes - model.weights("transformer").nbytes
+    assert counted == spec.nbytes - sum(t.numel() * t.element_size() for t in lacking.tensors.values()) == \
+        planned.lora_bytes() > 0
+    assert line.startswith(f"LoRAs: 1 counted, {human_bytes(counted)} on their layers"), (line, human_bytes(spec.nbytes))
+
+
 def test_a_train_lora_on_the_path_is_said_not_counted(loras, answer):
     plan = answer(_lora_query(trained_loras="1"))
     assert plan["status"] == "ok"
