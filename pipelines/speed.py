@@ -191,7 +191,7 @@ def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_b
     except StrategyError as error:
         attention = f"refused: {error}"
     fp8 = _fp8_plan_text(speed.fp8_matmul, device_type)
-    measured = measured_line(speed, device_type)
+    measured = measured_line(speed, device_type, context_parallel)
     return f"{attention}; {compiled}; {fp8}" + (f". {measured}" if measured else "")
 
 
@@ -228,9 +228,10 @@ def measured_speed(speed: Speed, device_type: str, lora_hooks: bool = False,
     return MeasuredSpeed(**ratios, fp8_matmul_on=fp8_on)
 
 
-def measured_line(speed: Speed, device_type: str) -> str:
-    """"measured on <device>: ..." from configs/speedups.json for this device, or "" where none is known."""
-    ratios = _measured_ratios(speed, device_type)
+def measured_line(speed: Speed, device_type: str, context_parallel: bool = False) -> str:
+    """"measured on <device>: ..." from configs/speedups.json for this device, or "" where none is known; the
+    figures the time uses (`_measured_ratios`: no compiled blocks where context parallelism refuses them)."""
+    ratios = _measured_ratios(speed, device_type, context_parallel)
     if not ratios:
         return ""
     names = {"kernel": f"attention {speed.attention.value}", "compiled": "compiled blocks",

@@ -162,6 +162,7 @@ def test_context_parallel_refuses_compile_so_it_is_not_credited_and_the_line_say
     assert speed_module.measured_speed(compiled, "cpu", context_parallel=True) == MeasuredSpeed(kernel=0.8)
     line = speed_module.speed_plan_line(compiled, "cpu", speed_module.torch.float32, context_parallel=True)
     assert "refused: compile on the Speed node cannot run with context_parallel" in line
+    assert "attention flash x0.80" in line and "compiled blocks x" not in line  # it quotes only what the time uses
 
 
 def test_flex_is_not_timed_with_its_eager_figure_when_compiled(speed_module):
