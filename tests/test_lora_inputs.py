@@ -11,6 +11,7 @@ from vidmem.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, host
 from vidmem.nodes.lora import VidMemLoadLoRA
 from vidmem.pipelines.loader import LoadedPipeline
 from vidmem.pipelines.lora import LoraError, describe_loras, load_lora, lora_patches
+from vidmem.memory.units import human_bytes
 from vidmem.pipelines.tiny import build_tiny_pipeline
 
 
@@ -93,13 +94,15 @@ def test_node_chains_without_mutating_its_input(wan, tmp_path, monkeypatch):
     node = VidMemLoadLoRA()
     first_run = node.load(loaded, "first.safetensors", 1.0, "both")
     (one,) = first_run["result"]
-    assert first_run["ui"]["text"] == [f"first.safetensors x1 ({one.loras[0].nbytes / 2**20:.1f} MiB): {len(WAN_LAYERS)} layers (diffusers key names)"]
+    assert first_run["ui"]["text"] == [f"first.safetensors x1 ({human_bytes(one.loras[0].nbytes)}): {len(WAN_LAYERS)} layers (diffusers key names)"]
     (two,) = node.load(one, "second.safetensors", -0.5, "both")["result"]
     assert loaded.loras == () and [s.name for s in one.loras] == ["first.safetensors"]
     assert [(s.name, s.strength) for s in two.loras] == [("first.safetensors", 1.0), ("second.safetensors", -0.5)]
     assert two.pipe is loaded.pipe  # the components are shared, never copied
     assert len(lora_patches(two.pipe, two.loras)) == 2 * len(WAN_LAYERS)
     assert "first.safetensors x1" in describe_loras(two.loras) and "second.safetensors x-0.5" in describe_loras(two.loras)
+    # A tiny LoRA's bytes read in KiB, not as "0.0 MiB".
+    assert one.loras[0].nbytes < 2**20 and " KiB)" in first_run["ui"]["text"][0] and " KiB beside the layers)" in describe_loras(two.loras)
     with pytest.raises(LoraError, match="needs a two-expert model"):
         node.load(loaded, "first.safetensors", 1.0, "low_noise")
 

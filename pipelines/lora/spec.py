@@ -18,6 +18,7 @@ from typing import Mapping
 import torch
 
 from ...memory.lora import LoraError, LoraPatch
+from ...memory.units import human_bytes
 from .read import LoraFile, read_lora_file
 from .resolve import ResolvedLayer, resolve_layers
 
@@ -54,7 +55,7 @@ class LoraSpec:
 
     def describe(self) -> str:
         experts = "" if self.expert == "both" else f", {self.expert.replace('_', '-')} expert"
-        return f"{self.name} x{self.strength:g}{experts} ({self.nbytes / 2**20:.1f} MiB)"
+        return f"{self.name} x{self.strength:g}{experts} ({human_bytes(self.nbytes)})"
 
 
 def expert_components(pipe, expert: str, path: str | os.PathLike = "") -> tuple[str, ...]:
@@ -142,7 +143,7 @@ def describe_loras(loras) -> str:
     if not loras:
         return "no LoRA"
     total = sum(spec.nbytes for spec in loras)
-    return "LoRA: " + "; ".join(spec.describe() for spec in loras) + f" (+{total / 2**20:.1f} MiB beside the layers)"
+    return "LoRA: " + "; ".join(spec.describe() for spec in loras) + f" (+{human_bytes(total)} beside the layers)"
 
 
 def with_lora(loaded, spec: LoraSpec):
