@@ -502,3 +502,43 @@ test("the plan follows the Sampler's pipeline, not the Strategy's old pipeline i
   assert.equal(pipelineStart(oldStrategy, node("VidMemSampler"), upstream), loader);
   assert.equal(pipelineStart(node("VidMemStrategy"), node("VidMemSampler"), upstream), null);
 });
+
+test("without a plan, the chart names the node that stops the pipeline and what to do", async () => {
+  const { pipelineGap, pipelineLoader, MODE_BYPASSED, MODE_MUTED } = await import("../../web/js/vidmem_format.js");
+  const node = (type, up = null, mode = 0, title = undefined) => ({ comfyClass: type, up, mode, title });
+  const upstream = (n) => n.up;
+  const loader = node("VidMemLoadPipeline", null, 0, "Load Video Pipeline (VidMem)");
+  const lora = node("VidMemLoadLoRA", loader, 0, "style LoRA");
+  assert.equal(pipelineGap(lora, upstream), null);
+  assert.equal(pipelineLoader(lora, upstream), loader);
+  assert.match(pipelineGap(null, upstream), /connect the Sampler's pipeline to a vidmem loader/);
+  const muted = node("VidMemLoadLoRA", loader, MODE_MUTED, "style LoRA");
+  assert.equal(pipelineGap(node("VidMemLoadLoRA", muted), upstream),
+    "\"style LoRA\" is muted, so no pipeline reaches the Sampler and the prompt cannot run: unmute it " +
+    "(or bypass it: a bypassed one passes the pipeline on)");
+  // A muted loader: bypassing would not help (it has no pipeline input), so only unmuting is offered.
+  assert.match(pipelineGap(node("VidMemLoadPipeline", null, MODE_MUTED), upstream), /"VidMemLoadPipeline" is muted.*unmute it$/);
+  assert.match(pipelineGap(node("VidMemLoadModelFiles", null, MODE_BYPASSED), upstream),
+    /"VidMemLoadModelFiles" is bypassed, so nothing loads the model.*set it back to Always/);
+  assert.match(pipelineGap(node("VidMemLoadLoRA", node("SomethingElse", loader, 0, "Other")), upstream),
+    /comes from "Other", which the plan cannot read/);
+  assert.match(pipelineGap(node("VidMemLoadLoRA", null, 0, "dangling LoRA"), upstream), /connect "dangling LoRA"'s pipeline input/);
+  const loop = node("VidMemLoadLoRA");
+  loop.up = node("VidMemLoadLoRA", loop);
+  assert.match(pipelineGap(loop, upstream), /loop/);
+});
+
+test("the plan reads through Reroute nodes, as the run does", async () => {
+  const { throughReroutes } = await import("../../web/js/vidmem_format.js");
+  const node = (type, up = null) => ({ comfyClass: type, up });
+  const firstInput = (n) => n.up;
+  const loader = node("VidMemLoadPipeline");
+  assert.equal(throughReroutes(node("Reroute", node("Reroute", loader)), firstInput), loader);
+  assert.equal(throughReroutes(loader, firstInput), loader);
+  assert.equal(throughReroutes(null, firstInput), null);
+  const dangling = node("Reroute");
+  assert.equal(throughReroutes(dangling, firstInput), dangling);
+  const a = node("Reroute");
+  a.up = node("Reroute", a);
+  assert.equal(throughReroutes(a, firstInput).comfyClass, "Reroute"); // a loop ends, on a Reroute
+});

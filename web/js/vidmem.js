@@ -9,8 +9,8 @@ import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
   STRATEGY_PARALLEL, STRATEGY_WIDGETS, compactLines, extraFields, ignoredStrategyWidgets, isParallel, legacyStrategyValues,
-  loaderFields, loraFields, loraLines, meterText, parallelLines, pipelineLoader, pipelineStart, planBars, planLines, planQuery,
-  planReasons, planVerdict, speedLines, summarize, timeNote, timeShown, windowLines,
+  loaderFields, loraFields, loraLines, meterText, parallelLines, pipelineGap, pipelineLoader, pipelineStart, planBars, planLines, planQuery,
+  planReasons, planVerdict, speedLines, summarize, throughReroutes, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -233,19 +233,22 @@ function addPlanWidget(node) {
 
 const widgetValue = (node, name) => node?.widgets?.find((w) => w.name === name)?.value;
 
+// The node on `inputName`, read through Reroute nodes.
 function linkedNode(node, inputName) {
   const slot = node?.inputs?.findIndex((input) => input.name === inputName) ?? -1;
-  return slot >= 0 ? node.getInputNode?.(slot) ?? null : null;
+  const linked = slot >= 0 ? node.getInputNode?.(slot) ?? null : null;
+  return throughReroutes(linked, (reroute) => reroute.getInputNode?.(0) ?? null);
 }
 
-// The Sampler this strategy feeds, its shape, and the loader of its pipeline.
+// The Sampler this strategy feeds, its shape, and the loader of its pipeline: {query}, or {gap}, the line
+// saying why there is no plan.
 function planRequestFor(node) {
   const sampler = (node.getOutputNodes?.(0) ?? []).find((n) => n.comfyClass === SAMPLER || n.type === SAMPLER);
-  if (!sampler) return null;
+  if (!sampler) return { gap: "connect this Strategy's output to a Video Sampler" };
   const upstream = (n) => linkedNode(n, "pipeline");
   const start = pipelineStart(node, sampler, upstream);
   const loader = pipelineLoader(start, upstream);
-  if (!loader) return null;
+  if (!loader) return { gap: pipelineGap(start, upstream) };
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS, ...STRATEGY_PARALLEL]
     .map((name) => [name, widgetValue(node, name)]));
@@ -255,17 +258,20 @@ function planRequestFor(node) {
     const linked = linkedNode(sampler, input);
     return extraFields(input, linked, (name) => widgetValue(linked, name));
   }));
-  return planQuery({ model: fields.model, dtype: fields.dtype, loader: fields, widgets, shape, extra, client: `${PAGE_ID}:${node.id}` });
+  return { query: planQuery({ model: fields.model, dtype: fields.dtype, loader: fields, widgets, shape, extra,
+    client: `${PAGE_ID}:${node.id}` }) };
 }
 
 async function refreshPlan(node) {
-  const query = planRequestFor(node);
+  const { query, gap } = planRequestFor(node);
   const state = planState.get(node) ?? {};
-  if (query === state.query) return;
+  const key = query ?? `gap:${gap}`; // a changed reason redraws too
+  if (key === state.key) return;
   state.controller?.abort(); // the server drops it too if it has not started
   state.query = query;
+  state.key = key;
   planState.set(node, state);
-  if (!query) return renderPlan(node, null);
+  if (!query) return renderPlan(node, null, `plan: ${gap}`);
   const controller = (state.controller = new AbortController());
   try {
     const response = await api.fetchApi(`${PLAN_ROUTE}?${query}`, { cache: "no-store", signal: controller.signal });

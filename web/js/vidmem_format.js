@@ -269,14 +269,54 @@ export function pipelineStart(strategy, sampler, upstream) {
  * through any number of Load LoRA / Train LoRA nodes, bypassed ones too (they pass the pipeline on);
  * null when unconnected, a loop, another node, or a muted node or bypassed loader on the way (no pipeline arrives). */
 export function pipelineLoader(start, upstream) {
+  return walkPipeline(start, upstream).loader;
+}
+
+/** Why no plan can be made from `start` (see pipelineLoader), as the chart's line names it: which node
+ * stops the pipeline and what to do; null when a loader is found. */
+export function pipelineGap(start, upstream) {
+  return walkPipeline(start, upstream).gap;
+}
+
+const nodeName = (node) => `"${node.title ?? typeOf(node)}"`;
+
+function walkPipeline(start, upstream) {
   const seen = new Set();
-  for (let node = start; node && !seen.has(node); node = upstream(node)) {
+  let last = null;
+  for (let node = start; node; last = node, node = upstream(node)) {
+    if (seen.has(node)) return { loader: null, gap: "the pipeline's links go round in a loop: connect a loader at its start" };
     seen.add(node);
-    if (node.mode === MODE_MUTED) return null;
-    if (PIPELINE_LOADERS.includes(typeOf(node))) return node.mode === MODE_BYPASSED ? null : node;
-    if (!PIPELINE_PASS_THROUGH.includes(typeOf(node))) return null;
+    const type = typeOf(node);
+    if (node.mode === MODE_MUTED) {
+      const bypass = PIPELINE_PASS_THROUGH.includes(type) ? " (or bypass it: a bypassed one passes the pipeline on)" : "";
+      return { loader: null, gap: `${nodeName(node)} is muted, so no pipeline reaches the Sampler and the prompt cannot run: unmute it${bypass}` };
+    }
+    if (PIPELINE_LOADERS.includes(type)) {
+      if (node.mode !== MODE_BYPASSED) return { loader: node, gap: null };
+      return { loader: null, gap: `${nodeName(node)} is bypassed, so nothing loads the model and the prompt cannot run: set it back to Always` };
+    }
+    if (!PIPELINE_PASS_THROUGH.includes(type)) {
+      return { loader: null, gap: `the Sampler's pipeline comes from ${nodeName(node)}, which the plan cannot read: connect it from a vidmem loader, through Load LoRA / Train LoRA if any` };
+    }
   }
-  return null;
+  if (!last) return { loader: null, gap: "connect the Sampler's pipeline to a vidmem loader (Load Video Pipeline or Load Video Model Files)" };
+  return { loader: null, gap: `connect ${nodeName(last)}'s pipeline input to a vidmem loader` };
+}
+
+// ComfyUI's Reroute node lives in the browser only (left out of the prompt): the run reads through it, so does the plan.
+export const REROUTE = "Reroute";
+
+/** `node`, or the node that feeds it through any chain of Reroute nodes (`firstInput(reroute)`: the node on
+ * its one input); a Reroute left dangling, or in a loop of Reroutes, is returned as it is. */
+export function throughReroutes(node, firstInput) {
+  const seen = new Set();
+  while (node && typeOf(node) === REROUTE && !seen.has(node)) {
+    seen.add(node);
+    const next = firstInput(node);
+    if (!next) return node;
+    node = next;
+  }
+  return node ?? null;
 }
 
 // Load LoRA's widgets the plan reads, sent as lora<i>_<widget> from the loader down (nodes/plan_loras.py).
