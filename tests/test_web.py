@@ -162,3 +162,13 @@ def test_the_format_module_is_pure():
 def test_js_unit_tests_pass_under_node():
     result = subprocess.run(["node", "--test", "tests/js/"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+def test_the_extension_parses(tmp_path):
+    """vidmem.js imports ComfyUI's own scripts, so Node cannot load it; it can still parse it as a module
+    (a syntax error would otherwise show only in a browser, where the whole extension fails to load)."""
+    module = tmp_path / "vidmem.mjs"
+    module.write_text(EXTENSION.read_text())
+    result = subprocess.run(["node", "--check", str(module)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
