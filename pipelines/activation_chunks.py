@@ -576,7 +576,7 @@ def hunyuan_video15_block_forward(block: nn.Module, chunks: int, hidden_states: 
     either mask (tests/test_activation_chunks_review.py) and on sampled latents (tests/test_activation_chunks.py,
     tests/test_hunyuan_video15.py)."""
     video, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
-    slices = token_slices(video, chunks, followed=True)
+    slices = _hunyuan_video15_slices(video, chunks)
     rope = _hunyuan_video15_rope(freqs_cis)
     modulation = _hunyuan_video15_modulation(block.norm1, temb)
     text_modulation = _hunyuan_video15_modulation(block.norm1_context, temb)
@@ -595,6 +595,11 @@ def hunyuan_video15_block_forward(block: nn.Module, chunks: int, hidden_states: 
         out[:, rows] = run(_hunyuan_video15_slice_rest, block, hidden_states[:, rows], out[:, rows] if parked else None,
                            keys, values, video_mask, modulation, *rope(rows))
     return out, text_out
+
+
+def _hunyuan_video15_slices(video: int, chunks: int) -> list[slice]:
+    """The video tokens' slices: the text's queries follow them in the same attention call (`token_slices`)."""
+    return token_slices(video, chunks, followed=True)
 
 
 def _hunyuan_video15_problem(block: nn.Module) -> str | None:
@@ -618,12 +623,14 @@ def _hunyuan_video15_problem(block: nn.Module) -> str | None:
     return None
 
 
-# Block class name -> (family, chunked forward, what may stop it). Classes are matched exactly:
-# a subclass may compute differently, and chunking it would silently change the video.
+# Block class name -> (family, chunked forward, what may stop it, the slices its forward cuts the block's
+# `hidden_states` rows into: the receipt counts them). Classes are matched exactly: a subclass may compute
+# differently, and chunking it would silently change the video.
 _FORWARDS = {
-    "WanTransformerBlock": ("wan", wan_block_forward, _wan_problem),
-    "CogVideoXBlock": ("cogvideox", cogvideox_block_forward, _cogvideox_problem),
-    "HunyuanVideo15TransformerBlock": ("hunyuan_video15", hunyuan_video15_block_forward, _hunyuan_video15_problem),
+    "WanTransformerBlock": ("wan", wan_block_forward, _wan_problem, token_slices),
+    "CogVideoXBlock": ("cogvideox", cogvideox_block_forward, _cogvideox_problem, token_slices),
+    "HunyuanVideo15TransformerBlock": ("hunyuan_video15", hunyuan_video15_block_forward, _hunyuan_video15_problem,
+                                       _hunyuan_video15_slices),
 }
 
 
@@ -671,16 +678,17 @@ def _hook_class():
     class ChunkHook(ModelHook):
         """Replaces the block's forward by its chunked twin (diffusers' ModelHook.new_forward)."""
 
-        def __init__(self, forward, chunks: int, slices_ran: set[int]) -> None:
+        def __init__(self, forward, slices, chunks: int, slices_ran: set[int]) -> None:
             super().__init__()
             self.chunked_forward = forward
+            self.slices = slices  # the family's slicing rule, as its forward applies it (_FORWARDS)
             self.chunks = chunks
             self.slices_ran = slices_ran
             self.run: StepRunner = _eager  # AppliedChunks.steps_run_by sets compiled blocks' runner for a call
 
         def new_forward(self, module: nn.Module, *args, **kwargs):
             hidden_states = args[0] if args else kwargs["hidden_states"]
-            self.slices_ran.add(len(token_slices(hidden_states.shape[1], self.chunks)))
+            self.slices_ran.add(len(self.slices(hidden_states.shape[1], self.chunks)))
             return self.chunked_forward(module, self.chunks, *args, run=self.run, **kwargs)
 
     return ChunkHook
@@ -716,7 +724,8 @@ def activation_chunks(denoisers: Mapping[str, nn.Module], blocks: Mapping[str, S
     try:
         for _, _, block in listed:
             applied.append((block, {key: block.__dict__[key] for key in _TOUCHED if key in block.__dict__}))
-            hooks.append(hook(_known(block)[1], chunks, slices_ran))
+            _, forward, _, slices = _known(block)
+            hooks.append(hook(forward, slices, chunks, slices_ran))
             HookRegistry.check_if_exists_or_initialize(block).register_hook(hooks[-1], CHUNK_HOOK)
         _forget_child_registries(denoisers)
         families = sorted({_known(block)[0] for _, _, block in listed})

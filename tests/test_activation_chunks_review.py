@@ -164,6 +164,33 @@ def test_the_receipt_says_how_many_slices_ran():
         assert applied.as_dict()["chunks"] == asked and applied.as_dict()["slices"] == [ran]
 
 
+def test_the_receipt_counts_the_slices_hunyuanvideo15_cuts():
+    """HunyuanVideo 1.5's video slices are followed by the text's queries, so they keep their own rule
+    (`token_slices(followed=True)`): 33 video tokens in 2 chunks run 2 slices there, where the unfollowed rule would
+    leave 1 (a 1-row last query block otherwise). The receipt counts what the forward ran."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+
+    from vidmem.pipelines import activation_chunks as chunking
+
+    assert (len(token_slices(33, 2)), len(token_slices(33, 2, followed=True))) == (1, 2)
+    torch.manual_seed(0)
+    block = HunyuanVideo15TransformerBlock(2, 64, mlp_ratio=2.0).eval()
+    hidden, context, temb = torch.randn(1, 33, 128), torch.randn(1, 8, 128), torch.randn(1, 128)
+    rope = (torch.randn(33, 64), torch.randn(33, 64))
+    cut = []
+    original = chunking._slice_projections
+
+    def counting(run, step, block, hidden, slices, *args):
+        cut.append(len(slices))
+        return original(run, step, block, hidden, slices, *args)
+
+    with torch.no_grad(), activation_chunks({"t": block}, {"t": [block]}, 2) as applied:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(chunking, "_slice_projections", counting)
+            block(hidden, context, temb, torch.ones(1, 8), rope)
+    assert cut == [2] and applied.as_dict()["slices"] == [2]
+
+
 def test_a_sampled_receipt_names_the_slices_that_ran(tiny_loaded):
     from backends import StrictBackend
     from test_tiers import request_for
