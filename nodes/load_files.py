@@ -54,7 +54,8 @@ class VidMemLoadModelFiles:
                 "model_2": ([NONE, *host.model_file_names("model")], {"default": NONE, "tooltip": "Wan 2.2 A14B only: "
                             "the low-noise expert (same architecture as model). (none) for every other model."}),
                 "clip_vision": ([NONE, *host.model_file_names("clip_vision")], {"default": NONE, "tooltip": "Wan 2.1 "
-                                "I2V only: clip_vision_h.safetensors from models/clip_vision. (none) otherwise."}),
+                                "I2V and FLF2V 14B only: clip_vision_h.safetensors from models/clip_vision. (none) "
+                                "otherwise, Wan 2.2 I2V A14B included (it has no image encoder)."}),
             },
             "hidden": HIDDEN,  # the prompt, to check the Samplers it feeds before loading (nodes/preflight.py)
         }
