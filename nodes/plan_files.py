@@ -26,6 +26,7 @@ from ..pipelines.configs import load_model
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, LOWERED, WEIGHT_DTYPES, held_format
 from . import host
 from .loader import FOLDER_TEXT_ENCODER, FOLDER_TRANSFORMER, SAME, vae_dtype_name
+from .model_folders import MODEL_FILE_FOLDERS
 
 FILES_LOADER = "VidMemLoadModelFiles"
 FILE_ROLES = ("model", "text_encoder", "vae", "model_2", "clip_vision")  # the first three are required
@@ -67,8 +68,9 @@ def files_request(query, vae_dtypes: list[str]) -> FilesRequest:
         if name == NONE and role in ("model_2", "clip_vision"):
             continue
         if name not in host.model_file_names(LISTED_AS.get(role, role)):
-            raise FilesProblem(role, f"{role}={name!r} is not in the host's {role} file list; pick a file the "
-                                     "Load Video Model Files node offers.")
+            folders = " or ".join(f"models/{folder}" for folder in MODEL_FILE_FOLDERS[LISTED_AS.get(role, role)])
+            raise FilesProblem(role, f"{role}={name!r} is not among ComfyUI's files in {folders}; pick a file the "
+                                     "Load Video Model Files node offers (put the file there and refresh first).")
         stat = listed_stat(lambda: host.resolve_model_file(LISTED_AS.get(role, role), name, role), role, name)
         files.append((role, name, stat.st_size, stat.st_mtime_ns))
     vae_dtype = vae_dtype_request(query, PREFIX + "vae_dtype", vae_dtypes)

@@ -93,12 +93,13 @@ class VidMemVideoSampler:
                 "negative_prompt": ("STRING", {"multiline": True, "default": "", "tooltip":
                     "What to avoid; encoded and used only when cfg (or A14B's cfg_2) is above 1."}),
                 "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": SIZE_STEP, "tooltip":
-                    "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B). Wan 480p: 832x480, CogVideoX: 720x480. "
+                    "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B and LTX-2). Wan 480p: 832x480, CogVideoX: 720x480. "
                     "The Memory Strategy plans for this size."}),
                 "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": SIZE_STEP, "tooltip":
-                    "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B)."}),
+                    "Pixels; a multiple of 16 (32 for Wan 2.2 TI2V-5B and LTX-2)."}),
                 "frames": ("INT", {"default": 49, "min": 1, "max": MAX_FRAMES, "step": 4, "tooltip":
-                    "Wan: 4k+1 (e.g. 81); CogVideoX: 8k+1 (49, or 81 for 1.5)."}),
+                    "Wan and HunyuanVideo 1.5: 4k+1 (e.g. 81, 121); CogVideoX and LTX-2: 8k+1 (49, or 81 for CogVideoX 1.5). "
+                    "The default, 49, is valid for every family."}),
                 "steps": ("INT", {"default": 30, "min": 1, "max": 1000, "tooltip": "Denoising steps."}),
                 "cfg": ("FLOAT", {"default": 6.0, "min": 0.0, "max": 30.0, "step": 0.1, "tooltip":
                     "Classifier-free guidance; above 1 runs the negative prompt too (twice the compute). 1 runs no "

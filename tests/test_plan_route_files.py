@@ -72,7 +72,7 @@ def test_weight_dtype_lowers_but_never_raises_and_ram_copy_changes_the_plan(mode
 
 
 def test_a_name_not_in_the_hosts_list_is_refused_before_any_file_is_opened(models):
-    with pytest.raises(PlanRequestError, match="vae='../escape.safetensors' is not in the host's vae file list") as error:
+    with pytest.raises(PlanRequestError, match=r"vae='../escape.safetensors' is not among ComfyUI's files in models/vae;") as error:
         parse_request(query(models, vae="../escape.safetensors"), [], list(DTYPES))
     assert error.value.name == "vae"
     with pytest.raises(PlanRequestError, match="weight_dtype='q3'"):
