@@ -329,12 +329,14 @@ def ends(message: dict | None, prompt_id: str) -> bool:
     return kind in TERMINAL or (kind == "executing" and data.get("node") is None)
 
 
-def open_socket(server: Server, client_id: str) -> ProgressSocket | None:
+def open_socket(server: Server, client_id: str) -> tuple[ProgressSocket | None, str]:
+    """(the progress socket, "") or (None, why not). The note is the caller's to print once the server has
+    accepted the prompt: a server that is not there at all refuses the socket first, and its one clear line
+    is the /prompt error, not a note about progress."""
     try:
-        return ProgressSocket(server.url, client_id)
+        return ProgressSocket(server.url, client_id), ""
     except (OSError, ConnectionError) as error:
-        print(f"note: no websocket ({error}); polling /history without per-step progress", file=sys.stderr)
-        return None
+        return None, f"note: no websocket ({error}); polling /history without per-step progress"
 
 
 def run_queue(args: argparse.Namespace) -> int:
@@ -350,8 +352,10 @@ def run_queue(args: argparse.Namespace) -> int:
     view = ProgressView(workflow)
     socket_ = prompt_id = None
     try:
-        socket_ = open_socket(server, client_id)  # before posting, so no early message is missed
+        socket_, no_socket = open_socket(server, client_id)  # before posting, so no early message is missed
         prompt_id = submit(server, workflow, client_id)
+        if no_socket:
+            print(no_socket, file=sys.stderr)
         print(f"queued prompt {prompt_id} on {server.url}", file=sys.stderr)
         entry = wait(server, socket_, prompt_id, view, args.timeout)
         view.done()

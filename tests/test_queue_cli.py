@@ -340,6 +340,7 @@ def test_unreachable_server_is_one_clear_line(tmp_path, capsys):
     assert queue(str(WORKFLOW), "--server", "http://127.0.0.1:9", "--timeout", "5") == 1
     err = capsys.readouterr().err
     assert "cannot reach http://127.0.0.1:9/prompt" in err and "Traceback" not in err
+    assert "websocket" not in err  # no note about progress before the one clear line
 
 
 @pytest.mark.parametrize("content, message", [
