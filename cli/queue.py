@@ -160,6 +160,9 @@ def node_error_lines(payload: dict, workflow: dict) -> list[str]:
                 details = details[len(name) + 3:]
             grouped.setdefault((str(problem.get("message", "error")), details), []).append(name)
         for (message, details), names in grouped.items():
+            # vidmem's own checks start their text with the input they are about ("width=30 must be ..."): that one
+            # input, not every input of the node's VALIDATE_INPUTS, which ComfyUI lists with the same text.
+            names = [name for name in names if name and details.startswith(f"{name}=")] or names
             lines.append(f"{describe_node(workflow, node_id)}{_inputs_phrase(names)}: {message}{': ' + details if details else ''}")
     return lines
 
