@@ -291,11 +291,24 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
         times = [plan.est_slowdown for plan in plans]
         lines.append(f"No slowdown column: every row takes x{min(times):.2f}-x{max(times):.2f} the time of the same run with "
                      f"{where}, within {TIME_RESOLUTION:.0%} of each other: closer than the time model can tell apart.")
+    encoded_on_cpu = [plan for plan in plans if plan.strategy.text_encoder.value == "cpu"]
+    if timed and options.device != "cpu" and encoded_on_cpu and encoded_on_cpu[0].baseline_seconds:
+        lines.append(_cpu_encode_line(encoded_on_cpu[0]))
     if any(plan.on_disk for plan in plans):
         lines.append(f"+disk: weights memory-mapped from their files. Peak RAM is anonymous memory, what must fit; the "
                      f"page cache holds the files and is reclaimable, so what the budget cannot keep is read again "
                      f"from the disk at {options.disk_bytes_per_s / 1e9:g} GB/s (--disk-gbps), in the time estimate.")
     return "\n".join(lines)
+
+
+def _cpu_encode_line(plan) -> str:
+    """Why rows with the text encoder on the CPU are slower: what encoding there adds to the run, as the time model has it."""
+    from ..memory.plan.costs import DEVICE_FLOPS_PER_S, HOST_FLOPS_PER_S
+
+    stage = plan.stage("text_encode")
+    added = stage.seconds(plan.disk_read(stage)) / plan.baseline_seconds
+    return (f"text enc. cpu: the prompt is encoded on the CPU, which alone adds about {added:.0%} to those rows' time "
+            f"(the CPU assumed at {HOST_FLOPS_PER_S / 1e12:g} TFLOP/s, the GPU at {DEVICE_FLOPS_PER_S / 1e12:g}).")
 
 
 def _warm_line(model, plan) -> str:

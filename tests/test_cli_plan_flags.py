@@ -82,3 +82,22 @@ def test_a_tiny_budget_is_printed_with_its_digits(capsys):
                  "--ram", "0.001"]) == 1
     out = capsys.readouterr().out
     assert "budget 8.0 GiB VRAM, 0.001 GiB RAM" in out and "> 0.001 GiB" in out and " 0.0 GiB" not in out
+
+
+def test_rows_slowed_by_encoding_on_the_cpu_say_so(capsys):
+    """Wan 1.3B on 8 GiB: the rows that fit whole encode the prompt on the CPU, and that is their slowdown
+    (x1.15 at 30 steps against sequential's x1.01): a line under the table says what it adds, from the same
+    time model (the share follows the steps: fewer steps, a larger share)."""
+    shares = {}
+    for steps in ("30", "10"):
+        assert main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "32", "--steps", steps]) == 0
+        out = capsys.readouterr().out
+        line = next(line for line in out.splitlines() if line.startswith("text enc. cpu: "))
+        shares[steps] = int(line.split("adds about ")[1].split("%")[0])
+        cpu_row = next(line for line in out.splitlines() if line.startswith("none "))
+        assert f"x{1 + shares[steps] / 100:.2f}" in cpu_row or abs(
+            float(cpu_row.split(" x")[1].split()[0]) - (1 + shares[steps] / 100)) <= 0.011, (cpu_row, line)
+    assert 5 < shares["30"] < shares["10"]
+    # No such row, no such line.
+    assert main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "24", "--ram", "64", "--text-encoder", "device"]) == 0
+    assert "text enc. cpu:" not in capsys.readouterr().out
