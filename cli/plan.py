@@ -266,7 +266,7 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
         s = plan.strategy
         tier = s.offload.value + (f" {s.blocks_to_swap}" if s.blocks_to_swap else "") + (" +disk" if plan.on_disk else "")
         tier += f" chunks {s.activation_chunks}" if s.activation_chunks != 1 else ""
-        tiles = f"{s.vae_tiling.tile_size}px/{s.vae_tiling.temporal_size}f" if s.vae_tiling else "-"
+        tiles = tiles_cell(s.vae_tiling, shape.frames)
         stages = [f"{plan.stage(n).device_bytes / GIB:.1f}" for n in ("text_encode", "denoise", "decode")]
         rows.append((tier, s.text_encoder.value.replace("offload_after_encoding", "offload"), tiles, *stages,
                      f"{plan.peak_vram_bytes / GIB:.1f} GiB", f"{plan.peak_ram_bytes / GIB:.1f} GiB",
@@ -284,6 +284,8 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
                      "weights are read in place); block swap rows show the fewest blocks that fit.")
     else:
         lines.append("\nVRAM per stage in GiB, including the CUDA context; block swap rows show the fewest blocks that fit.")
+    if any(plan.strategy.vae_tiling for plan in plans):
+        lines.append(TILES_NOTE)
     where = "nothing streamed" if options.device == "cpu" else "every weight on the GPU"
     if timed:
         lines.append(f"slowdown: estimated time against the same run with {where} and the decode in one piece.")
@@ -299,6 +301,18 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
                      f"page cache holds the files and is reclaimable, so what the budget cannot keep is read again "
                      f"from the disk at {options.disk_bytes_per_s / 1e9:g} GB/s (--disk-gbps), in the time estimate.")
     return "\n".join(lines)
+
+
+TILES_NOTE = ("VAE tiles: the decode's tile side in pixels / frames per temporal tile (all: the whole clip in one); "
+              "\"-\": the decode runs untiled.")
+
+
+def tiles_cell(tiling, frames: int) -> str:
+    """The VAE tiles column: "256px/32f", or "256px/all" where one temporal tile holds the whole clip (the plan rounds
+    it up to the VAE's 4-frame grid, and "124f" for a 121-frame clip read as a mistake)."""
+    if tiling is None:
+        return "-"
+    return f"{tiling.tile_size}px/" + ("all" if tiling.temporal_size >= frames else f"{tiling.temporal_size}f")
 
 
 def _cpu_encode_line(plan) -> str:
