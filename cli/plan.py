@@ -316,11 +316,14 @@ def tiles_cell(tiling, frames: int) -> str:
 
 
 def _cpu_encode_line(plan) -> str:
-    """Why rows with the text encoder on the CPU are slower: what encoding there adds to the run, as the time model has it."""
+    """Why rows with the text encoder on the CPU are slower: what encoding there adds to the run, as the time model has it
+    (its seconds less what the same FLOPs take on the GPU, in the baseline). `plan`: the first such row; a +disk row
+    may read the encoder's weights at another rate, a difference this one line leaves out."""
     from ..memory.plan.costs import DEVICE_FLOPS_PER_S, HOST_FLOPS_PER_S
 
     stage = plan.stage("text_encode")
-    added = stage.seconds(plan.disk_read(stage)) / plan.baseline_seconds
+    on_gpu_share = HOST_FLOPS_PER_S / DEVICE_FLOPS_PER_S
+    added = stage.seconds(plan.disk_read(stage)) * (1 - on_gpu_share) / plan.baseline_seconds
     return (f"text enc. cpu: the prompt is encoded on the CPU, which alone adds about {added:.0%} to those rows' time "
             f"(the CPU assumed at {HOST_FLOPS_PER_S / 1e12:g} TFLOP/s, the GPU at {DEVICE_FLOPS_PER_S / 1e12:g}).")
 

@@ -542,3 +542,20 @@ test("the plan reads through Reroute nodes, as the run does", async () => {
   a.up = node("Reroute", a);
   assert.equal(throughReroutes(a, firstInput).comfyClass, "Reroute"); // a loop ends, on a Reroute
 });
+
+test("a Reroute left unconnected on the pipeline is named; the Sampler is found through Reroutes on the Strategy's output", async () => {
+  const { outputsThroughReroutes, pipelineGap, throughReroutes } = await import("../../web/js/vidmem_format.js");
+  const node = (type, up = null, title = undefined) => ({ comfyClass: type, up, title, out: [] });
+  const dangling = node("Reroute", null, "");
+  const start = throughReroutes(node("Reroute", dangling), (n) => n.up);
+  assert.equal(start, dangling);
+  assert.match(pipelineGap(node("VidMemLoadLoRA", start), (n) => n.up), /connect "Reroute"'s input to a vidmem loader/);
+  const sampler = node("VidMemVideoSampler");
+  const other = node("PreviewAny");
+  const first = node("Reroute");
+  const second = node("Reroute");
+  first.out = [second, other];
+  second.out = [sampler, first]; // a loop back ends
+  assert.deepEqual(outputsThroughReroutes([first], (n) => n.out), [other, sampler]);
+  assert.deepEqual(outputsThroughReroutes([sampler], (n) => n.out), [sampler]);
+});

@@ -10,7 +10,7 @@ import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
   STRATEGY_PARALLEL, STRATEGY_WIDGETS, compactLines, extraFields, ignoredStrategyWidgets, isParallel, legacyStrategyValues,
   loaderFields, loraFields, loraLines, meterText, parallelLines, pipelineGap, pipelineLoader, pipelineStart, planBars, planLines, planQuery,
-  planReasons, planVerdict, speedLines, summarize, throughReroutes, timeNote, timeShown, windowLines,
+  outputsThroughReroutes, planReasons, planVerdict, speedLines, summarize, throughReroutes, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -243,7 +243,8 @@ function linkedNode(node, inputName) {
 // The Sampler this strategy feeds, its shape, and the loader of its pipeline: {query}, or {gap}, the line
 // saying why there is no plan.
 function planRequestFor(node) {
-  const sampler = (node.getOutputNodes?.(0) ?? []).find((n) => n.comfyClass === SAMPLER || n.type === SAMPLER);
+  const fed = outputsThroughReroutes(node.getOutputNodes?.(0) ?? [], (reroute) => reroute.getOutputNodes?.(0) ?? []);
+  const sampler = fed.find((n) => n.comfyClass === SAMPLER || n.type === SAMPLER);
   if (!sampler) return { gap: "connect this Strategy's output to a Video Sampler" };
   const upstream = (n) => linkedNode(n, "pipeline");
   const start = pipelineStart(node, sampler, upstream);

@@ -278,7 +278,7 @@ export function pipelineGap(start, upstream) {
   return walkPipeline(start, upstream).gap;
 }
 
-const nodeName = (node) => `"${node.title ?? typeOf(node)}"`;
+const nodeName = (node) => `"${node.title || typeOf(node)}"`;
 
 function walkPipeline(start, upstream) {
   const seen = new Set();
@@ -295,6 +295,9 @@ function walkPipeline(start, upstream) {
       if (node.mode !== MODE_BYPASSED) return { loader: node, gap: null };
       return { loader: null, gap: `${nodeName(node)} is bypassed, so nothing loads the model and the prompt cannot run: set it back to Always` };
     }
+    if (type === REROUTE) { // throughReroutes stopped here: nothing on its input, or a loop of Reroutes
+      return { loader: null, gap: `connect ${nodeName(node)}'s input to a vidmem loader (its links may go round in a loop)` };
+    }
     if (!PIPELINE_PASS_THROUGH.includes(type)) {
       return { loader: null, gap: `the Sampler's pipeline comes from ${nodeName(node)}, which the plan cannot read: connect it from a vidmem loader, through Load LoRA / Train LoRA if any` };
     }
@@ -305,6 +308,22 @@ function walkPipeline(start, upstream) {
 
 // ComfyUI's Reroute node lives in the browser only (left out of the prompt): the run reads through it, so does the plan.
 export const REROUTE = "Reroute";
+
+/** The nodes `nodes` lead to with Reroute nodes read through (`outputsOf(reroute)`: the nodes on its output),
+ * each once; a loop of Reroutes ends. */
+export function outputsThroughReroutes(nodes, outputsOf) {
+  const found = [];
+  const seen = new Set();
+  const queue = [...nodes];
+  while (queue.length) {
+    const node = queue.shift();
+    if (!node || seen.has(node)) continue;
+    seen.add(node);
+    if (typeOf(node) === REROUTE) queue.push(...(outputsOf(node) ?? []));
+    else found.push(node);
+  }
+  return found;
+}
 
 /** `node`, or the node that feeds it through any chain of Reroute nodes (`firstInput(reroute)`: the node on
  * its one input); a Reroute left dangling, or in a loop of Reroutes, is returned as it is. */
