@@ -255,7 +255,7 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
 
     head = (f"{model.name} ({model.dtype_name}{vae}, {weights}) {shape.width}x{shape.height}, {shape.frames} frames; "
             f"budget {_gib(vram)} VRAM, {_gib(ram)} RAM; {options.allocator.value} allocator")
-    from ..memory.plan.candidates import times_differ
+    from ..memory.plan.candidates import tiles_text, times_differ
     from ..memory.plan.costs import TIME_RESOLUTION
 
     timed = times_differ(plans)  # else every row would read about x1.00: one line below says so instead
@@ -266,7 +266,7 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
         s = plan.strategy
         tier = s.offload.value + (f" {s.blocks_to_swap}" if s.blocks_to_swap else "") + (" +disk" if plan.on_disk else "")
         tier += f" chunks {s.activation_chunks}" if s.activation_chunks != 1 else ""
-        tiles = tiles_cell(s.vae_tiling, shape.frames)
+        tiles = tiles_text(s.vae_tiling, shape.frames)
         stages = [f"{plan.stage(n).device_bytes / GIB:.1f}" for n in ("text_encode", "denoise", "decode")]
         rows.append((tier, s.text_encoder.value.replace("offload_after_encoding", "offload"), tiles, *stages,
                      f"{plan.peak_vram_bytes / GIB:.1f} GiB", f"{plan.peak_ram_bytes / GIB:.1f} GiB",
@@ -305,14 +305,6 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
 
 TILES_NOTE = ("VAE tiles: the decode's tile side in pixels / frames per temporal tile (all: the whole clip in one); "
               "\"-\": the decode runs untiled.")
-
-
-def tiles_cell(tiling, frames: int) -> str:
-    """The VAE tiles column: "256px/32f", or "256px/all" where one temporal tile holds the whole clip (the plan rounds
-    it up to the VAE's 4-frame grid, and "124f" for a 121-frame clip read as a mistake)."""
-    if tiling is None:
-        return "-"
-    return f"{tiling.tile_size}px/" + ("all" if tiling.temporal_size >= frames else f"{tiling.temporal_size}f")
 
 
 def _cpu_encode_line(plan) -> str:

@@ -90,7 +90,8 @@ def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) ->
 
 
 def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> str:
-    from .plan import tiles_cell  # plan.py imports this module first
+    from ..memory.plan.candidates import tiles_text
+
     link = layout.interconnect
     head = (f"{model.name} ({model.dtype_name}) {shape.width}x{shape.height}, {shape.frames} frames on {layout.gpus} GPUs, "
             f"{layout.mode.value}" + ("" if layout.mode.value == "balanced" else f" over {link.name} "
@@ -107,7 +108,7 @@ def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> st
         stages = [f"{max(g.stage(n).device_bytes for g in plan.gpus) / GIB:.1f}" for n in ("text_encode", "denoise", "decode")]
         encoder = "GPU 1" if layout.mode.value == "balanced" else s.text_encoder.value.replace("offload_after_encoding", "offload")
         rows.append((_tier(s, plan.on_disk), encoder,
-                     tiles_cell(s.vae_tiling, shape.frames), *stages,
+                     tiles_text(s.vae_tiling, shape.frames), *stages,
                      _gib(plan.per_gpu_peak_bytes), _gib(plan.host_bytes), f"{plan.seconds:.0f} s",
                      f"x{plan.speedup:.2f}" if plan.speedup else "-", "yes" if plan.fits else "no"))
     lines = [head, one, "", *_aligned(rows, best)]

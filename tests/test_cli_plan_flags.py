@@ -106,12 +106,12 @@ def test_rows_slowed_by_encoding_on_the_cpu_say_so(capsys):
 def test_the_tiles_column_says_all_where_one_temporal_tile_holds_the_clip(capsys):
     """CogVideoX-5b, 49 frames: the plan's temporal tile is the clip rounded up to the VAE's 4-frame grid (52),
     shown as "all", not "52f"; a shorter tile keeps its frame count; a line under the table explains the column."""
-    from vidmem.cli.plan import tiles_cell
+    from vidmem.memory.plan.candidates import tiles_text
     from vidmem.memory.strategy import VaeTiling
 
-    assert tiles_cell(None, 49) == "-"
-    assert tiles_cell(VaeTiling(tile_size=416, temporal_size=52), 49) == "416px/all"
-    assert tiles_cell(VaeTiling(tile_size=256, temporal_size=16), 49) == "256px/16f"
+    assert tiles_text(None, 49) == "-"
+    assert tiles_text(VaeTiling(tile_size=416, temporal_size=52), 49) == "416px/all"
+    assert tiles_text(VaeTiling(tile_size=256, temporal_size=16), 49) == "256px/16f"
     assert main(["plan", "--model", "cogvideox-5b", "--vram", "8", "--ram", "64"]) == 0
     out = capsys.readouterr().out
     assert "px/all" in out and "px/52f" not in out and "VAE tiles: the decode's tile side in pixels" in out

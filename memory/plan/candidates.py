@@ -334,6 +334,15 @@ def _over(need: int, budget: int) -> str:
     return f"{need / GiB:.1f} > {_gib(budget)}"
 
 
+def tiles_text(tiling, frames: int) -> str:
+    """A plan's VAE tiling as its tables show it: "256px/32f", or "256px/all" where one temporal tile holds the whole
+    clip (the plan rounds it up to the VAE's 4-frame grid, and "124f" for a 121-frame clip read as a mistake);
+    "-" untiled."""
+    if tiling is None:
+        return "-"
+    return f"{tiling.tile_size}px/" + ("all" if tiling.temporal_size >= frames else f"{tiling.temporal_size}f")
+
+
 def _gib(nbytes: int | None) -> str:
     """"8.0 GiB"; below 0.05 GiB three significant digits ("0.001 GiB"), so a tiny budget never reads 0.0."""
     if nbytes is None:
