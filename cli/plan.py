@@ -257,6 +257,7 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
             f"budget {_gib(vram)} VRAM, {_gib(ram)} RAM; {options.allocator.value} allocator")
     from ..memory.plan.candidates import tiles_text, times_differ
     from ..memory.plan.costs import TIME_RESOLUTION
+    from ..memory.strategy import TextEncoderPlacement
 
     timed = times_differ(plans)  # else every row would read about x1.00: one line below says so instead
     columns = ("strategy", "text enc.", "VAE tiles", "encode", "denoise", "decode", "peak VRAM", "peak RAM",
@@ -293,7 +294,7 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
         times = [plan.est_slowdown for plan in plans]
         lines.append(f"No slowdown column: every row takes x{min(times):.2f}-x{max(times):.2f} the time of the same run with "
                      f"{where}, within {TIME_RESOLUTION:.0%} of each other: closer than the time model can tell apart.")
-    encoded_on_cpu = [plan for plan in plans if plan.strategy.text_encoder.value == "cpu"]
+    encoded_on_cpu = [plan for plan in plans if plan.strategy.text_encoder is TextEncoderPlacement.CPU]
     if timed and options.device != "cpu" and encoded_on_cpu and encoded_on_cpu[0].baseline_seconds:
         lines.append(_cpu_encode_line(encoded_on_cpu[0]))
     if any(plan.on_disk for plan in plans):

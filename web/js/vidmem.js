@@ -9,7 +9,7 @@ import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
   STRATEGY_PARALLEL, STRATEGY_WIDGETS, compactLines, extraFields, ignoredStrategyWidgets, isParallel, legacyStrategyValues,
-  loaderFields, loraFields, loraLines, meterText, parallelLines, pipelineGap, pipelineLoader, pipelineStart, planBars, planLines, planQuery,
+  loaderFields, loraFields, loraLines, meterText, parallelLines, pipelineSource, pipelineStart, planBars, planLines, planQuery,
   outputsThroughReroutes, planReasons, planVerdict, speedLines, summarize, throughReroutes, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
@@ -248,8 +248,8 @@ function planRequestFor(node) {
   if (!sampler) return { gap: "connect this Strategy's output to a Video Sampler" };
   const upstream = (n) => linkedNode(n, "pipeline");
   const start = pipelineStart(node, sampler, upstream);
-  const loader = pipelineLoader(start, upstream);
-  if (!loader) return { gap: pipelineGap(start, upstream) };
+  const { loader, gap } = pipelineSource(start, upstream);
+  if (!loader) return { gap };
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
   const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS, ...STRATEGY_PARALLEL]
     .map((name) => [name, widgetValue(node, name)]));

@@ -269,18 +269,19 @@ export function pipelineStart(strategy, sampler, upstream) {
  * through any number of Load LoRA / Train LoRA nodes, bypassed ones too (they pass the pipeline on);
  * null when unconnected, a loop, another node, or a muted node or bypassed loader on the way (no pipeline arrives). */
 export function pipelineLoader(start, upstream) {
-  return walkPipeline(start, upstream).loader;
+  return pipelineSource(start, upstream).loader;
 }
 
 /** Why no plan can be made from `start` (see pipelineLoader), as the chart's line names it: which node
  * stops the pipeline and what to do; null when a loader is found. */
 export function pipelineGap(start, upstream) {
-  return walkPipeline(start, upstream).gap;
+  return pipelineSource(start, upstream).gap;
 }
 
 const nodeName = (node) => `"${node.title || typeOf(node)}"`;
 
-function walkPipeline(start, upstream) {
+/** Both answers of one walk from `start`: {loader, gap}, one of them null (pipelineLoader, pipelineGap). */
+export function pipelineSource(start, upstream) {
   const seen = new Set();
   let last = null;
   for (let node = start; node; last = node, node = upstream(node)) {
