@@ -15,11 +15,11 @@ allocate, not a measurement on a device.
   `get_vae_inference_config`) picks on GPUs under 28 GiB, in fp16 (as bf16: same bytes); spatial
   tiles only, its VAE refuses temporal tiling. This is the decode behind the README's "14 GB";
 - vidmem: the staged decode (pipelines/hunyuan_video15_vae.py) with its default tiling
-  (256/32 px tiles, 64-frame chunks), output buffer included.
+  (256/32 px tiles, 64-frame chunks, each stepped a latent frame at a time), output buffer included.
 
-    python bench/hunyuan_video15_decode_peak.py --json bench/results/hunyuan_video15_decode_peak.json
+    python bench/hunyuan_video15_decode_peak.py --json bench/results/vae-decode-hunyuan15-peak-cpu-2026-11-28.json
 
-About a minute on 2 cores for both sizes.
+About five minutes on 2 cores for both sizes (most of it diffusers' untiled decodes).
 """
 
 from __future__ import annotations

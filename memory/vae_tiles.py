@@ -113,21 +113,24 @@ def plan_tiles(latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry
 
 def auto_tiling(
     free_bytes: int, latent_shape: tuple[int, ...] | torch.Size, geometry: VaeGeometry, bytes_per_pixel_estimate: float,
-    min_tile: int = 0,
+    min_tile: int = 0, stream_batch: int | None = None,
 ) -> VaeTiling | None:
     """The cheapest tiling whose predicted peak fits `free_bytes`; None when the whole decode fits.
 
     Conservative rule: a decode call peaks at `bytes_per_pixel_estimate` times the output pixels it
-    produces (height x width x frames, counting discarded context frames), and only 75% of
+    produces at once (height x width x frames, counting discarded context frames; `peak_call_pixels`), and only 75% of
     `free_bytes` is planned for. Among the tilings that fit, the one decoding the fewest redundant
     pixels (overlaps, context frames) wins; if none fits, the smallest tiling is returned and the
     fallback ladder has the last word. Tiles start at `min_tile` (the family's smallest tile that
     decodes close to untiled, FamilySpec.min_decode_tile; 64 px at least): below it only shorter
     chunks are searched, so the planner never advises a tile the family decodes with seams.
+    `stream_batch`: the decoder carries its causal state across a tile's chunks (`plan_tiles`), so its
+    chunks repeat no frames and shorter chunks cost nothing: a streamed decode keeps its tiles as large as
+    fit and shortens its chunks, where counting a context frame per chunk chose 64 px tiles over them.
     """
     budget = free_bytes * _AUTO_SAFETY
     frames, height, width = _out_size(latent_shape, geometry)
-    if bytes_per_pixel_estimate * frames * height * width <= budget:
+    if bytes_per_pixel_estimate * peak_call_pixels(latent_shape, geometry, None, stream_batch) <= budget:
         return None
     floor = tile_floor(min_tile)
     best: tuple[float, int, VaeTiling] | None = None
@@ -135,7 +138,7 @@ def auto_tiling(
     for tile in range(floor, max(floor, min(_round_up(max(height, width), 32), 4096)) + 1, 32):
         for temporal in _halvings(min(_round_up(frames, 4), 4096), 8, 4):
             tiling = _tiling(tile, temporal)
-            peak, work = _plan_cost(latent_shape, geometry, tiling)
+            peak, work = _plan_cost(latent_shape, geometry, tiling, stream_batch)
             if bytes_per_pixel_estimate * peak <= budget and (best is None or (work, -peak) < best[:2]):
                 best = (work, -peak, tiling)
     return best[2] if best else smallest
@@ -151,16 +154,30 @@ def _tiling(tile_size: int, temporal_size: int) -> VaeTiling:
     )
 
 
-def _plan_cost(latent_shape, geometry: VaeGeometry, tiling: VaeTiling) -> tuple[int, float]:
+def _plan_cost(latent_shape, geometry: VaeGeometry, tiling: VaeTiling,
+               stream_batch: int | None = None) -> tuple[int, float]:
     """(largest decode call in output pixels x frames, decoded pixels / output pixels)."""
-    frame_bounds, row_bounds, col_bounds = _bounds(latent_shape, geometry, tiling)
+    frame_bounds, row_bounds, col_bounds = _bounds(latent_shape, geometry, tiling, stream_batch)
     s = geometry.spatial_factor
-    call_frames = [geometry.frames(b - a + (a > 0)) for a, b in frame_bounds]
+    if stream_batch is None:  # every chunk but the first decodes one context frame more (and discards it)
+        call_frames = [geometry.frames(b - a + (a > 0)) for a, b in frame_bounds]
+        peak_frames = max(call_frames)
+    else:  # streamed: a chunk after the first gives temporal_factor frames per latent frame, nothing repeated,
+        # and the decoder steps through it `stream_batch` latent frames at a time: a step sets the peak
+        call_frames = [geometry.frames(b) if a == 0 else geometry.temporal_factor * (b - a) for a, b in frame_bounds]
+        peak_frames = min(max(call_frames), geometry.temporal_factor * stream_batch)
     rows = [(b - a) * s for a, b in row_bounds]
     cols = [(b - a) * s for a, b in col_bounds]
     frames, height, width = _out_size(latent_shape, geometry)
     work = sum(call_frames) * sum(rows) * sum(cols) / (frames * height * width)
-    return max(call_frames) * max(rows) * max(cols), work
+    return peak_frames * max(rows) * max(cols), work
+
+
+def peak_call_pixels(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None,
+                     stream_batch: int | None = None) -> int:
+    """Output pixels x frames of the largest decode call (of a streamed decoder: the largest step)
+    `tiling` makes; `auto_tiling`'s peaks are `bytes_per_pixel_estimate` times this."""
+    return _plan_cost(latent_shape, geometry, tiling, stream_batch)[0]
 
 
 def _bounds(latent_shape, geometry: VaeGeometry, tiling: VaeTiling | None, stream_batch: int | None = None):

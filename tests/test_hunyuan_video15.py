@@ -276,6 +276,42 @@ def test_the_planner_builds_the_real_models_on_meta_without_weights():
         load_model("hunyuanvideo1.5-t2v-480p").check_shape(VideoShape(848, 480, 120))
 
 
+def test_the_planned_decode_is_the_staged_decode_vidmem_runs():
+    """The planner traces the decode vidmem runs (pipelines/decode.py): the mid-block once on the whole latent,
+    then each tile streamed a latent frame at a time. It traced `vae.decode` per piece, every frame of a tile at
+    once with its own dense mask: 4x what runs here, and 64 px tiles chosen at 720p to escape it."""
+    from vidmem.memory.accounting import Attention, trace
+    from vidmem.memory.plan.planner import GiB, PlanOptions, VideoShape
+    from vidmem.memory.plan.stages import _numel, decode_calls, decode_stage
+    from vidmem.memory.plan.types import Call
+    from vidmem.memory.vae import Streaming, decode_video
+    from vidmem.pipelines.configs import MODELS_DIR, _from_json, load_model
+    from vidmem.pipelines.json_files import read_json_object
+
+    name, shape, tiling = "hunyuanvideo1.5-t2v-480p", VideoShape(320, 256, 33), VaeTiling()
+    model = _from_json(read_json_object(MODELS_DIR / f"{name}.json", name), None, disk_cache=False)
+    strategy = MemoryStrategy(vae_tiling=tiling)
+    planned = decode_stage(model, shape, strategy, PlanOptions(device="cpu", attention=Attention.FUSED))
+    pieces = [p for p in planned.phases if "frame-wide" not in p.label]
+    assert len(pieces) < len(planned.phases)  # the mid-block's own phase, on the whole latent
+    piece_peak = max(p.peak.allocated - sum(p.resident) for p in pieces)
+
+    latent, vae = model.latent_shape(shape), model.module("vae")
+    stages, geometry = model.spec.vae_stages(vae), model.geometry
+    z = lambda: torch.empty(latent, dtype=model.dtype_of("vae"), device="meta")  # noqa: E731
+    run = trace(lambda: decode_video(Streaming(stages.stream, stages.frame_batch), z(), geometry, tiling,
+                                     prepare=stages.context, out_device="meta"), Attention.FUSED)
+    host_side = 4 * 3 * geometry.frames(latent[2]) * shape.height * shape.width  # the float32 frames
+    host_side += trace(lambda: stages.context(z()), Attention.FUSED).live_bytes  # the features, parked there
+    assert abs(piece_peak - (run.peak_bytes - host_side)) < 0.1 * piece_peak
+
+    largest = max((c for c, _ in decode_calls(model, shape, strategy) if c.kind == "decode_stream"),
+                  key=lambda c: _numel(c.piece))
+    whole_piece = model.trace(Call("decode", "vae", shape, largest.piece), Attention.FUSED).peak_bytes
+    assert whole_piece > 3 * piece_peak and piece_peak < GiB
+    assert load_model(name).vae_shared_context
+
+
 def test_vidmem_plan_gives_peaks_that_fall_with_the_tier(capsys):
     """On meta, from the shipped config: the streamed tiers need less than holding everything, and
     the denoise stage with everything held needs at least the transformer's bf16 weights."""

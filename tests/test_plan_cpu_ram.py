@@ -49,9 +49,9 @@ def test_a_cpu_plan_that_fits_holds_its_compute_and_its_process_in_the_ram(wan, 
 
 
 def test_a_cpu_plan_over_its_ram_says_so_whatever_the_vram_budget(wan):
-    untiled = plan_run(wan, SHAPE, MemoryStrategy(), CPU_DISK, 64 * GiB, 4 * GiB)
+    untiled = plan_run(wan, SHAPE, MemoryStrategy(), CPU_DISK, 64 * GiB, 5 * GiB)
     decode = untiled.stage("decode")
-    assert decode.host_bytes <= 4 * GiB and decode.peak_phase.device_bytes <= 4 * GiB < sum_of_parts(decode)
+    assert decode.host_bytes <= 5 * GiB and decode.peak_phase.device_bytes <= 5 * GiB < sum_of_parts(decode)
     assert untiled.fits is False
     assert [line for line in untiled.over_budget() if line.startswith("decode: RAM ")]
     assert not [line for line in untiled.over_budget() if "VRAM" in line]  # a CPU has no VRAM to be over

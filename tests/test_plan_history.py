@@ -46,16 +46,17 @@ def test_a_plan_is_the_same_after_a_chunked_plan():
 def test_each_decode_piece_is_planned_with_its_own_module_order():
     """Temporal tiles give Wan's causal VAE a one-latent-frame first piece (decoded without its temporal
     convolutions) and four-frame pieces after it: each piece's phase holds the weights its own order streams."""
-    from vidmem.memory.plan.stages import _numel, decode_stage, phase, piece_counts, tier_residency
-    from vidmem.memory.plan.types import Call
+    from vidmem.memory.plan.stages import _numel, decode_calls, decode_stage, phase, tier_residency
     from vidmem.memory.strategy import VaeTiling
 
     model, shape = fresh("wan2.1-t2v-1.3b"), VideoShape(832, 480, 81)
     strategy, options = MemoryStrategy(offload="sequential", vae_tiling=VaeTiling(512, 32, 16, 4)), PlanOptions()
-    pieces = list(piece_counts(model, shape, strategy))
-    assert {piece[2] for piece in pieces} == {1, 4}
+    calls = [call for call, _ in decode_calls(model, shape, strategy)]
+    assert [call.kind for call in calls] == ["decode_context"] + ["decode_stream"] * (len(calls) - 1)
+    assert {call.piece[2] for call in calls[1:]} == {1, 4}
     latent = _numel(model.latent_shape(shape)) * model.dtype_bytes("vae")
-    for planned, piece in zip(decode_stage(model, shape, strategy, options).phases, pieces):
-        call = Call("decode", "vae", shape, piece)
+    phases = decode_stage(model, shape, strategy, options).phases
+    assert len(phases) == len(calls)
+    for planned, call in zip(phases, calls):
         own = phase(model, call, [*tier_residency(model, "vae", strategy, ["vae"], options, call), latent], options, "")
-        assert (planned.resident, planned.peak) == (own.resident, own.peak), piece
+        assert (planned.resident, planned.peak) == (own.resident, own.peak), call.piece

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vidmem.memory.strategy import VaeTiling
+from vidmem.memory.vae_tiles import peak_call_pixels
 from vidmem.memory.vae import (
     DecodeReport,
     VaeGeometry,
@@ -343,6 +344,23 @@ def test_auto_tiling_fits_the_budget_and_shrinks_with_it():
 def test_auto_tiling_too_small_a_budget_gives_the_smallest_tiles():
     assert auto_tiling(1, (1, 16, 13, 60, 90), COG, 1000.0) == VaeTiling(64, 16, 8, 4)
 
+
+
+def test_a_streamed_decoder_keeps_large_tiles_where_chunks_cost_nothing():
+    """A decoder that carries its caches across a tile's chunks and steps through them a latent frame at a time
+    (Wan, CogVideoX, HunyuanVideo 1.5) repeats no frames between chunks, and one step sets its peak: tiles are
+    sized to the budget, chunk length is free. Counted as context-framed calls, a 16x VAE at 720p x 121 was given
+    64 px tiles (4 latent pixels: seams) to keep every frame in one chunk."""
+    shape, bpp = (1, 32, 31, 45, 80), 2000.0  # 1280 x 720, 121 frames
+    budget = 6 * 2**30
+    framed = auto_tiling(budget, shape, WAN22, bpp)
+    streamed = auto_tiling(budget, shape, WAN22, bpp, stream_batch=1)
+    assert framed.tile_size < streamed.tile_size
+    assert bpp * peak_call_pixels(shape, WAN22, streamed, stream_batch=1) <= 0.75 * budget
+    # chunks repeat nothing when streamed: the same tile decodes the same pixels however it is chunked
+    whole, chunked = (VaeTiling(streamed.tile_size, streamed.overlap, t, 0) for t in (124, 16))
+    assert peak_call_pixels(shape, WAN22, whole, 1) == peak_call_pixels(shape, WAN22, chunked, 1)
+    assert peak_call_pixels(shape, WAN22, whole) > peak_call_pixels(shape, WAN22, chunked)  # not streamed: it is
 
 
 LTX2_GEOMETRY = VaeGeometry(spatial_factor=32, temporal_factor=8, latent_channels=128)

@@ -13,7 +13,7 @@ from .costs import CUDA_CONTEXT_BYTES, TIME_RESOLUTION, GiB, DiskRead
 from .stages import compute_seconds, decode_stage, denoise_stage, text_encode_stage
 from .types import PlannerModel, PlanOptions, StagePlan, VideoShape
 from ..strategy import MemoryStrategy, OffloadTier, StrategyError, TextEncoderPlacement
-from ..vae_tiles import auto_tiling
+from ..vae_tiles import auto_tiling, peak_call_pixels
 
 __all__ = ["CHUNK_STEPS", "Plan", "PlanError", "candidate_plans", "fewest_chunks", "plan_run", "recommended",
            "times_differ"]
@@ -315,11 +315,12 @@ def tiling_that_fits(model, shape, strategy, options, vram: int, attempts: int =
         fixed = untiled.host_bytes + sum(phase.resident) - phase.in_host_bytes
     activation = max(phase.peak.allocated - sum(phase.resident), 1)
     latent = model.latent_shape(shape)
-    pixels = model.geometry.frames(latent[2]) * latent[3] * latent[4] * model.geometry.spatial_factor ** 2
+    pixels = peak_call_pixels(latent, model.geometry, None, model.vae_stream_batch)  # what the untiled peak scales with
     free = vram - fixed
     tiled = strategy
     for _ in range(attempts):
-        tiling = auto_tiling(max(free, 1), latent, model.geometry, activation / pixels, model.vae_min_tile)
+        tiling = auto_tiling(max(free, 1), latent, model.geometry, activation / pixels, model.vae_min_tile,
+                             model.vae_stream_batch)
         tiled = replace(strategy, vae_tiling=tiling)
         if tiling is None or decode_stage(model, shape, tiled, options).fits(vram):
             break

@@ -3,7 +3,8 @@
 How it works: the real architecture is built on the `meta` device (shapes, no memory) and one
 call of each stage runs under a tensor ledger (`accounting.py`): the text encoder on the prompt,
 one denoise step (both classifier-free-guidance branches, as the pipeline runs them), and the VAE
-decode of every distinct piece the tiling cuts the latent into. Transformer blocks are identical,
+decode as vidmem runs it: a family's frame-wide decoder layers once on the whole latent, then every
+distinct piece the tiling cuts the latent into (`stages.decode_calls`). Transformer blocks are identical,
 so calls are traced with two blocks (the activation peak of two is the peak of all; FLOPs scale);
 weights come from the full-size meta model. Weight residency is the engine's own partition and
 schedule (`schedule.py`), and each phase's weights plus its allocation stream are

@@ -96,30 +96,53 @@ def window_passes(model: PlannerModel, shape: VideoShape) -> tuple[int, list[int
     return schedule.count, [latent * 4, latent * 4 * 2]
 
 
+def piece_call(model: PlannerModel, shape: VideoShape, piece: tuple[int, ...]) -> Call:
+    """How vidmem decodes one latent piece (pipelines.decode.vae_decoder): the family's staged stream where it
+    declares one, after its frame-wide layers ran once on the whole latent ("decode_context"); else `vae.decode`."""
+    return Call("decode_stream" if model.vae_stream_batch is not None else "decode", model.layout.vae, shape, piece)
+
+
+def decode_calls(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy) -> list[tuple[Call, int]]:
+    """The calls vidmem's decode makes, each with how often: the frame-wide layers once per batch group where the
+    family runs them on the whole latent (memory.vae.decode_video's `prepare`), then every distinct piece."""
+    latent = model.latent_shape(shape)
+    calls = [(piece_call(model, shape, piece), count) for piece, count in piece_counts(model, shape, strategy).items()]
+    if model.vae_shared_context:
+        groups = latent[0] if strategy.vae_slicing else 1
+        calls.insert(0, (Call("decode_context", model.layout.vae, shape, (latent[0] // groups, *latent[1:])), groups))
+    return calls
+
+
 def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> StagePlan:
     vae, latent = model.layout.vae, model.latent_shape(shape)
     itemsize = model.dtype_bytes(vae)
     z = _numel(latent) * itemsize  # the latent on the device in the VAE's dtype, whole, during the decode
     if options.runtime is Runtime.DIFFUSERS:
         counts = Counter({latent: 1})
-        calls = [Call("decode", vae, shape, latent, vae_tiling=strategy.vae_tiling is not None)]
+        calls = [(Call("decode", vae, shape, latent, vae_tiling=strategy.vae_tiling is not None), 1)]
     else:
         counts = piece_counts(model, shape, strategy)
-        calls = [Call("decode", vae, shape, piece) for piece in counts]
-    phases, flops, largest_piece = [], 0.0, 0
-    for call in calls:
-        flops += model.trace(call, options.attention).flops * counts[call.piece]  # traced first: it records the order
+        calls = decode_calls(model, shape, strategy)
+    phases, flops, largest_piece, parked = [], 0.0, 0, 0
+    for call, count in calls:
+        flops += model.trace(call, options.attention).flops * count  # traced first: it records the order
         # each piece's own module order: a causal VAE decodes a one-frame piece without its temporal convolutions
         resident = tier_residency(model, vae, strategy, [vae], options, call)
         if options.runtime is Runtime.DIFFUSERS and strategy.offload is OffloadTier.NONE:
             resident = tier_residency(model, vae, strategy, list(model.layout.all), options)  # pipe.to("cuda"): all stay
-        label = f"{vae} decode {'x'.join(map(str, call.piece[2:]))} ({counts[call.piece]} calls)"
         in_host = weights_in_host(model, vae, options, resident)
+        what = "frame-wide layers on" if call.kind == "decode_context" else "decode"
+        label = f"{vae} {what} {'x'.join(map(str, call.piece[2:]))} ({count} calls)"
         phases.append(phase(model, call, [*resident, z], options, label, in_host=in_host))
+        if call.kind == "decode_context":
+            if sum(counts.values()) > 1:  # their output waits on the host while the pieces decode (memory.vae)
+                parked = model.trace(call, options.attention).live_bytes * count
+            continue
         pixels = 3 * model.geometry.frames(call.piece[2]) * _numel(call.piece[3:]) * model.geometry.spatial_factor ** 2
         largest_piece = max(largest_piece, call.piece[0] * pixels * itemsize)  # copied to the host per piece
     host_frames = model.trace(Call("postprocess", vae, shape), options.attention).peak_bytes
     host, page_cache = host_base(model, options, strategy)
+    host += parked
     work = device_work(model, vae, strategy, options, flops, sum(counts.values()))
     if not options.on_cpu and sum(counts.values()) > 1:
         largest_piece *= 2  # landed through a pinned pair: one piece blended while the next is copied (memory.vae)
@@ -287,11 +310,14 @@ def decode_flops_untiled(model: PlannerModel, shape: VideoShape, strategy: Memor
         latent = model.latent_shape(shape)
         return model.trace(Call("decode", model.layout.vae, shape, latent, strategy.vae_tiling is not None), options.attention).flops
     geometry, latent = model.geometry, model.latent_shape(shape)
-    decoded = flops = 0.0
-    for piece, count in piece_counts(model, shape, strategy).items():
-        flops += model.trace(Call("decode", model.layout.vae, shape, piece), options.attention).flops * count
-        decoded += geometry.frames(piece[2]) * piece[3] * piece[4] * piece[0] * count
-    return flops * geometry.frames(latent[2]) * latent[3] * latent[4] * latent[0] / decoded
+    decoded = flops = shared = 0.0
+    for call, count in decode_calls(model, shape, strategy):
+        if call.kind == "decode_context":  # on the whole latent, tiled or not
+            shared += model.trace(call, options.attention).flops * count
+            continue
+        flops += model.trace(call, options.attention).flops * count
+        decoded += geometry.frames(call.piece[2]) * call.piece[3] * call.piece[4] * call.piece[0] * count
+    return shared + flops * geometry.frames(latent[2]) * latent[3] * latent[4] * latent[0] / decoded
 
 
 def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, options: PlanOptions, flops: float,

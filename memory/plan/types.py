@@ -61,7 +61,8 @@ class VideoShape:
 
 @dataclass(frozen=True)
 class Call:
-    """One traced call: `kind` in text_encode | condition | denoise | decode | postprocess."""
+    """One traced call: `kind` in text_encode | condition | denoise | decode | decode_context | decode_stream |
+    postprocess ("decode": `vae.decode` on a piece; the other two: a family's staged decode, `decode_call`)."""
 
     kind: str
     component: str
@@ -101,7 +102,8 @@ class PlannerModel(Protocol):
     dtype_name: str
     layout: ModelLayout
     geometry: VaeGeometry
-    vae_stream_batch: int | None  # the decode's chunks stream the VAE's caches (no context frames)
+    vae_stream_batch: int | None  # the decode's chunks stream the VAE's caches (no context frames); None: vae.decode per piece
+    vae_shared_context: bool  # the staged decode runs frame-wide layers once on the whole latent before its pieces
     vae_min_tile: int  # the family's smallest decode tile in px (FamilySpec.min_decode_tile; 0: none)
 
     def check_shape(self, shape: VideoShape) -> None: ...  # raise ValueError naming the fix

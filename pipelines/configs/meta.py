@@ -58,7 +58,7 @@ ENCODER_BLOCKS = {
 }
 TRACED_BLOCKS = 2
 # Calls whose components a tier can stream module by module: their traces mark where each module ran.
-STREAMED_KINDS = ("text_encode", "condition", "denoise", "decode")
+STREAMED_KINDS = ("text_encode", "condition", "denoise", "decode", "decode_context", "decode_stream")
 
 
 @dataclass(frozen=True)
@@ -111,16 +111,25 @@ class MetaModel:
             return VaeGeometry(spatial, int(config.get("temporal_compression_ratio", 4)), config.get("latent_channels", 16))
         return VaeGeometry(config.get("scale_factor_spatial", 8), config.get("scale_factor_temporal", 4), config.get("z_dim", 16))
 
-    @cached_property
+    @property
     def vae_stream_batch(self) -> int | None:
         """The latent frames per batch if the VAE's decode streams across chunks (see FamilySpec.vae_stages)."""
-        cached = self._cached("weights", "vae_stream_batch", lambda entry: entry["frame_batch"])
+        return self._vae_stages[0]
+
+    @property
+    def vae_shared_context(self) -> bool:
+        """Whether the staged decode runs frame-wide layers once on the whole latent first (stages.context)."""
+        return self._vae_stages[1]
+
+    @cached_property
+    def _vae_stages(self) -> tuple[int | None, bool]:
+        cached = self._cached("weights", "vae_stages", lambda entry: (entry["frame_batch"], bool(entry["context"])))
         if cached is not None:
             return cached[0]
         stages = self.spec.vae_stages(self.module("vae"))
-        batch = stages.frame_batch if stages else None
-        self._keep("weights", "vae_stream_batch", {"frame_batch": batch})
-        return batch
+        found = (stages.frame_batch, stages.context is not None) if stages else (None, False)
+        self._keep("weights", "vae_stages", {"frame_batch": found[0], "context": found[1]})
+        return found
 
     @property
     def vae_min_tile(self) -> int:

@@ -288,6 +288,23 @@ def decode(vae, piece: torch.Tensor, own_tiling: bool) -> Run:
     return run
 
 
+def staged_decode(stages, kind: str, piece: tuple[int, ...], dtype: torch.dtype) -> Run:
+    """A family's staged decode as vidmem runs it (pipelines.decode.vae_decoder): "decode_context", its
+    frame-wide layers once on the whole latent `piece` (their output, the features, left on the device);
+    "decode_stream", a fresh stream over one piece of those features, copied to the device for the call
+    (a view of the latent, not counted, where the family has no frame-wide layers: CogVideoX)."""
+    latent = torch.empty(piece, dtype=dtype, device="meta")
+    if kind == "decode_context":
+        return lambda: stages.context(latent)
+    if stages.context is None:
+        return lambda: stages.stream()(latent)
+    features = stages.context(latent)  # its shape only: built here, outside the trace
+
+    def run():
+        return stages.stream()(torch.empty_like(features))
+    return run
+
+
 def postprocess(shape: VideoShape, out_frames: int, spatial_factor: int) -> Run:
     """Host side of vidmem's decode: the float32 frame buffer, postprocess_video, the IMAGE copy."""
     from diffusers.video_processor import VideoProcessor
@@ -326,6 +343,9 @@ def workload_for(model, call) -> Run:
     if call.kind == "decode":
         piece = torch.empty(call.piece, dtype=model.dtype_of(call.component), device="meta")  # a view of the whole latent: not counted
         return decode(model.traced_module(call.component), piece, call.vae_tiling)
+    if call.kind in ("decode_context", "decode_stream"):
+        return staged_decode(model.spec.vae_stages(model.traced_module(call.component)), call.kind, call.piece,
+                             model.dtype_of(call.component))
     if call.kind == "postprocess":
         latent = model.latent_shape(shape)
         return postprocess(shape, model.geometry.frames(latent[2]), model.geometry.spatial_factor)
