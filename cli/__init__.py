@@ -8,6 +8,7 @@ VRAM and RAM of every strategy for a model and shape, and recommends the fastest
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .demo import add_demo_parser, run_demo
@@ -22,8 +23,20 @@ def main(argv: list[str] | None = None) -> int:
     add_queue_parser(commands).set_defaults(run=run_queue)
     add_plan_parser(commands).set_defaults(run=run_plan)
     args = parser.parse_args(argv)
+    quiet_foreign_notices()
     try:
         return args.run(args)
     except ValueError as error:  # bad input: one clear line, no traceback
         print(f"vidmem: {in_flag_spelling(str(error))}", file=sys.stderr)
         return 2
+
+
+# Warnings other packages print on import that concern nothing the command does. bitsandbytes (which peft
+# imports, and diffusers imports peft while `vidmem plan` builds a model on meta) tells every CPU with AVX512-BF16
+# that an optional 4-bit kernel package is missing: the first line a user read above their plan.
+FOREIGN_NOTICES = ("bitsandbytes.backends.cpu.ops",)
+
+
+def quiet_foreign_notices() -> None:
+    for name in FOREIGN_NOTICES:
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -327,8 +327,11 @@ def _warm_line(model, plan) -> str:
     kept = uploaded_weight_bytes(model, plan)
     rate, source = first_upload_rate(plan)
     streams = " (the streamed blocks still stream every step)" if plan.strategy.streams_blocks else ""
-    return (f"Cold and warm: the recommended row's first run uploads {kept / GIB:.1f} GiB of weights before it "
-            f"denoises (about {kept / rate:.1f} s at {rate / 1e9:g} GB/s, {source}); later runs of the "
+    seconds = kept / rate
+    took = f"about {seconds:.1f} s" if seconds >= 0.05 else "under 0.1 s"  # never "about 0.0 s"
+    size = f"{kept / GIB:.1f} GiB" if kept >= GIB // 20 else f"{kept / 2**20:.0f} MiB"  # never "0.0 GiB"
+    return (f"Cold and warm: the recommended row's first run uploads {size} of weights before it "
+            f"denoises ({took} at {rate / 1e9:g} GB/s, {source}); later runs of the "
             f"same graph find them on the GPU{streams}, unless ComfyUI took the memory back or, under tier model, a "
             "text encoder on the GPU evicted them (docs/warm-runs.md).")
 

@@ -31,3 +31,20 @@ def test_an_unknown_weights_storage_is_refused_naming_the_flag(capsys):
     assert main(["plan", "--model", "wan2.1-t2v-1.3b", "--vram", "8", "--ram", "16", "--weights", "fp4"]) == 2
     err = capsys.readouterr().err
     assert "--weights 'fp4' is not a storage vidmem knows; use one of" in err and "fp8_scaled" in err
+
+
+def test_a_foreign_import_notice_stays_out_of_the_plan(capsys):
+    """bitsandbytes, imported by peft when the planner builds a model, warns on AVX512-BF16 CPUs that an optional
+    4-bit kernel package is missing: the first line above a user's plan. The command quiets that notice only."""
+    import logging
+
+    notice = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    before = notice.level
+    try:
+        notice.setLevel(logging.NOTSET)
+        assert main(["plan", "--list-models"]) == 0
+        assert not notice.isEnabledFor(logging.WARNING) and notice.isEnabledFor(logging.ERROR)
+        assert logging.getLogger("vidmem").isEnabledFor(logging.WARNING)  # vidmem's own warnings still show
+    finally:
+        notice.setLevel(before)
+    assert "wan2.1-t2v-1.3b" in capsys.readouterr().out

@@ -48,3 +48,10 @@ def test_weights_on_disk_reach_the_gpu_at_the_disks_rate(capsys):
     assert abs(seconds - gib * GiB / 0.5e9) <= 0.1 + gib * GiB / 0.5e9 * 0.05  # rounding of the GiB shown
     in_ram = _warm_line(["--vram", "24", "--ram", "64"], capsys)
     assert "over PCIe" in in_ram and "--disk-gbps" not in in_ram
+
+
+def test_a_small_upload_never_reads_as_nothing(capsys):
+    """Wan 1.3B on 8 GiB: `sequential` keeps about 0.1 GiB on the GPU, a few ms over PCIe, which read "about 0.0 s"."""
+    line = _warm_line(["--vram", "8", "--ram", "32"], capsys)
+    assert re.search(r"uploads [\d.]+ (GiB|MiB) of weights before it denoises \(under 0\.1 s at ([\d.]+) GB/s", line), line
+    assert "0.0 s" not in line and "0.0 GiB" not in line

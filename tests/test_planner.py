@@ -548,6 +548,10 @@ def test_plan_command_table_and_errors(capsys):
     assert plan_main(["plan", "--model", "cogvideox-2b", "--vram", "12", "--ram", "1"]) == 1
     out = capsys.readouterr().out
     assert "+disk" in out and "give at least" in out  # disk rows were tried: RAM runs out anyway
+    need = re.search(r"give at least ([\d.]+) GiB of RAM: (.+) needs the least", out)
+    rows = [line.split() for line in out.splitlines() if "+disk" in line and line.split()[-1] in ("yes", "no")]
+    ram_column = [float(row[row.index("GiB") + 1]) for row in rows]  # peak VRAM "x GiB", then peak RAM
+    assert need and float(need.group(1)) == min(ram_column), out  # the row it names, not the leanest one's
     assert plan_main(["plan", "--model", "nope", "--vram", "12"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
     # checked by run_plan (argparse choices would import the engine for every command): one line naming the formats

@@ -40,8 +40,11 @@ def nothing_fits_message(model: PlannerModel, shape: VideoShape, plans: list[Pla
     if least_ram.peak_ram_bytes > ram:
         held = host_base(model, least_ram.options)[0]
         what = "runtime; the weights are page cache" if least_ram.on_disk else "weights + runtime"
+        # named, so that "at least" is not read against the leanest row's figure above when another row needs less
+        then = " and then fits" if not [line for line in least_ram.over_budget() if "VRAM" in line] else ""
         lines.append(f"The pipeline keeps {_gib(held)} of anonymous RAM ({what}); give at least "
-                     f"{_gib(least_ram.peak_ram_bytes)} of RAM.")
+                     f"{_gib(least_ram.peak_ram_bytes)} of RAM: {least_ram.strategy.describe()} "
+                     f"({least_ram.describe_storage()}) needs the least{then}.")
     found = _with_chunks(model, shape, base, options, (vram, ram), consider_disk)
     found = found or _first_fitting(model, shape, base, options, (vram, ram), _in_ram(model, options))
     found += _first_fitting(model, shape, base, options, (vram, ram), _on_disk(model, options, consider_disk))
