@@ -267,6 +267,11 @@ test("the verdict names the chosen row, or the problem and its input; the reason
   assert.deepEqual(planReasons(PLAN), []);
   const none = { ...PLAN, auto: true, chosen: null, rows: [PLAN.rows[0]] };
   assert.match(planVerdict(none), /^nothing fits; even none is over; peak 12\.0/);
+  // the figure over its budget is marked, the other not: which budget to act on
+  assert.match(planVerdict(auto), /peak 12\.0 of 8\.0 GiB VRAM \(over\), 20\.0 of 32\.0 GiB RAM, time/);
+  const overRam = { ...auto, rows: [{ ...PLAN.rows[0], peak_vram_bytes: 7 * GIB, peak_ram_bytes: 40 * GIB }] };
+  assert.match(planVerdict(overRam), /peak 7\.0 of 8\.0 GiB VRAM, 40\.0 of 32\.0 GiB RAM \(over\)/);
+  assert.doesNotMatch(planVerdict(PLAN), /over/);
   assert.equal(planReasons(none).length, 1);
   assert.equal(planVerdict({ status: "error", error: "tile_size=100 must be a multiple of 32" }), "plan: tile_size=100 must be a multiple of 32");
   assert.match(planVerdict(null), /connect the Sampler/);

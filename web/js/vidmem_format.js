@@ -503,8 +503,10 @@ export function planVerdict(plan) {
     : `your settings: ${row.fits === false ? "over budget" : "fit"}`;
   const parallel = isParallel(plan);
   const time = !timeShown(plan) ? "" : parallel ? `, ${timeText(plan, row)} against one GPU` : `, time ${slowdownText(row.est_slowdown)}`;
-  return `${head}; peak ${gib(row.peak_vram_bytes)} of ${gib(vram)} GiB VRAM${parallel ? " per GPU" : ""}, ` +
-    `${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${time}`;
+  // "over budget" says the row does not fit; the figure that is over says which budget to act on
+  const over = (need, budget) => (row.fits === false && need > budget ? " (over)" : "");
+  return `${head}; peak ${gib(row.peak_vram_bytes)} of ${gib(vram)} GiB VRAM${parallel ? " per GPU" : ""}` +
+    `${over(row.peak_vram_bytes, vram)}, ${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${over(row.peak_ram_bytes, ram)}${time}`;
 }
 
 /** The planned clip, "832x480x161", and its context windows where they split it: ", 81-frame windows, overlap 16". */
