@@ -163,6 +163,10 @@ HUNYUAN_VIDEO15 = FamilySpec(
     call_adapter=HunyuanVideo15Call,
     attention_masked=True,  # joint attention and the token refiner mask the text padding
     vae_stages=hunyuan_video15_stages,  # the mid-block once over the whole latent, the rest streamed per tile
+    # 16x VAE: a 64 px tile is 4 latent pixels. Tencent's own pipeline decodes 128 px tiles at the least (on GPUs
+    # under 28 GiB, hyvideo/pipelines/hunyuan_video_pipeline.py, get_vae_inference_config): the planner and the
+    # fallback ladder go no smaller (docs/decode.md).
+    min_decode_tile=128,
     # The folders ship FlowMatchEulerDiscreteScheduler with shift 5 at 480p, 9 at 720p T2V, 7 at
     # 720p I2V, and a guider at cfg 6 (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py);
     # one table per family, so 720p is advised the T2V figure. The folder's own shift runs unless `shift` is given.

@@ -312,6 +312,19 @@ def test_the_planned_decode_is_the_staged_decode_vidmem_runs():
     assert load_model(name).vae_shared_context
 
 
+def test_the_decode_never_tiles_below_tencents_128_px():
+    """A 16x VAE's 64 px tile is 4 latent pixels; Tencent's pipeline decodes 128 px tiles at the least. The fallback
+    ladder stops there (then shorter chunks, then the CPU), and a tile chosen below it is honoured with a warning."""
+    from vidmem.memory.strategy import family_tiling
+    from vidmem.memory.vae import VaeGeometry, fallback_rungs
+
+    floor = HUNYUAN_VIDEO15.min_decode_tile
+    rungs = fallback_rungs((1, 32, 31, 45, 80), VaeGeometry(16, 4, 32), None, stream_batch=1, min_tile=floor)
+    tiles = [rung.tiling.tile_size for rung in rungs if rung.tiling is not None and not rung.on_cpu]
+    assert floor == 128 and min(tiles) == 128
+    assert family_tiling(VaeTiling(64, 16), floor, "hunyuanvideo1.5").warns
+
+
 def test_vidmem_plan_gives_peaks_that_fall_with_the_tier(capsys):
     """On meta, from the shipped config: the streamed tiers need less than holding everything, and
     the denoise stage with everything held needs at least the transformer's bf16 weights."""
