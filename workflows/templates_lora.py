@@ -200,12 +200,12 @@ LORA_TEMPLATES = (
             "Load LoRA: strength 1.0; 0 gives the base model's frames exactly. Several Load LoRA nodes chain.\n\n"
             "Memory strategy: as the \"HunyuanVideo 1.5 480p, 8 GB card\" template, offload = sequential: every "
             "layer streams to the GPU as it runs, its LoRA with it. Predicted without the LoRA: 5.6 GiB VRAM "
-            "at the peak, 21 GiB of RAM; the VAE decodes in 128 px tiles.\n\n"
+            "at the peak, 21 GiB of RAM; the VAE decodes in 256 px tiles.\n\n"
             "Check your machine: vidmem plan --model hunyuanvideo1.5-t2v-480p --weights fp8_scaled --size "
             "848x480 --frames 121 --vram 8 --ram 32."
         ),
         loader=diffusers_folder("HunyuanVideo-1.5-Diffusers-480p_t2v", "bf16", weight_dtype="fp8_scaled"),
-        strategy=strategy("sequential", "offload_after_encoding", tile_size=128),
+        strategy=strategy("sequential", "offload_after_encoding"),
         prompt="A cat walks on the grass in a sunlit garden, watercolor style, tracking shot.",
         negative_prompt=NEGATIVE,
         width=848, height=480, frames=121, steps=50, cfg=6.0, fps=24.0,
