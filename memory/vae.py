@@ -173,6 +173,7 @@ def decode_video(
                     done += 1
                     if on_step is not None:
                         on_step(done, total)
+                source = None  # the next group's frame-wide output is made without this one still held
             landing.flush()
     finally:
         landing.release()  # also when a piece ran out of memory or was interrupted: nothing stays pinned

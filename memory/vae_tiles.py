@@ -125,8 +125,11 @@ def auto_tiling(
     decodes close to untiled, FamilySpec.min_decode_tile; 64 px at least): below it only shorter
     chunks are searched, so the planner never advises a tile the family decodes with seams.
     `stream_batch`: the decoder carries its causal state across a tile's chunks (`plan_tiles`), so its
-    chunks repeat no frames and shorter chunks cost nothing: a streamed decode keeps its tiles as large as
-    fit and shortens its chunks, where counting a context frame per chunk chose 64 px tiles over them.
+    chunks repeat no frames and one step (`stream_batch` latent frames) sets the activation peak, whatever
+    the chunk's length: a streamed decode keeps its tiles as large as fit and its chunks whole (only a chunk's
+    output grows with it, which the untiled trace's per-pixel figure already covers), where counting a
+    context frame per chunk chose 64 px tiles over them. Below `min_tile` a streamed decode has nothing
+    shorter to gain: the smallest tiling comes back.
     """
     budget = free_bytes * _AUTO_SAFETY
     frames, height, width = _out_size(latent_shape, geometry)

@@ -135,8 +135,8 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
         label = f"{vae} {what} {'x'.join(map(str, call.piece[2:]))} ({count} calls)"
         phases.append(phase(model, call, [*resident, z], options, label, in_host=in_host))
         if call.kind == "decode_context":
-            if sum(counts.values()) > 1:  # their output waits on the host while the pieces decode (memory.vae)
-                parked = model.trace(call, options.attention).live_bytes * count
+            if sum(counts.values()) > count:  # a group of several pieces: its output waits on the host (memory.vae)
+                parked = model.trace(call, options.attention).live_bytes
             continue
         pixels = 3 * model.geometry.frames(call.piece[2]) * _numel(call.piece[3:]) * model.geometry.spatial_factor ** 2
         largest_piece = max(largest_piece, call.piece[0] * pixels * itemsize)  # copied to the host per piece

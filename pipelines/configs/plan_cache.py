@@ -6,7 +6,7 @@ the model's configuration, the shape, the attention kernel and the code that tra
 `MetaModel` keeps them in one folder per identity under the user cache folder:
 
 - `weights.json`: per component and storage format, its tensors as the tiers split them
-  (`schedule.SlotTable`) and its upcast figures; the VAE's streamed decode batch;
+  (`schedule.SlotTable`) and its upcast figures; the VAE's decoder stages (streamed batch, frame-wide layers);
 - `traces-<shape>.json`: per traced call at one shape and attention kernel, its allocation events,
   peak, FLOPs, and the module order it ran in (what the sequential tier replays).
 
