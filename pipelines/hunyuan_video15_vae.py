@@ -62,8 +62,8 @@ class HunyuanVideo15DecoderStages:
 
         A chunk steps through its latent frames one at a time (as Wan's decoder does), the caches
         carrying the rest: its peak is one latent frame's activations at full resolution, whatever
-        the chunk's length, where the chunk whole held all of them (14 GiB for a 256 px tile of a
-        121-frame 720p clip). `temporal_size` then bounds only the frames one call returns."""
+        the chunk's length, where the chunk whole held all of them (6.8 GiB for a 256 px tile's
+        64-frame chunk at 720p, docs/decode.md). `temporal_size` then bounds only the frames one call returns."""
         decoder, caches = self.vae.decoder, _CausalCaches()
 
         def pixels(features: torch.Tensor) -> torch.Tensor:

@@ -118,11 +118,10 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
     itemsize = model.dtype_bytes(vae)
     z = _numel(latent) * itemsize  # the latent on the device in the VAE's dtype, whole, during the decode
     if options.runtime is Runtime.DIFFUSERS:
-        counts = Counter({latent: 1})
         calls = [(Call("decode", vae, shape, latent, vae_tiling=strategy.vae_tiling is not None), 1)]
     else:
-        counts = piece_counts(model, shape, strategy)
         calls = decode_calls(model, shape, strategy)
+    pieces = sum(count for call, count in calls if call.kind != "decode_context")
     phases, flops, largest_piece, parked = [], 0.0, 0, 0
     for call, count in calls:
         flops += model.trace(call, options.attention).flops * count  # traced first: it records the order
@@ -135,7 +134,7 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
         label = f"{vae} {what} {'x'.join(map(str, call.piece[2:]))} ({count} calls)"
         phases.append(phase(model, call, [*resident, z], options, label, in_host=in_host))
         if call.kind == "decode_context":
-            if sum(counts.values()) > count:  # a group of several pieces: its output waits on the host (memory.vae)
+            if pieces > count:  # a group of several pieces: its output waits on the host (memory.vae)
                 parked = model.trace(call, options.attention).live_bytes
             continue
         pixels = 3 * model.geometry.frames(call.piece[2]) * _numel(call.piece[3:]) * model.geometry.spatial_factor ** 2
@@ -143,8 +142,8 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
     host_frames = model.trace(Call("postprocess", vae, shape), options.attention).peak_bytes
     host, page_cache = host_base(model, options, strategy)
     host += parked
-    work = device_work(model, vae, strategy, options, flops, sum(counts.values()))
-    if not options.on_cpu and sum(counts.values()) > 1:
+    work = device_work(model, vae, strategy, options, flops, pieces)
+    if not options.on_cpu and pieces > 1:
         largest_piece *= 2  # landed through a pinned pair: one piece blended while the next is copied (memory.vae)
     return StagePlan("decode", tuple(phases), host + host_frames + largest_piece, page_cache, (work,), options.on_cpu)
 

@@ -62,7 +62,7 @@ class VideoShape:
 @dataclass(frozen=True)
 class Call:
     """One traced call: `kind` in text_encode | condition | denoise | decode | decode_context | decode_stream |
-    postprocess ("decode": `vae.decode` on a piece; the other two: a family's staged decode, `decode_call`)."""
+    postprocess ("decode": `vae.decode` on a piece; the other two: a family's staged decode, `stages.decode_calls`)."""
 
     kind: str
     component: str
