@@ -184,7 +184,7 @@ class VidMemVideoSampler:
         shape = VideoShape(width, height, frames, cfg=guided, window=window, window_overlap=window_overlap)
         lora_hooks = any(spec.strength != 0 for spec in getattr(pipeline, "loras", ()))  # strength 0 adds no hook
         options = PlanOptions(attention=planned_attention(request.speed),
-                              speed=measured_speed(request.speed, torch.device(device).type, lora_hooks,
+                              speed=measured_speed(request.speed, device, lora_hooks,
                                                    choice.strategy.parallel.context_parallel_on))
         run, plan_line = _strategy_for_run(pipeline, choice, shape, device, options)
         progress = host.Progress(steps, "sampling")

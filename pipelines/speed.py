@@ -214,16 +214,18 @@ def _fp8_enabled(choice: Fp8Matmul, device_type: str) -> bool:
     return fp8_matmul_support(device_type) is None or device_type == "cpu"
 
 
-def measured_speed(speed: Speed, device_type: str, lora_hooks: bool = False,
+def measured_speed(speed: Speed, device: str | torch.device, lora_hooks: bool = False,
                    context_parallel: bool = False) -> MeasuredSpeed:
-    """What the plan's time estimate multiplies the denoiser's compute by for `speed`'s choices on this device:
-    configs/speedups.json's ratios (1.0 for a choice not measured here, or not made), and whether fp8 layers multiply
+    """What the plan's time estimate multiplies the denoiser's compute by for `speed`'s choices on `device` ("cuda",
+    "cuda:1", "cpu"; a GPU without an index is the current one): configs/speedups.json's ratios (1.0 for a choice not
+    measured there, or not made), and whether fp8 layers multiply
     in fp8. Nothing for a GPU this process cannot see (its name is unknown). `lora_hooks`: LoRAs run beside their
     layers (memory/lora.py), each hook a graph break, so compiled blocks break at every patched layer as under
     sequential at every streamed leaf: timed with the sequential figure. `context_parallel`: compile is refused."""
-    ratios = _measured_ratios(speed, device_type, context_parallel)
+    ratios = _measured_ratios(speed, device, context_parallel)
     if lora_hooks and "compiled" in ratios:
         ratios["compiled"] = ratios.get("compiled_sequential", 1.0)
+    device_type = torch.device(device).type
     fp8_on = _visible(device_type) and _fp8_enabled(speed.fp8_matmul, device_type)
     return MeasuredSpeed(**ratios, fp8_matmul_on=fp8_on)
 
@@ -247,11 +249,12 @@ _ENTRY_KEYS = {"kernel": "attention", "compiled": "compile", "compiled_sequentia
                "fp8_matmul": "fp8_matmul"}
 
 
-def _measured_ratios(speed: Speed, device_type: str, context_parallel: bool = False) -> dict[str, float]:
+def _measured_ratios(speed: Speed, device: str | torch.device, context_parallel: bool = False) -> dict[str, float]:
     """MeasuredSpeed's ratios this device's entry measured for the choices `speed` makes: an attention kernel chosen
     by name (auto's pick is the baseline's; flex's eager figure not with compile on, which fuses it), compiled blocks
     when on (not with context parallelism, which refuses them), fp8 matmul where a run enables it."""
-    entry = _measured().get(device_name(device_type)) if _visible(device_type) else None
+    device_type = torch.device(device).type
+    entry = _measured().get(device_name(device)) if _visible(device_type) else None
     if entry is None:
         return {}
     compiled = speed.compile.on and not context_parallel
@@ -269,12 +272,14 @@ def _visible(device_type: str) -> bool:
     return not (device_type == "cuda" and not torch.cuda.is_available())
 
 
-def device_name(device_type: str) -> str:
-    """The name bench/speed.py records a device's figures under: the GPU's, or the CPU's model name; "" for another
-    device type (no figures are recorded for it, and the host CPU's must not stand in)."""
-    if device_type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return cpu_name() if device_type == "cpu" else ""
+def device_name(device: str | torch.device) -> str:
+    """The name bench/speed.py records a device's figures under: the GPU's (that of `device`'s index, as a machine may
+    hold two kinds; the current one's without), or the CPU's model name; "" for another device type (no figures are
+    recorded for it, and the host CPU's must not stand in)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device.index)
+    return cpu_name() if device.type == "cpu" else ""
 
 
 def cpu_name() -> str:

@@ -180,6 +180,18 @@ def test_another_device_or_a_gpu_this_process_cannot_see_counts_nothing(speed_mo
     assert speed_module.measured_speed(compiled, "cpu") == MeasuredSpeed()
 
 
+def test_a_gpu_is_timed_with_the_figures_of_the_one_it_runs_on(speed_module, monkeypatch):
+    # A machine with two kinds of GPU: the Sampler computes on ComfyUI's device ("cuda:1"), not the current one.
+    monkeypatch.setattr(speed_module.torch.cuda, "is_available", lambda: True)
+    names = {None: "Small GPU", 0: "Small GPU", 1: "Test CPU"}  # the test figures stand for the second card's
+    monkeypatch.setattr(speed_module.torch.cuda, "get_device_name", lambda index=None: names[index])
+    compiled = Speed(compile=CompileSettings(True))
+    assert speed_module.measured_speed(compiled, "cuda:1").compiled == 0.7
+    assert speed_module.measured_speed(compiled, speed_module.torch.device("cuda", 1)).compiled == 0.7
+    assert speed_module.measured_speed(compiled, "cuda:0") == MeasuredSpeed()
+    assert speed_module.measured_speed(compiled, "cuda") == MeasuredSpeed()  # no index: the current GPU's
+
+
 def test_the_plan_line_quotes_what_the_time_uses(speed_module):
     speed = Speed("flash", CompileSettings(True), "on")
     line = speed_module.measured_line(speed, "cpu")
