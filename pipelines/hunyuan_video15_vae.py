@@ -53,7 +53,7 @@ class HunyuanVideo15DecoderStages:
         x = mid.resnets[0](x)
         for attention, resnet in zip(mid.attentions, mid.resnets[1:]):
             if attention is not None:
-                x = attention(x) if self._mask_bytes(x) <= self.exact_mask_bytes else frame_causal_attention(attention, x)
+                x = self._attend(attention, x)
             x = resnet(x)
         return x.to(park or z.device)
 
@@ -83,10 +83,14 @@ class HunyuanVideo15DecoderStages:
 
         return pixels
 
-    @staticmethod
-    def _mask_bytes(x: torch.Tensor) -> int:
+    def _attend(self, attention: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The mid-block's attention: diffusers' own while its mask is small, one batch item at a time (its
+        [B, N, N] mask meets [B, 1, N, N] scores as if B were the heads: a batch of two fails in diffusers'
+        decode), so each item equals its decode alone bit for bit; frame by frame above."""
         positions = x.shape[2] * x.shape[3] * x.shape[4]
-        return x.shape[0] * positions * positions * x.element_size()
+        if positions * positions * x.element_size() > self.exact_mask_bytes:  # one mask, expanded over the batch
+            return frame_causal_attention(attention, x)
+        return torch.cat([attention(item) for item in x.split(1)])
 
 
 def frame_causal_attention(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
