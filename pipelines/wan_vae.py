@@ -24,7 +24,7 @@ next, so temporal chunks of a Wan decode are exact too (no context frames, no bl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +41,24 @@ class WanDecoderStages:
 
     def context(self, z: torch.Tensor, park: torch.device | str | None = None) -> torch.Tensor:
         """[B, z_dim, T, h, w] latent (un-normalised) -> mid-block features [B, C, T, h, w] on `park`
-        (default: z's device); each frame moves there as soon as it is made."""
+        (default: z's device); each frame moves there as soon as it is made, into the one output (no
+        second copy of it at the end)."""
+        out = None
+        for i, frame in enumerate(self.context_frames(z)):
+            if out is None:
+                out = frame.new_empty((*frame.shape[:2], z.shape[2], *frame.shape[3:]), device=park or z.device)
+            out[:, :, i : i + 1] = frame
+        return out
+
+    def context_frames(self, z: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The mid-block features of each latent frame in turn, on z's device: what `context` parks. Declared so
+        that the planner traces a parked context as it runs, one frame of it on the device at a time."""
         decoder, caches = self.vae.decoder, _Caches()
         x = self.vae.post_quant_conv(z)
-        frames = []
         for i in range(x.shape[2]):
             index = [0]
             frame = caches.conv(decoder.conv_in, x[:, :, i : i + 1], index)
-            frames.append(decoder.mid_block(frame, feat_cache=caches.slots, feat_idx=index).to(park or z.device))
-        return torch.cat(frames, dim=2)
+            yield decoder.mid_block(frame, feat_cache=caches.slots, feat_idx=index)
 
     def pixels(self, features: torch.Tensor) -> torch.Tensor:
         """Mid-block features of a tile -> pixels [B, 3, F, H, W] in [-1, 1], as `decode().sample`."""

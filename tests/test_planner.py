@@ -494,6 +494,22 @@ def test_the_planner_never_advises_a_tile_below_the_familys_smallest():
         assert tiling is not None and tiling.tile_size >= model.vae_min_tile == 512, (vram, tiling)
 
 
+def test_the_frame_wide_output_is_parked_on_the_host_one_group_at_a_time():
+    """A tiled decode parks the mid-block's output on the host (memory.vae); sliced, a batch of two parks one item's
+    at a time, since the decode lets go of it before making the next; in one piece nothing is parked."""
+    from vidmem.memory.plan.stages import decode_calls, parked_context_bytes
+
+    model, options = load_model("wan2.1-t2v-1.3b"), PlanOptions()
+    shape = VideoShape(832, 480, 33, batch=2)
+    latent = model.latent_shape(shape)
+    item = model.trace(Call("decode_context", "vae", shape, (1, *latent[1:])), options.attention).live_bytes
+    tiled = VaeTiling(tile_size=256)
+    parked = {slicing: parked_context_bytes(model, decode_calls(model, shape, MemoryStrategy(
+        vae_tiling=tiled, vae_slicing=slicing)), options) for slicing in (True, False)}
+    assert item > 0 and parked == {True: item, False: pytest.approx(2 * item, rel=0.01)}
+    assert parked_context_bytes(model, decode_calls(model, shape, MemoryStrategy(vae_slicing=True)), options) == 0
+
+
 def test_times_the_model_cannot_tell_apart_are_not_reported():
     from vidmem.memory.plan.candidates import times_differ
 

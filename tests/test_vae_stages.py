@@ -38,6 +38,35 @@ def test_two_stages_equal_the_diffusers_decode_bit_for_bit(build, geometry):
     assert torch.equal(got, expected)
 
 
+def test_a_parked_context_holds_one_frame_on_the_device_and_the_planner_traces_it_so():
+    """A tiled decode parks the frame-wide output on the host a frame at a time (memory.vae): the device holds one
+    frame of it, and the planner's trace of that phase (`staged_decode`, parked) is what runs. It traced the whole
+    output on the device, and its concatenation: about twice the output too high."""
+    import copy
+
+    from diffusers import AutoencoderKLWan
+
+    from vidmem.memory.accounting import trace
+    from vidmem.pipelines.configs.workloads import staged_decode
+
+    torch.manual_seed(0)  # features 4x as wide as the latent (Wan's are 24x): the output is most of the phase
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    stages = wan_stages(vae)
+    latents = smooth_latent(4, frames=13, height=12, width=16)
+    # The device is the CPU here and the host is meta: both are counted, so the parked output is taken off.
+    run = trace(lambda: stages.context(latents, park="meta"))
+    with torch.no_grad():
+        output = stages.context(latents)
+    on_device = run.peak_bytes - output.untyped_storage().nbytes()
+    meta_stages = wan_stages(copy.deepcopy(vae).to("meta"))
+    planned = trace(staged_decode(meta_stages, "decode_context", tuple(latents.shape), latents.dtype, parked=True))
+    assert planned.peak_bytes == pytest.approx(on_device, rel=0.02)
+    unparked = trace(staged_decode(meta_stages, "decode_context", tuple(latents.shape), latents.dtype))
+    assert unparked.peak_bytes > planned.peak_bytes + 0.8 * output.untyped_storage().nbytes()
+    assert planned.live_bytes == 0 and unparked.live_bytes >= output.untyped_storage().nbytes()
+
+
 @pytest.mark.parametrize("build, geometry", VAES)
 def test_whole_mode_with_stages_is_the_plain_decode(build, geometry):
     vae = build()

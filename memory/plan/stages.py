@@ -109,8 +109,17 @@ def decode_calls(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
     calls = [(piece_call(model, shape, piece), count) for piece, count in piece_counts(model, shape, strategy).items()]
     if model.vae_shared_context:
         groups = latent[0] if strategy.vae_slicing else 1
-        calls.insert(0, (Call("decode_context", model.layout.vae, shape, (latent[0] // groups, *latent[1:])), groups))
+        parked = sum(count for _, count in calls) > groups  # a group of several pieces: parked on the host
+        context = Call("decode_context", model.layout.vae, shape, (latent[0] // groups, *latent[1:]), parked=parked)
+        calls.insert(0, (context, groups))
     return calls
+
+
+def parked_context_bytes(model: PlannerModel, calls: list[tuple[Call, int]], options: PlanOptions) -> int:
+    """The host memory the frame-wide layers' output takes while a group's pieces are cut from it (memory.vae parks
+    it there when a group decodes in several pieces): one group's, the decode letting go of it before the next's."""
+    parked = [call for call, _ in calls if call.kind == "decode_context" and call.parked]
+    return model.trace(replace(parked[0], parked=False), options.attention).live_bytes if parked else 0
 
 
 def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> StagePlan:
@@ -122,7 +131,7 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
     else:
         calls = decode_calls(model, shape, strategy)
     pieces = sum(count for call, count in calls if call.kind != "decode_context")
-    phases, flops, largest_piece, parked = [], 0.0, 0, 0
+    phases, flops, largest_piece = [], 0.0, 0
     for call, count in calls:
         flops += model.trace(call, options.attention).flops * count  # traced first: it records the order
         # each piece's own module order: a causal VAE decodes a one-frame piece without its temporal convolutions
@@ -134,14 +143,12 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
         label = f"{vae} {what} {'x'.join(map(str, call.piece[2:]))} ({count} calls)"
         phases.append(phase(model, call, [*resident, z], options, label, in_host=in_host))
         if call.kind == "decode_context":
-            if pieces > count:  # a group of several pieces: its output waits on the host (memory.vae)
-                parked = model.trace(call, options.attention).live_bytes
             continue
         pixels = 3 * model.geometry.frames(call.piece[2]) * _numel(call.piece[3:]) * model.geometry.spatial_factor ** 2
         largest_piece = max(largest_piece, call.piece[0] * pixels * itemsize)  # copied to the host per piece
     host_frames = model.trace(Call("postprocess", vae, shape), options.attention).peak_bytes
     host, page_cache = host_base(model, options, strategy)
-    host += parked
+    host += parked_context_bytes(model, calls, options)
     work = device_work(model, vae, strategy, options, flops, pieces)
     if not options.on_cpu and pieces > 1:
         largest_piece *= 2  # landed through a pinned pair: one piece blended while the next is copied (memory.vae)

@@ -70,6 +70,7 @@ class Call:
     piece: tuple[int, ...] | None = None  # decode: latent piece [b, C, t, h, w]
     vae_tiling: bool = False  # decode with the VAE's own (diffusers) tiling
     chunks: int = 1  # denoise: token slices per block (MemoryStrategy.activation_chunks, resolved)
+    parked: bool = False  # decode_context: its output goes to the host as it is made (a decode in several pieces)
 
 
 @dataclass(frozen=True)

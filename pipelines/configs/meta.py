@@ -365,7 +365,8 @@ def _call_key(call: Call) -> str:
     chunks = [call.chunks] if call.chunks != 1 else []  # unchunked calls keep the keys they were cached under
     # a context-parallel rank's trace (RankCall) is its own: without these a rank read the one-GPU trace back
     rank = [{"degree": call.degree, "mode": call.mode}] if getattr(call, "degree", 1) > 1 else []
-    return json.dumps([call.kind, call.component, call.piece, call.vae_tiling, *chunks, *rank])
+    parked = [{"parked": True}] if call.parked else []  # a parked context's trace is its own
+    return json.dumps([call.kind, call.component, call.piece, call.vae_tiling, *chunks, *rank, *parked])
 
 
 def _trace_json(measured: Trace, order) -> dict:

@@ -288,13 +288,16 @@ def decode(vae, piece: torch.Tensor, own_tiling: bool) -> Run:
     return run
 
 
-def staged_decode(stages, kind: str, piece: tuple[int, ...], dtype: torch.dtype) -> Run:
+def staged_decode(stages, kind: str, piece: tuple[int, ...], dtype: torch.dtype, parked: bool = False) -> Run:
     """A family's staged decode as vidmem runs it (pipelines.decode.vae_decoder): "decode_context", its
-    frame-wide layers once on the whole latent `piece` (their output, the features, left on the device);
-    "decode_stream", a fresh stream over one piece of those features, copied to the device for the call
-    (a view of the latent, not counted, where the family has no frame-wide layers: CogVideoX)."""
+    frame-wide layers once on the whole latent `piece` (their output, the features, left on the device; when
+    `parked` and the family makes them a frame at a time (`context_frames`: Wan), each frame leaves the device
+    as it is made); "decode_stream", a fresh stream over one piece of those features, copied to the device
+    for the call (a view of the latent, not counted, where the family has no frame-wide layers: CogVideoX)."""
     latent = torch.empty(piece, dtype=dtype, device="meta")
-    if kind == "decode_context":
+    if kind == "decode_context" and parked and hasattr(stages, "context_frames"):
+        return lambda: all(True for _ in stages.context_frames(latent))  # each frame copied to the host, then dropped
+    if kind == "decode_context":  # made whole on the device (HunyuanVideo 1.5 moves it at the end)
         return lambda: stages.context(latent)
     if stages.context is None:
         return lambda: stages.stream()(latent)
@@ -345,7 +348,7 @@ def workload_for(model, call) -> Run:
         return decode(model.traced_module(call.component), piece, call.vae_tiling)
     if call.kind in ("decode_context", "decode_stream"):
         return staged_decode(model.spec.vae_stages(model.traced_module(call.component)), call.kind, call.piece,
-                             model.dtype_of(call.component))
+                             model.dtype_of(call.component), call.parked)
     if call.kind == "postprocess":
         latent = model.latent_shape(shape)
         return postprocess(shape, model.geometry.frames(latent[2]), model.geometry.spatial_factor)
