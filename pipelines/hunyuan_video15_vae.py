@@ -84,13 +84,13 @@ class HunyuanVideo15DecoderStages:
         return pixels
 
     def _attend(self, attention: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The mid-block's attention: diffusers' own while its mask is small, one batch item at a time (its
-        [B, N, N] mask meets [B, 1, N, N] scores as if B were the heads: a batch of two fails in diffusers'
-        decode), so each item equals its decode alone bit for bit; frame by frame above."""
+        """The mid-block's attention: diffusers' own while its mask is small (bit for bit its decode), one batch
+        item at a time (its [B, N, N] mask meets [B, 1, N, N] scores as if B were the heads: a batch of two fails
+        in diffusers' decode); frame by frame above."""
         positions = x.shape[2] * x.shape[3] * x.shape[4]
         if positions * positions * x.element_size() > self.exact_mask_bytes:  # one mask, expanded over the batch
             return frame_causal_attention(attention, x)
-        return torch.cat([attention(item) for item in x.split(1)])
+        return attention(x) if x.shape[0] == 1 else torch.cat([attention(item) for item in x.split(1)])
 
 
 def frame_causal_attention(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -230,18 +230,18 @@ def measured_speed(speed: Speed, device: str | torch.device, lora_hooks: bool = 
     return MeasuredSpeed(**ratios, fp8_matmul_on=fp8_on)
 
 
-def measured_line(speed: Speed, device_type: str, context_parallel: bool = False) -> str:
+def measured_line(speed: Speed, device: str | torch.device, context_parallel: bool = False) -> str:
     """"measured on <device>: ..." from configs/speedups.json for this device, or "" where none is known; the
     figures the time uses (`_measured_ratios`: no compiled blocks where context parallelism refuses them)."""
-    ratios = _measured_ratios(speed, device_type, context_parallel)
+    ratios = _measured_ratios(speed, device, context_parallel)
     if not ratios:
         return ""
     names = {"kernel": f"attention {speed.attention.value}", "compiled": "compiled blocks",
              "compiled_sequential": "compiled blocks under sequential", "fp8_matmul": "fp8 matmul"}
     parts = ", ".join(f"{names[part]} x{ratio:.2f}" for part, ratio in ratios.items())
-    entry = _measured()[device_name(device_type)]
+    entry = _measured()[device_name(device)]
     sources = dict.fromkeys(entry.get("sources", {}).get(_ENTRY_KEYS[part], entry["source"]) for part in ratios)
-    return f"Measured on this {device_type} (step time against eager SDPA, {', '.join(sources)}): {parts}"
+    return f"Measured on this {torch.device(device).type} (step time against eager SDPA, {', '.join(sources)}): {parts}"
 
 
 # MeasuredSpeed's fields -> the speedups.json keys they are read from (a figure's own "sources" entry is keyed so too).
@@ -267,9 +267,9 @@ def _measured_ratios(speed: Speed, device: str | torch.device, context_parallel:
     return {part: ratio for part, ratio in ratios.items() if ratio is not None}
 
 
-def _visible(device_type: str) -> bool:
-    """Whether this process computes on `device_type` itself (a plan for a GPU it cannot see knows nothing of it)."""
-    return not (device_type == "cuda" and not torch.cuda.is_available())
+def _visible(device: str | torch.device) -> bool:
+    """Whether this process computes on `device` itself (a plan for a GPU it cannot see knows nothing of it)."""
+    return not (torch.device(device).type == "cuda" and not torch.cuda.is_available())
 
 
 def device_name(device: str | torch.device) -> str:

@@ -249,6 +249,38 @@ def test_the_samplers_auto_choice_is_timed_with_the_measured_speed(speed_module,
                                                  compiled_sequential=MEASURED["compile_sequential"])]
 
 
+def test_the_sampler_times_with_the_figures_of_comfyuis_gpu(speed_module, tiny_loaded, monkeypatch):
+    """ComfyUI may compute on the second GPU of a machine with two kinds: the Sampler's plan reads that one's figures."""
+    import importlib
+
+    from vidmem.nodes import sampler as sampler_node
+    from vidmem.nodes.strategy import VidMemMemoryStrategy
+
+    seen = []
+
+    def choose_for(pipeline, shape, strategy, vram, ram, options, device=None):
+        seen.append(options.speed)
+        raise _Planned
+
+    torch, loaded = speed_module.torch, tiny_loaded("wan2.1-t2v")
+    importlib.import_module("diffusers.models.autoencoders.autoencoder_kl_wan")  # imported with CUDA as it is: it probes it
+
+    monkeypatch.setattr(sampler_node, "choose_for", choose_for)
+    monkeypatch.setattr(sampler_node, "check_before_planning", lambda *args: None)  # no CUDA here: nothing is asked
+    monkeypatch.setattr("vidmem.nodes.strategy.default_budgets", lambda device: (8 << 30, 32 << 30))
+    monkeypatch.setattr(sampler_node.host, "compute_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: {1: "Test CPU"}.get(index, "Small GPU"))
+    (choice,) = VidMemMemoryStrategy().build(offload="auto", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0,
+                                             non_blocking=True, text_encoder="offload_after_encoding", vae_slicing=False,
+                                             vae_tiling=False, tile_size=256, overlap=64, temporal_size=64,
+                                             temporal_overlap=8)["result"]
+    with pytest.raises(_Planned):
+        sampler_node.VidMemVideoSampler().sample(loaded, choice, "a cat", "", 32, 32, 9, 1, 1.0, 0,
+                                                 speed=Speed(compile=CompileSettings(True)))
+    assert seen[0].compiled == MEASURED["compile"]
+
+
 def test_vidmem_plan_times_its_rows_with_compile_and_says_what_it_resolves_to(speed_module, capsys):
     """`vidmem plan --compile`: the rows as the chart times them on this machine's device (here the CPU, with the
     test's measurement), and the chart's speed line; without the flag, no speed line and the plain times."""
