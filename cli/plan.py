@@ -282,7 +282,8 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
         lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() + mark)
     if options.device == "cpu":
         lines.append("\nThe CPU computes: the VRAM columns are the RAM the compute holds (no CUDA context; memory-mapped "
-                     "weights are read in place); block swap rows show the fewest blocks that fit.")
+                     "weights are read in place), and the RAM column counts it too: that is what fits the RAM budget; "
+                     "block swap rows show the fewest blocks that fit.")
     else:
         lines.append("\nVRAM per stage in GiB, including the CUDA context; block swap rows show the fewest blocks that fit.")
     if any(plan.strategy.vae_tiling for plan in plans):

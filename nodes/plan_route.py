@@ -306,6 +306,7 @@ def _head(request: PlanRequest, model, options: PlanOptions, vram: int, ram: int
                   "window_overlap": s.window_overlap},
         "windows": _window_lines(request.shape, model),
         "budgets": {"vram_bytes": vram, "ram_bytes": ram},
+        "device": options.device,  # "cpu": the host computes on its CPU (--cpu, no CUDA), so the RAM budget decides
         "loras": loras,
     }
 
@@ -316,7 +317,7 @@ def _gpus_answer(request: PlanRequest, model, options: PlanOptions, found, budge
     time as the speedup against one GPU, and "parallel", what the chart's title line says."""
     widgets = dict(request.widgets)
     return {
-        **_head(request, model, options, *budgets, loras),
+        **_head(request, model, replace(options, device=PARALLEL_DEVICE), *budgets, loras),  # planned for the GPUs
         "rows": gpu_rows(found),
         "chosen": found.chosen,
         "time": gpu_time(found),
@@ -493,7 +494,8 @@ def _row(label: str, plan, model, needs: str = "") -> dict:
     return {
         "label": label, "strategy": plan.strategy.describe(), "fits": plan.fits, "on_disk": plan.on_disk, "needs": needs,
         "est_slowdown": plan.est_slowdown, "peak_vram_bytes": plan.peak_vram_bytes, "peak_ram_bytes": plan.peak_ram_bytes,
-        "stages": [{"name": s.name, "vram_bytes": s.device_bytes, "ram_bytes": s.host_bytes} for s in plan.stages],
+        # on a CPU a stage's RAM holds its compute too (StagePlan.ram_bytes): what fits the RAM budget
+        "stages": [{"name": s.name, "vram_bytes": s.device_bytes, "ram_bytes": s.ram_bytes} for s in plan.stages],
         "over_budget": over_budget_lines(model, plan),  # one line per stage, with the fix that makes it fit
     }
 

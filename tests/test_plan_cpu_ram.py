@@ -134,3 +134,21 @@ def test_a_cpu_stage_over_its_ram_is_said_once_with_digits_that_differ(wan):
         assert over.count("RAM") == 1 and "VRAM" not in over, line
         need, budget = over.removeprefix("RAM ").removesuffix(" GiB").split(" > ")
         assert need != budget, line
+
+
+def test_the_chart_is_told_the_cpu_computes_and_gets_each_stages_ram_with_its_compute():
+    """ComfyUI --cpu: the route plans the CPU; its answer says so ("device"), and each stage's RAM is the one that
+    fits (StagePlan.ram_bytes, compute included), so the chart sets it against the RAM budget. A 4 GB VRAM budget
+    read "your settings: fit; peak 10.7 of 4.0 GiB VRAM" beside red bars."""
+    from vidmem.nodes.plan_route import parse_request, plan_answer
+    from test_plan_route_windows import query
+
+    request = parse_request(query("wan2.1-t2v-1.3b", 832, 480, 81, vram_budget_gb="4", ram_budget_gb="64"),
+                            ["wan2.1-t2v-1.3b"], ["bf16"])
+    answer = plan_answer(request, lambda name, dtype: load_model(name, dtype), (4 * GiB, 64 * GiB), device="cpu")
+    mine = answer["rows"][answer["chosen"]]
+    assert answer["device"] == "cpu" and mine["peak_vram_bytes"] > 4 * GiB and mine["fits"]
+    assert max(stage["ram_bytes"] for stage in mine["stages"]) == mine["peak_ram_bytes"]
+    assert all(stage["ram_bytes"] >= stage["vram_bytes"] for stage in mine["stages"])  # the compute is in RAM
+    gpu = plan_answer(request, lambda name, dtype: load_model(name, dtype), (4 * GiB, 64 * GiB), device="cuda")
+    assert gpu["device"] == "cuda" and not gpu["rows"][gpu["chosen"]]["fits"]

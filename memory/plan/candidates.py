@@ -54,8 +54,9 @@ class Plan:
 
     @property
     def peak_ram_bytes(self) -> int:
-        """Peak anonymous RAM: what must fit the RAM budget (page cache is reclaimable)."""
-        return max(s.host_bytes for s in self.stages)
+        """Peak anonymous RAM: what must fit the RAM budget (page cache is reclaimable); on a CPU device with its
+        compute's (StagePlan.ram_bytes), which lives in the same RAM."""
+        return max(s.ram_bytes for s in self.stages)
 
     @property
     def peak_page_cache_bytes(self) -> int:

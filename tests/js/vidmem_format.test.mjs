@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_OPTIONS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
-  SAMPLER_SHAPE, extraFields, cacheLine, shapeText, speedLines, windowLines, planBars, planLines, planQuery, planReasons, planVerdict, needsLine, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
+  SAMPLER_SHAPE, extraFields, cacheLine, shapeText, speedLines, windowLines, onCpu, stageHeaders, planBars, planLines, planQuery, planReasons, planVerdict, needsLine, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
   parseStrategyText, receiptFrom, strategyLines, summarize, textFrom,
 } from "../../web/js/vidmem_format.js";
 
@@ -302,6 +302,31 @@ test("bars are shares of the budgets: past 1 is over the line", () => {
   assert.equal(mine.stages[1].vram, 5.5 / 8);
   assert.equal(mine.stages[2].ram, 20 / 32);
   assert.deepEqual(none.stages.map((s) => s.name), ["text_encode", "denoise", "decode"]);
+});
+
+test("where the CPU computes, the RAM budget decides: no VRAM figure is set against the VRAM budget", () => {
+  // ComfyUI --cpu (or no CUDA): the plan is the CPU's (nodes/plan_route.py "device"), its fit the RAM's. The chart set
+  // the compute's memory against the VRAM budget: "your settings: fit; peak 10.7 of 4.0 GiB VRAM" beside red bars.
+  const mine = { ...PLAN.rows[1], peak_vram_bytes: 10.7 * GIB, peak_ram_bytes: 15.2 * GIB, stages: stages(1, 10.7, 3, 15.2) };
+  const cpu = { ...PLAN, device: "cpu", budgets: { vram_bytes: 4 * GIB, ram_bytes: 23.5 * GIB }, rows: [PLAN.rows[0], mine] };
+  assert.equal(onCpu(cpu), true);
+  assert.equal(onCpu(PLAN), false); // answers without "device" (older servers) keep the GPU chart
+  assert.equal(planVerdict(cpu), "your settings: fit; the CPU computes: peak 15.2 of 23.5 GiB RAM, time +9%");
+  const over = { ...cpu, rows: [PLAN.rows[0], { ...mine, fits: false, peak_ram_bytes: 30 * GIB }] };
+  assert.match(planVerdict(over), /^your settings: over budget; the CPU computes: peak 30\.0 of 23\.5 GiB RAM \(over\)/);
+  const [, bars] = planBars(cpu);
+  assert.equal(bars.peak, 15.2 * GIB);
+  assert.deepEqual(bars.stages.map((s) => [s.vram, s.ram]), [[15.2 / 23.5, 0], [15.2 / 23.5, 0], [15.2 / 23.5, 0]]);
+  assert.equal(planBars(PLAN)[1].peak, 6 * GIB);
+  const table = planLines(cpu);
+  assert.match(table[1], /comp {3}RAM GiB/);
+  assert.match(table.at(-2), /^ {2}budget +- +23\.5$/);
+  assert.match(table.at(-1), /the CPU computes/);
+});
+
+test("stage headers shorten together where a name would run into the next panel", () => {
+  assert.deepEqual(stageHeaders(7), ["encode", "denoise", "decode"]);
+  assert.deepEqual(stageHeaders(6), ["enc", "den", "dec"]); // "denoise" ran into "decode" beside "block_swap 30 chunks 16"
 });
 
 test("receipts are at most three short lines; the rest is in the tooltip", () => {

@@ -9,8 +9,8 @@ import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
   STRATEGY_PARALLEL, STRATEGY_WIDGETS, compactLines, extraFields, ignoredStrategyWidgets, isParallel, legacyStrategyValues,
-  loaderFields, loraFields, loraLines, meterText, parallelLines, pipelineSource, pipelineStart, planBars, planLines, planQuery,
-  outputsThroughReroutes, planReasons, planVerdict, speedLines, summarize, throughReroutes, timeNote, timeShown, windowLines,
+  loaderFields, loraFields, loraLines, meterText, onCpu, parallelLines, pipelineSource, pipelineStart, planBars, planLines, planQuery,
+  outputsThroughReroutes, planReasons, planVerdict, speedLines, stageHeaders, summarize, throughReroutes, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -104,8 +104,9 @@ function drawChart(plan) {
   const chart = svg("svg", { viewBox: `0 0 ${CHART_WIDTH} ${height}`, width: "100%", class: "vidmem-plan-chart" });
   chart.style.font = `${PLAN_FONT}px monospace`;
   chart.style.display = "block";
-  STAGES.forEach(([, label], s) => chart.append(svg("text", { x: labelW + s * (panelW + gap), y: 15, fill: "#aaa" }, label)));
-  chart.append(svg("text", { x: peakX, y: 15, fill: "#aaa" }, "VRAM"));
+  stageHeaders(Math.floor((panelW + gap) / char) - 1).forEach((label, s) =>
+    chart.append(svg("text", { x: labelW + s * (panelW + gap), y: 15, fill: "#aaa" }, label)));
+  chart.append(svg("text", { x: peakX, y: 15, fill: "#aaa" }, onCpu(plan) ? "RAM" : "VRAM"));
   if (time) chart.append(svg("text", { x: CHART_WIDTH - timeW + 2, y: 15, fill: "#aaa" }, isParallel(plan) ? "speed" : "time"));
   bars.forEach((row, r) => {
     const y = top + r * rowH;
@@ -117,12 +118,12 @@ function drawChart(plan) {
       chart.append(svg("rect", { x, y: y + 2, width: panelW, height: rowH - 6, fill: "rgba(255,255,255,0.05)" }));
       const vram = Math.min(stage.vram, 1.4) * scale, ram = Math.min(stage.ram, 1.4) * scale;
       chart.append(svg("rect", { x, y: y + 3, width: Math.max(vram, 1), height: 10, fill: stage.vram > 1 ? "#e06c75" : "#5aa0e0" }));
-      chart.append(svg("rect", { x, y: y + 15, width: Math.max(ram, 1), height: 4, fill: stage.ram > 1 ? "#e06c75" : "#d7a64a" }));
+      if (!onCpu(plan)) chart.append(svg("rect", { x, y: y + 15, width: Math.max(ram, 1), height: 4, fill: stage.ram > 1 ? "#e06c75" : "#d7a64a" }));
       chart.append(svg("line", { x1: x + scale, x2: x + scale, y1: y, y2: y + rowH - 2, stroke: "#eee", "stroke-dasharray": "3,2" }));
     });
     const over = row.stages.some((stage) => stage.vram > 1);
     chart.append(svg("text", { x: peakX + peakW - 4, y: y + 16, fill: over ? "#ef7b85" : "#ddd", "text-anchor": "end" },
-      (row.peakVram / 2 ** 30).toFixed(1)));
+      (row.peak / 2 ** 30).toFixed(1)));
     if (time) chart.append(svg("text", { x: CHART_WIDTH - timeW + 2, y: y + 16, fill: "#ddd" }, row.time));
   });
   return chart;
@@ -166,6 +167,8 @@ function renderPlan(node, plan, note) {
     const legend = [isParallel(plan)
       ? `bars: VRAM per GPU (thick, the fullest GPU), RAM of every process (thin) per stage; dashed line: the budget; ` +
         `VRAM: the row's peak per GPU in GiB${disk}`
+      : onCpu(plan) ? `bars: RAM per stage (the CPU computes, in RAM; no VRAM is used); dashed line: the RAM budget; ` +
+        `RAM: the row's peak in GiB${disk}`
       : `bars: VRAM (thick), RAM (thin) per stage; dashed line: the budget; VRAM: the row's peak in GiB${disk}`,
       timeNote(plan)];
     children.push(drawChart(plan), textBlock("vidmem-plan-legend", legend, { color: "#aaa", marginTop: "3px" }), tableToggle(node, plan));

@@ -224,6 +224,13 @@ export function ignoredStrategyWidgets(offload, vaeTiling) {
 const LEGACY_STRATEGY_ORDER = [...STRATEGY_WIDGETS, "width", "height", "frames", ...STRATEGY_BUDGETS];
 export const STAGES = Object.freeze([["text_encode", "encode"], ["denoise", "denoise"], ["decode", "decode"]]);
 
+/** The chart's stage headers for panels `chars` characters wide: the names, or where one would run into the next
+ * panel's (long row labels such as "block_swap 30 chunks 16" leave narrow panels) their first three letters. */
+export function stageHeaders(chars) {
+  const fits = STAGES.every(([, label]) => label.length <= chars);
+  return STAGES.map(([, label]) => (fits ? label : label.slice(0, 3)));
+}
+
 /** Widget values of an older Strategy node by name, or null when `values` is already the current layout. */
 export function legacyStrategyValues(values) {
   if (!Array.isArray(values) || values.length !== LEGACY_STRATEGY_ORDER.length) return null;
@@ -451,6 +458,12 @@ export function timeNote(plan) {
   return `no time column: every row is within ${within} of the others (${span} against ${plan.time.relative_to})`;
 }
 
+/** Whether the host computes on its CPU (ComfyUI --cpu, or no CUDA): the compute's memory is RAM, so the RAM budget
+ * decides and the VRAM budget is not used. */
+export function onCpu(plan) {
+  return plan?.status === "ok" && plan.device === "cpu";
+}
+
 /** The plan as a text table: one line per row, the chosen one marked, then the budgets. */
 export function planLines(plan) {
   if (!plan || plan.status !== "ok") return [];
@@ -461,14 +474,16 @@ export function planLines(plan) {
   const parallel = isParallel(plan); // its own line: the table is not wrapped
   const lines = [`${plan.config ?? plan.model} ${shapeText(plan.shape)}${disk}`,
     ...(parallel ? [`per GPU, ${plan.parallel.gpus} GPUs, ${plan.parallel.mode}`] : []),
-    `  ${"row".padEnd(width)}  VRAM   RAM GiB${time ? (parallel ? "  speed" : "  time") : ""}`];
+    `  ${"row".padEnd(width)}  ${onCpu(plan) ? "comp" : "VRAM"}   RAM GiB${time ? (parallel ? "  speed" : "  time") : ""}`];
   plan.rows.forEach((row, i) => {
     const mark = i === plan.chosen ? ">" : " ";
     const fit = row.fits === false ? " over" : "";
     lines.push(`${mark} ${row.label.padEnd(width)} ${gib(row.peak_vram_bytes).padStart(5)} ${gib(row.peak_ram_bytes).padStart(5)}` +
       `${time ? `     ${timeText(plan, row).padStart(4)}` : ""}${fit}`);
   });
-  lines.push(`  ${"budget".padEnd(width)} ${gib(plan.budgets.vram_bytes).padStart(5)} ${gib(plan.budgets.ram_bytes).padStart(5)}`);
+  const vramBudget = onCpu(plan) ? "-" : gib(plan.budgets.vram_bytes);
+  lines.push(`  ${"budget".padEnd(width)} ${vramBudget.padStart(5)} ${gib(plan.budgets.ram_bytes).padStart(5)}`);
+  if (onCpu(plan)) lines.push("  the CPU computes: comp is the RAM its compute holds, counted in RAM; no VRAM is used");
   const needs = needsLine(plan);
   if (needs) lines.push(`  ${needs}`);
   return lines;
@@ -505,6 +520,7 @@ export function planVerdict(plan) {
   const time = !timeShown(plan) ? "" : parallel ? `, ${timeText(plan, row)} against one GPU` : `, time ${slowdownText(row.est_slowdown)}`;
   // "over budget" says the row does not fit; the figure that is over says which budget to act on
   const over = (need, budget) => (row.fits === false && need > budget ? " (over)" : "");
+  if (onCpu(plan)) return `${head}; the CPU computes: peak ${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${over(row.peak_ram_bytes, ram)}${time}`;
   return `${head}; peak ${gib(row.peak_vram_bytes)} of ${gib(vram)} GiB VRAM${parallel ? " per GPU" : ""}` +
     `${over(row.peak_vram_bytes, vram)}, ${gib(row.peak_ram_bytes)} of ${gib(ram)} GiB RAM${over(row.peak_ram_bytes, ram)}${time}`;
 }
@@ -540,16 +556,21 @@ export function planReasons(plan) {
   return onDisk ? [...reasons, `${onDisk.label} fits with ${onDisk.needs}`] : reasons;
 }
 
-/** Bars to draw: per row and stage, VRAM and RAM as fractions of their budgets (1 = on the line). */
+/** Bars to draw: per row and stage, VRAM and RAM as fractions of their budgets (1 = on the line). Where the CPU
+ * computes, the thick bar is the stage's RAM (its compute's and the process's) against the RAM budget, what decides
+ * the fit, and there is no thin bar; `peak` is then the row's RAM. */
 export function planBars(plan) {
   if (!plan || plan.status !== "ok") return [];
   const { vram_bytes: vram, ram_bytes: ram } = plan.budgets;
+  const cpu = onCpu(plan);
   return plan.rows.map((row, i) => ({
     label: row.label, chosen: i === plan.chosen, fits: row.fits, slowdown: row.est_slowdown, time: timeText(plan, row),
-    peakVram: row.peak_vram_bytes,
+    peak: cpu ? row.peak_ram_bytes : row.peak_vram_bytes,
     stages: STAGES.map(([name]) => {
       const stage = row.stages.find((s) => s.name === name) ?? { vram_bytes: 0, ram_bytes: 0 };
-      return { name, vram: vram ? stage.vram_bytes / vram : 0, ram: ram ? stage.ram_bytes / ram : 0 };
+      const share = (bytes, budget) => (budget ? bytes / budget : 0);
+      return cpu ? { name, vram: share(stage.ram_bytes, ram), ram: 0 }
+        : { name, vram: share(stage.vram_bytes, vram), ram: share(stage.ram_bytes, ram) };
     }),
   }));
 }
