@@ -333,6 +333,8 @@ test("receipts are at most three short lines; the rest is in the tooltip", () =>
   const sampler = compactLines("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, plan: "auto chose at 32x32x9: offload=none; peak" }] });
   assert.equal(sampler.length, 3);
   assert.equal(sampler[0], "text encode 1.29 s + denoise 12.50 s");
+  const hit = compactLines("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, text_encode: { cache: "used" } }] });
+  assert.equal(hit[0], "prompt from the cache + denoise 12.50 s");
   assert.equal(sampler[1], "peak VRAM 8.85 GiB, RSS 414.45 MiB");
   assert.equal(sampler[2], "auto chose at 32x32x9: offload=none; swap cost 3.7% of denoise");
   const decode = compactLines("VidMemVAEDecode", { vidmem_receipt: [DECODE] });

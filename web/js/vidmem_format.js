@@ -595,7 +595,10 @@ export function compactLines(nodeType, message, max = 3) {
     return [`${receipt.clips} clips (${receipt.encoded} encoded, ${receipt.reused} reused)`, buckets].slice(0, max);
   }
   if (receipt?.stages) {
-    const stages = receipt.stages.map((st) => `${st.stage.replace("_", " ")} ${formatSeconds(st.seconds)}`).join(" + ");
+    // a prompt the cache had is not encoded: "text encode 0 ms" read as if the encoder had run at no cost
+    const cached = (st) => st.stage === "text_encode" && receipt.text_encode?.cache === "used";
+    const stages = receipt.stages.map((st) => (cached(st) ? "prompt from the cache"
+      : `${st.stage.replace("_", " ")} ${formatSeconds(st.seconds)}`)).join(" + ");
     const vram = Math.max(...receipt.stages.map((st) => st.peak_allocated_bytes ?? -1));
     const rss = Math.max(...receipt.stages.map((st) => st.peak_rss_bytes ?? -1));
     const peak = vram >= 0 ? `peak VRAM ${formatBytes(vram)}, RSS ${formatBytes(rss)}` : `peak RSS ${formatBytes(rss)} (no GPU)`;
