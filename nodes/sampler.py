@@ -313,5 +313,8 @@ def _visible_gpus(device) -> int:
 
 def _peaks(plan) -> str:
     fits = "" if plan.fits is None else ("; fits" if plan.fits else "; over budget: " + "; ".join(plan.over_budget()))
-    return (f"{plan.strategy.describe()}; peak VRAM {plan.peak_vram_bytes / GiB:.2f} GiB, "
-            f"RAM {plan.peak_ram_bytes / GiB:.2f} GiB, time x{plan.est_slowdown:.2f} of all resident (estimated){fits}")
+    vram, ram = plan.peak_vram_bytes / GiB, plan.peak_ram_bytes / GiB
+    # on a CPU the compute's memory is part of the RAM figure: two peaks side by side would read as a sum
+    peaks = (f"the CPU computes: peak RAM {ram:.2f} GiB (its compute {vram:.2f})" if plan.options.on_cpu
+             else f"peak VRAM {vram:.2f} GiB, RAM {ram:.2f} GiB")
+    return f"{plan.strategy.describe()}; {peaks}, time x{plan.est_slowdown:.2f} of all resident (estimated){fits}"

@@ -152,3 +152,20 @@ def test_the_chart_is_told_the_cpu_computes_and_gets_each_stages_ram_with_its_co
     assert all(stage["ram_bytes"] >= stage["vram_bytes"] for stage in mine["stages"])  # the compute is in RAM
     gpu = plan_answer(request, lambda name, dtype: load_model(name, dtype), (4 * GiB, 64 * GiB), device="cuda")
     assert gpu["device"] == "cuda" and not gpu["rows"][gpu["chosen"]]["fits"]
+
+
+def test_a_cpu_plans_lines_give_one_ram_peak_with_its_compute_in_it(wan):
+    """Its RAM counts the compute: "peak VRAM 10.68 GiB, RAM 19.24 GiB" read as a sum, and "nothing fits ... in 1.5
+    GiB VRAM / 1.5 GiB RAM" put the RAM budget in the VRAM's place."""
+    from vidmem.memory.plan.advice import nothing_fits_message
+    from vidmem.nodes.sampler import _peaks
+
+    plan = plan_run(wan, SHAPE, MemoryStrategy(offload="model"), CPU_DISK, 4 * GiB, 64 * GiB)
+    line = _peaks(plan)
+    assert "the CPU computes: peak RAM" in line and "VRAM" not in line
+    assert f"{plan.peak_ram_bytes / GiB:.2f} GiB (its compute {plan.peak_vram_bytes / GiB:.2f})" in line
+    plans = candidate_plans(wan, SHAPE, 4 * GiB, GiB, options=CPU_DISK)
+    message = nothing_fits_message(wan, SHAPE, plans, MemoryStrategy(), CPU_DISK)
+    assert "in 1.0 GiB RAM (the CPU computes)" in message.splitlines()[0] and "VRAM" not in message.splitlines()[0]
+    gpu = plan_run(wan, SHAPE, MemoryStrategy(offload="model"), PlanOptions(steps=4), 8 * GiB, 64 * GiB)
+    assert "; peak VRAM " in _peaks(gpu)

@@ -154,7 +154,7 @@ def test_issue_evidence_commands_fit(args, capsys):
     assert chosen["fits"] and chosen["peak_vram_bytes"] <= float(args[-3]) * GiB
     assert chosen["peak_anon_bytes"] <= float(args[-1]) * GiB
     assert set(chosen["storage"].values()) == {"fp8_scaled"} and "text_encoder" in chosen["storage"]
-    assert all(set(host) == {"anon_bytes", "page_cache_bytes"} for host in chosen["host"].values())
+    assert all(set(host) == {"anon_bytes", "ram_bytes", "page_cache_bytes"} for host in chosen["host"].values())
 
 
 def test_nothing_fits_names_storage_and_disk_that_do_fit(wan):

@@ -33,8 +33,9 @@ def nothing_fits_message(model: PlannerModel, shape: VideoShape, plans: list[Pla
     """Why the leanest plan still fails, and which storage, tier or shape would fit."""
     leanest = plans[-1]
     vram, ram = leanest.vram_budget_bytes, leanest.ram_budget_bytes
-    lines = [f"nothing fits {model.name} at {shape.width}x{shape.height}x{shape.frames} in {_gib(vram)} VRAM / "
-             f"{_gib(ram)} RAM; even {leanest.strategy.describe()} ({leanest.describe_storage()}) is over:"]
+    budgets = f"{_gib(ram)} RAM (the CPU computes)" if options.on_cpu else f"{_gib(vram)} VRAM / {_gib(ram)} RAM"
+    lines = [f"nothing fits {model.name} at {shape.width}x{shape.height}x{shape.frames} in {budgets}; "
+             f"even {leanest.strategy.describe()} ({leanest.describe_storage()}) is over:"]
     lines += [f"  {line}" for line in leanest.over_budget()]
     least_ram = min(plans, key=lambda p: p.peak_ram_bytes)
     if least_ram.peak_ram_bytes > ram:
@@ -206,8 +207,9 @@ def _flags(trial: PlanOptions, current: PlanOptions) -> str:
 
 def _summary(plan: Plan) -> str:
     where = ", weights on disk" if plan.on_disk else ""
-    return (f"{plan.strategy.describe()}{where}, peak {_gib(plan.peak_vram_bytes)} VRAM / {_gib(plan.peak_ram_bytes)} "
-            f"RAM, estimated slowdown x{plan.est_slowdown:.2f}")
+    peaks = (f"peak {_gib(plan.peak_ram_bytes)} RAM (the CPU computes, {_gib(plan.peak_vram_bytes)} of it)"
+             if plan.options.on_cpu else f"peak {_gib(plan.peak_vram_bytes)} VRAM / {_gib(plan.peak_ram_bytes)} RAM")
+    return f"{plan.strategy.describe()}{where}, {peaks}, estimated slowdown x{plan.est_slowdown:.2f}"
 
 
 def _smaller_shapes(model, shape: VideoShape):

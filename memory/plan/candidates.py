@@ -147,7 +147,9 @@ class Plan:
             "text_encoder": s.text_encoder.value, "activation_chunks": s.activation_chunks,
             "peak_vram_bytes": self.peak_vram_bytes,
             "peak_ram_bytes": self.peak_ram_bytes, "stages": {st.name: st.device_bytes for st in self.stages},
-            "host": {st.name: {"anon_bytes": st.host_bytes, "page_cache_bytes": st.page_cache_bytes} for st in self.stages},
+            # ram_bytes: anon_bytes and, on a CPU, the compute's beyond them (what peak_ram_bytes is the largest of)
+            "host": {st.name: {"anon_bytes": st.host_bytes, "ram_bytes": st.ram_bytes,
+                               "page_cache_bytes": st.page_cache_bytes} for st in self.stages},
             "peak_anon_bytes": self.peak_ram_bytes, "peak_page_cache_bytes": self.peak_page_cache_bytes,
             "storage": dict(self.options.storage), "on_disk": self.on_disk,
             "disk_bytes_per_s": self.options.disk_bytes_per_s if self.on_disk else None,

@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, STRATEGY_BUDGETS, STRATEGY_OPTIONS, STRATEGY_WIDGETS, compactLines, legacyStrategyValues,
-  SAMPLER_SHAPE, extraFields, cacheLine, shapeText, speedLines, windowLines, onCpu, stageHeaders, planBars, planLines, planQuery, planReasons, planVerdict, needsLine, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
+  SAMPLER_SHAPE, extraFields, cacheLine, shapeText, speedLines, windowLines, onCpu, runLines, stageHeaders, planBars, planLines, planQuery, planReasons, planVerdict, needsLine, slowdownText, timeNote, timeShown, extraLines, formatBytes, formatPercent, formatSeconds, meterText,
   parseStrategyText, receiptFrom, strategyLines, summarize, textFrom,
 } from "../../web/js/vidmem_format.js";
 
@@ -335,6 +335,7 @@ test("receipts are at most three short lines; the rest is in the tooltip", () =>
   assert.equal(sampler[0], "text encode 1.29 s + denoise 12.50 s");
   const hit = compactLines("VidMemVideoSampler", { vidmem_receipt: [{ ...SAMPLER, text_encode: { cache: "used" } }] });
   assert.equal(hit[0], "prompt from the cache + denoise 12.50 s");
+  assert.match(runLines({ ...SAMPLER, text_encode: { cache: "used" } })[0], /^text_encode: prompt from the cache, /);
   assert.equal(sampler[1], "peak VRAM 8.85 GiB, RSS 414.45 MiB");
   assert.equal(sampler[2], "auto chose at 32x32x9: offload=none; swap cost 3.7% of denoise");
   const decode = compactLines("VidMemVAEDecode", { vidmem_receipt: [DECODE] });

@@ -86,8 +86,8 @@ function svg(tag, attrs, text) {
   return element;
 }
 
-// Per row: each stage's VRAM (thick) and RAM (thin) bar as a share of its budget; the dashed
-// line is the budget (a bar past it is red). The chosen row is marked; its label is never cut:
+// Per row: each stage's VRAM (thick) and RAM (thin) bar as a share of its budget (where the CPU computes, one bar:
+// its RAM against the RAM budget); the dashed line is the budget (a bar past it is red). The chosen row is marked; its label is never cut:
 // the label column is as wide as the longest label. The time column only where times differ;
 // over several GPUs it is the speedup against one GPU ("x1.89") and the VRAM the fullest GPU's.
 function drawChart(plan) {
@@ -190,7 +190,7 @@ function tableToggle(node, plan) {
   details.className = "vidmem-plan-details";
   details.open = Boolean(planState.get(node)?.tableOpen);
   const summary = document.createElement("summary");
-  summary.textContent = "table: peak VRAM and RAM per row";
+  summary.textContent = onCpu(plan) ? "table: peak RAM (and its compute's) per row" : "table: peak VRAM and RAM per row";
   Object.assign(summary.style, { cursor: "pointer", color: "#bbb", marginTop: "3px" });
   const table = document.createElement("pre");
   table.className = "vidmem-plan-table";

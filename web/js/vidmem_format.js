@@ -85,7 +85,8 @@ export function runLines(receipt) {
   const stages = Array.isArray(receipt.stages) ? receipt.stages : [];
   for (const stage of stages) {
     const vram = stage.peak_allocated_bytes !== undefined ? `peak VRAM ${formatBytes(stage.peak_allocated_bytes)}, ` : "";
-    lines.push(`${stage.stage}: ${formatSeconds(stage.seconds)}, ${vram}peak RSS ${formatBytes(stage.peak_rss_bytes)}`);
+    const seconds = promptCached(receipt, stage) ? "prompt from the cache" : formatSeconds(stage.seconds);
+    lines.push(`${stage.stage}: ${seconds}, ${vram}peak RSS ${formatBytes(stage.peak_rss_bytes)}`);
   }
   if (stages.length > 1) {
     const total = stages.reduce((sum, s) => sum + (Number(s.seconds) || 0), 0);
@@ -95,6 +96,12 @@ export function runLines(receipt) {
   if (receipt.cache) lines.push(cacheLine(receipt.cache));
   if (receipt.decode) lines.push(decodeLine(receipt.decode));
   return lines;
+}
+
+/** Whether `stage` is a text encode the prompt cache answered: nothing was encoded ("0 ms" read as if the encoder
+ * had run at no cost). */
+function promptCached(receipt, stage) {
+  return stage.stage === "text_encode" && receipt.text_encode?.cache === "used";
 }
 
 /** A Step Cache's work, as nodes/receipts.py cache_line says it: blocks computed of all, copies saved. */
@@ -595,9 +602,7 @@ export function compactLines(nodeType, message, max = 3) {
     return [`${receipt.clips} clips (${receipt.encoded} encoded, ${receipt.reused} reused)`, buckets].slice(0, max);
   }
   if (receipt?.stages) {
-    // a prompt the cache had is not encoded: "text encode 0 ms" read as if the encoder had run at no cost
-    const cached = (st) => st.stage === "text_encode" && receipt.text_encode?.cache === "used";
-    const stages = receipt.stages.map((st) => (cached(st) ? "prompt from the cache"
+    const stages = receipt.stages.map((st) => (promptCached(receipt, st) ? "prompt from the cache"
       : `${st.stage.replace("_", " ")} ${formatSeconds(st.seconds)}`)).join(" + ");
     const vram = Math.max(...receipt.stages.map((st) => st.peak_allocated_bytes ?? -1));
     const rss = Math.max(...receipt.stages.map((st) => st.peak_rss_bytes ?? -1));
