@@ -46,7 +46,6 @@ from bench.support.checkout import use_this_checkout  # noqa: E402
 
 use_this_checkout()  # `import vidmem` is this clone, installed or not
 
-import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 from vidmem.memory import MemoryStrategy  # noqa: E402
@@ -55,16 +54,11 @@ from vidmem.memory.lora import apply_loras  # noqa: E402
 from vidmem.memory.offload import StageComponents, apply_strategy  # noqa: E402
 from vidmem.memory.storage import mapped_bytes  # noqa: E402
 from vidmem.pipelines.lora import load_lora, lora_patches  # noqa: E402
+from bench.support.lora_files import write_lora  # noqa: E402
 from bench.support.memwatch import peak_growth, rss_in_child  # noqa: E402
 
 CONFIG = ROOT / "pipelines" / "configs" / "models" / "wan2.1-t2v-14b.json"
 RANK = 64
-# original Wan names of every linear layer in a block, with their diffusers twins
-BLOCK_LINEARS = {
-    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v", "self_attn.o": "attn1.to_out.0",
-    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v", "cross_attn.o": "attn2.to_out.0",
-    "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
-}
 TIERS = {
     "none": MemoryStrategy(offload="none"),
     "model": MemoryStrategy(offload="model"),
@@ -86,20 +80,6 @@ def build_model(blocks: int):
     config = json.loads(CONFIG.read_text())["components"]["transformer"]["config"]
     torch.manual_seed(0)
     return diffusers.WanTransformer3DModel(**dict(config, num_layers=blocks)).eval()
-
-
-def write_lora(model, blocks: int, path: Path, rank: int = RANK) -> Path:
-    gen = torch.Generator().manual_seed(1)
-    tensors = {}
-    for i in range(blocks):
-        for original, ours in BLOCK_LINEARS.items():
-            layer = model.get_submodule(f"blocks.{i}.{ours}")
-            key = f"diffusion_model.blocks.{i}.{original}"
-            tensors[f"{key}.lora_down.weight"] = torch.randn(rank, layer.in_features, generator=gen) * 0.01
-            tensors[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, rank, generator=gen) * 0.01
-            tensors[f"{key}.alpha"] = torch.tensor(float(rank))
-    safetensors.torch.save_file(tensors, str(path))
-    return path
 
 
 def inputs():
@@ -184,7 +164,7 @@ def extra_rss(model, strategy, path: Path) -> int:
 def measure_rss(args) -> None:
     model = build_model(args.blocks)
     with tempfile.TemporaryDirectory() as folder:
-        path = write_lora(model, args.blocks, Path(folder) / "rank64.safetensors")
+        path = write_lora(model, args.blocks, Path(folder) / "rank64.safetensors", RANK)
         args.rss_only.write_text(json.dumps({name: extra_rss(model, strategy, path) for name, strategy in TIERS.items()}))
 
 
@@ -203,7 +183,7 @@ def main() -> None:
     extra = rss_in_child(__file__, args)
     model = build_model(args.blocks)
     with tempfile.TemporaryDirectory() as folder:
-        path = write_lora(model, args.blocks, Path(folder) / "rank64.safetensors")
+        path = write_lora(model, args.blocks, Path(folder) / "rank64.safetensors", RANK)
         file_bytes = path.stat().st_size
         results, reference = {}, None
         holder = Holder(model)

@@ -48,6 +48,7 @@ on a tiny Wan trained in the bench (docs/step-cache.md, Quality).
     python bench/speed.py --parts attention,compile --steps 8 --runs 3     # one or more parts only
     python bench/speed.py --device cuda --parts compile --size 832x480x81 --blocks 4 --steps 2 --runs 3 \
         --compile-tiers none,block_swap_4                                   # compiled blocks at 480p (gpu_check.sh)
+    python bench/speed.py --parts compile --steps 4 --blocks 4 --runs 2 --compile-tiers none,none+lora  # with a LoRA
     python bench/speed.py --device cuda --parts goal --size 832x480x81 --blocks 4 --steps 2 --runs 2  # the 1.5x goal
     python bench/speed.py --device cuda --parts goal --model wan2.1-t2v-14b --size 832x480x81 --blocks 4 --steps 2 \
         --runs 2                                                            # the same on 14B-wide blocks
@@ -74,7 +75,7 @@ import torch  # noqa: E402
 
 from bench.support.speed_report import evidence, goals, print_goals, print_tables  # noqa: E402
 from bench.support.speed_attention import attention_rows, call_rows  # noqa: E402
-from bench.support.speed_compile import chosen_tiers, compile_rows  # noqa: E402
+from bench.support.speed_compile import LORA, LORA_RANK, chosen_tiers, compile_rows  # noqa: E402
 from vidmem.pipelines.compile import CompileSettings  # noqa: E402
 from vidmem.pipelines.speed import cpu_name  # noqa: E402
 from bench.support.speed_fp8 import fp8_rows  # noqa: E402
@@ -116,8 +117,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile part "
                         "(aot_eager: dynamo's tracing and guards without code generation, for a quick check)")
     parser.add_argument("--compile-tiers", default="", help="tiers of the compile part, comma-separated (default every "
-                        "one: none, block_swap of half and of all blocks, sequential), and of the goal part (default "
-                        "none and block_swap of all blocks)")
+                        "one: none, block_swap of half and of all blocks, sequential; the compile part also takes each "
+                        "as <tier>+lora, with a random LoRA of --lora-rank on every block's linear layers), and of the "
+                        "goal part (default none and block_swap of all blocks)")
+    parser.add_argument("--lora-rank", type=int, default=LORA_RANK, help="rank of the compile part's LoRA on "
+                        "+lora tiers")
     parser.add_argument("--goal-rows", default="", help="rows of the goal part, comma-separated (default all: "
                         "sage+fp8_off, auto+fp8_off, sage+fp8_on, auto+fp8_on)")
     args = parser.parse_args(argv)
@@ -134,9 +138,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
     except ValueError as error:
         parser.error(f"--goal-rows {','.join(args.goal_rows)!r}: {error}")
     try:
-        chosen_tiers(args.blocks, args.compile_tiers)
+        chosen_tiers(args.blocks, args.compile_tiers, lora="goal" not in args.parts.split(","))
     except ValueError as error:
-        parser.error(str(error))
+        parser.error(str(error) + ("; +lora tiers are the compile part's only" if LORA in ",".join(args.compile_tiers)
+                                   else ""))
+    if args.lora_rank < 1:
+        parser.error(f"--lora-rank {args.lora_rank}: a LoRA's rank is 1 or more")
     cuda = args.device != "cpu"
     width, height, frames = (int(v) for v in (args.size or ("480x320x17" if cuda else "64x64x5")).split("x"))
     timed = args.time_tiers if args.time_tiers is not None else (f"none,block_swap_{args.blocks}" if cuda else "none")
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "compile" in parts:
         print("\ncompiled blocks against eager", flush=True)
         result["compile"] = compile_rows(loaded, config, CompileSettings(True, backend=args.compile_backend),
-                                         tier_names=args.compile_tiers)
+                                         tier_names=args.compile_tiers, lora_rank=args.lora_rank)
         print(json.dumps(result["compile"], indent=1))
     if "fp8_matmul" in parts:
         print("\nfp8 matmul against the upcast path (fp8_scaled weights)", flush=True)

@@ -124,10 +124,12 @@ class LoraHandle:
 
     @property
     def nbytes(self) -> int:
-        """Extra bytes for the call: LoRA tensors beside the layers, or the fused weight copies."""
+        """Extra bytes for the call: LoRA tensors beside the layers (with their strengths when traced), or the
+        fused weight copies."""
         if self._originals:  # fused: the copies made, not the (already folded) LoRA tensors
             return sum(p.data.numel() * p.data.element_size() for p, _ in self._originals)
-        return sum(p.nbytes for p in self.applied)
+        strengths = sum(module._buffers[name].nbytes for module, name in self._buffers if name.endswith("_scale"))
+        return sum(p.nbytes for p in self.applied) + strengths
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -141,7 +143,7 @@ class LoraHandle:
         self._originals.clear()
         self.applied.clear()
 
-    def _attach(self, patch: LoraPatch, index: int) -> None:
+    def _attach(self, patch: LoraPatch, index: int, traced: bool) -> None:
         module = patch.module
         names = {}
         for kind, tensor in patch.tensors.items():
@@ -151,14 +153,23 @@ class LoraHandle:
             module.register_buffer(name, tensor, persistent=False)
             self._buffers.append((module, name))
             names[kind] = name
+        if traced:  # the strength as a tensor too, for the hook traced into a compiled block (_beside_hook)
+            names["scale"] = name = f"{BUFFER_PREFIX}{index}_scale"
+            module.register_buffer(name, torch.tensor(patch.scale, dtype=torch.float32, device=tensor.device),
+                                   persistent=False)
+            self._buffers.append((module, name))
         self._hooks.append(module.register_forward_hook(_beside_hook(names, patch.scale), with_kwargs=True))
         self.applied.append(patch)
 
 
-def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = False) -> LoraHandle:
+def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = False,
+                traced: bool = False) -> LoraHandle:
     """Attach `patches` to their modules for one call; nothing is left applied if this raises.
 
     `fuse=True` fuses them into plain floating-point weights instead (see the module docstring).
+    `traced=True`: the call compiles its blocks, and the hooks are to be traced into their graphs
+    (`_beside_hook`; each layer then carries its strength in a 0-dim buffer too). Without it, a
+    compiled block breaks its graph at every patched layer and runs the hook eagerly.
 
     Patches with scale 0 are skipped entirely (no buffer, no hook), so strength 0 is the base
     model bit for bit. Several patches may target one module (chained LoRAs); each adds its own
@@ -173,7 +184,7 @@ def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = F
     try:
         for index, patch in enumerate(patches):
             if patch.scale != 0.0:
-                _fuse(handle, patch, deltas) if fuse else handle._attach(patch, index)
+                _fuse(handle, patch, deltas) if fuse else handle._attach(patch, index, traced)
         for parameter, delta in deltas.values():  # after every check passed: nothing half-fused
             _replace(handle, parameter, delta)
     except BaseException:
@@ -222,29 +233,69 @@ def _beside_hook(names: dict[str, str], scale: float):
     """A forward hook adding the patch's term to the layer's output.
 
     The tensors are looked up on the module at call time, never captured: an offloading tier
-    re-points buffers to their device copies while the layer runs. At inference each term is one
+    re-points buffers to their device copies while the layer runs. Eagerly, each term is one
     `addmm_` into the output (matmul, scale and add in one BLAS call, no output-sized temporary);
     with autograd recording, the same ops run out of place.
-    """
 
-    @torch.compiler.disable  # reads buffers an offloading tier re-points: runs eagerly under torch.compile
+    Applied with `traced` (compiled blocks, pipelines/compile.py; `names` then has a "scale"
+    buffer), dynamo traces the hook into the block's graph rather than breaking it at every patched
+    layer (a graph break per layer made compiled blocks slower than eager ones with a LoRA). It then
+    reads the strength from the layer's 0-dim `scale` buffer, not the float: dynamo guards a float
+    by its value (another strength would compile the blocks again) and bakes a captured tensor into
+    the graph (another strength would run with the first one's); the layer's buffers, re-pointed by
+    a tier, are graph inputs, as its weights are. Without it the whole hook is hidden from dynamo
+    (a graph break; nothing of it guarded).
+    """
+    if "scale" not in names:
+        @torch.compiler.disable  # reads nothing dynamo would guard: no strength compiles the blocks again
+        def eager_hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+            return _eager_terms(module._buffers, names, scale, _layer_input(args, kwargs), output)
+
+        return eager_hook
+
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
-        buffers = module._buffers
-        layer_input = args[0] if args else next(iter(kwargs.values()))  # `layer(input=x)` works too
-        in_place = output.is_contiguous() and not (torch.is_grad_enabled() and output.requires_grad)
-        rows = output.view(-1, output.shape[-1]) if in_place else output.reshape(-1, output.shape[-1])
-        x = layer_input.reshape(-1, layer_input.shape[-1]).to(rows.dtype)
-        terms = []
-        if "down" in names:
-            terms.append((F.linear(x, buffers[names["down"]].to(rows.dtype)), buffers[names["up"]]))
-        if "diff" in names:
-            terms.append((x, buffers[names["diff"]]))
-        for left, weight in terms:
-            weight = weight.to(rows.dtype).t()
-            rows = rows.addmm_(left, weight, alpha=scale) if in_place else torch.addmm(rows, left, weight, alpha=scale)
-        if "diff_b" in names:
-            bias = buffers[names["diff_b"]].to(rows.dtype)
-            rows = rows.add_(bias, alpha=scale) if in_place else rows.add(bias, alpha=scale)
-        return output if in_place else rows.view(output.shape)
+        if torch.compiler.is_compiling():
+            return _traced_terms(module._buffers, names, _layer_input(args, kwargs), output)
+        return _eager_terms(module._buffers, names, scale, _layer_input(args, kwargs), output)
 
     return hook
+
+
+def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else next(iter(kwargs.values()))  # `layer(input=x)` works too
+
+
+def _eager_terms(buffers: dict, names: dict[str, str], scale: float, layer_input: torch.Tensor,
+                 output: torch.Tensor) -> torch.Tensor:
+    in_place = output.is_contiguous() and not (torch.is_grad_enabled() and output.requires_grad)
+    rows = output.view(-1, output.shape[-1]) if in_place else output.reshape(-1, output.shape[-1])
+    x = layer_input.reshape(-1, layer_input.shape[-1]).to(rows.dtype)
+    terms = []
+    if "down" in names:
+        terms.append((F.linear(x, buffers[names["down"]].to(rows.dtype)), buffers[names["up"]]))
+    if "diff" in names:
+        terms.append((x, buffers[names["diff"]]))
+    for left, weight in terms:
+        weight = weight.to(rows.dtype).t()
+        rows = rows.addmm_(left, weight, alpha=scale) if in_place else torch.addmm(rows, left, weight, alpha=scale)
+    if "diff_b" in names:
+        bias = buffers[names["diff_b"]].to(rows.dtype)
+        rows = rows.add_(bias, alpha=scale) if in_place else rows.add(bias, alpha=scale)
+    return output if in_place else rows.view(output.shape)
+
+
+def _traced_terms(buffers: dict, names: dict[str, str], layer_input: torch.Tensor,
+                  output: torch.Tensor) -> torch.Tensor:
+    """The same terms out of place, for the compiler to fuse into the layer's output."""
+    x = layer_input.to(output.dtype)
+    terms = []
+    if "down" in names:
+        terms.append(F.linear(F.linear(x, buffers[names["down"]].to(x.dtype)), buffers[names["up"]].to(x.dtype)))
+    if "diff" in names:
+        terms.append(F.linear(x, buffers[names["diff"]].to(x.dtype)))
+    if "diff_b" in names:
+        terms.append(buffers[names["diff_b"]].to(x.dtype))
+    term = terms[0]
+    for more in terms[1:]:
+        term = term + more
+    return output + term * buffers[names["scale"]]

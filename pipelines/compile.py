@@ -11,9 +11,10 @@ Where the boundary is, and why. The engine's hooks live in `nn.Module._call_impl
 the block itself, so compiling `forward` (not the module call) keeps them out of the graph; weights
 re-pointed between steps are graph *inputs* (torch 2.5+ always inlines nn.Modules and lifts their
 parameters and buffers), and dynamo guards their shape, dtype and device, not their address: a
-pointer swap does not recompile. Hooks *inside* a block (sequential's per-leaf streaming hooks,
-LoRA's beside-the-layer hooks) are `torch.compiler.disable`d in memory/: each is a graph break,
-the hook runs eagerly between two graphs.
+pointer swap does not recompile. Sequential's per-leaf streaming hooks *inside* a block are
+`torch.compiler.disable`d in memory/: each is a graph break, the hook runs eagerly between two
+graphs. A LoRA's hooks beside its layers are traced into the graph when applied with `traced`
+(memory/lora.py; the Sampler does when its Speed node compiles).
 
 The caveats that shape the cache. (1) By default dynamo does not guard on *empty* module hook
 dicts (`torch._dynamo.config.skip_nnmodule_hook_guards`): code compiled while a block's leaves had
@@ -24,7 +25,8 @@ compiled with hooks inside (graph breaks at every hooked leaf) also passes the g
 without them: after one sequential run, tier none would run the broken-up code for good. So each
 hook layout (which submodules carry which hooks, by name: tier, LoRA) compiles its own copy of the
 block's `forward` code, and the same layout in a later call reuses it, calling that call's own
-hook objects (a graph break re-reads them at run time).
+hook objects (a graph break re-reads them at run time; a traced LoRA hook reads its tensors, its
+strength included, from the layer's buffers, graph inputs).
 
 Costs. The first call compiles (seconds on a GPU machine for a real block; the receipt says how
 long); a second call of the same graph compiles nothing. `dynamic` decides what a new frame count

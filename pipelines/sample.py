@@ -277,7 +277,7 @@ class _Run:
         # Chunks and compiled blocks wrap the blocks' own forward, before the step cache wraps it.
         blocks = denoiser_blocks(loaded.pipe, loaded.spec)
         with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
-                apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, \
+                apply_loras(lora_patches(loaded.pipe, loaded.loras), traced=self.speed.speed.compile.on) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device)) as chunks, \
                 speed_for_call(self.speed, denoisers(loaded.pipe, loaded.spec), blocks, device, chunks) as speed, \

@@ -220,11 +220,12 @@ def measured_speed(speed: Speed, device: str | torch.device, lora_hooks: bool = 
     "cuda:1", "cpu"; a GPU without an index is the current one): configs/speedups.json's ratios (1.0 for a choice not
     measured there, or not made), and whether fp8 layers multiply
     in fp8. Nothing for a GPU this process cannot see (its name is unknown). `lora_hooks`: LoRAs run beside their
-    layers (memory/lora.py), each hook a graph break, so compiled blocks break at every patched layer as under
-    sequential at every streamed leaf: timed with the sequential figure. `context_parallel`: compile is refused."""
+    layers (memory/lora.py), traced into the compiled blocks' graphs: timed with the figure measured with a LoRA
+    (`compile_lora`) where there is one, else with the blocks' own. `context_parallel`: compile is refused."""
     ratios = _measured_ratios(speed, device, context_parallel)
-    if lora_hooks and "compiled" in ratios:
-        ratios["compiled"] = ratios.get("compiled_sequential", 1.0)
+    with_loras = ratios.pop("compiled_lora", None)
+    if lora_hooks and "compiled" in ratios and with_loras is not None:
+        ratios["compiled"] = with_loras
     device_type = torch.device(device).type
     fp8_on = _visible(device_type) and _fp8_enabled(speed.fp8_matmul, device_type)
     return MeasuredSpeed(**ratios, fp8_matmul_on=fp8_on)
@@ -237,7 +238,8 @@ def measured_line(speed: Speed, device: str | torch.device, context_parallel: bo
     if not ratios:
         return ""
     names = {"kernel": f"attention {speed.attention.value}", "compiled": "compiled blocks",
-             "compiled_sequential": "compiled blocks under sequential", "fp8_matmul": "fp8 matmul"}
+             "compiled_sequential": "compiled blocks under sequential", "compiled_lora": "compiled blocks with a LoRA",
+             "fp8_matmul": "fp8 matmul"}
     parts = ", ".join(f"{names[part]} x{ratio:.2f}" for part, ratio in ratios.items())
     entry = _measured()[device_name(device)]
     sources = dict.fromkeys(entry.get("sources", {}).get(_ENTRY_KEYS[part], entry["source"]) for part in ratios)
@@ -246,7 +248,7 @@ def measured_line(speed: Speed, device: str | torch.device, context_parallel: bo
 
 # MeasuredSpeed's fields -> the speedups.json keys they are read from (a figure's own "sources" entry is keyed so too).
 _ENTRY_KEYS = {"kernel": "attention", "compiled": "compile", "compiled_sequential": "compile_sequential",
-               "fp8_matmul": "fp8_matmul"}
+               "compiled_lora": "compile_lora", "fp8_matmul": "fp8_matmul"}
 
 
 def _measured_ratios(speed: Speed, device: str | torch.device, context_parallel: bool = False) -> dict[str, float]:
@@ -259,7 +261,7 @@ def _measured_ratios(speed: Speed, device: str | torch.device, context_parallel:
         return {}
     compiled = speed.compile.on and not context_parallel
     kernel = speed.attention is not AttentionKernel.AUTO and not (compiled and speed.attention is AttentionKernel.FLEX)
-    made = {"kernel": kernel, "compiled": compiled, "compiled_sequential": compiled,
+    made = {"kernel": kernel, "compiled": compiled, "compiled_sequential": compiled, "compiled_lora": compiled,
             "fp8_matmul": _fp8_enabled(speed.fp8_matmul, device_type)}
     ratios = {part: entry.get(_ENTRY_KEYS[part]) for part, chosen in made.items() if chosen}
     if "kernel" in ratios:

@@ -74,6 +74,30 @@ def test_compile_tiers_runs_the_tiers_named_in_their_order():
     assert all(count == 0 for count in found["recompiles_second_run"].values())
 
 
+def test_a_lora_tier_times_compiled_blocks_with_a_lora_traced_into_the_graphs():
+    """`none+lora`: tier none with a random LoRA on every block's linear layers, loaded from a real file, eager and
+    compiled both carrying it; its hooks traced (no graph break), so its second run compiles nothing either."""
+    torch._dynamo.reset()
+    config = SpeedConfig(steps=1, blocks=2, runs=1, time_tiers=())
+    loaded = build(config)
+    found = compile_rows(loaded, config, CompileSettings(True, backend="aot_eager"), log=lambda line: None,
+                         tier_names=("none", "none+lora"), lora_rank=4)
+    torch._dynamo.reset()
+    assert list(found["step_time_ratio"]) == ["none", "none+lora"]
+    assert found["lora"] == {"rank": 4, "layers": 2 * 10, "skipped": 0}
+    assert found["graph_breaks"] == {"none": 0, "none+lora": 0}
+    assert found["recompiles_second_run"] == {"none": 0, "none+lora": 0}
+    assert not getattr(loaded, "loras", ())  # the bench's own pipeline is left without the LoRA
+
+
+def test_lora_tiers_are_the_compile_parts_only(capsys):
+    args, _ = speed.parse(["--parts", "compile", "--blocks", "4", "--compile-tiers", "none,block_swap_4+lora"])
+    assert args.compile_tiers == ("none", "block_swap_4+lora")
+    error = _refusal(["--parts", "compile,goal", "--blocks", "4", "--compile-tiers", "none+lora"], capsys)
+    assert "none+lora" in error and "compile part's only" in error
+    assert "rank" in _refusal(["--parts", "compile", "--lora-rank", "0"], capsys)
+
+
 def _refusal(argv: list[str], capsys) -> str:
     """What bench/speed.py's parser says when it refuses `argv` (it must refuse)."""
     with pytest.raises(SystemExit):

@@ -151,10 +151,17 @@ def test_choices_not_made_or_not_measured_are_not_counted(speed_module):
     assert speed_module.measured_speed(Speed(chosen=False), "cpu") == MeasuredSpeed()  # no Speed node
 
 
-def test_lora_hooks_break_compiled_blocks_as_sequentials_leaves_do(speed_module):
+def test_lora_hooks_are_timed_with_the_figure_measured_with_a_lora_or_the_blocks_own(speed_module, monkeypatch):
+    """A LoRA's hooks are traced into the compiled graphs (memory/lora.py): no graph break to charge as
+    sequential's leaves are; a device's `compile_lora` figure where it was measured."""
     compiled = Speed(compile=CompileSettings(True))
-    assert speed_module.measured_speed(compiled, "cpu", lora_hooks=True) == MeasuredSpeed(compiled=1.1,
+    assert speed_module.measured_speed(compiled, "cpu", lora_hooks=True) == MeasuredSpeed(compiled=0.7,
                                                                                            compiled_sequential=1.1)
+    monkeypatch.setattr(speed_module, "_measured", lambda: {"Test CPU": {**MEASURED, "compile_lora": 0.75}})
+    assert speed_module.measured_speed(compiled, "cpu", lora_hooks=True) == MeasuredSpeed(compiled=0.75,
+                                                                                           compiled_sequential=1.1)
+    assert speed_module.measured_speed(compiled, "cpu") == MeasuredSpeed(compiled=0.7, compiled_sequential=1.1)
+    assert "compiled blocks with a LoRA x0.75" in speed_module.measured_line(compiled, "cpu")
 
 
 def test_context_parallel_refuses_compile_so_it_is_not_credited_and_the_line_says_so(speed_module):
@@ -326,9 +333,10 @@ def test_the_samplers_context_parallel_plan_gets_its_options(tiny_loaded, monkey
     assert seen == [options]
 
 
-def test_the_chart_times_a_lorad_run_with_compiles_sequential_figure(speed_module):
-    """Load LoRA nodes put hooks beside their layers, each a graph break: the chart credits compile as it credits
-    sequential's, and not at all with context parallelism (refused)."""
+def test_the_chart_times_a_lorad_run_with_the_figure_measured_with_a_lora(speed_module, monkeypatch):
+    """Load LoRA nodes put hooks beside their layers, traced into the compiled graphs: the chart credits a device's
+    figure measured with a LoRA (the blocks' own where none was), and not at all with context parallelism
+    (refused)."""
     from dataclasses import replace
 
     from test_web_route import query
@@ -339,7 +347,8 @@ def test_the_chart_times_a_lorad_run_with_compiles_sequential_figure(speed_modul
                                              speed_compile_mode="default", speed_compile_dynamic="auto",
                                              speed_fp8_matmul="off"), ["wan"], ["bf16"])
     lora = LoraRequest("style.safetensors", 1.0, "both", 1, 1)
+    monkeypatch.setattr(speed_module, "_measured", lambda: {"Test CPU": {**MEASURED, "compile_lora": 0.75}})
     assert plan_route._measured_speed(request, "cpu").compiled == 0.7
-    assert plan_route._measured_speed(replace(request, loras=(lora,)), "cpu").compiled == 1.1
+    assert plan_route._measured_speed(replace(request, loras=(lora,)), "cpu").compiled == 0.75
     assert plan_route._measured_speed(replace(request, loras=(replace(lora, strength=0.0),)), "cpu").compiled == 0.7
     assert plan_route._measured_speed(replace(request, context_parallel="ulysses"), "cpu").compiled == 1.0

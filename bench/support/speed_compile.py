@@ -2,7 +2,11 @@
 blocks against eager, the recompilations of a second run, and the first run's compile time.
 
 Per tier (none, block_swap of half and of all the blocks, sequential; speed_runs.tiers; `--compile-tiers`
-picks some, e.g. at 832x480x81, where each tier costs a compile and seven sampler calls):
+picks some, e.g. at 832x480x81, where each tier costs a compile and seven sampler calls; a tier named with
+`+lora`, e.g. `none+lora`, is that tier with a random LoRA of `--lora-rank` on every linear layer of every
+block, loaded from a real file as the Load LoRA node does: its eager and compiled calls both carry it, so
+its ratio is what compiled blocks give a user who samples with a LoRA, each patched layer's hook a graph
+break):
 - dynamo's caches are reset, so each tier's first compiled call compiles from nothing (inductor's
   on-disk kernel cache, shared by every run on the machine, still serves kernels it has seen:
   `compile_seconds` is dynamo + AOT + whatever inductor could not reuse);
@@ -21,47 +25,75 @@ compiled code is many small graphs (`graph_breaks` in the first run's report).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from vidmem.memory import MemoryStrategy
-from vidmem.pipelines.compile import CompileSettings, compiled_blocks
-from vidmem.pipelines.family import denoiser_blocks
+from vidmem.pipelines.compile import CompileSettings
+from vidmem.pipelines.lora.spec import load_lora, with_lora
 from vidmem.pipelines.sample import sample
+from vidmem.pipelines.speed import AttentionKernel, Speed
 from vidmem.pipelines.step_cache import StepCache
 
+from .lora_files import write_lora
 from .speed_runs import SpeedConfig, tiers
+
+LORA = "+lora"  # a tier name's suffix: that tier with a random LoRA beside every block's linear layers
+LORA_RANK = 32
 
 
 def compile_rows(loaded, config: SpeedConfig, settings: CompileSettings = CompileSettings(on=True),
-                 log=print, tier_names: Sequence[str] = ()) -> dict:
+                 log=print, tier_names: Sequence[str] = (), lora_rank: int = LORA_RANK) -> dict:
     """{"step_time_ratio", "recompiles_second_run", "compile_seconds"} (each tier -> value), with the
     settings, each tier's step times, latent difference, graph breaks and any fallback message.
-    `tier_names`: the tiers measured, in their order (default every one of speed_runs.tiers)."""
+    `tier_names`: the tiers measured, in their order (default every one of speed_runs.tiers; `+lora` tiers run
+    with a random LoRA of `lora_rank`)."""
     rows = {}
-    for tier, strategy in chosen_tiers(config.blocks, tier_names).items():
-        rows[tier] = row = _tier_row(loaded, config, strategy, settings)
-        ratio = f"x{row['step_time_ratio']:.2f}" if row["step_time_ratio"] is not None else "untimed"
-        # logged as each tier ends: a lease's time limit that cuts the part short keeps the tiers done in its log
-        log(f"  compile {tier:<14} step {ratio}  recompiles {row['recompiles_second_run']}  "
-            f"compile {row['compile_seconds']:.1f} s  diff {row['max_abs_diff']:.2e}" +
-            (f"  FALLBACK: {row['fallback']}" if row["fallback"] else ""))
+    with tempfile.TemporaryDirectory(prefix="vidmem-speed-lora-") as folder:
+        styled = None
+        for tier, strategy in chosen_tiers(config.blocks, tier_names).items():
+            if tier.endswith(LORA) and styled is None:
+                styled = with_random_lora(loaded, config, Path(folder), lora_rank)
+            rows[tier] = _logged_row(tier, styled if tier.endswith(LORA) else loaded, config, strategy, settings, log)
     keys = ("step_time_ratio", "recompiles_second_run", "compile_seconds", "eager_step_s", "compiled_step_s",
             "max_abs_diff", "graph_breaks", "fallback")
     found = {key: {tier: row[key] for tier, row in rows.items()} for key in keys}
-    return {**found, "settings": settings.describe(), "runs": config.runs}
+    lora = {"lora": {"rank": lora_rank, "layers": sum(map(len, styled.loras[0].layers.values())),
+                     "skipped": len(styled.loras[0].skipped)}} if styled is not None else {}
+    return {**found, "settings": settings.describe(), "runs": config.runs, **lora}
 
 
-def chosen_tiers(blocks: int, names: Sequence[str] = ()) -> dict[str, MemoryStrategy]:
-    """speed_runs.tiers(blocks), or those named, in the order named; an unknown name is refused with the choices."""
+def with_random_lora(loaded, config: SpeedConfig, folder: Path, rank: int):
+    """`loaded` with a random rank-`rank` LoRA on every linear layer of its `config.blocks` blocks, at strength 1."""
+    path = write_lora(loaded.pipe.transformer, config.blocks, folder / f"rank{rank}.safetensors", rank)
+    return with_lora(loaded, load_lora(path, loaded.pipe, 1.0, name=path.name))
+
+
+def _logged_row(tier: str, loaded, config: SpeedConfig, strategy, settings: CompileSettings, log) -> dict:
+    row = _tier_row(loaded, config, strategy, settings)
+    ratio = f"x{row['step_time_ratio']:.2f}" if row["step_time_ratio"] is not None else "untimed"
+    # logged as each tier ends: a lease's time limit that cuts the part short keeps the tiers done in its log
+    log(f"  compile {tier:<14} step {ratio}  recompiles {row['recompiles_second_run']}  "
+        f"compile {row['compile_seconds']:.1f} s  diff {row['max_abs_diff']:.2e}" +
+        (f"  FALLBACK: {row['fallback']}" if row["fallback"] else ""))
+    return row
+
+
+def chosen_tiers(blocks: int, names: Sequence[str] = (), lora: bool = True) -> dict[str, MemoryStrategy]:
+    """speed_runs.tiers(blocks), or those named, in the order named (with `lora`, each also as `<tier>+lora`); an
+    unknown name is refused with the choices."""
     every = tiers(blocks)
-    unknown = [name for name in names if name not in every]
+    choices = [*every, *(f"{tier}{LORA}" for tier in every if lora)]
+    unknown = [name for name in names if name not in choices]
     if unknown:
-        raise ValueError(f"--compile-tiers: {', '.join(unknown)} not among this bench's tiers at {blocks} blocks "
-                         f"({', '.join(every)})")
-    return {name: every[name] for name in names} if names else every
+        raise ValueError(f"--compile-tiers: {', '.join(unknown)} not among this part's tiers at {blocks} blocks "
+                         f"({', '.join(choices)})")
+    return {name: every[name.removesuffix(LORA)] for name in names} if names else every
 
 
 def _tier_row(loaded, config: SpeedConfig, strategy, settings: CompileSettings) -> dict:
@@ -85,12 +117,13 @@ def _tier_row(loaded, config: SpeedConfig, strategy, settings: CompileSettings) 
 
 
 def _call(loaded, config: SpeedConfig, strategy, settings: CompileSettings) -> tuple[torch.Tensor, dict]:
-    """One cold `sample()` call (warm device copies released, as in speed_runs.call) under `settings`;
+    """One cold `sample()` call (warm device copies released, as in speed_runs.call) with a Speed node that
+    compiles the blocks under `settings` (the Sampler's route: a LoRA's hooks traced into the graphs);
     (latents, receipt with the compile report under "compile")."""
     loaded.release_warm()
-    with compiled_blocks(denoiser_blocks(loaded.pipe, loaded.spec), settings) as compiled:
-        result = sample(loaded, strategy, config.request(StepCache()), device=torch.device(config.device))
-    return result.latent["samples"], {**result.receipt, "compile": compiled.as_dict()}
+    request = dataclasses.replace(config.request(StepCache()), speed=Speed(AttentionKernel.AUTO, settings))
+    result = sample(loaded, strategy, request, device=torch.device(config.device))
+    return result.latent["samples"], {**result.receipt, "compile": result.receipt.get("speed", {}).get("compile", {})}
 
 
 def step_seconds(receipt: dict, config: SpeedConfig) -> float:

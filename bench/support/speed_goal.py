@@ -60,7 +60,7 @@ def goal_rows(loaded: LoadedPipeline, config: SpeedConfig, settings: CompileSett
     what is found so far after each row and tier (a lease's time limit may cut the part short). `row_names`:
     the rows to measure, by name (default all of ROWS; `row_names_of` checks them)."""
     stored = with_stored_transformer(loaded, FORMAT)
-    tiers = chosen_tiers(config.blocks, tier_names or ("none", f"block_swap_{config.blocks}"))
+    tiers = chosen_tiers(config.blocks, tier_names or ("none", f"block_swap_{config.blocks}"), lora=False)
     device = torch.device(config.device)
     rows: dict[str, dict] = {}
     found = {"format": FORMAT, "baseline": f"{NO_SPEED_NODE.describe()}, transformer {FORMAT}",
