@@ -19,6 +19,10 @@ Ordering rule: apply LoRAs first, then the MemoryStrategy, and remove in reverse
 That way the strategy's residency groups include the LoRA buffers, and its post-forward
 eviction hook (registered later) runs after the LoRA hook has read them.
 
+Compiled blocks (pipelines/compile.py): applied with `traced=True`, the hooks are traced into the
+blocks' graphs, the strength read from a 0-dim buffer (`_traced_hook`); without it, each hook is a
+graph break and runs eagerly (`_eager_hook`).
+
 LoRAs are a property of the call, not of the module: two pipelines sharing modules each apply
 their own set for their own call. Strength 0 registers nothing, so it gives the base exactly.
 
@@ -111,6 +115,7 @@ class LoraHandle:
         self._hooks: list = []
         self._buffers: list[tuple[nn.Module, str]] = []
         self._originals: list[tuple[nn.Parameter, torch.Tensor]] = []  # fused parameters' own tensors
+        self._on_layer: dict[int, int] = {}  # id(layer) -> patches attached to it so far
         self.applied: list[LoraPatch] = []
 
     def __enter__(self) -> "LoraHandle":
@@ -141,24 +146,32 @@ class LoraHandle:
         for parameter, original in reversed(self._originals):
             parameter.data = original
         self._originals.clear()
+        self._on_layer.clear()
         self.applied.clear()
 
-    def _attach(self, patch: LoraPatch, index: int, traced: bool) -> None:
+    def _attach(self, patch: LoraPatch, traced: bool) -> None:
         module = patch.module
+        # Numbered per layer (its first patch 0, a chained LoRA's 1), not across the model: every block then holds
+        # the same buffer names, and code compiled for one block serves them all (dynamo may guard the names).
+        position = self._on_layer.get(id(module), 0)
+        self._on_layer[id(module)] = position + 1
         names = {}
         for kind, tensor in patch.tensors.items():
-            name = f"{BUFFER_PREFIX}{index}_{kind}"
+            name = f"{BUFFER_PREFIX}{position}_{kind}"
             if name in module._buffers:
                 raise LoraError(f"LoRA on {patch.name}: the layer already carries LoRA buffer '{name}'; remove the other LoraHandle first.")
             module.register_buffer(name, tensor, persistent=False)
             self._buffers.append((module, name))
             names[kind] = name
-        if traced:  # the strength as a tensor too, for the hook traced into a compiled block (_beside_hook)
-            names["scale"] = name = f"{BUFFER_PREFIX}{index}_scale"
+        if traced:  # the strength as a tensor too, for the hook traced into a compiled block (_traced_hook)
+            names["scale"] = name = f"{BUFFER_PREFIX}{position}_scale"
             module.register_buffer(name, torch.tensor(patch.scale, dtype=torch.float32, device=tensor.device),
                                    persistent=False)
             self._buffers.append((module, name))
-        self._hooks.append(module.register_forward_hook(_beside_hook(names, patch.scale), with_kwargs=True))
+            hook = module.register_forward_hook(_traced_hook(names, patch.scale, patch.name))
+        else:
+            hook = module.register_forward_hook(_eager_hook(names, patch.scale), with_kwargs=True)
+        self._hooks.append(hook)
         self.applied.append(patch)
 
 
@@ -168,7 +181,7 @@ def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = F
 
     `fuse=True` fuses them into plain floating-point weights instead (see the module docstring).
     `traced=True`: the call compiles its blocks, and the hooks are to be traced into their graphs
-    (`_beside_hook`; each layer then carries its strength in a 0-dim buffer too). Without it, a
+    (`_traced_hook`; each layer then carries its strength in a 0-dim buffer too). Without it, a
     compiled block breaks its graph at every patched layer and runs the hook eagerly.
 
     Patches with scale 0 are skipped entirely (no buffer, no hook), so strength 0 is the base
@@ -182,9 +195,9 @@ def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = F
     handle = LoraHandle()
     deltas: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # fuse: id(parameter) -> (parameter, float32 sum)
     try:
-        for index, patch in enumerate(patches):
+        for patch in patches:
             if patch.scale != 0.0:
-                _fuse(handle, patch, deltas) if fuse else handle._attach(patch, index, traced)
+                _fuse(handle, patch, deltas) if fuse else handle._attach(patch, traced)
         for parameter, delta in deltas.values():  # after every check passed: nothing half-fused
             _replace(handle, parameter, delta)
     except BaseException:
@@ -229,35 +242,47 @@ def _replace(handle: LoraHandle, parameter: nn.Parameter, delta: torch.Tensor) -
     parameter.data = (parameter.data.to(torch.float32) + delta).to(parameter.dtype)
 
 
-def _beside_hook(names: dict[str, str], scale: float):
-    """A forward hook adding the patch's term to the layer's output.
+def _eager_hook(names: dict[str, str], scale: float):
+    """A forward hook adding the patch's term to the layer's output, hidden from dynamo.
 
     The tensors are looked up on the module at call time, never captured: an offloading tier
-    re-points buffers to their device copies while the layer runs. Eagerly, each term is one
-    `addmm_` into the output (matmul, scale and add in one BLAS call, no output-sized temporary);
-    with autograd recording, the same ops run out of place.
-
-    Applied with `traced` (compiled blocks, pipelines/compile.py; `names` then has a "scale"
-    buffer), dynamo traces the hook into the block's graph rather than breaking it at every patched
-    layer (a graph break per layer made compiled blocks slower than eager ones with a LoRA). It then
-    reads the strength from the layer's 0-dim `scale` buffer, not the float: dynamo guards a float
-    by its value (another strength would compile the blocks again) and bakes a captured tensor into
-    the graph (another strength would run with the first one's); the layer's buffers, re-pointed by
-    a tier, are graph inputs, as its weights are. Without it the whole hook is hidden from dynamo
-    (a graph break; nothing of it guarded).
+    re-points buffers to their device copies while the layer runs. Each term is one `addmm_` into
+    the output (matmul, scale and add in one BLAS call, no output-sized temporary); with autograd
+    recording, the same ops run out of place. Inside a compiled block it is a graph break, and
+    nothing of it is guarded (another strength compiles nothing).
     """
-    if "scale" not in names:
-        @torch.compiler.disable  # reads nothing dynamo would guard: no strength compiles the blocks again
-        def eager_hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
-            return _eager_terms(module._buffers, names, scale, _layer_input(args, kwargs), output)
 
-        return eager_hook
-
+    @torch.compiler.disable
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return _traced_terms(module._buffers, names, _layer_input(args, kwargs), output)
         return _eager_terms(module._buffers, names, scale, _layer_input(args, kwargs), output)
 
+    return hook
+
+
+def _traced_hook(names: dict[str, str], scale: float, layer: str):
+    """The same hook for `apply_loras(..., traced=True)`: traced into a compiled block's graph rather
+    than breaking it at every patched layer (a graph break per layer made compiled blocks slower than
+    eager ones with a LoRA); eagerly, `_eager_hook`'s arithmetic.
+
+    Traced, it reads the strength from the layer's 0-dim `scale` buffer, not the float: dynamo guards
+    a float by its value (another strength would compile the blocks again) and bakes a captured
+    tensor into the graph (another strength would run with the first one's); the layer's buffers,
+    re-pointed by a tier, are graph inputs, as its weights are. It takes no keyword arguments:
+    torch 2.9 guards a keyword hook by its handle's id, new at every call and on every block, so
+    each would compile again. Its qualname names its terms: compiled blocks keep one copy of their
+    code per hook layout (pipelines/compile.py, `hook_layout`), so a LoRA with other terms (a weight
+    or bias delta) never runs code traced for these.
+    """
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if not args:
+            raise LoraError(f"LoRA on {layer}: the layer was called with its input by keyword, which a LoRA traced "
+                            "into compiled blocks cannot see; set the Speed node's compile off for this model.")
+        if torch.compiler.is_compiling():
+            return _traced_terms(module._buffers, names, args[0], output)
+        return _eager_terms(module._buffers, names, scale, args[0], output)
+
+    hook.__qualname__ = f"{hook.__qualname__}[{','.join(names)}]"
     return hook
 
 

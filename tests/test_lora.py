@@ -299,6 +299,42 @@ def test_a_layer_called_with_its_input_by_keyword_gets_its_lora_term():
         assert torch.allclose(layer(input=x), layer(x)) and not torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
+def test_traced_hooks_compute_the_eager_terms_and_name_their_buffers_per_layer():
+    """apply_loras(traced=True), run eagerly: the same output bit for bit (the same arithmetic); the buffers are
+    numbered per layer, so every block holds the same names (torch 2.9 guards them: names numbered across the model
+    compiled every block again), with a 0-dim strength; the hook's qualname names its terms (compiled blocks keep one
+    copy of their code per hook layout); a layer called by keyword is refused by name, not computed without its term."""
+    from vidmem.memory.lora import LoraError, LoraPatch
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 4) for _ in range(2)]
+    x = torch.randn(3, 8)
+
+    def patches(delta=False):
+        return [LoraPatch(layer, 0.5, down=torch.randn(2, 8), up=torch.randn(4, 2),
+                          diff=torch.randn(4, 8) if delta else None, name=f"blocks.{i}.to_q")
+                for i, layer in enumerate(layers)] + [LoraPatch(layers[0], 0.25, down=torch.randn(2, 8), up=torch.randn(4, 2),
+                                                                name="blocks.0.to_q")]  # a chained second LoRA
+
+    for delta in (False, True):
+        torch.manual_seed(1)
+        chosen = patches(delta)
+        with apply_loras(chosen):
+            eager = [layer(x) for layer in layers]
+        with apply_loras(chosen, traced=True) as handle:
+            assert all(torch.equal(a, layer(x)) for a, layer in zip(eager, layers))
+            names = [sorted(layer._buffers) for layer in layers]
+            assert set(names[1]) < set(names[0]) and "_vidmem_lora0_scale" in names[1] and "_vidmem_lora1_scale" in names[0]
+            assert layers[0]._buffers["_vidmem_lora1_scale"].item() == 0.25
+            qualnames = {hook.__qualname__ for hook in layers[1]._forward_hooks.values()}
+            assert qualnames == {"_traced_hook.<locals>.hook[down,up,scale]" if not delta
+                                 else "_traced_hook.<locals>.hook[down,up,diff,scale]"}
+            assert handle.nbytes == sum(p.nbytes for p in chosen) + 3 * 4
+            with pytest.raises(LoraError, match="blocks.0.to_q.*by keyword.*compile off"):
+                layers[0](input=x)
+        assert not layers[0]._buffers and not layers[0]._forward_hooks
+
+
 def test_a_peft_lora_b_bias_is_scaled_like_its_low_rank_term(wan, tmp_path):
     """PEFT computes `lora_B(lora_A(x)) * alpha / r`: lora_B's bias is inside the scaled term."""
     layer_name = WAN_LAYERS[0]
