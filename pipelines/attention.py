@@ -594,27 +594,41 @@ class _ScopedForward:
         # instead of one (eager only past vidmem's recompile limit of 64, compile.py). A bound method is guarded
         # by its function.
         self.entry = types.MethodType(_run_scoped, module)
-        self.inner: Callable = self.plain
+        # What the scope runs: None for the module's own forward, run as its class's function (`function`, one
+        # object for every block) with the module passed in: torch 2.9 guards a per-module bound method such as
+        # `plain` by its id, so every block compiled its own copy again; else a forward found on the module when
+        # the call began (someone's wrapper).
+        self.function = type(module).forward
+        self.inner: Callable | None = None
         self.scope: Callable | None = None
         self.in_chain = False  # left in the module's forward chain (under a wrapper someone put over it)
 
     def __call__(self, *args, **kwargs):
+        """Called by a wrapper put over ours (`in_chain`), not through `entry`."""
+        return self.run(self.plain.__self__, *args, **kwargs)
+
+    def run(self, module: nn.Module, *args, **kwargs):
         if self.scope is None:  # released, yet still called: a wrapper put over ours was left in place
-            return self.inner(*args, **kwargs)
+            return self._forward(module, args, kwargs)
         with self.scope():
-            return self.inner(*args, **kwargs)
+            return self._forward(module, args, kwargs)
+
+    def _forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.inner is None:
+            return self.function(module, *args, **kwargs)
+        return self.inner(*args, **kwargs)
 
     def release(self, in_chain: bool = False) -> None:
         """Out of the call's scope. `in_chain`: something still calls this object (a wrapper left over
         it), so it keeps calling what it wrapped; else it lets go of that."""
         self.scope, self.in_chain = None, in_chain
         if not in_chain:
-            self.inner = self.plain
+            self.inner = None
 
 
 def _run_scoped(module: nn.Module, *args, **kwargs):
-    """`module.forward` while scoped (`_ScopedForward.entry`): its `_ScopedForward`, called."""
-    return getattr(module, _SCOPED_ATTR)(*args, **kwargs)
+    """`module.forward` while scoped (`_ScopedForward.entry`): its `_ScopedForward`, run."""
+    return getattr(module, _SCOPED_ATTR).run(module, *args, **kwargs)
 
 
 def _scope_forward(applied: AppliedAttention, module: nn.Module, scope: Callable) -> None:
@@ -630,7 +644,7 @@ def _scope_forward(applied: AppliedAttention, module: nn.Module, scope: Callable
         applied._scoped.append((module, scoped, _InPlace(scoped.scope, scoped.in_chain)))
         scoped.scope = scope
         return
-    scoped.inner, scoped.scope = (scoped.plain if found is _ABSENT else found), scope
+    scoped.inner, scoped.scope = (None if found is _ABSENT else found), scope
     module.forward = scoped.entry
     applied._scoped.append((module, scoped, found))
 

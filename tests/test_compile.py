@@ -509,7 +509,8 @@ def test_sdpa_rerouted_to_sageattention_compiles_one_graph_for_every_block_witho
     findings (2026-11-28, 4 Wan blocks): each compiled block broke its graph at every attention (the mode handed
     Wan's `Tensor.unflatten` to torch's Python wrapper, whose `super()` dynamo cannot trace), and each block compiled
     its own graph (dynamo guarded on a per-module forward object), so a 30- or 40-block model compiled 30 to 40
-    graphs instead of one (eagerly only past vidmem's recompile limit of 64). Now: the frames plain SDPA compiles, no break, nothing again on the
+    graphs instead of one (eagerly only past vidmem's recompile limit of 64); on torch 2.9 (ComfyUI's) the same
+    again through the module's own forward, a bound method per module that 2.9 guards by id. Now: the frames plain SDPA compiles, no break, nothing again on the
     second call, and the compiled blocks' latents those of the eager route (the stand-in sageattn attends with another
     scale, so that a compiled block that bypassed the route would give plain SDPA's latents instead)."""
     import sys
