@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "compile" in parts:
         print("\ncompiled blocks against eager", flush=True)
         result["compile"] = compile_rows(loaded, config, CompileSettings(True, backend=args.compile_backend),
-                                         tier_names=args.compile_tiers, lora_rank=args.lora_rank)
+                                         tier_names=args.compile_tiers, lora_rank=args.lora_rank,
+                                         on_row=lambda found: write_json(args.json, {**result, "compile": found,
+                                                                                     "partial": True}))
         print(json.dumps(result["compile"], indent=1))
     if "fp8_matmul" in parts:
         print("\nfp8 matmul against the upcast path (fp8_scaled weights)", flush=True)

@@ -19,9 +19,9 @@ Ordering rule: apply LoRAs first, then the MemoryStrategy, and remove in reverse
 That way the strategy's residency groups include the LoRA buffers, and its post-forward
 eviction hook (registered later) runs after the LoRA hook has read them.
 
-Compiled blocks (pipelines/compile.py): applied with `traced=True`, the hooks are traced into the
-blocks' graphs, the strength read from a 0-dim buffer (`_traced_hook`); without it, each hook is a
-graph break and runs eagerly (`_eager_hook`).
+Compiled blocks (pipelines/compile.py): the hooks on layers inside the modules given as `traced_in`
+are traced into the blocks' graphs, the strength read from a 0-dim buffer (`_traced_hook`); the
+others run eagerly (`_eager_hook`: inside a compiled block, a graph break).
 
 LoRAs are a property of the call, not of the module: two pipelines sharing modules each apply
 their own set for their own call. Strength 0 registers nothing, so it gives the base exactly.
@@ -38,6 +38,7 @@ because fusing would need a dequantized copy anyway.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -133,8 +134,9 @@ class LoraHandle:
         fused weight copies."""
         if self._originals:  # fused: the copies made, not the (already folded) LoRA tensors
             return sum(p.data.numel() * p.data.element_size() for p, _ in self._originals)
-        strengths = sum(module._buffers[name].nbytes for module, name in self._buffers if name.endswith("_scale"))
-        return sum(p.nbytes for p in self.applied) + strengths
+        strengths = {id(t): t.nbytes for module, name in self._buffers if name.endswith("_scale")
+                     for t in [module._buffers[name]]}  # one tensor per strength, shared by its layers
+        return sum(p.nbytes for p in self.applied) + sum(strengths.values())
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -152,21 +154,21 @@ class LoraHandle:
     def _attach(self, patch: LoraPatch, traced: bool) -> None:
         module = patch.module
         # Numbered per layer (its first patch 0, a chained LoRA's 1), not across the model: every block then holds
-        # the same buffer names, and code compiled for one block serves them all (dynamo may guard the names).
+        # the same buffer names, and code compiled for one block serves them all (dynamo guards the names).
         position = self._on_layer.get(id(module), 0)
         self._on_layer[id(module)] = position + 1
+        prefix = f"{BUFFER_PREFIX}{position}_"
+        taken = next((name for name in module._buffers if name.startswith(prefix)), None)
+        if taken is not None:
+            raise LoraError(f"LoRA on {patch.name}: the layer already carries LoRA buffer '{taken}'; remove the other LoraHandle first.")
         names = {}
         for kind, tensor in patch.tensors.items():
-            name = f"{BUFFER_PREFIX}{position}_{kind}"
-            if name in module._buffers:
-                raise LoraError(f"LoRA on {patch.name}: the layer already carries LoRA buffer '{name}'; remove the other LoraHandle first.")
+            names[kind] = name = prefix + kind
             module.register_buffer(name, tensor, persistent=False)
             self._buffers.append((module, name))
-            names[kind] = name
         if traced:  # the strength as a tensor too, for the hook traced into a compiled block (_traced_hook)
-            names["scale"] = name = f"{BUFFER_PREFIX}{position}_scale"
-            module.register_buffer(name, torch.tensor(patch.scale, dtype=torch.float32, device=tensor.device),
-                                   persistent=False)
+            names["scale"] = name = prefix + "scale"
+            module.register_buffer(name, _strength(patch.scale, tensor.device), persistent=False)
             self._buffers.append((module, name))
             hook = module.register_forward_hook(_traced_hook(names, patch.scale, patch.name))
         else:
@@ -176,13 +178,13 @@ class LoraHandle:
 
 
 def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = False,
-                traced: bool = False) -> LoraHandle:
+                traced_in: Collection[nn.Module] = ()) -> LoraHandle:
     """Attach `patches` to their modules for one call; nothing is left applied if this raises.
 
     `fuse=True` fuses them into plain floating-point weights instead (see the module docstring).
-    `traced=True`: the call compiles its blocks, and the hooks are to be traced into their graphs
-    (`_traced_hook`; each layer then carries its strength in a 0-dim buffer too). Without it, a
-    compiled block breaks its graph at every patched layer and runs the hook eagerly.
+    `traced_in`: the modules the call compiles (its blocks): the hooks of patches on layers inside them are
+    traced into their graphs (`_traced_hook`; each such layer also carries its strength in a 0-dim buffer).
+    Elsewhere, and without it, a hook runs eagerly (inside a compiled block: a graph break at that layer).
 
     Patches with scale 0 are skipped entirely (no buffer, no hook), so strength 0 is the base
     model bit for bit. Several patches may target one module (chained LoRAs); each adds its own
@@ -194,10 +196,11 @@ def apply_loras(patches: list[LoraPatch] | tuple[LoraPatch, ...], fuse: bool = F
     """
     handle = LoraHandle()
     deltas: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # fuse: id(parameter) -> (parameter, float32 sum)
+    compiled = {id(layer) for module in traced_in for layer in module.modules()}
     try:
         for patch in patches:
             if patch.scale != 0.0:
-                _fuse(handle, patch, deltas) if fuse else handle._attach(patch, traced)
+                _fuse(handle, patch, deltas) if fuse else handle._attach(patch, id(patch.module) in compiled)
         for parameter, delta in deltas.values():  # after every check passed: nothing half-fused
             _replace(handle, parameter, delta)
     except BaseException:
@@ -242,6 +245,21 @@ def _replace(handle: LoraHandle, parameter: nn.Parameter, delta: torch.Tensor) -
     parameter.data = (parameter.data.to(torch.float32) + delta).to(parameter.dtype)
 
 
+# (strength, device) -> its 0-dim float32 tensor, made once (see _strength)
+_STRENGTHS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def _strength(value: float, device: torch.device) -> torch.Tensor:
+    """The strength as one 0-dim tensor, the same object on every layer and in every call: the host pool and the
+    warm store know a tensor by its identity, so a new one per call would take a new pinned home each time (the
+    pool would grow run over run) and keep every LoRA'd block from staying on the GPU between runs. Shared by
+    several blocks, the engine keeps it resident. A few bytes per distinct strength, kept for the process."""
+    key = (float(value), torch.device(device))
+    if key not in _STRENGTHS:
+        _STRENGTHS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return _STRENGTHS[key]
+
+
 def _eager_hook(names: dict[str, str], scale: float):
     """A forward hook adding the patch's term to the layer's output, hidden from dynamo.
 
@@ -260,13 +278,13 @@ def _eager_hook(names: dict[str, str], scale: float):
 
 
 def _traced_hook(names: dict[str, str], scale: float, layer: str):
-    """The same hook for `apply_loras(..., traced=True)`: traced into a compiled block's graph rather
+    """The same hook for a layer inside `apply_loras(..., traced_in=...)`: traced into a compiled block's graph rather
     than breaking it at every patched layer (a graph break per layer made compiled blocks slower than
     eager ones with a LoRA); eagerly, `_eager_hook`'s arithmetic.
 
-    Traced, it reads the strength from the layer's 0-dim `scale` buffer, not the float: dynamo guards
-    a float by its value (another strength would compile the blocks again) and bakes a captured
-    tensor into the graph (another strength would run with the first one's); the layer's buffers,
+    Traced, it reads the strength from the layer's 0-dim `scale` buffer, not the float: dynamo
+    specializes on a float's value (another strength compiles the blocks again, once at least) and
+    bakes a captured tensor into the graph (another strength would run with the first one's); the layer's buffers,
     re-pointed by a tier, are graph inputs, as its weights are. It takes no keyword arguments:
     torch 2.9 guards a keyword hook by its handle's id, new at every call and on every block, so
     each would compile again. Its qualname names its terms: compiled blocks keep one copy of their

@@ -13,8 +13,8 @@ re-pointed between steps are graph *inputs* (torch 2.5+ always inlines nn.Module
 parameters and buffers), and dynamo guards their shape, dtype and device, not their address: a
 pointer swap does not recompile. Sequential's per-leaf streaming hooks *inside* a block are
 `torch.compiler.disable`d in memory/: each is a graph break, the hook runs eagerly between two
-graphs. A LoRA's hooks beside its layers are traced into the graph when applied with `traced`
-(memory/lora.py; the Sampler does when its Speed node compiles).
+graphs. A LoRA's hooks beside its layers are traced into the graph when applied with `traced_in`
+(memory/lora.py; the Sampler passes the blocks when its Speed node compiles).
 
 The caveats that shape the cache. (1) By default dynamo does not guard on *empty* module hook
 dicts (`torch._dynamo.config.skip_nnmodule_hook_guards`): code compiled while a block's leaves had

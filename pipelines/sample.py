@@ -276,8 +276,10 @@ class _Run:
         warm = loaded.warm_store("sample", self.backend)  # weights the last call left on the device
         # Chunks and compiled blocks wrap the blocks' own forward, before the step cache wraps it.
         blocks = denoiser_blocks(loaded.pipe, loaded.spec)
+        # a LoRA's hooks on the layers of compiled blocks are traced into their graphs (memory/lora.py)
+        compiled_modules = [b for group in blocks.values() for b in group] if self.speed.speed.compile.on else ()
         with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
-                apply_loras(lora_patches(loaded.pipe, loaded.loras), traced=self.speed.speed.compile.on) as lora_handle, \
+                apply_loras(lora_patches(loaded.pipe, loaded.loras), traced_in=compiled_modules) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device)) as chunks, \
                 speed_for_call(self.speed, denoisers(loaded.pipe, loaded.spec), blocks, device, chunks) as speed, \

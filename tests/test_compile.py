@@ -36,6 +36,7 @@ from vidmem.pipelines.compile import CompileSettings, _backends, compiled_blocks
 from vidmem.pipelines.family import denoiser_blocks
 from vidmem.pipelines.lora import load_lora, with_lora
 from vidmem.pipelines.sample import sample
+from vidmem.pipelines.speed import Speed
 from vidmem.pipelines.step_cache import StepCache
 
 VARIANT = "wan2.1-t2v"
@@ -198,6 +199,33 @@ def test_tier_none_after_sequential_runs_its_own_unbroken_graph(wan):
     assert graphs_run[2] == graphs_run[0]
 
 
+def test_a_traced_lora_compiles_as_many_frames_as_no_lora_and_its_blocks_stay_warm(wan, tmp_path, monkeypatch):
+    """The LoRA's buffers carry the same names on every block (numbered per layer) and its strengths are the same
+    tensors every call: the first call compiles what a call without a LoRA does (names numbered across the model
+    compiled every block again), and a later call of the same graph finds every streamed block where the last left
+    it, uploading nothing (a new strength tensor per call kept every LoRA'd block from staying on the device)."""
+    from test_tiers import block_count
+    from vidmem.pipelines import compile as compiling
+    from vidmem.pipelines.hooks import RunHooks
+    from vidmem.pipelines.prompt_cache import PromptCache
+
+    lora = peft_keys(random_lora(wan.pipe.transformer, WAN_TARGETS, seed=1), None)
+    styled = with_lora(wan, load_lora(write(tmp_path / "style.safetensors", lora), wan.pipe, 0.8))
+    request = request_for(VARIANT)
+    frames = {}
+    for name, loaded in (("no LoRA", wan), ("LoRA", styled)):
+        monkeypatch.setattr(compiling, "_COMPILED", weakref.WeakKeyDictionary())
+        torch._dynamo.reset()
+        frames[name] = run_speed_node(loaded, TIERS["none"], FAST, request)[1]["frames_compiled"]
+    assert frames["LoRA"] == frames["no LoRA"], frames
+    strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(styled), prefetch_blocks=0)
+    hooks = RunHooks(device_budget=lambda device: 1 << 40, prompt_cache=PromptCache(tmp_path / "prompts"))
+    speed_request = dataclasses.replace(request, speed=Speed("auto", FAST))
+    backend = StrictBackend()  # the warm store is the backend's device's
+    warm = [sample(styled, strategy, speed_request, hooks=hooks, backend=backend).receipt["warm"] for _ in range(3)]
+    assert [(w["streamed_bytes"], w["uploaded_bytes"]) for w in warm[1:]] == [(0, 0), (0, 0)], warm
+
+
 @pytest.mark.parametrize("route", ["speed node", "compiled_blocks"])
 def test_another_lora_in_the_same_layout_uses_its_own_tensors(wan, tmp_path, route):
     """Same hooks, other LoRA (other tensors and strength): the compiled code is reused, and it computes
@@ -235,7 +263,8 @@ def test_a_lora_is_traced_into_the_compiled_blocks(wan, tmp_path, tier):
         if call == 0 and tier != "sequential":  # sequential's streaming hooks break the graphs at every leaf
             assert report["graph_breaks"] == 0, report
     assert report["frames_compiled"] == 0, report["recompile_reasons"]
-    assert receipt["lora_bytes"] == styled.loras[0].nbytes + 4 * len(WAN_TARGETS)  # and a float32 strength each
+    # and one float32 strength, shared by the blocks' layers (proj_out, outside the blocks, keeps the eager hook)
+    assert receipt["lora_bytes"] == styled.loras[0].nbytes + 4
     assert not torch.allclose(eager, run(wan, TIERS[tier], CompileSettings())[0], atol=1e-3)
 
 

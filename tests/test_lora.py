@@ -300,39 +300,83 @@ def test_a_layer_called_with_its_input_by_keyword_gets_its_lora_term():
 
 
 def test_traced_hooks_compute_the_eager_terms_and_name_their_buffers_per_layer():
-    """apply_loras(traced=True), run eagerly: the same output bit for bit (the same arithmetic); the buffers are
-    numbered per layer, so every block holds the same names (torch 2.9 guards them: names numbered across the model
-    compiled every block again), with a 0-dim strength; the hook's qualname names its terms (compiled blocks keep one
-    copy of their code per hook layout); a layer called by keyword is refused by name, not computed without its term."""
+    """apply_loras(traced_in=...), run eagerly: the same output bit for bit (the same arithmetic); the buffers are
+    numbered per layer, so every block holds the same names (dynamo guards them: names numbered across the model
+    compiled every block again), with a 0-dim strength that is one tensor per value, the same in every call (a new
+    one each call took a new pinned home and kept blocks from staying warm); the hook's qualname names its terms
+    (compiled blocks keep one copy of their code per hook layout); a layer called by keyword is refused by name, not
+    computed without its term; a layer outside `traced_in` keeps the eager hook."""
     from vidmem.memory.lora import LoraError, LoraPatch
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 4) for _ in range(2)]
+    outside = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8)
 
     def patches(delta=False):
         return [LoraPatch(layer, 0.5, down=torch.randn(2, 8), up=torch.randn(4, 2),
                           diff=torch.randn(4, 8) if delta else None, name=f"blocks.{i}.to_q")
-                for i, layer in enumerate(layers)] + [LoraPatch(layers[0], 0.25, down=torch.randn(2, 8), up=torch.randn(4, 2),
-                                                                name="blocks.0.to_q")]  # a chained second LoRA
+                for i, layer in enumerate([*layers, outside])] + [
+            LoraPatch(layers[0], 0.25, down=torch.randn(2, 8), up=torch.randn(4, 2), name="blocks.0.to_q")]  # chained
 
+    strengths = []
     for delta in (False, True):
         torch.manual_seed(1)
         chosen = patches(delta)
         with apply_loras(chosen):
-            eager = [layer(x) for layer in layers]
-        with apply_loras(chosen, traced=True) as handle:
-            assert all(torch.equal(a, layer(x)) for a, layer in zip(eager, layers))
+            eager = [layer(x) for layer in [*layers, outside]]
+        with apply_loras(chosen, traced_in=layers) as handle:
+            assert all(torch.equal(a, layer(x)) for a, layer in zip(eager, [*layers, outside]))
             names = [sorted(layer._buffers) for layer in layers]
             assert set(names[1]) < set(names[0]) and "_vidmem_lora0_scale" in names[1] and "_vidmem_lora1_scale" in names[0]
             assert layers[0]._buffers["_vidmem_lora1_scale"].item() == 0.25
+            assert layers[0]._buffers["_vidmem_lora0_scale"] is layers[1]._buffers["_vidmem_lora0_scale"]
+            strengths.append(layers[1]._buffers["_vidmem_lora0_scale"])
             qualnames = {hook.__qualname__ for hook in layers[1]._forward_hooks.values()}
             assert qualnames == {"_traced_hook.<locals>.hook[down,up,scale]" if not delta
                                  else "_traced_hook.<locals>.hook[down,up,diff,scale]"}
-            assert handle.nbytes == sum(p.nbytes for p in chosen) + 3 * 4
+            assert {hook.__qualname__ for hook in outside._forward_hooks.values()} == {"_eager_hook.<locals>.hook"}
+            assert not any(name.endswith("scale") for name in outside._buffers)
+            assert handle.nbytes == sum(p.nbytes for p in chosen) + 2 * 4  # strengths 0.5 and 0.25, one tensor each
+            assert torch.equal(outside(input=x), eager[2])  # the eager hook takes a keyword input
             with pytest.raises(LoraError, match="blocks.0.to_q.*by keyword.*compile off"):
                 layers[0](input=x)
         assert not layers[0]._buffers and not layers[0]._forward_hooks
+    assert strengths[0] is strengths[1]
+
+
+def test_every_kind_of_term_traced_into_a_graph_equals_the_eager_one():
+    """Low-rank with a bias (PEFT's lora_B bias), a full weight delta and a bias delta, traced by dynamo without a
+    graph break: the eager hook's result, to float32 rounding (the traced term rounds three times)."""
+    import torch._dynamo
+
+    from vidmem.memory.lora import LoraPatch
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    patches = [LoraPatch(block[0], 0.5, down=torch.randn(2, 8), up=torch.randn(8, 2), diff_b=torch.randn(8), name="0"),
+               LoraPatch(block[1], 0.7, diff=torch.randn(4, 8), diff_b=torch.randn(4), name="1")]
+    x = torch.randn(3, 8)
+    with torch.no_grad(), apply_loras(patches):
+        eager = block(x)
+    torch._dynamo.reset()
+    with torch.no_grad(), apply_loras(patches, traced_in=[block]):
+        explained = torch._dynamo.explain(lambda x: block(x))(x)
+        traced = torch.compile(lambda x: block(x), backend="aot_eager")(x)
+    torch._dynamo.reset()
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(eager, block(x), atol=1e-3)  # the terms are there
+
+
+def test_a_second_lora_handle_on_a_layer_is_refused_whatever_its_terms():
+    from vidmem.memory.lora import LoraError, LoraPatch
+
+    layer = torch.nn.Linear(8, 4)
+    with apply_loras([LoraPatch(layer, 0.8, down=torch.randn(2, 8), up=torch.randn(4, 2), name="a")], traced_in=[layer]):
+        with pytest.raises(LoraError, match="already carries LoRA buffer '_vidmem_lora0_"):
+            apply_loras([LoraPatch(layer, 0.3, diff=torch.randn(4, 8), name="a")], traced_in=[layer])
+        assert layer._buffers["_vidmem_lora0_scale"].item() == pytest.approx(0.8)
 
 
 def test_a_peft_lora_b_bias_is_scaled_like_its_low_rank_term(wan, tmp_path):

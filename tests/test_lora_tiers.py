@@ -295,3 +295,23 @@ def test_file_backed_lora_tensors_stay_out_of_pinned_memory(wan, spec):
     lora_tensors = 2 * len(spec.layers["transformer"])
     assert stats[1]["allocations"] == stats[2]["allocations"] == stats[0]["allocations"]
     assert stats[1]["file_backed"] == stats[0]["file_backed"] + lora_tensors
+
+
+@pytest.mark.parametrize("tier", ["sequential:p1", "block_swap:1:p1"])
+def test_traced_loras_take_no_new_pinned_home_run_over_run(wan, spec, tier):
+    """Traced into compiled blocks, each patched layer also carries its strength as a tensor: one per value, the same
+    object every call, so the host pool adopts it once (a new one per call took a new pinned home every call, for
+    every layer, and kept LoRA'd blocks from staying warm)."""
+    from vidmem.memory.hostpool import HostPool
+
+    model = copy.deepcopy(wan.transformer)
+    holder = type("Pipe", (), {"transformer": model})()
+    stage = StageComponents({"transformer": model}, {"transformer": model.blocks})
+    pool, allocations = HostPool(), []
+    for _ in range(3):
+        with torch.no_grad(), apply_loras(lora_patches(holder, [spec]), traced_in=list(model.blocks)), apply_strategy(
+            stage, TIERS[tier], StrictBackend(pinning=True), host_pool=pool
+        ):
+            model(**wan_inputs())
+        allocations.append(pool.stats()["allocations"])
+    assert allocations[0] == allocations[1] == allocations[2], allocations

@@ -5,8 +5,7 @@ Per tier (none, block_swap of half and of all the blocks, sequential; speed_runs
 picks some, e.g. at 832x480x81, where each tier costs a compile and seven sampler calls; a tier named with
 `+lora`, e.g. `none+lora`, is that tier with a random LoRA of `--lora-rank` on every linear layer of every
 block, loaded from a real file as the Load LoRA node does: its eager and compiled calls both carry it, so
-its ratio is what compiled blocks give a user who samples with a LoRA, each patched layer's hook a graph
-break):
+its ratio is what compiled blocks give a user who samples with a LoRA, its hooks traced into the graphs):
 - dynamo's caches are reset, so each tier's first compiled call compiles from nothing (inductor's
   on-disk kernel cache, shared by every run on the machine, still serves kernels it has seen:
   `compile_seconds` is dynamo + AOT + whatever inductor could not reuse);
@@ -28,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -48,23 +47,31 @@ LORA_RANK = 32
 
 
 def compile_rows(loaded, config: SpeedConfig, settings: CompileSettings = CompileSettings(on=True),
-                 log=print, tier_names: Sequence[str] = (), lora_rank: int = LORA_RANK) -> dict:
+                 log=print, tier_names: Sequence[str] = (), lora_rank: int = LORA_RANK,
+                 on_row: Callable[[dict], None] = lambda found: None) -> dict:
     """{"step_time_ratio", "recompiles_second_run", "compile_seconds"} (each tier -> value), with the
     settings, each tier's step times, latent difference, graph breaks and any fallback message.
     `tier_names`: the tiers measured, in their order (default every one of speed_runs.tiers; `+lora` tiers run
-    with a random LoRA of `lora_rank`)."""
+    with a random LoRA of `lora_rank`). `on_row` is given what is found so far after each tier (a lease's time
+    limit may cut the part short)."""
     rows = {}
+    lora: dict = {}
     with tempfile.TemporaryDirectory(prefix="vidmem-speed-lora-") as folder:
         styled = None
         for tier, strategy in chosen_tiers(config.blocks, tier_names).items():
             if tier.endswith(LORA) and styled is None:
                 styled = with_random_lora(loaded, config, Path(folder), lora_rank)
+                lora = {"lora": {"rank": lora_rank, "layers": sum(map(len, styled.loras[0].layers.values())),
+                                 "skipped": len(styled.loras[0].skipped)}}
             rows[tier] = _logged_row(tier, styled if tier.endswith(LORA) else loaded, config, strategy, settings, log)
+            on_row(_found(rows, settings, config, lora))
+    return _found(rows, settings, config, lora)
+
+
+def _found(rows: dict, settings: CompileSettings, config: SpeedConfig, lora: dict) -> dict:
     keys = ("step_time_ratio", "recompiles_second_run", "compile_seconds", "eager_step_s", "compiled_step_s",
             "max_abs_diff", "graph_breaks", "fallback")
     found = {key: {tier: row[key] for tier, row in rows.items()} for key in keys}
-    lora = {"lora": {"rank": lora_rank, "layers": sum(map(len, styled.loras[0].layers.values())),
-                     "skipped": len(styled.loras[0].skipped)}} if styled is not None else {}
     return {**found, "settings": settings.describe(), "runs": config.runs, **lora}
 
 
