@@ -134,9 +134,8 @@ class LoraHandle:
         fused weight copies."""
         if self._originals:  # fused: the copies made, not the (already folded) LoRA tensors
             return sum(p.data.numel() * p.data.element_size() for p, _ in self._originals)
-        strengths = {id(t): t.nbytes for module, name in self._buffers if name.endswith("_scale")
-                     for t in [module._buffers[name]]}  # one tensor per strength, shared by its layers
-        return sum(p.nbytes for p in self.applied) + sum(strengths.values())
+        strengths = {id(t): t for t in (m._buffers[name] for m, name in self._buffers if name.endswith("_scale"))}
+        return sum(p.nbytes for p in self.applied) + sum(t.nbytes for t in strengths.values())  # each strength once
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -272,7 +271,8 @@ def _eager_hook(names: dict[str, str], scale: float):
 
     @torch.compiler.disable
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
-        return _eager_terms(module._buffers, names, scale, _layer_input(args, kwargs), output)
+        layer_input = args[0] if args else next(iter(kwargs.values()))  # `layer(input=x)` works too
+        return _eager_terms(module._buffers, names, scale, layer_input, output)
 
     return hook
 
@@ -302,10 +302,6 @@ def _traced_hook(names: dict[str, str], scale: float, layer: str):
 
     hook.__qualname__ = f"{hook.__qualname__}[{','.join(names)}]"
     return hook
-
-
-def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else next(iter(kwargs.values()))  # `layer(input=x)` works too
 
 
 def _eager_terms(buffers: dict, names: dict[str, str], scale: float, layer_input: torch.Tensor,
@@ -338,7 +334,4 @@ def _traced_terms(buffers: dict, names: dict[str, str], layer_input: torch.Tenso
         terms.append(F.linear(x, buffers[names["diff"]].to(x.dtype)))
     if "diff_b" in names:
         terms.append(buffers[names["diff_b"]].to(x.dtype))
-    term = terms[0]
-    for more in terms[1:]:
-        term = term + more
-    return output + term * buffers[names["scale"]]
+    return output + sum(terms[1:], terms[0]) * buffers[names["scale"]]

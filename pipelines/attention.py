@@ -587,7 +587,6 @@ class _ScopedForward:
     only this inert object stays on it, holding no scope."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.plain = type(module).forward.__get__(module)  # made once: a fresh bound method would fail the guard
         # What goes on `module.forward`: one function shared by every module, bound to this one. Dynamo guards
         # a compiled block on its attention's forward; an object per module (this one) failed that guard on
         # every other block, so each block compiled its own copy: 30 to 40 full block compiles for a real model
@@ -595,8 +594,8 @@ class _ScopedForward:
         # by its function.
         self.entry = types.MethodType(_run_scoped, module)
         # What the scope runs: None for the module's own forward, run as its class's function (`function`, one
-        # object for every block) with the module passed in: torch 2.9 guards a per-module bound method such as
-        # `plain` by its id, so every block compiled its own copy again; else a forward found on the module when
+        # object for every block) with the module passed in: torch 2.9 guards a per-module bound method (the
+        # module's own forward) by its id, so every block compiled its own copy again; else a forward found on the module when
         # the call began (someone's wrapper).
         self.function = type(module).forward
         self.inner: Callable | None = None
@@ -605,7 +604,7 @@ class _ScopedForward:
 
     def __call__(self, *args, **kwargs):
         """Called by a wrapper put over ours (`in_chain`), not through `entry`."""
-        return self.run(self.plain.__self__, *args, **kwargs)
+        return self.run(self.entry.__self__, *args, **kwargs)
 
     def run(self, module: nn.Module, *args, **kwargs):
         if self.scope is None:  # released, yet still called: a wrapper put over ours was left in place
