@@ -20,7 +20,7 @@ from parallel_jobs import SumRanks
 from vidmem.memory.parallel import PoolConfig, WorkerPool
 pool = WorkerPool(PoolConfig.for_cpu(2, threads=1))
 assert pool.run(SumRanks())["sum"] == 3
-print(" ".join(map(str, pool.pids)), flush=True)
+print("pids", *pool.pids, flush=True)
 sys.stdin.read()  # wait to be killed
 """
 
@@ -39,7 +39,9 @@ def test_ranks_exit_when_the_coordinator_is_killed():
     coordinator = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    text=True)
     try:
-        pids = [int(pid) for pid in coordinator.stdout.readline().split()]
+        # The ranks share the coordinator's stdout (torch 2.9's gloo prints "[Gloo] Rank 0 is connected ...").
+        line = next((line for line in coordinator.stdout if line.startswith("pids ")), "pids")
+        pids = [int(pid) for pid in line.split()[1:]]
         assert len(pids) == 2 and all(alive(pid) for pid in pids)
         os.kill(coordinator.pid, signal.SIGKILL)
         coordinator.wait(10)

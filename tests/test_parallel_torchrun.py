@@ -50,3 +50,38 @@ def test_an_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         torchrun.write_latent(torch.zeros(1, 2), out)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_leaving_the_group_frees_what_holds_its_groups_first(monkeypatch):
+    """A pipeline's reference cycles hold its device mesh (and the mesh its process groups): they are
+    collected before the group is destroyed, never left to die as the interpreter exits (where gloo
+    aborted a rank that had finished its run)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vidmem.memory.parallel import leave_group
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    collecting = gc.isenabled()
+    gc.disable()  # only leave_group may collect the cycle
+    try:
+        loaded = {"mesh": init_device_mesh("cpu", (1,), mesh_dim_names=("ulysses",))}
+        loaded["self"] = loaded  # the cycle a pipeline's modules and hooks make
+        mesh = weakref.ref(loaded["mesh"])
+        state = {"loaded": loaded}
+        del loaded
+        mesh_alive_at_destroy = []
+        destroy = dist.destroy_process_group
+        monkeypatch.setattr(dist, "destroy_process_group",
+                            lambda *a, **k: (mesh_alive_at_destroy.append(mesh() is not None), destroy(*a, **k)))
+        leave_group(state)
+    finally:
+        if collecting:
+            gc.enable()
+        if dist.is_initialized():
+            destroy()
+    assert mesh_alive_at_destroy == [False]
+    assert state == {} and not dist.is_initialized()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_path
-from ...memory.parallel import run_in_process_group
+from ...memory.parallel import leave_group, run_in_process_group
 from ...memory.strategy import MemoryStrategy, Parallelism
 from ..sample import SampleRequest
 from .job import ParallelSampleJob
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
             write_latent(result.latent["samples"], args.out)
             print(result.receipt.get("parallel"))
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 if __name__ == "__main__":
