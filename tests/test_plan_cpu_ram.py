@@ -12,11 +12,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.plan import candidates
 from vidmem.memory.plan.candidates import candidate_plans, fewest_chunks, plan_run
-from vidmem.memory.plan.costs import HOST_RUNTIME_BYTES, HOST_RUNTIME_BYTES_CPU
+from vidmem.memory.plan.costs import (HOST_RUNTIME_BYTES, HOST_RUNTIME_BYTES_CPU, HOST_RUNTIME_BYTES_CPU_CUDA_BUILD,
+                                      host_runtime_bytes)
 from vidmem.memory.plan.planner import PlanOptions, VideoShape, choose_strategy
 from vidmem.memory.plan.stages import host_base
 from vidmem.memory.units import GiB
@@ -83,16 +85,21 @@ def test_the_sampler_choice_on_a_cpu_fits_the_machine(wan):
     assert plan.fits
 
 
-def test_a_cpu_process_runtime_leaves_out_the_cuda_libraries(wan):
+def test_a_cpu_process_runtime_leaves_out_the_gpu_context_and_on_a_cpu_build_the_cuda_libraries(wan, monkeypatch):
+    """Measured in a fresh process with this torch (a CPU build in CI; ComfyUI's is a CUDA build, which maps
+    the CUDA libraries on import even when it computes on the CPU)."""
     code = ("import psutil, torch, diffusers, transformers\n"
             "from diffusers import WanTransformer3DModel, AutoencoderKLWan\n"
             "from transformers import UMT5EncoderModel\n"
             "print(psutil.Process().memory_info().rss)")
     measured = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    assert measured <= HOST_RUNTIME_BYTES_CPU < HOST_RUNTIME_BYTES
+    assert measured <= host_runtime_bytes(on_cpu=True) < HOST_RUNTIME_BYTES
     weights = sum(wan.weights(n).nbytes for n in wan.layout.all)
-    assert host_base(wan, PlanOptions(device="cpu"))[0] == HOST_RUNTIME_BYTES_CPU + weights
+    assert host_base(wan, PlanOptions(device="cpu"))[0] == host_runtime_bytes(on_cpu=True) + weights
     assert host_base(wan, PlanOptions())[0] == HOST_RUNTIME_BYTES + weights
+    for cuda_build, runtime in ((False, HOST_RUNTIME_BYTES_CPU), (True, HOST_RUNTIME_BYTES_CPU_CUDA_BUILD)):
+        monkeypatch.setattr(torch.backends.cuda, "is_built", lambda built=cuda_build: built)
+        assert host_runtime_bytes(on_cpu=True) == runtime < HOST_RUNTIME_BYTES
 
 
 class _Stage:

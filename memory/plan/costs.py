@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..units import GiB, MiB
 
 # CUDA context of a PyTorch process, outside every torch.cuda statistic. NVIDIA's forum and
@@ -31,15 +33,20 @@ CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 # Host RSS of the process before any weight: 0.36 GiB measured here (torch 2.13 CPU build +
 # diffusers 0.42.1 + transformers 5.23 imported, Linux; 0.41 GiB with the Wan and UMT5 model classes
-# imported too); a CUDA build maps cuBLAS/cuDNN/CUDA runtime libraries and host-side context state,
-# about 1 GiB more once the GPU is initialised. A run on a CPU device never initialises the GPU.
+# imported too). A CUDA build maps cuBLAS/cuDNN/CUDA runtime libraries even when it computes on the
+# CPU: 0.82 GiB for the same imports with torch 2.9.1+cu128 (ComfyUI's, and pip's default wheel on
+# Linux), GPU never initialised; host-side context state adds about 0.5 GiB once the GPU is.
 HOST_RUNTIME_BYTES = 3 * GiB // 2
 HOST_RUNTIME_BYTES_CPU = GiB // 2
+HOST_RUNTIME_BYTES_CPU_CUDA_BUILD = GiB
 
 
 def host_runtime_bytes(on_cpu: bool) -> int:
-    """The process's RSS before any weight: without the CUDA libraries when it computes on the CPU."""
-    return HOST_RUNTIME_BYTES_CPU if on_cpu else HOST_RUNTIME_BYTES
+    """The process's RSS before any weight: without the GPU's context when it computes on the CPU, and without
+    the CUDA libraries too where this torch is a CPU build."""
+    if not on_cpu:
+        return HOST_RUNTIME_BYTES
+    return HOST_RUNTIME_BYTES_CPU_CUDA_BUILD if torch.backends.cuda.is_built() else HOST_RUNTIME_BYTES_CPU
 
 
 # Sustained dense bf16/fp16 throughput of a consumer GPU on these models (RTX 4090: 165 TFLOP/s
