@@ -203,6 +203,8 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "stream", stream_context)
         monkeypatch.setattr(cuda, "synchronize", record("device_sync"))
         monkeypatch.setattr(cuda, "is_available", lambda: True)
+        # Optimizers ask before each step (a CUDA build asks the driver, which raises where there is none).
+        monkeypatch.setattr(cuda, "is_current_stream_capturing", lambda: False)
         monkeypatch.setattr(cuda, "mem_get_info", record("mem_get_info", lambda: (fake.device_bytes["free"], fake.device_bytes["total"])))
         monkeypatch.setattr(cuda, "memory_allocated", record("memory_allocated", lambda: fake.device_bytes["allocated"]))
         monkeypatch.setattr(cuda, "memory_reserved", record("memory_reserved", lambda: fake.device_bytes["reserved"]))
