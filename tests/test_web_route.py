@@ -90,7 +90,7 @@ def test_handler_answers_json(comfy_server):
     response = asyncio.run(comfy_server[0].handler(None))  # the memory route
     assert isinstance(response, web.Response) and response.content_type == "application/json"
     assert response.headers["Cache-Control"] == "no-store"
-    assert set(json.loads(response.body)) == {"ram", "process_rss_bytes", "cuda"}
+    assert set(json.loads(response.body)) == {"ram", "process_rss_bytes", "cuda", "vidmem_kept_bytes"}
 
 
 # --- GET /vidmem/plan ------------------------------------------------------------------------------
