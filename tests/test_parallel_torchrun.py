@@ -1,17 +1,23 @@
 """The torchrun entry: two gloo processes launched by PyTorch's own launcher give the latent of one
-process, and the output file is written whole or not at all."""
+process, and the output file is written whole or not at all. Both launchers (torchrun's and the
+pool's ranks) free what holds the process group before destroying it, after a run or a failure."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
 
 from vidmem.memory import MemoryStrategy
+from vidmem.memory.parallel import free_port, leave_group
 from vidmem.pipelines.parallel import torchrun
 from vidmem.pipelines.sample import SampleRequest, sample
 
@@ -52,36 +58,99 @@ def test_an_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_leaving_the_group_frees_what_holds_its_groups_first(monkeypatch):
+@pytest.fixture
+def collector_off():
+    """Only leave_group collects while the test runs."""
+    collecting = gc.isenabled()
+    gc.disable()
+    yield
+    if collecting:
+        gc.enable()
+
+
+@pytest.fixture
+def group_checks(monkeypatch):
+    """A weak reference to a device mesh held only by a reference cycle (as a pipeline's modules and
+    hooks hold theirs), and whether it was still alive each time the process group was destroyed;
+    the group is destroyed after the test whatever happened."""
+    checks = {"meshes": [], "alive_at_destroy": []}
+    destroy = dist.destroy_process_group
+
+    def recording_destroy(*args, **kwargs):
+        checks["alive_at_destroy"].append(any(mesh() is not None for mesh in checks["meshes"]))
+        destroy(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "destroy_process_group", recording_destroy)
+    yield checks
+    if dist.is_initialized():
+        destroy()
+
+
+def mesh_in_a_cycle(checks) -> dict:
+    loaded = {"mesh": init_device_mesh("cpu", (1,), mesh_dim_names=("ulysses",))}
+    loaded["self"] = loaded
+    checks["meshes"].append(weakref.ref(loaded["mesh"]))
+    return loaded
+
+
+def test_leaving_the_group_frees_what_holds_its_groups_first(collector_off, group_checks):
     """A pipeline's reference cycles hold its device mesh (and the mesh its process groups): they are
     collected before the group is destroyed, never left to die as the interpreter exits (where gloo
     aborted a rank that had finished its run)."""
-    import gc
-    import weakref
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from vidmem.memory.parallel import leave_group
-
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    collecting = gc.isenabled()
-    gc.disable()  # only leave_group may collect the cycle
-    try:
-        loaded = {"mesh": init_device_mesh("cpu", (1,), mesh_dim_names=("ulysses",))}
-        loaded["self"] = loaded  # the cycle a pipeline's modules and hooks make
-        mesh = weakref.ref(loaded["mesh"])
-        state = {"loaded": loaded}
-        del loaded
-        mesh_alive_at_destroy = []
-        destroy = dist.destroy_process_group
-        monkeypatch.setattr(dist, "destroy_process_group",
-                            lambda *a, **k: (mesh_alive_at_destroy.append(mesh() is not None), destroy(*a, **k)))
-        leave_group(state)
-    finally:
-        if collecting:
-            gc.enable()
-        if dist.is_initialized():
-            destroy()
-    assert mesh_alive_at_destroy == [False]
+    state = {"loaded": mesh_in_a_cycle(group_checks)}
+    leave_group(state)
+    assert group_checks["alive_at_destroy"] == [False]
     assert state == {} and not dist.is_initialized()
+
+
+def test_a_failed_torchrun_run_frees_its_pipeline_before_the_group_goes(monkeypatch, collector_off, group_checks,
+                                                                       tmp_path):
+    """The error's traceback holds the failed run's frames, and they hold the pipeline."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def failing_run(job):
+        loaded = mesh_in_a_cycle(group_checks)  # a local of the failed frame
+        raise RuntimeError(f"the run failed with {len(loaded)} things loaded")
+
+    monkeypatch.setattr(torchrun, "run_in_process_group", failing_run)
+    monkeypatch.setattr(torchrun, "Parallelism", lambda *split: split)  # a world of one is refused
+    monkeypatch.setattr(torchrun, "MemoryStrategy", lambda **options: options)
+    with pytest.raises(RuntimeError, match="the run failed"):
+        torchrun.main([str(tmp_path), str(tmp_path / "latent.safetensors")])
+    assert group_checks["alive_at_destroy"] == [False]
+    assert not dist.is_initialized()
+
+
+def test_a_failed_job_in_a_spawned_rank_frees_its_pipeline_before_the_group_goes(monkeypatch, collector_off,
+                                                                                 group_checks):
+    """The same in the pool's ranks (memory/parallel/rank.py), run here in this process: the error is
+    reported, the frames holding the pipeline are cleared, and the rank ends."""
+    import queue
+    import threading
+
+    from vidmem.memory.parallel import rank as rank_module
+
+    class FailingJob:
+        def run(self, context):
+            loaded = mesh_in_a_cycle(group_checks)  # a local of the failed frame
+            raise RuntimeError(f"the job failed with {len(loaded)} things loaded")
+
+    def join_alone(rank, setup):
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        return torch.device("cpu")
+
+    monkeypatch.setattr(rank_module, "die_with_coordinator", lambda: None)  # never arm PDEATHSIG on pytest
+    monkeypatch.setattr(rank_module, "join_group", join_alone)
+    jobs, events = queue.Queue(), queue.Queue()
+    jobs.put(FailingJob())
+    with pytest.raises(SystemExit):
+        rank_module.rank_main(0, rank_module.RankSetup(1, "gloo", "cpu", (), free_port()), jobs, events,
+                              threading.Event())
+    reported = [events.get_nowait() for _ in range(events.qsize())]
+    assert reported[0] == ("ready", 0) and reported[1][:2] == ("error", 0) and "the job failed" in reported[1][2]
+    assert group_checks["alive_at_destroy"] == [False]
+    assert not dist.is_initialized()

@@ -145,6 +145,7 @@ def rank_main(rank: int, setup: RankSetup, jobs, events, stop) -> None:
     except BaseException as error:  # noqa: BLE001 - every failure must reach the coordinator
         kind = "cancelled" if isinstance(error, RunCancelled) else "error"
         events.put((kind, rank, "".join(traceback.format_exception(error)).strip()))
+        traceback.clear_frames(error.__traceback__)  # its frames hold the pipeline: leave_group must free it
         raise SystemExit(1) from None
     finally:
         leave_group(state)
@@ -153,13 +154,14 @@ def rank_main(rank: int, setup: RankSetup, jobs, events, stop) -> None:
 def leave_group(state: dict | None = None) -> None:
     """Let go of what this rank kept (its pipeline), then destroy the process group.
 
-    A model under context parallelism holds its device mesh, and the mesh holds its process groups.
-    A pipeline's modules and hooks form reference cycles, so they are freed only when the cyclic
-    collector next runs: without the collection here the groups outlive destroy_process_group and
-    die whenever that is, at worst while the interpreter exits, where gloo ends a rank that had
-    finished its run with "terminate called without an active exception" (SIGABRT; one torchrun
-    run in 40 on a CPU). Collected here, the mesh goes first and destroy_process_group drops the
-    groups' last references while everything is still alive.
+    A model under context parallelism holds its device mesh, and the mesh holds its process groups
+    (torch 2.13; 2.9's mesh keeps their names). A pipeline's modules and hooks form reference
+    cycles, so they are freed only when the cyclic collector next runs: without the collection here
+    the groups outlive destroy_process_group and die whenever that is, at worst while the
+    interpreter exits, where gloo ends a rank that had finished its run with "terminate called
+    without an active exception" (SIGABRT; one torchrun run in 40 on a CPU). Collected here, the
+    mesh goes first and destroy_process_group drops the groups' last references while everything
+    is still alive. A failed run's traceback holds the pipeline too: callers clear its frames first.
     """
     if state is not None:
         state.clear()

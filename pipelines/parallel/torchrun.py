@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import traceback
 from pathlib import Path
 
 import torch
@@ -72,6 +73,9 @@ def main(argv=None) -> None:
         if dist.get_rank() == 0:
             write_latent(result.latent["samples"], args.out)
             print(result.receipt.get("parallel"))
+    except BaseException as error:
+        traceback.clear_frames(error.__traceback__)  # they hold the pipeline: leave_group must free it first
+        raise
     finally:
         leave_group()
 
