@@ -595,8 +595,8 @@ class _ScopedForward:
         self.entry = types.MethodType(_run_scoped, module)
         # What the scope runs: None for the module's own forward, run as its class's function (`function`, one
         # object for every block) with the module passed in: torch 2.9 guards a per-module bound method (the
-        # module's own forward) by its id, so every block compiled its own copy again; else a forward found on the module when
-        # the call began (someone's wrapper).
+        # module's own forward) by its id, so every block compiled its own copy again; else a forward found on
+        # the module when the call began (someone's wrapper).
         self.function = type(module).forward
         self.inner: Callable | None = None
         self.scope: Callable | None = None
