@@ -148,17 +148,22 @@ class OffloadHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if self.warm is not None:
-            self.warm.forget()  # what this call did not take back is not needed any more
-            if keep:
-                for group in self._groups:
-                    self._claim_for_compute(group)
-                    self.warm.keep(group.kept_pairs(), self._keep_rank(group))
-        for group in self._groups:
-            group.restore()
-        self._groups.clear()
-        self._components.clear()
-        self._active = None
+        try:
+            if self.warm is not None:
+                self.warm.forget()  # what this call did not take back is not needed any more
+                if keep:
+                    for group in self._groups:
+                        self._claim_for_compute(group)
+                        self.warm.keep(group.kept_pairs(), self._keep_rank(group))
+        except BaseException:
+            self.warm.release_all()  # a keep that failed half-way keeps nothing
+            raise
+        finally:  # whatever keeping raised, every module goes back to its host tensors
+            for group in self._groups:
+                group.restore()
+            self._groups.clear()
+            self._components.clear()
+            self._active = None
 
     @staticmethod
     def _claim_for_compute(group: WeightGroup) -> None:
@@ -216,7 +221,9 @@ class OffloadHandle:
         core = self._group(name, tie(core_slots), streamed=False) if core_slots else None
         schedule = None
         streamed = [(head, slots) for (head, _), slots in zip(units, unit_slots) if slots]
-        rehome = self.warm.rehome if self.warm is not None else None
+        # A new pinned home is every store's news: the decode's store may keep a copy of a VAE tensor this
+        # call's sequential tier streams (image-to-video), which would otherwise orphan the old host tensor.
+        rehome = rehome_everywhere if self.warm is not None else None
         if streamed:
             cap = pinned_cap_bytes(strategy.max_pinned_ram_gb, pool.host_room_bytes)
             names = {id(m): qualified for qualified, m in module.named_modules()}

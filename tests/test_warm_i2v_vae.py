@@ -118,3 +118,22 @@ def test_a_sampler_switched_from_tier_model_to_none_takes_the_decodes_vae(tiny_f
     assert mid_call == [0] and vae_copies(loaded, backend) == vae_bytes
     assert second.receipt["warm"]["reused_bytes"] >= vae_bytes
     assert torch.equal(first.latent["samples"], second.latent["samples"])
+
+
+def test_a_sequential_sampler_that_pins_the_vae_leaves_the_decodes_copy_keyed_to_the_new_homes(tiny_folder, tmp_path,
+                                                                                               monkeypatch):
+    """Under `sequential` the sampler streams the VAE's leaves and gives them pinned homes: the decode's kept
+    copies must follow them (every store, not only the sampler's), or they orphan the old host tensors and the
+    next decode uploads the whole VAE again."""
+    loaded = load_pipeline(tiny_folder(VARIANT), "fp32")
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    hooks = RunHooks(prompt_cache=PromptCache(tmp_path / "prompts"))
+    first = sample(loaded, MemoryStrategy(offload="model"), request_for(VARIANT), hooks=hooks, backend=backend)
+    decode(loaded, first.latent, backend=backend)  # the decode (tier none) keeps the VAE
+    vae_bytes = sum(t.numel() * t.element_size() for t in vae_hosts(loaded))
+    streamed = sample(loaded, MemoryStrategy(offload="sequential", prefetch_blocks=1), request_for(VARIANT), hooks=hooks,
+                      backend=backend)
+    assert loaded.warm_store("decode", backend).held_bytes_of(vae_hosts(loaded)) == vae_bytes  # keyed to the pinned homes
+    again = decode(loaded, streamed.latent, backend=backend)
+    assert again.receipt["warm"]["uploaded_bytes"] == 0 and again.receipt["warm"]["reused_bytes"] >= vae_bytes

@@ -127,6 +127,31 @@ def test_between_runs_modules_sit_on_their_host_storage_and_no_hook_is_left(load
     assert loaded.warm_store("sample", backend).held_bytes > 0
 
 
+def test_a_keep_that_fails_restores_every_module_and_keeps_nothing(loaded, hooks, monkeypatch):
+    """The end of a call that went well hands its copies to the store; if that raises half-way (a device
+    error while claiming a pending copy), every module still goes back to its host tensors and the store
+    keeps none of the copies, so the next call neither computes on stale copies nor keys them as hosts."""
+    FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+    transformer = loaded.pipe.transformer
+    before = {name: p.data_ptr() for name, p in transformer.named_parameters()}
+    kept = []
+
+    def keep_then_fail(self, pairs, rank):
+        if kept:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        kept.append(real_keep(self, pairs, rank))
+
+    real_keep = WarmStore.keep
+    monkeypatch.setattr(WarmStore, "keep", keep_then_fail)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        sample(loaded, MemoryStrategy(offload="none"), request_for(VARIANT), hooks=hooks, backend=backend)
+    assert kept  # the first group was kept before the second failed
+    assert {name: p.data_ptr() for name, p in transformer.named_parameters()} == before
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in transformer.modules())
+    assert loaded.warm_store("sample", backend).held_bytes == 0
+
+
 def test_the_decode_keeps_its_vae_warm(loaded, hooks, monkeypatch):
     fake = FakeCuda().install(monkeypatch)
     backend = CudaBackend(torch.device("cpu"))
