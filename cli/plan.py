@@ -64,7 +64,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int, default=1, help="videos per prompt")
     plan.add_argument("--cache", choices=("off", "mag_cache", "taylor_seer"), default="off",
                       help="mag_cache: also say how many steps MagCache with the model's published ratios computes; "
-                           "taylor_seer: how many TaylorSeer computes at its defaults (interval 5, warm-up 3, order 1)")
+                           "taylor_seer: how many TaylorSeer computes at its defaults (interval 5, warm-up 3, order 1); "
+                           "either way the rows hold the cache's state on the device")
     plan.add_argument("--no-cfg", action="store_true", help="guidance scale 1: no negative-prompt pass")
     plan.add_argument("--text-encoder", default="offload_after_encoding",
                       choices=("device", "offload_after_encoding", "cpu"), help="starting text encoder placement")
@@ -123,7 +124,8 @@ def run_plan(args: argparse.Namespace) -> int:
     speed = _speed(args)
     options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps,
                           storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9,
-                          device=args.device, speed=measured_speed(speed, args.device) if speed else MeasuredSpeed())
+                          device=args.device, speed=measured_speed(speed, args.device) if speed else MeasuredSpeed(),
+                          cache_state=_cache_state(model, args.cache))
     base = MemoryStrategy(text_encoder=args.text_encoder, prefetch_blocks=args.prefetch,
                           activation_chunks=args.activation_chunks)
     if parallel:
@@ -373,6 +375,17 @@ def _cache_line(model, steps: int, shape, plan=None, method: str = "mag_cache") 
     if plan is None or planned.share is None:
         return planned.text
     return f"{planned.text}\n{cached_time_line(plan, planned.share)}"
+
+
+def _cache_state(model, method: str) -> dict:
+    """What `--cache` keeps on the device per denoiser beside the activations (MagCache's state whatever its
+    ratios say it skips)."""
+    from ..pipelines.step_cache import StepCache
+
+    if method == "off":
+        return {}
+    cache = StepCache(method, calibrate=True) if method == "mag_cache" else StepCache(method)
+    return cache.planned_state(model.layout.denoisers)
 
 
 def _budgets(args: argparse.Namespace) -> tuple[int, int]:

@@ -240,7 +240,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
             refuse_windows_in_parallel(request.shape)  # the Sampler's refusal, before any rank starts
         device = device or _probed_device()
         options = replace(options, device=device, attention=_planned_attention(request),
-                          speed=_measured_speed(request, device))
+                          speed=_measured_speed(request, device), cache_state=_cache_state(request, model))
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
         base = replace(strategy, offload=OffloadTier.MODEL, blocks_to_swap=0)
@@ -430,6 +430,13 @@ def _step_cache(request: PlanRequest):
                          calibrate=True, **taylor)  # the ratios are found by plan_line; calibrate lets it build without them
     except StrategyError as error:
         return error
+
+
+def _cache_state(request: PlanRequest, model) -> dict:
+    """What the connected step cache keeps on the device per denoiser (none where its widgets are refused:
+    the cache lines say why)."""
+    cache = _step_cache(request)
+    return {} if isinstance(cache, StrategyError) else cache.planned_state(model.layout.denoisers)
 
 
 def _cache_lines(request: PlanRequest, model, plan=None) -> list[str]:

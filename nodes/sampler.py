@@ -185,7 +185,8 @@ class VidMemVideoSampler:
         lora_hooks = any(spec.strength != 0 for spec in getattr(pipeline, "loras", ()))  # strength 0 adds no hook
         options = PlanOptions(attention=planned_attention(request.speed),
                               speed=measured_speed(request.speed, device, lora_hooks,
-                                                   choice.strategy.parallel.context_parallel_on))
+                                                   choice.strategy.parallel.context_parallel_on),
+                              cache_state=step_cache.planned_state(pipeline.spec.denoisers))
         run, plan_line = _strategy_for_run(pipeline, choice, shape, device, options)
         progress = host.Progress(steps, "sampling")
         try:

@@ -55,6 +55,7 @@ from torch import nn
 
 from ..memory.strategy import StrategyError
 from .hunyuan_video15_attention import diffusers_processor, masks_keys_only
+from .hook_attributes import as_found, leave_as_found
 
 CHUNK_HOOK = "vidmem_activation_chunks"  # the hook's name in each block's diffusers HookRegistry
 
@@ -723,7 +724,7 @@ def activation_chunks(denoisers: Mapping[str, nn.Module], blocks: Mapping[str, S
     applied: list[tuple[nn.Module, dict]] = []
     try:
         for _, _, block in listed:
-            applied.append((block, {key: block.__dict__[key] for key in _TOUCHED if key in block.__dict__}))
+            applied.append((block, as_found(block)))
             _, forward, _, slices = _known(block)
             hooks.append(hook(forward, slices, chunks, slices_ran))
             HookRegistry.check_if_exists_or_initialize(block).register_hook(hooks[-1], CHUNK_HOOK)
@@ -745,22 +746,12 @@ def _forget_child_registries(denoisers: Mapping[str, nn.Module]) -> None:
             registry.invalidate_child_registries_cache()
 
 
-_TOUCHED = ("forward", "_diffusers_hook")  # instance attributes registering a diffusers hook may add
-
-
 def _restore(block: nn.Module, before: dict) -> None:
-    """Take the hook off and leave the block as found: diffusers' remove_hook leaves the bound method
-    as an instance attribute (and the registry) behind, which the block may not have had."""
+    """Take the hook off and leave the block as found (pipelines/hook_attributes.py)."""
     registry = getattr(block, "_diffusers_hook", None)
     if registry is not None and registry.get_hook(CHUNK_HOOK) is not None:
         registry.remove_hook(CHUNK_HOOK, recurse=False)
-    if registry is not None and registry.hooks:
-        return  # someone else's hooks remain (applied after this one and not yet removed): theirs to undo
-    for key in _TOUCHED:
-        if key in before:
-            block.__dict__[key] = before[key]
-        else:
-            block.__dict__.pop(key, None)
+    leave_as_found(block, before)
 
 
 def refusal(blocks: Mapping[str, Sequence[nn.Module]]) -> str | None:

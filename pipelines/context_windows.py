@@ -37,6 +37,7 @@ from torch import nn
 
 from ..memory.windows import WindowSchedule, latent_count
 from .family import ModelError
+from .hook_attributes import as_found, leave_as_found
 
 HOOK_NAME = "vidmem_context_windows"
 WINDOW_PASSES_HOOK = "vidmem_window_passes"  # entered around each window's pass when present (the step cache's)
@@ -118,22 +119,19 @@ def context_windows(denoisers: Mapping[str, nn.Module], family: str, schedule: W
 
     receipt = {"latent_frames": schedule.frames, "window": schedule.window, "overlap": schedule.overlap,
                "windows": schedule.describe(), "passes": 0}
-    hooked: list[tuple[nn.Module, bool, bool]] = []
+    hooked: list[tuple[nn.Module, dict]] = []
     try:
         for module in denoisers.values():
-            hooked.append((module, hasattr(module, "_diffusers_hook"), "forward" in module.__dict__))
+            hooked.append((module, as_found(module)))
             HookRegistry.check_if_exists_or_initialize(module).register_hook(
                 _hook_class()(schedule, TIME_AXIS[family], receipt), HOOK_NAME)
         yield receipt
     finally:
-        for module, had_registry, had_forward in reversed(hooked):
+        for module, before in reversed(hooked):
             registry = getattr(module, "_diffusers_hook", None)
-            if registry is not None:
+            if registry is not None and registry.get_hook(HOOK_NAME) is not None:
                 registry.remove_hook(HOOK_NAME, recurse=False)
-                if not had_registry and not registry.hooks:
-                    del module._diffusers_hook
-                    if not had_forward:
-                        module.__dict__.pop("forward", None)  # back to the class's forward, as before
+            leave_as_found(module, before)  # back to the class's forward, as before
 
 
 @lru_cache(maxsize=None)

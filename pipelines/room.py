@@ -15,6 +15,7 @@ is the weights plus FALLBACK_MARGIN_BYTES, and the log says so: a prediction mus
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from ..memory import MemoryStrategy
 from ..memory.plan.costs import CUDA_CONTEXT_BYTES
 from ..memory.accounting import Attention
-from ..memory.plan.types import PlanOptions, StagePlan, VideoShape
+from ..memory.plan.types import CacheState, PlanOptions, StagePlan, VideoShape
 from ..memory.units import GiB
 
 log = logging.getLogger("vidmem")
@@ -73,9 +74,11 @@ def activation_bytes(stages: list[StagePlan], weights_outside: int = 0) -> int:
 
 
 def sample_room(loaded, strategy: MemoryStrategy, shape: VideoShape, steps: int, encode_text: bool,
-                weight_bytes: int, device: torch.device, attention: Attention = Attention.FUSED) -> RoomRequest:
+                weight_bytes: int, device: torch.device, attention: Attention = Attention.FUSED,
+                cache_state: Mapping[str, CacheState] | None = None) -> RoomRequest:
     """Room for the sampling stage (prompt encoding, when it runs, and denoising) under `strategy`, with
-    the call's attention counted as `attention` (math and flex hold the whole score matrix)."""
+    the call's attention counted as `attention` (math and flex hold the whole score matrix) and what the
+    step cache keeps on the device beside the activations (`cache_state`, per denoiser)."""
     if not wants_prediction(device):
         return RoomRequest(weight_bytes, 0, predicted=False)
 
@@ -83,7 +86,8 @@ def sample_room(loaded, strategy: MemoryStrategy, shape: VideoShape, steps: int,
         from ..memory.plan.stages import denoise_stage, text_encode_stage
         from .planning import plan_options, planner_model
 
-        model, options = planner_model(loaded), plan_options(loaded, PlanOptions(attention=attention, steps=steps))
+        model = planner_model(loaded)
+        options = plan_options(loaded, PlanOptions(attention=attention, steps=steps, cache_state=cache_state or {}))
         model.check_shape(shape)
         stages = [denoise_stage(model, shape, strategy, options)]
         if encode_text:

@@ -278,10 +278,11 @@ class _Run:
         blocks = denoiser_blocks(loaded.pipe, loaded.spec)
         # a LoRA's hooks on the layers of compiled blocks are traced into their graphs (memory/lora.py)
         compiled_modules = [b for group in blocks.values() for b in group] if self.speed.speed.compile.on else ()
+        cache_state = self.request.cache.planned_state(blocks) if cached else {}  # on the device beside the activations
         with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
                 apply_loras(lora_patches(loaded.pipe, loaded.loras), traced_in=compiled_modules) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
-                                hooks.device_budget(device)) as chunks, \
+                                hooks.device_budget(device), cache_state) as chunks, \
                 speed_for_call(self.speed, denoisers(loaded.pipe, loaded.spec), blocks, device, chunks) as speed, \
                 windows_for_call(loaded, self.request, record.last.steps_done if record.last else 0,
                                  earlier_passes) as windows:
@@ -297,7 +298,7 @@ class _Run:
                                window=request.window, window_overlap=request.window_overlap)
             planned = replace(strategy, activation_chunks=chunks.chunks)  # auto resolved: the room of the slices run
             room = sample_room(loaded, planned, shape, request.steps, not prompts.complete, weight_bytes, device,
-                               planned_attention(request.speed))
+                               planned_attention(request.speed), cache_state)
             receipt["room"] = room.as_dict()
             if warm is not None:  # copies this stage will not take must not sit on the device, counted as loaded
                 warm.retain(stage_tensors(stage), take_over=strategy.offload is OffloadTier.NONE)  # keeps the VAE to the end
@@ -318,7 +319,7 @@ class _Run:
                     self.phase = Phase.TEXT
                     self._encode(call, strategy, handle)
                 embeds = call_embeds(prompts, device)
-                hand_off = expert_hand_off(call, handle)
+                hand_off = expert_hand_off(call, handle, cache)
 
                 def after_step(step: int) -> None:
                     hand_off(step)
@@ -427,8 +428,9 @@ def swap_receipt(summary: dict, denoise_seconds: float, pool) -> dict:
     return {**totals, "swap_cost": cost, "groups": len(summary["blocks"]), "host_pool": pool.stats()}
 
 
-def expert_hand_off(pipe, handle) -> Callable[[int], None]:
-    """Wan 2.2 A14B: after the last high-noise step, hand the swap pool to the low-noise expert."""
+def expert_hand_off(pipe, handle, cache: AppliedCache) -> Callable[[int], None]:
+    """Wan 2.2 A14B: after the last high-noise step, hand the swap pool to the low-noise expert and let
+    the high-noise expert's step cache state go."""
     boundary_ratio = pipe.config.get("boundary_ratio")
     if boundary_ratio is None or getattr(pipe, "transformer_2", None) is None:
         return lambda step: None
@@ -438,6 +440,7 @@ def expert_hand_off(pipe, handle) -> Callable[[int], None]:
         timesteps = pipe.scheduler.timesteps
         if step + 1 < len(timesteps) and timesteps[step] >= boundary > timesteps[step + 1]:
             handle.hand_off("transformer", "transformer_2")
+            cache.finished("transformer")
 
     return after_step
 

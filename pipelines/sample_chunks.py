@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
+
+from ..memory.plan.types import CacheState, PlanOptions, VideoShape
 
 from .activation_chunks import AppliedChunks, activation_chunks, refusal
 from .speed import planned_attention
@@ -19,21 +21,24 @@ log = logging.getLogger("vidmem")
 
 
 @contextlib.contextmanager
-def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int | None) -> Iterator[AppliedChunks]:
+def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int | None,
+                    cache_state: Mapping[str, CacheState] | None = None) -> Iterator[AppliedChunks]:
     """`strategy.activation_chunks` applied to `loaded`'s denoisers for one sampling call of `request`
-    (a SampleRequest: its width, height and frames) with guidance on or off.
+    (a SampleRequest: its width, height, frames and context windows) with guidance on or off.
 
     auto asks the planner for the fewest slices whose denoise fits `budget_bytes` (the device bytes
-    the run may use; None, as on the CPU: unknown, so nothing is chunked), and leaves chunking off,
-    saying why in the receipt's note, where the model cannot chunk or the planner cannot model it.
+    the run may use; None, as on the CPU: unknown, so nothing is chunked) beside what the step cache
+    keeps (`cache_state`, per denoiser), and leaves chunking off, saying why in the receipt's note,
+    where the model cannot chunk or the planner cannot model it.
     An explicit count on a model that cannot chunk raises ChunkError before any block changes."""
     blocks = denoiser_blocks(loaded.pipe, loaded.spec)
     modules = denoisers(loaded.pipe, loaded.spec)
     count, note = strategy.activation_chunks, ""
     if strategy.chunks_auto:
-        frames = request.window if 0 < getattr(request, "window", 0) < request.frames else request.frames  # one window's
-        count, note = _auto_count(loaded, strategy, (request.width, request.height, frames, guided),
-                                  budget_bytes, blocks, planned_attention(request.speed))
+        shape = VideoShape(request.width, request.height, request.frames, cfg=guided,
+                           window=getattr(request, "window", 0), window_overlap=getattr(request, "window_overlap", 0))
+        count, note = _auto_count(loaded, strategy, shape, budget_bytes, blocks, planned_attention(request.speed),
+                                  cache_state or {})
     with activation_chunks(modules, blocks, count) as applied:
         yield replace(applied, note=note)  # the same record: the hooks fill in the slices that ran
 
@@ -43,7 +48,8 @@ def can_chunk(loaded) -> bool:
     return refusal(denoiser_blocks(loaded.pipe, loaded.spec)) is None
 
 
-def _auto_count(loaded, strategy, shape, budget_bytes: int | None, blocks, attention) -> tuple[int, str]:
+def _auto_count(loaded, strategy, shape: VideoShape, budget_bytes: int | None, blocks, attention,
+                cache_state: Mapping[str, CacheState]) -> tuple[int, str]:
     """(slices, note) for activation_chunks=auto: the planner's fewest that fit, or 1 and why."""
     if budget_bytes is None:
         return 1, ""
@@ -52,15 +58,13 @@ def _auto_count(loaded, strategy, shape, budget_bytes: int | None, blocks, atten
         log.info("vidmem: activation_chunks=auto leaves chunking off: %s", problem)
         return 1, f"auto left chunking off: {problem}"
     from ..memory.plan.candidates import fewest_chunks
-    from ..memory.plan.types import PlanOptions, VideoShape
     from .planning import plan_options, sampling_model
 
-    width, height, frames, guided = shape
     try:  # with the run's LoRA tensors, which stream with their blocks
-        model, options = sampling_model(loaded), plan_options(loaded, PlanOptions(attention=attention))
-        video = VideoShape(width, height, frames, cfg=guided)
-        model.check_shape(video)
-        return fewest_chunks(model, video, strategy, options, budget_bytes).activation_chunks, ""
+        model = sampling_model(loaded)
+        options = plan_options(loaded, PlanOptions(attention=attention, cache_state=cache_state))
+        model.check_shape(shape)
+        return fewest_chunks(model, shape, strategy, options, budget_bytes).activation_chunks, ""
     except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the run (as pipelines/room.py)
         log.info("vidmem: activation_chunks=auto has no prediction (%s); chunking stays off", error)
         return 1, f"auto left chunking off: no prediction ({error})"

@@ -44,8 +44,10 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from ..memory.plan.types import CacheState
 from ..memory.strategy import StrategyError
 from .context_windows import HOOK_NAME as WINDOWS_HOOK, WINDOW_PASSES_HOOK
+from .hook_attributes import as_found, leave_as_found
 
 
 class CacheMethod(str, Enum):
@@ -182,6 +184,22 @@ class StepCache:
 
     def ratios_for(self, denoiser: str) -> tuple[float, ...] | None:
         return dict(self.expert_ratios).get(denoiser, self.mag_ratios)
+
+    def device_state(self, denoiser: str) -> CacheState:
+        """What the cache keeps on the device through `denoiser`'s passes, per cache context (the
+        planner's CacheState): MagCache its head block's input and the blocks' residual, First Block Cache
+        the head block's output, its residual and the other blocks' residual (diffusers 0.42.1's hook
+        states), TaylorSeer (lite) a float32 factor of the output per order and one. Nothing where the
+        cache is off or leaves `denoiser` uncached (MagCache ratios for the other expert only)."""
+        if not self.on or (self.skips and self.method is CacheMethod.MAG and self.ratios_for(denoiser) is None):
+            return CacheState()
+        if self.method is CacheMethod.TAYLOR:
+            return CacheState(output=self.order + 1)
+        return CacheState(hidden=3 if self.method is CacheMethod.FIRST_BLOCK else 2)
+
+    def planned_state(self, denoisers: Iterable[str]) -> dict[str, CacheState]:
+        """`device_state` of each of `denoisers`, as PlanOptions.cache_state takes it."""
+        return {name: self.device_state(name) for name in denoisers}
 
     def diffusers_config(self, steps: int, denoiser: str = "transformer", final: bool = True):
         """The diffusers hook configuration for `denoiser` in a run of `steps` steps (for TaylorSeer, the
@@ -519,11 +537,26 @@ class BlockGate:
 
     def begin(self, name: str, window: int | None = None) -> None:
         """A pass of denoiser `name` starts (before its first module runs); `window`: the context
-        window it is (None: the whole clip)."""
+        window it is (None: the whole clip). The pass's decision is foreseen here, from the state
+        before the head hook takes it: modules inside the first block ask after it has (sequential
+        streams their leaves), when the state already moved on."""
         if name in self._passes:
             hook = self._head_hook(name)
             context = hook.state_manager._context if hook is not None else None
-            self._passes[name].begin(context.name if context is not None else "inference", window)
+            track = self._passes[name]
+            track.begin(context.name if context is not None else "inference", window)
+            track.foreseen = self._foresee(name, hook) if hook is not None else None
+
+    def _foresee(self, name: str, hook) -> tuple[bool, "MagView | int"] | None:
+        """(computes, what follows) for the pass `begin` starts: MagCache's view after its decision,
+        TaylorSeer's step count for the pass; None for First Block Cache (it decides from the first block)."""
+        context = self._passes[name].context
+        if self._method is CacheMethod.MAG:
+            return mag_decides(self._mag_view(name, context), hook.config)
+        if self._method is CacheMethod.TAYLOR:
+            step = _taylor_step(hook, context) + 1
+            return self._taylor_foresee(name, hook, step), step
+        return None
 
     def count(self, module: nn.Module) -> None:
         """After `module`'s forward, when the pass's decision is known for every block: the first
@@ -554,10 +587,12 @@ class BlockGate:
 
     def _mag_this_pass(self, name: str) -> bool:
         """MagCache's decision for the pass under way, before its first block takes it."""
-        hook = self._head_hook(name)
+        hook, track = self._head_hook(name), self._passes[name]
         if hook is None:
             return True  # not cached (an expert without ratios)
-        return mag_decides(self._mag_view(name, self._passes[name].context), hook.config)[0]
+        if track.foreseen is not None:
+            return track.foreseen[0]
+        return mag_decides(self._mag_view(name, track.context), hook.config)[0]
 
     def _mag_next_pass(self, name: str) -> bool:
         """MagCache's decision for the denoiser's next pass, from anywhere in the pass under way."""
@@ -569,9 +604,10 @@ class BlockGate:
         view = self._mag_view(name, following)
         if following == track.context and track.phase != _PassTrack.DONE:
             # The same context runs next: finish this pass on a copy of its state first.
-            computed = self._decision(track.tail) if track.phase == _PassTrack.DECIDED else None
-            if computed is None:
-                computed, view = mag_decides(view, config)
+            if track.phase == _PassTrack.DECIDED:
+                computed = self._decision(track.tail)
+            else:  # as foreseen before the head hook moved the state on
+                computed, view = track.foreseen or mag_decides(view, config)
             view = mag_after_pass(view, config, computed)
         return mag_decides(view, config)[0]
 
@@ -583,6 +619,8 @@ class BlockGate:
             return True
         if track.phase != _PassTrack.START:
             return _taylor_ran(track.head, track.context)
+        if track.foreseen is not None:
+            return track.foreseen[0]
         return self._taylor_foresee(name, hook, _taylor_step(hook, track.context) + 1)
 
     def _taylor_next_pass(self, name: str) -> bool:
@@ -593,7 +631,8 @@ class BlockGate:
             return True  # not cached, or the order of the cache contexts is not known yet
         step = _taylor_step(hook, following) + 1
         if following == track.context and track.phase == _PassTrack.START:
-            step += 1  # the pass under way has not counted itself yet
+            # the pass under way counts as its foreseen step (the head hook may have counted it already)
+            step = (track.foreseen[1] if track.foreseen is not None else step) + 1
         return self._taylor_foresee(name, hook, step)
 
     def _taylor_foresee(self, name: str, hook, step: int) -> bool:
@@ -627,6 +666,7 @@ class _PassTrack:
         self.context = ""
         self.window: int | None = None  # the context window of the pass (None: the whole clip)
         self.phase = self.START
+        self.foreseen = None  # (computes, what follows) for the pass under way, from BlockGate.begin
         self._order: list[str] = []
         self._order_known = False
 
@@ -717,6 +757,7 @@ class AppliedCache:
         self._counters: list = []
         self._window_passes: list[nn.Module] = []  # denoisers given per-window cache state
         self._blocks = blocks
+        self._found: list[tuple[nn.Module, dict]] = []  # what diffusers' hooks add to the modules, as found
 
     def apply(self, steps: int, denoiser_steps: Mapping[str, int] | None = None) -> "AppliedCache":
         """Enable the cache for a call of `steps` steps; `denoiser_steps`: the steps each denoiser runs
@@ -727,6 +768,7 @@ class AppliedCache:
         last = next((name for name in reversed(self._denoisers) if own[name] > 0), None)
         if self.enabled:
             check_cache_fits(self.cache, self._denoisers, self._blocks, steps, denoiser_steps)  # before any hook is placed
+        self._found = [(module, as_found(module)) for denoiser in self._denoisers.values() for module in denoiser.modules()]
         try:
             for name, denoiser in self._denoisers.items() if self.enabled else ():
                 if self.cache.skips and self.cache.method is CacheMethod.MAG and self.cache.ratios_for(name) is None:
@@ -773,6 +815,21 @@ class AppliedCache:
         for denoiser in self._enabled:
             denoiser.disable_cache()
         self._enabled.clear()
+        for module, before in self._found:  # disable_cache leaves the registries and hooked forwards behind
+            leave_as_found(module, before)
+        self._found.clear()
+        for denoiser in self._denoisers.values():  # its registry caches which modules carry registries
+            registry = getattr(denoiser, "_diffusers_hook", None)
+            if registry is not None:
+                registry.invalidate_child_registries_cache()
+
+    def finished(self, name: str) -> None:
+        """`name` runs no more passes in this call (Wan 2.2's high-noise expert once the low-noise one takes
+        over): its cache state goes now, not when the call ends, so only the running expert's is on the
+        device (as the planner counts it: memory/plan/stages.py, `cache_state_bytes`)."""
+        denoiser = self._denoisers.get(name)
+        if any(denoiser is enabled for enabled in self._enabled):
+            denoiser._reset_stateful_cache()
 
     def _read_ratios(self, name: str, tail: nn.Module) -> None:
         ratios = _calibrated_ratios(tail)

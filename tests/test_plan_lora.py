@@ -95,6 +95,6 @@ def test_the_runs_own_fit_checks_plan_with_the_loras(tiny_loaded, lora_path, mon
     from vidmem.memory.accounting import Attention
 
     sample_chunks._auto_count(loaded, MemoryStrategy(offload="none", activation_chunks="auto"),
-                              (spec.width, spec.height, spec.frames, True), 2**40,
-                              denoiser_blocks(loaded.pipe, loaded.spec), Attention.FUSED)
+                              VideoShape(spec.width, spec.height, spec.frames, cfg=True), 2**40,
+                              denoiser_blocks(loaded.pipe, loaded.spec), Attention.FUSED, {})
     assert len(seen) == 2 and all(isinstance(model, WithLoras) for model in seen)

@@ -59,7 +59,7 @@ def test_a_window_plans_the_denoise_peak_of_one_window_and_says_so():
 
 
 def test_a_window_covering_the_clip_is_planned_as_the_clip_with_the_samplers_note():
-    whole = shipped_plan("wan2.1-t2v-1.3b", frames=81)
+    whole = shipped_plan("wan2.1-t2v-1.3b", frames=81, **FBC)  # the cache's state planned in both
     covering = shipped_plan("wan2.1-t2v-1.3b", frames=81, window=81, **FBC)  # no windows: the cache may run
     assert covering["status"] == "ok", covering
     assert covering["rows"] == whole["rows"]

@@ -18,6 +18,7 @@ from test_tiers import block_count, request_for
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.strategy import StrategyError
 from vidmem.pipelines.family import ModelError, denoiser_blocks
+from vidmem.pipelines.hook_attributes import as_found
 from vidmem.pipelines.sample import sample
 from vidmem.pipelines.step_cache import CacheMethod, StepCache
 
@@ -228,7 +229,9 @@ def test_a_skipped_block_kept_on_the_device_counts_no_copy_saved(tiny_folder, mo
 def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded, cache):
     """Under sequential every leaf streams: the leaves outside the blocks run on every pass, those of
     a skipped pass's blocks are neither called nor prefetched (the leaf before the first block used to
-    prefetch it)."""
+    prefetch it), and a computed pass after the first finds each of its blocks' leaves prefetched, as
+    uncached (the leaves inside the first block ask after its head hook decided: they used to foresee
+    from the state that decision had already changed, and copied on demand)."""
     variant = "wan2.1-t2v"
     loaded = tiny_loaded(variant)
     result, passes = run_observed(loaded, variant, MemoryStrategy(offload="sequential", prefetch_blocks=1), cache)
@@ -238,6 +241,9 @@ def test_a_skipped_pass_copies_no_leaf_of_a_block_under_sequential(tiny_loaded, 
     for events in skipped:
         copied = [name for kind, name in events if kind in ("onload", "prefetch")]
         assert copied and not [name for name in copied if ".blocks." in name], events
+    for index, (events, computed) in enumerate(zip(passes, computes)):
+        on_demand = [name for kind, name in events if kind == "onload" and ".blocks." in name]
+        assert not (index and computed and on_demand), (index, on_demand)
     assert result.receipt["cache"]["blocks_skipped"] > 0
 
 
@@ -251,7 +257,7 @@ def test_calibration_skips_nothing_and_returns_the_ratios_per_step(tiny_loaded):
     assert again.receipt["cache"]["mag_ratios"] == cache["mag_ratios"]  # the same run measures the same
 
 
-@pytest.mark.parametrize("cache", [FIRST_BLOCK, TAYLOR], ids=["first_block_cache", "taylor_seer"])
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, MAG, TAYLOR], ids=["first_block_cache", "mag_cache", "taylor_seer"])
 def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded, cache):
     loaded = tiny_loaded("wan2.1-t2v")
     transformer = loaded.pipe.transformer
@@ -262,12 +268,20 @@ def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded, cac
     from vidmem.pipelines.hooks import RunHooks
 
     request = replace(request_for("wan2.1-t2v", steps=STEPS), cache=cache)
+    found = [(m, as_found(m)) for m in transformer.modules()]
     with pytest.raises(InterruptedError):
         sample(loaded, MemoryStrategy(offload="none"), request, hooks=RunHooks(on_step=lambda *a: cancel()),
                backend=StrictBackend())
     assert not transformer.is_cache_enabled
-    assert not any(m._forward_pre_hooks for m in denoiser_blocks(loaded.pipe, loaded.spec)["transformer"])
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"]
+    # the gate's counters are forward hooks on the blocks and a pre-hook on the denoiser (its pass's start)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in blocks)
+    assert not transformer._forward_pre_hooks and not transformer._forward_hooks
+    # and no registry or hooked forward left behind on any module (diffusers' disable_cache leaves them)
+    assert all(as_found(m) == before for m, before in found)
     run(loaded, "wan2.1-t2v", MemoryStrategy(offload="none"), cache)  # and the next call enables it again
+    assert not any(m._forward_hooks for m in blocks) and not transformer._forward_pre_hooks
+    assert all(as_found(m) == before for m, before in found)
 
 
 @pytest.mark.parametrize("kwargs,named", [

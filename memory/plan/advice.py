@@ -5,7 +5,8 @@ makes that stage fit, found by planning the stage again with it: the text encode
 swapped blocks, a lower tier, VAE tiling, the weights on disk, smaller stored weights.
 
 For the whole run (`nothing_fits_message`), first activation chunks, when the run did not choose them
-(the same video, same weights: the least change); then two suggestions at most, each the first that fits: a
+(the same video, same weights: the least change), and the run without its step cache where the cache's
+state is what does not fit beside the activations; then two suggestions at most, each the first that fits: a
 smaller storage format for the transformer(s) and the text encoder with the weights where they
 are, and the weights memory-mapped from disk (as stored, if the search did not try that already,
 else with smaller storage). When neither exists and the device is what runs out, a shorter or
@@ -18,7 +19,7 @@ from dataclasses import replace
 
 from .candidates import (STAGE_WORDS, Plan, PlanError, _fewest_blocks, _gib, tiling_that_fits, candidate_plans,
                          fewest_chunks, recommended)
-from .stages import decode_stage, denoise_stage, host_base, text_encode_stage
+from .stages import cache_state_bytes, decode_stage, denoise_stage, host_base, text_encode_stage
 from .types import PlannerModel, PlanOptions, StagePlan, VideoShape
 from ..storage import FORMATS, storage_format
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement
@@ -47,6 +48,7 @@ def nothing_fits_message(model: PlannerModel, shape: VideoShape, plans: list[Pla
                      f"{_gib(least_ram.peak_ram_bytes)} of RAM: {least_ram.strategy.describe()} "
                      f"({least_ram.describe_storage()}) needs the least{then}.")
     found = _with_chunks(model, shape, base, options, (vram, ram), consider_disk)
+    found += _without_cache(model, shape, base, options, (vram, ram), consider_disk)
     found = found or _first_fitting(model, shape, base, options, (vram, ram), _in_ram(model, options))
     found += _first_fitting(model, shape, base, options, (vram, ram), _on_disk(model, options, consider_disk))
     lines.extend(found)
@@ -178,6 +180,21 @@ def _with_chunks(model, shape, base: MemoryStrategy, options, budgets, consider_
     vram, ram = budgets
     return [f"With activation_chunks auto (--activation-chunks auto; the same video, blocks computed in token slices) "
             f"it fits in {_gib(vram)} VRAM / {_gib(ram)} RAM: {_summary(plans[best])}."]
+
+
+def _without_cache(model, shape, base: MemoryStrategy, options, budgets, consider_disk: bool) -> list[str]:
+    """The run without the step cache's state on the device (PlanOptions.cache_state), if that fits."""
+    kept = max((sum(cache_state_bytes(model, shape, name, state)) for name, state in options.cache_state), default=0)
+    if not kept:
+        return []
+    plans = candidate_plans(model, shape, *budgets, base, replace(options, cache_state=()), consider_disk)
+    best = recommended(plans)
+    if best is None:
+        return []
+    vram, ram = budgets
+    return [f"The step cache keeps {_gib(kept)} on the device through the denoise (its state for every guidance pass "
+            f"and context window); with the cache off (--cache off; the Step Cache node's method off) it fits in "
+            f"{_gib(vram)} VRAM / {_gib(ram)} RAM: {_summary(plans[best])}."]
 
 
 def _smaller_shape(model, shape, base, options, consider_disk, budgets) -> list[str]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from .parallel_trace import RING, ULYSSES
 from .planner import PlanError, PlannerModel, VideoShape
+from .stages import sequence_tokens, transformer_config
 from .. import context_parallel as rules
 
 __all__ = ["RING", "ULYSSES", "CommBytes", "ParallelError", "check_context_parallel", "comm_bytes",
@@ -39,19 +40,6 @@ class CommBytes:
     @property
     def total(self) -> int:
         return self.attention_bytes + self.gather_bytes
-
-
-def transformer_config(model: PlannerModel, denoiser: str):
-    return model.module(denoiser).config
-
-
-def sequence_tokens(model: PlannerModel, shape: VideoShape, denoiser: str | None = None) -> int:
-    """Tokens the transformer blocks see for one video: latent frames x rows x columns, per patch."""
-    config = transformer_config(model, denoiser or model.layout.denoisers[0])
-    _, _, frames, height, width = model.latent_shape(shape)
-    patch = config.patch_size if isinstance(config.patch_size, (list, tuple)) else (1, config.patch_size, config.patch_size)
-    frames += (-frames) % patch[0]
-    return (frames // patch[0]) * (height // patch[1]) * (width // patch[2])
 
 
 def context_parallel_refusal(model: PlannerModel, mode: str = ULYSSES) -> str | None:

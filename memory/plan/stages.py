@@ -19,15 +19,16 @@ from .costs import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Traffic, Work, c
                     host_runtime_bytes)
 from .schedule import (ComponentWeights, Streaming, stream_timeline, table_computing_residency, table_resident_tensors,
                        table_streamed_unit_bytes)
-from .types import (Allocator, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
-                            VideoShape)
+from .types import (Allocator, CacheState, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
+                    VideoShape)
 from ..storage import storage_format
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement, family_tiling
 from ..vae_tiles import plan_tiles
 from ..windows import WindowSchedule
 
 __all__ = ["Allocator", "Call", "ModelLayout", "Phase", "PlannerModel", "PlanOptions", "Runtime", "StagePlan",
-           "VideoShape", "compute_seconds", "decode_stage", "denoise_stage", "host_base", "text_encode_stage"]
+           "VideoShape", "cache_state_bytes", "compute_seconds", "decode_stage", "denoise_stage", "host_base",
+           "sequence_tokens", "text_encode_stage", "transformer_config"]
 
 
 def text_encode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrategy, options: PlanOptions) -> StagePlan:
@@ -76,8 +77,9 @@ def denoise_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrate
         call = Call("denoise", name, shape.one_window(), chunks=strategy.chunk_count)
         flops = model.trace(call, options.attention).flops * steps * passes  # traced first: it records the module order
         resident, held, streaming = denoiser_residency(model, call, strategy, stage, options)
-        phases.append(phase(model, call, [*resident, *clip], options, name, held, streaming,
-                            weights_in_host(model, name, options, resident)))
+        kept = [*clip, *cache_state_bytes(model, shape, name, options.cache_state_of(name))]
+        phases.append(phase(model, call, resident, options, name, held, streaming,
+                            weights_in_host(model, name, options, resident), kept))
         work.append(device_work(model, name, strategy, options, flops, steps * model.forward_passes(shape) * passes,
                                 call))
     return StagePlan("denoise", tuple(phases), host, page_cache, tuple(work), options.on_cpu)
@@ -94,6 +96,41 @@ def window_passes(model: PlannerModel, shape: VideoShape) -> tuple[int, list[int
     schedule = WindowSchedule(frames, window, shape.window_overlap // model.geometry.temporal_factor)
     latent = _numel(model.latent_shape(shape))
     return schedule.count, [latent * 4, latent * 4 * 2]
+
+
+def transformer_config(model: PlannerModel, denoiser: str):
+    return model.module(denoiser).config
+
+
+def sequence_tokens(model: PlannerModel, shape: VideoShape, denoiser: str | None = None) -> int:
+    """Tokens the transformer blocks see for one video: latent frames x rows x columns, per patch."""
+    config = transformer_config(model, denoiser or model.layout.denoisers[0])
+    _, _, frames, height, width = model.latent_shape(shape)
+    patch = config.patch_size if isinstance(config.patch_size, (list, tuple)) else (1, config.patch_size, config.patch_size)
+    frames += (-frames) % patch[0]
+    return (frames // patch[0]) * (height // patch[1]) * (width // patch[2])
+
+
+def cache_state_bytes(model: PlannerModel, shape: VideoShape, denoiser: str, state: CacheState) -> list[int]:
+    """The tensors a step cache keeps on the device through `denoiser`'s passes (see CacheState): `state`'s
+    per cache context, for every context a step has (each guidance branch the family runs as its own pass,
+    each context window). Text tokens' tensors (First Block Cache's on families that return them) are a
+    few MiB and not counted. Wan 2.2's first expert's state goes when the second takes over
+    (pipelines/step_cache.py, `AppliedCache.finished`), so each denoiser's phase holds its own only."""
+    if not state.hidden and not state.output:
+        return []
+    passes = model.forward_passes(shape)  # guidance as its own pass: a context each
+    rows = shape.batch * (2 if shape.cfg else 1) // passes  # guidance as a batch: one context of both
+    contexts = passes * window_passes(model, shape)[0]
+    window = shape.one_window()
+    kept = []
+    if state.hidden:
+        config = transformer_config(model, denoiser)
+        width = config.num_attention_heads * config.attention_head_dim
+        kept += [rows * sequence_tokens(model, window, denoiser) * width * model.dtype_bytes(denoiser)] * state.hidden
+    if state.output:
+        kept += [rows * _numel(model.latent_shape(window)[1:]) * 4] * state.output
+    return kept * contexts
 
 
 def piece_call(model: PlannerModel, shape: VideoShape, piece: tuple[int, ...]) -> Call:
@@ -156,18 +193,20 @@ def decode_stage(model: PlannerModel, shape: VideoShape, strategy: MemoryStrateg
 
 
 def phase(model: PlannerModel, call: Call, resident: list[int], options: PlanOptions, label: str,
-          held: list[int] = (), streaming: Streaming | None = None, in_host: int = 0) -> Phase:
+          held: list[int] = (), streaming: Streaming | None = None, in_host: int = 0, kept: list[int] = ()) -> Phase:
     """Replay resident weights, then the call's allocations, through the allocator model. A CPU
     device has no CUDA context or cuBLAS workspace, and its allocator keeps no cache: live bytes.
     `held`: streamed weights evicted but still read by the GPU (reserved, not allocated).
     `streaming`: weights the sequential tier moves while the call runs, replayed between its
     allocations where the engine moves them (`schedule.stream_timeline`); `resident` then holds only
-    what stays on the device throughout. `in_host`: of `resident`, the host's own weights (Phase.in_host_bytes)."""
+    what stays on the device throughout. `in_host`: of `resident`, the host's own weights (Phase.in_host_bytes).
+    `kept`: tensors other than weights that live on the device throughout (a windowed clip's latents,
+    a step cache's state): resident like weights, but room the host must leave beside them."""
     trace = model.trace(call, options.attention)
     if options.on_cpu:
-        peak = replay(tuple(resident), trace.events)
-        return Phase(label, sum(resident), peak, peak.allocated, tuple(resident), trace.events, in_host_bytes=in_host)
-    tensors, held = (CUBLAS_WORKSPACE_BYTES, *resident), tuple(held)
+        peak = replay((*resident, *kept), trace.events)
+        return Phase(label, sum(resident), peak, peak.allocated, (*resident, *kept), trace.events, in_host_bytes=in_host)
+    tensors, held = (CUBLAS_WORKSPACE_BYTES, *resident, *kept), tuple(held)
     timeline = stream_timeline(streaming, trace.marks) if streaming is not None else None
     peak = replay(tensors, trace.events, held=held, timeline=timeline)
     footprint = peak.reserved if options.allocator.resolved() is Allocator.NATIVE else peak.active + sum(held)

@@ -122,6 +122,18 @@ class PlannerModel(Protocol):
 
 
 @dataclass(frozen=True)
+class CacheState:
+    """What a step cache keeps on the device between one denoiser's passes, per cache context (each
+    guidance branch, each context window), from its first pass to the end of its last: `hidden`
+    tensors of the blocks' hidden states (every token at the blocks' width, in the compute dtype:
+    MagCache's head input and residual, First Block Cache's head output and the two residuals) and
+    `output` float32 tensors of the denoiser's output (TaylorSeer's factors, one per order and one)."""
+
+    hidden: int = 0
+    output: int = 0
+
+
+@dataclass(frozen=True)
 class PlanOptions:
     """How the run is set up beyond the strategy: kernels, allocator, and how weights are stored.
 
@@ -132,7 +144,8 @@ class PlanOptions:
     device type the run computes on: on "cpu" nothing is copied to a device, so memory-mapped
     weights are used in place (page cache, not device bytes) and compute, copies and upcasts
     run at the CPU's rates. `speed`: the Speed node's choices as measured on this device, which the
-    denoiser's time estimate follows (1.0 where nothing is measured).
+    denoiser's time estimate follows (1.0 where nothing is measured). `cache_state`: what the step
+    cache keeps on the device per denoiser (pairs, as `storage`; a denoiser not named keeps nothing).
     """
 
     attention: Attention = Attention.FUSED
@@ -144,6 +157,7 @@ class PlanOptions:
     disk_bytes_per_s: float = NVME_BYTES_PER_S
     device: str = "cuda"
     speed: MeasuredSpeed = MeasuredSpeed()
+    cache_state: tuple[tuple[str, CacheState], ...] = ()
 
     def __post_init__(self) -> None:
         pairs = self.storage.items() if isinstance(self.storage, Mapping) else self.storage
@@ -151,6 +165,8 @@ class PlanOptions:
         for _, name in pairs:
             storage_format(name)  # ValueError naming the formats vidmem reads
         object.__setattr__(self, "storage", pairs)
+        kept = self.cache_state.items() if isinstance(self.cache_state, Mapping) else self.cache_state
+        object.__setattr__(self, "cache_state", tuple(sorted((str(name), state) for name, state in kept)))
         if not self.disk_bytes_per_s > 0:
             raise ValueError(f"disk_bytes_per_s={self.disk_bytes_per_s} must be positive, e.g. 3e9 for an NVMe SSD.")
 
@@ -169,6 +185,9 @@ class PlanOptions:
 
     def storage_of(self, component: str) -> str | None:
         return dict(self.storage).get(component)
+
+    def cache_state_of(self, denoiser: str) -> CacheState:
+        return dict(self.cache_state).get(denoiser, CacheState())
 
     def compute_budget(self, vram: int | None, ram: int | None) -> int | None:
         """The bytes the compute may hold. On a CPU device the compute's memory is the RAM that the
