@@ -18,9 +18,10 @@
 # blocks; bench/speed.py --parts goal) GOAL_SECONDS, the 14B bench
 # (BENCH_ROWS) what is left of BUDGET_SECONDS less SANITIZE_SECONDS, which compute-sanitizer's memcheck and
 # racecheck get last (each JSON is rewritten after every row and lists rows it had no time for). A part given
-# 0 seconds is skipped. The defaults are the next lease's plan, at most 10 minutes (the suite 165 s, the activation
-# block eager 70 and compiled 150, compiled blocks with and without a LoRA 70, the goal on 14B widths 150; each part
-# usually ends before its limit): what no lease has measured yet, and the suite as the regression check; the parts earlier leases measured default to 0 (their figures:
+# 0 seconds is skipped, and no part runs past BUDGET_SECONDS: each part's limit is its seconds or what is left, if
+# less (a part left under 20 s is skipped). The defaults are the next lease's plan, 575 s of parts within the 585 s
+# budget (the suite 165 s, the activation block eager 70 and compiled 110, compiled blocks with and without a LoRA 70,
+# the goal on 14B widths 160; each part usually ends before its limit): what no lease has measured yet, and the suite as the regression check; the parts earlier leases measured default to 0 (their figures:
 # docs/gpu.md, docs/speed.md, docs/step-cache.md), so give them seconds on a GPU kind not measured before.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ DECODE_SECONDS=${DECODE_SECONDS:-0}  # measured on the H200 after the landing fi
 ACT_SECONDS=${ACT_SECONDS:-70}
 # The same block compiled at each chunk count at 480p (compiled chunked slices, not measured yet): 5 inductor
 # compiles of a real 14B block (its forward, then 2 steps x 2 counts) in the untimed warm-ups, then profiled.
-ACT_COMPILE_SECONDS=${ACT_COMPILE_SECONDS:-150}
+ACT_COMPILE_SECONDS=${ACT_COMPILE_SECONDS:-110}
 # Compiled blocks against eager with a LoRA on every block's linear layers, then tier none without one, side by side,
 # since a LoRA's hooks are traced into the graphs (not measured yet; 38 s for two tiers on the H200, the second reusing
 # the first's compile: each tier here compiles from nothing); the JSON is rewritten after each tier
@@ -56,7 +57,7 @@ COMPILE_SECONDS=${COMPILE_SECONDS:-70}
 # Issue 24's goal on 14B-wide blocks (not measured yet; the 1.3B's: H200, 2026-11-28, 120 s gave 7 of its 8 tier rows).
 # By default its two auto rows (4 tier rows, ~130 s with the 14B's build): sage 1.0.6 was slower than SDPA's own kernel
 # at this token count on the H200, and the 14B's attention is the same kernel over more heads. GOAL_ROWS= (empty) runs all four.
-GOAL_SECONDS=${GOAL_SECONDS:-150}
+GOAL_SECONDS=${GOAL_SECONDS:-160}
 GOAL_ROWS=${GOAL_ROWS-auto+fp8_off,auto+fp8_on}  # the goal's rows, comma-separated (bench/speed.py --goal-rows)
 # The goal's blocks: the 14B's widths (40 heads, feed-forward 13,824; not measured yet), or wan2.1-t2v-1.3b (measured on
 # the H200, 2026-11-28: 1.23x). 4 blocks of 14B width are 1.4 B parameters: about 30 s more to build and store in fp8.
@@ -84,99 +85,106 @@ export PYTHONPATH=/tmp/vidmem-pkg${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import diffusers" 2>/dev/null || { echo "diffusers is not importable here: run 'bash bench/gpu_check.sh --prepare-wheels' where there is internet, and carry .whl/ with the tree"; exit 2; }
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/nvidia-smi.txt"
-skip() { [ "$1" -gt 0 ] && return 1; echo "== $2 skipped (0 seconds given)"; }
+# Whether a part runs (given seconds, and 20 or more left), with its time limit in LIMIT: its own seconds, or what
+# is left of BUDGET_SECONDS if less, so that no part runs past the lease command's own limit.
+part() {
+    local left=$(( BUDGET_SECONDS - ($(date +%s) - started) ))
+    LIMIT=$(( $1 < left ? $1 : left ))
+    [ "$1" -gt 0 ] || { echo "== $2 skipped (0 seconds given)"; return 1; }
+    [ "$LIMIT" -ge 20 ] || { echo "== $2 skipped (${left}s left of BUDGET_SECONDS)"; return 1; }
+}
 
-if ! skip "$SUITE_SECONDS" "tests/gpu"; then
-    echo "== tests/gpu (at most ${SUITE_SECONDS}s)"
-    timeout "$SUITE_SECONDS" python3 -m pytest -q -rA -s tests/gpu -p no:cacheprovider ${SUITE_SELECT:+-k "$SUITE_SELECT"} \
+if part "$SUITE_SECONDS" "tests/gpu"; then
+    echo "== tests/gpu (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 -m pytest -q -rA -s tests/gpu -p no:cacheprovider ${SUITE_SELECT:+-k "$SUITE_SELECT"} \
         > "$OUT/gpu-suite.log" 2>&1
     echo "suite exit $?" | tee -a "$OUT/gpu-suite.log"
     tail -n 25 "$OUT/gpu-suite.log"
 fi
 
-if ! skip "$WARM_SECONDS" "the warm rows"; then
-    echo "== bench/gpu.py warm rows on $WARM_MODEL (at most ${WARM_SECONDS}s)"
-    timeout "$WARM_SECONDS" python3 bench/gpu.py --model "$WARM_MODEL" --rows "$WARM_ROWS" --json "$OUT/gpu-warm.json" \
-        --budget-seconds $(( WARM_SECONDS - 30 )) > "$OUT/bench-warm.log" 2>&1
+if part "$WARM_SECONDS" "the warm rows"; then
+    echo "== bench/gpu.py warm rows on $WARM_MODEL (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/gpu.py --model "$WARM_MODEL" --rows "$WARM_ROWS" --json "$OUT/gpu-warm.json" \
+        --budget-seconds $(( LIMIT - 30 )) > "$OUT/bench-warm.log" 2>&1
     echo "warm bench exit $?" | tee -a "$OUT/bench-warm.log"
     grep -v "^Failed to load CPU" "$OUT/bench-warm.log"
 fi
 
-if ! skip "$STREAM_SECONDS" "the unpinned stream rows"; then
-    echo "== bench/gpu.py rows $STREAM_ROWS on $WARM_MODEL (at most ${STREAM_SECONDS}s)"
-    timeout "$STREAM_SECONDS" python3 bench/gpu.py --model "$WARM_MODEL" --rows "$STREAM_ROWS" --json "$OUT/gpu-stream.json" \
-        --budget-seconds $(( STREAM_SECONDS - 15 )) > "$OUT/bench-stream.log" 2>&1
+if part "$STREAM_SECONDS" "the unpinned stream rows"; then
+    echo "== bench/gpu.py rows $STREAM_ROWS on $WARM_MODEL (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/gpu.py --model "$WARM_MODEL" --rows "$STREAM_ROWS" --json "$OUT/gpu-stream.json" \
+        --budget-seconds $(( LIMIT - 15 )) > "$OUT/bench-stream.log" 2>&1
     echo "stream bench exit $?" | tee -a "$OUT/bench-stream.log"
     grep -v "^Failed to load CPU" "$OUT/bench-stream.log"
 fi
 
-if ! skip "$SPEED_SECONDS" "the speed bench"; then
-    echo "== bench/speed.py: attention kernels, compiled blocks, fp8 matmul on 1.3B-sized blocks (at most ${SPEED_SECONDS}s)"
-    timeout "$SPEED_SECONDS" python3 bench/speed.py --device cuda --parts attention,compile,fp8_matmul --steps 4 --blocks 8 \
+if part "$SPEED_SECONDS" "the speed bench"; then
+    echo "== bench/speed.py: attention kernels, compiled blocks, fp8 matmul on 1.3B-sized blocks (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts attention,compile,fp8_matmul --steps 4 --blocks 8 \
         --runs 2 --json "$OUT/speed-gpu.json" > "$OUT/speed.log" 2>&1
     echo "speed bench exit $?" | tee -a "$OUT/speed.log"
     grep -v "^Failed to load CPU" "$OUT/speed.log" | tail -n 40
 fi
 
-if ! skip "$CACHE_SECONDS" "the cache bench"; then
-    echo "== bench/speed.py: the step cache's blocks, copies and time per tier, 30 steps (at most ${CACHE_SECONDS}s)"
-    timeout "$CACHE_SECONDS" python3 bench/speed.py --device cuda --parts cache --steps 30 --blocks 8 \
+if part "$CACHE_SECONDS" "the cache bench"; then
+    echo "== bench/speed.py: the step cache's blocks, copies and time per tier, 30 steps (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts cache --steps 30 --blocks 8 \
         --runs 2 --json "$OUT/speed-cache-gpu.json" > "$OUT/speed-cache.log" 2>&1
     echo "cache bench exit $?" | tee -a "$OUT/speed-cache.log"
     grep -v "^Failed to load CPU" "$OUT/speed-cache.log" | tail -n 30
 fi
 
-if ! skip "$FP8_SECONDS" "fp8 matmul at 832x480x81"; then
-    echo "== bench/speed.py: fp8 matmul at the 1.3B's real size, 832x480x81 (at most ${FP8_SECONDS}s)"
-    timeout "$FP8_SECONDS" python3 bench/speed.py --device cuda --parts fp8_matmul --size 832x480x81 --steps 2 --blocks 4 \
+if part "$FP8_SECONDS" "fp8 matmul at 832x480x81"; then
+    echo "== bench/speed.py: fp8 matmul at the 1.3B's real size, 832x480x81 (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts fp8_matmul --size 832x480x81 --steps 2 --blocks 4 \
         --runs 2 --json "$OUT/speed-fp8-gpu.json" > "$OUT/speed-fp8.log" 2>&1
     echo "fp8 bench exit $?" | tee -a "$OUT/speed-fp8.log"
     grep -v "^Failed to load CPU" "$OUT/speed-fp8.log" | tail -n 20
 fi
 
-if ! skip "$ATTN_SECONDS" "attention calls at 832x480x81"; then
-    echo "== bench/speed.py: one attention call per kernel at 832x480x81, 32,760 tokens (at most ${ATTN_SECONDS}s)"
-    timeout "$ATTN_SECONDS" python3 bench/speed.py --device cuda --parts attention_call --size 832x480x81 --steps 1 --blocks 1 \
+if part "$ATTN_SECONDS" "attention calls at 832x480x81"; then
+    echo "== bench/speed.py: one attention call per kernel at 832x480x81, 32,760 tokens (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts attention_call --size 832x480x81 --steps 1 --blocks 1 \
         --json "$OUT/speed-attention-call-gpu.json" > "$OUT/speed-attention-call.log" 2>&1
     echo "attention call bench exit $?" | tee -a "$OUT/speed-attention-call.log"
     grep -E '^  [a-z_]+:' "$OUT/speed-attention-call.log"
 fi
 
-if ! skip "$DECODE_SECONDS" "the VAE decode rows"; then
-    echo "== bench/gpu.py --decode: Wan 2.1's VAE at 832x480x81, host copies overlapped or blocking (at most ${DECODE_SECONDS}s)"
-    timeout "$DECODE_SECONDS" python3 bench/gpu.py --decode --model "$WARM_MODEL" --json "$OUT/gpu-decode.json" \
-        --budget-seconds $(( DECODE_SECONDS - 30 )) > "$OUT/bench-decode.log" 2>&1
+if part "$DECODE_SECONDS" "the VAE decode rows"; then
+    echo "== bench/gpu.py --decode: Wan 2.1's VAE at 832x480x81, host copies overlapped or blocking (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/gpu.py --decode --model "$WARM_MODEL" --json "$OUT/gpu-decode.json" \
+        --budget-seconds $(( LIMIT - 30 )) > "$OUT/bench-decode.log" 2>&1
     echo "decode bench exit $?" | tee -a "$OUT/bench-decode.log"
     grep -E 'seconds|same_frames|overlapped_over|peak|tiling|Error' "$OUT/bench-decode.log" | head -n 20
 fi
 
-if ! skip "$ACT_SECONDS" "the activation chunks block"; then
-    echo "== bench/activations.py --device cuda: one Wan 14B block per chunk count, 32,760 and 75,600 tokens (at most ${ACT_SECONDS}s)"
-    timeout "$ACT_SECONDS" python3 bench/activations.py --device cuda --chunks 1,2,4,8,16 --runs 5 --profile \
+if part "$ACT_SECONDS" "the activation chunks block"; then
+    echo "== bench/activations.py --device cuda: one Wan 14B block per chunk count, 32,760 and 75,600 tokens (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/activations.py --device cuda --chunks 1,2,4,8,16 --runs 5 --profile \
         --json "$OUT/activations-gpu.json" > "$OUT/activations.log" 2>&1
     echo "activations exit $?" | tee -a "$OUT/activations.log"
     grep -E 'tokens, chunks|profile at|goals|Error' "$OUT/activations.log"
 fi
 
-if ! skip "$ACT_COMPILE_SECONDS" "the activation chunks block compiled"; then
-    echo "== bench/activations.py --device cuda --compile: one Wan 14B block compiled per chunk count, 32,760 tokens (at most ${ACT_COMPILE_SECONDS}s)"
-    timeout "$ACT_COMPILE_SECONDS" python3 bench/activations.py --device cuda --compile --tokens 32760 --chunks 1,2,4 \
+if part "$ACT_COMPILE_SECONDS" "the activation chunks block compiled"; then
+    echo "== bench/activations.py --device cuda --compile: one Wan 14B block compiled per chunk count, 32,760 tokens (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/activations.py --device cuda --compile --tokens 32760 --chunks 1,2,4 \
         --runs 5 --profile --json "$OUT/activations-compiled-gpu.json" > "$OUT/activations-compiled.log" 2>&1
     echo "activations compiled exit $?" | tee -a "$OUT/activations-compiled.log"
     grep -E 'tokens, chunks|profile at|goals|Error' "$OUT/activations-compiled.log"
 fi
 
-if ! skip "$COMPILE_SECONDS" "compiled blocks at 832x480x81"; then
-    echo "== bench/speed.py: compiled blocks against eager at 832x480x81, tiers $COMPILE_TIERS (at most ${COMPILE_SECONDS}s)"
-    timeout "$COMPILE_SECONDS" python3 bench/speed.py --device cuda --parts compile --size 832x480x81 --steps 2 --blocks 4 \
+if part "$COMPILE_SECONDS" "compiled blocks at 832x480x81"; then
+    echo "== bench/speed.py: compiled blocks against eager at 832x480x81, tiers $COMPILE_TIERS (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts compile --size 832x480x81 --steps 2 --blocks 4 \
         --runs 3 --compile-tiers "$COMPILE_TIERS" --json "$OUT/speed-compile-gpu.json" > "$OUT/speed-compile.log" 2>&1
     echo "compile bench exit $?" | tee -a "$OUT/speed-compile.log"
     grep -E '^  compile |Error' "$OUT/speed-compile.log"
 fi
 
-if ! skip "$GOAL_SECONDS" "the speed goal at 832x480x81"; then
-    echo "== bench/speed.py --parts goal: the best settings against eager SDPA with fp8 upcast, $GOAL_MODEL blocks, 832x480x81 (at most ${GOAL_SECONDS}s)"
-    timeout "$GOAL_SECONDS" python3 bench/speed.py --device cuda --parts goal --model "$GOAL_MODEL" --size 832x480x81 \
+if part "$GOAL_SECONDS" "the speed goal at 832x480x81"; then
+    echo "== bench/speed.py --parts goal: the best settings against eager SDPA with fp8 upcast, $GOAL_MODEL blocks, 832x480x81 (at most ${LIMIT}s)"
+    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts goal --model "$GOAL_MODEL" --size 832x480x81 \
         --steps 2 --blocks 4 --runs 2 ${GOAL_ROWS:+--goal-rows "$GOAL_ROWS"} --json "$OUT/speed-goal-gpu.json" \
         > "$OUT/speed-goal.log" 2>&1
     echo "goal bench exit $?" | tee -a "$OUT/speed-goal.log"

@@ -347,3 +347,29 @@ def test_compiled_counts_are_profiled_running_their_compiled_graphs(monkeypatch)
     for row in found["tokens"]["64"]["rows"].values():
         assert row["profile"]["device_ms_by_kind"]["gemm"] > 0 and row["profile"]["device_ms_by_kind"]["attention"] > 0
     torch._dynamo.reset()
+
+
+def test_a_compile_that_falls_back_to_eager_stops_the_part_with_its_reason():
+    """A failed compile must not be timed as a compiled block (and tried again on every later call): the
+    warm-up's fallback stops the bench, naming the failure, before any row is recorded."""
+    import torch._dynamo
+
+    from vidmem.pipelines.compile import CompileSettings, _backends
+
+    attempts = []
+
+    def broken(graph, example_inputs):
+        attempts.append(1)
+        raise RuntimeError("simulated inductor failure")
+
+    if "vidmem_broken" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(broken, name="vidmem_broken")
+    _backends.cache_clear()  # the list of backends is read once
+    torch._dynamo.reset()
+    saved = []
+    with pytest.raises(activation_block.CompileFellBack, match="simulated inductor failure"):
+        measure(TINY, (64,), (1, 2), torch.device("cpu"), "float32", activation_block.CpuMeter(), runs=2,
+                log=lambda line: None, compiled=CompileSettings(on=True, backend="vidmem_broken", dynamic=False),
+                save=saved.append)
+    assert len(attempts) == 1 and not saved
+    torch._dynamo.reset()

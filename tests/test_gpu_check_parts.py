@@ -186,3 +186,50 @@ def test_the_cache_part_refuses_a_model_whose_magcache_ratios_it_does_not_have(c
     assert "--model wan2.1-t2v-14b" in error and "wan2.1-t2v-1.3b" in error  # names the input and the fix
     assert "--model" in _refusal(["--model", "wan2.1-t2v-14b"], capsys)  # every part, the cache's among them
     assert "invalid choice" in _refusal(["--parts", "goal", "--model", "wan2.2-t2v-a14b"], capsys)
+
+
+def test_a_compile_tier_that_fails_is_recorded_and_the_next_tier_still_runs(monkeypatch):
+    """The lease's first compile tier is the new none+lora: should it raise on the GPU, tier none still runs."""
+    from bench.support import speed_compile
+
+    real = speed_compile._logged_row
+
+    def failing_lora(tier, *args):
+        if tier.endswith("+lora"):
+            raise RuntimeError("a LoRA hook the graph could not trace")
+        return real(tier, *args)
+
+    monkeypatch.setattr(speed_compile, "_logged_row", failing_lora)
+    torch._dynamo.reset()
+    config = SpeedConfig(steps=1, blocks=2, runs=1, time_tiers=())
+    lines, snapshots = [], []
+    found = compile_rows(build(config), config, CompileSettings(True, backend="aot_eager"), log=lines.append,
+                         tier_names=("none+lora", "none"), lora_rank=4, on_row=snapshots.append)
+    torch._dynamo.reset()
+    assert found["failed"] == {"none+lora": "RuntimeError: a LoRA hook the graph could not trace"}
+    assert list(found["step_time_ratio"]) == ["none"] and len(snapshots) == 2
+    assert any(line.startswith("  compile none+lora") and "FAILED" in line for line in lines)  # gpu_check.sh shows it
+
+
+def test_a_goal_tier_that_fails_keeps_the_tiers_done_and_every_row_leaves_a_verdict_so_far(monkeypatch):
+    """A failure under block swap keeps the row's tier none (the speed-up goal is judged on it), and after each
+    tier the JSON has the verdict so far, so a lease cut short keeps one; off a GPU the figures get no verdict."""
+    from bench.support import speed_goal
+
+    def tier_row(stored, config, strategy, speed):
+        if strategy.offload.value == "block_swap":
+            raise RuntimeError("out of memory")
+        return {"step_time_ratio": 0.6, "step_s": 1.0, "recompiles": 0, "psnr_db": None, "compile_seconds": 1.0,
+                "fallback": ""}
+
+    monkeypatch.setattr(speed_goal, "_tier_row", tier_row)
+    config = SpeedConfig(steps=1, blocks=2, runs=1, time_tiers=())
+    snapshots = []
+    found = goal_rows(build(config), config, log=lambda line: None, row_names=("auto+fp8_off",),
+                      on_row=lambda so_far: snapshots.append(dict(so_far["goals"])))
+    row = found["rows"]["auto+fp8_off"]
+    assert row["none"]["step_time_ratio"] == 0.6 and row["failed"].startswith("block_swap_2: RuntimeError")
+    assert snapshots and snapshots[0]["fastest"] == "auto+fp8_off"
+    assert found["goals"]["fastest"] == "auto+fp8_off" and found["goals"]["met_speedup"] is None  # the CPU: not judged
+    assert "not judged off a GPU" in found["goals"]["lines"][0]
+    assert goals({"auto+fp8_off": {"none": {"step_time_ratio": 0.6}}}, judged=True)["met_speedup"]

@@ -104,12 +104,20 @@ def chunked(module: torch.nn.Module, chunks: int):
     return activation_chunks({"block": module}, {"block": [module]}, chunks)
 
 
+class CompileFellBack(RuntimeError):
+    """torch.compile failed and the block ran eagerly: its times would pass for compiled ones."""
+
+
 @contextlib.contextmanager
 def prepared(module: torch.nn.Module, chunks: int, compiled: CompileSettings = CompileSettings()):
     """The block chunked (chunks > 1) and, with `compiled` on, compiled as a Sampler call compiles it: the
-    block's forward unchunked, the slices' steps chunked (pipelines/compile.py)."""
-    with chunked(module, chunks) as applied, compiled_blocks({"block": [module]}, compiled, applied):
+    block's forward unchunked, the slices' steps chunked (pipelines/compile.py). A compile that fell back to
+    eager stops the bench with its reason (CompileFellBack): a Sampler call would run on eagerly, but here
+    the eager times would be recorded as compiled, and every later call would try the compile again."""
+    with chunked(module, chunks) as applied, compiled_blocks({"block": [module]}, compiled, applied) as report:
         yield
+        if report.fallback:
+            raise CompileFellBack(report.fallback)
 
 
 def predicted_peak(shape: BlockShape, chunks: int, tokens: int, dtype: str) -> int:

@@ -53,26 +53,32 @@ def compile_rows(loaded, config: SpeedConfig, settings: CompileSettings = Compil
     settings, each tier's step times, latent difference, graph breaks and any fallback message.
     `tier_names`: the tiers measured, in their order (default every one of speed_runs.tiers; `+lora` tiers run
     with a random LoRA of `lora_rank`). `on_row` is given what is found so far after each tier (a lease's time
-    limit may cut the part short)."""
-    rows = {}
+    limit may cut the part short). A tier that raises is a result too (`failed`: tier -> the error); the
+    others still run."""
+    rows, failed = {}, {}
     lora: dict = {}
     with tempfile.TemporaryDirectory(prefix="vidmem-speed-lora-") as folder:
         styled = None
         for tier, strategy in chosen_tiers(config.blocks, tier_names).items():
-            if tier.endswith(LORA) and styled is None:
-                styled = with_random_lora(loaded, config, Path(folder), lora_rank)
-                lora = {"lora": {"rank": lora_rank, "layers": sum(map(len, styled.loras[0].layers.values())),
-                                 "skipped": len(styled.loras[0].skipped)}}
-            rows[tier] = _logged_row(tier, styled if tier.endswith(LORA) else loaded, config, strategy, settings, log)
-            on_row(_found(rows, settings, config, lora))
-    return _found(rows, settings, config, lora)
+            try:
+                if tier.endswith(LORA) and styled is None:
+                    styled = with_random_lora(loaded, config, Path(folder), lora_rank)
+                    lora = {"lora": {"rank": lora_rank, "layers": sum(map(len, styled.loras[0].layers.values())),
+                                     "skipped": len(styled.loras[0].skipped)}}
+                rows[tier] = _logged_row(tier, styled if tier.endswith(LORA) else loaded, config, strategy, settings,
+                                         log)
+            except Exception as error:  # noqa: BLE001 - one tier's failure on this model or device is a finding
+                failed[tier] = f"{type(error).__name__}: {str(error)[:300]}"
+                log(f"  compile {tier:<16} FAILED: {failed[tier]}")
+            on_row(_found(rows, settings, config, lora, failed))
+    return _found(rows, settings, config, lora, failed)
 
 
-def _found(rows: dict, settings: CompileSettings, config: SpeedConfig, lora: dict) -> dict:
+def _found(rows: dict, settings: CompileSettings, config: SpeedConfig, lora: dict, failed: dict) -> dict:
     keys = ("step_time_ratio", "recompiles_second_run", "compile_seconds", "eager_step_s", "compiled_step_s",
             "max_abs_diff", "graph_breaks", "fallback")
     found = {key: {tier: row[key] for tier, row in rows.items()} for key in keys}
-    return {**found, "settings": settings.describe(), "runs": config.runs, **lora}
+    return {**found, "settings": settings.describe(), "runs": config.runs, **lora, **({"failed": failed} if failed else {})}
 
 
 def with_random_lora(loaded, config: SpeedConfig, folder: Path, rank: int):
