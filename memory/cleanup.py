@@ -52,9 +52,10 @@ def release_cached_pinned() -> bool:
     return True
 
 
-def free_memory(device: torch.device) -> FreeReceipt:
+def free_memory(device: torch.device, release_kept: bool = True) -> FreeReceipt:
     """Drop the weights every pipeline keeps on the device between runs, gc.collect(), then for a
-    CUDA device empty_cache() and ipc_collect().
+    CUDA device empty_cache() and ipc_collect(). `release_kept` False: the kept weights stay (a
+    stage that only returns what it used itself, as Prepare Training Data after its encoders).
 
     The kept weights go first: this runs after an out-of-memory error (the sampler's and the
     decode's ladders) and on Free VRAM, and a copy kept for a later call must never cost this one
@@ -63,7 +64,7 @@ def free_memory(device: torch.device) -> FreeReceipt:
     too, where this torch exposes that.
     """
     before = snapshot(device)
-    released = release_everywhere()
+    released = release_everywhere() if release_kept else 0
     collected = gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

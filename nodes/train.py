@@ -20,6 +20,8 @@ from ..training.data import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 from ..training.errors import TrainingError
 from ..training.objective import EXPERT_COMPONENTS
 from ..memory.activation_offload import OffloadMode, offload_mode
+from ..memory.plan.costs import CUDA_CONTEXT_BYTES
+from ..pipelines.room import FALLBACK_MARGIN_BYTES
 from ..training.plan import choose_training_strategy, resolve_activation_offload
 from ..training.save import lora_file_name
 from . import host
@@ -119,7 +121,8 @@ class VidMemPrepareTrainingData:
         progress = host.Progress(1, "encoding clips")
         try:
             data = prepare_training_data(pipeline, folder, buckets, run, host.training_folder() / "data_cache",
-                                         pipeline.backend(device), progress.step, host.check_interrupt)
+                                         pipeline.backend(device), progress.step, host.check_interrupt,
+                                         lambda weight_bytes: host.make_room(weight_bytes + FALLBACK_MARGIN_BYTES, device))
         finally:
             progress.close()
         receipt = dict(data.receipt, strategy=run.describe() + note)
@@ -255,7 +258,8 @@ class VidMemTrainLoRA:
 
         try:
             result = train_lora(pipeline, data, run, settings, outputs, pipeline.backend(device), progress,
-                                host.check_interrupt, resume)
+                                host.check_interrupt, resume,
+                                make_room=lambda weight_bytes: host.make_room(training_room(weight_bytes, chosen), device))
         finally:
             bar.close()
         spec = load_lora(result.lora_path, pipeline.pipe, 1.0, "both" if expert == "both" else expert, name=file_name)
@@ -266,6 +270,14 @@ class VidMemTrainLoRA:
         text = "\n".join([format_receipt(f"Train LoRA: {file_name} after {result.receipt['steps']} steps", receipt),
                           *train_lines(receipt, settings)])
         return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (with_lora(pipeline, spec), file_name)}
+
+
+def training_room(weight_bytes: int, chosen) -> int:
+    """Device bytes Train LoRA asks the host for: the training plan's peak where one was made (less the CUDA
+    context, which the host's process has), else the weights and the sampler's stated margin (pipelines/room.py)."""
+    if chosen is None:
+        return weight_bytes + FALLBACK_MARGIN_BYTES
+    return max(weight_bytes, chosen.plan.peak_vram_bytes - CUDA_CONTEXT_BYTES)
 
 
 def _offload_problem(value) -> str | None:

@@ -136,3 +136,33 @@ def test_bad_training_inputs_write_nothing(tiny_loaded, folders, changes, match)
         VidMemTrainLoRA().train(loaded, data, strategy, **dict(TRAIN, **changes))
     assert not (folders / "models").exists() and not (folders / "output" / "vidmem_training" / "checkpoints").exists()
 
+
+
+def test_prepare_and_train_ask_the_host_for_room_before_their_weights_move(tiny_loaded, folders, monkeypatch):
+    """ComfyUI's own models (and other pipelines' kept weights, which its memory manager can take back) make way
+    before the encoders and the trained denoiser go to the device: Prepare asks for its encoders' weights and the
+    sampler's stated margin, Train for the training plan's peak (less the CUDA context) where auto planned it."""
+    from vidmem.memory import StageComponents
+    from vidmem.memory.offload import device_weight_bytes
+    from vidmem.memory.plan.costs import CUDA_CONTEXT_BYTES
+    from vidmem.pipelines.room import FALLBACK_MARGIN_BYTES
+    from vidmem.training import loop, prepare
+
+    events = []
+    monkeypatch.setattr(host, "make_room", lambda nbytes, device: events.append(("room", nbytes)))
+    for module in (loop, prepare):
+        real = module.apply_strategy
+        monkeypatch.setattr(module, "apply_strategy",
+                            lambda stage, *args, real=real, **kwargs: events.append(("place", None)) or real(stage, *args, **kwargs))
+    loaded = tiny_loaded("wan2.1-t2v")
+    data = auto_data(loaded, folders)  # Prepare under offload=model (auto: prepared as model)
+    (room, nbytes), (place, _) = events
+    encoders = StageComponents({"text_encoder": loaded.pipe.text_encoder, "vae": loaded.pipe.vae})
+    on_device = device_weight_bytes(encoders, MemoryStrategy(offload="model"))  # one encoder at a time
+    assert (room, place) == ("room", "place") and nbytes == on_device + FALLBACK_MARGIN_BYTES > FALLBACK_MARGIN_BYTES
+    events.clear()
+    roomy = StrategyChoice(MemoryStrategy(offload="model"), auto=True, vram_budget_gb=1024.0, ram_budget_gb=1024.0)
+    out = VidMemTrainLoRA().train(loaded, data, roomy, **dict(TRAIN, lora_name="room", steps=1))
+    (room, nbytes), (place, _) = events
+    planned = out["ui"]["vidmem_receipt"][0]["training_plan"]["predicted_peak_vram_bytes"]
+    assert (room, place) == ("room", "place") and nbytes == planned - CUDA_CONTEXT_BYTES

@@ -110,18 +110,23 @@ def check_request(loaded, data: PreparedData, strategy: MemoryStrategy, settings
 def train_lora(loaded, data: PreparedData, strategy: MemoryStrategy, settings: TrainSettings, outputs: TrainOutputs,
                backend, progress: Progress = lambda done, total, loss: None,
                check_interrupt: Callable[[], None] = lambda: None, resume: bool = False,
-               observer: Observer | None = None) -> TrainResult:
+               observer: Observer | None = None,
+               make_room: Callable[[int], None] = lambda weight_bytes: None) -> TrainResult:
     """Train a LoRA on `data` and write it to `outputs.lora_path`; see the module docstring.
 
     `progress(done, total, loss)` after every step; `check_interrupt()` raising stops the run
     within one block, after a checkpoint of the last completed step; `resume` continues from
     `outputs.checkpoint_folder` when it holds a checkpoint of the same data and settings.
+    `make_room(weight_bytes)`: before any weight moves, the host is asked to make room for the step,
+    given the bytes of weights the strategy puts on the device (the caller adds the activations).
     """
     with training_mode():  # ComfyUI runs nodes under inference_mode (training/inference.py)
-        return _train_lora(loaded, data, strategy, settings, outputs, backend, progress, check_interrupt, resume, observer)
+        return _train_lora(loaded, data, strategy, settings, outputs, backend, progress, check_interrupt, resume, observer,
+                           make_room)
 
 
-def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, check_interrupt, resume, observer) -> TrainResult:
+def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, check_interrupt, resume, observer,
+                make_room) -> TrainResult:
     component = check_request(loaded, data, strategy, settings)
     if settings.activation_offload is OffloadMode.AUTO:  # before anything moves
         raise TrainingError("activation_offload='auto' is decided by the training plan: resolve it first "
@@ -165,6 +170,7 @@ def _train_lora(loaded, data, strategy, settings, outputs, backend, progress, ch
         with apply_loras(lora_patches(loaded.pipe, loaded.loras)) as lora_handle, ExitStack() as stack:
             # inside the LoRA block, as the sampler measures it: the applied LoRAs' buffers count
             receipt["device_weight_bytes"], receipt["lora_bytes"] = device_weight_bytes(stage, strategy), lora_handle.nbytes
+            make_room(receipt["device_weight_bytes"])  # ComfyUI's models (and other pipelines' kept weights) make way
             stack.enter_context(_training_context(model, run, settings, blocks, check_interrupt, strategy.streams_blocks, offload))
             handle = stack.enter_context(apply_strategy(stage, strategy, backend, observer, loaded.host_pool))
             handle.activate(component)

@@ -93,8 +93,11 @@ def from_vae_latent(loaded, z: torch.Tensor) -> torch.Tensor:
 def prepare_training_data(
     loaded, folder: str | Path, buckets: BucketSettings, strategy: MemoryStrategy, cache_root: Path,
     backend, on_step: Callable[[int, int], None] = lambda done, total: None, check_interrupt: Callable[[], None] = lambda: None,
+    make_room: Callable[[int], None] = lambda weight_bytes: None,
 ) -> PreparedData:
-    """Scan, check, encode what the cache lacks, write the manifest; see the module docstring."""
+    """Scan, check, encode what the cache lacks, write the manifest; see the module docstring.
+    `make_room(weight_bytes)`: before the encoders move, the host is asked to make room for them (the
+    bytes of their weights the strategy puts on the device; the caller adds the activations)."""
     if loaded.needs_image:
         raise TrainingError(f"{loaded.class_name} is image-to-video; vidmem prepares text-to-video training data only.")
     buckets.check(loaded.spec.frames_error, spatial_multiple(loaded.pipe))
@@ -109,7 +112,7 @@ def prepare_training_data(
     missing = [(clip, bucket, key) for clip, bucket, key in planned if not (cache / f"{key}.safetensors").is_file()]
     receipt = {"clips": len(clips), "reused": len(clips) - len(missing), "encoded": len(missing), "cache_folder": str(cache)}
     if missing:
-        receipt.update(_encode_all(loaded, missing, strategy, cache, backend, on_step, check_interrupt))
+        receipt.update(_encode_all(loaded, missing, strategy, cache, backend, on_step, check_interrupt, make_room))
     samples = tuple(PreparedSample(key, str(clip.path.relative_to(root)), clip.caption, bucket) for clip, bucket, key in planned)
     _write_manifest(cache, root, samples, identity)
     receipt["buckets"] = _bucket_counts(samples)
@@ -130,11 +133,12 @@ def _tiling_label(strategy: MemoryStrategy) -> str:
     return "none" if tiling is None else f"{tiling.tile_size}/{tiling.overlap}"
 
 
-def _encode_all(loaded, missing, strategy, cache: Path, backend, on_step, check_interrupt) -> dict:
+def _encode_all(loaded, missing, strategy, cache: Path, backend, on_step, check_interrupt, make_room) -> dict:
     pipe, device = loaded.pipe, backend.device
     stage = StageComponents({"text_encoder": pipe.text_encoder, "vae": pipe.vae})
     weight_bytes = device_weight_bytes(stage, strategy)
     cache.mkdir(parents=True, exist_ok=True)
+    make_room(weight_bytes)
     with apply_strategy(stage, strategy, backend) as handle, _vae_tiling(pipe.vae, strategy), torch.no_grad():
         handle.activate("text_encoder")
         embeds = {}
@@ -147,7 +151,7 @@ def _encode_all(loaded, missing, strategy, cache: Path, backend, on_step, check_
             latent = _encode_clip(loaded, clip, bucket, device)
             _write_entry(cache / f"{key}.safetensors", latent, embeds[key])
             on_step(done, len(missing))
-    freed = free_memory(device)
+    freed = free_memory(device, release_kept=False)  # the encoders' copies went with the strategy; others' stay
     return {"encoder_device_bytes": weight_bytes, "encoders_unloaded": True, "free": freed.as_dict()}
 
 
