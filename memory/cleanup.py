@@ -52,6 +52,28 @@ def release_cached_pinned() -> bool:
     return True
 
 
+class _DroppedPinned:
+    """Whether an owner of pinned host memory (a host pool, a backend's staging) has been collected since
+    torch's pinned cache was last emptied: process-wide, as that cache is."""
+
+    pending = False
+
+
+def note_pinned_dropped() -> None:
+    """A finalizer for an owner of pinned memory: its blocks go back to torch's cache, still locked."""
+    _DroppedPinned.pending = True
+
+
+def release_dropped_pinned() -> bool:
+    """Unlock what collected owners left in torch's pinned cache, once after they went (True where it did).
+    Called after a placement took its own pinned memory, so a new pipeline reuses the cached blocks it
+    can, and what it does not need stops being locked (ComfyUI never empties torch's host cache)."""
+    if not _DroppedPinned.pending:
+        return False
+    _DroppedPinned.pending = False
+    return release_cached_pinned()
+
+
 def free_memory(device: torch.device, release_kept: bool = True) -> FreeReceipt:
     """Drop the weights every pipeline keeps on the device between runs, gc.collect(), then for a
     CUDA device empty_cache() and ipc_collect(). `release_kept` False: the kept weights stay (a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -124,6 +125,7 @@ class CudaBackend:
         from .hostpool import RESIDENT_SLOTS, StagingRing  # hostpool imports residency; keep device.py import-light
 
         self.device = device
+        self._watched: weakref.finalize | None = None  # told when this backend is collected (memory.cleanup)
         self._side = torch.cuda.Stream(device=device)
         finished, wait = (lambda token: token.done.query()), (lambda token: token.done.synchronize())
         # streamed groups' chunks (side stream); whole components' chunks in a ring of their own, so
@@ -132,6 +134,10 @@ class CudaBackend:
         self.uploads = StagingRing(self.pin_arena, finished, wait, max_slots=RESIDENT_SLOTS)
 
     def pin_arena(self, nbytes: int) -> torch.Tensor:
+        if self._watched is None:  # when this backend goes, its staging stays locked in torch's cache
+            from .cleanup import note_pinned_dropped  # device.py stays import-light
+
+            self._watched = weakref.finalize(self, note_pinned_dropped)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     @property

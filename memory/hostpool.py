@@ -57,13 +57,14 @@ operands lie, so the same bytes at another alignment can give other last bits
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import psutil
 import torch
 
-from .cleanup import release_cached_pinned
+from .cleanup import note_pinned_dropped, release_cached_pinned
 from .residency import Slot
 from .storage.mapping import is_file_backed
 from .units import GiB, MiB
@@ -118,6 +119,7 @@ class HostPool:
         # again and meets the same tensors; a count per meeting grew call after call.
         self._pageable: set[int] = set()
         self._mapped: set[int] = set()
+        self._watched: weakref.finalize | None = None  # told when this pool is collected (memory.cleanup)
 
     def __repr__(self) -> str:
         return f"HostPool({self.pinned_bytes / GiB:.2f} GiB pinned in {len(self._arenas)} arenas)"
@@ -235,6 +237,8 @@ class HostPool:
                 arena = backend.pin_arena(self.arena_bytes)
             except RuntimeError:  # the driver refused to lock more memory
                 return None
+            if not self._arenas and not self._watched:  # when this pool goes, its arenas stay locked in torch's cache
+                self._watched = weakref.finalize(self, note_pinned_dropped)
             self._arenas.append(arena)
             self._used = 0
         start = self._used + _skew(host)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .blockswap import EVICTED_IN_FLIGHT, KeepBudget, Observer, StreamSchedule, hook_group
+from .cleanup import release_dropped_pinned
 from .hostpool import HostPool, pinned_cap_bytes
 from .residency import Slot, WeightGroup, own_slots, partition_slots, tie, tied_bytes
 from .strategy import MemoryStrategy, OffloadTier
@@ -307,6 +308,8 @@ def apply_strategy(
     try:
         for name, module in stage.modules.items():
             handle._add_component(name, module, stage.blocks.get(name), pool)
+        if backend.can_pin:  # after this call's homes reused what they could of a dropped pipeline's pinned blocks
+            release_dropped_pinned()
         handle._adopt_kept()
         if not handle._exclusive:
             for group in handle.groups:

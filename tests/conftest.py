@@ -36,9 +36,11 @@ def cold_shared_pipelines():
     """Pipelines shared between tests keep device copies between calls (warm runs, memory/warm.py);
     drop them after each test, so every test starts cold, as the shared fixtures promise."""
     yield
+    from vidmem.memory.cleanup import _DroppedPinned
     from vidmem.memory.warm import release_everywhere
 
     release_everywhere()
+    _DroppedPinned.pending = False  # process-wide: a pipeline one test dropped must not empty the next test's cache
 
 
 @pytest.fixture(scope="session")

@@ -92,3 +92,41 @@ def test_a_decode_with_a_lower_ceiling_leaves_the_samplers_homes_pinned(tiny_fol
         decode(loaded, result.latent, decoder, backend=backend)
         seen.append((pool.allocations, pool.pinned_bytes))
     assert seen[0][1] > 0 and seen[1:] == seen[:1] * 2
+
+
+def test_a_dropped_pipelines_pinned_blocks_are_unlocked_after_the_next_placement(tiny_folder, tmp_path, monkeypatch):
+    """torch keeps a collected pool's pinned arenas in its host cache, still locked, until told to let go, and
+    ComfyUI never tells it: once a pipeline that pinned is gone, the next placement (after its own homes reused
+    what they could) empties that cache, once; without a pipeline gone, nothing is emptied."""
+    import gc
+
+    from vidmem.memory import cleanup
+
+    fake = FakeCuda().install(monkeypatch)
+    gc.collect()  # earlier tests' pipelines go now, not in the middle of this one
+    monkeypatch.setattr(cleanup._DroppedPinned, "pending", False)
+    hooks = RunHooks(prompt_cache=PromptCache(tmp_path / "prompts"))
+    emptied = lambda: sum(1 for entry in fake.log if entry == ("host_empty_cache",))  # noqa: E731
+
+    def run(loaded):  # each pipeline with its own backend (staging), as LoadedPipeline.backend gives it
+        swap = MemoryStrategy(offload="block_swap", blocks_to_swap=block_count(loaded), prefetch_blocks=1)
+        if id(loaded) not in backends:
+            backends[id(loaded)] = CudaBackend(torch.device("cpu"))
+        backend = backends[id(loaded)]
+        return sample(loaded, swap, request_for(VARIANT), hooks=hooks, backend=backend)
+
+    backends = {}
+
+    kept = replace(load_pipeline(tiny_folder(VARIANT), "fp32"), host_pool=HostPool(arena_bytes=ARENA))
+    run(kept)
+    run(kept)
+    assert kept.host_pool.pinned_bytes > 0 and emptied() == 0  # nothing dropped: the cache is reused as it is
+    dropped = replace(load_pipeline(tiny_folder(VARIANT), "fp32"), host_pool=HostPool(arena_bytes=ARENA))
+    run(dropped)
+    del backends[id(dropped)], dropped
+    gc.collect()
+    assert cleanup._DroppedPinned.pending and emptied() == 0
+    run(kept)
+    assert emptied() == 1 and not cleanup._DroppedPinned.pending
+    run(kept)
+    assert emptied() == 1
