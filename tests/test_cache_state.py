@@ -147,3 +147,19 @@ def test_the_advice_names_the_cache_when_its_state_is_what_does_not_fit(tiny_loa
     assert recommended(plans) is None
     message = nothing_fits_message(model, shape, plans, base, options)
     assert "The step cache keeps" in message and "with the cache off" in message
+
+
+def test_the_strategy_nodes_plan_holds_the_connected_caches_state():
+    """GET /vidmem/plan with a Step Cache on the Sampler's cache input: each row's denoise holds the cache's state
+    (First Block Cache: three hidden-state tensors per guidance pass; Wan 2.1 1.3B at 832x480x81, 94 MiB each)."""
+    from test_plan_route_windows import FBC, shipped_plan
+
+    whole = shipped_plan("wan2.1-t2v-1.3b", frames=81)
+    cached = shipped_plan("wan2.1-t2v-1.3b", frames=81, **FBC)
+    state = 3 * 2 * 32760 * 1536 * 2  # tensors x guidance passes x tokens x width x bf16
+    by_label = {row["label"]: row for row in whole["rows"]}
+    for row in cached["rows"]:
+        after = {stage["name"]: stage["vram_bytes"] for stage in row["stages"]}
+        before = {stage["name"]: stage["vram_bytes"] for stage in by_label[row["label"]]["stages"]}
+        assert state <= after["denoise"] - before["denoise"] <= state * 1.05, row["label"]
+        assert after["decode"] == before["decode"]  # the state goes with the denoise
