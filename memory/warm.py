@@ -200,11 +200,13 @@ class WarmStore:
         with self._lock:
             return _bytes_of(kept for key, kept in self._kept.items() if key in keys)
 
-    def retain(self, hosts: list[torch.Tensor], *, take_over: bool) -> int:
+    def retain(self, hosts: list[torch.Tensor], *, take_over: bool, device: torch.device | None = None) -> int:
         """Keep only the copies of `hosts` (the tensors of the stage about to run); returns the bytes
         dropped. Call it before the host is told what the store holds: a copy this call will not take
         (a text encoder the last call kept, left out of this one) would otherwise stay on the device
-        for the whole call and be counted by the host as loaded, so it would free too little.
+        for the whole call and be counted by the host as loaded, so it would free too little. A call on
+        another `device` than the copies' takes none of them: all go now, not only when the call starts
+        (`in_use`), or the host would count them as loaded on the new device.
 
         `take_over`: this call keeps every one of `hosts` on the device until it ends (the sampler
         under tier none; the decode, whose VAE is its only component), so the copies a sibling store
@@ -214,7 +216,8 @@ class WarmStore:
         cancelled call or a changed tier cannot leave two copies."""
         keys = _keys_of(hosts)
         with self._lock:
-            dropped = [key for key in self._kept if key not in keys]
+            elsewhere = device is not None and self.device is not None and self.device != device
+            dropped = [key for key in self._kept if elsewhere or key not in keys]
             freed = _bytes_of(self._kept.pop(key) for key in dropped)
         if take_over:
             for sibling in list(self._siblings):

@@ -135,7 +135,7 @@ def decode(
     warm = loaded.warm_store("decode", backend)  # the VAE as the last decode left it on the device
     if warm is not None:  # image-to-video's sampler keeps the VAE too (it encodes the image): one copy, taken over
         warm.share_with(loaded.warm_store("sample", backend))
-        warm.retain(stage_tensors(stage), take_over=True)  # the VAE, its only component, stays to the end
+        warm.retain(stage_tensors(stage), take_over=True, device=backend.device)  # the VAE, its only component, stays to the end
     hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=room.weight_bytes)  # weights + activations
     loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
 

@@ -301,7 +301,8 @@ class _Run:
                                planned_attention(request.speed), cache_state)
             receipt["room"] = room.as_dict()
             if warm is not None:  # copies this stage will not take must not sit on the device, counted as loaded
-                warm.retain(stage_tensors(stage), take_over=strategy.offload is OffloadTier.NONE)  # keeps the VAE to the end
+                warm.retain(stage_tensors(stage), take_over=strategy.offload is OffloadTier.NONE,  # keeps the VAE to the end
+                            device=device)
             hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=weight_bytes)  # weights + activations
             loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
             # Free memory the call does not need keeps streamed blocks on the device (not after an

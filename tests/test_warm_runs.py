@@ -187,6 +187,18 @@ def test_the_host_gets_memory_back_streamed_blocks_first():
     assert store.release(2048) == 2048 and store.held_bytes == 0 and store.released_bytes == 3072
 
 
+def test_a_call_on_another_device_takes_no_kept_copy_and_they_go_before_the_host_is_asked():
+    """retain() is what the host's room request follows: copies kept for another device (a GPU changed in the
+    loader or the placement) must be gone by then, not only when the call starts, or the host counts them as
+    loaded on the new device and frees too little."""
+    store = WarmStore("test")
+    hosts = [torch.zeros(256) for _ in range(2)]
+    with store.in_use(torch.device("cuda", 0)):
+        store.keep([(host, host.clone()) for host in hosts], rank=STREAMED)
+    assert store.retain(hosts, take_over=False, device=torch.device("cuda", 0)) == 0 and store.held_bytes == 2048
+    assert store.retain(hosts, take_over=False, device=torch.device("cuda", 1)) == 2048 and store.held_bytes == 0
+
+
 def test_a_request_from_another_thread_mid_call_is_refused_and_applied_at_the_end():
     import threading
 
