@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
 from backends import StrictBackend
 from test_tiers import request_for
@@ -32,17 +33,6 @@ CACHES = {
 }
 
 
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 def held_state(denoiser: torch.nn.Module) -> dict[int, int]:
     """id -> bytes of every tensor in the cache hooks' states on `denoiser` and its modules (diffusers keeps
     one state per cache context in each hook's state manager; hooks of one cache share a manager)."""
@@ -52,8 +42,8 @@ def held_state(denoiser: torch.nn.Module) -> dict[int, int]:
         for hook in (registry.hooks.values() if registry is not None else ()):
             manager = getattr(hook, "state_manager", None)
             for state in (getattr(manager, "_state_cache", {}) or {}).values():
-                for tensor in _tensors(vars(state)):
-                    if tensor.numel() > 1:  # scalars (accumulated errors, step counts) are not state worth counting
+                for tensor in tree_leaves(vars(state)):
+                    if isinstance(tensor, torch.Tensor) and tensor.numel() > 1:  # not scalars (errors, step counts)
                         held[id(tensor)] = tensor.numel() * tensor.element_size()
     return held
 
