@@ -139,7 +139,7 @@ def run_plan(args: argparse.Namespace) -> int:
                           "vae_dtype": model.vae_dtype_name or model.dtype_name,
                           "weights": args.weights or model.dtype_name, "disk_gbps": disk_gbps,
                           "allocator": options.allocator.value,
-                          **({"speed": _speed_line(speed, model, args.device)} if speed else {}),
+                          **({"speed": _speed_line(speed, model, options)} if speed else {}),
                           "strategies": [p.as_dict() for p in plans],
                           "recommended": best, **({"message": message} if message else {})}, indent=2))
     else:
@@ -151,7 +151,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.cache != "off":
             print("\n" + _cache_line(model, args.steps, shape, plans[best] if best is not None else None, args.cache))
         if speed:
-            print("\nspeed: " + _speed_line(speed, model, args.device))
+            print("\nspeed: " + _speed_line(speed, model, options))
         if message:
             print(f"\n{message}")
     return 0 if best is not None else 1
@@ -167,12 +167,15 @@ def _speed(args: argparse.Namespace):
     return Speed(compile=CompileSettings(args.compile), fp8_matmul=args.fp8_matmul)
 
 
-def _speed_line(speed, model, device: str) -> str:
-    """The Memory Strategy chart's speed line: what the choices resolve to on `device`, and what was measured there."""
+def _speed_line(speed, model, options) -> str:
+    """The Memory Strategy chart's speed line: what the choices resolve to on the plan's device, and what was measured
+    there; fp8 matmul as the weights are stored (--weights)."""
+    from ..memory.plan.stages import fp8_stored
     from ..pipelines.speed import speed_plan_line
 
     masked_by = model.spec.name if model.spec.attention_masked else ""
-    return speed_plan_line(speed, device, model.dtype, masked_by)
+    fp8_layers = any(fp8_stored(name, options) for name in model.layout.denoisers)
+    return speed_plan_line(speed, options.device, model.dtype, masked_by, fp8_layers=fp8_layers)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

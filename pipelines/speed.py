@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import platform
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
@@ -27,7 +27,8 @@ from torch import nn
 
 from ..memory.accounting import Attention
 from ..memory.plan.costs import MeasuredSpeed
-from ..memory.storage.fp8_matmul import AUTO_REASON, Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call, fp8_matmul_support
+from ..memory.storage.fp8_matmul import (AUTO_REASON, FIX, NO_FP8_LAYERS, Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call,
+                                         fp8_matmul_support)
 from ..memory.strategy import StrategyError, parse_enum
 from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, check_mask,
                         resolve_attention, sdpa_pick)
@@ -167,12 +168,14 @@ MEASURED = Path(__file__).parent / "configs" / "speedups.json"  # bench/speed.py
 
 
 def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_by: str = "",
-                    context_parallel: bool = False) -> str:
+                    context_parallel: bool = False, fp8_layers: bool | None = None) -> str:
     """The Speed node's choices as they would resolve on this machine's `device_type`, for the plan:
     the kernel auto picks (or why a choice is refused), compiled or not, fp8 matmul or why not, and
     the per-step time measured on this device where bench/speed.py has measured it. `masked_by`: the
     model, when its attention passes a mask (a mask-less kernel is refused as the Sampler refuses it);
-    `context_parallel`: the Memory Strategy splits tokens across GPUs (compiled blocks are refused)."""
+    `context_parallel`: the Memory Strategy splits tokens across GPUs (compiled blocks are refused);
+    `fp8_layers`: whether the denoisers are stored in float8_e4m3fn (False: 'on' is refused as the Sampler
+    refuses it, and no fp8 figure is quoted; None: not known)."""
     try:
         check_compile_with(speed, context_parallel)
         compiled = ("compiled blocks (the first run compiles, later runs of this graph reuse it)" if speed.compile.on
@@ -184,20 +187,29 @@ def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_b
             check_mask(speed.attention, masked_by)
         except StrategyError as error:
             return f"refused: {error}; {compiled}"
+        if fp8_layers is False and speed.fp8_matmul is not Fp8Matmul.OFF:  # the weights decide that here already
+            return (f"attention {speed.attention.value}: resolved on the GPU when the run starts; {compiled}; "
+                    f"{_fp8_plan_text(speed.fp8_matmul, device_type, fp8_layers)}")
         return (f"attention {speed.attention.value}, fp8 matmul {speed.fp8_matmul.value}: resolved on the GPU when the "
                 f"run starts; {compiled}")
     try:
         attention = f"attention {resolve_attention(speed.attention, device_type, dtype, masked_by).describe()}"
     except StrategyError as error:
         attention = f"refused: {error}"
-    fp8 = _fp8_plan_text(speed.fp8_matmul, device_type)
+    fp8 = _fp8_plan_text(speed.fp8_matmul, device_type, fp8_layers)
+    if fp8_layers is False:  # nothing multiplies in fp8: the time quotes no fp8 figure either
+        speed = replace(speed, fp8_matmul=Fp8Matmul.OFF)
     measured = measured_line(speed, device_type, context_parallel)
     return f"{attention}; {compiled}; {fp8}" + (f". {measured}" if measured else "")
 
 
-def _fp8_plan_text(choice: Fp8Matmul, device_type: str) -> str:
+def _fp8_plan_text(choice: Fp8Matmul, device_type: str, fp8_layers: bool | None = None) -> str:
     if choice is Fp8Matmul.OFF:
         return "fp8 weights upcast (fp8_matmul off)"
+    if fp8_layers is False:
+        if choice is Fp8Matmul.ON:
+            return f"refused: fp8_matmul='on' cannot run here: {NO_FP8_LAYERS}; {FIX}"
+        return f"no fp8 matmul: {NO_FP8_LAYERS}"
     if _fp8_enabled(choice, device_type):
         return "fp8 matmul on the model's fp8 layers (their inputs rounded to fp8 too)"
     reason = fp8_matmul_support(device_type)
@@ -228,7 +240,7 @@ def measured_speed(speed: Speed, device: str | torch.device, lora_hooks: bool = 
         ratios["compiled"] = with_loras
     device_type = torch.device(device).type
     fp8_on = _visible(device_type) and _fp8_enabled(speed.fp8_matmul, device_type)
-    return MeasuredSpeed(**ratios, fp8_matmul_on=fp8_on)
+    return MeasuredSpeed(**ratios, fp8_matmul_on=fp8_on, compiled_on=speed.compile.on and not context_parallel)
 
 
 def measured_line(speed: Speed, device: str | torch.device, context_parallel: bool = False) -> str:
@@ -239,7 +251,8 @@ def measured_line(speed: Speed, device: str | torch.device, context_parallel: bo
         return ""
     names = {"kernel": f"attention {speed.attention.value}", "compiled": "compiled blocks",
              "compiled_sequential": "compiled blocks under sequential", "compiled_lora": "compiled blocks with a LoRA",
-             "fp8_matmul": "fp8 matmul"}
+             "fp8_matmul": "fp8 matmul with eager blocks" if speed.compile.on else "fp8 matmul",
+             "compiled_fp8_matmul": "compiled blocks with fp8 matmul"}
     parts = ", ".join(f"{names[part]} x{ratio:.2f}" for part, ratio in ratios.items())
     entry = _measured()[device_name(device)]
     sources = dict.fromkeys(entry.get("sources", {}).get(_ENTRY_KEYS[part], entry["source"]) for part in ratios)
@@ -248,21 +261,23 @@ def measured_line(speed: Speed, device: str | torch.device, context_parallel: bo
 
 # MeasuredSpeed's fields -> the speedups.json keys they are read from (a figure's own "sources" entry is keyed so too).
 _ENTRY_KEYS = {"kernel": "attention", "compiled": "compile", "compiled_sequential": "compile_sequential",
-               "compiled_lora": "compile_lora", "fp8_matmul": "fp8_matmul"}
+               "compiled_lora": "compile_lora", "fp8_matmul": "fp8_matmul", "compiled_fp8_matmul": "compile_fp8_matmul"}
 
 
 def _measured_ratios(speed: Speed, device: str | torch.device, context_parallel: bool = False) -> dict[str, float]:
     """MeasuredSpeed's ratios this device's entry measured for the choices `speed` makes: an attention kernel chosen
     by name (auto's pick is the baseline's; flex's eager figure not with compile on, which fuses it), compiled blocks
-    when on (not with context parallelism, which refuses them), fp8 matmul where a run enables it."""
+    when on (not with context parallelism, which refuses them), fp8 matmul where a run enables it, and the two
+    together where measured as a pair (MeasuredSpeed.ratio says which figure a tier and storage take)."""
     device_type = torch.device(device).type
     entry = _measured().get(device_name(device)) if _visible(device_type) else None
     if entry is None:
         return {}
     compiled = speed.compile.on and not context_parallel
     kernel = speed.attention is not AttentionKernel.AUTO and not (compiled and speed.attention is AttentionKernel.FLEX)
+    fp8 = _fp8_enabled(speed.fp8_matmul, device_type)
     made = {"kernel": kernel, "compiled": compiled, "compiled_sequential": compiled, "compiled_lora": compiled,
-            "fp8_matmul": _fp8_enabled(speed.fp8_matmul, device_type)}
+            "fp8_matmul": fp8, "compiled_fp8_matmul": compiled and fp8}
     ratios = {part: entry.get(_ENTRY_KEYS[part]) for part, chosen in made.items() if chosen}
     if "kernel" in ratios:
         ratios["kernel"] = (ratios["kernel"] or {}).get(speed.attention.value)

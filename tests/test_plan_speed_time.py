@@ -104,6 +104,21 @@ def test_the_ratios_multiply():
     assert speed.ratio(False, False) == pytest.approx(0.45)
 
 
+def test_compiled_blocks_with_fp8_matmul_take_the_pairs_figure_never_the_eager_fp8_one():
+    """Inside compiled graphs fp8 matmul is faster than eager (the H200: x0.81 for the pair, x0.83 compiled alone,
+    x1.25 fp8 eager): the pair's measured figure where there is one, else compiled blocks' own; sequential (a graph
+    break per leaf) multiplies as eagerly; weights not stored in fp8 take compiled blocks' figure."""
+    pair = MeasuredSpeed(kernel=0.9, compiled=0.83, compiled_sequential=1.1, fp8_matmul=1.25, fp8_matmul_on=True,
+                         compiled_fp8_matmul=0.81, compiled_on=True)
+    assert pair.ratio(False, True) == pytest.approx(0.9 * 0.81)
+    assert pair.ratio(False, False) == pytest.approx(0.9 * 0.83)
+    assert pair.ratio(True, True) == pytest.approx(0.9 * 1.1 * 1.25)
+    unmeasured = MeasuredSpeed(compiled=0.83, fp8_matmul=1.25, fp8_matmul_on=True, compiled_on=True)
+    assert unmeasured.ratio(False, True) == pytest.approx(0.83)
+    upcast = MeasuredSpeed(compiled=0.83, compiled_fp8_matmul=0.81, compiled_on=True)  # fp8 matmul off: weights upcast
+    assert upcast.ratio(False, True) == pytest.approx(0.83)
+
+
 def test_sequential_is_timed_with_compiles_sequential_figure(wan):
     speed = MeasuredSpeed(compiled=0.6, compiled_sequential=1.1)
     assert _denoise(_plan(wan, "sequential", speed)).time_ratio == 1.1
@@ -135,7 +150,7 @@ def speed_module(monkeypatch):
 def test_the_measured_ratios_of_the_choices_made(speed_module):
     measured = speed_module.measured_speed(Speed("flash", CompileSettings(True), "on"), "cpu")
     assert measured == MeasuredSpeed(kernel=0.8, compiled=0.7, compiled_sequential=1.1, fp8_matmul=1.3,
-                                     fp8_matmul_on=True)  # 'on': also on a CPU
+                                     fp8_matmul_on=True, compiled_on=True)  # 'on': also on a CPU
     assert speed_module.measured_speed(Speed("math"), "cpu") == MeasuredSpeed(kernel=2.0)
 
 
@@ -155,12 +170,13 @@ def test_lora_hooks_are_timed_with_the_figure_measured_with_a_lora_or_the_blocks
     """A LoRA's hooks are traced into the compiled graphs (memory/lora.py): no graph break to charge as
     sequential's leaves are; a device's `compile_lora` figure where it was measured."""
     compiled = Speed(compile=CompileSettings(True))
-    assert speed_module.measured_speed(compiled, "cpu", lora_hooks=True) == MeasuredSpeed(compiled=0.7,
-                                                                                           compiled_sequential=1.1)
+    assert speed_module.measured_speed(compiled, "cpu", lora_hooks=True) == MeasuredSpeed(
+        compiled=0.7, compiled_sequential=1.1, compiled_on=True)
     monkeypatch.setattr(speed_module, "_measured", lambda: {"Test CPU": {**MEASURED, "compile_lora": 0.75}})
-    assert speed_module.measured_speed(compiled, "cpu", lora_hooks=True) == MeasuredSpeed(compiled=0.75,
-                                                                                           compiled_sequential=1.1)
-    assert speed_module.measured_speed(compiled, "cpu") == MeasuredSpeed(compiled=0.7, compiled_sequential=1.1)
+    assert speed_module.measured_speed(compiled, "cpu", lora_hooks=True) == MeasuredSpeed(
+        compiled=0.75, compiled_sequential=1.1, compiled_on=True)
+    assert speed_module.measured_speed(compiled, "cpu") == MeasuredSpeed(compiled=0.7, compiled_sequential=1.1,
+                                                                         compiled_on=True)
     assert "compiled blocks with a LoRA x0.75" in speed_module.measured_line(compiled, "cpu")
 
 
@@ -175,16 +191,17 @@ def test_context_parallel_refuses_compile_so_it_is_not_credited_and_the_line_say
 def test_flex_is_not_timed_with_its_eager_figure_when_compiled(speed_module):
     assert speed_module.measured_speed(Speed("flex"), "cpu") == MeasuredSpeed(kernel=4.0)
     flex_compiled = speed_module.measured_speed(Speed("flex", CompileSettings(True)), "cpu")
-    assert flex_compiled == MeasuredSpeed(compiled=0.7, compiled_sequential=1.1)
+    assert flex_compiled == MeasuredSpeed(compiled=0.7, compiled_sequential=1.1, compiled_on=True)
 
 
 def test_another_device_or_a_gpu_this_process_cannot_see_counts_nothing(speed_module, monkeypatch):
     compiled = Speed(compile=CompileSettings(True))
     monkeypatch.setattr(speed_module.torch.cuda, "is_available", lambda: False)
-    assert speed_module.measured_speed(compiled, "cuda") == MeasuredSpeed()
-    assert speed_module.measured_speed(compiled, "mps") == MeasuredSpeed()  # the host CPU's figures do not stand in
+    nothing = MeasuredSpeed(compiled_on=True)  # chosen, with no figure
+    assert speed_module.measured_speed(compiled, "cuda") == nothing
+    assert speed_module.measured_speed(compiled, "mps") == nothing  # the host CPU's figures do not stand in
     monkeypatch.setattr(speed_module, "cpu_name", lambda: "Another CPU")
-    assert speed_module.measured_speed(compiled, "cpu") == MeasuredSpeed()
+    assert speed_module.measured_speed(compiled, "cpu") == nothing
 
 
 def test_a_gpu_is_timed_with_the_figures_of_the_one_it_runs_on(speed_module, monkeypatch):
@@ -195,14 +212,15 @@ def test_a_gpu_is_timed_with_the_figures_of_the_one_it_runs_on(speed_module, mon
     compiled = Speed(compile=CompileSettings(True))
     assert speed_module.measured_speed(compiled, "cuda:1").compiled == 0.7
     assert speed_module.measured_speed(compiled, speed_module.torch.device("cuda", 1)).compiled == 0.7
-    assert speed_module.measured_speed(compiled, "cuda:0") == MeasuredSpeed()
-    assert speed_module.measured_speed(compiled, "cuda") == MeasuredSpeed()  # no index: the current GPU's
+    assert speed_module.measured_speed(compiled, "cuda:0") == MeasuredSpeed(compiled_on=True)
+    assert speed_module.measured_speed(compiled, "cuda") == MeasuredSpeed(compiled_on=True)  # no index: the current GPU's
 
 
 def test_the_plan_line_quotes_what_the_time_uses(speed_module):
     speed = Speed("flash", CompileSettings(True), "on")
     line = speed_module.measured_line(speed, "cpu")
-    assert "attention flash x0.80" in line and "compiled blocks x0.70" in line and "fp8 matmul x1.30" in line
+    assert "attention flash x0.80" in line and "compiled blocks x0.70" in line
+    assert "fp8 matmul with eager blocks x1.30" in line  # what sequential times with: its graphs break per leaf
     assert "compiled blocks under sequential x1.10" in line
     assert "bench/results/x.json, bench/results/y.json" in line  # each figure's own run
 
@@ -253,7 +271,7 @@ def test_the_samplers_auto_choice_is_timed_with_the_measured_speed(speed_module,
             sampler_node.VidMemVideoSampler().sample(tiny_loaded("wan2.1-t2v"), choice, "a cat", "", 32, 32, 9, 1, 1.0,
                                                      0, speed=speed)
     assert seen == [MeasuredSpeed(), MeasuredSpeed(compiled=MEASURED["compile"],
-                                                 compiled_sequential=MEASURED["compile_sequential"])]
+                                                 compiled_sequential=MEASURED["compile_sequential"], compiled_on=True)]
 
 
 def test_the_sampler_times_with_the_figures_of_comfyuis_gpu(speed_module, tiny_loaded, monkeypatch):
@@ -352,3 +370,25 @@ def test_the_chart_times_a_lorad_run_with_the_figure_measured_with_a_lora(speed_
     assert plan_route._measured_speed(replace(request, loras=(lora,)), "cpu").compiled == 0.75
     assert plan_route._measured_speed(replace(request, loras=(replace(lora, strength=0.0),)), "cpu").compiled == 0.7
     assert plan_route._measured_speed(replace(request, context_parallel="ulysses"), "cpu").compiled == 1.0
+
+
+def test_the_pair_is_read_from_the_devices_entry_and_quoted_as_a_pair(speed_module, monkeypatch):
+    monkeypatch.setattr(speed_module, "_measured", lambda: {"Test CPU": {**MEASURED, "compile_fp8_matmul": 0.65}})
+    both = Speed(compile=CompileSettings(True), fp8_matmul="on")
+    assert speed_module.measured_speed(both, "cpu") == MeasuredSpeed(
+        compiled=0.7, compiled_sequential=1.1, fp8_matmul=1.3, fp8_matmul_on=True, compiled_fp8_matmul=0.65,
+        compiled_on=True)
+    line = speed_module.measured_line(both, "cpu")
+    assert "compiled blocks with fp8 matmul x0.65" in line and "fp8 matmul with eager blocks x1.30" in line
+
+
+def test_the_speed_line_refuses_fp8_matmul_on_weights_not_stored_in_fp8_and_quotes_no_fp8_figure(speed_module):
+    """As the Sampler refuses 'on' (memory/storage/fp8_matmul.py): the plan knows the storage the loader holds."""
+    on = Speed(compile=CompileSettings(True), fp8_matmul="on")
+    refused = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, fp8_layers=False)
+    assert "refused: fp8_matmul='on' cannot run here: the model has no stored (fp8) linear layers" in refused
+    assert "fp8 matmul x" not in refused and "with fp8 matmul" not in refused and "compiled blocks x0.70" in refused
+    stored = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, fp8_layers=True)
+    assert "fp8 matmul on the model's fp8 layers" in stored and "fp8 matmul with eager blocks x1.30" in stored
+    auto = speed_module.speed_plan_line(Speed(fp8_matmul="auto"), "cpu", speed_module.torch.float32, fp8_layers=False)
+    assert "no fp8 matmul: the model has no stored (fp8) linear layers" in auto

@@ -186,8 +186,11 @@ def _eligible(layers: dict[str, StoredLinear]) -> bool:
     return any(layer.fp8_matmul_problem() is None for layer in layers.values())
 
 
+NO_FP8_LAYERS = "the model has no stored (fp8) linear layers: load it with weight_dtype fp8_e4m3fn or an fp8 (scaled) file"
+
+
 def _no_layers_reason(layers: dict[str, StoredLinear]) -> str:
     if not layers:
-        return "the model has no stored (fp8) linear layers: load it with weight_dtype fp8_e4m3fn or an fp8 (scaled) file"
+        return NO_FP8_LAYERS
     return (f"none of the model's {len(layers)} stored linear layers can take it "
             f"(e.g. {next(iter(layers.values())).fp8_matmul_problem()})")
