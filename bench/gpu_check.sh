@@ -18,8 +18,8 @@
 # blocks; bench/speed.py --parts goal) GOAL_SECONDS, the 14B bench
 # (BENCH_ROWS) what is left of BUDGET_SECONDS less SANITIZE_SECONDS, which compute-sanitizer's memcheck and
 # racecheck get last (each JSON is rewritten after every row and lists rows it had no time for). A part given
-# 0 seconds is skipped, and no part runs past BUDGET_SECONDS: each part's limit is its seconds or what is left, if
-# less (a part left under 20 s is skipped). The defaults are the next lease's plan, 575 s of parts within the 585 s
+# 0 seconds is skipped, and no part runs into SANITIZE_SECONDS or past BUDGET_SECONDS: each part's limit is its
+# seconds or what is left, if less (a part left under 20 s is skipped). The defaults are the next lease's plan, 575 s of parts within the 585 s
 # budget (the suite 165 s, the activation block eager 70 and compiled 110, compiled blocks with and without a LoRA 70,
 # the goal on 14B widths 160; each part usually ends before its limit): what no lease has measured yet, and the suite as the regression check; the parts earlier leases measured default to 0 (their figures:
 # docs/gpu.md, docs/speed.md, docs/step-cache.md), so give them seconds on a GPU kind not measured before.
@@ -85,13 +85,15 @@ export PYTHONPATH=/tmp/vidmem-pkg${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import diffusers" 2>/dev/null || { echo "diffusers is not importable here: run 'bash bench/gpu_check.sh --prepare-wheels' where there is internet, and carry .whl/ with the tree"; exit 2; }
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/nvidia-smi.txt"
-# Whether a part runs (given seconds, and 20 or more left), with its time limit in LIMIT: its own seconds, or what
-# is left of BUDGET_SECONDS if less, so that no part runs past the lease command's own limit.
+# Whether a part runs (whole seconds given, and 20 or more of them left), with its time limit in LIMIT: its own
+# seconds, or what is left of BUDGET_SECONDS less SANITIZE_SECONDS (compute-sanitizer's, kept for last) if less, so
+# that no part runs past the lease command's own limit.
 part() {
-    local left=$(( BUDGET_SECONDS - ($(date +%s) - started) ))
-    LIMIT=$(( $1 < left ? $1 : left ))
+    [[ "$1" =~ ^[0-9]+$ ]] || { echo "== $2 skipped: '$1' is not a whole number of seconds"; return 1; }
     [ "$1" -gt 0 ] || { echo "== $2 skipped (0 seconds given)"; return 1; }
-    [ "$LIMIT" -ge 20 ] || { echo "== $2 skipped (${left}s left of BUDGET_SECONDS)"; return 1; }
+    local left=$(( BUDGET_SECONDS - ($(date +%s) - started) - SANITIZE_SECONDS ))
+    LIMIT=$(( $1 < left ? $1 : left ))
+    [ "$LIMIT" -ge 20 ] || { echo "== $2 skipped (${LIMIT}s for it: $1 given, ${left}s left of BUDGET_SECONDS)"; return 1; }
 }
 
 if part "$SUITE_SECONDS" "tests/gpu"; then
@@ -105,7 +107,7 @@ fi
 if part "$WARM_SECONDS" "the warm rows"; then
     echo "== bench/gpu.py warm rows on $WARM_MODEL (at most ${LIMIT}s)"
     timeout "$LIMIT" python3 bench/gpu.py --model "$WARM_MODEL" --rows "$WARM_ROWS" --json "$OUT/gpu-warm.json" \
-        --budget-seconds $(( LIMIT - 30 )) > "$OUT/bench-warm.log" 2>&1
+        --budget-seconds $(( LIMIT > 40 ? LIMIT - 30 : 10 )) > "$OUT/bench-warm.log" 2>&1
     echo "warm bench exit $?" | tee -a "$OUT/bench-warm.log"
     grep -v "^Failed to load CPU" "$OUT/bench-warm.log"
 fi
@@ -113,7 +115,7 @@ fi
 if part "$STREAM_SECONDS" "the unpinned stream rows"; then
     echo "== bench/gpu.py rows $STREAM_ROWS on $WARM_MODEL (at most ${LIMIT}s)"
     timeout "$LIMIT" python3 bench/gpu.py --model "$WARM_MODEL" --rows "$STREAM_ROWS" --json "$OUT/gpu-stream.json" \
-        --budget-seconds $(( LIMIT - 15 )) > "$OUT/bench-stream.log" 2>&1
+        --budget-seconds $(( LIMIT > 25 ? LIMIT - 15 : 10 )) > "$OUT/bench-stream.log" 2>&1
     echo "stream bench exit $?" | tee -a "$OUT/bench-stream.log"
     grep -v "^Failed to load CPU" "$OUT/bench-stream.log"
 fi
@@ -153,7 +155,7 @@ fi
 if part "$DECODE_SECONDS" "the VAE decode rows"; then
     echo "== bench/gpu.py --decode: Wan 2.1's VAE at 832x480x81, host copies overlapped or blocking (at most ${LIMIT}s)"
     timeout "$LIMIT" python3 bench/gpu.py --decode --model "$WARM_MODEL" --json "$OUT/gpu-decode.json" \
-        --budget-seconds $(( LIMIT - 30 )) > "$OUT/bench-decode.log" 2>&1
+        --budget-seconds $(( LIMIT > 40 ? LIMIT - 30 : 10 )) > "$OUT/bench-decode.log" 2>&1
     echo "decode bench exit $?" | tee -a "$OUT/bench-decode.log"
     grep -E 'seconds|same_frames|overlapped_over|peak|tiling|Error' "$OUT/bench-decode.log" | head -n 20
 fi

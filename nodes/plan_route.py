@@ -235,9 +235,12 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         model, loras = planned_with_loras(model, request.loras, request.trained_loras)  # as the Sampler plans them
         _check_windows(request, model)
         if layout is not None and layout.mode is not GpuSharing.BALANCED:
-            from ..pipelines.sample_checks import refuse_windows_in_parallel
+            from ..pipelines.sample_checks import refuse_cache_in_parallel, refuse_windows_in_parallel
 
-            refuse_windows_in_parallel(request.shape)  # the Sampler's refusal, before any rank starts
+            refuse_windows_in_parallel(request.shape)  # the Sampler's refusals, before any rank starts
+            cache = _step_cache(request)
+            if not isinstance(cache, StrategyError):
+                refuse_cache_in_parallel(cache)
         device = device or _probed_device()
         options = replace(options, device=device, attention=_planned_attention(request),
                           speed=_measured_speed(request, device), cache_state=_cache_state(request, model))

@@ -22,7 +22,7 @@ from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, p
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
-from ..pipelines.sample_checks import refuse_windows_in_parallel, validate_request
+from ..pipelines.sample_checks import refuse_cache_in_parallel, refuse_windows_in_parallel, validate_request
 from ..pipelines.schedulers import SCHEDULERS
 from ..pipelines.loader import torch_dtype
 from ..pipelines.speed import measured_speed, planned_attention, resolve_speed
@@ -186,7 +186,7 @@ class VidMemVideoSampler:
         options = PlanOptions(attention=planned_attention(request.speed),
                               speed=measured_speed(request.speed, device, lora_hooks,
                                                    choice.strategy.parallel.context_parallel_on),
-                              cache_state=step_cache.planned_state(pipeline.spec.denoisers))
+                              cache_state=step_cache.planned_state(denoisers(pipeline.pipe, pipeline.spec)))
         run, plan_line = _strategy_for_run(pipeline, choice, shape, device, options)
         progress = host.Progress(steps, "sampling")
         try:
@@ -222,6 +222,7 @@ def check_before_planning(pipeline, choice, request, device) -> None:
     validate_request(pipeline, request)
     if choice.strategy.parallel.context_parallel_on:
         refuse_windows_in_parallel(request)
+        refuse_cache_in_parallel(request.cache)
         rank_strategy(choice.strategy)  # an activation chunk count is refused (auto runs the ranks unchunked)
     resolved = resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
                              denoisers(pipeline.pipe, pipeline.spec),

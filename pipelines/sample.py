@@ -149,7 +149,7 @@ def sample(
             break
         resume = record.last
         del record  # the failed attempt's tensors go before the cleanup
-        strategy = run.escalate(strategy, resume.steps_done if resume else 0)
+        strategy = run.escalate(strategy, resume.steps_done if resume else 0, restarts=resume is None)
     receipt["strategy"] = strategy.describe()
     if rungs:
         receipt["requested_strategy"] = requested.describe()
@@ -243,14 +243,18 @@ class _Run:
             return ""
         return "choose attention 'auto' on the Speed node (sageattention 1.x forbids activation chunks, a further rung); "
 
-    def escalate(self, strategy: MemoryStrategy, steps_done: int) -> MemoryStrategy:
+    def escalate(self, strategy: MemoryStrategy, steps_done: int, restarts: bool = False) -> MemoryStrategy:
         """After an out-of-memory error under `strategy`: free, pick the next rung, log it. An error
-        before the attempt's first step (placing the weights, encoding the start image) is at step 0."""
+        before the attempt's first step (placing the weights, encoding the start image) is at step 0.
+        `restarts`: no step finished, so the next attempt starts over, with the step cache (whose state
+        the rung must then leave room for); one that resumes runs uncached."""
         request, device = self.request, self.backend.device
         freed = free_memory(device)
         shape = VideoShape(request.width, request.height, request.frames, cfg=self.choice.guided, window=request.window,
                            window_overlap=request.window_overlap)
-        fits = planner_fits(self.loaded, shape, request.steps, self.hooks.device_budget(device), planned_attention(request.speed))
+        state = request.cache.planned_state(denoiser_blocks(self.loaded.pipe, self.loaded.spec)) if restarts else {}
+        fits = planner_fits(self.loaded, shape, request.steps, self.hooks.device_budget(device),
+                            planned_attention(request.speed), state)
         rung, how = next_rung(strategy, block_count(self.loaded), fits, self.chunkable, self.chunks_ran)
         before = self.phase.before_the_steps
         at_step = 0 if before else steps_done + 1

@@ -131,6 +131,20 @@ def refuse_windows_in_parallel(request) -> None:
                          "window to 0, or parallel to off.")
 
 
+def refuse_cache_in_parallel(cache: StepCache) -> None:
+    """First Block Cache and MagCache under context parallelism: their hooks on the first block sit outside
+    diffusers' split of the tokens between the ranks, so they keep the whole video's first-block input while the
+    last block returns one rank's share, and the first step fails (checked on two CPU ranks). TaylorSeer (lite)
+    extrapolates the gathered output and decides from the step count alone, the same on every rank: it runs."""
+    from .step_cache import CacheMethod
+
+    if cache.method in (CacheMethod.FIRST_BLOCK, CacheMethod.MAG):
+        raise ModelError(f"cache {cache.method.value} does not run with context parallelism: its hooks sit outside the "
+                         "split of the tokens between the ranks (the first block's input is the whole video's, the last "
+                         "block's output one rank's share); choose taylor_seer (decided from the step count, the same "
+                         "on every rank), or context_parallel off.")
+
+
 def check_windows(loaded, request) -> None:
     """`window` / `window_overlap` on the model's frame grid (a step cache runs beside them: one cache
     state per window, pipelines/step_cache.py)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..memory import MemoryStrategy, OffloadTier, TextEncoderPlacement
 from ..memory.accounting import Attention
@@ -201,11 +201,12 @@ def text_encoder_message(strategy: MemoryStrategy, error: BaseException) -> str:
             f"covers placing the weights and denoising, not the text encoder. To fix: {'; or '.join(fixes)}. ({error})")
 
 
-def planner_fits(loaded, shape, steps: int, budget: int | None,
-                 attention: Attention = Attention.FUSED) -> Callable[[MemoryStrategy], bool] | None:
+def planner_fits(loaded, shape, steps: int, budget: int | None, attention: Attention = Attention.FUSED,
+                 cache_state: Mapping | None = None) -> Callable[[MemoryStrategy], bool] | None:
     """Whether the planner predicts the denoise stage of `shape` (a VideoShape: its size, frames,
     guidance and context windows) under a strategy to fit `budget` device bytes (the host's figure
-    after the cleanup); None without a budget."""
+    after the cleanup), beside a step cache's state (`cache_state`: the next attempt restarts cached);
+    None without a budget."""
     if budget is None:
         return None
     from ..memory.plan.stages import denoise_stage
@@ -216,6 +217,7 @@ def planner_fits(loaded, shape, steps: int, budget: int | None,
 
     def fits(strategy: MemoryStrategy) -> bool:
         models[:] = models or [sampling_model(loaded)]
-        return denoise_stage(models[0], shape, strategy, plan_options(loaded, PlanOptions(attention=attention, steps=steps))).fits(budget)
+        options = plan_options(loaded, PlanOptions(attention=attention, steps=steps, cache_state=cache_state or {}))
+        return denoise_stage(models[0], shape, strategy, options).fits(budget)
 
     return fits

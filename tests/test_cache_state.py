@@ -129,7 +129,9 @@ def test_the_advice_names_the_cache_when_its_state_is_what_does_not_fit(tiny_loa
     model, request = planner_model(loaded), request_for("wan2.1-t2v")
     shape = VideoShape(request.width, request.height, request.frames, cfg=True)
     base = MemoryStrategy(offload="model")
-    options = PlanOptions(device="cuda", cache_state={"transformer": CacheState(hidden=100_000)})
+    # named as the family declares its denoisers (Wan: both experts' names, whether this model has a second or not)
+    options = PlanOptions(device="cuda", cache_state={name: CacheState(hidden=100_000)
+                                                      for name in ("transformer", "transformer_2")})
     uncached = candidate_plans(model, shape, None, None, base, replace(options, cache_state=()))
     vram = max(p.peak_vram_bytes for p in uncached)  # everything fits uncached; nothing beside ~0.9 GB of state
     ram = max(p.peak_ram_bytes for p in uncached)

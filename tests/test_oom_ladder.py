@@ -211,7 +211,7 @@ def test_the_host_budget_lets_the_planner_choose(tiny_loaded, monkeypatch):
     loaded = tiny_loaded("wan2.1-t2v")
     seen = []
 
-    def fake_planner_fits(loaded_, shape, steps, budget, attention):
+    def fake_planner_fits(loaded_, shape, steps, budget, attention, cache_state=None):
         seen.append(budget)
         return lambda strategy: strategy.offload.value == "block_swap" and strategy.blocks_to_swap >= 2
 
@@ -221,6 +221,31 @@ def test_the_host_budget_lets_the_planner_choose(tiny_loaded, monkeypatch):
                      RunHooks(device_budget=lambda device: 123))
     (rung,) = result.receipt["oom_ladder"]
     assert seen == [123] and rung["chosen_by"] == "planner" and "blocks_to_swap=2" in rung["next"]
+
+
+@pytest.mark.parametrize("failing_call, restarts", [(1, True), (3, False)])
+def test_the_rung_leaves_room_for_the_step_caches_state_only_where_the_next_attempt_runs_cached(
+        tiny_loaded, monkeypatch, failing_call, restarts):
+    """An error before any step finished restarts the run from its first step, with the step cache, so the rung is
+    planned beside its state; an attempt that resumes after a finished step runs uncached and is planned without."""
+    from dataclasses import replace
+
+    import vidmem.pipelines.sample as sample_module
+    from vidmem.memory.plan.types import CacheState
+    from vidmem.pipelines.step_cache import StepCache
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    seen = []
+
+    def recording_planner_fits(loaded_, shape, steps, budget, attention, cache_state=None):
+        seen.append(dict(cache_state or {}))
+        return lambda strategy: strategy.offload.value == "block_swap"
+
+    monkeypatch.setattr(sample_module, "planner_fits", recording_planner_fits)
+    request = replace(request_for("wan2.1-t2v", steps=2), cache=StepCache("mag_cache", mag_ratios=(1.0,) * 2))
+    with InjectOOM(loaded.pipe.transformer.blocks[0], [failing_call]):
+        run(loaded, MemoryStrategy(offload="model"), request, RunHooks(device_budget=lambda device: 1 << 40))
+    assert seen == [{"transformer": CacheState(hidden=2)} if restarts else {}]
 
 
 def test_a_run_that_may_not_climb_raises_at_once_and_restores_everything(tiny_loaded):

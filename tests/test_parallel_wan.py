@@ -87,3 +87,26 @@ def test_each_rank_runs_its_share_of_the_tokens(tiny_loaded, pool, tier):
     per_rank = pool.run(CountTokens(ParallelSampleJob(PipelineSource.of(loaded), strategy, request)))
     (tokens,) = whole
     assert tokens % 2 == 0 and per_rank == [[tokens // 2], [tokens // 2]]
+
+
+def test_taylor_seer_runs_split_and_the_caches_that_keep_the_first_blocks_input_are_refused(tiny_loaded, pool):
+    """TaylorSeer decides from the step count and extrapolates the gathered output: the split run gives the frames of
+    one process. MagCache and First Block Cache hook the first block outside the split of the tokens (the first
+    block's input is the whole video's, the last block's output one rank's share: two CPU ranks failed on the first
+    step), so they are refused before any rank starts, naming what runs."""
+    from dataclasses import replace
+
+    from vidmem.pipelines.family import ModelError
+    from vidmem.pipelines.step_cache import StepCache
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    strategy = MemoryStrategy(offload="none", parallel=Parallelism(context_parallel="ulysses", degree=2))
+    taylor = replace(request_for("wan2.1-t2v", steps=6), cache=StepCache("taylor_seer", interval=2, warmup_steps=1))
+    single = sample(loaded, MemoryStrategy(offload="none"), taylor, device=torch.device("cpu"))
+    split = sample_parallel(loaded, strategy, taylor, RANKS, pool=pool)
+    assert torch.equal(split.latent["samples"], single.latent["samples"])
+    assert split.receipt["cache"]["blocks_skipped"] == single.receipt["cache"]["blocks_skipped"] > 0
+    for cache in (StepCache("mag_cache", mag_ratios=(1.0,) * 6), StepCache("first_block_cache")):
+        with pytest.raises(ModelError, match=f"cache {cache.method.value} does not run with context parallelism.*"
+                                             "choose taylor_seer"):
+            sample_parallel(loaded, strategy, replace(taylor, cache=cache), RANKS, pool=pool)

@@ -107,6 +107,12 @@ def test_the_sampler_s_own_refusals_of_the_size_and_the_windows():
     assert heads["input"] == "context_parallel" and "12 attention heads" in heads["error"], heads
     windows = answer("wan2.1-t2v-1.3b", gpus="0,1", context_parallel="ulysses", window="33", window_overlap="8")
     assert windows["input"] == "window" and "do not run with context parallelism" in windows["error"], windows
+    mag = answer("wan2.1-t2v-1.3b", gpus="0,1", context_parallel="ulysses", cache_method="mag_cache",
+                 cache_threshold="0", cache_retention="0.2", cache_max_skip_steps="3", cache_mag_ratios="auto")
+    assert mag["status"] == "error" and "choose taylor_seer" in mag["error"], mag
+    taylor = answer("wan2.1-t2v-1.3b", gpus="0,1", context_parallel="ulysses", cache_method="taylor_seer",
+                    cache_threshold="0", cache_retention="0.2", cache_max_skip_steps="3", cache_mag_ratios="auto")
+    assert taylor["status"] == "ok", taylor
 
 
 def test_ranks_reopen_the_folder_only(tiny_folder, monkeypatch):

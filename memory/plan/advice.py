@@ -184,7 +184,8 @@ def _with_chunks(model, shape, base: MemoryStrategy, options, budgets, consider_
 
 def _without_cache(model, shape, base: MemoryStrategy, options, budgets, consider_disk: bool) -> list[str]:
     """The run without the step cache's state on the device (PlanOptions.cache_state), if that fits."""
-    kept = max((sum(cache_state_bytes(model, shape, name, state)) for name, state in options.cache_state), default=0)
+    kept = max((sum(cache_state_bytes(model, shape, name, options.cache_state_of(name))) for name in model.layout.denoisers),
+               default=0)
     if not kept:
         return []
     plans = candidate_plans(model, shape, *budgets, base, replace(options, cache_state=()), consider_disk)

@@ -103,10 +103,12 @@ def transformer_config(model: PlannerModel, denoiser: str):
 
 
 def sequence_tokens(model: PlannerModel, shape: VideoShape, denoiser: str | None = None) -> int:
-    """Tokens the transformer blocks see for one video: latent frames x rows x columns, per patch."""
+    """Tokens the transformer blocks see for one video: latent frames x rows x columns, per patch (a temporal
+    patch given as `patch_size_t`, as CogVideoX 1.5's, pads the frames to its multiple, as the model does)."""
     config = transformer_config(model, denoiser or model.layout.denoisers[0])
     _, _, frames, height, width = model.latent_shape(shape)
     patch = config.patch_size if isinstance(config.patch_size, (list, tuple)) else (1, config.patch_size, config.patch_size)
+    patch = (getattr(config, "patch_size_t", None) or patch[0], *patch[1:])
     frames += (-frames) % patch[0]
     return (frames // patch[0]) * (height // patch[1]) * (width // patch[2])
 

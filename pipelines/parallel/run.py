@@ -23,9 +23,8 @@ from ..family import ModelError, denoisers
 from ..loader import torch_dtype
 from ..hooks import RunHooks
 from ..sample import SampleRequest, SampleResult
-from ..sample_checks import refuse_windows_in_parallel, validate_request
+from ..sample_checks import refuse_cache_in_parallel, refuse_windows_in_parallel, validate_request
 from ..speed import resolve_speed
-from ..step_cache import CacheMethod
 from .checks import check_context_parallel, check_parallel_attention, rank_strategy
 from .job import ParallelSampleJob
 from .planning import rank_rooms
@@ -50,10 +49,7 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     validate_request(loaded, request)
     refuse_windows_in_parallel(request)
     strategy = rank_strategy(strategy)
-    if request.cache.method is CacheMethod.FIRST_BLOCK:
-        raise ModelError("cache first_block_cache decides from the first block's output, which each rank of context "
-                         "parallelism computes for its own part of the video, so the ranks would disagree; choose "
-                         "mag_cache (decided from its ratios, the same on every rank) or context_parallel off.")
+    refuse_cache_in_parallel(request.cache)
     run_loaded = loaded.image_mode() if request.image is not None else loaded
     device_type = "cuda" if ranks.gpus else "cpu"
     if device_type == "cpu" or torch.cuda.is_available():  # refused here, before any rank starts (ranks check again)
