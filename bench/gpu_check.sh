@@ -72,6 +72,9 @@ BENCH_ROWS=${BENCH_ROWS-resident,block_swap_40,sequential,group_offload_leaf}
 WARM_MODEL=wan2.1-t2v-1.3b
 WARM_ROWS=warm_none,warm_model,warm_block_swap_15,warm_block_swap_15_keep
 STREAM_ROWS=block_swap_30,block_swap_30_unpinned  # every block streamed, from pinned homes and from none
+for budget in BUDGET_SECONDS SANITIZE_SECONDS; do  # every part's limit is counted from these two
+    [[ "${!budget}" =~ ^(0|[1-9][0-9]*)$ ]] || { echo "$budget='${!budget}' must be a whole number of seconds"; exit 2; }
+done
 OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -89,11 +92,12 @@ python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', t
 # seconds, or what is left of BUDGET_SECONDS less SANITIZE_SECONDS (compute-sanitizer's, kept for last) if less, so
 # that no part runs past the lease command's own limit.
 part() {
-    [[ "$1" =~ ^[0-9]+$ ]] || { echo "== $2 skipped: '$1' is not a whole number of seconds"; return 1; }
+    [[ "$1" =~ ^(0|[1-9][0-9]*)$ ]] || { echo "== $2 skipped: '$1' is not a whole number of seconds"; return 1; }
     [ "$1" -gt 0 ] || { echo "== $2 skipped (0 seconds given)"; return 1; }
     local left=$(( BUDGET_SECONDS - ($(date +%s) - started) - SANITIZE_SECONDS ))
     LIMIT=$(( $1 < left ? $1 : left ))
-    [ "$LIMIT" -ge 20 ] || { echo "== $2 skipped (${LIMIT}s for it: $1 given, ${left}s left of BUDGET_SECONDS)"; return 1; }
+    [ "$LIMIT" -ge 20 ] || {
+        echo "== $2 skipped (${LIMIT}s for it: $1 given, ${left}s left of BUDGET_SECONDS less SANITIZE_SECONDS)"; return 1; }
 }
 
 if part "$SUITE_SECONDS" "tests/gpu"; then

@@ -124,7 +124,8 @@ def run_plan(args: argparse.Namespace) -> int:
     speed = _speed(args)
     options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps,
                           storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9,
-                          device=args.device, speed=measured_speed(speed, args.device) if speed else MeasuredSpeed(),
+                          device=args.device, speed=measured_speed(speed, args.device, context_parallel=_splits(args))
+                          if speed else MeasuredSpeed(),
                           cache_state=_cache_state(model, args.cache))
     base = MemoryStrategy(text_encoder=args.text_encoder, prefetch_blocks=args.prefetch,
                           activation_chunks=args.activation_chunks)
@@ -175,7 +176,8 @@ def _speed_line(speed, model, options) -> str:
 
     masked_by = model.spec.name if model.spec.attention_masked else ""
     fp8_layers = any(fp8_stored(name, options) for name in model.layout.denoisers)
-    return speed_plan_line(speed, options.device, model.dtype, masked_by, fp8_layers=fp8_layers)
+    stored = {options.storage_of(name) for name in model.layout.denoisers} - {None}
+    return speed_plan_line(speed, options.device, model.dtype, masked_by, fp8_layers=fp8_layers, stored_as=tuple(stored))
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -378,6 +380,11 @@ def _cache_line(model, steps: int, shape, plan=None, method: str = "mag_cache") 
     if plan is None or planned.share is None:
         return planned.text
     return f"{planned.text}\n{cached_time_line(plan, planned.share)}"
+
+
+def _splits(args: argparse.Namespace) -> bool:
+    """Context parallelism across --gpus (compiled blocks are refused there, so none is credited)."""
+    return (args.gpus or 1) > 1 and args.cp != "balanced"
 
 
 def _cache_state(model, method: str) -> dict:

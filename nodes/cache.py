@@ -47,12 +47,12 @@ class VidMemStepCache:
         return {
             "required": {
                 "method": ([m.value for m in CacheMethod], {"default": CacheMethod.MAG.value, "tooltip":
-                    "mag_cache: skips whole steps while the error its ratios predict stays under the threshold; "
-                    "decided ahead, the same on every GPU. first_block_cache: runs the first block each pass and "
-                    "skips the rest when its output changed less than the threshold; needs no ratios. taylor_seer: "
-                    "after the warm-up computes one step in `interval` and predicts the others' output by a Taylor "
-                    "series over the computed steps (no block runs or is copied then); needs no ratios, decided "
-                    "ahead from the step count, the same on every GPU. off: every block of every step. "
+                    "mag_cache: skips whole steps while the error its ratios predict stays under the threshold. "
+                    "first_block_cache: runs the first block each pass and skips the rest when its output changed "
+                    "less than the threshold; needs no ratios. taylor_seer: after the warm-up computes one step in "
+                    "`interval` and predicts the others' output by a Taylor series over the computed steps (no block "
+                    "runs or is copied then); needs no ratios, decided ahead from the step count, the same on every "
+                    "GPU: the only one that runs with context parallelism. off: every block of every step. "
                     "mag_cache and first_block_cache need diffusers' block metadata, which LTX-2's blocks "
                     "lack: there choose taylor_seer or off."}),
                 "threshold": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip":

@@ -418,8 +418,9 @@ def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list
         return []
     masked_by = f"{model.spec.name} ({request.model})" if model.spec.attention_masked else ""  # as the Sampler refuses
     fp8_layers = any(fp8_stored(name, options) for name in model.layout.denoisers)  # as the loader holds them
+    stored = {options.storage_of(name) for name in model.layout.denoisers} - {None}
     line = speed_plan_line(speed, options.device, torch_dtype(request.dtype), masked_by, _context_parallel(request),
-                           fp8_layers)
+                           fp8_layers, tuple(stored))
     return [f"speed: {line}"]
 
 

@@ -168,14 +168,14 @@ MEASURED = Path(__file__).parent / "configs" / "speedups.json"  # bench/speed.py
 
 
 def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_by: str = "",
-                    context_parallel: bool = False, fp8_layers: bool | None = None) -> str:
+                    context_parallel: bool = False, fp8_layers: bool | None = None, stored_as: Sequence[str] = ()) -> str:
     """The Speed node's choices as they would resolve on this machine's `device_type`, for the plan:
     the kernel auto picks (or why a choice is refused), compiled or not, fp8 matmul or why not, and
     the per-step time measured on this device where bench/speed.py has measured it. `masked_by`: the
     model, when its attention passes a mask (a mask-less kernel is refused as the Sampler refuses it);
     `context_parallel`: the Memory Strategy splits tokens across GPUs (compiled blocks are refused);
     `fp8_layers`: whether the denoisers are stored in float8_e4m3fn (False: 'on' is refused as the Sampler
-    refuses it, and no fp8 figure is quoted; None: not known)."""
+    refuses it, and no fp8 figure is quoted; None: not known), `stored_as` the formats they are stored in."""
     try:
         check_compile_with(speed, context_parallel)
         compiled = ("compiled blocks (the first run compiles, later runs of this graph reuse it)" if speed.compile.on
@@ -189,27 +189,30 @@ def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_b
             return f"refused: {error}; {compiled}"
         if fp8_layers is False and speed.fp8_matmul is not Fp8Matmul.OFF:  # the weights decide that here already
             return (f"attention {speed.attention.value}: resolved on the GPU when the run starts; {compiled}; "
-                    f"{_fp8_plan_text(speed.fp8_matmul, device_type, fp8_layers)}")
+                    f"{_fp8_plan_text(speed.fp8_matmul, device_type, fp8_layers, stored_as)}")
         return (f"attention {speed.attention.value}, fp8 matmul {speed.fp8_matmul.value}: resolved on the GPU when the "
                 f"run starts; {compiled}")
     try:
         attention = f"attention {resolve_attention(speed.attention, device_type, dtype, masked_by).describe()}"
     except StrategyError as error:
         attention = f"refused: {error}"
-    fp8 = _fp8_plan_text(speed.fp8_matmul, device_type, fp8_layers)
+    fp8 = _fp8_plan_text(speed.fp8_matmul, device_type, fp8_layers, stored_as)
     if fp8_layers is False:  # nothing multiplies in fp8: the time quotes no fp8 figure either
         speed = replace(speed, fp8_matmul=Fp8Matmul.OFF)
     measured = measured_line(speed, device_type, context_parallel)
     return f"{attention}; {compiled}; {fp8}" + (f". {measured}" if measured else "")
 
 
-def _fp8_plan_text(choice: Fp8Matmul, device_type: str, fp8_layers: bool | None = None) -> str:
+def _fp8_plan_text(choice: Fp8Matmul, device_type: str, fp8_layers: bool | None = None,
+                   stored_as: Sequence[str] = ()) -> str:
     if choice is Fp8Matmul.OFF:
         return "fp8 weights upcast (fp8_matmul off)"
     if fp8_layers is False:
+        why = (f"the denoiser's weights are stored as {', '.join(sorted(stored_as))}, not float8_e4m3fn" if stored_as
+               else NO_FP8_LAYERS)
         if choice is Fp8Matmul.ON:
-            return f"refused: fp8_matmul='on' cannot run here: {NO_FP8_LAYERS}; {FIX}"
-        return f"no fp8 matmul: {NO_FP8_LAYERS}"
+            return f"refused: fp8_matmul='on' cannot run here: {why}; {FIX}"
+        return f"no fp8 matmul: {why}"
     if _fp8_enabled(choice, device_type):
         return "fp8 matmul on the model's fp8 layers (their inputs rounded to fp8 too)"
     reason = fp8_matmul_support(device_type)

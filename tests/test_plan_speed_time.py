@@ -392,3 +392,21 @@ def test_the_speed_line_refuses_fp8_matmul_on_weights_not_stored_in_fp8_and_quot
     assert "fp8 matmul on the model's fp8 layers" in stored and "fp8 matmul with eager blocks x1.30" in stored
     auto = speed_module.speed_plan_line(Speed(fp8_matmul="auto"), "cpu", speed_module.torch.float32, fp8_layers=False)
     assert "no fp8 matmul: the model has no stored (fp8) linear layers" in auto
+    gguf = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, fp8_layers=False, stored_as=("gguf_q4_k",))
+    assert "cannot run here: the denoiser's weights are stored as gguf_q4_k, not float8_e4m3fn" in gguf
+
+
+def test_vidmem_plan_credits_no_compiled_blocks_where_context_parallelism_refuses_them(monkeypatch):
+    from vidmem.cli import plan as cli_plan
+    from vidmem.pipelines import speed as speed_module
+
+    seen = []
+    real = speed_module.measured_speed
+    monkeypatch.setattr(speed_module, "measured_speed",
+                        lambda *a, **k: seen.append(k.get("context_parallel")) or real(*a, **k))
+    args = ["plan", "--model", "wan2.1-t2v-1.3b", "--size", "832x480", "--frames", "81", "--vram", "24", "--ram", "64",
+            "--compile", "--json"]
+    for extra, split in (([], False), (["--gpus", "2", "--cp", "ulysses"], True), (["--gpus", "2", "--cp", "balanced"], False)):
+        seen.clear()
+        cli_plan.main([*args, *extra])
+        assert seen == [split], extra
