@@ -205,20 +205,21 @@ def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_b
 
 def _fp8_plan_text(choice: Fp8Matmul, device_type: str, fp8_layers: bool | None = None,
                    stored_as: Sequence[str] = ()) -> str:
+    """What fp8 matmul does in the run, by the Sampler's rule (memory/storage/fp8_matmul.py `_decline`): 'on'
+    refused where the weights or the device cannot take it; auto upcasts, for the device's reason first."""
     if choice is Fp8Matmul.OFF:
         return "fp8 weights upcast (fp8_matmul off)"
+    layers = None
     if fp8_layers is False:
-        why = (f"the denoiser's weights are stored as {', '.join(sorted(stored_as))}, not float8_e4m3fn" if stored_as
-               else NO_FP8_LAYERS)
-        if choice is Fp8Matmul.ON:
-            return f"refused: fp8_matmul='on' cannot run here: {why}; {FIX}"
-        return f"no fp8 matmul: {why}"
-    if _fp8_enabled(choice, device_type):
-        return "fp8 matmul on the model's fp8 layers (their inputs rounded to fp8 too)"
-    reason = fp8_matmul_support(device_type)
+        layers = (f"the denoiser's weights are stored as {', '.join(sorted(stored_as))}, not float8_e4m3fn" if stored_as
+                  else NO_FP8_LAYERS)
     if choice is Fp8Matmul.ON:
-        return f"refused: fp8_matmul='on' cannot run here: {reason}"
-    return f"fp8 weights upcast: {reason or AUTO_REASON}"
+        if layers:
+            return f"refused: fp8_matmul='on' cannot run here: {layers}; {FIX}"
+        if _fp8_enabled(choice, device_type):
+            return "fp8 matmul on the model's fp8 layers (their inputs rounded to fp8 too)"
+        return f"refused: fp8_matmul='on' cannot run here: {fp8_matmul_support(device_type)}"
+    return f"fp8 weights upcast: {fp8_matmul_support(device_type) or layers or AUTO_REASON}"
 
 
 def _fp8_enabled(choice: Fp8Matmul, device_type: str) -> bool:
