@@ -171,13 +171,11 @@ def _speed(args: argparse.Namespace):
 def _speed_line(speed, model, options) -> str:
     """The Memory Strategy chart's speed line: what the choices resolve to on the plan's device, and what was measured
     there; fp8 matmul as the weights are stored (--weights)."""
-    from ..memory.plan.stages import fp8_stored
     from ..pipelines.speed import speed_plan_line
 
     masked_by = model.spec.name if model.spec.attention_masked else ""
-    fp8_layers = any(fp8_stored(name, options) for name in model.layout.denoisers)
     stored = {options.storage_of(name) for name in model.layout.denoisers} - {None}
-    return speed_plan_line(speed, options.device, model.dtype, masked_by, fp8_layers=fp8_layers, stored_as=tuple(stored))
+    return speed_plan_line(speed, options.device, model.dtype, masked_by, storage=tuple(stored))
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -407,7 +407,6 @@ def _context_parallel(request: PlanRequest) -> bool:
 
 
 def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list[str]:
-    from ..memory.plan.stages import fp8_stored
     from ..pipelines.speed import speed_plan_line
 
     try:
@@ -417,10 +416,9 @@ def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list
     if speed is None:
         return []
     masked_by = f"{model.spec.name} ({request.model})" if model.spec.attention_masked else ""  # as the Sampler refuses
-    fp8_layers = any(fp8_stored(name, options) for name in model.layout.denoisers)  # as the loader holds them
-    stored = {options.storage_of(name) for name in model.layout.denoisers} - {None}
+    stored = {options.storage_of(name) for name in model.layout.denoisers} - {None}  # as the loader holds them
     line = speed_plan_line(speed, options.device, torch_dtype(request.dtype), masked_by, _context_parallel(request),
-                           fp8_layers, tuple(stored))
+                           tuple(stored))
     return [f"speed: {line}"]
 
 

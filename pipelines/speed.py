@@ -28,7 +28,7 @@ from torch import nn
 from ..memory.accounting import Attention
 from ..memory.plan.costs import MeasuredSpeed
 from ..memory.storage.fp8_matmul import (AUTO_REASON, FIX, NO_FP8_LAYERS, Fp8Matmul, check_fp8_matmul, fp8_matmul_for_call,
-                                         fp8_matmul_support)
+                                         fp8_matmul_support, multiplied_as_stored)
 from ..memory.strategy import StrategyError, parse_enum
 from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, check_mask,
                         resolve_attention, sdpa_pick)
@@ -168,14 +168,16 @@ MEASURED = Path(__file__).parent / "configs" / "speedups.json"  # bench/speed.py
 
 
 def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_by: str = "",
-                    context_parallel: bool = False, fp8_layers: bool | None = None, stored_as: Sequence[str] = ()) -> str:
+                    context_parallel: bool = False, storage: Sequence[str] | None = None) -> str:
     """The Speed node's choices as they would resolve on this machine's `device_type`, for the plan:
     the kernel auto picks (or why a choice is refused), compiled or not, fp8 matmul or why not, and
     the per-step time measured on this device where bench/speed.py has measured it. `masked_by`: the
     model, when its attention passes a mask (a mask-less kernel is refused as the Sampler refuses it);
     `context_parallel`: the Memory Strategy splits tokens across GPUs (compiled blocks are refused);
-    `fp8_layers`: whether the denoisers are stored in float8_e4m3fn (False: 'on' is refused as the Sampler
-    refuses it, and no fp8 figure is quoted; None: not known), `stored_as` the formats they are stored in."""
+    `storage`: the formats the denoisers are stored in (none: the compute dtype; None: not known): where none is
+    float8_e4m3fn 'on' is refused as the Sampler refuses it, and no fp8 figure is quoted."""
+    fp8_layers = None if storage is None else any(map(multiplied_as_stored, storage))
+    stored_as = tuple(storage or ())
     try:
         check_compile_with(speed, context_parallel)
         compiled = ("compiled blocks (the first run compiles, later runs of this graph reuse it)" if speed.compile.on

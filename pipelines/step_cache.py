@@ -828,7 +828,7 @@ class AppliedCache:
         over): its cache state goes now, not when the call ends, so only the running expert's is on the
         device (as the planner counts it: memory/plan/stages.py, `cache_state_bytes`)."""
         denoiser = self._denoisers.get(name)
-        if any(denoiser is enabled for enabled in self._enabled):
+        if denoiser in self._enabled:
             denoiser._reset_stateful_cache()
 
     def _read_ratios(self, name: str, tail: nn.Module) -> None:

@@ -385,14 +385,14 @@ def test_the_pair_is_read_from_the_devices_entry_and_quoted_as_a_pair(speed_modu
 def test_the_speed_line_refuses_fp8_matmul_on_weights_not_stored_in_fp8_and_quotes_no_fp8_figure(speed_module):
     """As the Sampler refuses 'on' (memory/storage/fp8_matmul.py): the plan knows the storage the loader holds."""
     on = Speed(compile=CompileSettings(True), fp8_matmul="on")
-    refused = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, fp8_layers=False)
+    refused = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, storage=())
     assert "refused: fp8_matmul='on' cannot run here: the model has no stored (fp8) linear layers" in refused
     assert "fp8 matmul x" not in refused and "with fp8 matmul" not in refused and "compiled blocks x0.70" in refused
-    stored = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, fp8_layers=True)
+    stored = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, storage=("fp8_scaled",))
     assert "fp8 matmul on the model's fp8 layers" in stored and "fp8 matmul with eager blocks x1.30" in stored
-    auto = speed_module.speed_plan_line(Speed(fp8_matmul="auto"), "cpu", speed_module.torch.float32, fp8_layers=False)
+    auto = speed_module.speed_plan_line(Speed(fp8_matmul="auto"), "cpu", speed_module.torch.float32, storage=())
     assert "fp8 weights upcast: the CPU" in auto  # auto: the device's reason first, as the Sampler's receipt
-    gguf = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, fp8_layers=False, stored_as=("gguf_q4_k",))
+    gguf = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, storage=("gguf_q4_k",))
     assert "cannot run here: the denoiser's weights are stored as gguf_q4_k, not float8_e4m3fn" in gguf
 
 

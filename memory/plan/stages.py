@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-import torch
 
 from .allocator import replay
 from .costs import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Traffic, Work, chunk_compute_share, exposed_copy_share,
@@ -21,13 +20,13 @@ from .schedule import (ComponentWeights, Streaming, stream_timeline, table_compu
                        table_streamed_unit_bytes)
 from .types import (Allocator, CacheState, Call, ModelLayout, Phase, PlannerModel, PlanOptions, Runtime, StagePlan,
                     VideoShape)
-from ..storage import storage_format
+from ..storage.fp8_matmul import multiplied_as_stored
 from ..strategy import MemoryStrategy, OffloadTier, TextEncoderPlacement, family_tiling
 from ..vae_tiles import plan_tiles
 from ..windows import WindowSchedule
 
 __all__ = ["Allocator", "Call", "ModelLayout", "Phase", "PlannerModel", "PlanOptions", "Runtime", "StagePlan",
-           "VideoShape", "cache_state_bytes", "compute_seconds", "decode_stage", "denoise_stage", "fp8_stored", "host_base",
+           "VideoShape", "cache_state_bytes", "compute_seconds", "decode_stage", "denoise_stage", "host_base",
            "sequence_tokens", "text_encode_stage", "transformer_config"]
 
 
@@ -374,7 +373,7 @@ def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, option
     weights = component_weights(model, name, options)
     chunked = call is not None and call.chunks > 1
     upcasts = weights.stored.stored_weights
-    if chunked and not (options.speed.fp8_matmul_on and fp8_stored(name, options)):  # fp8 matmul: no slice upcasts
+    if chunked and not (options.speed.fp8_matmul_on and _fp8_stored(name, options)):  # fp8 matmul: no slice upcasts
         upcasts = _upcasts_per_pass(model, call, weights, options)
     return Work(flops, passes, _traffic(model, name, strategy, options, call), dequant_weights=upcasts,
                 dequant_widens=weights.stored.widens, rates=options.rates,
@@ -386,13 +385,13 @@ def device_work(model: PlannerModel, name: str, strategy: MemoryStrategy, option
 def _speed_ratio(name: str, tier: OffloadTier, options: PlanOptions) -> float:
     """The measured step-time ratio of the run's Speed choices for denoiser `name` on `tier` (MeasuredSpeed): blocks
     compile whole on every tier but sequential, and fp8 matmul takes a denoiser stored in float8_e4m3fn."""
-    return options.speed.ratio(tier is OffloadTier.SEQUENTIAL, fp8_stored(name, options))
+    return options.speed.ratio(tier is OffloadTier.SEQUENTIAL, _fp8_stored(name, options))
 
 
-def fp8_stored(name: str, options: PlanOptions) -> bool:
+def _fp8_stored(name: str, options: PlanOptions) -> bool:
     """Whether `name` is stored in float8_e4m3fn: what fp8 matmul multiplies as stored."""
     stored = options.storage_of(name)
-    return stored is not None and storage_format(stored).torch_dtype == torch.float8_e4m3fn
+    return stored is not None and multiplied_as_stored(stored)
 
 
 def _upcasts_per_pass(model: PlannerModel, call: Call, weights: ComponentWeights, options: PlanOptions) -> int:

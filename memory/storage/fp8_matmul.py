@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..strategy import StrategyError
+from .formats import storage_format
 from .modules import Fp8MatmulTally, StoredLinear
 
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and newer
@@ -184,6 +185,12 @@ def _stored_linears(modules: Mapping[str, nn.Module]) -> dict[str, StoredLinear]
 
 def _eligible(layers: dict[str, StoredLinear]) -> bool:
     return any(layer.fp8_matmul_problem() is None for layer in layers.values())
+
+
+def multiplied_as_stored(format_name: str) -> bool:
+    """Whether weights stored as `format_name` (a StorageFormat's name) are what fp8 matmul multiplies as stored:
+    float8_e4m3fn, scaled or not (`StoredLinear.fp8_matmul_problem`'s dtype rule, read from the format, for plans)."""
+    return storage_format(format_name).torch_dtype == torch.float8_e4m3fn
 
 
 NO_FP8_LAYERS = "the model has no stored (fp8) linear layers: load it with weight_dtype fp8_e4m3fn or an fp8 (scaled) file"
