@@ -33,7 +33,8 @@ auto's rule. auto never picks a lossy kernel (sage quantizes Q and K to INT8) no
 materialising the score matrix, unless the model is compiled). Everywhere it is plain SDPA, exactly
 what runs without vidmem: off CUDA that keeps CPU frames bit-identical to plain diffusers; on CUDA,
 SDPA's own pick (cuDNN on Hopper with torch 2.11) was measured faster than any kernel forced through
-the dispatcher (`MEASURED_AUTO`), and it follows torch's flags (`torch.backends.cuda.enable_*_sdp`).
+the dispatcher (`MEASURED_AUTO`), and it follows torch's flags (`torch.backends.cuda.enable_*_sdp`),
+refusing before the run where they leave SDPA no kernel at all (`_sdpa_switched_off`).
 The Sampler's receipt names the kernel SDPA picks (`sdpa_pick`); where SDPA would fall back to its
 math kernel (an old GPU in bf16, the fused kernels disabled) the ones passed over are named in
 `fallback` and logged.
@@ -193,8 +194,10 @@ CPU_FLASH = "torch's CPU flash-attention kernel: exact, the one SDPA itself pick
 
 def unavailable(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype) -> str:
     """Why `kernel` cannot run on `device` in `dtype`, with the fix; "" when it can."""
-    if kernel in (AttentionKernel.SDPA, AttentionKernel.MATH):
-        return ""
+    if kernel is AttentionKernel.SDPA:
+        return _sdpa_switched_off(device, dtype)
+    if kernel is AttentionKernel.MATH:
+        return ""  # its scope switches the math kernel on for the call, whatever torch's flags say
     if kernel is AttentionKernel.FLEX:
         return _flex_problem(device)
     if device.type != "cuda":
@@ -205,6 +208,20 @@ def unavailable(kernel: AttentionKernel, device: torch.device, dtype: torch.dtyp
     if kernel is AttentionKernel.SAGE:
         return _sage_problem(device, dtype)
     return _sdpa_backend_problem(kernel, device, dtype)
+
+
+def _sdpa_switched_off(device: torch.device, dtype: torch.dtype) -> str:
+    """Why plain SDPA has no kernel left under torch's `enable_*_sdp` flags ("" when it has one): with the math
+    kernel and every fused kernel usable here switched off, it fails at the first attention call ("No viable
+    backend"), after the weights moved."""
+    if torch.backends.cuda.math_sdp_enabled():
+        return ""
+    fused = (AttentionKernel.FLASH,) if device.type == "cpu" else tuple(_FLAG) if device.type == "cuda" else ()
+    if any(_FLAG_ON[kernel]() and not unavailable(kernel, device, dtype) for kernel in fused):
+        return ""
+    return ("torch's SDPA has no kernel left: its math kernel is switched off "
+            "(torch.backends.cuda.enable_math_sdp(False)) and so is every fused kernel that runs here; switch one "
+            "back on, or choose 'math', which switches it on for the call.")
 
 
 def _sdpa_backend_problem(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype) -> str:
@@ -260,17 +277,18 @@ MEASURED_AUTO = ("on an H100 at 32,760 tokens SDPA's own pick (cuDNN there) took
 
 
 def _auto(device: torch.device, dtype: torch.dtype) -> ResolvedAttention:
+    switched_off = _sdpa_switched_off(device, dtype)
+    if switched_off:
+        raise AttentionError(f"attention='auto' found nothing to run: {switched_off}")
     if device.type != "cuda":
         why = (f"auto on {device.type}: torch's SDPA as it is, so frames stay identical to plain diffusers "
                "(the CPU has no faster exact kernel than the one SDPA picks)")
         return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
     major, minor = _capability(device)
     passed, fused = [], []
-    for kernel, enabled in ((AttentionKernel.FLASH, torch.backends.cuda.flash_sdp_enabled),
-                            (AttentionKernel.EFFICIENT, torch.backends.cuda.mem_efficient_sdp_enabled),
-                            (AttentionKernel.CUDNN, torch.backends.cuda.cudnn_sdp_enabled)):
+    for kernel in _FLAG:
         problem = unavailable(kernel, device, dtype) or (
-            "" if enabled() else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).")
+            "" if _FLAG_ON[kernel]() else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).")
         if problem:
             passed.append(f"{kernel.value}: {problem}")
         elif kernel is not AttentionKernel.CUDNN or major in _CUDNN_FIRST:
@@ -310,6 +328,10 @@ def sdpa_pick(device: str, dtype: torch.dtype) -> str:
 
 
 _FLAG = {AttentionKernel.FLASH: "flash", AttentionKernel.EFFICIENT: "mem_efficient", AttentionKernel.CUDNN: "cudnn"}
+# Read when called, not bound at import: tests and users switch them at run time.
+_FLAG_ON = {AttentionKernel.FLASH: lambda: torch.backends.cuda.flash_sdp_enabled(),
+            AttentionKernel.EFFICIENT: lambda: torch.backends.cuda.mem_efficient_sdp_enabled(),
+            AttentionKernel.CUDNN: lambda: torch.backends.cuda.cudnn_sdp_enabled()}
 
 
 def _fallback(passed: list[str]) -> str:

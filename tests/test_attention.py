@@ -113,6 +113,45 @@ def test_auto_with_fused_kernels_disabled_in_torch_says_so(gpu, monkeypatch, cap
     assert "no fused kernel" in caplog.text
 
 
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_sdpa_with_every_kernel_switched_off_is_refused_before_the_run(gpu, monkeypatch, device):
+    """With torch's math kernel and its fused kernels switched off, plain SDPA fails at the first attention call
+    ("No viable backend"), after the weights moved: auto and 'sdpa' refuse at resolve time; 'math' runs (its scope
+    switches the math kernel on). One usable fused kernel left on is enough."""
+    gpu((9, 0))
+    monkeypatch.setattr(torch.backends.cuda, "math_sdp_enabled", lambda: False)
+    for choice in ("auto", "sdpa"):
+        assert resolve_attention(choice, device, torch.bfloat16).kernel is AttentionKernel.SDPA
+    for flag in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "cudnn_sdp_enabled"):
+        monkeypatch.setattr(torch.backends.cuda, flag, lambda: False)
+    for choice in ("auto", "sdpa"):
+        with pytest.raises(AttentionError, match=r"no kernel left: its math kernel is switched off .*enable_math_sdp"
+                                                 r"\(False\).* choose 'math'"):
+            resolve_attention(choice, device, torch.bfloat16)
+    assert resolve_attention("math", device, torch.bfloat16).kernel is AttentionKernel.MATH
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)  # ignored by the CPU's SDPA
+    if device.type == "cuda":
+        assert resolve_attention("auto", device, torch.bfloat16).kernel is AttentionKernel.SDPA
+    else:
+        with pytest.raises(AttentionError, match="no kernel left"):
+            resolve_attention("sdpa", device, torch.bfloat16)
+
+
+def test_the_math_kernel_switched_off_in_torch_really_leaves_sdpa_nothing_on_the_cpu():
+    """The fact the refusal above rests on, checked against this torch."""
+    query = torch.randn(1, 2, 8, 16)
+    previous = torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_math_sdp(False)
+        torch.nn.functional.scaled_dot_product_attention(query, query, query)  # the CPU's flash kernel still runs
+        torch.backends.cuda.enable_flash_sdp(False)
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.scaled_dot_product_attention(query, query, query)
+    finally:
+        torch.backends.cuda.enable_math_sdp(previous[0])
+        torch.backends.cuda.enable_flash_sdp(previous[1])
+
+
 def test_auto_on_an_old_gpu_in_bf16_falls_back_to_plain_sdpa_with_a_log(gpu, caplog):
     gpu((7, 5))
     with caplog.at_level("WARNING", logger="vidmem"):
