@@ -167,9 +167,9 @@ class _Untouched:
 MEASURED = Path(__file__).parent / "configs" / "speedups.json"  # bench/speed.py's figures, per device name
 
 
-def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_by: str = "",
+def speed_plan_line(speed: Speed, device: str | torch.device, dtype: torch.dtype, masked_by: str = "",
                     context_parallel: bool = False, storage: Sequence[str] | None = None) -> str:
-    """The Speed node's choices as they would resolve on this machine's `device_type`, for the plan:
+    """The Speed node's choices as they would resolve on `device` ("cuda", "cuda:1", "cpu"), for the plan:
     the kernel auto picks (or why a choice is refused), compiled or not, fp8 matmul or why not, and
     the per-step time measured on this device where bench/speed.py has measured it. `masked_by`: the
     model, when its attention passes a mask (a mask-less kernel is refused as the Sampler refuses it);
@@ -184,31 +184,32 @@ def speed_plan_line(speed: Speed, device_type: str, dtype: torch.dtype, masked_b
                     else "eager blocks")
     except StrategyError as error:
         compiled = f"refused: {error}"
-    if not _visible(device_type):  # planning for a GPU this process cannot see
+    if not _visible(device):  # planning for a GPU this process cannot see
         try:
             check_mask(speed.attention, masked_by)
         except StrategyError as error:
             return f"refused: {error}; {compiled}"
         if fp8_layers is False and speed.fp8_matmul is not Fp8Matmul.OFF:  # the weights decide that here already
             return (f"attention {speed.attention.value}: resolved on the GPU when the run starts; {compiled}; "
-                    f"{_fp8_plan_text(speed.fp8_matmul, device_type, fp8_layers, stored_as)}")
+                    f"{_fp8_plan_text(speed.fp8_matmul, device, fp8_layers, stored_as)}")
         return (f"attention {speed.attention.value}, fp8 matmul {speed.fp8_matmul.value}: resolved on the GPU when the "
                 f"run starts; {compiled}")
     try:
-        attention = f"attention {resolve_attention(speed.attention, device_type, dtype, masked_by).describe()}"
+        attention = f"attention {resolve_attention(speed.attention, device, dtype, masked_by).describe()}"
     except StrategyError as error:
         attention = f"refused: {error}"
-    fp8 = _fp8_plan_text(speed.fp8_matmul, device_type, fp8_layers, stored_as)
+    fp8 = _fp8_plan_text(speed.fp8_matmul, device, fp8_layers, stored_as)
     if fp8_layers is False:  # nothing multiplies in fp8: the time quotes no fp8 figure either
         speed = replace(speed, fp8_matmul=Fp8Matmul.OFF)
-    measured = measured_line(speed, device_type, context_parallel)
+    measured = measured_line(speed, device, context_parallel)
     return f"{attention}; {compiled}; {fp8}" + (f". {measured}" if measured else "")
 
 
-def _fp8_plan_text(choice: Fp8Matmul, device_type: str, fp8_layers: bool | None = None,
+def _fp8_plan_text(choice: Fp8Matmul, device: str | torch.device, fp8_layers: bool | None = None,
                    stored_as: Sequence[str] = ()) -> str:
     """What fp8 matmul does in the run, by the Sampler's rule (memory/storage/fp8_matmul.py `_decline`): 'on'
-    refused where the weights or the device cannot take it; auto upcasts, for the device's reason first."""
+    refused where the weights or the device cannot take it; auto upcasts, for the device's reason first (the weights'
+    alone for a GPU this process cannot see)."""
     if choice is Fp8Matmul.OFF:
         return "fp8 weights upcast (fp8_matmul off)"
     layers = None
@@ -218,18 +219,19 @@ def _fp8_plan_text(choice: Fp8Matmul, device_type: str, fp8_layers: bool | None 
     if choice is Fp8Matmul.ON:
         if layers:
             return f"refused: fp8_matmul='on' cannot run here: {layers}; {FIX}"
-        if _fp8_enabled(choice, device_type):
+        if _fp8_enabled(choice, device):
             return "fp8 matmul on the model's fp8 layers (their inputs rounded to fp8 too)"
-        return f"refused: fp8_matmul='on' cannot run here: {fp8_matmul_support(device_type)}"
-    return f"fp8 weights upcast: {fp8_matmul_support(device_type) or layers or AUTO_REASON}"
+        return f"refused: fp8_matmul='on' cannot run here: {fp8_matmul_support(device)}"
+    device_reason = fp8_matmul_support(device) if _visible(device) else None
+    return f"fp8 weights upcast: {device_reason or layers or AUTO_REASON}"
 
 
-def _fp8_enabled(choice: Fp8Matmul, device_type: str) -> bool:
-    """Whether a run on `device_type` multiplies fp8 layers in fp8 (fp8_matmul_for_call's rule: only 'on', also on
+def _fp8_enabled(choice: Fp8Matmul, device: str | torch.device) -> bool:
+    """Whether a run on `device` (one this process sees) multiplies fp8 layers in fp8 (fp8_matmul_for_call's rule: only 'on', also on
     the CPU; auto upcasts)."""
     if choice is not Fp8Matmul.ON:
         return False
-    return fp8_matmul_support(device_type) is None or device_type == "cpu"
+    return fp8_matmul_support(device) is None or torch.device(device).type == "cpu"
 
 
 def measured_speed(speed: Speed, device: str | torch.device, lora_hooks: bool = False,
@@ -244,8 +246,7 @@ def measured_speed(speed: Speed, device: str | torch.device, lora_hooks: bool = 
     with_loras = ratios.pop("compiled_lora", None)
     if lora_hooks and "compiled" in ratios and with_loras is not None:
         ratios["compiled"] = with_loras
-    device_type = torch.device(device).type
-    fp8_on = _visible(device_type) and _fp8_enabled(speed.fp8_matmul, device_type)
+    fp8_on = _visible(device) and _fp8_enabled(speed.fp8_matmul, device)
     return MeasuredSpeed(**ratios, fp8_matmul_on=fp8_on, compiled_on=speed.compile.on and not context_parallel)
 
 
@@ -275,13 +276,12 @@ def _measured_ratios(speed: Speed, device: str | torch.device, context_parallel:
     by name (auto's pick is the baseline's; flex's eager figure not with compile on, which fuses it), compiled blocks
     when on (not with context parallelism, which refuses them), fp8 matmul where a run enables it, and the two
     together where measured as a pair (MeasuredSpeed.ratio says which figure a tier and storage take)."""
-    device_type = torch.device(device).type
-    entry = _measured().get(device_name(device)) if _visible(device_type) else None
+    entry = _measured().get(device_name(device)) if _visible(device) else None
     if entry is None:
         return {}
     compiled = speed.compile.on and not context_parallel
     kernel = speed.attention is not AttentionKernel.AUTO and not (compiled and speed.attention is AttentionKernel.FLEX)
-    fp8 = _fp8_enabled(speed.fp8_matmul, device_type)
+    fp8 = _fp8_enabled(speed.fp8_matmul, device)
     made = {"kernel": kernel, "compiled": compiled, "compiled_sequential": compiled, "compiled_lora": compiled,
             "fp8_matmul": fp8, "compiled_fp8_matmul": compiled and fp8}
     ratios = {part: entry.get(_ENTRY_KEYS[part]) for part, chosen in made.items() if chosen}

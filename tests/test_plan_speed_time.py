@@ -216,6 +216,34 @@ def test_a_gpu_is_timed_with_the_figures_of_the_one_it_runs_on(speed_module, mon
     assert speed_module.measured_speed(compiled, "cuda") == MeasuredSpeed(compiled_on=True)  # no index: the current GPU's
 
 
+def test_fp8_matmul_is_judged_on_the_gpu_the_run_uses(speed_module, monkeypatch):
+    """A machine with an Ampere card as the current GPU and a Hopper one as ComfyUI's device ("cuda:1"): fp8 matmul
+    'on' runs there, and the plan times it so; on the Ampere card it is refused."""
+    torch = speed_module.torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: {1: "Test CPU"}.get(index, "Small GPU"))
+    capabilities = {None: (8, 0), 0: (8, 0), 1: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: capabilities[None if device is None else torch.device(device).index])
+    on = Speed(fp8_matmul="on")
+    assert speed_module.measured_speed(on, "cuda:1") == MeasuredSpeed(fp8_matmul=1.3, fp8_matmul_on=True)
+    assert not speed_module.measured_speed(on, "cuda").fp8_matmul_on
+    assert "fp8 matmul on the model's fp8 layers" in speed_module.speed_plan_line(on, "cuda:1", torch.bfloat16,
+                                                                                  storage=("fp8_scaled",))
+    assert "capability 8.0 < 8.9" in speed_module.speed_plan_line(on, "cuda:0", torch.bfloat16, storage=("fp8_scaled",))
+
+
+def test_the_speed_line_for_a_gpu_this_process_cannot_see_names_the_weights_reason(speed_module, monkeypatch):
+    """`vidmem plan` on a machine without CUDA plans for a GPU (its default --device): with weights no fp8 matmul can
+    take, auto and 'on' say so from the storage alone, and nothing asks torch about a GPU it cannot see."""
+    monkeypatch.setattr(speed_module.torch.cuda, "is_available", lambda: False)
+    bf16 = speed_module.torch.bfloat16
+    auto = speed_module.speed_plan_line(Speed(fp8_matmul="auto"), "cuda", bf16, storage=("gguf_q4_k",))
+    assert "fp8 weights upcast: the denoiser's weights are stored as gguf_q4_k, not float8_e4m3fn" in auto
+    on = speed_module.speed_plan_line(Speed(fp8_matmul="on"), "cuda", bf16, storage=("gguf_q4_k",))
+    assert "refused: fp8_matmul='on' cannot run here: the denoiser's weights are stored as gguf_q4_k" in on
+
+
 def test_the_plan_line_quotes_what_the_time_uses(speed_module):
     speed = Speed("flash", CompileSettings(True), "on")
     line = speed_module.measured_line(speed, "cpu")
