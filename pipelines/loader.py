@@ -362,7 +362,7 @@ def _build(checked: CheckedLoad) -> LoadedPipeline:
         )
     except ModelError:
         raise
-    except (OSError, ValueError, RuntimeError) as error:  # files checked above: what is left is their contents
+    except (OSError, ValueError, RuntimeError, KeyError) as error:  # files checked above: what is left is their contents
         raise ModelError(
             f"could not load the model in '{folder}' ({error}); its files do not fit together: re-download the "
             "diffusers-format model."

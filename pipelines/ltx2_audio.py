@@ -31,6 +31,7 @@ from ..memory import resolve_compute_device
 from ..memory.cleanup import is_out_of_memory
 from ..memory.telemetry import StageMeter
 from .family import ModelError
+from .folder_check import check_weight_folder
 from .hooks import RunHooks
 from .loader import LoadedPipeline, torch_dtype
 from .ltx2 import AUDIO_PARTS, LTX2
@@ -163,6 +164,7 @@ def _build_parts(loaded: LoadedPipeline) -> tuple[torch.nn.Module, torch.nn.Modu
 
 
 def _from_folder(cls, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    check_weight_folder(path, path.name)  # the loader's folder check skips these parts: the pipeline never loads them
     return cls.from_pretrained(path, torch_dtype=dtype, use_safetensors=True, local_files_only=True).eval()
 
 

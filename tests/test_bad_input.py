@@ -43,10 +43,70 @@ def test_unsupported_dtype(tiny_folder):
         load_pipeline(tiny_folder("wan2.1-t2v"), "int8")
 
 
-def test_pickle_weights_are_refused(tmp_path):
+def test_pickle_weights_are_refused(tmp_path, monkeypatch):
     build_tiny_pipeline("wan2.1-t2v").save_pretrained(tmp_path, safe_serialization=False)
-    with pytest.raises(ModelError, match="safetensors"):
+    _refuse_unpickling(monkeypatch)
+    with pytest.raises(ModelError, match=r"\.bin' is named like a PyTorch pickle, and vidmem never unpickles"):
         load_pipeline(tmp_path, "fp32")
+
+
+def _shard(folder, component="transformer", second="part-2.safetensors", pickled=False):
+    """The component's weights split in two shards with a diffusers index listing them (the second named
+    `second`, written with torch.save when `pickled`); the single file removed."""
+    weights = folder / component / "diffusion_pytorch_model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    names = sorted(tensors)
+    first, rest = names[: len(names) // 2], names[len(names) // 2:]
+    safetensors.torch.save_file({n: tensors[n] for n in first}, str(folder / component / "part-1.safetensors"))
+    if pickled:
+        torch.save({n: tensors[n] for n in rest}, folder / component / second)
+    else:
+        safetensors.torch.save_file({n: tensors[n] for n in rest}, str(folder / component / second))
+    weight_map = {**dict.fromkeys(first, "part-1.safetensors"), **dict.fromkeys(rest, second)}
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (folder / component / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+    weights.unlink()
+
+
+def test_a_sharded_folder_loads_as_the_single_file_does(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path)
+    _shard(folder)
+    sharded = load_pipeline(folder, "fp32").pipe.transformer.state_dict()
+    single = load_pipeline(tiny_folder("wan2.1-t2v"), "fp32").pipe.transformer.state_dict()
+    assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in single)
+
+
+@pytest.mark.parametrize("library", ["diffusers", "diffusers.models"])
+def test_a_shard_index_naming_a_pickle_is_refused_unread(tiny_folder, tmp_path, monkeypatch, library):
+    """diffusers reads the shards an index lists by name and hands any not named .safetensors to torch.load; a
+    library spelled as a module of diffusers once skipped the folder's checks altogether."""
+    folder = _copy(tiny_folder, tmp_path)
+    _shard(folder, second="part-2.dat", pickled=True)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["transformer"][0] = library
+    (folder / "model_index.json").write_text(json.dumps(index))
+    _refuse_unpickling(monkeypatch)
+    with pytest.raises(ModelError, match=r"'transformer': .*index.json' lists the shard 'part-2.dat', which is not a "
+                                         r"\.safetensors file of this folder;.*never unpickles"):
+        load_pipeline(folder, "fp32")
+
+
+def test_a_shard_index_naming_a_missing_or_outside_file_is_refused(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path)
+    _shard(folder, component="vae")
+    (folder / "vae" / "part-2.safetensors").unlink()
+    with pytest.raises(ModelError, match=r"'vae': .* lists the shard 'part-2.safetensors', which is missing .*re-download"):
+        load_pipeline(folder, "fp32")
+    index_path = folder / "vae" / "diffusion_pytorch_model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {name: "../transformer/diffusion_pytorch_model.safetensors" for name in index["weight_map"]}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ModelError, match=r"lists the shard '\.\./transformer/diffusion_pytorch_model\.safetensors'"):
+        load_pipeline(folder, "fp32")
+    index_path.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ModelError, match=r"'vae': .* is a shard index without a weight_map"):
+        load_pipeline(folder, "fp32")
 
 
 def _copy(tiny_folder, tmp_path, variant="wan2.1-t2v"):

@@ -182,6 +182,28 @@ def test_a_folder_without_a_vocoder_names_what_to_copy(tiny_folder, tmp_path):
     assert no_audio_parts(loaded.pipe)
 
 
+def test_the_audio_parts_folders_are_checked_for_pickles_before_diffusers_reads_them(tiny_folder, tmp_path, monkeypatch):
+    """The loader's folder check skips the audio VAE and vocoder (the pipeline never loads them): Decode Audio
+    checks their folders itself, so an index naming a pickled shard is refused unread."""
+    folder = tmp_path / "ltx2"
+    shutil.copytree(tiny_folder(VARIANT), folder)
+    loaded = load_pipeline(folder, "fp32")
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
+    weights = next((folder / "vocoder").glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    names = sorted(tensors)
+    save_file({name: tensors[name] for name in names[:1]}, str(folder / "vocoder" / "part-1.safetensors"))
+    torch.save({name: tensors[name] for name in names[1:]}, folder / "vocoder" / "weights.dat")
+    weights.unlink()
+    weight_map = {name: "part-1.safetensors" if name in names[:1] else "weights.dat" for name in names}
+    (folder / "vocoder" / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: pytest.fail("a pickle was about to be unpickled"))
+    with pytest.raises(ModelError, match=r"'vocoder': .* lists the shard 'weights.dat', which is not a \.safetensors"):
+        decode_audio(loaded, latent, device=CPU)
+    assert no_audio_parts(loaded.pipe)
+
+
 def test_the_node_returns_comfy_audio(tiny_loaded):
     from vidmem.nodes.decode_audio import VidMemDecodeAudio
 

@@ -414,8 +414,9 @@ def build_meta(component: ComponentConfig, dtype: torch.dtype, max_blocks: int |
 
 def component_class(library: str, class_name: str) -> type | None:
     """The class model_index.json names. diffusers records a pipeline's own modules (LTX-2's
-    connectors and vocoder) under the pipeline's package name ("ltx2"), found in diffusers.pipelines."""
-    module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+    connectors and vocoder) under the pipeline's package name ("ltx2"), found in diffusers.pipelines; a module
+    of diffusers or transformers ("diffusers.models") is read as it is spelled, as diffusers reads it."""
+    module = library if library.partition(".")[0] in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
     try:
         return getattr(importlib.import_module(module), class_name, None)
     except ImportError:
