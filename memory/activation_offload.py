@@ -3,11 +3,12 @@
 With per-block gradient checkpointing the only activations a block keeps from its forward to its
 backward are its inputs (the hidden state it was handed); the backward re-runs the block from
 them. At Wan 14B 720p that is 0.77 GB per block, 40 blocks: the inputs alone are 31 GB. Offloaded,
-each block's input is copied to a host buffer as the block starts (on the side stream, after an
-event says the compute that produced it is done) and its device memory is free as soon as the
-block has run; the backward, which re-runs blocks in reverse, starts copying the input of the
-block it needs next while the current one re-runs, on the same side stream and under the same
-prefetch depth as the weights (memory/blockswap.py). So the device holds about one block's
+each block's input is copied to a host buffer as the block starts (on a stream of its own, after an
+event says the compute that produced it is done: the weights' side stream never waits for compute,
+memory/device.py) and its device memory is free as soon as the block has run; the backward, which
+re-runs blocks in reverse, starts copying the input of the block it needs next while the current
+one re-runs, on the weights' side stream and under the same prefetch depth as the weights
+(memory/blockswap.py). So the device holds about one block's
 activations plus the inputs in flight, and the host holds every block's input.
 
 Why not `torch.autograd.graph.save_on_cpu`: it offloads every tensor autograd saves (inside a
@@ -168,6 +169,7 @@ class ActivationPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._made: list[torch.Tensor] = []
         self.in_use = 0  # buffers taken and not given back
+        self.refused = ""  # the driver's refusal to pin, once met: nothing more is asked of it this run
 
     def __repr__(self) -> str:
         return f"ActivationPool({len(self._made)} buffers, {self.pinned_bytes} bytes, {self.in_use} in use)"
@@ -182,11 +184,12 @@ class ActivationPool:
         if free:
             self.in_use += 1
             return free.pop()
-        if self.pinned_bytes + size > self.cap_bytes:
+        if self.refused or self.pinned_bytes + size > self.cap_bytes:
             return None
         try:
             buffer = self._pin(size)
-        except RuntimeError:  # the driver refused to lock more memory
+        except RuntimeError as error:  # the driver refused to lock more memory: asking again per input would too
+            self.refused = str(error).splitlines()[0] if str(error) else type(error).__name__
             return None
         self._made.append(buffer)
         self.in_use += 1
@@ -225,7 +228,7 @@ class InlineCopies:
         host.copy_(tensor)
         return None
 
-    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def to_device(self, host: torch.Tensor, filled: Any) -> tuple[torch.Tensor, Any]:
         return (host if self.hands_back_host else host.to(self.device)), None
 
     def wait(self, tensor: torch.Tensor, token: Any) -> None:
@@ -236,39 +239,45 @@ class InlineCopies:
 
 
 class SideStreamCopies:
-    """CUDA: both directions on the weights' side stream, ordered by events, never a host wait
-    inside the block loop.
+    """CUDA: copies ordered by events, never a host wait inside the block loop.
 
-    To the host: the side stream waits for an event recorded on the compute stream (the input has
-    been computed), copies into the pinned buffer, and the device tensor is `record_stream`ed on
-    the side stream so the allocator keeps it until the copy has read it. To the device: a
-    non_blocking copy from the pinned buffer on the side stream; compute waits on its event and
-    the tensor is recorded on the compute stream. A buffer is filled (device to host) and read
-    (host to device) only by side-stream copies, in queue order, so it may go back to the pool as
-    soon as its copy to the device is queued.
+    To the host, on a stream of its own (`down`): it waits for an event recorded on the compute
+    stream (the input has been computed), copies into the pinned buffer, and the device tensor is
+    `record_stream`ed on it so the allocator keeps it until the copy has read it. Not on the weights'
+    side stream: a wait for compute there would hold every weight prefetch queued after it, and the
+    link copies both ways at once. To the device, on the weights' side stream (the backward's
+    schedule is theirs): it waits for the buffer's fill, copies non_blocking from it; compute waits on
+    its event and the tensor is recorded on the compute stream. A buffer goes back to the pool as soon
+    as its copy to the device is queued: the next fill waits for the side stream's copies queued
+    before it (`_read`), and the host waits for both streams once per step (`settle`).
     """
 
     hands_back_host = False
 
     def __init__(self, device: torch.device, stream: Any) -> None:
         self.device, self.stream = device, stream
-        self._last: Any = None  # event after the last copy queued on the side stream
+        self.down = torch.cuda.Stream(device)
+        self._filled: Any = None  # event after the last copy to the host
+        self._read: Any = None  # event after the last copy to the device (a buffer read)
 
     def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> Any:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
+        with torch.cuda.stream(self.down):
+            self.down.wait_event(ready)
+            if self._read is not None:  # the buffer may be one a queued copy to the device still reads
+                self.down.wait_event(self._read)
             host.copy_(tensor, non_blocking=True)
-            self._last = self._mark()
-        record_stream(tensor, self.stream)
-        return self._last
+            self._filled = _mark(self.down)
+        record_stream(tensor, self.down)
+        return self._filled
 
-    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def to_device(self, host: torch.Tensor, filled: Any) -> tuple[torch.Tensor, Any]:
         with torch.cuda.stream(self.stream):
+            self.stream.wait_event(filled)  # done long before in a backward: the wait costs nothing then
             tensor = host.to(self.device, non_blocking=True)  # pinned source: truly asynchronous
-            self._last = self._mark()
-        return tensor, self._last
+            self._read = _mark(self.stream)
+        return tensor, self._read
 
     def wait(self, tensor: torch.Tensor, token: Any) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -276,15 +285,17 @@ class SideStreamCopies:
         record_stream(tensor, compute)
 
     def settle(self) -> None:
-        """The host waits for the side stream's last copy (once per step, after the backward)."""
-        if self._last is not None:
-            self._last.synchronize()
-            self._last = None
+        """The host waits for the last copy each way (once per step, after the backward)."""
+        for event in (self._filled, self._read):
+            if event is not None:
+                event.synchronize()
+        self._filled = self._read = None
 
-    def _mark(self) -> Any:
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+
+def _mark(stream: Any) -> Any:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def copies_for(backend) -> InlineCopies | SideStreamCopies:
@@ -301,8 +312,10 @@ class _Saved:
     buffer: torch.Tensor
     host: torch.Tensor
     nbytes: int
+    source: "_Source"
+    filled: Any = None  # the copy to the host (an event on CUDA)
     device: torch.Tensor | None = None
-    token: Any = None
+    token: Any = None  # the copy back to the device
     unpacked: bool = False
 
 
@@ -318,6 +331,29 @@ class _Kept:
     """A tensor left on the device (shared with the previous block, or over the ceiling)."""
 
     packed: Any
+    source: "_Source"
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The saved tensor's version when saved. Saved-tensor hooks switch off autograd's own check that a
+    tensor the backward needs was not changed in place since (and an offloaded copy would hand back the
+    old values): `check` makes it again, while the tensor is alive to be looked at."""
+
+    tensor: weakref.ref
+    version: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "_Source":
+        return cls(weakref.ref(tensor), tensor._version)
+
+    def check(self) -> None:
+        tensor = self.tensor()
+        if tensor is not None and tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a checkpointed block's input of shape {list(tensor.shape)} is at version {tensor._version}; expected "
+                f"version {self.version} instead (vidmem's activation offload saved it before the change).")
 
 
 class ActivationOffload:
@@ -355,9 +391,10 @@ class ActivationOffload:
                 saved = self._offload(tensor)
                 if saved is not None:
                     return saved
-            return _Kept(outer_pack(tensor))
+            return _Kept(outer_pack(tensor), _Source.of(tensor))
 
         def unpack(packed):
+            packed.source.check()
             return outer_unpack(packed.packed) if isinstance(packed, _Kept) else self._bring_back(packed)
 
         try:
@@ -372,22 +409,26 @@ class ActivationOffload:
         return [[saved.nbytes for saved in block.saved] for block in self._blocks]
 
     def begin_backward(self) -> None:
-        """The backward re-runs the last block first: start copying its inputs (and the next ones)."""
+        """The backward re-runs the last block first: start copying the inputs of the last blocks that moved
+        any (past the pinned ceiling the last blocks kept theirs on the device: nothing to copy there)."""
         self._previous = []
-        for block in self._blocks[::-1][: self.prefetch]:
+        for block in self._moved(self._blocks)[: self.prefetch]:
             self._onload(block)
             self.prefetched += 1
 
     def close(self) -> None:
-        """After the step (or an error in it): every buffer back to the pool, nothing held."""
-        self.copies.settle()
-        for block in self._blocks:
-            for saved in block.saved:
-                if saved.buffer is not None:
-                    self.pool.give(saved.buffer)
-                    saved.buffer = None
-                saved.device = saved.host = None
-        self._blocks, self._previous, self._carried = [], [], set()
+        """After the step (or an error in it): every buffer back to the pool, nothing held (also when waiting
+        for the copies raises: a sticky CUDA error; the run is ending then and drops the pool)."""
+        try:
+            self.copies.settle()
+        finally:
+            for block in self._blocks:
+                for saved in block.saved:
+                    if saved.buffer is not None:
+                        self.pool.give(saved.buffer)
+                        saved.buffer = None
+                    saved.device = saved.host = None
+            self._blocks, self._previous, self._carried = [], [], set()
 
     def _offload(self, tensor: torch.Tensor) -> _Saved | None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -396,15 +437,20 @@ class ActivationOffload:
         buffer = self.pool.take(nbytes)
         if buffer is None:
             if not self.over_cap:  # the plan assumed every input fits the pinned ceiling: say so once
-                log.warning("vidmem: activation offload: the pinned-memory ceiling (%d MiB) is spent; block inputs "
-                            "beyond it stay on the GPU (raise max_pinned_ram_gb, or swap more blocks)",
-                            self.pool.cap_bytes >> 20)
+                if self.pool.refused:
+                    log.warning("vidmem: activation offload: the driver refused to pin more host memory (%s) after "
+                                "%d MiB; block inputs beyond it stay on the GPU (free host RAM, or lower "
+                                "max_pinned_ram_gb to what this machine can lock)", self.pool.refused,
+                                self.pool.pinned_bytes >> 20)
+                else:
+                    log.warning("vidmem: activation offload: the pinned-memory ceiling (%d MiB) is spent; block "
+                                "inputs beyond it stay on the GPU (raise max_pinned_ram_gb)", self.pool.cap_bytes >> 20)
             self.over_cap += 1
             return None
         host = _view_like(buffer, tensor)
         block = self._blocks[-1]
-        saved = _Saved(block, buffer, host, nbytes)
-        saved.token = self.copies.to_host(tensor, host)
+        saved = _Saved(block, buffer, host, nbytes, _Source.of(tensor))
+        saved.filled = self.copies.to_host(tensor, host)
         block.saved.append(saved)
         self.offloaded_bytes += nbytes
         return saved
@@ -416,7 +462,7 @@ class ActivationOffload:
         if not saved.block.onloaded:
             self._onload(saved.block)
             self.on_demand += 1
-        for earlier in self._blocks[max(0, saved.block.index - self.prefetch) : saved.block.index][::-1]:
+        for earlier in self._moved(self._blocks[: saved.block.index])[: self.prefetch]:
             if not earlier.onloaded:
                 self._onload(earlier)
                 self.prefetched += 1
@@ -424,10 +470,15 @@ class ActivationOffload:
         self.copies.wait(tensor, saved.token)
         return tensor
 
+    @staticmethod
+    def _moved(blocks: list[_Block]) -> list[_Block]:
+        """`blocks` that offloaded an input, last first (the backward's order)."""
+        return [block for block in reversed(blocks) if block.saved]
+
     def _onload(self, block: _Block) -> None:
         block.onloaded = True
         for saved in block.saved:
-            saved.device, saved.token = self.copies.to_device(saved.host)
+            saved.device, saved.token = self.copies.to_device(saved.host, saved.filled)
             if not self.copies.hands_back_host:  # read only by side-stream copies queued before any refill
                 self.pool.give(saved.buffer)
                 saved.buffer, saved.host = None, None

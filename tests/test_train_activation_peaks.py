@@ -66,7 +66,7 @@ def traced_step(module, run, blocks: int) -> int:
 class _FreshCopies(InlineCopies):
     """Meta copies back to the device as new tensors: the ledger sees what a GPU allocates for them."""
 
-    def to_device(self, host):
+    def to_device(self, host, filled):
         return host.clone(), None
 
 

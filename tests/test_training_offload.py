@@ -27,7 +27,7 @@ from test_train_backward_prefetch import BLOCKS, deep, logging_runs  # noqa: F40
 from test_train_support import prepared_per_variant
 from vidmem.memory import MemoryStrategy
 from vidmem.memory import activation_offload as offload_module
-from vidmem.memory.activation_offload import ActivationOffload, ActivationPool, InlineCopies
+from vidmem.memory.activation_offload import ActivationOffload, ActivationPool, InlineCopies, host_buffer_bytes
 from vidmem.memory.device import CpuBackend, CudaBackend
 from vidmem.training import TrainOutputs, TrainSettings, train_lora
 from vidmem.training.errors import TrainingError
@@ -172,6 +172,63 @@ def test_over_the_ceiling_tensors_stay_on_the_device():
     offload.close()
 
 
+def test_a_block_input_changed_in_place_after_it_was_saved_is_refused_as_autograd_refuses_it():
+    """Saved-tensor hooks switch autograd's version check off: an offloaded copy (or a kept reference) would hand
+    the backward stale or changed values silently. The offload checks the version itself, as autograd does."""
+    from torch.utils.checkpoint import checkpoint
+
+    def changed_in_place(offload, ceiling=1 << 20):
+        block = torch.nn.Linear(8, 8)
+        hidden, shared = torch.randn(3, 8, requires_grad=True) * 2, torch.randn(3, 8)
+        with offload.saving((hidden, shared)) if offload else contextlib.nullcontext():
+            out = checkpoint(lambda h, s: torch.tanh(block(h)) + s, hidden, shared, use_reentrant=False)
+        shared.mul_(2)  # after the block saved it
+        if offload:
+            offload.begin_backward()
+        out.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        changed_in_place(None)  # plain checkpointing
+    for ceiling in (1 << 20, 0):  # offloaded, and kept on the device over the ceiling
+        pool = ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8), ceiling)
+        offload = ActivationOffload(InlineCopies(torch.device("cpu")), pool)
+        with pytest.raises(RuntimeError, match=r"modified by an inplace operation: a checkpointed block's input of "
+                                               r"shape \[3, 8\] is at version 1; expected version 0"):
+            changed_in_place(offload)
+        offload.close()
+
+
+def test_past_the_ceiling_the_backward_prefetches_the_blocks_that_moved_their_inputs():
+    """The pool runs out in forward order: the last blocks keep their inputs on the device. The backward's first
+    copies are those of the last blocks that did move theirs, so none is copied back on demand (in line)."""
+    pool = ActivationPool(lambda n: torch.empty(n, dtype=torch.uint8), 3 * host_buffer_bytes(3 * 8 * 4))
+    offload = ActivationOffload(InlineCopies(torch.device("cpu")), pool, prefetch=1)
+    grad, _ = _run_chain(offload, count=6)
+    assert torch.equal(grad, _run_chain(None, count=6)[0])
+    assert offload.over_cap > 0 and offload.on_demand == 0
+    offload.close()
+
+
+def test_a_refused_pin_is_asked_once_and_named_in_the_warning(caplog):
+    asked = []
+
+    def pin(nbytes):
+        asked.append(nbytes)
+        if len(asked) > 2:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    pool = ActivationPool(pin, 1 << 20)
+    offload = ActivationOffload(InlineCopies(torch.device("cpu")), pool)
+    with caplog.at_level("WARNING", logger="vidmem"):
+        grad, _ = _run_chain(offload, count=6)
+    assert torch.equal(grad, _run_chain(None, count=6)[0])
+    assert len(asked) == 3 and offload.over_cap == 6 + 1 - 2
+    assert "the driver refused to pin more host memory (CUDA error: out of memory (cudaHostAlloc))" in caplog.text
+    assert "raise max_pinned_ram_gb" not in caplog.text
+    offload.close()
+
+
 def _side_copies(fake: FakeCuda) -> list:
     return [t for t in fake.transfers if t.stream == "side"]
 
@@ -196,13 +253,27 @@ def test_copies_under_the_cuda_fake(deep, tmp_path, monkeypatch, pools):  # noqa
     assert side and all(t.source_pinned and t.non_blocking for t in side), side
     assert sum(t.nbytes for t in side) == receipt["activation_offload"]["offloaded_bytes"]  # every step's
     assert not fake.pageable_async()
-    # to the host: the side stream waits for the compute stream's event, then fills a pinned buffer
-    stages = [i for i, e in enumerate(log) if e[0] == "stage"]
-    offloads = [i for i in stages if log[i - 1][:2] == ("wait_event", "side")]
-    assert len(offloads) == len(side)
-    for i in offloads:
-        waited = log[i - 1][2]
-        assert ("record", waited, "compute") in log[:i]
+    # to the host: on a stream of its own (a wait for compute on the weights' side stream would hold their
+    # prefetches), after the compute stream's event, into a pinned buffer; the input kept for that stream
+    fills = [i for i, e in enumerate(log) if e[0] == "stage" and log[i - 1][0] == "wait_event"]  # not the setup's
+    assert len(fills) == len(side)
+    down = {log[i - 1][1] for i in fills}
+    assert len(down) == 1 and not down & {"side", "compute"}, down
+    (down,) = down
+    recorded = {e[1]: e[2] for e in log if e[0] == "record"}  # event -> the stream it was recorded on
+    for i in fills:
+        waits = [e for e in log[max(0, i - 3):i] if e[:2] == ("wait_event", down)]
+        assert "compute" in {recorded[e[2]] for e in waits}, log[i - 3:i]
+        assert ("record_stream", down) in {e[::2] for e in log[i:i + 3]}, log[i:i + 3]
+    # to the device: the side stream waits for the buffer's fill; compute waits for the copy when the re-run
+    # unpacks it (before it reads it), and keeps the tensor for itself (record_stream)
+    backs = [i for i, e in enumerate(log) if e[:2] == ("copy", "side")]
+    for i in backs:
+        assert log[i - 1][:2] == ("wait_event", "side") and recorded[log[i - 1][2]] == down, log[i - 1]
+        copied = [e[1] for e in log[i + 1:] if e[0] == "record" and e[2] == "side"][0]
+        after = log[i + 1:]
+        waited = after.index(("wait_event", "compute", copied))
+        assert ("record_stream", log[i][2], "compute") in after[waited:waited + 2]
     # inside the block loop (first forward run to last re-run of a step): event waits only, no host waits
     runs = [i for i, e in enumerate(log) if e[0] == "run"]
     per_step = len(runs) // STEPS
@@ -239,6 +310,29 @@ def test_buffers_come_back_after_an_error(deep, tmp_path, monkeypatch, pools):  
     assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
     pins = [i for i, e in enumerate(fake.log) if e[0] == "pin"]
     assert pins and ("host_empty_cache",) in fake.log[pins[-1]:]  # unlocked on the way out, not only dropped
+
+
+def test_a_sticky_cuda_error_while_settling_does_not_hide_the_cancel(deep, tmp_path, monkeypatch, pools):  # noqa: F811
+    from vidmem.memory import activation_offload
+
+    loaded, data = deep
+    calls = []
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) == BLOCKS + 2:
+            raise KeyboardInterrupt("cancelled")
+
+    def sticky(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with monkeypatch.context() as patch:
+        FakeCuda().install(patch)
+        patch.setattr(activation_offload.SideStreamCopies, "settle", sticky)
+        with pytest.raises(KeyboardInterrupt, match="cancelled"):
+            train(loaded, data, MemoryStrategy(offload="none"), tmp_path, "sticky", True,
+                  CudaBackend(torch.device("cpu")), check_interrupt=interrupt)
+    assert pools and all(pool.in_use == 0 and pool.pinned_bytes == 0 for pool in pools)
 
 
 def test_offload_follows_the_weights_schedule_on_block_swap(deep, tmp_path, monkeypatch):  # noqa: F811

@@ -202,9 +202,12 @@ def _train_steps(model, objective, order: BatchOrder, run: _Run, settings: Train
             started = time.perf_counter()
             try:
                 loss = _step(model, objective, order.batch(run.step), run, settings, device, passes)
-            finally:  # the step's host buffers go back to the pool, after an error too
+            except BaseException:  # the step's host buffers go back to the pool, after an error too
                 if offload is not None:
-                    offload.close()
+                    _close_keeping_error(offload)
+                raise
+            if offload is not None:
+                offload.close()
             times.append(time.perf_counter() - started)
             progress(run.step, settings.steps, loss)
             if settings.checkpoint_every and run.step % settings.checkpoint_every == 0 and run.step < settings.steps:
@@ -225,6 +228,16 @@ def _save_keeping_error(save: Callable[[], None], folder: Path) -> None:
     except Exception as error:  # noqa: BLE001 - any failure here must not replace the run's own
         logging.getLogger("vidmem").warning("vidmem: the checkpoint of the last completed step could not be saved "
                                             "in %s (%s); resume continues from the last one saved, if any.", folder, error)
+
+
+def _close_keeping_error(offload: ActivationOffload) -> None:
+    """The step's buffers back after its error: a sticky CUDA error raised again while waiting for the copies
+    must not replace the run's own (a Cancel, the first CUDA error)."""
+    try:
+        offload.close()
+    except Exception as error:  # noqa: BLE001 - any failure here must not replace the run's own
+        logging.getLogger("vidmem").warning("vidmem: activation offload's copies not settled after the error (%s).",
+                                            error)
 
 
 def _activation_offload(settings: TrainSettings, strategy: MemoryStrategy, backend) -> ActivationOffload | None:

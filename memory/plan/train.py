@@ -192,7 +192,7 @@ def trace_activations(module: nn.Module, blocks: nn.ModuleList, run: Callable[[]
 class _FreshCopies(InlineCopies):
     """Copies back to the (meta) device made as new tensors, as a GPU makes them: the ledger counts them."""
 
-    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def to_device(self, host: torch.Tensor, filled: object) -> tuple[torch.Tensor, None]:
         return host.clone(), None
 
 
