@@ -110,6 +110,19 @@ def interruptible_blocks(loaded: LoadedPipeline) -> list[torch.nn.Module]:
     return blocks
 
 
+@contextmanager
+def encode_caches_dropped(loaded: LoadedPipeline) -> Iterator[None]:
+    """Image-to-video's VAE encode (Wan's) keeps each causal conv's last frames on the device and clears them only
+    when the encode finishes: after a Cancel or an error inside it they would stay (a GiB and more at 720p), hung
+    on the module where no placement, Free VRAM or plan sees them, until the next encode. Cleared on the way out."""
+    try:
+        yield
+    finally:
+        clear = getattr(loaded.pipe.vae, "clear_cache", None) if loaded.needs_image else None
+        if clear is not None:
+            clear()
+
+
 def sample(
     loaded: LoadedPipeline,
     strategy: MemoryStrategy,
@@ -283,7 +296,7 @@ class _Run:
         # a LoRA's hooks on the layers of compiled blocks are traced into their graphs (memory/lora.py)
         compiled_modules = [b for group in blocks.values() for b in group] if self.speed.speed.compile.on else ()
         cache_state = self.request.cache.planned_state(blocks) if cached else {}  # on the device beside the activations
-        with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), \
+        with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), encode_caches_dropped(loaded), \
                 apply_loras(lora_patches(loaded.pipe, loaded.loras), traced_in=compiled_modules) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 hooks.device_budget(device), cache_state) as chunks, \
