@@ -139,9 +139,12 @@ def run_plan(args: argparse.Namespace) -> int:
                           "window_overlap": shape.window_overlap, "dtype": model.dtype_name,
                           "vae_dtype": model.vae_dtype_name or model.dtype_name,
                           "weights": args.weights or model.dtype_name, "disk_gbps": disk_gbps,
-                          "allocator": options.allocator.value,
+                          "device": options.device, "steps": args.steps, "ram_bytes": ram,
+                          # on the CPU the compute's budget is the RAM's: no VRAM budget was used
+                          "vram_bytes": None if options.on_cpu else vram, "allocator": options.allocator.value,
                           **({"speed": _speed_line(speed, model, options)} if speed else {}),
-                          "strategies": [p.as_dict() for p in plans],
+                          **_json_notes(args, model, shape, plans, best, options),
+                          "strategies": [_json_row(p, shape) for p in plans],
                           "recommended": best, **({"message": message} if message else {})}, indent=2))
     else:
         print(_table(model, shape, vram, ram, plans, best, options))
@@ -259,13 +262,15 @@ def _table(model, shape, vram: int, ram: int, plans, recommended: int | None, op
     from ..memory.plan.candidates import _gib  # a tiny budget keeps its digits ("0.001 GiB", not "0.0")
 
     head = (f"{model.name} ({model.dtype_name}{vae}, {weights}) {shape.width}x{shape.height}, {shape.frames} frames; "
-            f"budget {_gib(vram)} VRAM, {_gib(ram)} RAM; {options.allocator.value} allocator")
+            + (f"budget {_gib(ram)} RAM (the CPU computes)" if options.on_cpu else
+               f"budget {_gib(vram)} VRAM, {_gib(ram)} RAM; {options.allocator.value} allocator"))
     from ..memory.plan.candidates import tiles_text, times_differ
     from ..memory.plan.costs import TIME_RESOLUTION
     from ..memory.strategy import TextEncoderPlacement
 
     timed = times_differ(plans)  # else every row would read about x1.00: one line below says so instead
-    columns = ("strategy", "text enc.", "VAE tiles", "encode", "denoise", "decode", "peak VRAM", "peak RAM",
+    columns = ("strategy", "text enc.", "VAE tiles", "encode", "denoise", "decode",
+               "peak compute" if options.on_cpu else "peak VRAM", "peak RAM",
                "page cache", "slowdown", "fits")
     rows = [columns]
     for plan in plans:
@@ -380,6 +385,28 @@ def _cache_line(model, steps: int, shape, plan=None, method: str = "mag_cache") 
     return f"{planned.text}\n{cached_time_line(plan, planned.share)}"
 
 
+def _json_row(plan, shape) -> dict:
+    """A row of --json: the plan's figures, with the strategy and VAE tiles as the table writes them (a script can
+    rebuild the Memory Strategy from them)."""
+    from ..memory.plan.candidates import tiles_text
+
+    return {**plan.as_dict(), "strategy": plan.strategy.describe(),
+            "vae_tiles": tiles_text(plan.strategy.vae_tiling, shape.frames)}
+
+
+def _json_notes(args: argparse.Namespace, model, shape, plans, best: int | None, options) -> dict:
+    """The paragraphs the table prints under it, for --json: windows, the cold and warm case, the step cache."""
+    notes = {}
+    if shape.window:
+        notes["windows"] = window_line(model, shape)
+    if best is not None and not options.on_cpu:
+        notes["warm"] = _warm_line(model, plans[best])
+    if args.cache != "off":
+        notes["cache"] = {"method": args.cache, "text": _cache_line(model, args.steps, shape,
+                                                                   plans[best] if best is not None else None, args.cache)}
+    return notes
+
+
 def _splits(args: argparse.Namespace) -> bool:
     """Context parallelism across --gpus (compiled blocks are refused there, so none is credited)."""
     return (args.gpus or 1) > 1 and args.cp != "balanced"
@@ -398,6 +425,8 @@ def _cache_state(model, method: str) -> dict:
 
 def _budgets(args: argparse.Namespace) -> tuple[int, int]:
     vram = args.vram  # a given budget was checked (_check_numbers)
+    if vram is None and args.device == "cpu":
+        vram = args.ram  # the CPU computes from RAM: no GPU to ask (PlanOptions.compute_budget reads the RAM budget)
     if vram is None:
         import torch
 
@@ -409,7 +438,7 @@ def _budgets(args: argparse.Namespace) -> tuple[int, int]:
         import psutil
 
         ram = psutil.virtual_memory().total / GIB
-    return int(vram * GIB), int(ram * GIB)
+    return int((ram if vram is None else vram) * GIB), int(ram * GIB)
 
 
 def parse_size(text: str) -> tuple[int, int]:

@@ -32,7 +32,7 @@ def test_numbers_that_describe_no_machine_or_run_are_refused_naming_the_flag(fla
 @pytest.mark.parametrize("flags, message", [
     (["--prefetch", "-1"], "vidmem: --prefetch -1 must be 0 or more"),
     (["--batch", "0"], "vidmem: --batch 0 must be at least 1"),
-    (["--size", "0x0"], "vidmem: --size width 0 must be a multiple of 16"),
+    (["--size", "0x0"], "vidmem: --size width 0 must be a multiple of 16, at least 16"),
     (["--window-overlap", "16"], "vidmem: --window-overlap 16 needs a window: set --window (e.g. 81) or "
                                  "--window-overlap to 0."),
 ])
@@ -115,3 +115,41 @@ def test_the_tiles_column_says_all_where_one_temporal_tile_holds_the_clip(capsys
     assert main(["plan", "--model", "cogvideox-5b", "--vram", "8", "--ram", "64"]) == 0
     out = capsys.readouterr().out
     assert "px/all" in out and "px/52f" not in out and "VAE tiles: the decode's tile side in pixels" in out
+
+
+def test_a_cpu_plan_needs_no_vram_budget_and_says_the_cpu_computes(capsys, monkeypatch):
+    """--device cpu on a machine without a GPU: the RAM budget is the compute's (no --vram asked for, none shown)."""
+    import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = ["plan", "--model", "wan2.1-t2v-1.3b", "--device", "cpu", "--ram", "32"]
+    assert main(cpu) == 0
+    out = capsys.readouterr().out
+    assert "budget 32.0 GiB RAM (the CPU computes)" in out and "VRAM" not in out.splitlines()[0]
+    assert "peak compute" in out
+    assert main(cpu + ["--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["device"] == "cpu" and planned["vram_bytes"] is None and planned["ram_bytes"] == 32 << 30
+    assert main(["plan", "--model", "wan2.1-t2v-1.3b", "--ram", "32"]) == 2  # a GPU plan still needs a budget
+    assert "give the budget to plan for, e.g. --vram 12" in capsys.readouterr().err
+
+
+def test_json_holds_what_the_table_prints(capsys):
+    """--json carries the strategy and VAE tiles as the table writes them, the budgets, the steps, and the paragraphs
+    under the table (windows, cold and warm, the step cache)."""
+    import json
+
+    flags = PLAN + ["--cache", "mag_cache", "--frames", "161", "--window", "81", "--window-overlap", "16"]
+    assert main(flags) in (0, 1)
+    table = capsys.readouterr().out
+    assert main(flags + ["--json"]) in (0, 1)
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["vram_bytes"] == 8 << 30 and planned["ram_bytes"] == 16 << 30 and planned["steps"] == 50
+    assert planned["cache"]["method"] == "mag_cache" and planned["cache"]["text"] in table
+    assert planned["windows"] in table
+    if planned["recommended"] is not None:
+        assert planned["warm"] in table
+    for row in planned["strategies"]:
+        assert row["strategy"] and row["vae_tiles"] in table

@@ -148,7 +148,8 @@ class MetaModel:
         for label, value in (("width", shape.width), ("height", shape.height)):
             if value < multiple or value % multiple:
                 fix = max(multiple, value // multiple * multiple)
-                raise ModelError(f"{label}={value} must be a multiple of {multiple} for {self.name}; use {fix} or {fix + multiple}.")
+                rule = f"a multiple of {multiple}" + (f", at least {multiple}" if value < multiple else "")
+                raise ModelError(f"{label}={value} must be {rule} for {self.name}; use {fix} or {fix + multiple}.")
         config = self.components[self.layout.denoisers[0]].config
         if config.get("use_learned_positional_embeddings"):
             size = (config.get("sample_width", 90) * self.geometry.spatial_factor, config.get("sample_height", 60) * self.geometry.spatial_factor)
