@@ -6,7 +6,7 @@
 It posts the workflow to `/prompt` with a client id, shows progress from ComfyUI's websocket,
 reports a rejected workflow's node errors in plain words, waits until `/history/<id>` says the
 prompt finished, prints the nodes' text outputs (vidmem's memory receipts), and downloads the
-saved files through `/view`. Exit status: 0 success, 1 the server rejected or failed the prompt
+saved files through `/view` (a file already in --out is kept; the new one takes "name (2).mp4"). Exit status: 0 success, 1 the server rejected or failed the prompt
 (or it timed out), 2 bad command-line input, 130 Ctrl-C (the prompt stays on the server).
 
 Progress comes from ComfyUI's websocket (through `websocket-client`), because that is where
@@ -281,6 +281,7 @@ def wait(server: Server, socket_: ProgressSocket | None, prompt_id: str, view: P
     deadline = time.monotonic() + timeout
     next_poll = time.monotonic() + POLL_S
     unanswered = ""  # the last poll failure shown
+    missing = 0  # polls in a row that found the prompt neither finished nor queued
     while time.monotonic() < deadline:
         message = None
         if socket_ is not None:
@@ -307,19 +308,38 @@ def wait(server: Server, socket_: ProgressSocket | None, prompt_id: str, view: P
                 continue
             if entry:
                 return entry
+            # Neither finished nor queued, twice in a row (once could be the moment between the two requests when
+            # it finished): the server lost it, restarted (after running out of memory, say) or had it deleted.
+            missing = missing + 1 if queue_place(server, prompt_id, min(server.timeout, left)) == "" else 0
+            if missing >= 2:
+                raise QueueError(f"the server no longer has prompt {prompt_id}: neither its queue nor its history "
+                                 "lists it (was ComfyUI restarted, or the prompt deleted?); queue the workflow again.")
     raise QueueError(f"prompt {prompt_id} did not finish within {timeout:g} s; {queue_state(server, prompt_id)}.")
+
+
+def queue_place(server: Server, prompt_id: str, timeout: float = 5.0) -> str | None:
+    """"running" or "pending" where GET /queue lists the prompt, "" where it does not, None where it does not say."""
+    try:
+        queue = server.get_json("/queue", timeout=timeout)
+    except QueueError:
+        return None
+    if not all(isinstance(queue.get(key), list) for key in ("queue_running", "queue_pending")):
+        return None  # not ComfyUI's answer: it says nothing of the prompt
+    for key, place in (("queue_running", "running"), ("queue_pending", "pending")):
+        items = queue[key]  # ComfyUI's: [[number, prompt_id, ...]]
+        if any(isinstance(item, list) and len(item) > 1 and item[1] == prompt_id for item in items):
+            return place
+    return ""
 
 
 def queue_state(server: Server, prompt_id: str) -> str:
     """Where the prompt is, from GET /queue, in words; "unknown" when the server does not say."""
-    try:
-        queue = server.get_json("/queue", timeout=min(server.timeout, 5.0))
-    except QueueError:
+    place = queue_place(server, prompt_id, min(server.timeout, 5.0))
+    if place is None:
         return "its state on the server is unknown (GET /queue did not say)"
-    for key, state in (("queue_running", "it is still running"), ("queue_pending", "it is still queued")):
-        items = queue.get(key) if isinstance(queue.get(key), list) else []  # ComfyUI's: [[number, prompt_id, ...]]
-        if any(isinstance(item, list) and len(item) > 1 and item[1] == prompt_id for item in items):
-            return f"{state} on the server (POST {server.url}/interrupt stops a running prompt)"
+    if place:
+        state = "it is still running" if place == "running" else "it is still queued"
+        return f"{state} on the server (POST {server.url}/interrupt stops a running prompt)"
     return "the server's queue does not list it; its state is unknown (see GET /history)"
 
 

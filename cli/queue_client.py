@@ -243,7 +243,8 @@ def output_files(entry: dict) -> list[OutputFile]:
 
 
 def download(server: Server, files: list[OutputFile], out: Path, on_saved=lambda path: None) -> list[Path]:
-    """Each file into `out`, through a temp file renamed into place; every name was checked first.
+    """Each file into `out`, through a temp file renamed into place; every name was checked first, and a file
+    already there is kept (the new one takes the next free name: `free_name`).
     `on_saved(path)` is called as each file lands, so a later failure does not hide what was saved; the
     failure's message says which files were saved and which are still only on the server."""
     root = out.resolve()
@@ -261,7 +262,7 @@ def download(server: Server, files: list[OutputFile], out: Path, on_saved=lambda
         if status != 200:
             raise QueueError(f"GET /view?{file.query()}: HTTP {status}: {quote(data)}. {_still_on_server(saved, files)}; "
                              "download them through /view.")
-        target = file.target(out)
+        target = free_name(file.target(out))
         try:
             saved.append(write_bytes_atomically(target, data))
         except OSError as error:
@@ -269,6 +270,18 @@ def download(server: Server, files: list[OutputFile], out: Path, on_saved=lambda
                              "the space or pick another --out and download them through /view.") from None
         on_saved(saved[-1])
     return saved
+
+
+def free_name(target: Path) -> Path:
+    """`target`, or where a file of that name is already there (an earlier render: ComfyUI's counters start again
+    when its output folder is emptied, or on another server), the first free "name (2).mp4", "name (3).mp4"..."""
+    if not target.exists() and not target.is_symlink():
+        return target
+    for number in range(2, 10_000):
+        candidate = target.with_name(f"{target.stem} ({number}){target.suffix}")
+        if not candidate.exists() and not candidate.is_symlink():
+            return candidate
+    raise QueueError(f"{target} and 9,998 numbered copies of it exist already; pick another --out.")
 
 
 def _still_on_server(saved: list[Path], files: list[OutputFile]) -> str:

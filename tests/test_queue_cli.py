@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -155,6 +156,12 @@ class Handler(BaseHTTPRequestHandler):
         return self.reply(404, {})
 
     def history(self) -> dict:
+        if self.server.scenario == "interrupted":
+            return {"outputs": {}, "status": {"status_str": "error", "completed": False, "messages": [
+                ["execution_start", {"prompt_id": PROMPT_ID}],
+                ["execution_interrupted", {"prompt_id": PROMPT_ID, "node_id": "3", "node_type": "VidMemVideoSampler",
+                                           "executed": []}],
+            ]}}
         if self.server.scenario == "exec_error":
             return {"outputs": {}, "status": {"status_str": "error", "completed": False, "messages": [
                 ["execution_start", {"prompt_id": PROMPT_ID}],
@@ -546,3 +553,64 @@ def test_a_folder_or_unreadable_file_as_the_workflow_is_one_line(tmp_path, capsy
     assert queue(str(tmp_path), "--server", "http://127.0.0.1:9") == 2
     err = capsys.readouterr().err
     assert f"vidmem queue: cannot read workflow file '{tmp_path}': Is a directory." in err and "Traceback" not in err
+
+
+class Restarted(Handler):
+    """A ComfyUI restarted after taking the prompt (killed for memory, say): its history and queue are empty."""
+
+    def do_GET(self):
+        if self.path == "/queue":
+            return self.reply(200, {"queue_running": [], "queue_pending": []})
+        if self.path.startswith("/history"):
+            return self.reply(200, {})
+        return super().do_GET()
+
+
+def test_a_server_that_lost_the_prompt_is_said_so_at_once_not_after_the_timeout(tmp_path, capsys):
+    server = Stub("success", websocket=False)
+    server.RequestHandlerClass = Restarted
+    started = time.monotonic()
+    with serving(server):
+        assert queue(str(WORKFLOW), "--server", server.url, "--out", str(tmp_path), "--timeout", "60") == 1
+    err = capsys.readouterr().err
+    assert "the server no longer has prompt prompt-1: neither its queue nor its history lists it" in err, err
+    assert time.monotonic() - started < 20
+
+
+class RunningAWhile(Handler):
+    """GET /queue lists the prompt as running for the first polls (its history empty), then it finishes."""
+
+    def do_GET(self):
+        if self.path == "/queue":
+            self.server.polls = getattr(self.server, "polls", 0) + 1
+            return self.reply(200, {"queue_running": [[0, PROMPT_ID, {}, {}, ["7"]]], "queue_pending": []})
+        if self.path.startswith("/history") and getattr(self.server, "polls", 0) < 3:
+            return self.reply(200, {})
+        return super().do_GET()
+
+
+def test_a_prompt_the_queue_lists_is_waited_for(tmp_path, capsys):
+    server = Stub("success", websocket=False)
+    server.RequestHandlerClass = RunningAWhile
+    with serving(server):
+        assert queue(str(WORKFLOW), "--server", server.url, "--out", str(tmp_path), "--timeout", "30") == 0
+    assert server.polls >= 3
+
+
+@pytest.mark.parametrize("stub", [("interrupted", False)], indirect=True)
+def test_an_interrupted_prompt_names_the_node_and_fails(stub, tmp_path, capsys):
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(tmp_path), "--timeout", "20") == 1
+    err = capsys.readouterr().err
+    assert "interrupted at node 3" in err and "VidMemVideoSampler" in err, err
+
+
+def test_an_earlier_file_of_the_same_name_is_kept(stub, tmp_path, capsys):
+    """ComfyUI's counters start again when its output folder is emptied: the earlier render is not overwritten."""
+    earlier = tmp_path / "vidmem" / "vidmem_00001.mp4"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_bytes(b"MY EARLIER RENDER")
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(tmp_path), "--timeout", "20") == 0
+    assert earlier.read_bytes() == b"MY EARLIER RENDER"
+    second = tmp_path / "vidmem" / "vidmem_00001 (2).mp4"
+    assert second.read_bytes() == FILES["vidmem_00001.mp4"]
+    assert f"saved {second}" in capsys.readouterr().out
