@@ -75,11 +75,14 @@ def _bytes_per_weight(tensor) -> float:
 
 
 def in_ram(tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """Every tensor copied out of its file mapping into process memory."""
+    """Every tensor copied out of its file mapping into process memory; those already there (quantized at load)
+    as they are: a second copy would be RAM the load's check never counted (a 14B model's lowered weights)."""
     def copy(t):
         if isinstance(t, StoredTensor):
+            if not is_file_backed(t.data):
+                return t
             return StoredTensor(t.data.clone(), t.format, t.shape, None if t.scale is None else t.scale.clone())
-        return t.clone()
+        return t.clone() if is_file_backed(t) else t
 
     return {name: copy(t) for name, t in tensors.items()}
 

@@ -107,6 +107,24 @@ def test_weights_on_disk_keeps_the_files_mapped_and_in_ram_copies_them(written):
     assert mapped.storage_reports["transformer"].mapped_bytes > 0 == copied.storage_reports["transformer"].mapped_bytes
 
 
+def test_copying_to_ram_copies_only_what_the_mappings_hold(written):
+    """weights_on_disk=False with a weight_dtype: the weights quantized at load are already in RAM; copying them
+    again would double the RAM the load's check counted (a 14B model lowered to fp8: 14 GB more)."""
+    from vidmem.memory.storage import StoredTensor, quantize
+    from vidmem.pipelines.weight_storage import in_ram
+
+    out = written("wan2.1-t2v", "fp8_scaled")
+    file = read_weight_file(out.files.model, "model", "transformer")
+    mapped_plain = next(t for t in file.tensors.values() if isinstance(t, torch.Tensor) and is_file_backed(t))
+    mapped_stored = next(t for t in file.tensors.values() if isinstance(t, StoredTensor) and is_file_backed(t.data))
+    fresh_plain, fresh_stored = torch.ones(3), quantize(torch.ones(4, 32), "fp8_scaled")
+    held = in_ram({"a": mapped_plain, "b": mapped_stored, "c": fresh_plain, "d": fresh_stored})
+    assert held["c"] is fresh_plain and held["d"] is fresh_stored
+    assert not is_file_backed(held["a"]) and torch.equal(held["a"], mapped_plain)
+    assert not is_file_backed(held["b"].data) and torch.equal(held["b"].data.view(torch.uint8),
+                                                               mapped_stored.data.view(torch.uint8))
+
+
 def test_weight_dtype_lowers_matrices_and_never_raises_them(written):
     from vidmem.memory.storage import quantize
 
