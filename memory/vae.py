@@ -90,7 +90,8 @@ class DecodeReport:
         if self.tiling is not None:
             t = self.tiling
             frames = f"{t.temporal_size}" if self.streamed else f"{t.temporal_size}/{t.temporal_overlap}"
-            text += f": {self.tiles} tiles x {self.chunks} chunks (tile {t.tile_size}/{t.overlap} px, {frames} frames)"
+            pieces = f"{self.tiles} tile{'s' * (self.tiles != 1)} x {self.chunks} chunk{'s' * (self.chunks != 1)}"
+            text += f": {pieces} (tile {t.tile_size}/{t.overlap} px, {frames} frames)"
         if self.shared_context and self.tiles > 1:
             text += ", frame-wide layers shared by the tiles"
         if self.streamed and self.chunks > 1:

@@ -516,6 +516,8 @@ def _time(plans, options: PlanOptions) -> dict:
     """Whether the rows' estimated times say anything (they differ by more than the model can tell),
     and what they are relative to: the same run with every weight where it computes, the decode whole."""
     where = "every weight on the GPU" if not options.on_cpu else "nothing streamed"
+    if any(fmt is not None for _, fmt in options.storage):  # the upcasts are in every row, the baseline has none
+        where += " in the compute dtype (no per-layer upcasts)"
     times = [plan.est_slowdown for plan in plans]
     return {"shown": times_differ(plans), "resolution": TIME_RESOLUTION, "range": [min(times), max(times)],
             "relative_to": f"the same run with {where} and the decode in one piece"}

@@ -182,7 +182,10 @@ def test_the_strategy_plan_changes_with_blocks_to_swap_before_anything_is_queued
 
 
 def test_an_older_strategy_layout_keeps_its_budgets(report):
-    assert report["legacy"] == {"vram_budget_gb": 6.5, "ram_budget_gb": 48, "width": None, "loaded": 9}
+    legacy = report["legacy"]
+    assert {key: legacy[key] for key in ("vram_budget_gb", "ram_budget_gb", "width")} == \
+        {"vram_budget_gb": 6.5, "ram_budget_gb": 48, "width": None}
+    assert legacy["loaded"] == legacy["nodes"] > 0  # every node of the template, whatever it holds
 
 
 def test_no_node_overlaps_another_after_a_run_and_groups_hold_their_nodes(report):

@@ -185,7 +185,7 @@ def test_a_real_size_plan_over_budget_says_per_stage_what_would_fit_and_drops_a_
     plan = plan_answer(parse_request(q, ["wan"], ["bf16"]), lambda n, d: load_model("wan2.1-t2v-14b", d), (8 * GiB, 32 * GiB),
                        device="cuda")
     assert plan["status"] == "ok" and plan["time"]["shown"] is False, plan["time"]
-    assert "every weight on the GPU" in plan["time"]["relative_to"]
+    assert plan["time"]["relative_to"] == "the same run with every weight on the GPU and the decode in one piece"
     mine = plan["rows"][plan["chosen"]]
     assert mine["label"] == "your settings" and not mine["fits"]
     assert [line.split(":")[0] for line in mine["over_budget"]] == ["text encode", "denoise", "decode"]
@@ -344,3 +344,18 @@ def test_the_plan_says_what_a_connected_speed_node_will_run_here_and_counts_a_ke
     with pytest.raises(PlanRequestError) as caught:
         parse_request(query(speed_attention="fastest", speed_compile="true"), [TINY], ["fp32"])
     assert caught.value.name == "speed_attention" and "Speed node" in str(caught.value)
+
+
+def test_the_time_baseline_says_it_has_no_upcasts_where_the_weights_are_stored_narrow():
+    """On a CPU host an fp8 model's rows are all about x3.7: the upcasts. 'against the same run with nothing
+    streamed' read as if the row with nothing streamed were slower than itself."""
+    from types import SimpleNamespace
+
+    from vidmem.memory.plan.types import PlanOptions
+    from vidmem.nodes.plan_route import _time
+
+    rows = [SimpleNamespace(est_slowdown=3.7, stages=()), SimpleNamespace(est_slowdown=3.8, stages=())]
+    stored = _time(rows, PlanOptions(device="cpu", storage=(("transformer", "fp8_scaled"),)))["relative_to"]
+    assert stored == ("the same run with nothing streamed in the compute dtype (no per-layer upcasts) and the decode "
+                      "in one piece")
+    assert "upcasts" not in _time(rows, PlanOptions(device="cpu"))["relative_to"]

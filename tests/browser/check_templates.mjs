@@ -286,7 +286,7 @@ async function legacyCheck(page, template) {
     const { output } = await window.app.graphToPrompt();
     const strategy = Object.values(output).find((n) => n.class_type === "VidMemMemoryStrategy").inputs;
     return { vram_budget_gb: strategy.vram_budget_gb, ram_budget_gb: strategy.ram_budget_gb, width: strategy.width ?? null,
-             loaded: window.app.graph.nodes.length };
+             loaded: window.app.graph.nodes.length, nodes: ui.nodes.length };
   }, legacyOf(template.ui));
 }
 

@@ -152,7 +152,9 @@ async function measure(page, zoom) {
     const nodeBottom = (node.pos[1] + node.size[1] + app.canvas.ds.offset[1]) * app.canvas.ds.scale;
     return {
       zoom, minTextPx: Math.min(...fonts), texts: fonts.length,
-      contentClipped: body ? body.offsetHeight > element.clientHeight - 4 : true,
+      // below the node, or sideways: a line wider than the node (overflow hidden) is cut at its right edge
+      contentClipped: body ? body.offsetHeight > element.clientHeight - 4
+        || [element, ...element.querySelectorAll("pre")].some((e) => e.scrollWidth > e.clientWidth + 1) : true,
       widgetBelowNode: rect.bottom > nodeBottom + 2, labelsCut,
       nodeBox: { x: (node.pos[0] + app.canvas.ds.offset[0]) * zoom, y: (node.pos[1] - title + app.canvas.ds.offset[1]) * zoom,
                  width: node.size[0] * zoom, height: (node.size[1] + title) * zoom },

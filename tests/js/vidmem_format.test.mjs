@@ -100,7 +100,7 @@ test("the decode shows its tiles and time", () => {
   assert.equal(wan.lines.at(-1), "VAE: tiled, 6 tiles x 2 chunks, attention shared by the tiles, exact chunks, 12 calls");
   const whole = { ...DECODE.decode, mode: "whole", tiles: 1, chunks: 1, decode_calls: 1, shared_context: true, streamed: true };
   assert.equal(summarize("VidMemVAEDecode", { vidmem_receipt: [{ ...DECODE, decode: whole }] }).lines.at(-1),
-    "VAE: whole, 1 tiles x 1 chunks, 1 call");
+    "VAE: whole, 1 tile x 1 chunk, 1 call");
 });
 
 test("Free VRAM shows before and after", () => {

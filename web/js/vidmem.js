@@ -194,7 +194,8 @@ function tableToggle(node, plan) {
   Object.assign(summary.style, { cursor: "pointer", color: "#bbb", marginTop: "3px" });
   const table = document.createElement("pre");
   table.className = "vidmem-plan-table";
-  Object.assign(table.style, { margin: "2px 0 0", font: `${PLAN_FONT}px/19px monospace`, color: "#ccc", whiteSpace: "pre" });
+  // pre-wrap: the rows keep their columns, and a line wider than the node (a +disk row's needs) wraps, not clipped
+  Object.assign(table.style, { margin: "2px 0 0", font: `${PLAN_FONT}px/19px monospace`, color: "#ccc", whiteSpace: "pre-wrap" });
   table.textContent = planLines(plan).join("\n");
   details.append(summary, table);
   details.addEventListener("toggle", () => {

@@ -120,13 +120,19 @@ export function swapLine(swap) {
     `waited ${formatSeconds(swap.wait_s)}, ${swap.groups} streamed groups)`;
 }
 
+/** "1 tile x 2 chunks": the decode's pieces, each count with its own plural. */
+function piecesText(decode) {
+  const count = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+  return `${count(decode.tiles, "tile")} x ${count(decode.chunks, "chunk")}`;
+}
+
 export function decodeLine(decode) {
   const tiled = decode.tiles > 1;
   const shared = decode.shared_context && tiled ? ", attention shared by the tiles" : "";
   const streamed = decode.streamed && decode.chunks > 1 ? ", exact chunks" : "";
   const calls = `${decode.decode_calls} call${decode.decode_calls === 1 ? "" : "s"}`;
   const fallbacks = decode.fallbacks?.length ? `; fell back: ${decode.fallbacks.join("; ")}` : "";
-  return `VAE: ${decode.mode}, ${decode.tiles} tiles x ${decode.chunks} chunks${shared}${streamed}, ${calls}${fallbacks}`;
+  return `VAE: ${decode.mode}, ${piecesText(decode)}${shared}${streamed}, ${calls}${fallbacks}`;
 }
 
 /** Free VRAM's before -> after figures (nodes/free.py). */
@@ -611,7 +617,7 @@ export function compactLines(nodeType, message, max = 3) {
     if (String(receipt.plan ?? "").startsWith("auto chose")) extra.push(receipt.plan.split(";")[0]);
     if (receipt.swap) extra.push(`swap cost ${formatPercent(receipt.swap.swap_cost)} of denoise`);
     if (receipt.cache) extra.push(`cache ${formatPercent(receipt.cache.blocks_computed_share)} of blocks computed`);
-    if (receipt.decode) extra.push(`VAE ${receipt.decode.mode}, ${receipt.decode.tiles} tiles x ${receipt.decode.chunks} chunks`);
+    if (receipt.decode) extra.push(`VAE ${receipt.decode.mode}, ${piecesText(receipt.decode)}`);
     if (receipt.saved_latents) extra.push(`saved ${receipt.saved_latents}`);
     if (receipt.note) extra.unshift(`note: ${receipt.note}`); // a Strategy value the tier ignored
     return [stages, peak, extra.join("; ")].filter(Boolean).slice(0, max);
