@@ -58,7 +58,7 @@ def load_workflow(path: Path) -> dict:
         raise UsageError(f"workflow file '{path}' is not JSON ({error}).") from None
     if isinstance(data, dict) and "nodes" in data and "links" in data:
         raise UsageError(
-            f"'{path}' is a UI-format workflow; queue its API-format twin (vidmem's are in workflows/api/) "
+            f"'{path}' is a UI-format workflow; queue its API-format twin ({_api_twin(data)}) "
             "or save one from ComfyUI with Export (API)."
         )
     if not isinstance(data, dict) or not all(isinstance(n, dict) and "class_type" in n for n in data.values()):
@@ -352,6 +352,15 @@ def ends(message: dict | None, prompt_id: str) -> bool:
     return kind in TERMINAL or (kind == "executing" and data.get("node") is None)
 
 
+def _api_twin(ui: dict) -> str:
+    """Where a vidmem template's API-format twin is (its `extra.vidmem.api`), else where they all are."""
+    twin = ((ui.get("extra") or {}).get("vidmem") or {}).get("api") if isinstance(ui.get("extra"), dict) else None
+    if not (isinstance(twin, str) and twin):
+        return "vidmem's are in workflows/api/"
+    name = Path(twin).name
+    return f"workflows/api/{name if name.endswith('.json') else name + '.json'}"
+
+
 def open_socket(server: Server, client_id: str) -> tuple[ProgressSocket | None, str]:
     """(the progress socket, "") or (None, why not). The note is the caller's to print once the server has
     accepted the prompt: a server that is not there at all refuses the socket first, and its one clear line
@@ -374,6 +383,7 @@ def run_queue(args: argparse.Namespace) -> int:
     client_id = f"vidmem-queue-{uuid.uuid4().hex}"
     view = ProgressView(workflow)
     socket_ = prompt_id = None
+    finished_on_server = False
     try:
         socket_, no_socket = open_socket(server, client_id)  # before posting, so no early message is missed
         prompt_id = submit(server, workflow, client_id)
@@ -381,6 +391,7 @@ def run_queue(args: argparse.Namespace) -> int:
             print(no_socket, file=sys.stderr)
         print(f"queued prompt {prompt_id} on {server.url}", file=sys.stderr)
         entry = wait(server, socket_, prompt_id, view, args.timeout)
+        finished_on_server = True  # a Ctrl-C from here on stops the download, not the prompt
         view.done()
         if entry.get("status", {}).get("status_str") != "success":
             raise QueueError("the prompt failed:\n  " + "\n  ".join(execution_error_lines(entry, workflow)))
@@ -391,8 +402,12 @@ def run_queue(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:  # Ctrl-C stops the waiting here, not the prompt on the server
         view.done()
-        where = (f"prompt {prompt_id} is still on the server; POST {server.url}/interrupt stops it if it is running"
-                 if prompt_id else f"the prompt may have been queued; GET {server.url}/queue shows it")
+        if finished_on_server:
+            where = f"prompt {prompt_id} had finished; its outputs not saved here are still on the server (/view)"
+        elif prompt_id:
+            where = f"prompt {prompt_id} is still on the server; POST {server.url}/interrupt stops it if it is running"
+        else:
+            where = f"the prompt may have been queued; GET {server.url}/queue shows it"
         print(f"\nvidmem queue: interrupted: {where}.", file=sys.stderr)
         return 130
     finally:

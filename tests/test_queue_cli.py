@@ -614,3 +614,28 @@ def test_an_earlier_file_of_the_same_name_is_kept(stub, tmp_path, capsys):
     second = tmp_path / "vidmem" / "vidmem_00001 (2).mp4"
     assert second.read_bytes() == FILES["vidmem_00001.mp4"]
     assert f"saved {second}" in capsys.readouterr().out
+
+
+def test_a_ui_template_is_refused_naming_its_api_twin(tmp_path, capsys):
+    import vidmem
+
+    template = Path(vidmem.__file__).parent / "workflows" / "CogVideoX-2b, 12 GB card.json"
+    assert queue(str(template), "--server", "http://127.0.0.1:9") == 2
+    err = capsys.readouterr().err
+    assert "is a UI-format workflow; queue its API-format twin (workflows/api/cogvideox_t2v.json)" in err, err
+    assert (Path(vidmem.__file__).parent / "workflows" / "api" / "cogvideox_t2v.json").is_file()
+
+
+def test_ctrl_c_during_the_download_says_the_prompt_had_finished(tmp_path, capsys, monkeypatch):
+    from vidmem.cli import queue_client
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    server = Stub("success", websocket=False)
+    with serving(server):
+        monkeypatch.setattr(queue_client, "write_bytes_atomically", interrupted)
+        assert queue(str(WORKFLOW), "--server", server.url, "--out", str(tmp_path), "--timeout", "20") == 130
+    err = capsys.readouterr().err
+    assert "prompt prompt-1 had finished; its outputs not saved here are still on the server" in err, err
+    assert "/interrupt" not in err
