@@ -73,9 +73,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--activation-chunks", default="auto", help="token slices per transformer block: auto (the "
                       "fewest that fit), off, or 2, 4, 8, 16, 32, 64 as the Memory Strategy node offers (same video, "
                       "lower denoise peak)")
-    plan.add_argument("--allocator", default="native", choices=("native", "cudaMallocAsync"),
-                      help="CUDA allocator backend: native = PyTorch's caching allocator (plain scripts); "
-                           "cudaMallocAsync = ComfyUI's default on CUDA builds (modelled as live bytes)")
+    plan.add_argument("--allocator", choices=("native", "cudaMallocAsync"),
+                      help="CUDA allocator backend: native = PyTorch's caching allocator (plain scripts; the "
+                           "default); cudaMallocAsync = ComfyUI's default on CUDA builds (modelled as live bytes), "
+                           "what its Memory Strategy node plans with there")
     plan.add_argument("--attention", default="fused", choices=("fused", "math"),
                       help="fused = flash/memory-efficient kernels; math = score matrix materialised")
     plan.add_argument("--compile", action="store_true", help="the Speed node's compile on: the time estimate uses "
@@ -122,7 +123,7 @@ def run_plan(args: argparse.Namespace) -> int:
     disk_gbps = NVME_BYTES_PER_S / 1e9 if args.disk_gbps is None else args.disk_gbps
     storage = model.layout.stored_as(args.weights) if args.weights else {}
     speed = _speed(args)
-    options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator), steps=args.steps,
+    options = PlanOptions(attention=Attention(args.attention), allocator=Allocator(args.allocator or "native"), steps=args.steps,
                           storage=storage, on_disk=args.disk, disk_bytes_per_s=disk_gbps * 1e9,
                           device=args.device, speed=measured_speed(speed, args.device, context_parallel=_splits(args))
                           if speed else MeasuredSpeed(),
@@ -152,6 +153,8 @@ def run_plan(args: argparse.Namespace) -> int:
             print("\n" + window_line(model, shape))
         if best is not None and options.device != "cpu":
             print("\n" + _warm_line(model, plans[best]))
+        if args.allocator is None and options.device != "cpu":
+            print(f"\n{ALLOCATOR_NOTE}")
         if args.cache != "off":
             print("\n" + _cache_line(model, args.steps, shape, plans[best] if best is not None else None, args.cache))
         if speed:
@@ -383,6 +386,11 @@ def _cache_line(model, steps: int, shape, plan=None, method: str = "mag_cache") 
     if plan is None or planned.share is None:
         return planned.text
     return f"{planned.text}\n{cached_time_line(plan, planned.share)}"
+
+
+ALLOCATOR_NOTE = ("allocator: planned for PyTorch's caching allocator, as plain scripts run; ComfyUI on a CUDA build "
+                  "runs cudaMallocAsync by default and its Memory Strategy node plans for that (lower peaks): "
+                  "--allocator cudaMallocAsync gives its figures.")
 
 
 def _json_row(plan, shape) -> dict:

@@ -42,7 +42,7 @@ def add_train_arguments(plan: argparse.ArgumentParser) -> None:
 # The step is planned on a GPU with PyTorch's allocator, without text encoder, VAE, guidance or steps.
 SAMPLING_ONLY = (("--window", "window", 0), ("--window-overlap", "window_overlap", 0), ("--disk", "disk", False),
                  ("--disk-gbps", "disk_gbps", None), ("--cache", "cache", "off"), ("--device", "device", "cuda"),
-                 ("--allocator", "allocator", "native"), ("--text-encoder", "text_encoder", "offload_after_encoding"),
+                 ("--allocator", "allocator", None), ("--text-encoder", "text_encoder", "offload_after_encoding"),
                  ("--no-cfg", "no_cfg", False), ("--activation-chunks", "activation_chunks", "auto"),
                  ("--vae-dtype", "vae_dtype", None), ("--steps", "steps", 50))
 

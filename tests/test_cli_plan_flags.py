@@ -153,3 +153,12 @@ def test_json_holds_what_the_table_prints(capsys):
         assert planned["warm"] in table
     for row in planned["strategies"]:
         assert row["strategy"] and row["vae_tiles"] in table
+
+
+def test_the_default_allocator_is_named_with_the_flag_that_gives_comfyuis_figures(capsys):
+    assert main(PLAN) == 0
+    out = capsys.readouterr().out
+    assert "native allocator" in out.splitlines()[0] and "--allocator cudaMallocAsync gives its figures" in out
+    assert main(PLAN + ["--allocator", "cudaMallocAsync"]) == 0
+    out = capsys.readouterr().out
+    assert "cudaMallocAsync allocator" in out.splitlines()[0] and "gives its figures" not in out
