@@ -432,21 +432,21 @@ def _cache_state(model, method: str) -> dict:
 
 
 def _budgets(args: argparse.Namespace) -> tuple[int, int]:
-    vram = args.vram  # a given budget was checked (_check_numbers)
+    ram = args.ram  # a given budget was checked (_check_numbers)
+    if ram is None:
+        import psutil
+
+        ram = psutil.virtual_memory().total / GIB
+    vram = args.vram
     if vram is None and args.device == "cpu":
-        vram = args.ram  # the CPU computes from RAM: no GPU to ask (PlanOptions.compute_budget reads the RAM budget)
+        vram = ram  # the CPU computes from RAM: no GPU to ask (PlanOptions.compute_budget reads the RAM budget)
     if vram is None:
         import torch
 
         if not torch.cuda.is_available():
             raise ValueError("no GPU here: give the budget to plan for, e.g. --vram 12 (GiB).")
         vram = torch.cuda.mem_get_info()[1] / GIB
-    ram = args.ram
-    if ram is None:
-        import psutil
-
-        ram = psutil.virtual_memory().total / GIB
-    return int((ram if vram is None else vram) * GIB), int(ram * GIB)
+    return int(vram * GIB), int(ram * GIB)
 
 
 def parse_size(text: str) -> tuple[int, int]:

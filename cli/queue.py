@@ -43,6 +43,9 @@ from .queue_client import (
 )
 
 POLL_S = 1.0  # /history poll interval while waiting
+# Every this many unfinished polls, GET /queue: does the server still hold the prompt? Not every poll: ComfyUI's
+# answer copies every pending prompt's graph under the queue's lock.
+QUEUE_EVERY = 5
 
 
 # --- the workflow and its overrides ---------------------------------------------------------------
@@ -277,11 +280,14 @@ def wait(server: Server, socket_: ProgressSocket | None, prompt_id: str, view: P
     """The history entry once the prompt is done. The websocket (if any) drives the view and says
     when to look early; /history is polled every POLL_S seconds regardless and decides. A poll that
     gets no answer (slow, refused, cut short, a 5xx) is tried again until the deadline, each request given
-    at most the time left: the prompt is queued, so only `timeout` ends the wait."""
+    at most the time left: the server may be restarting. A server that answers but lists the prompt in
+    neither its history nor its queue (asked every QUEUE_EVERY polls), twice in a row, has lost it: that ends
+    the wait too."""
     deadline = time.monotonic() + timeout
     next_poll = time.monotonic() + POLL_S
     unanswered = ""  # the last poll failure shown
-    missing = 0  # polls in a row that found the prompt neither finished nor queued
+    missing = 0  # /queue answers in a row that did not list the unfinished prompt
+    unfinished = 0
     while time.monotonic() < deadline:
         message = None
         if socket_ is not None:
@@ -310,6 +316,9 @@ def wait(server: Server, socket_: ProgressSocket | None, prompt_id: str, view: P
                 return entry
             # Neither finished nor queued, twice in a row (once could be the moment between the two requests when
             # it finished): the server lost it, restarted (after running out of memory, say) or had it deleted.
+            unfinished += 1
+            if unfinished % QUEUE_EVERY:
+                continue
             missing = missing + 1 if queue_place(server, prompt_id, min(server.timeout, left)) == "" else 0
             if missing >= 2:
                 raise QueueError(f"the server no longer has prompt {prompt_id}: neither its queue nor its history "

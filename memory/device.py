@@ -114,6 +114,8 @@ class CudaBackend:
     starts using them, so the caching allocator cannot hand their memory to the next prefetch
     while a kernel on the compute stream still reads it. The side stream never waits for
     compute: host copies are read-only, so a prefetch may start at once and overlap fully.
+    (Training's activation offload copies to the host on a stream of its own for that reason;
+    its copies back wait on those, done in the forward long before the backward asks.)
     Whole components (activated, not streamed) copy on the compute stream, so their memory
     stays in the compute stream's pool for activations once they are evicted.
     """

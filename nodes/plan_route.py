@@ -265,7 +265,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
         "rows": [_row(label, plan, model, needs if plan.on_disk != options.on_disk else "")
                  for label, plan in zip(labels, plans)],
         "chosen": chosen,
-        "time": _time(plans, options),
+        "time": _time(plans, options, request.dtype),
         "notes": list(strategy_notes(widgets["offload"], widgets["blocks_to_swap"])),  # values the tier ignores
         "speed": _speed_lines(request, model, options, plans[chosen] if chosen is not None else None),
     }
@@ -512,11 +512,12 @@ def _row(label: str, plan, model, needs: str = "") -> dict:
     }
 
 
-def _time(plans, options: PlanOptions) -> dict:
+def _time(plans, options: PlanOptions, dtype: str = "") -> dict:
     """Whether the rows' estimated times say anything (they differ by more than the model can tell),
-    and what they are relative to: the same run with every weight where it computes, the decode whole."""
+    and what they are relative to: the same run with every weight where it computes, the decode whole.
+    `dtype`: the compute dtype's name; a weight stored otherwise is upcast in every row, never in the baseline."""
     where = "every weight on the GPU" if not options.on_cpu else "nothing streamed"
-    if any(fmt is not None for _, fmt in options.storage):  # the upcasts are in every row, the baseline has none
+    if any(fmt != dtype for _, fmt in options.storage):
         where += " in the compute dtype (no per-layer upcasts)"
     times = [plan.est_slowdown for plan in plans]
     return {"shown": times_differ(plans), "resolution": TIME_RESOLUTION, "range": [min(times), max(times)],

@@ -154,8 +154,9 @@ def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
         raise AttentionError(f"attention dtype={dtype!r} must be the model's compute dtype: one of "
                              f"{', '.join(DTYPES)} or its torch dtype.")
     if kernel is AttentionKernel.AUTO:
-        return _auto(device, dtype)
-    problem = unavailable(kernel, device, dtype)
+        return _auto(device, dtype, masked_by)
+    problem = (_sdpa_switched_off(device, dtype, masked_by) if kernel is AttentionKernel.SDPA
+               else unavailable(kernel, device, dtype))
     if problem:
         raise AttentionError(f"attention={kernel.value!r} cannot run here: {problem}")
     why = CPU_FLASH if kernel is AttentionKernel.FLASH and device.type == "cpu" else WHY[kernel]
@@ -210,13 +211,16 @@ def unavailable(kernel: AttentionKernel, device: torch.device, dtype: torch.dtyp
     return _sdpa_backend_problem(kernel, device, dtype)
 
 
-def _sdpa_switched_off(device: torch.device, dtype: torch.dtype) -> str:
+def _sdpa_switched_off(device: torch.device, dtype: torch.dtype, masked_by: str = "") -> str:
     """Why plain SDPA has no kernel left under torch's `enable_*_sdp` flags ("" when it has one): with the math
     kernel and every fused kernel usable here switched off, it fails at the first attention call ("No viable
-    backend"), after the weights moved."""
+    backend"), after the weights moved. `masked_by`: the model passes a mask, which CUDA's FlashAttention does not
+    take (torch's CPU flash kernel does)."""
     if torch.backends.cuda.math_sdp_enabled():
         return ""
     fused = (AttentionKernel.FLASH,) if device.type == "cpu" else tuple(_FLAG) if device.type == "cuda" else ()
+    if masked_by and device.type == "cuda":
+        fused = tuple(kernel for kernel in fused if kernel not in MASKLESS)
     if any(_FLAG_ON[kernel]() and not unavailable(kernel, device, dtype) for kernel in fused):
         return ""
     return ("torch's SDPA has no kernel left: its math kernel is switched off "
@@ -276,8 +280,8 @@ MEASURED_AUTO = ("on an H100 at 32,760 tokens SDPA's own pick (cuDNN there) took
                  "forced 18.4 ms, memory-efficient forced 36.6 ms (bench/results/speed-attention-call-gpu-h100-2026-11-27.json)")
 
 
-def _auto(device: torch.device, dtype: torch.dtype) -> ResolvedAttention:
-    switched_off = _sdpa_switched_off(device, dtype)
+def _auto(device: torch.device, dtype: torch.dtype, masked_by: str = "") -> ResolvedAttention:
+    switched_off = _sdpa_switched_off(device, dtype, masked_by)
     if switched_off:
         raise AttentionError(f"attention='auto' found nothing to run: {switched_off}")
     if device.type != "cuda":

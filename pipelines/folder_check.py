@@ -7,8 +7,8 @@ whole folder. Here every component model_index.json lists is looked at first:
 - every weight file is decided by CONTENT (`memory.storage.sniff`): a pickle under any name, an
   empty or truncated file, a GGUF file named .safetensors are refused naming the file; files
   named like pickles (.bin, .pt, .pth, .ckpt, .pkl) are refused unread: vidmem never unpickles;
-- a shard index (`*.index.json`) may name only .safetensors files of its own folder: diffusers
-  reads the shards it lists by their names, and hands any other name to `torch.load`;
+- a shard index (`*.safetensors.index.json`) may name only .safetensors files of its own folder:
+  diffusers reads the shards it lists by their names, and hands any other name to `torch.load`;
 - these file checks run on every component folder, whatever library model_index.json names
   (a library spelled "diffusers.models", or a pipeline module such as LTX-2's "ltx2", which
   diffusers resolves itself), and on folders read outside the index (`check_weight_folder`);
@@ -36,7 +36,10 @@ from .weight_check import check_against_files, implied_weights, stored_elements
 LIBRARIES = ("diffusers", "transformers")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")  # .sft: sniffed too, but diffusers reads only .safetensors
-INDEX_SUFFIX = ".index.json"  # diffusers' and transformers' shard indexes: {"metadata": ..., "weight_map": {...}}
+# The shard indexes diffusers and transformers read with use_safetensors=True ({"metadata": ..., "weight_map": {...}}),
+# "model.safetensors.index.json", "diffusion_pytorch_model.fp16.safetensors.index.json"; a "*.bin.index.json" left
+# beside them is never read (a .bin shard present is refused by its name).
+INDEX_SUFFIX = ".safetensors.index.json"
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,20 @@ def test_sdpa_with_every_kernel_switched_off_is_refused_before_the_run(gpu, monk
             resolve_attention("sdpa", device, torch.bfloat16)
 
 
+def test_a_masked_model_on_a_gpu_with_only_flash_left_is_refused_too(gpu, monkeypatch):
+    """CUDA's FlashAttention takes no mask: with math off and flash the only kernel on, LTX-2's masked attention
+    would find nothing at its first call."""
+    gpu((9, 0))
+    monkeypatch.setattr(torch.backends.cuda, "math_sdp_enabled", lambda: False)
+    for flag in ("mem_efficient_sdp_enabled", "cudnn_sdp_enabled"):
+        monkeypatch.setattr(torch.backends.cuda, flag, lambda: False)
+    assert resolve_attention("auto", CUDA, torch.bfloat16).kernel is AttentionKernel.SDPA  # unmasked: flash runs
+    for choice in ("auto", "sdpa"):
+        with pytest.raises(AttentionError, match="no kernel left"):
+            resolve_attention(choice, CUDA, torch.bfloat16, masked_by="LTX-2")
+    assert resolve_attention("sdpa", CPU, torch.bfloat16, masked_by="LTX-2").kernel is AttentionKernel.SDPA
+
+
 def test_the_math_kernel_switched_off_in_torch_really_leaves_sdpa_nothing_on_the_cpu():
     """The fact the refusal above rests on, checked against this torch."""
     query = torch.randn(1, 2, 8, 16)

@@ -92,6 +92,15 @@ def test_a_shard_index_naming_a_pickle_is_refused_unread(tiny_folder, tmp_path, 
         load_pipeline(folder, "fp32")
 
 
+def test_a_stale_bin_index_nothing_reads_does_not_refuse_the_folder(tiny_folder, tmp_path):
+    """A download of *.json and *.safetensors from a repo that also ships .bin shards brings their index along;
+    with use_safetensors diffusers never reads it (a .bin file present is refused by its name)."""
+    folder = _copy(tiny_folder, tmp_path)
+    index = {"metadata": {}, "weight_map": {"a.weight": "diffusion_pytorch_model-00001-of-00002.bin"}}
+    (folder / "vae" / "diffusion_pytorch_model.bin.index.json").write_text(json.dumps(index))
+    load_pipeline(folder, "fp32")
+
+
 def test_a_shard_index_naming_a_missing_or_outside_file_is_refused(tiny_folder, tmp_path):
     folder = _copy(tiny_folder, tmp_path)
     _shard(folder, component="vae")

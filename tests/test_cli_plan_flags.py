@@ -132,6 +132,8 @@ def test_a_cpu_plan_needs_no_vram_budget_and_says_the_cpu_computes(capsys, monke
     assert main(cpu + ["--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
     assert planned["device"] == "cpu" and planned["vram_bytes"] is None and planned["ram_bytes"] == 32 << 30
+    assert main(["plan", "--model", "wan2.1-t2v-1.3b", "--device", "cpu"]) == 0  # no budget at all: this machine's RAM
+    assert "RAM (the CPU computes)" in capsys.readouterr().out
     assert main(["plan", "--model", "wan2.1-t2v-1.3b", "--ram", "32"]) == 2  # a GPU plan still needs a budget
     assert "give the budget to plan for, e.g. --vram 12" in capsys.readouterr().err
 

@@ -559,6 +559,8 @@ class Restarted(Handler):
     """A ComfyUI restarted after taking the prompt (killed for memory, say): its history and queue are empty."""
 
     def do_GET(self):
+        if self.path == "/queue" or self.path.startswith("/history"):
+            self.server.paths.append(self.path)
         if self.path == "/queue":
             return self.reply(200, {"queue_running": [], "queue_pending": []})
         if self.path.startswith("/history"):
@@ -566,7 +568,10 @@ class Restarted(Handler):
         return super().do_GET()
 
 
-def test_a_server_that_lost_the_prompt_is_said_so_at_once_not_after_the_timeout(tmp_path, capsys):
+def test_a_server_that_lost_the_prompt_is_said_so_at_once_not_after_the_timeout(tmp_path, capsys, monkeypatch):
+    from vidmem.cli import queue as queue_module
+
+    monkeypatch.setattr(queue_module, "QUEUE_EVERY", 2)
     server = Stub("success", websocket=False)
     server.RequestHandlerClass = Restarted
     started = time.monotonic()
@@ -575,6 +580,9 @@ def test_a_server_that_lost_the_prompt_is_said_so_at_once_not_after_the_timeout(
     err = capsys.readouterr().err
     assert "the server no longer has prompt prompt-1: neither its queue nor its history lists it" in err, err
     assert time.monotonic() - started < 20
+    asked = [path for path in server.paths if path == "/queue"]
+    polls = [path for path in server.paths if path.startswith("/history")]
+    assert len(asked) == 2 and len(polls) == 4  # /queue every QUEUE_EVERY unfinished polls, not every one
 
 
 class RunningAWhile(Handler):
@@ -589,7 +597,10 @@ class RunningAWhile(Handler):
         return super().do_GET()
 
 
-def test_a_prompt_the_queue_lists_is_waited_for(tmp_path, capsys):
+def test_a_prompt_the_queue_lists_is_waited_for(tmp_path, capsys, monkeypatch):
+    from vidmem.cli import queue as queue_module
+
+    monkeypatch.setattr(queue_module, "QUEUE_EVERY", 1)
     server = Stub("success", websocket=False)
     server.RequestHandlerClass = RunningAWhile
     with serving(server):

@@ -229,6 +229,25 @@ def test_a_refused_pin_is_asked_once_and_named_in_the_warning(caplog):
     offload.close()
 
 
+def test_a_buffer_filled_again_before_the_step_settles_waits_for_its_copy_back(monkeypatch):
+    """A buffer goes back to the pool once its copy to the device is queued on the side stream; a fill of it on the
+    copies' own stream before the host settles must wait for that read (the trainer settles between steps, so
+    only a second forward in one step, or another user of the pool, would meet it)."""
+    from vidmem.memory.activation_offload import SideStreamCopies
+
+    with monkeypatch.context() as patch:
+        fake = FakeCuda().install(patch)
+        copies = SideStreamCopies(torch.device("cpu"), torch.cuda.Stream())
+        host = torch.empty(64, dtype=torch.uint8, pin_memory=True)
+        filled = copies.to_host(torch.ones(16), host.view(torch.float32))
+        _, read = copies.to_device(host.view(torch.float32), filled)
+        copies.to_host(torch.full((16,), 2.0), host.view(torch.float32))
+        fill = max(i for i, entry in enumerate(fake.log) if entry[0] == "stage")
+        assert ("wait_event", copies.down.name, read.id) in fake.log[:fill]
+        copies.settle()
+        assert {("event_sync", read.id)} <= set(fake.log)
+
+
 def _side_copies(fake: FakeCuda) -> list:
     return [t for t in fake.transfers if t.stream == "side"]
 

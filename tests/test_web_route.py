@@ -355,7 +355,8 @@ def test_the_time_baseline_says_it_has_no_upcasts_where_the_weights_are_stored_n
     from vidmem.nodes.plan_route import _time
 
     rows = [SimpleNamespace(est_slowdown=3.7, stages=()), SimpleNamespace(est_slowdown=3.8, stages=())]
-    stored = _time(rows, PlanOptions(device="cpu", storage=(("transformer", "fp8_scaled"),)))["relative_to"]
+    stored = _time(rows, PlanOptions(device="cpu", storage=(("transformer", "fp8_scaled"),)), "bf16")["relative_to"]
     assert stored == ("the same run with nothing streamed in the compute dtype (no per-layer upcasts) and the decode "
                       "in one piece")
-    assert "upcasts" not in _time(rows, PlanOptions(device="cpu"))["relative_to"]
+    assert "upcasts" not in _time(rows, PlanOptions(device="cpu"), "bf16")["relative_to"]
+    assert "upcasts" not in _time(rows, PlanOptions(device="cpu", storage=(("transformer", "bf16"),)), "bf16")["relative_to"]
