@@ -221,10 +221,32 @@ def folder_removed(model: str, text_encoder_files: tuple[tuple[str, str, int, in
 
 
 def _folder_and_stamp(model: str) -> tuple[str, int]:
-    """The folder of `model` and its model_index.json's mtime (a changed folder is read again)."""
+    """The folder of `model` and its stamp (`folder_stamp`): a changed folder is read again."""
     folder = host.resolve_model_folder(model, "")
-    index = folder / "model_index.json"
-    return str(folder), index.stat().st_mtime_ns if index.is_file() else 0
+    return str(folder), folder_stamp(folder)
+
+
+def listed_folder_stamp(model: str) -> int:
+    """The stamp of the folder `model` names in models/diffusers; 0 where it is not there (planning it names that)."""
+    try:
+        return folder_stamp(host.resolve_model_folder(model, ""))
+    except OSError:  # FileNotFoundError naming the folders searched: the plan's own error says it again
+        return 0
+
+
+def folder_stamp(folder: Path) -> int:
+    """A number that changes when anything the plan reads in a diffusers folder does: model_index.json, and in each
+    component folder its config.json and weight files (a config edited, weights swapped for fp8 ones under the same
+    names). Names, sizes and mtimes only (stat calls, no reads): cheap enough for every plan request."""
+    entries = []
+    for path in (folder / "model_index.json", *sorted(folder.glob("*/config.json")),
+                 *sorted(folder.glob("*/*.safetensors")), *sorted(folder.glob("*/*.index.json"))):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        entries.append((str(path.relative_to(folder)), stat.st_size, stat.st_mtime_ns))
+    return hash(tuple(entries))
 
 
 @lru_cache(maxsize=16)

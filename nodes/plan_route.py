@@ -39,7 +39,7 @@ from ..memory.plan.stages import VideoShape
 from .plan_route_parallel import PARALLEL_DEVICE, gpu_rows, gpu_summary, gpu_time, plan_gpus, planned_layout
 from .plan_loras import LORA_WIDGETS, TRAINED, LoraRequest, lora_prefix, lora_request, planned_with_loras
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
-                         folder_options, folder_removed, recognise, text_encoder_files_request, transformer_file_request,
+                         folder_options, folder_removed, listed_folder_stamp, recognise, text_encoder_files_request, transformer_file_request,
                          vae_dtype_request, weight_dtype_request)
 from ..pipelines.comfy_files.text_encoder_file import ROLES as TEXT_ROLES
 from ..pipelines.compile import CompileSettings
@@ -89,6 +89,7 @@ class PlanRequest:
     context_parallel: str = "off"  # the Strategy's context_parallel choice
     loras: tuple[LoraRequest, ...] = ()  # the Load LoRA nodes from the loader to the Sampler, in order
     trained_loras: int = 0  # the Train LoRA nodes on that path (their LoRAs are not written yet)
+    folder_stamp: int = 0  # a folder's files as they are now (plan_files.folder_stamp): a changed folder is planned again
 
     @property
     def auto(self) -> bool:
@@ -114,6 +115,7 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     if files is None and model not in model_names:
         raise PlanRequestError("model", f"model={model!r} is not in the pack's model list; choose one the "
                                         "Load Video Pipeline node offers.")
+    stamp = listed_folder_stamp(model) if files is None else 0
     dtype = query.get("dtype", "bf16")
     if dtype not in dtypes:
         raise PlanRequestError("dtype", f"dtype={dtype!r} must be one of {', '.join(dtypes)}.")
@@ -122,8 +124,10 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
     width, height, frames = (_number(query, name, "INT", *SHAPE[name]) for name in SHAPE)
     cfg = _number(query, "cfg", "FLOAT", 0.0, 30.0) if "cfg" in query else 6.0
     sampler = VidMemVideoSampler.INPUT_TYPES()["optional"]  # the Sampler's own ranges
+    # Wan 2.2 A14B's low-noise expert's guidance: the run holds the negative prompt's pass when either is above 1
+    cfg_2 = _widget(query, "cfg_2", sampler["cfg_2"])  # -1: as cfg
     window, window_overlap = (_widget(query, name, sampler[name]) for name in WINDOWS)
-    shape = VideoShape(width, height, frames, cfg=cfg > 1.0, window=window, window_overlap=window_overlap)
+    shape = VideoShape(width, height, frames, cfg=cfg > 1.0 or cfg_2 > 1.0, window=window, window_overlap=window_overlap)
     steps = _number(query, "steps", "INT", *STEPS) if "steps" in query else 50
     trained = _number(query, TRAINED, "INT", 0, None) if TRAINED in query else 0
     return PlanRequest(model, dtype, shape, tuple((n, values[n]) for n in WIDGETS), *(values[n] for n in BUDGETS),
@@ -131,7 +135,8 @@ def parse_request(query: Mapping[str, str], model_names: list[str], dtypes: list
                        weight_dtype=weight_dtype, vae_dtype=vae_dtype,
                        steps=steps, cache=_node_widgets(query, CACHE_PREFIX, VidMemStepCache, "Step Cache"),
                        speed=_node_widgets(query, SPEED_PREFIX, VidMemSpeed, "Speed"), activation_chunks=values[CHUNKS],
-                       loras=_loras(query), trained_loras=trained, **{name: values[name] for name in PARALLEL_WIDGETS})
+                       loras=_loras(query), trained_loras=trained, folder_stamp=stamp,
+                       **{name: values[name] for name in PARALLEL_WIDGETS})
 
 
 def _loras(query: Mapping[str, str]) -> tuple[LoraRequest, ...]:
@@ -208,7 +213,8 @@ def _number(query: Mapping[str, str], name: str, kind: str, low, high):
     if kind == "FLOAT" and not math.isfinite(value):
         raise PlanRequestError(name, f"{name}={text} must be a finite number.")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise PlanRequestError(name, f"{name}={value} must be from {low} to {high}.")
+        bounds = f"at least {low}" if high is None else f"at most {high}" if low is None else f"from {low} to {high}"
+        raise PlanRequestError(name, f"{name}={value} must be {bounds}.")
     return value
 
 
@@ -517,7 +523,7 @@ def _time(plans, options: PlanOptions, dtype: str = "") -> dict:
     and what they are relative to: the same run with every weight where it computes, the decode whole.
     `dtype`: the compute dtype's name; a weight stored otherwise is upcast in every row, never in the baseline."""
     where = "every weight on the GPU" if not options.on_cpu else "nothing streamed"
-    if any(fmt != dtype for _, fmt in options.storage):
+    if any(fmt != dtype for name, fmt in options.storage if name != "vae"):  # a wider VAE computes as stored
         where += " in the compute dtype (no per-layer upcasts)"
     times = [plan.est_slowdown for plan in plans]
     return {"shown": times_differ(plans), "resolution": TIME_RESOLUTION, "range": [min(times), max(times)],
@@ -554,15 +560,19 @@ class PlanService:
         self._latest[client] = request
         if self._lock is None:
             self._lock = asyncio.Lock()
-        async with self._lock:  # one plan at a time; later requests wait here
-            if self._latest.get(client) != request:
-                return {"status": "superseded"}
-            cached = self._cached(request)
-            if cached is None:
-                answer = await asyncio.get_running_loop().run_in_executor(self._worker, self._answer, request)
-                self.computed += 1
-                cached = self._store(request, answer)
-            return cached
+        try:
+            async with self._lock:  # one plan at a time; later requests wait here
+                if self._latest.get(client) != request:
+                    return {"status": "superseded"}
+                cached = self._cached(request)
+                if cached is None:
+                    answer = await asyncio.get_running_loop().run_in_executor(self._worker, self._answer, request)
+                    self.computed += 1
+                    cached = self._store(request, answer)
+                return cached
+        finally:  # answered (or superseded, or failed): nothing kept per client, however many pages asked
+            if self._latest.get(client) is request:
+                del self._latest[client]
 
     def _cached(self, request: PlanRequest) -> dict | None:
         answer = self._cache.get(request)

@@ -73,3 +73,26 @@ def test_a_size_the_model_cannot_run_for_another_reason_still_names_the_inputs(t
     model._traces.clear()
     with pytest.raises(ModelError, match=r"^width=832, height=480, frames=9: .* cannot run .* change width, height or frames"):
         plan_run(model, VideoShape(832, 480, 9), MemoryStrategy())
+
+
+def test_a_folder_changed_on_disk_is_planned_again(folder, tmp_path, monkeypatch):
+    """The answer cache is keyed by the request: a folder's request carries its files' stamp, so a config edited
+    (or weights swapped under the same names) is not served the old plan."""
+    import json
+    import shutil
+
+    from vidmem.nodes.plan_route import PlanService
+
+    copy = tmp_path / "folder"
+    shutil.copytree(folder, copy)
+    monkeypatch.setattr(host, "resolve_model_folder", lambda name, given: copy)
+    query = {"model": NAME, "dtype": "fp32", "width": "32", "height": "32", "frames": "9"}
+    before = parse_request(query, [NAME], list(DTYPES))
+    assert parse_request(query, [NAME], list(DTYPES)) == before  # unchanged: the same request, served from the cache
+    config = copy / "transformer" / "config.json"
+    values = json.loads(config.read_text())
+    values["num_layers"] += 1
+    config.write_text(json.dumps(values))
+    after = parse_request(query, [NAME], list(DTYPES))
+    assert after != before and after.folder_stamp != before.folder_stamp
+    assert PlanService(lambda request: {"status": "ok"})._cached(after) is None

@@ -245,6 +245,32 @@ def test_service_caches_and_drops_superseded_requests():
     assert a["frames"] == 9 and b == {"status": "superseded"} and c["frames"] == 17
     assert calls == [9, 17] and service.computed == 2
     assert again["cached"] is True and again["frames"] == 17 and calls == [9, 17]
+    assert service._latest == {}  # nothing kept per client once answered: every page load asks as a new one
+
+
+def test_a_page_flood_of_clients_keeps_nothing_per_client():
+    service = PlanService(lambda request: {"status": "ok", "frames": request.shape.frames})
+    requests = [parse_request(query(frames=str(9 + 4 * (i % 3))), [TINY], ["fp32"]) for i in range(50)]
+
+    async def flood():
+        return await asyncio.gather(*(service.plan(r, f"page-{i}:7") for i, r in enumerate(requests)))
+
+    answers = asyncio.run(flood())
+    assert all(a["status"] == "ok" for a in answers) and service._latest == {}
+
+
+def test_wan22s_second_guidance_scale_keeps_the_negative_pass_as_the_sampler_does():
+    """cfg 1 and cfg_2 3.5: the low-noise expert still runs the negative prompt's pass (nodes/sampler.py guided)."""
+    assert parse_request(query(cfg="1.0", cfg_2="3.5"), [TINY], ["fp32"]).shape.cfg is True
+    assert parse_request(query(cfg="1.0"), [TINY], ["fp32"]).shape.cfg is False
+    assert parse_request(query(cfg="1.0", cfg_2="-1"), [TINY], ["fp32"]).shape.cfg is False
+    with pytest.raises(PlanRequestError, match="cfg_2=31.0 must be from -1.0 to 30.0"):
+        parse_request(query(cfg_2="31"), [TINY], ["fp32"])
+
+
+def test_a_number_with_one_bound_says_that_bound():
+    with pytest.raises(PlanRequestError, match=r"trained_loras=-1 must be at least 0\.$"):
+        parse_request(query(trained_loras="-1"), [TINY], ["fp32"])
 
 
 def test_plan_route_answers_without_blocking_the_loop(comfy_server, monkeypatch, tiny_folder):

@@ -592,3 +592,41 @@ test("a Reroute left unconnected on the pipeline is named; the Sampler is found 
   assert.deepEqual(outputsThroughReroutes([first], (n) => n.out), [other, sampler]);
   assert.deepEqual(outputsThroughReroutes([sampler], (n) => n.out), [sampler]);
 });
+
+
+test("a muted or bypassed Step Cache or Speed node is not planned: the run gets neither", async () => {
+  const { extraFields, MODE_MUTED, MODE_BYPASSED } = await import("../../web/js/vidmem_format.js");
+  const value = () => "mag_cache";
+  assert.ok(Object.keys(extraFields("cache", { comfyClass: "VidMemStepCache" }, value)).length > 0);
+  for (const mode of [MODE_MUTED, MODE_BYPASSED]) {
+    assert.deepEqual(extraFields("cache", { comfyClass: "VidMemStepCache", mode }, value), {});
+    assert.deepEqual(extraFields("speed", { comfyClass: "VidMemSpeed", mode }, value), {});
+  }
+});
+
+test("Load Video Pipeline's path is named as what the plan cannot follow", async () => {
+  const { loaderGap } = await import("../../web/js/vidmem_format.js");
+  const folder = { comfyClass: "VidMemLoadPipeline", title: "Load Video Pipeline (VidMem)" };
+  assert.equal(loaderGap(folder, (name) => ({ path: "" })[name]), null);
+  assert.equal(loaderGap(folder, (name) => ({ path: "  " })[name]), null);
+  assert.match(loaderGap(folder, (name) => ({ path: "/data/Wan2.1" })[name]),
+    /loads its path, which the plan does not read .* with path empty/);
+  assert.equal(loaderGap({ comfyClass: "VidMemLoadModelFiles" }, () => "x"), null);
+});
+
+test("widgets fed by a link are named; a Primitive node's copied value is read as it is", async () => {
+  const { linkedWidgets } = await import("../../web/js/vidmem_format.js");
+  const sampler = { inputs: [{ name: "pipeline", link: 1 }, { name: "frames", link: 7, widget: { name: "frames" } },
+    { name: "steps", link: 8, widget: { name: "steps" } }, { name: "cfg", link: null, widget: { name: "cfg" } }] };
+  const sources = { 0: { type: "VidMemLoadPipeline" }, 1: { type: "PrimitiveInt" }, 2: { type: "PrimitiveNode" } };
+  assert.deepEqual(linkedWidgets(sampler, ["frames", "steps", "cfg"], (slot) => sources[slot]), ["frames"]);
+  assert.deepEqual(linkedWidgets(sampler, ["cfg"], (slot) => sources[slot]), []);
+});
+
+test("the Sampler's cfg_2 is sent: Wan 2.2 A14B's low-noise expert keeps the negative pass", async () => {
+  const { SAMPLER_SHAPE, planQuery } = await import("../../web/js/vidmem_format.js");
+  assert.ok(SAMPLER_SHAPE.includes("cfg_2"));
+  const query = new URLSearchParams(planQuery({ model: "m", dtype: "bf16", widgets: {},
+    shape: { width: 32, height: 32, frames: 9, cfg: 1, cfg_2: 3.5 } }));
+  assert.equal(query.get("cfg_2"), "3.5");
+});

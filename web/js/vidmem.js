@@ -9,7 +9,7 @@ import { api } from "../../../scripts/api.js";
 import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
   STRATEGY_PARALLEL, STRATEGY_WIDGETS, compactLines, extraFields, ignoredStrategyWidgets, isParallel, legacyStrategyValues,
-  loaderFields, loraFields, loraLines, meterText, onCpu, parallelLines, pipelineSource, pipelineStart, planBars, planLines, planQuery,
+  linkedWidgets, loaderFields, loaderGap, loraFields, loraLines, meterText, onCpu, parallelLines, pipelineSource, pipelineStart, planBars, planLines, planQuery,
   outputsThroughReroutes, planReasons, planVerdict, speedLines, stageHeaders, summarize, throughReroutes, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
@@ -236,6 +236,7 @@ function addPlanWidget(node) {
 }
 
 const widgetValue = (node, name) => node?.widgets?.find((w) => w.name === name)?.value;
+const PLAN_RETRY_MS = 10000; // after a failed plan request, the next refresh after this asks again
 
 // The node on `inputName`, read through Reroute nodes.
 function linkedNode(node, inputName) {
@@ -254,9 +255,18 @@ function planRequestFor(node) {
   const start = pipelineStart(node, sampler, upstream);
   const { loader, gap } = pipelineSource(start, upstream);
   if (!loader) return { gap };
+  const pathGap = loaderGap(loader, (name) => widgetValue(loader, name));
+  if (pathGap) return { gap: pathGap };
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
-  const widgets = Object.fromEntries([...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS, ...STRATEGY_PARALLEL]
-    .map((name) => [name, widgetValue(node, name)]));
+  const strategyNames = [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS, ...STRATEGY_PARALLEL];
+  for (const [reader, names] of [[sampler, SAMPLER_SHAPE], [node, strategyNames], [loader, (loader.widgets ?? []).map((w) => w.name)]]) {
+    const linked = linkedWidgets(reader, names, (slot) => reader.getInputNode?.(slot));
+    if (linked.length) {
+      return { gap: `${reader.title || reader.type}'s ${linked.join(", ")} ${linked.length === 1 ? "comes" : "come"} from a `
+        + "link, which the plan cannot read before the run: set the value on the node to plan it" };
+    }
+  }
+  const widgets = Object.fromEntries(strategyNames.map((name) => [name, widgetValue(node, name)]));
   // A Sampler without window widgets (an older one) sends none: undefined values are left out of the query.
   const shape = Object.fromEntries(SAMPLER_SHAPE.map((name) => [name, widgetValue(sampler, name)]));
   const extra = Object.assign(loraFields(start, upstream, widgetValue), ...Object.keys(SAMPLER_EXTRAS).map((input) => {
@@ -284,7 +294,11 @@ async function refreshPlan(node) {
     if (plan.status === "superseded" || state.query !== query) return;
     renderPlan(node, plan);
   } catch (error) {
-    if (error.name !== "AbortError" && state.query === query) renderPlan(node, null, `plan unavailable: ${error.message}`);
+    if (error.name !== "AbortError" && state.query === query) {
+      renderPlan(node, null, `plan unavailable: ${error.message}`);
+      // asked again at a later refresh: a server busy or restarting now must not leave the chart without a plan
+      setTimeout(() => { if (state.key === key) state.key = undefined; }, PLAN_RETRY_MS);
+    }
   }
 }
 

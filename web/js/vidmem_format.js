@@ -264,7 +264,8 @@ export const FILES_LOADER_WIDGETS = ["model", "model_2", "text_encoder", "vae", 
 export const LOADER_PREFIX = "loader_";
 // The Sampler's widgets the plan reads: its shape, and its context window (window, window_overlap in
 // video frames; 0: off), sent only where the Sampler has them (nodes/plan_route.py checks them as it does).
-export const SAMPLER_SHAPE = Object.freeze(["width", "height", "frames", "cfg", "steps", "window", "window_overlap"]);
+// cfg_2: Wan 2.2 A14B's low-noise expert's guidance, which keeps the negative prompt's pass as cfg does.
+export const SAMPLER_SHAPE = Object.freeze(["width", "height", "frames", "cfg", "cfg_2", "steps", "window", "window_overlap"]);
 // Nodes on the Sampler's cache and speed inputs: the plan says what they will do (nodes/plan_route.py).
 export const SAMPLER_EXTRAS = Object.freeze({
   cache: { node: "VidMemStepCache", prefix: "cache_", widgets: ["method", "threshold", "retention", "max_skip_steps", "mag_ratios",
@@ -388,8 +389,29 @@ export function loraFields(start, upstream, value) {
  * its widgets: prefixed, so the route keeps them apart from the Strategy's; {} for any other node. */
 export function extraFields(input, node, value) {
   const extra = SAMPLER_EXTRAS[input];
-  if (!extra || typeOf(node) !== extra.node) return {};
+  // muted or bypassed: the frontend leaves the Sampler's optional input out of the prompt, so the run has neither
+  if (!extra || typeOf(node) !== extra.node || node.mode === MODE_MUTED || node.mode === MODE_BYPASSED) return {};
   return Object.fromEntries(extra.widgets.map((name) => [`${extra.prefix}${name}`, value(name)]));
+}
+
+/** Why the plan cannot follow the loader (its line on the chart), or null: Load Video Pipeline's `path` loads a
+ * folder the plan route never reads (it plans only the models the pack lists, never a path). */
+export function loaderGap(loader, value) {
+  const path = typeOf(loader) === "VidMemLoadPipeline" ? value("path") : "";
+  return typeof path === "string" && path.trim()
+    ? `${nodeName(loader)} loads its path, which the plan does not read (it plans the model list's folders only): `
+      + "put the folder under models/diffusers and choose it in model, with path empty"
+    : null;
+}
+
+/** The widgets of `node` named in `names` that another node feeds (converted to inputs and linked): the plan reads
+ * widget values only, so a value that arrives from a link at run time is unknown to it. */
+export function linkedWidgets(node, names, sourceOf = () => null) {
+  // The frontend's Primitive node copies its value onto the widget: that one the plan reads as it is.
+  return (node?.inputs ?? []).map((input, slot) => ({ input, slot }))
+    .filter(({ input, slot }) => input.link != null && input.widget && names.includes(input.widget.name)
+      && typeOf(sourceOf(slot)) !== "PrimitiveNode")
+    .map(({ input }) => input.widget.name);
 }
 
 /** The plan query's loader fields from a loader node and `value(name)` of its widgets. */
