@@ -84,6 +84,12 @@ def window_problem(family: str, denoiser_config, windows: ContextWindows, frames
     problem = frames_error(windows.window)
     if problem:
         return problem.replace('frames=', 'window=', 1)
+    # CogVideoX-5b I2V learned its position table at one clip length: diffusers computes another table for any other
+    # (untrained positions, silently), and every window pass would run on it.
+    learned = denoiser_config.get("sample_frames") if denoiser_config.get("use_learned_positional_embeddings") else None
+    if learned and windows.window < frames and windows.window != learned:
+        return (f"window={windows.window}: this model learned its positions for {learned}-frame clips; a window of "
+                f"another length runs on positions it was not trained on. Use window={learned}.")
     if windows.overlap >= windows.window:
         return (f"window_overlap={windows.overlap} must be smaller than window={windows.window}; "
                 f"use e.g. {_rounded(windows.window // 5, temporal_factor)} (a fifth of the window).")

@@ -117,7 +117,10 @@ def check_image(image: object, name: str = "image") -> None:
     if not isinstance(image, torch.Tensor):
         raise ModelError(f"{name} is a {type(image).__name__}, not an IMAGE; connect a Load Image node's IMAGE.")
     if image.ndim != 4 or image.shape[-1] not in (3, 4) or image.numel() == 0:
-        raise ModelError(f"{name} has shape {tuple(image.shape)}; expected a ComfyUI IMAGE [batch, height, width, 3].")
+        fix = ("a mask or one-channel picture: convert it with core Convert Mask to Image first" if image.ndim == 3
+               or (image.ndim == 4 and image.shape[-1] in (1, 2)) else "connect a Load Image node's IMAGE")
+        raise ModelError(f"{name} has shape {tuple(image.shape)}; expected a ComfyUI IMAGE [batch, height, width, 3]: "
+                         f"{fix}.")
     if not image.is_floating_point():
         raise ModelError(f"{name} has dtype {image.dtype}; expected float pixels in 0..1 as ComfyUI's IMAGE.")
     if not torch.isfinite(image[:1]).all():  # only the first frame is used

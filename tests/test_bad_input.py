@@ -325,6 +325,8 @@ def _image(fill=0.5, shape=(1, 32, 32, 3), dtype=None):
         (_image(float("inf")), "image contains NaN or infinite pixels"),
         (_image(shape=(32, 32, 3)), r"image has shape \(32, 32, 3\)"),
         (_image(shape=(1, 32, 32, 5)), "expected a ComfyUI IMAGE"),
+        (_image(shape=(1, 32, 32, 1)), r"expected a ComfyUI IMAGE \[batch, height, width, 3\]: a mask or one-channel "
+                                       "picture: convert it with core Convert Mask to Image first"),
         (_image(shape=(0, 32, 32, 3)), "expected a ComfyUI IMAGE"),
         (_image(dtype=__import__("torch").uint8), "image has dtype torch.uint8"),
         ("a picture", "image is a str, not an IMAGE"),

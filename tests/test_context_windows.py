@@ -339,3 +339,44 @@ def test_the_samplers_window_widget_can_hold_off_and_every_grid_window():
     for name, values in {"window": (0, 17, 49, 81, 121), "window_overlap": (0, 8, 16, 24)}.items():
         options = inputs[name][1]
         assert all((value - options["min"]) % options["step"] == 0 for value in values), (name, options)
+
+
+def test_each_window_gets_its_own_frames_per_token_timesteps():
+    """Wan 2.2 TI2V's per-token timesteps, frame-major: window k must see its own frames' (the image's frame has
+    timestep 0, the others not), not the clip's first frames'. Checked against timesteps that name their frame."""
+    frames, tokens = 5, 3
+    timestep = torch.arange(frames).repeat_interleave(tokens).unsqueeze(0).float()  # frame index, per token
+    call = {"hidden_states": torch.zeros(1, 2, frames, 2, 2), "timestep": timestep}
+    for start, stop in ((0, 3), (2, 5), (1, 4)):
+        cut = window_call(call, 2, start, stop, frames)["timestep"].unflatten(1, (stop - start, tokens))
+        assert torch.equal(cut[0, :, 0], torch.arange(start, stop).float()), (start, stop)
+
+
+def test_cogvideox_windows_get_the_rotary_positions_of_a_clip_of_their_length(tiny_loaded):
+    """Each window runs as a clip of its own: its rotary table is the one diffusers makes for that many latent
+    frames (the first rows of the clip's frame-major table), computed here by diffusers itself."""
+    loaded = tiny_loaded("cogvideox-i2v")
+    calls = []
+    transformer = loaded.pipe.transformer
+    handle = transformer.register_forward_pre_hook(lambda m, a, k: calls.append(k), with_kwargs=True)
+    try:
+        run(loaded, request_for("cogvideox-i2v", window=0, overlap=0, steps=1))
+    finally:
+        handle.remove()
+    kwargs = calls[0]
+    frames = kwargs["hidden_states"].shape[1]
+    spec = tiny_spec("cogvideox-i2v")
+    for start, stop in ((0, 2), (frames - 2, frames)):
+        expected = loaded.pipe._prepare_rotary_positional_embeddings(spec.height, spec.width, stop - start,
+                                                                     kwargs["hidden_states"].device)
+        cut = window_call(kwargs, 1, start, stop, frames)["image_rotary_emb"]
+        assert all(torch.equal(a, b) for a, b in zip(cut, expected)), (start, stop)
+
+
+def test_a_model_with_learned_positions_takes_windows_of_its_own_length_only(tiny_loaded):
+    """CogVideoX-5b I2V (learned positional embeddings, sample_frames 49; the tiny one 9): diffusers builds an untrained
+    sin-cos table for any other clip length, so a window of another length is refused; its own length runs."""
+    loaded = tiny_loaded("cogvideox-i2v")
+    with pytest.raises(ModelError, match=r"window=17: this model learned its positions for 9-frame clips.*window=9"):
+        run(loaded, request_for("cogvideox-i2v", frames=25, window=17, overlap=8))
+    assert run(loaded, request_for("cogvideox-i2v", frames=25, window=9, overlap=4)).receipt["windows"]
