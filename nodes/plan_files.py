@@ -124,7 +124,7 @@ def recognise(request: FilesRequest, dtype: str) -> RecognisedFiles:
             held = held_format(file.storage, request.weight_dtype)
         else:
             held = vae if component == "vae" else dtype
-        restored |= restores_weights(entry, role, file, request.weight_dtype)  # per tensor, as the load decides
+        restored |= restores_weights(entry, role, file, request.weight_dtype, dtype)  # per tensor, as the load decides
         if held in FORMATS and component in model.layout.all:
             storage[component] = held
     # Matrices weight_dtype re-stored at load live in RAM: the disk tier holds only while they stay mapped.

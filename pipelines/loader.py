@@ -324,7 +324,7 @@ def _held_file_need(module: torch.nn.Module, tensors, dtype: str, weight_dtype: 
     from .weight_storage import lowered_names
 
     nbytes = ram_beyond_mappings(module, tensors, torch_dtype(dtype), weight_dtype)
-    if weight_dtype != DEFAULT_WEIGHTS and lowered_names(module, tensors, weight_dtype):
+    if weight_dtype != DEFAULT_WEIGHTS and lowered_names(module, tensors, weight_dtype, torch_dtype(dtype)):
         return f"{what} lowered to {weight_dtype}", nbytes, LOWERED_FILE_FIX.format(what=kind)
     return f"{what} cast to {dtype}", nbytes, CAST_FILE_FIX.format(dtype_input="dtype", what=kind)
 

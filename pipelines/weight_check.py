@@ -140,7 +140,7 @@ def ram_beyond_mappings(module: torch.nn.Module, tensors: Mapping[str, Any], dty
     from .comfy_files.build import keep_fp32
     from .weight_storage import DEFAULT_WEIGHTS, lowered_names, lowered_ram_bytes
 
-    lowered = set(lowered_names(module, tensors, weight_dtype)) if weight_dtype != DEFAULT_WEIGHTS else set()
+    lowered = set(lowered_names(module, tensors, weight_dtype, dtype)) if weight_dtype != DEFAULT_WEIGHTS else set()
     rest = {name: tensor for name, tensor in tensors.items() if name not in lowered}
     copied = bytes_copied(module, rest, dtype, keep_fp32(module, dtype))
     if not lowered:

@@ -41,7 +41,7 @@ def held_format(stored: str, weight_dtype: str) -> str:
     return weight_dtype if narrower else stored
 
 
-def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: str) -> dict[str, Any]:
+def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: str, dtype: torch.dtype) -> dict[str, Any]:
     """The tensors the format `target` lowers in `module` (`lowered_weights`: the format's declaration, of
     the weights the model can hold stored, as the planner counts them) quantized to it when stored wider;
     every other tensor as given (same objects), so a tied or custom token table (Gemma's) is never rounded
@@ -53,17 +53,20 @@ def lower_storage(module: torch.nn.Module, tensors: Mapping[str, Any], target: s
     whole tensor for the moment it is quantized."""
     fmt = storage_format(target)
     lowered = dict(tensors)
-    for name in lowered_names(module, tensors, target):
+    for name in lowered_names(module, tensors, target, dtype):
         lowered[name] = quantize(tensors[name], fmt)
     return lowered
 
 
-def lowered_names(module: torch.nn.Module, tensors: Mapping[str, Any], target: str) -> list[str]:
+def lowered_names(module: torch.nn.Module, tensors: Mapping[str, Any], target: str, dtype: torch.dtype) -> list[str]:
     """The names in `tensors` that `lower_storage` quantizes to `target`: the format's weights of `module`
-    (`lowered_weights`) stored wider than it. `module` may be built on meta: only its structure is read, so
-    a RAM check can count them from a file's header before anything is built."""
+    (`lowered_weights`) stored wider than it, less those the model keeps in float32 computing in `dtype` (a bf16
+    folder's fp32 time embedder stays as its files hold it). `module` may be built on meta: only its structure is
+    read, so a RAM check can count them from a file's header before anything is built."""
+    from .comfy_files.build import kept_in_fp32  # imports the loader, which imports this module lazily
+
     fmt = storage_format(target)
-    names = lowered_weights(module, fmt)
+    names = lowered_weights(module, fmt, kept_in_fp32(module, dtype))
     wider = (name for name, tensor in tensors.items() if _bytes_per_weight(tensor) > fmt.bytes_per_weight)
     return [name for name in wider if name in names]
 
@@ -97,7 +100,7 @@ def hold(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype
     from .comfy_files.detect import storage_name
 
     if weight_dtype != DEFAULT_WEIGHTS:
-        tensors = lower_storage(module, tensors, weight_dtype)
+        tensors = lower_storage(module, tensors, weight_dtype, dtype)
     if copy_to_ram:
         tensors = in_ram(tensors)
     return fill(module, tensors, dtype, source), storage_name(tensors)

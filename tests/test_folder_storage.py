@@ -85,6 +85,29 @@ def test_a_folder_already_in_the_chosen_format_is_used_in_place(tiny_folder):
     assert difference <= 1e-5  # the same weights; only the mapping's alignment may move the last bits (FACTS)
 
 
+def test_a_bf16_folder_with_fp32_kept_layers_is_used_in_place_at_its_own_format(tiny_folder, tmp_path):
+    """diffusers saves a bf16 Wan with its `_keep_in_fp32_modules` (the time embedder, norms) in fp32. weight_dtype
+    bf16 on that folder is its own format: nothing is lowered (the fp32 layers are not rounded to bf16, which the
+    default never does), so the disk tier holds, as the plan says."""
+    import diffusers
+
+    folder = tmp_path / "wan-bf16"
+    diffusers.WanPipeline.from_pretrained(tiny_folder("wan2.1-t2v"), torch_dtype=torch.bfloat16).save_pretrained(folder)
+    kept = "condition_embedder.time_embedder.linear_1.weight"
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"), "pt") as handle:
+        assert handle.get_slice(kept).get_dtype() == "F32"  # the premise: the file keeps it wide
+    loaded = load_pipeline(folder, "bf16", weight_dtype="bf16")
+    default = load_pipeline(folder, "bf16")
+    layer = loaded.pipe.transformer.condition_embedder.time_embedder.linear_1
+    assert not isinstance(layer, StoredLinear) and layer.weight.dtype == torch.float32
+    assert torch.equal(layer.weight, default.pipe.transformer.condition_embedder.time_embedder.linear_1.weight)
+    assert loaded.on_disk
+    lowered = load_pipeline(folder, "bf16", weight_dtype="fp8_scaled")  # lowering keeps them wide too
+    assert lowered.pipe.transformer.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
+
+
 def test_two_experts_are_both_stored(tiny_folder):
     loaded = load_pipeline(tiny_folder("wan2.2-a14b"), "fp32", weight_dtype="fp8_scaled")
     assert loaded.storage["transformer_2"] == "fp8_scaled"

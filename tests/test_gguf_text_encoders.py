@@ -240,7 +240,7 @@ def test_the_loader_and_the_planner_lower_the_same_weights():
     assert "model.language_model.layers.0.self_attn.q_proj.weight" in names
     assert "model.language_model.embed_tokens.weight" not in names
     state = dict(source.state_dict())
-    lowered = lower_storage(source, state, "gguf_q8_0")
+    lowered = lower_storage(source, state, "gguf_q8_0", torch.bfloat16)
     assert {n for n, t in lowered.items() if t is not state[n]} == names
     assert {id(w) for _, w in quantizable(source, fmt)} == {id(source.get_parameter(n)) for n in names}
 

@@ -99,7 +99,7 @@ def test_a_lowered_transformer_file_counts_its_lowered_matrices_not_the_folders_
     path = written("transformer", "fp32")
     needs = ram_needs(monkeypatch, tiny_folder(WAN), transformer_file=path, weight_dtype="fp8_scaled")
     tensors = read_weight_file(path, "transformer_file", detect.TRANSFORMER).tensors
-    matrices = lowered_names(tiny_loaded(WAN).pipe.transformer, tensors, "fp8_scaled")  # the loader's rule
+    matrices = lowered_names(tiny_loaded(WAN).pipe.transformer, tensors, "fp8_scaled", torch.float32)  # the loader's rule
     assert matrices and len(matrices) < len(tensors)  # the matrices only: norms, biases, patch embedding stay mapped
     lowered = FORMATS["fp8_scaled"].stored_bytes(sum(tensors[name].shape.numel() for name in matrices))
     assert needs[f"transformer_file '{path.name}' lowered to fp8_scaled"] == lowered
@@ -123,7 +123,7 @@ def test_the_lowered_transformer_files_of_the_other_families_count_by_the_same_r
     path = family_file(variant, tiny_loaded, tmp_path)
     needs = ram_needs(monkeypatch, tiny_folder(variant), transformer_file=path, weight_dtype="gguf_q8_0")
     tensors = read_weight_file(path, "transformer_file", detect.TRANSFORMER).tensors  # under the model's names
-    matrices = lowered_names(tiny_loaded(variant).pipe.transformer, tensors, "gguf_q8_0")
+    matrices = lowered_names(tiny_loaded(variant).pipe.transformer, tensors, "gguf_q8_0", torch.float32)
     assert matrices and len(matrices) < len(tensors)
     lowered = FORMATS["gguf_q8_0"].stored_bytes(sum(tensors[name].shape.numel() for name in matrices))
     assert needs[f"transformer_file '{path.name}' lowered to gguf_q8_0"] == lowered

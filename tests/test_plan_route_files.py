@@ -59,9 +59,12 @@ def test_files_are_recognised_with_their_storage_and_the_disk_tier(models):
 def test_weight_dtype_lowers_but_never_raises_and_ram_copy_changes_the_plan(models):
     lowered = answer(query(models, weight_dtype="gguf_q4_k"))
     assert lowered["storage"]["transformer"] == "gguf_q4_k"
-    assert lowered["on_disk"] is False  # re-stored matrices are held in RAM, not mapped from the files
-    # fp8 is no narrower than the fp8-scaled matrices and keeps embeddings wide: nothing is re-stored. (bf16
-    # would re-store the text encoder's fp32 tables: test_files_plan_agrees_with_the_load_tensor_by_tensor.)
+    # q4_k's 256-weight blocks fit none of the tiny model's rows but its time embedder's, which the model keeps in
+    # float32 and weight_dtype never lowers: nothing is re-stored, the files stay mapped
+    assert lowered["on_disk"] is True
+    restored = answer(query(models, weight_dtype="bf16"))  # the text encoder's fp32 tables re-stored in bf16
+    assert restored["on_disk"] is False  # re-stored matrices are held in RAM, not mapped from the files
+    # fp8 is no narrower than the fp8-scaled matrices and keeps embeddings wide: nothing is re-stored.
     kept = answer(query(models, weight_dtype="fp8_e4m3fn"))
     assert kept["storage"]["transformer"] == "fp8_scaled"
     assert kept["on_disk"] is True

@@ -292,7 +292,7 @@ def test_a_text_encoder_file_lowered_by_weight_dtype_is_counted_in_the_folders_r
     needs = ram_needs(monkeypatch, tiny_folder(HY15), weight_dtype="fp8_scaled", text_encoder_file=path)
     label = f"text_encoder_file '{path.name}' lowered to fp8_scaled"
     tensors = read_weight_file(path, "text_encoder_file", detect.TEXT_ENCODER).tensors
-    matrices = lowered_names(encoder(tiny_loaded(HY15)), tensors, "fp8_scaled")  # the folder's plain encoder
+    matrices = lowered_names(encoder(tiny_loaded(HY15)), tensors, "fp8_scaled", torch.float32)  # the folder's plain encoder
     assert matrices and len(matrices) < len(tensors)  # the matrices only: norms and biases stay mapped
     casts = load_pipeline(tiny_folder(HY15), "fp32", weight_dtype="fp8_scaled",
                           text_encoder_file=path).storage_reports["text_encoder"].copied_bytes

@@ -219,9 +219,14 @@ def _target_dtype(names: list[str], value, compute_dtype: torch.dtype, keep: tup
     """The dtype the model holds this tensor in; None keeps an integer or bool tensor as it is."""
     if isinstance(value, torch.Tensor) and not value.is_floating_point():
         return None
-    if any(pattern in name.split(".") for name in names for pattern in keep):
+    if _kept_in_fp32(names, keep):
         return torch.float32
     return compute_dtype
+
+
+def _kept_in_fp32(names: list[str], keep: tuple[str, ...]) -> bool:
+    """Whether a tensor of `names` lies in a module `keep` names (a path component: "time_embedder", "norm1")."""
+    return any(pattern in name.split(".") for name in names for pattern in keep)
 
 
 def _stays_stored(value: StoredTensor, target: torch.dtype) -> bool:
@@ -235,11 +240,16 @@ def stays_stored(module: nn.Module) -> frozenset[str]:
     return frozenset(name for entry in _entries(module) if _storable(module, entry) for name in entry.names)
 
 
-def lowered_weights(module: nn.Module, fmt: StorageFormat) -> frozenset[str]:
+def lowered_weights(module: nn.Module, fmt: StorageFormat, keep_fp32: Iterable[str] = ()) -> frozenset[str]:
     """The qualified names of the weights `fmt` stores narrow in `module`: the format's declaration
     (`StorageFormat.lowers`) on each owning layer, of the weights the model can hold stored
-    (`stays_stored`). The one rule the loaders lower by and the planner counts by."""
-    return frozenset(name for name in stays_stored(module) if fmt.lowers(_owner(module, name)[0]))
+    (`stays_stored`), less those under `keep_fp32`, the modules the model holds in float32 at its compute
+    dtype (`assign_weights`'s rule: diffusers' `_keep_in_fp32_modules`): a weight_dtype rounds nothing the
+    files' own storage keeps wide. The one rule the loaders lower by; the planner counts by it without
+    `keep_fp32` (its storage names a file's format, and a file stored narrow holds those few layers narrow too)."""
+    keep = tuple(keep_fp32)
+    return frozenset(name for name in stays_stored(module)
+                     if fmt.lowers(_owner(module, name)[0]) and not _kept_in_fp32([name], keep))
 
 
 def _storable(root: nn.Module, entry: _Entry) -> bool:

@@ -50,6 +50,12 @@ def keep_fp32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(names)
 
 
+def kept_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    """The modules `module` holds in float32 because it computes in `dtype` (none at float32, where every module
+    is): what a weight_dtype must not lower, the rule the planner counts by (configs/meta.py `_fp32_modules`)."""
+    return () if dtype == torch.float32 else keep_fp32(module, dtype)
+
+
 def fill(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype, source: str) -> StorageReport:
     """Assign `tensors` to `module` (see module doc); ModelError naming `source` on a mismatch."""
     try:

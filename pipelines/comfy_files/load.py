@@ -20,6 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Sequence
 
+import torch
 
 from ...memory.storage import StorageError, StoredTensor
 from ...memory.storage.apply import check_weights
@@ -142,7 +143,7 @@ def _ram_need(role: str, file: WeightFile, module, tensors: dict, options: LoadO
     """(label, bytes) of what `file` takes in RAM once loaded, None when it stays mapped. weight_dtype
     re-stores tensor by tensor (`lowered_names`: a Q6_K matrix in a Q4_K_M file, an F16 one in a Q8_0
     file), so the count is per tensor, never from the file's majority format."""
-    lowered = _lowered(_COMPONENT[role], module, tensors, options.weight_dtype)
+    lowered = _lowered(_COMPONENT[role], module, tensors, options.weight_dtype, DTYPES[options.dtype])
     if not lowered:
         return None if options.weights_on_disk else (f"{role} '{file.name}'", file.path.stat().st_size)
     nbytes = lowered_ram_bytes(options.weight_dtype, stored_elements(tensors[n].shape for n in lowered))
@@ -152,21 +153,23 @@ def _ram_need(role: str, file: WeightFile, module, tensors: dict, options: LoadO
     return f"{role} '{file.name}' with {len(lowered)} tensors lowered to {options.weight_dtype}", nbytes
 
 
-def _lowered(name: str, module, tensors: dict, weight_dtype: str) -> list[str]:
-    """The tensors weight_dtype re-stores in component `name` (none outside LOWERED, none at default)."""
+def _lowered(name: str, module, tensors: dict, weight_dtype: str, dtype: torch.dtype) -> list[str]:
+    """The tensors weight_dtype re-stores in component `name` computing in `dtype` (none outside LOWERED, none at
+    default)."""
     if name not in LOWERED or weight_dtype == DEFAULT_WEIGHTS:
         return []
-    return lowered_names(module, tensors, weight_dtype)
+    return lowered_names(module, tensors, weight_dtype, dtype)
 
 
-def restores_weights(entry: ModelEntry, role: str, file: WeightFile, weight_dtype: str) -> bool:
+def restores_weights(entry: ModelEntry, role: str, file: WeightFile, weight_dtype: str, dtype: str) -> bool:
     """Whether weight_dtype re-stores any of `file`'s tensors (into RAM: the disk tier no longer holds), as
-    the load decides it, tensor by tensor; the component is built on meta to know its matrices."""
+    the load decides it, tensor by tensor, computing in `dtype`; the component is built on meta to know its
+    matrices."""
     name = _COMPONENT[role]
     if name not in LOWERED or weight_dtype == DEFAULT_WEIGHTS:
         return False
     module = build.build_empty(entry.components[name])
-    return bool(_lowered(name, module, model_tensors(file, module.state_dict().keys()), weight_dtype))
+    return bool(_lowered(name, module, model_tensors(file, module.state_dict().keys()), weight_dtype, DTYPES[dtype]))
 
 
 def _file_bytes(tensor) -> int:
