@@ -419,7 +419,7 @@ def test_the_speed_line_refuses_fp8_matmul_on_weights_not_stored_in_fp8_and_quot
     stored = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, storage=("fp8_scaled",))
     assert "fp8 matmul on the model's fp8 layers" in stored and "fp8 matmul with eager blocks x1.30" in stored
     auto = speed_module.speed_plan_line(Speed(fp8_matmul="auto"), "cpu", speed_module.torch.float32, storage=())
-    assert "fp8 weights upcast: the CPU" in auto  # auto: the device's reason first, as the Sampler's receipt
+    assert "fp8 weights upcast: on the CPU auto keeps frames bit-identical" in auto  # auto: the device's reason first, as the Sampler's receipt
     gguf = speed_module.speed_plan_line(on, "cpu", speed_module.torch.float32, storage=("gguf_q4_k",))
     assert "cannot run here: the denoiser's weights are stored as gguf_q4_k, not float8_e4m3fn" in gguf
 

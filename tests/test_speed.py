@@ -229,7 +229,7 @@ def test_an_unknown_kernel_is_refused_when_queued():
 def test_the_plans_speed_line_says_what_the_run_would_do_with_fp8():
     from vidmem.pipelines.speed import speed_plan_line
 
-    assert "fp8 weights upcast: the CPU" in speed_plan_line(Speed(fp8_matmul="auto"), "cpu", torch.float32)
+    assert "fp8 weights upcast: on the CPU auto keeps frames bit-identical" in speed_plan_line(Speed(fp8_matmul="auto"), "cpu", torch.float32)
     assert "fp8 matmul on the model's fp8 layers" in speed_plan_line(Speed(fp8_matmul="on"), "cpu", torch.float32)
 
 

@@ -38,7 +38,7 @@ from .formats import storage_format
 from .modules import Fp8MatmulTally, StoredLinear
 
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and newer
-CPU_REASON = "the CPU: auto keeps CPU frames bit-identical to plain diffusers ('on' runs torch's slow CPU kernel)"
+CPU_REASON = "on the CPU auto keeps frames bit-identical to plain diffusers ('on' runs torch's slow CPU kernel)"
 FIX = "set fp8_matmul to 'auto' or 'off' (both upcast the fp8 weights)"
 # Why auto upcasts where fp8 tensor cores exist: bench/speed.py's fp8_matmul part, Wan 1.3B-shaped blocks, eager.
 AUTO_REASON = ("auto upcasts: fp8 matmul measured slower than upcasting on Hopper GPUs (step time x1.14 at 832x480x81 on "
