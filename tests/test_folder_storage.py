@@ -202,3 +202,16 @@ def test_the_plan_route_plans_the_folders_vae_dtype(tiny_folder, monkeypatch):
     with pytest.raises(PlanRequestError, match="vae_dtype='fp64' must be 'same as dtype' or one of") as error:
         parse_request({**query, "vae_dtype": "fp64"}, ["wan"], list(DTYPES))
     assert error.value.name == "vae_dtype"
+
+
+def test_t5s_wo_at_fp16_is_still_lowered_its_computation_stays_float32():
+    """transformers keeps T5's `wo` in float32 at fp16 for the activations' range; its stored weight may still be
+    lowered (the layer upcasts to float32), as the planner counts it: a umt5-xxl's `wo` is 1 GB of fp8."""
+    import transformers
+
+    from vidmem.pipelines.comfy_files.build import kept_in_fp32
+
+    config = transformers.T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    with torch.device("meta"):
+        encoder = transformers.T5EncoderModel(config)
+    assert kept_in_fp32(encoder, torch.float16) == () and kept_in_fp32(encoder, torch.bfloat16) == ()

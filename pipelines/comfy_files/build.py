@@ -51,9 +51,15 @@ def keep_fp32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
 
 
 def kept_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
-    """The modules `module` holds in float32 because it computes in `dtype` (none at float32, where every module
-    is): what a weight_dtype must not lower, the rule the planner counts by (configs/meta.py `_fp32_modules`)."""
-    return () if dtype == torch.float32 else keep_fp32(module, dtype)
+    """The modules whose weights `module` keeps in float32 computing in `dtype` (none at float32, where every module
+    is): what a weight_dtype must not lower. diffusers' `_keep_in_fp32_modules` (Wan's time embedder: saved in
+    fp32 even in a bf16 folder) and transformers' strict list; not transformers' plain list (T5's `wo` at fp16),
+    which keeps the computation in float32 for range, not the stored weights: lowered, they upcast to float32."""
+    if dtype == torch.float32:
+        return ()
+    if module.__class__.__module__.startswith("diffusers"):
+        return tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    return tuple(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
 
 
 def fill(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype, source: str) -> StorageReport:
