@@ -170,12 +170,14 @@ def weight_dtype_request(query) -> str:
 
 
 def folder_options(model: str, weight_dtype: str, transformer_file: tuple[str, int, int] | None,
-                   text_encoder_files: tuple[tuple[str, str, int, int], ...] = ()) -> PlanOptions:
+                   text_encoder_files: tuple[tuple[str, str, int, int], ...] = (), dtype: str = "bf16") -> PlanOptions:
     """How Load Video Pipeline holds a folder's weights, as the loader will (`folder_storage`):
     at the compute dtype by default; with weight_dtype, each lowered component in the format its
     files' matrices are held in, memory-mapped (the disk tier) when nothing was re-stored. A
     single file replacing a component (transformer_file, the text encoder files) plans in the
-    file's storage, as the loader holds it."""
+    file's storage, as the loader holds it, once the loader's own checks of it pass (ModelError naming it)."""
+    if transformer_file:
+        _check_transformer_file(*_folder_and_stamp(model), transformer_file, dtype)
     storage = dict(transformer_file_options(transformer_file, weight_dtype).storage) if transformer_file else {}
     if not text_encoder_files and weight_dtype == DEFAULT_WEIGHTS:
         return PlanOptions(storage=storage)
@@ -266,6 +268,15 @@ def text_encoder_file_plan(folder: str, stamp: int, component: str,
     path = host.resolve_model_file("text_encoder", file[0], widget)
     opened = read_text_encoder_file(path, component, class_name, config, folder_path)
     return opened.storage, removed_parts(opened, class_name, config)
+
+
+@lru_cache(maxsize=16)
+def _check_transformer_file(folder: str, stamp: int, file: tuple[str, int, int], dtype: str) -> None:
+    """The loader's checks of a transformer_file against its folder (headers only); a passing one is remembered
+    for this folder and file as they are (`stamp`, the file's size and mtime)."""
+    from ..pipelines.loader import check_transformer_file
+
+    check_transformer_file(folder, host.resolve_single_file(file[0]), dtype)
 
 
 @lru_cache(maxsize=16)

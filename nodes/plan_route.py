@@ -493,7 +493,8 @@ def _model_and_options(request: PlanRequest, load_model: Callable[[str, str], ob
         removed = folder_removed(request.model, request.text_encoder_files)  # a Gemma file without its vision tower
         model = load_model(request.model, request.dtype, *([request.vae_dtype] if request.vae_dtype else []),
                            **({"removed": removed} if removed else {}))
-        return model, folder_options(request.model, request.weight_dtype, request.transformer_file, request.text_encoder_files)
+        return model, folder_options(request.model, request.weight_dtype, request.transformer_file, request.text_encoder_files,
+                                     request.dtype)
     recognised = recognise(request.files, request.dtype)
     return recognised.planner_model, recognised.options
 
@@ -534,6 +535,7 @@ def _input_named(message: str) -> str | None:
     """The input a planner or strategy message is about: its messages start 'name=value'."""
     head = message.split("=", 1)[0].strip()
     role = message.split(":", 1)[0].strip()
+    role = role if " " not in role else role.split(" ", 1)[0]  # "transformer_file 'x' is not the transformer of ..."
     # The file loaders' messages start 'role: ...'.
     if role in (*FILE_ROLES, "transformer_file", *TEXT_ROLES.values(), "weight_dtype"):
         return role

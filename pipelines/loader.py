@@ -438,6 +438,21 @@ def _replaced_by_vae_file(spec: FamilySpec, index: dict, replaced: tuple[str, ..
     return ("vae",)
 
 
+def check_transformer_file(folder: str | Path, transformer_file: str | Path, dtype: str) -> None:
+    """The checks Load Video Pipeline makes of a `transformer_file` against its `folder` before reading any weight
+    (headers only; ModelError naming transformer_file and the fix): the family takes one, a Wan 2.2 A14B folder's
+    two experts refuse it, the file is the folder's transformer. The plan route runs them too, so the chart says
+    what the load will."""
+    folder = Path(folder)
+    index = read_model_index(folder)
+    spec = family_for(index["_class_name"])
+    _replaced_by_file(spec, index, folder, transformer_file)
+    entry = index.get("transformer")
+    config_path = folder / "transformer" / "config.json"
+    config = read_json_object(config_path, "'transformer'") if isinstance(entry, list) and entry[0] else None
+    _check_transformer_file(spec, index, folder, config, Path(transformer_file), dtype)
+
+
 def _replaced_by_file(spec: FamilySpec, index: dict, folder: Path, transformer_file: str | Path) -> tuple[str, ...]:
     """The folder components a single file replaces: the transformer, and LTX-2's VAE where the
     file has it (read from its header once the folder is known to take a transformer file)."""

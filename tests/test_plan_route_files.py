@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -113,8 +114,10 @@ def test_wan22_a14b_takes_its_low_noise_expert_from_the_model_list(tmp_path, mon
     assert alone["status"] == "error" and "set model_2 to its low-noise expert" in alone["error"]
 
 
-def test_a_folders_transformer_file_is_planned_in_its_storage(models):
+def test_a_folders_transformer_file_is_planned_in_its_storage(models, tmp_path):
     """Load Video Pipeline with transformer_file: the folder's architecture, the file's storage."""
+    diffusers_folder(tmp_path, "wan2.1-t2v", "Wan2.1-T2V-1.3B-Diffusers")  # the loader checks the file against it
+
     def folder_model(name, dtype):
         from vidmem.pipelines.configs import load_model
         return load_model("wan2.1-t2v-1.3b", dtype)
@@ -222,3 +225,23 @@ def test_a_gemma_file_without_its_vision_tower_is_planned_without_it(models, tmp
     assert whole["status"] == without["status"] == "ok", (whole, without)
     assert asked == [(), ("text_encoder.model.vision_tower", "text_encoder.model.multi_modal_projector")]
     assert without["rows"][0]["peak_ram_bytes"] < whole["rows"][0]["peak_ram_bytes"]
+
+
+@pytest.mark.parametrize("variant, words", [
+    ("wan2.2-ti2v", r"transformer_file '.*' is not the transformer of 'Folder' \(.*in_channels"),
+    ("wan2.2-a14b", "transformer_file cannot replace the two experts of a Wan 2.2 A14B folder"),
+    ("cogvideox-t2v", "transformer_file is not supported for cogvideox"),
+])
+def test_a_transformer_file_the_loader_would_refuse_is_refused_by_the_plan(models, tmp_path, variant, words):
+    """The chart said ok where Load Video Pipeline then refused the file: the route runs the loader's own checks."""
+    diffusers_folder(tmp_path, variant, "Folder")
+    request = parse_request({"model": "Folder", "dtype": "bf16", "width": "32", "height": "32", "frames": "9",
+                             "transformer_file": models.model.name}, ["Folder"], list(DTYPES))
+
+    def folder_model(name, dtype):
+        from vidmem.pipelines.configs import load_model
+        return load_model(str(tmp_path / "diffusers" / "Folder"), dtype)
+
+    plan = plan_answer(request, folder_model, BUDGETS)
+    assert plan["status"] == "error" and plan["input"] == "transformer_file", plan
+    assert re.search(words, plan["error"]), plan["error"]
