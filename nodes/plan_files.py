@@ -22,7 +22,7 @@ from ..pipelines.comfy_files import detect, match
 from ..pipelines.comfy_files.files import read_weight_file
 from ..pipelines.comfy_files.load import _COMPONENT, _KIND, restores_weights
 from ..pipelines.comfy_files.text_encoder_file import ROLES, check_replaceable, read_text_encoder_file, removed_parts
-from ..pipelines.configs import load_model
+from ..pipelines.configs import folder_stamp, load_model
 from ..pipelines.weight_storage import DEFAULT_WEIGHTS, LOWERED, WEIGHT_DTYPES, held_format
 from . import host
 from .loader import FOLDER_TEXT_ENCODER, FOLDER_TRANSFORMER, SAME, vae_dtype_name
@@ -236,19 +236,7 @@ def listed_folder_stamp(model: str) -> int:
         return 0
 
 
-def folder_stamp(folder: Path) -> int:
-    """A number that changes when anything the plan reads in a diffusers folder does: model_index.json, and in each
-    component folder its config.json and weight files (a config edited, weights swapped for fp8 ones under the same
-    names). Names, sizes and mtimes only (stat calls, no reads): cheap enough for every plan request."""
-    entries = []
-    for path in (folder / "model_index.json", *sorted(folder.glob("*/config.json")),
-                 *sorted(folder.glob("*/*.safetensors")), *sorted(folder.glob("*/*.index.json"))):
-        try:
-            stat = path.stat()
-        except OSError:
-            continue
-        entries.append((str(path.relative_to(folder)), stat.st_size, stat.st_mtime_ns))
-    return hash(tuple(entries))
+
 
 
 @lru_cache(maxsize=16)

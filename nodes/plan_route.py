@@ -89,7 +89,7 @@ class PlanRequest:
     context_parallel: str = "off"  # the Strategy's context_parallel choice
     loras: tuple[LoraRequest, ...] = ()  # the Load LoRA nodes from the loader to the Sampler, in order
     trained_loras: int = 0  # the Train LoRA nodes on that path (their LoRAs are not written yet)
-    folder_stamp: int = 0  # a folder's files as they are now (plan_files.folder_stamp): a changed folder is planned again
+    folder_stamp: int = 0  # a folder's files as they are now (pipelines.configs.folder_stamp): a changed folder is planned again
 
     @property
     def auto(self) -> bool:

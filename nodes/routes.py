@@ -5,6 +5,7 @@ PromptServer is running (host.prompt_server); nothing here imports ComfyUI.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ..memory.telemetry import default_budgets
@@ -89,7 +90,8 @@ def _register_plan_route(routes) -> None:
 
         headers = {"Cache-Control": "no-store"}
         try:
-            plan_request = parse_request(request.query, host.diffusers_model_names(), list(DTYPES))
+            # off the event loop: it stats the folder's files (its stamp), which a network disk may take time over
+            plan_request = await asyncio.to_thread(parse_request, request.query, host.diffusers_model_names(), list(DTYPES))
         except PlanRequestError as error:
             return web.json_response({"status": "error", "input": error.name, "error": str(error)}, status=400,
                                      headers=headers)

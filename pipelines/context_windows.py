@@ -86,7 +86,8 @@ def window_problem(family: str, denoiser_config, windows: ContextWindows, frames
         return problem.replace('frames=', 'window=', 1)
     # CogVideoX-5b I2V learned its position table at one clip length: diffusers computes another table for any other
     # (untrained positions, silently), and every window pass would run on it.
-    learned = denoiser_config.get("sample_frames") if denoiser_config.get("use_learned_positional_embeddings") else None
+    # diffusers' CogVideoX default sample_frames is 49 (its config may leave it out)
+    learned = denoiser_config.get("sample_frames", 49) if denoiser_config.get("use_learned_positional_embeddings") else None
     if learned and windows.window < frames and windows.window != learned:
         return (f"window={windows.window}: this model learned its positions for {learned}-frame clips; a window of "
                 f"another length runs on positions it was not trained on. Use window={learned}.")

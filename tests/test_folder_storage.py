@@ -106,6 +106,7 @@ def test_a_bf16_folder_with_fp32_kept_layers_is_used_in_place_at_its_own_format(
     assert loaded.on_disk
     lowered = load_pipeline(folder, "bf16", weight_dtype="fp8_scaled")  # lowering keeps them wide too
     assert lowered.pipe.transformer.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
+    assert load_pipeline(folder, "fp32", weight_dtype="bf16").on_disk  # at any compute dtype, as diffusers keeps them
 
 
 def test_two_experts_are_both_stored(tiny_folder):

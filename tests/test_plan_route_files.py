@@ -61,7 +61,8 @@ def test_weight_dtype_lowers_but_never_raises_and_ram_copy_changes_the_plan(mode
     lowered = answer(query(models, weight_dtype="gguf_q4_k"))
     assert lowered["storage"]["transformer"] == "gguf_q4_k"
     # q4_k's 256-weight blocks fit none of the tiny model's rows but its time embedder's, which the model keeps in
-    # float32 and weight_dtype never lowers: nothing is re-stored, the files stay mapped
+    # float32 and weight_dtype never lowers: nothing is re-stored, the files stay mapped (the storage label is the
+    # chosen format's, as the plan names it from the files' majority; real widths fit q4_k's blocks)
     assert lowered["on_disk"] is True
     restored = answer(query(models, weight_dtype="bf16"))  # the text encoder's fp32 tables re-stored in bf16
     assert restored["on_disk"] is False  # re-stored matrices are held in RAM, not mapped from the files

@@ -89,10 +89,13 @@ def test_a_folder_changed_on_disk_is_planned_again(folder, tmp_path, monkeypatch
     query = {"model": NAME, "dtype": "fp32", "width": "32", "height": "32", "frames": "9"}
     before = parse_request(query, [NAME], list(DTYPES))
     assert parse_request(query, [NAME], list(DTYPES)) == before  # unchanged: the same request, served from the cache
+    planned = plan_answer(before, lambda name, dtype: load_model(str(copy), dtype), BUDGETS)
     config = copy / "transformer" / "config.json"
     values = json.loads(config.read_text())
-    values["num_layers"] += 1
+    values["num_layers"] += 6
     config.write_text(json.dumps(values))
     after = parse_request(query, [NAME], list(DTYPES))
     assert after != before and after.folder_stamp != before.folder_stamp
     assert PlanService(lambda request: {"status": "ok"})._cached(after) is None
+    replanned = plan_answer(after, lambda name, dtype: load_model(str(copy), dtype), BUDGETS)
+    assert replanned["rows"][0]["peak_ram_bytes"] > planned["rows"][0]["peak_ram_bytes"]  # the model read again

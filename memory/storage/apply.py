@@ -246,7 +246,8 @@ def lowered_weights(module: nn.Module, fmt: StorageFormat, keep_fp32: Iterable[s
     (`stays_stored`), less those under `keep_fp32`, the modules the model holds in float32 at its compute
     dtype (`assign_weights`'s rule: diffusers' `_keep_in_fp32_modules`): a weight_dtype rounds nothing the
     files' own storage keeps wide. The one rule the loaders lower by; the planner counts by it without
-    `keep_fp32` (its storage names a file's format, and a file stored narrow holds those few layers narrow too)."""
+    `keep_fp32` (its storage names a file's format, and a file stored narrow holds those layers narrow too:
+    docs/storage.md says what that leaves out)."""
     keep = tuple(keep_fp32)
     return frozenset(name for name in stays_stored(module)
                      if fmt.lowers(_owner(module, name)[0]) and not _kept_in_fp32([name], keep))

@@ -51,15 +51,13 @@ def keep_fp32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
 
 
 def kept_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
-    """The modules whose weights `module` keeps in float32 computing in `dtype` (none at float32, where every module
-    is): what a weight_dtype must not lower. diffusers' `_keep_in_fp32_modules` (Wan's time embedder: saved in
+    """The modules whose weights `module` keeps in float32 computing in `dtype`: what a weight_dtype must not lower. diffusers' `_keep_in_fp32_modules` (Wan's time embedder: saved in
     fp32 even in a bf16 folder) and transformers' strict list; not transformers' plain list (T5's `wo` at fp16),
     which keeps the computation in float32 for range, not the stored weights: lowered, they upcast to float32."""
-    if dtype == torch.float32:
-        return ()
-    if module.__class__.__module__.startswith("diffusers"):
+    if module.__class__.__module__.startswith("diffusers"):  # at every dtype, as from_pretrained and save_pretrained
         return tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
-    return tuple(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+    half = dtype in (torch.float16, torch.bfloat16)
+    return tuple(getattr(module, "_keep_in_fp32_modules_strict", None) or ()) if half else ()
 
 
 def fill(module: torch.nn.Module, tensors: Mapping[str, Any], dtype: torch.dtype, source: str) -> StorageReport:

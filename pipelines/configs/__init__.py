@@ -52,9 +52,7 @@ def load_model(name_or_path: str, dtype: str | None = None, vae_dtype: str | Non
     if path.suffix == ".json" and path.is_file():  # a model config in the shipped schema kept elsewhere
         return _config_file(str(path.resolve()), dtype, path.stat().st_mtime_ns, vae, removed)
     if path.is_dir() or "/" in name_or_path or name_or_path.startswith("."):
-        index = path / "model_index.json"
-        stamp = index.stat().st_mtime_ns if index.is_file() else 0
-        return _folder(str(path.resolve()), dtype, stamp, vae, removed)
+        return _folder(str(path.resolve()), dtype, folder_stamp(path), vae, removed)
     raise ModelError(
         f"unknown model '{name_or_path}'; use one of {', '.join(model_names())}, "
         "or the path of a diffusers-format folder (with model_index.json)."
@@ -107,9 +105,24 @@ def _component(name: str, entry: dict) -> ComponentConfig:
     return ComponentConfig(name, entry["library"], entry["class"], entry["config"], entry.get("source", ""))
 
 
+def folder_stamp(folder: Path) -> int:
+    """A number that changes when anything a plan reads in a diffusers folder does: model_index.json, and in each
+    component folder its config.json and weight files (a config edited, weights swapped for fp8 ones under the same
+    names). Names, sizes and mtimes only (stat calls, no reads)."""
+    entries = []
+    for path in (folder / "model_index.json", *sorted(folder.glob("*/config.json")),
+                 *sorted(folder.glob("*/*.safetensors")), *sorted(folder.glob("*/*.index.json"))):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        entries.append((str(path.relative_to(folder)), stat.st_size, stat.st_mtime_ns))
+    return hash(tuple(entries))
+
+
 @lru_cache(maxsize=8)
 def _folder(folder: str, dtype: str | None, stamp: int, vae_dtype: str = "", removed: tuple[str, ...] = ()) -> MetaModel:
-    return _from_folder(Path(folder), dtype, vae_dtype, removed)  # `stamp`: a changed model_index.json is read again
+    return _from_folder(Path(folder), dtype, vae_dtype, removed)  # `stamp`: a changed folder is read again
 
 
 def _from_folder(folder: Path, dtype: str | None, vae_dtype: str = "", removed: tuple[str, ...] = ()) -> MetaModel:

@@ -259,7 +259,12 @@ function planRequestFor(node) {
   if (pathGap) return { gap: pathGap };
   const fields = loaderFields(loader, (name) => widgetValue(loader, name));
   const strategyNames = [...STRATEGY_WIDGETS, ...STRATEGY_BUDGETS, ...STRATEGY_OPTIONS, ...STRATEGY_PARALLEL];
-  for (const [reader, names] of [[sampler, SAMPLER_SHAPE], [node, strategyNames], [loader, (loader.widgets ?? []).map((w) => w.name)]]) {
+  const allWidgets = (n) => (n?.widgets ?? []).map((w) => w.name);
+  const onThePath = []; // the Load LoRA / Train LoRA nodes between the Sampler and the loader
+  for (let n = start; n && n !== loader && !onThePath.includes(n); n = upstream(n)) onThePath.push(n);
+  const extras = Object.keys(SAMPLER_EXTRAS).map((input) => linkedNode(sampler, input)).filter(Boolean);
+  for (const [reader, names] of [[sampler, SAMPLER_SHAPE], [node, strategyNames], [loader, allWidgets(loader)],
+    ...[...onThePath, ...extras].map((n) => [n, allWidgets(n)])]) {
     const linked = linkedWidgets(reader, names, (slot) => reader.getInputNode?.(slot));
     if (linked.length) {
       return { gap: `${reader.title || reader.type}'s ${linked.join(", ")} ${linked.length === 1 ? "comes" : "come"} from a `
