@@ -323,9 +323,12 @@ def test_a_fused_matrix_that_does_not_split_in_three_is_named(comfy_file, tiny_f
         load_pipeline(tiny_folder(VARIANT), "fp32", tmp_path / "hy15_damaged.safetensors")
 
 
-def test_the_planner_plans_a_hy15_folder_with_a_file_in_the_files_storage(tiny_loaded, tmp_path, monkeypatch):
+def test_the_planner_plans_a_hy15_folder_with_a_file_in_the_files_storage(tiny_loaded, tiny_folder, tmp_path,
+                                                                           monkeypatch):
     """The plan route (Load Video Pipeline's transformer_file) reads the HY15 file like the loader: the folder's
-    architecture (the shipped 8.3B config here), the file's storage, copied to RAM as the folder loader holds it."""
+    architecture (the shipped 8.3B config here), the file's storage, copied to RAM as the folder loader holds it;
+    the file checked against the folder first, as the loader checks it (the tiny folder: its file is the tiny one)."""
+    import shutil
     from types import SimpleNamespace
 
     from vidmem.nodes import host, plan_files
@@ -336,8 +339,9 @@ def test_the_planner_plans_a_hy15_folder_with_a_file_in_the_files_storage(tiny_l
     models = tmp_path / "diffusion_models"
     path = write_hy15_transformer(plain_tensors(tiny_loaded(VARIANT)), models / "hunyuanvideo1.5_480p_t2v_fp8_scaled.safetensors",
                                   "fp8_scaled")
+    shutil.copytree(tiny_folder(VARIANT), models / "HunyuanVideo-1.5-480p")
     fake = SimpleNamespace(models_dir=str(tmp_path), get_folder_paths=lambda key: [str(models)],
-                           get_filename_list=lambda key: sorted(p.name for p in models.glob("*")))
+                           get_filename_list=lambda key: sorted(p.name for p in models.glob("*") if p.is_file()))
     monkeypatch.setattr(host, "folder_paths", fake)
     plan_files.recognise.cache_clear()
     plan_files.transformer_file_options.cache_clear()
