@@ -6,7 +6,8 @@
 It posts the workflow to `/prompt` with a client id, shows progress from ComfyUI's websocket,
 reports a rejected workflow's node errors in plain words, waits until `/history/<id>` says the
 prompt finished, prints the nodes' text outputs (vidmem's memory receipts), and downloads the
-saved files through `/view` (a file already in --out is kept; the new one takes "name (2).mp4"). Exit status: 0 success, 1 the server rejected or failed the prompt
+saved files through `/view` (a file already in --out is kept; the new one takes "name (2).mp4").
+Exit status: 0 success, 1 the server rejected or failed the prompt
 (or it timed out), 2 bad command-line input, 130 Ctrl-C (the prompt stays on the server).
 
 Progress comes from ComfyUI's websocket (through `websocket-client`), because that is where

@@ -231,10 +231,9 @@ def _folder_and_stamp(model: str) -> tuple[str, int]:
 def listed_folder_stamp(model: str) -> int:
     """The stamp of the folder `model` names in models/diffusers; 0 where it is not there (planning it names that)."""
     try:
-        return folder_stamp(host.resolve_model_folder(model, ""))
+        return _folder_and_stamp(model)[1]
     except OSError:  # FileNotFoundError naming the folders searched: the plan's own error says it again
         return 0
-
 
 
 

@@ -39,7 +39,8 @@ from ..memory.plan.stages import VideoShape
 from .plan_route_parallel import PARALLEL_DEVICE, gpu_rows, gpu_summary, gpu_time, plan_gpus, planned_layout
 from .plan_loras import LORA_WIDGETS, TRAINED, LoraRequest, lora_prefix, lora_request, planned_with_loras
 from .plan_files import (DEFAULT_WEIGHTS, FILE_ROLES, FILES_LOADER, FilesProblem, FilesRequest, files_request,
-                         folder_options, folder_removed, listed_folder_stamp, recognise, text_encoder_files_request, transformer_file_request,
+                         folder_options, folder_removed, listed_folder_stamp, recognise, text_encoder_files_request,
+                         transformer_file_request,
                          vae_dtype_request, weight_dtype_request)
 from ..pipelines.comfy_files.text_encoder_file import ROLES as TEXT_ROLES
 from ..pipelines.compile import CompileSettings

@@ -221,7 +221,7 @@ def _sdpa_switched_off(device: torch.device, dtype: torch.dtype, masked_by: str 
     fused = (AttentionKernel.FLASH,) if device.type == "cpu" else tuple(_FLAG) if device.type == "cuda" else ()
     if masked_by and device.type == "cuda":
         fused = tuple(kernel for kernel in fused if kernel not in MASKLESS)
-    if any(_FLAG_ON[kernel]() and not unavailable(kernel, device, dtype) for kernel in fused):
+    if any(_flag_on(kernel) and not unavailable(kernel, device, dtype) for kernel in fused):
         return ""
     return ("torch's SDPA has no kernel left: its math kernel is switched off "
             "(torch.backends.cuda.enable_math_sdp(False)) and so is every fused kernel that runs here; switch one "
@@ -292,7 +292,7 @@ def _auto(device: torch.device, dtype: torch.dtype, masked_by: str = "") -> Reso
     passed, fused = [], []
     for kernel in _FLAG:
         problem = unavailable(kernel, device, dtype) or (
-            "" if _FLAG_ON[kernel]() else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).")
+            "" if _flag_on(kernel) else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).")
         if problem:
             passed.append(f"{kernel.value}: {problem}")
         elif kernel is not AttentionKernel.CUDNN or major in _CUDNN_FIRST:
@@ -332,10 +332,11 @@ def sdpa_pick(device: str, dtype: torch.dtype) -> str:
 
 
 _FLAG = {AttentionKernel.FLASH: "flash", AttentionKernel.EFFICIENT: "mem_efficient", AttentionKernel.CUDNN: "cudnn"}
-# Read when called, not bound at import: tests and users switch them at run time.
-_FLAG_ON = {AttentionKernel.FLASH: lambda: torch.backends.cuda.flash_sdp_enabled(),
-            AttentionKernel.EFFICIENT: lambda: torch.backends.cuda.mem_efficient_sdp_enabled(),
-            AttentionKernel.CUDNN: lambda: torch.backends.cuda.cudnn_sdp_enabled()}
+
+
+def _flag_on(kernel: AttentionKernel) -> bool:
+    """torch's `enable_<name>_sdp` switch for `kernel`, read when asked (tests and users switch it at run time)."""
+    return getattr(torch.backends.cuda, f"{_FLAG[kernel]}_sdp_enabled")()
 
 
 def _fallback(passed: list[str]) -> str:

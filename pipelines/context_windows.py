@@ -84,9 +84,8 @@ def window_problem(family: str, denoiser_config, windows: ContextWindows, frames
     problem = frames_error(windows.window)
     if problem:
         return problem.replace('frames=', 'window=', 1)
-    # CogVideoX-5b I2V learned its position table at one clip length: diffusers computes another table for any other
-    # (untrained positions, silently), and every window pass would run on it.
-    # diffusers' CogVideoX default sample_frames is 49 (its config may leave it out)
+    # CogVideoX-5b I2V learned its position table at one clip length (sample_frames, diffusers' default 49): for any
+    # other diffusers silently computes an untrained table, and every window pass would run on it.
     learned = denoiser_config.get("sample_frames", 49) if denoiser_config.get("use_learned_positional_embeddings") else None
     if learned and windows.window < frames and windows.window != learned:
         return (f"window={windows.window}: this model learned its positions for {learned}-frame clips; a window of "

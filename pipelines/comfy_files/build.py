@@ -42,19 +42,20 @@ def build_empty(component: ComponentConfig) -> torch.nn.Module:
 
 
 def keep_fp32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
-    if module.__class__.__module__.startswith("diffusers"):
-        return tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
-    names = list(getattr(module, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else []
-    if dtype in (torch.float16, torch.bfloat16):
-        names += list(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
-    return tuple(names)
+    """The modules `module` computes in float32 computing in `dtype`, as from_pretrained casts them: those whose
+    weights it keeps wide (`kept_in_fp32`), and transformers' plain list at fp16 (T5's `wo`)."""
+    kept = kept_in_fp32(module, dtype)
+    if dtype != torch.float16 or module.__class__.__module__.startswith("diffusers"):
+        return kept
+    return tuple(getattr(module, "_keep_in_fp32_modules", None) or ()) + kept
 
 
 def kept_in_fp32(module: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
-    """The modules whose weights `module` keeps in float32 computing in `dtype`: what a weight_dtype must not lower. diffusers' `_keep_in_fp32_modules` (Wan's time embedder: saved in
-    fp32 even in a bf16 folder) and transformers' strict list; not transformers' plain list (T5's `wo` at fp16),
-    which keeps the computation in float32 for range, not the stored weights: lowered, they upcast to float32."""
-    if module.__class__.__module__.startswith("diffusers"):  # at every dtype, as from_pretrained and save_pretrained
+    """The modules whose weights `module` keeps in float32 computing in `dtype`: what a weight_dtype must not
+    lower. diffusers' `_keep_in_fp32_modules` at every dtype (Wan's time embedder: saved in fp32 even in a bf16
+    folder) and transformers' strict list at fp16/bf16; not transformers' plain list (T5's `wo` at fp16), which
+    keeps the computation in float32 for range, not the stored weights: lowered, they upcast to float32."""
+    if module.__class__.__module__.startswith("diffusers"):
         return tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
     half = dtype in (torch.float16, torch.bfloat16)
     return tuple(getattr(module, "_keep_in_fp32_modules_strict", None) or ()) if half else ()
