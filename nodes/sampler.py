@@ -18,7 +18,8 @@ from ..pipelines.family import ModelError, denoiser_blocks, denoisers
 from ..pipelines.image_fit import RESIZE_CHOICES, fit_image
 from ..pipelines.parallel import (DeviceRoom, balanced_placement, check_parallel_attention, close_pool, component_bytes,
                                   rank_strategy, resolve_ranks, sample_balanced, sample_parallel)
-from ..pipelines.parallel.planning import choose_parallel, parallel_plan_line, plan_explicit
+from ..pipelines.parallel.planning import (choose_balanced, choose_parallel, parallel_plan_line, plan_balanced,
+                                          plan_explicit)
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
@@ -220,6 +221,8 @@ def check_before_planning(pipeline, choice, request, device) -> None:
     the Speed node's choices on this device and model (also before a context-parallel run starts its
     ranks), and blocks_to_swap against the model's blocks."""
     validate_request(pipeline, request)
+    if choice.strategy.parallel.balanced:
+        _balanced_gpus(choice.strategy, device)  # visible, before a plan reads their memory
     if choice.strategy.parallel.context_parallel_on:
         refuse_windows_in_parallel(request)
         refuse_cache_in_parallel(request.cache)
@@ -251,15 +254,24 @@ def _sample(pipeline, strategy, request, hooks, device):
 
 
 def _placement(pipeline, strategy, device):
-    """Balanced placement over the listed GPUs (checked against their free memory now)."""
+    """Balanced placement over the listed GPUs, checked against each GPU's memory, not what is free
+    now: the run asks the host for room on both GPUs (inside ComfyUI it unloads its own models), and
+    after a first run the warm store holds the transformers on the first GPU, which a check of free
+    memory would count against the second run."""
+    rooms = [DeviceRoom(f"cuda:{g}", torch.cuda.get_device_properties(g).total_memory)
+             for g in _balanced_gpus(strategy, device)]
+    return balanced_placement(component_bytes(pipeline.pipe), rooms, strategy.offload.value)
+
+
+def _balanced_gpus(strategy, device) -> tuple[int, ...]:
+    """The GPUs balanced placement lists, each visible to this process (ModelError naming gpus otherwise)."""
     gpus = strategy.parallel.gpus
-    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    visible = _visible_gpus(device)
     missing = [g for g in gpus if g >= visible]
     if missing:
         raise ModelError(f"gpus={','.join(map(str, gpus))}: GPU {','.join(map(str, missing))} is not visible (this "
                          f"machine shows {visible}); set gpus to auto, or list GPUs 0..{visible - 1}.")
-    rooms = [DeviceRoom(f"cuda:{g}", torch.cuda.mem_get_info(g)[0]) for g in gpus]
-    return balanced_placement(component_bytes(pipeline.pipe), rooms, strategy.offload.value)
+    return gpus
 
 
 def parallel_line(parallel: dict) -> str:
@@ -279,8 +291,10 @@ def _strategy_for_run(pipeline, choice, shape: VideoShape, device, options: Plan
     offload=auto chooses here (no fit, no run: PlanError says what would fit). An explicit
     strategy is planned as advice only: a prediction that cannot be made never stops the run.
     """
-    vram, ram = choice.budgets(device)
     label = f"{shape.width}x{shape.height}x{shape.frames}"
+    if choice.strategy.parallel.balanced:
+        return _balanced_strategy_for_run(pipeline, choice, shape, label, options)
+    vram, ram = choice.budgets(device)
     if choice.strategy.parallel.context_parallel_on:
         return _parallel_strategy_for_run(pipeline, choice, shape, device, (vram, ram), label, options)
     if choice.auto:
@@ -304,6 +318,21 @@ def _parallel_strategy_for_run(pipeline, choice, shape: VideoShape, device, budg
         plan = plan_explicit(pipeline, shape, choice.strategy, ranks, *budgets, options)
     except ParallelError:
         raise  # a refusal the ranks would meet too (the model, the sizes, the storage), not a missing prediction
+    except ValueError as error:
+        return choice.strategy, f"no prediction at {label}: {error}"
+    return choice.strategy, f"planned at {label}: {parallel_plan_line(plan)}"
+
+
+def _balanced_strategy_for_run(pipeline, choice, shape: VideoShape, label: str, options: PlanOptions = PlanOptions()):
+    """As above, with the per-GPU planner's balanced rows (the chart's): the transformers' GPU, the
+    first listed, gives the VRAM budget; the prompt encoder runs whole on the second."""
+    gpus = choice.strategy.parallel.gpus
+    budgets = choice.budgets(torch.device("cuda", gpus[0]))
+    if choice.auto:
+        plan = choose_balanced(pipeline, shape, choice.strategy, len(gpus), *budgets, options)
+        return plan.strategy, f"auto chose at {label}: {parallel_plan_line(plan)}"
+    try:
+        plan = plan_balanced(pipeline, shape, choice.strategy, len(gpus), *budgets, options)
     except ValueError as error:
         return choice.strategy, f"no prediction at {label}: {error}"
     return choice.strategy, f"planned at {label}: {parallel_plan_line(plan)}"

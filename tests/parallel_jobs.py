@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,36 @@ class DieOn:
             os._exit(3)
         dist.barrier()
         return None
+
+
+@dataclass(frozen=True)
+class KilledOn:
+    """SIGKILL, as the out-of-memory killer sends it."""
+
+    rank: int
+
+    def run(self, context):
+        if context.rank == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()
+        return None
+
+
+@dataclass(frozen=True)
+class SilentDeathAmidNews:
+    """Rank 1 raises at once (as a peer whose collective broke does), rank 2 dies without a word a
+    moment later (as the out-of-memory killer ends a rank), then rank 0 reports progress at a step
+    numbered like the dead rank: the rank to blame is the silent one."""
+
+    def run(self, context):
+        if context.rank == 1:
+            raise ConnectionError("peer closed the connection")
+        if context.rank == 2:
+            time.sleep(0.3)
+            os._exit(9)
+        time.sleep(0.6)
+        context.progress(2, 3)
+        time.sleep(30)  # stopped by the coordinator
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ A14B = {"transformer": 28 * GiB, "transformer_2": 28 * GiB, "text_encoder": 11 *
     (A14B, [DeviceRoom("a", 8 * GiB), DeviceRoom("b", 12 * GiB)], "block_swap", Placement("a", "b")),  # streamed
 ])
 def test_transformers_go_to_the_first_listed_gpu_and_the_encoder_to_the_second(sizes, rooms, offload, expected):
-    """As the planner plans it (memory.plan.parallel_layout: GPU 0 and GPU 1), whatever is free now."""
+    """As the planner plans it (memory.plan.parallel_layout: GPU 0 and GPU 1), whatever the GPUs hold."""
     assert balanced_placement(sizes, rooms, offload) == expected
 
 

@@ -98,3 +98,34 @@ def test_the_coordinator_makes_room_on_every_rank_s_gpu_before_the_run(tiny_load
     plan = plan_explicit(tiny_loaded("wan2.1-t2v"), VideoShape(32, 32, 9, cfg=True), strategy, ranks, None, None)
     assert asked == [(torch.device("cuda", 1), plan.gpus[0].peak_bytes), (torch.device("cuda", 3), plan.gpus[1].peak_bytes)]
     assert all(nbytes > 0 for _, nbytes in asked) and order == ["room", "room", "run"]
+
+
+@pytest.mark.parametrize("offload", ["none", "block_swap"])
+def test_copies_of_the_pipeline_beyond_ram_and_swap_are_refused_before_a_rank_starts(tiny_loaded, monkeypatch,
+                                                                                    offload):
+    """Every rank loads its own copy beside the coordinator's, whatever tier the user set by hand: a
+    machine whose RAM and swap cannot hold them all is told so before a rank starts (a rank the
+    out-of-memory killer ends would only show its exit code)."""
+    import psutil
+
+    from vidmem.memory.plan.parallel_checks import ParallelError
+    from vidmem.pipelines.parallel import Ranks, run
+    from vidmem.pipelines.parallel.planning import run_plan
+
+    started = []
+    pool = SimpleNamespace(config=SimpleNamespace(world_size=2), alive=False,
+                           run=lambda job, *args: started.append(job) or rank_zero_result())
+    strategy = MemoryStrategy(offload=offload, blocks_to_swap=1 if offload == "block_swap" else 0,
+                              parallel=Parallelism(context_parallel="ulysses", degree=2))
+    request = SampleRequest("a cat", "", 32, 32, 9, 1, 5.0, seed=0)
+    loaded, ranks = tiny_loaded("wan2.1-t2v"), Ranks(cpu_processes=2)
+    needed = run_plan(loaded, strategy, request, ranks).host_bytes
+    monkeypatch.setattr(psutil, "swap_memory", lambda: SimpleNamespace(total=needed // 4))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=needed // 2, available=needed // 2))
+    with pytest.raises(ParallelError, match=r"2 ranks .* needs .* of RAM: each rank and this process hold their own "
+                                            r"copy .*Use fewer GPUs"):
+        run.sample_parallel(loaded, strategy, request, ranks, pool=pool)
+    assert started == []
+    monkeypatch.setattr(psutil, "swap_memory", lambda: SimpleNamespace(total=needed // 2 + 1))  # RAM + swap suffice
+    run.sample_parallel(loaded, strategy, request, ranks, pool=pool)
+    assert len(started) == 1

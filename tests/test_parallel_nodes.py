@@ -9,6 +9,7 @@ import torch
 from fuzz_support import strategy_widgets
 from vidmem.memory import StrategyError
 from vidmem.memory.strategy import Parallelism
+from vidmem.memory.units import GiB as GiB_
 from vidmem.nodes import NODE_CLASS_MAPPINGS as N
 from vidmem.nodes.strategy import PARALLEL_WIDGETS, VidMemMemoryStrategy, parse_parallel
 from vidmem.pipelines.parallel import close_pool
@@ -101,3 +102,53 @@ def test_auto_with_context_parallel_plans_every_rank_s_copy(tiny_loaded):
                                                  gpus="cpu:2", context_parallel="ulysses")["result"]
     strategy, line = _strategy_for_run(loaded, roomy, VideoShape(32, 32, 9), torch.device("cpu"))
     assert "per rank, 2-way ulysses" in line and "for all processes; fits" in line
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """Two made-up CUDA GPUs of the given sizes (bytes by index), with nothing free on either:
+    whatever reads free memory instead of what the GPUs hold (or reads the wrong GPU) shows."""
+    from types import SimpleNamespace
+
+    sizes = {}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(sizes))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(total_memory=sizes[torch.device("cuda", index).index
+                                                                         if isinstance(index, int) else index.index]))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (0, sizes[index]))
+    return sizes
+
+
+def test_balanced_placement_checks_what_the_gpus_hold_not_what_is_free_now(tiny_loaded, two_gpus):
+    """After a first run the warm store holds the transformers on the first GPU (and inside ComfyUI
+    its own models may fill both, which the run asks the host to unload): placement must not refuse
+    the second run for memory the run itself will use."""
+    from vidmem.nodes.sampler import _placement
+
+    two_gpus.update({0: 8 * GiB_, 1: 8 * GiB_})
+    strategy = build(gpus="1,0").strategy
+    placement = _placement(tiny_loaded("wan2.1-t2v"), strategy, torch.device("cuda", 0))
+    assert (placement.denoisers, placement.prompt_encoder) == ("cuda:1", "cuda:0")
+
+
+def test_balanced_auto_is_planned_per_gpu_on_the_transformers_gpu(tiny_loaded, two_gpus):
+    """offload=auto under balanced placement chooses from the chart's balanced rows within the first
+    listed GPU's memory (the transformers' GPU: GPU 1 for gpus=1,0, not ComfyUI's GPU 0), and says
+    so in the receipt's plan line."""
+    from vidmem.memory.plan.planner import PlanError
+    from vidmem.memory.plan.stages import VideoShape
+    from vidmem.nodes.sampler import _strategy_for_run
+    from vidmem.pipelines.parallel.planning import choose_balanced
+
+    loaded, shape = tiny_loaded("wan2.1-t2v"), VideoShape(32, 32, 9, cfg=True)
+    (choice,) = N["VidMemMemoryStrategy"]().build(**strategy_widgets(offload="auto", ram_budget_gb=64),
+                                                  gpus="1,0")["result"]
+    leanest = choose_balanced(loaded, shape, choice.strategy, 2, 64 * GiB_, 64 * GiB_).per_gpu_peak_bytes
+    two_gpus.update({0: 64 * GiB_, 1: leanest - 1})
+    with pytest.raises(PlanError, match=r"no tier fits 2-way balanced .*list the roomiest GPU first in gpus"):
+        _strategy_for_run(loaded, choice, shape, torch.device("cuda", 0))
+    two_gpus.update({0: leanest - 1, 1: leanest})
+    strategy, line = _strategy_for_run(loaded, choice, shape, torch.device("cuda", 0))
+    assert strategy == choose_balanced(loaded, shape, choice.strategy, 2, leanest, 64 * GiB_).strategy
+    assert line.startswith("auto chose at 32x32x9: offload=") and line.endswith("; fits")
+    assert "on the transformers' GPU, the text encoder on the second, balanced over 2 GPUs; peak per GPU" in line

@@ -6,7 +6,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from parallel_jobs import DieOn, RaiseOn, Steps, SumRanks
+from parallel_jobs import DieOn, KilledOn, RaiseOn, SilentDeathAmidNews, Steps, SumRanks
 from vidmem.memory.parallel import PoolConfig, RankError, WorkerPool
 
 
@@ -32,7 +32,8 @@ def test_ranks_share_a_group_and_keep_state_between_runs(pool):
 
 
 @pytest.mark.parametrize("job, rank, text", [(RaiseOn(1, "rank one broke"), 1, "ValueError: rank one broke"),
-                                            (DieOn(0), 0, "exit code 3")])
+                                            (DieOn(0), 0, "exit code 3"),
+                                            (KilledOn(1), 1, r"exit code -9 \(SIGKILL: .*out-of-memory killer")])
 def test_a_failing_rank_stops_the_run_with_its_error_and_the_next_run_works(pool, job, rank, text):
     pool.run(SumRanks())
     pids = pool.pids
@@ -43,6 +44,30 @@ def test_a_failing_rank_stops_the_run_with_its_error_and_the_next_run_works(pool
     assert not pool.alive
     assert pool.run(SumRanks())["sum"] == 3  # a new pool, started by the run
     assert not set(pids) & set(pool.pids)
+
+
+def test_progress_is_not_news_from_a_rank_when_blaming_one():
+    """Progress messages carry a step number where others carry a rank: a step numbered like the rank
+    that died silently must not count as that rank having spoken."""
+    with WorkerPool(PoolConfig.for_cpu(3, threads=1, join_timeout_s=5.0)) as three:
+        with pytest.raises(RankError, match="rank 2 failed: the process died with exit code 9"):
+            three.run(SilentDeathAmidNews())
+
+
+def test_close_lets_go_of_the_queues_and_the_stop_event():
+    """They hold named semaphores (and the events queue a pipe) until collected: a closed pool, kept
+    by its pipeline until the next run, must not keep them."""
+    import gc
+    import weakref
+
+    pool = WorkerPool(PoolConfig.for_cpu(2, threads=1))
+    pool.run(SumRanks())
+    held = [weakref.ref(pool._events), weakref.ref(pool._stop)] + [weakref.ref(jobs) for jobs in pool._jobs]
+    pool.close()
+    gc.collect()
+    assert [ref() for ref in held] == [None] * len(held)
+    assert pool.run(SumRanks())["sum"] == 3  # and the pool starts again
+    pool.close()
 
 
 def test_cancel_stops_every_rank_and_re_raises_the_hosts_exception(pool):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
 from vidmem.memory import MemoryStrategy
+from vidmem.memory.strategy import Parallelism
 from vidmem.memory.parallel import free_port, leave_group
 from vidmem.pipelines.parallel import torchrun
 from vidmem.pipelines.sample import SampleRequest, sample
@@ -117,12 +118,32 @@ def test_a_failed_torchrun_run_frees_its_pipeline_before_the_group_goes(monkeypa
         raise RuntimeError(f"the run failed with {len(loaded)} things loaded")
 
     monkeypatch.setattr(torchrun, "run_in_process_group", failing_run)
-    monkeypatch.setattr(torchrun, "Parallelism", lambda *split: split)  # a world of one is refused
-    monkeypatch.setattr(torchrun, "MemoryStrategy", lambda **options: options)
+    monkeypatch.setattr(torchrun, "Parallelism", lambda *split: Parallelism(None, split[1], 2))  # one process here
     with pytest.raises(RuntimeError, match="the run failed"):
         torchrun.main([str(tmp_path), str(tmp_path / "latent.safetensors")])
     assert group_checks["alive_at_destroy"] == [False]
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("argv, share", [([], 5.0), (["--max-pinned-ram-gb", "3"], 3.0)])
+def test_torchrun_processes_on_one_machine_share_the_pinned_ceiling(monkeypatch, tmp_path, argv, share):
+    """Each of torchrun's processes would size its pinned pool from the same free RAM (N x half of
+    it): they take cap / LOCAL_WORLD_SIZE of one automatic ceiling; a ceiling the user gives is kept."""
+    from vidmem.memory.units import GiB
+    from vidmem.pipelines.parallel import run
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(run, "pinned_cap_bytes", lambda gb, room: 10 * GiB)
+    monkeypatch.setattr(torchrun, "Parallelism", lambda *split: Parallelism(None, split[1], 2))  # one process here
+    sent = []
+    monkeypatch.setattr(torchrun, "run_in_process_group", lambda job: sent.append(job) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        torchrun.main([str(tmp_path), str(tmp_path / "latent.safetensors"), *argv])
+    assert sent[0].strategy.max_pinned_ram_gb == share
 
 
 def test_a_failed_job_in_a_spawned_rank_frees_its_pipeline_before_the_group_goes(monkeypatch, collector_off,

@@ -16,6 +16,7 @@ import os
 import pickle
 import queue
 import runpy
+import signal
 import socket
 import sys
 import time
@@ -155,8 +156,9 @@ class WorkerPool:
     def close(self, graceful: bool = True) -> None:
         """Stop every rank: ask politely (graceful), then terminate, then kill. Safe to call twice."""
         if self._finalizer is not None and self._finalizer.detach() is not None:
-            _shut_down(self._processes, self._jobs, self.config.join_timeout_s if graceful else 0.0)
-        self._processes, self._jobs, self._finalizer = [], [], None
+            _shut_down(self._processes, self._jobs + [self._events], self.config.join_timeout_s if graceful else 0.0)
+        # The queues and the stop Event hold named semaphores until they are collected: let go now.
+        self._processes, self._jobs, self._events, self._stop, self._finalizer = [], [], None, None, None
 
     def _start(self) -> None:
         # A fresh port per start: the previous group's port may still be in TIME_WAIT.
@@ -172,7 +174,7 @@ class WorkerPool:
                 name=f"vidmem-rank{rank}", daemon=True)
             for rank in range(config.world_size)
         ]
-        self._finalizer = weakref.finalize(self, _shut_down, list(self._processes), list(self._jobs),
+        self._finalizer = weakref.finalize(self, _shut_down, list(self._processes), self._jobs + [self._events],
                                            self.config.join_timeout_s)
         with _host_main_hidden():
             for process in self._processes:
@@ -219,7 +221,7 @@ class WorkerPool:
                 try:  # its last words may have arrived just after the poll
                     return self._events.get(timeout=POLL_S)
                 except queue.Empty:
-                    raise RankError(rank, f"the process died with exit code {process.exitcode} while {doing}") from None
+                    raise RankError(rank, f"{_death(process.exitcode)} while {doing}") from None
         if deadline is not None and time.monotonic() > deadline:
             raise RankError(0, f"timed out after {self.config.start_timeout_s:.0f} s while {doing}")
         return None
@@ -235,17 +237,17 @@ class WorkerPool:
         deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline and any(p.is_alive() for p in self._processes):
             try:
-                reported.add(self._events.get(timeout=POLL_S)[1])
+                reported |= _speaker(self._events.get(timeout=POLL_S))
             except queue.Empty:
                 pass
         while True:  # what the ranks said before exiting (their queues flush at exit)
             try:
-                reported.add(self._events.get(timeout=POLL_S)[1])
+                reported |= _speaker(self._events.get(timeout=POLL_S))
             except queue.Empty:
                 break
         for rank, process in enumerate(self._processes):
             if rank not in reported and process.exitcode not in (None, 0):
-                raise RankError(rank, f"the process died with exit code {process.exitcode}")
+                raise RankError(rank, _death(process.exitcode))
         kind, rank, text = message
         raise RankError(rank, text if kind == "error" else f"stopped ({text})")
 
@@ -255,6 +257,26 @@ class WorkerPool:
         deadline = time.monotonic() + self.config.cancel_grace_s
         while time.monotonic() < deadline and any(p.is_alive() for p in self._processes):
             time.sleep(POLL_S)
+
+
+def _death(exitcode: int) -> str:
+    """How a rank's process ended, in words: a negative exit code is the signal that ended it."""
+    text = f"the process died with exit code {exitcode}"
+    if exitcode >= 0:
+        return text
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        return text
+    if -exitcode == signal.SIGKILL:  # nobody else sends it to a rank: the pool kills only ranks it stops itself
+        return (f"{text} ({name}: on Linux most often the out-of-memory killer; each rank holds its own copy of the "
+                "pipeline in RAM, so use fewer GPUs or keep the weights mapped from their files)")
+    return f"{text} ({name})"
+
+
+def _speaker(message: tuple) -> set[int]:
+    """The rank a message is from, for blame; none for progress, whose second field is a step."""
+    return set() if message[0] == "progress" else {message[1]}
 
 
 @contextmanager
@@ -276,9 +298,10 @@ def _host_main_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
-def _shut_down(processes: list, jobs: list, join_timeout_s: float) -> None:
-    """Close a pool's ranks; a finalizer, so it also runs at exit or when the pool is collected."""
-    for process, job_queue in zip(processes, jobs):
+def _shut_down(processes: list, queues: list, join_timeout_s: float) -> None:
+    """Close a pool's ranks, then its queues (each rank's jobs, then the events); a finalizer, so it
+    also runs at exit or when the pool is collected."""
+    for process, job_queue in zip(processes, queues):
         if join_timeout_s and process.is_alive():
             try:
                 job_queue.put(None)
@@ -294,7 +317,7 @@ def _shut_down(processes: list, jobs: list, join_timeout_s: float) -> None:
         if process.is_alive():
             process.kill()
             process.join(2.0)
-    for job_queue in jobs:
-        job_queue.close()
-        job_queue.cancel_join_thread()
+    for each_queue in queues:
+        each_queue.close()
+        each_queue.cancel_join_thread()
 

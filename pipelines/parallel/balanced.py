@@ -26,7 +26,7 @@ PROMPT_ENCODER = "text_encoder"
 @dataclass(frozen=True)
 class DeviceRoom:
     device: str  # "cuda:1", or any name in tests
-    free_bytes: int
+    memory_bytes: int  # what the GPU holds in all: the run asks the host to make room there
 
 
 @dataclass(frozen=True)
@@ -53,17 +53,17 @@ def balanced_placement(component_bytes: Mapping[str, int], rooms: Sequence[Devic
     home, other = rooms[0], rooms[1]
     denoisers = [component_bytes.get(name, 0) for name in DENOISERS]
     whole = {"none": sum(denoisers), "model": max(denoisers)}.get(offload, 0)
-    if whole > home.free_bytes:
+    if whole > home.memory_bytes:
         raise ModelError(
             f"balanced placement: under offload={offload} the transformers need {whole / GiB:.1f} GiB on the first "
-            f"listed GPU ({home.device}), which has {home.free_bytes / GiB:.1f} GiB free; use offload=block_swap, "
+            f"listed GPU ({home.device}), which holds {home.memory_bytes / GiB:.1f} GiB; use offload=block_swap, "
             "context_parallel=ulysses, or list the roomiest GPU first in gpus."
         )
     encoder_bytes = component_bytes.get(PROMPT_ENCODER, 0)
-    if encoder_bytes > other.free_bytes:
+    if encoder_bytes > other.memory_bytes:
         raise ModelError(
             f"balanced placement: the text encoder needs {encoder_bytes / GiB:.1f} GiB on the second listed GPU "
-            f"({other.device}), which has {other.free_bytes / GiB:.1f} GiB free; list a roomier GPU second in gpus, "
+            f"({other.device}), which holds {other.memory_bytes / GiB:.1f} GiB; list a roomier GPU second in gpus, "
             "or use gpus=auto with text_encoder=cpu."
         )
     return Placement(home.device, other.device)
@@ -132,7 +132,11 @@ def sample_balanced(loaded, strategy, request, placement: Placement, hooks=None)
     # The encoder is placed here, so the tier must leave it alone: the engine's "cpu" placement
     # is exactly "not part of the stage; embeddings are moved to the compute device".
     per_call = replace(strategy, parallel=Parallelism(), text_encoder=TextEncoderPlacement.CPU)
-    with placed_encoder(loaded.pipe, torch.device(placement.prompt_encoder)):
-        result = sample(loaded, per_call, request, hooks or RunHooks(), device=torch.device(placement.denoisers))
+    hooks = hooks or RunHooks()
+    encoder_device = torch.device(placement.prompt_encoder)
+    # The transformers' GPU gets its room from sample(); the encoder's, which the host's own models may fill, here.
+    hooks.make_room(component_bytes(loaded.pipe).get(PROMPT_ENCODER, 0), encoder_device)
+    with placed_encoder(loaded.pipe, encoder_device):
+        result = sample(loaded, per_call, request, hooks, device=torch.device(placement.denoisers))
     result.receipt.update(strategy=strategy.describe(), placement=placement.describe())
     return result

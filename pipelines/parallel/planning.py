@@ -3,7 +3,8 @@
 A context-parallel run holds one copy of the pipeline in every rank's process and one in the
 coordinator's (ComfyUI's), so its RAM is (ranks + 1) copies, and each GPU's peak is a rank's
 (memory.plan.parallel). offload=auto chooses from `parallel_candidates` under those figures; an
-explicit strategy gets `plan_parallel` as advice.
+explicit strategy gets `plan_parallel` as advice. Balanced placement is planned per GPU too, with
+the rows the chart shows (one process: the transformers on the first GPU, the encoder on the second).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...memory.plan.parallel import MultiGpu, ParallelPlan, parallel_candidates, parallel_recommended, plan_parallel
+from ...memory.plan.parallel import GpuSharing, MultiGpu, ParallelPlan, parallel_candidates, parallel_recommended, plan_parallel
+from ...memory.plan.parallel_checks import ParallelError
 from ...memory.plan.planner import PlanError, PlanOptions
 from ...memory.plan.stages import VideoShape
 from ...memory.strategy import MemoryStrategy, Parallelism
@@ -46,6 +48,29 @@ def choose_parallel(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrat
     return plans[best]
 
 
+def choose_balanced(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy, gpus: int, vram_budget_bytes: int,
+                    ram_budget_bytes: int, options: PlanOptions = PlanOptions()) -> ParallelPlan:
+    """Balanced placement's fastest fitting plan over `gpus` GPUs, from the rows the chart shows
+    (`parallel_candidates`: each tier on the transformers' GPU, the prompt encoder whole on the
+    second); PlanError otherwise. The budgets are the transformers' GPU's and this process's RAM."""
+    layout = MultiGpu(gpus, GpuSharing.BALANCED)
+    options = plan_options(loaded, options, device="cuda")
+    plans, _ = parallel_candidates(sampling_model(loaded), shape, vram_budget_bytes, ram_budget_bytes, layout,
+                                   replace(base, offload="model", blocks_to_swap=0, parallel=Parallelism()), options)
+    best = parallel_recommended(plans, on_disk=options.on_disk)
+    if best is None:
+        raise PlanError(nothing_fits(plans, layout, vram_budget_bytes, ram_budget_bytes))
+    return plans[best]
+
+
+def plan_balanced(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStrategy, gpus: int,
+                  vram_budget_bytes: int, ram_budget_bytes: int, options: PlanOptions = PlanOptions()) -> ParallelPlan:
+    """The balanced prediction for a strategy the user set (advice, as plan_explicit's)."""
+    return plan_parallel(sampling_model(loaded), shape, replace(strategy, parallel=Parallelism()),
+                         MultiGpu(gpus, GpuSharing.BALANCED), plan_options(loaded, options, device="cuda"),
+                         vram_budget_bytes, ram_budget_bytes)
+
+
 def plan_explicit(loaded: LoadedPipeline, shape: VideoShape, strategy: MemoryStrategy, ranks: Ranks,
                   vram_budget_bytes: int, ram_budget_bytes: int, options: PlanOptions = PlanOptions()) -> ParallelPlan:
     """The per-GPU prediction for a strategy the user set (advice: the run goes ahead either way); `options` as
@@ -65,15 +90,41 @@ class RankRoom:
     weight_bytes: int
 
 
-def rank_rooms(loaded: LoadedPipeline, strategy: MemoryStrategy, request, ranks: Ranks) -> list[RankRoom]:
-    """Each rank GPU's room (for the host's make_room, which inside ComfyUI unloads its own models):
-    the per-GPU plan's peak and weights, or when the planner cannot model this pipeline, the whole
-    pipeline's weights (every rank opens all of them)."""
+def run_plan(loaded: LoadedPipeline, strategy: MemoryStrategy, request, ranks: Ranks) -> ParallelPlan | None:
+    """The per-GPU plan of the run the ranks are about to make; None when the planner cannot model
+    this pipeline."""
     guided = request.cfg > 1 or (request.cfg_2 or 0) > 1
     shape = VideoShape(request.width, request.height, request.frames, cfg=guided)
     try:
-        rooms = [(g.peak_bytes, g.weights_bytes) for g in plan_explicit(loaded, shape, strategy, ranks, None, None).gpus]
+        return plan_explicit(loaded, shape, strategy, ranks, None, None)
     except ValueError:
+        return None
+
+
+def check_parallel_ram(plan: ParallelPlan | None) -> None:
+    """ParallelError when the processes' copies of the pipeline together exceed this machine's RAM and
+    swap: every rank loads its own copy beside the coordinator's, and a rank the out-of-memory killer
+    ends mid-load tells the user only its exit code. (A budget the user set is the planner's to weigh;
+    this is the run that can never finish, whatever the tier was set to.)"""
+    import psutil
+
+    ram, swap = psutil.virtual_memory().total, psutil.swap_memory().total
+    if plan is not None and plan.host_bytes > ram + swap:
+        raise ParallelError(
+            f"context parallelism over {plan.layout.gpus} ranks with {plan.strategy.describe()} needs "
+            f"{_gib(plan.host_bytes)} of RAM: each rank and this process hold their own copy of the pipeline, and "
+            f"this machine has {_gib(ram)} of RAM and {_gib(swap)} of swap. Use fewer GPUs (gpus), keep the weights "
+            "mapped from their files (the disk tier: the folder's own weight_dtype, or weights_on_disk on Load Video "
+            "Files), or set context_parallel to off.")
+
+
+def rank_rooms(loaded: LoadedPipeline, plan: ParallelPlan | None, ranks: Ranks) -> list[RankRoom]:
+    """Each rank GPU's room (for the host's make_room, which inside ComfyUI unloads its own models):
+    the per-GPU plan's (`run_plan`) peak and weights, or when the planner cannot model this pipeline,
+    the whole pipeline's weights (every rank opens all of them)."""
+    if plan is not None:
+        rooms = [(g.peak_bytes, g.weights_bytes) for g in plan.gpus]
+    else:
         whole = sum(component_bytes(loaded.pipe).values())
         rooms = [(whole, whole)] * ranks.degree
     return [RankRoom(torch.device("cuda", gpu), peak, weights) for gpu, (peak, weights) in zip(ranks.gpus, rooms)]
@@ -81,19 +132,26 @@ def rank_rooms(loaded: LoadedPipeline, strategy: MemoryStrategy, request, ranks:
 
 def nothing_fits(plans: list[ParallelPlan], layout: MultiGpu, vram: int, ram: int) -> str:
     leanest = min(plans, key=lambda p: (p.host_bytes, p.per_gpu_peak_bytes))
+    balanced = layout.mode is GpuSharing.BALANCED
     short = []
     if leanest.host_bytes > ram:
-        short.append(f"RAM {_gib(leanest.host_bytes)} for {layout.gpus} ranks and this process, each with its own copy "
-                     f"of the pipeline (ram_budget_gb: {_gib(ram)})")
+        holders = "this process" if balanced else \
+            f"{layout.gpus} ranks and this process, each with its own copy of the pipeline"
+        short.append(f"RAM {_gib(leanest.host_bytes)} for {holders} (ram_budget_gb: {_gib(ram)})")
     if not all(g.fits(vram) for g in leanest.gpus):
         short.append(f"{_gib(leanest.per_gpu_peak_bytes)} per GPU (vram_budget_gb: {_gib(vram)})")
+    fix = "list the roomiest GPU first in gpus" if balanced else "use fewer GPUs, or set context_parallel to off"
     return (f"offload=auto: no tier fits {layout.gpus}-way {layout.mode.value} at {leanest.shape.width}x"
             f"{leanest.shape.height}x{leanest.shape.frames}: the leanest ({leanest.strategy.describe()}) needs "
-            + " and ".join(short) + ". Raise the budget, use fewer GPUs, or set context_parallel to off.")
+            + " and ".join(short) + f". Raise the budget, or {fix}.")
 
 
 def parallel_plan_line(plan: ParallelPlan) -> str:
     fits = "" if plan.fits is None else ("; fits" if plan.fits else "; over budget")
+    if plan.layout.mode is GpuSharing.BALANCED:
+        return (f"{plan.strategy.describe()} on the transformers' GPU, the text encoder on the second, balanced over "
+                f"{plan.layout.gpus} GPUs; peak per GPU {_gib(plan.per_gpu_peak_bytes)}, RAM {_gib(plan.host_bytes)}"
+                f"{fits}")
     return (f"{plan.strategy.describe()} per rank, {plan.layout.gpus}-way {plan.layout.mode.value}; peak per GPU "
             f"{_gib(plan.per_gpu_peak_bytes)}, RAM {_gib(plan.host_bytes)} for all processes{fits}")
 

@@ -1,10 +1,11 @@
 """The coordinator's side of a context-parallel Sampler run.
 
 Everything that can be refused is refused here, before a rank starts: the family (anything but
-Wan), an activation chunk count, an attention kernel with no context-parallel version, ring on the CPU, heads or tokens that do not divide by the degree, a pipeline the ranks could
-not reopen. The pool of ranks hangs off the pipeline it serves (`pipe.vidmem_worker_pool`), so
-it is reused run over run and goes away with the pipeline: its finalizer stops the ranks. Beside
-it hang the stand-ins of the ranks' warm stores (`pipe.vidmem_rank_stores`, memory/parallel/kept.py):
+Wan), an activation chunk count, an attention kernel with no context-parallel version, ring on the CPU, heads or
+tokens that do not divide by the degree, a pipeline the ranks could not reopen, copies of the pipeline (one per
+rank and this process's) beyond the machine's RAM and swap. The pool of ranks hangs off the pipeline it
+serves (`pipe.vidmem_worker_pool`), so it is reused run over run and goes away with the pipeline: its finalizer
+stops the ranks. Beside it hang the stand-ins of the ranks' warm stores (`pipe.vidmem_rank_stores`, memory/parallel/kept.py):
 each run registers one per rank GPU with the host and records what the ranks keep afterwards.
 """
 
@@ -27,7 +28,7 @@ from ..sample_checks import refuse_cache_in_parallel, refuse_windows_in_parallel
 from ..speed import resolve_speed
 from .checks import check_context_parallel, check_parallel_attention, rank_strategy
 from .job import ParallelSampleJob
-from .planning import rank_rooms
+from .planning import check_parallel_ram, rank_rooms, run_plan
 from .ranks import Ranks
 from .source import PipelineSource
 
@@ -58,6 +59,8 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
         check_parallel_attention(resolved, denoisers(loaded.pipe, loaded.spec), strategy.parallel.context_parallel.value)
     check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,
                            ranks.degree, device_type)
+    plan = run_plan(loaded, strategy, request, ranks)
+    check_parallel_ram(plan)
     job = ParallelSampleJob(PipelineSource.of(loaded), rank_pinned_share(strategy, ranks.degree, hooks.pinned_room()),
                             request)
     pool = pool if pool is not None else pool_for(loaded, ranks)
@@ -66,7 +69,7 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     kept = rank_stores_for(loaded, pool, ranks)
     with kept.running():  # the host's requests for the ranks' memory wait for the run's end
         if ranks.gpus:  # inside ComfyUI its own models may hold the ranks' GPUs (GPU 0 above all)
-            for room, store in zip(rank_rooms(loaded, strategy, request, ranks), kept.stores):
+            for room, store in zip(rank_rooms(loaded, plan, ranks), kept.stores):
                 hooks.make_room(room.total_bytes, room.device, warm=store, weight_bytes=room.weight_bytes)
         result = pool.run(job, hooks.on_step, hooks.check_interrupt)
         kept.update(result.receipt.get("parallel", {}).get("per_rank_kept_bytes"))

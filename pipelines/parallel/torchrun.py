@@ -23,6 +23,7 @@ from ...memory.parallel import leave_group, run_in_process_group
 from ...memory.strategy import MemoryStrategy, Parallelism
 from ..sample import SampleRequest
 from .job import ParallelSampleJob
+from .run import rank_pinned_share
 from .source import PipelineSource
 
 
@@ -42,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--offload", default="none", help="the tier each rank applies to its own copy")
     parser.add_argument("--blocks-to-swap", type=int, default=0)
     parser.add_argument("--mode", default="ulysses", choices=("ulysses", "ring"))
+    parser.add_argument("--max-pinned-ram-gb", type=float, default=None,
+                        help="each process's pinned-memory ceiling; unset, the processes on a machine share half its "
+                             "free RAM")
     return parser.parse_args(argv)
 
 
@@ -64,7 +68,9 @@ def main(argv=None) -> None:
     try:
         world = dist.get_world_size()
         strategy = MemoryStrategy(offload=args.offload, blocks_to_swap=args.blocks_to_swap,
-                                  parallel=Parallelism(None, args.mode, world))
+                                  max_pinned_ram_gb=args.max_pinned_ram_gb, parallel=Parallelism(None, args.mode, world))
+        # The processes on this machine share one automatic pinned ceiling, as the pool's ranks do.
+        strategy = rank_pinned_share(strategy, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), None)
         request = SampleRequest(args.prompt, args.negative_prompt, args.width, args.height, args.frames, args.steps,
                                 args.cfg, args.seed)
         source = PipelineSource(os.path.abspath(args.folder), args.dtype)
