@@ -24,6 +24,7 @@ from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
 from ..pipelines.sample_checks import refuse_cache_in_parallel, refuse_windows_in_parallel, validate_request
+from ..pipelines.sample_chunks import UNCHUNKED_KERNEL
 from ..pipelines.schedulers import SCHEDULERS
 from ..pipelines.loader import torch_dtype
 from ..pipelines.speed import measured_speed, planned_attention, resolve_speed
@@ -180,7 +181,10 @@ class VidMemVideoSampler:
                                 speed_input(speed, NODE), last.image if last else None, window=window,
                                 window_overlap=window_overlap)
         device = host.compute_device()
-        check_before_planning(pipeline, choice, request, device)
+        resolved = check_before_planning(pipeline, choice, request, device)
+        if choice.strategy.chunks_auto and not resolved.takes_chunks:  # planned and run unchunked, said in the receipt
+            choice = replace(choice, strategy=replace(choice.strategy, activation_chunks=1),
+                             notes=(*choice.notes, UNCHUNKED_KERNEL))
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
         shape = VideoShape(width, height, frames, cfg=guided, window=window, window_overlap=window_overlap)
         lora_hooks = any(spec.strength != 0 for spec in getattr(pipeline, "loras", ()))  # strength 0 adds no hook
@@ -215,11 +219,11 @@ class VidMemVideoSampler:
         return {"ui": {"text": [text], "vidmem_receipt": [receipt]}, "result": (record_plan(result.latent, shape, options),)}
 
 
-def check_before_planning(pipeline, choice, request, device) -> None:
+def check_before_planning(pipeline, choice, request, device):
     """Everything the loaded pipeline can tell about this request before any planning, encoding or
     moving: the request's rules for this model (validate_request: size, frames, image, controls),
     the Speed node's choices on this device and model (also before a context-parallel run starts its
-    ranks), and blocks_to_swap against the model's blocks."""
+    ranks), and blocks_to_swap against the model's blocks. Returns the Speed node's choices resolved."""
     validate_request(pipeline, request)
     if choice.strategy.parallel.balanced:
         _balanced_gpus(choice.strategy, device)  # visible, before a plan reads their memory
@@ -236,6 +240,7 @@ def check_before_planning(pipeline, choice, request, device) -> None:
     if not choice.auto:
         for name, blocks in denoiser_blocks(pipeline.pipe, pipeline.spec).items():
             choice.strategy.check_against_model(len(blocks), name)
+    return resolved
 
 
 def _sample(pipeline, strategy, request, hooks, device):
@@ -304,7 +309,11 @@ def _strategy_for_run(pipeline, choice, shape: VideoShape, device, options: Plan
         plan = plan_strategy(pipeline, shape, choice.strategy, vram, ram, options, device=device)
     except ValueError as error:
         return choice.strategy, f"no prediction at {label}: {error}"
-    return choice.strategy, f"planned at {label}: {_peaks(plan)}"
+    # activation_chunks auto runs the count the plan line names, chosen within the budgets: left to the
+    # engine it would choose again from the memory free at the call (the user's budget unread).
+    run = replace(choice.strategy, activation_chunks=plan.strategy.activation_chunks) \
+        if choice.strategy.chunks_auto else choice.strategy
+    return run, f"planned at {label}: {_peaks(plan)}"
 
 
 def _parallel_strategy_for_run(pipeline, choice, shape: VideoShape, device, budgets, label: str,

@@ -50,7 +50,7 @@ from .room import keep_bytes, sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline, expert_steps
 from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
-from .sample_chunks import can_chunk, chunks_for_call
+from .sample_chunks import can_chunk, chunk_budget, chunks_for_call
 from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message, out_of_memory_message,
                             planner_fits, text_encoder_message, when_out_of_memory)
 from .schedulers import SamplerChoice, build_scheduler
@@ -299,7 +299,8 @@ class _Run:
         with interrupt_checks(interruptible_blocks(loaded), hooks.check_interrupt), encode_caches_dropped(loaded), \
                 apply_loras(lora_patches(loaded.pipe, loaded.loras), traced_in=compiled_modules) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
-                                hooks.device_budget(device), cache_state) as chunks, \
+                                chunk_budget(hooks.device_budget(device), warm), cache_state,
+                                self.speed.takes_chunks) as chunks, \
                 speed_for_call(self.speed, denoisers(loaded.pipe, loaded.spec), blocks, device, chunks) as speed, \
                 windows_for_call(loaded, self.request, record.last.steps_done if record.last else 0,
                                  earlier_passes) as windows:

@@ -20,27 +20,46 @@ from .family import denoiser_blocks, denoisers
 log = logging.getLogger("vidmem")
 
 
+# Why auto runs unchunked under SageAttention 1.x (speed.ResolvedSpeed.takes_chunks), in the receipt's note.
+UNCHUNKED_KERNEL = ("auto left chunking off: sageattention 1.x cannot run in slices (they call diffusers' dispatcher, "
+                    "which needs sageattention 2.1.1 or newer)")
+
+
 @contextlib.contextmanager
 def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int | None,
-                    cache_state: Mapping[str, CacheState] | None = None) -> Iterator[AppliedChunks]:
+                    cache_state: Mapping[str, CacheState] | None = None,
+                    takes_chunks: bool = True) -> Iterator[AppliedChunks]:
     """`strategy.activation_chunks` applied to `loaded`'s denoisers for one sampling call of `request`
     (a SampleRequest: its width, height, frames and context windows) with guidance on or off.
 
     auto asks the planner for the fewest slices whose denoise fits `budget_bytes` (the device bytes
     the run may use; None, as on the CPU: unknown, so nothing is chunked) beside what the step cache
     keeps (`cache_state`, per denoiser), and leaves chunking off, saying why in the receipt's note,
-    where the model cannot chunk or the planner cannot model it.
+    where the model cannot chunk, the attention kernel cannot run in slices (`takes_chunks` False) or
+    the planner cannot model it.
     An explicit count on a model that cannot chunk raises ChunkError before any block changes."""
     blocks = denoiser_blocks(loaded.pipe, loaded.spec)
     modules = denoisers(loaded.pipe, loaded.spec)
     count, note = strategy.activation_chunks, ""
-    if strategy.chunks_auto:
+    if strategy.chunks_auto and not takes_chunks:
+        count, note = 1, UNCHUNKED_KERNEL
+    elif strategy.chunks_auto:
         shape = VideoShape(request.width, request.height, request.frames, cfg=guided,
                            window=getattr(request, "window", 0), window_overlap=getattr(request, "window_overlap", 0))
         count, note = _auto_count(loaded, strategy, shape, budget_bytes, blocks, planned_attention(request.speed),
                                   cache_state or {})
     with activation_chunks(modules, blocks, count) as applied:
         yield replace(applied, note=note)  # the same record: the hooks fill in the slices that ran
+
+
+def chunk_budget(free_bytes: int | None, warm) -> int | None:
+    """The device bytes auto chunks against at run time: what is free now plus what the warm store
+    kept from the last call. Those copies are this call's own weights, which the planner counts
+    beside the activations, and already missing from the free figure (as room.keep_bytes counts
+    them): without them a warm second run chose more slices than the first."""
+    if free_bytes is None:
+        return None
+    return free_bytes + (warm.held_bytes if warm is not None else 0)
 
 
 def can_chunk(loaded) -> bool:

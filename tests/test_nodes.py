@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -142,9 +143,54 @@ def test_an_explicit_strategy_is_planned_at_the_samplers_shape_as_advice(tiny_lo
     loaded = tiny_loaded("wan2.1-t2v")
     (choice,) = VidMemMemoryStrategy().build(vram_budget_gb=1.0, **strategy_inputs(offload="block_swap", blocks_to_swap=1))["result"]
     run, line = _strategy_for_run(loaded, choice, VideoShape(32, 32, 9), torch.device("cpu"))
-    assert run is choice.strategy and line.startswith("planned at 32x32x9: offload=block_swap") and "fits" in line
+    assert line.startswith("planned at 32x32x9: offload=block_swap") and "fits" in line
+    assert choice.strategy.chunks_auto and run == dataclasses.replace(choice.strategy, activation_chunks=1)  # auto's, planned
     run, line = _strategy_for_run(loaded, choice, VideoShape(832, 480, 81), torch.device("cpu"))
     assert run is choice.strategy and line.startswith("no prediction at 832x480x81")  # tiny rope table: advice only
+
+
+def test_an_explicit_tier_runs_the_chunk_count_its_plan_line_names(tiny_loaded, monkeypatch):
+    """activation_chunks auto under a tier the user set: the Sampler plans it within the budgets and
+    runs that count; left to the engine, auto chose again from the memory free at the call (a warm
+    run's kept weights missing from it, the user's vram_budget_gb unread)."""
+    from dataclasses import replace as replaced
+
+    from vidmem.memory.plan import candidates
+    from vidmem.memory.plan.stages import VideoShape
+    from vidmem.nodes.sampler import _strategy_for_run
+
+    monkeypatch.setattr(candidates, "fewest_chunks", lambda model, shape, strategy, options, vram, leanest_blocks=False:
+                        replaced(strategy, activation_chunks=4))  # what a budget at a real size would need
+    (choice,) = VidMemMemoryStrategy().build(vram_budget_gb=1.0, **strategy_inputs(offload="none"),
+                                             activation_chunks="auto")["result"]
+    assert choice.strategy.chunks_auto
+    run, line = _strategy_for_run(tiny_loaded("wan2.1-t2v"), choice, VideoShape(32, 32, 9), torch.device("cpu"))
+    assert run == replaced(choice.strategy, activation_chunks=4) and "activation_chunks=4" in line
+
+
+def test_auto_chunks_are_planned_off_under_sageattention_1_with_a_note(tiny_loaded, monkeypatch):
+    """The kernel cannot run in slices: the Sampler plans and runs unchunked and says why, instead of
+    planning a count the run then refuses."""
+    from test_attention import SAGE1_RESOLVED
+    from vidmem.nodes import sampler as sampler_node
+    from vidmem.pipelines.speed import ResolvedSpeed
+
+    seen = []
+
+    class Planned(Exception):
+        pass
+
+    def strategy_for_run(pipeline, choice, shape, device, options):
+        seen.append(choice)
+        raise Planned
+
+    monkeypatch.setattr(sampler_node, "check_before_planning", lambda *args: ResolvedSpeed(None, SAGE1_RESOLVED))
+    monkeypatch.setattr(sampler_node, "_strategy_for_run", strategy_for_run)
+    (choice,) = VidMemMemoryStrategy().build(**strategy_inputs(offload="none"), activation_chunks="auto")["result"]
+    with pytest.raises(Planned):
+        sampler_node.VidMemVideoSampler().sample(tiny_loaded("wan2.1-t2v"), choice, "a cat", "", 32, 32, 9, 1, 1.0, 0)
+    assert seen[0].strategy.activation_chunks == 1
+    assert "sageattention 1.x cannot run in slices" in seen[0].notes[-1]
 
 
 @pytest.mark.parametrize("tile_size, ok", [(256, True), (100, False), (32, False), (8192, False), (None, True)])

@@ -213,7 +213,7 @@ def _tier_plan(model, shape, tier: OffloadTier, base: MemoryStrategy, options: P
     # Chunks before blocks: a slice costs compute that nothing hides (costs.CHUNK_COMPUTE_SHARE), a swapped block a copy
     # that mostly hides behind the previous block's compute; so the fewest slices first, at the leanest block count.
     if base.chunks_auto:
-        strategy = fewest_chunks(model, shape, strategy, options, vram)
+        strategy = fewest_chunks(model, shape, strategy, options, vram, leanest_blocks=True)
     if tier is OffloadTier.BLOCK_SWAP:
         strategy = _fewest_blocks(model, shape, strategy, options, vram)
     strategy = _text_encoder_that_fits(model, shape, strategy, options, budgets)
@@ -271,9 +271,12 @@ def _fewest_blocks(model, shape, strategy, options, vram: int) -> MemoryStrategy
     return replace(strategy, blocks_to_swap=low)
 
 
-def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, vram: int | None) -> MemoryStrategy:
+def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, vram: int | None,
+                  leanest_blocks: bool = False) -> MemoryStrategy:
     """`strategy` with the fewest CHUNK_STEPS token slices under which its denoise fits `vram` (the compute's
-    budget, PlanOptions.compute_budget; block swap: with every block swapped, the tier's leanest); when none
+    budget, PlanOptions.compute_budget; block swap: at the strategy's own blocks_to_swap, or with
+    `leanest_blocks` with every block swapped, the tier's leanest, for a planner that chooses the blocks
+    afterwards); when none
     does, the count that needs the least under that budget (StagePlan.footprint: near the limit the allocator
     releases its cache, so where one phase of a stage fits and another does not, as with Wan 2.2's two
     denoisers, the lowest unlimited reservation is not always the closest to fitting).
@@ -281,7 +284,7 @@ def fewest_chunks(model, shape, strategy: MemoryStrategy, options: PlanOptions, 
     if vram is None:
         return replace(strategy, activation_chunks=1)
     probe = strategy
-    if strategy.offload is OffloadTier.BLOCK_SWAP:
+    if leanest_blocks and strategy.offload is OffloadTier.BLOCK_SWAP:
         probe = replace(strategy, blocks_to_swap=min(model.weights(n).block_count for n in model.layout.denoisers))
     leanest = None
     for chunks in CHUNK_STEPS:
