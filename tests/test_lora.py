@@ -178,6 +178,45 @@ def test_peft_metadata_alpha_is_honoured(wan, tmp_path):
     assert_close(run(wan, wan_inputs(), [spec]), theirs.detach(), "peft metadata alpha")
 
 
+def peft_metadata(**config):
+    """`lora_adapter_metadata` as diffusers' save_lora_weights writes it (settings under `transformer.`)."""
+    return {"lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()})}
+
+
+@needs_peft
+def test_rslora_metadata_gives_peft_scaling_and_output(wan, tmp_path):
+    """use_rslora: PEFT (and so diffusers, which builds LoraConfig(**metadata)) scales by alpha / sqrt(r);
+    here with a rank_pattern and an alpha_pattern layer beside the global r and lora_alpha."""
+    low = WAN_LAYERS[-1]
+    lora = random_lora(wan.transformer, WAN_LAYERS[:-1])
+    lora.update(random_lora(wan.transformer, [low], rank=2, seed=3))
+    meta = peft_metadata(r=RANK, lora_alpha=RANK, target_modules=WAN_LAYERS, use_rslora=True,
+                         rank_pattern={low: 2}, alpha_pattern={low: 8})
+    path = write(tmp_path / "rslora.safetensors", peft_keys(lora, None), meta)
+    spec = load_lora(path, wan, 0.7)
+    reference = build_tiny_pipeline("wan2.1-t2v")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference.load_lora_weights(str(path), adapter_name="rs")
+    for layer in spec.layers["transformer"]:
+        assert layer.lowrank_scale(1.0) == pytest.approx(reference.transformer.get_submodule(layer.module).scaling["rs"])
+    assert {layer.lowrank_scale(1.0) for layer in spec.layers["transformer"]} == {2.0, 8 / 2 ** 0.5}
+    reference.fuse_lora(lora_scale=0.7)
+    assert_close(run(wan, wan_inputs(), [spec]), reference.transformer(**wan_inputs())[0].detach(), "rslora")
+
+
+def test_rslora_equals_plain_lora_with_the_same_scale_bit_for_bit(wan, tmp_path):
+    """Runs without peft: rank 4, alpha 4 under rsLoRA is scale 4 / sqrt(4) = 2, which a plain LoRA gets from
+    alpha 8 (alpha / rank); without use_rslora the same file is scale 1 (the metadata flag is what changes it)."""
+    lora = random_lora(wan.transformer, WAN_LAYERS)
+    rslora = load_lora(write(tmp_path / "rs.safetensors", peft_keys(lora, None),
+                             peft_metadata(r=RANK, lora_alpha=RANK, use_rslora=True)), wan, 0.8)
+    plain = load_lora(write(tmp_path / "plain.safetensors", peft_keys(lora, None),
+                            peft_metadata(r=RANK, lora_alpha=2 * RANK, use_rslora=False)), wan, 0.8)
+    assert {layer.lowrank_scale(1.0) for layer in rslora.layers["transformer"]} == {2.0}
+    assert torch.equal(run(wan, wan_inputs(), [rslora]), run(wan, wan_inputs(), [plain]))
+
+
 @needs_peft
 def test_lightx2v_style_deltas_match_diffusers(wan, tmp_path):
     """lightx2v distill LoRAs: lora_down/up + alpha, bias deltas (diff_b), a full head delta, zero norm deltas."""

@@ -10,7 +10,7 @@ from test_lora import COG_LAYERS, WAN_LAYERS, kohya_keys, peft_keys, random_lora
 from vidmem.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, host
 from vidmem.nodes.lora import VidMemLoadLoRA
 from vidmem.pipelines.loader import LoadedPipeline
-from vidmem.pipelines.lora import LoraError, describe_loras, load_lora, lora_patches
+from vidmem.pipelines.lora import LoraError, describe_loras, load_lora, lora_patches, read_lora_file
 from vidmem.memory.units import human_bytes
 from vidmem.pipelines.tiny import build_tiny_pipeline
 
@@ -62,19 +62,72 @@ def test_expert_choice_on_a_single_expert_model_is_refused(wan, tmp_path):
 
 
 def test_partial_matches_warn_with_every_skipped_key(wan, tmp_path):
-    """An I2V LoRA (image attention) on a T2V model, plus a DoRA magnitude the pack cannot apply."""
+    """An I2V LoRA (image attention) on a T2V model, plus a LoHa tensor the pack cannot apply."""
     keys = kohya_keys("diffusion_model.", False)(random_lora(wan.transformer, WAN_LAYERS), 4.0)
     keys["diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight"] = torch.zeros(4, 24)
     keys["diffusion_model.blocks.0.cross_attn.k_img.lora_up.weight"] = torch.zeros(24, 4)
-    keys["diffusion_model.blocks.0.self_attn.q.lora_magnitude_vector"] = torch.ones(24)
+    keys["diffusion_model.blocks.0.self_attn.q.hada_w1_a"] = torch.ones(24, 2)
     path = write(tmp_path / "i2v.safetensors", keys)
     with pytest.warns(UserWarning, match="i2v.safetensors: 3 key") as record:
         spec = load_lora(path, wan)
     message = str(record[0].message)
     assert "cross_attn.k_img.lora_down.weight: no layer 'diffusion_model.blocks.0.cross_attn.k_img'" in message
     assert "cross_attn.k_img.lora_up.weight" in message
-    assert "lora_magnitude_vector: not a LoRA tensor vidmem reads (DoRA" in message
+    assert "hada_w1_a: not a LoRA tensor vidmem reads (LoHa and LoKr" in message
     assert spec.skipped and len(spec.layers["transformer"]) == len(WAN_LAYERS)
+
+
+@pytest.mark.parametrize("extra, metadata, evidence", [
+    ({"transformer.blocks.0.attn1.to_q.lora_magnitude_vector": torch.ones(24)}, None,
+     r"key 'transformer.blocks.0.attn1.to_q.lora_magnitude_vector'"),  # PEFT / diffusers save_lora_weights
+    ({"diffusion_model.blocks.0.self_attn.q.dora_scale": torch.ones(1, 24)}, None,
+     r"key 'diffusion_model.blocks.0.self_attn.q.dora_scale'"),  # kohya / LyCORIS, as ComfyUI reads it
+    ({}, {"lora_adapter_metadata": '{"transformer.r": 4, "transformer.use_dora": true}'},
+     r"'use_dora' in its 'lora_adapter_metadata' metadata"),
+])
+def test_a_dora_is_refused_naming_the_file_and_what_to_use_instead(wan, tmp_path, extra, metadata, evidence):
+    """Its A/B without the magnitude would be neither the DoRA nor the base model: refused, also from the
+    header alone (the plan's read), never half applied."""
+    path = write(tmp_path / "dora.safetensors", {**peft_keys(random_lora(wan.transformer, WAN_LAYERS), None), **extra},
+                 metadata)
+    says = rf"dora.safetensors is a DoRA \({evidence}\); vidmem does not apply DoRA.*plain-LoRA release.*LoraLoaderModelOnly"
+    with pytest.raises(LoraError, match=says):
+        load_lora(path, wan)
+    with pytest.raises(LoraError, match=says):
+        read_lora_file(path, header_only=True)
+
+
+def animate_keys(wan, face_adapter_names, flatten=False):
+    """A Wan Animate LoRA in ComfyUI's naming: face-adapter layers (absent from a plain Wan) beside block layers."""
+    keys = kohya_keys("lora_unet_" if flatten else "diffusion_model.", flatten)(random_lora(wan.transformer, WAN_LAYERS), 4.0)
+    for name in face_adapter_names:
+        stem = "lora_unet_" + name.replace(".", "_") if flatten else f"diffusion_model.{name}"
+        keys[f"{stem}.lora_down.weight"], keys[f"{stem}.lora_up.weight"] = torch.randn(2, 8), torch.randn(16, 2)
+    return keys
+
+
+FACE_ADAPTER = ["face_adapter.fuser_blocks.0.linear1_kv", "face_adapter.fuser_blocks.0.linear1_q",
+                "face_adapter.fuser_blocks.0.linear2"]
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_a_wan_animate_lora_applies_its_block_layers_and_lists_the_face_adapter(wan, tmp_path, flatten):
+    """diffusers' Wan converter splits `linear1_kv` by its tensor's `.shape`: fed names, it raised an
+    AttributeError out of Load LoRA. The names it cannot take are reported like any unknown layer."""
+    path = write(tmp_path / "animate.safetensors", animate_keys(wan, FACE_ADAPTER, flatten))
+    with pytest.warns(UserWarning, match=r"animate.safetensors: 6 key") as record:
+        spec = load_lora(path, wan)
+    assert "linear1_kv.lora_down.weight: no layer" in str(record[0].message)
+    assert len(spec.layers["transformer"]) == len(WAN_LAYERS)
+    plain = load_lora(write(tmp_path / "plain.safetensors", animate_keys(wan, [], flatten)), wan)
+    assert [layer.module for layer in spec.layers["transformer"]] == [layer.module for layer in plain.layers["transformer"]]
+
+
+def test_a_face_adapter_only_lora_is_refused_as_a_lora_for_another_model(wan, tmp_path):
+    keys = animate_keys(wan, FACE_ADAPTER)
+    path = write(tmp_path / "face_only.safetensors", {k: v for k, v in keys.items() if "face_adapter" in k})
+    with pytest.raises(LoraError, match=r"face_only.safetensors: none of its 6 keys apply to this WanTransformer3DModel.*another model family"):
+        load_lora(path, wan)
 
 
 def test_incomplete_layer_is_refused(wan, tmp_path):
@@ -87,8 +140,8 @@ def test_incomplete_layer_is_refused(wan, tmp_path):
 def test_node_chains_without_mutating_its_input(wan, tmp_path, monkeypatch):
     from vidmem.pipelines.wan import WAN
 
-    first = write(tmp_path / "first.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS, seed=1), None))
-    second = write(tmp_path / "second.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS, seed=2), None))
+    write(tmp_path / "first.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS, seed=1), None))
+    write(tmp_path / "second.safetensors", peft_keys(random_lora(wan.transformer, WAN_LAYERS, seed=2), None))
     monkeypatch.setattr(host, "resolve_lora", lambda name: tmp_path / name)
     loaded = LoadedPipeline(wan, WAN, "WanPipeline", "tiny", "fp32")
     node = VidMemLoadLoRA()

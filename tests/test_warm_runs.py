@@ -337,7 +337,8 @@ def test_an_out_of_memory_cleanup_drops_every_kept_copy_first(loaded, hooks, mon
 
 def test_a_lora_beside_its_layers_is_kept_warm_with_them(loaded, hooks, tmp_path, monkeypatch):
     """LoRA tensors are the same host tensors every call (registered as buffers for the call), so
-    the second run with the same LoRA uploads nothing either; a run without it leaves its copies."""
+    the second run with the same LoRA uploads nothing either; a run without it leaves its copies,
+    and computes the plain run's latents bit for bit (no LoRA term left on a kept layer)."""
     from dataclasses import replace
 
     from test_lora import WAN_LAYERS, peft_keys, random_lora, write
@@ -348,14 +349,18 @@ def test_a_lora_beside_its_layers_is_kept_warm_with_them(loaded, hooks, tmp_path
     FakeCuda().install(monkeypatch)
     backend = CudaBackend(torch.device("cpu"))
     strategy, request = MemoryStrategy(offload="none"), request_for(VARIANT)
-    plain = sample(loaded, strategy, request, hooks=hooks, backend=backend).receipt["warm"]
+    plain_run = sample(loaded, strategy, request, hooks=hooks, backend=backend)
+    plain = plain_run.receipt["warm"]
     first = sample(with_lora, strategy, request, hooks=hooks, backend=backend)
     lora_bytes = first.receipt["lora_bytes"]
     assert 0 < first.receipt["warm"]["uploaded_bytes"] == lora_bytes  # only the LoRA's tensors were new
     second = sample(with_lora, strategy, request, hooks=hooks, backend=backend)
     assert second.receipt["warm"]["uploaded_bytes"] == 0
     assert torch.equal(first.latent["samples"], second.latent["samples"])
-    back = sample(loaded, strategy, request, hooks=hooks, backend=backend).receipt["warm"]
+    assert not torch.equal(first.latent["samples"], plain_run.latent["samples"])  # the LoRA changed the run
+    back_run = sample(loaded, strategy, request, hooks=hooks, backend=backend)
+    back = back_run.receipt["warm"]
+    assert torch.equal(back_run.latent["samples"], plain_run.latent["samples"])  # no LoRA term left on a layer
     assert back["uploaded_bytes"] == 0 and back["kept_bytes"] == plain["kept_bytes"]  # the LoRA's copies dropped
 
 

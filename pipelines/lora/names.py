@@ -33,16 +33,34 @@ MAX_FLAT_TOKENS = 10  # a flattened name splits into at most 2**(n-1) dotted gue
 def by_converter(converter: str) -> Callable[[Iterable[str]], dict[str, str]]:
     """Original module names -> diffusers names, by the diffusers single-file converter `converter`
     (a function of diffusers.loaders.single_file_utils) run on `<name>.weight` keys. A name the
-    converter drops is left out, so it is reported as unknown."""
+    converter drops, or cannot take, is left out, so it is reported as unknown."""
 
     def convert(names: Iterable[str]) -> dict[str, str]:
         from diffusers.loaders import single_file_utils
 
-        checkpoint = {f"{name}.weight": name for name in names}
-        converted = getattr(single_file_utils, converter)(dict(checkpoint))
-        return {original: new.removesuffix(".weight") for new, original in converted.items()}
+        run = getattr(single_file_utils, converter)
+        names = list(names)
+        try:
+            return _converted(run, names)
+        except Exception:
+            # The converter is written for checkpoints: some names make it touch the values (Wan
+            # Animate's `face_adapter...linear1_kv` is split by `.shape`), which are names here. Each
+            # name alone, then: those that still raise are left out, and the rest convert unaffected.
+            return {original: new for name in names for original, new in _converted_alone(run, name).items()}
 
     return convert
+
+
+def _converted(run: Callable[[dict], dict], names: list[str]) -> dict[str, str]:
+    converted = run({f"{name}.weight": name for name in names})
+    return {original: new.removesuffix(".weight") for new, original in converted.items()}
+
+
+def _converted_alone(run: Callable[[dict], dict], name: str) -> dict[str, str]:
+    try:
+        return _converted(run, [name])
+    except Exception:
+        return {}
 
 
 wan_original_to_diffusers = by_converter("convert_wan_transformer_to_diffusers")

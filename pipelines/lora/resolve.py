@@ -1,7 +1,8 @@
 """A LoRA file's raw layers -> canonical layers on one model: module path, down, up, alpha, deltas.
 
 Canonical form (`ResolvedLayer`): the diffusers module path (`blocks.3.attn1.to_q`), down
-[rank, in], up [out, rank], alpha (None: scale 1, the diffusers/PEFT convention), and optional
+[rank, in], up [out, rank], alpha (None: alpha = rank, the diffusers/PEFT convention), whether
+the rank enters the scale as sqrt(rank) (PEFT's use_rslora), and optional
 full weight / bias deltas (`diff`, `diff_b`, as lightx2v's distill LoRAs carry). Every key of the
 file ends up either applied or in `skipped` with its reason; nothing is dropped silently.
 """
@@ -33,6 +34,7 @@ class ResolvedLayer:
     module: str  # path inside the denoiser, diffusers naming
     tensors: Mapping[str, torch.Tensor]  # down [r, in], up [out, r], up_bias [out], diff [out, in], diff_b [out]
     alpha: float | None
+    rslora: bool = False  # PEFT's use_rslora: scale alpha / sqrt(rank)
 
     @property
     def rank(self) -> int | None:
@@ -40,8 +42,12 @@ class ResolvedLayer:
         return None if down is None else down.shape[0]
 
     def lowrank_scale(self, strength: float) -> float:
-        """strength x alpha / rank (kohya and PEFT), or strength when the file gives no alpha."""
-        return strength if self.alpha is None else strength * self.alpha / self.rank
+        """strength x alpha / rank (kohya and PEFT), alpha / sqrt(rank) under rsLoRA (PEFT's `scaling`);
+        alpha = rank when the file gives none (scale 1 for a plain LoRA)."""
+        if self.alpha is None and not self.rslora:
+            return strength  # exactly, not strength x rank / rank rounded
+        alpha = self.rank if self.alpha is None else self.alpha
+        return strength * alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
     def patches(self, module: nn.Module, strength: float, name: str) -> list[LoraPatch]:
         """Engine patches: the low-rank term scaled by alpha/rank, the deltas by strength alone."""
@@ -59,7 +65,7 @@ def resolve_layers(lora: LoraFile, model: nn.Module) -> tuple[tuple[ResolvedLaye
     """(applied layers, the naming the file uses, skipped keys with reasons) for `model`."""
     names = ModelNames(model)
     targets, naming = names.resolve(lora.layers)
-    skipped = [f"{key}: not a LoRA tensor vidmem reads (DoRA, LoHa and LoKr are not supported)" for key in lora.unknown_keys]
+    skipped = [f"{key}: not a LoRA tensor vidmem reads (LoHa and LoKr are not supported)" for key in lora.unknown_keys]
     layers, owner = [], {}
     for source, raw in lora.layers.items():
         target = targets.get(source)
@@ -105,7 +111,7 @@ def _canonical(lora: LoraFile, raw: RawLayer, target: str, module: nn.Module) ->
             check_fits(module, target, None, None, None, t["up_bias"])
     except LoraError as error:
         raise LoraError(f"LoRA file {lora.path}: {error}") from None
-    return ResolvedLayer(target, t, _alpha(lora, raw, target))
+    return ResolvedLayer(target, t, _alpha(lora, raw, target), lora.rslora)
 
 
 def _split_rows(lora: LoraFile, raw: RawLayer, parts: tuple[str, ...], modules: list[nn.Module]) -> list[RawLayer]:
