@@ -93,24 +93,25 @@ class Steps:
 
 @dataclass(frozen=True)
 class CountTokens:
-    """Runs a ParallelSampleJob and records the token count entering the denoisers' blocks[1] in every
-    rank (diffusers splits inside blocks[0]'s forward wrapper, so blocks[1] sees a rank's share)."""
+    """Runs a ParallelSampleJob and records, per denoiser, the token counts entering its blocks[1] in
+    every rank (diffusers splits inside blocks[0]'s forward wrapper, so blocks[1] sees a rank's share):
+    per rank {denoiser: sorted counts}; a denoiser that never ran is absent."""
 
     job: object  # a vidmem.pipelines.parallel.ParallelSampleJob
 
     def run(self, context):
         loaded = self.job._pipeline(context)
-        seen = set()
+        seen: dict[str, set] = {}
         handles = [getattr(loaded.pipe, name).blocks[1].register_forward_pre_hook(
-            lambda module, args: seen.add(int(args[0].shape[1]))) for name in loaded.spec.denoisers
-            if getattr(loaded.pipe, name, None) is not None]
+            lambda module, args, name=name: seen.setdefault(name, set()).add(int(args[0].shape[1])))
+            for name in loaded.spec.denoisers if getattr(loaded.pipe, name, None) is not None]
         try:
             self.job.run(context)
         finally:
             for handle in handles:
                 handle.remove()
         every = [None] * context.world_size
-        dist.all_gather_object(every, sorted(seen))
+        dist.all_gather_object(every, {name: sorted(counts) for name, counts in seen.items()})
         return every
 
 

@@ -69,24 +69,31 @@ def test_a_different_seed_changes_the_split_run(tiny_loaded, pool):
     assert (first - second).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("tier", list(TIERS))
-def test_each_rank_runs_its_share_of_the_tokens(tiny_loaded, pool, tier):
+@pytest.mark.parametrize("variant, tier", [("wan2.1-t2v", "none"), ("wan2.1-t2v", "block_swap"),
+                                           ("wan2.2-a14b", "none"), ("wan2.2-a14b", "block_swap")])
+def test_each_rank_runs_its_share_of_the_tokens(tiny_loaded, pool, variant, tier):
     """The parity above would also hold if the ranks silently computed the whole sequence: here every
-    rank's blocks see tokens / degree, where one process sees them all."""
+    rank's blocks see tokens / degree, where one process sees them all; for Wan 2.2 A14B each expert
+    on its own, over enough steps to cross the boundary between them (an expert left unsplit shows)."""
     from parallel_jobs import CountTokens
     from vidmem.pipelines.parallel import ParallelSampleJob, PipelineSource
 
-    loaded, request = tiny_loaded("wan2.1-t2v"), request_for("wan2.1-t2v", steps=1)
-    whole = set()
-    handle = loaded.pipe.transformer.blocks[1].register_forward_pre_hook(lambda m, args: whole.add(args[0].shape[1]))
+    loaded, request = tiny_loaded(variant), request_for(variant, steps=4)
+    whole: dict[str, set] = {}
+    experts = [name for name in loaded.spec.denoisers if getattr(loaded.pipe, name, None) is not None]
+    handles = [getattr(loaded.pipe, name).blocks[1].register_forward_pre_hook(
+        lambda m, args, name=name: whole.setdefault(name, set()).add(args[0].shape[1])) for name in experts]
     try:
         sample(loaded, MemoryStrategy(**TIERS[tier]), request, device=torch.device("cpu"))
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+    assert sorted(whole) == sorted(experts), "every expert ran in the one-process run"
     strategy = MemoryStrategy(**TIERS[tier], parallel=Parallelism(context_parallel="ulysses", degree=2))
     per_rank = pool.run(CountTokens(ParallelSampleJob(PipelineSource.of(loaded), strategy, request)))
-    (tokens,) = whole
-    assert tokens % 2 == 0 and per_rank == [[tokens // 2], [tokens // 2]]
+    halves = {name: [tokens // 2 for tokens in counts] for name, counts in whole.items()}
+    assert all(tokens % 2 == 0 for counts in whole.values() for tokens in counts)
+    assert per_rank == [halves, halves]
 
 
 def test_taylor_seer_runs_split_and_the_caches_that_keep_the_first_blocks_input_are_refused(tiny_loaded, pool):
