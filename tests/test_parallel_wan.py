@@ -2,9 +2,12 @@
 
 One pool serves every test of the module: a rank holds one pipeline at a time and reopens it
 from the folder when another is asked for, as it would when the user loads another model.
-Tolerance: T2V and A14B are bit-identical. I2V differs by at most 9.5e-7 (about two float32
-ulps at the latents' magnitude), measured by bench/support/parallel_cpu.py; the single-process run is
-itself deterministic (two runs agree bit for bit), so the difference comes from the split run.
+Tolerance: T2V and A14B are bit-identical. The image-conditioned variants (I2V, first-last-frame,
+Wan 2.2 I2V A14B) were bit-identical on an AMD EPYC, and I2V differed by at most 9.5e-7 (about two
+float32 ulps at the latents' magnitude) elsewhere, measured by bench/support/parallel_cpu.py: 2e-6.
+TI2V 5B differs by 3.1e-6 (its per-token timesteps are split with the tokens): 5e-6. The
+single-process run is itself deterministic (two runs agree bit for bit), so a difference comes from
+the split run.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from vidmem.pipelines.parallel import Ranks, sample_parallel
 from vidmem.pipelines.sample import SampleRequest, sample
 from vidmem.pipelines.tiny import tiny_spec
 
-TOLERANCE = {"wan2.1-t2v": 0.0, "wan2.2-a14b": 0.0, "wan2.1-i2v": 1e-5}
+TOLERANCE = {"wan2.1-t2v": 0.0, "wan2.2-a14b": 0.0, "wan2.1-i2v": 2e-6, "wan2.1-flf2v": 2e-6, "wan2.2-i2v-a14b": 2e-6,
+             "wan2.2-ti2v": 5e-6}
 TIERS = {"none": dict(offload="none"), "block_swap": dict(offload="block_swap", blocks_to_swap=1)}
 RANKS = Ranks(cpu_processes=2)
 
@@ -34,7 +38,9 @@ def pool():
 def request_for(variant: str, steps: int = 2) -> SampleRequest:
     spec = tiny_spec(variant)
     image = torch.full((1, spec.height, spec.width, 3), 0.5) if spec.needs_image else None
-    return SampleRequest("a cat", "a dog", spec.width, spec.height, spec.frames, steps, 5.0, seed=3, image=image)
+    last = torch.full((1, spec.height, spec.width, 3), 0.7) if spec.last_image else None
+    return SampleRequest("a cat", "a dog", spec.width, spec.height, spec.frames, steps, 5.0, seed=3, image=image,
+                         last_image=last)
 
 
 @pytest.mark.parametrize("variant", list(TOLERANCE))
