@@ -5,7 +5,17 @@ version counter. Tensors made while a node ran under inference mode are such ten
 pipeline's weights (loaded by the loader node), LoRA matrices loaded by Load LoRA. The trainer
 therefore runs with inference mode off and gradients on, and for the run points every parameter
 and buffer of the denoiser that is an inference tensor at a normal tensor over the same storage
-(no copy), put back exactly afterwards.
+(no copy); afterwards the module holds its own objects again.
+
+Why an inference parameter is emptied for the run, then pointed at its alias's bytes: a streaming
+tier gives the alias a pinned home (HostPool copies the bytes once and re-points the alias there).
+Were the original still holding the pageable bytes, the streamed blocks would sit in RAM twice
+during training, and the original, put back pageable, would be pinned a second time by the next
+sampler run. So the alias holds the only reference to those bytes while it runs, and afterwards the
+original Parameter (the same object, an inference tensor again) lies over whatever its alias lies
+over: the pinned home, kept, as a sampler run leaves it. A buffer is not emptied, since its object
+may be another's (Load LoRA registers its matrices as they are); one the pool replaced by a home is
+put back as an inference view of that home, again as a sampler run leaves it.
 """
 
 from __future__ import annotations
@@ -26,24 +36,57 @@ def _normal_alias(tensor: torch.Tensor) -> torch.Tensor:
     return alias
 
 
+def _inference_view(tensor: torch.Tensor) -> torch.Tensor:
+    """An inference tensor over `tensor`'s storage, shape and strides (no copy)."""
+    with torch.inference_mode():
+        view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return view.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _swappable(tensor: torch.Tensor | None) -> bool:
+    # Tensor subclasses (GGUF, torchao) are left as they are: `set_` would drop their type.
+    return tensor is not None and tensor.is_inference() and type(tensor) in (torch.Tensor, nn.Parameter)
+
+
+def _parameter_alias(parameter: nn.Parameter, aliases: dict) -> nn.Parameter:
+    """The parameter's alias, one per object (weights tied between modules stay tied); the first
+    call empties the original, so the alias holds the only reference to its bytes."""
+    if id(parameter) not in aliases:
+        aliases[id(parameter)] = (parameter, _normal_alias(parameter))
+        with torch.inference_mode():  # it stays an inference tensor, with no bytes of its own for the run
+            parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+    return aliases[id(parameter)][1]
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
 @contextmanager
 def normal_tensors(model: nn.Module) -> Iterator[int]:
     """Swap the model's inference-mode parameters and buffers for normal aliases; yields how many.
 
-    Tensor subclasses (GGUF, torchao) are left as they are: `set_` would drop their type.
+    Afterwards each original parameter is back, over the bytes its alias ended over (a pinned home
+    made for the run is kept); each buffer is back, or an inference view of what replaced it.
     """
+    aliases: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(original) -> (original, alias)
     swapped = []
     try:
         for module in model.modules():
-            for table in (module._parameters, module._buffers):
+            for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
                 for name, tensor in list(table.items()):
-                    if tensor is not None and tensor.is_inference() and type(tensor) in (torch.Tensor, nn.Parameter):
+                    if _swappable(tensor):
                         swapped.append((table, name, tensor))
-                        table[name] = _normal_alias(tensor)
+                        table[name] = _parameter_alias(tensor, aliases) if is_parameter else _normal_alias(tensor)
         yield len(swapped)
     finally:
+        for original, alias in aliases.values():
+            with torch.inference_mode():  # so the original stays an inference tensor
+                original.data = _inference_view(alias.data)
         for table, name, tensor in reversed(swapped):
-            table[name] = tensor
+            current = table.get(name)
+            kept = isinstance(tensor, nn.Parameter) or current is None or _same_bytes(current, tensor)
+            table[name] = tensor if kept else _inference_view(current)
 
 
 @contextmanager
