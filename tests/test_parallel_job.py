@@ -64,17 +64,27 @@ def test_ranks_share_the_automatic_pinned_ceiling(tiny_loaded, monkeypatch):
     from vidmem.pipelines.hooks import RunHooks
     from vidmem.pipelines.parallel import Ranks, run
 
-    sent, rooms = [], []
+    sent, rooms, receipts = [], [], []
+
+    def rank_zero(job):  # rank 0's receipt names the strategy it ran
+        result = rank_zero_result()
+        result.receipt.update(strategy=job.strategy.describe(), parallel={"ranks": 2})
+        return result
+
     pool = SimpleNamespace(config=SimpleNamespace(world_size=2), alive=False,
-                           run=lambda job, *args: sent.append(job) or rank_zero_result())
+                           run=lambda job, *args: sent.append(job) or rank_zero(job))
     monkeypatch.setattr(run, "pinned_cap_bytes", lambda gb, room: rooms.append(room) or 10 * GiB)
     hooks = RunHooks(pinned_room=lambda: 6 * GiB)
     request = SampleRequest("a cat", "", 32, 32, 9, 1, 1.0, seed=0)
     for pinned in (None, 3.0):
         strategy = MemoryStrategy(offload="block_swap", blocks_to_swap=1, max_pinned_ram_gb=pinned,
                                   parallel=Parallelism(context_parallel="ulysses", degree=2))
-        run.sample_parallel(tiny_loaded("wan2.1-t2v"), strategy, request, Ranks(cpu_processes=2), hooks, pool)
+        receipts.append(run.sample_parallel(tiny_loaded("wan2.1-t2v"), strategy, request, Ranks(cpu_processes=2),
+                                            hooks, pool).receipt)
     assert [job.strategy.max_pinned_ram_gb for job in sent] == [5.0, 3.0]
+    # the receipt shows what the user set, and the automatic share apart
+    assert "max_pinned_ram_gb" not in receipts[0]["strategy"] and receipts[0]["parallel"]["pinned_ceiling_per_rank_gb"] == 5.0
+    assert "max_pinned_ram_gb=3" in receipts[1]["strategy"] and "pinned_ceiling_per_rank_gb" not in receipts[1]["parallel"]
     assert rooms == [6 * GiB], "the host's pinned room bounds the shared ceiling"
 
 

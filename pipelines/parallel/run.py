@@ -61,8 +61,8 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
                            ranks.degree, device_type)
     plan = run_plan(loaded, strategy, request, ranks)
     check_parallel_ram(plan)
-    job = ParallelSampleJob(PipelineSource.of(loaded), rank_pinned_share(strategy, ranks.degree, hooks.pinned_room()),
-                            request)
+    shared = rank_pinned_share(strategy, ranks.degree, hooks.pinned_room())
+    job = ParallelSampleJob(PipelineSource.of(loaded), shared, request)
     pool = pool if pool is not None else pool_for(loaded, ranks)
     if pool.config.world_size != ranks.degree:
         raise ModelError(f"the pool has {pool.config.world_size} ranks but the run asks for {ranks.degree}.")
@@ -73,6 +73,9 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
                 hooks.make_room(room.total_bytes, room.device, warm=store, weight_bytes=room.weight_bytes)
         result = pool.run(job, hooks.on_step, hooks.check_interrupt)
         kept.update(result.receipt.get("parallel", {}).get("per_rank_kept_bytes"))
+    if shared is not strategy:  # the receipt shows the user's strategy, and the automatic ceiling's share beside it
+        result.receipt["strategy"] = strategy.describe()
+        result.receipt.setdefault("parallel", {})["pinned_ceiling_per_rank_gb"] = round(shared.max_pinned_ram_gb, 2)
     # Rank 0's tensors arrive in shared memory (a file descriptor per tensor) and ComfyUI's output
     # cache would keep those segments: the run returns ordinary copies of all of them (the video,
     # LTX-2's audio latents, any metadata tensor).
