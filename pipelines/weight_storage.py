@@ -14,6 +14,7 @@ copied into RAM first when the loader is told to (`copy_to_ram`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
@@ -84,7 +85,8 @@ def in_ram(tensors: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(t, StoredTensor):
             if not is_file_backed(t.data):
                 return t
-            return StoredTensor(t.data.clone(), t.format, t.shape, None if t.scale is None else t.scale.clone())
+            # replace(): every other field (the file's full-precision request, say) comes along
+            return replace(t, data=t.data.clone(), scale=None if t.scale is None else t.scale.clone())
         return t.clone() if is_file_backed(t) else t
 
     return {name: copy(t) for name, t in tensors.items()}

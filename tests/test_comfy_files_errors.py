@@ -261,3 +261,54 @@ def test_gguf_tokenizer_lists_shorter_than_its_tokens_are_named(tiny, tmp_path, 
     path = write_llama_cpp_text_encoder(tensors, tmp_path / "umt5_bad_tokenizer.gguf", "t5encoder", metadata)
     with pytest.raises(ModelError, match=rf"umt5_bad_tokenizer.gguf' has a damaged tokenizer: {key} lists"):
         read_weight_file(path, "text_encoder", detect.TEXT_ENCODER)
+
+
+def _wan_tensors(tiny) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(tiny("wan2.1-t2v").model))
+
+
+def test_a_matrix_of_the_wrong_rank_is_named_as_an_incomplete_file_not_raised_raw(tiny, tmp_path):
+    """A 1-D `text_embedding.0.weight`: the shape readers index its second dimension (IndexError before the fix)."""
+    tensors = _wan_tensors(tiny)
+    tensors["text_embedding.0.weight"] = tensors["text_embedding.0.weight"].reshape(-1).contiguous()
+    flat = tmp_path / "wan_rank1.safetensors"
+    safetensors.torch.save_file(tensors, str(flat))
+    with pytest.raises(ModelError, match=r"fewer dimensions than it should: model 'wan_rank1.safetensors' is incomplete"
+                                         r" or of another variant"):
+        read_weight_file(flat, "model", detect.TRANSFORMER)
+
+
+def _write_gguf_as_is(tensors: dict[str, torch.Tensor], path) -> None:
+    """`tensors` into a GGUF file in their own dtypes (bf16 as F32; integers stay integers, int8 as I8)."""
+    import gguf
+
+    from vidmem.pipelines.comfy_files.write import GGUF_ORIG_SHAPE
+
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    for name, tensor in tensors.items():
+        array = (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+        if array.ndim > 4:  # GGUF holds at most four dimensions (as write.py writes them)
+            writer.add_array(GGUF_ORIG_SHAPE + name, list(array.shape))
+            array = array.reshape(array.shape[0], -1)
+        writer.add_tensor(name, np.ascontiguousarray(array))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        write()
+
+
+@pytest.mark.parametrize("suffix", ["safetensors", "gguf"])
+def test_an_integer_matrix_without_a_scale_is_named_with_the_file_and_the_fix(tiny, tmp_path, suffix):
+    """int8 without a scale (safetensors) or GGUF's I8: an integer quantization vidmem does not read. Before the
+    fix a bare StorageError naming only the dtype, neither the input nor the file."""
+    tensors = _wan_tensors(tiny)
+    name = "blocks.0.self_attn.q.weight"
+    tensors[name] = torch.ones(tensors[name].shape, dtype=torch.int8)
+    path = tmp_path / f"wan_int8.{suffix}"
+    if suffix == "gguf":
+        _write_gguf_as_is(tensors, path)
+    else:
+        safetensors.torch.save_file(tensors, str(path))
+    with pytest.raises(ModelError, match=rf"model: 'wan_int8.{suffix}': the weight matrix '.*' is stored as torch.int8 "
+                                         r"with no scale, an integer quantization vidmem does not read; use an fp8"):
+        read_weight_file(path, "model", detect.TRANSFORMER)
+    with pytest.raises(ModelError, match=rf"model: 'wan_int8.{suffix}': .*integer quantization"):
+        load(replace(tiny("wan2.1-t2v"), model=path))

@@ -161,6 +161,15 @@ def test_a_file_without_the_vae_over_a_folder_without_one_names_both_and_the_fix
     assert load_pipeline(folder, "fp32", full).pipe.vae is not None  # the file's own VAE needs no folder weights
 
 
+def test_a_vae_without_its_latent_std_is_refused_by_name_not_loaded_with_a_std_of_one(plain_parts, tiny_folder, tmp_path):
+    """`ltx2.VAE_MARKER` requires the statistics' mean only; the std is a persistent buffer the model builds as
+    1.0, so a file without it would denormalise every latent wrongly with no word."""
+    vae = {name: t for name, t in plain_parts["vae"].items() if name != "latents_std"}
+    path = write_ltx2_checkpoint({**plain_parts, "vae": vae}, tmp_path / "ltx-2-nostd.safetensors")
+    with pytest.raises(ModelError, match=r"'ltx-2-nostd.safetensors' do not match the model: .*missing \(latents_std\)"):
+        load_pipeline(tiny_folder(VARIANT), "fp32", path)
+
+
 NEWER = {  # what an LTX-2.3 checkpoint has that LTX-2.0's converter does not map: gated attention, 9-way modulation
     "gated attention": {"transformer_blocks.0.attn1.to_gate_logits.weight": torch.zeros(2, 16)},
     "prompt modulation": {"adaln_single.linear.weight": torch.zeros(9 * 16, 16)},

@@ -139,6 +139,26 @@ def test_buffers_built_on_meta_must_be_computed():
         assign_weights(model, weights(), torch.float32)
 
 
+def test_a_persistent_buffer_missing_from_the_files_is_named_not_left_at_its_built_value():
+    """LTX-2's VAE keeps its latent statistics in persistent buffers the files carry; the value the model
+    builds with (a std of 1.0) is a placeholder, so a file without it must be refused, not loaded silently.
+    A non-persistent buffer (Wan's rotary tables, `table` here) is still kept as computed."""
+
+    class WithStatistics(Tiny):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("latents_std", torch.ones(4))  # persistent: saved with the weights
+
+    with init_empty_weights():
+        model = WithStatistics()
+    with pytest.raises(StorageError, match=r"'vae.safetensors' do not match the model: 1 tensors the model needs are "
+                                           r"missing \(latents_std\)"):
+        assign_weights(model, weights(), torch.float32, source="'vae.safetensors'")
+    assert model.proj.weight.is_meta  # nothing assigned
+    report = assign_weights(model, {**weights(), "latents_std": torch.full((4,), 3.0)}, torch.float32)
+    assert torch.equal(model.latents_std, torch.full((4,), 3.0)) and report.kept_computed == ("table",)
+
+
 def test_tied_weights_share_one_stored_tensor():
     class Tied(nn.Module):
         _tied_weights_keys = {"head.weight": "embed.weight"}  # transformers' declaration

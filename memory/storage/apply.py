@@ -13,8 +13,10 @@ Rules, per tensor of the model (parameters and buffers, by qualified name; tied 
   `_keep_in_fp32_modules`: a pattern matches a whole dotted component of the name). Integer and
   bool tensors keep their dtype.
 - A name the model has that `tensors` lacks, or a key `tensors` has that the model lacks, raises
-  StorageError listing them: nothing is dropped silently. A persistent buffer missing from the
-  files is kept as the model computed it (reported), if the model computed it.
+  StorageError listing them: nothing is dropped silently. That includes persistent buffers (LTX-2's
+  VAE `latents_mean` / `latents_std`): the files carry them, and the value the model computed when
+  built is a placeholder (a std of 1.0), not the trained one. Only a non-persistent buffer (Wan's
+  rotary tables) is kept as the model computed it (reported).
 
 Buffers that are not in the files (Wan's rotary tables, position ids) must be computed when the
 model is built: build under `accelerate.init_empty_weights()` (parameters on meta, buffers real,
@@ -178,7 +180,8 @@ def _check_keys(entries: list[_Entry], tensors: Mapping, source: str) -> None:
             "are on the meta device: build the model under accelerate.init_empty_weights() (buffers stay "
             "real) instead of torch.device('meta')."
         )
-    missing = [e.names[0] for e in absent if e.is_parameter or e.current.is_meta]
+    # A persistent buffer belongs in the files like a parameter: the built model's value is a placeholder.
+    missing = [e.names[0] for e in absent if e.is_parameter or e.persistent or e.current.is_meta]
     if not (missing or unexpected):
         return
     parts = []

@@ -2,11 +2,13 @@
 upcasting their weight first.
 
 How it works: while `fp8_matmul_for_call` is open, every StoredLinear of the given modules whose
-weight is float8_e4m3fn with a per-tensor scale (or none) and whose dimensions are multiples of 16
-quantizes its input to e4m3fn (dynamic per-tensor scale) and hands the stored bytes, as they are,
-to `torch._scaled_mm` (modules.py). Nothing is copied or converted: the layers only carry a tally
-for the call, removed in `finally`, so every tier (block_swap and sequential stream the same fp8
-buffers) runs it unchanged, and a layer that cannot take part upcasts as always, counted.
+weight is float8_e4m3fn with a per-tensor scale (or none), whose dimensions are multiples of 16 and
+whose file does not ask for full-precision matmul on it (ComfyUI's `full_precision_matrix_mult`,
+which ComfyUI always honours: scaled.py) quantizes its input to e4m3fn (dynamic per-tensor scale)
+and hands the stored bytes, as they are, to `torch._scaled_mm` (modules.py). Nothing is copied or
+converted: the layers only carry a tally for the call, removed in `finally`, so every tier
+(block_swap and sequential stream the same fp8 buffers) runs it unchanged, and a layer that cannot
+take part upcasts as always, counted with its reason in the receipt.
 
 Priorities: `on` uses it where the card has fp8 tensor cores (CUDA capability 8.9: Ada, Hopper and
 newer), the same rule as ComfyUI's `supports_fp8_compute`. `auto` upcasts everywhere for now: on

@@ -20,7 +20,8 @@ A model-wide `.to(dtype)` changes the compute dtype, never the stored format.
 fp8 matmul (fp8_matmul.py enables it per call): a StoredLinear holding float8_e4m3fn weights with a
 per-tensor scale (or none) can skip the upcast and multiply in fp8 with `torch._scaled_mm`: the
 input is quantized to e4m3fn with a dynamic per-tensor scale (its absolute maximum maps to 448),
-and the weight's stored bytes are used in place (a transposed view, no copy).
+and the weight's stored bytes are used in place (a transposed view, no copy). A layer whose file
+asks for full-precision matmul (`full_precision_matmul`, read by scaled.py) always upcasts.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ class _StoredWeight(nn.Module):
         self.format = weight.format
         self.weight_shape = weight.shape
         self.compute_dtype = compute_dtype
+        self.full_precision_matmul = weight.full_precision_matmul  # the file's request (StoredTensor)
         self.register_buffer("weight_stored", weight.data)
         self.register_buffer("weight_scale", weight.scale)
 
     @property
     def stored(self) -> StoredTensor:
-        return StoredTensor(self.weight_stored, self.format, self.weight_shape, self.weight_scale)
+        return StoredTensor(self.weight_stored, self.format, self.weight_shape, self.weight_scale, self.full_precision_matmul)
 
     dtype_only_reads = False  # class default; True inside `dtype_only_weight_reads`
 
@@ -84,6 +86,8 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # layers fall back as a GPU would.
 FP8_MATMUL_MULTIPLE = 16
 FP8_MATMUL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Why a layer the file marks (ComfyUI's `full_precision_matrix_mult`, scaled.py) upcasts: ComfyUI always does.
+FULL_PRECISION_REASON = "the file asks for full-precision matmul on this layer (ComfyUI's full_precision_matrix_mult)"
 # Bias goes into the kernel only in the 16-bit output dtypes; cuBLASLt refuses a bias with a float32
 # output, so there it is added after the product (one elementwise add, still no weight upcast).
 FP8_MATMUL_BIAS_DTYPES = (torch.bfloat16, torch.float16)
@@ -185,6 +189,8 @@ class StoredLinear(_StoredWeight):
         always); None when it can. Per-row or per-column weight scales are not used: _scaled_mm's
         rowwise mode also wants a scale per input row and runs other kernels per card (CUTLASS
         before Hopper or cuBLAS 12.9), none measured here; Comfy-Org's files scale per tensor."""
+        if self.full_precision_matmul:
+            return FULL_PRECISION_REASON
         if self.weight_stored.dtype != torch.float8_e4m3fn:
             return f"weight stored as {self.format.name} ({self.weight_stored.dtype}), not float8_e4m3fn"
         if self.weight_scale is not None and self.weight_scale.numel() != 1:

@@ -11,7 +11,7 @@ most DEQUANT_CHUNK weights (large matrices are upcast in row chunks, bit-identic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,13 +41,16 @@ class StoredTensor:
     Layouts: plain and fp8 formats hold `data` with the logical shape in the stored dtype;
     GGUF formats hold raw blocks as uint8 `[*shape[:-1], row_bytes]` (ggml blocks run along the
     last dimension, so rows are independent). `scale` is the per-tensor float32 scale of scaled
-    fp8 (broadcastable to `shape`), else None.
+    fp8 (broadcastable to `shape`), else None. `full_precision_matmul`: the file asks that this
+    weight never multiply in fp8 (ComfyUI's `full_precision_matrix_mult`, scaled.py); fp8 matmul
+    leaves its layer upcast. Views of its rows keep it.
     """
 
     data: torch.Tensor
     format: StorageFormat
     shape: torch.Size
     scale: torch.Tensor | None = None
+    full_precision_matmul: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
@@ -57,7 +60,8 @@ class StoredTensor:
 
     def __repr__(self) -> str:
         scale = ", scaled" if self.scale is not None else ""
-        return f"StoredTensor({self.format.name}, shape={list(self.shape)}{scale}, {self.data.device})"
+        full = ", full-precision matmul" if self.full_precision_matmul else ""
+        return f"StoredTensor({self.format.name}, shape={list(self.shape)}{scale}{full}, {self.data.device})"
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +108,7 @@ class StoredTensor:
             raise StorageError(f"{self!r}: {problem}.")
         index = index.reshape(-1).to(self.data.device)
         rows = self.data.index_select(0, index)
-        return StoredTensor(rows, self.format, (rows.shape[0], self.shape[1]), _scale_rows(self.scale, index))
+        return replace(self, data=rows, shape=(rows.shape[0], self.shape[1]), scale=_scale_rows(self.scale, index))
 
     def row_range(self, start: int, stop: int) -> "StoredTensor":
         """Rows `start:stop` of dimension 0, still stored: a view of the same data (a fused matrix's
@@ -113,7 +117,7 @@ class StoredTensor:
             raise StorageError(f"{self!r}: rows {start}:{stop} cannot be taken (held as {list(self.data.shape)}; "
                                "a tensor flattened before quantizing keeps no rows).")
         rows = slice(start, stop)
-        return StoredTensor(self.data[rows], self.format, (stop - start, *self.shape[1:]), _scale_rows(self.scale, rows))
+        return replace(self, data=self.data[rows], shape=(stop - start, *self.shape[1:]), scale=_scale_rows(self.scale, rows))
 
     def _layout_problem(self) -> str | None:
         fmt, data = self.format, self.data

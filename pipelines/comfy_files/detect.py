@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from math import prod
 from typing import Any
 
-from ...memory.storage import StoredTensor, storage_format
+from ...memory.storage import StorageError, StoredTensor, storage_format
 from ...memory.storage.stored import stored_format_of
 from ..family import ModelError
 from .keys import count_blocks
@@ -35,15 +35,19 @@ def storage_name(tensors: Mapping[str, Any]) -> str:
     """The storage format of the file's weight matrices: its most common quantized format when
     any is quantized (the matrices kept wide are exceptions, as in city96's GGUF files), else the
     most common plain dtype (biases and norms aside)."""
-    counts = Counter(_format_of(t) for name, t in tensors.items() if name.endswith(".weight") and len(t.shape) >= 2)
+    counts = Counter(_format_of(name, t) for name, t in tensors.items() if name.endswith(".weight") and len(t.shape) >= 2)
     quantized = Counter({name: n for name, n in counts.items() if storage_format(name).quantized})
     ranked = (quantized or counts).most_common(1)
     return ranked[0][0] if ranked else "fp32"
 
 
-def _format_of(tensor) -> str:
+def _format_of(name: str, tensor) -> str:
+    """The tensor's StorageFormat name; StorageError naming it when it is none."""
     if isinstance(tensor, StoredTensor):
         return tensor.format.name
+    if not tensor.is_floating_point():  # int8 without a scale, GGUF's I8: stored_format_of would name only the dtype
+        raise StorageError(f"the weight matrix '{name}' is stored as {tensor.dtype} with no scale, an integer quantization "
+                           "vidmem does not read; use an fp8 (scaled), bf16/fp16 or GGUF file of the model.")
     return stored_format_of(tensor.dtype).name
 
 

@@ -16,13 +16,10 @@ import torch
 
 from ...memory.storage import StorageError, fold_scaled_fp8, open_weights
 from ...memory.storage.files import SafetensorsFile
-from ...memory.storage.scaled import refuse_unreadable
 from ..family import ModelError
 from . import detect, gguf_names, hy15, hy15_vae, ltx2, text_encoders
 from .gguf_names import TOKENIZER_KEY
 from .keys import COMFY_PREFIX, KeyLayout, transformer_layout, transformer_to_diffusers, vae_original_names
-
-QUANT_SUFFIX = ".comfy_quant"  # ComfyUI's newer per-layer quantization record (JSON bytes), next to `weight_scale`
 
 
 @dataclass(frozen=True)
@@ -58,8 +55,17 @@ def read_weight_file(path: str | Path, role: str, expected: str, takes: str = ""
         )
     if kind == detect.TRANSFORMER and hy15.transformer_layout(tensors) is not None:
         tensors = _hy15_transformer(path, role, layout, tensors)
-    return WeightFile(path, kind, layout, detect.storage_name(tensors), tensors,
+    return WeightFile(path, kind, layout, _storage_name(path, role, tensors), tensors,
                       _fields(kind, layout, tensors, where), extra, llama_cpp)
+
+
+def _storage_name(path: Path, role: str, tensors: Mapping[str, Any]) -> str:
+    """detect.storage_name; a matrix in no format vidmem reads (an integer one) refused naming `role` and the
+    file, as `_open` names what it refuses."""
+    try:
+        return detect.storage_name(tensors)
+    except StorageError as error:
+        raise ModelError(f"{role}: '{path.name}': {error}") from None
 
 
 def _held(kind: str, layout: KeyLayout, tensors: Mapping[str, Any], where: str) -> str:
@@ -84,7 +90,7 @@ def _hy15_transformer(path: Path, role: str, layout: KeyLayout, tensors: Mapping
     except ModelError as error:
         raise ModelError(f"{role}: {error}") from None
     patch = mapped.get("x_embedder.proj.weight")  # absent: _fields names the missing tensor
-    if patch is not None and patch.shape[1] == hy15.SR_IN_CHANNELS:
+    if patch is not None and len(patch.shape) > 1 and patch.shape[1] == hy15.SR_IN_CHANNELS:  # other ranks: _fields
         raise ModelError(
             f"{role}: '{path.name}' is a HunyuanVideo 1.5 super-resolution transformer ({hy15.SR_IN_CHANNELS} input "
             "channels: it upscales another model's latents), which vidmem does not run; use Comfy-Org's "
@@ -103,7 +109,10 @@ def _open(path: Path, role: str) -> tuple[dict[str, Any], str | None]:
     try:
         opened = open_weights(path)
         if isinstance(opened, SafetensorsFile):
-            return fold_scaled_fp8(_without_quant_records(path, role, opened.tensors)), None
+            # fold_scaled_fp8 checks ComfyUI's `<layer>.comfy_quant` records (float8 layers are read, weight x
+            # `weight_scale`, like fp8 scaled; any other format or a damaged record is named) and drops them
+            # with the markers, keeping the layers they mark for full-precision matmul; the header has records too.
+            return fold_scaled_fp8(opened.tensors, opened.metadata), None
         if gguf_names.is_llama_cpp(opened.tensors):  # llama.cpp's text-encoder names: brought to the readers' own
             where = f"{role}: '{path.name}'"
             arch = gguf_names.layout_of(opened.tensors, opened.metadata, where).archs[0]
@@ -112,17 +121,6 @@ def _open(path: Path, role: str) -> tuple[dict[str, Any], str | None]:
     except StorageError as error:
         named = str(error) if path.name in str(error) else f"'{path.name}': {error}"
         raise ModelError(f"{role}: {named}") from None
-
-
-def _without_quant_records(path: Path, role: str, tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """ComfyUI's `<layer>.comfy_quant` records dropped once checked (the storage engine reads
-    float8 layers, weight x `weight_scale`, like fp8 scaled, and names any other format or a
-    damaged record). A prefixed `<prefix>.scaled_fp8` marker (text encoders saved inside ComfyUI) goes too."""
-    try:
-        refuse_unreadable(tensors)
-    except StorageError as error:
-        raise ModelError(f"{role}: '{path.name}': {error}") from None
-    return {name: t for name, t in tensors.items() if not name.endswith((".scaled_fp8", QUANT_SUFFIX))}
 
 
 def _classify(path: Path, role: str, tensors: dict) -> tuple[str, KeyLayout, dict, bytes | None]:
@@ -258,10 +256,12 @@ def _fields(kind: str, layout: KeyLayout, tensors: Mapping[str, Any], where: str
         reader = {detect.TRANSFORMER: detect.transformer_fields, detect.TEXT_ENCODER: detect.text_encoder_fields,
                   detect.CLIP_VISION: detect.clip_vision_fields}[kind]
         return reader(tensors)
-    except KeyError as error:
+    except (KeyError, IndexError) as error:
         # Not a transformer's _held: it reads _fields.
         shown = _held(kind, layout, tensors, where) if kind == detect.VAE else detect.KIND_NAMES[kind]
-        raise ModelError(f"{shown} file lacks the tensor {error}: {where} is incomplete or of another variant; "
+        # An IndexError is a reader indexing a dimension the tensor lacks (a 1-D matrix): its text names nothing.
+        problem = f"lacks the tensor {error}" if isinstance(error, KeyError) else "has a tensor with fewer dimensions than it should"
+        raise ModelError(f"{shown} file {problem}: {where} is incomplete or of another variant; "
                          "download it again or pick the matching file.") from None
 
 

@@ -35,6 +35,7 @@ import functools
 import inspect
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -264,7 +265,7 @@ def swap_halves(tensor):
     _check_rows_kept(tensor, "its (shift, scale) halves cannot be swapped into diffusers' (scale, shift)")
     first, second = split_rows(tensor, 2)
     scale = tensor.scale if first.scale is tensor.scale else torch.cat([second.scale, first.scale], dim=0)
-    return StoredTensor(torch.cat([second.data, first.data], dim=0), tensor.format, tensor.shape, scale)
+    return replace(tensor, data=torch.cat([second.data, first.data], dim=0), scale=scale)  # its other fields (a flag) kept
 
 
 def _check_rows_kept(tensor: StoredTensor, what: str) -> None:
