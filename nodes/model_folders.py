@@ -11,6 +11,7 @@ whose walk never ends on a symlink loop.
 
 from __future__ import annotations
 
+import ntpath
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,8 @@ class ModelFolders:
     def resolve_diffusers(self, name: str, roots: list[str] | None = None) -> Path:
         """The diffusers folder `name` under models/diffusers (or `roots`); FileNotFoundError naming them."""
         roots = self.folders(DIFFUSERS_KEY) if roots is None else roots
+        self._check_listed(name, "model", "models/diffusers",
+                           "or give a folder inside ComfyUI's model folders in the 'path' input")
         for folder in roots:
             candidate = Path(folder) / name
             if (candidate / "model_index.json").is_file():
@@ -89,6 +92,7 @@ class ModelFolders:
 
     def resolve(self, keys: tuple[str, ...], name: str, label: str) -> Path:
         """The full path of file `name` in the folders of `keys`; FileNotFoundError naming them."""
+        self._check_listed(name, label, "/".join(f"models/{key}" for key in keys), "")
         for key in keys:
             for folder in self.folders(key):
                 candidate = Path(folder) / name
@@ -96,6 +100,21 @@ class ModelFolders:
                     return candidate
         where = ", ".join(f"models/{key}" if self.folders(key) else self.missing(key) for key in keys)
         raise FileNotFoundError(f"{label} '{name}' was not found in {where}; put the file there (or pick one from the list).")
+
+    def _check_listed(self, name: str, label: str, where: str, elsewhere: str) -> None:
+        """FileNotFoundError when `name`, a value of a list of the folders' contents, would lead out of
+        them: absolute, or with '..'. ComfyUI checks a list widget's value only when it is typed in, not
+        when a link brings it (any `*` output, Free VRAM's passthrough among them), so inside ComfyUI the
+        name is checked here, as `outside_models` checks a typed path (and as folder_paths.get_full_path
+        keeps names inside their folder), unless the operator allowed any path."""
+        if self.folder_paths is None or any_path_allowed():
+            return
+        if os.path.isabs(name) or ntpath.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+            raise FileNotFoundError(
+                f"{label} '{name}' is not a name from its list: listed names lie inside {where}, never absolute or "
+                f"with '..' (a value linked in from another node is not checked against the list). Pick one from the "
+                f"list{', ' + elsewhere if elsewhere else ''}; to accept any path, whoever runs the server starts "
+                f"ComfyUI with {ALLOW_ANY_PATH_ENV}=1.")
 
     def config_dirs(self) -> list[Path]:
         """models/vidmem_configs when it exists."""

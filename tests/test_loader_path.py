@@ -98,3 +98,39 @@ def test_outside_comfyui_any_folder_loads_as_before(tiny_folder, monkeypatch):
     assert VidMemLoadPipeline.VALIDATE_INPUTS(path=str(tiny_folder("wan2.1-t2v"))) is True
     (loaded,) = VidMemLoadPipeline().load("ignored", "fp32", path=str(tiny_folder("wan2.1-t2v")))
     assert loaded.class_name == "WanPipeline"
+
+
+@pytest.mark.parametrize("name", ["{outside}/wan", "../../elsewhere/wan", "wan/../../../elsewhere/wan",
+                                  "..\\..\\elsewhere\\wan", "C:\\elsewhere\\wan"])
+def test_a_listed_name_cannot_lead_out_of_the_model_folders(comfy, tiny_folder, monkeypatch, name):
+    """ComfyUI checks a list widget's value only when typed in: a value linked in from another node (a `*`
+    output such as Free VRAM's passthrough) reaches the loader as it is, so the names of models, files and
+    LoRAs are kept inside their folders here, as a typed path is (and as ComfyUI's get_full_path does)."""
+    from vidmem.nodes.lora import VidMemLoadLoRA
+
+    place(tiny_folder, comfy.outside / "wan")
+    secret = comfy.outside / "evil.safetensors"
+    secret.write_bytes(b"{}")
+    read = []
+    monkeypatch.setattr("vidmem.nodes.loader.load_pipeline", lambda *args, **kwargs: read.append(args))
+    name = name.format(outside=comfy.outside)
+    with pytest.raises(ModelError, match=f"model '.*' is not a name from its list: listed names lie inside "
+                                         f"models/diffusers.*{ENV}=1"):
+        VidMemLoadPipeline().load(name, "fp32")
+    lora = name.replace("wan", "evil.safetensors")
+    with pytest.raises(FileNotFoundError, match="lora_name '.*' is not a name from its list"):
+        host.resolve_lora(lora)
+    assert VidMemLoadLoRA.IS_CHANGED(lora_name=lora) == ""  # not even a stat of the file outside
+    with pytest.raises(FileNotFoundError, match="transformer_file '.*' is not a name from its list"):
+        host.resolve_single_file(lora)
+    assert read == []
+    monkeypatch.setenv(ENV, "1")  # the operator's choice: any path
+    assert host.resolve_lora(str(secret)) == secret
+
+
+def test_names_in_subfolders_of_a_model_folder_still_resolve(comfy, tiny_folder):
+    place(tiny_folder, comfy.models / "diffusers" / "video" / "wan")
+    (comfy.models / "loras" / "styles").mkdir()
+    (comfy.models / "loras" / "styles" / "a.safetensors").write_bytes(b"{}")
+    assert host.resolve_model_folder("video/wan", "") == comfy.models / "diffusers" / "video" / "wan"
+    assert host.resolve_lora("styles/a.safetensors") == comfy.models / "loras" / "styles" / "a.safetensors"
