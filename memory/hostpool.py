@@ -18,7 +18,13 @@ pageable copies at the same address modulo LINE, and a warm store's copies follo
 
 File-backed tensors (memory-mapped weight files, the disk tier) get no pinned home: that would
 copy the whole model into locked RAM, the very thing the disk tier avoids. They stay in the page
-cache and are staged at each copy (below).
+cache and are staged at each copy (below). Tensor subclasses (diffusers' GGUFParameter, torchao's
+wrappers) get none either: a home would be a plain tensor, losing the subclass (GGUF's `quant_type`)
+or never reaching a wrapper's inner tensors, and they are copied synchronously anyway (below).
+
+A home is made once per source tensor: a source met again in a later call (a LoRA's tensors and
+its strength, registered on their layer anew for each call while the pool re-pointed only the
+last call's buffer) takes the home it was given, so the pool does not grow call after call.
 
 Every copy, streamed or resident, goes by `upload_route`: a pinned source is copied straight and
 asynchronously; a plain contiguous one (pageable: over the ceiling, larger than an arena, refused by
@@ -47,8 +53,8 @@ lock its bytes for the pipeline's life to speed up a copy that rarely recurs, an
 into a home costs the same CPU pass as staging. A resident tensor already pinned (a home from an
 earlier block swap) is copied straight from it.
 
-A home, or a whole-group staging copy (`sources`), sits at the same address modulo LINE as the
-tensor it copies (chunks are only a way through: their device copy is a fresh tensor). Code that
+A home sits at the same address modulo LINE as the tensor it copies (staging chunks are only a
+way through: their device copy is a fresh tensor). Code that
 computes on the host copy (a CPU run after a streamed one, the tests' stand-in devices) then
 rounds as it did on the original: MKL's default mode picks its matrix-vector kernel by where the
 operands lie, so the same bytes at another alignment can give other last bits
@@ -63,6 +69,7 @@ from typing import Any, Callable, Iterable
 
 import psutil
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .cleanup import note_pinned_dropped, release_cached_pinned
 from .residency import Slot
@@ -113,6 +120,9 @@ class HostPool:
         self._arenas: list[torch.Tensor] = []
         self._used = 0  # bytes used in the newest arena
         self._homes: list[list[Slot]] = []  # each home's owners, to move them off an arena `fit_ceiling` drops
+        # source tensor -> (its home's owners in `_homes`, the source's version when copied): a source
+        # met again takes its home back (`_earlier_home`); weak, so a source's death forgets it
+        self._home_of = WeakIdKeyDictionary()
         self.allocations = 0  # tensors ever copied into the pool; flat after the first run
         # Host tensors (by address) left pageable (over the ceiling, or pinning refused) and left in
         # their file mapping (staged at copy time instead): sets, because every call builds its groups
@@ -175,6 +185,12 @@ class HostPool:
                 moved.add(id(owners))
         finally:  # a home moved before an error is no longer the pool's
             self._homes = [owners for owners in self._homes if id(owners) not in moved]
+            self._forget_sources_of(moved)
+
+    def _forget_sources_of(self, moved: set[int]) -> None:
+        """No source may lead back to a moved home: it would keep its dropped arena locked."""
+        for source in [source for source, (owners, _) in self._home_of.items() if id(owners) in moved]:
+            del self._home_of[source]
 
     def _unpin(self, owners: list[Slot], rehomed) -> None:
         home = owners[0].host
@@ -206,8 +222,13 @@ class HostPool:
 
     def _adopt_one(self, owners: list[Slot], backend, cap_bytes: int, rehomed) -> list[Slot]:
         host = owners[0].host
+        if type(host) is not torch.Tensor:  # a subclass stays as it is (module docstring)
+            return owners
         if self._holds(host):
             return owners
+        earlier = self._earlier_home(host)
+        if earlier is not None:
+            return self._join(earlier, owners)
         if is_file_backed(host):
             self._mapped.add(host.data_ptr())
             return owners
@@ -218,12 +239,32 @@ class HostPool:
         self._pageable.discard(host.data_ptr())  # pinned now, under a ceiling raised since
         home.copy_(host)
         self.allocations += 1
-        adopted = [Slot(s.module, s.name, s.is_parameter, home) for s in owners]
-        for slot in adopted:
-            slot.point_to(home)
+        adopted = _point_owners(owners, home)
         self._homes.append(adopted)
+        self._home_of[host] = (adopted, _version(host))
         if rehomed is not None:
             rehomed(host, home)
+        return adopted
+
+    def _earlier_home(self, source: torch.Tensor) -> list[Slot] | None:
+        """The owners of the home an earlier call made for `source`, unless `source` was written since.
+        (Its owners then were re-pointed, not `source` itself: a LoRA registers it anew each call.)"""
+        found = self._home_of.get(source)
+        if found is None:
+            return None
+        earlier, version = found
+        if version != _version(source):  # changed in place: its bytes need a home of their own
+            del self._home_of[source]
+            return None
+        return earlier
+
+    @staticmethod
+    def _join(earlier: list[Slot], owners: list[Slot]) -> list[Slot]:
+        """`owners` point at the home in `earlier` and join its owners (those a past call dropped leave)."""
+        home = earlier[0].host
+        earlier[:] = [slot for slot in earlier if _points_at(slot, home)]
+        adopted = _point_owners(owners, home)
+        earlier.extend(adopted)
         return adopted
 
     def _allocate(self, host: torch.Tensor, backend, cap_bytes: int) -> torch.Tensor | None:
@@ -246,7 +287,21 @@ class HostPool:
         return self._arenas[-1][start : start + size].view(host.dtype).view(host.shape)
 
     def _holds(self, tensor: torch.Tensor) -> bool:
-        return _inside(tensor, self._arenas)
+        # a tensor subclass never has a home here (and a wrapper's data_ptr raises); a Parameter may
+        return type(tensor) in (torch.Tensor, torch.nn.Parameter) and _inside(tensor, self._arenas)
+
+
+def _point_owners(owners: list[Slot], home: torch.Tensor) -> list[Slot]:
+    """`owners` re-pointed at `home` for good: slots whose host, restored after each call, is the home."""
+    adopted = [Slot(s.module, s.name, s.is_parameter, home) for s in owners]
+    for slot in adopted:
+        slot.point_to(home)
+    return adopted
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """How many in-place writes `tensor` has seen; None for an inference tensor, which keeps no count."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _points_at(slot: Slot, home: torch.Tensor) -> bool:
@@ -299,9 +354,13 @@ class StagingRing:
     at once. A slot is reused only once the copy that reads it has finished (`finished(token)`,
     else `wait(token)` blocks the host on the oldest), so a new slot is made only while every
     existing one is in flight, and never more than `max_slots`, each rounded up to a power of two
-    (as torch's pinned allocator rounds anyway) of at most RESIDENT_CHUNK_BYTES. `sources` is the
-    whole-group form for a backend that copies each group in one piece (file-backed tensors packed
-    into one slot). Slots live as long as the backend, so later runs pin nothing new.
+    (as torch's pinned allocator rounds anyway) of at most RESIDENT_CHUNK_BYTES. Slots live as long
+    as the backend, so later runs pin nothing new.
+
+    A pin the driver refuses (WSL2's pinned limit, no RAM left to lock) is a host limit, never a
+    device out-of-memory error: without any slot a pass is copied synchronously; with slots the
+    ring carries on with those it has (smaller ones only cut the bytes into more chunks) and asks
+    the driver again at the next pass, not at every chunk.
     """
 
     def __init__(self, pin: Callable[[int], torch.Tensor], finished: Callable[[Any], bool],
@@ -310,8 +369,9 @@ class StagingRing:
         self._max_slots = max_slots
         self._slots: list[_StagingSlot] = []
         self._in_order: list[_StagingSlot] = []  # busy slots, oldest copy first
+        self._refused = False  # the driver refused a pin during this pass: no new slot until the next
         self.staged_bytes = 0  # bytes copied through the slots, ever
-        self.refusals = 0  # passes copied synchronously because the driver refused to pin a first slot
+        self.refusals = 0  # pins the driver refused (a pass with no slot at all is then copied synchronously)
 
     def __repr__(self) -> str:
         return f"StagingRing({len(self._slots)} slots, {self.pinned_bytes / GiB:.2f} GiB pinned)"
@@ -328,26 +388,6 @@ class StagingRing:
         """For receipts: what staging holds pinned, and how much it has carried."""
         return {"slots": self.slots, "pinned_bytes": self.pinned_bytes, "staged_bytes": self.staged_bytes}
 
-    def sources(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], _StagingSlot | None]:
-        """What to copy to the device for each host: file-backed ones through one staging slot.
-
-        Returns the sources and the slot used (None if nothing was staged); pass the copy's token
-        to `release_after` once the device copy is queued.
-        """
-        staged = [i for i, host in enumerate(hosts) if is_file_backed(host)]
-        if not staged:
-            return hosts, None
-        offsets, total = _packed_offsets([hosts[i] for i in staged])
-        slot = self._acquire(total)
-        sources = list(hosts)
-        for i, offset in zip(staged, offsets):
-            host = hosts[i]
-            view = slot.buffer[offset : offset + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
-            view.copy_(host)
-            sources[i] = view
-        self.staged_bytes += total
-        return sources, slot
-
     def upload(self, hosts: list[torch.Tensor], device: torch.device, non_blocking: bool,
                mark: Callable[[], Any]) -> tuple[list[torch.Tensor], UploadRoutes]:
         """Copy `hosts` (a whole component, or a streamed group) to `device` on the current stream,
@@ -360,6 +400,7 @@ class StagingRing:
         (the driver refused: WSL2's pinned limit, no free RAM) copies them synchronously instead,
         and says so in the routes.
         """
+        self._refused = False  # memory may have been unlocked since the last refusal: ask again
         routes = [upload_route(host, non_blocking) for host in hosts]
         staged = sum(_aligned(_nbytes(h)) for h, r in zip(hosts, routes) if r == STAGED)
         if staged and not self._has_a_slot(min(staged, RESIDENT_CHUNK_BYTES)):
@@ -379,33 +420,53 @@ class StagingRing:
 
     def _has_a_slot(self, nbytes: int) -> bool:
         """At least one slot, pinned now if need be; False when the driver refuses to pin it."""
-        if self._slots:
-            return True
-        try:
-            self._slots.append(_StagingSlot(self._pin(_power_of_two(nbytes))))
-        except RuntimeError:
-            self.refusals += 1
-            return False
+        if not self._slots:
+            slot = self._pin_slot(nbytes)
+            if slot is None:
+                return False
+            self._slots.append(slot)
         return True
 
     def _acquire(self, nbytes: int) -> _StagingSlot:
+        """A free slot for a chunk of up to `nbytes` (the ring has at least one: `_has_a_slot`): the
+        smallest free one that fits, else a new one pinned (in place of a free one too small, or while
+        under `max_slots`), else the largest free one, else the oldest busy one once its copy has
+        finished. The last two may be smaller than `nbytes`: `_Chunks` then sends more, smaller chunks."""
         while True:
             free = [slot for slot in self._slots if self._is_free(slot)]
             fitting = [slot for slot in free if slot.buffer.numel() >= nbytes]
             if fitting:
-                return min(fitting, key=lambda slot: slot.buffer.numel())
-            if free:  # free but too small: give its place to a bigger one (count stays bounded)
-                self._slots.remove(free[0])
-            if len(self._slots) < self._max_slots:
-                slot = _StagingSlot(self._pin(_power_of_two(nbytes)))
-                self._slots.append(slot)
-                return slot
-            oldest = self._in_order[0] if self._in_order else self._slots[0]
-            if oldest.token is not None:
-                self._wait(oldest.token)
-            self._mark_free(oldest)
-            if oldest.buffer.numel() < nbytes:  # too small for this group: make room for a bigger one
-                self._slots.remove(oldest)
+                return min(fitting, key=_slot_bytes)
+            if free or len(self._slots) < self._max_slots:
+                slot = self._pin_slot(nbytes)  # pinned before a small slot is dropped: a refusal keeps it
+                if slot is not None:
+                    if free:  # the small free slot gives its place to the bigger one (count stays bounded)
+                        self._slots.remove(min(free, key=_slot_bytes))
+                    self._slots.append(slot)
+                    return slot
+                if free:
+                    return max(free, key=_slot_bytes)
+            self._free_oldest()
+
+    def _pin_slot(self, nbytes: int) -> _StagingSlot | None:
+        """A new slot, or None when the driver refuses to pin it (counted, and not asked again this pass).
+        The refusal reads "CUDA error: out of memory", which the sampler's ladder would take for the
+        device's own: it must not leave here as an error."""
+        if self._refused:
+            return None
+        try:
+            return _StagingSlot(self._pin(_power_of_two(nbytes)))
+        except RuntimeError:
+            self.refusals += 1
+            self._refused = True
+            return None
+
+    def _free_oldest(self) -> None:
+        """Block the host until the oldest busy slot's copy has finished."""
+        oldest = self._in_order[0] if self._in_order else self._slots[0]
+        if oldest.token is not None:
+            self._wait(oldest.token)
+        self._mark_free(oldest)
 
     def _is_free(self, slot: _StagingSlot) -> bool:
         if slot.token is not None and self._finished(slot.token):
@@ -416,6 +477,10 @@ class StagingRing:
         slot.token = None
         if slot in self._in_order:
             self._in_order.remove(slot)
+
+
+def _slot_bytes(slot: _StagingSlot) -> int:
+    return slot.buffer.numel()
 
 
 def _upload_one(host: torch.Tensor, route: str, device: torch.device, chunks: "_Chunks") -> torch.Tensor:
@@ -480,14 +545,6 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _packed_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    offsets, end = [], 0
-    for tensor in tensors:
-        offsets.append(end + _skew(tensor))
-        end = -(-(offsets[-1] + tensor.numel() * tensor.element_size()) // ALIGN) * ALIGN
-    return offsets, end
 
 
 def _skew(tensor: torch.Tensor) -> int:

@@ -217,30 +217,39 @@ class OffloadHandle:
 
     def _add_component(self, name: str, module: nn.Module, blocks: nn.ModuleList | None, pool: HostPool) -> None:
         strategy = self.strategy
-        units = streamed_units(module, blocks, strategy)
-        core_slots, unit_slots = partition_slots(module, [members for _, members in units])
+        core_slots, streamed = _partition(module, streamed_units(module, blocks, strategy))
         core = self._group(name, tie(core_slots), streamed=False) if core_slots else None
         schedule = None
-        streamed = [(head, slots) for (head, _), slots in zip(units, unit_slots) if slots]
-        # A new pinned home is every store's news: the decode's store may keep a copy of a VAE tensor this
-        # call's sequential tier streams (image-to-video), which would otherwise orphan the old host tensor.
-        rehome = rehome_everywhere if self.warm is not None else None
         if streamed:
-            cap = pinned_cap_bytes(strategy.max_pinned_ram_gb, pool.host_room_bytes)
-            names = {id(m): qualified for qualified, m in module.named_modules()}
-            groups = [
-                self._group(f"{name}.{names[id(head)] or '(root)'}", pool.adopt(tie(slots), self.backend, cap, rehome), streamed=True)
-                for head, slots in streamed
-            ]
+            heads = [head for head, _ in streamed]
+            groups = self._streamed_groups(name, module, streamed, pool)
             order_known = strategy.offload is OffloadTier.BLOCK_SWAP
             schedule = StreamSchedule(groups, strategy.prefetch_blocks, order_known, self.backend, self._observe, self.ledger,
                                       self.keep)
-            for (head, _), group in zip(streamed, groups):
+            for head, group in zip(heads, groups):
                 self._hooks += hook_group(head, group, schedule, self.compute_gate)
             self._hooks.append(module.register_forward_hook(torch.compiler.disable(lambda m, args, out: schedule.end_of_pass())))
         self._components[name] = _Component(core, schedule, denoiser=blocks is not None)
         if self._exclusive:
             self._hook_activation(name, module)
+
+    def _streamed_groups(self, name: str, module: nn.Module, streamed: list[tuple[nn.Module, list[Slot]]],
+                         pool: HostPool) -> list[WeightGroup]:
+        """One group per streamed unit, its tensors given pinned homes unit by unit. `streamed` is
+        emptied on the way: a unit's original (pageable) tensors are let go as soon as its homes are
+        made, so adopting a model never holds a second copy of more than one unit in RAM."""
+        cap = pinned_cap_bytes(self.strategy.max_pinned_ram_gb, pool.host_room_bytes)
+        names = {id(m): qualified for qualified, m in module.named_modules()}
+        # A new pinned home is every store's news: the decode's store may keep a copy of a VAE tensor this
+        # call's sequential tier streams (image-to-video), which would otherwise orphan the old host tensor.
+        rehome = rehome_everywhere if self.warm is not None else None
+        groups = []
+        streamed.reverse()  # popped from the end: first unit first
+        while streamed:
+            head, slots = streamed.pop()
+            tensors = pool.adopt(tie(slots), self.backend, cap, rehome)
+            groups.append(self._group(f"{name}.{names[id(head)] or '(root)'}", tensors, streamed=True))
+        return groups
 
     def _hook_activation(self, name: str, module: nn.Module) -> None:
         """Using a component onloads it and brings its inputs to the device.
@@ -302,9 +311,8 @@ def apply_strategy(
         check_files_unchanged(stage_tensors(stage))
     handle = OffloadHandle(strategy, backend, observer, telemetry, warm, keep_bytes, compute_gate)
     pool = host_pool or HostPool()
-    if unpin_beyond_ceiling and strategy.streams_blocks and strategy.max_pinned_ram_gb is not None:
-        # the user's ceiling holds for homes made under a higher one too
-        pool.fit_ceiling(pinned_cap_bytes(strategy.max_pinned_ram_gb), rehome_everywhere)
+    if unpin_beyond_ceiling and strategy.streams_blocks:
+        _fit_pool(pool, strategy)
     try:
         for name, module in stage.modules.items():
             handle._add_component(name, module, stage.blocks.get(name), pool)
@@ -319,6 +327,26 @@ def apply_strategy(
         handle.remove()
         raise
     return handle
+
+
+def _fit_pool(pool: HostPool, strategy: MemoryStrategy) -> None:
+    """Unpin what `pool` holds beyond what this call may keep pinned (homes made under a higher ceiling):
+    the user's `max_pinned_ram_gb`, lowered since, which is kept whatever the host's budget (new homes
+    are pinned up to it: fitting it to less would unpin and pin again every run); unset, the room the
+    host's pinned budget leaves (`pool.host_room_bytes`: ComfyUI may have pinned more of its own since).
+    The free-RAM part of the automatic ceiling unpins nothing: the free RAM it reads is what the pool's
+    homes already left (`default_pinned_cap`)."""
+    if strategy.max_pinned_ram_gb is not None:
+        pool.fit_ceiling(pinned_cap_bytes(strategy.max_pinned_ram_gb), rehome_everywhere)
+    elif pool.host_room_bytes is not None:
+        pool.fit_ceiling(pool.host_room_bytes, rehome_everywhere)
+
+
+def _partition(module: nn.Module, units: list[tuple[nn.Module, list[nn.Module]]]
+               ) -> tuple[list[Slot], list[tuple[nn.Module, list[Slot]]]]:
+    """`module`'s resident slots, and (head, slots) of each streamed unit that holds tensors."""
+    core, unit_slots = partition_slots(module, [members for _, members in units])
+    return core, [(head, slots) for (head, _), slots in zip(units, unit_slots) if slots]
 
 
 def stage_tensors(stage: StageComponents) -> list[torch.Tensor]:

@@ -8,10 +8,11 @@ clocks instead of moving memory (copy times from bytes / bandwidth, compute time
 - the compute stream runs the non-block layers (`other_compute_s`), the resident blocks, then the
   swapped blocks, each as soon as the host has queued it and (for a swapped block) its copy has
   landed: the wait is on that block's copy only;
-- the copy queue runs copies one at a time in issue order. A non-blocking copy (pinned memory,
-  `overlap=True`) starts as soon as the host issues it and the queue is free: the side stream does
-  not wait for compute. A blocking copy (`overlap=False`: pageable memory or `non_blocking` off)
-  holds the host until it lands, so the host queues the next compute late;
+- the copy queue runs copies one at a time in issue order. A non-blocking copy (`overlap=True`:
+  from a pinned home, or a pageable block staged through pinned slots) starts as soon as the host
+  issues it and the queue is free: the side stream does not wait for compute. A blocking copy
+  (`overlap=False`: `non_blocking` off, a tensor subclass, or a driver that refuses to pin even a
+  staging slot) holds the host until it lands, so the host queues the next compute late;
 - the host issues everything at once, except where the schedule makes it wait: before a new copy
   while more than `EVICTED_IN_FLIGHT` evicted blocks may still be computing (their memory).
 
@@ -21,8 +22,9 @@ Classifier-free guidance is two forwards per step (Wan) or one forward at batch 
 pass `forwards` and per-block compute accordingly.
 
 Not modelled: copies and kernels competing for device memory bandwidth, per-copy launch latency,
-and the host's own time to issue calls. Pageable memory, used past the pinned ceiling, copies at
-roughly half the bandwidth and blocks the host: model it with that bandwidth and `overlap=False`.
+and the host's own time to issue calls. Pageable blocks, used past the pinned ceiling, are staged
+(memory/hostpool.py): still asynchronous, but each chunk costs a host memcpy too, so the copy runs
+at about the slower of host memcpy and PCIe: model it with that bandwidth and `overlap=True`.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def simulate(
         swapped: N, how many of the last blocks stream (0 = all resident).
         prefetch: how many swapped blocks ahead are copied while one computes.
         bandwidth: host-to-device bytes per second.
-        overlap: non-blocking copies from pinned memory (True) or blocking ones that hold the host (False).
+        overlap: non-blocking copies, from pinned homes or staged (True), or blocking ones that hold the host (False).
         forwards: transformer forwards in the call (steps x forwards per step).
         other_compute_s: compute per forward outside the blocks (embeddings, head).
 

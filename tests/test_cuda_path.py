@@ -3,10 +3,13 @@
 - streamed copies run on the side stream, whole components on the compute stream;
 - compute waits only on the copy event of the block it is about to run (`wait_event` on the
   compute stream), never with a device-wide synchronize inside the loop;
+- compute waits for a streamed block's latest side copy before the block's forward runs (the audit
+  logs each streamed module's forward, after the engine's own pre-hook: `log_forwards`);
 - every side-stream copy compute used is `record_stream`-ed on the compute stream before its
   block is evicted (so the allocator cannot hand its memory to the next prefetch too early);
 - at most prefetch + 2 streamed groups of a component hold device memory at once (prefetch + 1
-  on the device, one evicted whose compute the host has not yet seen finish);
+  on the device, one evicted whose compute the host has not yet seen finish), and as many of Wan
+  2.2 A14B's two experts together: the expert that finished has drained before the next one copies;
 and the latents equal the CPU backend's, bit for bit.
 """
 
@@ -20,6 +23,7 @@ import torch
 from cuda_fake import FakeCuda
 from test_tiers import block_count, request_for, storage_map
 from vidmem.memory import MemoryStrategy
+from vidmem.memory import offload
 from vidmem.memory.device import CpuBackend, CudaBackend
 from vidmem.pipelines.loader import load_pipeline
 from vidmem.pipelines.sample import sample
@@ -44,6 +48,21 @@ class Copy:
     waited: bool = False
 
 
+EXPERTS = ("transformer", "transformer_2")  # Wan 2.2 A14B: one hands off to the other mid-call
+
+
+def log_forwards(patch, fake: FakeCuda) -> None:
+    """Each streamed module's forward goes into the fake's log as ("forward", group name) when it starts:
+    a pre-hook registered after the engine's own (`hook_group`), so it runs after the engine's waits."""
+    original = offload.hook_group
+
+    def hook_group(module, group, schedule, computes=None):
+        handles = original(module, group, schedule, computes)
+        return handles + [module.register_forward_pre_hook(lambda m, args: fake.log.append(("forward", group.name)))]
+
+    patch.setattr(offload, "hook_group", hook_group)
+
+
 @dataclass
 class Audit:
     """The fake's log read back: copy groups, and what the README promises about them."""
@@ -51,6 +70,7 @@ class Audit:
     log: list[tuple]
     problems: list[str] = field(default_factory=list)
     peak_streamed: int = 0
+    peak_experts: int = 0  # streamed groups of both experts holding device memory at once
 
     def run(self, prefetch: int) -> "Audit":
         copies: dict[int, Copy] = {}
@@ -93,6 +113,10 @@ class Audit:
                     self.problems.append(f"wait_event {entry} is not compute waiting on a resident block's side copy")
                 else:
                     copy.waited = True
+            elif kind == "forward":
+                copy = current.get(entry[1])
+                if copy is not None and copy.stream == "side" and not copy.waited:
+                    self.problems.append(f"{entry[1]} ran before compute waited for its copy (event {copy.event})")
             elif kind == "record_stream":
                 if entry[2] != "compute":
                     self.problems.append(f"record_stream on {entry[2]}")
@@ -114,11 +138,15 @@ class Audit:
                     in_flight = [(g, at) for g, at in in_flight if at > recorded]
             elif kind == "device_sync" and index in loop:
                 self.problems.append(f"device-wide synchronize at log entry {index}, inside the streaming loop")
-            for component in {name.split(".")[0] for name in on_device} | {g.split(".")[0] for g, _ in in_flight}:
-                held = [n for n in on_device if n.split(".")[0] == component] + [g for g, _ in in_flight if g.split(".")[0] == component]
-                self.peak_streamed = max(self.peak_streamed, len(held))
+            held = [n.split(".")[0] for n in on_device] + [g.split(".")[0] for g, _ in in_flight]
+            for component in set(held):
+                self.peak_streamed = max(self.peak_streamed, held.count(component))
+            self.peak_experts = max(self.peak_experts, sum(held.count(expert) for expert in EXPERTS))
         if self.peak_streamed > prefetch + 2:
             self.problems.append(f"{self.peak_streamed} streamed groups held device memory at once; at most {prefetch + 2}")
+        if self.peak_experts > prefetch + 2:
+            self.problems.append(f"{self.peak_experts} streamed groups of both experts held device memory at once; "
+                                 f"at most {prefetch + 2}")
         return self
 
 
@@ -140,6 +168,7 @@ def test_cuda_backend_keeps_the_promised_order_in_every_tier(variant, tiny_folde
     for label, strategy in tiers(block_count(loaded)).items():
         with monkeypatch.context() as patch:
             fake = FakeCuda().install(patch)
+            log_forwards(patch, fake)
             result = sample(loaded, strategy, request, backend=CudaBackend(torch.device("cpu")), observer=fake.observe)
         assert torch.equal(result.latent["samples"], reference), f"{variant} {label}"
         assert not points_at_a_device_copy(loaded.pipe, fake), f"{variant} {label} left a tensor on the device"
@@ -147,6 +176,7 @@ def test_cuda_backend_keeps_the_promised_order_in_every_tier(variant, tiny_folde
         assert not audit.problems, f"{variant} {label}: " + "; ".join(audit.problems[:5])
         if strategy.streams_blocks:
             assert fake.calls("wait_event") and fake.calls("record_stream") and fake.side_streams, label
+            assert fake.calls("forward"), label  # the forward-order check had something to check
             assert any(c[1] == "side" for c in fake.calls("copy")), label
         else:
             assert not fake.calls("wait_event", "record_stream"), label
@@ -169,6 +199,20 @@ def test_the_audit_catches_a_backend_that_breaks_the_promises(tiny_folder, monke
                backend=Careless(torch.device("cpu")), observer=fake.observe)
     problems = " ".join(Audit(fake.log).run(1).problems)
     assert "expected side" in problems and "device-wide synchronize" in problems
+
+
+def test_the_audit_catches_a_block_that_runs_before_compute_waited_for_its_copy(tiny_folder, monkeypatch):
+    class NoWait(CudaBackend):
+        def wait(self, token, tensors):
+            pass  # compute never waits on the copy's event
+
+    loaded = own_pipeline(tiny_folder, "wan2.1-t2v")
+    with monkeypatch.context() as patch:
+        fake = FakeCuda().install(patch)
+        log_forwards(patch, fake)
+        sample(loaded, MemoryStrategy(offload="block_swap", blocks_to_swap=1, prefetch_blocks=1), request_for("wan2.1-t2v"),
+               backend=NoWait(torch.device("cpu")), observer=fake.observe)
+    assert "ran before compute waited for its copy" in " ".join(Audit(fake.log).run(1).problems)
 
 
 def test_an_out_of_memory_error_in_a_copy_climbs_the_ladder(tiny_folder, monkeypatch):
@@ -206,6 +250,7 @@ def test_the_disk_tier_streams_through_the_staging_ring_under_cuda(name, tmp_pat
         stage = StageComponents({"transformer": model}, {"transformer": model.blocks})
         with monkeypatch.context() as patch:
             fake = FakeCuda().install(patch)
+            log_forwards(patch, fake)
             backend = CudaBackend(torch.device("cpu"))
             with torch.no_grad(), apply_strategy(stage, strategy, backend, fake.observe, HostPool(1 << 20)) as handle:
                 handle.activate("transformer")

@@ -1,17 +1,20 @@
 """The disk tier's copy path, on a CPU with a backend whose copies land late.
 
-`LazyCopyBackend` behaves like a GPU for ordering: a copy only reads its source when the copy
-"completes" (compute waits for it, or the host blocks on it). If the staging ring handed a slot
-to a new group before the copy that reads it had completed, that copy would read the new
-group's bytes and the output would differ. It also pins (unpinned) buffers so HostPool runs.
+`LazyCopyBackend` copies as CudaBackend does, through `StagingRing.upload`, and behaves like a GPU
+for ordering: a staged chunk's device copy only reads its slot when the copy "completes" (compute
+waits for it, or the host blocks on it). If the staging ring handed a slot to a new chunk before
+the copy that reads it had completed, that copy would read the new chunk's bytes and the output
+would differ. It also pins (unpinned) buffers so HostPool runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from test_storage import WAN, inputs, load, tiers, wan_state, write_model_file
+from test_storage import inputs, load, tiers, wan_state, write_model_file
 from vidmem.memory import MemoryStrategy, StageComponents, apply_strategy
 from vidmem.memory.device import CpuBackend
 from vidmem.memory.hostpool import HostPool, StagingRing
@@ -20,15 +23,39 @@ from safetensors.torch import save_file
 
 
 class LazyCopy:
-    def __init__(self, pairs):
-        self.pairs = pairs
+    """The copies queued on one stream up to a marker; completing it completes the earlier ones first."""
+
+    def __init__(self, pairs, previous: "LazyCopy | None" = None):
+        self.pairs, self.previous = pairs, previous
         self.done = False
 
     def complete(self) -> None:
+        if self.previous is not None:
+            self.previous.complete()
         if not self.done:
-            for source, destination in self.pairs:
-                destination.copy_(source)
+            for destination, source in self.pairs:
+                _COPY(destination, source)
             self.done = True
+
+
+_COPY = torch.Tensor.copy_
+
+
+@contextlib.contextmanager
+def queued_copies(queue: list):
+    """Non-blocking copies (a staged chunk's device copy) are queued, not made: they read their slot late."""
+
+    def copy_(destination, source, non_blocking=False):
+        if not non_blocking:
+            return _COPY(destination, source)
+        queue.append((destination, source))
+        return destination
+
+    torch.Tensor.copy_ = copy_
+    try:
+        yield
+    finally:
+        torch.Tensor.copy_ = _COPY
 
 
 class LazyCopyBackend(CpuBackend):
@@ -38,17 +65,23 @@ class LazyCopyBackend(CpuBackend):
         super().__init__()
         self.pinned = 0
         self.staging = StagingRing(self.pin_arena, lambda token: token.done, lambda token: token.complete())
+        self.uploads = StagingRing(self.pin_arena, lambda token: token.done, lambda token: token.complete())
 
     def pin_arena(self, nbytes: int) -> torch.Tensor:
         self.pinned += nbytes
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def copy_group(self, hosts, non_blocking, side_stream, timed):
-        sources, slot = self.staging.sources(hosts) if side_stream else (hosts, None)
-        copies = [torch.empty_like(source) for source in sources]
-        token = LazyCopy(list(zip(sources, copies)))
-        if slot is not None:
-            self.staging.release_after(slot, token)
+        queue, marks = [], []
+
+        def mark() -> LazyCopy:
+            marks.append(LazyCopy(list(queue), marks[-1] if marks else None))
+            queue.clear()
+            return marks[-1]
+
+        with queued_copies(queue):
+            copies, _ = (self.staging if side_stream else self.uploads).upload(hosts, torch.device("cpu"), non_blocking, mark)
+        token = marks[-1] if marks else mark()  # the last slot's marker follows every copy of the group
         if not side_stream:
             token.complete()  # whole components copy on the compute stream: in order
         return copies, token
@@ -148,16 +181,6 @@ def test_a_bigger_group_replaces_a_small_free_slot_when_full(tmp_path):
     assert torch.equal(copies[0], torch.full((100_000,), 2.0))
 
 
-def test_tensors_in_ram_are_never_staged(tmp_path):
-    backend = LazyCopyBackend()
-    (mapped,) = file_tensors(tmp_path, [64])
-    in_ram = torch.ones(64)
-    sources, slot = backend.staging.sources([in_ram, mapped])
-    assert sources[0] is in_ram and sources[1] is not mapped and slot is not None
-    assert not is_file_backed(sources[1]) and torch.equal(sources[1], mapped)
-    assert backend.staging.sources([in_ram]) == ([in_ram], None)
-
-
 def test_groups_of_growing_sizes_replace_free_slots_instead_of_adding(tmp_path):
     backend = LazyCopyBackend()
     tensors = file_tensors(tmp_path, [10, 100, 1000, 10_000])
@@ -165,7 +188,7 @@ def test_groups_of_growing_sizes_replace_free_slots_instead_of_adding(tmp_path):
         copies, token = backend.copy_group([tensor], True, True, False)
         backend.wait(token, copies)
         assert torch.equal(copies[0], tensor)
-    assert backend.staging.stats() == {"slots": 1, "pinned_bytes": 65536, "staged_bytes": 512 + 512 + 4096 + 40448}
+    assert backend.staging.stats() == {"slots": 1, "pinned_bytes": 65536, "staged_bytes": 4 * (10 + 100 + 1000 + 10_000)}
 
 
 def at_skews(skews: list[int], numel: int = 96) -> list[torch.Tensor]:
@@ -197,12 +220,3 @@ def test_a_pinned_home_keeps_its_originals_place_in_a_cache_line():
     assert all(home.data_ptr() != t.data_ptr() for home, t in zip(homes, originals))  # really copied
     assert [home.data_ptr() % 64 for home in homes] == skews
     assert all(torch.equal(home, t) for home, t in zip(homes, originals))
-
-
-def test_a_staging_slot_keeps_each_tensors_place_in_a_cache_line(tmp_path):
-    tensors = file_tensors(tmp_path, [7, 100, 33, 1000])  # the header and odd sizes put them at mixed offsets
-    assert len({t.data_ptr() % 64 for t in tensors}) > 1
-    sources, slot = LazyCopyBackend().staging.sources(tensors)
-    assert slot is not None
-    assert [s.data_ptr() % 64 for s in sources] == [t.data_ptr() % 64 for t in tensors]
-    assert all(torch.equal(s, t) for s, t in zip(sources, tensors))

@@ -224,6 +224,38 @@ def test_a_ring_that_refills_too_early_is_caught(monkeypatch):
     assert not all(torch.equal(h, c) for h, c in zip(hosts, copies))
 
 
+def test_a_pin_refused_after_the_first_slot_leaves_the_ring_with_the_slots_it_has(monkeypatch):
+    """The driver pins the ring's first slot, then refuses (WSL2's pinned limit reached). A group larger
+    than that slot, with its chunks' copies landing late, goes through the one slot, reused once its copy
+    has landed; the refusal ("CUDA error: out of memory", which the sampler's ladder would take for the
+    device's own) never leaves the ring, and the driver is asked again once per pass, not per chunk."""
+    monkeypatch.setattr(hostpool, "RESIDENT_CHUNK_BYTES", 1024)
+    late, tokens, pinned = LateCopies(monkeypatch), [], []
+
+    def pin(nbytes: int) -> torch.Tensor:
+        if pinned:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc, fake)")
+        pinned.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def mark():
+        tokens.append(late.mark())
+        return tokens[-1]
+
+    ring = StagingRing(pin, late.finished, late.wait, max_slots=4)
+    torch.manual_seed(0)
+    hosts, copies = [torch.randn(10), torch.randn(3000)], []
+    for host in hosts:  # the small one first: the first slot is as small as it needs (512 bytes)
+        copied, routes = ring.upload([host], torch.device("cpu"), True, mark)
+        assert routes.staged == host.numel() * host.element_size() and routes.pageable == 0
+        copies += copied
+    for token in tokens:
+        if not token["done"]:
+            late.wait(token)
+    assert all(torch.equal(h, c) for h, c in zip(hosts, copies))
+    assert pinned == [512] and ring.slots == 1 and ring.refusals == 1
+
+
 class _Pair(torch.Tensor):
     """A wrapper subclass (as GGUF's and torchao's tensors are): its bytes are not one buffer."""
 

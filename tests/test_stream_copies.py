@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cuda_fake import FakeCuda
+from test_cuda_path import Audit, log_forwards
 from test_tiers import block_count, request_for
 from vidmem.memory import MemoryStrategy
 from vidmem.memory import hostpool
@@ -88,8 +89,10 @@ def test_streamed_blocks_are_staged_or_pinned_never_pageable_and_asynchronous(lo
     strategy = strategy_for(tier, loaded, CEILINGS[ceiling])
     latents, frames = reference(loaded, strategy)
     fake = FakeCuda().install(monkeypatch)
+    log_forwards(monkeypatch, fake)
     backend = CudaBackend(torch.device("cpu"))
     result = sample(loaded, strategy, request_for(VARIANT), backend=backend, observer=fake.observe)
+    sampled = list(fake.log)  # the decode reports to no observer: the audit reads the sampling
     decoded = decode(loaded, result.latent, strategy, backend=backend)
 
     assert torch.equal(result.latent["samples"], latents) and torch.equal(decoded.frames, frames)
@@ -110,6 +113,8 @@ def test_streamed_blocks_are_staged_or_pinned_never_pageable_and_asynchronous(lo
     assert backend.staging.staged_bytes > MAX_STAGING_SLOTS * CHUNK  # slots were filled, waited for, reused
     assert 0 < backend.staging.slots <= MAX_STAGING_SLOTS and backend.staging.pinned_bytes <= MAX_STAGING_SLOTS * CHUNK
     assert not prefetch_overlaps(fake.log), prefetch_overlaps(fake.log)[:3]
+    audit = Audit(sampled).run(strategy.prefetch_blocks)  # every streamed block ran after compute waited for it
+    assert any(entry[0] == "forward" for entry in sampled) and not audit.problems, audit.problems[:3]
 
 
 def test_a_second_call_pins_nothing_new(loaded, monkeypatch):
@@ -170,3 +175,29 @@ def test_when_the_driver_refuses_to_pin_copies_are_synchronous_and_counted_pagea
     assert swap["pageable_bytes"] > 0 and swap["staged_bytes"] == swap["pinned_bytes"] == 0, swap
     assert warm["upload_pageable_bytes"] == warm["uploaded_bytes"] > 0 and "pageable" in warm["summary"]
     assert backend.staging.refusals > 0 and backend.staging.slots == 0 and loaded.host_pool.pinned_bytes == 0
+
+
+def test_a_pin_refused_once_the_rings_have_a_slot_is_no_device_out_of_memory(loaded, monkeypatch):
+    """The driver pins each ring's first slot and refuses every pin after it (WSL2's pinned limit reached
+    mid-run). Its error reads "CUDA error: out of memory": were it let out, the sampler's ladder would take
+    it for the device's own and climb. The rings carry on with one slot each instead, every copy still
+    staged and asynchronous, and the latents are unchanged."""
+    strategy = strategy_for("block_swap", loaded, 0.0)
+    latents, _ = reference(loaded, strategy)
+    fake = FakeCuda().install(monkeypatch)
+    backend = CudaBackend(torch.device("cpu"))
+
+    def first_pin_only(ring):
+        def pin(nbytes):
+            if ring.slots:
+                raise RuntimeError("CUDA error: out of memory (cudaHostAlloc, fake)")
+            return backend.pin_arena(nbytes)
+        return pin
+
+    for ring in (backend.staging, backend.uploads):
+        ring._pin = first_pin_only(ring)
+    result = sample(loaded, strategy, request_for(VARIANT), backend=backend, observer=fake.observe)
+    assert not result.receipt.get("oom_ladder"), result.receipt.get("oom_ladder")
+    assert torch.equal(result.latent["samples"], latents)
+    assert backend.staging.refusals > 0 and backend.staging.slots == backend.uploads.slots == 1
+    assert not fake.pageable_async() and result.receipt["swap"]["pageable_bytes"] == 0
