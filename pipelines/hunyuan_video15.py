@@ -16,7 +16,9 @@ sampler keeps speaking one interface to every family:
 - the loop has no `callback_on_step_end`: the mixin calls it after each scheduler step, with the
   step index the scheduler keeps (so a loop resumed after an out-of-memory error counts on);
 - image-to-video takes no height or width (it picks the size bucket nearest the image's aspect):
-  the mixin makes the requested size the bucket, and the image is cropped to it;
+  the mixin makes the requested size the bucket, and the image is cropped to it; its image encodes
+  (SigLIP's embeddings, the VAE's first-frame latents) run in the first attempt of a run only: an
+  attempt resumed after an out-of-memory error reuses them (`vidmem_once`, pipelines/sample_call.py);
 - diffusers' attention builds a dense [B, 1, S, S] mask in every block (12 GiB a copy at 720p):
   for the call, every block's attention masks keys only above a size (hunyuan_video15_attention.py).
 """
@@ -94,6 +96,16 @@ class HunyuanVideo15Call:
                 _set_for_call(undo, self.video_processor, "calculate_default_height_width", lambda height, width, target_size: size)
             return super().__call__(*args, **kwargs)
 
+    def encode_image(self, *args, **kwargs):
+        """HunyuanVideo15ImageToVideoPipeline's SigLIP embeddings, once per run (module docstring)."""
+        encode = super().encode_image
+        return _once(self, "encode_image", lambda: encode(*args, **kwargs))
+
+    def prepare_cond_latents_and_mask(self, *args, **kwargs):
+        """HunyuanVideo15ImageToVideoPipeline's image latents (a VAE encode) and mask, once per run."""
+        prepare = super().prepare_cond_latents_and_mask
+        return _once(self, "prepare_cond_latents_and_mask", lambda: prepare(*args, **kwargs))
+
     def _requested_size(self, kwargs: dict) -> tuple[int, int] | None:
         """(height, width) when the pipeline sizes the video from its image (HunyuanVideo15ImageToVideoPipeline
         takes no height or width: it picks the bucket of `target_size` nearest the image's aspect)."""
@@ -125,6 +137,13 @@ class HunyuanVideo15Call:
             return (replaced, *output[1:]) if isinstance(output, tuple) else type(output)(prev_sample=replaced)
 
         return stepped
+
+
+def _once(pipe, name: str, compute):
+    """`compute()` once per sampling run through the call object's `vidmem_once`; computed each time on a
+    pipeline called directly (not through pipelines/sample_call.py)."""
+    once = getattr(pipe, "vidmem_once", None)
+    return once(name, compute) if once is not None else compute()
 
 
 def _set_for_call(undo: ExitStack, owner: object, name: str, value: object) -> None:

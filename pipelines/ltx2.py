@@ -8,7 +8,10 @@ What differs from Wan and CogVideoX, and each is absorbed here, in `LTX2Call`, a
 puts in front of diffusers' pipeline class (`FamilySpec.call_adapter`):
 - the prompt is Gemma 3's hidden states of every layer, stacked ([1, 1024, hidden x (layers + 1)]),
   with a left-padding mask the connectors need; `pack_prompt` appends the mask as one more
-  channel (values 0 and 1 are exact in any float dtype) so the prompt cache keeps one tensor;
+  channel (values 0 and 1 are exact in any float dtype) so the prompt cache keeps one tensor.
+  The pipeline tells the connectors the tokenizer's `padding_side`, which only its encode sets to
+  left: a call over cached embeddings sets it too (for the call), or a tokenizer saved with right
+  padding would unpad them from the wrong end;
 - one transformer denoises video and audio together: every block runs an audio branch and
   cross-attention both ways, so the audio tokens change the video and the branch cannot be left
   out without changing the video. A video-only run keeps the transformer whole but never loads
@@ -59,6 +62,12 @@ def _identity_vae(pipe, latent: torch.Tensor) -> torch.Tensor:
 def audio_latent_frames(frames: int, sampling_rate: int, hop_length: int, compression: int, frame_rate: float = 24.0) -> int:
     """The audio latent frames LTX2Pipeline makes for `frames` video frames (its __call__'s rule)."""
     return round(frames / frame_rate * (sampling_rate / hop_length / float(compression)))
+
+
+def cross_timestep(connectors_config) -> bool:
+    """The `use_cross_timestep` a call runs with by default: LTX-2.3's (connectors with per-modality
+    projections) true, LTX-2.0's false (module docstring). The planner traces the same."""
+    return bool(connectors_config.get("per_modality_projections", False))
 
 
 def pack_prompt(embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -120,17 +129,20 @@ class LTX2Call:
 
     def vidmem_encode_prompt(self, text: str, device: torch.device) -> torch.Tensor:
         """One text's Gemma hidden states and mask, packed; the encode the pipeline's call runs."""
-        embeds, mask = self._get_gemma_prompt_embeds(prompt=text, max_sequence_length=PROMPT_TOKENS, device=device)
+        with ExitStack() as undo:  # diffusers' encode sets left padding on the shared tokenizer: put back after
+            _pad_left(undo, self)
+            embeds, mask = self._get_gemma_prompt_embeds(prompt=text, max_sequence_length=PROMPT_TOKENS, device=device)
         return pack_prompt(embeds, mask)
 
     def __call__(self, *args, **kwargs):
         kwargs = self._unpacked(kwargs)
         for name, value in VIDEO_ONLY_GUIDANCE.items():
             kwargs.setdefault(name, value)
-        kwargs.setdefault("use_cross_timestep", bool(self.connectors.config.get("per_modality_projections", False)))
+        kwargs.setdefault("use_cross_timestep", cross_timestep(self.connectors.config))
         if kwargs.get("callback_on_step_end") is not None:
             kwargs = self._recording_audio(kwargs)
         with ExitStack() as undo:  # everything set for this call is put back, whatever happens
+            _pad_left(undo, self)  # as the encode it may skip (cached prompts) would have (module docstring)
             if self.audio_vae is None:
                 self._stand_in_for_audio(undo)
             return super().__call__(*args, **kwargs)
@@ -169,6 +181,15 @@ class LTX2Call:
                   "vocoder": _no_sound}
         for name, value in values.items():
             _set_in_dict(undo, self, name, value)
+
+
+def _pad_left(undo: ExitStack, pipe) -> None:
+    """The tokenizer's `padding_side` "left" until `undo` closes, as LTX2Pipeline._get_gemma_prompt_embeds
+    sets it (Gemma's chat-style prompts are left-padded) and as its call then tells the connectors."""
+    tokenizer = getattr(pipe, "tokenizer", None)
+    if tokenizer is not None:
+        undo.callback(setattr, tokenizer, "padding_side", tokenizer.padding_side)
+        tokenizer.padding_side = "left"
 
 
 def _no_sound(mel: None) -> None:

@@ -19,6 +19,7 @@ the vocoder always comes from the folder.
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import logging
 import traceback
@@ -76,15 +77,11 @@ def audio_latents(loaded: LoadedPipeline, latent) -> torch.Tensor:
                          f"({loaded.class_name}); connect the LTX-2 pipeline that sampled the latent.")
     if not isinstance(latent, dict):
         raise ModelError(f"latent: expected a LATENT (a dict), got {type(latent).__name__}; {_FIX_LATENT}")
-    metadata, audio_info = _metadata(latent)
+    metadata, _ = _metadata(latent)
     origin = metadata.get("family")
     if origin not in (None, LTX2.name):
         raise ModelError(f"latent: it came from a {origin} model, which makes no sound; {_FIX_LATENT}")
     audio = latent.get(AUDIO_KEY)
-    dropped = audio_info.get("dropped")
-    if audio is None and dropped:
-        raise ModelError(f"latent: it has no sound: {dropped}. Sample again with a strategy that fits "
-                         "(the Sampler's receipt names the one it climbed to) to get the sound.")
     if not isinstance(audio, torch.Tensor):
         raise ModelError(f"latent: it has no '{AUDIO_KEY}' (the audio latents), only the video; {_FIX_LATENT}")
     if audio.ndim != 4 or audio.numel() == 0 or not audio.is_floating_point():
@@ -141,13 +138,27 @@ def _file_audio_vae(loaded: LoadedPipeline) -> bool:
     return "audio_vae" in ltx2_parts(loaded.transformer_file, "transformer_file")
 
 
-def load_audio_parts(loaded: LoadedPipeline) -> tuple[torch.nn.Module, torch.nn.Module, str]:
+def load_audio_parts(loaded: LoadedPipeline,
+                     audio: torch.Tensor | None = None) -> tuple[torch.nn.Module, torch.nn.Module, str]:
     """The audio VAE and the vocoder, on the CPU in the pipeline's dtype, and where the audio VAE
-    came from ("folder" or the checkpoint's name). The caller drops them after use."""
+    came from ("folder" or the checkpoint's name). The caller drops them after use.
+
+    What the folder's config.json files decide is checked before any weight loads (hundreds of MB):
+    the parts present, the vocoder's class, and, given `audio` ([B, C, L, M] latents), that the
+    audio VAE decodes their channels and mel bins."""
     error = audio_parts_error(loaded)
     if error:
         raise ModelError(error)
+    folder = Path(loaded.folder)
+    _vocoder_class(_config(folder / "vocoder"))
+    if audio is not None:
+        _check_channels(audio, _config(folder / "audio_vae"))
     return _build_parts(loaded)
+
+
+def _config(part: Path) -> dict:
+    """A part's config.json (audio_parts_error found it)."""
+    return json.loads((part / "config.json").read_text())
 
 
 def _build_parts(loaded: LoadedPipeline) -> tuple[torch.nn.Module, torch.nn.Module, str]:
@@ -159,7 +170,7 @@ def _build_parts(loaded: LoadedPipeline) -> tuple[torch.nn.Module, torch.nn.Modu
         audio_vae, source = _from_folder(AutoencoderKLLTX2Audio, folder / "audio_vae", dtype), "folder"
     else:
         audio_vae, source = _from_checkpoint(loaded.transformer_file, folder, dtype), Path(loaded.transformer_file).name
-    vocoder_class = _vocoder_class(json.loads((folder / "vocoder" / "config.json").read_text()))
+    vocoder_class = _vocoder_class(_config(folder / "vocoder"))
     return audio_vae, _from_folder(vocoder_class, folder / "vocoder", dtype), source
 
 
@@ -185,8 +196,7 @@ def _from_checkpoint(path: str, folder: Path, dtype: torch.dtype) -> torch.nn.Mo
 
     from .comfy_files.files import ltx2_part
 
-    config = json.loads((folder / "audio_vae" / "config.json").read_text())
-    module = AutoencoderKLLTX2Audio.from_config(config)
+    module = AutoencoderKLLTX2Audio.from_config(_config(folder / "audio_vae"))
     module.load_state_dict(ltx2_part(path, "audio_vae", "transformer_file"), strict=True)
     return module.to(dtype).eval()
 
@@ -209,7 +219,7 @@ def decode_audio(loaded: LoadedPipeline, latent: dict, device: torch.device | No
     device = device or resolve_compute_device()
     normalised = _metadata(latent)[1].get("normalised", True)
     hooks.check_interrupt()
-    held = [load_audio_parts(loaded)]  # the CPU's fresh copy joins after an out-of-memory error
+    held = [load_audio_parts(loaded, audio)]  # the CPU's fresh copy joins after an out-of-memory error
     try:
         result = _decode_held(loaded, held, audio, device, normalised, hooks)
     except BaseException as error:
@@ -227,7 +237,6 @@ def _decode_held(loaded: LoadedPipeline, held: list, audio: torch.Tensor, device
                  hooks: RunHooks) -> AudioResult:
     """decode_audio's body on the parts in `held` (which the caller drops, whatever happens)."""
     audio_vae, vocoder, source = held[0]
-    _check_channels(audio, audio_vae)
     weight_bytes = sum(t.numel() * t.element_size() for m in (audio_vae, vocoder) for t in m.state_dict().values())
     hooks.make_room(weight_bytes, device, weight_bytes=weight_bytes)
     with StageMeter("audio_decode", device) as meter:
@@ -297,9 +306,14 @@ def denormalise(z: torch.Tensor, audio_vae) -> torch.Tensor:
     return LTX2Pipeline._unpack_audio_latents(packed, z.shape[2], num_mel_bins=z.shape[3])
 
 
-def _check_channels(audio: torch.Tensor, audio_vae) -> None:
-    config = audio_vae.config
-    expected = (config.latent_channels, config.mel_bins // audio_vae.mel_compression_ratio)
+def _check_channels(audio: torch.Tensor, config: dict) -> None:
+    """The latents' channels and mel bins against what the audio VAE of `config` (config.json) decodes."""
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
+
+    defaults = inspect.signature(AutoencoderKLLTX2Audio.__init__).parameters  # for keys a config leaves out
+    setting = lambda name: config.get(name, defaults[name].default)  # noqa: E731
+    expected = (setting("latent_channels"), setting("mel_bins") // LATENT_DOWNSAMPLE_FACTOR)
     if (audio.shape[1], audio.shape[3]) != expected:
         raise ModelError(f"latent: its audio latents have {audio.shape[1]} channels x {audio.shape[3]} mel bins, but this "
                          f"pipeline's audio VAE decodes {expected[0]} x {expected[1]}; decode with the LTX-2 pipeline "

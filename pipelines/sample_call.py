@@ -12,9 +12,11 @@ reads (so the loop itself is diffusers', unchanged):
 - resuming after an out-of-memory error: `interrupt` is true for the steps already done, so the
   loop skips them with diffusers' own `continue`, and its indices (`timesteps[i - 1]`, the
   callback's step) stay those of the whole run; `prepare_latents` hands back the latents of the
-  last finished step and the conditioning the first attempt prepared (no image encoded twice,
-  no random draws repeated), and `prepare_audio_latents` LTX-2's audio latents of that step; the
-  scheduler comes back with its state after that step.
+  last finished step and the conditioning the first attempt prepared (no random draws repeated),
+  `prepare_audio_latents` LTX-2's audio latents of that step, and `vidmem_once` what a family's
+  adapter made once outside `prepare_latents` (HunyuanVideo 1.5's SigLIP embeddings and image
+  latents), so no image goes through the VAE twice (Wan 2.1's CLIP embedding, made in its call,
+  is made again: the same values); the scheduler comes back with its state after that step.
 - a record of each finished step (`StepRecord`), taken in the step-end callback.
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -45,12 +47,23 @@ class ResumePoint:
     # LTX-2's audio latents after that step: its one transformer denoises audio beside the video and
     # the audio tokens reach the video through cross-attention, so they resume with it (None: no audio)
     audio_latents: torch.Tensor | None = None
+    kept: dict = field(default_factory=dict)  # what `vidmem_once` computed in the first attempt, by name
 
 
 class _CallOverrides:
     _vidmem_skip_steps = 0
     _vidmem_resume: ResumePoint | None = None
     _vidmem_prepared = None
+    _vidmem_kept: dict | None = None  # by name, what vidmem_once computed (call_pipeline: each call its own)
+
+    def vidmem_once(self, name: str, compute):
+        """`compute()`, run in the first attempt only: a resumed attempt gets the first attempt's value.
+        For conditioning a family's adapter makes outside `prepare_latents` (image encodes, no randomness)."""
+        if self._vidmem_kept is None:
+            self._vidmem_kept = {}
+        if name not in self._vidmem_kept:
+            self._vidmem_kept[name] = compute()
+        return self._vidmem_kept[name]
 
     @property
     def do_classifier_free_guidance(self) -> bool:
@@ -111,6 +124,7 @@ def call_pipeline(pipe, scheduler, boundary_ratio: float | None, resume: ResumeP
     call.set_progress_bar_config(disable=True)
     call._vidmem_resume = resume
     call._vidmem_skip_steps = resume.steps_done if resume is not None else 0
+    call._vidmem_kept = dict(resume.kept) if resume is not None else {}
     return call
 
 
@@ -146,7 +160,7 @@ class StepRecord:
         state = copy.deepcopy({k: v for k, v in scheduler.__dict__.items() if k not in OVERRIDES})
         self.last = ResumePoint(step + 1, latents, type(scheduler), state, self.generator.get_state(), self._carry,
                                 self.call._vidmem_prepared if self.last is None else self.last.prepared,
-                                getattr(self.call, "_vidmem_step_audio", None))
+                                getattr(self.call, "_vidmem_step_audio", None), dict(self.call._vidmem_kept or {}))
 
     def _track_carry(self, scheduler) -> None:
         """CogVideoXDPMScheduler takes the previous step's x0 prediction as an argument that

@@ -118,6 +118,7 @@ _LTX2_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 32, 64),
     decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
     spatial_compression_ratio=32, temporal_compression_ratio=8, decoder_causal=False,  # as LTX-2.0's VAE
+    scaling_factor=0.75,  # the real one's is 1.0; another value shows where it is (not) applied
 )
 _LTX2_CONNECTORS = dict(
     caption_channels=_LTX2_TEXT, text_proj_in_factor=_LTX2_GEMMA_LAYERS + 1, video_connector_num_attention_heads=2,
@@ -404,10 +405,21 @@ def _audio_components(spec: TinySpec, seed: int) -> dict[str, Any]:
 _TEXT_STACKS = {"t5": _t5_text, "hunyuan15": _hunyuan15_text, "gemma3": _gemma3_text}
 
 
+def _with_latent_statistics(vae: torch.nn.Module) -> torch.nn.Module:
+    """LTX-2's video VAE keeps its per-channel statistics as weights (buffers), built as 0 and 1: a
+    missing or doubled denormalisation would then give the same latents. Other values make either
+    show (the audio VAE's tests do the same: tests/test_ltx2_audio.py `audio_stats_folder`)."""
+    if type(vae).__name__ == "AutoencoderKLLTX2Video":
+        channels = vae.latents_mean.numel()
+        vae.latents_mean.copy_(torch.linspace(-0.5, 0.5, channels))
+        vae.latents_std.copy_(torch.linspace(0.5, 2.0, channels))
+    return vae
+
+
 def _components(spec: TinySpec, seed: int) -> dict[str, Any]:
     components = {
         **_TEXT_STACKS[spec.text_stack](spec, seed),
-        "vae": _seeded(seed, spec.vae, diffusers, **spec.vae_config),
+        "vae": _with_latent_statistics(_seeded(seed, spec.vae, diffusers, **spec.vae_config)),
         "scheduler": getattr(diffusers, spec.scheduler)(**spec.scheduler_config),
         "transformer": _seeded(seed, spec.transformer, diffusers, **spec.transformer_config),
         **_image_components(spec, seed),

@@ -66,11 +66,12 @@ def test_every_tier_matches_plain_diffusers_bit_for_bit(tiny_loaded, tiny_folder
     assert loaded.pipe.guider is guider and "step" not in vars(loaded.pipe.scheduler)  # nothing left applied
 
 
-@pytest.mark.parametrize("prompt, cfg, diffusers_cfg", [('a sign that says "vidmem"', 5.0, 5.0), ("a cat", 1.0, 1.0),
-                                                       ("a cat", 0.5, 1.0)])
-def test_glyph_text_and_unguided_runs_match_plain_diffusers(prompt, cfg, diffusers_cfg, tiny_loaded, tiny_folder):
-    """Quoted text runs the ByT5 encoder; cfg 1 or less runs no negative pass (nor encodes one), as
-    for every family (diffusers' guider would still guide at 0.5)."""
+@pytest.mark.parametrize("prompt, cfg, diffusers_cfg", [('a sign that says "vidmem"', 5.0, 5.0), ("a cat", 3.0, 3.0),
+                                                       ("a cat", 1.0, 1.0), ("a cat", 0.5, 1.0)])
+def test_glyph_text_cfg_and_unguided_runs_match_plain_diffusers(prompt, cfg, diffusers_cfg, tiny_loaded, tiny_folder):
+    """Quoted text runs the ByT5 encoder; a cfg other than the folder's guider's (5.0 in the tiny one)
+    reaches the call's guider; cfg 1 or less runs no negative pass (nor encodes one), as for every
+    family (diffusers' guider would still guide at 0.5)."""
     loaded = tiny_loaded(VARIANT)
     reference = plain_latents(tiny_folder(VARIANT), prompt, diffusers_cfg)
     result = sample(loaded, TIERS["block_swap:1"], request(prompt, cfg), backend=CpuBackend())
@@ -130,6 +131,30 @@ def test_out_of_memory_resumes_from_the_last_step_through_the_adapter(tiny_loade
     assert rung["at_step"] == 3 and rung["resumed_from_step"] == 2
     assert torch.equal(result.latent["samples"], reference)
     assert loaded.pipe.guider is guider and "step" not in vars(loaded.pipe.scheduler)
+
+
+def test_a_resumed_image_to_video_run_encodes_its_image_once(tiny_loaded):
+    """SigLIP and the VAE encode the image in the first attempt only: the attempt resumed after an
+    out-of-memory error reuses both (pipelines/sample_call.py `vidmem_once`), and its latents are an
+    uninterrupted run's."""
+    from test_oom_ladder import InjectOOM, block_count, run
+    from vidmem.pipelines.sample_ladder import fixed_ladder
+
+    loaded, steps = tiny_loaded(I2V), 4
+    image = torch.full((1, 64, 64, 3), 128 / 255)
+    reference = run(loaded, fixed_ladder(MemoryStrategy(), block_count(loaded))[0], request(image=image, steps=steps))
+    encodes = []
+    hooks = [module.register_forward_pre_hook(lambda module, args, name=name: encodes.append(name))
+             for name, module in (("siglip", loaded.pipe.image_encoder), ("vae", loaded.pipe.vae.encoder))]
+    try:
+        with InjectOOM(loaded.pipe.transformer.transformer_blocks[-1], [2 * 2 + 1]) as oom:  # step 3's cond pass
+            result = run(loaded, MemoryStrategy(offload="model"), request(image=image, steps=steps))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert oom.raised == 1 and result.receipt["oom_ladder"][0]["resumed_from_step"] == 2
+    assert sorted(encodes) == ["siglip", "vae"]
+    assert torch.equal(result.latent["samples"], reference.latent["samples"])
 
 
 def test_keys_only_masking_gives_the_valid_tokens_the_same_attention(tiny_loaded, monkeypatch):

@@ -138,6 +138,28 @@ def test_cached_prompt_embeddings_give_the_same_latents(tiny_loaded, tmp_path):
     assert torch.equal(first.latent["samples"], again.latent["samples"])
 
 
+def test_cached_prompts_run_left_padded_whatever_padding_the_tokenizer_was_saved_with(tiny_folder, tmp_path):
+    """LTX2Pipeline's encode pads Gemma's tokens on the left and its call tells the connectors the tokenizer's
+    padding side; a cached prompt skips that encode, so a tokenizer saved with right padding (loaded fresh, as
+    after a restart) would have the connectors unpad from the wrong end (0.7 off, tiny model)."""
+    from vidmem.pipelines.hooks import RunHooks
+    from vidmem.pipelines.loader import load_pipeline
+    from vidmem.pipelines.prompt_cache import PromptCache
+
+    folder = shutil.copytree(tiny_folder(VARIANT), tmp_path / "ltx2")
+    config = folder / "tokenizer" / "tokenizer_config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), padding_side="right")))
+    hooks = RunHooks(prompt_cache=PromptCache(tmp_path / "prompts"))
+    encoded = sample(load_pipeline(folder, "fp32"), TIERS["none"], request(), hooks=hooks, backend=CpuBackend())
+    fresh = load_pipeline(folder, "fp32")
+    assert fresh.pipe.tokenizer.padding_side == "right"
+    cached = sample(fresh, TIERS["none"], request(), hooks=hooks, backend=CpuBackend())
+    assert cached.receipt["text_encode"]["cache"] == "used"
+    assert torch.equal(cached.latent["samples"], encoded.latent["samples"])
+    assert torch.equal(encoded.latent["samples"], plain_latents(folder))
+    assert fresh.pipe.tokenizer.padding_side == "right"  # set for the call only
+
+
 def test_packed_prompt_embeddings_unpack_to_the_same_bits():
     torch.manual_seed(0)
     embeds, mask = torch.randn(2, 7, 48), torch.randint(0, 2, (2, 7))

@@ -383,22 +383,38 @@ def test_an_error_in_the_cpus_decode_after_out_of_memory_drops_both_copies(tiny_
     assert len(loads) == 2 and all_dropped(loads)
 
 
-def test_refusals_and_host_errors_before_the_decode_drop_the_parts(tiny_loaded, monkeypatch):
-    """A latent the audio VAE cannot decode, or a host that fails to make room: the parts loaded for
-    the call are dropped all the same."""
+def test_what_the_config_files_decide_is_refused_before_any_weight_loads(tiny_folder, tmp_path, monkeypatch):
+    """A latent of other channels than the audio VAE's config.json states, and a vocoder class diffusers lacks:
+    refused by name with neither part loaded (hundreds of MB at full size)."""
+    from vidmem.pipelines import ltx2_audio
+
+    folder = shutil.copytree(tiny_folder(VARIANT), tmp_path / "ltx2")
+    loaded = load_pipeline(folder, "fp32")
+    latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
+    loaded_parts, from_folder = [], ltx2_audio._from_folder
+    monkeypatch.setattr(ltx2_audio, "_from_folder", lambda cls, path, dtype: (loaded_parts.append(path.name),
+                                                                               from_folder(cls, path, dtype))[1])
+    with pytest.raises(ModelError, match="3 channels x 2 mel bins, but this pipeline's audio VAE decodes 2 x 2"):
+        decode_audio(loaded, dict(latent, audio_samples=torch.zeros(1, 3, 9, 2)), device=CPU)
+    config = json.loads((folder / "vocoder" / "config.json").read_text())
+    (folder / "vocoder" / "config.json").write_text(json.dumps(dict(config, _class_name="LTX2VocoderFromTheFuture")))
+    with pytest.raises(ModelError, match="vocoder/config.json names 'LTX2VocoderFromTheFuture'"):
+        decode_audio(loaded, latent, device=CPU)
+    assert loaded_parts == []
+
+
+def test_a_host_error_before_the_decode_drops_the_parts(tiny_loaded, monkeypatch):
+    """A host that fails to make room: the parts loaded for the call are dropped all the same."""
     loaded = tiny_loaded(VARIANT)
     latent = sample(loaded, TIERS["none"], request(steps=2), backend=CpuBackend()).latent
     loads = record_parts(monkeypatch)
-    with pytest.raises(ModelError, match="3 channels x 2 mel bins"):
-        decode_audio(loaded, dict(latent, audio_samples=torch.zeros(1, 3, 9, 2)), device=CPU)
-    assert len(loads) == 1 and all_dropped(loads)
 
     def refuse(*args, **kwargs):
         raise RuntimeError("the host could not make room")
 
     with pytest.raises(RuntimeError, match="could not make room"):
         decode_audio(loaded, latent, device=CPU, hooks=RunHooks(make_room=refuse))
-    assert len(loads) == 2 and all_dropped(loads)
+    assert len(loads) == 1 and all_dropped(loads)
 
 
 def test_an_error_in_the_vocoder_leaves_nothing_on_the_device(tiny_loaded, monkeypatch):
