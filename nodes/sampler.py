@@ -192,7 +192,8 @@ class VidMemVideoSampler:
                               speed=measured_speed(request.speed, device, lora_hooks,
                                                    choice.strategy.parallel.context_parallel_on),
                               cache_state=step_cache.planned_state(denoisers(pipeline.pipe, pipeline.spec)))
-        run, plan_line = _strategy_for_run(pipeline, choice, shape, device, options)
+        planned = pipeline.image_mode() if request.image is not None else pipeline  # the class the run uses
+        run, plan_line = _strategy_for_run(planned, choice, shape, device, options)
         progress = host.Progress(steps, "sampling")
         try:
             cache = PromptCache(host.prompt_cache_folder())

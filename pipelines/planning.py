@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 def planner_model(loaded: LoadedPipeline):
     """The pipeline's architecture built on meta from its folder's config files, or the shipped
-    config its single files were recognised as (cached), less the parts the loader removed."""
-    return load_model(loaded.folder or loaded.config_name, loaded.dtype_name, loaded.vae_dtype_name or None, loaded.removed)
+    config its single files were recognised as (cached), less the parts the loader removed, as the
+    pipeline's class runs it (`loaded.image_mode()`'s: an image-to-video run of a text-to-video folder)."""
+    return load_model(loaded.folder or loaded.config_name, loaded.dtype_name, loaded.vae_dtype_name or None, loaded.removed,
+                      pipeline_class=loaded.class_name)
 
 
 def sampling_model(loaded: LoadedPipeline):

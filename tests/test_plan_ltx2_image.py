@@ -101,3 +101,52 @@ def diffusers_shaped_forward(model, shape: VideoShape):
             encoder_attention_mask=mask, audio_encoder_attention_mask=mask, num_frames=frames, height=height,
             width=width, fps=24.0, audio_num_frames=audio_frames, return_dict=False)
     return run
+
+
+def test_an_image_run_of_the_text_to_video_folder_is_planned_as_image_to_video(tiny_loaded):
+    """LTX-2's one folder (model_index.json: LTX2Pipeline) runs image-to-video when an image comes: the
+    sampler's plans (its room, the OOM ladder's budget, the Sampler's plan line) read the planner model
+    of the class that runs, LTX2ImageToVideoPipeline's per-token step, not the folder's text-to-video one."""
+    from vidmem.memory.plan.stages import denoise_stage
+    from vidmem.memory import MemoryStrategy
+    from vidmem.pipelines.planning import plan_options, planner_model
+
+    loaded = tiny_loaded(VARIANT)
+    text, image = planner_model(loaded), planner_model(loaded.image_mode())
+    assert (text.pipeline_class, image.pipeline_class) == ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
+    assert planner_model(loaded.image_mode()) is image, "memoised: its traces are reused run after run"
+    assert load_model(text.source, text.dtype_name) is text, "the folder's own model is unchanged"
+    spec = tiny_spec(VARIANT)
+    shape = VideoShape(spec.width, spec.height, spec.frames, cfg=True)
+    options = plan_options(loaded, device="cuda")
+    strategy = MemoryStrategy(offload="none")
+    assert denoise_stage(image, shape, strategy, options).device_bytes > denoise_stage(text, shape, strategy, options).device_bytes
+
+
+def test_the_sampler_plans_an_image_run_with_the_class_that_runs_it(tiny_loaded, monkeypatch):
+    import pytest
+
+    from vidmem.nodes import NODE_CLASS_MAPPINGS
+    from vidmem.nodes import sampler as sampler_node
+
+    class Planned(Exception):
+        pass
+
+    seen = []
+
+    def strategy_for_run(pipeline, choice, shape, device, options):
+        seen.append(pipeline.class_name)
+        raise Planned
+
+    monkeypatch.setattr(sampler_node, "_strategy_for_run", strategy_for_run)
+    spec, loaded = tiny_spec(VARIANT), tiny_loaded(VARIANT)
+    (choice,) = NODE_CLASS_MAPPINGS["VidMemMemoryStrategy"]().build(
+        offload="none", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
+        text_encoder="offload_after_encoding", vae_slicing=False, vae_tiling=False, tile_size=256, overlap=64,
+        temporal_size=64, temporal_overlap=8)["result"]
+    image = torch.full((1, spec.height, spec.width, 3), 0.5)
+    for given in (None, image):
+        with pytest.raises(Planned):
+            sampler_node.VidMemVideoSampler().sample(loaded, choice, "a cat", "", spec.width, spec.height, spec.frames,
+                                                     2, 1.0, 0, image=given)
+    assert seen == ["LTX2Pipeline", "LTX2ImageToVideoPipeline"]

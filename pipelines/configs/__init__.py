@@ -13,11 +13,13 @@ components' config.json files are read; no weights are touched.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from ...memory.accounting import OpCache
 from ...memory.units import DTYPES
 from ..family import ModelError
 from ..json_files import read_json_object
@@ -34,15 +36,42 @@ def model_names() -> list[str]:
 
 
 def load_model(name_or_path: str, dtype: str | None = None, vae_dtype: str | None = None,
-               removed: tuple[str, ...] = ()) -> MetaModel:
+               removed: tuple[str, ...] = (), pipeline_class: str | None = None) -> MetaModel:
     """A shipped model by name, a model config file in the shipped schema, or a diffusers-format
     folder (configs only).
 
     `dtype` is the compute dtype (default: the model's own); `vae_dtype` the VAE's when it runs
     in another (e.g. fp32 for quality); `removed` the submodules the loader left out ("component.path":
-    MetaModel.removed). Models are shared per (name or folder, dtypes, removed) so their memoised traces
-    are reused.
+    MetaModel.removed); `pipeline_class` the class that runs it when another of the family's than the
+    folder's (a run with an image: LTX-2's and Wan 2.2 TI2V's one folder serves both). Models are shared
+    per (name or folder, dtypes, removed, class) so their memoised traces are reused.
     """
+    model = _load_model(name_or_path, dtype, vae_dtype, removed)
+    if pipeline_class is None or pipeline_class == model.pipeline_class:
+        return model
+    return _run_by(model, pipeline_class)
+
+
+# (id of the model, class) -> (the model, it as run by that class): kept beside the model for its traces.
+_RUN_BY: dict[tuple[int, str], tuple[MetaModel, MetaModel]] = {}
+
+
+def _run_by(model: MetaModel, pipeline_class: str) -> MetaModel:
+    """`model` as `pipeline_class` of its own family runs it (what it conditions on, how it calls the
+    transformer: configs/workloads.py reads the class), memoised, with traces of its own."""
+    if family_for(pipeline_class).name != model.spec.name:
+        raise ModelError(f"{pipeline_class} does not run {model.name} ({model.pipeline_class}'s family).")
+    held = _RUN_BY.get((id(model), pipeline_class))
+    if held is None or held[0] is not model:  # an id may be reused once its model has gone
+        while len(_RUN_BY) >= 8:
+            _RUN_BY.pop(next(iter(_RUN_BY)))
+        held = (model, replace(model, pipeline_class=pipeline_class, _built={}, _weights={}, _traces={}, _streams={},
+                               _cache=OpCache()))
+        _RUN_BY[(id(model), pipeline_class)] = held
+    return held[1]
+
+
+def _load_model(name_or_path: str, dtype: str | None, vae_dtype: str | None, removed: tuple[str, ...]) -> MetaModel:
     path = Path(name_or_path).expanduser()
     vae = _dtype(vae_dtype) if vae_dtype else ""
     if path.name == "model_index.json" and path.is_file():  # the folder's index names the folder
