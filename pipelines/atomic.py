@@ -1,8 +1,11 @@
 """Files written whole or not at all: a temporary file beside the target, renamed onto it.
 
 A crash, a full disk or an interrupt mid-write leaves the target as it was (or absent) and no
-partial file a later run could mistake for a good one. Standard library only, so the light
-command-line client can use it too.
+partial file a later run could mistake for a good one. The temporary file is flushed to disk
+(fsync) before the rename, and the folder after it where the OS can open one: without the first,
+a power loss soon after the rename can leave the target name on an empty or partial file
+(filesystems may write the rename before the data); without the second, the rename itself may be
+lost. Standard library only, so the light command-line client can use it too.
 """
 
 from __future__ import annotations
@@ -38,10 +41,37 @@ def atomic_path(target: Path) -> Iterator[Path]:
         # mkstemp makes the file private (0600); the finished file gets the mode any new file gets
         # here (0666 less the umask), so a LoRA or latent is readable as the user's other files are.
         os.chmod(temporary, 0o666 & ~_UMASK)
+        _flush_file(temporary)
         _replace(temporary, target)
+        _flush_folder(target.parent)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _flush_file(path: str) -> None:
+    handle = os.open(path, os.O_RDWR)  # writable: Windows' fsync (_commit) needs it
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def _flush_folder(folder: Path) -> None:
+    """The rename on disk. Best effort: Windows cannot open a folder (NTFS journals the rename), and
+    some filesystems refuse fsync on one; the file itself is already whole either way."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        handle = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 class FileInUse(PermissionError):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -83,3 +82,23 @@ def test_tiled_encoding_restores_the_vae_and_the_encoders_are_left_as_found(tiny
     assert {k: v for k, v in vars(vae).items() if k == "use_tiling" or k.startswith("tile_")} == before
     assert {n: p.data_ptr() for n, p in loaded.pipe.text_encoder.named_parameters()} == pointers
     assert not any(m._forward_pre_hooks for m in vae.modules())
+
+
+def test_the_planner_plans_the_bucket_with_the_largest_latent_not_the_most_pixels(tiny_loaded, tmp_path):
+    """832x480x5 has more pixels than a 1024x1024 still (2.0M vs 1.05M), but the VAE keeps 2 of its
+    5 frames: 2 x 60 x 104 = 12,480 latent pixels against the still's 128 x 128 = 16,384."""
+    from types import SimpleNamespace
+
+    from vidmem.training.data import Bucket
+    from vidmem.training.plan import planned_shape
+    from vidmem.training.settings import TrainSettings
+
+    clips, stills = [Bucket(832, 480, 5)] * 3, [Bucket(1024, 1024, 1)]
+    data = SimpleNamespace(samples=[SimpleNamespace(bucket=b) for b in clips + stills], vae_scale=(8, 4))
+    shape = planned_shape(data, TrainSettings(batch_size=2))
+    assert (shape.width, shape.height, shape.frames, shape.batch) == (1024, 1024, 1, 2)
+    longer = SimpleNamespace(samples=data.samples + [SimpleNamespace(bucket=Bucket(832, 480, 9))], vae_scale=(8, 4))
+    assert planned_shape(longer, TrainSettings()).frames == 9  # 3 x 60 x 104 = 18,720
+    loaded = tiny_loaded("wan2.1-t2v")
+    prepared = prepare_tiny(loaded, make_dataset(tmp_path / "data", clips=1), tmp_path / "cache")
+    assert prepared.vae_scale == (loaded.pipe.vae_scale_factor_spatial, loaded.pipe.vae_scale_factor_temporal)

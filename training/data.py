@@ -1,17 +1,23 @@
 """A training folder: media files with their captions, decoded and fitted to resolution/frame buckets.
 
-Layout: `clip.mp4` + `clip.txt`, `photo.png` + `photo.txt` (any depth). Each video is assigned the
-largest frame bucket it has frames for (its first frames are used), each image the 1-frame
-bucket; the resolution bucket is the one whose aspect ratio is closest to the clip's, which it is
-scaled to cover and then centre-cropped to. Every problem (an empty folder, a missing caption, a
-file that does not decode, a bucket the family cannot take) is found here, before anything is
-encoded or written.
+Layout: `clip.mp4` + `clip.txt`, `photo.png` + `photo.txt` (any depth); captions are UTF-8 (a
+BOM is dropped; any other encoding is refused by name). Each video is assigned the largest frame
+bucket it has frames for (its first frames are used), each image the 1-frame bucket; the
+resolution bucket is the one whose aspect ratio is closest to the clip's, which it is scaled to
+cover and then centre-cropped to. Media are read upright, as a viewer shows them: a photo's EXIF
+Orientation and a video's display rotation (a phone's portrait clip is stored sideways) are
+applied before bucketing. Every problem (an empty folder, a missing or non-UTF-8 caption, a file
+that does not decode, a bucket the family cannot take) is found here, before anything is encoded
+or written.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,27 +110,102 @@ def scan_folder(folder: str | Path) -> list[Clip]:
                             "name beside each (clip.mp4 -> clip.txt).")
     clips = []
     for path in media:
-        caption = path.with_suffix(".txt").read_text(encoding="utf-8", errors="replace").strip()
+        caption = read_caption(path.with_suffix(".txt"))
         if not caption:
             raise TrainingError(f"caption {path.with_suffix('.txt')} is empty; describe the clip in it.")
         clips.append(Clip(path, caption, path.suffix.lower() in IMAGE_SUFFIXES))
     return clips
 
 
-def read_frames(clip: Clip, max_frames: int) -> torch.Tensor:
-    """Up to `max_frames` RGB frames as uint8 [F, H, W, 3]; TrainingError if the file does not decode."""
+def read_caption(path: Path) -> str:
+    """A caption file's text: UTF-8, a BOM dropped (Notepad writes one). Other encodings are refused:
+    decoded as UTF-8 with replacement they became garbage the text encoder trained on silently."""
     try:
-        if clip.is_image:
-            from PIL import Image
+        return path.read_bytes().decode("utf-8-sig").strip()
+    except UnicodeDecodeError as error:
+        raise TrainingError(f"caption {path} is not UTF-8 text (byte {error.start} is 0x{error.object[error.start]:02x}); "
+                            "save it as UTF-8 (e.g. 'Save as... > Encoding: UTF-8' in your editor).") from None
 
-            with Image.open(clip.path) as image:
-                return torch.from_numpy(np.asarray(image.convert("RGB")).copy())[None]
-        return _decode_video(clip.path, max_frames)
+
+def read_frames(clip: Clip, max_frames: int) -> torch.Tensor:
+    """Up to `max_frames` upright RGB frames as uint8 [F, H, W, 3]; TrainingError if the file does not decode."""
+    with _named_if_broken(clip):
+        return _read_image(clip.path) if clip.is_image else _decode_video(clip.path, max_frames)
+
+
+def probe_clip(clip: Clip, max_frames: int) -> tuple[int, int, int]:
+    """(frames up to `max_frames`, width, height) as shown upright, from the file's headers where they
+    say it (the image header and EXIF; the container's frame count and one decoded frame), so a
+    cached clip is not decoded whole on every run. TrainingError if the file does not open."""
+    with _named_if_broken(clip):
+        return _probe_image(clip.path) if clip.is_image else _probe_video(clip.path, max_frames)
+
+
+@contextmanager
+def _named_if_broken(clip: Clip) -> Iterator[None]:
+    """PyAV and PIL raise many types for a broken file: each becomes a TrainingError naming it."""
+    try:
+        yield
     except TrainingError:
         raise
-    except Exception as error:  # noqa: BLE001 - PyAV and PIL raise many types for a broken file
+    except Exception as error:  # noqa: BLE001 - see the docstring
         raise TrainingError(f"'{clip.path}' cannot be decoded ({type(error).__name__}: {error}); re-encode it "
                             "(e.g. to H.264 .mp4) or remove it with its caption.") from None
+
+
+EXIF_ORIENTATION = 0x0112
+TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF Orientation values that turn the image a quarter: width and height swap
+
+
+def _read_image(path: Path) -> torch.Tensor:
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as image:
+        upright = ImageOps.exif_transpose(image)  # a phone's portrait photo is stored sideways plus a tag
+        return torch.from_numpy(_rgb_array(upright))[None]
+
+
+def _rgb_array(image) -> np.ndarray:
+    """uint8 [H, W, 3]. 16-bit greyscale (PNG mode I;16, or I) is scaled to 8 bits first: PIL's
+    convert("RGB") clips every value above 255, so mid-grey (32768) became white."""
+    if image.mode == "I" or image.mode.startswith("I;16"):
+        grey = np.round(np.asarray(image).astype(np.float64) / 257.0).clip(0, 255).astype(np.uint8)
+        return np.repeat(grey[..., None], 3, axis=2)
+    return np.asarray(image.convert("RGB")).copy()
+
+
+def _probe_image(path: Path) -> tuple[int, int, int]:
+    from PIL import Image
+
+    with Image.open(path) as image:  # reads the header only
+        width, height = image.size
+        if image.getexif().get(EXIF_ORIENTATION) in TRANSPOSED_ORIENTATIONS:
+            width, height = height, width
+    return 1, width, height
+
+
+def upright_frame(frame: np.ndarray, rotation: float) -> np.ndarray:
+    """A decoded frame [H, W, 3] turned as a player shows it. `rotation` is PyAV's `frame.rotation`:
+    the display matrix's counter-clockwise angle (FFmpeg's av_display_rotation_get); a phone's
+    portrait clip reads -90, which FFmpeg's autorotate shows turned 90 degrees clockwise. np.rot90
+    turns counter-clockwise for positive k, so k = rotation / 90 (quarter turns; flips are ignored)."""
+    turns = round(rotation / 90) % 4
+    return np.rot90(frame, k=turns) if turns else frame
+
+
+def _rotation(frame) -> float:
+    """PyAV's display rotation of a decoded frame; 0 where PyAV is too old to read it (before 14)."""
+    return getattr(frame, "rotation", 0) or 0
+
+
+def _first_video_stream(container, path: Path):
+    if not container.streams.video:
+        raise TrainingError(f"'{path}' has no video stream; remove it or replace it with a video.")
+    return container.streams.video[0]
+
+
+def _no_frames(path: Path) -> TrainingError:
+    return TrainingError(f"'{path}' has no decodable frames; re-encode it or remove it with its caption.")
 
 
 def _decode_video(path: Path, max_frames: int) -> torch.Tensor:
@@ -132,15 +213,31 @@ def _decode_video(path: Path, max_frames: int) -> torch.Tensor:
 
     frames = []
     with av.open(str(path)) as container:
-        if not container.streams.video:
-            raise TrainingError(f"'{path}' has no video stream; remove it or replace it with a video.")
-        for frame in container.decode(video=0):
-            frames.append(frame.to_ndarray(format="rgb24"))
+        for frame in container.decode(_first_video_stream(container, path)):
+            frames.append(upright_frame(frame.to_ndarray(format="rgb24"), _rotation(frame)))
             if len(frames) >= max_frames:
                 break
     if not frames:
-        raise TrainingError(f"'{path}' has no decodable frames; re-encode it or remove it with its caption.")
+        raise _no_frames(path)
     return torch.from_numpy(np.stack(frames))
+
+
+def _probe_video(path: Path, max_frames: int) -> tuple[int, int, int]:
+    import av
+
+    with av.open(str(path)) as container:
+        stream = _first_video_stream(container, path)
+        decoded = container.decode(stream)
+        first = next(decoded, None)  # one frame: its size and display rotation (PyAV reads rotation per frame)
+        if first is None:
+            raise _no_frames(path)
+        count = stream.frames  # the container's own count (MP4, MOV); 0 where it keeps none (WebM, MKV, GIF)
+        if count <= 0:
+            count = 1 + sum(1 for _ in itertools.islice(decoded, max_frames - 1))
+    width, height = first.width, first.height
+    if round(_rotation(first) / 90) % 2:  # a quarter turn: width and height swap
+        width, height = height, width
+    return min(count, max_frames), width, height
 
 
 def choose_bucket(clip: Clip, frame_count: int, width: int, height: int, buckets: BucketSettings) -> Bucket:
@@ -154,12 +251,22 @@ def choose_bucket(clip: Clip, frame_count: int, width: int, height: int, buckets
 
 
 def fit_to_bucket(frames: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-    """uint8 [F, H, W, 3] -> float [3, frames, height, width] in [-1, 1]: scaled to cover, centre-cropped."""
-    video = frames[: bucket.frames].permute(0, 3, 1, 2).float() / 127.5 - 1.0
-    height, width = video.shape[-2:]
+    """uint8 [F, H, W, 3] -> float [3, frames, height, width] in [-1, 1]: scaled to cover, centre-cropped.
+    One frame is in float at a time: a whole 1080p clip of 81 frames would be 2 GiB of float."""
+    clip = frames[: bucket.frames]
+    fitted = torch.empty(3, clip.shape[0], bucket.height, bucket.width)
+    for index, frame in enumerate(clip):
+        fitted[:, index] = _fit_frame(frame, bucket)
+    return fitted
+
+
+def _fit_frame(frame: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """uint8 [H, W, 3] -> float [3, height, width] in [-1, 1]."""
+    image = frame.permute(2, 0, 1)[None].float() / 127.5 - 1.0
+    height, width = image.shape[-2:]
     scale = max(bucket.width / width, bucket.height / height)
     size = (max(bucket.height, round(height * scale)), max(bucket.width, round(width * scale)))
     if size != (height, width):
-        video = F.interpolate(video, size=size, mode="bilinear", align_corners=False, antialias=True).clamp(-1, 1)
+        image = F.interpolate(image, size=size, mode="bilinear", align_corners=False, antialias=True).clamp(-1, 1)
     top, left = (size[0] - bucket.height) // 2, (size[1] - bucket.width) // 2
-    return video[:, :, top : top + bucket.height, left : left + bucket.width].permute(1, 0, 2, 3).contiguous()
+    return image[0, :, top : top + bucket.height, left : left + bucket.width]

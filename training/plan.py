@@ -94,12 +94,20 @@ class TrainingChoice:
 
 
 def planned_shape(data, settings: TrainSettings) -> VideoShape:
-    """The largest bucket of the data (by latent volume) at the run's batch size, no guidance pass."""
+    """The largest bucket of the data by latent volume (what the denoiser holds) at the run's batch
+    size, no guidance pass. Not by pixel volume: the VAE compresses time (Wan and CogVideoX 4x, the
+    first frame alone), so 832x480x5 pixels (2 latent frames, 12,480 latent pixels) is less than
+    a 1024x1024 still (16,384)."""
     buckets = {sample.bucket for sample in data.samples}
     if not buckets:
         raise TrainingError("the prepared data holds no samples; prepare a folder with captioned clips.")
-    largest = max(buckets, key=lambda b: (b.width * b.height * b.frames, b.label()))
+    largest = max(buckets, key=lambda b: (latent_volume(b, *data.vae_scale), b.label()))
     return VideoShape(largest.width, largest.height, largest.frames, batch=settings.batch_size, cfg=False)
+
+
+def latent_volume(bucket, spatial: int, temporal: int) -> int:
+    """Latent frames x height x width of a bucket's latent (the VAE keeps the first frame alone)."""
+    return ((bucket.frames - 1) // temporal + 1) * (bucket.height // spatial) * (bucket.width // spatial)
 
 
 def training_request(settings: TrainSettings, base: MemoryStrategy, storage: str | None,
@@ -146,7 +154,7 @@ def _tracer(model, denoiser: str, shape: VideoShape, request: TrainRequest):
     # blocks (the third block's increment is what every further block adds; memory/plan/train.py).
     module = model.module(denoiser)
     blocks = getattr(module, model.spec.blocks_attr)
-    run = workloads.denoise_step(model, denoiser, shape, module)
+    run = workloads.denoise_step(model, denoiser, shape, module, per_sample_timesteps=True)  # as objective.py calls it
 
     def activations(checkpointing: bool):
         return trace_activations(module, blocks, run, request.rank, request.targets, checkpointing, request.attention)

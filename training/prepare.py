@@ -1,13 +1,22 @@
 """Prepare Training Data: captions -> prompt embeddings, clips -> latents, cached on disk for training.
 
-What is cached: one safetensors file per (clip content, caption, bucket, encoders) holding the
-latent in the LATENT form the sampler returns ([C, T, h, w]: Wan normalised by the VAE's
-mean/std, CogVideoX scaled by its scaling factor) and the prompt embedding [L, D]; the file name
-is the SHA-256 of those inputs, so a re-run finds it whatever the clip's name, and an edited clip,
-caption or bucket gets a new entry. `manifest.json` lists the entries of one preparation. The
-latent is the VAE posterior's mean (Wan's own encoder returns only that; for CogVideoX it keeps
-the cache deterministic). Encoding uses diffusers' tiled VAE encode when the strategy asks for
-VAE tiling (the same `tile_size` etc.), otherwise whole frames.
+What is cached: one safetensors file per (clip content, caption, bucket, encoders, dtype, VAE
+tiling) holding the latent in the LATENT form the sampler returns ([C, T, h, w]: Wan normalised
+by the VAE's mean/std, CogVideoX scaled by its scaling factor) and the prompt embedding [L, D];
+the file name is the SHA-256 of those inputs, so a re-run finds it whatever the clip's name, and
+an edited clip, caption or bucket gets a new entry. An entry counts as cached only if its header
+reads and names both tensors: one cut short (a crash, a full disk) is encoded again. Planning
+reads only the media's headers (data.probe_clip); the clips to encode are decoded once before any
+model work, so a broken one is named before the encoders load. `manifest.json` lists the entries
+of one preparation. The latent is the VAE posterior's mean (Wan's own encoder returns only that;
+for CogVideoX it keeps the cache deterministic). Encoding uses diffusers' tiled VAE encode when
+the strategy asks for VAE tiling (the same `tile_size` etc.), otherwise whole frames.
+
+Prompt embeddings are encoded first, once per distinct caption, each into its own entry under
+`prompts/` (keyed on the caption and the text encoder's identity, dtype and sequence length), and
+read back one at a time while the VAE encodes: none is held in RAM across the VAE phase (Wan's
+[512, 4096] fp32 embedding is 8 MiB a caption). The prompt entries are removed once every sample
+is written; an interrupted run leaves them for the next, which then skips the text encoder.
 
 The text encoder and VAE run under the MemoryStrategy for this call only and are removed
 afterwards; the receipt reports the device bytes they held and what freeing returned.
@@ -18,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,11 +40,17 @@ from ..memory.cleanup import free_memory
 from ..memory.offload import device_weight_bytes
 from ..pipelines.family import spatial_multiple
 from ..pipelines.prompt_cache import encoder_identity
-from .data import Bucket, BucketSettings, Clip, choose_bucket, fit_to_bucket, read_frames, scan_folder
+from .data import Bucket, BucketSettings, Clip, choose_bucket, fit_to_bucket, probe_clip, read_frames, scan_folder
 from .errors import TrainingError
 
 MANIFEST = "manifest.json"
 CACHE_VERSION = 1
+PROMPTS = "prompts"  # the caption entries' subfolder of the cache
+LATENT, EMBEDS = "latent", "prompt_embeds"
+SAMPLE_TENSORS = (LATENT, EMBEDS)
+PROMPT_IDENTITY = ("text_encoder", "class", "dtype", "max_sequence_length", "version")  # what an embedding depends on
+
+log = logging.getLogger("vidmem")
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,7 @@ class PreparedData:
     latent_channels: int
     embed_dim: int
     samples: tuple[PreparedSample, ...]
+    vae_scale: tuple[int, int]  # (spatial, temporal) compression of the VAE that made the latents
     receipt: dict = field(default_factory=dict, compare=False, repr=False)
 
     def load(self, sample: PreparedSample) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,12 +80,38 @@ class PreparedData:
         if not path.is_file():
             raise TrainingError(f"prepared sample {path} is missing (was the cache folder cleaned?); run Prepare "
                                 "Training Data again.")
-        tensors = safetensors.torch.load_file(str(path))
-        return tensors["latent"], tensors["prompt_embeds"]
+        tensors = read_entry(path, SAMPLE_TENSORS)
+        return tensors[LATENT], tensors[EMBEDS]
 
     @property
     def fingerprint(self) -> str:
         return hashlib.sha256("|".join(s.key for s in self.samples).encode()).hexdigest()[:16]
+
+
+def read_entry(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The named tensors of a cache entry; TrainingError naming the file when it cannot be read."""
+    try:
+        tensors = safetensors.torch.load_file(str(path))
+        return {name: tensors[name] for name in names}
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error, OSError, KeyError for a foreign file
+        raise TrainingError(f"prepared entry {path} cannot be read ({type(error).__name__}: {error}); run Prepare "
+                            "Training Data again: it encodes unreadable entries anew.") from None
+
+
+def entry_is_readable(path: Path, names: tuple[str, ...]) -> bool:
+    """Whether `path` exists and its header reads and lists `names` (safetensors checks that the
+    header covers the whole file, so a file cut short by a crash or a full disk reads as False)."""
+    if not path.is_file():
+        return False
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as entry:
+            if set(names) <= set(entry.keys()):
+                return True
+            problem = f"it holds {sorted(entry.keys())}, not {list(names)}"
+    except Exception as error:  # noqa: BLE001 - any unreadable entry is encoded again
+        problem = f"{type(error).__name__}: {error}"
+    log.warning("vidmem: cached entry %s is unreadable (%s); encoding it again", path, problem)
+    return False
 
 
 def file_sha256(path: Path) -> str:
@@ -107,25 +150,37 @@ def prepare_training_data(
     identity = {"text_encoder": encoder_identity(pipe.text_encoder), "vae": encoder_identity(pipe.vae),
                 "class": loaded.class_name, "dtype": loaded.dtype_name, "max_sequence_length": loaded.spec.max_sequence_length,
                 "tiling": _tiling_label(strategy), "version": CACHE_VERSION}
-    planned = [_plan(clip, buckets, identity) for clip in clips]  # decodes every clip once: all checks first
+    planned = [_plan(clip, buckets, identity) for clip in clips]  # headers only: all checks first
     cache = Path(cache_root) / loaded.spec.name
-    missing = [(clip, bucket, key) for clip, bucket, key in planned if not (cache / f"{key}.safetensors").is_file()]
+    missing = [(clip, bucket, key) for clip, bucket, key in planned
+               if not entry_is_readable(cache / f"{key}.safetensors", SAMPLE_TENSORS)]
+    for clip, bucket, _ in missing:  # what will be encoded decodes, before any model work
+        _check_decodes(clip, bucket)
     receipt = {"clips": len(clips), "reused": len(clips) - len(missing), "encoded": len(missing), "cache_folder": str(cache)}
     if missing:
-        receipt.update(_encode_all(loaded, missing, strategy, cache, backend, on_step, check_interrupt, make_room))
+        receipt.update(_encode_all(loaded, missing, identity, strategy, cache, backend, on_step, check_interrupt, make_room))
     samples = tuple(PreparedSample(key, str(clip.path.relative_to(root)), clip.caption, bucket) for clip, bucket, key in planned)
     _write_manifest(cache, root, samples, identity)
     receipt["buckets"] = _bucket_counts(samples)
-    first = safetensors.torch.load_file(str(cache / f"{samples[0].key}.safetensors"))
-    return PreparedData(str(cache), loaded.spec.name, loaded.class_name, first["latent"].shape[0],
-                        first["prompt_embeds"].shape[-1], samples, receipt)
+    first = read_entry(cache / f"{samples[0].key}.safetensors", SAMPLE_TENSORS)
+    return PreparedData(str(cache), loaded.spec.name, loaded.class_name, first[LATENT].shape[0], first[EMBEDS].shape[-1],
+                        samples, (pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal), receipt)
 
 
 def _plan(clip: Clip, buckets: BucketSettings, identity: dict) -> tuple[Clip, Bucket, str]:
-    frames = read_frames(clip, max(buckets.frames))
-    bucket = choose_bucket(clip, frames.shape[0], frames.shape[2], frames.shape[1], buckets)
+    frames, width, height = probe_clip(clip, max(buckets.frames))
+    bucket = choose_bucket(clip, frames, width, height, buckets)
     fields = {"file": file_sha256(clip.path), "caption": clip.caption, "bucket": bucket.label(), **identity}
     return clip, bucket, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _check_decodes(clip: Clip, bucket: Bucket) -> None:
+    """TrainingError naming a clip that does not decode to its bucket's frames (a container that
+    counts more frames than it holds; a file damaged after its header)."""
+    decoded = read_frames(clip, bucket.frames).shape[0]
+    if decoded < bucket.frames:
+        raise TrainingError(f"'{clip.path}' decodes to {decoded} frames, though its header says it has at least "
+                            f"{bucket.frames}; re-encode it (e.g. to H.264 .mp4) or remove it with its caption.")
 
 
 def _tiling_label(strategy: MemoryStrategy) -> str:
@@ -133,26 +188,40 @@ def _tiling_label(strategy: MemoryStrategy) -> str:
     return "none" if tiling is None else f"{tiling.tile_size}/{tiling.overlap}"
 
 
-def _encode_all(loaded, missing, strategy, cache: Path, backend, on_step, check_interrupt, make_room) -> dict:
+def _encode_all(loaded, missing, identity: dict, strategy, cache: Path, backend, on_step, check_interrupt,
+                make_room) -> dict:
     pipe, device = loaded.pipe, backend.device
     stage = StageComponents({"text_encoder": pipe.text_encoder, "vae": pipe.vae})
     weight_bytes = device_weight_bytes(stage, strategy)
+    prompts = {clip.caption: _prompt_path(cache, clip.caption, identity) for clip, _, _ in missing}
+    captions = [caption for caption, path in prompts.items() if not entry_is_readable(path, (EMBEDS,))]
     cache.mkdir(parents=True, exist_ok=True)
     make_room(weight_bytes)
     with apply_strategy(stage, strategy, backend) as handle, _vae_tiling(pipe.vae, strategy), torch.no_grad():
-        handle.activate("text_encoder")
-        embeds = {}
-        for clip, _, key in missing:
+        if captions:  # all already on disk (an interrupted run's): the text encoder never loads
+            handle.activate("text_encoder")
+        for caption in captions:
             check_interrupt()
-            embeds[key] = _encode_prompt(loaded, clip.caption, device)
+            _write_tensors(prompts[caption], {EMBEDS: _encode_prompt(loaded, caption, device)})
         handle.activate("vae")
         for done, (clip, bucket, key) in enumerate(missing, 1):
             check_interrupt()
             latent = _encode_clip(loaded, clip, bucket, device)
-            _write_entry(cache / f"{key}.safetensors", latent, embeds[key])
+            embeds = read_entry(prompts[clip.caption], (EMBEDS,))[EMBEDS]
+            _write_tensors(cache / f"{key}.safetensors", {LATENT: latent, EMBEDS: embeds})
             on_step(done, len(missing))
+    for path in set(prompts.values()):  # every sample that needs them is written (an interrupt keeps them)
+        path.unlink(missing_ok=True)
     freed = free_memory(device, release_kept=False)  # the encoders' copies went with the strategy; others' stay
-    return {"encoder_device_bytes": weight_bytes, "encoders_unloaded": True, "free": freed.as_dict()}
+    return {"captions_encoded": len(captions), "encoder_device_bytes": weight_bytes, "encoders_unloaded": True,
+            "free": freed.as_dict()}
+
+
+def _prompt_path(cache: Path, caption: str, identity: dict) -> Path:
+    """A caption's embedding entry: the caption and what the embedding depends on (not the clip, so
+    clips sharing a caption share it)."""
+    fields = {"caption": caption, **{name: identity[name] for name in PROMPT_IDENTITY}}
+    return cache / PROMPTS / f"{hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()}.safetensors"
 
 
 def _encode_prompt(loaded, caption: str, device: torch.device) -> torch.Tensor:
@@ -196,10 +265,10 @@ class _vae_tiling:
         vars(self.vae).update(self.saved)
 
 
-def _write_entry(path: Path, latent: torch.Tensor, embeds: torch.Tensor) -> None:
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from .save import write_safetensors_atomic
 
-    write_safetensors_atomic({"latent": latent.contiguous(), "prompt_embeds": embeds.contiguous()}, {"format": "pt"}, path)
+    write_safetensors_atomic({name: tensor.contiguous() for name, tensor in tensors.items()}, {"format": "pt"}, path)
 
 
 def _write_manifest(cache: Path, root: Path, samples, identity: dict) -> None:
