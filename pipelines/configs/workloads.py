@@ -391,8 +391,13 @@ def chunked(model, component: str, run: Run, chunks: int) -> Run:
     return run_chunked
 
 
-def denoise_step(model, component: str, shape: VideoShape, transformer, device: torch.device | str = "meta") -> Run:
+def denoise_step(model, component: str, shape: VideoShape, transformer, device: torch.device | str = "meta",
+                 per_sample_timesteps: bool = False) -> Run:
     """One denoise step of `model` (a `MetaModel`) through `transformer`, as the pipeline runs it.
+
+    `per_sample_timesteps`: one timestep per sample, as the LoRA trainer calls the transformer
+    (training/objective.py), where Wan 2.2 TI2V's pipeline gives one per token (`expand_timesteps`):
+    the same result for text-to-video, without the per-token time projection's memory.
 
     On meta it is what the planner traces; given a real transformer and device (random inputs on
     that device) it is the same step for real, which is how the GPU suite and bench hold the
@@ -416,6 +421,6 @@ def denoise_step(model, component: str, shape: VideoShape, transformer, device: 
     images = 2 if config.get("pos_embed_seq_len") else 1
     tokens = config["pos_embed_seq_len"] // 2 if images == 2 else 257
     image_tokens = (images, tokens) if config.get("image_dim") else None
-    expand = bool(model.pipeline_config.get("expand_timesteps", False))
+    expand = bool(model.pipeline_config.get("expand_timesteps", False)) and not per_sample_timesteps
     return wan_step(transformer, (batch, channels, frames, height, width), shape, model.dtype, condition, image_tokens, expand,
                     device)
