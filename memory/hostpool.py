@@ -111,8 +111,13 @@ def pinned_cap_bytes(max_pinned_ram_gb: float | None, host_room_bytes: int | Non
     return cap if host_room_bytes is None else max(0, min(cap, host_room_bytes))
 
 
+# Every pool alive (one per loaded pipeline): Free VRAM unpins them (nodes/free.py). Weak: a pool goes with its pipeline.
+LIVE_POOLS: "weakref.WeakSet[HostPool]" = weakref.WeakSet()
+
+
 class HostPool:
     def __init__(self, arena_bytes: int = ARENA_BYTES, host_room_bytes: int | None = None) -> None:
+        LIVE_POOLS.add(self)
         self.arena_bytes = arena_bytes
         # What the host's pinned budget still allows (see pinned_cap_bytes); the host sets it
         # before each run, since its own pinned memory grows and shrinks between runs.

@@ -51,10 +51,12 @@ class VidMemLoadPipeline:
                           "HunyuanVideo 1.5 and CogVideoX-5b/1.5, fp16 for CogVideoX-2b; fp32 doubles memory."}),
             },
             "optional": {
-                "path": ("STRING", {"default": "", "tooltip": "Full path to a diffusers folder; when set it "
-                         "overrides 'model'. Inside ComfyUI it must lie in ComfyUI's model folders (models/ or "
-                         "extra_model_paths.yaml) unless the server was started with VIDMEM_ALLOW_ANY_PATH=1. "
-                         "Leave empty for workflows you share."}),
+                "path": ("STRING", {"default": "", "tooltip": "Full path to a diffusers folder, loaded instead "
+                         "of 'model' when set. 'model' must still name a folder in its list: ComfyUI checks that "
+                         "when the workflow is queued, so a workflow saved on another machine needs 'model' picked "
+                         "again even with a path. Inside ComfyUI the path must lie in ComfyUI's model folders "
+                         "(models/ or extra_model_paths.yaml) unless the server was started with "
+                         "VIDMEM_ALLOW_ANY_PATH=1. Leave empty for workflows you share."}),
                 "transformer_file": ([FOLDER_TRANSFORMER] + host.single_file_transformer_names(), {"tooltip":
                     "Wan, LTX-2 or HunyuanVideo 1.5: a single-file transformer from models/diffusion_models "
                     "(bf16/fp16, fp8, fp8-scaled or GGUF; the authors', ComfyUI's or diffusers' names), e.g. a ComfyUI-repackaged "

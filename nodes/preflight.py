@@ -11,8 +11,13 @@ own build() (the rules between its inputs), blocks_to_swap and the size against 
 (a small file, built on the meta device). A problem is raised naming the node, the input and the
 fix, with nothing loaded. Only literal values of known nodes are checked;
 anything else (a value from another node, a graph shape not understood) is left to the Sampler,
-which checks again first thing when it runs. Only Samplers that feed an output node are checked:
-ComfyUI runs (and validates) only the nodes an output needs, so a Sampler left dangling on the
+which checks again first thing when it runs. A training graph is checked the same way: the Train
+LoRA and Prepare Training Data nodes the loader feeds, their Memory Strategy's widgets through build()
+and one_process_only (they run on ComfyUI's device only: no gpus list, no context parallelism), and
+Train LoRA's literal widgets through TrainSettings (activation_offload on needs gradient_checkpointing);
+their STRING inputs (buckets, lora_name) are refused earlier still, by their VALIDATE_INPUTS. Only nodes
+that feed an output node are checked:
+ComfyUI runs (and validates) only the nodes an output needs, so a node left dangling on the
 canvas must not stop the loader. A node of a class vidmem does not know (ComfyUI's or another
 pack's) counts as an output, erring on the side of checking. Under "queue selected outputs" the
 prompt still holds every branch and nothing says which outputs were picked: a Sampler on a branch
@@ -22,22 +27,33 @@ left out is still checked (bypass it, or fix its value).
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 
 from ..memory import StrategyError
 from ..memory.plan.stages import VideoShape
 from ..pipelines.family import ModelError
-from .strategy import BUDGETS, PARALLEL_WIDGETS, WIDGETS, VidMemMemoryStrategy
+from ..training import TrainingError, TrainSettings
+from .strategy import BUDGETS, PARALLEL_WIDGETS, WIDGETS, VidMemMemoryStrategy, one_process_only
 
 log = logging.getLogger("vidmem")
 
 SAMPLER = "VidMemVideoSampler"
 STRATEGY = "VidMemMemoryStrategy"
-PASS_ON = ("VidMemLoadLoRA", "VidMemTrainLoRA")  # output 0 is the input pipeline, passed on
+TRAIN = "VidMemTrainLoRA"
+PASS_ON = ("VidMemLoadLoRA", TRAIN)  # output 0 is the input pipeline, passed on
+LABELS = {SAMPLER: "Video Sampler", TRAIN: "Train LoRA", "VidMemPrepareTrainingData": "Prepare Training Data"}
+TRAINERS = (TRAIN, "VidMemPrepareTrainingData")  # run in ComfyUI's process only (strategy.one_process_only)
 HIDDEN = {"prompt": "PROMPT", "unique_id": "UNIQUE_ID"}  # the loaders' hidden inputs
 
 
 def samplers_fed_by(prompt: dict, node_id: str) -> list[tuple[str, dict]]:
     """(id, inputs) of every Video Sampler whose pipeline comes from node `node_id`'s output 0."""
+    return [(nid, inputs) for nid, _, inputs in nodes_fed_by(prompt, node_id, (SAMPLER,))]
+
+
+def nodes_fed_by(prompt: dict, node_id: str, classes: tuple[str, ...]) -> list[tuple[str, str, dict]]:
+    """(id, class, inputs) of every node of `classes` whose pipeline comes from node `node_id`'s output 0,
+    directly or through the nodes that pass it on (PASS_ON)."""
     found, seen, frontier = [], {str(node_id)}, [str(node_id)]
     while frontier:
         source = frontier.pop()
@@ -45,9 +61,9 @@ def samplers_fed_by(prompt: dict, node_id: str) -> list[tuple[str, dict]]:
             link = node.get("inputs", {}).get("pipeline") if isinstance(node, dict) else None
             if not (isinstance(link, list) and len(link) == 2 and str(link[0]) == source and link[1] == 0):
                 continue
-            if node.get("class_type") == SAMPLER:
-                found.append((str(nid), node["inputs"]))
-            elif node.get("class_type") in PASS_ON and str(nid) not in seen:
+            if node.get("class_type") in classes:
+                found.append((str(nid), node["class_type"], node["inputs"]))
+            if node.get("class_type") in PASS_ON and str(nid) not in seen:
                 seen.add(str(nid))
                 frontier.append(str(nid))
     return found
@@ -79,19 +95,16 @@ def _reads_from(node: dict, source: str) -> bool:
 
 
 def check_before_loading(prompt, node_id, model_config) -> None:
-    """ModelError or StrategyError naming the Sampler or Strategy input the model cannot take.
+    """ModelError or StrategyError naming the Sampler or Strategy input the model cannot take; TrainingError
+    or StrategyError naming a training node's input or Strategy that training cannot run (no model needed).
 
     `model_config()` gives the model's planner model (configs.load_model: config files only); it
     is built only when a Sampler is found. Without a prompt (a direct call) nothing is checked."""
     if not isinstance(prompt, dict) or node_id is None:
         return
-    samplers = []
-    for sampler_id, inputs in samplers_fed_by(prompt, node_id):
-        if feeds_an_output(prompt, sampler_id):
-            samplers.append((sampler_id, inputs))
-        else:
-            log.info("vidmem: Video Sampler (node %s) feeds no output node, so ComfyUI does not run it; not checked "
-                     "before loading", sampler_id)
+    for trainer_id, class_type, inputs in _run_by_comfyui(prompt, nodes_fed_by(prompt, node_id, TRAINERS)):
+        _check_trainer(prompt, trainer_id, class_type, inputs)
+    samplers = [(nid, inputs) for nid, _, inputs in _run_by_comfyui(prompt, nodes_fed_by(prompt, node_id, (SAMPLER,)))]
     if not samplers:
         return
     try:
@@ -103,6 +116,62 @@ def check_before_loading(prompt, node_id, model_config) -> None:
         _check_sampler(prompt, sampler_id, inputs, model)
 
 
+def _run_by_comfyui(prompt: dict, nodes: list[tuple[str, str, dict]]) -> list[tuple[str, str, dict]]:
+    """Those of `nodes` that feed an output node: ComfyUI runs (and validates) only those."""
+    run = []
+    for nid, class_type, inputs in nodes:
+        if feeds_an_output(prompt, nid):
+            run.append((nid, class_type, inputs))
+        else:
+            log.info("vidmem: %s (node %s) feeds no output node, so ComfyUI does not run it; not checked before "
+                     "loading", LABELS.get(class_type, class_type), nid)
+    return run
+
+
+def _check_trainer(prompt: dict, node_id: str, class_type: str, inputs: dict) -> None:
+    """A training node's settings and Memory Strategy, before the model loads: Train LoRA's literal widgets
+    through TrainSettings, the Strategy's through build() and one_process_only (training runs on ComfyUI's
+    device only, so a gpus list or context parallelism would fail it only after the load)."""
+    label = LABELS[class_type]
+    if class_type == TRAIN:
+        _check_train_settings(node_id, inputs)
+    strategy_id, widgets = _linked_strategy(prompt, inputs)
+    choice = _check_strategy_widgets(strategy_id, widgets) if strategy_id is not None else None
+    if choice is None:
+        return
+    try:
+        one_process_only(choice, label)
+    except StrategyError as error:
+        raise StrategyError(f"Memory Strategy (node {strategy_id}) of {label} (node {node_id}), checked before loading "
+                            f"the model: {error}") from None
+
+
+def _check_train_settings(node_id: str, inputs: dict) -> None:
+    """Train LoRA's literal widgets through TrainSettings (whose fields the widgets are named after): the
+    rules between inputs that ComfyUI's per-input checks cannot see. Skipped when any of them is linked
+    (its value is known only when the node runs, which checks again)."""
+    from . import NODE_CLASS_MAPPINGS as ours  # here: the package imports the loaders, which import this module
+
+    spec = ours[TRAIN].INPUT_TYPES()
+    widgets = {*spec["required"], *spec.get("optional", {})}
+    values = {f.name: inputs[f.name] for f in fields(TrainSettings) if f.name in widgets and f.name in inputs}
+    if any(isinstance(value, list) for value in values.values()):
+        return
+    try:
+        TrainSettings(**values)
+    except TrainingError as error:
+        raise TrainingError(f"Train LoRA (node {node_id}), checked before loading the model: {error}") from None
+
+
+def _linked_strategy(prompt: dict, inputs: dict) -> tuple[str | None, dict]:
+    """(id, widgets) of the Memory Strategy node linked to `inputs`' strategy, or (None, {})."""
+    link = inputs.get("strategy")
+    node = prompt.get(str(link[0])) if isinstance(link, list) and len(link) == 2 else None
+    if not isinstance(node, dict) or node.get("class_type") != STRATEGY:
+        return None, {}
+    return str(link[0]), node.get("inputs", {})
+
+
 def _check_sampler(prompt: dict, sampler_id: str, inputs: dict, model) -> None:
     size = [inputs.get(name) for name in ("width", "height", "frames")]
     if all(isinstance(v, int) and not isinstance(v, bool) for v in size):
@@ -111,33 +180,32 @@ def _check_sampler(prompt: dict, sampler_id: str, inputs: dict, model) -> None:
         except ModelError as error:
             raise ModelError(f"Video Sampler (node {sampler_id}), checked against {model.name}'s config before "
                              f"loading it: {error}") from None
-    link = inputs.get("strategy")
-    node = prompt.get(str(link[0])) if isinstance(link, list) and len(link) == 2 else None
-    if not isinstance(node, dict) or node.get("class_type") != STRATEGY:
+    strategy_id, widgets = _linked_strategy(prompt, inputs)
+    if strategy_id is None:
         return
-    widgets = node.get("inputs", {})
-    _check_strategy_widgets(str(link[0]), widgets)
+    _check_strategy_widgets(strategy_id, widgets)
     blocks = widgets.get("blocks_to_swap")
     if widgets.get("offload") != "block_swap" or not isinstance(blocks, int) or isinstance(blocks, bool):
         return
     for name in model.layout.denoisers:
         count = model.real_block_count(name)
         if blocks > count:
-            raise StrategyError(f"Memory Strategy (node {link[0]}), checked against {model.name}'s config before "
+            raise StrategyError(f"Memory Strategy (node {strategy_id}), checked against {model.name}'s config before "
                                 f"loading it: blocks_to_swap={blocks} but its {name} has {count} blocks; use 1..{count} "
                                 "(or offload='sequential' to stream every layer).")
 
 
-def _check_strategy_widgets(strategy_id: str, widgets: dict) -> None:
+def _check_strategy_widgets(strategy_id: str, widgets: dict):
     """The Strategy's literal widgets through its own build(): the rules between inputs that ComfyUI's
     per-input min/max cannot see (overlap against tile_size, temporal_overlap against temporal_size,
-    a GPU listed twice or alone) refuse the prompt before the model loads, not after. Skipped when
-    any widget is linked or missing (its value is known only when the Strategy runs)."""
+    a GPU listed twice or alone) refuse the prompt before the model loads, not after. Returns the
+    StrategyChoice built; None, unchecked, when any widget is linked or missing (its value is known
+    only when the Strategy runs)."""
     names = (*WIDGETS, *BUDGETS, *PARALLEL_WIDGETS, "activation_chunks")
     values = {name: widgets[name] for name in names if name in widgets}
     if any(name not in values for name in WIDGETS) or any(isinstance(v, list) for v in values.values()):
-        return
+        return None
     try:
-        VidMemMemoryStrategy().build(**values)
+        return VidMemMemoryStrategy().build(**values)["result"][0]
     except StrategyError as error:
         raise StrategyError(f"Memory Strategy (node {strategy_id}), checked before loading the model: {error}") from None

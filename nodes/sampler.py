@@ -156,7 +156,8 @@ class VidMemVideoSampler:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, frames, width=None, height=None, cfg=None, shift=None, cfg_2=None, boundary_ratio=None):
+    def VALIDATE_INPUTS(cls, frames=None, width=None, height=None, cfg=None, shift=None, cfg_2=None,
+                        boundary_ratio=None):
         """What the widgets alone can tell, when the prompt is queued: frames and the size against the
         rules every model shares (Wan frames=50, width=840), and the floats finite (NaN passes
         ComfyUI's min/max). Named inputs lose ComfyUI's own range check, so literal_problem repeats

@@ -64,9 +64,10 @@ class VidMemSpeed:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, attention):
+    def VALIDATE_INPUTS(cls, attention=None):
         """A kernel no dtype could run on this machine's device (sage not installed, no GPU for a
-        CUDA-only kernel) is refused when queued, before any node runs."""
+        CUDA-only kernel) is refused when queued, before any node runs. attention defaults to None
+        (as linked): a prompt missing it gets ComfyUI's own "required input missing", not a TypeError."""
         return queue_problem(attention) or True
 
     def build(self, attention, compile, compile_mode, compile_dynamic, fp8_matmul):

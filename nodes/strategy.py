@@ -291,14 +291,16 @@ class VidMemMemoryStrategy:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, tile_size, max_pinned_ram_gb=AUTO_PINNED, vram_budget_gb=0.0, ram_budget_gb=0.0):
+    def VALIDATE_INPUTS(cls, tile_size=None, max_pinned_ram_gb=AUTO_PINNED, vram_budget_gb=0.0, ram_budget_gb=0.0):
         """Only what ComfyUI cannot check itself is named (it attaches a failure here to every input
         named, and keeps its own min/max/combo checks for the others): tile_size's multiple, and
         the float widgets, which NaN passes ComfyUI's min/max unnoticed (nodes/checks.py). Rules
         between inputs (overlap against tile_size, the gpus list) are shown on the node by the live
         plan before queueing, refused by the loader's check before it loads the model
         (nodes/preflight.py runs this build() on the literal widgets) and by build() itself; a
-        blocks_to_swap the tier does not use is ignored with a note (strategy_notes)."""
+        blocks_to_swap the tier does not use is ignored with a note (strategy_notes). Every parameter
+        has a default: ComfyUI calls this even when a required input is missing from the prompt, and
+        its own "required input missing" must be what the user reads, not a TypeError from here."""
         return (tile_size_problem(tile_size) or literal_problems(cls, max_pinned_ram_gb=max_pinned_ram_gb,
                 vram_budget_gb=vram_budget_gb, ram_budget_gb=ram_budget_gb) or pinned_ram_problem(max_pinned_ram_gb)
                 or True)

@@ -19,6 +19,7 @@ from ..training import (
 from ..training.data import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 from ..training.errors import TrainingError
 from ..training.objective import EXPERT_COMPONENTS
+from ..training.settings import parse_targets
 from ..memory.activation_offload import OffloadMode, offload_mode
 from ..memory.plan.costs import CUDA_CONTEXT_BYTES
 from ..pipelines.room import FALLBACK_MARGIN_BYTES
@@ -93,10 +94,12 @@ class VidMemPrepareTrainingData:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, folder=None):
-        """folder is named (a STRING: ComfyUI checks nothing of it) so a folder outside ComfyUI's
-        input folder is refused when queued, before anything reads it."""
-        return folder_problem(folder) or True
+    def VALIDATE_INPUTS(cls, folder=None, resolutions=None, frame_buckets=None):
+        """The STRING inputs are named (ComfyUI checks nothing of a STRING): a folder outside ComfyUI's
+        input folder is refused when queued, before anything reads it, and a bucket list that does not
+        parse before the loader spends minutes on the model. The model's own rules for the buckets
+        (multiples of 16 or 32, 4k+1 frames) are checked when the node runs, with the pipeline known."""
+        return folder_problem(folder) or buckets_problem(resolutions, frame_buckets) or True
 
     @classmethod
     def IS_CHANGED(cls, folder=None, **_other_inputs):
@@ -147,6 +150,30 @@ def folder_problem(folder) -> str | None:
             f"and give its full path. To accept any folder, whoever runs the server starts ComfyUI with the "
             f"environment variable {ALLOW_ANY_PATH_ENV}=1 (only where everyone who can reach the server may read "
             "its files).")
+
+
+def buckets_problem(resolutions, frame_buckets) -> str | None:
+    """Why the typed bucket lists cannot be read (a typo, nothing listed), or None; a linked one is read
+    when it arrives."""
+    lists = ((resolutions, parse_resolutions, "resolutions is empty; give at least one, e.g. '832x480'."),
+             (frame_buckets, parse_frames, "frame_buckets is empty; give at least one frame count, e.g. '33'."))
+    for text, parse, empty in lists:
+        problem = text_problem(parse, text)
+        if problem or (isinstance(text, str) and not parse(text)):
+            return problem or empty
+    return None
+
+
+def text_problem(parse, text) -> str | None:
+    """`parse(text)`'s TrainingError (which names the input and the fix) as a refusal, or None; None for a
+    linked input (no text when queued)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        parse(text)
+    except TrainingError as error:
+        return str(error)
+    return None
 
 
 def _data_files(root: Path):
@@ -231,11 +258,17 @@ class VidMemTrainLoRA:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, alpha=None, learning_rate=None, activation_offload=None):
+    def VALIDATE_INPUTS(cls, alpha=None, learning_rate=None, activation_offload=None, lora_name=None,
+                        target_modules=None):
         """The float widgets are named so NaN is refused when queued (it passes ComfyUI's min/max);
-        activation_offload so a workflow saved when it was a BOOLEAN still queues (true/false: on/off)."""
+        activation_offload so a workflow saved when it was a BOOLEAN still queues (true/false: on/off);
+        the STRINGs lora_name and target_modules so a name with a folder or an empty target list is
+        refused before the loader spends minutes on the model. Rules between inputs (activation_offload
+        on needs gradient_checkpointing) and the Strategy's gpus are checked by the loader before it loads
+        (nodes/preflight.py)."""
         return (literal_problems(cls, alpha=alpha, learning_rate=learning_rate)
-                or _offload_problem(activation_offload) or True)
+                or _offload_problem(activation_offload) or text_problem(lora_file_name, lora_name)
+                or text_problem(parse_targets, target_modules) or True)
 
     def train(self, pipeline, data, strategy, lora_name, rank, alpha, learning_rate, steps, batch_size, seed,
               target_modules, gradient_checkpointing, optimizer, checkpoint_every, resume, expert="both",

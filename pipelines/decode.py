@@ -176,13 +176,45 @@ def decode(
             )
     frames = pipe.video_processor.postprocess_video(video, output_type="pt")  # [B, F, C, H, W] in 0..1
     frames = frames.flatten(0, 1).permute(0, 2, 3, 1).float().contiguous()
-    receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [meter.as_dict()],
-               "decode": report.as_dict(), "decode_summary": report.describe(), "room": room.as_dict()}
+    receipt = {"strategy": decode_as_run(strategy, report, device), "device": str(device),
+               "stages": [meter.as_dict()], "decode": report.as_dict(), "decode_summary": report.describe(),
+               "room": room.as_dict()}
     if tiling_note:
         receipt["tiling_note"] = tiling_note
     if warm is not None:
         receipt["warm"] = warm.as_dict()
     return DecodeResult(frames, receipt)
+
+
+def decode_as_run(strategy: MemoryStrategy, report: DecodeReport, device: torch.device) -> str:
+    """The receipt's strategy line: how the VAE decode ran, not every widget of the Strategy. The VAE is one
+    component without transformer blocks, so block_swap places it as model does (whole, for the decode) and
+    blocks_to_swap, the text encoder's placement and activation chunks do not apply; the fallback ladder may
+    have changed the tiling, the slicing and the device (`report`, filled in by the rung that ran)."""
+    parts = [_vae_placement(strategy, report, device)]
+    t = report.tiling
+    if t is not None:
+        parts.append(f"vae_tiling={t.tile_size}/{t.overlap}px,{t.temporal_size}/{t.temporal_overlap}f")
+    else:
+        parts.append("untiled" + (" (one tile covers the latent)" if strategy.vae_tiling else ""))
+    parts.append("vae_slicing" if report.sliced else "unsliced")
+    return "; ".join(parts)
+
+
+def _vae_placement(strategy: MemoryStrategy, report: DecodeReport, device: torch.device) -> str:
+    """Where the VAE's weights were while it decoded, and the copy settings that applied to them."""
+    if report.device == "cpu" and device.type != "cpu":  # the ladder's last rung took the offload off: no copies
+        return "VAE on the CPU (the fallback ladder's last rung; the offload was removed)"
+    tier = strategy.offload
+    if tier is OffloadTier.SEQUENTIAL:
+        text = f"VAE offload=sequential prefetch={strategy.prefetch_blocks}"
+    elif tier is OffloadTier.BLOCK_SWAP:
+        text = "VAE offload=model (asked block_swap, which swaps transformer blocks: the VAE has none and moves whole)"
+    else:
+        text = f"VAE offload={tier.value}"
+    if strategy.max_pinned_ram_gb is not None:  # caps the pinned landing of decoded pieces (and sequential's homes)
+        text += f" max_pinned_ram_gb={strategy.max_pinned_ram_gb:g}"
+    return text + (" non_blocking=False" if not strategy.non_blocking else "")
 
 
 def tiling_for_family(loaded: LoadedPipeline, strategy: MemoryStrategy) -> tuple[MemoryStrategy, str]:

@@ -1,6 +1,7 @@
 """The loaders check, before loading, what the graph's Video Samplers and Memory Strategies will ask
 of the model (nodes/preflight.py): a size or a block count the model's config refuses stops the
-prompt with nothing loaded, naming the node and the input."""
+prompt with nothing loaded, naming the node and the input. So do a training graph's settings and
+Strategies (Train LoRA's rules between inputs, no gpus list or context parallelism for training)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from vidmem.nodes.loader import VidMemLoadPipeline
 from vidmem.nodes.preflight import samplers_fed_by
 from vidmem.pipelines.family import ModelError
 from vidmem.pipelines.tiny_files import save_tiny_comfy_files
+from vidmem.training import TrainingError
 
 
 def graph(loader: str = "VidMemLoadPipeline", width=32, height=32, frames=9, offload="model", blocks=0, via_lora=True):
@@ -132,3 +134,63 @@ def test_the_files_loader_checks_from_the_files_headers(tmp_path, monkeypatch):
 def test_both_loaders_ask_comfyui_for_the_prompt():
     for node in (VidMemLoadPipeline, VidMemLoadModelFiles):
         assert node.INPUT_TYPES()["hidden"] == {"prompt": "PROMPT", "unique_id": "UNIQUE_ID"}
+
+
+STRATEGY = dict(offload="model", blocks_to_swap=0, prefetch_blocks=1, max_pinned_ram_gb=-1.0, non_blocking=True,
+                text_encoder="device", vae_slicing=False, vae_tiling=False, tile_size=256, overlap=32, temporal_size=64,
+                temporal_overlap=8)
+TRAIN = dict(lora_name="my_lora", rank=4, alpha=4.0, learning_rate=1e-4, steps=2, batch_size=1, seed=0,
+             target_modules="to_q,to_k", gradient_checkpointing=True, optimizer="adamw", checkpoint_every=0,
+             resume=False, expert="both", activation_offload="off")
+
+
+def training_graph(strategy: dict | None = None, train: dict | None = None, prepare_strategy: dict | None = None,
+                   output: bool = True) -> dict:
+    """loader 1 -> Prepare Training Data 3 -> Train LoRA 4 -> Save 5 (its lora_name output); Strategy 2 for
+    Train LoRA, Strategy 6 for Prepare (both the same unless `prepare_strategy`)."""
+    prompt = {
+        "1": {"class_type": "VidMemLoadPipeline", "inputs": {}},
+        "2": {"class_type": "VidMemMemoryStrategy", "inputs": STRATEGY | (strategy or {})},
+        "6": {"class_type": "VidMemMemoryStrategy", "inputs": STRATEGY | (prepare_strategy or {})},
+        "3": {"class_type": "VidMemPrepareTrainingData", "inputs": {"pipeline": ["1", 0], "strategy": ["6", 0],
+                                                                   "folder": "", "resolutions": "32x32",
+                                                                   "frame_buckets": "9"}},
+        "4": {"class_type": "VidMemTrainLoRA", "inputs": {"pipeline": ["1", 0], "data": ["3", 0], "strategy": ["2", 0],
+                                                         **TRAIN, **(train or {})}},
+    }
+    if output:
+        prompt["5"] = {"class_type": "PreviewAny", "inputs": {"source": ["4", 1]}}
+    return prompt
+
+
+@pytest.mark.parametrize("bad, error, refusal", [
+    (dict(train=dict(activation_offload="on", gradient_checkpointing=False)), TrainingError,
+     r"Train LoRA \(node 4\), checked before loading the model: activation_offload needs gradient_checkpointing on"),
+    (dict(train=dict(optimizer="sgd")), TrainingError, r"Train LoRA \(node 4\), .*: optimizer='sgd' is not one of"),
+    (dict(strategy=dict(gpus="0,1")), StrategyError,
+     r"Memory Strategy \(node 2\) of Train LoRA \(node 4\), checked before loading the model: Train LoRA runs on "
+     r"ComfyUI's device only; the Memory Strategy asks for balanced gpus=0,1"),
+    (dict(strategy=dict(context_parallel="ulysses")), StrategyError,
+     r"Memory Strategy \(node 2\) of Train LoRA \(node 4\), .*asks for ulysses"),
+    (dict(prepare_strategy=dict(gpus="cpu:2", context_parallel="ulysses")), StrategyError,
+     r"Memory Strategy \(node 6\) of Prepare Training Data \(node 3\), .*: Prepare Training Data runs on ComfyUI's device"),
+])
+def test_a_training_graph_is_checked_before_loading(folder_loader, bad, error, refusal):
+    """Train LoRA's settings and the training nodes' Strategy used to be refused only after the model loaded."""
+    load, loads = folder_loader
+    with pytest.raises(error, match=refusal):
+        load(training_graph(**bad))
+    assert loads == []
+
+
+@pytest.mark.parametrize("prompt", [
+    training_graph(),
+    training_graph(train=dict(activation_offload="on", gradient_checkpointing=["9", 0])),  # linked: checked when it runs
+    training_graph(strategy=dict(gpus="0,1", offload=["9", 0])),  # a Strategy not understood: left to the run
+    training_graph(strategy=dict(gpus="0,1"), train=dict(activation_offload="on", gradient_checkpointing=False),
+                   output=False),  # Train LoRA feeds no output: ComfyUI does not run it
+])
+def test_a_good_training_graph_or_one_it_cannot_read_loads(folder_loader, prompt):
+    load, loads = folder_loader
+    (loaded,) = load(prompt)
+    assert loaded.class_name == "WanPipeline" and len(loads) == 1
