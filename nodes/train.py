@@ -296,7 +296,7 @@ class VidMemTrainLoRA:
         finally:
             bar.close()
         spec = load_lora(result.lora_path, pipeline.pipe, 1.0, "both" if expert == "both" else expert, name=file_name)
-        receipt = dict(result.receipt, strategy=run.describe())
+        receipt = dict(result.receipt)  # its strategy is the one the trainer ran (the plan's, not a copy of it)
         if chosen is not None:  # the record, and the receipt's plan line (format_receipt shows it)
             receipt["training_plan"] = chosen.receipt(result.receipt["stages"][0])
             receipt["plan"] = plan_line(chosen, receipt["training_plan"])

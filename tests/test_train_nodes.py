@@ -104,6 +104,8 @@ def test_auto_trains_with_the_training_planners_choice_and_shows_predicted_and_m
     expected = MemoryStrategy(offload="block_swap", blocks_to_swap=by_tier["block_swap"].blocks_to_swap).describe().split(",")[0]
     assert f"auto chose {expected}" in text, text
     assert "predicted peak VRAM" in text and "measured peak" in text and "RAM (process RSS)" in text
+    ran = out["ui"]["vidmem_receipt"][0]  # the trainer's own record of what it ran, not the plan's words
+    assert ran["strategy"].startswith(expected), ran["strategy"]
     # with room for everything, auto trains with no offload (the fastest)
     roomy = StrategyChoice(MemoryStrategy(offload="model"), auto=True, vram_budget_gb=1024.0, ram_budget_gb=1024.0)
     with torch.inference_mode():  # as ComfyUI's executor runs the node: the plan's trace runs a backward
