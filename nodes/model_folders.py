@@ -109,7 +109,7 @@ class ModelFolders:
         keeps names inside their folder), unless the operator allowed any path."""
         if self.folder_paths is None or any_path_allowed():
             return
-        if os.path.isabs(name) or ntpath.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        if _leaves_folder(name):
             raise FileNotFoundError(
                 f"{label} '{name}' is not a name from its list: listed names lie inside {where}, never absolute or "
                 f"with '..' (a value linked in from another node is not checked against the list). Pick one from the "
@@ -153,6 +153,15 @@ class ModelFolders:
             return (f"models/{key}: ComfyUI is not running and {MODELS_DIR_ENV} is not set "
                     "(set it to a folder laid out like ComfyUI's models/)")
         return f"{self.root / key} (from {MODELS_DIR_ENV}; no such folder)"
+
+
+def _leaves_folder(name: str) -> bool:
+    """Whether `folder / name` could lie outside the folder, on any OS: absolute here or on Windows, a drive
+    ('C:x' is relative to drive C's current folder there, not to the folder), a leading slash or backslash
+    (rooted on the folder's drive; Python 3.13's ntpath.isabs no longer calls '\\x' absolute), or '..'."""
+    forward = name.replace("\\", "/")
+    return (os.path.isabs(name) or ntpath.isabs(name) or bool(ntpath.splitdrive(name)[0]) or forward.startswith("/")
+            or ".." in forward.split("/"))
 
 
 def any_path_allowed() -> bool:

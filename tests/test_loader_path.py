@@ -101,7 +101,8 @@ def test_outside_comfyui_any_folder_loads_as_before(tiny_folder, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["{outside}/wan", "../../elsewhere/wan", "wan/../../../elsewhere/wan",
-                                  "..\\..\\elsewhere\\wan", "C:\\elsewhere\\wan"])
+                                  "..\\..\\elsewhere\\wan", "C:\\elsewhere\\wan", "C:elsewhere\\wan",
+                                  "\\elsewhere\\wan", "//server/share/wan"])
 def test_a_listed_name_cannot_lead_out_of_the_model_folders(comfy, tiny_folder, monkeypatch, name):
     """ComfyUI checks a list widget's value only when typed in: a value linked in from another node (a `*`
     output such as Free VRAM's passthrough) reaches the loader as it is, so the names of models, files and
