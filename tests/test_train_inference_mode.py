@@ -44,3 +44,23 @@ def test_training_a_pipeline_loaded_under_inference_mode(tiny_folder, tmp_path, 
         assert all(torch.equal(weights[k], reference[k]) for k in reference), strategy.offload.value
     after = dict(transformer.named_parameters())
     assert all(after[name] is p and p.data_ptr() == ptr and p.is_inference() for name, (p, ptr) in before.items())
+
+
+def test_a_buffer_gets_the_same_normal_alias_run_after_run():
+    """Load LoRA's matrices are inference buffers: the trainer's normal alias of one is the same object in every
+    run (the host pool knows a source by identity: a new alias each run took a new pinned home each run), and
+    a new one once the buffer's bytes changed."""
+    from vidmem.training.inference import normal_tensors
+
+    with torch.inference_mode():
+        layer = torch.nn.Linear(4, 4)
+        layer.register_buffer("lora_down", torch.randn(2, 4))
+    seen = []
+    for _ in range(2):
+        with normal_tensors(layer):
+            seen.append(layer._buffers["lora_down"])
+    assert seen[0] is seen[1] and not seen[0].is_inference()
+    with torch.inference_mode():
+        layer._buffers["lora_down"].data = torch.randn(2, 4)  # other bytes
+    with normal_tensors(layer):
+        assert layer._buffers["lora_down"] is not seen[0]

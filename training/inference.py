@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
 
 
@@ -58,6 +59,19 @@ def _parameter_alias(parameter: nn.Parameter, aliases: dict) -> nn.Parameter:
     return aliases[id(parameter)][1]
 
 
+# An inference buffer (Load LoRA's matrices) -> its normal alias, the same object run after run: the host pool
+# knows a source by identity, so a new alias per training run took a new pinned home each run. Weak: it goes
+# with the buffer (the alias holds the buffer's storage, not the buffer).
+_BUFFER_ALIASES = WeakIdKeyDictionary()
+
+
+def _buffer_alias(buffer: torch.Tensor) -> torch.Tensor:
+    alias = _BUFFER_ALIASES.get(buffer)
+    if alias is None or not _same_bytes(alias, buffer):
+        alias = _BUFFER_ALIASES[buffer] = _normal_alias(buffer)
+    return alias
+
+
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
@@ -77,12 +91,15 @@ def normal_tensors(model: nn.Module) -> Iterator[int]:
                 for name, tensor in list(table.items()):
                     if _swappable(tensor):
                         swapped.append((table, name, tensor))
-                        table[name] = _parameter_alias(tensor, aliases) if is_parameter else _normal_alias(tensor)
+                        table[name] = _parameter_alias(tensor, aliases) if is_parameter else _buffer_alias(tensor)
         yield len(swapped)
     finally:
         for original, alias in aliases.values():
+            # Its own bytes were given up: it takes its alias's, on its own device even if a failed clean-up
+            # left the alias on the GPU (a copy then, where it would otherwise hold device memory).
+            data = alias.data if alias.device == original.device else alias.data.to(original.device)
             with torch.inference_mode():  # so the original stays an inference tensor
-                original.data = _inference_view(alias.data)
+                original.data = _inference_view(data)
         for table, name, tensor in reversed(swapped):
             current = table.get(name)
             kept = isinstance(tensor, nn.Parameter) or current is None or _same_bytes(current, tensor)
