@@ -246,7 +246,7 @@ class HostPool:
         self.allocations += 1
         adopted = _point_owners(owners, home)
         self._homes.append(adopted)
-        self._home_of[host] = (adopted, _version(host))
+        self._home_of[host] = (adopted, _bytes_seen(host))
         if rehomed is not None:
             rehomed(host, home)
         return adopted
@@ -257,8 +257,8 @@ class HostPool:
         found = self._home_of.get(source)
         if found is None:
             return None
-        earlier, version = found
-        if version != _version(source):  # changed in place: its bytes need a home of their own
+        earlier, seen = found
+        if not _unchanged(source, seen, earlier[0].host):  # its bytes need a home of their own
             del self._home_of[source]
             return None
         return earlier
@@ -307,6 +307,21 @@ def _point_owners(owners: list[Slot], home: torch.Tensor) -> list[Slot]:
 def _version(tensor: torch.Tensor) -> int | None:
     """How many in-place writes `tensor` has seen; None for an inference tensor, which keeps no count."""
     return None if tensor.is_inference() else tensor._version
+
+
+def _bytes_seen(tensor: torch.Tensor) -> tuple:
+    """What says a source still holds the bytes its home was copied from: where they are (a `.data =`
+    reassignment moves them without counting a write) and its count of in-place writes."""
+    return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, _version(tensor)
+
+
+def _unchanged(source: torch.Tensor, seen: tuple, home: torch.Tensor) -> bool:
+    """Whether `source` still holds what its home was copied from. An inference tensor (ComfyUI runs every
+    node under inference mode) counts no writes: its bytes are compared with the home's instead."""
+    now = _bytes_seen(source)
+    if now != seen:
+        return False
+    return now[-1] is not None or torch.equal(source, home)
 
 
 def _points_at(slot: Slot, home: torch.Tensor) -> bool:

@@ -112,6 +112,32 @@ def test_a_lora_takes_the_homes_it_had_call_after_call(tier):
     assert pool.allocations == seen[0][0] + 1
 
 
+@pytest.mark.parametrize("tier", ["sequential", "block_swap"])
+@pytest.mark.parametrize("change", ["written_in_inference_mode", "data_reassigned"])
+def test_a_source_whose_bytes_changed_without_a_counted_write_gets_a_home_of_its_own(tier, change):
+    """As ComfyUI runs nodes, under inference mode: its tensors count no writes, and `.data =` moves any
+    tensor's bytes without counting one. Unchanged, the source still takes its home back; changed, the
+    run must use the new bytes, never the old home's."""
+    torch.manual_seed(0)
+    model, x = Blocks().eval(), torch.randn(2, 8)
+    with torch.inference_mode():
+        down, up = torch.randn(2, 8), torch.randn(8, 2)
+    pool = HostPool(ARENA)
+    for _ in range(2):
+        lora_call(model, tier, down, up, x, StrictBackend(pinning=True), pool)
+    homes = pool.allocations
+    assert lora_call(model, tier, down, up, x, StrictBackend(pinning=True), pool) is not None
+    assert pool.allocations == homes, "an inference tensor met again, unchanged, takes its home back"
+    with torch.inference_mode():
+        if change == "written_in_inference_mode":
+            down.mul_(2)
+        else:
+            down.data = torch.randn(2, 8)
+    got = lora_call(model, tier, down, up, x, StrictBackend(pinning=True), pool)
+    assert torch.equal(got, lora_call(model, tier, down, up, x, CpuBackend()))
+    assert pool.allocations == homes + 1
+
+
 # --- adoption does not double RAM ---------------------------------------------------------------------
 
 
