@@ -133,12 +133,20 @@ def test_a_cached_folder_is_not_decoded_again(tiny_loaded, tmp_path, monkeypatch
     assert again.receipt["reused"] == 3 and again.samples == first.samples
 
 
-def test_a_clip_with_fewer_frames_than_its_header_says_is_named_before_encoding(tiny_loaded, tmp_path, monkeypatch):
+def test_a_clip_with_fewer_frames_than_its_header_says_takes_the_bucket_it_decodes_to(tiny_loaded, tmp_path,
+                                                                                     monkeypatch):
+    """An MP4 whose header counts frames an edit list cuts decodes to fewer: it trains in the bucket its
+    frames allow (as it did when buckets came from decoding), and is named, before any model work, when
+    it decodes to fewer than the smallest bucket."""
     folder = make_dataset(tmp_path / "data", clips=1, frames=5)
     monkeypatch.setattr("vidmem.training.prepare.probe_clip", lambda clip, max_frames: (9, 48, 32))
-    with pytest.raises(TrainingError, match=r"clip0\.mp4' decodes to 5 frames, though its header says it has at least 9"):
-        prepare_tiny(tiny_loaded("wan2.1-t2v"), folder, tmp_path / "cache", frames=(9,))
-    assert not (tmp_path / "cache").exists()
+    data = prepare_tiny(tiny_loaded("wan2.1-t2v"), folder, tmp_path / "cache", frames=(9, 5))
+    assert [sample.bucket.frames for sample in data.samples] == [5]
+    again = prepare_tiny(tiny_loaded("wan2.1-t2v"), folder, tmp_path / "cache", frames=(9, 5))
+    assert again.receipt["reused"] == 1 and again.samples == data.samples  # the decoded bucket's entry found
+    with pytest.raises(TrainingError, match=r"clip0\.mp4' has 5 frames, fewer than the smallest frame bucket \(9\)"):
+        prepare_tiny(tiny_loaded("wan2.1-t2v"), folder, tmp_path / "cache9", frames=(9,))
+    assert not (tmp_path / "cache9").exists()
 
 
 def test_frames_are_fitted_one_at_a_time(monkeypatch):

@@ -152,10 +152,14 @@ def prepare_training_data(
                 "tiling": _tiling_label(strategy), "version": CACHE_VERSION}
     planned = [_plan(clip, buckets, identity) for clip in clips]  # headers only: all checks first
     cache = Path(cache_root) / loaded.spec.name
-    missing = [(clip, bucket, key) for clip, bucket, key in planned
-               if not entry_is_readable(cache / f"{key}.safetensors", SAMPLE_TENSORS)]
-    for clip, bucket, _ in missing:  # what will be encoded decodes, before any model work
-        _check_decodes(clip, bucket)
+
+    def cached(entry) -> bool:
+        return entry_is_readable(cache / f"{entry[2]}.safetensors", SAMPLE_TENSORS)
+
+    # What will be encoded is decoded now, before any model work: a clip with fewer frames than its
+    # header counts takes the bucket its frames allow (whose entry may be cached from an earlier run).
+    planned = [entry if cached(entry) else _as_decoded(entry, buckets, identity) for entry in planned]
+    missing = [entry for entry in planned if not cached(entry)]
     receipt = {"clips": len(clips), "reused": len(clips) - len(missing), "encoded": len(missing), "cache_folder": str(cache)}
     if missing:
         receipt.update(_encode_all(loaded, missing, identity, strategy, cache, backend, on_step, check_interrupt, make_room))
@@ -169,18 +173,25 @@ def prepare_training_data(
 
 def _plan(clip: Clip, buckets: BucketSettings, identity: dict) -> tuple[Clip, Bucket, str]:
     frames, width, height = probe_clip(clip, max(buckets.frames))
-    bucket = choose_bucket(clip, frames, width, height, buckets)
+    return _keyed(clip, choose_bucket(clip, frames, width, height, buckets), identity)
+
+
+def _keyed(clip: Clip, bucket: Bucket, identity: dict) -> tuple[Clip, Bucket, str]:
     fields = {"file": file_sha256(clip.path), "caption": clip.caption, "bucket": bucket.label(), **identity}
     return clip, bucket, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
-def _check_decodes(clip: Clip, bucket: Bucket) -> None:
-    """TrainingError naming a clip that does not decode to its bucket's frames (a container that
-    counts more frames than it holds; a file damaged after its header)."""
-    decoded = read_frames(clip, bucket.frames).shape[0]
-    if decoded < bucket.frames:
-        raise TrainingError(f"'{clip.path}' decodes to {decoded} frames, though its header says it has at least "
-                            f"{bucket.frames}; re-encode it (e.g. to H.264 .mp4) or remove it with its caption.")
+def _as_decoded(entry: tuple[Clip, Bucket, str], buckets: BucketSettings, identity: dict) -> tuple[Clip, Bucket, str]:
+    """`entry` when its clip decodes to its bucket's frames; else the entry of the bucket the decoded frames
+    allow. An MP4 whose header counts frames an edit list cuts (phone clips, stream-copied trims) decodes to
+    fewer; TrainingError, naming the clip, when they are fewer than the smallest frame bucket."""
+    clip, bucket, _ = entry
+    frames = read_frames(clip, bucket.frames)
+    if frames.shape[0] >= bucket.frames:
+        return entry
+    log.info("vidmem: %s decodes to %d frames, fewer than its header says; bucketed by what it decodes to",
+             clip.path, frames.shape[0])
+    return _keyed(clip, choose_bucket(clip, frames.shape[0], frames.shape[2], frames.shape[1], buckets), identity)
 
 
 def _tiling_label(strategy: MemoryStrategy) -> str:
