@@ -311,11 +311,14 @@ def _strategy_for_run(pipeline, choice, shape: VideoShape, device, options: Plan
         plan = plan_strategy(pipeline, shape, choice.strategy, vram, ram, options, device=device)
     except ValueError as error:
         return choice.strategy, f"no prediction at {label}: {error}"
-    # activation_chunks auto runs the count the plan line names, chosen within the budgets: left to the
-    # engine it would choose again from the memory free at the call (the user's budget unread).
-    run = replace(choice.strategy, activation_chunks=plan.strategy.activation_chunks) \
-        if choice.strategy.chunks_auto else choice.strategy
-    return run, f"planned at {label}: {_peaks(plan)}"
+    return _with_planned_chunks(choice.strategy, plan.strategy), f"planned at {label}: {_peaks(plan)}"
+
+
+def _with_planned_chunks(strategy, planned):
+    """`strategy` (set by hand) with activation_chunks auto resolved as its plan resolved it, within the
+    budgets: left to the engine, auto would choose again from the memory free at the call (a warm run's
+    kept weights missing from it, the user's budget unread)."""
+    return replace(strategy, activation_chunks=planned.activation_chunks) if strategy.chunks_auto else strategy
 
 
 def _parallel_strategy_for_run(pipeline, choice, shape: VideoShape, device, budgets, label: str,
@@ -346,7 +349,7 @@ def _balanced_strategy_for_run(pipeline, choice, shape: VideoShape, label: str, 
         plan = plan_balanced(pipeline, shape, choice.strategy, len(gpus), *budgets, options)
     except ValueError as error:
         return choice.strategy, f"no prediction at {label}: {error}"
-    return choice.strategy, f"planned at {label}: {parallel_plan_line(plan)}"
+    return _with_planned_chunks(choice.strategy, plan.strategy), f"planned at {label}: {parallel_plan_line(plan)}"
 
 
 def _visible_gpus(device) -> int:

@@ -152,3 +152,18 @@ def test_balanced_auto_is_planned_per_gpu_on_the_transformers_gpu(tiny_loaded, t
     assert strategy == choose_balanced(loaded, shape, choice.strategy, 2, leanest, 64 * GiB_).strategy
     assert line.startswith("auto chose at 32x32x9: offload=") and line.endswith("; fits")
     assert "on the transformers' GPU, the text encoder on the second, balanced over 2 GPUs; peak per GPU" in line
+
+
+def test_balanced_placement_under_a_tier_set_by_hand_runs_the_planned_chunk_count(tiny_loaded, two_gpus):
+    """activation_chunks auto is resolved by the plan within the first GPU's memory and run so, as on one GPU
+    (left to the engine it chose again from the memory free at the call)."""
+    from vidmem.memory.plan.stages import VideoShape
+    from vidmem.nodes.sampler import _strategy_for_run
+
+    two_gpus.update({0: 64 * GiB_, 1: 64 * GiB_})
+    (choice,) = N["VidMemMemoryStrategy"]().build(**strategy_widgets(offload="none"), gpus="0,1",
+                                                  activation_chunks="auto")["result"]
+    assert choice.strategy.chunks_auto
+    strategy, line = _strategy_for_run(tiny_loaded("wan2.1-t2v"), choice, VideoShape(32, 32, 9, cfg=True),
+                                       torch.device("cuda", 0))
+    assert not strategy.chunks_auto and strategy.activation_chunks == 1 and "balanced over 2 GPUs" in line

@@ -167,7 +167,8 @@ def _balanced(model, shape, strategy, layout, options, budgets, reference: Plan)
                  for i, names in enumerate(balanced_placement(model.layout, layout.gpus)))
     seconds = plan_seconds(home) - home.stage("text_encode").seconds(home.disk_read(home.stage("text_encode")))
     host = max(home.stage(name).host_bytes for name in ("denoise", "decode"))  # nothing encodes on the CPU
-    return ParallelPlan(model.name, shape, layout, strategy, gpus, seconds + encoders.seconds(), _seconds(reference),
+    resolved = replace(strategy, activation_chunks=home.strategy.activation_chunks)  # auto as the plan resolved it
+    return ParallelPlan(model.name, shape, layout, resolved, gpus, seconds + encoders.seconds(), _seconds(reference),
                         host_bytes=host, page_cache_bytes=home.peak_page_cache_bytes,
                         vram_budget_bytes=vram, ram_budget_bytes=ram)
 
