@@ -22,6 +22,7 @@ import torch
 
 from ..memory.units import DTYPES
 from ..memory.storage import StorageError, StorageReport, fold_scaled_fp8, open_safetensors
+from ..memory.storage.scaled import merged_header_records
 from .configs.meta import ComponentConfig
 from .family import ModelError
 from .json_files import read_json_object
@@ -163,13 +164,16 @@ def _component_config(folder: Path, index: dict, name: str, configs: dict[str, d
 def folder_tensors(path: Path, name: str) -> dict:
     """The component's weights as its class loads them (the index's shards, or the single file),
     memory-mapped; fp8 scales folded as in Comfy-Org's files."""
-    tensors = {}
-    for file in _weight_files(path, name):
-        try:
-            tensors.update(open_safetensors(file).tensors)
-        except StorageError as error:
-            raise ModelError(f"'{name}': {error}") from None
-    return fold_scaled_fp8(tensors)
+    tensors, headers = {}, []
+    try:
+        for file in _weight_files(path, name):
+            opened = open_safetensors(file)
+            tensors.update(opened.tensors)
+            headers.append(opened.metadata)
+        # the shards' own quantization records too (a layer's request for full-precision matmul)
+        return fold_scaled_fp8(tensors, merged_header_records(headers))
+    except StorageError as error:
+        raise ModelError(f"'{name}': {error}") from None
 
 
 def _weight_files(path: Path, name: str) -> list[Path]:

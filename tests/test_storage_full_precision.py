@@ -75,6 +75,25 @@ def test_the_headers_records_mark_layers_and_replace_the_markers_rule():
         fold_scaled_fp8(tensors, {"_quantization_metadata": "[1, 2"})
 
 
+def test_a_sharded_folders_header_records_are_read_together(tmp_path):
+    """A diffusers folder's shards fold as one checkpoint (a scale may sit in another shard than its
+    weight): each shard's header records count, wherever the layer's weight is."""
+    from vidmem.pipelines.folder_storage import folder_tensors
+
+    layers = scaled_layers("a", "b")
+    component = tmp_path / "transformer"
+    component.mkdir()
+    shards = {"part-1.safetensors": ["a.weight", "a.bias", "b.scale_weight"],
+              "part-2.safetensors": ["b.weight", "b.bias", "a.scale_weight"]}
+    records = {"part-1.safetensors": {"b": FULL}, "part-2.safetensors": {"a": PLAIN}}
+    for shard, names in shards.items():
+        safetensors.torch.save_file({n: layers[n] for n in names}, str(component / shard),
+                                    metadata={"_quantization_metadata": json.dumps({"layers": records[shard]})})
+    weight_map = {name: shard for shard, names in shards.items() for name in names}
+    (component / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert marked(folder_tensors(component, "transformer")) == {"b.weight"}
+
+
 def test_row_views_keep_the_request():
     stored = fold_scaled_fp8({**scaled_layers("a"), "a.comfy_quant": record(FULL)})["a.weight"]
     assert stored.row_range(0, 16).full_precision_matmul and stored.select_rows(torch.tensor([1, 2])).full_precision_matmul

@@ -73,6 +73,15 @@ def _full_precision_weights(tensors: Mapping, scales: Mapping[str, tuple], metad
     return full
 
 
+def merged_header_records(metadatas: list[Mapping[str, str]]) -> dict[str, str]:
+    """The header records of a sharded checkpoint's files as one header (`fold_scaled_fp8`'s `metadata`):
+    the scales fold across shards, so their records must be read together too."""
+    found = [layers for layers in map(_header_records, metadatas) if layers is not None]
+    if not found:
+        return {}
+    return {HEADER_KEY: json.dumps({"layers": {layer: record for layers in found for layer, record in layers.items()}})}
+
+
 def _header_records(metadata: Mapping[str, str] | None) -> dict | None:
     """The header's per-layer records ({layer: record}), or None when it has none."""
     raw = (metadata or {}).get(HEADER_KEY)
