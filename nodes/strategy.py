@@ -249,11 +249,13 @@ class VidMemMemoryStrategy:
                     "Pixels shared by neighbouring tiles and blended; a multiple of 8, at most tile_size/4."}),
                 "temporal_size": ("INT", {"default": _TILES.temporal_size, "min": TEMPORAL_SIZE_RANGE[0],
                     "max": TEMPORAL_SIZE_RANGE[1], "step": 4, "tooltip": "Output frames decoded per chunk, a multiple "
-                    "of 4. The VAE's causal caches carry over from chunk to chunk (CogVideoX, Wan), so chunks are "
-                    "exact and only bound the frames held at once."}),
+                    "of 4. The VAE's causal caches carry over from chunk to chunk (CogVideoX, Wan, HunyuanVideo 1.5), "
+                    "so chunks are exact and only bound the frames held at once; LTX-2's are blended "
+                    "(temporal_overlap; a temporal_size covering the video decodes it exactly)."}),
                 "temporal_overlap": ("INT", {"default": _TILES.temporal_overlap, "min": 0, "max": 4096, "step": 4,
                     "tooltip": "Frames shared by neighbouring chunks and blended; at most temporal_size/2. Used only "
-                    "for a VAE whose caches vidmem cannot carry over; CogVideoX and Wan chunks follow each other exactly."}),
+                    "for a VAE whose caches vidmem cannot carry over (LTX-2); CogVideoX, Wan and HunyuanVideo 1.5 chunks "
+                    "follow each other exactly."}),
             },
             "optional": {
                 "pipeline": ("VIDMEM_PIPELINE", {"tooltip": "Not needed: the plan reads the model from the "

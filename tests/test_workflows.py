@@ -338,10 +338,14 @@ def test_a_cogvideox_template_stores_its_weights_in_fp8():
                for l in loaders), loaders
 
 
-def _template_plan(path):
+def _template_plan(path, blocks_to_swap=None, stored=None):
     """The planner's row for a machine template: at its full size, on the machine it names, with the
-    weights' storage (as the files' names state it, or as the folder loader's weight_dtype lowers it)."""
+    weights' storage (as the files' names state it, or as the folder loader's weight_dtype lowers it),
+    its step count and the state its Step Cache keeps on the GPU, for PyTorch's native allocator as the
+    note's `vidmem plan` line plans it (the Strategy node in ComfyUI on CUDA plans for cudaMallocAsync).
+    `blocks_to_swap` and `stored` (one storage for every weight) replan it with those changed."""
     from vidmem.memory.plan.planner import PlanOptions, VideoShape, plan_run
+    from vidmem.memory.plan.types import Allocator
     from vidmem.nodes.strategy import WIDGETS, build_strategy
     from vidmem.pipelines.configs import load_model
 
@@ -360,12 +364,27 @@ def _template_plan(path):
         assert set(machine["weights"].values()) == {held}, (machine["weights"], loader["weight_dtype"])
         on_disk = False
     model = load_model(machine["plan_model"], loader["dtype"])
-    strategy = build_strategy(**{name: by_type["VidMemMemoryStrategy"][name] for name in WIDGETS})
+    widgets = {name: by_type["VidMemMemoryStrategy"][name] for name in WIDGETS}
+    if blocks_to_swap is not None:
+        widgets["blocks_to_swap"] = blocks_to_swap
+    strategy = build_strategy(**widgets)
     shape = VideoShape(sampler["width"], sampler["height"], sampler["frames"], cfg=sampler["cfg"] > 1.0)
-    options = PlanOptions(storage=machine["weights"], on_disk=on_disk)
+    storage = {component: stored for component in machine["weights"]} if stored else machine["weights"]
+    options = PlanOptions(storage=storage, on_disk=on_disk, steps=sampler["steps"], allocator=Allocator.NATIVE,
+                          cache_state=_cache_state(by_type.get("VidMemStepCache"), model))
     plan = plan_run(model, shape, strategy, options, vram_budget_bytes=int(machine["vram_gb"] * 2**30),
                     ram_budget_bytes=int(machine["ram_gb"] * 2**30))
     return plan, strategy, machine
+
+
+def _cache_state(cache: dict | None, model) -> dict:
+    """What the template's Step Cache keeps on the GPU per denoiser (as nodes/plan_route.py plans it)."""
+    if cache is None:
+        return {}
+    from vidmem.pipelines.step_cache import StepCache
+
+    return StepCache(cache["method"], cache["threshold"], cache["retention"], cache["max_skip_steps"],
+                     calibrate=True).planned_state(model.layout.denoisers)
 
 
 @by_name(MACHINE_UI)
@@ -377,22 +396,79 @@ def test_template_strategy_fits_its_machine_per_the_planner(path):
 
 
 LTX2_UI = [p for p in MACHINE_UI if wr.load_json(p)["extra"]["vidmem"]["machine"]["plan_model"].startswith("ltx2")]
-QUOTED_PEAKS = re.compile(r"([\d.]+) GiB VRAM at the\s+peak(?: \(the denoise\))?, ([\d.]+) GiB of RAM")
-QUOTED_SLOWDOWN = re.compile(r"x(\d+\.\d\d) the time of a resident run")
 
 
-@by_name(LTX2_UI)
-def test_the_ltx2_notes_quote_the_planners_figures(path):
-    """The notes' VRAM (0.1 GiB), RAM (1 GiB) and slowdown (0.01) are the plan's for the template's own
-    strategy and machine, so a planner change cannot leave a note promising old numbers."""
-    notes = _note_texts(path)
-    plan = _template_plan(path)[0]
-    peaks = QUOTED_PEAKS.findall(notes)
-    assert peaks, f"{path.stem} quotes no peaks"
-    for vram, ram in peaks:
-        assert (vram, ram) == (f"{plan.peak_vram_bytes / 2**30:.1f}", f"{plan.peak_ram_bytes / 2**30:.0f}"), path.stem
-    for slowdown in QUOTED_SLOWDOWN.findall(notes):
-        assert slowdown == f"{plan.est_slowdown:.2f}", path.stem
+class _Plans:
+    """A machine template's plans, its own and replanned with another blocks_to_swap or storage, each made once."""
+
+    def __init__(self, path):
+        self.path, self.made = path, {}
+
+    def __call__(self, blocks_to_swap=None, stored=None):
+        key = (blocks_to_swap, stored)
+        if key not in self.made:
+            self.made[key] = _template_plan(self.path, blocks_to_swap, stored)[0]
+        return self.made[key]
+
+    def fewest_that_fit(self, up_to: int) -> int | None:
+        return next((n for n in range(1, up_to + 1) if self(blocks_to_swap=n).fits), None)
+
+    def stage(self, name: str) -> int:
+        return next(stage.device_bytes for stage in self().stages if stage.name == name)
+
+
+def _gib(value: float, quoted: str) -> str:
+    """`value` bytes in GiB, written with as many decimals as `quoted` has."""
+    return f"{value / 2**30:.{len(quoted.partition('.')[2])}f}"
+
+
+# The phrases a machine template's note quotes the planner in, each bound to the figure it names: the
+# template's own plan (its widgets, machine, steps and Step Cache) unless the phrase names a change. Each
+# yields (quoted, what the planner says), compared as written (as many decimals as quoted). Earlier
+# phrases are taken out of the text first (a "GiB of RAM" inside the bf16 phrase is that phrase's).
+NOTE_FIGURES = (
+    (r"in bf16 the planner predicts (\d+) GiB of RAM", lambda p, m: [(m[1], _gib(p(stored="bf16").peak_ram_bytes, m[1]))]),
+    (r"(\d+) is the fewest that fit \(([\d.]+) GiB",
+     lambda p, m: [(m[1], str(p.fewest_that_fit(int(m[1])))), (m[2], _gib(p(int(m[1])).peak_vram_bytes, m[2]))]),
+    (r"(\d+) blocks swapped: ([\d.]+) GiB", lambda p, m: [(m[2], _gib(p(int(m[1])).peak_vram_bytes, m[2]))]),
+    (r"([\d.]+) GiB VRAM at the\s+peak|peak VRAM ([\d.]+) GiB",
+     lambda p, m: [(m[1] or m[2], _gib(p().peak_vram_bytes, m[1] or m[2]))]),
+    (r"the denoise ([\d.]+) GiB", lambda p, m: [(m[1], _gib(p.stage("denoise"), m[1]))]),
+    (r"([\d.]+)\s+GiB while it encodes", lambda p, m: [(m[1], _gib(p.stage("text_encode"), m[1]))]),
+    (r"([\d.]+) GiB while it decodes", lambda p, m: [(m[1], _gib(p.stage("decode"), m[1]))]),
+    (r"([\d.]+) GiB of RAM|own RAM:? (?:about )?([\d.]+) GiB",
+     lambda p, m: [(m[1] or m[2], _gib(p().peak_ram_bytes, m[1] or m[2]))]),
+    (r"(?<![\dx])x(\d\.\d\d)\b", lambda p, m: [(m[1], f"{p().est_slowdown:.2f}")]),
+    (r"no predicted slowdown|predicts no slowdown", lambda p, m: [("x1.00", f"x{p().est_slowdown:.2f}")]),
+)
+# Not the planner's: what a block, a component or a pass's copies weigh as stored, and the machine's budget.
+NOT_PLANNED = re.compile(r"[\d.]+ GiB (?:each )?in (?:fp8|bf16|fp16)|[\d.]+ GiB of (?:bf16 weights|PCIe copies)"
+                          r"|blocks of [\d.]+ GiB|transformer \([\d.]+ GiB\)|on a \d+ GiB budget")
+
+
+def _note_figures(path) -> tuple[list[tuple[str, str, str]], str]:
+    """(phrase, quoted, planned) for every planner figure the template's note quotes, and the note's
+    text with those phrases taken out."""
+    text, plans, found = " ".join(_note_texts(path).split()), _Plans(path), []
+    for pattern, planned in NOTE_FIGURES:
+        for match in re.finditer(pattern, text):
+            found += [(match[0], quoted, figure) for quoted, figure in planned(plans, match)]
+        text = re.sub(pattern, "#", text)
+    return found, text
+
+
+@by_name(MACHINE_UI)
+def test_the_notes_quote_the_planners_figures(path):
+    """Every planner figure a machine template's note quotes (peak VRAM, a stage's peak, RAM, slowdown, the
+    fewest blocks that fit and what another block count predicts) is the plan's for the template's own
+    widgets and machine, so a planner change cannot leave a note promising old numbers; and every other
+    GiB figure in the note is a weight size, so no planner figure goes unchecked."""
+    found, rest = _note_figures(path)
+    assert found, f"{path.stem} quotes no planner figure"
+    wrong = [f"'{phrase}': {quoted}, the planner says {planned}" for phrase, quoted, planned in found if quoted != planned]
+    assert not wrong, f"{path.stem}:\n" + "\n".join(wrong)
+    unchecked = re.findall(r"(?:\S+ ){0,3}[\d.]+ GiB(?: \S+){0,3}", NOT_PLANNED.sub("#", rest))
+    assert not unchecked, f"{path.stem}: GiB figures no check binds to the plan: {unchecked}"
 
 
 @by_name(LTX2_UI)

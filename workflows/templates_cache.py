@@ -56,9 +56,9 @@ CACHE_TEMPLATES = (
             "schedule (vidmem plan --model wan2.1-t2v-1.3b --steps 50 --cache mag_cache). The Sampler's "
             "receipt counts the blocks computed and skipped.\n\n"
             + CACHE_QUALITY + SPEED_TEXT +
-            "Memory strategy, offload = model, as the base template: the text encoder on the GPU alone "
-            "(6.5 GiB) until the prompt is encoded, then the transformer (2.6 GiB), then the VAE in 256 px "
-            "tiles; predicted peak VRAM 7.5 GiB. The transformer stays on the GPU while it samples, so here "
+            "Memory strategy, offload = model, as the base template: the text encoder on the GPU alone until "
+            "the prompt is encoded (7.4 GiB while it encodes), then the transformer (2.6 GiB), then the VAE in "
+            "256 px tiles; predicted peak VRAM 7.4 GiB (the denoise 6.1 GiB, the cache's state included). The transformer stays on the GPU while it samples, so here "
             "the cache saves compute. Under block swap (a smaller card: offload = block_swap) a skipped step "
             "also copies none of its swapped blocks: the receipt counts the streamed copies saved."
         ),
@@ -89,7 +89,8 @@ CACHE_TEMPLATES = (
             + CACHE_QUALITY + SPEED_TEXT +
             "Memory strategy, offload = block_swap with blocks_to_swap = 34 per expert, as the base "
             "template: 34 of 40 blocks (0.33 GiB each in fp8) stream to the GPU on every pass the transformer "
-            "computes, weights memory-mapped from the files (weights_on_disk); predicted peak VRAM 10.0 GiB. "
+            "computes, weights memory-mapped from the files (weights_on_disk); predicted peak VRAM 11.2 GiB, "
+            "the cache's state on the GPU included. "
             "What the cache saves here beyond compute: a skipped step copies none of its 34 swapped blocks, "
             "about 11 GiB of PCIe copies per pass, two passes per step at cfg 4 (and the reads from disk "
             "behind them when the page cache cannot keep the experts). The Sampler's receipt counts the "

@@ -50,20 +50,21 @@ FILE_TEMPLATES = (
             + files_text(WAN21_14B_FILES, ("14 GB", "6.7 GB", "0.25 GB")) +
             "Storage: the weights stay fp8 as in the files (weight_dtype = default) and are upcast to bf16 one "
             "layer at a time. weights_on_disk = on: the files are memory-mapped, so their 21 GB sit in the page "
-            "cache, which the system can reclaim, not in the process's own RAM (about 4 GiB predicted).\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 38: 38 of the 40 transformer blocks "
+            "cache, which the system can reclaim, not in the process's own RAM (about 3 GiB of RAM predicted).\n\n"
+            "Memory strategy, offload = block_swap with blocks_to_swap = 37: 37 of the 40 transformer blocks "
             "(0.33 GiB each in fp8) stream to the GPU each step, the next one copied while the current one "
             "computes; at this size a block computes longer than it copies, so the copies cost no time (the "
-            "planner's x1.02 is widening the fp8 weights each pass). Predicted peak VRAM 7.8 GiB, in the denoise; 38 is the fewest that fit (36: 9.3 GiB), "
-            "and swapping all 40 is predicted no lower (8.0 GiB: one more staging buffer). The text encoder goes to the GPU alone (6.5 GiB) and leaves once the prompt is "
-            "encoded (text_encoder = offload_after_encoding); a repeated prompt comes from the prompt cache. "
-            "The VAE decodes in 256 px tiles (1.5 GiB).\n\n"
+            "planner's x1.02 is widening the fp8 weights each pass). Predicted peak VRAM 7.7 GiB, in the denoise; 37 is the "
+            "fewest that fit (7.7 GiB; with 36 blocks swapped: 9.3 GiB), and more is not lower here (40 blocks swapped: 8.0 GiB, "
+            "one more staging buffer). The text encoder goes to the GPU alone (7.4 GiB while it encodes) and leaves once the "
+            "prompt is encoded (text_encoder = offload_after_encoding); a repeated prompt comes from the prompt cache. "
+            "The VAE decodes in 256 px tiles (1.7 GiB while it decodes).\n\n"
             "Check your machine: vidmem plan --model wan2.1-t2v-14b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --vram 8 --ram 32. If the card also drives a display, set text_encoder = cpu or "
             "fewer frames. Every strategy gives the same frames."
         ),
         loader=model_files(*WAN21_14B_FILES),
-        strategy=strategy("block_swap", "offload_after_encoding", 38),
+        strategy=strategy("block_swap", "offload_after_encoding", 37),
         prompt="A lighthouse on a rocky cliff at dusk, waves crashing below, its beam sweeping through sea mist, aerial shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=40, cfg=5.0, fps=16.0,
@@ -82,13 +83,13 @@ FILE_TEMPLATES = (
             "model takes the high-noise expert, model_2 the low-noise one. Storage: fp8 as in the files, "
             "upcast to bf16 per layer. weights_on_disk = on: 35 GB of files on a 32 GB machine; memory-mapped, "
             "they live in the page cache, and the expert not in use is read again from disk when its turn "
-            "comes, instead of the machine running out of RAM (the process's own RAM: about 4 GiB "
+            "comes, instead of the machine running out of RAM (the process's own RAM: about 3 GiB "
             "predicted).\n\n"
             "Memory strategy, offload = block_swap with blocks_to_swap = 34 (per expert, of 40): 6 blocks stay "
             "on the GPU, 34 stream in each step, the next one copied while the current one computes. "
-            "Predicted peak VRAM 10.0 GiB on a 12 GiB budget, predicted slowdown x1.03; 26 blocks is the "
-            "fewest that fit (11.8 GiB, no room left). The text encoder goes to the GPU alone (6.5 GiB) and "
-            "leaves (text_encoder = offload_after_encoding); the VAE decodes in 256 px tiles.\n\n"
+            "Predicted peak VRAM 10.0 GiB on a 12 GiB budget, predicted slowdown x1.03; 25 is the "
+            "fewest that fit (11.8 GiB, no room left). The text encoder goes to the GPU alone (7.4 GiB while it "
+            "encodes) and leaves (text_encoder = offload_after_encoding); the VAE decodes in 256 px tiles.\n\n"
             "Check your machine: vidmem plan --model wan2.2-t2v-a14b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --vram 12 --ram 32. Every strategy gives the same frames."
         ),
@@ -111,13 +112,14 @@ FILE_TEMPLATES = (
             + files_text(WAN21_1_3B_FILES, ("2.8 GB", "6.7 GB", "0.25 GB")) +
             "Storage: the transformer in bf16 as in its file (Comfy-Org ships no fp8 1.3B), the text encoder "
             "in fp8 as in its file, upcast to bf16 per layer. weights_on_disk = on: the 9.8 GB of files are "
-            "memory-mapped (page cache, not process RAM: about 2.6 GiB predicted), which leaves a 16 GB "
+            "memory-mapped (page cache, not the process's own RAM: about 2.7 GiB predicted), which leaves a 16 GB "
             "machine room to spare.\n\n"
-            "Memory strategy, offload = model: the text encoder goes to the GPU alone (6.5 GiB) and leaves once "
-            "the prompt is encoded (text_encoder = offload_after_encoding); then the transformer (2.6 GiB) "
-            "samples, then the VAE decodes in 256 px tiles. Predicted peak VRAM 7.5 GiB while the text encoder "
-            "encodes (denoise 5.7 GiB), no predicted slowdown. If the card also drives a display, set text_encoder = cpu (peak 5.7 GiB, "
-            "the prompt encodes slower, once per prompt thanks to the prompt cache).\n\n"
+            "Memory strategy, offload = model: the text encoder goes to the GPU alone (7.4 GiB while it encodes) "
+            "and leaves once the prompt is encoded (text_encoder = offload_after_encoding); then the transformer "
+            "(2.6 GiB) samples, then the VAE decodes in 256 px tiles. Predicted peak VRAM 7.4 GiB while the text "
+            "encoder encodes (the denoise 5.7 GiB), no predicted slowdown. If the card also drives a display, set "
+            "text_encoder = cpu (the peak is then the denoise's; the prompt encodes slower, once per prompt thanks "
+            "to the prompt cache).\n\n"
             "Check your machine: vidmem plan --model wan2.1-t2v-1.3b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --vram 8 --ram 16 (fp8 for both: a little under these files' needs). Every strategy "
             "gives the same frames."

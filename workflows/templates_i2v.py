@@ -45,7 +45,7 @@ WAN_PROMPT = ("The scene comes alive: a gentle breeze moves through it, soft lig
               "and the camera slowly pushes in.")
 
 
-def _wan22_note(card: str, size: str, blocks: int, swap_text: str) -> str:
+def _wan22_note(card: str, size: str, blocks: int, swap_text: str, ram_gib: int) -> str:
     return (
         f"Wan 2.2 I2V A14B from Comfy-Org's fp8 single files on {card}: the start image animated into {size}, "
         "81 frames (about 5 s at 16 fps). A14B is two 14B experts: the high-noise one shapes the first steps, "
@@ -56,10 +56,10 @@ def _wan22_note(card: str, size: str, blocks: int, swap_text: str) -> str:
         "model takes the high-noise expert, model_2 the low-noise one. Storage: fp8 as in the files, upcast to "
         "bf16 per layer. weights_on_disk = on: 35 GB of files on a 32 GB machine; memory-mapped, they live in "
         "the page cache, and the expert not in use is read again from disk when its turn comes (the process's "
-        "own RAM stays near 4-6 GiB predicted).\n\n"
+        f"own RAM: about {ram_gib} GiB predicted).\n\n"
         f"Memory strategy, offload = block_swap with blocks_to_swap = {blocks} (per expert, of 40): {swap_text} "
-        "The text encoder goes to the GPU alone (6.5 GiB) and leaves once the prompt is encoded (text_encoder = "
-        "offload_after_encoding); the VAE encodes the start image and decodes the video in 256 px tiles.\n\n"
+        "The text encoder goes to the GPU alone (7.4 GiB while it encodes) and leaves once the prompt is encoded "
+        "(text_encoder = offload_after_encoding); the VAE encodes the start image and decodes the video in 256 px tiles.\n\n"
     )
 
 
@@ -71,8 +71,8 @@ I2V_TEMPLATES = (
         note=_wan22_note(
             "an 8 GB card with 32 GB of RAM", "832x480", 38,
             "2 blocks stay on the GPU, 38 stream in each step, the next one copied while the current one "
-            "computes. Predicted peak VRAM 7.5 GiB, while the text encoder encodes (the denoise 7.2 GiB), "
-            "slowdown x1.03; 36 is the fewest that fit (7.9 GiB, no room left).")
+            "computes. Predicted peak VRAM 7.4 GiB, while the text encoder encodes (the denoise 7.2 GiB), "
+            "slowdown x1.03; 36 is the fewest that fit (7.9 GiB, no room left).", 3)
         + "Check your machine: vidmem plan --model wan2.2-i2v-a14b --weights fp8_scaled --disk --size 832x480 "
           "--frames 81 --vram 8 --ram 32. If the card also drives a display, set text_encoder = cpu. Every "
           "strategy gives the same frames.",
@@ -91,7 +91,7 @@ I2V_TEMPLATES = (
             "a 24 GB card with 32 GB of RAM", "1280x720 (A14B's own size)", 20,
             "20 blocks stay on the GPU, 20 stream in each step, copied while the blocks before them compute. "
             "Predicted peak VRAM 21.3 GiB, in the denoise, slowdown x1.01; 6 is the fewest that fit (23.8 "
-            "GiB, no room left for the desktop).")
+            "GiB, no room left for the desktop).", 4)
         + "Check your machine: vidmem plan --model wan2.2-i2v-a14b --weights fp8_scaled --disk --size 1280x720 "
           "--frames 81 --vram 24 --ram 32. With 64 GB of RAM or more, weights_on_disk can stay on: the page "
           "cache then keeps both experts and nothing is read twice. Every strategy gives the same frames.",
@@ -119,10 +119,10 @@ I2V_TEMPLATES = (
             "cfg_2 = -1: the low-noise expert also runs at cfg 1.\n\n"
             "Memory strategy, offload = block_swap with blocks_to_swap = 38 per expert: only one expert is on the "
             "GPU at a time, 38 of its 40 blocks streaming in; predicted peak VRAM 7.6 GiB, in the denoise, "
-            "slowdown x1.03; 36 is the fewest that fit (7.9 GiB). The text encoder goes to the GPU alone (7.5 "
-            "GiB) and leaves once the prompt is encoded; the VAE encodes the start image and decodes in 256 px "
-            "tiles. weights_on_disk = on: the expert not in use is read again from disk at its turn (the "
-            "process's own RAM about 3 GiB).\n\n"
+            "slowdown x1.16 (what is copied once per run weighs more over 4 steps); 35 is the fewest that fit "
+            "(7.8 GiB). The text encoder goes to the GPU alone (7.4 GiB while it encodes) and leaves once the "
+            "prompt is encoded; the VAE encodes the start image and decodes in 256 px tiles. weights_on_disk = "
+            "on: the expert not in use is read again from disk at its turn (the process's own RAM: about 3 GiB).\n\n"
             "Check your machine: vidmem plan --model wan2.2-i2v-a14b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --steps 4 --no-cfg --vram 8 --ram 32."
         ),
@@ -147,10 +147,10 @@ I2V_TEMPLATES = (
             + files_text(WAN21_I2V_FILES, ("16 GB", "6.7 GB", "0.25 GB", "1.3 GB")) +
             "Storage: the transformer and text encoder stay fp8 as in the files (weight_dtype = default) and are "
             "upcast to bf16 one layer at a time; the CLIP encoder is computed in bf16. weights_on_disk = on: the "
-            "files are memory-mapped (page cache, not the process's own RAM: about 4 GiB predicted).\n\n"
+            "files are memory-mapped (page cache, not the process's own RAM: about 3 GiB predicted).\n\n"
             "Memory strategy, offload = block_swap with blocks_to_swap = 40: every one of the 40 transformer "
             "blocks (0.38 GiB each in fp8, a little more than T2V's: each also attends to the image) streams to "
-            "the GPU each step, the next one copied while the current one computes. Predicted peak VRAM 7.5 GiB, "
+            "the GPU each step, the next one copied while the current one computes. Predicted peak VRAM 7.4 GiB, "
             "while the text encoder encodes (the denoise 7.3 GiB), slowdown x1.02; 38 is the fewest that fit "
             "(7.6 GiB, no room left). The text encoder goes to the GPU alone and leaves once the prompt is "
             "encoded (text_encoder = offload_after_encoding); the VAE encodes the start image and decodes the "
@@ -219,9 +219,9 @@ I2V_TEMPLATES = (
             "time; the files on disk are not changed.\n\n"
             "Memory strategy, offload = block_swap with blocks_to_swap = 16: of the transformer's 42 blocks, 26 "
             "stay on the GPU and 16 stream in each step. Predicted peak VRAM 7.7 GiB, in the denoise, slowdown "
-            "x1.02; 12 is the fewest that fit (8.0 GiB, no room left). The T5 text encoder goes to the GPU alone "
+            "x1.02; 14 is the fewest that fit (7.9 GiB, no room left). The T5 text encoder goes to the GPU alone "
             "and leaves once the prompt is encoded (text_encoder = offload_after_encoding). The VAE encodes the "
-            "start image and decodes the video in 256 px tiles. RAM: about 12 GiB predicted.\n\n"
+            "start image and decodes the video in 256 px tiles. About 12 GiB of RAM predicted.\n\n"
             "Check your machine: vidmem plan --model cogvideox-5b-i2v --weights fp8_scaled --size 720x480 "
             "--frames 49 --vram 8 --ram 16. Every strategy gives the same frames."
         ),

@@ -68,17 +68,17 @@ LORA_TEMPLATES = (
             "Load LoRA: strength 1.0, the strength it was distilled at; lower weakens the distillation and "
             "needs more steps. The LoRA runs beside each layer (the fp8 weights are never rewritten), "
             "streamed with its block; the Sampler's receipt names it and its extra bytes.\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 38: 38 of the 40 blocks (0.33 GiB each "
-            "in fp8) stream to the GPU each step. Predicted peak VRAM 7.8 GiB, the same as without the LoRA "
-            "(it is small: its extra bytes are on the Sampler's receipt); 38 is the fewest that fit and all 40 "
-            "is predicted no lower (8.0 GiB). The text encoder goes to the GPU alone (6.5 GiB) and leaves once "
-            "the prompt is encoded; the VAE decodes in 256 px tiles. weights_on_disk = on: the files stay "
-            "in the page cache, the process's own RAM about 4 GiB.\n\n"
+            "Memory strategy, offload = block_swap with blocks_to_swap = 37: 37 of the 40 blocks (0.33 GiB each "
+            "in fp8) stream to the GPU each step. Predicted without the LoRA (it is small: its extra bytes are on "
+            "the Sampler's receipt): peak VRAM 7.7 GiB; 37 is the fewest that fit (7.7 GiB), and more is not "
+            "lower here (40 blocks swapped: 8.0 GiB). The text encoder goes to the GPU alone (7.4 GiB while it "
+            "encodes) and leaves once the prompt is encoded; the VAE decodes in 256 px tiles. weights_on_disk = "
+            "on: the files stay in the page cache, the process's own RAM about 3 GiB.\n\n"
             "Check your machine: vidmem plan --model wan2.1-t2v-14b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --steps 4 --no-cfg --vram 8 --ram 32."
         ),
         loader=model_files(*WAN21_14B_FILES),
-        strategy=strategy("block_swap", "offload_after_encoding", 38),
+        strategy=strategy("block_swap", "offload_after_encoding", 37),
         prompt="A lighthouse on a rocky cliff at dusk, waves crashing below, its beam sweeping through sea mist, aerial shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=4, cfg=1.0, fps=16.0,
@@ -100,16 +100,16 @@ LORA_TEMPLATES = (
             "the low_noise one on expert = low_noise. boundary_ratio = 0 keeps the model's own 0.875: the high-noise "
             "expert runs the first 2 steps, the low-noise one the last 2, as lightx2v splits them. cfg_2 = -1: "
             "the low-noise expert also runs at cfg 1.\n\n"
-            "Memory strategy, offload = block_swap with blocks_to_swap = 38 per expert: only one expert is on "
-            "the GPU at a time, 38 of its 40 blocks streaming in; predicted peak VRAM 7.8 GiB, the fewest blocks "
-            "that fit (all 40: 8.0 GiB). weights_on_disk = on: 35 GB of files on a 32 GB "
-            "machine live in the page cache; the expert not in use is read again from disk at its turn (the "
-            "process's own RAM: about 4 GiB).\n\n"
+            "Memory strategy, offload = block_swap with blocks_to_swap = 37 per expert: only one expert is on "
+            "the GPU at a time, 37 of its 40 blocks streaming in; predicted peak VRAM 7.7 GiB; 37 is the fewest "
+            "that fit (7.7 GiB), and more is not lower here (40 blocks swapped: 8.0 GiB). weights_on_disk = on: "
+            "35 GB of files on a 32 GB machine live in the page cache; the expert not in use is read again from "
+            "disk at its turn (the process's own RAM: about 3 GiB).\n\n"
             "Check your machine: vidmem plan --model wan2.2-t2v-a14b --weights fp8_scaled --disk --size 832x480 "
             "--frames 81 --steps 4 --no-cfg --vram 8 --ram 32."
         ),
         loader=model_files(WAN22_HIGH_FP8, UMT5_FP8_22, WAN21_VAE_22, model_2=WAN22_LOW_FP8),
-        strategy=strategy("block_swap", "offload_after_encoding", 38),
+        strategy=strategy("block_swap", "offload_after_encoding", 37),
         prompt="A paper lantern floats over a night market, steam rising from food stalls, warm light, slow dolly shot.",
         negative_prompt=NEGATIVE,
         width=832, height=480, frames=81, steps=4, cfg=1.0, fps=16.0,

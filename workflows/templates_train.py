@@ -103,8 +103,8 @@ TRAIN_TEMPLATES = (
                     "samples at 1280x704 too.") +
             "Memory strategy, offload = model: while training only the transformer is on the GPU (9.3 GiB bf16) "
             "with the LoRA, gradients and states (0.35 GiB) and one sample's activations with checkpointing "
-            "(2.6 GiB): predicted peak 12.8 GiB (vidmem plan --model wan2.2-ti2v-5b --train --rank 16 --size "
-            "832x480 --frames 33 --vram 16). On a 12 GB card use offload = sequential (3.0 GiB, slower). The "
+            "(2.2 GiB): predicted peak 12.4 GiB (vidmem plan --model wan2.2-ti2v-5b --train --rank 16 --size "
+            "832x480 --frames 33 --vram 16). On a 12 GB card use offload = sequential (2.6 GiB, slower). The "
             "text encoder (10.6 GiB) goes to the GPU alone and leaves. Sampling: 1280x704, 121 frames, 50 "
             "steps, cfg 5 (the same strategy: the transformer alone fits 16 GB)."
         ),
