@@ -6,6 +6,8 @@ chart (GET /vidmem/plan) and the Sampler's plan both read them."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -319,7 +321,8 @@ def test_the_sampler_times_with_the_figures_of_comfyuis_gpu(speed_module, tiny_l
     importlib.import_module("diffusers.models.autoencoders.autoencoder_kl_wan")  # imported with CUDA as it is: it probes it
 
     monkeypatch.setattr(sampler_node, "choose_for", choose_for)
-    monkeypatch.setattr(sampler_node, "check_before_planning", lambda *args: None)  # no CUDA here: nothing is asked
+    # no CUDA here: nothing is asked (a kernel that takes activation chunks, as SDPA does)
+    monkeypatch.setattr(sampler_node, "check_before_planning", lambda *args: SimpleNamespace(takes_chunks=True))
     monkeypatch.setattr("vidmem.nodes.strategy.default_budgets", lambda device: (8 << 30, 32 << 30))
     monkeypatch.setattr(sampler_node.host, "compute_device", lambda: torch.device("cuda", 1))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -37,7 +37,7 @@ CASES = {"wan2.2-ti2v-5b": VideoShape(640, 352, 41, cfg=False), "wan2.1-t2v-1.3b
 def _traced(name: str):
     model = load_model(name)
     module = model.module("transformer")
-    run = workloads.denoise_step(model, "transformer", CASES[name], module)
+    run = workloads.denoise_step(model, "transformer", CASES[name], module, per_sample_timesteps=True)  # the trainer's call
     with training_mode():
         peaks = planner.trace_activations(module, _blocks(module), run, RANK, TARGETS, True)
     return module, run, peaks
