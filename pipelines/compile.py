@@ -187,6 +187,7 @@ class CompileReport:
         self.settings = settings
         self.blocks = blocks
         self.compile_seconds = 0.0
+        self.compiled_runs = 0  # block or step calls that ran compiled (before a fallback, if one came)
         self.fallback: str | None = None
         self._start = _dynamo_totals() if settings.on else None  # off: dynamo is not even imported
         self._end: dict | None = None
@@ -196,9 +197,12 @@ class CompileReport:
             self._end = _dynamo_totals()
 
     def fall_back(self, block_class: type, error: BaseException) -> None:
-        self.fallback = (f"torch.compile failed on {block_class.__name__} ({_why(error)}); this call ran the blocks "
-                         "eagerly, with the same results. Set compile off to skip the attempt; mode 'default' with "
-                         "dynamic 'auto' compiles the most models.")
+        # Why say how far it got: calls that ran compiled before the failure computed with inductor's kernels,
+        # which on a GPU differ from eager in the last bits.
+        ran = ("this call ran the blocks eagerly, with the same results" if not self.compiled_runs else
+               f"this call ran {self.compiled_runs} block calls compiled before it, the rest eagerly")
+        self.fallback = (f"torch.compile failed on {block_class.__name__} ({_why(error)}); {ran}. Set compile off to "
+                         "skip the attempt; mode 'default' with dynamic 'auto' compiles the most models.")
         log.warning("vidmem: %s", self.fallback)
 
     def as_dict(self) -> dict:
@@ -277,6 +281,7 @@ class _Runner:
             return self._eager_after(function, block, error, args, kwargs)
         if _frames() != frames:
             self.report.compile_seconds += time.perf_counter() - started
+        self.report.compiled_runs += 1
         return output
 
     def _ready_fp8(self, block: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -328,9 +328,9 @@ class _Run:
             held = warm.held_bytes if warm else 0  # what this call can take back
             keep = keep_bytes(hooks.device_budget(device), room, held) \
                 if strategy.streams_blocks and not self.rungs else 0
-            cache = self._step_cache(cached, call)
             self.phase = Phase.PLACING
-            with call_on(warm, self.backend), cache, \
+            # The cache's hooks go on inside the `with`: a failure entering what comes before them leaves none on the model.
+            with call_on(warm, self.backend), self._step_cache(cached, call) as cache, \
                     apply_strategy(stage, strategy, self.backend, self.observer, loaded.host_pool, telemetry, warm, keep,
                                    cache.gate) as handle:
                 call.vidmem_execution_device = device

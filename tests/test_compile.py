@@ -317,6 +317,32 @@ def test_a_compile_failure_runs_eagerly_and_says_why(wan, monkeypatch):
     assert_left_as_found(wan, storage, hooks, found)
 
 
+def test_a_failure_after_compiled_calls_says_they_ran_compiled(monkeypatch):
+    """Calls that ran compiled before a failure are not reported as eager (inductor's kernels differ from
+    eager's in the last bits on a GPU)."""
+    import torch._dynamo.exc
+
+    from vidmem.pipelines import compile as compile_module
+
+    calls = []
+
+    def compiled(block, x):
+        calls.append(x)
+        if len(calls) > 2:
+            raise torch._dynamo.exc.TorchRuntimeError("no kernels for this shape")
+        return x + 1
+
+    monkeypatch.setattr(compile_module, "compiled_function", lambda *a, **k: compiled)
+    settings = CompileSettings(on=True)
+    report = compile_module.CompileReport(settings, blocks=1)
+    runner = compile_module._Runner(settings, report)
+    block = torch.nn.Linear(2, 2)
+    outputs = [runner.run(lambda b, x: x - 1, block, torch.zeros(1)) for _ in range(4)]
+    assert [float(o) for o in outputs] == [1.0, 1.0, -1.0, -1.0]  # two compiled, then eager for the rest
+    assert "ran 2 block calls compiled before it, the rest eagerly" in report.fallback
+    assert "with the same results" not in report.fallback
+
+
 def test_torch_compile_refusing_runs_eagerly_and_says_why(wan, monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("this build has no compiler")

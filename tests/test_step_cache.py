@@ -284,6 +284,31 @@ def test_the_cache_is_removed_after_the_call_even_when_it_fails(tiny_loaded, cac
     assert all(as_found(m) == before for m, before in found)
 
 
+def test_the_cache_is_never_left_on_when_entering_the_call_fails_before_it(tiny_loaded, monkeypatch):
+    """The cache's hooks go on inside the call's `with`: a failure entering what comes before them (the warm
+    store's `call_on`) leaves none behind."""
+    import contextlib
+
+    import vidmem.pipelines.sample as sample_module
+
+    @contextlib.contextmanager
+    def refused(*_args, **_kwargs):
+        raise RuntimeError("the warm store refused the call")
+        yield
+
+    loaded = tiny_loaded("wan2.1-t2v")
+    transformer = loaded.pipe.transformer
+    found = [(m, as_found(m)) for m in transformer.modules()]
+    monkeypatch.setattr(sample_module, "call_on", refused)
+    with pytest.raises(RuntimeError, match="warm store refused"):
+        sample(loaded, MemoryStrategy(offload="none"), replace(request_for("wan2.1-t2v", steps=STEPS), cache=MAG),
+               backend=StrictBackend())
+    blocks = denoiser_blocks(loaded.pipe, loaded.spec)["transformer"]
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in blocks)
+    assert not transformer._forward_pre_hooks
+    assert all(as_found(m) == before for m, before in found)
+
+
 @pytest.mark.parametrize("kwargs,named", [
     ({"method": "teacache"}, "method"),
     ({"method": "first_block_cache", "threshold": float("nan")}, "threshold"),
