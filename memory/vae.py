@@ -180,7 +180,7 @@ def decode_video(
         landing.release()  # also when a piece ran out of memory or was interrupted: nothing stays pinned
     if report is not None:
         report.mode = "tiled" if blended else "whole"
-        report.sliced, report.tiles, report.chunks = slicing, plan.tiles, plan.chunks
+        report.sliced, report.tiles, report.chunks = slicing and batch > 1, plan.tiles, plan.chunks  # one item: no slices
         report.decode_calls, report.tiling = total, tiling if blended else None
         report.shared_context, report.streamed = prepare is not None, streaming
         report.seconds = time.perf_counter() - started

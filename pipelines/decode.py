@@ -197,7 +197,8 @@ def decode_as_run(strategy: MemoryStrategy, report: DecodeReport, device: torch.
         parts.append(f"vae_tiling={t.tile_size}/{t.overlap}px,{t.temporal_size}/{t.temporal_overlap}f")
     else:
         parts.append("untiled" + (" (one tile covers the latent)" if strategy.vae_tiling else ""))
-    parts.append("vae_slicing" if report.sliced else "unsliced")
+    alone = " (one video: nothing to slice)" if strategy.vae_slicing else ""
+    parts.append("vae_slicing" if report.sliced else f"unsliced{alone}")
     return "; ".join(parts)
 
 

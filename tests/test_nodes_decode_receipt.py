@@ -42,9 +42,11 @@ def test_tiling_and_slicing_are_shown_as_they_ran(tiny_loaded):
     tiling = VaeTiling(tile_size=64, overlap=16, temporal_size=16, temporal_overlap=4)  # 9 frames: one chunk
     strategy = MemoryStrategy(offload="sequential", vae_tiling=tiling, vae_slicing=True)
     tiled = strategy_line(loaded, latent_for(loaded, 16, 16), strategy)  # 128 px: 4 tiles of 64
-    assert tiled == "strategy: VAE offload=sequential prefetch=1; vae_tiling=64/16px,16/4f; vae_slicing"
+    assert tiled == ("strategy: VAE offload=sequential prefetch=1; vae_tiling=64/16px,16/4f; "
+                     "unsliced (one video: nothing to slice)")
     whole = strategy_line(loaded, latent_for(loaded, 4, 4), strategy)  # 32 px: one tile covers it
-    assert whole == "strategy: VAE offload=sequential prefetch=1; untiled (one tile covers the latent); vae_slicing"
+    assert whole == ("strategy: VAE offload=sequential prefetch=1; untiled (one tile covers the latent); "
+                     "unsliced (one video: nothing to slice)")
 
 
 @pytest.mark.parametrize("offload", ["none", "model", "block_swap", "sequential"])

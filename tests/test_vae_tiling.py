@@ -106,6 +106,9 @@ def test_whole_decode_keeps_dtype_out_device_and_reports():
     assert out.dtype == torch.float32 and out.shape == (2, 3, 9, 32, 40)
     assert (report.mode, report.sliced, report.decode_calls, report.tiles, report.chunks) == ("whole", True, 2, 1, 1)
     assert "whole decode on cpu" in report.describe()
+    # a batch of one is not sliced, whatever slicing asked (the receipt said 'vae_slicing' after a ladder rung)
+    decode_video(nearest_decode(COG), latents[:1], COG, None, slicing=True, report=report, out_device="cpu")
+    assert not report.sliced and ", sliced" not in report.describe()
 
 
 def test_tiled_decode_blends_half_precision_pixels():
