@@ -70,6 +70,13 @@ def register_routes() -> bool:
     return True
 
 
+def planning_failed(error: Exception) -> dict:
+    """The plan route's answer when planning raised what plan_answer does not expect (its own errors name their
+    input): JSON like every answer, so the node shows the error's type and message, not a JSON parse error."""
+    return {"status": "error", "input": None,
+            "error": f"planning failed: {type(error).__name__}: {error} (the traceback is in ComfyUI's log)"}
+
+
 def _register_plan_route(routes) -> None:
     """GET /vidmem/plan: the Memory Strategy's plan for a model of the pack's list (nodes/plan_route.py)."""
     budgets = []  # the host's default budgets, read once at the first plan (never at import)
@@ -92,10 +99,13 @@ def _register_plan_route(routes) -> None:
         try:
             # off the event loop: it stats the folder's files (its stamp), which a network disk may take time over
             plan_request = await asyncio.to_thread(parse_request, request.query, host.diffusers_model_names(), list(DTYPES))
+            plan = await service.plan(plan_request, request.query.get("client", ""))
         except PlanRequestError as error:
             return web.json_response({"status": "error", "input": error.name, "error": str(error)}, status=400,
                                      headers=headers)
-        plan = await service.plan(plan_request, request.query.get("client", ""))
+        except Exception as error:  # a bug, not a bad input: the node gets words to show, the log the traceback
+            log.exception("vidmem: planning %r failed", request.query.get("model"))
+            return web.json_response(planning_failed(error), status=500, headers=headers)
         return web.json_response(plan, headers=headers)
 
     routes.get(PLAN_ROUTE)(vidmem_plan)

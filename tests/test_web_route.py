@@ -291,6 +291,28 @@ def test_plan_route_answers_without_blocking_the_loop(comfy_server, monkeypatch,
     assert not torch.cuda.is_initialized()
 
 
+def test_an_unexpected_planning_error_answers_json_naming_it_and_logs_its_traceback(comfy_server, monkeypatch, caplog):
+    """Not a plain-text 500 that the page would show as a JSON parse error ("Unexpected token ...")."""
+    pytest.importorskip("aiohttp.web")
+    monkeypatch.setattr(host, "diffusers_model_names", lambda: [TINY])
+
+    def broken(*args, **kwargs):
+        raise KeyError("blocks")
+
+    monkeypatch.setattr(routes, "plan_answer", broken)  # what the service's answer calls
+    routes.register_routes()
+    handler = next(r.handler for r in comfy_server if r.path == "/vidmem/plan")
+    with caplog.at_level("ERROR", logger="vidmem"):
+        response = asyncio.run(handler(types.SimpleNamespace(query=query())))
+    assert response.status == 500 and response.content_type == "application/json"
+    assert response.headers["Cache-Control"] == "no-store"
+    answer = json.loads(response.body)
+    assert answer["status"] == "error" and answer["input"] is None
+    assert answer["error"].startswith("planning failed: KeyError: 'blocks'"), answer
+    (record,) = [r for r in caplog.records if r.name == "vidmem" and r.levelname == "ERROR"]
+    assert TINY in record.getMessage() and record.exc_info[0] is KeyError  # the traceback goes to ComfyUI's log
+
+
 def _wan_13b_cache_plan(**cache):
     """Wan 2.1 1.3B at 832x480x81 and 50 steps, with a Step Cache node's widgets sent as cache_<name>."""
     from vidmem.pipelines.configs import load_model
@@ -303,7 +325,7 @@ def _wan_13b_cache_plan(**cache):
 
 
 def test_the_plan_says_what_a_connected_step_cache_skips_before_the_run():
-    from vidmem.pipelines.step_cache import CacheMethod, StepCache, layout_key, mag_schedule, published_cache, taylor_computes
+    from vidmem.pipelines.step_cache import CacheMethod, StepCache, mag_schedule, published_cache, taylor_computes
 
     assert _wan_13b_cache_plan()["speed"] == []  # no Step Cache node connected
     widgets = dict(method="mag_cache", threshold="0", retention="0.2", max_skip_steps="3", mag_ratios="auto")

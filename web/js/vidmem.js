@@ -10,7 +10,7 @@ import {
   FREE_BODY, MEMORY_ROUTE, NODE_TYPES, PLAN_ROUTE, SAMPLER_EXTRAS, SAMPLER_SHAPE, STAGES, STRATEGY_BUDGETS, STRATEGY_OPTIONS,
   STRATEGY_PARALLEL, STRATEGY_WIDGETS, compactLines, extraFields, ignoredStrategyWidgets, isParallel, legacyStrategyValues,
   linkedWidgets, loaderFields, loaderGap, loraFields, loraLines, meterText, onCpu, parallelLines, pipelineSource, pipelineStart, planBars, planLines, planQuery,
-  outputsThroughReroutes, planReasons, planVerdict, speedLines, stageHeaders, summarize, throughReroutes, timeNote, timeShown, windowLines,
+  outputsThroughReroutes, planFromResponse, planReasons, planVerdict, plannedSampler, speedLines, stageHeaders, summarize, throughReroutes, timeNote, timeShown, windowLines,
 } from "./vidmem_format.js";
 
 const RECEIPT_WIDGET = "vidmem_receipt";
@@ -151,6 +151,8 @@ function renderPlan(node, plan, note) {
     font: `bold 16px/21px sans-serif`, marginBottom: "3px",
   });
   const children = [verdict];
+  const samplers = planState.get(node)?.samplers; // which Sampler of several the plan is for
+  if (samplers) children.push(textBlock("vidmem-plan-samplers", [samplers], { color: "#e5c07b", marginBottom: "3px" }));
   if (ok) {
     const gpus = parallelLines(plan); // "per GPU, 2 GPUs, ulysses ...", and the speedup against one GPU
     if (gpus.length) children.push(textBlock("vidmem-plan-gpus", gpus, { color: "#c5b3f0", marginBottom: "3px" }));
@@ -178,7 +180,7 @@ function renderPlan(node, plan, note) {
   body.append(...children);
   widget.element.replaceChildren(body);
   widget.element.dataset.status = plan?.status ?? "none";
-  widget.element.title = [planVerdict(plan), ...parallelLines(plan), ...windowLines(plan), ...loraLines(plan), chosen?.strategy, ...planReasons(plan), ...speedLines(plan), ...planLines(plan), timeNote(plan)]
+  widget.element.title = [planVerdict(plan), planState.get(node)?.samplers, ...parallelLines(plan), ...windowLines(plan), ...loraLines(plan), chosen?.strategy, ...planReasons(plan), ...speedLines(plan), ...planLines(plan), timeNote(plan)]
     .filter(Boolean).join("\n");
   fitPlan(node);
   app.graph?.setDirtyCanvas(true, false);
@@ -245,12 +247,18 @@ function linkedNode(node, inputName) {
   return throughReroutes(linked, (reroute) => reroute.getInputNode?.(0) ?? null);
 }
 
-// The Sampler this strategy feeds, its shape, and the loader of its pipeline: {query}, or {gap}, the line
-// saying why there is no plan.
+// The Sampler this strategy feeds (of several, the largest: plannedSampler), its shape, and the loader of its
+// pipeline: {query}, or {gap}, the line saying why there is no plan; and {samplers}: which Sampler of several it plans.
 function planRequestFor(node) {
   const fed = outputsThroughReroutes(node.getOutputNodes?.(0) ?? [], (reroute) => reroute.getOutputNodes?.(0) ?? []);
-  const sampler = fed.find((n) => n.comfyClass === SAMPLER || n.type === SAMPLER);
+  const { sampler, line } = plannedSampler(fed.filter((n) => n.comfyClass === SAMPLER || n.type === SAMPLER),
+    widgetValue, (n, slot) => n.getInputNode?.(slot));
   if (!sampler) return { gap: "connect this Strategy's output to a Video Sampler" };
+  return { ...samplerRequest(node, sampler), samplers: line };
+}
+
+// The plan request of `node` (the Strategy) for `sampler`: {query} or {gap}.
+function samplerRequest(node, sampler) {
   const upstream = (n) => linkedNode(n, "pipeline");
   const start = pipelineStart(node, sampler, upstream);
   const { loader, gap } = pipelineSource(start, upstream);
@@ -283,19 +291,20 @@ function planRequestFor(node) {
 }
 
 async function refreshPlan(node) {
-  const { query, gap } = planRequestFor(node);
+  const { query, gap, samplers } = planRequestFor(node);
   const state = planState.get(node) ?? {};
-  const key = query ?? `gap:${gap}`; // a changed reason redraws too
+  const key = `${query ?? `gap:${gap}`}\n${samplers}`; // a changed reason, or another Sampler's title, redraws too
   if (key === state.key) return;
   state.controller?.abort(); // the server drops it too if it has not started
   state.query = query;
   state.key = key;
+  state.samplers = samplers;
   planState.set(node, state);
   if (!query) return renderPlan(node, null, `plan: ${gap}`);
   const controller = (state.controller = new AbortController());
   try {
     const response = await api.fetchApi(`${PLAN_ROUTE}?${query}`, { cache: "no-store", signal: controller.signal });
-    const plan = await response.json();
+    const plan = await planFromResponse(response);
     if (plan.status === "superseded" || state.query !== query) return;
     renderPlan(node, plan);
   } catch (error) {

@@ -347,6 +347,27 @@ export function outputsThroughReroutes(nodes, outputsOf) {
   return found;
 }
 
+// The Sampler's widgets whose product its memory grows with.
+const SIZE_WIDGETS = Object.freeze(["width", "height", "frames"]);
+
+/** The Sampler the plan is for, among the `samplers` one Strategy feeds (a draft and a final pass, say): the one
+ * with the largest width*height*frames, the worst case the budgets must hold (ties: the first). `value(sampler,
+ * name)` reads a widget. A Sampler whose size comes from a link (`sourceOf(sampler, slot)`, as in linkedWidgets)
+ * cannot be compared before the run: it is taken, so the chart says that link is in the way rather than plan a
+ * smaller pass. Returns {sampler (null for none), line: what the chart says about the choice, "" for one Sampler}. */
+export function plannedSampler(samplers, value, sourceOf = () => null) {
+  let sampler = null, largest = -1, linked = false;
+  for (const candidate of samplers) {
+    const fromLink = linkedWidgets(candidate, SIZE_WIDGETS, (slot) => sourceOf(candidate, slot)).length > 0;
+    const size = fromLink ? Infinity : SIZE_WIDGETS.reduce((product, name) => product * (Number(value(candidate, name)) || 0), 1);
+    if (size > largest) [sampler, largest, linked] = [candidate, size, fromLink];
+  }
+  if (samplers.length < 2) return { sampler, line: "" };
+  const which = linked ? `its size comes from a link, so it cannot be compared with the other ${samplers.length - 1}`
+    : `the largest of ${samplers.length} this Strategy feeds`;
+  return { sampler, line: `plans Sampler ${nodeName(sampler)} (${which}); give each Sampler its own Strategy to plan each` };
+}
+
 /** `node`, or the node that feeds it through any chain of Reroute nodes (`firstInput(reroute)`: the node on
  * its one input); a Reroute left dangling, or in a loop of Reroutes, is returned as it is. */
 export function throughReroutes(node, firstInput) {
@@ -448,6 +469,15 @@ export function planQuery({ model, dtype, widgets, shape, client, loader, extra 
   }
   if (client !== undefined) params.set("client", String(client));
   return params.toString();
+}
+
+/** The plan route's answer (a fetch Response): its JSON, an error plan included; where the server answered an error
+ * that is not JSON (a plain-text 500, a proxy's HTML page) it throws Error("HTTP <status>"), which the node shows,
+ * rather than a JSON parse error. */
+export async function planFromResponse(response) {
+  const json = (response.headers?.get("Content-Type") ?? "").includes("application/json");
+  if (!response.ok && !json) throw new Error(`HTTP ${response.status}`);
+  return response.json();
 }
 
 /** Estimated time against the same run with every weight resident: "+9%" below twice that, then
