@@ -23,11 +23,11 @@ from ..pipelines.parallel.planning import (choose_balanced, choose_parallel, par
 from ..pipelines.planning import choose_for, plan_strategy
 from ..pipelines.prompt_cache import PromptCache
 from ..pipelines.sample import RunHooks, SampleRequest, sample
-from ..pipelines.sample_checks import refuse_cache_in_parallel, refuse_windows_in_parallel, validate_request
+from ..pipelines.sample_checks import masked_by, refuse_cache_in_parallel, refuse_windows_in_parallel, validate_request
 from ..pipelines.sample_chunks import UNCHUNKED_KERNEL
 from ..pipelines.schedulers import SCHEDULERS
 from ..pipelines.loader import torch_dtype
-from ..pipelines.speed import measured_speed, planned_attention, resolve_speed
+from ..pipelines.speed import measured_speed, resolve_speed
 from ..pipelines.step_cache import write_ratio_file
 from . import host
 from .cache import CACHE_TYPE, cache_input
@@ -189,7 +189,7 @@ class VidMemVideoSampler:
         guided = cfg > 1 or cfg_2 > 1  # a negative pass runs for an expert whose scale is above 1
         shape = VideoShape(width, height, frames, cfg=guided, window=window, window_overlap=window_overlap)
         lora_hooks = any(spec.strength != 0 for spec in getattr(pipeline, "loras", ()))  # strength 0 adds no hook
-        options = PlanOptions(attention=planned_attention(request.speed),
+        options = PlanOptions(attention=resolved.planned_attention,  # an auto fallen back to math: its score matrix
                               speed=measured_speed(request.speed, device, lora_hooks,
                                                    choice.strategy.parallel.context_parallel_on),
                               cache_state=step_cache.planned_state(denoisers(pipeline.pipe, pipeline.spec)))
@@ -235,7 +235,8 @@ def check_before_planning(pipeline, choice, request, device):
         rank_strategy(choice.strategy)  # an activation chunk count is refused (auto runs the ranks unchunked)
     resolved = resolve_speed(request.speed, device, torch_dtype(pipeline.dtype_name),
                              denoisers(pipeline.pipe, pipeline.spec),
-                             context_parallel=choice.strategy.parallel.context_parallel_on)
+                             context_parallel=choice.strategy.parallel.context_parallel_on,
+                             masked_by=masked_by(pipeline))  # refused here as the plan refuses it
     if choice.strategy.parallel.context_parallel_on:
         check_parallel_attention(resolved, denoisers(pipeline.pipe, pipeline.spec),
                                  choice.strategy.parallel.context_parallel.value)

@@ -122,8 +122,11 @@ class ResolvedAttention:
 
     @property
     def materialises_scores(self) -> bool:
-        """Whether attention holds the whole score matrix (the planner counts fused kernels as output only)."""
-        return self.kernel in (AttentionKernel.MATH, AttentionKernel.FLEX)
+        """Whether attention holds the whole score matrix (the planner counts fused kernels as output only): math,
+        flex, and an auto that found no fused kernel SDPA would pick here (`fallback`: an sm75 card in bf16, the fused
+        kernels switched off), where SDPA runs its math kernel."""
+        math_fallback = self.kernel is AttentionKernel.SDPA and bool(self.fallback)
+        return self.kernel in (AttentionKernel.MATH, AttentionKernel.FLEX) or math_fallback
 
     @property
     def lossy(self) -> bool:
@@ -240,7 +243,10 @@ def _sdpa_backend_problem(kernel: AttentionKernel, device: torch.device, dtype: 
         return (f"torch's {name} runs fp16/bf16 and the model computes in {_dtype_name(dtype)}: load it in bf16, or "
                 "choose 'efficient'.")
     if major < 8:
-        return f"torch's {name} needs an sm80+ GPU (Ampere or newer); this one is {sm}: choose 'efficient' or 'sdpa'."
+        # 'efficient' is offered only where it runs: it too is refused in bf16 below sm80.
+        efficient_runs = not _sdpa_backend_problem(AttentionKernel.EFFICIENT, device, dtype)
+        usable = "'efficient' or 'sdpa'" if efficient_runs else "'sdpa'"
+        return f"torch's {name} needs an sm80+ GPU (Ampere or newer); this one is {sm}: choose {usable}."
     if kernel is AttentionKernel.FLASH and not torch.backends.cuda.is_flash_attention_available():
         return "this torch build has no FlashAttention kernels: choose 'efficient', 'cudnn' or 'sdpa'."
     if kernel is AttentionKernel.CUDNN and not torch.backends.cudnn.is_available():

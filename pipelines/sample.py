@@ -49,12 +49,12 @@ from .lora import describe_loras, lora_patches
 from .room import keep_bytes, sample_room
 from .prompts import PromptEmbeddings, call_embeds, encode_missing, look_up, prompt_receipt, prompt_texts
 from .sample_call import ResumePoint, StepRecord, call_pipeline, expert_steps
-from .sample_checks import MAX_SEED, check_cfg, check_image, validate_request  # noqa: F401 (public here too)
+from .sample_checks import MAX_SEED, check_cfg, check_image, masked_by, validate_request  # noqa: F401 (public here too)
 from .sample_chunks import can_chunk, chunk_budget, chunks_for_call
 from .sample_ladder import (Rung, SamplingOutOfMemory, next_rung, no_climb_message, out_of_memory_message,
                             planner_fits, text_encoder_message, when_out_of_memory)
 from .schedulers import SamplerChoice, build_scheduler
-from .speed import NO_SPEED_NODE, ResolvedSpeed, Speed, planned_attention, resolve_speed, speed_for_call
+from .speed import NO_SPEED_NODE, ResolvedSpeed, Speed, resolve_speed, speed_for_call
 from .step_cache import AppliedCache, CacheMethod, CacheTally, StepCache
 from .context_windows import windows_for_call
 
@@ -148,7 +148,8 @@ def sample(
     device = backend.device
     pipe, spec = loaded.pipe, loaded.spec
     # Refused here, before anything moves, when a choice cannot run on this device or model.
-    speed = resolve_speed(request.speed, device, torch_dtype(loaded.dtype_name), denoisers(loaded.pipe, loaded.spec))
+    speed = resolve_speed(request.speed, device, torch_dtype(loaded.dtype_name), denoisers(loaded.pipe, loaded.spec),
+                          masked_by=masked_by(loaded))
     receipt = {"strategy": strategy.describe(), "device": str(device), "stages": [], "sampler": choice.describe(),
                "lora": describe_loras(loaded.loras)}
     hooks.check_interrupt()
@@ -267,7 +268,7 @@ class _Run:
                            window_overlap=request.window_overlap)
         state = request.cache.planned_state(denoiser_blocks(self.loaded.pipe, self.loaded.spec)) if restarts else {}
         fits = planner_fits(self.loaded, shape, request.steps, self.hooks.device_budget(device),
-                            planned_attention(request.speed), state)
+                            self.speed.planned_attention, state)
         rung, how = next_rung(strategy, block_count(self.loaded), fits, self.chunkable, self.chunks_ran)
         before = self.phase.before_the_steps
         at_step = 0 if before else steps_done + 1
@@ -300,7 +301,7 @@ class _Run:
                 apply_loras(lora_patches(loaded.pipe, loaded.loras), traced_in=compiled_modules) as lora_handle, \
                 chunks_for_call(loaded, strategy, self.request, self.choice.guided,  # before the step cache wraps blocks
                                 chunk_budget(hooks.device_budget(device), warm), cache_state,
-                                self.speed.takes_chunks) as chunks, \
+                                self.speed.takes_chunks, self.speed.planned_attention) as chunks, \
                 speed_for_call(self.speed, denoisers(loaded.pipe, loaded.spec), blocks, device, chunks) as speed, \
                 windows_for_call(loaded, self.request, record.last.steps_done if record.last else 0,
                                  earlier_passes) as windows:
@@ -316,7 +317,7 @@ class _Run:
                                window=request.window, window_overlap=request.window_overlap)
             planned = replace(strategy, activation_chunks=chunks.chunks)  # auto resolved: the room of the slices run
             room = sample_room(loaded, planned, shape, request.steps, not prompts.complete, weight_bytes, device,
-                               planned_attention(request.speed), cache_state)
+                               self.speed.planned_attention, cache_state)
             receipt["room"] = room.as_dict()
             if warm is not None:  # copies this stage will not take must not sit on the device, counted as loaded
                 warm.retain(stage_tensors(stage), take_over=strategy.offload is OffloadTier.NONE,  # keeps the VAE to the end

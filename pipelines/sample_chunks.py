@@ -11,10 +11,10 @@ import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
+from ..memory.accounting import Attention
 from ..memory.plan.types import CacheState, PlanOptions, VideoShape
 
 from .activation_chunks import AppliedChunks, activation_chunks, refusal
-from .speed import planned_attention
 from .family import denoiser_blocks, denoisers
 
 log = logging.getLogger("vidmem")
@@ -28,7 +28,7 @@ UNCHUNKED_KERNEL = ("auto left chunking off: sageattention 1.x cannot run in sli
 @contextlib.contextmanager
 def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int | None,
                     cache_state: Mapping[str, CacheState] | None = None,
-                    takes_chunks: bool = True) -> Iterator[AppliedChunks]:
+                    takes_chunks: bool = True, attention: Attention = Attention.FUSED) -> Iterator[AppliedChunks]:
     """`strategy.activation_chunks` applied to `loaded`'s denoisers for one sampling call of `request`
     (a SampleRequest: its width, height, frames and context windows) with guidance on or off.
 
@@ -36,7 +36,8 @@ def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int |
     the run may use; None, as on the CPU: unknown, so nothing is chunked) beside what the step cache
     keeps (`cache_state`, per denoiser), and leaves chunking off, saying why in the receipt's note,
     where the model cannot chunk, the attention kernel cannot run in slices (`takes_chunks` False) or
-    the planner cannot model it.
+    the planner cannot model it. `attention`: how the planner counts the call's resolved kernel
+    (ResolvedSpeed.planned_attention: one that holds the whole score matrix needs more slices).
     An explicit count on a model that cannot chunk raises ChunkError before any block changes."""
     blocks = denoiser_blocks(loaded.pipe, loaded.spec)
     modules = denoisers(loaded.pipe, loaded.spec)
@@ -46,7 +47,7 @@ def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int |
     elif strategy.chunks_auto:
         shape = VideoShape(request.width, request.height, request.frames, cfg=guided,
                            window=getattr(request, "window", 0), window_overlap=getattr(request, "window_overlap", 0))
-        count, note = _auto_count(loaded, strategy, shape, budget_bytes, blocks, planned_attention(request.speed),
+        count, note = _auto_count(loaded, strategy, shape, budget_bytes, blocks, attention,
                                   cache_state or {})
     with activation_chunks(modules, blocks, count) as applied:
         yield replace(applied, note=note)  # the same record: the hooks fill in the slices that ran

@@ -64,8 +64,10 @@ NO_SPEED_NODE = Speed(chosen=False)  # what the Sampler runs without a Speed nod
 
 
 def planned_attention(speed: Speed) -> Attention:
-    """How the planner counts the attention `speed` chooses: math and flex hold the whole score matrix
-    (flex unless compiled, and the planner does not count on that); every other kernel is fused."""
+    """How the planner counts the attention `speed` chooses, before it is resolved on the device (the plan of a GPU
+    this process may not see): math and flex hold the whole score matrix (flex unless compiled, and the planner does
+    not count on that); every other kernel is fused. A run counts the kernel resolved on its device instead
+    (`ResolvedSpeed.planned_attention`: auto may fall back to SDPA's math kernel there)."""
     return Attention.MATH if speed.attention in (AttentionKernel.MATH, AttentionKernel.FLEX) else Attention.FUSED
 
 
@@ -86,6 +88,13 @@ class ResolvedSpeed:
                                 "activation_chunks off (if the video fits), or choose attention 'auto'.")
 
     @property
+    def planned_attention(self) -> Attention:
+        """How the run's room, the OOM ladder and activation_chunks=auto count attention: from the kernel resolved
+        here, so an auto that falls back to SDPA's math kernel (an sm75 card in bf16) counts the whole score matrix
+        as 'math' does, which is the matrix activation chunks shrink."""
+        return Attention.MATH if self.attention.materialises_scores else Attention.FUSED
+
+    @property
     def takes_chunks(self) -> bool:
         """Whether a call may run in activation chunks (the OOM ladder offers chunk rungs only then)."""
         return self.attention.backend != SAGE1
@@ -99,12 +108,15 @@ class ResolvedSpeed:
 
 
 def resolve_speed(speed: Speed, device: torch.device, dtype: torch.dtype,
-                  denoisers: Mapping[str, nn.Module] | None = None, context_parallel: bool = False) -> ResolvedSpeed:
+                  denoisers: Mapping[str, nn.Module] | None = None, context_parallel: bool = False,
+                  masked_by: str = "") -> ResolvedSpeed:
     """The kernel `speed.attention` means here, and fp8 matmul 'on' checked against the device and the
-    model's layers (`denoisers`); StrategyError naming the input and the fix. Touches no weight."""
+    model's layers (`denoisers`); StrategyError naming the input and the fix. Touches no weight.
+    `masked_by`: the model, when its attention passes a mask (sample_checks.masked_by): SDPA with only mask-less
+    kernels left switched on is refused here, as the plan refuses it, not at the first attention call."""
     check_compile_with(speed, context_parallel)
     check_fp8_matmul(denoisers or {}, speed.fp8_matmul, device)
-    return ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype))
+    return ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype, masked_by))
 
 
 def check_compile_with(speed: Speed, context_parallel: bool) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vidmem.memory import MemoryStrategy
+from vidmem.memory.accounting import Attention
 from vidmem.memory.plan.candidates import plan_run
 from vidmem.memory.plan.costs import MeasuredSpeed
 from vidmem.memory.plan.planner import Allocator, PlanOptions, VideoShape
@@ -322,7 +323,8 @@ def test_the_sampler_times_with_the_figures_of_comfyuis_gpu(speed_module, tiny_l
 
     monkeypatch.setattr(sampler_node, "choose_for", choose_for)
     # no CUDA here: nothing is asked (a kernel that takes activation chunks, as SDPA does)
-    monkeypatch.setattr(sampler_node, "check_before_planning", lambda *args: SimpleNamespace(takes_chunks=True))
+    monkeypatch.setattr(sampler_node, "check_before_planning",
+                        lambda *args: SimpleNamespace(takes_chunks=True, planned_attention=Attention.FUSED))
     monkeypatch.setattr("vidmem.nodes.strategy.default_budgets", lambda device: (8 << 30, 32 << 30))
     monkeypatch.setattr(sampler_node.host, "compute_device", lambda: torch.device("cuda", 1))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -24,7 +24,7 @@ from ..family import ModelError, denoisers
 from ..loader import torch_dtype
 from ..hooks import RunHooks
 from ..sample import SampleRequest, SampleResult
-from ..sample_checks import refuse_cache_in_parallel, refuse_windows_in_parallel, validate_request
+from ..sample_checks import masked_by, refuse_cache_in_parallel, refuse_windows_in_parallel, validate_request
 from ..speed import resolve_speed
 from .checks import check_context_parallel, check_parallel_attention, rank_strategy
 from .job import ParallelSampleJob
@@ -55,7 +55,8 @@ def sample_parallel(loaded, strategy: MemoryStrategy, request: SampleRequest, ra
     device_type = "cuda" if ranks.gpus else "cpu"
     if device_type == "cpu" or torch.cuda.is_available():  # refused here, before any rank starts (ranks check again)
         resolved = resolve_speed(request.speed, torch.device(device_type), torch_dtype(loaded.dtype_name),
-                                 denoisers(loaded.pipe, loaded.spec), context_parallel=True)
+                                 denoisers(loaded.pipe, loaded.spec), context_parallel=True,
+                                 masked_by=masked_by(loaded))
         check_parallel_attention(resolved, denoisers(loaded.pipe, loaded.spec), strategy.parallel.context_parallel.value)
     check_context_parallel(run_loaded, request.width, request.height, request.frames, strategy.parallel,
                            ranks.degree, device_type)
