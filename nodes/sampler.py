@@ -190,6 +190,7 @@ class VidMemVideoSampler:
         shape = VideoShape(width, height, frames, cfg=guided, window=window, window_overlap=window_overlap)
         lora_hooks = any(spec.strength != 0 for spec in getattr(pipeline, "loras", ()))  # strength 0 adds no hook
         options = PlanOptions(attention=resolved.planned_attention,  # an auto fallen back to math: its score matrix
+                              steps=steps,  # offload=auto weighs each tier's copies against this many steps
                               speed=measured_speed(request.speed, device, lora_hooks,
                                                    choice.strategy.parallel.context_parallel_on),
                               cache_state=step_cache.planned_state(denoisers(pipeline.pipe, pipeline.spec)))

@@ -312,10 +312,11 @@ def test_the_sampler_times_with_the_figures_of_comfyuis_gpu(speed_module, tiny_l
     from vidmem.nodes import sampler as sampler_node
     from vidmem.nodes.strategy import VidMemMemoryStrategy
 
-    seen = []
+    seen, steps = [], []
 
     def choose_for(pipeline, shape, strategy, vram, ram, options, device=None):
         seen.append(options.speed)
+        steps.append(options.steps)
         raise _Planned
 
     torch, loaded = speed_module.torch, tiny_loaded("wan2.1-t2v")
@@ -334,9 +335,10 @@ def test_the_sampler_times_with_the_figures_of_comfyuis_gpu(speed_module, tiny_l
                                              vae_tiling=False, tile_size=256, overlap=64, temporal_size=64,
                                              temporal_overlap=8)["result"]
     with pytest.raises(_Planned):
-        sampler_node.VidMemVideoSampler().sample(loaded, choice, "a cat", "", 32, 32, 9, 1, 1.0, 0,
+        sampler_node.VidMemVideoSampler().sample(loaded, choice, "a cat", "", 32, 32, 9, 4, 1.0, 0,
                                                  speed=Speed(compile=CompileSettings(True)))
     assert seen[0].compiled == MEASURED["compile"]
+    assert steps == [4]  # timed at the Sampler's own steps, as `vidmem plan --steps` and the chart time it
 
 
 def test_vidmem_plan_times_its_rows_with_compile_and_says_what_it_resolves_to(speed_module, capsys):
