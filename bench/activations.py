@@ -180,8 +180,11 @@ def device_block(args: argparse.Namespace) -> dict:
 
 
 def write(path: Path, results: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    """The results so far, replacing the file whole (written after every count: a lease cut short mid-write keeps
+    the last complete file, never a truncated one)."""
+    from vidmem.pipelines.atomic import write_bytes_atomically
+
+    write_bytes_atomically(path, (json.dumps(results, indent=2) + "\n").encode())
 
 
 def machine(device: str = "cpu") -> dict:

@@ -1,42 +1,67 @@
 #!/usr/bin/env bash
-# One short GPU lease: the GPU suite (tests/gpu), the GPU bench's warm rows on Wan 2.1 1.3B and its
-# other rows on Wan 14B (bench/gpu.py), and compute-sanitizer over one tiny block_swap step,
-# everything written to one folder.
+# One short GPU lease in one command: the GPU suite (tests/gpu) and the GPU benches, each part under its own time
+# limit, everything returned as ONE archive, $OUT/gpu-check.tgz, and a summary.txt beside it (each part's exit
+# status, seconds and limit). A lease returns at most 8 files, so the parts write into a per-run scratch folder
+# (mktemp -d), which is packed again after every part (written as .new, then renamed): a command killed at its
+# limit still returns every part that finished.
 #
-# On the GPU machine (PyTorch and Triton there, no internet, no diffusers), from the repository root:
-#     OUT=/some/folder bash bench/gpu_check.sh
-# The pack's other dependencies travel as wheels in .whl/ beside the tree; prepare them here first:
-#     bash bench/gpu_check.sh --prepare-wheels
-# Each part has its own time limit, an environment variable: the suite SUITE_SECONDS, the warm rows
-# WARM_SECONDS, the 1.3B's blocks all streamed with and without pinned homes STREAM_SECONDS, the speed bench (bench/speed.py) SPEED_SECONDS, its cache part CACHE_SECONDS, fp8 matmul at
-# 832x480x81 FP8_SECONDS, one attention call per kernel at that size ATTN_SECONDS, the VAE decode with and
-# without overlapped host copies DECODE_SECONDS, one real-size Wan 14B block per activation_chunks count at
-# 720p and 480p (bench/activations.py: peak against the plan, time against unchunked, where the time goes) ACT_SECONDS,
-# the same compiled at 480p ACT_COMPILE_SECONDS, compiled blocks against eager at 832x480x81 on the tiers COMPILE_TIERS
-# names (a tier+lora with a rank-32 LoRA on every block's linear layers) COMPILE_SECONDS, issue 24's goal at 832x480x81 on GOAL_MODEL's widths (compiled blocks with the GOAL_ROWS
-# kernels, fp8 matmul off and on, against eager SDPA with fp8 weights upcast, tiers none and block swap of all 4
-# blocks; bench/speed.py --parts goal) GOAL_SECONDS, the 14B bench
-# (BENCH_ROWS) what is left of BUDGET_SECONDS less SANITIZE_SECONDS, which compute-sanitizer's memcheck and
-# racecheck get last (each JSON is rewritten after every row and lists rows it had no time for). A part given
-# 0 seconds is skipped, and no part runs into SANITIZE_SECONDS or past BUDGET_SECONDS: each part's limit is its
-# seconds or what is left, if less (a part left under 20 s is skipped). The defaults are the next lease's plan, 575 s of parts within the 585 s
-# budget (the suite 165 s, the activation block eager 70 and compiled 110, compiled blocks with and without a LoRA 70,
-# the goal on 14B widths 160; each part usually ends before its limit): what no lease has measured yet, and the suite as the regression check; the parts earlier leases measured default to 0 (their figures:
-# docs/gpu.md, docs/speed.md, docs/step-cache.md), so give them seconds on a GPU kind not measured before.
+#     bash bench/gpu_check.sh --prepare-wheels   # here, with internet: vidmem's wheels into .whl/ (Python 3.12, x86-64)
+#     OUT=/some/folder bash bench/gpu_check.sh   # there (PyTorch, Triton, no internet, no diffusers); OUT defaults to
+#                                                # ./gpu-check; carry .whl/ with the tree
+#     OUT=/tmp/gc bash bench/gpu_check.sh --dry-run   # anywhere: the same parts on the CPU at tiny sizes (a minute or
+#                                                # two with OMP_NUM_THREADS=1): the archive and summary appear
+#     bash bench/gpu_check.sh --help              # this text
+# Without --dry-run it stops at once (exit 3) where torch sees no CUDA device.
+#
+# The parts, in the order they run (a variable each, its seconds; 0 skips the part): the defaults' plan first, then
+# the parts earlier leases measured, which default to 0 (their figures: docs/gpu.md, docs/speed.md,
+# docs/step-cache.md; give them seconds on a GPU kind not measured before):
+#   SUITE_SECONDS        the suite tests/gpu (SUITE_SELECT: a pytest -k expression)
+#   ACT_SECONDS          one real-size Wan 14B block per activation_chunks count at 720p and 480p, eager, profiled
+#                        (bench/activations.py: peak against the plan, time against unchunked, where the time goes)
+#   GOAL_SECONDS         issue 24's goal at 832x480x81 on GOAL_MODEL's widths: compiled blocks with the GOAL_ROWS
+#                        rows (kernel and fp8 matmul, in the order given), against eager SDPA with fp8 weights upcast,
+#                        tiers none and block swap of all 4 blocks (bench/speed.py --parts goal)
+#   ACT_COMPILE_SECONDS  the activation block compiled at 480p
+#   COMPILE_SECONDS      compiled blocks against eager at 832x480x81 on COMPILE_TIERS (tier+lora: a rank-32 LoRA on
+#                        every block's linear layers)
+#   WARM_SECONDS STREAM_SECONDS SPEED_SECONDS CACHE_SECONDS FP8_SECONDS ATTN_SECONDS DECODE_SECONDS
+#                        the 1.3B's warm rows, its blocks all streamed with and without pinned homes, the speed bench,
+#                        its cache part, fp8 matmul and one attention call per kernel at 832x480x81, the VAE decode
+#   then the 14B bench (BENCH_ROWS) in what is left of BUDGET_SECONDS less SANITIZE_SECONDS, and compute-sanitizer's
+#   memcheck and racecheck over one tiny block swap step in SANITIZE_SECONDS, kept for last.
+# No part runs into SANITIZE_SECONDS or past BUDGET_SECONDS (585, setup included, inside a lease command's 600 s):
+# each part's limit is its seconds or what is left less 10 s (a part that ignores the TERM at its limit is killed
+# 10 s later), and a part left under 20 s is skipped. Each JSON is rewritten after every row and lists rows it had
+# no time for. The plan is printed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+usage() {  # the comment block above, without its '#'
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+}
+
 # The wheels for a Python 3.12 x86-64 GPU machine: what vidmem imports that such an image lacks.
 WHEELS="diffusers==0.42.1 gguf==0.19.0 ftfy==6.3.1 wcwidth==0.9.4 websocket-client==1.9.2 importlib_metadata==10.2.0 lazy-importer==0.1.0 sageattention==1.0.6"
-if [ "${1:-}" = "--prepare-wheels" ]; then
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
-    exit
-fi
+[ $# -le 1 ] || { echo "bench/gpu_check.sh: one argument at most, got: $*; see --help" >&2; exit 2; }
+DRY_RUN=
+case "${1:-}" in
+    -h|--help) usage; exit 0 ;;
+    --prepare-wheels)
+        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
+        exit ;;
+    --dry-run) DRY_RUN=1 ;;
+    "") ;;
+    *) echo "bench/gpu_check.sh: unknown argument '$1'; it takes one of --help, --dry-run, --prepare-wheels, or none" >&2
+       exit 2 ;;
+esac
 
 started=$(date +%s)
 BUDGET_SECONDS=${BUDGET_SECONDS:-585}
-SUITE_SECONDS=${SUITE_SECONDS:-165}  # 132 s for 30 tests on the H200 (2026-11-28); 2 LoRA compile tests since
+KILL_GRACE=10  # `timeout -k`: a part still running this long after its TERM is killed
+# 132 s for 30 tests on the H200 (2026-11-28); 2 LoRA compile tests since. Tests are listed as they end (-v).
+SUITE_SECONDS=${SUITE_SECONDS:-180}
 WARM_SECONDS=${WARM_SECONDS:-0}  # measured on the H200, the keep row after its fix too (give it 90 for all four rows)
 STREAM_SECONDS=${STREAM_SECONDS:-0}  # measured on the H200 (give it 40)
 SPEED_SECONDS=${SPEED_SECONDS:-0}  # measured on the H200 (give it 90)
@@ -55,10 +80,12 @@ ACT_COMPILE_SECONDS=${ACT_COMPILE_SECONDS:-110}
 # the first's compile: each tier here compiles from nothing); the JSON is rewritten after each tier
 COMPILE_SECONDS=${COMPILE_SECONDS:-70}
 # Issue 24's goal on 14B-wide blocks (not measured yet; the 1.3B's: H200, 2026-11-28, 120 s gave 7 of its 8 tier rows).
-# By default its two auto rows (4 tier rows, ~130 s with the 14B's build): sage 1.0.6 was slower than SDPA's own kernel
-# at this token count on the H200, and the 14B's attention is the same kernel over more heads. GOAL_ROWS= (empty) runs all four.
+# Right after the eager activation block, so that the compiled parts cannot take its time. By default its two auto
+# rows (4 tier rows, ~130 s with the 14B's build), fp8 matmul on first: the fastest on the 1.3B, the row whose block
+# swap overhead decides the 3% verdict. sage 1.0.6 was slower than SDPA's own kernel at this token count on the H200,
+# and the 14B's attention is the same kernel over more heads. GOAL_ROWS= (empty) runs all four.
 GOAL_SECONDS=${GOAL_SECONDS:-160}
-GOAL_ROWS=${GOAL_ROWS-auto+fp8_off,auto+fp8_on}  # the goal's rows, comma-separated (bench/speed.py --goal-rows)
+GOAL_ROWS=${GOAL_ROWS-auto+fp8_on,auto+fp8_off}  # the goal's rows in the order run, comma-separated (--goal-rows)
 # The goal's blocks: the 14B's widths (40 heads, feed-forward 13,824; not measured yet), or wan2.1-t2v-1.3b (measured on
 # the H200, 2026-11-28: 1.23x). 4 blocks of 14B width are 1.4 B parameters: about 30 s more to build and store in fp8.
 GOAL_MODEL=${GOAL_MODEL:-wan2.1-t2v-14b}
@@ -75,145 +102,227 @@ STREAM_ROWS=block_swap_30,block_swap_30_unpinned  # every block streamed, from p
 for budget in BUDGET_SECONDS SANITIZE_SECONDS; do  # every part's limit is counted from these two
     [[ "${!budget}" =~ ^(0|[1-9][0-9]*)$ ]] || { echo "$budget='${!budget}' must be a whole number of seconds"; exit 2; }
 done
-OUT=${OUT:-$PWD/gpu-check}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/vidmem-site .whl/*.whl || exit
-    export PYTHONPATH=/tmp/vidmem-site${PYTHONPATH:+:$PYTHONPATH}
-fi
-# The repository root is the `vidmem` package: make it importable under that name.
-mkdir -p /tmp/vidmem-pkg && ln -sfn "$PWD" /tmp/vidmem-pkg/vidmem
-export PYTHONPATH=/tmp/vidmem-pkg${PYTHONPATH:+:$PYTHONPATH}
-python3 -c "import diffusers" 2>/dev/null || { echo "diffusers is not importable here: run 'bash bench/gpu_check.sh --prepare-wheels' where there is internet, and carry .whl/ with the tree"; exit 2; }
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/nvidia-smi.txt"
-# Whether a part runs (whole seconds given, and 20 or more of them left), with its time limit in LIMIT: its own
-# seconds, or what is left of BUDGET_SECONDS less SANITIZE_SECONDS (compute-sanitizer's, kept for last) if less, so
-# that no part runs past the lease command's own limit.
-part() {
-    [[ "$1" =~ ^(0|[1-9][0-9]*)$ ]] || { echo "== $2 skipped: '$1' is not a whole number of seconds"; return 1; }
-    [ "$1" -gt 0 ] || { echo "== $2 skipped (0 seconds given)"; return 1; }
-    local left=$(( BUDGET_SECONDS - ($(date +%s) - started) - SANITIZE_SECONDS ))
-    LIMIT=$(( $1 < left ? $1 : left ))
-    [ "$LIMIT" -ge 20 ] || {
-        echo "== $2 skipped (${LIMIT}s for it: $1 given, ${left}s left of BUDGET_SECONDS less SANITIZE_SECONDS)"; return 1; }
+
+# The parts in the order they run: its seconds' variable, its name in the summary, the function that runs it.
+PARTS=(
+    "SUITE_SECONDS|tests/gpu|suite"
+    "ACT_SECONDS|activation block|activation_block"
+    "GOAL_SECONDS|speed goal|speed_goal"
+    "ACT_COMPILE_SECONDS|activation block compiled|activation_block_compiled"
+    "COMPILE_SECONDS|compiled blocks|compiled_blocks"
+    "WARM_SECONDS|warm rows|warm_rows"
+    "STREAM_SECONDS|stream rows|stream_rows"
+    "SPEED_SECONDS|speed bench|speed_bench"
+    "CACHE_SECONDS|cache bench|cache_bench"
+    "FP8_SECONDS|fp8 matmul|fp8_matmul"
+    "ATTN_SECONDS|attention calls|attention_calls"
+    "DECODE_SECONDS|VAE decode|vae_decode"
+)
+
+# --- the parts: each prints what it runs and calls `run LOG SHOW COMMAND...`; ${DRY_RUN:+...} is the CPU form ----
+
+suite() {
+    echo "== tests/gpu (at most ${LIMIT}s)"
+    run gpu-suite.log '' python3 -m pytest -v -rA -s tests/gpu -p no:cacheprovider ${SUITE_SELECT:+-k "$SUITE_SELECT"}
 }
 
-if part "$SUITE_SECONDS" "tests/gpu"; then
-    echo "== tests/gpu (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 -m pytest -q -rA -s tests/gpu -p no:cacheprovider ${SUITE_SELECT:+-k "$SUITE_SELECT"} \
-        > "$OUT/gpu-suite.log" 2>&1
-    echo "suite exit $?" | tee -a "$OUT/gpu-suite.log"
-    tail -n 25 "$OUT/gpu-suite.log"
-fi
+activation_block() {
+    echo "== bench/activations.py: one Wan 14B block per chunk count, 32,760 and 75,600 tokens (at most ${LIMIT}s)"
+    run activations.log 'tokens, chunks|profile at|goals|Error' python3 bench/activations.py --device cuda --chunks 1,2,4,8,16 --runs 5 --profile --json "$RUN/activations-gpu.json" \
+        ${DRY_RUN:+--device cpu --tiny --tokens 64,96 --chunks 1,2 --runs 2}
+}
 
-if part "$WARM_SECONDS" "the warm rows"; then
-    echo "== bench/gpu.py warm rows on $WARM_MODEL (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/gpu.py --model "$WARM_MODEL" --rows "$WARM_ROWS" --json "$OUT/gpu-warm.json" \
-        --budget-seconds $(( LIMIT > 40 ? LIMIT - 30 : 10 )) > "$OUT/bench-warm.log" 2>&1
-    echo "warm bench exit $?" | tee -a "$OUT/bench-warm.log"
-    grep -v "^Failed to load CPU" "$OUT/bench-warm.log"
-fi
+speed_goal() {
+    echo "== bench/speed.py --parts goal: rows ${GOAL_ROWS:-all}, $GOAL_MODEL blocks, 832x480x81 (at most ${LIMIT}s)"
+    run speed-goal.log '^  goal|Error' python3 bench/speed.py --device cuda --parts goal --model "$GOAL_MODEL" --size 832x480x81 \
+        --steps 2 --blocks 4 --runs 2 ${GOAL_ROWS:+--goal-rows "$GOAL_ROWS"} --json "$RUN/speed-goal-gpu.json" \
+        ${DRY_RUN:+--device cpu --size 64x64x5 --steps 1 --blocks 2 --runs 1 --compile-backend aot_eager}
+}
 
-if part "$STREAM_SECONDS" "the unpinned stream rows"; then
-    echo "== bench/gpu.py rows $STREAM_ROWS on $WARM_MODEL (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/gpu.py --model "$WARM_MODEL" --rows "$STREAM_ROWS" --json "$OUT/gpu-stream.json" \
-        --budget-seconds $(( LIMIT > 25 ? LIMIT - 15 : 10 )) > "$OUT/bench-stream.log" 2>&1
-    echo "stream bench exit $?" | tee -a "$OUT/bench-stream.log"
-    grep -v "^Failed to load CPU" "$OUT/bench-stream.log"
-fi
+activation_block_compiled() {
+    echo "== bench/activations.py --compile: one Wan 14B block compiled per chunk count, 32,760 tokens (at most ${LIMIT}s)"
+    run activations-compiled.log 'tokens, chunks|profile at|goals|Error' python3 bench/activations.py --device cuda --compile --tokens 32760 --chunks 1,2,4 \
+        --runs 5 --profile --json "$RUN/activations-compiled-gpu.json" ${DRY_RUN:+--device cpu --tiny --tokens 64 --chunks 1,2 --runs 1}
+}
 
-if part "$SPEED_SECONDS" "the speed bench"; then
-    echo "== bench/speed.py: attention kernels, compiled blocks, fp8 matmul on 1.3B-sized blocks (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts attention,compile,fp8_matmul --steps 4 --blocks 8 \
-        --runs 2 --json "$OUT/speed-gpu.json" > "$OUT/speed.log" 2>&1
-    echo "speed bench exit $?" | tee -a "$OUT/speed.log"
-    grep -v "^Failed to load CPU" "$OUT/speed.log" | tail -n 40
-fi
-
-if part "$CACHE_SECONDS" "the cache bench"; then
-    echo "== bench/speed.py: the step cache's blocks, copies and time per tier, 30 steps (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts cache --steps 30 --blocks 8 \
-        --runs 2 --json "$OUT/speed-cache-gpu.json" > "$OUT/speed-cache.log" 2>&1
-    echo "cache bench exit $?" | tee -a "$OUT/speed-cache.log"
-    grep -v "^Failed to load CPU" "$OUT/speed-cache.log" | tail -n 30
-fi
-
-if part "$FP8_SECONDS" "fp8 matmul at 832x480x81"; then
-    echo "== bench/speed.py: fp8 matmul at the 1.3B's real size, 832x480x81 (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts fp8_matmul --size 832x480x81 --steps 2 --blocks 4 \
-        --runs 2 --json "$OUT/speed-fp8-gpu.json" > "$OUT/speed-fp8.log" 2>&1
-    echo "fp8 bench exit $?" | tee -a "$OUT/speed-fp8.log"
-    grep -v "^Failed to load CPU" "$OUT/speed-fp8.log" | tail -n 20
-fi
-
-if part "$ATTN_SECONDS" "attention calls at 832x480x81"; then
-    echo "== bench/speed.py: one attention call per kernel at 832x480x81, 32,760 tokens (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts attention_call --size 832x480x81 --steps 1 --blocks 1 \
-        --json "$OUT/speed-attention-call-gpu.json" > "$OUT/speed-attention-call.log" 2>&1
-    echo "attention call bench exit $?" | tee -a "$OUT/speed-attention-call.log"
-    grep -E '^  [a-z_]+:' "$OUT/speed-attention-call.log"
-fi
-
-if part "$DECODE_SECONDS" "the VAE decode rows"; then
-    echo "== bench/gpu.py --decode: Wan 2.1's VAE at 832x480x81, host copies overlapped or blocking (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/gpu.py --decode --model "$WARM_MODEL" --json "$OUT/gpu-decode.json" \
-        --budget-seconds $(( LIMIT > 40 ? LIMIT - 30 : 10 )) > "$OUT/bench-decode.log" 2>&1
-    echo "decode bench exit $?" | tee -a "$OUT/bench-decode.log"
-    grep -E 'seconds|same_frames|overlapped_over|peak|tiling|Error' "$OUT/bench-decode.log" | head -n 20
-fi
-
-if part "$ACT_SECONDS" "the activation chunks block"; then
-    echo "== bench/activations.py --device cuda: one Wan 14B block per chunk count, 32,760 and 75,600 tokens (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/activations.py --device cuda --chunks 1,2,4,8,16 --runs 5 --profile \
-        --json "$OUT/activations-gpu.json" > "$OUT/activations.log" 2>&1
-    echo "activations exit $?" | tee -a "$OUT/activations.log"
-    grep -E 'tokens, chunks|profile at|goals|Error' "$OUT/activations.log"
-fi
-
-if part "$ACT_COMPILE_SECONDS" "the activation chunks block compiled"; then
-    echo "== bench/activations.py --device cuda --compile: one Wan 14B block compiled per chunk count, 32,760 tokens (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/activations.py --device cuda --compile --tokens 32760 --chunks 1,2,4 \
-        --runs 5 --profile --json "$OUT/activations-compiled-gpu.json" > "$OUT/activations-compiled.log" 2>&1
-    echo "activations compiled exit $?" | tee -a "$OUT/activations-compiled.log"
-    grep -E 'tokens, chunks|profile at|goals|Error' "$OUT/activations-compiled.log"
-fi
-
-if part "$COMPILE_SECONDS" "compiled blocks at 832x480x81"; then
+compiled_blocks() {
     echo "== bench/speed.py: compiled blocks against eager at 832x480x81, tiers $COMPILE_TIERS (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts compile --size 832x480x81 --steps 2 --blocks 4 \
-        --runs 3 --compile-tiers "$COMPILE_TIERS" --json "$OUT/speed-compile-gpu.json" > "$OUT/speed-compile.log" 2>&1
-    echo "compile bench exit $?" | tee -a "$OUT/speed-compile.log"
-    grep -E '^  compile |Error' "$OUT/speed-compile.log"
-fi
+    run speed-compile.log '^  compile |Error' python3 bench/speed.py --device cuda --parts compile --size 832x480x81 --steps 2 --blocks 4 \
+        --runs 3 --compile-tiers "$COMPILE_TIERS" --json "$RUN/speed-compile-gpu.json" \
+        ${DRY_RUN:+--device cpu --size 64x64x5 --steps 1 --blocks 4 --runs 1 --compile-backend aot_eager}
+}
 
-if part "$GOAL_SECONDS" "the speed goal at 832x480x81"; then
-    echo "== bench/speed.py --parts goal: the best settings against eager SDPA with fp8 upcast, $GOAL_MODEL blocks, 832x480x81 (at most ${LIMIT}s)"
-    timeout "$LIMIT" python3 bench/speed.py --device cuda --parts goal --model "$GOAL_MODEL" --size 832x480x81 \
-        --steps 2 --blocks 4 --runs 2 ${GOAL_ROWS:+--goal-rows "$GOAL_ROWS"} --json "$OUT/speed-goal-gpu.json" \
-        > "$OUT/speed-goal.log" 2>&1
-    echo "goal bench exit $?" | tee -a "$OUT/speed-goal.log"
-    grep -E '^  goal|Error' "$OUT/speed-goal.log"
-fi
+warm_rows() {
+    echo "== bench/gpu.py warm rows on $WARM_MODEL (at most ${LIMIT}s)"
+    run bench-warm.log '' python3 bench/gpu.py --model "$WARM_MODEL" --rows "$WARM_ROWS" --json "$RUN/gpu-warm.json" \
+        --budget-seconds $(( LIMIT > 40 ? LIMIT - 30 : 10 )) ${DRY_RUN:+--device cpu --rows warm_none,warm_model}
+}
 
-left=$(( BUDGET_SECONDS - ($(date +%s) - started) - 60 - SANITIZE_SECONDS ))
-if [ "$left" -gt 60 ]; then
-    echo "== bench/gpu.py (${left}s left for rows)"
-    timeout $(( left + 50 )) python3 bench/gpu.py --json "$OUT/gpu.json" --budget-seconds "$left" ${BENCH_ROWS:+--rows "$BENCH_ROWS"} \
-        > "$OUT/bench.log" 2>&1
-    echo "bench exit $?" | tee -a "$OUT/bench.log"
-    grep -v "^Failed to load CPU" "$OUT/bench.log"
-else
-    echo "== bench/gpu.py skipped: ${left}s left for rows"
+stream_rows() {
+    echo "== bench/gpu.py rows $STREAM_ROWS on $WARM_MODEL (at most ${LIMIT}s)"
+    run bench-stream.log '' python3 bench/gpu.py --model "$WARM_MODEL" --rows "$STREAM_ROWS" --json "$RUN/gpu-stream.json" \
+        --budget-seconds $(( LIMIT > 25 ? LIMIT - 15 : 10 )) ${DRY_RUN:+--device cpu --rows block_swap_6,block_swap_6_unpinned}
+}
+
+speed_bench() {
+    echo "== bench/speed.py: attention kernels, compiled blocks, fp8 matmul on 1.3B-sized blocks (at most ${LIMIT}s)"
+    run speed.log '' python3 bench/speed.py --device cuda --parts attention,compile,fp8_matmul --steps 4 --blocks 8 \
+        --runs 2 --json "$RUN/speed-gpu.json" ${DRY_RUN:+--device cpu --steps 1 --blocks 2 --runs 1 --compile-backend aot_eager}
+}
+
+cache_bench() {
+    echo "== bench/speed.py: the step cache's blocks, copies and time per tier, 30 steps (at most ${LIMIT}s)"
+    run speed-cache.log '' python3 bench/speed.py --device cuda --parts cache --steps 30 --blocks 8 \
+        --runs 2 --json "$RUN/speed-cache-gpu.json" ${DRY_RUN:+--device cpu --steps 4 --blocks 2 --runs 1}
+}
+
+fp8_matmul() {
+    echo "== bench/speed.py: fp8 matmul at the 1.3B's real size, 832x480x81 (at most ${LIMIT}s)"
+    run speed-fp8.log '' python3 bench/speed.py --device cuda --parts fp8_matmul --size 832x480x81 --steps 2 --blocks 4 \
+        --runs 2 --json "$RUN/speed-fp8-gpu.json" ${DRY_RUN:+--device cpu --size 64x64x5 --steps 1 --blocks 2 --runs 1}
+}
+
+attention_calls() {
+    echo "== bench/speed.py: one attention call per kernel at 832x480x81, 32,760 tokens (at most ${LIMIT}s)"
+    run speed-attention-call.log '^  [a-z_]+:|Error' python3 bench/speed.py --device cuda --parts attention_call --size 832x480x81 \
+        --steps 1 --blocks 1 --json "$RUN/speed-attention-call-gpu.json" ${DRY_RUN:+--device cpu --size 64x64x5}
+}
+
+vae_decode() {
+    echo "== bench/gpu.py --decode: Wan 2.1's VAE at 832x480x81, host copies overlapped or blocking (at most ${LIMIT}s)"
+    run bench-decode.log 'seconds|same_frames|overlapped_over|peak|tiling|Error' python3 bench/gpu.py --decode --model "$WARM_MODEL" \
+        --json "$RUN/gpu-decode.json" --budget-seconds $(( LIMIT > 40 ? LIMIT - 30 : 10 )) ${DRY_RUN:+--device cpu}
+}
+
+bench_14b() {  # the 14B bench's rows in what is left (its limit 50 s over the rows' budget: the row started finishes)
+    echo "== bench/gpu.py on Wan 14B, rows ${BENCH_ROWS:-all} ($(( LIMIT - 50 ))s left for rows)"
+    run bench.log '' python3 bench/gpu.py --json "$RUN/gpu.json" --budget-seconds $(( LIMIT - 50 )) ${BENCH_ROWS:+--rows "$BENCH_ROWS"} \
+        ${DRY_RUN:+--device cpu --rows resident,sequential}
+}
+
+# --- the machinery: limits, running, the summary and the archive -------------------------------------------------
+
+# Whether a part runs (whole seconds given, and 20 or more of them left), with its time limit in LIMIT: its own
+# seconds, or what is left of BUDGET_SECONDS less SANITIZE_SECONDS (compute-sanitizer's, kept for last) and less the
+# kill grace, if less, so that no part runs past the lease command's own limit. A skip goes in the summary.
+part() {
+    local seconds=$1 name=$2
+    [[ "$seconds" =~ ^(0|[1-9][0-9]*)$ ]] || { skip "$name" "'$seconds' is not a whole number of seconds"; return 1; }
+    [ "$seconds" -gt 0 ] || { skip "$name" "0 seconds given"; return 1; }
+    local left=$(( BUDGET_SECONDS - ($(date +%s) - started) - SANITIZE_SECONDS - KILL_GRACE ))
+    LIMIT=$(( seconds < left ? seconds : left ))
+    [ "$LIMIT" -ge 20 ] || { skip "$name" "${LIMIT}s for it: $seconds given, ${left}s left"; return 1; }
+}
+
+skip() {
+    echo "== $1 skipped: $2"
+    record "$1" "skipped: $2" - - -
+}
+
+# COMMAND under LIMIT, TERM then KILL_GRACE later KILL, its output in $RUN/LOG; the lines matching SHOW (a grep -E
+# pattern, '' for all) are shown, the last 40 of them. Then the summary and the archive are written again.
+run() {
+    local log=$1 show=$2 begun rc seconds
+    shift 2
+    begun=$(date +%s)
+    timeout -k "$KILL_GRACE" "$LIMIT" "$@" > "$RUN/$log" 2>&1
+    rc=$?
+    seconds=$(( $(date +%s) - begun ))
+    echo "exit $rc after ${seconds}s of ${LIMIT}s" >> "$RUN/$log"
+    grep -E "$show" "$RUN/$log" | grep -v "^Failed to load CPU" | tail -n 40
+    echo "-- $PART_NAME: exit $rc$([ "$rc" -eq 124 ] && echo ' (its time limit)') after ${seconds}s of ${LIMIT}s"
+    record "$PART_NAME" "exit $rc" "$seconds" "$LIMIT" "$log"
+    pack
+}
+
+record() {  # one tab-separated line of the summary: part, result, seconds, limit, log
+    printf '%s\t%s\t%s\t%s\t%s\n' "$@" >> "$RUN/summary.txt"
+}
+
+# The scratch folder as one archive, and the summary beside it, each written whole and renamed onto the last
+# (a lease returns what is under $OUT even when its command is killed: the archive of the parts done by then).
+pack() {
+    tar czf "$OUT/gpu-check.tgz.new" -C "$WORK" gpu-check && mv -f "$OUT/gpu-check.tgz.new" "$OUT/gpu-check.tgz"
+    cp "$RUN/summary.txt" "$OUT/summary.txt.new" && mv -f "$OUT/summary.txt.new" "$OUT/summary.txt"
+}
+
+finish() {  # at any exit once the scratch folder exists: the last archive, then the scratch folder removed
+    local rc=$?
+    echo "# done: exit $rc after $(( $(date +%s) - started ))s" >> "$RUN/summary.txt"
+    pack
+    echo "wrote $OUT/gpu-check.tgz ($(du -k "$OUT/gpu-check.tgz" | cut -f1) KiB) and $OUT/summary.txt"
+    rm -rf "$WORK"
+    exit "$rc"
+}
+
+print_plan() {
+    echo "plan: ${BUDGET_SECONDS}s in all, setup included; each part at most its seconds or what is left (less" \
+         "${SANITIZE_SECONDS}s kept for compute-sanitizer and ${KILL_GRACE}s of kill grace); under 20 s left, skipped"
+    local entry variable name
+    for entry in "${PARTS[@]}"; do
+        IFS='|' read -r variable name _ <<< "$entry"
+        printf '  %-26s %-20s %s\n' "$name" "$variable" "${!variable}"
+    done
+    printf '  %-26s %-20s %s\n' "14B bench" "(what is left)" "rows ${BENCH_ROWS:-all}" \
+        "compute-sanitizer" "SANITIZE_SECONDS" "$SANITIZE_SECONDS"
+}
+
+# --- setup: CUDA first, then a per-run scratch folder, the wheels, the package, the versions ------------------------
+
+if [ -z "$DRY_RUN" ]; then  # nothing is created or installed where there is no GPU to measure
+    if ! cuda=$(timeout 60 python3 -c "import torch; print(torch.cuda.is_available())" 2>&1) || [ "${cuda##*$'\n'}" != True ]; then
+        echo "bench/gpu_check.sh: no CUDA device for torch here; python3 -c 'print(torch.cuda.is_available())' said:" >&2
+        tail -n 3 <<< "$cuda" | sed 's/^/    /' >&2
+        echo "run it on a GPU machine, or 'bash bench/gpu_check.sh --dry-run' for the CPU rehearsal" >&2
+        exit 3
+    fi
 fi
+OUT=${OUT:-$PWD/gpu-check}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/vidmem-check.XXXXXX") || exit
+RUN=$WORK/gpu-check  # the archive's one folder
+mkdir -p "$OUT" "$RUN" "$WORK/pkg" || exit
+printf '# bench/gpu_check.sh%s, %s\npart\tresult\tseconds\tlimit\tlog\n' "${DRY_RUN:+ --dry-run}" "$(date -u '+%F %T UTC')" \
+    > "$RUN/summary.txt"
+trap finish EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+print_plan
+if ls .whl/*.whl >/dev/null 2>&1; then
+    timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+        .whl/*.whl || exit
+    export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The repository root is the `vidmem` package: make it importable under that name, for this run only.
+ln -s "$PWD" "$WORK/pkg/vidmem"
+export PYTHONPATH=$WORK/pkg${PYTHONPATH:+:$PYTHONPATH}
+if ! failed=$(timeout 60 python3 -c "import diffusers" 2>&1); then
+    echo "diffusers is not importable here; python3 -c 'import diffusers' said:"
+    tail -n 8 <<< "$failed" | sed 's/^/    /'
+    echo "if it is missing, run 'bash bench/gpu_check.sh --prepare-wheels' where there is internet and carry .whl/ with the tree"
+    exit 2
+fi
+timeout 60 nvidia-smi > "$RUN/nvidia-smi.txt" 2>&1
+timeout 60 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', \
+diffusers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" | tee -a "$RUN/nvidia-smi.txt"
+pack
+
+# --- the parts ----------------------------------------------------------------------------------------------------
+
+for entry in "${PARTS[@]}"; do
+    IFS='|' read -r variable PART_NAME function <<< "$entry"
+    if part "${!variable}" "$PART_NAME"; then "$function"; fi
+done
+
+PART_NAME="14B bench"
+LIMIT=$(( BUDGET_SECONDS - ($(date +%s) - started) - SANITIZE_SECONDS - KILL_GRACE ))
+if [ "$LIMIT" -gt 110 ]; then bench_14b; else skip "$PART_NAME" "$(( LIMIT - 50 ))s left for rows"; fi
 
 for tool in memcheck racecheck; do  # each over one tiny block_swap step, in the SANITIZE_SECONDS kept for them
-    left=$(( BUDGET_SECONDS - ($(date +%s) - started) ))
-    [ "$SANITIZE_SECONDS" -gt 0 ] && [ "$left" -gt 40 ] && command -v compute-sanitizer >/dev/null || break
-    echo "== compute-sanitizer $tool over one tiny block_swap step"
-    timeout $(( left - 10 )) compute-sanitizer --tool "$tool" python3 bench/gpu.py --sanitize-step > "$OUT/$tool.log" 2>&1
-    echo "$tool exit $?" | tee -a "$OUT/$tool.log"
-    tail -n 5 "$OUT/$tool.log"
+    PART_NAME="compute-sanitizer $tool"
+    LIMIT=$(( BUDGET_SECONDS - ($(date +%s) - started) - KILL_GRACE ))
+    [ "$SANITIZE_SECONDS" -gt 0 ] && [ "$LIMIT" -gt 30 ] && command -v compute-sanitizer >/dev/null || break
+    echo "== compute-sanitizer $tool over one tiny block_swap step (at most ${LIMIT}s)"
+    run "$tool.log" 'ERROR SUMMARY|sanitize step|Error' compute-sanitizer --tool "$tool" python3 bench/gpu.py --sanitize-step
 done
 echo "done in $(( $(date +%s) - started ))s"

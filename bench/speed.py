@@ -122,9 +122,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SpeedConfig]:
                         "goal part (default none and block_swap of all blocks)")
     parser.add_argument("--lora-rank", type=int, default=LORA_RANK, help="rank of the compile part's LoRA on "
                         "+lora tiers")
-    parser.add_argument("--goal-rows", default="", help="rows of the goal part, comma-separated (default all: "
-                        "sage+fp8_off, auto+fp8_off, sage+fp8_on, auto+fp8_on)")
+    parser.add_argument("--goal-rows", default="", help="rows of the goal part, comma-separated, measured in the "
+                        "order given (default all: sage+fp8_off, auto+fp8_off, sage+fp8_on, auto+fp8_on)")
     args = parser.parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():  # refused before minutes of building and compiling
+        parser.error(f"--device {args.device}: torch sees no CUDA device here; use --device cpu (the default) for the "
+                     "CPU run of the same parts")
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         parser.error(f"--parts {args.parts!r}: {', '.join(sorted(unknown))} not among {', '.join(PARTS)}")

@@ -122,6 +122,7 @@ def test_the_gpu_check_measures_the_goal_at_480p_with_options_the_speed_bench_kn
     rows = re.search(r"^GOAL_ROWS=\$\{GOAL_ROWS-(\S*)\}", SCRIPT, re.M).group(1)
     args, _ = speed.parse(["--parts", "goal", "--goal-rows", rows])  # the default rows are rows the bench has
     assert {kernel for kernel, _ in row_names_of(args.goal_rows)} == {"auto"}  # the kernel the 1.3B found fastest
+    assert row_names_of(args.goal_rows)[0] == ("auto", "on")  # the row deciding the block swap verdict comes first
 
 
 def test_the_goal_part_measures_each_setting_against_the_fp8_baseline_and_writes_as_it_goes():
@@ -159,11 +160,13 @@ def test_the_goal_verdicts_judge_the_fastest_row():
     assert goals({"c": {"skipped": "no"}})["fastest"] is None
 
 
-def test_goal_rows_are_chosen_by_name_in_their_order_and_an_unknown_one_is_refused(capsys):
+def test_goal_rows_run_in_the_order_named_and_an_unknown_one_is_refused(capsys):
+    """The order named is the order measured (a lease's limit cuts the last first), each row once."""
     from bench.support.speed_goal import ROWS
 
     assert row_names_of(()) == ROWS
-    assert row_names_of(("auto+fp8_on", "sage+fp8_off")) == (("sage", "off"), ("auto", "on"))
+    assert row_names_of(("auto+fp8_on", "sage+fp8_off")) == (("auto", "on"), ("sage", "off"))
+    assert row_names_of(("auto+fp8_on", "auto+fp8_off", "auto+fp8_on")) == (("auto", "on"), ("auto", "off"))
     error = _refusal(["--parts", "goal", "--goal-rows", "auto+fp8_on,flash+fp8_on"], capsys)
     assert "flash+fp8_on" in error and "sage+fp8_off" in error  # names the bad row and the choices
     args, _ = speed.parse(["--parts", "goal", "--goal-rows", "auto+fp8_on"])
@@ -233,3 +236,21 @@ def test_a_goal_tier_that_fails_keeps_the_tiers_done_and_every_row_leaves_a_verd
     assert found["goals"]["fastest"] == "auto+fp8_off" and found["goals"]["met_speedup"] is None  # the CPU: not judged
     assert "not judged off a GPU" in found["goals"]["lines"][0]
     assert goals({"auto+fp8_off": {"none": {"step_time_ratio": 0.6}}}, judged=True)["met_speedup"]
+
+
+def test_the_goal_measures_its_rows_in_the_order_named(monkeypatch):
+    """gpu_check.sh names auto+fp8_on first: it must be measured first, so that a lease cut short keeps its verdict."""
+    from bench.support import speed_goal
+
+    measured = []
+
+    def tier_row(stored, config, strategy, speed):
+        measured.append(f"{speed.attention.value}+fp8_{speed.fp8_matmul.value}")
+        return {"step_time_ratio": 0.6, "step_s": 1.0, "recompiles": 0, "psnr_db": None, "compile_seconds": 1.0,
+                "fallback": ""}
+
+    monkeypatch.setattr(speed_goal, "_tier_row", tier_row)
+    config = SpeedConfig(steps=1, blocks=2, runs=1, time_tiers=())
+    found = goal_rows(build(config), config, log=lambda line: None, row_names=("auto+fp8_on", "auto+fp8_off"))
+    assert list(found["rows"]) == ["auto+fp8_on", "auto+fp8_off"]
+    assert measured == ["auto+fp8_on", "auto+fp8_on", "auto+fp8_off", "auto+fp8_off"]  # tiers none, block swap each

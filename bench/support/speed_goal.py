@@ -58,7 +58,7 @@ def goal_rows(loaded: LoadedPipeline, config: SpeedConfig, settings: CompileSett
     """{"rows": {"<kernel>+fp8_<off|on>": {tier: {...}} or {"skipped"/"failed": reason}}, "goals", ...}:
     the module docstring's measurements on `loaded` with its transformer stored in FORMAT. `on_row` is given
     what is found so far after each row and tier (a lease's time limit may cut the part short). `row_names`:
-    the rows to measure, by name (default all of ROWS; `row_names_of` checks them)."""
+    the rows to measure, by name, in the order given (default all of ROWS; `row_names_of` checks them)."""
     stored = with_stored_transformer(loaded, FORMAT)
     tiers = chosen_tiers(config.blocks, tier_names or ("none", f"block_swap_{config.blocks}"), lora=False)
     device = torch.device(config.device)
@@ -95,13 +95,14 @@ def goal_rows(loaded: LoadedPipeline, config: SpeedConfig, settings: CompileSett
 
 
 def row_names_of(names: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """ROWS named by `names` ("sage+fp8_off", ...), in ROWS' order; all of them for none. Raises ValueError
-    naming the unknown ones and the known."""
+    """ROWS named by `names` ("auto+fp8_on", ...), in the order named (a lease's time limit cuts the last named
+    first, so the caller puts the row that decides first), each once; all of ROWS in their order for none.
+    Raises ValueError naming the unknown ones and the known."""
     known = {f"{kernel}+fp8_{fp8}": (kernel, fp8) for kernel, fp8 in ROWS}
     unknown = [name for name in names if name not in known]
     if unknown:
         raise ValueError(f"goal rows {', '.join(unknown)} unknown: choose among {', '.join(known)}")
-    return tuple(row for name, row in known.items() if not names or name in names)
+    return tuple(known[name] for name in dict.fromkeys(names)) if names else ROWS
 
 
 def _refusal(stored: LoadedPipeline, speed: Speed, device: torch.device) -> str:
