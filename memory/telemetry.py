@@ -10,9 +10,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import psutil
 import torch
+
+from .plan.costs import CUDA_CONTEXT_BYTES
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,30 @@ def free_device_bytes(device: torch.device) -> int | None:
         return None
     now = snapshot(device)
     return now.device_free_bytes + now.reserved_bytes - now.allocated_bytes
+
+
+def budgeted_free_bytes(budget_bytes: int) -> Callable[[torch.device], int | None]:
+    """`free_device_bytes`, bounded by the user's VRAM budget (the Memory Strategy's vram_budget_gb).
+
+    The planner fits a run's whole device footprint, CUDA context included, in the budget; at run time
+    the free figure is what decides how many streamed blocks stay on the device, how many activation
+    chunks auto runs and which rung the out-of-memory ladder takes. Free memory alone would let a run
+    planned for 8 GiB on a 24 GiB card keep ~16 GiB of blocks beyond its plan, memory the user asked
+    to leave to other applications. So with a budget a device has at most what the budget leaves
+    beside the CUDA context and what torch has allocated (the planner's own CUDA_CONTEXT_BYTES), never
+    below 0. `budget_bytes` 0: no budget of the user's, the plain free figure.
+    """
+    if not budget_bytes:
+        return free_device_bytes
+
+    def within_budget(device: torch.device) -> int | None:
+        free = free_device_bytes(device)
+        if free is None:
+            return None
+        left = budget_bytes - CUDA_CONTEXT_BYTES - torch.cuda.memory_allocated(device)
+        return max(0, min(free, left))
+
+    return within_budget
 
 
 def allocator_backend() -> str:

@@ -8,6 +8,8 @@ from ..memory.plan.candidates import PlanError, tiling_that_fits
 from ..memory.plan.costs import MeasuredSpeed
 from ..memory.plan.stages import VideoShape
 from ..memory.plan.types import Attention, PlanOptions
+from ..memory.telemetry import budgeted_free_bytes
+from ..memory.units import GiB
 from ..pipelines.decode import decode, validate_latent
 from ..pipelines.hooks import RunHooks
 from ..pipelines.latents import next_latent_path, write_latent
@@ -58,7 +60,9 @@ class VidMemVAEDecode:
         saved = write_latent(latent, next_latent_path(host.latents_folder(), LATENT_STEM)) if save_latents else None
         progress = host.Progress(1, "decoding")
         try:
-            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room,
+            # the ladder's rungs within the user's vram_budget_gb, as the Sampler's (none without a Strategy)
+            budget = budgeted_free_bytes(int(choice.vram_budget_gb * GiB) if choice is not None else 0)
+            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room, device_budget=budget,
                              pinned_room=host.pinned_room_bytes)
             result = decode(pipeline, latent, run, hooks=hooks, device=host.compute_device())
         finally:

@@ -11,7 +11,7 @@ import torch
 from ..memory.plan.parallel import ParallelError
 from ..memory.plan.stages import VideoShape
 from ..memory.plan.types import PlanOptions
-from ..memory.telemetry import free_device_bytes
+from ..memory.telemetry import budgeted_free_bytes
 from ..memory.units import GiB
 from ..pipelines.loader import FAMILIES
 from ..pipelines.family import ModelError, denoiser_blocks, denoisers
@@ -199,8 +199,11 @@ class VidMemVideoSampler:
         progress = host.Progress(steps, "sampling")
         try:
             cache = PromptCache(host.prompt_cache_folder())
-            # After an out-of-memory error the ladder asks what is free; None off CUDA (fixed ladder).
-            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room, device_budget=free_device_bytes,
+            # What the run may still take on the device (the ladder's rung, auto chunks and the streamed
+            # blocks kept beyond the plan all read it): free memory, within the user's vram_budget_gb
+            # when one is set, as the plan was; None off CUDA.
+            budget = budgeted_free_bytes(int(choice.vram_budget_gb * GiB))
+            hooks = RunHooks(progress.step, host.check_interrupt, host.make_room, device_budget=budget,
                              prompt_cache=cache, pinned_room=host.pinned_room_bytes)
             result = _sample(pipeline, replace(run, parallel=choice.strategy.parallel), request, hooks, device)
         finally:

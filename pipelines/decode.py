@@ -158,7 +158,7 @@ def decode(
 
         with StageMeter("decode", device) as meter:
             z = loaded.spec.to_vae_latent(pipe, samples.to(device, vae.dtype))
-            free = free_bytes if free_bytes is not None else free_device_bytes(device)
+            free = free_bytes if free_bytes is not None else _free_for_rungs(hooks, device)
             video = decode_with_fallback(
                 decode_piece,
                 z,
@@ -184,6 +184,13 @@ def decode(
     if warm is not None:
         receipt["warm"] = warm.as_dict()
     return DecodeResult(frames, receipt)
+
+
+def _free_for_rungs(hooks: RunHooks, device: torch.device) -> int | None:
+    """What the ladder's rungs may take: the hooks' budget (the Decode node's: free memory within the user's
+    vram_budget_gb, as the Sampler's), else the device's free memory."""
+    budget = hooks.device_budget(device)
+    return budget if budget is not None else free_device_bytes(device)
 
 
 def decode_as_run(strategy: MemoryStrategy, report: DecodeReport, device: torch.device) -> str:

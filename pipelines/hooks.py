@@ -20,7 +20,7 @@ from .prompt_cache import PromptCache
 @dataclass(frozen=True)
 class RunHooks:
     """Per-step progress, an interrupt check that raises, a request to free device memory, the
-    device budget after an out-of-memory error, where prompt embeddings are cached (None:
+    device memory the run may still use, where prompt embeddings are cached (None:
     encode every time), and the pinned RAM the host may still lock."""
 
     on_step: Callable[[int, int], None] = lambda step, total: None
@@ -29,8 +29,10 @@ class RunHooks:
     # store, the host also registers what it keeps (`weight_bytes` of them wanted on the device),
     # so its memory manager counts the store and can ask for memory back (nodes/host.py).
     make_room: Callable[..., None] = lambda nbytes, device, warm=None, weight_bytes=0: None
-    # Device bytes this run may use now (the planner's VRAM budget), asked after an out-of-memory
-    # error to pick the next rung; None: unknown (the fixed ladder is used).
+    # Device bytes this run may still use now: free memory, within the user's VRAM budget when one is
+    # set (memory/telemetry.budgeted_free_bytes). Read for activation_chunks=auto, for the streamed
+    # blocks kept beyond the plan (room.keep_bytes) and after an out-of-memory error to pick the next
+    # rung; None: unknown (one slice, nothing kept, the fixed ladder).
     device_budget: Callable[[torch.device], int | None] = lambda device: None
     prompt_cache: PromptCache | None = None
     # What the host's pinned-memory budget still allows (inside ComfyUI: its MAX_PINNED_MEMORY less

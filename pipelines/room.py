@@ -132,11 +132,12 @@ def _with_fallback(predict, weight_bytes: int, what: str) -> RoomRequest:
 def keep_bytes(free_bytes: int | None, room: RoomRequest, held_bytes: int) -> int:
     """Device bytes a sampling call's streamed blocks may keep beyond the schedule's window.
 
-    `free_bytes` is what the device has free now (after the host made room; None where unknown:
-    nothing is kept), `held_bytes` what the stage's warm store already holds of the tensors this
-    call runs (part of the room's weights, already missing from the free figure; copies the call
-    will not take back are not room it can count on). What the call itself needs (weights,
-    activations) and the margin stay free.
+    `free_bytes` is what the device has free now (after the host made room), within the user's VRAM
+    budget when one is set (RunHooks.device_budget: kept blocks must not take memory the user left to
+    other applications; None where unknown: nothing is kept), `held_bytes` what the stage's warm
+    store already holds of the tensors this call runs (part of the room's weights, already missing
+    from the free figure; copies the call will not take back are not room it can count on). What the
+    call itself needs (weights, activations) and the margin stay free.
     """
     if free_bytes is None:
         return 0

@@ -403,8 +403,21 @@ class _Run:
             if strategy.text_encoder is TextEncoderPlacement.OFFLOAD_AFTER_ENCODING:
                 # Only the prompt encoder is done now; an image encoder runs inside the loop's setup.
                 handle.evict("text_encoder")
+                release_cached_segments(device)
         self.receipt["stages"].append(meter.as_dict())
         self.receipt["text_encode"] = prompt_receipt(self.prompts, self.hits)
+
+
+def release_cached_segments(device: torch.device) -> None:
+    """Return the allocator's unused cache to the driver between the prompt encode and the denoise.
+
+    The planner replays each phase from an empty allocator: the denoise's plan assumes none of the
+    encoder's freed segments are left. Kept, they would be split by the denoise's tensors and never
+    released whole (nothing else empties the cache mid-run: the ladder only after an out-of-memory
+    error), so the run would reserve more than its plan. Only on CUDA: a `--cpu` host never gets a
+    CUDA context."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # What each attempt writes afresh: after an out-of-memory climb, the final attempt's figures only.
