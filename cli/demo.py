@@ -7,9 +7,12 @@ import argparse
 import json
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
+from ..pipelines.atomic import atomic_path, write_bytes_atomically  # standard library only
 from .plan import parse_size
+from .queue import unwritable_folder
 
 DEMO_VARIANT = "wan2.1-t2v"
 OFFLOAD_TIERS = ("none", "model", "block_swap", "sequential", "auto")  # the Strategy node's offload choices, without torch
@@ -43,21 +46,28 @@ def run_demo(args: argparse.Namespace) -> int:
     width, height = parse_size(args.size) if args.size else (spec.width, spec.height)
     count = spec.frames if args.frames is None else args.frames
     _check_run(args, spec, width, height, count)
-    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vidmem-demo-") as scratch:
         folder = save_tiny_pipeline(args.variant, Path(scratch) / args.variant)
         frames, receipt = _run_nodes(folder, args, width, height, count)
-    video = write_mp4(frames, args.out / "demo.mp4")
-    receipt["video"] = {"path": str(video), "frames": int(frames.shape[0]), "size": [width, height]}
-    (args.out / "receipt.json").write_text(json.dumps(receipt, indent=2))
+    receipt["video"] = {"path": str(_write_video(frames, args.out / "demo.mp4")), "frames": int(frames.shape[0]),
+                        "size": [width, height]}
+    write_bytes_atomically(args.out / "receipt.json", json.dumps(receipt, indent=2).encode())
     print(json.dumps(receipt, indent=2))
     return 0
+
+
+def _write_video(frames, path: Path) -> Path:
+    """The mp4 written whole or not at all: a failed write (a full disk, Ctrl-C) leaves an earlier demo.mp4 as it
+    was, never a truncated one beside the earlier receipt."""
+    with atomic_path(path) as partial:
+        write_mp4(frames, partial)
+    return path
 
 
 def _check_run(args: argparse.Namespace, spec, width: int, height: int, frames: int) -> None:
     """What the nodes would refuse after the model is built, refused first (ValueError naming the flag):
     nothing is written and nothing is built for a run that cannot happen."""
-    from ..nodes.sampler import size_problem
+    from ..nodes.sampler import MAX_SEED, size_problem
     from ..pipelines.loader import family_for
 
     problem = family_for(spec.pipeline).frames_error(frames)
@@ -78,8 +88,13 @@ def _check_run(args: argparse.Namespace, spec, width: int, height: int, frames: 
     if args.offload == "block_swap" and args.blocks_to_swap > blocks:
         raise ValueError(f"--blocks-to-swap {args.blocks_to_swap} is more than --variant {args.variant}'s {blocks} "
                          f"transformer blocks; use 1..{blocks} (or --offload sequential to stream every layer).")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed {args.seed} must be from 0 to {MAX_SEED}, as the Video Sampler takes.")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file, not a folder; give a folder for demo.mp4 and receipt.json.")
+    problem = unwritable_folder(args.out)  # last: the checks above leave no folder behind
+    if problem:
+        raise ValueError(f"--out {args.out}: cannot write there ({problem}); give a writable folder.")
 
 
 def _rotary_table_error(variant: str, spec, width: int, height: int) -> str | None:
@@ -123,7 +138,8 @@ def _run_nodes(folder: Path, args: argparse.Namespace, width: int, height: int, 
     )
     decoded = N["VidMemVAEDecode"]().decode(pipeline, sampled["result"][0], strategy)
     receipt = {
-        "model": pipeline.describe(),
+        # the variant, not the temporary folder it was built in (deleted when the demo ends)
+        "model": replace(pipeline, source=f"vidmem's built-in tiny --variant {args.variant}").describe(),
         "sampler": sampled["ui"]["vidmem_receipt"][0],
         "decode": decoded["ui"]["vidmem_receipt"][0],
         "free": N["VidMemFreeVRAM"]().free(decoded["result"][0])["ui"]["vidmem_receipt"][0],
@@ -136,7 +152,7 @@ def write_mp4(frames, path: Path, fps: int = 8) -> Path:
     import av
 
     pixels = (frames.clamp(0, 1) * 255).round().byte().cpu().numpy()
-    with av.open(str(path), mode="w") as container:
+    with av.open(str(path), mode="w", format="mp4") as container:  # the name may not end in .mp4 (a partial file)
         stream = container.add_stream("h264", rate=fps)
         stream.width, stream.height = pixels.shape[2], pixels.shape[1]
         stream.pix_fmt = "yuv420p"

@@ -24,7 +24,8 @@ import re
 import sys
 
 from .plan_parallel import add_parallel_arguments, run_parallel_plan, wants_parallel
-from .plan_train import add_train_arguments, refuse_sampling_flags, run_train_plan
+from .plan_train import (GIB_NUMBER, add_train_arguments, number_of, refuse_sampling_flags, refuse_training_flags,
+                         run_train_plan)
 
 # Not vidmem.memory.units.GiB: importing vidmem.memory loads torch, and `vidmem --help` and
 # `vidmem queue` import this module without needing it.
@@ -38,8 +39,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--list-models", action="store_true", help="print the built-in models and exit")
     plan.add_argument("--size", help="WIDTHxHEIGHT (default: the model's own)")
     plan.add_argument("--frames", type=int, help="frames to generate (default: the model's own)")
-    plan.add_argument("--vram", type=float, help="GPU memory budget in GiB (default: this machine's GPU)")
-    plan.add_argument("--ram", type=float, help="RAM budget in GiB (default: this machine's total RAM)")
+    plan.add_argument("--vram", type=GIB_NUMBER, help="GPU memory budget in GiB (default: this machine's GPU)")
+    plan.add_argument("--ram", type=GIB_NUMBER, help="RAM budget in GiB (default: this machine's total RAM)")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="compute dtype (default: the model's own)")
     plan.add_argument("--vae-dtype", choices=("bf16", "fp16", "fp32"),
                       help="the VAE's compute dtype when it differs (fp32 for quality, as diffusers' Wan docs do)")
@@ -50,8 +51,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       "dtype); the VAE keeps its dtype")
     plan.add_argument("--disk", action="store_true", help="weights stay memory-mapped in their files (disk tier): "
                       "page cache instead of RAM, read from the disk again when RAM cannot keep them")
-    plan.add_argument("--disk-gbps", type=float, help="sequential read rate of the disk in GB/s, for the time "
-                      "estimate (default: a mid-range NVMe SSD, printed under the table; a SATA SSD reads ~0.5)")
+    plan.add_argument("--disk-gbps", type=number_of("GB/s", "3"), help="sequential read rate of the disk in GB/s, for "
+                      "the time estimate (default: a mid-range NVMe SSD, printed under the table; a SATA SSD reads ~0.5)")
     plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                       help="what computes: a GPU (default), or the CPU, where memory-mapped weights are used in place "
                            "and upcasts run at the CPU's rate")
@@ -108,6 +109,7 @@ def run_plan(args: argparse.Namespace) -> int:
     _check_numbers(args)
     _check_weights(args.weights)
     refuse_sampling_flags(args)
+    refuse_training_flags(args)
     model = load_model(args.model, args.dtype, args.vae_dtype)
     own = defaults(args.model)
     width, height = parse_size(args.size) if args.size else (own.get("width"), own.get("height"))
@@ -211,15 +213,17 @@ def _check_weights(name: str | None) -> None:
         raise ValueError(f"--weights {name!r} is not a storage vidmem knows; use one of {', '.join(FORMATS)}.")
 
 
-# Engine inputs as the plan command spells them, for messages the CLI passes on (the engine says "name=value").
+# Engine and node inputs as the commands spell them, for messages the CLI passes on (the engine says "name=value").
 FLAGS = {"prefetch_blocks": "--prefetch", "activation_chunks": "--activation-chunks", "batch": "--batch",
          "frames": "--frames", "steps": "--steps", "text_encoder": "--text-encoder",
-         "width": "--size width", "height": "--size height"}
+         "width": "--size width", "height": "--size height", "seed": "--seed", "context_parallel": "--cp",
+         "gpus": "--gpus"}
 
 
 def in_flag_spelling(message: str) -> str:
-    """An engine message with its leading 'name=' written as the flag that set it ('--prefetch -1')."""
-    return re.sub(r"^(\w+)=", lambda m: f"{FLAGS[m.group(1)]} " if m.group(1) in FLAGS else m.group(0), message)
+    """An engine message with every 'name=' of an input a flag sets written as that flag ('--prefetch -1', 'with
+    --cp ring'). Not 'gpus=cpu:N': CPU processes are the node's choice, which no flag of vidmem plan takes."""
+    return re.sub(r"\b(\w+)=(?!cpu:)", lambda m: f"{FLAGS[m.group(1)]} " if m.group(1) in FLAGS else m.group(0), message)
 
 
 def _windows(model, frames: int, window: int, overlap: int) -> dict:

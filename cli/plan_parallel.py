@@ -17,6 +17,8 @@ import argparse
 import json
 import math
 
+from .plan_train import given_flags, number_of
+
 GIB = 1 << 30
 
 
@@ -30,18 +32,24 @@ def add_parallel_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--interconnect", default="pcie4",
                       help="link between the GPUs for the all-to-all time: pcie4 (25 GB/s per GPU, the default), "
                            "pcie5 (50), nvlink (300)")
-    plan.add_argument("--interconnect-gbps", type=float, help="the link's bandwidth per GPU in GB/s, if you know it "
-                      "(GeForce cards without peer-to-peer reach about half of pcie4)")
+    plan.add_argument("--interconnect-gbps", type=number_of("GB/s", "25"), help="the link's bandwidth per GPU in GB/s, "
+                      "if you know it (GeForce cards without peer-to-peer reach about half of pcie4)")
+
+
+# Flags that shape a plan on several GPUs and that one GPU's plan has no use for: (flag, its value, its default).
+PARALLEL_ONLY = (("--cp", "cp", "ulysses"), ("--interconnect", "interconnect", "pcie4"),
+                 ("--interconnect-gbps", "interconnect_gbps", None))
 
 
 def wants_parallel(args: argparse.Namespace) -> bool:
     """--gpus 2 or more; --gpus 1 is the single-GPU plan, unchanged."""
-    if args.gpus is None:
-        return False
-    if args.gpus < 1:
+    if args.gpus is not None and args.gpus < 1:
         raise ValueError(f"--gpus {args.gpus} must be at least 1.")
     if args.gpus == 1 and args.cp == "balanced":
         raise ValueError("--cp balanced needs --gpus 2 or more (whole components on different GPUs).")
+    if (args.gpus or 1) == 1:
+        _refuse_parallel_flags(args)
+        return False
     if args.gpus > 1 and args.train:
         raise ValueError("--gpus plans inference; --train plans one GPU's training step (drop --gpus).")
     if args.gpus > 1 and args.device == "cpu":
@@ -50,6 +58,16 @@ def wants_parallel(args: argparse.Namespace) -> bool:
         raise ValueError(f"--cache {args.cache} is planned on one GPU only; drop it with --gpus {args.gpus} (or plan "
                          "without --gpus to see the steps it skips).")
     return args.gpus > 1
+
+
+def _refuse_parallel_flags(args: argparse.Namespace) -> None:
+    """A several-GPU flag in one GPU's plan: ValueError naming them, rather than a plan that silently ignored them."""
+    given = given_flags(args, PARALLEL_ONLY)
+    if given:
+        one = f"with --gpus {args.gpus}" if args.gpus else "without --gpus"
+        raise ValueError(f"{', '.join(given)} {'plans' if len(given) == 1 else 'plan'} a run on several GPUs; {one} the "
+                         f"plan is one GPU's, which has no use for {'it' if len(given) == 1 else 'them'} (give --gpus 2 "
+                         f"or more, or drop {', '.join(given)}).")
 
 
 def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) -> int:
@@ -67,6 +85,8 @@ def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) ->
         link = type(link)(f"a {args.interconnect_gbps:g} GB/s link (--interconnect-gbps)", args.interconnect_gbps * 1e9,
                           link.latency_s)
     layout = MultiGpu(args.gpus, args.cp, link)
+    if args.cp != "balanced":
+        _refuse_windows(shape, args.gpus)
     refusal = None if args.cp == "balanced" else context_parallel_refusal(model, args.cp)
     if refusal:  # the runtime's words, and the planner's way to what they suggest
         raise ValueError(f"{refusal} To plan that: vidmem plan --gpus {args.gpus} --cp balanced.")
@@ -87,6 +107,19 @@ def run_parallel_plan(args, model, shape, vram: int, ram: int, base, options) ->
         if message:
             print(f"\n{message}")
     return 0 if best is not None else 1
+
+
+def _refuse_windows(shape, gpus: int) -> None:
+    """Context windows under context parallelism, refused by the Sampler's own rule (a window covering the clip
+    runs as one clip; balanced placement splits nothing and takes windows): a plan of a run that cannot start."""
+    from ..pipelines.sample_checks import refuse_windows_in_parallel
+
+    try:
+        refuse_windows_in_parallel(shape)
+    except ValueError:
+        raise ValueError(f"--window {shape.window}: context windows do not run with context parallelism yet (the Video "
+                         f"Sampler refuses them); drop --window, plan --gpus {gpus} --cp balanced, or plan one GPU "
+                         "(without --gpus).") from None
 
 
 def _table(model, shape, layout, vram: int, ram: int, plans, best, single) -> str:

@@ -17,6 +17,23 @@ import json
 GIB = 1 << 30
 
 
+def number_of(unit: str, example: str):
+    """An argparse `type=` for a plain number in `unit` ("GiB"): "8GB" is refused naming the unit the flag takes,
+    rather than argparse's "invalid float value"."""
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number: give a number of {unit}, e.g. {example} "
+                                             "(no unit after it).") from None
+
+    parse.__name__ = f"number of {unit}"
+    return parse
+
+
+GIB_NUMBER = number_of("GiB", "8")
+
+
 def add_train_arguments(plan: argparse.ArgumentParser) -> None:
     group = plan.add_argument_group("training (--train)")
     group.add_argument("--train", action="store_true", help="plan a LoRA training step instead of sampling "
@@ -32,7 +49,7 @@ def add_train_arguments(plan: argparse.ArgumentParser) -> None:
                        "block's activations on the device, every block's input in RAM (needs checkpointing). Alone "
                        "or 'on': every tier with it; 'auto': each tier with it only where the step fits with it and "
                        "not without (default off)")
-    group.add_argument("--max-pinned-ram-gb", type=float, help="the pinned-memory ceiling (the Memory Strategy's "
+    group.add_argument("--max-pinned-ram-gb", type=GIB_NUMBER, help="the pinned-memory ceiling (the Memory Strategy's "
                        "max_pinned_ram_gb): streamed weights' homes first, then the offloaded block inputs; inputs "
                        "past it stay on the GPU (default: the automatic ceiling, half the RAM the budget leaves "
                        "once the weights are loaded, keeping 8 GiB unpinned)")
@@ -47,12 +64,33 @@ SAMPLING_ONLY = (("--window", "window", 0), ("--window-overlap", "window_overlap
                  ("--vae-dtype", "vae_dtype", None), ("--steps", "steps", 50))
 
 
+# Flags that shape the training step's plan and that a sampling plan has no use for, as SAMPLING_ONLY. The
+# sampling planner credits no pinned ceiling either: --max-pinned-ram-gb places the step's offloaded block inputs.
+TRAIN_ONLY = (("--rank", "rank", 16), ("--optimizer", "optimizer", "adamw"),
+              ("--no-checkpointing", "no_checkpointing", False), ("--targets", "targets", None),
+              ("--activation-offload", "activation_offload", "off"), ("--max-pinned-ram-gb", "max_pinned_ram_gb", None))
+
+
+def given_flags(args: argparse.Namespace, table) -> list[str]:
+    """The flags of `table` ((flag, its value, its default), ...) that the command line set."""
+    return [flag for flag, name, default in table if getattr(args, name) != default]
+
+
 def refuse_sampling_flags(args: argparse.Namespace) -> None:
     """--train with a sampling-only flag: ValueError naming them, rather than a plan that silently ignored them."""
-    given = [flag for flag, name, default in SAMPLING_ONLY if getattr(args, name) != default]
+    given = given_flags(args, SAMPLING_ONLY)
     if args.train and given:
         raise ValueError(f"{', '.join(given)} {'plans' if len(given) == 1 else 'plan'} sampling; --train plans one "
                          f"training step without {'it' if len(given) == 1 else 'them'} (drop {', '.join(given)}).")
+
+
+def refuse_training_flags(args: argparse.Namespace) -> None:
+    """A training-only flag without --train: ValueError naming them (the sampling plan would ignore them)."""
+    given = given_flags(args, TRAIN_ONLY)
+    if not args.train and given:
+        raise ValueError(f"{', '.join(given)} {'plans' if len(given) == 1 else 'plan'} a LoRA training step; without "
+                         f"--train the plan is for sampling, which has no use for {'it' if len(given) == 1 else 'them'} "
+                         f"(add --train, or drop {', '.join(given)}).")
 
 
 def run_train_plan(args: argparse.Namespace, model, shape, vram: int, ram: int) -> int:

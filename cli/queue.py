@@ -21,9 +21,11 @@ nothing else: proxies from the environment are ignored and redirects are not fol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
+import tempfile
 import time
 import urllib.parse
 import uuid
@@ -53,7 +55,9 @@ QUEUE_EVERY = 5
 
 def load_workflow(path: Path) -> dict:
     try:
-        data = json.loads(Path(path).read_text())
+        # UTF-8 whatever the locale (json.dump's files and ComfyUI's exports are UTF-8: a Chinese prompt read as
+        # cp1252 is mojibake or an error); "-sig" also takes the byte-order mark Windows editors put first.
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise UsageError(f"workflow file '{path}' does not exist.") from None
     except OSError as error:  # a folder, no permission: one line, as for a missing file
@@ -433,6 +437,27 @@ def check_wait_and_out(timeout: float, out: Path | None) -> None:
         raise UsageError(f"--timeout {timeout:g} must be a positive number of seconds, e.g. 3600.")
     if out is not None and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a folder; give a folder (it is created if missing).")
+    problem = None if out is None else unwritable_folder(out)
+    if problem:
+        raise UsageError(f"--out {out}: cannot write there ({problem}); give a writable folder.")
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """Why no file can be made in `folder` (the OS's words), or None. The folders the probe creates are
+    removed again: a run refused later (or a rejected prompt) leaves nothing behind, and the files'
+    own writes create them when they land."""
+    made = [path for path in (folder, *folder.parents) if not path.exists()]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        return error.strerror or str(error)
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+    return None
 
 
 def report(entry: dict, workflow: dict, server: Server, out: Path | None) -> None:

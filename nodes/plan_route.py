@@ -249,7 +249,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
             if not isinstance(cache, StrategyError):
                 refuse_cache_in_parallel(cache)
         device = device or _probed_device()
-        options = replace(options, device=device, attention=_planned_attention(request),
+        options = replace(options, device=device, steps=request.steps, attention=_planned_attention(request),
                           speed=_measured_speed(request, device), cache_state=_cache_state(request, model))
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]

@@ -164,3 +164,72 @@ def test_the_default_allocator_is_named_with_the_flag_that_gives_comfyuis_figure
     assert main(PLAN + ["--allocator", "cudaMallocAsync"]) == 0
     out = capsys.readouterr().out
     assert "cudaMallocAsync allocator" in out.splitlines()[0] and "gives its figures" not in out
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--rank", "32"], "--rank plans a LoRA training step; without --train the plan is for sampling"),
+    (["--optimizer", "adamw_8bit", "--no-checkpointing"], "--optimizer, --no-checkpointing plan a LoRA training step"),
+    (["--targets", "to_q", "--activation-offload"], "--targets, --activation-offload plan a LoRA training step"),
+    (["--max-pinned-ram-gb", "4"], "--max-pinned-ram-gb plans a LoRA training step"),
+    (["--cp", "ring"], "--cp plans a run on several GPUs; without --gpus the plan is one GPU's"),
+    (["--gpus", "1", "--interconnect", "nvlink", "--interconnect-gbps", "50"],
+     "--interconnect, --interconnect-gbps plan a run on several GPUs; with --gpus 1 the plan is one GPU's"),
+])
+def test_flags_the_plan_would_ignore_are_refused_naming_them(flags, named, capsys):
+    """A training flag without --train, a several-GPU flag without --gpus 2 or more: the plan printed would not
+    read them, as --train does not read the sampling flags."""
+    assert main(PLAN + flags) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_the_ignored_flag_tables_hold_the_parsers_defaults():
+    """Each table entry's default is the parser's: else the flag reads as given when it was not (or the reverse)."""
+    import argparse
+
+    from vidmem.cli.plan import add_plan_parser
+    from vidmem.cli.plan_parallel import PARALLEL_ONLY
+    from vidmem.cli.plan_train import SAMPLING_ONLY, TRAIN_ONLY
+
+    parsed = vars(add_plan_parser(argparse.ArgumentParser().add_subparsers()).parse_args([]))
+    for flag, name, default in (*SAMPLING_ONLY, *TRAIN_ONLY, *PARALLEL_ONLY):
+        assert flag.removeprefix("--").replace("-", "_") == name and parsed[name] == default, (flag, parsed[name])
+
+
+def test_windows_under_context_parallelism_are_refused_naming_window(capsys):
+    """The Sampler refuses context windows with context parallelism: no plan of a run that cannot start.
+    Balanced placement splits nothing and runs them."""
+    windows = ["--window", "41", "--window-overlap", "16"]
+    assert main(PLAN + ["--gpus", "2", *windows]) == 2
+    assert "--window 41: context windows do not run with context parallelism yet" in capsys.readouterr().err
+    assert main(PLAN + ["--gpus", "2", "--cp", "balanced", *windows]) in (0, 1)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("message, spelled", [
+    ("activation_chunks=2 with context_parallel=ring: a rank's blocks", "--activation-chunks 2 with --cp ring: a rank"),
+    ("context_parallel=ulysses with 5 ranks; use 2 GPUs (or CPU processes, gpus=cpu:N), or context_parallel=ring",
+     "--cp ulysses with 5 ranks; use 2 GPUs (or CPU processes, gpus=cpu:N), or --cp ring"),
+    ("seed=-1 must be between 0 and 18446744073709551615.", "--seed -1 must be between"),
+    ("gpus=0 must be at least 1.", "--gpus 0 must be at least 1."),
+    ("tile_width=3 and warmup_steps=2 stay", "tile_width=3 and warmup_steps=2 stay"),
+])
+def test_engine_messages_name_every_input_a_flag_sets_as_the_flag(message, spelled):
+    from vidmem.cli.plan import in_flag_spelling
+
+    assert in_flag_spelling(message).startswith(spelled)
+
+
+def test_a_ulysses_refusal_names_cp_not_the_node_input(capsys):
+    assert main(PLAN + ["--gpus", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "vidmem: --cp ulysses with 5 ranks" in err and "or on CUDA GPUs --cp ring" in err, err
+
+
+@pytest.mark.parametrize("flag, value, unit", [("--vram", "8GB", "GiB, e.g. 8"), ("--ram", "32 GiB", "GiB, e.g. 8"),
+                                               ("--disk-gbps", "3GB/s", "GB/s, e.g. 3"),
+                                               ("--interconnect-gbps", "fast", "GB/s, e.g. 25")])
+def test_a_number_with_a_unit_is_refused_naming_the_unit(flag, value, unit, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(PLAN + [flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag}: {value!r} is not a number: give a number of {unit}" in err, err

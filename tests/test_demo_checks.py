@@ -4,6 +4,7 @@ a refused run leaves no folder behind and costs no model build."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,7 @@ def nothing_built(monkeypatch):
                                  "1..2 (or --offload sequential to stream every layer)"),
     (["--size", "60x60"], "--size width 60 must be a multiple of 16"),
     (["--size", "0x0"], "--size width 0 must be from 16 to"),
+    (["--seed", "-1"], "--seed -1 must be from 0 to 18446744073709551615"),
 ])
 def test_a_run_the_nodes_would_refuse_is_refused_before_out_is_made(nothing_built, tmp_path, flags, message, capsys):
     out = tmp_path / "demo"
@@ -78,3 +80,34 @@ def test_cogvideox15_beyond_its_rotary_table_is_refused_by_name(nothing_built, t
     assert ("--size width 64 is more than --variant cogvideox1.5-t2v can place: its positional embedding covers 2 "
             "patches of 16 px (32 px); use width 32 or less (its own size is 32x32)") in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_out_where_nothing_can_be_written_is_refused_before_the_build(nothing_built, tmp_path, capsys):
+    """A folder under a file (NotADirectoryError, as /proc/self refuses files): refused by name, not a traceback
+    after the render."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "sub"
+    assert main(["demo", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: cannot write there (" in err and "give a writable folder" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_failed_video_write_leaves_the_earlier_demo_as_it_was(tmp_path, monkeypatch):
+    """demo.mp4 and receipt.json are replaced whole or not at all; the receipt names the variant, not the
+    temporary folder the model was built in (gone when the demo ends)."""
+    from vidmem.cli import demo
+
+    assert main(["demo", "--out", str(tmp_path), "--steps", "1"]) == 0
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    model = json.loads(before["receipt.json"])["model"]
+    assert "--variant wan2.1-t2v" in model and "vidmem-demo-" not in model, model
+
+    def disk_full(frames, path):
+        Path(path).write_bytes(b"half a video")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(demo, "write_mp4", disk_full)
+    with pytest.raises(OSError):
+        main(["demo", "--out", str(tmp_path), "--steps", "1", "--seed", "1"])
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before, "no half file, nothing replaced"

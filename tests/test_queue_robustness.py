@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +24,7 @@ import test_queue_cli
 from test_queue_cli import PROMPT_ID, WORKFLOW, Handler, Stub, queue
 
 stub = test_queue_cli.stub  # the stub server fixture, shared
+PACKAGE_PARENT = str(Path(__import__("vidmem").__file__).parent.parent)  # where a subprocess finds `vidmem`
 
 
 def raw_server(answer: bytes) -> str:
@@ -124,6 +129,55 @@ def test_out_that_is_a_file_is_refused_before_anything_is_sent(stub, tmp_path, c
     assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(out), "--timeout", "20") == 2
     assert f"--out {out} is a file, not a folder" in capsys.readouterr().err
     assert stub.posted == [] and out.read_text() == "x"
+
+
+def test_out_where_nothing_can_be_written_is_refused_before_anything_is_sent(stub, tmp_path, capsys):
+    """A folder under a file (as /proc/self refuses files): known before the render, so refused before it."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "renders"
+    assert queue(str(WORKFLOW), "--server", stub.url, "--out", str(out), "--timeout", "20") == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: cannot write there (" in err and "give a writable folder" in err, err
+    assert stub.posted == []
+
+
+def test_the_out_probe_leaves_no_folder_behind(tmp_path):
+    """The check makes the missing folders to try a file there, then removes them: a prompt refused later leaves
+    nothing behind (the download makes them when files land)."""
+    out = tmp_path / "new" / "renders"
+    queue_cli.check_wait_and_out(20.0, out)
+    assert list(tmp_path.iterdir()) == []
+
+
+PROMPT_ZH = "色调艳丽，过曝，静态，细节模糊不清"  # Wan's own negative prompt, as its workflows carry it
+
+
+def workflow_in_chinese(path, encoding: str):
+    workflow = json.loads(WORKFLOW.read_text(encoding="utf-8"))
+    workflow["3"]["inputs"]["negative_prompt"] = PROMPT_ZH
+    path.write_text(json.dumps(workflow, ensure_ascii=False), encoding=encoding)
+    return path
+
+
+def test_a_workflow_saved_with_a_byte_order_mark_is_read_and_its_text_sent_unchanged(stub, tmp_path):
+    """UTF-8 with a BOM, as Windows editors save it: read as UTF-8 whatever the locale, the Chinese text intact."""
+    path = workflow_in_chinese(tmp_path / "zh.json", "utf-8-sig")
+    assert queue(str(path), "--server", stub.url, "--timeout", "20") == 0
+    assert stub.posted[0]["prompt"]["3"]["inputs"]["negative_prompt"] == PROMPT_ZH
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sets a POSIX locale")
+def test_a_utf8_workflow_is_read_as_utf8_under_an_ascii_locale(tmp_path):
+    """The file's encoding, not the locale's: under LANG=C without Python's UTF-8 mode, text files open as ASCII."""
+    path = workflow_in_chinese(tmp_path / "zh.json", "utf-8")
+    code = ("import sys\nfrom vidmem.cli.queue import load_workflow\n"
+            "print(ascii(load_workflow(sys.argv[1])['3']['inputs']['negative_prompt']))")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
+           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), PACKAGE_PARENT) if p)}
+    done = subprocess.run([sys.executable, "-X", "utf8=0", "-c", code, str(path)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ascii(PROMPT_ZH)
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf"])
