@@ -5,7 +5,7 @@ change its scheduler, its boundary or any flag. `call_pipeline` builds a new pip
 class over the same components (nothing is copied or moved; building it takes about a
 millisecond), and the call's own settings live on it and die with it, whatever happens.
 
-The per-call class adds three things to diffusers' loop, each through a hook diffusers already
+The per-call class adds four things to diffusers' loop, each through a hook diffusers already
 reads (so the loop itself is diffusers', unchanged):
 - guidance per expert: `do_classifier_free_guidance` asks the scale of the expert about to run,
   so a scale of 1 skips the negative pass for that expert (diffusers asks `guidance_scale` only);
@@ -17,7 +17,10 @@ reads (so the loop itself is diffusers', unchanged):
   adapter made once outside `prepare_latents` (HunyuanVideo 1.5's SigLIP embeddings and image
   latents), so no image goes through the VAE twice (Wan 2.1's CLIP embedding, made in its call,
   is made again: the same values); the scheduler comes back with its state after that step.
-- a record of each finished step (`StepRecord`), taken in the step-end callback.
+- a record of each finished step (`StepRecord`), taken in the step-end callback;
+- Wan image-to-video's conditioning video made in the VAE's dtype: `prepare_latents` gets the image
+  (and last image) already cast, so its empty frames and their concatenation never exist in float32
+  (the same values; the planner traces it so: configs/workloads.py, `wan_condition_video`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from functools import lru_cache
 import torch
 
 OVERRIDES = ("set_timesteps", "step")  # instance attributes set here, never part of a saved state
+# diffusers classes whose prepare_latents concatenates the image with empty frames into a whole-clip
+# video for the VAE (pipeline_wan_i2v.py); vidmem hands them the image in the VAE's dtype
+CONDITION_VIDEO_PIPELINES = ("WanImageToVideoPipeline",)
 
 
 @dataclass(frozen=True)
@@ -93,11 +99,32 @@ class _CallOverrides:
     def prepare_latents(self, *args, **kwargs):
         resume = self._vidmem_resume
         if resume is None:
+            if self._builds_condition_video():
+                args, kwargs = self._images_in_vae_dtype(args, kwargs)
             self._vidmem_prepared = super().prepare_latents(*args, **kwargs)
             return self._vidmem_prepared
         if isinstance(resume.prepared, tuple):
             return (resume.latents, *resume.prepared[1:])
         return resume.latents
+
+    def _builds_condition_video(self) -> bool:
+        """Whether `prepare_latents` pads the image to a whole clip of frames before the VAE encodes it:
+        Wan 2.1 I2V, FLF2V and Wan 2.2 I2V A14B. Wan 2.2 TI2V-5B (`expand_timesteps`) encodes the image alone."""
+        is_wan_i2v = any(cls.__name__ in CONDITION_VIDEO_PIPELINES for cls in type(self).__mro__)
+        return is_wan_i2v and not self.config.get("expand_timesteps", False)
+
+    def _images_in_vae_dtype(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """`image` and `last_image` cast to the VAE's dtype, so `prepare_latents` makes its empty frames and
+        their concatenation in that dtype: diffusers' __call__ hands them over in float32 and casts the
+        whole-clip video only after the concatenation, which held two float32 clips at once (8 bytes per
+        value, 21 GiB at 1280x720x1025) where two in the VAE's bf16 take 4. The same values either way: a cast
+        works element by element, and the concatenation moves elements without changing them."""
+        bound = inspect.signature(super().prepare_latents).bind(*args, **kwargs)
+        for name in ("image", "last_image"):
+            value = bound.arguments.get(name)
+            if isinstance(value, torch.Tensor):
+                bound.arguments[name] = value.to(self.vae.dtype)
+        return bound.args, bound.kwargs
 
     def prepare_audio_latents(self, *args, **kwargs):
         """LTX-2: the audio latents of the last finished step when resuming (no fresh noise drawn)."""

@@ -11,6 +11,7 @@ prompt encoding differs from T5's, its text encoding (chosen in `workload_for`).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -99,11 +100,42 @@ def siglip_image(encoder, dtype: torch.dtype, size: int) -> Run:
 
 
 def vae_encode_condition(vae, shape: VideoShape, frames: int, dtype: torch.dtype) -> Run:
-    """Image-to-video conditioning: the image (CogVideoX) or the image plus empty frames (Wan)."""
+    """Image-to-video conditioning encoded on its own: the image (CogVideoX, Wan 2.2 TI2V's one frame)."""
     def run():
         video = _empty(1, 3, frames, shape.height, shape.width, dtype=dtype)
         return vae.encode(video).latent_dist.mode().repeat(shape.batch, 1, 1, 1, 1)
     return run
+
+
+def wan_condition_video(vae, shape: VideoShape, latent: tuple[int, ...], dtype: torch.dtype, last_image: bool) -> Run:
+    """WanImageToVideoPipeline.prepare_latents as vidmem runs it (pipelines/sample_call.py): the noise
+    latents drawn (fp32), the image (and `last_image`) preprocessed in fp32 and cast to the VAE's `dtype`,
+    empty frames made and concatenated with them in that dtype into the whole clip, the VAE's per-channel
+    mean and reciprocal std (fp32), then the encode. While the concatenation runs the clip exists twice
+    (the empty frames and the result), the peak of a long clip; the cast keeps both at the VAE's 2 bytes
+    a value, not float32's 4."""
+    height, width, images = shape.height, shape.width, 2 if last_image else 1
+    channels = (1, latent[1], 1, 1, 1)
+
+    def run():
+        latents = _empty(*latent, dtype=torch.float32)
+        pixels = [_empty(1, 3, height, width, dtype=torch.float32) for _ in range(images)]  # diffusers' preprocess
+        first, *last = [image.to(dtype).unsqueeze(2) for image in pixels]
+        video = torch.cat([first, first.new_zeros(1, 3, shape.frames - images, height, width), *last], dim=2)
+        mean, inverse_std = _empty(*channels, dtype=torch.float32), 1.0 / _empty(*channels, dtype=torch.float32)
+        encoded = vae.encode(video).latent_dist.mode().repeat(shape.batch, 1, 1, 1, 1)
+        return latents, mean, inverse_std, encoded
+    return run
+
+
+def takes_last_image(model) -> bool:
+    """Whether `model` (a `MetaModel`) can take a last frame, by its family's own rule (FamilySpec.last_frame_error,
+    which reads the pipeline's and the first denoiser's configs): Wan 2.1 FLF2V must, Wan 2.2 I2V A14B may.
+    The planner traces the larger conditioning of the two: one float32 frame more."""
+    denoiser = model.components[model.layout.denoisers[0]]
+    as_pipe = SimpleNamespace(transformer=SimpleNamespace(config=denoiser.config), transformer_2=None,
+                              config=model.pipeline_config)
+    return model.spec.last_frame_error(as_pipe, True) is None
 
 
 def cogvideox_step(transformer, latent: tuple[int, ...], shape: VideoShape, dtype: torch.dtype, image: bool,
@@ -356,9 +388,11 @@ def workload_for(model, call) -> Run:
         if config.class_name == "SiglipVisionModel":
             return siglip_image(model.traced_module("image_encoder"), dtype, size)
         return clip_image(model.traced_module("image_encoder"), dtype, size)
+    if call.kind == "condition" and wan and not model.pipeline_config.get("expand_timesteps", False):
+        return wan_condition_video(model.traced_module("vae"), shape, model.latent_shape(shape), model.dtype_of("vae"),
+                                   takes_last_image(model))
     if call.kind == "condition":
-        whole_video = wan and not model.pipeline_config.get("expand_timesteps", False)
-        return vae_encode_condition(model.traced_module("vae"), shape, shape.frames if whole_video else 1, model.dtype_of("vae"))
+        return vae_encode_condition(model.traced_module("vae"), shape, 1, model.dtype_of("vae"))
     if call.kind == "denoise":
         return _denoise(model, call.component, shape, call.chunks)
     if call.kind == "decode":
