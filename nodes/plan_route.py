@@ -249,7 +249,8 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
             if not isinstance(cache, StrategyError):
                 refuse_cache_in_parallel(cache)
         device = device or _probed_device()
-        options = replace(options, device=device, steps=request.steps, attention=_planned_attention(request),
+        options = replace(options, device=device, steps=request.steps,
+                          attention=_planned_attention(request, device, torch_dtype(request.dtype)),
                           speed=_measured_speed(request, device), cache_state=_cache_state(request, model))
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
@@ -372,14 +373,23 @@ def _speed_lines(request: PlanRequest, model, options: PlanOptions, plan=None) -
     return [*_speed_node_lines(request, options, model), *_cache_lines(request, model, plan)]
 
 
-def _planned_attention(request: PlanRequest) -> Attention:
-    """As the run plans it: math and flex chosen on the Speed node hold the whole score matrix."""
+def _planned_attention(request: PlanRequest, device: str, dtype) -> Attention:
+    """As the run plans it (ResolvedSpeed.planned_attention): the kernel resolved on this host's device, where it
+    computes there, so an auto that falls back to SDPA's math kernel (an sm75 card in bf16) holds the whole score
+    matrix as the run will; for a GPU this process cannot see, math and flex chosen on the Speed node do."""
+    import torch
+
+    from ..pipelines.attention import resolve_attention
     from ..pipelines.speed import Speed, planned_attention
 
     try:
-        return planned_attention(Speed(dict(request.speed).get("attention", "auto")))
+        speed = Speed(dict(request.speed).get("attention", "auto"))
+        if device == "cuda" and not torch.cuda.is_available():
+            return planned_attention(speed)
+        resolved = resolve_attention(speed.attention, device, dtype)
     except StrategyError:  # named in the speed line
         return Attention.FUSED
+    return Attention.MATH if resolved.materialises_scores else Attention.FUSED
 
 
 def _requested_speed(request: PlanRequest):

@@ -137,6 +137,25 @@ def test_the_sampler_node_plans_a_fallen_back_auto_as_math(tiny_loaded, gpu, mon
     assert seen == [Attention.MATH, Attention.MATH, Attention.FUSED]
 
 
+def test_the_plan_route_plans_the_kernel_resolved_on_the_hosts_gpu(gpu, monkeypatch):
+    """The chart (GET /vidmem/plan) counts attention as the run will: on an sm75 card in bf16 auto is math's score
+    matrix; for a GPU this process cannot see, only math and flex chosen by name are."""
+    from vidmem.nodes.plan_route import _planned_attention
+
+    def planned(kernel, device="cuda", dtype=torch.bfloat16):
+        return _planned_attention(SimpleNamespace(speed=(("attention", kernel),)), device, dtype)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu(OLD_GPU)
+    assert [planned("auto"), planned("math"), planned("auto", dtype=torch.float16)] == [
+        Attention.MATH, Attention.MATH, Attention.FUSED]
+    gpu(HOPPER)
+    assert planned("auto") is Attention.FUSED
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # planning for a GPU this process cannot see
+    assert [planned("auto"), planned("math"), planned("auto", device="cpu")] == [
+        Attention.FUSED, Attention.MATH, Attention.FUSED]
+
+
 # --- 2. a masked model with only FlashAttention left is refused by the Sampler --------------------------------------
 
 
