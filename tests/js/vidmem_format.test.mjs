@@ -93,7 +93,8 @@ test("the sampler shows peak memory, swap cost and time", () => {
 test("the decode shows its tiles and time", () => {
   const { title, lines } = summarize("VidMemVAEDecode", { vidmem_receipt: [DECODE] });
   assert.equal(title, "decode receipt");
-  assert.deepEqual(lines, ["device: cpu", "decode: 518 ms, peak RSS 421.35 MiB", "VAE: tiled, 6 tiles x 2 chunks, 12 calls"]);
+  assert.deepEqual(lines, ["device: cpu", "strategy: offload=model text_encoder=cpu", "decode: 518 ms, peak RSS 421.35 MiB",
+    "VAE: tiled, 6 tiles x 2 chunks, 12 calls"]);
   const fell = summarize("VidMemVAEDecode", { vidmem_receipt: [{ ...DECODE, decode: { ...DECODE.decode, fallbacks: ["whole", "tiled"] } }] });
   assert.match(fell.lines.at(-1), /fell back: whole; tiled$/);
   const wan = summarize("VidMemVAEDecode", { vidmem_receipt: [{ ...DECODE, decode: { ...DECODE.decode, shared_context: true, streamed: true } }] });

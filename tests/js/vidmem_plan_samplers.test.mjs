@@ -15,7 +15,10 @@ test("of several Samplers the plan is for the largest width*height*frames, and t
   const final = sampler("final", 1280, 720, 81);
   const { sampler: chosen, line } = plannedSampler([draft, final], value);
   assert.equal(chosen, final, "the first Sampler (the small draft) must not be the one planned");
-  assert.equal(line, `plans Sampler "final" (the largest of 2 this Strategy feeds); give each Sampler its own Strategy to plan each`);
+  assert.equal(line, `plans Sampler "final" at 1280x720x81 (the largest of 2 this Strategy feeds); give each Sampler its own Strategy to plan each`);
+  // copies of one Sampler share its title: the node number tells them apart
+  const copy = { ...sampler("final", 1280, 720, 121), id: 10 };
+  assert.match(plannedSampler([{ ...final, id: 3 }, copy], value).line, /^plans Sampler "final" #10 at 1280x720x121 \(/);
   // more frames make the larger run even at a smaller size
   assert.equal(plannedSampler([final, sampler("long", 832, 480, 241)], value).sampler.title, "long");
 });

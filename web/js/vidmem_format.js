@@ -180,6 +180,9 @@ export function summarize(nodeType, message) {
   }
   if (receipt && receipt.stages) {
     const head = receipt.device ? [`device: ${receipt.device}`] : [];
+    // The Decode's strategy line says how the VAE ran (placement, tiling, slicing: pipelines/decode.py decode_as_run);
+    // the Sampler's plan line already says how its run was set.
+    if (nodeType === "VidMemVAEDecode" && receipt.strategy) head.push(`strategy: ${receipt.strategy}`);
     return { title, lines: [...head, ...runLines(receipt), ...extraLines(receipt, RUN_KEYS)] };
   }
   return { title, lines: text ? text.split("\n").filter((line) => !line.startsWith("{")) : [] };
@@ -365,7 +368,10 @@ export function plannedSampler(samplers, value, sourceOf = () => null) {
   if (samplers.length < 2) return { sampler, line: "" };
   const which = linked ? `its size comes from a link, so it cannot be compared with the other ${samplers.length - 1}`
     : `the largest of ${samplers.length} this Strategy feeds`;
-  return { sampler, line: `plans Sampler ${nodeName(sampler)} (${which}); give each Sampler its own Strategy to plan each` };
+  // Copies of a Sampler keep its title: its node number and size say which one is planned.
+  const id = sampler.id !== undefined ? ` #${sampler.id}` : "";
+  const at = linked ? "" : ` at ${SIZE_WIDGETS.map((name) => value(sampler, name)).join("x")}`;
+  return { sampler, line: `plans Sampler ${nodeName(sampler)}${id}${at} (${which}); give each Sampler its own Strategy to plan each` };
 }
 
 /** `node`, or the node that feeds it through any chain of Reroute nodes (`firstInput(reroute)`: the node on
