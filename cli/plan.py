@@ -222,8 +222,11 @@ FLAGS = {"prefetch_blocks": "--prefetch", "activation_chunks": "--activation-chu
 
 def in_flag_spelling(message: str) -> str:
     """An engine message with every 'name=' of an input a flag sets written as that flag ('--prefetch -1', 'with
-    --cp ring'). Not 'gpus=cpu:N': CPU processes are the node's choice, which no flag of vidmem plan takes."""
-    return re.sub(r"\b(\w+)=(?!cpu:)", lambda m: f"{FLAGS[m.group(1)]} " if m.group(1) in FLAGS else m.group(0), message)
+    --cp ring'). Not 'gpus=cpu:N': CPU processes are the node's choice, which no flag of vidmem plan takes. Only a
+    name that starts a word of the message (after a space or '(', or at its start): a path the message quotes may hold
+    a folder named 'seed=7', which must come back as it was."""
+    return re.sub(r"(?<![^\s(])(\w+)=(?!cpu:)", lambda m: f"{FLAGS[m.group(1)]} " if m.group(1) in FLAGS else m.group(0),
+                  message)
 
 
 def _windows(model, frames: int, window: int, overlap: int) -> dict:

@@ -212,6 +212,10 @@ def test_windows_under_context_parallelism_are_refused_naming_window(capsys):
     ("seed=-1 must be between 0 and 18446744073709551615.", "--seed -1 must be between"),
     ("gpus=0 must be at least 1.", "--gpus 0 must be at least 1."),
     ("tile_width=3 and warmup_steps=2 stay", "tile_width=3 and warmup_steps=2 stay"),
+    # a path the message quotes keeps its folders named like inputs
+    ("model folder '/runs/frames=81/seed=7/model' does not exist", "model folder '/runs/frames=81/seed=7/model'"),
+    ("--out /tmp/out/seed=7: cannot write there", "--out /tmp/out/seed=7: cannot write there"),
+    ("(seed=3 and gpus=2)", "(--seed 3 and --gpus 2)"),
 ])
 def test_engine_messages_name_every_input_a_flag_sets_as_the_flag(message, spelled):
     from vidmem.cli.plan import in_flag_spelling

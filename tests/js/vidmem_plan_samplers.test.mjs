@@ -23,6 +23,17 @@ test("of several Samplers the plan is for the largest width*height*frames, and t
   assert.equal(plannedSampler([final, sampler("long", 832, 480, 241)], value).sampler.title, "long");
 });
 
+test("a muted or bypassed Sampler is not planned while another runs", () => {
+  const draft = sampler("draft", 832, 480, 81);
+  for (const mode of [2, 4]) {
+    const off = { ...sampler("final", 1280, 720, 81), mode };
+    assert.deepEqual(plannedSampler([draft, off], value), { sampler: draft, line: "" });
+    const other = sampler("other", 480, 320, 33);
+    assert.match(plannedSampler([draft, off, other], value).line, /^plans Sampler "draft" at 832x480x81 \(the largest of 2 /);
+    assert.equal(plannedSampler([off], value).sampler, off); // none runs: the chart still names one
+  }
+});
+
 test("ties go to the first Sampler; one Sampler needs no line; none gives none", () => {
   const first = sampler("first", 832, 480, 81);
   const second = sampler("second", 480, 832, 81);

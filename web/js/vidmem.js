@@ -307,6 +307,8 @@ async function refreshPlan(node) {
     const plan = await planFromResponse(response);
     if (plan.status === "superseded" || state.query !== query) return;
     renderPlan(node, plan);
+    // a server error (not a bad input, which answers 400) may pass: asked again later, as a failed request is
+    if (response.status >= 500) setTimeout(() => { if (state.key === key) state.key = undefined; }, PLAN_RETRY_MS);
   } catch (error) {
     if (error.name !== "AbortError" && state.query === query) {
       renderPlan(node, null, `plan unavailable: ${error.message}`);

@@ -357,8 +357,13 @@ const SIZE_WIDGETS = Object.freeze(["width", "height", "frames"]);
  * with the largest width*height*frames, the worst case the budgets must hold (ties: the first). `value(sampler,
  * name)` reads a widget. A Sampler whose size comes from a link (`sourceOf(sampler, slot)`, as in linkedWidgets)
  * cannot be compared before the run: it is taken, so the chart says that link is in the way rather than plan a
- * smaller pass. Returns {sampler (null for none), line: what the chart says about the choice, "" for one Sampler}. */
+ * smaller pass. Muted and bypassed Samplers are left out while another runs. Returns {sampler (null for none), line:
+ * what the chart says about the choice, "" for one Sampler}. */
 export function plannedSampler(samplers, value, sourceOf = () => null) {
+  // A muted or bypassed Sampler runs nothing, so holds no memory: the running ones are compared (all, if none runs,
+  // so the chart still names one).
+  const running = samplers.filter((n) => n.mode !== MODE_MUTED && n.mode !== MODE_BYPASSED);
+  samplers = running.length ? running : samplers;
   let sampler = null, largest = -1, linked = false;
   for (const candidate of samplers) {
     const fromLink = linkedWidgets(candidate, SIZE_WIDGETS, (slot) => sourceOf(candidate, slot)).length > 0;
