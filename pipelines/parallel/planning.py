@@ -37,15 +37,8 @@ def choose_parallel(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrat
                     vram_budget_bytes: int, ram_budget_bytes: int, options: PlanOptions = PlanOptions()) -> ParallelPlan:
     """The fastest per-GPU plan that fits every GPU and the RAM of every process; PlanError otherwise. `options`:
     the attention and speed the Sampler plans with (the pipeline's storage and the ranks' device are filled in)."""
-    layout = layout_of(base, ranks)
-    one_process = replace(base, offload="model", blocks_to_swap=0, parallel=Parallelism())
-    options = plan_options(loaded, options, device=rank_device(ranks))
-    plans, _ = parallel_candidates(sampling_model(loaded), shape, vram_budget_bytes, ram_budget_bytes, layout,
-                                   one_process, options)
-    best = parallel_recommended(plans, on_disk=options.on_disk)
-    if best is None:
-        raise PlanError(nothing_fits(plans, layout, vram_budget_bytes, ram_budget_bytes))
-    return plans[best]
+    return _fastest(loaded, shape, base, layout_of(base, ranks), rank_device(ranks), vram_budget_bytes,
+                    ram_budget_bytes, options)
 
 
 def choose_balanced(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy, gpus: int, vram_budget_bytes: int,
@@ -53,10 +46,18 @@ def choose_balanced(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrat
     """Balanced placement's fastest fitting plan over `gpus` GPUs, from the rows the chart shows
     (`parallel_candidates`: each tier on the transformers' GPU, the prompt encoder whole on the
     second); PlanError otherwise. The budgets are the transformers' GPU's and this process's RAM."""
-    layout = MultiGpu(gpus, GpuSharing.BALANCED)
-    options = plan_options(loaded, options, device="cuda")
+    return _fastest(loaded, shape, base, MultiGpu(gpus, GpuSharing.BALANCED), "cuda", vram_budget_bytes,
+                    ram_budget_bytes, options)
+
+
+def _fastest(loaded: LoadedPipeline, shape: VideoShape, base: MemoryStrategy, layout: MultiGpu, device: str,
+             vram_budget_bytes: int, ram_budget_bytes: int, options: PlanOptions) -> ParallelPlan:
+    """The recommended row of the chart's candidates for `layout` (each tier from `base`'s copy settings, planned
+    for one process); PlanError naming what does not fit when none does."""
+    options = plan_options(loaded, options, device=device)
+    one_process = replace(base, offload="model", blocks_to_swap=0, parallel=Parallelism())
     plans, _ = parallel_candidates(sampling_model(loaded), shape, vram_budget_bytes, ram_budget_bytes, layout,
-                                   replace(base, offload="model", blocks_to_swap=0, parallel=Parallelism()), options)
+                                   one_process, options)
     best = parallel_recommended(plans, on_disk=options.on_disk)
     if best is None:
         raise PlanError(nothing_fits(plans, layout, vram_budget_bytes, ram_budget_bytes))
