@@ -60,6 +60,8 @@ esac
 started=$(date +%s)
 BUDGET_SECONDS=${BUDGET_SECONDS:-585}
 KILL_GRACE=10  # `timeout -k`: a part still running this long after its TERM is killed
+STOP_GRACE=3  # on a TERM or INT to the script: how long the part under way may take to end before the last pack
+PART_PID=  # the part under way (its `timeout`), for stop()
 # 132 s for 30 tests on the H200 (2026-11-28); 2 LoRA compile tests since. Tests are listed as they end (-v).
 SUITE_SECONDS=${SUITE_SECONDS:-180}
 WARM_SECONDS=${WARM_SECONDS:-0}  # measured on the H200, the keep row after its fix too (give it 90 for all four rows)
@@ -221,18 +223,47 @@ skip() {
 
 # COMMAND under LIMIT, TERM then KILL_GRACE later KILL, its output in $RUN/LOG; the lines matching SHOW (a grep -E
 # pattern, '' for all) are shown, the last 40 of them. Then the summary and the archive are written again.
+# It runs in the background and is waited for: `timeout` moves itself and the bench into their own process group,
+# where a TERM to the script's group does not reach, and bash runs its TERM trap only once a foreground command
+# ends (the part's whole limit), whereas a `wait` ends at once on a trapped signal and stop() passes the TERM on.
 run() {
-    local log=$1 show=$2 begun rc seconds
+    local rc
+    PART_LOG=$1 PART_SHOW=$2 PART_BEGUN=$(date +%s)
     shift 2
-    begun=$(date +%s)
-    timeout -k "$KILL_GRACE" "$LIMIT" "$@" > "$RUN/$log" 2>&1
+    timeout -k "$KILL_GRACE" "$LIMIT" "$@" > "$RUN/$PART_LOG" 2>&1 &
+    PART_PID=$!
+    wait "$PART_PID"
     rc=$?
-    seconds=$(( $(date +%s) - begun ))
-    echo "exit $rc after ${seconds}s of ${LIMIT}s" >> "$RUN/$log"
-    grep -E "$show" "$RUN/$log" | grep -v "^Failed to load CPU" | tail -n 40
-    echo "-- $PART_NAME: exit $rc$([ "$rc" -eq 124 ] && echo ' (its time limit)') after ${seconds}s of ${LIMIT}s"
-    record "$PART_NAME" "exit $rc" "$seconds" "$LIMIT" "$log"
+    part_ended "exit $rc" "$([ "$rc" -eq 124 ] && echo ' (its time limit)')"
+    PART_PID=
     pack
+}
+
+part_ended() {  # RESULT [NOTE]: the part's last log line, its lines and result on screen, its row in the summary
+    local seconds=$(( $(date +%s) - PART_BEGUN ))
+    echo "$1 after ${seconds}s of ${LIMIT}s" >> "$RUN/$PART_LOG"
+    grep -E "$PART_SHOW" "$RUN/$PART_LOG" | grep -v "^Failed to load CPU" | tail -n 40
+    echo "-- $PART_NAME: $1${2:-} after ${seconds}s of ${LIMIT}s"
+    record "$PART_NAME" "$1" "$seconds" "$LIMIT" "$PART_LOG"
+}
+
+# A TERM or INT (a lease's stop, which sends KILL some seconds later; ^C): the part under way, if any, is passed a
+# TERM (its `timeout` passes it to the bench, and KILLs it KILL_GRACE later) and given STOP_GRACE seconds to end, so
+# that its last output is packed whole; its row goes in the summary, then the exit trap packs.
+stop() {
+    local signal=$1 status=$2
+    trap '' TERM INT  # a second signal must not cut the last pack short
+    if [ -n "$PART_PID" ]; then
+        kill -TERM "$PART_PID" 2>/dev/null
+        for _ in $(seq $(( STOP_GRACE * 10 ))); do part_running || break; sleep 0.1; done
+        part_ended "interrupted ($signal)"
+    fi
+    exit "$status"
+}
+
+part_running() {  # whether the part's `timeout` still runs: neither ended and reaped by bash nor a zombie (Z)
+    local state
+    state=$(ps -o stat= -p "$PART_PID" 2>/dev/null) && [[ $state != Z* ]]
 }
 
 record() {  # one tab-separated line of the summary: part, result, seconds, limit, log
@@ -284,8 +315,8 @@ mkdir -p "$OUT" "$RUN" "$WORK/pkg" || exit
 printf '# bench/gpu_check.sh%s, %s\npart\tresult\tseconds\tlimit\tlog\n' "${DRY_RUN:+ --dry-run}" "$(date -u '+%F %T UTC')" \
     > "$RUN/summary.txt"
 trap finish EXIT
-trap 'exit 143' TERM
-trap 'exit 130' INT
+trap 'stop TERM 143' TERM
+trap 'stop INT 130' INT
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 print_plan
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -191,18 +191,26 @@ def test_the_goal_runs_right_after_the_eager_activation_block_with_auto_fp8_on_f
     assert " -v " in f" {benches[0]} "  # the suite lists each test as it ends: a time limit keeps the ones done
 
 
+def start_until_part_hangs(lease: FakeLease, hang_on: str, **env: str) -> subprocess.Popen:
+    """The script in its own process group (as a lease runs it), once the part whose bench is called with `hang_on`
+    has started and hangs (at most a minute)."""
+    script = subprocess.Popen(["bash", str(SCRIPT)], env={**lease.env, "FAKE_HANG_ON": hang_on, **env},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    hanging = Path(lease.env["FAKE_HANG_MARK"])
+    for _ in range(600):
+        if hanging.exists() or script.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert hanging.exists(), f"the part with {hang_on} never started"
+    return script
+
+
 def test_a_lease_killed_mid_part_still_returns_the_parts_done(tmp_path):
     """The lease's command killed outright (no trap runs) while the goal part runs: the archive written after the
     activation block is there, whole, with the suite's and the activation block's files."""
     lease = FakeLease(tmp_path)
-    script = subprocess.Popen(["bash", str(SCRIPT)], env={**lease.env, "FAKE_HANG_ON": "--parts goal"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        for _ in range(600):  # until the goal part has started (at most a minute)
-            if (tmp_path / "hanging").exists() or script.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert (tmp_path / "hanging").exists()
+        script = start_until_part_hangs(lease, "--parts goal")
         os.killpg(script.pid, signal.SIGKILL)
         script.wait(timeout=30)
     finally:
@@ -212,6 +220,36 @@ def test_a_lease_killed_mid_part_still_returns_the_parts_done(tmp_path):
     assert "speed-goal-gpu.json" not in files  # the part under way when the command was killed
     assert lease.summary()["activation block"][0] == "exit 0"
     assert sorted(path.name for path in lease.out.iterdir()) == ["gpu-check.tgz", "summary.txt"]
+
+
+def test_a_term_mid_part_stops_that_part_at_once_and_records_it(tmp_path):
+    """A lease's stop (TERM to the script's process group, KILL some seconds later) while the goal part hangs: the
+    part runs in `timeout`'s own process group, which that TERM does not reach, so the script passes it on and exits
+    (143) at once, not at the part's limit (160 s; the fake bench hangs for a minute at most), with the part's row in
+    the summary and the archive of the parts done before it."""
+    lease = FakeLease(tmp_path)
+    try:
+        script = start_until_part_hangs(lease, "--parts goal")
+        os.killpg(script.pid, signal.SIGTERM)
+        try:
+            returncode = script.wait(timeout=40)  # a bound far under the fake's hang, not a measurement
+        except subprocess.TimeoutExpired:
+            os.killpg(script.pid, signal.SIGKILL)
+            pytest.fail("the script waited for the part under way to end by itself before acting on the TERM")
+    finally:
+        (tmp_path / "release").touch()  # were the part not stopped, its fake bench ends too
+    assert returncode == 143
+    summary = lease.summary()
+    result, _, limit, log = summary["speed goal"]
+    assert (result, limit, log) == ("interrupted (TERM)", "160", "speed-goal.log")
+    assert summary["activation block"][0] == "exit 0"
+    assert (lease.out / "summary.txt").read_text().splitlines()[-1].startswith("# done: exit 143")
+    files = lease.archive()
+    assert {"gpu-suite.log", "activations.log", "activations-gpu.json", "summary.txt"} <= set(files)
+    assert "interrupted (TERM) after" in files["speed-goal.log"]
+    assert "fake bench done" not in files["speed-goal.log"]  # the bench was stopped, not left to end by itself
+    assert sorted(path.name for path in lease.out.iterdir()) == ["gpu-check.tgz", "summary.txt"]
+    assert not any(lease.tmp.iterdir())  # the scratch folder is removed as at a normal end
 
 
 def test_every_setup_step_and_part_runs_under_a_time_limit():
