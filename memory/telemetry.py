@@ -70,6 +70,17 @@ def budgeted_free_bytes(budget_bytes: int) -> Callable[[torch.device], int | Non
     return within_budget
 
 
+def device_room_for_plan(free_bytes: int | None) -> int | None:
+    """A run-time free figure (`free_device_bytes`, `budgeted_free_bytes`) as a budget for a planned footprint.
+
+    Those figures are bytes left for new allocations, the CUDA context already made; a planned phase's
+    device_bytes include CUDA_CONTEXT_BYTES. Compared as they are, the context counts twice: after an
+    out-of-memory error the ladder judged a strategy within 512 MiB of the budget not to fit, and
+    activation_chunks=auto ran more slices than the plan. So the context is added back, here only.
+    None stays None (no figure: off CUDA)."""
+    return None if free_bytes is None else free_bytes + CUDA_CONTEXT_BYTES
+
+
 def allocator_backend() -> str:
     """The CUDA caching allocator backend this process runs: "native" (PyTorch's default) or
     "cudaMallocAsync" (`PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`, which ComfyUI sets on

@@ -36,8 +36,8 @@ SDPA's own pick (cuDNN on Hopper with torch 2.11) was measured faster than any k
 the dispatcher (`MEASURED_AUTO`), and it follows torch's flags (`torch.backends.cuda.enable_*_sdp`),
 refusing before the run where they leave SDPA no kernel at all (`_sdpa_switched_off`).
 The Sampler's receipt names the kernel SDPA picks (`sdpa_pick`); where SDPA would fall back to its
-math kernel (an old GPU in bf16, the fused kernels disabled) the ones passed over are named in
-`fallback` and logged.
+math kernel (an old GPU in bf16, the fused kernels disabled), for auto as for 'sdpa' chosen by name,
+the ones passed over are named in `fallback` and logged, and the plan counts the score matrix.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class ResolvedAttention:
     device: str
     dtype: str
     why: str
-    fallback: str = ""  # what auto passed over, and why
+    fallback: str = ""  # the fused kernels auto or sdpa passed over, and why, where SDPA is left its math kernel
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel", _parse_kernel(self.kernel))
@@ -123,8 +123,8 @@ class ResolvedAttention:
     @property
     def materialises_scores(self) -> bool:
         """Whether attention holds the whole score matrix (the planner counts fused kernels as output only): math,
-        flex, and an auto that found no fused kernel SDPA would pick here (`fallback`: an sm75 card in bf16, the fused
-        kernels switched off), where SDPA runs its math kernel."""
+        flex, and an auto or sdpa that found no fused kernel SDPA would pick here (`fallback`: an sm75 card in bf16, the
+        fused kernels switched off), where SDPA runs its math kernel."""
         math_fallback = self.kernel is AttentionKernel.SDPA and bool(self.fallback)
         return self.kernel in (AttentionKernel.MATH, AttentionKernel.FLEX) or math_fallback
 
@@ -162,6 +162,12 @@ def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
                else unavailable(kernel, device, dtype))
     if problem:
         raise AttentionError(f"attention={kernel.value!r} cannot run here: {problem}")
+    if kernel is AttentionKernel.SDPA and device.type == "cuda":
+        # SDPA chosen by name runs exactly what auto runs: where no fused kernel is left it is the math kernel, which
+        # the plan, the room and the ladder must count (the sm80+ refusals below send users here from flash/cuDNN).
+        fallen = _math_fallback(kernel, device, dtype)
+        if fallen is not None:
+            return fallen
     why = CPU_FLASH if kernel is AttentionKernel.FLASH and device.type == "cpu" else WHY[kernel]
     return _resolved(kernel, kernel, device, dtype, why)
 
@@ -294,7 +300,34 @@ def _auto(device: torch.device, dtype: torch.dtype, masked_by: str = "") -> Reso
         why = (f"auto on {device.type}: torch's SDPA as it is, so frames stay identical to plain diffusers "
                "(the CPU has no faster exact kernel than the one SDPA picks)")
         return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
+    fallen = _math_fallback(AttentionKernel.AUTO, device, dtype)
+    if fallen is not None:
+        return fallen
     major, minor = _capability(device)
+    why = (f"auto on CUDA sm{major}{minor}, {_dtype_name(dtype)}: torch's SDPA choosing its fused kernel per call, "
+           f"the fastest exact choice measured: {MEASURED_AUTO}")
+    return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
+
+
+def _math_fallback(requested: AttentionKernel, device: torch.device, dtype: torch.dtype) -> ResolvedAttention | None:
+    """SDPA resolved for `requested` (auto, or sdpa by name) on a CUDA GPU where no fused kernel is left that SDPA
+    would pick (an sm75 card in bf16, the fused kernels switched off): it runs its math kernel, recorded in `fallback`
+    (what was passed over, and why) so the plan counts the score matrix. None where a fused kernel is left."""
+    passed, fused = _fused_sdpa_kernels(device, dtype)
+    if fused:
+        return None
+    fallback = _fallback(passed)
+    log.warning("vidmem: attention %s found no fused kernel SDPA would pick for %s on this GPU; SDPA will use its "
+                "math kernel, which holds the whole score matrix (%s)", requested.value, _dtype_name(dtype), fallback)
+    major, minor = _capability(device)
+    why = (f"{requested.value} on CUDA sm{major}{minor}: no fused kernel SDPA would pick, so SDPA will use its math "
+           "kernel (it holds the whole score matrix)")
+    return _resolved(AttentionKernel.SDPA, requested, device, dtype, why, fallback)
+
+
+def _fused_sdpa_kernels(device: torch.device, dtype: torch.dtype) -> tuple[list[str], list[AttentionKernel]]:
+    """(the fused kernels passed over here, each with why; the fused kernels SDPA would pick on this CUDA GPU)."""
+    major, _ = _capability(device)
     passed, fused = [], []
     for kernel in _FLAG:
         problem = unavailable(kernel, device, dtype) or (
@@ -303,16 +336,7 @@ def _auto(device: torch.device, dtype: torch.dtype, masked_by: str = "") -> Reso
             passed.append(f"{kernel.value}: {problem}")
         elif kernel is not AttentionKernel.CUDNN or major in _CUDNN_FIRST:
             fused.append(kernel)  # elsewhere torch ranks cuDNN after its math kernel: SDPA would never pick it
-    if not fused:
-        fallback = _fallback(passed)
-        log.warning("vidmem: attention auto found no fused kernel SDPA would pick for %s on this GPU; SDPA will use "
-                    "its math kernel, which holds the whole score matrix (%s)", _dtype_name(dtype), fallback)
-        return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype,
-                         f"auto on CUDA sm{major}{minor}: no fused kernel SDPA would pick, so its math kernel",
-                         fallback)
-    why = (f"auto on CUDA sm{major}{minor}, {_dtype_name(dtype)}: torch's SDPA choosing its fused kernel per call, "
-           f"the fastest exact choice measured: {MEASURED_AUTO}")
-    return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
+    return passed, fused
 
 
 # torch ranks cuDNN attention first on these GPU generations (Hopper, Blackwell datacenter:

@@ -200,7 +200,7 @@ class CompileReport:
         # Why say how far it got: calls that ran compiled before the failure computed with inductor's kernels,
         # which on a GPU differ from eager in the last bits.
         ran = ("this call ran the blocks eagerly, with the same results" if not self.compiled_runs else
-               f"this call ran {self.compiled_runs} block calls compiled before it, the rest eagerly")
+               f"this call ran {self.compiled_runs} compiled calls before it, the rest eagerly")
         self.fallback = (f"torch.compile failed on {block_class.__name__} ({_why(error)}); {ran}. Set compile off to "
                          "skip the attempt; mode 'default' with dynamic 'auto' compiles the most models.")
         log.warning("vidmem: %s", self.fallback)

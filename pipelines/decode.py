@@ -16,7 +16,8 @@ from ..memory.hostpool import HostPool, pinned_cap_bytes
 from ..memory.vae import Decode, DecodeReport, PinnedLanding, Prepare, Streaming, VaeGeometry, decode_with_fallback
 from ..memory.offload import device_weight_bytes, stage_tensors
 from ..memory.strategy import family_tiling
-from ..memory.warm import call_on
+from ..memory.units import GiB
+from ..memory.warm import WarmStore, WarmStoreBusy, call_on
 from .family import FamilySpec, ModelError
 from .hooks import RunHooks, interrupt_checks, outer_blocks
 from .latents import check_latent
@@ -121,7 +122,8 @@ def decode(
 
     Before anything runs, ladder rungs the planner predicts to overrun the free device memory are
     skipped (and listed in the receipt). `free_bytes` is measured once the VAE and the latent are
-    on a CUDA device; elsewhere there is no prediction unless it is given.
+    on a CUDA device; elsewhere there is no prediction unless it is given. Where the hooks' budget
+    binds, the Sampler's kept weights give back what the decode's room lacks first (`leave_the_budget`).
     """
     samples = validate_latent(loaded, latent)
     strategy, tiling_note = tiling_for_family(loaded, strategy or DEFAULT_DECODE_STRATEGY)
@@ -133,9 +135,13 @@ def decode(
     hooks.check_interrupt()
     room = decode_room(loaded, tuple(samples.shape), strategy, device_weight_bytes(stage, strategy), device)
     warm = loaded.warm_store("decode", backend)  # the VAE as the last decode left it on the device
+    released = 0
     if warm is not None:  # image-to-video's sampler keeps the VAE too (it encodes the image): one copy, taken over
-        warm.share_with(loaded.warm_store("sample", backend))
+        sampler_store = loaded.warm_store("sample", backend)
+        warm.share_with(sampler_store)
         warm.retain(stage_tensors(stage), take_over=True, device=backend.device)  # the VAE, its only component, stays to the end
+        # the decode store's copies are allocated already and part of the room's weights
+        released = leave_the_budget(sampler_store, hooks, device, room.total_bytes - warm.held_bytes)
     hooks.make_room(room.total_bytes, device, warm=warm, weight_bytes=room.weight_bytes)  # weights + activations
     loaded.host_pool.host_room_bytes = hooks.pinned_room()  # the host's pool changes between runs
 
@@ -181,9 +187,33 @@ def decode(
                "room": room.as_dict()}
     if tiling_note:
         receipt["tiling_note"] = tiling_note
+    if released:
+        receipt["budget_released_bytes"] = released
     if warm is not None:
         receipt["warm"] = warm.as_dict()
     return DecodeResult(frames, receipt)
+
+
+def leave_the_budget(sampler_store: WarmStore, hooks: RunHooks, device: torch.device, need_bytes: int) -> int:
+    """Within a vram_budget_gb that binds (the budgeted figure below the device's free memory), the copies the
+    Sampler's store kept (the transformer under tiers none and model) give back what the decode's room
+    (`need_bytes`: weights not yet on the device plus activations) lacks; returns the bytes dropped.
+
+    Why: the planner's decode phase holds only the VAE and the latent, but the kept copies count in the budgeted
+    figure, and ComfyUI (make_room) unloads only when physical memory runs short, so on a card larger than the
+    budget nothing evicted them: the ladder skipped rungs the plan predicted to fit, and the device stayed above
+    the budget through the decode. Without a budget, or one above the card, the copies stay for the next Sampler
+    call and ComfyUI takes them back when it needs the room."""
+    budgeted, free = hooks.device_budget(device), free_device_bytes(device)
+    if budgeted is None or free is None or budgeted >= free or need_bytes <= budgeted:
+        return 0
+    try:
+        released = sampler_store.release(need_bytes - budgeted)  # streamed blocks first, then idle cores
+    except WarmStoreBusy:  # a Sampler call on another thread holds it: it gives them back when it ends
+        return 0
+    log.info("vidmem: decode within the VRAM budget: released %.2f GiB the Sampler kept on the device",
+             released / GiB)
+    return released
 
 
 def _free_for_rungs(hooks: RunHooks, device: torch.device) -> int | None:

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from ..memory.accounting import Attention
 from ..memory.plan.types import CacheState, PlanOptions, VideoShape
+from ..memory.telemetry import device_room_for_plan
 
 from .activation_chunks import AppliedChunks, activation_chunks, refusal
 from .family import denoiser_blocks, denoisers
@@ -33,11 +34,13 @@ def chunks_for_call(loaded, strategy, request, guided: bool, budget_bytes: int |
     (a SampleRequest: its width, height, frames and context windows) with guidance on or off.
 
     auto asks the planner for the fewest slices whose denoise fits `budget_bytes` (the device bytes
-    the run may use; None, as on the CPU: unknown, so nothing is chunked) beside what the step cache
-    keeps (`cache_state`, per denoiser), and leaves chunking off, saying why in the receipt's note,
-    where the model cannot chunk, the attention kernel cannot run in slices (`takes_chunks` False) or
-    the planner cannot model it. `attention`: how the planner counts the call's resolved kernel
-    (ResolvedSpeed.planned_attention: one that holds the whole score matrix needs more slices).
+    the run may use, as the host's free figure gives them: the CUDA context already made, which
+    `device_room_for_plan` adds back for the planner; None, as on the CPU: unknown, so nothing is
+    chunked) beside what the step cache keeps (`cache_state`, per denoiser), and leaves chunking
+    off, saying why in the receipt's note, where the model cannot chunk, the attention kernel cannot
+    run in slices (`takes_chunks` False) or the planner cannot model it. `attention`: how the planner
+    counts the call's resolved kernel (ResolvedSpeed.planned_attention: one that holds the whole score
+    matrix needs more slices).
     An explicit count on a model that cannot chunk raises ChunkError before any block changes."""
     blocks = denoiser_blocks(loaded.pipe, loaded.spec)
     modules = denoisers(loaded.pipe, loaded.spec)
@@ -84,7 +87,8 @@ def _auto_count(loaded, strategy, shape: VideoShape, budget_bytes: int | None, b
         model = sampling_model(loaded)
         options = plan_options(loaded, PlanOptions(attention=attention, cache_state=cache_state))
         model.check_shape(shape)
-        return fewest_chunks(model, shape, strategy, options, budget_bytes).activation_chunks, ""
+        room = device_room_for_plan(budget_bytes)  # the free figure lacks the context the plan counts
+        return fewest_chunks(model, shape, strategy, options, room).activation_chunks, ""
     except Exception as error:  # noqa: BLE001 - a failed prediction must not stop the run (as pipelines/room.py)
         log.info("vidmem: activation_chunks=auto has no prediction (%s); chunking stays off", error)
         return 1, f"auto left chunking off: no prediction ({error})"

@@ -204,20 +204,24 @@ def text_encoder_message(strategy: MemoryStrategy, error: BaseException) -> str:
 def planner_fits(loaded, shape, steps: int, budget: int | None, attention: Attention = Attention.FUSED,
                  cache_state: Mapping | None = None) -> Callable[[MemoryStrategy], bool] | None:
     """Whether the planner predicts the denoise stage of `shape` (a VideoShape: its size, frames,
-    guidance and context windows) under a strategy to fit `budget` device bytes (the host's figure
-    after the cleanup), beside a step cache's state (`cache_state`: the next attempt restarts cached);
+    guidance and context windows) under a strategy to fit `budget` device bytes (the host's free figure
+    after the cleanup, the CUDA context already made: `device_room_for_plan` adds it back, as the plan
+    counts it), beside a step cache's state (`cache_state`: the next attempt restarts cached);
     None without a budget."""
     if budget is None:
         return None
     from ..memory.plan.stages import denoise_stage
     from ..memory.plan.types import PlanOptions
+    from ..memory.telemetry import device_room_for_plan
     from .planning import plan_options, sampling_model
+
+    room = device_room_for_plan(budget)
 
     models = []  # built on first use (with the run's LoRA tensors, which stream with their blocks), once per call
 
     def fits(strategy: MemoryStrategy) -> bool:
         models[:] = models or [sampling_model(loaded)]
         options = plan_options(loaded, PlanOptions(attention=attention, steps=steps, cache_state=cache_state or {}))
-        return denoise_stage(models[0], shape, strategy, options).fits(budget)
+        return denoise_stage(models[0], shape, strategy, options).fits(room)
 
     return fits

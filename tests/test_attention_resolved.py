@@ -1,9 +1,10 @@
 """The attention kernel as resolved on the run's GPU, which the run plans from and the Sampler refuses with
-(review s-r34). An auto that falls back to SDPA's math kernel (an sm75 card in bf16: no fused kernel SDPA would
-pick) holds the whole score matrix: the Sampler's plan, the run's room, the out-of-memory ladder and
-activation_chunks=auto count it as they count 'math'. A model whose attention passes a mask, on a GPU where torch's
-flags leave SDPA only FlashAttention (which takes none), is refused by every Sampler path as the plan refuses it,
-before anything moves. The refusal of flash and cuDNN below sm80 offers 'efficient' only where it runs.
+(review s-r34). An auto, or 'sdpa' chosen by name (review s-r35), that falls back to SDPA's math kernel (an sm75
+card in bf16: no fused kernel SDPA would pick) holds the whole score matrix: the Sampler's plan, the run's room, the
+out-of-memory ladder and activation_chunks=auto count it as they count 'math'. A model whose attention passes a
+mask, on a GPU where torch's flags leave SDPA only FlashAttention (which takes none), is refused by every Sampler
+path as the plan refuses it, before anything moves. The refusal of flash and cuDNN below sm80 offers 'efficient'
+only where it runs.
 
 A GPU is faked by its compute capability, as in test_attention.py; the tiny models run on the CPU, with the run's
 kernel resolved as on that GPU."""
@@ -22,6 +23,7 @@ from test_tiers import request_for
 from vidmem.memory import MemoryStrategy
 from vidmem.memory.accounting import Attention
 from vidmem.memory.plan import candidates
+from vidmem.memory.plan.costs import CUDA_CONTEXT_BYTES
 from vidmem.memory.strategy import Parallelism
 from vidmem.pipelines import attention
 from vidmem.pipelines import sample as sample_module
@@ -33,11 +35,12 @@ from vidmem.pipelines.speed import Speed, resolve_speed
 
 CUDA = torch.device("cuda", 0)
 OLD_GPU, HOPPER = (7, 5), (9, 0)
-# The tiny Wan at this size: the planner's denoise footprint under offload none is ~575 MB for a fused kernel at any
-# slice count, and for the math kernel 663, 621, 600 MB at 1, 2, 4 slices: this budget fits the fused kernel
-# unsliced and the math kernel only in 4 slices.
+# The tiny Wan at this size: the planner's denoise footprint under offload none (CUDA context included) is ~575 MB
+# for a fused kernel at any slice count, and for the math kernel 663, 621, 600 MB at 1, 2, 4 slices: this room fits
+# the fused kernel unsliced and the math kernel only in 4 slices. The run's free figure leaves out the context, made
+# already (memory.telemetry.device_room_for_plan adds it back).
 SLICED_SHAPE = dict(width=256, height=256, frames=33)
-BUDGET = 610_000_000
+BUDGET = 610_000_000 - CUDA_CONTEXT_BYTES
 
 
 @pytest.fixture
@@ -55,16 +58,21 @@ def gpu(monkeypatch):
 # --- 1. an auto that falls back to the math kernel is planned as math -------------------------------------------
 
 
-def test_an_auto_that_falls_back_to_the_math_kernel_holds_the_score_matrix(gpu):
+@pytest.mark.parametrize("kernel", ["auto", "sdpa"])
+def test_an_sdpa_that_falls_back_to_the_math_kernel_holds_the_score_matrix(gpu, kernel):
+    """auto, and 'sdpa' chosen by name (where the sm80+ refusal of flash and cuDNN sends users): on an sm75 card in
+    bf16 SDPA runs its math kernel, and the receipt says so."""
     gpu(OLD_GPU)
-    fallen = resolve_speed(Speed("auto"), CUDA, torch.bfloat16)
+    fallen = resolve_speed(Speed(kernel), CUDA, torch.bfloat16)
     assert fallen.attention.fallback and fallen.attention.materialises_scores
+    assert "SDPA will use its math kernel" in fallen.attention.why
+    assert fallen.attention.requested.value == kernel and fallen.attention.kernel.value == "sdpa"
     assert fallen.planned_attention is resolve_speed(Speed("math"), CUDA, torch.bfloat16).planned_attention
     assert fallen.planned_attention is Attention.MATH
-    assert resolve_speed(Speed("auto"), CUDA, torch.float16).planned_attention is Attention.FUSED  # efficient runs
+    assert resolve_speed(Speed(kernel), CUDA, torch.float16).planned_attention is Attention.FUSED  # efficient runs
     gpu(HOPPER)
-    assert not resolve_attention("auto", CUDA, torch.bfloat16).materialises_scores
-    assert resolve_speed(Speed("auto"), CUDA, torch.bfloat16).planned_attention is Attention.FUSED
+    assert not resolve_attention(kernel, CUDA, torch.bfloat16).materialises_scores
+    assert resolve_speed(Speed(kernel), CUDA, torch.bfloat16).planned_attention is Attention.FUSED
 
 
 @pytest.fixture
@@ -97,16 +105,17 @@ def planned_run(tiny_loaded, gpu, monkeypatch):
     return run
 
 
+@pytest.mark.parametrize("kernel", ["auto", "sdpa"])
 @pytest.mark.parametrize("ladder", [False, True])
-def test_the_run_plans_a_fallen_back_auto_as_math(planned_run, ladder):
+def test_the_run_plans_a_fallen_back_auto_as_math(planned_run, ladder, kernel):
     """Room, the ladder's rung and auto's slices: planned as 'math' is, so auto slices the score matrix (4 slices
-    unladdered here, where a fused kernel needs none)."""
-    fallen, fallen_chunks = planned_run(OLD_GPU, "auto", ladder)
+    unladdered here, where a fused kernel needs none). 'sdpa' by name runs what auto runs."""
+    fallen, fallen_chunks = planned_run(OLD_GPU, kernel, ladder)
     math, math_chunks = planned_run(OLD_GPU, "math", ladder)
     steps = {"room", "chunks", "ladder"} if ladder else {"room", "chunks"}
     assert fallen == math == {(step, Attention.MATH) for step in steps}
     assert fallen_chunks == math_chunks > 1
-    fused, fused_chunks = planned_run(HOPPER, "auto", ladder)  # SDPA has its fused kernels there
+    fused, fused_chunks = planned_run(HOPPER, kernel, ladder)  # SDPA has its fused kernels there
     assert fused == {(step, Attention.FUSED) for step in steps} and fused_chunks < fallen_chunks
 
 

@@ -339,7 +339,7 @@ def test_a_failure_after_compiled_calls_says_they_ran_compiled(monkeypatch):
     block = torch.nn.Linear(2, 2)
     outputs = [runner.run(lambda b, x: x - 1, block, torch.zeros(1)) for _ in range(4)]
     assert [float(o) for o in outputs] == [1.0, 1.0, -1.0, -1.0]  # two compiled, then eager for the rest
-    assert "ran 2 block calls compiled before it, the rest eagerly" in report.fallback
+    assert "ran 2 compiled calls before it, the rest eagerly" in report.fallback
     assert "with the same results" not in report.fallback
 
 
