@@ -250,7 +250,7 @@ def plan_answer(request: PlanRequest, load_model: Callable[[str, str], object], 
                 refuse_cache_in_parallel(cache)
         device = device or _probed_device()
         options = replace(options, device=device, steps=request.steps,
-                          attention=_planned_attention(request, device, torch_dtype(request.dtype)),
+                          attention=_planned_attention(request, device, torch_dtype(request.dtype), _masked_by(request, model)),
                           speed=_measured_speed(request, device), cache_state=_cache_state(request, model))
         vram = int(request.vram_budget_gb * GiB) or budgets[0]
         ram = int(request.ram_budget_gb * GiB) or budgets[1]
@@ -373,7 +373,12 @@ def _speed_lines(request: PlanRequest, model, options: PlanOptions, plan=None) -
     return [*_speed_node_lines(request, options, model), *_cache_lines(request, model, plan)]
 
 
-def _planned_attention(request: PlanRequest, device: str, dtype) -> Attention:
+def _masked_by(request: PlanRequest, model) -> str:
+    """The model, when its attention passes a mask (as the Sampler's `sample_checks.masked_by` names it)."""
+    return f"{model.spec.name} ({request.model})" if model.spec.attention_masked else ""
+
+
+def _planned_attention(request: PlanRequest, device: str, dtype, masked_by: str = "") -> Attention:
     """As the run plans it (ResolvedSpeed.planned_attention): the kernel resolved on this host's device, where it
     computes there, so an auto that falls back to SDPA's math kernel (an sm75 card in bf16) holds the whole score
     matrix as the run will; for a GPU this process cannot see, math and flex chosen on the Speed node do."""
@@ -386,7 +391,7 @@ def _planned_attention(request: PlanRequest, device: str, dtype) -> Attention:
         speed = Speed(dict(request.speed).get("attention", "auto"))
         if device == "cuda" and not torch.cuda.is_available():
             return planned_attention(speed)
-        resolved = resolve_attention(speed.attention, device, dtype)
+        resolved = resolve_attention(speed.attention, device, dtype, masked_by)
     except StrategyError:  # named in the speed line
         return Attention.FUSED
     return Attention.MATH if resolved.materialises_scores else Attention.FUSED
@@ -432,7 +437,7 @@ def _speed_node_lines(request: PlanRequest, options: PlanOptions, model) -> list
         return [f"speed: {error}"]
     if speed is None:
         return []
-    masked_by = f"{model.spec.name} ({request.model})" if model.spec.attention_masked else ""  # as the Sampler refuses
+    masked_by = _masked_by(request, model)  # as the Sampler refuses
     stored = {options.storage_of(name) for name in model.layout.denoisers} - {None}  # as the loader holds them
     line = speed_plan_line(speed, options.device, torch_dtype(request.dtype), masked_by, _context_parallel(request),
                            tuple(stored))

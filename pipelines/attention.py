@@ -42,6 +42,8 @@ the ones passed over are named in `fallback` and logged, and the plan counts the
 
 from __future__ import annotations
 
+import re
+
 import contextlib
 import importlib
 import importlib.metadata
@@ -165,7 +167,7 @@ def resolve_attention(choice: AttentionKernel | str, device: torch.device | str,
     if kernel is AttentionKernel.SDPA and device.type == "cuda":
         # SDPA chosen by name runs exactly what auto runs: where no fused kernel is left it is the math kernel, which
         # the plan, the room and the ladder must count (the sm80+ refusals below send users here from flash/cuDNN).
-        fallen = _math_fallback(kernel, device, dtype)
+        fallen = _math_fallback(kernel, device, dtype, masked_by)
         if fallen is not None:
             return fallen
     why = CPU_FLASH if kernel is AttentionKernel.FLASH and device.type == "cpu" else WHY[kernel]
@@ -300,7 +302,7 @@ def _auto(device: torch.device, dtype: torch.dtype, masked_by: str = "") -> Reso
         why = (f"auto on {device.type}: torch's SDPA as it is, so frames stay identical to plain diffusers "
                "(the CPU has no faster exact kernel than the one SDPA picks)")
         return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
-    fallen = _math_fallback(AttentionKernel.AUTO, device, dtype)
+    fallen = _math_fallback(AttentionKernel.AUTO, device, dtype, masked_by)
     if fallen is not None:
         return fallen
     major, minor = _capability(device)
@@ -309,29 +311,34 @@ def _auto(device: torch.device, dtype: torch.dtype, masked_by: str = "") -> Reso
     return _resolved(AttentionKernel.SDPA, AttentionKernel.AUTO, device, dtype, why)
 
 
-def _math_fallback(requested: AttentionKernel, device: torch.device, dtype: torch.dtype) -> ResolvedAttention | None:
+def _math_fallback(requested: AttentionKernel, device: torch.device, dtype: torch.dtype,
+                   masked_by: str = "") -> ResolvedAttention | None:
     """SDPA resolved for `requested` (auto, or sdpa by name) on a CUDA GPU where no fused kernel is left that SDPA
-    would pick (an sm75 card in bf16, the fused kernels switched off): it runs its math kernel, recorded in `fallback`
-    (what was passed over, and why) so the plan counts the score matrix. None where a fused kernel is left."""
-    passed, fused = _fused_sdpa_kernels(device, dtype)
+    would pick (an sm75 card in bf16, the fused kernels switched off, or for a masked model only FlashAttention, which
+    takes no mask): it runs its math kernel, recorded in `fallback` (what was passed over, and why) so the plan counts
+    the score matrix. None where a fused kernel is left. Logged by the run (pipelines/speed.py `resolve_speed`), not
+    here: the queue check and the chart resolve every dtype and plan without running anything."""
+    passed, fused = _fused_sdpa_kernels(device, dtype, masked_by)
     if fused:
         return None
     fallback = _fallback(passed)
-    log.warning("vidmem: attention %s found no fused kernel SDPA would pick for %s on this GPU; SDPA will use its "
-                "math kernel, which holds the whole score matrix (%s)", requested.value, _dtype_name(dtype), fallback)
     major, minor = _capability(device)
     why = (f"{requested.value} on CUDA sm{major}{minor}: no fused kernel SDPA would pick, so SDPA will use its math "
            "kernel (it holds the whole score matrix)")
     return _resolved(AttentionKernel.SDPA, requested, device, dtype, why, fallback)
 
 
-def _fused_sdpa_kernels(device: torch.device, dtype: torch.dtype) -> tuple[list[str], list[AttentionKernel]]:
-    """(the fused kernels passed over here, each with why; the fused kernels SDPA would pick on this CUDA GPU)."""
+def _fused_sdpa_kernels(device: torch.device, dtype: torch.dtype,
+                        masked_by: str = "") -> tuple[list[str], list[AttentionKernel]]:
+    """(the fused kernels passed over here, each with why; the fused kernels SDPA would pick on this CUDA GPU for a
+    model whose attention passes a mask when `masked_by` names it: FlashAttention takes none)."""
     major, _ = _capability(device)
     passed, fused = [], []
     for kernel in _FLAG:
         problem = unavailable(kernel, device, dtype) or (
-            "" if _flag_on(kernel) else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).")
+            "" if _flag_on(kernel) else f"disabled with torch.backends.cuda.enable_{_FLAG[kernel]}_sdp(False).") or (
+            f"takes no attention mask, which {masked_by}'s attention passes." if masked_by and kernel in MASKLESS
+            else "")
         if problem:
             passed.append(f"{kernel.value}: {problem}")
         elif kernel is not AttentionKernel.CUDNN or major in _CUDNN_FIRST:
@@ -370,7 +377,9 @@ def _flag_on(kernel: AttentionKernel) -> bool:
 
 
 def _fallback(passed: list[str]) -> str:
-    return "; ".join(f"passed over {p}" for p in passed)
+    """What auto or sdpa passed over, each with why, without the reasons' own advice ("choose 'sdpa'": the choice
+    being resolved)."""
+    return "; ".join(f"passed over {re.sub(r':? choose [^.]*[.]$', '.', p)}" for p in passed)
 
 
 def _resolved(kernel: AttentionKernel, requested: AttentionKernel, device: torch.device, dtype: torch.dtype, why: str,

@@ -15,6 +15,7 @@ bit-identical to plain diffusers unless a lossy choice is asked for by name.
 from __future__ import annotations
 
 import json
+import logging
 import platform
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,8 @@ from ..memory.strategy import StrategyError, parse_enum
 from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attention_for_call, check_mask,
                         resolve_attention, sdpa_pick)
 from .compile import CompileSettings, compiled_blocks
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .activation_chunks import AppliedChunks
@@ -116,7 +119,18 @@ def resolve_speed(speed: Speed, device: torch.device, dtype: torch.dtype,
     kernels left switched on is refused here, as the plan refuses it, not at the first attention call."""
     check_compile_with(speed, context_parallel)
     check_fp8_matmul(denoisers or {}, speed.fp8_matmul, device)
-    return ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype, masked_by))
+    resolved = ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype, masked_by))
+    if resolved.attention.fallback:
+        _warn_math_kernel(resolved.attention.requested.value, resolved.attention.dtype, resolved.attention.fallback)
+    return resolved
+
+
+@lru_cache(maxsize=None)
+def _warn_math_kernel(requested: str, dtype: str, fallback: str) -> None:
+    """Once per process and case: the run's attention falls back to SDPA's math kernel (the queue check and the chart
+    resolve it too, for every dtype, and must not warn for a run that will not happen)."""
+    log.warning("vidmem: attention %s found no fused kernel SDPA would pick for %s on this GPU; SDPA will use its "
+                "math kernel, which holds the whole score matrix (%s)", requested, dtype, fallback)
 
 
 def check_compile_with(speed: Speed, context_parallel: bool) -> None:

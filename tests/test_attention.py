@@ -91,6 +91,15 @@ def test_auto_on_a_gpu_leaves_sdpa_to_choose_and_cites_the_measurement(gpu, dtyp
     assert "sm90" in resolved.why and "11.3 ms" in resolved.why and resolved.sdpa_backend is None
 
 
+def resolved_by_the_run(kernel: str, dtype=torch.bfloat16) -> ResolvedAttention:
+    """The attention a run resolves (pipelines/speed.py resolve_speed), which warns once per case when SDPA falls
+    back to its math kernel; the once-cache cleared, so each call here may warn."""
+    from vidmem.pipelines.speed import Speed, _warn_math_kernel, resolve_speed
+
+    _warn_math_kernel.cache_clear()
+    return resolve_speed(Speed(kernel), CUDA, dtype).attention
+
+
 def test_auto_with_fused_kernels_disabled_in_torch_says_so(gpu, monkeypatch, caplog):
     """With flash and memory-efficient switched off, SDPA still picks cuDNN on Hopper (torch ranks it first there)
     but its math kernel on an Ampere card (cuDNN ranks last there): auto warns then, and when cuDNN is off too."""
@@ -98,17 +107,17 @@ def test_auto_with_fused_kernels_disabled_in_torch_says_so(gpu, monkeypatch, cap
     for flag in ("flash_sdp_enabled", "mem_efficient_sdp_enabled"):
         monkeypatch.setattr(torch.backends.cuda, flag, lambda: False)
     with caplog.at_level("WARNING", logger="vidmem"):
-        resolved = resolve_attention("auto", CUDA, torch.bfloat16)
+        resolved = resolved_by_the_run("auto")
     assert resolved.kernel is AttentionKernel.SDPA and "no fused kernel" not in caplog.text
     gpu((8, 0))
     with caplog.at_level("WARNING", logger="vidmem"):
-        resolved = resolve_attention("auto", CUDA, torch.bfloat16)
+        resolved = resolved_by_the_run("auto")
     assert "math kernel" in resolved.why and "no fused kernel" in caplog.text
     caplog.clear()
     gpu((9, 0))
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
     with caplog.at_level("WARNING", logger="vidmem"):
-        resolved = resolve_attention("auto", CUDA, torch.bfloat16)
+        resolved = resolved_by_the_run("auto")
     assert "enable_flash_sdp(False)" in resolved.fallback and "enable_cudnn_sdp(False)" in resolved.fallback
     assert "no fused kernel" in caplog.text
 
@@ -169,7 +178,7 @@ def test_the_math_kernel_switched_off_in_torch_really_leaves_sdpa_nothing_on_the
 def test_auto_on_an_old_gpu_in_bf16_falls_back_to_plain_sdpa_with_a_log(gpu, caplog):
     gpu((7, 5))
     with caplog.at_level("WARNING", logger="vidmem"):
-        resolved = resolve_attention("auto", CUDA, torch.bfloat16)
+        resolved = resolved_by_the_run("auto")
     assert resolved.kernel is AttentionKernel.SDPA
     assert "flash: torch's FlashAttention needs an sm80+ GPU" in resolved.fallback
     assert "efficient: torch's memory-efficient kernel needs sm50+ (sm80+ for bf16)" in resolved.fallback

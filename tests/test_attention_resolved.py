@@ -168,6 +168,35 @@ def test_the_plan_route_plans_the_kernel_resolved_on_the_hosts_gpu(gpu, monkeypa
 # --- 2. a masked model with only FlashAttention left is refused by the Sampler --------------------------------------
 
 
+@pytest.mark.parametrize("kernel", ["auto", "sdpa"])
+def test_for_a_masked_model_flash_is_no_fused_kernel_sdpa_would_pick(gpu, monkeypatch, kernel):
+    """A masked model (LTX-2, HunyuanVideo 1.5) on an sm86 card whose user switched off the memory-efficient kernel:
+    FlashAttention takes no mask and cuDNN ranks after math there, so SDPA runs its math kernel: planned as math."""
+    gpu((8, 6))
+    monkeypatch.setattr(torch.backends.cuda, "mem_efficient_sdp_enabled", lambda: False)
+    masked = resolve_attention(kernel, CUDA, torch.bfloat16, masked_by="ltx2")
+    assert masked.materialises_scores and "flash: takes no attention mask, which ltx2's attention passes" in masked.fallback
+    assert not resolve_attention(kernel, CUDA, torch.bfloat16).materialises_scores  # unmasked: flash runs
+
+
+def test_the_math_kernel_warning_comes_from_the_run_once_not_from_checks(gpu, caplog):
+    """The queue check and the chart resolve every dtype without running: only the run warns, once per case, and the
+    reasons do not advise choosing the very kernel being resolved."""
+    import logging
+
+    from vidmem.pipelines import speed as speed_module
+
+    speed_module._warn_math_kernel.cache_clear()
+    gpu(OLD_GPU)
+    with caplog.at_level(logging.WARNING):
+        resolved = resolve_attention("sdpa", CUDA, torch.bfloat16)
+        assert not caplog.records  # a check, not a run
+        for _ in range(2):
+            resolve_speed(Speed("sdpa"), CUDA, torch.bfloat16)
+    assert len(caplog.records) == 1 and "SDPA will use its math kernel" in caplog.records[0].getMessage()
+    assert "choose 'sdpa'" not in resolved.fallback and "choose 'efficient'" not in resolved.fallback
+
+
 @pytest.fixture
 def flash_only(gpu, monkeypatch):
     """A Hopper GPU whose user switched off SDPA's math, memory-efficient and cuDNN kernels: FlashAttention is left,

@@ -129,6 +129,8 @@ def test_a_budget_that_binds_releases_the_samplers_copies_before_the_decode_meas
     budget = CUDA_CONTEXT_BYTES + BASE_ALLOCATED + kept + ACTIVATIONS - kept // 2
     before, at_measure, figure = sampled_then_decoded(budget)
     assert before == kept and at_measure < kept  # given back before the decode measured
+    assert kept - at_measure >= kept // 2  # at least what the room lacked
+    assert at_measure > 0  # only that: a copy the decode's room did not need stays for the next Sampler call
     assert figure >= ACTIVATIONS and figure < free(CUDA)
 
 
