@@ -385,16 +385,15 @@ def _planned_attention(request: PlanRequest, device: str, dtype, masked_by: str 
     import torch
 
     from ..pipelines.attention import resolve_attention
-    from ..pipelines.speed import Speed, planned_attention
+    from ..pipelines.speed import ResolvedSpeed, Speed, planned_attention
 
     try:
         speed = Speed(dict(request.speed).get("attention", "auto"))
         if device == "cuda" and not torch.cuda.is_available():
             return planned_attention(speed)
-        resolved = resolve_attention(speed.attention, device, dtype, masked_by)
+        return ResolvedSpeed(speed, resolve_attention(speed.attention, device, dtype, masked_by)).planned_attention
     except StrategyError:  # named in the speed line
         return Attention.FUSED
-    return Attention.MATH if resolved.materialises_scores else Attention.FUSED
 
 
 def _requested_speed(request: PlanRequest):

@@ -35,7 +35,7 @@ from .attention import (SAGE1, WHY, AttentionKernel, ResolvedAttention, attentio
                         resolve_attention, sdpa_pick)
 from .compile import CompileSettings, compiled_blocks
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vidmem")
 
 if TYPE_CHECKING:
     from .activation_chunks import AppliedChunks
