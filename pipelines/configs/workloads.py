@@ -99,10 +99,11 @@ def siglip_image(encoder, dtype: torch.dtype, size: int) -> Run:
     return run
 
 
-def vae_encode_condition(vae, shape: VideoShape, frames: int, dtype: torch.dtype) -> Run:
-    """Image-to-video conditioning encoded on its own: the image (CogVideoX, Wan 2.2 TI2V's one frame)."""
+def vae_encode_condition(vae, shape: VideoShape, dtype: torch.dtype) -> Run:
+    """Image-to-video conditioning encoded on its own: the image as one frame (CogVideoX, Wan 2.2 TI2V; Wan's
+    whole-clip conditioning is `wan_condition_video`)."""
     def run():
-        video = _empty(1, 3, frames, shape.height, shape.width, dtype=dtype)
+        video = _empty(1, 3, 1, shape.height, shape.width, dtype=dtype)
         return vae.encode(video).latent_dist.mode().repeat(shape.batch, 1, 1, 1, 1)
     return run
 
@@ -392,7 +393,7 @@ def workload_for(model, call) -> Run:
         return wan_condition_video(model.traced_module("vae"), shape, model.latent_shape(shape), model.dtype_of("vae"),
                                    takes_last_image(model))
     if call.kind == "condition":
-        return vae_encode_condition(model.traced_module("vae"), shape, 1, model.dtype_of("vae"))
+        return vae_encode_condition(model.traced_module("vae"), shape, model.dtype_of("vae"))
     if call.kind == "denoise":
         return _denoise(model, call.component, shape, call.chunks)
     if call.kind == "decode":
